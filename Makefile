@@ -1,0 +1,51 @@
+# Two commands from a clean machine: `make serve` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+TORCH  ?= torch==2.13.0
+STAMP  := $(VENV)/.installed
+TSTAMP := $(VENV)/.installed-test
+
+.PHONY: serve test install install-test redis lint bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build here.
+$(STAMP): pyproject.toml | $(PY)
+	$(PIP) install -q $(TORCH)
+	$(PIP) install -q -e .
+	touch $@
+
+$(TSTAMP): $(STAMP)
+	$(PIP) install -q -e '.[test]'
+	touch $@
+
+install: $(STAMP)
+install-test: $(TSTAMP)
+
+redis:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing Debian's redis-server"; \
+	    (apt-get install -y -q redis-server >/dev/null 2>&1 || (apt-get update -q >/dev/null && apt-get install -y -q redis-server >/dev/null)); \
+	  else \
+	    echo "redis-server is missing: install it (Debian/Ubuntu: sudo apt-get install redis-server; macOS: brew install redis)"; exit 1; \
+	  fi; }
+
+serve: install
+	$(VENV)/bin/ferry serve --host 127.0.0.1 --port 8000
+
+test: install-test redis
+	$(PY) -m pytest -q tests
+
+lint: install-test
+	$(VENV)/bin/ruff check .
+
+bench: install-test
+	$(PY) bench/engine_throughput.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

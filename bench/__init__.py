@@ -1,0 +1,1 @@
+"""ferry's benchmarks and the `ferry bench` client."""

@@ -1,0 +1,29 @@
+"""ferry's inference engine.
+
+``from engine import LLM, SamplingParams`` is the offline API. Heavy names (anything that
+imports torch) load lazily, so torch-free modules of this package (tokenizer, sampling
+params, outputs) can be imported by the router without pulling torch in.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from engine.outputs import CompletionOutput, Logprob, RequestOutput
+from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.async_engine import AsyncEngine
+    from engine.llm import LLM
+
+__all__ = ["LLM", "AsyncEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+
+_LAZY = {"LLM": "engine.llm", "AsyncEngine": "engine.async_engine"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

@@ -1,0 +1,39 @@
+"""Engine configuration: one frozen dataclass, built once (from the CLI or LLM(**options))."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every engine option. Field names are the CLI flags in snake_case (``--num-kv-blocks`` ->
+    ``num_kv_blocks``), so a flag and its Python spelling never drift apart."""
+
+    model: str | None = None  # HF directory (or hub id); None = the built-in demo model
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: the checkpoint's, float32 on CPU for fp16)
+    device: str = "auto"  # auto | cpu | cuda
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: derived from kv_cache_memory_bytes
+    kv_cache_memory_bytes: int = 512 * 1024 * 1024
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    deterministic: bool = False
+    attention_backend: str = "auto"  # auto | torch | triton
+    kv_tier: str | None = None  # memory://… | redis://… | rediss://… ; None: no tier
+    kv_tier_write_queue: int = 256  # bounded queue of pending tier writes (full: drop + count)
+    kv_events: bool = False  # publish block stored/removed events to the tier (Redis stream)
+    seed: int = 0  # engine-level default seed for requests that give none
+    num_threads: int | None = None  # torch intra-op threads on CPU
+    max_logprobs: int = 20
+
+    @classmethod
+    def from_options(cls, **options: object) -> EngineConfig:
+        """Build from keyword options, rejecting unknown names with a clear message."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**options)  # type: ignore[arg-type]

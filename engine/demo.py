@@ -1,0 +1,158 @@
+"""Reproducible tiny checkpoints in Hugging Face format, built locally (never downloaded).
+
+Used for the built-in demo model (`ferry serve` with no --model) and by the tests. The
+tokenizer is a byte-level BPE trained on the Python standard library's own sources, so
+everything here is deterministic for a given Python version and seed, and offline.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}"
+    "{% endif %}{{ '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def _training_files(limit: int = 60) -> list[str]:
+    import string as _string  # a module that is always there, to locate the stdlib
+
+    libdir = Path(_string.__file__).parent
+    files = sorted(str(p) for p in libdir.glob("*.py"))
+    return files[:limit]
+
+
+def build_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 1000) -> None:
+    """Train a byte-level BPE on stdlib sources and save it with a ChatML chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train(_training_files(), trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        unk_token=None,
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    fast.save_pretrained(str(out_dir))
+    # transformers 5 writes the template to chat_template.jinja; keep it in tokenizer_config.json
+    # too, where older loaders and DESIGN.md's model format expect it.
+    cfg_path = Path(out_dir) / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = CHATML_TEMPLATE
+    cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False))
+
+
+def build_model(
+    out_dir: str | os.PathLike,
+    arch: str = "llama",
+    *,
+    seed: int = 0,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+    num_hidden_layers: int = 2,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    tie_word_embeddings: bool = False,
+    max_position_embeddings: int = 1024,
+    dtype: str = "float32",
+    rope_scaling: dict | None = None,
+    tokenizer_vocab_size: int = 1000,
+) -> Path:
+    """Write a random-weight HF checkpoint (config, safetensors, tokenizer) for ``arch``.
+
+    ``arch`` is "llama" or "qwen2" (attention q/k/v bias). The model's eos is ``<|im_end|>``.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(out, vocab_size=tokenizer_vocab_size)
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast.from_pretrained(str(out))
+    vocab = len(tok)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+        bos_token_id=None,
+        pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
+        rms_norm_eps=1e-6,
+    )
+    if arch == "llama":
+        cfg = LlamaConfig(**common)
+        if rope_scaling:
+            cfg.rope_parameters = {"rope_theta": 10000.0, **rope_scaling}
+        cls = LlamaForCausalLM
+    elif arch == "qwen2":
+        cfg = Qwen2Config(**common)
+        cls = Qwen2ForCausalLM
+    else:
+        raise ValueError(f"unknown tiny architecture {arch!r}")
+    torch.manual_seed(seed)
+    model = cls(cfg)
+    # Larger-than-default init so random models produce varied, non-degenerate tokens.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08 if "embed" not in name else 0.5)
+            elif "bias" in name:
+                p.normal_(0.0, 0.05)
+    model = model.to(getattr(torch, dtype))
+    model.save_pretrained(str(out), safe_serialization=True)
+    return out
+
+
+DEMO_SPEC = dict(arch="llama", seed=1234, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                 tokenizer_vocab_size=2000)
+
+
+def demo_model_dir() -> Path:
+    """Path of the built-in demo model, generated on first use into a per-user cache directory."""
+    spec_id = hashlib.sha256(json.dumps(DEMO_SPEC, sort_keys=True).encode()).hexdigest()[:12]
+    base = Path(os.environ.get("FERRY_CACHE_DIR") or Path.home() / ".cache" / "ferry")
+    target = base / f"demo-{spec_id}-py{sys.version_info[0]}{sys.version_info[1]}"
+    if (target / "config.json").exists():
+        return target
+    base.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="demo-", dir=base))
+    build_model(tmp, **DEMO_SPEC)
+    try:
+        os.replace(tmp, target)  # atomic: concurrent first starts never see a half-written model
+    except OSError:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -1,0 +1,113 @@
+"""KV block identity: the chained block hash, the tier key format and the model fingerprint.
+
+Shared by engine, tier and router, so it must stay dependency-free (no torch, no numpy)
+and must never change its byte encoding without bumping ``HASH_VERSION``: every replica
+and router computes these values independently and they must agree bit for bit.
+
+hash_i = blake2b-128(hash_{i-1} || "T" || int64-le token ids of block i || "X" || len(extra) || extra)
+hash_{-1} = blake2b-128(b"ferry-kv-root/" + HASH_VERSION)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Iterable, Sequence
+
+HASH_VERSION = "v1"
+DIGEST_SIZE = 16
+KEY_PREFIX = "ferry:kv"
+
+ROOT_HASH: bytes = hashlib.blake2b(b"ferry-kv-root/" + HASH_VERSION.encode(), digest_size=DIGEST_SIZE).digest()
+
+
+def hash_block(parent: bytes, token_ids: Sequence[int], extra: bytes = b"") -> bytes:
+    """Hash of one full block given its parent's hash, its tokens and extra keys (LoRA id, images…)."""
+    h = hashlib.blake2b(digest_size=DIGEST_SIZE)
+    h.update(parent)
+    h.update(b"T")
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    h.update(b"X")
+    h.update(struct.pack("<I", len(extra)))
+    h.update(extra)
+    return h.digest()
+
+
+def block_hashes(
+    token_ids: Sequence[int], block_size: int, extra: bytes = b"", parent: bytes = ROOT_HASH
+) -> list[bytes]:
+    """Chained hashes of every *full* block of ``token_ids`` (a trailing partial block is not hashed)."""
+    if block_size <= 0:
+        raise ValueError("block_size must be positive")
+    out: list[bytes] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[start : start + block_size], extra)
+        out.append(parent)
+    return out
+
+
+def extend_hashes(
+    hashes: list[bytes], token_ids: Sequence[int], block_size: int, extra: bytes = b""
+) -> list[bytes]:
+    """Append the hashes of blocks that became full since ``hashes`` was computed (in place; returned)."""
+    parent = hashes[-1] if hashes else ROOT_HASH
+    for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[start : start + block_size], extra)
+        hashes.append(parent)
+    return hashes
+
+
+def to_hex(hashes: Iterable[bytes]) -> list[str]:
+    return [h.hex() for h in hashes]
+
+
+def from_hex(hexes: Iterable[str]) -> list[bytes]:
+    """Parse hex block hashes from the wire; raises ValueError on anything malformed."""
+    out = []
+    for s in hexes:
+        if not isinstance(s, str) or len(s) != 2 * DIGEST_SIZE:
+            raise ValueError(f"block hash must be {2 * DIGEST_SIZE} hex characters")
+        out.append(bytes.fromhex(s))
+    return out
+
+
+def tier_key(fingerprint: str, block_hash: bytes) -> str:
+    """Tier key of a block: ``ferry:kv:{model_fingerprint}:{hash_hex}``."""
+    return f"{KEY_PREFIX}:{fingerprint}:{block_hash.hex()}"
+
+
+def model_fingerprint(
+    *,
+    weights_id: str,
+    dtype: str,
+    block_size: int,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    kv_layout: str = "k,v:[block,token,kv_head,dim]",
+) -> str:
+    """A short stable id of everything that changes a KV block's bytes.
+
+    ``weights_id`` identifies the weights (e.g. a digest of the safetensors headers and
+    sizes plus config.json). Two engines share tier entries only if every field agrees.
+    """
+    canon = json.dumps(
+        {
+            "hash_version": HASH_VERSION,
+            "weights": weights_id,
+            "dtype": dtype,
+            "block_size": block_size,
+            "num_layers": num_layers,
+            "num_kv_heads": num_kv_heads,
+            "head_dim": head_dim,
+            "tp_rank": tp_rank,
+            "tp_size": tp_size,
+            "kv_layout": kv_layout,
+        },
+        sort_keys=True,
+        separators=(",", ":"),
+    )
+    return hashlib.blake2b(canon.encode(), digest_size=8).hexdigest()

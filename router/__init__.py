@@ -1,0 +1,1 @@
+"""ferry's router: one OpenAI endpoint over many replicas. Never imports torch."""

@@ -1,0 +1,1 @@
+"""ferry's OpenAI API server for one replica (FastAPI over engine.AsyncEngine)."""

@@ -1,0 +1,115 @@
+"""Session-wide fixtures: tiny HF checkpoints (built once, offline) and a private redis-server."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def models_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(models_root: Path) -> Path:
+    """Llama with GQA (4 heads, 2 KV heads), untied embeddings."""
+    from engine.demo import build_model
+
+    return build_model(models_root / "llama", "llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_tied(models_root: Path) -> Path:
+    from engine.demo import build_model
+
+    return build_model(models_root / "llama_tied", "llama", seed=1, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama3_rope(models_root: Path) -> Path:
+    """Llama with llama3 rope scaling."""
+    from engine.demo import build_model
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    return build_model(models_root / "llama3", "llama", seed=3, rope_scaling=scaling)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(models_root: Path) -> Path:
+    """Qwen2 (q/k/v bias), GQA."""
+    from engine.demo import build_model
+
+    return build_model(models_root / "qwen2", "qwen2", seed=2)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """A private redis-server on a free loopback port; can be stopped and restarted (same port)."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.port = free_port()
+        self.workdir = workdir
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not installed (make test installs it)")
+        self.proc = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(self.workdir), "--protected-mode", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("redis-server did not start")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+    def flush(self) -> None:
+        import redis
+
+        redis.Redis(port=self.port).flushall()
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory):
+    """One private redis-server for the session. Tests that share it call ``flush()`` first."""
+    srv = RedisServer(tmp_path_factory.mktemp("redis"))
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    redis_server.flush()
+    return redis_server.url
