@@ -1,0 +1,80 @@
+"""The attention backend interface and the per-step metadata every backend reads.
+
+The runner builds one ``AttentionMetadata`` per forward step (never per layer) and hands it to
+every layer's backend call. The KV cache layout is fixed by ARCHITECTURE.md: per layer
+``k_cache``/``v_cache`` of shape ``[num_blocks, block_size, num_kv_heads, head_dim]``; a token's
+slot is ``block_id * block_size + offset``. A backend must never change that layout, because the
+KV tier's codec and the other backends read the same bytes.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each new token of a flattened (mixed prefill + decode) batch goes and what it sees.
+
+    Batch order is the order of sequences in the flattened token dimension ``T``. Device tensors
+    are what kernels read; the host lists mirror them for backends that loop in Python (the torch
+    backend) so they never force a device-to-host copy.
+    """
+
+    slot_mapping: torch.Tensor  # int64 [T]: cache slot of each new token
+    query_start_loc: torch.Tensor  # int32 [B+1]: cumulative new-token counts, batch order
+    seq_lens: torch.Tensor  # int32 [B]: tokens in context after this step (cached + new)
+    context_lens: torch.Tensor  # int32 [B]: tokens already in the cache before this step
+    block_tables: torch.Tensor  # int32 [B, max_blocks_per_seq], padded with 0
+    max_query_len: int
+    max_seq_len: int
+    # Host-side mirrors (python ints), same order as the tensors above.
+    query_lens_host: list[int] = field(default_factory=list)
+    seq_lens_host: list[int] = field(default_factory=list)
+    context_lens_host: list[int] = field(default_factory=list)
+    block_tables_host: list[list[int]] = field(default_factory=list)
+    block_size: int = 16
+    # A backend may stash data derived from this metadata here (built by the first layer's call,
+    # reused by the others), so per-step preparation is never repeated per layer.
+    backend_state: object | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+
+class AttentionBackend(ABC):
+    """Writes new K/V into the paged cache and runs causal attention for the new tokens.
+
+    Chosen once at engine start (``registry.get_attention_backend``); the hot path never branches
+    on which backend runs.
+    """
+
+    name: str = "abstract"
+
+    def __init__(self, *, deterministic: bool = False) -> None:
+        # Deterministic backends must give each query row a result that depends only on its own
+        # sequence (batch-invariant), whatever else shares the step.
+        self.deterministic = deterministic
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        """Store ``k``/``v`` at ``meta.slot_mapping``, then attend each new token over its sequence's
+        cached prefix plus the new tokens up to and including itself (GQA: query head h reads KV head
+        ``h // (Hq // Hkv)``)."""

@@ -1,0 +1,38 @@
+"""Attention backends by name. Adding one is a new file plus one line in ``_BACKENDS``.
+
+Imports are lazy so that choosing "torch" never imports Triton, and "triton" is only imported
+where it can run.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from engine.attention.base import AttentionBackend
+
+_BACKENDS: dict[str, str] = {
+    "torch": "engine.attention.torch_backend:TorchAttentionBackend",
+    "triton": "engine.attention.triton_backend:TritonAttentionBackend",
+}
+
+
+def available_backends() -> list[str]:
+    return sorted(_BACKENDS)
+
+
+def resolve_backend_name(name: str, device: str) -> str:
+    """``auto`` means Triton on CUDA and the torch backend on CPU."""
+    if name == "auto":
+        return "triton" if device.startswith("cuda") else "torch"
+    if name not in _BACKENDS:
+        raise ValueError(
+            f"unknown attention backend {name!r}; choose one of: auto, {', '.join(available_backends())}"
+        )
+    return name
+
+
+def get_attention_backend(name: str, device: str, *, deterministic: bool = False) -> AttentionBackend:
+    resolved = resolve_backend_name(name, device)
+    module_name, cls_name = _BACKENDS[resolved].split(":")
+    cls = getattr(importlib.import_module(module_name), cls_name)
+    return cls(deterministic=deterministic)
