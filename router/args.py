@@ -1,10 +1,12 @@
-"""`ferry router` flags (DESIGN.md names)."""
+"""`ferry router` flags (DESIGN.md names first, then the router's own tuning flags)."""
 
 from __future__ import annotations
 
 import argparse
 
-POLICIES = ["round_robin", "least_load", "power_of_two", "session", "cache_aware"]
+from router.policies.registry import POLICY_NAMES
+
+POLICIES = list(POLICY_NAMES)
 
 
 def add_router_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -16,5 +18,51 @@ def add_router_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--discovery", default=None, help="redis://… | k8s:… | dns:…")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
-    p.add_argument("--api-key", default=None)
+    p.add_argument("--api-key", default=None, help="Bearer key for the /admin API (and /v1 when set)")
+
+    g = p.add_argument_group("cache_aware policy")
+    g.add_argument(
+        "--model",
+        default=None,
+        help="tokenizer directory (tokenizer.json + chat template; no weights are read) for exact "
+        "block hashes; without it cache_aware matches prefixes of the request text",
+    )
+    g.add_argument("--block-size", type=int, default=16, help="KV block size of the replicas")
+    g.add_argument(
+        "--balance-abs-threshold",
+        type=int,
+        default=4,
+        help="cache_aware falls back to least load when the prefix holder has this many more "
+        "in-flight requests than the least loaded replica",
+    )
+    g.add_argument(
+        "--load-penalty-tokens",
+        type=int,
+        default=64,
+        help="cache_aware score: prompt tokens of predicted cache hit worth one in-flight request",
+    )
+    g.add_argument(
+        "--prefix-index-size", type=int, default=1 << 20, help="block-hash entries remembered (LRU)"
+    )
+
+    g = p.add_argument_group("limits")
+    g.add_argument("--max-request-bytes", type=int, default=16 << 20, help="largest request body")
+    g.add_argument("--max-header-bytes", type=int, default=64 << 10, help="largest request header block")
+    g.add_argument("--max-concurrency", type=int, default=1024, help="requests relayed at once")
+    g.add_argument("--max-queue", type=int, default=1024, help="requests waiting for a slot; beyond: 429")
+    g.add_argument("--queue-timeout", type=float, default=30.0, help="seconds a request may wait for a slot")
+    g.add_argument(
+        "--request-timeout", type=float, default=600.0, help="seconds without a byte from a replica"
+    )
+
+    g = p.add_argument_group("health and failure")
+    g.add_argument("--health-interval", type=float, default=1.0, help="seconds between /health probes")
+    g.add_argument("--health-timeout", type=float, default=2.0)
+    g.add_argument("--connect-timeout", type=float, default=2.0)
+    g.add_argument("--max-retries", type=int, default=2, help="re-sends to other replicas before any byte")
+    g.add_argument("--max-failovers", type=int, default=2, help="mid-stream resumes on other replicas")
+    g.add_argument("--circuit-failures", type=int, default=3, help="consecutive failures that open a circuit")
+    g.add_argument("--circuit-cooldown", type=float, default=5.0, help="seconds a circuit stays open")
+    g.add_argument("--discovery-interval", type=float, default=1.0)
+    g.add_argument("--log-level", default="warning")
     return p

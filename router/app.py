@@ -1,0 +1,304 @@
+"""The router as an ASGI application: routes, limits, auth, and the request life cycle.
+
+``RouterApp(config)`` is a plain ASGI callable (served by uvicorn in ``router/main.py``, by
+``httpx.ASGITransport`` or uvicorn in tests). Generation requests (``/v1/chat/completions``,
+``/v1/completions``) are parsed once, keyed for the policy, admitted by overload control and
+handed to the ``Relay``; every other ``/v1/*`` route, ``/tokenize`` and ``/detokenize`` are relayed
+as they are. While a request is relayed the app watches the client: if it disconnects, the relay
+is cancelled at once, which closes the upstream connection and frees the replica's work.
+This module must never import torch (the router starts in well under a second).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import httpx
+
+from router.admin import handle_admin
+from router.admission import Admission
+from router.config import RouterConfig
+from router.discovery import make_discovery
+from router.discovery_sync import DiscoverySync
+from router.health import HealthChecker
+from router.http import (
+    BodyTooLarge,
+    ClientGone,
+    Receive,
+    Scope,
+    Send,
+    bearer_ok,
+    forward_headers,
+    header,
+    read_body,
+    send_bytes,
+    send_error,
+    send_json,
+)
+from router.metrics import RouterMetrics
+from router.policies import RouteRequest, make_policy
+from router.pool import Replicas
+from router.prompt_keys import PromptKeyer, make_keyer
+from router.relay import ProxyCall, Relay
+from router.replica import HealthPolicy, Replica
+from router.retry import RetryPolicy
+
+log = logging.getLogger("ferry.router")
+
+GENERATE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+FORWARD_ROOT_PATHS = frozenset({"/tokenize", "/detokenize"})
+
+
+class RouterApp:
+    def __init__(self, config: RouterConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.clock = clock
+        self.metrics = RouterMetrics()
+        self.replicas = Replicas(
+            HealthPolicy(
+                probe_interval=config.health_interval,
+                circuit_failures=config.circuit_failures,
+                circuit_cooldown=config.circuit_cooldown,
+            ),
+            clock=clock,
+        )
+        options: dict[str, Any] = {}
+        if config.policy == "cache_aware":
+            options = {
+                "block_size": config.block_size,
+                "balance_abs_threshold": config.balance_abs_threshold,
+                "load_penalty_tokens": config.load_penalty_tokens,
+                "prefix_index_size": config.prefix_index_size,
+            }
+        self.policy = make_policy(config.policy, **options)
+        self.keyer: PromptKeyer | None = (
+            make_keyer(config.model, config.block_size) if self.policy.needs_prefix else None
+        )
+        self.client = httpx.AsyncClient(
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=4096, keepalive_expiry=60),
+            timeout=httpx.Timeout(config.request_timeout, connect=config.connect_timeout, pool=None),
+            trust_env=False,  # never route replica traffic through an environment proxy
+        )
+        self.relay = Relay(
+            self.client,
+            self.policy,
+            self.metrics,
+            RetryPolicy(max_retries=config.max_retries),
+            max_failovers=config.max_failovers,
+            clock=clock,
+        )
+        self.admission = Admission(config.max_concurrency, config.max_queue, config.queue_timeout)
+        self.health = HealthChecker(self.replicas, self.client, self.metrics, config.health_timeout, clock)
+        self.discovery = (
+            DiscoverySync(make_discovery(config.discovery), self.replicas, config.discovery_interval)
+            if config.discovery
+            else None
+        )
+        self.replicas.on_removed.append(self._forget)
+        for role, urls in (
+            ("mixed", config.replicas),
+            ("prefill", config.prefill),
+            ("decode", config.decode),
+        ):
+            for url in urls:
+                self.replicas.add(url, role, source="static")
+        self.started = False
+
+    def _forget(self, replica: Replica) -> None:
+        self.policy.on_replica_removed(replica.url)
+        self.metrics.forget_replica(replica.url)
+
+    @property
+    def pool(self):
+        return self.replicas.pools["mixed"]
+
+    # ---- life cycle ---------------------------------------------------------------------------
+    async def startup(self) -> None:
+        if self.discovery is not None:
+            with contextlib.suppress(Exception):
+                await self.discovery.sync_once()
+        await self.health.probe_all(timeout=min(self.config.health_timeout, 1.0))
+        self.health.start()
+        if self.discovery is not None:
+            self.discovery.start()
+        self.started = True
+
+    async def shutdown(self) -> None:
+        await self.health.stop()
+        if self.discovery is not None:
+            await self.discovery.stop()
+        await self.client.aclose()
+
+    # ---- ASGI ---------------------------------------------------------------------------------
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            await self.handle(scope, receive, send)
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.startup()
+                except Exception as e:
+                    await send({"type": "lifespan.startup.failed", "message": str(e)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path, method = scope["path"], scope["method"]
+        if sum(len(k) + len(v) for k, v in scope["headers"]) > self.config.max_header_bytes:
+            await send_error(send, 431, "request headers too large")
+            return
+        if path.startswith("/v1/") or path in FORWARD_ROOT_PATHS:
+            if self.config.api_key is not None and not bearer_ok(scope, self.config.api_key):
+                await send_error(send, 401, "missing or wrong API key (Authorization: Bearer …)")
+                return
+            if path == "/v1/models" and method == "GET":
+                await self._models(scope, send)
+            else:
+                await self._proxy(scope, receive, send)
+        elif path == "/health":
+            await self._health(send)
+        elif path == "/metrics":
+            await send_bytes(send, 200, self.metrics.render(), content_type=b"text/plain; version=0.0.4")
+        elif path.startswith("/admin/"):
+            await handle_admin(self, scope, receive, send)
+        else:
+            await send_error(send, 404, f"no route {path}")
+
+    async def _health(self, send: Send) -> None:
+        now = self.clock()
+        counts = self.pool.counts(now)
+        status = 200 if counts["routable"] else 503
+        await send_json(
+            send, status, {"status": "ok" if status == 200 else "unavailable", "replicas": counts}
+        )
+
+    async def _models(self, scope: Scope, send: Send) -> None:
+        replicas = self.pool.candidates(self.clock())
+        if not replicas:
+            await send_error(
+                send, 503, "no healthy replica is registered with this router yet", [(b"retry-after", b"1")]
+            )
+            return
+        auth = header(scope, b"authorization")
+        headers = {"authorization": auth.decode("latin-1")} if auth else {}
+
+        async def one(r: Replica) -> list[dict]:
+            try:
+                resp = await self.client.get(
+                    r.url + "/v1/models", headers=headers, timeout=self.config.health_timeout
+                )
+                data = resp.json().get("data", []) if resp.status_code == 200 else []
+                return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+            except (httpx.TransportError, httpx.TimeoutException, ValueError, AttributeError):
+                return []
+
+        merged: dict[str, dict] = {}
+        for models in await asyncio.gather(*(one(r) for r in replicas)):
+            for m in models:
+                merged.setdefault(m["id"], m)
+        await send_json(send, 200, {"object": "list", "data": list(merged.values())})
+
+    async def _proxy(self, scope: Scope, receive: Receive, send: Send) -> None:
+        request_id = (header(scope, b"x-request-id") or b"").decode("latin-1") or uuid.uuid4().hex
+        id_header = [(b"x-request-id", request_id.encode())]
+        length = header(scope, b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.config.max_request_bytes:
+            await send_error(
+                send, 413, f"request body exceeds {self.config.max_request_bytes} bytes", id_header
+            )
+            return
+        try:
+            body = await read_body(receive, self.config.max_request_bytes)
+        except BodyTooLarge:
+            await send_error(
+                send, 413, f"request body exceeds {self.config.max_request_bytes} bytes", id_header
+            )
+            return
+        except ClientGone:
+            return
+        path = scope["path"]
+        generate = path in GENERATE_PATHS and scope["method"] == "POST"
+        parsed: dict | None = None
+        route = RouteRequest(
+            request_id,
+            header(scope, b"x-session-id") and header(scope, b"x-session-id").decode("latin-1"),
+            prompt_tokens=len(body) // 4,
+        )
+        if generate:
+            try:
+                parsed = json.loads(body)
+            except ValueError as e:
+                await send_error(send, 400, f"request body is not valid JSON: {e}", id_header)
+                return
+            if not isinstance(parsed, dict):
+                await send_error(send, 400, "request body must be a JSON object", id_header)
+                return
+            if route.session_key is None and isinstance(parsed.get("user"), str):
+                route.session_key = parsed["user"]
+            if self.keyer is not None:
+                hashes, tokens = self.keyer.keys(path, parsed)
+                route.block_hashes = hashes
+                route.prompt_tokens = tokens or route.prompt_tokens
+        headers = forward_headers(scope)
+        headers.append((b"x-request-id", request_id.encode()))
+        headers.append((b"accept-encoding", b"identity"))
+        call = ProxyCall(
+            scope["method"], path, scope.get("query_string", b""), headers, body, request_id, route, parsed
+        )
+
+        if not await self.admission.try_acquire():
+            self.metrics.rejected.inc()
+            await send_error(
+                send,
+                429,
+                "the router is at its concurrency and queue limits; retry later",
+                [(b"retry-after", b"1"), *id_header],
+            )
+            return
+        try:
+            work = (
+                self.relay.generate(self.pool, call, send)
+                if generate
+                else self.relay.forward(self.pool, call, send)
+            )
+            await _until_disconnect(work, receive)
+        finally:
+            self.admission.release()
+
+
+async def _until_disconnect(work: Coroutine[Any, Any, None], receive: Receive) -> None:
+    """Run ``work``; if the client disconnects first, cancel it (closing the upstream request)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(receive))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        watcher.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return

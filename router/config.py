@@ -1,0 +1,59 @@
+"""The router's configuration: one frozen dataclass built once from the CLI (or by tests)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    replicas: tuple[str, ...] = ()
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()
+    policy: str = "cache_aware"
+    kv_tier: str | None = None
+    discovery: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_key: str | None = None
+    # cache_aware
+    model: str | None = None
+    block_size: int = 16
+    balance_abs_threshold: int = 4
+    load_penalty_tokens: int = 64
+    prefix_index_size: int = 1 << 20
+    # limits
+    max_request_bytes: int = 16 << 20
+    max_header_bytes: int = 64 << 10
+    max_concurrency: int = 1024
+    max_queue: int = 1024
+    queue_timeout: float = 30.0
+    request_timeout: float = 600.0
+    # health and failure
+    health_interval: float = 1.0
+    health_timeout: float = 2.0
+    connect_timeout: float = 2.0
+    max_retries: int = 2
+    max_failovers: int = 2
+    circuit_failures: int = 3
+    circuit_cooldown: float = 5.0
+    discovery_interval: float = 1.0
+    log_level: str = "warning"
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError("--block-size must be positive")
+        if self.max_concurrency < 1 or self.max_queue < 0:
+            raise ValueError("--max-concurrency must be >= 1 and --max-queue >= 0")
+        if self.max_retries < 0 or self.max_failovers < 0:
+            raise ValueError("--max-retries and --max-failovers must be >= 0")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> RouterConfig:
+        names = {f.name for f in fields(cls)}
+        values = {k: v for k, v in vars(args).items() if k in names}
+        values["replicas"] = tuple(getattr(args, "replica", []) or [])
+        for key in ("prefill", "decode"):
+            values[key] = tuple(values.get(key) or [])
+        return cls(**values)

@@ -1,0 +1,105 @@
+"""Active health checking: probe each replica's ``GET /health`` on its own schedule.
+
+Healthy replicas are probed every ``probe_interval``; starting and ejected ones back off
+exponentially (``Replica.on_probe_fail``), so a dead replica costs little and a restarted one is
+readmitted by its first good probe. The first good probe of a replica also reads its
+``/v1/models`` (for the router's aggregated model list). The prober only calls the state machine
+in ``router/replica.py``; it decides nothing itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+import httpx
+
+from router.metrics import RouterMetrics
+from router.pool import Replicas
+from router.replica import Replica
+
+log = logging.getLogger("ferry.router")
+TICK = 0.05  # scheduler resolution; probes run on each replica's own schedule
+
+
+class HealthChecker:
+    def __init__(
+        self,
+        replicas: Replicas,
+        client: httpx.AsyncClient,
+        metrics: RouterMetrics,
+        timeout: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.replicas = replicas
+        self.client = client
+        self.metrics = metrics
+        self.timeout = timeout
+        self.clock = clock
+        self._probing: set[str] = set()
+        self._task: asyncio.Task | None = None
+        self._children: set[asyncio.Task] = set()
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="ferry-router-health")
+
+    async def stop(self) -> None:
+        tasks = [t for t in (self._task, *self._children) if t is not None]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+
+    async def probe_all(self, timeout: float | None = None) -> None:
+        """Probe every replica now (at start, so a router over running replicas is ready at once)."""
+        await asyncio.gather(*(self.probe(r, timeout) for r in list(self.replicas)), return_exceptions=True)
+
+    async def _run(self) -> None:
+        while True:
+            now = self.clock()
+            for r in list(self.replicas):
+                if r.next_probe_at <= now and r.url not in self._probing:
+                    task = asyncio.create_task(self.probe(r))
+                    self._children.add(task)
+                    task.add_done_callback(self._children.discard)
+            await asyncio.sleep(TICK)
+
+    async def probe(self, replica: Replica, timeout: float | None = None) -> bool:
+        if replica.url in self._probing:
+            return replica.routable(self.clock())
+        self._probing.add(replica.url)
+        try:
+            ok = await self._check(replica, timeout or self.timeout)
+        finally:
+            self._probing.discard(replica.url)
+        before = replica.health
+        if ok:
+            replica.on_probe_ok(self.clock())
+            if not replica.models:
+                replica.models = await self._models(replica, timeout or self.timeout)
+        else:
+            replica.on_probe_fail(self.clock())
+        if replica.health is not before:
+            log.warning("replica %s: %s -> %s", replica.url, before.value, replica.health.value)
+        if self.replicas.find(replica.url) is replica:  # not removed meanwhile
+            self.metrics.healthy.labels(replica.url).set(1 if replica.routable(self.clock()) else 0)
+        return ok
+
+    async def _check(self, replica: Replica, timeout: float) -> bool:
+        try:
+            response = await self.client.get(replica.url + "/health", timeout=timeout)
+        except (httpx.TransportError, httpx.TimeoutException):
+            return False
+        return response.status_code == 200
+
+    async def _models(self, replica: Replica, timeout: float) -> list[str]:
+        try:
+            response = await self.client.get(replica.url + "/v1/models", timeout=timeout)
+            data = response.json().get("data", []) if response.status_code == 200 else []
+            return [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+        except (httpx.TransportError, httpx.TimeoutException, ValueError, AttributeError):
+            return []

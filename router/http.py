@@ -1,0 +1,136 @@
+"""Small ASGI helpers: OpenAI-format errors, JSON answers, bounded body reads, header filters.
+
+The router is a plain ASGI app (no framework): a proxy's hot path is mostly moving bytes, and
+every layer between the socket and the upstream client costs latency on every request.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+# Hop-by-hop and framing headers never cross the proxy (RFC 9110 §7.6.1).
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"host",
+        b"content-length",
+        b"accept-encoding",
+    }
+)
+RESPONSE_DROP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"transfer-encoding",
+        b"content-length",
+        b"date",
+        b"server",
+        b"x-request-id",
+    }
+)
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class ClientGone(Exception):
+    pass
+
+
+def error_body(message: str, type_: str, code: int | str | None = None, param: str | None = None) -> bytes:
+    return json.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}}).encode()
+
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    431: "invalid_request_error",
+    502: "upstream_error",
+    503: "service_unavailable",
+    504: "timeout_error",
+}
+
+
+async def send_bytes(
+    send: Send,
+    status: int,
+    body: bytes,
+    headers: list[tuple[bytes, bytes]] | None = None,
+    content_type: bytes = b"application/json",
+) -> None:
+    hdrs = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
+    if headers:
+        hdrs.extend(h for h in headers if h[0].lower() != b"content-type")
+    await send({"type": "http.response.start", "status": status, "headers": hdrs})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def send_json(
+    send: Send, status: int, obj: Any, headers: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    await send_bytes(send, status, json.dumps(obj).encode(), headers)
+
+
+async def send_error(
+    send: Send,
+    status: int,
+    message: str,
+    headers: list[tuple[bytes, bytes]] | None = None,
+    code: int | str | None = None,
+) -> None:
+    body = error_body(message, _ERROR_TYPES.get(status, "server_error"), code if code is not None else status)
+    await send_bytes(send, status, body, headers)
+
+
+async def read_body(receive: Receive, limit: int) -> bytes:
+    """The whole request body, or BodyTooLarge past ``limit`` bytes, or ClientGone."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone()
+        chunk = message.get("body", b"")
+        if chunk:
+            size += len(chunk)
+            if size > limit:
+                raise BodyTooLarge()
+            chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks) if len(chunks) != 1 else chunks[0]
+
+
+def header(scope: Scope, name: bytes) -> bytes | None:
+    for k, v in scope["headers"]:
+        if k == name:
+            return v
+    return None
+
+
+def forward_headers(scope: Scope) -> list[tuple[bytes, bytes]]:
+    return [(k, v) for k, v in scope["headers"] if k not in HOP_BY_HOP and k != b"x-request-id"]
+
+
+def bearer_ok(scope: Scope, key: str) -> bool:
+    value = header(scope, b"authorization")
+    return value is not None and value.decode("latin-1") == f"Bearer {key}"

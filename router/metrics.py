@@ -1,0 +1,62 @@
+"""The router's Prometheus metrics (``ferry:router_*``), in a registry of its own.
+
+One ``RouterMetrics`` per router, so several routers in one process (tests) never clash.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        r = self.registry
+        self.requests = Counter(
+            "ferry:router_requests",
+            "Requests relayed, by replica and final status",
+            ["replica", "status"],
+            registry=r,
+        )
+        self.latency = Histogram(
+            "ferry:router_request_latency_seconds",
+            "End-to-end latency through the router",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "ferry:router_ttft_seconds",
+            "Time to the first streamed content byte",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.retries = Counter(
+            "ferry:router_retries", "Re-sends to another replica before any byte", registry=r
+        )
+        self.failovers = Counter("ferry:router_failovers", "Streams resumed on another replica", registry=r)
+        self.healthy = Gauge(
+            "ferry:router_replica_healthy", "1 when the replica takes traffic", ["replica"], registry=r
+        )
+        self.inflight = Gauge(
+            "ferry:router_inflight", "Requests in flight per replica", ["replica"], registry=r
+        )
+        self.cache_hit_tokens = Counter(
+            "ferry:router_cache_hit_tokens",
+            "Prompt tokens predicted cached at the chosen replica (cache_aware)",
+            registry=r,
+        )
+        self.rejected = Counter(
+            "ferry:router_rejected", "Requests refused by overload control (429)", registry=r
+        )
+
+    def forget_replica(self, url: str) -> None:
+        for gauge in (self.healthy, self.inflight):
+            try:
+                gauge.remove(url)
+            except KeyError:
+                pass
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

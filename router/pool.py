@@ -1,0 +1,105 @@
+"""Replica pools: the replicas of one role, and the set of pools a router serves.
+
+A ``Pool`` keeps replicas in insertion order (so round_robin is exact and tests can predict
+assignments) and answers "which replicas may take a request now". ``Replicas`` holds one pool per
+role (``mixed`` today; ``prefill`` and ``decode`` for PD orchestration) and is what the admin API,
+discovery and the health prober change. Everything here runs on the router's event loop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+from router.discovery import ROLES, normalize_url
+from router.replica import HealthPolicy, Replica
+
+
+class Pool:
+    def __init__(self, role: str) -> None:
+        self.role = role
+        self._replicas: dict[str, Replica] = {}
+
+    def __len__(self) -> int:
+        return len(self._replicas)
+
+    def __iter__(self) -> Iterator[Replica]:
+        return iter(list(self._replicas.values()))
+
+    def __contains__(self, url: str) -> bool:
+        return url in self._replicas
+
+    def get(self, url: str) -> Replica | None:
+        return self._replicas.get(url)
+
+    def add(self, replica: Replica) -> None:
+        self._replicas[replica.url] = replica
+
+    def pop(self, url: str) -> Replica | None:
+        return self._replicas.pop(url, None)
+
+    def candidates(self, now: float, exclude: set[str] | frozenset[str] = frozenset()) -> list[Replica]:
+        return [r for r in self._replicas.values() if r.url not in exclude and r.routable(now)]
+
+    def counts(self, now: float) -> dict[str, int]:
+        routable = sum(1 for r in self._replicas.values() if r.routable(now))
+        return {"total": len(self._replicas), "routable": routable}
+
+
+class Replicas:
+    """All pools of one router, plus hooks that fire when a replica is added or removed."""
+
+    def __init__(
+        self, health_policy: HealthPolicy | None = None, clock: Callable[[], float] = time.monotonic
+    ):
+        self.pools: dict[str, Pool] = {role: Pool(role) for role in ROLES}
+        self.health_policy = health_policy or HealthPolicy()
+        self.clock = clock
+        self.on_added: list[Callable[[Replica], None]] = []
+        self.on_removed: list[Callable[[Replica], None]] = []
+
+    def __iter__(self) -> Iterator[Replica]:
+        for pool in self.pools.values():
+            yield from pool
+
+    def find(self, url: str) -> Replica | None:
+        url = normalize_url(url)
+        for pool in self.pools.values():
+            r = pool.get(url)
+            if r is not None:
+                return r
+        return None
+
+    def add(self, url: str, role: str = "mixed", source: str = "static") -> tuple[Replica, bool]:
+        """Add a replica (or return the existing one). Returns (replica, created)."""
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+        url = normalize_url(url)
+        existing = self.find(url)
+        if existing is not None:
+            if existing.role != role:
+                raise ValueError(f"{url} is already registered with role {existing.role!r}")
+            existing.draining = False  # re-adding a drained replica puts it back in service
+            return existing, False
+        replica = Replica(url, role, source=source, policy=self.health_policy)
+        replica.next_probe_at = self.clock()  # probe at once
+        self.pools[role].add(replica)
+        for hook in self.on_added:
+            hook(replica)
+        return replica, True
+
+    def remove(self, url: str) -> Replica | None:
+        url = normalize_url(url)
+        for pool in self.pools.values():
+            r = pool.pop(url)
+            if r is not None:
+                for hook in self.on_removed:
+                    hook(r)
+                return r
+        return None
+
+    def drain(self, url: str) -> Replica | None:
+        r = self.find(url)
+        if r is not None:
+            r.draining = True
+        return r

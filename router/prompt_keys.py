@@ -1,0 +1,115 @@
+"""Turn a request body into the block hashes the cache_aware policy matches on.
+
+Two keyers behind one interface, chosen once at start:
+
+* ``TokenKeyer`` (``--model DIR``): tokenizes exactly as a replica does (chat template +
+  ``encode``, ``engine.tokenizer``, torch-free) and hashes full blocks with ``kvcache.keys``,
+  so its hashes are the replicas' own block hashes (they can be matched with block events).
+* ``TextKeyer`` (no tokenizer): chained hashes over fixed-size chunks of the request's text.
+  Only the router's own history can be matched then, but shared prefixes still land together.
+
+Completions given as token ids are hashed exactly by both. A body the keyer cannot read yields no
+hashes (the replica reports the client's error; routing just loses its cache hint).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from kvcache.keys import block_hashes
+
+TEXT_CHUNK_CHARS = 64  # ~16 tokens of English: one text "block"
+_TEXT_SPACE = b"router-text"  # keeps text-chunk hashes apart from real token-block hashes
+
+
+class PromptKeyer(ABC):
+    @abstractmethod
+    def keys(self, path: str, body: dict[str, Any]) -> tuple[list[bytes], int]:
+        """(block hashes of the prompt, number of prompt tokens, exact or estimated)."""
+
+
+def _token_id_prompt(body: dict[str, Any]) -> list[int] | None:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        return prompt
+    return None
+
+
+class TokenKeyer(PromptKeyer):
+    def __init__(self, tokenizer: Any, block_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.block_size = block_size
+
+    @classmethod
+    def from_dir(cls, model_dir: str, block_size: int) -> TokenKeyer:
+        from engine.tokenizer import Tokenizer
+
+        return cls(Tokenizer.from_dir(model_dir), block_size)
+
+    def token_ids(self, path: str, body: dict[str, Any]) -> list[int] | None:
+        try:
+            if path.endswith("/chat/completions"):
+                kwargs = dict(body.get("chat_template_kwargs") or {})
+                return self.tokenizer.encode_chat(
+                    body["messages"],
+                    add_generation_prompt=body.get("add_generation_prompt", True),
+                    tools=body.get("tools"),
+                    **kwargs,
+                )
+            ids = _token_id_prompt(body)
+            if ids is not None:
+                return ids
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1:
+                prompt = prompt[0]
+            if isinstance(prompt, str):
+                return self.tokenizer.encode(prompt)
+        except (ValueError, KeyError, TypeError):
+            return None
+        return None
+
+    def keys(self, path: str, body: dict[str, Any]) -> tuple[list[bytes], int]:
+        ids = self.token_ids(path, body)
+        if ids is None:
+            return [], 0
+        return block_hashes(ids, self.block_size), len(ids)
+
+
+class TextKeyer(PromptKeyer):
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+
+    def keys(self, path: str, body: dict[str, Any]) -> tuple[list[bytes], int]:
+        ids = _token_id_prompt(body)
+        if ids is not None:
+            return block_hashes(ids, self.block_size), len(ids)
+        text = _request_text(path, body)
+        if not text:
+            return [], 0
+        codes = [ord(c) for c in text]
+        return block_hashes(codes, TEXT_CHUNK_CHARS, extra=_TEXT_SPACE), max(1, len(text) // 4)
+
+
+def _request_text(path: str, body: dict[str, Any]) -> str:
+    if path.endswith("/chat/completions"):
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            return ""
+        out = []
+        for m in messages:
+            if not isinstance(m, dict):
+                return "".join(out)
+            content = m.get("content")
+            if isinstance(content, list):
+                content = "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
+            out.append(f"<{m.get('role', '')}>{content if isinstance(content, str) else ''}\x00")
+        return "".join(out)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    return prompt if isinstance(prompt, str) else ""
+
+
+def make_keyer(model_dir: str | None, block_size: int) -> PromptKeyer:
+    return TokenKeyer.from_dir(model_dir, block_size) if model_dir else TextKeyer(block_size)

@@ -1,0 +1,390 @@
+"""Send a request to a replica and relay the answer, with retries and mid-stream failover.
+
+``Relay`` is the part every orchestration shares (plain routing today, prefill→decode later):
+
+* ``open``: pick a replica from a ``Pool`` with a ``Policy`` and send; on connect errors, broken
+  connections before the response head and 429/502/503/504 answers, re-send to a *different*
+  replica with jittered backoff, as long as no byte has reached the client.
+* ``forward``: relay any answer byte for byte as it arrives (non-generation routes).
+* ``generate``: completions and chat. A non-streamed answer is read whole before the client sees
+  it, so a replica dying mid-answer is one more retry. A stream is relayed event by event; when
+  its replica dies part-way, the request is re-sent to another replica with
+  ``resume.token_ids`` = the completion tokens already sent, and the new replica's chunks are
+  spliced in (``router/sse.py``), so the client sees one unbroken stream.
+
+The relay owns the load counters of the replicas it uses: every ``acquire`` is paired with one
+``release`` in a ``finally``, including when the client disconnects (the task is cancelled and
+the upstream connection closed, which makes the replica abort the request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from router.http import RESPONSE_DROP, Send, error_body, send_bytes, send_error
+from router.metrics import RouterMetrics
+from router.policies.base import Policy, RouteRequest
+from router.pool import Pool
+from router.replica import Replica
+from router.retry import RetryPolicy, counts_as_replica_failure
+from router.sse import SSESplitter, StreamTracker
+
+_TRANSPORT_ERRORS = (httpx.TransportError, httpx.TimeoutException)
+_CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
+
+
+@dataclass
+class ProxyCall:
+    """One client request as the relay needs it."""
+
+    method: str
+    path: str  # "/v1/chat/completions" (query string kept separately)
+    query: bytes
+    headers: list[tuple[bytes, bytes]]  # already filtered, with x-request-id
+    body: bytes
+    request_id: str
+    route: RouteRequest
+    json: dict[str, Any] | None = None  # parsed body of generation requests
+    started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def url_path(self) -> str:
+        return self.path + ("?" + self.query.decode("latin-1") if self.query else "")
+
+
+@dataclass
+class Opened:
+    replica: Replica
+    response: httpx.Response
+    tokens: int
+    finished: bool = False  # load released and outcome recorded (exactly once)
+
+
+@dataclass
+class Failed:
+    status: int
+    body: bytes
+    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+
+
+class Relay:
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        policy: Policy,
+        metrics: RouterMetrics,
+        retry: RetryPolicy,
+        *,
+        max_failovers: int = 2,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.client = client
+        self.policy = policy
+        self.metrics = metrics
+        self.retry = retry
+        self.max_failovers = max_failovers
+        self.clock = clock
+        self.rng = rng or random.Random()
+
+    # ---- picking and sending ------------------------------------------------------------------
+    async def open(
+        self, pool: Pool, call: ProxyCall, body: bytes, tried: set[str], attempt: list[int]
+    ) -> Opened | Failed:
+        """Send to replicas not in ``tried`` until one gives an answer that is not retried."""
+        last: Failed | None = None
+        while True:
+            now = self.clock()
+            candidates = pool.candidates(now, tried)
+            if not candidates:
+                return last or _no_replica(pool, now)
+            replica = self.policy.choose(call.route, candidates)
+            tokens = call.route.prompt_tokens
+            self._acquire(replica, tokens, now)
+            try:
+                result = await self._send(replica, call, body)
+                if isinstance(result, httpx.Response):
+                    status = result.status_code
+                    if not self.retry.should_retry_status(status, attempt[0]) or not pool.candidates(
+                        self.clock(), tried | {replica.url}
+                    ):
+                        if call.route.predicted_hit_tokens:
+                            self.metrics.cache_hit_tokens.inc(call.route.predicted_hit_tokens)
+                        self.policy.on_routed(call.route, replica)
+                        return Opened(replica, result, tokens)
+                    content = await _read_quietly(result)
+                    last = Failed(status, content, _response_headers(result))
+                    if counts_as_replica_failure(status):
+                        replica.on_request_failure(self.clock())
+                else:
+                    last = result
+            except BaseException:  # the client left (task cancelled): give the load back
+                self._release(replica, tokens, "499")
+                raise
+            self._release(replica, tokens, str(last.status))
+            tried.add(replica.url)
+            if not self.retry.can_retry(attempt[0]):
+                return last
+            attempt[0] += 1
+            self.metrics.retries.inc()
+            await asyncio.sleep(self.retry.backoff(attempt[0] - 1, self.rng))
+
+    async def _send(self, replica: Replica, call: ProxyCall, body: bytes) -> httpx.Response | Failed:
+        request = self.client.build_request(
+            call.method, replica.url + call.url_path, headers=call.headers, content=body
+        )
+        try:
+            return await self.client.send(request, stream=True)
+        except _CONNECT_ERRORS as e:
+            replica.on_connect_error(self.clock())
+            return Failed(
+                502,
+                error_body(f"replica {replica.url} unreachable: {type(e).__name__}", "upstream_error", 502),
+            )
+        except httpx.TimeoutException:
+            replica.on_request_failure(self.clock())
+            return Failed(504, error_body(f"replica {replica.url} timed out", "timeout_error", 504))
+        except httpx.TransportError as e:
+            replica.on_request_failure(self.clock())
+            return Failed(
+                502, error_body(f"replica {replica.url} failed: {type(e).__name__}", "upstream_error", 502)
+            )
+
+    def _acquire(self, replica: Replica, tokens: int, now: float) -> None:
+        replica.acquire(tokens, now)
+        self.metrics.inflight.labels(replica.url).set(replica.inflight)
+
+    def _release(self, replica: Replica, tokens: int, status: str) -> None:
+        replica.release(tokens)
+        self.metrics.inflight.labels(replica.url).set(replica.inflight)
+        self.metrics.requests.labels(replica.url, status).inc()
+
+    def finish(self, opened: Opened, ok: bool, status: int | None = None) -> None:
+        if opened.finished:
+            return
+        opened.finished = True
+        code = status if status is not None else opened.response.status_code
+        if ok and code < 500:
+            opened.replica.on_request_success()
+        elif not ok or counts_as_replica_failure(code):
+            opened.replica.on_request_failure(self.clock())
+        self._release(opened.replica, opened.tokens, str(code) if ok else "broken")
+
+    # ---- plain relay --------------------------------------------------------------------------
+    async def forward(self, pool: Pool, call: ProxyCall, send: Send) -> None:
+        """Any route: relay the answer as it arrives, byte for byte."""
+        opened = await self.open(pool, call, call.body, set(), [0])
+        if isinstance(opened, Failed):
+            await send_bytes(send, opened.status, opened.body, _with_id(opened.headers, call))
+            return
+        ok = False
+        status = 499  # unless we get to the end: the client left
+        try:
+            response = opened.response
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": response.status_code,
+                    "headers": _with_id(_response_headers(response), call),
+                }
+            )
+            status = response.status_code
+            async for chunk in response.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+            ok = True
+        except _TRANSPORT_ERRORS:
+            await send({"type": "http.response.body", "body": b""})
+        finally:
+            await opened.response.aclose()
+            self.finish(opened, ok, status)
+            self.metrics.latency.observe(time.perf_counter() - call.started)
+
+    # ---- generation ---------------------------------------------------------------------------
+    async def generate(self, pool: Pool, call: ProxyCall, send: Send) -> None:
+        body = call.json or {}
+        if body.get("stream"):
+            await self._generate_stream(pool, call, body, send)
+        else:
+            await self._generate_whole(pool, call, send)
+        self.metrics.latency.observe(time.perf_counter() - call.started)
+
+    async def _generate_whole(self, pool: Pool, call: ProxyCall, send: Send) -> None:
+        tried: set[str] = set()
+        attempt = [0]
+        while True:
+            opened = await self.open(pool, call, call.body, tried, attempt)
+            if isinstance(opened, Failed):
+                await send_bytes(send, opened.status, opened.body, _with_id(opened.headers, call))
+                return
+            content = None
+            try:
+                content = await opened.response.aread()
+            except _TRANSPORT_ERRORS:
+                self.finish(opened, False)
+            finally:
+                await opened.response.aclose()
+                if content is None:
+                    self.finish(opened, False, 499)  # no-op unless the client left mid-read
+            if content is None:
+                tried.add(opened.replica.url)
+                if not self.retry.can_retry(attempt[0]):
+                    await send_error(send, 502, "replica failed while answering", _with_id([], call))
+                    return
+                attempt[0] += 1
+                self.metrics.retries.inc()
+                continue
+            self.finish(opened, True)
+            headers = _with_id(_response_headers(opened.response), call)
+            await send_bytes(
+                send,
+                opened.response.status_code,
+                content,
+                headers,
+                content_type=opened.response.headers.get("content-type", "application/json").encode(),
+            )
+            return
+
+    async def _generate_stream(self, pool: Pool, call: ProxyCall, body: dict, send: Send) -> None:
+        wants_ids = bool(body.get("return_token_ids"))
+        can_resume = self.max_failovers > 0 and body.get("n") in (None, 1)
+        if can_resume and not wants_ids:
+            body = {**body, "return_token_ids": True}
+            payload = json.dumps(body).encode()
+        else:
+            payload = call.body
+        tracker = StreamTracker(
+            chat=call.path.endswith("/chat/completions"), client_wants_token_ids=wants_ids
+        )
+        tried: set[str] = set()
+        opened: Opened | Failed | None = None
+        try:
+            opened = await self.open(pool, call, payload, tried, [0])
+            if isinstance(opened, Failed):
+                await send_bytes(send, opened.status, opened.body, _with_id(opened.headers, call))
+                return
+            response = opened.response
+            if response.status_code != 200 or not response.headers.get("content-type", "").startswith(
+                "text/event-stream"
+            ):
+                await self._send_whole(opened, call, send)
+                return
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": _with_id(_response_headers(response), call),
+                }
+            )
+            while True:
+                ok = await self._pump(opened, tracker, call, send)
+                if ok or tracker.done:
+                    break
+                tried.add(opened.replica.url)
+                opened.replica.next_probe_at = self.clock()  # let the prober confirm the death at once
+                if tracker.finished:
+                    await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": True})
+                    break
+                if not (can_resume and tracker.ids_complete and tracker.failovers < self.max_failovers):
+                    await _send_stream_error(
+                        send, "the replica serving this stream failed and it cannot be resumed"
+                    )
+                    break
+                tracker.begin_failover()
+                self.metrics.failovers.inc()
+                resumed = json.dumps(tracker.resume_body(body)).encode()
+                opened = await self.open(pool, call, resumed, tried, [0])
+                if isinstance(opened, Failed) or opened.response.status_code != 200:
+                    await _send_stream_error(
+                        send, "the replica serving this stream failed and no replica could resume it"
+                    )
+                    break
+            await send({"type": "http.response.body", "body": b""})
+        finally:
+            if isinstance(opened, Opened) and not opened.finished:
+                await opened.response.aclose()
+                self.finish(opened, False, 499)
+
+    async def _send_whole(self, opened: Opened, call: ProxyCall, send: Send) -> None:
+        """A non-stream answer (or an error answer to a stream request): read it, then send it."""
+        response = opened.response
+        try:
+            content = await response.aread()
+        except _TRANSPORT_ERRORS:
+            self.finish(opened, False)
+            await send_error(send, 502, "replica failed while answering", _with_id([], call))
+            return
+        finally:
+            await response.aclose()
+        self.finish(opened, True)
+        await send_bytes(
+            send,
+            response.status_code,
+            content,
+            _with_id(_response_headers(response), call),
+            content_type=response.headers.get("content-type", "application/json").encode(),
+        )
+
+    async def _pump(self, opened: Opened, tracker: StreamTracker, call: ProxyCall, send: Send) -> bool:
+        """Relay one replica's events; True when its stream ended normally."""
+        splitter = SSESplitter()
+        ok = False
+        try:
+            async for chunk in opened.response.aiter_raw():
+                out = []
+                for event in splitter.feed(chunk):
+                    had_content = tracker.sent_content
+                    relayed = tracker.process(event)
+                    if relayed is not None:
+                        out.append(relayed)
+                        out.append(b"\n\n")
+                    if not had_content and tracker.sent_content:
+                        self.metrics.ttft.observe(time.perf_counter() - call.started)
+                if out:
+                    await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
+            ok = tracker.done or tracker.finished
+            return ok
+        except _TRANSPORT_ERRORS:
+            return False
+        finally:
+            await opened.response.aclose()
+            self.finish(opened, ok, 200 if ok else None)
+
+
+def _no_replica(pool: Pool, now: float) -> Failed:
+    counts = pool.counts(now)
+    if counts["total"] == 0:
+        message = "no replica is registered with this router yet; retry when one has registered"
+    else:
+        message = f"no healthy replica available ({counts['total']} registered, none routable now)"
+    return Failed(503, error_body(message, "service_unavailable", 503), [(b"retry-after", b"1")])
+
+
+async def _read_quietly(response: httpx.Response) -> bytes:
+    try:
+        return await response.aread()
+    except _TRANSPORT_ERRORS:
+        return b""
+    finally:
+        await response.aclose()
+
+
+def _response_headers(response: httpx.Response) -> list[tuple[bytes, bytes]]:
+    return [(k, v) for k, v in response.headers.raw if k.lower() not in RESPONSE_DROP]
+
+
+def _with_id(headers: list[tuple[bytes, bytes]], call: ProxyCall) -> list[tuple[bytes, bytes]]:
+    return [*headers, (b"x-request-id", call.request_id.encode())]
+
+
+async def _send_stream_error(send: Send, message: str) -> None:
+    event = b"data: " + error_body(message, "upstream_error", 502) + b"\n\ndata: [DONE]\n\n"
+    await send({"type": "http.response.body", "body": event, "more_body": True})

@@ -1,0 +1,190 @@
+"""One replica as the router sees it: health state machine, circuit breaker, load counters.
+
+Health comes from two sources:
+* active probes of ``GET /health`` (``router/health.py``) with exponential backoff while a replica
+  is down, and
+* passive signals from real traffic: a connect error ejects at once, 5xx answers and timeouts
+  feed a per-replica circuit breaker.
+
+A replica that has never been healthy is ``STARTING``: refused connections and 503s are normal
+while it loads its model and are not counted as failures. Every method takes ``now`` (monotonic
+seconds) so the state machine is a pure function of its inputs and tests drive it with a fake clock.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Health(enum.Enum):
+    STARTING = "starting"  # never seen healthy yet: not routable, failures not counted
+    HEALTHY = "healthy"
+    EJECTED = "ejected"  # was healthy, then failed: not routable until a probe succeeds
+
+
+class Circuit(enum.Enum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+@dataclass(frozen=True)
+class HealthPolicy:
+    """Thresholds of the state machine (from RouterConfig)."""
+
+    probe_interval: float = 1.0  # while healthy
+    probe_backoff_max: float = 8.0  # while ejected / starting, probes back off up to this
+    eject_after_probe_failures: int = 2  # consecutive failed probes of a healthy replica
+    circuit_failures: int = 3  # consecutive request failures that open the circuit
+    circuit_cooldown: float = 5.0  # seconds open before one trial request is let through
+    circuit_cooldown_max: float = 60.0
+
+
+class CircuitBreaker:
+    """Closed → (N consecutive failures) → open → (cooldown) → half-open: one trial request.
+    The trial's success closes it; its failure re-opens it with a doubled cooldown."""
+
+    def __init__(self, failures: int, cooldown: float, cooldown_max: float) -> None:
+        self.threshold = failures
+        self.base_cooldown = cooldown
+        self.cooldown_max = cooldown_max
+        self.state = Circuit.CLOSED
+        self.consecutive_failures = 0
+        self.cooldown = cooldown
+        self.opened_at = 0.0
+        self.trial_in_flight = False
+
+    def allows(self, now: float) -> bool:
+        """May a request be sent now? (Pure: does not consume the half-open trial.)"""
+        if self.state is Circuit.CLOSED:
+            return True
+        if self.state is Circuit.OPEN:
+            return now - self.opened_at >= self.cooldown
+        return not self.trial_in_flight
+
+    def on_send(self, now: float) -> None:
+        if self.state is Circuit.OPEN and now - self.opened_at >= self.cooldown:
+            self.state = Circuit.HALF_OPEN
+        if self.state is Circuit.HALF_OPEN:
+            self.trial_in_flight = True
+
+    def on_success(self) -> None:
+        self.state = Circuit.CLOSED
+        self.consecutive_failures = 0
+        self.cooldown = self.base_cooldown
+        self.trial_in_flight = False
+
+    def on_failure(self, now: float) -> None:
+        self.consecutive_failures += 1
+        if self.state is Circuit.HALF_OPEN:
+            self.cooldown = min(self.cooldown * 2, self.cooldown_max)
+            self._open(now)
+        elif self.state is Circuit.CLOSED and self.consecutive_failures >= self.threshold:
+            self._open(now)
+
+    def reset(self) -> None:
+        self.on_success()
+
+    def _open(self, now: float) -> None:
+        self.state = Circuit.OPEN
+        self.opened_at = now
+        self.trial_in_flight = False
+
+
+class Replica:
+    """Mutable router-side state of one replica. Owned by the router's event loop (no locks)."""
+
+    def __init__(
+        self, url: str, role: str = "mixed", *, source: str = "static", policy: HealthPolicy | None = None
+    ) -> None:
+        self.url = url
+        self.role = role
+        self.source = source  # static | admin | discovery: who may remove it
+        self.policy = policy or HealthPolicy()
+        self.health = Health.STARTING
+        self.draining = False
+        self.models: list[str] = []  # served model ids (from /v1/models)
+        self.circuit = CircuitBreaker(
+            self.policy.circuit_failures, self.policy.circuit_cooldown, self.policy.circuit_cooldown_max
+        )
+        self.probe_failures = 0
+        self.next_probe_at = 0.0
+        self.probe_delay = self.policy.probe_interval
+        # Load the router itself tracks (policies read these).
+        self.inflight = 0
+        self.inflight_tokens = 0
+        self.total_requests = 0
+
+    # ---- routing view -------------------------------------------------------------------------
+    def routable(self, now: float) -> bool:
+        return self.health is Health.HEALTHY and not self.draining and self.circuit.allows(now)
+
+    @property
+    def ever_healthy(self) -> bool:
+        return self.health is not Health.STARTING
+
+    # ---- load accounting ------------------------------------------------------------------------
+    def acquire(self, tokens: int, now: float) -> None:
+        self.inflight += 1
+        self.inflight_tokens += tokens
+        self.total_requests += 1
+        self.circuit.on_send(now)
+
+    def release(self, tokens: int) -> None:
+        self.inflight -= 1
+        self.inflight_tokens -= tokens
+
+    # ---- active probes ------------------------------------------------------------------------
+    def on_probe_ok(self, now: float) -> None:
+        if self.health is not Health.HEALTHY:
+            self.circuit.reset()  # a replica that came back gets a clean slate
+        self.health = Health.HEALTHY
+        self.probe_failures = 0
+        self.probe_delay = self.policy.probe_interval
+        self.next_probe_at = now + self.probe_delay
+
+    def on_probe_fail(self, now: float) -> None:
+        if self.health is Health.HEALTHY:
+            self.probe_failures += 1
+            if self.probe_failures >= self.policy.eject_after_probe_failures:
+                self.health = Health.EJECTED
+            self.next_probe_at = now + self.policy.probe_interval
+            return
+        # Starting or ejected: back off so a dead replica costs little; starting ones are not errors.
+        self.probe_delay = min(
+            max(self.probe_delay * 2, self.policy.probe_interval / 4), self.policy.probe_backoff_max
+        )
+        self.next_probe_at = now + self.probe_delay
+
+    # ---- passive signals from traffic ---------------------------------------------------------
+    def on_connect_error(self, now: float) -> None:
+        """Nothing listens: eject now and probe soon (a restart is readmitted by the next good probe)."""
+        if self.health is Health.HEALTHY:
+            self.health = Health.EJECTED
+            self.probe_delay = self.policy.probe_interval / 4
+            self.next_probe_at = now + self.probe_delay
+        self.circuit.on_failure(now)
+
+    def on_request_failure(self, now: float) -> None:
+        """A 5xx, a timeout or a broken stream."""
+        self.circuit.on_failure(now)
+
+    def on_request_success(self) -> None:
+        if self.circuit.state is not Circuit.CLOSED or self.circuit.consecutive_failures:
+            self.circuit.on_success()
+
+    def describe(self, now: float) -> dict:
+        return {
+            "url": self.url,
+            "role": self.role,
+            "source": self.source,
+            "health": self.health.value,
+            "circuit": self.circuit.state.value,
+            "draining": self.draining,
+            "routable": self.routable(now),
+            "models": list(self.models),
+            "inflight": self.inflight,
+            "inflight_tokens": self.inflight_tokens,
+            "total_requests": self.total_requests,
+        }

@@ -1,0 +1,38 @@
+"""When to retry and how long to wait: a pure, tested policy (the relay applies it).
+
+A request may be re-sent to a *different* replica only while no byte of the answer has reached
+the client: after connect errors (nothing listens), read errors before the response head, and
+answers 429/502/503/504 (the replica is overloaded, draining or broken). Any other status is the
+answer. Backoff is "full jitter": uniform in [0, min(cap, base * 2**attempt)], so retries of many
+requests that failed together do not arrive together.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+RETRYABLE_STATUS = frozenset({429, 502, 503, 504})
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    max_retries: int = 2
+    backoff_base: float = 0.02
+    backoff_cap: float = 0.5
+
+    def should_retry_status(self, status: int, attempt: int) -> bool:
+        return status in RETRYABLE_STATUS and attempt < self.max_retries
+
+    def can_retry(self, attempt: int) -> bool:
+        return attempt < self.max_retries
+
+    def backoff(self, attempt: int, rng: random.Random | None = None) -> float:
+        """Seconds to wait before retry number ``attempt + 1`` (attempt counts from 0)."""
+        ceiling = min(self.backoff_cap, self.backoff_base * (2**attempt))
+        return (rng or random).uniform(0.0, ceiling)
+
+
+def counts_as_replica_failure(status: int) -> bool:
+    """Statuses that feed the replica's circuit breaker (429 is load, not failure)."""
+    return status >= 500

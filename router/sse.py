@@ -1,0 +1,151 @@
+"""Server-sent events of OpenAI streams: splitting, and the bookkeeping that makes failover exact.
+
+The router asks replicas for ``return_token_ids`` on streams it may have to resume, so every
+chunk's choice carries the ids of the tokens it adds. ``StreamTracker`` reads each event once:
+it collects those ids (the ``resume.token_ids`` of a failover), removes what the client did not
+ask for, and, after a failover, makes the new replica's chunks look like the rest of the stream
+(same ``id`` and ``created``, no second ``role`` chunk, ``usage`` counting every token sent).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+DONE = b"[DONE]"
+
+
+class SSESplitter:
+    """Reassembles events (``...\\n\\n``) from arbitrary network chunks."""
+
+    def __init__(self) -> None:
+        self._buf = b""
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        buf = self._buf + chunk if self._buf else chunk
+        if b"\n\n" not in buf:
+            if b"\r\n\r\n" in buf:  # some servers frame with CRLF
+                buf = buf.replace(b"\r\n", b"\n")
+            else:
+                self._buf = buf
+                return []
+        parts = buf.split(b"\n\n")
+        self._buf = parts.pop()
+        return [p for p in parts if p]
+
+    @property
+    def pending(self) -> bytes:
+        return self._buf
+
+
+def event_data(event: bytes) -> bytes | None:
+    """The payload of a ``data:`` event (multi-line data joined), or None for comments/others."""
+    if event.startswith(b"data: ") and b"\n" not in event:
+        return event[6:]
+    lines = [ln[5:].lstrip(b" ") for ln in event.split(b"\n") if ln.startswith(b"data:")]
+    return b"\n".join(lines) if lines else None
+
+
+class StreamTracker:
+    def __init__(self, *, chat: bool, client_wants_token_ids: bool) -> None:
+        self.chat = chat
+        self.keep_ids = client_wants_token_ids
+        self.token_ids: list[int] = []  # completion tokens already sent to the client
+        self.ids_complete = True  # False once a content chunk came without token_ids: no exact resume
+        self.finished = False  # a finish_reason was sent
+        self.done = False  # [DONE] was sent
+        self.role_sent = False
+        self.failovers = 0
+        self.stream_id: str | None = None
+        self.created: int | None = None
+        self.sent_content = False  # any chunk with content reached the client (TTFT)
+
+    def begin_failover(self) -> None:
+        self.failovers += 1
+
+    def process(self, event: bytes) -> bytes | None:
+        """The event to send the client (bytes without the trailing blank line), or None to drop it."""
+        data = event_data(event)
+        if data is None:
+            return event
+        if data == DONE:
+            self.done = True
+            return event
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            return event
+        if not isinstance(obj, dict):
+            return event
+        changed = False
+        if self.stream_id is None:
+            self.stream_id, self.created = obj.get("id"), obj.get("created")
+        elif self.failovers:
+            obj["id"], obj["created"] = self.stream_id, self.created
+            changed = True
+        if "prompt_token_ids" in obj and not self.keep_ids:
+            del obj["prompt_token_ids"]
+            changed = True
+        choices = obj.get("choices")
+        if isinstance(choices, list):
+            if self.failovers and self.chat and self._is_bare_role_chunk(choices, obj):
+                return None
+            for choice in choices:
+                changed |= self._choice(choice)
+            if self.chat and any(isinstance(c.get("delta"), dict) and "role" in c["delta"] for c in choices):
+                self.role_sent = True
+        usage = obj.get("usage")
+        if self.failovers and isinstance(usage, dict) and self.ids_complete:
+            # Each replica counts only what it saw; the client must see the whole request's count.
+            usage["completion_tokens"] = len(self.token_ids)
+            usage["total_tokens"] = usage.get("prompt_tokens", 0) + len(self.token_ids)
+            changed = True
+        if not changed:
+            return event
+        return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+    def _choice(self, choice: Any) -> bool:
+        if not isinstance(choice, dict):
+            return False
+        changed = False
+        ids = choice.get("token_ids")
+        if ids is not None:
+            if isinstance(ids, list):
+                self.token_ids.extend(ids)
+            if not self.keep_ids:
+                del choice["token_ids"]
+                changed = True
+        elif self._has_content(choice):
+            self.ids_complete = False
+        if self._has_content(choice):
+            self.sent_content = True
+        if choice.get("finish_reason"):
+            self.finished = True
+        return changed
+
+    def _has_content(self, choice: dict) -> bool:
+        if self.chat:
+            delta = choice.get("delta")
+            return isinstance(delta, dict) and bool(
+                delta.get("content") or delta.get("tool_calls") or delta.get("reasoning_content")
+            )
+        return bool(choice.get("text"))
+
+    def _is_bare_role_chunk(self, choices: list, obj: dict) -> bool:
+        """The resumed replica's opening ``{"role": "assistant", "content": ""}`` chunk, already sent once."""
+        if not self.role_sent or obj.get("usage"):
+            return False
+        for c in choices:
+            delta = c.get("delta") if isinstance(c, dict) else None
+            if not isinstance(delta, dict) or "role" not in delta or c.get("finish_reason"):
+                return False
+            if delta.get("content") or delta.get("tool_calls") or c.get("token_ids") or c.get("logprobs"):
+                return False
+        return True
+
+    def resume_body(self, body: dict) -> dict:
+        """The request to send the next replica: the same request, resumed after what was sent."""
+        out = dict(body)
+        if self.token_ids:
+            out["resume"] = {"token_ids": list(self.token_ids)}
+        return out

@@ -1,0 +1,68 @@
+"""Stream bookkeeping for failover: token ids collected, stripped, spliced after a failover."""
+
+from __future__ import annotations
+
+import json
+
+from router.sse import SSESplitter, StreamTracker
+
+
+def ev(obj) -> bytes:
+    return b"data: " + json.dumps(obj).encode()
+
+
+def chunk(
+    content: str, ids: list[int], *, role: bool = False, finish: str | None = None, cid: str = "c1"
+) -> bytes:
+    delta = {"role": "assistant", "content": content} if role else {"content": content}
+    choice = {"index": 0, "delta": delta, "finish_reason": finish, "token_ids": ids}
+    return ev(
+        {"id": cid, "object": "chat.completion.chunk", "created": 11, "model": "m", "choices": [choice]}
+    )
+
+
+def test_splitter_reassembles_events_across_network_chunks() -> None:
+    s = SSESplitter()
+    assert s.feed(b'data: {"a"') == []
+    assert s.feed(b": 1}\n\ndata: [DO") == [b'data: {"a": 1}']
+    assert s.feed(b"NE]\n\n") == [b"data: [DONE]"]
+    assert s.pending == b""
+
+
+def test_tracker_collects_and_strips_token_ids() -> None:
+    t = StreamTracker(chat=True, client_wants_token_ids=False)
+    out = t.process(chunk("", [], role=True))
+    assert "token_ids" not in json.loads(out[6:])["choices"][0]
+    t.process(chunk("Hel", [5, 6]))
+    t.process(chunk("lo", [7], finish="length"))
+    assert t.token_ids == [5, 6, 7] and t.finished and t.ids_complete
+    assert t.resume_body({"max_tokens": 3})["resume"] == {"token_ids": [5, 6, 7]}
+    assert t.process(b"data: [DONE]") == b"data: [DONE]" and t.done
+
+
+def test_tracker_without_ids_cannot_resume() -> None:
+    t = StreamTracker(chat=False, client_wants_token_ids=False)
+    raw = ev({"id": "x", "choices": [{"index": 0, "text": "hi", "finish_reason": None}]})
+    assert t.process(raw) == raw  # untouched bytes pass straight through
+    assert not t.ids_complete
+
+
+def test_tracker_splices_the_resumed_stream() -> None:
+    t = StreamTracker(chat=True, client_wants_token_ids=False)
+    t.process(chunk("", [], role=True))
+    t.process(chunk("ab", [1, 2]))
+    t.begin_failover()
+    assert t.process(chunk("", [], role=True, cid="c2")) is None  # second role chunk dropped
+    out = json.loads(t.process(chunk("c", [3], cid="c2"))[6:])
+    assert out["id"] == "c1" and out["created"] == 11 and out["choices"][0]["delta"] == {"content": "c"}
+    usage = ev(
+        {
+            "id": "c2",
+            "created": 99,
+            "choices": [],
+            "usage": {"prompt_tokens": 10, "completion_tokens": 1, "total_tokens": 11},
+        }
+    )
+    fixed = json.loads(t.process(usage)[6:])
+    assert fixed["usage"] == {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13}
+    assert t.token_ids == [1, 2, 3]
