@@ -1,0 +1,99 @@
+"""Prometheus collectors of the KV tier, plus the process-local counters behind ``Tier.stats()``.
+
+The collectors live on prometheus-client's default registry at module level, so a replica's
+``/metrics`` shows them without any wiring. Counters are declared without the ``_total``
+suffix because prometheus-client appends it: the exposed names are exactly
+``ferry:kv_tier_hits_total`` and so on. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from prometheus_client import Counter, Histogram
+
+# Error kinds used as the ``kind`` label of ferry:kv_tier_errors_total.
+ERROR_CONNECTION = "connection"  # refused, reset, DNS, TLS: the tier is unreachable
+ERROR_TIMEOUT = "timeout"  # a socket timeout bounded the call
+ERROR_CORRUPT = "corrupt"  # a stored value failed its header or checksum
+ERROR_RESPONSE = "response"  # the server answered with an error (OOM, READONLY, auth…)
+ERROR_CIRCUIT_OPEN = "circuit_open"  # call skipped: the breaker is open after recent failures
+ERROR_INTERNAL = "internal"  # anything else; a bug if it ever shows up
+
+_LATENCY_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+)
+
+KV_TIER_HITS = Counter("ferry:kv_tier_hits", "KV blocks found in the tier by get_many.")
+KV_TIER_MISSES = Counter("ferry:kv_tier_misses", "KV blocks asked of the tier and not found.")
+KV_TIER_BYTES_READ = Counter("ferry:kv_tier_bytes_read", "Bytes of KV block values read from the tier.")
+KV_TIER_BYTES_WRITTEN = Counter(
+    "ferry:kv_tier_bytes_written", "Bytes of KV block values written to the tier."
+)
+KV_TIER_ERRORS = Counter("ferry:kv_tier_errors", "Tier calls or values that failed, by kind.", ["kind"])
+KV_TIER_DROPPED_WRITES = Counter(
+    "ferry:kv_tier_dropped_writes", "KV block writes dropped because the write queue was full or failed."
+)
+KV_TIER_GET_SECONDS = Histogram(
+    "ferry:kv_tier_get_seconds", "Latency of one batched tier read (get_many).", buckets=_LATENCY_BUCKETS
+)
+KV_TIER_PUT_SECONDS = Histogram(
+    "ferry:kv_tier_put_seconds", "Latency of one batched tier write (put_many).", buckets=_LATENCY_BUCKETS
+)
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """A snapshot of one tier instance's counters (the Prometheus ones add up every instance)."""
+
+    hits: int = 0
+    misses: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    blocks_written: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+    # Filled by the backends that know them.
+    entries: int | None = None
+    bytes_used: int | None = None
+    capacity_bytes: int | None = None
+    evictions: int | None = None
+    breaker_state: str | None = None
+
+
+class ErrorCounter:
+    """Counts errors by kind locally and in ``ferry:kv_tier_errors_total``; thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[str, int] = {}
+
+    def record(self, kind: str, n: int = 1) -> None:
+        KV_TIER_ERRORS.labels(kind=kind).inc(n)
+        with self._lock:
+            self._counts[kind] = self._counts.get(kind, 0) + n
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+
+def merge_errors(*parts: dict[str, int]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for part in parts:
+        for kind, n in part.items():
+            out[kind] = out.get(kind, 0) + n
+    return out

@@ -1,0 +1,139 @@
+"""``redis://`` and ``rediss://`` — KV blocks in Redis, shared by every replica of a model.
+
+URL: ``redis[s]://[[user]:password@]host:port/db?ttl=S&timeout=S&connect_timeout=S
+&max_connections=N&l1_bytes=N&breaker_failures=N&breaker_cooldown=S``
+(redis-py's own ``ssl_*`` and ``client_name`` parameters pass through).
+
+* Reads are pipelined ``MGET`` s in chunks (one round trip for a whole prefix); writes are
+  pipelined ``SET`` s, not ``MSET``: hiredis' command packer caps large ``MSET`` s at ~0.5 GB/s.
+* ``contains_prefix`` pipelines one ``EXISTS`` per key (one round trip, ~no payload), chunked
+  so a long prompt that misses early stops early.
+* Every call is bounded by socket timeouts, no call is retried (the breaker decides when to
+  try again), and eviction is Redis' own (``maxmemory`` + an LRU policy); ``ttl`` adds expiry.
+* ``l1_bytes=N`` puts a process-local memory LRU of N bytes in front (see ``composite_tier``).
+
+This backend raises on I/O errors; the factory wraps it in ``GuardedTier`` so the tier that
+``open_tier`` returns never does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from kvcache.breaker import CircuitBreaker, GuardedTier
+from kvcache.tier import Tier, TierURL, register_tier
+
+READ_CHUNK = 64  # keys per MGET: bounds one reply to ~16 MiB of 256 KiB blocks
+EXISTS_CHUNK = 64  # keys per pipelined EXISTS round trip in contains_prefix
+WRITE_CHUNK_BYTES = 32 << 20  # flush a write pipeline every ~32 MiB
+PASSTHROUGH_PARAMS = (
+    "ssl_cert_reqs",
+    "ssl_ca_certs",
+    "ssl_ca_path",
+    "ssl_certfile",
+    "ssl_keyfile",
+    "ssl_check_hostname",
+    "client_name",
+)
+
+
+class RedisTier(Tier):
+    """Raw Redis backend (may raise); see the module docstring."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        ttl_s: int | None = None,
+        socket_timeout: float = 1.0,
+        connect_timeout: float = 0.5,
+        max_connections: int = 16,
+    ) -> None:
+        self.ttl_s = ttl_s
+        # No retries: a failing call returns at once and the breaker owns "try again later".
+        # A blocking pool waits (bounded) for a free connection instead of failing when the
+        # engine thread, loader and writer threads all call at once.
+        self._pool = redis.BlockingConnectionPool.from_url(
+            url,
+            max_connections=max_connections,
+            timeout=socket_timeout,
+            socket_timeout=socket_timeout,
+            socket_connect_timeout=connect_timeout,
+            retry=Retry(NoBackoff(), 0),
+            health_check_interval=0,
+        )
+        self._client = redis.Redis(connection_pool=self._pool)
+
+    def contains_prefix(self, keys: Sequence[str]) -> int:
+        found = 0
+        for start in range(0, len(keys), EXISTS_CHUNK):
+            pipe = self._client.pipeline(transaction=False)
+            chunk = keys[start : start + EXISTS_CHUNK]
+            for key in chunk:
+                pipe.exists(key)
+            for exists in pipe.execute():
+                if not exists:
+                    return found
+                found += 1
+        return found
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        if len(keys) <= READ_CHUNK:
+            return self._client.mget(keys)
+        pipe = self._client.pipeline(transaction=False)
+        for start in range(0, len(keys), READ_CHUNK):
+            pipe.mget(keys[start : start + READ_CHUNK])
+        out: list[bytes | None] = []
+        for part in pipe.execute():
+            out.extend(part)
+        return out
+
+    def put_many(self, items: Sequence[tuple[str, bytes]]) -> bool:
+        pipe = self._client.pipeline(transaction=False)
+        pending = 0
+        for key, value in items:
+            pipe.set(key, value, ex=self.ttl_s)
+            pending += len(value)
+            if pending >= WRITE_CHUNK_BYTES:
+                pipe.execute()
+                pending = 0
+        pipe.execute()
+        return True
+
+    def close(self) -> None:
+        self._client.close()
+        self._pool.disconnect()
+
+
+@register_tier("redis", "rediss")
+def _open_redis(url: TierURL) -> Tier:
+    ttl_s = url.pop_int("ttl", None, minimum=1)
+    timeout = url.pop_float("timeout", 1.0, minimum=0.001)
+    connect_timeout = url.pop_float("connect_timeout", 0.5, minimum=0.001)
+    max_connections = url.pop_int("max_connections", 16, minimum=1)
+    l1_bytes = url.pop_int("l1_bytes", None, minimum=1)
+    failures = url.pop_int("breaker_failures", 3, minimum=1)
+    cooldown = url.pop_float("breaker_cooldown", 1.0, minimum=0.0)
+    passthrough = {k: url.params.pop(k) for k in PASSTHROUGH_PARAMS if k in url.params}
+    url.check_consumed()
+    assert max_connections is not None and failures is not None
+    backend = RedisTier(
+        url.url_without_params(passthrough),
+        ttl_s=ttl_s,
+        socket_timeout=timeout,
+        connect_timeout=connect_timeout,
+        max_connections=max_connections,
+    )
+    guarded = GuardedTier(
+        backend, CircuitBreaker(failures, cooldown), name=f"{url.scheme}://{url.parts.hostname}"
+    )
+    if l1_bytes is None:
+        return guarded
+    from kvcache.composite_tier import CompositeTier
+    from kvcache.memory_tier import MemoryTier
+
+    return CompositeTier(MemoryTier(l1_bytes), guarded)

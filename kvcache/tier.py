@@ -1,0 +1,243 @@
+"""The KV tier interface, the registry of backends by URL scheme, and ``open_tier``.
+
+A tier is a byte store keyed by ``kvcache.keys.tier_key`` strings. It knows nothing about
+tensors (that is ``codec``), so this module and every backend stay torch-free and the router
+may use a tier too (e.g. ``contains_prefix`` for cache-aware routing).
+
+Contract of the ``Tier`` methods (all thread-safe):
+
+* ``contains_prefix(keys)``: how many *leading* keys the tier holds (stops at the first absent).
+* ``get_many(keys)``: one value or ``None`` per key, in order.
+* ``put_many(items)``: store ``(key, value)`` pairs; ``True`` when every write was accepted.
+* ``close()``: release connections; later calls behave as misses.
+
+A backend may raise on I/O failure; what ``open_tier`` returns never does: failing backends
+are wrapped in a circuit breaker (``breaker.GuardedTier``) and the outermost ``MeteredTier``
+records the Prometheus metrics and turns anything unexpected into a counted miss.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from urllib.parse import parse_qsl, urlsplit, urlunsplit
+
+from kvcache.metrics import (
+    ERROR_INTERNAL,
+    KV_TIER_BYTES_READ,
+    KV_TIER_BYTES_WRITTEN,
+    KV_TIER_GET_SECONDS,
+    KV_TIER_HITS,
+    KV_TIER_MISSES,
+    KV_TIER_PUT_SECONDS,
+    ErrorCounter,
+    TierStats,
+    merge_errors,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class Tier(ABC):
+    """A byte store of KV blocks addressed by tier key. See the module docstring for the contract."""
+
+    @abstractmethod
+    def contains_prefix(self, keys: Sequence[str]) -> int: ...
+
+    @abstractmethod
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]: ...
+
+    @abstractmethod
+    def put_many(self, items: Sequence[tuple[str, bytes]]) -> bool: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    def stats(self) -> TierStats:
+        return TierStats()
+
+    def __enter__(self) -> Tier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# A factory turns a parsed URL into a tier that never raises (see GuardedTier).
+TierFactory = Callable[["TierURL"], Tier]
+
+_REGISTRY: dict[str, TierFactory] = {}
+# Built-in backends register themselves on import; importing them lazily keeps this module light.
+_BUILTIN_MODULES = {
+    "memory": "kvcache.memory_tier",
+    "redis": "kvcache.redis_tier",
+    "rediss": "kvcache.redis_tier",
+}
+
+
+class TierURL:
+    """A tier URL split into its parts, with the query parameters the backend consumes.
+
+    Backends ``pop`` the parameters they understand; ``check_consumed`` then rejects any
+    left over, so a typo such as ``?tll=60`` is an error at startup instead of silently ignored.
+    """
+
+    def __init__(self, url: str) -> None:
+        parts = urlsplit(url)
+        if not parts.scheme:
+            raise ValueError(f"KV tier URL {url!r} has no scheme (expected memory://, redis://, rediss://)")
+        self.url = url
+        self.scheme = parts.scheme.lower()
+        self.parts = parts
+        self.params: dict[str, str] = dict(parse_qsl(parts.query, keep_blank_values=True))
+
+    def pop_int(self, name: str, default: int | None, *, minimum: int = 0) -> int | None:
+        raw = self.params.pop(name, None)
+        if raw is None:
+            return default
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ValueError(f"KV tier URL parameter {name}={raw!r} must be an integer") from None
+        if value < minimum:
+            raise ValueError(f"KV tier URL parameter {name}={value} must be >= {minimum}")
+        return value
+
+    def pop_float(self, name: str, default: float, *, minimum: float = 0.0) -> float:
+        raw = self.params.pop(name, None)
+        if raw is None:
+            return default
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ValueError(f"KV tier URL parameter {name}={raw!r} must be a number") from None
+        if not value >= minimum:
+            raise ValueError(f"KV tier URL parameter {name}={value} must be >= {minimum}")
+        return value
+
+    def check_consumed(self) -> None:
+        if self.params:
+            raise ValueError(
+                f"unknown KV tier URL parameter(s) for {self.scheme}://: {', '.join(sorted(self.params))}"
+            )
+
+    def url_without_params(self, keep: dict[str, str] | None = None) -> str:
+        """The URL with only ``keep`` as its query (for handing to a client library)."""
+        query = "&".join(f"{k}={v}" for k, v in (keep or {}).items())
+        p = self.parts
+        return urlunsplit((p.scheme, p.netloc, p.path, query, p.fragment))
+
+
+def register_tier(*schemes: str) -> Callable[[TierFactory], TierFactory]:
+    """Register a backend factory for one or more URL schemes (adding a backend = a file + this line)."""
+
+    def deco(factory: TierFactory) -> TierFactory:
+        for scheme in schemes:
+            _REGISTRY[scheme.lower()] = factory
+        return factory
+
+    return deco
+
+
+def open_tier(url: str) -> Tier:
+    """Open the tier a URL names, wrapped so that no call ever raises (errors become counted misses).
+
+    Raises ``ValueError`` only for a malformed URL or an unknown scheme/parameter: configuration
+    errors belong at startup.
+    """
+    parsed = TierURL(url)
+    if parsed.scheme not in _REGISTRY and parsed.scheme in _BUILTIN_MODULES:
+        importlib.import_module(_BUILTIN_MODULES[parsed.scheme])
+    factory = _REGISTRY.get(parsed.scheme)
+    if factory is None:
+        known = sorted(set(_REGISTRY) | set(_BUILTIN_MODULES))
+        raise ValueError(f"unknown KV tier scheme {parsed.scheme!r}; known: {', '.join(known)}")
+    inner = factory(parsed)
+    parsed.check_consumed()
+    return MeteredTier(inner)
+
+
+class MeteredTier(Tier):
+    """Outermost wrapper: Prometheus metrics and local counters, and the never-raise guarantee."""
+
+    def __init__(self, inner: Tier) -> None:
+        self.inner = inner
+        self._lock = threading.Lock()
+        self._hits = self._misses = self._bytes_read = self._bytes_written = self._blocks_written = 0
+        self._errors = ErrorCounter()
+
+    def contains_prefix(self, keys: Sequence[str]) -> int:
+        if not keys:
+            return 0
+        try:
+            return self.inner.contains_prefix(keys)
+        except Exception:
+            self._internal_error("contains_prefix")
+            return 0
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        if not keys:
+            return []
+        start = time.perf_counter()
+        try:
+            values = self.inner.get_many(keys)
+        except Exception:
+            self._internal_error("get_many")
+            values = [None] * len(keys)
+        KV_TIER_GET_SECONDS.observe(time.perf_counter() - start)
+        hits = sum(1 for v in values if v is not None)
+        nbytes = sum(len(v) for v in values if v is not None)
+        KV_TIER_HITS.inc(hits)
+        KV_TIER_MISSES.inc(len(keys) - hits)
+        KV_TIER_BYTES_READ.inc(nbytes)
+        with self._lock:
+            self._hits += hits
+            self._misses += len(keys) - hits
+            self._bytes_read += nbytes
+        return values
+
+    def put_many(self, items: Sequence[tuple[str, bytes]]) -> bool:
+        if not items:
+            return True
+        start = time.perf_counter()
+        try:
+            ok = self.inner.put_many(items)
+        except Exception:
+            self._internal_error("put_many")
+            ok = False
+        KV_TIER_PUT_SECONDS.observe(time.perf_counter() - start)
+        if ok:
+            nbytes = sum(len(v) for _, v in items)
+            KV_TIER_BYTES_WRITTEN.inc(nbytes)
+            with self._lock:
+                self._bytes_written += nbytes
+                self._blocks_written += len(items)
+        return ok
+
+    def close(self) -> None:
+        try:
+            self.inner.close()
+        except Exception:
+            self._internal_error("close")
+
+    def stats(self) -> TierStats:
+        inner = self.inner.stats()
+        with self._lock:
+            return replace(
+                inner,
+                hits=self._hits,
+                misses=self._misses,
+                bytes_read=self._bytes_read,
+                bytes_written=self._bytes_written,
+                blocks_written=self._blocks_written,
+                errors=merge_errors(inner.errors, self._errors.snapshot()),
+            )
+
+    def _internal_error(self, op: str) -> None:
+        logger.exception("KV tier %s failed unexpectedly; treated as a miss", op)
+        self._errors.record(ERROR_INTERNAL)

@@ -1,0 +1,201 @@
+"""redis:// tier against a real redis-server: exact contents, key isolation, TTL, L1, outages."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+
+from kvcache.keys import block_hashes, tier_key
+from kvcache.redis_tier import EXISTS_CHUNK, READ_CHUNK
+from kvcache.tier import open_tier
+
+HASHES = block_hashes(list(range(16 * 200)), 16)
+
+
+def _items(fp: str, idx: list[int], size: int = 1000) -> list[tuple[str, bytes]]:
+    return [(tier_key(fp, HASHES[i]), bytes([i % 256]) * size) for i in idx]
+
+
+def test_put_get_contains_exact(redis_url: str) -> None:
+    tier = open_tier(redis_url)
+    items = _items("fpA", [0, 1, 2, 4])
+    assert tier.put_many(items) is True
+    raw = redis.Redis.from_url(redis_url)
+    # Stored exactly under ferry:kv:{fingerprint}:{hash_hex}, value byte for byte.
+    assert raw.get(f"ferry:kv:fpA:{HASHES[1].hex()}") == bytes([1]) * 1000
+    assert sorted(raw.keys("*")) == sorted(k.encode() for k, _ in items)
+    keys = [tier_key("fpA", h) for h in HASHES[:6]]
+    assert tier.contains_prefix(keys) == 3
+    assert tier.contains_prefix(keys[4:]) == 1
+    assert tier.contains_prefix(keys[3:]) == 0
+    assert tier.get_many(keys) == [
+        bytes([0]) * 1000,
+        bytes([1]) * 1000,
+        bytes([2]) * 1000,
+        None,
+        bytes([4]) * 1000,
+        None,
+    ]
+    s = tier.stats()
+    assert (s.hits, s.misses, s.bytes_written, s.breaker_state, s.errors) == (4, 2, 4000, "closed", {})
+    tier.close()
+
+
+def test_long_prefixes_cross_chunk_boundaries(redis_url: str) -> None:
+    n = max(READ_CHUNK, EXISTS_CHUNK) * 2 + 7
+    tier = open_tier(redis_url)
+    tier.put_many(_items("fp", list(range(n)), size=64))
+    keys = [tier_key("fp", h) for h in HASHES[: n + 3]]
+    assert tier.contains_prefix(keys) == n
+    values = tier.get_many(keys)
+    assert values[:n] == [bytes([i % 256]) * 64 for i in range(n)] and values[n:] == [None] * 3
+    redis.Redis.from_url(redis_url).delete(keys[EXISTS_CHUNK + 5])
+    assert tier.contains_prefix(keys) == EXISTS_CHUNK + 5
+
+
+def test_other_fingerprint_never_reads_our_blocks(redis_url: str) -> None:
+    tier = open_tier(redis_url)
+    tier.put_many(_items("modelA", [0, 1]))
+    other = [tier_key("modelB", h) for h in HASHES[:2]]
+    assert tier.contains_prefix(other) == 0
+    assert tier.get_many(other) == [None, None]
+
+
+def test_ttl_is_applied(redis_url: str) -> None:
+    tier = open_tier(redis_url + "?ttl=30")
+    tier.put_many(_items("fp", [0]))
+    raw = redis.Redis.from_url(redis_url)
+    assert 0 < raw.ttl(tier_key("fp", HASHES[0])) <= 30
+    plain = open_tier(redis_url)
+    plain.put_many(_items("fp", [1]))
+    assert raw.ttl(tier_key("fp", HASHES[1])) == -1  # no TTL: Redis' maxmemory policy evicts
+
+
+def test_l1_in_front_of_redis(redis_url: str) -> None:
+    tier = open_tier(redis_url + "?l1_bytes=100000")
+    writer = open_tier(redis_url)  # another replica, writing only to Redis
+    writer.put_many(_items("fp", [0, 1, 2]))
+    keys = [tier_key("fp", h) for h in HASHES[:4]]
+    assert tier.stats().entries == 0
+    assert tier.get_many(keys[:2]) == [bytes([0]) * 1000, bytes([1]) * 1000]
+    assert tier.stats().entries == 2  # L2 hits were promoted into L1
+    raw = redis.Redis.from_url(redis_url)
+    raw.delete(keys[0], keys[1])
+    assert tier.get_many(keys[:2]) == [bytes([0]) * 1000, bytes([1]) * 1000]  # served by L1
+    # contains_prefix merges both levels: 0,1 only in L1, 2 only in Redis.
+    assert tier.contains_prefix(keys) == 3
+    tier.put_many(_items("fp", [3]))  # writes reach both levels
+    assert raw.exists(keys[3]) == 1
+    assert tier.inner.l1.store.keys() == [keys[0], keys[1], keys[3]]  # probing promoted nothing
+
+
+@pytest.fixture
+def secured_redis(tmp_path):
+    """A second private redis-server that requires a password (port is free, process stopped after)."""
+    import shutil
+    import socket
+    import subprocess
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen(
+        [
+            shutil.which("redis-server"),
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(tmp_path),
+            "--requirepass",
+            "s3cret",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        yield port
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_password_in_url(secured_redis: int, metric) -> None:
+    good = open_tier(f"redis://:s3cret@127.0.0.1:{secured_redis}/0")
+    assert good.put_many(_items("fp", [0])) is True
+    key = tier_key("fp", HASHES[0])
+    assert good.get_many([key]) == [bytes([0]) * 1000]
+    before = metric("ferry:kv_tier_errors_total", kind="response")
+    bad = open_tier(f"redis://:wrong@127.0.0.1:{secured_redis}/0")
+    assert bad.get_many([key]) == [None]  # a miss, never an exception
+    assert metric("ferry:kv_tier_errors_total", kind="response") == before + 1
+    assert bad.stats().errors == {"response": 1}
+
+
+def test_redis_outage_returns_misses_fast_and_recovers(redis_server, redis_url: str, metric) -> None:
+    tier = open_tier(redis_url + "?breaker_failures=2&breaker_cooldown=0.3&timeout=0.5&connect_timeout=0.5")
+    items = _items("fp", [0, 1])
+    keys = [k for k, _ in items]
+    assert tier.put_many(items)
+    assert tier.get_many(keys) == [v for _, v in items]
+    conn_errors = metric("ferry:kv_tier_errors_total", kind="connection")
+    open_skips = metric("ferry:kv_tier_errors_total", kind="circuit_open")
+    redis_server.stop()
+    try:
+        for _ in range(2):  # two real failures open the breaker
+            start = time.monotonic()
+            assert tier.get_many(keys) == [None, None]
+            assert time.monotonic() - start < 2.0  # bounded by the socket timeouts, never a hang
+        assert metric("ferry:kv_tier_errors_total", kind="connection") == conn_errors + 2
+        assert tier.stats().breaker_state == "open"
+        # Open breaker: answers without touching the network.
+        start = time.monotonic()
+        assert tier.contains_prefix(keys) == 0
+        assert tier.put_many(items) is False
+        assert tier.get_many(keys) == [None, None]
+        assert time.monotonic() - start < 0.5
+        assert metric("ferry:kv_tier_errors_total", kind="circuit_open") == open_skips + 3
+        time.sleep(0.35)  # cool-down over: the next call is a half-open probe, which fails again
+        assert tier.get_many(keys) == [None, None]
+        assert tier.stats().breaker_state == "open"
+        assert metric("ferry:kv_tier_errors_total", kind="connection") == conn_errors + 3
+    finally:
+        redis_server.start()
+    # Another replica repopulates the (restarted, empty) Redis; ours recovers by itself.
+    redis.Redis.from_url(redis_url).mset(dict(items))
+    deadline = time.monotonic() + 5
+    while tier.get_many(keys) != [v for _, v in items]:
+        assert time.monotonic() < deadline, "tier did not recover after Redis came back"
+        time.sleep(0.05)
+    assert tier.stats().breaker_state == "closed"
+    assert tier.contains_prefix(keys) == 2
+
+
+def test_l1_keeps_serving_while_redis_is_down(redis_server, redis_url: str) -> None:
+    tier = open_tier(redis_url + "?l1_bytes=100000&breaker_failures=1&breaker_cooldown=60")
+    items = _items("fp", [0, 1])
+    tier.put_many(items)
+    redis_server.stop()
+    try:
+        keys = [k for k, _ in items] + [tier_key("fp", HASHES[2])]
+        assert tier.get_many(keys) == [items[0][1], items[1][1], None]
+        assert tier.contains_prefix(keys) == 2
+        assert tier.stats().breaker_state == "open"
+    finally:
+        redis_server.start()
