@@ -1,0 +1,285 @@
+"""Sampler: exact processor/filter values, (seed, position)-only randomness, raw logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.sampler import (
+    Sampler,
+    SamplingRow,
+    apply_filters,
+    bits_to_uniform,
+    process_logits,
+    prompt_logprobs,
+    row_key,
+    uniform_noise,
+)
+from engine.sampling_params import SamplingParams
+
+MASK = (1 << 64) - 1
+
+
+def row(
+    params: SamplingParams | None = None, seed: int = 0, position: int = 10, prompt=(), output=(), eos=(2,)
+) -> SamplingRow:
+    return SamplingRow(
+        params=params or SamplingParams(),
+        seed=seed,
+        position=position,
+        prompt_token_ids=list(prompt),
+        output_token_ids=list(output),
+        eos_token_ids=list(eos),
+    )
+
+
+def kept(logits: torch.Tensor) -> list[list[int]]:
+    return [torch.nonzero(torch.isfinite(r)).view(-1).tolist() for r in logits]
+
+
+# -- greedy ------------------------------------------------------------------------------------------
+
+
+def test_greedy_is_argmax_with_ties_to_lowest_id() -> None:
+    logits = torch.tensor([[0.0, 3.0, 1.0, 3.0], [5.0, 5.0, 5.0, 5.0], [-1.0, -2.0, -0.5, -3.0]])
+    out = Sampler(4)(logits, [row(SamplingParams(temperature=0.0)) for _ in range(3)])
+    assert out.token_ids == [1, 0, 2]
+    assert out.logprobs == [None] * 3 and out.top_logprobs == [None] * 3 and out.ranks == [None] * 3
+    # top_k=1 is greedy too, whatever the temperature.
+    assert Sampler(4)(
+        logits, [row(SamplingParams(temperature=1.5, top_k=1), seed=s) for s in range(3)]
+    ).token_ids == [1, 0, 2]
+
+
+def test_padded_vocab_columns_are_never_chosen() -> None:
+    logits = torch.tensor([[0.0, 1.0, 9.0, 50.0]])  # column 3 is embedding padding
+    assert Sampler(3)(logits, [row(SamplingParams(temperature=0.0))]).token_ids == [2]
+    for seed in range(50):
+        assert Sampler(3)(logits, [row(SamplingParams(temperature=5.0), seed=seed)]).token_ids[0] < 3
+    out = Sampler(3)(logits, [row(SamplingParams(temperature=0.0, logprobs=5))])
+    assert [t for t, _ in out.top_logprobs[0]] == [2, 1, 0]
+
+
+def test_input_logits_are_not_modified() -> None:
+    logits = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    before = logits.clone()
+    params = SamplingParams(temperature=0.7, top_k=2, repetition_penalty=1.3, logit_bias={0: 5.0}, min_p=0.1)
+    Sampler(4)(logits, [row(params, prompt=[3], output=[1])])
+    assert torch.equal(logits, before)
+
+
+# -- processors (exact values) -----------------------------------------------------------------------
+
+
+def test_logit_bias_adds_exactly() -> None:
+    logits = torch.tensor([[1.0, 2.0, 3.0, 4.0], [1.0, 2.0, 3.0, 4.0]])
+    rows = [row(SamplingParams(logit_bias={0: 10.0, 3: -100.0, 99: 5.0})), row()]
+    out = process_logits(logits.clone(), rows)
+    assert out.tolist() == [[11.0, 2.0, 3.0, -96.0], [1.0, 2.0, 3.0, 4.0]]
+    assert Sampler(4)(logits[:1], [row(SamplingParams(temperature=0.0, logit_bias={1: 2.5}))]).token_ids == [
+        1
+    ]
+
+
+def test_min_tokens_masks_eos_and_stop_ids_until_reached() -> None:
+    logits = torch.tensor([[0.0, 9.0, 8.0, 7.0, 1.0]])
+    params = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[1])
+    masked = process_logits(logits.clone(), [row(params, output=[4, 4], eos=(2,))])
+    assert masked.tolist() == [[0.0, -math.inf, -math.inf, 7.0, 1.0]]
+    assert Sampler(5)(logits, [row(params, output=[4, 4], eos=(2,))]).token_ids == [3]
+    assert Sampler(5)(logits, [row(params, output=[4, 4, 4], eos=(2,))]).token_ids == [1]
+    # As vLLM: EOS is masked even with ignore_eos.
+    ignore = SamplingParams(temperature=0.0, min_tokens=1, ignore_eos=True)
+    assert Sampler(5)(torch.tensor([[0.0, 1.0, 9.0, 0.0, 0.0]]), [row(ignore, eos=(2,))]).token_ids == [1]
+
+
+def test_repetition_penalty_divides_positive_multiplies_negative() -> None:
+    logits = torch.tensor([[2.0, -2.0, 1.0, -1.0, 3.0]])
+    params = SamplingParams(repetition_penalty=2.0)
+    out = process_logits(logits.clone(), [row(params, prompt=[0, 0], output=[1])])
+    assert out.tolist() == [[1.0, -4.0, 1.0, -1.0, 3.0]]
+
+
+def test_presence_and_frequency_penalties_count_output_tokens_only() -> None:
+    logits = torch.zeros(1, 4)
+    params = SamplingParams(presence_penalty=0.25, frequency_penalty=0.5)
+    out = process_logits(logits.clone(), [row(params, prompt=[3, 3, 3], output=[1, 1, 2])])
+    assert out.tolist() == [[0.0, -1.25, -0.75, 0.0]]
+
+
+def test_processors_compose_in_vllm_order() -> None:
+    # bias first (+3 -> 1.0), then repetition (1.0 / 2 = 0.5), then frequency (0.5 - 0.5 = 0.0).
+    logits = torch.tensor([[-2.0, 0.25, 0.0]])
+    params = SamplingParams(logit_bias={0: 3.0}, repetition_penalty=2.0, frequency_penalty=0.5)
+    out = process_logits(logits.clone(), [row(params, output=[0])])
+    assert out[0, 0].item() == 0.0
+
+
+# -- filters -----------------------------------------------------------------------------------------
+
+
+PROBS = [0.5, 0.3, 0.15, 0.05]
+
+
+def test_top_k_keeps_the_k_largest() -> None:
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0, -1.0]])
+    assert kept(apply_filters(logits, [2], [1.0], [0.0])) == [[1, 2]]
+    assert kept(apply_filters(logits, [9], [1.0], [0.0])) == [[0, 1, 2, 3, 4]]
+
+
+def test_top_p_keeps_the_smallest_head_reaching_p() -> None:
+    logits = torch.tensor([PROBS]).log()
+    assert kept(apply_filters(logits, [0], [0.7], [0.0])) == [[0, 1]]
+    assert kept(apply_filters(logits, [0], [0.85], [0.0])) == [[0, 1, 2]]
+    assert kept(apply_filters(logits, [0], [0.4], [0.0])) == [[0]]
+    # top_p applies to the distribution renormalised after top_k (0.5, 0.3, 0.15 -> mass before
+    # token 2 is 0.8 / 0.95 = 0.842 > 0.82): token 2 goes; without top_k it would stay.
+    assert kept(apply_filters(logits, [3], [0.82], [0.0])) == [[0, 1]]
+    assert kept(apply_filters(logits, [0], [0.82], [0.0])) == [[0, 1, 2]]
+
+
+def test_min_p_keeps_tokens_above_fraction_of_max() -> None:
+    logits = torch.tensor([PROBS]).log()
+    assert kept(apply_filters(logits, [0], [1.0], [0.25])) == [[0, 1, 2]]
+    assert kept(apply_filters(logits, [0], [1.0], [0.5])) == [[0, 1]]
+
+
+def test_filters_are_per_row() -> None:
+    logits = torch.tensor([PROBS, PROBS, PROBS]).log()
+    out = apply_filters(logits, [1, 0, 0], [1.0, 0.7, 1.0], [0.0, 0.0, 0.0])
+    assert kept(out) == [[0], [0, 1], [0, 1, 2, 3]]
+    # Kept logits are unchanged (no renormalisation leaks into the values).
+    assert torch.equal(out[2], logits[2]) and out[1, 1] == logits[1, 1]
+
+
+def test_sampling_respects_filters() -> None:
+    logits = torch.tensor([PROBS]).log()
+    rows = [row(SamplingParams(top_p=0.7), seed=s, position=p) for s in range(20) for p in range(10)]
+    tokens = Sampler(4)(logits.expand(len(rows), 4), rows).token_ids
+    assert set(tokens) == {0, 1}
+
+
+# -- randomness ----------------------------------------------------------------------------------------
+
+
+def _py_noise(key: int, token: int) -> float:
+    z = (key + token * 0x9E3779B97F4A7C15) & MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK
+    z ^= z >> 31
+    return ((z >> 41) + 0.5) / (1 << 23)
+
+
+def test_noise_is_a_pure_function_of_seed_position_token() -> None:
+    pairs = [(0, 0), (1, 0), (0, 1), (2**63 - 1, 123456), (-5, 7), (987654321, 2**31)]
+    keys = torch.tensor([row_key(s, p) for s, p in pairs], dtype=torch.int64)
+    u = uniform_noise(keys, 300)
+    for i, (s, p) in enumerate(pairs):
+        k = row_key(s, p) & MASK
+        assert u[i].tolist() == [_py_noise(k, t) for t in range(300)]
+    assert bool(((u > 0) & (u < 1)).all())
+    edge = bits_to_uniform(torch.tensor([0, -1], dtype=torch.int64)).tolist()  # all-zero / all-one bits
+    assert edge == [0.5 / (1 << 23), 1 - 0.5 / (1 << 23)]
+    assert len({row_key(s, p) for s in range(100) for p in range(100)}) == 10000
+
+
+def test_same_seed_and_position_give_same_token_in_any_batch() -> None:
+    torch.manual_seed(0)
+    vocab = 50
+    logits = torch.randn(8, vocab)
+    params = [
+        SamplingParams(temperature=t, top_p=p, top_k=k, logprobs=2)
+        for t, p, k in [(1.0, 1.0, -1), (0.7, 0.9, -1), (1.3, 1.0, 10), (0.0, 1.0, -1)] * 2
+    ]
+    rows = [row(params[i], seed=100 + i, position=7 * i) for i in range(8)]
+    sampler = Sampler(vocab)
+    batch = sampler(logits, rows)
+    for i in range(8):
+        alone = sampler(logits[i : i + 1], [rows[i]])
+        assert alone.token_ids == [batch.token_ids[i]]
+        assert alone.logprobs == [batch.logprobs[i]] and alone.top_logprobs == [batch.top_logprobs[i]]
+    order = [5, 2, 7, 0, 3, 6, 1, 4]
+    shuffled = sampler(logits[order], [rows[i] for i in order])
+    assert shuffled.token_ids == [batch.token_ids[i] for i in order]
+    # The same request row with other neighbours (different params, different sizes).
+    mixed = sampler(
+        torch.cat([torch.randn(3, vocab), logits[1:2]]),
+        [row(SamplingParams(temperature=2.0), seed=s) for s in range(3)] + [rows[1]],
+    )
+    assert mixed.token_ids[3] == batch.token_ids[1]
+
+
+def test_different_seeds_and_positions_differ() -> None:
+    logits = torch.zeros(1, 1000)  # uniform over 1000 tokens
+    by_seed = [Sampler(1000)(logits, [row(seed=s, position=0)]).token_ids[0] for s in range(200)]
+    by_pos = [Sampler(1000)(logits, [row(seed=0, position=p)]).token_ids[0] for p in range(200)]
+    assert len(set(by_seed)) > 150 and len(set(by_pos)) > 150
+    again = [Sampler(1000)(logits, [row(seed=s, position=0)]).token_ids[0] for s in range(200)]
+    assert again == by_seed
+
+
+@pytest.mark.parametrize("temperature,top_k", [(1.0, -1), (0.6, -1), (1.0, 3)])
+def test_empirical_distribution_matches_softmax(temperature: float, top_k: int) -> None:
+    base = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0, 1.5])
+    n = 40000
+    rows = [
+        row(SamplingParams(temperature=temperature, top_k=top_k), seed=i // 50, position=i % 50)
+        for i in range(n)
+    ]
+    tokens = torch.tensor(Sampler(8)(base.expand(n, 8), rows).token_ids)
+    freq = torch.bincount(tokens, minlength=8).double() / n
+    scaled = (base / temperature).double()
+    if top_k > 0:
+        scaled[scaled < scaled.topk(top_k).values[-1]] = -math.inf
+    p = torch.softmax(scaled, dim=0)
+    tol = 5 * torch.sqrt(p * (1 - p) / n) + 1e-9
+    assert bool(((freq - p).abs() <= tol).all()), (freq.tolist(), p.tolist())
+
+
+# -- logprobs ------------------------------------------------------------------------------------------
+
+
+def test_logprobs_ranks_top_n_are_raw_log_softmax() -> None:
+    torch.manual_seed(1)
+    logits = torch.randn(3, 40)
+    rows = [
+        row(SamplingParams(temperature=0.0, logprobs=0)),
+        row(
+            SamplingParams(temperature=0.8, logprobs=5, repetition_penalty=1.5, logit_bias={3: 4.0}),
+            seed=9,
+            output=[1, 2],
+        ),
+        row(SamplingParams(temperature=1.0)),
+    ]
+    out = Sampler(40)(logits, rows)
+    raw = torch.log_softmax(logits, dim=-1)
+    for i in (0, 1):
+        tok = out.token_ids[i]
+        assert out.logprobs[i] == raw[i, tok].item()
+        assert out.ranks[i] == int((raw[i] > raw[i, tok]).sum()) + 1
+    assert out.ranks[0] == 1 and out.top_logprobs[0] == []
+    values, ids = raw[1].topk(5)
+    assert out.top_logprobs[1] == list(zip(ids.tolist(), values.tolist(), strict=True))
+    assert out.logprobs[2] is None and out.top_logprobs[2] is None and out.ranks[2] is None
+
+
+def test_prompt_logprobs_exact() -> None:
+    torch.manual_seed(2)
+    logits = torch.randn(4, 30)
+    nxt = [5, 0, 29, 7]
+    res = prompt_logprobs(logits, nxt, top_n=3)
+    raw = torch.log_softmax(logits, dim=-1)
+    assert len(res) == 4
+    for t, (lp, rank, top) in enumerate(res):
+        assert lp == raw[t, nxt[t]].item()
+        assert rank == int((raw[t] > raw[t, nxt[t]]).sum()) + 1
+        values, ids = raw[t].topk(3)
+        assert top == list(zip(ids.tolist(), values.tolist(), strict=True))
+    assert prompt_logprobs(logits[:0], [], 3) == []
+    assert [r[2] for r in prompt_logprobs(logits, nxt, top_n=0)] == [[], [], [], []]
+    padded = torch.cat([logits, torch.full((4, 2), 100.0)], dim=1)
+    assert prompt_logprobs(padded, nxt, 3, vocab_size=30) == res
+    with pytest.raises(ValueError):
+        prompt_logprobs(logits, nxt[:2], 3)
