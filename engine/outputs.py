@@ -40,4 +40,8 @@ class RequestOutput:
     finished: bool = False
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the device prefix cache or the KV tier
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)  # time.monotonic() seconds: arrival_time,
+    # first_scheduled_time, first_token_time, finished_time
+    kv_transfer: dict | None = (
+        None  # on the final output of a kv_transfer request: block_hashes, num_cached_tokens
+    )

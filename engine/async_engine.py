@@ -1,0 +1,213 @@
+"""AsyncEngine: the engine loop on a background thread behind an asyncio API (the server's only door).
+
+The loop thread owns the ``LLMEngine``: only it schedules, runs the model or touches blocks.
+Callers talk to it through a command queue (add, abort) and receive outputs on per-request
+asyncio queues fed with ``call_soon_threadsafe``, so the API's event loop never waits on a model
+step. Everything crossing the thread boundary is a typed message (``Request``, ``RequestOutput``,
+``EngineStats``), which is what would cross a process boundary if the loop moved into its own
+process. A crash of the loop fails every in-flight request with ``EngineDeadError`` and marks the
+engine unhealthy; it never leaves a caller waiting forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.sequence import Request
+from engine.stats import EngineStats, ModelInfo
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped (crash or shutdown); the request cannot complete."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+@dataclass
+class _Add:
+    request: Request
+
+
+@dataclass
+class _Abort:
+    request_id: str
+    done: concurrent.futures.Future
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig | None = None, **options: Any) -> None:
+        if config is None:
+            config = EngineConfig.from_options(**options)
+        elif options:
+            raise TypeError("pass either an EngineConfig or keyword options, not both")
+        self.config = config
+        self.engine = LLMEngine(config)
+        self.tokenizer = self.engine.tokenizer
+        self.model_info: ModelInfo = self.engine.model_info
+        self._streams: dict[str, _Stream] = {}
+        self._commands: deque[_Add | _Abort] = deque()
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._error: BaseException | None = None
+        self._stats = self.engine.stats()
+        self._thread = threading.Thread(target=self._run, name="ferry-engine-loop", daemon=True)
+        self._thread.start()
+
+    # -- public API ----------------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        resume_token_ids: list[int] | None = None,
+        kv_transfer: dict[str, Any] | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream DELTA outputs of one request; the last has ``finished=True``.
+
+        Raises ValueError (before yielding anything) for bad input, EngineDeadError if the loop dies.
+        Closing the iterator early (client gone) aborts the request.
+        """
+        self._check_alive()
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        req = self.engine.make_request(
+            request_id, prompt, params, resume_token_ids=resume_token_ids, kv_transfer=kv_transfer
+        )
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request_id] = stream
+        self._submit(_Add(req))
+        finished = False
+        try:
+            while not finished:
+                out = await stream.queue.get()
+                if isinstance(out, BaseException):
+                    raise out
+                out = _merge_pending(out, stream.queue)
+                finished = out.finished
+                yield out
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished and not self._stopping and self._error is None:
+                self._submit(_Abort(request_id, concurrent.futures.Future()))
+
+    async def abort(self, request_id: str) -> None:
+        """Finish the request now (blocks freed before this returns); its stream ends with "abort"."""
+        if self._error is not None or not self._thread.is_alive():
+            return
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(_Abort(request_id, done))
+        await asyncio.wrap_future(done)
+
+    def stats(self) -> EngineStats:
+        """The snapshot the loop published after its latest step or command."""
+        return self._stats
+
+    def is_healthy(self) -> bool:
+        return self._error is None and not self._stopping and self._thread.is_alive()
+
+    async def shutdown(self) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        self._fail_all(EngineDeadError("the engine was shut down"))
+        self.engine.connector.close()
+
+    # -- loop thread ---------------------------------------------------------------------------------
+
+    def _submit(self, cmd: _Add | _Abort) -> None:
+        with self._wake:
+            self._commands.append(cmd)
+            self._wake.notify()
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise EngineDeadError(f"the engine loop died: {self._error!r}")
+        if self._stopping:
+            raise EngineDeadError("the engine is shutting down")
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                with self._wake:
+                    while not self._commands and not self._stopping and not engine.has_unfinished_requests():
+                        self._wake.wait()
+                    if self._stopping:
+                        return
+                    commands = list(self._commands)
+                    self._commands.clear()
+                for cmd in commands:
+                    self._apply(cmd)
+                if commands:
+                    self._stats = engine.stats()
+                if engine.has_unfinished_requests():
+                    self._deliver(engine.step())
+                    self._stats = engine.stats()
+        except BaseException as exc:  # noqa: BLE001 - any crash must fail requests, not hang them
+            logger.exception("engine loop crashed")
+            self._error = exc
+            self._fail_all(EngineDeadError(f"the engine loop died: {exc!r}"))
+
+    def _apply(self, cmd: _Add | _Abort) -> None:
+        engine = self.engine
+        if isinstance(cmd, _Add):
+            if cmd.request.request_id in self._streams:
+                engine.add_request(cmd.request)
+            return
+        out = engine.abort_request(cmd.request_id)
+        # Also drop a not-yet-added request whose stream is gone (aborted before admission).
+        self._commands = deque(
+            c for c in self._commands if not (isinstance(c, _Add) and c.request.request_id == cmd.request_id)
+        )
+        if out is not None:
+            self._deliver([out])
+        if not cmd.done.done():
+            cmd.done.set_result(None)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for stream in list(self._streams.values()):
+            try:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
+            except RuntimeError:
+                pass  # that event loop is closed: nobody is waiting
+
+
+def _merge_pending(out: RequestOutput, queue: asyncio.Queue) -> RequestOutput:
+    """Fold deltas that queued up while the consumer was busy into one (fewer, larger chunks)."""
+    while not out.finished and not queue.empty():
+        nxt = queue.get_nowait()
+        if isinstance(nxt, BaseException):
+            queue.put_nowait(nxt)
+            break
+        a, b = out.outputs[0], nxt.outputs[0]
+        b.token_ids = a.token_ids + b.token_ids
+        b.text = a.text + b.text
+        if a.logprobs is not None or b.logprobs is not None:
+            b.logprobs = (a.logprobs or []) + (b.logprobs or [])
+        out = nxt
+    return out

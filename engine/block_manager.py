@@ -1,0 +1,223 @@
+"""Paged KV block bookkeeping: ref counts, the prefix cache and LRU eviction.
+
+Block ids index the first dimension of every layer's ``k_cache``/``v_cache``. A block is in
+exactly one state:
+* used: ref_count > 0 (in the block table of at least one running request);
+* cached: ref_count == 0 but holds a full block registered under its content hash, reusable by a
+  later request with the same prefix until it is evicted (least recently freed first);
+* free: ref_count == 0 and holds nothing worth keeping.
+
+Shortage is signalled by return value (``False``), never by an exception: the scheduler decides
+whether to wait or preempt. A hash hit is re-checked against the block's token ids, so a hash
+collision can never serve wrong KV.
+
+Listeners (``add_listener``) hear "block became full under hash h" (after its KV was written) and
+"cached block evicted": the KV tier attaches its writes and its block events there.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class BlockListener(Protocol):
+    def block_stored(
+        self, block_id: int, block_hash: bytes, parent_hash: bytes | None, token_ids: tuple[int, ...]
+    ) -> None:
+        """Block ``block_id`` is now full, its KV written, and registered under ``block_hash``."""
+
+    def block_removed(self, block_id: int, block_hash: bytes) -> None:
+        """The cached block was evicted: its hash no longer maps to KV on this engine."""
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: bytes | None = None
+    token_ids: tuple[int, ...] | None = None
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: deque[int] = deque(range(num_blocks))
+        self._cached: OrderedDict[int, None] = OrderedDict()  # LRU order: first = evicted first
+        self._by_hash: dict[bytes, int] = {}
+        self._listeners: list[BlockListener] = []
+
+    # -- queries -----------------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation may take now (free plus evictable cached)."""
+        return len(self._free) + len(self._cached)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def lookup(self, block_hash: bytes, token_ids: Sequence[int]) -> int | None:
+        """The block holding exactly these tokens under this hash, or None."""
+        bid = self._by_hash.get(block_hash)
+        if bid is None or self.blocks[bid].token_ids != tuple(token_ids):
+            return None
+        return bid
+
+    def match_prefix(self, token_ids: Sequence[int], hashes: Sequence[bytes], max_tokens: int) -> list[int]:
+        """Block ids of the longest cached prefix (whole blocks, at most ``max_tokens`` tokens)."""
+        if not self.enable_prefix_caching:
+            return []
+        out: list[int] = []
+        bs = self.block_size
+        for i, h in enumerate(hashes):
+            if (i + 1) * bs > max_tokens:
+                break
+            bid = self.lookup(h, token_ids[i * bs : (i + 1) * bs])
+            if bid is None:
+                break
+            out.append(bid)
+        return out
+
+    # -- allocation --------------------------------------------------------------------------------
+
+    def can_allocate(self, block_table: Sequence[int], cached: Sequence[int], num_tokens: int) -> bool:
+        """Whether ``allocate`` would succeed (the same arithmetic, no changes)."""
+        return self._new_needed(block_table, cached, num_tokens) <= self._available_excluding(cached)
+
+    def allocate(self, block_table: list[int], cached: Sequence[int], num_tokens: int) -> bool:
+        """Extend ``block_table`` by the prefix-cache hits ``cached`` (shared, ref counted) and then
+        fresh blocks until it covers ``num_tokens`` tokens. All or nothing."""
+        if not self.can_allocate(block_table, cached, num_tokens):
+            return False
+        for bid in cached:
+            self._touch(bid)
+            block_table.append(bid)
+        for _ in range(self._new_needed(block_table, (), num_tokens)):
+            block_table.append(self._take_block())
+        return True
+
+    def may_append(self, block_table: list[int], num_tokens: int) -> bool:
+        """Grow ``block_table`` to cover ``num_tokens`` tokens; False (and no change) on shortage."""
+        return self.allocate(block_table, (), num_tokens)
+
+    def free(self, block_table: list[int]) -> None:
+        """Release a request's blocks. Tail blocks go first into the LRU, so a shared prefix outlives
+        the request-specific suffix when memory runs short."""
+        for bid in reversed(block_table):
+            block = self.blocks[bid]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.block_hash is not None:
+                    self._cached[bid] = None
+                else:
+                    self._free.append(bid)
+        block_table.clear()
+
+    # -- prefix cache registration -----------------------------------------------------------------
+
+    def cache_full_blocks(
+        self, block_table: Sequence[int], token_ids: Sequence[int], hashes: Sequence[bytes], num_cached: int
+    ) -> int:
+        """Register blocks ``num_cached .. len(hashes)-1`` of a request (now full, KV written) under
+        their hashes; returns the new count of registered blocks. A block whose hash already maps to
+        another block stays unregistered (its twin serves later hits)."""
+        if not self.enable_prefix_caching:
+            return len(hashes)
+        bs = self.block_size
+        for i in range(num_cached, len(hashes)):
+            block = self.blocks[block_table[i]]
+            if block.block_hash is not None:
+                continue  # a prefix hit: already registered
+            h = hashes[i]
+            if h in self._by_hash:
+                continue
+            block.block_hash = h
+            block.token_ids = tuple(token_ids[i * bs : (i + 1) * bs])
+            self._by_hash[h] = block.block_id
+            parent = hashes[i - 1] if i > 0 else None
+            for listener in self._listeners:
+                listener.block_stored(block.block_id, h, parent, block.token_ids)
+        return len(hashes)
+
+    def add_listener(self, listener: BlockListener) -> None:
+        self._listeners.append(listener)
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached (unused) block from the prefix cache; returns how many."""
+        n = 0
+        while self._cached:
+            bid, _ = self._cached.popitem(last=False)
+            self._forget(bid)
+            self._free.append(bid)
+            n += 1
+        return n
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if the bookkeeping is inconsistent (tests call this after scenarios)."""
+        used = [b for b in self.blocks if b.ref_count > 0]
+        assert all(b.ref_count >= 0 for b in self.blocks), "negative ref count"
+        assert len(self._free) + len(self._cached) + len(used) == self.num_blocks, (
+            "free + cached + used != total"
+        )
+        assert len(set(self._free)) == len(self._free), "a block is free twice"
+        for bid in self._free:
+            assert self.blocks[bid].ref_count == 0 and self.blocks[bid].block_hash is None
+        for bid in self._cached:
+            assert self.blocks[bid].ref_count == 0 and self.blocks[bid].block_hash is not None
+        for h, bid in self._by_hash.items():
+            assert self.blocks[bid].block_hash == h, "hash map points at a block holding another hash"
+
+    # -- internals ---------------------------------------------------------------------------------
+
+    def _new_needed(self, block_table: Sequence[int], cached: Sequence[int], num_tokens: int) -> int:
+        return max(0, self.blocks_for(num_tokens) - len(block_table) - len(cached))
+
+    def _available_excluding(self, cached: Sequence[int]) -> int:
+        # Cached hits that sit in the LRU are about to be taken by this request, not evicted.
+        reused = sum(1 for bid in cached if self.blocks[bid].ref_count == 0)
+        return len(self._free) + len(self._cached) - reused
+
+    def _touch(self, bid: int) -> None:
+        block = self.blocks[bid]
+        if block.ref_count == 0:
+            del self._cached[bid]
+        block.ref_count += 1
+
+    def _take_block(self) -> int:
+        if self._free:
+            bid = self._free.popleft()
+        else:
+            bid, _ = self._cached.popitem(last=False)
+            self._forget(bid)
+        self.blocks[bid].ref_count = 1
+        return bid
+
+    def _forget(self, bid: int) -> None:
+        block = self.blocks[bid]
+        h = block.block_hash
+        if h is None:
+            return
+        del self._by_hash[h]
+        block.block_hash = None
+        block.token_ids = None
+        for listener in self._listeners:
+            listener.block_removed(bid, h)

@@ -1,0 +1,57 @@
+"""The engine's hook for an external KV store (the KV tier): load blocks before a prefill.
+
+The base class is the "no tier" connector: every method is a cheap no-op, so the scheduler calls
+it unconditionally and no hot path tests whether a tier exists. A tier implementation subclasses
+it; ``build_kv_connector`` creates it from ``EngineConfig.kv_tier`` through
+``kvcache.connector.create_connector(config, engine)`` (imported only when a tier is configured).
+
+Contract, in the order the engine calls it (all on the engine loop thread):
+
+1. ``num_loadable_blocks(request, hashes)`` at admission, after the device prefix cache matched
+   ``request.num_computed_tokens`` tokens: how many *leading* blocks of ``hashes`` (the request's
+   next full-block hashes) the tier can supply.
+2. The scheduler allocates device blocks for them, then calls
+   ``load_blocks(request, block_ids, hashes)``: write each block's KV into
+   ``engine.model_runner.kv_caches`` at ``block_ids[i]`` and return how many leading blocks were
+   written (a partial return is fine: the rest is recomputed). Loaded blocks join the device prefix
+   cache and count as cached tokens.
+3. Full blocks of any request are announced through ``BlockManager`` listeners
+   (``engine.block_manager.add_listener``) after their KV is written: the place for tier writes
+   and block events.
+4. ``request_finished(request)`` when a request ends (any reason, before its blocks are freed,
+   so a producer can still read its KV); may set ``request.kv_transfer_result`` (a dict that the
+   engine returns on the final ``RequestOutput.kv_transfer``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from engine.sequence import Request
+
+
+class KVConnector:
+    """No external KV store."""
+
+    def num_loadable_blocks(self, request: Request, block_hashes: Sequence[bytes]) -> int:
+        return 0
+
+    def load_blocks(self, request: Request, block_ids: Sequence[int], block_hashes: Sequence[bytes]) -> int:
+        return 0
+
+    def request_finished(self, request: Request) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+def build_kv_connector(config: EngineConfig, engine: Any) -> KVConnector:
+    if not config.kv_tier:
+        return KVConnector()
+    module = importlib.import_module("kvcache.connector")
+    return module.create_connector(config, engine)

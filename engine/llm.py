@@ -1,0 +1,74 @@
+"""The offline API: ``LLM(model_dir, **engine_options).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import replace
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Runs the engine loop in the caller's thread until every prompt is done."""
+
+    def __init__(self, model: str | None = None, **engine_options: object) -> None:
+        self.config = EngineConfig.from_options(model=model, **engine_options)
+        self.engine = LLMEngine(self.config)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in prompt order; ``n > 1`` gives n completions (child i
+        seeded ``seed + i`` when a seed is given)."""
+        prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(f"{len(params_list)} sampling params for {len(prompt_list)} prompts")
+        engine = self.engine
+        groups: list[list] = []
+        for prompt, params in zip(prompt_list, params_list, strict=True):
+            params.validate()
+            children = []
+            for i in range(params.n):
+                seed = None if params.seed is None else params.seed + i
+                child = replace(params, n=1, seed=seed)
+                children.append(engine.make_request(f"llm-{next(self._ids)}", prompt, child))
+            groups.append(children)
+        for children in groups:
+            for req in children:
+                engine.add_request(req)
+        while engine.has_unfinished_requests():
+            engine.step()
+        results = []
+        for children in groups:
+            outs = [engine.post.final(req) for req in children]
+            first = outs[0]
+            for i, o in enumerate(outs):
+                o.outputs[0].index = i
+            first.outputs = [o.outputs[0] for o in outs]
+            results.append(first)
+        return results
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one token-id prompt
+    return prompts

@@ -1,0 +1,232 @@
+"""The engine step loop: schedule -> run the model -> sample -> append, stop, detokenize.
+
+``LLMEngine`` is synchronous and single-threaded; ``LLM`` drives it to completion and
+``AsyncEngine`` runs it on a background thread. ``step()`` returns DELTA outputs: for each request
+that advanced, only what is new since the previous step.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_connector import build_kv_connector
+from engine.model_runner import ModelOutput, ModelRunner
+from engine.models.config import ModelConfig
+from engine.models.loader import resolve_model_dir
+from engine.outputs import RequestOutput
+from engine.postprocess import Postprocessor
+from engine.sampler import Sampler, SamplingRow
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.sequence import Request, RequestStatus
+from engine.stats import EngineStats, ModelInfo
+from engine.tokenizer import Tokenizer
+from kvcache.keys import to_hex
+
+LogitsObserver = Callable[[list[str], torch.Tensor], None]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_dir: Path = resolve_model_dir(config.model)
+        self.model_config = ModelConfig.from_dir(self.model_dir)
+        self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        self.model_runner = ModelRunner(config, self.model_dir, self.model_config)
+        runner = self.model_runner
+        self.max_model_len = runner.max_model_len
+        self.vocab_size = self.model_config.vocab_size
+        eos = list(self.tokenizer.eos_token_ids) + list(self.model_config.eos_token_ids)
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos))
+        self.block_manager = BlockManager(
+            runner.num_kv_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.connector = build_kv_connector(config, self)
+        sched_cfg = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
+        if sched_cfg.max_num_seqs < 1 or sched_cfg.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        self.scheduler = Scheduler(sched_cfg, self.block_manager, self.connector)
+        self.sampler = Sampler(self.vocab_size)
+        self.post = Postprocessor(self.tokenizer, self.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self._seed_rng = random.Random(config.seed)
+        # Test and debugging hook: called with (request ids, fp32 logits) of each step's sampling rows.
+        self.logits_observers: list[LogitsObserver] = []
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        name = config.model if config.model is not None else "ferry-demo"
+        self.model_info = ModelInfo(
+            name=str(name),
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            eos_token_ids=self.eos_token_ids,
+            block_size=config.block_size,
+            model_fingerprint=runner.model_fingerprint,
+            weights_id=runner.weights_id,
+            num_kv_blocks=runner.num_kv_blocks,
+        )
+
+    @property
+    def model_fingerprint(self) -> str:
+        return self.model_runner.model_fingerprint
+
+    # -- requests ------------------------------------------------------------------------------------
+
+    def make_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        resume_token_ids: list[int] | None = None,
+        kv_transfer: dict[str, Any] | None = None,
+    ) -> Request:
+        """Validate and build a request (raises ValueError for bad input); does not queue it."""
+        params.validate()
+        if params.n != 1:
+            raise ValueError("one engine request is one sequence: fan out n > 1 before the engine")
+        for name, n in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
+            if n is not None and n > self.config.max_logprobs:
+                raise ValueError(f"{name}={n} exceeds the engine's max_logprobs={self.config.max_logprobs}")
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text = prompt if isinstance(prompt, str) else None
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        resumed = list(resume_token_ids or [])
+        for tok in (*ids, *resumed):
+            if not isinstance(tok, int) or isinstance(tok, bool) or not 0 <= tok < self.vocab_size:
+                raise ValueError(f"token id {tok!r} is out of the vocabulary [0, {self.vocab_size})")
+        limit = self.max_model_len
+        if params.max_tokens is None:
+            params = _with_max_tokens(params, limit - len(ids))
+            if params.max_tokens < 1:
+                raise ValueError(
+                    f"the prompt has {len(ids)} tokens, which leaves no room in max_model_len={limit}"
+                )
+        if len(ids) + params.max_tokens > limit:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {len(ids) + params.max_tokens} "
+                f"exceeds max_model_len={limit}"
+            )
+        if len(resumed) >= params.max_tokens:
+            raise ValueError(
+                f"{len(resumed)} resumed tokens leave nothing to generate under max_tokens={params.max_tokens}"
+            )
+        need = self.block_manager.blocks_for(len(ids) + params.max_tokens)
+        if need > self.block_manager.num_blocks:
+            raise ValueError(
+                f"prompt + max_tokens needs {need} KV blocks but the cache has only {self.block_manager.num_blocks}"
+            )
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        req = Request(
+            request_id,
+            ids,
+            params,
+            seed=seed,
+            eos_token_ids=self.eos_token_ids,
+            block_size=self.config.block_size,
+            prompt=text,
+            resume_token_ids=resumed,
+            kv_transfer=kv_transfer,
+        )
+        req.detokenizer = IncrementalDetokenizer(self.tokenizer, params, ids)
+        if resumed:
+            # The text of resumed tokens was delivered by whoever produced them.
+            req.detokenizer.append(resumed)
+        return req
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.prompt_tokens_total += request.num_prompt_tokens
+        self.scheduler.add(request)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Finish a request at once (blocks freed); its final delta output, or None if unknown."""
+        req = self.requests.pop(request_id, None)
+        if req is None or req.is_finished:
+            return None
+        self.scheduler.finish(req, "abort")
+        return self.post.delta(req, [], "", None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step ------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        model_out = self.model_runner.execute(sched)
+        self.scheduler.update_after_step(sched)
+        return self._postprocess(sched, model_out)
+
+    def _postprocess(self, sched: SchedulerOutput, model_out: ModelOutput) -> list[RequestOutput]:
+        for pl in model_out.prompt_logits:
+            self.post.add_prompt_logprobs(pl)
+        if not model_out.sampling:
+            return [self.post.delta(p.scheduled.request, [], "", None) for p in model_out.prompt_logits]
+        rows = [
+            SamplingRow(
+                params=s.request.params,
+                seed=s.request.seed,
+                position=s.request.num_tokens,
+                prompt_token_ids=s.request.prompt_token_ids,
+                output_token_ids=s.request.output_token_ids,
+                eos_token_ids=s.request.eos_token_ids,
+            )
+            for s in model_out.sampling
+        ]
+        for observer in self.logits_observers:
+            observer([s.request.request_id for s in model_out.sampling], model_out.sample_logits)
+        sampled = self.sampler(model_out.sample_logits, rows)
+        outputs: list[RequestOutput] = []
+        for i, s in enumerate(model_out.sampling):
+            req = s.request
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = time.monotonic()
+            out = self.post.append_token(req, sampled, i)
+            self.generation_tokens_total += 1
+            if req.finish_reason is not None and req.status is not RequestStatus.FINISHED:
+                self.scheduler.finish(req, req.finish_reason)
+                self.requests.pop(req.request_id, None)
+                out = self.post.finalize(req, out)
+            outputs.append(out)
+        return outputs
+
+    # -- introspection -------------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        s, bm = self.scheduler, self.block_manager
+        return EngineStats(
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            kv_cache_usage=bm.usage(),
+            prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits,
+            num_preemptions=s.num_preemptions,
+            prompt_tokens=self.prompt_tokens_total,
+            generation_tokens=self.generation_tokens_total,
+            num_free_blocks=bm.num_free_blocks,
+            num_total_blocks=bm.num_blocks,
+        )
+
+    def prompt_block_hashes(self, req: Request) -> list[str]:
+        return to_hex(req.full_block_hashes()[: req.num_prompt_tokens // self.config.block_size])
+
+
+def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(params, max_tokens=max_tokens)

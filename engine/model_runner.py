@@ -1,0 +1,189 @@
+"""Loads the model, owns the paged KV cache, and runs one flattened forward per engine step.
+
+A step's scheduled requests are laid out back to back in one token dimension (a decode adds one
+token, a prefill chunk many), so one forward serves the whole mixed batch. Logits are computed
+only for the rows that sample (each request's last scheduled token when it reaches the end of its
+known tokens) and, when a request asks for prompt logprobs, for its prompt rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.attention import AttentionMetadata, get_attention_backend, resolve_backend_name
+from engine.config import EngineConfig
+from engine.models.config import ModelConfig
+from engine.models.loader import load_weights, resolve_dtype, weights_id
+from engine.models.registry import get_model_class
+from engine.ops import select_ops
+from engine.scheduler import ScheduledRequest, SchedulerOutput
+from kvcache.keys import model_fingerprint
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@dataclass
+class PromptLogits:
+    """Logits of one request's prompt rows this step: row j predicts prompt token ``first + j``."""
+
+    scheduled: ScheduledRequest
+    first: int
+    logits: torch.Tensor  # fp32 [rows, vocab]
+
+
+@dataclass
+class ModelOutput:
+    sample_logits: torch.Tensor  # fp32 [num sampling rows, vocab], order of ``sampling``
+    sampling: list[ScheduledRequest]
+    prompt_logits: list[PromptLogits] = field(default_factory=list)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_dir, model_config: ModelConfig) -> None:  # noqa: ANN001
+        self.config = config
+        self.model_config = cfg = model_config
+        self.device = resolve_device(config.device)
+        if config.num_threads and self.device.type == "cpu":
+            torch.set_num_threads(config.num_threads)
+        self.dtype = resolve_dtype(config.dtype, cfg.checkpoint_dtype, self.device)
+        self.max_model_len = min(
+            config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
+        )
+        self.block_size = config.block_size
+        self.weights_id = weights_id(model_dir)
+        self.model_fingerprint = model_fingerprint(
+            weights_id=self.weights_id,
+            dtype=_DTYPE_NAMES[self.dtype],
+            block_size=self.block_size,
+            num_layers=cfg.num_layers,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+        )
+        self.attention_backend = resolve_backend_name(config.attention_backend, self.device.type)
+        attention = get_attention_backend(
+            self.attention_backend, self.device.type, deterministic=config.deterministic
+        )
+        model_cls = get_model_class(cfg.architecture)
+        weights = load_weights(model_dir, self.dtype, self.device)
+        self.model = model_cls(
+            cfg,
+            weights,
+            ops=select_ops(self.attention_backend),
+            attention=attention,
+            deterministic=config.deterministic,
+            max_positions=self.max_model_len,
+            device=self.device,
+        )
+        self.vocab_size = int(self.model.lm_head.shape[0])
+        self.num_kv_blocks = self._num_kv_blocks()
+        shape = (self.num_kv_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        # Zeroed, not empty: padded attention reads unused slots, which must hold finite numbers.
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(cfg.num_layers)
+        ]
+
+    @property
+    def bytes_per_block(self) -> int:
+        c = self.model_config
+        return 2 * c.num_layers * self.block_size * c.num_kv_heads * c.head_dim * self.dtype.itemsize
+
+    def _num_kv_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            if self.config.num_kv_blocks < 1:
+                raise ValueError("num_kv_blocks must be at least 1")
+            return self.config.num_kv_blocks
+        by_memory = self.config.kv_cache_memory_bytes // self.bytes_per_block
+        # More than every sequence slot filled to max_model_len is never used at once; the rest
+        # would only lengthen prefix-cache retention, at a real memory cost.
+        ceiling = self.config.max_num_seqs * -(-self.max_model_len // self.block_size) * 2
+        n = min(by_memory, ceiling)
+        if n < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes={self.config.kv_cache_memory_bytes} is less than one KV block "
+                f"({self.bytes_per_block} bytes)"
+            )
+        return n
+
+    # -- one step ------------------------------------------------------------------------------------
+
+    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        qsl = [0]
+        seq_lens: list[int] = []
+        ctx_lens: list[int] = []
+        qlens: list[int] = []
+        tables: list[list[int]] = []
+        for s in out.scheduled:
+            req, start, n = s.request, s.start, s.num_new_tokens
+            table = req.block_table
+            ids.extend(req.token_ids[start : start + n])
+            rng = range(start, start + n)
+            pos.extend(rng)
+            slots.extend(table[p // bs] * bs + p % bs for p in rng)
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(start + n)
+            ctx_lens.append(start)
+            qlens.append(n)
+            tables.append(table)
+        width = max(len(t) for t in tables)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            context_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(
+                [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev
+            ),
+            max_query_len=max(qlens),
+            max_seq_len=max(seq_lens),
+            query_lens_host=qlens,
+            seq_lens_host=seq_lens,
+            context_lens_host=ctx_lens,
+            block_tables_host=tables,
+            block_size=bs,
+        )
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        positions = torch.tensor(pos, dtype=torch.long, device=dev)
+        return input_ids, positions, meta
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ModelOutput:
+        input_ids, positions, meta = self.prepare(out)
+        hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
+        rows: list[int] = []
+        sampling: list[ScheduledRequest] = []
+        prompt: list[PromptLogits] = []
+        start = 0
+        for s in out.scheduled:
+            end = start + s.num_new_tokens
+            if s.samples:
+                rows.append(end - 1)
+                sampling.append(s)
+            req = s.request
+            if req.prompt_logprobs is not None:
+                # Row for position p predicts token p + 1; only prompt tokens not yet scored.
+                first = max(s.start, len(req.prompt_logprobs) - 1)
+                last = min(s.start + s.num_new_tokens, req.num_prompt_tokens - 1)
+                if last > first:
+                    h = hidden[start + first - s.start : start + last - s.start]
+                    prompt.append(PromptLogits(s, first + 1, self.model.compute_logits(h)))
+            start = end
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, index))
+        return ModelOutput(logits, sampling, prompt)

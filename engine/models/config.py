@@ -1,0 +1,81 @@
+"""The model shape read from a Hugging Face ``config.json`` (both transformers 4 and 5 spellings)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None  # None: plain rope; else has "rope_type" (linear | llama3 …)
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    checkpoint_dtype: str  # float32 | bfloat16 | float16
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ValueError(
+                f"{model_dir} has no config.json; it is not a Hugging Face model directory"
+            ) from None
+        return cls.from_dict(raw)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        archs = raw.get("architectures") or []
+        if not archs:
+            raise ValueError("config.json names no 'architectures'")
+        model_type = raw.get("model_type", "")
+        heads = int(raw["num_attention_heads"])
+        hidden = int(raw["hidden_size"])
+        # transformers 5 folds rope_theta and rope_scaling into rope_parameters.
+        rope = dict(raw.get("rope_parameters") or {})
+        theta = float(raw.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+        scaling = raw.get("rope_scaling") or rope or None
+        if scaling is not None:
+            scaling = dict(scaling)
+            kind = scaling.get("rope_type") or scaling.get("type") or "default"
+            scaling["rope_type"] = kind
+            if kind == "default":
+                scaling = None
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+        dtype = str(raw.get("dtype") or raw.get("torch_dtype") or "float32").replace("torch.", "")
+        return cls(
+            architecture=archs[0],
+            model_type=model_type,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
+            checkpoint_dtype=dtype,
+            eos_token_ids=eos_ids,
+        )

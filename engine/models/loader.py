@@ -1,0 +1,101 @@
+"""Find a model directory (local or hub id), identify its weights, and load its safetensors."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from pathlib import Path
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_model_dir(model: str | None) -> Path:
+    """A local directory as is; ``None`` -> the demo model; anything else is a hub id.
+
+    Hub ids resolve through ``huggingface_hub.snapshot_download`` when it is installed and the
+    network allows; otherwise the error names the id and asks for a local directory.
+    """
+    if model is None:
+        from engine.demo import demo_model_dir
+
+        return demo_model_dir()
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1:
+        raise ValueError(f"model path {model!r} is not a directory; pass a Hugging Face model directory")
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise ValueError(
+            f"model {model!r} is not a local directory and huggingface_hub is not installed to fetch it; "
+            "pass a local model directory"
+        ) from None
+    try:
+        patterns = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.txt"]
+        return Path(snapshot_download(repo_id=model, allow_patterns=patterns))
+    except Exception as exc:  # network down, unknown repo, gated repo…: all mean "give us a directory"
+        raise ValueError(
+            f"model {model!r} is not a local directory and could not be downloaded from the Hugging Face "
+            f"hub ({type(exc).__name__}: {exc}); pass a local model directory"
+        ) from None
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir} has no *.safetensors weights")
+    return files
+
+
+def _header(path: Path) -> bytes:
+    with path.open("rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return f.read(n)
+
+
+def weights_id(model_dir: Path) -> str:
+    """A digest of config.json plus every safetensors file's name, size and header.
+
+    Headers hold each tensor's name, dtype, shape and byte offsets; with the file sizes this
+    separates checkpoints cheaply without hashing gigabytes of weights.
+    """
+    h = hashlib.blake2b(digest_size=16)
+    h.update((model_dir / "config.json").read_bytes())
+    for path in safetensors_files(model_dir):
+        h.update(path.name.encode() + b"\0" + str(path.stat().st_size).encode() + b"\0")
+        h.update(_header(path))
+    return h.hexdigest()
+
+
+def resolve_dtype(requested: str, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
+    """``auto``: the checkpoint's dtype, except float16 on CPU (slow and lossy there) -> float32."""
+    if requested == "auto":
+        name = checkpoint_dtype if checkpoint_dtype in _DTYPES else "float32"
+        if name == "float16" and device.type == "cpu":
+            name = "float32"
+        return _DTYPES[name]
+    if requested not in _DTYPES:
+        raise ValueError(f"unsupported dtype {requested!r}; choose auto, {', '.join(_DTYPES)}")
+    return _DTYPES[requested]
+
+
+def load_weights(model_dir: Path, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    out: dict[str, torch.Tensor] = {}
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                out[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+    return out
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}

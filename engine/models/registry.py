@@ -1,0 +1,26 @@
+"""config.json ``architectures`` -> model class. Adding an architecture is one line here."""
+
+from __future__ import annotations
+
+import importlib
+
+_MODELS: dict[str, str] = {
+    "LlamaForCausalLM": "engine.models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "engine.models.llama:LlamaForCausalLM",
+    "Qwen2ForCausalLM": "engine.models.llama:LlamaForCausalLM",  # Llama + q/k/v bias
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def get_model_class(architecture: str) -> type:
+    try:
+        target = _MODELS[architecture]
+    except KeyError:
+        raise ValueError(
+            f"unsupported architecture {architecture!r}; supported: {', '.join(supported_architectures())}"
+        ) from None
+    module_name, cls_name = target.split(":")
+    return getattr(importlib.import_module(module_name), cls_name)

@@ -1,0 +1,116 @@
+"""After sampling: append tokens, apply stop conditions, detokenize, and build RequestOutputs.
+
+Stop order per sampled token: EOS (unless ignore_eos), a ``stop_token_ids`` id, a stop string
+(found by the detokenizer), ``max_tokens`` (-> "length"), ``max_model_len`` (-> "length"). EOS
+and stop ids are masked by the sampler until ``min_tokens`` is reached.
+"""
+
+from __future__ import annotations
+
+from engine.model_runner import PromptLogits
+from engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from engine.sampler import SamplerOutput, prompt_logprobs
+from engine.sequence import Request
+from engine.tokenizer import Tokenizer
+from kvcache.keys import to_hex
+
+
+class Postprocessor:
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+
+    def _entry(
+        self, token: int, logprob: float, rank: int | None, top: list[tuple[int, float]] | None
+    ) -> PositionLogprobs:
+        text = self.tokenizer.token_text
+        entry: PositionLogprobs = {token: Logprob(logprob, rank, text(token))}
+        for j, (tid, lp) in enumerate(top or []):
+            if tid not in entry:
+                entry[tid] = Logprob(lp, j + 1, text(tid))
+        return entry
+
+    def append_token(self, req: Request, sampled: SamplerOutput, i: int) -> RequestOutput:
+        token = sampled.token_ids[i]
+        req.append_token(token)
+        entries: list[PositionLogprobs] | None = None
+        if req.logprobs is not None:
+            lp = sampled.logprobs[i]
+            entry = self._entry(token, lp, sampled.ranks[i], sampled.top_logprobs[i])
+            req.logprobs.append(entry)
+            req.cumulative_logprob = (req.cumulative_logprob or 0.0) + lp
+            entries = [entry]
+        params = req.params
+        n_out = req.num_output_tokens
+        reason: str | None = None
+        stop_reason: int | str | None = None
+        if n_out >= params.min_tokens:
+            if token in req.eos_token_ids and not params.ignore_eos:
+                reason = "stop"
+            elif token in params.stop_token_ids:
+                reason, stop_reason = "stop", token
+        detok = req.detokenizer
+        text = detok.append([token], stop_terminated=reason is not None) if detok is not None else ""
+        if reason is None and detok is not None and detok.stop_hit is not None:
+            reason, stop_reason = "stop", detok.stop_hit
+        if reason is None and (n_out >= (params.max_tokens or 0) or req.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            req.finish_reason, req.stop_reason = reason, stop_reason
+            if detok is not None:
+                text += detok.flush()
+                if detok.stop_hit is not None and stop_reason is None and reason == "length":
+                    req.finish_reason, req.stop_reason = "stop", detok.stop_hit
+        return self.delta(req, [token], text, entries)
+
+    def add_prompt_logprobs(self, pl: PromptLogits) -> None:
+        req = pl.scheduled.request
+        nxt = req.prompt_token_ids[pl.first : pl.first + pl.logits.shape[0]]
+        for lp, rank, top in prompt_logprobs(pl.logits, nxt, req.params.prompt_logprobs or 0):
+            token = req.prompt_token_ids[len(req.prompt_logprobs)]
+            req.prompt_logprobs.append(self._entry(token, lp, rank, top))
+
+    def delta(
+        self, req: Request, token_ids: list[int], text: str, logprobs: list[PositionLogprobs] | None
+    ) -> RequestOutput:
+        finished = req.finish_reason is not None
+        comp = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=token_ids,
+            cumulative_logprob=req.cumulative_logprob,
+            logprobs=logprobs,
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+        )
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[comp],
+            finished=finished,
+            num_cached_tokens=req.num_cached_tokens,
+            metrics=req.metrics.as_dict(),
+        )
+
+    def finalize(self, req: Request, out: RequestOutput) -> RequestOutput:
+        """Attach what only the last output carries: prompt logprobs, KV-transfer results, metrics."""
+        out.prompt_logprobs = req.prompt_logprobs
+        out.metrics = req.metrics.as_dict()
+        if req.kv_transfer is not None:
+            bs = req.block_size
+            info = {
+                "block_hashes": to_hex(req.block_hashes[: req.num_prompt_tokens // bs]),
+                "num_cached_tokens": req.num_cached_tokens,
+            }
+            info.update(req.kv_transfer_result or {})
+            out.kv_transfer = info
+        return out
+
+    def final(self, req: Request) -> RequestOutput:
+        """The cumulative output of a finished request (the offline ``LLM`` API)."""
+        detok = req.detokenizer
+        out = self.delta(
+            req, list(req.output_token_ids), detok.text if detok is not None else "", req.logprobs
+        )
+        return self.finalize(req, out)

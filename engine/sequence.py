@@ -1,0 +1,120 @@
+"""One engine request: it owns its tokens, its progress and its block table.
+
+Scheduling reads only ``num_computed_tokens`` against ``num_tokens``: a fresh prompt, a chunked
+prefill, a prefix-cache hit, a recompute after preemption and a decode step are all "compute the
+tokens from num_computed_tokens on", so there are no prefill or decode phases.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvcache.keys import extend_hashes
+
+if TYPE_CHECKING:
+    from engine.detokenizer import IncrementalDetokenizer
+    from engine.outputs import PositionLogprobs
+    from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # back in the waiting queue, KV dropped, recomputed on readmission
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps from ``time.monotonic()`` (seconds)."""
+
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: v for k, v in vars(self).items() if v is not None}
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        seed: int,
+        eos_token_ids: tuple[int, ...],
+        block_size: int,
+        prompt: str | None = None,
+        resume_token_ids: list[int] | None = None,
+        kv_transfer: dict[str, Any] | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.params = params
+        self.seed = seed
+        self.eos_token_ids = eos_token_ids
+        self.block_size = block_size
+        self.prompt_token_ids = list(prompt_token_ids)
+        resumed = list(resume_token_ids or [])
+        self.token_ids: list[int] = self.prompt_token_ids + resumed
+        self.output_token_ids: list[int] = resumed  # resumed tokens count as output (max_tokens)
+        self.num_resumed_tokens = len(resumed)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache or the tier (first admission)
+        self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []
+        self.num_registered_blocks = 0  # leading blocks already registered in the prefix cache
+        self.status = RequestStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.kv_transfer = kv_transfer  # set by the caller; read by the KV connector
+        self.kv_transfer_result: dict[str, Any] | None = None  # what the connector reports back
+        self.metrics = RequestMetrics()
+        self.detokenizer: IncrementalDetokenizer | None = None
+        self.logprobs: list[PositionLogprobs] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        self.prompt_logprobs: list[PositionLogprobs | None] | None = (
+            None if params.prompt_logprobs is None else [None]
+        )
+        self.num_preemptions = 0
+        self.admitted_once = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def max_tokens(self) -> int | None:
+        return self.params.max_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def full_block_hashes(self) -> list[bytes]:
+        """Chained hashes of every full block of the known tokens (extended incrementally)."""
+        return extend_hashes(self.block_hashes, self.token_ids, self.block_size)
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+            f"blocks={self.block_table}, {self.status.value})"
+        )

@@ -1,0 +1,31 @@
+"""Torch-free snapshots the engine hands to the server: model facts and live counters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    block_size: int
+    model_fingerprint: str = ""
+    weights_id: str = ""
+    num_kv_blocks: int = 0
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # used blocks / all blocks, 0..1
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (cumulative)
+    prefix_cache_hits: int = 0  # of which found (device prefix cache or KV tier)
+    num_preemptions: int = 0  # cumulative
+    prompt_tokens: int = 0  # cumulative prompt tokens of finished requests
+    generation_tokens: int = 0  # cumulative generated tokens
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
