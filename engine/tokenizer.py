@@ -8,11 +8,8 @@ insertion from ``tokenizer.json``'s post-processor), so ``encode``/``decode`` gi
 pre-tokenizer by ``model_type``, which would make the router and the engine disagree with the
 checkpoint's own ``tokenizer.json``.
 
-Chat templates are rendered with jinja2's immutable sandbox set up as transformers does
-(``trim_blocks``, ``lstrip_blocks``, ``loopcontrols``, ``raise_exception``, a non-HTML-escaping
-``tojson``, ``strftime_now``). Every failure a client can cause (no template, a template that
-raises, content the template cannot take) is a ``ChatTemplateError`` (a ``ValueError``), which the
-server maps to HTTP 400.
+Chat templates live in ``engine.chat_template`` (``ChatTemplateError`` is re-exported here); a
+``Tokenizer`` renders them with its own special tokens.
 """
 
 from __future__ import annotations
@@ -20,26 +17,26 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping, Sequence
-from datetime import datetime
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-import jinja2
-import jinja2.ext
-import jinja2.nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, processors
 from tokenizers import Tokenizer as _RustTokenizer
 
+from engine.chat_template import (
+    ChatTemplateError,
+    ChatTemplates,
+    flatten_content_parts,
+    load_chat_templates,
+    template_iterates_content,
+)
+
+__all__ = ["ChatTemplateError", "Tokenizer", "flatten_content_parts", "template_iterates_content"]
+
 _NAMED_SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 _EXTRA_SPECIAL = ("additional_special_tokens", "extra_special_tokens")
-_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _BYTE_FALLBACK_RE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
-
-
-class ChatTemplateError(ValueError):
-    """The chat template is missing or failed on these messages (a client error: HTTP 400)."""
 
 
 def _token_content(value: Any) -> str | None:
@@ -87,130 +84,6 @@ def _bytes_to_unicode() -> dict[int, str]:
 _BYTE_LEVEL_DECODE = {c: b for b, c in _bytes_to_unicode().items()}
 
 
-def flatten_content_parts(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Messages with ``content`` given as a list of text parts, turned into plain strings.
-
-    For templates that expect ``message['content']`` to be a string (most do). Text parts are joined
-    with newlines, as vLLM does. Parts that are not text cannot be shown to a text-only model.
-    """
-    flat = []
-    for message in messages:
-        content = message.get("content")
-        if isinstance(content, list):
-            message = {**message, "content": "\n".join(_part_text(p) for p in content)}
-        flat.append(dict(message))
-    return flat
-
-
-def _part_text(part: Any) -> str:
-    if isinstance(part, str):
-        return part
-    if isinstance(part, Mapping):
-        kind = part.get("type", "text")
-        if kind in ("text", "input_text") and isinstance(part.get("text"), str):
-            return part["text"]
-        raise ChatTemplateError(
-            f"content part of type {kind!r} is not supported: this model accepts text only"
-        )
-    raise ChatTemplateError(
-        f"a content part must be an object with 'type' and 'text', got {type(part).__name__}"
-    )
-
-
-def _check_parts(messages: Sequence[Mapping[str, Any]]) -> None:
-    for message in messages:
-        content = message.get("content")
-        if isinstance(content, list):
-            for part in content:
-                _part_text(part)
-
-
-def template_iterates_content(template: str) -> bool:
-    """Whether the template loops over ``message['content']`` itself (OpenAI-style parts).
-
-    Like vLLM's content-format detection: such templates get the parts as given; the others get
-    the text parts flattened to one string.
-    """
-    try:
-        ast = jinja2.Environment(extensions=[jinja2.ext.loopcontrols]).parse(template)
-    except jinja2.TemplateSyntaxError:
-        return False
-    for loop in ast.find_all(jinja2.nodes.For):
-        it = loop.iter
-        if isinstance(it, jinja2.nodes.Filter):  # e.g. message['content'] | selectattr(...)
-            it = it.node
-        if isinstance(it, jinja2.nodes.Getattr) and it.attr == "content":
-            return True
-        if (
-            isinstance(it, jinja2.nodes.Getitem)
-            and isinstance(it.arg, jinja2.nodes.Const)
-            and it.arg.value == "content"
-        ):
-            return True
-    return False
-
-
-def _plain(value: Any) -> Any:
-    """Rebuild what the template sees out of plain JSON types (templates are untrusted code)."""
-    if value is None or type(value) in (str, int, float, bool):
-        return value
-    if isinstance(value, str):
-        return str.__str__(value)
-    if isinstance(value, int):
-        return int.__int__(value)
-    if isinstance(value, float):
-        return float.__float__(value)
-    if isinstance(value, Mapping):
-        return {_plain(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if callable(getattr(value, "model_dump", None)):
-        return _plain(value.model_dump())
-    return f"<{type(value).__name__}>"
-
-
-def _normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
-    """As transformers does: plain dicts, ``None`` values dropped, reasoning under all its names."""
-    out = []
-    for message in _plain(list(messages)):
-        if not isinstance(message, dict):
-            raise ChatTemplateError(f"each message must be an object, got {message!r}")
-        message = {k: v for k, v in message.items() if v is not None}
-        reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
-        if reasoning is not None:
-            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
-        out.append(message)
-    return out
-
-
-def _compile_template(source: str) -> jinja2.Template:
-    def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(
-        x: Any,
-        ensure_ascii: bool = False,
-        indent: Any = None,
-        separators: Any = None,
-        sort_keys: bool = False,
-    ) -> str:
-        # Jinja's own tojson escapes HTML characters, which chat templates must not do.
-        return json.dumps(
-            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-        )
-
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    try:
-        return env.from_string(source)
-    except jinja2.TemplateSyntaxError as e:
-        raise ChatTemplateError(f"the model's chat template does not parse: {e}") from e
-
-
 class Tokenizer:
     """Text <-> token ids for one model directory, plus its chat template."""
 
@@ -218,15 +91,14 @@ class Tokenizer:
         self,
         backend: _RustTokenizer,
         config: dict,
-        chat_templates: dict[str, str],
+        chat_templates: Mapping[str, str],
         extra_eos_ids: Sequence[int] = (),
     ) -> None:
         self._tok = backend
         self._config = config
-        self._chat_templates = chat_templates
-        self._compiled: dict[str, tuple[jinja2.Template, bool]] = {}
         self._special_strings: dict[str, str] = {}
         self._setup_special_tokens()
+        self._chat_templates = ChatTemplates(chat_templates, self._special_strings)
         self.vocab_size: int = self._tok.get_vocab_size(with_added_tokens=True)
         self.bos_token_id: int | None = self._id_of(self._special_strings.get("bos_token"))
         eos = [self._id_of(self._special_strings.get("eos_token"))] + list(extra_eos_ids)
@@ -247,7 +119,7 @@ class Tokenizer:
         extra_eos: list[int] = []
         for name in ("generation_config.json", "config.json"):
             extra_eos += _as_id_list(_read_json(model_dir / name).get("eos_token_id"))
-        return cls(backend, config, _load_chat_templates(model_dir, config), extra_eos)
+        return cls(backend, config, load_chat_templates(model_dir, config), extra_eos)
 
     # -- setup -------------------------------------------------------------------------------------
 
@@ -393,21 +265,10 @@ class Tokenizer:
 
     @property
     def chat_template_names(self) -> list[str]:
-        return sorted(self._chat_templates)
+        return self._chat_templates.names
 
     def get_chat_template(self, name: str | None = None, tools: list | None = None) -> str:
-        """The template source: by name, else ``tool_use`` when tools are given and it exists, else ``default``."""
-        if not self._chat_templates:
-            raise ChatTemplateError(
-                "this model has no chat template; use /v1/completions with a plain prompt instead"
-            )
-        if name is None:
-            name = "tool_use" if tools and "tool_use" in self._chat_templates else "default"
-        if name not in self._chat_templates:
-            raise ChatTemplateError(
-                f"no chat template named {name!r}; available: {', '.join(sorted(self._chat_templates))}"
-            )
-        return self._chat_templates[name]
+        return self._chat_templates.get(name, tools)
 
     def apply_chat_template(
         self,
@@ -416,31 +277,15 @@ class Tokenizer:
         tools: list | None = None,
         **kwargs: Any,
     ) -> str:
-        """Render ``messages`` to the prompt text.
+        """Render ``messages`` to the prompt text (see ``ChatTemplates.render``).
 
         Extra keyword arguments reach the template (e.g. ``enable_thinking``, ``documents``), as
-        ``chat_template_kwargs`` do in vLLM; ``chat_template`` picks a named template.
+        ``chat_template_kwargs`` do in vLLM; ``chat_template`` picks a named template and
+        ``continue_final_message`` leaves the last message open.
         """
-        source = self.get_chat_template(kwargs.pop("chat_template", None), tools)
-        template, takes_parts = self._compiled_template(source)
-        if not isinstance(messages, (list, tuple)):
-            raise ChatTemplateError("messages must be a list of message objects")
-        messages = _normalize_messages(messages)
-        if takes_parts:
-            _check_parts(messages)
-        else:
-            messages = flatten_content_parts(messages)
-        context = {**self._special_strings, **_plain(kwargs)}
-        try:
-            return template.render(
-                messages=messages, tools=_plain(tools), add_generation_prompt=add_generation_prompt, **context
-            )
-        except jinja2.TemplateError as e:
-            raise ChatTemplateError(f"chat template error: {e}") from e
-        except RecursionError as e:
-            raise ChatTemplateError("chat template error: recursion too deep") from e
-        except Exception as e:  # a template is code from the checkpoint: any crash is a bad request
-            raise ChatTemplateError(f"chat template failed on these messages: {type(e).__name__}: {e}") from e
+        return self._chat_templates.render(
+            messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs
+        )
 
     def encode_chat(
         self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any
@@ -448,33 +293,3 @@ class Tokenizer:
         """Render then encode; the template already holds every special token, so none are added."""
         text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
         return self.encode(text, add_special_tokens=False)
-
-    def _compiled_template(self, source: str) -> tuple[jinja2.Template, bool]:
-        entry = self._compiled.get(source)
-        if entry is None:
-            entry = (_compile_template(source), template_iterates_content(source))
-            self._compiled[source] = entry
-        return entry
-
-
-def _load_chat_templates(model_dir: Path, config: dict) -> dict[str, str]:
-    """Named chat templates; files (``chat_template.jinja``, ``additional_chat_templates/``) win
-    over ``tokenizer_config.json``, as in transformers."""
-    templates: dict[str, str] = {}
-    raw = config.get("chat_template")
-    if isinstance(raw, str):
-        templates["default"] = raw
-    elif isinstance(raw, list):
-        for entry in raw:
-            if isinstance(entry, Mapping) and isinstance(entry.get("name"), str):
-                templates[entry["name"]] = str(entry.get("template", ""))
-    files: dict[str, str] = {}
-    if (model_dir / "chat_template.jinja").is_file():
-        files["default"] = (model_dir / "chat_template.jinja").read_text(encoding="utf-8")
-    extra_dir = model_dir / "additional_chat_templates"
-    if extra_dir.is_dir():
-        for path in sorted(extra_dir.glob("*.jinja")):
-            files[path.stem] = path.read_text(encoding="utf-8")
-    if files:
-        templates = files
-    return {name: t for name, t in templates.items() if t}

@@ -304,3 +304,21 @@ def test_string_templates_get_flattened_parts(tiny_llama: Path, tmp_path: Path) 
     assert flatten_content_parts([{"role": "user", "content": parts}]) == [
         {"role": "user", "content": "a\nb"}
     ]
+
+
+def test_continue_final_message_leaves_the_last_message_open(tiny_llama: Path) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    ours, hf = Tokenizer.from_dir(tiny_llama), PreTrainedTokenizerFast.from_pretrained(str(tiny_llama))
+    messages = [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "1, 2,"}]
+    text = ours.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+    assert text == "<|im_start|>user\nCount<|im_end|>\n<|im_start|>assistant\n1, 2,"
+    assert text == hf.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    parts = [{"role": "assistant", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert ours.apply_chat_template(parts, add_generation_prompt=False, continue_final_message=True) == (
+        "<|im_start|>assistant\nab"
+    )
+    with pytest.raises(ChatTemplateError, match="cannot both be set"):
+        ours.apply_chat_template(messages, add_generation_prompt=True, continue_final_message=True)
+    with pytest.raises(ChatTemplateError, match="at least one message"):
+        ours.apply_chat_template([], add_generation_prompt=False, continue_final_message=True)

@@ -1,0 +1,283 @@
+"""Chat templates: loading them from a model directory and rendering them safely. Torch-free.
+
+Rendering follows transformers: jinja2's immutable sandbox with ``trim_blocks``,
+``lstrip_blocks`` and ``loopcontrols``; ``raise_exception``, a non-HTML-escaping ``tojson`` and
+``strftime_now``; messages rebuilt from plain JSON types with ``None`` values dropped; the named
+special tokens (``bos_token``, ``eos_token``, ...) visible as variables. Message content given as a
+list of text parts reaches templates that loop over parts as is, and is flattened to one string
+for templates that expect a string (as vLLM does).
+
+Every failure a client can cause (no template, a template that raises, content the template
+cannot take) is a ``ChatTemplateError`` (a ``ValueError``), which the server maps to HTTP 400.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# Marks the end of the final message when it is to be continued; cut off after rendering.
+_CONTINUE_TAG = "\x00FERRY_CONTINUE_FINAL_MESSAGE\x00"
+
+
+class ChatTemplateError(ValueError):
+    """The chat template is missing or failed on these messages (a client error: HTTP 400)."""
+
+
+def flatten_content_parts(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Messages with ``content`` given as a list of text parts, turned into plain strings.
+
+    For templates that expect ``message['content']`` to be a string (most do). Text parts are joined
+    with newlines, as vLLM does. Parts that are not text cannot be shown to a text-only model.
+    """
+    flat = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            message = {**message, "content": "\n".join(_part_text(p) for p in content)}
+        flat.append(dict(message))
+    return flat
+
+
+def _part_text(part: Any) -> str:
+    if isinstance(part, str):
+        return part
+    if isinstance(part, Mapping):
+        kind = part.get("type", "text")
+        if kind in ("text", "input_text") and isinstance(part.get("text"), str):
+            return part["text"]
+        raise ChatTemplateError(
+            f"content part of type {kind!r} is not supported: this model accepts text only"
+        )
+    raise ChatTemplateError(
+        f"a content part must be an object with 'type' and 'text', got {type(part).__name__}"
+    )
+
+
+def _check_parts(messages: Sequence[Mapping[str, Any]]) -> None:
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            for part in content:
+                _part_text(part)
+
+
+def template_iterates_content(template: str) -> bool:
+    """Whether the template loops over ``message['content']`` itself (OpenAI-style parts).
+
+    Like vLLM's content-format detection: such templates get the parts as given; the others get
+    the text parts flattened to one string.
+    """
+    try:
+        ast = jinja2.Environment(extensions=[jinja2.ext.loopcontrols]).parse(template)
+    except jinja2.TemplateSyntaxError:
+        return False
+    for loop in ast.find_all(jinja2.nodes.For):
+        it = loop.iter
+        if isinstance(it, jinja2.nodes.Filter):  # e.g. message['content'] | selectattr(...)
+            it = it.node
+        if isinstance(it, jinja2.nodes.Getattr) and it.attr == "content":
+            return True
+        if (
+            isinstance(it, jinja2.nodes.Getitem)
+            and isinstance(it.arg, jinja2.nodes.Const)
+            and it.arg.value == "content"
+        ):
+            return True
+    return False
+
+
+def _plain(value: Any) -> Any:
+    """Rebuild what the template sees out of plain JSON types (templates are untrusted code)."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, Mapping):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if callable(getattr(value, "model_dump", None)):
+        return _plain(value.model_dump())
+    return f"<{type(value).__name__}>"
+
+
+def _normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
+    """As transformers does: plain dicts, ``None`` values dropped, reasoning under all its names."""
+    out = []
+    for message in _plain(list(messages)):
+        if not isinstance(message, dict):
+            raise ChatTemplateError(f"each message must be an object, got {message!r}")
+        message = {k: v for k, v in message.items() if v is not None}
+        reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        out.append(message)
+    return out
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(
+        x: Any,
+        ensure_ascii: bool = False,
+        indent: Any = None,
+        separators: Any = None,
+        sort_keys: bool = False,
+    ) -> str:
+        # Jinja's own tojson escapes HTML characters, which chat templates must not do.
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise ChatTemplateError(f"the model's chat template does not parse: {e}") from e
+
+
+class ChatTemplates:
+    """A model's named chat templates (``default``, maybe ``tool_use`` ...), compiled on first use."""
+
+    def __init__(self, templates: Mapping[str, str], special_tokens: Mapping[str, str]) -> None:
+        self._templates = {name: t for name, t in templates.items() if t}
+        self._special = dict(special_tokens)
+        self._compiled: dict[str, tuple[jinja2.Template, bool]] = {}
+
+    @classmethod
+    def from_dir(
+        cls, model_dir: str | Path, config: Mapping[str, Any], special_tokens: Mapping[str, str]
+    ) -> ChatTemplates:
+        return cls(load_chat_templates(Path(model_dir), config), special_tokens)
+
+    def __bool__(self) -> bool:
+        return bool(self._templates)
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self._templates)
+
+    def get(self, name: str | None = None, tools: list | None = None) -> str:
+        """The template source: by name, else ``tool_use`` when tools are given and it exists, else ``default``."""
+        if not self._templates:
+            raise ChatTemplateError(
+                "this model has no chat template; use /v1/completions with a plain prompt instead"
+            )
+        if name is None:
+            name = "tool_use" if tools and "tool_use" in self._templates else "default"
+        if name not in self._templates:
+            raise ChatTemplateError(f"no chat template named {name!r}; available: {', '.join(self.names)}")
+        return self._templates[name]
+
+    def render(
+        self,
+        messages: Sequence[Any],
+        add_generation_prompt: bool = True,
+        tools: list | None = None,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
+        **kwargs: Any,
+    ) -> str:
+        """Render ``messages``; ``kwargs`` reach the template (``enable_thinking``, ``documents`` ...).
+
+        ``continue_final_message``: the prompt ends inside the last message (e.g. a partial
+        assistant answer to be continued), as in transformers and vLLM.
+        """
+        template, takes_parts = self._compile(self.get(chat_template, tools))
+        if not isinstance(messages, (list, tuple)):
+            raise ChatTemplateError("messages must be a list of message objects")
+        messages = _normalize_messages(messages)
+        if takes_parts:
+            _check_parts(messages)
+        else:
+            messages = flatten_content_parts(messages)
+        if continue_final_message:
+            if add_generation_prompt:
+                raise ChatTemplateError("continue_final_message and add_generation_prompt cannot both be set")
+            _tag_final_message(messages)
+        context = {**self._special, **_plain(kwargs)}
+        try:
+            text = template.render(
+                messages=messages, tools=_plain(tools), add_generation_prompt=add_generation_prompt, **context
+            )
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"chat template error: {e}") from e
+        except RecursionError as e:
+            raise ChatTemplateError("chat template error: recursion too deep") from e
+        except Exception as e:  # a template is code from the checkpoint: any crash is a bad request
+            raise ChatTemplateError(f"chat template failed on these messages: {type(e).__name__}: {e}") from e
+        if continue_final_message:
+            at = text.rfind(_CONTINUE_TAG)
+            if at < 0:
+                raise ChatTemplateError(
+                    "continue_final_message: the template dropped the final message's content"
+                )
+            text = text[:at]
+        return text
+
+    def _compile(self, source: str) -> tuple[jinja2.Template, bool]:
+        entry = self._compiled.get(source)
+        if entry is None:
+            entry = (_compile_template(source), template_iterates_content(source))
+            self._compiled[source] = entry
+        return entry
+
+
+def _tag_final_message(messages: list[dict[str, Any]]) -> None:
+    if not messages:
+        raise ChatTemplateError("continue_final_message needs at least one message")
+    last = messages[-1]
+    content = last.get("content")
+    if isinstance(content, str):
+        last["content"] = content + _CONTINUE_TAG
+        return
+    if isinstance(content, list):
+        for part in reversed(content):
+            if isinstance(part, dict) and isinstance(part.get("text"), str):
+                part["text"] += _CONTINUE_TAG
+                return
+    raise ChatTemplateError("continue_final_message: the final message has no text to continue")
+
+
+def load_chat_templates(model_dir: Path, config: dict) -> dict[str, str]:
+    """Named chat templates; files (``chat_template.jinja``, ``additional_chat_templates/``) win
+    over ``tokenizer_config.json``, as in transformers."""
+    templates: dict[str, str] = {}
+    raw = config.get("chat_template")
+    if isinstance(raw, str):
+        templates["default"] = raw
+    elif isinstance(raw, list):
+        for entry in raw:
+            if isinstance(entry, Mapping) and isinstance(entry.get("name"), str):
+                templates[entry["name"]] = str(entry.get("template", ""))
+    files: dict[str, str] = {}
+    if (model_dir / "chat_template.jinja").is_file():
+        files["default"] = (model_dir / "chat_template.jinja").read_text(encoding="utf-8")
+    extra_dir = model_dir / "additional_chat_templates"
+    if extra_dir.is_dir():
+        for path in sorted(extra_dir.glob("*.jinja")):
+            files[path.stem] = path.read_text(encoding="utf-8")
+    if files:
+        templates = files
+    return {name: t for name, t in templates.items() if t}
