@@ -1,0 +1,391 @@
+"""The Kubernetes overlays, rendered by `kubectl kustomize` and checked object by object.
+
+What is checked is what breaks a deployment silently: container args that `ferry` would reject,
+probes or Services pointing at a port nobody listens on, selectors that select nothing, a grace
+period shorter than the drain, RBAC broader than discovery needs, a router whose discovery URL
+would not find the replica pools, weights that could be downloaded at start.
+"""
+
+from __future__ import annotations
+
+import re
+from urllib.parse import urlsplit
+
+import pytest
+from conftest import OVERLAYS
+from kubernetes import client
+
+from ferry.cli import build_parser
+from router.discovery_k8s import parse_k8s_url, replicas_from_slices
+
+GPU_OVERLAYS = {"disaggregated-gpu", "production"}
+SAMPLE_SECRETS = {("ferry-kv-tier", "url"): "rediss://default:s3cret@redis.example.com:6380/0"}
+WORKLOAD_KINDS = ("Deployment", "StatefulSet", "Job")
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def of_kind(docs: list[dict], *kinds: str) -> list[dict]:
+    return [d for d in docs if d["kind"] in kinds]
+
+
+def one(docs: list[dict], kind: str, name: str) -> dict:
+    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one {kind}/{name}, found {len(found)}"
+    return found[0]
+
+
+def pod_spec(workload: dict) -> dict:
+    return workload["spec"]["template"]["spec"]
+
+
+def pod_labels(workload: dict) -> dict[str, str]:
+    return workload["spec"]["template"]["metadata"].get("labels", {})
+
+
+def is_ferry_image(image: str) -> bool:
+    return image.split("@")[0].rsplit(":", 1)[0].rsplit("/", 1)[-1] == "ferry"
+
+
+def ferry_containers(workload: dict) -> list[dict]:
+    return [c for c in pod_spec(workload)["containers"] if is_ferry_image(c["image"]) and c.get("args")]
+
+
+def env_of(container: dict, docs: list[dict], namespace: str) -> dict[str, str]:
+    """The container's environment as the kubelet would build it (Secrets: the sample values)."""
+    env: dict[str, str] = {}
+    for item in container.get("env", []):
+        if "value" in item:
+            env[item["name"]] = item["value"]
+            continue
+        src = item["valueFrom"]
+        if "configMapKeyRef" in src:
+            ref = src["configMapKeyRef"]
+            env[item["name"]] = one(docs, "ConfigMap", ref["name"])["data"][ref["key"]]
+        elif "secretKeyRef" in src:
+            ref = src["secretKeyRef"]
+            env[item["name"]] = SAMPLE_SECRETS[(ref["name"], ref["key"])]
+        elif src.get("fieldRef", {}).get("fieldPath") == "metadata.namespace":
+            env[item["name"]] = namespace
+        else:
+            raise AssertionError(f"unexpected env source {src}")
+    return env
+
+
+def expand(args: list[str], env: dict[str, str]) -> list[str]:
+    """Kubernetes' $(VAR) expansion of container args."""
+    return [re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), a) for a in args]
+
+
+def parsed_args(workload: dict, docs: list[dict]):  # noqa: ANN201 - argparse.Namespace
+    (container,) = ferry_containers(workload)
+    env = env_of(container, docs, workload["metadata"]["namespace"])
+    return build_parser().parse_args(expand(container["args"], env))
+
+
+def container_ports(workload: dict) -> dict[str, int]:
+    ports: dict[str, int] = {}
+    for c in pod_spec(workload)["containers"]:
+        for p in c.get("ports", []):
+            ports[p.get("name", str(p["containerPort"]))] = p["containerPort"]
+    return ports
+
+
+def resolve_port(port: int | str, ports: dict[str, int]) -> int | None:
+    if isinstance(port, int):
+        return port if port in ports.values() else None
+    return ports.get(port)
+
+
+def selector_matches(selector: str, labels: dict[str, str]) -> bool:
+    """Kubernetes label-selector syntax: k=v, k==v, k!=v, k in (a,b), k notin (a,b), k, !k."""
+    terms = re.findall(r"[^,(]+(?:\([^)]*\))?", selector)
+    for term in (t.strip() for t in terms if t.strip()):
+        if m := re.fullmatch(r"(\S+)\s+(in|notin)\s+\(([^)]*)\)", term):
+            key, op, values = m.group(1), m.group(2), {v.strip() for v in m.group(3).split(",")}
+            ok = (labels.get(key) in values) if op == "in" else (labels.get(key) not in values)
+        elif "!=" in term:
+            key, value = term.split("!=", 1)
+            ok = labels.get(key) != value
+        elif "=" in term:
+            key, value = re.split(r"==?", term, maxsplit=1)
+            ok = labels.get(key) == value
+        elif term.startswith("!"):
+            ok = term[1:] not in labels
+        else:
+            ok = term in labels
+        if not ok:
+            return False
+    return True
+
+
+def matches(match_labels: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in match_labels.items())
+
+
+def replica_pools(docs: list[dict]) -> list[dict]:
+    return [
+        d
+        for d in of_kind(docs, "Deployment")
+        if pod_labels(d).get("app.kubernetes.io/component") == "replica"
+    ]
+
+
+@pytest.fixture(params=OVERLAYS)
+def overlay(request: pytest.FixtureRequest, rendered: dict[str, list[dict]]) -> tuple[str, list[dict]]:
+    return request.param, rendered[request.param]
+
+
+# ---------------------------------------------------------------- tests
+
+
+def test_every_overlay_renders_the_expected_objects(rendered: dict[str, list[dict]]) -> None:
+    assert set(OVERLAYS) == {"mixed", "disaggregated", "disaggregated-gpu", "production"}
+    pools = {
+        name: sorted(d["metadata"]["name"] for d in replica_pools(docs)) for name, docs in rendered.items()
+    }
+    assert pools == {
+        "mixed": ["ferry-replica"],
+        "disaggregated": ["ferry-decode", "ferry-prefill"],
+        "disaggregated-gpu": ["ferry-decode", "ferry-prefill"],
+        "production": ["ferry-decode", "ferry-prefill"],
+    }
+    for name, docs in rendered.items():
+        kinds = {d["kind"] for d in docs}
+        assert {
+            "Deployment",
+            "Service",
+            "PodDisruptionBudget",
+            "Role",
+            "RoleBinding",
+            "ServiceAccount",
+        } <= kinds
+        for d in docs:
+            if d["kind"] != "Namespace":
+                assert d["metadata"].get("namespace") == "ferry", (
+                    f"{name}: {d['kind']}/{d['metadata']['name']}"
+                )
+    assert {"HorizontalPodAutoscaler", "ServiceMonitor", "Ingress"} <= {
+        d["kind"] for d in rendered["production"]
+    }
+    assert "StatefulSet" not in {d["kind"] for d in rendered["production"]}  # managed Redis there
+
+
+def test_ferry_args_are_flags_ferry_accepts(overlay: tuple[str, list[dict]]) -> None:
+    name, docs = overlay
+    seen = set()
+    for w in of_kind(docs, *WORKLOAD_KINDS):
+        for container in ferry_containers(w):
+            env = env_of(container, docs, w["metadata"]["namespace"])
+            args = build_parser().parse_args(expand(container["args"], env))  # SystemExit on a bad flag
+            seen.add(args.command)
+            if args.command == "serve":
+                assert args.role == pod_labels(w)["ferry.dev/role"]
+                assert args.host == "0.0.0.0"
+                assert args.kv_tier.startswith(("redis://", "rediss://"))
+                assert (
+                    args.served_model_name
+                    == one(docs, "ConfigMap", "ferry-config")["data"]["SERVED_MODEL_NAME"]
+                )
+            if args.command == "router":
+                assert args.host == "0.0.0.0" and args.discovery.startswith("k8s:")
+    assert seen == {"serve", "router"}
+
+
+def test_ports_probes_and_services_agree(overlay: tuple[str, list[dict]]) -> None:
+    _, docs = overlay
+    workloads = of_kind(docs, "Deployment", "StatefulSet")
+    for w in workloads:
+        ports = container_ports(w)
+        for c in pod_spec(w)["containers"]:
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                action = c.get(probe, {}).get("httpGet") or c.get(probe, {}).get("tcpSocket")
+                if action:
+                    assert resolve_port(action["port"], ports) is not None, f"{w['metadata']['name']} {probe}"
+                if c.get(probe, {}).get("httpGet"):
+                    assert action["path"] == "/health"
+            if is_ferry_image(c["image"]):
+                assert {"readinessProbe", "livenessProbe"} <= set(c)
+        annotations = w["spec"]["template"]["metadata"].get("annotations", {})
+        if annotations.get("prometheus.io/scrape") == "true":
+            assert int(annotations["prometheus.io/port"]) == ports["http"]
+            assert annotations["prometheus.io/path"] == "/metrics"
+
+    for svc in of_kind(docs, "Service"):
+        selected = [w for w in workloads if matches(svc["spec"]["selector"], pod_labels(w))]
+        assert len(selected) == 1, f"Service {svc['metadata']['name']} selects {len(selected)} workloads"
+        ports = container_ports(selected[0])
+        for p in svc["spec"]["ports"]:
+            assert resolve_port(p["targetPort"], ports) is not None, f"Service {svc['metadata']['name']} {p}"
+        if selected[0]["metadata"]["name"].startswith(("ferry-replica", "ferry-prefill", "ferry-decode")):
+            # Headless: the router balances over pods itself; DNS returns one record per Ready pod.
+            assert svc["spec"]["clusterIP"] == "None"
+            assert not svc["spec"].get("publishNotReadyAddresses", False)
+            assert svc["metadata"]["labels"]["ferry.dev/role"] == pod_labels(selected[0])["ferry.dev/role"]
+
+
+def test_selectors_match_pod_labels(overlay: tuple[str, list[dict]]) -> None:
+    _, docs = overlay
+    workloads = of_kind(docs, "Deployment", "StatefulSet")
+    for w in workloads:
+        assert matches(w["spec"]["selector"]["matchLabels"], pod_labels(w))
+        others = [o for o in workloads if o is not w]
+        # Two workloads whose selectors overlap would fight over pods.
+        assert not any(matches(w["spec"]["selector"]["matchLabels"], pod_labels(o)) for o in others)
+    for pdb in of_kind(docs, "PodDisruptionBudget"):
+        selected = [w for w in workloads if matches(pdb["spec"]["selector"]["matchLabels"], pod_labels(w))]
+        assert len(selected) == 1, pdb["metadata"]["name"]
+    for hpa in of_kind(docs, "HorizontalPodAutoscaler"):
+        target = one(docs, "Deployment", hpa["spec"]["scaleTargetRef"]["name"])
+        assert "replicas" not in target["spec"], "a re-apply would reset the HPA's replica count"
+        (metric,) = hpa["spec"]["metrics"]
+        assert metric["pods"]["metric"]["name"] == "vllm_num_requests_waiting"
+    for sm in of_kind(docs, "ServiceMonitor"):
+        services = [
+            s
+            for s in of_kind(docs, "Service")
+            if matches(sm["spec"]["selector"]["matchLabels"], s["metadata"]["labels"])
+            and all(
+                s["metadata"]["labels"].get(e["key"]) in e["values"]
+                for e in sm["spec"]["selector"]["matchExpressions"]
+            )
+        ]
+        assert sorted(s["metadata"]["name"] for s in services) == sorted(
+            ["ferry-router", *(d["metadata"]["name"] for d in replica_pools(docs))]
+        )
+        for s in services:
+            assert sm["spec"]["endpoints"][0]["port"] in {p["name"] for p in s["spec"]["ports"]}
+
+
+def test_graceful_termination_outlasts_the_drain(overlay: tuple[str, list[dict]]) -> None:
+    _, docs = overlay
+    for w in [one(docs, "Deployment", "ferry-router"), *replica_pools(docs)]:
+        (container,) = ferry_containers(w)
+        pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
+        assert pre_stop[0] == "sleep"
+        drain = getattr(parsed_args(w, docs), "drain_timeout", None) or 0
+        grace = pod_spec(w)["terminationGracePeriodSeconds"]
+        assert grace >= int(pre_stop[1]) + drain + 10, w["metadata"]["name"]
+        if w in replica_pools(docs):
+            assert drain >= 60  # long generations get a real chance to finish
+            assert w["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+
+
+def test_resources_and_gpu_variant(overlay: tuple[str, list[dict]]) -> None:
+    name, docs = overlay
+    for w in of_kind(docs, *WORKLOAD_KINDS):
+        spec = pod_spec(w)
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        for c in spec.get("initContainers", []) + spec["containers"]:
+            for part in ("requests", "limits"):
+                assert {"cpu", "memory"} <= set(c["resources"][part]), f"{w['metadata']['name']}/{c['name']}"
+            assert c["securityContext"]["allowPrivilegeEscalation"] is False
+    for w in replica_pools(docs):
+        (container,) = ferry_containers(w)
+        limits = container["resources"]["limits"]
+        if name in GPU_OVERLAYS:
+            assert limits["nvidia.com/gpu"] == "1" and container["image"].endswith("-cuda")
+            assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod_spec(w)[
+                "tolerations"
+            ]
+        else:
+            assert "nvidia.com/gpu" not in limits and container["image"].endswith("-cpu")
+    router = ferry_containers(one(docs, "Deployment", "ferry-router"))[0]
+    assert "nvidia.com/gpu" not in router["resources"]["limits"]
+
+
+def test_rbac_is_get_list_watch_endpointslices_for_the_router_only(overlay: tuple[str, list[dict]]) -> None:
+    _, docs = overlay
+    assert not of_kind(docs, "ClusterRole", "ClusterRoleBinding")
+    (role,) = of_kind(docs, "Role")
+    assert role["rules"] == [
+        {
+            "apiGroups": ["discovery.k8s.io"],
+            "resources": ["endpointslices"],
+            "verbs": ["get", "list", "watch"],
+        }
+    ]
+    (binding,) = of_kind(docs, "RoleBinding")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "ferry-router", "namespace": "ferry"}]
+    assert pod_spec(one(docs, "Deployment", "ferry-router"))["serviceAccountName"] == "ferry-router"
+    for w in replica_pools(docs):
+        assert pod_spec(w)["automountServiceAccountToken"] is False
+        assert "serviceAccountName" not in pod_spec(w)
+
+
+def test_router_discovery_finds_exactly_the_replica_pools(overlay: tuple[str, list[dict]]) -> None:
+    """Simulate the EndpointSlice controller (one slice per Service, the Service's labels copied,
+    one Ready pod each) and run the router's own --discovery URL over the result."""
+    _, docs = overlay
+    router = one(docs, "Deployment", "ferry-router")
+    target = parse_k8s_url(parsed_args(router, docs).discovery)
+    assert target.namespace == "ferry"
+    slices, expected = [], []
+    for i, svc in enumerate(of_kind(docs, "Service")):
+        labels = {**svc["metadata"]["labels"], "kubernetes.io/service-name": svc["metadata"]["name"]}
+        if not selector_matches(target.label_selector, labels):
+            continue
+        (pool,) = [w for w in replica_pools(docs) if matches(svc["spec"]["selector"], pod_labels(w))]
+        port = svc["spec"]["ports"][0]
+        container_port = resolve_port(port["targetPort"], container_ports(pool))
+        ip = f"10.1.{i}.7"
+        slices.append(
+            client.V1EndpointSlice(
+                address_type="IPv4",
+                metadata=client.V1ObjectMeta(name=f"{svc['metadata']['name']}-abcde", labels=labels),
+                endpoints=[
+                    client.V1Endpoint(addresses=[ip], conditions=client.V1EndpointConditions(ready=True))
+                ],
+                ports=[
+                    client.DiscoveryV1EndpointPort(name=port["name"], port=container_port, protocol="TCP")
+                ],
+            )
+        )
+        expected.append((f"http://{ip}:{container_port}", parsed_args(pool, docs).role))
+    assert len(slices) == len(replica_pools(docs)), (
+        "the selector must match every replica Service, nothing else"
+    )
+    found = replicas_from_slices(slices, target)
+    assert sorted((r.url, r.role) for r in found) == sorted(expected)
+
+
+def test_weights_come_from_a_volume_never_a_download(overlay: tuple[str, list[dict]]) -> None:
+    name, docs = overlay
+    for w in replica_pools(docs):
+        (container,) = ferry_containers(w)
+        env = env_of(container, docs, "ferry")
+        assert env["HF_HUB_OFFLINE"] == "1"
+        model = parsed_args(w, docs).model
+        mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+        assert model.startswith("/models/") and mounts["/models"]["readOnly"] is True
+        volumes = {v["name"]: v for v in pod_spec(w)["volumes"]}
+        (init,) = pod_spec(w)["initContainers"]
+        if name == "production":
+            assert volumes["models"] == {"name": "models", "emptyDir": {"sizeLimit": "200Gi"}}
+            assert init["image"].startswith("rclone/") and init["args"][:3] == [
+                "copy",
+                "$(WEIGHTS_SOURCE)",
+                "$(MODEL_PATH)",
+            ]
+        else:
+            assert volumes["models"]["persistentVolumeClaim"]["claimName"] == "ferry-models"
+            assert one(docs, "PersistentVolumeClaim", "ferry-models")
+            assert "config.json" in init["command"][-1]  # waits for a complete model directory
+    if name in ("mixed", "disaggregated"):
+        job = one(docs, "Job", "ferry-demo-model")
+        assert "os.replace(tmp, target)" in pod_spec(job)["containers"][0]["command"][-1]
+
+
+def test_kv_tier_points_at_the_deployed_redis_or_the_secret(overlay: tuple[str, list[dict]]) -> None:
+    name, docs = overlay
+    for w in replica_pools(docs):
+        tier = urlsplit(parsed_args(w, docs).kv_tier)
+        if name == "production":
+            assert tier.scheme == "rediss" and tier.password  # from the Secret, TLS + password
+        else:
+            redis = one(docs, "Service", tier.hostname)
+            assert tier.port == redis["spec"]["ports"][0]["port"]
+            sts = one(docs, "StatefulSet", "ferry-redis")
+            assert "allkeys-lru" in pod_spec(sts)["containers"][0]["args"]
