@@ -1,22 +1,142 @@
-"""`ferry serve` flags (DESIGN.md names). Engine flags map 1:1 onto EngineConfig fields."""
+"""`ferry serve` flags (DESIGN.md names).
+
+Engine flags map 1:1 onto ``EngineConfig`` fields (``--num-kv-blocks`` -> ``num_kv_blocks``):
+``engine_options(args)`` picks them by field name, so a new EngineConfig field only needs a flag
+here and can never drift. Everything else is the server's (``server_config(args)``). This module
+is imported by ``ferry --help``; it must stay torch-free.
+"""
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from engine.config import EngineConfig
+
+if TYPE_CHECKING:
+    from server.config import ServerConfig
+
+DEMO_MODEL_NAME = "ferry-demo"
+
+
+def _bool_flag(p: argparse.ArgumentParser, name: str, default: bool, help: str) -> None:
+    p.add_argument(name, action=argparse.BooleanOptionalAction, default=default, help=help)
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    d = EngineConfig()
+    # -- server -------------------------------------------------------------------------------
     p.add_argument("--model", default=None, help="HF model directory (default: the built-in demo model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--role", choices=["mixed", "prefill", "decode"], default="mixed")
-    p.add_argument("--kv-tier", default=None, help="memory://… | redis://host:port/db | rediss://…")
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--deterministic", action="store_true")
-    p.add_argument("--register", default=None, help="redis://… to announce this replica to routers")
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model id clients send (default: the model directory's name, or ferry-demo)",
+    )
+    p.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize"
+    )
+    p.add_argument(
+        "--register", default=None, help="redis://… to announce this replica to routers (heartbeat)"
+    )
+    p.add_argument(
+        "--advertise-url",
+        default=None,
+        help="URL routers use to reach this replica (default: http://HOST:PORT)",
+    )
+    p.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=256,
+        help="sequences waiting to run beyond which new requests get 429 + Retry-After",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="seconds after which a request is aborted (408; streams end with an error event)",
+    )
+    p.add_argument(
+        "--max-request-bytes", type=int, default=8 * 1024 * 1024, help="larger request bodies get 413"
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds to let in-flight requests finish after SIGTERM before aborting them",
+    )
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    # -- engine (1:1 with EngineConfig fields) ------------------------------------------------
+    p.add_argument("--kv-tier", default=d.kv_tier, help="memory://… | redis://host:port/db | rediss://…")
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks)
+    p.add_argument(
+        "--kv-cache-memory-bytes",
+        type=int,
+        default=d.kv_cache_memory_bytes,
+        help="KV cache size when --num-kv-blocks is not given",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=d.max_model_len,
+        help="context length (default: the model's max_position_embeddings)",
+    )
+    p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
+    p.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "torch", "triton"])
+    p.add_argument("--num-threads", type=int, default=d.num_threads, help="torch intra-op threads on CPU")
+    p.add_argument("--seed", type=int, default=d.seed, help="default seed of requests that give none")
+    p.add_argument("--max-logprobs", type=int, default=d.max_logprobs)
+    p.add_argument("--kv-tier-write-queue", type=int, default=d.kv_tier_write_queue)
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        default=d.deterministic,
+        help="batch-invariant numerics: a request's tokens do not depend on its batch",
+    )
+    _bool_flag(
+        p, "--enable-prefix-caching", d.enable_prefix_caching, "reuse KV blocks of shared prompt prefixes"
+    )
+    _bool_flag(p, "--kv-events", d.kv_events, "publish KV block stored/removed events to the tier")
     return p
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The EngineConfig fields present on ``args``, by name."""
+    values = vars(args)
+    return {f.name: values[f.name] for f in fields(EngineConfig) if f.name in values}
+
+
+def served_model_name(args: argparse.Namespace) -> str:
+    if args.served_model_name:
+        return args.served_model_name
+    if args.model:
+        path = Path(args.model)
+        return path.name if path.is_dir() and path.name else str(args.model)  # a hub id stays whole
+    return DEMO_MODEL_NAME
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    from server.config import ServerConfig
+
+    return ServerConfig(
+        served_model_name=served_model_name(args),
+        host=args.host,
+        port=args.port,
+        role=args.role,
+        api_key=args.api_key,
+        max_queued_requests=args.max_queued_requests,
+        request_timeout=args.request_timeout,
+        max_request_bytes=args.max_request_bytes,
+        drain_timeout=args.drain_timeout,
+        register=args.register,
+        advertise_url=args.advertise_url,
+        log_level=args.log_level,
+    )

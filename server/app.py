@@ -1,0 +1,117 @@
+"""The FastAPI app of one replica: ``build_app(engine, config)``.
+
+Routes are thin: parse (pydantic, at the edge), hand to a serving module, return. Edge checks
+(request id, API key, body size) run in ``EdgeMiddleware`` before routing; every error leaves
+in OpenAI's shape (``server.errors``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from ferry import __version__
+from server.config import ServerConfig
+from server.errors import APIError, install_error_handlers
+from server.generation import Generation
+from server.metrics import CONTENT_TYPE, ServerMetrics
+from server.middleware import EdgeMiddleware
+from server.params import ModelLimits
+from server.protocol import (
+    MAX_LOGPROBS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ErrorResponse,
+    ModelList,
+    TokenizeRequest,
+    VersionResponse,
+)
+from server.serving_chat import create_chat_completion
+from server.serving_completions import create_completion
+from server.serving_tokenize import detokenize, list_models, tokenize
+from server.state import ServerState
+from server.streaming import ClientDisconnected
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 413, 429, 503)
+}
+
+
+def build_state(engine: Any, config: ServerConfig) -> ServerState:
+    info = engine.model_info
+    engine_config = getattr(engine, "config", None)
+    max_logprobs = min(MAX_LOGPROBS, int(getattr(engine_config, "max_logprobs", MAX_LOGPROBS)))
+    limits = ModelLimits(
+        vocab_size=int(info.vocab_size),
+        max_model_len=int(info.max_model_len),
+        max_logprobs=max_logprobs,
+        max_n=config.max_n,
+        block_size=int(info.block_size),
+        num_kv_blocks=int(getattr(info, "num_kv_blocks", 0) or 0),
+    )
+    metrics = ServerMetrics(config.served_model_name, engine.stats)
+    return ServerState(
+        engine=engine,
+        config=config,
+        tokenizer=engine.tokenizer,
+        limits=limits,
+        block_size=int(info.block_size),
+        generation=Generation(engine, config, metrics),
+        metrics=metrics,
+    )
+
+
+def build_app(engine: Any, config: ServerConfig) -> FastAPI:
+    """The OpenAI-compatible app over ``engine`` (an ``engine.AsyncEngine``)."""
+    state = build_state(engine, config)
+    app = FastAPI(
+        title="ferry", version=__version__, description="OpenAI-compatible API of one ferry replica."
+    )
+    app.state.ferry = state
+    install_error_handlers(app)
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(_: Request, __: ClientDisconnected) -> Response:
+        return APIError(499, "Client closed the request.", code="client_closed_request").to_response()
+
+    @app.post("/v1/completions", responses=_ERRORS)
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        return await create_completion(state, body, request.state.request_id, request.receive)
+
+    @app.post("/v1/chat/completions", responses=_ERRORS)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        return await create_chat_completion(state, body, request.state.request_id, request.receive)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> Any:
+        return list_models(state)
+
+    @app.post("/tokenize", responses=_ERRORS)
+    async def tokenize_route(body: TokenizeRequest) -> Any:
+        return tokenize(state, body)
+
+    @app.post("/detokenize", responses=_ERRORS)
+    async def detokenize_route(body: DetokenizeRequest) -> Any:
+        return detokenize(state, body)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.generation.draining:
+            return APIError(503, "Server is draining.", code="draining").to_response()
+        if not engine.is_healthy():
+            return APIError(503, "Engine is not healthy.", code="engine_unhealthy").to_response()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/version", response_model=VersionResponse)
+    async def version() -> Any:
+        return VersionResponse(version=__version__)
+
+    app.add_middleware(EdgeMiddleware, api_key=config.api_key, max_request_bytes=config.max_request_bytes)
+    return app

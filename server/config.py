@@ -1,0 +1,44 @@
+"""Server configuration: one frozen dataclass, built once from the `ferry serve` flags."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+
+from server.protocol import MAX_N
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything the HTTP layer decides; engine options live in ``engine.config.EngineConfig``."""
+
+    served_model_name: str = "ferry-demo"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    role: str = "mixed"  # mixed | prefill | decode
+    api_key: str | None = None
+    max_queued_requests: int = 256  # engine sequences waiting beyond which new requests get 429
+    request_timeout: float | None = None  # seconds; None: no limit
+    max_request_bytes: int = 8 * 1024 * 1024
+    drain_timeout: float = 30.0  # seconds to finish in-flight requests after SIGTERM
+    max_n: int = MAX_N
+    register: str | None = None  # redis://… to announce this replica in
+    advertise_url: str | None = None  # the URL routers should use; default http://host:port
+    register_interval: float = 2.0  # heartbeat period (seconds)
+    register_ttl: float = 6.0  # heartbeat key TTL (seconds)
+    log_level: str = "info"
+
+    @property
+    def url(self) -> str:
+        """Where routers reach this replica (a wildcard bind host is replaced by this host's address)."""
+        if self.advertise_url:
+            return self.advertise_url.rstrip("/")
+        host = self.host
+        if host in ("0.0.0.0", "::", ""):
+            try:
+                host = socket.gethostbyname(socket.gethostname())
+            except OSError:
+                host = "127.0.0.1"
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"

@@ -1,0 +1,153 @@
+"""OpenAI-shaped errors: one exception type for the serving code and the app's exception handlers.
+
+Every error a client can cause leaves as a 4xx with ``{"error": {"message", "type", "param",
+"code"}}``; FastAPI's own shapes (422 validation lists, ``{"detail": ...}``) never reach a
+client. ``type`` names the error class as vLLM does (``BadRequestError``, ``NotFoundError``…);
+``code`` is a short machine-readable string in OpenAI's style (``model_not_found``…).
+Anything else that escapes a handler is a server bug: logged with its traceback, answered 500.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from server.protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger("ferry.server")
+
+_TYPE_BY_STATUS = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    408: "TimeoutError",
+    413: "RequestTooLargeError",
+    415: "UnsupportedMediaTypeError",
+    429: "RateLimitError",
+    499: "ClientClosedRequest",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+class APIError(Exception):
+    """An error answered to the client as an OpenAI error body with ``status``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.headers = dict(headers or {})
+
+    @property
+    def type(self) -> str:
+        return _TYPE_BY_STATUS.get(
+            self.status, "BadRequestError" if self.status < 500 else "InternalServerError"
+        )
+
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(
+            error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        )
+
+    def to_response(self) -> JSONResponse:
+        return JSONResponse(self.body().model_dump(), status_code=self.status, headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
+    return APIError(400, message, code=code, param=param)
+
+
+def model_not_found(model: str) -> APIError:
+    return APIError(404, f"The model `{model}` does not exist.", code="model_not_found", param="model")
+
+
+def overloaded(message: str, retry_after_s: int = 1) -> APIError:
+    return APIError(429, message, code="rate_limit_exceeded", headers={"Retry-After": str(retry_after_s)})
+
+
+def unavailable(message: str, retry_after_s: int = 5) -> APIError:
+    return APIError(503, message, code="service_unavailable", headers={"Retry-After": str(retry_after_s)})
+
+
+_UNION_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def _param_from_loc(loc: Sequence[Any]) -> str | None:
+    # pydantic adds union-member tags ("str", "list[int]", "function-after[...]") to locations;
+    # they mean nothing to a client.
+    parts = [
+        str(p) for p in loc if p != "body" and not (isinstance(p, str) and ("[" in p or p in _UNION_TAGS))
+    ]
+    return ".".join(parts) or None
+
+
+_FIELD_PREFIX = re.compile(r"^([a-z_][a-z_0-9]*): ")
+
+
+def validation_error(errors: Sequence[Mapping[str, Any]]) -> APIError:
+    """Map pydantic/FastAPI validation errors onto one 400 naming the first offending field."""
+    if not errors:
+        return bad_request("Invalid request body.")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        ctx = first.get("ctx") or {}
+        detail = ctx.get("error", first.get("msg", ""))
+        return bad_request(f"Request body is not valid JSON: {detail}", code="invalid_json")
+    param = _param_from_loc(first.get("loc", ()))
+    msg = str(first.get("msg", "invalid value"))
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, ") :]
+    code = "missing_required_parameter" if first.get("type") == "missing" else "invalid_value"
+    prefixed = _FIELD_PREFIX.match(msg)
+    if param is None and prefixed:  # model-level validators name their field as "field: message"
+        param, msg = prefixed.group(1), msg[prefixed.end() :]
+    if param is None:
+        return bad_request(f"Invalid request body: {msg}", code=code)
+    more = f" (and {len(errors) - 1} more error(s))" if len(errors) > 1 else ""
+    return bad_request(f"Invalid value for '{param}': {msg}{more}", param=param, code=code)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.to_response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc.errors()).to_response()
+
+    @app.exception_handler(ValidationError)
+    async def _pydantic_validation(_: Request, exc: ValidationError) -> JSONResponse:
+        return validation_error(exc.errors()).to_response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else "HTTP error"
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return APIError(exc.status_code, message, code=code, headers=exc.headers).to_response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("internal error while serving %s %s", request.method, request.url.path)
+        return APIError(500, "Internal server error.", code="internal_error").to_response()

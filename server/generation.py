@@ -1,0 +1,216 @@
+"""The serving layer's one door into the engine: admission, timeouts, aborts, fan-out, metrics.
+
+Each engine request (one sequence: one prompt, one choice) goes through ``Generation.stream``,
+which guarantees that a request that does not finish normally (client gone, timeout, error,
+shutdown) is aborted in the engine at once, so its KV blocks are freed. Requests are admitted
+only while the server is not draining and the queue of sequences that are not yet running is
+below ``max_queued_requests``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from server.config import ServerConfig
+from server.errors import APIError, bad_request, overloaded, unavailable
+from server.metrics import ServerMetrics
+
+logger = logging.getLogger("ferry.server")
+
+
+@dataclass(frozen=True)
+class SequenceRequest:
+    """One engine request: a prompt and the params of one choice."""
+
+    choice_index: int
+    prompt_index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    resume_token_ids: list[int] | None = None
+    kv_transfer: Any = None
+
+
+@dataclass
+class _Deadline:
+    timed_out: bool = False
+    handle: asyncio.TimerHandle | None = field(default=None, repr=False)
+
+
+def timeout_error(seconds: float) -> APIError:
+    # 408 as the OpenAI API answers a request it gave up on; the OpenAI SDKs retry it.
+    return APIError(
+        408, f"Request timed out after {seconds:g} s (server --request-timeout).", code="request_timeout"
+    )
+
+
+class Generation:
+    """Admission control and engine calls shared by the completions and chat endpoints."""
+
+    def __init__(self, engine: Any, config: ServerConfig, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.config = config
+        self.metrics = metrics
+        self.draining = False
+        self.in_flight = 0  # engine sequences admitted and not finished
+        self._live_ids: set[str] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # -- admission --------------------------------------------------------------------------------
+
+    def queued(self) -> int:
+        """Sequences admitted but not running: the engine's waiting queue plus those not yet seen by it."""
+        running = int(getattr(self.engine.stats(), "num_running", 0))
+        return max(0, self.in_flight - running)
+
+    def admit(self) -> None:
+        """Raise 503 (draining/unhealthy) or 429 (queue full) unless a new request may start now.
+
+        Sequences count as in flight from their first step in ``stream`` until it ends, so a
+        request that fails validation after admission holds nothing.
+        """
+        if self.draining:
+            raise unavailable("Server is shutting down; retry on another replica.")
+        if not self.engine.is_healthy():
+            raise unavailable("Engine is not healthy.")
+        queued = self.queued()
+        if queued >= self.config.max_queued_requests:
+            self.metrics.rejected.inc()
+            raise overloaded(
+                f"Server is overloaded: {queued} sequences are waiting (limit {self.config.max_queued_requests}). "
+                "Retry later."
+            )
+
+    def _add_in_flight(self, delta: int) -> None:
+        self.in_flight += delta
+        if self.in_flight == 0:
+            self._idle.set()
+        else:
+            self._idle.clear()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until no sequence is in flight; False if ``timeout`` passed first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    async def abort_all(self) -> None:
+        for request_id in list(self._live_ids):
+            with contextlib.suppress(Exception):
+                await self.engine.abort(request_id)
+
+    # -- one sequence -----------------------------------------------------------------------------
+
+    def _engine_request_id(self, request_id: str, seq: SequenceRequest) -> str:
+        rid = f"{request_id}-{seq.choice_index}"
+        if rid in self._live_ids:  # a client reused its X-Request-Id while the first is running
+            rid = f"{rid}-{time.monotonic_ns():x}"
+        return rid
+
+    async def stream(
+        self, request_id: str, seq: SequenceRequest, arrival: float
+    ) -> AsyncIterator[RequestOutput]:
+        """The engine's delta outputs for one admitted sequence (releases its admission slot at the end)."""
+        rid = self._engine_request_id(request_id, seq)
+        self._live_ids.add(rid)
+        self._add_in_flight(1)
+        deadline = _Deadline()
+        if self.config.request_timeout is not None:
+            loop = asyncio.get_running_loop()
+            deadline.handle = loop.call_later(self.config.request_timeout, self._expire, rid, deadline)
+        finished = False
+        metrics = self.metrics
+        first_at = last_at = 0.0
+        num_generated = 0
+        try:
+            gen = self.engine.generate(
+                rid,
+                seq.prompt_token_ids,
+                seq.params,
+                resume_token_ids=seq.resume_token_ids,
+                kv_transfer=seq.kv_transfer,
+            )
+            try:
+                async for out in gen:
+                    now = time.perf_counter()
+                    new_tokens = len(out.outputs[0].token_ids) if out.outputs else 0
+                    if new_tokens:
+                        if first_at == 0.0:
+                            first_at = now
+                            metrics.observe_first_token(now - arrival)
+                        else:
+                            metrics.observe_tokens(now - last_at, new_tokens)
+                        last_at = now
+                        num_generated += new_tokens
+                    if out.finished:
+                        finished = True
+                        reason = (out.outputs[0].finish_reason if out.outputs else None) or "abort"
+                        metrics.observe_finished(reason, time.perf_counter() - arrival, out.metrics)
+                        if deadline.timed_out and reason == "abort":
+                            raise timeout_error(self.config.request_timeout or 0.0)
+                    yield out
+            finally:
+                with contextlib.suppress(Exception):
+                    await gen.aclose()
+        except ValueError as e:
+            # The engine's contract: ValueError is a client error (prompt too long, bad token id…).
+            raise bad_request(str(e)) from e
+        finally:
+            if deadline.handle is not None:
+                deadline.handle.cancel()
+            if not finished:
+                with contextlib.suppress(Exception):
+                    await self.engine.abort(rid)
+                metrics.observe_finished("abort", time.perf_counter() - arrival, None)
+            self._live_ids.discard(rid)
+            self._add_in_flight(-1)
+
+    def _expire(self, rid: str, deadline: _Deadline) -> None:
+        deadline.timed_out = True
+        asyncio.ensure_future(self.engine.abort(rid))
+
+    async def merged(
+        self, request_id: str, seqs: Sequence[SequenceRequest], arrival: float
+    ) -> AsyncIterator[tuple[SequenceRequest, RequestOutput]]:
+        """Outputs of several sequences as they come (n > 1, several prompts); one failure ends all."""
+        if len(seqs) == 1:
+            async for out in self.stream(request_id, seqs[0], arrival):
+                yield seqs[0], out
+            return
+        queue: asyncio.Queue[tuple[SequenceRequest, RequestOutput] | BaseException | None] = asyncio.Queue()
+
+        async def pump(seq: SequenceRequest) -> None:
+            try:
+                async for out in self.stream(request_id, seq, arrival):
+                    queue.put_nowait((seq, out))
+                queue.put_nowait(None)
+            except asyncio.CancelledError:
+                raise
+            except BaseException as e:  # handed to the consumer, which re-raises it
+                queue.put_nowait(e)
+
+        tasks = [asyncio.ensure_future(pump(seq)) for seq in seqs]
+        remaining = len(tasks)
+        try:
+            while remaining:
+                item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)

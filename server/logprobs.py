@@ -1,0 +1,131 @@
+"""Engine logprobs -> OpenAI wire formats (chat ``logprobs.content`` and legacy completions).
+
+The engine gives, per generated position, ``{token_id: Logprob}`` holding the sampled token
+plus the top-N (ranked). Token text comes from the engine when it decoded it, else from the
+tokenizer (``token_text`` writes partial UTF-8 as ``bytes:\\x..`` as OpenAI does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from engine.outputs import Logprob, PositionLogprobs
+from engine.tokenizer import Tokenizer
+from server.protocol import CompletionLogprobs, TokenLogprob, TopLogprob
+
+
+def _text(tokenizer: Tokenizer, token_id: int, lp: Logprob | None) -> str:
+    if lp is not None and lp.decoded_token is not None:
+        return lp.decoded_token
+    return tokenizer.token_text(token_id)
+
+
+def _bytes(tokenizer: Tokenizer, token_id: int) -> list[int] | None:
+    """The token's raw UTF-8 bytes (a partial character's bytes too), as OpenAI's ``bytes`` field."""
+    raw = tokenizer.token_bytes(token_id)
+    return list(raw) if raw is not None else None
+
+
+def _top(position: PositionLogprobs, n: int) -> list[tuple[int, Logprob]]:
+    if n <= 0:
+        return []
+    ranked = sorted(
+        position.items(), key=lambda kv: (kv[1].rank if kv[1].rank is not None else 1 << 30, -kv[1].logprob)
+    )
+    return ranked[:n]
+
+
+def _logprob(value: float) -> float:
+    # JSON has no -inf; OpenAI clients expect a number. -9999.0 is what vLLM and OpenAI send.
+    return value if value > -9999.0 else -9999.0
+
+
+def chat_logprobs(
+    tokenizer: Tokenizer, token_ids: Sequence[int], positions: Sequence[PositionLogprobs] | None, top_n: int
+) -> list[TokenLogprob]:
+    """One ``TokenLogprob`` per generated token (with ``top_n`` alternatives)."""
+    if not positions:
+        return []
+    out = []
+    for token_id, position in zip(token_ids, positions, strict=False):
+        chosen = position.get(token_id)
+        text = _text(tokenizer, token_id, chosen)
+        top = [
+            TopLogprob(
+                token=_text(tokenizer, tid, lp), logprob=_logprob(lp.logprob), bytes=_bytes(tokenizer, tid)
+            )
+            for tid, lp in _top(position, top_n)
+        ]
+        out.append(
+            TokenLogprob(
+                token=text,
+                logprob=_logprob(chosen.logprob) if chosen is not None else -9999.0,
+                bytes=_bytes(tokenizer, token_id),
+                top_logprobs=top,
+            )
+        )
+    return out
+
+
+class CompletionLogprobsBuilder:
+    """Accumulates legacy completion logprobs across deltas, keeping ``text_offset`` running."""
+
+    def __init__(self, tokenizer: Tokenizer, top_n: int, start_offset: int = 0) -> None:
+        self.tokenizer = tokenizer
+        self.top_n = top_n
+        self.offset = start_offset
+
+    def add(
+        self, token_ids: Sequence[int], positions: Sequence[PositionLogprobs | None] | None
+    ) -> CompletionLogprobs:
+        """Logprobs of ``token_ids``; a ``None`` position (the first prompt token when echoing) has none."""
+        result = CompletionLogprobs()
+        if positions is None:
+            return result
+        for token_id, position in zip(token_ids, positions, strict=False):
+            if position is None:
+                text = self.tokenizer.token_text(token_id)
+                result.tokens.append(text)
+                result.token_logprobs.append(None)
+                result.top_logprobs.append(None)
+            else:
+                chosen = position.get(token_id)
+                text = _text(self.tokenizer, token_id, chosen)
+                result.tokens.append(text)
+                result.token_logprobs.append(_logprob(chosen.logprob) if chosen is not None else -9999.0)
+                top = {
+                    _text(self.tokenizer, tid, lp): _logprob(lp.logprob)
+                    for tid, lp in _top(position, self.top_n)
+                }
+                if chosen is not None:
+                    top.setdefault(text, _logprob(chosen.logprob))
+                result.top_logprobs.append(top)
+            result.text_offset.append(self.offset)
+            self.offset += len(text)
+        return result
+
+    def fill(
+        self, part: CompletionLogprobs, token_ids: Sequence[int], positions: Sequence[PositionLogprobs | None]
+    ) -> None:
+        """Set the logprob values of entries laid out earlier by ``add(token_ids, [None] * n)``."""
+        for i, (token_id, position) in enumerate(zip(token_ids, positions, strict=False)):
+            if position is None:
+                continue
+            chosen = position.get(token_id)
+            part.token_logprobs[i] = _logprob(chosen.logprob) if chosen is not None else -9999.0
+            top = {
+                _text(self.tokenizer, tid, lp): _logprob(lp.logprob) for tid, lp in _top(position, self.top_n)
+            }
+            if chosen is not None:
+                top.setdefault(part.tokens[i], _logprob(chosen.logprob))
+            part.top_logprobs[i] = top
+
+
+def merge_completion_logprobs(parts: Sequence[CompletionLogprobs]) -> CompletionLogprobs:
+    merged = CompletionLogprobs()
+    for part in parts:
+        merged.tokens += part.tokens
+        merged.token_logprobs += part.token_logprobs
+        merged.top_logprobs += part.top_logprobs
+        merged.text_offset += part.text_offset
+    return merged

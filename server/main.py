@@ -1,0 +1,127 @@
+"""`ferry serve`: build the engine and the app from the flags, run uvicorn, drain on SIGTERM.
+
+Shutdown on SIGTERM (or the first Ctrl-C): stop admitting (``/health`` and new requests answer
+503, the ``--register`` key is deleted so routers stop sending), let in-flight requests finish
+for up to ``--drain-timeout`` seconds, abort what is left, then exit 0. A second signal exits
+at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from server.args import engine_options, server_config
+from server.config import ServerConfig
+
+logger = logging.getLogger("ferry.server")
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn whose first exit signal drains in-flight requests instead of closing at once."""
+
+    def __init__(self, config: uvicorn.Config, app_state: Any, registration: Any = None) -> None:
+        super().__init__(config)
+        self.app_state = app_state
+        self.registration = registration
+        self._drain_task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def startup(self, sockets: Any = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+        if self.started and self.registration is not None:
+            await self.registration.start()  # only once the port answers: routers probe at once
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._drain_task is None and self._loop is not None and not self.should_exit:
+            logger.info(
+                "signal %s: draining (up to %.0f s)",
+                signal.Signals(sig).name,
+                self.app_state.config.drain_timeout,
+            )
+            # Signal handlers run between bytecodes of the loop's thread: hand over safely.
+            self._loop.call_soon_threadsafe(self._start_drain)
+            return
+        # Second signal: stop now (uvicorn aborts what is left).
+        self.should_exit = True
+        self.force_exit = True
+
+    def _start_drain(self) -> None:
+        if self._drain_task is None:
+            self._drain_task = asyncio.ensure_future(self.drain())
+
+    async def drain(self) -> None:
+        generation = self.app_state.generation
+        generation.draining = True
+        if self.registration is not None:
+            await self.registration.stop()
+        timeout = self.app_state.config.drain_timeout
+        if not await generation.wait_idle(timeout):
+            logger.warning(
+                "drain timeout (%.0f s): aborting %d in-flight sequence(s)", timeout, generation.in_flight
+            )
+            await generation.abort_all()
+            await generation.wait_idle(5.0)
+        self.should_exit = True
+
+
+async def serve(engine: Any, config: ServerConfig) -> None:
+    """Run the API over an already-built engine until drained; shuts the engine down at the end."""
+    from server.app import build_app
+    from server.registration import Registration
+
+    app = build_app(engine, config)
+    registration = None
+    if config.register:
+        registration = Registration(
+            config.register,
+            config.url,
+            config.role,
+            config.served_model_name,
+            config.register_interval,
+            config.register_ttl,
+        )
+    uv_config = uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        log_level=config.log_level,
+        access_log=config.log_level == "debug",
+        lifespan="off",
+        timeout_graceful_shutdown=5,
+        timeout_keep_alive=30,
+    )
+    server = DrainingServer(uv_config, app.state.ferry, registration)
+    try:
+        await server.serve()
+    finally:
+        if registration is not None:
+            await registration.stop()
+        await engine.shutdown()
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from engine import AsyncEngine
+    from engine.config import EngineConfig
+
+    config = server_config(args)
+    engine_config = EngineConfig.from_options(**engine_options(args))
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+    async def main() -> None:
+        # Built inside the loop: the engine may bind its output queues to the running loop.
+        engine = AsyncEngine(engine_config)
+        logger.info("serving %s on %s (role %s)", config.served_model_name, config.url, config.role)
+        await serve(engine, config)
+
+    asyncio.run(main())
+    return 0

@@ -1,0 +1,164 @@
+"""Prometheus metrics of one replica, named as vLLM names them so existing dashboards work.
+
+Two kinds:
+* gauges and counters that mirror engine state (running/waiting requests, KV usage, prefix-cache
+  queries/hits, preemptions) are read from ``engine.stats()`` at scrape time by a custom
+  collector, never pushed per token;
+* per-request histograms (TTFT, inter-token latency, end-to-end latency, queue time) and
+  finished requests by reason are observed by the serving layer as outputs arrive.
+
+Every series carries ``model_name``. prometheus-client appends ``_total`` to counters, so the
+exposed names are ``vllm:prompt_tokens_total``, ``vllm:prefix_cache_hits_total`` … exactly as
+vLLM v1 exposes them. The serving metrics live in a registry of their own (two apps in one
+process never collide); ``/metrics`` renders it together with the process-wide default
+registry, where the KV tier registers its ``ferry:`` metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Bucket edges in seconds (the spread vLLM uses: sub-ms to minutes).
+_TTFT_BUCKETS = tuple(
+    float(x)
+    for x in "0.001 0.005 0.01 0.02 0.04 0.06 0.08 0.1 0.25 0.5 0.75 1 2.5 5 7.5 10 20 40 80 160 640 2560".split()
+)
+_ITL_BUCKETS = tuple(
+    float(x)
+    for x in "0.001 0.0025 0.005 0.01 0.025 0.05 0.075 0.1 0.15 0.2 0.3 0.4 0.5 0.75 1 2.5 5 7.5 10 20 40 80".split()
+)
+_REQUEST_BUCKETS = tuple(
+    float(x)
+    for x in "0.01 0.05 0.1 0.3 0.5 0.8 1 1.5 2 2.5 5 10 15 20 30 40 50 60 120 240 480 960 1920 7680".split()
+)
+
+# (exposed name without _total, help, EngineStats attribute, kind)
+_ENGINE_SERIES: tuple[tuple[str, str, str, str], ...] = (
+    ("vllm:num_requests_running", "Number of requests in model execution batches.", "num_running", "gauge"),
+    ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", "num_waiting", "gauge"),
+    ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", "kv_cache_usage", "gauge"),
+    (
+        "vllm:prefix_cache_queries",
+        "Prefix cache queries, in terms of number of queried tokens.",
+        "prefix_cache_queries",
+        "counter",
+    ),
+    (
+        "vllm:prefix_cache_hits",
+        "Prefix cache hits, in terms of number of cached tokens.",
+        "prefix_cache_hits",
+        "counter",
+    ),
+    (
+        "vllm:num_preemptions",
+        "Cumulative number of preemptions from the engine.",
+        "num_preemptions",
+        "counter",
+    ),
+    ("vllm:prompt_tokens", "Number of prefill tokens processed.", "prompt_tokens", "counter"),
+    ("vllm:generation_tokens", "Number of generation tokens processed.", "generation_tokens", "counter"),
+)
+
+
+class EngineStatsCollector(Collector):
+    """Reads ``engine.stats()`` once per scrape and exposes it under vLLM's names."""
+
+    def __init__(self, stats: Callable[[], Any], model_name: str) -> None:
+        self._stats = stats
+        self._model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        for name, doc, attr, kind in _ENGINE_SERIES:
+            value = getattr(stats, attr, None)
+            if value is None:
+                continue
+            family_cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+            family = family_cls(name, doc, labels=["model_name"])
+            family.add_metric([self._model_name], float(value))
+            yield family
+
+
+class ServerMetrics:
+    """The serving layer's metrics for one served model, in a registry of its own."""
+
+    def __init__(self, model_name: str, engine_stats: Callable[[], Any] | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        labels = ["model_name"]
+        reg = self.registry
+        self._success = Counter(
+            "vllm:request_success", "Count of finished requests.", labels + ["finished_reason"], registry=reg
+        )
+        self._success_by_reason: dict[str, Counter] = {}
+        self._ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            labels,
+            buckets=_TTFT_BUCKETS,
+            registry=reg,
+        ).labels(model_name)
+        self._itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            labels,
+            buckets=_ITL_BUCKETS,
+            registry=reg,
+        ).labels(model_name)
+        self._e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of end to end request latency in seconds.",
+            labels,
+            buckets=_REQUEST_BUCKETS,
+            registry=reg,
+        ).labels(model_name)
+        self._queue = Histogram(
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            labels,
+            buckets=_REQUEST_BUCKETS,
+            registry=reg,
+        ).labels(model_name)
+        self.rejected = Counter(
+            "ferry:server_rejected_requests",
+            "Requests refused by admission control (429).",
+            labels,
+            registry=reg,
+        ).labels(model_name)
+        if engine_stats is not None:
+            reg.register(EngineStatsCollector(engine_stats, model_name))
+
+    def observe_first_token(self, ttft_s: float) -> None:
+        self._ttft.observe(ttft_s)
+
+    def observe_tokens(self, interval_s: float, new_tokens: int) -> None:
+        # A delta can carry several tokens when the server fell behind the engine: spread the
+        # interval over them rather than reporting one long gap and no short ones.
+        per_token = interval_s / new_tokens
+        for _ in range(new_tokens):
+            self._itl.observe(per_token)
+
+    def observe_finished(self, reason: str, e2e_s: float, engine_metrics: Mapping[str, float] | None) -> None:
+        counter = self._success_by_reason.get(reason)
+        if counter is None:
+            counter = self._success.labels(self.model_name, reason)
+            self._success_by_reason[reason] = counter
+        counter.inc()
+        self._e2e.observe(e2e_s)
+        if engine_metrics:
+            # The engine stamps time.monotonic() at arrival and when the request first ran.
+            arrived = engine_metrics.get("arrival_time")
+            scheduled = engine_metrics.get("first_scheduled_time")
+            if arrived is not None and scheduled is not None:
+                self._queue.observe(max(0.0, float(scheduled) - float(arrived)))
+
+    def render(self) -> bytes:
+        """The text exposition of this server's metrics plus the default registry (KV tier, process)."""
+        return generate_latest(self.registry) + generate_latest(REGISTRY)

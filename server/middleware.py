@@ -1,0 +1,141 @@
+"""Pure-ASGI edge checks that run before any route: request id, body size, API key.
+
+Kept as raw ASGI (not Starlette's BaseHTTPMiddleware) so streaming responses pass through
+untouched and the original ``receive`` still delivers ``http.disconnect`` to the handlers,
+which is how a gone client's request gets aborted in the engine.
+"""
+
+from __future__ import annotations
+
+import hmac
+import re
+import uuid
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from server.errors import APIError
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+REQUEST_ID_HEADER = b"x-request-id"
+# Ids travel into engine request ids, logs and headers: keep them short and printable.
+_VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:/=+\-]{1,128}$")
+# Paths that need the API key (vLLM protects /v1 only; /tokenize and /detokenize expose the model
+# too). /health, /metrics and /version stay open for load balancers and Prometheus.
+_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return value
+    return None
+
+
+async def _send_error(send: Send, error: APIError, request_id: str) -> None:
+    body = error.body().model_dump_json().encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"x-request-id", request_id.encode()),
+    ]
+    headers += [(k.lower().encode(), v.encode()) for k, v in error.headers.items()]
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _default_to_json(scope: Scope) -> None:
+    """Every POST body here is JSON; read it as such even when the client labels it otherwise
+    (``curl -d`` sends form encoding) instead of failing on the label."""
+    ctype = _header(scope, b"content-type")
+    if ctype is None or b"json" not in ctype.lower():
+        headers = [h for h in scope.get("headers", []) if h[0] != b"content-type"]
+        headers.append((b"content-type", b"application/json"))
+        scope["headers"] = headers
+
+
+class EdgeMiddleware:
+    """Assigns/echoes ``X-Request-Id``, enforces the API key and ``max_request_bytes``.
+
+    The body is read here, counted as it streams in (Content-Length alone can lie or be
+    absent with chunked encoding) and replayed to the app; after the replay, ``receive``
+    is the server's own, so disconnects still reach the handlers.
+    """
+
+    def __init__(self, app: ASGIApp, *, api_key: str | None, max_request_bytes: int) -> None:
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.max_request_bytes = max_request_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        raw_id = _header(scope, REQUEST_ID_HEADER)
+        request_id = raw_id.decode("latin-1") if raw_id is not None else ""
+        if not _VALID_REQUEST_ID.match(request_id):
+            request_id = uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+
+        if self.api_key is not None and scope["path"].startswith(_PROTECTED_PREFIXES):
+            auth = _header(scope, b"authorization") or b""
+            if not hmac.compare_digest(auth, b"Bearer " + self.api_key):
+                error = APIError(401, "Invalid or missing API key.", code="invalid_api_key")
+                await _send_error(send, error, request_id)
+                return
+
+        if scope["method"] in ("POST", "PUT", "PATCH"):
+            receive = await self._buffer_body(scope, receive, send, request_id)
+            if receive is None:
+                return
+            _default_to_json(scope)
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [h for h in message.get("headers", []) if h[0].lower() != REQUEST_ID_HEADER]
+                headers.append((REQUEST_ID_HEADER, request_id.encode()))
+                message["headers"] = headers
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+    async def _buffer_body(
+        self, scope: Scope, receive: Receive, send: Send, request_id: str
+    ) -> Receive | None:
+        limit = self.max_request_bytes
+        too_large = APIError(
+            413, f"Request body is larger than the limit of {limit} bytes.", code="request_too_large"
+        )
+        declared = _header(scope, b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await _send_error(send, too_large, request_id)
+            return None
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                await _send_error(send, too_large, request_id)
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return replay

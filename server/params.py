@@ -1,0 +1,250 @@
+"""From a validated request to what the engine takes: token-id prompts and SamplingParams.
+
+Everything here is a client-input check that needs the model (vocabulary size, context
+length, chat template); shape and range checks already happened in ``server.protocol``.
+Each failure is an ``APIError`` 400 naming the field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import ChatTemplateError, Tokenizer
+from kvcache.keys import from_hex
+from server.errors import bad_request
+from server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, TokenizeRequest
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the serving layer checks requests against (from ``engine.model_info``)."""
+
+    vocab_size: int
+    max_model_len: int
+    max_logprobs: int
+    max_n: int
+    block_size: int = 16
+    num_kv_blocks: int = 0  # 0: unknown (no capacity check)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens one sequence can hold in the whole KV cache (a request needs prompt + max_tokens)."""
+        if self.num_kv_blocks <= 0:
+            return self.max_model_len
+        return min(self.max_model_len, self.num_kv_blocks * self.block_size)
+
+
+@dataclass(frozen=True)
+class PreparedPrompt:
+    token_ids: list[int]
+    text: str | None  # the prompt text when the client gave text (for echo)
+
+
+def check_token_ids(ids: Sequence[int], limits: ModelLimits, param: str) -> None:
+    for tid in ids:
+        if not 0 <= tid < limits.vocab_size:
+            raise bad_request(f"token id {tid} is out of range [0, {limits.vocab_size})", param=param)
+
+
+def completion_prompts(
+    req: CompletionRequest, tokenizer: Tokenizer, limits: ModelLimits
+) -> list[PreparedPrompt]:
+    """The request's prompts as token ids: a string, strings, a token list or token lists."""
+    raw = req.prompt
+    if isinstance(raw, str):
+        items: list[str | list[int]] = [raw]
+    elif raw and isinstance(raw[0], list):
+        items = list(raw)  # type: ignore[arg-type]
+    elif raw and isinstance(raw[0], int):
+        items = [list(raw)]  # type: ignore[arg-type]
+    else:
+        items = list(raw)  # type: ignore[arg-type]
+    if not items:
+        raise bad_request("prompt must not be empty", param="prompt")
+    prompts = []
+    for item in items:
+        if isinstance(item, str):
+            ids = tokenizer.encode(item)
+            text: str | None = item
+        else:
+            ids = list(item)
+            check_token_ids(ids, limits, "prompt")
+            text = None
+        if not ids:
+            raise bad_request("prompt must not be empty", param="prompt")
+        prompts.append(PreparedPrompt(ids, text))
+    return prompts
+
+
+def chat_prompt(req: ChatCompletionRequest | TokenizeRequest, tokenizer: Tokenizer) -> list[int]:
+    """Render the messages with the model's chat template and encode them."""
+    if not tokenizer.has_chat_template:
+        raise bad_request(
+            "This model has no chat template, so /v1/chat/completions cannot format messages; "
+            "use /v1/completions with a plain prompt instead.",
+            param="messages",
+            code="chat_template_missing",
+        )
+    messages = [m.template_dict() for m in req.messages or []]
+    kwargs = {}
+    if getattr(req, "continue_final_message", False):
+        kwargs["continue_final_message"] = True
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=req.add_generation_prompt, **kwargs
+        )
+    except ChatTemplateError as e:
+        raise bad_request(str(e), param="messages") from e
+    add_special = getattr(req, "add_special_tokens", None)
+    ids = tokenizer.encode(text, add_special_tokens=bool(add_special))
+    if not ids:
+        raise bad_request("the rendered chat prompt is empty", param="messages")
+    return ids
+
+
+def check_chat_features(req: ChatCompletionRequest) -> None:
+    """Reject what this server cannot honour instead of silently ignoring it (as vLLM does)."""
+    if req.response_format is not None and req.response_format.type != "text":
+        raise bad_request(
+            f"response_format type {req.response_format.type!r} is not supported (structured output is "
+            "not available on this server); use 'text'.",
+            param="response_format",
+        )
+    if req.tools and req.tool_choice != "none":
+        raise bad_request(
+            "tool calling is not supported by this server; send tools with tool_choice 'none' or omit them",
+            param="tool_choice" if req.tool_choice is not None else "tools",
+        )
+    if req.tool_choice not in (None, "none") and not req.tools:
+        raise bad_request("tool_choice needs tools; tool calling is not supported", param="tool_choice")
+
+
+def check_completion_features(req: CompletionRequest) -> None:
+    if req.suffix:
+        raise bad_request("suffix is not supported by this server", param="suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request(
+            "best_of must equal n (or be omitted): best-of sampling is not supported", param="best_of"
+        )
+    if req.echo and req.resume is not None:
+        raise bad_request("echo cannot be combined with resume", param="echo")
+
+
+def resolve_max_tokens(
+    req: SamplingFields, prompt_len: int, limits: ModelLimits, default: int | None, num_resumed: int = 0
+) -> int:
+    """The completion budget for one prompt; 400 (with the numbers) when it cannot fit the context.
+
+    Resumed tokens count against ``max_tokens`` (they are the request's first outputs). With no
+    budget asked for, the rest of the context is the budget, as in vLLM.
+    """
+    requested = req.requested_max_tokens if req.requested_max_tokens is not None else default
+    capacity = limits.kv_capacity_tokens
+    room = capacity - prompt_len
+    if room <= num_resumed:
+        raise bad_request(
+            f"This model's maximum context length is {capacity} tokens, but the prompt has {prompt_len} "
+            "tokens, leaving no room for a completion. Shorten the prompt.",
+            param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+            code="context_length_exceeded",
+        )
+    if requested is None:
+        return room
+    if prompt_len + requested > capacity:
+        raise bad_request(
+            f"This model's maximum context length is {capacity} tokens. However, you requested "
+            f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the completion). "
+            "Reduce the prompt or max_tokens.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    if num_resumed >= requested:
+        raise bad_request(
+            f"resume carries {num_resumed} tokens, which leaves nothing to generate under max_tokens={requested}",
+            param="resume.token_ids",
+        )
+    return requested
+
+
+def sampling_params(
+    req: SamplingFields,
+    *,
+    max_tokens: int,
+    logprobs: int | None,
+    limits: ModelLimits,
+    prompt_logprobs: int | None = None,
+) -> SamplingParams:
+    """The engine's SamplingParams for one choice (the caller adjusts ``seed`` per child for n > 1)."""
+    if req.n > limits.max_n:
+        raise bad_request(f"n must be at most {limits.max_n}, got {req.n}", param="n")
+    if logprobs is not None and logprobs > limits.max_logprobs:
+        raise bad_request(f"logprobs must be at most {limits.max_logprobs}, got {logprobs}", param="logprobs")
+    if req.min_tokens > max_tokens:
+        raise bad_request(
+            f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens})", param="min_tokens"
+        )
+    logit_bias = None
+    if req.logit_bias:
+        logit_bias = {int(k): float(v) for k, v in req.logit_bias.items()}
+        check_token_ids(list(logit_bias), limits, "logit_bias")
+    stop_token_ids = list(req.stop_token_ids or [])
+    check_token_ids(stop_token_ids, limits, "stop_token_ids")
+    return SamplingParams(
+        n=1,
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=-1 if req.top_k in (None, 0) else req.top_k,
+        min_p=req.min_p,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty,
+        logit_bias=logit_bias,
+        seed=req.seed,
+        stop=req.stop_list,
+        stop_token_ids=stop_token_ids,
+        ignore_eos=req.ignore_eos,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        skip_special_tokens=req.skip_special_tokens,
+        spaces_between_special_tokens=req.spaces_between_special_tokens,
+    )
+
+
+def kv_transfer_spec(req: SamplingFields, num_prompts: int) -> dict[str, Any] | None:
+    """The ``kv_transfer`` field as the engine's KV connector takes it (a dict, hashes as hex)."""
+    if req.kv_transfer is None:
+        return None
+    if num_prompts != 1 or req.n != 1:
+        raise bad_request("kv_transfer needs exactly one prompt and n = 1", param="kv_transfer")
+    spec: dict[str, Any] = {"role": req.kv_transfer.role}
+    if req.kv_transfer.block_hashes is not None:
+        try:
+            from_hex(req.kv_transfer.block_hashes)
+        except ValueError as e:
+            raise bad_request(f"kv_transfer.block_hashes: {e}", param="kv_transfer.block_hashes") from e
+        spec["block_hashes"] = [h.lower() for h in req.kv_transfer.block_hashes]
+    return spec
+
+
+def resume_token_ids(req: SamplingFields, num_prompts: int, limits: ModelLimits) -> list[int] | None:
+    if req.resume is None:
+        return None
+    if num_prompts != 1 or req.n != 1:
+        raise bad_request("resume needs exactly one prompt and n = 1", param="resume")
+    ids = list(req.resume.token_ids)
+    check_token_ids(ids, limits, "resume.token_ids")
+    return ids
+
+
+def child_seed(seed: int | None, index: int) -> int | None:
+    """Seed of the ``index``-th choice: ``seed + index`` (ARCHITECTURE.md), wrapped into int64."""
+    if seed is None:
+        return None
+    value = seed + index
+    return ((value + 2**63) % 2**64) - 2**63

@@ -1,0 +1,410 @@
+"""OpenAI-compatible request and response models for one replica (and the router).
+
+These pydantic models are the HTTP edge: every limit a client can hit is declared here so a
+bad request fails validation with a clear message and never reaches the engine. The router
+imports this module too, so it must stay torch-free: it may import pydantic, the stdlib and
+torch-free engine types, never ``engine.async_engine`` or anything that loads a model.
+
+Unknown request fields are ignored (peer routers add their own, e.g. ``separate_reasoning``,
+``kv_transfer_params``). Fields that would be ignored silently but change the answer
+(``suffix``, ``best_of`` != n, ``response_format`` other than text, tool calling) are
+rejected by the serving layer with a 400 instead.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    model_validator,
+)
+
+MAX_N = 128  # choices per request, as OpenAI allows
+MAX_LOGPROBS = 20  # top logprobs per token, as OpenAI allows
+MAX_STOP_SEQUENCES = 16
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _omit_none(value: object) -> bool:
+    return value is None
+
+
+def random_id() -> str:
+    return uuid.uuid4().hex
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        # Many clients send explicit nulls for fields they leave unset (LangChain, older SDKs).
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ----------------------------------------------------------------- shared request parts
+
+
+class StreamOptions(_Request):
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
+
+
+class KVTransfer(_Request):
+    """Internal (router -> replica): prefill/decode hand-off of KV blocks through the tier."""
+
+    role: Literal["producer", "consumer"]
+    block_hashes: list[StrictStr] | None = None  # consumer: 32-char hex hashes, in prompt order
+
+
+class Resume(_Request):
+    """Internal (router -> replica): continue a request whose first tokens were produced elsewhere."""
+
+    token_ids: list[StrictInt] = Field(min_length=1)
+
+
+class SamplingFields(_Request):
+    """Sampling and stopping fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: StrictStr | None = None
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
+    n: StrictInt = Field(default=1, ge=1, le=MAX_N)
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    seed: StrictInt | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
+    presence_penalty: StrictFloat = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: StrictFloat = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[StrictStr, StrictFloat] | None = None
+    user: StrictStr | None = None
+    # vLLM-compatible extras
+    top_k: StrictInt | None = Field(default=None, ge=-1)
+    min_p: StrictFloat = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: StrictFloat = Field(default=1.0, gt=0.0, le=10.0)
+    min_tokens: StrictInt = Field(default=0, ge=0)
+    ignore_eos: StrictBool = False
+    stop_token_ids: list[StrictInt] | None = None
+    skip_special_tokens: StrictBool = True
+    spaces_between_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
+    # internal (router -> replica)
+    kv_transfer: KVTransfer | None = None
+    resume: Resume | None = None
+
+    @model_validator(mode="after")
+    def _check_stop(self) -> SamplingFields:
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"stop: at most {MAX_STOP_SEQUENCES} stop sequences are allowed")
+        if any(s == "" for s in stops):
+            raise ValueError("stop: stop sequences must be non-empty strings")
+        if self.logit_bias:
+            for key, value in self.logit_bias.items():
+                if not key.lstrip("-").isdigit():
+                    raise ValueError(f"logit_bias: keys must be token ids, got {key!r}")
+                if not -100.0 <= value <= 100.0:
+                    raise ValueError(f"logit_bias: values must be in [-100, 100], got {value}")
+        return self
+
+    @property
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """``max_completion_tokens`` (newer OpenAI name, sent by sglang-router) wins over ``max_tokens``."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+# ----------------------------------------------------------------- requests
+
+PromptInput = StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: PromptInput
+    max_tokens: StrictInt | None = Field(default=16, ge=1)
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: StrictBool = False
+    suffix: StrictStr | None = None
+    best_of: StrictInt | None = Field(default=None, ge=1, le=MAX_N)
+
+
+class TextPart(_Request):
+    type: StrictStr
+    text: StrictStr | None = None
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[TextPart] | None = None
+    name: StrictStr | None = None
+    tool_call_id: StrictStr | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+    @model_validator(mode="after")
+    def _only_text(self) -> ChatMessage:
+        if isinstance(self.content, list):
+            for part in self.content:
+                if part.type != "text":
+                    raise ValueError(
+                        f"content part type {part.type!r} is not supported: this model takes text only"
+                    )
+                if part.text is None:
+                    raise ValueError("a text content part needs a 'text' field")
+        return self
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as the chat template sees it (text parts kept as parts)."""
+        out: dict[str, Any] = {"role": self.role}
+        if isinstance(self.content, list):
+            out["content"] = [{"type": "text", "text": p.text} for p in self.content]
+        else:
+            out["content"] = self.content if self.content is not None else ""
+        for key in ("name", "tool_call_id", "tool_calls"):
+            value = getattr(self, key)
+            if value is not None:
+                out[key] = value
+        return out
+
+
+class ResponseFormat(_Request):
+    type: StrictStr
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    # vLLM-compatible extras
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+
+    @model_validator(mode="after")
+    def _check_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: logprobs must be true when top_logprobs is set")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        return self
+
+
+class TokenizeRequest(_Request):
+    """vLLM's /tokenize: either a completion ``prompt`` or chat ``messages``."""
+
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: StrictBool = True
+    add_special_tokens: StrictBool | None = None  # default: True for prompt, False for messages
+    return_token_strs: StrictBool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' or 'messages'")
+        return self
+
+
+class DetokenizeRequest(_Request):
+    model: StrictStr | None = None
+    tokens: list[StrictInt]
+
+
+# ----------------------------------------------------------------- responses
+
+
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0
+
+
+class UsageInfo(_Response):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+
+class KVTransferResult(_Response):
+    block_hashes: list[str]
+    num_cached_tokens: int
+
+
+class CompletionLogprobs(_Response):
+    """OpenAI's legacy completions logprobs: parallel lists, one entry per token."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = Field(default=None, exclude_if=_omit_none)
+    kv_transfer: KVTransferResult | None = Field(default=None, exclude_if=_omit_none)
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(_Response):
+    content: list[TokenLogprob] | None = None
+
+
+class AssistantMessage(_Response):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(_Response):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    kv_transfer: KVTransferResult | None = Field(default=None, exclude_if=_omit_none)
+
+
+class DeltaMessage(_Response):
+    role: Literal["assistant"] | None = Field(default=None, exclude_if=_omit_none)
+    content: str | None = Field(default=None, exclude_if=_omit_none)
+
+
+class ChatStreamChoice(_Response):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = Field(default=None, exclude_if=_omit_none)
+
+
+class ChatCompletionChunk(_Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = Field(default=None, exclude_if=_omit_none)
+    kv_transfer: KVTransferResult | None = Field(default=None, exclude_if=_omit_none)
+
+
+class CompletionStreamChoice(_Response):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = Field(default=None, exclude_if=_omit_none)
+
+
+class CompletionChunk(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionStreamChoice]
+    usage: UsageInfo | None = Field(default=None, exclude_if=_omit_none)
+    kv_transfer: KVTransferResult | None = Field(default=None, exclude_if=_omit_none)
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "ferry"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
+
+
+class VersionResponse(_Response):
+    version: str
+
+
+class ErrorInfo(_Response):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(_Response):
+    error: ErrorInfo

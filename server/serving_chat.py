@@ -1,0 +1,185 @@
+"""POST /v1/chat/completions: messages through the model's chat template, n choices, streamed or not.
+
+Streaming follows OpenAI's chunk order: a role chunk per choice first, then content deltas, the
+finish reason on the choice's last chunk, a usage chunk with empty ``choices`` when
+``stream_options.include_usage`` is set, then ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+
+from fastapi.responses import JSONResponse
+
+from engine.outputs import RequestOutput
+from server.generation import SequenceRequest
+from server.logprobs import chat_logprobs
+from server.params import (
+    chat_prompt,
+    check_chat_features,
+    child_seed,
+    kv_transfer_spec,
+    resolve_max_tokens,
+    resume_token_ids,
+    sampling_params,
+)
+from server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatStreamChoice,
+    DeltaMessage,
+    TokenLogprob,
+)
+from server.serving_common import UsageTracker, kv_transfer_result, stream_errors
+from server.state import ServerState
+from server.streaming import DONE_FRAME, SSEResponse, run_or_disconnect, sse_frame
+
+
+@dataclasses.dataclass
+class _Choice:
+    texts: list[str] = dataclasses.field(default_factory=list)
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+def _plan(state: ServerState, req: ChatCompletionRequest) -> list[SequenceRequest]:
+    state.check_model(req.model)
+    check_chat_features(req)
+    limits = state.limits
+    prompt_ids = chat_prompt(req, state.tokenizer)
+    kv = kv_transfer_spec(req, 1)
+    resume = resume_token_ids(req, 1, limits)
+    top_n = req.top_logprobs or 0
+    max_tokens = resolve_max_tokens(req, len(prompt_ids), limits, default=None, num_resumed=len(resume or []))
+    base = sampling_params(
+        req, max_tokens=max_tokens, logprobs=top_n if req.logprobs else None, limits=limits
+    )
+    return [
+        SequenceRequest(
+            j,
+            0,
+            prompt_ids,
+            dataclasses.replace(base, seed=child_seed(req.seed, j)) if j else base,
+            resume,
+            kv,
+        )
+        for j in range(req.n)
+    ]
+
+
+def _delta(
+    state: ServerState, choice: _Choice, req: ChatCompletionRequest, out: RequestOutput
+) -> tuple[str, list[TokenLogprob] | None]:
+    o = out.outputs[0]
+    choice.texts.append(o.text)
+    logprobs = None
+    if req.logprobs:
+        logprobs = chat_logprobs(state.tokenizer, o.token_ids, o.logprobs, req.top_logprobs or 0)
+        choice.logprobs += logprobs
+    if out.finished:
+        choice.finish_reason = o.finish_reason
+        choice.stop_reason = o.stop_reason
+    return o.text, logprobs
+
+
+async def create_chat_completion(
+    state: ServerState, req: ChatCompletionRequest, request_id: str, receive
+) -> object:
+    arrival = time.perf_counter()
+    seqs = _plan(state, req)
+    state.generation.admit()
+    response_id = f"chatcmpl-{request_id}"
+    choices = [_Choice() for _ in seqs]
+    usage = UsageTracker(1, req.n)
+    producer = req.kv_transfer is not None and req.kv_transfer.role == "producer"
+    if req.stream:
+        return SSEResponse(
+            _stream(state, req, seqs, choices, usage, response_id, request_id, arrival, producer)
+        )
+
+    async def collect() -> ChatCompletionResponse:
+        last: RequestOutput | None = None
+        async for seq, out in state.generation.merged(request_id, seqs, arrival):
+            _delta(state, choices[seq.choice_index], req, out)
+            usage.add(seq, out)
+            last = out
+        result = ChatCompletionResponse(
+            id=response_id,
+            model=state.model_name,
+            choices=[
+                ChatChoice(
+                    index=i,
+                    message=AssistantMessage(content="".join(c.texts)),
+                    logprobs=ChatLogprobs(content=c.logprobs) if req.logprobs else None,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+                for i, c in enumerate(choices)
+            ],
+            usage=usage.info(),
+        )
+        if producer and last is not None:
+            result.kv_transfer = kv_transfer_result(state, last)
+        return result
+
+    result = await run_or_disconnect(receive, collect())
+    return JSONResponse(result.model_dump())
+
+
+async def _stream(
+    state: ServerState,
+    req: ChatCompletionRequest,
+    seqs: list[SequenceRequest],
+    choices: list[_Choice],
+    usage: UsageTracker,
+    response_id: str,
+    request_id: str,
+    arrival: float,
+    producer: bool,
+) -> AsyncIterator[bytes]:
+    created = int(time.time())
+    model = state.model_name
+
+    def chunk(choice: ChatStreamChoice) -> ChatCompletionChunk:
+        c = ChatCompletionChunk(id=response_id, created=created, model=model, choices=[choice])
+        if req.continuous_usage:
+            c.usage = usage.info()
+        return c
+
+    for seq in seqs:
+        role = ChatStreamChoice(index=seq.choice_index, delta=DeltaMessage(role="assistant", content=""))
+        yield sse_frame(chunk(role).model_dump_json())
+    async with stream_errors() as failed:
+        async for seq, out in state.generation.merged(request_id, seqs, arrival):
+            choice = choices[seq.choice_index]
+            text, logprobs = _delta(state, choice, req, out)
+            usage.add(seq, out)
+            if not text and not out.finished and not logprobs:
+                continue  # nothing a client could see (e.g. a held-back partial character)
+            c = chunk(
+                ChatStreamChoice(
+                    index=seq.choice_index,
+                    delta=DeltaMessage(content=text) if text else DeltaMessage(),
+                    logprobs=ChatLogprobs(content=logprobs) if logprobs is not None else None,
+                    finish_reason=choice.finish_reason if out.finished else None,
+                    stop_reason=choice.stop_reason if out.finished else None,
+                )
+            )
+            if producer and out.finished:
+                c.kv_transfer = kv_transfer_result(state, out)
+            yield sse_frame(c.model_dump_json())
+        if req.include_usage:
+            final = ChatCompletionChunk(
+                id=response_id, created=created, model=model, choices=[], usage=usage.info()
+            )
+            yield sse_frame(final.model_dump_json())
+    if failed.frame is not None:
+        yield failed.frame
+    yield DONE_FRAME

@@ -1,0 +1,84 @@
+"""Pieces shared by the completions and chat endpoints: usage accounting, the producer's
+``kv_transfer`` answer, and turning a failure after a stream started into an SSE error event."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from engine.outputs import RequestOutput
+from kvcache.keys import block_hashes, to_hex
+from server.errors import APIError
+from server.generation import SequenceRequest
+from server.protocol import KVTransferResult, PromptTokensDetails, UsageInfo
+from server.state import ServerState
+from server.streaming import sse_error_frame
+
+logger = logging.getLogger("ferry.server")
+
+
+class UsageTracker:
+    """Token counts of a request: each prompt counted once (not once per choice), like vLLM/OpenAI."""
+
+    def __init__(self, num_prompts: int, n: int) -> None:
+        self.n = n
+        self.prompt_tokens = [0] * num_prompts
+        self.cached_tokens = [0] * num_prompts
+        self.completion_tokens = 0
+
+    def add(self, seq: SequenceRequest, out: RequestOutput) -> None:
+        if seq.choice_index % self.n == 0:  # the prompt's first choice speaks for the prompt
+            self.prompt_tokens[seq.prompt_index] = len(out.prompt_token_ids)
+            self.cached_tokens[seq.prompt_index] = out.num_cached_tokens
+        if out.outputs:
+            self.completion_tokens += len(out.outputs[0].token_ids)
+
+    def info(self) -> UsageInfo:
+        prompt = sum(self.prompt_tokens)
+        return UsageInfo(
+            prompt_tokens=prompt,
+            completion_tokens=self.completion_tokens,
+            total_tokens=prompt + self.completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(self.cached_tokens)),
+        )
+
+
+def kv_transfer_result(state: ServerState, out: RequestOutput) -> KVTransferResult:
+    """A prefill (producer) answer: the prompt's full-block hashes for the decode worker to load.
+
+    The engine's KV connector reports what it wrote when a tier is configured; otherwise the
+    hashes are computed here with the same function (``kvcache.keys``).
+    """
+    reported = out.kv_transfer
+    if reported and "block_hashes" in reported:
+        return KVTransferResult(
+            block_hashes=list(reported["block_hashes"]),
+            num_cached_tokens=int(reported.get("num_cached_tokens", out.num_cached_tokens)),
+        )
+    return KVTransferResult(
+        block_hashes=to_hex(block_hashes(out.prompt_token_ids, state.block_size)),
+        num_cached_tokens=out.num_cached_tokens,
+    )
+
+
+@dataclass
+class StreamFailure:
+    frame: bytes | None = None
+
+
+@contextlib.asynccontextmanager
+async def stream_errors() -> AsyncIterator[StreamFailure]:
+    """Inside an SSE generator: an exception becomes one ``data: {"error": …}`` frame for the caller
+    to send before ``[DONE]`` (the status line is long gone). Cancellation passes through."""
+    failure = StreamFailure()
+    try:
+        yield failure
+    except APIError as e:
+        failure.frame = sse_error_frame(e)
+    except Exception:
+        logger.exception("error while streaming a response")
+        failure.frame = sse_error_frame(
+            APIError(500, "Internal server error while streaming.", code="internal_error")
+        )

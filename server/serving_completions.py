@@ -1,0 +1,210 @@
+"""POST /v1/completions: prompts (text or token ids, one or many) x n choices, streamed or not."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from fastapi.responses import JSONResponse
+
+from engine.outputs import RequestOutput
+from server.generation import SequenceRequest
+from server.logprobs import CompletionLogprobsBuilder, merge_completion_logprobs
+from server.params import (
+    PreparedPrompt,
+    check_completion_features,
+    child_seed,
+    completion_prompts,
+    kv_transfer_spec,
+    resolve_max_tokens,
+    resume_token_ids,
+    sampling_params,
+)
+from server.protocol import (
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamChoice,
+)
+from server.serving_common import UsageTracker, kv_transfer_result, stream_errors
+from server.state import ServerState
+from server.streaming import DONE_FRAME, SSEResponse, run_or_disconnect, sse_frame
+
+logger = logging.getLogger("ferry.server")
+
+
+@dataclasses.dataclass
+class _Choice:
+    prompt: PreparedPrompt
+    texts: list[str] = dataclasses.field(default_factory=list)
+    num_tokens: int = 0
+    logprobs: list[CompletionLogprobs] = dataclasses.field(default_factory=list)
+    builder: CompletionLogprobsBuilder | None = None
+    prompt_logprobs: CompletionLogprobs | None = None  # echoed prompt's entries, filled in at the end
+    started: bool = False
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+def _plan(state: ServerState, req: CompletionRequest) -> tuple[list[PreparedPrompt], list[SequenceRequest]]:
+    state.check_model(req.model)
+    check_completion_features(req)
+    limits = state.limits
+    prompts = completion_prompts(req, state.tokenizer, limits)
+    kv = kv_transfer_spec(req, len(prompts))
+    resume = resume_token_ids(req, len(prompts), limits)
+    prompt_logprobs = req.logprobs if (req.echo and req.logprobs is not None) else None
+    seqs = []
+    for pi, prompt in enumerate(prompts):
+        max_tokens = resolve_max_tokens(
+            req, len(prompt.token_ids), limits, default=16, num_resumed=len(resume or [])
+        )
+        base = sampling_params(
+            req, max_tokens=max_tokens, logprobs=req.logprobs, limits=limits, prompt_logprobs=prompt_logprobs
+        )
+        for j in range(req.n):
+            params = dataclasses.replace(base, seed=child_seed(req.seed, j)) if j else base
+            seqs.append(SequenceRequest(pi * req.n + j, pi, prompt.token_ids, params, resume, kv))
+    return prompts, seqs
+
+
+def _echo_prefix(state: ServerState, choice: _Choice, req: CompletionRequest, out: RequestOutput) -> str:
+    """On a choice's first delta: the prompt text (echo) and its logprobs' start."""
+    prompt = choice.prompt
+    text = ""
+    if req.echo:
+        text = prompt.text if prompt.text is not None else state.tokenizer.decode(prompt.token_ids)
+    if req.logprobs is not None:
+        choice.builder = CompletionLogprobsBuilder(state.tokenizer, req.logprobs)
+        if req.echo:
+            # The engine hands prompt logprobs over with the last output; the entries (tokens and
+            # offsets) are laid out now and their values filled in then.
+            choice.prompt_logprobs = choice.builder.add(prompt.token_ids, [None] * len(prompt.token_ids))
+            choice.logprobs.append(choice.prompt_logprobs)
+    return text
+
+
+def _delta(
+    state: ServerState, choice: _Choice, req: CompletionRequest, out: RequestOutput
+) -> tuple[str, CompletionLogprobs | None]:
+    """Text and logprobs this output adds to ``choice`` (echoed prompt included on its first delta)."""
+    prefix_logprobs = len(choice.logprobs)
+    text = ""
+    if not choice.started:
+        choice.started = True
+        text = _echo_prefix(state, choice, req, out)
+    o = out.outputs[0]
+    text += o.text
+    choice.texts.append(text)
+    choice.num_tokens += len(o.token_ids)
+    if choice.builder is not None:
+        choice.logprobs.append(choice.builder.add(o.token_ids, o.logprobs))
+    if out.finished:
+        choice.finish_reason = o.finish_reason
+        choice.stop_reason = o.stop_reason
+        if choice.prompt_logprobs is not None and choice.builder is not None and out.prompt_logprobs:
+            choice.builder.fill(choice.prompt_logprobs, choice.prompt.token_ids, out.prompt_logprobs)
+    new_logprobs = choice.logprobs[prefix_logprobs:]
+    return text, (merge_completion_logprobs(new_logprobs) if choice.builder is not None else None)
+
+
+async def create_completion(state: ServerState, req: CompletionRequest, request_id: str, receive) -> object:
+    arrival = time.perf_counter()
+    prompts, seqs = _plan(state, req)
+    state.generation.admit()
+    response_id = f"cmpl-{request_id}"
+    choices = [_Choice(prompts[s.prompt_index]) for s in seqs]
+    usage = UsageTracker(len(prompts), req.n)
+    producer = req.kv_transfer is not None and req.kv_transfer.role == "producer"
+    if req.stream:
+        return SSEResponse(
+            _stream(state, req, seqs, choices, usage, response_id, request_id, arrival, producer)
+        )
+
+    async def collect() -> CompletionResponse:
+        last: RequestOutput | None = None
+        async for seq, out in state.generation.merged(request_id, seqs, arrival):
+            _delta(state, choices[seq.choice_index], req, out)
+            usage.add(seq, out)
+            last = out
+        result = CompletionResponse(
+            id=response_id,
+            model=state.model_name,
+            choices=[
+                CompletionChoice(
+                    index=i,
+                    text="".join(c.texts),
+                    logprobs=merge_completion_logprobs(c.logprobs) if c.builder is not None else None,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+                for i, c in enumerate(choices)
+            ],
+            usage=usage.info(),
+        )
+        if producer and last is not None:
+            result.kv_transfer = kv_transfer_result(state, last)
+        return result
+
+    result = await run_or_disconnect(receive, collect())
+    return JSONResponse(result.model_dump())
+
+
+async def _stream(
+    state: ServerState,
+    req: CompletionRequest,
+    seqs: list[SequenceRequest],
+    choices: list[_Choice],
+    usage: UsageTracker,
+    response_id: str,
+    request_id: str,
+    arrival: float,
+    producer: bool,
+) -> AsyncIterator[bytes]:
+    created = int(time.time())
+    model = state.model_name
+    # Echo + logprobs: the prompt's logprobs arrive with the last output, so each choice is sent
+    # as one chunk when it finishes (correct values over early bytes).
+    defer = req.echo and req.logprobs is not None
+    async with stream_errors() as failed:
+        async for seq, out in state.generation.merged(request_id, seqs, arrival):
+            choice = choices[seq.choice_index]
+            text, logprobs = _delta(state, choice, req, out)
+            usage.add(seq, out)
+            if defer:
+                if not out.finished:
+                    continue
+                text, logprobs = "".join(choice.texts), merge_completion_logprobs(choice.logprobs)
+            if not text and not out.finished and not (logprobs and logprobs.tokens):
+                continue  # nothing a client could see (e.g. a held-back partial character)
+            chunk = CompletionChunk(
+                id=response_id,
+                created=created,
+                model=model,
+                choices=[
+                    CompletionStreamChoice(
+                        index=seq.choice_index,
+                        text=text,
+                        logprobs=logprobs,
+                        finish_reason=choice.finish_reason if out.finished else None,
+                        stop_reason=choice.stop_reason if out.finished else None,
+                    )
+                ],
+            )
+            if req.continuous_usage:
+                chunk.usage = usage.info()
+            if producer and out.finished:
+                chunk.kv_transfer = kv_transfer_result(state, out)
+            yield sse_frame(chunk.model_dump_json())
+        if req.include_usage:
+            final = CompletionChunk(
+                id=response_id, created=created, model=model, choices=[], usage=usage.info()
+            )
+            yield sse_frame(final.model_dump_json())
+    if failed.frame is not None:
+        yield failed.frame
+    yield DONE_FRAME

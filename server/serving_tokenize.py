@@ -1,0 +1,45 @@
+"""POST /tokenize and /detokenize (vLLM's shapes) and GET /v1/models."""
+
+from __future__ import annotations
+
+from server.params import chat_prompt, check_token_ids
+from server.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from server.state import ServerState
+
+
+def tokenize(state: ServerState, req: TokenizeRequest) -> TokenizeResponse:
+    state.check_model(req.model)
+    tok = state.tokenizer
+    if req.messages is not None:
+        ids = chat_prompt(req, tok)
+    else:
+        add_special = True if req.add_special_tokens is None else req.add_special_tokens
+        ids = tok.encode(req.prompt or "", add_special_tokens=add_special)
+    strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
+    return TokenizeResponse(
+        count=len(ids), max_model_len=state.limits.max_model_len, tokens=ids, token_strs=strs
+    )
+
+
+def detokenize(state: ServerState, req: DetokenizeRequest) -> DetokenizeResponse:
+    state.check_model(req.model)
+    check_token_ids(req.tokens, state.limits, "tokens")
+    return DetokenizeResponse(prompt=state.tokenizer.decode(req.tokens))
+
+
+def list_models(state: ServerState) -> ModelList:
+    root = getattr(getattr(state.engine, "model_info", None), "name", None)
+    return ModelList(
+        data=[
+            ModelCard(
+                id=state.model_name, root=root or state.model_name, max_model_len=state.limits.max_model_len
+            )
+        ]
+    )

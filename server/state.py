@@ -1,0 +1,33 @@
+"""What every endpoint of one replica shares: the engine, its tokenizer and limits, admission, metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from engine.tokenizer import Tokenizer
+from server.config import ServerConfig
+from server.errors import model_not_found
+from server.generation import Generation
+from server.metrics import ServerMetrics
+from server.params import ModelLimits
+
+
+@dataclass
+class ServerState:
+    engine: Any  # engine.AsyncEngine (typed loosely: this module must not import torch)
+    config: ServerConfig
+    tokenizer: Tokenizer
+    limits: ModelLimits
+    block_size: int
+    generation: Generation
+    metrics: ServerMetrics
+
+    @property
+    def model_name(self) -> str:
+        return self.config.served_model_name
+
+    def check_model(self, model: str | None) -> None:
+        """Requests may omit ``model``; a named model must be the one served here (else 404)."""
+        if model is not None and model != self.config.served_model_name:
+            raise model_not_found(model)

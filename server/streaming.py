@@ -1,0 +1,108 @@
+"""Server-sent events and client-disconnect handling.
+
+``SSEResponse`` sends ``data: <json>\\n\\n`` frames from an async iterator while watching
+``receive`` for ``http.disconnect``; when the client goes, the iterator is cancelled at once
+(its ``finally`` aborts the engine request), not at the next token. ``run_or_disconnect`` does
+the same for non-streaming requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
+
+from starlette.responses import StreamingResponse
+
+from server.errors import APIError
+from server.middleware import Receive, Scope, Send
+
+logger = logging.getLogger("ferry.server")
+
+T = TypeVar("T")
+
+DONE_FRAME = b"data: [DONE]\n\n"
+
+
+def sse_frame(payload: str) -> bytes:
+    """One SSE event carrying a JSON payload."""
+    return b"data: " + payload.encode() + b"\n\n"
+
+
+def sse_error_frame(error: APIError) -> bytes:
+    return sse_frame(error.body().model_dump_json())
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before its answer was complete."""
+
+
+async def wait_for_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def run_or_disconnect(receive: Receive, work: Awaitable[T]) -> T:
+    """Await ``work`` unless the client disconnects first; then cancel it and raise ClientDisconnected."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(wait_for_disconnect(receive))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        watcher.cancel()
+        raise
+    if task in done:
+        watcher.cancel()
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+    raise ClientDisconnected()
+
+
+class SSEResponse(StreamingResponse):
+    """A text/event-stream response of ``frames`` (already SSE-framed bytes).
+
+    Unlike Starlette's StreamingResponse, the disconnect watch does not depend on the ASGI
+    server's spec version, and the iterator is closed in its own task so its cleanup (the engine
+    abort) has run when the response returns.
+    """
+
+    def __init__(self, frames: AsyncIterator[bytes], headers: dict[str, str] | None = None) -> None:
+        merged = {"cache-control": "no-cache", "x-accel-buffering": "no", **(headers or {})}
+        super().__init__(frames, media_type="text/event-stream", headers=merged)
+        self.frames = frames
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        pump = asyncio.ensure_future(self._pump(send, self.raw_headers))
+        watcher = asyncio.ensure_future(wait_for_disconnect(receive))
+        try:
+            done, _ = await asyncio.wait({pump, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (pump, watcher):
+                if not task.done():
+                    task.cancel()
+            # Wait for the pump so the frames iterator's cleanup (engine abort) has run.
+            with contextlib.suppress(asyncio.CancelledError, OSError):
+                await pump
+        if pump in done and pump.exception() is not None:
+            exc = pump.exception()
+            if not isinstance(exc, OSError):
+                raise exc
+
+    async def _pump(self, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        try:
+            async for frame in self.frames:
+                await send({"type": "http.response.body", "body": frame, "more_body": True})
+        finally:
+            # Close the iterator here, in this task, so its finally blocks run before we return.
+            aclose = getattr(self.frames, "aclose", None)
+            if aclose is not None:
+                await aclose()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
