@@ -1,0 +1,32 @@
+"""Request sets behind a registry: a dataset turns the config (and a token source) into chains.
+
+Adding a dataset is a new file with a ``build(ctx, count) -> list[Chain]`` function and one line
+in ``DATASETS``. ``count`` chains are built: the first ``--warmup`` are the warm-up, the rest are
+measured. Every random choice comes from ``ctx.rng`` (seeded by ``--seed``), so the same seed and
+the same tokenizer give the same request set, byte for byte.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from bench.client.datasets import jsonl, multi_turn, random_tokens, shared_prefix
+from bench.client.datasets.common import DatasetContext
+from bench.client.types import Chain
+
+DATASETS: dict[str, Callable[[DatasetContext, int | None], list[Chain]]] = {
+    "random": random_tokens.build,
+    "shared-prefix": shared_prefix.build,
+    "multi-turn": multi_turn.build,
+    "jsonl": jsonl.build,
+}
+
+
+def build_dataset(ctx: DatasetContext) -> list[Chain]:
+    cfg = ctx.cfg
+    measured = cfg.num_prompts
+    count = None if measured is None else measured + cfg.warmup
+    return DATASETS[cfg.dataset](ctx, count)
+
+
+__all__ = ["DATASETS", "DatasetContext", "build_dataset"]

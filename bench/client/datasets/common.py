@@ -1,0 +1,102 @@
+"""What every dataset shares: the build context, length draws, and OpenAI body construction."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from bench.client.config import BenchConfig
+from bench.client.tokens import TokenSource
+
+
+@dataclass
+class DatasetContext:
+    cfg: BenchConfig
+    model: str
+    token_source_factory: Callable[[], TokenSource]
+    rng: random.Random = field(init=False)
+    _source: TokenSource | None = field(default=None, init=False)
+    _pool: list[int] | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.cfg.seed)
+
+    @property
+    def source(self) -> TokenSource:
+        """The token source, made on first use (jsonl never needs one)."""
+        if self._source is None:
+            self._source = self.token_source_factory()
+        return self._source
+
+    @property
+    def pool(self) -> list[int]:
+        if self._pool is None:
+            self._pool = self.source.pool()
+        return self._pool
+
+    def draw_len(self, mean: int) -> int:
+        """A length uniform in [mean*(1-r), mean*(1+r)], at least 1."""
+        r = self.cfg.range_ratio
+        lo, hi = max(1, int(mean * (1 - r))), max(1, int(mean * (1 + r)))
+        return self.rng.randint(lo, hi)
+
+    def prompt(self, n: int) -> str | list[int]:
+        """A prompt of ``n`` tokens: an id list with --token-ids, else text."""
+        if self.cfg.token_ids:
+            if not self.source.exact:
+                raise ValueError("--token-ids needs a tokenizer (--tokenizer DIR or server), not 'words'")
+            return self.source.sample_ids(self.rng, self.pool, n)
+        return self.source.text_of_length(self.rng, self.pool, n)
+
+    def text(self, n: int) -> str:
+        return self.source.text_of_length(self.rng, self.pool, n)
+
+
+def apply_request_options(
+    cfg: BenchConfig, body: dict[str, Any], model: str, endpoint: str
+) -> dict[str, Any]:
+    """Make ``body`` a streamed request as the flags say: model (if absent or --model given),
+    max_tokens override, ignore_eos, streaming with usage, --extra-body on top."""
+    out = dict(body)
+    if cfg.model is not None or "model" not in out:
+        out["model"] = model
+    if cfg.max_tokens is not None:
+        out.pop("max_completion_tokens", None)
+        out["max_tokens"] = cfg.max_tokens
+    if cfg.ignore_eos:
+        out["ignore_eos"] = True
+    out["stream"] = True
+    options = dict(out.get("stream_options") or {})
+    options["include_usage"] = True
+    out["stream_options"] = options
+    out.update(cfg.extra)
+    return out
+
+
+def make_body(
+    ctx: DatasetContext,
+    *,
+    prompt: str | list[int] | None = None,
+    messages: list[dict[str, Any]] | None = None,
+    max_tokens: int,
+) -> dict[str, Any]:
+    cfg = ctx.cfg
+    body: dict[str, Any] = {"model": ctx.model}
+    if messages is not None:
+        body["messages"] = messages
+    else:
+        body["prompt"] = prompt
+    body["max_tokens"] = max_tokens
+    body["temperature"] = cfg.temperature
+    return apply_request_options(cfg, body, ctx.model, cfg.endpoint)
+
+
+def single_prompt_body(
+    ctx: DatasetContext, prompt_len_text: str | list[int], max_tokens: int
+) -> dict[str, Any]:
+    """A one-message chat body or a completions body, as --endpoint says."""
+    if ctx.cfg.endpoint == "chat":
+        return make_body(ctx, messages=[{"role": "user", "content": prompt_len_text}], max_tokens=max_tokens)
+    return make_body(ctx, prompt=prompt_len_text, max_tokens=max_tokens)

@@ -1,0 +1,180 @@
+"""Send one streamed request and time it: TTFT, every inter-chunk gap, end-to-end latency, usage.
+
+Timing rules (the same for every backend):
+* TTFT: send -> the first chunk carrying output text (a role-only or empty chunk does not count).
+* ITL: the gap between consecutive chunks carrying output text. A chunk may carry several
+  tokens, so ITL is per chunk; ``stream_chunks`` counts those chunks and ITL has
+  ``stream_chunks - 1`` entries.
+* E2E: send -> end of the stream (``[DONE]`` or the connection's clean end after the last chunk).
+* Token counts come from the final ``usage`` (``stream_options.include_usage``); without usage,
+  the chunk count stands in and ``usage_missing`` is set. ``token_count_mismatch`` marks a
+  request whose usage disagrees with its chunk count (a server batching tokens per chunk, or
+  dropping/duplicating text).
+
+Failures are recorded, never raised: HTTP status, timeout, connection error, broken stream,
+an error object in the stream, an unparseable response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from bench.client.sse import SSEParser
+from bench.client.types import ENDPOINT_PATHS, ErrorKind, RequestRecord
+
+_MAX_ERROR_CHARS = 500
+
+
+@dataclass
+class Outcome:
+    """A record filled in plus the generated text (kept only for conversation history)."""
+
+    record: RequestRecord
+    text: str = ""
+
+
+class _StreamError(Exception):
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def _chunk_text(chunk: dict[str, Any], chat: bool) -> tuple[str, str | None]:
+    """Output text and finish reason of a streamed chunk (first choice only; n=1)."""
+    choices = chunk.get("choices") or []
+    if not choices:
+        return "", None
+    choice = choices[0]
+    if chat:
+        delta = choice.get("delta") or {}
+        text = (delta.get("content") or "") + (delta.get("reasoning_content") or delta.get("reasoning") or "")
+    else:
+        text = choice.get("text") or ""
+    return text, choice.get("finish_reason")
+
+
+async def send_request(
+    client: httpx.AsyncClient,
+    base_url: str,
+    endpoint: str,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    record: RequestRecord,
+    timeout_s: float,
+) -> Outcome:
+    """Send ``body`` streaming to ``endpoint`` and fill ``record``. Never raises on request failure."""
+    out = Outcome(record)
+    start = time.perf_counter()
+    try:
+        await asyncio.wait_for(
+            _stream(
+                client, base_url + ENDPOINT_PATHS[endpoint], endpoint == "chat", body, headers, out, start
+            ),
+            timeout_s,
+        )
+        record.ok = True
+    except (asyncio.TimeoutError, httpx.TimeoutException):
+        _fail(record, ErrorKind.TIMEOUT, f"no complete answer within {timeout_s:g} s")
+    except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+        _fail(record, ErrorKind.CONNECT, str(exc) or type(exc).__name__)
+    except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError, httpx.CloseError) as exc:
+        _fail(record, ErrorKind.BROKEN_STREAM, str(exc) or type(exc).__name__)
+    except _StreamError as exc:
+        _fail(record, exc.kind, str(exc))
+    except httpx.HTTPError as exc:
+        _fail(record, ErrorKind.BROKEN_STREAM, f"{type(exc).__name__}: {exc}")
+    if record.e2e_s is None:
+        record.e2e_s = time.perf_counter() - start
+    return out
+
+
+def _fail(record: RequestRecord, kind: str, message: str) -> None:
+    record.ok = False
+    record.error_kind = kind
+    record.error = message[:_MAX_ERROR_CHARS]
+
+
+async def _stream(
+    client: httpx.AsyncClient,
+    url: str,
+    chat: bool,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    out: Outcome,
+    start: float,
+) -> None:
+    record = out.record
+    async with client.stream("POST", url, json=body, headers=headers) as resp:
+        record.http_status = resp.status_code
+        if resp.status_code != 200:
+            raw = await resp.aread()
+            raise _StreamError(ErrorKind.http(resp.status_code), _error_message(raw))
+        parser = SSEParser()
+        last_chunk_t: float | None = None
+        pieces: list[str] = []
+        usage: dict[str, Any] | None = None
+        done = False
+        async for line in resp.aiter_lines():
+            data = parser.feed(line)
+            if data is None:
+                continue
+            if data.strip() == "[DONE]":
+                done = True
+                break
+            now = time.perf_counter()
+            try:
+                chunk = json.loads(data)
+            except ValueError:
+                raise _StreamError(ErrorKind.BAD_RESPONSE, f"unparseable chunk: {data[:200]!r}") from None
+            if not isinstance(chunk, dict):
+                raise _StreamError(ErrorKind.BAD_RESPONSE, f"chunk is not an object: {data[:200]!r}")
+            if chunk.get("error"):
+                raise _StreamError(ErrorKind.STREAM_ERROR, _error_message(json.dumps(chunk).encode()))
+            text, finish = _chunk_text(chunk, chat)
+            if text:
+                if last_chunk_t is None:
+                    record.ttft_s = now - start
+                else:
+                    record.itl_s.append(now - last_chunk_t)
+                last_chunk_t = now
+                record.stream_chunks += 1
+                pieces.append(text)
+            if finish:
+                record.finish_reason = finish
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+        if not done and record.finish_reason is None:
+            raise _StreamError(ErrorKind.BROKEN_STREAM, "stream ended before [DONE] or a finish_reason")
+        record.e2e_s = time.perf_counter() - start
+        out.text = "".join(pieces)
+        _count_tokens(record, usage)
+
+
+def _count_tokens(record: RequestRecord, usage: dict[str, Any] | None) -> None:
+    if usage and isinstance(usage.get("completion_tokens"), int):
+        record.completion_tokens = usage["completion_tokens"]
+        record.prompt_tokens = usage.get("prompt_tokens")
+        record.token_count_mismatch = record.completion_tokens != record.stream_chunks
+    else:
+        record.usage_missing = True
+        record.completion_tokens = record.stream_chunks
+        record.prompt_tokens = record.input_len
+
+
+def _error_message(raw: bytes) -> str:
+    text = raw.decode("utf-8", "replace")
+    try:
+        err = json.loads(text).get("error")
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])[:_MAX_ERROR_CHARS]
+        if isinstance(err, str):
+            return err[:_MAX_ERROR_CHARS]
+    except (ValueError, AttributeError):
+        pass
+    return text[:_MAX_ERROR_CHARS]
