@@ -19,28 +19,27 @@ Nothing here raises on tier trouble: a dead Redis means misses and dropped write
 from __future__ import annotations
 
 import logging
-import queue
 import threading
-import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvcache import codec
 from kvcache.keys import tier_key
-from kvcache.metrics import KV_TIER_DROPPED_WRITES, TierStats
+from kvcache.metrics import TierStats
 from kvcache.tier import TierURL, open_tier
+from kvcache.writer import BlockEvent, BlockWrite, BlockWriter
 
 if TYPE_CHECKING:
+    from kvcache.engine_adapter import TierConnector
     from kvcache.events import KVEventPublisher
 
 logger = logging.getLogger(__name__)
 
 LOAD_CHUNK = 64  # blocks per tier read: long prefixes stream in chunks and stop at a miss early
-WRITE_BATCH = 32  # blocks per tier write from the background writer
 
 
 @dataclass(frozen=True)
@@ -52,22 +51,6 @@ class ConnectorStats:
     corrupt_blocks: int
     pending_writes: int
     tier: TierStats
-
-
-@dataclass(frozen=True)
-class _Write:
-    block_hash: bytes
-    tensor: torch.Tensor  # host snapshot, shape = block_shape
-
-
-@dataclass(frozen=True)
-class _Event:
-    kind: str
-    hashes: tuple[bytes, ...]
-    medium: str
-
-
-_STOP = object()
 
 
 class KVConnector:
@@ -98,20 +81,17 @@ class KVConnector:
         self.dtype = dtype
         self.num_layers = shape[0]
         self.tier = open_tier(tier_url)
-        self._publisher = self._open_publisher(tier_url, events, events_url, fingerprint, replica_id)
-        self.write_queue = write_queue
-        # Unbounded by itself: ``_pending`` (reserved before a snapshot is taken) is the bound,
-        # so nothing ever blocks on the queue, including close()'s stop marker.
-        self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+        try:
+            publisher = self._open_publisher(tier_url, events, events_url, fingerprint, replica_id)
+        except Exception:
+            self.tier.close()
+            raise
+        self._writer = BlockWriter(self.tier, fingerprint, write_queue, publisher)
         self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
-        self._pending = 0  # queued or being written
-        self._looked_up = self._loaded = self._saved = self._dropped = self._corrupt = 0
+        self._looked_up = self._loaded = self._corrupt = 0
         self._closed = False
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._loader = ThreadPoolExecutor(max_workers=load_threads, thread_name_prefix="kv-tier-load")
-        self._writer = threading.Thread(target=self._write_loop, name="kv-tier-write", daemon=True)
-        self._writer.start()
 
     # ---- lookups and loads -------------------------------------------------------------------
 
@@ -240,110 +220,46 @@ class KVConnector:
         if not hashes:
             return 0
         self._check_caches(k_caches, v_caches)
-        with self._lock:
-            room = 0 if self._closed else max(0, self.write_queue - self._pending)
-            n = min(room, len(hashes))
-            self._pending += n  # reserve before copying, so a full queue costs no snapshot
+        n = self._writer.reserve(len(hashes))  # before copying: a full queue costs no snapshot
         if n < len(hashes):
-            self._drop(len(hashes) - n)
+            self._writer.drop(len(hashes) - n)
         if n == 0:
             return 0
         snapshot = self._snapshot(block_ids[:n], k_caches, v_caches)
-        for i in range(n):
-            self._queue.put_nowait(_Write(bytes(hashes[i]), snapshot[i]))
+        self._writer.submit([BlockWrite(bytes(hashes[i]), snapshot[i]) for i in range(n)])
         return n
 
     def _snapshot(
         self, block_ids: Sequence[int], k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor]
     ) -> torch.Tensor:
-        device = k_caches[0].device
-        ids = torch.tensor(list(block_ids), dtype=torch.long, device=device)
-        out = torch.empty((len(block_ids), *self.block_shape), dtype=self.dtype, device=device)
+        """``[n, *block_shape]`` host copy of the blocks (synchronous: a slot may be reused right after)."""
+        if len(block_ids) == 1:  # the common per-block case: views and a single stack
+            b = block_ids[0]
+            parts = [t[b] for layer in range(self.num_layers) for t in (k_caches[layer], v_caches[layer])]
+            return torch.stack(parts).view(1, *self.block_shape).to("cpu")
+        ids = torch.tensor(list(block_ids), dtype=torch.long, device=k_caches[0].device)
+        out = torch.empty((len(block_ids), *self.block_shape), dtype=self.dtype, device=k_caches[0].device)
         for layer in range(self.num_layers):
             out[:, layer, 0].copy_(k_caches[layer].index_select(0, ids))
             out[:, layer, 1].copy_(v_caches[layer].index_select(0, ids))
-        return out.to("cpu")  # synchronous on CUDA: the block may be overwritten right after
+        return out.to("cpu")
 
-    def _drop(self, n: int) -> None:
-        KV_TIER_DROPPED_WRITES.inc(n)
-        with self._lock:
-            self._dropped += n
-
-    def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every queued write has been attempted; ``False`` on timeout."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._idle:
-            while self._pending > 0:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return False
-                self._idle.wait(remaining)
-        return True
-
-    def _write_loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is _STOP:
-                return
-            batch = [item]
-            while len(batch) < WRITE_BATCH:
-                try:
-                    nxt = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is _STOP:
-                    self._queue.put(_STOP)  # seen after this batch is written
-                    break
-                batch.append(nxt)
-            self._write_batch(batch)
-
-    def _write_batch(self, batch: list[object]) -> None:
-        writes = [b for b in batch if isinstance(b, _Write)]
-        try:
-            if writes:
-                items = [
-                    (tier_key(self.fingerprint, w.block_hash), codec.encode(w.block_hash, w.tensor))
-                    for w in writes
-                ]
-                if self.tier.put_many(items):
-                    with self._lock:
-                        self._saved += len(writes)
-                    if self._publisher is not None:
-                        self._publisher.publish("stored", [w.block_hash for w in writes], medium="tier")
-                else:
-                    self._drop(len(writes))
-            if self._publisher is not None:
-                for event in batch:
-                    if isinstance(event, _Event):
-                        self._publisher.publish(event.kind, event.hashes, medium=event.medium)
-        except Exception:
-            logger.exception("KV tier writer failed on a batch of %d; dropped", len(writes))
-            self._drop(len(writes))
-        finally:
-            with self._idle:
-                self._pending -= len(batch)
-                if self._pending == 0:
-                    self._idle.notify_all()
+    def flush(self, timeout: float | None = None, hashes: Sequence[bytes] | None = None) -> bool:
+        """Wait until every queued write (or only those of ``hashes``) was attempted; ``False`` on timeout."""
+        return self._writer.flush(timeout, hashes)
 
     # ---- events ------------------------------------------------------------------------------
 
     @property
     def events_enabled(self) -> bool:
-        return self._publisher is not None
+        return self._writer.publisher is not None
 
     def publish_event(self, kind: str, hashes: Sequence[bytes], medium: str = "device") -> bool:
-        """Queue a block event (``stored``/``removed``/``cleared`` on the device cache) for the writer.
+        """Queue a block event (``stored``/``removed``/``cleared``, by default about the device cache).
 
         A no-op returning ``False`` when events are off or the queue is full (events are hints).
         """
-        if self._publisher is None:
-            return False
-        with self._lock:
-            if self._closed or self._pending >= self.write_queue:
-                return False
-            self._pending += 1
-        self._queue.put_nowait(_Event(kind, tuple(hashes), medium))
-        return True
+        return self._writer.submit_event(BlockEvent(kind, tuple(hashes), medium))
 
     @staticmethod
     def _open_publisher(
@@ -376,14 +292,15 @@ class KVConnector:
 
     def stats(self) -> ConnectorStats:
         tier = self.tier.stats()
+        w = self._writer
         with self._lock:
             return ConnectorStats(
                 blocks_looked_up=self._looked_up,
                 blocks_loaded=self._loaded,
-                blocks_saved=self._saved,
-                writes_dropped=self._dropped,
+                blocks_saved=w.written,
+                writes_dropped=w.dropped,
                 corrupt_blocks=self._corrupt,
-                pending_writes=self._pending,
+                pending_writes=w.pending,
                 tier=tier,
             )
 
@@ -393,16 +310,21 @@ class KVConnector:
             if self._closed:
                 return
             self._closed = True
-        self.flush(timeout)
-        self._queue.put(_STOP)
-        self._writer.join(timeout)
+        self._writer.close(timeout)
         self._loader.shutdown(wait=True, cancel_futures=True)
         self.tier.close()
-        if self._publisher is not None:
-            self._publisher.close()
+        if self._writer.publisher is not None:
+            self._writer.publisher.close()
 
     def __enter__(self) -> KVConnector:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def create_connector(config: Any, engine: Any) -> TierConnector:
+    """The engine's tier connector (``engine.kv_connector.build_kv_connector`` calls this)."""
+    from kvcache.engine_adapter import TierConnector
+
+    return TierConnector(config, engine)

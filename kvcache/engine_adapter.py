@@ -1,0 +1,102 @@
+"""Binds a ``KVConnector`` to ferry's engine hooks (``engine/kv_connector.py``) and block listeners.
+
+``engine.kv_connector.build_kv_connector`` calls ``kvcache.connector.create_connector(config,
+engine)`` when ``EngineConfig.kv_tier`` is set; that returns a ``TierConnector``. It matches the
+engine's hook methods by name (it does not import ``engine``: parts import downward only, engine
+→ kvcache), and reads from the engine only ``model_runner.kv_caches`` (per layer ``(k, v)``,
+``[num_blocks, block_size, num_kv_heads, head_dim]``), ``model_runner.model_fingerprint`` and
+``block_manager.add_listener``.
+
+What happens when (all on the engine loop thread):
+
+* admission: ``num_loadable_blocks`` → ``KVConnector.lookup`` (one pipelined round trip), then
+  ``load_blocks`` → ``KVConnector.load`` into the freshly allocated blocks;
+* a block becomes full and registered in the device prefix cache (``block_stored``): its KV is
+  snapshotted and queued for the tier — unless it was itself just loaded from the tier;
+* a cached block is evicted (``block_removed``): only a device event, if events are on;
+* a ``kv_transfer`` producer request finishes (``request_finished``): wait (bounded) until its
+  prompt blocks reached the tier, so the consumer that the router calls next finds them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from kvcache.connector import ConnectorStats, KVConnector
+
+logger = logging.getLogger(__name__)
+
+PRODUCER_FLUSH_TIMEOUT_S = 5.0
+
+
+class TierConnector:
+    """The engine's KV connector when a tier is configured (see the module docstring)."""
+
+    def __init__(self, config: Any, engine: Any) -> None:
+        runner = engine.model_runner
+        self.k_caches = [k for k, _ in runner.kv_caches]
+        self.v_caches = [v for _, v in runner.kv_caches]
+        k0 = self.k_caches[0]
+        block_shape = (len(self.k_caches), 2, *k0.shape[1:])
+        self.block_size = int(k0.shape[1])
+        self.kv = KVConnector(
+            config.kv_tier,
+            runner.model_fingerprint,
+            block_shape,
+            k0.dtype,
+            config.kv_tier_write_queue,
+            events=config.kv_events,
+        )
+        # Hashes loaded by the last load_blocks: the scheduler registers them right after, and a
+        # block that came from the tier must not be written back to it.
+        self._just_loaded: set[bytes] = set()
+        engine.block_manager.add_listener(self)
+
+    # -- engine hooks ------------------------------------------------------------------------------
+
+    def num_loadable_blocks(self, request: Any, block_hashes: Sequence[bytes]) -> int:
+        return self.kv.lookup(block_hashes)
+
+    def load_blocks(self, request: Any, block_ids: Sequence[int], block_hashes: Sequence[bytes]) -> int:
+        loaded = self.kv.load(block_hashes, block_ids, self.k_caches, self.v_caches)
+        self._just_loaded = set(block_hashes[:loaded])
+        return loaded
+
+    def request_finished(self, request: Any) -> None:
+        spec = request.kv_transfer
+        if not spec or spec.get("role") != "producer":
+            return
+        prompt_hashes = request.block_hashes[: request.num_prompt_tokens // self.block_size]
+        flushed = self.kv.flush(PRODUCER_FLUSH_TIMEOUT_S, hashes=prompt_hashes)
+        if not flushed:
+            logger.warning("request %s: tier writes still pending at hand-off", request.request_id)
+        request.kv_transfer_result = {"tier_write_complete": flushed}
+
+    def close(self) -> None:
+        self.kv.close()
+
+    # -- block manager listener --------------------------------------------------------------------
+
+    def block_stored(
+        self, block_id: int, block_hash: bytes, parent_hash: bytes | None, token_ids: tuple[int, ...]
+    ) -> None:
+        if block_hash in self._just_loaded:
+            self._just_loaded.discard(block_hash)
+        else:
+            self.kv.save(block_hash, block_id, self.k_caches, self.v_caches)
+        if self.kv.events_enabled:
+            self.kv.publish_event("stored", [block_hash], medium="device")
+
+    def block_removed(self, block_id: int, block_hash: bytes) -> None:
+        if self.kv.events_enabled:
+            self.kv.publish_event("removed", [block_hash], medium="device")
+
+    # -- introspection -----------------------------------------------------------------------------
+
+    def flush(self, timeout: float | None = None) -> bool:
+        return self.kv.flush(timeout)
+
+    def stats(self) -> ConnectorStats:
+        return self.kv.stats()

@@ -1,0 +1,103 @@
+"""Engine + tier end to end: a second engine loads a prefix another engine computed.
+
+Real tiny Llama, real Redis. Greedy outputs must equal a cold run's, and the counters must show
+that every loadable block came from the tier (none recomputed).
+"""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from kvcache.keys import block_hashes, tier_key
+
+BLOCK = 16
+PROMPT = [(7 * i + 3) % 900 + 10 for i in range(5 * BLOCK)]  # 80 tokens: 5 full blocks
+LOADABLE = (len(PROMPT) - 1) // BLOCK  # the last prompt token is always computed (its logits sample)
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+OPTIONS = {"block_size": BLOCK, "num_kv_blocks": 64, "deterministic": True}
+
+
+@pytest.fixture(scope="module")
+def cold_tokens(tiny_llama) -> list[int]:
+    return LLM(str(tiny_llama), **OPTIONS).generate([PROMPT], GREEDY)[0].outputs[0].token_ids
+
+
+def _run(llm: LLM) -> tuple[list[int], int]:
+    out = llm.generate([PROMPT], GREEDY)[0]
+    return out.outputs[0].token_ids, out.num_cached_tokens
+
+
+def test_second_engine_loads_prefix_from_redis(tiny_llama, redis_url: str, cold_tokens: list[int]) -> None:
+    a = LLM(str(tiny_llama), kv_tier=redis_url, **OPTIONS)
+    tokens_a, cached_a = _run(a)
+    assert tokens_a == cold_tokens and cached_a == 0
+    assert a.engine.connector.flush(10.0)
+    saved = a.engine.connector.stats()
+    # Every full block A registered was written: 5 prompt blocks + (80 + 11) // 16 - 5 = 0 more.
+    assert saved.blocks_saved == (len(PROMPT) + GREEDY.max_tokens - 1) // BLOCK
+    fingerprint = a.engine.model_fingerprint
+    raw = redis.Redis.from_url(redis_url)
+    hashes = block_hashes(PROMPT, BLOCK)
+    assert all(raw.exists(tier_key(fingerprint, h)) for h in hashes)
+
+    b = LLM(str(tiny_llama), kv_tier=redis_url, **OPTIONS)
+    tokens_b, cached_b = _run(b)
+    assert tokens_b == cold_tokens
+    s = b.engine.connector.stats()
+    assert s.blocks_loaded == LOADABLE == 4 and s.corrupt_blocks == 0
+    assert cached_b == LOADABLE * BLOCK  # 64 prompt tokens served by the tier, 16 computed
+    assert b.engine.stats().prefix_cache_hits == LOADABLE * BLOCK
+    # Loaded blocks are not written back; only B's own new full block (the 5th) is.
+    assert b.engine.connector.flush(10.0) and b.engine.connector.stats().blocks_saved == 1
+
+
+def test_memory_tier_shared_in_process(tiny_llama, cold_tokens: list[int]) -> None:
+    a = LLM(str(tiny_llama), kv_tier="memory://engine-share", **OPTIONS)
+    b = LLM(str(tiny_llama), kv_tier="memory://engine-share", **OPTIONS)
+    assert _run(a) == (cold_tokens, 0)
+    assert a.engine.connector.flush(10.0)
+    assert _run(b) == (cold_tokens, LOADABLE * BLOCK)
+
+
+def test_dead_tier_falls_back_to_recompute(tiny_llama, cold_tokens: list[int]) -> None:
+    llm = LLM(str(tiny_llama), kv_tier="redis://127.0.0.1:1/0?timeout=0.2&connect_timeout=0.2", **OPTIONS)
+    assert _run(llm) == (cold_tokens, 0)
+    s = llm.engine.connector.stats()
+    assert s.blocks_loaded == 0 and s.tier.errors.get("connection", 0) >= 1
+
+
+def test_corrupt_block_loads_the_prefix_before_it(tiny_llama, redis_url: str, cold_tokens: list[int]) -> None:
+    a = LLM(str(tiny_llama), kv_tier=redis_url, **OPTIONS)
+    _run(a)
+    assert a.engine.connector.flush(10.0)
+    raw = redis.Redis.from_url(redis_url)
+    key = tier_key(a.engine.model_fingerprint, block_hashes(PROMPT, BLOCK)[2])
+    value = bytearray(raw.get(key))
+    value[-1] ^= 0x40
+    raw.set(key, bytes(value))
+    b = LLM(str(tiny_llama), kv_tier=redis_url, **OPTIONS)
+    assert _run(b) == (cold_tokens, 2 * BLOCK)  # blocks 0 and 1 loaded, 2.. recomputed
+    assert b.engine.connector.stats().corrupt_blocks == 1
+
+
+def test_producer_request_waits_for_its_blocks_to_reach_the_tier(tiny_llama, redis_url: str) -> None:
+    llm = LLM(str(tiny_llama), kv_tier=redis_url, **OPTIONS)
+    engine = llm.engine
+    req = engine.make_request(
+        "p1", PROMPT, SamplingParams(max_tokens=1, temperature=0.0), kv_transfer={"role": "producer"}
+    )
+    engine.add_request(req)
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final = out
+    assert final is not None and final.kv_transfer["tier_write_complete"] is True
+    hexes = final.kv_transfer["block_hashes"]
+    assert hexes == [h.hex() for h in block_hashes(PROMPT, BLOCK)]
+    raw = redis.Redis.from_url(redis_url)
+    # At hand-off time every prompt block is already readable by a consumer.
+    assert all(raw.exists(f"ferry:kv:{engine.model_fingerprint}:{h}") for h in hexes)
