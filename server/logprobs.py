@@ -14,7 +14,9 @@ from engine.tokenizer import Tokenizer
 from server.protocol import CompletionLogprobs, TokenLogprob, TopLogprob
 
 
-def _text(tokenizer: Tokenizer, token_id: int, lp: Logprob | None) -> str:
+def _text(tokenizer: Tokenizer, token_id: int, lp: Logprob | None, as_ids: bool = False) -> str:
+    if as_ids:  # vLLM's return_tokens_as_token_ids: exact ids for clients that re-tokenize nothing
+        return f"token_id:{token_id}"
     if lp is not None and lp.decoded_token is not None:
         return lp.decoded_token
     return tokenizer.token_text(token_id)
@@ -41,7 +43,11 @@ def _logprob(value: float) -> float:
 
 
 def chat_logprobs(
-    tokenizer: Tokenizer, token_ids: Sequence[int], positions: Sequence[PositionLogprobs] | None, top_n: int
+    tokenizer: Tokenizer,
+    token_ids: Sequence[int],
+    positions: Sequence[PositionLogprobs] | None,
+    top_n: int,
+    as_ids: bool = False,
 ) -> list[TokenLogprob]:
     """One ``TokenLogprob`` per generated token (with ``top_n`` alternatives)."""
     if not positions:
@@ -49,10 +55,12 @@ def chat_logprobs(
     out = []
     for token_id, position in zip(token_ids, positions, strict=False):
         chosen = position.get(token_id)
-        text = _text(tokenizer, token_id, chosen)
+        text = _text(tokenizer, token_id, chosen, as_ids)
         top = [
             TopLogprob(
-                token=_text(tokenizer, tid, lp), logprob=_logprob(lp.logprob), bytes=_bytes(tokenizer, tid)
+                token=_text(tokenizer, tid, lp, as_ids),
+                logprob=_logprob(lp.logprob),
+                bytes=_bytes(tokenizer, tid),
             )
             for tid, lp in _top(position, top_n)
         ]
@@ -70,8 +78,9 @@ def chat_logprobs(
 class CompletionLogprobsBuilder:
     """Accumulates legacy completion logprobs across deltas, keeping ``text_offset`` running."""
 
-    def __init__(self, tokenizer: Tokenizer, top_n: int, start_offset: int = 0) -> None:
+    def __init__(self, tokenizer: Tokenizer, top_n: int, start_offset: int = 0, as_ids: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.as_ids = as_ids
         self.top_n = top_n
         self.offset = start_offset
 
@@ -84,17 +93,17 @@ class CompletionLogprobsBuilder:
             return result
         for token_id, position in zip(token_ids, positions, strict=False):
             if position is None:
-                text = self.tokenizer.token_text(token_id)
+                text = _text(self.tokenizer, token_id, None, self.as_ids)
                 result.tokens.append(text)
                 result.token_logprobs.append(None)
                 result.top_logprobs.append(None)
             else:
                 chosen = position.get(token_id)
-                text = _text(self.tokenizer, token_id, chosen)
+                text = _text(self.tokenizer, token_id, chosen, self.as_ids)
                 result.tokens.append(text)
                 result.token_logprobs.append(_logprob(chosen.logprob) if chosen is not None else -9999.0)
                 top = {
-                    _text(self.tokenizer, tid, lp): _logprob(lp.logprob)
+                    _text(self.tokenizer, tid, lp, self.as_ids): _logprob(lp.logprob)
                     for tid, lp in _top(position, self.top_n)
                 }
                 if chosen is not None:
@@ -114,7 +123,8 @@ class CompletionLogprobsBuilder:
             chosen = position.get(token_id)
             part.token_logprobs[i] = _logprob(chosen.logprob) if chosen is not None else -9999.0
             top = {
-                _text(self.tokenizer, tid, lp): _logprob(lp.logprob) for tid, lp in _top(position, self.top_n)
+                _text(self.tokenizer, tid, lp, self.as_ids): _logprob(lp.logprob)
+                for tid, lp in _top(position, self.top_n)
             }
             if chosen is not None:
                 top.setdefault(part.tokens[i], _logprob(chosen.logprob))

@@ -106,6 +106,7 @@ class SamplingFields(_Request):
     skip_special_tokens: StrictBool = True
     spaces_between_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
+    return_tokens_as_token_ids: StrictBool = False  # logprob tokens as "token_id:{id}"
     # internal (router -> replica)
     kv_transfer: KVTransfer | None = None
     resume: Resume | None = None

@@ -81,7 +81,9 @@ def _delta(
     choice.texts.append(o.text)
     logprobs = None
     if req.logprobs:
-        logprobs = chat_logprobs(state.tokenizer, o.token_ids, o.logprobs, req.top_logprobs or 0)
+        logprobs = chat_logprobs(
+            state.tokenizer, o.token_ids, o.logprobs, req.top_logprobs or 0, req.return_tokens_as_token_ids
+        )
         choice.logprobs += logprobs
     if out.finished:
         choice.finish_reason = o.finish_reason

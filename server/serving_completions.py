@@ -79,7 +79,9 @@ def _echo_prefix(state: ServerState, choice: _Choice, req: CompletionRequest, ou
     if req.echo:
         text = prompt.text if prompt.text is not None else state.tokenizer.decode(prompt.token_ids)
     if req.logprobs is not None:
-        choice.builder = CompletionLogprobsBuilder(state.tokenizer, req.logprobs)
+        choice.builder = CompletionLogprobsBuilder(
+            state.tokenizer, req.logprobs, as_ids=req.return_tokens_as_token_ids
+        )
         if req.echo:
             # The engine hands prompt logprobs over with the last output; the entries (tokens and
             # offsets) are laid out now and their values filled in then.

@@ -1,0 +1,141 @@
+"""Real `ferry serve` processes on free loopback ports, shared per test module.
+
+Each ``ServerProcess`` is the actual CLI in a subprocess (the path a user runs), started with
+the tiny checkpoints from ``tests/conftest.py``; tests talk to it over HTTP with httpx and the
+official ``openai`` SDK. Fixtures stop what they start (SIGTERM, then SIGKILL).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# tests/ is on sys.path (rootdir conftest) and the editable install's finder runs after the path
+# finder, so "engine" and "server" would resolve to the namespace packages tests/engine and
+# tests/server. Put the repo first.
+_ROOT = str(Path(__file__).resolve().parents[2])
+if sys.path[0] != _ROOT:
+    sys.path.insert(0, _ROOT)
+for _name in ("engine", "server"):
+    if _name in sys.modules and getattr(sys.modules[_name], "__file__", None) is None:
+        del sys.modules[_name]
+
+import os  # noqa: E402
+import signal  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Iterator, Sequence  # noqa: E402
+
+import httpx  # noqa: E402
+import pytest  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, model_dir: Path, args: Sequence[str] = (), log_dir: Path | None = None) -> None:
+        self.port = free_port()
+        self.model_dir = model_dir
+        self.args = list(args)
+        self.log_path = (log_dir or Path("/tmp")) / f"ferry-serve-{self.port}.log"
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def model_name(self) -> str:
+        return self.model_dir.name
+
+    def start(self, timeout: float = 120.0) -> ServerProcess:
+        cmd = [
+            sys.executable,
+            "-m",
+            "ferry",
+            "serve",
+            "--model",
+            str(self.model_dir),
+            "--port",
+            str(self.port),
+            "--num-threads",
+            "1",
+            *self.args,
+        ]
+        env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ferry serve exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"ferry serve did not become healthy:\n{self.log()}")
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text()[-4000:]
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        code = self.proc.returncode
+        self.proc = None
+        return code
+
+
+@pytest.fixture(scope="session")
+def server(tiny_llama: Path, serve_logs: Path) -> Iterator[ServerProcess]:
+    """The default replica over tiny_llama (shared by the session), roomy enough for 64 concurrent
+    streams. Tests leave it idle and serving."""
+    srv = ServerProcess(tiny_llama, ["--num-kv-blocks", "1024", "--max-num-seqs", "64"], serve_logs).start()
+    yield srv
+    srv.stop()
+
+
+def metric_value(text: str, name: str, **labels: str) -> float | None:
+    """One sample's value from a Prometheus text exposition (None when absent)."""
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+@pytest.fixture(scope="session")
+def scrape():
+    """``scrape(url, name, **labels)``: one metric's current value from a replica's /metrics."""
+
+    def _scrape(url: str, name: str, **labels: str) -> float | None:
+        return metric_value(httpx.get(url + "/metrics", timeout=10).text, name, **labels)
+
+    return _scrape
+
+
+@pytest.fixture(scope="session")
+def serve_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("serve-logs")
