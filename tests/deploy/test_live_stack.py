@@ -1,0 +1,201 @@
+"""The load-balancer example and the dashboard against real processes on loopback:
+nginx (deploy/nginx template) -> `ferry router` -> `ferry serve` (tiny Llama, KV tier in a private
+Redis), all on free ports. A chat completion streams through the whole chain with the OpenAI SDK,
+and every metric the Grafana dashboard queries is found in a live scrape of the replica or router.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import ROOT, FerryProcess, free_port, nginx_binary, render_nginx_conf
+from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
+
+DASHBOARD = ROOT / "deploy" / "grafana" / "ferry-dashboard.json"
+MODEL = "tiny"
+METRIC_RE = re.compile(r"\b((?:vllm|ferry):[A-Za-z0-9_:]+)")
+
+
+def dashboard_exprs() -> list[str]:
+    dash = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    for var in dash["templating"]["list"]:
+        query = var.get("query")
+        if isinstance(query, dict):
+            exprs.append(query["query"])
+    return exprs
+
+
+def dashboard_metrics() -> set[str]:
+    return {m for e in dashboard_exprs() for m in METRIC_RE.findall(e)}
+
+
+def exported_names(exposition: str) -> set[str]:
+    """Every series name a Prometheus scrape of this text can hold (declared families included)."""
+    names: set[str] = set()
+    suffixes = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_count", "_sum", "_created")}
+    for family in text_string_to_metric_families(exposition):
+        names.add(family.name)
+        names.update(family.name + s for s in suffixes.get(family.type, ()))
+        names.update(s.name for s in family.samples)
+    return names
+
+
+# ---------------------------------------------------------------- static checks (no processes)
+
+
+def test_dashboard_is_well_formed() -> None:
+    dash = json.loads(DASHBOARD.read_text())
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids))
+    for p in dash["panels"]:
+        assert 0 <= p["gridPos"]["x"] and p["gridPos"]["x"] + p["gridPos"]["w"] <= 24
+        for t in p.get("targets", []):
+            assert t["datasource"]["uid"] == "${datasource}"
+            assert 'namespace=~"$namespace"' in t["expr"], t["expr"]
+    metrics = dashboard_metrics()
+    # It covers each family ferry exports: replica (vLLM names), KV tier, router.
+    assert {"vllm:num_requests_waiting", "vllm:time_to_first_token_seconds_bucket"} <= metrics
+    assert any(m.startswith("ferry:kv_tier_") for m in metrics)
+    assert any(m.startswith("ferry:router_") for m in metrics)
+
+
+def nginx_site_directives() -> dict[str, list[str]]:
+    """Directive -> values inside the template's `location /` block."""
+    text = (ROOT / "deploy" / "nginx" / "ferry.conf.template").read_text()
+    text = "\n".join(line.split("#", 1)[0] for line in text.splitlines())
+    block = re.search(r"location / \{(.*?)\n    \}", text, flags=re.S).group(1)
+    out: dict[str, list[str]] = {}
+    for stmt in block.split(";"):
+        words = stmt.split()
+        if words:
+            out.setdefault(words[0], []).append(" ".join(words[1:]))
+    out["gzip(server)"] = re.findall(r"^\s*gzip (\w+);", text, flags=re.M)
+    return out
+
+
+def test_nginx_template_is_sse_safe() -> None:
+    d = nginx_site_directives()
+    assert d["proxy_buffering"] == ["off"]
+    assert d["proxy_cache"] == ["off"]
+    assert d["proxy_http_version"] == ["1.1"]
+    assert 'Connection ""' in d["proxy_set_header"]
+    assert int(d["proxy_read_timeout"][0].rstrip("s")) >= 600
+    assert d["gzip(server)"] == ["off"]
+    assert (
+        "non_idempotent" not in d["proxy_next_upstream"][0]
+    )  # a POST that reached a router is never re-sent
+
+
+def test_nginx_accepts_the_rendered_config(tmp_path: Path) -> None:
+    binary = nginx_binary()
+    conf = render_nginx_conf(tmp_path, free_port(), [free_port(), free_port()])
+    proc = subprocess.run(
+        [binary, "-t", "-p", str(tmp_path), "-c", str(conf)], capture_output=True, text=True, timeout=30
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "syntax is ok" in proc.stderr and "test is successful" in proc.stderr
+
+
+# ---------------------------------------------------------------- the live chain
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("deploy-logs")
+
+
+@pytest.fixture(scope="module")
+def replica(tiny_llama: Path, redis_server, logs: Path) -> Iterator[FerryProcess]:  # noqa: ANN001
+    redis_server.flush()
+    args = ["--model", str(tiny_llama), "--served-model-name", MODEL, "--num-threads", "1", "--num-kv-blocks", "256",
+            "--max-num-seqs", "8", "--kv-tier", redis_server.url, "--drain-timeout", "5"]  # fmt: skip
+    proc = FerryProcess("serve", args, logs).start()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def router(replica: FerryProcess, logs: Path) -> Iterator[FerryProcess]:
+    proc = FerryProcess("router", ["--replica", replica.url, "--policy", "round_robin"], logs).start(
+        timeout=60
+    )
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def nginx(router: FerryProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    binary = nginx_binary()
+    workdir = tmp_path_factory.mktemp("nginx")
+    port = free_port()
+    conf = render_nginx_conf(workdir, port, [router.port])
+    proc = subprocess.Popen(
+        [binary, "-p", str(workdir), "-c", str(conf), "-g", "daemon off;"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(100):
+            if proc.poll() is not None:
+                raise RuntimeError(f"nginx exited: {proc.stderr.read().decode()}")
+            try:
+                if httpx.get(url + "/nginx-health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            subprocess.run(["sleep", "0.1"], check=True)
+        else:
+            raise RuntimeError("nginx did not answer")
+        yield url
+    finally:
+        proc.terminate()  # SIGTERM: nginx' fast shutdown
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_chat_completion_streams_through_nginx_router_replica(nginx: str, replica: FerryProcess) -> None:
+    messages = [{"role": "user", "content": "Tell me about ferries and rivers."}]
+    params = dict(model=MODEL, messages=messages, max_tokens=16, temperature=0.0, seed=7)
+    via_lb = OpenAI(base_url=nginx + "/v1", api_key="unused", max_retries=0, timeout=120)
+    chunks = list(
+        via_lb.chat.completions.create(stream=True, stream_options={"include_usage": True}, **params)
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    usage = [c.usage for c in chunks if c.usage]
+    # One SSE event per token (not one buffered blob), ending with a finish reason and the usage.
+    content_chunks = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(content_chunks) >= 2
+    assert finish == [finish[0]] and finish[0] in ("stop", "length")
+    assert len(usage) == 1 and usage[0].completion_tokens >= len(content_chunks)
+    # Exactly what the replica answers directly, greedy: nginx and the router changed nothing.
+    direct = OpenAI(base_url=replica.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    assert direct.chat.completions.create(**params).choices[0].message.content == text
+
+
+def test_every_dashboard_metric_is_exported_live(
+    nginx: str, replica: FerryProcess, router: FerryProcess
+) -> None:
+    # One request through the chain first, so per-request histograms and counters have samples.
+    body = {"model": MODEL, "prompt": "ferry " * 40, "max_tokens": 4, "temperature": 0.0}
+    assert httpx.post(nginx + "/v1/completions", json=body, timeout=120).status_code == 200
+    from_replica = exported_names(httpx.get(replica.url + "/metrics", timeout=10).text)
+    from_router = exported_names(httpx.get(router.url + "/metrics", timeout=10).text)
+    wanted = dashboard_metrics()
+    router_side = {m for m in wanted if m.startswith("ferry:router_")}
+    assert router_side and router_side <= from_router, (
+        f"not exported by the router: {router_side - from_router}"
+    )
+    replica_side = wanted - router_side
+    assert replica_side <= from_replica, f"not exported by the replica: {replica_side - from_replica}"
