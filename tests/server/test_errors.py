@@ -1,0 +1,295 @@
+"""Client-caused errors: always a 4xx with OpenAI's error body, never a 5xx, never a dead server.
+
+A table pins the status, ``param`` and ``code`` of each known mistake; a hypothesis fuzz throws
+bounded batches of malformed JSON at both generation endpoints and checks the server keeps
+serving.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+CHAT = "/v1/chat/completions"
+COMP = "/v1/completions"
+USER = [{"role": "user", "content": "hi"}]
+
+
+def assert_error_body(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    assert isinstance(err["type"], str)
+    assert err["param"] is None or isinstance(err["param"], str)
+    return err
+
+
+CASES = [
+    # (path, body, status, param, code)
+    (COMP, {"prompt": "x", "temperature": -0.1}, 400, "temperature", "invalid_value"),
+    (COMP, {"prompt": "x", "temperature": 2.5}, 400, "temperature", "invalid_value"),
+    (COMP, {"prompt": "x", "top_p": 0}, 400, "top_p", "invalid_value"),
+    (COMP, {"prompt": "x", "top_p": 1.5}, 400, "top_p", "invalid_value"),
+    (COMP, {"prompt": "x", "n": 0}, 400, "n", "invalid_value"),
+    (COMP, {"prompt": "x", "n": 129}, 400, "n", "invalid_value"),
+    (COMP, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
+    (COMP, {"prompt": "x", "max_tokens": "5"}, 400, "max_tokens", "invalid_value"),
+    (COMP, {"prompt": "x", "logprobs": 21}, 400, "logprobs", "invalid_value"),
+    (COMP, {"prompt": "x", "suffix": "y"}, 400, "suffix", "invalid_value"),
+    (COMP, {"prompt": "x", "best_of": 2}, 400, "best_of", "invalid_value"),
+    (COMP, {"prompt": "x", "stop": [""]}, 400, "stop", "invalid_value"),
+    (COMP, {"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias", "invalid_value"),
+    (COMP, {"prompt": "x", "logit_bias": {"1": 101}}, 400, "logit_bias", "invalid_value"),
+    (COMP, {"prompt": "x", "logit_bias": {"100000": 1}}, 400, "logit_bias", "invalid_value"),
+    (COMP, {"prompt": "x", "min_tokens": 20, "max_tokens": 5}, 400, "min_tokens", "invalid_value"),
+    (COMP, {"prompt": [5, 100000]}, 400, "prompt", "invalid_value"),
+    (COMP, {"prompt": []}, 400, "prompt", "invalid_value"),
+    (COMP, {"prompt": ""}, 400, "prompt", "invalid_value"),
+    (COMP, {"prompt": 5}, 400, "prompt", "invalid_value"),
+    (COMP, {}, 400, "prompt", "missing_required_parameter"),
+    (COMP, {"prompt": "x", "model": "gpt-4"}, 404, "model", "model_not_found"),
+    (COMP, {"prompt": "x", "max_tokens": 2000}, 400, "max_tokens", "context_length_exceeded"),
+    (COMP, {"prompt": [5] * 1027}, 400, "prompt", "context_length_exceeded"),
+    (
+        COMP,
+        {"prompt": "x", "kv_transfer": {"role": "consumer", "block_hashes": ["zz"]}},
+        400,
+        "kv_transfer.block_hashes",
+        "invalid_value",
+    ),
+    (COMP, {"prompt": "x", "kv_transfer": {"role": "sideways"}}, 400, "kv_transfer.role", "invalid_value"),
+    (
+        COMP,
+        {"prompt": "x", "resume": {"token_ids": [1] * 20}, "max_tokens": 10},
+        400,
+        "resume.token_ids",
+        "invalid_value",
+    ),
+    (COMP, {"prompt": ["a", "b"], "kv_transfer": {"role": "producer"}}, 400, "kv_transfer", "invalid_value"),
+    (COMP, {"prompt": "x", "temperature": float("nan")}, 400, "temperature", "invalid_value"),
+    (CHAT, {"messages": []}, 400, "messages", "invalid_value"),
+    (CHAT, {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role", "invalid_value"),
+    (
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        400,
+        "messages.0",
+        "invalid_value",
+    ),
+    (CHAT, {"messages": USER, "top_logprobs": 21, "logprobs": True}, 400, "top_logprobs", "invalid_value"),
+    (CHAT, {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs", "invalid_value"),
+    (
+        CHAT,
+        {"messages": USER, "response_format": {"type": "json_object"}},
+        400,
+        "response_format",
+        "invalid_value",
+    ),
+    (
+        CHAT,
+        {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]},
+        400,
+        "tools",
+        "invalid_value",
+    ),
+    (CHAT, {"messages": USER, "tool_choice": "required"}, 400, "tool_choice", "invalid_value"),
+    (CHAT, {"messages": USER, "max_completion_tokens": 0}, 400, "max_completion_tokens", "invalid_value"),
+    (CHAT, {"messages": USER, "model": "nope"}, 404, "model", "model_not_found"),
+    ("/tokenize", {"prompt": "x", "messages": USER}, 400, None, "invalid_value"),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens", "invalid_value"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param", "code"), CASES)
+def test_known_mistakes(server, path, body, status, param, code) -> None:
+    r = httpx.post(server.url + path, content=json.dumps(body), headers={"content-type": "application/json"})
+    err = assert_error_body(r, status)
+    assert err["param"] == param and err["code"] == code
+
+
+def test_context_length_message_names_the_numbers(server) -> None:
+    r = httpx.post(server.url + COMP, json={"prompt": [5] * 1000, "max_tokens": 100})
+    msg = assert_error_body(r, 400)["message"]
+    assert "1024" in msg and "1100" in msg and "1000" in msg and "100" in msg
+
+
+def test_tools_with_tool_choice_none_are_ignored(server) -> None:
+    body = {
+        "messages": USER,
+        "max_tokens": 2,
+        "tool_choice": "none",
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+        "response_format": {"type": "text"},
+    }
+    assert httpx.post(server.url + CHAT, json=body).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"{",
+        b"[]",
+        b"null",
+        b'"text"',
+        b"\xff\xfe",
+        b"{" * 5000 + b"}" * 5000,
+        b'{"prompt": "x", "max_tokens": 1e400}',
+    ],
+)
+def test_invalid_json(server, raw: bytes) -> None:
+    r = httpx.post(server.url + COMP, content=raw, headers={"content-type": "application/json"})
+    assert_error_body(r, 400)
+
+
+def test_routing_errors_keep_the_shape(server) -> None:
+    assert assert_error_body(httpx.get(server.url + "/v1/nothing"), 404)["code"] == "not_found"
+    assert_error_body(httpx.delete(server.url + COMP), 405)
+
+
+def test_body_over_limit_is_413_by_header_and_by_counting(server) -> None:
+    limit = 8 * 1024 * 1024
+    big = b'{"prompt": "' + b"a" * limit + b'"}'
+    assert assert_error_body(httpx.post(server.url + COMP, content=big), 413)["code"] == "request_too_large"
+
+    def chunks():  # chunked transfer: no Content-Length to trust
+        for i in range(0, len(big), 1 << 20):
+            yield big[i : i + (1 << 20)]
+
+    assert_error_body(httpx.post(server.url + COMP, content=chunks()), 413)
+
+
+def test_truncated_json_on_a_raw_socket(server) -> None:
+    # A body cut off mid-object (as a crashed client would leave it) is a clean 400.
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 10\r\n\r\n{"prompt":'
+        )
+        data = s.recv(65536)
+    assert data.startswith(b"HTTP/1.1 400")
+
+
+json_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=20)
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
+    max_leaves=12,
+)
+FIELDS = [
+    "prompt",
+    "messages",
+    "model",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "stream",
+    "stream_options",
+    "stop",
+    "seed",
+    "logprobs",
+    "top_logprobs",
+    "echo",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "user",
+    "suffix",
+    "best_of",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+    "stop_token_ids",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+    "kv_transfer",
+    "resume",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "add_generation_prompt",
+]
+message = st.fixed_dictionaries(
+    {
+        "role": st.sampled_from(["user", "system", "assistant", "tool", "x"]) | json_values,
+        "content": st.text(max_size=30) | json_values,
+    }
+)
+near_valid = st.fixed_dictionaries(
+    {
+        "prompt": st.text(max_size=30) | st.lists(st.integers(-5, 1200), max_size=8) | json_values,
+        "messages": st.lists(message, max_size=3),
+    },
+    optional={f: json_values for f in FIELDS if f not in ("prompt", "messages")},
+)
+bodies = (
+    near_valid
+    | st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=6), json_values, max_size=6)
+    | json_values
+)
+
+
+def _bounded(body: object) -> object:
+    """Keep valid bodies cheap: the fuzz is about validation, not about generating long texts."""
+    if isinstance(body, dict):
+        body = dict(body)
+        for key, cap in (
+            ("max_tokens", 4),
+            ("max_completion_tokens", 4),
+            ("n", 2),
+            ("min_tokens", 2),
+            ("best_of", 2),
+        ):
+            if isinstance(body.get(key), int) and not isinstance(body.get(key), bool) and body[key] > cap:
+                body[key] = cap
+        if not isinstance(body.get("max_tokens"), int) and not isinstance(
+            body.get("max_completion_tokens"), int
+        ):
+            body.setdefault("max_completion_tokens", 4)
+    return body
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(body=bodies, path=st.sampled_from([COMP, CHAT]), stream=st.booleans())
+def test_fuzz_never_5xx(http, path: str, body: object, stream: bool) -> None:
+    body = _bounded(body)
+    if stream and isinstance(body, dict):
+        body["stream"] = True
+    r = http.post(
+        path, content=json.dumps(body, allow_nan=False), headers={"content-type": "application/json"}
+    )
+    assert r.status_code < 500, r.text
+    if r.status_code >= 400:
+        assert_error_body(r, r.status_code)
+    elif r.headers["content-type"].startswith("text/event-stream"):
+        assert r.text.endswith("data: [DONE]\n\n")
+        assert '"error"' not in r.text or "InternalServerError" not in r.text
+
+
+def test_server_still_serves_after_the_fuzz(server) -> None:
+    r = httpx.post(server.url + COMP, json={"prompt": "x", "max_tokens": 2, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    assert httpx.get(server.url + "/health").status_code == 200
