@@ -49,6 +49,7 @@ from router.prompt_keys import PromptKeyer, make_keyer
 from router.relay import ProxyCall, Relay
 from router.replica import HealthPolicy, Replica
 from router.retry import RetryPolicy
+from router.upstream import UpstreamClient
 
 log = logging.getLogger("ferry.router")
 
@@ -86,8 +87,9 @@ class RouterApp:
             timeout=httpx.Timeout(config.request_timeout, connect=config.connect_timeout, pool=None),
             trust_env=False,  # never route replica traffic through an environment proxy
         )
+        self.upstream = UpstreamClient(config.connect_timeout, config.request_timeout)
         self.relay = Relay(
-            self.client,
+            self.upstream,
             self.policy,
             self.metrics,
             RetryPolicy(max_retries=config.max_retries),
@@ -135,6 +137,7 @@ class RouterApp:
         if self.discovery is not None:
             await self.discovery.stop()
         await self.client.aclose()
+        await self.upstream.aclose()
 
     # ---- ASGI ---------------------------------------------------------------------------------
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

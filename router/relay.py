@@ -27,8 +27,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
-
 from router.http import RESPONSE_DROP, Send, error_body, send_bytes, send_error
 from router.metrics import RouterMetrics
 from router.policies.base import Policy, RouteRequest
@@ -36,9 +34,10 @@ from router.pool import Pool
 from router.replica import Replica
 from router.retry import RetryPolicy, counts_as_replica_failure
 from router.sse import SSESplitter, StreamTracker
+from router.upstream import ConnectError, Response, UpstreamClient, UpstreamError, UpstreamTimeout
 
-_TRANSPORT_ERRORS = (httpx.TransportError, httpx.TimeoutException)
-_CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
+_TRANSPORT_ERRORS = (UpstreamError,)
+BodyFor = Callable[[Replica], tuple[bytes, bool]]
 
 
 @dataclass
@@ -63,8 +62,9 @@ class ProxyCall:
 @dataclass
 class Opened:
     replica: Replica
-    response: httpx.Response
+    response: Response
     tokens: int
+    router_logprobs: bool = False  # the router added logprobs to learn token ids (strip them)
     finished: bool = False  # load released and outcome recorded (exactly once)
 
 
@@ -78,7 +78,7 @@ class Failed:
 class Relay:
     def __init__(
         self,
-        client: httpx.AsyncClient,
+        client: UpstreamClient,
         policy: Policy,
         metrics: RouterMetrics,
         retry: RetryPolicy,
@@ -109,9 +109,10 @@ class Relay:
             replica = self.policy.choose(call.route, candidates)
             tokens = call.route.prompt_tokens
             self._acquire(replica, tokens, now)
+            payload, router_logprobs = body(replica) if callable(body) else (body, False)
             try:
-                result = await self._send(replica, call, body)
-                if isinstance(result, httpx.Response):
+                result = await self._send(replica, call, payload)
+                if isinstance(result, Response):
                     status = result.status_code
                     if not self.retry.should_retry_status(status, attempt[0]) or not pool.candidates(
                         self.clock(), tried | {replica.url}
@@ -119,7 +120,7 @@ class Relay:
                         if call.route.predicted_hit_tokens:
                             self.metrics.cache_hit_tokens.inc(call.route.predicted_hit_tokens)
                         self.policy.on_routed(call.route, replica)
-                        return Opened(replica, result, tokens)
+                        return Opened(replica, result, tokens, router_logprobs)
                     content = await _read_quietly(result)
                     last = Failed(status, content, _response_headers(result))
                     if counts_as_replica_failure(status):
@@ -137,26 +138,18 @@ class Relay:
             self.metrics.retries.inc()
             await asyncio.sleep(self.retry.backoff(attempt[0] - 1, self.rng))
 
-    async def _send(self, replica: Replica, call: ProxyCall, body: bytes) -> httpx.Response | Failed:
-        request = self.client.build_request(
-            call.method, replica.url + call.url_path, headers=call.headers, content=body
-        )
+    async def _send(self, replica: Replica, call: ProxyCall, body: bytes) -> Response | Failed:
         try:
-            return await self.client.send(request, stream=True)
-        except _CONNECT_ERRORS as e:
+            return await self.client.request(call.method, replica.url, call.url_path, call.headers, body)
+        except ConnectError as e:
             replica.on_connect_error(self.clock())
-            return Failed(
-                502,
-                error_body(f"replica {replica.url} unreachable: {type(e).__name__}", "upstream_error", 502),
-            )
-        except httpx.TimeoutException:
+            return Failed(502, error_body(f"replica {replica.url} unreachable: {e}", "upstream_error", 502))
+        except UpstreamTimeout:
             replica.on_request_failure(self.clock())
             return Failed(504, error_body(f"replica {replica.url} timed out", "timeout_error", 504))
-        except httpx.TransportError as e:
+        except UpstreamError as e:
             replica.on_request_failure(self.clock())
-            return Failed(
-                502, error_body(f"replica {replica.url} failed: {type(e).__name__}", "upstream_error", 502)
-            )
+            return Failed(502, error_body(f"replica {replica.url} failed: {e}", "upstream_error", 502))
 
     def _acquire(self, replica: Replica, tokens: int, now: float) -> None:
         replica.acquire(tokens, now)
@@ -254,20 +247,29 @@ class Relay:
             return
 
     async def _generate_stream(self, pool: Pool, call: ProxyCall, body: dict, send: Send) -> None:
+        chat = call.path.endswith("/chat/completions")
         wants_ids = bool(body.get("return_token_ids"))
+        client_logprobs = bool(body.get("logprobs")) if chat else body.get("logprobs") is not None
         can_resume = self.max_failovers > 0 and body.get("n") in (None, 1)
-        if can_resume and not wants_ids:
-            body = {**body, "return_token_ids": True}
-            payload = json.dumps(body).encode()
-        else:
-            payload = call.body
+
+        def payload(replica: Replica, base: dict = body) -> tuple[bytes, bool]:
+            if not can_resume:
+                return json.dumps(base).encode(), False
+            extra: dict[str, Any] = {"return_token_ids": True}
+            router_logprobs = not replica.emits_token_ids and not client_logprobs
+            if router_logprobs:  # until this replica shows it honours return_token_ids
+                extra.update(logprobs=True if chat else 0, return_tokens_as_token_ids=True)
+            return json.dumps({**base, **extra}).encode(), router_logprobs
+
         tracker = StreamTracker(
-            chat=call.path.endswith("/chat/completions"), client_wants_token_ids=wants_ids
+            chat=chat,
+            client_wants_token_ids=wants_ids,
+            client_ids_in_logprobs=client_logprobs and bool(body.get("return_tokens_as_token_ids")),
         )
         tried: set[str] = set()
         opened: Opened | Failed | None = None
         try:
-            opened = await self.open(pool, call, payload, tried, [0])
+            opened = await self.open(pool, call, payload if can_resume else call.body, tried, [0])
             if isinstance(opened, Failed):
                 await send_bytes(send, opened.status, opened.body, _with_id(opened.headers, call))
                 return
@@ -300,8 +302,8 @@ class Relay:
                     break
                 tracker.begin_failover()
                 self.metrics.failovers.inc()
-                resumed = json.dumps(tracker.resume_body(body)).encode()
-                opened = await self.open(pool, call, resumed, tried, [0])
+                resumed = tracker.resume_body(body)
+                opened = await self.open(pool, call, lambda r, b=resumed: payload(r, b), tried, [0])
                 if isinstance(opened, Failed) or opened.response.status_code != 200:
                     await _send_stream_error(
                         send, "the replica serving this stream failed and no replica could resume it"
@@ -336,6 +338,7 @@ class Relay:
     async def _pump(self, opened: Opened, tracker: StreamTracker, call: ProxyCall, send: Send) -> bool:
         """Relay one replica's events; True when its stream ended normally."""
         splitter = SSESplitter()
+        tracker.router_logprobs = opened.router_logprobs
         ok = False
         try:
             async for chunk in opened.response.aiter_raw():
@@ -357,6 +360,8 @@ class Relay:
         finally:
             await opened.response.aclose()
             self.finish(opened, ok, 200 if ok else None)
+            if tracker.saw_token_ids_field:
+                opened.replica.emits_token_ids = True
 
 
 def _no_replica(pool: Pool, now: float) -> Failed:
@@ -368,7 +373,7 @@ def _no_replica(pool: Pool, now: float) -> Failed:
     return Failed(503, error_body(message, "service_unavailable", 503), [(b"retry-after", b"1")])
 
 
-async def _read_quietly(response: httpx.Response) -> bytes:
+async def _read_quietly(response: Response) -> bytes:
     try:
         return await response.aread()
     except _TRANSPORT_ERRORS:
@@ -377,7 +382,7 @@ async def _read_quietly(response: httpx.Response) -> bytes:
         await response.aclose()
 
 
-def _response_headers(response: httpx.Response) -> list[tuple[bytes, bytes]]:
+def _response_headers(response: Response) -> list[tuple[bytes, bytes]]:
     return [(k, v) for k, v in response.headers.raw if k.lower() not in RESPONSE_DROP]
 
 

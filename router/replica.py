@@ -105,6 +105,7 @@ class Replica:
         self.health = Health.STARTING
         self.draining = False
         self.models: list[str] = []  # served model ids (from /v1/models)
+        self.emits_token_ids = False  # seen answering return_token_ids (else the relay asks logprobs)
         self.circuit = CircuitBreaker(
             self.policy.circuit_failures, self.policy.circuit_cooldown, self.policy.circuit_cooldown_max
         )

@@ -1,9 +1,11 @@
 """Server-sent events of OpenAI streams: splitting, and the bookkeeping that makes failover exact.
 
-The router asks replicas for ``return_token_ids`` on streams it may have to resume, so every
-chunk's choice carries the ids of the tokens it adds. ``StreamTracker`` reads each event once:
-it collects those ids (the ``resume.token_ids`` of a failover), removes what the client did not
-ask for, and, after a failover, makes the new replica's chunks look like the rest of the stream
+The router needs the ids of the tokens a stream has sent, to resume it elsewhere. It asks replicas
+for ``return_token_ids`` (each chunk's choice then carries ``token_ids``, as in vLLM) and, from
+replicas not yet seen honouring that, for logprobs with ``return_tokens_as_token_ids`` (tokens
+written ``"token_id:123"``, also vLLM's). ``StreamTracker`` reads each event once: it collects the
+ids (the ``resume.token_ids`` of a failover), removes what the client did not ask for (dropping
+chunks that only carried router-requested logprobs), and, after a failover, makes the new replica's chunks look like the rest of the stream
 (same ``id`` and ``created``, no second ``role`` chunk, ``usage`` counting every token sent).
 """
 
@@ -47,11 +49,19 @@ def event_data(event: bytes) -> bytes | None:
 
 
 class StreamTracker:
-    def __init__(self, *, chat: bool, client_wants_token_ids: bool) -> None:
+    def __init__(
+        self, *, chat: bool, client_wants_token_ids: bool, client_ids_in_logprobs: bool = False
+    ) -> None:
         self.chat = chat
         self.keep_ids = client_wants_token_ids
+        # Where this stream's token ids come from besides ``token_ids``: logprobs the router added
+        # (``router_logprobs``: stripped before the client sees them) or the client's own
+        # ``return_tokens_as_token_ids`` logprobs.
+        self.client_ids_in_logprobs = client_ids_in_logprobs
+        self.router_logprobs = False  # set per replica stream by the relay
         self.token_ids: list[int] = []  # completion tokens already sent to the client
-        self.ids_complete = True  # False once a content chunk came without token_ids: no exact resume
+        self.ids_complete = True  # False once a content chunk came without ids: no exact resume
+        self.saw_token_ids_field = False  # the replica supports return_token_ids
         self.finished = False  # a finish_reason was sent
         self.done = False  # [DONE] was sent
         self.role_sent = False
@@ -92,6 +102,9 @@ class StreamTracker:
                 return None
             for choice in choices:
                 changed |= self._choice(choice)
+            if self.router_logprobs and choices and not obj.get("usage") and all(map(self._empty, choices)):
+                # A chunk that only carried the logprobs we asked for: the client would not get it.
+                return None
             if self.chat and any(isinstance(c.get("delta"), dict) and "role" in c["delta"] for c in choices):
                 self.role_sent = True
         usage = obj.get("usage")
@@ -110,11 +123,17 @@ class StreamTracker:
         changed = False
         ids = choice.get("token_ids")
         if ids is not None:
-            if isinstance(ids, list):
-                self.token_ids.extend(ids)
+            self.saw_token_ids_field = True
             if not self.keep_ids:
                 del choice["token_ids"]
                 changed = True
+        elif self.router_logprobs or self.client_ids_in_logprobs:
+            ids = _ids_from_logprobs(choice.get("logprobs"), self.chat)
+        if self.router_logprobs and choice.get("logprobs") is not None:
+            choice["logprobs"] = None
+            changed = True
+        if isinstance(ids, list) and ids:
+            self.token_ids.extend(ids)
         elif self._has_content(choice):
             self.ids_complete = False
         if self._has_content(choice):
@@ -130,6 +149,14 @@ class StreamTracker:
                 delta.get("content") or delta.get("tool_calls") or delta.get("reasoning_content")
             )
         return bool(choice.get("text"))
+
+    def _empty(self, choice: Any) -> bool:
+        if not isinstance(choice, dict) or choice.get("finish_reason"):
+            return False
+        if self.chat:
+            delta = choice.get("delta")
+            return isinstance(delta, dict) and "role" not in delta and not any(delta.values())
+        return not choice.get("text")
 
     def _is_bare_role_chunk(self, choices: list, obj: dict) -> bool:
         """The resumed replica's opening ``{"role": "assistant", "content": ""}`` chunk, already sent once."""
@@ -149,3 +176,27 @@ class StreamTracker:
         if self.token_ids:
             out["resume"] = {"token_ids": list(self.token_ids)}
         return out
+
+
+def _ids_from_logprobs(logprobs: Any, chat: bool) -> list[int] | None:
+    """Token ids from logprobs written with ``return_tokens_as_token_ids`` (``"token_id:123"``)."""
+    if not isinstance(logprobs, dict):
+        return None
+    if chat:
+        entries = logprobs.get("content")
+        tokens = (
+            [e.get("token") for e in entries if isinstance(e, dict)] if isinstance(entries, list) else None
+        )
+    else:
+        tokens = logprobs.get("tokens")
+    if not isinstance(tokens, list):
+        return None
+    out = []
+    for t in tokens:
+        if not isinstance(t, str) or not t.startswith("token_id:"):
+            return None
+        try:
+            out.append(int(t[9:]))
+        except ValueError:
+            return None
+    return out

@@ -1,0 +1,259 @@
+"""The router in front of real `ferry serve` replicas: OpenAI SDK parity, distribution, limits,
+admin API, zero replicas, client disconnects, overload (all over loopback)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from router_harness import Cluster, Proc, metric, replicas_view, wait_until
+
+MODEL = "llama"
+
+
+@pytest.fixture(scope="module")
+def pair(cluster: Cluster) -> list[Proc]:
+    return cluster.replicas(2)
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+def _strip_ids(obj: dict) -> dict:
+    """Without per-request ids, timestamps and the prefix-cache count (the direct call warmed the cache)."""
+    out = {k: v for k, v in obj.items() if k not in ("id", "created")}
+    if isinstance(out.get("usage"), dict):
+        out["usage"] = {k: v for k, v in out["usage"].items() if k != "prompt_tokens_details"}
+    return out
+
+
+def _stream_view(chunks) -> dict:
+    """What a client sees of a stream. Chunk boundaries are not compared: a replica batches the
+    tokens decoded since its last send into one chunk, so they vary between two direct calls too."""
+    text, finish, usage, meta, roles = [], [], None, set(), []
+    for c in chunks:
+        meta.add((c.object, c.model))
+        if c.usage is not None:
+            usage = _strip_ids({"usage": c.usage.model_dump()})["usage"]
+        for ch in c.choices:
+            delta = getattr(ch, "delta", None)
+            if delta is not None:
+                text.append(delta.content or "")
+                if delta.role:
+                    roles.append(delta.role)
+            else:
+                text.append(ch.text)
+            if ch.finish_reason:
+                finish.append(ch.finish_reason)
+    return {"text": "".join(text), "finish": finish, "usage": usage, "meta": meta, "roles": roles}
+
+
+def test_openai_sdk_through_router_is_identical_to_direct(cluster: Cluster, pair: list[Proc]) -> None:
+    a, _ = pair
+    router = cluster.router("--replica", a.url, "--policy", "round_robin")
+    direct, routed = client(a.url), client(router.url)
+    msgs = [{"role": "user", "content": "Tell me about routers."}]
+    for kw in ({"temperature": 0}, {"temperature": 0.9, "seed": 7}):
+        d = direct.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, **kw)
+        r = routed.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, **kw)
+        assert _strip_ids(r.model_dump()) == _strip_ids(d.model_dump())
+        d = direct.completions.create(model=MODEL, prompt="def main():", max_tokens=12, **kw)
+        r = routed.completions.create(model=MODEL, prompt="def main():", max_tokens=12, **kw)
+        assert _strip_ids(r.model_dump()) == _strip_ids(d.model_dump())
+        opts = {"stream": True, "stream_options": {"include_usage": True}}
+        d = _stream_view(
+            direct.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, **opts, **kw)
+        )
+        r = _stream_view(
+            routed.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, **opts, **kw)
+        )
+        assert r == d and len(r["text"]) > 3
+        d = _stream_view(
+            direct.completions.create(model=MODEL, prompt="import os", max_tokens=12, **opts, **kw)
+        )
+        r = _stream_view(
+            routed.completions.create(model=MODEL, prompt="import os", max_tokens=12, **opts, **kw)
+        )
+        assert r == d and len(r["text"]) > 3
+    models = routed.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_round_robin_exact_distribution_and_request_id(cluster: Cluster, pair: list[Proc]) -> None:
+    a, b = pair
+    router = cluster.router("--replica", a.url, "--replica", b.url, "--policy", "round_robin")
+    for i in range(6):
+        resp = httpx.post(
+            router.url + "/v1/completions",
+            headers={"X-Request-Id": f"rid-{i}"},
+            json={"model": MODEL, "prompt": "x", "max_tokens": 1},
+            timeout=30,
+        )
+        assert resp.status_code == 200 and resp.headers["x-request-id"] == f"rid-{i}"
+    view = replicas_view(router)
+    assert view[a.url]["total_requests"] == 3 and view[b.url]["total_requests"] == 3
+    assert metric(router.url, "ferry:router_requests_total", {"replica": a.url, "status": "200"}) == 3
+    resp = httpx.post(router.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1})
+    assert len(resp.headers["x-request-id"]) == 32  # generated when absent
+    tok = httpx.post(router.url + "/tokenize", json={"model": MODEL, "prompt": "hello"}).json()
+    assert tok == httpx.post(a.url + "/tokenize", json={"model": MODEL, "prompt": "hello"}).json()
+
+
+def test_limits_and_bad_input_are_clear_4xx(cluster: Cluster, pair: list[Proc]) -> None:
+    a, _ = pair
+    router = cluster.router("--replica", a.url, "--max-request-bytes", "2000")
+    big = httpx.post(router.url + "/v1/completions", json={"model": MODEL, "prompt": "x" * 5000})
+    assert big.status_code == 413 and big.json()["error"]["type"] == "invalid_request_error"
+    bad = httpx.post(
+        router.url + "/v1/chat/completions",
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+    )
+    assert bad.status_code == 400 and "JSON" in bad.json()["error"]["message"]
+    arr = httpx.post(router.url + "/v1/chat/completions", json=[1, 2])
+    assert arr.status_code == 400
+    # The replica's own validation errors pass through untouched.
+    neg = httpx.post(router.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": -1})
+    assert neg.status_code == 400 and "error" in neg.json()
+    assert httpx.get(router.url + "/nope").status_code == 404
+    huge_header = httpx.get(router.url + "/health", headers={"x-junk": "y" * 70000})
+    assert huge_header.status_code in (400, 431)
+
+
+def test_zero_replicas_then_admin_add_drain_remove(cluster: Cluster, pair: list[Proc]) -> None:
+    a, b = pair
+    router = cluster.router("--policy", "round_robin", "--api-key", "sekret")
+    auth = {"Authorization": "Bearer sekret"}
+    assert httpx.get(router.url + "/health").status_code == 503
+    resp = httpx.post(router.url + "/v1/completions", headers=auth, json={"model": MODEL, "prompt": "x"})
+    assert resp.status_code == 503 and "no replica is registered" in resp.json()["error"]["message"]
+    assert resp.headers["retry-after"] == "1"
+    assert httpx.post(router.url + "/v1/completions", json={"model": MODEL, "prompt": "x"}).status_code == 401
+    assert httpx.get(router.url + "/admin/replicas").status_code == 401
+
+    added = httpx.post(router.url + "/admin/replicas", headers=auth, json={"url": a.url, "role": "mixed"})
+    assert added.status_code == 201 and added.json()["health"] == "healthy"
+    httpx.post(router.url + "/admin/replicas", headers=auth, json={"url": b.url})
+    assert httpx.get(router.url + "/health").status_code == 200
+    bad = httpx.post(router.url + "/admin/replicas", headers=auth, json={"url": a.url, "role": "chef"})
+    assert bad.status_code == 400
+
+    drained = httpx.post(router.url + "/admin/replicas/drain", headers=auth, json={"url": a.url})
+    assert drained.status_code == 200 and drained.json()["draining"] is True
+    for _ in range(4):
+        ok = httpx.post(
+            router.url + "/v1/completions",
+            headers=auth,
+            json={"model": MODEL, "prompt": "x", "max_tokens": 1},
+        )
+        assert ok.status_code == 200
+    view = replicas_view_auth(router, auth)
+    assert view[a.url]["total_requests"] == 0 and view[b.url]["total_requests"] == 4
+
+    gone = httpx.request("DELETE", router.url + "/admin/replicas", headers=auth, json={"url": b.url})
+    assert gone.status_code == 200
+    resp = httpx.post(router.url + "/v1/completions", headers=auth, json={"model": MODEL, "prompt": "x"})
+    assert resp.status_code == 503 and "none routable" in resp.json()["error"]["message"]
+    missing = httpx.request("DELETE", router.url + "/admin/replicas", headers=auth, json={"url": b.url})
+    assert missing.status_code == 404
+
+
+def replicas_view_auth(router: Proc, auth: dict) -> dict[str, dict]:
+    return {r["url"]: r for r in httpx.get(router.url + "/admin/replicas", headers=auth).json()["replicas"]}
+
+
+def test_client_disconnect_cancels_the_upstream_request(cluster: Cluster, pair: list[Proc]) -> None:
+    a, _ = pair
+    router = cluster.router("--replica", a.url)
+    before = metric(a.url, "vllm:generation_tokens_total")
+    body = {"model": MODEL, "prompt": "count", "max_tokens": 900, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=30) as resp:
+        for i, _line in enumerate(resp.iter_lines()):
+            if i >= 6:
+                break
+    assert wait_until(lambda: metric(a.url, "vllm:num_requests_running") == 0, timeout=10)
+    time.sleep(0.5)
+    generated = metric(a.url, "vllm:generation_tokens_total") - before
+    assert generated < 600, f"the replica kept generating after the client left ({generated} tokens)"
+    assert wait_until(lambda: metric(router.url, "ferry:router_inflight", {"replica": a.url}) == 0)
+    # Non-streamed requests are cancelled too.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(router.url + "/v1/completions", json={**body, "stream": False}, timeout=0.3)
+    assert wait_until(lambda: metric(a.url, "vllm:num_requests_running") == 0, timeout=10)
+
+
+def test_overload_gets_429_with_retry_after(cluster: Cluster, pair: list[Proc]) -> None:
+    a, _ = pair
+    router = cluster.router("--replica", a.url, "--max-concurrency", "1", "--max-queue", "0")
+    body = {"model": MODEL, "prompt": "count", "max_tokens": 900, "ignore_eos": True, "stream": True}
+    got = {}
+
+    def long_stream() -> None:
+        with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=30) as resp:
+            got["status"] = resp.status_code
+            for _ in resp.iter_lines():
+                pass
+
+    t = threading.Thread(target=long_stream)
+    t.start()
+    assert wait_until(lambda: metric(router.url, "ferry:router_inflight", {"replica": a.url}) == 1)
+    refused = httpx.post(
+        router.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1}
+    )
+    t.join()
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+    assert refused.json()["error"]["type"] == "rate_limit_error"
+    assert got["status"] == 200
+    assert metric(router.url, "ferry:router_rejected_total") == 1
+
+
+def test_router_health_metrics_and_models(cluster: Cluster, pair: list[Proc]) -> None:
+    a, b = pair
+    router = cluster.router("--replica", a.url, "--replica", b.url)
+    assert httpx.get(router.url + "/health").json()["replicas"] == {"total": 2, "routable": 2}
+    assert httpx.get(router.url + "/v1/models").json()["data"][0]["id"] == MODEL  # deduplicated
+    assert len(httpx.get(router.url + "/v1/models").json()["data"]) == 1
+    text = httpx.get(router.url + "/metrics").text
+    for name in (
+        "ferry:router_requests_total",
+        "ferry:router_request_latency_seconds",
+        "ferry:router_ttft_seconds",
+        "ferry:router_retries_total",
+        "ferry:router_failovers_total",
+        "ferry:router_replica_healthy",
+        "ferry:router_cache_hit_tokens_total",
+    ):
+        assert name in text
+    assert metric(router.url, "ferry:router_replica_healthy", {"replica": a.url}) == 1
+    stream = httpx.post(
+        router.url + "/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 3,
+            "stream": True,
+        },
+    )
+    assert stream.text.endswith("data: [DONE]\n\n")
+    assert json.loads(stream.text.split("\n\n")[1][6:])["choices"][0]["logprobs"] is None
+    assert metric(router.url, "ferry:router_ttft_seconds_count") == 1
+
+
+def test_router_does_not_import_torch_and_starts_fast() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, time; t = time.perf_counter();"
+        "import router.app; from router.config import RouterConfig;"
+        "router.app.RouterApp(RouterConfig(policy='cache_aware', replicas=('http://127.0.0.1:1',)));"
+        "assert 'torch' not in sys.modules, 'torch was imported';"
+        "print(time.perf_counter() - t)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert float(out.stdout) < 3.0  # typically ~0.3 s; generous for a loaded CI machine
