@@ -81,6 +81,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     req = p.add_argument_group("request shape")
     req.add_argument("--max-tokens", type=int, default=None, help="override max_tokens on every request")
     req.add_argument("--ignore-eos", action="store_true", help="send ignore_eos so output lengths are fixed")
+    req.add_argument(
+        "--continuous-usage-stats",
+        action="store_true",
+        help="ask for usage on every chunk (vLLM/ferry extension): exact tokens per chunk",
+    )
     req.add_argument("--temperature", type=float, default=0.0)
     req.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
 

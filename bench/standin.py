@@ -10,7 +10,8 @@ raw ASGI app under uvicorn so its own per-request cost stays small.
 Its tokenizer is bytes: token id = one UTF-8 byte, so ``/tokenize`` and ``/detokenize`` are exact
 and a prompt's token count is its byte count. Answers are ``--tokens`` single-letter tokens (fewer
 when the request's ``max_tokens`` is smaller), streamed ``--tokens-per-chunk`` per SSE chunk with
-``--delay-ms`` per token and ``--ttft-ms`` before the first. It must never load a model or import
+``--delay-ms`` per token and ``--ttft-ms`` before the first; ``stream_options.include_usage`` and
+``continuous_usage_stats`` (usage on every chunk) are honoured. It must never load a model or import
 anything from ferry, so it runs as a plain script on any machine with uvicorn.
 """
 
@@ -188,6 +189,9 @@ class StandIn:
             }
         )
         obj_chunk = "chat.completion.chunk" if chat else "text_completion"
+        options = body.get("stream_options") or {}
+        continuous = bool(options.get("continuous_usage_stats"))
+        sent = 0  # completion tokens streamed so far (for per-chunk usage)
 
         async def emit(choices: list[dict], extra: dict | None = None) -> None:
             chunk = {
@@ -198,6 +202,12 @@ class StandIn:
                 "choices": choices,
                 **(extra or {}),
             }
+            if continuous and "usage" not in chunk:
+                chunk["usage"] = {
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": sent,
+                    "total_tokens": prompt_tokens + sent,
+                }
             await send(
                 {
                     "type": "http.response.body",
@@ -214,13 +224,13 @@ class StandIn:
             if start:
                 await self._sleep(self.cfg.delay_ms * min(k, n - start))
             piece = text[start : start + k]
+            sent += len(piece)
             last = start + k >= n
             reason = finish if last else None
             if chat:
                 await emit([{"index": 0, "delta": {"content": piece}, "finish_reason": reason}])
             else:
                 await emit([{"index": 0, "text": piece, "logprobs": None, "finish_reason": reason}])
-        options = body.get("stream_options") or {}
         if options.get("include_usage"):
             await emit([], {"usage": usage})
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})

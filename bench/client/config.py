@@ -54,6 +54,7 @@ class BenchConfig:
     seed: int
     max_tokens: int | None
     ignore_eos: bool
+    continuous_usage_stats: bool
     temperature: float
     extra_body: tuple[tuple[str, Any], ...]
     points: tuple[LoadPoint, ...]
@@ -122,6 +123,7 @@ class BenchConfig:
             seed=args.seed,
             max_tokens=args.max_tokens,
             ignore_eos=args.ignore_eos,
+            continuous_usage_stats=args.continuous_usage_stats,
             temperature=args.temperature,
             extra_body=tuple(parse_extra_body(args.extra_body).items()),
             points=parse_points(args.concurrency, args.request_rate),

@@ -7,9 +7,13 @@ Timing rules (the same for every backend):
   ``stream_chunks - 1`` entries.
 * E2E: send -> end of the stream (``[DONE]`` or the connection's clean end after the last chunk).
 * Token counts come from the final ``usage`` (``stream_options.include_usage``); without usage,
-  the chunk count stands in and ``usage_missing`` is set. ``token_count_mismatch`` marks a
-  request whose usage disagrees with its chunk count (a server batching tokens per chunk, or
-  dropping/duplicating text).
+  the chunk count stands in and ``usage_missing`` is set.
+* With ``--continuous-usage-stats`` (vLLM's ``stream_options.continuous_usage_stats``) every
+  chunk carries the running usage, so ``chunk_tokens`` records the tokens each text chunk
+  delivered (tokens of text-less chunks, e.g. held-back partial UTF-8, count with the next text
+  chunk). ``token_count_mismatch`` then means sum(chunk_tokens) != usage; without per-chunk
+  usage it means stream_chunks != usage, i.e. the server did not stream one token per chunk
+  (it batched tokens, held text back, or dropped/duplicated text).
 
 Failures are recorded, never raised: HTTP status, timeout, connection error, broken stream,
 an error object in the stream, an unparseable response.
@@ -119,6 +123,7 @@ async def _stream(
         last_chunk_t: float | None = None
         pieces: list[str] = []
         usage: dict[str, Any] | None = None
+        counted = 0  # running completion_tokens at the last text chunk (continuous usage)
         done = False
         async for line in resp.aiter_lines():
             data = parser.feed(line)
@@ -137,6 +142,10 @@ async def _stream(
             if chunk.get("error"):
                 raise _StreamError(ErrorKind.STREAM_ERROR, _error_message(json.dumps(chunk).encode()))
             text, finish = _chunk_text(chunk, chat)
+            running = (chunk.get("usage") or {}).get("completion_tokens")
+            if text and isinstance(running, int):
+                record.chunk_tokens.append(running - counted)
+                counted = running
             if text:
                 if last_chunk_t is None:
                     record.ttft_s = now - start
@@ -160,7 +169,11 @@ def _count_tokens(record: RequestRecord, usage: dict[str, Any] | None) -> None:
     if usage and isinstance(usage.get("completion_tokens"), int):
         record.completion_tokens = usage["completion_tokens"]
         record.prompt_tokens = usage.get("prompt_tokens")
-        record.token_count_mismatch = record.completion_tokens != record.stream_chunks
+        if record.chunk_tokens and len(record.chunk_tokens) == record.stream_chunks:
+            record.token_count_mismatch = sum(record.chunk_tokens) != record.completion_tokens
+        else:
+            record.chunk_tokens = []  # partial per-chunk usage says nothing reliable
+            record.token_count_mismatch = record.completion_tokens != record.stream_chunks
     else:
         record.usage_missing = True
         record.completion_tokens = record.stream_chunks

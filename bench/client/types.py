@@ -87,6 +87,7 @@ class RequestRecord:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     stream_chunks: int = 0  # chunks that carried output text
+    chunk_tokens: list[int] = field(default_factory=list)  # tokens per text chunk (continuous usage only)
     usage_missing: bool = False
     token_count_mismatch: bool = False  # usage's completion_tokens != stream_chunks
     finish_reason: str | None = None

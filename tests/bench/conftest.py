@@ -74,18 +74,8 @@ def standin(tmp_path: Path) -> Iterator[Callable[..., Server]]:
 
 
 def ferry_serve_argv(model_dir: Path) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "ferry",
-        "serve",
-        "--model",
-        str(model_dir),
-        "--max-num-seqs",
-        "8",
-        "--num-kv-blocks",
-        "256",
-    ]
+    flags = "--max-num-seqs 8 --num-kv-blocks 256 --num-threads 1 --log-level warning"
+    return [sys.executable, "-m", "ferry", "serve", "--model", str(model_dir), *flags.split()]
 
 
 @pytest.fixture(scope="module")
@@ -114,8 +104,9 @@ def bench(capsys: pytest.CaptureFixture[str]) -> Callable[..., tuple[int, str]]:
     from bench.main import run_bench
     from ferry.cli import build_parser
 
-    def run(*flags: str) -> tuple[int, str]:
-        args = build_parser().parse_args(["bench", "--no-progress", *flags])
+    def run(flags: str, *extra: str) -> tuple[int, str]:
+        """``flags`` is split on whitespace; ``extra`` items (paths, JSON) are passed as they are."""
+        args = build_parser().parse_args(["bench", "--no-progress", *flags.split(), *extra])
         rc = run_bench(args)
         captured = capsys.readouterr()
         return rc, captured.out + captured.err

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.client.load import arrival_gaps
+
 
 def _raw(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "raw.jsonl").read_text().splitlines()]
@@ -17,23 +19,15 @@ def _summary(out: Path) -> dict:
     return json.loads((out / "summary.json").read_text())
 
 
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
 def test_multi_token_chunks_itl_per_chunk(standin, bench, tmp_path: Path) -> None:
     srv = standin("--tokens", "10", "--tokens-per-chunk", "3")
     out = tmp_path / "r"
-    rc, stdout = bench(
-        "--base-url",
-        srv.url,
-        "--num-prompts",
-        "5",
-        "--input-len",
-        "12",
-        "--output-len",
-        "10",
-        "--concurrency",
-        "2",
-        "--output-dir",
-        str(out),
-    )
+    flags = f"--base-url {srv.url} --num-prompts 5 --input-len 12 --output-len 10 --concurrency 2"
+    rc, stdout = bench(flags, "--output-dir", str(out))
     assert rc == 0, stdout
     recs = _raw(out)
     assert len(recs) == 5
@@ -41,27 +35,25 @@ def test_multi_token_chunks_itl_per_chunk(standin, bench, tmp_path: Path) -> Non
         assert r["ok"] and r["completion_tokens"] == 10 and r["prompt_tokens"] == 12
         assert r["stream_chunks"] == 4  # 3 + 3 + 3 + 1 tokens
         assert len(r["itl_s"]) == 3
-        assert r["token_count_mismatch"] is True
+        assert r["chunk_tokens"] == []  # no per-chunk usage asked for
+        assert r["token_count_mismatch"] is True  # usage 10 != 4 chunks: not one token per chunk
         assert r["tpot_s"] == pytest.approx((r["e2e_s"] - r["ttft_s"]) / 9)
     m = _summary(out)["points"][0]["metrics"]
     assert m["token_count_mismatches"] == 5 and m["total_output_tokens"] == 50 and m["itl_ms"]["count"] == 15
     assert "requests ok" in stdout and "c=2" in stdout
+
+    out = tmp_path / "continuous"
+    rc, _ = bench(flags + " --continuous-usage-stats", "--output-dir", str(out))
+    assert rc == 0
+    for r in _raw(out):  # per-chunk usage: exact tokens per chunk, and they add up to the usage
+        assert r["chunk_tokens"] == [3, 3, 3, 1] and r["token_count_mismatch"] is False
 
 
 def test_failures_are_typed_and_counted(standin, bench, tmp_path: Path) -> None:
     slow = standin("--tokens", "4", "--ttft-ms", "3000")
     out = tmp_path / "timeout"
     rc, _ = bench(
-        "--base-url",
-        slow.url,
-        "--num-prompts",
-        "3",
-        "--input-len",
-        "4",
-        "--output-len",
-        "4",
-        "--timeout",
-        "0.3",
+        f"--base-url {slow.url} --num-prompts 3 --input-len 4 --output-len 4 --timeout 0.3",
         "--output-dir",
         str(out),
     )
@@ -72,14 +64,7 @@ def test_failures_are_typed_and_counted(standin, bench, tmp_path: Path) -> None:
     fast = standin("--tokens", "4")
     out = tmp_path / "http"
     rc, stdout = bench(
-        "--base-url",
-        fast.url,
-        "--num-prompts",
-        "3",
-        "--input-len",
-        "4",
-        "--output-len",
-        "4",
+        f"--base-url {fast.url} --num-prompts 3 --input-len 4 --output-len 4",
         "--extra-body",
         '{"max_tokens": 0}',
         "--output-dir",
@@ -96,22 +81,8 @@ def test_server_lost_ends_run_quickly(standin, bench, tmp_path: Path) -> None:
     srv = standin("--tokens", "4")
     srv.kill()  # nothing listens any more: connection refused at once
     out = tmp_path / "gone"
-    rc, stdout = bench(
-        "--base-url",
-        srv.url,
-        "--model",
-        "standin",
-        "--tokenizer",
-        "words",
-        "--num-prompts",
-        "50",
-        "--concurrency",
-        "1,4",
-        "--timeout",
-        "60",
-        "--output-dir",
-        str(out),
-    )
+    flags = f"--base-url {srv.url} --model standin --tokenizer words --num-prompts 50 --concurrency 1,4 --timeout 60"
+    rc, stdout = bench(flags, "--output-dir", str(out))
     assert rc == 1
     s = _summary(out)
     assert s["server_lost"] and s["skipped_points"] == ["c=4"]
@@ -122,34 +93,16 @@ def test_server_lost_ends_run_quickly(standin, bench, tmp_path: Path) -> None:
 def test_multi_turn_context_grows_and_replays(standin, bench, tmp_path: Path) -> None:
     srv = standin("--tokens", "4")
     out = tmp_path / "mt"
-    rc, _ = bench(
-        "--base-url",
-        srv.url,
-        "--dataset",
-        "multi-turn",
-        "--num-prompts",
-        "2",
-        "--turns",
-        "3",
-        "--input-len",
-        "5",
-        "--output-len",
-        "4",
-        "--concurrency",
-        "2",
-        "--output-dir",
-        str(out),
+    flags = (
+        f"--base-url {srv.url} --dataset multi-turn --num-prompts 2 --turns 3 --input-len 5 --output-len 4"
     )
+    rc, _ = bench(flags + " --concurrency 2", "--output-dir", str(out))
     assert rc == 0
-    lines = [json.loads(x) for x in (out / "requests.jsonl").read_text().splitlines()]
+    lines = _lines(out / "requests.jsonl")
     assert [(x["ferry_bench"]["session_id"], x["ferry_bench"]["turn"]) for x in lines] == [
-        ("bench-0-s00000", 0),
-        ("bench-0-s00000", 1),
-        ("bench-0-s00000", 2),
-        ("bench-0-s00001", 0),
-        ("bench-0-s00001", 1),
-        ("bench-0-s00001", 2),
-    ]
+        ("bench-0-s00000", 0), ("bench-0-s00000", 1), ("bench-0-s00000", 2),
+        ("bench-0-s00001", 0), ("bench-0-s00001", 1), ("bench-0-s00001", 2),
+    ]  # fmt: skip
     # Byte tokens: each turn's prompt = earlier turns (5 each) + earlier answers (4 each) + 5 new.
     recs = _raw(out)
     assert [r["prompt_tokens"] for r in recs] == [5, 14, 23] * 2
@@ -161,10 +114,7 @@ def test_multi_turn_context_grows_and_replays(standin, bench, tmp_path: Path) ->
             assert b["send_time_s"] >= a["send_time_s"] + a["e2e_s"]
     replay = tmp_path / "replay"
     rc, _ = bench(
-        "--base-url",
-        srv.url,
-        "--dataset",
-        "jsonl",
+        f"--base-url {srv.url} --dataset jsonl",
         "--dataset-path",
         str(out / "requests.jsonl"),
         "--output-dir",
@@ -178,30 +128,13 @@ def test_multi_turn_context_grows_and_replays(standin, bench, tmp_path: Path) ->
 def test_shared_prefix_token_ids(standin, bench, tmp_path: Path) -> None:
     srv = standin("--tokens", "2")
     out = tmp_path / "sp"
-    rc, _ = bench(
-        "--base-url",
-        srv.url,
-        "--dataset",
-        "shared-prefix",
-        "--num-groups",
-        "3",
-        "--prompts-per-group",
-        "4",
-        "--prefix-len",
-        "20",
-        "--input-len",
-        "6",
-        "--output-len",
-        "2",
-        "--token-ids",
-        "--warmup",
-        "1",
-        "--dry-run",
-        "--output-dir",
-        str(out),
+    flags = (
+        f"--base-url {srv.url} --dataset shared-prefix --num-groups 3 --prompts-per-group 4 "
+        "--prefix-len 20 --input-len 6 --output-len 2 --token-ids --warmup 1 --dry-run"
     )
+    rc, _ = bench(flags, "--output-dir", str(out))
     assert rc == 0
-    prompts = [json.loads(x)["prompt"] for x in (out / "requests.jsonl").read_text().splitlines()]
+    prompts = [x["prompt"] for x in _lines(out / "requests.jsonl")]
     assert len(prompts) == 13 and all(len(p) == 26 for p in prompts)
     prefixes = {tuple(p[:20]) for p in prompts}
     assert len(prefixes) == 3
@@ -213,25 +146,15 @@ def test_shared_prefix_token_ids(standin, bench, tmp_path: Path) -> None:
 def test_random_lengths_and_seed(standin, bench, tmp_path: Path) -> None:
     srv = standin("--tokens", "64")
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
-    common = [
-        "--base-url",
-        srv.url,
-        "--num-prompts",
-        "20",
-        "--input-len",
-        "30",
-        "--output-len",
-        "10",
-        "--range-ratio",
-        "0.5",
-        "--dry-run",
-    ]
-    assert bench(*common, "--seed", "3", "--output-dir", str(a))[0] == 0
-    assert bench(*common, "--seed", "3", "--output-dir", str(b))[0] == 0
-    assert bench(*common, "--seed", "4", "--output-dir", str(c))[0] == 0
+    common = (
+        f"--base-url {srv.url} --num-prompts 20 --input-len 30 --output-len 10 --range-ratio 0.5 --dry-run"
+    )
+    assert bench(common + " --seed 3", "--output-dir", str(a))[0] == 0
+    assert bench(common + " --seed 3", "--output-dir", str(b))[0] == 0
+    assert bench(common + " --seed 4", "--output-dir", str(c))[0] == 0
     assert (a / "requests.jsonl").read_bytes() == (b / "requests.jsonl").read_bytes()
     assert (a / "requests.jsonl").read_bytes() != (c / "requests.jsonl").read_bytes()
-    lines = [json.loads(x) for x in (a / "requests.jsonl").read_text().splitlines()]
+    lines = _lines(a / "requests.jsonl")
     for x in lines:  # the stand-in's tokenizer is bytes, so text length = token length, exactly
         assert 15 <= x["ferry_bench"]["input_len"] <= 45
         assert len(x["prompt"].encode()) == x["ferry_bench"]["input_len"]
@@ -242,44 +165,27 @@ def test_random_lengths_and_seed(standin, bench, tmp_path: Path) -> None:
 def test_request_rate_schedule(standin, bench, tmp_path: Path) -> None:
     srv = standin("--tokens", "2")
     out = tmp_path / "rate"
-    rc, _ = bench(
-        "--base-url",
-        srv.url,
-        "--num-prompts",
-        "12",
-        "--input-len",
-        "4",
-        "--output-len",
-        "2",
-        "--request-rate",
-        "40",
-        "--burstiness",
-        "2",
-        "--repeat",
-        "2",
-        "--output-dir",
-        str(out),
+    flags = (
+        f"--base-url {srv.url} --num-prompts 12 --input-len 4 --output-len 2 --request-rate 40 "
+        "--burstiness 2 --repeat 2"
     )
+    rc, _ = bench(flags, "--output-dir", str(out))
     assert rc == 0
-    from bench.client.load import arrival_gaps
-
     gaps = arrival_gaps(40.0, 2.0, 12, seed=0)
+    planned = [sum(gaps[: i + 1]) for i in range(12)]
     recs = _raw(out)
     for run in (0, 1):
         sends = [r["send_time_s"] for r in recs if r["run"] == run]
-        planned = [sum(gaps[: i + 1]) for i in range(12)]
-        for actual, want in zip(
-            sends, planned, strict=False
-        ):  # never early, and not far behind on an idle stand-in
+        for actual, want in zip(sends, planned, strict=True):  # never early; not far behind when idle
             assert want - 1e-3 <= actual <= want + 0.25
     point = _summary(out)["points"][0]
     assert point["label"] == "rate=40" and len(point["runs"]) == 2 and point["metrics"]["completed"] == 24
 
 
 def test_bad_flags_are_clear(bench) -> None:
-    rc, out = bench("--dataset", "multi-turn", "--endpoint", "completions")
+    rc, out = bench("--dataset multi-turn --endpoint completions")
     assert rc == 2 and "multi-turn needs --endpoint chat" in out
-    rc, out = bench("--dataset", "jsonl")
+    rc, out = bench("--dataset jsonl")
     assert rc == 2 and "--dataset-path" in out
-    rc, out = bench("--slo", "ttft=fast")
+    rc, out = bench("--slo ttft=fast")
     assert rc == 2 and "not a number" in out

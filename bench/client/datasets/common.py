@@ -58,7 +58,8 @@ def apply_request_options(
     cfg: BenchConfig, body: dict[str, Any], model: str, endpoint: str
 ) -> dict[str, Any]:
     """Make ``body`` a streamed request as the flags say: model (if absent or --model given),
-    max_tokens override, ignore_eos, streaming with usage, --extra-body on top."""
+    max_tokens override, ignore_eos, streaming with usage (per chunk with
+    --continuous-usage-stats), --extra-body on top."""
     out = dict(body)
     if cfg.model is not None or "model" not in out:
         out["model"] = model
@@ -70,6 +71,8 @@ def apply_request_options(
     out["stream"] = True
     options = dict(out.get("stream_options") or {})
     options["include_usage"] = True
+    if cfg.continuous_usage_stats:
+        options["continuous_usage_stats"] = True
     out["stream_options"] = options
     out.update(cfg.extra)
     return out

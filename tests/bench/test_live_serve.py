@@ -1,0 +1,179 @@
+"""`ferry bench` against a live `ferry serve` of the tiny Llama: token accounting, chunk timing,
+percentiles checked by hand on the raw records, reproducible request sets, conversations, and a
+server killed mid-run."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+
+def _raw(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "raw.jsonl").read_text().splitlines()]
+
+
+def _summary(out: Path) -> dict:
+    return json.loads((out / "summary.json").read_text())
+
+
+def _text_safe_bias(model_dir: Path) -> dict[str, float]:
+    """logit_bias banning every token that yields no text on its own (special tokens, partial
+    UTF-8 bytes), so each sampled token streams text at once and no chunk waits for the next."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    banned = {}
+    for i in range(tok.get_vocab_size()):
+        text = tok.decode([i], skip_special_tokens=False)
+        if not text or "\ufffd" in text or tok.id_to_token(i).startswith("<|"):
+            banned[str(i)] = -100.0
+    return banned
+
+
+def test_token_accounting_itl_and_percentiles(ferry_serve, tiny_llama: Path, bench, tmp_path: Path) -> None:
+    out = tmp_path / "live"
+    # Token-id prompts (exact input length), ignore_eos (exact output length), one request at a
+    # time after a warm-up, per-chunk usage, and no text-less tokens: one token per chunk.
+    flags = (
+        f"--base-url {ferry_serve.url} --tokenizer {tiny_llama} --token-ids --num-prompts 8 "
+        "--input-len 24 --output-len 12 --range-ratio 0.25 --ignore-eos --concurrency 1 --warmup 1 "
+        "--continuous-usage-stats --seed 5 --slo ttft=10000,tpot=10000"
+    )
+    rc, stdout = bench(
+        flags,
+        "--extra-body",
+        json.dumps({"logit_bias": _text_safe_bias(tiny_llama)}),
+        "--output-dir",
+        str(out),
+    )
+    assert rc == 0, stdout
+    recs = _raw(out)
+    assert len(recs) == 9 and sum(r["warmup"] for r in recs) == 1
+    one_per_chunk = 0
+    for r in recs:
+        assert r["ok"], r
+        assert r["prompt_tokens"] == r["input_len"]  # token-id prompts are exact
+        assert r["completion_tokens"] == r["output_len"]  # ignore_eos: exactly max_tokens
+        assert (
+            sum(r["chunk_tokens"]) == r["completion_tokens"] and len(r["chunk_tokens"]) == r["stream_chunks"]
+        )
+        assert len(r["itl_s"]) == r["stream_chunks"] - 1
+        assert r["token_count_mismatch"] is False
+        if r["chunk_tokens"] == [1] * r["completion_tokens"]:
+            one_per_chunk += 1
+            assert len(r["itl_s"]) == r["completion_tokens"] - 1
+    # The server folds tokens into one chunk only when its writer falls behind the engine; with
+    # these settings that is rare, so most requests must have streamed one token per chunk.
+    assert one_per_chunk >= len(recs) // 2, [r["chunk_tokens"] for r in recs]
+
+    measured = [r for r in recs if not r["warmup"]]
+    m = _summary(out)["points"][0]["metrics"]
+    by_hand = {
+        "ttft_ms": [r["ttft_s"] * 1000 for r in measured],
+        "tpot_ms": [(r["e2e_s"] - r["ttft_s"]) / (r["completion_tokens"] - 1) * 1000 for r in measured],
+        "itl_ms": [g * 1000 for r in measured for g in r["itl_s"]],
+        "e2e_ms": [r["e2e_s"] * 1000 for r in measured],
+    }
+    for key, values in by_hand.items():
+        stats = m[key]
+        assert stats["count"] == len(values)
+        assert stats["mean"] == pytest.approx(float(np.mean(values)), rel=1e-9)
+        for name, q in (("median", 50), ("p90", 90), ("p99", 99)):
+            assert stats[name] == pytest.approx(float(np.percentile(values, q)), rel=1e-9), (key, name)
+    duration = _summary(out)["points"][0]["runs"][0]["duration_s"]
+    assert m["completed"] == 8 and m["failed"] == 0
+    assert m["total_output_tokens"] == sum(r["completion_tokens"] for r in measured)
+    assert m["output_throughput"] == pytest.approx(m["total_output_tokens"] / duration)
+    assert m["good_requests"] == 8
+    assert "TTFT p99 (ms)" in stdout
+
+
+def test_same_seed_same_request_set(ferry_serve, bench, tmp_path: Path) -> None:
+    # Text prompts built through the server's /tokenize and /detokenize.
+    flags = f"--base-url {ferry_serve.url} --tokenizer server --num-prompts 6 --input-len 20 --output-len 4"
+    runs = {}
+    for name, seed in (("a", 11), ("b", 11), ("c", 12)):
+        out = tmp_path / name
+        rc, stdout = bench(f"{flags} --seed {seed}", "--output-dir", str(out))
+        assert rc == 0, stdout
+        runs[name] = out
+    a, b, c = ((runs[n] / "requests.jsonl").read_bytes() for n in "abc")
+    assert a == b and a != c
+    recs = _raw(runs["a"])
+    assert all(r["ok"] for r in recs)
+    # The text was fixed up until it encodes to the planned length, so the server counts it exactly.
+    assert [r["prompt_tokens"] for r in recs] == [r["input_len"] for r in recs]
+    replay = tmp_path / "replay"
+    rc, _ = bench(
+        f"--base-url {ferry_serve.url} --dataset jsonl",
+        "--dataset-path",
+        str(runs["a"] / "requests.jsonl"),
+        "--output-dir",
+        str(replay),
+    )
+    assert rc == 0 and (replay / "requests.jsonl").read_bytes() == a
+
+
+def test_multi_turn_chat(ferry_serve, bench, tmp_path: Path) -> None:
+    out = tmp_path / "mt"
+    flags = (
+        f"--base-url {ferry_serve.url} --dataset multi-turn --num-prompts 2 --turns 3 --input-len 8 "
+        "--output-len 5 --ignore-eos --concurrency 2"
+    )
+    rc, stdout = bench(flags, "--output-dir", str(out))
+    assert rc == 0, stdout
+    recs = _raw(out)
+    assert len(recs) == 6 and all(r["ok"] and r["completion_tokens"] == 5 for r in recs)
+    for s in ("bench-0-s00000", "bench-0-s00001"):
+        turns = [r for r in recs if r["session_id"] == s]
+        # Each turn re-sends the conversation: the prompt grows by at least the previous answer.
+        for prev, cur in zip(turns, turns[1:], strict=False):
+            assert cur["prompt_tokens"] >= prev["prompt_tokens"] + prev["completion_tokens"] + 8
+
+
+def _finished_requests(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=5).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:e2e_request_latency_seconds_count")
+    )
+
+
+def test_server_killed_mid_run(start_ferry_serve, bench, tmp_path: Path) -> None:
+    srv = start_ferry_serve()
+    killed_at: list[float] = []
+
+    def kill_after_two_finish() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and _finished_requests(srv.url) < 2:
+            time.sleep(0.05)
+        srv.kill()
+        killed_at.append(time.monotonic())
+
+    out = tmp_path / "killed"
+    flags = (
+        f"--base-url {srv.url} --tokenizer words --num-prompts 40 --input-len 16 --output-len 48 "
+        "--ignore-eos --concurrency 2 --timeout 600"
+    )
+    killer = threading.Thread(target=kill_after_two_finish)
+    killer.start()
+    rc, stdout = bench(flags, "--output-dir", str(out))
+    ended = time.monotonic()
+    killer.join()
+    assert rc == 1, stdout
+    assert ended - killed_at[0] < 10  # no waiting out the 600 s timeout per remaining request
+    s = _summary(out)
+    assert s["server_lost"]
+    m = s["points"][0]["metrics"]
+    assert m["completed"] >= 2 and m["completed"] + m["failed"] == 40
+    assert m["failures"].get("not_sent", 0) > 0
+    assert set(m["failures"]) <= {"broken_stream", "connect_error", "not_sent"}
+    assert m["failures"].get("broken_stream", 0) + m["failures"].get("connect_error", 0) >= 1
+    assert len(_raw(out)) == 40 and "server lost" in stdout
