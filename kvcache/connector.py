@@ -19,9 +19,11 @@ Nothing here raises on tier trouble: a dead Redis means misses and dropped write
 from __future__ import annotations
 
 import logging
+import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +42,32 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 LOAD_CHUNK = 64  # blocks per tier read: long prefixes stream in chunks and stop at a miss early
+STAGING_BYTES = 32 << 20  # cap of one thread's host staging buffer (bounds LOAD_CHUNK for big blocks)
+
+# The connector's tensor work is memcpy-shaped: one thread already outruns the network, while an
+# OpenMP team competing with the model's own team (or other processes) stalls on every op (10x
+# slower measured on a loaded 2-core box). With the OpenMP backend the thread count is a
+# per-thread setting, so it can be lowered for the connector's work alone.
+_PER_THREAD_NUM_THREADS = "parallel backend: OpenMP" in torch.__config__.parallel_info()
+
+
+@contextmanager
+def single_threaded() -> Iterator[None]:
+    """Run torch ops of the calling thread on one thread (no-op unless that is thread-local)."""
+    n = torch.get_num_threads()
+    if n == 1 or not _PER_THREAD_NUM_THREADS:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+def _single_thread_worker() -> None:
+    if _PER_THREAD_NUM_THREADS:
+        torch.set_num_threads(1)
 
 
 @dataclass(frozen=True)
@@ -91,7 +119,12 @@ class KVConnector:
         self._looked_up = self._loaded = self._corrupt = 0
         self._closed = False
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
-        self._loader = ThreadPoolExecutor(max_workers=load_threads, thread_name_prefix="kv-tier-load")
+        self._local = threading.local()
+        self.block_bytes = math.prod(shape) * dtype.itemsize
+        self.load_chunk = max(1, min(LOAD_CHUNK, STAGING_BYTES // self.block_bytes))
+        self._loader = ThreadPoolExecutor(
+            max_workers=load_threads, thread_name_prefix="kv-tier-load", initializer=_single_thread_worker
+        )
 
     # ---- lookups and loads -------------------------------------------------------------------
 
@@ -123,10 +156,10 @@ class KVConnector:
             raise ValueError(f"{len(hashes)} hashes but {len(block_ids)} block ids")
         self._check_caches(k_caches, v_caches)
         loaded = 0
-        for start in range(0, len(hashes), LOAD_CHUNK):
+        for start in range(0, len(hashes), self.load_chunk):
             if self._closed:
                 break
-            chunk = hashes[start : start + LOAD_CHUNK]
+            chunk = hashes[start : start + self.load_chunk]
             values = self.tier.get_many(self.keys(chunk))
             blocks: list[torch.Tensor] = []
             for block_hash, value in zip(chunk, values, strict=True):
@@ -139,7 +172,8 @@ class KVConnector:
                     break
                 blocks.append(tensor)
             if blocks:
-                self._copy_in(blocks, block_ids[start : start + len(blocks)], k_caches, v_caches)
+                with single_threaded():
+                    self._copy_in(blocks, block_ids[start : start + len(blocks)], k_caches, v_caches)
                 loaded += len(blocks)
             if len(blocks) < len(chunk):
                 break
@@ -168,10 +202,11 @@ class KVConnector:
         v_caches: Sequence[torch.Tensor],
     ) -> None:
         device = k_caches[0].device
-        # One host staging copy, then 2 x num_layers index_copy_ calls for the whole chunk
-        # instead of 2 x num_layers per block.
         on_gpu = device.type == "cuda"
-        staging = torch.empty((len(blocks), *self.block_shape), dtype=self.dtype, pin_memory=on_gpu)
+        # One copy into a reused host staging buffer (fresh buffers cost page faults that take
+        # longer than the copy itself), then 2 x num_layers index_copy_ calls for the whole chunk
+        # instead of 2 x num_layers per block.
+        staging = self._staging_buffer(len(blocks), pinned=on_gpu)
         torch.stack(blocks, out=staging)  # [n, layers, 2, block_size, kv_heads, head_dim]
         if on_gpu:
             stream = self._streams.get(device)
@@ -179,9 +214,17 @@ class KVConnector:
                 stream = self._streams[device] = torch.cuda.Stream(device)
             with torch.cuda.stream(stream):
                 self._scatter(staging.to(device, non_blocking=True), block_ids, k_caches, v_caches)
-            stream.synchronize()  # the blocks are usable by any stream once load() returns
+            stream.synchronize()  # blocks usable by any stream once load() returns; staging reusable
         else:
             self._scatter(staging, block_ids, k_caches, v_caches)
+
+    def _staging_buffer(self, n: int, *, pinned: bool) -> torch.Tensor:
+        """A per-thread host buffer of ``load_chunk`` blocks (load and load_async may overlap)."""
+        buf = getattr(self._local, "staging", None)
+        if buf is None:
+            buf = torch.empty((self.load_chunk, *self.block_shape), dtype=self.dtype, pin_memory=pinned)
+            self._local.staging = buf
+        return buf[:n]
 
     def _scatter(
         self,
@@ -225,7 +268,8 @@ class KVConnector:
             self._writer.drop(len(hashes) - n)
         if n == 0:
             return 0
-        snapshot = self._snapshot(block_ids[:n], k_caches, v_caches)
+        with single_threaded():
+            snapshot = self._snapshot(block_ids[:n], k_caches, v_caches)
         self._writer.submit([BlockWrite(bytes(hashes[i]), snapshot[i]) for i in range(n)])
         return n
 

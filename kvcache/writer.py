@@ -130,6 +130,8 @@ class BlockWriter:
         self._thread.join(timeout)
 
     def _run(self) -> None:
+        if "parallel backend: OpenMP" in torch.__config__.parallel_info():
+            torch.set_num_threads(1)  # per-thread under OpenMP: encoding never competes with the model
         while True:
             item = self._queue.get()
             if item is _STOP:
