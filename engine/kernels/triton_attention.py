@@ -118,8 +118,10 @@ def _find_sequence(query_start_loc_ptr, q_block_id, num_seqs, BLOCK_Q: tl.conste
     Sequence s owns the grid slots from ``query_start_loc[s] // BLOCK_Q + 2 * s`` on: at least
     ``cdiv(q_len, BLOCK_Q) + 1`` of them, enough for its position-aligned query blocks, and a
     layout that needs no host-side prefix sum (the grid is ``T // BLOCK_Q + 2 * B``)."""
-    lo = 0
-    hi = num_seqs
+    # Typed scalars from the start: a Python 0 (or a num_seqs of 1, which Triton specialises to a
+    # constant) would change type inside the loop when compiled.
+    lo = tl.full([], 0, tl.int32)
+    hi = tl.full([], 0, tl.int32) + num_seqs
     while lo < hi:
         mid = (lo + hi) // 2
         first_block = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + 2 * mid
@@ -242,7 +244,7 @@ def unified_attention(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=4, num_stages=2,
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=8 if block_d >= 128 else 4, num_stages=2,
     )  # fmt: skip
     return out
 
@@ -331,11 +333,11 @@ def _decode_reduce_kernel(
     row = seq.to(tl.int64) * stride_po_t + head * stride_po_h
     dims = tl.arange(0, BLOCK_D)
     # Two passes in split order: the merge is a fixed sum whatever the batch looks like.
-    max_lse = float("-inf")
+    max_lse = tl.full([], float("-inf"), tl.float32)
     for s in range(0, n_splits):
         max_lse = tl.maximum(max_lse, tl.load(part_lse_ptr + row + s))
     acc = tl.zeros([BLOCK_D], tl.float32)
-    total = 0.0
+    total = tl.zeros([], tl.float32)
     for s in range(0, n_splits):
         weight = tl.exp(tl.load(part_lse_ptr + row + s) - max_lse)
         acc += weight * tl.load(part_out_ptr + (row + s) * BLOCK_D + dims)

@@ -247,9 +247,9 @@ def _write_kv_kernel(
         dims = tl.arange(0, BLOCK_D)
         mask = (heads < n_heads)[:, None] & (dims < head_dim)[None, :]
         src = heads[:, None] * stride_kh + dims[None, :]
-        k = tl.load(k_ptr + token * stride_kt + src, mask=mask)
+        k = tl.load(k_ptr + token * stride_kt + src, mask=mask, other=0.0)
         src = heads[:, None] * stride_vh + dims[None, :]
-        v = tl.load(v_ptr + token * stride_vt + src, mask=mask)
+        v = tl.load(v_ptr + token * stride_vt + src, mask=mask, other=0.0)
         dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs
         dst += heads[:, None] * stride_ch + dims[None, :]
         tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
