@@ -65,6 +65,7 @@ class RouterApp:
         self.replicas = Replicas(
             HealthPolicy(
                 probe_interval=config.health_interval,
+                probe_backoff_max=min(8.0, max(1.0, 4 * config.health_interval)),
                 circuit_failures=config.circuit_failures,
                 circuit_cooldown=config.circuit_cooldown,
             ),

@@ -182,6 +182,7 @@ class Replica:
             "source": self.source,
             "health": self.health.value,
             "circuit": self.circuit.state.value,
+            "failures": self.circuit.consecutive_failures,
             "draining": self.draining,
             "routable": self.routable(now),
             "models": list(self.models),

@@ -1,0 +1,176 @@
+"""Failure handling against real replicas: kill -9 mid-stream failover (exact continuation),
+retry before the first byte, ejection and readmission, replicas still starting, Redis discovery."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+import redis
+from router_harness import Cluster, Proc, free_port, metric, replica_args, replicas_view, wait_until
+
+from router.discovery_redis import replica_key, replica_value
+
+MODEL = "llama"
+
+
+@pytest.fixture(scope="module")
+def trio(cluster: Cluster) -> list[Proc]:
+    """A survivor and two victims (one per failover test), loaded together."""
+    return cluster.replicas(3)
+
+
+def _reference(url: str, kind: str, max_tokens: int, sampling: dict) -> tuple[str, str]:
+    c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+    if kind == "chat":
+        r = c.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Write a long story."}],
+            max_tokens=max_tokens,
+            extra_body={"ignore_eos": True},
+            **sampling,
+        )
+        return r.choices[0].message.content, r.choices[0].finish_reason
+    r = c.completions.create(
+        model=MODEL,
+        prompt="Once upon a time",
+        max_tokens=max_tokens,
+        extra_body={"ignore_eos": True},
+        **sampling,
+    )
+    return r.choices[0].text, r.choices[0].finish_reason
+
+
+@pytest.mark.parametrize(
+    ("kind", "sampling", "victim_index"),
+    [("chat", {"temperature": 0}, 1), ("completions", {"temperature": 0.8, "seed": 1234}, 2)],
+    ids=["greedy-chat", "seeded-completions"],
+)
+def test_kill9_mid_stream_fails_over_exactly(
+    cluster: Cluster, trio: list[Proc], kind: str, sampling: dict, victim_index: int
+) -> None:
+    survivor, victim = trio[0], trio[victim_index]
+    max_tokens = 400
+    expected_text, expected_finish = _reference(survivor.url, kind, max_tokens, sampling)
+    # round_robin sends the first request to the first replica: the victim.
+    router = cluster.router("--replica", victim.url, "--replica", survivor.url, "--policy", "round_robin")
+    c = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=60)
+    opts = {
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "extra_body": {"ignore_eos": True},
+        **sampling,
+    }
+    if kind == "chat":
+        stream = c.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Write a long story."}], **opts
+        )
+    else:
+        stream = c.completions.create(model=MODEL, prompt="Once upon a time", **opts)
+    pieces, finishes, usage, ids, roles = [], [], None, set(), 0
+    for i, chunk in enumerate(stream):
+        ids.add(chunk.id)
+        if i == 8:
+            assert replicas_view(router)[victim.url]["inflight"] == 1  # the victim is serving it
+            victim.kill9()
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for ch in chunk.choices:
+            if kind == "chat":
+                pieces.append(ch.delta.content or "")
+                roles += 1 if ch.delta.role else 0
+            else:
+                pieces.append(ch.text)
+            if ch.finish_reason:
+                finishes.append(ch.finish_reason)
+    assert metric(router.url, "ferry:router_failovers_total") == 1
+    assert "".join(pieces) == expected_text  # no duplicate, no gap
+    assert finishes == [expected_finish] == ["length"]
+    assert usage.completion_tokens == max_tokens and usage.total_tokens == usage.prompt_tokens + max_tokens
+    assert len(ids) == 1  # one stream id from start to end
+    assert roles in (0, 1) and (kind != "chat" or roles == 1)
+
+
+def test_starting_replica_retry_ejection_and_readmission(cluster: Cluster, trio: list[Proc]) -> None:
+    survivor = trio[0]
+    port = free_port()
+    late = f"http://127.0.0.1:{port}"
+    router = cluster.router(
+        "--replica", late, "--replica", survivor.url, "--policy", "round_robin", "--health-interval", "0.5"
+    )
+    view = replicas_view(router)[late]
+    assert view["health"] == "starting" and view["failures"] == 0
+    for _ in range(2):  # only the survivor takes traffic meanwhile
+        assert (
+            httpx.post(
+                router.url + "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 1}
+            ).status_code
+            == 200
+        )
+    time.sleep(1.0)
+    view = replicas_view(router)[late]
+    assert view["health"] == "starting" and view["failures"] == 0  # refused connections were not errors
+
+    proc = Proc(replica_args(cluster.model, port), port, cluster.tmp / f"late-{port}.log").start()
+    cluster.procs.append(proc)
+    proc.wait_http()
+    assert wait_until(lambda: replicas_view(router)[late]["health"] == "healthy", timeout=10)
+
+    # Dies while healthy: the next request to it fails to connect and is retried on the survivor.
+    proc.kill9()
+    retries_before = metric(router.url, "ferry:router_retries_total")
+    statuses = [
+        httpx.post(
+            router.url + "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 1}, timeout=30
+        ).status_code
+        for _ in range(2)
+    ]
+    assert statuses == [200, 200]
+    assert metric(router.url, "ferry:router_retries_total") == retries_before + 1
+    assert replicas_view(router)[late]["health"] == "ejected"
+    assert metric(router.url, "ferry:router_replica_healthy", {"replica": late}) == 0 or wait_until(
+        lambda: metric(router.url, "ferry:router_replica_healthy", {"replica": late}) == 0
+    )
+
+    # Restarted: the prober readmits it and it takes its share again.
+    proc = Proc(replica_args(cluster.model, port), port, cluster.tmp / f"late2-{port}.log").start()
+    cluster.procs.append(proc)
+    proc.wait_http()
+    assert wait_until(lambda: replicas_view(router)[late]["health"] == "healthy", timeout=15)
+    before = replicas_view(router)[late]["total_requests"]
+    for _ in range(4):
+        httpx.post(router.url + "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 1})
+    assert replicas_view(router)[late]["total_requests"] - before == 2
+
+
+def test_redis_discovery_add_and_remove(cluster: Cluster, trio: list[Proc], redis_url: str) -> None:
+    survivor = trio[0]
+    router = cluster.router(
+        "--discovery", redis_url, "--discovery-interval", "0.3", "--policy", "round_robin"
+    )
+    assert httpx.get(router.url + "/health").status_code == 503
+    # A real replica registering itself.
+    port = free_port()
+    reg = Proc(
+        replica_args(cluster.model, port, "--register", redis_url), port, cluster.tmp / f"reg-{port}.log"
+    )
+    cluster.procs.append(reg.start())
+    reg.wait_http()
+    assert wait_until(lambda: httpx.get(router.url + "/health").status_code == 200, timeout=10)
+    assert replicas_view(router)[reg.url]["source"] == "discovery"
+    ok = httpx.post(router.url + "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 2})
+    assert ok.status_code == 200
+    # An entry whose heartbeat stops disappears by itself when its TTL runs out.
+    r = redis.Redis.from_url(redis_url)
+    r.set(replica_key(survivor.url), replica_value(survivor.url, "mixed", MODEL, time.time()), px=1200)
+    assert wait_until(lambda: survivor.url in replicas_view(router), timeout=5)
+    assert wait_until(lambda: survivor.url not in replicas_view(router), timeout=5)
+    # Malformed entries are ignored, never fatal.
+    r.set(replica_key("http://bad"), b"{not json", px=5000)
+    # Clean shutdown deletes the key: the router drops the replica.
+    reg.stop()
+    assert wait_until(lambda: reg.url not in replicas_view(router), timeout=5)
+    assert httpx.get(router.url + "/health").status_code == 503
