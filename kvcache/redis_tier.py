@@ -6,8 +6,8 @@ URL: ``redis[s]://[[user]:password@]host:port/db?ttl=S&timeout=S&connect_timeout
 
 * Reads are pipelined ``MGET`` s in chunks (one round trip for a whole prefix); writes are
   pipelined ``SET`` s, not ``MSET``: hiredis' command packer caps large ``MSET`` s at ~0.5 GB/s.
-* ``contains_prefix`` pipelines one ``EXISTS`` per key (one round trip, ~no payload), chunked
-  so a long prompt that misses early stops early.
+* ``contains_prefix`` runs a 4-line Lua script (``EVALSHA``): one round trip, the server stops
+  at the first absent key. Where scripting is refused it pipelines one ``EXISTS`` per key.
 * Every call is bounded by socket timeouts, no call is retried (the breaker decides when to
   try again), and eviction is Redis' own (``maxmemory`` + an LRU policy); ``ttl`` adds expiry.
 * ``l1_bytes=N`` puts a process-local memory LRU of N bytes in front (see ``composite_tier``).
@@ -18,17 +18,28 @@ This backend raises on I/O errors; the factory wraps it in ``GuardedTier`` so th
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import redis
 from redis.backoff import NoBackoff
+from redis.commands.core import Script
 from redis.retry import Retry
 
 from kvcache.breaker import CircuitBreaker, GuardedTier
 from kvcache.tier import Tier, TierURL, register_tier
 
+logger = logging.getLogger(__name__)
+
+# How many leading KEYS exist. Read-only (EXISTS only), so it is safe on replicas too.
+PREFIX_SCRIPT = """
+for i, key in ipairs(KEYS) do
+  if redis.call('EXISTS', key) == 0 then return i - 1 end
+end
+return #KEYS
+"""
 READ_CHUNK = 64  # keys per MGET: bounds one reply to ~16 MiB of 256 KiB blocks
-EXISTS_CHUNK = 64  # keys per pipelined EXISTS round trip in contains_prefix
+EXISTS_CHUNK = 64  # keys per pipelined EXISTS round trip (contains_prefix without Lua)
 WRITE_CHUNK_BYTES = 32 << 20  # flush a write pipeline every ~32 MiB
 PASSTHROUGH_PARAMS = (
     "ssl_cert_reqs",
@@ -52,6 +63,7 @@ class RedisTier(Tier):
         socket_timeout: float = 1.0,
         connect_timeout: float = 0.5,
         max_connections: int = 16,
+        use_script: bool = True,
     ) -> None:
         self.ttl_s = ttl_s
         # No retries: a failing call returns at once and the breaker owns "try again later".
@@ -67,8 +79,24 @@ class RedisTier(Tier):
             health_check_interval=0,
         )
         self._client = redis.Redis(connection_pool=self._pool)
+        # One round trip, one small reply, and the server stops at the first absent key.
+        self._prefix_script: Script | None = (
+            self._client.register_script(PREFIX_SCRIPT) if use_script else None
+        )
 
     def contains_prefix(self, keys: Sequence[str]) -> int:
+        if self._prefix_script is not None:
+            try:
+                return int(self._prefix_script(keys=list(keys)))
+            except redis.exceptions.ResponseError as exc:
+                if "script" not in str(exc).lower() and "noperm" not in str(exc).lower():
+                    raise
+                # Scripting disabled (ACLs, some managed Redis): pipelined EXISTS from now on.
+                logger.warning("Redis refuses Lua scripts (%s); contains_prefix uses pipelined EXISTS", exc)
+                self._prefix_script = None
+        return self._contains_prefix_pipelined(keys)
+
+    def _contains_prefix_pipelined(self, keys: Sequence[str]) -> int:
         found = 0
         for start in range(0, len(keys), EXISTS_CHUNK):
             pipe = self._client.pipeline(transaction=False)

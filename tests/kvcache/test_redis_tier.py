@@ -55,6 +55,19 @@ def test_long_prefixes_cross_chunk_boundaries(redis_url: str) -> None:
     assert tier.contains_prefix(keys) == EXISTS_CHUNK + 5
 
 
+def test_pipelined_exists_fallback_matches_the_script(redis_url: str) -> None:
+    from kvcache.redis_tier import RedisTier
+
+    tier = open_tier(redis_url)
+    tier.put_many(_items("fp", [i for i in range(EXISTS_CHUNK + 10) if i != EXISTS_CHUNK + 3]))
+    keys = [tier_key("fp", h) for h in HASHES[: EXISTS_CHUNK + 10]]
+    scripted, pipelined = RedisTier(redis_url), RedisTier(redis_url, use_script=False)
+    for sub in (keys, keys[:5], keys[EXISTS_CHUNK + 3 :], keys[EXISTS_CHUNK + 4 :]):
+        assert scripted.contains_prefix(sub) == pipelined.contains_prefix(sub)
+    assert pipelined.contains_prefix(keys) == EXISTS_CHUNK + 3
+    assert pipelined.contains_prefix(keys[EXISTS_CHUNK + 4 :]) == 6
+
+
 def test_other_fingerprint_never_reads_our_blocks(redis_url: str) -> None:
     tier = open_tier(redis_url)
     tier.put_many(_items("modelA", [0, 1]))
