@@ -38,6 +38,24 @@ class SequenceRequest:
     kv_transfer: Any = None
 
 
+class Ticket:
+    """Admission of one HTTP request's sequences: they count as in flight from ``admit`` on, so
+    simultaneous arrivals see each other. A sequence releases its share when its stream ends;
+    ``close()`` releases the shares of sequences that never started (client gone first)."""
+
+    def __init__(self, generation: Generation, num_sequences: int) -> None:
+        self._generation = generation
+        self.unstarted = num_sequences
+
+    def start_one(self) -> None:
+        self.unstarted -= 1
+
+    def close(self) -> None:
+        if self.unstarted > 0:
+            self._generation._add_in_flight(-self.unstarted)
+            self.unstarted = 0
+
+
 @dataclass
 class _Deadline:
     timed_out: bool = False
@@ -60,6 +78,7 @@ class Generation:
         self.metrics = metrics
         self.draining = False
         self.in_flight = 0  # engine sequences admitted and not finished
+        self._max_running = int(getattr(getattr(engine, "config", None), "max_num_seqs", 0) or 0)
         self._live_ids: set[str] = set()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -67,15 +86,16 @@ class Generation:
     # -- admission --------------------------------------------------------------------------------
 
     def queued(self) -> int:
-        """Sequences admitted but not running: the engine's waiting queue plus those not yet seen by it."""
-        running = int(getattr(self.engine.stats(), "num_running", 0))
-        return max(0, self.in_flight - running)
+        """Sequences admitted that cannot run now: those beyond the engine's batch slots (including
+        ones the engine has not seen yet), or the engine's own waiting queue when KV memory, not
+        slots, holds them back."""
+        beyond_slots = self.in_flight - self._max_running
+        return max(0, beyond_slots, int(getattr(self.engine.stats(), "num_waiting", 0)))
 
-    def admit(self) -> None:
-        """Raise 503 (draining/unhealthy) or 429 (queue full) unless a new request may start now.
+    def admit(self, num_sequences: int) -> Ticket:
+        """Admit a request of ``num_sequences`` or raise 503 (draining/unhealthy) / 429 (queue full).
 
-        Sequences count as in flight from their first step in ``stream`` until it ends, so a
-        request that fails validation after admission holds nothing.
+        Call after validation; the caller must ``close()`` the ticket when the request ends.
         """
         if self.draining:
             raise unavailable("Server is shutting down; retry on another replica.")
@@ -88,6 +108,8 @@ class Generation:
                 f"Server is overloaded: {queued} sequences are waiting (limit {self.config.max_queued_requests}). "
                 "Retry later."
             )
+        self._add_in_flight(num_sequences)
+        return Ticket(self, num_sequences)
 
     def _add_in_flight(self, delta: int) -> None:
         self.in_flight += delta
@@ -118,12 +140,12 @@ class Generation:
         return rid
 
     async def stream(
-        self, request_id: str, seq: SequenceRequest, arrival: float
+        self, request_id: str, seq: SequenceRequest, arrival: float, ticket: Ticket
     ) -> AsyncIterator[RequestOutput]:
-        """The engine's delta outputs for one admitted sequence (releases its admission slot at the end)."""
+        """The engine's delta outputs for one admitted sequence (releases its admission share at the end)."""
         rid = self._engine_request_id(request_id, seq)
         self._live_ids.add(rid)
-        self._add_in_flight(1)
+        ticket.start_one()
         deadline = _Deadline()
         if self.config.request_timeout is not None:
             loop = asyncio.get_running_loop()
@@ -180,18 +202,18 @@ class Generation:
         asyncio.ensure_future(self.engine.abort(rid))
 
     async def merged(
-        self, request_id: str, seqs: Sequence[SequenceRequest], arrival: float
+        self, request_id: str, seqs: Sequence[SequenceRequest], arrival: float, ticket: Ticket
     ) -> AsyncIterator[tuple[SequenceRequest, RequestOutput]]:
         """Outputs of several sequences as they come (n > 1, several prompts); one failure ends all."""
         if len(seqs) == 1:
-            async for out in self.stream(request_id, seqs[0], arrival):
+            async for out in self.stream(request_id, seqs[0], arrival, ticket):
                 yield seqs[0], out
             return
         queue: asyncio.Queue[tuple[SequenceRequest, RequestOutput] | BaseException | None] = asyncio.Queue()
 
         async def pump(seq: SequenceRequest) -> None:
             try:
-                async for out in self.stream(request_id, seq, arrival):
+                async for out in self.stream(request_id, seq, arrival, ticket):
                     queue.put_nowait((seq, out))
                 queue.put_nowait(None)
             except asyncio.CancelledError:

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from fastapi.responses import JSONResponse
 
 from engine.outputs import RequestOutput
-from server.generation import SequenceRequest
+from server.generation import SequenceRequest, Ticket
 from server.logprobs import chat_logprobs
 from server.params import (
     chat_prompt,
@@ -96,19 +96,18 @@ async def create_chat_completion(
 ) -> object:
     arrival = time.perf_counter()
     seqs = _plan(state, req)
-    state.generation.admit()
+    ticket = state.generation.admit(len(seqs))
     response_id = f"chatcmpl-{request_id}"
     choices = [_Choice() for _ in seqs]
     usage = UsageTracker(1, req.n)
     producer = req.kv_transfer is not None and req.kv_transfer.role == "producer"
     if req.stream:
-        return SSEResponse(
-            _stream(state, req, seqs, choices, usage, response_id, request_id, arrival, producer)
-        )
+        frames = _stream(state, req, seqs, choices, usage, response_id, request_id, arrival, producer, ticket)
+        return SSEResponse(frames, on_close=ticket.close)
 
     async def collect() -> ChatCompletionResponse:
         last: RequestOutput | None = None
-        async for seq, out in state.generation.merged(request_id, seqs, arrival):
+        async for seq, out in state.generation.merged(request_id, seqs, arrival, ticket):
             _delta(state, choices[seq.choice_index], req, out)
             usage.add(seq, out)
             last = out
@@ -131,7 +130,10 @@ async def create_chat_completion(
             result.kv_transfer = kv_transfer_result(state, last)
         return result
 
-    result = await run_or_disconnect(receive, collect())
+    try:
+        result = await run_or_disconnect(receive, collect())
+    finally:
+        ticket.close()
     return JSONResponse(result.model_dump())
 
 
@@ -145,6 +147,7 @@ async def _stream(
     request_id: str,
     arrival: float,
     producer: bool,
+    ticket: Ticket,
 ) -> AsyncIterator[bytes]:
     created = int(time.time())
     model = state.model_name
@@ -159,7 +162,7 @@ async def _stream(
         role = ChatStreamChoice(index=seq.choice_index, delta=DeltaMessage(role="assistant", content=""))
         yield sse_frame(chunk(role).model_dump_json())
     async with stream_errors() as failed:
-        async for seq, out in state.generation.merged(request_id, seqs, arrival):
+        async for seq, out in state.generation.merged(request_id, seqs, arrival, ticket):
             choice = choices[seq.choice_index]
             text, logprobs = _delta(state, choice, req, out)
             usage.add(seq, out)

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from fastapi.responses import JSONResponse
 
 from engine.outputs import RequestOutput
-from server.generation import SequenceRequest
+from server.generation import SequenceRequest, Ticket
 from server.logprobs import CompletionLogprobsBuilder, merge_completion_logprobs
 from server.params import (
     PreparedPrompt,
@@ -117,19 +117,18 @@ def _delta(
 async def create_completion(state: ServerState, req: CompletionRequest, request_id: str, receive) -> object:
     arrival = time.perf_counter()
     prompts, seqs = _plan(state, req)
-    state.generation.admit()
+    ticket = state.generation.admit(len(seqs))
     response_id = f"cmpl-{request_id}"
     choices = [_Choice(prompts[s.prompt_index]) for s in seqs]
     usage = UsageTracker(len(prompts), req.n)
     producer = req.kv_transfer is not None and req.kv_transfer.role == "producer"
     if req.stream:
-        return SSEResponse(
-            _stream(state, req, seqs, choices, usage, response_id, request_id, arrival, producer)
-        )
+        frames = _stream(state, req, seqs, choices, usage, response_id, request_id, arrival, producer, ticket)
+        return SSEResponse(frames, on_close=ticket.close)
 
     async def collect() -> CompletionResponse:
         last: RequestOutput | None = None
-        async for seq, out in state.generation.merged(request_id, seqs, arrival):
+        async for seq, out in state.generation.merged(request_id, seqs, arrival, ticket):
             _delta(state, choices[seq.choice_index], req, out)
             usage.add(seq, out)
             last = out
@@ -152,7 +151,10 @@ async def create_completion(state: ServerState, req: CompletionRequest, request_
             result.kv_transfer = kv_transfer_result(state, last)
         return result
 
-    result = await run_or_disconnect(receive, collect())
+    try:
+        result = await run_or_disconnect(receive, collect())
+    finally:
+        ticket.close()
     return JSONResponse(result.model_dump())
 
 
@@ -166,6 +168,7 @@ async def _stream(
     request_id: str,
     arrival: float,
     producer: bool,
+    ticket: Ticket,
 ) -> AsyncIterator[bytes]:
     created = int(time.time())
     model = state.model_name
@@ -173,7 +176,7 @@ async def _stream(
     # as one chunk when it finishes (correct values over early bytes).
     defer = req.echo and req.logprobs is not None
     async with stream_errors() as failed:
-        async for seq, out in state.generation.merged(request_id, seqs, arrival):
+        async for seq, out in state.generation.merged(request_id, seqs, arrival, ticket):
             choice = choices[seq.choice_index]
             text, logprobs = _delta(state, choice, req, out)
             usage.add(seq, out)

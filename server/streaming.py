@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 from starlette.responses import StreamingResponse
@@ -73,10 +73,16 @@ class SSEResponse(StreamingResponse):
     abort) has run when the response returns.
     """
 
-    def __init__(self, frames: AsyncIterator[bytes], headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        frames: AsyncIterator[bytes],
+        headers: dict[str, str] | None = None,
+        on_close: Callable[[], None] | None = None,
+    ) -> None:
         merged = {"cache-control": "no-cache", "x-accel-buffering": "no", **(headers or {})}
         super().__init__(frames, media_type="text/event-stream", headers=merged)
         self.frames = frames
+        self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         pump = asyncio.ensure_future(self._pump(send, self.raw_headers))
@@ -90,6 +96,8 @@ class SSEResponse(StreamingResponse):
             # Wait for the pump so the frames iterator's cleanup (engine abort) has run.
             with contextlib.suppress(asyncio.CancelledError, OSError):
                 await pump
+            if self.on_close is not None:
+                self.on_close()
         if pump in done and pump.exception() is not None:
             exc = pump.exception()
             if not isinstance(exc, OSError):

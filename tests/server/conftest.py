@@ -137,5 +137,11 @@ def scrape():
 
 
 @pytest.fixture(scope="session")
+def server_process() -> type[ServerProcess]:
+    """The ServerProcess class, for modules that start replicas with their own flags."""
+    return ServerProcess
+
+
+@pytest.fixture(scope="session")
 def serve_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("serve-logs")

@@ -1,0 +1,174 @@
+"""Behaviour under load: concurrency, client disconnects, admission control (429), timeouts, API key.
+
+Loopback only, bounded in count and time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+PROMPTS = [f"def function_{i}(x):\n    return" for i in range(64)]
+
+
+async def _stream_text(client: openai.AsyncOpenAI, prompt: str, max_tokens: int) -> tuple[str, str]:
+    stream = await client.completions.create(
+        model=None,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    text, reason = "", None
+    async for chunk in stream:
+        text += chunk.choices[0].text
+        reason = chunk.choices[0].finish_reason or reason
+    return text, reason
+
+
+async def test_64_concurrent_streams_get_what_they_get_alone(server) -> None:
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    alone = [await _stream_text(client, p, 12) for p in PROMPTS[:8]]
+    together = await asyncio.gather(*(_stream_text(client, p, 12) for p in PROMPTS))
+    assert all(reason == "length" for _, reason in together)
+    assert together[:8] == alone
+    # and the rest against a second, sequential pass
+    for i in (8, 31, 63):
+        assert together[i] == await _stream_text(client, PROMPTS[i], 12)
+
+
+def _wait_idle(url: str, scrape, model: str, timeout: float) -> float:
+    """Seconds until the engine reports nothing running and no KV block in use."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        running = scrape(url, "vllm:num_requests_running", model_name=model)
+        waiting = scrape(url, "vllm:num_requests_waiting", model_name=model)
+        usage = scrape(url, "vllm:kv_cache_usage_perc", model_name=model)
+        if running == 0 and waiting == 0 and usage == 0:
+            return time.monotonic() - start
+        time.sleep(0.02)
+    raise AssertionError("engine did not go idle")
+
+
+def test_disconnect_mid_stream_frees_blocks(server, scrape) -> None:
+    name = server.model_name
+    aborted_before = (
+        scrape(server.url, "vllm:request_success_total", model_name=name, finished_reason="abort") or 0
+    )
+    body = {"prompt": "x", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        assert scrape(server.url, "vllm:num_requests_running", model_name=name) == 1
+        assert scrape(server.url, "vllm:kv_cache_usage_perc", model_name=name) > 0
+    # 1000 tokens take seconds; the abort frees everything long before that.
+    assert _wait_idle(server.url, scrape, name, timeout=1.5) < 1.5
+    aborted = scrape(server.url, "vllm:request_success_total", model_name=name, finished_reason="abort")
+    assert aborted == aborted_before + 1
+
+
+async def test_disconnect_non_streaming_frees_blocks(server, scrape) -> None:
+    name = server.model_name
+    async with httpx.AsyncClient(timeout=30) as client:
+        task = asyncio.ensure_future(
+            client.post(
+                server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1000, "ignore_eos": True}
+            )
+        )
+        for _ in range(200):
+            await asyncio.sleep(0.02)
+            if scrape(server.url, "vllm:num_requests_running", model_name=name) == 1:
+                break
+        else:
+            raise AssertionError("request never started running")
+        task.cancel()  # closes the connection
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    assert _wait_idle(server.url, scrape, name, timeout=1.5) < 1.5
+
+
+@pytest.fixture(scope="module")
+def tight(tiny_llama: Path, serve_logs: Path, server_process):
+    """A replica with 2 running slots, a queue of 2, a 1 s request timeout and an API key."""
+    srv = server_process(
+        tiny_llama,
+        [
+            "--max-num-seqs",
+            "2",
+            "--max-queued-requests",
+            "2",
+            "--request-timeout",
+            "1",
+            "--api-key",
+            "sekrit",
+            "--num-kv-blocks",
+            "512",
+        ],
+        serve_logs,
+    ).start()
+    yield srv
+    srv.stop()
+
+
+AUTH = {"Authorization": "Bearer sekrit"}
+
+
+def test_api_key_guards_v1_but_not_health_or_metrics(tight) -> None:
+    body = {"prompt": "x", "max_tokens": 1}
+    r = httpx.post(tight.url + "/v1/completions", json=body)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert (
+        httpx.post(
+            tight.url + "/v1/completions", json=body, headers={"Authorization": "Bearer no"}
+        ).status_code
+        == 401
+    )
+    assert httpx.post(tight.url + "/tokenize", json={"prompt": "x"}).status_code == 401
+    assert httpx.post(tight.url + "/v1/completions", json=body, headers=AUTH).status_code == 200
+    assert httpx.get(tight.url + "/health").status_code == 200
+    assert httpx.get(tight.url + "/metrics").status_code == 200
+    sdk = openai.OpenAI(base_url=tight.url + "/v1", api_key="sekrit", max_retries=0)
+    assert sdk.models.list().data[0].id == tight.model_name
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=tight.url + "/v1", api_key="wrong", max_retries=0).models.list()
+
+
+async def test_flood_gets_429_with_retry_after(tight, scrape) -> None:
+    body = {"prompt": "x", "max_tokens": 200, "ignore_eos": True}
+    async with httpx.AsyncClient(timeout=60, headers=AUTH) as client:
+        responses = await asyncio.gather(
+            *(client.post(tight.url + "/v1/completions", json=body) for _ in range(16))
+        )
+    codes = [r.status_code for r in responses]
+    rejected = [r for r in responses if r.status_code == 429]
+    served = [r for r in responses if r.status_code in (200, 408)]
+    assert len(rejected) + len(served) == 16, codes
+    assert 4 <= len(served) <= 6 and rejected, codes  # 2 running + 2 queued (+ arrivals racing the engine)
+    assert all(r.headers["retry-after"].isdigit() for r in rejected)
+    assert rejected[0].json()["error"]["type"] == "RateLimitError"
+    assert scrape(tight.url, "ferry:server_rejected_requests_total", model_name=tight.model_name) >= len(
+        rejected
+    )
+    # the replica is still fine
+    ok = httpx.post(tight.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=AUTH)
+    assert ok.status_code == 200
+
+
+def test_request_timeout_aborts_cleanly(tight, scrape) -> None:
+    body = {"prompt": "x", "max_tokens": 1000, "ignore_eos": True}
+    start = time.monotonic()
+    r = httpx.post(tight.url + "/v1/completions", json=body, headers=AUTH, timeout=30)
+    assert time.monotonic() - start < 5
+    assert r.status_code == 408 and r.json()["error"]["code"] == "request_timeout"
+    with httpx.stream(
+        "POST", tight.url + "/v1/completions", json={**body, "stream": True}, headers=AUTH, timeout=30
+    ) as s:
+        text = s.read().decode()
+    assert text.endswith("data: [DONE]\n\n") and '"code":"request_timeout"' in text
+    assert _wait_idle(tight.url, scrape, tight.model_name, timeout=2) < 2
