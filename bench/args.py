@@ -114,6 +114,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="requests (multi-turn: sessions) sent before each run and left out of the figures",
     )
     load.add_argument("--repeat", type=int, default=1, help="runs per sweep point")
+    load.add_argument(
+        "--reset-prefix-cache",
+        action="store_true",
+        help="POST /reset_prefix_cache before each run, so no run reuses an earlier run's cached prompts",
+    )
     load.add_argument("--timeout", type=float, default=600.0, help="seconds for one whole request")
     load.add_argument(
         "--slo", default=None, help="goodput targets in ms, e.g. ttft=500,tpot=50 (keys: ttft, tpot, e2e)"

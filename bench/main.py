@@ -103,7 +103,7 @@ def _run(cfg: BenchConfig, args: argparse.Namespace) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "raw.jsonl").unlink(missing_ok=True)
     requests_sha = write_requests(out_dir, chains)
-    source = ctx._source.describe() if ctx._source is not None else None
+    source = ctx.source_description()
     dataset = {
         "name": cfg.dataset,
         "chains": len(chains),
@@ -120,7 +120,12 @@ def _run(cfg: BenchConfig, args: argparse.Namespace) -> int:
         print(f"dry run: {dataset['requests']} requests written to {out_dir / 'requests.jsonl'}")
         return 0
 
-    results, lost = asyncio.run(_sweep(cfg, chains, headers, out_dir))
+    results: list[RunResult] = []
+    try:
+        lost = asyncio.run(_sweep(cfg, chains, headers, out_dir, results))
+    except KeyboardInterrupt:
+        # Summarise the runs that finished; the interrupted one's records are incomplete.
+        lost = "interrupted by the user"
     points, skipped = [], []
     for point in cfg.points:
         runs = [r for r in results if r.point == point]
@@ -134,6 +139,11 @@ def _run(cfg: BenchConfig, args: argparse.Namespace) -> int:
     write_json(out_dir / "summary.json", summary)
     title = f"ferry bench: {cfg.dataset} on {cfg.base_url} ({model}, {summary['endpoint']})"
     table = summary_table(points, title) if points else title + "\n(no run finished)"
+    if any(p["metrics"]["token_count_mismatches"] for p in points):
+        table += (
+            "\nnote: token count mismatch = usage's completion tokens != text chunks: the server sent "
+            "several tokens in a chunk (or held text back); ITL is per chunk, TPOT per token."
+        )
     if lost:
         table += f"\nserver lost: {lost}" + (f"; skipped points: {', '.join(skipped)}" if skipped else "")
     (out_dir / "summary.txt").write_text(table + "\n")
@@ -143,10 +153,10 @@ def _run(cfg: BenchConfig, args: argparse.Namespace) -> int:
 
 
 async def _sweep(
-    cfg: BenchConfig, chains: list, headers: dict[str, str], out_dir: Path
-) -> tuple[list[RunResult], str | None]:
+    cfg: BenchConfig, chains: list, headers: dict[str, str], out_dir: Path, results: list[RunResult]
+) -> str | None:
+    """Run every point x repeat, appending to ``results``; stop at a lost server (returns why)."""
     runner = PointRunner(cfg, chains, headers)
-    results: list[RunResult] = []
     run = 0
     for point in cfg.points:
         for repeat in range(cfg.repeat):
@@ -155,5 +165,5 @@ async def _sweep(
             results.append(result)
             append_raw(out_dir, result)
             if result.lost:
-                return results, result.lost
-    return results, None
+                return result.lost
+    return None

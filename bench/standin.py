@@ -11,7 +11,8 @@ Its tokenizer is bytes: token id = one UTF-8 byte, so ``/tokenize`` and ``/detok
 and a prompt's token count is its byte count. Answers are ``--tokens`` single-letter tokens (fewer
 when the request's ``max_tokens`` is smaller), streamed ``--tokens-per-chunk`` per SSE chunk with
 ``--delay-ms`` per token and ``--ttft-ms`` before the first; ``stream_options.include_usage`` and
-``continuous_usage_stats`` (usage on every chunk) are honoured. It must never load a model or import
+``continuous_usage_stats`` (usage on every chunk) are honoured. ``POST /reset_prefix_cache`` is
+accepted (there is no cache) and ``GET /standin/stats`` counts completions and resets. It must never load a model or import
 anything from ferry, so it runs as a plain script on any machine with uvicorn.
 """
 
@@ -83,6 +84,8 @@ class StandIn:
 
     def __init__(self, cfg: StandInConfig) -> None:
         self.cfg = cfg
+        self.completions = 0
+        self.resets = 0
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -111,7 +114,15 @@ class StandIn:
                 await self._json(send, 200, {"object": "list", "data": [model]}, request_id)
             elif method == "POST" and path in ("/v1/chat/completions", "/v1/completions"):
                 body = await self._body(receive)
+                self.completions += 1
                 await self._complete(send, body, path == "/v1/chat/completions", request_id)
+            elif method == "POST" and path == "/reset_prefix_cache":
+                self.resets += 1  # nothing is cached here; counted so clients can be checked
+                await self._json(send, 200, {"status": "ok"}, request_id)
+            elif method == "GET" and path == "/standin/stats":
+                await self._json(
+                    send, 200, {"completions": self.completions, "resets": self.resets}, request_id
+                )
             elif method == "POST" and path == "/tokenize":
                 body = await self._body(receive)
                 text = body.get("prompt")

@@ -61,6 +61,7 @@ class BenchConfig:
     burstiness: float
     warmup: int
     repeat: int
+    reset_prefix_cache: bool
     timeout: float
     slo_ms: tuple[tuple[str, float], ...]
     output_dir: str | None
@@ -130,6 +131,7 @@ class BenchConfig:
             burstiness=args.burstiness,
             warmup=args.warmup,
             repeat=args.repeat,
+            reset_prefix_cache=args.reset_prefix_cache,
             timeout=args.timeout,
             slo_ms=tuple(parse_slo(args.slo).items()),
             output_dir=args.output_dir,

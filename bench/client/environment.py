@@ -95,7 +95,45 @@ def model_dir_hash(directory: str | os.PathLike) -> dict[str, Any] | None:
     }
 
 
+_REDACTED = "<redacted>"
+_SECRET_HEADERS = ("authorization", "api-key", "x-api-key", "cookie")
+
+
+def _redact_header(header: str) -> str:
+    name = header.partition(":")[0]
+    return f"{name}: {_REDACTED}" if name.strip().lower() in _SECRET_HEADERS else header
+
+
+def redact_flags(flags: dict[str, Any]) -> dict[str, Any]:
+    """The flags with secrets (API key, auth-like headers) replaced, so results can be shared."""
+    out = dict(flags)
+    if out.get("api_key"):
+        out["api_key"] = _REDACTED
+    if out.get("header"):
+        out["header"] = [_redact_header(h) for h in out["header"]]
+    return out
+
+
+def redact_argv(argv: list[str]) -> list[str]:
+    out: list[str] = []
+    pending: str | None = None  # a flag whose value is the next argument
+    for arg in argv:
+        if pending == "--api-key":
+            out.append(_REDACTED)
+        elif pending == "--header":
+            out.append(_redact_header(arg))
+        elif arg.startswith("--api-key="):
+            out.append("--api-key=" + _REDACTED)
+        elif arg.startswith("--header="):
+            out.append("--header=" + _redact_header(arg[len("--header=") :]))
+        else:
+            out.append(arg)
+        pending = arg if pending is None and arg in ("--api-key", "--header") else None
+    return out
+
+
 def collect_environment(flags: dict[str, Any], model_paths: list[str | None]) -> dict[str, Any]:
+    """Everything above plus the flags and command line, with secrets redacted."""
     from ferry import __version__
 
     model = None
@@ -116,6 +154,6 @@ def collect_environment(flags: dict[str, Any], model_paths: list[str | None]) ->
         "cpu_count": os.cpu_count(),
         "gpus": gpu_models(),
         "model_dir": model,
-        "argv": sys.argv,
-        "flags": flags,
+        "argv": redact_argv(sys.argv),
+        "flags": redact_flags(flags),
     }

@@ -6,6 +6,8 @@
 * Concurrency: at most --concurrency chains in flight (a chain is one request, or one whole
   conversation for multi-turn: a session holds its slot from first turn to last).
 * Warm-up: the first --warmup chains run before the measured phase, at the same concurrency.
+* Every run sends the same request set, so a server with a prefix cache serves later runs'
+  prompts from cache; --reset-prefix-cache asks the server to drop it before each run.
 * A lost server ends the run fast: the first connection error (refused / unreachable) marks the
   server lost; no further request is sent, and every chain not yet sent is recorded as
   ``not_sent``. Requests in flight end on their own errors (a killed server closes their sockets).
@@ -16,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -55,6 +58,7 @@ class PointRunner:
         self.chains = chains
         self.base_headers = base_headers
         self.lost: str | None = None
+        self._reset_warned = False
 
     async def run(self, run: int, point: LoadPoint, repeat: int) -> RunResult:
         self.lost = None
@@ -66,6 +70,8 @@ class PointRunner:
         measured = self.chains[self.cfg.warmup :]
         async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
             ctx = _RunContext(self, client, run, point, repeat, nonce, records)
+            if self.cfg.reset_prefix_cache:
+                await self._reset_prefix_cache(client)
             if warm:
                 progress = Progress(f"{point.label} warm-up", sum(map(len, warm)), self.cfg.progress)
                 sem = _semaphore(point.concurrency)
@@ -98,6 +104,24 @@ class PointRunner:
             progress.close()
         records.sort(key=lambda r: (r.warmup is False, r.chain, r.turn))
         return RunResult(run, point, repeat, records, duration, self.lost)
+
+    async def _reset_prefix_cache(self, client: httpx.AsyncClient) -> None:
+        """POST /reset_prefix_cache (vLLM's endpoint) so a run does not reuse the previous run's
+        cached prompts. A server without it gets one warning, and the run goes on."""
+        if self._reset_warned:
+            return
+        try:
+            resp = await client.post(self.cfg.base_url + "/reset_prefix_cache", headers=self.base_headers)
+            problem = None if resp.status_code < 300 else f"answered {resp.status_code}"
+        except httpx.HTTPError as exc:
+            problem = f"failed: {exc}"
+        if problem:
+            self._reset_warned = True
+            print(
+                f"ferry bench: warning: POST /reset_prefix_cache {problem}; runs may hit the prefix cache "
+                "of earlier runs",
+                file=sys.stderr,
+            )
 
 
 def _semaphore(n: int | None) -> asyncio.Semaphore | None:

@@ -182,6 +182,30 @@ def test_request_rate_schedule(standin, bench, tmp_path: Path) -> None:
     assert point["label"] == "rate=40" and len(point["runs"]) == 2 and point["metrics"]["completed"] == 24
 
 
+def test_reset_prefix_cache_before_each_run(standin, bench, tmp_path: Path) -> None:
+    import httpx
+
+    srv = standin("--tokens", "2")
+    flags = f"--base-url {srv.url} --num-prompts 3 --input-len 4 --output-len 2 --concurrency 1,2 --repeat 2 --warmup 1"
+    assert bench(flags + " --reset-prefix-cache", "--output-dir", str(tmp_path / "r"))[0] == 0
+    assert httpx.get(srv.url + "/standin/stats").json() == {"completions": 16, "resets": 4}
+
+
+def test_api_key_is_sent_but_never_saved(standin, bench, tmp_path: Path) -> None:
+    srv = standin("--tokens", "2")
+    out = tmp_path / "secret"
+    rc, stdout = bench(
+        f"--base-url {srv.url} --num-prompts 2 --input-len 4 --output-len 2 --api-key sk-do-not-save",
+        "--header",
+        "Authorization: Bearer sk-do-not-save-either",
+        "--output-dir",
+        str(out),
+    )
+    assert rc == 0 and _summary(out)["points"][0]["metrics"]["completed"] == 2
+    for f in out.iterdir():
+        assert b"sk-do-not-save" not in f.read_bytes(), f.name
+
+
 def test_bad_flags_are_clear(bench) -> None:
     rc, out = bench("--dataset multi-turn --endpoint completions")
     assert rc == 2 and "multi-turn needs --endpoint chat" in out

@@ -127,3 +127,38 @@ def test_arrival_gaps_reproducible_and_gamma_mean() -> None:
     assert a[0] == 0.0
     assert sum(a[1:]) / (len(a) - 1) == pytest.approx(0.1, rel=0.1)
     assert arrival_gaps(math.inf, 1.0, 3, seed=0) == [0.0, 0.0, 0.0]
+
+
+def test_secrets_never_reach_the_results() -> None:
+    from bench.client.environment import redact_argv, redact_flags
+
+    argv = [
+        "ferry",
+        "bench",
+        "--api-key",
+        "sk-1",
+        "--header",
+        "Authorization: Bearer sk-2",
+        "--header=X-Trace: 7",
+        "--api-key=sk-3",
+        "--model",
+        "m",
+    ]
+    assert redact_argv(argv) == [
+        "ferry",
+        "bench",
+        "--api-key",
+        "<redacted>",
+        "--header",
+        "Authorization: <redacted>",
+        "--header=X-Trace: 7",
+        "--api-key=<redacted>",
+        "--model",
+        "m",
+    ]
+    flags = redact_flags({"api_key": "sk-1", "header": ["authorization:x", "X-Trace: 7"], "model": "m"})
+    assert flags == {
+        "api_key": "<redacted>",
+        "header": ["authorization: <redacted>", "X-Trace: 7"],
+        "model": "m",
+    }

@@ -30,6 +30,10 @@ class DatasetContext:
             self._source = self.token_source_factory()
         return self._source
 
+    def source_description(self) -> dict[str, Any] | None:
+        """What built the prompts (None when no token source was needed, e.g. jsonl)."""
+        return self._source.describe() if self._source is not None else None
+
     @property
     def pool(self) -> list[int]:
         if self._pool is None:
