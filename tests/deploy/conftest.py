@@ -11,6 +11,7 @@ import string
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -54,10 +55,13 @@ def free_port() -> int:
 class FerryProcess:
     """One `ferry <command>` subprocess on a free loopback port, healthy once /health answers 200."""
 
-    def __init__(self, command: str, args: list[str], log_dir: Path) -> None:
+    def __init__(
+        self, command: str, args: list[str], log_dir: Path, env: dict[str, str] | None = None
+    ) -> None:
         self.port = free_port()
         self.command = command
         self.args = args
+        self.extra_env = env or {}
         self.log_path = log_dir / f"ferry-{command}-{self.port}.log"
         self.proc: subprocess.Popen | None = None
 
@@ -82,6 +86,7 @@ class FerryProcess:
             "PYTHONPATH": str(ROOT),
             "TOKENIZERS_PARALLELISM": "false",
             "HF_HUB_OFFLINE": "1",
+            **self.extra_env,
         }
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
@@ -156,3 +161,22 @@ def nginx_binary() -> str:
             "nginx is not installed (Debian/Ubuntu: apt-get install nginx): cannot run the nginx checks"
         )
     return path
+
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="session")
+def deploy_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("deploy-logs")
+
+
+@pytest.fixture(scope="session")
+def replica(tiny_llama: Path, redis_server, deploy_logs: Path) -> Iterator[FerryProcess]:  # noqa: ANN001
+    """One `ferry serve` (tiny Llama, served as "tiny", KV tier in the private Redis) for the session."""
+    redis_server.flush()
+    args = ["--model", str(tiny_llama), "--served-model-name", MODEL, "--num-threads", "1", "--num-kv-blocks", "256",
+            "--max-num-seqs", "8", "--kv-tier", redis_server.url, "--drain-timeout", "5"]  # fmt: skip
+    proc = FerryProcess("serve", args, deploy_logs).start()
+    yield proc
+    proc.stop()

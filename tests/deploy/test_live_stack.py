@@ -14,12 +14,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import ROOT, FerryProcess, free_port, nginx_binary, render_nginx_conf
+from conftest import MODEL, ROOT, FerryProcess, free_port, nginx_binary, render_nginx_conf
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "ferry-dashboard.json"
-MODEL = "tiny"
 METRIC_RE = re.compile(r"\b((?:vllm|ferry):[A-Za-z0-9_:]+)")
 
 
