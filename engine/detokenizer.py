@@ -15,7 +15,11 @@ ties to the longer one: that is where a reader scanning the text would first see
 so the result does not depend on how the text was split into tokens.
 
 Invariant: the concatenation of every ``append`` delta and ``flush()`` equals a one-shot decode of
-the output ids, cut at the stop string as above.
+the output ids (in the context of the prompt), cut at the stop string as above. One exception, by
+the decoder's design: a SentencePiece ``ByteFallback`` decoder turns a whole run of ``<0xNN>``
+tokens into U+FFFDs when the run is not valid UTF-8, so a character emitted from a valid run can be
+"re-poisoned" in a one-shot decode by a stray byte token generated after it. The stream keeps the
+character (what the model produced up to then); the two texts differ only for invalid UTF-8.
 """
 
 from __future__ import annotations

@@ -208,11 +208,23 @@ class Tokenizer:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        """Text of ``ids``. Like transformers 5 on BPE tokenizers, no tokenization-space clean-up."""
-        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        """Text of ``ids``. Like transformers 5 on BPE tokenizers, no tokenization-space clean-up.
+
+        Raises ValueError for ids outside the vocabulary (the backend would drop them silently).
+        """
+        ids = self.check_ids(ids)
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
-        return [self._tok.id_to_token(int(i)) for i in ids]
+        return [self._tok.id_to_token(i) for i in self.check_ids(ids)]
+
+    def check_ids(self, ids: Sequence[int]) -> list[int]:
+        """``ids`` as a list of ints, or ValueError naming the first id outside ``[0, vocab_size)``."""
+        ids = [int(i) for i in ids]
+        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
+            bad = next(i for i in ids if not 0 <= i < self.vocab_size)
+            raise ValueError(f"token id {bad} is out of range: the vocabulary has {self.vocab_size} tokens")
+        return ids
 
     def token_bytes(self, token_id: int) -> bytes | None:
         """The raw bytes a single token stands for, where the vocabulary says (ByteLevel or <0xNN>)."""
@@ -226,7 +238,7 @@ class Tokenizer:
             return token.encode("utf-8")
         if self._byte_level and all(c in _BYTE_LEVEL_DECODE for c in token):
             return bytes(_BYTE_LEVEL_DECODE[c] for c in token)
-        return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
+        return self._text_in_context(token_id).encode("utf-8")
 
     def token_text(self, token_id: int) -> str:
         """The text of one token, for logprobs.
@@ -238,7 +250,7 @@ class Tokenizer:
         cached = self._token_text_cache.get(token_id)
         if cached is not None:
             return cached
-        text = self.decode([token_id], skip_special_tokens=False)
+        text = self._text_in_context(token_id)
         if "\ufffd" in text:
             raw = self.token_bytes(token_id)
             if raw is not None:
@@ -248,6 +260,28 @@ class Tokenizer:
                     text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
         self._token_text_cache[token_id] = text
         return text
+
+    def _text_in_context(self, token_id: int) -> str:
+        """The token's text as it reads after other text: decoders that strip a leading space
+        (SentencePiece's "▁Hello" -> "Hello" at the start) would otherwise lose it."""
+        anchor = self._anchor
+        if anchor is None or token_id in self._added_ids:
+            return self._tok.decode([token_id], skip_special_tokens=False)
+        anchor_id, anchor_text = anchor
+        both = self._tok.decode([anchor_id, token_id], skip_special_tokens=False)
+        if both.startswith(anchor_text):
+            return both[len(anchor_text) :]
+        return self._tok.decode([token_id], skip_special_tokens=False)
+
+    @cached_property
+    def _anchor(self) -> tuple[int, str] | None:
+        """A plain token that decodes to one letter, to put in front of a token being shown alone."""
+        for letter in "aeiostnrxyz":
+            token_id = self._tok.token_to_id(letter)
+            if token_id is not None and token_id not in self._added_ids:
+                if self._tok.decode([token_id], skip_special_tokens=False) == letter:
+                    return token_id, letter
+        return None
 
     @cached_property
     def _added_ids(self) -> set[int]:

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tokenizer_helpers import build_metaspace_dir
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
@@ -16,6 +17,12 @@ from engine.tokenizer import Tokenizer
 @pytest.fixture(scope="module")
 def tok(tiny_llama: Path) -> Tokenizer:
     return Tokenizer.from_dir(tiny_llama)
+
+
+@pytest.fixture(scope="module")
+def ms_tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    """SentencePiece-style: "▁" spaces, <0xNN> byte fallback, leading space stripped by the decoder."""
+    return Tokenizer.from_dir(build_metaspace_dir(tmp_path_factory.mktemp("metaspace")))
 
 
 def reference(tok: Tokenizer, ids: list[int], params: SamplingParams) -> tuple[str, str | None]:
@@ -147,10 +154,26 @@ def cases(draw: st.DrawFn, vocab: int) -> tuple[list[int], list[int], list[int],
     return ids, prompt, chunks, opts
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(data=st.data())
-def test_streamed_text_equals_one_shot_reference(tok: Tokenizer, data: st.DataObject) -> None:
+@st.composite
+def valid_byte_run_ids(draw: st.DrawFn, tok: Tokenizer) -> list[int]:
+    """Ids for a byte-fallback tokenizer: encoded text (so byte-token runs are whole characters)
+    mixed with arbitrary non-byte tokens."""
+    first_byte_id = min(i for i in range(tok.vocab_size) if tok.convert_ids_to_tokens([i])[0] == "<0x00>")
+    ids: list[int] = []
+    for _ in range(draw(st.integers(0, 8))):
+        if draw(st.booleans()):
+            ids += tok.encode(draw(st.text(alphabet="ab é😀中\n", max_size=6)), add_special_tokens=False)
+        else:
+            ids.append(draw(st.integers(0, first_byte_id - 1)))
+    return ids
+
+
+def check_streaming(tok: Tokenizer, data: st.DataObject, with_prompt: bool) -> None:
     ids, prompt, chunks, opts = data.draw(cases(tok.vocab_size))
+    if not with_prompt:
+        # SentencePiece style: see the module docstring of engine.detokenizer on byte-fallback runs.
+        prompt = []
+        ids = data.draw(valid_byte_run_ids(tok))
     full = tok.decode(ids, skip_special_tokens=opts["skip_special_tokens"])
     # Stop strings: substrings of the real text (so they do match), plus arbitrary short strings.
     stops = []
@@ -176,3 +199,28 @@ def test_streamed_text_equals_one_shot_reference(tok: Tokenizer, data: st.DataOb
     assert emitted == expected
     assert detok.stop_hit == expected_stop
     assert detok.text == expected
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_streamed_text_equals_one_shot_reference(tok: Tokenizer, data: st.DataObject) -> None:
+    check_streaming(tok, data, with_prompt=True)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_streamed_text_equals_one_shot_reference_sentencepiece(
+    ms_tok: Tokenizer, data: st.DataObject
+) -> None:
+    # Without a prompt: with one, the first output token keeps its leading space (see below),
+    # which a one-shot decode of the output alone strips.
+    check_streaming(ms_tok, data, with_prompt=False)
+
+
+def test_sentencepiece_output_reads_as_a_continuation_of_the_prompt(ms_tok: Tokenizer) -> None:
+    prompt = ms_tok.encode("Say hi")
+    out = ms_tok.encode("Say hi Hello é", add_special_tokens=False)[len(prompt) - 1 :]
+    assert ms_tok.convert_ids_to_tokens(out)[0].startswith("▁")
+    deltas, detok = stream(ms_tok, out, SamplingParams(), [1], prompt=prompt)
+    assert "".join(deltas) == detok.text == " Hello é"
+    assert ms_tok.decode(out) == "Hello é"  # alone, the decoder strips the leading space

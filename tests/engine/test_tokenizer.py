@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tokenizer_helpers import build_metaspace_dir
 
 from engine.tokenizer import ChatTemplateError, Tokenizer, flatten_content_parts, template_iterates_content
 
@@ -87,6 +88,16 @@ def test_encode_decode_match_hf(pair, text: str) -> None:
     assert ours.convert_ids_to_tokens(ids) == hf.convert_ids_to_tokens(ids)
 
 
+def test_out_of_vocabulary_ids_are_a_value_error(pair) -> None:
+    ours, _ = pair
+    for bad in ([5, 1000, 6], [-1], [2**40]):
+        with pytest.raises(ValueError, match="out of range: the vocabulary has 1000 tokens"):
+            ours.decode(bad)
+        with pytest.raises(ValueError, match="out of range"):
+            ours.convert_ids_to_tokens(bad)
+    assert ours.decode([]) == "" and ours.check_ids((5, 999)) == [5, 999]
+
+
 def test_special_tokens_encode_as_single_ids(pair) -> None:
     ours, _ = pair
     assert ours.encode("<|im_start|>x<|im_end|>")[0] == 1
@@ -129,6 +140,29 @@ def test_token_text_marks_partial_utf8_bytes(tiny_llama: Path) -> None:
     assert tok.token_text(2) == "<|im_end|>"
     word = tok.encode(" return", add_special_tokens=False)
     assert "".join(tok.token_text(i) for i in word) == " return"
+
+
+def test_sentencepiece_style_tokenizer_matches_hf(tmp_path: Path) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    d = build_metaspace_dir(tmp_path / "ms")
+    ours, hf = Tokenizer.from_dir(d), PreTrainedTokenizerFast.from_pretrained(str(d))
+    assert ours.bos_token_id == 1 and ours.eos_token_ids == [2] and ours.all_special_ids == {0, 1, 2}
+    assert ours.vocab_size == len(hf)
+    for text in TEXTS:
+        for add in (True, False):
+            ids = ours.encode(text, add_special_tokens=add)
+            assert ids == hf.encode(text, add_special_tokens=add)
+            for skip in (True, False):
+                assert ours.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip)
+    ids = ours.encode("Hello world é")
+    assert ids[0] == 1
+    # "▁" is a space even as the first token shown alone; byte-fallback pieces are shown as bytes.
+    texts = [ours.token_text(i) for i in ids]
+    assert texts[0] == "<s>" and texts[1] == " "
+    assert "".join(texts[1:-2]) == " Hello world "
+    assert texts[-2:] == ["bytes:\\xc3", "bytes:\\xa9"]
+    assert b"".join(ours.token_bytes(i) for i in ids[1:]) == " Hello world é".encode()
 
 
 # -- variations of tokenizer_config.json / template files ------------------------------------------
