@@ -257,3 +257,68 @@ def test_router_does_not_import_torch_and_starts_fast() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert float(out.stdout) < 3.0  # typically ~0.3 s; generous for a loaded CI machine
+
+
+def test_cache_aware_follows_prefixes_and_spreads_a_flood(cluster: Cluster, pair: list[Proc]) -> None:
+    a, b = pair
+    router = cluster.router(
+        "--replica",
+        a.url,
+        "--replica",
+        b.url,
+        "--policy",
+        "cache_aware",
+        "--model",
+        str(cluster.model),
+        "--block-size",
+        "16",
+        "--balance-abs-threshold",
+        "2",
+    )
+    c = client(router.url)
+    systems = {
+        name: f"{name.upper()} {name} speaking. You are assistant {name}. " + " ".join(f"rule {i} for {name}." for i in range(40))
+        for name in ("alpha", "beta")
+    }
+    convs = {name: [{"role": "system", "content": s}] for name, s in systems.items()}
+    placed: dict[str, set[str]] = {"alpha": set(), "beta": set()}
+    cached: list[int] = []
+    for turn in range(3):
+        for name, msgs in convs.items():
+            msgs.append({"role": "user", "content": f"question {turn} from {name}"})
+            before = {u: r["total_requests"] for u, r in replicas_view(router).items()}
+            hits_before = metric(router.url, "ferry:router_cache_hit_tokens_total")
+            r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0)
+            after = replicas_view(router)
+            placed[name] |= {u for u in after if after[u]["total_requests"] > before[u]}
+            msgs.append({"role": "assistant", "content": r.choices[0].message.content})
+            predicted = metric(router.url, "ferry:router_cache_hit_tokens_total") - hits_before
+            if turn > 0:
+                actual = r.usage.prompt_tokens_details.cached_tokens
+                assert predicted > 200 and actual >= predicted  # the router's prediction held
+                cached.append(actual)
+    # Each conversation stayed on one replica, and the two went to different replicas.
+    assert len(placed["alpha"]) == 1 and len(placed["beta"]) == 1 and placed["alpha"] != placed["beta"]
+    assert len(cached) == 4
+
+    # A flood of one hot prefix (concurrent) must not pile onto its holder.
+    import concurrent.futures
+
+    before = {u: r["total_requests"] for u, r in replicas_view(router).items()}
+    msgs = convs["alpha"][:1]
+
+    def one(i: int) -> str:
+        r = c.chat.completions.create(
+            model=MODEL,
+            messages=[*msgs, {"role": "user", "content": f"flood {i}"}],
+            max_tokens=40,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        return r.choices[0].finish_reason
+
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        assert list(pool.map(one, range(12))) == ["length"] * 12
+    after = replicas_view(router)
+    got = {u: after[u]["total_requests"] - before[u] for u in after}
+    assert sum(got.values()) == 12 and min(got.values()) >= 3, got
