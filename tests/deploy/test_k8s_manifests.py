@@ -124,6 +124,14 @@ def matches(match_labels: dict[str, str], labels: dict[str, str]) -> bool:
     return all(labels.get(k) == v for k, v in match_labels.items())
 
 
+def to_bytes(size: str) -> int:
+    """Kubernetes quantities (4Gi, 512Mi) and Redis sizes (768mb, 24gb) as bytes."""
+    m = re.fullmatch(r"(\d+)(Ki|Mi|Gi|kb|mb|gb)?", size)
+    assert m, size
+    unit = {None: 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "kb": 1 << 10, "mb": 1 << 20, "gb": 1 << 30}
+    return int(m.group(1)) * unit[m.group(2)]
+
+
 def replica_pools(docs: list[dict]) -> list[dict]:
     return [
         d
@@ -387,5 +395,11 @@ def test_kv_tier_points_at_the_deployed_redis_or_the_secret(overlay: tuple[str, 
         else:
             redis = one(docs, "Service", tier.hostname)
             assert tier.port == redis["spec"]["ports"][0]["port"]
-            sts = one(docs, "StatefulSet", "ferry-redis")
-            assert "allkeys-lru" in pod_spec(sts)["containers"][0]["args"]
+            (redis_container,) = pod_spec(one(docs, "StatefulSet", "ferry-redis"))["containers"]
+            args = redis_container["args"]
+            # A cache: evicts instead of failing writes, and stays inside its memory limit (not OOM-killed).
+            assert args[args.index("--maxmemory-policy") + 1] == "allkeys-lru"
+            maxmemory = to_bytes(args[args.index("--maxmemory") + 1])
+            assert maxmemory < to_bytes(redis_container["resources"]["limits"]["memory"])
+            if name in GPU_OVERLAYS:
+                assert maxmemory >= 16 << 30  # a real model's blocks need room
