@@ -12,7 +12,7 @@ and a prompt's token count is its byte count. Answers are ``--tokens`` single-le
 when the request's ``max_tokens`` is smaller), streamed ``--tokens-per-chunk`` per SSE chunk with
 ``--delay-ms`` per token and ``--ttft-ms`` before the first; ``stream_options.include_usage`` and
 ``continuous_usage_stats`` (usage on every chunk) are honoured. ``POST /reset_prefix_cache`` is
-accepted (there is no cache) and ``GET /standin/stats`` counts completions and resets. It must never load a model or import
+accepted (there is no cache) and ``GET /standin/stats`` counts completions, resets and completions per ``X-Session-Id``. It must never load a model or import
 anything from ferry, so it runs as a plain script on any machine with uvicorn.
 """
 
@@ -86,6 +86,7 @@ class StandIn:
         self.cfg = cfg
         self.completions = 0
         self.resets = 0
+        self.sessions: dict[str, int] = {}  # X-Session-Id -> completions seen
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -99,7 +100,8 @@ class StandIn:
         if scope["type"] != "http":
             return
         method, path = scope["method"], scope["path"]
-        request_id = dict(scope["headers"]).get(b"x-request-id", uuid.uuid4().hex.encode()).decode()
+        headers = dict(scope["headers"])
+        request_id = headers.get(b"x-request-id", uuid.uuid4().hex.encode()).decode()
         try:
             if method == "GET" and path == "/health":
                 await self._json(send, 200, {"status": "ok"}, request_id)
@@ -115,13 +117,20 @@ class StandIn:
             elif method == "POST" and path in ("/v1/chat/completions", "/v1/completions"):
                 body = await self._body(receive)
                 self.completions += 1
+                session = headers.get(b"x-session-id")
+                if session is not None:
+                    key = session.decode()
+                    self.sessions[key] = self.sessions.get(key, 0) + 1
                 await self._complete(send, body, path == "/v1/chat/completions", request_id)
             elif method == "POST" and path == "/reset_prefix_cache":
                 self.resets += 1  # nothing is cached here; counted so clients can be checked
                 await self._json(send, 200, {"status": "ok"}, request_id)
             elif method == "GET" and path == "/standin/stats":
                 await self._json(
-                    send, 200, {"completions": self.completions, "resets": self.resets}, request_id
+                    send,
+                    200,
+                    {"completions": self.completions, "resets": self.resets, "sessions": self.sessions},
+                    request_id,
                 )
             elif method == "POST" and path == "/tokenize":
                 body = await self._body(receive)

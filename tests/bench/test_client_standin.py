@@ -4,11 +4,16 @@ chunk accounting, failure kinds, datasets, replay, arrivals, dry runs."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from bench.client.load import arrival_gaps
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _raw(out: Path) -> list[dict]:
@@ -122,6 +127,9 @@ def test_multi_turn_context_grows_and_replays(standin, bench, tmp_path: Path) ->
     )
     assert rc == 0
     assert (replay / "requests.jsonl").read_bytes() == (out / "requests.jsonl").read_bytes()
+    # Both runs sent every turn of a session under its X-Session-Id header.
+    stats = httpx.get(srv.url + "/standin/stats").json()
+    assert stats["sessions"] == {"bench-0-s00000": 6, "bench-0-s00001": 6}
     assert [r["prompt_tokens"] for r in _raw(replay)] == [5, 14, 23] * 2
 
 
@@ -183,12 +191,10 @@ def test_request_rate_schedule(standin, bench, tmp_path: Path) -> None:
 
 
 def test_reset_prefix_cache_before_each_run(standin, bench, tmp_path: Path) -> None:
-    import httpx
-
     srv = standin("--tokens", "2")
     flags = f"--base-url {srv.url} --num-prompts 3 --input-len 4 --output-len 2 --concurrency 1,2 --repeat 2 --warmup 1"
     assert bench(flags + " --reset-prefix-cache", "--output-dir", str(tmp_path / "r"))[0] == 0
-    assert httpx.get(srv.url + "/standin/stats").json() == {"completions": 16, "resets": 4}
+    assert httpx.get(srv.url + "/standin/stats").json() == {"completions": 16, "resets": 4, "sessions": {}}
 
 
 def test_api_key_is_sent_but_never_saved(standin, bench, tmp_path: Path) -> None:
@@ -213,3 +219,37 @@ def test_bad_flags_are_clear(bench) -> None:
     assert rc == 2 and "--dataset-path" in out
     rc, out = bench("--slo ttft=fast")
     assert rc == 2 and "not a number" in out
+
+
+def test_cli_subprocess_progress_and_table(standin, tmp_path: Path) -> None:
+    srv = standin("--tokens", "3")
+    out = tmp_path / "cli"
+    cmd = [
+        sys.executable,
+        "-m",
+        "ferry",
+        "bench",
+        "--base-url",
+        srv.url,
+        "--num-prompts",
+        "4",
+        "--input-len",
+        "4",
+        "--output-len",
+        "3",
+        "--concurrency",
+        "2",
+        "--output-dir",
+        str(out),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert "[c=2 run 1/1]" in proc.stderr and "4/4 failed 0" in proc.stderr  # progress on stderr
+    assert "request throughput (req/s)" in proc.stdout and f"results: {out}" in proc.stdout
+    assert {p.name for p in out.iterdir()} == {
+        "summary.json",
+        "summary.txt",
+        "raw.jsonl",
+        "requests.jsonl",
+        "environment.json",
+    }

@@ -92,6 +92,11 @@ def test_token_accounting_itl_and_percentiles(ferry_serve, tiny_llama: Path, ben
     assert m["output_throughput"] == pytest.approx(m["total_output_tokens"] / duration)
     assert m["good_requests"] == 8
     assert "TTFT p99 (ms)" in stdout
+    env = json.loads((out / "environment.json").read_text())
+    assert env["model_dir"]["path"] == str(tiny_llama.resolve()) and len(env["model_dir"]["sha256"]) == 64
+    assert env["model_dir"]["method"] == "sha256-full" and env["flags"]["seed"] == 5
+    assert env["ferry_version"] and env["python"] and env["os"] and env["cpu_count"] >= 1
+    assert env == _summary(out)["environment"]
 
 
 def test_same_seed_same_request_set(ferry_serve, bench, tmp_path: Path) -> None:
