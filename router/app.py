@@ -42,8 +42,10 @@ from router.http import (
     send_error,
     send_json,
 )
+from router.kv_events import KVEventFollower
 from router.metrics import RouterMetrics
 from router.policies import RouteRequest, make_policy
+from router.policies.cache_aware import CacheAware
 from router.pool import Replicas
 from router.prompt_keys import PromptKeyer, make_keyer
 from router.relay import ProxyCall, Relay
@@ -104,6 +106,15 @@ class RouterApp:
             if config.discovery
             else None
         )
+        self.kv_events: KVEventFollower | None = None
+        if (
+            config.kv_tier
+            and config.kv_tier.startswith(("redis://", "rediss://"))
+            and isinstance(self.policy, CacheAware)
+        ):
+            self.kv_events = KVEventFollower(
+                config.kv_tier, self.policy.index, lambda u: self.replicas.find(u) is not None
+            )
         self.replicas.on_removed.append(self._forget)
         for role, urls in (
             ("mixed", config.replicas),
@@ -131,10 +142,14 @@ class RouterApp:
         self.health.start()
         if self.discovery is not None:
             self.discovery.start()
+        if self.kv_events is not None:
+            self.kv_events.start()
         self.started = True
 
     async def shutdown(self) -> None:
         await self.health.stop()
+        if self.kv_events is not None:
+            await self.kv_events.stop()
         if self.discovery is not None:
             await self.discovery.stop()
         await self.client.aclose()

@@ -277,7 +277,8 @@ def test_cache_aware_follows_prefixes_and_spreads_a_flood(cluster: Cluster, pair
     )
     c = client(router.url)
     systems = {
-        name: f"{name.upper()} {name} speaking. You are assistant {name}. " + " ".join(f"rule {i} for {name}." for i in range(40))
+        name: f"{name.upper()} {name} speaking. You are assistant {name}. "
+        + " ".join(f"rule {i} for {name}." for i in range(40))
         for name in ("alpha", "beta")
     }
     convs = {name: [{"role": "system", "content": s}] for name, s in systems.items()}
