@@ -137,6 +137,12 @@ def scrape():
 
 
 @pytest.fixture(scope="session")
+def free_tcp_port():
+    """``free_tcp_port()`` -> a free loopback port."""
+    return free_port
+
+
+@pytest.fixture(scope="session")
 def server_process() -> type[ServerProcess]:
     """The ServerProcess class, for modules that start replicas with their own flags."""
     return ServerProcess
