@@ -25,6 +25,12 @@ def _rows_per_program(block_cols: int) -> int:
     return max(1, min(64, _MAX_BLOCK_ELEMS // block_cols))
 
 
+def _num_warps(block_elems: int) -> int:
+    # About 16 values per thread: enough loads in flight to saturate memory without spilling.
+    warps = max(1, block_elems // (32 * 16))
+    return min(16, 1 << (warps.bit_length() - 1))  # a power of two, as Triton requires
+
+
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -89,7 +95,7 @@ def rms_norm(
         if n_rows:
             _rms_norm_kernel[grid](
                 x, x, weight, out, out, n_rows, n_cols, x.stride(0), 0, out.stride(0), 0, eps,
-                HAS_RESIDUAL=False, BLOCK_T=block_t, BLOCK_H=block_h,
+                HAS_RESIDUAL=False, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=_num_warps(block_t * block_h),
             )  # fmt: skip
         return out, None
     residual = _last_dim_contiguous(residual)
@@ -98,7 +104,7 @@ def rms_norm(
         _rms_norm_kernel[grid](
             x, residual, weight, out, res_out, n_rows, n_cols,
             x.stride(0), residual.stride(0), out.stride(0), res_out.stride(0), eps,
-            HAS_RESIDUAL=True, BLOCK_T=block_t, BLOCK_H=block_h,
+            HAS_RESIDUAL=True, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=_num_warps(block_t * block_h),
         )  # fmt: skip
     return out, res_out
 
@@ -212,8 +218,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     block_t = _rows_per_program(block_i)
     grid = (triton.cdiv(n_rows, block_t), triton.cdiv(inter, block_i))
     _silu_and_mul_kernel[grid](
-        x, out, n_rows, inter, x.stride(0), out.stride(0), BLOCK_T=block_t, BLOCK_I=block_i
-    )
+        x, out, n_rows, inter, x.stride(0), out.stride(0),
+        BLOCK_T=block_t, BLOCK_I=block_i, num_warps=_num_warps(block_t * block_i),
+    )  # fmt: skip
     return out
 
 
