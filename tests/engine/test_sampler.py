@@ -186,8 +186,10 @@ def test_row_uniform_is_a_pure_function_of_seed_and_position() -> None:
 def test_inverse_cdf_never_draws_masked_tokens() -> None:
     inf = float("-inf")
     logits = torch.tensor([[inf, 0.0, inf, 0.0, inf]] * 4)
-    u = torch.tensor([1e-300, 0.5 - 1e-12, 0.5 + 1e-12, 1 - 2**-53], dtype=torch.float64)
+    u = torch.tensor([1e-300, 0.5 - 1e-6, 0.5 + 1e-6, 1 - 2**-53], dtype=torch.float64)
     assert sample_from_logits(logits, u).tolist() == [1, 1, 3, 3]
+    nothing_left = torch.full((1, 3), inf)
+    assert 0 <= sample_from_logits(nothing_left, torch.tensor([0.5], dtype=torch.float64)).item() < 3
     one = torch.tensor([[inf, inf, 5.0]])
     assert sample_from_logits(one, torch.tensor([1 - 2**-53], dtype=torch.float64)).tolist() == [2]
 
