@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -187,12 +187,25 @@ class KVConnector:
         block_ids: Sequence[int],
         k_caches: Sequence[torch.Tensor],
         v_caches: Sequence[torch.Tensor],
+        then: Callable[[int], None] | None = None,
     ) -> Future[int]:
-        """``load`` on a loader thread. The caller must not touch ``block_ids`` until it is done."""
+        """``load`` on a loader thread. The caller must not touch ``block_ids`` until it is done.
+
+        ``then(loaded)`` runs on the loader thread before the future completes, so whatever it
+        records is visible to anyone who saw the future done.
+        """
         if len(hashes) != len(block_ids):
             raise ValueError(f"{len(hashes)} hashes but {len(block_ids)} block ids")
         self._check_caches(k_caches, v_caches)
-        return self._loader.submit(self.load, list(hashes), list(block_ids), k_caches, v_caches)
+        hashes, block_ids = list(hashes), list(block_ids)
+
+        def run() -> int:
+            loaded = self.load(hashes, block_ids, k_caches, v_caches)
+            if then is not None:
+                then(loaded)
+            return loaded
+
+        return self._loader.submit(run)
 
     def _copy_in(
         self,

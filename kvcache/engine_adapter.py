@@ -9,8 +9,9 @@ engine's hook methods by name (it does not import ``engine``: parts import downw
 
 What happens when (all on the engine loop thread):
 
-* admission: ``num_loadable_blocks`` → ``KVConnector.lookup`` (one pipelined round trip), then
-  ``load_blocks`` → ``KVConnector.load`` into the freshly allocated blocks;
+* admission: ``num_loadable_blocks`` → ``KVConnector.lookup`` (one round trip), then
+  ``load_blocks`` → ``KVConnector.load`` into the freshly allocated blocks (or
+  ``load_blocks_async`` → a ``Future[int]`` for a scheduler that parks the request meanwhile);
 * a block becomes full and registered in the device prefix cache (``block_stored``): its KV is
   snapshotted and queued for the tier — unless it was itself just loaded from the tier;
 * a cached block is evicted (``block_removed``): only a device event, if events are on;
@@ -21,7 +22,9 @@ What happens when (all on the engine loop thread):
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import Any
 
 from kvcache.connector import ConnectorStats, KVConnector
@@ -29,6 +32,7 @@ from kvcache.connector import ConnectorStats, KVConnector
 logger = logging.getLogger(__name__)
 
 PRODUCER_FLUSH_TIMEOUT_S = 5.0
+MAX_UNREGISTERED_LOADS = 65536
 
 
 class TierConnector:
@@ -49,8 +53,10 @@ class TierConnector:
             config.kv_tier_write_queue,
             events=config.kv_events,
         )
-        # Hashes loaded by the last load_blocks: the scheduler registers them right after, and a
-        # block that came from the tier must not be written back to it.
+        # Hashes loaded from the tier and not yet registered by the block manager: a block that
+        # came from the tier must not be written back to it. Loader threads add, the engine
+        # thread removes.
+        self._lock = threading.Lock()
         self._just_loaded: set[bytes] = set()
         engine.block_manager.add_listener(self)
 
@@ -61,8 +67,29 @@ class TierConnector:
 
     def load_blocks(self, request: Any, block_ids: Sequence[int], block_hashes: Sequence[bytes]) -> int:
         loaded = self.kv.load(block_hashes, block_ids, self.k_caches, self.v_caches)
-        self._just_loaded = set(block_hashes[:loaded])
+        self._mark_loaded(block_hashes[:loaded])
         return loaded
+
+    def load_blocks_async(
+        self, request: Any, block_ids: Sequence[int], block_hashes: Sequence[bytes]
+    ) -> Future[int]:
+        """``load_blocks`` on a loader thread, for a scheduler that parks the request meanwhile.
+
+        The engine must neither compute on nor free ``block_ids`` until the future is done; then
+        it registers ``block_hashes[:result]`` exactly as after ``load_blocks``.
+        """
+        hashes = list(block_hashes)
+        return self.kv.load_async(
+            hashes, block_ids, self.k_caches, self.v_caches, then=lambda n: self._mark_loaded(hashes[:n])
+        )
+
+    def _mark_loaded(self, hashes: Sequence[bytes]) -> None:
+        with self._lock:
+            if len(self._just_loaded) > MAX_UNREGISTERED_LOADS:
+                # Entries linger only when the block manager skipped a loaded block (its hash was
+                # already cached under another block id); forgetting them costs at most a rewrite.
+                self._just_loaded.clear()
+            self._just_loaded.update(hashes)
 
     def request_finished(self, request: Any) -> None:
         spec = request.kv_transfer
@@ -82,9 +109,10 @@ class TierConnector:
     def block_stored(
         self, block_id: int, block_hash: bytes, parent_hash: bytes | None, token_ids: tuple[int, ...]
     ) -> None:
-        if block_hash in self._just_loaded:
+        with self._lock:
+            from_tier = block_hash in self._just_loaded
             self._just_loaded.discard(block_hash)
-        else:
+        if not from_tier:
             self.kv.save(block_hash, block_id, self.k_caches, self.v_caches)
         if self.kv.events_enabled:
             self.kv.publish_event("stored", [block_hash], medium="device")

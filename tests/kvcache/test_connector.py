@@ -158,8 +158,10 @@ def test_load_async_returns_a_future(redis_url: str) -> None:
         conn.save_many(HASHES[:4], [0, 1, 2, 3], k, v)
         conn.flush(5.0)
         k2, v2 = _caches(seed=None)
-        fut = conn.load_async(HASHES[:5], [7, 8, 9, 10, 11], k2, v2)
+        seen: list[int] = []
+        fut = conn.load_async(HASHES[:5], [7, 8, 9, 10, 11], k2, v2, then=seen.append)
         assert fut.result(timeout=10) == 4
+        assert seen == [4]  # ran on the loader thread before the future completed
         assert torch.equal(_block(k2, v2, 10), _block(k, v, 3))
 
 

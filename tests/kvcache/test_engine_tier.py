@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import redis
+import torch
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
@@ -101,3 +102,30 @@ def test_producer_request_waits_for_its_blocks_to_reach_the_tier(tiny_llama, red
     raw = redis.Redis.from_url(redis_url)
     # At hand-off time every prompt block is already readable by a consumer.
     assert all(raw.exists(f"ferry:kv:{engine.model_fingerprint}:{h}") for h in hexes)
+
+
+def test_async_load_into_engine_cache_is_bit_exact(tiny_llama, redis_url: str) -> None:
+    a = LLM(str(tiny_llama), kv_tier=redis_url, **OPTIONS)
+    _run(a)
+    assert a.engine.connector.flush(10.0)
+    hashes = block_hashes(PROMPT, BLOCK)[:4]
+    a_ids = [
+        a.engine.block_manager.lookup(h, PROMPT[i * BLOCK : (i + 1) * BLOCK]) for i, h in enumerate(hashes)
+    ]
+    assert None not in a_ids
+
+    b = LLM(str(tiny_llama), kv_tier=redis_url, **OPTIONS)
+    bm = b.engine.block_manager
+    table: list[int] = []
+    assert bm.allocate(table, [], 4 * BLOCK)
+    fut = b.engine.connector.load_blocks_async(None, table, hashes)
+    assert fut.result(timeout=30) == 4
+    for (ka, va), (kb, vb) in zip(
+        a.engine.model_runner.kv_caches, b.engine.model_runner.kv_caches, strict=True
+    ):
+        assert torch.equal(kb[table], ka[a_ids]) and torch.equal(vb[table], va[a_ids])
+    # Registering the loaded blocks must not write them back to the tier.
+    bm.cache_full_blocks(table, PROMPT, hashes, 0)
+    assert b.engine.connector.flush(10.0) and b.engine.connector.stats().blocks_saved == 0
+    bm.free(table)
+    bm.check_integrity()
