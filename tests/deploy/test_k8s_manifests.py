@@ -8,11 +8,16 @@ would not find the replica pools, weights that could be downloaded at start.
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
-from conftest import OVERLAYS
+from conftest import OVERLAYS, ROOT
 from kubernetes import client
 
 from ferry.cli import build_parser
@@ -403,3 +408,36 @@ def test_kv_tier_points_at_the_deployed_redis_or_the_secret(overlay: tuple[str, 
             assert maxmemory < to_bytes(redis_container["resources"]["limits"]["memory"])
             if name in GPU_OVERLAYS:
                 assert maxmemory >= 16 << 30  # a real model's blocks need room
+
+
+def test_embedded_scripts_run(rendered: dict[str, list[dict]], tmp_path: Path) -> None:
+    """The shell and Python embedded in the manifests, run as the pods would run them: the demo-model
+    Job builds a model `ferry` can load, atomically and idempotently; the replicas' init container
+    waits for exactly that model."""
+    docs = rendered["disaggregated"]
+    job = pod_spec(one(docs, "Job", "ferry-demo-model"))["containers"][0]
+    target = tmp_path / "models" / "model"
+    target.parent.mkdir()
+    env = {**os.environ, "MODEL_PATH": str(target), "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    init = pod_spec(one(docs, "Deployment", "ferry-decode"))["initContainers"][0]["command"]
+    with pytest.raises(subprocess.TimeoutExpired):  # no model yet: the replica keeps waiting
+        subprocess.run(init, env=env, capture_output=True, timeout=1.5)
+
+    build = [sys.executable, *job["command"][1:]]
+    assert job["command"][0] == "python"
+    first = subprocess.run(build, env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    assert sorted(p.name for p in target.parent.iterdir()) == ["model"]  # no temporary left behind
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors"} <= {
+        p.name for p in target.iterdir()
+    }
+    stamp = (target / "model.safetensors").stat().st_mtime_ns
+    again = subprocess.run(build, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and (target / "model.safetensors").stat().st_mtime_ns == stamp  # kept as is
+    assert subprocess.run(init, env=env, capture_output=True, timeout=10).returncode == 0
+
+    from engine.demo import DEMO_SPEC
+
+    config = json.loads((target / "config.json").read_text())
+    assert config["hidden_size"] == DEMO_SPEC["hidden_size"]
+    assert config["num_hidden_layers"] == DEMO_SPEC["num_hidden_layers"]
