@@ -75,25 +75,36 @@ def template_iterates_content(template: str) -> bool:
     """Whether the template loops over ``message['content']`` itself (OpenAI-style parts).
 
     Like vLLM's content-format detection: such templates get the parts as given; the others get
-    the text parts flattened to one string.
+    the text parts flattened to one string. Follows ``{% set c = message['content'] %}`` aliases.
     """
     try:
         ast = jinja2.Environment(extensions=[jinja2.ext.loopcontrols]).parse(template)
     except jinja2.TemplateSyntaxError:
         return False
+    aliases = {
+        node.target.name
+        for node in ast.find_all(jinja2.nodes.Assign)
+        if isinstance(node.target, jinja2.nodes.Name) and _is_content(node.node)
+    }
     for loop in ast.find_all(jinja2.nodes.For):
         it = loop.iter
-        if isinstance(it, jinja2.nodes.Filter):  # e.g. message['content'] | selectattr(...)
+        while isinstance(it, jinja2.nodes.Filter):  # e.g. message['content'] | selectattr(...)
             it = it.node
-        if isinstance(it, jinja2.nodes.Getattr) and it.attr == "content":
-            return True
-        if (
-            isinstance(it, jinja2.nodes.Getitem)
-            and isinstance(it.arg, jinja2.nodes.Const)
-            and it.arg.value == "content"
-        ):
+        if _is_content(it) or (isinstance(it, jinja2.nodes.Name) and it.name in aliases):
             return True
     return False
+
+
+def _is_content(node: jinja2.nodes.Node) -> bool:
+    if isinstance(node, jinja2.nodes.Filter):
+        return _is_content(node.node)
+    if isinstance(node, jinja2.nodes.Getattr):
+        return node.attr == "content"
+    return (
+        isinstance(node, jinja2.nodes.Getitem)
+        and isinstance(node.arg, jinja2.nodes.Const)
+        and node.arg.value == "content"
+    )
 
 
 def _plain(value: Any) -> Any:

@@ -323,6 +323,16 @@ def test_template_failures_become_chat_template_errors(tiny_llama: Path, tmp_pat
 def test_string_templates_get_flattened_parts(tiny_llama: Path, tmp_path: Path) -> None:
     string_tpl = "{% for m in messages %}[{{ m['role'] }}:{{ m['content'] }}]{% endfor %}"
     assert not template_iterates_content(string_tpl)
+    assert template_iterates_content(
+        "{% for m in messages %}{% for p in m.content %}{% endfor %}{% endfor %}"
+    )
+    aliased = (
+        "{% for m in messages %}{% set c = m['content'] %}{% for p in c | list %}{% endfor %}{% endfor %}"
+    )
+    assert template_iterates_content(aliased)
+    assert not template_iterates_content(
+        "{% for m in messages %}{% set c = m['role'] %}{% for x in c %}{% endfor %}{% endfor %}"
+    )
     tok = Tokenizer.from_dir(_variant(tiny_llama, tmp_path / "str", {"chat_template": string_tpl}))
     parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
     assert tok.apply_chat_template([{"role": "user", "content": parts}]) == "[user:a\nb]"
@@ -356,3 +366,55 @@ def test_continue_final_message_leaves_the_last_message_open(tiny_llama: Path) -
         ours.apply_chat_template(messages, add_generation_prompt=True, continue_final_message=True)
     with pytest.raises(ChatTemplateError, match="at least one message"):
         ours.apply_chat_template([], add_generation_prompt=False, continue_final_message=True)
+
+
+# A template in the style of real ones: block tags on their own indented lines (trim_blocks and
+# lstrip_blocks matter), namespace(), loop.last, tools through tojson, raise_exception, bos_token.
+RICH_TEMPLATE = """{{ bos_token }}
+{% set ns = namespace(system='') %}
+{% if messages and messages[0]['role'] == 'system' %}
+    {% set ns.system = messages[0]['content'] %}
+    {% set messages = messages[1:] %}
+{% endif %}
+{% if tools %}
+<tools>
+    {% for tool in tools %}
+{{ tool | tojson }}
+    {% endfor %}
+</tools>
+{% endif %}
+{% if ns.system %}[SYS] {{ ns.system | trim }}
+{% endif %}
+{% for message in messages %}
+    {% if message['role'] not in ['user', 'assistant', 'tool'] %}
+        {{ raise_exception('unknown role ' + message['role']) }}
+    {% endif %}
+    <{{ message['role'] }}>{{ message['content'] }}{% if not loop.last %}{{ eos_token }}{% endif %}
+
+{% endfor %}
+{% if add_generation_prompt %}<assistant>{% endif %}"""
+
+
+@pytest.mark.parametrize("conv", range(len(CONVERSATIONS)))
+@pytest.mark.parametrize("with_tools", [False, True])
+def test_rich_template_matches_hf(tiny_qwen2: Path, tmp_path: Path, conv: int, with_tools: bool) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    d = _variant(
+        tiny_qwen2, tmp_path / "rich", {"chat_template": RICH_TEMPLATE, "bos_token": "<|endoftext|>"}
+    )
+    (d / "chat_template.jinja").unlink(missing_ok=True)
+    ours, hf = Tokenizer.from_dir(d), PreTrainedTokenizerFast.from_pretrained(str(d))
+    tools = [
+        {"type": "function", "function": {"name": "get<weather>", "parameters": {"city": "Zürich & co"}}}
+    ]
+    messages = CONVERSATIONS[conv]
+    if not template_iterates_content(RICH_TEMPLATE):
+        messages = flatten_content_parts(messages)  # what we hand such templates; HF passes lists as is
+    kwargs = {"tools": tools} if with_tools else {}
+    text = ours.apply_chat_template(CONVERSATIONS[conv], **kwargs)
+    assert text == hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+    assert text.startswith("<|endoftext|>") and text.endswith("<assistant>")
+    assert ('{"name": "get<weather>"' in text) == with_tools
+    with pytest.raises(ChatTemplateError, match="unknown role robot"):
+        ours.apply_chat_template([{"role": "robot", "content": "x"}])
