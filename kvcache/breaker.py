@@ -2,10 +2,11 @@
 
 When Redis is down or slow, the engine must not feel it: every call is already bounded by
 socket timeouts, and after ``failure_threshold`` consecutive failures the breaker *opens*
-and calls return a miss at once, without touching the network, for ``cooldown_s``. Then
-one caller is let through as a *half-open* probe: success closes the breaker (hits resume
-by themselves), failure re-opens it for another cool-down. Nothing here ever raises to
-the caller.
+and calls return a miss at once, without touching the network. Once ``cooldown_s`` has
+passed, the next call (still answered with a miss at once) starts a *half-open* probe — one
+cheap ``contains_prefix`` on a background thread, so no engine-thread call ever waits on a
+dead host's connect timeout. Success closes the breaker (hits resume by themselves); failure
+re-opens it for another cool-down. Nothing here ever raises to the caller.
 """
 
 from __future__ import annotations
@@ -33,12 +34,16 @@ from kvcache.tier import Tier
 logger = logging.getLogger(__name__)
 
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
+PROBE_KEY = "ferry:kv:probe"  # never written: the probe only asks whether the server answers
 
 T = TypeVar("T")
 
 
 class CircuitBreaker:
-    """Closed → (N consecutive failures) → open → (cool-down) → half-open probe → closed | open."""
+    """Closed → (N consecutive failures) → open → (cool-down) → half-open probe → closed | open.
+
+    In half-open state exactly one probe is out; everything else is refused until it reports.
+    """
 
     def __init__(
         self, failure_threshold: int = 3, cooldown_s: float = 1.0, clock: Callable[[], float] = time.monotonic
@@ -52,7 +57,6 @@ class CircuitBreaker:
         self._state = CLOSED
         self._failures = 0
         self._opened_at = 0.0
-        self._probe_in_flight = False
         self.times_opened = 0
 
     @property
@@ -60,20 +64,21 @@ class CircuitBreaker:
         with self._lock:
             return self._state
 
-    def allow(self) -> bool:
-        """May a call go to the backend now? In half-open state only one probe at a time."""
+    def is_closed(self) -> bool:
         with self._lock:
-            if self._state == CLOSED:
-                return True
-            if self._state == OPEN:
-                if self._clock() - self._opened_at < self.cooldown_s:
-                    return False
-                self._state = HALF_OPEN
-                self._probe_in_flight = False
-            if self._probe_in_flight:
+            return self._state == CLOSED
+
+    def begin_probe(self) -> bool:
+        """Open and cooled down, with no probe out: become half-open; the caller runs the probe."""
+        with self._lock:
+            if self._state != OPEN or self._clock() - self._opened_at < self.cooldown_s:
                 return False
-            self._probe_in_flight = True
+            self._state = HALF_OPEN
             return True
+
+    def allow(self) -> bool:
+        """For callers that may block (background threads): closed, or this call is the probe."""
+        return self.is_closed() or self.begin_probe()
 
     def record_success(self) -> None:
         with self._lock:
@@ -81,11 +86,9 @@ class CircuitBreaker:
                 logger.warning("KV tier reachable again; circuit breaker closed")
             self._state = CLOSED
             self._failures = 0
-            self._probe_in_flight = False
 
     def record_failure(self) -> None:
         with self._lock:
-            self._probe_in_flight = False
             if self._state == HALF_OPEN:
                 self._open()
                 return
@@ -94,7 +97,7 @@ class CircuitBreaker:
                 self._open()
 
     def _open(self) -> None:
-        if self._state != OPEN:
+        if self._state == CLOSED:  # not again after each failed probe: once per outage
             logger.warning(
                 "KV tier failing; circuit breaker open for %.2fs (calls return misses meanwhile)",
                 self.cooldown_s,
@@ -134,6 +137,7 @@ class GuardedTier(Tier):
         self.breaker = breaker or CircuitBreaker()
         self.name = name
         self._errors = ErrorCounter()
+        self._probe: threading.Thread | None = None
 
     def contains_prefix(self, keys: Sequence[str]) -> int:
         return self._call("contains_prefix", lambda: self.inner.contains_prefix(keys), 0)
@@ -158,20 +162,40 @@ class GuardedTier(Tier):
             breaker_state=self.breaker.state,
         )
 
+    def wait_for_probe(self, timeout: float | None = None) -> None:
+        """Wait for a running background probe (tests, shutdown)."""
+        probe = self._probe
+        if probe is not None:
+            probe.join(timeout)
+
     def _call(self, op: str, fn: Callable[[], T], on_failure: T) -> T:
-        if not self.breaker.allow():
+        if not self.breaker.is_closed():
             self._errors.record(ERROR_CIRCUIT_OPEN)
+            if self.breaker.begin_probe():
+                self._probe = threading.Thread(target=self._run_probe, name=f"{self.name}-probe", daemon=True)
+                self._probe.start()
             return on_failure
         try:
             result = fn()
         except Exception as exc:
-            kind = classify_error(exc)
-            self._errors.record(kind)
-            self.breaker.record_failure()
-            if kind == ERROR_INTERNAL:
-                logger.exception("%s %s failed unexpectedly; treated as a miss", self.name, op)
-            else:
-                logger.debug("%s %s failed (%s): %r", self.name, op, kind, exc)
+            self._failed(op, exc)
             return on_failure
         self.breaker.record_success()
         return result
+
+    def _run_probe(self) -> None:
+        try:
+            self.inner.contains_prefix([PROBE_KEY])
+        except Exception as exc:
+            self._failed("probe", exc)
+            return
+        self.breaker.record_success()
+
+    def _failed(self, op: str, exc: Exception) -> None:
+        kind = classify_error(exc)
+        self._errors.record(kind)
+        self.breaker.record_failure()
+        if kind == ERROR_INTERNAL:
+            logger.error("%s %s failed unexpectedly; treated as a miss", self.name, op, exc_info=exc)
+        else:
+            logger.debug("%s %s failed (%s): %r", self.name, op, kind, exc)

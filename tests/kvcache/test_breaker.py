@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from kvcache.breaker import CircuitBreaker, GuardedTier
@@ -33,14 +35,15 @@ def test_opens_after_consecutive_failures_and_probes_once() -> None:
     assert not b.allow()
     clock.now += 0.02
     assert b.allow() and b.state == "half_open"  # the single probe
-    assert not b.allow()  # nobody else while the probe is out
+    assert not b.allow() and not b.begin_probe()  # nobody else while the probe is out
     b.record_failure()  # probe failed: open again for a full cool-down
     assert b.state == "open" and b.times_opened == 2
     assert not b.allow()
+    assert not b.begin_probe()
     clock.now += 2.0
-    assert b.allow()
+    assert not b.is_closed() and b.begin_probe() and b.state == "half_open"
     b.record_success()
-    assert b.state == "closed" and b.allow() and b.allow()
+    assert b.state == "closed" and b.is_closed() and b.allow() and b.allow()
 
 
 def test_threshold_must_be_positive() -> None:
@@ -84,5 +87,37 @@ def test_guarded_tier_classifies_and_never_raises(exc: Exception, kind: str, met
     assert guarded.get_many(["k"]) == [None]  # still cooling down: not even tried
     assert guarded.stats().errors == {kind: 2, "circuit_open": 1}
     clock.now += 5.0
-    assert guarded.get_many(["k"]) == [b"v"]  # probe succeeds, breaker closes
+    # Cooled down: this call still answers a miss at once, and a background probe goes out.
+    assert guarded.get_many(["k"]) == [None]
+    guarded.wait_for_probe(5.0)
     assert guarded.stats().breaker_state == "closed"
+    assert guarded.get_many(["k"]) == [b"v"]
+    assert guarded.stats().errors == {kind: 2, "circuit_open": 2}
+
+
+class SlowToFail(MemoryTier):
+    """Every call blocks like a connect to a black-holed host, then fails."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__(1000)
+        self.delay = delay
+
+    def contains_prefix(self, keys):
+        time.sleep(self.delay)
+        raise TimeoutError("connect timed out")
+
+    get_many = contains_prefix
+
+
+def test_probes_never_block_the_caller() -> None:
+    clock = Clock()
+    guarded = GuardedTier(SlowToFail(0.3), CircuitBreaker(1, 1.0, clock=clock))
+    assert guarded.get_many(["k"]) == [None]  # the first failure pays the timeout once
+    clock.now += 1.0
+    start = time.monotonic()
+    for _ in range(20):
+        assert guarded.get_many(["k"]) == [None]
+    assert time.monotonic() - start < 0.25  # the slow probe runs on its own thread
+    guarded.wait_for_probe(5.0)
+    assert guarded.stats().breaker_state == "open"
+    assert guarded.stats().errors == {"timeout": 2, "circuit_open": 20}

@@ -184,9 +184,10 @@ def test_redis_outage_returns_misses_fast_and_recovers(redis_server, redis_url: 
         assert tier.get_many(keys) == [None, None]
         assert time.monotonic() - start < 0.5
         assert metric("ferry:kv_tier_errors_total", kind="circuit_open") == open_skips + 3
-        time.sleep(0.35)  # cool-down over: the next call is a half-open probe, which fails again
+        time.sleep(0.35)  # cool-down over: the next call (a miss at once) sends a background probe
         assert tier.get_many(keys) == [None, None]
-        assert tier.stats().breaker_state == "open"
+        tier.inner.wait_for_probe(5.0)
+        assert tier.stats().breaker_state == "open"  # the probe failed: open for another cool-down
         assert metric("ferry:kv_tier_errors_total", kind="connection") == conn_errors + 3
     finally:
         redis_server.start()
@@ -212,3 +213,15 @@ def test_l1_keeps_serving_while_redis_is_down(redis_server, redis_url: str) -> N
         assert tier.stats().breaker_state == "open"
     finally:
         redis_server.start()
+
+
+def test_rediss_speaks_tls_and_fails_safely_against_a_plain_server(redis_server, redis_url: str) -> None:
+    tier = open_tier(
+        f"rediss://127.0.0.1:{redis_server.port}/0?timeout=0.5&connect_timeout=0.5&ssl_cert_reqs=none"
+    )
+    start = time.monotonic()
+    assert tier.get_many([tier_key("fp", HASHES[0])]) == [None]
+    assert time.monotonic() - start < 2.0
+    # The plain server never answers the TLS ClientHello: the socket timeout ends it, as a miss.
+    assert tier.stats().errors == {"timeout": 1}
+    tier.close()
