@@ -49,6 +49,10 @@ DEFAULT_ROLE_LABEL = "ferry.dev/role"
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"  # set by the EndpointSlice controller
 SA_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 WATCH_TIMEOUT_S = 300  # the API server ends a watch after this; we resume from the last version
+# (connect, read) seconds. A watch's read timeout outlasts its server-side timeout (bookmarks arrive
+# about once a minute), so only a dead connection trips it instead of leaving the view stale forever.
+LIST_REQUEST_TIMEOUT = (5, 30)
+WATCH_REQUEST_TIMEOUT = (5, WATCH_TIMEOUT_S + 30)
 RETRY_DELAY_S = 2.0
 _ADDRESS_TYPE_ORDER = {"IPv4": 0, "IPv6": 1, "FQDN": 2}
 _QUERY_KEYS = {"role", "role-label", "port", "scheme", "model", "watch", "selector"}
@@ -291,7 +295,9 @@ class K8sDiscovery(Discovery):
 
     def _list(self) -> tuple[list[Any], str | None]:
         resp = self._client().list_namespaced_endpoint_slice(
-            self.target.namespace, label_selector=self.target.label_selector
+            self.target.namespace,
+            label_selector=self.target.label_selector,
+            _request_timeout=LIST_REQUEST_TIMEOUT,
         )
         return list(resp.items or []), resp.metadata.resource_version if resp.metadata else None
 
@@ -332,6 +338,7 @@ class K8sDiscovery(Discovery):
                 resource_version=self._store.resource_version,
                 timeout_seconds=WATCH_TIMEOUT_S,
                 allow_watch_bookmarks=True,
+                _request_timeout=WATCH_REQUEST_TIMEOUT,
             ):
                 if self._stop.is_set():
                     return

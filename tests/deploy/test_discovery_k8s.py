@@ -229,6 +229,7 @@ class FakeDiscoveryApi:
     def list_namespaced_endpoint_slice(self, namespace: str, **kwargs: object) -> client.V1EndpointSliceList:
         assert "watch" not in kwargs  # a watch goes through FakeWatch.stream, never a plain list
         self.list_calls.append((namespace, str(kwargs.get("label_selector"))))
+        assert kwargs["_request_timeout"] == (5, 30)
         return client.V1EndpointSliceList(
             items=list(self.slices), metadata=client.V1ListMeta(resource_version=self.rv)
         )
@@ -284,6 +285,9 @@ async def test_watch_loop_follows_events_and_relists_after_410() -> None:
         assert calls[0]["resource_version"] == "7"
         assert calls[0]["label_selector"] == "kubernetes.io/service-name=ferry-replica"
         assert calls[0]["allow_watch_bookmarks"] is True
+        assert (
+            calls[0]["_request_timeout"][1] > calls[0]["timeout_seconds"]
+        )  # a dead connection cannot stall it
 
         # History expired (410 Gone): the loop relists and continues from the new version.
         api.slices = [endpoint_slice("s", [endpoint("10.0.0.9", "z")], rv="40")]
