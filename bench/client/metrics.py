@@ -68,6 +68,8 @@ class Metrics:
     duration_s: float = 0.0
     total_input_tokens: int = 0
     total_output_tokens: int = 0
+    cached_prompt_tokens: int | None = None  # prompt tokens the server reports served from its cache
+    cached_prompt_fraction: float | None = None  # of the prompt tokens of requests that report it
     request_throughput: float = 0.0
     input_throughput: float = 0.0
     output_throughput: float = 0.0
@@ -109,6 +111,11 @@ def compute_metrics(records: Iterable[RequestRecord], duration_s: float, slo_ms:
     m.failures = dict(sorted(Counter(r.error_kind or "unknown" for r in recs if not r.ok).items()))
     m.total_input_tokens = sum(r.prompt_tokens or 0 for r in ok)
     m.total_output_tokens = sum(r.completion_tokens or 0 for r in ok)
+    reporting = [r for r in ok if r.cached_tokens is not None]
+    if reporting:
+        m.cached_prompt_tokens = sum(r.cached_tokens or 0 for r in reporting)
+        prompt = sum(r.prompt_tokens or 0 for r in reporting)
+        m.cached_prompt_fraction = m.cached_prompt_tokens / prompt if prompt else 0.0
     m.token_count_mismatches = sum(r.token_count_mismatch for r in ok)
     m.usage_missing = sum(r.usage_missing for r in ok)
     if duration_s > 0:

@@ -169,6 +169,8 @@ def _count_tokens(record: RequestRecord, usage: dict[str, Any] | None) -> None:
     if usage and isinstance(usage.get("completion_tokens"), int):
         record.completion_tokens = usage["completion_tokens"]
         record.prompt_tokens = usage.get("prompt_tokens")
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        record.cached_tokens = cached if isinstance(cached, int) else None
         if record.chunk_tokens and len(record.chunk_tokens) == record.stream_chunks:
             record.token_count_mismatch = sum(record.chunk_tokens) != record.completion_tokens
         else:

@@ -14,12 +14,15 @@ METRIC_ROWS: list[tuple[str, str, bool]] = [
     ("input throughput (tok/s)", "input_throughput", True),
     ("output throughput (tok/s)", "output_throughput", True),
     ("total throughput (tok/s)", "total_token_throughput", True),
+    ("prompt tokens from cache (fraction)", "cached_prompt_fraction", True),
     ("goodput (req/s)", "goodput", True),
 ]
 for _name, _key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2E", "e2e_ms")):
     for _stat in ("mean", "median", "p90", "p99"):
         METRIC_ROWS.append((f"{_name} {_stat} (ms)", f"{_key}.{_stat}", False))
 METRIC_ROWS.append(("token count mismatches", "token_count_mismatches", False))
+# Rows shown only when some point has a value (--slo given; the server reports cached tokens).
+OPTIONAL_ROWS = {"goodput", "cached_prompt_fraction"}
 
 
 def lookup(metrics: dict[str, Any], path: str) -> Any:
@@ -69,7 +72,7 @@ def summary_table(points: Sequence[dict[str, Any]], title: str) -> str:
     rows = [
         [label, *(fmt(lookup(p["metrics"], path)) for p in points)]
         for label, path, _ in METRIC_ROWS
-        if path != "goodput" or any(p["metrics"].get("goodput") is not None for p in points)
+        if path not in OPTIONAL_ROWS or any(lookup(p["metrics"], path) is not None for p in points)
     ]
     rows.insert(2, ["failures by kind", *(failures_text(p["metrics"]["failures"]) for p in points)])
     return render(headers, rows, title)

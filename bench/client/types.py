@@ -86,6 +86,7 @@ class RequestRecord:
     itl_s: list[float] = field(default_factory=list)
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, if the server says
     stream_chunks: int = 0  # chunks that carried output text
     chunk_tokens: list[int] = field(default_factory=list)  # tokens per text chunk (continuous usage only)
     usage_missing: bool = False

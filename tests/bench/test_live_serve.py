@@ -182,3 +182,28 @@ def test_server_killed_mid_run(start_ferry_serve, bench, tmp_path: Path) -> None
     assert set(m["failures"]) <= {"broken_stream", "connect_error", "not_sent"}
     assert m["failures"].get("broken_stream", 0) + m["failures"].get("connect_error", 0) >= 1
     assert len(_raw(out)) == 40 and "server lost" in stdout
+
+
+def test_shared_prefix_reports_cached_prompt_tokens(
+    ferry_serve, tiny_llama: Path, bench, tmp_path: Path
+) -> None:
+    out = tmp_path / "sp"
+    flags = (
+        f"--base-url {ferry_serve.url} --tokenizer {tiny_llama} --token-ids --dataset shared-prefix "
+        "--num-groups 2 --prompts-per-group 3 --prefix-len 48 --input-len 8 --output-len 2 --ignore-eos "
+        "--concurrency 1 --seed 21"
+    )
+    rc, stdout = bench(flags, "--output-dir", str(out))
+    assert rc == 0, stdout
+    prompts = [json.loads(x)["prompt"] for x in (out / "requests.jsonl").read_text().splitlines()]
+    recs = _raw(out)
+    seen: set[tuple[int, ...]] = set()
+    for prompt, rec in zip(prompts, recs, strict=True):
+        prefix = tuple(prompt[:48])
+        # The first prompt of a group computes its prefix; the others find its 3 full blocks cached.
+        assert rec["cached_tokens"] == (0 if prefix not in seen else 48), (rec, len(seen))
+        seen.add(prefix)
+    m = _summary(out)["points"][0]["metrics"]
+    assert m["cached_prompt_tokens"] == 4 * 48
+    assert m["cached_prompt_fraction"] == pytest.approx(4 * 48 / (6 * 56))
+    assert "prompt tokens from cache (fraction)" in stdout
