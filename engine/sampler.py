@@ -25,8 +25,8 @@ import torch
 from engine.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
-# top_p first looks for its cut-off among this many most likely tokens; only rows whose head holds
-# less than top_p of the mass pay for a full sort.
+# On CPU, top_p first looks for its cut-off among this many most likely tokens; only rows whose
+# head holds less than top_p of the mass pay for a full sort (sorting 32k floats is slow there).
 _TOP_P_HEAD = 256
 
 
@@ -163,18 +163,19 @@ def _sample(logits: torch.Tensor, rows: list[SamplingRow], greedy: list[bool]) -
     """Greedy rows take the argmax; the others a seeded draw after temperature and the filters."""
     device = logits.device
     rand = [i for i, g in enumerate(greedy) if not g]
+    everyone = len(rand) == len(rows)
     idx = torch.tensor(rand, dtype=torch.long, device=device)
     params = [rows[i].params for i in rand]
     temp = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device).view(-1, 1)
     scaled = apply_filters(
-        logits[idx] / temp,
+        (logits if everyone else logits[idx]) / temp,
         top_k=[p.top_k if p.top_k > 0 else 0 for p in params],
         top_p=[p.top_p for p in params],
         min_p=[p.min_p for p in params],
     )
     u = torch.tensor([row_uniform(rows[i].seed, rows[i].position) for i in rand], dtype=torch.float64)
     drawn = sample_from_logits(scaled, u.to(device))
-    if len(rand) == len(rows):
+    if everyone:
         return drawn
     tokens = logits.argmax(dim=-1)
     tokens[idx] = drawn
@@ -227,6 +228,10 @@ def _top_p_cutoff(probs: torch.Tensor, top_p: Sequence[float]) -> torch.Tensor:
     """Per row, the probability of the last token of the smallest head with mass >= p (0: keep all)."""
     device = probs.device
     p = torch.tensor(list(top_p), dtype=probs.dtype, device=device).view(-1, 1)
+    if device.type != "cpu":
+        # On an accelerator a full sort is cheap, and the head shortcut would cost a host sync.
+        full = probs.sort(dim=-1, descending=True).values
+        return _first_reaching(full, p)[0].masked_fill(p >= 1.0, 0.0)
     head = probs.topk(min(_TOP_P_HEAD, probs.shape[1]), dim=-1).values
     cutoff, found = _first_reaching(head, p)
     missing = [i for i, (ok, pp) in enumerate(zip(found.tolist(), top_p, strict=True)) if not ok and pp < 1.0]

@@ -155,6 +155,28 @@ def test_top_p_beyond_the_fast_head_sorts_the_row() -> None:
     assert kept(out) == [list(range(500)), list(range(10))]
 
 
+def _naive_top_p(row: torch.Tensor, p: float) -> set[int]:
+    probs = row.double().softmax(dim=0)
+    order = sorted(range(len(probs)), key=lambda i: -probs[i].item())
+    keep, mass = set(), 0.0
+    for i in order:
+        keep.add(i)
+        mass += probs[i].item()
+        if mass >= p:
+            break
+    return keep
+
+
+def test_top_p_matches_a_naive_reference_on_random_rows() -> None:
+    gen = torch.Generator().manual_seed(5)
+    # Peaked rows (fast 256-token head) and flat ones (full sort), 600 tokens each.
+    logits = torch.cat([torch.randn(20, 600, generator=gen) * 4, torch.randn(20, 600, generator=gen) * 0.3])
+    ps = torch.rand(40, generator=gen).clamp(0.05, 0.99).tolist()
+    out = apply_filters(logits, [0] * 40, ps, [0.0] * 40)
+    for r in range(40):
+        assert set(kept(out[r : r + 1])[0]) == _naive_top_p(logits[r], ps[r]), r
+
+
 def test_filters_are_per_row() -> None:
     logits = torch.tensor([PROBS, PROBS, PROBS]).log()
     out = apply_filters(logits, [1, 0, 0], [1.0, 0.7, 1.0], [0.0, 0.0, 0.0])
