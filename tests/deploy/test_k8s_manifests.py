@@ -441,3 +441,23 @@ def test_embedded_scripts_run(rendered: dict[str, list[dict]], tmp_path: Path) -
     config = json.loads((target / "config.json").read_text())
     assert config["hidden_size"] == DEMO_SPEC["hidden_size"]
     assert config["num_hidden_layers"] == DEMO_SPEC["num_hidden_layers"]
+
+
+def test_objects_match_the_kubernetes_api_schema(overlay: tuple[str, list[dict]]) -> None:
+    """Each object deserialized into the official client's model (unknown fields rejected, types
+    checked): a misspelt or misplaced field fails here rather than at `kubectl apply`."""
+    _, docs = overlay
+    api = client.ApiClient()
+    for doc in docs:
+        group_version = doc["apiVersion"]
+        if group_version.startswith("monitoring.coreos.com/"):
+            continue  # a CRD of the Prometheus Operator: not in the core API
+        version = group_version.split("/")[-1]
+        model = f"{version[0].upper()}{version[1:]}{doc['kind']}"
+        assert hasattr(client, model), f"no API model {model} for {group_version} {doc['kind']}"
+        cls = getattr(client, model)
+        if hasattr(cls, "model_validate"):  # kubernetes >= 37: pydantic models, extra fields forbidden
+            obj = cls.model_validate(doc)
+        else:  # older clients check types only
+            obj = api.deserialize(json.dumps(doc), model, "application/json")
+        assert obj.metadata.name == doc["metadata"]["name"]
