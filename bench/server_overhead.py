@@ -1,0 +1,383 @@
+"""What the HTTP layer costs: TTFT and inter-token latency through `ferry serve` vs in-process AsyncEngine.
+
+Same model, same engine options, same requests (token-id prompts, greedy, ``ignore_eos`` so every
+request makes exactly ``--max-tokens`` tokens), at each concurrency in ``--concurrency``:
+
+* in-process: ``AsyncEngine.generate`` called directly from asyncio tasks;
+* HTTP: a `ferry serve` subprocess, streamed over loopback by a minimal asyncio HTTP/1.1 client in
+  this process (SSE parsed here).
+
+TTFT is submit -> first token; TPOT (time per output token, the mean inter-token latency) is
+(last token - first token) / (tokens - 1) per request. The table prints p50/p90 of both and the
+milliseconds and ratio HTTP adds; JSON goes to bench/results/server_overhead.json.
+
+Default model: the engine benchmark model (Llama, hidden 512, 8 layers, 8 heads, 2 KV heads,
+intermediate 1408, vocab 32000, random fp32 weights), built once into the ferry cache directory.
+On a shared machine, numbers move with other load; compare runs from the same minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH_SPEC = dict(
+    arch="llama",
+    seed=0,
+    hidden_size=512,
+    intermediate_size=1408,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+    tokenizer_vocab_size=32000,
+)
+
+
+def bench_model_dir() -> Path:
+    """The engine benchmark model, built on first use (bench/engine_throughput.py's when it exists)."""
+    try:
+        from bench.engine_throughput import bench_model_dir as shared  # the engine bench owns the spec
+
+        return Path(shared())
+    except (ImportError, AttributeError):
+        pass
+    from engine.demo import build_model
+
+    base = Path(os.environ.get("FERRY_CACHE_DIR") or Path.home() / ".cache" / "ferry")
+    target = base / "bench-llama-512x8"
+    if not (target / "config.json").exists():
+        build_model(target, **BENCH_SPEC)
+    return target
+
+
+@dataclass
+class Sample:
+    ttft_s: float
+    tpot_s: float
+    tokens: int
+
+
+@dataclass
+class Summary:
+    mode: str
+    concurrency: int
+    requests: int
+    ttft_p50_ms: float
+    ttft_p90_ms: float
+    tpot_p50_ms: float
+    tpot_p90_ms: float
+    wall_s: float
+
+
+def _pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+def summarize(mode: str, concurrency: int, samples: list[Sample], wall: float) -> Summary:
+    ttft = [s.ttft_s * 1e3 for s in samples]
+    tpot = [s.tpot_s * 1e3 for s in samples]
+    return Summary(
+        mode,
+        concurrency,
+        len(samples),
+        statistics.median(ttft),
+        _pct(ttft, 0.9),
+        statistics.median(tpot),
+        _pct(tpot, 0.9),
+        wall,
+    )
+
+
+def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(n)]
+
+
+async def _waves(prompts: list[list[int]], concurrency: int, one) -> tuple[list[Sample], float]:
+    """Run ``one(prompt)`` with at most ``concurrency`` in flight."""
+    sem = asyncio.Semaphore(concurrency)
+
+    async def run(p: list[int]) -> Sample:
+        async with sem:
+            return await one(p)
+
+    start = time.perf_counter()
+    samples = await asyncio.gather(*(run(p) for p in prompts))
+    return list(samples), time.perf_counter() - start
+
+
+def _sample(submit: float, stamps: list[tuple[float, int]]) -> Sample:
+    """From (time, tokens in this delta) stamps: TTFT and per-token time after the first."""
+    tokens = sum(n for _, n in stamps)
+    first = stamps[0][0]
+    tail_tokens = tokens - stamps[0][1]
+    tpot = (stamps[-1][0] - first) / tail_tokens if tail_tokens > 0 else 0.0
+    return Sample(first - submit, tpot, tokens)
+
+
+def in_process_runner(engine, max_tokens: int):
+    """``one(prompt) -> Sample`` straight on an AsyncEngine."""
+    from engine import SamplingParams
+
+    counter = iter(range(10**9))
+
+    async def one(prompt: list[int]) -> Sample:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        stamps: list[tuple[float, int]] = []
+        submit = time.perf_counter()
+        async for out in engine.generate(f"bench-{next(counter)}", prompt, params):
+            n = len(out.outputs[0].token_ids)
+            if n:
+                stamps.append((time.perf_counter(), n))
+        return _sample(submit, stamps)
+
+    return one
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model: str, engine_opts: dict, log_path: Path) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    flags = []
+    for key, value in engine_opts.items():
+        flags += [f"--{key.replace('_', '-')}", str(value)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ferry",
+        "serve",
+        "--model",
+        model,
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        "--max-queued-requests",
+        "100000",
+        *flags,
+    ]
+    log = open(log_path, "w")  # noqa: SIM115 - lives as long as the server
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)}
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"ferry serve exited: {log_path.read_text()[-2000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError("ferry serve did not start")
+
+
+async def _post_sse(host: str, port: int, body: bytes) -> asyncio.StreamReader:
+    """Open a connection and send one streaming POST; the caller reads the chunked SSE body.
+
+    A minimal HTTP/1.1 client on purpose: on a small machine a full client library's per-chunk
+    Python work competes with the server for the same cores and would be billed to the server.
+    """
+    reader, writer = await asyncio.open_connection(host, port)
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode()
+    writer.write(head + body)
+    await writer.drain()
+    status = await reader.readline()
+    if b" 200 " not in status:
+        raise RuntimeError(f"HTTP error: {status!r}")
+    while (await reader.readline()) not in (b"\r\n", b""):
+        pass  # headers
+    reader._ferry_writer = writer  # type: ignore[attr-defined]  # closed by the caller
+    return reader
+
+
+async def _sse_events(reader: asyncio.StreamReader):
+    """Yield each SSE event payload (bytes after 'data: ') from a chunked response body."""
+    buf = b""
+    while True:
+        size_line = await reader.readline()
+        size = int(size_line.strip() or b"0", 16)
+        if size == 0:
+            return
+        buf += await reader.readexactly(size)
+        await reader.readexactly(2)  # CRLF after the chunk
+        while b"\n\n" in buf:
+            event, buf = buf.split(b"\n\n", 1)
+            if event.startswith(b"data: "):
+                yield event[6:]
+
+
+def http_runner(url: str, max_tokens: int):
+    """``one(prompt) -> Sample`` through `ferry serve`'s /v1/completions stream."""
+    host, port = url.removeprefix("http://").split(":")
+
+    async def one(prompt: list[int]) -> Sample:
+        # continuous usage stats: each chunk says how many tokens so far, so deltas that carry
+        # several tokens are counted exactly (cheaper for the server than logprobs).
+        body = json.dumps(
+            {
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"continuous_usage_stats": True},
+            }
+        ).encode()
+        stamps: list[tuple[float, int]] = []
+        seen = 0
+        submit = time.perf_counter()
+        reader = await _post_sse(host, int(port), body)
+        try:
+            async for payload in _sse_events(reader):
+                if payload == b"[DONE]":
+                    break
+                total = json.loads(payload)["usage"]["completion_tokens"]
+                if total > seen:
+                    stamps.append((time.perf_counter(), total - seen))
+                    seen = total
+        finally:
+            reader._ferry_writer.close()  # type: ignore[attr-defined]
+        return _sample(submit, stamps)
+
+    return one
+
+
+async def run_interleaved(
+    runners: dict, prompts: list[list[int]], concurrencies: list[int], repeats: int
+) -> list[Summary]:
+    """Alternate the modes (same prompts, same concurrency) so drifting machine load hits both alike."""
+    for one in runners.values():
+        await one(prompts[0])  # warm-up
+    samples: dict[tuple[str, int], list[Sample]] = {}
+    walls: dict[tuple[str, int], float] = {}
+    for _ in range(repeats):
+        for c in concurrencies:
+            for mode, one in runners.items():
+                got, wall = await _waves(prompts, c, one)
+                samples.setdefault((mode, c), []).extend(got)
+                walls[(mode, c)] = walls.get((mode, c), 0.0) + wall
+    return [summarize(mode, c, samples[(mode, c)], walls[(mode, c)]) for (mode, c) in samples]
+
+
+def print_table(rows: list[Summary]) -> list[dict]:
+    by_c: dict[int, dict[str, Summary]] = {}
+    for r in rows:
+        by_c.setdefault(r.concurrency, {})[r.mode] = r
+    print(f"{'conc':>4} {'mode':>10} {'TTFT p50':>9} {'TTFT p90':>9} {'TPOT p50':>9} {'TPOT p90':>9}  (ms)")
+    overhead = []
+    for c, modes in sorted(by_c.items()):
+        for r in modes.values():
+            print(
+                f"{c:>4} {r.mode:>10} {r.ttft_p50_ms:9.2f} {r.ttft_p90_ms:9.2f} {r.tpot_p50_ms:9.2f} {r.tpot_p90_ms:9.2f}"
+            )
+        if "http" in modes and "in-process" in modes:
+            h, e = modes["http"], modes["in-process"]
+            row = {
+                "concurrency": c,
+                "ttft_added_ms_p50": h.ttft_p50_ms - e.ttft_p50_ms,
+                "ttft_ratio_p50": h.ttft_p50_ms / e.ttft_p50_ms if e.ttft_p50_ms else None,
+                "tpot_added_ms_p50": h.tpot_p50_ms - e.tpot_p50_ms,
+                "tpot_ratio_p50": h.tpot_p50_ms / e.tpot_p50_ms if e.tpot_p50_ms else None,
+            }
+            overhead.append(row)
+            print(
+                f"{c:>4} {'added':>10} {row['ttft_added_ms_p50']:9.2f} {'':>9} {row['tpot_added_ms_p50']:9.2f}"
+                f"   ratio TTFT {row['ttft_ratio_p50']:.2f}x, TPOT {row['tpot_ratio_p50']:.2f}x"
+            )
+    return overhead
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="model dir (default: the engine benchmark model)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--num-threads", type=int, default=2)
+    p.add_argument("--num-kv-blocks", type=int, default=2048)
+    p.add_argument("--repeats", type=int, default=3, help="alternate the two modes this many times")
+    p.add_argument("--out", default=str(REPO / "bench" / "results" / "server_overhead.json"))
+    args = p.parse_args(argv)
+
+    model = args.model or str(bench_model_dir())
+    from engine.tokenizer import Tokenizer
+
+    vocab = Tokenizer.from_dir(model).vocab_size
+    prompts = make_prompts(args.num_requests, args.prompt_len, vocab)
+    engine_opts = {
+        "num_threads": args.num_threads,
+        "num_kv_blocks": args.num_kv_blocks,
+        "max_num_seqs": max(args.concurrency),
+    }
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    proc, url = start_server(model, engine_opts, out.with_suffix(".server.log"))
+
+    async def run() -> list[Summary]:
+        from engine import AsyncEngine
+
+        engine = AsyncEngine(model=model, **engine_opts)  # idle while the server runs, and vice versa
+        try:
+            runners = {
+                "in-process": in_process_runner(engine, args.max_tokens),
+                "http": http_runner(url, args.max_tokens),
+            }
+            return await run_interleaved(runners, prompts, args.concurrency, args.repeats)
+        finally:
+            await engine.shutdown()
+
+    try:
+        rows = asyncio.run(run())
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    overhead = print_table(rows)
+    load = os.getloadavg()
+    result = {
+        "args": vars(args),
+        "model": model,
+        "rows": [asdict(r) for r in rows],
+        "overhead": overhead,
+        "loadavg": load,
+        "cpus": os.cpu_count(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    out.write_text(json.dumps(result, indent=2))
+    print(f"load average {load[0]:.1f} on {os.cpu_count()} CPUs; wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
