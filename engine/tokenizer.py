@@ -84,6 +84,14 @@ def _bytes_to_unicode() -> dict[int, str]:
 _BYTE_LEVEL_DECODE = {c: b for b, c in _bytes_to_unicode().items()}
 
 
+def _as_ids(ids: Sequence[int]) -> list[int]:
+    ids = [int(i) for i in ids]
+    if ids and (min(ids) < 0 or max(ids) >= 1 << 32):
+        bad = next(i for i in ids if not 0 <= i < 1 << 32)
+        raise ValueError(f"token id {bad} is out of range")
+    return ids
+
+
 class Tokenizer:
     """Text <-> token ids for one model directory, plus its chat template."""
 
@@ -210,19 +218,20 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``. Like transformers 5 on BPE tokenizers, no tokenization-space clean-up.
 
-        Raises ValueError for ids outside the vocabulary (the backend would drop them silently).
+        Ids past the tokenizer's vocabulary (a model's padded embedding rows) have no text, as in
+        transformers; a negative id is a ValueError.
         """
-        ids = self.check_ids(ids)
-        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self._tok.decode(_as_ids(ids), skip_special_tokens=skip_special_tokens)
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
-        return [self._tok.id_to_token(i) for i in self.check_ids(ids)]
+        """Vocabulary strings of ``ids`` ("" for an id past the vocabulary)."""
+        return [self._tok.id_to_token(i) or "" for i in _as_ids(ids)]
 
     def check_ids(self, ids: Sequence[int]) -> list[int]:
         """``ids`` as a list of ints, or ValueError naming the first id outside ``[0, vocab_size)``."""
-        ids = [int(i) for i in ids]
-        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
-            bad = next(i for i in ids if not 0 <= i < self.vocab_size)
+        ids = _as_ids(ids)
+        if ids and max(ids) >= self.vocab_size:
+            bad = next(i for i in ids if i >= self.vocab_size)
             raise ValueError(f"token id {bad} is out of range: the vocabulary has {self.vocab_size} tokens")
         return ids
 

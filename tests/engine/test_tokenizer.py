@@ -88,14 +88,19 @@ def test_encode_decode_match_hf(pair, text: str) -> None:
     assert ours.convert_ids_to_tokens(ids) == hf.convert_ids_to_tokens(ids)
 
 
-def test_out_of_vocabulary_ids_are_a_value_error(pair) -> None:
-    ours, _ = pair
-    for bad in ([5, 1000, 6], [-1], [2**40]):
-        with pytest.raises(ValueError, match="out of range: the vocabulary has 1000 tokens"):
+def test_out_of_vocabulary_ids(pair) -> None:
+    ours, hf = pair
+    # Past the vocabulary (padded embedding rows): no text, as in transformers.
+    assert ours.decode([5, 1000, 6]) == hf.decode([5, 1000, 6]) == ours.decode([5, 6])
+    assert ours.convert_ids_to_tokens([1000]) == [""]
+    for bad in ([-1], [2**40]):
+        with pytest.raises(ValueError, match="out of range"):
             ours.decode(bad)
         with pytest.raises(ValueError, match="out of range"):
             ours.convert_ids_to_tokens(bad)
-    assert ours.decode([]) == "" and ours.check_ids((5, 999)) == [5, 999]
+    with pytest.raises(ValueError, match="token id 1000 is out of range: the vocabulary has 1000 tokens"):
+        ours.check_ids([5, 1000])
+    assert ours.check_ids((5, 999)) == [5, 999] and ours.decode([]) == ""
 
 
 def test_special_tokens_encode_as_single_ids(pair) -> None:
