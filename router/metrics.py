@@ -51,7 +51,24 @@ class RouterMetrics:
             "ferry:router_rejected", "Requests refused by overload control (429)", registry=r
         )
 
+        # Label children cached: ``labels()`` costs a lock and a dict build on every call.
+        self._inflight: dict[str, Gauge] = {}
+        self._requests: dict[tuple[str, str], Counter] = {}
+
+    def inflight_of(self, url: str) -> Gauge:
+        child = self._inflight.get(url)
+        if child is None:
+            child = self._inflight[url] = self.inflight.labels(url)
+        return child
+
+    def requests_of(self, url: str, status: str) -> Counter:
+        child = self._requests.get((url, status))
+        if child is None:
+            child = self._requests[(url, status)] = self.requests.labels(url, status)
+        return child
+
     def forget_replica(self, url: str) -> None:
+        self._inflight.pop(url, None)
         for gauge in (self.healthy, self.inflight):
             try:
                 gauge.remove(url)

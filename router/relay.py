@@ -153,12 +153,12 @@ class Relay:
 
     def _acquire(self, replica: Replica, tokens: int, now: float) -> None:
         replica.acquire(tokens, now)
-        self.metrics.inflight.labels(replica.url).set(replica.inflight)
+        self.metrics.inflight_of(replica.url).set(replica.inflight)
 
     def _release(self, replica: Replica, tokens: int, status: str) -> None:
         replica.release(tokens)
-        self.metrics.inflight.labels(replica.url).set(replica.inflight)
-        self.metrics.requests.labels(replica.url, status).inc()
+        self.metrics.inflight_of(replica.url).set(replica.inflight)
+        self.metrics.requests_of(replica.url, status).inc()
 
     def finish(self, opened: Opened, ok: bool, status: int | None = None) -> None:
         if opened.finished:
@@ -383,7 +383,7 @@ async def _read_quietly(response: Response) -> bytes:
 
 
 def _response_headers(response: Response) -> list[tuple[bytes, bytes]]:
-    return [(k, v) for k, v in response.headers.raw if k.lower() not in RESPONSE_DROP]
+    return [(k, v) for k, v in response.headers.raw if k not in RESPONSE_DROP]  # names are lower case
 
 
 def _with_id(headers: list[tuple[bytes, bytes]], call: ProxyCall) -> list[tuple[bytes, bytes]]:

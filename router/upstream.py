@@ -112,21 +112,13 @@ class Response:
         conn = self._conn
         if conn is None:
             return
-        reader, timeout = conn.reader, self._timeout
         try:
             if self._chunked:
-                while True:
-                    line = await _within(reader.readuntil(b"\r\n"), timeout)
-                    size = int(line.split(b";", 1)[0], 16)
-                    if size == 0:
-                        await _within(reader.readuntil(b"\r\n"), timeout)  # no trailers expected
-                        self._complete = True
-                        return
-                    data = await _within(reader.readexactly(size + 2), timeout)
-                    yield data[:-2]
+                async for data in self._dechunk(conn.reader):
+                    yield data
             elif self._remaining is not None:
                 while self._remaining > 0:
-                    data = await _within(reader.read(min(self._remaining, 1 << 16)), timeout)
+                    data = await _within(conn.reader.read(min(self._remaining, 1 << 16)), self._timeout)
                     if not data:
                         raise UpstreamBroken("connection closed before the end of the body")
                     self._remaining -= len(data)
@@ -134,21 +126,48 @@ class Response:
                 self._complete = True
             else:
                 while True:
-                    data = await _within(reader.read(1 << 16), timeout)
+                    data = await _within(conn.reader.read(1 << 16), self._timeout)
                     if not data:
                         self._complete = True
                         return
                     yield data
         except asyncio.TimeoutError as e:
             raise UpstreamTimeout("no data from the replica within the read timeout") from e
-        except (
-            asyncio.IncompleteReadError,
-            asyncio.LimitOverrunError,
-            ConnectionError,
-            OSError,
-            ValueError,
-        ) as e:
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError, OSError, ValueError) as e:
             raise UpstreamBroken(f"connection to the replica broke: {type(e).__name__}") from e
+
+    async def _dechunk(self, reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
+        """Chunked transfer decoding over whatever the socket delivers: one await per network read,
+        every complete chunk in it handed on at once (an SSE stream is usually one event a chunk)."""
+        buf = b""
+        pos = 0
+        while True:
+            out = []
+            while True:
+                eol = buf.find(b"\r\n", pos)
+                if eol < 0:
+                    break
+                size = int(buf[pos:eol].split(b";", 1)[0], 16)
+                if size == 0:
+                    if buf.find(b"\r\n", eol + 2) < 0:  # the (empty) trailer line has not arrived yet
+                        break
+                    if out:
+                        yield b"".join(out)
+                    self._complete = True
+                    return
+                end = eol + 2 + size
+                if len(buf) < end + 2:
+                    break
+                out.append(buf[eol + 2 : end])
+                pos = end + 2
+            if out:
+                yield out[0] if len(out) == 1 else b"".join(out)
+            buf = buf[pos:]
+            pos = 0
+            data = await _within(reader.read(1 << 16), self._timeout)
+            if not data:
+                raise UpstreamBroken("connection closed in the middle of a chunked body")
+            buf += data
 
     async def aread(self) -> bytes:
         parts = [chunk async for chunk in self.aiter_raw()]

@@ -1,0 +1,492 @@
+"""Router benchmarks: proxy overhead and routing quality, ferry router vs vllm-router and sglang-router.
+
+1. overhead — two stand-in backends that answer at once (``bench/standin.py``); the same load
+   client measures, per target (direct, ferry router, vllm-router, sglang-router): sequential
+   latency p50/p99 of non-streamed and streamed requests (added latency = minus direct) and
+   requests/s at saturation (streamed chat, ``--concurrency`` clients for ``--duration`` s).
+2. quality — ``--replicas`` real ``ferry serve`` replicas of a small model; a multi-turn
+   workload where groups of conversations share a long system prompt. Per router config: the
+   replicas' prefix-cache hit rate (Δ``vllm:prefix_cache_hits`` / Δ``queries``) and client TTFT
+   p50/p99. Each config gets fresh prompt text, so caches warmed by one config never help another.
+
+Loopback only, bounded in count and time; every process it starts is stopped. Prints tables and
+writes JSON to ``bench/results/router.json``. Numbers on a shared machine are disturbed by other
+load: compare configs of one run, not runs.
+
+    .venv/bin/python bench/router.py [--part overhead|quality|all] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from router.upstream import UpstreamClient  # noqa: E402  (the load client: lean keep-alive HTTP/1.1)
+
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Service:
+    def __init__(self, name: str, args: list[str], port: int, logdir: Path) -> None:
+        self.name, self.args, self.port = name, args, port
+        self.log = logdir / f"{name}-{port}.log"
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                args, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait(self, probe: str, body: dict | None = None, timeout: float = 180.0) -> Service:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited: {self.log.read_text()[-2000:]}")
+            try:
+                r = (
+                    httpx.post(self.url + probe, json=body, timeout=5)
+                    if body
+                    else httpx.get(self.url + probe, timeout=2)
+                )
+                if r.status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"{self.name} not ready: {self.log.read_text()[-2000:]}")
+
+    def cpu_seconds(self) -> float:
+        """CPU time of every process in this service's session (a launcher and what it spawned)."""
+        total = 0.0
+        tick = os.sysconf("SC_CLK_TCK")
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == self.proc.pid:  # session id
+                total += (int(fields[11]) + int(fields[12])) / tick
+        return total
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def router_cmd(kind: str, port: int, urls: list[str], policy: str, model_dir: str | None) -> list[str]:
+    if kind == "ferry":
+        cmd = [sys.executable, "-m", "ferry", "router", "--port", str(port), "--policy", policy]
+        for u in urls:
+            cmd += ["--replica", u]
+        if model_dir and policy == "cache_aware":
+            cmd += ["--model", model_dir]
+        return cmd
+    prom = ["--prometheus-port", str(free_port())]
+    if kind == "vllm-router":
+        return [
+            str(BIN / "vllm-router"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--worker-urls",
+            *urls,
+            "--policy",
+            policy,
+            *prom,
+        ]
+    return [
+        str(BIN / "sglang-router"),
+        "launch",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--worker-urls",
+        *urls,
+        "--policy",
+        policy,
+        *prom,
+    ]
+
+
+def available(kind: str) -> bool:
+    return kind == "ferry" or (BIN / kind.split()[0]).exists() or shutil.which(kind) is not None
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+# ---------------------------------------------------------------- load client
+
+
+_CONTENT = re.compile(rb'"(?:content|text)": ?"[^"]')
+
+
+async def one_request(client: UpstreamClient, base: str, path: str, body: dict) -> tuple[float, float, int]:
+    """(latency, ttft, status); ttft = the first chunk carrying text (whole answer when not streamed)."""
+    payload = json.dumps(body).encode()
+    t0 = time.perf_counter()
+    resp = await client.request("POST", base, path, [(b"content-type", b"application/json")], payload)
+    ttft = None
+    try:
+        async for chunk in resp.aiter_raw():
+            if ttft is None and _CONTENT.search(chunk):
+                ttft = time.perf_counter() - t0
+    finally:
+        await resp.aclose()
+    latency = time.perf_counter() - t0
+    return latency, ttft if ttft is not None else latency, resp.status_code
+
+
+async def sequential(base: str, path: str, body: dict, n: int, warmup: int = 20) -> list[float]:
+    client = UpstreamClient(read_timeout=60)
+    try:
+        for _ in range(warmup):
+            await one_request(client, base, path, body)
+        out = []
+        for _ in range(n):
+            lat, _, status = await one_request(client, base, path, body)
+            if status == 200:
+                out.append(lat)
+        return out
+    finally:
+        await client.aclose()
+
+
+async def saturate(base: str, path: str, body: dict, concurrency: int, duration: float) -> tuple[float, int]:
+    client = UpstreamClient(read_timeout=60)
+    done = errors = 0
+    stop_at = time.perf_counter() + duration
+
+    async def worker() -> None:
+        nonlocal done, errors
+        while time.perf_counter() < stop_at:
+            try:
+                _, _, status = await one_request(client, base, path, body)
+                done += status == 200
+                errors += status != 200
+            except Exception:
+                errors += 1
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    elapsed = time.perf_counter() - t0
+    await client.aclose()
+    return done / elapsed, errors
+
+
+# ---------------------------------------------------------------- part 1: overhead
+
+
+def bench_overhead(args: argparse.Namespace, logdir: Path) -> dict:
+    backends = [
+        Service(
+            "standin",
+            [sys.executable, str(REPO / "bench/standin.py"), "--port", str(p), "--tokens", "16"],
+            p,
+            logdir,
+        )
+        for p in (free_port(), free_port())
+    ]
+    completion = {"model": "standin", "prompt": "hello router", "max_tokens": 16}
+    chat = {
+        "model": "standin",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 16,
+        "stream": True,
+    }
+    rows = []
+    try:
+        for b in backends:
+            b.wait("/health")
+        urls = [b.url for b in backends]
+        targets: list[tuple[str, Service | None]] = [("direct (one stand-in)", None)]
+        for kind in ("ferry", "vllm-router", "sglang-router"):
+            if available(kind):
+                targets.append((kind, None))
+        for name, _ in targets:
+            svc = None
+            if name.startswith("direct"):
+                base = urls[0]
+            else:
+                port = free_port()
+                svc = Service(name, router_cmd(name, port, urls, "round_robin", None), port, logdir)
+                svc.wait("/v1/completions", completion, timeout=60)
+                base = svc.url
+            try:
+                plain = asyncio.run(sequential(base, "/v1/completions", completion, args.requests))
+                streamed = asyncio.run(sequential(base, "/v1/chat/completions", chat, args.requests))
+                rps, errors = asyncio.run(
+                    saturate(base, "/v1/chat/completions", chat, args.concurrency, args.duration)
+                )
+            finally:
+                if svc is not None:
+                    svc.stop()
+            rows.append(
+                {
+                    "target": name,
+                    "p50_ms": 1000 * pct(plain, 0.5),
+                    "p99_ms": 1000 * pct(plain, 0.99),
+                    "stream_p50_ms": 1000 * pct(streamed, 0.5),
+                    "stream_p99_ms": 1000 * pct(streamed, 0.99),
+                    "rps": rps,
+                    "errors": errors,
+                }
+            )
+    finally:
+        for b in backends:
+            b.stop()
+    base = rows[0]
+    for r in rows:
+        r["added_p50_ms"] = r["p50_ms"] - base["p50_ms"]
+        r["added_stream_p50_ms"] = r["stream_p50_ms"] - base["stream_p50_ms"]
+    print_table(
+        f"Proxy overhead (stand-in backends; {args.requests} sequential requests; saturation: streamed chat, "
+        f"{args.concurrency} clients, {args.duration:.0f}s)",
+        rows,
+        [
+            "target",
+            "p50_ms",
+            "p99_ms",
+            "added_p50_ms",
+            "stream_p50_ms",
+            "stream_p99_ms",
+            "added_stream_p50_ms",
+            "rps",
+            "errors",
+        ],
+    )
+    return {"rows": rows}
+
+
+# ---------------------------------------------------------------- part 2: routing quality
+
+
+def build_model(root: Path) -> Path:
+    from engine.demo import build_model as build
+
+    out = root / "bench-llama"
+    if not (out / "config.json").exists():
+        build(
+            out,
+            "llama",
+            seed=0,
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+        )
+    return out
+
+
+def conversations(tag: str, groups: int, per_group: int, system_words: int) -> list[list[dict]]:
+    rng = random.Random(tag)
+    words = [w for w in (Path(__file__).read_text().split()) if w.isalpha()][:400] or ["word"]
+    out = []
+    for g in range(groups):
+        system = f"[{tag}/{g}] " + " ".join(rng.choice(words) for _ in range(system_words))
+        for c in range(per_group):
+            out.append(
+                [
+                    {"role": "system", "content": system},
+                    {"role": "user", "content": f"conversation {c} of group {g}: {rng.choice(words)}?"},
+                ]
+            )
+    rng.shuffle(out)
+    return out
+
+
+async def run_conversations(base: str, convs: list[list[dict]], turns: int, concurrency: int) -> list[float]:
+    client = UpstreamClient(read_timeout=120)
+    ttfts: list[float] = []
+    sem = asyncio.Semaphore(concurrency)
+
+    async def converse(msgs: list[dict]) -> None:
+        for t in range(turns):
+            async with sem:
+                body = {
+                    "model": "bench-llama",
+                    "messages": msgs,
+                    "max_tokens": 8,
+                    "temperature": 0,
+                    "stream": True,
+                }
+                _, ttft, status = await one_request(client, base, "/v1/chat/completions", body)
+            if status == 200:
+                ttfts.append(ttft)
+            msgs = [
+                *msgs,
+                {"role": "assistant", "content": f"answer {t}"},
+                {"role": "user", "content": f"and {t}?"},
+            ]
+
+    await asyncio.gather(*(converse(m) for m in convs))
+    await client.aclose()
+    return ttfts
+
+
+def cache_counters(urls: list[str]) -> tuple[float, float]:
+    hits = queries = 0.0
+    for u in urls:
+        for line in httpx.get(u + "/metrics", timeout=5).text.splitlines():
+            if line.startswith("vllm:prefix_cache_hits_total"):
+                hits += float(line.split()[-1])
+            elif line.startswith("vllm:prefix_cache_queries_total"):
+                queries += float(line.split()[-1])
+    return hits, queries
+
+
+def bench_quality(args: argparse.Namespace, logdir: Path) -> dict:
+    model = build_model(Path(tempfile.gettempdir()) / "ferry-bench-models")
+    replicas = []
+    rows = []
+    try:
+        for _ in range(args.replicas):
+            port = free_port()
+            replicas.append(
+                Service(
+                    "replica",
+                    [
+                        sys.executable,
+                        "-m",
+                        "ferry",
+                        "serve",
+                        "--model",
+                        str(model),
+                        "--port",
+                        str(port),
+                        "--num-threads",
+                        "1",
+                    ],
+                    port,
+                    logdir,
+                )
+            )
+        for r in replicas:
+            r.wait("/health")
+        urls = [r.url for r in replicas]
+        configs = [("ferry", "cache_aware"), ("ferry", "round_robin")]
+        configs += [(k, "cache_aware") for k in ("vllm-router", "sglang-router") if available(k)]
+        probe = {"model": "bench-llama", "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
+        for kind, policy in configs:
+            port = free_port()
+            svc = Service(kind, router_cmd(kind, port, urls, policy, str(model)), port, logdir)
+            try:
+                svc.wait("/v1/chat/completions", probe, timeout=60)
+                convs = conversations(f"{kind}-{policy}", args.groups, args.per_group, args.system_words)
+                h0, q0 = cache_counters(urls)
+                t0 = time.perf_counter()
+                ttfts = asyncio.run(run_conversations(svc.url, convs, args.turns, args.concurrency_quality))
+                wall = time.perf_counter() - t0
+                h1, q1 = cache_counters(urls)
+            finally:
+                svc.stop()
+            expected = len(convs) * args.turns
+            rows.append(
+                {
+                    "router": kind,
+                    "policy": policy,
+                    "hit_rate": (h1 - h0) / max(q1 - q0, 1),
+                    "ttft_p50_ms": 1000 * pct(ttfts, 0.5),
+                    "ttft_p99_ms": 1000 * pct(ttfts, 0.99),
+                    "ok": len(ttfts),
+                    "requests": expected,
+                    "wall_s": wall,
+                }
+            )
+    finally:
+        for r in replicas:
+            r.stop()
+    print_table(
+        f"Routing quality ({args.replicas} ferry replicas; {args.groups} prompt groups x {args.per_group} "
+        f"conversations x {args.turns} turns, {args.concurrency_quality} at once)",
+        rows,
+        ["router", "policy", "hit_rate", "ttft_p50_ms", "ttft_p99_ms", "ok", "requests", "wall_s"],
+    )
+    return {"rows": rows}
+
+
+def print_table(title: str, rows: list[dict], cols: list[str]) -> None:
+    def fmt(v: object) -> str:
+        return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+    widths = [max(len(c), *(len(fmt(r[c])) for r in rows)) for c in cols]
+    print(f"\n{title}")
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)))
+    for r in rows:
+        print("  ".join(fmt(r[c]).ljust(w) for c, w in zip(cols, widths, strict=True)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--part", choices=["overhead", "quality", "all"], default="all")
+    p.add_argument("--quick", action="store_true", help="small counts, to check the script works")
+    p.add_argument("--requests", type=int, default=400)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--duration", type=float, default=5.0)
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--groups", type=int, default=4)
+    p.add_argument("--per-group", type=int, default=4)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--system-words", type=int, default=300)
+    p.add_argument("--concurrency-quality", type=int, default=4)
+    p.add_argument("--out", default=str(REPO / "bench/results/router.json"))
+    args = p.parse_args(argv)
+    if args.quick:
+        args.requests, args.duration, args.groups, args.per_group, args.turns = 60, 2.0, 2, 2, 2
+    logdir = Path(tempfile.mkdtemp(prefix="ferry-bench-router-"))
+    result: dict = {"args": vars(args), "cpus": os.cpu_count(), "load_avg_at_start": os.getloadavg()}
+    if args.part in ("overhead", "all"):
+        result["overhead"] = bench_overhead(args, logdir)
+    if args.part in ("quality", "all"):
+        result["quality"] = bench_quality(args, logdir)
+    result["load_avg_at_end"] = os.getloadavg()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"\nwrote {out} (logs in {logdir}); load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""The relay's HTTP/1.1 client against a real loopback socket server with awkward framing."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from router_harness import free_port
+
+from router.upstream import ConnectError, UpstreamBroken, UpstreamClient
+
+
+async def _serve(handler):
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    return server, f"http://127.0.0.1:{port}"
+
+
+async def _read_request(reader: asyncio.StreamReader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = int(
+        next(ln.split(b":")[1] for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length"))
+    )
+    return await reader.readexactly(length)
+
+
+async def test_chunked_body_split_at_every_byte_and_connection_reuse() -> None:
+    events = [b"data: " + bytes([65 + i]) * (i * 7 + 1) + b"\n\n" for i in range(12)]
+    wire = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\n\r\n"
+    connections = 0
+
+    async def handler(reader, writer):
+        nonlocal connections
+        connections += 1
+        for _ in range(2):
+            body = await _read_request(reader)
+            assert body == b'{"q": 1}'
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+            )
+            for i in range(len(wire)):  # one byte per TCP write: every boundary case
+                writer.write(wire[i : i + 1])
+                await writer.drain()
+        writer.close()
+
+    server, url = await _serve(handler)
+    client = UpstreamClient(read_timeout=5)
+    for _ in range(2):
+        resp = await client.request(
+            "POST", url, "/v1/x", [(b"content-type", b"application/json")], b'{"q": 1}'
+        )
+        assert resp.status_code == 200 and resp.headers.get("content-type") == "text/event-stream"
+        assert await resp.aread() == b"".join(events)
+        await resp.aclose()
+    assert connections == 1  # keep-alive: the second request reused the connection
+    await client.aclose()
+    server.close()
+
+
+async def test_stale_pooled_connection_is_retried_on_a_fresh_one() -> None:
+    served = 0
+
+    async def handler(reader, writer):
+        nonlocal served
+        await _read_request(reader)
+        served += 1
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await writer.drain()
+        writer.close()  # closes after each answer although it did not say "connection: close"
+
+    server, url = await _serve(handler)
+    client = UpstreamClient(read_timeout=5)
+    for _ in range(3):
+        resp = await client.request("POST", url, "/", [], b"{}")
+        assert await resp.aread() == b"ok"
+        await resp.aclose()
+        await asyncio.sleep(0.05)
+    assert served == 3
+    await client.aclose()
+    server.close()
+
+
+async def test_connect_refused_and_broken_body() -> None:
+    client = UpstreamClient(connect_timeout=1, read_timeout=5)
+    with pytest.raises(ConnectError):
+        await client.request("POST", f"http://127.0.0.1:{free_port()}", "/", [], b"")
+
+    async def handler(reader, writer):
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n")
+        await writer.drain()
+        writer.transport.abort()  # dies mid-body
+
+    server, url = await _serve(handler)
+    resp = await client.request("POST", url, "/", [], b"{}")
+    got = []
+    with pytest.raises(UpstreamBroken):
+        async for chunk in resp.aiter_raw():
+            got.append(chunk)
+    assert got == [b"hello"]
+    await resp.aclose()
+    await client.aclose()
+    server.close()
