@@ -306,6 +306,11 @@ def test_resources_and_gpu_variant(overlay: tuple[str, list[dict]]) -> None:
             assert "nvidia.com/gpu" not in limits and container["image"].endswith("-cpu")
     router = ferry_containers(one(docs, "Deployment", "ferry-router"))[0]
     assert "nvidia.com/gpu" not in router["resources"]["limits"]
+    for w in [one(docs, "Deployment", "ferry-router"), *replica_pools(docs)]:
+        assert pod_spec(w)["enableServiceLinks"] is False  # no injected FERRY_ROUTER_PORT=tcp://… variables
+        for c in ferry_containers(w):
+            assert c["securityContext"]["readOnlyRootFilesystem"] is True
+            assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"]  # the one writable place
 
 
 def test_rbac_is_get_list_watch_endpointslices_for_the_router_only(overlay: tuple[str, list[dict]]) -> None:
