@@ -133,7 +133,13 @@ class Response:
                     yield data
         except asyncio.TimeoutError as e:
             raise UpstreamTimeout("no data from the replica within the read timeout") from e
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError, OSError, ValueError) as e:
+        except (
+            asyncio.IncompleteReadError,
+            asyncio.LimitOverrunError,
+            ConnectionError,
+            OSError,
+            ValueError,
+        ) as e:
             raise UpstreamBroken(f"connection to the replica broke: {type(e).__name__}") from e
 
     async def _dechunk(self, reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
