@@ -28,6 +28,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -340,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    proc, url = start_server(model, engine_opts, out.with_suffix(".server.log"))
+    proc, url = start_server(model, engine_opts, Path(tempfile.gettempdir()) / "ferry-server-overhead.log")
 
     async def run() -> list[Summary]:
         from engine import AsyncEngine
