@@ -2,8 +2,9 @@
 
 Also the two offline modes: ``--compare`` (side-by-side summaries) and ``--report`` (plots + HTML).
 Failures of individual requests are results, not errors: the run finishes and reports them. Exit
-status: 0 when every planned run finished, 1 when the server was lost part-way (the summary is
-still written), 2 for bad flags or an unusable dataset / unreachable server before any request.
+status: 0 when every planned run finished; 1 when the server was lost part-way and 130 when
+interrupted (both still write the summary of what ran); 2 for bad flags, an unusable dataset, or
+a server unreachable before any request.
 """
 
 from __future__ import annotations
@@ -121,11 +122,12 @@ def _run(cfg: BenchConfig, args: argparse.Namespace) -> int:
         return 0
 
     results: list[RunResult] = []
+    interrupted = False
     try:
         lost = asyncio.run(_sweep(cfg, chains, headers, out_dir, results))
     except KeyboardInterrupt:
         # Summarise the runs that finished; the interrupted one's records are incomplete.
-        lost = "interrupted by the user"
+        lost, interrupted = None, True
     points, skipped = [], []
     for point in cfg.points:
         runs = [r for r in results if r.point == point]
@@ -136,6 +138,7 @@ def _run(cfg: BenchConfig, args: argparse.Namespace) -> int:
     name = cfg.label or out_dir.resolve().name
     endpoints = ",".join(sorted({req.endpoint for chain in chains for req in chain}))
     summary = build_summary(cfg, name, model, endpoints, models, dataset, environment, points, skipped, lost)
+    summary["interrupted"] = interrupted
     write_json(out_dir / "summary.json", summary)
     title = f"ferry bench: {cfg.dataset} on {cfg.base_url} ({model}, {summary['endpoint']})"
     table = summary_table(points, title) if points else title + "\n(no run finished)"
@@ -144,12 +147,13 @@ def _run(cfg: BenchConfig, args: argparse.Namespace) -> int:
             "\nnote: token count mismatch = usage's completion tokens != text chunks: the server sent "
             "several tokens in a chunk (or held text back); ITL is per chunk, TPOT per token."
         )
-    if lost:
-        table += f"\nserver lost: {lost}" + (f"; skipped points: {', '.join(skipped)}" if skipped else "")
+    if lost or interrupted:
+        why = f"server lost: {lost}" if lost else "interrupted"
+        table += f"\n{why}" + (f"; skipped points: {', '.join(skipped)}" if skipped else "")
     (out_dir / "summary.txt").write_text(table + "\n")
     print(table)
     print(f"results: {out_dir}")
-    return 1 if lost else 0
+    return 130 if interrupted else 1 if lost else 0
 
 
 async def _sweep(

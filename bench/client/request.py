@@ -6,6 +6,8 @@ Timing rules (the same for every backend):
   tokens, so ITL is per chunk; ``stream_chunks`` counts those chunks and ITL has
   ``stream_chunks - 1`` entries.
 * E2E: send -> end of the stream (``[DONE]`` or the connection's clean end after the last chunk).
+* A server that answers with one JSON body despite ``stream: true`` is measured as one chunk
+  (TTFT = E2E, no ITL).
 * Token counts come from the final ``usage`` (``stream_options.include_usage``); without usage,
   the chunk count stands in and ``usage_missing`` is set.
 * With ``--continuous-usage-stats`` (vLLM's ``stream_options.continuous_usage_stats``) every
@@ -119,6 +121,9 @@ async def _stream(
         if resp.status_code != 200:
             raw = await resp.aread()
             raise _StreamError(ErrorKind.http(resp.status_code), _error_message(raw))
+        if resp.headers.get("content-type", "").startswith("application/json"):
+            await _whole_answer(resp, chat, out, start)
+            return
         parser = SSEParser()
         last_chunk_t: float | None = None
         pieces: list[str] = []
@@ -163,6 +168,24 @@ async def _stream(
         record.e2e_s = time.perf_counter() - start
         out.text = "".join(pieces)
         _count_tokens(record, usage)
+
+
+async def _whole_answer(resp: httpx.Response, chat: bool, out: Outcome, start: float) -> None:
+    """A server that ignored ``stream: true`` and sent one JSON answer: the first token arrived
+    with the last, so TTFT = E2E and there are no inter-token gaps."""
+    record = out.record
+    raw = await resp.aread()
+    record.e2e_s = record.ttft_s = time.perf_counter() - start
+    try:
+        body = json.loads(raw)
+        choice = body["choices"][0]
+        text = (choice.get("message") or {}).get("content") if chat else choice.get("text")
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+        raise _StreamError(ErrorKind.BAD_RESPONSE, f"unparseable answer: {raw[:200]!r}") from None
+    out.text = text or ""
+    record.stream_chunks = 1 if out.text else 0
+    record.finish_reason = choice.get("finish_reason")
+    _count_tokens(record, body.get("usage"))
 
 
 def _count_tokens(record: RequestRecord, usage: dict[str, Any] | None) -> None:

@@ -54,6 +54,22 @@ def test_multi_token_chunks_itl_per_chunk(standin, bench, tmp_path: Path) -> Non
         assert r["chunk_tokens"] == [3, 3, 3, 1] and r["token_count_mismatch"] is False
 
 
+def test_server_that_does_not_stream(standin, bench, tmp_path: Path) -> None:
+    srv = standin("--tokens", "5")
+    out = tmp_path / "whole"
+    rc, _ = bench(
+        f"--base-url {srv.url} --num-prompts 3 --input-len 4 --output-len 5 --endpoint chat",
+        "--extra-body",
+        '{"stream": false}',
+        "--output-dir",
+        str(out),
+    )
+    assert rc == 0
+    for r in _raw(out):  # one JSON answer: measured as one chunk, TTFT = E2E
+        assert r["ok"] and r["completion_tokens"] == 5 and r["stream_chunks"] == 1 and r["itl_s"] == []
+        assert r["ttft_s"] == r["e2e_s"] and r["finish_reason"] == "stop"
+
+
 def test_failures_are_typed_and_counted(standin, bench, tmp_path: Path) -> None:
     slow = standin("--tokens", "4", "--ttft-ms", "3000")
     out = tmp_path / "timeout"
