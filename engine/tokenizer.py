@@ -298,7 +298,8 @@ class Tokenizer:
 
     @cached_property
     def _byte_level(self) -> bool:
-        return "ByteLevel" in json.dumps(json.loads(self._tok.to_str()).get("decoder"))
+        decoder = self._tok.decoder
+        return decoder is not None and b'"ByteLevel"' in decoder.__getstate__()
 
     # -- chat template ----------------------------------------------------------------------------
 
