@@ -205,7 +205,12 @@ class KVConnector:
                 then(loaded)
             return loaded
 
-        return self._loader.submit(run)
+        with self._lock:
+            if not self._closed:
+                return self._loader.submit(run)
+        done: Future[int] = Future()
+        done.set_result(0)  # closed: nothing loads, the caller recomputes
+        return done
 
     def _copy_in(
         self,

@@ -16,7 +16,8 @@ What happens when (all on the engine loop thread):
   snapshotted and queued for the tier — unless it was itself just loaded from the tier;
 * a cached block is evicted (``block_removed``): only a device event, if events are on;
 * a ``kv_transfer`` producer request finishes (``request_finished``): wait (bounded) until its
-  prompt blocks reached the tier, so the consumer that the router calls next finds them.
+  prompt blocks reached the tier, so the consumer that the router calls next finds them, and
+  report how many leading prompt blocks the tier holds (``kv_transfer.tier_blocks``).
 """
 
 from __future__ import annotations
@@ -96,10 +97,20 @@ class TierConnector:
         if not spec or spec.get("role") != "producer":
             return
         prompt_hashes = request.block_hashes[: request.num_prompt_tokens // self.block_size]
-        flushed = self.kv.flush(PRODUCER_FLUSH_TIMEOUT_S, hashes=prompt_hashes)
-        if not flushed:
-            logger.warning("request %s: tier writes still pending at hand-off", request.request_id)
-        request.kv_transfer_result = {"tier_write_complete": flushed}
+        self.kv.flush(PRODUCER_FLUSH_TIMEOUT_S, hashes=prompt_hashes)
+        # Confirm with the tier itself: a write may have been dropped (full queue, Redis down).
+        in_tier = self.kv.lookup(prompt_hashes)
+        if in_tier < len(prompt_hashes):
+            logger.warning(
+                "request %s: %d of %d prompt blocks reached the tier; the consumer recomputes the rest",
+                request.request_id,
+                in_tier,
+                len(prompt_hashes),
+            )
+        request.kv_transfer_result = {
+            "tier_blocks": in_tier,
+            "tier_write_complete": in_tier == len(prompt_hashes),
+        }
 
     def close(self) -> None:
         self.kv.close()

@@ -190,6 +190,7 @@ def test_memory_tier_connector_and_close_flushes() -> None:
     assert other.load(HASHES[:3], [5, 6, 7], k2, v2) == 3
     assert torch.equal(_block(k2, v2, 7), _block(k, v, 2))
     assert conn.lookup(HASHES) == 0 and conn.save(HASHES[4], 4, k, v) is False  # closed
+    assert conn.load_async(HASHES[:1], [0], k2, v2).result(timeout=5) == 0
     other.close()
 
 

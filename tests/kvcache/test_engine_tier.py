@@ -97,6 +97,7 @@ def test_producer_request_waits_for_its_blocks_to_reach_the_tier(tiny_llama, red
             if out.finished:
                 final = out
     assert final is not None and final.kv_transfer["tier_write_complete"] is True
+    assert final.kv_transfer["tier_blocks"] == len(PROMPT) // BLOCK
     hexes = final.kv_transfer["block_hashes"]
     assert hexes == [h.hex() for h in block_hashes(PROMPT, BLOCK)]
     raw = redis.Redis.from_url(redis_url)
@@ -129,3 +130,15 @@ def test_async_load_into_engine_cache_is_bit_exact(tiny_llama, redis_url: str) -
     assert b.engine.connector.flush(10.0) and b.engine.connector.stats().blocks_saved == 0
     bm.free(table)
     bm.check_integrity()
+
+
+def test_producer_with_dead_tier_still_answers(tiny_llama, cold_tokens: list[int]) -> None:
+    llm = LLM(str(tiny_llama), kv_tier="redis://127.0.0.1:1/0?timeout=0.2&connect_timeout=0.2", **OPTIONS)
+    engine = llm.engine
+    req = engine.make_request("p2", PROMPT, GREEDY, kv_transfer={"role": "producer"})
+    engine.add_request(req)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs.extend(engine.step())
+    assert [t for o in outs for t in o.outputs[0].token_ids] == cold_tokens
+    assert outs[-1].kv_transfer["tier_write_complete"] is False and outs[-1].kv_transfer["tier_blocks"] == 0
