@@ -38,9 +38,10 @@ def resolve_model_dir(model: str | None) -> Path:
         patterns = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.txt"]
         return Path(snapshot_download(repo_id=model, allow_patterns=patterns))
     except Exception as exc:  # network down, unknown repo, gated repo…: all mean "give us a directory"
+        reason = " ".join(str(exc).split())
         raise ValueError(
             f"model {model!r} is not a local directory and could not be downloaded from the Hugging Face "
-            f"hub ({type(exc).__name__}: {exc}); pass a local model directory"
+            f"hub ({type(exc).__name__}: {reason}); pass a local model directory"
         ) from None
 
 

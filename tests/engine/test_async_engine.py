@@ -1,0 +1,125 @@
+"""AsyncEngine: concurrent streams equal the offline API; abort, disconnect, crash, resume."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.config import EngineConfig
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture
+async def engine(tiny_llama):
+    eng = AsyncEngine(EngineConfig(model=str(tiny_llama), num_kv_blocks=128))
+    yield eng
+    await eng.shutdown()
+
+
+async def _collect(eng: AsyncEngine, rid: str, prompt, params, **kw):
+    tokens: list[int] = []
+    text = ""
+    last = None
+    async for out in eng.generate(rid, prompt, params, **kw):
+        tokens += out.outputs[0].token_ids
+        text += out.outputs[0].text
+        last = out
+    return tokens, text, last
+
+
+async def _wait_idle(eng: AsyncEngine) -> None:
+    for _ in range(200):
+        s = eng.stats()
+        if s.num_running == 0 and s.num_waiting == 0 and s.kv_cache_usage == 0.0:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"engine not idle: {eng.stats()}")
+
+
+async def test_concurrent_streams_equal_offline_generate(engine, tiny_llama, prompts) -> None:
+    ref = LLM(str(tiny_llama), num_kv_blocks=128).generate(prompts, GREEDY)
+    results = await asyncio.gather(*(_collect(engine, f"r{i}", p, GREEDY) for i, p in enumerate(prompts)))
+    for (tokens, text, last), r in zip(results, ref, strict=True):
+        assert tokens == r.outputs[0].token_ids
+        assert text == r.outputs[0].text
+        assert last.finished and last.outputs[0].finish_reason == "length"
+        m = last.metrics
+        assert m["arrival_time"] <= m["first_scheduled_time"] <= m["first_token_time"] <= m["finished_time"]
+    stats = engine.stats()
+    assert stats.generation_tokens == 12 * len(prompts)
+    assert stats.prompt_tokens == sum(len(p) for p in prompts)
+    assert engine.is_healthy()
+
+
+async def test_abort_frees_blocks_and_ends_stream(engine, prompts) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=700, ignore_eos=True)
+    outs = []
+
+    async def consume():
+        async for out in engine.generate("long", prompts[-1], params):
+            outs.append(out)
+
+    task = asyncio.create_task(consume())
+    while not outs and not task.done():
+        await asyncio.sleep(0.01)
+    assert engine.stats().kv_cache_usage > 0
+    await engine.abort("long")
+    # Blocks are free as soon as abort returns.
+    s = engine.stats()
+    assert (s.num_running, s.num_waiting, s.kv_cache_usage) == (0, 0, 0.0)
+    await asyncio.wait_for(task, 5)
+    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+    engine.engine.block_manager.check_integrity()
+
+
+async def test_closing_the_stream_aborts(engine, prompts) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=700, ignore_eos=True)
+    gen = engine.generate("gone", prompts[-2], params)
+    await gen.__anext__()
+    await gen.aclose()  # what a client disconnect does
+    await _wait_idle(engine)
+
+
+async def test_validation_errors(engine) -> None:
+    with pytest.raises(ValueError, match="empty"):
+        await _collect(engine, "e1", [], GREEDY)
+    with pytest.raises(ValueError, match="max_model_len"):
+        await _collect(engine, "e2", [1, 2], SamplingParams(max_tokens=10**6))
+    with pytest.raises(ValueError, match="vocabulary"):
+        await _collect(engine, "e3", [10**7], GREEDY)
+    assert engine.is_healthy()
+
+
+async def test_resume_continues_at_the_same_positions(engine, prompts) -> None:
+    full, _, _ = await _collect(engine, "full", prompts[6], GREEDY)
+    sampled = SamplingParams(temperature=1.0, seed=9, max_tokens=12, ignore_eos=True)
+    full_s, _, _ = await _collect(engine, "full_s", prompts[6], sampled)
+    resumed, _, last = await _collect(engine, "res", prompts[6], GREEDY, resume_token_ids=full[:4])
+    assert resumed == full[4:]  # max_tokens counts the resumed tokens
+    res_s, _, _ = await _collect(engine, "res_s", prompts[6], sampled, resume_token_ids=full_s[:5])
+    assert res_s == full_s[5:]
+
+
+async def test_kv_transfer_reports_block_hashes(engine, prompts) -> None:
+    from kvcache.keys import block_hashes, to_hex
+
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    _, _, last = await _collect(engine, "prod", prompts[7], params, kv_transfer={"role": "producer"})
+    assert last.kv_transfer["block_hashes"] == to_hex(block_hashes(prompts[7], 16))
+    assert last.kv_transfer["num_cached_tokens"] == 0
+
+
+async def test_loop_crash_fails_requests_and_marks_unhealthy(engine, prompts) -> None:
+    def boom(_out):
+        raise RuntimeError("simulated device failure")
+
+    engine.engine.model_runner.execute = boom
+    with pytest.raises(EngineDeadError, match="simulated device failure"):
+        await asyncio.wait_for(_collect(engine, "x", prompts[2], GREEDY), 5)
+    assert not engine.is_healthy()
+    with pytest.raises(EngineDeadError):
+        await _collect(engine, "y", prompts[2], GREEDY)

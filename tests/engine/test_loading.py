@@ -1,0 +1,118 @@
+"""Model loading: config spellings, architectures, hub ids, weights identity and the fingerprint."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.models.config import ModelConfig
+from engine.models.loader import weights_id
+from kvcache.keys import model_fingerprint
+
+BASE = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 100,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+
+
+def test_config_reads_transformers_4_and_5_spellings() -> None:
+    v4 = ModelConfig.from_dict(
+        {
+            **BASE,
+            "rope_theta": 500000.0,
+            "torch_dtype": "bfloat16",
+            "rope_scaling": {"type": "linear", "factor": 2.0},
+        }
+    )
+    v5 = ModelConfig.from_dict(
+        {
+            **BASE,
+            "dtype": "bfloat16",
+            "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 500000.0},
+        }
+    )
+    for c in (v4, v5):
+        assert c.rope_theta == 500000.0 and c.checkpoint_dtype == "bfloat16"
+        assert c.rope_scaling["rope_type"] == "linear" and c.rope_scaling["factor"] == 2.0
+        assert (c.head_dim, c.num_kv_heads) == (16, 2)
+    plain = ModelConfig.from_dict({**BASE, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}})
+    assert plain.rope_scaling is None and plain.rope_theta == 1e4
+    assert ModelConfig.from_dict(
+        {**BASE, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
+    ).attention_bias
+
+
+def _copy(src: Path, dst: Path, **config_changes) -> Path:
+    dst.mkdir()
+    for f in src.iterdir():
+        shutil.copy(f, dst / f.name)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(config_changes)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_mistral_architecture_runs_as_llama(tiny_llama, tmp_path, prompts) -> None:
+    mistral = _copy(tiny_llama, tmp_path / "m", architectures=["MistralForCausalLM"], model_type="mistral")
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    a = LLM(str(tiny_llama), num_kv_blocks=64).generate(prompts[5], params)[0].outputs[0].token_ids
+    b = LLM(str(mistral), num_kv_blocks=64).generate(prompts[5], params)[0].outputs[0].token_ids
+    assert a == b
+
+
+def test_unsupported_architecture_is_named(tiny_llama, tmp_path) -> None:
+    bad = _copy(tiny_llama, tmp_path / "b", architectures=["GPTNeoXForCausalLM"])
+    with pytest.raises(ValueError, match="unsupported architecture 'GPTNeoXForCausalLM'"):
+        LLM(str(bad), num_kv_blocks=8)
+
+
+def test_hub_id_without_network_names_the_id(monkeypatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError, match=r"'no-such-org/no-such-model'.*pass a local model directory"):
+        LLM("no-such-org/no-such-model")
+
+
+def test_weights_id_and_fingerprint(tiny_llama, tiny_qwen2, tmp_path) -> None:
+    wid = weights_id(tiny_llama)
+    assert wid == weights_id(tiny_llama) and len(wid) == 32
+    assert wid != weights_id(tiny_qwen2)
+    changed = _copy(tiny_llama, tmp_path / "c", rms_norm_eps=1e-5)
+    assert weights_id(changed) != wid
+    llm = LLM(str(tiny_llama), num_kv_blocks=8, block_size=16)
+    runner = llm.engine.model_runner
+    assert runner.weights_id == wid
+    expected = model_fingerprint(
+        weights_id=wid, dtype="float32", block_size=16, num_layers=2, num_kv_heads=2, head_dim=16
+    )
+    assert llm.engine.model_fingerprint == expected == llm.engine.model_info.model_fingerprint
+    other = LLM(str(tiny_llama), num_kv_blocks=8, block_size=8)
+    assert other.engine.model_fingerprint != expected
+
+
+def test_kv_cache_layout_and_sizing(tiny_llama) -> None:
+    llm = LLM(str(tiny_llama), kv_cache_memory_bytes=1 << 20, block_size=16)
+    runner = llm.engine.model_runner
+    per_block = 2 * 2 * 16 * 2 * 16 * 4  # k+v, layers, block, kv heads, head dim, fp32
+    assert runner.bytes_per_block == per_block
+    assert runner.num_kv_blocks == (1 << 20) // per_block
+    k, v = runner.kv_caches[0]
+    assert tuple(k.shape) == (runner.num_kv_blocks, 16, 2, 16) and k.shape == v.shape
+    assert len(runner.kv_caches) == 2
+
+
+def test_demo_model_when_model_is_none(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("FERRY_CACHE_DIR", str(tmp_path))
+    llm = LLM(None, num_kv_blocks=32)
+    assert str(llm.engine.model_dir).startswith(str(tmp_path))
+    out = llm.generate("hello", SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 3

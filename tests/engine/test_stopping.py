@@ -1,0 +1,126 @@
+"""Stop conditions: stop strings (split across tokens), EOS, stop_token_ids, max_tokens, min_tokens."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from engine import LLM, SamplingParams
+
+PROMPT = "def main(args):\n    return"
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama) -> LLM:
+    return LLM(str(tiny_llama), num_kv_blocks=128)
+
+
+@pytest.fixture(scope="module")
+def free_run(llm) -> tuple[list[int], str]:
+    out = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))[0].outputs[0]
+    return out.token_ids, out.text
+
+
+def test_max_tokens_finishes_with_length(llm, free_run) -> None:
+    out = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))[0].outputs[0]
+    assert out.token_ids == free_run[0][:5]
+    assert out.finish_reason == "length" and out.stop_reason is None
+
+
+def test_stop_string_split_across_tokens(llm, free_run) -> None:
+    tokens, text = free_run
+    tok = llm.tokenizer
+    # A boundary between two tokens with at least 2 characters of text on each side.
+    for k in range(2, len(tokens) - 2):
+        b = len(tok.decode(tokens[:k]))
+        stop = text[b - 2 : b + 2]
+        if len(stop) == 4 and text.find(stop) == b - 2 and len(tok.decode(tokens[k : k + 1])) >= 2:
+            break
+    else:
+        pytest.fail("no usable token boundary in the greedy text")
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop])
+    out = llm.generate(PROMPT, params)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[: b - 2]
+    assert out.token_ids == tokens[: k + 1]
+    kept = llm.generate(PROMPT, SamplingParams(**{**params.__dict__, "include_stop_str_in_output": True}))[0]
+    assert kept.outputs[0].text == text[: b + 2]
+
+
+def test_stop_token_ids(llm, free_run) -> None:
+    tokens, _ = free_run
+    stop_id = tokens[4]
+    first = tokens.index(stop_id)
+    out = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[stop_id]))[
+        0
+    ].outputs[0]
+    assert out.token_ids == tokens[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id
+
+
+@pytest.fixture(scope="module")
+def eos_model(tiny_llama, free_run, tmp_path_factory) -> tuple[Path, int]:
+    """tiny_llama whose config names the greedy run's third token as EOS."""
+    tokens, _ = free_run
+    eos = tokens[2]
+    assert eos not in tokens[:2]
+    path = tmp_path_factory.mktemp("eos_model")
+    for f in tiny_llama.iterdir():
+        shutil.copy(f, path / f.name)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["eos_token_id"] = eos
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path, eos
+
+
+def test_eos_stops_unless_ignored(eos_model, free_run) -> None:
+    path, eos = eos_model
+    tokens, _ = free_run
+    llm = LLM(str(path), num_kv_blocks=64)
+    assert eos in llm.engine.eos_token_ids
+    out = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=24))[0].outputs[0]
+    assert out.token_ids == tokens[:3]
+    assert out.finish_reason == "stop" and out.stop_reason is None
+    assert out.text == llm.tokenizer.decode(tokens[:2])  # the EOS token's text is left out
+    ignored = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))[0]
+    assert ignored.outputs[0].token_ids == tokens
+    # min_tokens masks EOS until 5 tokens exist.
+    held = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=24, min_tokens=5))[0].outputs[0]
+    assert len(held.token_ids) >= 5 and eos not in held.token_ids[:4]
+    assert held.token_ids[:2] == tokens[:2]
+
+
+def test_prompt_logprobs(llm) -> None:
+    ids = llm.tokenizer.encode(PROMPT)
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2)
+    out = llm.generate(PROMPT, params)[0]
+    assert len(out.prompt_logprobs) == len(ids) and out.prompt_logprobs[0] is None
+    for tok, entry in zip(ids[1:], out.prompt_logprobs[1:], strict=True):
+        assert tok in entry and entry[tok].logprob <= 0.0
+        assert len(entry) <= 3
+    # Chunked prefill gives the same prompt logprobs.
+    chunked = LLM(str(llm.engine.model_dir), num_kv_blocks=64, max_num_batched_tokens=3).generate(
+        PROMPT, params
+    )[0]
+    for a, b in zip(out.prompt_logprobs[1:], chunked.prompt_logprobs[1:], strict=True):
+        assert a.keys() == b.keys()
+        assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+
+
+def test_bad_input_is_a_value_error(llm) -> None:
+    limit = llm.engine.max_model_len
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]], SamplingParams())
+    with pytest.raises(
+        ValueError,
+        match=rf"prompt \(3 tokens\) \+ max_tokens \({limit}\) = {limit + 3} exceeds max_model_len={limit}",
+    ):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=limit))
+    with pytest.raises(ValueError, match="out of the vocabulary"):
+        llm.generate([[5, 10**6]], SamplingParams())
+    with pytest.raises(ValueError, match="out of the vocabulary"):
+        llm.generate([[-1]], SamplingParams())
+    assert not llm.engine.has_unfinished_requests()
