@@ -323,3 +323,35 @@ def test_cache_aware_follows_prefixes_and_spreads_a_flood(cluster: Cluster, pair
     after = replicas_view(router)
     got = {u: after[u]["total_requests"] - before[u] for u in after}
     assert sum(got.values()) == 12 and min(got.values()) >= 3, got
+
+
+def test_session_policy_sticks_by_header_and_user_field(cluster: Cluster, pair: list[Proc]) -> None:
+    a, b = pair
+    router = cluster.router("--replica", a.url, "--replica", b.url, "--policy", "session")
+    from router.policies.session import rendezvous_pick
+
+    for key, how in (("alice", "header"), ("bob", "header"), ("carol", "user"), ("dave", "user")):
+        before = {u: r["total_requests"] for u, r in replicas_view(router).items()}
+        for _ in range(3):
+            body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
+            headers = {}
+            if how == "header":
+                headers["X-Session-Id"] = key
+            else:
+                body["user"] = key
+            assert httpx.post(router.url + "/v1/completions", json=body, headers=headers).status_code == 200
+        after = replicas_view(router)
+        got = {u for u in after if after[u]["total_requests"] > before[u]}
+        assert got == {rendezvous_pick(key, [a.url, b.url])}  # all three on the session's replica
+
+
+@pytest.mark.parametrize("policy", ["least_load", "power_of_two"])
+def test_load_policies_serve_through_the_cli(cluster: Cluster, pair: list[Proc], policy: str) -> None:
+    a, b = pair
+    router = cluster.router("--replica", a.url, "--replica", b.url, "--policy", policy)
+    for _ in range(4):
+        r = httpx.post(router.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1})
+        assert r.status_code == 200
+    view = replicas_view(router)
+    assert sum(v["total_requests"] for v in view.values()) == 4
+    assert all(v["inflight"] == 0 for v in view.values())
