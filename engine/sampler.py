@@ -16,9 +16,9 @@ exponential race would need a hashed number per vocabulary entry: measured ~10x 
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 
 import torch
 
@@ -130,33 +130,54 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
     if mask_rows:
         logits[_index(mask_rows, mask_ids, device)] = float("-inf")
 
-    rep_rows, rep_ids, rep_vals = [], [], []
-    for i, r in enumerate(rows):
-        if r.params.repetition_penalty != 1.0:
-            seen = {t for t in r.prompt_token_ids if 0 <= t < vocab}
-            seen.update(t for t in r.output_token_ids if 0 <= t < vocab)
-            rep_rows += [i] * len(seen)
-            rep_ids += seen
-            rep_vals += [r.params.repetition_penalty] * len(seen)
-    if rep_rows:
-        where = _index(rep_rows, rep_ids, device)
-        penalty = torch.tensor(rep_vals, dtype=logits.dtype, device=device)
+    rep = [(i, r) for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+    if rep:
+        where, _ = _unique_pairs(
+            [i for i, _ in rep], [(r.prompt_token_ids, r.output_token_ids) for _, r in rep], vocab, device
+        )
+        per_row = torch.ones(len(rows), dtype=logits.dtype, device=device)
+        per_row[[i for i, _ in rep]] = torch.tensor(
+            [r.params.repetition_penalty for _, r in rep], dtype=logits.dtype, device=device
+        )
+        penalty = per_row[where[0]]
         values = logits[where]
         logits[where] = torch.where(values > 0, values / penalty, values * penalty)
 
-    pen_rows, pen_ids, pen_vals = [], [], []
-    for i, r in enumerate(rows):
-        p = r.params
-        if (p.presence_penalty or p.frequency_penalty) and r.output_token_ids:
-            for tok, count in Counter(r.output_token_ids).items():
-                if 0 <= tok < vocab:
-                    pen_rows.append(i)
-                    pen_ids.append(tok)
-                    pen_vals.append(p.frequency_penalty * count + p.presence_penalty)
-    if pen_rows:
-        where = _index(pen_rows, pen_ids, device)
-        logits[where] -= torch.tensor(pen_vals, dtype=logits.dtype, device=device)
+    pen = [(i, r) for i, r in enumerate(rows) if (r.params.presence_penalty or r.params.frequency_penalty)]
+    if pen:
+        where, counts = _unique_pairs(
+            [i for i, _ in pen], [(r.output_token_ids,) for _, r in pen], vocab, device
+        )
+        freq = torch.zeros(len(rows), dtype=logits.dtype, device=device)
+        pres = torch.zeros(len(rows), dtype=logits.dtype, device=device)
+        freq[[i for i, _ in pen]] = torch.tensor(
+            [r.params.frequency_penalty for _, r in pen], dtype=logits.dtype, device=device
+        )
+        pres[[i for i, _ in pen]] = torch.tensor(
+            [r.params.presence_penalty for _, r in pen], dtype=logits.dtype, device=device
+        )
+        logits[where] -= freq[where[0]] * counts.to(logits.dtype) + pres[where[0]]
     return logits
+
+
+def _unique_pairs(
+    row_ids: list[int], token_lists: list[tuple[Sequence[int], ...]], vocab: int, device: torch.device
+) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Distinct (row, token) pairs over each row's token lists, with how often each occurs.
+
+    Vectorised (one ``torch.unique`` over ``row * vocab + token``): the per-token work stays out
+    of Python even for long prompts. Ids outside the vocabulary are ignored.
+    """
+    flat = list(chain.from_iterable(chain.from_iterable(lists) for lists in token_lists))
+    lengths = [sum(len(t) for t in lists) for lists in token_lists]
+    tokens = torch.tensor(flat, dtype=torch.long, device=device)
+    rows = torch.repeat_interleave(
+        torch.tensor(row_ids, dtype=torch.long, device=device),
+        torch.tensor(lengths, dtype=torch.long, device=device),
+    )
+    valid = (tokens >= 0) & (tokens < vocab)
+    keys, counts = torch.unique(rows[valid] * vocab + tokens[valid], return_counts=True)
+    return (keys // vocab, keys % vocab), counts
 
 
 def _sample(logits: torch.Tensor, rows: list[SamplingRow], greedy: list[bool]) -> torch.Tensor:

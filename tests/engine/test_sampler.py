@@ -108,6 +108,24 @@ def test_presence_and_frequency_penalties_count_output_tokens_only() -> None:
     assert out.tolist() == [[0.0, -1.25, -0.75, 0.0]]
 
 
+def test_penalties_are_per_row_in_a_mixed_batch() -> None:
+    logits = torch.tensor([[2.0, -2.0, 1.0, 4.0]] * 3)
+    rows = [
+        row(SamplingParams(repetition_penalty=2.0), prompt=[0, 0, 7777], output=[1]),  # 7777: not a token
+        row(),
+        row(
+            SamplingParams(repetition_penalty=4.0, frequency_penalty=1.0, presence_penalty=0.5),
+            output=[3, 3, 1],
+        ),
+    ]
+    out = process_logits(logits.clone(), rows)
+    assert out.tolist() == [
+        [1.0, -4.0, 1.0, 4.0],
+        [2.0, -2.0, 1.0, 4.0],
+        [2.0, -8.0 - 1.5, 1.0, 1.0 - 2.5],
+    ]
+
+
 def test_processors_compose_in_vllm_order() -> None:
     # bias first (+3 -> 1.0), then repetition (1.0 / 2 = 0.5), then frequency (0.5 - 0.5 = 0.0).
     logits = torch.tensor([[-2.0, 0.25, 0.0]])
