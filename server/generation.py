@@ -187,6 +187,12 @@ class Generation:
         except ValueError as e:
             # The engine's contract: ValueError is a client error (prompt too long, bad token id…).
             raise bad_request(str(e)) from e
+        except APIError:
+            raise
+        except Exception as e:
+            if not self.engine.is_healthy():  # the engine loop died or is stopping: not a server bug
+                raise unavailable(f"The engine cannot serve requests: {e}") from e
+            raise
         finally:
             if deadline.handle is not None:
                 deadline.handle.cancel()
