@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
 
 
 def interpreting() -> bool:
@@ -30,3 +33,24 @@ def triton_usable(device: str) -> bool:
     if device.startswith("cuda"):
         return True
     return interpreting()
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Compile-time parameters of a kernel launch: constexpr values plus warps and stages.
+
+    Each kernel module derives these in one cached function per kernel, used both by the launch
+    wrappers and by ``compile_check`` (which compiles the kernels for a GPU without having one),
+    so what is checked is exactly what runs.
+    """
+
+    constexprs: dict[str, Any]
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __getitem__(self, name: str) -> Any:
+        return self.constexprs[name]
+
+    @cached_property
+    def kwargs(self) -> dict[str, Any]:
+        return {**self.constexprs, "num_warps": self.num_warps, "num_stages": self.num_stages}

@@ -24,17 +24,19 @@ the two per batch.
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 import triton
 import triton.language as tl
 
-from engine.kernels import interpreting
+from engine.kernels import Launch, interpreting
 
 DEFAULT_SPLIT_SIZE = 512  # KV positions per split: fixed, so split boundaries never depend on the batch
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
-    if dtype == torch.float32 or interpreting():
+def _dot_precision(dtype: torch.dtype, interpret: bool) -> str:
+    if dtype == torch.float32 or interpret:
         return "ieee"
     return "tf32"
 
@@ -232,21 +234,36 @@ def unified_attention(
     if n_tokens == 0 or num_seqs == 0:
         return out
     queries_per_kv = n_q_heads // n_kv_heads
-    block_g = triton.next_power_of_2(queries_per_kv)
-    block_q = max(1, block_m // block_g)
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    if block_n is None:
-        block_n = _default_block_n(block_d)
-    grid = (n_tokens // block_q + 2 * num_seqs, n_kv_heads)
+    launch = unified_launch(queries_per_kv, head_dim, q.dtype, block_m, block_n, interpreting())
+    grid = (n_tokens // launch["BLOCK_Q"] + 2 * num_seqs, n_kv_heads)
     _unified_attention_kernel[grid](
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale,
         num_seqs, queries_per_kv, head_dim, k_cache.shape[1],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=8 if block_d >= 128 else 4, num_stages=2,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), **launch.kwargs,
     )  # fmt: skip
     return out
+
+
+@cache
+def unified_launch(
+    queries_per_kv: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    block_m: int = 64,
+    block_n: int | None = None,
+    interpret: bool = False,
+) -> Launch:
+    block_g = triton.next_power_of_2(queries_per_kv)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    return Launch(
+        {
+            "BLOCK_Q": max(1, block_m // block_g), "BLOCK_G": block_g,
+            "BLOCK_N": block_n or _default_block_n(block_d), "BLOCK_D": block_d,
+            "DOT_PRECISION": _dot_precision(dtype, interpret),
+        },
+        num_warps=8 if block_d >= 128 else 4,
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------- split-KV decode
@@ -382,18 +399,38 @@ def split_kv_decode_attention(
     num_splits = triton.cdiv(max_seq_len, split_size)
     part_out = torch.empty((num_seqs, n_q_heads, num_splits, block_d), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((num_seqs, n_q_heads, num_splits), dtype=torch.float32, device=q.device)
-    dot_precision = _dot_precision(q.dtype)
     _decode_split_kernel[(num_seqs, n_kv_heads, num_splits)](
         q, k_cache, v_cache, seq_lens, block_tables, part_out, part_lse, scale,
         queries_per_kv, head_dim, k_cache.shape[1], num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), part_lse.stride(0), part_lse.stride(1),
-        SPLIT_SIZE=split_size, BLOCK_H=max(16, triton.next_power_of_2(queries_per_kv)),
-        BLOCK_N=block_n, BLOCK_D=block_d, DOT_PRECISION=dot_precision, num_warps=4, num_stages=2,
+        **split_launch(queries_per_kv, head_dim, q.dtype, split_size, block_n, interpreting()).kwargs,
     )  # fmt: skip
     _decode_reduce_kernel[(num_seqs, n_q_heads)](
         part_out, part_lse, seq_lens, out, head_dim,
         part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
-        SPLIT_SIZE=split_size, BLOCK_D=block_d,
+        **reduce_launch(head_dim, split_size).kwargs,
     )  # fmt: skip
     return out
+
+
+@cache
+def split_launch(
+    queries_per_kv: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    split_size: int,
+    block_n: int,
+    interpret: bool = False,
+) -> Launch:
+    return Launch({
+        "SPLIT_SIZE": split_size, "BLOCK_H": max(16, triton.next_power_of_2(queries_per_kv)), "BLOCK_N": block_n,
+        "BLOCK_D": max(16, triton.next_power_of_2(head_dim)), "DOT_PRECISION": _dot_precision(dtype, interpret),
+    })  # fmt: skip
+
+
+@cache
+def reduce_launch(head_dim: int, split_size: int) -> Launch:
+    return Launch(
+        {"SPLIT_SIZE": split_size, "BLOCK_D": max(16, triton.next_power_of_2(head_dim))}, num_stages=1
+    )

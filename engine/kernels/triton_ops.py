@@ -12,9 +12,13 @@ This module must not import anything from the engine: the engine imports it, not
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 import triton
 import triton.language as tl
+
+from engine.kernels import Launch
 
 # Elements one program instance handles at most in the row-wise kernels. Large blocks keep
 # the grid small, which matters most under the interpreter (cost per program instance).
@@ -88,14 +92,12 @@ def rms_norm(
     x = _last_dim_contiguous(x)
     n_rows, n_cols = x.shape
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    block_h = triton.next_power_of_2(n_cols)
-    block_t = _rows_per_program(block_h)
-    grid = (triton.cdiv(n_rows, block_t),)
+    launch = rms_norm_launch(n_cols, residual is not None)
+    grid = (triton.cdiv(n_rows, launch["BLOCK_T"]),)
     if residual is None:
         if n_rows:
             _rms_norm_kernel[grid](
-                x, x, weight, out, out, n_rows, n_cols, x.stride(0), 0, out.stride(0), 0, eps,
-                HAS_RESIDUAL=False, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=_num_warps(block_t * block_h),
+                x, x, weight, out, out, n_rows, n_cols, x.stride(0), 0, out.stride(0), 0, eps, **launch.kwargs
             )  # fmt: skip
         return out, None
     residual = _last_dim_contiguous(residual)
@@ -103,10 +105,19 @@ def rms_norm(
     if n_rows:
         _rms_norm_kernel[grid](
             x, residual, weight, out, res_out, n_rows, n_cols,
-            x.stride(0), residual.stride(0), out.stride(0), res_out.stride(0), eps,
-            HAS_RESIDUAL=True, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=_num_warps(block_t * block_h),
+            x.stride(0), residual.stride(0), out.stride(0), res_out.stride(0), eps, **launch.kwargs,
         )  # fmt: skip
     return out, res_out
+
+
+@cache
+def rms_norm_launch(n_cols: int, has_residual: bool) -> Launch:
+    block_h = triton.next_power_of_2(n_cols)
+    block_t = _rows_per_program(block_h)
+    return Launch(
+        {"HAS_RESIDUAL": has_residual, "BLOCK_T": block_t, "BLOCK_H": block_h},
+        num_warps=_num_warps(block_t * block_h),
+    )
 
 
 # --------------------------------------------------------------------------- rotary
@@ -182,9 +193,16 @@ def rotary_embedding(
     _rotary_kernel[(n_tokens,)](
         positions, q, k, cache, q.shape[1], k.shape[1], half,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cache.stride(0),
-        BLOCK_QH=triton.next_power_of_2(q.shape[1]), BLOCK_KH=triton.next_power_of_2(k.shape[1]),
-        BLOCK_HALF=triton.next_power_of_2(half),
+        **rotary_launch(q.shape[1], k.shape[1], half).kwargs,
     )  # fmt: skip
+
+
+@cache
+def rotary_launch(n_q_heads: int, n_k_heads: int, half: int) -> Launch:
+    return Launch({
+        "BLOCK_QH": triton.next_power_of_2(n_q_heads), "BLOCK_KH": triton.next_power_of_2(n_k_heads),
+        "BLOCK_HALF": triton.next_power_of_2(half),
+    })  # fmt: skip
 
 
 # --------------------------------------------------------------------------- silu_and_mul
@@ -214,14 +232,17 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((n_rows, inter), dtype=x.dtype, device=x.device)
     if n_rows == 0:
         return out
+    launch = silu_and_mul_launch(inter)
+    grid = (triton.cdiv(n_rows, launch["BLOCK_T"]), triton.cdiv(inter, launch["BLOCK_I"]))
+    _silu_and_mul_kernel[grid](x, out, n_rows, inter, x.stride(0), out.stride(0), **launch.kwargs)
+    return out
+
+
+@cache
+def silu_and_mul_launch(inter: int) -> Launch:
     block_i = min(triton.next_power_of_2(inter), 4096)
     block_t = _rows_per_program(block_i)
-    grid = (triton.cdiv(n_rows, block_t), triton.cdiv(inter, block_i))
-    _silu_and_mul_kernel[grid](
-        x, out, n_rows, inter, x.stride(0), out.stride(0),
-        BLOCK_T=block_t, BLOCK_I=block_i, num_warps=_num_warps(block_t * block_i),
-    )  # fmt: skip
-    return out
+    return Launch({"BLOCK_T": block_t, "BLOCK_I": block_i}, num_warps=_num_warps(block_t * block_i))
 
 
 # --------------------------------------------------------------------------- KV cache write
@@ -282,6 +303,12 @@ def write_kv_cache(
     _write_kv_kernel[(n_tokens,)](
         k, v, k_cache, v_cache, slot_mapping, n_heads, head_dim, block_size,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        BLOCK_HEADS=triton.next_power_of_2(n_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), **write_kv_launch(n_heads, head_dim).kwargs,
     )  # fmt: skip
+
+
+@cache
+def write_kv_launch(n_heads: int, head_dim: int) -> Launch:
+    return Launch(
+        {"BLOCK_HEADS": triton.next_power_of_2(n_heads), "BLOCK_D": triton.next_power_of_2(head_dim)}
+    )

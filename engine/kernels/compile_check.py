@@ -1,0 +1,171 @@
+"""Compile every Triton kernel for a CUDA GPU without having one (ahead of time, down to a cubin).
+
+The interpreter tests prove the kernels' arithmetic; this proves the real compiler accepts them
+(typed loop-carried values, dot shapes, layouts) with the exact launch parameters the wrappers use
+(the ``*_launch`` functions), and that each fits the architecture's shared memory, which the
+interpreter never checks. It needs triton's bundled ``ptxas`` but no GPU and no CUDA driver.
+
+    python -m engine.kernels.compile_check [--arch 90] [--quick]
+
+Exit status 1 if any kernel fails. Must run without ``TRITON_INTERPRET`` (interpreted kernels
+cannot be compiled); it refuses to start otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+# Shared memory one block may use, by compute capability (bytes, opt-in maximum).
+SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
+# Pointer arguments that are not tensors of the model dtype.
+INDEX_POINTERS = {
+    "positions_ptr": "*i64", "slot_ptr": "*i64", "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32",
+    "block_tables_ptr": "*i32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "cache_ptr": "*fp32",
+}  # fmt: skip
+FLOAT_SCALARS = {"eps", "scale"}
+TRITON_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+@dataclass(frozen=True)
+class Model:
+    """The attention/MLP geometry of a model family."""
+
+    name: str
+    hq: int
+    hkv: int
+    head_dim: int
+    hidden: int
+    inter: int
+
+
+MODELS = [
+    Model("llama-3-8b", 32, 8, 128, 4096, 14336),
+    Model("qwen2-7b", 28, 4, 128, 3584, 18944),  # 7 queries per KV head: padded group
+    Model("mha-d64", 16, 16, 64, 1024, 2816),  # one query per KV head: Triton specialises it to 1
+    Model("d80", 8, 1, 80, 640, 1728),  # head dim not a power of two
+    Model("tiny", 4, 2, 16, 64, 128),  # the test checkpoints
+]
+
+
+@dataclass
+class Outcome:
+    kernel: str
+    variant: str
+    ok: bool
+    seconds: float
+    shared: int = 0
+    error: str = ""
+
+
+def _signature(fn, dtype: str, constexprs: dict[str, object]) -> dict[str, str]:  # noqa: ANN001
+    sig = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in INDEX_POINTERS:
+            sig[name] = INDEX_POINTERS[name]
+        elif name.endswith("_ptr"):
+            sig[name] = "*" + dtype
+        else:
+            sig[name] = "fp32" if name in FLOAT_SCALARS else "i32"
+    return sig
+
+
+def compile_one(fn, dtype: str, launch, arch: int, ones: tuple[str, ...] = ()) -> int:  # noqa: ANN001
+    """Compile ``fn`` for ``sm_{arch}``; ``ones`` are integer arguments whose runtime value is 1
+    (Triton turns those into constants, a different program). Returns the shared memory used."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    constexprs = {**launch.constexprs, **dict.fromkeys(ones, 1)}
+    src = ASTSource(fn=fn, signature=_signature(fn, dtype, constexprs), constexprs=constexprs)
+    options = {"num_warps": launch.num_warps, "num_stages": launch.num_stages}
+    kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+    shared = int(kernel.metadata.shared)
+    limit = SHARED_LIMIT.get(arch)
+    if limit is not None and shared > limit:
+        raise RuntimeError(f"needs {shared} bytes of shared memory, sm_{arch} has {limit}")
+    return shared
+
+
+def plan(quick: bool) -> list[tuple[str, str, object, str, object, tuple[str, ...]]]:
+    """(kernel name, variant, kernel, triton dtype, launch, args equal to 1) for every check."""
+    import torch
+
+    from engine.kernels import triton_attention as att
+    from engine.kernels import triton_ops as ops
+
+    models = [MODELS[0], MODELS[1], MODELS[4]] if quick else MODELS
+    dtypes = ["bfloat16", "float32"] if quick else ["bfloat16", "float16", "float32"]
+    jobs = []
+    for m in models:
+        g = m.hq // m.hkv
+        ones = ("queries_per_kv",) if g == 1 else ()
+        for dname in dtypes:
+            dt, tdt = getattr(torch, dname), TRITON_DTYPES[dname]
+            tag = f"{m.name} {dname}"
+            uni = att.unified_launch(g, m.head_dim, dt)
+            jobs.append(("unified_attention", tag, att._unified_attention_kernel, tdt, uni, ones))
+            split = att.split_launch(
+                g, m.head_dim, dt, att.DEFAULT_SPLIT_SIZE, att._default_block_n(uni["BLOCK_D"])
+            )
+            jobs.append(("split_kv_decode", tag, att._decode_split_kernel, tdt, split, ones))
+            if dname == dtypes[0]:
+                # One sequence in the batch: num_seqs becomes a constant in the binary search.
+                jobs.append(("unified_attention", tag + " num_seqs=1", att._unified_attention_kernel, tdt, uni,
+                             (*ones, "num_seqs")))  # fmt: skip
+            if quick and m is not models[0]:
+                continue
+            reduce = att.reduce_launch(m.head_dim, att.DEFAULT_SPLIT_SIZE)
+            jobs.append(("split_kv_reduce", tag, att._decode_reduce_kernel, tdt, reduce, ()))
+            for residual in (False, True):
+                name = "rms_norm" + ("+residual" if residual else "")
+                jobs.append(
+                    (name, tag, ops._rms_norm_kernel, tdt, ops.rms_norm_launch(m.hidden, residual), ())
+                )
+            rot = ops.rotary_launch(m.hq, m.hkv, m.head_dim // 2)
+            jobs.append(("rotary_embedding", tag, ops._rotary_kernel, tdt, rot, ()))
+            jobs.append(
+                ("silu_and_mul", tag, ops._silu_and_mul_kernel, tdt, ops.silu_and_mul_launch(m.inter), ())
+            )
+            kv = ops.write_kv_launch(m.hkv, m.head_dim)
+            jobs.append(("write_kv_cache", tag, ops._write_kv_kernel, tdt, kv, ()))
+    return jobs
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Compile ferry's Triton kernels for a CUDA GPU without one.")
+    p.add_argument(
+        "--arch", type=int, default=90, help="compute capability x10 (80 A100, 89 L4, 90 H100/H200)"
+    )
+    p.add_argument("--quick", action="store_true", help="fewer model shapes and dtypes")
+    args = p.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("compile_check: unset TRITON_INTERPRET (interpreted kernels cannot be compiled)")
+        return 2
+    outcomes = []
+    for kernel, variant, fn, dtype, launch, ones in plan(args.quick):
+        started = time.perf_counter()
+        try:
+            shared = compile_one(fn, dtype, launch, args.arch, ones)
+            outcomes.append(Outcome(kernel, variant, True, time.perf_counter() - started, shared))
+        except Exception as exc:  # report every kernel, not just the first failure
+            err = f"{type(exc).__name__}: {exc}".strip().splitlines()
+            outcomes.append(
+                Outcome(kernel, variant, False, time.perf_counter() - started, error=err[-1][:200])
+            )
+        o = outcomes[-1]
+        status = f"ok  smem {o.shared:>6} B" if o.ok else f"FAILED {o.error}"
+        print(f"sm_{args.arch} {o.kernel:<18} {o.variant:<32} {o.seconds:5.1f}s  {status}", flush=True)
+    failed = [o for o in outcomes if not o.ok]
+    print(f"{len(outcomes) - len(failed)}/{len(outcomes)} kernels compiled for sm_{args.arch}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
