@@ -318,19 +318,24 @@ def bench_engine_ttft(url: str, model_dir: Path, prompt_len: int, repeats: int) 
         llm = LLM(str(model_dir), kv_tier=tier_url, **opts)
         vocab = llm.engine.vocab_size
         llm.generate([[(5 + i) % vocab for i in range(64)]], params)  # warm-up: first-call costs out
-        times, loaded_tokens = [], []
+        times, loaded_tokens, load_times = [], [], []
         for rep in range(repeats):
             prompt = [((rep + 1) * 7919 + 31 * i) % (vocab - 10) + 10 for i in range(prompt_len)]
             if tier_url is not None:
                 llm.generate([prompt], params)  # computes the prompt and writes its blocks
                 llm.engine.connector.flush(60)
             llm.engine.block_manager.reset_prefix_cache()  # force the tier (or a full recompute)
+            load_before = llm.engine.connector.stats().load_seconds if tier_url is not None else 0.0
             start = time.perf_counter()
             result = llm.generate([prompt], params)[0]
             times.append(time.perf_counter() - start)
             loaded_tokens.append(result.num_cached_tokens)
+            if tier_url is not None:
+                load_times.append(llm.engine.connector.stats().load_seconds - load_before)
         out[f"{name}_ttft_s"] = statistics.median(times)
         out[f"{name}_cached_tokens"] = statistics.median(loaded_tokens)
+        if load_times:
+            out[f"{name}_tier_load_s"] = statistics.median(load_times)
         if tier_url is not None:
             llm.engine.connector.close()
     return out

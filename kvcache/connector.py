@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -74,6 +75,7 @@ def _single_thread_worker() -> None:
 class ConnectorStats:
     blocks_looked_up: int
     blocks_loaded: int
+    load_seconds: float  # wall time spent in load() (fetch + verify + copy), all calls
     blocks_saved: int
     writes_dropped: int
     corrupt_blocks: int
@@ -117,6 +119,7 @@ class KVConnector:
         self._writer = BlockWriter(self.tier, fingerprint, write_queue, publisher)
         self._lock = threading.Lock()
         self._looked_up = self._loaded = self._corrupt = 0
+        self._load_seconds = 0.0
         self._closed = False
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._local = threading.local()
@@ -155,6 +158,7 @@ class KVConnector:
         if len(hashes) != len(block_ids):
             raise ValueError(f"{len(hashes)} hashes but {len(block_ids)} block ids")
         self._check_caches(k_caches, v_caches)
+        started = time.perf_counter()
         loaded = 0
         for start in range(0, len(hashes), self.load_chunk):
             if self._closed:
@@ -179,6 +183,7 @@ class KVConnector:
                 break
         with self._lock:
             self._loaded += loaded
+            self._load_seconds += time.perf_counter() - started
         return loaded
 
     def load_async(
@@ -359,6 +364,7 @@ class KVConnector:
             return ConnectorStats(
                 blocks_looked_up=self._looked_up,
                 blocks_loaded=self._loaded,
+                load_seconds=self._load_seconds,
                 blocks_saved=w.written,
                 writes_dropped=w.dropped,
                 corrupt_blocks=self._corrupt,
