@@ -1,8 +1,7 @@
 """The router as an ASGI application: routes, limits, auth, and the request life cycle.
 
-``RouterApp(config)`` is a plain ASGI callable (served by uvicorn in ``router/main.py``, by
-``httpx.ASGITransport`` or uvicorn in tests). Generation requests (``/v1/chat/completions``,
-``/v1/completions``) are parsed once, keyed for the policy, admitted by overload control and
+``RouterApp(config)`` is a plain ASGI callable (served by uvicorn in ``router/main.py``).
+Generation requests (``/v1/chat/completions``, ``/v1/completions``) are parsed once, keyed for the policy, admitted by overload control and
 handed to the ``Relay``; every other ``/v1/*`` route, ``/tokenize`` and ``/detokenize`` are relayed
 as they are. While a request is relayed the app watches the client: if it disconnects, the relay
 is cancelled at once, which closes the upstream connection and frees the replica's work.
@@ -20,14 +19,12 @@ import uuid
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-import httpx
-
 from router.admin import handle_admin
 from router.admission import Admission
 from router.config import RouterConfig
 from router.discovery import make_discovery
 from router.discovery_sync import DiscoverySync
-from router.health import HealthChecker
+from router.health import HealthChecker, model_list
 from router.http import (
     BodyTooLarge,
     ClientGone,
@@ -85,11 +82,8 @@ class RouterApp:
         self.keyer: PromptKeyer | None = (
             make_keyer(config.model, config.block_size) if self.policy.needs_prefix else None
         )
-        self.client = httpx.AsyncClient(
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=4096, keepalive_expiry=60),
-            timeout=httpx.Timeout(config.request_timeout, connect=config.connect_timeout, pool=None),
-            trust_env=False,  # never route replica traffic through an environment proxy
-        )
+        # Probes and /v1/models get a client of their own: short timeouts, never queued behind traffic.
+        self.client = UpstreamClient(config.health_timeout, config.health_timeout, max_idle_per_origin=4)
         self.upstream = UpstreamClient(config.connect_timeout, config.request_timeout)
         self.relay = Relay(
             self.upstream,
@@ -216,17 +210,10 @@ class RouterApp:
             )
             return
         auth = header(scope, b"authorization")
-        headers = {"authorization": auth.decode("latin-1")} if auth else {}
+        headers = [(b"authorization", auth)] if auth else []
 
         async def one(r: Replica) -> list[dict]:
-            try:
-                resp = await self.client.get(
-                    r.url + "/v1/models", headers=headers, timeout=self.config.health_timeout
-                )
-                data = resp.json().get("data", []) if resp.status_code == 200 else []
-                return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
-            except (httpx.TransportError, httpx.TimeoutException, ValueError, AttributeError):
-                return []
+            return await model_list(self.client, r.url, headers, self.config.health_timeout)
 
         merged: dict[str, dict] = {}
         for models in await asyncio.gather(*(one(r) for r in replicas)):

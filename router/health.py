@@ -15,11 +15,10 @@ import logging
 import time
 from collections.abc import Callable
 
-import httpx
-
 from router.metrics import RouterMetrics
 from router.pool import Replicas
 from router.replica import Replica
+from router.upstream import UpstreamClient, UpstreamError, get_json
 
 log = logging.getLogger("ferry.router")
 TICK = 0.05  # scheduler resolution; probes run on each replica's own schedule
@@ -29,7 +28,7 @@ class HealthChecker:
     def __init__(
         self,
         replicas: Replicas,
-        client: httpx.AsyncClient,
+        client: UpstreamClient,
         metrics: RouterMetrics,
         timeout: float,
         clock: Callable[[], float] = time.monotonic,
@@ -91,15 +90,29 @@ class HealthChecker:
 
     async def _check(self, replica: Replica, timeout: float) -> bool:
         try:
-            response = await self.client.get(replica.url + "/health", timeout=timeout)
-        except (httpx.TransportError, httpx.TimeoutException):
+            response = await asyncio.wait_for(
+                self.client.request("GET", replica.url, "/health", [], b""), timeout
+            )
+            await asyncio.wait_for(response.aread(), timeout)
+            await response.aclose()
+        except (UpstreamError, asyncio.TimeoutError):
             return False
         return response.status_code == 200
 
     async def _models(self, replica: Replica, timeout: float) -> list[str]:
-        try:
-            response = await self.client.get(replica.url + "/v1/models", timeout=timeout)
-            data = response.json().get("data", []) if response.status_code == 200 else []
-            return [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
-        except (httpx.TransportError, httpx.TimeoutException, ValueError, AttributeError):
-            return []
+        data = await model_list(self.client, replica.url, [], timeout)
+        return [m["id"] for m in data]
+
+
+async def model_list(
+    client: UpstreamClient, url: str, headers: list[tuple[bytes, bytes]], timeout: float
+) -> list[dict]:
+    """A replica's ``/v1/models`` entries (empty on any failure)."""
+    try:
+        body = await asyncio.wait_for(get_json(client, url, "/v1/models", headers), timeout)
+    except (UpstreamError, asyncio.TimeoutError, ValueError):
+        return []
+    data = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(data, list):
+        return []
+    return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]

@@ -5,7 +5,8 @@ that scans every connection per request) cost ~2 ms of CPU per proxied request, 
 what the whole replica-side stack costs. A proxy forwards one request shape to a handful of
 known origins, so a small client on ``asyncio`` streams does: one write per request, the
 response head parsed with ``bytes`` operations, bodies by ``Content-Length``, chunked encoding
-or connection close. httpx remains for everything off the hot path (probes, admin, /v1/models).
+or connection close. Health probes and ``/v1/models`` use it too (with short timeouts), so the
+router does not even import httpx.
 
 Failure classes the relay acts on: ``ConnectError`` (nothing listens: safe to retry anywhere),
 ``UpstreamTimeout`` and ``UpstreamBroken`` (the connection failed after the request was sent).
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import sys
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable
@@ -304,3 +306,17 @@ class UpstreamClient:
     async def aclose(self) -> None:
         for origin in self._origins.values():
             origin.close()
+
+
+async def get_json(
+    client: UpstreamClient, base_url: str, target: str, headers: list[tuple[bytes, bytes]]
+) -> object:
+    """GET ``target`` and parse a 200 answer as JSON (ValueError otherwise)."""
+    response = await client.request("GET", base_url, target, headers, b"")
+    try:
+        body = await response.aread()
+    finally:
+        await response.aclose()
+    if response.status_code != 200:
+        raise ValueError(f"{target} answered {response.status_code}")
+    return json.loads(body)
