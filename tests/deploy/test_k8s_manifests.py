@@ -10,139 +10,37 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
-from conftest import OVERLAYS, ROOT
+from deploy_support import (
+    GPU_OVERLAYS,
+    OVERLAYS,
+    ROOT,
+    WORKLOAD_KINDS,
+    container_ports,
+    env_of,
+    expand,
+    ferry_containers,
+    is_ferry_image,
+    matches,
+    of_kind,
+    one,
+    parsed_args,
+    pod_labels,
+    pod_spec,
+    replica_pools,
+    resolve_port,
+    selector_matches,
+    to_bytes,
+)
 from kubernetes import client
 
 from ferry.cli import build_parser
 from router.discovery_k8s import parse_k8s_url, replicas_from_slices
-
-GPU_OVERLAYS = {"disaggregated-gpu", "production"}
-SAMPLE_SECRETS = {("ferry-kv-tier", "url"): "rediss://default:s3cret@redis.example.com:6380/0"}
-WORKLOAD_KINDS = ("Deployment", "StatefulSet", "Job")
-
-
-# ---------------------------------------------------------------- helpers
-
-
-def of_kind(docs: list[dict], *kinds: str) -> list[dict]:
-    return [d for d in docs if d["kind"] in kinds]
-
-
-def one(docs: list[dict], kind: str, name: str) -> dict:
-    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
-    assert len(found) == 1, f"expected one {kind}/{name}, found {len(found)}"
-    return found[0]
-
-
-def pod_spec(workload: dict) -> dict:
-    return workload["spec"]["template"]["spec"]
-
-
-def pod_labels(workload: dict) -> dict[str, str]:
-    return workload["spec"]["template"]["metadata"].get("labels", {})
-
-
-def is_ferry_image(image: str) -> bool:
-    return image.split("@")[0].rsplit(":", 1)[0].rsplit("/", 1)[-1] == "ferry"
-
-
-def ferry_containers(workload: dict) -> list[dict]:
-    return [c for c in pod_spec(workload)["containers"] if is_ferry_image(c["image"]) and c.get("args")]
-
-
-def env_of(container: dict, docs: list[dict], namespace: str) -> dict[str, str]:
-    """The container's environment as the kubelet would build it (Secrets: the sample values)."""
-    env: dict[str, str] = {}
-    for item in container.get("env", []):
-        if "value" in item:
-            env[item["name"]] = item["value"]
-            continue
-        src = item["valueFrom"]
-        if "configMapKeyRef" in src:
-            ref = src["configMapKeyRef"]
-            env[item["name"]] = one(docs, "ConfigMap", ref["name"])["data"][ref["key"]]
-        elif "secretKeyRef" in src:
-            ref = src["secretKeyRef"]
-            env[item["name"]] = SAMPLE_SECRETS[(ref["name"], ref["key"])]
-        elif src.get("fieldRef", {}).get("fieldPath") == "metadata.namespace":
-            env[item["name"]] = namespace
-        else:
-            raise AssertionError(f"unexpected env source {src}")
-    return env
-
-
-def expand(args: list[str], env: dict[str, str]) -> list[str]:
-    """Kubernetes' $(VAR) expansion of container args."""
-    return [re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), a) for a in args]
-
-
-def parsed_args(workload: dict, docs: list[dict]):  # noqa: ANN201 - argparse.Namespace
-    (container,) = ferry_containers(workload)
-    env = env_of(container, docs, workload["metadata"]["namespace"])
-    return build_parser().parse_args(expand(container["args"], env))
-
-
-def container_ports(workload: dict) -> dict[str, int]:
-    ports: dict[str, int] = {}
-    for c in pod_spec(workload)["containers"]:
-        for p in c.get("ports", []):
-            ports[p.get("name", str(p["containerPort"]))] = p["containerPort"]
-    return ports
-
-
-def resolve_port(port: int | str, ports: dict[str, int]) -> int | None:
-    if isinstance(port, int):
-        return port if port in ports.values() else None
-    return ports.get(port)
-
-
-def selector_matches(selector: str, labels: dict[str, str]) -> bool:
-    """Kubernetes label-selector syntax: k=v, k==v, k!=v, k in (a,b), k notin (a,b), k, !k."""
-    terms = re.findall(r"[^,(]+(?:\([^)]*\))?", selector)
-    for term in (t.strip() for t in terms if t.strip()):
-        if m := re.fullmatch(r"(\S+)\s+(in|notin)\s+\(([^)]*)\)", term):
-            key, op, values = m.group(1), m.group(2), {v.strip() for v in m.group(3).split(",")}
-            ok = (labels.get(key) in values) if op == "in" else (labels.get(key) not in values)
-        elif "!=" in term:
-            key, value = term.split("!=", 1)
-            ok = labels.get(key) != value
-        elif "=" in term:
-            key, value = re.split(r"==?", term, maxsplit=1)
-            ok = labels.get(key) == value
-        elif term.startswith("!"):
-            ok = term[1:] not in labels
-        else:
-            ok = term in labels
-        if not ok:
-            return False
-    return True
-
-
-def matches(match_labels: dict[str, str], labels: dict[str, str]) -> bool:
-    return all(labels.get(k) == v for k, v in match_labels.items())
-
-
-def to_bytes(size: str) -> int:
-    """Kubernetes quantities (4Gi, 512Mi) and Redis sizes (768mb, 24gb) as bytes."""
-    m = re.fullmatch(r"(\d+)(Ki|Mi|Gi|kb|mb|gb)?", size)
-    assert m, size
-    unit = {None: 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "kb": 1 << 10, "mb": 1 << 20, "gb": 1 << 30}
-    return int(m.group(1)) * unit[m.group(2)]
-
-
-def replica_pools(docs: list[dict]) -> list[dict]:
-    return [
-        d
-        for d in of_kind(docs, "Deployment")
-        if pod_labels(d).get("app.kubernetes.io/component") == "replica"
-    ]
 
 
 @pytest.fixture(params=OVERLAYS)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import MODEL, ROOT, FerryProcess, free_port, nginx_binary, render_nginx_conf
+from deploy_support import MODEL, ROOT, FerryProcess, free_port, nginx_binary, render_nginx_conf
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 

@@ -22,7 +22,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import httpx
 import pytest
-from conftest import MODEL, FerryProcess
+from deploy_support import MODEL, FerryProcess
 
 NAMESPACE = "ferry"
 SERVICE = "ferry-replica"
