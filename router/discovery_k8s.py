@@ -259,6 +259,7 @@ class K8sDiscovery(Discovery):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._active_watch: Any = None
+        self._stale: str | None = None  # why the local copy may be out of date (relist failing)
 
     async def list_replicas(self) -> list[DiscoveredReplica]:
         if not self.target.watch:
@@ -272,6 +273,9 @@ class K8sDiscovery(Discovery):
             self._listed = True
             self._thread = threading.Thread(target=self._watch_loop, name="ferry-k8s-discovery", daemon=True)
             self._thread.start()
+        if self._stale is not None:
+            # Raising keeps the router on its previous view and makes the outage visible in its log.
+            raise RuntimeError(f"k8s discovery cannot reach the API server: {self._stale}")
         return replicas_from_slices(self._store.snapshot(), self.target)
 
     async def close(self) -> None:
@@ -323,7 +327,9 @@ class K8sDiscovery(Discovery):
                 try:
                     slices, rv = self._list()
                     self._store.replace(slices, rv)
+                    self._stale = None
                 except Exception as list_exc:  # noqa: BLE001
+                    self._stale = str(list_exc)
                     logger.warning("k8s discovery relist failed: %s", list_exc)
                     self._stop.wait(RETRY_DELAY_S)
 

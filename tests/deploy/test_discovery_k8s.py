@@ -12,6 +12,7 @@ import pytest
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
+from router import discovery_k8s
 from router.discovery import DiscoveredReplica, make_discovery
 from router.discovery_k8s import K8sDiscovery, K8sTarget, SliceStore, parse_k8s_url, replicas_from_slices
 
@@ -225,11 +226,14 @@ class FakeDiscoveryApi:
         self.slices = slices
         self.rv = rv
         self.list_calls: list[tuple[str, str]] = []
+        self.fail: Exception | None = None
 
     def list_namespaced_endpoint_slice(self, namespace: str, **kwargs: object) -> client.V1EndpointSliceList:
         assert "watch" not in kwargs  # a watch goes through FakeWatch.stream, never a plain list
         self.list_calls.append((namespace, str(kwargs.get("label_selector"))))
         assert kwargs["_request_timeout"] == (5, 30)
+        if self.fail is not None:
+            raise self.fail
         return client.V1EndpointSliceList(
             items=list(self.slices), metadata=client.V1ListMeta(resource_version=self.rv)
         )
@@ -266,7 +270,8 @@ async def wait_for(disc: K8sDiscovery, expected: list[str]) -> None:
     assert [r.url for r in await disc.list_replicas()] == expected
 
 
-async def test_watch_loop_follows_events_and_relists_after_410() -> None:
+async def test_watch_loop_follows_events_and_relists_after_410(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(discovery_k8s, "RETRY_DELAY_S", 0.05)
     api = FakeDiscoveryApi([endpoint_slice("s", [endpoint("10.0.0.1", "a")], rv="5")], rv="7")
     events: queue.Queue = queue.Queue()
     calls: list[dict] = []
@@ -298,6 +303,33 @@ async def test_watch_loop_follows_events_and_relists_after_410() -> None:
         events.put({"type": "DELETED", "object": api.slices[0], "raw_object": {}})
         await wait_for(disc, [])
         assert calls[-1]["resource_version"] == "41"
+
+        # The API goes away: the watch fails and so does the relist. The discovery then raises (the
+        # router keeps its view and logs the outage) instead of serving a stale copy silently.
+        api.fail = ApiException(status=503, reason="Service Unavailable")
+        events.put(ApiException(status=500, reason="connection reset"))
+        for _ in range(300):
+            try:
+                await disc.list_replicas()
+            except RuntimeError as err:
+                assert "cannot reach the API server" in str(err)
+                break
+            await asyncio.sleep(0.02)
+        else:
+            raise AssertionError("a failing relist was never reported")
+        api.fail = None
+        api.slices = [endpoint_slice("s", [endpoint("10.0.0.3", "c")], rv="50")]
+        events.put(ApiException(status=500, reason="still resetting"))  # the stale watch fails too
+        # Back after the retry delay: the next relist succeeds and the view is current again.
+        for _ in range(400):
+            try:
+                if [r.url for r in await disc.list_replicas()] == ["http://10.0.0.3:8000"]:
+                    break
+            except RuntimeError:
+                pass
+            await asyncio.sleep(0.02)
+        else:
+            raise AssertionError("discovery did not recover after the API came back")
     finally:
         await disc.close()
     assert disc._thread is not None and not disc._thread.is_alive()
