@@ -355,3 +355,29 @@ def test_load_policies_serve_through_the_cli(cluster: Cluster, pair: list[Proc],
     view = replicas_view(router)
     assert sum(v["total_requests"] for v in view.values()) == 4
     assert all(v["inflight"] == 0 for v in view.values())
+
+
+def test_router_block_hashes_equal_the_replicas(cluster: Cluster, pair: list[Proc]) -> None:
+    """cache_aware's keys are the replica's own block hashes (same template, tokenizer, hashing)."""
+    from kvcache.keys import to_hex
+    from router.prompt_keys import TokenKeyer
+
+    a, _ = pair
+    keyer = TokenKeyer.from_dir(str(cluster.model), 16)
+    chat = {
+        "model": MODEL,
+        "max_tokens": 1,
+        "kv_transfer": {"role": "producer"},
+        "messages": [{"role": "system", "content": "be brief " * 30}, {"role": "user", "content": "hello?"}],
+    }
+    comp = {
+        "model": MODEL,
+        "max_tokens": 1,
+        "kv_transfer": {"role": "producer"},
+        "prompt": "def f(x):\n" * 20,
+    }
+    for path, body in (("/v1/chat/completions", chat), ("/v1/completions", comp)):
+        answer = httpx.post(a.url + path, json=body, timeout=30).json()
+        hashes, tokens = keyer.keys(path, body)
+        assert len(hashes) >= 4 and tokens == answer["usage"]["prompt_tokens"]
+        assert to_hex(hashes) == answer["kv_transfer"]["block_hashes"]
