@@ -16,7 +16,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from router.admin import handle_admin
@@ -43,7 +43,7 @@ from router.kv_events import KVEventFollower
 from router.metrics import RouterMetrics
 from router.policies import RouteRequest, make_policy
 from router.policies.cache_aware import CacheAware
-from router.pool import Replicas
+from router.pool import Pool, Replicas
 from router.prompt_keys import PromptKeyer, make_keyer
 from router.relay import ProxyCall, Relay
 from router.replica import HealthPolicy, Replica
@@ -269,6 +269,17 @@ class RouterApp:
             scope["method"], path, scope.get("query_string", b""), headers, body, request_id, route, parsed
         )
 
+        relay = self.relay.generate if generate else self.relay.forward
+        await _until_disconnect(self._admitted(relay, call, send, id_header), receive)
+
+    async def _admitted(
+        self,
+        relay: Callable[[Pool, ProxyCall, Send], Awaitable[None]],
+        call: ProxyCall,
+        send: Send,
+        id_header: list[tuple[bytes, bytes]],
+    ) -> None:
+        """Wait for a slot (cancelled with the rest if the client leaves while queued), then relay."""
         if not await self.admission.try_acquire():
             self.metrics.rejected.inc()
             await send_error(
@@ -279,12 +290,7 @@ class RouterApp:
             )
             return
         try:
-            work = (
-                self.relay.generate(self.pool, call, send)
-                if generate
-                else self.relay.forward(self.pool, call, send)
-            )
-            await _until_disconnect(work, receive)
+            await relay(self.pool, call, send)
         finally:
             self.admission.release()
 
