@@ -1,8 +1,13 @@
 """Triton kernels for ferry's GPU path: fused elementwise ops and paged attention.
 
+* ``triton_ops``: rms_norm (+ residual), rotary embedding, silu_and_mul, paged KV-cache write;
+  same signatures as ``engine/ops.py``.
+* ``triton_attention``: unified paged attention for mixed batches, split-KV decode.
+* ``compile_check``: compiles every kernel for a CUDA architecture without a GPU.
+
 The kernel modules import ``triton`` at import time, so nothing in the engine imports them
-unless the Triton attention backend (or the Triton ops) was chosen. ``triton_usable`` is the
-one cheap check the engine makes before choosing: it never imports triton when it is absent.
+unless the Triton attention backend (or the Triton ops) was chosen. ``triton_usable`` is a cheap
+check for choosing a backend: it never imports triton, and is False where it could not run.
 
 On a machine without a GPU the same kernels run under Triton's interpreter
 (``TRITON_INTERPRET=1``); that is how the CPU tests exercise them.
