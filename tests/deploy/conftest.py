@@ -32,10 +32,13 @@ def deploy_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def replica(tiny_llama: Path, redis_server, deploy_logs: Path) -> Iterator[FerryProcess]:  # noqa: ANN001
-    """One `ferry serve` (tiny Llama, served as "tiny", KV tier in the private Redis) for the session."""
+    """One `ferry serve` for the session: tiny Llama served as "tiny", KV tier in the private Redis,
+    KV block events on, advertised under its URL (as the Kubernetes manifests run replicas)."""
     redis_server.flush()
     args = ["--model", str(tiny_llama), "--served-model-name", MODEL, "--num-threads", "1", "--num-kv-blocks", "256",
-            "--max-num-seqs", "8", "--kv-tier", redis_server.url, "--drain-timeout", "5"]  # fmt: skip
-    proc = FerryProcess("serve", args, deploy_logs).start()
+            "--max-num-seqs", "8", "--kv-tier", redis_server.url, "--drain-timeout", "5", "--kv-events"]  # fmt: skip
+    proc = FerryProcess("serve", args, deploy_logs)
+    proc.args += ["--advertise-url", proc.url]
+    proc.start()
     yield proc
     proc.stop()

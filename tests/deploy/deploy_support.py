@@ -191,7 +191,7 @@ def ferry_containers(workload: dict) -> list[dict]:
     return [c for c in pod_spec(workload)["containers"] if is_ferry_image(c["image"]) and c.get("args")]
 
 
-def env_of(container: dict, docs: list[dict], namespace: str) -> dict[str, str]:
+def env_of(container: dict, docs: list[dict], namespace: str, pod_ip: str = "10.244.0.7") -> dict[str, str]:
     """The container's environment as the kubelet would build it (Secrets: the sample values)."""
     env: dict[str, str] = {}
     for item in container.get("env", []):
@@ -207,6 +207,8 @@ def env_of(container: dict, docs: list[dict], namespace: str) -> dict[str, str]:
             env[item["name"]] = SAMPLE_SECRETS[(ref["name"], ref["key"])]
         elif src.get("fieldRef", {}).get("fieldPath") == "metadata.namespace":
             env[item["name"]] = namespace
+        elif src.get("fieldRef", {}).get("fieldPath") == "status.podIP":
+            env[item["name"]] = pod_ip
         else:
             raise AssertionError(f"unexpected env source {src}")
     return env
@@ -217,9 +219,9 @@ def expand(args: list[str], env: dict[str, str]) -> list[str]:
     return [re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), a) for a in args]
 
 
-def parsed_args(workload: dict, docs: list[dict]):  # noqa: ANN201 - argparse.Namespace
+def parsed_args(workload: dict, docs: list[dict], pod_ip: str = "10.244.0.7"):  # noqa: ANN201 - Namespace
     (container,) = ferry_containers(workload)
-    env = env_of(container, docs, workload["metadata"]["namespace"])
+    env = env_of(container, docs, workload["metadata"]["namespace"], pod_ip)
     return build_parser().parse_args(expand(container["args"], env))
 
 

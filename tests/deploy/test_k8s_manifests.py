@@ -101,6 +101,9 @@ def test_ferry_args_are_flags_ferry_accepts(overlay: tuple[str, list[dict]]) -> 
                 )
             if args.command == "router":
                 assert args.host == "0.0.0.0" and args.discovery.startswith("k8s:")
+                # The router follows the replicas' KV events in the very tier they write to.
+                tiers = {parsed_args(p, docs).kv_tier for p in replica_pools(docs)}
+                assert tiers == {args.kv_tier}
     assert seen == {"serve", "router"}
 
 
@@ -259,7 +262,10 @@ def test_router_discovery_finds_exactly_the_replica_pools(overlay: tuple[str, li
                 ],
             )
         )
-        expected.append((f"http://{ip}:{container_port}", parsed_args(pool, docs).role))
+        pool_args = parsed_args(pool, docs, pod_ip=ip)
+        expected.append((f"http://{ip}:{container_port}", pool_args.role))
+        # KV events name the replica by --advertise-url: it must be the URL discovery yields.
+        assert pool_args.advertise_url == f"http://{ip}:{container_port}" and pool_args.kv_events
     assert len(slices) == len(replica_pools(docs)), (
         "the selector must match every replica Service, nothing else"
     )

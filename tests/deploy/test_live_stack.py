@@ -107,25 +107,14 @@ def test_nginx_accepts_the_rendered_config(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("deploy-logs")
-
-
-@pytest.fixture(scope="module")
-def replica(tiny_llama: Path, redis_server, logs: Path) -> Iterator[FerryProcess]:  # noqa: ANN001
-    redis_server.flush()
-    args = ["--model", str(tiny_llama), "--served-model-name", MODEL, "--num-threads", "1", "--num-kv-blocks", "256",
-            "--max-num-seqs", "8", "--kv-tier", redis_server.url, "--drain-timeout", "5"]  # fmt: skip
-    proc = FerryProcess("serve", args, logs).start()
-    yield proc
-    proc.stop()
-
-
-@pytest.fixture(scope="module")
-def router(replica: FerryProcess, logs: Path) -> Iterator[FerryProcess]:
-    proc = FerryProcess("router", ["--replica", replica.url, "--policy", "round_robin"], logs).start(
-        timeout=60
-    )
+def router(
+    replica: FerryProcess, tiny_llama: Path, redis_server, deploy_logs: Path
+) -> Iterator[FerryProcess]:  # noqa: ANN001
+    """Configured as in the Kubernetes manifests: cache_aware with the model's tokenizer, following
+    the replicas' KV block events in the tier."""
+    args = ["--replica", replica.url, "--policy", "cache_aware", "--model", str(tiny_llama),
+            "--kv-tier", redis_server.url]  # fmt: skip
+    proc = FerryProcess("router", args, deploy_logs).start(timeout=60)
     yield proc
     proc.stop()
 
