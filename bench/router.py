@@ -254,9 +254,12 @@ def bench_overhead(args: argparse.Namespace, logdir: Path) -> dict:
             try:
                 plain = asyncio.run(sequential(base, "/v1/completions", completion, args.requests))
                 streamed = asyncio.run(sequential(base, "/v1/chat/completions", chat, args.requests))
+                measured = svc or backends[0]  # CPU of the router (of the stand-in for "direct")
+                cpu0 = measured.cpu_seconds()
                 rps, errors = asyncio.run(
                     saturate(base, "/v1/chat/completions", chat, args.concurrency, args.duration)
                 )
+                cpu_us = 1e6 * (measured.cpu_seconds() - cpu0) / max(rps * args.duration, 1)
             finally:
                 if svc is not None:
                     svc.stop()
@@ -268,6 +271,7 @@ def bench_overhead(args: argparse.Namespace, logdir: Path) -> dict:
                     "stream_p50_ms": 1000 * pct(streamed, 0.5),
                     "stream_p99_ms": 1000 * pct(streamed, 0.99),
                     "rps": rps,
+                    "cpu_us_per_req": cpu_us,
                     "errors": errors,
                 }
             )
@@ -291,6 +295,7 @@ def bench_overhead(args: argparse.Namespace, logdir: Path) -> dict:
             "stream_p99_ms",
             "added_stream_p50_ms",
             "rps",
+            "cpu_us_per_req",
             "errors",
         ],
     )
