@@ -381,3 +381,32 @@ def test_router_block_hashes_equal_the_replicas(cluster: Cluster, pair: list[Pro
         hashes, tokens = keyer.keys(path, body)
         assert len(hashes) >= 4 and tokens == answer["usage"]["prompt_tokens"]
         assert to_hex(hashes) == answer["kv_transfer"]["block_hashes"]
+
+
+def test_drain_lets_in_flight_streams_finish(cluster: Cluster, pair: list[Proc]) -> None:
+    a, b = pair
+    router = cluster.router("--replica", a.url, "--replica", b.url, "--policy", "round_robin")
+    body = {"model": MODEL, "prompt": "count", "max_tokens": 300, "ignore_eos": True, "stream": True}
+    finishes, n = [], 0
+    with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=60) as resp:
+        for line in resp.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            n += 1
+            if n == 3:  # mid-stream: the first request went to a (round robin); drain it
+                drained = httpx.post(router.url + "/admin/replicas/drain", json={"url": a.url})
+                assert drained.json()["draining"] is True and drained.json()["inflight"] == 1
+                for _ in range(2):  # new work goes to b only
+                    r = httpx.post(
+                        router.url + "/v1/completions", json={"model": MODEL, "prompt": "y", "max_tokens": 1}
+                    )
+                    assert r.status_code == 200
+            finishes += [c["finish_reason"] for c in json.loads(line[6:])["choices"] if c["finish_reason"]]
+    assert finishes == ["length"]
+    assert metric(router.url, "ferry:router_failovers_total") == 0
+    view = replicas_view(router)
+    assert (
+        view[a.url]["total_requests"] == 1
+        and view[b.url]["total_requests"] == 2
+        and view[a.url]["inflight"] == 0
+    )
