@@ -1,8 +1,8 @@
 """Attention in plain PyTorch over the paged KV cache (the CPU backend, also a GPU fallback).
 
 Two numerics, chosen at construction:
-* fast (default): decode rows of all sequences in one padded, grouped-query batched matmul;
-  prefill chunks one sequence at a time with SDPA.
+* fast (default): decode rows batched in a few groups of similar length (padded, grouped-query
+  batched matmuls over gathered blocks); prefill chunks one sequence at a time with SDPA.
 * deterministic: every query row's result depends only on its own sequence, never on what else
   shares the step, how its prompt was chunked or whether its prefix came from the cache. Keys are
   processed in fixed tiles of ``TILE`` positions, in a fixed order, with matmul shapes that do not
@@ -24,13 +24,20 @@ MIN_ROWS = 16
 
 
 @dataclass
+class _DecodeGroup:
+    """Single-token rows of sequences with similar lengths, padded to the group's longest."""
+
+    rows: torch.Tensor  # token indices in the flattened batch
+    blocks: torch.Tensor  # [Bg, nb] block ids (padded with block 0)
+    keep: torch.Tensor  # [Bg, 1, 1, nb*block_size] additive mask: 0 where visible, -inf past seq_len
+    last_pos: torch.Tensor  # [Bg] position of each row's token (= seq_len - 1)
+
+
+@dataclass
 class _Plan:
     """Per-step index tensors shared by every layer."""
 
-    decode_rows: torch.Tensor | None  # token indices of decode rows (query_len == 1)
-    decode_blocks: torch.Tensor | None  # [Bd, nb] block ids
-    decode_valid: torch.Tensor | None  # [Bd, 1, 1, L] bool: key position < seq_len
-    decode_keep: torch.Tensor | None  # [Bd, 1, 1, L] fp mask (0 / -inf) for the fast path
+    decode_groups: list[_DecodeGroup]
     prefills: list[tuple[int, int, int, torch.Tensor | None]]  # (start, qlen, ctx, block ids)
 
 
@@ -38,6 +45,32 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """[nb] or [B, nb] block ids -> [..., nb*block_size, Hkv, D] contiguous copy."""
     g = cache.index_select(0, blocks.reshape(-1))
     return g.reshape(*blocks.shape[:-1], blocks.shape[-1] * cache.shape[1], *cache.shape[2:])
+
+
+def _split_by_length(seqs: list[int], lens: list[int]) -> list[list[int]]:
+    """Sorted by length, cut where padding to the group's longest would waste the most.
+
+    Gathering paged KV costs memory traffic per padded position, so mixed lengths padded to the
+    batch maximum can double it; a few groups of similar length keep padding small while each
+    group stays one batched matmul.
+    """
+    order = sorted(range(len(seqs)), key=lambda j: lens[j])
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    for j in order:
+        # Start a new group when this sequence is much longer than the group's shortest
+        # member and the group is already big enough to be worth its own kernels.
+        if cur and len(cur) >= _MIN_GROUP and lens[j] > _GROUP_RATIO * lens[cur[0]]:
+            groups.append(cur)
+            cur = []
+        cur.append(j)
+    if cur:
+        groups.append(cur)
+    return [[seqs[j] for j in g] for g in groups]
+
+
+_MIN_GROUP = 8
+_GROUP_RATIO = 1.5
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -48,14 +81,14 @@ class TorchAttentionBackend(AttentionBackend):
         if isinstance(state, _Plan):
             return state
         bs = meta.block_size
-        dec_idx: list[int] = []
         dec_seq: list[int] = []
+        starts: list[int] = []
         prefills: list[tuple[int, int, int, torch.Tensor | None]] = []
         start = 0
         for i, qlen in enumerate(meta.query_lens_host):
             ctx = meta.context_lens_host[i]
-            if qlen == 1 and not self.deterministic:
-                dec_idx.append(start)
+            starts.append(start)
+            if qlen == 1:
                 dec_seq.append(i)
             else:
                 nb = -(-meta.seq_lens_host[i] // bs)
@@ -64,21 +97,28 @@ class TorchAttentionBackend(AttentionBackend):
                     blocks = torch.tensor(meta.block_tables_host[i][:nb], dtype=torch.long, device=device)
                 prefills.append((start, qlen, ctx, blocks))
             start += qlen
-        plan = _Plan(None, None, None, None, prefills)
-        if dec_idx:
-            lens = [meta.seq_lens_host[i] for i in dec_seq]
-            nb = -(-max(lens) // bs)
-            table = [
-                meta.block_tables_host[i][:nb] + [0] * (nb - len(meta.block_tables_host[i][:nb]))
-                for i in dec_seq
-            ]
-            plan.decode_rows = torch.tensor(dec_idx, dtype=torch.long, device=device)
-            plan.decode_blocks = torch.tensor(table, dtype=torch.long, device=device)
-            pos = torch.arange(nb * bs, device=device)
-            valid = pos[None, :] < torch.tensor(lens, device=device)[:, None]
-            plan.decode_valid = valid[:, None, None, :]
-            keep = torch.zeros(valid.shape, dtype=torch.float32, device=device)
-            plan.decode_keep = keep.masked_fill_(~valid, float("-inf"))[:, None, None, :]
+        groups = []
+        if dec_seq:
+            lens_all = meta.seq_lens_host
+            for seqs in _split_by_length(dec_seq, [lens_all[i] for i in dec_seq]):
+                lens = [lens_all[i] for i in seqs]
+                nb = -(-max(lens) // bs)
+                tables = [meta.block_tables_host[i][:nb] for i in seqs]
+                table = [t + [0] * (nb - len(t)) for t in tables]
+                pos = torch.arange(nb * bs, device=device)
+                valid = pos[None, :] < torch.tensor(lens, device=device)[:, None]
+                keep = torch.zeros(valid.shape, dtype=torch.float32, device=device).masked_fill_(
+                    ~valid, float("-inf")
+                )
+                groups.append(
+                    _DecodeGroup(
+                        rows=torch.tensor([starts[i] for i in seqs], dtype=torch.long, device=device),
+                        blocks=torch.tensor(table, dtype=torch.long, device=device),
+                        keep=keep[:, None, None, :],
+                        last_pos=torch.tensor(lens, dtype=torch.long, device=device) - 1,
+                    )
+                )
+        plan = _Plan(groups, prefills)
         meta.backend_state = plan
         return plan
 
@@ -88,10 +128,9 @@ class TorchAttentionBackend(AttentionBackend):
         v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
         plan = self._plan(meta, q.device)
         out = torch.empty_like(q)
-        if plan.decode_rows is not None:
-            out[plan.decode_rows] = self._decode(
-                q.index_select(0, plan.decode_rows), k_cache, v_cache, plan, scale
-            )
+        decode = self._decode_det if self.deterministic else self._decode
+        for g in plan.decode_groups:
+            out.index_copy_(0, g.rows, decode(q.index_select(0, g.rows), k_cache, v_cache, g, scale))
         attend = self._prefill_det if self.deterministic else self._prefill
         for start, qlen, ctx, blocks in plan.prefills:
             qs = q[start : start + qlen]
@@ -103,14 +142,14 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     @staticmethod
-    def _decode(q: torch.Tensor, k_cache, v_cache, plan: _Plan, scale: float) -> torch.Tensor:
-        """All single-token rows at once: [Bd, Hkv, G, D] x [Bd, Hkv, D, L] (no KV head repeat)."""
+    def _decode(q: torch.Tensor, k_cache, v_cache, group: _DecodeGroup, scale: float) -> torch.Tensor:
+        """A group's single-token rows at once: [Bg, Hkv, G, D] x [Bg, Hkv, D, L] (no KV head repeat)."""
         bd, hq, d = q.shape
         hkv = k_cache.shape[2]
-        kk = _gather(k_cache, plan.decode_blocks).transpose(1, 2)  # [Bd, Hkv, L, D]
-        vv = _gather(v_cache, plan.decode_blocks).transpose(1, 2)
+        kk = _gather(k_cache, group.blocks).transpose(1, 2)  # [Bg, Hkv, L, D]
+        vv = _gather(v_cache, group.blocks).transpose(1, 2)
         qg = q.view(bd, hkv, hq // hkv, d).float()
-        scores = torch.matmul(qg, kk.float().transpose(-1, -2)) * scale + plan.decode_keep
+        scores = torch.matmul(qg, kk.float().transpose(-1, -2)).mul_(scale).add_(group.keep)
         probs = torch.softmax(scores, dim=-1)
         o = torch.matmul(probs, vv.float())  # [Bd, Hkv, G, D]
         return o.reshape(bd, hq, d).to(q.dtype)
@@ -131,43 +170,69 @@ class TorchAttentionBackend(AttentionBackend):
     def _prefill_det(
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: int, scale: float
     ) -> torch.Tensor:
-        """Batch-invariant attention for one sequence's new rows (decode rows included).
-
-        Row r (position ctx+r) sees keys 0..ctx+r. Scores and the weighted sum run per TILE of keys
-        in ascending order; masked keys contribute exact zeros, so neither the number of tiles
-        present nor the number of rows alongside changes a row's bits.
-        """
+        """Batch-invariant attention for one sequence's chunk (see ``_attend_det``)."""
         lq, hq, d = q.shape
         hkv = k.shape[1]
         g = hq // hkv
         n = ctx + lq
-        ntiles = -(-n // TILE)
-        npad = ntiles * TILE
         rows = lq * g
-        prow = max(rows, MIN_ROWS)
-        qg = torch.zeros(hkv, prow, d, dtype=torch.float32, device=q.device)
-        qg[:, :rows] = q.float().reshape(lq, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, rows, d)
-        kf = torch.zeros(hkv, npad, d, dtype=torch.float32, device=q.device)
-        vf = torch.zeros(hkv, npad, d, dtype=torch.float32, device=q.device)
-        kf[:, :n] = k[:n].float().transpose(0, 1)
-        vf[:, :n] = v[:n].float().transpose(0, 1)
-        # Last visible key of each (padded) row; padding rows see key 0 only.
-        limit = torch.zeros(prow, dtype=torch.long, device=q.device)
-        limit[:rows] = torch.arange(ctx, n, device=q.device).repeat_interleave(g)
-        key_pos = torch.arange(npad, device=q.device)
-        visible = key_pos[None, :] <= limit[:, None]  # [prow, npad]
-        scores = torch.empty(hkv, prow, npad, dtype=torch.float32, device=q.device)
-        for t in range(ntiles):
-            sl = slice(t * TILE, (t + 1) * TILE)
-            torch.matmul(qg, kf[:, sl].transpose(-1, -2), out=scores[:, :, sl])
-        scores.mul_(scale).masked_fill_(~visible, float("-inf"))
-        m = scores.amax(dim=-1, keepdim=True)
-        probs = torch.exp(scores - m)
-        num = torch.zeros(hkv, prow, d, dtype=torch.float32, device=q.device)
-        den = torch.zeros(hkv, prow, 1, dtype=torch.float32, device=q.device)
-        for t in range(ntiles):
-            sl = slice(t * TILE, (t + 1) * TILE)
-            num += torch.matmul(probs[:, :, sl], vf[:, sl])
-            den += probs[:, :, sl].sum(dim=-1, keepdim=True)
-        o = (num / den)[:, :rows].reshape(hkv, lq, g, d).permute(1, 0, 2, 3).reshape(lq, hq, d)
-        return o.to(q.dtype)
+        qg = q.reshape(lq, hkv, g, d).permute(1, 0, 2, 3).reshape(1, hkv, rows, d)
+        limit = torch.arange(ctx, n, device=q.device).repeat_interleave(g)[None, :]
+        o = _attend_det(qg, k[:n].transpose(0, 1)[None], v[:n].transpose(0, 1)[None], limit, n, scale)
+        return o[0].reshape(hkv, lq, g, d).permute(1, 0, 2, 3).reshape(lq, hq, d).to(q.dtype)
+
+    @staticmethod
+    def _decode_det(q: torch.Tensor, k_cache, v_cache, group: _DecodeGroup, scale: float) -> torch.Tensor:
+        """Batch-invariant single-token rows of a group (see ``_attend_det``)."""
+        bd, hq, d = q.shape
+        hkv = k_cache.shape[2]
+        g = hq // hkv
+        kk = _gather(k_cache, group.blocks).transpose(1, 2)
+        vv = _gather(v_cache, group.blocks).transpose(1, 2)
+        limit = group.last_pos[:, None].expand(bd, g)
+        o = _attend_det(q.reshape(bd, hkv, g, d), kk, vv, limit, kk.shape[2], scale)
+        return o.reshape(bd, hq, d).to(q.dtype)
+
+
+def _attend_det(
+    q: torch.Tensor,  # [S, Hkv, R, D] query rows per KV head
+    k: torch.Tensor,  # [S, Hkv, N, D]
+    v: torch.Tensor,  # [S, Hkv, N, D]
+    limit: torch.Tensor,  # [S, R] last key position each row may see
+    n: int,  # keys present (N)
+    scale: float,
+) -> torch.Tensor:  # [S, Hkv, R, D] fp32
+    """Attention whose every row depends only on its own keys, never on S, R or N.
+
+    Keys are processed in tiles of ``TILE`` positions in ascending order; matmuls always have
+    at least ``MIN_ROWS`` rows and exactly ``TILE`` keys, so the summation order inside them is
+    fixed; keys past a row's limit (and the padding tiles) contribute exact zeros.
+    """
+    s_, hkv, r, d = q.shape
+    dev = q.device
+    ntiles = -(-n // TILE)
+    npad = ntiles * TILE
+    prow = max(r, MIN_ROWS)
+    qf = torch.zeros(s_, hkv, prow, d, dtype=torch.float32, device=dev)
+    qf[:, :, :r] = q
+    kf = torch.zeros(s_, hkv, npad, d, dtype=torch.float32, device=dev)
+    vf = torch.zeros(s_, hkv, npad, d, dtype=torch.float32, device=dev)
+    kf[:, :, :n] = k[:, :, :n]
+    vf[:, :, :n] = v[:, :, :n]
+    lim = torch.zeros(s_, prow, dtype=torch.long, device=dev)  # padding rows see key 0 only
+    lim[:, :r] = limit
+    visible = torch.arange(npad, device=dev)[None, None, :] <= lim[:, :, None]  # [S, prow, npad]
+    scores = torch.empty(s_, hkv, prow, npad, dtype=torch.float32, device=dev)
+    for t in range(ntiles):
+        sl = slice(t * TILE, (t + 1) * TILE)
+        scores[..., sl] = torch.matmul(qf, kf[:, :, sl].transpose(-1, -2))
+    scores.mul_(scale).masked_fill_(~visible[:, None], float("-inf"))
+    probs = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
+    num = torch.zeros(s_, hkv, prow, d, dtype=torch.float32, device=dev)
+    den = torch.zeros(s_, hkv, prow, 1, dtype=torch.float32, device=dev)
+    for t in range(ntiles):
+        sl = slice(t * TILE, (t + 1) * TILE)
+        p = probs[..., sl].contiguous()
+        num += torch.matmul(p, vf[:, :, sl])
+        den += p.sum(dim=-1, keepdim=True)
+    return (num / den)[:, :, :r]
