@@ -52,7 +52,7 @@ class Ticket:
 
     def close(self) -> None:
         if self.unstarted > 0:
-            self._generation._add_in_flight(-self.unstarted)
+            self._generation.release(self.unstarted)
             self.unstarted = 0
 
 
@@ -110,6 +110,10 @@ class Generation:
             )
         self._add_in_flight(num_sequences)
         return Ticket(self, num_sequences)
+
+    def release(self, num_sequences: int) -> None:
+        """Give back admitted sequences that will never run (their request ended first)."""
+        self._add_in_flight(-num_sequences)
 
     def _add_in_flight(self, delta: int) -> None:
         self.in_flight += delta

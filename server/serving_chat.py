@@ -166,8 +166,15 @@ async def _stream(
             choice = choices[seq.choice_index]
             text, logprobs = _delta(state, choice, req, out)
             usage.add(seq, out)
-            if not text and not out.finished and not logprobs:
-                continue  # nothing a client could see (e.g. a held-back partial character)
+            if (
+                not text
+                and not out.finished
+                and not logprobs
+                and not (req.continuous_usage and out.outputs[0].token_ids)
+            ):
+                # Nothing a client could see (a held-back partial character): skip, unless it
+                # follows token progress through continuous usage stats.
+                continue
             c = chunk(
                 ChatStreamChoice(
                     index=seq.choice_index,

@@ -184,8 +184,11 @@ async def _stream(
                 if not out.finished:
                     continue
                 text, logprobs = "".join(choice.texts), merge_completion_logprobs(choice.logprobs)
-            if not text and not out.finished and not (logprobs and logprobs.tokens):
-                continue  # nothing a client could see (e.g. a held-back partial character)
+            progress = req.continuous_usage and bool(out.outputs[0].token_ids)
+            if not text and not out.finished and not (logprobs and logprobs.tokens) and not progress:
+                # Nothing a client could see (a held-back partial character): skip, unless it
+                # follows token progress through continuous usage stats.
+                continue
             chunk = CompletionChunk(
                 id=response_id,
                 created=created,
