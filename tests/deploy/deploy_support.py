@@ -4,6 +4,7 @@ no other test directory uses."""
 
 from __future__ import annotations
 
+import math
 import os
 import pwd
 import re
@@ -209,9 +210,19 @@ def env_of(container: dict, docs: list[dict], namespace: str, pod_ip: str = "10.
             env[item["name"]] = namespace
         elif src.get("fieldRef", {}).get("fieldPath") == "status.podIP":
             env[item["name"]] = pod_ip
+        elif "resourceFieldRef" in src:
+            ref = src["resourceFieldRef"]
+            assert ref["containerName"] == container["name"] and ref["divisor"] == "1", ref
+            kind, resource = ref["resource"].split(".")
+            env[item["name"]] = str(math.ceil(cpu_cores(container["resources"][kind][resource])))
         else:
             raise AssertionError(f"unexpected env source {src}")
     return env
+
+
+def cpu_cores(quantity: str) -> float:
+    """A Kubernetes CPU quantity ("2", "500m") in cores."""
+    return int(quantity[:-1]) / 1000 if quantity.endswith("m") else float(quantity)
 
 
 def expand(args: list[str], env: dict[str, str]) -> list[str]:

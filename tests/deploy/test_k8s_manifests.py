@@ -93,6 +93,7 @@ def test_ferry_args_are_flags_ferry_accepts(overlay: tuple[str, list[dict]]) -> 
             seen.add(args.command)
             if args.command == "serve":
                 assert args.role == pod_labels(w)["ferry.dev/role"]
+                assert args.num_threads == int(container["resources"]["limits"]["cpu"])  # no oversubscription
                 assert args.host == "0.0.0.0"
                 assert args.kv_tier.startswith(("redis://", "rediss://"))
                 assert (
