@@ -469,16 +469,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=400)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--duration", type=float, default=5.0)
-    p.add_argument("--replicas", type=int, default=2)
-    p.add_argument("--groups", type=int, default=4)
-    p.add_argument("--per-group", type=int, default=4)
-    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--replicas", type=int, default=3)
+    p.add_argument("--groups", type=int, default=8)
+    p.add_argument("--per-group", type=int, default=3)
+    p.add_argument("--turns", type=int, default=3)
     p.add_argument("--system-words", type=int, default=300)
-    p.add_argument("--concurrency-quality", type=int, default=4)
+    p.add_argument("--concurrency-quality", type=int, default=6)
     p.add_argument("--out", default=str(REPO / "bench/results/router.json"))
     args = p.parse_args(argv)
     if args.quick:
-        args.requests, args.duration, args.groups, args.per_group, args.turns = 60, 2.0, 2, 2, 2
+        args.requests, args.duration, args.groups, args.per_group, args.turns = 60, 2.0, 3, 2, 2
+        args.replicas = 2
     logdir = Path(tempfile.mkdtemp(prefix="ferry-bench-router-"))
     result: dict = {"args": vars(args), "cpus": os.cpu_count(), "load_avg_at_start": os.getloadavg()}
     if args.part in ("overhead", "all"):

@@ -107,6 +107,9 @@ class Relay:
             if not candidates:
                 return last or _no_replica(pool, now)
             replica = self.policy.choose(call.route, candidates)
+            # Recorded at once, not when the answer starts: requests that share a prefix and
+            # arrive together must see where the first of them went.
+            self.policy.on_routed(call.route, replica)
             tokens = call.route.prompt_tokens
             self._acquire(replica, tokens, now)
             payload, router_logprobs = body(replica) if callable(body) else (body, False)
@@ -119,7 +122,6 @@ class Relay:
                     ):
                         if call.route.predicted_hit_tokens:
                             self.metrics.cache_hit_tokens.inc(call.route.predicted_hit_tokens)
-                        self.policy.on_routed(call.route, replica)
                         return Opened(replica, result, tokens, router_logprobs)
                     content = await _read_quietly(result)
                     last = Failed(status, content, _response_headers(result))

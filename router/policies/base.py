@@ -34,7 +34,8 @@ class Policy(ABC):
         """Pick one of ``candidates`` (non-empty, in the pool's stable order)."""
 
     def on_routed(self, req: RouteRequest, replica: Replica) -> None:  # noqa: B027 - optional hook
-        """The request was sent to ``replica`` (after a successful connect)."""
+        """``replica`` was chosen for the request (called before it is sent, so concurrent requests
+        see it; a replica that then fails simply holds less than the policy believes)."""
 
     def on_replica_removed(self, url: str) -> None:  # noqa: B027 - optional hook
         """Forget whatever the policy remembers about ``url``."""
