@@ -106,25 +106,49 @@ def test_nginx_accepts_the_rendered_config(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- the live chain
 
 
+def start_router(replica: FerryProcess, tiny_llama: Path, redis_url: str, logs: Path) -> FerryProcess:
+    """A router configured as in the Kubernetes manifests: cache_aware with the model's tokenizer,
+    following the replicas' KV block events in the tier."""
+    args = [
+        "--replica",
+        replica.url,
+        "--policy",
+        "cache_aware",
+        "--model",
+        str(tiny_llama),
+        "--kv-tier",
+        redis_url,
+    ]
+    return FerryProcess("router", args, logs).start(timeout=60)
+
+
 @pytest.fixture(scope="module")
 def router(
     replica: FerryProcess, tiny_llama: Path, redis_server, deploy_logs: Path
-) -> Iterator[FerryProcess]:  # noqa: ANN001
-    """Configured as in the Kubernetes manifests: cache_aware with the model's tokenizer, following
-    the replicas' KV block events in the tier."""
-    args = ["--replica", replica.url, "--policy", "cache_aware", "--model", str(tiny_llama),
-            "--kv-tier", redis_server.url]  # fmt: skip
-    proc = FerryProcess("router", args, deploy_logs).start(timeout=60)
+) -> Iterator[FerryProcess]:
+    proc = start_router(replica, tiny_llama, redis_server.url, deploy_logs)
     yield proc
     proc.stop()
 
 
 @pytest.fixture(scope="module")
-def nginx(router: FerryProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def second_router(
+    replica: FerryProcess, tiny_llama: Path, redis_server, deploy_logs: Path
+) -> Iterator[FerryProcess]:
+    proc = start_router(replica, tiny_llama, redis_server.url, deploy_logs)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def nginx(
+    router: FerryProcess, second_router: FerryProcess, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """nginx from deploy/nginx over two routers."""
     binary = nginx_binary()
     workdir = tmp_path_factory.mktemp("nginx")
     port = free_port()
-    conf = render_nginx_conf(workdir, port, [router.port])
+    conf = render_nginx_conf(workdir, port, [router.port, second_router.port])
     proc = subprocess.Popen(
         [binary, "-p", str(workdir), "-c", str(conf), "-g", "daemon off;"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -187,3 +211,32 @@ def test_every_dashboard_metric_is_exported_live(
     )
     replica_side = wanted - router_side
     assert replica_side <= from_replica, f"not exported by the replica: {replica_side - from_replica}"
+
+
+def routed(router: FerryProcess) -> float:
+    """Requests this router has finished (sum of ferry:router_requests_total over its labels)."""
+    text = httpx.get(router.url + "/metrics", timeout=10).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "ferry:router_requests_total"
+    )
+
+
+def test_nginx_balances_over_routers_and_skips_a_dead_one(
+    nginx: str, router: FerryProcess, second_router: FerryProcess
+) -> None:
+    """Last in this module: it stops a router."""
+    body = {"model": MODEL, "prompt": "a river", "max_tokens": 2, "temperature": 0.0}
+    before = routed(router), routed(second_router)
+    for _ in range(6):
+        assert httpx.post(nginx + "/v1/completions", json=body, timeout=120).status_code == 200
+    after = routed(router), routed(second_router)
+    assert after[0] > before[0] and after[1] > before[1], (before, after)  # both routers got traffic
+    assert sum(after) - sum(before) == 6
+
+    second_router.stop()  # a router goes away: nginx tries the other one; no client sees an error
+    for _ in range(4):
+        assert httpx.post(nginx + "/v1/completions", json=body, timeout=120).status_code == 200
+    assert routed(router) - after[0] == 4
