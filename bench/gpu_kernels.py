@@ -332,7 +332,8 @@ class Bench:
         return r
 
     def split_decode(self) -> Result:
-        from engine.kernels.triton_attention import split_kv_decode_attention, unified_attention
+        from engine.kernels.triton_attention import unified_attention
+        from engine.kernels.triton_decode import split_kv_decode_attention
 
         b, ctx = self.s.long_decode
         seqs = [(ctx - 1 - 97 * i, 1) for i in range(b)]  # unequal lengths: splits end mid-way

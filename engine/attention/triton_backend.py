@@ -28,7 +28,7 @@ class TritonAttentionBackend(AttentionBackend):
             raise RuntimeError(
                 "attention_backend='triton' needs the triton package: pip install 'ferry-serve[triton]'"
             )
-        from engine.kernels import interpreting, triton_attention, triton_ops
+        from engine.kernels import interpreting, triton_attention, triton_decode, triton_ops
 
         if not torch.cuda.is_available() and not interpreting():
             raise RuntimeError(
@@ -37,8 +37,8 @@ class TritonAttentionBackend(AttentionBackend):
             )
         self._write_kv = triton_ops.write_kv_cache
         self._unified = triton_attention.unified_attention
-        self._split_decode = triton_attention.split_kv_decode_attention
-        self.split_size = split_size or triton_attention.DEFAULT_SPLIT_SIZE
+        self._split_decode = triton_decode.split_kv_decode_attention
+        self.split_size = split_size or triton_decode.DEFAULT_SPLIT_SIZE
         if self.split_size % 64:
             raise ValueError(
                 f"split_size must be a multiple of 64 (the largest KV tile), got {self.split_size}"

@@ -2,7 +2,7 @@
 
 * ``triton_ops``: rms_norm (+ residual), rotary embedding, silu_and_mul, paged KV-cache write;
   same signatures as ``engine/ops.py``.
-* ``triton_attention``: unified paged attention for mixed batches, split-KV decode.
+* ``triton_attention``: unified paged attention for mixed batches; ``triton_decode``: split-KV decode.
 * ``compile_check``: compiles every kernel for a CUDA architecture without a GPU.
 
 The kernel modules import ``triton`` at import time, so nothing in the engine imports them

@@ -98,6 +98,7 @@ def plan(quick: bool) -> list[tuple[str, str, object, str, object, tuple[str, ..
     import torch
 
     from engine.kernels import triton_attention as att
+    from engine.kernels import triton_decode as dec
     from engine.kernels import triton_ops as ops
 
     models = [MODELS[0], MODELS[1], MODELS[4]] if quick else MODELS
@@ -111,18 +112,18 @@ def plan(quick: bool) -> list[tuple[str, str, object, str, object, tuple[str, ..
             tag = f"{m.name} {dname}"
             uni = att.unified_launch(g, m.head_dim, dt)
             jobs.append(("unified_attention", tag, att._unified_attention_kernel, tdt, uni, ones))
-            split = att.split_launch(
-                g, m.head_dim, dt, att.DEFAULT_SPLIT_SIZE, att._default_block_n(uni["BLOCK_D"])
+            split = dec.split_launch(
+                g, m.head_dim, dt, dec.DEFAULT_SPLIT_SIZE, att.default_block_n(uni["BLOCK_D"])
             )
-            jobs.append(("split_kv_decode", tag, att._decode_split_kernel, tdt, split, ones))
+            jobs.append(("split_kv_decode", tag, dec._decode_split_kernel, tdt, split, ones))
             if dname == dtypes[0]:
                 # One sequence in the batch: num_seqs becomes a constant in the binary search.
                 jobs.append(("unified_attention", tag + " num_seqs=1", att._unified_attention_kernel, tdt, uni,
                              (*ones, "num_seqs")))  # fmt: skip
             if quick and m is not models[0]:
                 continue
-            reduce = att.reduce_launch(m.head_dim, att.DEFAULT_SPLIT_SIZE)
-            jobs.append(("split_kv_reduce", tag, att._decode_reduce_kernel, tdt, reduce, ()))
+            reduce = dec.reduce_launch(m.head_dim, dec.DEFAULT_SPLIT_SIZE)
+            jobs.append(("split_kv_reduce", tag, dec._decode_reduce_kernel, tdt, reduce, ()))
             for residual in (False, True):
                 name = "rms_norm" + ("+residual" if residual else "")
                 jobs.append(

@@ -1,14 +1,11 @@
 """Paged attention in Triton over ferry's KV-cache layout.
 
-Two entry points, both reading K/V through the block table from caches shaped
-``[num_blocks, block_size, num_kv_heads, head_dim]`` (slot = block_id * block_size + offset):
-
-* ``unified_attention``: one launch for a whole mixed batch. Each sequence contributes
-  ``q_len`` new tokens (prefill chunk, prefix-hit tail, or a single decode token); every new
-  token attends causally to its sequence's cached prefix plus the new tokens up to itself.
-* ``split_kv_decode_attention``: decode rows only (one query per sequence), with the KV range
-  cut into fixed ``split_size`` pieces processed in parallel and merged by a second kernel in
-  split order, for long contexts where one program per (sequence, KV head) is too little work.
+``unified_attention`` reads K/V through the block table from caches shaped
+``[num_blocks, block_size, num_kv_heads, head_dim]`` (slot = block_id * block_size + offset), in
+one launch for a whole mixed batch. Each sequence contributes ``q_len`` new tokens (prefill
+chunk, prefix-hit tail, or a single decode token); every new token attends causally to its
+sequence's cached prefix plus the new tokens up to itself. The online-softmax tile loop
+(``attend_tiles``) is shared with the split-KV decode kernel in ``triton_decode.py``.
 
 Numerics: Q/K/V are converted to fp32 right after loading and the online softmax runs in fp32.
 fp32 models use exact fp32 dots; fp16/bf16 models on a GPU use tf32 dots, which hold fp16 and
@@ -18,8 +15,8 @@ Batch invariance (``--deterministic``): tile shapes depend on head counts, head 
 never on the batch; KV tiles always start at position 0 (or at a split boundary), and tiles a
 row does not need are exact no-ops for it. So a token's output does not depend on which other
 tokens or sequences share its launch, nor on how its own prompt was chunked. The split-KV
-kernel is a different summation, so a backend wanting that guarantee must not switch between
-the two per batch.
+decode kernel is a different summation, so a backend wanting that guarantee must not switch
+between the two per batch.
 """
 
 from __future__ import annotations
@@ -32,20 +29,18 @@ import triton.language as tl
 
 from engine.kernels import Launch, interpreting
 
-DEFAULT_SPLIT_SIZE = 512  # KV positions per split: fixed, so split boundaries never depend on the batch
 
-
-def _dot_precision(dtype: torch.dtype, interpret: bool) -> str:
+def dot_precision(dtype: torch.dtype, interpret: bool) -> str:
     if dtype == torch.float32 or interpret:
         return "ieee"
     return "tf32"
 
 
-def _default_block_n(block_d: int) -> int:
+def default_block_n(block_d: int) -> int:
     return 64 if block_d <= 64 else 32
 
 
-def _check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int]:
+def check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int]:
     n_q_heads, head_dim = q.shape[-2], q.shape[-1]
     n_kv_heads = k_cache.shape[2]
     if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
@@ -61,7 +56,7 @@ def _check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor)
 
 
 @triton.jit
-def _attend_tiles(
+def attend_tiles(
     q,
     m_i,
     l_i,
@@ -192,7 +187,7 @@ def _unified_attention_kernel(
         l_i = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_D], tl.float32)
         kv_end = tl.minimum(seq_len, (pos_block + 1) * BLOCK_Q)
-        m_i, l_i, acc = _attend_tiles(
+        m_i, l_i, acc = attend_tiles(
             q, m_i, l_i, acc, q_pos, 0, kv_end, k_cache_ptr, v_cache_ptr,
             block_tables_ptr + seq.to(tl.int64) * stride_bt, kv_head, block_size, scale,
             stride_cb, stride_cs, stride_ch, dims, dim_mask,
@@ -226,7 +221,7 @@ def unified_attention(
     and ``block_n`` (KV positions per tile) are powers of two and fix the numerics: keep them
     constant across steps for batch invariance.
     """
-    n_q_heads, n_kv_heads, head_dim = _check_shapes(q, k_cache, v_cache)
+    n_q_heads, n_kv_heads, head_dim = check_shapes(q, k_cache, v_cache)
     n_tokens = q.shape[0]
     if out is None:
         out = torch.empty((n_tokens, n_q_heads, head_dim), dtype=q.dtype, device=q.device)
@@ -259,178 +254,8 @@ def unified_launch(
     return Launch(
         {
             "BLOCK_Q": max(1, block_m // block_g), "BLOCK_G": block_g,
-            "BLOCK_N": block_n or _default_block_n(block_d), "BLOCK_D": block_d,
-            "DOT_PRECISION": _dot_precision(dtype, interpret),
+            "BLOCK_N": block_n or default_block_n(block_d), "BLOCK_D": block_d,
+            "DOT_PRECISION": dot_precision(dtype, interpret),
         },
         num_warps=8 if block_d >= 128 else 4,
     )  # fmt: skip
-
-
-# --------------------------------------------------------------------------- split-KV decode
-
-
-@triton.jit
-def _decode_split_kernel(
-    q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    seq_lens_ptr,
-    block_tables_ptr,
-    part_out_ptr,
-    part_lse_ptr,
-    scale,
-    queries_per_kv,
-    head_dim,
-    block_size,
-    num_splits,
-    stride_qt,
-    stride_qh,
-    stride_cb,
-    stride_cs,
-    stride_ch,
-    stride_bt,
-    stride_po_t,
-    stride_po_h,
-    SPLIT_SIZE: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    kv_start = split * SPLIT_SIZE
-    if kv_start < seq_len:  # splits past this sequence's end belong to longer sequences only
-        kv_end = tl.minimum(kv_start + SPLIT_SIZE, seq_len)
-        group = tl.arange(0, BLOCK_H)
-        head_mask = group < queries_per_kv
-        q_head = kv_head * queries_per_kv + group
-        dims = tl.arange(0, BLOCK_D)
-        dim_mask = dims < head_dim
-        io_mask = head_mask[:, None] & dim_mask[None, :]
-        q_offs = seq.to(tl.int64) * stride_qt + q_head[:, None] * stride_qh + dims[None, :]
-        q = tl.load(q_ptr + q_offs, mask=io_mask, other=0.0).to(tl.float32)
-        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        m_i, l_i, acc = _attend_tiles(
-            q, m_i, l_i, acc, m_i, kv_start, kv_end, k_cache_ptr, v_cache_ptr,
-            block_tables_ptr + seq.to(tl.int64) * stride_bt, kv_head, block_size, scale,
-            stride_cb, stride_cs, stride_ch, dims, dim_mask,
-            CAUSAL=False, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
-        )  # fmt: skip
-        row = seq.to(tl.int64) * stride_po_t + q_head * stride_po_h + split
-        tl.store(part_lse_ptr + row, m_i + tl.log(l_i), mask=head_mask)
-        part = acc / l_i[:, None]
-        tl.store(
-            part_out_ptr + row[:, None] * BLOCK_D + dims[None, :], part, mask=head_mask[:, None]
-        )  # padded dims hold zeros
-
-
-@triton.jit
-def _decode_reduce_kernel(
-    part_out_ptr,
-    part_lse_ptr,
-    seq_lens_ptr,
-    out_ptr,
-    head_dim,
-    stride_po_t,
-    stride_po_h,
-    stride_ot,
-    stride_oh,
-    SPLIT_SIZE: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    n_splits = tl.cdiv(seq_len, SPLIT_SIZE)
-    row = seq.to(tl.int64) * stride_po_t + head * stride_po_h
-    dims = tl.arange(0, BLOCK_D)
-    # Two passes in split order: the merge is a fixed sum whatever the batch looks like.
-    max_lse = tl.full([], float("-inf"), tl.float32)
-    for s in range(0, n_splits):
-        max_lse = tl.maximum(max_lse, tl.load(part_lse_ptr + row + s))
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    total = tl.zeros([], tl.float32)
-    for s in range(0, n_splits):
-        weight = tl.exp(tl.load(part_lse_ptr + row + s) - max_lse)
-        acc += weight * tl.load(part_out_ptr + (row + s) * BLOCK_D + dims)
-        total += weight
-    out = acc / tl.maximum(total, 1e-30)
-    o_offs = seq.to(tl.int64) * stride_ot + head * stride_oh + dims
-    tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=dims < head_dim)
-
-
-def split_kv_decode_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    scale: float,
-    max_seq_len: int,
-    *,
-    out: torch.Tensor | None = None,
-    split_size: int = DEFAULT_SPLIT_SIZE,
-    block_n: int | None = None,
-) -> torch.Tensor:
-    """Attention of one new token per sequence (``q`` [B, Hq, D], row i = sequence i) over all
-    ``seq_lens[i]`` cached positions (the token's own K/V included), in fixed KV splits.
-
-    ``max_seq_len`` (a host int, >= every ``seq_lens[i]``) sizes the grid; split boundaries are
-    multiples of ``split_size`` whatever the batch, and splits merge in order, so each row's
-    result is the same run to run and whatever else is in the batch.
-    """
-    n_q_heads, n_kv_heads, head_dim = _check_shapes(q, k_cache, v_cache)
-    num_seqs = q.shape[0]
-    if out is None:
-        out = torch.empty((num_seqs, n_q_heads, head_dim), dtype=q.dtype, device=q.device)
-    if num_seqs == 0 or max_seq_len <= 0:
-        return out
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    if block_n is None:
-        block_n = _default_block_n(block_d)
-    if split_size % block_n:
-        raise ValueError(f"split_size {split_size} must be a multiple of block_n {block_n}")
-    queries_per_kv = n_q_heads // n_kv_heads
-    num_splits = triton.cdiv(max_seq_len, split_size)
-    part_out = torch.empty((num_seqs, n_q_heads, num_splits, block_d), dtype=torch.float32, device=q.device)
-    part_lse = torch.empty((num_seqs, n_q_heads, num_splits), dtype=torch.float32, device=q.device)
-    _decode_split_kernel[(num_seqs, n_kv_heads, num_splits)](
-        q, k_cache, v_cache, seq_lens, block_tables, part_out, part_lse, scale,
-        queries_per_kv, head_dim, k_cache.shape[1], num_splits,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), part_lse.stride(0), part_lse.stride(1),
-        **split_launch(queries_per_kv, head_dim, q.dtype, split_size, block_n, interpreting()).kwargs,
-    )  # fmt: skip
-    _decode_reduce_kernel[(num_seqs, n_q_heads)](
-        part_out, part_lse, seq_lens, out, head_dim,
-        part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
-        **reduce_launch(head_dim, split_size).kwargs,
-    )  # fmt: skip
-    return out
-
-
-@cache
-def split_launch(
-    queries_per_kv: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    split_size: int,
-    block_n: int,
-    interpret: bool = False,
-) -> Launch:
-    return Launch({
-        "SPLIT_SIZE": split_size, "BLOCK_H": max(16, triton.next_power_of_2(queries_per_kv)), "BLOCK_N": block_n,
-        "BLOCK_D": max(16, triton.next_power_of_2(head_dim)), "DOT_PRECISION": _dot_precision(dtype, interpret),
-    })  # fmt: skip
-
-
-@cache
-def reduce_launch(head_dim: int, split_size: int) -> Launch:
-    return Launch(
-        {"SPLIT_SIZE": split_size, "BLOCK_D": max(16, triton.next_power_of_2(head_dim))}, num_stages=1
-    )

@@ -1,4 +1,4 @@
-"""Triton paged attention (engine/kernels/triton_attention.py) and the Triton attention backend.
+"""Triton paged attention (engine/kernels/triton_attention.py, triton_decode.py) and the Triton backend.
 
 Each kernel runs against a float64 PyTorch reference that gathers K/V through the block table;
 the batch-invariance and determinism promises are checked bit for bit. Without a GPU the kernels
@@ -22,7 +22,8 @@ from engine.attention.base import AttentionMetadata  # noqa: E402
 from engine.attention.registry import get_attention_backend  # noqa: E402
 from engine.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from engine.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from engine.kernels.triton_attention import split_kv_decode_attention, unified_attention  # noqa: E402
+from engine.kernels.triton_attention import unified_attention  # noqa: E402
+from engine.kernels.triton_decode import split_kv_decode_attention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # bf16 outputs are one rounding of an fp32 result: at most one bf16 ulp (the interpreter truncates).

@@ -1,0 +1,188 @@
+"""Split-KV paged attention for decode steps: one new token per sequence, long contexts.
+
+Each (sequence, KV head) pair's context is cut into fixed ``split_size`` pieces handled by
+separate programs, and a second kernel merges the pieces in split order. Split boundaries are
+multiples of ``split_size`` whatever the batch and the merge is a fixed sum, so a row's result
+is the same run to run and whatever else is in the batch (though not the same bits as
+``unified_attention``, which sums in one pass).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels import Launch, interpreting
+from engine.kernels.triton_attention import attend_tiles, check_shapes, default_block_n, dot_precision
+
+DEFAULT_SPLIT_SIZE = 512  # KV positions per split: fixed, so split boundaries never depend on the batch
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    scale,
+    queries_per_kv,
+    head_dim,
+    block_size,
+    num_splits,
+    stride_qt,
+    stride_qh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    stride_po_t,
+    stride_po_h,
+    SPLIT_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    kv_start = split * SPLIT_SIZE
+    if kv_start < seq_len:  # splits past this sequence's end belong to longer sequences only
+        kv_end = tl.minimum(kv_start + SPLIT_SIZE, seq_len)
+        group = tl.arange(0, BLOCK_H)
+        head_mask = group < queries_per_kv
+        q_head = kv_head * queries_per_kv + group
+        dims = tl.arange(0, BLOCK_D)
+        dim_mask = dims < head_dim
+        io_mask = head_mask[:, None] & dim_mask[None, :]
+        q_offs = seq.to(tl.int64) * stride_qt + q_head[:, None] * stride_qh + dims[None, :]
+        q = tl.load(q_ptr + q_offs, mask=io_mask, other=0.0).to(tl.float32)
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        m_i, l_i, acc = attend_tiles(
+            q, m_i, l_i, acc, m_i, kv_start, kv_end, k_cache_ptr, v_cache_ptr,
+            block_tables_ptr + seq.to(tl.int64) * stride_bt, kv_head, block_size, scale,
+            stride_cb, stride_cs, stride_ch, dims, dim_mask,
+            CAUSAL=False, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
+        )  # fmt: skip
+        row = seq.to(tl.int64) * stride_po_t + q_head * stride_po_h + split
+        tl.store(part_lse_ptr + row, m_i + tl.log(l_i), mask=head_mask)
+        part = acc / l_i[:, None]
+        tl.store(
+            part_out_ptr + row[:, None] * BLOCK_D + dims[None, :], part, mask=head_mask[:, None]
+        )  # padded dims hold zeros
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    head_dim,
+    stride_po_t,
+    stride_po_h,
+    stride_ot,
+    stride_oh,
+    SPLIT_SIZE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    n_splits = tl.cdiv(seq_len, SPLIT_SIZE)
+    row = seq.to(tl.int64) * stride_po_t + head * stride_po_h
+    dims = tl.arange(0, BLOCK_D)
+    # Two passes in split order: the merge is a fixed sum whatever the batch looks like.
+    max_lse = tl.full([], float("-inf"), tl.float32)
+    for s in range(0, n_splits):
+        max_lse = tl.maximum(max_lse, tl.load(part_lse_ptr + row + s))
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    total = tl.zeros([], tl.float32)
+    for s in range(0, n_splits):
+        weight = tl.exp(tl.load(part_lse_ptr + row + s) - max_lse)
+        acc += weight * tl.load(part_out_ptr + (row + s) * BLOCK_D + dims)
+        total += weight
+    out = acc / tl.maximum(total, 1e-30)
+    o_offs = seq.to(tl.int64) * stride_ot + head * stride_oh + dims
+    tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=dims < head_dim)
+
+
+def split_kv_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_seq_len: int,
+    *,
+    out: torch.Tensor | None = None,
+    split_size: int = DEFAULT_SPLIT_SIZE,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Attention of one new token per sequence (``q`` [B, Hq, D], row i = sequence i) over all
+    ``seq_lens[i]`` cached positions (the token's own K/V included), in fixed KV splits.
+
+    ``max_seq_len`` (a host int, >= every ``seq_lens[i]``) sizes the grid; split boundaries are
+    multiples of ``split_size`` whatever the batch, and splits merge in order, so each row's
+    result is the same run to run and whatever else is in the batch.
+    """
+    n_q_heads, n_kv_heads, head_dim = check_shapes(q, k_cache, v_cache)
+    num_seqs = q.shape[0]
+    if out is None:
+        out = torch.empty((num_seqs, n_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    if num_seqs == 0 or max_seq_len <= 0:
+        return out
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    if block_n is None:
+        block_n = default_block_n(block_d)
+    if split_size % block_n:
+        raise ValueError(f"split_size {split_size} must be a multiple of block_n {block_n}")
+    queries_per_kv = n_q_heads // n_kv_heads
+    num_splits = triton.cdiv(max_seq_len, split_size)
+    part_out = torch.empty((num_seqs, n_q_heads, num_splits, block_d), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((num_seqs, n_q_heads, num_splits), dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(num_seqs, n_kv_heads, num_splits)](
+        q, k_cache, v_cache, seq_lens, block_tables, part_out, part_lse, scale,
+        queries_per_kv, head_dim, k_cache.shape[1], num_splits,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), part_lse.stride(0), part_lse.stride(1),
+        **split_launch(queries_per_kv, head_dim, q.dtype, split_size, block_n, interpreting()).kwargs,
+    )  # fmt: skip
+    _decode_reduce_kernel[(num_seqs, n_q_heads)](
+        part_out, part_lse, seq_lens, out, head_dim,
+        part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
+        **reduce_launch(head_dim, split_size).kwargs,
+    )  # fmt: skip
+    return out
+
+
+@cache
+def split_launch(
+    queries_per_kv: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    split_size: int,
+    block_n: int,
+    interpret: bool = False,
+) -> Launch:
+    return Launch({
+        "SPLIT_SIZE": split_size, "BLOCK_H": max(16, triton.next_power_of_2(queries_per_kv)), "BLOCK_N": block_n,
+        "BLOCK_D": max(16, triton.next_power_of_2(head_dim)), "DOT_PRECISION": dot_precision(dtype, interpret),
+    })  # fmt: skip
+
+
+@cache
+def reduce_launch(head_dim: int, split_size: int) -> Launch:
+    return Launch(
+        {"SPLIT_SIZE": split_size, "BLOCK_D": max(16, triton.next_power_of_2(head_dim))}, num_stages=1
+    )
