@@ -41,6 +41,7 @@ sys.path.insert(0, str(REPO))
 from router.upstream import UpstreamClient  # noqa: E402  (the load client: lean keep-alive HTTP/1.1)
 
 BIN = Path(sys.executable).parent
+FERRY_EXTRA: list[str] = []  # --ferry-args, e.g. "--balance-abs-threshold 8"
 
 
 def free_port() -> int:
@@ -113,7 +114,7 @@ def router_cmd(kind: str, port: int, urls: list[str], policy: str, model_dir: st
             cmd += ["--replica", u]
         if model_dir and policy == "cache_aware":
             cmd += ["--model", model_dir]
-        return cmd
+        return cmd + FERRY_EXTRA
     prom = ["--prometheus-port", str(free_port())]
     if kind == "vllm-router":
         return [
@@ -412,6 +413,8 @@ def bench_quality(args: argparse.Namespace, logdir: Path) -> dict:
         urls = [r.url for r in replicas]
         configs = [("ferry", "cache_aware"), ("ferry", "round_robin")]
         configs += [(k, "cache_aware") for k in ("vllm-router", "sglang-router") if available(k)]
+        if args.only:
+            configs = [c for c in configs if c[0] in args.only.split(",")]
         probe = {"model": "bench-llama", "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
         for kind, policy in configs:
             port = free_port()
@@ -476,7 +479,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--system-words", type=int, default=300)
     p.add_argument("--concurrency-quality", type=int, default=6)
     p.add_argument("--out", default=str(REPO / "bench/results/router.json"))
+    p.add_argument(
+        "--ferry-args", default="", help="extra flags for ferry router, e.g. '--load-penalty-tokens 32'"
+    )
+    p.add_argument("--only", default="", help="comma-separated router kinds to run (default: all)")
     args = p.parse_args(argv)
+    FERRY_EXTRA.extend(args.ferry_args.split())
     if args.quick:
         args.requests, args.duration, args.groups, args.per_group, args.turns = 60, 2.0, 3, 2, 2
         args.replicas = 2

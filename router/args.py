@@ -31,7 +31,7 @@ def add_router_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument(
         "--balance-abs-threshold",
         type=int,
-        default=4,
+        default=16,
         help="cache_aware falls back to least load when the prefix holder has this many more "
         "in-flight requests than the least loaded replica",
     )

@@ -20,7 +20,7 @@ class RouterConfig:
     # cache_aware
     model: str | None = None
     block_size: int = 16
-    balance_abs_threshold: int = 4
+    balance_abs_threshold: int = 16
     load_penalty_tokens: int = 64
     prefix_index_size: int = 1 << 20
     # limits

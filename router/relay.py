@@ -38,6 +38,7 @@ from router.upstream import ConnectError, Response, UpstreamClient, UpstreamErro
 
 _TRANSPORT_ERRORS = (UpstreamError,)
 BodyFor = Callable[[Replica], tuple[bytes, bool]]
+CLIENT_GONE = 499  # nginx's code for "client closed the request"
 
 
 @dataclass
@@ -97,9 +98,10 @@ class Relay:
 
     # ---- picking and sending ------------------------------------------------------------------
     async def open(
-        self, pool: Pool, call: ProxyCall, body: bytes, tried: set[str], attempt: list[int]
+        self, pool: Pool, call: ProxyCall, body: bytes | BodyFor, tried: set[str], attempt: list[int]
     ) -> Opened | Failed:
-        """Send to replicas not in ``tried`` until one gives an answer that is not retried."""
+        """Send to replicas not in ``tried`` until one gives an answer that is not retried.
+        ``body`` is the payload, or a function of the chosen replica giving (payload, router_logprobs)."""
         last: Failed | None = None
         while True:
             now = self.clock()
@@ -130,7 +132,7 @@ class Relay:
                 else:
                     last = result
             except BaseException:  # the client left (task cancelled): give the load back
-                self._release(replica, tokens, "499")
+                self._release(replica, tokens, str(CLIENT_GONE))
                 raise
             self._release(replica, tokens, str(last.status))
             tried.add(replica.url)
@@ -167,6 +169,9 @@ class Relay:
             return
         opened.finished = True
         code = status if status is not None else opened.response.status_code
+        if code == CLIENT_GONE:  # the client's doing: says nothing about the replica
+            self._release(opened.replica, opened.tokens, str(CLIENT_GONE))
+            return
         if ok and code < 500:
             opened.replica.on_request_success()
         elif not ok or counts_as_replica_failure(code):
@@ -181,7 +186,7 @@ class Relay:
             await send_bytes(send, opened.status, opened.body, _with_id(opened.headers, call))
             return
         ok = False
-        status = 499  # unless we get to the end: the client left
+        status = CLIENT_GONE  # until the answer starts
         try:
             response = opened.response
             await send(
@@ -198,6 +203,9 @@ class Relay:
             ok = True
         except _TRANSPORT_ERRORS:
             await send({"type": "http.response.body", "body": b""})
+        except asyncio.CancelledError:
+            status = CLIENT_GONE
+            raise
         finally:
             await opened.response.aclose()
             self.finish(opened, ok, status)
@@ -228,7 +236,7 @@ class Relay:
             finally:
                 await opened.response.aclose()
                 if content is None:
-                    self.finish(opened, False, 499)  # no-op unless the client left mid-read
+                    self.finish(opened, False, CLIENT_GONE)  # no-op unless the client left mid-read
             if content is None:
                 tried.add(opened.replica.url)
                 if not self.retry.can_retry(attempt[0]):
@@ -315,7 +323,7 @@ class Relay:
         finally:
             if isinstance(opened, Opened) and not opened.finished:
                 await opened.response.aclose()
-                self.finish(opened, False, 499)
+                self.finish(opened, False, CLIENT_GONE)
 
     async def _send_whole(self, opened: Opened, call: ProxyCall, send: Send) -> None:
         """A non-stream answer (or an error answer to a stream request): read it, then send it."""
@@ -342,6 +350,7 @@ class Relay:
         splitter = SSESplitter()
         tracker.router_logprobs = opened.router_logprobs
         ok = False
+        gone: int | None = None
         try:
             async for chunk in opened.response.aiter_raw():
                 out = []
@@ -359,9 +368,12 @@ class Relay:
             return ok
         except _TRANSPORT_ERRORS:
             return False
+        except asyncio.CancelledError:
+            gone = CLIENT_GONE
+            raise
         finally:
             await opened.response.aclose()
-            self.finish(opened, ok, 200 if ok else None)
+            self.finish(opened, ok, 200 if ok else gone)
             if tracker.saw_token_ids_field:
                 opened.replica.emits_token_ids = True
 

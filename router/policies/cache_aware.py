@@ -25,7 +25,7 @@ class CacheAware(Policy):
         self,
         *,
         block_size: int = 16,
-        balance_abs_threshold: int = 4,
+        balance_abs_threshold: int = 16,
         load_penalty_tokens: int = 64,
         prefix_index_size: int = 1 << 18,
         index: PrefixIndex | None = None,

@@ -185,6 +185,10 @@ def test_client_disconnect_cancels_the_upstream_request(cluster: Cluster, pair: 
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(router.url + "/v1/completions", json={**body, "stream": False}, timeout=0.3)
     assert wait_until(lambda: metric(a.url, "vllm:num_requests_running") == 0, timeout=10)
+    # A client that leaves says nothing about the replica: no circuit failure, counted as 499.
+    assert wait_until(lambda: metric(router.url, "ferry:router_requests_total", {"status": "499"}) == 2)
+    view = replicas_view(router)[a.url]
+    assert view["failures"] == 0 and view["circuit"] == "closed" and view["inflight"] == 0
 
 
 def test_overload_gets_429_with_retry_after(cluster: Cluster, pair: list[Proc]) -> None:
