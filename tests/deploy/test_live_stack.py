@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 from deploy_support import MODEL, ROOT, FerryProcess, free_port, nginx_binary, render_nginx_conf
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
@@ -211,6 +214,114 @@ def test_every_dashboard_metric_is_exported_live(
     )
     replica_side = wanted - router_side
     assert replica_side <= from_replica, f"not exported by the replica: {replica_side - from_replica}"
+
+
+@pytest.fixture(scope="module")
+def prometheus(
+    replica: FerryProcess,
+    router: FerryProcess,
+    second_router: FerryProcess,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[str]:
+    """A real Prometheus scraping the replica and both routers every second, with the `namespace`
+    and `pod` labels Kubernetes service discovery would attach."""
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.skip(
+            "Prometheus is not installed (Debian: apt-get install prometheus): cannot evaluate the dashboard"
+        )
+    workdir = tmp_path_factory.mktemp("prometheus")
+    targets = {"ferry-decode-0": replica, "ferry-router-0": router, "ferry-router-1": second_router}
+    config = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "scrape_configs": [
+            {
+                "job_name": "ferry",
+                "static_configs": [
+                    {"targets": [f"127.0.0.1:{p.port}"], "labels": {"namespace": "ferry", "pod": pod}}
+                    for pod, p in targets.items()
+                ],
+            }
+        ],
+    }
+    (workdir / "prometheus.yml").write_text(json.dumps(config))
+    port = free_port()
+    proc = subprocess.Popen(
+        [binary, f"--config.file={workdir / 'prometheus.yml'}", f"--storage.tsdb.path={workdir / 'data'}",
+         f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            if proc.poll() is not None:
+                raise RuntimeError("prometheus exited")
+            try:
+                if httpx.get(url + "/-/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        else:
+            raise RuntimeError("prometheus did not become ready")
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def promql(prom: str, query: str) -> list[dict]:
+    resp = httpx.get(prom + "/api/v1/query", params={"query": query}, timeout=10).json()
+    assert resp["status"] == "success", f"{query}: {resp}"
+    return resp["data"]["result"]
+
+
+def test_dashboard_and_autoscaling_queries_evaluate_on_live_data(nginx: str, prometheus: str) -> None:
+    """Every dashboard query and the prometheus-adapter rule, run by a real Prometheus over scrapes
+    of the live replica and routers: each parses, and each returns series."""
+    client = OpenAI(base_url=nginx + "/v1", api_key="unused", max_retries=0, timeout=120)
+    deadline = time.monotonic() + 60
+    while True:  # traffic across several scrapes, so rate() and histogram_quantile() have data
+        list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=4, stream=True))  # fmt: skip
+        ready = promql(prometheus, "min(count_over_time(ferry:router_requests_total[1m]))")
+        if ready and float(ready[0]["value"][1]) >= 3 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+
+    values = httpx.get(
+        prometheus + "/api/v1/label/namespace/values",
+        params={"match[]": "vllm:num_requests_running"},
+        timeout=10,
+    ).json()["data"]
+    assert values == ["ferry"]  # the dashboard's namespace picker finds the deployment
+    empty = []
+    for expr in dashboard_exprs():
+        if expr.startswith("label_values("):
+            continue
+        query = expr.replace("$namespace", "ferry").replace("$__rate_interval", "1m")
+        if not promql(prometheus, query) and "ferry:kv_tier_errors_total" not in expr:  # no error happened
+            empty.append(query)
+    assert not empty, f"dashboard queries with no series: {empty}"
+
+    rules = yaml.safe_load(
+        (ROOT / "deploy/k8s/components/autoscaling/prometheus-adapter-rules.yaml").read_text()
+    )
+    for rule in rules["rules"]["custom"]:
+        assert promql(prometheus, rule["seriesQuery"]), rule["seriesQuery"]
+        series = rule["seriesQuery"].split("{")[0]
+        query = (
+            rule["metricsQuery"]
+            .replace("<<.Series>>", series)
+            .replace("<<.LabelMatchers>>", 'namespace="ferry",pod=~"ferry-decode-0"')
+            .replace("<<.GroupBy>>", "pod")
+        )
+        (row,) = promql(prometheus, query)
+        assert row["metric"] == {"pod": "ferry-decode-0"}  # one value per pod, as the HPA reads it
 
 
 def routed(router: FerryProcess) -> float:
