@@ -260,7 +260,8 @@ class Relay:
         chat = call.path.endswith("/chat/completions")
         wants_ids = bool(body.get("return_token_ids"))
         client_logprobs = bool(body.get("logprobs")) if chat else body.get("logprobs") is not None
-        can_resume = self.max_failovers > 0 and body.get("n") in (None, 1)
+        # One sequence whose streamed text is all completion: echo would mix prompt tokens in.
+        can_resume = self.max_failovers > 0 and body.get("n") in (None, 1) and not body.get("echo")
 
         def payload(replica: Replica, base: dict = body) -> tuple[bytes, bool]:
             if not can_resume:
