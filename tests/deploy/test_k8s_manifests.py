@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -375,3 +376,41 @@ def test_objects_match_the_kubernetes_api_schema(overlay: tuple[str, list[dict]]
         else:  # older clients check types only
             obj = api.deserialize(json.dumps(doc), model, "application/json")
         assert obj.metadata.name == doc["metadata"]["name"]
+
+
+def test_object_storage_init_containers_copy_the_model(
+    rendered: dict[str, list[dict]], tiny_llama: Path, tmp_path: Path
+) -> None:
+    """production's `weights` init containers, run with rclone's local backend standing in for the
+    bucket (remote "store" configured from the environment, as the credentials Secret does): a
+    replica gets the whole model, a router only the tokenizer and config files."""
+    rclone = shutil.which("rclone")
+    if rclone is None:
+        pytest.skip("rclone is not installed (Debian: apt-get install rclone): cannot run the weights copy")
+    docs = rendered["production"]
+    source = one(docs, "ConfigMap", "ferry-weights")["data"]["SOURCE"]
+    remote, _, path = source.partition(":")
+    assert remote == "store"
+    bucket = tmp_path / "bucket"
+    shutil.copytree(tiny_llama, bucket / path)
+    for name, expect_weights in (("ferry-decode", True), ("ferry-router", False)):
+        (init,) = pod_spec(one(docs, "Deployment", name))["initContainers"]
+        assert [e["secretRef"]["name"] for e in init["envFrom"]] == ["ferry-weights-credentials"]
+        dest = tmp_path / name / "model"
+        env = env_of(init, docs, "ferry")
+        env.update(MODEL_PATH=str(dest), HOME=str(tmp_path), RCLONE_CONFIG=str(tmp_path / "rclone.conf"))
+        env.update(RCLONE_CONFIG_STORE_TYPE="local", PATH=os.environ["PATH"])  # the Secret's part
+        proc = subprocess.run(
+            [rclone, *expand(init["args"], env)],
+            env=env,
+            cwd=bucket,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 0, proc.stderr
+        copied = {p.name for p in dest.iterdir()}
+        assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= copied
+        assert ("model.safetensors" in copied) is expect_weights
+        if expect_weights:
+            assert copied == {p.name for p in tiny_llama.iterdir()}
