@@ -16,27 +16,30 @@ import pytest
 PROMPTS = [f"def function_{i}(x):\n    return" for i in range(64)]
 
 
-async def _stream_text(client: openai.AsyncOpenAI, prompt: str, max_tokens: int) -> tuple[str, str]:
+async def _stream_text(client: openai.AsyncOpenAI, prompt: str, max_tokens: int) -> tuple[list[int], str]:
+    """A greedy stream's token ids (exact, via logprobs as token ids) and finish reason."""
     stream = await client.completions.create(
         model=None,
         prompt=prompt,
         max_tokens=max_tokens,
         temperature=0,
         stream=True,
-        extra_body={"ignore_eos": True},
+        logprobs=0,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
     )
-    text, reason = "", None
+    ids, reason = [], None
     async for chunk in stream:
-        text += chunk.choices[0].text
+        lp = chunk.choices[0].logprobs
+        ids += [int(t.removeprefix("token_id:")) for t in (lp.tokens if lp else [])]
         reason = chunk.choices[0].finish_reason or reason
-    return text, reason
+    return ids, reason
 
 
 async def test_64_concurrent_streams_get_what_they_get_alone(server) -> None:
     client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
     alone = [await _stream_text(client, p, 12) for p in PROMPTS[:8]]
     together = await asyncio.gather(*(_stream_text(client, p, 12) for p in PROMPTS))
-    assert all(reason == "length" for _, reason in together)
+    assert all(reason == "length" and len(ids) == 12 for ids, reason in together)
     assert together[:8] == alone
     # and the rest against a second, sequential pass
     for i in (8, 31, 63):
@@ -95,23 +98,23 @@ async def test_disconnect_non_streaming_frees_blocks(server, scrape) -> None:
 
 @pytest.fixture(scope="module")
 def tight(tiny_llama: Path, serve_logs: Path, server_process):
-    """A replica with 2 running slots, a queue of 2, a 1 s request timeout and an API key."""
-    srv = server_process(
-        tiny_llama,
-        [
-            "--max-num-seqs",
-            "2",
-            "--max-queued-requests",
-            "2",
-            "--request-timeout",
-            "1",
-            "--api-key",
-            "sekrit",
-            "--num-kv-blocks",
-            "512",
-        ],
-        serve_logs,
-    ).start()
+    """A replica with 2 running slots, a queue of 2, a 1 s request timeout, an API key and the
+    in-process KV tier (whose ferry: metrics must show on /metrics)."""
+    flags = [
+        "--max-num-seqs",
+        "2",
+        "--max-queued-requests",
+        "2",
+        "--request-timeout",
+        "1",
+        "--api-key",
+        "sekrit",
+        "--num-kv-blocks",
+        "512",
+        "--kv-tier",
+        "memory://",
+    ]
+    srv = server_process(tiny_llama, flags, serve_logs).start()
     yield srv
     srv.stop()
 
@@ -172,3 +175,9 @@ def test_request_timeout_aborts_cleanly(tight, scrape) -> None:
         text = s.read().decode()
     assert text.endswith("data: [DONE]\n\n") and '"code":"request_timeout"' in text
     assert _wait_idle(tight.url, scrape, tight.model_name, timeout=2) < 2
+
+
+def test_kv_tier_metrics_share_the_endpoint(tight) -> None:
+    text = httpx.get(tight.url + "/metrics").text
+    assert "ferry:kv_tier_hits_total" in text  # registered by kvcache on the default registry
+    assert f'vllm:num_requests_running{{model_name="{tight.model_name}"}}' in text
