@@ -1,10 +1,104 @@
-"""`ferry up`: a whole local cluster (router, prefill/decode pools, KV tier) from one YAML file."""
+"""`ferry up`: a whole local cluster (router, prefill/decode pools, KV tier) from one YAML file.
+
+``ferry up [--config cluster.yaml] [--dry-run] [--state-file PATH]``. The file's schema is in
+``ferry/cluster/config.py`` (commented example: ``deploy/local/cluster.yaml``); with no file, the
+default is a router on port 8080, one prefill and one decode worker of the demo model on free
+ports, and a child redis-server as their shared KV tier. Exit status: 0 after a clean stop
+(SIGTERM, Ctrl-C) or a dry run, 1 when the cluster cannot start, 2 for a bad cluster file.
+"""
 
 from __future__ import annotations
 
 import argparse
+import shutil
+import socket
+import sys
+from pathlib import Path
+
+from ferry.cluster.config import ClusterConfig, ConfigError, load_config
+from ferry.cluster.plan import LOOPBACK, ClusterPlan, build_plan
+
+REDIS_MISSING = (
+    "{binary} not found on PATH, and the KV tier is a redis-server that ferry up starts"
+    " (kv_tier: {{redis: …}}, the default). Install Redis (Debian/Ubuntu: sudo apt-get install"
+    " redis-server; Fedora: sudo dnf install redis; macOS: brew install redis), set"
+    " kv_tier.redis.binary to its path, or use a Redis you already run (kv_tier: redis://HOST:6379/0)."
+)
 
 
 def add_up_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument("--config", default=None, help="cluster YAML (default: router + 1 prefill + 1 decode + Redis)")
+    p.add_argument(
+        "--config",
+        default=None,
+        help="cluster YAML (default: router on :8080 + 1 prefill + 1 decode of the demo model + Redis;"
+        " see deploy/local/cluster.yaml)",
+    )
+    p.add_argument("--dry-run", action="store_true", help="print the commands ferry up would run, and exit")
+    p.add_argument(
+        "--state-file",
+        default=None,
+        help="write the cluster's endpoint and every child's name, pid and URL here (JSON), kept"
+        " current across restarts and removed at exit",
+    )
     return p
+
+
+def run_up(args: argparse.Namespace) -> int:
+    source = args.config or "default cluster"
+    try:
+        config = load_config(args.config)
+    except ConfigError as e:
+        print(f"ferry up: {source}: {e}", file=sys.stderr)
+        return 2
+    plan = build_plan(config)
+    if args.dry_run:
+        print(format_plan(plan))
+        return 0
+    problem = preflight(config, plan)
+    if problem is not None:
+        print(f"ferry up: {problem}", file=sys.stderr)
+        return 1
+
+    from ferry.cluster.child import LogSink
+    from ferry.cluster.supervisor import Supervisor
+
+    state_file = Path(args.state_file) if args.state_file else None
+    return Supervisor(config, plan, LogSink(sys.stdout), state_file).run()
+
+
+def format_plan(plan: ClusterPlan) -> str:
+    lines = ["# ferry up --dry-run (ports left open in the file were picked now; a real run picks again)"]
+    for spec in plan.processes:
+        lines.append(f"# {spec.name}: {spec.url}")
+        lines.append(spec.shell())
+    lines.append(f"# endpoint: {plan.endpoint}/v1")
+    return "\n".join(lines)
+
+
+def preflight(config: ClusterConfig, plan: ClusterPlan) -> str | None:
+    """What would stop the cluster from starting, said before anything starts (None: nothing)."""
+    redis = config.kv_tier.redis
+    if redis is not None and shutil.which(redis.binary) is None:
+        return REDIS_MISSING.format(binary=redis.binary)
+    fixed = [("router.port", config.router.host, config.router.port)]
+    if redis is not None and redis.port is not None:
+        fixed.append(("kv_tier.redis.port", LOOPBACK, redis.port))
+    for pool in config.pools:
+        if pool.port is not None:
+            fixed += [(f"{pool.role}.port", LOOPBACK, pool.port + i) for i in range(pool.replicas)]
+    for key, host, port in fixed:
+        if not _can_bind(host, port):
+            return f"{key}: port {port} is already in use on {host} (another ferry up? choose another port)"
+    return None
+
+
+def _can_bind(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        # Same option as uvicorn and redis use, so a port in TIME_WAIT does not count as taken.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True

@@ -1,0 +1,421 @@
+"""The `ferry up` cluster file: frozen dataclasses built from YAML, with errors that name the key.
+
+The concepts are those of the Kubernetes manifests in ``deploy/k8s`` (one cluster, two runtimes):
+``model`` / ``served_model_name`` (``MODEL_PATH`` / ``SERVED_MODEL_NAME`` there), ``kv_tier``
+(``KV_TIER``), a router, and the ``prefill`` / ``decode`` / ``mixed`` pools whose size is
+``replicas`` as in a Deployment. ``parse_config`` trusts nothing in the mapping it gets: every key
+is known, every value has its type and range, ports never clash, and the router has somewhere
+to send requests. Everything after it trusts the ``ClusterConfig``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import yaml
+
+ROLES = ("prefill", "decode", "mixed")
+KV_SCHEMES = ("redis://", "rediss://", "memory://")
+
+# Flags `ferry up` sets itself; a pool's or the router's `args` must not set them again.
+SERVE_MANAGED = {
+    "--host": "{pool}.host is always 127.0.0.1",
+    "--port": "use {pool}.port",
+    "--role": "the pool is the role",
+    "--model": "use model",
+    "--kv-tier": "use kv_tier",
+    "--num-threads": "use {pool}.threads",
+    "--served-model-name": "use served_model_name",
+}
+ROUTER_MANAGED = {
+    "--host": "use router.host",
+    "--port": "use router.port",
+    "--policy": "use router.policy",
+    "--replica": "ferry up passes its mixed pool",
+    "--prefill": "ferry up passes its prefill pool",
+    "--decode": "ferry up passes its decode pool",
+    "--kv-tier": "use kv_tier",
+}
+
+
+class ConfigError(ValueError):
+    """A cluster file that cannot run; the message starts with the key path (``router.port: …``)."""
+
+
+@dataclass(frozen=True)
+class RedisSpec:
+    """A redis-server that `ferry up` starts and stops (the KV tier's ``{redis: {...}}`` form)."""
+
+    port: int | None = None  # None: a free port
+    maxmemory: str = "768mb"  # as deploy/k8s/components/redis: a cache, evicted when full
+    maxmemory_policy: str = "allkeys-lru"
+    binary: str = "redis-server"
+    args: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class KVTierSpec:
+    """Either ``url`` (an existing tier) or ``redis`` (a child Redis); exactly one is set."""
+
+    url: str | None = None
+    redis: RedisSpec | None = None
+
+    @property
+    def shared(self) -> bool:
+        return self.redis is not None or not (self.url or "").startswith("memory://")
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    policy: str = "cache_aware"
+    args: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """One pool of `ferry serve --role ROLE` workers on consecutive ports."""
+
+    role: str
+    replicas: int = 0
+    threads: int | None = None  # None: this machine's cores shared evenly by all workers
+    port: int | None = None  # first port (replica i listens on port + i); None: free ports
+    args: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+
+
+@dataclass(frozen=True)
+class RestartSpec:
+    """Exponential back-off for crashed children: initial_delay, doubled per crash, capped."""
+
+    initial_delay: float = 1.0
+    max_delay: float = 30.0
+    reset_after: float = 60.0  # seconds healthy after which the next crash starts from initial_delay
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    model: str | None = None  # None: the built-in demo model
+    served_model_name: str | None = None
+    kv_tier: KVTierSpec = field(default_factory=lambda: KVTierSpec(redis=RedisSpec()))
+    router: RouterSpec = field(default_factory=RouterSpec)
+    prefill: PoolSpec = field(default_factory=lambda: PoolSpec("prefill", replicas=1))
+    decode: PoolSpec = field(default_factory=lambda: PoolSpec("decode", replicas=1))
+    mixed: PoolSpec = field(default_factory=lambda: PoolSpec("mixed", replicas=0))
+    env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    drain_timeout: float = 30.0
+    startup_timeout: float = 600.0
+    restart: RestartSpec = field(default_factory=RestartSpec)
+
+    @property
+    def pools(self) -> tuple[PoolSpec, ...]:
+        return (self.prefill, self.decode, self.mixed)
+
+    @property
+    def num_workers(self) -> int:
+        return sum(p.replicas for p in self.pools)
+
+
+# ---- value readers: each takes (value, key path) and returns the typed value or raises --------
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _int(value: Any, path: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{path}: expected an integer, got {value!r} ({_type_name(value)})")
+    return value
+
+
+def _number(value: Any, path: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{path}: expected a number, got {value!r} ({_type_name(value)})")
+    if value <= 0:
+        raise ConfigError(f"{path}: must be > 0, got {value}")
+    return float(value)
+
+
+def _str(value: Any, path: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{path}: expected a non-empty string, got {value!r} ({_type_name(value)})")
+    return value
+
+
+def _count(value: Any, path: str) -> int:
+    n = _int(value, path)
+    if n < 0:
+        raise ConfigError(f"{path}: must be >= 0, got {n}")
+    return n
+
+
+def _threads(value: Any, path: str) -> int | None:
+    if value is None:
+        return None
+    n = _int(value, path)
+    if n < 1:
+        raise ConfigError(f"{path}: must be >= 1 (or null for an even share of the cores), got {n}")
+    return n
+
+
+def _port(value: Any, path: str) -> int:
+    n = _int(value, path)
+    if not 1 <= n <= 65535:
+        raise ConfigError(f"{path}: must be a port number 1-65535, got {n}")
+    return n
+
+
+def _optional_port(value: Any, path: str) -> int | None:
+    return None if value is None else _port(value, path)
+
+
+def _scalar_text(value: Any, path: str) -> str:
+    # YAML reads `8` and `0.5` as numbers; on a command line or in the environment they are text.
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise ConfigError(f"{path}: expected a string, got {value!r} ({_type_name(value)})")
+    return str(value)
+
+
+def _args(value: Any, path: str) -> tuple[str, ...]:
+    if not isinstance(value, list):
+        raise ConfigError(f"{path}: expected a list of strings, got {value!r} ({_type_name(value)})")
+    return tuple(_scalar_text(v, f"{path}[{i}]") for i, v in enumerate(value))
+
+
+def _env(value: Any, path: str) -> Mapping[str, str]:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}: expected a mapping NAME: value, got {value!r} ({_type_name(value)})")
+    out: dict[str, str] = {}
+    for name, v in value.items():
+        if not isinstance(name, str) or not name or "=" in name:
+            raise ConfigError(f"{path}: {name!r} is not an environment variable name")
+        out[name] = _scalar_text(v, f"{path}.{name}")
+    return MappingProxyType(out)
+
+
+def _mapping(value: Any, path: str, readers: Mapping[str, Callable[[Any, str], Any]]) -> dict[str, Any]:
+    """Read a mapping whose keys must all be in ``readers``; returns {key: typed value}."""
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}: expected a mapping, got {value!r} ({_type_name(value)})")
+    out: dict[str, Any] = {}
+    for key, v in value.items():
+        if key not in readers:
+            raise ConfigError(_unknown_key(f"{path}.{key}", key, readers))
+        out[key] = readers[key](v, f"{path}.{key}")
+    return out
+
+
+def _unknown_key(path: str, key: Any, known: Mapping[str, Any]) -> str:
+    close = difflib.get_close_matches(str(key), list(known), n=1)
+    guess = f", did you mean {close[0]}?" if close else ""
+    return f"{path}: unknown key{guess} (expected one of: {', '.join(known)})"
+
+
+def _managed_flags(args: tuple[str, ...], path: str, managed: Mapping[str, str], pool: str) -> None:
+    for arg in args:
+        flag = arg.split("=", 1)[0]
+        if flag in managed:
+            hint = managed[flag].format(pool=pool)
+            raise ConfigError(f"{path}: {flag} is set by ferry up ({hint})")
+
+
+# ---- sections -----------------------------------------------------------------------------------
+
+
+def _redis(value: Any, path: str) -> RedisSpec:
+    if value is None:
+        return RedisSpec()
+    fields_ = _mapping(
+        value,
+        path,
+        {
+            "port": _optional_port,
+            "maxmemory": _scalar_text,
+            "maxmemory_policy": _str,
+            "binary": _str,
+            "args": _args,
+        },
+    )
+    return RedisSpec(**fields_)
+
+
+def _kv_tier(value: Any, path: str) -> KVTierSpec:
+    if isinstance(value, str):
+        if not value.startswith(KV_SCHEMES):
+            raise ConfigError(
+                f"{path}: expected a URL redis://…, rediss://… or memory://, or a mapping"
+                f" {{redis: {{port: …}}}}, got {value!r}"
+            )
+        return KVTierSpec(url=value)
+    if value is None:
+        raise ConfigError(f"{path}: expected a URL or {{redis: {{…}}}}, got null")
+    fields_ = _mapping(value, path, {"redis": _redis})
+    if "redis" not in fields_:
+        raise ConfigError(f"{path}: expected a URL or {{redis: {{…}}}}, got an empty mapping")
+    return KVTierSpec(redis=fields_["redis"])
+
+
+def _router(value: Any, path: str) -> RouterSpec:
+    from router.policies.registry import POLICY_NAMES
+
+    def policy(v: Any, p: str) -> str:
+        name = _str(v, p)
+        if name not in POLICY_NAMES:
+            raise ConfigError(f"{p}: unknown policy {name!r} (expected one of: {', '.join(POLICY_NAMES)})")
+        return name
+
+    fields_ = _mapping(
+        {} if value is None else value, path, {"host": _str, "port": _port, "policy": policy, "args": _args}
+    )
+    spec = RouterSpec(**fields_)
+    _managed_flags(spec.args, f"{path}.args", ROUTER_MANAGED, "router")
+    return spec
+
+
+def _pool(role: str) -> Callable[[Any, str], PoolSpec]:
+    def read(value: Any, path: str) -> PoolSpec:
+        fields_ = _mapping(
+            {} if value is None else value,
+            path,
+            {"replicas": _count, "threads": _threads, "port": _optional_port, "args": _args, "env": _env},
+        )
+        fields_.setdefault("replicas", 1)  # a pool that is named has one replica unless told
+        spec = PoolSpec(role=role, **fields_)
+        _managed_flags(spec.args, f"{path}.args", SERVE_MANAGED, role)
+        return spec
+
+    return read
+
+
+def _restart(value: Any, path: str) -> RestartSpec:
+    spec = RestartSpec(
+        **_mapping(value, path, {"initial_delay": _number, "max_delay": _number, "reset_after": _number})
+    )
+    if spec.max_delay < spec.initial_delay:
+        raise ConfigError(
+            f"{path}.max_delay: must be >= {path}.initial_delay ({spec.max_delay:g} < {spec.initial_delay:g})"
+        )
+    return spec
+
+
+def _model(base_dir: Path | None) -> Callable[[Any, str], str | None]:
+    def read(value: Any, path: str) -> str | None:
+        if value is None:
+            return None
+        text = os.path.expanduser(_str(value, path))
+        looks_like_path = text.startswith(("/", "./", "../"))
+        candidate = Path(text) if Path(text).is_absolute() or base_dir is None else base_dir / text
+        if candidate.is_dir():
+            return str(candidate.resolve())
+        if looks_like_path:
+            raise ConfigError(f"{path}: no model directory at {candidate}")
+        return text  # a hub id, resolved by `ferry serve`
+
+    return read
+
+
+def parse_config(data: Any, base_dir: Path | None = None) -> ClusterConfig:
+    """Build and check a ``ClusterConfig`` from the YAML document ``data``.
+
+    ``base_dir`` is the cluster file's directory: a relative ``model`` path is resolved there.
+    A file that names no pool gets the default topology (1 prefill + 1 decode); once it names
+    one, the pools it leaves out have no replicas.
+    """
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"the top level must be a mapping, got {_type_name(data)}")
+    readers: dict[str, Callable[[Any, str], Any]] = {
+        "model": _model(base_dir),
+        "served_model_name": lambda v, p: None if v is None else _str(v, p),
+        "kv_tier": _kv_tier,
+        "router": _router,
+        "prefill": _pool("prefill"),
+        "decode": _pool("decode"),
+        "mixed": _pool("mixed"),
+        "env": _env,
+        "drain_timeout": _number,
+        "startup_timeout": _number,
+        "restart": _restart,
+    }
+    for key in data:
+        if key not in readers:
+            raise ConfigError(_unknown_key(str(key), key, readers))
+    values = {key: readers[key](v, key) for key, v in data.items()}
+    if any(role in data for role in ROLES):
+        for role in ROLES:
+            values.setdefault(role, PoolSpec(role))
+    config = ClusterConfig(**values)
+    _check_topology(config)
+    _check_ports(config)
+    return config
+
+
+def _check_topology(config: ClusterConfig) -> None:
+    p, d, m = config.prefill.replicas, config.decode.replicas, config.mixed.replicas
+    if p + d + m == 0:
+        raise ConfigError("no router targets: prefill.replicas, decode.replicas and mixed.replicas are all 0")
+    if (p == 0) != (d == 0):
+        raise ConfigError(
+            f"prefill.replicas is {p} but decode.replicas is {d}: a prefill pool needs a decode pool"
+            " and a decode pool a prefill pool"
+        )
+    if p and not config.kv_tier.shared:
+        raise ConfigError(
+            "kv_tier: memory:// is private to each process; prefill and decode pools need a shared"
+            " tier (redis://… or {redis: {…}})"
+        )
+
+
+def _check_ports(config: ClusterConfig) -> None:
+    """Ports given in the file must be distinct (free ports are chosen distinct at start)."""
+    used: dict[int, str] = {}
+
+    def claim(port: int | None, owner: str) -> None:
+        if port is None:
+            return
+        if port in used:
+            raise ConfigError(f"port clash: {port} is used by {used[port]} and {owner}")
+        used[port] = owner
+
+    claim(config.router.port, "router (router.port)")
+    if config.kv_tier.redis is not None:
+        claim(config.kv_tier.redis.port, "redis (kv_tier.redis.port)")
+    for pool in config.pools:
+        if pool.port is None:
+            continue
+        if pool.port + pool.replicas - 1 > 65535:
+            raise ConfigError(
+                f"{pool.role}.port: {pool.replicas} replicas from port {pool.port} run past 65535"
+            )
+        for i in range(pool.replicas):
+            claim(
+                pool.port + i,
+                f"{pool.role}-{i} ({pool.role}.port + {i})" if i else f"{pool.role}-0 ({pool.role}.port)",
+            )
+
+
+def load_config(path: str | os.PathLike | None) -> ClusterConfig:
+    """Read a cluster file (or the default cluster when ``path`` is None)."""
+    if path is None:
+        config = ClusterConfig()
+        _check_ports(config)
+        return config
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e.strerror or e}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"not valid YAML: {e}") from None
+    return parse_config(data, path.parent)

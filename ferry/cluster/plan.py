@@ -1,0 +1,181 @@
+"""From a ``ClusterConfig`` to the exact processes `ferry up` runs: names, ports, argv, environment.
+
+Building a plan starts nothing: `ferry up --dry-run` prints it, the supervisor runs it. Ports the
+file leaves open are chosen here, distinct from each other and from the file's own, so a child
+keeps its port across restarts and the router's pool URLs stay valid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import socket
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+from ferry.cluster.config import ClusterConfig, PoolSpec
+
+LOOPBACK = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    """One child: ``kind`` is ``redis``, ``worker`` or ``router``; ``env`` is added to ours."""
+
+    name: str
+    kind: str
+    argv: tuple[str, ...]
+    port: int
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        if self.kind == "redis":
+            return f"redis://{LOOPBACK}:{self.port}/0"
+        return f"http://{LOOPBACK}:{self.port}"
+
+    def shell(self) -> str:
+        """The command as one line a user can paste into a shell."""
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
+        cmd = shlex.join(self.argv)
+        return f"{env} {cmd}" if env else cmd
+
+
+@dataclass(frozen=True)
+class ClusterPlan:
+    kv_tier_url: str | None
+    redis: ProcessSpec | None
+    workers: tuple[ProcessSpec, ...]
+    router: ProcessSpec
+    endpoint: str  # where a client on this machine reaches the router
+
+    @property
+    def processes(self) -> tuple[ProcessSpec, ...]:
+        head = (self.redis,) if self.redis is not None else ()
+        return (*head, *self.workers, self.router)
+
+
+@contextlib.contextmanager
+def free_ports() -> Iterator[Callable[[], int]]:
+    """Yield a function returning a free loopback port, distinct from every one it gave before.
+
+    Each port stays bound until the block ends so the kernel cannot hand it out twice.
+    """
+    held: list[socket.socket] = []
+
+    def take() -> int:
+        s = socket.socket()
+        s.bind((LOOPBACK, 0))
+        held.append(s)
+        return s.getsockname()[1]
+
+    try:
+        yield take
+    finally:
+        for s in held:
+            s.close()
+
+
+def available_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def pool_threads(config: ClusterConfig, pool: PoolSpec, cpus: int) -> int:
+    """A pool's threads per worker: as configured, else an even share of this machine's cores."""
+    if pool.threads is not None:
+        return pool.threads
+    return max(1, cpus // max(1, config.num_workers))
+
+
+def build_plan(
+    config: ClusterConfig,
+    python: str = sys.executable,
+    cpus: int | None = None,
+    port_source: Callable[[], int] | None = None,
+) -> ClusterPlan:
+    """Resolve ports, threads and flags. ``port_source`` gives free ports (tests pin it)."""
+    cpus = available_cpus() if cpus is None else cpus
+    reserved = {config.router.port}
+    if config.kv_tier.redis is not None and config.kv_tier.redis.port is not None:
+        reserved.add(config.kv_tier.redis.port)
+    for pool in config.pools:
+        if pool.port is not None:
+            reserved.update(range(pool.port, pool.port + pool.replicas))
+
+    with free_ports() as take:
+        source = port_source or take
+
+        def next_port() -> int:
+            while True:
+                port = source()
+                if port not in reserved:
+                    reserved.add(port)
+                    return port
+
+        redis = None
+        kv_tier_url = config.kv_tier.url
+        if config.kv_tier.redis is not None:
+            spec = config.kv_tier.redis
+            port = spec.port if spec.port is not None else next_port()
+            argv = (
+                spec.binary,
+                "--port", str(port),
+                "--bind", LOOPBACK,
+                # A cache: every block can be recomputed, so nothing is ever written to disk.
+                "--save", "",
+                "--appendonly", "no",
+                "--protected-mode", "no",
+                "--maxmemory", spec.maxmemory,
+                "--maxmemory-policy", spec.maxmemory_policy,
+                *spec.args,
+            )  # fmt: skip
+            redis = ProcessSpec("redis", "redis", argv, port)
+            kv_tier_url = redis.url
+
+        shared_env = {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **config.env}
+        ferry = (python, "-m", "ferry")
+        redis_tier = bool(kv_tier_url) and kv_tier_url.startswith(("redis://", "rediss://"))
+        workers: list[ProcessSpec] = []
+        for pool in config.pools:
+            threads = str(pool_threads(config, pool, cpus))
+            for i in range(pool.replicas):
+                port = pool.port + i if pool.port is not None else next_port()
+                argv = [*ferry, "serve", "--host", LOOPBACK, "--port", str(port), "--role", pool.role,
+                        "--num-threads", threads, "--drain-timeout", _num(config.drain_timeout)]  # fmt: skip
+                if config.model is not None:
+                    argv += ["--model", config.model]
+                if config.served_model_name is not None:
+                    argv += ["--served-model-name", config.served_model_name]
+                if kv_tier_url:
+                    argv += ["--kv-tier", kv_tier_url]
+                if redis_tier and config.router.policy == "cache_aware":
+                    # The router follows block events for exact cache-aware routing.
+                    argv.append("--kv-events")
+                argv += pool.args  # last, so a user's flag wins over ours
+                env = {**shared_env, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, **pool.env}
+                workers.append(ProcessSpec(f"{pool.role}-{i}", "worker", tuple(argv), port, env))
+
+        r = config.router
+        argv = [*ferry, "router", "--host", r.host, "--port", str(r.port), "--policy", r.policy]
+        flag = {"mixed": "--replica", "prefill": "--prefill", "decode": "--decode"}
+        for w in workers:
+            argv += [flag[w.name.rsplit("-", 1)[0]], w.url]
+        if redis_tier:
+            argv += ["--kv-tier", kv_tier_url]
+        if config.model is not None and os.path.isdir(config.model) and r.policy == "cache_aware":
+            argv += ["--model", config.model]  # tokenizer only: exact block hashes
+        argv += r.args
+        router = ProcessSpec("router", "router", tuple(argv), r.port, shared_env)
+
+    host = LOOPBACK if r.host in ("0.0.0.0", "::", "") else r.host
+    endpoint = f"http://[{host}]:{r.port}" if ":" in host else f"http://{host}:{r.port}"
+    return ClusterPlan(kv_tier_url, redis, tuple(workers), router, endpoint)
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)

@@ -1,0 +1,312 @@
+"""Run a ``ClusterPlan``: start in order, wait until healthy, restart crashes, drain and stop.
+
+Life cycle:
+1. Redis (when the plan has one) first, so no worker starts against a tier that is not there;
+   then the workers and the router together. A child that exits before it has ever been healthy
+   fails the start (a wrong flag should not loop), as does ``startup_timeout``.
+2. Once everything answers, print the endpoint; from then on a child that exits is started again
+   on the same port after an exponential back-off (``restart``), like a Kubernetes pod's
+   CrashLoopBackOff; the router meanwhile sends requests to the healthy workers.
+3. SIGTERM or Ctrl-C: SIGTERM to the router and workers (they finish in-flight requests for up to
+   ``drain_timeout``), SIGKILL to what is left after it, then Redis. A second signal skips the
+   drain. Every child runs in its own process group, which is what gets signalled.
+
+All of it runs on the main thread (see ``child.py`` for why); log lines arrive on one thread per
+child.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+
+from ferry.cluster.child import Child, LogSink
+from ferry.cluster.config import ClusterConfig
+from ferry.cluster.plan import LOOPBACK, ClusterPlan
+
+TICK = 0.1  # seconds between looks at the children
+PROBE_INTERVAL = 0.5  # seconds between health probes of a child that is not healthy yet
+KILL_GRACE = 10.0  # seconds after drain_timeout before SIGKILL (a worker aborts, then exits)
+REDIS_STOP_TIMEOUT = 5.0
+
+
+class StartupFailed(RuntimeError):
+    pass
+
+
+class Supervisor:
+    def __init__(
+        self, config: ClusterConfig, plan: ClusterPlan, sink: LogSink, state_file: Path | None = None
+    ) -> None:
+        self.config = config
+        self.plan = plan
+        self.sink = sink
+        self.state_file = state_file
+        self.redis = Child(plan.redis, sink) if plan.redis is not None else None
+        self.servers = [Child(spec, sink) for spec in (*plan.workers, plan.router)]
+        self.children = ([self.redis] if self.redis else []) + self.servers
+        self.signals = 0
+        self.ready = False  # everything was healthy once and the endpoint is announced
+        self._last_probe: dict[str, float] = {}
+
+    def say(self, text: str) -> None:
+        self.sink.line("up", text)
+
+    # ---- entry point ----------------------------------------------------------------------------
+    def run(self) -> int:
+        """Run until a signal; 0 after a clean stop, 1 if the cluster could not start."""
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            try:
+                started = self._start_all()
+            except StartupFailed as e:
+                self.say(f"error: {e}")
+                return 1
+            if started:
+                self._announce()
+                self._watch()
+            return 0
+        finally:
+            self._stop_all()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            if self.state_file is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    self.state_file.unlink()
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.signals += 1
+        if self.signals == 1:
+            self.say(f"{signal.Signals(signum).name}: draining (a second signal stops at once)")
+
+    # ---- start ----------------------------------------------------------------------------------
+    def _start_all(self) -> bool:
+        """Start everything and wait until healthy. False when a signal interrupted the start."""
+        deadline = time.monotonic() + self.config.startup_timeout
+        if self.redis is not None:
+            self._spawn(self.redis)
+            if not self._wait_healthy([self.redis], deadline):
+                return False
+        for child in self.servers:
+            self._spawn(child)
+        if not self._wait_healthy(self.servers, deadline):
+            return False
+        # The router probes a starting worker with back-off: ready means it routes to all of them,
+        # so that the first worker to fail is not the only one the router knows about.
+        return self._wait_until(self._router_sees_all, deadline, "the router to see every worker")
+
+    def _wait_healthy(self, children: list[Child], deadline: float) -> bool:
+        waiting = list(children)
+
+        def all_healthy() -> bool:
+            waiting[:] = [c for c in waiting if not self._probe(c)]
+            return not waiting
+
+        return self._wait_until(all_healthy, deadline, lambda: ", ".join(c.name for c in waiting))
+
+    def _wait_until(self, done: Callable[[], bool], deadline: float, what: str | Callable[[], str]) -> bool:
+        """Poll ``done`` until true; False on a signal. A child that exits or the deadline fails."""
+        while not self.signals:
+            for child in self.children:
+                code = child.exit_code()
+                if code is not None:
+                    raise StartupFailed(
+                        f"{child.name} exited with {_status(code)} before the cluster was ready"
+                        f" (its output is above, prefixed [{child.name}]): {child.spec.shell()}"
+                    )
+            if done():
+                return True
+            if time.monotonic() > deadline:
+                waiting_for = what() if callable(what) else what
+                raise StartupFailed(
+                    f"not ready after startup_timeout ({self.config.startup_timeout:g} s), waiting for"
+                    f" {waiting_for}"
+                )
+            time.sleep(TICK)
+        return False
+
+    def _router_sees_all(self) -> bool:
+        """Every worker is routable in the router's ``/admin/replicas`` (or, where that API is
+        closed to us, the router's ``/health`` answers 200)."""
+        now = time.monotonic()
+        if now - self._last_probe.get("router-view", 0.0) < PROBE_INTERVAL:
+            return False
+        self._last_probe["router-view"] = now
+        status, body = _get(self.plan.router.port, "/admin/replicas", self._router_headers())
+        if status != 200:
+            return _get(self.plan.router.port, "/health", {})[0] == 200
+        try:
+            routable = {r["url"] for r in json.loads(body)["replicas"] if r.get("routable")}
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return False
+        return all(w.url in routable for w in self.plan.workers)
+
+    def _router_headers(self) -> dict[str, str]:
+        key = _flag_value(self.plan.router.argv, "--api-key")
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    def _spawn(self, child: Child) -> None:
+        child.start()
+        self.say(f"started {child.name} (pid {child.pid}) on {child.spec.url}")
+        self._write_state()
+
+    def _probe(self, child: Child) -> bool:
+        now = time.monotonic()
+        if now - self._last_probe.get(child.name, 0.0) < PROBE_INTERVAL:
+            return False
+        self._last_probe[child.name] = now
+        if not child.probe():
+            return False
+        child.healthy_since = time.monotonic()
+        child.ever_healthy = True
+        return True
+
+    # ---- run ------------------------------------------------------------------------------------
+    def _announce(self) -> None:
+        counts = ", ".join(f"{p.replicas} {p.role}" for p in self.config.pools if p.replicas)
+        tier = self.plan.kv_tier_url or "none"
+        self.ready = True
+        self._write_state()  # before the ready line: whoever sees the line finds the file
+        self.say(f"ready: {self.plan.endpoint} (router; {counts}; KV tier {tier})")
+        model = self._served_model() or "MODEL"
+        url = self.plan.endpoint
+        body = json.dumps(
+            {"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}
+        )
+        self.say("try it:")
+        self.say(f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'")
+        self.say(
+            f"  python -c \"from openai import OpenAI; c = OpenAI(base_url='{url}/v1', api_key='none');"
+            f" print(c.chat.completions.create(model='{model}', messages=[{{'role': 'user',"
+            f" 'content': 'Hello!'}}], max_tokens=32).choices[0].message.content)\""
+        )
+        self.say("Ctrl-C (or SIGTERM) drains and stops everything.")
+
+    def _served_model(self) -> str | None:
+        status, body = _get(self.plan.router.port, "/v1/models", self._router_headers())
+        try:
+            models = json.loads(body)["data"] if status == 200 else []
+            return models[0]["id"] if models else None
+        except (ValueError, KeyError, TypeError, IndexError):
+            return None
+
+    def _watch(self) -> None:
+        backoff = self.config.restart
+        while not self.signals:
+            now = time.monotonic()
+            for child in self.children:
+                if child.running:
+                    if child.healthy_since is None:
+                        if self._probe(child):
+                            self.say(f"{child.name} is healthy again (pid {child.pid})")
+                            self._write_state()
+                    elif child.crashes and now - child.healthy_since > backoff.reset_after:
+                        child.crashes = 0
+                elif child.restart_at is None:
+                    code = child.exit_code()
+                    child.signal_group(signal.SIGKILL)  # anything it started goes with it
+                    child.crashes += 1
+                    delay = min(backoff.max_delay, backoff.initial_delay * 2 ** (child.crashes - 1))
+                    child.restart_at = now + delay
+                    self.say(
+                        f"{child.name} (pid {child.pid}) exited with {_status(code)}; restarting in {delay:g} s"
+                    )
+                elif now >= child.restart_at:
+                    child.restart_at = None
+                    child.restarts += 1
+                    self._spawn(child)
+            time.sleep(TICK)
+
+    # ---- stop -----------------------------------------------------------------------------------
+    def _stop_all(self) -> None:
+        drain = self.config.drain_timeout
+        self._stop(self.servers, drain + KILL_GRACE, f"stopping router and workers (drain up to {drain:g} s)")
+        if self.redis is not None:
+            self._stop([self.redis], REDIS_STOP_TIMEOUT, "stopping redis")
+        for child in self.children:
+            child.join_logs(2.0)
+        self.say("stopped")
+
+    def _stop(self, children: list[Child], timeout: float, message: str) -> None:
+        running = [c for c in children if c.running]
+        if not running:
+            return
+        self.say(message)
+        signals_before = self.signals
+        for child in running:
+            child.signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while any(c.running for c in running):
+            # A signal that arrives during the stop means "now" (the first one started it).
+            if time.monotonic() > deadline or self.signals > signals_before:
+                break
+            time.sleep(TICK)
+        for child in running:
+            if child.running:
+                self.say(f"{child.name} (pid {child.pid}) did not stop: SIGKILL")
+            # Also reaps leftovers in its group (a child's own children).
+            child.signal_group(signal.SIGKILL)
+            child.wait(5.0)
+
+    def _write_state(self) -> None:
+        if self.state_file is None:
+            return
+        state = {
+            "pid": os.getpid(),
+            "ready": self.ready,
+            "endpoint": self.plan.endpoint,
+            "kv_tier": self.plan.kv_tier_url,
+            "processes": [
+                {
+                    "name": c.name,
+                    "kind": c.spec.kind,
+                    "pid": c.pid,
+                    "pids": c.pids,
+                    "url": c.spec.url,
+                    "restarts": c.restarts,
+                    "argv": list(c.spec.argv),
+                }
+                for c in self.children
+            ],
+        }
+        tmp = self.state_file.with_name(self.state_file.name + ".tmp")
+        tmp.write_text(json.dumps(state, indent=2) + "\n")
+        os.replace(tmp, self.state_file)  # readers never see half a file
+
+
+def _get(port: int, path: str, headers: dict[str, str]) -> tuple[int, bytes]:
+    """GET on loopback: (status, body), or (0, b"") when nothing answers."""
+    conn = http.client.HTTPConnection(LOOPBACK, port, timeout=2.0)
+    try:
+        conn.request("GET", path, headers=headers)
+        response = conn.getresponse()
+        return response.status, response.read()
+    except (OSError, http.client.HTTPException):
+        return 0, b""
+    finally:
+        conn.close()
+
+
+def _flag_value(argv: tuple[str, ...], flag: str) -> str | None:
+    """The value of the last ``flag V`` or ``flag=V`` in ``argv`` (argparse: the last one wins)."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def _status(code: int | None) -> str:
+    if code is not None and code < 0:
+        with contextlib.suppress(ValueError):
+            return f"signal {signal.Signals(-code).name}"
+    return f"exit code {code}"
