@@ -258,6 +258,11 @@ class UsageInfo(_Response):
 
 
 class KVTransferResult(_Response):
+    """The producer's answer; extra keys the engine's KV connector reports (``tier_blocks``,
+    ``tier_write_complete``…) pass through to the router."""
+
+    model_config = ConfigDict(extra="allow")
+
     block_hashes: list[str]
     num_cached_tokens: int
 

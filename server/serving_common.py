@@ -53,9 +53,11 @@ def kv_transfer_result(state: ServerState, out: RequestOutput) -> KVTransferResu
     """
     reported = out.kv_transfer
     if reported and "block_hashes" in reported:
+        extra = {k: v for k, v in reported.items() if k not in ("block_hashes", "num_cached_tokens")}
         return KVTransferResult(
             block_hashes=list(reported["block_hashes"]),
             num_cached_tokens=int(reported.get("num_cached_tokens", out.num_cached_tokens)),
+            **extra,
         )
     return KVTransferResult(
         block_hashes=to_hex(block_hashes(out.prompt_token_ids, state.block_size)),
