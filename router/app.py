@@ -24,6 +24,7 @@ from router.admission import Admission
 from router.config import RouterConfig
 from router.discovery import make_discovery
 from router.discovery_sync import DiscoverySync
+from router.generation import Generation
 from router.health import HealthChecker, model_list
 from router.http import (
     BodyTooLarge,
@@ -45,7 +46,7 @@ from router.policies import RouteRequest, make_policy
 from router.policies.cache_aware import CacheAware
 from router.pool import Pool, Replicas
 from router.prompt_keys import PromptKeyer, make_keyer
-from router.relay import ProxyCall, Relay
+from router.relay import ProxyCall
 from router.replica import HealthPolicy, Replica
 from router.retry import RetryPolicy
 from router.upstream import UpstreamClient
@@ -85,7 +86,7 @@ class RouterApp:
         # Probes and /v1/models get a client of their own: short timeouts, never queued behind traffic.
         self.client = UpstreamClient(config.health_timeout, config.health_timeout, max_idle_per_origin=4)
         self.upstream = UpstreamClient(config.connect_timeout, config.request_timeout)
-        self.relay = Relay(
+        self.relay = Generation(
             self.upstream,
             self.policy,
             self.metrics,

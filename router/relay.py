@@ -1,4 +1,4 @@
-"""Send a request to a replica and relay the answer, with retries and mid-stream failover.
+"""Send a request to a replica and relay the answer, with retries before the first byte.
 
 ``Relay`` is the part every orchestration shares (plain routing today, prefill→decode later):
 
@@ -6,11 +6,8 @@
   connections before the response head and 429/502/503/504 answers, re-send to a *different*
   replica with jittered backoff, as long as no byte has reached the client.
 * ``forward``: relay any answer byte for byte as it arrives (non-generation routes).
-* ``generate``: completions and chat. A non-streamed answer is read whole before the client sees
-  it, so a replica dying mid-answer is one more retry. A stream is relayed event by event; when
-  its replica dies part-way, the request is re-sent to another replica with
-  ``resume.token_ids`` = the completion tokens already sent, and the new replica's chunks are
-  spliced in (``router/sse.py``), so the client sees one unbroken stream.
+* generation (completions and chat, with whole-answer retries and mid-stream failover) builds on
+  these in ``router/generation.py``.
 
 The relay owns the load counters of the replicas it uses: every ``acquire`` is paired with one
 ``release`` in a ``finally``, including when the client disconnects (the task is cancelled and
@@ -20,23 +17,21 @@ the upstream connection closed, which makes the replica abort the request).
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.http import RESPONSE_DROP, Send, error_body, send_bytes, send_error
+from router.http import RESPONSE_DROP, Send, error_body, send_bytes
 from router.metrics import RouterMetrics
 from router.policies.base import Policy, RouteRequest
 from router.pool import Pool
 from router.replica import Replica
 from router.retry import RetryPolicy, counts_as_replica_failure
-from router.sse import SSESplitter, StreamTracker
 from router.upstream import ConnectError, Response, UpstreamClient, UpstreamError, UpstreamTimeout
 
-_TRANSPORT_ERRORS = (UpstreamError,)
+TRANSPORT_ERRORS = (UpstreamError,)
 BodyFor = Callable[[Replica], tuple[bytes, bool]]
 CLIENT_GONE = 499  # nginx's code for "client closed the request"
 
@@ -126,7 +121,7 @@ class Relay:
                             self.metrics.cache_hit_tokens.inc(call.route.predicted_hit_tokens)
                         return Opened(replica, result, tokens, router_logprobs)
                     content = await _read_quietly(result)
-                    last = Failed(status, content, _response_headers(result))
+                    last = Failed(status, content, response_headers(result))
                     if counts_as_replica_failure(status):
                         replica.on_request_failure(self.clock())
                 else:
@@ -183,7 +178,7 @@ class Relay:
         """Any route: relay the answer as it arrives, byte for byte."""
         opened = await self.open(pool, call, call.body, set(), [0])
         if isinstance(opened, Failed):
-            await send_bytes(send, opened.status, opened.body, _with_id(opened.headers, call))
+            await send_bytes(send, opened.status, opened.body, with_request_id(opened.headers, call))
             return
         ok = False
         status = CLIENT_GONE  # until the answer starts
@@ -193,7 +188,7 @@ class Relay:
                 {
                     "type": "http.response.start",
                     "status": response.status_code,
-                    "headers": _with_id(_response_headers(response), call),
+                    "headers": with_request_id(response_headers(response), call),
                 }
             )
             status = response.status_code
@@ -201,7 +196,7 @@ class Relay:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b""})
             ok = True
-        except _TRANSPORT_ERRORS:
+        except TRANSPORT_ERRORS:
             await send({"type": "http.response.body", "body": b""})
         except asyncio.CancelledError:
             status = CLIENT_GONE
@@ -212,171 +207,6 @@ class Relay:
             self.metrics.latency.observe(time.perf_counter() - call.started)
 
     # ---- generation ---------------------------------------------------------------------------
-    async def generate(self, pool: Pool, call: ProxyCall, send: Send) -> None:
-        body = call.json or {}
-        if body.get("stream"):
-            await self._generate_stream(pool, call, body, send)
-        else:
-            await self._generate_whole(pool, call, send)
-        self.metrics.latency.observe(time.perf_counter() - call.started)
-
-    async def _generate_whole(self, pool: Pool, call: ProxyCall, send: Send) -> None:
-        tried: set[str] = set()
-        attempt = [0]
-        while True:
-            opened = await self.open(pool, call, call.body, tried, attempt)
-            if isinstance(opened, Failed):
-                await send_bytes(send, opened.status, opened.body, _with_id(opened.headers, call))
-                return
-            content = None
-            try:
-                content = await opened.response.aread()
-            except _TRANSPORT_ERRORS:
-                self.finish(opened, False)
-            finally:
-                await opened.response.aclose()
-                if content is None:
-                    self.finish(opened, False, CLIENT_GONE)  # no-op unless the client left mid-read
-            if content is None:
-                tried.add(opened.replica.url)
-                if not self.retry.can_retry(attempt[0]):
-                    await send_error(send, 502, "replica failed while answering", _with_id([], call))
-                    return
-                attempt[0] += 1
-                self.metrics.retries.inc()
-                continue
-            self.finish(opened, True)
-            headers = _with_id(_response_headers(opened.response), call)
-            await send_bytes(
-                send,
-                opened.response.status_code,
-                content,
-                headers,
-                content_type=opened.response.headers.get("content-type", "application/json").encode(),
-            )
-            return
-
-    async def _generate_stream(self, pool: Pool, call: ProxyCall, body: dict, send: Send) -> None:
-        chat = call.path.endswith("/chat/completions")
-        wants_ids = bool(body.get("return_token_ids"))
-        client_logprobs = bool(body.get("logprobs")) if chat else body.get("logprobs") is not None
-        # One sequence whose streamed text is all completion: echo would mix prompt tokens in.
-        can_resume = self.max_failovers > 0 and body.get("n") in (None, 1) and not body.get("echo")
-
-        def payload(replica: Replica, base: dict = body) -> tuple[bytes, bool]:
-            if not can_resume:
-                return json.dumps(base).encode(), False
-            extra: dict[str, Any] = {"return_token_ids": True}
-            router_logprobs = not replica.emits_token_ids and not client_logprobs
-            if router_logprobs:  # until this replica shows it honours return_token_ids
-                extra.update(logprobs=True if chat else 0, return_tokens_as_token_ids=True)
-            return json.dumps({**base, **extra}).encode(), router_logprobs
-
-        tracker = StreamTracker(
-            chat=chat,
-            client_wants_token_ids=wants_ids,
-            client_ids_in_logprobs=client_logprobs and bool(body.get("return_tokens_as_token_ids")),
-        )
-        tried: set[str] = set()
-        opened: Opened | Failed | None = None
-        try:
-            opened = await self.open(pool, call, payload if can_resume else call.body, tried, [0])
-            if isinstance(opened, Failed):
-                await send_bytes(send, opened.status, opened.body, _with_id(opened.headers, call))
-                return
-            response = opened.response
-            if response.status_code != 200 or not response.headers.get("content-type", "").startswith(
-                "text/event-stream"
-            ):
-                await self._send_whole(opened, call, send)
-                return
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 200,
-                    "headers": _with_id(_response_headers(response), call),
-                }
-            )
-            while True:
-                ok = await self._pump(opened, tracker, call, send)
-                if ok or tracker.done:
-                    break
-                tried.add(opened.replica.url)
-                opened.replica.next_probe_at = self.clock()  # let the prober confirm the death at once
-                if tracker.finished:
-                    await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": True})
-                    break
-                if not (can_resume and tracker.ids_complete and tracker.failovers < self.max_failovers):
-                    await _send_stream_error(
-                        send, "the replica serving this stream failed and it cannot be resumed"
-                    )
-                    break
-                tracker.begin_failover()
-                self.metrics.failovers.inc()
-                resumed = tracker.resume_body(body)
-                opened = await self.open(pool, call, lambda r, b=resumed: payload(r, b), tried, [0])
-                if isinstance(opened, Failed) or opened.response.status_code != 200:
-                    await _send_stream_error(
-                        send, "the replica serving this stream failed and no replica could resume it"
-                    )
-                    break
-            await send({"type": "http.response.body", "body": b""})
-        finally:
-            if isinstance(opened, Opened) and not opened.finished:
-                await opened.response.aclose()
-                self.finish(opened, False, CLIENT_GONE)
-
-    async def _send_whole(self, opened: Opened, call: ProxyCall, send: Send) -> None:
-        """A non-stream answer (or an error answer to a stream request): read it, then send it."""
-        response = opened.response
-        try:
-            content = await response.aread()
-        except _TRANSPORT_ERRORS:
-            self.finish(opened, False)
-            await send_error(send, 502, "replica failed while answering", _with_id([], call))
-            return
-        finally:
-            await response.aclose()
-        self.finish(opened, True)
-        await send_bytes(
-            send,
-            response.status_code,
-            content,
-            _with_id(_response_headers(response), call),
-            content_type=response.headers.get("content-type", "application/json").encode(),
-        )
-
-    async def _pump(self, opened: Opened, tracker: StreamTracker, call: ProxyCall, send: Send) -> bool:
-        """Relay one replica's events; True when its stream ended normally."""
-        splitter = SSESplitter()
-        tracker.router_logprobs = opened.router_logprobs
-        ok = False
-        gone: int | None = None
-        try:
-            async for chunk in opened.response.aiter_raw():
-                out = []
-                for event in splitter.feed(chunk):
-                    had_content = tracker.sent_content
-                    relayed = tracker.process(event)
-                    if relayed is not None:
-                        out.append(relayed)
-                        out.append(b"\n\n")
-                    if not had_content and tracker.sent_content:
-                        self.metrics.ttft.observe(time.perf_counter() - call.started)
-                if out:
-                    await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
-            ok = tracker.done or tracker.finished
-            return ok
-        except _TRANSPORT_ERRORS:
-            return False
-        except asyncio.CancelledError:
-            gone = CLIENT_GONE
-            raise
-        finally:
-            await opened.response.aclose()
-            self.finish(opened, ok, 200 if ok else gone)
-            if tracker.saw_token_ids_field:
-                opened.replica.emits_token_ids = True
 
 
 def _no_replica(pool: Pool, now: float) -> Failed:
@@ -391,20 +221,15 @@ def _no_replica(pool: Pool, now: float) -> Failed:
 async def _read_quietly(response: Response) -> bytes:
     try:
         return await response.aread()
-    except _TRANSPORT_ERRORS:
+    except TRANSPORT_ERRORS:
         return b""
     finally:
         await response.aclose()
 
 
-def _response_headers(response: Response) -> list[tuple[bytes, bytes]]:
+def response_headers(response: Response) -> list[tuple[bytes, bytes]]:
     return [(k, v) for k, v in response.headers.raw if k not in RESPONSE_DROP]  # names are lower case
 
 
-def _with_id(headers: list[tuple[bytes, bytes]], call: ProxyCall) -> list[tuple[bytes, bytes]]:
+def with_request_id(headers: list[tuple[bytes, bytes]], call: ProxyCall) -> list[tuple[bytes, bytes]]:
     return [*headers, (b"x-request-id", call.request_id.encode())]
-
-
-async def _send_stream_error(send: Send, message: str) -> None:
-    event = b"data: " + error_body(message, "upstream_error", 502) + b"\n\ndata: [DONE]\n\n"
-    await send({"type": "http.response.body", "body": event, "more_body": True})

@@ -1,0 +1,205 @@
+"""Completions and chat through the relay: whole answers with retries, streams with failover.
+
+A non-streamed answer is read whole before the client sees it, so a replica dying mid-answer is
+one more retry. A stream is relayed event by event; when its replica dies part-way, the request
+is re-sent to another replica with ``resume.token_ids`` = the completion tokens already sent, and
+the new replica's chunks are spliced in (``router/sse.py``), so the client sees one unbroken
+stream. Prefill/decode orchestration can reuse ``Generation.pump`` the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+from router.http import Send, error_body, send_bytes, send_error
+from router.pool import Pool
+from router.relay import (
+    CLIENT_GONE,
+    TRANSPORT_ERRORS,
+    Failed,
+    Opened,
+    ProxyCall,
+    Relay,
+    response_headers,
+    with_request_id,
+)
+from router.replica import Replica
+from router.sse import SSESplitter, StreamTracker
+
+
+class Generation(Relay):
+    """The relay plus the generation routes (``/v1/completions``, ``/v1/chat/completions``)."""
+
+    async def generate(self, pool: Pool, call: ProxyCall, send: Send) -> None:
+        body = call.json or {}
+        if body.get("stream"):
+            await self._generate_stream(pool, call, body, send)
+        else:
+            await self._generate_whole(pool, call, send)
+        self.metrics.latency.observe(time.perf_counter() - call.started)
+
+    async def _generate_whole(self, pool: Pool, call: ProxyCall, send: Send) -> None:
+        tried: set[str] = set()
+        attempt = [0]
+        while True:
+            opened = await self.open(pool, call, call.body, tried, attempt)
+            if isinstance(opened, Failed):
+                await send_bytes(send, opened.status, opened.body, with_request_id(opened.headers, call))
+                return
+            content = None
+            try:
+                content = await opened.response.aread()
+            except TRANSPORT_ERRORS:
+                self.finish(opened, False)
+            finally:
+                await opened.response.aclose()
+                if content is None:
+                    self.finish(opened, False, CLIENT_GONE)  # no-op unless the client left mid-read
+            if content is None:
+                tried.add(opened.replica.url)
+                if not self.retry.can_retry(attempt[0]):
+                    await send_error(send, 502, "replica failed while answering", with_request_id([], call))
+                    return
+                attempt[0] += 1
+                self.metrics.retries.inc()
+                continue
+            self.finish(opened, True)
+            headers = with_request_id(response_headers(opened.response), call)
+            await send_bytes(
+                send,
+                opened.response.status_code,
+                content,
+                headers,
+                content_type=opened.response.headers.get("content-type", "application/json").encode(),
+            )
+            return
+
+    async def _generate_stream(self, pool: Pool, call: ProxyCall, body: dict, send: Send) -> None:
+        chat = call.path.endswith("/chat/completions")
+        wants_ids = bool(body.get("return_token_ids"))
+        client_logprobs = bool(body.get("logprobs")) if chat else body.get("logprobs") is not None
+        # One sequence whose streamed text is all completion: echo would mix prompt tokens in.
+        can_resume = self.max_failovers > 0 and body.get("n") in (None, 1) and not body.get("echo")
+
+        def payload(replica: Replica, base: dict = body) -> tuple[bytes, bool]:
+            if not can_resume:
+                return json.dumps(base).encode(), False
+            extra: dict[str, Any] = {"return_token_ids": True}
+            router_logprobs = not replica.emits_token_ids and not client_logprobs
+            if router_logprobs:  # until this replica shows it honours return_token_ids
+                extra.update(logprobs=True if chat else 0, return_tokens_as_token_ids=True)
+            return json.dumps({**base, **extra}).encode(), router_logprobs
+
+        tracker = StreamTracker(
+            chat=chat,
+            client_wants_token_ids=wants_ids,
+            client_ids_in_logprobs=client_logprobs and bool(body.get("return_tokens_as_token_ids")),
+        )
+        tried: set[str] = set()
+        opened: Opened | Failed | None = None
+        try:
+            opened = await self.open(pool, call, payload if can_resume else call.body, tried, [0])
+            if isinstance(opened, Failed):
+                await send_bytes(send, opened.status, opened.body, with_request_id(opened.headers, call))
+                return
+            response = opened.response
+            if response.status_code != 200 or not response.headers.get("content-type", "").startswith(
+                "text/event-stream"
+            ):
+                await self.send_whole(opened, call, send)
+                return
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": with_request_id(response_headers(response), call),
+                }
+            )
+            while True:
+                ok = await self.pump(opened, tracker, call, send)
+                if ok or tracker.done:
+                    break
+                tried.add(opened.replica.url)
+                opened.replica.next_probe_at = self.clock()  # let the prober confirm the death at once
+                if tracker.finished:
+                    await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": True})
+                    break
+                if not (can_resume and tracker.ids_complete and tracker.failovers < self.max_failovers):
+                    await _send_stream_error(
+                        send, "the replica serving this stream failed and it cannot be resumed"
+                    )
+                    break
+                tracker.begin_failover()
+                self.metrics.failovers.inc()
+                resumed = tracker.resume_body(body)
+                opened = await self.open(pool, call, lambda r, b=resumed: payload(r, b), tried, [0])
+                if isinstance(opened, Failed) or opened.response.status_code != 200:
+                    await _send_stream_error(
+                        send, "the replica serving this stream failed and no replica could resume it"
+                    )
+                    break
+            await send({"type": "http.response.body", "body": b""})
+        finally:
+            if isinstance(opened, Opened) and not opened.finished:
+                await opened.response.aclose()
+                self.finish(opened, False, CLIENT_GONE)
+
+    async def send_whole(self, opened: Opened, call: ProxyCall, send: Send) -> None:
+        """A non-stream answer (or an error answer to a stream request): read it, then send it."""
+        response = opened.response
+        try:
+            content = await response.aread()
+        except TRANSPORT_ERRORS:
+            self.finish(opened, False)
+            await send_error(send, 502, "replica failed while answering", with_request_id([], call))
+            return
+        finally:
+            await response.aclose()
+        self.finish(opened, True)
+        await send_bytes(
+            send,
+            response.status_code,
+            content,
+            with_request_id(response_headers(response), call),
+            content_type=response.headers.get("content-type", "application/json").encode(),
+        )
+
+    async def pump(self, opened: Opened, tracker: StreamTracker, call: ProxyCall, send: Send) -> bool:
+        """Relay one replica's events; True when its stream ended normally."""
+        splitter = SSESplitter()
+        tracker.router_logprobs = opened.router_logprobs
+        ok = False
+        gone: int | None = None
+        try:
+            async for chunk in opened.response.aiter_raw():
+                out = []
+                for event in splitter.feed(chunk):
+                    had_content = tracker.sent_content
+                    relayed = tracker.process(event)
+                    if relayed is not None:
+                        out.append(relayed)
+                        out.append(b"\n\n")
+                    if not had_content and tracker.sent_content:
+                        self.metrics.ttft.observe(time.perf_counter() - call.started)
+                if out:
+                    await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
+            ok = tracker.done or tracker.finished
+            return ok
+        except TRANSPORT_ERRORS:
+            return False
+        except asyncio.CancelledError:
+            gone = CLIENT_GONE
+            raise
+        finally:
+            await opened.response.aclose()
+            self.finish(opened, ok, 200 if ok else gone)
+            if tracker.saw_token_ids_field:
+                opened.replica.emits_token_ids = True
+
+
+async def _send_stream_error(send: Send, message: str) -> None:
+    event = b"data: " + error_body(message, "upstream_error", 502) + b"\n\ndata: [DONE]\n\n"
+    await send({"type": "http.response.body", "body": event, "more_body": True})
