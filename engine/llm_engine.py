@@ -30,7 +30,6 @@ from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import Request, RequestStatus
 from engine.stats import EngineStats, ModelInfo
 from engine.tokenizer import Tokenizer
-from kvcache.keys import to_hex
 
 LogitsObserver = Callable[[list[str], torch.Tensor], None]
 
@@ -221,9 +220,6 @@ class LLMEngine:
             num_free_blocks=bm.num_free_blocks,
             num_total_blocks=bm.num_blocks,
         )
-
-    def prompt_block_hashes(self, req: Request) -> list[str]:
-        return to_hex(req.full_block_hashes()[: req.num_prompt_tokens // self.config.block_size])
 
 
 def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:

@@ -9,6 +9,7 @@ known tokens) and, when a request asks for prompt logprobs, for its prompt rows.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -47,16 +48,18 @@ def resolve_device(name: str) -> torch.device:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_dir, model_config: ModelConfig) -> None:  # noqa: ANN001
+    def __init__(self, config: EngineConfig, model_dir: Path, model_config: ModelConfig) -> None:
         self.config = config
         self.model_config = cfg = model_config
         self.device = resolve_device(config.device)
         if config.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
         self.dtype = resolve_dtype(config.dtype, cfg.checkpoint_dtype, self.device)
-        self.max_model_len = min(
-            config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
-        )
+        limit = cfg.max_position_embeddings
+        if cfg.sliding_window is not None:
+            # Attention here is full-context; within the window that is exactly the model's.
+            limit = min(limit, cfg.sliding_window)
+        self.max_model_len = min(config.max_model_len or limit, limit)
         self.block_size = config.block_size
         self.weights_id = weights_id(model_dir)
         self.model_fingerprint = model_fingerprint(

@@ -27,6 +27,7 @@ class ModelConfig:
     attention_bias: bool
     checkpoint_dtype: str  # float32 | bfloat16 | float16
     eos_token_ids: tuple[int, ...]
+    sliding_window: int | None = None  # attention window (Mistral); None: full attention
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -60,6 +61,11 @@ class ModelConfig:
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
         dtype = str(raw.get("dtype") or raw.get("torch_dtype") or "float32").replace("torch.", "")
+        if raw.get("mlp_bias"):
+            raise ValueError("MLP biases (mlp_bias=true) are not supported")
+        window = raw.get("sliding_window")
+        if model_type == "qwen2" and not raw.get("use_sliding_window", False):
+            window = None  # Qwen2 configs carry a window size but only use it when told to
         return cls(
             architecture=archs[0],
             model_type=model_type,
@@ -78,4 +84,5 @@ class ModelConfig:
             attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
             checkpoint_dtype=dtype,
             eos_token_ids=eos_ids,
+            sliding_window=int(window) if window else None,
         )

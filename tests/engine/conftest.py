@@ -4,19 +4,10 @@ from __future__ import annotations
 
 import functools
 import random
-import sys
 from pathlib import Path
 
-# tests/ is on sys.path (rootdir conftest) and the editable install's finder runs after the path
-# finder, so "engine" would resolve to the namespace package tests/engine. Put the repo first.
-_ROOT = str(Path(__file__).resolve().parents[2])
-if sys.path[0] != _ROOT:
-    sys.path.insert(0, _ROOT)
-if getattr(sys.modules.get("engine"), "__file__", "") is None:
-    del sys.modules["engine"]
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 PROMPT_LENGTHS = [1, 2, 5, 16, 17, 31, 64, 100, 160, 200]
 

@@ -116,3 +116,20 @@ def test_demo_model_when_model_is_none(monkeypatch, tmp_path) -> None:
     assert str(llm.engine.model_dir).startswith(str(tmp_path))
     out = llm.generate("hello", SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 3
+
+
+def test_sliding_window_caps_max_model_len_and_mlp_bias_is_refused(tiny_llama, tmp_path) -> None:
+    windowed = _copy(
+        tiny_llama,
+        tmp_path / "w",
+        architectures=["MistralForCausalLM"],
+        model_type="mistral",
+        sliding_window=256,
+    )
+    assert LLM(str(windowed), num_kv_blocks=8).engine.max_model_len == 256
+    qwen_like = ModelConfig.from_dict(
+        {**BASE, "model_type": "qwen2", "sliding_window": 64, "use_sliding_window": False}
+    )
+    assert qwen_like.sliding_window is None
+    with pytest.raises(ValueError, match="mlp_bias"):
+        ModelConfig.from_dict({**BASE, "mlp_bias": True})
