@@ -118,13 +118,15 @@ class Child:
         return self.proc is not None and self.proc.poll() is None
 
     def probe(self, timeout: float = 1.0) -> bool:
-        """``GET /health`` answers 200 (a ferry process), or PING answers PONG (Redis)."""
+        """A worker's ``GET /health`` answers 200; Redis answers PING with PONG; the router answers
+        HTTP at all (its /health also depends on the workers: the supervisor judges that part)."""
         if self.spec.kind == "redis":
             return _redis_ping(self.spec.port, timeout)
         conn = http.client.HTTPConnection(LOOPBACK, self.spec.port, timeout=timeout)
         try:
             conn.request("GET", "/health")
-            return conn.getresponse().status == 200
+            status = conn.getresponse().status
+            return status == 200 or self.spec.kind == "router"
         except (OSError, http.client.HTTPException):
             return False
         finally:

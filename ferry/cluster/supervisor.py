@@ -28,13 +28,14 @@ from pathlib import Path
 from types import FrameType
 
 from ferry.cluster.child import Child, LogSink
-from ferry.cluster.config import ClusterConfig
+from ferry.cluster.config import ClusterConfig, RestartSpec
 from ferry.cluster.plan import LOOPBACK, ClusterPlan
 
 TICK = 0.1  # seconds between looks at the children
 PROBE_INTERVAL = 0.5  # seconds between health probes of a child that is not healthy yet
 KILL_GRACE = 10.0  # seconds after drain_timeout before SIGKILL (a worker aborts, then exits)
 REDIS_STOP_TIMEOUT = 5.0
+ROUTER_UNREADY_LIMIT = 15.0  # seconds the router may stay unhealthy once it routes to every worker
 
 
 class StartupFailed(RuntimeError):
@@ -133,20 +134,33 @@ class Supervisor:
         return False
 
     def _router_sees_all(self) -> bool:
-        """Every worker is routable in the router's ``/admin/replicas`` (or, where that API is
-        closed to us, the router's ``/health`` answers 200)."""
+        """The router's ``/health`` answers 200 and every worker is routable in its
+        ``/admin/replicas`` (where that API is closed to us, ``/health`` alone decides)."""
         now = time.monotonic()
         if now - self._last_probe.get("router-view", 0.0) < PROBE_INTERVAL:
             return False
         self._last_probe["router-view"] = now
+        health, health_body = _get(self.plan.router.port, "/health", {})
         status, body = _get(self.plan.router.port, "/admin/replicas", self._router_headers())
         if status != 200:
-            return _get(self.plan.router.port, "/health", {})[0] == 200
+            return health == 200
         try:
             routable = {r["url"] for r in json.loads(body)["replicas"] if r.get("routable")}
         except (ValueError, KeyError, TypeError, AttributeError):
             return False
-        return all(w.url in routable for w in self.plan.workers)
+        if not all(w.url in routable for w in self.plan.workers):
+            return False
+        if health == 200:
+            return True
+        # Every worker routable, yet the router is not ready: it cannot serve these pools.
+        since = self._last_probe.setdefault("router-unready", now)
+        if now - since > ROUTER_UNREADY_LIMIT:
+            raise StartupFailed(
+                f"the router routes to every worker but its /health answers {health}"
+                f" ({health_body.decode('utf-8', 'replace').strip()}): this ferry router cannot serve"
+                f" the pools {', '.join(p.role for p in self.config.pools if p.replicas)}"
+            )
+        return False
 
     def _router_headers(self) -> dict[str, str]:
         key = _flag_value(self.plan.router.argv, "--api-key")
@@ -213,7 +227,7 @@ class Supervisor:
                     code = child.exit_code()
                     child.signal_group(signal.SIGKILL)  # anything it started goes with it
                     child.crashes += 1
-                    delay = min(backoff.max_delay, backoff.initial_delay * 2 ** (child.crashes - 1))
+                    delay = restart_delay(backoff, child.crashes)
                     child.restart_at = now + delay
                     self.say(
                         f"{child.name} (pid {child.pid}) exited with {_status(code)}; restarting in {delay:g} s"
@@ -279,6 +293,11 @@ class Supervisor:
         tmp = self.state_file.with_name(self.state_file.name + ".tmp")
         tmp.write_text(json.dumps(state, indent=2) + "\n")
         os.replace(tmp, self.state_file)  # readers never see half a file
+
+
+def restart_delay(spec: RestartSpec, crashes: int) -> float:
+    """Seconds before restart after the ``crashes``-th crash in a row: doubled each time, capped."""
+    return min(spec.max_delay, spec.initial_delay * 2 ** (crashes - 1))
 
 
 def _get(port: int, path: str, headers: dict[str, str]) -> tuple[int, bytes]:

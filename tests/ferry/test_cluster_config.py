@@ -230,3 +230,14 @@ def test_unreadable_and_invalid_files_exit_2(tmp_path: Path, capsys: pytest.Capt
         f"ferry up: {typo}: mixed.thread: unknown key, did you mean threads? (expected one of: replicas,"
         " threads, port, args, env)"
     )
+
+
+def test_restart_back_off_doubles_up_to_the_cap() -> None:
+    from ferry.cluster.config import RestartSpec
+    from ferry.cluster.supervisor import restart_delay
+
+    spec = parse_config(
+        {"mixed": {}, "kv_tier": "memory://", "restart": {"initial_delay": 0.5, "max_delay": 6}}
+    ).restart
+    assert spec == RestartSpec(initial_delay=0.5, max_delay=6.0, reset_after=60.0)
+    assert [restart_delay(spec, n) for n in range(1, 7)] == [0.5, 1.0, 2.0, 4.0, 6.0, 6.0]
