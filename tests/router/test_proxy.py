@@ -80,6 +80,22 @@ def test_openai_sdk_through_router_is_identical_to_direct(cluster: Cluster, pair
             routed.completions.create(model=MODEL, prompt="import os", max_tokens=12, **opts, **kw)
         )
         assert r == d and len(r["text"]) > 3
+    # n > 1 (never resumed, so passed through as sent): same choices, streamed or not.
+    kw = {"max_tokens": 8, "n": 2, "seed": 3, "temperature": 0.9}
+    d = direct.completions.create(model=MODEL, prompt="x = ", **kw)
+    r = routed.completions.create(model=MODEL, prompt="x = ", **kw)
+    assert _strip_ids(r.model_dump()) == _strip_ids(d.model_dump())
+
+    def by_index(stream) -> dict[int, str]:
+        out: dict[int, str] = {}
+        for c in stream:
+            for ch in c.choices:
+                out[ch.index] = out.get(ch.index, "") + ch.text
+        return out
+
+    d = by_index(direct.completions.create(model=MODEL, prompt="y = ", stream=True, **kw))
+    r = by_index(routed.completions.create(model=MODEL, prompt="y = ", stream=True, **kw))
+    assert r == d and sorted(r) == [0, 1]
     models = routed.models.list()
     assert [m.id for m in models.data] == [MODEL]
 
