@@ -15,8 +15,9 @@ import socket
 import sys
 from pathlib import Path
 
-from ferry.cluster.config import ClusterConfig, ConfigError, load_config
+from ferry.cluster.config import load_config
 from ferry.cluster.plan import LOOPBACK, ClusterPlan, build_plan
+from ferry.cluster.spec import ClusterConfig, ConfigError
 
 REDIS_MISSING = (
     "{binary} not found on PATH, and the KV tier is a redis-server that ferry up starts"

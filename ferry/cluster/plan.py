@@ -15,9 +15,10 @@ import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from ferry.cluster.config import ClusterConfig, PoolSpec
+from ferry.cluster.spec import ClusterConfig, PoolSpec
 
 LOOPBACK = "127.0.0.1"
+SECRET_FLAGS = frozenset({"--api-key"})
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,16 @@ class ProcessSpec:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
         cmd = shlex.join(self.argv)
         return f"{env} {cmd}" if env else cmd
+
+    def redacted_argv(self) -> tuple[str, ...]:
+        """``argv`` with secrets (API keys) masked, for logs and the state file."""
+        out = list(self.argv)
+        for i, arg in enumerate(out):
+            if arg in SECRET_FLAGS and i + 1 < len(out):
+                out[i + 1] = "***"
+            elif arg.split("=", 1)[0] in SECRET_FLAGS and "=" in arg:
+                out[i] = arg.split("=", 1)[0] + "=***"
+        return tuple(out)
 
 
 @dataclass(frozen=True)

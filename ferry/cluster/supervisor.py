@@ -21,6 +21,7 @@ import contextlib
 import http.client
 import json
 import os
+import shlex
 import signal
 import time
 from collections.abc import Callable
@@ -28,8 +29,8 @@ from pathlib import Path
 from types import FrameType
 
 from ferry.cluster.child import Child, LogSink
-from ferry.cluster.config import ClusterConfig, RestartSpec
 from ferry.cluster.plan import LOOPBACK, ClusterPlan
+from ferry.cluster.spec import ClusterConfig, RestartSpec
 
 TICK = 0.1  # seconds between looks at the children
 PROBE_INTERVAL = 0.5  # seconds between health probes of a child that is not healthy yet
@@ -120,7 +121,7 @@ class Supervisor:
                 if code is not None:
                     raise StartupFailed(
                         f"{child.name} exited with {_status(code)} before the cluster was ready"
-                        f" (its output is above, prefixed [{child.name}]): {child.spec.shell()}"
+                        f" (its output is above, prefixed [{child.name}]): {shlex.join(child.spec.redacted_argv())}"
                     )
             if done():
                 return True
@@ -285,7 +286,7 @@ class Supervisor:
                     "pids": c.pids,
                     "url": c.spec.url,
                     "restarts": c.restarts,
-                    "argv": list(c.spec.argv),
+                    "argv": list(c.spec.redacted_argv()),
                 }
                 for c in self.children
             ],

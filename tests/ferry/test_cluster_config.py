@@ -241,3 +241,14 @@ def test_restart_back_off_doubles_up_to_the_cap() -> None:
     ).restart
     assert spec == RestartSpec(initial_delay=0.5, max_delay=6.0, reset_after=60.0)
     assert [restart_delay(spec, n) for n in range(1, 7)] == [0.5, 1.0, 2.0, 4.0, 6.0, 6.0]
+
+
+def test_api_key_is_masked_outside_the_dry_run() -> None:
+    config = parse_config({"mixed": {}, "kv_tier": "memory://", "router": {"args": ["--api-key", "s3cret"]}})
+    router = build_plan(config, python="python").router
+    assert router.argv[-2:] == ("--api-key", "s3cret")  # what runs (and what --dry-run prints)
+    assert router.redacted_argv()[-2:] == ("--api-key", "***")  # what the state file and errors show
+    masked = build_plan(
+        parse_config({"mixed": {}, "kv_tier": "memory://", "router": {"args": ["--api-key=s3cret"]}})
+    ).router.redacted_argv()
+    assert masked[-1] == "--api-key=***" and "s3cret" not in " ".join(masked)
