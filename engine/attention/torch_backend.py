@@ -29,7 +29,7 @@ class _DecodeGroup:
 
     rows: torch.Tensor  # token indices in the flattened batch
     blocks: torch.Tensor  # [Bg, nb] block ids (padded with block 0)
-    keep: torch.Tensor  # [Bg, 1, 1, nb*block_size] additive mask: 0 where visible, -inf past seq_len
+    visible: torch.Tensor  # [Bg, 1, 1, nb*block_size] bool: key position < seq_len
     last_pos: torch.Tensor  # [Bg] position of each row's token (= seq_len - 1)
 
 
@@ -107,14 +107,11 @@ class TorchAttentionBackend(AttentionBackend):
                 table = [t + [0] * (nb - len(t)) for t in tables]
                 pos = torch.arange(nb * bs, device=device)
                 valid = pos[None, :] < torch.tensor(lens, device=device)[:, None]
-                keep = torch.zeros(valid.shape, dtype=torch.float32, device=device).masked_fill_(
-                    ~valid, float("-inf")
-                )
                 groups.append(
                     _DecodeGroup(
                         rows=torch.tensor([starts[i] for i in seqs], dtype=torch.long, device=device),
                         blocks=torch.tensor(table, dtype=torch.long, device=device),
-                        keep=keep[:, None, None, :],
+                        visible=valid[:, None, None, :],
                         last_pos=torch.tensor(lens, dtype=torch.long, device=device) - 1,
                     )
                 )
@@ -143,16 +140,15 @@ class TorchAttentionBackend(AttentionBackend):
 
     @staticmethod
     def _decode(q: torch.Tensor, k_cache, v_cache, group: _DecodeGroup, scale: float) -> torch.Tensor:
-        """A group's single-token rows at once: [Bg, Hkv, G, D] x [Bg, Hkv, D, L] (no KV head repeat)."""
+        """A group's single-token rows in one SDPA call: the G query heads sharing a KV head are
+        laid out as G query rows, so KV heads are never repeated."""
         bd, hq, d = q.shape
         hkv = k_cache.shape[2]
         kk = _gather(k_cache, group.blocks).transpose(1, 2)  # [Bg, Hkv, L, D]
         vv = _gather(v_cache, group.blocks).transpose(1, 2)
-        qg = q.view(bd, hkv, hq // hkv, d).float()
-        scores = torch.matmul(qg, kk.float().transpose(-1, -2)).mul_(scale).add_(group.keep)
-        probs = torch.softmax(scores, dim=-1)
-        o = torch.matmul(probs, vv.float())  # [Bd, Hkv, G, D]
-        return o.reshape(bd, hq, d).to(q.dtype)
+        qg = q.view(bd, hkv, hq // hkv, d)
+        o = F.scaled_dot_product_attention(qg, kk, vv, attn_mask=group.visible, scale=scale)
+        return o.reshape(bd, hq, d)
 
     @staticmethod
     def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: int, scale: float) -> torch.Tensor:
