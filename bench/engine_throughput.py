@@ -33,6 +33,7 @@ import platform
 import random
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -348,13 +349,13 @@ def main(argv: list[str] | None = None) -> int:
         work = workload(args.num_requests, kind)
         r: dict = {"prompt_tokens": sum(len(p) for p, _ in work), "output_tokens": sum(o for _, o in work)}
         systems = {
-            "ceiling": lambda: run_ceiling(model_dir, work),
-            "ferry": lambda: run_ferry(model_dir, work, **opts),
+            "ceiling": partial(run_ceiling, model_dir, work),
+            "ferry": partial(run_ferry, model_dir, work, **opts),
         }
         if not args.skip_deterministic:
-            systems["ferry_deterministic"] = lambda: run_ferry(model_dir, work, deterministic=True, **opts)
+            systems["ferry_deterministic"] = partial(run_ferry, model_dir, work, deterministic=True, **opts)
         if not args.skip_hf:
-            systems["transformers"] = lambda: run_hf(model_dir, work)
+            systems["transformers"] = partial(run_hf, model_dir, work)
         # Interleave repeats (A B C, A B C) so a burst of load from other jobs hits all systems alike.
         for _ in range(max(1, args.repeats)):
             for name, fn in systems.items():
