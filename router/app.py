@@ -125,11 +125,23 @@ class RouterApp:
         self.metrics.forget_replica(replica.url)
 
     @property
-    def pool(self):
-        return self.replicas.pools["mixed"]
+    def pool(self) -> Pool:
+        """The pool that serves whole requests: the mixed replicas; in a cluster of only prefill and
+        decode workers, the decode pool (then the prefill one), each worker computing its own
+        prompts, until a prefill→decode orchestration takes those pools over."""
+        pools = self.replicas.pools
+        for role in ("mixed", "decode", "prefill"):
+            if len(pools[role]):
+                return pools[role]
+        return pools["mixed"]
 
     # ---- life cycle ---------------------------------------------------------------------------
     async def startup(self) -> None:
+        if not self.config.replicas and (self.config.prefill or self.config.decode):
+            log.warning(
+                "no mixed replicas: requests are served whole by the %s pool (no prefill->decode hand-off)",
+                "decode" if self.config.decode else "prefill",
+            )
         if self.discovery is not None:
             with contextlib.suppress(Exception):
                 await self.discovery.sync_once()

@@ -430,3 +430,15 @@ def test_drain_lets_in_flight_streams_finish(cluster: Cluster, pair: list[Proc])
         and view[b.url]["total_requests"] == 2
         and view[a.url]["inflight"] == 0
     )
+
+
+def test_prefill_decode_pools_without_mixed_serve_whole_requests(cluster: Cluster, pair: list[Proc]) -> None:
+    a, b = pair
+    router = cluster.router("--prefill", a.url, "--decode", b.url, "--policy", "round_robin")
+    assert wait_until(lambda: httpx.get(router.url + "/health").status_code == 200)
+    for _ in range(2):
+        r = httpx.post(router.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+        assert r.status_code == 200
+    view = replicas_view(router)
+    assert view[b.url]["role"] == "decode" and view[b.url]["total_requests"] == 2
+    assert view[a.url]["role"] == "prefill" and view[a.url]["total_requests"] == 0 and view[a.url]["routable"]
