@@ -22,14 +22,14 @@ from urllib.parse import parse_qs, urlsplit
 
 import httpx
 import pytest
-from deploy_support import MODEL, FerryProcess
+from deploy_support import MODEL, FerryProcess, free_port, one, parsed_args, selector_matches
 
 NAMESPACE = "ferry"
 SERVICE = "ferry-replica"
 SLICES_PATH = f"/apis/discovery.k8s.io/v1/namespaces/{NAMESPACE}/endpointslices"
 
 
-def slice_json(name: str, ip: str, port: int, ready: bool, rv: int) -> dict:
+def slice_json(name: str, ip: str, port: int, ready: bool, rv: int, labels: dict[str, str]) -> dict:
     return {
         "apiVersion": "discovery.k8s.io/v1",
         "kind": "EndpointSlice",
@@ -37,7 +37,7 @@ def slice_json(name: str, ip: str, port: int, ready: bool, rv: int) -> dict:
             "name": name,
             "namespace": NAMESPACE,
             "resourceVersion": str(rv),
-            "labels": {"kubernetes.io/service-name": SERVICE, "ferry.dev/role": "mixed"},
+            "labels": labels,
         },
         "addressType": "IPv4",
         "endpoints": [
@@ -46,9 +46,9 @@ def slice_json(name: str, ip: str, port: int, ready: bool, rv: int) -> dict:
                 "conditions": {"ready": ready, "serving": ready, "terminating": False},
                 "targetRef": {
                     "kind": "Pod",
-                    "name": "ferry-replica-0",
+                    "name": f"{name}-pod",
                     "namespace": NAMESPACE,
-                    "uid": "pod-uid-0",
+                    "uid": f"uid-{name}",
                 },
             }
         ],
@@ -58,13 +58,14 @@ def slice_json(name: str, ip: str, port: int, ready: bool, rv: int) -> dict:
 
 class FakeKubeApi:
     """Serves list and watch of EndpointSlices in one namespace, like the API server does: a list
-    carries a resourceVersion; a watch is a chunked stream of one JSON event per line."""
+    carries a resourceVersion; a watch is a chunked stream of one JSON event per line; both apply
+    the request's labelSelector."""
 
     def __init__(self) -> None:
         self.slices: dict[str, dict] = {}
         self.rv = 100
         self.requests: list[dict[str, list[str]]] = []
-        self.watchers: list[queue.Queue] = []
+        self.watchers: list[tuple[str, queue.Queue]] = []  # (label selector, events)
         self.lock = threading.Lock()
         self.stopping = threading.Event()
         api = self
@@ -79,17 +80,22 @@ class FakeKubeApi:
                 url = urlsplit(self.path)
                 query = parse_qs(url.query)
                 api.requests.append({"path": [url.path], **query})
+                selector = query.get("labelSelector", [""])[0]
                 if url.path != SLICES_PATH:
                     self._send(404, {"kind": "Status", "code": 404, "reason": "NotFound"})
                 elif query.get("watch") == ["true"]:
-                    self._watch()
+                    self._watch(selector)
                 else:
                     with api.lock:
                         body = {
                             "apiVersion": "discovery.k8s.io/v1",
                             "kind": "EndpointSliceList",
                             "metadata": {"resourceVersion": str(api.rv)},
-                            "items": list(api.slices.values()),
+                            "items": [
+                                o
+                                for o in api.slices.values()
+                                if selector_matches(selector, o["metadata"]["labels"])
+                            ],
                         }
                     self._send(200, body)
 
@@ -105,10 +111,10 @@ class FakeKubeApi:
                 readable, _, _ = select.select([self.connection], [], [], 0)
                 return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
 
-            def _watch(self) -> None:
+            def _watch(self, selector: str) -> None:
                 events: queue.Queue = queue.Queue()
                 with api.lock:
-                    api.watchers.append(events)
+                    api.watchers.append((selector, events))
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Transfer-Encoding", "chunked")
@@ -129,7 +135,7 @@ class FakeKubeApi:
                     pass  # the watcher went away
                 finally:
                     with api.lock:
-                        api.watchers.remove(events)
+                        api.watchers.remove((selector, events))
                     self.close_connection = True
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -140,17 +146,27 @@ class FakeKubeApi:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.server.server_address[1]}"
 
-    def put(self, event_type: str, name: str, ip: str, port: int, ready: bool) -> None:
-        """Change the state and tell every open watch, as the EndpointSlice controller would."""
+    def put(
+        self,
+        event_type: str,
+        name: str,
+        ip: str,
+        port: int,
+        ready: bool,
+        labels: dict[str, str] | None = None,
+    ) -> None:
+        """Change the state and tell every open watch it concerns, as the EndpointSlice controller would."""
+        labels = labels or {"kubernetes.io/service-name": SERVICE, "ferry.dev/role": "mixed"}
         with self.lock:
             self.rv += 1
-            obj = slice_json(name, ip, port, ready, self.rv)
+            obj = slice_json(name, ip, port, ready, self.rv, labels)
             if event_type == "DELETED":
                 self.slices.pop(name, None)
             else:
                 self.slices[name] = obj
-            for w in self.watchers:
-                w.put({"type": event_type, "object": obj})
+            for selector, events in self.watchers:
+                if selector_matches(selector, labels):
+                    events.put({"type": event_type, "object": obj})
 
     def watch_count(self) -> int:
         with self.lock:
@@ -265,6 +281,51 @@ def test_router_finds_replicas_by_dns(replica: FerryProcess, deploy_logs: Path) 
     )
     try:
         assert router_view(router) == [(replica.url, "mixed"), (f"http://[::1]:{replica.port}", "decode")]
+        assert chat(router).status_code == 200
+    finally:
+        router.stop()
+
+
+def test_router_finds_the_pd_pools_with_the_manifests_discovery_url(
+    kube_api: FakeKubeApi,
+    replica: FerryProcess,
+    rendered: dict[str, list[dict]],
+    tmp_path: Path,
+    deploy_logs: Path,
+) -> None:
+    """The router runs the very --discovery URL of the rendered disaggregated overlay against slices
+    shaped as that overlay's Services produce them: a decode pool (the live replica), a prefill pool,
+    and the router's own Service, which carries no role label and must not be picked up."""
+    docs = rendered["disaggregated"]
+    url = parsed_args(one(docs, "Deployment", "ferry-router"), docs).discovery  # $(POD_NAMESPACE) = ferry
+    assert url == f"k8s:{NAMESPACE}?selector=ferry.dev/role"
+    prefill_port = free_port()  # nothing listens there: listed by discovery, never healthy
+    base = {"app.kubernetes.io/name": "ferry", "app.kubernetes.io/part-of": "ferry"}
+    for name, role, port in (
+        ("ferry-decode", "decode", replica.port),
+        ("ferry-prefill", "prefill", prefill_port),
+    ):
+        labels = {**base, "app.kubernetes.io/component": "replica", "ferry.dev/role": role,
+                  "kubernetes.io/service-name": name}  # fmt: skip
+        kube_api.put("ADDED", f"{name}-x1", "127.0.0.1", port, ready=True, labels=labels)
+    router_labels = {
+        **base,
+        "app.kubernetes.io/component": "router",
+        "kubernetes.io/service-name": "ferry-router",
+    }
+    kube_api.put("ADDED", "ferry-router-x1", "127.0.0.2", 8080, ready=True, labels=router_labels)
+
+    env = {
+        "KUBECONFIG": str(kubeconfig(tmp_path / "kubeconfig", kube_api.url)),
+        "KUBERNETES_SERVICE_HOST": "",
+    }
+    args = ["--discovery", url, "--discovery-interval", "0.2"]
+    router = FerryProcess("router", args, deploy_logs, env=env).start(timeout=60)
+    try:
+        assert router_view(router) == [
+            (replica.url, "decode"),
+            (f"http://127.0.0.1:{prefill_port}", "prefill"),
+        ]
         assert chat(router).status_code == 200
     finally:
         router.stop()
