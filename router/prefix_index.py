@@ -75,30 +75,34 @@ class PrefixIndex:
         self._free_slots.append(slot)
 
     def match(self, hashes: Sequence[bytes], urls: Sequence[str]) -> dict[str, int]:
-        """For each url, how many leading blocks of ``hashes`` it holds."""
-        want = 0
-        for u in urls:
-            slot = self._slot.get(u)
-            if slot is not None:
-                want |= 1 << slot
+        """For each url, how many leading blocks of ``hashes`` it holds (O(blocks + replicas))."""
+        bits = {u: 1 << s for u in urls if (s := self._slot.get(u)) is not None}
         result = dict.fromkeys(urls, 0)
-        if not want:
-            return result
-        alive = want
+        alive = 0
+        for bit in bits.values():
+            alive |= bit
         depth = 0
         entries = self._entries
         for h in hashes:
-            mask = entries.get(h, 0) & alive
-            if not mask:
+            if not alive:
                 break
+            mask = entries.get(h, 0) & alive
+            if mask != alive:  # some replicas' prefixes end here
+                self._settle(bits, alive & ~mask, depth, result)
+                alive = mask
+                if not alive:
+                    break
             entries.move_to_end(h)
-            alive = mask
             depth += 1
-            for u in urls:
-                slot = self._slot.get(u)
-                if slot is not None and alive >> slot & 1:
-                    result[u] = depth
+        self._settle(bits, alive, depth, result)
         return result
+
+    @staticmethod
+    def _settle(bits: dict[str, int], mask: int, depth: int, result: dict[str, int]) -> None:
+        if mask:
+            for u, bit in bits.items():
+                if mask & bit:
+                    result[u] = depth
 
     def holders(self, block_hash: bytes) -> set[str]:
         mask = self._entries.get(block_hash, 0)
