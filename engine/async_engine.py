@@ -159,9 +159,15 @@ class AsyncEngine:
                     self._apply(cmd)
                 if commands:
                     self._stats = engine.stats()
+                    # Resolve aborts only now, so a caller awaiting abort() sees the freed blocks.
+                    for cmd in commands:
+                        if isinstance(cmd, _Abort) and not cmd.done.done():
+                            cmd.done.set_result(None)
                 if engine.has_unfinished_requests():
-                    self._deliver(engine.step())
+                    outputs = engine.step()
+                    # Publish stats first: a caller that sees its final output sees them updated.
                     self._stats = engine.stats()
+                    self._deliver(outputs)
         except BaseException as exc:  # noqa: BLE001 - any crash must fail requests, not hang them
             logger.exception("engine loop crashed")
             self._error = exc
@@ -174,14 +180,8 @@ class AsyncEngine:
                 engine.add_request(cmd.request)
             return
         out = engine.abort_request(cmd.request_id)
-        # Also drop a not-yet-added request whose stream is gone (aborted before admission).
-        self._commands = deque(
-            c for c in self._commands if not (isinstance(c, _Add) and c.request.request_id == cmd.request_id)
-        )
         if out is not None:
             self._deliver([out])
-        if not cmd.done.done():
-            cmd.done.set_result(None)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
