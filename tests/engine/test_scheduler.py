@@ -1,0 +1,88 @@
+"""Scheduler unit tests (no model): token budget, chunking, decode-first order, preemption order."""
+
+from __future__ import annotations
+
+from engine.block_manager import BlockManager
+from engine.kv_connector import KVConnector
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.sequence import Request, RequestStatus
+
+BS = 4
+
+
+def _req(rid: str, n: int) -> Request:
+    return Request(
+        rid, list(range(100, 100 + n)), SamplingParams(max_tokens=50), seed=0, eos_token_ids=(), block_size=BS
+    )
+
+
+def _sched(blocks: int, seqs: int = 8, budget: int = 16) -> Scheduler:
+    return Scheduler(SchedulerConfig(seqs, budget, 1024), BlockManager(blocks, BS), KVConnector())
+
+
+def _step(s: Scheduler) -> list[tuple[str, int]]:
+    """Schedule, pretend the model ran, and append one sampled token where the step samples."""
+    out = s.schedule()
+    s.update_after_step(out)
+    for item in out.scheduled:
+        if item.samples:
+            item.request.append_token(7)
+    return [(item.request.request_id, item.num_new_tokens) for item in out.scheduled]
+
+
+def test_budget_chunks_prefill_and_decodes_go_first() -> None:
+    s = _sched(blocks=64, budget=16)
+    a, b = _req("a", 10), _req("b", 30)
+    s.add(a)
+    s.add(b)
+    assert _step(s) == [("a", 10), ("b", 6)]  # a whole, b chunked to the budget left
+    assert (a.num_output_tokens, b.num_output_tokens) == (1, 0)
+    assert _step(s) == [("a", 1), ("b", 15)]  # a decodes first, b fills the rest
+    assert _step(s) == [("a", 1), ("b", 9)]
+    assert b.num_output_tokens == 1 and b.num_computed_tokens == 30
+    assert _step(s) == [("a", 1), ("b", 1)]
+    s.block_manager.check_integrity()
+
+
+def test_max_num_seqs_limits_admission() -> None:
+    s = _sched(blocks=64, seqs=2, budget=64)
+    for rid in "abc":
+        s.add(_req(rid, 3))
+    assert [r for r, _ in _step(s)] == ["a", "b"]
+    assert [r.request_id for r in s.waiting] == ["c"]
+
+
+def test_preemption_takes_the_newest_and_requeues_it_first() -> None:
+    s = _sched(blocks=6, budget=64)
+    a, b, c = _req("a", 8), _req("b", 7), _req("c", 7)  # 2 + 2 + 2 blocks: the cache is full
+    for r in (a, b, c):
+        s.add(r)
+    assert _step(s) == [("a", 8), ("b", 7), ("c", 7)]
+    # a now has 9 tokens and needs a third block: c (newest) is preempted, a and b continue.
+    out = s.schedule()
+    assert [r.request_id for r in out.preempted] == ["c"]
+    assert [(i.request.request_id, i.num_new_tokens) for i in out.scheduled] == [("a", 1), ("b", 1)]
+    assert c.status is RequestStatus.PREEMPTED and c.num_computed_tokens == 0 and c.block_table == []
+    assert list(s.waiting) == [c]
+    assert s.num_preemptions == 1
+    s.block_manager.check_integrity()
+
+
+def test_oldest_request_always_progresses() -> None:
+    s = _sched(blocks=5, budget=64)
+    reqs = [_req(f"r{i}", 6) for i in range(4)]
+    for r in reqs:
+        s.add(r)
+    finished: list[str] = []
+    for _ in range(200):
+        _step(s)
+        for r in list(s.running):
+            if r.num_output_tokens >= 12:
+                s.finish(r, "length")
+                finished.append(r.request_id)
+        if not s.has_unfinished():
+            break
+    assert finished == ["r0", "r1", "r2", "r3"]
+    assert s.block_manager.num_used_blocks == 0
+    s.block_manager.check_integrity()
