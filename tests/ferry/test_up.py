@@ -111,6 +111,36 @@ restart: {{initial_delay: 0.5}}
     assert out.rstrip().endswith("[up] stopped")
 
 
+def test_default_topology_prefill_and_decode_pools_serve(tiny_llama: Path, start_up) -> None:
+    """A file that names no pool gets the default cluster: 1 prefill + 1 decode + a child Redis."""
+    router_port = free_port()
+    up = start_up(f"model: {tiny_llama}\nrouter: {{port: {router_port}}}\ndrain_timeout: 5\n")
+    up.wait_for(
+        r"^\[up\] ready: .* \(router; 1 prefill, 1 decode; KV tier redis://127\.0\.0\.1:\d+/0\)$", 180
+    )
+    pids = up.pids()
+    assert sorted(pids) == ["decode-0", "prefill-0", "redis", "router"]
+    argv = {p["name"]: p["argv"] for p in up.state()["processes"]}
+    assert argv["prefill-0"][argv["prefill-0"].index("--role") + 1] == "prefill"
+    assert argv["decode-0"][argv["decode-0"].index("--role") + 1] == "decode"
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{router_port}/v1", api_key="none", max_retries=0)
+    chat = client.chat.completions.create(
+        model="llama", messages=[{"role": "user", "content": PROMPT}], max_tokens=6, temperature=0
+    )
+    streamed = client.chat.completions.create(
+        model="llama",
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert chat.usage.completion_tokens == 6 and text == chat.choices[0].message.content
+    up.proc.send_signal(signal.SIGTERM)
+    assert up.proc.wait(60) == 0
+    assert wait_gone(list(pids.values()), 5) == []
+
+
 def test_worker_that_cannot_start_fails_the_start_and_leaves_nothing(tiny_llama: Path, start_up) -> None:
     up = start_up(
         f"""
