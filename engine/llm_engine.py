@@ -166,6 +166,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         if sched.is_empty:
+            # Only parked requests remain: wait for a tier load instead of spinning.
+            self.scheduler.wait_for_loads(timeout=0.05)
             return []
         model_out = self.model_runner.execute(sched)
         self.scheduler.update_after_step(sched)
@@ -210,7 +212,7 @@ class LLMEngine:
         s, bm = self.scheduler, self.block_manager
         return EngineStats(
             num_running=len(s.running),
-            num_waiting=len(s.waiting),
+            num_waiting=s.num_waiting,
             kv_cache_usage=bm.usage(),
             prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits,

@@ -7,12 +7,18 @@ long prompt. Waiting requests are then admitted in arrival order while budget, s
 and blocks last. When a running request needs a block and none is free, the most recently
 admitted running request is preempted (blocks freed, put back at the head of the queue to be
 recomputed, mostly from the prefix cache): the oldest request always progresses, so none starves.
+
+When the KV connector can load asynchronously (``load_blocks_async``), a request whose prefix is
+in the tier is parked while its blocks load, so tier I/O never stalls other requests' steps; it
+joins the running set, with the loaded tokens counted as computed, in the first step after the
+load finishes.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
@@ -53,6 +59,18 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+@dataclass
+class _Parked:
+    """A request waiting for its prefix blocks to arrive from the KV tier."""
+
+    request: Request
+    future: Future
+    hashes: list[bytes]  # hashes of the prefix-cache hits followed by the blocks being loaded
+    num_hit: int
+    num_ext: int
+    aborted: bool = False
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, connector: KVConnector) -> None:
         self.config = config
@@ -60,6 +78,9 @@ class Scheduler:
         self.connector = connector
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.loading: list[_Parked] = []
+        # Decided once: a connector that can load on its own thread lets requests park meanwhile.
+        self._load_async = getattr(connector, "load_blocks_async", None)
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # prompt tokens looked up (cumulative)
         self.prefix_cache_hits = 0  # of which served from the device prefix cache or the tier
@@ -70,18 +91,32 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + sum(1 for p in self.loading if not p.aborted)
+
+    def wait_for_loads(self, timeout: float) -> None:
+        """Block until a parked request's load finishes (or ``timeout``): nothing else can run."""
+        if self.loading:
+            wait([p.future for p in self.loading], timeout=timeout, return_when=FIRST_COMPLETED)
 
     def finish(self, request: Request, reason: str) -> None:
         """End a request (any reason) and free its blocks at once."""
         if request.status is RequestStatus.FINISHED:
             return
+        parked = request.status is RequestStatus.LOADING
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+        elif parked:
+            # Its blocks are being written by the loader: free them once the load is done.
+            next(p for p in self.loading if p.request is request).aborted = True
         else:
             self.waiting.remove(request)
         self.connector.request_finished(request)
-        self.block_manager.free(request.block_table)
+        if not parked:
+            self.block_manager.free(request.block_table)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.metrics.finished_time = time.monotonic()
@@ -92,6 +127,8 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         bm = self.block_manager
+        if self.loading:
+            self._unpark()
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -108,19 +145,24 @@ class Scheduler:
                 i += 1
         if out.preempted:
             return out  # memory is short: admitting more now would only thrash
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (
+            self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.config.max_num_seqs
+        ):
             req = self.waiting[0]
             n = self._admit(req, budget)
-            if n == 0:
+            if n is None:
                 break
             self.waiting.popleft()
+            if n == 0:
+                continue  # parked while its prefix loads from the tier
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens))
             budget -= n
         return out
 
-    def _admit(self, req: Request, budget: int) -> int:
-        """Match the prefix cache (and the tier), allocate blocks; tokens to compute now, 0 if none fit."""
+    def _admit(self, req: Request, budget: int) -> int | None:
+        """Match the prefix cache (and the tier) and allocate blocks. Returns the tokens to compute
+        now, 0 when the request was parked for an asynchronous tier load, None when blocks are short."""
         bm = self.block_manager
         bs = bm.block_size
         hashes = req.full_block_hashes()
@@ -132,9 +174,18 @@ class Scheduler:
         ext_hashes = hashes[num_hit : (req.num_tokens - 1) // bs] if reuse else []
         num_ext = self.connector.num_loadable_blocks(req, ext_hashes) if ext_hashes else 0
         cached_tokens = (num_hit + num_ext) * bs
+        if num_ext and self._load_async is not None:
+            if not bm.allocate(req.block_table, hits, cached_tokens):
+                return None
+            ext_ids = req.block_table[num_hit : num_hit + num_ext]
+            future = self._load_async(req, ext_ids, ext_hashes[:num_ext])
+            self.loading.append(_Parked(req, future, hashes[: num_hit + num_ext], num_hit, num_ext))
+            self._count_admission(req, 0)
+            req.status = RequestStatus.LOADING
+            return 0
         n = min(req.num_tokens - cached_tokens, budget)
         if not bm.allocate(req.block_table, hits, cached_tokens + n):
-            return 0
+            return None
         if num_ext:
             ext_ids = req.block_table[num_hit : num_hit + num_ext]
             loaded = max(0, min(num_ext, self.connector.load_blocks(req, ext_ids, ext_hashes[:num_ext])))
@@ -148,14 +199,43 @@ class Scheduler:
         else:
             req.num_registered_blocks = num_hit
         req.num_computed_tokens = cached_tokens
+        self._count_admission(req, cached_tokens)
+        req.status = RequestStatus.RUNNING
+        return n
+
+    def _count_admission(self, req: Request, cached_tokens: int) -> None:
         if not req.admitted_once:
             req.admitted_once = True
             req.num_cached_tokens = cached_tokens
             req.metrics.first_scheduled_time = time.monotonic()
             self.prefix_cache_queries += req.num_prompt_tokens
             self.prefix_cache_hits += cached_tokens
-        req.status = RequestStatus.RUNNING
-        return n
+
+    def _unpark(self) -> None:
+        """Move requests whose tier load finished into the running set (or free aborted ones)."""
+        bm = self.block_manager
+        for p in [p for p in self.loading if p.future.done()]:
+            self.loading.remove(p)
+            req = p.request
+            if p.aborted:
+                bm.free(req.block_table)
+                continue
+            try:
+                loaded = max(0, min(p.num_ext, int(p.future.result())))
+            except Exception:  # a failed load is a miss: recompute
+                loaded = 0
+            keep = p.num_hit + loaded
+            bm.free(req.block_table[keep:])  # blocks that did not load hold nothing usable
+            del req.block_table[keep:]
+            req.num_registered_blocks = bm.cache_full_blocks(
+                req.block_table, req.token_ids, p.hashes[:keep], p.num_hit
+            )
+            req.num_computed_tokens = keep * bm.block_size
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = req.num_computed_tokens
+                self.prefix_cache_hits += req.num_computed_tokens
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

@@ -24,6 +24,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"  # back in the waiting queue, KV dropped, recomputed on readmission
+    LOADING = "loading"  # parked while its prefix blocks load from the KV tier
     FINISHED = "finished"
 
 
