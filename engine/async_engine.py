@@ -51,6 +51,15 @@ class _Abort:
     done: concurrent.futures.Future
 
 
+@dataclass
+class _ResetPrefixCache:
+    done: concurrent.futures.Future  # -> number of blocks dropped, or False while requests run
+    result: int | bool = False
+
+
+_Command = _Add | _Abort | _ResetPrefixCache
+
+
 class AsyncEngine:
     def __init__(self, config: EngineConfig | None = None, **options: Any) -> None:
         if config is None:
@@ -62,7 +71,7 @@ class AsyncEngine:
         self.tokenizer = self.engine.tokenizer
         self.model_info: ModelInfo = self.engine.model_info
         self._streams: dict[str, _Stream] = {}
-        self._commands: deque[_Add | _Abort] = deque()
+        self._commands: deque[_Command] = deque()
         self._wake = threading.Condition()
         self._stopping = False
         self._error: BaseException | None = None
@@ -116,6 +125,14 @@ class AsyncEngine:
         self._submit(_Abort(request_id, done))
         await asyncio.wrap_future(done)
 
+    async def reset_prefix_cache(self) -> int | bool:
+        """Drop every cached, unused KV block (vLLM's /reset_prefix_cache). Runs on the loop thread
+        between steps; returns the number of blocks dropped, or False while requests are running."""
+        self._check_alive()
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(_ResetPrefixCache(done))
+        return await asyncio.wrap_future(done)
+
     def stats(self) -> EngineStats:
         """The snapshot the loop published after its latest step or command."""
         return self._stats
@@ -133,7 +150,7 @@ class AsyncEngine:
 
     # -- loop thread ---------------------------------------------------------------------------------
 
-    def _submit(self, cmd: _Add | _Abort) -> None:
+    def _submit(self, cmd: _Command) -> None:
         with self._wake:
             self._commands.append(cmd)
             self._wake.notify()
@@ -163,6 +180,8 @@ class AsyncEngine:
                     for cmd in commands:
                         if isinstance(cmd, _Abort) and not cmd.done.done():
                             cmd.done.set_result(None)
+                        elif isinstance(cmd, _ResetPrefixCache):
+                            cmd.done.set_result(cmd.result)
                 if engine.has_unfinished_requests():
                     outputs = engine.step()
                     # Publish stats first: a caller that sees its final output sees them updated.
@@ -173,11 +192,15 @@ class AsyncEngine:
             self._error = exc
             self._fail_all(EngineDeadError(f"the engine loop died: {exc!r}"))
 
-    def _apply(self, cmd: _Add | _Abort) -> None:
+    def _apply(self, cmd: _Command) -> None:
         engine = self.engine
         if isinstance(cmd, _Add):
             if cmd.request.request_id in self._streams:
                 engine.add_request(cmd.request)
+            return
+        if isinstance(cmd, _ResetPrefixCache):
+            busy = engine.has_unfinished_requests()
+            cmd.result = False if busy else engine.block_manager.reset_prefix_cache()
             return
         out = engine.abort_request(cmd.request_id)
         if out is not None:

@@ -123,3 +123,17 @@ async def test_loop_crash_fails_requests_and_marks_unhealthy(engine, prompts) ->
     assert not engine.is_healthy()
     with pytest.raises(EngineDeadError):
         await _collect(engine, "y", prompts[2], GREEDY)
+
+
+async def test_reset_prefix_cache(engine, prompts) -> None:
+    await _collect(engine, "warm", prompts[-1], GREEDY)
+    cached = engine.engine.block_manager.num_cached_blocks
+    assert cached == (200 + 11) // 16
+    assert await engine.reset_prefix_cache() == cached
+    assert engine.engine.block_manager.num_cached_blocks == 0
+    params = SamplingParams(temperature=0.0, max_tokens=700, ignore_eos=True)
+    gen = engine.generate("busy", prompts[-2], params)
+    await gen.__anext__()
+    assert await engine.reset_prefix_cache() is False  # refused while a request runs
+    await gen.aclose()
+    await _wait_idle(engine)
