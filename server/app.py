@@ -19,6 +19,7 @@ from server.generation import Generation
 from server.metrics import CONTENT_TYPE, ServerMetrics
 from server.middleware import EdgeMiddleware
 from server.params import ModelLimits
+from server.prefix_cache import reset_engine_prefix_cache
 from server.protocol import (
     MAX_LOGPROBS,
     ChatCompletionRequest,
@@ -103,7 +104,13 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
             return APIError(503, "Server is draining.", code="draining").to_response()
         if not engine.is_healthy():
             return APIError(503, "Engine is not healthy.", code="engine_unhealthy").to_response()
-        return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "ok", "role": config.role})
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        # vLLM's admin route (benchmarks call it between runs): drops cached, unused KV blocks.
+        dropped = await reset_engine_prefix_cache(engine, state.generation)
+        return JSONResponse({"status": "ok", "num_blocks_dropped": dropped})
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -111,7 +118,7 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
 
     @app.get("/version", response_model=VersionResponse)
     async def version() -> Any:
-        return VersionResponse(version=__version__)
+        return VersionResponse(version=__version__, role=config.role)
 
     app.add_middleware(EdgeMiddleware, api_key=config.api_key, max_request_bytes=config.max_request_bytes)
     return app

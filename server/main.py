@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import logging
 import signal
+import sys
 from types import FrameType
 from typing import Any
 
@@ -19,6 +20,7 @@ import uvicorn
 
 from server.args import engine_options, server_config
 from server.config import ServerConfig
+from server.roles import check_role_config
 
 logger = logging.getLogger("ferry.server")
 
@@ -111,6 +113,10 @@ def run_serve(args: argparse.Namespace) -> int:
     from engine import AsyncEngine
     from engine.config import EngineConfig
 
+    problem = check_role_config(args.role, args.kv_tier)
+    if problem is not None:
+        print(f"ferry serve: error: {problem}", file=sys.stderr)
+        return 2
     config = server_config(args)
     engine_config = EngineConfig.from_options(**engine_options(args))
     logging.basicConfig(

@@ -17,6 +17,9 @@ from kvcache.keys import from_hex
 from server.errors import bad_request
 from server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, TokenizeRequest
 
+# Template variables a request sets through its own fields, never through chat_template_kwargs.
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "tools", "continue_final_message"})
+
 
 @dataclass(frozen=True)
 class ModelLimits:
@@ -89,12 +92,23 @@ def chat_prompt(req: ChatCompletionRequest | TokenizeRequest, tokenizer: Tokeniz
             code="chat_template_missing",
         )
     messages = [m.template_dict() for m in req.messages or []]
-    kwargs = {}
+    # Rendered exactly as the router's TokenKeyer renders a body (``router/prompt_keys.py``):
+    # template kwargs, then tools, so router and replica agree on every block hash.
+    kwargs = dict(getattr(req, "chat_template_kwargs", None) or {})
+    reserved = RESERVED_TEMPLATE_KWARGS.intersection(kwargs)
+    if reserved:
+        raise bad_request(
+            f"chat_template_kwargs must not set {', '.join(sorted(reserved))}: use the request fields",
+            param="chat_template_kwargs",
+        )
     if getattr(req, "continue_final_message", False):
         kwargs["continue_final_message"] = True
     try:
         text = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=req.add_generation_prompt, **kwargs
+            messages,
+            add_generation_prompt=req.add_generation_prompt,
+            tools=getattr(req, "tools", None),
+            **kwargs,
         )
     except ChatTemplateError as e:
         raise bad_request(str(e), param="messages") from e

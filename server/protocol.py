@@ -107,6 +107,7 @@ class SamplingFields(_Request):
     spaces_between_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
     return_tokens_as_token_ids: StrictBool = False  # logprob tokens as "token_id:{id}"
+    return_token_ids: StrictBool = False  # vLLM: each choice (and stream delta) carries its token ids
     # internal (router -> replica)
     kv_transfer: KVTransfer | None = None
     resume: Resume | None = None
@@ -211,6 +212,7 @@ class ChatCompletionRequest(SamplingFields):
     # vLLM-compatible extras
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:
@@ -282,6 +284,7 @@ class CompletionChoice(_Response):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = Field(default=None, exclude_if=_omit_none)
 
 
 class CompletionResponse(_Response):
@@ -322,6 +325,7 @@ class ChatChoice(_Response):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = Field(default=None, exclude_if=_omit_none)
 
 
 class ChatCompletionResponse(_Response):
@@ -345,6 +349,7 @@ class ChatStreamChoice(_Response):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = Field(default=None, exclude_if=_omit_none)
+    token_ids: list[int] | None = Field(default=None, exclude_if=_omit_none)
 
 
 class ChatCompletionChunk(_Response):
@@ -363,6 +368,7 @@ class CompletionStreamChoice(_Response):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = Field(default=None, exclude_if=_omit_none)
+    token_ids: list[int] | None = Field(default=None, exclude_if=_omit_none)
 
 
 class CompletionChunk(_Response):
@@ -403,6 +409,7 @@ class DetokenizeResponse(_Response):
 
 class VersionResponse(_Response):
     version: str
+    role: str | None = Field(default=None, exclude_if=_omit_none)
 
 
 class ErrorInfo(_Response):

@@ -36,7 +36,14 @@ from server.protocol import (
     DeltaMessage,
     TokenLogprob,
 )
-from server.serving_common import UsageTracker, kv_transfer_result, stream_errors
+from server.roles import producer_budget, transfer_for_role
+from server.serving_common import (
+    UsageTracker,
+    delivered_text,
+    is_producer,
+    kv_transfer_result,
+    stream_errors,
+)
 from server.state import ServerState
 from server.streaming import DONE_FRAME, SSEResponse, run_or_disconnect, sse_frame
 
@@ -44,6 +51,7 @@ from server.streaming import DONE_FRAME, SSEResponse, run_or_disconnect, sse_fra
 @dataclasses.dataclass
 class _Choice:
     texts: list[str] = dataclasses.field(default_factory=list)
+    token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -54,10 +62,11 @@ def _plan(state: ServerState, req: ChatCompletionRequest) -> list[SequenceReques
     check_chat_features(req)
     limits = state.limits
     prompt_ids = chat_prompt(req, state.tokenizer)
-    kv = kv_transfer_spec(req, 1)
     resume = resume_token_ids(req, 1, limits)
+    kv = transfer_for_role(state.config.role, kv_transfer_spec(req, 1), prompt_ids, state.block_size, resume)
     top_n = req.top_logprobs or 0
     max_tokens = resolve_max_tokens(req, len(prompt_ids), limits, default=None, num_resumed=len(resume or []))
+    max_tokens = producer_budget(kv, max_tokens)
     base = sampling_params(
         req, max_tokens=max_tokens, logprobs=top_n if req.logprobs else None, limits=limits
     )
@@ -79,6 +88,7 @@ def _delta(
 ) -> tuple[str, list[TokenLogprob] | None]:
     o = out.outputs[0]
     choice.texts.append(o.text)
+    choice.token_ids += o.token_ids
     logprobs = None
     if req.logprobs:
         logprobs = chat_logprobs(
@@ -100,7 +110,7 @@ async def create_chat_completion(
     response_id = f"chatcmpl-{request_id}"
     choices = [_Choice() for _ in seqs]
     usage = UsageTracker(1, req.n)
-    producer = req.kv_transfer is not None and req.kv_transfer.role == "producer"
+    producer = is_producer(seqs)
     if req.stream:
         frames = _stream(state, req, seqs, choices, usage, response_id, request_id, arrival, producer, ticket)
         return SSEResponse(frames, on_close=ticket.close)
@@ -121,6 +131,7 @@ async def create_chat_completion(
                     logprobs=ChatLogprobs(content=c.logprobs) if req.logprobs else None,
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
+                    token_ids=list(c.token_ids) if req.return_token_ids else None,
                 )
                 for i, c in enumerate(choices)
             ],
@@ -128,6 +139,8 @@ async def create_chat_completion(
         )
         if producer and last is not None:
             result.kv_transfer = kv_transfer_result(state, last)
+            if result.choices[0].finish_reason == "length":  # the consumer continues the text
+                result.choices[0].message.content = delivered_text(state, seqs[0], choices[0].token_ids)
         return result
 
     try:
@@ -170,7 +183,7 @@ async def _stream(
                 not text
                 and not out.finished
                 and not logprobs
-                and not (req.continuous_usage and out.outputs[0].token_ids)
+                and not ((req.continuous_usage or req.return_token_ids) and out.outputs[0].token_ids)
             ):
                 # Nothing a client could see (a held-back partial character): skip, unless it
                 # follows token progress through continuous usage stats.
@@ -182,6 +195,7 @@ async def _stream(
                     logprobs=ChatLogprobs(content=logprobs) if logprobs is not None else None,
                     finish_reason=choice.finish_reason if out.finished else None,
                     stop_reason=choice.stop_reason if out.finished else None,
+                    token_ids=list(out.outputs[0].token_ids) if req.return_token_ids else None,
                 )
             )
             if producer and out.finished:

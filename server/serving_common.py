@@ -8,6 +8,7 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import RequestOutput
 from kvcache.keys import block_hashes, to_hex
 from server.errors import APIError
@@ -63,6 +64,20 @@ def kv_transfer_result(state: ServerState, out: RequestOutput) -> KVTransferResu
         block_hashes=to_hex(block_hashes(out.prompt_token_ids, state.block_size)),
         num_cached_tokens=out.num_cached_tokens,
     )
+
+
+def delivered_text(state: ServerState, seq: SequenceRequest, token_ids: list[int]) -> str:
+    """A producer's text as a stream would have shown it so far: without a trailing incomplete
+    character or a possible stop-string start, which the consumer's detokenizer (fed the same
+    tokens through ``resume``) holds back and emits with the text that follows. The producer's
+    own final flush would send them twice."""
+    return IncrementalDetokenizer(state.tokenizer, seq.params, seq.prompt_token_ids).append(token_ids)
+
+
+def is_producer(seqs: list[SequenceRequest]) -> bool:
+    """The request is a prefill (producer) request: its answer carries ``kv_transfer``."""
+    spec = seqs[0].kv_transfer if seqs else None
+    return bool(spec) and spec.get("role") == "producer"
 
 
 @dataclass

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from fastapi.responses import JSONResponse
 
 from engine.outputs import RequestOutput
+from server.errors import bad_request
 from server.generation import SequenceRequest, Ticket
 from server.logprobs import CompletionLogprobsBuilder, merge_completion_logprobs
 from server.params import (
@@ -30,7 +31,14 @@ from server.protocol import (
     CompletionResponse,
     CompletionStreamChoice,
 )
-from server.serving_common import UsageTracker, kv_transfer_result, stream_errors
+from server.roles import producer_budget, transfer_for_role
+from server.serving_common import (
+    UsageTracker,
+    delivered_text,
+    is_producer,
+    kv_transfer_result,
+    stream_errors,
+)
 from server.state import ServerState
 from server.streaming import DONE_FRAME, SSEResponse, run_or_disconnect, sse_frame
 
@@ -41,6 +49,7 @@ logger = logging.getLogger("ferry.server")
 class _Choice:
     prompt: PreparedPrompt
     texts: list[str] = dataclasses.field(default_factory=list)
+    token_ids: list[int] = dataclasses.field(default_factory=list)
     num_tokens: int = 0
     logprobs: list[CompletionLogprobs] = dataclasses.field(default_factory=list)
     builder: CompletionLogprobsBuilder | None = None
@@ -55,14 +64,18 @@ def _plan(state: ServerState, req: CompletionRequest) -> tuple[list[PreparedProm
     check_completion_features(req)
     limits = state.limits
     prompts = completion_prompts(req, state.tokenizer, limits)
-    kv = kv_transfer_spec(req, len(prompts))
     resume = resume_token_ids(req, len(prompts), limits)
+    kv = kv_transfer_spec(req, len(prompts))
+    if state.config.role == "prefill" and (len(prompts) != 1 or req.n != 1):
+        raise bad_request("a prefill worker takes exactly one prompt and n = 1", param="n")
+    kv = transfer_for_role(state.config.role, kv, prompts[0].token_ids, state.block_size, resume)
     prompt_logprobs = req.logprobs if (req.echo and req.logprobs is not None) else None
     seqs = []
     for pi, prompt in enumerate(prompts):
         max_tokens = resolve_max_tokens(
             req, len(prompt.token_ids), limits, default=16, num_resumed=len(resume or [])
         )
+        max_tokens = producer_budget(kv, max_tokens)
         base = sampling_params(
             req, max_tokens=max_tokens, logprobs=req.logprobs, limits=limits, prompt_logprobs=prompt_logprobs
         )
@@ -103,6 +116,7 @@ def _delta(
     text += o.text
     choice.texts.append(text)
     choice.num_tokens += len(o.token_ids)
+    choice.token_ids += o.token_ids
     if choice.builder is not None:
         choice.logprobs.append(choice.builder.add(o.token_ids, o.logprobs))
     if out.finished:
@@ -121,7 +135,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request_
     response_id = f"cmpl-{request_id}"
     choices = [_Choice(prompts[s.prompt_index]) for s in seqs]
     usage = UsageTracker(len(prompts), req.n)
-    producer = req.kv_transfer is not None and req.kv_transfer.role == "producer"
+    producer = is_producer(seqs)
     if req.stream:
         frames = _stream(state, req, seqs, choices, usage, response_id, request_id, arrival, producer, ticket)
         return SSEResponse(frames, on_close=ticket.close)
@@ -142,6 +156,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request_
                     logprobs=merge_completion_logprobs(c.logprobs) if c.builder is not None else None,
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
+                    token_ids=list(c.token_ids) if req.return_token_ids else None,
                 )
                 for i, c in enumerate(choices)
             ],
@@ -149,6 +164,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, request_
         )
         if producer and last is not None:
             result.kv_transfer = kv_transfer_result(state, last)
+            if result.choices[0].finish_reason == "length":  # the consumer continues the text
+                result.choices[0].text = delivered_text(state, seqs[0], choices[0].token_ids)
         return result
 
     try:
@@ -180,11 +197,13 @@ async def _stream(
             choice = choices[seq.choice_index]
             text, logprobs = _delta(state, choice, req, out)
             usage.add(seq, out)
+            ids = list(out.outputs[0].token_ids) if req.return_token_ids else None
             if defer:
                 if not out.finished:
                     continue
                 text, logprobs = "".join(choice.texts), merge_completion_logprobs(choice.logprobs)
-            progress = req.continuous_usage and bool(out.outputs[0].token_ids)
+                ids = list(choice.token_ids) if req.return_token_ids else None
+            progress = (req.continuous_usage or req.return_token_ids) and bool(out.outputs[0].token_ids)
             if not text and not out.finished and not (logprobs and logprobs.tokens) and not progress:
                 # Nothing a client could see (a held-back partial character): skip, unless it
                 # follows token progress through continuous usage stats.
@@ -200,6 +219,7 @@ async def _stream(
                         logprobs=logprobs,
                         finish_reason=choice.finish_reason if out.finished else None,
                         stop_reason=choice.stop_reason if out.finished else None,
+                        token_ids=ids,
                     )
                 ],
             )

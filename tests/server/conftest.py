@@ -7,28 +7,17 @@ official ``openai`` SDK. Fixtures stop what they start (SIGTERM, then SIGKILL).
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
 import sys
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-# tests/ is on sys.path (rootdir conftest) and the editable install's finder runs after the path
-# finder, so "engine" and "server" would resolve to the namespace packages tests/engine and
-# tests/server. Put the repo first.
-_ROOT = str(Path(__file__).resolve().parents[2])
-if sys.path[0] != _ROOT:
-    sys.path.insert(0, _ROOT)
-for _name in ("engine", "server"):
-    if _name in sys.modules and getattr(sys.modules[_name], "__file__", None) is None:
-        del sys.modules[_name]
-
-import os  # noqa: E402
-import signal  # noqa: E402
-import socket  # noqa: E402
-import subprocess  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Iterator, Sequence  # noqa: E402
-
-import httpx  # noqa: E402
-import pytest  # noqa: E402
+import httpx
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 

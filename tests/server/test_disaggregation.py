@@ -65,7 +65,8 @@ def test_prefill_then_decode_loads_blocks_and_matches_one_replica(pd_pair) -> No
     # the decode replica never saw this prompt: every full prompt block came from the tier
     assert rest["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt_ids) // 16 * 16
 
+    # a plain request to the decode worker is served whole there (the router's local-prefill path)
     alone = httpx.post(
-        prefill.url + "/v1/completions", timeout=60, json={"prompt": prompt_ids, "max_tokens": 10, **common}
+        decode.url + "/v1/completions", timeout=60, json={"prompt": prompt_ids, "max_tokens": 10, **common}
     ).json()
     assert first_token + _ids(rest["choices"][0]) == _ids(alone["choices"][0])
