@@ -8,6 +8,8 @@ recomputing them and continues exactly where a single replica would have.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -70,3 +72,112 @@ def test_prefill_then_decode_loads_blocks_and_matches_one_replica(pd_pair) -> No
         decode.url + "/v1/completions", timeout=60, json={"prompt": prompt_ids, "max_tokens": 10, **common}
     ).json()
     assert first_token + _ids(rest["choices"][0]) == _ids(alone["choices"][0])
+
+
+def test_prefill_worker_answers_plain_requests_as_a_producer(pd_pair) -> None:
+    prefill, _ = pd_pair
+    r = httpx.post(
+        prefill.url + "/v1/completions",
+        timeout=60,
+        json={
+            "prompt": PROMPT,
+            "max_tokens": 10,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+    )
+    body = r.json()
+    assert r.status_code == 200 and len(body["choices"][0]["token_ids"]) == 1
+    assert body["usage"]["completion_tokens"] == 1 and body["choices"][0]["finish_reason"] == "length"
+    assert body["kv_transfer"]["tier_write_complete"] is True
+    # Nothing is held for a decode worker that may never come.
+    metrics = httpx.get(prefill.url + "/metrics").text
+    assert "vllm:kv_cache_usage_perc" in metrics
+    assert any(
+        line.startswith("vllm:kv_cache_usage_perc") and line.endswith(" 0.0") for line in metrics.splitlines()
+    )
+
+
+def test_roles_refuse_what_they_cannot_serve(pd_pair) -> None:
+    prefill, decode = pd_pair
+    prompt_ids = httpx.post(prefill.url + "/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    consumer = {"role": "consumer", "block_hashes": to_hex(block_hashes(prompt_ids, 16))}
+    r = httpx.post(prefill.url + "/v1/completions", json={"prompt": prompt_ids, "kv_transfer": consumer})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer.role"
+    # hashes of another prompt: 400, never a silent recompute of the wrong thing
+    other = to_hex(block_hashes(list(reversed(prompt_ids)), 16))
+    r = httpx.post(
+        decode.url + "/v1/completions",
+        json={
+            "prompt": prompt_ids,
+            "resume": {"token_ids": [5]},
+            "kv_transfer": {**consumer, "block_hashes": other},
+        },
+    )
+    assert r.status_code == 400 and r.json()["error"]["code"] == "kv_transfer_mismatch"
+    too_many = consumer["block_hashes"] + ["0" * 32]
+    r = httpx.post(
+        decode.url + "/v1/completions",
+        json={"prompt": prompt_ids, "kv_transfer": {**consumer, "block_hashes": too_many}},
+    )
+    assert r.status_code == 400 and r.json()["error"]["code"] == "kv_transfer_mismatch"
+    # a prefix of the prompt's hashes is fine (the rest is computed)
+    r = httpx.post(
+        decode.url + "/v1/completions",
+        json={
+            "prompt": prompt_ids,
+            "max_tokens": 2,
+            "kv_transfer": {**consumer, "block_hashes": consumer["block_hashes"][:1]},
+        },
+    )
+    assert r.status_code == 200
+
+
+def test_role_is_reported(pd_pair) -> None:
+    prefill, decode = pd_pair
+    assert httpx.get(prefill.url + "/health").json() == {"status": "ok", "role": "prefill"}
+    assert httpx.get(decode.url + "/version").json()["role"] == "decode"
+
+
+def test_reset_prefix_cache_drops_cached_blocks(pd_pair) -> None:
+    _, decode = pd_pair
+    r = httpx.post(
+        decode.url + "/v1/completions", json={"prompt": PROMPT + " reset", "max_tokens": 2}, timeout=60
+    )
+    assert r.status_code == 200
+    first = httpx.post(decode.url + "/reset_prefix_cache", timeout=10)
+    assert first.status_code == 200 and first.json()["num_blocks_dropped"] >= 1
+    assert httpx.post(decode.url + "/reset_prefix_cache", timeout=10).json()["num_blocks_dropped"] == 0
+
+
+def test_chat_template_kwargs_and_tools_render_like_the_router(pd_pair, tiny_llama: Path) -> None:
+    from router.prompt_keys import TokenKeyer
+
+    prefill, _ = pd_pair
+    body = {
+        "messages": [{"role": "user", "content": "list the files"}],
+        "tools": [{"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}}],
+        "tool_choice": "none",
+        "chat_template_kwargs": {"enable_thinking": False},
+        "max_tokens": 1,
+    }
+    r = httpx.post(prefill.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    hashes, tokens = TokenKeyer.from_dir(str(tiny_llama), 16).keys("/v1/chat/completions", body)
+    assert r.json()["usage"]["prompt_tokens"] == tokens
+    assert r.json()["kv_transfer"]["block_hashes"] == to_hex(hashes)
+    bad = {**body, "chat_template_kwargs": {"add_generation_prompt": False}}
+    r = httpx.post(prefill.url + "/v1/chat/completions", json=bad, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+
+
+def test_prefill_and_decode_roles_need_a_kv_tier(tiny_llama: Path) -> None:
+    for role in ("prefill", "decode"):
+        done = subprocess.run(
+            [sys.executable, "-m", "ferry", "serve", "--model", str(tiny_llama), "--role", role],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 2 and f"--role {role} needs a KV tier" in done.stderr
