@@ -42,6 +42,8 @@ from router.http import (
 )
 from router.kv_events import KVEventFollower
 from router.metrics import RouterMetrics
+from router.pd import PDOrchestrator
+from router.pd_config import PDConfig, PDMetrics
 from router.policies import RouteRequest, make_policy
 from router.policies.cache_aware import CacheAware
 from router.pool import Pool, Replicas
@@ -58,7 +60,13 @@ FORWARD_ROOT_PATHS = frozenset({"/tokenize", "/detokenize"})
 
 
 class RouterApp:
-    def __init__(self, config: RouterConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        config: RouterConfig,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        pd: PDConfig | None = None,
+    ) -> None:
         self.config = config
         self.clock = clock
         self.metrics = RouterMetrics()
@@ -94,6 +102,7 @@ class RouterApp:
             max_failovers=config.max_failovers,
             clock=clock,
         )
+        self.pd = self._build_pd(pd or PDConfig())
         self.admission = Admission(config.max_concurrency, config.max_queue, config.queue_timeout)
         self.health = HealthChecker(self.replicas, self.client, self.metrics, config.health_timeout, clock)
         self.discovery = (
@@ -120,8 +129,59 @@ class RouterApp:
                 self.replicas.add(url, role, source="static")
         self.started = False
 
+    def _build_pd(self, pd: PDConfig) -> PDOrchestrator:
+        """Prefill/decode orchestration (``router/pd.py``): each pool with its own policy; the
+        prefill pool with its own timeout (a slow prefill worker is replaced, not waited for)."""
+        config = self.config
+
+        def policy(name: str) -> Any:
+            if name != "cache_aware":
+                return make_policy(name)
+            return make_policy(
+                name,
+                block_size=config.block_size,
+                balance_abs_threshold=config.balance_abs_threshold,
+                load_penalty_tokens=config.load_penalty_tokens,
+                prefix_index_size=config.prefix_index_size,
+            )
+
+        retry = RetryPolicy(max_retries=config.max_retries)
+        prefill = Generation(
+            UpstreamClient(config.connect_timeout, pd.prefill_timeout),
+            policy(pd.prefill_policy),
+            self.metrics,
+            retry,
+            max_failovers=0,
+            clock=self.clock,
+        )
+        decode = Generation(
+            self.upstream,
+            policy(pd.decode_policy),
+            self.metrics,
+            retry,
+            max_failovers=config.max_failovers,
+            clock=self.clock,
+        )
+        keyer = self.keyer or make_keyer(config.model, config.block_size)
+        return PDOrchestrator(pd, prefill, decode, keyer, PDMetrics(self.metrics.registry), config.block_size)
+
+    @property
+    def disaggregated(self) -> bool:
+        """Generation requests go prefill -> decode while both pools have workers."""
+        pools = self.replicas.pools
+        return bool(len(pools["prefill"]) and len(pools["decode"]))
+
+    async def _generate(self, pool: Pool, call: ProxyCall, send: Send) -> None:
+        if self.disaggregated:
+            pools = self.replicas.pools
+            await self.pd.generate(pools["prefill"], pools["decode"], call, send)
+        else:
+            await self.relay.generate(pool, call, send)
+
     def _forget(self, replica: Replica) -> None:
         self.policy.on_replica_removed(replica.url)
+        for gen in (self.pd.prefill, self.pd.decode):
+            gen.policy.on_replica_removed(replica.url)
         self.metrics.forget_replica(replica.url)
 
     @property
@@ -137,7 +197,7 @@ class RouterApp:
 
     # ---- life cycle ---------------------------------------------------------------------------
     async def startup(self) -> None:
-        if not self.config.replicas and (self.config.prefill or self.config.decode):
+        if not self.config.replicas and bool(self.config.prefill) != bool(self.config.decode):
             log.warning(
                 "no mixed replicas: requests are served whole by the %s pool (no prefill->decode hand-off)",
                 "decode" if self.config.decode else "prefill",
@@ -161,6 +221,7 @@ class RouterApp:
             await self.discovery.stop()
         await self.client.aclose()
         await self.upstream.aclose()
+        await self.pd.prefill.client.aclose()
 
     # ---- ASGI ---------------------------------------------------------------------------------
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -282,7 +343,7 @@ class RouterApp:
             scope["method"], path, scope.get("query_string", b""), headers, body, request_id, route, parsed
         )
 
-        relay = self.relay.generate if generate else self.relay.forward
+        relay = self._generate if generate else self.relay.forward
         await _until_disconnect(self._admitted(relay, call, send, id_header), receive)
 
     async def _admitted(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from router.pd_config import add_pd_args
 from router.policies.registry import POLICY_NAMES
 
 POLICIES = list(POLICY_NAMES)
@@ -44,6 +45,8 @@ def add_router_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument(
         "--prefix-index-size", type=int, default=1 << 20, help="block-hash entries remembered (LRU)"
     )
+
+    add_pd_args(p)
 
     g = p.add_argument_group("limits")
     g.add_argument("--max-request-bytes", type=int, default=16 << 20, help="largest request body")

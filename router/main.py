@@ -16,7 +16,9 @@ def run_router(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    app = RouterApp(config)
+    from router.pd_config import PDConfig
+
+    app = RouterApp(config, pd=PDConfig.from_args(args))
     uvicorn.run(
         app,
         host=config.host,

@@ -1,0 +1,475 @@
+"""Prefill/decode disaggregation: one client request served by a prefill and a decode worker.
+
+The flow (DESIGN.md "A disaggregated request"):
+
+1. The prompt's block hashes come from the router's keyer (``router/prompt_keys.py``, the same
+   chat template and ``kvcache.keys`` as the replicas).
+2. A prefill worker (``--prefill-policy``) gets the request non-streamed with ``max_tokens=1`` and
+   ``kv_transfer={"role": "producer"}``; it writes the prompt's blocks to the shared tier and
+   answers with the first token and the block hashes.
+3. A streamed request gets that first token at once (the role chunk and the first content chunk
+   are written by the router), then a decode worker (``--decode-policy``) is sent the same request
+   with ``resume.token_ids = [first]`` and ``kv_transfer={"role": "consumer", "block_hashes": …}``,
+   and its chunks are relayed: the hand-off is a resume, exactly like a mid-stream failover, so
+   ``router/sse.py``'s ``StreamTracker`` gives the client one stream (same ``id``, one role chunk,
+   ``usage`` counting every token sent).
+
+Local prefill (the decode worker computes the prompt itself, as Dynamo's conditional
+disaggregation does) when: the prompt's uncached part is shorter than ``--pd-threshold``; no prefill
+worker is routable or all are saturated; every prefill worker tried failed or timed out; or the
+request is one the hand-off does not cover (``max_tokens`` = 1: it is all prefill; ``n`` > 1,
+several prompts, ``echo``, client ``logprobs``: their first token would need the prefill worker's
+per-choice logprobs and text merged into the decode worker's, which a resume cannot reproduce
+exactly).
+
+Failures: a prefill worker that dies or is slower than ``--prefill-timeout`` is replaced by another,
+then by local prefill; a tier miss on the decode worker is recomputed there (the replica's job); a
+decode worker that dies mid-stream is replaced with ``resume`` carrying every token already sent.
+
+``usage.prompt_tokens_details.cached_tokens`` is the prefill worker's (prompt tokens it did not
+compute for this request); the decode worker's tier loads are its own ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from router.generation import Generation
+from router.http import Send, error_body, send_bytes, send_error
+from router.pd_config import PDConfig, PDMetrics
+from router.policies.cache_aware import CacheAware
+from router.pool import Pool
+from router.prompt_keys import PromptKeyer
+from router.relay import TRANSPORT_ERRORS, Failed, Opened, ProxyCall, response_headers, with_request_id
+from router.replica import Replica
+from router.sse import StreamTracker
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """The prefill worker's answer, reduced to what the hand-off needs."""
+
+    first_token: int
+    text: str
+    finish_reason: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    block_hashes: list[str]
+    id: str
+    created: int
+    model: str
+
+
+class LocalPrefill(Exception):
+    """The disaggregated path cannot serve this request now; serve it whole on the decode pool."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class PDTracker(StreamTracker):
+    """A stream tracker that reports the prefill worker's ``cached_tokens`` in ``usage``."""
+
+    cached_tokens: int | None = None
+
+    def process(self, event: bytes) -> bytes | None:
+        out = super().process(event)
+        if out is None or self.cached_tokens is None or b'"prompt_tokens_details"' not in out:
+            return out
+        obj = json.loads(out[6:])
+        details = (obj.get("usage") or {}).get("prompt_tokens_details")
+        if not isinstance(details, dict):
+            return out
+        details["cached_tokens"] = self.cached_tokens
+        return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def wants_disaggregation(path: str, body: dict[str, Any]) -> str | None:
+    """None when the request can be disaggregated, else why not (a ``local_prefill`` reason)."""
+    if body.get("n") not in (None, 1):
+        return "n"
+    if path.endswith("/chat/completions"):
+        if body.get("logprobs"):
+            return "logprobs"
+    else:
+        if body.get("logprobs") is not None or body.get("echo"):
+            return "logprobs" if body.get("logprobs") is not None else "echo"
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)) and len(prompt) != 1:
+            return "prompts"
+    return None
+
+
+def requested_budget(path: str, body: dict[str, Any]) -> int | None:
+    for key in ("max_completion_tokens", "max_tokens"):
+        if isinstance(body.get(key), int):
+            return body[key]
+    return None if path.endswith("/chat/completions") else 16  # the replicas' defaults
+
+
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The producer request: the client's sampling fields, one token, and that token's id."""
+    out = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "max_completion_tokens")}
+    out.update(max_tokens=1, kv_transfer={"role": "producer"}, return_token_ids=True)
+    if isinstance(body.get("min_tokens"), int) and body["min_tokens"] > 1:
+        out["min_tokens"] = 1  # the first token still may not be EOS
+    return out
+
+
+def parse_prefill(path: str, content: bytes) -> Prefilled | None:
+    try:
+        obj = json.loads(content)
+        choice = obj["choices"][0]
+        token = choice["token_ids"][0]
+        if path.endswith("/chat/completions"):
+            text = choice["message"]["content"] or ""
+        else:
+            text = choice["text"]
+        usage = obj["usage"]
+        transfer = obj["kv_transfer"]
+        return Prefilled(
+            first_token=int(token),
+            text=text,
+            finish_reason=choice.get("finish_reason"),
+            prompt_tokens=int(usage["prompt_tokens"]),
+            cached_tokens=int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)),
+            block_hashes=list(transfer["block_hashes"]),
+            id=str(obj["id"]),
+            created=int(obj["created"]),
+            model=str(obj["model"]),
+        )
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return None
+
+
+class PDOrchestrator:
+    """Serves generation requests with a prefill pool and a decode pool (module docstring)."""
+
+    def __init__(
+        self,
+        config: PDConfig,
+        prefill: Generation,
+        decode: Generation,
+        keyer: PromptKeyer | None,
+        metrics: PDMetrics,
+        block_size: int,
+    ) -> None:
+        self.config = config
+        self.prefill = prefill
+        self.decode = decode
+        self.keyer = keyer
+        self.metrics = metrics
+        self.block_size = block_size
+
+    # ---- deciding -------------------------------------------------------------------------------
+    def _uncached_tokens(self, call: ProxyCall, decode_pool: Pool) -> int:
+        route = call.route
+        policy = self.decode.policy
+        if isinstance(policy, CacheAware) and route.block_hashes:
+            matched = policy.index.match(route.block_hashes, [r.url for r in decode_pool])
+            return route.prompt_tokens - max(matched.values(), default=0) * self.block_size
+        return route.prompt_tokens
+
+    def _local_reason(self, call: ProxyCall, prefill_pool: Pool, decode_pool: Pool) -> str | None:
+        reason = wants_disaggregation(call.path, call.json or {})
+        if reason is not None:
+            return reason
+        if requested_budget(call.path, call.json or {}) == 1:
+            return "single_token"  # the whole answer is the prefill: nothing to hand off
+        if self.keyer is not None and not call.route.block_hashes:
+            hashes, tokens = self.keyer.keys(call.path, call.json or {})
+            call.route.block_hashes, call.route.prompt_tokens = hashes, tokens or call.route.prompt_tokens
+        if self._uncached_tokens(call, decode_pool) < self.config.pd_threshold:
+            return "short_prompt"
+        candidates = prefill_pool.candidates(self.prefill.clock())
+        if not candidates:
+            return "no_prefill_worker"
+        if all(r.inflight >= self.config.prefill_max_inflight for r in candidates):
+            return "prefill_saturated"
+        return None
+
+    async def generate(self, prefill_pool: Pool, decode_pool: Pool, call: ProxyCall, send: Send) -> None:
+        reason = self._local_reason(call, prefill_pool, decode_pool)
+        prefilled: Prefilled | None = None
+        if reason is None:
+            try:
+                prefilled = await self._prefill(prefill_pool, call, send)
+            except LocalPrefill as e:
+                reason = e.reason
+            if prefilled is None and reason is None:
+                return  # the prefill worker's answer (a client error) was relayed
+        if prefilled is None:
+            self.metrics.requests.labels("local_prefill").inc()
+            self.metrics.fallbacks.labels(reason or "unknown").inc()
+            await self.decode.generate(decode_pool, call, send)
+            return
+        self.metrics.requests.labels("disaggregated").inc()
+        started = time.perf_counter()
+        try:
+            if (call.json or {}).get("stream"):
+                await self._stream(decode_pool, call, prefilled, send)
+            else:
+                await self._whole(decode_pool, call, prefilled, send)
+        finally:
+            self.metrics.decode_latency.observe(time.perf_counter() - started)
+            self.decode.metrics.latency.observe(time.perf_counter() - call.started)
+
+    # ---- prefill --------------------------------------------------------------------------------
+    async def _prefill(self, pool: Pool, call: ProxyCall, send: Send) -> Prefilled | None:
+        """The first token, or None when a client error was relayed; LocalPrefill when no worker can."""
+        payload = json.dumps(prefill_body(call.json or {})).encode()
+        started = time.perf_counter()
+        tried: set[str] = set()
+        attempt = [0]
+        while True:
+            opened = await self.prefill.open(pool, call, payload, tried, attempt)
+            if isinstance(opened, Failed):
+                raise LocalPrefill("prefill_failed")
+            status = opened.response.status_code
+            content = None
+            try:
+                content = await opened.response.aread()
+            except TRANSPORT_ERRORS:
+                self.prefill.finish(opened, False)
+            finally:
+                await opened.response.aclose()
+                if content is None:
+                    self.prefill.finish(opened, False, 499)  # no-op unless the client left mid-read
+            if content is None:
+                tried.add(opened.replica.url)
+                if not self.prefill.retry.can_retry(attempt[0]):
+                    raise LocalPrefill("prefill_failed")
+                attempt[0] += 1
+                continue
+            self.prefill.finish(opened, True)
+            if status != 200:
+                if status >= 500 or status in (408, 429):
+                    raise LocalPrefill("prefill_failed")
+                # The client's error (bad field, prompt too long): a colocated replica says the same.
+                await send_bytes(
+                    send, status, content, with_request_id(response_headers(opened.response), call)
+                )
+                return None
+            prefilled = parse_prefill(call.path, content)
+            if prefilled is None:
+                raise LocalPrefill("prefill_answer_unreadable")
+            self.metrics.prefill_latency.observe(time.perf_counter() - started)
+            return prefilled
+
+    # ---- decode, streamed -----------------------------------------------------------------------
+    def _first_events(self, call: ProxyCall, p: Prefilled, done: bool) -> list[bytes]:
+        body = call.json or {}
+        chat = call.path.endswith("/chat/completions")
+        usage = {
+            "prompt_tokens": p.prompt_tokens,
+            "completion_tokens": 1,
+            "total_tokens": p.prompt_tokens + 1,
+            "prompt_tokens_details": {"cached_tokens": p.cached_tokens},
+        }
+        stream_options = body.get("stream_options") or {}
+        head = {"id": p.id, "created": p.created, "model": p.model}
+        events = []
+        finish = p.finish_reason if done else None
+        if chat:
+            head["object"] = "chat.completion.chunk"
+            role = {
+                "index": 0,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            events.append({**head, "choices": [role]})
+            delta = {"content": p.text} if p.text else {}
+            first = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            head["object"] = "text_completion"
+            first = {"index": 0, "text": p.text, "logprobs": None, "finish_reason": finish}
+        first["token_ids"] = [p.first_token]
+        chunk: dict[str, Any] = {**head, "choices": [first]}
+        if stream_options.get("continuous_usage_stats"):
+            chunk["usage"] = usage
+        events.append(chunk)
+        if done and stream_options.get("include_usage"):
+            events.append({**head, "choices": [], "usage": usage})
+        return [b"data: " + json.dumps(e, separators=(",", ":")).encode() for e in events]
+
+    async def _stream(self, pool: Pool, call: ProxyCall, p: Prefilled, send: Send) -> None:
+        body = call.json or {}
+        chat = call.path.endswith("/chat/completions")
+        tracker = PDTracker(chat=chat, client_wants_token_ids=bool(body.get("return_token_ids")))
+        tracker.cached_tokens = p.cached_tokens
+        done = self._finished_by_prefill(call, p)
+        headers = with_request_id(
+            [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")], call
+        )
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        out = []
+        for event in self._first_events(call, p, done):
+            relayed = tracker.process(event)
+            if relayed is not None:
+                out.append(relayed + b"\n\n")
+        if done:
+            out.append(b"data: [DONE]\n\n")
+        await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
+        self.decode.metrics.ttft.observe(time.perf_counter() - call.started)
+        if done:
+            await send({"type": "http.response.body", "body": b""})
+            return
+        tracker.begin_failover()  # the hand-off is a resume: same id, no second role chunk, full usage
+        base = self._decode_body(body, p)
+        failovers = 0
+        tried: set[str] = set()
+        opened: Opened | Failed | None = None
+        try:
+            opened = await self.decode.open(pool, call, lambda r: self._decode_payload(r, base), tried, [0])
+            while True:
+                if isinstance(opened, Failed) or opened.response.status_code != 200:
+                    event = await self._stream_error(opened, "no decode worker could continue this request")
+                    await send({"type": "http.response.body", "body": event, "more_body": True})
+                    break
+                ok = await self.decode.pump(opened, tracker, call, send)
+                if ok or tracker.done:
+                    break
+                tried.add(opened.replica.url)
+                opened.replica.next_probe_at = self.decode.clock()
+                if tracker.finished:
+                    await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": True})
+                    break
+                if not tracker.ids_complete or failovers >= self.decode.max_failovers:
+                    event = _error_event("the decode worker failed and the stream cannot be resumed")
+                    await send({"type": "http.response.body", "body": event, "more_body": True})
+                    break
+                failovers += 1
+                self.decode.metrics.failovers.inc()
+                resumed = tracker.resume_body(base)
+                opened = await self.decode.open(
+                    pool, call, lambda r, b=resumed: self._decode_payload(r, b), tried, [0]
+                )
+            await send({"type": "http.response.body", "body": b""})
+        finally:
+            if isinstance(opened, Opened) and not opened.finished:
+                await opened.response.aclose()
+                self.decode.finish(opened, False, 499)
+
+    async def _stream_error(self, opened: Opened | Failed | None, fallback: str) -> bytes:
+        """The SSE error event for a decode worker that answered with an error (or none answered)."""
+        message = fallback
+        if isinstance(opened, Opened):
+            try:
+                content = await opened.response.aread()
+                message = json.loads(content)["error"]["message"]
+            except (*TRANSPORT_ERRORS, ValueError, KeyError, TypeError):
+                pass
+            finally:
+                await opened.response.aclose()
+                self.decode.finish(opened, True)
+        elif isinstance(opened, Failed):
+            try:
+                message = json.loads(opened.body)["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                pass
+        return _error_event(message)
+
+    def _finished_by_prefill(self, call: ProxyCall, p: Prefilled) -> bool:
+        # EOS or a stop string as the first token. (A producer answer that ends on its length
+        # holds back what the decode worker will emit: see server/serving_common.delivered_text.)
+        return p.finish_reason != "length"
+
+    @staticmethod
+    def _decode_body(body: dict[str, Any], p: Prefilled) -> dict[str, Any]:
+        return {
+            **body,
+            "resume": {"token_ids": [p.first_token]},
+            "kv_transfer": {"role": "consumer", "block_hashes": p.block_hashes},
+        }
+
+    def _decode_payload(self, replica: Replica, base: dict[str, Any]) -> tuple[bytes, bool]:
+        """Ask for token ids (``return_token_ids``, or logprobs the relay strips) so a decode
+        worker dying mid-stream can be resumed exactly."""
+        extra: dict[str, Any] = {"return_token_ids": True}
+        router_logprobs = not replica.emits_token_ids
+        if router_logprobs:
+            chat = "messages" in base
+            extra.update(logprobs=True if chat else 0, return_tokens_as_token_ids=True)
+        return json.dumps({**base, **extra}).encode(), router_logprobs
+
+    # ---- decode, whole answer -------------------------------------------------------------------
+    async def _whole(self, pool: Pool, call: ProxyCall, p: Prefilled, send: Send) -> None:
+        if self._finished_by_prefill(call, p):
+            await send_bytes(send, 200, self._merge(call, p, None), with_request_id([], call))
+            return
+        payload = json.dumps(self._decode_body(call.json or {}, p)).encode()
+        tried: set[str] = set()
+        attempt = [0]
+        while True:
+            opened = await self.decode.open(pool, call, payload, tried, attempt)
+            if isinstance(opened, Failed):
+                await send_bytes(send, opened.status, opened.body, with_request_id(opened.headers, call))
+                return
+            content = None
+            try:
+                content = await opened.response.aread()
+            except TRANSPORT_ERRORS:
+                self.decode.finish(opened, False)
+            finally:
+                await opened.response.aclose()
+                if content is None:
+                    self.decode.finish(opened, False, 499)
+            if content is not None:
+                self.decode.finish(opened, True)
+                status = opened.response.status_code
+                merged = self._merge(call, p, content) if status == 200 else content
+                await send_bytes(
+                    send, status, merged, with_request_id(response_headers(opened.response), call)
+                )
+                return
+            tried.add(opened.replica.url)
+            if not self.decode.retry.can_retry(attempt[0]):
+                await send_error(send, 502, "decode worker failed while answering", with_request_id([], call))
+                return
+            attempt[0] += 1
+            self.decode.metrics.retries.inc()
+            await asyncio.sleep(self.decode.retry.backoff(attempt[0] - 1, self.decode.rng))
+
+    def _merge(self, call: ProxyCall, p: Prefilled, content: bytes | None) -> bytes:
+        """The client's answer: the first token's text in front of the decode worker's, usage whole."""
+        chat = call.path.endswith("/chat/completions")
+        if content is None:  # the prefill worker's token ended the request
+            obj: dict[str, Any] = {
+                "id": p.id,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": p.created,
+                "model": p.model,
+                "choices": [{"index": 0, "logprobs": None, "finish_reason": p.finish_reason}],
+                "usage": {"prompt_tokens": p.prompt_tokens, "completion_tokens": 0},
+            }
+            choice = obj["choices"][0]
+            if chat:
+                choice["message"] = {"role": "assistant", "content": ""}
+            else:
+                choice["text"] = ""
+        else:
+            obj = json.loads(content)
+            choice = obj["choices"][0]
+        if chat:
+            message = choice.setdefault("message", {"role": "assistant"})
+            message["content"] = p.text + (message.get("content") or "")
+        else:
+            choice["text"] = p.text + (choice.get("text") or "")
+        if (call.json or {}).get("return_token_ids"):
+            choice["token_ids"] = [p.first_token, *(choice.get("token_ids") or [])]
+        usage = obj.setdefault("usage", {})
+        usage["completion_tokens"] = int(usage.get("completion_tokens", 0)) + 1
+        usage["total_tokens"] = int(usage.get("prompt_tokens", p.prompt_tokens)) + usage["completion_tokens"]
+        usage["prompt_tokens_details"] = {"cached_tokens": p.cached_tokens}
+        obj.pop("kv_transfer", None)
+        return json.dumps(obj, ensure_ascii=False).encode()
+
+
+def _error_event(message: str) -> bytes:
+    return b"data: " + error_body(message, "upstream_error", 502) + b"\n\ndata: [DONE]\n\n"
