@@ -137,8 +137,11 @@ class RouterApp:
         def policy(name: str) -> Any:
             if name != "cache_aware":
                 return make_policy(name)
+            # One prefix index for the router: the block events it follows (--kv-tier) land there.
+            shared = {"index": self.policy.index} if isinstance(self.policy, CacheAware) else {}
             return make_policy(
                 name,
+                **shared,
                 block_size=config.block_size,
                 balance_abs_threshold=config.balance_abs_threshold,
                 load_penalty_tokens=config.load_penalty_tokens,
