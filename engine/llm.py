@@ -18,7 +18,13 @@ class LLM:
     """Runs the engine loop in the caller's thread until every prompt is done."""
 
     def __init__(self, model: str | None = None, **engine_options: object) -> None:
-        self.config = EngineConfig.from_options(model=model, **engine_options)
+        """``model``: a Hugging Face directory or hub id (``model_dir=`` is accepted too); None serves
+        the built-in demo model. ``engine_options`` are ``EngineConfig`` fields."""
+        if "model_dir" in engine_options:
+            if model is not None:
+                raise TypeError("pass the model once: either positionally or as model_dir=")
+            model = engine_options.pop("model_dir")  # type: ignore[assignment]
+        self.config = EngineConfig.from_options(model=None if model is None else str(model), **engine_options)
         self.engine = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
