@@ -108,10 +108,13 @@ class LLMEngine:
                 raise ValueError(f"token id {tok!r} is out of the vocabulary [0, {self.vocab_size})")
         limit = self.max_model_len
         if params.max_tokens is None:
-            params = _with_max_tokens(params, limit - len(ids))
+            # As much as fits in max_model_len and in the whole KV cache (so it can always finish).
+            capacity = self.block_manager.num_blocks * self.block_manager.block_size
+            params = _with_max_tokens(params, min(limit, capacity) - len(ids))
             if params.max_tokens < 1:
                 raise ValueError(
-                    f"the prompt has {len(ids)} tokens, which leaves no room in max_model_len={limit}"
+                    f"the prompt has {len(ids)} tokens, which leaves no room to generate (max_model_len={limit}, "
+                    f"KV cache {capacity} tokens)"
                 )
         if len(ids) + params.max_tokens > limit:
             raise ValueError(

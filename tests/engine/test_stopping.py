@@ -124,3 +124,11 @@ def test_bad_input_is_a_value_error(llm) -> None:
     with pytest.raises(ValueError, match="out of the vocabulary"):
         llm.generate([[-1]], SamplingParams())
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_max_tokens_none_fills_what_the_cache_holds(tiny_llama) -> None:
+    small = LLM(str(tiny_llama), num_kv_blocks=4)  # 64 tokens of KV in all
+    out = small.generate([[5] * 10], SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 54 and out.outputs[0].finish_reason == "length"
+    with pytest.raises(ValueError, match="needs 5 KV blocks but the cache has only 4"):
+        small.generate([[5] * 10], SamplingParams(max_tokens=60))
