@@ -67,5 +67,11 @@ def add_router_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--circuit-failures", type=int, default=3, help="consecutive failures that open a circuit")
     g.add_argument("--circuit-cooldown", type=float, default=5.0, help="seconds a circuit stays open")
     g.add_argument("--discovery-interval", type=float, default=1.0)
+    g.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds in-flight requests may take before the router exits",
+    )
     g.add_argument("--log-level", default="warning")
     return p

@@ -39,6 +39,7 @@ class RouterConfig:
     circuit_failures: int = 3
     circuit_cooldown: float = 5.0
     discovery_interval: float = 1.0
+    drain_timeout: float = 30.0  # SIGTERM: stop accepting, let in-flight streams finish this long
     log_level: str = "warning"
 
     def __post_init__(self) -> None:

@@ -4,22 +4,44 @@ from __future__ import annotations
 
 import argparse
 import logging
+from types import FrameType
+
+import uvicorn
+
+logger = logging.getLogger("ferry.router")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn that treats SIGTERM/SIGINT as "drain, then exit 0".
+
+    uvicorn closes the listeners and waits up to ``timeout_graceful_shutdown`` (the router's
+    ``--drain-timeout``) for in-flight requests; a second signal stops at once. Not recording
+    the signal keeps uvicorn from re-raising it at exit, so a drained router exits with 0.
+    """
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit:
+            self.force_exit = True
+            return
+        logger.warning(
+            "signal %d: draining in-flight requests (up to %.1f s)",
+            sig,
+            self.config.timeout_graceful_shutdown,
+        )
+        self.should_exit = True
 
 
 def run_router(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from router.app import RouterApp
     from router.config import RouterConfig
+    from router.pd_config import PDConfig
 
     config = RouterConfig.from_args(args)
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    from router.pd_config import PDConfig
-
     app = RouterApp(config, pd=PDConfig.from_args(args))
-    uvicorn.run(
+    uv_config = uvicorn.Config(
         app,
         host=config.host,
         port=config.port,
@@ -28,5 +50,7 @@ def run_router(args: argparse.Namespace) -> int:
         lifespan="on",
         h11_max_incomplete_event_size=config.max_header_bytes,
         timeout_keep_alive=60,
+        timeout_graceful_shutdown=config.drain_timeout,
     )
+    _Server(uv_config).run()
     return 0
