@@ -54,8 +54,11 @@ class LLMEngine:
         if sched_cfg.max_num_seqs < 1 or sched_cfg.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         self.scheduler = Scheduler(sched_cfg, self.block_manager, self.connector)
-        self.sampler = Sampler(self.vocab_size)
-        self.post = Postprocessor(self.tokenizer, self.max_model_len)
+        # A checkpoint's embedding may be padded past the tokenizer (e.g. to a multiple of 64): those
+        # rows are not tokens, so the sampler and prompt logprobs never look past the tokenizer.
+        self.sampling_vocab_size = min(self.vocab_size, self.tokenizer.vocab_size)
+        self.sampler = Sampler(self.sampling_vocab_size)
+        self.post = Postprocessor(self.tokenizer, self.max_model_len, self.sampling_vocab_size)
         self.requests: dict[str, Request] = {}
         self._seed_rng = random.Random(config.seed)
         # Test and debugging hook: called with (request ids, fp32 logits) of each step's sampling rows.
@@ -104,8 +107,10 @@ class LLMEngine:
             raise ValueError("the prompt is empty")
         resumed = list(resume_token_ids or [])
         for tok in (*ids, *resumed):
-            if not isinstance(tok, int) or isinstance(tok, bool) or not 0 <= tok < self.vocab_size:
-                raise ValueError(f"token id {tok!r} is out of the vocabulary [0, {self.vocab_size})")
+            # Against the tokenizer's vocabulary: padded embedding rows are not tokens (and have no
+            # prompt logprob column).
+            if not isinstance(tok, int) or isinstance(tok, bool) or not 0 <= tok < self.sampling_vocab_size:
+                raise ValueError(f"token id {tok!r} is out of the vocabulary [0, {self.sampling_vocab_size})")
         limit = self.max_model_len
         if params.max_tokens is None:
             # As much as fits in max_model_len and in the whole KV cache (so it can always finish).

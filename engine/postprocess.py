@@ -16,9 +16,10 @@ from kvcache.keys import to_hex
 
 
 class Postprocessor:
-    def __init__(self, tokenizer: Tokenizer, max_model_len: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int, vocab_size: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.vocab_size = vocab_size  # logit columns past it (embedding padding) are not tokens
 
     def _entry(
         self, token: int, logprob: float, rank: int | None, top: list[tuple[int, float]] | None
@@ -66,7 +67,9 @@ class Postprocessor:
     def add_prompt_logprobs(self, pl: PromptLogits) -> None:
         req = pl.scheduled.request
         nxt = req.prompt_token_ids[pl.first : pl.first + pl.logits.shape[0]]
-        for lp, rank, top in prompt_logprobs(pl.logits, nxt, req.params.prompt_logprobs or 0):
+        for lp, rank, top in prompt_logprobs(
+            pl.logits, nxt, req.params.prompt_logprobs or 0, vocab_size=self.vocab_size
+        ):
             token = req.prompt_token_ids[len(req.prompt_logprobs)]
             req.prompt_logprobs.append(self._entry(token, lp, rank, top))
 
