@@ -21,9 +21,18 @@ def available_backends() -> list[str]:
 
 
 def resolve_backend_name(name: str, device: str) -> str:
-    """``auto`` means Triton on CUDA and the torch backend on CPU."""
+    """``auto`` means Triton on CUDA where Triton is installed, else the torch backend.
+
+    On CPU ``auto`` is always "torch": the Triton interpreter is a correctness tool, not a
+    serving path. Triton is optional, so its availability is checked without importing it.
+    """
     if name == "auto":
-        return "triton" if device.startswith("cuda") else "torch"
+        if device.startswith("cuda"):
+            from engine.kernels import triton_usable
+
+            if triton_usable(device):
+                return "triton"
+        return "torch"
     if name not in _BACKENDS:
         raise ValueError(
             f"unknown attention backend {name!r}; choose one of: auto, {', '.join(available_backends())}"
