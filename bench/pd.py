@@ -358,7 +358,11 @@ def main(argv: list[str] | None = None) -> int:
         from bench.engine_throughput import bench_model_dir
 
         model = bench_model_dir()
-    vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
+    from engine.tokenizer import Tokenizer
+
+    # Prompt ids within both the model's and the tokenizer's vocabulary (the engine checks both).
+    tokenizer_vocab = Tokenizer.from_dir(model).backend.get_vocab_size()
+    vocab = min(int(json.loads((model / "config.json").read_text())["vocab_size"]), tokenizer_vocab)
     names = [args.only] if args.only else ["colocated", "pd"]
     results = {name: run_topology(name, model, args, vocab) for name in names}
 

@@ -12,8 +12,8 @@ import pytest
 
 from router.app import RouterApp
 from router.config import RouterConfig
-from router.pd import prefill_body, requested_budget, wants_disaggregation
 from router.pd_config import PDConfig
+from router.pd_messages import prefill_body, requested_budget, wants_disaggregation
 from router.policies.base import RouteRequest
 from router.relay import ProxyCall
 

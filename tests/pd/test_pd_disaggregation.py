@@ -152,6 +152,30 @@ def test_short_prompts_and_n_prefill_on_decode(pd: PDCluster) -> None:
     assert metric(pd.router.url, "ferry:router_pd_requests_total", {"path": "local_prefill"}) - before == 2
 
 
+def test_first_token_ends_the_request_on_the_prefill_worker(pd: PDCluster) -> None:
+    prompt = _text(9, 40)
+    first = _call(
+        pd.mixed.url,
+        "/v1/completions",
+        {"prompt": prompt, "max_tokens": 1, "temperature": 0, "return_token_ids": True},
+    )
+    stop = {
+        "prompt": prompt,
+        "max_tokens": 8,
+        "temperature": 0,
+        "stop_token_ids": first[0],
+        "return_token_ids": True,
+    }
+    decode_requests = sum(metric(d.url, "vllm:request_success_total") for d in pd.decode)
+    for stream in (False, True):
+        body = {**stop, "stream": True, "stream_options": {"include_usage": True}} if stream else stop
+        got, ref = _call(pd.router.url, "/v1/completions", body), _call(pd.mixed.url, "/v1/completions", body)
+        assert got[:2] == ref[:2]
+        assert (got[2]["prompt_tokens"], got[2]["completion_tokens"]) == (ref[2]["prompt_tokens"], 1)
+    # the prefill worker's answer was the whole answer: no decode worker was asked
+    assert sum(metric(d.url, "vllm:request_success_total") for d in pd.decode) == decode_requests
+
+
 def test_slow_prefill_worker_falls_back_to_local_prefill(pd: PDCluster) -> None:
     for i in range(3):
         path, body = _case(i, seeded=True)
