@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Sequence
 from dataclasses import replace
+from types import TracebackType
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -15,7 +17,12 @@ Prompt = str | list[int]
 
 
 class LLM:
-    """Runs the engine loop in the caller's thread until every prompt is done."""
+    """Runs the engine loop in the caller's thread until every prompt is done.
+
+    With a KV tier, block writes are queued on a background writer: call ``close()`` (or use the
+    LLM as a context manager) to write them out. A finalizer closes it at garbage collection or
+    interpreter exit as a safety net.
+    """
 
     def __init__(self, model: str | None = None, **engine_options: object) -> None:
         """``model``: a Hugging Face directory or hub id (``model_dir=`` is accepted too); None serves
@@ -28,6 +35,25 @@ class LLM:
         self.engine = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+        # Holds the connector, not the LLM, so it never keeps the LLM alive; runs at most once,
+        # and at interpreter exit if nothing ran it before.
+        self._finalizer = weakref.finalize(self, self.engine.connector.close)
+
+    def close(self) -> None:
+        """Flush queued KV tier writes and close the tier connection. Idempotent."""
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
 
     def generate(
         self,
@@ -36,6 +62,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in prompt order; ``n > 1`` gives n completions (child i
         seeded ``seed + i`` when a seed is given)."""
+        if self.closed:
+            raise RuntimeError("this LLM is closed")
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
