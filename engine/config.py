@@ -11,7 +11,9 @@ class EngineConfig:
     ``num_kv_blocks``), so a flag and its Python spelling never drift apart."""
 
     model: str | None = None  # HF directory (or hub id); None = the built-in demo model
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: the checkpoint's, float32 on CPU for fp16)
+    dtype: str = (
+        "auto"  # auto | float32 | bfloat16 | float16 (auto: the checkpoint's, float32 on CPU for fp16)
+    )
     device: str = "auto"  # auto | cpu | cuda
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: derived from kv_cache_memory_bytes
@@ -25,6 +27,9 @@ class EngineConfig:
     kv_tier: str | None = None  # memory://… | redis://… | rediss://… ; None: no tier
     kv_tier_write_queue: int = 256  # bounded queue of pending tier writes (full: drop + count)
     kv_events: bool = False  # publish block stored/removed events to the tier (Redis stream)
+    # The replica id on published KV events; routers match it against replica URLs, so `ferry
+    # serve` sets its advertised URL. None: "host:pid".
+    kv_events_replica_id: str | None = None
     seed: int = 0  # engine-level default seed for requests that give none
     num_threads: int | None = None  # torch intra-op threads on CPU
     max_logprobs: int = 20
@@ -35,5 +40,7 @@ class EngineConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(options) - known)
         if unknown:
-            raise TypeError(f"unknown engine option(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+            raise TypeError(
+                f"unknown engine option(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
         return cls(**options)  # type: ignore[arg-type]

@@ -53,6 +53,7 @@ class TierConnector:
             k0.dtype,
             config.kv_tier_write_queue,
             events=config.kv_events,
+            replica_id=config.kv_events_replica_id,
         )
         # Hashes loaded from the tier and not yet registered by the block manager: a block that
         # came from the tier must not be written back to it. Loader threads add, the engine

@@ -105,13 +105,25 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         p, "--enable-prefix-caching", d.enable_prefix_caching, "reuse KV blocks of shared prompt prefixes"
     )
     _bool_flag(p, "--kv-events", d.kv_events, "publish KV block stored/removed events to the tier")
+    p.add_argument(
+        "--kv-events-replica-id",
+        default=d.kv_events_replica_id,
+        help="replica id on published KV events; routers match it to replica URLs (default: the advertised URL)",
+    )
     return p
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The EngineConfig fields present on ``args``, by name."""
+    """The EngineConfig fields present on ``args``, by name.
+
+    KV events carry the replica id routers know this server by (its advertised URL) unless
+    ``--kv-events-replica-id`` says otherwise.
+    """
     values = vars(args)
-    return {f.name: values[f.name] for f in fields(EngineConfig) if f.name in values}
+    opts = {f.name: values[f.name] for f in fields(EngineConfig) if f.name in values}
+    if opts.get("kv_events_replica_id") is None:
+        opts["kv_events_replica_id"] = server_config(args).url
+    return opts
 
 
 def served_model_name(args: argparse.Namespace) -> str:
