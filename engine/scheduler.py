@@ -81,6 +81,10 @@ class Scheduler:
         self.loading: list[_Parked] = []
         # Decided once: a connector that can load on its own thread lets requests park meanwhile.
         self._load_async = getattr(connector, "load_blocks_async", None)
+        # request id -> (first tier block, blocks asked, blocks loadable) of its last tier lookup,
+        # kept while it waits for blocks so each retry does not repeat the tier round trip;
+        # dropped at admission (a readmitted request asks again).
+        self._tier_lookups: dict[str, tuple[int, int, int]] = {}
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # prompt tokens looked up (cumulative)
         self.prefix_cache_hits = 0  # of which served from the device prefix cache or the tier
@@ -114,6 +118,7 @@ class Scheduler:
             next(p for p in self.loading if p.request is request).aborted = True
         else:
             self.waiting.remove(request)
+            self._tier_lookups.pop(request.request_id, None)
         self.connector.request_finished(request)
         if not parked:
             self.block_manager.free(request.block_table)
@@ -152,6 +157,7 @@ class Scheduler:
             n = self._admit(req, budget)
             if n is None:
                 break
+            self._tier_lookups.pop(req.request_id, None)
             self.waiting.popleft()
             if n == 0:
                 continue  # parked while its prefix loads from the tier
@@ -172,7 +178,7 @@ class Scheduler:
         hits = bm.match_prefix(req.token_ids, hashes, req.num_tokens - 1) if reuse else []
         num_hit = len(hits)
         ext_hashes = hashes[num_hit : (req.num_tokens - 1) // bs] if reuse else []
-        num_ext = self.connector.num_loadable_blocks(req, ext_hashes) if ext_hashes else 0
+        num_ext = self._num_loadable(req, num_hit, ext_hashes)
         cached_tokens = (num_hit + num_ext) * bs
         if num_ext and self._load_async is not None:
             if not bm.allocate(req.block_table, hits, cached_tokens):
@@ -202,6 +208,21 @@ class Scheduler:
         self._count_admission(req, cached_tokens)
         req.status = RequestStatus.RUNNING
         return n
+
+    def _num_loadable(self, req: Request, first: int, ext_hashes: list[bytes]) -> int:
+        """Leading blocks of ``ext_hashes`` (the request's blocks from ``first`` on) in the tier.
+
+        Asked once per admission attempt series: a request that keeps failing to get blocks
+        reuses its answer (the load itself copes with blocks gone since).
+        """
+        if not ext_hashes:
+            return 0
+        prev = self._tier_lookups.get(req.request_id)
+        if prev is not None and prev[:2] == (first, len(ext_hashes)):
+            return prev[2]
+        num_ext = self.connector.num_loadable_blocks(req, ext_hashes)
+        self._tier_lookups[req.request_id] = (first, len(ext_hashes), num_ext)
+        return num_ext
 
     def _count_admission(self, req: Request, cached_tokens: int) -> None:
         if not req.admitted_once:
