@@ -46,7 +46,9 @@ def build_state(engine: Any, config: ServerConfig) -> ServerState:
     engine_config = getattr(engine, "config", None)
     max_logprobs = min(MAX_LOGPROBS, int(getattr(engine_config, "max_logprobs", MAX_LOGPROBS)))
     limits = ModelLimits(
-        vocab_size=int(info.vocab_size),
+        # Prompt ids must be tokens: a checkpoint may pad its embedding rows past the tokenizer's
+        # vocabulary (the engine refuses those ids; here the refusal is a 400 before any stream).
+        vocab_size=min(int(info.vocab_size), int(getattr(engine.tokenizer, "vocab_size", info.vocab_size))),
         max_model_len=int(info.max_model_len),
         max_logprobs=max_logprobs,
         max_n=config.max_n,
