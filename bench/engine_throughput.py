@@ -2,7 +2,8 @@
 
 Fixed model: Llama shape (hidden 512, 8 layers, 8 heads, 2 KV heads, intermediate 1408, vocab
 32000), random fp32 weights, built once with transformers into a cache directory. Only token ids
-matter, so the tokenizer is the demo's small BPE (ids above its vocabulary decode to nothing).
+matter, so the tokenizer is the demo's small BPE padded with plain added tokens up to the model's
+vocabulary (the engine samples only ids its tokenizer knows, as with real padded checkpoints).
 
 Workload A: N requests, prompt lengths uniform 32..512, 128 output tokens each, EOS ignored.
 Workload B: the same prompts, output lengths uniform 16..256.
@@ -54,8 +55,18 @@ MODEL_SPEC = dict(
 )
 
 
+def _pad_tokenizer(path: Path, vocab_size: int) -> None:
+    """Grow the saved tokenizer to ``vocab_size`` with plain (non-special) added tokens."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast.from_pretrained(str(path))
+    tok.add_tokens([f"<|tok{i}|>" for i in range(len(tok), vocab_size)])
+    tok.save_pretrained(str(path))
+
+
 def bench_model_dir() -> Path:
-    spec_id = hashlib.sha256(json.dumps(MODEL_SPEC, sort_keys=True).encode()).hexdigest()[:12]
+    spec = {**MODEL_SPEC, "tokenizer": "demo-bpe-1000-padded"}
+    spec_id = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
     base = Path(os.environ.get("FERRY_CACHE_DIR") or Path.home() / ".cache" / "ferry")
     target = base / f"bench-llama-{spec_id}"
     if (target / "config.json").exists():
@@ -67,6 +78,7 @@ def bench_model_dir() -> Path:
     tmp = base / f"bench-tmp-{os.getpid()}"
     tmp.mkdir(parents=True, exist_ok=True)
     build_tokenizer(tmp, vocab_size=1000)
+    _pad_tokenizer(tmp, MODEL_SPEC["vocab_size"])
     torch.manual_seed(0)
     cfg = LlamaConfig(
         **MODEL_SPEC,
