@@ -134,16 +134,30 @@ def build_model(
     return out
 
 
-DEMO_SPEC = dict(arch="llama", seed=1234, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                 tokenizer_vocab_size=2000)
+DEMO_SPEC = dict(
+    arch="llama",
+    seed=1234,
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    tokenizer_vocab_size=2000,
+)
+
+
+def demo_model_path() -> Path:
+    """Where the built-in demo model lives (it may not be built yet: see ``demo_model_dir``)."""
+    spec_id = hashlib.sha256(json.dumps(DEMO_SPEC, sort_keys=True).encode()).hexdigest()[:12]
+    base = Path(os.environ.get("FERRY_CACHE_DIR") or Path.home() / ".cache" / "ferry")
+    return base / f"demo-{spec_id}-py{sys.version_info[0]}{sys.version_info[1]}"
 
 
 def demo_model_dir() -> Path:
     """Path of the built-in demo model, generated on first use into a per-user cache directory."""
-    spec_id = hashlib.sha256(json.dumps(DEMO_SPEC, sort_keys=True).encode()).hexdigest()[:12]
-    base = Path(os.environ.get("FERRY_CACHE_DIR") or Path.home() / ".cache" / "ferry")
-    target = base / f"demo-{spec_id}-py{sys.version_info[0]}{sys.version_info[1]}"
+    target = demo_model_path()
+    base = target.parent
     if (target / "config.json").exists():
         return target
     base.mkdir(parents=True, exist_ok=True)

@@ -60,6 +60,13 @@ def run_up(args: argparse.Namespace) -> int:
         print(f"ferry up: {problem}", file=sys.stderr)
         return 1
 
+    if config.model is None:
+        # Build the demo model once, before the workers (which would race to build it) and the
+        # router (which reads its tokenizer) start.
+        from engine.demo import demo_model_dir
+
+        demo_model_dir()
+
     from ferry.cluster.child import LogSink
     from ferry.cluster.supervisor import Supervisor
 

@@ -178,14 +178,27 @@ def build_plan(
             argv += [flag[w.name.rsplit("-", 1)[0]], w.url]
         if redis_tier:
             argv += ["--kv-tier", kv_tier_url]
-        if config.model is not None and os.path.isdir(config.model) and r.policy == "cache_aware":
-            argv += ["--model", config.model]  # tokenizer only: exact block hashes
+        tokenizer_dir = router_tokenizer_dir(config)
+        if tokenizer_dir is not None:
+            # Tokenizer + chat template only: exact block hashes (cache_aware) and prompt lengths (PD).
+            argv += ["--model", tokenizer_dir]
         argv += r.args
         router = ProcessSpec("router", "router", tuple(argv), r.port, shared_env)
 
     host = LOOPBACK if r.host in ("0.0.0.0", "::", "") else r.host
     endpoint = f"http://[{host}]:{r.port}" if ":" in host else f"http://{host}:{r.port}"
     return ClusterPlan(kv_tier_url, redis, tuple(workers), router, endpoint)
+
+
+def router_tokenizer_dir(config: ClusterConfig) -> str | None:
+    """The model directory the router reads its tokenizer from: the file's model if it is a local
+    directory, the built-in demo model's path when the file names none (``ferry up`` builds it before
+    starting anything), else None (a hub id: the router falls back to text-based keys)."""
+    if config.model is None:
+        from engine.demo import demo_model_path  # torch-free; nothing is built here
+
+        return str(demo_model_path())
+    return config.model if os.path.isdir(config.model) else None
 
 
 def _num(x: float) -> str:

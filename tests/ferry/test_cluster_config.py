@@ -165,6 +165,8 @@ drain_timeout: 7.5
 
 
 def test_default_cluster_plan() -> None:
+    from engine.demo import demo_model_path
+
     plan = build_plan(ClusterConfig(), python="python")
     prefill, decode = plan.workers
     assert plan.redis is not None and plan.kv_tier_url == plan.redis.url
@@ -178,6 +180,7 @@ def test_default_cluster_plan() -> None:
     assert plan.router.argv == (
         "python", "-m", "ferry", "router", "--host", "127.0.0.1", "--port", "8080", "--policy", "cache_aware",
         "--prefill", prefill.url, "--decode", decode.url, "--kv-tier", plan.kv_tier_url,
+        "--model", str(demo_model_path()),
     )  # fmt: skip
     ports = [plan.redis.port, prefill.port, decode.port, plan.router.port]
     assert len(set(ports)) == 4 and plan.endpoint == "http://127.0.0.1:8080"
