@@ -190,8 +190,8 @@ class RouterApp:
     @property
     def pool(self) -> Pool:
         """The pool that serves whole requests: the mixed replicas; in a cluster of only prefill and
-        decode workers, the decode pool (then the prefill one), each worker computing its own
-        prompts, until a prefill→decode orchestration takes those pools over."""
+        decode workers, the decode pool (then the prefill one), used when a request is not
+        disaggregated (a PD router's local-prefill path goes through router/pd.py)."""
         pools = self.replicas.pools
         for role in ("mixed", "decode", "prefill"):
             if len(pools[role]):

@@ -8,7 +8,7 @@ Backends are chosen by URL scheme through ``DISCOVERY_BACKENDS``:
 * ``redis://`` / ``rediss://`` — replicas started with ``ferry serve --register`` heartbeat a key
   (``router/discovery_redis.py``; the wire format is documented there).
 * ``k8s:`` — Kubernetes endpoints (``router/discovery_k8s.py``).
-* ``dns:`` — DNS A/SRV records (``router/discovery_dns.py``).
+* ``dns:`` — DNS A/AAAA records of a name, port in the URL (``router/discovery_dns.py``).
 
 Backends are imported lazily so the router loads only the client library it uses. This module
 must stay free of heavy imports (no torch, no kubernetes, no redis).

@@ -25,8 +25,9 @@ REQUEST_ID_HEADER = b"x-request-id"
 # Ids travel into engine request ids, logs and headers: keep them short and printable.
 _VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:/=+\-]{1,128}$")
 # Paths that need the API key (vLLM protects /v1 only; /tokenize and /detokenize expose the model
-# too). /health, /metrics and /version stay open for load balancers and Prometheus.
-_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+# too, and /reset_prefix_cache changes replica state). /health, /metrics and /version stay open for
+# load balancers and Prometheus.
+_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/reset_prefix_cache")
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:

@@ -133,6 +133,8 @@ def test_api_key_guards_v1_but_not_health_or_metrics(tight) -> None:
         == 401
     )
     assert httpx.post(tight.url + "/tokenize", json={"prompt": "x"}).status_code == 401
+    assert httpx.post(tight.url + "/reset_prefix_cache").status_code == 401
+    assert httpx.post(tight.url + "/reset_prefix_cache", headers=AUTH).status_code in (200, 409)
     assert httpx.post(tight.url + "/v1/completions", json=body, headers=AUTH).status_code == 200
     assert httpx.get(tight.url + "/health").status_code == 200
     assert httpx.get(tight.url + "/metrics").status_code == 200
