@@ -51,7 +51,7 @@ from router.prompt_keys import PromptKeyer, make_keyer
 from router.relay import ProxyCall
 from router.replica import HealthPolicy, Replica
 from router.retry import RetryPolicy
-from router.upstream import UpstreamClient
+from router.upstream import UpstreamClient, UpstreamError
 
 log = logging.getLogger("ferry.router")
 
@@ -262,6 +262,11 @@ class RouterApp:
                 await self._models(scope, send)
             else:
                 await self._proxy(scope, receive, send)
+        elif path == "/reset_prefix_cache" and method == "POST":
+            if self.config.api_key is not None and not bearer_ok(scope, self.config.api_key):
+                await send_error(send, 401, "missing or wrong API key (Authorization: Bearer …)")
+                return
+            await self._reset_prefix_cache(scope, send)
         elif path == "/health":
             await self._health(send)
         elif path == "/metrics":
@@ -297,6 +302,34 @@ class RouterApp:
             for m in models:
                 merged.setdefault(m["id"], m)
         await send_json(send, 200, {"object": "list", "data": list(merged.values())})
+
+    async def _reset_prefix_cache(self, scope: Scope, send: Send) -> None:
+        """vLLM's admin route, fanned out: every replica of every pool drops its cached blocks.
+        200 when all did, else the first non-200 status (409 = a replica was busy), with each
+        replica's status in ``replicas`` so a caller can retry."""
+        auth = header(scope, b"authorization")
+        headers = [(b"authorization", auth)] if auth else []
+        replicas = list(self.replicas)
+
+        async def one(r: Replica) -> int:
+            try:
+                response = await asyncio.wait_for(
+                    self.client.request("POST", r.url, "/reset_prefix_cache", headers, b""),
+                    self.config.health_timeout,
+                )
+                try:
+                    await response.aread()
+                finally:
+                    await response.aclose()
+                return response.status_code
+            except (UpstreamError, asyncio.TimeoutError):
+                return 502
+
+        statuses = await asyncio.gather(*(one(r) for r in replicas))
+        failed = [st for st in statuses if st != 200]
+        status = failed[0] if failed else (200 if replicas else 503)
+        body = {"replicas": {r.url: st for r, st in zip(replicas, statuses, strict=True)}}
+        await send_json(send, status, body)
 
     async def _proxy(self, scope: Scope, receive: Receive, send: Send) -> None:
         request_id = (header(scope, b"x-request-id") or b"").decode("latin-1") or uuid.uuid4().hex

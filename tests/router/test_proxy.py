@@ -446,3 +446,23 @@ def test_prefill_decode_pools_without_mixed_serve_whole_requests(cluster: Cluste
     view = replicas_view(router)
     assert view[b.url]["role"] == "decode" and view[b.url]["total_requests"] == 2
     assert view[a.url]["role"] == "prefill" and view[a.url]["total_requests"] == 0 and view[a.url]["routable"]
+
+
+def test_reset_prefix_cache_fans_out_to_every_replica(cluster: Cluster, pair: list[Proc]) -> None:
+    a, b = pair
+    router = cluster.router("--replica", a.url, "--replica", b.url, "--policy", "round_robin")
+    prompt = "the same long prompt " * 8
+    for _ in range(2):  # one request per replica (round robin): both cache the prompt's blocks
+        r = httpx.post(
+            router.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1}
+        )
+        assert r.status_code == 200
+    r = httpx.post(router.url + "/reset_prefix_cache", timeout=30)
+    assert r.status_code == 200
+    assert r.json()["replicas"] == {a.url: 200, b.url: 200}
+    # Both replicas start cold again: the same prompt on each reports no cached tokens.
+    for _ in range(2):
+        r = httpx.post(
+            router.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1}
+        )
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
