@@ -51,7 +51,7 @@ from router.prompt_keys import PromptKeyer, make_keyer
 from router.relay import ProxyCall
 from router.replica import HealthPolicy, Replica
 from router.retry import RetryPolicy
-from router.upstream import UpstreamClient, UpstreamError
+from router.upstream import UpstreamClient, UpstreamError, fetch
 
 log = logging.getLogger("ferry.router")
 
@@ -254,18 +254,17 @@ class RouterApp:
         if sum(len(k) + len(v) for k, v in scope["headers"]) > self.config.max_header_bytes:
             await send_error(send, 431, "request headers too large")
             return
+        reset = path == "/reset_prefix_cache" and method == "POST"
+        guarded = path.startswith("/v1/") or path in FORWARD_ROOT_PATHS or reset
+        if guarded and self.config.api_key is not None and not bearer_ok(scope, self.config.api_key):
+            await send_error(send, 401, "missing or wrong API key (Authorization: Bearer …)")
+            return
         if path.startswith("/v1/") or path in FORWARD_ROOT_PATHS:
-            if self.config.api_key is not None and not bearer_ok(scope, self.config.api_key):
-                await send_error(send, 401, "missing or wrong API key (Authorization: Bearer …)")
-                return
             if path == "/v1/models" and method == "GET":
                 await self._models(scope, send)
             else:
                 await self._proxy(scope, receive, send)
-        elif path == "/reset_prefix_cache" and method == "POST":
-            if self.config.api_key is not None and not bearer_ok(scope, self.config.api_key):
-                await send_error(send, 401, "missing or wrong API key (Authorization: Bearer …)")
-                return
+        elif reset:
             await self._reset_prefix_cache(scope, send)
         elif path == "/health":
             await self._health(send)
@@ -313,15 +312,9 @@ class RouterApp:
 
         async def one(r: Replica) -> int:
             try:
-                response = await asyncio.wait_for(
-                    self.client.request("POST", r.url, "/reset_prefix_cache", headers, b""),
-                    self.config.health_timeout,
-                )
-                try:
-                    await response.aread()
-                finally:
-                    await response.aclose()
-                return response.status_code
+                fetched = fetch(self.client, "POST", r.url, "/reset_prefix_cache", headers)
+                status, _ = await asyncio.wait_for(fetched, self.config.health_timeout)
+                return status
             except (UpstreamError, asyncio.TimeoutError):
                 return 502
 

@@ -308,15 +308,22 @@ class UpstreamClient:
             origin.close()
 
 
+async def fetch(
+    client: UpstreamClient, method: str, base_url: str, target: str, headers: list[tuple[bytes, bytes]]
+) -> tuple[int, bytes]:
+    """Send a bodiless request and read the whole answer: (status, body)."""
+    response = await client.request(method, base_url, target, headers, b"")
+    try:
+        return response.status_code, await response.aread()
+    finally:
+        await response.aclose()
+
+
 async def get_json(
     client: UpstreamClient, base_url: str, target: str, headers: list[tuple[bytes, bytes]]
 ) -> object:
     """GET ``target`` and parse a 200 answer as JSON (ValueError otherwise)."""
-    response = await client.request("GET", base_url, target, headers, b"")
-    try:
-        body = await response.aread()
-    finally:
-        await response.aclose()
-    if response.status_code != 200:
-        raise ValueError(f"{target} answered {response.status_code}")
+    status, body = await fetch(client, "GET", base_url, target, headers)
+    if status != 200:
+        raise ValueError(f"{target} answered {status}")
     return json.loads(body)
