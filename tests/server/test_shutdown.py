@@ -46,6 +46,10 @@ def test_register_heartbeat_then_sigterm_drains(
     try:
         r = redis.Redis.from_url(redis_url)
         key = f"ferry:replica:{srv.url}"
+        # /health can answer while the first heartbeat is still in flight (same event loop).
+        deadline = time.monotonic() + 10
+        while r.get(key) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
         value = json.loads(r.get(key))
         assert value["url"] == srv.url and value["role"] == "mixed" and value["model"] == srv.model_name
         assert abs(value["started"] - time.time()) < 120
