@@ -40,7 +40,7 @@ serve: install
 
 # Optional peers some tests drive for real (they skip, saying why, where absent).
 test-tools:
-	@missing=""; for b in nginx prometheus rclone; do command -v $$b >/dev/null 2>&1 || [ -x /usr/sbin/$$b ] || [ -x /usr/bin/$$b ] || missing="$$missing $$b"; done; \
+	@missing=""; for b in nginx prometheus rclone chromium; do command -v $$b >/dev/null 2>&1 || [ -x /usr/sbin/$$b ] || [ -x /usr/bin/$$b ] || missing="$$missing $$b"; done; \
 	if [ -n "$$missing" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	  echo "installing Debian's$$missing (optional test peers)"; \
 	  apt-get install -y -q $$missing >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q $$missing >/dev/null 2>&1) || echo "could not install$$missing; those tests will skip"; \

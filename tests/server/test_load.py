@@ -166,7 +166,9 @@ async def test_flood_gets_429_with_retry_after(tight, scrape) -> None:
 
 
 def test_request_timeout_aborts_cleanly(tight, scrape) -> None:
-    body = {"prompt": "x", "max_tokens": 1000, "ignore_eos": True}
+    # 16 x 1000 tokens through 2 running slots: far more than 1 s of work on any machine (one
+    # 1000-token sequence alone can finish within the second on a fast one).
+    body = {"prompt": "x", "max_tokens": 1000, "ignore_eos": True, "n": 16}
     start = time.monotonic()
     r = httpx.post(tight.url + "/v1/completions", json=body, headers=AUTH, timeout=30)
     assert time.monotonic() - start < 5
