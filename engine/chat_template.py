@@ -255,6 +255,23 @@ class ChatTemplates:
         return entry
 
 
+def template_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    """One chat message as templates see it: ``role``; ``content`` ("" when absent or null, text
+    parts kept as ``{"type": "text", "text": …}`` parts); ``name``, ``tool_call_id`` and
+    ``tool_calls`` when set; nothing else. The server and the router's ``TokenKeyer`` both render
+    through this, so they agree on every token and block hash of a chat prompt."""
+    out: dict[str, Any] = {"role": message.get("role")}
+    content = message.get("content")
+    if isinstance(content, list):
+        out["content"] = [{"type": "text", "text": part.get("text")} for part in content]
+    else:
+        out["content"] = content if content is not None else ""
+    for key in ("name", "tool_call_id", "tool_calls"):
+        if message.get(key) is not None:
+            out[key] = message[key]
+    return out
+
+
 def _tag_final_message(messages: list[dict[str, Any]]) -> None:
     if not messages:
         raise ChatTemplateError("continue_final_message needs at least one message")

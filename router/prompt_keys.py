@@ -17,6 +17,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
+from engine.chat_template import template_message
 from kvcache.keys import block_hashes
 
 TEXT_CHUNK_CHARS = 64  # ~16 tokens of English: one text "block"
@@ -50,10 +51,16 @@ class TokenKeyer(PromptKeyer):
     def token_ids(self, path: str, body: dict[str, Any]) -> list[int] | None:
         try:
             if path.endswith("/chat/completions"):
+                # Exactly the replica's rendering (``server/params.py`` chat_prompt): the same
+                # message normalisation, null meaning the default, template kwargs then tools.
+                messages = [template_message(m) for m in body["messages"]]
                 kwargs = dict(body.get("chat_template_kwargs") or {})
+                if body.get("continue_final_message"):
+                    kwargs["continue_final_message"] = True
+                add_generation_prompt = body.get("add_generation_prompt")
                 return self.tokenizer.encode_chat(
-                    body["messages"],
-                    add_generation_prompt=body.get("add_generation_prompt", True),
+                    messages,
+                    add_generation_prompt=True if add_generation_prompt is None else add_generation_prompt,
                     tools=body.get("tools"),
                     **kwargs,
                 )
@@ -65,7 +72,7 @@ class TokenKeyer(PromptKeyer):
                 prompt = prompt[0]
             if isinstance(prompt, str):
                 return self.tokenizer.encode(prompt)
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, AttributeError):
             return None
         return None
 

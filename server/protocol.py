@@ -28,6 +28,8 @@ from pydantic import (
     model_validator,
 )
 
+from engine.chat_template import template_message
+
 MAX_N = 128  # choices per request, as OpenAI allows
 MAX_LOGPROBS = 20  # top logprobs per token, as OpenAI allows
 MAX_STOP_SEQUENCES = 16
@@ -184,17 +186,8 @@ class ChatMessage(_Request):
         return self
 
     def template_dict(self) -> dict[str, Any]:
-        """The message as the chat template sees it (text parts kept as parts)."""
-        out: dict[str, Any] = {"role": self.role}
-        if isinstance(self.content, list):
-            out["content"] = [{"type": "text", "text": p.text} for p in self.content]
-        else:
-            out["content"] = self.content if self.content is not None else ""
-        for key in ("name", "tool_call_id", "tool_calls"):
-            value = getattr(self, key)
-            if value is not None:
-                out[key] = value
-        return out
+        """The message as the chat template sees it (``engine.chat_template.template_message``)."""
+        return template_message(self.model_dump())
 
 
 class ResponseFormat(_Request):

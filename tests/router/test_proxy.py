@@ -400,7 +400,35 @@ def test_router_block_hashes_equal_the_replicas(cluster: Cluster, pair: list[Pro
         "kv_transfer": {"role": "producer"},
         "prompt": "def f(x):\n" * 20,
     }
-    for path, body in (("/v1/chat/completions", chat), ("/v1/completions", comp)):
+    # Bodies the template sees differently unless router and replica normalise alike: null
+    # content, text parts with extra keys, unknown message fields, a null add_generation_prompt,
+    # continue_final_message.
+    odd_chat = {
+        "model": MODEL,
+        "max_tokens": 1,
+        "kv_transfer": {"role": "producer"},
+        "add_generation_prompt": None,
+        "messages": [
+            {"role": "system", "content": [{"type": "text", "text": "be brief " * 20, "cache": "x"}]},
+            {"role": "user", "content": "hello?", "metadata": {"k": 1}},
+            {"role": "assistant", "content": None},
+            {"role": "user", "content": [{"type": "text", "text": "again"}, {"type": "text", "text": "!"}]},
+        ],
+    }
+    continued = {
+        "model": MODEL,
+        "max_tokens": 1,
+        "kv_transfer": {"role": "producer"},
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+        "messages": [
+            {"role": "user", "content": "write a long list " * 10},
+            {"role": "assistant", "content": "Sure: one, two,"},
+        ],
+    }
+    bodies = [("/v1/chat/completions", chat), ("/v1/chat/completions", odd_chat)]
+    bodies += [("/v1/chat/completions", continued), ("/v1/completions", comp)]
+    for path, body in bodies:
         answer = httpx.post(a.url + path, json=body, timeout=30).json()
         hashes, tokens = keyer.keys(path, body)
         assert len(hashes) >= 4 and tokens == answer["usage"]["prompt_tokens"]
