@@ -12,7 +12,9 @@ Stop strings are searched in the decoded text as it grows. Text that could still
 the start of a stop string is held back; a stop ends the text at the match (the stop string is left
 out unless ``include_stop_str_in_output``). Among several matches, the one that *ends* first wins,
 ties to the longer one: that is where a reader scanning the text would first see a stop string,
-so the result does not depend on how the text was split into tokens.
+so the result does not depend on how the text was split into tokens. As in vLLM, a stop string
+only counts once more than ``min_tokens`` ids have been generated: text from before that is kept
+even where it contains one.
 
 Invariant: the concatenation of every ``append`` delta and ``flush()`` equals a one-shot decode of
 the output ids (in the context of the prompt), cut at the stop string as above. One exception, by
@@ -40,6 +42,9 @@ class IncrementalDetokenizer:
         self._skip_special = params.skip_special_tokens
         self._include_stop = params.include_stop_str_in_output
         self._stops = [s for s in dict.fromkeys(params.stop) if s]
+        # As vLLM: a stop string ends the request only once more than min_tokens ids are out.
+        self._min_tokens = params.min_tokens or 0
+        self._num_out = 0
         context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         if self._backend.decode(context, skip_special_tokens=self._skip_special).endswith("\ufffd"):
             # The prompt ends inside a character: output bytes would merge with it, and the output
@@ -72,6 +77,7 @@ class IncrementalDetokenizer:
         """
         if self._done:
             return ""
+        self._num_out += len(token_ids)
         if stop_terminated and not self._include_stop:
             token_ids = token_ids[:-1]
         if token_ids:
@@ -121,7 +127,7 @@ class IncrementalDetokenizer:
         start, text = self._emitted, self._decoded
         end = len(text)
         if self._stops:
-            match = self._find_stop(start)
+            match = self._find_stop(start) if self._num_out > self._min_tokens else None
             if match is not None:
                 stop, at = match
                 end = at + len(stop) if self._include_stop else at

@@ -2,7 +2,8 @@
 
 Stop order per sampled token: EOS (unless ignore_eos), a ``stop_token_ids`` id, a stop string
 (found by the detokenizer), ``max_tokens`` (-> "length"), ``max_model_len`` (-> "length"). EOS
-and stop ids are masked by the sampler until ``min_tokens`` is reached.
+and stop ids are masked by the sampler until ``min_tokens`` is reached; stop strings count only
+once more than ``min_tokens`` tokens are out (the detokenizer checks).
 """
 
 from __future__ import annotations

@@ -224,3 +224,27 @@ def test_sentencepiece_output_reads_as_a_continuation_of_the_prompt(ms_tok: Toke
     deltas, detok = stream(ms_tok, out, SamplingParams(), [1], prompt=prompt)
     assert "".join(deltas) == detok.text == " Hello é"
     assert ms_tok.decode(out) == "Hello é"  # alone, the decoder strips the leading space
+
+
+def test_stop_strings_wait_for_min_tokens(tok: Tokenizer) -> None:
+    """As vLLM: a stop string counts only once more than min_tokens ids are out."""
+    pieces = ["STOP", " a", " STOP", " b"]
+    ids = [tok.encode(p) for p in pieces]
+    params = SamplingParams(stop=["STOP"], min_tokens=len(ids[0]) + len(ids[1]))
+    detok = IncrementalDetokenizer(tok, params, [])
+    assert detok.append(ids[0]) == "STOP"  # within min_tokens: kept, not a stop
+    assert detok.stop_hit is None
+    assert detok.append(ids[1]) == " a"
+    assert detok.append(ids[2]) == " " and detok.stop_hit == "STOP"
+    assert detok.text == "STOP a "
+    # Without min_tokens the first one stops at once.
+    early = IncrementalDetokenizer(tok, SamplingParams(stop=["STOP"]), [])
+    assert early.append(ids[0]) == "" and early.stop_hit == "STOP"
+
+
+def test_stop_string_straddling_the_min_tokens_boundary_is_found(tok: Tokenizer) -> None:
+    first, second = tok.encode("x ST"), tok.encode("OP y")
+    detok = IncrementalDetokenizer(tok, SamplingParams(stop=["STOP"], min_tokens=len(first)), [])
+    assert detok.append(first) == "x "  # "ST" may still begin a stop that ends past min_tokens
+    assert detok.append(second) == "" and detok.stop_hit == "STOP"
+    assert detok.text == "x "
