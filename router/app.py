@@ -177,7 +177,8 @@ class RouterApp:
     async def _generate(self, pool: Pool, call: ProxyCall, send: Send) -> None:
         if self.disaggregated:
             pools = self.replicas.pools
-            await self.pd.generate(pools["prefill"], pools["decode"], call, send)
+            mixed = (self.relay, pools["mixed"]) if len(pools["mixed"]) else None
+            await self.pd.generate(pools["prefill"], pools["decode"], call, send, whole=mixed)
         else:
             await self.relay.generate(pool, call, send)
 

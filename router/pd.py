@@ -14,8 +14,8 @@ The flow (DESIGN.md "A disaggregated request"):
    ``router/sse.py``'s ``StreamTracker`` gives the client one stream (same ``id``, one role chunk,
    ``usage`` counting every token sent).
 
-Local prefill (the decode worker computes the prompt itself, as Dynamo's conditional
-disaggregation does) when: the prompt's uncached part is shorter than ``--pd-threshold``; no prefill
+Not disaggregated (served whole by a mixed replica when the cluster has a routable one, else
+prefilled locally by the decode worker, as Dynamo's conditional disaggregation does) when: the prompt's uncached part is shorter than ``--pd-threshold``; no prefill
 worker is routable or all are saturated; every prefill worker tried failed or timed out; or the
 request is one the hand-off does not cover (``max_tokens`` = 1: it is all prefill; ``n`` > 1,
 several prompts, ``echo``, client ``logprobs``: their first token would need the prefill worker's
@@ -111,7 +111,17 @@ class PDOrchestrator:
             return "prefill_saturated"
         return None
 
-    async def generate(self, prefill_pool: Pool, decode_pool: Pool, call: ProxyCall, send: Send) -> None:
+    async def generate(
+        self,
+        prefill_pool: Pool,
+        decode_pool: Pool,
+        call: ProxyCall,
+        send: Send,
+        whole: tuple[Generation, Pool] | None = None,
+    ) -> None:
+        """``whole``: the mixed replicas (and the Generation that routes to them), when the cluster
+        has any: a request that is not disaggregated is served whole there, keeping its prefill off
+        the decode workers; without them the decode pool serves it (local prefill)."""
         reason = self._local_reason(call, prefill_pool, decode_pool)
         prefilled: Prefilled | None = None
         if reason is None:
@@ -122,8 +132,12 @@ class PDOrchestrator:
             if prefilled is None and reason is None:
                 return  # the prefill worker's answer (a client error) was relayed
         if prefilled is None:
-            self.metrics.requests.labels("local_prefill").inc()
             self.metrics.fallbacks.labels(reason or "unknown").inc()
+            if whole is not None and whole[1].candidates(self.decode.clock()):
+                self.metrics.requests.labels("mixed").inc()
+                await whole[0].generate(whole[1], call, send)
+                return
+            self.metrics.requests.labels("local_prefill").inc()
             await self.decode.generate(decode_pool, call, send)
             return
         self.metrics.requests.labels("disaggregated").inc()

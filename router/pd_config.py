@@ -75,7 +75,8 @@ class PDMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.requests = Counter(
             "ferry:router_pd_requests",
-            "Requests served with prefill/decode pools, by path (disaggregated or local_prefill)",
+            "Requests served with prefill/decode pools, by path (disaggregated; mixed: whole on a mixed "
+            "replica; local_prefill: whole on a decode worker)",
             ["path"],
             registry=registry,
         )
@@ -93,7 +94,7 @@ class PDMetrics:
         )
         self.fallbacks = Counter(
             "ferry:router_pd_local_prefill",
-            "Requests prefilled on the decode worker, by reason",
+            "Requests not disaggregated (served whole by a mixed replica, else by a decode worker), by reason",
             ["reason"],
             registry=registry,
         )

@@ -2,7 +2,8 @@
 
 Started once per module (processes load in parallel): two prefill and two decode workers on a
 shared Redis tier (the session's private ``redis_server``), one mixed replica without a tier (the
-colocated reference), a PD router and a PD router whose prefill timeout no worker can meet.
+colocated reference), a PD router, a PD router whose prefill timeout no worker can meet, and a
+PD router that also has the mixed replica.
 Every process is stopped at the end; logs go to the module's tmp dir.
 """
 
@@ -63,10 +64,21 @@ def pd(tiny_llama: Path, redis_server, tmp_path_factory: pytest.TempPathFactory)
             "--max-retries",
             "0",
         )
-        procs += [router, slow]
-        for r in (router, slow):
+        with_mixed = _router(
+            tmp,
+            "mixed-router",
+            *model,
+            "--prefill",
+            prefill[0].url,
+            "--decode",
+            decode[0].url,
+            "--replica",
+            mixed.url,
+        )
+        procs += [router, slow, with_mixed]
+        for r in (router, slow, with_mixed):
             r.wait_http(30.0)
-        yield PDCluster(prefill, decode, mixed, router, slow, procs)
+        yield PDCluster(prefill, decode, mixed, router, slow, with_mixed, procs)
     finally:
         for p in reversed(procs):
             p.stop()

@@ -16,4 +16,5 @@ class PDCluster:
     mixed: Proc
     router: Proc  # --prefill P1 P2 --decode D1 D2
     slow_router: Proc  # --prefill P1 --decode D1 with a prefill timeout nobody meets
+    mixed_router: Proc  # --prefill P1 --decode D1 --replica mixed
     procs: list[Proc]

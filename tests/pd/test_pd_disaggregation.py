@@ -152,6 +152,36 @@ def test_short_prompts_and_n_prefill_on_decode(pd: PDCluster) -> None:
     assert metric(pd.router.url, "ferry:router_pd_requests_total", {"path": "local_prefill"}) - before == 2
 
 
+def test_mixed_replicas_serve_what_is_not_disaggregated(pd: PDCluster) -> None:
+    """With a mixed replica beside the PD pools, short prompts and n > 1 run whole there (never
+    on the decode worker); long prompts are still disaggregated."""
+    url = pd.mixed_router.url
+
+    def paths() -> dict[str, float]:
+        return {
+            p: metric(url, "ferry:router_pd_requests_total", {"path": p})
+            for p in ("mixed", "local_prefill", "disaggregated")
+        }
+
+    def decode_requests() -> float:
+        return metric(pd.decode[0].url, "vllm:request_success_total")
+
+    before, decode_before = paths(), decode_requests()
+    short = {"prompt": "def f(x):", "max_tokens": 6, "temperature": 0, "return_token_ids": True}
+    assert _call(url, "/v1/completions", short)[0] == _call(pd.mixed.url, "/v1/completions", short)[0]
+    two = {"prompt": _text(3, 40), "max_tokens": 5, "temperature": 0.8, "seed": 7, "n": 2}
+    got = httpx.post(url + "/v1/completions", json=two, timeout=60).json()
+    assert len(got["choices"]) == 2
+    after = paths()
+    assert after["mixed"] - before["mixed"] == 2
+    assert after["local_prefill"] == before["local_prefill"]
+    assert decode_requests() == decode_before  # the decode worker never saw them
+    long = {"prompt": _text(5, 60), "max_tokens": 4, "temperature": 0, "return_token_ids": True}
+    assert _call(url, "/v1/completions", long)[0] == _call(pd.mixed.url, "/v1/completions", long)[0]
+    assert paths()["disaggregated"] - after["disaggregated"] == 1
+    assert decode_requests() == decode_before + 1
+
+
 def test_first_token_ends_the_request_on_the_prefill_worker(pd: PDCluster) -> None:
     prompt = _text(9, 40)
     first = _call(
