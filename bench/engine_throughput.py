@@ -15,7 +15,9 @@ Side by side, same thread count:
 * ceiling: all prompts packed into one prefill (per-layer matmuls over every prompt token at once),
   then decode at batch 32 over a preallocated contiguous cache, ideal packing
   (ceil(total output / 32) steps).
-Also the cost of ``deterministic=True`` (ferry only). With ``--repeats N`` every system runs N times
+Also the cost of ``deterministic=True`` and what bfloat16 weights and KV cache buy (``ferry_bf16``,
+same engine, ``dtype="bfloat16"``; the other rows are fp32; on CPUs with AMX or AVX512-BF16
+oneDNN runs bf16 matmuls natively). With ``--repeats N`` every system runs N times
 (interleaved) and the fastest run counts, which filters bursts of load on a shared machine.
 Prints a table, writes JSON to bench/results/.
 
@@ -334,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-deterministic", action="store_true")
+    ap.add_argument("--skip-bf16", action="store_true", help="leave out the bfloat16 ferry row")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=1, help="run each system N times, report the fastest")
@@ -352,6 +355,12 @@ def main(argv: list[str] | None = None) -> int:
             "cpu": platform.processor() or platform.machine(),
             "torch": torch.__version__,
             "note": "shared machine: other jobs disturb timings",
+            "cpu_flags": sorted(
+                {"avx2", "avx512f", "avx512_bf16", "amx_bf16"}
+                & set(Path("/proc/cpuinfo").read_text().split())
+            )
+            if Path("/proc/cpuinfo").exists()
+            else [],
         },
         "num_requests": args.num_requests,
         "workloads": {},
@@ -366,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
         }
         if not args.skip_deterministic:
             systems["ferry_deterministic"] = partial(run_ferry, model_dir, work, deterministic=True, **opts)
+        if not args.skip_bf16:
+            systems["ferry_bf16"] = partial(run_ferry, model_dir, work, dtype="bfloat16", **opts)
         if not args.skip_hf:
             systems["transformers"] = partial(run_hf, model_dir, work)
         # Interleave repeats (A B C, A B C) so a burst of load from other jobs hits all systems alike.
@@ -379,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
                 r[k].pop("tokens", None)
         results["workloads"][kind] = r
         ceil_tps = r["ceiling"]["tokens_per_s"]
-        for name in ("ceiling", "ferry", "ferry_deterministic", "transformers"):
+        for name in ("ceiling", "ferry", "ferry_deterministic", "ferry_bf16", "transformers"):
             if name in r:
                 tps = r[name]["tokens_per_s"]
                 vs_hf = tps / r["transformers"]["tokens_per_s"] if "transformers" in r else float("nan")

@@ -4,10 +4,18 @@
    client measures, per target (direct, ferry router, vllm-router, sglang-router): sequential
    latency p50/p99 of non-streamed and streamed requests (added latency = minus direct) and
    requests/s at saturation (streamed chat, ``--concurrency`` clients for ``--duration`` s).
-2. quality — ``--replicas`` real ``ferry serve`` replicas of a small model; a multi-turn
-   workload where groups of conversations share a long system prompt. Per router config: the
-   replicas' prefix-cache hit rate (Δ``vllm:prefix_cache_hits`` / Δ``queries``) and client TTFT
-   p50/p99. Each config gets fresh prompt text, so caches warmed by one config never help another.
+2. quality — ``--replicas`` real ``ferry serve`` replicas of a small model, two multi-turn
+   workloads (``--workloads``):
+   * ``chat``: groups of conversations share a long system prompt; each turn adds a short question;
+   * ``rag``: groups share a short system prompt; each turn pastes a retrieved passage of random
+     length (``--passage-words``) before its question, as document Q&A and agent tool results do,
+     so a turn's new text can outweigh the conversation it continues.
+   Per router config: the replicas' prefix-cache hit rate (Δ``vllm:prefix_cache_hits`` /
+   Δ``queries``), client TTFT p50/p99 and the router's CPU seconds, medians of ``--repeats``
+   interleaved runs. All configs of a repeat get the same conversations, each opened by its own
+   tag, so caches warmed by one config never help another. The "one replica" row sends everything
+   to a single replica with no router: one cache sees every prefix, so its hit rate is the
+   workload's ceiling for any router (its TTFT is not comparable: one replica does all the work).
 
 Loopback only, bounded in count and time; every process it starts is stopped. Prints tables and
 writes JSON to ``bench/results/router.json``. Numbers on a shared machine are disturbed by other
@@ -27,6 +35,7 @@ import re
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -325,30 +334,50 @@ def build_model(root: Path) -> Path:
     return out
 
 
-def conversations(tag: str, groups: int, per_group: int, system_words: int) -> list[list[dict]]:
-    rng = random.Random(tag)
-    words = [w for w in (Path(__file__).read_text().split()) if w.isalpha()][:400] or ["word"]
+_WORDS = [w for w in (Path(__file__).read_text().split()) if w.isalpha()][:400] or ["word"]
+
+
+def conversations(
+    tag: str, workload: str, groups: int, per_group: int, turns: int, args: argparse.Namespace
+) -> list[list[str]]:
+    """Per conversation: its system prompt, then the user message of each turn.
+
+    The text depends on the workload and the repeat only; ``tag`` (fixed length) opens every
+    system prompt, so configs see equal work but never each other's cached blocks.
+    """
+    rng = random.Random(f"{workload}/{tag[: tag.index('c')]}")
+
+    def text(n: int) -> str:
+        return " ".join(rng.choice(_WORDS) for _ in range(n))
+
+    system_words = args.system_words if workload == "chat" else args.rag_system_words
+    lo, hi = (int(x) for x in args.passage_words.split("-"))
     out = []
     for g in range(groups):
-        system = f"[{tag}/{g}] " + " ".join(rng.choice(words) for _ in range(system_words))
+        system = f"[{tag}] group {g}: " + text(system_words)
         for c in range(per_group):
-            out.append(
-                [
-                    {"role": "system", "content": system},
-                    {"role": "user", "content": f"conversation {c} of group {g}: {rng.choice(words)}?"},
+            if workload == "chat":
+                users = [f"conversation {c} of group {g}: {text(1)}?"] + [
+                    f"and {t}?" for t in range(turns - 1)
                 ]
-            )
+            else:
+                users = [
+                    f"passage:\n{text(rng.randint(lo, hi))}\nquestion {t}: {text(1)}?" for t in range(turns)
+                ]
+            out.append([system, *users])
     rng.shuffle(out)
     return out
 
 
-async def run_conversations(base: str, convs: list[list[dict]], turns: int, concurrency: int) -> list[float]:
+async def run_conversations(base: str, convs: list[list[str]], concurrency: int) -> list[float]:
     client = UpstreamClient(read_timeout=120)
     ttfts: list[float] = []
     sem = asyncio.Semaphore(concurrency)
 
-    async def converse(msgs: list[dict]) -> None:
-        for t in range(turns):
+    async def converse(conv: list[str]) -> None:
+        msgs = [{"role": "system", "content": conv[0]}]
+        for t, user in enumerate(conv[1:]):
+            msgs.append({"role": "user", "content": user})
             async with sem:
                 body = {
                     "model": "bench-llama",
@@ -360,11 +389,7 @@ async def run_conversations(base: str, convs: list[list[dict]], turns: int, conc
                 _, ttft, status = await one_request(client, base, "/v1/chat/completions", body)
             if status == 200:
                 ttfts.append(ttft)
-            msgs = [
-                *msgs,
-                {"role": "assistant", "content": f"answer {t}"},
-                {"role": "user", "content": f"and {t}?"},
-            ]
+            msgs.append({"role": "assistant", "content": f"answer {t}"})
 
     await asyncio.gather(*(converse(m) for m in convs))
     await client.aclose()
@@ -413,45 +438,95 @@ def bench_quality(args: argparse.Namespace, logdir: Path) -> dict:
         urls = [r.url for r in replicas]
         configs = [("ferry", "cache_aware"), ("ferry", "round_robin")]
         configs += [(k, "cache_aware") for k in ("vllm-router", "sglang-router") if available(k)]
+        configs.append(("one replica", "-"))
         if args.only:
             configs = [c for c in configs if c[0] in args.only.split(",")]
         probe = {"model": "bench-llama", "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
-        for kind, policy in configs:
-            port = free_port()
-            svc = Service(kind, router_cmd(kind, port, urls, policy, str(model)), port, logdir)
-            try:
-                svc.wait("/v1/chat/completions", probe, timeout=60)
-                convs = conversations(f"{kind}-{policy}", args.groups, args.per_group, args.system_words)
-                h0, q0 = cache_counters(urls)
-                t0 = time.perf_counter()
-                ttfts = asyncio.run(run_conversations(svc.url, convs, args.turns, args.concurrency_quality))
-                wall = time.perf_counter() - t0
-                h1, q1 = cache_counters(urls)
-            finally:
-                svc.stop()
-            expected = len(convs) * args.turns
-            rows.append(
-                {
-                    "router": kind,
-                    "policy": policy,
-                    "hit_rate": (h1 - h0) / max(q1 - q0, 1),
-                    "ttft_p50_ms": 1000 * pct(ttfts, 0.5),
-                    "ttft_p99_ms": 1000 * pct(ttfts, 0.99),
-                    "ok": len(ttfts),
-                    "requests": expected,
-                    "wall_s": wall,
-                }
-            )
+        # Every config of one repeat gets the same conversations, told apart only by a fixed-length
+        # tag at the start of each system prompt (so no config's cache helps another); configs run
+        # interleaved, repeat after repeat, so a burst of load on the box hits them alike.
+        for rep in range(args.repeats):
+            for workload in args.workloads.split(","):
+                for ci, (kind, policy) in enumerate(configs):
+                    rows.append(
+                        run_quality_config(
+                            args, logdir, urls, model, workload, f"r{rep}c{ci}", kind, policy, probe
+                        )
+                    )
     finally:
         for r in replicas:
             r.stop()
+    summary = summarize(rows)
     print_table(
         f"Routing quality ({args.replicas} ferry replicas; {args.groups} prompt groups x {args.per_group} "
-        f"conversations x {args.turns} turns, {args.concurrency_quality} at once)",
-        rows,
-        ["router", "policy", "hit_rate", "ttft_p50_ms", "ttft_p99_ms", "ok", "requests", "wall_s"],
+        f"conversations x {args.turns} turns, {args.concurrency_quality} at once; medians of {args.repeats})",
+        summary,
+        ["workload", "router", "policy", "hit_rate", "ttft_p50_ms", "ttft_p99_ms", "wall_s", "router_cpu_s"],
     )
-    return {"rows": rows}
+    return {"rows": rows, "summary": summary}
+
+
+def run_quality_config(
+    args: argparse.Namespace,
+    logdir: Path,
+    urls: list[str],
+    model: Path,
+    workload: str,
+    tag: str,
+    kind: str,
+    policy: str,
+    probe: dict,
+) -> dict:
+    svc = None
+    if kind == "one replica":
+        base = urls[0]  # every request on one cache: the workload's hit-rate ceiling
+    else:
+        port = free_port()
+        svc = Service(kind, router_cmd(kind, port, urls, policy, str(model)), port, logdir)
+        base = svc.url
+    try:
+        if svc is not None:
+            svc.wait("/v1/chat/completions", probe, timeout=60)
+        convs = conversations(tag, workload, args.groups, args.per_group, args.turns, args)
+        h0, q0 = cache_counters(urls)
+        c0 = svc.cpu_seconds() if svc is not None else 0.0
+        t0 = time.perf_counter()
+        ttfts = asyncio.run(run_conversations(base, convs, args.concurrency_quality))
+        wall = time.perf_counter() - t0
+        c1 = svc.cpu_seconds() if svc is not None else 0.0
+        h1, q1 = cache_counters(urls)
+    finally:
+        if svc is not None:
+            svc.stop()
+    return {
+        "workload": workload,
+        "router": kind,
+        "policy": policy,
+        "tag": tag,
+        "hit_rate": (h1 - h0) / max(q1 - q0, 1),
+        "prompt_tokens": q1 - q0,
+        "ttft_p50_ms": 1000 * pct(ttfts, 0.5),
+        "ttft_p99_ms": 1000 * pct(ttfts, 0.99),
+        "ok": len(ttfts),
+        "requests": len(convs) * args.turns,
+        "wall_s": wall,
+        "router_cpu_s": c1 - c0,
+    }
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Median of each measure per (workload, router, policy), in first-seen order."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["workload"], r["router"], r["policy"]), []).append(r)
+    out = []
+    for (workload, router, policy), rs in groups.items():
+        row: dict = {"workload": workload, "router": router, "policy": policy, "runs": len(rs)}
+        for k in ("hit_rate", "ttft_p50_ms", "ttft_p99_ms", "wall_s", "router_cpu_s"):
+            row[k] = statistics.median(r[k] for r in rs)
+        row["failed"] = sum(r["requests"] - r["ok"] for r in rs)
+        out.append(row)
+    return out
 
 
 def print_table(title: str, rows: list[dict], cols: list[str]) -> None:
@@ -476,7 +551,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--groups", type=int, default=8)
     p.add_argument("--per-group", type=int, default=3)
     p.add_argument("--turns", type=int, default=3)
-    p.add_argument("--system-words", type=int, default=300)
+    p.add_argument("--system-words", type=int, default=300, help="chat: shared system prompt length")
+    p.add_argument("--rag-system-words", type=int, default=40, help="rag: shared system prompt length")
+    p.add_argument("--passage-words", default="40-300", help="rag: passage length range per turn, words")
+    p.add_argument("--workloads", default="chat,rag", help="quality workloads to run: chat, rag")
+    p.add_argument("--repeats", type=int, default=1, help="quality: run every config N times, report medians")
     p.add_argument("--concurrency-quality", type=int, default=6)
     p.add_argument("--out", default=str(REPO / "bench/results/router.json"))
     p.add_argument(
