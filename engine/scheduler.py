@@ -8,6 +8,12 @@ and blocks last. When a running request needs a block and none is free, the most
 admitted running request is preempted (blocks freed, put back at the head of the queue to be
 recomputed, mostly from the prefix cache): the oldest request always progresses, so none starves.
 
+A waiting request whose next uncached prompt block is one a running request is computing right
+now (same chained hash) waits for it instead of computing it too: it is skipped, keeping its place
+in the queue, until that block is cached, then admitted with it as a prefix-cache hit. Bursts of
+requests sharing a system prompt, and the n > 1 choices of one prompt, compute the shared part once.
+The owner is running, so the wait ends when its prefill passes the shared blocks.
+
 When the KV connector can load asynchronously (``load_blocks_async``), a request whose prefix is
 in the tier is parked while its blocks load, so tier I/O never stalls other requests' steps; it
 joins the running set, with the loaded tokens counted as computed, in the first step after the
@@ -86,6 +92,7 @@ class Scheduler:
         # dropped at admission (a readmitted request asks again).
         self._tier_lookups: dict[str, tuple[int, int, int]] = {}
         self.num_preemptions = 0
+        self.num_prefix_waits = 0  # admissions put off to reuse a prompt block being computed
         self.prefix_cache_queries = 0  # prompt tokens looked up (cumulative)
         self.prefix_cache_hits = 0  # of which served from the device prefix cache or the tier
 
@@ -150,21 +157,58 @@ class Scheduler:
                 i += 1
         if out.preempted:
             return out  # memory is short: admitting more now would only thrash
+        pending = self._pending_prompt_blocks() if self.waiting and bm.enable_prefix_caching else None
+        deferred: list[Request] = []
         while (
             self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.config.max_num_seqs
         ):
             req = self.waiting[0]
+            if pending and self._waits_for_pending(req, pending):
+                deferred.append(self.waiting.popleft())
+                continue
             n = self._admit(req, budget)
             if n is None:
                 break
             self._tier_lookups.pop(req.request_id, None)
             self.waiting.popleft()
+            if pending is not None:
+                pending.update(self._uncached_prompt_blocks(req))
             if n == 0:
                 continue  # parked while its prefix loads from the tier
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens))
             budget -= n
+        self.waiting.extendleft(reversed(deferred))  # back at the head, in their order
+        self.num_prefix_waits += len(deferred)
         return out
+
+    # -- sharing prompt blocks being computed ------------------------------------------------------
+
+    def _uncached_prompt_blocks(self, req: Request) -> list[bytes]:
+        """Hashes of the full prompt blocks ``req`` will compute but has not cached yet."""
+        full = req.num_prompt_tokens // self.block_manager.block_size
+        first = req.num_registered_blocks
+        if first >= full or req.params.prompt_logprobs is not None:
+            return []
+        return req.full_block_hashes()[first:full]
+
+    def _pending_prompt_blocks(self) -> set[bytes]:
+        pending: set[bytes] = set()
+        for req in self.running:
+            pending.update(self._uncached_prompt_blocks(req))
+        for p in self.loading:
+            pending.update(p.hashes[p.num_hit :])
+        return pending
+
+    def _waits_for_pending(self, req: Request, pending: set[bytes]) -> bool:
+        """Whether the first block ``req`` would compute is being computed by another request."""
+        if req.params.prompt_logprobs is not None:
+            return False  # computes every prompt row anyway
+        bm = self.block_manager
+        hashes = req.full_block_hashes()
+        num_hit = len(bm.match_prefix(req.token_ids, hashes, req.num_tokens - 1))
+        last = (req.num_tokens - 1) // bm.block_size  # blocks a hit may cover: one token stays
+        return num_hit < last and hashes[num_hit] in pending
 
     def _admit(self, req: Request, budget: int) -> int | None:
         """Match the prefix cache (and the tier) and allocate blocks. Returns the tokens to compute

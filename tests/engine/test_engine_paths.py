@@ -113,3 +113,18 @@ def test_integrity_after_mixed_lengths_and_n(tiny_llama, prompts) -> None:
     assert [len(o.outputs) for o in outs] == [3] * 6
     assert all(len(c.token_ids) == 20 for o in outs for c in o.outputs)
     _assert_idle(llm)
+
+
+def test_choices_of_one_prompt_compute_it_once(tiny_llama, prompts, reference) -> None:
+    """n > 1 (and any burst of one prefix): the first choice computes the prompt, the others wait
+    for its blocks instead of recomputing them, and get the same tokens."""
+    llm = LLM(str(tiny_llama), num_kv_blocks=256)
+    p = max(prompts, key=len)
+    cached = ((len(p) - 1) // 16) * 16
+    assert cached >= 64
+    out = llm.generate(p, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, n=4))[0]
+    assert [c.token_ids for c in out.outputs] == [reference[prompts.index(p)]] * 4
+    stats = llm.engine.stats()
+    assert stats.prefix_cache_hits == 3 * cached  # choices 2..4 reuse every full block
+    assert llm.engine.scheduler.num_prefix_waits >= 3
+    _assert_idle(llm)

@@ -11,9 +11,16 @@ from engine.sequence import Request, RequestStatus
 BS = 4
 
 
-def _req(rid: str, n: int) -> Request:
+def _req(rid: str, n: int, base: int | None = None, **params) -> Request:
+    """A request of ``n`` prompt tokens; requests share no prefix unless given the same ``base``."""
+    first = 1000 * sum(map(ord, rid)) if base is None else base
     return Request(
-        rid, list(range(100, 100 + n)), SamplingParams(max_tokens=50), seed=0, eos_token_ids=(), block_size=BS
+        rid,
+        list(range(first, first + n)),
+        SamplingParams(max_tokens=50, **params),
+        seed=0,
+        eos_token_ids=(),
+        block_size=BS,
     )
 
 
@@ -86,3 +93,43 @@ def test_oldest_request_always_progresses() -> None:
     assert finished == ["r0", "r1", "r2", "r3"]
     assert s.block_manager.num_used_blocks == 0
     s.block_manager.check_integrity()
+
+
+def test_a_prompt_block_being_computed_is_waited_for_not_recomputed() -> None:
+    s = _sched(blocks=64, budget=64)
+    a = _req("a", 14, base=100)  # blocks [100..103] [104..107] [108..111] + 2 tokens
+    b = _req("b", 11, base=100)  # the same first 2 blocks, then its own tail
+    c = _req("c", 5)  # shares nothing
+    d = _req("d", 14, base=100, prompt_logprobs=1)  # needs every prompt row: never waits
+    for r in (a, b, c, d):
+        s.add(r)
+    assert _step(s) == [("a", 14), ("c", 5), ("d", 14)]  # b waits, keeping its place
+    assert [r.request_id for r in s.waiting] == ["b"] and s.num_prefix_waits == 1
+    assert _step(s) == [("a", 1), ("c", 1), ("d", 1), ("b", 3)]
+    assert b.num_cached_tokens == 8 and b.block_table[:2] == a.block_table[:2]
+    s.block_manager.check_integrity()
+
+
+def test_requests_queued_together_share_what_the_first_computes() -> None:
+    """n > 1 fans out into identical prompts: the first computes it, the others hit."""
+    s = _sched(blocks=64, budget=12)
+    reqs = [_req(f"n{i}", 17, base=500) for i in range(3)]
+    for r in reqs:
+        s.add(r)
+    assert _step(s) == [("n0", 12)]  # chunked: the others wait for blocks n0 computes
+    assert _step(s) == [("n0", 5)]  # n0's last block is still pending: they keep waiting
+    assert _step(s) == [("n0", 1), ("n1", 1), ("n2", 1)]  # 16 of 17 tokens hit: one to compute
+    assert [r.num_cached_tokens for r in reqs] == [0, 16, 16]
+    assert reqs[1].block_table[:4] == reqs[2].block_table[:4] == reqs[0].block_table[:4]
+    s.block_manager.check_integrity()
+
+
+def test_no_waiting_without_prefix_caching() -> None:
+    s = Scheduler(
+        SchedulerConfig(8, 64, 1024), BlockManager(64, BS, enable_prefix_caching=False), KVConnector()
+    )
+    a, b = _req("a", 9, base=100), _req("b", 9, base=100)
+    s.add(a)
+    s.add(b)
+    assert _step(s) == [("a", 9), ("b", 9)]
+    assert s.num_prefix_waits == 0
