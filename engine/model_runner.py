@@ -55,10 +55,10 @@ class ModelRunner:
         if config.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
         self.dtype = resolve_dtype(config.dtype, cfg.checkpoint_dtype, self.device)
+        # Sliding-window layers attend within their window (the attention backends mask and skip
+        # the rest), so the whole trained context is served. A request keeps all its blocks,
+        # those its window has passed included; freeing them is a later optimisation.
         limit = cfg.max_position_embeddings
-        if cfg.sliding_window is not None:
-            # Attention here is full-context; within the window that is exactly the model's.
-            limit = min(limit, cfg.sliding_window)
         self.max_model_len = min(config.max_model_len or limit, limit)
         self.block_size = config.block_size
         self.weights_id = weights_id(model_dir)

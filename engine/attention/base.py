@@ -74,7 +74,9 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:  # [T, Hq, D]
         """Store ``k``/``v`` at ``meta.slot_mapping``, then attend each new token over its sequence's
         cached prefix plus the new tokens up to and including itself (GQA: query head h reads KV head
-        ``h // (Hq // Hkv)``)."""
+        ``h // (Hq // Hkv)``). With a sliding ``window``, the token at position q sees only keys at
+        positions k with ``q - window < k <= q``."""

@@ -8,11 +8,17 @@ Two numerics, chosen at construction:
   processed in fixed tiles of ``TILE`` positions, in a fixed order, with matmul shapes that do not
   depend on the batch (rows padded to at least ``MIN_ROWS``: MKL picks a different kernel, with a
   different summation order, for very small M).
+
+A sliding-window layer gathers only the blocks its window reaches. In deterministic mode the
+gathered keys start at a multiple of ``TILE`` (and of the block size), so tiles still sit at the
+same absolute positions and the tiles left out would only have added exact zeros.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -25,20 +31,55 @@ MIN_ROWS = 16
 
 @dataclass
 class _DecodeGroup:
-    """Single-token rows of sequences with similar lengths, padded to the group's longest."""
+    """Single-token rows of sequences with similar lengths, batched in one call."""
 
     rows: torch.Tensor  # token indices in the flattened batch
+    seqs: list[int]  # their sequences' batch indices
+
+
+@dataclass
+class _DecodeKeys:
+    """A decode group's keys under one window, padded to the group's longest span.
+
+    Each row's keys are gathered from the first block its window reaches, so key index ``j`` of
+    a row is position ``first_key + j`` for that row's own ``first_key``.
+    """
+
     blocks: torch.Tensor  # [Bg, nb] block ids (padded with block 0)
-    visible: torch.Tensor  # [Bg, 1, 1, nb*block_size] bool: key position < seq_len
-    last_pos: torch.Tensor  # [Bg] position of each row's token (= seq_len - 1)
+    visible: torch.Tensor  # [Bg, 1, 1, nb*block_size] bool: key inside the row's window
+    first: torch.Tensor | None  # [Bg] index of the first key the row sees; None: 0 (no window)
+    last: torch.Tensor  # [Bg] index of the last key the row sees (its own token)
+
+
+@dataclass
+class _Prefill:
+    """One sequence's chunk under one window: queries at positions ctx..ctx+qlen-1, keys from
+    ``first_key`` on."""
+
+    start: int  # first row in the flattened batch
+    qlen: int
+    ctx: int
+    first_key: int  # position of key index 0
+    blocks: torch.Tensor | None  # block ids from first_key's block; None: keys are this step's new K/V
+    mask: torch.Tensor | None  # [qlen, keys] bool for the fast path; None: plain causal
+
+
+@dataclass
+class _WindowPlan:
+    """What the layers with one window read: each decode group's keys (same order) and the prefills."""
+
+    decode_keys: list[_DecodeKeys]
+    prefills: list[_Prefill]
 
 
 @dataclass
 class _Plan:
-    """Per-step index tensors shared by every layer."""
+    """Per-step index tensors shared by every layer. What depends on the window is built by the
+    first layer with that window and kept by window value for the others."""
 
     decode_groups: list[_DecodeGroup]
-    prefills: list[tuple[int, int, int, torch.Tensor | None]]  # (start, qlen, ctx, block ids)
+    prefill_seqs: list[tuple[int, int]]  # (batch index, first row) of each multi-token chunk
+    windows: dict[int | None, _WindowPlan] = field(default_factory=dict)
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
@@ -80,113 +121,172 @@ class TorchAttentionBackend(AttentionBackend):
         state = meta.backend_state
         if isinstance(state, _Plan):
             return state
-        bs = meta.block_size
         dec_seq: list[int] = []
         starts: list[int] = []
-        prefills: list[tuple[int, int, int, torch.Tensor | None]] = []
+        prefill_seqs: list[tuple[int, int]] = []
         start = 0
         for i, qlen in enumerate(meta.query_lens_host):
-            ctx = meta.context_lens_host[i]
             starts.append(start)
             if qlen == 1:
                 dec_seq.append(i)
             else:
-                nb = -(-meta.seq_lens_host[i] // bs)
-                blocks = None
-                if ctx > 0 or self.deterministic:
-                    blocks = torch.tensor(meta.block_tables_host[i][:nb], dtype=torch.long, device=device)
-                prefills.append((start, qlen, ctx, blocks))
+                prefill_seqs.append((i, start))
             start += qlen
         groups = []
         if dec_seq:
-            lens_all = meta.seq_lens_host
-            for seqs in _split_by_length(dec_seq, [lens_all[i] for i in dec_seq]):
-                lens = [lens_all[i] for i in seqs]
-                nb = -(-max(lens) // bs)
-                tables = [meta.block_tables_host[i][:nb] for i in seqs]
-                table = [t + [0] * (nb - len(t)) for t in tables]
-                pos = torch.arange(nb * bs, device=device)
-                valid = pos[None, :] < torch.tensor(lens, device=device)[:, None]
-                groups.append(
-                    _DecodeGroup(
-                        rows=torch.tensor([starts[i] for i in seqs], dtype=torch.long, device=device),
-                        blocks=torch.tensor(table, dtype=torch.long, device=device),
-                        visible=valid[:, None, None, :],
-                        last_pos=torch.tensor(lens, dtype=torch.long, device=device) - 1,
-                    )
-                )
-        plan = _Plan(groups, prefills)
+            lens = meta.seq_lens_host
+            for seqs in _split_by_length(dec_seq, [lens[i] for i in dec_seq]):
+                rows = torch.tensor([starts[i] for i in seqs], dtype=torch.long, device=device)
+                groups.append(_DecodeGroup(rows, seqs))
+        plan = _Plan(groups, prefill_seqs)
         meta.backend_state = plan
         return plan
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale):  # type: ignore[override]
+    def _window_plan(
+        self, plan: _Plan, meta: AttentionMetadata, device: torch.device, window: int | None
+    ) -> _WindowPlan:
+        bs = meta.block_size
+        # Deterministic tiles must keep their absolute positions, so gathering starts at a tile
+        # boundary that is also a block boundary.
+        align = math.lcm(bs, TILE) if self.deterministic else bs
+
+        def first_key(q_pos: int) -> int:
+            """Where the keys gathered for queries from ``q_pos`` on start."""
+            if window is None or q_pos < window:
+                return 0
+            return (q_pos - window + 1) // align * align
+
+        decode_keys = [self._decode_keys(meta, g.seqs, first_key, window, device) for g in plan.decode_groups]
+        prefills = [
+            self._prefill_plan(meta, i, start, first_key(meta.context_lens_host[i]), window, device)
+            for i, start in plan.prefill_seqs
+        ]
+        return _WindowPlan(decode_keys, prefills)
+
+    @staticmethod
+    def _decode_keys(
+        meta: AttentionMetadata,
+        seqs: list[int],
+        first_key: Callable[[int], int],
+        window: int | None,
+        device: torch.device,
+    ) -> _DecodeKeys:
+        bs = meta.block_size
+        lens = [meta.seq_lens_host[i] for i in seqs]
+        fks = [first_key(n - 1) for n in lens]
+        nb = max(-(-n // bs) - fk // bs for n, fk in zip(lens, fks, strict=True))
+        tables = [
+            meta.block_tables_host[i][fk // bs : -(-n // bs)]
+            for i, n, fk in zip(seqs, lens, fks, strict=True)
+        ]
+        table = [t + [0] * (nb - len(t)) for t in tables]
+        lens_t = torch.tensor(lens, dtype=torch.long, device=device)
+        fks_t = torch.tensor(fks, dtype=torch.long, device=device)
+        last = lens_t - 1 - fks_t
+        pos = torch.arange(nb * bs, device=device)[None, :]
+        visible = pos <= last[:, None]
+        first = None
+        if window is not None:
+            first = (lens_t - window).clamp_(min=0) - fks_t
+            visible &= pos >= first[:, None]
+        blocks = torch.tensor(table, dtype=torch.long, device=device)
+        return _DecodeKeys(blocks, visible[:, None, None, :], first, last)
+
+    def _prefill_plan(
+        self, meta: AttentionMetadata, i: int, start: int, fk: int, window: int | None, device: torch.device
+    ) -> _Prefill:
+        qlen, ctx, n = meta.query_lens_host[i], meta.context_lens_host[i], meta.seq_lens_host[i]
+        bs = meta.block_size
+        blocks = None
+        if ctx > 0 or self.deterministic:
+            table = meta.block_tables_host[i][fk // bs : -(-n // bs)]
+            blocks = torch.tensor(table, dtype=torch.long, device=device)
+        mask = None
+        if not self.deterministic and (ctx > 0 or (window is not None and window < qlen)):
+            # Query i (position ctx + i) sees key j (position fk + j) for
+            # ctx + i - window < fk + j <= ctx + i.
+            mask = torch.ones(qlen, n - fk, dtype=torch.bool, device=device).tril_(diagonal=ctx - fk)
+            if window is not None:
+                mask.triu_(diagonal=ctx - fk - window + 1)
+        return _Prefill(start, qlen, ctx, fk, blocks, mask)
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, window=None):  # type: ignore[override]
         hkv, d = k_cache.shape[2], k_cache.shape[3]
         k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
         plan = self._plan(meta, q.device)
+        wplan = plan.windows.get(window)
+        if wplan is None:
+            wplan = plan.windows[window] = self._window_plan(plan, meta, q.device, window)
         out = torch.empty_like(q)
         decode = self._decode_det if self.deterministic else self._decode
-        for g in plan.decode_groups:
-            out.index_copy_(0, g.rows, decode(q.index_select(0, g.rows), k_cache, v_cache, g, scale))
+        for g, keys in zip(plan.decode_groups, wplan.decode_keys, strict=True):
+            out.index_copy_(0, g.rows, decode(q.index_select(0, g.rows), k_cache, v_cache, keys, scale))
         attend = self._prefill_det if self.deterministic else self._prefill
-        for start, qlen, ctx, blocks in plan.prefills:
-            qs = q[start : start + qlen]
-            if blocks is None:
-                ks, vs = k[start : start + qlen], v[start : start + qlen]
+        for p in wplan.prefills:
+            qs = q[p.start : p.start + p.qlen]
+            if p.blocks is None:  # a first chunk: its keys start at position 0
+                ks, vs = k[p.start : p.start + p.qlen], v[p.start : p.start + p.qlen]
             else:
-                ks, vs = _gather(k_cache, blocks), _gather(v_cache, blocks)
-            out[start : start + qlen] = attend(qs, ks, vs, ctx, scale)
+                ks, vs = _gather(k_cache, p.blocks), _gather(v_cache, p.blocks)
+            out[p.start : p.start + p.qlen] = attend(qs, ks, vs, p, window, scale)
         return out
 
     @staticmethod
-    def _decode(q: torch.Tensor, k_cache, v_cache, group: _DecodeGroup, scale: float) -> torch.Tensor:
+    def _decode(q: torch.Tensor, k_cache, v_cache, keys: _DecodeKeys, scale: float) -> torch.Tensor:
         """A group's single-token rows in one SDPA call: the G query heads sharing a KV head are
         laid out as G query rows, so KV heads are never repeated."""
         bd, hq, d = q.shape
         hkv = k_cache.shape[2]
-        kk = _gather(k_cache, group.blocks).transpose(1, 2)  # [Bg, Hkv, L, D]
-        vv = _gather(v_cache, group.blocks).transpose(1, 2)
+        kk = _gather(k_cache, keys.blocks).transpose(1, 2)  # [Bg, Hkv, L, D]
+        vv = _gather(v_cache, keys.blocks).transpose(1, 2)
         qg = q.view(bd, hkv, hq // hkv, d)
-        o = F.scaled_dot_product_attention(qg, kk, vv, attn_mask=group.visible, scale=scale)
+        o = F.scaled_dot_product_attention(qg, kk, vv, attn_mask=keys.visible, scale=scale)
         return o.reshape(bd, hq, d)
 
     @staticmethod
-    def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: int, scale: float) -> torch.Tensor:
-        """One sequence's chunk: queries at positions ctx..ctx+Lq-1 over keys 0..ctx+Lq-1."""
-        lq, n = q.shape[0], q.shape[0] + ctx
-        qt, kt, vt = q.transpose(0, 1), k[:n].transpose(0, 1), v[:n].transpose(0, 1)
-        if ctx == 0:
+    def _prefill(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: _Prefill, window: int | None, scale: float
+    ) -> torch.Tensor:
+        """One sequence's chunk over keys ``p.first_key .. ctx+Lq-1`` (``k`` may run past them);
+        the window is already in ``p.mask``."""
+        nk = p.ctx + p.qlen - p.first_key
+        qt, kt, vt = q.transpose(0, 1), k[:nk].transpose(0, 1), v[:nk].transpose(0, 1)
+        if p.mask is None:
             o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            mask = torch.ones(lq, n, dtype=torch.bool, device=q.device).tril_(diagonal=ctx)
-            o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=p.mask, scale=scale, enable_gqa=True)
         return o.transpose(0, 1)
 
     @staticmethod
     def _prefill_det(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: int, scale: float
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: _Prefill, window: int | None, scale: float
     ) -> torch.Tensor:
         """Batch-invariant attention for one sequence's chunk (see ``_attend_det``)."""
         lq, hq, d = q.shape
         hkv = k.shape[1]
         g = hq // hkv
-        n = ctx + lq
+        nk = p.ctx + lq - p.first_key
         rows = lq * g
         qg = q.reshape(lq, hkv, g, d).permute(1, 0, 2, 3).reshape(1, hkv, rows, d)
-        limit = torch.arange(ctx, n, device=q.device).repeat_interleave(g)[None, :]
-        o = _attend_det(qg, k[:n].transpose(0, 1)[None], v[:n].transpose(0, 1)[None], limit, n, scale)
+        q_pos = torch.arange(p.ctx, p.ctx + lq, device=q.device).repeat_interleave(g)[None, :]
+        last = q_pos - p.first_key
+        first = None if window is None else (q_pos - window + 1).clamp_(min=p.first_key) - p.first_key
+        kk, vv = k[:nk].transpose(0, 1)[None], v[:nk].transpose(0, 1)[None]
+        o = _attend_det(qg, kk, vv, last, first, nk, scale)
         return o[0].reshape(hkv, lq, g, d).permute(1, 0, 2, 3).reshape(lq, hq, d).to(q.dtype)
 
     @staticmethod
-    def _decode_det(q: torch.Tensor, k_cache, v_cache, group: _DecodeGroup, scale: float) -> torch.Tensor:
+    def _decode_det(q: torch.Tensor, k_cache, v_cache, keys: _DecodeKeys, scale: float) -> torch.Tensor:
         """Batch-invariant single-token rows of a group (see ``_attend_det``)."""
         bd, hq, d = q.shape
         hkv = k_cache.shape[2]
         g = hq // hkv
-        kk = _gather(k_cache, group.blocks).transpose(1, 2)
-        vv = _gather(v_cache, group.blocks).transpose(1, 2)
-        limit = group.last_pos[:, None].expand(bd, g)
-        o = _attend_det(q.reshape(bd, hkv, g, d), kk, vv, limit, kk.shape[2], scale)
+        kk = _gather(k_cache, keys.blocks).transpose(1, 2)
+        vv = _gather(v_cache, keys.blocks).transpose(1, 2)
+        last = keys.last[:, None].expand(bd, g)
+        first = None if keys.first is None else keys.first[:, None].expand(bd, g)
+        o = _attend_det(q.reshape(bd, hkv, g, d), kk, vv, last, first, kk.shape[2], scale)
         return o.reshape(bd, hq, d).to(q.dtype)
 
 
@@ -194,7 +294,8 @@ def _attend_det(
     q: torch.Tensor,  # [S, Hkv, R, D] query rows per KV head
     k: torch.Tensor,  # [S, Hkv, N, D]
     v: torch.Tensor,  # [S, Hkv, N, D]
-    limit: torch.Tensor,  # [S, R] last key position each row may see
+    last: torch.Tensor,  # [S, R] last key position each row may see
+    first: torch.Tensor | None,  # [S, R] first key position each row may see; None: 0
     n: int,  # keys present (N)
     scale: float,
 ) -> torch.Tensor:  # [S, Hkv, R, D] fp32
@@ -202,7 +303,8 @@ def _attend_det(
 
     Keys are processed in tiles of ``TILE`` positions in ascending order; matmuls always have
     at least ``MIN_ROWS`` rows and exactly ``TILE`` keys, so the summation order inside them is
-    fixed; keys past a row's limit (and the padding tiles) contribute exact zeros.
+    fixed; keys outside a row's [first, last] (and the padding tiles) contribute exact zeros. Key
+    0 must sit at an absolute position that is a multiple of ``TILE``.
     """
     s_, hkv, r, d = q.shape
     dev = q.device
@@ -215,9 +317,14 @@ def _attend_det(
     vf = torch.zeros(s_, hkv, npad, d, dtype=torch.float32, device=dev)
     kf[:, :, :n] = k[:, :, :n]
     vf[:, :, :n] = v[:, :, :n]
-    lim = torch.zeros(s_, prow, dtype=torch.long, device=dev)  # padding rows see key 0 only
-    lim[:, :r] = limit
-    visible = torch.arange(npad, device=dev)[None, None, :] <= lim[:, :, None]  # [S, prow, npad]
+    hi = torch.zeros(s_, prow, dtype=torch.long, device=dev)  # padding rows see key 0 only
+    hi[:, :r] = last
+    key = torch.arange(npad, device=dev)[None, None, :]
+    visible = key <= hi[:, :, None]  # [S, prow, npad]
+    if first is not None:
+        lo = torch.zeros(s_, prow, dtype=torch.long, device=dev)
+        lo[:, :r] = first
+        visible &= key >= lo[:, :, None]
     scores = torch.empty(s_, hkv, prow, npad, dtype=torch.float32, device=dev)
     for t in range(ntiles):
         sl = slice(t * TILE, (t + 1) * TILE)

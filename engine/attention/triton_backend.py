@@ -53,22 +53,24 @@ class TritonAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         self._write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if q.stride(-1) != 1:
             q = q.contiguous()
         num_seqs = meta.seq_lens.shape[0]
+        span = meta.max_seq_len if window is None else min(meta.max_seq_len, window)
         if (
             not self.deterministic
             and meta.max_query_len == 1
             and q.shape[0] == num_seqs
-            and meta.max_seq_len > self.split_size
+            and span > self.split_size
         ):
-            # Decode-only step (exactly one query per sequence) with a long context.
+            # Decode-only step (exactly one query per sequence) with a long context to attend to.
             return self._split_decode(
                 q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale, meta.max_seq_len,
-                split_size=self.split_size,
+                window=window, split_size=self.split_size,
             )  # fmt: skip
         return self._unified(
-            q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale
+            q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale, window=window
         )

@@ -4,19 +4,21 @@
 ``[num_blocks, block_size, num_kv_heads, head_dim]`` (slot = block_id * block_size + offset), in
 one launch for a whole mixed batch. Each sequence contributes ``q_len`` new tokens (prefill
 chunk, prefix-hit tail, or a single decode token); every new token attends causally to its
-sequence's cached prefix plus the new tokens up to itself. The online-softmax tile loop
-(``attend_tiles``) is shared with the split-KV decode kernel in ``triton_decode.py``.
+sequence's cached prefix plus the new tokens up to itself, or, with a sliding ``window``, to the
+positions k with ``q_pos - window < k <= q_pos``. The online-softmax tile loop (``attend_tiles``)
+is shared with the split-KV decode kernel in ``triton_decode.py``.
 
 Numerics: Q/K/V are converted to fp32 right after loading and the online softmax runs in fp32.
 fp32 models use exact fp32 dots; fp16/bf16 models on a GPU use tf32 dots, which hold fp16 and
 bf16 values exactly, so only the probabilities are rounded (to tf32) before the P@V product.
 
 Batch invariance (``--deterministic``): tile shapes depend on head counts, head dim and dtype,
-never on the batch; KV tiles always start at position 0 (or at a split boundary), and tiles a
-row does not need are exact no-ops for it. So a token's output does not depend on which other
-tokens or sequences share its launch, nor on how its own prompt was chunked. The split-KV
-decode kernel is a different summation, so a backend wanting that guarantee must not switch
-between the two per batch.
+never on the batch; KV tiles always start at position 0 (or at a split boundary; with a window,
+at the first tile the query tile's window reaches, which depends only on the query tile's
+absolute position), and tiles a row does not need are exact no-ops for it. So a token's output
+does not depend on which other tokens or sequences share its launch, nor on how its own prompt
+was chunked. The split-KV decode kernel is a different summation, so a backend wanting that
+guarantee must not switch between the two per batch.
 """
 
 from __future__ import annotations
@@ -38,6 +40,17 @@ def dot_precision(dtype: torch.dtype, interpret: bool) -> str:
 
 def default_block_n(block_d: int) -> int:
     return 64 if block_d <= 64 else 32
+
+
+# The window argument the kernels get for full attention: wider than any sequence.
+FULL_WINDOW = 1 << 30
+
+
+def kernel_window(window: int | None) -> int:
+    """The kernels' ``window`` argument for a layer's window (None: full attention)."""
+    if window is not None and window < 1:
+        raise ValueError(f"a sliding window must be at least 1 token, got {window}")
+    return FULL_WINDOW if window is None else window
 
 
 def check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int]:
@@ -62,6 +75,7 @@ def attend_tiles(
     l_i,
     acc,
     q_pos,
+    q_first,
     kv_start,
     kv_end,
     k_cache_ptr,
@@ -79,7 +93,10 @@ def attend_tiles(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Online-softmax accumulation of K/V positions [kv_start, kv_end) into (m_i, l_i, acc)."""
+    """Online-softmax accumulation of K/V positions [kv_start, kv_end) into (m_i, l_i, acc).
+
+    With ``CAUSAL``, row r sees positions ``q_first[r] <= pos <= q_pos[r]``; otherwise all of them.
+    """
     for tile_start in range(kv_start, kv_end, BLOCK_N):
         pos = tile_start + tl.arange(0, BLOCK_N)
         pos_mask = pos < kv_end
@@ -89,15 +106,19 @@ def attend_tiles(
         k = tl.load(k_cache_ptr + kv_offs[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
         if CAUSAL:
-            visible = pos_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+            visible = (
+                pos_mask[None, :] & (pos[None, :] <= q_pos[:, None]) & (pos[None, :] >= q_first[:, None])
+            )
         else:
             visible = pos_mask[None, :]
         scores = tl.where(visible, scores, float("-inf"))
-        # Every row sees position kv_start in the first tile, so m_new is finite from then on and
-        # a tile with nothing visible leaves (m, l, acc) bit-for-bit unchanged (alpha == 1, p == 0).
+        # A row that has seen nothing yet (m_new still -inf: its window starts in a later tile)
+        # subtracts 0 instead, keeping l = 0 and acc = 0 exact. Once a row has seen a key, a tile
+        # with nothing visible leaves (m, l, acc) bit-for-bit unchanged (alpha == 1, p == 0).
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(scores - m_new[:, None])
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_sub)
+        p = tl.exp(scores - m_sub[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + kv_offs[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(tl.float32)
         acc = tl.dot(p, v, acc * alpha[:, None], input_precision=DOT_PRECISION)
@@ -139,6 +160,7 @@ def _unified_attention_kernel(
     seq_lens_ptr,
     block_tables_ptr,
     scale,
+    window,
     num_seqs,
     queries_per_kv,
     head_dim,
@@ -187,8 +209,11 @@ def _unified_attention_kernel(
         l_i = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_D], tl.float32)
         kv_end = tl.minimum(seq_len, (pos_block + 1) * BLOCK_Q)
+        # Start at the tile holding the first key the tile's lowest row sees: the same tile for
+        # a given position however the batch or the prompt's chunks are laid out.
+        kv_start = tl.maximum(pos_block * BLOCK_Q - window + 1, 0) // BLOCK_N * BLOCK_N
         m_i, l_i, acc = attend_tiles(
-            q, m_i, l_i, acc, q_pos, 0, kv_end, k_cache_ptr, v_cache_ptr,
+            q, m_i, l_i, acc, q_pos, q_pos - window + 1, kv_start, kv_end, k_cache_ptr, v_cache_ptr,
             block_tables_ptr + seq.to(tl.int64) * stride_bt, kv_head, block_size, scale,
             stride_cb, stride_cs, stride_ch, dims, dim_mask,
             CAUSAL=True, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
@@ -210,10 +235,12 @@ def unified_attention(
     scale: float,
     *,
     out: torch.Tensor | None = None,
+    window: int | None = None,
     block_m: int = 64,
     block_n: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of the new tokens ``q`` [T, Hq, D] of a batch of sequences.
+    """Causal attention of the new tokens ``q`` [T, Hq, D] of a batch of sequences, within a
+    sliding ``window`` if one is given.
 
     Sequence ``i`` owns query rows ``query_start_loc[i]:query_start_loc[i+1]`` (possibly none),
     has ``seq_lens[i]`` tokens in total after this step (its K/V already in the caches) and
@@ -232,7 +259,7 @@ def unified_attention(
     launch = unified_launch(queries_per_kv, head_dim, q.dtype, block_m, block_n, interpreting())
     grid = (n_tokens // launch["BLOCK_Q"] + 2 * num_seqs, n_kv_heads)
     _unified_attention_kernel[grid](
-        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale,
+        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale, kernel_window(window),
         num_seqs, queries_per_kv, head_dim, k_cache.shape[1],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), **launch.kwargs,

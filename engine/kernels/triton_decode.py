@@ -4,7 +4,8 @@ Each (sequence, KV head) pair's context is cut into fixed ``split_size`` pieces 
 separate programs, and a second kernel merges the pieces in split order. Split boundaries are
 multiples of ``split_size`` whatever the batch and the merge is a fixed sum, so a row's result
 is the same run to run and whatever else is in the batch (though not the same bits as
-``unified_attention``, which sums in one pass).
+``unified_attention``, which sums in one pass). With a sliding window, splits wholly before the
+window are idle and the first one the window reaches starts where the window does.
 """
 
 from __future__ import annotations
@@ -16,7 +17,13 @@ import triton
 import triton.language as tl
 
 from engine.kernels import Launch, interpreting
-from engine.kernels.triton_attention import attend_tiles, check_shapes, default_block_n, dot_precision
+from engine.kernels.triton_attention import (
+    attend_tiles,
+    check_shapes,
+    default_block_n,
+    dot_precision,
+    kernel_window,
+)
 
 DEFAULT_SPLIT_SIZE = 512  # KV positions per split: fixed, so split boundaries never depend on the batch
 
@@ -31,6 +38,7 @@ def _decode_split_kernel(
     part_out_ptr,
     part_lse_ptr,
     scale,
+    window,
     queries_per_kv,
     head_dim,
     block_size,
@@ -53,9 +61,11 @@ def _decode_split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    kv_start = split * SPLIT_SIZE
-    if kv_start < seq_len:  # splits past this sequence's end belong to longer sequences only
-        kv_end = tl.minimum(kv_start + SPLIT_SIZE, seq_len)
+    # Every head of the program sees the same keys: the window's, [seq_len - window, seq_len).
+    kv_start = tl.maximum(split * SPLIT_SIZE, seq_len - window)
+    kv_end = tl.minimum((split + 1) * SPLIT_SIZE, seq_len)
+    # Splits past this sequence's end belong to longer sequences; those before its window are idle.
+    if kv_start < kv_end:
         group = tl.arange(0, BLOCK_H)
         head_mask = group < queries_per_kv
         q_head = kv_head * queries_per_kv + group
@@ -68,7 +78,7 @@ def _decode_split_kernel(
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
         m_i, l_i, acc = attend_tiles(
-            q, m_i, l_i, acc, m_i, kv_start, kv_end, k_cache_ptr, v_cache_ptr,
+            q, m_i, l_i, acc, m_i, m_i, kv_start, kv_end, k_cache_ptr, v_cache_ptr,
             block_tables_ptr + seq.to(tl.int64) * stride_bt, kv_head, block_size, scale,
             stride_cb, stride_cs, stride_ch, dims, dim_mask,
             CAUSAL=False, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
@@ -87,6 +97,7 @@ def _decode_reduce_kernel(
     part_lse_ptr,
     seq_lens_ptr,
     out_ptr,
+    window,
     head_dim,
     stride_po_t,
     stride_po_h,
@@ -98,16 +109,17 @@ def _decode_reduce_kernel(
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
+    first_split = tl.maximum(seq_len - window, 0) // SPLIT_SIZE
     n_splits = tl.cdiv(seq_len, SPLIT_SIZE)
     row = seq.to(tl.int64) * stride_po_t + head * stride_po_h
     dims = tl.arange(0, BLOCK_D)
     # Two passes in split order: the merge is a fixed sum whatever the batch looks like.
     max_lse = tl.full([], float("-inf"), tl.float32)
-    for s in range(0, n_splits):
+    for s in range(first_split, n_splits):
         max_lse = tl.maximum(max_lse, tl.load(part_lse_ptr + row + s))
     acc = tl.zeros([BLOCK_D], tl.float32)
     total = tl.zeros([], tl.float32)
-    for s in range(0, n_splits):
+    for s in range(first_split, n_splits):
         weight = tl.exp(tl.load(part_lse_ptr + row + s) - max_lse)
         acc += weight * tl.load(part_out_ptr + (row + s) * BLOCK_D + dims)
         total += weight
@@ -126,11 +138,13 @@ def split_kv_decode_attention(
     max_seq_len: int,
     *,
     out: torch.Tensor | None = None,
+    window: int | None = None,
     split_size: int = DEFAULT_SPLIT_SIZE,
     block_n: int | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence (``q`` [B, Hq, D], row i = sequence i) over all
-    ``seq_lens[i]`` cached positions (the token's own K/V included), in fixed KV splits.
+    ``seq_lens[i]`` cached positions (the token's own K/V included), or only the last ``window``
+    of them, in fixed KV splits.
 
     ``max_seq_len`` (a host int, >= every ``seq_lens[i]``) sizes the grid; split boundaries are
     multiples of ``split_size`` whatever the batch, and splits merge in order, so each row's
@@ -151,15 +165,16 @@ def split_kv_decode_attention(
     num_splits = triton.cdiv(max_seq_len, split_size)
     part_out = torch.empty((num_seqs, n_q_heads, num_splits, block_d), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((num_seqs, n_q_heads, num_splits), dtype=torch.float32, device=q.device)
+    window = kernel_window(window)
     _decode_split_kernel[(num_seqs, n_kv_heads, num_splits)](
-        q, k_cache, v_cache, seq_lens, block_tables, part_out, part_lse, scale,
+        q, k_cache, v_cache, seq_lens, block_tables, part_out, part_lse, scale, window,
         queries_per_kv, head_dim, k_cache.shape[1], num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), part_lse.stride(0), part_lse.stride(1),
         **split_launch(queries_per_kv, head_dim, q.dtype, split_size, block_n, interpreting()).kwargs,
     )  # fmt: skip
     _decode_reduce_kernel[(num_seqs, n_q_heads)](
-        part_out, part_lse, seq_lens, out, head_dim,
+        part_out, part_lse, seq_lens, out, window, head_dim,
         part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
         **reduce_launch(head_dim, split_size).kwargs,
     )  # fmt: skip

@@ -64,6 +64,7 @@ class LlamaForCausalLM:
         self.norm = weights["model.norm.weight"]
         self.lm_head = self.embed if cfg.tie_word_embeddings else weights.get("lm_head.weight", self.embed)
         self.layers = [self._layer(weights, i) for i in range(cfg.num_layers)]
+        self.windows = cfg.layer_windows or (None,) * cfg.num_layers
 
     @staticmethod
     def _layer(w: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor | None]:
@@ -97,7 +98,7 @@ class LlamaForCausalLM:
         hidden = F.embedding(input_ids, self.embed)
         residual: torch.Tensor | None = None
         t = input_ids.shape[0]
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+        for layer, window, (k_cache, v_cache) in zip(self.layers, self.windows, kv_caches, strict=True):
             x, residual = ops.rms_norm(hidden, layer["in_norm"], eps, residual)
             if residual is None:
                 residual = hidden
@@ -107,7 +108,7 @@ class LlamaForCausalLM:
             v = qkv[:, self.q_size + self.kv_size :].reshape(t, cfg.num_kv_heads, cfg.head_dim)
             q, k = q.contiguous(), k.contiguous()
             ops.rotary_embedding(positions, q, k, self.cos_sin_cache)
-            attn = self.attention.forward(q, k, v.contiguous(), k_cache, v_cache, meta, self.scale)
+            attn = self.attention.forward(q, k, v.contiguous(), k_cache, v_cache, meta, self.scale, window)
             hidden = linear(attn.reshape(t, self.q_size), layer["o"], None)
             x, residual = ops.rms_norm(hidden, layer["post_norm"], eps, residual)
             hidden = linear(ops.silu_and_mul(linear(x, layer["gate_up"], None)), layer["down"], None)

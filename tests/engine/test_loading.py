@@ -118,7 +118,7 @@ def test_demo_model_when_model_is_none(monkeypatch, tmp_path) -> None:
     assert len(out.outputs[0].token_ids) == 3
 
 
-def test_sliding_window_caps_max_model_len_and_mlp_bias_is_refused(tiny_llama, tmp_path) -> None:
+def test_sliding_window_keeps_the_full_context_and_mlp_bias_is_refused(tiny_llama, tmp_path) -> None:
     windowed = _copy(
         tiny_llama,
         tmp_path / "w",
@@ -126,10 +126,12 @@ def test_sliding_window_caps_max_model_len_and_mlp_bias_is_refused(tiny_llama, t
         model_type="mistral",
         sliding_window=256,
     )
-    assert LLM(str(windowed), num_kv_blocks=8).engine.max_model_len == 256
+    engine = LLM(str(windowed), num_kv_blocks=8).engine
+    assert engine.max_model_len == 1024  # max_position_embeddings: the window is applied, not a cap
+    assert engine.model_runner.model_config.layer_windows == (256, 256)
     qwen_like = ModelConfig.from_dict(
         {**BASE, "model_type": "qwen2", "sliding_window": 64, "use_sliding_window": False}
     )
-    assert qwen_like.sliding_window is None
+    assert qwen_like.sliding_window is None and qwen_like.layer_windows == (None, None)
     with pytest.raises(ValueError, match="mlp_bias"):
         ModelConfig.from_dict({**BASE, "mlp_bias": True})
