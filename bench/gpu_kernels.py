@@ -239,27 +239,8 @@ class Bench:
         for n in need:
             tables.append(perm[used : used + n] + [0] * (width - n))
             used += n
-        qsl = [0]
-        for _, n in seqs:
-            qsl.append(qsl[-1] + n)
-        slots = [tables[i][p // s.block_size] * s.block_size + p % s.block_size
-                 for i, (c, n) in enumerate(seqs) for p in range(c, c + n)]  # fmt: skip
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor([c + n for c, n in seqs], dtype=torch.int32, device=dev),
-            context_lens=torch.tensor([c for c, _ in seqs], dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            max_query_len=max(n for _, n in seqs),
-            max_seq_len=max(c + n for c, n in seqs),
-            query_lens_host=[n for _, n in seqs],
-            seq_lens_host=[c + n for c, n in seqs],
-            context_lens_host=[c for c, _ in seqs],
-            block_tables_host=tables,
-            block_size=s.block_size,
-        )
-        q = self.randn(qsl[-1], s.hq, s.head_dim)
+        meta = AttentionMetadata.for_chunks(seqs, tables, s.block_size, self.device)
+        q = self.randn(sum(n for _, n in seqs), s.hq, s.head_dim)
         return q, kc, vc, meta
 
     def gather(self, cache, meta, i: int):  # noqa: ANN001, ANN201

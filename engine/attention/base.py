@@ -10,6 +10,7 @@ KV tier's codec and the other backends read the same bytes.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +41,42 @@ class AttentionMetadata:
     # A backend may stash data derived from this metadata here (built by the first layer's call,
     # reused by the others), so per-step preparation is never repeated per layer.
     backend_state: object | None = None
+
+    @classmethod
+    def for_chunks(
+        cls,
+        chunks: Sequence[tuple[int, int]],
+        tables: Sequence[Sequence[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> AttentionMetadata:
+        """The runner's layout for sequences given as ``(context_len, new_tokens)`` chunks over
+        block ``tables`` (the tensor padded with block 0 to the longest; the host lists as given):
+        for callers of the kernels other than the runner, such as tests and kernel benchmarks."""
+        host = [list(t) for t in tables]
+        width = max((len(t) for t in host), default=0)
+        starts, slots = [0], []
+        for (ctx, n), table in zip(chunks, host, strict=True):
+            starts.append(starts[-1] + n)
+            slots += [table[p // block_size] * block_size + p % block_size for p in range(ctx, ctx + n)]
+        qlens = [n for _, n in chunks]
+        ctxs = [c for c, _ in chunks]
+        lens = [c + n for c, n in chunks]
+        padded = [t + [0] * (width - len(t)) for t in host]
+        return cls(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+            context_lens=torch.tensor(ctxs, dtype=torch.int32, device=device),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=device).reshape(len(host), width),
+            max_query_len=max(qlens, default=0),
+            max_seq_len=max(lens, default=0),
+            query_lens_host=qlens,
+            seq_lens_host=lens,
+            context_lens_host=ctxs,
+            block_tables_host=host,
+            block_size=block_size,
+        )
 
     @property
     def num_seqs(self) -> int:

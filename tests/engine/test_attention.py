@@ -12,26 +12,7 @@ BS, HQ, HKV, D = 4, 4, 2, 8
 
 def _meta(seqs: list[tuple[int, int]], tables: list[list[int]]) -> AttentionMetadata:
     """seqs: (context_len, query_len) per sequence."""
-    slots, qsl = [], [0]
-    for (ctx, qlen), table in zip(seqs, tables, strict=True):
-        for p in range(ctx, ctx + qlen):
-            slots.append(table[p // BS] * BS + p % BS)
-        qsl.append(qsl[-1] + qlen)
-    width = max(len(t) for t in tables)
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.long),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        seq_lens=torch.tensor([c + q for c, q in seqs], dtype=torch.int32),
-        context_lens=torch.tensor([c for c, _ in seqs], dtype=torch.int32),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        max_query_len=max(q for _, q in seqs),
-        max_seq_len=max(c + q for c, q in seqs),
-        query_lens_host=[q for _, q in seqs],
-        seq_lens_host=[c + q for c, q in seqs],
-        context_lens_host=[c for c, _ in seqs],
-        block_tables_host=tables,
-        block_size=BS,
-    )
+    return AttentionMetadata.for_chunks(seqs, tables, BS)
 
 
 def _reference(q_all, k_all, v_all, ctx, scale):

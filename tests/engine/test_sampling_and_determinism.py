@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import torch
+from conftest_helpers import record_logits
 
 from engine import LLM, SamplingParams
 
@@ -35,19 +34,8 @@ def test_n_fans_out_with_consecutive_seeds(tiny_llama, prompts) -> None:
         assert child.token_ids == llm.generate(prompts[4], single)[0].outputs[0].token_ids
 
 
-def _logits_by_request(llm: LLM) -> dict[str, list[torch.Tensor]]:
-    seen: dict[str, list[torch.Tensor]] = defaultdict(list)
-
-    def observe(ids: list[str], logits: torch.Tensor) -> None:
-        for rid, row in zip(ids, logits, strict=True):
-            seen[rid].append(row.clone())
-
-    llm.engine.logits_observers.append(observe)
-    return seen
-
-
 def _run(llm: LLM, batch, target_index: int) -> torch.Tensor:
-    seen = _logits_by_request(llm)
+    seen = record_logits(llm)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     outs = llm.generate(batch, params)
     llm.engine.logits_observers.clear()

@@ -13,7 +13,6 @@ import json
 import os
 import random
 import shutil
-from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,8 @@ import torch
 
 if not torch.cuda.is_available():  # never force the interpreter onto a real GPU run
     os.environ["TRITON_INTERPRET"] = "1"
+
+from conftest_helpers import record_logits  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.attention.base import AttentionMetadata  # noqa: E402
@@ -67,21 +68,9 @@ def refs(mistral: Path, sw_prompts, hf_reference) -> list[tuple[list[int], torch
     return [hf_reference(mistral, p, MAX_NEW) for p in sw_prompts]
 
 
-def _observe(llm: LLM) -> dict[str, list[torch.Tensor]]:
-    """Every sampled row's raw logits, by request id."""
-    seen: dict[str, list[torch.Tensor]] = defaultdict(list)
-
-    def observe(ids: list[str], logits: torch.Tensor) -> None:
-        for rid, row in zip(ids, logits, strict=True):
-            seen[rid].append(row.clone())
-
-    llm.engine.logits_observers.append(observe)
-    return seen
-
-
 def _generate(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY):
     """Outputs plus each output's stacked logits ``[steps, vocab]``."""
-    seen = _observe(llm)
+    seen = record_logits(llm)
     outs = llm.generate(prompts, params)
     llm.engine.logits_observers.clear()
     return outs, [torch.stack(seen[o.request_id]) for o in outs]
@@ -290,26 +279,9 @@ def _paged_batch(seqs: list[tuple[int, int]], *, hkv: int = 2, group: int = 2, h
     for n in need:
         tables.append(perm[used : used + n] + [0] * (width - n))
         used += n
-    starts, slots = [0], []
-    for (c, n), table in zip(seqs, tables, strict=True):
-        starts.append(starts[-1] + n)
-        slots += [table[p // block_size] * block_size + p % block_size for p in range(c, c + n)]
-    slot_t = torch.tensor(slots, dtype=torch.long)
-    meta = AttentionMetadata(
-        slot_mapping=slot_t.to(DEVICE),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
-        seq_lens=torch.tensor([c + n for c, n in seqs], dtype=torch.int32, device=DEVICE),
-        context_lens=torch.tensor([c for c, _ in seqs], dtype=torch.int32, device=DEVICE),
-        block_tables=torch.tensor(tables, dtype=torch.int32, device=DEVICE),
-        max_query_len=max(n for _, n in seqs),
-        max_seq_len=max(c + n for c, n in seqs),
-        query_lens_host=[n for _, n in seqs],
-        seq_lens_host=[c + n for c, n in seqs],
-        context_lens_host=[c for c, _ in seqs],
-        block_tables_host=tables,
-        block_size=block_size,
-    )
-    q = torch.randn(starts[-1], hkv * group, head_dim, generator=gen)
+    meta = AttentionMetadata.for_chunks(seqs, tables, block_size, DEVICE)
+    slot_t = meta.slot_mapping.cpu()
+    q = torch.randn(sum(n for _, n in seqs), hkv * group, head_dim, generator=gen)
     k = k_cache.view(-1, hkv, head_dim)[slot_t].clone()
     v = v_cache.view(-1, hkv, head_dim)[slot_t].clone()
     return tuple(t.to(DEVICE) for t in (q, k, v, k_cache, v_cache)) + (meta,)

@@ -72,28 +72,8 @@ def make_batch(
         tables.append(perm[used : used + n] + [0] * (width - n))
         used += n
     query_lens = [n for _, n in seqs]
-    starts = [0]
-    for n in query_lens:
-        starts.append(starts[-1] + n)
-    slots = []
-    for (c, n), table in zip(seqs, tables, strict=True):
-        slots += [table[p // block_size] * block_size + p % block_size for p in range(c, c + n)]
-    q = torch.randn(starts[-1], hkv * group, head_dim, generator=gen).to(dtype)
-    seq_lens = [c + n for c, n in seqs]
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=DEVICE),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
-        context_lens=torch.tensor([c for c, _ in seqs], dtype=torch.int32, device=DEVICE),
-        block_tables=torch.tensor(tables, dtype=torch.int32, device=DEVICE).reshape(len(seqs), width),
-        max_query_len=max(query_lens, default=0),
-        max_seq_len=max(seq_lens, default=0),
-        query_lens_host=query_lens,
-        seq_lens_host=seq_lens,
-        context_lens_host=[c for c, _ in seqs],
-        block_tables_host=tables,
-        block_size=block_size,
-    )
+    q = torch.randn(sum(query_lens), hkv * group, head_dim, generator=gen).to(dtype)
+    meta = AttentionMetadata.for_chunks(seqs, tables, block_size, DEVICE)
     return Batch(q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), meta, [c for c, _ in seqs], query_lens)
 
 
