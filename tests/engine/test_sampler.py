@@ -332,3 +332,12 @@ def test_prompt_logprobs_exact() -> None:
     assert prompt_logprobs(padded, nxt, 3, vocab_size=30) == res
     with pytest.raises(ValueError):
         prompt_logprobs(logits, nxt[:2], 3)
+
+
+def test_greedy_ties_take_the_first_maximum_like_argmax() -> None:
+    from engine.sampler import greedy_tokens
+
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [5.0, 5.0, 5.0, 5.0], [0.0, 0.0, 0.0, 2.0]])
+    assert greedy_tokens(logits).tolist() == [1, 0, 3]
+    many = torch.randint(0, 4, (64, 1000)).float()  # ties in every row
+    assert torch.equal(greedy_tokens(many), many.argmax(dim=-1))
