@@ -11,8 +11,6 @@ import dataclasses
 import time
 from collections.abc import AsyncIterator
 
-from fastapi.responses import JSONResponse
-
 from engine.outputs import RequestOutput
 from server.generation import SequenceRequest, Ticket
 from server.logprobs import chat_logprobs
@@ -39,13 +37,14 @@ from server.protocol import (
 from server.roles import producer_budget, transfer_for_role
 from server.serving_common import (
     UsageTracker,
+    answer_whole,
     delivered_text,
     is_producer,
     kv_transfer_result,
     stream_errors,
 )
 from server.state import ServerState
-from server.streaming import DONE_FRAME, SSEResponse, run_or_disconnect, sse_frame
+from server.streaming import DONE_FRAME, SSEResponse, sse_frame
 
 
 @dataclasses.dataclass
@@ -115,13 +114,12 @@ async def create_chat_completion(
         frames = _stream(state, req, seqs, choices, usage, response_id, request_id, arrival, producer, ticket)
         return SSEResponse(frames, on_close=ticket.close)
 
-    async def collect() -> ChatCompletionResponse:
-        last: RequestOutput | None = None
-        async for seq, out in state.generation.merged(request_id, seqs, arrival, ticket):
-            _delta(state, choices[seq.choice_index], req, out)
-            usage.add(seq, out)
-            last = out
-        result = ChatCompletionResponse(
+    def on_output(seq: SequenceRequest, out: RequestOutput) -> None:
+        _delta(state, choices[seq.choice_index], req, out)
+        usage.add(seq, out)
+
+    def build() -> ChatCompletionResponse:
+        return ChatCompletionResponse(
             id=response_id,
             model=state.model_name,
             choices=[
@@ -137,17 +135,11 @@ async def create_chat_completion(
             ],
             usage=usage.info(),
         )
-        if producer and last is not None:
-            result.kv_transfer = kv_transfer_result(state, last)
-            if result.choices[0].finish_reason == "length":  # the consumer continues the text
-                result.choices[0].message.content = delivered_text(state, seqs[0], choices[0].token_ids)
-        return result
 
-    try:
-        result = await run_or_disconnect(receive, collect())
-    finally:
-        ticket.close()
-    return JSONResponse(result.model_dump())
+    def deliver(result: ChatCompletionResponse) -> None:
+        result.choices[0].message.content = delivered_text(state, seqs[0], choices[0].token_ids)
+
+    return await answer_whole(state, seqs, request_id, arrival, ticket, receive, on_output, build, deliver)
 
 
 async def _stream(

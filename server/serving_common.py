@@ -1,21 +1,25 @@
-"""Pieces shared by the completions and chat endpoints: usage accounting, the producer's
-``kv_transfer`` answer, and turning a failure after a stream started into an SSE error event."""
+"""Pieces shared by the completions and chat endpoints: usage accounting, collecting a whole
+(non-streamed) answer, the producer's ``kv_transfer`` answer, and turning a failure after a stream
+started into an SSE error event."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
+
+from fastapi.responses import JSONResponse
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import RequestOutput
 from kvcache.keys import block_hashes, to_hex
 from server.errors import APIError
-from server.generation import SequenceRequest
+from server.generation import SequenceRequest, Ticket
 from server.protocol import KVTransferResult, PromptTokensDetails, UsageInfo
 from server.state import ServerState
-from server.streaming import sse_error_frame
+from server.streaming import run_or_disconnect, sse_error_frame
 
 logger = logging.getLogger("ferry.server")
 
@@ -44,6 +48,41 @@ class UsageTracker:
             total_tokens=prompt + self.completion_tokens,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(self.cached_tokens)),
         )
+
+
+async def answer_whole(
+    state: ServerState,
+    seqs: list[SequenceRequest],
+    request_id: str,
+    arrival: float,
+    ticket: Ticket,
+    receive: Any,
+    on_output: Callable[[SequenceRequest, RequestOutput], None],
+    build: Callable[[], Any],
+    deliver: Callable[[Any], None],
+) -> JSONResponse:
+    """A non-streamed answer: feed every output to ``on_output``, then ``build()`` the response
+    model. A producer's answer also carries ``kv_transfer``, and when it stopped on length
+    ``deliver(result)`` sets the text a stream would have shown (``delivered_text``). A client that
+    disconnects cancels the generation; the ticket is closed whatever happens."""
+
+    async def collect() -> Any:
+        last: RequestOutput | None = None
+        async for seq, out in state.generation.merged(request_id, seqs, arrival, ticket):
+            on_output(seq, out)
+            last = out
+        result = build()
+        if is_producer(seqs) and last is not None:
+            result.kv_transfer = kv_transfer_result(state, last)
+            if result.choices[0].finish_reason == "length":  # the consumer continues the text
+                deliver(result)
+        return result
+
+    try:
+        result = await run_or_disconnect(receive, collect())
+    finally:
+        ticket.close()
+    return JSONResponse(result.model_dump())
 
 
 def kv_transfer_result(state: ServerState, out: RequestOutput) -> KVTransferResult:

@@ -7,8 +7,6 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from fastapi.responses import JSONResponse
-
 from engine.outputs import RequestOutput
 from server.errors import bad_request
 from server.generation import SequenceRequest, Ticket
@@ -34,13 +32,14 @@ from server.protocol import (
 from server.roles import producer_budget, transfer_for_role
 from server.serving_common import (
     UsageTracker,
+    answer_whole,
     delivered_text,
     is_producer,
     kv_transfer_result,
     stream_errors,
 )
 from server.state import ServerState
-from server.streaming import DONE_FRAME, SSEResponse, run_or_disconnect, sse_frame
+from server.streaming import DONE_FRAME, SSEResponse, sse_frame
 
 logger = logging.getLogger("ferry.server")
 
@@ -140,13 +139,12 @@ async def create_completion(state: ServerState, req: CompletionRequest, request_
         frames = _stream(state, req, seqs, choices, usage, response_id, request_id, arrival, producer, ticket)
         return SSEResponse(frames, on_close=ticket.close)
 
-    async def collect() -> CompletionResponse:
-        last: RequestOutput | None = None
-        async for seq, out in state.generation.merged(request_id, seqs, arrival, ticket):
-            _delta(state, choices[seq.choice_index], req, out)
-            usage.add(seq, out)
-            last = out
-        result = CompletionResponse(
+    def on_output(seq: SequenceRequest, out: RequestOutput) -> None:
+        _delta(state, choices[seq.choice_index], req, out)
+        usage.add(seq, out)
+
+    def build() -> CompletionResponse:
+        return CompletionResponse(
             id=response_id,
             model=state.model_name,
             choices=[
@@ -162,17 +160,11 @@ async def create_completion(state: ServerState, req: CompletionRequest, request_
             ],
             usage=usage.info(),
         )
-        if producer and last is not None:
-            result.kv_transfer = kv_transfer_result(state, last)
-            if result.choices[0].finish_reason == "length":  # the consumer continues the text
-                result.choices[0].text = delivered_text(state, seqs[0], choices[0].token_ids)
-        return result
 
-    try:
-        result = await run_or_disconnect(receive, collect())
-    finally:
-        ticket.close()
-    return JSONResponse(result.model_dump())
+    def deliver(result: CompletionResponse) -> None:
+        result.choices[0].text = delivered_text(state, seqs[0], choices[0].token_ids)
+
+    return await answer_whole(state, seqs, request_id, arrival, ticket, receive, on_output, build, deliver)
 
 
 async def _stream(
