@@ -225,6 +225,7 @@ class LLMEngine:
             prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions=s.num_preemptions,
+            num_prefix_waits=s.num_prefix_waits,
             prompt_tokens=self.prompt_tokens_total,
             generation_tokens=self.generation_tokens_total,
             num_free_blocks=bm.num_free_blocks,

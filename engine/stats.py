@@ -25,6 +25,7 @@ class EngineStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (cumulative)
     prefix_cache_hits: int = 0  # of which found (device prefix cache or KV tier)
     num_preemptions: int = 0  # cumulative
+    num_prefix_waits: int = 0  # cumulative admissions put off to reuse a prompt block being computed
     prompt_tokens: int = 0  # cumulative prompt tokens of finished requests
     generation_tokens: int = 0  # cumulative generated tokens
     num_free_blocks: int = 0

@@ -62,6 +62,12 @@ _ENGINE_SERIES: tuple[tuple[str, str, str, str], ...] = (
         "num_preemptions",
         "counter",
     ),
+    (
+        "ferry:prefix_waits",
+        "Admissions put off so a request reuses a prompt block another request is computing.",
+        "num_prefix_waits",
+        "counter",
+    ),
     ("vllm:prompt_tokens", "Number of prefill tokens processed.", "prompt_tokens", "counter"),
     ("vllm:generation_tokens", "Number of generation tokens processed.", "generation_tokens", "counter"),
 )

@@ -383,3 +383,18 @@ def test_metrics_use_vllm_names(server, scrape) -> None:
     assert scrape(server.url, "vllm:request_success_total", model_name=name, finished_reason="length") > 0
     assert scrape(server.url, "vllm:prefix_cache_hits_total", model_name=name) > 0
     assert scrape(server.url, "vllm:generation_tokens_total", model_name=name) > 0
+
+
+def test_choices_of_one_prompt_share_its_prefill(server, scrape) -> None:
+    """n > 1: the first choice computes the prompt, the others wait for its blocks and hit them."""
+    name = server.model_name
+    waits = scrape(server.url, "ferry:prefix_waits_total", model_name=name)
+    hits = scrape(server.url, "vllm:prefix_cache_hits_total", model_name=name)
+    prompt = "a fresh prompt long enough to fill several KV blocks " * 6
+    body = {"model": name, "prompt": prompt, "max_tokens": 3, "n": 3, "temperature": 0, "ignore_eos": True}
+    answer = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+    assert len({c["text"] for c in answer["choices"]}) == 1  # greedy: three equal choices
+    full = (answer["usage"]["prompt_tokens"] - 1) // 16 * 16
+    assert full >= 48 and answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert scrape(server.url, "ferry:prefix_waits_total", model_name=name) - waits >= 2
+    assert scrape(server.url, "vllm:prefix_cache_hits_total", model_name=name) - hits == 2 * full
