@@ -20,6 +20,9 @@ class EngineConfig:
     kv_cache_memory_bytes: int = 512 * 1024 * 1024
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # vLLM's name: a prefill computes at most this many tokens per step (0: no cap beyond the
+    # budget), so one long prompt cannot stretch a step, and every running decode's token gap.
+    long_prefill_token_threshold: int = 0
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     deterministic: bool = False

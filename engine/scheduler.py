@@ -3,7 +3,8 @@
 Each step spends a token budget (``max_num_batched_tokens``) over at most ``max_num_seqs``
 requests. Running requests go first, in admission order, each getting
 ``min(num_tokens - num_computed_tokens, budget left)`` tokens: one for a decode, a chunk for a
-long prompt. Waiting requests are then admitted in arrival order while budget, sequence slots
+long prompt (at most ``long_prefill_token_threshold`` when set, so one long prompt cannot make a
+step, and so every running decode's next token, wait long). Waiting requests are then admitted in arrival order while budget, sequence slots
 and blocks last. When a running request needs a block and none is free, the most recently
 admitted running request is preempted (blocks freed, put back at the head of the queue to be
 recomputed, mostly from the prefix cache): the oldest request always progresses, so none starves.
@@ -37,6 +38,7 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    long_prefill_token_threshold: int = 0  # most tokens of one prefill per step; 0: no cap
 
 
 @dataclass
@@ -144,7 +146,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
             while not bm.may_append(req.block_table, req.num_computed_tokens + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -210,6 +212,12 @@ class Scheduler:
         last = (req.num_tokens - 1) // bm.block_size  # blocks a hit may cover: one token stays
         return num_hit < last and hashes[num_hit] in pending
 
+    def _chunk(self, remaining: int, budget: int) -> int:
+        """Tokens a request computes this step: what it has left, within the budget and, for a
+        prefill, within ``long_prefill_token_threshold``."""
+        cap = self.config.long_prefill_token_threshold
+        return min(remaining, budget, cap) if cap > 0 else min(remaining, budget)
+
     def _admit(self, req: Request, budget: int) -> int | None:
         """Match the prefix cache (and the tier) and allocate blocks. Returns the tokens to compute
         now, 0 when the request was parked for an asynchronous tier load, None when blocks are short."""
@@ -233,7 +241,7 @@ class Scheduler:
             self._count_admission(req, 0)
             req.status = RequestStatus.LOADING
             return 0
-        n = min(req.num_tokens - cached_tokens, budget)
+        n = self._chunk(req.num_tokens - cached_tokens, budget)
         if not bm.allocate(req.block_table, hits, cached_tokens + n):
             return None
         if num_ext:
@@ -242,7 +250,10 @@ class Scheduler:
             if loaded < num_ext:
                 # The tier fell short: recompute from the first missing block (blocks already allocated).
                 cached_tokens = (num_hit + loaded) * bs
-                n = min(req.num_tokens - cached_tokens, budget, len(req.block_table) * bs - cached_tokens)
+                n = min(
+                    self._chunk(req.num_tokens - cached_tokens, budget),
+                    len(req.block_table) * bs - cached_tokens,
+                )
             req.num_registered_blocks = bm.cache_full_blocks(
                 req.block_table, req.token_ids, hashes[: num_hit + loaded], num_hit
             )

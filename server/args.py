@@ -74,6 +74,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--kv-tier", default=d.kv_tier, help="memory://… | redis://host:port/db | rediss://…")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    p.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=d.long_prefill_token_threshold,
+        help="most prompt tokens one request computes per step (bounds the decode gap a long prompt "
+        "causes; 0: only --max-num-batched-tokens)",
+    )
     p.add_argument("--block-size", type=int, default=d.block_size)
     p.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks)
     p.add_argument(

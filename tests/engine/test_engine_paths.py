@@ -128,3 +128,20 @@ def test_choices_of_one_prompt_compute_it_once(tiny_llama, prompts, reference) -
     assert stats.prefix_cache_hits == 3 * cached  # choices 2..4 reuse every full block
     assert llm.engine.scheduler.num_prefix_waits >= 3
     _assert_idle(llm)
+
+
+def test_long_prefill_token_threshold_gives_identical_tokens(tiny_llama, prompts, reference) -> None:
+    llm = LLM(str(tiny_llama), num_kv_blocks=256, long_prefill_token_threshold=5)
+    sizes: list[int] = []
+    orig = llm.engine.model_runner.execute
+
+    def execute(sched):
+        sizes.extend(s.num_new_tokens for s in sched.scheduled)
+        return orig(sched)
+
+    llm.engine.model_runner.execute = execute
+    assert _tokens(llm.generate(prompts, GREEDY)) == reference
+    assert max(sizes) == 5
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        LLM(str(tiny_llama), num_kv_blocks=8, long_prefill_token_threshold=-1)
+    _assert_idle(llm)

@@ -133,3 +133,18 @@ def test_no_waiting_without_prefix_caching() -> None:
     s.add(b)
     assert _step(s) == [("a", 9), ("b", 9)]
     assert s.num_prefix_waits == 0
+
+
+def test_long_prefill_token_threshold_caps_each_prefill_chunk() -> None:
+    s = Scheduler(
+        SchedulerConfig(8, 64, 1024, long_prefill_token_threshold=8), BlockManager(64, BS), KVConnector()
+    )
+    a, b = _req("a", 3), _req("b", 20)
+    s.add(a)
+    s.add(b)
+    assert _step(s) == [("a", 3), ("b", 8)]  # budget left, but b's chunk is capped
+    assert _step(s) == [("a", 1), ("b", 8)]
+    assert _step(s) == [("a", 1), ("b", 4)]
+    assert b.num_output_tokens == 1
+    assert _step(s) == [("a", 1), ("b", 1)]
+    s.block_manager.check_integrity()
