@@ -225,7 +225,7 @@ def serve_args(model: Path, port: int, *extra: str) -> list[str]:
 
 
 def topology(name: str, model: Path, tmp: Path, redis: Redis | None, args: argparse.Namespace) -> list[Child]:
-    blocks = ("--num-kv-blocks", str(args.num_kv_blocks))
+    blocks = ("--num-kv-blocks", str(args.num_kv_blocks), *args.serve_args.split())
     if name == "pd":
         assert redis is not None
         tier = ("--kv-tier", redis.url)
@@ -338,6 +338,11 @@ def main(argv: list[str] | None = None) -> int:
         "--pd-threshold", type=int, default=256, help="router flag: shorter prompts prefill on decode"
     )
     ap.add_argument("--num-kv-blocks", type=int, default=1024)
+    ap.add_argument(
+        "--serve-args",
+        default="",
+        help="extra ferry serve flags for every worker, e.g. '--long-prefill-token-threshold 256'",
+    )
     ap.add_argument("--slo", default="ttft=5000,tpot=200", help="goodput targets in ms")
     ap.add_argument(
         "--stall-ms", type=float, default=250.0, help="an inter-token gap longer than this is a stall"
