@@ -365,6 +365,9 @@ async def test_async_client_completion(aclient, llm) -> None:
 
 def test_metrics_use_vllm_names(server, scrape) -> None:
     name = server.model_name
+    body = {"model": name, "prompt": PROMPT * 8, "max_tokens": 2, "ignore_eos": True}
+    for _ in range(2):  # the second one hits the prefix cache
+        assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200
     for metric in (
         "vllm:num_requests_running",
         "vllm:num_requests_waiting",
