@@ -24,10 +24,7 @@ import argparse
 import json
 import os
 import platform
-import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,6 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.local_redis import RedisProcess  # noqa: E402
 from kvcache import codec  # noqa: E402
 from kvcache.connector import KVConnector  # noqa: E402
 from kvcache.keys import block_hashes, tier_key  # noqa: E402
@@ -47,61 +45,6 @@ from kvcache.tier import open_tier  # noqa: E402
 
 BLOCK_SHAPE = (8, 2, 16, 2, 128)  # 262,144 payload bytes in fp32
 FINGERPRINT = "bench"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RedisProcess:
-    def __init__(self) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise SystemExit("redis-server is not installed (Debian: apt-get install redis-server)")
-        self.port = free_port()
-        self.dir = tempfile.mkdtemp(prefix="kvbench-redis-")
-        self.proc = subprocess.Popen(
-            [
-                binary,
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                self.dir,
-                "--maxmemory",
-                "4gb",
-                "--maxmemory-policy",
-                "allkeys-lru",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise SystemExit("redis-server did not start") from None
-                time.sleep(0.05)
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def stop(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def interleaved_rates(variants: dict[str, Callable[[], int]], repeats: int) -> dict[str, float]:

@@ -26,8 +26,6 @@ import asyncio
 import json
 import os
 import random
-import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -46,12 +44,7 @@ from bench.client.config import parse_slo  # noqa: E402
 from bench.client.metrics import compute_metrics, percentile  # noqa: E402
 from bench.client.request import send_request  # noqa: E402
 from bench.client.types import RequestRecord  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from bench.local_redis import RedisProcess, free_port  # noqa: E402
 
 
 @dataclass
@@ -98,29 +91,6 @@ class Child:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-
-
-class Redis:
-    def __init__(self, workdir: Path) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise SystemExit("bench/pd.py needs redis-server on PATH (the PD topology's KV tier)")
-        self.port = free_port()
-        self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(workdir)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        time.sleep(0.3)
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def stop(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
 
 
 # ----------------------------------------------------------------------------------- workload
@@ -224,7 +194,9 @@ def serve_args(model: Path, port: int, *extra: str) -> list[str]:
             "--max-num-seqs", "32", *extra]  # fmt: skip
 
 
-def topology(name: str, model: Path, tmp: Path, redis: Redis | None, args: argparse.Namespace) -> list[Child]:
+def topology(
+    name: str, model: Path, tmp: Path, redis: RedisProcess | None, args: argparse.Namespace
+) -> list[Child]:
     blocks = ("--num-kv-blocks", str(args.num_kv_blocks), *args.serve_args.split())
     if name == "pd":
         assert redis is not None
@@ -256,7 +228,7 @@ def topology(name: str, model: Path, tmp: Path, redis: Redis | None, args: argpa
 
 def run_topology(name: str, model: Path, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix=f"ferry-bench-pd-{name}-"))
-    redis = Redis(tmp) if name == "pd" else None
+    redis = RedisProcess() if name == "pd" else None
     children = topology(name, model, tmp, redis, args)
     try:
         for c in children:
