@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 from router.http import Send, error_body, send_bytes, send_error
@@ -42,10 +43,24 @@ class Generation(Relay):
         self.metrics.latency.observe(time.perf_counter() - call.started)
 
     async def _generate_whole(self, pool: Pool, call: ProxyCall, send: Send) -> None:
+        await self.answer_whole(pool, call, call.body, send)
+
+    async def answer_whole(
+        self,
+        pool: Pool,
+        call: ProxyCall,
+        payload: bytes,
+        send: Send,
+        transform: Callable[[int, bytes], bytes] | None = None,
+        failure: str = "replica failed while answering",
+    ) -> None:
+        """Send ``payload`` and relay the whole answer (``transform(status, content)`` applied), or
+        retry on another replica (after a jittered backoff) when one dies before its answer is read;
+        502 with ``failure`` when retries run out."""
         tried: set[str] = set()
         attempt = [0]
         while True:
-            opened = await self.open(pool, call, call.body, tried, attempt)
+            opened = await self.open(pool, call, payload, tried, attempt)
             if isinstance(opened, Failed):
                 await send_bytes(send, opened.status, opened.body, with_request_id(opened.headers, call))
                 return
@@ -61,17 +76,19 @@ class Generation(Relay):
             if content is None:
                 tried.add(opened.replica.url)
                 if not self.retry.can_retry(attempt[0]):
-                    await send_error(send, 502, "replica failed while answering", with_request_id([], call))
+                    await send_error(send, 502, failure, with_request_id([], call))
                     return
                 attempt[0] += 1
                 self.metrics.retries.inc()
+                await asyncio.sleep(self.retry.backoff(attempt[0] - 1, self.rng))
                 continue
             self.finish(opened, True)
+            status = opened.response.status_code
             headers = with_request_id(response_headers(opened.response), call)
             await send_bytes(
                 send,
-                opened.response.status_code,
-                content,
+                status,
+                transform(status, content) if transform is not None else content,
                 headers,
                 content_type=opened.response.headers.get("content-type", "application/json").encode(),
             )

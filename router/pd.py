@@ -32,13 +32,12 @@ compute for this request); the decode worker's tier loads are its own ``/metrics
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from typing import Any
 
 from router.generation import Generation
-from router.http import Send, error_body, send_bytes, send_error
+from router.http import Send, error_body, send_bytes
 from router.pd_config import PDConfig, PDMetrics
 from router.pd_messages import (
     PDTracker,
@@ -302,37 +301,13 @@ class PDOrchestrator:
             )
             return
         payload = json.dumps(self._decode_body(call.json or {}, p)).encode()
-        tried: set[str] = set()
-        attempt = [0]
-        while True:
-            opened = await self.decode.open(pool, call, payload, tried, attempt)
-            if isinstance(opened, Failed):
-                await send_bytes(send, opened.status, opened.body, with_request_id(opened.headers, call))
-                return
-            content = None
-            try:
-                content = await opened.response.aread()
-            except TRANSPORT_ERRORS:
-                self.decode.finish(opened, False)
-            finally:
-                await opened.response.aclose()
-                if content is None:
-                    self.decode.finish(opened, False, 499)
-            if content is not None:
-                self.decode.finish(opened, True)
-                status = opened.response.status_code
-                merged = merge_answer(call.path, call.json or {}, p, content) if status == 200 else content
-                await send_bytes(
-                    send, status, merged, with_request_id(response_headers(opened.response), call)
-                )
-                return
-            tried.add(opened.replica.url)
-            if not self.decode.retry.can_retry(attempt[0]):
-                await send_error(send, 502, "decode worker failed while answering", with_request_id([], call))
-                return
-            attempt[0] += 1
-            self.decode.metrics.retries.inc()
-            await asyncio.sleep(self.decode.retry.backoff(attempt[0] - 1, self.decode.rng))
+
+        def merged(status: int, content: bytes) -> bytes:
+            return merge_answer(call.path, call.json or {}, p, content) if status == 200 else content
+
+        await self.decode.answer_whole(
+            pool, call, payload, send, merged, "decode worker failed while answering"
+        )
 
 
 def _error_event(message: str) -> bytes:
