@@ -47,7 +47,7 @@ from router.pd_config import PDConfig, PDMetrics
 from router.policies import RouteRequest, make_policy
 from router.policies.cache_aware import CacheAware
 from router.pool import Pool, Replicas
-from router.prompt_keys import PromptKeyer, make_keyer
+from router.prompt_keys import PromptKeyer, make_keyer, prompt_keys
 from router.relay import ProxyCall
 from router.replica import HealthPolicy, Replica
 from router.retry import RetryPolicy
@@ -363,7 +363,7 @@ class RouterApp:
             if route.session_key is None and isinstance(parsed.get("user"), str):
                 route.session_key = parsed["user"]
             if self.keyer is not None:
-                hashes, tokens = self.keyer.keys(path, parsed)
+                hashes, tokens = await prompt_keys(self.keyer, path, parsed, len(body))
                 route.block_hashes = hashes
                 route.prompt_tokens = tokens or route.prompt_tokens
         headers = forward_headers(scope)
