@@ -4,10 +4,11 @@ Each step spends a token budget (``max_num_batched_tokens``) over at most ``max_
 requests. Running requests go first, in admission order, each getting
 ``min(num_tokens - num_computed_tokens, budget left)`` tokens: one for a decode, a chunk for a
 long prompt (at most ``long_prefill_token_threshold`` when set, so one long prompt cannot make a
-step, and so every running decode's next token, wait long). Waiting requests are then admitted in arrival order while budget, sequence slots
-and blocks last. When a running request needs a block and none is free, the most recently
-admitted running request is preempted (blocks freed, put back at the head of the queue to be
-recomputed, mostly from the prefix cache): the oldest request always progresses, so none starves.
+step, and so every running decode's next token, wait long). Waiting requests are then admitted
+in arrival order while budget, sequence slots and blocks last. When a running request needs a
+block and none is free, the most recently admitted running request is preempted (blocks freed,
+put back at the head of the queue to be recomputed, mostly from the prefix cache): the oldest
+request always progresses, so none starves.
 
 A waiting request whose next uncached prompt block is one a running request is computing right
 now (same chained hash) waits for it instead of computing it too: it is skipped, keeping its place

@@ -15,9 +15,10 @@ The flow (DESIGN.md "A disaggregated request"):
    ``usage`` counting every token sent).
 
 Not disaggregated (served whole by a mixed replica when the cluster has a routable one, else
-prefilled locally by the decode worker, as Dynamo's conditional disaggregation does) when: the prompt's uncached part is shorter than ``--pd-threshold``; no prefill
-worker is routable or all are saturated; every prefill worker tried failed or timed out; or the
-request is one the hand-off does not cover (``max_tokens`` = 1: it is all prefill; ``n`` > 1,
+prefilled locally by the decode worker, as Dynamo's conditional disaggregation does) when: the
+prompt's uncached part is shorter than ``--pd-threshold``; no prefill worker is routable or all
+are saturated; every prefill worker tried failed or timed out; or the request is one the hand-off
+does not cover (``max_tokens`` = 1: it is all prefill; ``n`` > 1,
 several prompts, ``echo``, client ``logprobs``: their first token would need the prefill worker's
 per-choice logprobs and text merged into the decode worker's, which a resume cannot reproduce
 exactly).
