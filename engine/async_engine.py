@@ -207,10 +207,15 @@ class AsyncEngine:
             self._deliver([out])
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs over with one wake-up per event loop (not one per request): each
+        ``call_soon_threadsafe`` writes to the loop's wake-up pipe and contends for the GIL."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+                by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
 
     def _fail_all(self, error: BaseException) -> None:
         for stream in list(self._streams.values()):
@@ -218,6 +223,11 @@ class AsyncEngine:
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
             except RuntimeError:
                 pass  # that event loop is closed: nobody is waiting
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for queue, out in items:
+        queue.put_nowait(out)
 
 
 def _merge_pending(out: RequestOutput, queue: asyncio.Queue) -> RequestOutput:
