@@ -338,14 +338,10 @@ _WORDS = [w for w in (Path(__file__).read_text().split()) if w.isalpha()][:400] 
 
 
 def conversations(
-    tag: str, workload: str, groups: int, per_group: int, turns: int, args: argparse.Namespace
+    seed: str, workload: str, groups: int, per_group: int, turns: int, args: argparse.Namespace
 ) -> list[list[str]]:
-    """Per conversation: its system prompt, then the user message of each turn.
-
-    The text depends on the workload and the repeat only; ``tag`` (fixed length) opens every
-    system prompt, so configs see equal work but never each other's cached blocks.
-    """
-    rng = random.Random(f"{workload}/{tag[: tag.index('c')]}")
+    """Per conversation: its system prompt, then the user message of each turn."""
+    rng = random.Random(f"{workload}/{seed}")
 
     def text(n: int) -> str:
         return " ".join(rng.choice(_WORDS) for _ in range(n))
@@ -354,7 +350,7 @@ def conversations(
     lo, hi = (int(x) for x in args.passage_words.split("-"))
     out = []
     for g in range(groups):
-        system = f"[{tag}] group {g}: " + text(system_words)
+        system = f"group {g}: " + text(system_words)
         for c in range(per_group):
             if workload == "chat":
                 users = [f"conversation {c} of group {g}: {text(1)}?"] + [
@@ -447,11 +443,11 @@ def bench_quality(args: argparse.Namespace, logdir: Path) -> dict:
         # interleaved, repeat after repeat, so a burst of load on the box hits them alike.
         for rep in range(args.repeats):
             for workload in args.workloads.split(","):
+                convs = conversations(f"r{rep}", workload, args.groups, args.per_group, args.turns, args)
                 for ci, (kind, policy) in enumerate(configs):
+                    tagged = [[f"[r{rep}c{ci}] {c[0]}", *c[1:]] for c in convs]
                     rows.append(
-                        run_quality_config(
-                            args, logdir, urls, model, workload, f"r{rep}c{ci}", kind, policy, probe
-                        )
+                        run_quality_config(args, logdir, urls, model, workload, tagged, kind, policy, probe)
                     )
     finally:
         for r in replicas:
@@ -472,7 +468,7 @@ def run_quality_config(
     urls: list[str],
     model: Path,
     workload: str,
-    tag: str,
+    convs: list[list[str]],
     kind: str,
     policy: str,
     probe: dict,
@@ -487,7 +483,6 @@ def run_quality_config(
     try:
         if svc is not None:
             svc.wait("/v1/chat/completions", probe, timeout=60)
-        convs = conversations(tag, workload, args.groups, args.per_group, args.turns, args)
         h0, q0 = cache_counters(urls)
         c0 = svc.cpu_seconds() if svc is not None else 0.0
         t0 = time.perf_counter()
@@ -502,7 +497,6 @@ def run_quality_config(
         "workload": workload,
         "router": kind,
         "policy": policy,
-        "tag": tag,
         "hit_rate": (h1 - h0) / max(q1 - q0, 1),
         "prompt_tokens": q1 - q0,
         "ttft_p50_ms": 1000 * pct(ttfts, 0.5),
