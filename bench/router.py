@@ -11,8 +11,9 @@
      length (``--passage-words``) before its question, as document Q&A and agent tool results do,
      so a turn's new text can outweigh the conversation it continues.
    Per router config: the replicas' prefix-cache hit rate (Δ``vllm:prefix_cache_hits`` /
-   Δ``queries``), client TTFT p50/p99 and the router's CPU seconds, medians of ``--repeats``
-   interleaved runs. All configs of a repeat get the same conversations, each opened by its own
+   Δ``queries``), the prefill imbalance (most prefilled tokens on one replica over the mean),
+   the router's CPU seconds (medians of ``--repeats`` interleaved runs), and client TTFT p50/p99
+   over the requests of all runs, with the range of the runs' own p50s. All configs of a repeat get the same conversations, each opened by its own
    tag, so caches warmed by one config never help another. The "one replica" row sends everything
    to a single replica with no router: one cache sees every prefix, so its hit rate is the
    workload's ceiling for any router (its TTFT is not comparable: one replica does all the work).
@@ -392,15 +393,18 @@ async def run_conversations(base: str, convs: list[list[str]], concurrency: int)
     return ttfts
 
 
-def cache_counters(urls: list[str]) -> tuple[float, float]:
-    hits = queries = 0.0
+def cache_counters(urls: list[str]) -> list[tuple[float, float]]:
+    """(prefix-cache hits, queries) per replica, in tokens."""
+    out = []
     for u in urls:
+        hits = queries = 0.0
         for line in httpx.get(u + "/metrics", timeout=5).text.splitlines():
             if line.startswith("vllm:prefix_cache_hits_total"):
                 hits += float(line.split()[-1])
             elif line.startswith("vllm:prefix_cache_queries_total"):
                 queries += float(line.split()[-1])
-    return hits, queries
+        out.append((hits, queries))
+    return out
 
 
 def bench_quality(args: argparse.Namespace, logdir: Path) -> dict:
@@ -455,9 +459,21 @@ def bench_quality(args: argparse.Namespace, logdir: Path) -> dict:
     summary = summarize(rows)
     print_table(
         f"Routing quality ({args.replicas} ferry replicas; {args.groups} prompt groups x {args.per_group} "
-        f"conversations x {args.turns} turns, {args.concurrency_quality} at once; medians of {args.repeats})",
+        f"conversations x {args.turns} turns, {args.concurrency_quality} at once; {args.repeats} runs: "
+        "TTFT over all their requests, other columns medians)",
         summary,
-        ["workload", "router", "policy", "hit_rate", "ttft_p50_ms", "ttft_p99_ms", "wall_s", "router_cpu_s"],
+        [
+            "workload",
+            "router",
+            "policy",
+            "hit_rate",
+            "ttft_p50_ms",
+            "ttft_p99_ms",
+            "run_p50s_ms",
+            "prefill_imbalance",
+            "wall_s",
+            "router_cpu_s",
+        ],
     )
     return {"rows": rows, "summary": summary}
 
@@ -483,24 +499,31 @@ def run_quality_config(
     try:
         if svc is not None:
             svc.wait("/v1/chat/completions", probe, timeout=60)
-        h0, q0 = cache_counters(urls)
+        before = cache_counters(urls)
         c0 = svc.cpu_seconds() if svc is not None else 0.0
         t0 = time.perf_counter()
         ttfts = asyncio.run(run_conversations(base, convs, args.concurrency_quality))
         wall = time.perf_counter() - t0
         c1 = svc.cpu_seconds() if svc is not None else 0.0
-        h1, q1 = cache_counters(urls)
+        after = cache_counters(urls)
     finally:
         if svc is not None:
             svc.stop()
+    hits = [a[0] - b[0] for a, b in zip(after, before, strict=True)]
+    queries = [a[1] - b[1] for a, b in zip(after, before, strict=True)]
+    computed = [q - h for h, q in zip(hits, queries, strict=True)]  # prompt tokens each replica prefilled
     return {
         "workload": workload,
         "router": kind,
         "policy": policy,
-        "hit_rate": (h1 - h0) / max(q1 - q0, 1),
-        "prompt_tokens": q1 - q0,
+        "hit_rate": sum(hits) / max(sum(queries), 1),
+        "prompt_tokens": sum(queries),
+        "computed_per_replica": computed,
+        # Most loaded replica's prefill work over the mean (1.0 = even; "one replica" = N).
+        "prefill_imbalance": max(computed) / max(sum(computed) / len(computed), 1),
         "ttft_p50_ms": 1000 * pct(ttfts, 0.5),
         "ttft_p99_ms": 1000 * pct(ttfts, 0.99),
+        "ttfts_ms": [round(1000 * t, 3) for t in ttfts],
         "ok": len(ttfts),
         "requests": len(convs) * args.turns,
         "wall_s": wall,
@@ -516,8 +539,15 @@ def summarize(rows: list[dict]) -> list[dict]:
     out = []
     for (workload, router, policy), rs in groups.items():
         row: dict = {"workload": workload, "router": router, "policy": policy, "runs": len(rs)}
-        for k in ("hit_rate", "ttft_p50_ms", "ttft_p99_ms", "wall_s", "router_cpu_s"):
+        for k in ("hit_rate", "prefill_imbalance", "wall_s", "router_cpu_s"):
             row[k] = statistics.median(r[k] for r in rs)
+        # TTFT over every request of every repeat (a run's p50 moves more between runs than
+        # routers differ); the spread of the per-run p50s says how far to trust a difference.
+        pooled = [t / 1000 for r in rs for t in r["ttfts_ms"]]
+        row["ttft_p50_ms"] = 1000 * pct(pooled, 0.5)
+        row["ttft_p99_ms"] = 1000 * pct(pooled, 0.99)
+        runs = sorted(r["ttft_p50_ms"] for r in rs)
+        row["run_p50s_ms"] = f"{runs[0]:.0f}-{runs[-1]:.0f}"
         row["failed"] = sum(r["requests"] - r["ok"] for r in rs)
         out.append(row)
     return out

@@ -83,6 +83,9 @@ class Summary:
     tpot_p50_ms: float
     tpot_p90_ms: float
     wall_s: float
+    # CPU the server's event-loop thread spent per generated token (HTTP mode): parsing,
+    # chunk building, SSE writes; the engine runs on another thread.
+    loop_cpu_us_per_token: float | None = None
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -90,9 +93,12 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
-def summarize(mode: str, concurrency: int, samples: list[Sample], wall: float) -> Summary:
+def summarize(
+    mode: str, concurrency: int, samples: list[Sample], wall: float, loop_cpu: float | None = None
+) -> Summary:
     ttft = [s.ttft_s * 1e3 for s in samples]
     tpot = [s.tpot_s * 1e3 for s in samples]
+    tokens = sum(s.tokens for s in samples)
     return Summary(
         mode,
         concurrency,
@@ -102,7 +108,14 @@ def summarize(mode: str, concurrency: int, samples: list[Sample], wall: float) -
         statistics.median(tpot),
         _pct(tpot, 0.9),
         wall,
+        1e6 * loop_cpu / tokens if loop_cpu is not None and tokens else None,
     )
+
+
+def thread_cpu_seconds(pid: int, tid: int) -> float:
+    """user + system CPU of one thread (Linux /proc; the main thread's tid is the pid)."""
+    fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -271,20 +284,37 @@ def http_runner(url: str, max_tokens: int):
 
 
 async def run_interleaved(
-    runners: dict, prompts: list[list[int]], concurrencies: list[int], repeats: int
+    runners: dict,
+    prompts: list[list[int]],
+    concurrencies: list[int],
+    repeats: int,
+    cpu_of: dict | None = None,
 ) -> list[Summary]:
-    """Alternate the modes (same prompts, same concurrency) so drifting machine load hits both alike."""
+    """Alternate the modes (same prompts, same concurrency) so drifting machine load hits both alike.
+    ``cpu_of[mode]()``, where given, reads a CPU clock charged to that mode's waves."""
+    cpu_of = cpu_of or {}
     for one in runners.values():
         await one(prompts[0])  # warm-up
+        for c in concurrencies:
+            # and one unrecorded wave per concurrency: the first batch of a new shape pays for
+            # allocations (hundreds of ms at 32), which would land in one mode's p90.
+            await _waves(prompts, c, one)
     samples: dict[tuple[str, int], list[Sample]] = {}
     walls: dict[tuple[str, int], float] = {}
+    cpus: dict[tuple[str, int], float] = {}
     for _ in range(repeats):
         for c in concurrencies:
             for mode, one in runners.items():
+                clock = cpu_of.get(mode)
+                cpu0 = clock() if clock else 0.0
                 got, wall = await _waves(prompts, c, one)
+                if clock:
+                    cpus[(mode, c)] = cpus.get((mode, c), 0.0) + clock() - cpu0
                 samples.setdefault((mode, c), []).extend(got)
                 walls[(mode, c)] = walls.get((mode, c), 0.0) + wall
-    return [summarize(mode, c, samples[(mode, c)], walls[(mode, c)]) for (mode, c) in samples]
+    return [
+        summarize(mode, c, samples[(mode, c)], walls[(mode, c)], cpus.get((mode, c))) for (mode, c) in samples
+    ]
 
 
 def print_table(rows: list[Summary]) -> list[dict]:
@@ -312,6 +342,9 @@ def print_table(rows: list[Summary]) -> list[dict]:
                 f"{c:>4} {'added':>10} {row['ttft_added_ms_p50']:9.2f} {'':>9} {row['tpot_added_ms_p50']:9.2f}"
                 f"   ratio TTFT {row['ttft_ratio_p50']:.2f}x, TPOT {row['tpot_ratio_p50']:.2f}x"
             )
+            if h.loop_cpu_us_per_token is not None:
+                row["loop_cpu_us_per_token"] = h.loop_cpu_us_per_token
+                print(f"{c:>4} {'':>10} server event loop: {h.loop_cpu_us_per_token:.0f} us CPU per token")
     return overhead
 
 
@@ -352,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
                 "in-process": in_process_runner(engine, args.max_tokens),
                 "http": http_runner(url, args.max_tokens),
             }
-            return await run_interleaved(runners, prompts, args.concurrency, args.repeats)
+            cpu_of = {"http": lambda: thread_cpu_seconds(proc.pid, proc.pid)}
+            return await run_interleaved(runners, prompts, args.concurrency, args.repeats, cpu_of)
         finally:
             await engine.shutdown()
 
