@@ -19,7 +19,9 @@ HASH_VERSION = "v1"
 DIGEST_SIZE = 16
 KEY_PREFIX = "ferry:kv"
 
-ROOT_HASH: bytes = hashlib.blake2b(b"ferry-kv-root/" + HASH_VERSION.encode(), digest_size=DIGEST_SIZE).digest()
+ROOT_HASH: bytes = hashlib.blake2b(
+    b"ferry-kv-root/" + HASH_VERSION.encode(), digest_size=DIGEST_SIZE
+).digest()
 
 
 def hash_block(parent: bytes, token_ids: Sequence[int], extra: bytes = b"") -> bytes:
@@ -34,17 +36,33 @@ def hash_block(parent: bytes, token_ids: Sequence[int], extra: bytes = b"") -> b
     return h.digest()
 
 
+def _chain(
+    out: list[bytes], parent: bytes, token_ids: Sequence[int], start: int, block_size: int, extra: bytes
+) -> list[bytes]:
+    """Append ``hash_block`` of each full block from ``start`` on: the same bytes, packed once for all
+    blocks and hashed in one call per block (a router keys every prompt; long ones have thousands)."""
+    num_blocks = (len(token_ids) - start) // block_size
+    if num_blocks <= 0:
+        return out
+    width = 8 * block_size
+    data = struct.pack(f"<{num_blocks * block_size}q", *token_ids[start : start + num_blocks * block_size])
+    tail = b"X" + struct.pack("<I", len(extra)) + extra
+    blake2b = hashlib.blake2b
+    for offset in range(0, num_blocks * width, width):
+        parent = blake2b(
+            parent + b"T" + data[offset : offset + width] + tail, digest_size=DIGEST_SIZE
+        ).digest()
+        out.append(parent)
+    return out
+
+
 def block_hashes(
     token_ids: Sequence[int], block_size: int, extra: bytes = b"", parent: bytes = ROOT_HASH
 ) -> list[bytes]:
     """Chained hashes of every *full* block of ``token_ids`` (a trailing partial block is not hashed)."""
     if block_size <= 0:
         raise ValueError("block_size must be positive")
-    out: list[bytes] = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, token_ids[start : start + block_size], extra)
-        out.append(parent)
-    return out
+    return _chain([], parent, token_ids, 0, block_size, extra)
 
 
 def extend_hashes(
@@ -52,10 +70,7 @@ def extend_hashes(
 ) -> list[bytes]:
     """Append the hashes of blocks that became full since ``hashes`` was computed (in place; returned)."""
     parent = hashes[-1] if hashes else ROOT_HASH
-    for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, token_ids[start : start + block_size], extra)
-        hashes.append(parent)
-    return hashes
+    return _chain(hashes, parent, token_ids, len(hashes) * block_size, block_size, extra)
 
 
 def to_hex(hashes: Iterable[bytes]) -> list[str]:
