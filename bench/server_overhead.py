@@ -5,9 +5,9 @@ request makes exactly ``--max-tokens`` tokens), at each concurrency in ``--concu
 
 * in-process: ``AsyncEngine.generate`` called directly from asyncio tasks;
 * HTTP: a `ferry serve` subprocess, streamed over loopback by a minimal asyncio HTTP/1.1 client in
-  this process (SSE parsed here).
+  this process (SSE parsed here) on keep-alive connections, as SDK clients pool them.
 
-TTFT is submit -> first token; TPOT (time per output token, the mean inter-token latency) is
+Both modes get one unrecorded wave per concurrency first. TTFT is submit -> first token; TPOT (time per output token, the mean inter-token latency) is
 (last token - first token) / (tokens - 1) per request. The table prints p50/p90 of both and the
 milliseconds and ratio HTTP adds; JSON goes to bench/results/server_overhead.json.
 
@@ -209,35 +209,59 @@ def start_server(model: str, engine_opts: dict, log_path: Path) -> tuple[subproc
     raise RuntimeError("ferry serve did not start")
 
 
-async def _post_sse(host: str, port: int, body: bytes) -> asyncio.StreamReader:
-    """Open a connection and send one streaming POST; the caller reads the chunked SSE body.
+class _Connections:
+    """Keep-alive HTTP/1.1 connections to one server, reused across requests as the OpenAI SDK's
+    pool does (a new TCP connection per request would bill its setup to the server's TTFT)."""
 
-    A minimal HTTP/1.1 client on purpose: on a small machine a full client library's per-chunk
-    Python work competes with the server for the same cores and would be billed to the server.
-    """
-    reader, writer = await asyncio.open_connection(host, port)
-    head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-    ).encode()
-    writer.write(head + body)
-    await writer.drain()
-    status = await reader.readline()
-    if b" 200 " not in status:
-        raise RuntimeError(f"HTTP error: {status!r}")
-    while (await reader.readline()) not in (b"\r\n", b""):
-        pass  # headers
-    reader._ferry_writer = writer  # type: ignore[attr-defined]  # closed by the caller
-    return reader
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    async def post_sse(self, body: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """Send one streaming POST; the caller reads the chunked SSE body, then ``release``s."""
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        while True:
+            reused = bool(self.idle)
+            conn = self.idle.pop() if reused else await asyncio.open_connection(self.host, self.port)
+            reader, writer = conn
+            try:
+                writer.write(head + body)
+                await writer.drain()
+                status = await reader.readline()
+            except ConnectionError:
+                status = b""
+            if status or not reused:
+                break
+            writer.close()  # the server closed it while idle (keep-alive timeout): use a fresh one
+        if b" 200 " not in status:
+            writer.close()
+            raise RuntimeError(f"HTTP error: {status!r}")
+        while (await reader.readline()) not in (b"\r\n", b""):
+            pass  # headers
+        return conn
+
+    def release(self, conn: tuple[asyncio.StreamReader, asyncio.StreamWriter], complete: bool) -> None:
+        if complete:
+            self.idle.append(conn)
+        else:
+            conn[1].close()
 
 
 async def _sse_events(reader: asyncio.StreamReader):
-    """Yield each SSE event payload (bytes after 'data: ') from a chunked response body."""
+    """Yield each SSE event payload (bytes after 'data: ') from a chunked response body; returns
+    after the terminating chunk, leaving the connection ready for the next request.
+
+    A minimal client on purpose: on a small machine a full client library's per-chunk Python work
+    competes with the server for the same cores and would be billed to the server."""
     buf = b""
     while True:
         size_line = await reader.readline()
         size = int(size_line.strip() or b"0", 16)
         if size == 0:
+            await reader.readline()  # the blank line after the last chunk
             return
         buf += await reader.readexactly(size)
         await reader.readexactly(2)  # CRLF after the chunk
@@ -250,6 +274,7 @@ async def _sse_events(reader: asyncio.StreamReader):
 def http_runner(url: str, max_tokens: int):
     """``one(prompt) -> Sample`` through `ferry serve`'s /v1/completions stream."""
     host, port = url.removeprefix("http://").split(":")
+    connections = _Connections(host, int(port))
 
     async def one(prompt: list[int]) -> Sample:
         # continuous usage stats: each chunk says how many tokens so far, so deltas that carry
@@ -267,17 +292,19 @@ def http_runner(url: str, max_tokens: int):
         stamps: list[tuple[float, int]] = []
         seen = 0
         submit = time.perf_counter()
-        reader = await _post_sse(host, int(port), body)
+        conn = await connections.post_sse(body)
+        complete = False
         try:
-            async for payload in _sse_events(reader):
+            async for payload in _sse_events(conn[0]):
                 if payload == b"[DONE]":
-                    break
+                    continue  # read on to the end of the body: the connection is reused
                 total = json.loads(payload)["usage"]["completion_tokens"]
                 if total > seen:
                     stamps.append((time.perf_counter(), total - seen))
                     seen = total
+            complete = True
         finally:
-            reader._ferry_writer.close()  # type: ignore[attr-defined]
+            connections.release(conn, complete)
         return _sample(submit, stamps)
 
     return one
