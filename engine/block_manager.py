@@ -119,18 +119,30 @@ class BlockManager:
         """Grow ``block_table`` to cover ``num_tokens`` tokens; False (and no change) on shortage."""
         return self.allocate(block_table, (), num_tokens)
 
-    def free(self, block_table: list[int]) -> None:
-        """Release a request's blocks. Tail blocks go first into the LRU, so a shared prefix outlives
-        the request-specific suffix when memory runs short."""
-        for bid in reversed(block_table):
-            block = self.blocks[bid]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                if block.block_hash is not None:
-                    self._cached[bid] = None
-                else:
-                    self._free.append(bid)
+    def free(self, block_table: list[int], start: int = 0) -> None:
+        """Release a request's blocks from ``start`` on (those before were released already, see
+        ``release``) and clear its table. Tail blocks go first into the LRU, so a shared prefix
+        outlives the request-specific suffix when memory runs short."""
+        for bid in reversed(block_table[start:]):
+            self._unref(bid)
         block_table.clear()
+
+    def release(self, block_table: list[int], start: int, stop: int) -> None:
+        """Release entries ``start..stop-1`` of a running request's table (blocks its attention
+        window has passed). Their slots keep the request's positions and read as block 0, as
+        padding does: no attention kernel looks behind the window."""
+        for i in range(start, stop):
+            self._unref(block_table[i])
+            block_table[i] = 0
+
+    def _unref(self, bid: int) -> None:
+        block = self.blocks[bid]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.block_hash is not None:
+                self._cached[bid] = None
+            else:
+                self._free.append(bid)
 
     # -- prefix cache registration -----------------------------------------------------------------
 

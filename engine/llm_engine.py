@@ -50,11 +50,17 @@ class LLMEngine:
             runner.num_kv_blocks, config.block_size, config.enable_prefix_caching
         )
         self.connector = build_kv_connector(config, self)
+        windows = self.model_config.layer_windows
+        # Blocks behind the window can be given back only if no layer attends further.
+        self.sliding_window: int | None = (
+            min(w for w in windows if w is not None) if windows and None not in windows else None
+        )
         sched_cfg = SchedulerConfig(
             config.max_num_seqs,
             config.max_num_batched_tokens,
             self.max_model_len,
             config.long_prefill_token_threshold,
+            self.sliding_window,
         )
         if sched_cfg.max_num_seqs < 1 or sched_cfg.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
@@ -120,8 +126,11 @@ class LLMEngine:
                 raise ValueError(f"token id {tok!r} is out of the vocabulary [0, {self.sampling_vocab_size})")
         limit = self.max_model_len
         if params.max_tokens is None:
-            # As much as fits in max_model_len and in the whole KV cache (so it can always finish).
+            # As much as fits in max_model_len and in the whole KV cache (so it can always finish);
+            # under a sliding window on every layer the cache holds only the window's blocks.
             capacity = self.block_manager.num_blocks * self.block_manager.block_size
+            if self.sliding_window is not None and self.block_manager.num_blocks >= self._window_peak_blocks():
+                capacity = limit
             params = _with_max_tokens(params, min(limit, capacity) - len(ids))
             if params.max_tokens < 1:
                 raise ValueError(
@@ -138,6 +147,8 @@ class LLMEngine:
                 f"{len(resumed)} resumed tokens leave nothing to generate under max_tokens={params.max_tokens}"
             )
         need = self.block_manager.blocks_for(len(ids) + params.max_tokens)
+        if self.sliding_window is not None:
+            need = min(need, self._window_peak_blocks())
         if need > self.block_manager.num_blocks:
             raise ValueError(
                 f"prompt + max_tokens needs {need} KV blocks but the cache has only {self.block_manager.num_blocks}"
@@ -159,6 +170,14 @@ class LLMEngine:
             # The text of resumed tokens was delivered by whoever produced them.
             req.detokenizer.append(resumed)
         return req
+
+    def _window_peak_blocks(self) -> int:
+        """Most blocks one request holds at once when every layer slides: the window behind its
+        next query, the largest step it can take, and the partly filled blocks at both ends."""
+        step = self.config.max_num_batched_tokens
+        if self.config.long_prefill_token_threshold:
+            step = min(step, self.config.long_prefill_token_threshold)
+        return self.block_manager.blocks_for((self.sliding_window or 0) + step) + 1
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request

@@ -56,8 +56,8 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads)
         self.dtype = resolve_dtype(config.dtype, cfg.checkpoint_dtype, self.device)
         # Sliding-window layers attend within their window (the attention backends mask and skip
-        # the rest), so the whole trained context is served. A request keeps all its blocks,
-        # those its window has passed included; freeing them is a later optimisation.
+        # the rest), so the whole trained context is served. When every layer slides, the scheduler
+        # gives back the blocks behind the window (their table slots then read as block 0).
         limit = cfg.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)
         self.block_size = config.block_size

@@ -40,6 +40,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     long_prefill_token_threshold: int = 0  # most tokens of one prefill per step; 0: no cap
+    # The attention window when every layer has one (Mistral-7B-v0.1): blocks wholly behind it are
+    # given back while a request runs, so a request holds about window + chunk tokens of KV.
+    sliding_window: int | None = None
 
 
 @dataclass
@@ -131,7 +134,8 @@ class Scheduler:
             self._tier_lookups.pop(request.request_id, None)
         self.connector.request_finished(request)
         if not parked:
-            self.block_manager.free(request.block_table)
+            self.block_manager.free(request.block_table, request.num_released_blocks)
+            request.num_released_blocks = 0
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.metrics.finished_time = time.monotonic()
@@ -144,6 +148,8 @@ class Scheduler:
         bm = self.block_manager
         if self.loading:
             self._unpark()
+        if self.config.sliding_window is not None:
+            self._release_passed_blocks()
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -314,9 +320,20 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
 
+    def _release_passed_blocks(self) -> None:
+        """Give back the blocks no future query can see: the next query of a running request sits
+        at position ``num_computed_tokens`` and sees keys from ``num_computed_tokens - window + 1``."""
+        window, bs = self.config.sliding_window or 0, self.block_manager.block_size
+        for req in self.running:
+            passed = max(0, req.num_computed_tokens - window + 1) // bs
+            if passed > req.num_released_blocks:
+                self.block_manager.release(req.block_table, req.num_released_blocks, passed)
+                req.num_released_blocks = passed
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self.block_manager.free(req.block_table)
+        self.block_manager.free(req.block_table, req.num_released_blocks)
+        req.num_released_blocks = 0
         req.num_computed_tokens = 0
         req.num_registered_blocks = 0
         req.status = RequestStatus.PREEMPTED

@@ -69,6 +69,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache or the tier (first admission)
         self.block_table: list[int] = []
+        self.num_released_blocks = 0  # leading table entries given back (behind the attention window)
         self.block_hashes: list[bytes] = []
         self.num_registered_blocks = 0  # leading blocks already registered in the prefix cache
         self.status = RequestStatus.WAITING

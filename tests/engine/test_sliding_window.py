@@ -216,6 +216,46 @@ def test_mistral_deterministic_is_bit_identical_and_matches_transformers(mistral
         assert torch.equal(rows, solo[0]), name
 
 
+def _peak_used_blocks(llm: LLM) -> list[int]:
+    """Records the blocks in use at every sampling step (released blocks are not in use)."""
+    peaks: list[int] = []
+    llm.engine.logits_observers.append(
+        lambda ids, logits: peaks.append(llm.engine.block_manager.num_used_blocks)
+    )
+    return peaks
+
+
+def test_mistral_gives_back_blocks_behind_the_window(mistral, tiny_llama, sw_prompts, refs) -> None:
+    """With a window on every layer a request holds only the blocks its window reaches: a 70-token
+    prompt + 10 tokens (20 blocks of 4) runs exactly in an 8-block cache, holding at most 5 at once
+    (window 10 behind the next query + an 8-token chunk); full attention refuses it."""
+    target = LENGTHS.index(70)
+    opts = dict(block_size=BLOCK, num_kv_blocks=8, max_num_batched_tokens=8)
+    llm = LLM(str(mistral), **opts)
+    assert llm.engine.sliding_window == WINDOW
+    peaks = _peak_used_blocks(llm)
+    outs, logits = _generate(llm, [sw_prompts[target]])
+    _assert_matches(outs, logits, [refs[target]])
+    assert max(peaks) == 5
+    assert peaks[-1] == 3  # decoding at position 79: blocks 16..19 minus the passed one
+    llm.engine.block_manager.check_integrity()
+    assert llm.engine.block_manager.num_used_blocks == 0
+    with pytest.raises(ValueError, match="needs 20 KV blocks but the cache has only 8"):
+        LLM(str(tiny_llama), **opts).generate([sw_prompts[target]], GREEDY)
+
+
+def test_mistral_released_blocks_survive_preemption(mistral, sw_prompts, refs) -> None:
+    """Two long prompts that do not fit side by side: one is preempted and recomputed, and both
+    still match transformers; the bookkeeping of released slots stays consistent."""
+    long = [LENGTHS.index(70), LENGTHS.index(47)]
+    llm = LLM(str(mistral), block_size=BLOCK, num_kv_blocks=8, max_num_batched_tokens=8)
+    outs, logits = _generate(llm, [sw_prompts[i] for i in long])
+    _assert_matches(outs, logits, [refs[i] for i in long])
+    assert llm.engine.scheduler.num_preemptions > 0
+    llm.engine.block_manager.check_integrity()
+    assert llm.engine.block_manager.num_used_blocks == 0
+
+
 # --------------------------------------------------------------------------- Qwen2: some layers windowed
 
 
