@@ -78,6 +78,9 @@ class LLMEngine:
         self.logits_observers: list[LogitsObserver] = []
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.kv_capacity_tokens = self.block_manager.num_blocks * config.block_size
+        if self.sliding_window is not None and self.block_manager.num_blocks >= self._window_peak_blocks():
+            self.kv_capacity_tokens = self.max_model_len
         name = config.model if config.model is not None else "ferry-demo"
         self.model_info = ModelInfo(
             name=str(name),
@@ -88,6 +91,7 @@ class LLMEngine:
             model_fingerprint=runner.model_fingerprint,
             weights_id=runner.weights_id,
             num_kv_blocks=runner.num_kv_blocks,
+            kv_capacity_tokens=self.kv_capacity_tokens,
         )
 
     @property
@@ -126,11 +130,8 @@ class LLMEngine:
                 raise ValueError(f"token id {tok!r} is out of the vocabulary [0, {self.sampling_vocab_size})")
         limit = self.max_model_len
         if params.max_tokens is None:
-            # As much as fits in max_model_len and in the whole KV cache (so it can always finish);
-            # under a sliding window on every layer the cache holds only the window's blocks.
-            capacity = self.block_manager.num_blocks * self.block_manager.block_size
-            if self.sliding_window is not None and self.block_manager.num_blocks >= self._window_peak_blocks():
-                capacity = limit
+            # As much as fits in max_model_len and in the KV cache (so it can always finish).
+            capacity = self.kv_capacity_tokens
             params = _with_max_tokens(params, min(limit, capacity) - len(ids))
             if params.max_tokens < 1:
                 raise ValueError(

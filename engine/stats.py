@@ -15,6 +15,9 @@ class ModelInfo:
     model_fingerprint: str = ""
     weights_id: str = ""
     num_kv_blocks: int = 0
+    # Tokens one sequence can hold in the KV cache (0: unknown): the whole cache, or the model's
+    # context when every layer slides and the cache holds the blocks a window reaches.
+    kv_capacity_tokens: int = 0
 
 
 @dataclass(frozen=True)

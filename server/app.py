@@ -54,6 +54,7 @@ def build_state(engine: Any, config: ServerConfig) -> ServerState:
         max_n=config.max_n,
         block_size=int(info.block_size),
         num_kv_blocks=int(getattr(info, "num_kv_blocks", 0) or 0),
+        seq_capacity=int(getattr(info, "kv_capacity_tokens", 0) or 0),
     )
     metrics = ServerMetrics(config.served_model_name, engine.stats)
     return ServerState(

@@ -31,10 +31,13 @@ class ModelLimits:
     max_n: int
     block_size: int = 16
     num_kv_blocks: int = 0  # 0: unknown (no capacity check)
+    seq_capacity: int = 0  # the engine's tokens per sequence (ModelInfo.kv_capacity_tokens); 0: unknown
 
     @property
     def kv_capacity_tokens(self) -> int:
-        """Tokens one sequence can hold in the whole KV cache (a request needs prompt + max_tokens)."""
+        """Tokens one sequence can hold in the KV cache (a request needs prompt + max_tokens)."""
+        if self.seq_capacity > 0:
+            return min(self.max_model_len, self.seq_capacity)
         if self.num_kv_blocks <= 0:
             return self.max_model_len
         return min(self.max_model_len, self.num_kv_blocks * self.block_size)
