@@ -256,6 +256,21 @@ def test_mistral_released_blocks_survive_preemption(mistral, sw_prompts, refs) -
     assert llm.engine.block_manager.num_used_blocks == 0
 
 
+@pytest.mark.timeout(60)
+def test_mistral_prefix_hit_longer_than_the_cache_leaves_room_for_a_step(mistral, sw_prompts, refs) -> None:
+    """A window model admits sequences longer than its cache, so a cached prefix can fill the whole
+    cache: the scheduler uses only as much of it as leaves a step's blocks (13 of 16 here) instead of
+    waiting forever for an allocation that cannot succeed."""
+    target = LENGTHS.index(70)
+    llm = LLM(str(mistral), block_size=BLOCK, num_kv_blocks=16, max_num_batched_tokens=8)
+    llm.generate([sw_prompts[target][:60]], SamplingParams(max_tokens=1))
+    assert llm.engine.block_manager.num_cached_blocks == 15  # the 60-token prefix, whole
+    outs, logits = _generate(llm, [sw_prompts[target]])
+    assert outs[0].num_cached_tokens == 13 * BLOCK  # 16 blocks - 2 for an 8-token step - 1
+    _assert_matches(outs, logits, [refs[target]])
+    llm.engine.block_manager.check_integrity()
+
+
 # --------------------------------------------------------------------------- Qwen2: some layers windowed
 
 
