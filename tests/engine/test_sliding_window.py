@@ -271,6 +271,29 @@ def test_mistral_prefix_hit_longer_than_the_cache_leaves_room_for_a_step(mistral
     llm.engine.block_manager.check_integrity()
 
 
+@pytest.mark.timeout(120)
+def test_mistral_small_cache_under_load_matches_a_large_one(mistral, vocab_size) -> None:
+    """Shared prefixes, chunked prefill, preemption and released blocks together: 24 requests in a
+    cache far smaller than their sequences give the tokens a roomy cache gives, and every block
+    comes back."""
+    rng = random.Random(3)
+    stems = [[rng.randrange(3, vocab_size) for _ in range(rng.randrange(20, 60))] for _ in range(4)]
+    prompts = [
+        rng.choice(stems)[: rng.randrange(5, 60)]
+        + [rng.randrange(3, vocab_size) for _ in range(rng.randrange(1, 30))]
+        for _ in range(24)
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    roomy = LLM(str(mistral), block_size=BLOCK, num_kv_blocks=512).generate(prompts, params)
+    small = LLM(str(mistral), block_size=BLOCK, num_kv_blocks=10, max_num_batched_tokens=8, max_num_seqs=4)
+    outs = small.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in roomy]
+    assert max(len(p) for p in prompts) + 12 > 10 * BLOCK  # some sequences outgrow the whole cache
+    assert small.engine.scheduler.num_preemptions > 0
+    small.engine.block_manager.check_integrity()
+    assert small.engine.block_manager.num_used_blocks == 0
+
+
 # --------------------------------------------------------------------------- Qwen2: some layers windowed
 
 
