@@ -234,16 +234,14 @@ class Scheduler:
         # Keep at least one token to compute: its logits draw the next token.
         # Prompt logprobs need every prompt row's logits, so such requests compute everything.
         reuse = req.params.prompt_logprobs is None
-        hits = bm.match_prefix(req.token_ids, hashes, req.num_tokens - 1) if reuse else []
+        most = (req.num_tokens - 1) // bs  # blocks a hit may cover
         if self.config.sliding_window is not None:
-            # Under a window a sequence may outgrow the cache; a prefix hit must still leave room
-            # for a step's blocks, or the allocation below could never succeed.
-            room = bm.num_blocks - bm.blocks_for(self._chunk(req.num_tokens, budget)) - 1
-            hits = hits[: max(0, room)]
-        else:
-            room = len(hashes)
+            # Under a window a sequence may outgrow the cache; a hit must still leave room for a
+            # step's blocks, or the allocation below could never succeed.
+            most = max(0, min(most, bm.num_blocks - bm.blocks_for(self._chunk(req.num_tokens, budget)) - 1))
+        hits = bm.match_prefix(req.token_ids, hashes, most * bs) if reuse else []
         num_hit = len(hits)
-        ext_hashes = hashes[num_hit : min((req.num_tokens - 1) // bs, max(num_hit, room))] if reuse else []
+        ext_hashes = hashes[num_hit:most] if reuse else []
         num_ext = self._num_loadable(req, num_hit, ext_hashes)
         cached_tokens = (num_hit + num_ext) * bs
         if num_ext and self._load_async is not None:
