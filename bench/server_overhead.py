@@ -7,9 +7,10 @@ request makes exactly ``--max-tokens`` tokens), at each concurrency in ``--concu
 * HTTP: a `ferry serve` subprocess, streamed over loopback by a minimal asyncio HTTP/1.1 client in
   this process (SSE parsed here) on keep-alive connections, as SDK clients pool them.
 
-Both modes get one unrecorded wave per concurrency first. TTFT is submit -> first token; TPOT (time per output token, the mean inter-token latency) is
-(last token - first token) / (tokens - 1) per request. The table prints p50/p90 of both and the
-milliseconds and ratio HTTP adds; JSON goes to bench/results/server_overhead.json.
+Both modes get one unrecorded wave per concurrency first. TTFT is submit -> first token; TPOT
+(time per output token, the mean inter-token latency) is (last token - first token) / (tokens - 1)
+per request. The table prints p50/p90 of both, the milliseconds and ratio HTTP adds and the
+server event loop's CPU per token; JSON goes to bench/results/server_overhead.json.
 
 Default model: the engine benchmark model (Llama, hidden 512, 8 layers, 8 heads, 2 KV heads,
 intermediate 1408, vocab 32000, random fp32 weights), built once into the ferry cache directory.
