@@ -61,9 +61,10 @@ def free_port() -> int:
 class RedisServer:
     """A private redis-server on a free loopback port; can be stopped and restarted (same port)."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, password: str | None = None) -> None:
         self.port = free_port()
         self.workdir = workdir
+        self.password = password
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -76,7 +77,8 @@ class RedisServer:
             raise RuntimeError("redis-server is not installed (make test installs it)")
         self.proc = subprocess.Popen(
             [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.workdir), "--protected-mode", "no"],
+             "--dir", str(self.workdir), "--protected-mode", "no",
+             *(["--requirepass", self.password] if self.password else [])],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + 10
@@ -107,6 +109,24 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory):
     srv.start()
     yield srv
     srv.stop()
+
+
+@pytest.fixture
+def private_redis(tmp_path: Path):
+    """Starts more private redis-servers for one test (``private_redis(password=...)``); stops them after."""
+    started: list[RedisServer] = []
+
+    def start(password: str | None = None) -> RedisServer:
+        workdir = tmp_path / f"redis-{len(started)}"
+        workdir.mkdir()
+        srv = RedisServer(workdir, password)
+        started.append(srv)
+        srv.start()
+        return srv
+
+    yield start
+    for srv in started:
+        srv.stop()
 
 
 @pytest.fixture

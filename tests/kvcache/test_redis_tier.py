@@ -105,48 +105,9 @@ def test_l1_in_front_of_redis(redis_url: str) -> None:
 
 
 @pytest.fixture
-def secured_redis(tmp_path):
-    """A second private redis-server that requires a password (port is free, process stopped after)."""
-    import shutil
-    import socket
-    import subprocess
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    proc = subprocess.Popen(
-        [
-            shutil.which("redis-server"),
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(tmp_path),
-            "--requirepass",
-            "s3cret",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-        yield port
-    finally:
-        proc.kill()
-        proc.wait()
+def secured_redis(private_redis) -> int:
+    """A second private redis-server that requires a password; its port."""
+    return private_redis(password="s3cret").port
 
 
 def test_password_in_url(secured_redis: int, metric) -> None:
