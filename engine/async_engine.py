@@ -15,8 +15,9 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +44,7 @@ class _Stream:
 @dataclass
 class _Add:
     request: Request
+    loop: asyncio.AbstractEventLoop  # the submitter's: an idle loop thread probes it for a burst
 
 
 @dataclass
@@ -61,6 +63,9 @@ _Command = _Add | _Abort | _ResetPrefixCache
 
 
 class AsyncEngine:
+    # The most an idle loop holds its first step to gather a burst of arrivals (``_gather_burst``).
+    arrival_wait_s = 0.025
+
     def __init__(self, config: EngineConfig | None = None, **options: Any) -> None:
         if config is None:
             config = EngineConfig.from_options(**options)
@@ -73,6 +78,9 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._commands: deque[_Command] = deque()
         self._wake = threading.Condition()
+        self._num_adds = 0  # requests submitted so far
+        self._announced = 0  # requests on their way in (``announce``), not yet submitted
+        self._probes_sent = self._probes_back = 0  # _gather_burst's round trips through a loop
         self._stopping = False
         self._error: BaseException | None = None
         self._stats = self.engine.stats()
@@ -102,7 +110,7 @@ class AsyncEngine:
         )
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
-        self._submit(_Add(req))
+        self._submit(_Add(req, stream.loop))
         finished = False
         try:
             while not finished:
@@ -116,6 +124,32 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             if not finished and not self._stopping and self._error is None:
                 self._submit(_Abort(request_id, concurrent.futures.Future()))
+
+    def announce(self) -> Callable[[], None]:
+        """Say a request is on its way in (received, not yet submitted); call the returned function,
+        idempotent, once its sequences are submitted or it was dropped. An idle loop gathering a
+        burst (``_gather_burst``) waits for announced requests, so an API server announces each
+        request as early as it can: its parsing and validation may span several event-loop passes.
+        """
+        with self._wake:
+            self._announced += 1
+        pending = True
+
+        def submitted() -> None:
+            nonlocal pending
+            if pending:
+                pending = False
+                with self._wake:
+                    self._announced -= 1
+                    if self._announced == 0:
+                        self._wake.notify()
+
+        return submitted
+
+    @property
+    def announced(self) -> int:
+        """Requests announced and not yet submitted."""
+        return self._announced
 
     async def abort(self, request_id: str) -> None:
         """Finish the request now (blocks freed before this returns); its stream ends with "abort"."""
@@ -153,6 +187,8 @@ class AsyncEngine:
     def _submit(self, cmd: _Command) -> None:
         with self._wake:
             self._commands.append(cmd)
+            if isinstance(cmd, _Add):
+                self._num_adds += 1
             self._wake.notify()
 
     def _check_alive(self) -> None:
@@ -170,6 +206,10 @@ class AsyncEngine:
                         self._wake.wait()
                     if self._stopping:
                         return
+                    if not engine.has_unfinished_requests() and isinstance(self._commands[0], _Add):
+                        self._gather_burst(self._commands[0].loop)
+                        if self._stopping:
+                            return
                     commands = list(self._commands)
                     self._commands.clear()
                 for cmd in commands:
@@ -191,6 +231,44 @@ class AsyncEngine:
             logger.exception("engine loop crashed")
             self._error = exc
             self._fail_all(EngineDeadError(f"the engine loop died: {exc!r}"))
+
+    def _gather_burst(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Before an idle loop's first step, let the rest of a burst of arrivals in. Called with
+        ``_wake`` held, commands pending.
+
+        Requests that arrive together reach the engine one by one, as the submitter's event loop
+        parses each; a step started on the first would be a lone prefill that the others queue
+        behind, and it would slow their intake, sharing the cores. So: send a probe through the
+        submitter's loop (a few passes: the passes that turn bytes already received into running
+        handlers), wait for it and for every ``announce``d request, and repeat while a round brought
+        new requests. A lone request costs one probe (tens of microseconds); a burst, its intake;
+        nothing costs more than ``arrival_wait_s``. A busy engine never waits: it batches whatever
+        arrived by its next step.
+        """
+        deadline = time.monotonic() + self.arrival_wait_s
+        while not self._stopping:
+            seen = self._num_adds
+            self._probes_sent += 1
+            try:
+                loop.call_soon_threadsafe(self._probe, loop, self._probes_sent, 2)
+            except RuntimeError:  # that loop is closed
+                return
+            while (self._probes_back < self._probes_sent or self._announced > 0) and not self._stopping:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._wake.wait(left)
+            if self._num_adds == seen:
+                return
+
+    def _probe(self, loop: asyncio.AbstractEventLoop, number: int, hops: int) -> None:
+        """On the submitter's loop: pass through ``hops`` more passes, then tell the loop thread."""
+        if hops:
+            loop.call_soon(self._probe, loop, number, hops - 1)
+            return
+        with self._wake:
+            self._probes_back = max(self._probes_back, number)
+            self._wake.notify()
 
     def _apply(self, cmd: _Command) -> None:
         engine = self.engine

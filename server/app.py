@@ -83,11 +83,15 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/completions", responses=_ERRORS)
     async def completions(body: CompletionRequest, request: Request) -> Any:
-        return await create_completion(state, body, request.state.request_id, request.receive)
+        return await create_completion(
+            state, body, request.state.request_id, request.receive, getattr(request.state, "submitted", None)
+        )
 
     @app.post("/v1/chat/completions", responses=_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-        return await create_chat_completion(state, body, request.state.request_id, request.receive)
+        return await create_chat_completion(
+            state, body, request.state.request_id, request.receive, getattr(request.state, "submitted", None)
+        )
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> Any:
@@ -123,5 +127,10 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
     async def version() -> Any:
         return VersionResponse(version=__version__, role=config.role)
 
-    app.add_middleware(EdgeMiddleware, api_key=config.api_key, max_request_bytes=config.max_request_bytes)
+    app.add_middleware(
+        EdgeMiddleware,
+        api_key=config.api_key,
+        max_request_bytes=config.max_request_bytes,
+        announce=getattr(engine, "announce", None),
+    )
     return app

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,16 +41,26 @@ class SequenceRequest:
 class Ticket:
     """Admission of one HTTP request's sequences: they count as in flight from ``admit`` on, so
     simultaneous arrivals see each other. A sequence releases its share when its stream ends;
-    ``close()`` releases the shares of sequences that never started (client gone first)."""
+    ``close()`` releases the shares of sequences that never started (client gone first).
+    ``submitted`` (the engine's ``announce`` handle) is called once every sequence has started,
+    or at ``close()``."""
 
-    def __init__(self, generation: Generation, num_sequences: int) -> None:
+    def __init__(
+        self, generation: Generation, num_sequences: int, submitted: Callable[[], None] | None = None
+    ) -> None:
         self._generation = generation
         self.unstarted = num_sequences
+        self._submitted = submitted
 
     def start_one(self) -> None:
+        # Called right before the sequence's engine.generate submits it, in the same loop step.
         self.unstarted -= 1
+        if self.unstarted == 0 and self._submitted is not None:
+            self._submitted()
 
     def close(self) -> None:
+        if self._submitted is not None:
+            self._submitted()
         if self.unstarted > 0:
             self._generation.release(self.unstarted)
             self.unstarted = 0
@@ -92,10 +102,11 @@ class Generation:
         beyond_slots = self.in_flight - self._max_running
         return max(0, beyond_slots, int(getattr(self.engine.stats(), "num_waiting", 0)))
 
-    def admit(self, num_sequences: int) -> Ticket:
+    def admit(self, num_sequences: int, submitted: Callable[[], None] | None = None) -> Ticket:
         """Admit a request of ``num_sequences`` or raise 503 (draining/unhealthy) / 429 (queue full).
 
         Call after validation; the caller must ``close()`` the ticket when the request ends.
+        ``submitted``: the request's ``AsyncEngine.announce`` handle, if it was announced.
         """
         if self.draining:
             raise unavailable("Server is shutting down; retry on another replica.")
@@ -109,7 +120,7 @@ class Generation:
                 "Retry later."
             )
         self._add_in_flight(num_sequences)
-        return Ticket(self, num_sequences)
+        return Ticket(self, num_sequences, submitted)
 
     def release(self, num_sequences: int) -> None:
         """Give back admitted sequences that will never run (their request ended first)."""

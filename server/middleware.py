@@ -28,6 +28,8 @@ _VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:/=+\-]{1,128}$")
 # too, and /reset_prefix_cache changes replica state). /health, /metrics and /version stay open for
 # load balancers and Prometheus.
 _PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/reset_prefix_cache")
+# Routes that submit to the engine: announced to it as soon as their body is in (see ``announce``).
+_GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:
@@ -65,12 +67,24 @@ class EdgeMiddleware:
     The body is read here, counted as it streams in (Content-Length alone can lie or be
     absent with chunked encoding) and replayed to the app; after the replay, ``receive``
     is the server's own, so disconnects still reach the handlers.
+
+    A generation request whose body is in is ``announce``d to the engine (``AsyncEngine.announce``)
+    before the app parses it; the handler marks it submitted through ``scope["state"]["submitted"]``,
+    and leaving the app does so for one that never got that far.
     """
 
-    def __init__(self, app: ASGIApp, *, api_key: str | None, max_request_bytes: int) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        api_key: str | None,
+        max_request_bytes: int,
+        announce: Callable[[], Callable[[], None]] | None = None,
+    ) -> None:
         self.app = app
         self.api_key = api_key.encode() if api_key else None
         self.max_request_bytes = max_request_bytes
+        self.announce = announce
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -102,7 +116,15 @@ class EdgeMiddleware:
                 message["headers"] = headers
             await send(message)
 
-        await self.app(scope, receive, send_with_id)
+        if self.announce is None or scope["method"] != "POST" or scope["path"] not in _GENERATION_PATHS:
+            await self.app(scope, receive, send_with_id)
+            return
+        submitted = self.announce()
+        scope["state"]["submitted"] = submitted
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            submitted()
 
     async def _buffer_body(
         self, scope: Scope, receive: Receive, send: Send, request_id: str

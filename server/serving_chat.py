@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from engine.outputs import RequestOutput
 from server.generation import SequenceRequest, Ticket
@@ -101,11 +101,15 @@ def _delta(
 
 
 async def create_chat_completion(
-    state: ServerState, req: ChatCompletionRequest, request_id: str, receive
+    state: ServerState,
+    req: ChatCompletionRequest,
+    request_id: str,
+    receive,
+    submitted: Callable[[], None] | None = None,
 ) -> object:
     arrival = time.perf_counter()
     seqs = _plan(state, req)
-    ticket = state.generation.admit(len(seqs))
+    ticket = state.generation.admit(len(seqs), submitted)
     response_id = f"chatcmpl-{request_id}"
     choices = [_Choice() for _ in seqs]
     usage = UsageTracker(1, req.n)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from engine.outputs import RequestOutput
 from server.errors import bad_request
@@ -127,10 +127,16 @@ def _delta(
     return text, (merge_completion_logprobs(new_logprobs) if choice.builder is not None else None)
 
 
-async def create_completion(state: ServerState, req: CompletionRequest, request_id: str, receive) -> object:
+async def create_completion(
+    state: ServerState,
+    req: CompletionRequest,
+    request_id: str,
+    receive,
+    submitted: Callable[[], None] | None = None,
+) -> object:
     arrival = time.perf_counter()
     prompts, seqs = _plan(state, req)
-    ticket = state.generation.admit(len(seqs))
+    ticket = state.generation.admit(len(seqs), submitted)
     response_id = f"cmpl-{request_id}"
     choices = [_Choice(prompts[s.prompt_index]) for s in seqs]
     usage = UsageTracker(len(prompts), req.n)

@@ -39,8 +39,13 @@ def tiny_llama3_rope(models_root: Path) -> Path:
     """Llama with llama3 rope scaling."""
     from engine.demo import build_model
 
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 64}
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
     return build_model(models_root / "llama3", "llama", seed=3, rope_scaling=scaling)
 
 
@@ -76,10 +81,24 @@ class RedisServer:
         if binary is None:
             raise RuntimeError("redis-server is not installed (make test installs it)")
         self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.workdir), "--protected-mode", "no",
-             *(["--requirepass", self.password] if self.password else [])],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.workdir),
+                "--protected-mode",
+                "no",
+                *(["--requirepass", self.password] if self.password else []),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:

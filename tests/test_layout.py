@@ -9,7 +9,9 @@ from kvcache.keys import ROOT_HASH, block_hashes, extend_hashes, hash_block, tie
 
 
 def test_ferry_cli_lists_subcommands() -> None:
-    out = subprocess.run([sys.executable, "-m", "ferry", "--help"], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "ferry", "--help"], capture_output=True, text=True, check=True
+    )
     for sub in ("serve", "router", "up", "bench"):
         assert sub in out.stdout
 

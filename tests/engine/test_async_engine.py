@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -137,3 +138,60 @@ async def test_reset_prefix_cache(engine, prompts) -> None:
     assert await engine.reset_prefix_cache() is False  # refused while a request runs
     await gen.aclose()
     await _wait_idle(engine)
+
+
+# -- an idle loop gathers a burst before its first step -------------------------------------------------
+
+
+def _same_first_step(first: dict, other: dict) -> bool:
+    """``other`` was scheduled in the step that gave ``first`` its first token."""
+    return other["first_scheduled_time"] <= first["first_token_time"]
+
+
+async def test_idle_loop_gathers_requests_submitted_over_several_loop_passes(engine, prompts) -> None:
+    # The first request is submitted, then the event loop is busy for 20 ms (as parsing the rest of a
+    # burst keeps it) before submitting two more. Started at once, the engine thread would step the
+    # first alone meanwhile; its probe through the loop brings the other two into the first step.
+    engine.arrival_wait_s = 30.0  # the probe, not the cap, must end the wait
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    first = asyncio.ensure_future(_collect(engine, "g0", prompts[0], params))
+
+    async def busy_then_more():
+        time.sleep(0.02)  # noqa: ASYNC251 - holding the loop is the point
+        return await asyncio.gather(*(_collect(engine, f"g{i}", prompts[i], params) for i in (1, 2)))
+
+    start = time.monotonic()
+    (_, _, a), rest = await asyncio.gather(first, busy_then_more())
+    assert time.monotonic() - start < 10  # far below the 30 s cap: the burst ended the wait
+    for _, _, later in rest:
+        assert _same_first_step(a.metrics, later.metrics)
+
+
+async def test_idle_loop_waits_for_announced_requests(engine, prompts) -> None:
+    engine.arrival_wait_s = 30.0
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    submitted = engine.announce()  # a request being parsed while the first one is submitted
+    assert engine.announced == 1
+    first = asyncio.ensure_future(_collect(engine, "a0", prompts[0], params))
+    await asyncio.sleep(0.05)  # the engine would have stepped "a0" alone by now
+    assert not first.done()
+    second = asyncio.ensure_future(_collect(engine, "a1", prompts[1], params))
+    await asyncio.sleep(0)  # "a1" submitted...
+    submitted()  # ...and so marked
+    submitted()  # idempotent
+    assert engine.announced == 0
+    (_, _, a), (_, _, b) = await asyncio.wait_for(asyncio.gather(first, second), 10)
+    assert _same_first_step(a.metrics, b.metrics)
+
+
+async def test_announced_wait_is_capped_and_a_lone_request_does_not_wait(engine, prompts) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    engine.arrival_wait_s = 0.2
+    forgotten = engine.announce()  # never submitted: the wait ends at the cap
+    _, _, out = await asyncio.wait_for(_collect(engine, "capped", prompts[0], params), 10)
+    waited = out.metrics["first_scheduled_time"] - out.metrics["arrival_time"]
+    assert 0.2 <= waited < 5
+    forgotten()
+    engine.arrival_wait_s = 30.0  # nothing announced: a lone request starts at once
+    _, _, out = await asyncio.wait_for(_collect(engine, "lone", prompts[1], params), 10)
+    assert out.metrics["first_scheduled_time"] - out.metrics["arrival_time"] < 5

@@ -1,0 +1,152 @@
+"""The server announces each generation request to the engine as it comes in, and marks it submitted
+whatever becomes of it (served, refused, rejected, abandoned): a request left announced would hold
+every later first step of an idle engine for ``arrival_wait_s``.
+
+The app runs in this test's event loop under a real uvicorn on loopback, so the engine's counters
+can be read between requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from engine import SamplingParams
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from server.app import build_app
+from server.config import ServerConfig
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.asynccontextmanager
+async def _serve(app) -> AsyncIterator[str]:
+    port = _free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+    )
+    task = asyncio.ensure_future(server.serve())
+    while not server.started:
+        assert not task.done(), "uvicorn did not start"
+        await asyncio.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await task
+
+
+@pytest.fixture
+async def engine(tiny_llama) -> AsyncIterator[AsyncEngine]:
+    eng = AsyncEngine(EngineConfig(model=str(tiny_llama), num_kv_blocks=128))
+    eng.arrival_wait_s = 30.0  # a request left announced would show as a hang, not as a few ms
+    yield eng
+    await eng.shutdown()
+
+
+async def test_every_generation_request_is_announced_and_marked_submitted(engine) -> None:
+    announced = []
+    real_announce = engine.announce
+
+    def counting_announce():
+        announced.append(1)
+        return real_announce()
+
+    engine.announce = counting_announce  # build_app picks the engine's announce up
+    app = build_app(engine, ServerConfig(served_model_name="m"))
+    async with _serve(app) as url:
+        sdk = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=30)
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+
+            async def settled() -> None:
+                # a streamed request ends its ASGI call after its last byte: let it
+                for _ in range(100):
+                    if engine.announced == 0:
+                        return
+                    await asyncio.sleep(0.01)
+                raise AssertionError(f"{engine.announced} requests left announced")
+
+            # served: plain, streamed, several choices, chat
+            done = await sdk.completions.create(model="m", prompt="hello", max_tokens=3, temperature=0)
+            assert done.usage.completion_tokens == 3
+            await settled()
+            chunks = [
+                c
+                async for c in await sdk.completions.create(
+                    model="m", prompt="hello", max_tokens=3, n=3, stream=True, seed=1
+                )
+            ]
+            assert {c.choices[0].index for c in chunks if c.choices} == {0, 1, 2}
+            await settled()
+            chat = await sdk.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+            )
+            assert chat.usage.completion_tokens == 2
+            await settled()
+            # refused before the handler (validation) and inside it (context length)
+            r = await client.post("/v1/completions", json={"prompt": "x", "temperature": -1})
+            assert r.status_code == 400
+            r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 10**6})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+            r = await client.post("/v1/completions", content=b"{not json")
+            assert r.status_code == 400
+            await settled()
+            # abandoned mid-stream
+            body = {"prompt": "x", "max_tokens": 500, "ignore_eos": True, "stream": True}
+            async with client.stream("POST", "/v1/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        break
+            await settled()
+            # not generation routes: never announced
+            r = await client.post("/tokenize", json={"prompt": "hello"})
+            assert r.status_code == 200
+            assert (await client.get("/v1/models")).status_code == 200
+    assert len(announced) == 7  # 3 served, 3 refused, 1 abandoned
+    assert engine.announced == 0
+    # and an idle engine still starts a lone request at once (the 30 s wait would show)
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    outs = [o async for o in engine.generate("after", [5, 6, 7], params)]
+    out = outs[-1]
+    assert out.finished and out.metrics["first_scheduled_time"] - out.metrics["arrival_time"] < 5
+
+
+async def test_rejected_request_is_marked_submitted(engine) -> None:
+    # a queue limit of 0: every request is answered 429 by admission, after being announced
+    app = build_app(engine, ServerConfig(served_model_name="m", max_queued_requests=0))
+    async with _serve(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as client:
+        r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert r.status_code == 429
+        assert r.json()["error"]["type"] == "RateLimitError"
+    assert engine.announced == 0
+
+
+async def test_burst_over_http_completes_with_the_tokens_each_gets_alone(engine) -> None:
+    engine.arrival_wait_s = AsyncEngine.arrival_wait_s
+    app = build_app(engine, ServerConfig(served_model_name="m"))
+    prompts = [[10 + i, 20 + i, 30 + i] for i in range(12)]
+    async with _serve(app) as url, httpx.AsyncClient(base_url=url, timeout=60) as client:
+
+        async def one(prompt: list[int]) -> list[int]:
+            body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "return_token_ids": True}
+            r = await client.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["token_ids"]
+
+        alone = [await one(p) for p in prompts]
+        together = await asyncio.gather(*(one(p) for p in prompts))
+    assert together == alone
+    assert all(len(t) == 6 for t in alone)
+    assert engine.announced == 0
