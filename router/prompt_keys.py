@@ -20,6 +20,7 @@ from typing import Any
 
 from engine.chat_template import template_message
 from kvcache.keys import block_hashes
+from router.reuse_encoder import ReuseEncoder
 
 TEXT_CHUNK_CHARS = 64  # ~16 tokens of English: one text "block"
 _TEXT_SPACE = b"router-text"  # keeps text-chunk hashes apart from real token-block hashes
@@ -42,6 +43,8 @@ class TokenKeyer(PromptKeyer):
     def __init__(self, tokenizer: Any, block_size: int) -> None:
         self.tokenizer = tokenizer
         self.block_size = block_size
+        # A conversation's next turn re-renders every earlier message: encode only what is new.
+        self.chat_encoder = ReuseEncoder(tokenizer.backend)
 
     @classmethod
     def from_dir(cls, model_dir: str, block_size: int) -> TokenKeyer:
@@ -59,12 +62,13 @@ class TokenKeyer(PromptKeyer):
                 if body.get("continue_final_message"):
                     kwargs["continue_final_message"] = True
                 add_generation_prompt = body.get("add_generation_prompt")
-                return self.tokenizer.encode_chat(
+                text = self.tokenizer.apply_chat_template(
                     messages,
                     add_generation_prompt=True if add_generation_prompt is None else add_generation_prompt,
                     tools=body.get("tools"),
                     **kwargs,
                 )
+                return self.chat_encoder.encode(text)  # = encode_chat: no special tokens added
             ids = _token_id_prompt(body)
             if ids is not None:
                 return ids
