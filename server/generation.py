@@ -42,8 +42,8 @@ class Ticket:
     """Admission of one HTTP request's sequences: they count as in flight from ``admit`` on, so
     simultaneous arrivals see each other. A sequence releases its share when its stream ends;
     ``close()`` releases the shares of sequences that never started (client gone first).
-    ``submitted`` (the engine's ``announce`` handle) is called once every sequence has started,
-    or at ``close()``."""
+    ``submitted`` (the engine's ``announce`` handle) is called once every sequence has started;
+    ``EdgeMiddleware`` calls it when the request ends, for one that never got that far."""
 
     def __init__(
         self, generation: Generation, num_sequences: int, submitted: Callable[[], None] | None = None
@@ -59,8 +59,6 @@ class Ticket:
             self._submitted()
 
     def close(self) -> None:
-        if self._submitted is not None:
-            self._submitted()
         if self.unstarted > 0:
             self._generation.release(self.unstarted)
             self.unstarted = 0
