@@ -1,8 +1,10 @@
 """The FastAPI app of one replica: ``build_app(engine, config)``.
 
 Routes are thin: parse (pydantic, at the edge), hand to a serving module, return. Edge checks
-(request id, API key, body size) run in ``EdgeMiddleware`` before routing; every error leaves
-in OpenAI's shape (``server.errors``).
+(request id, API key, body size) run in ``EdgeMiddleware`` before routing; the two generation
+routes are then served by ``GenerationRoutes`` without FastAPI's per-request machinery (FastAPI
+still declares them for the OpenAPI schema); every error leaves in OpenAI's shape
+(``server.errors``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from ferry import __version__
 from server.config import ServerConfig
 from server.errors import APIError, install_error_handlers
 from server.generation import Generation
+from server.generation_routes import GenerationRoutes
 from server.metrics import CONTENT_TYPE, ServerMetrics
 from server.middleware import EdgeMiddleware
 from server.params import ModelLimits
@@ -127,6 +130,8 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
     async def version() -> Any:
         return VersionResponse(version=__version__, role=config.role)
 
+    # Added first, so it runs inside EdgeMiddleware (Starlette wraps later additions around it).
+    app.add_middleware(GenerationRoutes, state=state)
     app.add_middleware(
         EdgeMiddleware,
         api_key=config.api_key,

@@ -7,17 +7,20 @@ official ``openai`` SDK. Fixtures stop what they start (SIGTERM, then SIGKILL).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 
 import httpx
 import pytest
+import uvicorn
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -129,6 +132,30 @@ def scrape():
 def free_tcp_port():
     """``free_tcp_port()`` -> a free loopback port."""
     return free_port
+
+
+@pytest.fixture(scope="session")
+def serve_app():
+    """``async with serve_app(app) as url``: an ASGI app under a real uvicorn on a free loopback
+    port, in the test's own event loop (so the test can read the engine's counters between
+    requests)."""
+
+    @contextlib.asynccontextmanager
+    async def serve(app) -> AsyncIterator[str]:
+        server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning", lifespan="off")
+        )
+        task = asyncio.ensure_future(server.serve())
+        while not server.started:
+            assert not task.done(), "uvicorn did not start"
+            await asyncio.sleep(0.01)
+        try:
+            yield f"http://127.0.0.1:{server.config.port}"
+        finally:
+            server.should_exit = True
+            await task
+
+    return serve
 
 
 @pytest.fixture(scope="session")

@@ -9,35 +9,17 @@ can be read between requests.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from engine import SamplingParams
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from server.app import build_app
 from server.config import ServerConfig
-
-
-@contextlib.asynccontextmanager
-async def _serve(app, port: int) -> AsyncIterator[str]:
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
-    )
-    task = asyncio.ensure_future(server.serve())
-    while not server.started:
-        assert not task.done(), "uvicorn did not start"
-        await asyncio.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await task
 
 
 @pytest.fixture
@@ -48,7 +30,7 @@ async def engine(tiny_llama) -> AsyncIterator[AsyncEngine]:
     await eng.shutdown()
 
 
-async def test_every_generation_request_is_announced_and_marked_submitted(engine, free_tcp_port) -> None:
+async def test_every_generation_request_is_announced_and_marked_submitted(engine, serve_app) -> None:
     announced = []
     real_announce = engine.announce
 
@@ -58,7 +40,7 @@ async def test_every_generation_request_is_announced_and_marked_submitted(engine
 
     engine.announce = counting_announce  # build_app picks the engine's announce up
     app = build_app(engine, ServerConfig(served_model_name="m"))
-    async with _serve(app, free_tcp_port()) as url:
+    async with serve_app(app) as url:
         sdk = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=30)
         async with httpx.AsyncClient(base_url=url, timeout=30) as client:
 
@@ -115,21 +97,21 @@ async def test_every_generation_request_is_announced_and_marked_submitted(engine
     assert out.finished and out.metrics["first_scheduled_time"] - out.metrics["arrival_time"] < 5
 
 
-async def test_rejected_request_is_marked_submitted(engine, free_tcp_port) -> None:
+async def test_rejected_request_is_marked_submitted(engine, serve_app) -> None:
     # a queue limit of 0: every request is answered 429 by admission, after being announced
     app = build_app(engine, ServerConfig(served_model_name="m", max_queued_requests=0))
-    async with _serve(app, free_tcp_port()) as url, httpx.AsyncClient(base_url=url, timeout=30) as client:
+    async with serve_app(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as client:
         r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
         assert r.status_code == 429
         assert r.json()["error"]["type"] == "RateLimitError"
     assert engine.announced == 0
 
 
-async def test_burst_over_http_completes_with_the_tokens_each_gets_alone(engine, free_tcp_port) -> None:
+async def test_burst_over_http_completes_with_the_tokens_each_gets_alone(engine, serve_app) -> None:
     engine.arrival_wait_s = AsyncEngine.arrival_wait_s
     app = build_app(engine, ServerConfig(served_model_name="m"))
     prompts = [[10 + i, 20 + i, 30 + i] for i in range(12)]
-    async with _serve(app, free_tcp_port()) as url, httpx.AsyncClient(base_url=url, timeout=60) as client:
+    async with serve_app(app) as url, httpx.AsyncClient(base_url=url, timeout=60) as client:
 
         async def one(prompt: list[int]) -> list[int]:
             body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "return_token_ids": True}

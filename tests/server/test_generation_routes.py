@@ -1,0 +1,137 @@
+"""POST /v1/completions and /v1/chat/completions are served by ``GenerationRoutes``, around
+FastAPI's request machinery: every answer and every error must be what FastAPI's own route
+handlers give for the same body, and FastAPI must still declare both routes (OpenAPI schema).
+
+Two apps over one engine, each under a real uvicorn on loopback: the app as ``build_app`` makes
+it, and the same app with the fast path taken out, so FastAPI's handlers serve.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+import httpx
+import openai
+import pytest
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from server.app import build_app
+from server.config import ServerConfig
+from server.generation_routes import ROUTES, GenerationRoutes
+from tests.server.error_cases import CASES, CHAT, COMP, USER
+
+CONFIG = ServerConfig(served_model_name="m")
+
+
+@pytest.fixture(scope="module")
+async def engine(tiny_llama) -> AsyncIterator[AsyncEngine]:
+    eng = AsyncEngine(EngineConfig(model=str(tiny_llama), num_kv_blocks=128))
+    yield eng
+    await eng.shutdown()
+
+
+def _fastapi_only(app):
+    """The same app with FastAPI's route handlers serving the generation routes."""
+    app.user_middleware = [m for m in app.user_middleware if m.cls is not GenerationRoutes]
+    return app
+
+
+def _comparable(body: dict) -> dict:
+    """An answer without the parts that differ between any two calls (id, creation time)."""
+    return {k: v for k, v in body.items() if k not in ("id", "created")}
+
+
+async def _sse(client: httpx.AsyncClient, path: str, body: dict) -> list[dict]:
+    events = []
+    async with client.stream("POST", path, json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(_comparable(json.loads(line[6:])))
+    return events
+
+
+async def test_answers_and_errors_match_fastapis_own_routes(engine, serve_app) -> None:
+    fast, slow = build_app(engine, CONFIG), _fastapi_only(build_app(engine, CONFIG))
+    async with (
+        serve_app(fast) as fast_url,
+        serve_app(slow) as slow_url,
+        httpx.AsyncClient(base_url=fast_url, timeout=60) as f,
+        httpx.AsyncClient(base_url=slow_url, timeout=60) as s,
+    ):
+        for path, body, status, param, code in CASES:
+            if path not in ROUTES:
+                continue
+            raw = json.dumps(body)  # NaN included, as test_errors sends it
+            a, b = await f.post(path, content=raw), await s.post(path, content=raw)
+            assert (a.status_code, a.json()) == (b.status_code, b.json()), (path, body)
+            assert a.status_code == status and a.json()["error"]["param"] == param
+            assert a.json()["error"]["code"] == code
+
+        # JSON that pydantic's parser and json.loads read alike (NaN, duplicate keys, huge ints)
+        for raw in (
+            b'{"prompt": "x", "temperature": NaN}',
+            b'{"prompt": "x", "max_tokens": 1e400}',
+            b'{"prompt": "x", "prompt": 5}',
+            b'{"prompt": "x", "max_tokens": 100000000000000000000000}',
+            b'{"prompt": "x", "max_tokens": 2.0}',
+            b'{"messages": [{"role": "user", "content": "hi"}], "n": true}',
+        ):
+            path = CHAT if b"messages" in raw else COMP
+            a, b = await f.post(path, content=raw), await s.post(path, content=raw)
+            assert a.status_code == b.status_code == 400 and a.json() == b.json(), raw
+
+        # Not JSON, or not an object: the same status, type and code; pydantic's parser words
+        # the message its own way (and says where).
+        for raw in (b"{", b"[]", b"null", b'"text"', b"\xff\xfe", b"{" * 5000 + b"}" * 5000):
+            for path in ROUTES:
+                a, b = (
+                    (await f.post(path, content=raw)).json()["error"],
+                    (await s.post(path, content=raw)).json()["error"],
+                )
+                assert (a["type"], a["code"], a["param"]) == (b["type"], b["code"], b["param"]), raw
+        err = (await f.post(COMP, content=b'{"prompt": "x",')).json()["error"]
+        assert err["code"] == "invalid_json" and "line 1 column" in err["message"]
+
+        # Answers, whole and streamed
+        requests = [
+            (COMP, {"prompt": "hello there", "max_tokens": 5, "temperature": 0, "logprobs": 2}),
+            (COMP, {"prompt": [5, 6, 7], "max_tokens": 4, "n": 2, "seed": 3, "return_token_ids": True}),
+            (
+                CHAT,
+                {"messages": USER, "max_tokens": 4, "temperature": 0, "logprobs": True, "top_logprobs": 1},
+            ),
+        ]
+        for path, body in requests:
+            a, b = await f.post(path, json=body), await s.post(path, json=body)
+            assert a.status_code == b.status_code == 200
+            assert _comparable(a.json()) == _comparable(b.json())
+            assert a.headers["content-type"] == b.headers["content-type"] == "application/json"
+            stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+            fast_events, slow_events = await _sse(f, path, stream), await _sse(s, path, stream)
+            assert fast_events == slow_events and fast_events[-1]["usage"]["completion_tokens"] > 0
+        # the request id is still echoed (EdgeMiddleware wraps the fast path)
+        r = await f.post(COMP, json={"prompt": "x", "max_tokens": 1}, headers={"x-request-id": "abc-1"})
+        assert r.headers["x-request-id"] == "abc-1" and r.json()["id"] == "cmpl-abc-1"
+    assert engine.announced == 0
+
+
+async def test_fastapi_declares_the_routes_but_does_not_serve_them(engine, serve_app) -> None:
+    app = build_app(engine, CONFIG)
+    async with serve_app(app) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            schema = (await client.get("/openapi.json")).json()
+            assert set(ROUTES) <= set(schema["paths"])
+            assert "post" in schema["paths"][COMP] and "post" in schema["paths"][CHAT]
+            # Take FastAPI's generation routes away: the fast path still serves both.
+            app.router.routes = [r for r in app.router.routes if getattr(r, "path", None) not in ROUTES]
+            sdk = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+            done = await sdk.completions.create(model="m", prompt="hi", max_tokens=3, temperature=0)
+            assert done.usage.completion_tokens == 3
+            chat = await sdk.chat.completions.create(model="m", messages=USER, max_tokens=2)
+            assert chat.usage.completion_tokens == 2
+            # ... and only those: a route FastAPI lost is gone, other routes are FastAPI's as before
+            assert (await client.get("/v1/models")).status_code == 200
+            assert (await client.get(COMP)).status_code == 404
