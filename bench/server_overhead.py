@@ -427,19 +427,22 @@ def main(argv: list[str] | None = None) -> int:
         except subprocess.TimeoutExpired:
             proc.kill()
     overhead = print_table(rows)
+    write_result(out, args, model=model, rows=[asdict(r) for r in rows], overhead=overhead)
+    return 0
+
+
+def write_result(out: Path, args: argparse.Namespace, **fields: object) -> None:
+    """``fields`` as JSON at ``out``, with the arguments, the machine's size and load, and the time."""
     load = os.getloadavg()
     result = {
         "args": vars(args),
-        "model": model,
-        "rows": [asdict(r) for r in rows],
-        "overhead": overhead,
+        **fields,
         "loadavg": load,
         "cpus": os.cpu_count(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     out.write_text(json.dumps(result, indent=2))
     print(f"load average {load[0]:.1f} on {os.cpu_count()} CPUs; wrote {out}")
-    return 0
 
 
 if __name__ == "__main__":
