@@ -56,15 +56,13 @@ class GenerationRoutes:
             await self.app(scope, receive, send)
             return
         model, handler = route
-        state = scope["state"]
+        edge = scope["state"]  # what EdgeMiddleware set: the request id, the announce handle
         try:
             body = await _read_body(receive)
             if body is None:
                 return  # the client left before its body was in
             request = model.model_validate_json(body)
-            response = await handler(
-                self.state, request, state["request_id"], receive, state.get("submitted")
-            )
+            response = await handler(self.state, request, edge["request_id"], receive, edge.get("submitted"))
         except APIError as e:
             response = e.to_response()
         except ValidationError as e:
