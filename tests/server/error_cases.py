@@ -1,9 +1,13 @@
-"""Known client mistakes and the error each must get: (path, body, status, param, code).
+"""Known client mistakes and the error each must get: (path, body, status, param, code), and a
+hypothesis strategy of malformed and near-valid request bodies.
 
-Shared by the error table (``test_errors``) and the fast-path comparison (``test_generation_routes``).
+Shared by the error table and fuzz (``test_errors``) and the fast-path comparison
+(``test_generation_routes``).
 """
 
 from __future__ import annotations
+
+from hypothesis import strategies as st
 
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
@@ -83,3 +87,71 @@ CASES = [
     ("/tokenize", {"prompt": "x", "messages": USER}, 400, None, "invalid_value"),
     ("/detokenize", {"tokens": [-1]}, 400, "tokens", "invalid_value"),
 ]
+
+json_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=20)
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
+    max_leaves=12,
+)
+FIELDS = [
+    "prompt",
+    "messages",
+    "model",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "stream",
+    "stream_options",
+    "stop",
+    "seed",
+    "logprobs",
+    "top_logprobs",
+    "echo",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "user",
+    "suffix",
+    "best_of",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+    "stop_token_ids",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+    "kv_transfer",
+    "resume",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "add_generation_prompt",
+]
+message = st.fixed_dictionaries(
+    {
+        "role": st.sampled_from(["user", "system", "assistant", "tool", "x"]) | json_values,
+        "content": st.text(max_size=30) | json_values,
+    }
+)
+near_valid = st.fixed_dictionaries(
+    {
+        "prompt": st.text(max_size=30) | st.lists(st.integers(-5, 1200), max_size=8) | json_values,
+        "messages": st.lists(message, max_size=3),
+    },
+    optional={f: json_values for f in FIELDS if f not in ("prompt", "messages")},
+)
+bodies = (
+    near_valid
+    | st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=6), json_values, max_size=6)
+    | json_values
+)

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.server.error_cases import CASES, CHAT, COMP, USER
+from tests.server.error_cases import CASES, CHAT, COMP, USER, bodies
 
 
 def assert_error_body(r: httpx.Response, status: int) -> dict:
@@ -97,75 +97,6 @@ def test_truncated_json_on_a_raw_socket(server) -> None:
         )
         data = s.recv(65536)
     assert data.startswith(b"HTTP/1.1 400")
-
-
-json_scalars = (
-    st.none()
-    | st.booleans()
-    | st.integers(-(2**70), 2**70)
-    | st.floats(allow_nan=False, allow_infinity=False)
-    | st.text(max_size=20)
-)
-json_values = st.recursive(
-    json_scalars,
-    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
-    max_leaves=12,
-)
-FIELDS = [
-    "prompt",
-    "messages",
-    "model",
-    "max_tokens",
-    "max_completion_tokens",
-    "temperature",
-    "top_p",
-    "n",
-    "stream",
-    "stream_options",
-    "stop",
-    "seed",
-    "logprobs",
-    "top_logprobs",
-    "echo",
-    "presence_penalty",
-    "frequency_penalty",
-    "logit_bias",
-    "user",
-    "suffix",
-    "best_of",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "min_tokens",
-    "ignore_eos",
-    "stop_token_ids",
-    "skip_special_tokens",
-    "include_stop_str_in_output",
-    "kv_transfer",
-    "resume",
-    "response_format",
-    "tools",
-    "tool_choice",
-    "add_generation_prompt",
-]
-message = st.fixed_dictionaries(
-    {
-        "role": st.sampled_from(["user", "system", "assistant", "tool", "x"]) | json_values,
-        "content": st.text(max_size=30) | json_values,
-    }
-)
-near_valid = st.fixed_dictionaries(
-    {
-        "prompt": st.text(max_size=30) | st.lists(st.integers(-5, 1200), max_size=8) | json_values,
-        "messages": st.lists(message, max_size=3),
-    },
-    optional={f: json_values for f in FIELDS if f not in ("prompt", "messages")},
-)
-bodies = (
-    near_valid
-    | st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=6), json_values, max_size=6)
-    | json_values
-)
 
 
 def _bounded(body: object) -> object:

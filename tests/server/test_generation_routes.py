@@ -14,13 +14,17 @@ from collections.abc import AsyncIterator
 import httpx
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from server.app import build_app
 from server.config import ServerConfig
+from server.errors import validation_error
 from server.generation_routes import ROUTES, GenerationRoutes
-from tests.server.error_cases import CASES, CHAT, COMP, USER
+from tests.server.error_cases import CASES, CHAT, COMP, USER, bodies
 
 CONFIG = ServerConfig(served_model_name="m")
 
@@ -156,3 +160,27 @@ async def test_fastapi_declares_the_routes_but_does_not_serve_them(engine, serve
             # ... and only those: a route FastAPI lost is gone, other routes are FastAPI's as before
             assert (await client.get("/v1/models")).status_code == 200
             assert (await client.get(COMP)).status_code == 404
+
+
+def _outcome(validate, data):
+    try:
+        return "ok", validate(data)
+    except ValidationError as e:
+        error = validation_error(e.errors(include_url=False))
+        return error.status, error.param, error.code
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(body=bodies, path=st.sampled_from(sorted(ROUTES)))
+def test_json_validation_agrees_with_fastapis_for_any_body(body: object, path: str) -> None:
+    """The fast path validates the raw body in pydantic's JSON mode; FastAPI parses it with
+    json.loads and validates the result in Python mode. For any JSON object (the fuzz's malformed
+    and near-valid bodies) both must accept the same request, or refuse it naming the same field
+    with the same code."""
+    model = ROUTES[path][0]
+    raw = json.dumps(body, allow_nan=False)
+    fast = _outcome(model.model_validate_json, raw)
+    if not isinstance(body, dict):  # FastAPI reads a non-object body as the whole model's input
+        assert fast[0] == 400
+        return
+    assert fast == _outcome(model.model_validate, json.loads(raw)), raw
