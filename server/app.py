@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ferry import __version__
 from server.config import ServerConfig
-from server.errors import APIError, install_error_handlers
+from server.errors import APIError, client_closed, install_error_handlers
 from server.generation import Generation
 from server.generation_routes import GenerationRoutes
 from server.metrics import CONTENT_TYPE, ServerMetrics
@@ -82,7 +82,7 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
 
     @app.exception_handler(ClientDisconnected)
     async def _gone(_: Request, __: ClientDisconnected) -> Response:
-        return APIError(499, "Client closed the request.", code="client_closed_request").to_response()
+        return client_closed().to_response()
 
     @app.post("/v1/completions", responses=_ERRORS)
     async def completions(body: CompletionRequest, request: Request) -> Any:

@@ -74,6 +74,16 @@ class APIError(Exception):
         return JSONResponse(self.body().model_dump(), status_code=self.status, headers=self.headers)
 
 
+def client_closed() -> APIError:
+    """The client left before its answer was complete (nginx's 499; only logs and metrics see it)."""
+    return APIError(499, "Client closed the request.", code="client_closed_request")
+
+
+def internal_error() -> APIError:
+    """A server bug: the handler that raised logs it; the client gets no detail."""
+    return APIError(500, "Internal server error.", code="internal_error")
+
+
 def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
     return APIError(400, message, code=code, param=param)
 
@@ -150,4 +160,4 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("internal error while serving %s %s", request.method, request.url.path)
-        return APIError(500, "Internal server error.", code="internal_error").to_response()
+        return internal_error().to_response()

@@ -20,7 +20,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 
-from server.errors import APIError, validation_error
+from server.errors import APIError, client_closed, internal_error, validation_error
 from server.middleware import ASGIApp, Receive, Scope, Send
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.serving_chat import create_chat_completion
@@ -41,9 +41,8 @@ ROUTES: dict[str, tuple[type[BaseModel], Handler]] = {
 class GenerationRoutes:
     """ASGI middleware: the two generation routes, straight to their serving functions.
 
-    Sits inside ``EdgeMiddleware``, which has set ``scope["state"]`` (request id, announce
-    handle) and buffered the body, so the first ``receive`` gives the whole body and later ones
-    come from the server (disconnects reach the handlers as before).
+    Sits inside ``EdgeMiddleware``, which has buffered the body and set ``scope["state"]``
+    (request id, body, announce handle); ``receive`` still delivers disconnects to the handlers.
     """
 
     def __init__(self, app: ASGIApp, *, state: ServerState) -> None:
@@ -56,31 +55,17 @@ class GenerationRoutes:
             await self.app(scope, receive, send)
             return
         model, handler = route
-        edge = scope["state"]  # what EdgeMiddleware set: the request id, the announce handle
+        edge = scope["state"]  # what EdgeMiddleware set
         try:
-            body = await _read_body(receive)
-            if body is None:
-                return  # the client left before its body was in
-            request = model.model_validate_json(body)
+            request = model.model_validate_json(edge["body"])
             response = await handler(self.state, request, edge["request_id"], receive, edge.get("submitted"))
         except APIError as e:
             response = e.to_response()
         except ValidationError as e:
             response = validation_error(e.errors(include_url=False)).to_response()
         except ClientDisconnected:
-            response = APIError(499, "Client closed the request.", code="client_closed_request").to_response()
+            response = client_closed().to_response()
         except Exception:
             logger.exception("internal error while serving POST %s", scope["path"])
-            response = APIError(500, "Internal server error.", code="internal_error").to_response()
+            response = internal_error().to_response()
         await response(scope, receive, send)
-
-
-async def _read_body(receive: Receive) -> bytes | None:
-    chunks: list[bytes] = []
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            return b"".join(chunks)

@@ -68,6 +68,7 @@ class EdgeMiddleware:
     absent with chunked encoding) and replayed to the app; after the replay, ``receive``
     is the server's own, so disconnects still reach the handlers.
 
+    The buffered body is also left in ``scope["state"]["body"]`` for ``GenerationRoutes``.
     A generation request whose body is in is ``announce``d to the engine (``AsyncEngine.announce``)
     before the app parses it; the handler marks it submitted through ``scope["state"]["submitted"]``,
     and leaving the app does so for one that never got that far.
@@ -152,6 +153,7 @@ class EdgeMiddleware:
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
+        scope["state"]["body"] = body
         replayed = False
 
         async def replay() -> Message:
