@@ -85,6 +85,7 @@ class RouterApp:
                 "block_size": config.block_size,
                 "balance_abs_threshold": config.balance_abs_threshold,
                 "load_penalty_tokens": config.load_penalty_tokens,
+                "decode_penalty_tokens": config.decode_penalty_tokens,
                 "prefix_index_size": config.prefix_index_size,
             }
         self.policy = make_policy(config.policy, **options)
@@ -145,6 +146,7 @@ class RouterApp:
                 block_size=config.block_size,
                 balance_abs_threshold=config.balance_abs_threshold,
                 load_penalty_tokens=config.load_penalty_tokens,
+                decode_penalty_tokens=config.decode_penalty_tokens,
                 prefix_index_size=config.prefix_index_size,
             )
 

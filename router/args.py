@@ -40,7 +40,15 @@ def add_router_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--load-penalty-tokens",
         type=int,
         default=64,
-        help="cache_aware score: prompt tokens of predicted cache hit worth one in-flight request",
+        help="cache_aware score: prompt tokens of predicted cache hit worth one request the replica has "
+        "waiting for its first token (queued or prefilling)",
+    )
+    g.add_argument(
+        "--decode-penalty-tokens",
+        type=int,
+        default=0,
+        help="cache_aware score: prompt tokens of predicted cache hit worth one request the replica is "
+        "decoding (streamed requests past their first token; --balance-abs-threshold still caps them)",
     )
     g.add_argument(
         "--prefix-index-size", type=int, default=1 << 20, help="block-hash entries remembered (LRU)"

@@ -22,6 +22,7 @@ class RouterConfig:
     block_size: int = 16
     balance_abs_threshold: int = 16
     load_penalty_tokens: int = 64
+    decode_penalty_tokens: int = 0
     prefix_index_size: int = 1 << 20
     # limits
     max_request_bytes: int = 16 << 20
@@ -47,6 +48,8 @@ class RouterConfig:
             raise ValueError("--block-size must be positive")
         if self.max_concurrency < 1 or self.max_queue < 0:
             raise ValueError("--max-concurrency must be >= 1 and --max-queue >= 0")
+        if self.load_penalty_tokens < 0 or self.decode_penalty_tokens < 0:
+            raise ValueError("--load-penalty-tokens and --decode-penalty-tokens must be >= 0")
         if self.max_retries < 0 or self.max_failovers < 0:
             raise ValueError("--max-retries and --max-failovers must be >= 0")
 

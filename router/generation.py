@@ -190,17 +190,19 @@ class Generation(Relay):
         tracker.router_logprobs = opened.router_logprobs
         ok = False
         gone: int | None = None
+        before = tracker.content_choices  # content relayed from earlier replicas (failover)
         try:
             async for chunk in opened.response.aiter_raw():
                 out = []
                 for event in splitter.feed(chunk):
-                    had_content = tracker.sent_content
                     relayed = tracker.process(event)
                     if relayed is not None:
                         out.append(relayed)
                         out.append(b"\n\n")
-                    if not had_content and tracker.sent_content:
-                        self.metrics.ttft.observe(time.perf_counter() - call.started)
+                    if opened.prefilling and tracker.content_choices > before:
+                        opened.first_content()  # this replica's prefill is done
+                        if not before:
+                            self.metrics.ttft.observe(time.perf_counter() - call.started)
                 if out:
                     await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
             ok = tracker.done or tracker.finished

@@ -62,6 +62,12 @@ class Opened:
     tokens: int
     router_logprobs: bool = False  # the router added logprobs to learn token ids (strip them)
     finished: bool = False  # load released and outcome recorded (exactly once)
+    prefilling: bool = True  # counted in replica.prefilling until its first content (or the end)
+
+    def first_content(self) -> None:
+        if self.prefilling:
+            self.prefilling = False
+            self.replica.first_content()
 
 
 @dataclass
@@ -127,9 +133,9 @@ class Relay:
                 else:
                     last = result
             except BaseException:  # the client left (task cancelled): give the load back
-                self._release(replica, tokens, str(CLIENT_GONE))
+                self._release(replica, tokens, True, str(CLIENT_GONE))
                 raise
-            self._release(replica, tokens, str(last.status))
+            self._release(replica, tokens, True, str(last.status))
             tried.add(replica.url)
             if not self.retry.can_retry(attempt[0]):
                 return last
@@ -154,8 +160,8 @@ class Relay:
         replica.acquire(tokens, now)
         self.metrics.inflight_of(replica.url).set(replica.inflight)
 
-    def _release(self, replica: Replica, tokens: int, status: str) -> None:
-        replica.release(tokens)
+    def _release(self, replica: Replica, tokens: int, prefilling: bool, status: str) -> None:
+        replica.release(tokens, prefilling)
         self.metrics.inflight_of(replica.url).set(replica.inflight)
         self.metrics.requests_of(replica.url, status).inc()
 
@@ -165,13 +171,13 @@ class Relay:
         opened.finished = True
         code = status if status is not None else opened.response.status_code
         if code == CLIENT_GONE:  # the client's doing: says nothing about the replica
-            self._release(opened.replica, opened.tokens, str(CLIENT_GONE))
+            self._release(opened.replica, opened.tokens, opened.prefilling, str(CLIENT_GONE))
             return
         if ok and code < 500:
             opened.replica.on_request_success()
         elif not ok or counts_as_replica_failure(code):
             opened.replica.on_request_failure(self.clock())
-        self._release(opened.replica, opened.tokens, str(code) if ok else "broken")
+        self._release(opened.replica, opened.tokens, opened.prefilling, str(code) if ok else "broken")
 
     # ---- plain relay --------------------------------------------------------------------------
     async def forward(self, pool: Pool, call: ProxyCall, send: Send) -> None:

@@ -115,6 +115,7 @@ class Replica:
         # Load the router itself tracks (policies read these).
         self.inflight = 0
         self.inflight_tokens = 0
+        self.prefilling = 0  # of those in flight: sent, no content back yet (still queued or prefilling)
         self.total_requests = 0
 
     # ---- routing view -------------------------------------------------------------------------
@@ -128,13 +129,20 @@ class Replica:
     # ---- load accounting ------------------------------------------------------------------------
     def acquire(self, tokens: int, now: float) -> None:
         self.inflight += 1
+        self.prefilling += 1
         self.inflight_tokens += tokens
         self.total_requests += 1
         self.circuit.on_send(now)
 
-    def release(self, tokens: int) -> None:
+    def release(self, tokens: int, prefilling: bool) -> None:
         self.inflight -= 1
         self.inflight_tokens -= tokens
+        if prefilling:
+            self.prefilling -= 1
+
+    def first_content(self) -> None:
+        """A request's first content came back: it left the replica's prefill queue."""
+        self.prefilling -= 1
 
     # ---- active probes ------------------------------------------------------------------------
     def on_probe_ok(self, now: float) -> None:
@@ -188,5 +196,6 @@ class Replica:
             "models": list(self.models),
             "inflight": self.inflight,
             "inflight_tokens": self.inflight_tokens,
+            "prefilling": self.prefilling,
             "total_requests": self.total_requests,
         }

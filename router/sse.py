@@ -68,7 +68,7 @@ class StreamTracker:
         self.failovers = 0
         self.stream_id: str | None = None
         self.created: int | None = None
-        self.sent_content = False  # any chunk with content reached the client (TTFT)
+        self.content_choices = 0  # choices with content relayed so far (the first one: TTFT)
 
     def begin_failover(self) -> None:
         self.failovers += 1
@@ -137,7 +137,7 @@ class StreamTracker:
         elif self._has_content(choice):
             self.ids_complete = False
         if self._has_content(choice):
-            self.sent_content = True
+            self.content_choices += 1
         if choice.get("finish_reason"):
             self.finished = True
         return changed

@@ -2,7 +2,7 @@
 
 Policies are synchronous and cheap (they run on the event loop for every request and every
 retry) and never do I/O. They read the load the router tracks on each ``Replica``
-(``inflight``, ``inflight_tokens``); the relay updates those counters, not the policy.
+(``inflight``, ``inflight_tokens``, ``prefilling``); the relay updates those counters, not the policy.
 """
 
 from __future__ import annotations

@@ -74,7 +74,8 @@ def test_kill9_mid_stream_fails_over_exactly(
     for i, chunk in enumerate(stream):
         ids.add(chunk.id)
         if i == 8:
-            assert replicas_view(router)[victim.url]["inflight"] == 1  # the victim is serving it
+            view = replicas_view(router)[victim.url]
+            assert view["inflight"] == 1 and view["prefilling"] == 0  # the victim is decoding it
             victim.kill9()
         if chunk.usage is not None:
             usage = chunk.usage
@@ -91,6 +92,11 @@ def test_kill9_mid_stream_fails_over_exactly(
     assert finishes == [expected_finish] == ["length"]
     assert usage.completion_tokens == max_tokens and usage.total_tokens == usage.prompt_tokens + max_tokens
     assert len(ids) == 1  # one stream id from start to end
+    # Both replicas' load given back, the survivor's prefill count included (its first content
+    # came after the client's).
+    assert wait_until(
+        lambda: all(v["inflight"] == v["prefilling"] == 0 for v in replicas_view(router).values())
+    )
     assert roles in (0, 1) and (kind != "chat" or roles == 1)
 
 

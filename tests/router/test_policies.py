@@ -95,8 +95,8 @@ def test_cache_aware_sends_shared_prefix_to_its_holder() -> None:
         assert p.choose(r, [a, b, c]) is holder
         assert r.predicted_hit_tokens == 64
         p.on_routed(r, holder)
-    # An unrelated prompt goes elsewhere (no hit anywhere: least loaded, the holder is busier).
-    holder.inflight = 1
+    # An unrelated prompt goes elsewhere (no hit anywhere: the holder has a request waiting).
+    holder.inflight = holder.prefilling = 1
     other = req(9, block_hashes=_prompt(2, 0))
     assert p.choose(other, [a, b, c]) is not holder
     assert other.predicted_hit_tokens == 0
@@ -127,10 +127,42 @@ def test_cache_aware_prefers_longest_prefix() -> None:
     p.on_routed(req(1, block_hashes=block_hashes(ids[:96], 16)), b)  # b holds 6 blocks
     r = req(2, block_hashes=block_hashes(ids, 16))
     assert p.choose(r, [a, b]) is b and r.predicted_hit_tokens == 96
-    b.inflight = 5  # 96 - 5*8 = 56 > 32 - 0: still b
+    b.inflight = b.prefilling = 5  # 96 - 5*8 = 56 > 32 - 0: still b
     assert p.choose(req(3, block_hashes=block_hashes(ids, 16)), [a, b]) is b
     b.inflight = 9  # beyond the guard threshold (8): a, the least loaded
     assert p.choose(req(4, block_hashes=block_hashes(ids, 16)), [a, b]) is a
+
+
+def test_cache_aware_weighs_requests_waiting_for_a_first_token_not_decoding_ones() -> None:
+    a, b = replicas(2)
+    ids = list(range(96))
+    p = make_policy("cache_aware", block_size=16, balance_abs_threshold=8, load_penalty_tokens=40)
+    p.on_routed(req(0, block_hashes=block_hashes(ids[:64], 16)), a)  # a holds 4 blocks: 64 tokens
+    a.inflight, a.prefilling = 6, 1  # five decoding, one waiting: 64 - 40 = 24 > 0
+    assert p.choose(req(1, block_hashes=block_hashes(ids, 16)), [a, b]) is a
+    a.prefilling = 2  # 64 - 80 < 0: the queue on a outweighs its cache
+    assert p.choose(req(2, block_hashes=block_hashes(ids, 16)), [a, b]) is b
+    # Decoding requests count when asked to: 64 - 40 - 5 * 8 = -16 < 0.
+    q = make_policy(
+        "cache_aware", block_size=16, balance_abs_threshold=8, load_penalty_tokens=40, decode_penalty_tokens=8
+    )
+    q.on_routed(req(0, block_hashes=block_hashes(ids[:64], 16)), a)
+    a.prefilling = 1
+    assert q.choose(req(3, block_hashes=block_hashes(ids, 16)), [a, b]) is b
+    a.inflight = 3  # 64 - 40 - 2 * 8 = 8 > 0
+    assert q.choose(req(4, block_hashes=block_hashes(ids, 16)), [a, b]) is a
+
+
+def test_replica_counts_requests_waiting_for_their_first_token() -> None:
+    (r,) = replicas(1)
+    r.acquire(100, 0.0)
+    r.acquire(50, 0.0)
+    assert (r.inflight, r.prefilling, r.inflight_tokens) == (2, 2, 150)
+    r.first_content()  # the first request's first token came back
+    assert (r.inflight, r.prefilling) == (2, 1)
+    r.release(100, prefilling=False)
+    r.release(50, prefilling=True)  # ended (or failed) before any content
+    assert (r.inflight, r.prefilling, r.inflight_tokens) == (0, 0, 0)
 
 
 def test_cache_aware_forgets_a_removed_replica() -> None:

@@ -205,6 +205,7 @@ def test_client_disconnect_cancels_the_upstream_request(cluster: Cluster, pair: 
     assert wait_until(lambda: metric(router.url, "ferry:router_requests_total", {"status": "499"}) == 2)
     view = replicas_view(router)[a.url]
     assert view["failures"] == 0 and view["circuit"] == "closed" and view["inflight"] == 0
+    assert view["prefilling"] == 0
 
 
 def test_overload_gets_429_with_retry_after(cluster: Cluster, pair: list[Proc]) -> None:
@@ -448,6 +449,7 @@ def test_drain_lets_in_flight_streams_finish(cluster: Cluster, pair: list[Proc])
             if n == 3:  # mid-stream: the first request went to a (round robin); drain it
                 drained = httpx.post(router.url + "/admin/replicas/drain", json={"url": a.url})
                 assert drained.json()["draining"] is True and drained.json()["inflight"] == 1
+                assert drained.json()["prefilling"] == 0  # its first token is out: decoding
                 for _ in range(2):  # new work goes to b only
                     r = httpx.post(
                         router.url + "/v1/completions", json={"model": MODEL, "prompt": "y", "max_tokens": 1}
@@ -462,6 +464,7 @@ def test_drain_lets_in_flight_streams_finish(cluster: Cluster, pair: list[Proc])
         and view[b.url]["total_requests"] == 2
         and view[a.url]["inflight"] == 0
     )
+    assert view[a.url]["prefilling"] == view[b.url]["prefilling"] == 0
 
 
 def test_prefill_decode_pools_without_mixed_serve_whole_requests(cluster: Cluster, pair: list[Proc]) -> None:
