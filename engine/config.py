@@ -37,6 +37,26 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads on CPU
     max_logprobs: int = 20
 
+    def __post_init__(self) -> None:
+        # Numbers out of range fail here, by name, instead of as a division by zero or a silent
+        # default deep in the runner.
+        at_least = {
+            "block_size": 1,
+            "kv_cache_memory_bytes": 1,
+            "max_num_seqs": 1,
+            "max_num_batched_tokens": 1,
+            "long_prefill_token_threshold": 0,
+            "kv_tier_write_queue": 1,
+            "max_logprobs": 0,
+        }
+        optional_at_least = {"num_kv_blocks": 1, "max_model_len": 1, "num_threads": 1}
+        for name, low in [*at_least.items(), *optional_at_least.items()]:
+            value = getattr(self, name)
+            if value is None and name in optional_at_least:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
     @classmethod
     def from_options(cls, **options: object) -> EngineConfig:
         """Build from keyword options, rejecting unknown names with a clear message."""

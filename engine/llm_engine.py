@@ -62,10 +62,6 @@ class LLMEngine:
             config.long_prefill_token_threshold,
             self.sliding_window,
         )
-        if sched_cfg.max_num_seqs < 1 or sched_cfg.max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
-        if sched_cfg.long_prefill_token_threshold < 0:
-            raise ValueError("long_prefill_token_threshold must be 0 (no cap) or positive")
         self.scheduler = Scheduler(sched_cfg, self.block_manager, self.connector)
         # A checkpoint's embedding may be padded past the tokenizer (e.g. to a multiple of 64): those
         # rows are not tokens, so the sampler and prompt logprobs never look past the tokenizer.

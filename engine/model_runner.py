@@ -58,8 +58,19 @@ class ModelRunner:
         # Sliding-window layers attend within their window (the attention backends mask and skip
         # the rest), so the whole trained context is served. When every layer slides, the scheduler
         # gives back the blocks behind the window (their table slots then read as block 0).
-        limit = cfg.max_position_embeddings
-        self.max_model_len = min(config.max_model_len or limit, limit)
+        limit, source = cfg.max_position_embeddings, f"max_position_embeddings={cfg.max_position_embeddings}"
+        if cfg.rope_scaling is not None and cfg.rope_scaling["rope_type"] == "linear":
+            # Linear scaling stretches the trained positions by its factor (vLLM derives the same);
+            # llama3's config already states the extended length.
+            factor = float(cfg.rope_scaling["factor"])
+            limit, source = int(limit * factor), f"{source} x linear rope scaling factor {factor:g}"
+        if config.max_model_len is not None and config.max_model_len > limit:
+            # Positions past the trained ones give garbage, not an error: refuse, as vLLM does.
+            raise ValueError(
+                f"max_model_len={config.max_model_len} is more than the {limit} positions of the model "
+                f"({source})"
+            )
+        self.max_model_len = config.max_model_len or limit
         self.block_size = config.block_size
         self.weights_id = weights_id(model_dir)
         self.model_fingerprint = model_fingerprint(
@@ -104,8 +115,6 @@ class ModelRunner:
 
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
-            if self.config.num_kv_blocks < 1:
-                raise ValueError("num_kv_blocks must be at least 1")
             return self.config.num_kv_blocks
         by_memory = self.config.kv_cache_memory_bytes // self.bytes_per_block
         # More than every sequence slot filled to max_model_len is never used at once; the rest

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import sys
 from types import FrameType
 
 import uvicorn
@@ -37,11 +38,15 @@ def run_router(args: argparse.Namespace) -> int:
     from router.config import RouterConfig
     from router.pd_config import PDConfig
 
-    config = RouterConfig.from_args(args)
-    logging.basicConfig(
-        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    app = RouterApp(config, pd=PDConfig.from_args(args))
+    try:
+        config = RouterConfig.from_args(args)
+        logging.basicConfig(
+            level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
+        app = RouterApp(config, pd=PDConfig.from_args(args))
+    except (ValueError, OSError) as e:  # flags out of range, a --model without a tokenizer: no traceback
+        print(f"ferry router: error: {e}", file=sys.stderr)
+        return 2
     uv_config = uvicorn.Config(
         app,
         host=config.host,

@@ -93,7 +93,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--max-model-len",
         type=int,
         default=d.max_model_len,
-        help="context length (default: the model's max_position_embeddings)",
+        help="context length, at most the model's max_position_embeddings (times a linear rope "
+        "scaling factor), which is the default",
     )
     p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])

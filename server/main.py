@@ -123,23 +123,41 @@ def run_serve(args: argparse.Namespace) -> int:
 
     problem = check_role_config(args.role, args.kv_tier)
     if problem is not None:
-        print(f"ferry serve: error: {problem}", file=sys.stderr)
-        return 2
-    config = server_config(args)
-    engine_config = EngineConfig.from_options(**engine_options(args))
+        return _usage_error(problem)
+    try:
+        config = server_config(args)
+        engine_config = EngineConfig.from_options(**engine_options(args))
+    except ValueError as e:
+        return _usage_error(e)
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
 
     async def main() -> None:
         # Built inside the loop: the engine may bind its output queues to the running loop.
-        engine = AsyncEngine(engine_config)
+        try:
+            engine = AsyncEngine(engine_config)
+        except (ValueError, OSError) as e:  # the model directory, or flags the model cannot meet
+            raise _StartupError(e) from e
         logger.info("serving %s on %s (role %s)", config.served_model_name, config.url, config.role)
         await serve(engine, config)
 
-    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-        runner.run(main())
+    try:
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            runner.run(main())
+    except _StartupError as e:
+        logger.debug("engine start failed", exc_info=e.__cause__)
+        return _usage_error(e)
     return 0
+
+
+class _StartupError(Exception):
+    """The engine refused its configuration: a message for the operator, not a traceback."""
+
+
+def _usage_error(problem: object) -> int:
+    print(f"ferry serve: error: {problem}", file=sys.stderr)
+    return 2
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.config import EngineConfig
 from engine.models.config import ModelConfig
 from engine.models.loader import weights_id
 from kvcache.keys import model_fingerprint
@@ -135,3 +136,41 @@ def test_sliding_window_keeps_the_full_context_and_mlp_bias_is_refused(tiny_llam
     assert qwen_like.sliding_window is None and qwen_like.layer_windows == (None, None)
     with pytest.raises(ValueError, match="mlp_bias"):
         ModelConfig.from_dict({**BASE, "mlp_bias": True})
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "low"),
+    [
+        ("block_size", 0, 1),
+        ("kv_cache_memory_bytes", 0, 1),
+        ("max_num_seqs", 0, 1),
+        ("max_num_batched_tokens", -1, 1),
+        ("long_prefill_token_threshold", -1, 0),
+        ("kv_tier_write_queue", 0, 1),
+        ("max_logprobs", -1, 0),
+        ("num_kv_blocks", 0, 1),
+        ("max_model_len", 0, 1),
+        ("num_threads", 0, 1),
+        ("block_size", 2.5, 1),
+        ("max_num_seqs", True, 1),
+    ],
+)
+def test_engine_options_out_of_range_are_named(option: str, value: object, low: int) -> None:
+    with pytest.raises(ValueError, match=rf"^{option} must be an integer >= {low}, got {value!r}$"):
+        EngineConfig.from_options(**{option: value})
+
+
+def test_max_model_len_beyond_the_trained_positions_is_refused(tiny_llama, tmp_path) -> None:
+    # tiny_llama is trained for 1024 positions.
+    with pytest.raises(
+        ValueError,
+        match=r"max_model_len=1025 is more than the 1024 positions of the model \(max_position_embeddings=1024\)",
+    ):
+        LLM(str(tiny_llama), num_kv_blocks=8, max_model_len=1025)
+    assert LLM(str(tiny_llama), num_kv_blocks=8, max_model_len=1024).engine.max_model_len == 1024
+    assert LLM(str(tiny_llama), num_kv_blocks=8).engine.max_model_len == 1024
+    # Linear rope scaling stretches the positions by its factor.
+    linear = _copy(tiny_llama, tmp_path / "lin", rope_scaling={"rope_type": "linear", "factor": 2.0})
+    assert LLM(str(linear), num_kv_blocks=8).engine.max_model_len == 2048
+    with pytest.raises(ValueError, match=r"2048 positions .*=1024 x linear rope scaling factor 2\)"):
+        LLM(str(linear), num_kv_blocks=8, max_model_len=2049)

@@ -1,0 +1,55 @@
+"""`ferry serve` and `ferry router` refuse bad flags with one clear line and exit code 2, as argparse
+does for its own errors: no traceback for an operator to read through."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def ferry(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ferry", *args, "--port", "0"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--block-size", "0"], "--block-size must be positive"),
+        (["--decode-penalty-tokens", "-1"], "--load-penalty-tokens and --decode-penalty-tokens must be >= 0"),
+        (["--pd-threshold", "-1"], "--pd-threshold >= 0"),
+        (["--model", "/nonexistent"], "/nonexistent has no tokenizer.json"),
+    ],
+)
+def test_router_flag_errors(args: list[str], message: str) -> None:
+    done = ferry("router", *args)
+    assert done.returncode == 2
+    assert done.stderr.startswith(f"ferry router: error: {message}")
+    assert "Traceback" not in done.stderr
+
+
+def test_serve_flag_and_model_errors(tiny_llama: Path) -> None:
+    cases = [
+        (["--model", str(tiny_llama), "--block-size", "0"], "block_size must be an integer >= 1, got 0"),
+        (["--model", "/nonexistent"], "model path '/nonexistent' is not a directory"),
+        # The engine refuses it once it has read the model's config.
+        (
+            ["--model", str(tiny_llama), "--max-model-len", "4096"],
+            "max_model_len=4096 is more than the 1024 positions of the model (max_position_embeddings=1024)",
+        ),
+    ]
+    for args, message in cases:
+        done = ferry("serve", *args)
+        assert done.returncode == 2, done.stderr[-2000:]
+        assert f"ferry serve: error: {message}" in done.stderr
+        assert "Traceback" not in done.stderr
