@@ -11,7 +11,9 @@
 
 The relay owns the load counters of the replicas it uses: every ``acquire`` is paired with one
 ``release`` in a ``finally``, including when the client disconnects (the task is cancelled and
-the upstream connection closed, which makes the replica abort the request).
+the upstream connection closed, which makes the replica abort the request). A request also counts
+in its replica's ``prefilling`` from ``acquire`` until the first content that replica streams back
+(``Opened.first_content``) or, failing that, its ``release``: exactly once either way.
 """
 
 from __future__ import annotations
