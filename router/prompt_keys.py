@@ -15,6 +15,7 @@ hashes (the replica reports the client's error; routing just loses its cache hin
 from __future__ import annotations
 
 import asyncio
+import logging
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -22,14 +23,26 @@ from engine.chat_template import template_message
 from kvcache.keys import block_hashes
 from router.reuse_encoder import ReuseEncoder
 
+logger = logging.getLogger("ferry.router")
+
 TEXT_CHUNK_CHARS = 64  # ~16 tokens of English: one text "block"
 _TEXT_SPACE = b"router-text"  # keeps text-chunk hashes apart from real token-block hashes
 
 
 class PromptKeyer(ABC):
-    @abstractmethod
     def keys(self, path: str, body: dict[str, Any]) -> tuple[list[bytes], int]:
-        """(block hashes of the prompt, number of prompt tokens, exact or estimated)."""
+        """(block hashes of the prompt, number of prompt tokens, exact or estimated); ``([], 0)``
+        for a body the keyer cannot read, whatever is wrong in it: the hashes are only a routing
+        hint, and the replica answers the client's mistake with its own 400."""
+        try:
+            return self._keys(path, body)
+        except Exception:  # noqa: BLE001 - any malformed body; a router error would be a 500
+            logger.debug("no prompt keys for a %s body", path, exc_info=True)
+            return [], 0
+
+    @abstractmethod
+    def _keys(self, path: str, body: dict[str, Any]) -> tuple[list[bytes], int]:
+        """``keys`` without the guard."""
 
 
 def _token_id_prompt(body: dict[str, Any]) -> list[int] | None:
@@ -53,35 +66,34 @@ class TokenKeyer(PromptKeyer):
         return cls(Tokenizer.from_dir(model_dir), block_size)
 
     def token_ids(self, path: str, body: dict[str, Any]) -> list[int] | None:
-        try:
-            if path.endswith("/chat/completions"):
-                # Exactly the replica's rendering (``server/params.py`` chat_prompt): the same
-                # message normalisation, null meaning the default, template kwargs then tools.
-                messages = [template_message(m) for m in body["messages"]]
-                kwargs = dict(body.get("chat_template_kwargs") or {})
-                if body.get("continue_final_message"):
-                    kwargs["continue_final_message"] = True
-                add_generation_prompt = body.get("add_generation_prompt")
-                text = self.tokenizer.apply_chat_template(
-                    messages,
-                    add_generation_prompt=True if add_generation_prompt is None else add_generation_prompt,
-                    tools=body.get("tools"),
-                    **kwargs,
-                )
-                return self.chat_encoder.encode(text)  # = encode_chat: no special tokens added
-            ids = _token_id_prompt(body)
-            if ids is not None:
-                return ids
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1:
-                prompt = prompt[0]
-            if isinstance(prompt, str):
-                return self.tokenizer.encode(prompt)
-        except (ValueError, KeyError, TypeError, AttributeError):
-            return None
+        """The replica's prompt token ids for ``body``; None when it has no prompt we read (raises
+        on a malformed one: ``keys`` turns that into no hint)."""
+        if path.endswith("/chat/completions"):
+            # Exactly the replica's rendering (``server/params.py`` chat_prompt): the same
+            # message normalisation, null meaning the default, template kwargs then tools.
+            messages = [template_message(m) for m in body["messages"]]
+            kwargs = dict(body.get("chat_template_kwargs") or {})
+            if body.get("continue_final_message"):
+                kwargs["continue_final_message"] = True
+            add_generation_prompt = body.get("add_generation_prompt")
+            text = self.tokenizer.apply_chat_template(
+                messages,
+                add_generation_prompt=True if add_generation_prompt is None else add_generation_prompt,
+                tools=body.get("tools"),
+                **kwargs,
+            )
+            return self.chat_encoder.encode(text)  # = encode_chat: no special tokens added
+        ids = _token_id_prompt(body)
+        if ids is not None:
+            return ids
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
         return None
 
-    def keys(self, path: str, body: dict[str, Any]) -> tuple[list[bytes], int]:
+    def _keys(self, path: str, body: dict[str, Any]) -> tuple[list[bytes], int]:
         ids = self.token_ids(path, body)
         if ids is None:
             return [], 0
@@ -92,7 +104,7 @@ class TextKeyer(PromptKeyer):
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
 
-    def keys(self, path: str, body: dict[str, Any]) -> tuple[list[bytes], int]:
+    def _keys(self, path: str, body: dict[str, Any]) -> tuple[list[bytes], int]:
         ids = _token_id_prompt(body)
         if ids is not None:
             return block_hashes(ids, self.block_size), len(ids)

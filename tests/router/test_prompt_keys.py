@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from kvcache.keys import block_hashes
-from router.prompt_keys import TEXT_CHUNK_CHARS, TextKeyer
+from router.prompt_keys import TEXT_CHUNK_CHARS, TextKeyer, TokenKeyer
 
 
 def test_text_keys_follow_the_conversation_prefix() -> None:
@@ -48,3 +52,52 @@ async def test_large_bodies_are_keyed_off_the_event_loop() -> None:
     assert k.threads[1] != threading.current_thread().name  # large: a worker thread
     assert got_small == TextKeyer(16).keys("/v1/completions", small)
     assert got_large == TextKeyer(16).keys("/v1/completions", large)
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 70000) | st.floats(allow_nan=True) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+_PART = st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url", 5]), "text": _JSON})
+_MESSAGE = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "assistant", "tool", "", 7]) | _JSON},
+    optional={"content": _JSON | st.lists(_PART | _JSON, max_size=3), "name": _JSON, "tool_calls": _JSON},
+)
+_BODIES = st.fixed_dictionaries(
+    {},
+    optional={
+        "messages": _JSON | st.lists(_MESSAGE | _JSON, max_size=4),
+        "prompt": _JSON | st.lists(st.integers(-3, 70000), max_size=40),
+        "chat_template_kwargs": _JSON,
+        "add_generation_prompt": _JSON,
+        "continue_final_message": _JSON,
+        "tools": _JSON,
+    },
+)
+
+
+@pytest.fixture(scope="module")
+def keyers(tiny_llama) -> list:
+    return [TextKeyer(16), TokenKeyer.from_dir(str(tiny_llama), 16)]
+
+
+def test_a_text_part_that_is_not_text_gives_no_hint_not_an_error(keyers) -> None:
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}
+    for keyer in keyers:  # TextKeyer used to raise TypeError here: the router answered 500
+        assert keyer.keys("/v1/chat/completions", body) == ([], 0)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=_BODIES, chat=st.booleans())
+def test_keys_never_raise_on_any_body(keyers, body: dict, chat: bool) -> None:
+    """Whatever a client sends, keying yields a routing hint or none; the replica judges the body."""
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    for keyer in keyers:
+        hashes, tokens = keyer.keys(path, body)
+        assert isinstance(hashes, list) and all(isinstance(h, bytes) for h in hashes)
+        assert isinstance(tokens, int) and tokens >= 0
+        if not tokens:
+            assert not hashes
+        elif tokens >= 16:  # a block's worth (TextKeyer: ~4 characters per token, 64 per chunk)
+            assert hashes

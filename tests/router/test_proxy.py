@@ -136,6 +136,11 @@ def test_limits_and_bad_input_are_clear_4xx(cluster: Cluster, pair: list[Proc]) 
     # The replica's own validation errors pass through untouched.
     neg = httpx.post(router.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": -1})
     assert neg.status_code == 400 and "error" in neg.json()
+    # A body the cache_aware keyer cannot read still reaches the replica, which names the mistake.
+    part = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}
+    odd = httpx.post(router.url + "/v1/chat/completions", json=part)
+    direct = httpx.post(a.url + "/v1/chat/completions", json=part)
+    assert odd.status_code == direct.status_code == 400 and odd.json() == direct.json()
     assert httpx.get(router.url + "/nope").status_code == 404
     huge_header = httpx.get(router.url + "/health", headers={"x-junk": "y" * 70000})
     assert huge_header.status_code in (400, 431)
