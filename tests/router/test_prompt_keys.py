@@ -1,8 +1,9 @@
-"""The text keyer (no tokenizer): shared text prefixes share leading hashes, token-id prompts are exact."""
+"""Prompt keyers: shared text prefixes share leading hashes, token-id prompts are exact, no body raises."""
 
 from __future__ import annotations
 
 import pytest
+from body_strategies import BODIES
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -54,29 +55,6 @@ async def test_large_bodies_are_keyed_off_the_event_loop() -> None:
     assert got_large == TextKeyer(16).keys("/v1/completions", large)
 
 
-_JSON = st.recursive(
-    st.none() | st.booleans() | st.integers(-5, 70000) | st.floats(allow_nan=True) | st.text(max_size=20),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-    max_leaves=12,
-)
-_PART = st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url", 5]), "text": _JSON})
-_MESSAGE = st.fixed_dictionaries(
-    {"role": st.sampled_from(["system", "user", "assistant", "tool", "", 7]) | _JSON},
-    optional={"content": _JSON | st.lists(_PART | _JSON, max_size=3), "name": _JSON, "tool_calls": _JSON},
-)
-_BODIES = st.fixed_dictionaries(
-    {},
-    optional={
-        "messages": _JSON | st.lists(_MESSAGE | _JSON, max_size=4),
-        "prompt": _JSON | st.lists(st.integers(-3, 70000), max_size=40),
-        "chat_template_kwargs": _JSON,
-        "add_generation_prompt": _JSON,
-        "continue_final_message": _JSON,
-        "tools": _JSON,
-    },
-)
-
-
 @pytest.fixture(scope="module")
 def keyers(tiny_llama) -> list:
     return [TextKeyer(16), TokenKeyer.from_dir(str(tiny_llama), 16)]
@@ -89,7 +67,7 @@ def test_a_text_part_that_is_not_text_gives_no_hint_not_an_error(keyers) -> None
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(body=_BODIES, chat=st.booleans())
+@given(body=BODIES, chat=st.booleans())
 def test_keys_never_raise_on_any_body(keyers, body: dict, chat: bool) -> None:
     """Whatever a client sends, keying yields a routing hint or none; the replica judges the body."""
     path = "/v1/chat/completions" if chat else "/v1/completions"

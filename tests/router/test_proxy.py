@@ -10,6 +10,9 @@ import time
 import httpx
 import openai
 import pytest
+from body_strategies import BODIES, RELAY_FIELDS
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from router_harness import Cluster, Proc, metric, replicas_view, wait_until
 
 MODEL = "llama"
@@ -144,6 +147,37 @@ def test_limits_and_bad_input_are_clear_4xx(cluster: Cluster, pair: list[Proc]) 
     assert httpx.get(router.url + "/nope").status_code == 404
     huge_header = httpx.get(router.url + "/health", headers={"x-junk": "y" * 70000})
     assert huge_header.status_code in (400, 431)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=BODIES, relay=RELAY_FIELDS, chat=st.booleans(), stream=st.booleans())
+def test_fuzzed_bodies_never_get_a_5xx(
+    cluster: Cluster,
+    pair: list[Proc],
+    fuzz_routers: list[Proc],
+    body: dict,
+    relay: dict,
+    chat: bool,
+    stream: bool,
+) -> None:
+    """Malformed and near-valid bodies through routers with and without a tokenizer: the answer is
+    the replica's (a 4xx for a mistake, 200 when the body is valid), never a router 5xx."""
+    payload = json.dumps({**body, "model": MODEL, "max_tokens": 2, "stream": stream, **relay}).encode()
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    for router in fuzz_routers:
+        r = httpx.post(
+            router.url + path, content=payload, headers={"content-type": "application/json"}, timeout=30
+        )
+        assert r.status_code < 500, (r.status_code, r.text[:300], payload[:300])
+
+
+@pytest.fixture(scope="module")
+def fuzz_routers(cluster: Cluster, pair: list[Proc]) -> list[Proc]:
+    a, _ = pair
+    return [
+        cluster.router("--replica", a.url, "--model", str(cluster.model)),
+        cluster.router("--replica", a.url),
+    ]
 
 
 def test_zero_replicas_then_admin_add_drain_remove(cluster: Cluster, pair: list[Proc]) -> None:
