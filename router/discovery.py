@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 ROLES = ("mixed", "prefill", "decode")
 
@@ -67,6 +68,18 @@ def make_discovery(url: str) -> Discovery:
             return cls(url)
     known = ", ".join(DISCOVERY_BACKENDS)
     raise ValueError(f"unknown discovery URL {url!r}: expected one of the schemes {known}")
+
+
+def check_replica_url(url: str) -> None:
+    """Refuse a (normalized) replica URL the relay cannot reach: ``http://host[:port]`` only (the
+    upstream client speaks plain HTTP/1.1 and sends every request to the root of its origin)."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError when out of range or not a number
+    except ValueError as e:
+        raise ValueError(f"replica URL {url!r} is not valid: {e}") from None
+    if parts.scheme != "http" or not parts.hostname or parts.path or parts.query or parts.fragment:
+        raise ValueError(f"replica URL {url!r} is not valid: http://host[:port] expected")
 
 
 def normalize_url(url: str) -> str:

@@ -25,6 +25,7 @@ class DiscoverySync:
         self.interval = interval
         self._task: asyncio.Task | None = None
         self.errors = 0
+        self._refused: set[str] = set()  # URLs already logged as unusable
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="ferry-router-discovery")
@@ -43,7 +44,13 @@ class DiscoverySync:
             seen.add(d.url)
             existing = self.replicas.find(d.url)
             if existing is None:
-                self.replicas.add(d.url, d.role, source="discovery")
+                try:
+                    self.replicas.add(d.url, d.role, source="discovery")
+                except ValueError as e:  # one bad entry must not stop the rest of the sync
+                    if d.url not in self._refused:
+                        self._refused.add(d.url)
+                        log.warning("ignoring discovered replica: %s", e)
+                    continue
                 log.warning("discovered replica %s (%s)", d.url, d.role)
         for r in list(self.replicas):
             if r.source == "discovery" and r.url not in seen:

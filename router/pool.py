@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 
-from router.discovery import ROLES, normalize_url
+from router.discovery import ROLES, check_replica_url, normalize_url
 from router.replica import HealthPolicy, Replica
 
 
@@ -75,6 +75,7 @@ class Replicas:
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         url = normalize_url(url)
+        check_replica_url(url)
         existing = self.find(url)
         if existing is not None:
             if existing.role != role:

@@ -29,6 +29,7 @@ def ferry(*args: str) -> subprocess.CompletedProcess:
         (["--decode-penalty-tokens", "-1"], "--load-penalty-tokens and --decode-penalty-tokens must be >= 0"),
         (["--pd-threshold", "-1"], "--pd-threshold >= 0"),
         (["--model", "/nonexistent"], "/nonexistent has no tokenizer.json"),
+        (["--replica", "http://[::1"], "replica URL 'http://[::1' is not valid: Invalid IPv6 URL"),
     ],
 )
 def test_router_flag_errors(args: list[str], message: str) -> None:

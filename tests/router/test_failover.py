@@ -177,7 +177,11 @@ def test_redis_discovery_add_and_remove(cluster: Cluster, trio: list[Proc], redi
     assert wait_until(lambda: survivor.url not in replicas_view(router), timeout=5)
     # Malformed entries are ignored, never fatal.
     r.set(replica_key("http://bad"), b"{not json", px=5000)
+    # So is one whose URL the relay could not use; it stays while the rest of discovery goes on.
+    bad_url = replica_key("http://[::1")
+    r.set(bad_url, replica_value("http://[::1", "mixed", MODEL, time.time()), px=60000)
     # Clean shutdown deletes the key: the router drops the replica.
     reg.stop()
     assert wait_until(lambda: reg.url not in replicas_view(router), timeout=5)
     assert httpx.get(router.url + "/health").status_code == 503
+    r.delete(bad_url)

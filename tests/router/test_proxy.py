@@ -197,6 +197,18 @@ def test_zero_replicas_then_admin_add_drain_remove(cluster: Cluster, pair: list[
     assert httpx.get(router.url + "/health").status_code == 200
     bad = httpx.post(router.url + "/admin/replicas", headers=auth, json={"url": a.url, "role": "chef"})
     assert bad.status_code == 400
+    # URLs the relay could not reach are refused up front (they used to be added, then 500).
+    for url, why in [
+        ("http://[::1", "Invalid IPv6 URL"),
+        ("http://127.0.0.1:99999", "Port out of range"),
+        ("https://127.0.0.1:8000", "http://host[:port] expected"),
+        ("http://127.0.0.1:8000/prefix", "http://host[:port] expected"),
+    ]:
+        refused = httpx.post(router.url + "/admin/replicas", headers=auth, json={"url": url})
+        assert refused.status_code == 400 and why in refused.json()["error"]["message"]
+    assert sorted(replicas_view_auth(router, auth)) == sorted([a.url, b.url])
+    reset = httpx.post(router.url + "/reset_prefix_cache", headers=auth)
+    assert reset.status_code == 200 and reset.json()["replicas"] == {a.url: 200, b.url: 200}
 
     drained = httpx.post(router.url + "/admin/replicas/drain", headers=auth, json={"url": a.url})
     assert drained.status_code == 200 and drained.json()["draining"] is True
