@@ -231,14 +231,10 @@ class UpstreamClient:
     def _origin(self, base_url: str) -> _Origin:
         origin = self._origins.get(base_url)
         if origin is None:
-            try:
-                parts = urlsplit(base_url)
-                port = parts.port or 80
-            except ValueError:
-                parts, port = None, 0
-            if parts is None or parts.scheme != "http" or not parts.hostname:
+            parts = urlsplit(base_url)
+            if parts.scheme != "http" or not parts.hostname:
                 raise ConnectError(f"unsupported replica URL {base_url!r} (http://host:port expected)")
-            origin = _Origin(parts.hostname, port, self.max_idle)
+            origin = _Origin(parts.hostname, parts.port or 80, self.max_idle)
             self._origins[base_url] = origin
         return origin
 
