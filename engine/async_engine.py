@@ -24,7 +24,7 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from engine.sequence import Request
 from engine.stats import EngineStats, ModelInfo
 
@@ -105,8 +105,16 @@ class AsyncEngine:
         self._check_alive()
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = await self.compile_structured(params.structured_outputs)
         req = self.engine.make_request(
-            request_id, prompt, params, resume_token_ids=resume_token_ids, kv_transfer=kv_transfer
+            request_id,
+            prompt,
+            params,
+            resume_token_ids=resume_token_ids,
+            kv_transfer=kv_transfer,
+            grammar=grammar,
         )
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
@@ -124,6 +132,14 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             if not finished and not self._stopping and self._error is None:
                 self._submit(_Abort(request_id, concurrent.futures.Future()))
+
+    async def compile_structured(self, spec: StructuredOutputsParams) -> Any:
+        """Compile a structured-outputs constraint (ValueError if it is not a valid one). A new one
+        compiles in a worker thread: a large schema can take long, and neither the event loop nor
+        the engine loop may wait on it. Compiled constraints are kept, so repeats cost a lookup."""
+        grammars = self.engine.grammars
+        hit = grammars.cached(spec)
+        return hit if hit is not None else await asyncio.to_thread(grammars.compile, spec)
 
     def announce(self) -> Callable[[], None]:
         """Say a request is on its way in (received, not yet submitted); call the returned function,

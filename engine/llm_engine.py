@@ -29,6 +29,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import Request, RequestStatus
 from engine.stats import EngineStats, ModelInfo
+from engine.structured_output import GrammarCompiler
 from engine.tokenizer import Tokenizer
 
 LogitsObserver = Callable[[list[str], torch.Tensor], None]
@@ -68,6 +69,7 @@ class LLMEngine:
         self.sampling_vocab_size = min(self.vocab_size, self.tokenizer.vocab_size)
         self.sampler = Sampler(self.sampling_vocab_size)
         self.post = Postprocessor(self.tokenizer, self.max_model_len, self.sampling_vocab_size)
+        self.grammars = GrammarCompiler(self.tokenizer, self.sampling_vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._seed_rng = random.Random(config.seed)
         # Test and debugging hook: called with (request ids, fp32 logits) of each step's sampling rows.
@@ -104,8 +106,13 @@ class LLMEngine:
         *,
         resume_token_ids: list[int] | None = None,
         kv_transfer: dict[str, Any] | None = None,
+        grammar: Any = None,
     ) -> Request:
-        """Validate and build a request (raises ValueError for bad input); does not queue it."""
+        """Validate and build a request (raises ValueError for bad input); does not queue it.
+
+        ``grammar``: the compiled ``params.structured_outputs`` (``self.grammars.compile``), when the
+        caller compiled it elsewhere (the async engine does, off its threads); else it is compiled here.
+        """
         params.validate()
         if params.n != 1:
             raise ValueError("one engine request is one sequence: fan out n > 1 before the engine")
@@ -163,6 +170,15 @@ class LLMEngine:
             kv_transfer=kv_transfer,
         )
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, params, ids)
+        if params.structured_outputs is not None:
+            if grammar is None:
+                grammar = self.grammars.compile(params.structured_outputs)
+            req.grammar = self.grammars.matcher(grammar)
+            for i, tok in enumerate(resumed):
+                if not req.grammar.accept(tok):
+                    raise ValueError(
+                        f"resumed token {i} ({tok}) does not follow the request's structured outputs"
+                    )
         if resumed:
             # The text of resumed tokens was delivered by whoever produced them.
             req.detokenizer.append(resumed)
@@ -217,6 +233,7 @@ class LLMEngine:
                 prompt_token_ids=s.request.prompt_token_ids,
                 output_token_ids=s.request.output_token_ids,
                 eos_token_ids=s.request.eos_token_ids,
+                grammar=s.request.grammar,
             )
             for s in model_out.sampling
         ]

@@ -1,6 +1,7 @@
 """After sampling: append tokens, apply stop conditions, detokenize, and build RequestOutputs.
 
-Stop order per sampled token: EOS (unless ignore_eos), a ``stop_token_ids`` id, a stop string
+Stop order per sampled token: a structured-outputs grammar that is complete (its stop token
+accepted, whatever ignore_eos says), EOS (unless ignore_eos), a ``stop_token_ids`` id, a stop string
 (found by the detokenizer), ``max_tokens`` (-> "length"), ``max_model_len`` (-> "length"). EOS
 and stop ids are masked by the sampler until ``min_tokens`` is reached; stop strings count only
 once more than ``min_tokens`` tokens are out (the detokenizer checks).
@@ -8,12 +9,16 @@ once more than ``min_tokens`` tokens are out (the detokenizer checks).
 
 from __future__ import annotations
 
+import logging
+
 from engine.model_runner import PromptLogits
 from engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from engine.sampler import SamplerOutput, prompt_logprobs
 from engine.sequence import Request
 from engine.tokenizer import Tokenizer
 from kvcache.keys import to_hex
+
+log = logging.getLogger(__name__)
 
 
 class Postprocessor:
@@ -46,7 +51,14 @@ class Postprocessor:
         n_out = req.num_output_tokens
         reason: str | None = None
         stop_reason: int | str | None = None
-        if n_out >= params.min_tokens:
+        if req.grammar is not None and not req.grammar.accept(token):
+            # Cannot happen for a token drawn under the mask (a NaN row can still yield one):
+            # end the request rather than write output its structure forbids.
+            log.error("request %s: token %d breaks its structured outputs; aborted", req.request_id, token)
+            reason = "abort"
+        elif req.grammar is not None and req.grammar.terminated:
+            reason = "stop"
+        elif n_out >= params.min_tokens:
             if token in req.eos_token_ids and not params.ignore_eos:
                 reason = "stop"
             elif token in params.stop_token_ids:

@@ -1,9 +1,10 @@
 """Turns a batch of next-token logits into token ids, and reports logprobs.
 
-Processing order (as vLLM v1): logit_bias -> min_tokens (EOS and stop ids masked) -> repetition
+Processing order (as vLLM v1): structured-output grammar mask -> logit_bias -> min_tokens (EOS and stop ids masked) -> repetition
 penalty (prompt + output tokens) -> presence / frequency penalties (output tokens) -> greedy
 argmax, or temperature -> top_k -> top_p -> min_p -> sample. Reported logprobs, ranks and top-N
-come from the *raw* distribution (log_softmax of the unprocessed logits), as in vLLM v1.
+come from the *raw* distribution (log_softmax of the unprocessed logits), as in vLLM v1; for a
+row with a grammar, raw means after its mask (vLLM applies the bitmask before its sampler too).
 
 Randomness comes only from each row's ``(seed, position)``: one uniform number per row, a
 splitmix64 hash of the pair computed on the host, drives an inverse-CDF draw over the row's
@@ -19,10 +20,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.sampling_params import SamplingParams
+from engine.structured_output import apply_grammars, unblock_dead_rows
+
+if TYPE_CHECKING:
+    from engine.structured_output import RequestGrammar
 
 _MASK64 = (1 << 64) - 1
 # On CPU, top_p first looks for its cut-off among this many most likely tokens; only rows whose
@@ -50,6 +56,7 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]  # generated so far
     eos_token_ids: Sequence[int]
+    grammar: RequestGrammar | None = None  # structured outputs: the tokens allowed next
 
 
 @dataclass
@@ -69,8 +76,16 @@ class Sampler:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
         # Padded embedding rows past the vocabulary are not tokens: never sample or report them.
         logits = logits[:, : self.vocab_size].float()
+        constrained: list[int] = []
+        if any(r.grammar is not None for r in rows):
+            # Before everything else, as vLLM: reported logprobs are those of the allowed tokens.
+            unmasked = logits
+            logits = logits.clone()
+            constrained = apply_grammars(logits, [r.grammar for r in rows])
         raw = logits
         processed = process_logits(logits.clone(), rows) if _needs_processing(rows) else logits
+        if constrained and processed is not logits:
+            unblock_dead_rows(processed, unmasked, constrained, [r.grammar for r in rows])
 
         greedy = [r.params.greedy for r in rows]
         if all(greedy):

@@ -2,7 +2,66 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
+
+# The kinds of constraint a StructuredOutputsParams can carry: exactly one per request.
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain the output to a JSON schema, a regex, one of some strings, an EBNF grammar or any
+    JSON object (vLLM's ``structured_outputs``). Exactly one of them; ``json`` may be given as a
+    schema dict and is kept as its compact JSON text, so equal schemas share a compiled grammar.
+
+    ``disable_any_whitespace``: JSON is written compactly, with no optional whitespace (by default
+    the grammar allows it, as vLLM's does).
+    """
+
+    json: str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        if self.json is not None and not isinstance(self.json, str):
+            object.__setattr__(self, "json", canonical_json(self.json))
+        if self.choice is not None and not isinstance(self.choice, tuple):
+            object.__setattr__(self, "choice", tuple(self.choice))
+
+    @property
+    def kind(self) -> str:
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                "structured outputs take exactly one of "
+                + ", ".join(STRUCTURED_KINDS)
+                + (f"; got {', '.join(given)}" if given else "; got none")
+            )
+        return given[0]
+
+    def validate(self) -> None:
+        kind = self.kind
+        if kind == "choice":
+            if not self.choice or not all(isinstance(c, str) for c in self.choice):
+                raise ValueError("structured outputs choice must be a non-empty list of strings")
+        elif kind == "json":
+            try:
+                schema = json.loads(self.json)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"structured outputs json is not valid JSON: {e}") from e
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError("structured outputs json must be a JSON schema (an object)")
+
+
+def canonical_json(value: Any) -> str:
+    """A schema's compact JSON text: its cache key. Key order is kept, not sorted: a grammar writes
+    an object's properties in the order its schema declares them."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
 @dataclass
@@ -33,6 +92,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -69,3 +129,5 @@ class SamplingParams:
             raise ValueError("logprobs must be non-negative")
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
             raise ValueError("prompt_logprobs must be non-negative")
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from engine.detokenizer import IncrementalDetokenizer
     from engine.outputs import PositionLogprobs
     from engine.sampling_params import SamplingParams
+    from engine.structured_output import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -79,6 +80,7 @@ class Request:
         self.kv_transfer_result: dict[str, Any] | None = None  # what the connector reports back
         self.metrics = RequestMetrics()
         self.detokenizer: IncrementalDetokenizer | None = None
+        self.grammar: RequestGrammar | None = None  # structured outputs: where the output is in its grammar
         self.logprobs: list[PositionLogprobs] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
         self.prompt_logprobs: list[PositionLogprobs | None] | None = (

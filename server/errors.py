@@ -113,6 +113,9 @@ def _param_from_loc(loc: Sequence[Any]) -> str | None:
 
 
 _FIELD_PREFIX = re.compile(r"^([a-z_][a-z_0-9]*): ")
+# pydantic names types in Python's words when it validates a parsed dict (FastAPI's routes) and in
+# JSON's when it parses the body itself (the generation fast path); clients sent JSON.
+_JSON_WORDS = (("a valid list", "a valid array"), ("a valid dictionary", "an object"))
 
 
 def validation_error(errors: Sequence[Mapping[str, Any]]) -> APIError:
@@ -128,6 +131,8 @@ def validation_error(errors: Sequence[Mapping[str, Any]]) -> APIError:
     msg = str(first.get("msg", "invalid value"))
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, ") :]
+    for python_word, json_word in _JSON_WORDS:
+        msg = msg.replace(python_word, json_word)
     code = "missing_required_parameter" if first.get("type") == "missing" else "invalid_value"
     prefixed = _FIELD_PREFIX.match(msg)
     if param is None and prefixed:  # model-level validators name their field as "field: message"

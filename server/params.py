@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from engine.tokenizer import ChatTemplateError, Tokenizer
 from kvcache.keys import from_hex
 from server.errors import bad_request
@@ -124,12 +124,6 @@ def chat_prompt(req: ChatCompletionRequest | TokenizeRequest, tokenizer: Tokeniz
 
 def check_chat_features(req: ChatCompletionRequest) -> None:
     """Reject what this server cannot honour instead of silently ignoring it (as vLLM does)."""
-    if req.response_format is not None and req.response_format.type != "text":
-        raise bad_request(
-            f"response_format type {req.response_format.type!r} is not supported (structured output is "
-            "not available on this server); use 'text'.",
-            param="response_format",
-        )
     if req.tools and req.tool_choice != "none":
         raise bad_request(
             "tool calling is not supported by this server; send tools with tool_choice 'none' or omit them",
@@ -148,6 +142,83 @@ def check_completion_features(req: CompletionRequest) -> None:
         )
     if req.echo and req.resume is not None:
         raise bad_request("echo cannot be combined with resume", param="echo")
+
+
+def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
+    """The request's output constraint, from whichever of its three spellings it used: OpenAI's
+    ``response_format``, vLLM's ``structured_outputs`` or vLLM's older ``guided_*`` fields.
+
+    Shape errors are 400s here; a schema, regex or grammar that does not compile is a 400 from
+    the engine when it compiles it.
+    """
+    found: list[tuple[str, StructuredOutputsParams]] = []
+    rf = req.response_format
+    if rf is not None and rf.type != "text":
+        if rf.type == "json_object":
+            found.append(("response_format", StructuredOutputsParams(json_object=True)))
+        elif rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.json_schema is None:
+                raise bad_request(
+                    "response_format of type 'json_schema' needs json_schema.schema",
+                    param="response_format.json_schema",
+                )
+            found.append(("response_format", StructuredOutputsParams(json=rf.json_schema.json_schema)))
+        else:
+            raise bad_request(
+                f"response_format type {rf.type!r} is not supported; use 'text', 'json_object' or 'json_schema'",
+                param="response_format.type",
+            )
+    so = req.structured_outputs
+    if so is not None:
+        for name in ("whitespace_pattern", "structural_tag"):
+            if getattr(so, name) is not None:
+                raise bad_request(
+                    f"structured_outputs.{name} is not supported by this server",
+                    param=f"structured_outputs.{name}",
+                )
+        try:
+            found.append(
+                (
+                    "structured_outputs",
+                    StructuredOutputsParams(
+                        json=so.json_schema,
+                        regex=so.regex,
+                        choice=so.choice,
+                        grammar=so.grammar,
+                        json_object=bool(so.json_object),
+                        disable_any_whitespace=so.disable_any_whitespace,
+                    ),
+                )
+            )
+            found[-1][1].validate()
+        except ValueError as e:
+            raise bad_request(str(e), param="structured_outputs") from e
+    if req.guided_whitespace_pattern is not None:
+        raise bad_request(
+            "guided_whitespace_pattern is not supported by this server", param="guided_whitespace_pattern"
+        )
+    for name, key in (
+        ("guided_json", "json"),
+        ("guided_regex", "regex"),
+        ("guided_choice", "choice"),
+        ("guided_grammar", "grammar"),
+    ):
+        value = getattr(req, name)
+        if value is not None:
+            found.append((name, StructuredOutputsParams(**{key: value})))
+    if len(found) > 1:
+        raise bad_request(
+            f"give one output constraint, not {len(found)} ({', '.join(n for n, _ in found)})",
+            param=found[1][0],
+        )
+    if not found:
+        return None
+    name, spec = found[0]
+    try:
+        spec.validate()
+    except ValueError as e:
+        raise bad_request(str(e), param=name) from e
+    return spec
 
 
 def resolve_max_tokens(
@@ -230,6 +301,7 @@ def sampling_params(
         prompt_logprobs=prompt_logprobs,
         skip_special_tokens=req.skip_special_tokens,
         spaces_between_special_tokens=req.spaces_between_special_tokens,
+        structured_outputs=structured_outputs(req),
     )
 
 

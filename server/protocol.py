@@ -7,8 +7,8 @@ torch-free engine types, never ``engine.async_engine`` or anything that loads a 
 
 Unknown request fields are ignored (peer routers add their own, e.g. ``separate_reasoning``,
 ``kv_transfer_params``). Fields that would be ignored silently but change the answer
-(``suffix``, ``best_of`` != n, ``response_format`` other than text, tool calling) are
-rejected by the serving layer with a 400 instead.
+(``suffix``, ``best_of`` != n, a ``response_format`` type or structured-outputs option not
+supported, tool calling) are rejected by the serving layer with a 400 instead.
 """
 
 from __future__ import annotations
@@ -81,6 +81,41 @@ class Resume(_Request):
     token_ids: list[StrictInt] = Field(min_length=1)
 
 
+JsonValue = dict[str, Any] | list[Any] | StrictStr | StrictInt | StrictFloat | StrictBool
+
+
+class JsonSchemaFormat(_Request):
+    """OpenAI's ``response_format.json_schema``."""
+
+    name: StrictStr | None = None
+    description: StrictStr | None = None
+    json_schema: dict[str, Any] | StrictBool | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(_Request):
+    type: StrictStr  # text | json_object | json_schema (others are refused by the serving layer)
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(_Request):
+    """vLLM's ``structured_outputs`` extra: exactly one constraint (checked by the serving layer)."""
+
+    json_schema: dict[str, Any] | StrictStr | StrictBool | None = Field(default=None, alias="json")
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = Field(default=None, min_length=1)
+    grammar: StrictStr | None = None
+    json_object: StrictBool | None = None
+    disable_any_whitespace: StrictBool = False
+    # Accepted as vLLM's are: without fallback there is nothing to disable, and objects already
+    # take no properties beyond their schema's unless it says otherwise.
+    disable_fallback: StrictBool = False
+    disable_additional_properties: StrictBool = False
+    # Would change the answer and are not supported: refused rather than ignored.
+    whitespace_pattern: JsonValue | None = None
+    structural_tag: JsonValue | None = None
+
+
 class SamplingFields(_Request):
     """Sampling and stopping fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -110,6 +145,15 @@ class SamplingFields(_Request):
     include_stop_str_in_output: StrictBool = False
     return_tokens_as_token_ids: StrictBool = False  # logprob tokens as "token_id:{id}"
     return_token_ids: StrictBool = False  # vLLM: each choice (and stream delta) carries its token ids
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs, or vLLM's older guided_*
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | StrictStr | StrictBool | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = Field(default=None, min_length=1)
+    guided_grammar: StrictStr | None = None
+    guided_whitespace_pattern: StrictStr | None = None
+    guided_decoding_backend: StrictStr | None = None  # ignored: there is one backend (xgrammar)
     # internal (router -> replica)
     kv_transfer: KVTransfer | None = None
     resume: Resume | None = None
@@ -190,15 +234,10 @@ class ChatMessage(_Request):
         return template_message(self.model_dump())
 
 
-class ResponseFormat(_Request):
-    type: StrictStr
-
-
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: StrictStr | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool | None = None

@@ -38,6 +38,7 @@ from server.roles import producer_budget, transfer_for_role
 from server.serving_common import (
     UsageTracker,
     answer_whole,
+    compile_constraints,
     delivered_text,
     is_producer,
     kv_transfer_result,
@@ -109,6 +110,7 @@ async def create_chat_completion(
 ) -> object:
     arrival = time.perf_counter()
     seqs = _plan(state, req)
+    await compile_constraints(state, req, seqs)
     ticket = state.generation.admit(len(seqs), submitted)
     response_id = f"chatcmpl-{request_id}"
     choices = [_Choice() for _ in seqs]

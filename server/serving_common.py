@@ -15,13 +15,36 @@ from fastapi.responses import JSONResponse
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import RequestOutput
 from kvcache.keys import block_hashes, to_hex
-from server.errors import APIError
+from server.errors import APIError, bad_request
 from server.generation import SequenceRequest, Ticket
 from server.protocol import KVTransferResult, PromptTokensDetails, UsageInfo
 from server.state import ServerState
 from server.streaming import run_or_disconnect, sse_error_frame
 
 logger = logging.getLogger("ferry.server")
+
+
+async def compile_constraints(state: ServerState, req: Any, seqs: list[SequenceRequest]) -> None:
+    """Compile the request's structured-outputs constraint before anything starts, so a schema,
+    regex or grammar that does not compile is a 400, not an error event in a started stream."""
+    spec = seqs[0].params.structured_outputs if seqs else None
+    if spec is None:
+        return
+    try:
+        await state.engine.compile_structured(spec)
+    except ValueError as e:
+        raise bad_request(str(e), param=constraint_field(req)) from e
+
+
+def constraint_field(req: Any) -> str:
+    """The request field that carried its output constraint (for an error's ``param``)."""
+    rf = getattr(req, "response_format", None)
+    if rf is not None and rf.type != "text":
+        return "response_format"
+    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+        if getattr(req, name, None) is not None:
+            return name
+    return "structured_outputs"
 
 
 class UsageTracker:

@@ -33,6 +33,7 @@ from server.roles import producer_budget, transfer_for_role
 from server.serving_common import (
     UsageTracker,
     answer_whole,
+    compile_constraints,
     delivered_text,
     is_producer,
     kv_transfer_result,
@@ -136,6 +137,7 @@ async def create_completion(
 ) -> object:
     arrival = time.perf_counter()
     prompts, seqs = _plan(state, req)
+    await compile_constraints(state, req, seqs)
     ticket = state.generation.admit(len(seqs), submitted)
     response_id = f"cmpl-{request_id}"
     choices = [_Choice(prompts[s.prompt_index]) for s in seqs]

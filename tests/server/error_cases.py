@@ -69,9 +69,73 @@ CASES = [
     (CHAT, {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs", "invalid_value"),
     (
         CHAT,
-        {"messages": USER, "response_format": {"type": "json_object"}},
+        {"messages": USER, "response_format": {"type": "xml"}},
+        400,
+        "response_format.type",
+        "invalid_value",
+    ),
+    (
+        CHAT,
+        {"messages": USER, "response_format": {"type": "json_schema"}},
+        400,
+        "response_format.json_schema",
+        "invalid_value",
+    ),
+    (
+        CHAT,
+        {
+            "messages": USER,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}},
+        },
         400,
         "response_format",
+        "invalid_value",
+    ),
+    (COMP, {"prompt": "x", "guided_regex": "("}, 400, "guided_regex", "invalid_value"),
+    (COMP, {"prompt": "x", "guided_grammar": "root ::= "}, 400, "guided_grammar", "invalid_value"),
+    (COMP, {"prompt": "x", "guided_json": "{no"}, 400, "guided_json", "invalid_value"),
+    (COMP, {"prompt": "x", "guided_choice": []}, 400, "guided_choice", "invalid_value"),
+    (
+        COMP,
+        {"prompt": "x", "guided_regex": "a", "guided_choice": ["a"]},
+        400,
+        "guided_choice",
+        "invalid_value",
+    ),
+    (
+        COMP,
+        {"prompt": "x", "guided_whitespace_pattern": " "},
+        400,
+        "guided_whitespace_pattern",
+        "invalid_value",
+    ),
+    (COMP, {"prompt": "x", "structured_outputs": {}}, 400, "structured_outputs", "invalid_value"),
+    (
+        COMP,
+        {"prompt": "x", "structured_outputs": {"regex": "a", "json_object": True}},
+        400,
+        "structured_outputs",
+        "invalid_value",
+    ),
+    (
+        COMP,
+        {"prompt": "x", "structured_outputs": {"structural_tag": "t"}},
+        400,
+        "structured_outputs.structural_tag",
+        "invalid_value",
+    ),
+    (
+        COMP,
+        {"prompt": "x", "structured_outputs": {"choice": "ab"}},
+        400,
+        "structured_outputs.choice",
+        "invalid_value",
+    ),
+    (
+        COMP,
+        {"prompt": "x", "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+        400,
+        "structured_outputs",
         "invalid_value",
     ),
     (
@@ -133,6 +197,11 @@ FIELDS = [
     "kv_transfer",
     "resume",
     "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
     "tools",
     "tool_choice",
     "add_generation_prompt",
@@ -143,12 +212,57 @@ message = st.fixed_dictionaries(
         "content": st.text(max_size=30) | json_values,
     }
 )
+# Output constraints that often compile (xgrammar parses them in the server process: a crash
+# there would take the replica down), and as often do not.
+constraint_text = st.lists(
+    st.sampled_from(list("ab()[]{}|*+?.^$-:,\"'= 09\n") + ["\\d", "\\w", "\\u12", "::=", "root"]), max_size=16
+).map("".join)
+schemas = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-3, 3)
+    | st.sampled_from(["object", "string", "integer", "array"]),
+    lambda c: (
+        st.lists(c, max_size=3)
+        | st.dictionaries(
+            st.sampled_from(
+                ["type", "properties", "items", "enum", "required", "anyOf", "$ref", "minimum", "pattern"]
+            ),
+            c,
+            max_size=3,
+        )
+    ),
+    max_leaves=10,
+)
+CONSTRAINTS = {
+    "guided_regex": constraint_text | json_values,
+    "guided_grammar": constraint_text.map(lambda t: "root ::= " + t) | json_values,
+    "guided_json": schemas | json_values,
+    "guided_choice": st.lists(st.text(max_size=4), max_size=3) | json_values,
+    "response_format": st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "json_object", "json_schema", "x"])},
+        optional={
+            "json_schema": st.fixed_dictionaries(
+                {}, optional={"name": st.text(max_size=4), "schema": schemas}
+            )
+        },
+    )
+    | json_values,
+    "structured_outputs": st.dictionaries(
+        st.sampled_from(
+            ["json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace", "structural_tag"]
+        ),
+        constraint_text | schemas,
+        max_size=2,
+    )
+    | json_values,
+}
 near_valid = st.fixed_dictionaries(
     {
         "prompt": st.text(max_size=30) | st.lists(st.integers(-5, 1200), max_size=8) | json_values,
         "messages": st.lists(message, max_size=3),
     },
-    optional={f: json_values for f in FIELDS if f not in ("prompt", "messages")},
+    optional={f: CONSTRAINTS.get(f, json_values) for f in FIELDS if f not in ("prompt", "messages")},
 )
 bodies = (
     near_valid

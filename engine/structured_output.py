@@ -1,0 +1,181 @@
+"""Structured outputs: sampling constrained to a JSON schema, a regex, a choice or an EBNF grammar.
+
+xgrammar does the work (as in vLLM and SGLang): a ``CompiledGrammar`` per distinct constraint,
+compiled once against the model's vocabulary and kept in a small LRU; a ``GrammarMatcher`` per
+sequence that says which tokens may come next (a bitmask over the vocabulary) and advances by
+each sampled token. A request owns its matcher like its tokens, so preemption, recompute and
+resume need nothing special: the matcher has seen exactly the request's output tokens.
+
+When a grammar is complete it allows only the model's stop (EOS) tokens; accepting one ends the
+request with ``finish_reason="stop"`` whatever ``ignore_eos`` says (there is nothing left to write).
+
+Compiling may take milliseconds to seconds for a large schema, so the async engine compiles in a
+worker thread, never on the event loop or the engine thread; the engine thread only fills masks
+and advances matchers (microseconds per token).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
+    from engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+# xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: " and sometimes a
+# "Check failed: (...) is false: " clause; the client needs only the reason after them.
+_XGR_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*(?:Check failed:.*? is false:\s*)?", re.S)
+
+
+def _reason(error: BaseException) -> str:
+    text = str(error).strip()
+    return _XGR_PREFIX.sub("", text).strip() or type(error).__name__
+
+
+def choice_grammar(choices: Sequence[str]) -> str:
+    """An EBNF grammar whose sentences are exactly ``choices`` (JSON string escapes are EBNF's)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+class GrammarCompiler:
+    """Compiles StructuredOutputsParams for one model's vocabulary; thread-safe, with an LRU.
+
+    The vocabulary table is built on first use (it walks the whole vocabulary), so a replica that
+    never sees a structured request never pays for it.
+    """
+
+    def __init__(
+        self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: Sequence[int], cache_size: int = 256
+    ) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = list(stop_token_ids)
+        self._cache_size = cache_size
+        self._cache: OrderedDict[StructuredOutputsParams, xgr.CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()
+        self._compiler: xgr.GrammarCompiler | None = None
+
+    def _xgr_compiler(self) -> xgr.GrammarCompiler:
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+                from transformers import PreTrainedTokenizerFast
+
+                # A copy: the wrapper may reconfigure the tokenizer object it is given.
+                backend = type(self._tokenizer.backend).from_str(self._tokenizer.backend.to_str())
+                hf = PreTrainedTokenizerFast(tokenizer_object=backend)
+                info = xgr.TokenizerInfo.from_huggingface(
+                    hf, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+                )
+                # Our own LRU holds the results; xgrammar's cache would keep a second copy.
+                self._compiler = xgr.GrammarCompiler(
+                    info, max_threads=max(1, min(8, os.cpu_count() or 1)), cache_enabled=False
+                )
+            return self._compiler
+
+    def cached(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar | None:
+        """The compiled grammar of ``spec`` if it is at hand (never compiles: safe on any thread)."""
+        with self._lock:
+            hit = self._cache.get(spec)
+            if hit is not None:
+                self._cache.move_to_end(spec)
+            return hit
+
+    def compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
+        """The compiled grammar of ``spec``; ValueError with the reason when it is not a valid one."""
+        hit = self.cached(spec)
+        if hit is not None:
+            return hit
+        spec.validate()
+        compiler = self._xgr_compiler()
+        kind = spec.kind
+        any_ws = not spec.disable_any_whitespace
+        try:
+            if kind == "json":
+                compiled = compiler.compile_json_schema(spec.json, any_whitespace=any_ws)
+            elif kind == "json_object":
+                compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=any_ws)
+            elif kind == "regex":
+                compiled = compiler.compile_regex(spec.regex)
+            elif kind == "choice":
+                compiled = compiler.compile_grammar(choice_grammar(spec.choice or ()))
+            else:
+                compiled = compiler.compile_grammar(spec.grammar)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise ValueError(f"invalid structured outputs {kind}: {_reason(e)}") from e
+        with self._lock:
+            self._cache[spec] = compiled
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def matcher(self, compiled: xgr.CompiledGrammar) -> RequestGrammar:
+        import xgrammar as xgr
+
+        return RequestGrammar(xgr.GrammarMatcher(compiled), self.stop_token_ids)
+
+
+class RequestGrammar:
+    """One sequence's position in its grammar."""
+
+    __slots__ = ("_matcher", "stop_token_ids")
+
+    def __init__(self, matcher: Any, stop_token_ids: list[int]) -> None:
+        self._matcher = matcher
+        self.stop_token_ids = stop_token_ids
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by ``token_id``; False (state unchanged) when the grammar does not allow it."""
+        return bool(self._matcher.accept_token(int(token_id)))
+
+    @property
+    def terminated(self) -> bool:
+        """A stop token was accepted after a complete sentence: the output is finished."""
+        return bool(self._matcher.is_terminated())
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+
+def apply_grammars(logits: torch.Tensor, grammars: Sequence[RequestGrammar | None]) -> list[int]:
+    """Set to -inf, in place, every logit a row's grammar does not allow next; the rows concerned.
+
+    ``logits`` is ``[rows, vocab]`` (the tokenizer's vocabulary: no padding columns).
+    """
+    import xgrammar as xgr
+
+    rows = [i for i, g in enumerate(grammars) if g is not None and not g.terminated]
+    if not rows:
+        return []
+    bitmask = xgr.allocate_token_bitmask(len(grammars), logits.shape[1])
+    for i in rows:
+        grammars[i].fill(bitmask, i)  # type: ignore[union-attr]
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
+    return rows
+
+
+def unblock_dead_rows(
+    logits: torch.Tensor, masked: torch.Tensor, rows: list[int], grammars: Sequence[RequestGrammar | None]
+) -> None:
+    """A row left with no allowed token (its grammar allows only EOS, which ``min_tokens`` masked)
+    gets its stop tokens back from ``masked``: the grammar wins, the output ends complete."""
+    idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    dead = torch.isneginf(logits[idx]).all(dim=-1).tolist()
+    for i, is_dead in zip(rows, dead, strict=True):
+        if is_dead:
+            stops = [t for t in grammars[i].stop_token_ids if 0 <= t < logits.shape[1]]  # type: ignore[union-attr]
+            logits[i, stops] = masked[i, stops]
