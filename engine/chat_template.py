@@ -266,10 +266,27 @@ def template_message(message: Mapping[str, Any]) -> dict[str, Any]:
         out["content"] = [{"type": "text", "text": part.get("text")} for part in content]
     else:
         out["content"] = content if content is not None else ""
-    for key in ("name", "tool_call_id", "tool_calls"):
+    for key in ("name", "tool_call_id"):
         if message.get(key) is not None:
             out[key] = message[key]
+    calls = message.get("tool_calls")
+    if calls is not None:
+        out["tool_calls"] = [_template_tool_call(c) for c in calls] if isinstance(calls, list) else calls
     return out
+
+
+def _template_tool_call(call: Any) -> Any:
+    """An assistant's earlier tool call as templates expect it. OpenAI clients send ``arguments``
+    as JSON text; templates (Qwen2.5, Llama 3.1, Hermes) write it with ``| tojson`` or iterate it,
+    so, as vLLM does, they get the decoded object (text that is not JSON is left as it is)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def _tag_final_message(messages: list[dict[str, Any]]) -> None:

@@ -21,7 +21,8 @@ are saturated; every prefill worker tried failed or timed out; or the request is
 does not cover (``max_tokens`` = 1: it is all prefill; ``n`` > 1,
 several prompts, ``echo``, client ``logprobs``: their first token would need the prefill worker's
 per-choice logprobs and text merged into the decode worker's, which a resume cannot reproduce
-exactly).
+exactly; chat ``tools`` unless ``tool_choice`` is "none": a tool call's first token is not text
+the router could send the client itself).
 
 Failures: a prefill worker that dies or is slower than ``--prefill-timeout`` is replaced by another,
 then by local prefill; a tier miss on the decode worker is recomputed there (the replica's job); a

@@ -54,6 +54,9 @@ def wants_disaggregation(path: str, body: dict[str, Any]) -> str | None:
     if path.endswith("/chat/completions"):
         if body.get("logprobs"):
             return "logprobs"
+        if body.get("tools") and body.get("tool_choice") != "none":
+            # A tool call's first token is not text the router could send on its own.
+            return "tools"
     else:
         if body.get("logprobs") is not None or body.get("echo"):
             return "logprobs" if body.get("logprobs") is not None else "echo"

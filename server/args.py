@@ -15,6 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
 
+# The names in server/tool_parsers.py's registry (kept here: this module must stay light).
+TOOL_PARSER_NAMES = ("hermes", "llama3_json", "mistral")
+
 if TYPE_CHECKING:
     from server.config import ServerConfig
 
@@ -70,6 +73,18 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="seconds to let in-flight requests finish after SIGTERM before aborting them",
     )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='serve tool_choice "auto" (the default with tools): needs --tool-call-parser',
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_PARSER_NAMES),
+        help="the model's tool-call format, read back into tool_calls: hermes (Hermes, Qwen2.5/3), "
+        "llama3_json (Llama 3.x), mistral",
+    )
     # -- engine (1:1 with EngineConfig fields) ------------------------------------------------
     p.add_argument("--kv-tier", default=d.kv_tier, help="memory://… | redis://host:port/db | rediss://…")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
@@ -159,4 +174,6 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         register=args.register,
         advertise_url=args.advertise_url,
         log_level=args.log_level,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
     )

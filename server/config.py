@@ -27,6 +27,9 @@ class ServerConfig:
     register_interval: float = 2.0  # heartbeat period (seconds)
     register_ttl: float = 6.0  # heartbeat key TTL (seconds)
     log_level: str = "info"
+    # tool_choice "auto": the model's own call format, read by this parser (server/tool_parsers.py)
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     @property
     def url(self) -> str:

@@ -122,6 +122,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from engine.config import EngineConfig
 
     problem = check_role_config(args.role, args.kv_tier)
+    if problem is None and args.enable_auto_tool_choice and not args.tool_call_parser:
+        problem = "--enable-auto-tool-choice needs --tool-call-parser (the model's tool-call format)"
     if problem is not None:
         return _usage_error(problem)
     try:

@@ -122,17 +122,6 @@ def chat_prompt(req: ChatCompletionRequest | TokenizeRequest, tokenizer: Tokeniz
     return ids
 
 
-def check_chat_features(req: ChatCompletionRequest) -> None:
-    """Reject what this server cannot honour instead of silently ignoring it (as vLLM does)."""
-    if req.tools and req.tool_choice != "none":
-        raise bad_request(
-            "tool calling is not supported by this server; send tools with tool_choice 'none' or omit them",
-            param="tool_choice" if req.tool_choice is not None else "tools",
-        )
-    if req.tool_choice not in (None, "none") and not req.tools:
-        raise bad_request("tool_choice needs tools; tool calling is not supported", param="tool_choice")
-
-
 def check_completion_features(req: CompletionRequest) -> None:
     if req.suffix:
         raise bad_request("suffix is not supported by this server", param="suffix")

@@ -8,7 +8,8 @@ torch-free engine types, never ``engine.async_engine`` or anything that loads a 
 Unknown request fields are ignored (peer routers add their own, e.g. ``separate_reasoning``,
 ``kv_transfer_params``). Fields that would be ignored silently but change the answer
 (``suffix``, ``best_of`` != n, a ``response_format`` type or structured-outputs option not
-supported, tool calling) are rejected by the serving layer with a 400 instead.
+supported, ``tool_choice="auto"`` on a server without a tool-call parser) are rejected by the
+serving layer with a 400 instead.
 """
 
 from __future__ import annotations
@@ -234,6 +235,29 @@ class ChatMessage(_Request):
         return template_message(self.model_dump())
 
 
+class FunctionSpec(_Request):
+    name: StrictStr = Field(min_length=1)
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class ToolSpec(_Request):
+    """One entry of ``tools`` (validated by the serving layer; the template sees the client's dict)."""
+
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(_Request):
+    name: StrictStr
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: StrictBool = False
@@ -346,9 +370,33 @@ class ChatLogprobs(_Response):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCall(_Response):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(_Response):
+    name: str | None = Field(default=None, exclude_if=_omit_none)
+    arguments: str | None = Field(default=None, exclude_if=_omit_none)
+
+
+class DeltaToolCall(_Response):
+    index: int
+    id: str | None = Field(default=None, exclude_if=_omit_none)
+    type: Literal["function"] | None = Field(default=None, exclude_if=_omit_none)
+    function: DeltaFunctionCall
+
+
 class AssistantMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=_omit_none)
 
 
 class ChatChoice(_Response):
@@ -373,6 +421,7 @@ class ChatCompletionResponse(_Response):
 class DeltaMessage(_Response):
     role: Literal["assistant"] | None = Field(default=None, exclude_if=_omit_none)
     content: str | None = Field(default=None, exclude_if=_omit_none)
+    tool_calls: list[DeltaToolCall] | None = Field(default=None, exclude_if=_omit_none)
 
 
 class ChatStreamChoice(_Response):

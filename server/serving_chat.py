@@ -12,11 +12,11 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from engine.outputs import RequestOutput
+from server.errors import bad_request
 from server.generation import SequenceRequest, Ticket
 from server.logprobs import chat_logprobs
 from server.params import (
     chat_prompt,
-    check_chat_features,
     child_seed,
     kv_transfer_spec,
     resolve_max_tokens,
@@ -39,6 +39,7 @@ from server.serving_common import (
     UsageTracker,
     answer_whole,
     compile_constraints,
+    constraint_field,
     delivered_text,
     is_producer,
     kv_transfer_result,
@@ -46,6 +47,7 @@ from server.serving_common import (
 )
 from server.state import ServerState
 from server.streaming import DONE_FRAME, SSEResponse, sse_frame
+from server.tools import ChoiceTools, ToolPlan, plan_tools, tool_finish_reason
 
 
 @dataclasses.dataclass
@@ -57,9 +59,7 @@ class _Choice:
     stop_reason: int | str | None = None
 
 
-def _plan(state: ServerState, req: ChatCompletionRequest) -> list[SequenceRequest]:
-    state.check_model(req.model)
-    check_chat_features(req)
+def _plan(state: ServerState, req: ChatCompletionRequest, tools: ToolPlan | None) -> list[SequenceRequest]:
     limits = state.limits
     prompt_ids = chat_prompt(req, state.tokenizer)
     resume = resume_token_ids(req, 1, limits)
@@ -70,6 +70,16 @@ def _plan(state: ServerState, req: ChatCompletionRequest) -> list[SequenceReques
     base = sampling_params(
         req, max_tokens=max_tokens, logprobs=top_n if req.logprobs else None, limits=limits
     )
+    if tools is not None and tools.constraint is not None:
+        if base.structured_outputs is not None:
+            raise bad_request(
+                f"tool_choice {tools.mode!r} constrains the output itself: it cannot be combined with "
+                f"{constraint_field(req)}",
+                param="tool_choice",
+            )
+        base = dataclasses.replace(base, structured_outputs=tools.constraint)
+    if tools is not None and tools.parser is not None and tools.parser.needs_special_tokens:
+        base = dataclasses.replace(base, skip_special_tokens=False)  # the call marker is one
     return [
         SequenceRequest(
             j,
@@ -109,31 +119,44 @@ async def create_chat_completion(
     submitted: Callable[[], None] | None = None,
 ) -> object:
     arrival = time.perf_counter()
-    seqs = _plan(state, req)
-    await compile_constraints(state, req, seqs)
+    state.check_model(req.model)
+    tools = plan_tools(req, state.tool_parser)
+    seqs = _plan(state, req, tools)
+    await compile_constraints(state, seqs, "tools" if tools and tools.constraint else constraint_field(req))
     ticket = state.generation.admit(len(seqs), submitted)
     response_id = f"chatcmpl-{request_id}"
     choices = [_Choice() for _ in seqs]
     usage = UsageTracker(1, req.n)
     producer = is_producer(seqs)
     if req.stream:
-        frames = _stream(state, req, seqs, choices, usage, response_id, request_id, arrival, producer, ticket)
+        frames = _stream(
+            state, req, seqs, choices, usage, response_id, request_id, arrival, producer, ticket, tools
+        )
         return SSEResponse(frames, on_close=ticket.close)
 
     def on_output(seq: SequenceRequest, out: RequestOutput) -> None:
         _delta(state, choices[seq.choice_index], req, out)
         usage.add(seq, out)
 
+    def message(c: _Choice) -> tuple[AssistantMessage, str | None]:
+        text = "".join(c.texts)
+        if tools is None:
+            return AssistantMessage(content=text), c.finish_reason
+        content, calls = tools.read(text)
+        reason = tool_finish_reason(tools, bool(calls), c.finish_reason)
+        return AssistantMessage(content=content, tool_calls=calls or None), reason
+
     def build() -> ChatCompletionResponse:
+        messages = [message(c) for c in choices]
         return ChatCompletionResponse(
             id=response_id,
             model=state.model_name,
             choices=[
                 ChatChoice(
                     index=i,
-                    message=AssistantMessage(content="".join(c.texts)),
+                    message=messages[i][0],
                     logprobs=ChatLogprobs(content=c.logprobs) if req.logprobs else None,
-                    finish_reason=c.finish_reason,
+                    finish_reason=messages[i][1],
                     stop_reason=c.stop_reason,
                     token_ids=list(c.token_ids) if req.return_token_ids else None,
                 )
@@ -159,9 +182,15 @@ async def _stream(
     arrival: float,
     producer: bool,
     ticket: Ticket,
+    tools: ToolPlan | None,
 ) -> AsyncIterator[bytes]:
     created = int(time.time())
     model = state.model_name
+    calls = [ChoiceTools(tools) for _ in seqs] if tools is not None else None
+    if calls is not None:
+        for seq in seqs:
+            if seq.resume_token_ids:  # a resumed stream: the client has this text already
+                calls[seq.choice_index].skip(delivered_text(state, seq, seq.resume_token_ids))
 
     def chunk(choice: ChatStreamChoice) -> ChatCompletionChunk:
         c = ChatCompletionChunk(id=response_id, created=created, model=model, choices=[choice])
@@ -177,8 +206,18 @@ async def _stream(
             choice = choices[seq.choice_index]
             text, logprobs = _delta(state, choice, req, out)
             usage.add(seq, out)
+            deltas = None
+            finish_reason = choice.finish_reason
+            if calls is not None:
+                ct = calls[seq.choice_index]
+                text, deltas = ct.feed(text)
+                if out.finished:
+                    more, last = ct.finish()
+                    text, deltas = text + more, deltas + last
+                    finish_reason = tool_finish_reason(tools, ct.made_calls, finish_reason)
             if (
                 not text
+                and not deltas
                 and not out.finished
                 and not logprobs
                 and not ((req.continuous_usage or req.return_token_ids) and out.outputs[0].token_ids)
@@ -189,9 +228,9 @@ async def _stream(
             c = chunk(
                 ChatStreamChoice(
                     index=seq.choice_index,
-                    delta=DeltaMessage(content=text) if text else DeltaMessage(),
+                    delta=DeltaMessage(content=text or None, tool_calls=deltas or None),
                     logprobs=ChatLogprobs(content=logprobs) if logprobs is not None else None,
-                    finish_reason=choice.finish_reason if out.finished else None,
+                    finish_reason=finish_reason if out.finished else None,
                     stop_reason=choice.stop_reason if out.finished else None,
                     token_ids=list(out.outputs[0].token_ids) if req.return_token_ids else None,
                 )

@@ -24,16 +24,17 @@ from server.streaming import run_or_disconnect, sse_error_frame
 logger = logging.getLogger("ferry.server")
 
 
-async def compile_constraints(state: ServerState, req: Any, seqs: list[SequenceRequest]) -> None:
+async def compile_constraints(state: ServerState, seqs: list[SequenceRequest], param: str) -> None:
     """Compile the request's structured-outputs constraint before anything starts, so a schema,
-    regex or grammar that does not compile is a 400, not an error event in a started stream."""
+    regex or grammar that does not compile is a 400 (naming ``param``), not an error event in a
+    started stream."""
     spec = seqs[0].params.structured_outputs if seqs else None
     if spec is None:
         return
     try:
         await state.engine.compile_structured(spec)
     except ValueError as e:
-        raise bad_request(str(e), param=constraint_field(req)) from e
+        raise bad_request(str(e), param=param) from e
 
 
 def constraint_field(req: Any) -> str:

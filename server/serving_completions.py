@@ -34,6 +34,7 @@ from server.serving_common import (
     UsageTracker,
     answer_whole,
     compile_constraints,
+    constraint_field,
     delivered_text,
     is_producer,
     kv_transfer_result,
@@ -137,7 +138,7 @@ async def create_completion(
 ) -> object:
     arrival = time.perf_counter()
     prompts, seqs = _plan(state, req)
-    await compile_constraints(state, req, seqs)
+    await compile_constraints(state, seqs, constraint_field(req))
     ticket = state.generation.admit(len(seqs), submitted)
     response_id = f"cmpl-{request_id}"
     choices = [_Choice(prompts[s.prompt_index]) for s in seqs]

@@ -11,6 +11,7 @@ from server.errors import model_not_found
 from server.generation import Generation
 from server.metrics import ServerMetrics
 from server.params import ModelLimits
+from server.tool_parsers import ToolParser, get_tool_parser
 
 
 @dataclass
@@ -22,6 +23,11 @@ class ServerState:
     block_size: int
     generation: Generation
     metrics: ServerMetrics
+    tool_parser: ToolParser | None = None  # tool_choice "auto" (--enable-auto-tool-choice)
+
+    def __post_init__(self) -> None:
+        if self.tool_parser is None and self.config.enable_auto_tool_choice and self.config.tool_call_parser:
+            self.tool_parser = get_tool_parser(self.config.tool_call_parser)
 
     @property
     def model_name(self) -> str:

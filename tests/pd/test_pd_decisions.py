@@ -56,6 +56,11 @@ def test_requests_the_hand_off_does_not_cover(app: RouterApp) -> None:
     assert _reason(app, {"prompt": long, "max_tokens": 1}) == "single_token"
     chat = {"messages": [{"role": "user", "content": "x " * 60}], "logprobs": True}
     assert _reason(app, chat, "/v1/chat/completions") == "logprobs"
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    chat = {"messages": [{"role": "user", "content": "x " * 60}], "tools": tools}
+    assert _reason(app, chat, "/v1/chat/completions") == "tools"
+    assert _reason(app, {**chat, "tool_choice": "required"}, "/v1/chat/completions") == "tools"
+    assert _reason(app, {**chat, "tool_choice": "none"}, "/v1/chat/completions") is None
 
 
 def test_saturated_or_missing_prefill_pool_means_local_prefill(app: RouterApp) -> None:

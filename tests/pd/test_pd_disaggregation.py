@@ -118,6 +118,29 @@ def test_pd_equals_colocated_equals_offline(pd: PDCluster, tiny_llama: Path, tok
     assert after - before == len(cases)
 
 
+def test_structured_outputs_hold_across_the_hand_off(pd: PDCluster) -> None:
+    """The prefill worker draws the first token under the constraint, the decode worker's grammar
+    takes it as a resumed token and continues: the text follows the regex and equals a colocated
+    replica's, greedy and seeded."""
+    regex = r"[a-f]{3}-[0-9]{4}"
+    before = metric(pd.router.url, "ferry:router_pd_requests_total", {"path": "disaggregated"})
+    for i, sampling in enumerate(({"temperature": 0}, {"temperature": 1.0, "seed": 7})):
+        for stream in (False, True):
+            body = {
+                "prompt": f"structured {i} {stream}: " + _text(60 + i, 60),  # new to every decode worker
+                "max_tokens": 20,
+                "return_token_ids": True,
+                "stream": stream,
+                "structured_outputs": {"regex": regex},
+                **sampling,
+            }
+            ids, text, _ = _call(pd.router.url, "/v1/completions", body)
+            assert re.fullmatch(regex, text), text
+            assert (ids, text) == _call(pd.mixed.url, "/v1/completions", body)[:2]
+    after = metric(pd.router.url, "ferry:router_pd_requests_total", {"path": "disaggregated"})
+    assert after - before == 4
+
+
 def _tier_hits(pd: PDCluster) -> float:
     return sum(metric(d.url, "ferry:kv_tier_hits_total") for d in pd.decode)
 
@@ -285,26 +308,3 @@ def test_prefill_workers_killed_requests_still_complete(pd: PDCluster) -> None:
     assert (
         metric(pd.router.url, "ferry:router_pd_requests_total", {"path": "local_prefill"}) - local_before == 2
     )
-
-
-def test_structured_outputs_hold_across_the_hand_off(pd: PDCluster) -> None:
-    """The prefill worker draws the first token under the constraint, the decode worker's grammar
-    takes it as a resumed token and continues: the text follows the regex and equals a colocated
-    replica's, greedy and seeded."""
-    regex = r"[a-f]{3}-[0-9]{4}"
-    before = metric(pd.router.url, "ferry:router_pd_requests_total", {"path": "disaggregated"})
-    for i, sampling in enumerate(({"temperature": 0}, {"temperature": 1.0, "seed": 7})):
-        for stream in (False, True):
-            body = {
-                "prompt": _text(60 + i, 60),
-                "max_tokens": 20,
-                "return_token_ids": True,
-                "stream": stream,
-                "structured_outputs": {"regex": regex},
-                **sampling,
-            }
-            ids, text, _ = _call(pd.router.url, "/v1/completions", body)
-            assert re.fullmatch(regex, text), text
-            assert (ids, text) == _call(pd.mixed.url, "/v1/completions", body)[:2]
-    after = metric(pd.router.url, "ferry:router_pd_requests_total", {"path": "disaggregated"})
-    assert after - before == 4

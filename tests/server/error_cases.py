@@ -142,7 +142,25 @@ CASES = [
         CHAT,
         {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]},
         400,
-        "tools",
+        "tool_choice",  # "auto" by default, and this replica has no --tool-call-parser
+        "invalid_value",
+    ),
+    (
+        CHAT,
+        {"messages": USER, "tools": [{"type": "function", "function": {"name": 5}}], "tool_choice": "none"},
+        400,
+        "tools.0.function.name",
+        "invalid_value",
+    ),
+    (
+        CHAT,
+        {
+            "messages": USER,
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": {"type": "x"},
+        },
+        400,
+        "tool_choice.type",
         "invalid_value",
     ),
     (CHAT, {"messages": USER, "tool_choice": "required"}, 400, "tool_choice", "invalid_value"),
@@ -246,6 +264,27 @@ CONSTRAINTS = {
                 {}, optional={"name": st.text(max_size=4), "schema": schemas}
             )
         },
+    )
+    | json_values,
+    "tools": st.lists(
+        st.fixed_dictionaries(
+            {
+                "type": st.sampled_from(["function", "x"]),
+                "function": st.fixed_dictionaries(
+                    {"name": st.sampled_from(["f", "g", ""])}, optional={"parameters": schemas}
+                ),
+            }
+        )
+        | json_values,
+        max_size=2,
+    )
+    | json_values,
+    "tool_choice": st.sampled_from(["none", "auto", "required", "x"])
+    | st.fixed_dictionaries(
+        {
+            "type": st.just("function"),
+            "function": st.fixed_dictionaries({"name": st.sampled_from(["f", "h"])}),
+        }
     )
     | json_values,
     "structured_outputs": st.dictionaries(

@@ -1,0 +1,272 @@
+"""Tool-call parsers: a model's own way of writing tool calls, read back as OpenAI ``tool_calls``.
+
+With ``tool_choice="auto"`` the model decides whether to call a tool and writes the call in the
+format it was trained on; ``--tool-call-parser`` names that format, as in vLLM:
+
+* ``hermes`` (Hermes 2/3, Qwen2.5, QwQ, Qwen3): ``<tool_call>{"name": …, "arguments": {…}}</tool_call>``,
+  any number, after optional text;
+* ``llama3_json`` (Llama 3.1-3.3): the whole answer is ``{"name": …, "parameters": {…}}`` (or
+  several separated by ``;``), optionally after ``<|python_tag|>``;
+* ``mistral``: ``[TOOL_CALLS]`` then a JSON array of ``{"name": …, "arguments": {…}}``.
+
+A parser never loses text: anything that is not a well-formed call stays content. Streaming goes
+through a ``ToolStreamer``, whose result does not depend on how the text was cut into deltas
+(content is released as soon as it cannot be the start of a call; a call is released whole when it
+is complete), so a replica resuming a stream (router failover) rebuilds the same state by feeding
+it the text already delivered.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    name: str
+    arguments: str  # the arguments object as JSON text
+
+
+def call_from(obj: Any, argument_keys: tuple[str, ...] = ("arguments", "parameters")) -> ParsedCall | None:
+    """A call from a decoded ``{"name": …, "arguments": {…}}`` object, or None if it is not one."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args: Any = {}
+    for key in argument_keys:
+        if key in obj:
+            args = obj[key]
+            break
+    if isinstance(args, str):  # some models write the arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def _json_values(text: str, separators: str = "") -> list[Any] | None:
+    """Every JSON value in ``text`` (separated by whitespace and ``separators``), or None if any
+    part of it is not JSON."""
+    decoder = json.JSONDecoder()
+    values, pos = [], 0
+    skip = " \t\r\n" + separators
+    while True:
+        while pos < len(text) and text[pos] in skip:
+            pos += 1
+        if pos == len(text):
+            return values
+        try:
+            value, pos = decoder.raw_decode(text, pos)
+        except ValueError:
+            return None
+        values.append(value)
+
+
+class ToolParser(ABC):
+    name: ClassVar[str]
+    # The call marker is a special token (dropped from text unless special tokens are kept).
+    needs_special_tokens: ClassVar[bool] = False
+
+    @abstractmethod
+    def parse(self, text: str) -> tuple[str, list[ParsedCall]]:
+        """(content, calls) of a whole answer; content is ``text`` itself when no call is read."""
+
+    @abstractmethod
+    def streamer(self) -> ToolStreamer: ...
+
+
+class ToolStreamer(ABC):
+    @abstractmethod
+    def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
+        """Content to send now and calls completed by this delta."""
+
+    @abstractmethod
+    def finish(self) -> tuple[str, list[ParsedCall]]:
+        """What is still held back, at the end of the answer."""
+
+
+def _held_prefix(text: str, marker: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class MarkerStreamer(ToolStreamer):
+    """Content until ``start``; then a call body up to ``end`` (or to the end of the answer when
+    ``end`` is None), read by ``read_body`` into calls; then content again. Whitespace between or
+    after calls is sent only if more content follows it."""
+
+    def __init__(self, start: str, end: str | None, read_body) -> None:
+        self.start, self.end, self.read_body = start, end, read_body
+        self.pending = ""  # content held back: it may be the start of ``start``
+        self.body: str | None = None  # inside a call: its text so far
+        self.spaces = ""  # whitespace after a call
+        self.called = False
+
+    def _content(self, text: str) -> str:
+        if self.called and not (self.spaces + text).strip():
+            self.spaces += text
+            return ""
+        text, self.spaces = self.spaces + text, ""
+        return text
+
+    def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
+        out: list[str] = []
+        calls: list[ParsedCall] = []
+        self.pending += text
+        while self.pending:
+            if self.body is None:
+                at = self.pending.find(self.start)
+                if at < 0:
+                    cut = len(self.pending) - _held_prefix(self.pending, self.start)
+                    out.append(self._content(self.pending[:cut]))
+                    self.pending = self.pending[cut:]
+                    break
+                out.append(self._content(self.pending[:at]))
+                self.body, self.pending = "", self.pending[at + len(self.start) :]
+                continue
+            self.body += self.pending
+            self.pending = ""
+            if self.end is None or self.end not in self.body:
+                break
+            at = self.body.index(self.end)
+            body, rest = self.body[:at], self.body[at + len(self.end) :]
+            read = self.read_body(body)
+            if read is None:  # not a call after all: it stays text
+                out.append(self._content(self.start + body + self.end))
+            else:
+                calls += read
+                self.called = True
+            self.body, self.pending = None, rest
+        return "".join(out), calls
+
+    def finish(self) -> tuple[str, list[ParsedCall]]:
+        if self.body is None:
+            content, self.pending = self.pending, ""
+            return self._content(content), []
+        body, self.body = self.body, None
+        read = self.read_body(body)
+        if read is None:
+            return self._content(self.start + body), []
+        return "", read
+
+
+class HermesParser(ToolParser):
+    name = "hermes"
+    START, END = "<tool_call>", "</tool_call>"
+
+    @staticmethod
+    def _read(body: str) -> list[ParsedCall] | None:
+        values = _json_values(body)
+        if not values:
+            return None
+        calls = [call_from(v) for v in values]
+        return None if any(c is None for c in calls) else calls  # type: ignore[return-value]
+
+    def parse(self, text: str) -> tuple[str, list[ParsedCall]]:
+        streamer = self.streamer()
+        content, calls = streamer.feed(text)
+        more, last = streamer.finish()
+        return (content + more, calls + last) if calls or last else (text, [])
+
+    def streamer(self) -> ToolStreamer:
+        return MarkerStreamer(self.START, self.END, self._read)
+
+
+class MistralParser(ToolParser):
+    name = "mistral"
+    needs_special_tokens = True
+    START = "[TOOL_CALLS]"
+
+    @staticmethod
+    def _read(body: str) -> list[ParsedCall] | None:
+        values = _json_values(body)
+        if not values:
+            return None
+        items = [x for v in values for x in (v if isinstance(v, list) else [v])]
+        calls = [call_from(v) for v in items]
+        return None if not calls or any(c is None for c in calls) else calls  # type: ignore[return-value]
+
+    def parse(self, text: str) -> tuple[str, list[ParsedCall]]:
+        streamer = self.streamer()
+        content, _ = streamer.feed(text)
+        more, calls = streamer.finish()
+        return (content + more, calls) if calls else (text, [])
+
+    def streamer(self) -> ToolStreamer:
+        return MarkerStreamer(self.START, None, self._read)
+
+
+class Llama3JsonParser(ToolParser):
+    name = "llama3_json"
+    TAG = "<|python_tag|>"
+
+    def parse(self, text: str) -> tuple[str, list[ParsedCall]]:
+        body = text.strip()
+        if body.startswith(self.TAG):
+            body = body[len(self.TAG) :]
+        if not body.lstrip().startswith("{"):
+            return text, []
+        values = _json_values(body, separators=";")
+        if not values:
+            return text, []
+        calls = [call_from(v) for v in values]
+        if any(c is None for c in calls):
+            return text, []
+        return "", calls  # type: ignore[return-value]
+
+    def streamer(self) -> ToolStreamer:
+        return _WholeAnswerStreamer(self)
+
+
+class _WholeAnswerStreamer(ToolStreamer):
+    """For formats where the whole answer is the call: decided by its first visible characters —
+    an answer that opens like a call is held and parsed at the end, any other streams as content."""
+
+    def __init__(self, parser: Llama3JsonParser) -> None:
+        self.parser = parser
+        self.text = ""
+        self.holding: bool | None = None  # None: not decided yet
+
+    def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
+        if self.holding is False:
+            return text, []
+        self.text += text
+        head = self.text.lstrip()
+        if not head:
+            return "", []
+        if head.startswith("{") or head.startswith(self.parser.TAG):
+            self.holding = True
+            return "", []
+        if self.parser.TAG.startswith(head):
+            return "", []  # could still become the tag
+        self.holding = False
+        content, self.text = self.text, ""
+        return content, []
+
+    def finish(self) -> tuple[str, list[ParsedCall]]:
+        if self.holding is False:
+            return "", []
+        text, self.text = self.text, ""
+        return self.parser.parse(text)
+
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser)
+}
+
+
+def get_tool_parser(name: str) -> ToolParser:
+    try:
+        return TOOL_PARSERS[name]()
+    except KeyError:
+        raise ValueError(
+            f"unknown tool-call parser {name!r}; known: {', '.join(sorted(TOOL_PARSERS))}"
+        ) from None

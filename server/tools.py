@@ -1,0 +1,233 @@
+"""Tool calling on /v1/chat/completions: what ``tools`` + ``tool_choice`` make of a request and of
+its answer.
+
+* ``"none"``: tools are shown to the chat template, the answer is text.
+* a named function (``{"type": "function", "function": {"name": …}}``): the output is constrained
+  to that function's ``parameters`` schema (structured outputs, compact JSON) and returned as its
+  one call;
+  ``finish_reason`` stays the generation's, as OpenAI's forced calls do. Any model, no parser.
+* ``"required"``: the output is constrained to a JSON array of one or more ``{"name", "parameters"}``
+  objects, one of the tools each (at most one when ``parallel_tool_calls`` is false); returned as
+  calls with ``finish_reason="tool_calls"``. Any model, no parser.
+* ``"auto"`` (the default when tools are given): the model writes calls in its trained format and
+  the server's ``--tool-call-parser`` reads them (``server/tool_parsers.py``); like vLLM, this needs
+  the server started with ``--enable-auto-tool-choice --tool-call-parser NAME``, else a 400.
+
+Streamed, a named call's arguments go out as they are generated; ``required`` and ``auto`` calls go
+out whole as each is complete (with their id, name and arguments in one delta).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import TypeAdapter, ValidationError
+
+from engine.sampling_params import StructuredOutputsParams
+from server.errors import bad_request, validation_error
+from server.protocol import (
+    ChatCompletionRequest,
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCall,
+    NamedToolChoice,
+    ToolCall,
+    ToolSpec,
+)
+from server.tool_parsers import ParsedCall, ToolParser, ToolStreamer, call_from
+
+_TOOLS = TypeAdapter(list[ToolSpec])
+_ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    mode: str  # "named" | "required" | "auto"
+    name: str | None = None  # the named function
+    parser: ToolParser | None = None  # auto
+    constraint: StructuredOutputsParams | None = None  # named, required
+
+    def read(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(content, calls) of a whole answer."""
+        if self.mode == "named":
+            return None, [_call(ParsedCall(self.name or "", text))]
+        if self.mode == "required":
+            calls = read_required(text)
+            return (text, []) if calls is None else (None, [_call(c) for c in calls])
+        assert self.parser is not None
+        content, parsed = self.parser.parse(text)
+        if not parsed:
+            return text, []
+        return (content.strip() or None), [_call(c) for c in parsed]
+
+
+def _call(parsed: ParsedCall) -> ToolCall:
+    return ToolCall(id=new_call_id(), function=FunctionCall(name=parsed.name, arguments=parsed.arguments))
+
+
+def read_required(text: str) -> list[ParsedCall] | None:
+    """The calls of a ``required`` answer (a JSON array of {"name", "parameters"}), or None."""
+    try:
+        items = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(items, list) or not items:
+        return None
+    calls = [call_from(item, ("parameters", "arguments")) for item in items]
+    return None if any(c is None for c in calls) else calls  # type: ignore[return-value]
+
+
+def required_schema(tools: list[ToolSpec], parallel: bool) -> dict[str, Any]:
+    one_of_the_tools = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "enum": [t.function.name]},
+                "parameters": t.function.parameters or _ANY_OBJECT,
+            },
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": one_of_the_tools}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+def _validated_tools(raw: list[dict[str, Any]]) -> list[ToolSpec]:
+    try:
+        return _TOOLS.validate_python(raw)
+    except ValidationError as e:
+        errors = [{**err, "loc": ("tools", *err.get("loc", ()))} for err in e.errors()]
+        raise validation_error(errors) from None
+
+
+def plan_tools(req: ChatCompletionRequest, parser: ToolParser | None) -> ToolPlan | None:
+    """What the request's tools ask of the answer (None: a plain text answer); 400 for bad tools,
+    an unknown named function, or ``auto`` on a server without a tool-call parser."""
+    choice = req.tool_choice
+    if not req.tools:
+        if choice not in (None, "none"):
+            raise bad_request("tool_choice needs tools", param="tool_choice")
+        return None
+    tools = _validated_tools(req.tools)
+    names = [t.function.name for t in tools]
+    if choice is None:
+        choice = "auto"  # OpenAI's default when tools are given
+    if choice == "none":
+        return None
+    if choice == "required":
+        schema = required_schema(tools, parallel=req.parallel_tool_calls is not False)
+        return ToolPlan("required", constraint=_compact(schema))
+    if choice == "auto":
+        if parser is None:
+            raise bad_request(
+                '"auto" tool choice needs the server started with --enable-auto-tool-choice and '
+                '--tool-call-parser; send tool_choice "required", "none" or a named function instead',
+                param="tool_choice",
+            )
+        return ToolPlan("auto", parser=parser)
+    if isinstance(choice, str):
+        raise bad_request(
+            f"tool_choice {choice!r} is not one of 'none', 'auto', 'required' or a named function",
+            param="tool_choice",
+        )
+    try:
+        named = NamedToolChoice.model_validate(choice)
+    except ValidationError as e:
+        errors = [{**err, "loc": ("tool_choice", *err.get("loc", ()))} for err in e.errors()]
+        raise validation_error(errors) from None
+    if named.function.name not in names:
+        raise bad_request(
+            f"tool_choice names function {named.function.name!r}, which is not in tools ({', '.join(names)})",
+            param="tool_choice",
+        )
+    params = tools[names.index(named.function.name)].function.parameters or _ANY_OBJECT
+    return ToolPlan("named", name=named.function.name, constraint=_compact(params))
+
+
+def _compact(schema: dict[str, Any]) -> StructuredOutputsParams:
+    # Arguments are read by programs, never by people: no optional whitespace, which also keeps a
+    # model from looping on it inside the grammar (a failure seen with any-whitespace JSON).
+    return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+
+
+class ChoiceTools:
+    """One streamed choice's tool calls: text deltas in, (content, tool-call deltas) out."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan = plan
+        self.count = 0  # calls sent so far (the index of the next one)
+        self._streamer: ToolStreamer | None = None
+        if plan.mode == "auto":
+            assert plan.parser is not None
+            self._streamer = plan.parser.streamer()
+        elif plan.mode == "required":
+            self._streamer = _WholeJSON()
+
+    @property
+    def made_calls(self) -> bool:
+        return self.count > 0
+
+    def feed(self, text: str) -> tuple[str, list[DeltaToolCall]]:
+        if self.plan.mode == "named":
+            if not text:
+                return "", []
+            delta = DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=text))
+            if self.count == 0:
+                delta.id, delta.type, delta.function.name = new_call_id(), "function", self.plan.name
+                self.count = 1
+            return "", [delta]
+        assert self._streamer is not None
+        content, calls = self._streamer.feed(text)
+        return content, self._deltas(calls)
+
+    def finish(self) -> tuple[str, list[DeltaToolCall]]:
+        if self._streamer is None:
+            return "", []
+        content, calls = self._streamer.finish()
+        return content, self._deltas(calls)
+
+    def skip(self, text: str) -> None:
+        """Take in text the client already has (a resumed stream): the state moves, nothing is sent."""
+        self.feed(text)
+
+    def _deltas(self, calls: list[ParsedCall]) -> list[DeltaToolCall]:
+        out = []
+        for c in calls:
+            fn = DeltaFunctionCall(name=c.name, arguments=c.arguments)
+            out.append(DeltaToolCall(index=self.count, id=new_call_id(), type="function", function=fn))
+            self.count += 1
+        return out
+
+
+class _WholeJSON(ToolStreamer):
+    """``required``: the answer is one JSON array, read when it is complete."""
+
+    def __init__(self) -> None:
+        self.text = ""
+
+    def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
+        self.text += text
+        return "", []
+
+    def finish(self) -> tuple[str, list[ParsedCall]]:
+        text, self.text = self.text, ""
+        calls = read_required(text)
+        return (text, []) if calls is None else ("", calls)
+
+
+def tool_finish_reason(plan: ToolPlan | None, made_calls: bool, reason: str | None) -> str | None:
+    """``tool_calls`` for a ``required``/``auto`` answer that made calls and stopped by itself."""
+    if plan is not None and plan.mode != "named" and made_calls and reason == "stop":
+        return "tool_calls"
+    return reason

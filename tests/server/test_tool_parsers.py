@@ -1,0 +1,238 @@
+"""Tool-call parsers and the per-choice tool state, without a server: exact (content, calls) for each
+format, text that is not a call kept as content, and streaming that gives the same result however
+the text is cut into deltas (what lets a resumed stream rebuild its state)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.chat_template import template_message
+from server.errors import APIError
+from server.protocol import ChatCompletionRequest
+from server.tool_parsers import TOOL_PARSERS, ParsedCall, get_tool_parser
+from server.tools import ChoiceTools, ToolPlan, plan_tools, read_required, tool_finish_reason
+
+W = ParsedCall("get_weather", '{"city": "Paris"}')
+NOW = ParsedCall("now", "{}")
+
+CASES = {
+    "hermes": [
+        (
+            'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n',
+            "Let me check.\n",
+            [W],
+        ),
+        (
+            '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>\n<tool_call>{"name": "now", "arguments": {}}</tool_call>',
+            "",
+            [W, NOW],
+        ),
+        ('<tool_call>{"name": "now", "arguments": "{}"}</tool_call>', "", [NOW]),  # arguments as JSON text
+        ('<tool_call>{"name": "now"}', "", [NOW]),  # cut off before the closing tag
+        ("no call here, not even <tool_", "no call here, not even <tool_", []),
+        ("<tool_call>{not json}</tool_call> then text", "<tool_call>{not json}</tool_call> then text", []),
+        (
+            '<tool_call>{"arguments": {}}</tool_call>',
+            '<tool_call>{"arguments": {}}</tool_call>',
+            [],
+        ),  # no name
+    ],
+    "llama3_json": [
+        ('{"name": "get_weather", "parameters": {"city": "Paris"}}', "", [W]),
+        (
+            '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "now", "parameters": {}}',
+            "",
+            [W, NOW],
+        ),
+        ("The weather is fine.", "The weather is fine.", []),
+        ('{"name": "get_weather", "parameters": ', '{"name": "get_weather", "parameters": ', []),
+        ('{"temperature": 20}', '{"temperature": 20}', []),
+    ],
+    "mistral": [
+        (
+            '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "now", "arguments": {}}]',
+            "",
+            [W, NOW],
+        ),
+        ('Sure. [TOOL_CALLS][{"name": "now", "arguments": {}}]', "Sure. ", [NOW]),
+        ("[TOOL_CALLS] oops", "[TOOL_CALLS] oops", []),
+        ("plain [TOOL text", "plain [TOOL text", []),
+    ],
+}
+ALL = [(name, *case) for name, cases in CASES.items() for case in cases]
+
+
+@pytest.mark.parametrize(("parser", "text", "content", "calls"), ALL)
+def test_parse(parser, text, content, calls) -> None:
+    assert get_tool_parser(parser).parse(text) == (content, calls)
+
+
+def _stream(parser: str, text: str, cuts: list[int]) -> tuple[str, list[ParsedCall]]:
+    streamer = get_tool_parser(parser).streamer()
+    content, calls, last = "", [], 0
+    for cut in [*sorted(set(cuts)), len(text)]:
+        piece, made = streamer.feed(text[last:cut])
+        content, calls, last = content + piece, calls + made, cut
+    piece, made = streamer.finish()
+    return content + piece, calls + made
+
+
+@settings(max_examples=300, deadline=None)
+@given(case=st.sampled_from(ALL), data=st.data())
+def test_streaming_equals_parse_for_any_cut(case, data) -> None:
+    parser, text, content, calls = case
+    cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=12))
+    assert _stream(parser, text, cuts) == (content, calls)
+
+
+def test_content_before_a_call_streams_before_the_call_is_complete() -> None:
+    streamer = get_tool_parser("hermes").streamer()
+    assert streamer.feed("Checking <tool") == ("Checking ", [])  # "<tool" may open a call: held
+    assert streamer.feed('_call>{"name": "now", "arguments": {}}') == ("", [])
+    assert streamer.feed("</tool_call>") == ("", [NOW])
+    assert streamer.feed("\n") == ("", [])  # whitespace after a call is sent only if text follows
+    assert streamer.feed("done") == ("\ndone", [])
+    assert streamer.finish() == ("", [])
+
+
+def test_unknown_parser() -> None:
+    with pytest.raises(
+        ValueError, match="unknown tool-call parser 'nope'; known: hermes, llama3_json, mistral"
+    ):
+        get_tool_parser("nope")
+    assert sorted(TOOL_PARSERS) == ["hermes", "llama3_json", "mistral"]
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    },
+    {"type": "function", "function": {"name": "now"}},
+]
+
+
+def _req(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **fields})
+
+
+def test_plans() -> None:
+    assert plan_tools(_req(), None) is None
+    assert plan_tools(_req(tools=TOOLS, tool_choice="none"), None) is None
+    named = plan_tools(
+        _req(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}}), None
+    )
+    assert named.mode == "named" and named.name == "get_weather"
+    assert json.loads(named.constraint.json) == TOOLS[0]["function"]["parameters"]
+    assert named.constraint.disable_any_whitespace
+    required = plan_tools(_req(tools=TOOLS, tool_choice="required", parallel_tool_calls=False), None)
+    schema = json.loads(required.constraint.json)
+    assert schema["type"] == "array" and schema["minItems"] == 1 and schema["maxItems"] == 1
+    assert [o["properties"]["name"]["enum"] for o in schema["items"]["anyOf"]] == [["get_weather"], ["now"]]
+    assert schema["items"]["anyOf"][1]["properties"]["parameters"] == {"type": "object"}
+    assert "maxItems" not in json.loads(
+        plan_tools(_req(tools=TOOLS, tool_choice="required"), None).constraint.json
+    )
+    parser = get_tool_parser("hermes")
+    auto = plan_tools(_req(tools=TOOLS), parser)  # tools without tool_choice: "auto", as OpenAI
+    assert auto.mode == "auto" and auto.parser is parser and auto.constraint is None
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "message"),
+    [
+        (
+            {"tools": TOOLS},
+            "tool_choice",
+            '"auto" tool choice needs the server started with --enable-auto-tool-choice',
+        ),
+        ({"tool_choice": "required"}, "tool_choice", "tool_choice needs tools"),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "'sometimes' is not one of"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}},
+            "tool_choice",
+            "names function 'x', which is not in tools",
+        ),
+        ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice.function", "Field required"),
+        (
+            {"tools": [{"type": "function", "function": {}}], "tool_choice": "required"},
+            "tools.0.function.name",
+            "Field required",
+        ),
+        (
+            {"tools": [{"type": "retrieval"}], "tool_choice": "required"},
+            "tools.0.type",
+            "Input should be 'function'",
+        ),
+    ],
+)
+def test_plan_errors(fields, param, message) -> None:
+    with pytest.raises(APIError) as err:
+        plan_tools(_req(**fields), None)
+    assert err.value.status == 400 and err.value.param == param and message in err.value.message
+
+
+def test_read_required() -> None:
+    text = '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "now", "parameters": {}}]'
+    assert read_required(text) == [W, NOW]
+    assert read_required("[]") is None and read_required('[{"name": "now"') is None
+    content, calls = ToolPlan("required").read(text)
+    assert content is None and [(c.function.name, c.function.arguments) for c in calls] == [
+        (W.name, W.arguments),
+        (NOW.name, NOW.arguments),
+    ]
+    assert ToolPlan("required").read("[") == ("[", [])
+
+
+def test_named_choice_streams_arguments_and_resumes() -> None:
+    plan = ToolPlan("named", name="get_weather")
+    ct = ChoiceTools(plan)
+    content, deltas = ct.feed('{"city"')
+    assert content == "" and len(deltas) == 1
+    first = deltas[0]
+    assert (first.index, first.type, first.function.name, first.function.arguments) == (
+        0,
+        "function",
+        "get_weather",
+        '{"city"',
+    )
+    assert first.id.startswith("call_")
+    _, deltas = ct.feed(': "Paris"}')
+    assert (
+        deltas[0].id is None
+        and deltas[0].function.name is None
+        and deltas[0].function.arguments == ': "Paris"}'
+    )
+    resumed = ChoiceTools(plan)
+    resumed.skip('{"city"')  # a replica resuming this stream has sent the header already
+    _, deltas = resumed.feed(': "Paris"}')
+    assert deltas[0].id is None and deltas[0].function.name is None
+    assert tool_finish_reason(plan, True, "stop") == "stop"  # a forced call ends like OpenAI's: "stop"
+    assert tool_finish_reason(ToolPlan("required"), True, "stop") == "tool_calls"
+    assert tool_finish_reason(ToolPlan("required"), True, "length") == "length"
+    assert tool_finish_reason(ToolPlan("auto"), False, "stop") == "stop"
+
+
+def test_auto_choice_numbers_calls_across_deltas() -> None:
+    ct = ChoiceTools(ToolPlan("auto", parser=get_tool_parser("hermes")))
+    text = '<tool_call>{"name": "now", "arguments": {}}</tool_call><tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    _, a = ct.feed(text[:50])
+    _, b = ct.feed(text[50:])
+    assert [(d.index, d.function.name) for d in a + b] == [(0, "now"), (1, "get_weather")]
+    assert len({d.id for d in a + b}) == 2 and ct.made_calls
+
+
+def test_history_tool_call_arguments_reach_templates_decoded() -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "now", "arguments": '{"tz": "UTC"}'}}
+    bad = {"id": "c2", "type": "function", "function": {"name": "now", "arguments": "not json"}}
+    msg = template_message({"role": "assistant", "content": None, "tool_calls": [call, bad]})
+    assert msg["tool_calls"][0]["function"]["arguments"] == {"tz": "UTC"}
+    assert msg["tool_calls"][1] == bad
+    assert call["function"]["arguments"] == '{"tz": "UTC"}'  # the request itself is left alone
