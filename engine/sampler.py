@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.sampling_params import SamplingParams
-from engine.structured_output import apply_grammars, unblock_dead_rows
+from engine.structured_output import mask_to_grammars, unblock_dead_rows
 
 if TYPE_CHECKING:
     from engine.structured_output import RequestGrammar
@@ -80,8 +80,7 @@ class Sampler:
         if any(r.grammar is not None for r in rows):
             # Before everything else, as vLLM: reported logprobs are those of the allowed tokens.
             unmasked = logits
-            logits = logits.clone()
-            constrained = apply_grammars(logits, [r.grammar for r in rows])
+            logits, constrained = mask_to_grammars(logits, [r.grammar for r in rows])
         raw = logits
         processed = process_logits(logits.clone(), rows) if _needs_processing(rows) else logits
         if constrained and processed is not logits:

