@@ -115,11 +115,17 @@ def main(argv: list[str] | None = None) -> int:
             )
     llm.close()
 
-    print(f"structured outputs, engine bench model, {args.max_tokens} tokens per request, {args.threads} threads")
-    print(f"vocabulary table {vocab_table_s * 1e3:.0f} ms; schema compile {compile_s * 1e3:.1f} ms, cached {cached_s * 1e6:.0f} us")
+    print(
+        f"structured outputs, engine bench model, {args.max_tokens} tokens per request, {args.threads} threads"
+    )
+    print(
+        f"vocabulary table {vocab_table_s * 1e3:.0f} ms; schema compile {compile_s * 1e3:.1f} ms, cached {cached_s * 1e6:.0f} us"
+    )
     print(f"{'conc':>4} {'mode':>6} {'tok/s':>9} {'vs plain':>9} {'+ms/step':>9}")
     for r in rows:
-        print(f"{r['concurrency']:>4} {r['mode']:>6} {r['tokens_per_s']:>9.1f} {r['vs_plain']:>9.3f} {r['added_ms_per_step']:>9.3f}")
+        print(
+            f"{r['concurrency']:>4} {r['mode']:>6} {r['tokens_per_s']:>9.1f} {r['vs_plain']:>9.3f} {r['added_ms_per_step']:>9.3f}"
+        )
     result = {
         "machine": platform.processor() or platform.machine(),
         "threads": args.threads,
