@@ -18,12 +18,41 @@ MODEL = "llama"
 
 @pytest.fixture(scope="module")
 def trio(cluster: Cluster) -> list[Proc]:
-    """A survivor and two victims (one per failover test), loaded together."""
-    return cluster.replicas(3)
+    """A survivor and three victims (one per failover test), loaded together."""
+    return cluster.replicas(4)
+
+
+# A named tool whose arguments cannot be complete within the budget: the call streams until length.
+STORY_TOOL = {
+    "tools": [
+        {
+            "type": "function",
+            "function": {
+                "name": "tell",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"story": {"type": "string", "minLength": 5000}},
+                    "required": ["story"],
+                },
+            },
+        }
+    ],
+    "tool_choice": {"type": "function", "function": {"name": "tell"}},
+}
 
 
 def _reference(url: str, kind: str, max_tokens: int, sampling: dict) -> tuple[str, str]:
     c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+    if kind == "tool":
+        r = c.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Write a long story."}],
+            max_tokens=max_tokens,
+            **STORY_TOOL,
+            **sampling,
+        )
+        (call,) = r.choices[0].message.tool_calls
+        return call.function.arguments, r.choices[0].finish_reason
     if kind == "chat":
         r = c.chat.completions.create(
             model=MODEL,
@@ -45,8 +74,12 @@ def _reference(url: str, kind: str, max_tokens: int, sampling: dict) -> tuple[st
 
 @pytest.mark.parametrize(
     ("kind", "sampling", "victim_index"),
-    [("chat", {"temperature": 0}, 1), ("completions", {"temperature": 0.8, "seed": 1234}, 2)],
-    ids=["greedy-chat", "seeded-completions"],
+    [
+        ("chat", {"temperature": 0}, 1),
+        ("completions", {"temperature": 0.8, "seed": 1234}, 2),
+        ("tool", {"temperature": 0.8, "seed": 99}, 3),
+    ],
+    ids=["greedy-chat", "seeded-completions", "seeded-named-tool-call"],
 )
 def test_kill9_mid_stream_fails_over_exactly(
     cluster: Cluster, trio: list[Proc], kind: str, sampling: dict, victim_index: int
@@ -64,13 +97,20 @@ def test_kill9_mid_stream_fails_over_exactly(
         "extra_body": {"ignore_eos": True},
         **sampling,
     }
-    if kind == "chat":
+    if kind == "tool":
+        # The resumed replica's grammar takes the tokens already sent, and its tool state the text:
+        # the call's id and name are not sent twice, its arguments continue exactly.
+        del opts["extra_body"]
+        stream = c.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Write a long story."}], **STORY_TOOL, **opts
+        )
+    elif kind == "chat":
         stream = c.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "Write a long story."}], **opts
         )
     else:
         stream = c.completions.create(model=MODEL, prompt="Once upon a time", **opts)
-    pieces, finishes, usage, ids, roles = [], [], None, set(), 0
+    pieces, finishes, usage, ids, roles, headers = [], [], None, set(), 0, []
     for i, chunk in enumerate(stream):
         ids.add(chunk.id)
         if i == 8:
@@ -81,7 +121,15 @@ def test_kill9_mid_stream_fails_over_exactly(
         if chunk.usage is not None:
             usage = chunk.usage
         for ch in chunk.choices:
-            if kind == "chat":
+            if kind == "tool":
+                assert not ch.delta.content
+                for d in ch.delta.tool_calls or []:
+                    assert d.index == 0
+                    if d.id or d.function.name:
+                        headers.append((d.id, d.function.name))
+                    pieces.append(d.function.arguments or "")
+                roles += 1 if ch.delta.role else 0
+            elif kind == "chat":
                 pieces.append(ch.delta.content or "")
                 roles += 1 if ch.delta.role else 0
             else:
@@ -98,7 +146,9 @@ def test_kill9_mid_stream_fails_over_exactly(
     assert wait_until(
         lambda: all(v["inflight"] == v["prefilling"] == 0 for v in replicas_view(router).values())
     )
-    assert roles in (0, 1) and (kind != "chat" or roles == 1)
+    assert roles in (0, 1) and (kind == "completions" or roles == 1)
+    if kind == "tool":
+        assert len(headers) == 1 and headers[0][0].startswith("call_") and headers[0][1] == "tell"
 
 
 def test_starting_replica_retry_ejection_and_readmission(cluster: Cluster, trio: list[Proc]) -> None:
