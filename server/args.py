@@ -15,8 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
 
-# The names in server/tool_parsers.py's registry (kept here: this module must stay light).
+# The names in the registries of server/tool_parsers.py and server/reasoning_parsers.py (kept
+# here: this module must stay light).
 TOOL_PARSER_NAMES = ("hermes", "llama3_json", "mistral")
+REASONING_PARSER_NAMES = ("deepseek_r1", "qwen3")
 
 if TYPE_CHECKING:
     from server.config import ServerConfig
@@ -84,6 +86,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         choices=sorted(TOOL_PARSER_NAMES),
         help="the model's tool-call format, read back into tool_calls: hermes (Hermes, Qwen2.5/3), "
         "llama3_json (Llama 3.x), mistral",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(REASONING_PARSER_NAMES),
+        help="split a reasoning model's <think>…</think> into reasoning_content: deepseek_r1, qwen3",
     )
     # -- engine (1:1 with EngineConfig fields) ------------------------------------------------
     p.add_argument("--kv-tier", default=d.kv_tier, help="memory://… | redis://host:port/db | rediss://…")
@@ -176,4 +184,5 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         log_level=args.log_level,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )

@@ -30,6 +30,7 @@ class ServerConfig:
     # tool_choice "auto": the model's own call format, read by this parser (server/tool_parsers.py)
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    reasoning_parser: str | None = None  # split <think>…</think> into reasoning_content
 
     @property
     def url(self) -> str:

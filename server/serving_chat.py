@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from engine.outputs import RequestOutput
+from server.chat_shape import ChoiceShaper, shape_whole
 from server.errors import bad_request
 from server.generation import SequenceRequest, Ticket
 from server.logprobs import chat_logprobs
@@ -47,7 +48,7 @@ from server.serving_common import (
 )
 from server.state import ServerState
 from server.streaming import DONE_FRAME, SSEResponse, sse_frame
-from server.tools import ChoiceTools, ToolPlan, plan_tools, tool_finish_reason
+from server.tools import ToolPlan, plan_tools, tool_finish_reason
 
 
 @dataclasses.dataclass
@@ -140,11 +141,13 @@ async def create_chat_completion(
 
     def message(c: _Choice) -> tuple[AssistantMessage, str | None]:
         text = "".join(c.texts)
-        if tools is None:
+        if tools is None and state.reasoning is None:
             return AssistantMessage(content=text), c.finish_reason
-        content, calls = tools.read(text)
+        reasoning, content, calls = shape_whole(text, tools, state.new_reasoning_splitter())
         reason = tool_finish_reason(tools, bool(calls), c.finish_reason)
-        return AssistantMessage(content=content, tool_calls=calls or None), reason
+        return AssistantMessage(
+            content=content, tool_calls=calls or None, reasoning_content=reasoning
+        ), reason
 
     def build() -> ChatCompletionResponse:
         messages = [message(c) for c in choices]
@@ -186,11 +189,12 @@ async def _stream(
 ) -> AsyncIterator[bytes]:
     created = int(time.time())
     model = state.model_name
-    calls = [ChoiceTools(tools) for _ in seqs] if tools is not None else None
-    if calls is not None:
+    shapers = None
+    if tools is not None or state.reasoning is not None:
+        shapers = [ChoiceShaper(tools, state.new_reasoning_splitter()) for _ in seqs]
         for seq in seqs:
             if seq.resume_token_ids:  # a resumed stream: the client has this text already
-                calls[seq.choice_index].skip(delivered_text(state, seq, seq.resume_token_ids))
+                shapers[seq.choice_index].skip(delivered_text(state, seq, seq.resume_token_ids))
 
     def chunk(choice: ChatStreamChoice) -> ChatCompletionChunk:
         c = ChatCompletionChunk(id=response_id, created=created, model=model, choices=[choice])
@@ -206,18 +210,25 @@ async def _stream(
             choice = choices[seq.choice_index]
             text, logprobs = _delta(state, choice, req, out)
             usage.add(seq, out)
-            deltas = None
+            delta = DeltaMessage(content=text or None)
             finish_reason = choice.finish_reason
-            if calls is not None:
-                ct = calls[seq.choice_index]
-                text, deltas = ct.feed(text)
+            if shapers is not None:
+                shaper = shapers[seq.choice_index]
+                shaped = shaper.feed(text)
                 if out.finished:
-                    more, last = ct.finish()
-                    text, deltas = text + more, deltas + last
-                    finish_reason = tool_finish_reason(tools, ct.made_calls, finish_reason)
+                    last = shaper.finish()
+                    shaped.reasoning += last.reasoning
+                    shaped.content += last.content
+                    shaped.tool_calls += last.tool_calls
+                    finish_reason = tool_finish_reason(tools, shaper.made_calls, finish_reason)
+                text = shaped.content
+                delta = DeltaMessage(
+                    content=shaped.content or None,
+                    reasoning_content=shaped.reasoning or None,
+                    tool_calls=shaped.tool_calls or None,
+                )
             if (
-                not text
-                and not deltas
+                not (text or delta.reasoning_content or delta.tool_calls)
                 and not out.finished
                 and not logprobs
                 and not ((req.continuous_usage or req.return_token_ids) and out.outputs[0].token_ids)
@@ -228,7 +239,7 @@ async def _stream(
             c = chunk(
                 ChatStreamChoice(
                     index=seq.choice_index,
-                    delta=DeltaMessage(content=text or None, tool_calls=deltas or None),
+                    delta=delta,
                     logprobs=ChatLogprobs(content=logprobs) if logprobs is not None else None,
                     finish_reason=finish_reason if out.finished else None,
                     stop_reason=choice.stop_reason if out.finished else None,

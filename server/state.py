@@ -11,6 +11,7 @@ from server.errors import model_not_found
 from server.generation import Generation
 from server.metrics import ServerMetrics
 from server.params import ModelLimits
+from server.reasoning_parsers import REASONING_PARSERS, ReasoningSplitter
 from server.tool_parsers import ToolParser, get_tool_parser
 
 
@@ -25,9 +26,16 @@ class ServerState:
     metrics: ServerMetrics
     tool_parser: ToolParser | None = None  # tool_choice "auto" (--enable-auto-tool-choice)
 
+    reasoning: type[ReasoningSplitter] | None = None  # --reasoning-parser
+
     def __post_init__(self) -> None:
         if self.tool_parser is None and self.config.enable_auto_tool_choice and self.config.tool_call_parser:
             self.tool_parser = get_tool_parser(self.config.tool_call_parser)
+        if self.reasoning is None and self.config.reasoning_parser:
+            self.reasoning = REASONING_PARSERS[self.config.reasoning_parser]
+
+    def new_reasoning_splitter(self) -> ReasoningSplitter | None:
+        return self.reasoning() if self.reasoning is not None else None
 
     @property
     def model_name(self) -> str:

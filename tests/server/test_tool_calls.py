@@ -1,5 +1,5 @@
-"""Tool calling over HTTP with the official openai SDK, against a replica started with
-``--enable-auto-tool-choice --tool-call-parser hermes``: named and ``required`` calls constrained
+"""Tool calling (and reasoning) over HTTP with the official openai SDK, against a replica started
+with ``--enable-auto-tool-choice --tool-call-parser hermes --reasoning-parser qwen3``: named and ``required`` calls constrained
 to the tools' schemas (any model), ``auto`` calls read back from the model's own format (the
 random test model is steered into it with a regex), streamed and not, with exact agreement between
 the two; multi-turn histories; every misuse a 400."""
@@ -48,7 +48,10 @@ HERMES_NOW = r'<tool_call>\{"name": "now", "arguments": \{\}\}</tool_call>'
 def tool_server(server_process, tiny_llama: Path, serve_logs: Path):
     srv = server_process(
         tiny_llama,
-        ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--num-kv-blocks", "256"],
+        [
+            *("--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"),
+            *("--num-kv-blocks", "256"),
+        ],
         serve_logs,
     ).start()
     yield srv
@@ -256,3 +259,49 @@ def test_auto_needs_a_parser(server) -> None:
         },
     )
     assert r.status_code == 200 and r.json()["choices"][0]["message"].get("tool_calls"), r.text
+
+
+def _stream_parts(client, tool_server, **kw) -> tuple[str, str, list[tuple[str, str]]]:
+    reasoning, content, calls = "", "", []
+    for chunk in _create(client, tool_server, stream=True, **kw):
+        for c in chunk.choices:
+            reasoning += (c.delta.model_extra or {}).get("reasoning_content") or ""
+            content += c.delta.content or ""
+            calls += [(d.function.name, d.function.arguments) for d in c.delta.tool_calls or []]
+    return reasoning, content, calls
+
+
+def test_reasoning_is_split_from_the_answer(client, tool_server) -> None:
+    steer = {"guided_regex": r"<think>Check the map\.</think>\n\nParis is sunny\."}
+    r = _create(client, tool_server, max_tokens=150, temperature=0, extra_body=steer)
+    message = r.choices[0].message
+    assert (message.model_extra["reasoning_content"], message.content) == (
+        "Check the map.",
+        "Paris is sunny.",
+    )
+    assert _stream_parts(client, tool_server, max_tokens=150, temperature=0, extra_body=steer) == (
+        "Check the map.",
+        "Paris is sunny.",
+        [],
+    )
+    # Without thinking (qwen3: no opening <think>) the answer is all content, no reasoning field.
+    r = _create(client, tool_server, max_tokens=40, temperature=0, extra_body={"guided_regex": "Paris"})
+    assert r.choices[0].message.content == "Paris" and "reasoning_content" not in (
+        r.choices[0].message.model_extra or {}
+    )
+
+
+def test_reasoning_then_a_tool_call(client, tool_server) -> None:
+    steer = {"guided_regex": r"<think>Need the time\.</think>" + HERMES_NOW}
+    r = _create(client, tool_server, tools=TOOLS, max_tokens=150, temperature=0, extra_body=steer)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None
+    assert c.message.model_extra["reasoning_content"] == "Need the time."
+    assert [(t.function.name, t.function.arguments) for t in c.message.tool_calls] == [("now", "{}")]
+    assert _stream_parts(
+        client, tool_server, tools=TOOLS, max_tokens=150, temperature=0, extra_body=steer
+    ) == (
+        "Need the time.",
+        "",
+        [("now", "{}")],
+    )

@@ -1,0 +1,72 @@
+"""What a chat client sees of a choice's generated text: reasoning (``--reasoning-parser``), then
+content, with tool calls taken out of it (``server/tools.py``). Whole answers and streams go
+through the same steps in the same order, so they agree."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from server.protocol import DeltaToolCall, ToolCall
+from server.reasoning_parsers import ReasoningSplitter
+from server.tools import ChoiceTools, ToolPlan
+
+
+@dataclass
+class Shaped:
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[DeltaToolCall] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.reasoning or self.content or self.tool_calls)
+
+
+class ChoiceShaper:
+    """One streamed choice: text deltas in, ``Shaped`` deltas out."""
+
+    def __init__(self, tools: ToolPlan | None, splitter: ReasoningSplitter | None) -> None:
+        self.tools = ChoiceTools(tools) if tools is not None else None
+        self.splitter = splitter
+
+    @property
+    def made_calls(self) -> bool:
+        return self.tools is not None and self.tools.made_calls
+
+    def feed(self, text: str) -> Shaped:
+        reasoning, content = self.splitter.feed(text) if self.splitter is not None else ("", text)
+        return self._content(reasoning, content)
+
+    def finish(self) -> Shaped:
+        reasoning, content = self.splitter.finish() if self.splitter is not None else ("", "")
+        out = self._content(reasoning, content)
+        if self.tools is not None:
+            more, calls = self.tools.finish()
+            out.content += more
+            out.tool_calls += calls
+        return out
+
+    def skip(self, text: str) -> None:
+        """Take in text the client already has (a resumed stream): state moves, nothing is sent."""
+        self.feed(text)
+
+    def _content(self, reasoning: str, content: str) -> Shaped:
+        if self.tools is None or not content:
+            return Shaped(reasoning, content)
+        content, calls = self.tools.feed(content)
+        return Shaped(reasoning, content, calls)
+
+
+def shape_whole(
+    text: str, tools: ToolPlan | None, splitter: ReasoningSplitter | None
+) -> tuple[str | None, str | None, list[ToolCall]]:
+    """(reasoning, content, tool calls) of a whole answer; content None when there is none beside
+    reasoning or calls."""
+    reasoning = None
+    if splitter is not None:
+        reasoning, text = splitter.split(text)
+    if tools is None:
+        return reasoning, (text or None) if reasoning is not None else text, []
+    content, calls = tools.read(text)
+    if content == "" and (reasoning is not None or calls):
+        content = None
+    return reasoning, content, calls

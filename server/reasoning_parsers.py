@@ -1,0 +1,114 @@
+"""Reasoning parsers: a reasoning model's thinking, split from its answer (``reasoning_content``).
+
+Reasoning models write their chain of thought between ``<think>`` and ``</think>`` before the
+answer. With ``--reasoning-parser NAME`` (vLLM's flag and names) a chat answer carries the
+thinking in ``message.reasoning_content`` (``delta.reasoning_content`` when streamed) and only the
+rest in ``content``, where a tool-call parser then looks for calls:
+
+* ``deepseek_r1`` (DeepSeek-R1 and its distills): the chat template opens ``<think>`` in the
+  prompt, so the answer starts inside the thinking (a ``<think>`` the model writes anyway is
+  dropped); everything up to ``</think>`` is reasoning, and an answer that never closes it is all
+  reasoning.
+* ``qwen3`` (Qwen3, QwQ): thinking only when the answer opens with ``<think>`` (up to ``</think>``,
+  or to the end if never closed); an answer that does not is all content (thinking switched off).
+
+Like the tool streamers, a splitter's result does not depend on how the text was cut into deltas,
+so a resumed stream rebuilds it from the text already sent.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+START, END = "<think>", "</think>"
+
+
+def _held(text: str, marker: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ReasoningSplitter:
+    """One choice's text deltas in, (reasoning, content) deltas out."""
+
+    # Thinking only when the answer opens with <think> (else it is all content).
+    requires_start: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        self.pending = ""  # held back: the opening, or what may be the start of </think>
+        self.thinking = True
+        self.started = False  # the opening (leading whitespace, optional <think>) is decided
+        self.trim = False  # after </think>: drop the newlines that separate it from the answer
+
+    def feed(self, text: str) -> tuple[str, str]:
+        if not self.thinking:
+            return "", self._content(text)
+        self.pending += text
+        if not self.started:
+            head = self.pending.lstrip()
+            if START.startswith(head):  # "" or part of <think>: not decided yet
+                return "", ""
+            self.started = True
+            if head.startswith(START):
+                self.pending = head[len(START) :].lstrip("\n")
+            elif self.requires_start:
+                content, self.pending, self.thinking = self.pending, "", False
+                return "", content
+        at = self.pending.find(END)
+        if at >= 0:
+            reasoning, rest = self.pending[:at], self.pending[at + len(END) :]
+            self.pending, self.thinking, self.trim = "", False, True
+            return reasoning, self._content(rest)
+        cut = len(self.pending) - _held(self.pending, END)
+        reasoning, self.pending = self.pending[:cut], self.pending[cut:]
+        return reasoning, ""
+
+    def _content(self, text: str) -> str:
+        if self.trim:
+            text = text.lstrip("\n")
+            self.trim = not text
+        return text
+
+    def finish(self) -> tuple[str, str]:
+        """What is held at the end: an unclosed thinking is reasoning; an undecided opening (only
+        whitespace or part of <think>) is content."""
+        text, self.pending = self.pending, ""
+        if not self.thinking:
+            return "", ""
+        if not self.started and not self.requires_start and text.strip():
+            return text, ""
+        if not self.started:
+            return "", text
+        return text, ""
+
+    def split(self, text: str) -> tuple[str | None, str]:
+        """(reasoning or None, content) of a whole answer."""
+        reasoning, content = self.feed(text)
+        more_r, more_c = self.finish()
+        return (reasoning + more_r) or None, content + more_c
+
+
+class DeepSeekR1Splitter(ReasoningSplitter):
+    requires_start = False
+
+
+class Qwen3Splitter(ReasoningSplitter):
+    requires_start = True
+
+
+REASONING_PARSERS: dict[str, type[ReasoningSplitter]] = {
+    "deepseek_r1": DeepSeekR1Splitter,
+    "qwen3": Qwen3Splitter,
+}
+
+
+def reasoning_splitter(name: str) -> ReasoningSplitter:
+    try:
+        return REASONING_PARSERS[name]()
+    except KeyError:
+        raise ValueError(
+            f"unknown reasoning parser {name!r}; known: {', '.join(sorted(REASONING_PARSERS))}"
+        ) from None
