@@ -20,15 +20,9 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from server.tool_parsers import held_prefix
+
 START, END = "<think>", "</think>"
-
-
-def _held(text: str, marker: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
 
 
 class ReasoningSplitter:
@@ -62,7 +56,7 @@ class ReasoningSplitter:
             reasoning, rest = self.pending[:at], self.pending[at + len(END) :]
             self.pending, self.thinking, self.trim = "", False, True
             return reasoning, self._content(rest)
-        cut = len(self.pending) - _held(self.pending, END)
+        cut = len(self.pending) - held_prefix(self.pending, END)
         reasoning, self.pending = self.pending[:cut], self.pending[cut:]
         return reasoning, ""
 

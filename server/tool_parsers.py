@@ -90,7 +90,7 @@ class ToolStreamer(ABC):
         """What is still held back, at the end of the answer."""
 
 
-def _held_prefix(text: str, marker: str) -> int:
+def held_prefix(text: str, marker: str) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-n:]):
@@ -125,7 +125,7 @@ class MarkerStreamer(ToolStreamer):
             if self.body is None:
                 at = self.pending.find(self.start)
                 if at < 0:
-                    cut = len(self.pending) - _held_prefix(self.pending, self.start)
+                    cut = len(self.pending) - held_prefix(self.pending, self.start)
                     out.append(self._content(self.pending[:cut]))
                     self.pending = self.pending[cut:]
                     break
