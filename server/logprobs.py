@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from engine.outputs import Logprob, PositionLogprobs
 from engine.tokenizer import Tokenizer
-from server.protocol import CompletionLogprobs, TokenLogprob, TopLogprob
+from server.protocol import CompletionLogprobs, PromptLogprob, PromptLogprobs, TokenLogprob, TopLogprob
 
 
 def _text(tokenizer: Tokenizer, token_id: int, lp: Logprob | None, as_ids: bool = False) -> str:
@@ -139,3 +139,30 @@ def merge_completion_logprobs(parts: Sequence[CompletionLogprobs]) -> Completion
         merged.top_logprobs += part.top_logprobs
         merged.text_offset += part.text_offset
     return merged
+
+
+def prompt_logprobs_out(
+    tokenizer: Tokenizer,
+    token_ids: Sequence[int],
+    positions: Sequence[PositionLogprobs | None],
+    top_n: int,
+) -> PromptLogprobs:
+    """vLLM's ``prompt_logprobs``: per prompt position the prompt token's entry and the top ``top_n``
+    (the engine may have computed more, for an echo that asked more)."""
+    out: PromptLogprobs = []
+    for token_id, position in zip(token_ids, positions, strict=False):
+        if position is None:
+            out.append(None)
+            continue
+        keep = dict(_top(position, top_n))
+        if token_id in position:
+            keep[token_id] = position[token_id]
+        out.append(
+            {
+                tid: PromptLogprob(
+                    logprob=_logprob(lp.logprob), rank=lp.rank, decoded_token=_text(tokenizer, tid, lp)
+                )
+                for tid, lp in keep.items()
+            }
+        )
+    return out

@@ -146,6 +146,8 @@ class SamplingFields(_Request):
     include_stop_str_in_output: StrictBool = False
     return_tokens_as_token_ids: StrictBool = False  # logprob tokens as "token_id:{id}"
     return_token_ids: StrictBool = False  # vLLM: each choice (and stream delta) carries its token ids
+    # vLLM: per prompt position, the prompt token's logprob and the top-N (not with stream)
+    prompt_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs, or vLLM's older guided_*
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
@@ -334,6 +336,18 @@ class CompletionLogprobs(_Response):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(_Response):
+    """vLLM's shape of one prompt-logprob entry."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per prompt position (the first has none): token id -> entry, the prompt's token and the top-N.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(_Response):
     index: int
     text: str
@@ -341,6 +355,7 @@ class CompletionChoice(_Response):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = Field(default=None, exclude_if=_omit_none)
+    prompt_logprobs: PromptLogprobs | None = Field(default=None, exclude_if=_omit_none)
 
 
 class CompletionResponse(_Response):
@@ -416,6 +431,7 @@ class ChatCompletionResponse(_Response):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = Field(default=None, exclude_if=_omit_none)
     kv_transfer: KVTransferResult | None = Field(default=None, exclude_if=_omit_none)
 
 

@@ -15,7 +15,7 @@ from engine.outputs import RequestOutput
 from server.chat_shape import ChoiceShaper, shape_whole
 from server.errors import bad_request
 from server.generation import SequenceRequest, Ticket
-from server.logprobs import chat_logprobs
+from server.logprobs import chat_logprobs, prompt_logprobs_out
 from server.params import (
     chat_prompt,
     child_seed,
@@ -58,6 +58,7 @@ class _Choice:
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_entries: list | None = None  # the engine's prompt logprobs (``prompt_logprobs``)
 
 
 def _plan(state: ServerState, req: ChatCompletionRequest, tools: ToolPlan | None) -> list[SequenceRequest]:
@@ -68,8 +69,14 @@ def _plan(state: ServerState, req: ChatCompletionRequest, tools: ToolPlan | None
     top_n = req.top_logprobs or 0
     max_tokens = resolve_max_tokens(req, len(prompt_ids), limits, default=None, num_resumed=len(resume or []))
     max_tokens = producer_budget(kv, max_tokens)
+    if req.prompt_logprobs is not None and req.stream:
+        raise bad_request("prompt_logprobs is not available with stream", param="prompt_logprobs")
     base = sampling_params(
-        req, max_tokens=max_tokens, logprobs=top_n if req.logprobs else None, limits=limits
+        req,
+        max_tokens=max_tokens,
+        logprobs=top_n if req.logprobs else None,
+        limits=limits,
+        prompt_logprobs=req.prompt_logprobs,
     )
     if tools is not None and tools.constraint is not None:
         if base.structured_outputs is not None:
@@ -109,6 +116,7 @@ def _delta(
     if out.finished:
         choice.finish_reason = o.finish_reason
         choice.stop_reason = o.stop_reason
+        choice.prompt_entries = out.prompt_logprobs
     return o.text, logprobs
 
 
@@ -166,6 +174,14 @@ async def create_chat_completion(
                 for i, c in enumerate(choices)
             ],
             usage=usage.info(),
+            prompt_logprobs=prompt_logprobs_out(
+                state.tokenizer,
+                seqs[0].prompt_token_ids,
+                choices[0].prompt_entries or [],
+                req.prompt_logprobs,
+            )
+            if req.prompt_logprobs is not None
+            else None,
         )
 
     def deliver(result: ChatCompletionResponse) -> None:

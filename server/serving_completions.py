@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from engine.outputs import RequestOutput
 from server.errors import bad_request
 from server.generation import SequenceRequest, Ticket
-from server.logprobs import CompletionLogprobsBuilder, merge_completion_logprobs
+from server.logprobs import CompletionLogprobsBuilder, merge_completion_logprobs, prompt_logprobs_out
 from server.params import (
     PreparedPrompt,
     check_completion_features,
@@ -55,6 +55,7 @@ class _Choice:
     logprobs: list[CompletionLogprobs] = dataclasses.field(default_factory=list)
     builder: CompletionLogprobsBuilder | None = None
     prompt_logprobs: CompletionLogprobs | None = None  # echoed prompt's entries, filled in at the end
+    prompt_entries: list | None = None  # the engine's prompt logprobs, for ``prompt_logprobs``
     started: bool = False
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -70,7 +71,11 @@ def _plan(state: ServerState, req: CompletionRequest) -> tuple[list[PreparedProm
     if state.config.role == "prefill" and (len(prompts) != 1 or req.n != 1):
         raise bad_request("a prefill worker takes exactly one prompt and n = 1", param="n")
     kv = transfer_for_role(state.config.role, kv, prompts[0].token_ids, state.block_size, resume)
-    prompt_logprobs = req.logprobs if (req.echo and req.logprobs is not None) else None
+    if req.prompt_logprobs is not None and req.stream:
+        raise bad_request("prompt_logprobs is not available with stream", param="prompt_logprobs")
+    echoed = req.logprobs if (req.echo and req.logprobs is not None) else None
+    asked = [n for n in (echoed, req.prompt_logprobs) if n is not None]
+    prompt_logprobs = max(asked) if asked else None
     seqs = []
     for pi, prompt in enumerate(prompts):
         max_tokens = resolve_max_tokens(
@@ -123,6 +128,8 @@ def _delta(
     if out.finished:
         choice.finish_reason = o.finish_reason
         choice.stop_reason = o.stop_reason
+        if req.prompt_logprobs is not None:
+            choice.prompt_entries = out.prompt_logprobs
         if choice.prompt_logprobs is not None and choice.builder is not None and out.prompt_logprobs:
             choice.builder.fill(choice.prompt_logprobs, choice.prompt.token_ids, out.prompt_logprobs)
     new_logprobs = choice.logprobs[prefix_logprobs:]
@@ -164,6 +171,11 @@ async def create_completion(
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
                     token_ids=list(c.token_ids) if req.return_token_ids else None,
+                    prompt_logprobs=prompt_logprobs_out(
+                        state.tokenizer, c.prompt.token_ids, c.prompt_entries or [], req.prompt_logprobs
+                    )
+                    if req.prompt_logprobs is not None
+                    else None,
                 )
                 for i, c in enumerate(choices)
             ],

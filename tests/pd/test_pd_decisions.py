@@ -52,6 +52,7 @@ def test_requests_the_hand_off_does_not_cover(app: RouterApp) -> None:
     assert _reason(app, {"prompt": long, "n": 2}) == "n"
     assert _reason(app, {"prompt": long, "logprobs": 1}) == "logprobs"
     assert _reason(app, {"prompt": long, "echo": True}) == "echo"
+    assert _reason(app, {"prompt": long, "prompt_logprobs": 0}) == "logprobs"
     assert _reason(app, {"prompt": [long, long]}) == "prompts"
     assert _reason(app, {"prompt": long, "max_tokens": 1}) == "single_token"
     chat = {"messages": [{"role": "user", "content": "x " * 60}], "logprobs": True}
