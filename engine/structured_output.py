@@ -67,6 +67,9 @@ class GrammarCompiler:
         self._cache_size = cache_size
         self._cache: OrderedDict[StructuredOutputsParams, xgr.CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
+        # One compile at a time, on at most half the cores: a costly schema (thousands of optional
+        # properties took 16 s here) then delays other compiles, never the engine's steps.
+        self._compiling = threading.Lock()
         self._compiler: xgr.GrammarCompiler | None = None
 
     def _xgr_compiler(self) -> xgr.GrammarCompiler:
@@ -83,7 +86,7 @@ class GrammarCompiler:
                 )
                 # Our own LRU holds the results; xgrammar's cache would keep a second copy.
                 self._compiler = xgr.GrammarCompiler(
-                    info, max_threads=max(1, min(8, os.cpu_count() or 1)), cache_enabled=False
+                    info, max_threads=max(1, min(8, (os.cpu_count() or 1) // 2)), cache_enabled=False
                 )
             return self._compiler
 
@@ -104,6 +107,18 @@ class GrammarCompiler:
         compiler = self._xgr_compiler()
         kind = spec.kind
         any_ws = not spec.disable_any_whitespace
+        with self._compiling:
+            hit = self.cached(spec)  # compiled by whoever held the lock before
+            if hit is not None:
+                return hit
+            compiled = self._compile(compiler, spec, kind, any_ws)
+        with self._lock:
+            self._cache[spec] = compiled
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def _compile(self, compiler: Any, spec: StructuredOutputsParams, kind: str, any_ws: bool) -> Any:
         try:
             if kind == "json":
                 compiled = compiler.compile_json_schema(spec.json, any_whitespace=any_ws)
@@ -115,12 +130,8 @@ class GrammarCompiler:
                 compiled = compiler.compile_grammar(choice_grammar(spec.choice or ()))
             else:
                 compiled = compiler.compile_grammar(spec.grammar)
-        except (RuntimeError, ValueError, TypeError) as e:
+        except (RuntimeError, ValueError, TypeError, RecursionError) as e:
             raise ValueError(f"invalid structured outputs {kind}: {_reason(e)}") from e
-        with self._lock:
-            self._cache[spec] = compiled
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
         return compiled
 
     def matcher(self, compiled: xgr.CompiledGrammar) -> RequestGrammar:

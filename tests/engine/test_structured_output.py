@@ -211,6 +211,22 @@ def test_bad_constraints_are_value_errors(llm, spec, message) -> None:
     assert not llm.engine.has_unfinished_requests()
 
 
+def _nested(depth: int) -> str:
+    schema = '{"type": "integer"}'
+    for _ in range(depth):
+        schema = '{"type": "array", "items": ' + schema + "}"
+    return schema
+
+
+def test_schema_depth_is_bounded(llm) -> None:
+    # 63 arrays in an integer schema = 64 JSON levels: the limit, compiled. One more, or a depth
+    # Python's own parser cannot take (which would raise RecursionError), is a ValueError.
+    llm.engine.grammars.compile(SO(json=_nested(63)))
+    for depth in (64, 2000):
+        with pytest.raises(ValueError, match="nested more than 64 levels deep"):
+            llm.engine.grammars.compile(SO(json=_nested(depth)))
+
+
 def test_compiled_grammars_are_cached_per_constraint(llm) -> None:
     grammars = llm.engine.grammars
     a = grammars.compile(SO(json=SCHEMA))

@@ -95,6 +95,15 @@ CASES = [
     (COMP, {"prompt": "x", "guided_grammar": "root ::= "}, 400, "guided_grammar", "invalid_value"),
     (COMP, {"prompt": "x", "guided_json": "{no"}, 400, "guided_json", "invalid_value"),
     (COMP, {"prompt": "x", "guided_choice": []}, 400, "guided_choice", "invalid_value"),
+    # A schema given as text is parsed by the server, not by the body's JSON parser: nested
+    # deeper than Python's json takes, it was a RecursionError (500).
+    (
+        COMP,
+        {"prompt": "x", "guided_json": '{"items": ' * 1500 + "{}" + "}" * 1500},
+        400,
+        "guided_json",
+        "invalid_value",
+    ),
     (
         COMP,
         {"prompt": "x", "guided_regex": "a", "guided_choice": ["a"]},
