@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 CHATML_TEMPLATE = (
@@ -34,8 +35,12 @@ def _training_files(limit: int = 60) -> list[str]:
     return files[:limit]
 
 
-def build_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 1000) -> None:
-    """Train a byte-level BPE on stdlib sources and save it with a ChatML chat template."""
+def build_tokenizer(
+    out_dir: str | os.PathLike, vocab_size: int = 1000, extra_tokens: Sequence[str] = ()
+) -> None:
+    """Train a byte-level BPE on stdlib sources and save it with a ChatML chat template.
+
+    ``extra_tokens`` are added whole (not special), as reasoning models add ``<think>``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -56,6 +61,8 @@ def build_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 1000) -> None:
         bos_token=None,
         unk_token=None,
     )
+    if extra_tokens:
+        fast.add_tokens(list(extra_tokens))
     fast.chat_template = CHATML_TEMPLATE
     fast.save_pretrained(str(out_dir))
     # transformers 5 writes the template to chat_template.jinja; keep it in tokenizer_config.json
@@ -81,6 +88,7 @@ def build_model(
     dtype: str = "float32",
     rope_scaling: dict | None = None,
     tokenizer_vocab_size: int = 1000,
+    extra_tokens: Sequence[str] = (),
 ) -> Path:
     """Write a random-weight HF checkpoint (config, safetensors, tokenizer) for ``arch``.
 
@@ -91,7 +99,7 @@ def build_model(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    build_tokenizer(out, vocab_size=tokenizer_vocab_size)
+    build_tokenizer(out, vocab_size=tokenizer_vocab_size, extra_tokens=extra_tokens)
     from transformers import PreTrainedTokenizerFast
 
     tok = PreTrainedTokenizerFast.from_pretrained(str(out))

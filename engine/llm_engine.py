@@ -173,7 +173,7 @@ class LLMEngine:
         if params.structured_outputs is not None:
             if grammar is None:
                 grammar = self.grammars.compile(params.structured_outputs)
-            req.grammar = self.grammars.matcher(grammar)
+            req.grammar = self.grammars.matcher(grammar, params.structured_outputs.after_token_id)
             for i, tok in enumerate(resumed):
                 if not req.grammar.accept(tok):
                     raise ValueError(

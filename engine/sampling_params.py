@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 # The kinds of constraint a StructuredOutputsParams can carry: exactly one per request.
@@ -29,6 +29,9 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool = False
     disable_any_whitespace: bool = False
+    # The constraint starts after this token (a reasoning model's end of thinking, as vLLM's
+    # structured outputs wait for the reasoning parser); None: from the first output token.
+    after_token_id: int | None = None
 
     def __post_init__(self) -> None:
         if self.json is not None and not isinstance(self.json, str):
@@ -40,6 +43,11 @@ class StructuredOutputsParams:
                 ) from None
         if self.choice is not None and not isinstance(self.choice, tuple):
             object.__setattr__(self, "choice", tuple(self.choice))
+
+    @property
+    def grammar_key(self) -> StructuredOutputsParams:
+        """What the compiled grammar depends on (not on where it starts)."""
+        return self if self.after_token_id is None else replace(self, after_token_id=None)
 
     @property
     def kind(self) -> str:

@@ -92,6 +92,7 @@ class GrammarCompiler:
 
     def cached(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar | None:
         """The compiled grammar of ``spec`` if it is at hand (never compiles: safe on any thread)."""
+        spec = spec.grammar_key
         with self._lock:
             hit = self._cache.get(spec)
             if hit is not None:
@@ -103,6 +104,7 @@ class GrammarCompiler:
         hit = self.cached(spec)
         if hit is not None:
             return hit
+        spec = spec.grammar_key
         spec.validate()
         compiler = self._xgr_compiler()
         kind = spec.kind
@@ -134,29 +136,41 @@ class GrammarCompiler:
             raise ValueError(f"invalid structured outputs {kind}: {_reason(e)}") from e
         return compiled
 
-    def matcher(self, compiled: xgr.CompiledGrammar) -> RequestGrammar:
+    def matcher(self, compiled: xgr.CompiledGrammar, after_token_id: int | None = None) -> RequestGrammar:
         import xgrammar as xgr
 
-        return RequestGrammar(xgr.GrammarMatcher(compiled), self.stop_token_ids)
+        return RequestGrammar(xgr.GrammarMatcher(compiled), self.stop_token_ids, after_token_id)
 
 
 class RequestGrammar:
-    """One sequence's position in its grammar."""
+    """One sequence's position in its grammar. With ``waiting_for`` set the grammar has not
+    started: every token is allowed and taken until that one (a reasoning model's end of
+    thinking) has been generated."""
 
-    __slots__ = ("_matcher", "stop_token_ids")
+    __slots__ = ("_matcher", "stop_token_ids", "waiting_for")
 
-    def __init__(self, matcher: Any, stop_token_ids: list[int]) -> None:
+    def __init__(self, matcher: Any, stop_token_ids: list[int], waiting_for: int | None = None) -> None:
         self._matcher = matcher
         self.stop_token_ids = stop_token_ids
+        self.waiting_for = waiting_for
 
     def accept(self, token_id: int) -> bool:
         """Advance by ``token_id``; False (state unchanged) when the grammar does not allow it."""
+        if self.waiting_for is not None:
+            if token_id == self.waiting_for:
+                self.waiting_for = None
+            return True
         return bool(self._matcher.accept_token(int(token_id)))
+
+    @property
+    def active(self) -> bool:
+        """The grammar decides the next token (it has started and is not finished)."""
+        return self.waiting_for is None and not self._matcher.is_terminated()
 
     @property
     def terminated(self) -> bool:
         """A stop token was accepted after a complete sentence: the output is finished."""
-        return bool(self._matcher.is_terminated())
+        return self.waiting_for is None and bool(self._matcher.is_terminated())
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self._matcher.fill_next_token_bitmask(bitmask, row)
@@ -179,7 +193,7 @@ def mask_to_grammars(
     """
     import xgrammar as xgr
 
-    rows = [i for i, g in enumerate(grammars) if g is not None and not g.terminated]
+    rows = [i for i, g in enumerate(grammars) if g is not None and g.active]
     if not rows:
         return logits, []
     num_rows, vocab = logits.shape

@@ -31,7 +31,9 @@ class ReasoningSplitter:
     # Thinking only when the answer opens with <think> (else it is all content).
     requires_start: ClassVar[bool] = False
 
-    def __init__(self) -> None:
+    def __init__(self, requires_start: bool | None = None) -> None:
+        if requires_start is not None:
+            self.requires_start = requires_start
         self.pending = ""  # held back: the opening, or what may be the start of </think>
         self.thinking = True
         self.started = False  # the opening (leading whitespace, optional <think>) is decided

@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
 from server.chat_shape import ChoiceShaper, shape_whole
 from server.errors import bad_request
 from server.generation import SequenceRequest, Ticket
@@ -86,6 +87,8 @@ def _plan(state: ServerState, req: ChatCompletionRequest, tools: ToolPlan | None
                 param="tool_choice",
             )
         base = dataclasses.replace(base, structured_outputs=tools.constraint)
+    if base.structured_outputs is not None and state.reasoning is not None:
+        base = _after_thinking(state, base, prompt_ids)
     if tools is not None and tools.parser is not None and tools.parser.needs_special_tokens:
         base = dataclasses.replace(base, skip_special_tokens=False)  # the call marker is one
     return [
@@ -99,6 +102,26 @@ def _plan(state: ServerState, req: ChatCompletionRequest, tools: ToolPlan | None
         )
         for j in range(req.n)
     ]
+
+
+def _after_thinking(state: ServerState, params: SamplingParams, prompt_ids: list[int]) -> SamplingParams:
+    """With a reasoning parser, a constraint starts once the model has finished thinking (its
+    ``</think>`` token), unless the prompt already closed the thinking (Qwen3 with thinking off).
+    Where ``</think>`` is not one token the constraint starts at once (``_splitter``)."""
+    end = state.reasoning_end_id
+    if end is None or end in prompt_ids[-8:]:
+        return params
+    spec = dataclasses.replace(params.structured_outputs, after_token_id=end)
+    return dataclasses.replace(params, structured_outputs=spec)
+
+
+def _splitter(state: ServerState, seq: SequenceRequest):
+    """The choice's reasoning splitter. Under a constraint from the first token the answer holds
+    thinking only if it opens with ``<think>`` (the constraint wrote it): otherwise a parser that
+    assumes the prompt opened the thinking would take the constrained answer for unfinished thoughts."""
+    spec = seq.params.structured_outputs
+    constrained_from_start = spec is not None and spec.after_token_id is None
+    return state.new_reasoning_splitter(requires_start=True if constrained_from_start else None)
 
 
 def _delta(
@@ -151,7 +174,7 @@ async def create_chat_completion(
         text = "".join(c.texts)
         if tools is None and state.reasoning is None:
             return AssistantMessage(content=text), c.finish_reason
-        reasoning, content, calls = shape_whole(text, tools, state.new_reasoning_splitter())
+        reasoning, content, calls = shape_whole(text, tools, _splitter(state, seqs[0]))
         reason = tool_finish_reason(tools, bool(calls), c.finish_reason)
         return AssistantMessage(
             content=content, tool_calls=calls or None, reasoning_content=reasoning
@@ -207,7 +230,7 @@ async def _stream(
     model = state.model_name
     shapers = None
     if tools is not None or state.reasoning is not None:
-        shapers = [ChoiceShaper(tools, state.new_reasoning_splitter()) for _ in seqs]
+        shapers = [ChoiceShaper(tools, _splitter(state, seq)) for seq in seqs]
         for seq in seqs:
             if seq.resume_token_ids:  # a resumed stream: the client has this text already
                 shapers[seq.choice_index].skip(delivered_text(state, seq, seq.resume_token_ids))

@@ -11,7 +11,7 @@ from server.errors import model_not_found
 from server.generation import Generation
 from server.metrics import ServerMetrics
 from server.params import ModelLimits
-from server.reasoning_parsers import REASONING_PARSERS, ReasoningSplitter
+from server.reasoning_parsers import END, REASONING_PARSERS, ReasoningSplitter
 from server.tool_parsers import ToolParser, get_tool_parser
 
 
@@ -33,9 +33,12 @@ class ServerState:
             self.tool_parser = get_tool_parser(self.config.tool_call_parser)
         if self.reasoning is None and self.config.reasoning_parser:
             self.reasoning = REASONING_PARSERS[self.config.reasoning_parser]
+        # Structured outputs wait for the end of thinking when it is one token (as vLLM's do).
+        end = self.tokenizer.encode(END, add_special_tokens=False) if self.reasoning is not None else []
+        self.reasoning_end_id: int | None = end[0] if len(end) == 1 else None
 
-    def new_reasoning_splitter(self) -> ReasoningSplitter | None:
-        return self.reasoning() if self.reasoning is not None else None
+    def new_reasoning_splitter(self, requires_start: bool | None = None) -> ReasoningSplitter | None:
+        return self.reasoning(requires_start) if self.reasoning is not None else None
 
     @property
     def model_name(self) -> str:

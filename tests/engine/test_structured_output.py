@@ -193,6 +193,27 @@ def test_resumed_tokens_must_follow_the_grammar(llm) -> None:
         engine.make_request("resume-bad", "Hello", params, resume_token_ids=letters)
 
 
+def test_a_constraint_after_a_token_starts_there(llm) -> None:
+    """``after_token_id`` (a reasoning model's end of thinking): tokens before it are free, resumed
+    ones included; the grammar takes over from the token after it."""
+    engine = llm.engine
+    tokenizer = engine.tokenizer
+    (marker,) = tokenizer.encode("}", add_special_tokens=False)
+    free = tokenizer.encode("no digits here", add_special_tokens=False)
+    spec = SO(regex=r"[0-9]{4}", after_token_id=marker)
+    assert engine.grammars.cached(spec) is engine.grammars.compile(SO(regex=r"[0-9]{4}"))  # one grammar
+    params = SamplingParams(max_tokens=12, temperature=0.0, structured_outputs=spec)
+    waiting = engine.make_request("after-wait", "Hello", params, resume_token_ids=free)
+    assert waiting.grammar.waiting_for == marker and not waiting.grammar.active
+    out = llm.generate(
+        ["Hello"],
+        SamplingParams(max_tokens=40, temperature=0.0, logit_bias={marker: 100.0}, structured_outputs=spec),
+    )
+    o = out[0].outputs[0]
+    assert o.token_ids[0] == marker  # free: the bias wins before the grammar starts
+    assert re.fullmatch(r"\}[0-9]{4}", o.text) and o.finish_reason == "stop"
+
+
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
