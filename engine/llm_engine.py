@@ -126,7 +126,11 @@ class LLMEngine:
         if not ids:
             raise ValueError("the prompt is empty")
         resumed = list(resume_token_ids or [])
-        for tok in (*ids, *resumed):
+        extra = [
+            *(params.allowed_token_ids or ()),
+            *(t for seq in params.bad_words_token_ids or () for t in seq),
+        ]
+        for tok in (*ids, *resumed, *extra):
             # Against the tokenizer's vocabulary: padded embedding rows are not tokens (and have no
             # prompt logprob column).
             if not isinstance(tok, int) or isinstance(tok, bool) or not 0 <= tok < self.sampling_vocab_size:

@@ -1,6 +1,7 @@
 """Turns a batch of next-token logits into token ids, and reports logprobs.
 
-Processing order (as vLLM v1): structured-output grammar mask -> logit_bias -> min_tokens (EOS and stop ids masked) -> repetition
+Processing order (as vLLM v1): structured-output grammar mask -> allowed_token_ids -> bad_words ->
+logit_bias -> min_tokens (EOS and stop ids masked) -> repetition
 penalty (prompt + output tokens) -> presence / frequency penalties (output tokens) -> greedy
 argmax, or temperature -> top_k -> top_p -> min_p -> sample. Reported logprobs, ranks and top-N
 come from the *raw* distribution (log_softmax of the unprocessed logits), as in vLLM v1; for a
@@ -105,6 +106,8 @@ def _needs_processing(rows: list[SamplingRow]) -> bool:
         p = r.params
         if (
             p.logit_bias
+            or p.allowed_token_ids
+            or p.bad_words_token_ids
             or (p.min_tokens and len(r.output_token_ids) < p.min_tokens)
             or p.repetition_penalty != 1.0
             or p.presence_penalty
@@ -127,6 +130,7 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
     Every update touches only the (row, token) pairs concerned, never a whole ``[B, V]`` pass.
     """
     vocab, device = logits.shape[1], logits.device
+    _allowed_and_bad_words(logits, rows)
 
     bias_rows, bias_ids, bias_vals = [], [], []
     mask_rows, mask_ids = [], []
@@ -178,6 +182,30 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
         )
         logits[where] -= freq[where[0]] * counts.to(logits.dtype) + pres[where[0]]
     return logits
+
+
+def _allowed_and_bad_words(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """vLLM's first processors: ``allowed_token_ids`` (everything else -inf), then ``bad_words``
+    (the last token of a bad word whose other tokens end the output so far)."""
+    vocab, device = logits.shape[1], logits.device
+    for i, r in enumerate(rows):
+        allowed = r.params.allowed_token_ids
+        if allowed:
+            keep = torch.tensor([t for t in allowed if 0 <= t < vocab], dtype=torch.long, device=device)
+            row = torch.full((vocab,), float("-inf"), dtype=logits.dtype, device=device)
+            row[keep] = logits[i, keep]
+            logits[i] = row
+        if r.params.bad_words_token_ids:
+            out = r.output_token_ids
+            banned = [
+                seq[-1]
+                for seq in r.params.bad_words_token_ids
+                if len(seq) == 1
+                or (len(out) >= len(seq) - 1 and list(out[len(out) - len(seq) + 1 :]) == seq[:-1])
+            ]
+            banned = [t for t in banned if 0 <= t < vocab]
+            if banned:
+                logits[i, torch.tensor(banned, dtype=torch.long, device=device)] = float("-inf")
 
 
 def _unique_pairs(

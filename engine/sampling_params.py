@@ -133,6 +133,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    allowed_token_ids: list[int] | None = None  # only these may be sampled (vLLM's)
+    # Token sequences that must not be completed: the last token of each is masked while the output
+    # ends with the rest (vLLM's bad_words, tokenized by the caller).
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -171,3 +175,7 @@ class SamplingParams:
             raise ValueError("prompt_logprobs must be non-negative")
         if self.structured_outputs is not None:
             self.structured_outputs.validate()
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError("allowed_token_ids must not be empty")
+        if self.bad_words_token_ids is not None and any(not seq for seq in self.bad_words_token_ids):
+            raise ValueError("bad_words_token_ids must not hold an empty sequence")

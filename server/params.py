@@ -81,6 +81,8 @@ def completion_prompts(
             text = None
         if not ids:
             raise bad_request("prompt must not be empty", param="prompt")
+        if req.truncate_prompt_tokens is not None and len(ids) > req.truncate_prompt_tokens:
+            ids, text = ids[-req.truncate_prompt_tokens :], None
         prompts.append(PreparedPrompt(ids, text))
     return prompts
 
@@ -117,6 +119,9 @@ def chat_prompt(req: ChatCompletionRequest | TokenizeRequest, tokenizer: Tokeniz
         raise bad_request(str(e), param="messages") from e
     add_special = getattr(req, "add_special_tokens", None)
     ids = tokenizer.encode(text, add_special_tokens=bool(add_special))
+    keep = getattr(req, "truncate_prompt_tokens", None)
+    if keep is not None and len(ids) > keep:
+        ids = ids[-keep:]
     if not ids:
         raise bad_request("the rendered chat prompt is empty", param="messages")
     return ids
@@ -253,6 +258,7 @@ def sampling_params(
     logprobs: int | None,
     limits: ModelLimits,
     prompt_logprobs: int | None = None,
+    tokenizer: Tokenizer | None = None,
 ) -> SamplingParams:
     """The engine's SamplingParams for one choice (the caller adjusts ``seed`` per child for n > 1)."""
     if req.n > limits.max_n:
@@ -269,6 +275,9 @@ def sampling_params(
         check_token_ids(list(logit_bias), limits, "logit_bias")
     stop_token_ids = list(req.stop_token_ids or [])
     check_token_ids(stop_token_ids, limits, "stop_token_ids")
+    allowed = list(req.allowed_token_ids) if req.allowed_token_ids is not None else None
+    if allowed is not None:
+        check_token_ids(allowed, limits, "allowed_token_ids")
     return SamplingParams(
         n=1,
         max_tokens=max_tokens,
@@ -291,7 +300,23 @@ def sampling_params(
         skip_special_tokens=req.skip_special_tokens,
         spaces_between_special_tokens=req.spaces_between_special_tokens,
         structured_outputs=structured_outputs(req),
+        allowed_token_ids=allowed,
+        bad_words_token_ids=bad_words_token_ids(req.bad_words, tokenizer) if req.bad_words else None,
     )
+
+
+def bad_words_token_ids(words: Sequence[str], tokenizer: Tokenizer | None) -> list[list[int]]:
+    """Each bad word's token ids alone and after a space (a word inside text is usually tokenized
+    with its leading space), as vLLM derives them."""
+    if tokenizer is None:
+        raise bad_request("bad_words needs the model's tokenizer", param="bad_words")
+    seqs: list[list[int]] = []
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            if ids and ids not in seqs:
+                seqs.append(ids)
+    return seqs
 
 
 def kv_transfer_spec(req: SamplingFields, num_prompts: int) -> dict[str, Any] | None:

@@ -148,6 +148,9 @@ class SamplingFields(_Request):
     return_token_ids: StrictBool = False  # vLLM: each choice (and stream delta) carries its token ids
     # vLLM: per prompt position, the prompt token's logprob and the top-N (not with stream)
     prompt_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    allowed_token_ids: list[StrictInt] | None = Field(default=None, min_length=1)
+    bad_words: list[StrictStr] | None = None
+    truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=1)  # keep the prompt's last N
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs, or vLLM's older guided_*
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None

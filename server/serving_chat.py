@@ -78,6 +78,7 @@ def _plan(state: ServerState, req: ChatCompletionRequest, tools: ToolPlan | None
         logprobs=top_n if req.logprobs else None,
         limits=limits,
         prompt_logprobs=req.prompt_logprobs,
+        tokenizer=state.tokenizer,
     )
     if tools is not None and tools.constraint is not None:
         if base.structured_outputs is not None:

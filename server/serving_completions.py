@@ -83,7 +83,12 @@ def _plan(state: ServerState, req: CompletionRequest) -> tuple[list[PreparedProm
         )
         max_tokens = producer_budget(kv, max_tokens)
         base = sampling_params(
-            req, max_tokens=max_tokens, logprobs=req.logprobs, limits=limits, prompt_logprobs=prompt_logprobs
+            req,
+            max_tokens=max_tokens,
+            logprobs=req.logprobs,
+            limits=limits,
+            prompt_logprobs=prompt_logprobs,
+            tokenizer=state.tokenizer,
         )
         for j in range(req.n):
             params = dataclasses.replace(base, seed=child_seed(req.seed, j)) if j else base

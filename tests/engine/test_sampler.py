@@ -341,3 +341,19 @@ def test_greedy_ties_take_the_first_maximum_like_argmax() -> None:
     assert greedy_tokens(logits).tolist() == [1, 0, 3]
     many = torch.randint(0, 4, (64, 1000)).float()  # ties in every row
     assert torch.equal(greedy_tokens(many), many.argmax(dim=-1))
+
+
+def test_allowed_token_ids_keep_only_those_values() -> None:
+    logits = torch.arange(10, dtype=torch.float32).repeat(2, 1)
+    out = process_logits(logits.clone(), [row(SamplingParams(allowed_token_ids=[2, 5, 40])), row()])
+    assert kept(out) == [[2, 5], list(range(10))]  # an id past the vocabulary is ignored
+    assert out[0, 2].item() == 2.0 and out[0, 5].item() == 5.0
+
+
+def test_bad_words_mask_the_token_that_would_complete_them() -> None:
+    params = SamplingParams(bad_words_token_ids=[[7], [3, 4, 9], [1, 8]])
+    logits = torch.zeros(3, 10)
+    rows = [row(params, output=[5, 3, 4]), row(params, output=[3, 5]), row(params, output=[])]
+    out = process_logits(logits, rows)
+    # 7 always; 9 after "3 4"; 8 never here ("1" did not just come).
+    assert [sorted(set(range(10)) - set(k)) for k in kept(out)] == [[7, 9], [7], [7]]
