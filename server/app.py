@@ -35,6 +35,7 @@ from server.protocol import (
 )
 from server.serving_chat import create_chat_completion
 from server.serving_completions import create_completion
+from server.serving_responses import ResponsesRequest, create_response
 from server.serving_tokenize import detokenize, list_models, tokenize
 from server.state import ServerState
 from server.streaming import ClientDisconnected
@@ -93,6 +94,12 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions", responses=_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         return await create_chat_completion(
+            state, body, request.state.request_id, request.receive, getattr(request.state, "submitted", None)
+        )
+
+    @app.post("/v1/responses", responses=_ERRORS)
+    async def responses(body: ResponsesRequest, request: Request) -> Any:
+        return await create_response(
             state, body, request.state.request_id, request.receive, getattr(request.state, "submitted", None)
         )
 

@@ -1,4 +1,5 @@
-"""POST /v1/completions and /v1/chat/completions, served around FastAPI's request machinery.
+"""POST /v1/completions, /v1/chat/completions and /v1/responses, served around FastAPI's request
+machinery.
 
 A generation request spends most of its event-loop time before the engine sees it, and while
 an idle engine gathers a burst (``AsyncEngine._gather_burst``) that time is every request's
@@ -25,6 +26,7 @@ from server.middleware import ASGIApp, Receive, Scope, Send
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.serving_chat import create_chat_completion
 from server.serving_completions import create_completion
+from server.serving_responses import ResponsesRequest, create_response
 from server.state import ServerState
 from server.streaming import ClientDisconnected
 
@@ -35,6 +37,7 @@ Handler = Callable[[ServerState, Any, str, Receive, Callable[[], None] | None], 
 ROUTES: dict[str, tuple[type[BaseModel], Handler]] = {
     "/v1/completions": (CompletionRequest, create_completion),
     "/v1/chat/completions": (ChatCompletionRequest, create_chat_completion),
+    "/v1/responses": (ResponsesRequest, create_response),
 }
 
 

@@ -29,7 +29,7 @@ _VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:/=+\-]{1,128}$")
 # load balancers and Prometheus.
 _PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/reset_prefix_cache")
 # Routes that submit to the engine: announced to it as soon as their body is in (see ``announce``).
-_GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+_GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:

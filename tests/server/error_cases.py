@@ -317,3 +317,64 @@ bodies = (
     | st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=6), json_values, max_size=6)
     | json_values
 )
+
+RESP = "/v1/responses"
+response_item = st.fixed_dictionaries(
+    {},
+    optional={
+        "type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning", "x"])
+        | json_values,
+        "role": st.sampled_from(["user", "system", "assistant", "tool"]) | json_values,
+        "content": st.text(max_size=20)
+        | st.lists(
+            st.fixed_dictionaries(
+                {
+                    "type": st.sampled_from(["input_text", "output_text", "input_image"]),
+                    "text": st.text(max_size=8) | json_values,
+                }
+            ),
+            max_size=2,
+        )
+        | json_values,
+        "call_id": st.text(max_size=6) | json_values,
+        "name": st.sampled_from(["f", ""]) | json_values,
+        "arguments": st.sampled_from(["{}", "{bad"]) | json_values,
+        "output": st.text(max_size=6) | json_values,
+    },
+)
+responses_bodies = (
+    st.fixed_dictionaries(
+        {"input": st.text(max_size=20) | st.lists(response_item, max_size=3) | json_values},
+        optional={
+            "instructions": st.text(max_size=10) | json_values,
+            "max_output_tokens": st.integers(-2, 6) | json_values,
+            "temperature": st.floats(-1, 3, allow_nan=False) | json_values,
+            "tools": st.lists(
+                st.fixed_dictionaries(
+                    {
+                        "type": st.sampled_from(["function", "web_search"]),
+                        "name": st.sampled_from(["f", "g"]),
+                    },
+                    optional={"parameters": schemas},
+                ),
+                max_size=2,
+            )
+            | json_values,
+            "tool_choice": st.sampled_from(["auto", "none", "required"])
+            | st.fixed_dictionaries({"type": st.just("function"), "name": st.sampled_from(["f", "h"])})
+            | json_values,
+            "text": st.fixed_dictionaries(
+                {
+                    "format": st.fixed_dictionaries(
+                        {"type": st.sampled_from(["text", "json_object", "json_schema", "x"])},
+                        optional={"schema": schemas},
+                    )
+                }
+            )
+            | json_values,
+            "previous_response_id": st.text(max_size=4),
+            "stream": st.booleans(),
+        },
+    )
+    | json_values
+)

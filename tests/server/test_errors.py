@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.server.error_cases import CASES, CHAT, COMP, USER, bodies
+from tests.server.error_cases import CASES, CHAT, COMP, RESP, USER, bodies, responses_bodies
 
 
 def assert_error_body(r: httpx.Response, status: int) -> dict:
@@ -140,6 +140,27 @@ def test_fuzz_never_5xx(http, path: str, body: object, stream: bool) -> None:
     elif r.headers["content-type"].startswith("text/event-stream"):
         assert r.text.endswith("data: [DONE]\n\n")
         assert '"error"' not in r.text or "InternalServerError" not in r.text
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(body=responses_bodies)
+def test_responses_fuzz_never_5xx(http, body: object) -> None:
+    if isinstance(body, dict):
+        body = (
+            {**body, "max_output_tokens": 4} if not isinstance(body.get("max_output_tokens"), int) else body
+        )
+        if isinstance(body.get("max_output_tokens"), int) and body["max_output_tokens"] > 4:
+            body["max_output_tokens"] = 4
+    r = http.post(
+        RESP, content=json.dumps(body, allow_nan=False), headers={"content-type": "application/json"}
+    )
+    assert r.status_code < 500, r.text
+    if r.status_code >= 400:
+        assert_error_body(r, r.status_code)
+    elif r.headers["content-type"].startswith("text/event-stream"):
+        assert '"type": "response.' in r.text and "InternalServerError" not in r.text
+    else:
+        assert r.json()["object"] == "response"
 
 
 def test_server_still_serves_after_the_fuzz(server) -> None:

@@ -1,0 +1,489 @@
+"""POST /v1/responses: OpenAI's Responses API over the chat endpoint's machinery.
+
+A request is translated into a chat request (``input`` items to messages, ``instructions`` to a
+system message, flat function tools to chat tools, ``text.format`` to ``response_format``,
+``max_output_tokens`` to ``max_completion_tokens``), served by ``serving_chat`` (so templates,
+structured outputs, tool calls, reasoning, admission, aborts and metrics are the same), and its
+answer turned into Responses output items: ``reasoning``, ``message`` (``output_text``) and
+``function_call``. Streamed, the chat chunks become Responses events (``response.created``,
+``response.output_item.added``, ``response.output_text.delta``, ...,
+``response.completed``), each with its ``sequence_number``.
+
+Nothing is stored (``store`` is accepted and ignored), so ``previous_response_id`` is a 400, as
+are hosted tools (web search, file search, ...) and non-text inputs.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Literal
+
+from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+from starlette.responses import JSONResponse, Response
+
+from server.errors import bad_request, validation_error
+from server.protocol import ChatCompletionRequest, _Request, random_id
+from server.serving_chat import create_chat_completion
+from server.state import ServerState
+from server.streaming import DONE_FRAME, SSEResponse
+
+
+class ResponsesRequest(_Request):
+    model: StrictStr | None = None
+    input: StrictStr | list[dict[str, Any]]
+    instructions: StrictStr | None = None
+    max_output_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
+    stream: StrictBool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    text: dict[str, Any] | None = None
+    previous_response_id: StrictStr | None = None
+    store: StrictBool | None = None
+    metadata: dict[str, StrictStr] | None = None
+    user: StrictStr | None = None
+    # vLLM-compatible sampling extras, carried over to the chat request (validated there)
+    seed: Any = None
+    top_k: Any = None
+    min_p: Any = None
+    stop: Any = None
+    logit_bias: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    repetition_penalty: Any = None
+    min_tokens: Any = None
+    ignore_eos: Any = None
+
+
+_EXTRAS = (
+    "seed",
+    "top_k",
+    "min_p",
+    "stop",
+    "logit_bias",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+)
+
+
+def _text_of(content: Any, where: str) -> str | list[dict[str, Any]]:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(f"{where}.content must be a string or a list of text parts", param=where)
+    parts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
+            raise bad_request(
+                f"{where}.content[{j}]: only text parts are supported (input_text, output_text)",
+                param=f"{where}.content",
+            )
+        parts.append({"type": "text", "text": part["text"]})
+    return parts
+
+
+def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = []
+    if req.instructions:
+        messages.append({"role": "system", "content": req.instructions})
+    if isinstance(req.input, str):
+        messages.append({"role": "user", "content": req.input})
+        return messages
+    for i, item in enumerate(req.input):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise bad_request(f"{where} must be an object", param="input")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise bad_request(f"{where}.role must be user, system, developer or assistant", param="input")
+            messages.append({"role": role, "content": _text_of(item.get("content"), where)})
+        elif kind == "function_call":
+            if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
+                raise bad_request(
+                    f"{where}: a function_call needs call_id, name and arguments", param="input"
+                )
+            call = {
+                "id": item["call_id"],
+                "type": "function",
+                "function": {"name": item["name"], "arguments": item["arguments"]},
+            }
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and last.get("tool_calls") is not None:
+                last["tool_calls"].append(call)  # parallel calls share one assistant turn
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str) or not isinstance(item.get("output"), str):
+                raise bad_request(f"{where}: a function_call_output needs call_id and output", param="input")
+            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
+        elif kind == "reasoning":
+            continue  # earlier thoughts are not shown to the model again
+        else:
+            raise bad_request(f"{where}: input items of type {kind!r} are not supported", param="input")
+    return messages
+
+
+def _tools(req: ResponsesRequest) -> tuple[list[dict[str, Any]] | None, Any]:
+    tools = None
+    if req.tools is not None:
+        tools = []
+        for i, tool in enumerate(req.tools):
+            if not isinstance(tool, dict) or tool.get("type") != "function":
+                kind = tool.get("type") if isinstance(tool, dict) else None
+                raise bad_request(
+                    f"tools[{i}]: only function tools are supported, not {kind!r}", param="tools"
+                )
+            function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
+            tools.append({"type": "function", "function": function})
+    choice = req.tool_choice
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise bad_request(
+                'tool_choice must be "auto", "none", "required" or a function by name', param="tool_choice"
+            )
+        choice = {"type": "function", "function": {"name": choice["name"]}}
+    return tools, choice
+
+
+def _response_format(req: ResponsesRequest) -> dict[str, Any] | None:
+    fmt = (req.text or {}).get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+        raise bad_request("text.format.type must be text, json_object or json_schema", param="text.format")
+    if fmt["type"] != "json_schema":
+        return {"type": fmt["type"]}
+    schema = {k: fmt[k] for k in ("name", "description", "schema", "strict") if k in fmt}
+    return {"type": "json_schema", "json_schema": schema}
+
+
+def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
+    if req.previous_response_id is not None:
+        raise bad_request(
+            "previous_response_id is not supported: this server stores no responses; send the whole conversation as input",
+            param="previous_response_id",
+        )
+    tools, choice = _tools(req)
+    body: dict[str, Any] = {
+        "model": req.model,
+        "messages": _messages(req),
+        "max_completion_tokens": req.max_output_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "tools": tools,
+        "tool_choice": choice,
+        "parallel_tool_calls": req.parallel_tool_calls,
+        "response_format": _response_format(req),
+        "user": req.user,
+        **{name: getattr(req, name) for name in _EXTRAS},
+        "stream": req.stream,
+        "stream_options": {"include_usage": True} if req.stream else None,
+    }
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as e:
+        raise validation_error(e.errors(include_url=False)) from None
+
+
+class _Response:
+    """The Responses object being built (one per request)."""
+
+    def __init__(self, req: ResponsesRequest, model: str, request_id: str) -> None:
+        self.req = req
+        self.id = f"resp_{request_id}"
+        self.created_at = int(time.time())
+        self.model = model
+        self.output: list[dict[str, Any]] = []
+        self.usage: dict[str, Any] | None = None
+        self.status: Literal["in_progress", "completed", "incomplete"] = "in_progress"
+        self.incomplete: dict[str, str] | None = None
+
+    def finish(self, finish_reason: str | None) -> None:
+        if finish_reason == "length":
+            self.status, self.incomplete = "incomplete", {"reason": "max_output_tokens"}
+        else:
+            self.status = "completed"
+
+    def set_usage(self, usage: dict[str, Any], reasoning_tokens: int = 0) -> None:
+        details = usage.get("prompt_tokens_details") or {}
+        self.usage = {
+            "input_tokens": usage.get("prompt_tokens", 0),
+            "input_tokens_details": {"cached_tokens": details.get("cached_tokens", 0)},
+            "output_tokens": usage.get("completion_tokens", 0),
+            "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+            "total_tokens": usage.get("total_tokens", 0),
+        }
+
+    def body(self) -> dict[str, Any]:
+        req = self.req
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": self.status,
+            "error": None,
+            "incomplete_details": self.incomplete,
+            "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens,
+            "model": self.model,
+            "output": self.output,
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "previous_response_id": None,
+            "reasoning": None,
+            "store": False,
+            "temperature": req.temperature if req.temperature is not None else 1.0,
+            "text": req.text or {"format": {"type": "text"}},
+            "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
+            "tools": req.tools or [],
+            "top_p": req.top_p if req.top_p is not None else 1.0,
+            "truncation": "disabled",
+            "usage": self.usage,
+            "user": req.user,
+            "metadata": req.metadata or {},
+        }
+
+
+def _reasoning_item(text: str, status: str = "completed") -> dict[str, Any]:
+    return {
+        "type": "reasoning",
+        "id": f"rs_{random_id()}",
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}],
+        "status": status,
+    }
+
+
+def _message_item(text: str, status: str = "completed") -> dict[str, Any]:
+    content = [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []
+    return {
+        "type": "message",
+        "id": f"msg_{random_id()}",
+        "status": status,
+        "role": "assistant",
+        "content": content,
+    }
+
+
+def _call_item(call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
+    return {
+        "type": "function_call",
+        "id": f"fc_{random_id()}",
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
+
+
+async def create_response(
+    state: ServerState,
+    req: ResponsesRequest,
+    request_id: str,
+    receive,
+    submitted: Callable[[], None] | None = None,
+) -> Response:
+    chat = to_chat_request(req)
+    answer = await create_chat_completion(state, chat, request_id, receive, submitted)
+    built = _Response(req, state.model_name, request_id)
+    if isinstance(answer, SSEResponse):
+        return SSEResponse(_events(built, answer.frames), on_close=answer.on_close)
+    data = json.loads(answer.body)
+    choice = data["choices"][0]
+    message = choice["message"]
+    if message.get("reasoning_content"):
+        built.output.append(_reasoning_item(message["reasoning_content"]))
+    if message.get("content") or not message.get("tool_calls"):
+        built.output.append(_message_item(message.get("content") or ""))
+    for call in message.get("tool_calls") or []:
+        built.output.append(_call_item(call["id"], call["function"]["name"], call["function"]["arguments"]))
+    built.finish(choice.get("finish_reason"))
+    built.set_usage(data["usage"])
+    return JSONResponse(built.body())
+
+
+async def _events(built: _Response, frames: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """The chat stream's chunks as Responses events."""
+    seq = 0
+
+    def event(kind: str, **fields: Any) -> bytes:
+        nonlocal seq
+        payload = {"type": kind, "sequence_number": seq, **fields}
+        seq += 1
+        return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
+
+    open_item: dict[str, Any] | None = None  # the reasoning or message item being written
+    text = ""
+    calls: dict[int, dict[str, Any]] = {}
+    finish_reason = None
+
+    def close_open() -> list[bytes]:
+        nonlocal open_item, text
+        if open_item is None:
+            return []
+        item, index = open_item, len(built.output)
+        out = []
+        if item["type"] == "message":
+            part = {"type": "output_text", "text": text, "annotations": []}
+            out.append(
+                event(
+                    "response.output_text.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    content_index=0,
+                    text=text,
+                )
+            )
+            out.append(
+                event(
+                    "response.content_part.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    content_index=0,
+                    part=part,
+                )
+            )
+            done = {**item, "status": "completed", "content": [part]}
+        else:
+            out.append(
+                event(
+                    "response.reasoning_text.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    content_index=0,
+                    text=text,
+                )
+            )
+            done = {**item, "status": "completed", "content": [{"type": "reasoning_text", "text": text}]}
+        out.append(event("response.output_item.done", output_index=index, item=done))
+        built.output.append(done)
+        open_item, text = None, ""
+        return out
+
+    def start(kind: str) -> list[bytes]:
+        nonlocal open_item
+        out = close_open()
+        index = len(built.output)
+        if kind == "message":
+            open_item = _message_item("", status="in_progress")
+            out.append(event("response.output_item.added", output_index=index, item=open_item))
+            part = {"type": "output_text", "text": "", "annotations": []}
+            out.append(
+                event(
+                    "response.content_part.added",
+                    item_id=open_item["id"],
+                    output_index=index,
+                    content_index=0,
+                    part=part,
+                )
+            )
+        else:
+            open_item = {**_reasoning_item("", status="in_progress"), "content": []}
+            out.append(event("response.output_item.added", output_index=index, item=open_item))
+        return out
+
+    yield event("response.created", response=built.body())
+    yield event("response.in_progress", response=built.body())
+    async for frame in frames:
+        if frame == DONE_FRAME or not frame.startswith(b"data: "):
+            continue
+        chunk = json.loads(frame[6:])
+        if "error" in chunk:
+            for out in close_open():
+                yield out
+            yield event(
+                "error",
+                code=chunk["error"].get("code"),
+                message=chunk["error"].get("message"),
+                param=chunk["error"].get("param"),
+            )
+            built.status = "failed"
+            yield event(
+                "response.failed",
+                response={
+                    **built.body(),
+                    "status": "failed",
+                    "error": {"code": chunk["error"].get("code"), "message": chunk["error"].get("message")},
+                },
+            )
+            return
+        if chunk.get("usage") and not chunk.get("choices"):
+            built.set_usage(chunk["usage"])
+            continue
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            if delta.get("reasoning_content"):
+                if open_item is None or open_item["type"] != "reasoning":
+                    for out in start("reasoning"):
+                        yield out
+                text += delta["reasoning_content"]
+                yield event(
+                    "response.reasoning_text.delta",
+                    item_id=open_item["id"],
+                    output_index=len(built.output),
+                    content_index=0,
+                    delta=delta["reasoning_content"],
+                )
+            if delta.get("content"):
+                if open_item is None or open_item["type"] != "message":
+                    for out in start("message"):
+                        yield out
+                text += delta["content"]
+                yield event(
+                    "response.output_text.delta",
+                    item_id=open_item["id"],
+                    output_index=len(built.output),
+                    content_index=0,
+                    delta=delta["content"],
+                )
+            for tc in delta.get("tool_calls") or []:
+                for out in close_open():
+                    yield out
+                call = calls.get(tc["index"])
+                fn = tc.get("function") or {}
+                if call is None:
+                    call = _call_item(tc.get("id") or "", fn.get("name") or "", "", status="in_progress")
+                    call["output_index"] = len(built.output) + len(calls)
+                    calls[tc["index"]] = call
+                    item = {k: v for k, v in call.items() if k != "output_index"}
+                    yield event("response.output_item.added", output_index=call["output_index"], item=item)
+                if fn.get("arguments"):
+                    call["arguments"] += fn["arguments"]
+                    yield event(
+                        "response.function_call_arguments.delta",
+                        item_id=call["id"],
+                        output_index=call["output_index"],
+                        delta=fn["arguments"],
+                    )
+            finish_reason = choice.get("finish_reason") or finish_reason
+    for out in close_open():
+        yield out
+    if not built.output and not calls:  # an empty answer still has its message
+        for out in start("message"):
+            yield out
+        for out in close_open():
+            yield out
+    for call in calls.values():
+        index = call.pop("output_index")
+        done = {**call, "status": "completed"}
+        yield event(
+            "response.function_call_arguments.done",
+            item_id=call["id"],
+            output_index=index,
+            arguments=call["arguments"],
+        )
+        yield event("response.output_item.done", output_index=index, item=done)
+        built.output.append(done)
+    built.finish(finish_reason)
+    yield event(
+        "response.incomplete" if built.status == "incomplete" else "response.completed", response=built.body()
+    )

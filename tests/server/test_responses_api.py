@@ -1,0 +1,179 @@
+"""OpenAI's Responses API (``POST /v1/responses``) with the official SDK: text, streamed events,
+function calls, multi-turn input items, structured text via ``responses.parse``; answers equal
+the chat endpoint's for the same request; what it cannot honour is a 400."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import httpx
+import openai
+import pytest
+from pydantic import BaseModel
+
+from engine.tokenizer import Tokenizer
+
+TOOLS = [
+    {
+        "type": "function",
+        "name": "now",
+        "description": "The time",
+        "parameters": {
+            "type": "object",
+            "properties": {"tz": {"enum": ["UTC", "CET"]}},
+            "required": ["tz"],
+            "additionalProperties": False,
+        },
+    }
+]
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_text_equals_the_chat_answer(client, server) -> None:
+    r = client.responses.create(
+        model=server.model_name,
+        input="Hello there",
+        instructions="Be terse.",
+        max_output_tokens=12,
+        temperature=0,
+    )
+    chat = client.chat.completions.create(
+        model=server.model_name,
+        messages=[{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hello there"}],
+        max_tokens=12,
+        temperature=0,
+    )
+    assert r.object == "response" and r.id.startswith("resp_")
+    assert r.output_text == chat.choices[0].message.content
+    (item,) = r.output
+    assert item.type == "message" and item.role == "assistant" and item.content[0].type == "output_text"
+    assert (
+        r.usage.input_tokens == chat.usage.prompt_tokens
+        and r.usage.output_tokens == chat.usage.completion_tokens
+    )
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    if chat.choices[0].finish_reason == "length":
+        assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    else:
+        assert r.status == "completed"
+
+
+def test_streamed_events(client, server) -> None:
+    kw = dict(
+        model=server.model_name,
+        input=[{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}],
+        max_output_tokens=10,
+        temperature=0,
+    )
+    whole = client.responses.create(**kw)
+    events = list(client.responses.create(stream=True, **kw))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        f"response.{whole.status}",
+    ]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == whole.output_text == events[-1].response.output_text
+    assert events[-1].response.usage.output_tokens == whole.usage.output_tokens
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_function_calls(client, server, stream) -> None:
+    kw = dict(
+        model=server.model_name, input="What time is it?", tools=TOOLS, max_output_tokens=60, temperature=0
+    )
+    if stream:
+        with client.responses.stream(tool_choice={"type": "function", "name": "now"}, **kw) as s:
+            r = s.get_final_response()
+    else:
+        r = client.responses.create(tool_choice="required", parallel_tool_calls=False, **kw)
+    (call,) = r.output
+    assert call.type == "function_call" and call.name == "now" and call.call_id.startswith("call_")
+    assert call.arguments in ('{"tz": "UTC"}', '{"tz": "CET"}')
+    assert r.status == "completed"
+
+
+def test_multi_turn_input_items(client, server) -> None:
+    first = client.responses.create(
+        model=server.model_name,
+        input="What time is it?",
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=60,
+        temperature=0,
+    )
+    (call,) = first.output
+    history = [
+        {"role": "user", "content": "What time is it?"},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "12:00"},
+    ]
+    r = client.responses.create(
+        model=server.model_name,
+        input=history,
+        tools=TOOLS,
+        tool_choice="none",
+        max_output_tokens=4,
+        temperature=0,
+    )
+    assert r.output[0].type == "message" and r.usage.input_tokens > first.usage.input_tokens
+
+
+class Pick(BaseModel):
+    ok: bool
+    color: Literal["red", "green"]
+
+
+def test_parse_structured_text(client, server, tiny_llama: Path) -> None:
+    tok = Tokenizer.from_dir(tiny_llama)
+    no_ws = {
+        str(t): -100.0
+        for t in range(tok.vocab_size)
+        if t not in tok.all_special_ids and (b := tok.token_bytes(t)) and not b.strip()
+    }
+    r = client.responses.parse(
+        model=server.model_name,
+        input="Pick",
+        text_format=Pick,
+        max_output_tokens=80,
+        temperature=0,
+        extra_body={"logit_bias": no_ws},
+    )
+    assert isinstance(r.output_parsed, Pick)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input[0].content",
+        ),
+        ({"input": [{"type": "computer_call"}]}, "input"),
+        ({"input": "x", "text": {"format": {"type": "xml"}}}, "text.format"),
+        ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+        ({}, "input"),
+    ],
+)
+def test_what_it_cannot_honour_is_a_400(server, body, param) -> None:
+    for stream in (False, True):
+        r = httpx.post(server.url + "/v1/responses", json={**body, "stream": stream}, timeout=60)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param
