@@ -311,6 +311,13 @@ async def create_response(
     return JSONResponse(built.body())
 
 
+# A chat delta's text fields, the output item each goes to, and its Responses event.
+_TEXT_DELTAS = (
+    ("reasoning_content", "reasoning", "response.reasoning_text.delta"),
+    ("content", "message", "response.output_text.delta"),
+)
+
+
 async def _events(built: _Response, frames: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     """The chat stream's chunks as Responses events."""
     seq = 0
@@ -421,29 +428,20 @@ async def _events(built: _Response, frames: AsyncIterator[bytes]) -> AsyncIterat
             continue
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
-            if delta.get("reasoning_content"):
-                if open_item is None or open_item["type"] != "reasoning":
-                    for out in start("reasoning"):
+            for field, kind, name in _TEXT_DELTAS:
+                piece = delta.get(field)
+                if not piece:
+                    continue
+                if open_item is None or open_item["type"] != kind:
+                    for out in start(kind):
                         yield out
-                text += delta["reasoning_content"]
+                text += piece
                 yield event(
-                    "response.reasoning_text.delta",
+                    name,
                     item_id=open_item["id"],
                     output_index=len(built.output),
                     content_index=0,
-                    delta=delta["reasoning_content"],
-                )
-            if delta.get("content"):
-                if open_item is None or open_item["type"] != "message":
-                    for out in start("message"):
-                        yield out
-                text += delta["content"]
-                yield event(
-                    "response.output_text.delta",
-                    item_id=open_item["id"],
-                    output_index=len(built.output),
-                    content_index=0,
-                    delta=delta["content"],
+                    delta=piece,
                 )
             for tc in delta.get("tool_calls") or []:
                 for out in close_open():
