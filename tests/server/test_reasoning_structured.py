@@ -120,3 +120,29 @@ def test_a_named_tool_call_after_thinking(srv, end_id) -> None:
     reasoning, content, calls, finish = _stream(srv, body)
     assert (reasoning, content, finish) == (message["reasoning_content"], "", "stop")
     assert "".join(c["function"].get("arguments") or "" for c in calls) == call["function"]["arguments"]
+
+
+def test_responses_api_gives_a_reasoning_item_then_the_message(srv, end_id) -> None:
+    body = {
+        "input": "hi",
+        "max_output_tokens": 60,
+        "temperature": 0,
+        "logit_bias": {str(end_id): 1.0},
+        "text": {"format": {"type": "json_schema", "name": "pick", "schema": SCHEMA}},
+    }
+    r = httpx.post(srv.url + "/v1/responses", json=body, timeout=60).json()
+    reasoning, message = r["output"]
+    assert reasoning["type"] == "reasoning" and reasoning["content"][0]["text"]
+    # (JSON with optional whitespace, which this random model fills up to the limit: compared below.)
+    assert message["type"] == "message" and message["content"][0]["text"].startswith("{")
+    chat = _post(
+        srv,
+        {
+            "max_tokens": 60,
+            "temperature": 0,
+            "logit_bias": {str(end_id): 1.0},
+            "response_format": {"type": "json_schema", "json_schema": {"name": "pick", "schema": SCHEMA}},
+        },
+    )
+    assert reasoning["content"][0]["text"] == chat["choices"][0]["message"]["reasoning_content"]
+    assert message["content"][0]["text"] == chat["choices"][0]["message"]["content"]
