@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.sampling_params import SamplingParams
-from engine.structured_output import mask_to_grammars, unblock_dead_rows
+from engine.structured_output import mask_to_grammars
 
 if TYPE_CHECKING:
     from engine.structured_output import RequestGrammar
@@ -77,15 +77,13 @@ class Sampler:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
         # Padded embedding rows past the vocabulary are not tokens: never sample or report them.
         logits = logits[:, : self.vocab_size].float()
-        constrained: list[int] = []
         if any(r.grammar is not None for r in rows):
             # Before everything else, as vLLM: reported logprobs are those of the allowed tokens.
-            unmasked = logits
-            logits, constrained = mask_to_grammars(logits, [r.grammar for r in rows])
+            logits, _ = mask_to_grammars(logits, [r.grammar for r in rows])
         raw = logits
         processed = process_logits(logits.clone(), rows) if _needs_processing(rows) else logits
-        if constrained and processed is not logits:
-            unblock_dead_rows(processed, unmasked, constrained, [r.grammar for r in rows])
+        if processed is not logits and _may_mask_everything(rows):
+            _revive_dead_rows(processed, raw)
 
         greedy = [r.params.greedy for r in rows]
         if all(greedy):
@@ -93,6 +91,26 @@ class Sampler:
         else:
             tokens = _sample(processed, rows, greedy)
         return _build_output(raw, tokens, rows)
+
+
+def _may_mask_everything(rows: list[SamplingRow]) -> bool:
+    return any(
+        r.grammar is not None
+        or r.params.allowed_token_ids
+        or r.params.bad_words_token_ids
+        or (r.params.min_tokens and len(r.output_token_ids) < r.params.min_tokens)
+        for r in rows
+    )
+
+
+def _revive_dead_rows(processed: torch.Tensor, raw: torch.Tensor) -> None:
+    """A row whose masks left no token (constraints that contradict each other: a grammar that
+    allows only EOS under ``min_tokens``, ``allowed_token_ids`` that are all bad words or all
+    outside the grammar) samples from ``raw`` instead: the grammar, applied there, wins; the
+    masks it contradicts give way. Never an arbitrary token."""
+    dead = torch.isneginf(processed.amax(dim=-1))
+    if bool(dead.any()):
+        processed[dead] = raw[dead]
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:

@@ -179,3 +179,7 @@ class SamplingParams:
             raise ValueError("allowed_token_ids must not be empty")
         if self.bad_words_token_ids is not None and any(not seq for seq in self.bad_words_token_ids):
             raise ValueError("bad_words_token_ids must not hold an empty sequence")
+        if self.allowed_token_ids and self.bad_words_token_ids:
+            banned = {seq[0] for seq in self.bad_words_token_ids if len(seq) == 1}
+            if set(self.allowed_token_ids) <= banned:
+                raise ValueError("every token in allowed_token_ids is a bad word: nothing could be generated")

@@ -214,16 +214,3 @@ def mask_to_grammars(
     idx = torch.tensor(rows, dtype=torch.long)
     out[idx] = torch.where(allowed, logits[idx], neg_inf)
     return out, rows
-
-
-def unblock_dead_rows(
-    logits: torch.Tensor, masked: torch.Tensor, rows: list[int], grammars: Sequence[RequestGrammar | None]
-) -> None:
-    """A row left with no allowed token (its grammar allows only EOS, which ``min_tokens`` masked)
-    gets its stop tokens back from ``masked``: the grammar wins, the output ends complete."""
-    # A max over every row costs less than gathering the constrained ones first.
-    dead = torch.isneginf(logits.amax(dim=-1)).tolist()
-    for i in rows:
-        if dead[i]:
-            stops = [t for t in grammars[i].stop_token_ids if 0 <= t < logits.shape[1]]  # type: ignore[union-attr]
-            logits[i, stops] = masked[i, stops]

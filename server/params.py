@@ -278,7 +278,7 @@ def sampling_params(
     allowed = list(req.allowed_token_ids) if req.allowed_token_ids is not None else None
     if allowed is not None:
         check_token_ids(allowed, limits, "allowed_token_ids")
-    return SamplingParams(
+    params = SamplingParams(
         n=1,
         max_tokens=max_tokens,
         min_tokens=req.min_tokens,
@@ -303,6 +303,12 @@ def sampling_params(
         allowed_token_ids=allowed,
         bad_words_token_ids=bad_words_token_ids(req.bad_words, tokenizer) if req.bad_words else None,
     )
+    if params.allowed_token_ids and params.bad_words_token_ids:
+        try:
+            params.validate()
+        except ValueError as e:
+            raise bad_request(str(e), param="bad_words") from e
+    return params
 
 
 def bad_words_token_ids(words: Sequence[str], tokenizer: Tokenizer | None) -> list[list[int]]:

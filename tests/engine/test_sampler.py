@@ -357,3 +357,16 @@ def test_bad_words_mask_the_token_that_would_complete_them() -> None:
     out = process_logits(logits, rows)
     # 7 always; 9 after "3 4"; 8 never here ("1" did not just come).
     assert [sorted(set(range(10)) - set(k)) for k in kept(out)] == [[7, 9], [7], [7]]
+
+
+def test_contradicting_masks_give_way_never_an_arbitrary_token() -> None:
+    # Row 0: allowed ids all masked by a bad word on the fly ([4, 7] after 4): nothing is left, so
+    # the row samples from the unprocessed logits. Row 1: untouched.
+    logits = torch.tensor(
+        [[0.0, 1.0, 5.0, 2.0, 3.0, 0.5, 0.0, 4.0], [0.0, 1.0, 5.0, 2.0, 3.0, 0.5, 0.0, 4.0]]
+    )
+    params = SamplingParams(temperature=0.0, allowed_token_ids=[7], bad_words_token_ids=[[4, 7]])
+    out = Sampler(8)(logits, [row(params, output=[4]), row(SamplingParams(temperature=0.0))])
+    assert out.token_ids == [2, 2]
+    with pytest.raises(ValueError, match="every token in allowed_token_ids is a bad word"):
+        SamplingParams(allowed_token_ids=[3, 5], bad_words_token_ids=[[3], [5], [1, 2]]).validate()

@@ -172,6 +172,18 @@ def test_min_tokens_cannot_outlast_a_finished_grammar(llm) -> None:
     assert _texts(llm.generate(PROMPTS[:1], params)) == [("yes", "stop")]
 
 
+def test_allowed_token_ids_outside_the_grammar_give_way(llm) -> None:
+    # No allowed id is a digit: every step's masks contradict; the grammar wins each time.
+    letters = llm.engine.tokenizer.encode("abc", add_special_tokens=False)
+    params = SamplingParams(
+        max_tokens=10, temperature=0.0, allowed_token_ids=letters, structured_outputs=SO(regex="[0-9]{3}")
+    )
+    out = llm.generate(PROMPTS[:2], params)
+    assert all(
+        re.fullmatch("[0-9]{3}", o.outputs[0].text) and o.outputs[0].finish_reason == "stop" for o in out
+    )
+
+
 def test_ignore_eos_stops_once_the_grammar_is_complete(llm) -> None:
     params = SamplingParams(
         max_tokens=10, ignore_eos=True, temperature=0.0, structured_outputs=SO(choice=["yes"])

@@ -77,3 +77,10 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(server, tokenizer) -> None
 def test_bad_values_are_400s(server, extra, param) -> None:
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1, **extra}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_allowed_ids_that_are_all_bad_words_are_a_400(server, tokenizer) -> None:
+    (tid,) = tokenizer.encode("def", add_special_tokens=False)
+    body = {"prompt": "x", "max_tokens": 1, "allowed_token_ids": [tid], "bad_words": ["def"], "stream": True}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words", r.text
