@@ -145,7 +145,8 @@ def _index(rows: list[int], ids: list[int], device: torch.device) -> tuple[torch
 def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """The logit processors that change the argmax, in vLLM's order; ``logits`` is modified in place.
 
-    Every update touches only the (row, token) pairs concerned, never a whole ``[B, V]`` pass.
+    Every update touches only the (row, token) pairs concerned, never a whole ``[B, V]`` pass
+    (``allowed_token_ids`` rewrites its own rows: everything but the allowed ids goes).
     """
     vocab, device = logits.shape[1], logits.device
     _allowed_and_bad_words(logits, rows)

@@ -174,7 +174,9 @@ class SamplingParams:
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
             raise ValueError("prompt_logprobs must be non-negative")
         if self.structured_outputs is not None:
-            self.structured_outputs.validate()
+            # Exactly one constraint; its content is checked once, where it is compiled (a cache
+            # hit is not parsed again on every request).
+            _ = self.structured_outputs.kind
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise ValueError("allowed_token_ids must not be empty")
         if self.bad_words_token_ids is not None and any(not seq for seq in self.bad_words_token_ids):

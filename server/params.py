@@ -142,8 +142,8 @@ def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
     """The request's output constraint, from whichever of its three spellings it used: OpenAI's
     ``response_format``, vLLM's ``structured_outputs`` or vLLM's older ``guided_*`` fields.
 
-    Shape errors are 400s here; a schema, regex or grammar that does not compile is a 400 from
-    the engine when it compiles it.
+    Shape errors are 400s here; a schema, regex or grammar that is not valid is a 400 where it
+    compiles (``serving_common.compile_constraints``), once per distinct constraint.
     """
     found: list[tuple[str, StructuredOutputsParams]] = []
     rf = req.response_format
@@ -184,7 +184,6 @@ def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
                     ),
                 )
             )
-            found[-1][1].validate()
         except ValueError as e:
             raise bad_request(str(e), param="structured_outputs") from e
     if req.guided_whitespace_pattern is not None:
@@ -209,7 +208,7 @@ def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
         return None
     name, spec = found[0]
     try:
-        spec.validate()
+        _ = spec.kind  # exactly one constraint; the rest is checked where it compiles
     except ValueError as e:
         raise bad_request(str(e), param=name) from e
     return spec
