@@ -138,6 +138,15 @@ def check_completion_features(req: CompletionRequest) -> None:
         raise bad_request("echo cannot be combined with resume", param="echo")
 
 
+# vLLM's older request fields for a constraint, and the StructuredOutputsParams field each sets.
+GUIDED_FIELDS = (
+    ("guided_json", "json"),
+    ("guided_regex", "regex"),
+    ("guided_choice", "choice"),
+    ("guided_grammar", "grammar"),
+)
+
+
 def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
     """The request's output constraint, from whichever of its three spellings it used: OpenAI's
     ``response_format``, vLLM's ``structured_outputs`` or vLLM's older ``guided_*`` fields.
@@ -190,12 +199,7 @@ def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
         raise bad_request(
             "guided_whitespace_pattern is not supported by this server", param="guided_whitespace_pattern"
         )
-    for name, key in (
-        ("guided_json", "json"),
-        ("guided_regex", "regex"),
-        ("guided_choice", "choice"),
-        ("guided_grammar", "grammar"),
-    ):
+    for name, key in GUIDED_FIELDS:
         value = getattr(req, name)
         if value is not None:
             found.append((name, StructuredOutputsParams(**{key: value})))

@@ -17,6 +17,7 @@ from engine.outputs import RequestOutput
 from kvcache.keys import block_hashes, to_hex
 from server.errors import APIError, bad_request
 from server.generation import SequenceRequest, Ticket
+from server.params import GUIDED_FIELDS
 from server.protocol import KVTransferResult, PromptTokensDetails, UsageInfo
 from server.state import ServerState
 from server.streaming import run_or_disconnect, sse_error_frame
@@ -42,7 +43,7 @@ def constraint_field(req: Any) -> str:
     rf = getattr(req, "response_format", None)
     if rf is not None and rf.type != "text":
         return "response_format"
-    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+    for name, _ in GUIDED_FIELDS:
         if getattr(req, name, None) is not None:
             return name
     return "structured_outputs"
