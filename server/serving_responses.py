@@ -319,7 +319,16 @@ _TEXT_DELTAS = (
 
 
 async def _events(built: _Response, frames: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """The chat stream's chunks as Responses events."""
+    """The chat stream's chunks as Responses events. Closing this closes the chat stream at once
+    (its cleanup aborts the request in the engine), not whenever it is garbage-collected."""
+    try:
+        async for event in _translate(built, frames):
+            yield event
+    finally:
+        await frames.aclose()  # type: ignore[attr-defined]
+
+
+async def _translate(built: _Response, frames: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     seq = 0
 
     def event(kind: str, **fields: Any) -> bytes:

@@ -185,3 +185,17 @@ def test_kv_tier_metrics_share_the_endpoint(tight) -> None:
     text = httpx.get(tight.url + "/metrics").text
     assert "ferry:kv_tier_hits_total" in text  # registered by kvcache on the default registry
     assert f'vllm:num_requests_running{{model_name="{tight.model_name}"}}' in text
+
+
+def test_disconnect_mid_responses_stream_frees_blocks(server, scrape) -> None:
+    # /v1/responses wraps the chat stream in its own event stream: closing it must close (and so
+    # abort) the chat stream inside, not leave it generating until garbage collection.
+    name = server.model_name
+    body = {"input": "x", "max_output_tokens": 1000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/responses", json=body, timeout=30) as r:
+        lines = r.iter_lines()  # kept: a dropped httpx line iterator closes the response
+        for line in lines:
+            if '"response.output_text.delta"' in line:
+                break
+        assert scrape(server.url, "vllm:num_requests_running", model_name=name) == 1
+    assert _wait_idle(server.url, scrape, name, timeout=1.5) < 1.5
