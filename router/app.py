@@ -56,6 +56,9 @@ from router.upstream import UpstreamClient, UpstreamError, fetch
 log = logging.getLogger("ferry.router")
 
 GENERATE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+# Routed by their prompt (parsed and keyed) but relayed as they come: the Responses API's events
+# are not chat chunks, so its streams have no mid-stream failover (a retry before the first byte).
+KEYED_PATHS = GENERATE_PATHS | {"/v1/responses"}
 FORWARD_ROOT_PATHS = frozenset({"/tokenize", "/detokenize"})
 
 
@@ -347,13 +350,14 @@ class RouterApp:
             return
         path = scope["path"]
         generate = path in GENERATE_PATHS and scope["method"] == "POST"
+        keyed = path in KEYED_PATHS and scope["method"] == "POST"
         parsed: dict | None = None
         route = RouteRequest(
             request_id,
             header(scope, b"x-session-id") and header(scope, b"x-session-id").decode("latin-1"),
             prompt_tokens=len(body) // 4,
         )
-        if generate:
+        if keyed:
             try:
                 parsed = json.loads(body)
             except ValueError as e:

@@ -22,6 +22,7 @@ from typing import Any
 from engine.chat_template import template_message
 from kvcache.keys import block_hashes
 from router.reuse_encoder import ReuseEncoder
+from server.responses_input import chat_messages, chat_tools
 
 logger = logging.getLogger("ferry.router")
 
@@ -35,6 +36,8 @@ class PromptKeyer(ABC):
         for a body the keyer cannot read, whatever is wrong in it: the hashes are only a routing
         hint, and the replica answers the client's mistake with its own 400."""
         try:
+            if path.endswith("/v1/responses"):
+                path, body = "/v1/chat/completions", responses_as_chat(body)
             return self._keys(path, body)
         except Exception:  # noqa: BLE001 - any malformed body; a router error would be a 500
             logger.debug("no prompt keys for a %s body", path, exc_info=True)
@@ -43,6 +46,13 @@ class PromptKeyer(ABC):
     @abstractmethod
     def _keys(self, path: str, body: dict[str, Any]) -> tuple[list[bytes], int]:
         """``keys`` without the guard."""
+
+
+def responses_as_chat(body: dict[str, Any]) -> dict[str, Any]:
+    """A Responses API body as the chat body its replica renders (``server/serving_responses.py``
+    translates it with the same functions), for the prompt's keys."""
+    tools, _ = chat_tools(body.get("tools"), None)
+    return {"messages": chat_messages(body.get("instructions"), body["input"]), "tools": tools}
 
 
 def _token_id_prompt(body: dict[str, Any]) -> list[int] | None:

@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, Response
 
 from server.errors import bad_request, validation_error
 from server.protocol import ChatCompletionRequest, _Request, random_id
+from server.responses_input import InputError, chat_messages, chat_tools
 from server.serving_chat import create_chat_completion
 from server.state import ServerState
 from server.streaming import DONE_FRAME, SSEResponse
@@ -73,88 +74,6 @@ _EXTRAS = (
 )
 
 
-def _text_of(content: Any, where: str) -> str | list[dict[str, Any]]:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise bad_request(f"{where}.content must be a string or a list of text parts", param=where)
-    parts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
-            raise bad_request(
-                f"{where}.content[{j}]: only text parts are supported (input_text, output_text)",
-                param=f"{where}.content",
-            )
-        parts.append({"type": "text", "text": part["text"]})
-    return parts
-
-
-def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
-    messages: list[dict[str, Any]] = []
-    if req.instructions:
-        messages.append({"role": "system", "content": req.instructions})
-    if isinstance(req.input, str):
-        messages.append({"role": "user", "content": req.input})
-        return messages
-    for i, item in enumerate(req.input):
-        where = f"input[{i}]"
-        if not isinstance(item, dict):
-            raise bad_request(f"{where} must be an object", param="input")
-        kind = item.get("type", "message")
-        if kind == "message":
-            role = item.get("role")
-            if role not in ("user", "system", "developer", "assistant"):
-                raise bad_request(f"{where}.role must be user, system, developer or assistant", param="input")
-            messages.append({"role": role, "content": _text_of(item.get("content"), where)})
-        elif kind == "function_call":
-            if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
-                raise bad_request(
-                    f"{where}: a function_call needs call_id, name and arguments", param="input"
-                )
-            call = {
-                "id": item["call_id"],
-                "type": "function",
-                "function": {"name": item["name"], "arguments": item["arguments"]},
-            }
-            last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and last.get("tool_calls") is not None:
-                last["tool_calls"].append(call)  # parallel calls share one assistant turn
-            else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
-            if not isinstance(item.get("call_id"), str) or not isinstance(item.get("output"), str):
-                raise bad_request(f"{where}: a function_call_output needs call_id and output", param="input")
-            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
-        elif kind == "reasoning":
-            continue  # earlier thoughts are not shown to the model again
-        else:
-            raise bad_request(f"{where}: input items of type {kind!r} are not supported", param="input")
-    return messages
-
-
-def _tools(req: ResponsesRequest) -> tuple[list[dict[str, Any]] | None, Any]:
-    tools = None
-    if req.tools is not None:
-        tools = []
-        for i, tool in enumerate(req.tools):
-            if not isinstance(tool, dict) or tool.get("type") != "function":
-                kind = tool.get("type") if isinstance(tool, dict) else None
-                raise bad_request(
-                    f"tools[{i}]: only function tools are supported, not {kind!r}", param="tools"
-                )
-            function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
-            tools.append({"type": "function", "function": function})
-    choice = req.tool_choice
-    if isinstance(choice, dict):
-        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
-            raise bad_request(
-                'tool_choice must be "auto", "none", "required" or a function by name', param="tool_choice"
-            )
-        choice = {"type": "function", "function": {"name": choice["name"]}}
-    return tools, choice
-
-
 def _response_format(req: ResponsesRequest) -> dict[str, Any] | None:
     fmt = (req.text or {}).get("format")
     if fmt is None:
@@ -173,10 +92,14 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
             "previous_response_id is not supported: this server stores no responses; send the whole conversation as input",
             param="previous_response_id",
         )
-    tools, choice = _tools(req)
+    try:
+        tools, choice = chat_tools(req.tools, req.tool_choice)
+        messages = chat_messages(req.instructions, req.input)
+    except InputError as e:
+        raise bad_request(str(e), param=e.param) from None
     body: dict[str, Any] = {
         "model": req.model,
-        "messages": _messages(req),
+        "messages": messages,
         "max_completion_tokens": req.max_output_tokens,
         "temperature": req.temperature,
         "top_p": req.top_p,

@@ -79,3 +79,34 @@ def test_keys_never_raise_on_any_body(keyers, body: dict, chat: bool) -> None:
             assert not hashes
         elif tokens >= 16:  # a block's worth (TextKeyer: ~4 characters per token, 64 per chunk)
             assert hashes
+
+
+def test_responses_bodies_key_like_the_chat_body_the_replica_serves(keyers) -> None:
+    body = {
+        "instructions": "be brief " * 10,
+        "input": [
+            {"role": "user", "content": [{"type": "input_text", "text": "hello " * 30}]},
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "ok"},
+        ],
+        "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
+    }
+    chat = {
+        "messages": [
+            {"role": "system", "content": "be brief " * 10},
+            {"role": "user", "content": [{"type": "text", "text": "hello " * 30}]},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+        ],
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+    }
+    for keyer in keyers:
+        got = keyer.keys("/v1/responses", body)
+        assert got == keyer.keys("/v1/chat/completions", chat) and got[1] > 16
+        assert keyer.keys("/v1/responses", {"input": 5}) == ([], 0)  # no hint, no error

@@ -551,3 +551,37 @@ def test_reset_prefix_cache_fans_out_to_every_replica(cluster: Cluster, pair: li
             router.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1}
         )
         assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_cache_aware_routes_responses_api_requests_by_their_prompt(
+    cluster: Cluster, pair: list[Proc]
+) -> None:
+    """/v1/responses bodies are keyed as the replica renders them (instructions and input as chat
+    messages): a conversation's turns land where its prefix is cached, relayed as they come."""
+    a, b = pair
+    router = cluster.router(
+        "--replica", a.url, "--replica", b.url, "--policy", "cache_aware", "--model", str(cluster.model),
+        "--block-size", "16", "--balance-abs-threshold", "2",
+    )  # fmt: skip
+    c = client(router.url)
+    placed: dict[str, set[str]] = {"alpha": set(), "beta": set()}
+    for turn in range(3):
+        for name in placed:
+            instructions = f"{name.upper()} speaking. " + " ".join(f"rule {i} for {name}." for i in range(40))
+            before = {u: r["total_requests"] for u, r in replicas_view(router).items()}
+            hits_before = metric(router.url, "ferry:router_cache_hit_tokens_total")
+            kw = dict(model=MODEL, instructions=instructions, input=f"question {turn}", max_output_tokens=4)
+            if turn == 2:  # streamed too: relayed event by event
+                kinds = [e.type for e in c.responses.create(stream=True, **kw)]
+                assert kinds[0] == "response.created" and kinds[-1] in (
+                    "response.completed",
+                    "response.incomplete",
+                )
+            else:
+                r = c.responses.create(**kw)
+                assert r.usage.input_tokens > 200
+            after = replicas_view(router)
+            placed[name] |= {u for u in after if after[u]["total_requests"] > before[u]}
+            if turn > 0:
+                assert metric(router.url, "ferry:router_cache_hit_tokens_total") - hits_before > 200
+    assert len(placed["alpha"]) == 1 and len(placed["beta"]) == 1 and placed["alpha"] != placed["beta"]

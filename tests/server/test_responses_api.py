@@ -177,3 +177,21 @@ def test_what_it_cannot_honour_is_a_400(server, body, param) -> None:
         r = httpx.post(server.url + "/v1/responses", json={**body, "stream": stream}, timeout=60)
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == param
+
+
+def test_the_routers_keys_count_this_replicas_prompt(client, server, tiny_llama: Path) -> None:
+    from router.prompt_keys import TokenKeyer
+
+    body = {
+        "instructions": "Answer in one word.",
+        "input": [
+            {"role": "user", "content": "What time is it?"},
+            {"type": "function_call", "call_id": "c1", "name": "now", "arguments": '{"tz": "UTC"}'},
+            {"type": "function_call_output", "call_id": "c1", "output": "12:00"},
+        ],
+        "tools": TOOLS,
+        "tool_choice": "none",
+    }
+    r = client.responses.create(model=server.model_name, max_output_tokens=1, **body)
+    _, tokens = TokenKeyer.from_dir(str(tiny_llama), 16).keys("/v1/responses", body)
+    assert r.usage.input_tokens == tokens

@@ -1,0 +1,101 @@
+"""A Responses API request's input, instructions and tools as chat messages and chat tools.
+
+Shared by the replica (``server/serving_responses.py``, which serves the translated request) and
+the router (whose prompt keyer renders the same messages to route by cached prefix), so both see
+one prompt. Standard library only: the router imports it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class InputError(ValueError):
+    """A part of the request this translation cannot take; ``param`` names it."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _text_of(content: Any, where: str) -> str | list[dict[str, Any]]:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InputError(f"{where}.content must be a string or a list of text parts", param=where)
+    parts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
+            raise InputError(
+                f"{where}.content[{j}]: only text parts are supported (input_text, output_text)",
+                param=f"{where}.content",
+            )
+        parts.append({"type": "text", "text": part["text"]})
+    return parts
+
+
+def chat_messages(instructions: Any, input_: Any) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = []
+    if instructions:
+        messages.append({"role": "system", "content": instructions})
+    if isinstance(input_, str):
+        messages.append({"role": "user", "content": input_})
+        return messages
+    if not isinstance(input_, list):
+        raise InputError("input must be a string or a list of items", param="input")
+    for i, item in enumerate(input_):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise InputError(f"{where} must be an object", param="input")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise InputError(f"{where}.role must be user, system, developer or assistant", param="input")
+            messages.append({"role": role, "content": _text_of(item.get("content"), where)})
+        elif kind == "function_call":
+            if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
+                raise InputError(f"{where}: a function_call needs call_id, name and arguments", param="input")
+            call = {
+                "id": item["call_id"],
+                "type": "function",
+                "function": {"name": item["name"], "arguments": item["arguments"]},
+            }
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and last.get("tool_calls") is not None:
+                last["tool_calls"].append(call)  # parallel calls share one assistant turn
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str) or not isinstance(item.get("output"), str):
+                raise InputError(f"{where}: a function_call_output needs call_id and output", param="input")
+            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
+        elif kind == "reasoning":
+            continue  # earlier thoughts are not shown to the model again
+        else:
+            raise InputError(f"{where}: input items of type {kind!r} are not supported", param="input")
+    return messages
+
+
+def chat_tools(tools_: Any, choice: Any) -> tuple[list[dict[str, Any]] | None, Any]:
+    tools = None
+    if tools_ is not None:
+        if not isinstance(tools_, list):
+            raise InputError("tools must be a list", param="tools")
+        tools = []
+        for i, tool in enumerate(tools_):
+            if not isinstance(tool, dict) or tool.get("type") != "function":
+                kind = tool.get("type") if isinstance(tool, dict) else None
+                raise InputError(
+                    f"tools[{i}]: only function tools are supported, not {kind!r}", param="tools"
+                )
+            function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
+            tools.append({"type": "function", "function": function})
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise InputError(
+                'tool_choice must be "auto", "none", "required" or a function by name', param="tool_choice"
+            )
+        choice = {"type": "function", "function": {"name": choice["name"]}}
+    return tools, choice
