@@ -60,6 +60,12 @@ class ResponsesRequest(_Request):
     ignore_eos: Any = None
 
 
+_CHAT_TO_RESPONSES = {
+    "messages": "input",
+    "max_completion_tokens": "max_output_tokens",
+    "response_format": "text.format",
+}
+
 _EXTRAS = (
     "seed",
     "top_k",
@@ -115,7 +121,12 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     try:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as e:
-        raise validation_error(e.errors(include_url=False)) from None
+        # Name the Responses field the client sent, not the chat field it became.
+        errors = [
+            {**err, "loc": (_CHAT_TO_RESPONSES.get(err["loc"][0], err["loc"][0]),) if err.get("loc") else ()}
+            for err in e.errors(include_url=False)
+        ]
+        raise validation_error(errors) from None
 
 
 class _Response:

@@ -170,6 +170,8 @@ def test_parse_structured_text(client, server, tiny_llama: Path) -> None:
         ({"input": "x", "text": {"format": {"type": "xml"}}}, "text.format"),
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
         ({}, "input"),
+        ({"input": []}, "input"),  # no message: named as the Responses field, not chat's "messages"
+        ({"input": "x", "top_k": "many"}, "top_k"),
     ],
 )
 def test_what_it_cannot_honour_is_a_400(server, body, param) -> None:
