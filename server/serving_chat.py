@@ -150,7 +150,10 @@ async def create_chat_completion(
     request_id: str,
     receive,
     submitted: Callable[[], None] | None = None,
+    as_chunks: bool = False,
 ) -> object:
+    """The answer: a JSONResponse, or for ``stream`` an SSEResponse; with ``as_chunks`` a stream is
+    returned as ``ChatChunks`` (the chunk models unframed, for the Responses API to translate)."""
     arrival = time.perf_counter()
     state.check_model(req.model)
     tools = plan_tools(req, state.tool_parser)
@@ -162,10 +165,12 @@ async def create_chat_completion(
     usage = UsageTracker(1, req.n)
     producer = is_producer(seqs)
     if req.stream:
-        frames = _stream(
+        chunks = _chunks(
             state, req, seqs, choices, usage, response_id, request_id, arrival, producer, ticket, tools
         )
-        return SSEResponse(frames, on_close=ticket.close)
+        if as_chunks:
+            return ChatChunks(chunks, ticket.close)
+        return SSEResponse(_sse(chunks), on_close=ticket.close)
 
     def on_output(seq: SequenceRequest, out: RequestOutput) -> None:
         _delta(state, choices[seq.choice_index], req, out)
@@ -214,7 +219,28 @@ async def create_chat_completion(
     return await answer_whole(state, seqs, request_id, arrival, ticket, receive, on_output, build, deliver)
 
 
-async def _stream(
+@dataclasses.dataclass
+class ChatChunks:
+    """A chat stream as chunk models; raises what ``stream_errors`` turns into an error event.
+    ``on_close`` must be called when it ends (it releases the request's admission)."""
+
+    chunks: AsyncIterator[ChatCompletionChunk]
+    on_close: Callable[[], None]
+
+
+async def _sse(chunks: AsyncIterator[ChatCompletionChunk]) -> AsyncIterator[bytes]:
+    try:
+        async with stream_errors() as failed:
+            async for c in chunks:
+                yield sse_frame(c.model_dump_json())
+        if failed.frame is not None:
+            yield failed.frame
+        yield DONE_FRAME
+    finally:
+        await chunks.aclose()  # type: ignore[attr-defined]
+
+
+async def _chunks(
     state: ServerState,
     req: ChatCompletionRequest,
     seqs: list[SequenceRequest],
@@ -226,7 +252,7 @@ async def _stream(
     producer: bool,
     ticket: Ticket,
     tools: ToolPlan | None,
-) -> AsyncIterator[bytes]:
+) -> AsyncIterator[ChatCompletionChunk]:
     created = int(time.time())
     model = state.model_name
     shapers = None
@@ -244,56 +270,52 @@ async def _stream(
 
     for seq in seqs:
         role = ChatStreamChoice(index=seq.choice_index, delta=DeltaMessage(role="assistant", content=""))
-        yield sse_frame(chunk(role).model_dump_json())
-    async with stream_errors() as failed:
-        async for seq, out in state.generation.merged(request_id, seqs, arrival, ticket):
-            choice = choices[seq.choice_index]
-            text, logprobs = _delta(state, choice, req, out)
-            usage.add(seq, out)
-            delta = DeltaMessage(content=text or None)
-            finish_reason = choice.finish_reason
-            if shapers is not None:
-                shaper = shapers[seq.choice_index]
-                shaped = shaper.feed(text)
-                if out.finished:
-                    last = shaper.finish()
-                    shaped.reasoning += last.reasoning
-                    shaped.content += last.content
-                    shaped.tool_calls += last.tool_calls
-                    finish_reason = tool_finish_reason(tools, shaper.made_calls, finish_reason)
-                text = shaped.content
-                delta = DeltaMessage(
-                    content=shaped.content or None,
-                    reasoning_content=shaped.reasoning or None,
-                    tool_calls=shaped.tool_calls or None,
-                )
-            if (
-                not (text or delta.reasoning_content or delta.tool_calls)
-                and not out.finished
-                and not logprobs
-                and not ((req.continuous_usage or req.return_token_ids) and out.outputs[0].token_ids)
-            ):
-                # Nothing a client could see (a held-back partial character): skip, unless it
-                # follows token progress through continuous usage stats.
-                continue
-            c = chunk(
-                ChatStreamChoice(
-                    index=seq.choice_index,
-                    delta=delta,
-                    logprobs=ChatLogprobs(content=logprobs) if logprobs is not None else None,
-                    finish_reason=finish_reason if out.finished else None,
-                    stop_reason=choice.stop_reason if out.finished else None,
-                    token_ids=list(out.outputs[0].token_ids) if req.return_token_ids else None,
-                )
+        yield chunk(role)
+    async for seq, out in state.generation.merged(request_id, seqs, arrival, ticket):
+        choice = choices[seq.choice_index]
+        text, logprobs = _delta(state, choice, req, out)
+        usage.add(seq, out)
+        delta = DeltaMessage(content=text or None)
+        finish_reason = choice.finish_reason
+        if shapers is not None:
+            shaper = shapers[seq.choice_index]
+            shaped = shaper.feed(text)
+            if out.finished:
+                last = shaper.finish()
+                shaped.reasoning += last.reasoning
+                shaped.content += last.content
+                shaped.tool_calls += last.tool_calls
+                finish_reason = tool_finish_reason(tools, shaper.made_calls, finish_reason)
+            text = shaped.content
+            delta = DeltaMessage(
+                content=shaped.content or None,
+                reasoning_content=shaped.reasoning or None,
+                tool_calls=shaped.tool_calls or None,
             )
-            if producer and out.finished:
-                c.kv_transfer = kv_transfer_result(state, out)
-            yield sse_frame(c.model_dump_json())
-        if req.include_usage:
-            final = ChatCompletionChunk(
-                id=response_id, created=created, model=model, choices=[], usage=usage.info()
+        if (
+            not (text or delta.reasoning_content or delta.tool_calls)
+            and not out.finished
+            and not logprobs
+            and not ((req.continuous_usage or req.return_token_ids) and out.outputs[0].token_ids)
+        ):
+            # Nothing a client could see (a held-back partial character): skip, unless it
+            # follows token progress through continuous usage stats.
+            continue
+        c = chunk(
+            ChatStreamChoice(
+                index=seq.choice_index,
+                delta=delta,
+                logprobs=ChatLogprobs(content=logprobs) if logprobs is not None else None,
+                finish_reason=finish_reason if out.finished else None,
+                stop_reason=choice.stop_reason if out.finished else None,
+                token_ids=list(out.outputs[0].token_ids) if req.return_token_ids else None,
             )
-            yield sse_frame(final.model_dump_json())
-    if failed.frame is not None:
-        yield failed.frame
-    yield DONE_FRAME
+        )
+        if producer and out.finished:
+            c.kv_transfer = kv_transfer_result(state, out)
+        yield c
+    if req.include_usage:
+        final = ChatCompletionChunk(
+            id=response_id, created=created, model=model, choices=[], usage=usage.info()
+        )
+        yield final

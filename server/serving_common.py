@@ -147,6 +147,7 @@ def is_producer(seqs: list[SequenceRequest]) -> bool:
 @dataclass
 class StreamFailure:
     frame: bytes | None = None
+    error: APIError | None = None  # what the frame says, for callers that speak another format
 
 
 @contextlib.asynccontextmanager
@@ -157,9 +158,8 @@ async def stream_errors() -> AsyncIterator[StreamFailure]:
     try:
         yield failure
     except APIError as e:
-        failure.frame = sse_error_frame(e)
+        failure.error, failure.frame = e, sse_error_frame(e)
     except Exception:
         logger.exception("error while streaming a response")
-        failure.frame = sse_error_frame(
-            APIError(500, "Internal server error while streaming.", code="internal_error")
-        )
+        failure.error = APIError(500, "Internal server error while streaming.", code="internal_error")
+        failure.frame = sse_error_frame(failure.error)

@@ -5,7 +5,8 @@ system message, flat function tools to chat tools, ``text.format`` to ``response
 ``max_output_tokens`` to ``max_completion_tokens``), served by ``serving_chat`` (so templates,
 structured outputs, tool calls, reasoning, admission, aborts and metrics are the same), and its
 answer turned into Responses output items: ``reasoning``, ``message`` (``output_text``) and
-``function_call``. Streamed, the chat chunks become Responses events (``response.created``,
+``function_call``. Streamed, the chat chunk models (``ChatChunks``: never framed as chat SSE)
+become Responses events (``response.created``,
 ``response.output_item.added``, ``response.output_text.delta``, ...,
 ``response.completed``), each with its ``sequence_number``.
 
@@ -24,11 +25,12 @@ from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr, Valid
 from starlette.responses import JSONResponse, Response
 
 from server.errors import bad_request, validation_error
-from server.protocol import ChatCompletionRequest, _Request, random_id
+from server.protocol import ChatCompletionChunk, ChatCompletionRequest, _Request, random_id
 from server.responses_input import InputError, chat_messages, chat_tools
-from server.serving_chat import create_chat_completion
+from server.serving_chat import ChatChunks, create_chat_completion
+from server.serving_common import stream_errors
 from server.state import ServerState
-from server.streaming import DONE_FRAME, SSEResponse
+from server.streaming import SSEResponse
 
 
 class ResponsesRequest(_Request):
@@ -227,10 +229,10 @@ async def create_response(
     submitted: Callable[[], None] | None = None,
 ) -> Response:
     chat = to_chat_request(req)
-    answer = await create_chat_completion(state, chat, request_id, receive, submitted)
+    answer = await create_chat_completion(state, chat, request_id, receive, submitted, as_chunks=True)
     built = _Response(req, state.model_name, request_id)
-    if isinstance(answer, SSEResponse):
-        return SSEResponse(_events(built, answer.frames), on_close=answer.on_close)
+    if isinstance(answer, ChatChunks):
+        return SSEResponse(_events(built, answer.chunks), on_close=answer.on_close)
     data = json.loads(answer.body)
     choice = data["choices"][0]
     message = choice["message"]
@@ -252,17 +254,17 @@ _TEXT_DELTAS = (
 )
 
 
-async def _events(built: _Response, frames: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+async def _events(built: _Response, chunks: AsyncIterator[ChatCompletionChunk]) -> AsyncIterator[bytes]:
     """The chat stream's chunks as Responses events. Closing this closes the chat stream at once
     (its cleanup aborts the request in the engine), not whenever it is garbage-collected."""
     try:
-        async for event in _translate(built, frames):
+        async for event in _translate(built, chunks):
             yield event
     finally:
-        await frames.aclose()  # type: ignore[attr-defined]
+        await chunks.aclose()  # type: ignore[attr-defined]
 
 
-async def _translate(built: _Response, frames: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+async def _translate(built: _Response, chunks: AsyncIterator[ChatCompletionChunk]) -> AsyncIterator[bytes]:
     seq = 0
 
     def event(kind: str, **fields: Any) -> bytes:
@@ -343,69 +345,58 @@ async def _translate(built: _Response, frames: AsyncIterator[bytes]) -> AsyncIte
 
     yield event("response.created", response=built.body())
     yield event("response.in_progress", response=built.body())
-    async for frame in frames:
-        if frame == DONE_FRAME or not frame.startswith(b"data: "):
-            continue
-        chunk = json.loads(frame[6:])
-        if "error" in chunk:
-            for out in close_open():
-                yield out
-            yield event(
-                "error",
-                code=chunk["error"].get("code"),
-                message=chunk["error"].get("message"),
-                param=chunk["error"].get("param"),
-            )
-            built.status = "failed"
-            yield event(
-                "response.failed",
-                response={
-                    **built.body(),
-                    "status": "failed",
-                    "error": {"code": chunk["error"].get("code"), "message": chunk["error"].get("message")},
-                },
-            )
-            return
-        if chunk.get("usage") and not chunk.get("choices"):
-            built.set_usage(chunk["usage"])
-            continue
-        for choice in chunk.get("choices") or []:
-            delta = choice.get("delta") or {}
-            for field, kind, name in _TEXT_DELTAS:
-                piece = delta.get(field)
-                if not piece:
-                    continue
-                if open_item is None or open_item["type"] != kind:
-                    for out in start(kind):
-                        yield out
-                text += piece
-                yield event(
-                    name,
-                    item_id=open_item["id"],
-                    output_index=len(built.output),
-                    content_index=0,
-                    delta=piece,
-                )
-            for tc in delta.get("tool_calls") or []:
-                for out in close_open():
-                    yield out
-                call = calls.get(tc["index"])
-                fn = tc.get("function") or {}
-                if call is None:
-                    call = _call_item(tc.get("id") or "", fn.get("name") or "", "", status="in_progress")
-                    call["output_index"] = len(built.output) + len(calls)
-                    calls[tc["index"]] = call
-                    item = {k: v for k, v in call.items() if k != "output_index"}
-                    yield event("response.output_item.added", output_index=call["output_index"], item=item)
-                if fn.get("arguments"):
-                    call["arguments"] += fn["arguments"]
+    async with stream_errors() as failed:
+        async for chunk in chunks:
+            if chunk.usage is not None and not chunk.choices:
+                built.set_usage(chunk.usage.model_dump())
+                continue
+            for choice in chunk.choices:
+                delta = choice.delta
+                for field, kind, name in _TEXT_DELTAS:
+                    piece = getattr(delta, field)
+                    if not piece:
+                        continue
+                    if open_item is None or open_item["type"] != kind:
+                        for out in start(kind):
+                            yield out
+                    text += piece
                     yield event(
-                        "response.function_call_arguments.delta",
-                        item_id=call["id"],
-                        output_index=call["output_index"],
-                        delta=fn["arguments"],
+                        name,
+                        item_id=open_item["id"],
+                        output_index=len(built.output),
+                        content_index=0,
+                        delta=piece,
                     )
-            finish_reason = choice.get("finish_reason") or finish_reason
+                for tc in delta.tool_calls or []:
+                    for out in close_open():
+                        yield out
+                    call = calls.get(tc.index)
+                    if call is None:
+                        call = _call_item(tc.id or "", tc.function.name or "", "", status="in_progress")
+                        call["output_index"] = len(built.output) + len(calls)
+                        calls[tc.index] = call
+                        item = {k: v for k, v in call.items() if k != "output_index"}
+                        yield event(
+                            "response.output_item.added", output_index=call["output_index"], item=item
+                        )
+                    if tc.function.arguments:
+                        call["arguments"] += tc.function.arguments
+                        yield event(
+                            "response.function_call_arguments.delta",
+                            item_id=call["id"],
+                            output_index=call["output_index"],
+                            delta=tc.function.arguments,
+                        )
+                finish_reason = choice.finish_reason or finish_reason
+    if failed.error is not None:
+        err = failed.error
+        for out in close_open():
+            yield out
+        yield event("error", code=err.code, message=err.message, param=err.param)
+        built.status = "failed"
+        failure = {"code": err.code, "message": err.message}
+        yield event("response.failed", response={**built.body(), "status": "failed", "error": failure})
+        return
     for out in close_open():
         yield out
     if not built.output and not calls:  # an empty answer still has its message
