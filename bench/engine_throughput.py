@@ -66,38 +66,51 @@ def _pad_tokenizer(path: Path, vocab_size: int) -> None:
     tok.save_pretrained(str(path))
 
 
-def bench_model_dir() -> Path:
-    spec = {**MODEL_SPEC, "tokenizer": "demo-bpe-1000-padded"}
-    spec_id = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
+def cached_model_dir(name: str, spec: dict, build) -> Path:  # noqa: ANN001 (build: model -> None)
+    """A random-weight checkpoint of ``spec`` (the demo BPE tokenizer padded to its vocabulary),
+    built once into the cache directory: ``build(tmp_dir)`` returns the transformers model."""
+    spec_id = hashlib.sha256(
+        json.dumps({**spec, "tokenizer": "demo-bpe-1000-padded"}, sort_keys=True).encode()
+    )
     base = Path(os.environ.get("FERRY_CACHE_DIR") or Path.home() / ".cache" / "ferry")
-    target = base / f"bench-llama-{spec_id}"
+    target = base / f"bench-{name}-{spec_id.hexdigest()[:12]}"
     if (target / "config.json").exists():
         return target
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from engine.demo import build_tokenizer
 
     tmp = base / f"bench-tmp-{os.getpid()}"
     tmp.mkdir(parents=True, exist_ok=True)
     build_tokenizer(tmp, vocab_size=1000)
-    _pad_tokenizer(tmp, MODEL_SPEC["vocab_size"])
+    _pad_tokenizer(tmp, spec["vocab_size"])
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        **MODEL_SPEC,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        eos_token_id=2,
-        bos_token_id=None,
-        pad_token_id=0,
-    )
-    model = LlamaForCausalLM(cfg)
+    model = build()
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for pname, p in model.named_parameters():
             if p.dim() >= 2:
-                p.normal_(0.0, 0.02 if "embed" not in name else 0.5)
+                p.normal_(0.0, 0.02 if "embed" not in pname else 0.5)
+        for bname, b in model.named_buffers():
+            if bname.endswith("e_score_correction_bias"):  # DeepSeek's router bias: zero at init
+                b.normal_(0.0, 0.05)
     model.save_pretrained(str(tmp), safe_serialization=True)
     os.replace(tmp, target)
     return target
+
+
+def bench_model_dir() -> Path:
+    def build():  # noqa: ANN202
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(
+            **MODEL_SPEC,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            eos_token_id=2,
+            bos_token_id=None,
+            pad_token_id=0,
+        )
+        return LlamaForCausalLM(cfg)
+
+    return cached_model_dir("llama", MODEL_SPEC, build)
 
 
 def workload(n: int, kind: str, seed: int = 0) -> list[tuple[list[int], int]]:

@@ -92,7 +92,10 @@ def build_model(
 ) -> Path:
     """Write a random-weight HF checkpoint (config, safetensors, tokenizer) for ``arch``.
 
-    ``arch`` is "llama" or "qwen2" (attention q/k/v bias). The model's eos is ``<|im_end|>``.
+    ``arch`` is "llama", "qwen2" (attention q/k/v bias), "deepseek_v3" (MLA + MoE: 8 routed
+    experts in 2 groups, 2 per token, 1 shared; layer 0 dense; ``rope_scaling`` may be YaRN),
+    "deepseek_v2" (softmax router, group-limited) or "deepseek_v2_lite" (no q_lora_rank, greedy).
+    The model's eos is ``<|im_end|>``.
     """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -126,6 +129,37 @@ def build_model(
     elif arch == "qwen2":
         cfg = Qwen2Config(**common)
         cls = Qwen2ForCausalLM
+    elif arch.startswith("deepseek"):
+        import transformers
+
+        mla_moe = dict(
+            moe_intermediate_size=intermediate_size // 4,
+            q_lora_rank=hidden_size // 2,
+            kv_lora_rank=hidden_size // 4,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=2,
+            topk_group=1,
+        )
+        if arch == "deepseek_v3":
+            version = "V3"
+        elif arch == "deepseek_v2":
+            version, mla_moe["topk_method"] = "V2", "group_limited_greedy"
+        elif arch == "deepseek_v2_lite":  # V2-Lite's shape: no query compression, plain top-k
+            version, mla_moe["topk_method"], mla_moe["q_lora_rank"] = "V2", "greedy", None
+        else:
+            raise ValueError(f"unknown tiny architecture {arch!r}")
+        cfg = getattr(transformers, f"Deepseek{version}Config")(
+            **{**common, "num_key_value_heads": num_attention_heads}, **mla_moe
+        )
+        if rope_scaling:
+            cfg.rope_parameters = {"rope_theta": 10000.0, **rope_scaling}
+        cls = getattr(transformers, f"Deepseek{version}ForCausalLM")
     else:
         raise ValueError(f"unknown tiny architecture {arch!r}")
     torch.manual_seed(seed)
@@ -137,6 +171,9 @@ def build_model(
                 p.normal_(0.0, 0.08 if "embed" not in name else 0.5)
             elif "bias" in name:
                 p.normal_(0.0, 0.05)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # zero at init: make it matter
+                b.normal_(0.0, 0.1)
     model = model.to(getattr(torch, dtype))
     model.save_pretrained(str(out), safe_serialization=True)
     return out

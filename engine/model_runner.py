@@ -78,15 +78,18 @@ class ModelRunner:
             dtype=_DTYPE_NAMES[self.dtype],
             block_size=self.block_size,
             num_layers=cfg.num_layers,
-            num_kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
+            num_kv_heads=cfg.kv_cache_heads,
+            head_dim=cfg.kv_cache_dim,
+            kv_layout=cfg.kv_layout,
         )
         self.attention_backend = resolve_backend_name(config.attention_backend, self.device.type)
         attention = get_attention_backend(
             self.attention_backend, self.device.type, deterministic=config.deterministic
         )
         model_cls = get_model_class(cfg.architecture)
-        weights = load_weights(model_dir, self.dtype, self.device)
+        weights = load_weights(
+            model_dir, self.dtype, self.device, getattr(model_cls, "FP32_WEIGHTS", ()), cfg.num_layers
+        )
         self.model = model_cls(
             cfg,
             weights,
@@ -98,20 +101,19 @@ class ModelRunner:
         )
         self.vocab_size = int(self.model.lm_head.shape[0])
         self.num_kv_blocks = self._num_kv_blocks()
-        shape = (self.num_kv_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
-        # Zeroed, not empty: padded attention reads unused slots, which must hold finite numbers.
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
+        shape = (self.num_kv_blocks, self.block_size, cfg.kv_cache_heads, cfg.kv_cache_dim)
+        # Per layer (k, v), or (latent,) for MLA models. Zeroed, not empty: padded attention reads
+        # unused slots, which must hold finite numbers.
+        self.kv_caches: list[tuple[torch.Tensor, ...]] = [
+            tuple(torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.kv_cache_parts))
             for _ in range(cfg.num_layers)
         ]
 
     @property
     def bytes_per_block(self) -> int:
         c = self.model_config
-        return 2 * c.num_layers * self.block_size * c.num_kv_heads * c.head_dim * self.dtype.itemsize
+        per_token = c.kv_cache_parts * c.kv_cache_heads * c.kv_cache_dim
+        return c.num_layers * self.block_size * per_token * self.dtype.itemsize
 
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:

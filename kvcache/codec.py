@@ -8,7 +8,8 @@ Header (little-endian, ``struct`` format ``<4sHBB6IQ16sII``):
 The crc32 covers the first 60 header bytes and the payload, so a flipped byte anywhere is
 caught; the block hash inside the value catches a value stored under the wrong key. The
 payload is the tensor's bytes in C order — for a tier block, shape
-``(num_layers, 2, block_size, num_kv_heads, head_dim)`` (ARCHITECTURE.md).
+``(num_layers, 2, block_size, num_kv_heads, head_dim)`` — or ``(num_layers, 1, block_size, 1,
+latent_dim)`` for an MLA model (ARCHITECTURE.md).
 
 Decoding reads untrusted bytes: it only unpacks fixed-size integers and views the payload
 (``torch.frombuffer``) — never pickle, eval or torch.load — and it never raises. A bad value

@@ -2,6 +2,8 @@
 
 Owned by the engine process; engine-agnostic (it sees only block hashes, block ids and the
 per-layer cache tensors of ARCHITECTURE.md, ``[num_blocks, block_size, num_kv_heads, head_dim]``).
+A model caches two parts per layer (K and V) or one (MLA's latent, passed as the K caches with
+no V caches); the block shape's second dim says which.
 
 * ``lookup(hashes)``: how many leading blocks the tier holds (one cheap round trip).
 * ``load(hashes, block_ids, k_caches, v_caches)``: fetch, verify and copy into the given
@@ -100,9 +102,10 @@ class KVConnector:
         replica_id: str | None = None,
     ) -> None:
         shape = tuple(int(d) for d in block_shape)
-        if len(shape) != 5 or shape[1] != 2 or min(shape) <= 0:
+        if len(shape) != 5 or shape[1] not in (1, 2) or min(shape) <= 0:
             raise ValueError(
-                f"block_shape must be (num_layers, 2, block_size, num_kv_heads, head_dim), got {block_shape}"
+                "block_shape must be (num_layers, parts, block_size, num_kv_heads, head_dim) with 2 parts "
+                f"(K, V) or 1 (a latent), got {block_shape}"
             )
         if write_queue < 1:
             raise ValueError("write_queue must be >= 1")
@@ -110,6 +113,7 @@ class KVConnector:
         self.block_shape = shape
         self.dtype = dtype
         self.num_layers = shape[0]
+        self.num_parts = shape[1]
         self.tier = open_tier(tier_url)
         try:
             publisher = self._open_publisher(tier_url, events, events_url, fingerprint, replica_id)
@@ -258,8 +262,13 @@ class KVConnector:
     ) -> None:
         ids = torch.tensor(list(block_ids), dtype=torch.long, device=staging.device)
         for layer in range(self.num_layers):
-            k_caches[layer].index_copy_(0, ids, staging[:, layer, 0])
-            v_caches[layer].index_copy_(0, ids, staging[:, layer, 1])
+            for part, cache in enumerate(self._parts(layer, k_caches, v_caches)):
+                cache.index_copy_(0, ids, staging[:, layer, part])
+
+    def _parts(
+        self, layer: int, k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor]
+    ) -> tuple[torch.Tensor, ...]:
+        return (k_caches[layer],) if self.num_parts == 1 else (k_caches[layer], v_caches[layer])
 
     # ---- saves -------------------------------------------------------------------------------
 
@@ -302,13 +311,13 @@ class KVConnector:
         """``[n, *block_shape]`` host copy of the blocks (synchronous: a slot may be reused right after)."""
         if len(block_ids) == 1:  # the common per-block case: views and a single stack
             b = block_ids[0]
-            parts = [t[b] for layer in range(self.num_layers) for t in (k_caches[layer], v_caches[layer])]
+            parts = [t[b] for layer in range(self.num_layers) for t in self._parts(layer, k_caches, v_caches)]
             return torch.stack(parts).view(1, *self.block_shape).to("cpu")
         ids = torch.tensor(list(block_ids), dtype=torch.long, device=k_caches[0].device)
         out = torch.empty((len(block_ids), *self.block_shape), dtype=self.dtype, device=k_caches[0].device)
         for layer in range(self.num_layers):
-            out[:, layer, 0].copy_(k_caches[layer].index_select(0, ids))
-            out[:, layer, 1].copy_(v_caches[layer].index_select(0, ids))
+            for part, cache in enumerate(self._parts(layer, k_caches, v_caches)):
+                out[:, layer, part].copy_(cache.index_select(0, ids))
         return out.to("cpu")
 
     def flush(self, timeout: float | None = None, hashes: Sequence[bytes] | None = None) -> bool:
@@ -346,9 +355,10 @@ class KVConnector:
     # ---- lifecycle ---------------------------------------------------------------------------
 
     def _check_caches(self, k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor]) -> None:
-        if len(k_caches) != self.num_layers or len(v_caches) != self.num_layers:
+        num_v = self.num_layers if self.num_parts == 2 else 0
+        if len(k_caches) != self.num_layers or len(v_caches) != num_v:
             raise ValueError(
-                f"expected {self.num_layers} K and V caches, got {len(k_caches)} and {len(v_caches)}"
+                f"expected {self.num_layers} K and {num_v} V caches, got {len(k_caches)} and {len(v_caches)}"
             )
         k = k_caches[0]
         if k.dtype != self.dtype or tuple(k.shape[1:]) != self.block_shape[2:]:

@@ -4,7 +4,8 @@
 engine)`` when ``EngineConfig.kv_tier`` is set; that returns a ``TierConnector``. It matches the
 engine's hook methods by name (it does not import ``engine``: parts import downward only, engine
 → kvcache), and reads from the engine only ``model_runner.kv_caches`` (per layer ``(k, v)``,
-``[num_blocks, block_size, num_kv_heads, head_dim]``), ``model_runner.model_fingerprint`` and
+``[num_blocks, block_size, num_kv_heads, head_dim]``; ``(latent,)`` for MLA models),
+``model_runner.model_fingerprint`` and
 ``block_manager.add_listener``.
 
 What happens when (all on the engine loop thread):
@@ -41,10 +42,11 @@ class TierConnector:
 
     def __init__(self, config: Any, engine: Any) -> None:
         runner = engine.model_runner
-        self.k_caches = [k for k, _ in runner.kv_caches]
-        self.v_caches = [v for _, v in runner.kv_caches]
+        # Per layer (k, v), or (latent,) for an MLA model: then there are no V caches.
+        self.k_caches = [parts[0] for parts in runner.kv_caches]
+        self.v_caches = [parts[1] for parts in runner.kv_caches if len(parts) == 2]
         k0 = self.k_caches[0]
-        block_shape = (len(self.k_caches), 2, *k0.shape[1:])
+        block_shape = (len(self.k_caches), len(runner.kv_caches[0]), *k0.shape[1:])
         self.block_size = int(k0.shape[1])
         self.kv = KVConnector(
             config.kv_tier,

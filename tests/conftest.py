@@ -50,11 +50,62 @@ def tiny_llama3_rope(models_root: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_yarn(models_root: Path) -> Path:
+    """Llama with YaRN rope scaling (attention factor from the factor alone)."""
+    from engine.demo import build_model
+
+    scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
+    return build_model(models_root / "llama_yarn", "llama", seed=4, rope_scaling=scaling)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2(models_root: Path) -> Path:
     """Qwen2 (q/k/v bias), GQA."""
     from engine.demo import build_model
 
     return build_model(models_root / "qwen2", "qwen2", seed=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek(models_root: Path) -> Path:
+    """DeepSeek-V3 (MLA: kv_lora_rank 16 + rope 8 cached per token; MoE: 8 experts in 2 groups,
+    2 per token, 1 shared; layer 0 dense; a random score-correction bias)."""
+    from engine.demo import build_model
+
+    return build_model(models_root / "deepseek", "deepseek_v3", seed=5)
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_v2(models_root: Path) -> Path:
+    """DeepSeek-V2 (softmax router, group_limited_greedy), MLA with query compression."""
+    from engine.demo import build_model
+
+    return build_model(models_root / "deepseek_v2", "deepseek_v2", seed=7)
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_v2_lite(models_root: Path) -> Path:
+    """DeepSeek-V2-Lite's shape: queries from one q_proj (no q_lora_rank), greedy top-k."""
+    from engine.demo import build_model
+
+    return build_model(models_root / "deepseek_v2_lite", "deepseek_v2_lite", seed=8)
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_yarn(models_root: Path) -> Path:
+    """DeepSeek-V3 with YaRN rope scaling (mscale_all_dim set, as DeepSeek-V3's own config)."""
+    from engine.demo import build_model
+
+    scaling = {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 256,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 0.707,
+    }
+    return build_model(models_root / "deepseek_yarn", "deepseek_v3", seed=6, rope_scaling=scaling)
 
 
 def free_port() -> int:

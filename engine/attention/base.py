@@ -117,3 +117,17 @@ class AttentionBackend(ABC):
         cached prefix plus the new tokens up to and including itself (GQA: query head h reads KV head
         ``h // (Hq // Hkv)``). With a sliding ``window``, the token at position q sees only keys at
         positions k with ``q - window < k <= q``."""
+
+    @abstractmethod
+    def forward_mla(
+        self,
+        q: torch.Tensor,  # [T, Hq, Dk]: per head, the query in the latent space plus its rotary part
+        kv: torch.Tensor,  # [T, 1, Dk]: each token's latent (kv_lora_rank) plus its rotated key
+        kv_cache: torch.Tensor,  # [num_blocks, block_size, 1, Dk]
+        meta: AttentionMetadata,
+        scale: float,
+        v_dim: int,
+    ) -> torch.Tensor:  # [T, Hq, v_dim]
+        """Multi-head latent attention in its absorbed form (DeepSeek V2/V3): store ``kv`` at
+        ``meta.slot_mapping``, then attend as one shared KV head whose values are the first
+        ``v_dim`` dims of the keys (the latent), causally as in ``forward``."""

@@ -214,35 +214,59 @@ class TorchAttentionBackend(AttentionBackend):
         hkv, d = k_cache.shape[2], k_cache.shape[3]
         k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
+        return self._attend(q, k, v, k_cache, v_cache, meta, scale, window)
+
+    def forward_mla(self, q, kv, kv_cache, meta, scale, v_dim):  # type: ignore[override]
+        kv_cache.view(-1, 1, kv_cache.shape[3]).index_copy_(0, meta.slot_mapping, kv)
+        return self._attend(q, kv, kv[..., :v_dim], kv_cache, None, meta, scale, None)
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor | None,  # None: values are the first v.shape[-1] dims of the keys (MLA)
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None,
+    ) -> torch.Tensor:
         plan = self._plan(meta, q.device)
         wplan = plan.windows.get(window)
         if wplan is None:
             wplan = plan.windows[window] = self._window_plan(plan, meta, q.device, window)
-        out = torch.empty_like(q)
+        dv = v.shape[-1]
+        out = q.new_empty((*q.shape[:2], dv))
         decode = self._decode_det if self.deterministic else self._decode
         for g, keys in zip(plan.decode_groups, wplan.decode_keys, strict=True):
-            out.index_copy_(0, g.rows, decode(q.index_select(0, g.rows), k_cache, v_cache, keys, scale))
+            kk = _gather(k_cache, keys.blocks)  # [Bg, L, Hkv, D]
+            vv = kk[..., :dv] if v_cache is None else _gather(v_cache, keys.blocks)
+            out.index_copy_(0, g.rows, decode(q.index_select(0, g.rows), kk, vv, keys, scale))
         attend = self._prefill_det if self.deterministic else self._prefill
         for p in wplan.prefills:
             qs = q[p.start : p.start + p.qlen]
             if p.blocks is None:  # a first chunk: its keys start at position 0
                 ks, vs = k[p.start : p.start + p.qlen], v[p.start : p.start + p.qlen]
             else:
-                ks, vs = _gather(k_cache, p.blocks), _gather(v_cache, p.blocks)
+                ks = _gather(k_cache, p.blocks)
+                vs = ks[..., :dv] if v_cache is None else _gather(v_cache, p.blocks)
             out[p.start : p.start + p.qlen] = attend(qs, ks, vs, p, window, scale)
         return out
 
     @staticmethod
-    def _decode(q: torch.Tensor, k_cache, v_cache, keys: _DecodeKeys, scale: float) -> torch.Tensor:
-        """A group's single-token rows in one SDPA call: the G query heads sharing a KV head are
-        laid out as G query rows, so KV heads are never repeated."""
+    def _decode(
+        q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor, keys: _DecodeKeys, scale: float
+    ) -> torch.Tensor:
+        """A group's single-token rows in one SDPA call over its gathered keys/values
+        ``[Bg, L, Hkv, D]``: the G query heads sharing a KV head are laid out as G query rows, so
+        KV heads are never repeated."""
         bd, hq, d = q.shape
-        hkv = k_cache.shape[2]
-        kk = _gather(k_cache, keys.blocks).transpose(1, 2)  # [Bg, Hkv, L, D]
-        vv = _gather(v_cache, keys.blocks).transpose(1, 2)
+        hkv = kk.shape[2]
         qg = q.view(bd, hkv, hq // hkv, d)
-        o = F.scaled_dot_product_attention(qg, kk, vv, attn_mask=keys.visible, scale=scale)
-        return o.reshape(bd, hq, d)
+        o = F.scaled_dot_product_attention(
+            qg, kk.transpose(1, 2), vv.transpose(1, 2), attn_mask=keys.visible, scale=scale
+        )
+        return o.reshape(bd, hq, vv.shape[-1])
 
     @staticmethod
     def _prefill(
@@ -276,31 +300,33 @@ class TorchAttentionBackend(AttentionBackend):
         first = None if window is None else (q_pos - window + 1).clamp_(min=p.first_key) - p.first_key
         kk, vv = k[:nk].transpose(0, 1)[None], v[:nk].transpose(0, 1)[None]
         o = _attend_det(qg, kk, vv, last, first, nk, scale)
-        return o[0].reshape(hkv, lq, g, d).permute(1, 0, 2, 3).reshape(lq, hq, d).to(q.dtype)
+        dv = v.shape[-1]
+        return o[0].reshape(hkv, lq, g, dv).permute(1, 0, 2, 3).reshape(lq, hq, dv).to(q.dtype)
 
     @staticmethod
-    def _decode_det(q: torch.Tensor, k_cache, v_cache, keys: _DecodeKeys, scale: float) -> torch.Tensor:
+    def _decode_det(
+        q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor, keys: _DecodeKeys, scale: float
+    ) -> torch.Tensor:
         """Batch-invariant single-token rows of a group (see ``_attend_det``)."""
         bd, hq, d = q.shape
-        hkv = k_cache.shape[2]
+        hkv = kk.shape[2]
         g = hq // hkv
-        kk = _gather(k_cache, keys.blocks).transpose(1, 2)
-        vv = _gather(v_cache, keys.blocks).transpose(1, 2)
+        kk, vv = kk.transpose(1, 2), vv.transpose(1, 2)
         last = keys.last[:, None].expand(bd, g)
         first = None if keys.first is None else keys.first[:, None].expand(bd, g)
         o = _attend_det(q.reshape(bd, hkv, g, d), kk, vv, last, first, kk.shape[2], scale)
-        return o.reshape(bd, hq, d).to(q.dtype)
+        return o.reshape(bd, hq, vv.shape[-1]).to(q.dtype)
 
 
 def _attend_det(
     q: torch.Tensor,  # [S, Hkv, R, D] query rows per KV head
     k: torch.Tensor,  # [S, Hkv, N, D]
-    v: torch.Tensor,  # [S, Hkv, N, D]
+    v: torch.Tensor,  # [S, Hkv, N, Dv]
     last: torch.Tensor,  # [S, R] last key position each row may see
     first: torch.Tensor | None,  # [S, R] first key position each row may see; None: 0
     n: int,  # keys present (N)
     scale: float,
-) -> torch.Tensor:  # [S, Hkv, R, D] fp32
+) -> torch.Tensor:  # [S, Hkv, R, Dv] fp32
     """Attention whose every row depends only on its own keys, never on S, R or N.
 
     Keys are processed in tiles of ``TILE`` positions in ascending order; matmuls always have
@@ -309,6 +335,7 @@ def _attend_det(
     0 must sit at an absolute position that is a multiple of ``TILE``.
     """
     s_, hkv, r, d = q.shape
+    dv = v.shape[-1]
     dev = q.device
     ntiles = -(-n // TILE)
     npad = ntiles * TILE
@@ -316,7 +343,7 @@ def _attend_det(
     qf = torch.zeros(s_, hkv, prow, d, dtype=torch.float32, device=dev)
     qf[:, :, :r] = q
     kf = torch.zeros(s_, hkv, npad, d, dtype=torch.float32, device=dev)
-    vf = torch.zeros(s_, hkv, npad, d, dtype=torch.float32, device=dev)
+    vf = torch.zeros(s_, hkv, npad, dv, dtype=torch.float32, device=dev)
     kf[:, :, :n] = k[:, :, :n]
     vf[:, :, :n] = v[:, :, :n]
     hi = torch.zeros(s_, prow, dtype=torch.long, device=dev)  # padding rows see key 0 only
@@ -333,7 +360,7 @@ def _attend_det(
         scores[..., sl] = torch.matmul(qf, kf[:, :, sl].transpose(-1, -2))
     scores.mul_(scale).masked_fill_(~visible[:, None], float("-inf"))
     probs = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
-    num = torch.zeros(s_, hkv, prow, d, dtype=torch.float32, device=dev)
+    num = torch.zeros(s_, hkv, prow, dv, dtype=torch.float32, device=dev)
     den = torch.zeros(s_, hkv, prow, 1, dtype=torch.float32, device=dev)
     for t in range(ntiles):
         sl = slice(t * TILE, (t + 1) * TILE)

@@ -38,6 +38,11 @@ class TritonAttentionBackend(AttentionBackend):
         self._write_kv = triton_ops.write_kv_cache
         self._unified = triton_attention.unified_attention
         self._split_decode = triton_decode.split_kv_decode_attention
+        # Latent attention (one 512+64-wide shared head, values inside the keys) has no Triton
+        # kernel yet: it runs the torch backend's implementation on the same device tensors.
+        from engine.attention.torch_backend import TorchAttentionBackend
+
+        self._mla = TorchAttentionBackend(deterministic=deterministic)
         self.split_size = split_size or triton_decode.DEFAULT_SPLIT_SIZE
         if self.split_size % 64:
             raise ValueError(
@@ -74,3 +79,6 @@ class TritonAttentionBackend(AttentionBackend):
         return self._unified(
             q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale, window=window
         )
+
+    def forward_mla(self, q, kv, kv_cache, meta, scale, v_dim):  # type: ignore[override]
+        return self._mla.forward_mla(q, kv, kv_cache, meta, scale, v_dim)

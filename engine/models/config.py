@@ -9,6 +9,47 @@ from typing import Any
 
 
 @dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek V2/V3): each token caches one latent vector
+    (``kv_lora_rank`` compressed K/V plus ``qk_rope_head_dim`` of rotated key), shared by all heads."""
+
+    kv_lora_rank: int
+    q_lora_rank: int | None  # None: queries come from one q_proj, not a low-rank pair
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool  # rotary pairs are (x0, x1), (x2, x3)… rather than the two halves
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """DeepSeek mixture of experts: routed experts chosen per token, shared experts beside them;
+    the first ``first_dense_layers`` layers are dense."""
+
+    num_experts: int
+    experts_per_token: int
+    num_shared_experts: int
+    intermediate_size: int  # per expert
+    first_dense_layers: int
+    num_groups: int
+    topk_groups: int
+    routed_scaling_factor: float
+    norm_topk_prob: bool
+    # V3: sigmoid scores, chosen with a correction bias among the best groups (by their top-2 sum).
+    # V2: softmax scores, top-k overall ("greedy") or within the best groups by their maximum
+    # ("group_limited_greedy").
+    scoring: str = "sigmoid"  # sigmoid | softmax
+    topk_method: str = "noaux_tc"  # noaux_tc | greedy | group_limited_greedy
+
+    def is_moe_layer(self, i: int) -> bool:
+        return i >= self.first_dense_layers
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     model_type: str
@@ -31,6 +72,27 @@ class ModelConfig:
     # Per layer: the window that layer attends within, or None for full attention. A query at
     # position q sees keys k with q - window < k <= q (transformers' sliding mask).
     layer_windows: tuple[int | None, ...] = ()
+    mla: MLAConfig | None = None
+    moe: MoEConfig | None = None
+
+    # The paged KV cache per layer: ``kv_cache_parts`` tensors (K and V, or MLA's one latent) of
+    # ``[num_blocks, block_size, kv_cache_heads, kv_cache_dim]``.
+    @property
+    def kv_cache_parts(self) -> int:
+        return 1 if self.mla else 2
+
+    @property
+    def kv_cache_heads(self) -> int:
+        return 1 if self.mla else self.num_kv_heads
+
+    @property
+    def kv_cache_dim(self) -> int:
+        return self.mla.latent_dim if self.mla else self.head_dim
+
+    @property
+    def kv_layout(self) -> str:
+        """Names the cache layout in the tier fingerprint: blocks of another layout never mix."""
+        return "latent:[block,token,1,dim]" if self.mla else "k,v:[block,token,kv_head,dim]"
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -66,6 +128,13 @@ class ModelConfig:
         dtype = str(raw.get("dtype") or raw.get("torch_dtype") or "float32").replace("torch.", "")
         if raw.get("mlp_bias"):
             raise ValueError("MLP biases (mlp_bias=true) are not supported")
+        quant = raw.get("quantization_config")
+        if quant:
+            method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+            raise ValueError(
+                f"quantized checkpoints are not supported (quantization_config.quant_method={method!r}); "
+                "use the model's bfloat16/float16/float32 weights"
+            )
         num_layers = int(raw["num_hidden_layers"])
         window, layer_windows = _sliding_windows(raw, model_type, num_layers)
         return cls(
@@ -88,7 +157,51 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             sliding_window=window,
             layer_windows=layer_windows,
+            mla=_mla(raw),
+            moe=_moe(raw),
         )
+
+
+def _mla(raw: dict[str, Any]) -> MLAConfig | None:
+    if raw.get("kv_lora_rank") is None:
+        return None
+    q_rank = raw.get("q_lora_rank")
+    return MLAConfig(
+        kv_lora_rank=int(raw["kv_lora_rank"]),
+        q_lora_rank=int(q_rank) if q_rank else None,
+        qk_nope_head_dim=int(raw["qk_nope_head_dim"]),
+        qk_rope_head_dim=int(raw["qk_rope_head_dim"]),
+        v_head_dim=int(raw["v_head_dim"]),
+        # DeepseekV3Config defaults it to True; V2 checkpoints (no key) rotate interleaved pairs too.
+        rope_interleave=bool(raw.get("rope_interleave", True)),
+    )
+
+
+def _moe(raw: dict[str, Any]) -> MoEConfig | None:
+    experts = raw.get("n_routed_experts")
+    if not experts:
+        return None
+    if (raw.get("architectures") or [""])[0] == "DeepseekV2ForCausalLM":
+        scoring, method = "softmax", raw.get("topk_method") or "greedy"
+        if method not in ("greedy", "group_limited_greedy"):
+            raise ValueError(
+                f"unsupported DeepSeek-V2 topk_method {method!r} (supported: greedy, group_limited_greedy)"
+            )
+    else:
+        scoring, method = "sigmoid", "noaux_tc"
+    return MoEConfig(
+        num_experts=int(experts),
+        experts_per_token=int(raw["num_experts_per_tok"]),
+        num_shared_experts=int(raw.get("n_shared_experts") or 0),
+        intermediate_size=int(raw["moe_intermediate_size"]),
+        first_dense_layers=int(raw.get("first_k_dense_replace") or 0),
+        num_groups=int(raw.get("n_group") or 1),
+        topk_groups=int(raw.get("topk_group") or 1),
+        routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", scoring == "sigmoid")),
+        scoring=scoring,
+        topk_method=method,
+    )
 
 
 def _sliding_windows(

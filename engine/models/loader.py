@@ -84,15 +84,36 @@ def resolve_dtype(requested: str, checkpoint_dtype: str, device: torch.device) -
     return _DTYPES[requested]
 
 
-def load_weights(model_dir: Path, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+def load_weights(
+    model_dir: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    keep_fp32: tuple[str, ...] = (),
+    num_layers: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """Every tensor in ``dtype``, except names ending with one of ``keep_fp32`` (a router's
+    weights, which transformers also keeps in fp32 whatever the model dtype). Layers from
+    ``num_layers`` on are not read: checkpoints append extra ones that the decoder does not run
+    (DeepSeek-V3's multi-token-prediction layer, ``model.layers.61``, holds ~11B parameters)."""
     from safetensors import safe_open
 
     out: dict[str, torch.Tensor] = {}
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                out[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+                if num_layers is not None and _layer_index(name) >= num_layers:
+                    continue
+                target = torch.float32 if name.endswith(keep_fp32) else dtype
+                out[name] = f.get_tensor(name).to(device=device, dtype=target)
     return out
+
+
+def _layer_index(name: str) -> int:
+    """N for ``model.layers.N.…``; -1 for every other tensor."""
+    if not name.startswith("model.layers."):
+        return -1
+    index = name[len("model.layers.") :].split(".", 1)[0]
+    return int(index) if index.isdigit() else -1
 
 
 def read_json(path: Path) -> dict:

@@ -8,7 +8,17 @@ import torch
 from engine import LLM, SamplingParams
 
 MAX_NEW = 12
-MODELS = ["tiny_llama", "tiny_qwen2", "tiny_llama_tied", "tiny_llama3_rope"]
+MODELS = [
+    "tiny_llama",
+    "tiny_qwen2",
+    "tiny_llama_tied",
+    "tiny_llama3_rope",
+    "tiny_llama_yarn",
+    "tiny_deepseek",  # MLA + MoE (sigmoid router with correction bias, group-limited)
+    "tiny_deepseek_yarn",
+    "tiny_deepseek_v2",  # softmax router, group-limited
+    "tiny_deepseek_v2_lite",  # no query compression, greedy router
+]
 
 
 @pytest.mark.parametrize("model_fixture", MODELS)
@@ -29,6 +39,8 @@ def test_greedy_matches_transformers_solo_and_batched(
         for step, (tok, entry) in enumerate(zip(ref_tokens, b.outputs[0].logprobs, strict=True)):
             assert abs(entry[tok].logprob - ref_lp[step, tok].item()) < 1e-4
             assert entry[tok].rank == 1
+    # A random model that repeats one token would hide most bugs.
+    assert len({t for ref, _ in refs for t in ref}) > 5
     llm.engine.block_manager.check_integrity()
     assert llm.engine.block_manager.num_used_blocks == 0
 

@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
@@ -174,3 +175,31 @@ def test_max_model_len_beyond_the_trained_positions_is_refused(tiny_llama, tmp_p
     assert LLM(str(linear), num_kv_blocks=8).engine.max_model_len == 2048
     with pytest.raises(ValueError, match=r"2048 positions .*=1024 x linear rope scaling factor 2\)"):
         LLM(str(linear), num_kv_blocks=8, max_model_len=2049)
+
+
+def test_layers_past_num_hidden_layers_are_not_read(tiny_deepseek, tmp_path) -> None:
+    """DeepSeek-V3 checkpoints carry a multi-token-prediction layer after the decoder's
+    (``model.layers.61``): it is never loaded, and router weights stay fp32 in a bf16 model."""
+    from safetensors.torch import load_file, save_file
+
+    from engine.models.loader import load_weights
+
+    extra = tmp_path / "mtp"
+    shutil.copytree(tiny_deepseek, extra)
+    weights = load_file(str(extra / "model.safetensors"))
+    weights["model.layers.2.eh_proj.weight"] = torch.ones(4, 4)
+    weights["model.layers.2.self_attn.q_a_proj.weight"] = torch.ones(4, 4)
+    save_file(weights, str(extra / "model.safetensors"))
+    loaded = load_weights(extra, torch.bfloat16, torch.device("cpu"), ("mlp.gate.weight",), num_layers=2)
+    assert not [n for n in loaded if n.startswith("model.layers.2.")]
+    assert set(loaded) == set(weights) - {
+        "model.layers.2.eh_proj.weight",
+        "model.layers.2.self_attn.q_a_proj.weight",
+    }
+    assert loaded["model.layers.1.mlp.gate.weight"].dtype == torch.float32
+    assert loaded["model.layers.1.self_attn.kv_b_proj.weight"].dtype == torch.bfloat16
+    llm = LLM(str(extra), num_kv_blocks=16)
+    assert (
+        len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids)
+        == 3
+    )

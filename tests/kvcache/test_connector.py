@@ -173,10 +173,15 @@ def test_misuse_raises_value_error(redis_url: str) -> None:
         k16, v16 = _caches(torch.float16)
         with pytest.raises(ValueError, match="does not match"):
             conn.save(HASHES[0], 0, k16, v16)
-        with pytest.raises(ValueError, match="expected 2 K and V caches"):
+        with pytest.raises(ValueError, match="expected 2 K and 2 V caches"):
             conn.load_async(HASHES[:1], [0], k[:1], v[:1])
     with pytest.raises(ValueError, match="block_shape"):
         KVConnector("memory://", "fp", (2, 3, 16, 2, 8), torch.float32)
+    # One part per layer (an MLA latent): V caches are a mistake there.
+    with KVConnector("memory://", "fp", (SHAPE[0], 1, *SHAPE[2:]), torch.float32) as latent:
+        with pytest.raises(ValueError, match="expected 2 K and 0 V caches"):
+            latent.save(HASHES[0], 0, k, v)
+        assert latent.save(HASHES[0], 0, k, []) is True
 
 
 def test_memory_tier_connector_and_close_flushes() -> None:

@@ -142,3 +142,31 @@ def test_producer_with_dead_tier_still_answers(tiny_llama, cold_tokens: list[int
         outs.extend(engine.step())
     assert [t for o in outs for t in o.outputs[0].token_ids] == cold_tokens
     assert outs[-1].kv_transfer["tier_write_complete"] is False and outs[-1].kv_transfer["tier_blocks"] == 0
+
+
+def test_mla_latent_blocks_round_trip_through_redis(tiny_deepseek, redis_url: str) -> None:
+    """DeepSeek's cache is one latent per token: tier blocks are (layers, 1, block, 1, 24), and a
+    second engine serves the prefix from them with the cold run's tokens."""
+    from kvcache.codec import HEADER_SIZE
+
+    cold = LLM(str(tiny_deepseek), **OPTIONS).generate([PROMPT], GREEDY)[0].outputs[0].token_ids
+    a = LLM(str(tiny_deepseek), kv_tier=redis_url, **OPTIONS)
+    assert _run(a) == (cold, 0)
+    assert a.engine.connector.flush(10.0)
+    assert a.engine.connector.kv.block_shape == (2, 1, BLOCK, 1, 24)
+    raw = redis.Redis.from_url(redis_url)
+    keys = [tier_key(a.engine.model_fingerprint, h) for h in block_hashes(PROMPT, BLOCK)]
+    assert [raw.strlen(k) for k in keys] == [HEADER_SIZE + 2 * BLOCK * 24 * 4] * 5
+    b = LLM(str(tiny_deepseek), kv_tier=redis_url, **OPTIONS)
+    assert _run(b) == (cold, LOADABLE * BLOCK)
+    assert b.engine.connector.stats().blocks_loaded == LOADABLE
+    # The blocks landed bit for bit.
+    hashes = block_hashes(PROMPT, BLOCK)[:LOADABLE]
+    ids_a = [
+        a.engine.block_manager.lookup(h, PROMPT[i * BLOCK : (i + 1) * BLOCK]) for i, h in enumerate(hashes)
+    ]
+    ids_b = [
+        b.engine.block_manager.lookup(h, PROMPT[i * BLOCK : (i + 1) * BLOCK]) for i, h in enumerate(hashes)
+    ]
+    for (la,), (lb,) in zip(a.engine.model_runner.kv_caches, b.engine.model_runner.kv_caches, strict=True):
+        assert torch.equal(la[ids_a], lb[ids_b])
