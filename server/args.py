@@ -17,7 +17,7 @@ from engine.config import EngineConfig
 
 # The names in the registries of server/tool_parsers.py and server/reasoning_parsers.py (kept
 # here: this module must stay light).
-TOOL_PARSER_NAMES = ("hermes", "llama3_json", "mistral")
+TOOL_PARSER_NAMES = ("deepseek_v3", "deepseek_v31", "hermes", "kimi_k2", "llama3_json", "mistral")
 REASONING_PARSER_NAMES = ("deepseek_r1", "qwen3")
 
 if TYPE_CHECKING:

@@ -7,7 +7,12 @@ format it was trained on; ``--tool-call-parser`` names that format, as in vLLM:
   any number, after optional text;
 * ``llama3_json`` (Llama 3.1-3.3): the whole answer is ``{"name": …, "parameters": {…}}`` (or
   several separated by ``;``), optionally after ``<|python_tag|>``;
-* ``mistral``: ``[TOOL_CALLS]`` then a JSON array of ``{"name": …, "arguments": {…}}``.
+* ``mistral``: ``[TOOL_CALLS]`` then a JSON array of ``{"name": …, "arguments": {…}}``;
+* ``deepseek_v3`` (DeepSeek-V3, R1): a ``<｜tool▁calls▁begin｜>`` section of
+  ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`` + a fenced JSON block + ``<｜tool▁call▁end｜>``;
+* ``deepseek_v31`` (DeepSeek-V3.1): the same section, each call ``NAME<｜tool▁sep｜>{…}``;
+* ``kimi_k2``: a ``<|tool_calls_section_begin|>`` section of ``<|tool_call_begin|>functions.NAME:i``
+  + ``<|tool_call_argument_begin|>{…}<|tool_call_end|>``.
 
 A parser never loses text: anything that is not a well-formed call stays content. Streaming goes
 through a ``ToolStreamer``, whose result does not depend on how the text was cut into deltas
@@ -204,6 +209,94 @@ class MistralParser(ToolParser):
         return MarkerStreamer(self.START, None, self._read)
 
 
+class SectionParser(ToolParser):
+    """Calls inside one section of special tokens: ``SECTION_START`` (call)+ ``SECTION_END``, each
+    call ``CALL_START`` … ``CALL_END`` read by ``read_call``. Only whitespace may separate calls; a
+    section cut off at the end of the answer keeps the calls that are complete in it."""
+
+    needs_special_tokens = True
+    SECTION_START: ClassVar[str]
+    SECTION_END: ClassVar[str]
+    CALL_START: ClassVar[str]
+    CALL_END: ClassVar[str]
+
+    @abstractmethod
+    def read_call(self, inner: str) -> ParsedCall | None:
+        """The call written between CALL_START and CALL_END, or None if it is not one."""
+
+    def _read(self, body: str) -> list[ParsedCall] | None:
+        calls: list[ParsedCall] = []
+        rest = body.strip()
+        while rest:
+            if not rest.startswith(self.CALL_START):
+                return None
+            inner, found, rest = rest[len(self.CALL_START) :].partition(self.CALL_END)
+            call = self.read_call(inner)
+            if call is None:
+                return None
+            calls.append(call)
+            if not found:  # cut off after a complete call body
+                break
+            rest = rest.strip()
+        return calls or None
+
+    def parse(self, text: str) -> tuple[str, list[ParsedCall]]:
+        streamer = self.streamer()
+        content, calls = streamer.feed(text)
+        more, last = streamer.finish()
+        return (content + more, calls + last) if calls or last else (text, [])
+
+    def streamer(self) -> ToolStreamer:
+        return MarkerStreamer(self.SECTION_START, self.SECTION_END, self._read)
+
+
+def _json_object(text: str) -> str | None:
+    """``text`` as compact-spaced JSON if it is exactly one JSON object, else None."""
+    values = _json_values(text)
+    if values is None or len(values) != 1 or not isinstance(values[0], dict):
+        return None
+    return json.dumps(values[0], ensure_ascii=False)
+
+
+class DeepSeekV3Parser(SectionParser):
+    name = "deepseek_v3"
+    SECTION_START, SECTION_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+    CALL_START, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+
+    def read_call(self, inner: str) -> ParsedCall | None:
+        kind, found, rest = inner.partition(self.SEP)
+        name, _, block = rest.partition("\n")
+        block = block.strip()
+        if not found or kind.strip() != "function" or not name.strip():
+            return None
+        if not (block.startswith("```json") and block.endswith("```")) or len(block) < 10:
+            return None
+        args = _json_object(block[len("```json") : -3])
+        return None if args is None else ParsedCall(name.strip(), args)
+
+
+class DeepSeekV31Parser(DeepSeekV3Parser):
+    name = "deepseek_v31"
+
+    def read_call(self, inner: str) -> ParsedCall | None:
+        name, found, rest = inner.partition(self.SEP)
+        args = _json_object(rest) if found and name.strip() else None
+        return None if args is None else ParsedCall(name.strip(), args)
+
+
+class KimiK2Parser(SectionParser):
+    name = "kimi_k2"
+    SECTION_START, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+    CALL_START, CALL_END, ARGS = "<|tool_call_begin|>", "<|tool_call_end|>", "<|tool_call_argument_begin|>"
+
+    def read_call(self, inner: str) -> ParsedCall | None:
+        call_id, found, rest = inner.partition(self.ARGS)
+        # The id is "functions.NAME:INDEX".
+        name = call_id.strip().removeprefix("functions.").rpartition(":")[0]
+        args = _json_object(rest) if found and name else None
+        return None if args is None else ParsedCall(name, args)
+
+
 class Llama3JsonParser(ToolParser):
     name = "llama3_json"
     TAG = "<|python_tag|>"
@@ -259,7 +352,15 @@ class _WholeAnswerStreamer(ToolStreamer):
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser)
+    p.name: p
+    for p in (
+        HermesParser,
+        Llama3JsonParser,
+        MistralParser,
+        DeepSeekV3Parser,
+        DeepSeekV31Parser,
+        KimiK2Parser,
+    )
 }
 
 

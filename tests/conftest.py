@@ -69,10 +69,18 @@ def tiny_qwen2(models_root: Path) -> Path:
 @pytest.fixture(scope="session")
 def tiny_deepseek(models_root: Path) -> Path:
     """DeepSeek-V3 (MLA: kv_lora_rank 16 + rope 8 cached per token; MoE: 8 experts in 2 groups,
-    2 per token, 1 shared; layer 0 dense; a random score-correction bias)."""
+    2 per token, 1 shared; layer 0 dense; a random score-correction bias); its tokenizer has
+    DeepSeek's tool-call markers as tokens."""
     from engine.demo import build_model
 
-    return build_model(models_root / "deepseek", "deepseek_v3", seed=5)
+    markers = (
+        "<｜tool▁calls▁begin｜>",
+        "<｜tool▁calls▁end｜>",
+        "<｜tool▁call▁begin｜>",
+        "<｜tool▁call▁end｜>",
+        "<｜tool▁sep｜>",
+    )
+    return build_model(models_root / "deepseek", "deepseek_v3", seed=5, extra_tokens=markers)
 
 
 @pytest.fixture(scope="session")

@@ -62,6 +62,59 @@ CASES = {
         ("[TOOL_CALLS] oops", "[TOOL_CALLS] oops", []),
         ("plain [TOOL text", "plain [TOOL text", []),
     ],
+    "deepseek_v3": [
+        (
+            "Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+            '{"city": "Paris"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>now\n'
+            "```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+            "Checking.",
+            [W, NOW],
+        ),
+        (  # cut off after the first complete call
+            "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>now\n```json\n{}\n```<｜tool▁call▁end｜>",
+            "",
+            [NOW],
+        ),
+        (  # arguments that are not a JSON object: all of it stays text
+            "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>now\n```json\n[1]\n```"
+            "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+            "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>now\n```json\n[1]\n```"
+            "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+            [],
+        ),
+        ("no call <｜tool▁calls", "no call <｜tool▁calls", []),
+    ],
+    "deepseek_v31": [
+        (
+            '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}<｜tool▁call▁end｜>'
+            "<｜tool▁call▁begin｜>now<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜> Done.",
+            " Done.",
+            [W, NOW],
+        ),
+        (  # V3's fenced form is not V3.1's
+            "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>now\n```json\n{}\n```"
+            "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+            "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>now\n```json\n{}\n```"
+            "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+            [],
+        ),
+    ],
+    "kimi_k2": [
+        (
+            "Sure.<|tool_calls_section_begin|> <|tool_call_begin|> functions.get_weather:0 "
+            '<|tool_call_argument_begin|> {"city": "Paris"} <|tool_call_end|> <|tool_call_begin|>'
+            "functions.now:1<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>",
+            "Sure.",
+            [W, NOW],
+        ),
+        (  # no index after the name: not Kimi's id
+            "<|tool_calls_section_begin|><|tool_call_begin|>functions.now<|tool_call_argument_begin|>{}"
+            "<|tool_call_end|><|tool_calls_section_end|>",
+            "<|tool_calls_section_begin|><|tool_call_begin|>functions.now<|tool_call_argument_begin|>{}"
+            "<|tool_call_end|><|tool_calls_section_end|>",
+            [],
+        ),
+    ],
 }
 ALL = [(name, *case) for name, cases in CASES.items() for case in cases]
 
@@ -101,10 +154,24 @@ def test_content_before_a_call_streams_before_the_call_is_complete() -> None:
 
 def test_unknown_parser() -> None:
     with pytest.raises(
-        ValueError, match="unknown tool-call parser 'nope'; known: hermes, llama3_json, mistral"
+        ValueError,
+        match="unknown tool-call parser 'nope'; known: deepseek_v3, deepseek_v31, hermes, kimi_k2, llama3_json, mistral",
     ):
         get_tool_parser("nope")
-    assert sorted(TOOL_PARSERS) == ["hermes", "llama3_json", "mistral"]
+    assert sorted(TOOL_PARSERS) == [
+        "deepseek_v3",
+        "deepseek_v31",
+        "hermes",
+        "kimi_k2",
+        "llama3_json",
+        "mistral",
+    ]
+    # The CLI's choices (server/args.py stays light, so it names them itself) are the registry's.
+    from server.args import REASONING_PARSER_NAMES, TOOL_PARSER_NAMES
+    from server.reasoning_parsers import REASONING_PARSERS
+
+    assert sorted(TOOL_PARSER_NAMES) == sorted(TOOL_PARSERS)
+    assert sorted(REASONING_PARSER_NAMES) == sorted(REASONING_PARSERS)
 
 
 TOOLS = [
