@@ -163,6 +163,14 @@ class MarkerStreamer(ToolStreamer):
         return "", read
 
 
+def _parse_by_streaming(parser: ToolParser, text: str) -> tuple[str, list[ParsedCall]]:
+    """A whole answer read as one delta: the same result as streaming it, by construction."""
+    streamer = parser.streamer()
+    content, calls = streamer.feed(text)
+    more, last = streamer.finish()
+    return (content + more, calls + last) if calls or last else (text, [])
+
+
 class HermesParser(ToolParser):
     name = "hermes"
     START, END = "<tool_call>", "</tool_call>"
@@ -176,10 +184,7 @@ class HermesParser(ToolParser):
         return None if any(c is None for c in calls) else calls  # type: ignore[return-value]
 
     def parse(self, text: str) -> tuple[str, list[ParsedCall]]:
-        streamer = self.streamer()
-        content, calls = streamer.feed(text)
-        more, last = streamer.finish()
-        return (content + more, calls + last) if calls or last else (text, [])
+        return _parse_by_streaming(self, text)
 
     def streamer(self) -> ToolStreamer:
         return MarkerStreamer(self.START, self.END, self._read)
@@ -241,10 +246,7 @@ class SectionParser(ToolParser):
         return calls or None
 
     def parse(self, text: str) -> tuple[str, list[ParsedCall]]:
-        streamer = self.streamer()
-        content, calls = streamer.feed(text)
-        more, last = streamer.finish()
-        return (content + more, calls + last) if calls or last else (text, [])
+        return _parse_by_streaming(self, text)
 
     def streamer(self) -> ToolStreamer:
         return MarkerStreamer(self.SECTION_START, self.SECTION_END, self._read)
