@@ -8,10 +8,10 @@ every head attends over the cached latents directly as one shared KV head whose 
 latent's first ``kv_lora_rank`` dims; the value half (``W_UV``) is applied to each head's output.
 The cache is never expanded per head, for prefill and decode alike.
 
-MoE layers route each token to ``experts_per_token`` of ``num_experts`` experts (V3: sigmoid
-scores plus a correction bias choose, group-limited, the raw scores weigh, normalised and scaled;
-V2: softmax scores, top-k overall or within the best groups) and always add the shared experts. Experts run one matmul pair per expert over the tokens routed to
-it. The first ``first_dense_layers`` layers have a dense MLP instead.
+MoE layers (``engine/models/moe.py``) route each token to ``experts_per_token`` of ``num_experts``
+experts (V3: sigmoid scores plus a correction bias choose, group-limited; V2: softmax scores, top-k
+overall or within the best groups) and add the shared experts; the first ``first_dense_layers``
+layers have a dense MLP instead.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.models.config import ModelConfig
 from engine.models.llama import Linear, invariant_linear
+from engine.models.moe import MoE, load_dense_mlp
 from engine.models.rope import build_cos_sin_cache, softmax_scale_factor
 from engine.ops import Ops
 
@@ -50,6 +51,7 @@ class DeepseekForCausalLM:
         self.attention = attention
         self.deterministic = deterministic
         self.linear: Linear = invariant_linear if deterministic else F.linear
+        self.moe_mlp = MoE(self.moe, self.linear, ops.silu_and_mul)
         mla = self.mla
         self.qk_head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
         self.scale = self.qk_head_dim**-0.5 * softmax_scale_factor(cfg.rope_scaling)
@@ -95,28 +97,7 @@ class DeepseekForCausalLM:
         layer["w_uk"] = kv_b[:, : mla.qk_nope_head_dim].contiguous()  # [H, nope, rank]
         layer["w_uv_t"] = kv_b[:, mla.qk_nope_head_dim :].transpose(1, 2).contiguous()  # [H, rank, v]
         m = p + "mlp."
-        if self.moe.is_moe_layer(i):
-            e = self.moe.num_experts
-            if m + "experts.gate_up_proj" in w:  # transformers' fused in-memory layout
-                w13, w2 = w.pop(m + "experts.gate_up_proj"), w.pop(m + "experts.down_proj")
-            else:  # checkpoints: one tensor per expert
-                w13 = torch.stack(
-                    [torch.cat([w.pop(f"{m}experts.{j}.gate_proj.weight"), w.pop(f"{m}experts.{j}.up_proj.weight")]) for j in range(e)]
-                )  # fmt: skip
-                w2 = torch.stack([w.pop(f"{m}experts.{j}.down_proj.weight") for j in range(e)])
-            layer["w13"], layer["w2"] = w13, w2  # [E, 2I, hidden], [E, hidden, I]
-            layer["router"] = w.pop(m + "gate.weight").float()
-            bias = w.pop(m + "gate.e_score_correction_bias", None)
-            layer["router_bias"] = (
-                torch.zeros(e, dtype=torch.float32, device=w13.device) if bias is None else bias.float()
-            )
-            s = m + "shared_experts."
-            if self.moe.num_shared_experts:
-                layer["gate_up"] = torch.cat([w.pop(s + "gate_proj.weight"), w.pop(s + "up_proj.weight")])
-                layer["down"] = w.pop(s + "down_proj.weight")
-        else:
-            layer["gate_up"] = torch.cat([w.pop(m + "gate_proj.weight"), w.pop(m + "up_proj.weight")])
-            layer["down"] = w.pop(m + "down_proj.weight")
+        layer.update(self.moe_mlp.load(w, m) if self.moe.is_moe_layer(i) else load_dense_mlp(w, m))
         return layer
 
     # -- forward -------------------------------------------------------------------------------------
@@ -138,7 +119,7 @@ class DeepseekForCausalLM:
                 residual = hidden
             hidden = self._attention(x, positions, layer, kv_cache, meta)
             x, residual = ops.rms_norm(hidden, layer["post_norm"], eps, residual)
-            hidden = self._moe(x, layer) if "router" in layer else self._mlp(x, layer)
+            hidden = self.moe_mlp.forward(x, layer) if "router" in layer else self._mlp(x, layer)
         out, _ = ops.rms_norm(hidden, self.norm, eps, residual)
         return out
 
@@ -193,71 +174,6 @@ class DeepseekForCausalLM:
 
     def _mlp(self, x: torch.Tensor, layer: dict) -> torch.Tensor:
         return self.linear(self.ops.silu_and_mul(self.linear(x, layer["gate_up"], None)), layer["down"], None)
-
-    def _moe(self, x: torch.Tensor, layer: dict) -> torch.Tensor:
-        moe, linear = self.moe, self.linear
-        weights, experts = self._route(x, layer)  # [T, k] fp32, [T, k]
-        out = torch.zeros_like(x)
-        flat = experts.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, token order kept
-        counts = torch.bincount(flat, minlength=moe.num_experts).tolist()
-        tokens = order // moe.experts_per_token
-        flat_weights = weights.reshape(-1)
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            rows, pairs = tokens[start : start + n], order[start : start + n]
-            start += n
-            h = linear(
-                self.ops.silu_and_mul(linear(x.index_select(0, rows), layer["w13"][e], None)),
-                layer["w2"][e],
-                None,
-            )
-            out.index_add_(0, rows, (h * flat_weights.index_select(0, pairs)[:, None]).to(x.dtype))
-        if "gate_up" in layer:
-            out = out + self._mlp(x, layer)
-        return out
-
-    def _route(self, x: torch.Tensor, layer: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each token's experts and their fp32 weights (see ``MoEConfig``)."""
-        logits = self.linear(x.float(), layer["router"], None)
-        if self.moe.scoring == "softmax":
-            return self._route_v2(logits.softmax(dim=-1))
-        return self._route_v3(logits.sigmoid(), layer["router_bias"])
-
-    def _route_v2(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Softmax scores; with ``group_limited_greedy`` only the ``topk_groups`` groups holding
-        the best single scores compete."""
-        moe = self.moe
-        if moe.topk_method == "group_limited_greedy":
-            t = scores.shape[0]
-            grouped = scores.view(t, moe.num_groups, -1)
-            keep = torch.zeros(t, moe.num_groups, dtype=torch.bool, device=scores.device)
-            keep.scatter_(1, grouped.amax(dim=-1).topk(moe.topk_groups, dim=-1, sorted=False)[1], True)
-            scores = grouped.masked_fill(~keep[:, :, None], 0.0).view(t, -1)
-        weights, experts = scores.topk(moe.experts_per_token, dim=-1, sorted=False)
-        if moe.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * moe.routed_scaling_factor, experts
-
-    def _route_v3(self, scores: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sigmoid scores; the choice adds the correction bias and keeps only the
-        ``topk_groups`` groups whose two best experts score highest; the raw scores weigh."""
-        moe = self.moe
-        t = scores.shape[0]
-        choice = scores + bias
-        if moe.num_groups > 1:
-            grouped = choice.view(t, moe.num_groups, -1)
-            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, groups]
-            keep = torch.zeros_like(group_scores, dtype=torch.bool)
-            keep.scatter_(1, group_scores.topk(moe.topk_groups, dim=-1, sorted=False)[1], True)
-            choice = grouped.masked_fill(~keep[:, :, None], float("-inf")).view(t, -1)
-        experts = choice.topk(moe.experts_per_token, dim=-1, sorted=False)[1]
-        weights = scores.gather(1, experts)
-        if moe.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * moe.routed_scaling_factor, experts
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits ``[N, vocab]`` for the rows that need them."""

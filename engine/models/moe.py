@@ -1,0 +1,124 @@
+"""The mixture-of-experts MLP shared by the MoE decoders (DeepSeek-V2/V3, Qwen3-MoE).
+
+Weights: each layer's experts stacked as ``w13`` [E, 2I, hidden] (gate and up fused) and ``w2``
+[E, hidden, I], read from one tensor per expert (checkpoints) or from transformers' fused
+in-memory layout; the router's weight (and DeepSeek-V3's score-correction bias) in fp32; the
+shared experts, if any, as one dense MLP.
+
+Forward: route each token to ``experts_per_token`` experts (``MoEConfig`` says how), then one
+matmul pair per expert over the tokens routed to it, weighted and summed per token in expert
+order (transformers' order), plus the shared experts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from engine.models.config import MoEConfig
+
+Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+Weights = dict[str, torch.Tensor]
+
+
+def load_dense_mlp(w: Weights, prefix: str) -> dict[str, torch.Tensor]:
+    """``gate_up`` (fused) and ``down`` of a SwiGLU MLP at ``prefix`` (``….mlp.``)."""
+    return {
+        "gate_up": torch.cat([w.pop(prefix + "gate_proj.weight"), w.pop(prefix + "up_proj.weight")]),
+        "down": w.pop(prefix + "down_proj.weight"),
+    }
+
+
+class MoE:
+    def __init__(
+        self, cfg: MoEConfig, linear: Linear, silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    ) -> None:
+        self.cfg = cfg
+        self.linear = linear
+        self.silu_and_mul = silu_and_mul
+
+    def load(self, w: Weights, prefix: str) -> dict[str, torch.Tensor]:
+        """One MoE layer's weights at ``prefix`` (``model.layers.N.mlp.``), popped from ``w``."""
+        e = self.cfg.num_experts
+        if prefix + "experts.gate_up_proj" in w:  # transformers' fused in-memory layout
+            w13, w2 = w.pop(prefix + "experts.gate_up_proj"), w.pop(prefix + "experts.down_proj")
+        else:  # checkpoints: one tensor per expert
+            ex = prefix + "experts."
+            w13 = torch.stack(
+                [
+                    torch.cat([w.pop(f"{ex}{j}.gate_proj.weight"), w.pop(f"{ex}{j}.up_proj.weight")])
+                    for j in range(e)
+                ]
+            )
+            w2 = torch.stack([w.pop(f"{ex}{j}.down_proj.weight") for j in range(e)])
+        layer = {"w13": w13, "w2": w2, "router": w.pop(prefix + "gate.weight").float()}
+        bias = w.pop(prefix + "gate.e_score_correction_bias", None)
+        layer["router_bias"] = (
+            torch.zeros(e, dtype=torch.float32, device=w13.device) if bias is None else bias.float()
+        )
+        if self.cfg.num_shared_experts:
+            layer.update(load_dense_mlp(w, prefix + "shared_experts."))
+        return layer
+
+    def forward(self, x: torch.Tensor, layer: dict[str, torch.Tensor]) -> torch.Tensor:
+        cfg, linear = self.cfg, self.linear
+        weights, experts = self.route(x, layer)  # [T, k] fp32, [T, k]
+        out = torch.zeros_like(x)
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, token order kept
+        counts = torch.bincount(flat, minlength=cfg.num_experts).tolist()
+        tokens = order // cfg.experts_per_token
+        flat_weights = weights.reshape(-1)
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            rows, pairs = tokens[start : start + n], order[start : start + n]
+            start += n
+            h = self.silu_and_mul(linear(x.index_select(0, rows), layer["w13"][e], None))
+            h = linear(h, layer["w2"][e], None)
+            out.index_add_(0, rows, (h * flat_weights.index_select(0, pairs)[:, None]).to(x.dtype))
+        if "gate_up" in layer:  # shared experts
+            out = out + linear(self.silu_and_mul(linear(x, layer["gate_up"], None)), layer["down"], None)
+        return out
+
+    def route(self, x: torch.Tensor, layer: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's experts and their fp32 weights (see ``MoEConfig``)."""
+        logits = self.linear(x.float(), layer["router"], None)
+        if self.cfg.scoring == "softmax":
+            return self._route_softmax(logits.softmax(dim=-1))
+        return self._route_sigmoid(logits.sigmoid(), layer["router_bias"])
+
+    def _route_softmax(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Softmax scores (DeepSeek-V2, Qwen3-MoE); with ``group_limited_greedy`` only the
+        ``topk_groups`` groups holding the best single scores compete."""
+        cfg = self.cfg
+        if cfg.topk_method == "group_limited_greedy":
+            t = scores.shape[0]
+            grouped = scores.view(t, cfg.num_groups, -1)
+            keep = torch.zeros(t, cfg.num_groups, dtype=torch.bool, device=scores.device)
+            keep.scatter_(1, grouped.amax(dim=-1).topk(cfg.topk_groups, dim=-1, sorted=False)[1], True)
+            scores = grouped.masked_fill(~keep[:, :, None], 0.0).view(t, -1)
+        weights, experts = scores.topk(cfg.experts_per_token, dim=-1, sorted=False)
+        if cfg.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * cfg.routed_scaling_factor, experts
+
+    def _route_sigmoid(self, scores: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sigmoid scores (DeepSeek-V3); the choice adds the correction bias and keeps only the
+        ``topk_groups`` groups whose two best experts score highest; the raw scores weigh."""
+        cfg = self.cfg
+        t = scores.shape[0]
+        choice = scores + bias
+        if cfg.num_groups > 1:
+            grouped = choice.view(t, cfg.num_groups, -1)
+            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, groups]
+            keep = torch.zeros_like(group_scores, dtype=torch.bool)
+            keep.scatter_(1, group_scores.topk(cfg.topk_groups, dim=-1, sorted=False)[1], True)
+            choice = grouped.masked_fill(~keep[:, :, None], float("-inf")).view(t, -1)
+        experts = choice.topk(cfg.experts_per_token, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, experts)
+        if cfg.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * cfg.routed_scaling_factor, experts
