@@ -94,7 +94,8 @@ def build_model(
 
     ``arch`` is "llama", "qwen2" (attention q/k/v bias), "deepseek_v3" (MLA + MoE: 8 routed
     experts in 2 groups, 2 per token, 1 shared; layer 0 dense; ``rope_scaling`` may be YaRN),
-    "deepseek_v2" (softmax router, group-limited) or "deepseek_v2_lite" (no q_lora_rank, greedy).
+    "deepseek_v2" (softmax router, group-limited), "deepseek_v2_lite" (no q_lora_rank, greedy),
+    "qwen3" (per-head q/k norm) or "qwen3_moe" (8 experts, 2 per token; layer 0 dense).
     The model's eos is ``<|im_end|>``.
     """
     import torch
@@ -129,6 +130,18 @@ def build_model(
     elif arch == "qwen2":
         cfg = Qwen2Config(**common)
         cls = Qwen2ForCausalLM
+    elif arch in ("qwen3", "qwen3_moe"):
+        import transformers
+
+        head_dim = hidden_size // num_attention_heads  # Qwen3Config's default is 128
+        if arch == "qwen3":
+            cfg, cls = transformers.Qwen3Config(**common, head_dim=head_dim), transformers.Qwen3ForCausalLM
+        else:  # 8 experts, 2 per token, normalised; layer 0 dense (mlp_only_layers)
+            moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=intermediate_size // 4)
+            cfg = transformers.Qwen3MoeConfig(
+                **common, head_dim=head_dim, **moe, norm_topk_prob=True, mlp_only_layers=[0]
+            )
+            cls = transformers.Qwen3MoeForCausalLM
     elif arch.startswith("deepseek"):
         import transformers
 

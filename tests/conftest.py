@@ -67,6 +67,22 @@ def tiny_qwen2(models_root: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3(models_root: Path) -> Path:
+    """Qwen3 (per-head RMSNorm of q and k), GQA."""
+    from engine.demo import build_model
+
+    return build_model(models_root / "qwen3", "qwen3", seed=9)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe(models_root: Path) -> Path:
+    """Qwen3-MoE: 8 experts, 2 per token (normalised), layer 0 dense."""
+    from engine.demo import build_model
+
+    return build_model(models_root / "qwen3_moe", "qwen3_moe", seed=10)
+
+
+@pytest.fixture(scope="session")
 def tiny_deepseek(models_root: Path) -> Path:
     """DeepSeek-V3 (MLA: kv_lora_rank 16 + rope 8 cached per token; MoE: 8 experts in 2 groups,
     2 per token, 1 shared; layer 0 dense; a random score-correction bias); its tokenizer has

@@ -44,9 +44,12 @@ class MoEConfig:
     # ("group_limited_greedy").
     scoring: str = "sigmoid"  # sigmoid | softmax
     topk_method: str = "noaux_tc"  # noaux_tc | greedy | group_limited_greedy
+    # Qwen3-MoE: every sparse_step-th layer is MoE, except the mlp_only_layers.
+    sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def is_moe_layer(self, i: int) -> bool:
-        return i >= self.first_dense_layers
+        return i >= self.first_dense_layers and i not in self.mlp_only_layers and (i + 1) % self.sparse_step == 0
 
 
 @dataclass(frozen=True)
@@ -178,10 +181,27 @@ def _mla(raw: dict[str, Any]) -> MLAConfig | None:
 
 
 def _moe(raw: dict[str, Any]) -> MoEConfig | None:
+    arch = (raw.get("architectures") or [""])[0]
+    if arch == "Qwen3MoeForCausalLM":
+        return MoEConfig(
+            num_experts=int(raw.get("num_experts") or raw["num_local_experts"]),  # transformers 4 / 5
+            experts_per_token=int(raw["num_experts_per_tok"]),
+            num_shared_experts=0,
+            intermediate_size=int(raw["moe_intermediate_size"]),
+            first_dense_layers=0,
+            num_groups=1,
+            topk_groups=1,
+            routed_scaling_factor=1.0,
+            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+            scoring="softmax",
+            topk_method="greedy",
+            sparse_step=int(raw.get("decoder_sparse_step") or 1),
+            mlp_only_layers=tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
+        )
     experts = raw.get("n_routed_experts")
     if not experts:
         return None
-    if (raw.get("architectures") or [""])[0] == "DeepseekV2ForCausalLM":
+    if arch == "DeepseekV2ForCausalLM":
         scoring, method = "softmax", raw.get("topk_method") or "greedy"
         if method not in ("greedy", "group_limited_greedy"):
             raise ValueError(
@@ -211,15 +231,16 @@ def _sliding_windows(
     if model_type == "llama":
         return None, (None,) * num_layers  # transformers' Llama ignores a sliding_window entry
     # MistralConfig and Qwen2Config both default a missing sliding_window to 4096.
-    window = raw.get("sliding_window", 4096 if model_type in ("mistral", "qwen2") else None)
-    if model_type == "qwen2" and not raw.get("use_sliding_window", False):
+    qwen = model_type in ("qwen2", "qwen3", "qwen3_moe")
+    window = raw.get("sliding_window", 4096 if model_type == "mistral" or qwen else None)
+    if qwen and not raw.get("use_sliding_window", False):
         window = None  # Qwen2 configs carry a window size but only use it when told to
     if not window:
         return None, (None,) * num_layers
     window = int(window)
-    if model_type != "qwen2":
+    if not qwen:
         return window, (window,) * num_layers
-    # Qwen2: transformers 5 lists layer types; older configs window the layers from
+    # Qwen2/Qwen3: transformers 5 lists layer types; older configs window the layers from
     # max_window_layers on.
     types = raw.get("layer_types")
     if types is None:

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Mistral; Qwen2 = Llama with q/k/v bias) over the paged KV cache.
+"""Llama-family decoder over the paged KV cache: Llama 2/3, Mistral, Qwen2 (q/k/v bias), Qwen3
+(per-head RMSNorm of q and k before rotary) and Qwen3-MoE (Qwen3 with mixture-of-experts MLPs).
 
 The forward works on a flattened batch: every new token of every scheduled sequence in one
 ``[T]`` dimension, so prefill chunks and decode steps share one pass. Weights are held as plain
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.models.config import ModelConfig
+from engine.models.moe import MoE, load_dense_mlp
 from engine.models.rope import build_cos_sin_cache
 from engine.ops import Ops
 
@@ -54,6 +56,7 @@ class LlamaForCausalLM:
         self.ops = ops
         self.attention = attention
         self.linear: Linear = invariant_linear if deterministic else F.linear
+        self.moe = None if cfg.moe is None else MoE(cfg.moe, self.linear, ops.silu_and_mul)
         self.scale = cfg.head_dim**-0.5
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
@@ -66,8 +69,7 @@ class LlamaForCausalLM:
         self.layers = [self._layer(weights, i) for i in range(cfg.num_layers)]
         self.windows = cfg.layer_windows or (None,) * cfg.num_layers
 
-    @staticmethod
-    def _layer(w: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor | None]:
+    def _layer(self, w: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor | None]:
         p = f"model.layers.{i}."
         a = p + "self_attn."
         qkv = torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]])
@@ -75,15 +77,19 @@ class LlamaForCausalLM:
         if a + "q_proj.bias" in w:
             bias = torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"]])
         m = p + "mlp."
-        return {
+        layer = {
             "in_norm": w[p + "input_layernorm.weight"],
             "qkv": qkv,
             "qkv_bias": bias,
             "o": w[a + "o_proj.weight"],
+            "o_bias": w.get(a + "o_proj.bias"),
             "post_norm": w[p + "post_attention_layernorm.weight"],
-            "gate_up": torch.cat([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]]),
-            "down": w[m + "down_proj.weight"],
         }
+        if a + "q_norm.weight" in w:  # Qwen3
+            layer["q_norm"], layer["k_norm"] = w[a + "q_norm.weight"], w[a + "k_norm.weight"]
+        moe = self.moe is not None and self.moe.cfg.is_moe_layer(i)
+        layer.update(self.moe.load(w, m) if moe else load_dense_mlp(w, m))  # type: ignore[union-attr]
+        return layer
 
     def forward(
         self,
@@ -106,12 +112,18 @@ class LlamaForCausalLM:
             q = qkv[:, : self.q_size].reshape(t, cfg.num_heads, cfg.head_dim)
             k = qkv[:, self.q_size : self.q_size + self.kv_size].reshape(t, cfg.num_kv_heads, cfg.head_dim)
             v = qkv[:, self.q_size + self.kv_size :].reshape(t, cfg.num_kv_heads, cfg.head_dim)
+            if "q_norm" in layer:  # per head, before rotary
+                q = ops.rms_norm(q.reshape(-1, cfg.head_dim), layer["q_norm"], eps)[0].view(q.shape)
+                k = ops.rms_norm(k.reshape(-1, cfg.head_dim), layer["k_norm"], eps)[0].view(k.shape)
             q, k = q.contiguous(), k.contiguous()
             ops.rotary_embedding(positions, q, k, self.cos_sin_cache)
             attn = self.attention.forward(q, k, v.contiguous(), k_cache, v_cache, meta, self.scale, window)
-            hidden = linear(attn.reshape(t, self.q_size), layer["o"], None)
+            hidden = linear(attn.reshape(t, self.q_size), layer["o"], layer["o_bias"])
             x, residual = ops.rms_norm(hidden, layer["post_norm"], eps, residual)
-            hidden = linear(ops.silu_and_mul(linear(x, layer["gate_up"], None)), layer["down"], None)
+            if "router" in layer:
+                hidden = self.moe.forward(x, layer)  # type: ignore[union-attr]
+            else:
+                hidden = linear(ops.silu_and_mul(linear(x, layer["gate_up"], None)), layer["down"], None)
         out, _ = ops.rms_norm(hidden, self.norm, eps, residual)
         return out
 

@@ -8,6 +8,8 @@ _MODELS: dict[str, str] = {
     "LlamaForCausalLM": "engine.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "engine.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "engine.models.llama:LlamaForCausalLM",  # Llama + q/k/v bias
+    "Qwen3ForCausalLM": "engine.models.llama:LlamaForCausalLM",  # Llama + per-head q/k norm
+    "Qwen3MoeForCausalLM": "engine.models.llama:LlamaForCausalLM",  # Qwen3 + MoE MLPs
     "DeepseekV2ForCausalLM": "engine.models.deepseek:DeepseekForCausalLM",  # MLA + MoE (softmax router)
     "DeepseekV3ForCausalLM": "engine.models.deepseek:DeepseekForCausalLM",  # MLA + MoE (sigmoid router)
 }

@@ -14,6 +14,8 @@ MODELS = [
     "tiny_llama_tied",
     "tiny_llama3_rope",
     "tiny_llama_yarn",
+    "tiny_qwen3",  # per-head q/k norm
+    "tiny_qwen3_moe",  # softmax router, no shared experts, a dense layer
     "tiny_deepseek",  # MLA + MoE (sigmoid router with correction bias, group-limited)
     "tiny_deepseek_yarn",
     "tiny_deepseek_v2",  # softmax router, group-limited

@@ -203,3 +203,23 @@ def test_layers_past_num_hidden_layers_are_not_read(tiny_deepseek, tmp_path) -> 
         len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids)
         == 3
     )
+
+
+def test_qwen3_windows_and_moe_layers_as_transformers_reads_them() -> None:
+    qwen3 = {**BASE, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "num_hidden_layers": 4}
+    assert ModelConfig.from_dict(qwen3).layer_windows == (None,) * 4  # use_sliding_window defaults off
+    sliding = {**qwen3, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2}
+    assert ModelConfig.from_dict(sliding).layer_windows == (None, None, 8, 8)
+    moe = {
+        **qwen3,
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "num_experts": 8,  # transformers 4's key (5 writes num_local_experts)
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "decoder_sparse_step": 2,
+        "mlp_only_layers": [3],
+    }
+    cfg = ModelConfig.from_dict(moe).moe
+    assert cfg is not None and (cfg.num_experts, cfg.scoring, cfg.norm_topk_prob) == (8, "softmax", False)
+    assert [cfg.is_moe_layer(i) for i in range(4)] == [False, True, False, False]

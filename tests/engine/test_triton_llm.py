@@ -33,8 +33,9 @@ def run(model: Path, backend: str, prompts: list[list[int]], **extra: object) ->
     return [out.outputs[0].token_ids for out in llm.generate(prompts, GREEDY)]
 
 
-# DeepSeek: the Triton norm, rotary (one shared rotary key head) and SiLU kernels around MLA.
-@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2", "tiny_deepseek"])
+# DeepSeek: the Triton norm, rotary (one shared rotary key head) and SiLU kernels around MLA;
+# Qwen3-MoE: the norm kernel on per-head q/k rows, and the experts.
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2", "tiny_deepseek", "tiny_qwen3_moe"])
 def test_triton_greedy_tokens_match_torch_backend(fixture: str, request: pytest.FixtureRequest) -> None:
     model = request.getfixturevalue(fixture)
     expected = run(model, "torch", PROMPTS)
