@@ -95,7 +95,8 @@ def build_model(
     ``arch`` is "llama", "qwen2" (attention q/k/v bias), "deepseek_v3" (MLA + MoE: 8 routed
     experts in 2 groups, 2 per token, 1 shared; layer 0 dense; ``rope_scaling`` may be YaRN),
     "deepseek_v2" (softmax router, group-limited), "deepseek_v2_lite" (no q_lora_rank, greedy),
-    "qwen3" (per-head q/k norm) or "qwen3_moe" (8 experts, 2 per token; layer 0 dense).
+    "qwen3" (per-head q/k norm), "qwen3_moe" (8 experts, 2 per token; layer 0 dense) or "mixtral"
+    (4 experts, 2 per token).
     The model's eos is ``<|im_end|>``.
     """
     import torch
@@ -130,6 +131,11 @@ def build_model(
     elif arch == "qwen2":
         cfg = Qwen2Config(**common)
         cls = Qwen2ForCausalLM
+    elif arch == "mixtral":  # 4 experts, 2 per token
+        import transformers
+
+        moe = dict(num_local_experts=4, num_experts_per_tok=2)
+        cfg, cls = transformers.MixtralConfig(**common, **moe), transformers.MixtralForCausalLM
     elif arch in ("qwen3", "qwen3_moe"):
         import transformers
 

@@ -83,6 +83,14 @@ def tiny_qwen3_moe(models_root: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_mixtral(models_root: Path) -> Path:
+    """Mixtral: 4 experts, 2 per token (block_sparse_moe.experts.N.w1/w2/w3)."""
+    from engine.demo import build_model
+
+    return build_model(models_root / "mixtral", "mixtral", seed=11)
+
+
+@pytest.fixture(scope="session")
 def tiny_deepseek(models_root: Path) -> Path:
     """DeepSeek-V3 (MLA: kv_lora_rank 16 + rope 8 cached per token; MoE: 8 experts in 2 groups,
     2 per token, 1 shared; layer 0 dense; a random score-correction bias); its tokenizer has

@@ -49,7 +49,9 @@ class MoEConfig:
     mlp_only_layers: tuple[int, ...] = ()
 
     def is_moe_layer(self, i: int) -> bool:
-        return i >= self.first_dense_layers and i not in self.mlp_only_layers and (i + 1) % self.sparse_step == 0
+        return (
+            i >= self.first_dense_layers and i not in self.mlp_only_layers and (i + 1) % self.sparse_step == 0
+        )
 
 
 @dataclass(frozen=True)
@@ -182,6 +184,20 @@ def _mla(raw: dict[str, Any]) -> MLAConfig | None:
 
 def _moe(raw: dict[str, Any]) -> MoEConfig | None:
     arch = (raw.get("architectures") or [""])[0]
+    if arch == "MixtralForCausalLM":
+        return MoEConfig(
+            num_experts=int(raw["num_local_experts"]),
+            experts_per_token=int(raw["num_experts_per_tok"]),
+            num_shared_experts=0,
+            intermediate_size=int(raw["intermediate_size"]),
+            first_dense_layers=0,
+            num_groups=1,
+            topk_groups=1,
+            routed_scaling_factor=1.0,
+            norm_topk_prob=True,
+            scoring="softmax",
+            topk_method="greedy",
+        )
     if arch == "Qwen3MoeForCausalLM":
         return MoEConfig(
             num_experts=int(raw.get("num_experts") or raw["num_local_experts"]),  # transformers 4 / 5

@@ -1,5 +1,5 @@
 """Llama-family decoder over the paged KV cache: Llama 2/3, Mistral, Qwen2 (q/k/v bias), Qwen3
-(per-head RMSNorm of q and k before rotary) and Qwen3-MoE (Qwen3 with mixture-of-experts MLPs).
+(per-head RMSNorm of q and k before rotary), Qwen3-MoE and Mixtral (mixture-of-experts MLPs).
 
 The forward works on a flattened batch: every new token of every scheduled sequence in one
 ``[T]`` dimension, so prefill chunks and decode steps share one pass. Weights are held as plain
@@ -76,7 +76,7 @@ class LlamaForCausalLM:
         bias = None
         if a + "q_proj.bias" in w:
             bias = torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"]])
-        m = p + "mlp."
+        m = p + ("block_sparse_moe." if p + "block_sparse_moe.gate.weight" in w else "mlp.")  # Mixtral's name
         layer = {
             "in_norm": w[p + "input_layernorm.weight"],
             "qkv": qkv,

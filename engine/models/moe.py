@@ -1,4 +1,4 @@
-"""The mixture-of-experts MLP shared by the MoE decoders (DeepSeek-V2/V3, Qwen3-MoE).
+"""The mixture-of-experts MLP shared by the MoE decoders (DeepSeek-V2/V3, Qwen3-MoE, Mixtral).
 
 Weights: each layer's experts stacked as ``w13`` [E, 2I, hidden] (gate and up fused) and ``w2``
 [E, hidden, I], read from one tensor per expert (checkpoints) or from transformers' fused
@@ -43,15 +43,13 @@ class MoE:
         e = self.cfg.num_experts
         if prefix + "experts.gate_up_proj" in w:  # transformers' fused in-memory layout
             w13, w2 = w.pop(prefix + "experts.gate_up_proj"), w.pop(prefix + "experts.down_proj")
-        else:  # checkpoints: one tensor per expert
+        else:  # checkpoints: one tensor per expert (Mixtral names them w1, w3, w2)
             ex = prefix + "experts."
-            w13 = torch.stack(
-                [
-                    torch.cat([w.pop(f"{ex}{j}.gate_proj.weight"), w.pop(f"{ex}{j}.up_proj.weight")])
-                    for j in range(e)
-                ]
-            )
-            w2 = torch.stack([w.pop(f"{ex}{j}.down_proj.weight") for j in range(e)])
+            mixtral = f"{ex}0.w1.weight" in w
+            gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+            pairs = [(w.pop(f"{ex}{j}.{gate}.weight"), w.pop(f"{ex}{j}.{up}.weight")) for j in range(e)]
+            w13 = torch.stack([torch.cat(pair) for pair in pairs])
+            w2 = torch.stack([w.pop(f"{ex}{j}.{down}.weight") for j in range(e)])
         layer = {"w13": w13, "w2": w2, "router": w.pop(prefix + "gate.weight").float()}
         bias = w.pop(prefix + "gate.e_score_correction_bias", None)
         layer["router_bias"] = (

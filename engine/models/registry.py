@@ -7,6 +7,7 @@ import importlib
 _MODELS: dict[str, str] = {
     "LlamaForCausalLM": "engine.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "engine.models.llama:LlamaForCausalLM",
+    "MixtralForCausalLM": "engine.models.llama:LlamaForCausalLM",  # Mistral + MoE MLPs
     "Qwen2ForCausalLM": "engine.models.llama:LlamaForCausalLM",  # Llama + q/k/v bias
     "Qwen3ForCausalLM": "engine.models.llama:LlamaForCausalLM",  # Llama + per-head q/k norm
     "Qwen3MoeForCausalLM": "engine.models.llama:LlamaForCausalLM",  # Qwen3 + MoE MLPs
