@@ -95,8 +95,8 @@ def build_model(
     ``arch`` is "llama", "qwen2" (attention q/k/v bias), "deepseek_v3" (MLA + MoE: 8 routed
     experts in 2 groups, 2 per token, 1 shared; layer 0 dense; ``rope_scaling`` may be YaRN),
     "deepseek_v2" (softmax router, group-limited), "deepseek_v2_lite" (no q_lora_rank, greedy),
-    "qwen3" (per-head q/k norm), "qwen3_moe" (8 experts, 2 per token; layer 0 dense) or "mixtral"
-    (4 experts, 2 per token).
+    "qwen3" (per-head q/k norm), "qwen3_moe" (8 experts, 2 per token; layer 0 dense), "mixtral"
+    (4 experts, 2 per token) or "phi3" (fused weights, partial rotary 0.75).
     The model's eos is ``<|im_end|>``.
     """
     import torch
@@ -131,6 +131,11 @@ def build_model(
     elif arch == "qwen2":
         cfg = Qwen2Config(**common)
         cls = Qwen2ForCausalLM
+    elif arch == "phi3":  # fused qkv_proj / gate_up_proj, a quarter of each head not rotated
+        import transformers
+
+        cfg = transformers.Phi3Config(**common, partial_rotary_factor=0.75)
+        cls = transformers.Phi3ForCausalLM
     elif arch == "mixtral":  # 4 experts, 2 per token
         import transformers
 

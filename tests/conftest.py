@@ -83,6 +83,14 @@ def tiny_qwen3_moe(models_root: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_phi3(models_root: Path) -> Path:
+    """Phi-3: fused qkv_proj and gate_up_proj, partial rotary (0.75 of each head)."""
+    from engine.demo import build_model
+
+    return build_model(models_root / "phi3", "phi3", seed=12)
+
+
+@pytest.fixture(scope="session")
 def tiny_mixtral(models_root: Path) -> Path:
     """Mixtral: 4 experts, 2 per token (block_sparse_moe.experts.N.w1/w2/w3)."""
     from engine.demo import build_model

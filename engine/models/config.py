@@ -79,6 +79,7 @@ class ModelConfig:
     layer_windows: tuple[int | None, ...] = ()
     mla: MLAConfig | None = None
     moe: MoEConfig | None = None
+    partial_rotary_factor: float = 1.0  # the share of each head's dims that rotate (Phi-4-mini: 0.75)
 
     # The paged KV cache per layer: ``kv_cache_parts`` tensors (K and V, or MLA's one latent) of
     # ``[num_blocks, block_size, kv_cache_heads, kv_cache_dim]``.
@@ -164,6 +165,9 @@ class ModelConfig:
             layer_windows=layer_windows,
             mla=_mla(raw),
             moe=_moe(raw),
+            partial_rotary_factor=float(
+                raw.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
+            ),
         )
 
 

@@ -1,5 +1,6 @@
 """Llama-family decoder over the paged KV cache: Llama 2/3, Mistral, Qwen2 (q/k/v bias), Qwen3
-(per-head RMSNorm of q and k before rotary), Qwen3-MoE and Mixtral (mixture-of-experts MLPs).
+(per-head RMSNorm of q and k before rotary), Qwen3-MoE and Mixtral (mixture-of-experts MLPs), Phi-3
+(fused qkv and gate_up weights, partial rotary).
 
 The forward works on a flattened batch: every new token of every scheduled sequence in one
 ``[T]`` dimension, so prefill chunks and decode steps share one pass. Weights are held as plain
@@ -60,8 +61,10 @@ class LlamaForCausalLM:
         self.scale = cfg.head_dim**-0.5
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        # Partial rotary (Phi-4-mini): only the first rotary_dim dims of each head rotate.
+        self.rotary_dim = int(cfg.head_dim * cfg.partial_rotary_factor)
         self.cos_sin_cache = build_cos_sin_cache(
-            cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device
+            self.rotary_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device
         )
         self.embed = weights["model.embed_tokens.weight"]
         self.norm = weights["model.norm.weight"]
@@ -72,8 +75,11 @@ class LlamaForCausalLM:
     def _layer(self, w: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor | None]:
         p = f"model.layers.{i}."
         a = p + "self_attn."
-        qkv = torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]])
         bias = None
+        if a + "qkv_proj.weight" in w:  # Phi-3 stores q/k/v fused
+            qkv, bias = w[a + "qkv_proj.weight"], w.get(a + "qkv_proj.bias")
+        else:
+            qkv = torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]])
         if a + "q_proj.bias" in w:
             bias = torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"]])
         m = p + ("block_sparse_moe." if p + "block_sparse_moe.gate.weight" in w else "mlp.")  # Mixtral's name
@@ -116,7 +122,12 @@ class LlamaForCausalLM:
                 q = ops.rms_norm(q.reshape(-1, cfg.head_dim), layer["q_norm"], eps)[0].view(q.shape)
                 k = ops.rms_norm(k.reshape(-1, cfg.head_dim), layer["k_norm"], eps)[0].view(k.shape)
             q, k = q.contiguous(), k.contiguous()
-            ops.rotary_embedding(positions, q, k, self.cos_sin_cache)
+            if self.rotary_dim == cfg.head_dim:
+                ops.rotary_embedding(positions, q, k, self.cos_sin_cache)
+            else:
+                q_rot, k_rot = q[..., : self.rotary_dim].contiguous(), k[..., : self.rotary_dim].contiguous()
+                ops.rotary_embedding(positions, q_rot, k_rot, self.cos_sin_cache)
+                q[..., : self.rotary_dim], k[..., : self.rotary_dim] = q_rot, k_rot
             attn = self.attention.forward(q, k, v.contiguous(), k_cache, v_cache, meta, self.scale, window)
             hidden = linear(attn.reshape(t, self.q_size), layer["o"], layer["o_bias"])
             x, residual = ops.rms_norm(hidden, layer["post_norm"], eps, residual)

@@ -23,11 +23,12 @@ Weights = dict[str, torch.Tensor]
 
 
 def load_dense_mlp(w: Weights, prefix: str) -> dict[str, torch.Tensor]:
-    """``gate_up`` (fused) and ``down`` of a SwiGLU MLP at ``prefix`` (``….mlp.``)."""
-    return {
-        "gate_up": torch.cat([w.pop(prefix + "gate_proj.weight"), w.pop(prefix + "up_proj.weight")]),
-        "down": w.pop(prefix + "down_proj.weight"),
-    }
+    """``gate_up`` (fused; Phi-3 stores it so) and ``down`` of a SwiGLU MLP at ``prefix`` (``….mlp.``)."""
+    if prefix + "gate_up_proj.weight" in w:
+        gate_up = w.pop(prefix + "gate_up_proj.weight")
+    else:
+        gate_up = torch.cat([w.pop(prefix + "gate_proj.weight"), w.pop(prefix + "up_proj.weight")])
+    return {"gate_up": gate_up, "down": w.pop(prefix + "down_proj.weight")}
 
 
 class MoE:

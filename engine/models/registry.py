@@ -9,6 +9,7 @@ _MODELS: dict[str, str] = {
     "MistralForCausalLM": "engine.models.llama:LlamaForCausalLM",
     "MixtralForCausalLM": "engine.models.llama:LlamaForCausalLM",  # Mistral + MoE MLPs
     "Qwen2ForCausalLM": "engine.models.llama:LlamaForCausalLM",  # Llama + q/k/v bias
+    "Phi3ForCausalLM": "engine.models.llama:LlamaForCausalLM",  # fused qkv / gate_up, partial rotary
     "Qwen3ForCausalLM": "engine.models.llama:LlamaForCausalLM",  # Llama + per-head q/k norm
     "Qwen3MoeForCausalLM": "engine.models.llama:LlamaForCausalLM",  # Qwen3 + MoE MLPs
     "DeepseekV2ForCausalLM": "engine.models.deepseek:DeepseekForCausalLM",  # MLA + MoE (softmax router)
