@@ -96,7 +96,8 @@ def build_model(
     experts in 2 groups, 2 per token, 1 shared; layer 0 dense; ``rope_scaling`` may be YaRN),
     "deepseek_v2" (softmax router, group-limited), "deepseek_v2_lite" (no q_lora_rank, greedy),
     "qwen3" (per-head q/k norm), "qwen3_moe" (8 experts, 2 per token; layer 0 dense), "mixtral"
-    (4 experts, 2 per token) or "phi3" (fused weights, partial rotary 0.75).
+    (4 experts, 2 per token), "qwen2_moe" (a gated shared expert too) or "phi3" (fused weights,
+    partial rotary 0.75).
     The model's eos is ``<|im_end|>``.
     """
     import torch
@@ -136,6 +137,12 @@ def build_model(
 
         cfg = transformers.Phi3Config(**common, partial_rotary_factor=0.75)
         cls = transformers.Phi3ForCausalLM
+    elif arch == "qwen2_moe":  # 8 experts, 2 per token, a gated shared expert; layer 0 dense
+        import transformers
+
+        moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=intermediate_size // 4)
+        shared = dict(shared_expert_intermediate_size=intermediate_size // 2, mlp_only_layers=[0])
+        cfg, cls = transformers.Qwen2MoeConfig(**common, **moe, **shared), transformers.Qwen2MoeForCausalLM
     elif arch == "mixtral":  # 4 experts, 2 per token
         import transformers
 

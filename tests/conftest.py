@@ -91,6 +91,14 @@ def tiny_phi3(models_root: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen2_moe(models_root: Path) -> Path:
+    """Qwen2-MoE: 8 experts, 2 per token, a shared expert behind a sigmoid gate; layer 0 dense."""
+    from engine.demo import build_model
+
+    return build_model(models_root / "qwen2_moe", "qwen2_moe", seed=13)
+
+
+@pytest.fixture(scope="session")
 def tiny_mixtral(models_root: Path) -> Path:
     """Mixtral: 4 experts, 2 per token (block_sparse_moe.experts.N.w1/w2/w3)."""
     from engine.demo import build_model

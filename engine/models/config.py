@@ -158,7 +158,9 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
+            attention_bias=bool(
+                raw.get("attention_bias", raw.get("qkv_bias", model_type in ("qwen2", "qwen2_moe")))
+            ),
             checkpoint_dtype=dtype,
             eos_token_ids=eos_ids,
             sliding_window=window,
@@ -202,11 +204,11 @@ def _moe(raw: dict[str, Any]) -> MoEConfig | None:
             scoring="softmax",
             topk_method="greedy",
         )
-    if arch == "Qwen3MoeForCausalLM":
+    if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
         return MoEConfig(
             num_experts=int(raw.get("num_experts") or raw["num_local_experts"]),  # transformers 4 / 5
             experts_per_token=int(raw["num_experts_per_tok"]),
-            num_shared_experts=0,
+            num_shared_experts=1 if raw.get("shared_expert_intermediate_size") else 0,  # Qwen2-MoE
             intermediate_size=int(raw["moe_intermediate_size"]),
             first_dense_layers=0,
             num_groups=1,
@@ -251,7 +253,7 @@ def _sliding_windows(
     if model_type == "llama":
         return None, (None,) * num_layers  # transformers' Llama ignores a sliding_window entry
     # MistralConfig and Qwen2Config both default a missing sliding_window to 4096.
-    qwen = model_type in ("qwen2", "qwen3", "qwen3_moe")
+    qwen = model_type in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
     window = raw.get("sliding_window", 4096 if model_type == "mistral" or qwen else None)
     if qwen and not raw.get("use_sliding_window", False):
         window = None  # Qwen2 configs carry a window size but only use it when told to

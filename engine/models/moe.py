@@ -1,4 +1,4 @@
-"""The mixture-of-experts MLP shared by the MoE decoders (DeepSeek-V2/V3, Qwen3-MoE, Mixtral).
+"""The mixture-of-experts MLP shared by the MoE decoders (DeepSeek-V2/V3, Qwen2-MoE, Qwen3-MoE, Mixtral).
 
 Weights: each layer's experts stacked as ``w13`` [E, 2I, hidden] (gate and up fused) and ``w2``
 [E, hidden, I], read from one tensor per expert (checkpoints) or from transformers' fused
@@ -56,7 +56,10 @@ class MoE:
         layer["router_bias"] = (
             torch.zeros(e, dtype=torch.float32, device=w13.device) if bias is None else bias.float()
         )
-        if self.cfg.num_shared_experts:
+        if prefix + "shared_expert_gate.weight" in w:  # Qwen2-MoE: one shared expert behind a sigmoid gate
+            layer.update(load_dense_mlp(w, prefix + "shared_expert."))
+            layer["shared_gate"] = w.pop(prefix + "shared_expert_gate.weight")
+        elif self.cfg.num_shared_experts:
             layer.update(load_dense_mlp(w, prefix + "shared_experts."))
         return layer
 
@@ -79,7 +82,10 @@ class MoE:
             h = linear(h, layer["w2"][e], None)
             out.index_add_(0, rows, (h * flat_weights.index_select(0, pairs)[:, None]).to(x.dtype))
         if "gate_up" in layer:  # shared experts
-            out = out + linear(self.silu_and_mul(linear(x, layer["gate_up"], None)), layer["down"], None)
+            shared = linear(self.silu_and_mul(linear(x, layer["gate_up"], None)), layer["down"], None)
+            if "shared_gate" in layer:
+                shared = torch.sigmoid(linear(x, layer["shared_gate"], None)) * shared
+            out = out + shared
         return out
 
     def route(self, x: torch.Tensor, layer: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

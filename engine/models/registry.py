@@ -10,6 +10,7 @@ _MODELS: dict[str, str] = {
     "MixtralForCausalLM": "engine.models.llama:LlamaForCausalLM",  # Mistral + MoE MLPs
     "Qwen2ForCausalLM": "engine.models.llama:LlamaForCausalLM",  # Llama + q/k/v bias
     "Phi3ForCausalLM": "engine.models.llama:LlamaForCausalLM",  # fused qkv / gate_up, partial rotary
+    "Qwen2MoeForCausalLM": "engine.models.llama:LlamaForCausalLM",  # Qwen2 + MoE MLPs (gated shared expert)
     "Qwen3ForCausalLM": "engine.models.llama:LlamaForCausalLM",  # Llama + per-head q/k norm
     "Qwen3MoeForCausalLM": "engine.models.llama:LlamaForCausalLM",  # Qwen3 + MoE MLPs
     "DeepseekV2ForCausalLM": "engine.models.deepseek:DeepseekForCausalLM",  # MLA + MoE (softmax router)

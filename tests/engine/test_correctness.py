@@ -17,6 +17,7 @@ MODELS = [
     "tiny_qwen3",  # per-head q/k norm
     "tiny_qwen3_moe",  # softmax router, no shared experts, a dense layer
     "tiny_mixtral",  # Mistral + MoE, experts named w1/w2/w3
+    "tiny_qwen2_moe",  # q/k/v bias + MoE with a gated shared expert
     "tiny_phi3",  # fused weights, partial rotary
     "tiny_deepseek",  # MLA + MoE (sigmoid router with correction bias, group-limited)
     "tiny_deepseek_yarn",
