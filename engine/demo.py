@@ -96,8 +96,8 @@ def build_model(
     experts in 2 groups, 2 per token, 1 shared; layer 0 dense; ``rope_scaling`` may be YaRN),
     "deepseek_v2" (softmax router, group-limited), "deepseek_v2_lite" (no q_lora_rank, greedy),
     "qwen3" (per-head q/k norm), "qwen3_moe" (8 experts, 2 per token; layer 0 dense), "mixtral"
-    (4 experts, 2 per token), "qwen2_moe" (a gated shared expert too) or "phi3" (fused weights,
-    partial rotary 0.75).
+    (4 experts, 2 per token), "qwen2_moe" (a gated shared expert too), "phi3" (fused weights,
+    partial rotary 0.75) or "gemma3" (text; local/global layers, soft-capped logits).
     The model's eos is ``<|im_end|>``.
     """
     import torch
@@ -132,6 +132,24 @@ def build_model(
     elif arch == "qwen2":
         cfg = Qwen2Config(**common)
         cls = Qwen2ForCausalLM
+    elif (
+        arch == "gemma3"
+    ):  # a sliding (window 8) and a full layer, each with its rope; linear scaling on global
+        import transformers
+
+        cfg = transformers.Gemma3TextConfig(
+            **common,
+            head_dim=hidden_size // num_attention_heads,
+            query_pre_attn_scalar=hidden_size // num_attention_heads,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"] * (num_hidden_layers // 2),
+            final_logit_softcapping=30.0,
+        )
+        cfg.rope_parameters = {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "rope_theta": 1_000_000.0, "factor": 2.0},
+        }
+        cls = transformers.Gemma3ForCausalLM
     elif arch == "phi3":  # fused qkv_proj / gate_up_proj, a quarter of each head not rotated
         import transformers
 
@@ -200,6 +218,8 @@ def build_model(
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.08 if "embed" not in name else 0.5)
+            elif "norm" in name and arch == "gemma3":  # offsets from 1, zero at init
+                p.normal_(0.0, 0.1)
             elif "bias" in name:
                 p.normal_(0.0, 0.05)
         for name, b in model.named_buffers():

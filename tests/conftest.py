@@ -99,6 +99,15 @@ def tiny_qwen2_moe(models_root: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_gemma3(models_root: Path) -> Path:
+    """Gemma 3 text: sliding (window 8) and full layers with their own rope (linear scaling on the
+    full ones), sandwich norms, per-head q/k norm, GELU MLP, soft-capped logits."""
+    from engine.demo import build_model
+
+    return build_model(models_root / "gemma3", "gemma3", seed=14)
+
+
+@pytest.fixture(scope="session")
 def tiny_mixtral(models_root: Path) -> Path:
     """Mixtral: 4 experts, 2 per token (block_sparse_moe.experts.N.w1/w2/w3)."""
     from engine.demo import build_model

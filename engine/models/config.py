@@ -55,6 +55,16 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class GemmaConfig:
+    """Gemma 3: queries scaled by ``query_pre_attn_scalar ** -0.5``, a rope table per layer
+    (local layers a small base, global ones a large one, maybe scaled), optional soft-capped logits."""
+
+    query_pre_attn_scalar: float
+    final_logit_softcapping: float | None
+    layer_rope: tuple[tuple[float, dict[str, Any] | None], ...]  # per layer: (theta, scaling)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     model_type: str
@@ -80,6 +90,7 @@ class ModelConfig:
     mla: MLAConfig | None = None
     moe: MoEConfig | None = None
     partial_rotary_factor: float = 1.0  # the share of each head's dims that rotate (Phi-4-mini: 0.75)
+    gemma: GemmaConfig | None = None
 
     # The paged KV cache per layer: ``kv_cache_parts`` tensors (K and V, or MLA's one latent) of
     # ``[num_blocks, block_size, kv_cache_heads, kv_cache_dim]``.
@@ -121,14 +132,9 @@ class ModelConfig:
         hidden = int(raw["hidden_size"])
         # transformers 5 folds rope_theta and rope_scaling into rope_parameters.
         rope = dict(raw.get("rope_parameters") or {})
-        theta = float(raw.get("rope_theta") or rope.get("rope_theta") or 10000.0)
-        scaling = raw.get("rope_scaling") or rope or None
-        if scaling is not None:
-            scaling = dict(scaling)
-            kind = scaling.get("rope_type") or scaling.get("type") or "default"
-            scaling["rope_type"] = kind
-            if kind == "default":
-                scaling = None
+        theta, scaling = _rope(
+            raw.get("rope_theta") or rope.get("rope_theta"), raw.get("rope_scaling") or rope
+        )
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
         dtype = str(raw.get("dtype") or raw.get("torch_dtype") or "float32").replace("torch.", "")
@@ -167,10 +173,61 @@ class ModelConfig:
             layer_windows=layer_windows,
             mla=_mla(raw),
             moe=_moe(raw),
+            gemma=_gemma(raw, num_layers),
             partial_rotary_factor=float(
                 raw.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
             ),
         )
+
+
+def _rope(theta: Any, scaling: Any) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling) with the scaling's kind in ``rope_type``; None for plain rope."""
+    if scaling:
+        scaling = dict(scaling)
+        kind = scaling.get("rope_type") or scaling.get("type") or "default"
+        scaling["rope_type"] = kind
+        if kind == "default":
+            scaling = None
+    return float(theta or 10000.0), scaling or None
+
+
+def _layer_types(raw: dict[str, Any], num_layers: int) -> list[str] | None:
+    """Gemma 3's per-layer attention kinds: ``layer_types``, or every ``sliding_window_pattern``-th
+    layer full and the others sliding."""
+    types = raw.get("layer_types")
+    if types is None and raw.get("sliding_window_pattern"):
+        pattern = int(raw["sliding_window_pattern"])
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+    if types is not None and len(types) != num_layers:
+        raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers")
+    return types
+
+
+def _gemma(raw: dict[str, Any], num_layers: int) -> GemmaConfig | None:
+    if raw.get("model_type") != "gemma3_text":
+        return None
+    if raw.get("attn_logit_softcapping"):
+        raise ValueError("attention logit soft-capping (attn_logit_softcapping, Gemma 2) is not supported")
+    if raw.get("use_bidirectional_attention"):
+        raise ValueError(
+            "bidirectional attention (use_bidirectional_attention, embedding models) is not supported"
+        )
+    types = _layer_types(raw, num_layers) or ["full_attention"] * num_layers
+    params = raw.get("rope_parameters") or {}
+    if "full_attention" in params:  # transformers 5: one entry per layer type
+        ropes = {kind: _rope(p.get("rope_theta"), p) for kind, p in params.items() if p}
+    else:  # transformers 4: global theta and scaling, a local base frequency
+        ropes = {
+            "full_attention": _rope(raw.get("rope_theta") or 1_000_000.0, raw.get("rope_scaling")),
+            "sliding_attention": (float(raw.get("rope_local_base_freq") or 10000.0), None),
+        }
+    return GemmaConfig(
+        query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar") or raw.get("head_dim") or 256),
+        final_logit_softcapping=float(raw["final_logit_softcapping"])
+        if raw.get("final_logit_softcapping")
+        else None,
+        layer_rope=tuple(ropes[t] for t in types),
+    )
 
 
 def _mla(raw: dict[str, Any]) -> MLAConfig | None:
@@ -252,6 +309,10 @@ def _sliding_windows(
     """The model's window and each layer's, as transformers reads them (defaults included)."""
     if model_type == "llama":
         return None, (None,) * num_layers  # transformers' Llama ignores a sliding_window entry
+    if model_type == "gemma3_text":
+        window = int(raw.get("sliding_window") or 4096)
+        types = _layer_types(raw, num_layers) or ["full_attention"] * num_layers
+        return window, tuple(window if t == "sliding_attention" else None for t in types)
     # MistralConfig and Qwen2Config both default a missing sliding_window to 4096.
     qwen = model_type in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
     window = raw.get("sliding_window", 4096 if model_type == "mistral" or qwen else None)

@@ -223,3 +223,26 @@ def test_qwen3_windows_and_moe_layers_as_transformers_reads_them() -> None:
     cfg = ModelConfig.from_dict(moe).moe
     assert cfg is not None and (cfg.num_experts, cfg.scoring, cfg.norm_topk_prob) == (8, "softmax", False)
     assert [cfg.is_moe_layer(i) for i in range(4)] == [False, True, False, False]
+
+
+def test_gemma3_config_in_transformers_4_spelling_and_gemma2_refused() -> None:
+    raw = {
+        **BASE,
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 6,
+        "head_dim": 16,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 512,
+        "sliding_window_pattern": 3,
+        "rope_theta": 1_000_000.0,
+        "rope_local_base_freq": 10_000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+    }
+    cfg = ModelConfig.from_dict(raw)
+    assert cfg.layer_windows == (512, 512, None, 512, 512, None)
+    local, full = (10_000.0, None), (1_000_000.0, {"rope_type": "linear", "factor": 8.0})
+    assert cfg.gemma is not None and cfg.gemma.layer_rope == (local, local, full, local, local, full)
+    assert cfg.gemma.query_pre_attn_scalar == 256 and cfg.gemma.final_logit_softcapping is None
+    with pytest.raises(ValueError, match="attn_logit_softcapping"):
+        ModelConfig.from_dict({**raw, "attn_logit_softcapping": 50.0})

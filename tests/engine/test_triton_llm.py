@@ -34,8 +34,11 @@ def run(model: Path, backend: str, prompts: list[list[int]], **extra: object) ->
 
 
 # DeepSeek: the Triton norm, rotary (one shared rotary key head) and SiLU kernels around MLA;
-# Qwen3-MoE: the norm kernel on per-head q/k rows, and the experts; Phi-3: rotary on part of a head.
-@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2", "tiny_deepseek", "tiny_qwen3_moe", "tiny_phi3"])
+# Qwen3-MoE: the norm kernel on per-head q/k rows, and the experts; Phi-3: rotary on part of a head;
+# Gemma 3: sliding and full layers with two rotary tables.
+@pytest.mark.parametrize(
+    "fixture", ["tiny_llama", "tiny_qwen2", "tiny_deepseek", "tiny_qwen3_moe", "tiny_phi3", "tiny_gemma3"]
+)
 def test_triton_greedy_tokens_match_torch_backend(fixture: str, request: pytest.FixtureRequest) -> None:
     model = request.getfixturevalue(fixture)
     expected = run(model, "torch", PROMPTS)

@@ -1,0 +1,127 @@
+"""Gemma 3 text decoder (``Gemma3ForCausalLM``) over the paged KV cache.
+
+Differences from the Llama family, all as transformers computes them:
+* embeddings scaled by ``sqrt(hidden_size)`` (the factor rounded to the model dtype);
+* RMSNorm weights are offsets: the norm multiplies by ``1 + weight`` (folded in at load time);
+* sandwich norms: the attention and MLP outputs are normalised again before the residual add;
+* per-head RMSNorm of q and k before rotary; queries scaled by ``query_pre_attn_scalar ** -0.5``;
+* local (sliding-window) and global layers, each kind with its own rotary table;
+* a GELU (tanh approximation) gated MLP; optionally soft-capped final logits.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.models.config import ModelConfig
+from engine.models.llama import Linear, invariant_linear
+from engine.models.rope import build_cos_sin_cache
+from engine.ops import Ops
+
+
+class Gemma3ForCausalLM:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        *,
+        ops: Ops,
+        attention: AttentionBackend,
+        deterministic: bool,
+        max_positions: int,
+        device: torch.device,
+    ) -> None:
+        if cfg.gemma is None:
+            raise ValueError(f"{cfg.architecture} needs a gemma3_text config")
+        self.cfg, self.gemma = cfg, cfg.gemma
+        self.ops = ops
+        self.attention = attention
+        self.linear: Linear = invariant_linear if deterministic else F.linear
+        self.scale = self.gemma.query_pre_attn_scalar**-0.5
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        tables: dict[tuple, torch.Tensor] = {}  # one table per distinct (theta, scaling)
+        self.cos_sin = []
+        for theta, scaling in self.gemma.layer_rope:
+            key = (theta, repr(sorted((scaling or {}).items())))
+            if key not in tables:
+                tables[key] = build_cos_sin_cache(cfg.head_dim, max_positions, theta, scaling, device)
+            self.cos_sin.append(tables[key])
+        self.embed = weights["model.embed_tokens.weight"]
+        # transformers multiplies by the factor as a tensor of the weights' dtype.
+        self.embed_scale = torch.tensor(math.sqrt(cfg.hidden_size), dtype=self.embed.dtype).item()
+        self.norm = _offset(weights["model.norm.weight"])
+        self.lm_head = weights.get("lm_head.weight", self.embed)
+        self.layers = [self._layer(weights, i) for i in range(cfg.num_layers)]
+        self.windows = cfg.layer_windows or (None,) * cfg.num_layers
+
+    @staticmethod
+    def _layer(w: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]:
+        p = f"model.layers.{i}."
+        a, m = p + "self_attn.", p + "mlp."
+        return {
+            "in_norm": _offset(w[p + "input_layernorm.weight"]),
+            "post_attn_norm": _offset(w[p + "post_attention_layernorm.weight"]),
+            "pre_ff_norm": _offset(w[p + "pre_feedforward_layernorm.weight"]),
+            "post_ff_norm": _offset(w[p + "post_feedforward_layernorm.weight"]),
+            "qkv": torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]]),
+            "q_norm": _offset(w[a + "q_norm.weight"]),
+            "k_norm": _offset(w[a + "k_norm.weight"]),
+            "o": w[a + "o_proj.weight"],
+            "gate_up": torch.cat([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]]),
+            "down": w[m + "down_proj.weight"],
+        }
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states after the final norm, ``[T, hidden]``."""
+        cfg, ops, linear = self.cfg, self.ops, self.linear
+        eps, d = cfg.rms_norm_eps, cfg.head_dim
+        hidden = F.embedding(input_ids, self.embed) * self.embed_scale
+        residual: torch.Tensor | None = None
+        t = input_ids.shape[0]
+        layers = zip(self.layers, self.windows, self.cos_sin, kv_caches, strict=True)
+        for layer, window, cos_sin, (k_cache, v_cache) in layers:
+            x, residual = ops.rms_norm(hidden, layer["in_norm"], eps, residual)
+            if residual is None:
+                residual = hidden
+            qkv = linear(x, layer["qkv"], None)
+            q = ops.rms_norm(qkv[:, : self.q_size].reshape(-1, d), layer["q_norm"], eps)[0]
+            k = ops.rms_norm(
+                qkv[:, self.q_size : self.q_size + self.kv_size].reshape(-1, d), layer["k_norm"], eps
+            )[0]
+            q, k = q.view(t, cfg.num_heads, d).contiguous(), k.view(t, cfg.num_kv_heads, d).contiguous()
+            v = qkv[:, self.q_size + self.kv_size :].reshape(t, cfg.num_kv_heads, d).contiguous()
+            ops.rotary_embedding(positions, q, k, cos_sin)
+            attn = self.attention.forward(q, k, v, k_cache, v_cache, meta, self.scale, window)
+            out = ops.rms_norm(
+                linear(attn.reshape(t, self.q_size), layer["o"], None), layer["post_attn_norm"], eps
+            )[0]
+            x, residual = ops.rms_norm(out, layer["pre_ff_norm"], eps, residual)
+            gate, up = linear(x, layer["gate_up"], None).chunk(2, dim=-1)
+            out = linear(F.gelu(gate, approximate="tanh") * up, layer["down"], None)
+            hidden = ops.rms_norm(out, layer["post_ff_norm"], eps)[0]
+        out, _ = ops.rms_norm(hidden, self.norm, eps, residual)
+        return out
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits ``[N, vocab]``, soft-capped when the config says so."""
+        logits = self.linear(hidden, self.lm_head, None).float()
+        cap = self.gemma.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+
+def _offset(weight: torch.Tensor) -> torch.Tensor:
+    """Gemma's RMSNorm multiplies by ``1 + weight`` (computed in fp32, as transformers does)."""
+    return (1.0 + weight.float()).to(weight.dtype)
