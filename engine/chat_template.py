@@ -307,7 +307,8 @@ def _tag_final_message(messages: list[dict[str, Any]]) -> None:
 
 def load_chat_templates(model_dir: Path, config: dict) -> dict[str, str]:
     """Named chat templates; files (``chat_template.jinja``, ``additional_chat_templates/``) win
-    over ``tokenizer_config.json``, as in transformers."""
+    over ``tokenizer_config.json``, as in transformers; a processor's ``chat_template.json`` serves
+    when neither has a default."""
     templates: dict[str, str] = {}
     raw = config.get("chat_template")
     if isinstance(raw, str):
@@ -316,6 +317,14 @@ def load_chat_templates(model_dir: Path, config: dict) -> dict[str, str]:
         for entry in raw:
             if isinstance(entry, Mapping) and isinstance(entry.get("name"), str):
                 templates[entry["name"]] = str(entry.get("template", ""))
+    if "default" not in templates and (model_dir / "chat_template.json").is_file():
+        # A multimodal model's processor template (Gemma 3, Qwen2-VL): {"chat_template": "..."}.
+        try:
+            processor = json.loads((model_dir / "chat_template.json").read_text(encoding="utf-8"))
+        except ValueError:
+            processor = {}
+        if isinstance(processor, Mapping) and isinstance(processor.get("chat_template"), str):
+            templates["default"] = processor["chat_template"]
     files: dict[str, str] = {}
     if (model_dir / "chat_template.jinja").is_file():
         files["default"] = (model_dir / "chat_template.jinja").read_text(encoding="utf-8")

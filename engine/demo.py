@@ -97,7 +97,8 @@ def build_model(
     "deepseek_v2" (softmax router, group-limited), "deepseek_v2_lite" (no q_lora_rank, greedy),
     "qwen3" (per-head q/k norm), "qwen3_moe" (8 experts, 2 per token; layer 0 dense), "mixtral"
     (4 experts, 2 per token), "qwen2_moe" (a gated shared expert too), "phi3" (fused weights,
-    partial rotary 0.75) or "gemma3" (text; local/global layers, soft-capped logits).
+    partial rotary 0.75), "gemma3" (text; local/global layers, soft-capped logits) or "gemma3_mm"
+    (the same text model inside a Gemma3ForConditionalGeneration checkpoint).
     The model's eos is ``<|im_end|>``.
     """
     import torch
@@ -132,10 +133,10 @@ def build_model(
     elif arch == "qwen2":
         cfg = Qwen2Config(**common)
         cls = Qwen2ForCausalLM
-    elif (
-        arch == "gemma3"
-    ):  # a sliding (window 8) and a full layer, each with its rope; linear scaling on global
+    elif arch in ("gemma3", "gemma3_mm"):
         import transformers
+
+        # A sliding (window 8) and a full layer, each with its rope; linear scaling on the full one.
 
         cfg = transformers.Gemma3TextConfig(
             **common,
@@ -150,6 +151,24 @@ def build_model(
             "full_attention": {"rope_type": "linear", "rope_theta": 1_000_000.0, "factor": 2.0},
         }
         cls = transformers.Gemma3ForCausalLM
+        if arch == "gemma3_mm":  # the multimodal checkpoint's layout, a tiny SigLIP vision tower
+            vision = transformers.SiglipVisionConfig(
+                hidden_size=16,
+                intermediate_size=32,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                image_size=28,
+                patch_size=14,
+            )
+            special = {
+                "image_token_index": vocab - 1,
+                "boi_token_index": vocab - 3,
+                "eoi_token_index": vocab - 2,
+            }
+            cfg = transformers.Gemma3Config(
+                text_config=cfg.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4, **special
+            )
+            cls = transformers.Gemma3ForConditionalGeneration
     elif arch == "phi3":  # fused qkv_proj / gate_up_proj, a quarter of each head not rotated
         import transformers
 
@@ -218,7 +237,7 @@ def build_model(
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.08 if "embed" not in name else 0.5)
-            elif "norm" in name and arch == "gemma3":  # offsets from 1, zero at init
+            elif "norm" in name and arch.startswith("gemma3"):  # offsets from 1, zero at init
                 p.normal_(0.0, 0.1)
             elif "bias" in name:
                 p.normal_(0.0, 0.05)

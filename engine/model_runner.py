@@ -87,9 +87,9 @@ class ModelRunner:
             self.attention_backend, self.device.type, deterministic=config.deterministic
         )
         model_cls = get_model_class(cfg.architecture)
-        weights = load_weights(
-            model_dir, self.dtype, self.device, getattr(model_cls, "FP32_WEIGHTS", ()), cfg.num_layers
-        )
+        renames = getattr(model_cls, "WEIGHT_RENAMES", {}).get(cfg.architecture, ())
+        keep_fp32 = getattr(model_cls, "FP32_WEIGHTS", ())
+        weights = load_weights(model_dir, self.dtype, self.device, keep_fp32, cfg.num_layers, renames)
         self.model = model_cls(
             cfg,
             weights,

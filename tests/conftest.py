@@ -108,6 +108,14 @@ def tiny_gemma3(models_root: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_gemma3_mm(models_root: Path) -> Path:
+    """A Gemma3ForConditionalGeneration checkpoint (language_model.* plus a vision tower), served text-only."""
+    from engine.demo import build_model
+
+    return build_model(models_root / "gemma3_mm", "gemma3_mm", seed=15)
+
+
+@pytest.fixture(scope="session")
 def tiny_mixtral(models_root: Path) -> Path:
     """Mixtral: 4 experts, 2 per token (block_sparse_moe.experts.N.w1/w2/w3)."""
     from engine.demo import build_model

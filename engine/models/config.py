@@ -127,6 +127,8 @@ class ModelConfig:
         archs = raw.get("architectures") or []
         if not archs:
             raise ValueError("config.json names no 'architectures'")
+        if archs[0] in ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"):
+            raw = _gemma3_text_config(raw)
         model_type = raw.get("model_type", "")
         heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
@@ -201,6 +203,44 @@ def _layer_types(raw: dict[str, Any], num_layers: int) -> list[str] | None:
     if types is not None and len(types) != num_layers:
         raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers")
     return types
+
+
+# Gemma3TextConfig's defaults: the multimodal checkpoints' text_config leaves most of them out.
+_GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
+    "model_type": "gemma3_text",
+    "vocab_size": 262208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "query_pre_attn_scalar": 256,
+    "rms_norm_eps": 1e-6,
+    "sliding_window": 4096,
+    "sliding_window_pattern": 6,
+    "max_position_embeddings": 131072,
+    "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0,
+    "tie_word_embeddings": True,
+    "eos_token_id": 1,
+}
+
+
+def _gemma3_text_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """The text model's config with Gemma3TextConfig's defaults filled in; for a multimodal
+    checkpoint (Gemma3ForConditionalGeneration) its ``text_config``, served text-only."""
+    text = raw.get("text_config") or raw
+    top = {
+        k: raw[k]
+        for k in ("architectures", "eos_token_id", "dtype", "torch_dtype", "quantization_config")
+        if k in raw
+    }
+    merged = {**_GEMMA3_TEXT_DEFAULTS, **text, **top}
+    merged["model_type"] = "gemma3_text"
+    if "text_config" in raw:
+        merged["final_logit_softcapping"] = None  # transformers' multimodal Gemma 3 never applies it
+    return merged
 
 
 def _gemma(raw: dict[str, Any], num_layers: int) -> GemmaConfig | None:

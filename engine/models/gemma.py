@@ -1,4 +1,5 @@
-"""Gemma 3 text decoder (``Gemma3ForCausalLM``) over the paged KV cache.
+"""Gemma 3 text decoder over the paged KV cache: ``Gemma3ForCausalLM`` (1B), and the language model of
+``Gemma3ForConditionalGeneration`` checkpoints (4B-27B) served text-only.
 
 Differences from the Llama family, all as transformers computes them:
 * embeddings scaled by ``sqrt(hidden_size)`` (the factor rounded to the model dtype);
@@ -24,6 +25,16 @@ from engine.ops import Ops
 
 
 class Gemma3ForCausalLM:
+    # A multimodal checkpoint served text-only: its language model's weights, not its vision tower.
+    WEIGHT_RENAMES = {
+        "Gemma3ForConditionalGeneration": (
+            ("language_model.model.", "model."),  # transformers 4's layout (the hub's)
+            ("model.language_model.", "model."),  # transformers 5's
+            ("language_model.lm_head.", "lm_head."),
+            ("lm_head.", "lm_head."),
+        )
+    }
+
     def __init__(
         self,
         cfg: ModelConfig,

@@ -90,22 +90,35 @@ def load_weights(
     device: torch.device,
     keep_fp32: tuple[str, ...] = (),
     num_layers: int | None = None,
+    renames: tuple[tuple[str, str], ...] = (),
 ) -> dict[str, torch.Tensor]:
     """Every tensor in ``dtype``, except names ending with one of ``keep_fp32`` (a router's
     weights, which transformers also keeps in fp32 whatever the model dtype). Layers from
     ``num_layers`` on are not read: checkpoints append extra ones that the decoder does not run
-    (DeepSeek-V3's multi-token-prediction layer, ``model.layers.61``, holds ~11B parameters)."""
+    (DeepSeek-V3's multi-token-prediction layer, ``model.layers.61``, holds ~11B parameters).
+    ``renames`` maps name prefixes (a multimodal checkpoint's ``language_model.model.`` to
+    ``model.``); with renames, tensors matching none of them (a vision tower) are not read."""
     from safetensors import safe_open
 
     out: dict[str, torch.Tensor] = {}
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                if num_layers is not None and _layer_index(name) >= num_layers:
+            for stored in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                name = _rename(stored, renames)
+                if name is None or (num_layers is not None and _layer_index(name) >= num_layers):
                     continue
                 target = torch.float32 if name.endswith(keep_fp32) else dtype
-                out[name] = f.get_tensor(name).to(device=device, dtype=target)
+                out[name] = f.get_tensor(stored).to(device=device, dtype=target)
     return out
+
+
+def _rename(name: str, renames: tuple[tuple[str, str], ...]) -> str | None:
+    if not renames:
+        return name
+    for old, new in renames:
+        if name.startswith(old):
+            return new + name[len(old) :]
+    return None
 
 
 def _layer_index(name: str) -> int:

@@ -246,3 +246,47 @@ def test_gemma3_config_in_transformers_4_spelling_and_gemma2_refused() -> None:
     assert cfg.gemma.query_pre_attn_scalar == 256 and cfg.gemma.final_logit_softcapping is None
     with pytest.raises(ValueError, match="attn_logit_softcapping"):
         ModelConfig.from_dict({**raw, "attn_logit_softcapping": 50.0})
+
+
+def test_multimodal_gemma3_is_served_text_only(tiny_gemma3_mm, tmp_path) -> None:
+    """Gemma3ForConditionalGeneration: the language model's weights under their text names, no
+    vision tower; the text_config's gaps filled with Gemma3TextConfig's defaults (the hub's 4B
+    config states only a few fields); a processor's chat_template.json serves as the template."""
+    from engine.chat_template import load_chat_templates
+    from engine.models.gemma import Gemma3ForCausalLM
+    from engine.models.loader import load_weights
+
+    renames = Gemma3ForCausalLM.WEIGHT_RENAMES["Gemma3ForConditionalGeneration"]
+    loaded = load_weights(tiny_gemma3_mm, torch.float32, torch.device("cpu"), (), 2, renames)
+    assert loaded and all(n.startswith("model.") for n in loaded)
+    assert "model.layers.1.self_attn.q_norm.weight" in loaded and not [n for n in loaded if "vision" in n]
+
+    hub_4b = {
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "model_type": "gemma3",
+        "eos_token_id": [1, 106],
+        "text_config": {
+            "hidden_size": 2560,
+            "intermediate_size": 10240,
+            "model_type": "gemma3_text",
+            "num_hidden_layers": 34,
+            "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+            "sliding_window": 1024,
+        },
+        "vision_config": {"hidden_size": 1152},
+    }
+    cfg = ModelConfig.from_dict(hub_4b)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size) == (8, 4, 256, 262208)
+    assert cfg.eos_token_ids == (1, 106) and cfg.tie_word_embeddings
+    assert cfg.layer_windows == tuple(None if (i + 1) % 6 == 0 else 1024 for i in range(34))
+    assert cfg.gemma is not None and cfg.gemma.layer_rope[5] == (
+        1_000_000.0,
+        {"factor": 8.0, "rope_type": "linear"},
+    )
+    assert cfg.gemma.layer_rope[0] == (10_000.0, None)
+
+    (tmp_path / "chat_template.json").write_text(
+        json.dumps({"chat_template": "{{ messages[0]['content'] }}"})
+    )
+    assert load_chat_templates(tmp_path, {}) == {"default": "{{ messages[0]['content'] }}"}
+    assert load_chat_templates(tmp_path, {"chat_template": "tokenizer's"}) == {"default": "tokenizer's"}
