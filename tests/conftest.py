@@ -19,158 +19,65 @@ def models_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("models")
 
 
-@pytest.fixture(scope="session")
-def tiny_llama(models_root: Path) -> Path:
-    """Llama with GQA (4 heads, 2 KV heads), untied embeddings."""
-    from engine.demo import build_model
+_DEEPSEEK_TOOL_MARKERS = (
+    "<｜tool▁calls▁begin｜>",
+    "<｜tool▁calls▁end｜>",
+    "<｜tool▁call▁begin｜>",
+    "<｜tool▁call▁end｜>",
+    "<｜tool▁sep｜>",
+)
+_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 
-    return build_model(models_root / "llama", "llama", seed=0)
-
-
-@pytest.fixture(scope="session")
-def tiny_llama_tied(models_root: Path) -> Path:
-    from engine.demo import build_model
-
-    return build_model(models_root / "llama_tied", "llama", seed=1, tie_word_embeddings=True)
-
-
-@pytest.fixture(scope="session")
-def tiny_llama3_rope(models_root: Path) -> Path:
-    """Llama with llama3 rope scaling."""
-    from engine.demo import build_model
-
-    scaling = {
-        "rope_type": "llama3",
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64,
-    }
-    return build_model(models_root / "llama3", "llama", seed=3, rope_scaling=scaling)
-
-
-@pytest.fixture(scope="session")
-def tiny_llama_yarn(models_root: Path) -> Path:
-    """Llama with YaRN rope scaling (attention factor from the factor alone)."""
-    from engine.demo import build_model
-
-    scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
-    return build_model(models_root / "llama_yarn", "llama", seed=4, rope_scaling=scaling)
-
-
-@pytest.fixture(scope="session")
-def tiny_qwen2(models_root: Path) -> Path:
-    """Qwen2 (q/k/v bias), GQA."""
-    from engine.demo import build_model
-
-    return build_model(models_root / "qwen2", "qwen2", seed=2)
-
-
-@pytest.fixture(scope="session")
-def tiny_qwen3(models_root: Path) -> Path:
-    """Qwen3 (per-head RMSNorm of q and k), GQA."""
-    from engine.demo import build_model
-
-    return build_model(models_root / "qwen3", "qwen3", seed=9)
+# Fixture name -> (engine.demo.build_model architecture, seed, options). Each is built once per
+# session into its own directory; engine/demo.py says what each architecture's tiny shape holds.
+TINY_MODELS: dict[str, tuple[str, int, dict]] = {
+    "tiny_llama": ("llama", 0, {}),  # GQA (4 heads, 2 KV heads), untied embeddings
+    "tiny_llama_tied": ("llama", 1, {"tie_word_embeddings": True}),
+    "tiny_qwen2": ("qwen2", 2, {}),  # q/k/v bias
+    "tiny_llama3_rope": ("llama", 3, {"rope_scaling": _LLAMA3_ROPE}),
+    "tiny_llama_yarn": ("llama", 4, {"rope_scaling": _YARN}),  # attention factor from the factor alone
+    # DeepSeek-V3 (MLA: kv_lora_rank 16 + rope 8 cached per token; MoE: 8 experts in 2 groups, 2 per
+    # token, 1 shared; layer 0 dense; a random score-correction bias); DeepSeek's tool-call markers
+    # are tokens of its tokenizer.
+    "tiny_deepseek": ("deepseek_v3", 5, {"extra_tokens": _DEEPSEEK_TOOL_MARKERS}),
+    # YaRN with mscale_all_dim, as DeepSeek-V3's own config.
+    "tiny_deepseek_yarn": (
+        "deepseek_v3",
+        6,
+        {"rope_scaling": {**_YARN, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.707}},
+    ),
+    "tiny_deepseek_v2": ("deepseek_v2", 7, {}),  # softmax router, group_limited_greedy
+    "tiny_deepseek_v2_lite": ("deepseek_v2_lite", 8, {}),  # one q_proj (no q_lora_rank), greedy top-k
+    "tiny_qwen3": ("qwen3", 9, {}),  # per-head RMSNorm of q and k
+    "tiny_qwen3_moe": ("qwen3_moe", 10, {}),  # 8 experts, 2 per token (normalised), layer 0 dense
+    "tiny_mixtral": ("mixtral", 11, {}),  # 4 experts, 2 per token, block_sparse_moe.experts.N.w1/w2/w3
+    "tiny_phi3": ("phi3", 12, {}),  # fused qkv_proj and gate_up_proj, partial rotary
+    "tiny_qwen2_moe": ("qwen2_moe", 13, {}),  # a shared expert behind a sigmoid gate
+    # Gemma 3 text: sliding and full layers with their own rope, sandwich norms, soft-capped logits.
+    "tiny_gemma3": ("gemma3", 14, {}),
+    "tiny_gemma3_mm": ("gemma3_mm", 15, {}),  # a Gemma3ForConditionalGeneration checkpoint, text-only
+}
 
 
-@pytest.fixture(scope="session")
-def tiny_qwen3_moe(models_root: Path) -> Path:
-    """Qwen3-MoE: 8 experts, 2 per token (normalised), layer 0 dense."""
-    from engine.demo import build_model
+def _tiny_model_fixture(name: str, arch: str, seed: int, options: dict):
+    @pytest.fixture(scope="session", name=name)
+    def build(models_root: Path) -> Path:
+        from engine.demo import build_model
 
-    return build_model(models_root / "qwen3_moe", "qwen3_moe", seed=10)
+        return build_model(models_root / name.removeprefix("tiny_"), arch, seed=seed, **options)
 
-
-@pytest.fixture(scope="session")
-def tiny_phi3(models_root: Path) -> Path:
-    """Phi-3: fused qkv_proj and gate_up_proj, partial rotary (0.75 of each head)."""
-    from engine.demo import build_model
-
-    return build_model(models_root / "phi3", "phi3", seed=12)
+    return build
 
 
-@pytest.fixture(scope="session")
-def tiny_qwen2_moe(models_root: Path) -> Path:
-    """Qwen2-MoE: 8 experts, 2 per token, a shared expert behind a sigmoid gate; layer 0 dense."""
-    from engine.demo import build_model
-
-    return build_model(models_root / "qwen2_moe", "qwen2_moe", seed=13)
-
-
-@pytest.fixture(scope="session")
-def tiny_gemma3(models_root: Path) -> Path:
-    """Gemma 3 text: sliding (window 8) and full layers with their own rope (linear scaling on the
-    full ones), sandwich norms, per-head q/k norm, GELU MLP, soft-capped logits."""
-    from engine.demo import build_model
-
-    return build_model(models_root / "gemma3", "gemma3", seed=14)
-
-
-@pytest.fixture(scope="session")
-def tiny_gemma3_mm(models_root: Path) -> Path:
-    """A Gemma3ForConditionalGeneration checkpoint (language_model.* plus a vision tower), served text-only."""
-    from engine.demo import build_model
-
-    return build_model(models_root / "gemma3_mm", "gemma3_mm", seed=15)
-
-
-@pytest.fixture(scope="session")
-def tiny_mixtral(models_root: Path) -> Path:
-    """Mixtral: 4 experts, 2 per token (block_sparse_moe.experts.N.w1/w2/w3)."""
-    from engine.demo import build_model
-
-    return build_model(models_root / "mixtral", "mixtral", seed=11)
-
-
-@pytest.fixture(scope="session")
-def tiny_deepseek(models_root: Path) -> Path:
-    """DeepSeek-V3 (MLA: kv_lora_rank 16 + rope 8 cached per token; MoE: 8 experts in 2 groups,
-    2 per token, 1 shared; layer 0 dense; a random score-correction bias); its tokenizer has
-    DeepSeek's tool-call markers as tokens."""
-    from engine.demo import build_model
-
-    markers = (
-        "<｜tool▁calls▁begin｜>",
-        "<｜tool▁calls▁end｜>",
-        "<｜tool▁call▁begin｜>",
-        "<｜tool▁call▁end｜>",
-        "<｜tool▁sep｜>",
-    )
-    return build_model(models_root / "deepseek", "deepseek_v3", seed=5, extra_tokens=markers)
-
-
-@pytest.fixture(scope="session")
-def tiny_deepseek_v2(models_root: Path) -> Path:
-    """DeepSeek-V2 (softmax router, group_limited_greedy), MLA with query compression."""
-    from engine.demo import build_model
-
-    return build_model(models_root / "deepseek_v2", "deepseek_v2", seed=7)
-
-
-@pytest.fixture(scope="session")
-def tiny_deepseek_v2_lite(models_root: Path) -> Path:
-    """DeepSeek-V2-Lite's shape: queries from one q_proj (no q_lora_rank), greedy top-k."""
-    from engine.demo import build_model
-
-    return build_model(models_root / "deepseek_v2_lite", "deepseek_v2_lite", seed=8)
-
-
-@pytest.fixture(scope="session")
-def tiny_deepseek_yarn(models_root: Path) -> Path:
-    """DeepSeek-V3 with YaRN rope scaling (mscale_all_dim set, as DeepSeek-V3's own config)."""
-    from engine.demo import build_model
-
-    scaling = {
-        "rope_type": "yarn",
-        "factor": 4.0,
-        "original_max_position_embeddings": 256,
-        "beta_fast": 32,
-        "beta_slow": 1,
-        "mscale": 1.0,
-        "mscale_all_dim": 0.707,
-    }
-    return build_model(models_root / "deepseek_yarn", "deepseek_v3", seed=6, rope_scaling=scaling)
+for _name, (_arch, _seed, _options) in TINY_MODELS.items():
+    globals()[_name] = _tiny_model_fixture(_name, _arch, _seed, _options)
 
 
 def free_port() -> int:
