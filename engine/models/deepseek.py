@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.models.config import ModelConfig
-from engine.models.llama import Linear, invariant_linear
+from engine.models.llama import MIN_INVARIANT_ROWS, Linear, invariant_linear
 from engine.models.moe import MoE, load_dense_mlp
 from engine.models.rope import build_cos_sin_cache, softmax_scale_factor
 from engine.ops import Ops
@@ -166,8 +166,8 @@ class DeepseekForCausalLM:
         on T (as ``invariant_linear`` does)."""
         t = x.shape[0]
         xt = x.transpose(0, 1)
-        if self.deterministic and t < _MIN_ROWS:
-            padded = x.new_zeros((x.shape[1], _MIN_ROWS, x.shape[2]))
+        if self.deterministic and t < MIN_INVARIANT_ROWS:
+            padded = x.new_zeros((x.shape[1], MIN_INVARIANT_ROWS, x.shape[2]))
             padded[:, :t] = xt
             return torch.bmm(padded, w)[:, :t].transpose(0, 1)
         return torch.bmm(xt, w).transpose(0, 1)
@@ -178,6 +178,3 @@ class DeepseekForCausalLM:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits ``[N, vocab]`` for the rows that need them."""
         return self.linear(hidden, self.lm_head, None).float()
-
-
-_MIN_ROWS = 16

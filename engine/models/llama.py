@@ -28,17 +28,17 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     """``F.linear`` whose row results do not depend on how many rows share the call.
 
     Measured on MKL: results for a row are identical for every M >= 12 but differ for smaller M
-    (another kernel with another summation order), so short inputs are padded to ``_MIN_M`` rows.
+    (another kernel with another summation order), so short inputs are padded to ``MIN_INVARIANT_ROWS`` rows.
     """
     m = x.shape[0]
-    if m >= _MIN_M:
+    if m >= MIN_INVARIANT_ROWS:
         return F.linear(x, weight, bias)
-    padded = x.new_zeros((_MIN_M, x.shape[1]))
+    padded = x.new_zeros((MIN_INVARIANT_ROWS, x.shape[1]))
     padded[:m] = x
     return F.linear(padded, weight, bias)[:m]
 
 
-_MIN_M = 16
+MIN_INVARIANT_ROWS = 16
 
 
 class LlamaForCausalLM:
