@@ -89,7 +89,9 @@ class ModelRunner:
         model_cls = get_model_class(cfg.architecture)
         renames = getattr(model_cls, "WEIGHT_RENAMES", {}).get(cfg.architecture, ())
         keep_fp32 = getattr(model_cls, "FP32_WEIGHTS", ())
-        weights = load_weights(model_dir, self.dtype, self.device, keep_fp32, cfg.num_layers, renames)
+        weights = load_weights(
+            model_dir, self.dtype, self.device, keep_fp32, cfg.num_layers, renames, cfg.fp8_block
+        )
         self.model = model_cls(
             cfg,
             weights,

@@ -91,6 +91,9 @@ class ModelConfig:
     moe: MoEConfig | None = None
     partial_rotary_factor: float = 1.0  # the share of each head's dims that rotate (Phi-4-mini: 0.75)
     gemma: GemmaConfig | None = None
+    # Block-quantized fp8 weights (DeepSeek-V3/R1, Qwen3-FP8): each weight's scale covers a block of
+    # this shape; the loader dequantizes them to the model dtype. None: unquantized.
+    fp8_block: tuple[int, int] | None = None
 
     # The paged KV cache per layer: ``kv_cache_parts`` tensors (K and V, or MLA's one latent) of
     # ``[num_blocks, block_size, kv_cache_heads, kv_cache_dim]``.
@@ -142,13 +145,7 @@ class ModelConfig:
         dtype = str(raw.get("dtype") or raw.get("torch_dtype") or "float32").replace("torch.", "")
         if raw.get("mlp_bias"):
             raise ValueError("MLP biases (mlp_bias=true) are not supported")
-        quant = raw.get("quantization_config")
-        if quant:
-            method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
-            raise ValueError(
-                f"quantized checkpoints are not supported (quantization_config.quant_method={method!r}); "
-                "use the model's bfloat16/float16/float32 weights"
-            )
+        fp8_block = _fp8_block(raw.get("quantization_config"))
         num_layers = int(raw["num_hidden_layers"])
         window, layer_windows = _sliding_windows(raw, model_type, num_layers)
         return cls(
@@ -176,10 +173,35 @@ class ModelConfig:
             mla=_mla(raw),
             moe=_moe(raw),
             gemma=_gemma(raw, num_layers),
+            fp8_block=fp8_block,
             partial_rotary_factor=float(
                 raw.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
             ),
         )
+
+
+def _fp8_block(quant: Any) -> tuple[int, int] | None:
+    """The block shape of a block-wise fp8 checkpoint; any other quantization is refused by name."""
+    if not quant:
+        return None
+    method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+    block = quant.get("weight_block_size") if isinstance(quant, dict) else None
+    if (
+        method == "fp8"
+        and isinstance(block, list)
+        and len(block) == 2
+        and all(isinstance(b, int) and b > 0 for b in block)
+    ):
+        if quant.get("fmt", "e4m3") != "e4m3":
+            raise ValueError(f"fp8 checkpoints in format {quant.get('fmt')!r} are not supported (only e4m3)")
+        return int(block[0]), int(block[1])
+    detail = (
+        "fp8 without weight_block_size" if method == "fp8" else f"quantization_config.quant_method={method!r}"
+    )
+    raise ValueError(
+        f"quantized checkpoints are not supported ({detail}); block-wise fp8 (weight_block_size) and "
+        "bfloat16/float16/float32 weights are"
+    )
 
 
 def _rope(theta: Any, scaling: Any) -> tuple[float, dict[str, Any] | None]:

@@ -91,25 +91,58 @@ def load_weights(
     keep_fp32: tuple[str, ...] = (),
     num_layers: int | None = None,
     renames: tuple[tuple[str, str], ...] = (),
+    fp8_block: tuple[int, int] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Every tensor in ``dtype``, except names ending with one of ``keep_fp32`` (a router's
     weights, which transformers also keeps in fp32 whatever the model dtype). Layers from
     ``num_layers`` on are not read: checkpoints append extra ones that the decoder does not run
     (DeepSeek-V3's multi-token-prediction layer, ``model.layers.61``, holds ~11B parameters).
     ``renames`` maps name prefixes (a multimodal checkpoint's ``language_model.model.`` to
-    ``model.``); with renames, tensors matching none of them (a vision tower) are not read."""
+    ``model.``); with renames, tensors matching none of them (a vision tower) are not read.
+    With ``fp8_block``, fp8 weights are dequantized with their ``…weight_scale_inv`` (one scale per
+    block of that shape; the scale may sit in another shard than its weight)."""
     from safetensors import safe_open
 
     out: dict[str, torch.Tensor] = {}
+    fp8: dict[str, torch.Tensor] = {}  # fp8 weights and their scales, until both are read
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for stored in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 name = _rename(stored, renames)
                 if name is None or (num_layers is not None and _layer_index(name) >= num_layers):
                     continue
+                tensor = f.get_tensor(stored)
+                if fp8_block is not None and (tensor.dtype in _FP8 or name.endswith("_scale_inv")):
+                    fp8[name] = tensor
+                    continue
                 target = torch.float32 if name.endswith(keep_fp32) else dtype
-                out[name] = f.get_tensor(stored).to(device=device, dtype=target)
+                out[name] = tensor.to(device=device, dtype=target)
+    for name in [n for n in fp8 if not n.endswith("_scale_inv")]:
+        scale = fp8.pop(name + "_scale_inv", None)
+        if scale is None:
+            raise ValueError(f"fp8 weight {name} has no {name}_scale_inv in the checkpoint")
+        weight = dequantize_fp8(fp8.pop(name), scale, fp8_block)  # type: ignore[arg-type]
+        target = torch.float32 if name.endswith(keep_fp32) else dtype
+        out[name] = weight.to(device=device, dtype=target)
+    if fp8:
+        raise ValueError(f"scales without an fp8 weight in the checkpoint: {sorted(fp8)[:3]}")
     return out
+
+
+_FP8 = (torch.float8_e4m3fn,)
+
+
+def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """fp32 ``weight * scale`` where ``scale_inv[i, j]`` covers rows ``i*b0 …`` and columns ``j*b1 …``
+    (DeepSeek's and transformers' block-wise fp8 layout; edge blocks may be partial)."""
+    rows, cols = weight.shape
+    expected = (-(-rows // block[0]), -(-cols // block[1]))
+    if tuple(scale_inv.shape) != expected:
+        raise ValueError(
+            f"fp8 scales of shape {tuple(scale_inv.shape)} do not fit a {rows}x{cols} weight in {block} blocks"
+        )
+    scale = scale_inv.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    return weight.float() * scale
 
 
 def _rename(name: str, renames: tuple[tuple[str, str], ...]) -> str | None:

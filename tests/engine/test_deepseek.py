@@ -98,13 +98,3 @@ def test_experts_in_transformers_fused_layout_load_the_same(tiny_deepseek, tmp_p
     a = LLM(str(tiny_deepseek), num_kv_blocks=64).generate(prompts[:4], GREEDY)
     b = LLM(str(fused), num_kv_blocks=64).generate(prompts[:4], GREEDY)
     assert _tokens(a) == _tokens(b)
-
-
-def test_quantized_checkpoint_is_refused_by_name(tiny_deepseek, tmp_path: Path) -> None:
-    quant = tmp_path / "fp8"
-    shutil.copytree(tiny_deepseek, quant)
-    cfg = json.loads((quant / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
-    (quant / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="quantized checkpoints are not supported.*'fp8'"):
-        LLM(str(quant))
