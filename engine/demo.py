@@ -98,7 +98,7 @@ def build_model(
     "qwen3" (per-head q/k norm), "qwen3_moe" (8 experts, 2 per token; layer 0 dense), "mixtral"
     (4 experts, 2 per token), "qwen2_moe" (a gated shared expert too), "phi3" (fused weights,
     partial rotary 0.75), "gemma3" (text; local/global layers, soft-capped logits) or "gemma3_mm"
-    (the same text model inside a Gemma3ForConditionalGeneration checkpoint).
+    (the same text model inside a Gemma3ForConditionalGeneration checkpoint) or "glm4_moe" (GLM-4.5).
     The model's eos is ``<|im_end|>``.
     """
     import torch
@@ -169,6 +169,25 @@ def build_model(
                 text_config=cfg.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4, **special
             )
             cls = transformers.Gemma3ForConditionalGeneration
+    elif arch == "glm4_moe":  # GLM-4.5: q/k/v bias, half-rotary heads, q/k norm; V3-style MoE, layer 0 dense
+        import transformers
+
+        cfg = transformers.Glm4MoeConfig(
+            **common,
+            head_dim=hidden_size // num_attention_heads,
+            partial_rotary_factor=0.5,
+            attention_bias=True,
+            use_qk_norm=True,
+            moe_intermediate_size=intermediate_size // 4,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=2.0,
+        )
+        cls = transformers.Glm4MoeForCausalLM
     elif arch == "phi3":  # fused qkv_proj / gate_up_proj, a quarter of each head not rotated
         import transformers
 
@@ -242,7 +261,7 @@ def build_model(
             elif "bias" in name:
                 p.normal_(0.0, 0.05)
         for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # zero at init: make it matter
+            if name.endswith("e_score_correction_bias"):  # zero at init: make it matter (DeepSeek, GLM)
                 b.normal_(0.0, 0.1)
     model = model.to(getattr(torch, dtype))
     model.save_pretrained(str(out), safe_serialization=True)

@@ -1,6 +1,7 @@
 """Llama-family decoder over the paged KV cache: Llama 2/3, Mistral, Qwen2 (q/k/v bias), Qwen3
 (per-head RMSNorm of q and k before rotary), Qwen3-MoE and Mixtral (mixture-of-experts MLPs), Phi-3
-(fused qkv and gate_up weights, partial rotary).
+(fused qkv and gate_up weights, partial rotary), GLM-4.5 (q/k/v bias, partial rotary, optional q/k
+norm, DeepSeek-V3's router and shared experts).
 
 The forward works on a flattened batch: every new token of every scheduled sequence in one
 ``[T]`` dimension, so prefill chunks and decode steps share one pass. Weights are held as plain
@@ -42,6 +43,9 @@ MIN_INVARIANT_ROWS = 16
 
 
 class LlamaForCausalLM:
+    # MoE routers that checkpoints store in fp32 (GLM-4.5) stay fp32, as transformers keeps them.
+    FP32_WEIGHTS = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
+
     def __init__(
         self,
         cfg: ModelConfig,

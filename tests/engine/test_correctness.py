@@ -21,6 +21,7 @@ MODELS = [
     "tiny_phi3",  # fused weights, partial rotary
     "tiny_gemma3",  # sandwich norms, local/global rope, soft-capped logits
     "tiny_gemma3_mm",  # the text model of a multimodal checkpoint
+    "tiny_glm4_moe",  # bias, partial rotary, q/k norm, sigmoid router with correction bias
     "tiny_deepseek",  # MLA + MoE (sigmoid router with correction bias, group-limited)
     "tiny_deepseek_yarn",
     "tiny_deepseek_v2",  # softmax router, group-limited
