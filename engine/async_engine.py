@@ -96,8 +96,10 @@ class AsyncEngine:
         params: SamplingParams,
         resume_token_ids: list[int] | None = None,
         kv_transfer: dict[str, Any] | None = None,
+        pooling: bool = False,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream DELTA outputs of one request; the last has ``finished=True``.
+        """Stream DELTA outputs of one request; the last has ``finished=True`` (and, for a
+        ``pooling`` request, the ``embedding``).
 
         Raises ValueError (before yielding anything) for bad input, EngineDeadError if the loop dies.
         Closing the iterator early (client gone) aborts the request.
@@ -115,6 +117,7 @@ class AsyncEngine:
             resume_token_ids=resume_token_ids,
             kv_transfer=kv_transfer,
             grammar=grammar,
+            pooling=pooling,
         )
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream

@@ -98,6 +98,22 @@ class LLM:
             results.append(first)
         return results
 
+    def embed(self, prompts: Prompt | Sequence[Prompt]) -> list[list[float]]:
+        """Each prompt's last hidden state (after the final norm, fp32, not normalised), in prompt
+        order: last-token pooling, the embedding of decoder models such as Qwen3-Embedding."""
+        if self.closed:
+            raise RuntimeError("this LLM is closed")
+        engine = self.engine
+        reqs = [
+            engine.make_request(f"llm-{next(self._ids)}", p, SamplingParams(max_tokens=1), pooling=True)
+            for p in _as_prompt_list(prompts)
+        ]
+        for req in reqs:
+            engine.add_request(req)
+        while engine.has_unfinished_requests():
+            engine.step()
+        return [req.embedding for req in reqs]  # type: ignore[misc]
+
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):

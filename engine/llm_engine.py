@@ -90,6 +90,7 @@ class LLMEngine:
             weights_id=runner.weights_id,
             num_kv_blocks=runner.num_kv_blocks,
             kv_capacity_tokens=self.kv_capacity_tokens,
+            hidden_size=runner.model_config.hidden_size,
         )
 
     @property
@@ -107,8 +108,12 @@ class LLMEngine:
         resume_token_ids: list[int] | None = None,
         kv_transfer: dict[str, Any] | None = None,
         grammar: Any = None,
+        pooling: bool = False,
     ) -> Request:
         """Validate and build a request (raises ValueError for bad input); does not queue it.
+
+        ``pooling``: an embedding request; it ends when its prompt is computed, its result the
+        prompt's last hidden state (``RequestOutput.embedding``), and samples nothing.
 
         ``grammar``: the compiled ``params.structured_outputs`` (``self.grammars.compile``), when the
         caller compiled it elsewhere (the async engine does, off its threads); else it is compiled here.
@@ -136,6 +141,11 @@ class LLMEngine:
             if not isinstance(tok, int) or isinstance(tok, bool) or not 0 <= tok < self.sampling_vocab_size:
                 raise ValueError(f"token id {tok!r} is out of the vocabulary [0, {self.sampling_vocab_size})")
         limit = self.max_model_len
+        if pooling:
+            if len(ids) > limit:
+                raise ValueError(f"the input has {len(ids)} tokens, more than max_model_len={limit}")
+            params = _with_max_tokens(params, 1)  # reserves the KV slot the last position writes
+            limit += 1
         if params.max_tokens is None:
             # As much as fits in max_model_len and in the KV cache (so it can always finish).
             capacity = self.kv_capacity_tokens
@@ -173,6 +183,7 @@ class LLMEngine:
             resume_token_ids=resumed,
             kv_transfer=kv_transfer,
         )
+        req.pooling = pooling
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, params, ids)
         if params.structured_outputs is not None:
             if grammar is None:
@@ -227,8 +238,11 @@ class LLMEngine:
     def _postprocess(self, sched: SchedulerOutput, model_out: ModelOutput) -> list[RequestOutput]:
         for pl in model_out.prompt_logits:
             self.post.add_prompt_logprobs(pl)
+        pooled = self._finish_pooled(model_out)
         if not model_out.sampling:
-            return [self.post.delta(p.scheduled.request, [], "", None) for p in model_out.prompt_logits]
+            return pooled + [
+                self.post.delta(p.scheduled.request, [], "", None) for p in model_out.prompt_logits
+            ]
         rows = [
             SamplingRow(
                 params=s.request.params,
@@ -255,6 +269,22 @@ class LLMEngine:
                 self.scheduler.finish(req, req.finish_reason)
                 self.requests.pop(req.request_id, None)
                 out = self.post.finalize(req, out)
+            outputs.append(out)
+        return pooled + outputs
+
+    def _finish_pooled(self, model_out: ModelOutput) -> list[RequestOutput]:
+        """Pooling requests whose prompt was computed this step end with their embedding."""
+        outputs: list[RequestOutput] = []
+        vectors = model_out.pooled_hidden if model_out.pooled_hidden is not None else ()
+        for s, vector in zip(model_out.pooled, vectors, strict=True):
+            req = s.request
+            req.metrics.first_token_time = time.monotonic()
+            req.embedding = vector.tolist()
+            req.finish_reason = "stop"
+            self.scheduler.finish(req, "stop")
+            self.requests.pop(req.request_id, None)
+            out = self.post.finalize(req, self.post.delta(req, [], "", None))
+            out.embedding = req.embedding
             outputs.append(out)
         return outputs
 

@@ -39,6 +39,9 @@ class ModelOutput:
     sample_logits: torch.Tensor  # fp32 [num sampling rows, vocab], order of ``sampling``
     sampling: list[ScheduledRequest]
     prompt_logits: list[PromptLogits] = field(default_factory=list)
+    # Pooling requests whose prompt ended this step, and their last hidden states (fp32 [n, hidden]).
+    pooled: list[ScheduledRequest] = field(default_factory=list)
+    pooled_hidden: torch.Tensor | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -185,10 +188,15 @@ class ModelRunner:
         rows: list[int] = []
         sampling: list[ScheduledRequest] = []
         prompt: list[PromptLogits] = []
+        pooled_rows: list[int] = []
+        pooled: list[ScheduledRequest] = []
         start = 0
         for s in out.scheduled:
             end = start + s.num_new_tokens
-            if s.samples:
+            if s.samples and s.request.pooling:
+                pooled_rows.append(end - 1)
+                pooled.append(s)
+            elif s.samples:
                 rows.append(end - 1)
                 sampling.append(s)
             req = s.request
@@ -202,4 +210,8 @@ class ModelRunner:
             start = end
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, index))
-        return ModelOutput(logits, sampling, prompt)
+        pooled_hidden = None
+        if pooled:
+            pooled_index = torch.tensor(pooled_rows, dtype=torch.long, device=self.device)
+            pooled_hidden = hidden.index_select(0, pooled_index).float().cpu()
+        return ModelOutput(logits, sampling, prompt, pooled, pooled_hidden)

@@ -45,3 +45,6 @@ class RequestOutput:
     kv_transfer: dict | None = (
         None  # on the final output of a kv_transfer request: block_hashes, num_cached_tokens
     )
+    # On the final output of a pooling request: the prompt's last hidden state (after the final
+    # norm; fp32, not normalised).
+    embedding: list[float] | None = None

@@ -88,6 +88,9 @@ class Request:
         )
         self.num_preemptions = 0
         self.admitted_once = False
+        # An embedding request: the prompt's last hidden state is its result, nothing is sampled.
+        self.pooling = False
+        self.embedding: list[float] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -18,6 +18,7 @@ class ModelInfo:
     # Tokens one sequence can hold in the KV cache (0: unknown): the whole cache, or the model's
     # context when every layer slides and the cache holds the blocks a window reaches.
     kv_capacity_tokens: int = 0
+    hidden_size: int = 0  # the width of the model's hidden states (of its embeddings)
 
 
 @dataclass(frozen=True)

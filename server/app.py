@@ -28,6 +28,7 @@ from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     ErrorResponse,
     ModelList,
     TokenizeRequest,
@@ -35,6 +36,7 @@ from server.protocol import (
 )
 from server.serving_chat import create_chat_completion
 from server.serving_completions import create_completion
+from server.serving_embeddings import create_embedding
 from server.serving_responses import ResponsesRequest, create_response
 from server.serving_tokenize import detokenize, list_models, tokenize
 from server.state import ServerState
@@ -100,6 +102,12 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
     @app.post("/v1/responses", responses=_ERRORS)
     async def responses(body: ResponsesRequest, request: Request) -> Any:
         return await create_response(
+            state, body, request.state.request_id, request.receive, getattr(request.state, "submitted", None)
+        )
+
+    @app.post("/v1/embeddings", responses=_ERRORS)
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Any:
+        return await create_embedding(
             state, body, request.state.request_id, request.receive, getattr(request.state, "submitted", None)
         )
 

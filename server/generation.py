@@ -36,6 +36,7 @@ class SequenceRequest:
     params: SamplingParams
     resume_token_ids: list[int] | None = None
     kv_transfer: Any = None
+    pooling: bool = False  # an embedding: the prompt's last hidden state, nothing sampled
 
 
 class Ticket:
@@ -174,6 +175,7 @@ class Generation:
                 seq.params,
                 resume_token_ids=seq.resume_token_ids,
                 kv_transfer=seq.kv_transfer,
+                pooling=seq.pooling,
             )
             try:
                 async for out in gen:

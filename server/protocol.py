@@ -301,12 +301,42 @@ class TokenizeRequest(_Request):
         return self
 
 
+class EmbeddingRequest(_Request):
+    """OpenAI's /v1/embeddings (plus vLLM's ``truncate_prompt_tokens`` and ``add_special_tokens``)."""
+
+    model: StrictStr | None = None
+    input: PromptInput
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: StrictInt | None = Field(default=None, ge=1)
+    user: StrictStr | None = None
+    truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=1)
+    add_special_tokens: StrictBool = True
+
+
 class DetokenizeRequest(_Request):
     model: StrictStr | None = None
     tokens: list[StrictInt]
 
 
 # ----------------------------------------------------------------- responses
+
+
+class EmbeddingData(_Response):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # floats, or base64 of little-endian float32
+
+
+class EmbeddingUsage(_Response):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(_Response):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
 
 
 class PromptTokensDetails(_Response):

@@ -1,0 +1,116 @@
+"""POST /v1/embeddings: each input's last-token hidden state, L2-normalised (last-token pooling, the
+embedding of decoder models such as Qwen3-Embedding or e5-mistral, as vLLM pools them).
+
+Inputs run as engine requests that end once their prompt is computed (``pooling=True``): they are
+admitted, batched, prefix-cached, timed out and aborted on disconnect like generation requests.
+``dimensions`` keeps the first N values before normalising (Matryoshka models); ``base64`` is
+little-endian float32, as OpenAI's SDKs decode it.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import struct
+import time
+from collections.abc import Callable
+from typing import Any
+
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from server.errors import bad_request, unavailable
+from server.generation import SequenceRequest
+from server.params import check_token_ids
+from server.protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
+from server.serving_common import answer_whole
+from server.state import ServerState
+
+MAX_INPUTS = 2048  # per request, as OpenAI allows
+
+
+def _inputs(state: ServerState, req: EmbeddingRequest) -> list[list[int]]:
+    raw = req.input
+    if isinstance(raw, str):
+        items: list[Any] = [raw]
+    elif raw and isinstance(raw[0], int):
+        items = [list(raw)]
+    else:
+        items = list(raw)
+    if not items:
+        raise bad_request("input must not be empty", param="input")
+    if len(items) > MAX_INPUTS:
+        raise bad_request(f"input has {len(items)} items; at most {MAX_INPUTS} are allowed", param="input")
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            ids = state.tokenizer.encode(item, add_special_tokens=req.add_special_tokens)
+        else:
+            ids = list(item)
+            check_token_ids(ids, state.limits, "input")
+        if not ids:
+            raise bad_request("input must not contain empty strings or token lists", param="input")
+        if req.truncate_prompt_tokens is not None:
+            ids = ids[-req.truncate_prompt_tokens :]
+        if len(ids) > state.limits.max_model_len:
+            raise bad_request(
+                f"an input has {len(ids)} tokens, more than this model's maximum context length of "
+                f"{state.limits.max_model_len} tokens",
+                param="input",
+            )
+        out.append(ids)
+    return out
+
+
+def _encode(vector: list[float], dimensions: int | None, encoding: str) -> list[float] | str:
+    if dimensions is not None:
+        vector = vector[:dimensions]
+    norm = math.sqrt(math.fsum(x * x for x in vector)) or 1.0
+    vector = [x / norm for x in vector]
+    if encoding == "base64":
+        return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+    return vector
+
+
+async def create_embedding(
+    state: ServerState,
+    req: EmbeddingRequest,
+    request_id: str,
+    receive: Any,
+    submitted: Callable[[], None] | None = None,
+) -> object:
+    arrival = time.perf_counter()
+    state.check_model(req.model)
+    hidden = int(getattr(getattr(state.engine, "model_info", None), "hidden_size", 0) or 0)
+    if req.dimensions is not None and hidden and req.dimensions > hidden:
+        raise bad_request(
+            f"dimensions={req.dimensions} is more than this model's {hidden} embedding dimensions",
+            param="dimensions",
+        )
+    inputs = _inputs(state, req)
+    params = SamplingParams(max_tokens=1)
+    seqs = [
+        SequenceRequest(choice_index=i, prompt_index=i, prompt_token_ids=ids, params=params, pooling=True)
+        for i, ids in enumerate(inputs)
+    ]
+    ticket = state.generation.admit(len(seqs), submitted)
+    vectors: list[list[float] | None] = [None] * len(seqs)
+
+    def on_output(seq: SequenceRequest, out: RequestOutput) -> None:
+        if out.finished and out.embedding is not None:
+            vectors[seq.choice_index] = out.embedding
+
+    def build() -> EmbeddingResponse:
+        if any(v is None for v in vectors):  # ended without a result: the engine is stopping
+            raise unavailable("The engine ended an embedding request before computing it.")
+        data = [
+            EmbeddingData(index=i, embedding=_encode(v, req.dimensions, req.encoding_format))  # type: ignore[arg-type]
+            for i, v in enumerate(vectors)
+        ]
+        tokens = sum(len(ids) for ids in inputs)
+        return EmbeddingResponse(
+            data=data, model=state.model_name, usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens)
+        )
+
+    return await answer_whole(
+        state, seqs, request_id, arrival, ticket, receive, on_output, build, lambda _: None
+    )

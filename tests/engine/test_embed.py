@@ -1,0 +1,61 @@
+"""Pooling requests (``LLM.embed``, ``make_request(pooling=True)``): the prompt's last hidden state,
+equal to transformers' ``last_hidden_state``, whether chunked, mixed into a step with generating
+requests, or served from the prefix cache; the request then frees its blocks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+
+
+def _hf_last_hidden(path: Path, prompts: list[list[int]]) -> list[torch.Tensor]:
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return [model(torch.tensor([p])).last_hidden_state[0, -1] for p in prompts]
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_qwen3", "tiny_deepseek"])
+def test_embed_equals_transformers_chunked_mixed_and_cached(model_fixture, prompts, request) -> None:
+    path = request.getfixturevalue(model_fixture)
+    want = _hf_last_hidden(path, prompts)
+    llm = LLM(str(path), num_kv_blocks=256, max_num_batched_tokens=48)  # 100+ token prompts are chunked
+    engine = llm.engine
+    gen = [
+        engine.make_request(f"g{i}", p, SamplingParams(max_tokens=5, ignore_eos=True))
+        for i, p in enumerate(prompts[:3])
+    ]
+    pool = [
+        engine.make_request(f"e{i}", p, SamplingParams(max_tokens=1), pooling=True)
+        for i, p in enumerate(prompts)
+    ]
+    for req in gen + pool:
+        engine.add_request(req)
+    mixed = False
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        kinds = {o.embedding is not None for o in outs}
+        mixed |= kinds == {True, False}  # a step that both pooled and sampled
+    assert mixed
+    assert all(len(r.output_token_ids) == 5 for r in gen)
+    for req, w in zip(pool, want, strict=True):
+        assert req.embedding is not None and len(req.embedding) == w.shape[0]
+        assert float((torch.tensor(req.embedding) - w).abs().max()) < 1e-5
+        assert req.output_token_ids == []  # nothing sampled
+    again = llm.embed(prompts)  # prefix-cache hits: only the last block is computed
+    for e, w in zip(again, want, strict=True):
+        assert float((torch.tensor(e) - w).abs().max()) < 1e-5
+    engine.block_manager.check_integrity()
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_pooling_input_limit_is_the_context_not_context_minus_one(tiny_qwen3) -> None:
+    llm = LLM(str(tiny_qwen3), num_kv_blocks=64, max_model_len=32)
+    assert len(llm.embed([[5] * 32])[0]) == 64
+    with pytest.raises(ValueError, match="the input has 33 tokens, more than max_model_len=32"):
+        llm.embed([[5] * 33])

@@ -1,0 +1,95 @@
+"""POST /v1/embeddings through the official SDK against the session's replica (tiny Llama):
+last-token pooling equal to transformers' last hidden state, normalised; float and base64
+encodings; several inputs in order; ``dimensions``; usage; every bad input a 400 that costs nothing."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+from engine.tokenizer import Tokenizer
+from tests.server.conftest import metric_value
+
+TEXTS = ["def parse_args(argv):", "import os\nimport sys\n\nprint(sys.argv)", "x = 1"]
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama: Path) -> list[torch.Tensor]:
+    """transformers' last hidden state of each text's last token, L2-normalised."""
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
+    tok = Tokenizer.from_dir(tiny_llama)
+    out = []
+    with torch.no_grad():
+        for text in TEXTS:
+            h = model(torch.tensor([tok.encode(text)])).last_hidden_state[0, -1]
+            out.append(h / h.norm())
+    return out
+
+
+def _close(got: list[float], want: torch.Tensor, tol: float = 1e-5) -> bool:
+    return float((torch.tensor(got) - want).abs().max()) < tol
+
+
+def test_embeddings_equal_transformers_in_both_encodings(client, server, reference, tiny_llama) -> None:
+    floats = client.embeddings.create(model=server.model_name, input=TEXTS, encoding_format="float")
+    assert [d.index for d in floats.data] == [0, 1, 2] and floats.object == "list"
+    for d, want in zip(floats.data, reference, strict=True):
+        assert len(d.embedding) == 64 and _close(d.embedding, want)
+        assert math.isclose(math.fsum(x * x for x in d.embedding), 1.0, rel_tol=1e-6)
+    tok = Tokenizer.from_dir(tiny_llama)
+    tokens = sum(len(tok.encode(t)) for t in TEXTS)
+    assert (floats.usage.prompt_tokens, floats.usage.total_tokens) == (tokens, tokens)
+    default = client.embeddings.create(model=server.model_name, input=TEXTS)  # the SDK asks for base64
+    for a, b in zip(default.data, floats.data, strict=True):
+        assert _close(a.embedding, torch.tensor(b.embedding), 1e-7)  # float32 round trip
+
+
+def test_token_inputs_dimensions_and_prefix_hits(client, server, reference, tiny_llama) -> None:
+    ids = Tokenizer.from_dir(tiny_llama).encode(TEXTS[1])
+    by_ids = client.embeddings.create(model=server.model_name, input=[ids, ids], encoding_format="float")
+    for d in by_ids.data:  # the second is a prefix-cache hit of the first: same vector
+        assert _close(d.embedding, reference[1])
+    short = client.embeddings.create(model=server.model_name, input=ids, dimensions=8, encoding_format="float")
+    want = reference[1][:8] / reference[1][:8].norm()
+    assert len(short.data[0].embedding) == 8 and _close(short.data[0].embedding, want)
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ({"input": []}, "input", "must not be empty"),
+        ({"input": ["ok", ""]}, "input", "empty strings"),
+        ({"input": [[1, 2], [99999]]}, "input", "out of range"),
+        ({"input": "x", "dimensions": 65}, "dimensions", "more than this model's 64"),
+        ({"input": "x", "dimensions": 0}, "dimensions", ""),
+        ({"input": "x", "encoding_format": "int8"}, "encoding_format", ""),
+        ({"input": [5] * 1025}, "input", "maximum context length of 1024"),
+        ({"input": 7}, "input", ""),
+    ],
+)
+def test_bad_inputs_are_400s(server, body: dict, param: str, words: str) -> None:
+    r = httpx.post(server.url + "/v1/embeddings", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"} and words in err["message"]
+    assert param in (err["param"] or "")
+
+
+def test_unknown_model_is_404_and_the_replica_stays_idle(server) -> None:
+    r = httpx.post(server.url + "/v1/embeddings", json={"input": "x", "model": "nope"}, timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    assert metric_value(text, "vllm:num_requests_running") == 0.0
+    assert metric_value(text, "vllm:kv_cache_usage_perc") == 0.0
