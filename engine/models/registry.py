@@ -6,6 +6,11 @@ import importlib
 
 _MODELS: dict[str, str] = {
     "LlamaForCausalLM": "engine.models.llama:LlamaForCausalLM",
+    # Base models saved without a head, served for embeddings (and generation with tied logits).
+    "LlamaModel": "engine.models.llama:LlamaForCausalLM",
+    "MistralModel": "engine.models.llama:LlamaForCausalLM",
+    "Qwen2Model": "engine.models.llama:LlamaForCausalLM",
+    "Qwen3Model": "engine.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "engine.models.llama:LlamaForCausalLM",
     "MixtralForCausalLM": "engine.models.llama:LlamaForCausalLM",  # Mistral + MoE MLPs
     "Qwen2ForCausalLM": "engine.models.llama:LlamaForCausalLM",  # Llama + q/k/v bias

@@ -59,3 +59,24 @@ def test_pooling_input_limit_is_the_context_not_context_minus_one(tiny_qwen3) ->
     assert len(llm.embed([[5] * 32])[0]) == 64
     with pytest.raises(ValueError, match="the input has 33 tokens, more than max_model_len=32"):
         llm.embed([[5] * 33])
+
+
+def test_a_base_model_saved_alone_serves_embeddings(tiny_qwen3, tmp_path: Path, prompts) -> None:
+    """Qwen3-Embedding's layout: ``Qwen3Model``, tensors without the ``model.`` prefix, no lm_head."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    bare = tmp_path / "qwen3_embedding"
+    shutil.copytree(tiny_qwen3, bare)
+    weights = load_file(str(bare / "model.safetensors"))
+    save_file(
+        {k.removeprefix("model."): v for k, v in weights.items() if k != "lm_head.weight"},
+        str(bare / "model.safetensors"),
+    )
+    cfg = json.loads((bare / "config.json").read_text())
+    (bare / "config.json").write_text(json.dumps({**cfg, "architectures": ["Qwen3Model"]}))
+    want = _hf_last_hidden(tiny_qwen3, prompts[:4])
+    for e, w in zip(LLM(str(bare), num_kv_blocks=64).embed(prompts[:4]), want, strict=True):
+        assert float((torch.tensor(e) - w).abs().max()) < 1e-5
