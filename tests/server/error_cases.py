@@ -378,3 +378,25 @@ responses_bodies = (
     )
     | json_values
 )
+
+EMB = "/v1/embeddings"
+embedding_bodies = (
+    st.fixed_dictionaries(
+        {
+            "input": st.text(max_size=20)
+            | st.lists(st.text(max_size=10), max_size=3)
+            | st.lists(st.integers(-5, 1200), max_size=8)
+            | st.lists(st.lists(st.integers(-5, 1200), max_size=4), max_size=3)
+            | json_values
+        },
+        optional={
+            "model": st.sampled_from(["tiny", None]) | json_values,
+            "encoding_format": st.sampled_from(["float", "base64", "int8"]) | json_values,
+            "dimensions": st.integers(-2, 70) | json_values,
+            "user": st.text(max_size=6) | json_values,
+            "truncate_prompt_tokens": st.integers(-1, 5) | json_values,
+            "add_special_tokens": st.booleans() | json_values,
+        },
+    )
+    | json_values
+)

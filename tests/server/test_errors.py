@@ -1,8 +1,8 @@
 """Client-caused errors: always a 4xx with OpenAI's error body, never a 5xx, never a dead server.
 
 A table pins the status, ``param`` and ``code`` of each known mistake; a hypothesis fuzz throws
-bounded batches of malformed JSON at both generation endpoints and checks the server keeps
-serving.
+bounded batches of malformed JSON at the generation endpoints, the Responses API and embeddings,
+and checks the server keeps serving.
 """
 
 from __future__ import annotations
@@ -15,7 +15,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.server.error_cases import CASES, CHAT, COMP, RESP, USER, bodies, responses_bodies
+from tests.server.error_cases import (
+    CASES,
+    CHAT,
+    COMP,
+    EMB,
+    RESP,
+    USER,
+    bodies,
+    embedding_bodies,
+    responses_bodies,
+)
 
 
 def assert_error_body(r: httpx.Response, status: int) -> dict:
@@ -158,6 +168,20 @@ def test_responses_fuzz_never_5xx(http, body: object) -> None:
         assert '"type": "response.' in r.text and "InternalServerError" not in r.text
     else:
         assert r.json()["object"] == "response"
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(body=embedding_bodies)
+def test_embeddings_fuzz_never_5xx(http, body: object) -> None:
+    r = http.post(
+        EMB, content=json.dumps(body, allow_nan=False), headers={"content-type": "application/json"}
+    )
+    assert r.status_code < 500, r.text
+    if r.status_code >= 400:
+        assert_error_body(r, r.status_code)
+    else:
+        data = r.json()["data"]
+        assert data and all(d["object"] == "embedding" for d in data)
 
 
 def test_server_still_serves_after_the_fuzz(server) -> None:
