@@ -98,7 +98,8 @@ def build_model(
     "qwen3" (per-head q/k norm), "qwen3_moe" (8 experts, 2 per token; layer 0 dense), "mixtral"
     (4 experts, 2 per token), "qwen2_moe" (a gated shared expert too), "phi3" (fused weights,
     partial rotary 0.75), "gemma3" (text; local/global layers, soft-capped logits) or "gemma3_mm"
-    (the same text model inside a Gemma3ForConditionalGeneration checkpoint) or "glm4_moe" (GLM-4.5).
+    (the same text model inside a Gemma3ForConditionalGeneration checkpoint), "glm4_moe" (GLM-4.5) or
+    "granite" (Llama with embedding, attention, residual and logit multipliers).
     The model's eos is ``<|im_end|>``.
     """
     import torch
@@ -188,6 +189,13 @@ def build_model(
             routed_scaling_factor=2.0,
         )
         cls = transformers.Glm4MoeForCausalLM
+    elif arch == "granite":  # Llama with Granite's four multipliers, none of them 1
+        import transformers
+
+        scalings = dict(
+            embedding_multiplier=2.0, attention_multiplier=0.1, residual_multiplier=0.5, logits_scaling=1.5
+        )
+        cfg, cls = transformers.GraniteConfig(**common, **scalings), transformers.GraniteForCausalLM
     elif arch == "phi3":  # fused qkv_proj / gate_up_proj, a quarter of each head not rotated
         import transformers
 

@@ -94,6 +94,13 @@ class ModelConfig:
     # Block-quantized fp8 weights (DeepSeek-V3/R1, Qwen3-FP8): each weight's scale covers a block of
     # this shape; the loader dequantizes them to the model dtype. None: unquantized.
     fp8_block: tuple[int, int] | None = None
+    # Granite's scalings: embeddings times embedding_multiplier, attention scores times
+    # attention_multiplier (instead of head_dim ** -0.5), each block's output times
+    # residual_multiplier before the residual add, logits divided by logits_scaling.
+    embedding_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
 
     # The paged KV cache per layer: ``kv_cache_parts`` tensors (K and V, or MLA's one latent) of
     # ``[num_blocks, block_size, kv_cache_heads, kv_cache_dim]``.
@@ -174,6 +181,12 @@ class ModelConfig:
             moe=_moe(raw),
             gemma=_gemma(raw, num_layers),
             fp8_block=fp8_block,
+            embedding_multiplier=float(raw.get("embedding_multiplier") or 1.0),
+            attention_multiplier=float(raw["attention_multiplier"])
+            if raw.get("attention_multiplier")
+            else None,
+            residual_multiplier=float(raw.get("residual_multiplier") or 1.0),
+            logits_scaling=float(raw.get("logits_scaling") or 1.0),
             partial_rotary_factor=float(
                 raw.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
             ),

@@ -1,7 +1,8 @@
 """Llama-family decoder over the paged KV cache: Llama 2/3, Mistral, Qwen2 (q/k/v bias), Qwen3
 (per-head RMSNorm of q and k before rotary), Qwen3-MoE and Mixtral (mixture-of-experts MLPs), Phi-3
 (fused qkv and gate_up weights, partial rotary), GLM-4.5 (q/k/v bias, partial rotary, optional q/k
-norm, DeepSeek-V3's router and shared experts).
+norm, DeepSeek-V3's router and shared experts), Granite (embedding, attention, residual and logit
+multipliers).
 
 The forward works on a flattened batch: every new token of every scheduled sequence in one
 ``[T]`` dimension, so prefill chunks and decode steps share one pass. Weights are held as plain
@@ -62,7 +63,7 @@ class LlamaForCausalLM:
         self.attention = attention
         self.linear: Linear = invariant_linear if deterministic else F.linear
         self.moe = None if cfg.moe is None else MoE(cfg.moe, self.linear, ops.silu_and_mul)
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attention_multiplier or cfg.head_dim**-0.5
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         # Partial rotary (Phi-4-mini): only the first rotary_dim dims of each head rotate.
@@ -112,6 +113,9 @@ class LlamaForCausalLM:
         cfg, ops, linear = self.cfg, self.ops, self.linear
         eps = cfg.rms_norm_eps
         hidden = F.embedding(input_ids, self.embed)
+        if cfg.embedding_multiplier != 1.0:
+            hidden = hidden * cfg.embedding_multiplier
+        scale_out = cfg.residual_multiplier != 1.0  # Granite scales each block's output
         residual: torch.Tensor | None = None
         t = input_ids.shape[0]
         for layer, window, (k_cache, v_cache) in zip(self.layers, self.windows, kv_caches, strict=True):
@@ -134,14 +138,19 @@ class LlamaForCausalLM:
                 q[..., : self.rotary_dim], k[..., : self.rotary_dim] = q_rot, k_rot
             attn = self.attention.forward(q, k, v.contiguous(), k_cache, v_cache, meta, self.scale, window)
             hidden = linear(attn.reshape(t, self.q_size), layer["o"], layer["o_bias"])
+            if scale_out:
+                hidden = hidden * cfg.residual_multiplier
             x, residual = ops.rms_norm(hidden, layer["post_norm"], eps, residual)
             if "router" in layer:
                 hidden = self.moe.forward(x, layer)  # type: ignore[union-attr]
             else:
                 hidden = linear(ops.silu_and_mul(linear(x, layer["gate_up"], None)), layer["down"], None)
+            if scale_out:
+                hidden = hidden * cfg.residual_multiplier
         out, _ = ops.rms_norm(hidden, self.norm, eps, residual)
         return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits ``[N, vocab]`` for the rows that need them (never the whole batch)."""
-        return self.linear(hidden, self.lm_head, None).float()
+        logits = self.linear(hidden, self.lm_head, None).float()
+        return logits / self.cfg.logits_scaling if self.cfg.logits_scaling != 1.0 else logits

@@ -14,6 +14,7 @@ _MODELS: dict[str, str] = {
     "MistralForCausalLM": "engine.models.llama:LlamaForCausalLM",
     "MixtralForCausalLM": "engine.models.llama:LlamaForCausalLM",  # Mistral + MoE MLPs
     "Qwen2ForCausalLM": "engine.models.llama:LlamaForCausalLM",  # Llama + q/k/v bias
+    "GraniteForCausalLM": "engine.models.llama:LlamaForCausalLM",  # Llama + four scalings
     "Glm4MoeForCausalLM": "engine.models.llama:LlamaForCausalLM",  # GLM-4.5: Llama attention + V3-style MoE
     "Phi3ForCausalLM": "engine.models.llama:LlamaForCausalLM",  # fused qkv / gate_up, partial rotary
     "Qwen2MoeForCausalLM": "engine.models.llama:LlamaForCausalLM",  # Qwen2 + MoE MLPs (gated shared expert)

@@ -22,6 +22,7 @@ MODELS = [
     "tiny_gemma3",  # sandwich norms, local/global rope, soft-capped logits
     "tiny_gemma3_mm",  # the text model of a multimodal checkpoint
     "tiny_glm4_moe",  # bias, partial rotary, q/k norm, sigmoid router with correction bias
+    "tiny_granite",  # embedding, attention, residual and logit multipliers
     "tiny_deepseek",  # MLA + MoE (sigmoid router with correction bias, group-limited)
     "tiny_deepseek_yarn",
     "tiny_deepseek_v2",  # softmax router, group-limited
