@@ -98,7 +98,8 @@ def build_model(
     "qwen3" (per-head q/k norm), "qwen3_moe" (8 experts, 2 per token; layer 0 dense), "mixtral"
     (4 experts, 2 per token), "qwen2_moe" (a gated shared expert too), "phi3" (fused weights,
     partial rotary 0.75), "gemma3" (text; local/global layers, soft-capped logits) or "gemma3_mm"
-    (the same text model inside a Gemma3ForConditionalGeneration checkpoint), "glm4_moe" (GLM-4.5) or
+    (the same text model inside a Gemma3ForConditionalGeneration checkpoint), "gemma2" (soft-capped
+    attention), "glm4_moe" (GLM-4.5) or
     "granite" (Llama with embedding, attention, residual and logit multipliers).
     The model's eos is ``<|im_end|>``.
     """
@@ -189,6 +190,18 @@ def build_model(
             routed_scaling_factor=2.0,
         )
         cls = transformers.Glm4MoeForCausalLM
+    elif arch == "gemma2":  # sliding (window 8) and full layers; small caps so the soft-capping matters
+        import transformers
+
+        cfg = transformers.Gemma2Config(
+            **common,
+            head_dim=hidden_size // num_attention_heads,
+            query_pre_attn_scalar=hidden_size // num_attention_heads,
+            sliding_window=8,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=5.0,
+        )
+        cls = transformers.Gemma2ForCausalLM
     elif arch == "granite":  # Llama with Granite's four multipliers, none of them 1
         import transformers
 
@@ -264,7 +277,7 @@ def build_model(
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.08 if "embed" not in name else 0.5)
-            elif "norm" in name and arch.startswith("gemma3"):  # offsets from 1, zero at init
+            elif "norm" in name and arch.startswith("gemma"):  # offsets from 1, zero at init
                 p.normal_(0.0, 0.1)
             elif "bias" in name:
                 p.normal_(0.0, 0.05)

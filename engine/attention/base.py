@@ -112,11 +112,13 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:  # [T, Hq, D]
         """Store ``k``/``v`` at ``meta.slot_mapping``, then attend each new token over its sequence's
         cached prefix plus the new tokens up to and including itself (GQA: query head h reads KV head
         ``h // (Hq // Hkv)``). With a sliding ``window``, the token at position q sees only keys at
-        positions k with ``q - window < k <= q``."""
+        positions k with ``q - window < k <= q``. With ``softcap`` (Gemma 2), the scaled scores
+        become ``softcap * tanh(score / softcap)`` before the softmax."""
 
     @abstractmethod
     def forward_mla(

@@ -82,6 +82,18 @@ class _Plan:
     windows: dict[int | None, _WindowPlan] = field(default_factory=dict)
 
 
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float | None
+) -> torch.Tensor:
+    """SDPA over ``[..., L, D]`` with a boolean ``mask`` (True: visible); with ``softcap`` the scores
+    are soft-capped first (``softcap * tanh(s / softcap)``, Gemma 2), which SDPA cannot do, in fp32."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = (torch.tanh(scores / softcap) * softcap).masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
+
+
 def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """[nb] or [B, nb] block ids -> [..., nb*block_size, Hkv, D] contiguous copy."""
     g = cache.index_select(0, blocks.reshape(-1))
@@ -210,11 +222,11 @@ class TorchAttentionBackend(AttentionBackend):
                 mask.triu_(diagonal=ctx - fk - window + 1)
         return _Prefill(start, qlen, ctx, fk, blocks, mask)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale, window=None):  # type: ignore[override]
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, window=None, softcap=None):  # type: ignore[override]
         hkv, d = k_cache.shape[2], k_cache.shape[3]
         k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
-        return self._attend(q, k, v, k_cache, v_cache, meta, scale, window)
+        return self._attend(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
 
     def forward_mla(self, q, kv, kv_cache, meta, scale, v_dim):  # type: ignore[override]
         kv_cache.view(-1, 1, kv_cache.shape[3]).index_copy_(0, meta.slot_mapping, kv)
@@ -230,6 +242,7 @@ class TorchAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         window: int | None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         plan = self._plan(meta, q.device)
         wplan = plan.windows.get(window)
@@ -241,7 +254,7 @@ class TorchAttentionBackend(AttentionBackend):
         for g, keys in zip(plan.decode_groups, wplan.decode_keys, strict=True):
             kk = _gather(k_cache, keys.blocks)  # [Bg, L, Hkv, D]
             vv = kk[..., :dv] if v_cache is None else _gather(v_cache, keys.blocks)
-            out.index_copy_(0, g.rows, decode(q.index_select(0, g.rows), kk, vv, keys, scale))
+            out.index_copy_(0, g.rows, decode(q.index_select(0, g.rows), kk, vv, keys, scale, softcap))
         attend = self._prefill_det if self.deterministic else self._prefill
         for p in wplan.prefills:
             qs = q[p.start : p.start + p.qlen]
@@ -250,12 +263,17 @@ class TorchAttentionBackend(AttentionBackend):
             else:
                 ks = _gather(k_cache, p.blocks)
                 vs = ks[..., :dv] if v_cache is None else _gather(v_cache, p.blocks)
-            out[p.start : p.start + p.qlen] = attend(qs, ks, vs, p, window, scale)
+            out[p.start : p.start + p.qlen] = attend(qs, ks, vs, p, window, scale, softcap)
         return out
 
     @staticmethod
     def _decode(
-        q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor, keys: _DecodeKeys, scale: float
+        q: torch.Tensor,
+        kk: torch.Tensor,
+        vv: torch.Tensor,
+        keys: _DecodeKeys,
+        scale: float,
+        softcap: float | None,
     ) -> torch.Tensor:
         """A group's single-token rows in one SDPA call over its gathered keys/values
         ``[Bg, L, Hkv, D]``: the G query heads sharing a KV head are laid out as G query rows, so
@@ -263,14 +281,18 @@ class TorchAttentionBackend(AttentionBackend):
         bd, hq, d = q.shape
         hkv = kk.shape[2]
         qg = q.view(bd, hkv, hq // hkv, d)
-        o = F.scaled_dot_product_attention(
-            qg, kk.transpose(1, 2), vv.transpose(1, 2), attn_mask=keys.visible, scale=scale
-        )
+        o = _sdpa(qg, kk.transpose(1, 2), vv.transpose(1, 2), keys.visible, scale, softcap)
         return o.reshape(bd, hq, vv.shape[-1])
 
     @staticmethod
     def _prefill(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: _Prefill, window: int | None, scale: float
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        p: _Prefill,
+        window: int | None,
+        scale: float,
+        softcap: float | None,
     ) -> torch.Tensor:
         """One sequence's chunk over keys ``p.first_key .. ctx+Lq-1`` (``k`` may run past them);
         the window is already in ``p.mask``."""
@@ -278,7 +300,14 @@ class TorchAttentionBackend(AttentionBackend):
         # 4-D [1, H, L, D]: with 3-D inputs PyTorch's CPU SDPA takes its unfused math path, which
         # measured 4-9x slower here than the flash kernel 4-D inputs get (fp32 and bf16).
         qt, kt, vt = q.transpose(0, 1)[None], k[:nk].transpose(0, 1)[None], v[:nk].transpose(0, 1)[None]
-        if p.mask is None:
+        if softcap is not None:
+            mask = p.mask
+            if mask is None:  # plain causal over keys from position 0: square
+                mask = torch.ones(p.qlen, nk, dtype=torch.bool, device=q.device).tril_()
+            rep = q.shape[1] // k.shape[1]
+            kt, vt = kt.repeat_interleave(rep, 1), vt.repeat_interleave(rep, 1)
+            o = _sdpa(qt, kt, vt, mask, scale, softcap)
+        elif p.mask is None:
             o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
         else:
             o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=p.mask, scale=scale, enable_gqa=True)
@@ -286,7 +315,13 @@ class TorchAttentionBackend(AttentionBackend):
 
     @staticmethod
     def _prefill_det(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: _Prefill, window: int | None, scale: float
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        p: _Prefill,
+        window: int | None,
+        scale: float,
+        softcap: float | None,
     ) -> torch.Tensor:
         """Batch-invariant attention for one sequence's chunk (see ``_attend_det``)."""
         lq, hq, d = q.shape
@@ -299,13 +334,18 @@ class TorchAttentionBackend(AttentionBackend):
         last = q_pos - p.first_key
         first = None if window is None else (q_pos - window + 1).clamp_(min=p.first_key) - p.first_key
         kk, vv = k[:nk].transpose(0, 1)[None], v[:nk].transpose(0, 1)[None]
-        o = _attend_det(qg, kk, vv, last, first, nk, scale)
+        o = _attend_det(qg, kk, vv, last, first, nk, scale, softcap)
         dv = v.shape[-1]
         return o[0].reshape(hkv, lq, g, dv).permute(1, 0, 2, 3).reshape(lq, hq, dv).to(q.dtype)
 
     @staticmethod
     def _decode_det(
-        q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor, keys: _DecodeKeys, scale: float
+        q: torch.Tensor,
+        kk: torch.Tensor,
+        vv: torch.Tensor,
+        keys: _DecodeKeys,
+        scale: float,
+        softcap: float | None,
     ) -> torch.Tensor:
         """Batch-invariant single-token rows of a group (see ``_attend_det``)."""
         bd, hq, d = q.shape
@@ -314,7 +354,7 @@ class TorchAttentionBackend(AttentionBackend):
         kk, vv = kk.transpose(1, 2), vv.transpose(1, 2)
         last = keys.last[:, None].expand(bd, g)
         first = None if keys.first is None else keys.first[:, None].expand(bd, g)
-        o = _attend_det(q.reshape(bd, hkv, g, d), kk, vv, last, first, kk.shape[2], scale)
+        o = _attend_det(q.reshape(bd, hkv, g, d), kk, vv, last, first, kk.shape[2], scale, softcap)
         return o.reshape(bd, hq, vv.shape[-1]).to(q.dtype)
 
 
@@ -326,6 +366,7 @@ def _attend_det(
     first: torch.Tensor | None,  # [S, R] first key position each row may see; None: 0
     n: int,  # keys present (N)
     scale: float,
+    softcap: float | None = None,  # scores become softcap * tanh(scores / softcap) (Gemma 2)
 ) -> torch.Tensor:  # [S, Hkv, R, Dv] fp32
     """Attention whose every row depends only on its own keys, never on S, R or N.
 
@@ -358,7 +399,10 @@ def _attend_det(
     for t in range(ntiles):
         sl = slice(t * TILE, (t + 1) * TILE)
         scores[..., sl] = torch.matmul(qf, kf[:, :, sl].transpose(-1, -2))
-    scores.mul_(scale).masked_fill_(~visible[:, None], float("-inf"))
+    scores.mul_(scale)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores.masked_fill_(~visible[:, None], float("-inf"))
     probs = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
     num = torch.zeros(s_, hkv, prow, dv, dtype=torch.float32, device=dev)
     den = torch.zeros(s_, hkv, prow, 1, dtype=torch.float32, device=dev)

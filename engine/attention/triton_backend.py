@@ -38,11 +38,12 @@ class TritonAttentionBackend(AttentionBackend):
         self._write_kv = triton_ops.write_kv_cache
         self._unified = triton_attention.unified_attention
         self._split_decode = triton_decode.split_kv_decode_attention
-        # Latent attention (one 512+64-wide shared head, values inside the keys) has no Triton
-        # kernel yet: it runs the torch backend's implementation on the same device tensors.
+        # Latent attention (one 512+64-wide shared head, values inside the keys) and soft-capped
+        # scores (Gemma 2) have no Triton kernel yet: they run the torch backend's implementation on
+        # the same device tensors.
         from engine.attention.torch_backend import TorchAttentionBackend
 
-        self._mla = TorchAttentionBackend(deterministic=deterministic)
+        self._torch = TorchAttentionBackend(deterministic=deterministic)
         self.split_size = split_size or triton_decode.DEFAULT_SPLIT_SIZE
         if self.split_size % 64:
             raise ValueError(
@@ -59,7 +60,10 @@ class TritonAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
+        if softcap is not None:  # no soft-capping in the Triton kernels yet: the torch implementation
+            return self._torch.forward(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
         self._write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if q.stride(-1) != 1:
             q = q.contiguous()
@@ -81,4 +85,4 @@ class TritonAttentionBackend(AttentionBackend):
         )
 
     def forward_mla(self, q, kv, kv_cache, meta, scale, v_dim):  # type: ignore[override]
-        return self._mla.forward_mla(q, kv, kv_cache, meta, scale, v_dim)
+        return self._torch.forward_mla(q, kv, kv_cache, meta, scale, v_dim)

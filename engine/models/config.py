@@ -56,12 +56,14 @@ class MoEConfig:
 
 @dataclass(frozen=True)
 class GemmaConfig:
-    """Gemma 3: queries scaled by ``query_pre_attn_scalar ** -0.5``, a rope table per layer
-    (local layers a small base, global ones a large one, maybe scaled), optional soft-capped logits."""
+    """Gemma 2/3: queries scaled by ``query_pre_attn_scalar ** -0.5``, a rope table per layer
+    (Gemma 3: local layers a small base, global ones a large one, maybe scaled), optional
+    soft-capped logits and (Gemma 2) soft-capped attention scores."""
 
     query_pre_attn_scalar: float
     final_logit_softcapping: float | None
     layer_rope: tuple[tuple[float, dict[str, Any] | None], ...]  # per layer: (theta, scaling)
+    attn_logit_softcapping: float | None = None  # Gemma 2: scores capped at +-this by tanh
 
 
 @dataclass(frozen=True)
@@ -139,6 +141,8 @@ class ModelConfig:
             raise ValueError("config.json names no 'architectures'")
         if archs[0] in ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"):
             raw = _gemma3_text_config(raw)
+        elif archs[0] == "Gemma2ForCausalLM":
+            raw = {**_GEMMA2_DEFAULTS, **raw}
         model_type = raw.get("model_type", "")
         heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
@@ -278,18 +282,31 @@ def _gemma3_text_config(raw: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
+# Gemma2Config's defaults (layer i slides when i is even).
+_GEMMA2_DEFAULTS: dict[str, Any] = {
+    "head_dim": 256,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "sliding_window_pattern": 2,
+    "attn_logit_softcapping": 50.0,
+    "final_logit_softcapping": 30.0,
+    "tie_word_embeddings": True,
+}
+
+
 def _gemma(raw: dict[str, Any], num_layers: int) -> GemmaConfig | None:
-    if raw.get("model_type") != "gemma3_text":
+    if raw.get("model_type") not in ("gemma2", "gemma3_text"):
         return None
-    if raw.get("attn_logit_softcapping"):
-        raise ValueError("attention logit soft-capping (attn_logit_softcapping, Gemma 2) is not supported")
     if raw.get("use_bidirectional_attention"):
         raise ValueError(
             "bidirectional attention (use_bidirectional_attention, embedding models) is not supported"
         )
     types = _layer_types(raw, num_layers) or ["full_attention"] * num_layers
     params = raw.get("rope_parameters") or {}
-    if "full_attention" in params:  # transformers 5: one entry per layer type
+    if raw.get("model_type") == "gemma2":  # one rope for every layer
+        rope = _rope(raw.get("rope_theta") or params.get("rope_theta"), raw.get("rope_scaling") or params)
+        ropes = {"full_attention": rope, "sliding_attention": rope}
+    elif "full_attention" in params:  # transformers 5: one entry per layer type
         ropes = {kind: _rope(p.get("rope_theta"), p) for kind, p in params.items() if p}
     else:  # transformers 4: global theta and scaling, a local base frequency
         ropes = {
@@ -302,6 +319,9 @@ def _gemma(raw: dict[str, Any], num_layers: int) -> GemmaConfig | None:
         if raw.get("final_logit_softcapping")
         else None,
         layer_rope=tuple(ropes[t] for t in types),
+        attn_logit_softcapping=float(raw["attn_logit_softcapping"])
+        if raw.get("attn_logit_softcapping")
+        else None,
     )
 
 
@@ -384,7 +404,7 @@ def _sliding_windows(
     """The model's window and each layer's, as transformers reads them (defaults included)."""
     if model_type == "llama":
         return None, (None,) * num_layers  # transformers' Llama ignores a sliding_window entry
-    if model_type == "gemma3_text":
+    if model_type in ("gemma2", "gemma3_text"):
         window = int(raw.get("sliding_window") or 4096)
         types = _layer_types(raw, num_layers) or ["full_attention"] * num_layers
         return window, tuple(window if t == "sliding_attention" else None for t in types)

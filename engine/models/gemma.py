@@ -1,11 +1,13 @@
-"""Gemma 3 text decoder over the paged KV cache: ``Gemma3ForCausalLM`` (1B), and the language model of
-``Gemma3ForConditionalGeneration`` checkpoints (4B-27B) served text-only.
+"""Gemma 2 and Gemma 3 text decoders over the paged KV cache: ``Gemma2ForCausalLM``,
+``Gemma3ForCausalLM`` (1B), and the language model of ``Gemma3ForConditionalGeneration`` checkpoints
+(4B-27B) served text-only.
 
 Differences from the Llama family, all as transformers computes them:
 * embeddings scaled by ``sqrt(hidden_size)`` (the factor rounded to the model dtype);
 * RMSNorm weights are offsets: the norm multiplies by ``1 + weight`` (folded in at load time);
 * sandwich norms: the attention and MLP outputs are normalised again before the residual add;
-* per-head RMSNorm of q and k before rotary; queries scaled by ``query_pre_attn_scalar ** -0.5``;
+* Gemma 3: per-head RMSNorm of q and k before rotary; queries scaled by ``query_pre_attn_scalar ** -0.5``;
+* Gemma 2: attention scores soft-capped (``cap * tanh(score / cap)``, the attention backends do it);
 * local (sliding-window) and global layers, each kind with its own rotary table;
 * a GELU (tanh approximation) gated MLP; optionally soft-capped final logits.
 """
@@ -24,7 +26,7 @@ from engine.models.rope import build_cos_sin_cache
 from engine.ops import Ops
 
 
-class Gemma3ForCausalLM:
+class GemmaForCausalLM:
     # A multimodal checkpoint served text-only: its language model's weights, not its vision tower.
     WEIGHT_RENAMES = {
         "Gemma3ForConditionalGeneration": (
@@ -53,6 +55,7 @@ class Gemma3ForCausalLM:
         self.attention = attention
         self.linear: Linear = invariant_linear if deterministic else F.linear
         self.scale = self.gemma.query_pre_attn_scalar**-0.5
+        self.softcap = self.gemma.attn_logit_softcapping
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         tables: dict[tuple, torch.Tensor] = {}  # one table per distinct (theta, scaling)
@@ -80,8 +83,12 @@ class Gemma3ForCausalLM:
             "pre_ff_norm": _offset(w[p + "pre_feedforward_layernorm.weight"]),
             "post_ff_norm": _offset(w[p + "post_feedforward_layernorm.weight"]),
             "qkv": torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]]),
-            "q_norm": _offset(w[a + "q_norm.weight"]),
-            "k_norm": _offset(w[a + "k_norm.weight"]),
+            # Gemma 3 normalises q and k per head; Gemma 2 does not
+            **(
+                {"q_norm": _offset(w[a + "q_norm.weight"]), "k_norm": _offset(w[a + "k_norm.weight"])}
+                if a + "q_norm.weight" in w
+                else {}
+            ),
             "o": w[a + "o_proj.weight"],
             "gate_up": torch.cat([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]]),
             "down": w[m + "down_proj.weight"],
@@ -106,14 +113,14 @@ class Gemma3ForCausalLM:
             if residual is None:
                 residual = hidden
             qkv = linear(x, layer["qkv"], None)
-            q = ops.rms_norm(qkv[:, : self.q_size].reshape(-1, d), layer["q_norm"], eps)[0]
-            k = ops.rms_norm(
-                qkv[:, self.q_size : self.q_size + self.kv_size].reshape(-1, d), layer["k_norm"], eps
-            )[0]
+            q = qkv[:, : self.q_size].reshape(-1, d)
+            k = qkv[:, self.q_size : self.q_size + self.kv_size].reshape(-1, d)
+            if "q_norm" in layer:
+                q, k = ops.rms_norm(q, layer["q_norm"], eps)[0], ops.rms_norm(k, layer["k_norm"], eps)[0]
             q, k = q.view(t, cfg.num_heads, d).contiguous(), k.view(t, cfg.num_kv_heads, d).contiguous()
             v = qkv[:, self.q_size + self.kv_size :].reshape(t, cfg.num_kv_heads, d).contiguous()
             ops.rotary_embedding(positions, q, k, cos_sin)
-            attn = self.attention.forward(q, k, v, k_cache, v_cache, meta, self.scale, window)
+            attn = self.attention.forward(q, k, v, k_cache, v_cache, meta, self.scale, window, self.softcap)
             out = ops.rms_norm(
                 linear(attn.reshape(t, self.q_size), layer["o"], None), layer["post_attn_norm"], eps
             )[0]

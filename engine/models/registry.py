@@ -20,8 +20,9 @@ _MODELS: dict[str, str] = {
     "Qwen2MoeForCausalLM": "engine.models.llama:LlamaForCausalLM",  # Qwen2 + MoE MLPs (gated shared expert)
     "Qwen3ForCausalLM": "engine.models.llama:LlamaForCausalLM",  # Llama + per-head q/k norm
     "Qwen3MoeForCausalLM": "engine.models.llama:LlamaForCausalLM",  # Qwen3 + MoE MLPs
-    "Gemma3ForCausalLM": "engine.models.gemma:Gemma3ForCausalLM",  # sandwich norms, local/global layers
-    "Gemma3ForConditionalGeneration": "engine.models.gemma:Gemma3ForCausalLM",  # its text model only
+    "Gemma2ForCausalLM": "engine.models.gemma:GemmaForCausalLM",  # soft-capped attention and logits
+    "Gemma3ForCausalLM": "engine.models.gemma:GemmaForCausalLM",  # sandwich norms, local/global layers
+    "Gemma3ForConditionalGeneration": "engine.models.gemma:GemmaForCausalLM",  # its text model only
     "DeepseekV2ForCausalLM": "engine.models.deepseek:DeepseekForCausalLM",  # MLA + MoE (softmax router)
     "DeepseekV3ForCausalLM": "engine.models.deepseek:DeepseekForCausalLM",  # MLA + MoE (sigmoid router)
 }

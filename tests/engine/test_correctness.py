@@ -23,6 +23,7 @@ MODELS = [
     "tiny_gemma3_mm",  # the text model of a multimodal checkpoint
     "tiny_glm4_moe",  # bias, partial rotary, q/k norm, sigmoid router with correction bias
     "tiny_granite",  # embedding, attention, residual and logit multipliers
+    "tiny_gemma2",  # soft-capped attention (explicit scores in the torch backend)
     "tiny_deepseek",  # MLA + MoE (sigmoid router with correction bias, group-limited)
     "tiny_deepseek_yarn",
     "tiny_deepseek_v2",  # softmax router, group-limited
@@ -63,3 +64,15 @@ def test_bfloat16_weights_load_and_agree_with_fp32(tiny_llama, prompts, hf_refer
     ref, _ = hf_reference(tiny_llama, prompts[3], 4)
     # bf16 rounding may flip late tokens of a random model, but the first one is robust here.
     assert out.outputs[0].token_ids[0] == ref[0]
+
+
+def test_soft_capped_attention_in_deterministic_mode(tiny_gemma2, prompts, hf_reference) -> None:
+    """Gemma 2's capped scores through the batch-invariant attention path as well."""
+    llm = LLM(str(tiny_gemma2), deterministic=True, num_kv_blocks=256, max_num_batched_tokens=64)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
+    for out, prompt in zip(llm.generate(prompts[4:8], params), prompts[4:8], strict=True):
+        ref_tokens, ref_logits = hf_reference(tiny_gemma2, prompt, MAX_NEW)
+        assert out.outputs[0].token_ids == ref_tokens
+        ref_lp = torch.log_softmax(ref_logits, dim=-1)
+        for step, (tok, entry) in enumerate(zip(ref_tokens, out.outputs[0].logprobs, strict=True)):
+            assert abs(entry[tok].logprob - ref_lp[step, tok].item()) < 1e-4

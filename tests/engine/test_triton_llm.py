@@ -35,9 +35,19 @@ def run(model: Path, backend: str, prompts: list[list[int]], **extra: object) ->
 
 # DeepSeek: the Triton norm, rotary (one shared rotary key head) and SiLU kernels around MLA;
 # Qwen3-MoE: the norm kernel on per-head q/k rows, and the experts; Phi-3: rotary on part of a head;
-# Gemma 3: sliding and full layers with two rotary tables.
+# Gemma 3: sliding and full layers with two rotary tables; Gemma 2: soft-capped scores (the torch
+# attention under the Triton backend).
 @pytest.mark.parametrize(
-    "fixture", ["tiny_llama", "tiny_qwen2", "tiny_deepseek", "tiny_qwen3_moe", "tiny_phi3", "tiny_gemma3"]
+    "fixture",
+    [
+        "tiny_llama",
+        "tiny_qwen2",
+        "tiny_deepseek",
+        "tiny_qwen3_moe",
+        "tiny_phi3",
+        "tiny_gemma3",
+        "tiny_gemma2",
+    ],
 )
 def test_triton_greedy_tokens_match_torch_backend(fixture: str, request: pytest.FixtureRequest) -> None:
     model = request.getfixturevalue(fixture)

@@ -20,7 +20,9 @@ PROMPTS = [" ".join(f"word{(i * 7 + j * 13) % 97}" for j in range(40 + 9 * i)) f
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_deepseek: Path, redis_server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, ...]]:
+def cluster(
+    tiny_deepseek: Path, redis_server, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Proc, ...]]:
     redis_server.flush()
     tmp = tmp_path_factory.mktemp("pd_deepseek")
     tier = ("--kv-tier", redis_server.url, "--num-kv-blocks", "128")
@@ -55,7 +57,13 @@ def test_latent_blocks_hand_off_exactly(tiny_deepseek: Path, cluster: tuple[Proc
     for prompt in PROMPTS:
         ids = tokenizer.encode(prompt)
         assert len(ids) > PD_THRESHOLD
-        body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        body = {
+            "prompt": prompt,
+            "max_tokens": 8,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
         r = httpx.post(router.url + "/v1/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
         want = llm.generate([ids], greedy)[0].outputs[0].token_ids

@@ -61,7 +61,9 @@ def test_token_inputs_dimensions_and_prefix_hits(client, server, reference, tiny
     by_ids = client.embeddings.create(model=server.model_name, input=[ids, ids], encoding_format="float")
     for d in by_ids.data:  # the second is a prefix-cache hit of the first: same vector
         assert _close(d.embedding, reference[1])
-    short = client.embeddings.create(model=server.model_name, input=ids, dimensions=8, encoding_format="float")
+    short = client.embeddings.create(
+        model=server.model_name, input=ids, dimensions=8, encoding_format="float"
+    )
     want = reference[1][:8] / reference[1][:8].norm()
     assert len(short.data[0].embedding) == 8 and _close(short.data[0].embedding, want)
 
