@@ -38,9 +38,8 @@ class TritonAttentionBackend(AttentionBackend):
         self._write_kv = triton_ops.write_kv_cache
         self._unified = triton_attention.unified_attention
         self._split_decode = triton_decode.split_kv_decode_attention
-        # Latent attention (one 512+64-wide shared head, values inside the keys) and soft-capped
-        # scores (Gemma 2) have no Triton kernel yet: they run the torch backend's implementation on
-        # the same device tensors.
+        # Latent attention (one 512+64-wide shared head, values inside the keys) has no Triton
+        # kernel yet: it runs the torch backend's implementation on the same device tensors.
         from engine.attention.torch_backend import TorchAttentionBackend
 
         self._torch = TorchAttentionBackend(deterministic=deterministic)
@@ -62,8 +61,6 @@ class TritonAttentionBackend(AttentionBackend):
         window: int | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor:
-        if softcap is not None:  # no soft-capping in the Triton kernels yet: the torch implementation
-            return self._torch.forward(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
         self._write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if q.stride(-1) != 1:
             q = q.contiguous()
@@ -78,11 +75,12 @@ class TritonAttentionBackend(AttentionBackend):
             # Decode-only step (exactly one query per sequence) with a long context to attend to.
             return self._split_decode(
                 q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale, meta.max_seq_len,
-                window=window, split_size=self.split_size,
+                window=window, softcap=softcap, split_size=self.split_size,
             )  # fmt: skip
         return self._unified(
-            q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale, window=window
-        )
+            q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
+            window=window, softcap=softcap,
+        )  # fmt: skip
 
     def forward_mla(self, q, kv, kv_cache, meta, scale, v_dim):  # type: ignore[override]
         return self._torch.forward_mla(q, kv, kv_cache, meta, scale, v_dim)

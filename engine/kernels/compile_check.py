@@ -26,7 +26,7 @@ INDEX_POINTERS = {
     "positions_ptr": "*i64", "slot_ptr": "*i64", "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32",
     "block_tables_ptr": "*i32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "cache_ptr": "*fp32",
 }  # fmt: skip
-FLOAT_SCALARS = {"eps", "scale"}
+FLOAT_SCALARS = {"eps", "scale", "softcap"}
 TRITON_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 

@@ -84,18 +84,21 @@ def attend_tiles(
     kv_head,
     block_size,
     scale,
+    softcap,
     stride_cb,
     stride_cs,
     stride_ch,
     dims,
     dim_mask,
     CAUSAL: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Online-softmax accumulation of K/V positions [kv_start, kv_end) into (m_i, l_i, acc).
 
     With ``CAUSAL``, row r sees positions ``q_first[r] <= pos <= q_pos[r]``; otherwise all of them.
+    With ``SOFTCAP``, scaled scores become ``softcap * tanh(score / softcap)`` (Gemma 2).
     """
     for tile_start in range(kv_start, kv_end, BLOCK_N):
         pos = tile_start + tl.arange(0, BLOCK_N)
@@ -105,6 +108,8 @@ def attend_tiles(
         kv_mask = pos_mask[:, None] & dim_mask[None, :]
         k = tl.load(k_cache_ptr + kv_offs[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+        if SOFTCAP:  # tanh(x) = 2 * sigmoid(2x) - 1
+            scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
         if CAUSAL:
             visible = (
                 pos_mask[None, :] & (pos[None, :] <= q_pos[:, None]) & (pos[None, :] >= q_first[:, None])
@@ -160,6 +165,7 @@ def _unified_attention_kernel(
     seq_lens_ptr,
     block_tables_ptr,
     scale,
+    softcap,
     window,
     num_seqs,
     queries_per_kv,
@@ -178,6 +184,7 @@ def _unified_attention_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     q_block_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -214,9 +221,9 @@ def _unified_attention_kernel(
         kv_start = tl.maximum(pos_block * BLOCK_Q - window + 1, 0) // BLOCK_N * BLOCK_N
         m_i, l_i, acc = attend_tiles(
             q, m_i, l_i, acc, q_pos, q_pos - window + 1, kv_start, kv_end, k_cache_ptr, v_cache_ptr,
-            block_tables_ptr + seq.to(tl.int64) * stride_bt, kv_head, block_size, scale,
+            block_tables_ptr + seq.to(tl.int64) * stride_bt, kv_head, block_size, scale, softcap,
             stride_cb, stride_cs, stride_ch, dims, dim_mask,
-            CAUSAL=True, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
+            CAUSAL=True, SOFTCAP=SOFTCAP, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
         )  # fmt: skip
         out = acc / tl.where(row_mask, l_i, 1.0)[:, None]
         o_offs = (
@@ -236,11 +243,12 @@ def unified_attention(
     *,
     out: torch.Tensor | None = None,
     window: int | None = None,
+    softcap: float | None = None,
     block_m: int = 64,
     block_n: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of the new tokens ``q`` [T, Hq, D] of a batch of sequences, within a
-    sliding ``window`` if one is given.
+    sliding ``window`` if one is given, scores soft-capped at ``softcap`` if one is given.
 
     Sequence ``i`` owns query rows ``query_start_loc[i]:query_start_loc[i+1]`` (possibly none),
     has ``seq_lens[i]`` tokens in total after this step (its K/V already in the caches) and
@@ -256,10 +264,13 @@ def unified_attention(
     if n_tokens == 0 or num_seqs == 0:
         return out
     queries_per_kv = n_q_heads // n_kv_heads
-    launch = unified_launch(queries_per_kv, head_dim, q.dtype, block_m, block_n, interpreting())
+    launch = unified_launch(
+        queries_per_kv, head_dim, q.dtype, block_m, block_n, interpreting(), softcap is not None
+    )
     grid = (n_tokens // launch["BLOCK_Q"] + 2 * num_seqs, n_kv_heads)
     _unified_attention_kernel[grid](
-        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale, kernel_window(window),
+        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale, softcap or 0.0,
+        kernel_window(window),
         num_seqs, queries_per_kv, head_dim, k_cache.shape[1],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), **launch.kwargs,
@@ -275,6 +286,7 @@ def unified_launch(
     block_m: int = 64,
     block_n: int | None = None,
     interpret: bool = False,
+    softcap: bool = False,
 ) -> Launch:
     block_g = triton.next_power_of_2(queries_per_kv)
     block_d = max(16, triton.next_power_of_2(head_dim))
@@ -282,7 +294,7 @@ def unified_launch(
         {
             "BLOCK_Q": max(1, block_m // block_g), "BLOCK_G": block_g,
             "BLOCK_N": block_n or default_block_n(block_d), "BLOCK_D": block_d,
-            "DOT_PRECISION": dot_precision(dtype, interpret),
+            "DOT_PRECISION": dot_precision(dtype, interpret), "SOFTCAP": softcap,
         },
         num_warps=8 if block_d >= 128 else 4,
     )  # fmt: skip

@@ -38,6 +38,7 @@ def _decode_split_kernel(
     part_out_ptr,
     part_lse_ptr,
     scale,
+    softcap,
     window,
     queries_per_kv,
     head_dim,
@@ -56,6 +57,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -79,9 +81,9 @@ def _decode_split_kernel(
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
         m_i, l_i, acc = attend_tiles(
             q, m_i, l_i, acc, m_i, m_i, kv_start, kv_end, k_cache_ptr, v_cache_ptr,
-            block_tables_ptr + seq.to(tl.int64) * stride_bt, kv_head, block_size, scale,
+            block_tables_ptr + seq.to(tl.int64) * stride_bt, kv_head, block_size, scale, softcap,
             stride_cb, stride_cs, stride_ch, dims, dim_mask,
-            CAUSAL=False, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
+            CAUSAL=False, SOFTCAP=SOFTCAP, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
         )  # fmt: skip
         row = seq.to(tl.int64) * stride_po_t + q_head * stride_po_h + split
         tl.store(part_lse_ptr + row, m_i + tl.log(l_i), mask=head_mask)
@@ -139,6 +141,7 @@ def split_kv_decode_attention(
     *,
     out: torch.Tensor | None = None,
     window: int | None = None,
+    softcap: float | None = None,
     split_size: int = DEFAULT_SPLIT_SIZE,
     block_n: int | None = None,
 ) -> torch.Tensor:
@@ -167,11 +170,13 @@ def split_kv_decode_attention(
     part_lse = torch.empty((num_seqs, n_q_heads, num_splits), dtype=torch.float32, device=q.device)
     window = kernel_window(window)
     _decode_split_kernel[(num_seqs, n_kv_heads, num_splits)](
-        q, k_cache, v_cache, seq_lens, block_tables, part_out, part_lse, scale, window,
+        q, k_cache, v_cache, seq_lens, block_tables, part_out, part_lse, scale, softcap or 0.0, window,
         queries_per_kv, head_dim, k_cache.shape[1], num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), part_lse.stride(0), part_lse.stride(1),
-        **split_launch(queries_per_kv, head_dim, q.dtype, split_size, block_n, interpreting()).kwargs,
+        **split_launch(
+            queries_per_kv, head_dim, q.dtype, split_size, block_n, interpreting(), softcap is not None
+        ).kwargs,
     )  # fmt: skip
     _decode_reduce_kernel[(num_seqs, n_q_heads)](
         part_out, part_lse, seq_lens, out, window, head_dim,
@@ -189,10 +194,12 @@ def split_launch(
     split_size: int,
     block_n: int,
     interpret: bool = False,
+    softcap: bool = False,
 ) -> Launch:
     return Launch({
         "SPLIT_SIZE": split_size, "BLOCK_H": max(16, triton.next_power_of_2(queries_per_kv)), "BLOCK_N": block_n,
         "BLOCK_D": max(16, triton.next_power_of_2(head_dim)), "DOT_PRECISION": dot_precision(dtype, interpret),
+        "SOFTCAP": softcap,
     })  # fmt: skip
 
 

@@ -77,8 +77,9 @@ def make_batch(
     return Batch(q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), meta, [c for c, _ in seqs], query_lens)
 
 
-def reference(batch: Batch, scale: float) -> torch.Tensor:
-    """Causal attention in float64 over K/V gathered position by position through the block table."""
+def reference(batch: Batch, scale: float, softcap: float | None = None) -> torch.Tensor:
+    """Causal attention in float64 over K/V gathered position by position through the block table
+    (scores soft-capped at ``softcap`` when given)."""
     meta, bs = batch.meta, batch.meta.block_size
     hq, hkv = batch.q.shape[1], batch.k_cache.shape[2]
     outs = []
@@ -92,6 +93,8 @@ def reference(batch: Batch, scale: float) -> torch.Tensor:
         start = meta.query_start_loc[i].item()
         q = batch.q.cpu()[start : start + n].double()
         scores = torch.einsum("thd,shd->hts", q, k) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         hidden = pos[None, None, :] > torch.arange(ctx, ctx + n)[None, :, None]
         probs = scores.masked_fill(hidden, float("-inf")).softmax(-1)
         outs.append(torch.einsum("hts,shd->thd", probs, v))
@@ -135,6 +138,17 @@ def test_unified_attention_long_prefill_many_tiles() -> None:
     batch = make_batch([(0, 150), (70, 60)], hkv=1, group=2, head_dim=32, dtype=torch.float32, seed=3)
     out = run_unified(batch, 0.2)
     assert rel_err(out, reference(batch, 0.2)) < 1e-5
+
+
+def test_soft_capped_scores_in_both_kernels() -> None:
+    """Gemma 2's cap: scores become cap * tanh(score / cap); a small cap makes it matter."""
+    batch = make_batch(MIXED, hkv=2, group=2, head_dim=32, dtype=torch.float32, seed=5)
+    want = reference(batch, 0.5, softcap=1.5)
+    assert rel_err(run_unified(batch, 0.5, softcap=1.5), want) < 1e-5
+    assert rel_err(run_unified(batch, 0.5), want) > 1e-2  # the cap changed the result
+    decode = decode_batch([1, 17, 70, 130], hkv=2, group=2, head_dim=32, dtype=torch.float32, seed=6)
+    out = run_split(decode, 0.5, softcap=1.5, split_size=64)
+    assert rel_err(out, reference(decode, 0.5, softcap=1.5)) < 1e-5
 
 
 def test_unified_attention_empty_inputs() -> None:
