@@ -100,7 +100,7 @@ def build_model(
     partial rotary 0.75), "gemma3" (text; local/global layers, soft-capped logits) or "gemma3_mm"
     (the same text model inside a Gemma3ForConditionalGeneration checkpoint), "gemma2" (soft-capped
     attention), "glm4_moe" (GLM-4.5) or
-    "granite" (Llama with embedding, attention, residual and logit multipliers).
+    "granite" (Llama with embedding, attention, residual and logit multipliers) or "olmo2".
     The model's eos is ``<|im_end|>``.
     """
     import torch
@@ -202,6 +202,10 @@ def build_model(
             final_logit_softcapping=5.0,
         )
         cls = transformers.Gemma2ForCausalLM
+    elif arch == "olmo2":  # norms after attention and MLP, q/k normalised over whole projections
+        import transformers
+
+        cfg, cls = transformers.Olmo2Config(**common), transformers.Olmo2ForCausalLM
     elif arch == "granite":  # Llama with Granite's four multipliers, none of them 1
         import transformers
 

@@ -66,6 +66,7 @@ TINY_MODELS: dict[str, tuple[str, int, dict]] = {
     "tiny_glm4_moe": ("glm4_moe", 16, {}),  # GLM-4.5: Llama-style attention, DeepSeek-V3-style MoE
     "tiny_granite": ("granite", 17, {}),  # Llama with four multipliers
     "tiny_gemma2": ("gemma2", 18, {}),  # soft-capped attention scores and logits, alternating windows
+    "tiny_olmo2": ("olmo2", 19, {}),  # norms after each block, q/k norm over whole projections
 }
 
 

@@ -16,6 +16,7 @@ _MODELS: dict[str, str] = {
     "Qwen2ForCausalLM": "engine.models.llama:LlamaForCausalLM",  # Llama + q/k/v bias
     "GraniteForCausalLM": "engine.models.llama:LlamaForCausalLM",  # Llama + four scalings
     "Glm4MoeForCausalLM": "engine.models.llama:LlamaForCausalLM",  # GLM-4.5: Llama attention + V3-style MoE
+    "Olmo2ForCausalLM": "engine.models.olmo:Olmo2ForCausalLM",  # norms after each block, q/k norm
     "Phi3ForCausalLM": "engine.models.llama:LlamaForCausalLM",  # fused qkv / gate_up, partial rotary
     "Qwen2MoeForCausalLM": "engine.models.llama:LlamaForCausalLM",  # Qwen2 + MoE MLPs (gated shared expert)
     "Qwen3ForCausalLM": "engine.models.llama:LlamaForCausalLM",  # Llama + per-head q/k norm

@@ -1,0 +1,96 @@
+"""OLMo 2 decoder (``Olmo2ForCausalLM``) over the paged KV cache.
+
+Unlike the Llama family, OLMo 2 normalises after each block instead of before it: a layer is
+``h = h + norm(attn(h))`` then ``h = h + norm(mlp(h))``, and q and k are RMS-normalised over their
+whole projection (all heads at once) before rotary. Everything else (GQA, SwiGLU, rotary, the final
+norm) is Llama's, as transformers computes it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.models.config import ModelConfig
+from engine.models.llama import Linear, invariant_linear
+from engine.models.moe import load_dense_mlp
+from engine.models.rope import build_cos_sin_cache
+from engine.ops import Ops
+
+
+class Olmo2ForCausalLM:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        *,
+        ops: Ops,
+        attention: AttentionBackend,
+        deterministic: bool,
+        max_positions: int,
+        device: torch.device,
+    ) -> None:
+        self.cfg = cfg
+        self.ops = ops
+        self.attention = attention
+        self.linear: Linear = invariant_linear if deterministic else F.linear
+        self.scale = cfg.head_dim**-0.5
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.cos_sin_cache = build_cos_sin_cache(
+            cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device
+        )
+        self.embed = weights.pop("model.embed_tokens.weight")
+        self.norm = weights.pop("model.norm.weight")
+        head = weights.pop("lm_head.weight", None)
+        self.lm_head = self.embed if cfg.tie_word_embeddings or head is None else head
+        self.layers = [self._layer(weights, i) for i in range(cfg.num_layers)]
+
+    @staticmethod
+    def _layer(w: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]:
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        return {
+            "qkv": torch.cat(
+                [w.pop(a + "q_proj.weight"), w.pop(a + "k_proj.weight"), w.pop(a + "v_proj.weight")]
+            ),
+            "q_norm": w.pop(a + "q_norm.weight"),  # over all heads' dims
+            "k_norm": w.pop(a + "k_norm.weight"),
+            "o": w.pop(a + "o_proj.weight"),
+            "post_attn_norm": w.pop(p + "post_attention_layernorm.weight"),
+            "post_ff_norm": w.pop(p + "post_feedforward_layernorm.weight"),
+            **load_dense_mlp(w, p + "mlp."),
+        }
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states after the final norm, ``[T, hidden]``."""
+        cfg, ops, linear = self.cfg, self.ops, self.linear
+        eps, d = cfg.rms_norm_eps, cfg.head_dim
+        t = input_ids.shape[0]
+        hidden = F.embedding(input_ids, self.embed)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            qkv = linear(hidden, layer["qkv"], None)
+            q = ops.rms_norm(qkv[:, : self.q_size].contiguous(), layer["q_norm"], eps)[0]
+            k = ops.rms_norm(
+                qkv[:, self.q_size : self.q_size + self.kv_size].contiguous(), layer["k_norm"], eps
+            )[0]
+            q, k = q.view(t, cfg.num_heads, d), k.view(t, cfg.num_kv_heads, d)
+            v = qkv[:, self.q_size + self.kv_size :].reshape(t, cfg.num_kv_heads, d).contiguous()
+            ops.rotary_embedding(positions, q, k, self.cos_sin_cache)
+            attn = self.attention.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+            out = linear(attn.reshape(t, self.q_size), layer["o"], None)
+            hidden = hidden + ops.rms_norm(out, layer["post_attn_norm"], eps)[0]
+            out = linear(ops.silu_and_mul(linear(hidden, layer["gate_up"], None)), layer["down"], None)
+            hidden = hidden + ops.rms_norm(out, layer["post_ff_norm"], eps)[0]
+        return ops.rms_norm(hidden, self.norm, eps)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits ``[N, vocab]`` for the rows that need them."""
+        return self.linear(hidden, self.lm_head, None).float()
