@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.models.config import ModelConfig
-from engine.models.llama import Linear, invariant_linear
+from engine.models.llama import Linear, invariant_linear, take_embeddings
 from engine.models.rope import build_cos_sin_cache
 from engine.ops import Ops
 
@@ -65,11 +65,10 @@ class GemmaForCausalLM:
             if key not in tables:
                 tables[key] = build_cos_sin_cache(cfg.head_dim, max_positions, theta, scaling, device)
             self.cos_sin.append(tables[key])
-        self.embed = weights["model.embed_tokens.weight"]
+        self.embed, norm, self.lm_head = take_embeddings(weights, cfg)
         # transformers multiplies by the factor as a tensor of the weights' dtype.
         self.embed_scale = torch.tensor(math.sqrt(cfg.hidden_size), dtype=self.embed.dtype).item()
-        self.norm = _offset(weights["model.norm.weight"])
-        self.lm_head = weights.get("lm_head.weight", self.embed)
+        self.norm = _offset(norm)
         self.layers = [self._layer(weights, i) for i in range(cfg.num_layers)]
         self.windows = cfg.layer_windows or (None,) * cfg.num_layers
 

@@ -43,6 +43,16 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 MIN_INVARIANT_ROWS = 16
 
 
+def take_embeddings(
+    w: dict[str, torch.Tensor], cfg: ModelConfig
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(token embeddings, final norm weight, lm_head) popped from ``w``; the lm_head is the
+    embedding matrix when the model ties them or the checkpoint has none (a base model)."""
+    embed, norm = w.pop("model.embed_tokens.weight"), w.pop("model.norm.weight")
+    head = w.pop("lm_head.weight", None)
+    return embed, norm, embed if cfg.tie_word_embeddings or head is None else head
+
+
 class LlamaForCausalLM:
     # MoE routers that checkpoints store in fp32 (GLM-4.5) stay fp32, as transformers keeps them.
     FP32_WEIGHTS = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
@@ -71,9 +81,7 @@ class LlamaForCausalLM:
         self.cos_sin_cache = build_cos_sin_cache(
             self.rotary_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device
         )
-        self.embed = weights["model.embed_tokens.weight"]
-        self.norm = weights["model.norm.weight"]
-        self.lm_head = self.embed if cfg.tie_word_embeddings else weights.get("lm_head.weight", self.embed)
+        self.embed, self.norm, self.lm_head = take_embeddings(weights, cfg)
         self.layers = [self._layer(weights, i) for i in range(cfg.num_layers)]
         self.windows = cfg.layer_windows or (None,) * cfg.num_layers
 

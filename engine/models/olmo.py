@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.models.config import ModelConfig
-from engine.models.llama import Linear, invariant_linear
+from engine.models.llama import Linear, invariant_linear, take_embeddings
 from engine.models.moe import load_dense_mlp
 from engine.models.rope import build_cos_sin_cache
 from engine.ops import Ops
@@ -41,10 +41,7 @@ class Olmo2ForCausalLM:
         self.cos_sin_cache = build_cos_sin_cache(
             cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device
         )
-        self.embed = weights.pop("model.embed_tokens.weight")
-        self.norm = weights.pop("model.norm.weight")
-        head = weights.pop("lm_head.weight", None)
-        self.lm_head = self.embed if cfg.tie_word_embeddings or head is None else head
+        self.embed, self.norm, self.lm_head = take_embeddings(weights, cfg)
         self.layers = [self._layer(weights, i) for i in range(cfg.num_layers)]
 
     @staticmethod
