@@ -105,10 +105,6 @@ def load_weights(
 
     out: dict[str, torch.Tensor] = {}
     fp8: dict[str, torch.Tensor] = {}  # fp8 weights and their scales, until both are read
-    if not renames and _bare_decoder(model_dir):
-        # A base model saved alone (Qwen3-Embedding, e5-mistral: ``Qwen3Model``): its tensors
-        # carry no ``model.`` prefix, and it has no lm_head.
-        renames = (("", "model."),)
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for stored in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
@@ -130,6 +126,10 @@ def load_weights(
         out[name] = weight.to(device=device, dtype=target)
     if fp8:
         raise ValueError(f"scales without an fp8 weight in the checkpoint: {sorted(fp8)[:3]}")
+    if not renames and "embed_tokens.weight" in out and "model.embed_tokens.weight" not in out:
+        # A base model saved alone (Qwen3-Embedding, e5-mistral: ``Qwen3Model``): its tensors
+        # carry no ``model.`` prefix, and it has no lm_head.
+        out = {"model." + name: t for name, t in out.items()}
     return out
 
 
@@ -147,15 +147,6 @@ def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[i
         )
     scale = scale_inv.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
     return weight.float() * scale
-
-
-def _bare_decoder(model_dir: Path) -> bool:
-    """Whether the checkpoint names its embeddings ``embed_tokens.weight`` rather than
-    ``model.embed_tokens.weight`` (read from the safetensors headers only)."""
-    names: set[str] = set()
-    for path in safetensors_files(model_dir):
-        names.update(json.loads(_header(path)))
-    return "embed_tokens.weight" in names and "model.embed_tokens.weight" not in names
 
 
 def _rename(name: str, renames: tuple[tuple[str, str], ...]) -> str | None:
