@@ -10,13 +10,12 @@ little-endian float32, as OpenAI's SDKs decode it.
 from __future__ import annotations
 
 import base64
-import math
-import struct
 import time
 from collections.abc import Callable
 from typing import Any
 
 from engine.outputs import RequestOutput
+from engine.pooling import as_float32_le, normalized
 from engine.sampling_params import SamplingParams
 from server.errors import bad_request, unavailable
 from server.generation import SequenceRequest
@@ -62,13 +61,10 @@ def _inputs(state: ServerState, req: EmbeddingRequest) -> list[list[int]]:
 
 
 def _encode(vector: list[float], dimensions: int | None, encoding: str) -> list[float] | str:
-    if dimensions is not None:
-        vector = vector[:dimensions]
-    norm = math.sqrt(math.fsum(x * x for x in vector)) or 1.0
-    vector = [x / norm for x in vector]
+    v = normalized(vector, dimensions)
     if encoding == "base64":
-        return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
-    return vector
+        return base64.b64encode(as_float32_le(v)).decode("ascii")
+    return v.tolist()
 
 
 async def create_embedding(
