@@ -5,12 +5,14 @@ request makes exactly ``--max-tokens`` tokens), at each concurrency in ``--concu
 
 * in-process: ``AsyncEngine.generate`` called directly from asyncio tasks;
 * HTTP: a `ferry serve` subprocess, streamed over loopback by a minimal asyncio HTTP/1.1 client in
-  this process (SSE parsed here) on keep-alive connections, as SDK clients pool them.
+  this process (SSE parsed here) on keep-alive connections, as SDK clients pool them; with
+  ``--api-server-count 1 2``, one such mode per count (``http``: one process, the engine on a
+  thread; ``http-2``: an engine process behind 2 API server processes), all interleaved.
 
 Both modes get one unrecorded wave per concurrency first. TTFT is submit -> first token; TPOT
 (time per output token, the mean inter-token latency) is (last token - first token) / (tokens - 1)
-per request. The table prints p50/p90 of both, the milliseconds and ratio HTTP adds and the
-server event loop's CPU per token; JSON goes to bench/results/server_overhead.json.
+per request. The table prints p50/p90 of each mode, the milliseconds and ratio each HTTP mode adds
+and the CPU per token of the server's event loop (``http``) or of all API server processes; JSON goes to bench/results/server_overhead.json.
 
 Default model: the engine benchmark model (Llama, hidden 512, 8 layers, 8 heads, 2 KV heads,
 intermediate 1408, vocab 32000, random fp32 weights), built once into the ferry cache directory.
@@ -119,6 +121,33 @@ def thread_cpu_seconds(pid: int, tid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def api_server_pids(supervisor: int) -> list[int]:
+    """The API server processes of a ``--api-server-count`` replica: the supervisor's children
+    that have not loaded torch (the engine process has; the resource tracker is left out)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            parent = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            if parent != supervisor or b"resource_tracker" in Path(f"/proc/{entry}/cmdline").read_bytes():
+                continue
+            if "libtorch" not in Path(f"/proc/{entry}/maps").read_text():
+                pids.append(int(entry))
+        except (OSError, IndexError):
+            continue
+    return pids
+
+
+def processes_cpu_seconds(pids: list[int]) -> float:
+    """user + system CPU of whole processes, all their threads."""
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(n)]
@@ -171,9 +200,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: str, engine_opts: dict, log_path: Path) -> tuple[subprocess.Popen, str]:
+def start_server(
+    model: str, engine_opts: dict, log_path: Path, api_server_count: int = 1
+) -> tuple[subprocess.Popen, str]:
     port = _free_port()
-    flags = []
+    flags = ["--api-server-count", str(api_server_count)]
     for key, value in engine_opts.items():
         flags += [f"--{key.replace('_', '-')}", str(value)]
     cmd = [
@@ -356,9 +387,12 @@ def print_table(rows: list[Summary]) -> list[dict]:
             print(
                 f"{c:>4} {r.mode:>10} {r.ttft_p50_ms:9.2f} {r.ttft_p90_ms:9.2f} {r.tpot_p50_ms:9.2f} {r.tpot_p90_ms:9.2f}"
             )
-        if "http" in modes and "in-process" in modes:
-            h, e = modes["http"], modes["in-process"]
+        for name, h in modes.items():
+            if not name.startswith("http") or "in-process" not in modes:
+                continue
+            e = modes["in-process"]
             row = {
+                "mode": name,
                 "concurrency": c,
                 "ttft_added_ms_p50": h.ttft_p50_ms - e.ttft_p50_ms,
                 "ttft_ratio_p50": h.ttft_p50_ms / e.ttft_p50_ms if e.ttft_p50_ms else None,
@@ -367,12 +401,13 @@ def print_table(rows: list[Summary]) -> list[dict]:
             }
             overhead.append(row)
             print(
-                f"{c:>4} {'added':>10} {row['ttft_added_ms_p50']:9.2f} {'':>9} {row['tpot_added_ms_p50']:9.2f}"
+                f"{c:>4} {'+' + name:>10} {row['ttft_added_ms_p50']:9.2f} {'':>9} {row['tpot_added_ms_p50']:9.2f}"
                 f"   ratio TTFT {row['ttft_ratio_p50']:.2f}x, TPOT {row['tpot_ratio_p50']:.2f}x"
             )
             if h.loop_cpu_us_per_token is not None:
                 row["loop_cpu_us_per_token"] = h.loop_cpu_us_per_token
-                print(f"{c:>4} {'':>10} server event loop: {h.loop_cpu_us_per_token:.0f} us CPU per token")
+                what = "server event loop" if name == "http" else "API server processes"
+                print(f"{c:>4} {'':>10} {what}: {h.loop_cpu_us_per_token:.0f} us CPU per token")
     return overhead
 
 
@@ -385,7 +420,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--num-threads", type=int, default=2)
     p.add_argument("--num-kv-blocks", type=int, default=2048)
-    p.add_argument("--repeats", type=int, default=3, help="alternate the two modes this many times")
+    p.add_argument("--repeats", type=int, default=3, help="alternate the modes this many times")
+    p.add_argument(
+        "--api-server-count",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="one HTTP mode per count: a replica with that many API server processes ('http' for 1, "
+        "'http-N' for N)",
+    )
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "server_overhead.json"))
     args = p.parse_args(argv)
 
@@ -402,33 +445,45 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    proc, url = start_server(model, engine_opts, Path(tempfile.gettempdir()) / "ferry-server-overhead.log")
-
-    async def run() -> list[Summary]:
-        from engine import AsyncEngine
-
-        engine = AsyncEngine(model=model, **engine_opts)  # idle while the server runs, and vice versa
-        try:
-            runners = {
-                "in-process": in_process_runner(engine, args.max_tokens),
-                "http": http_runner(url, args.max_tokens),
-            }
-            cpu_of = {"http": lambda: thread_cpu_seconds(proc.pid, proc.pid)}
-            return await run_interleaved(runners, prompts, args.concurrency, args.repeats, cpu_of)
-        finally:
-            await engine.shutdown()
-
+    servers: dict[str, tuple[subprocess.Popen, str]] = {}
     try:
-        rows = asyncio.run(run())
+        for count in args.api_server_count:
+            name = "http" if count == 1 else f"http-{count}"
+            log = Path(tempfile.gettempdir()) / f"ferry-server-overhead-{name}.log"
+            servers[name] = start_server(model, engine_opts, log, count)  # idle while others run
+        rows = asyncio.run(_run(model, engine_opts, servers, prompts, args))
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        for proc, _ in servers.values():
+            proc.send_signal(signal.SIGTERM)
+        for proc, _ in servers.values():
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
     overhead = print_table(rows)
     write_result(out, args, model=model, rows=[asdict(r) for r in rows], overhead=overhead)
     return 0
+
+
+async def _run(
+    model: str, engine_opts: dict, servers: dict[str, tuple[subprocess.Popen, str]], prompts, args
+) -> list[Summary]:
+    from engine import AsyncEngine
+
+    engine = AsyncEngine(model=model, **engine_opts)  # idle while the servers run, and vice versa
+    try:
+        runners = {"in-process": in_process_runner(engine, args.max_tokens)}
+        cpu_of = {}
+        for name, (proc, url) in servers.items():
+            runners[name] = http_runner(url, args.max_tokens)
+            if name == "http":  # the event-loop thread (the engine runs on another one)
+                cpu_of[name] = lambda pid=proc.pid: thread_cpu_seconds(pid, pid)
+            else:  # every API server process, whole
+                pids = api_server_pids(proc.pid)
+                cpu_of[name] = lambda pids=pids: processes_cpu_seconds(pids)
+        return await run_interleaved(runners, prompts, args.concurrency, args.repeats, cpu_of)
+    finally:
+        await engine.shutdown()
 
 
 def write_result(out: Path, args: argparse.Namespace, **fields: object) -> None:

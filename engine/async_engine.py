@@ -22,17 +22,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.config import EngineConfig
+from engine.errors import EngineDeadError
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, merge_pending
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from engine.sequence import Request
 from engine.stats import EngineStats, ModelInfo
 
 logger = logging.getLogger(__name__)
 
-
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped (crash or shutdown); the request cannot complete."""
+__all__ = ["AsyncEngine", "EngineDeadError"]
 
 
 @dataclass
@@ -128,7 +127,7 @@ class AsyncEngine:
                 out = await stream.queue.get()
                 if isinstance(out, BaseException):
                     raise out
-                out = _merge_pending(out, stream.queue)
+                out = merge_pending(out, stream.queue)
                 finished = out.finished
                 yield out
         finally:
@@ -325,19 +324,3 @@ class AsyncEngine:
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
     for queue, out in items:
         queue.put_nowait(out)
-
-
-def _merge_pending(out: RequestOutput, queue: asyncio.Queue) -> RequestOutput:
-    """Fold deltas that queued up while the consumer was busy into one (fewer, larger chunks)."""
-    while not out.finished and not queue.empty():
-        nxt = queue.get_nowait()
-        if isinstance(nxt, BaseException):
-            queue.put_nowait(nxt)
-            break
-        a, b = out.outputs[0], nxt.outputs[0]
-        b.token_ids = a.token_ids + b.token_ids
-        b.text = a.text + b.text
-        if a.logprobs is not None or b.logprobs is not None:
-            b.logprobs = (a.logprobs or []) + (b.logprobs or [])
-        out = nxt
-    return out

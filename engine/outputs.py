@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
 
@@ -48,3 +49,19 @@ class RequestOutput:
     # On the final output of a pooling request: the prompt's last hidden state (after the final
     # norm; fp32, not normalised).
     embedding: list[float] | None = None
+
+
+def merge_pending(out: RequestOutput, queue: asyncio.Queue) -> RequestOutput:
+    """Fold deltas that queued up while the consumer was busy into one (fewer, larger chunks)."""
+    while not out.finished and not queue.empty():
+        nxt = queue.get_nowait()
+        if isinstance(nxt, BaseException):
+            queue.put_nowait(nxt)
+            break
+        a, b = out.outputs[0], nxt.outputs[0]
+        b.token_ids = a.token_ids + b.token_ids
+        b.text = a.text + b.text
+        if a.logprobs is not None or b.logprobs is not None:
+            b.logprobs = (a.logprobs or []) + (b.logprobs or [])
+        out = nxt
+    return out

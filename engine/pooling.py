@@ -1,19 +1,20 @@
 """What an embedding's consumer does to the engine's pooled hidden state: keep the first
 ``dimensions`` values (Matryoshka models) and L2-normalise, vectorised in float64 (the server runs
-this on its event loop for up to 2,048 inputs at a time)."""
+this on its event loop for up to 2,048 inputs at a time). numpy, not torch: API server processes
+(``--api-server-count``) import this and never load torch."""
 
 from __future__ import annotations
 
-import torch
+import numpy as np
 
 
-def normalized(vector: list[float], dimensions: int | None = None) -> torch.Tensor:
+def normalized(vector: list[float], dimensions: int | None = None) -> np.ndarray:
     """float64 ``vector[:dimensions]`` divided by its L2 norm (a zero vector stays zero)."""
-    v = torch.tensor(vector[:dimensions] if dimensions is not None else vector, dtype=torch.float64)
-    norm = v.norm()
+    v = np.asarray(vector[:dimensions] if dimensions is not None else vector, dtype=np.float64)
+    norm = float(np.linalg.norm(v))
     return v / norm if norm > 0 else v
 
 
-def as_float32_le(v: torch.Tensor) -> bytes:
+def as_float32_le(v: np.ndarray) -> bytes:
     """Little-endian float32 bytes, the layout OpenAI's base64 embeddings decode from."""
-    return v.numpy().astype("<f4").tobytes()
+    return np.asarray(v).astype("<f4").tobytes()

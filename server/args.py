@@ -74,6 +74,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=30.0,
         help="seconds to let in-flight requests finish after SIGTERM before aborting them",
     )
+    p.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        help="API server processes in front of one engine process (more than 1: HTTP work of a burst "
+        "runs in parallel and off the engine's process; 1: one process, the engine on a thread)",
+    )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument(
         "--enable-auto-tool-choice",

@@ -13,6 +13,7 @@ import asyncio
 import gc
 import logging
 import signal
+import socket
 import sys
 from collections.abc import Callable
 from types import FrameType
@@ -30,10 +31,17 @@ logger = logging.getLogger("ferry.server")
 class DrainingServer(uvicorn.Server):
     """uvicorn whose first exit signal drains in-flight requests instead of closing at once."""
 
-    def __init__(self, config: uvicorn.Config, app_state: Any, registration: Any = None) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        app_state: Any,
+        registration: Any = None,
+        on_started: Callable[[], None] | None = None,
+    ) -> None:
         super().__init__(config)
         self.app_state = app_state
         self.registration = registration
+        self.on_started = on_started
         self._drain_task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -42,6 +50,8 @@ class DrainingServer(uvicorn.Server):
         await super().startup(sockets)
         if self.started and self.registration is not None:
             await self.registration.start()  # only once the port answers: routers probe at once
+        if self.started and self.on_started is not None:
+            self.on_started()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._drain_task is None and self._loop is not None and not self.should_exit:
@@ -76,8 +86,15 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-async def serve(engine: Any, config: ServerConfig) -> None:
-    """Run the API over an already-built engine until drained; shuts the engine down at the end."""
+async def serve(
+    engine: Any,
+    config: ServerConfig,
+    sockets: list[socket.socket] | None = None,
+    on_started: Callable[[], None] | None = None,
+) -> None:
+    """Run the API over an already-built engine (an ``AsyncEngine``, or an ``EngineClient`` in an API
+    server process) until drained; shuts the engine down at the end. ``sockets``: listen on these
+    (shared by several API server processes) instead of binding ``config.host:port``."""
     from server.app import build_app
     from server.registration import Registration
 
@@ -102,7 +119,7 @@ async def serve(engine: Any, config: ServerConfig) -> None:
         timeout_graceful_shutdown=5,
         timeout_keep_alive=30,
     )
-    server = DrainingServer(uv_config, app.state.ferry, registration)
+    server = DrainingServer(uv_config, app.state.ferry, registration, on_started)
     # What startup built (torch, the model, the app) lives as long as the process: move it out of
     # the cyclic GC's view, so collections of the oldest generation scan only what requests leave
     # behind. A full collection over the startup heap takes ~110 ms (traced at startup), a pause of
@@ -110,7 +127,7 @@ async def serve(engine: Any, config: ServerConfig) -> None:
     gc.collect()
     gc.freeze()
     try:
-        await server.serve()
+        await server.serve(sockets)
     finally:
         if registration is not None:
             await registration.stop()
@@ -124,13 +141,19 @@ def run_serve(args: argparse.Namespace) -> int:
     problem = check_role_config(args.role, args.kv_tier)
     if problem is None and args.enable_auto_tool_choice and not args.tool_call_parser:
         problem = "--enable-auto-tool-choice needs --tool-call-parser (the model's tool-call format)"
+    if problem is None and args.api_server_count < 1:
+        problem = f"--api-server-count must be at least 1, got {args.api_server_count}"
     if problem is not None:
-        return _usage_error(problem)
+        return usage_error(problem)
     try:
         config = server_config(args)
         engine_config = EngineConfig.from_options(**engine_options(args))
     except ValueError as e:
-        return _usage_error(e)
+        return usage_error(e)
+    if args.api_server_count > 1:
+        from server.api_servers import run_api_servers
+
+        return run_api_servers(config, engine_config, args.api_server_count)
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -145,11 +168,11 @@ def run_serve(args: argparse.Namespace) -> int:
         await serve(engine, config)
 
     try:
-        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        with asyncio.Runner(loop_factory=loop_factory()) as runner:
             runner.run(main())
     except _StartupError as e:
         logger.debug("engine start failed", exc_info=e.__cause__)
-        return _usage_error(e)
+        return usage_error(e)
     return 0
 
 
@@ -157,12 +180,12 @@ class _StartupError(Exception):
     """The engine refused its configuration: a message for the operator, not a traceback."""
 
 
-def _usage_error(problem: object) -> int:
+def usage_error(problem: object) -> int:
     print(f"ferry serve: error: {problem}", file=sys.stderr)
     return 2
 
 
-def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     """uvloop when installed (``uvicorn[standard]`` brings it), as ``uvicorn.run`` would pick; ``serve``
     builds the engine inside the loop, so it runs the loop itself. The loop wakes for every token of
     every stream: uvloop spends 11-15 % less CPU per token there (``bench/server_overhead.py``)."""

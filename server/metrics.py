@@ -16,11 +16,13 @@ registry, where the KV tier registers its ``ferry:`` metrics.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -140,6 +142,15 @@ class ServerMetrics:
         ).labels(model_name)
         if engine_stats is not None:
             reg.register(EngineStatsCollector(engine_stats, model_name))
+        # One of several API server processes (``--api-server-count``): every process's metrics
+        # (these, the other API servers', the engine process's KV tier ones) are in the directory
+        # prometheus-client's multiprocess mode writes to; the engine's from its latest stats.
+        self._replica: CollectorRegistry | None = None
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            self._replica = CollectorRegistry()
+            MultiProcessCollector(self._replica)
+            if engine_stats is not None:
+                self._replica.register(EngineStatsCollector(engine_stats, model_name))
 
     def observe_first_token(self, ttft_s: float) -> None:
         self._ttft.observe(ttft_s)
@@ -166,5 +177,8 @@ class ServerMetrics:
                 self._queue.observe(max(0.0, float(scheduled) - float(arrived)))
 
     def render(self) -> bytes:
-        """The text exposition of this server's metrics plus the default registry (KV tier, process)."""
+        """The text exposition of this server's metrics plus the default registry (KV tier, process),
+        or, under ``--api-server-count``, the whole replica's."""
+        if self._replica is not None:
+            return generate_latest(self._replica)
         return generate_latest(self.registry) + generate_latest(REGISTRY)

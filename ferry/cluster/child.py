@@ -28,13 +28,14 @@ from ferry.cluster.plan import LOOPBACK, ProcessSpec
 PR_SET_PDEATHSIG = 1
 
 
-def _parent_death_hook() -> Callable[[], None] | None:
-    """A ``preexec_fn`` that makes the child die with this process (Linux), or None elsewhere."""
+def parent_death_hook(parent: int | None = None) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child die (SIGTERM) with ``parent`` (default: this process)
+    on Linux, or None elsewhere. A spawned child calls it itself, with its parent's pid."""
     if not sys.platform.startswith("linux"):
         return None
     # Resolved here, in the parent: the forked child should only make the system call.
     prctl = ctypes.CDLL(None, use_errno=True).prctl
-    parent = os.getpid()
+    parent = os.getpid() if parent is None else parent
 
     def hook() -> None:
         prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -74,7 +75,7 @@ class Child:
         self.ever_healthy = False
         self.restart_at: float | None = None  # set while waiting out a back-off
         self._pump: threading.Thread | None = None
-        self._death_hook = _parent_death_hook()
+        self._death_hook = parent_death_hook()
 
     @property
     def name(self) -> str:

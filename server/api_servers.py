@@ -1,0 +1,340 @@
+"""`ferry serve --api-server-count N` (N > 1): one engine process, N API server processes.
+
+With one process, the HTTP work of every request (parsing, validation, tokenizing, SSE writes)
+runs on one event loop that also shares the GIL with the engine's loop thread; a burst of
+requests is taken in one at a time. Here (vLLM's ``--api-server-count``):
+
+* this process, the **supervisor**, binds the port, starts the engine process, then N API server
+  processes, and registers the replica (``--register``) once they serve; it restarts an API
+  server that dies, and stops everything if the engine process dies (the orchestrator restarts
+  the replica: ``/health`` has answered 503 since);
+* the **engine process** (``server/engine_process.py``) loads the model and runs the one
+  ``AsyncEngine`` behind a Unix socket;
+* each **API server process** runs the whole OpenAI app over an ``EngineClient``
+  (``server/engine_client.py``) on a listening socket of its own on the replica's port
+  (``SO_REUSEPORT``: the kernel spreads connections over them; see ``reserve_port``).
+
+Prometheus metrics of every process go through prometheus-client's multiprocess mode (a private
+directory in ``PROMETHEUS_MULTIPROC_DIR``): whichever API server answers ``/metrics`` reports the
+whole replica's counters and histograms, and the engine's gauges from its latest stats.
+
+SIGTERM (or Ctrl-C) to the supervisor: deregister, let each API server drain (``--drain-timeout``),
+then stop the engine. A second signal makes the API servers stop at once. Children live in their
+own process groups and die with the supervisor (``PR_SET_PDEATHSIG``), even on ``kill -9``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from server.config import ServerConfig
+from server.main import usage_error
+
+logger = logging.getLogger("ferry.server")
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s"
+# An API server that died is started again, at most once per this many seconds.
+RESTART_BACKOFF_S = 1.0
+# How long the supervisor waits for a started API server to serve before giving up.
+API_SERVER_START_TIMEOUT_S = 120.0
+
+
+def run_api_servers(config: ServerConfig, engine_config: Any, count: int) -> int:
+    """Run one replica as a supervisor, an engine process and ``count`` API server processes."""
+    logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT)
+    try:
+        reservation = reserve_port(config.host, config.port)
+    except OSError as e:
+        return usage_error(f"cannot listen on {config.host}:{config.port}: {e.strerror or e}")
+    workdir = tempfile.mkdtemp(prefix="ferry-serve-")  # mode 0700: the engine socket lives here
+    metrics_dir = os.path.join(workdir, "metrics")
+    os.mkdir(metrics_dir)
+    # Inherited by every child, read by prometheus-client when they import it.
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    config = dataclasses.replace(config, port=reservation.getsockname()[1])
+    supervisor = Supervisor(config, engine_config, count, os.path.join(workdir, "engine.sock"))
+    try:
+        return asyncio.run(supervisor.run())
+    finally:
+        reservation.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def reserve_port(host: str, port: int) -> socket.socket:
+    """Hold ``host:port`` for this replica's API servers, which each listen on a socket of their
+    own there (``SO_REUSEPORT``: the kernel spreads new connections evenly over them, where one
+    shared listening socket lets whichever process wakes first take a whole burst).
+
+    Refused (OSError) if anything else holds the port, another ferry replica included: a plain
+    bind fails against any listener and against this reservation. The reservation itself never
+    listens (connections are refused until an API server serves, as with one process)."""
+    with _socket(host, socket.SO_REUSEADDR) as probe:  # TIME_WAIT is no conflict
+        probe.bind((host, port))
+        port = probe.getsockname()[1]
+    return _bound(_socket(host, socket.SO_REUSEPORT), host, port)
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """An API server's own socket on the replica's port (joins the supervisor's reservation)."""
+    return _bound(_socket(host, socket.SO_REUSEADDR, socket.SO_REUSEPORT), host, port)
+
+
+def _socket(host: str, *options: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    for option in options:
+        sock.setsockopt(socket.SOL_SOCKET, option, 1)
+    return sock
+
+
+def _bound(sock: socket.socket, host: str, port: int) -> socket.socket:
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class Supervisor:
+    def __init__(self, config: ServerConfig, engine_config: Any, count: int, engine_path: str) -> None:
+        self.config = config
+        self.engine_config = engine_config
+        self.count = count
+        self.engine_path = engine_path
+        self._ctx = multiprocessing.get_context("spawn")
+        self.engine: BaseProcess | None = None
+        self.api_servers: list[BaseProcess | None] = [None] * count
+        self._started_at = [0.0] * count
+        self._signals = 0
+        self._stop = asyncio.Event()
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        try:
+            return await self._run()
+        finally:
+            self._kill_all()
+
+    async def _run(self) -> int:
+        message = await self._start_engine()
+        if message[0] == "error":
+            return usage_error(message[1])
+        if self._stop.is_set() or message[0] != "ready":
+            return 0 if self._stop.is_set() else self._engine_died()
+        readies = [self._start_api_server(i) for i in range(self.count)]
+        for index, ready in enumerate(readies):
+            message = await _receive(ready, self.api_servers[index], API_SERVER_START_TIMEOUT_S)
+            if message != ("ready",):
+                if self._stop.is_set():
+                    return await self._shutdown()
+                logger.error("API server %d did not start", index)
+                return 1
+        registration = None
+        if self.config.register:
+            from server.registration import Registration
+
+            registration = Registration(
+                self.config.register,
+                self.config.url,
+                self.config.role,
+                self.config.served_model_name,
+                self.config.register_interval,
+                self.config.register_ttl,
+            )
+            await registration.start()
+        logger.info(
+            "serving %s on %s (role %s): engine process %d, %d API server processes",
+            self.config.served_model_name,
+            self.config.url,
+            self.config.role,
+            self.engine.pid if self.engine else -1,
+            self.count,
+        )
+        try:
+            while not self._stop.is_set():
+                if self.engine is None or not self.engine.is_alive():
+                    # In-flight requests have failed (503) already; let the API servers answer them.
+                    await self._stop_api_servers(10.0)
+                    return self._engine_died()
+                self._restart_dead_api_servers()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), 0.2)
+        finally:
+            if registration is not None:
+                await registration.stop()
+        return await self._shutdown()
+
+    # -- processes ---------------------------------------------------------------------------------
+
+    async def _start_engine(self) -> tuple[Any, ...]:
+        receiver, sender = self._ctx.Pipe(duplex=False)
+        self.engine = self._ctx.Process(
+            target=engine_main,
+            args=(self.engine_config, self.engine_path, self.config.log_level, sender, os.getpid()),
+            name="engine",
+        )
+        self.engine.start()
+        sender.close()
+        while True:  # loading a model takes a while: wake for signals meanwhile
+            message = await _receive(receiver, self.engine, 0.5)
+            if message is not None or not self.engine.is_alive() or self._stop.is_set():
+                return message or ("gone",)
+
+    def _start_api_server(self, index: int) -> Connection:
+        receiver, sender = self._ctx.Pipe(duplex=False)
+        # API servers never register (the supervisor does, once for the replica).
+        config = dataclasses.replace(self.config, register=None)
+        proc = self._ctx.Process(
+            target=api_server_main,
+            args=(index, config, self.engine_path, sender, os.getpid()),
+            name=f"api-server-{index}",
+        )
+        proc.start()
+        sender.close()
+        self.api_servers[index] = proc
+        self._started_at[index] = time.monotonic()
+        return receiver
+
+    def _restart_dead_api_servers(self) -> None:
+        for index, proc in enumerate(self.api_servers):
+            if proc is None or proc.is_alive():
+                continue
+            if time.monotonic() - self._started_at[index] < RESTART_BACKOFF_S:
+                continue
+            logger.error(
+                "API server %d (pid %s) exited with %s: starting it again", index, proc.pid, proc.exitcode
+            )
+            self._start_api_server(index).close()
+
+    def _engine_died(self) -> int:
+        code = self.engine.exitcode if self.engine is not None else None
+        logger.error("the engine process exited (code %s): stopping the replica", code)
+        return 1
+
+    async def _stop_api_servers(self, timeout: float) -> None:
+        for proc in self.api_servers:
+            _signal(proc, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for proc in self.api_servers:
+            if proc is not None:
+                await _join(proc, deadline - time.monotonic())
+
+    def _on_signal(self, sig: int) -> None:
+        self._signals += 1
+        if self._signals == 1:
+            logger.info(
+                "signal %s: draining (up to %.0f s)", signal.Signals(sig).name, self.config.drain_timeout
+            )
+            self._stop.set()
+            return
+        logger.info("signal %s again: stopping now", signal.Signals(sig).name)
+        for proc in self.api_servers:  # a second signal makes uvicorn stop without draining
+            _signal(proc, signal.SIGTERM)
+
+    async def _shutdown(self) -> int:
+        """Drain the API servers, then stop the engine."""
+        await self._stop_api_servers(self.config.drain_timeout + 10.0)
+        _signal(self.engine, signal.SIGTERM)
+        if self.engine is not None:
+            await _join(self.engine, 30.0)
+        return 0
+
+    def _kill_all(self) -> None:
+        for proc in [*self.api_servers, self.engine]:
+            if proc is not None and proc.is_alive():
+                proc.kill()
+                proc.join(5.0)
+
+
+def _signal(proc: BaseProcess | None, sig: int) -> None:
+    if proc is not None and proc.pid is not None and proc.is_alive():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, sig)
+
+
+async def _join(proc: BaseProcess, timeout: float) -> None:
+    deadline = time.monotonic() + max(0.0, timeout)
+    while proc.is_alive() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if proc.is_alive():
+        logger.warning("%s (pid %s) did not stop in time: killing it", proc.name, proc.pid)
+        proc.kill()
+    await asyncio.to_thread(proc.join, 5.0)
+
+
+async def _receive(conn: Connection, proc: BaseProcess | None, timeout: float) -> tuple[Any, ...] | None:
+    """The next message on ``conn``; None if ``proc`` exited first or ``timeout`` passed."""
+
+    def receive() -> tuple[Any, ...] | None:
+        sentinel = [proc.sentinel] if proc is not None else []
+        if not wait([conn, *sentinel], timeout):
+            return None
+        try:
+            return conn.recv() if conn.poll() else None
+        except (EOFError, OSError):
+            return None
+
+    return await asyncio.to_thread(receive)
+
+
+# -- children --------------------------------------------------------------------------------------
+
+
+def _become_child(supervisor: int) -> None:
+    """Leave the terminal's process group (Ctrl-C reaches the supervisor only, which decides the
+    order of shutdown) and die with the supervisor."""
+    from ferry.cluster.child import parent_death_hook
+
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
+    hook = parent_death_hook(supervisor)
+    if hook is not None:
+        hook()
+
+
+def engine_main(engine_config: Any, path: str, log_level: str, ready: Connection, supervisor: int) -> None:
+    _become_child(supervisor)
+    logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
+    from server.engine_process import engine_process_main
+
+    engine_process_main(engine_config, path, ready)
+
+
+def api_server_main(
+    index: int, config: ServerConfig, engine_path: str, ready: Connection, supervisor: int
+) -> None:
+    _become_child(supervisor)
+    logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT)
+    from server.main import loop_factory
+
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+        runner.run(_serve_api(config, engine_path, ready))
+
+
+async def _serve_api(config: ServerConfig, engine_path: str, ready: Connection) -> None:
+    from server.engine_client import EngineClient
+    from server.main import serve
+
+    engine = await EngineClient.connect(engine_path)
+
+    def started() -> None:
+        with contextlib.suppress(OSError):  # a restarted API server's supervisor does not listen
+            ready.send(("ready",))
+        ready.close()
+
+    await serve(engine, config, sockets=[listen_socket(config.host, config.port)], on_started=started)

@@ -1,0 +1,207 @@
+"""``EngineClient``: an API server process's engine, across a Unix socket to the engine process.
+
+It has ``AsyncEngine``'s interface as the server uses it (``generate``, ``abort``, ``announce``,
+``compile_structured``, ``reset_prefix_cache``, ``stats``, ``is_healthy``, ``shutdown``, and
+``config`` / ``model_info`` / ``tokenizer``), so ``build_app`` takes either. The engine process
+(``server/engine_process.py``) validates each request as ``AsyncEngine.generate`` does; a
+refusal arrives as the stream's first message and is raised as ``ValueError`` before anything is
+yielded, as in process. ``stats()`` is the latest snapshot the engine process pushed (with every
+step's outputs, and every 0.1 s while idle). If the engine process goes away, every stream and
+call fails with ``EngineDeadError`` and ``is_healthy()`` turns False (``/health`` answers 503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from engine.errors import EngineDeadError
+from engine.outputs import RequestOutput, merge_pending
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from engine.stats import EngineStats
+from engine.tokenizer import Tokenizer
+from server.engine_ipc import Channel
+
+logger = logging.getLogger("ferry.engine_client")
+
+
+class EngineClient:
+    def __init__(self, channel: Channel, hello: dict[str, Any]) -> None:
+        self._channel = channel
+        self.config = hello["config"]
+        self.model_info = hello["model_info"]
+        self.tokenizer = Tokenizer.from_dir(hello["model_dir"])
+        self._stats: EngineStats = hello["stats"]
+        self._healthy: bool = hello["healthy"]
+        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._calls: dict[int, asyncio.Future[Any]] = {}
+        self._ids = itertools.count()
+        self._reader = asyncio.ensure_future(self._read())
+
+    @classmethod
+    async def connect(cls, path: str, timeout: float = 30.0) -> EngineClient:
+        """Connect to the engine process listening at ``path`` (retrying until ``timeout``)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                reader, writer = await asyncio.open_unix_connection(path)
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(0.05)
+        channel = Channel(reader, writer)
+        frame = await channel.receive()
+        if not frame or frame[0][0] != "hello":
+            channel.close()
+            raise ConnectionError(f"the engine process at {path} did not greet")
+        client = cls(channel, frame[0][1])
+        for message in frame[1:]:
+            client._dispatch(message)
+        return client
+
+    # -- AsyncEngine's interface -------------------------------------------------------------------
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        resume_token_ids: list[int] | None = None,
+        kv_transfer: dict[str, Any] | None = None,
+        pooling: bool = False,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream DELTA outputs of one request, as ``AsyncEngine.generate`` does."""
+        self._check_alive()
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._streams[request_id] = queue
+        self._channel.send(("add", request_id, prompt, params, resume_token_ids, kv_transfer, pooling))
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                if isinstance(out, BaseException):
+                    finished = True  # the engine process ended it: nothing to abort
+                    raise out
+                out = merge_pending(out, queue)
+                finished = out.finished
+                yield out
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished and not self._channel.closed:
+                self._channel.send(("call", -1, "abort", request_id))
+
+    async def compile_structured(self, spec: StructuredOutputsParams) -> None:
+        """Compile (and keep, in the engine process) a constraint; ValueError if it is not valid."""
+        await self._call("compile", spec)
+
+    def announce(self) -> Callable[[], None]:
+        """``AsyncEngine.announce`` across the socket (the engine process gathers bursts)."""
+        token = next(self._ids)
+        self._channel.send(("announce", token))
+        pending = True
+
+        def submitted() -> None:
+            nonlocal pending
+            if pending:
+                pending = False
+                self._channel.send(("submitted", token))
+
+        return submitted
+
+    async def abort(self, request_id: str) -> None:
+        """Finish the request now; returns once the engine freed its blocks."""
+        if self._channel.closed:
+            return
+        with contextlib.suppress(EngineDeadError):
+            await self._call("abort", request_id)
+
+    async def reset_prefix_cache(self) -> int | bool:
+        self._check_alive()
+        return await self._call("reset_prefix_cache", None)
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def is_healthy(self) -> bool:
+        return self._healthy and not self._channel.closed
+
+    async def shutdown(self) -> None:
+        """Close this API server's connection (the engine process aborts what it still runs)."""
+        self._channel.close()
+        self._reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._reader
+        self._fail_all("the engine connection was closed")
+
+    # -- the socket --------------------------------------------------------------------------------
+
+    def _check_alive(self) -> None:
+        if self._channel.closed:
+            raise EngineDeadError("the engine process is gone")
+        if not self._healthy:
+            raise EngineDeadError("the engine is not healthy")
+
+    async def _call(self, name: str, arg: Any) -> Any:
+        self._check_alive()
+        call_id = next(self._ids)
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = future
+        self._channel.send(("call", call_id, name, arg))
+        try:
+            return await future
+        finally:
+            self._calls.pop(call_id, None)
+
+    async def _read(self) -> None:
+        try:
+            while (frame := await self._channel.receive()) is not None:
+                for message in frame:
+                    self._dispatch(message)
+        finally:
+            if not self._channel.closed:
+                logger.error("the engine process closed its connection")
+            self._channel.close()
+            self._fail_all("the engine process is gone")
+
+    def _dispatch(self, message: tuple[Any, ...]) -> None:
+        kind = message[0]
+        if kind == "out":
+            queue = self._streams.get(message[1])
+            if queue is not None:
+                queue.put_nowait(message[2])
+        elif kind == "stats":
+            self._stats, self._healthy = message[1], message[2]
+        elif kind == "err":
+            queue = self._streams.get(message[1])
+            if queue is not None:
+                queue.put_nowait(_error(message[2], message[3]))
+        elif kind == "reply":
+            future = self._calls.get(message[1])
+            if future is not None and not future.done():
+                if message[2]:
+                    future.set_result(message[3])
+                else:
+                    future.set_exception(_error(*message[3]))
+
+    def _fail_all(self, why: str) -> None:
+        for queue in self._streams.values():
+            queue.put_nowait(EngineDeadError(why))
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(why))
+
+
+def _error(kind: str, message: str) -> BaseException:
+    if kind == "value":
+        return ValueError(message)
+    if kind == "dead":
+        return EngineDeadError(message)
+    return RuntimeError(message)

@@ -1,0 +1,241 @@
+"""The engine process of a replica run with ``--api-server-count N``: one ``AsyncEngine`` served
+over a Unix socket to the API server processes (``server/engine_client.py`` is the other end).
+
+``EngineHost`` runs each API server's requests through the same ``AsyncEngine`` an in-process
+server uses (so burst gathering, aborts, structured outputs and stats behave the same), under
+engine request ids namespaced by connection (``rid@N``: two API servers may both see a client's
+``X-Request-Id``). An API server that goes away has its requests aborted and its announcements
+withdrawn at once.
+
+Messages from an API server: ``("add", rid, prompt_ids, params, resume_ids, kv_transfer, pooling)``,
+``("announce", token)``, ``("submitted", token)``, ``("call", call_id, name, arg)`` with ``name``
+one of ``abort`` / ``compile`` / ``reset_prefix_cache``. To it: ``("hello", facts)`` first, then
+``("out", rid, RequestOutput)``, ``("err", rid, kind, message)``, ``("reply", call_id, ok, value)``
+and ``("stats", EngineStats, healthy)`` whenever the engine published new stats (to every API
+server, in the event-loop pass that brought them, and before a request's own output).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import logging
+import os
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+from engine.errors import EngineDeadError
+from server.engine_ipc import Channel
+
+logger = logging.getLogger("ferry.engine_process")
+
+# How often idle connections hear of changed stats or health (outputs carry them when busy).
+STATS_INTERVAL_S = 0.1
+
+
+@dataclass(eq=False)
+class _ApiServer:
+    index: int
+    channel: Channel
+    requests: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    announced: dict[int, Callable[[], None]] = field(default_factory=dict)
+    sent_stats: Any = None
+    sent_healthy: bool = True
+
+
+class EngineHost:
+    """Serves one ``AsyncEngine`` to any number of API server connections."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self._servers: set[_ApiServer] = set()
+        self._next_index = 0
+        self._broadcast_scheduled = False
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One API server's connection, until it closes."""
+        conn = _ApiServer(self._next_index, Channel(reader, writer))
+        self._next_index += 1
+        self._servers.add(conn)
+        engine = self.engine
+        conn.sent_stats, conn.sent_healthy = engine.stats(), engine.is_healthy()
+        conn.channel.send(
+            (
+                "hello",
+                {
+                    "config": engine.config,
+                    "model_info": engine.model_info,
+                    "model_dir": str(engine.engine.model_dir),
+                    "stats": conn.sent_stats,
+                    "healthy": conn.sent_healthy,
+                },
+            )
+        )
+        logger.info("API server connection %d open", conn.index)
+        try:
+            while (frame := await conn.channel.receive()) is not None:
+                for message in frame:
+                    self._dispatch(conn, message)
+        finally:
+            self._servers.discard(conn)
+            for task in conn.requests.values():
+                task.cancel()  # AsyncEngine.generate aborts an unfinished request when closed
+            for submitted in conn.announced.values():
+                submitted()
+            conn.channel.close()
+            logger.info(
+                "API server connection %d closed (%d request(s) aborted)", conn.index, len(conn.requests)
+            )
+
+    def _dispatch(self, conn: _ApiServer, message: tuple[Any, ...]) -> None:
+        kind = message[0]
+        if kind == "add":
+            rid = message[1]
+            conn.requests[rid] = asyncio.ensure_future(self._serve(conn, *message[1:]))
+        elif kind == "announce":
+            conn.announced[message[1]] = self.engine.announce()
+        elif kind == "submitted":
+            submitted = conn.announced.pop(message[1], None)
+            if submitted is not None:
+                submitted()
+        elif kind == "call":
+            asyncio.ensure_future(self._call(conn, message[1], message[2], message[3]))
+        else:
+            logger.error("unknown message %r from API server %d", kind, conn.index)
+
+    async def _serve(
+        self,
+        conn: _ApiServer,
+        rid: str,
+        prompt: list[int],
+        params: Any,
+        resume_token_ids: list[int] | None,
+        kv_transfer: dict[str, Any] | None,
+        pooling: bool,
+    ) -> None:
+        send = conn.channel.send
+        try:
+            async for out in self.engine.generate(
+                f"{rid}@{conn.index}",
+                prompt,
+                params,
+                resume_token_ids=resume_token_ids,
+                kv_transfer=kv_transfer,
+                pooling=pooling,
+            ):
+                out.request_id = rid
+                self._send_stats(conn)  # before the output: a final output finds its stats there
+                send(("out", rid, out))
+                self._broadcast_stats()
+        except asyncio.CancelledError:
+            pass  # aborted by its API server (or that server is gone): the stream needs no end
+        except ValueError as e:
+            send(("err", rid, "value", str(e)))
+        except EngineDeadError as e:
+            send(("err", rid, "dead", str(e)))
+        except Exception as e:  # noqa: BLE001 - reported to the request, logged here
+            logger.exception("request %s failed", rid)
+            send(("err", rid, "other", repr(e)))
+        finally:
+            if conn.requests.get(rid) is asyncio.current_task():
+                del conn.requests[rid]
+
+    async def _call(self, conn: _ApiServer, call_id: int, name: str, arg: Any) -> None:
+        engine = self.engine
+        try:
+            if name == "abort":
+                # Not by cancelling its task: the engine ends the stream with a final "abort"
+                # output, which its API server still forwards (a timed-out request says so).
+                await engine.abort(f"{arg}@{conn.index}")
+                value = None
+            elif name == "compile":
+                await engine.compile_structured(arg)
+                value = None
+            elif name == "reset_prefix_cache":
+                value = await engine.reset_prefix_cache()
+            else:
+                raise RuntimeError(f"unknown call {name!r}")
+        except ValueError as e:
+            conn.channel.send(("reply", call_id, False, ("value", str(e))))
+        except EngineDeadError as e:
+            conn.channel.send(("reply", call_id, False, ("dead", str(e))))
+        except Exception as e:  # noqa: BLE001
+            logger.exception("call %s failed", name)
+            conn.channel.send(("reply", call_id, False, ("other", repr(e))))
+        else:
+            self._send_stats(conn)
+            conn.channel.send(("reply", call_id, True, value))
+            self._broadcast_stats()
+
+    def _send_stats(self, conn: _ApiServer) -> None:
+        stats, healthy = self.engine.stats(), self.engine.is_healthy()
+        if stats is not conn.sent_stats or healthy != conn.sent_healthy:
+            conn.sent_stats, conn.sent_healthy = stats, healthy
+            conn.channel.send(("stats", stats, healthy))
+
+    def _broadcast_stats(self) -> None:
+        """Once per event-loop pass with news: every API server admits by the engine's queue
+        (``Generation.queued``), so each hears of a step or an abort at once, not only the one whose
+        requests it concerned."""
+        if not self._broadcast_scheduled:
+            self._broadcast_scheduled = True
+            asyncio.get_running_loop().call_soon(self._broadcast)
+
+    def _broadcast(self) -> None:
+        self._broadcast_scheduled = False
+        for conn in self._servers:
+            self._send_stats(conn)
+
+    async def publish_stats(self) -> None:
+        """Keep idle connections' stats and health current (a dead engine loop, a finished abort)."""
+        while True:
+            await asyncio.sleep(STATS_INTERVAL_S)
+            for conn in list(self._servers):
+                self._send_stats(conn)
+
+
+def engine_process_main(engine_config: Any, socket_path: str, ready: Connection) -> None:
+    """Entry point of the engine process (spawned by ``server/api_servers.py``).
+
+    Sends ``("ready",)`` on ``ready`` once the model is loaded and the socket listens, or
+    ``("error", message)`` if the engine refused its configuration. Stops on SIGTERM; ignores
+    SIGINT (the supervisor decides when the engine stops: after the API servers drained).
+    """
+    from server.main import loop_factory
+
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+        runner.run(_serve_engine(engine_config, socket_path, ready))
+
+
+async def _serve_engine(engine_config: Any, socket_path: str, ready: Connection) -> None:
+    from engine import AsyncEngine
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, lambda: None)
+    try:
+        engine = AsyncEngine(engine_config)
+    except (ValueError, OSError) as e:  # the model directory, or flags the model cannot meet
+        logger.debug("engine start failed", exc_info=e)
+        ready.send(("error", str(e)))
+        return
+    host = EngineHost(engine)
+    server = await asyncio.start_unix_server(host.handle, path=socket_path)
+    os.chmod(socket_path, 0o600)
+    publisher = asyncio.ensure_future(host.publish_stats())
+    gc.collect()
+    gc.freeze()  # the loaded model and torch live as long as the process (see server.main.serve)
+    ready.send(("ready",))
+    ready.close()
+    try:
+        await stop.wait()
+    finally:
+        publisher.cancel()
+        server.close()
+        with contextlib.suppress(Exception):
+            await engine.shutdown()

@@ -1,0 +1,356 @@
+"""`ferry serve --api-server-count 2`: one engine process behind two API server processes.
+
+The replica must be the same service as with one process: the tests of the OpenAI API, of load
+and of bad input that run against the one-process replica run here too (imported below; this
+module's ``server`` and ``tight`` fixtures replace theirs). The rest is what only this mode has:
+both API servers take connections, one that dies is replaced and its requests are aborted in the
+engine, a dead engine process stops the replica, SIGTERM drains, startup errors are clean.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from tests.server.conftest import REPO
+from tests.server.test_errors import (  # noqa: F401 - collected here, against this module's server
+    http,
+    test_embeddings_fuzz_never_5xx,
+    test_known_mistakes,
+    test_server_still_serves_after_the_fuzz,
+)
+from tests.server.test_load import (  # noqa: F401
+    _wait_idle,
+    test_64_concurrent_streams_get_what_they_get_alone,
+    test_api_key_guards_v1_but_not_health_or_metrics,
+    test_disconnect_mid_responses_stream_frees_blocks,
+    test_disconnect_mid_stream_frees_blocks,
+    test_disconnect_non_streaming_frees_blocks,
+    test_kv_tier_metrics_share_the_endpoint,
+    test_request_timeout_aborts_cleanly,
+)
+from tests.server.test_openai_api import (  # noqa: F401
+    aclient,
+    client,
+    llm,
+    test_async_client_completion,
+    test_async_client_streams_n_choices,
+    test_chat_greedy_equals_offline_llm,
+    test_chat_stream_role_first_usage_last,
+    test_completion_greedy_equals_offline_llm,
+    test_completion_many_prompts_and_n,
+    test_completion_stream_equals_non_stream,
+    test_kv_transfer_producer_answer_and_resume,
+    test_metrics_use_vllm_names,
+    test_prefix_cache_hits_reported_as_cached_tokens,
+    test_request_id_is_echoed_and_prefixes_the_response_id,
+    test_tokenize_detokenize_match_tokenizer,
+    tokenizer,
+)
+from tests.server.test_structured_outputs import (  # noqa: F401
+    no_whitespace,
+    test_a_constraint_that_does_not_compile_is_a_400_before_the_stream,
+    test_greedy_json_schema_over_http_equals_the_engine,
+)
+
+API_SERVERS = ["--api-server-count", "2"]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama: Path, serve_logs: Path, server_process) -> Iterator:
+    srv = server_process(
+        tiny_llama, [*API_SERVERS, "--num-kv-blocks", "1024", "--max-num-seqs", "64"], serve_logs
+    ).start()
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+@pytest.fixture(scope="module")
+def tight(tiny_llama: Path, serve_logs: Path, server_process) -> Iterator:
+    flags = ["--max-num-seqs", "2", "--max-queued-requests", "2", "--request-timeout", "1"]
+    flags += ["--api-key", "sekrit", "--num-kv-blocks", "512", "--kv-tier", "memory://"]
+    srv = server_process(tiny_llama, [*API_SERVERS, *flags], serve_logs).start()
+    yield srv
+    srv.stop()
+
+
+# -- the processes -----------------------------------------------------------------------------
+
+
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is ``pid`` (multiprocessing's resource tracker left out)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            parent = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except (OSError, IndexError):
+            continue
+        if parent == pid and b"resource_tracker" not in cmdline:
+            found.append(int(entry))
+    return sorted(found)
+
+
+def _is_engine(pid: int) -> bool:
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
+def _processes(srv) -> tuple[int, list[int]]:
+    """(engine pid, API server pids) of a replica."""
+    kids = _children(srv.proc.pid)
+    engines = [p for p in kids if _is_engine(p)]
+    assert len(engines) == 1, kids
+    return engines[0], [p for p in kids if p != engines[0]]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _established(pid: int, port: int) -> int:
+    """TCP connections to ``port`` that process ``pid`` holds open (from /proc, no tools needed)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            local_port = int(fields[1].rsplit(":", 1)[1], 16)
+            if local_port == port and fields[3] == "01" and fields[9] in inodes:
+                count += 1
+    return count
+
+
+def _wait(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+class _Stream:
+    """A streaming completion read by a thread: ``state`` is "running" from its first chunk, then
+    "done" (``reason``: its finish reason; ``error``: an error event's body, if one came) or
+    "broken" (the connection failed or was closed)."""
+
+    def __init__(self, url: str, body: dict) -> None:
+        self.state, self.reason, self.error = "starting", None, None
+        self._client = httpx.Client(timeout=60)
+        self._first = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(url, body), daemon=True)
+        self._thread.start()
+        assert self._first.wait(30) and self.state == "running", self.state
+
+    def _run(self, url: str, body: dict) -> None:
+        try:
+            with self._client.stream("POST", url + "/v1/completions", json=body) as r:
+                assert r.status_code == 200, r.read()
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        self.state = "running"
+                        self._first.set()
+                        event = json.loads(line[6:])
+                        if "error" in event:
+                            self.error = event["error"]
+                        else:
+                            self.reason = event["choices"][0]["finish_reason"] or self.reason
+            self.state = "done"
+        except (httpx.HTTPError, RuntimeError, AssertionError):
+            self.state = "broken"
+        finally:
+            self._first.set()
+
+    def close(self) -> None:
+        self._client.close()
+        self._thread.join(10)
+
+
+async def test_both_api_servers_take_connections(server) -> None:
+    _, api = _processes(server)
+    assert len(api) == 2
+    before = [_established(pid, server.port) for pid in api]  # other tests' keep-alive connections
+    body = {"prompt": "x", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=32)) as http_client:
+        started = asyncio.Event()
+        count = 0
+
+        async def hold() -> None:
+            nonlocal count
+            async with http_client.stream("POST", server.url + "/v1/completions", json=body) as r:
+                async for _ in r.aiter_lines():
+                    count += 1
+                    if count == 16:
+                        started.set()
+                    await started.wait()  # all 16 connections open at once
+                    await asyncio.sleep(0.5)
+                    break  # then hang up
+
+        tasks = [asyncio.ensure_future(hold()) for _ in range(16)]
+        await asyncio.wait_for(started.wait(), 30)
+        held = [_established(pid, server.port) - b for pid, b in zip(api, before, strict=True)]
+        await asyncio.gather(*tasks)
+    # The kernel spreads connections over the API servers' sockets (16 at once never all land on
+    # one: with one shared listening socket, the process that woke first often took them all).
+    assert sum(held) == 16 and min(held) >= 1, held
+
+
+def test_a_killed_api_server_is_replaced_and_its_requests_aborted(server, scrape) -> None:
+    engine, api = _processes(server)
+    name = server.model_name
+    body = {"prompt": "x", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    before = {pid: _established(pid, server.port) for pid in api}  # other tests' keep-alive ones
+    streams = [_Stream(server.url, body) for _ in range(6)]
+    # Each stream sits in one API server; kill the one holding the most of them.
+    held = {pid: _established(pid, server.port) - before[pid] for pid in api}
+    assert sum(held.values()) == 6, held
+    victim = max(held, key=held.__getitem__)
+    os.kill(victim, signal.SIGKILL)
+    # Its streams break at once, and the engine aborts their requests (their API server's
+    # connection closed); the other API server's streams keep running.
+    _wait(lambda: sum(s.state == "broken" for s in streams) == held[victim], 10, "streams did not break")
+    survivors = 6 - held[victim]
+    _wait(
+        lambda: scrape(server.url, "vllm:num_requests_running", model_name=name) == survivors,
+        10,
+        "the dead API server's requests still run",
+    )
+    assert sum(s.state == "running" for s in streams) == survivors
+    # The supervisor starts a new API server over the same engine, and it serves.
+    _wait(
+        lambda: victim not in _children(server.proc.pid) and len(_children(server.proc.pid)) == 3,
+        30,
+        "none new",
+    )
+    new_engine, new_api = _processes(server)
+    assert new_engine == engine and len(new_api) == 2
+    fresh = next(p for p in new_api if p not in api)
+    ticks = _cpu_ticks(fresh)
+
+    def fresh_serves() -> bool:
+        for _ in range(8):  # new connections each: the kernel picks the process
+            r = httpx.post(server.url + "/v1/completions", json={"prompt": "y", "max_tokens": 2}, timeout=30)
+            assert r.status_code == 200
+        return _established(fresh, server.port) > 0 or _cpu_ticks(fresh) > ticks + 2
+
+    _wait(fresh_serves, 30, "the new API server never served")
+    for stream in streams:
+        stream.close()
+    assert _wait_idle(server.url, scrape, name, timeout=5) < 5
+
+
+def _cpu_ticks(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+# -- lifecycle (replicas of their own) -------------------------------------------------------------
+
+
+def _gone(pids: list[int], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while any(_alive(p) for p in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_sigterm_deregisters_drains_then_stops_every_process(
+    tiny_llama: Path, serve_logs: Path, server_process, redis_url
+) -> None:
+    srv = server_process(tiny_llama, [*API_SERVERS, "--register", redis_url], serve_logs).start()
+    try:
+        engine, api = _processes(srv)
+        r = redis.Redis.from_url(redis_url)
+        key = f"ferry:replica:{srv.url}"
+        _wait(lambda: r.get(key) is not None, 10, "never registered")
+        assert json.loads(r.get(key))["url"] == srv.url  # once for the replica, by the supervisor
+        assert len(r.keys("ferry:replica:*")) == 1
+        stream = _Stream(srv.url, {"prompt": "x", "max_tokens": 600, "ignore_eos": True, "stream": True})
+        srv.proc.send_signal(signal.SIGTERM)
+        _wait(lambda: r.get(key) is None, 5, "still registered while draining")
+        health = httpx.get(srv.url + "/health")  # whichever API server answers: both drain
+        assert health.status_code == 503 and health.json()["error"]["code"] == "draining"
+        refused = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        assert refused.status_code == 503
+        _wait(lambda: stream.state != "running", 60, "the stream never ended")
+        assert stream.state == "done" and stream.reason == "length"  # the in-flight stream completed
+        assert srv.proc.wait(30) == 0
+        assert _gone([engine, *api], 10)
+    finally:
+        srv.stop()
+
+
+def test_a_dead_engine_process_stops_the_replica(tiny_llama: Path, serve_logs: Path, server_process) -> None:
+    srv = server_process(tiny_llama, API_SERVERS, serve_logs).start()
+    try:
+        engine, api = _processes(srv)
+        stream = _Stream(srv.url, {"prompt": "x", "max_tokens": 1000, "ignore_eos": True, "stream": True})
+        os.kill(engine, signal.SIGKILL)
+        _wait(lambda: stream.state != "running", 10, "the stream hung on a dead engine")
+        # Its API server ended it with an error event (the engine cannot serve), not a hang.
+        assert stream.state == "done" and stream.reason is None
+        assert "engine" in stream.error["message"], stream.error
+        assert srv.proc.wait(20) == 1  # the orchestrator restarts the replica
+        assert _gone(api, 10)
+        assert "the engine process exited" in srv.log()
+    finally:
+        srv.stop()
+
+
+def test_children_die_with_a_killed_supervisor(tiny_llama: Path, serve_logs: Path, server_process) -> None:
+    srv = server_process(tiny_llama, API_SERVERS, serve_logs).start()
+    try:
+        engine, api = _processes(srv)
+        srv.proc.kill()
+        assert _gone([engine, *api], 20)
+    finally:
+        srv.stop()
+
+
+def _serve(args: list[str], timeout: float = 90) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "ferry", "serve", "--num-threads", "1", *args]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_startup_errors_are_clean(tiny_llama: Path) -> None:
+    done = _serve(["--model", str(tiny_llama), "--api-server-count", "0"])
+    assert done.returncode == 2 and "--api-server-count must be at least 1" in done.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = _serve(["--model", str(tiny_llama), "--port", str(port), *API_SERVERS])
+    assert done.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in done.stderr, done.stderr
+    # The engine process refuses its flags: the operator reads its reason, as from one process.
+    done = _serve(["--model", str(tiny_llama), "--port", "0", "--max-model-len", "99999", *API_SERVERS])
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().endswith(
+        "max_model_len=99999 is more than the 1024 positions of the model (max_position_embeddings=1024)"
+    )
