@@ -38,7 +38,9 @@ class EngineClient:
         self.tokenizer = Tokenizer.from_dir(hello["model_dir"])
         self._stats: EngineStats = hello["stats"]
         self._healthy: bool = hello["healthy"]
-        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        # request id -> (its outputs' queue, its prompt's token ids: the engine process does not
+        # send them back with every output)
+        self._streams: dict[str, tuple[asyncio.Queue[RequestOutput | BaseException], list[int]]] = {}
         self._calls: dict[int, asyncio.Future[Any]] = {}
         self._ids = itertools.count()
         self._reader = asyncio.ensure_future(self._read())
@@ -81,7 +83,7 @@ class EngineClient:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._streams[request_id] = queue
+        self._streams[request_id] = (queue, prompt)
         self._channel.send(("add", request_id, prompt, params, resume_token_ids, kv_transfer, pooling))
         finished = False
         try:
@@ -174,15 +176,17 @@ class EngineClient:
     def _dispatch(self, message: tuple[Any, ...]) -> None:
         kind = message[0]
         if kind == "out":
-            queue = self._streams.get(message[1])
-            if queue is not None:
-                queue.put_nowait(message[2])
+            stream = self._streams.get(message[1])
+            if stream is not None:
+                out = message[2]
+                out.prompt_token_ids = stream[1]
+                stream[0].put_nowait(out)
         elif kind == "stats":
             self._stats, self._healthy = message[1], message[2]
         elif kind == "err":
-            queue = self._streams.get(message[1])
-            if queue is not None:
-                queue.put_nowait(_error(message[2], message[3]))
+            stream = self._streams.get(message[1])
+            if stream is not None:
+                stream[0].put_nowait(_error(message[2], message[3]))
         elif kind == "reply":
             future = self._calls.get(message[1])
             if future is not None and not future.done():
@@ -192,7 +196,7 @@ class EngineClient:
                     future.set_exception(_error(*message[3]))
 
     def _fail_all(self, why: str) -> None:
-        for queue in self._streams.values():
+        for queue, _ in self._streams.values():
             queue.put_nowait(EngineDeadError(why))
         for future in self._calls.values():
             if not future.done():

@@ -128,6 +128,7 @@ class EngineHost:
                 pooling=pooling,
             ):
                 out.request_id = rid
+                out.prompt_token_ids = None  # its API server has them: not sent with every token
                 self._send_stats(conn)  # before the output: a final output finds its stats there
                 send(("out", rid, out))
                 self._broadcast_stats()
