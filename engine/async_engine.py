@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import threading
 import time
@@ -64,6 +65,11 @@ _Command = _Add | _Abort | _ResetPrefixCache
 class AsyncEngine:
     # The most an idle loop holds its first step to gather a burst of arrivals (``_gather_burst``).
     arrival_wait_s = 0.025
+    # How ``_gather_burst`` probes the submitters, called on their event loop with a function to
+    # call once they have taken in what they had received. Default (None): two passes of that loop,
+    # which parses the requests itself. An engine serving API server processes
+    # (server/engine_process.py) probes their event loops instead.
+    probe_submitters: Callable[[Callable[[], None]], None] | None = None
 
     def __init__(self, config: EngineConfig | None = None, **options: Any) -> None:
         if config is None:
@@ -225,7 +231,13 @@ class AsyncEngine:
                     if self._stopping:
                         return
                     if not engine.has_unfinished_requests() and isinstance(self._commands[0], _Add):
+                        gather_start = time.monotonic()
                         self._gather_burst(self._commands[0].loop)
+                        logger.debug(
+                            "burst: %d request(s) gathered in %.1f ms",
+                            sum(isinstance(c, _Add) for c in self._commands),
+                            1e3 * (time.monotonic() - gather_start),
+                        )
                         if self._stopping:
                             return
                     commands = list(self._commands)
@@ -258,7 +270,7 @@ class AsyncEngine:
         parses each; a step started on the first would be a lone prefill that the others queue
         behind, and it would slow their intake, sharing the cores. So: send a probe through the
         submitter's loop (a few passes: the passes that turn bytes already received into running
-        handlers), wait for it and for every ``announce``d request, and repeat while a round brought
+        handlers; or through API server processes' loops, ``probe_submitters``), wait for it and for every ``announce``d request, and repeat while a round brought
         new requests. A lone request costs one probe (tens of microseconds); a burst, its intake;
         nothing costs more than ``arrival_wait_s``. A busy engine never waits: it batches whatever
         arrived by its next step.
@@ -268,7 +280,7 @@ class AsyncEngine:
             seen = self._num_adds
             self._probes_sent += 1
             try:
-                loop.call_soon_threadsafe(self._probe, loop, self._probes_sent, 2)
+                loop.call_soon_threadsafe(self._start_probe, loop, self._probes_sent)
             except RuntimeError:  # that loop is closed
                 return
             while (self._probes_back < self._probes_sent or self._announced > 0) and not self._stopping:
@@ -279,11 +291,15 @@ class AsyncEngine:
             if self._num_adds == seen:
                 return
 
-    def _probe(self, loop: asyncio.AbstractEventLoop, number: int, hops: int) -> None:
-        """On the submitter's loop: pass through ``hops`` more passes, then tell the loop thread."""
-        if hops:
-            loop.call_soon(self._probe, loop, number, hops - 1)
-            return
+    def _start_probe(self, loop: asyncio.AbstractEventLoop, number: int) -> None:
+        """On the submitter's loop: probe what is on its way in, then tell the loop thread."""
+        back = functools.partial(self._probe_back, number)
+        if self.probe_submitters is not None:
+            self.probe_submitters(back)
+        else:
+            _pass_through(loop, 2, back)
+
+    def _probe_back(self, number: int) -> None:
         with self._wake:
             self._probes_back = max(self._probes_back, number)
             self._wake.notify()
@@ -324,3 +340,11 @@ class AsyncEngine:
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
     for queue, out in items:
         queue.put_nowait(out)
+
+
+def _pass_through(loop: asyncio.AbstractEventLoop, passes: int, then: Callable[[], None]) -> None:
+    """Call ``then`` on ``loop`` after ``passes`` more passes of it."""
+    if passes:
+        loop.call_soon(_pass_through, loop, passes - 1, then)
+    else:
+        then()

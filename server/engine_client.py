@@ -181,6 +181,11 @@ class EngineClient:
                 out = message[2]
                 out.prompt_token_ids = stream[1]
                 stream[0].put_nowait(out)
+        elif kind == "probe":
+            # The engine gathers a burst: answer after two passes of this loop, which announce
+            # the requests whose bytes have arrived (see AsyncEngine._gather_burst).
+            loop = asyncio.get_running_loop()
+            loop.call_soon(loop.call_soon, self._channel.send, ("probe_back", message[1]))
         elif kind == "stats":
             self._stats, self._healthy = message[1], message[2]
         elif kind == "err":

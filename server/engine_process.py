@@ -8,8 +8,10 @@ engine request ids namespaced by connection (``rid@N``: two API servers may both
 withdrawn at once.
 
 Messages from an API server: ``("add", rid, prompt_ids, params, resume_ids, kv_transfer, pooling)``,
-``("announce", token)``, ``("submitted", token)``, ``("call", call_id, name, arg)`` with ``name``
-one of ``abort`` / ``compile`` / ``reset_prefix_cache``. To it: ``("hello", facts)`` first, then
+``("announce", token)``, ``("submitted", token)``, ``("probe_back", token)``,
+``("call", call_id, name, arg)`` with ``name`` one of ``abort`` / ``compile`` /
+``reset_prefix_cache``. To it: ``("hello", facts)`` first, ``("probe", token)`` (an idle engine
+gathering a burst: answer after two passes of the event loop), then
 ``("out", rid, RequestOutput)``, ``("err", rid, kind, message)``, ``("reply", call_id, ok, value)``
 and ``("stats", EngineStats, healthy)`` whenever the engine published new stats (to every API
 server, in the event-loop pass that brought them, and before a request's own output).
@@ -20,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import itertools
 import logging
 import os
 import signal
@@ -55,6 +58,9 @@ class EngineHost:
         self._servers: set[_ApiServer] = set()
         self._next_index = 0
         self._broadcast_scheduled = False
+        self._probe_ids = itertools.count()
+        self._probes: dict[int, tuple[set[_ApiServer], Callable[[], None]]] = {}
+        engine.probe_submitters = self._probe_api_servers
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One API server's connection, until it closes."""
@@ -77,11 +83,20 @@ class EngineHost:
         )
         logger.info("API server connection %d open", conn.index)
         try:
+            loop = asyncio.get_running_loop()
             while (frame := await conn.channel.receive()) is not None:
+                after_adds: list[Callable[[], None]] = []
                 for message in frame:
-                    self._dispatch(conn, message)
+                    self._dispatch(conn, message, after_adds)
+                if after_adds:
+                    # Once the adds of this frame reached the engine (their tasks start first): an
+                    # engine gathering a burst stops waiting when nothing announced is unsubmitted
+                    # and its probe is back.
+                    loop.call_soon(_call_all, after_adds)
         finally:
             self._servers.discard(conn)
+            for token in list(self._probes):
+                self._probe_answered(token, conn)
             for task in conn.requests.values():
                 task.cancel()  # AsyncEngine.generate aborts an unfinished request when closed
             for submitted in conn.announced.values():
@@ -91,7 +106,9 @@ class EngineHost:
                 "API server connection %d closed (%d request(s) aborted)", conn.index, len(conn.requests)
             )
 
-    def _dispatch(self, conn: _ApiServer, message: tuple[Any, ...]) -> None:
+    def _dispatch(
+        self, conn: _ApiServer, message: tuple[Any, ...], after_adds: list[Callable[[], None]]
+    ) -> None:
         kind = message[0]
         if kind == "add":
             rid = message[1]
@@ -99,9 +116,13 @@ class EngineHost:
         elif kind == "announce":
             conn.announced[message[1]] = self.engine.announce()
         elif kind == "submitted":
-            submitted = conn.announced.pop(message[1], None)
-            if submitted is not None:
-                submitted()
+            done = conn.announced.pop(message[1], None)
+            if done is not None:
+                after_adds.append(done)
+        elif kind == "probe_back":
+            back = self._probe_answered(message[1], conn)
+            if back is not None:
+                after_adds.append(back)
         elif kind == "call":
             asyncio.ensure_future(self._call(conn, message[1], message[2], message[3]))
         else:
@@ -138,6 +159,7 @@ class EngineHost:
             send(("err", rid, "value", str(e)))
         except EngineDeadError as e:
             send(("err", rid, "dead", str(e)))
+            self._broadcast_stats()  # every API server's /health turns 503 now
         except Exception as e:  # noqa: BLE001 - reported to the request, logged here
             logger.exception("request %s failed", rid)
             send(("err", rid, "other", repr(e)))
@@ -172,6 +194,33 @@ class EngineHost:
             conn.channel.send(("reply", call_id, True, value))
             self._broadcast_stats()
 
+    def _probe_api_servers(self, back: Callable[[], None]) -> None:
+        """``AsyncEngine.probe_submitters``: ask every API server to pass its event loop twice (the
+        passes that turn requests it has received into announcements) and answer; ``back`` once
+        all did (a burst's requests spread over all of them)."""
+        servers = {conn for conn in self._servers if not conn.channel.closed}
+        if not servers:
+            back()
+            return
+        token = next(self._probe_ids)
+        self._probes[token] = (servers, back)
+        for conn in servers:
+            conn.channel.send(("probe", token))
+
+    def _probe_answered(self, token: int, conn: _ApiServer) -> Callable[[], None] | None:
+        """Record ``conn``'s answer; the probe's ``back`` once every API server answered."""
+        probe = self._probes.get(token)
+        if probe is None:
+            return None
+        probe[0].discard(conn)
+        if probe[0]:
+            return None
+        del self._probes[token]
+        if conn.channel.closed:  # from the closing connection's cleanup: nothing else to wait for
+            probe[1]()
+            return None
+        return probe[1]
+
     def _send_stats(self, conn: _ApiServer) -> None:
         stats, healthy = self.engine.stats(), self.engine.is_healthy()
         if stats is not conn.sent_stats or healthy != conn.sent_healthy:
@@ -197,6 +246,11 @@ class EngineHost:
             await asyncio.sleep(STATS_INTERVAL_S)
             for conn in list(self._servers):
                 self._send_stats(conn)
+
+
+def _call_all(functions: list[Callable[[], None]]) -> None:
+    for function in functions:
+        function()
 
 
 def engine_process_main(engine_config: Any, socket_path: str, ready: Connection) -> None:

@@ -1,0 +1,177 @@
+"""EngineHost and EngineClient over a real Unix socket, in one event loop: what an API server process
+sees of the engine process (``--api-server-count``) must be what ``AsyncEngine`` gives in process.
+
+Two clients stand for two API server processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import pytest_asyncio
+
+from engine import SamplingParams
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.errors import EngineDeadError
+from engine.sampling_params import StructuredOutputsParams
+from server.engine_client import EngineClient
+from server.engine_process import EngineHost
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [20, 21, 22, 23], [40, 41, 42, 43, 44, 45]]
+
+
+@pytest.fixture
+async def engine(tiny_llama) -> AsyncIterator[AsyncEngine]:
+    eng = AsyncEngine(EngineConfig(model=str(tiny_llama), num_kv_blocks=128))
+    yield eng
+    await eng.shutdown()
+
+
+# In the test's own event loop (this project's async fixtures default to the session's): the host
+# and its clients run on the loop they were made on.
+@pytest_asyncio.fixture(loop_scope="function")
+async def path(engine) -> AsyncIterator[str]:
+    directory = tempfile.mkdtemp(prefix="ferry-ipc-")  # short: Unix socket paths are limited
+    host = EngineHost(engine)
+    server = await asyncio.start_unix_server(host.handle, path=f"{directory}/engine.sock")
+    publisher = asyncio.ensure_future(host.publish_stats())  # as the engine process runs it
+    yield f"{directory}/engine.sock"
+    publisher.cancel()
+    server.close()
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest_asyncio.fixture(loop_scope="function")
+async def clients(path) -> AsyncIterator[tuple[EngineClient, EngineClient]]:
+    a, b = await EngineClient.connect(path), await EngineClient.connect(path)
+    yield a, b
+    await a.shutdown()
+    await b.shutdown()
+
+
+async def _collect(eng, rid: str, prompt, params=GREEDY, **kw):
+    tokens: list[int] = []
+    last = None
+    async for out in eng.generate(rid, prompt, params, **kw):
+        tokens += out.outputs[0].token_ids
+        last = out
+    return tokens, last
+
+
+async def _until(condition, what: str, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.01)
+
+
+async def test_streams_equal_the_engine_in_process(engine, clients) -> None:
+    a, b = clients
+    assert a.model_info == engine.model_info and a.config == engine.config
+    assert a.tokenizer.encode("hello world") == engine.tokenizer.encode("hello world")
+    alone = [await _collect(engine, f"alone-{i}", p) for i, p in enumerate(PROMPTS)]
+    # The same request id from both API servers at once: namespaced in the engine, not refused.
+    got = await asyncio.gather(
+        *(
+            _collect(c, "same-id" if i < 2 else f"r{i}", p)
+            for i, (c, p) in enumerate(zip((a, b, a), PROMPTS, strict=True))
+        )
+    )
+    for (tokens, last), (want, want_last) in zip(got, alone, strict=True):
+        assert tokens == want and len(tokens) == 8
+        assert last.finished and last.outputs[0].finish_reason == "length"
+        assert last.prompt_token_ids == want_last.prompt_token_ids  # restored by the client
+    assert got[0][1].request_id == got[1][1].request_id == "same-id"
+    assert a.stats().generation_tokens == engine.stats().generation_tokens  # pushed with outputs
+
+
+async def test_refusals_arrive_as_value_errors_before_any_output(clients) -> None:
+    a, _ = clients
+    with pytest.raises(ValueError, match="too long|exceeds|context"):
+        await _collect(a, "long", [5] * 5000)
+    with pytest.raises(ValueError):
+        await a.compile_structured(StructuredOutputsParams(json="{not a schema"))
+    await a.compile_structured(StructuredOutputsParams(choice=["yes", "no"]))
+    tokens, _ = await _collect(a, "after", PROMPTS[0])  # and the connection still serves
+    assert len(tokens) == 8
+
+
+async def test_abort_and_a_closed_connection_free_the_blocks(engine, path, clients) -> None:
+    a, _ = clients
+    params = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
+    stream = a.generate("long", PROMPTS[0], params)
+    await stream.__anext__()
+    assert engine.stats().num_running == 1
+    await a.abort("long")  # returns once the engine freed the blocks
+    assert engine.stats().kv_cache_usage == 0.0
+    last = None
+    async for out in stream:  # the stream ends with the engine's "abort"
+        last = out
+    assert last.finished and last.outputs[0].finish_reason == "abort"
+    # An API server that goes away: its requests are aborted at once.
+    c = await EngineClient.connect(path)
+    started = [c.generate(f"gone-{i}", p, params) for i, p in enumerate(PROMPTS)]
+    for s in started:
+        await s.__anext__()
+    assert engine.stats().num_running == 3
+    await c.shutdown()
+    await _until(
+        lambda: engine.stats().num_running == 0 and engine.stats().kv_cache_usage == 0.0, "still running"
+    )
+    with pytest.raises(EngineDeadError):  # its own streams end too, after what had arrived
+        async for _ in started[0]:
+            pass
+
+
+async def test_an_idle_engine_waits_for_what_another_api_server_announced(engine, clients) -> None:
+    engine.arrival_wait_s = 30.0  # the announcement, not the cap, must end the wait
+    a, b = clients
+    submitted = b.announce()  # B has a request's body in and is parsing it
+    first = asyncio.ensure_future(_collect(a, "a0", PROMPTS[0]))
+    await asyncio.sleep(0.1)
+    assert not first.done() and engine.stats().num_running == 0
+    second = asyncio.ensure_future(_collect(b, "b0", PROMPTS[1]))
+    await asyncio.sleep(0)  # B's add is sent...
+    submitted()  # ...with its announcement withdrawn, in the same frame
+    (_, x), (_, y) = await asyncio.wait_for(asyncio.gather(first, second), 10)
+    assert y.metrics["first_scheduled_time"] <= x.metrics["first_token_time"]  # one first step
+
+
+async def test_probes_are_answered_by_every_api_server(engine, path, clients) -> None:
+    engine.arrival_wait_s = 30.0  # an unanswered probe would show as a 30 s wait
+    a, b = clients
+    start = time.monotonic()
+    await asyncio.wait_for(_collect(a, "lone", PROMPTS[0]), 10)
+    assert time.monotonic() - start < 5
+    # An API server that closes while a probe waits on it does not hold the engine either.
+    c = await EngineClient.connect(path)
+    c._channel.close()  # gone without a word (its reader still runs until EOF)
+    start = time.monotonic()
+    await asyncio.wait_for(_collect(b, "after-close", PROMPTS[1]), 10)
+    assert time.monotonic() - start < 5
+    await c.shutdown()
+
+
+async def test_a_dead_engine_loop_fails_streams_and_health(engine, clients) -> None:
+    a, _ = clients
+    params = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
+    stream = a.generate("doomed", PROMPTS[0], params)
+    await stream.__anext__()
+
+    def boom(*_: object) -> None:
+        raise RuntimeError("injected step failure")
+
+    engine.engine.step = boom
+    with pytest.raises(EngineDeadError):
+        async for _ in stream:
+            pass
+    await _until(lambda: not a.is_healthy(), "still healthy")
+    with pytest.raises(EngineDeadError):
+        await _collect(a, "refused", PROMPTS[1])
