@@ -38,6 +38,8 @@ class EngineClient:
         self.tokenizer = Tokenizer.from_dir(hello["model_dir"])
         self._stats: EngineStats = hello["stats"]
         self._healthy: bool = hello["healthy"]
+        # Sequences the other API servers have in the engine (``Generation.queued`` adds them).
+        self.sequences_elsewhere = 0
         # request id -> (its outputs' queue, its prompt's token ids: the engine process does not
         # send them back with every output)
         self._streams: dict[str, tuple[asyncio.Queue[RequestOutput | BaseException], list[int]]] = {}
@@ -187,7 +189,7 @@ class EngineClient:
             loop = asyncio.get_running_loop()
             loop.call_soon(loop.call_soon, self._channel.send, ("probe_back", message[1]))
         elif kind == "stats":
-            self._stats, self._healthy = message[1], message[2]
+            self._stats, self._healthy, self.sequences_elsewhere = message[1], message[2], message[3]
         elif kind == "err":
             stream = self._streams.get(message[1])
             if stream is not None:

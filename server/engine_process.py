@@ -13,8 +13,10 @@ Messages from an API server: ``("add", rid, prompt_ids, params, resume_ids, kv_t
 ``reset_prefix_cache``. To it: ``("hello", facts)`` first, ``("probe", token)`` (an idle engine
 gathering a burst: answer after two passes of the event loop), then
 ``("out", rid, RequestOutput)``, ``("err", rid, kind, message)``, ``("reply", call_id, ok, value)``
-and ``("stats", EngineStats, healthy)`` whenever the engine published new stats (to every API
-server, in the event-loop pass that brought them, and before a request's own output).
+and ``("stats", EngineStats, healthy, sequences_elsewhere)`` whenever the engine published new
+stats or the other API servers' sequences changed (to every API server, in the event-loop pass
+that brought the news, and before a request's own output): each API server admits requests
+(``Generation.queued``) counting the others' too.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class _ApiServer:
     announced: dict[int, Callable[[], None]] = field(default_factory=dict)
     sent_stats: Any = None
     sent_healthy: bool = True
+    sent_elsewhere: int = 0
 
 
 class EngineHost:
@@ -113,6 +116,7 @@ class EngineHost:
         if kind == "add":
             rid = message[1]
             conn.requests[rid] = asyncio.ensure_future(self._serve(conn, *message[1:]))
+            self._broadcast_stats()  # the others' admission counts this one
         elif kind == "announce":
             conn.announced[message[1]] = self.engine.announce()
         elif kind == "submitted":
@@ -166,6 +170,7 @@ class EngineHost:
         finally:
             if conn.requests.get(rid) is asyncio.current_task():
                 del conn.requests[rid]
+                self._broadcast_stats()
 
     async def _call(self, conn: _ApiServer, call_id: int, name: str, arg: Any) -> None:
         engine = self.engine
@@ -221,11 +226,15 @@ class EngineHost:
             return None
         return probe[1]
 
+    def _in_flight(self) -> int:
+        return sum(len(conn.requests) for conn in self._servers)
+
     def _send_stats(self, conn: _ApiServer) -> None:
         stats, healthy = self.engine.stats(), self.engine.is_healthy()
-        if stats is not conn.sent_stats or healthy != conn.sent_healthy:
-            conn.sent_stats, conn.sent_healthy = stats, healthy
-            conn.channel.send(("stats", stats, healthy))
+        elsewhere = self._in_flight() - len(conn.requests)
+        if stats is not conn.sent_stats or healthy != conn.sent_healthy or elsewhere != conn.sent_elsewhere:
+            conn.sent_stats, conn.sent_healthy, conn.sent_elsewhere = stats, healthy, elsewhere
+            conn.channel.send(("stats", stats, healthy, elsewhere))
 
     def _broadcast_stats(self) -> None:
         """Once per event-loop pass with news: every API server admits by the engine's queue

@@ -98,7 +98,9 @@ class Generation:
         """Sequences admitted that cannot run now: those beyond the engine's batch slots (including
         ones the engine has not seen yet), or the engine's own waiting queue when KV memory, not
         slots, holds them back."""
-        beyond_slots = self.in_flight - self._max_running
+        # With several API server processes, the engine also runs the others' sequences.
+        elsewhere = int(getattr(self.engine, "sequences_elsewhere", 0))
+        beyond_slots = self.in_flight + elsewhere - self._max_running
         return max(0, beyond_slots, int(getattr(self.engine.stats(), "num_waiting", 0)))
 
     def admit(self, num_sequences: int, submitted: Callable[[], None] | None = None) -> Ticket:

@@ -146,6 +146,34 @@ def _established(pid: int, port: int) -> int:
     return count
 
 
+async def test_flood_gets_429_counting_every_api_server(tight, scrape) -> None:
+    # 2 running slots + 2 queued. Each API server counts the other's sequences as the engine
+    # process reports them (every pass that changes them); requests that reach both in the same
+    # instant are admitted by each before it hears of the other's: up to 2 x 4 here.
+    body = {"prompt": "x", "max_tokens": 200, "ignore_eos": True}
+    auth = {"Authorization": "Bearer sekrit"}
+    async with httpx.AsyncClient(timeout=60, headers=auth) as sender:
+        responses = await asyncio.gather(
+            *(sender.post(tight.url + "/v1/completions", json=body) for _ in range(16))
+        )
+        codes = [r.status_code for r in responses]
+        served = [r for r in responses if r.status_code in (200, 408)]
+        rejected = [r for r in responses if r.status_code == 429]
+        assert len(served) + len(rejected) == 16 and 4 <= len(served) <= 8, codes
+        assert all(r.headers["retry-after"].isdigit() for r in rejected)
+        # Arriving one at a time, each request knows the other API server's load: with 2 running
+        # and 2 waiting (for up to the 1 s request timeout), every further one is refused.
+        long = {**body, "max_tokens": 1000}
+        held = [
+            asyncio.ensure_future(sender.post(tight.url + "/v1/completions", json=long)) for _ in range(4)
+        ]
+        await asyncio.sleep(0.3)
+        assert scrape(tight.url, "vllm:num_requests_running", model_name=tight.model_name) == 2
+        late = [(await sender.post(tight.url + "/v1/completions", json=body)).status_code for _ in range(6)]
+        assert late == [429] * 6, late
+        assert {r.status_code for r in await asyncio.gather(*held)} == {408}
+
+
 def _wait(condition, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not condition():

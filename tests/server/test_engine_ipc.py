@@ -130,6 +130,21 @@ async def test_abort_and_a_closed_connection_free_the_blocks(engine, path, clien
             pass
 
 
+async def test_each_api_server_hears_of_the_others_sequences(engine, clients) -> None:
+    a, b = clients
+    params = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
+    streams = [a.generate(f"s{i}", p, params) for i, p in enumerate(PROMPTS)]
+    for s in streams:
+        await s.__anext__()
+    await _until(lambda: b.sequences_elsewhere == 3, "B does not count A's sequences")
+    assert a.sequences_elsewhere == 0
+    for i in range(3):
+        await a.abort(f"s{i}")
+    await _until(lambda: b.sequences_elsewhere == 0, "B still counts them")
+    for s in streams:
+        await s.aclose()
+
+
 async def test_an_idle_engine_waits_for_what_another_api_server_announced(engine, clients) -> None:
     engine.arrival_wait_s = 30.0  # the announcement, not the cap, must end the wait
     a, b = clients
