@@ -97,14 +97,14 @@ class EngineHost:
                     # and its probe is back.
                     loop.call_soon(_call_all, after_adds)
         finally:
+            conn.channel.close()
             self._servers.discard(conn)
-            for token in list(self._probes):
+            for token in list(self._probes):  # answered, as far as this API server goes
                 self._probe_answered(token, conn)
             for task in conn.requests.values():
                 task.cancel()  # AsyncEngine.generate aborts an unfinished request when closed
             for submitted in conn.announced.values():
                 submitted()
-            conn.channel.close()
             logger.info(
                 "API server connection %d closed (%d request(s) aborted)", conn.index, len(conn.requests)
             )
