@@ -233,11 +233,12 @@ class AsyncEngine:
                     if not engine.has_unfinished_requests() and isinstance(self._commands[0], _Add):
                         gather_start = time.monotonic()
                         self._gather_burst(self._commands[0].loop)
-                        logger.debug(
-                            "burst: %d request(s) gathered in %.1f ms",
-                            sum(isinstance(c, _Add) for c in self._commands),
-                            1e3 * (time.monotonic() - gather_start),
-                        )
+                        if logger.isEnabledFor(logging.DEBUG):
+                            logger.debug(
+                                "burst: %d request(s) gathered in %.1f ms",
+                                sum(isinstance(c, _Add) for c in self._commands),
+                                1e3 * (time.monotonic() - gather_start),
+                            )
                         if self._stopping:
                             return
                     commands = list(self._commands)

@@ -158,7 +158,7 @@ class EngineHost:
                 send(("out", rid, out))
                 self._broadcast_stats()
         except asyncio.CancelledError:
-            pass  # aborted by its API server (or that server is gone): the stream needs no end
+            return  # its API server is gone: nobody reads this stream's end
         except ValueError as e:
             send(("err", rid, "value", str(e)))
         except EngineDeadError as e:
