@@ -271,8 +271,8 @@ class AsyncEngine:
         parses each; a step started on the first would be a lone prefill that the others queue
         behind, and it would slow their intake, sharing the cores. So: send a probe through the
         submitter's loop (a few passes: the passes that turn bytes already received into running
-        handlers; or through API server processes' loops, ``probe_submitters``), wait for it and for every ``announce``d request, and repeat while a round brought
-        new requests. A lone request costs one probe (tens of microseconds); a burst, its intake;
+        handlers; or through API server processes' loops, ``probe_submitters``), wait for it and
+        for every ``announce``d request, and repeat while a round brought new requests. A lone request costs one probe (tens of microseconds); a burst, its intake;
         nothing costs more than ``arrival_wait_s``. A busy engine never waits: it batches whatever
         arrived by its next step.
         """

@@ -94,7 +94,8 @@ async def serve(
 ) -> None:
     """Run the API over an already-built engine (an ``AsyncEngine``, or an ``EngineClient`` in an API
     server process) until drained; shuts the engine down at the end. ``sockets``: listen on these
-    (shared by several API server processes) instead of binding ``config.host:port``."""
+    (an API server process's own socket on the replica's port) instead of binding
+    ``config.host:port``."""
     from server.app import build_app
     from server.registration import Registration
 
