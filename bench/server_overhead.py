@@ -12,7 +12,8 @@ request makes exactly ``--max-tokens`` tokens), at each concurrency in ``--concu
 Both modes get one unrecorded wave per concurrency first. TTFT is submit -> first token; TPOT
 (time per output token, the mean inter-token latency) is (last token - first token) / (tokens - 1)
 per request. The table prints p50/p90 of each mode, the milliseconds and ratio each HTTP mode adds
-and the CPU per token of the server's event loop (``http``) or of all API server processes; JSON goes to bench/results/server_overhead.json.
+and the CPU per token of the server's event loop (``http``) or of all API server processes and of the
+engine process's event loop (``http-N``); JSON goes to bench/results/server_overhead.json.
 
 Default model: the engine benchmark model (Llama, hidden 512, 8 layers, 8 heads, 2 KV heads,
 intermediate 1408, vocab 32000, random fp32 weights), built once into the ferry cache directory.
@@ -89,6 +90,9 @@ class Summary:
     # CPU the server's event-loop thread spent per generated token (HTTP mode): parsing,
     # chunk building, SSE writes; the engine runs on another thread.
     loop_cpu_us_per_token: float | None = None
+    # With API server processes: CPU the engine process's event-loop thread spent per token,
+    # relaying outputs to them (it shares the GIL with the engine's own thread).
+    engine_loop_cpu_us_per_token: float | None = None
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -97,7 +101,12 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def summarize(
-    mode: str, concurrency: int, samples: list[Sample], wall: float, loop_cpu: float | None = None
+    mode: str,
+    concurrency: int,
+    samples: list[Sample],
+    wall: float,
+    loop_cpu: float | None = None,
+    engine_loop_cpu: float | None = None,
 ) -> Summary:
     ttft = [s.ttft_s * 1e3 for s in samples]
     tpot = [s.tpot_s * 1e3 for s in samples]
@@ -112,6 +121,7 @@ def summarize(
         _pct(tpot, 0.9),
         wall,
         1e6 * loop_cpu / tokens if loop_cpu is not None and tokens else None,
+        1e6 * engine_loop_cpu / tokens if engine_loop_cpu is not None and tokens else None,
     )
 
 
@@ -121,10 +131,11 @@ def thread_cpu_seconds(pid: int, tid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def api_server_pids(supervisor: int) -> list[int]:
-    """The API server processes of a ``--api-server-count`` replica: the supervisor's children
-    that have not loaded torch (the engine process has; the resource tracker is left out)."""
-    pids = []
+def replica_pids(supervisor: int) -> tuple[list[int], int | None]:
+    """The API server processes and the engine process of a ``--api-server-count`` replica: the
+    supervisor's children, told apart by torch (only the engine process loads it; the resource
+    tracker is left out)."""
+    api_servers, engine = [], None
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -132,11 +143,13 @@ def api_server_pids(supervisor: int) -> list[int]:
             parent = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
             if parent != supervisor or b"resource_tracker" in Path(f"/proc/{entry}/cmdline").read_bytes():
                 continue
-            if "libtorch" not in Path(f"/proc/{entry}/maps").read_text():
-                pids.append(int(entry))
+            if "libtorch" in Path(f"/proc/{entry}/maps").read_text():
+                engine = int(entry)
+            else:
+                api_servers.append(int(entry))
         except (OSError, IndexError):
             continue
-    return pids
+    return api_servers, engine
 
 
 def processes_cpu_seconds(pids: list[int]) -> float:
@@ -350,7 +363,9 @@ async def run_interleaved(
     cpu_of: dict | None = None,
 ) -> list[Summary]:
     """Alternate the modes (same prompts, same concurrency) so drifting machine load hits both alike.
-    ``cpu_of[mode]()``, where given, reads a CPU clock charged to that mode's waves."""
+    ``cpu_of[mode]()``, where given, reads the CPU clocks charged to that mode's waves: the
+    server's (its event loop, or its API server processes) and the engine process's event loop
+    (None in one process)."""
     cpu_of = cpu_of or {}
     for one in runners.values():
         await one(prompts[0])  # warm-up
@@ -360,19 +375,23 @@ async def run_interleaved(
             await _waves(prompts, c, one)
     samples: dict[tuple[str, int], list[Sample]] = {}
     walls: dict[tuple[str, int], float] = {}
-    cpus: dict[tuple[str, int], float] = {}
+    cpus: dict[tuple[str, int], list[float | None]] = {}
     for _ in range(repeats):
         for c in concurrencies:
             for mode, one in runners.items():
                 clock = cpu_of.get(mode)
-                cpu0 = clock() if clock else 0.0
+                before = clock() if clock else ()
                 got, wall = await _waves(prompts, c, one)
                 if clock:
-                    cpus[(mode, c)] = cpus.get((mode, c), 0.0) + clock() - cpu0
+                    spent = [None if b is None else a - b for a, b in zip(clock(), before, strict=True)]
+                    total = cpus.setdefault((mode, c), [0.0] * len(spent))
+                    for i, value in enumerate(spent):
+                        total[i] = None if value is None or total[i] is None else total[i] + value
                 samples.setdefault((mode, c), []).extend(got)
                 walls[(mode, c)] = walls.get((mode, c), 0.0) + wall
     return [
-        summarize(mode, c, samples[(mode, c)], walls[(mode, c)], cpus.get((mode, c))) for (mode, c) in samples
+        summarize(mode, c, samples[(mode, c)], walls[(mode, c)], *cpus.get((mode, c), ()))
+        for (mode, c) in samples
     ]
 
 
@@ -408,6 +427,11 @@ def print_table(rows: list[Summary]) -> list[dict]:
                 row["loop_cpu_us_per_token"] = h.loop_cpu_us_per_token
                 what = "server event loop" if name == "http" else "API server processes"
                 print(f"{c:>4} {'':>10} {what}: {h.loop_cpu_us_per_token:.0f} us CPU per token")
+            if h.engine_loop_cpu_us_per_token is not None:
+                row["engine_loop_cpu_us_per_token"] = h.engine_loop_cpu_us_per_token
+                print(
+                    f"{c:>4} {'':>10} engine process event loop: {h.engine_loop_cpu_us_per_token:.0f} us CPU per token"
+                )
     return overhead
 
 
@@ -477,10 +501,13 @@ async def _run(
         for name, (proc, url) in servers.items():
             runners[name] = http_runner(url, args.max_tokens)
             if name == "http":  # the event-loop thread (the engine runs on another one)
-                cpu_of[name] = lambda pid=proc.pid: thread_cpu_seconds(pid, pid)
-            else:  # every API server process, whole
-                pids = api_server_pids(proc.pid)
-                cpu_of[name] = lambda pids=pids: processes_cpu_seconds(pids)
+                cpu_of[name] = lambda pid=proc.pid: (thread_cpu_seconds(pid, pid), None)
+            else:  # every API server process, whole; the engine process's event-loop thread
+                pids, engine_pid = replica_pids(proc.pid)
+                cpu_of[name] = lambda pids=pids, e=engine_pid: (
+                    processes_cpu_seconds(pids),
+                    thread_cpu_seconds(e, e) if e is not None else None,
+                )
         return await run_interleaved(runners, prompts, args.concurrency, args.repeats, cpu_of)
     finally:
         await engine.shutdown()

@@ -1,9 +1,9 @@
 """AsyncEngine: the engine loop on a background thread behind an asyncio API (the server's only door).
 
 The loop thread owns the ``LLMEngine``: only it schedules, runs the model or touches blocks.
-Callers talk to it through a command queue (add, abort) and receive outputs on per-request
-asyncio queues fed with ``call_soon_threadsafe``, so the API's event loop never waits on a model
-step. Everything crossing the thread boundary is a typed message (``Request``, ``RequestOutput``,
+Callers talk to it through a command queue (add, abort) and receive outputs through per-request
+sinks called on their event loop (``call_soon_threadsafe``, one wake-up per loop and step), so the
+API's event loop never waits on a model step. Everything crossing the thread boundary is a typed message (``Request``, ``RequestOutput``,
 ``EngineStats``), which is what would cross a process boundary if the loop moved into its own
 process. A crash of the loop fails every in-flight request with ``EngineDeadError`` and marks the
 engine unhealthy; it never leaves a caller waiting forever.
@@ -35,16 +35,23 @@ logger = logging.getLogger(__name__)
 __all__ = ["AsyncEngine", "EngineDeadError"]
 
 
+Sink = Callable[[RequestOutput | BaseException], None]
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    sink: Sink
 
 
 @dataclass
 class _Add:
     request: Request
-    loop: asyncio.AbstractEventLoop  # the submitter's: an idle loop thread probes it for a burst
+    stream: _Stream  # added only while it is still the request's stream (not cancelled meanwhile)
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:  # the submitter's: an idle loop thread probes it
+        return self.stream.loop
 
 
 @dataclass
@@ -109,12 +116,61 @@ class AsyncEngine:
         Raises ValueError (before yielding anything) for bad input, EngineDeadError if the loop dies.
         Closing the iterator early (client gone) aborts the request.
         """
+        grammar = None
+        if params.structured_outputs is not None:
+            self._check_alive()
+            grammar = await self.compile_structured(params.structured_outputs)
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.start(
+            request_id,
+            prompt,
+            params,
+            queue.put_nowait,
+            resume_token_ids=resume_token_ids,
+            kv_transfer=kv_transfer,
+            grammar=grammar,
+            pooling=pooling,
+        )
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                if isinstance(out, BaseException):
+                    finished = True  # the loop ended it: nothing to abort
+                    raise out
+                out = merge_pending(out, queue)
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.cancel(request_id)
+
+    def start(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        sink: Sink,
+        *,
+        resume_token_ids: list[int] | None = None,
+        kv_transfer: dict[str, Any] | None = None,
+        grammar: Any = None,
+        pooling: bool = False,
+    ) -> None:
+        """Submit a request whose outputs go to ``sink``, called on this event loop: each step's
+        DELTA output (the last has ``finished=True``), or an ``EngineDeadError`` if the loop dies.
+
+        ``generate`` is this with a queue for a sink. A caller that relays outputs on (the engine
+        process serving API servers, server/engine_process.py) uses it directly: no task and no
+        generator per request, and each output handled in the pass that delivered it.
+
+        Raises ValueError (nothing submitted) for bad input. ``grammar``: the compiled
+        ``params.structured_outputs`` (``compile_structured``); without it, it compiles here.
+        ``cancel`` ends the request early.
+        """
         self._check_alive()
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        grammar = None
-        if params.structured_outputs is not None:
-            grammar = await self.compile_structured(params.structured_outputs)
         req = self.engine.make_request(
             request_id,
             prompt,
@@ -124,22 +180,25 @@ class AsyncEngine:
             grammar=grammar,
             pooling=pooling,
         )
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._streams[request_id] = stream
-        self._submit(_Add(req, stream.loop))
-        finished = False
-        try:
-            while not finished:
-                out = await stream.queue.get()
-                if isinstance(out, BaseException):
-                    raise out
-                out = merge_pending(out, stream.queue)
-                finished = out.finished
-                yield out
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished and not self._stopping and self._error is None:
-                self._submit(_Abort(request_id, concurrent.futures.Future()))
+        loop = asyncio.get_running_loop()
+        streams = self._streams
+
+        def deliver(out: RequestOutput | BaseException) -> None:
+            if streams.get(request_id) is not stream:
+                return  # cancelled: nobody wants the rest
+            if isinstance(out, BaseException) or out.finished:
+                del streams[request_id]
+            sink(out)
+
+        stream = _Stream(loop, deliver)
+        streams[request_id] = stream
+        self._submit(_Add(req, stream))
+
+    def cancel(self, request_id: str) -> None:
+        """Stop delivering a ``start``ed request's outputs and abort it (its blocks are freed by the
+        engine's next pass; ``abort`` waits for that). Nothing happens for a finished request."""
+        if self._streams.pop(request_id, None) is not None and self._error is None and not self._stopping:
+            self._submit(_Abort(request_id, concurrent.futures.Future()))
 
     async def compile_structured(self, spec: StructuredOutputsParams) -> Any:
         """Compile a structured-outputs constraint (ValueError if it is not a valid one). A new one
@@ -308,7 +367,7 @@ class AsyncEngine:
     def _apply(self, cmd: _Command) -> None:
         engine = self.engine
         if isinstance(cmd, _Add):
-            if cmd.request.request_id in self._streams:
+            if self._streams.get(cmd.request.request_id) is cmd.stream:
                 engine.add_request(cmd.request)
             return
         if isinstance(cmd, _ResetPrefixCache):
@@ -322,25 +381,31 @@ class AsyncEngine:
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Hand a step's outputs over with one wake-up per event loop (not one per request): each
         ``call_soon_threadsafe`` writes to the loop's wake-up pipe and contends for the GIL."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Sink, RequestOutput]]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
-                by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+                by_loop.setdefault(stream.loop, []).append((stream.sink, out))
         for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, items)
+            loop.call_soon_threadsafe(_hand_over, items)
 
     def _fail_all(self, error: BaseException) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Sink, BaseException]]] = {}
         for stream in list(self._streams.values()):
+            by_loop.setdefault(stream.loop, []).append((stream.sink, error))
+        for loop, items in by_loop.items():
             try:
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
+                loop.call_soon_threadsafe(_hand_over, items)
             except RuntimeError:
                 pass  # that event loop is closed: nobody is waiting
 
 
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
-    for queue, out in items:
-        queue.put_nowait(out)
+def _hand_over(items: list[tuple[Sink, RequestOutput | BaseException]]) -> None:
+    for sink, out in items:
+        try:
+            sink(out)
+        except Exception:  # one consumer's bug must not starve the others of this step
+            logger.exception("an output sink failed")
 
 
 def _pass_through(loop: asyncio.AbstractEventLoop, passes: int, then: Callable[[], None]) -> None:

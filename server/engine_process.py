@@ -4,8 +4,10 @@ over a Unix socket to the API server processes (``server/engine_client.py`` is t
 ``EngineHost`` runs each API server's requests through the same ``AsyncEngine`` an in-process
 server uses (so burst gathering, aborts, structured outputs and stats behave the same), under
 engine request ids namespaced by connection (``rid@N``: two API servers may both see a client's
-``X-Request-Id``). An API server that goes away has its requests aborted and its announcements
-withdrawn at once.
+``X-Request-Id``). Outputs are relayed from ``AsyncEngine.start``'s sink, in the event-loop pass
+that delivered them: no task or generator per request (this loop shares the GIL with the engine's
+thread). An API server that goes away has its requests aborted and its announcements withdrawn at
+once.
 
 Messages from an API server: ``("add", rid, prompt_ids, params, resume_ids, kv_transfer, pooling)``,
 ``("announce", token)``, ``("submitted", token)``, ``("probe_back", token)``,
@@ -46,7 +48,9 @@ STATS_INTERVAL_S = 0.1
 class _ApiServer:
     index: int
     channel: Channel
-    requests: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    # Its requests in the engine (request id -> None), or waiting for their structured-outputs
+    # constraint to compile (-> that task).
+    requests: dict[str, asyncio.Task[None] | None] = field(default_factory=dict)
     announced: dict[int, Callable[[], None]] = field(default_factory=dict)
     sent_stats: Any = None
     sent_healthy: bool = True
@@ -101,8 +105,11 @@ class EngineHost:
             self._servers.discard(conn)
             for token in list(self._probes):  # answered, as far as this API server goes
                 self._probe_answered(token, conn)
-            for task in conn.requests.values():
-                task.cancel()  # AsyncEngine.generate aborts an unfinished request when closed
+            for rid, compiling in conn.requests.items():
+                if compiling is not None:
+                    compiling.cancel()
+                else:
+                    engine.cancel(f"{rid}@{conn.index}")
             for submitted in conn.announced.values():
                 submitted()
             logger.info(
@@ -114,8 +121,7 @@ class EngineHost:
     ) -> None:
         kind = message[0]
         if kind == "add":
-            rid = message[1]
-            conn.requests[rid] = asyncio.ensure_future(self._serve(conn, *message[1:]))
+            self._add(conn, *message[1:])
             self._broadcast_stats()  # the others' admission counts this one
         elif kind == "announce":
             conn.announced[message[1]] = self.engine.announce()
@@ -132,52 +138,79 @@ class EngineHost:
         else:
             logger.error("unknown message %r from API server %d", kind, conn.index)
 
-    async def _serve(
-        self,
-        conn: _ApiServer,
-        rid: str,
-        prompt: list[int],
-        params: Any,
-        resume_token_ids: list[int] | None,
-        kv_transfer: dict[str, Any] | None,
-        pooling: bool,
-    ) -> None:
-        send = conn.channel.send
+    def _add(self, conn: _ApiServer, rid: str, *request: Any) -> None:
+        """An "add" message's request: ``(prompt_ids, params, resume_ids, kv_transfer, pooling)``."""
+        if rid in conn.requests:
+            conn.channel.send(("err", rid, "value", f"request id {rid!r} is already in use"))
+            return
+        if request[1].structured_outputs is not None:  # compiled off this loop first (may take long)
+            conn.requests[rid] = asyncio.ensure_future(self._compile_then_start(conn, rid, request))
+        else:
+            conn.requests[rid] = None
+            self._start(conn, rid, request)
+
+    async def _compile_then_start(self, conn: _ApiServer, rid: str, request: tuple[Any, ...]) -> None:
         try:
-            async for out in self.engine.generate(
+            grammar = await self.engine.compile_structured(request[1].structured_outputs)
+        except Exception as e:  # noqa: BLE001 - reported to the request (ValueError: not a valid one)
+            self._failed(conn, rid, e)
+            return
+        if conn.requests.get(rid) is asyncio.current_task():
+            conn.requests[rid] = None
+            self._start(conn, rid, request, grammar)
+
+    def _start(self, conn: _ApiServer, rid: str, request: tuple[Any, ...], grammar: Any = None) -> None:
+        prompt, params, resume_token_ids, kv_transfer, pooling = request
+        send = conn.channel.send
+
+        def relay(out: Any) -> None:
+            if isinstance(out, BaseException):
+                self._failed(conn, rid, out)
+                return
+            out.request_id = rid
+            out.prompt_token_ids = None  # its API server has them: not sent with every token
+            self._send_stats(conn)  # before the output: a final output finds its stats there
+            send(("out", rid, out))
+            if out.finished:
+                conn.requests.pop(rid, None)
+            self._broadcast_stats()
+
+        try:
+            self.engine.start(
                 f"{rid}@{conn.index}",
                 prompt,
                 params,
+                relay,
                 resume_token_ids=resume_token_ids,
                 kv_transfer=kv_transfer,
+                grammar=grammar,
                 pooling=pooling,
-            ):
-                out.request_id = rid
-                out.prompt_token_ids = None  # its API server has them: not sent with every token
-                self._send_stats(conn)  # before the output: a final output finds its stats there
-                send(("out", rid, out))
-                self._broadcast_stats()
-        except asyncio.CancelledError:
-            return  # its API server is gone: nobody reads this stream's end
-        except ValueError as e:
-            send(("err", rid, "value", str(e)))
-        except EngineDeadError as e:
-            send(("err", rid, "dead", str(e)))
-            self._broadcast_stats()  # every API server's /health turns 503 now
-        except Exception as e:  # noqa: BLE001 - reported to the request, logged here
-            logger.exception("request %s failed", rid)
-            send(("err", rid, "other", repr(e)))
-        finally:
-            if conn.requests.get(rid) is asyncio.current_task():
-                del conn.requests[rid]
-                self._broadcast_stats()
+            )
+        except Exception as e:  # noqa: BLE001 - reported to the request (ValueError: bad input)
+            self._failed(conn, rid, e)
+
+    def _failed(self, conn: _ApiServer, rid: str, error: BaseException) -> None:
+        """End request ``rid`` with ``error``: ValueError is the client's (a 400 there)."""
+        conn.requests.pop(rid, None)
+        if isinstance(error, ValueError):
+            conn.channel.send(("err", rid, "value", str(error)))
+        elif isinstance(error, EngineDeadError):
+            conn.channel.send(("err", rid, "dead", str(error)))
+        else:
+            logger.error("request %s failed", rid, exc_info=error)
+            conn.channel.send(("err", rid, "other", repr(error)))
+        self._broadcast_stats()  # the others' admission; a dead engine: every /health turns 503
 
     async def _call(self, conn: _ApiServer, call_id: int, name: str, arg: Any) -> None:
         engine = self.engine
         try:
             if name == "abort":
-                # Not by cancelling its task: the engine ends the stream with a final "abort"
-                # output, which its API server still forwards (a timed-out request says so).
+                # The engine ends the stream with a final "abort" output, which its API server
+                # still forwards (a timed-out request says so). One still compiling its
+                # constraint is aborted once it started.
+                compiling = conn.requests.get(arg)
+                if compiling is not None:
+                    await asyncio.wait({compiling})
                 await engine.abort(f"{arg}@{conn.index}")
                 value = None
             elif name == "compile":

@@ -85,6 +85,99 @@ async def test_closing_the_stream_aborts(engine, prompts) -> None:
     await _wait_idle(engine)
 
 
+async def test_start_hands_each_output_to_its_sink_as_generate_streams_them(
+    engine, tiny_llama, prompts
+) -> None:
+    ref = LLM(str(tiny_llama), num_kv_blocks=128).generate(prompts[:3], GREEDY)
+    got: dict[str, list] = {f"s{i}": [] for i in range(3)}
+    done = asyncio.Event()
+
+    def sink_of(rid: str):
+        def sink(out) -> None:
+            got[rid].append(out)
+            if all(outs and outs[-1].finished for outs in got.values()):
+                done.set()
+
+        return sink
+
+    for i, p in enumerate(prompts[:3]):
+        engine.start(f"s{i}", p, GREEDY, sink_of(f"s{i}"))
+    await asyncio.wait_for(done.wait(), 10)
+    for i, r in enumerate(ref):
+        outs = got[f"s{i}"]
+        assert [t for o in outs for t in o.outputs[0].token_ids] == r.outputs[0].token_ids
+        assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+    assert engine._streams == {}  # a finished request's stream is dropped on its final output
+
+
+async def test_start_refuses_bad_input_before_submitting(engine) -> None:
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.start("bad", [10**7], GREEDY, lambda out: None)
+    assert "bad" not in engine._streams
+    engine.start("dup", [1, 2, 3], GREEDY, lambda out: None)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.start("dup", [1, 2, 3], GREEDY, lambda out: None)
+    await _wait_idle(engine)
+
+
+async def test_cancel_stops_the_sink_and_frees_the_blocks(engine, prompts) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=700, ignore_eos=True)
+    outs: list = []
+    engine.start("long", prompts[-1], params, outs.append)
+    while not outs:
+        await asyncio.sleep(0.01)
+    engine.cancel("long")
+    seen = len(outs)
+    await _wait_idle(engine)
+    await asyncio.sleep(0.05)
+    assert len(outs) == seen and not outs[-1].finished  # nothing after cancel, not even the abort
+    engine.cancel("long")  # a second cancel, or one of a finished request, does nothing
+    engine.engine.block_manager.check_integrity()
+
+
+async def test_a_reused_id_after_cancel_runs_only_the_new_request(engine, prompts) -> None:
+    """start, cancel and start again with the same id before the loop thread took any of it in:
+    the first request must not run, nor end the second's stream with its abort."""
+    first: list = []
+    second: list = []
+    done = asyncio.Event()
+
+    def on_second(out) -> None:
+        second.append(out)
+        if out.finished:
+            done.set()
+
+    with engine._wake:  # hold the loop thread off the command queue
+        engine.start("same", prompts[0], GREEDY, first.append)
+        engine.cancel("same")
+        engine.start("same", prompts[1], GREEDY, on_second)
+    await asyncio.wait_for(done.wait(), 10)
+    assert first == []
+    assert second[-1].outputs[0].finish_reason == "length"
+    assert sum(len(o.outputs[0].token_ids) for o in second) == 12
+    assert second[-1].prompt_token_ids == prompts[1]
+    assert engine.stats().prompt_tokens == len(prompts[1])  # the first never ran a step
+
+
+async def test_a_failing_sink_does_not_starve_the_others(engine, prompts) -> None:
+    outs: list = []
+    done = asyncio.Event()
+
+    def broken(out) -> None:
+        raise RuntimeError("a consumer's bug")
+
+    def good(out) -> None:
+        outs.append(out)
+        if out.finished:
+            done.set()
+
+    engine.start("broken", prompts[0], GREEDY, broken)
+    engine.start("good", prompts[1], GREEDY, good)
+    await asyncio.wait_for(done.wait(), 10)
+    assert sum(len(o.outputs[0].token_ids) for o in outs) == 12
+    assert engine.is_healthy()
+
+
 async def test_validation_errors(engine) -> None:
     with pytest.raises(ValueError, match="empty"):
         await _collect(engine, "e1", [], GREEDY)

@@ -130,6 +130,25 @@ async def test_abort_and_a_closed_connection_free_the_blocks(engine, path, clien
             pass
 
 
+async def test_abort_of_a_request_still_compiling_its_constraint_ends_it(engine, clients) -> None:
+    """The engine process compiles a new constraint before the request reaches the engine; an
+    abort that arrives meanwhile must still end it (not let it run once compiled)."""
+    a, _ = clients
+    params = SamplingParams(
+        temperature=0.0, max_tokens=1000, structured_outputs=StructuredOutputsParams(regex="[a-z ]+")
+    )
+    stream = a.generate("so", PROMPTS[0], params)
+    first = asyncio.ensure_future(stream.__anext__())
+    await asyncio.sleep(0)  # the add is on its way...
+    await a.abort("so")  # ...and the abort leaves in the same frame, before the compile is done
+    assert engine.stats().num_running == 0 and engine.stats().kv_cache_usage == 0.0
+    outs = [await first]
+    async for out in stream:
+        outs.append(out)
+    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+    assert sum(len(o.outputs[0].token_ids) for o in outs) < 1000
+
+
 async def test_each_api_server_hears_of_the_others_sequences(engine, clients) -> None:
     a, b = clients
     params = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
