@@ -50,6 +50,7 @@ from router.pool import Pool, Replicas
 from router.prompt_keys import PromptKeyer, make_keyer, prompt_keys
 from router.relay import ProxyCall
 from router.replica import HealthPolicy, Replica
+from router.response_affinity import RESPONSES_PATH, ResponseAffinity, referenced_response, response_id_for
 from router.retry import RetryPolicy
 from router.upstream import UpstreamClient, UpstreamError, fetch
 
@@ -131,6 +132,7 @@ class RouterApp:
         ):
             for url in urls:
                 self.replicas.add(url, role, source="static")
+        self.responses = ResponseAffinity()
         self.started = False
 
     def _build_pd(self, pd: PDConfig) -> PDOrchestrator:
@@ -378,9 +380,32 @@ class RouterApp:
         call = ProxyCall(
             scope["method"], path, scope.get("query_string", b""), headers, body, request_id, route, parsed
         )
+        self._follow_responses(call)
 
         relay = self._generate if generate else self.relay.forward
         await _until_disconnect(self._admitted(relay, call, send, id_header), receive)
+
+    def _follow_responses(self, call: ProxyCall) -> None:
+        """Send what names a stored response to the replica that answered it, and remember who
+        answers new ones (``router/response_affinity.py``)."""
+        referenced = referenced_response(call.method, call.path, call.json)
+        if referenced is not None:
+            call.route.prefer_url = self.responses.lookup(referenced)
+        if call.path == RESPONSES_PATH and call.method == "POST":
+            created = response_id_for(call.request_id)
+
+            def answered(replica: Replica, status: int) -> None:
+                if status == 200:
+                    self.responses.remember(created, replica.url)
+
+            call.on_answered = answered
+        elif referenced is not None and call.method == "DELETE":
+
+            def deleted(replica: Replica, status: int) -> None:
+                if status == 200:
+                    self.responses.forget(referenced)
+
+            call.on_answered = deleted
 
     async def _admitted(
         self,

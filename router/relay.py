@@ -51,6 +51,8 @@ class ProxyCall:
     route: RouteRequest
     json: dict[str, Any] | None = None  # parsed body of generation requests
     started: float = field(default_factory=time.perf_counter)
+    # Told which replica answered, with what status, once the answer starts (``forward``).
+    on_answered: Callable[[Replica, int], None] | None = None
 
     @property
     def url_path(self) -> str:
@@ -111,7 +113,7 @@ class Relay:
             candidates = pool.candidates(now, tried)
             if not candidates:
                 return last or _no_replica(pool, now)
-            replica = self.policy.choose(call.route, candidates)
+            replica = _preferred(call.route, candidates) or self.policy.choose(call.route, candidates)
             # Recorded at once, not when the answer starts: requests that share a prefix and
             # arrive together must see where the first of them went.
             self.policy.on_routed(call.route, replica)
@@ -200,6 +202,8 @@ class Relay:
                 }
             )
             status = response.status_code
+            if call.on_answered is not None:
+                call.on_answered(opened.replica, status)
             async for chunk in response.aiter_raw():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b""})
@@ -215,6 +219,12 @@ class Relay:
             self.metrics.latency.observe(time.perf_counter() - call.started)
 
     # ---- generation ---------------------------------------------------------------------------
+
+
+def _preferred(route: RouteRequest, candidates: list[Replica]) -> Replica | None:
+    if route.prefer_url is None:
+        return None
+    return next((r for r in candidates if r.url == route.prefer_url), None)
 
 
 def _no_replica(pool: Pool, now: float) -> Failed:

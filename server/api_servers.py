@@ -185,7 +185,7 @@ class Supervisor:
         receiver, sender = self._ctx.Pipe(duplex=False)
         self.engine = self._ctx.Process(
             target=engine_main,
-            args=(self.engine_config, self.engine_path, self.config.log_level, sender, os.getpid()),
+            args=(self.engine_config, self.engine_path, self.config, sender, os.getpid()),
             name="engine",
         )
         self.engine.start()
@@ -307,12 +307,18 @@ def _become_child(supervisor: int) -> None:
         hook()
 
 
-def engine_main(engine_config: Any, path: str, log_level: str, ready: Connection, supervisor: int) -> None:
+def engine_main(
+    engine_config: Any, path: str, config: ServerConfig, ready: Connection, supervisor: int
+) -> None:
     _become_child(supervisor)
-    logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
+    logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT)
     from server.engine_process import engine_process_main
+    from server.responses_store import MemoryRecords
 
-    engine_process_main(engine_config, path, ready)
+    responses = None
+    if config.responses_store == "memory":  # every API server's responses, in one place
+        responses = MemoryRecords(config.responses_store_max_bytes, config.responses_store_ttl)
+    engine_process_main(engine_config, path, ready, responses)
 
 
 def api_server_main(

@@ -9,14 +9,14 @@ still declares them for the OpenAPI schema); every error leaves in OpenAI's shap
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from ferry import __version__
 from server.config import ServerConfig
-from server.errors import APIError, client_closed, install_error_handlers
+from server.errors import APIError, client_closed, install_error_handlers, unavailable
 from server.generation import Generation
 from server.generation_routes import GenerationRoutes
 from server.metrics import CONTENT_TYPE, ServerMetrics
@@ -34,10 +34,11 @@ from server.protocol import (
     TokenizeRequest,
     VersionResponse,
 )
+from server.responses_store import StoreUnavailable, open_response_store
 from server.serving_chat import create_chat_completion
 from server.serving_completions import create_completion
 from server.serving_embeddings import create_embedding
-from server.serving_responses import ResponsesRequest, create_response
+from server.serving_responses import ResponsesRequest, create_response, item_page, load_record
 from server.serving_tokenize import detokenize, list_models, tokenize
 from server.state import ServerState
 from server.streaming import ClientDisconnected
@@ -71,6 +72,9 @@ def build_state(engine: Any, config: ServerConfig) -> ServerState:
         block_size=int(info.block_size),
         generation=Generation(engine, config, metrics),
         metrics=metrics,
+        responses=open_response_store(
+            config.responses_store, config.responses_store_max_bytes, config.responses_store_ttl, engine
+        ),
     )
 
 
@@ -104,6 +108,31 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
         return await create_response(
             state, body, request.state.request_id, request.receive, getattr(request.state, "submitted", None)
         )
+
+    @app.get("/v1/responses/{response_id}", responses=_ERRORS)
+    async def get_response(response_id: str) -> Any:
+        return JSONResponse((await load_record(state, response_id))["response"])
+
+    @app.delete("/v1/responses/{response_id}", responses=_ERRORS)
+    async def delete_response(response_id: str) -> Any:
+        try:
+            deleted = state.responses is not None and await state.responses.delete(response_id)
+        except StoreUnavailable as e:
+            raise unavailable(str(e)) from e
+        if not deleted:
+            raise APIError(404, f"Response with id '{response_id}' not found.", code="response_not_found")
+        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
+    @app.get("/v1/responses/{response_id}/input_items", responses=_ERRORS)
+    async def response_input_items(
+        response_id: str,
+        limit: int = Query(20, ge=1, le=100),
+        order: Literal["asc", "desc"] = "desc",
+        after: str | None = None,
+        before: str | None = None,
+    ) -> Any:
+        items = (await load_record(state, response_id))["input"]
+        return JSONResponse(item_page(items, limit, order, after, before))
 
     @app.post("/v1/embeddings", responses=_ERRORS)
     async def embeddings(body: EmbeddingRequest, request: Request) -> Any:

@@ -81,6 +81,24 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="API server processes in front of one engine process (more than 1: HTTP work of a burst "
         "runs in parallel and off the engine's process; 1: one process, the engine on a thread)",
     )
+    p.add_argument(
+        "--responses-store",
+        default="memory",
+        help="where /v1/responses keeps responses for previous_response_id and GET: memory (this "
+        "replica), redis://host:port/db (shared by the replicas that name it) or none",
+    )
+    p.add_argument(
+        "--responses-store-max-bytes",
+        type=int,
+        default=256 * 1024 * 1024,
+        help="memory store: the least recently used responses are dropped beyond this many bytes of JSON",
+    )
+    p.add_argument(
+        "--responses-store-ttl",
+        type=float,
+        default=30 * 24 * 3600.0,
+        help="seconds a stored response is kept after it was written (default 30 days)",
+    )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument(
         "--enable-auto-tool-choice",
@@ -192,4 +210,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        responses_store=args.responses_store,
+        responses_store_max_bytes=args.responses_store_max_bytes,
+        responses_store_ttl=args.responses_store_ttl,
     )

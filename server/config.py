@@ -31,6 +31,10 @@ class ServerConfig:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None  # split <think>…</think> into reasoning_content
+    # Stored /v1/responses (server/responses_store.py): memory | none | redis://…
+    responses_store: str = "memory"
+    responses_store_max_bytes: int = 256 * 1024 * 1024
+    responses_store_ttl: float = 30 * 24 * 3600.0
 
     @property
     def url(self) -> str:

@@ -127,6 +127,12 @@ class EngineClient:
         with contextlib.suppress(EngineDeadError):
             await self._call("abort", request_id)
 
+    async def store(self, op: str, response_id: str, data: bytes | None = None) -> Any:
+        """The engine process's stored responses (``--responses-store memory``, shared by every API
+        server): ``op`` get (-> JSON bytes or None), put (-> kept) or delete (-> existed)."""
+        self._check_alive()
+        return await self._call("store", (op, response_id, data))
+
     async def reset_prefix_cache(self) -> int | bool:
         self._check_alive()
         return await self._call("reset_prefix_cache", None)

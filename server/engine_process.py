@@ -37,6 +37,7 @@ from typing import Any
 
 from engine.errors import EngineDeadError
 from server.engine_ipc import Channel
+from server.responses_store import MemoryRecords
 
 logger = logging.getLogger("ferry.engine_process")
 
@@ -60,8 +61,9 @@ class _ApiServer:
 class EngineHost:
     """Serves one ``AsyncEngine`` to any number of API server connections."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, responses: MemoryRecords | None = None) -> None:
         self.engine = engine
+        self.responses = responses  # --responses-store memory: kept here for every API server
         self._servers: set[_ApiServer] = set()
         self._next_index = 0
         self._broadcast_scheduled = False
@@ -218,6 +220,8 @@ class EngineHost:
                 value = None
             elif name == "reset_prefix_cache":
                 value = await engine.reset_prefix_cache()
+            elif name == "store":
+                value = self._store(*arg)
             else:
                 raise RuntimeError(f"unknown call {name!r}")
         except ValueError as e:
@@ -231,6 +235,18 @@ class EngineHost:
             self._send_stats(conn)
             conn.channel.send(("reply", call_id, True, value))
             self._broadcast_stats()
+
+    def _store(self, op: str, response_id: str, data: bytes | None) -> Any:
+        records = self.responses
+        if records is None:
+            raise RuntimeError("this engine process keeps no responses")
+        if op == "get":
+            return records.get(response_id)
+        if op == "put":
+            return records.put(response_id, data or b"")
+        if op == "delete":
+            return records.delete(response_id)
+        raise RuntimeError(f"unknown store operation {op!r}")
 
     def _probe_api_servers(self, back: Callable[[], None]) -> None:
         """``AsyncEngine.probe_submitters``: ask every API server to pass its event loop twice (the
@@ -295,7 +311,9 @@ def _call_all(functions: list[Callable[[], None]]) -> None:
         function()
 
 
-def engine_process_main(engine_config: Any, socket_path: str, ready: Connection) -> None:
+def engine_process_main(
+    engine_config: Any, socket_path: str, ready: Connection, responses: MemoryRecords | None = None
+) -> None:
     """Entry point of the engine process (spawned by ``server/api_servers.py``).
 
     Sends ``("ready",)`` on ``ready`` once the model is loaded and the socket listens, or
@@ -305,10 +323,12 @@ def engine_process_main(engine_config: Any, socket_path: str, ready: Connection)
     from server.main import loop_factory
 
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
-        runner.run(_serve_engine(engine_config, socket_path, ready))
+        runner.run(_serve_engine(engine_config, socket_path, ready, responses))
 
 
-async def _serve_engine(engine_config: Any, socket_path: str, ready: Connection) -> None:
+async def _serve_engine(
+    engine_config: Any, socket_path: str, ready: Connection, responses: MemoryRecords | None
+) -> None:
     from engine import AsyncEngine
 
     loop = asyncio.get_running_loop()
@@ -321,7 +341,7 @@ async def _serve_engine(engine_config: Any, socket_path: str, ready: Connection)
         logger.debug("engine start failed", exc_info=e)
         ready.send(("error", str(e)))
         return
-    host = EngineHost(engine)
+    host = EngineHost(engine, responses)
     server = await asyncio.start_unix_server(host.handle, path=socket_path)
     os.chmod(socket_path, 0o600)
     publisher = asyncio.ensure_future(host.publish_stats())

@@ -132,18 +132,26 @@ async def serve(
     finally:
         if registration is not None:
             await registration.stop()
+        responses = app.state.ferry.responses
+        if responses is not None:
+            await responses.close()
         await engine.shutdown()
 
 
 def run_serve(args: argparse.Namespace) -> int:
     from engine import AsyncEngine
     from engine.config import EngineConfig
+    from server.responses_store import check_store_spec
 
     problem = check_role_config(args.role, args.kv_tier)
     if problem is None and args.enable_auto_tool_choice and not args.tool_call_parser:
         problem = "--enable-auto-tool-choice needs --tool-call-parser (the model's tool-call format)"
     if problem is None and args.api_server_count < 1:
         problem = f"--api-server-count must be at least 1, got {args.api_server_count}"
+    if problem is None:
+        problem = check_store_spec(args.responses_store)
+    if problem is None and (args.responses_store_max_bytes < 1 or args.responses_store_ttl <= 0):
+        problem = "--responses-store-max-bytes and --responses-store-ttl must be positive"
     if problem is not None:
         return usage_error(problem)
     try:

@@ -140,6 +140,12 @@ class ServerMetrics:
             labels,
             registry=reg,
         ).labels(model_name)
+        self.responses_not_stored = Counter(
+            "ferry:responses_not_stored",
+            "Responses asked to be stored that were not (the response store failed or was too small).",
+            labels,
+            registry=reg,
+        ).labels(model_name)
         if engine_stats is not None:
             reg.register(EngineStatsCollector(engine_stats, model_name))
         # One of several API server processes (``--api-server-count``): every process's metrics

@@ -7,6 +7,7 @@ one prompt. Standard library only: the router imports it.
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 
@@ -76,6 +77,35 @@ def chat_messages(instructions: Any, input_: Any) -> list[dict[str, Any]]:
         else:
             raise InputError(f"{where}: input items of type {kind!r} are not supported", param="input")
     return messages
+
+
+_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def input_items(input_: Any) -> list[dict[str, Any]]:
+    """A request's ``input`` as the items a stored response keeps (and ``input_items`` lists): a
+    string becomes a user message; messages get an ``id`` and their text as content parts, as
+    OpenAI lists them. Lenient: ``chat_messages`` is what refuses bad input."""
+    if isinstance(input_, str):
+        input_ = [{"role": "user", "content": input_}]
+    if not isinstance(input_, list):
+        return []
+    items = []
+    for item in input_:
+        if not isinstance(item, dict):
+            continue
+        item = dict(item)
+        kind = item.setdefault("type", "message")
+        if not isinstance(kind, str):
+            continue  # not an item (chat_messages says so)
+        item.setdefault("id", f"{_ID_PREFIX.get(kind, 'item')}_{uuid.uuid4().hex}")
+        if kind == "message":
+            item.setdefault("status", "completed")
+            if isinstance(item.get("content"), str):
+                part = "output_text" if item.get("role") == "assistant" else "input_text"
+                item["content"] = [{"type": part, "text": item["content"]}]
+        items.append(item)
+    return items
 
 
 def chat_tools(tools_: Any, choice: Any) -> tuple[list[dict[str, Any]] | None, Any]:

@@ -10,27 +10,33 @@ become Responses events (``response.created``,
 ``response.output_item.added``, ``response.output_text.delta``, ...,
 ``response.completed``), each with its ``sequence_number``.
 
-Nothing is stored (``store`` is accepted and ignored), so ``previous_response_id`` is a 400, as
-are hosted tools (web search, file search, ...) and non-text inputs.
+A response is stored unless the request says ``store: false`` (or the replica runs with
+``--responses-store none``): ``previous_response_id`` continues it, and ``GET`` / ``DELETE
+/v1/responses/{id}`` and its ``input_items`` read and drop it (``server/responses_store.py``).
+Hosted tools (web search, file search, ...) and non-text inputs are a 400.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal
 
 from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 from starlette.responses import JSONResponse, Response
 
-from server.errors import bad_request, validation_error
+from server.errors import APIError, bad_request, unavailable, validation_error
 from server.protocol import ChatCompletionChunk, ChatCompletionRequest, _Request, random_id
-from server.responses_input import InputError, chat_messages, chat_tools
+from server.responses_input import InputError, chat_messages, chat_tools, input_items
+from server.responses_store import StoreUnavailable
 from server.serving_chat import ChatChunks, create_chat_completion
 from server.serving_common import stream_errors
 from server.state import ServerState
 from server.streaming import SSEResponse
+
+logger = logging.getLogger("ferry.server")
 
 
 class ResponsesRequest(_Request):
@@ -94,15 +100,14 @@ def _response_format(req: ResponsesRequest) -> dict[str, Any] | None:
     return {"type": "json_schema", "json_schema": schema}
 
 
-def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
-    if req.previous_response_id is not None:
-        raise bad_request(
-            "previous_response_id is not supported: this server stores no responses; send the whole conversation as input",
-            param="previous_response_id",
-        )
+def to_chat_request(
+    req: ResponsesRequest, items: list[dict[str, Any]] | None = None
+) -> ChatCompletionRequest:
+    """The chat request ``req`` runs as; ``items``: its whole conversation as input items (the
+    responses it continues, then its own input), if not just ``req.input``."""
     try:
         tools, choice = chat_tools(req.tools, req.tool_choice)
-        messages = chat_messages(req.instructions, req.input)
+        messages = chat_messages(req.instructions, req.input if items is None else items)
     except InputError as e:
         raise bad_request(str(e), param=e.param) from None
     body: dict[str, Any] = {
@@ -134,8 +139,9 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
 class _Response:
     """The Responses object being built (one per request)."""
 
-    def __init__(self, req: ResponsesRequest, model: str, request_id: str) -> None:
+    def __init__(self, req: ResponsesRequest, model: str, request_id: str, store: bool = False) -> None:
         self.req = req
+        self.store = store  # to be stored once complete (set False if storing failed)
         self.id = f"resp_{request_id}"
         self.created_at = int(time.time())
         self.model = model
@@ -174,9 +180,9 @@ class _Response:
             "model": self.model,
             "output": self.output,
             "parallel_tool_calls": req.parallel_tool_calls is not False,
-            "previous_response_id": None,
+            "previous_response_id": req.previous_response_id,
             "reasoning": None,
-            "store": False,
+            "store": self.store,
             "temperature": req.temperature if req.temperature is not None else 1.0,
             "text": req.text or {"format": {"type": "text"}},
             "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
@@ -221,6 +227,69 @@ def _call_item(call_id: str, name: str, arguments: str, status: str = "completed
     }
 
 
+async def load_record(state: ServerState, response_id: str, param: str | None = None) -> dict[str, Any]:
+    """The stored record of ``response_id`` (404 if there is none, 503 if the store failed)."""
+    store = state.responses
+    try:
+        record = None if store is None else await store.get(response_id)
+    except StoreUnavailable as e:
+        raise unavailable(str(e)) from e
+    if record is None:
+        if param == "previous_response_id":
+            raise APIError(
+                404,
+                f"Previous response with id '{response_id}' not found.",
+                code="previous_response_not_found",
+                param=param,
+            )
+        raise APIError(
+            404, f"Response with id '{response_id}' not found.", code="response_not_found", param=param
+        )
+    return record
+
+
+def item_page(
+    items: list[dict[str, Any]], limit: int, order: str, after: str | None, before: str | None
+) -> dict[str, Any]:
+    """One page of a stored response's input items, as OpenAI's list endpoints page (``order``
+    desc: newest first; ``after`` / ``before``: an item id the page starts after / ends before)."""
+    ordered = items if order == "asc" else items[::-1]
+    ids = [item.get("id") for item in ordered]
+    start = ids.index(after) + 1 if after in ids else 0
+    end = ids.index(before) if before in ids else len(ordered)
+    page = ordered[start:end][:limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0].get("id") if page else None,
+        "last_id": page[-1].get("id") if page else None,
+        "has_more": start + len(page) < end,
+    }
+
+
+class _Saver:
+    """Stores a finished response with the conversation that led to it (``server/responses_store``)."""
+
+    def __init__(self, state: ServerState, built: _Response, conversation: list[dict[str, Any]]) -> None:
+        self.state = state
+        self.built = built
+        self.conversation = conversation
+
+    async def __call__(self) -> None:
+        built, store = self.built, self.state.responses
+        if not built.store or store is None:
+            return
+        record = {"response": built.body(), "input": self.conversation}
+        try:
+            kept = await store.put(built.id, record)
+        except StoreUnavailable as e:
+            logger.warning("response %s not stored: %s", built.id, e)
+            kept = False
+        if not kept:
+            built.store = False  # the answer says so: a later previous_response_id would 404
+            self.state.metrics.responses_not_stored.inc()
+
+
 async def create_response(
     state: ServerState,
     req: ResponsesRequest,
@@ -228,11 +297,25 @@ async def create_response(
     receive,
     submitted: Callable[[], None] | None = None,
 ) -> Response:
-    chat = to_chat_request(req)
+    context: list[dict[str, Any]] = []
+    if req.previous_response_id is not None:
+        if state.responses is None:
+            raise bad_request(
+                "previous_response_id needs stored responses, and this server stores none "
+                "(--responses-store none): send the whole conversation as input",
+                param="previous_response_id",
+            )
+        record = await load_record(state, req.previous_response_id, param="previous_response_id")
+        context = record["input"] + record["response"]["output"]
+    own = input_items(req.input)
+    chat = to_chat_request(req, context + own if context else None)
     answer = await create_chat_completion(state, chat, request_id, receive, submitted, as_chunks=True)
-    built = _Response(req, state.model_name, request_id)
+    built = _Response(
+        req, state.model_name, request_id, store=req.store is not False and state.responses is not None
+    )
+    save = _Saver(state, built, context + own)
     if isinstance(answer, ChatChunks):
-        return SSEResponse(_events(built, answer.chunks), on_close=answer.on_close)
+        return SSEResponse(_events(built, answer.chunks, save), on_close=answer.on_close)
     data = json.loads(answer.body)
     choice = data["choices"][0]
     message = choice["message"]
@@ -244,6 +327,7 @@ async def create_response(
         built.output.append(_call_item(call["id"], call["function"]["name"], call["function"]["arguments"]))
     built.finish(choice.get("finish_reason"))
     built.set_usage(data["usage"])
+    await save()
     return JSONResponse(built.body())
 
 
@@ -254,17 +338,21 @@ _TEXT_DELTAS = (
 )
 
 
-async def _events(built: _Response, chunks: AsyncIterator[ChatCompletionChunk]) -> AsyncIterator[bytes]:
+async def _events(
+    built: _Response, chunks: AsyncIterator[ChatCompletionChunk], save: Callable[[], Awaitable[None]]
+) -> AsyncIterator[bytes]:
     """The chat stream's chunks as Responses events. Closing this closes the chat stream at once
     (its cleanup aborts the request in the engine), not whenever it is garbage-collected."""
     try:
-        async for event in _translate(built, chunks):
+        async for event in _translate(built, chunks, save):
             yield event
     finally:
         await chunks.aclose()  # type: ignore[attr-defined]
 
 
-async def _translate(built: _Response, chunks: AsyncIterator[ChatCompletionChunk]) -> AsyncIterator[bytes]:
+async def _translate(
+    built: _Response, chunks: AsyncIterator[ChatCompletionChunk], save: Callable[[], Awaitable[None]]
+) -> AsyncIterator[bytes]:
     seq = 0
 
     def event(kind: str, **fields: Any) -> bytes:
@@ -416,6 +504,7 @@ async def _translate(built: _Response, chunks: AsyncIterator[ChatCompletionChunk
         yield event("response.output_item.done", output_index=index, item=done)
         built.output.append(done)
     built.finish(finish_reason)
+    await save()  # before the last event: a client that continues the chain at once finds it
     yield event(
         "response.incomplete" if built.status == "incomplete" else "response.completed", response=built.body()
     )

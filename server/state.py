@@ -12,6 +12,7 @@ from server.generation import Generation
 from server.metrics import ServerMetrics
 from server.params import ModelLimits
 from server.reasoning_parsers import END, REASONING_PARSERS, ReasoningSplitter
+from server.responses_store import ResponseStore
 from server.tool_parsers import ToolParser, get_tool_parser
 
 
@@ -27,6 +28,7 @@ class ServerState:
     tool_parser: ToolParser | None = None  # tool_choice "auto" (--enable-auto-tool-choice)
 
     reasoning: type[ReasoningSplitter] | None = None  # --reasoning-parser
+    responses: ResponseStore | None = None  # stored /v1/responses (--responses-store)
 
     def __post_init__(self) -> None:
         if self.tool_parser is None and self.config.enable_auto_tool_choice and self.config.tool_call_parser:

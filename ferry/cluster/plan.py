@@ -167,6 +167,8 @@ def build_plan(
                 if redis_tier and config.router.policy == "cache_aware":
                     # The router follows block events for exact cache-aware routing.
                     argv.append("--kv-events")
+                if redis_tier:  # /v1/responses chains continue on any worker, restarted ones too
+                    argv += ["--responses-store", kv_tier_url]
                 argv += pool.args  # last, so a user's flag wins over ours
                 env = {**shared_env, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, **pool.env}
                 workers.append(ProcessSpec(f"{pool.role}-{i}", "worker", tuple(argv), port, env))

@@ -23,6 +23,9 @@ class RouteRequest:
     prompt_tokens: int = 0  # exact when the router tokenized, else an estimate from the body size
     block_hashes: list[bytes] = field(default_factory=list)
     predicted_hit_tokens: int = 0  # set by cache_aware: prompt tokens the chosen replica should hold
+    # The replica to use while it is a candidate, whatever the policy says (the one holding the
+    # stored response a Responses API request names: router/response_affinity.py).
+    prefer_url: str | None = None
 
 
 class Policy(ABC):

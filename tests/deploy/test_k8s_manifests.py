@@ -97,6 +97,7 @@ def test_ferry_args_are_flags_ferry_accepts(overlay: tuple[str, list[dict]]) -> 
                 assert args.num_threads == int(container["resources"]["limits"]["cpu"])  # no oversubscription
                 assert args.host == "0.0.0.0"
                 assert args.kv_tier.startswith(("redis://", "rediss://"))
+                assert args.responses_store == args.kv_tier  # chains continue on any replica
                 assert (
                     args.served_model_name
                     == one(docs, "ConfigMap", "ferry-config")["data"]["SERVED_MODEL_NAME"]

@@ -141,7 +141,8 @@ drain_timeout: 7.5
     py, m = sys.executable, str(model.resolve())
     common = "PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1"
     serve = f"{py} -m ferry serve --host 127.0.0.1"
-    tail = f"--drain-timeout 7.5 --model {m} --served-model-name tiny --kv-tier redis://127.0.0.1:7001/0 --kv-events"
+    redis = "redis://127.0.0.1:7001/0"
+    tail = f"--drain-timeout 7.5 --model {m} --served-model-name tiny --kv-tier {redis} --kv-events --responses-store {redis}"
     assert capsys.readouterr().out.splitlines() == [
         "# ferry up --dry-run (ports left open in the file were picked now; a real run picks again)",
         "# redis: redis://127.0.0.1:7001/0",
@@ -174,7 +175,7 @@ def test_default_cluster_plan() -> None:
     assert prefill.argv == (
         "python", "-m", "ferry", "serve", "--host", "127.0.0.1", "--port", str(prefill.port),
         "--role", "prefill", "--num-threads", threads, "--drain-timeout", "30",
-        "--kv-tier", plan.kv_tier_url, "--kv-events",
+        "--kv-tier", plan.kv_tier_url, "--kv-events", "--responses-store", plan.kv_tier_url,
     )  # fmt: skip
     assert decode.argv[8:10] == ("--role", "decode") and prefill.env["OMP_NUM_THREADS"] == threads
     assert plan.router.argv == (

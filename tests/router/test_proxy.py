@@ -585,3 +585,59 @@ def test_cache_aware_routes_responses_api_requests_by_their_prompt(
             if turn > 0:
                 assert metric(router.url, "ferry:router_cache_hit_tokens_total") - hits_before > 200
     assert len(placed["alpha"]) == 1 and len(placed["beta"]) == 1 and placed["alpha"] != placed["beta"]
+
+
+def test_a_stored_response_chain_follows_its_replica(cluster: Cluster, pair: list[Proc]) -> None:
+    """Replicas keep responses in their own memory (the default store): round robin alone would
+    send every other turn of a previous_response_id chain to a replica that never saw it (404).
+    The router sends what names a response to the replica that answered it."""
+    a, b = pair
+    router = cluster.router("--replica", a.url, "--replica", b.url, "--policy", "round_robin")
+    c = client(router.url)
+    greedy = dict(model=MODEL, max_output_tokens=4, temperature=0)
+    previous = c.responses.create(input="Turn 0", **greedy)
+    owner = {u for u, r in replicas_view(router).items() if r["total_requests"] == 1}
+    assert len(owner) == 1
+    for turn in range(1, 5):
+        kw = dict(previous_response_id=previous.id, input=f"Turn {turn}", **greedy)
+        if turn == 3:  # streamed
+            events = list(c.responses.create(stream=True, **kw))
+            assert events[-1].type in ("response.completed", "response.incomplete")
+            previous = events[-1].response
+        else:
+            previous = c.responses.create(**kw)
+        assert previous.usage.input_tokens > 8 * turn
+    view = replicas_view(router)
+    assert {u for u, r in view.items() if r["total_requests"] == 5} == owner  # all five turns
+    # Reads and deletes follow too; a plain request still goes round robin.
+    for _ in range(3):
+        assert c.responses.retrieve(previous.id).id == previous.id
+        assert len(c.responses.input_items.list(previous.id, limit=3).data) == 3
+    c.responses.delete(previous.id)
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(previous.id)  # forgotten by the router, gone from its replica
+    c.responses.create(input="elsewhere", **greedy)
+    after = replicas_view(router)
+    assert sum(r["total_requests"] for u, r in after.items() if u not in owner) >= 1
+
+
+def test_referenced_responses_and_the_affinity_bound() -> None:
+    from router.response_affinity import ResponseAffinity, referenced_response, response_id_for
+
+    assert referenced_response("POST", "/v1/responses", {"previous_response_id": "resp_1"}) == "resp_1"
+    assert referenced_response("POST", "/v1/responses", {"input": "x"}) is None
+    assert referenced_response("POST", "/v1/responses", {"previous_response_id": 7}) is None
+    assert referenced_response("GET", "/v1/responses/resp_2", None) == "resp_2"
+    assert referenced_response("DELETE", "/v1/responses/resp_2", None) == "resp_2"
+    assert referenced_response("GET", "/v1/responses/resp_3/input_items", None) == "resp_3"
+    assert referenced_response("GET", "/v1/responses/resp_3/other", None) is None
+    assert referenced_response("GET", "/v1/responses/", None) is None
+    assert response_id_for("abc") == "resp_abc"
+    affinity = ResponseAffinity(max_entries=2)
+    affinity.remember("r1", "http://a")
+    affinity.remember("r2", "http://b")
+    assert affinity.lookup("r1") == "http://a"  # r1 is now the most recently used
+    affinity.remember("r3", "http://a")
+    assert affinity.lookup("r2") is None and len(affinity) == 2
+    affinity.forget("r1")
+    assert affinity.lookup("r1") is None and affinity.lookup("r3") == "http://a"

@@ -10,6 +10,7 @@ engine, a dead engine process stops the replica, SIGTERM drains, startup errors 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -19,6 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from http.client import HTTPConnection
 from pathlib import Path
 
 import httpx
@@ -59,6 +61,10 @@ from tests.server.test_openai_api import (  # noqa: F401
     test_request_id_is_echoed_and_prefixes_the_response_id,
     test_tokenize_detokenize_match_tokenizer,
     tokenizer,
+)
+from tests.server.test_responses_store import (  # noqa: F401
+    test_a_chain_continues_the_stored_conversation,
+    test_retrieve_delete_and_input_items,
 )
 from tests.server.test_structured_outputs import (  # noqa: F401
     no_whitespace,
@@ -245,6 +251,73 @@ async def test_both_api_servers_take_connections(server) -> None:
     # The kernel spreads connections over the API servers' sockets (16 at once never all land on
     # one: with one shared listening socket, the process that woke first often took them all).
     assert sum(held) == 16 and min(held) >= 1, held
+
+
+def _owner(pid_inodes: dict[int, set[str]], server_port: int, client_port: int) -> int | None:
+    """Which API server holds the server side of the connection from ``client_port``."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            local = int(fields[1].rsplit(":", 1)[1], 16)
+            remote = int(fields[2].rsplit(":", 1)[1], 16)
+            if (local, remote) == (server_port, client_port):
+                return next((pid for pid, inodes in pid_inodes.items() if fields[9] in inodes), None)
+    return None
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    return inodes
+
+
+def test_a_response_stored_through_one_api_server_continues_through_the_other(server) -> None:
+    """--responses-store memory: the engine process keeps the records for every API server."""
+    _, api = _processes(server)
+    pinned: dict[int, HTTPConnection] = {}
+    spare = []
+    for _ in range(64):  # new connections until each API server holds one
+        conn = HTTPConnection("127.0.0.1", server.port, timeout=60)
+        conn.request("GET", "/health")
+        conn.getresponse().read()
+        owner = _owner({pid: _socket_inodes(pid) for pid in api}, server.port, conn.sock.getsockname()[1])
+        if owner is not None and owner not in pinned:
+            pinned[owner] = conn
+        else:
+            spare.append(conn)
+        if len(pinned) == 2:
+            break
+    for conn in spare:
+        conn.close()
+    assert len(pinned) == 2
+    first_conn, second_conn = (pinned[pid] for pid in api)
+
+    def post(conn: HTTPConnection, path: str, body: dict | None = None) -> tuple[int, dict]:
+        method = "GET" if body is None else "POST"
+        conn.request(
+            method,
+            path,
+            body=json.dumps(body) if body else None,
+            headers={"content-type": "application/json"},
+        )
+        r = conn.getresponse()
+        return r.status, json.loads(r.read())
+
+    greedy = {"max_output_tokens": 4, "temperature": 0}
+    status, first = post(first_conn, "/v1/responses", {"input": "My name is Ada.", **greedy})
+    assert status == 200 and first["store"] is True
+    status, second = post(
+        second_conn, "/v1/responses", {"input": "And?", "previous_response_id": first["id"], **greedy}
+    )
+    assert status == 200 and second["previous_response_id"] == first["id"]
+    status, got = post(second_conn, f"/v1/responses/{first['id']}")
+    assert status == 200 and got["output"] == first["output"]
+    for conn in pinned.values():
+        conn.close()
 
 
 def test_a_killed_api_server_is_replaced_and_its_requests_aborted(server, scrape) -> None:

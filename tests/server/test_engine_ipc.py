@@ -22,6 +22,7 @@ from engine.errors import EngineDeadError
 from engine.sampling_params import StructuredOutputsParams
 from server.engine_client import EngineClient
 from server.engine_process import EngineHost
+from server.responses_store import MemoryRecords, RemoteResponseStore, StoreUnavailable
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [20, 21, 22, 23], [40, 41, 42, 43, 44, 45]]
@@ -39,7 +40,7 @@ async def engine(tiny_llama) -> AsyncIterator[AsyncEngine]:
 @pytest_asyncio.fixture(loop_scope="function")
 async def path(engine) -> AsyncIterator[str]:
     directory = tempfile.mkdtemp(prefix="ferry-ipc-")  # short: Unix socket paths are limited
-    host = EngineHost(engine)
+    host = EngineHost(engine, MemoryRecords(max_bytes=1 << 20, ttl_s=60.0))
     server = await asyncio.start_unix_server(host.handle, path=f"{directory}/engine.sock")
     publisher = asyncio.ensure_future(host.publish_stats())  # as the engine process runs it
     yield f"{directory}/engine.sock"
@@ -147,6 +148,19 @@ async def test_abort_of_a_request_still_compiling_its_constraint_ends_it(engine,
         outs.append(out)
     assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
     assert sum(len(o.outputs[0].token_ids) for o in outs) < 1000
+
+
+async def test_stored_responses_are_shared_by_every_api_server(path, clients) -> None:
+    a, b = (RemoteResponseStore(c) for c in clients)
+    record = {"response": {"id": "resp_1", "output": []}, "input": [{"type": "message", "text": "é"}]}
+    assert await a.put("resp_1", record)
+    assert await b.get("resp_1") == record
+    assert await b.delete("resp_1") and not await a.delete("resp_1")
+    assert await a.get("resp_1") is None
+    gone = await EngineClient.connect(path)
+    await gone.shutdown()
+    with pytest.raises(StoreUnavailable):  # a 503 for the request, not a 500
+        await RemoteResponseStore(gone).get("resp_1")
 
 
 async def test_each_api_server_hears_of_the_others_sequences(engine, clients) -> None:

@@ -1,6 +1,7 @@
 """OpenAI's Responses API (``POST /v1/responses``) with the official SDK: text, streamed events,
 function calls, multi-turn input items, structured text via ``responses.parse``; answers equal
-the chat endpoint's for the same request; what it cannot honour is a 400."""
+the chat endpoint's for the same request; what it cannot honour is a 400. Stored responses and
+``previous_response_id``: test_responses_store.py."""
 
 from __future__ import annotations
 
@@ -132,6 +133,17 @@ def test_multi_turn_input_items(client, server) -> None:
         temperature=0,
     )
     assert r.output[0].type == "message" and r.usage.input_tokens > first.usage.input_tokens
+    # The same turn as a continuation of the stored first response: the same prompt and answer.
+    chained = client.responses.create(
+        model=server.model_name,
+        previous_response_id=first.id,
+        input=history[2:],
+        tools=TOOLS,
+        tool_choice="none",
+        max_output_tokens=4,
+        temperature=0,
+    )
+    assert chained.output_text == r.output_text and chained.usage.input_tokens == r.usage.input_tokens
 
 
 class Pick(BaseModel):
@@ -160,7 +172,6 @@ def test_parse_structured_text(client, server, tiny_llama: Path) -> None:
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
         ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},

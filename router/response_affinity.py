@@ -1,0 +1,62 @@
+"""Which replica answered a Responses API request, so what refers to that response goes there too.
+
+A ferry replica names a response ``resp_{request id}`` and keeps it in its ``--responses-store``
+(``server/responses_store.py``). With the default memory store only that replica can continue it
+(``previous_response_id``) or answer ``GET`` / ``DELETE /v1/responses/{id}``; with a shared Redis
+store any replica can, but the one that served the conversation also holds its KV blocks. So the
+router remembers ``response id -> replica URL`` for every ``POST /v1/responses`` a replica answered
+with 200 (the id follows from the ``X-Request-Id`` the router forwards) and routes requests that
+name that id to that replica while it is a candidate; otherwise the policy picks as usual.
+
+Bounded: the least recently used ids are forgotten beyond ``max_entries``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+RESPONSES_PATH = "/v1/responses"
+
+
+def response_id_for(request_id: str) -> str:
+    """The id a ferry replica gives the response of the request it got with ``request_id``."""
+    return f"resp_{request_id}"
+
+
+def referenced_response(method: str, path: str, body: dict[str, Any] | None) -> str | None:
+    """The stored response a request names: ``previous_response_id`` of a ``POST /v1/responses``,
+    or the ``{id}`` of ``/v1/responses/{id}[/input_items]``."""
+    if path == RESPONSES_PATH:
+        if method == "POST" and body is not None and isinstance(body.get("previous_response_id"), str):
+            return body["previous_response_id"]
+        return None
+    if path.startswith(RESPONSES_PATH + "/"):
+        rest = path[len(RESPONSES_PATH) + 1 :].split("/")
+        if rest[0] and (len(rest) == 1 or rest[1:] == ["input_items"]):
+            return rest[0]
+    return None
+
+
+class ResponseAffinity:
+    def __init__(self, max_entries: int = 100_000) -> None:
+        self.max_entries = max_entries
+        self._replicas: OrderedDict[str, str] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._replicas)
+
+    def remember(self, response_id: str, url: str) -> None:
+        self._replicas[response_id] = url
+        self._replicas.move_to_end(response_id)
+        while len(self._replicas) > self.max_entries:
+            self._replicas.popitem(last=False)
+
+    def lookup(self, response_id: str) -> str | None:
+        url = self._replicas.get(response_id)
+        if url is not None:
+            self._replicas.move_to_end(response_id)
+        return url
+
+    def forget(self, response_id: str) -> None:
+        self._replicas.pop(response_id, None)

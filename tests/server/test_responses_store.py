@@ -1,0 +1,271 @@
+"""Stored responses (``--responses-store``): ``previous_response_id`` chains, ``GET`` / ``DELETE
+/v1/responses/{id}`` and ``input_items`` with the official SDK; a chain continued on another
+replica through a shared Redis; Redis down; ``none``; and the memory store's bounds."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from server.responses_input import input_items
+from server.responses_store import MemoryRecords, encode
+from server.serving_responses import item_page
+from tests.conftest import RedisServer
+
+GREEDY = {"max_output_tokens": 8, "temperature": 0}
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return _client(server.url)
+
+
+def test_a_chain_continues_the_stored_conversation(client, server) -> None:
+    first = client.responses.create(
+        model=server.model_name, input="My name is Ada.", instructions="Be terse.", **GREEDY
+    )
+    assert first.store is True and first.previous_response_id is None
+    second = client.responses.create(
+        model=server.model_name, previous_response_id=first.id, input="What is my name?", **GREEDY
+    )
+    assert second.previous_response_id == first.id
+    # The same as the whole conversation sent to chat (earlier instructions not carried over).
+    chat = client.chat.completions.create(
+        model=server.model_name,
+        messages=[
+            {"role": "user", "content": "My name is Ada."},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "What is my name?"},
+        ],
+        max_tokens=8,
+        temperature=0,
+    )
+    assert second.output_text == chat.choices[0].message.content
+    assert second.usage.input_tokens == chat.usage.prompt_tokens
+    # A streamed third turn, stored before its last event: retrievable at once.
+    events = list(
+        client.responses.create(
+            model=server.model_name, previous_response_id=second.id, input="And again?", stream=True, **GREEDY
+        )
+    )
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    third = events[-1].response
+    assert third.previous_response_id == second.id and third.store is True
+    again = client.responses.retrieve(third.id)
+    assert again.id == third.id and again.output_text == third.output_text
+    assert again.usage.input_tokens == third.usage.input_tokens > second.usage.input_tokens
+
+
+def test_retrieve_delete_and_input_items(client, server) -> None:
+    first = client.responses.create(model=server.model_name, input="One", **GREEDY)
+    second = client.responses.create(
+        model=server.model_name,
+        previous_response_id=first.id,
+        input=[{"role": "user", "content": [{"type": "input_text", "text": "Two"}]}],
+        **GREEDY,
+    )
+    got = client.responses.retrieve(first.id)
+    assert got.id == first.id and got.output_text == first.output_text and got.created_at == first.created_at
+    # Input items: the whole conversation before the answer, newest first by default.
+    items = client.responses.input_items.list(second.id)
+    texts = [(i.type, i.role, i.content[0].text) for i in items.data]
+    assert texts == [
+        ("message", "user", "Two"),
+        ("message", "assistant", first.output_text),
+        ("message", "user", "One"),
+    ]
+    assert items.data[1].id == first.output[0].id  # the earlier output item, as it was answered
+    asc = client.responses.input_items.list(second.id, order="asc")
+    assert [i.id for i in asc.data] == [i.id for i in items.data][::-1]
+    page = client.responses.input_items.list(second.id, limit=2)
+    assert [i.id for i in page.data] == [i.id for i in items.data][:2] and page.has_more
+    rest = client.responses.input_items.list(second.id, limit=2, after=page.data[-1].id)
+    assert [i.id for i in rest.data] == [items.data[2].id] and not rest.has_more
+    # Deleted: gone for retrieve and for chains; what was built on it keeps its own record.
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.create(model=server.model_name, previous_response_id=first.id, input="x", **GREEDY)
+    assert e.value.body["code"] == "previous_response_not_found"
+    assert e.value.body["param"] == "previous_response_id"
+    third = client.responses.create(
+        model=server.model_name, previous_response_id=second.id, input="3", **GREEDY
+    )
+    assert third.status in ("completed", "incomplete")
+    r = httpx.delete(f"{server.url}/v1/responses/{first.id}", timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "response_not_found"
+
+
+def test_store_false_keeps_nothing(client, server) -> None:
+    r = client.responses.create(model=server.model_name, input="Hi", store=False, **GREEDY)
+    assert r.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model=server.model_name, previous_response_id=r.id, input="x", **GREEDY)
+
+
+@pytest.mark.parametrize(
+    ("path", "query"),
+    [("/v1/responses/resp_x/input_items", "limit=0"), ("/v1/responses/resp_x/input_items", "order=up")],
+)
+def test_bad_list_parameters_are_a_400(server, path, query) -> None:
+    r = httpx.get(f"{server.url}{path}?{query}", timeout=30)
+    assert r.status_code == 400, r.text
+
+
+# -- other stores ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def store_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """This module's own redis-server (a test stops and restarts it)."""
+    srv = RedisServer(tmp_path_factory.mktemp("responses-redis"))
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def shared_pair(tiny_llama: Path, serve_logs: Path, server_process, store_redis) -> Iterator[list]:
+    """Two replicas keeping their responses in one Redis."""
+    flags = ["--responses-store", store_redis.url, "--num-kv-blocks", "256"]
+    replicas = [server_process(tiny_llama, flags, serve_logs).start() for _ in range(2)]
+    yield replicas
+    for srv in replicas:
+        srv.stop()
+
+
+def test_a_chain_continues_on_another_replica_through_redis(shared_pair, store_redis, scrape) -> None:
+    a, b = shared_pair
+    first = _client(a.url).responses.create(model=a.model_name, input="My name is Ada.", **GREEDY)
+    second = _client(b.url).responses.create(
+        model=b.model_name, previous_response_id=first.id, input="What is my name?", **GREEDY
+    )
+    local = _client(a.url).responses.create(
+        model=a.model_name,
+        input=[
+            {"role": "user", "content": "My name is Ada."},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "What is my name?"},
+        ],
+        **GREEDY,
+    )
+    assert second.output_text == local.output_text and second.usage.input_tokens == local.usage.input_tokens
+    assert _client(b.url).responses.retrieve(first.id).output_text == first.output_text
+    import redis
+
+    ttl = redis.Redis.from_url(store_redis.url).pttl(f"ferry:response:{first.id}")
+    assert 29 * 24 * 3600 * 1000 < ttl <= 30 * 24 * 3600 * 1000
+    _client(b.url).responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        _client(a.url).responses.retrieve(first.id)
+
+
+def test_redis_down_is_a_503_for_chains_and_answers_still_come(shared_pair, store_redis, scrape) -> None:
+    a, _ = shared_pair
+    first = _client(a.url).responses.create(model=a.model_name, input="Hi", **GREEDY)
+    store_redis.stop()
+    try:
+        with pytest.raises(openai.InternalServerError) as e:  # 503
+            _client(a.url).responses.create(
+                model=a.model_name, previous_response_id=first.id, input="x", **GREEDY
+            )
+        assert e.value.status_code == 503
+        r = _client(a.url).responses.create(model=a.model_name, input="Hi", **GREEDY)
+        assert r.store is False and r.output  # answered, and says it was not stored
+        assert scrape(a.url, "ferry:responses_not_stored_total", model_name=a.model_name) == 1.0
+        assert httpx.get(a.url + "/health", timeout=10).status_code == 200
+    finally:
+        store_redis.start()  # empty again (it keeps nothing on disk): the replica uses it at once
+    first = _client(a.url).responses.create(model=a.model_name, input="Hi", **GREEDY)
+    assert first.store is True
+    chained = _client(a.url).responses.create(
+        model=a.model_name, previous_response_id=first.id, input="x", **GREEDY
+    )
+    assert chained.previous_response_id == first.id
+
+
+def test_store_none(tiny_llama: Path, serve_logs: Path, server_process) -> None:
+    srv = server_process(
+        tiny_llama, ["--responses-store", "none", "--num-kv-blocks", "128"], serve_logs
+    ).start()
+    try:
+        r = _client(srv.url).responses.create(model=srv.model_name, input="Hi", **GREEDY)
+        assert r.store is False
+        with pytest.raises(openai.NotFoundError):
+            _client(srv.url).responses.retrieve(r.id)
+        with pytest.raises(openai.BadRequestError) as e:
+            _client(srv.url).responses.create(
+                model=srv.model_name, previous_response_id=r.id, input="x", **GREEDY
+            )
+        assert e.value.body["param"] == "previous_response_id" and "--responses-store none" in e.value.message
+    finally:
+        srv.stop()
+
+
+# -- the parts ---------------------------------------------------------------------------------
+
+
+def test_memory_records_drop_the_least_recently_used_beyond_their_bytes() -> None:
+    now = [0.0]
+    records = MemoryRecords(max_bytes=25, ttl_s=10.0, clock=lambda: now[0])
+    assert records.put("a", b"0123456789") and records.put("b", b"0123456789")
+    assert records.bytes == 20
+    assert records.get("a") == b"0123456789"  # a is now the most recently used
+    assert records.put("c", b"01234")
+    assert records.bytes == 25 and len(records) == 3
+    assert records.put("d", b"0")  # 26 bytes: the least recently used (b) goes
+    assert records.get("b") is None and records.bytes == 16
+    assert records.put("a", b"x")  # replaced, not added
+    assert records.bytes == 7
+    assert not records.put("big", b"x" * 26) and records.get("big") is None
+    now[0] = 10.0  # written at 0 with a 10 s TTL: expired
+    assert records.get("a") is None and records.get("c") is None
+    assert records.bytes == 1 and records.delete("d") and records.bytes == 0
+    assert not records.delete("d")
+
+
+def test_input_items_name_every_item() -> None:
+    items = input_items("Hi")
+    assert items[0]["role"] == "user" and items[0]["content"] == [{"type": "input_text", "text": "Hi"}]
+    assert items[0]["id"].startswith("msg_") and items[0]["type"] == "message"
+    items = input_items(
+        [
+            {"role": "assistant", "content": "Yes"},
+            {"type": "function_call_output", "call_id": "c", "output": "1"},
+            {"type": "message", "id": "msg_keep", "role": "user", "content": "x"},
+            "not an item",
+            {"type": []},
+        ]
+    )
+    assert items[0]["content"] == [{"type": "output_text", "text": "Yes"}]
+    assert items[1]["id"].startswith("fco_") and items[2]["id"] == "msg_keep" and len(items) == 3
+    assert len(encode({"input": items})) > 0
+
+
+def test_item_pages() -> None:
+    items = [{"id": f"i{k}"} for k in range(5)]
+    page = item_page(items, 2, "asc", None, None)
+    assert [i["id"] for i in page["data"]] == ["i0", "i1"] and page["has_more"]
+    assert (page["first_id"], page["last_id"]) == ("i0", "i1")
+    page = item_page(items, 10, "desc", "i3", None)
+    assert [i["id"] for i in page["data"]] == ["i2", "i1", "i0"] and not page["has_more"]
+    page = item_page(items, 10, "asc", "i0", "i3")
+    assert [i["id"] for i in page["data"]] == ["i1", "i2"] and not page["has_more"]
+    assert item_page([], 5, "desc", None, None) == {
+        "object": "list",
+        "data": [],
+        "first_id": None,
+        "last_id": None,
+        "has_more": False,
+    }
