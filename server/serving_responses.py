@@ -10,6 +10,9 @@ become Responses events (``response.created``,
 ``response.output_item.added``, ``response.output_text.delta``, ...,
 ``response.completed``), each with its ``sequence_number``.
 
+``include: ["message.output_text.logprobs"]`` (with ``top_logprobs``) puts chat's token logprobs
+on the ``output_text`` parts and text delta events.
+
 A response is stored unless the request says ``store: false`` (or the replica runs with
 ``--responses-store none``): ``previous_response_id`` continues it, and ``GET`` / ``DELETE
 /v1/responses/{id}`` and its ``input_items`` read and drop it (``server/responses_store.py``).
@@ -53,6 +56,8 @@ class ResponsesRequest(_Request):
     text: dict[str, Any] | None = None
     previous_response_id: StrictStr | None = None
     store: StrictBool | None = None
+    include: list[StrictStr] | None = None
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
     metadata: dict[str, StrictStr] | None = None
     user: StrictStr | None = None
     # vLLM-compatible sampling extras, carried over to the chat request (validated there)
@@ -73,6 +78,28 @@ _CHAT_TO_RESPONSES = {
     "max_completion_tokens": "max_output_tokens",
     "response_format": "text.format",
 }
+
+# What ``include`` may name. Only the logprobs are something this server can add; the rest name
+# output of hosted tools, images or encrypted reasoning, none of which it ever produces, so
+# asking for them adds nothing (clients such as Codex send reasoning.encrypted_content).
+LOGPROBS = "message.output_text.logprobs"
+INCLUDABLE = frozenset(
+    {
+        LOGPROBS,
+        "file_search_call.results",
+        "web_search_call.results",
+        "web_search_call.action.sources",
+        "message.input_image.image_url",
+        "computer_call_output.output.image_url",
+        "code_interpreter_call.outputs",
+        "reasoning.encrypted_content",
+    }
+)
+
+
+def wants_logprobs(req: ResponsesRequest) -> bool:
+    return LOGPROBS in (req.include or ())
+
 
 _EXTRAS = (
     "seed",
@@ -105,6 +132,9 @@ def to_chat_request(
 ) -> ChatCompletionRequest:
     """The chat request ``req`` runs as; ``items``: its whole conversation as input items (the
     responses it continues, then its own input), if not just ``req.input``."""
+    for i, name in enumerate(req.include or ()):
+        if name not in INCLUDABLE:
+            raise bad_request(f"include[{i}]: unknown value {name!r}", param="include")
     try:
         tools, choice = chat_tools(req.tools, req.tool_choice)
         messages = chat_messages(req.instructions, req.input if items is None else items)
@@ -120,6 +150,8 @@ def to_chat_request(
         "tool_choice": choice,
         "parallel_tool_calls": req.parallel_tool_calls,
         "response_format": _response_format(req),
+        "logprobs": wants_logprobs(req) or None,
+        "top_logprobs": (req.top_logprobs or 0) if wants_logprobs(req) else None,
         "user": req.user,
         **{name: getattr(req, name) for name in _EXTRAS},
         "stream": req.stream,
@@ -188,6 +220,7 @@ class _Response:
             "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
             "tools": req.tools or [],
             "top_p": req.top_p if req.top_p is not None else 1.0,
+            "top_logprobs": req.top_logprobs,
             "truncation": "disabled",
             "usage": self.usage,
             "user": req.user,
@@ -205,8 +238,16 @@ def _reasoning_item(text: str, status: str = "completed") -> dict[str, Any]:
     }
 
 
-def _message_item(text: str, status: str = "completed") -> dict[str, Any]:
-    content = [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []
+def _text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """An ``output_text`` content part; ``logprobs`` as OpenAI gives them (empty unless the request
+    included ``message.output_text.logprobs``)."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+
+
+def _message_item(
+    text: str, status: str = "completed", logprobs: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    content = [_text_part(text, logprobs)] if status == "completed" else []
     return {
         "type": "message",
         "id": f"msg_{random_id()}",
@@ -322,7 +363,8 @@ async def create_response(
     if message.get("reasoning_content"):
         built.output.append(_reasoning_item(message["reasoning_content"]))
     if message.get("content") or not message.get("tool_calls"):
-        built.output.append(_message_item(message.get("content") or ""))
+        logprobs = (choice.get("logprobs") or {}).get("content") if wants_logprobs(req) else None
+        built.output.append(_message_item(message.get("content") or "", logprobs=logprobs))
     for call in message.get("tool_calls") or []:
         built.output.append(_call_item(call["id"], call["function"]["name"], call["function"]["arguments"]))
     built.finish(choice.get("finish_reason"))
@@ -363,17 +405,21 @@ async def _translate(
 
     open_item: dict[str, Any] | None = None  # the reasoning or message item being written
     text = ""
+    want_logprobs = wants_logprobs(built.req)
+    logprobs: list[dict[str, Any]] = []  # the open message's, as sent with its deltas
+    pending: list[dict[str, Any]] = []  # arrived with no text yet (a held-back partial character)
     calls: dict[int, dict[str, Any]] = {}
     finish_reason = None
 
     def close_open() -> list[bytes]:
-        nonlocal open_item, text
+        nonlocal open_item, text, logprobs, pending
         if open_item is None:
             return []
         item, index = open_item, len(built.output)
         out = []
         if item["type"] == "message":
-            part = {"type": "output_text", "text": text, "annotations": []}
+            logprobs, pending = logprobs + pending, []
+            part = _text_part(text, logprobs)
             out.append(
                 event(
                     "response.output_text.done",
@@ -381,6 +427,7 @@ async def _translate(
                     output_index=index,
                     content_index=0,
                     text=text,
+                    logprobs=logprobs,
                 )
             )
             out.append(
@@ -406,7 +453,7 @@ async def _translate(
             done = {**item, "status": "completed", "content": [{"type": "reasoning_text", "text": text}]}
         out.append(event("response.output_item.done", output_index=index, item=done))
         built.output.append(done)
-        open_item, text = None, ""
+        open_item, text, logprobs = None, "", []
         return out
 
     def start(kind: str) -> list[bytes]:
@@ -416,7 +463,7 @@ async def _translate(
         if kind == "message":
             open_item = _message_item("", status="in_progress")
             out.append(event("response.output_item.added", output_index=index, item=open_item))
-            part = {"type": "output_text", "text": "", "annotations": []}
+            part = _text_part("")
             out.append(
                 event(
                     "response.content_part.added",
@@ -440,6 +487,9 @@ async def _translate(
                 continue
             for choice in chunk.choices:
                 delta = choice.delta
+                if want_logprobs and choice.logprobs is not None and choice.logprobs.content:
+                    if delta.content or not delta.reasoning_content:  # not a thought's tokens
+                        pending += [t.model_dump() for t in choice.logprobs.content]
                 for field, kind, name in _TEXT_DELTAS:
                     piece = getattr(delta, field)
                     if not piece:
@@ -448,12 +498,17 @@ async def _translate(
                         for out in start(kind):
                             yield out
                     text += piece
+                    extra: dict[str, Any] = {}
+                    if kind == "message":  # a text delta carries its tokens' logprobs
+                        extra["logprobs"], pending = pending, []
+                        logprobs += extra["logprobs"]
                     yield event(
                         name,
                         item_id=open_item["id"],
                         output_index=len(built.output),
                         content_index=0,
                         delta=piece,
+                        **extra,
                     )
                 for tc in delta.tool_calls or []:
                     for out in close_open():

@@ -373,6 +373,13 @@ responses_bodies = (
             )
             | json_values,
             "previous_response_id": st.text(max_size=4),
+            "store": st.booleans() | json_values,
+            "include": st.lists(
+                st.sampled_from(["message.output_text.logprobs", "reasoning.encrypted_content", "x"]),
+                max_size=2,
+            )
+            | json_values,
+            "top_logprobs": st.integers(-1, 21) | json_values,
             "stream": st.booleans(),
         },
     )

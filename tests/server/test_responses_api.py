@@ -183,6 +183,8 @@ def test_parse_structured_text(client, server, tiny_llama: Path) -> None:
         ({}, "input"),
         ({"input": []}, "input"),  # no message: named as the Responses field, not chat's "messages"
         ({"input": "x", "top_k": "many"}, "top_k"),
+        ({"input": "x", "include": ["message.output_text.everything"]}, "include"),
+        ({"input": "x", "top_logprobs": 21}, "top_logprobs"),
     ],
 )
 def test_what_it_cannot_honour_is_a_400(server, body, param) -> None:
@@ -208,3 +210,49 @@ def test_the_routers_keys_count_this_replicas_prompt(client, server, tiny_llama:
     r = client.responses.create(model=server.model_name, max_output_tokens=1, **body)
     _, tokens = TokenKeyer.from_dir(str(tiny_llama), 16).keys("/v1/responses", body)
     assert r.usage.input_tokens == tokens
+
+
+def test_logprobs_when_included_equal_the_chat_answers(client, server) -> None:
+    kw = dict(model=server.model_name, input="Hello there", max_output_tokens=6, temperature=0)
+    r = client.responses.create(include=["message.output_text.logprobs"], top_logprobs=2, **kw)
+    chat = client.chat.completions.create(
+        model=server.model_name,
+        messages=[{"role": "user", "content": "Hello there"}],
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    want = [t.model_dump() for t in chat.choices[0].logprobs.content]
+    (part,) = r.output[0].content
+    got = [lp.model_dump() for lp in part.logprobs]
+    # The same tokens and alternatives; values equal up to the last float bits (a prefix-cache hit
+    # computes the prompt in another batch shape).
+    assert _shape(got) == _shape(want) and len(got) == r.usage.output_tokens == 6
+    assert _values(got) == pytest.approx(_values(want), abs=1e-5)
+    assert all(len(lp["top_logprobs"]) == 2 and isinstance(lp["bytes"], list) for lp in got)
+    assert r.top_logprobs == 2
+    # Streamed: each text delta carries its tokens' logprobs; the done events carry them all.
+    events = list(
+        client.responses.create(stream=True, include=["message.output_text.logprobs"], top_logprobs=2, **kw)
+    )
+    deltas = [lp.model_dump() for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    assert deltas == [lp.model_dump() for lp in done.logprobs]
+    assert [lp.model_dump() for lp in events[-1].response.output[0].content[0].logprobs] == deltas
+    assert _shape(deltas) == _shape(want) and _values(deltas) == pytest.approx(_values(want), abs=1e-5)
+    # Not included (top_logprobs alone, as with OpenAI): none.
+    plain = client.responses.create(top_logprobs=2, **kw)
+    assert plain.output[0].content[0].logprobs == [] and plain.output_text == r.output_text
+    events = list(client.responses.create(stream=True, **kw))
+    assert all(e.logprobs == [] for e in events if e.type == "response.output_text.delta")
+
+
+def _shape(logprobs: list[dict]) -> list:
+    return [
+        (lp["token"], lp["bytes"], [(t["token"], t["bytes"]) for t in lp["top_logprobs"]]) for lp in logprobs
+    ]
+
+
+def _values(logprobs: list[dict]) -> list[float]:
+    return [v for lp in logprobs for v in (lp["logprob"], *(t["logprob"] for t in lp["top_logprobs"]))]
