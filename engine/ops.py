@@ -1,7 +1,9 @@
 """Reference (pure PyTorch) implementations of the model's fused ops.
 
 ``engine/kernels/triton_ops.py`` implements the same functions with the same signatures; the
-model runner picks one set once at start-up (``select_ops``) and never branches per call.
+model runner picks one set once at start-up (``select_ops``) and never branches per call. The
+Triton set also has ``fused_moe`` (``engine/kernels/triton_moe.py``): a mixture of experts' routed
+experts in two grouped matmuls; without it ``engine/models/moe.py`` loops over the experts.
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ class Ops:
     rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
     rotary_embedding: Callable[..., None]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    # (x, w13, w2, weights, experts, silu_and_mul) -> the routed experts' output; None: a loop
+    fused_moe: Callable[..., torch.Tensor] | None = None
 
 
 TORCH_OPS = Ops("torch", rms_norm, rotary_embedding, silu_and_mul)
@@ -68,7 +72,13 @@ TORCH_OPS = Ops("torch", rms_norm, rotary_embedding, silu_and_mul)
 def select_ops(backend: str) -> Ops:
     """The op set matching the attention backend: Triton kernels with "triton", else these."""
     if backend == "triton":
-        from engine.kernels import triton_ops
+        from engine.kernels import triton_moe, triton_ops
 
-        return Ops("triton", triton_ops.rms_norm, triton_ops.rotary_embedding, triton_ops.silu_and_mul)
+        return Ops(
+            "triton",
+            triton_ops.rms_norm,
+            triton_ops.rotary_embedding,
+            triton_ops.silu_and_mul,
+            triton_moe.fused_moe,
+        )
     return TORCH_OPS

@@ -25,6 +25,7 @@ SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
 INDEX_POINTERS = {
     "positions_ptr": "*i64", "slot_ptr": "*i64", "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32",
     "block_tables_ptr": "*i32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "cache_ptr": "*fp32",
+    "pairs_ptr": "*i32", "block_expert_ptr": "*i32", "weight_ptr": "*fp32",
 }  # fmt: skip
 FLOAT_SCALARS = {"eps", "scale", "softcap"}
 TRITON_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
@@ -48,6 +49,23 @@ MODELS = [
     Model("mha-d64", 16, 16, 64, 1024, 2816),  # one query per KV head: Triton specialises it to 1
     Model("d80", 8, 1, 80, 640, 1728),  # head dim not a power of two
     Model("tiny", 4, 2, 16, 64, 128),  # the test checkpoints
+]
+
+
+@dataclass(frozen=True)
+class MoEModel:
+    """The routed-expert geometry of a mixture of experts."""
+
+    name: str
+    hidden: int
+    inter: int  # one expert's intermediate size
+    top_k: int
+
+
+MOE_MODELS = [
+    MoEModel("deepseek-v3", 7168, 2048, 8),
+    MoEModel("qwen3-30b-a3b", 2048, 768, 8),
+    MoEModel("tiny-moe", 64, 32, 2),  # the test checkpoints
 ]
 
 
@@ -99,6 +117,7 @@ def plan(quick: bool) -> list[tuple[str, str, object, str, object, tuple[str, ..
 
     from engine.kernels import triton_attention as att
     from engine.kernels import triton_decode as dec
+    from engine.kernels import triton_moe as moe
     from engine.kernels import triton_ops as ops
 
     models = [MODELS[0], MODELS[1], MODELS[4]] if quick else MODELS
@@ -136,6 +155,13 @@ def plan(quick: bool) -> list[tuple[str, str, object, str, object, tuple[str, ..
             )
             kv = ops.write_kv_launch(m.hkv, m.head_dim)
             jobs.append(("write_kv_cache", tag, ops._write_kv_kernel, tdt, kv, ()))
+    for e in [MOE_MODELS[0], MOE_MODELS[2]] if quick else MOE_MODELS:
+        for dname in dtypes:
+            dt, tdt, tag = getattr(torch, dname), TRITON_DTYPES[dname], f"{e.name} {dname}"
+            gate_up = moe.matmul_launch(2 * e.inter, e.hidden, dt, e.top_k, False, False)
+            jobs.append(("moe_gate_up", tag, moe._moe_matmul_kernel, tdt, gate_up, ()))
+            down = moe.matmul_launch(e.hidden, e.inter, dt, 1, True, False)
+            jobs.append(("moe_down", tag, moe._moe_matmul_kernel, tdt, down, ()))
     return jobs
 
 

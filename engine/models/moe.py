@@ -7,7 +7,8 @@ shared experts, if any, as one dense MLP.
 
 Forward: route each token to ``experts_per_token`` experts (``MoEConfig`` says how), then one
 matmul pair per expert over the tokens routed to it, weighted and summed per token in expert
-order (transformers' order), plus the shared experts.
+order (transformers' order), plus the shared experts. With the Triton op set, the routed experts
+run as two grouped matmuls instead (``engine/kernels/triton_moe.py``: one launch each per layer).
 """
 
 from __future__ import annotations
@@ -33,11 +34,16 @@ def load_dense_mlp(w: Weights, prefix: str) -> dict[str, torch.Tensor]:
 
 class MoE:
     def __init__(
-        self, cfg: MoEConfig, linear: Linear, silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+        self,
+        cfg: MoEConfig,
+        linear: Linear,
+        silu_and_mul: Callable[[torch.Tensor], torch.Tensor],
+        fused: Callable[..., torch.Tensor] | None = None,
     ) -> None:
         self.cfg = cfg
         self.linear = linear
         self.silu_and_mul = silu_and_mul
+        self.fused = fused  # the Triton op set's grouped matmuls (engine/kernels/triton_moe.py)
 
     def load(self, w: Weights, prefix: str) -> dict[str, torch.Tensor]:
         """One MoE layer's weights at ``prefix`` (``model.layers.N.mlp.``), popped from ``w``."""
@@ -64,8 +70,23 @@ class MoE:
         return layer
 
     def forward(self, x: torch.Tensor, layer: dict[str, torch.Tensor]) -> torch.Tensor:
-        cfg, linear = self.cfg, self.linear
+        linear = self.linear
         weights, experts = self.route(x, layer)  # [T, k] fp32, [T, k]
+        if self.fused is not None:
+            out = self.fused(x, layer["w13"], layer["w2"], weights, experts, self.silu_and_mul)
+        else:
+            out = self._loop(x, layer, weights, experts)
+        if "gate_up" in layer:  # shared experts
+            shared = linear(self.silu_and_mul(linear(x, layer["gate_up"], None)), layer["down"], None)
+            if "shared_gate" in layer:
+                shared = torch.sigmoid(linear(x, layer["shared_gate"], None)) * shared
+            out = out + shared
+        return out
+
+    def _loop(
+        self, x: torch.Tensor, layer: dict[str, torch.Tensor], weights: torch.Tensor, experts: torch.Tensor
+    ) -> torch.Tensor:
+        cfg, linear = self.cfg, self.linear
         out = torch.zeros_like(x)
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, token order kept
@@ -81,11 +102,6 @@ class MoE:
             h = self.silu_and_mul(linear(x.index_select(0, rows), layer["w13"][e], None))
             h = linear(h, layer["w2"][e], None)
             out.index_add_(0, rows, (h * flat_weights.index_select(0, pairs)[:, None]).to(x.dtype))
-        if "gate_up" in layer:  # shared experts
-            shared = linear(self.silu_and_mul(linear(x, layer["gate_up"], None)), layer["down"], None)
-            if "shared_gate" in layer:
-                shared = torch.sigmoid(linear(x, layer["shared_gate"], None)) * shared
-            out = out + shared
         return out
 
     def route(self, x: torch.Tensor, layer: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -33,8 +33,10 @@ def run(model: Path, backend: str, prompts: list[list[int]], **extra: object) ->
     return [out.outputs[0].token_ids for out in llm.generate(prompts, GREEDY)]
 
 
-# DeepSeek: the Triton norm, rotary (one shared rotary key head) and SiLU kernels around MLA;
-# Qwen3-MoE: the norm kernel on per-head q/k rows, and the experts; Phi-3: rotary on part of a head;
+# DeepSeek: the Triton norm, rotary (one shared rotary key head) and SiLU kernels around MLA, and
+# the fused experts (engine/kernels/triton_moe.py) with a shared one; Qwen3-MoE: the norm kernel
+# on per-head q/k rows, and the fused experts; Mixtral and Qwen2-MoE (a gated shared expert): the
+# fused experts; Phi-3: rotary on part of a head;
 # Gemma 3: sliding and full layers with two rotary tables; Gemma 2: soft-capped scores (the torch
 # attention under the Triton backend).
 @pytest.mark.parametrize(
@@ -44,6 +46,8 @@ def run(model: Path, backend: str, prompts: list[list[int]], **extra: object) ->
         "tiny_qwen2",
         "tiny_deepseek",
         "tiny_qwen3_moe",
+        "tiny_mixtral",
+        "tiny_qwen2_moe",
         "tiny_phi3",
         "tiny_gemma3",
         "tiny_gemma2",
