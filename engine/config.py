@@ -36,6 +36,8 @@ class EngineConfig:
     seed: int = 0  # engine-level default seed for requests that give none
     num_threads: int | None = None  # torch intra-op threads on CPU
     max_logprobs: int = 20
+    # How an embedding pools its prompt's hidden states: auto | last | mean | cls (engine/pooler.py)
+    pooling_type: str = "auto"
 
     def __post_init__(self) -> None:
         # Numbers out of range fail here, by name, instead of as a division by zero or a silent
@@ -56,6 +58,8 @@ class EngineConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        if self.pooling_type not in ("auto", "last", "mean", "cls"):
+            raise ValueError(f"pooling_type must be auto, last, mean or cls, got {self.pooling_type!r}")
 
     @classmethod
     def from_options(cls, **options: object) -> EngineConfig:

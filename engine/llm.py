@@ -99,8 +99,9 @@ class LLM:
         return results
 
     def embed(self, prompts: Prompt | Sequence[Prompt]) -> list[list[float]]:
-        """Each prompt's last hidden state (after the final norm, fp32, not normalised), in prompt
-        order: last-token pooling, the embedding of decoder models such as Qwen3-Embedding."""
+        """Each prompt's pooled hidden state (after the final norm, fp32, not normalised), in prompt
+        order: by default the last token's, the embedding of decoder models such as Qwen3-Embedding
+        (``pooling_type``: engine/pooler.py)."""
         if self.closed:
             raise RuntimeError("this LLM is closed")
         engine = self.engine

@@ -23,6 +23,7 @@ from engine.model_runner import ModelOutput, ModelRunner
 from engine.models.config import ModelConfig
 from engine.models.loader import resolve_model_dir
 from engine.outputs import RequestOutput
+from engine.pooler import needs_every_row, resolve_pooling_type
 from engine.postprocess import Postprocessor
 from engine.sampler import Sampler, SamplingRow
 from engine.sampling_params import SamplingParams
@@ -43,6 +44,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.model_runner = ModelRunner(config, self.model_dir, self.model_config)
         runner = self.model_runner
+        self.pooling_type = runner.pooling_type = resolve_pooling_type(config.pooling_type, self.model_dir)
         self.max_model_len = runner.max_model_len
         self.vocab_size = self.model_config.vocab_size
         eos = list(self.tokenizer.eos_token_ids) + list(self.model_config.eos_token_ids)
@@ -62,6 +64,7 @@ class LLMEngine:
             self.max_model_len,
             config.long_prefill_token_threshold,
             self.sliding_window,
+            needs_every_row(self.pooling_type),
         )
         self.scheduler = Scheduler(sched_cfg, self.block_manager, self.connector)
         # A checkpoint's embedding may be padded past the tokenizer (e.g. to a multiple of 64): those
@@ -91,6 +94,7 @@ class LLMEngine:
             num_kv_blocks=runner.num_kv_blocks,
             kv_capacity_tokens=self.kv_capacity_tokens,
             hidden_size=runner.model_config.hidden_size,
+            pooling_type=self.pooling_type,
         )
 
     @property
@@ -113,7 +117,7 @@ class LLMEngine:
         """Validate and build a request (raises ValueError for bad input); does not queue it.
 
         ``pooling``: an embedding request; it ends when its prompt is computed, its result the
-        prompt's last hidden state (``RequestOutput.embedding``), and samples nothing.
+        prompt's pooled hidden state (``RequestOutput.embedding``; engine/pooler.py), and samples nothing.
 
         ``grammar``: the compiled ``params.structured_outputs`` (``self.grammars.compile``), when the
         caller compiled it elsewhere (the async engine does, off its threads); else it is compiled here.

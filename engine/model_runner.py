@@ -20,6 +20,7 @@ from engine.models.loader import load_weights, resolve_dtype, weights_id
 from engine.models.registry import get_model_class
 from engine.ops import select_ops
 from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.sequence import Request
 from kvcache.keys import model_fingerprint
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -53,6 +54,7 @@ def resolve_device(name: str) -> torch.device:
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: Path, model_config: ModelConfig) -> None:
         self.config = config
+        self.pooling_type = "last"  # set by the engine once resolved (engine/pooler.py)
         self.model_config = cfg = model_config
         self.device = resolve_device(config.device)
         if config.num_threads and self.device.type == "cpu":
@@ -189,11 +191,17 @@ class ModelRunner:
         sampling: list[ScheduledRequest] = []
         prompt: list[PromptLogits] = []
         pooled_rows: list[int] = []
+        pooled_vectors: list[torch.Tensor] = []  # mean / cls pooling: built from every chunk's rows
         pooled: list[ScheduledRequest] = []
         start = 0
         for s in out.scheduled:
             end = start + s.num_new_tokens
-            if s.samples and s.request.pooling:
+            if s.request.pooling and self.pooling_type != "last":
+                self._pool_rows(s, hidden[start:end])
+                if s.samples:
+                    pooled_vectors.append(self._pooled_vector(s.request))
+                    pooled.append(s)
+            elif s.samples and s.request.pooling:
                 pooled_rows.append(end - 1)
                 pooled.append(s)
             elif s.samples:
@@ -211,7 +219,26 @@ class ModelRunner:
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, index))
         pooled_hidden = None
-        if pooled:
+        if pooled_vectors:
+            pooled_hidden = torch.stack(pooled_vectors).cpu()
+        elif pooled:
             pooled_index = torch.tensor(pooled_rows, dtype=torch.long, device=self.device)
             pooled_hidden = hidden.index_select(0, pooled_index).float().cpu()
         return ModelOutput(logits, sampling, prompt, pooled, pooled_hidden)
+
+    def _pool_rows(self, s: ScheduledRequest, rows: torch.Tensor) -> None:
+        """Fold a pooling request's chunk of prompt rows into what it keeps (engine/pooler.py). A
+        chunk at position 0 starts over: a preempted request computes its prompt again."""
+        req = s.request
+        if self.pooling_type == "mean":
+            chunk = rows.float().sum(dim=0)
+            req.pooled_rows = chunk if s.start == 0 else req.pooled_rows + chunk
+        elif s.start == 0:  # cls
+            req.pooled_rows = rows[0].float()
+
+    def _pooled_vector(self, req: Request) -> torch.Tensor:
+        vector = req.pooled_rows
+        if self.pooling_type == "mean":
+            vector = vector / req.num_prompt_tokens
+        req.pooled_rows = None
+        return vector

@@ -43,6 +43,8 @@ class SchedulerConfig:
     # The attention window when every layer has one (Mistral-7B-v0.1): blocks wholly behind it are
     # given back while a request runs, so a request holds about window + chunk tokens of KV.
     sliding_window: int | None = None
+    # Pooling requests need every prompt row's hidden state (mean / cls pooling): no prefix reuse.
+    pool_every_row: bool = False
 
 
 @dataclass
@@ -233,7 +235,7 @@ class Scheduler:
         hashes = req.full_block_hashes()
         # Keep at least one token to compute: its logits draw the next token.
         # Prompt logprobs need every prompt row's logits, so such requests compute everything.
-        reuse = req.params.prompt_logprobs is None
+        reuse = req.params.prompt_logprobs is None and not (req.pooling and self.config.pool_every_row)
         most = (req.num_tokens - 1) // bs  # blocks a hit may cover
         if self.config.sliding_window is not None:
             # Under a window a sequence may outgrow the cache; a hit must still leave room for a

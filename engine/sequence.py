@@ -91,6 +91,8 @@ class Request:
         # An embedding request: the prompt's last hidden state is its result, nothing is sampled.
         self.pooling = False
         self.embedding: list[float] | None = None
+        # mean pooling: the fp32 sum of the prompt rows computed so far; cls: the first row
+        self.pooled_rows: Any = None
 
     @property
     def num_tokens(self) -> int:

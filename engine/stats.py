@@ -19,6 +19,7 @@ class ModelInfo:
     # context when every layer slides and the cache holds the blocks a window reaches.
     kv_capacity_tokens: int = 0
     hidden_size: int = 0  # the width of the model's hidden states (of its embeddings)
+    pooling_type: str = "last"  # how embeddings pool the prompt (engine/pooler.py)
 
 
 @dataclass(frozen=True)

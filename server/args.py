@@ -150,6 +150,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--num-threads", type=int, default=d.num_threads, help="torch intra-op threads on CPU")
     p.add_argument("--seed", type=int, default=d.seed, help="default seed of requests that give none")
     p.add_argument("--max-logprobs", type=int, default=d.max_logprobs)
+    p.add_argument(
+        "--pooling-type",
+        default=d.pooling_type,
+        choices=["auto", "last", "mean", "cls"],
+        help="how /v1/embeddings pools a prompt's hidden states (auto: the model's sentence-transformers "
+        "Pooling config, else the last token)",
+    )
     p.add_argument("--kv-tier-write-queue", type=int, default=d.kv_tier_write_queue)
     p.add_argument(
         "--deterministic",

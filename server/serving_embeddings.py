@@ -1,5 +1,7 @@
-"""POST /v1/embeddings: each input's last-token hidden state, L2-normalised (last-token pooling, the
-embedding of decoder models such as Qwen3-Embedding or e5-mistral, as vLLM pools them).
+"""POST /v1/embeddings: each input's pooled hidden state, L2-normalised (last-token pooling by
+default, the embedding of decoder models such as Qwen3-Embedding or e5-mistral, as vLLM pools them;
+mean or first-token pooling by ``--pooling-type`` or the model's sentence-transformers config:
+``engine/pooler.py``).
 
 Inputs run as engine requests that end once their prompt is computed (``pooling=True``): they are
 admitted, batched, prefix-cached, timed out and aborted on disconnect like generation requests.

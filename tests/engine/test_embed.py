@@ -80,3 +80,72 @@ def test_a_base_model_saved_alone_serves_embeddings(tiny_qwen3, tmp_path: Path, 
     want = _hf_last_hidden(tiny_qwen3, prompts[:4])
     for e, w in zip(LLM(str(bare), num_kv_blocks=64).embed(prompts[:4]), want, strict=True):
         assert float((torch.tensor(e) - w).abs().max()) < 1e-5
+
+
+def _hf_hidden_states(path: Path, prompts: list[list[int]]) -> list[torch.Tensor]:
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return [model(torch.tensor([p])).last_hidden_state[0] for p in prompts]
+
+
+@pytest.mark.parametrize("pooling_type", ["mean", "cls"])
+def test_mean_and_cls_pooling_equal_transformers_chunked_and_repeated(
+    tiny_qwen3, prompts, pooling_type: str
+) -> None:
+    """Every prompt row counts (mean) or the first (cls), across chunks, and a repeated prompt is
+    computed again rather than served from the prefix cache (its rows are not kept there)."""
+    states = _hf_hidden_states(tiny_qwen3, prompts)
+    want = [h.mean(dim=0) if pooling_type == "mean" else h[0] for h in states]
+    llm = LLM(str(tiny_qwen3), num_kv_blocks=256, max_num_batched_tokens=48, pooling_type=pooling_type)
+    assert llm.engine.model_info.pooling_type == pooling_type
+    for _ in range(2):  # the second time every full block is in the prefix cache
+        for e, w in zip(llm.embed(prompts), want, strict=True):
+            assert float((torch.tensor(e) - w).abs().max()) < 1e-5
+    stats = llm.engine.stats()
+    assert stats.prefix_cache_hits == 0
+    assert llm.engine.block_manager.num_used_blocks == 0
+
+
+def test_pooling_type_auto_reads_the_sentence_transformers_config(
+    tiny_qwen3, tmp_path: Path, prompts
+) -> None:
+    import json
+    import shutil
+
+    model = tmp_path / "st_model"
+    shutil.copytree(tiny_qwen3, model)
+    (model / "modules.json").write_text(
+        json.dumps(
+            [
+                {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+                {
+                    "idx": 2,
+                    "name": "2",
+                    "path": "2_Normalize",
+                    "type": "sentence_transformers.models.Normalize",
+                },
+            ]
+        )
+    )
+    (model / "1_Pooling").mkdir()
+    pooling = {
+        "word_embedding_dimension": 64,
+        "pooling_mode_cls_token": False,
+        "pooling_mode_mean_tokens": True,
+    }
+    (model / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    llm = LLM(str(model), num_kv_blocks=64)
+    assert llm.engine.model_info.pooling_type == "mean"
+    (state,) = _hf_hidden_states(tiny_qwen3, prompts[:1])
+    assert float((torch.tensor(llm.embed(prompts[:1])[0]) - state.mean(dim=0)).abs().max()) < 1e-5
+    # A flag overrides the model's choice; a mode ferry lacks (max) falls back to the last token.
+    assert LLM(str(model), num_kv_blocks=64, pooling_type="last").engine.model_info.pooling_type == "last"
+    (model / "1_Pooling" / "config.json").write_text(
+        json.dumps({**pooling, "pooling_mode_mean_tokens": False, "pooling_mode_max_tokens": True})
+    )
+    assert LLM(str(model), num_kv_blocks=64).engine.model_info.pooling_type == "last"
+    with pytest.raises(ValueError, match="pooling_type must be auto, last, mean or cls"):
+        LLM(str(model), num_kv_blocks=64, pooling_type="max")

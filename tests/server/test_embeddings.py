@@ -95,3 +95,21 @@ def test_unknown_model_is_404_and_the_replica_stays_idle(server) -> None:
     text = httpx.get(server.url + "/metrics", timeout=10).text
     assert metric_value(text, "vllm:num_requests_running") == 0.0
     assert metric_value(text, "vllm:kv_cache_usage_perc") == 0.0
+
+
+def test_pooling_type_flag_mean(tiny_llama: Path, serve_logs: Path, server_process) -> None:
+    """`ferry serve --pooling-type mean`: the average of every prompt token's final state, normalised."""
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
+    tok = Tokenizer.from_dir(tiny_llama)
+    with torch.no_grad():
+        states = [model(torch.tensor([tok.encode(t)])).last_hidden_state[0].mean(dim=0) for t in TEXTS]
+    srv = server_process(tiny_llama, ["--pooling-type", "mean", "--num-kv-blocks", "128"], serve_logs).start()
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        got = c.embeddings.create(model=srv.model_name, input=TEXTS, encoding_format="float")
+        for d, want in zip(got.data, states, strict=True):
+            assert _close(d.embedding, want / want.norm())
+    finally:
+        srv.stop()
