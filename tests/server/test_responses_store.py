@@ -269,3 +269,20 @@ def test_item_pages() -> None:
         "last_id": None,
         "has_more": False,
     }
+
+
+@pytest.mark.parametrize(
+    "response_id", ["resp_%2Fetc", "r" * 5000, "résumé_☃", "resp_x%00y", "..%2F..%2Fhealth"]
+)
+def test_odd_ids_are_404s(server, response_id: str) -> None:
+    for method, suffix in (("GET", ""), ("DELETE", ""), ("GET", "/input_items")):
+        r = httpx.request(method, f"{server.url}/v1/responses/{response_id}{suffix}", timeout=30)
+        assert r.status_code == 404, (method, suffix, r.text)
+        assert r.json()["error"]["code"] in ("response_not_found", "not_found")  # no such route: %2F is a /
+    r = httpx.post(
+        server.url + "/v1/responses",
+        json={"input": "x", "previous_response_id": response_id, "max_output_tokens": 1},
+        timeout=30,
+    )
+    assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
