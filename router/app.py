@@ -52,7 +52,7 @@ from router.relay import ProxyCall
 from router.replica import HealthPolicy, Replica
 from router.response_affinity import RESPONSES_PATH, ResponseAffinity, referenced_response, response_id_for
 from router.retry import RetryPolicy
-from router.upstream import UpstreamClient, UpstreamError, fetch
+from router.upstream import Response, UpstreamClient, UpstreamError, fetch
 
 log = logging.getLogger("ferry.router")
 
@@ -392,17 +392,18 @@ class RouterApp:
         if referenced is not None:
             call.route.prefer_url = self.responses.lookup(referenced)
         if call.path == RESPONSES_PATH and call.method == "POST":
-            created = response_id_for(call.request_id)
 
-            def answered(replica: Replica, status: int) -> None:
-                if status == 200:
-                    self.responses.remember(created, replica.url)
+            def answered(replica: Replica, response: Response) -> None:
+                if response.status_code == 200:
+                    # The id the replica used (it replaces a request id it cannot take).
+                    used = response.headers.get("x-request-id") or call.request_id
+                    self.responses.remember(response_id_for(used), replica.url)
 
             call.on_answered = answered
         elif referenced is not None and call.method == "DELETE":
 
-            def deleted(replica: Replica, status: int) -> None:
-                if status == 200:
+            def deleted(replica: Replica, response: Response) -> None:
+                if response.status_code == 200:
                     self.responses.forget(referenced)
 
             call.on_answered = deleted

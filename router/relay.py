@@ -51,8 +51,8 @@ class ProxyCall:
     route: RouteRequest
     json: dict[str, Any] | None = None  # parsed body of generation requests
     started: float = field(default_factory=time.perf_counter)
-    # Told which replica answered, with what status, once the answer starts (``forward``).
-    on_answered: Callable[[Replica, int], None] | None = None
+    # Told which replica answered, and its answer's head, once the answer starts (``forward``).
+    on_answered: Callable[[Replica, Response], None] | None = None
 
     @property
     def url_path(self) -> str:
@@ -203,7 +203,7 @@ class Relay:
             )
             status = response.status_code
             if call.on_answered is not None:
-                call.on_answered(opened.replica, status)
+                call.on_answered(opened.replica, response)
             async for chunk in response.aiter_raw():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b""})
