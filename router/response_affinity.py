@@ -5,7 +5,8 @@ A ferry replica names a response ``resp_{request id}`` and keeps it in its ``--r
 (``previous_response_id``) or answer ``GET`` / ``DELETE /v1/responses/{id}``; with a shared Redis
 store any replica can, but the one that served the conversation also holds its KV blocks. So the
 router remembers ``response id -> replica URL`` for every ``POST /v1/responses`` a replica answered
-with 200 (the id follows from the ``X-Request-Id`` the router forwards) and routes requests that
+with 200 (the id follows from the ``X-Request-Id`` the replica answers with: the router's, or
+one of its own when it could not take that) and routes requests that
 name that id to that replica while it is a candidate; otherwise the policy picks as usual.
 
 Bounded: the least recently used ids are forgotten beyond ``max_entries``.
