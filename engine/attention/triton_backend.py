@@ -28,7 +28,7 @@ class TritonAttentionBackend(AttentionBackend):
             raise RuntimeError(
                 "attention_backend='triton' needs the triton package: pip install 'ferry-serve[triton]'"
             )
-        from engine.kernels import interpreting, triton_attention, triton_decode, triton_ops
+        from engine.kernels import interpreting, triton_attention, triton_decode, triton_mla, triton_ops
 
         if not torch.cuda.is_available() and not interpreting():
             raise RuntimeError(
@@ -38,11 +38,10 @@ class TritonAttentionBackend(AttentionBackend):
         self._write_kv = triton_ops.write_kv_cache
         self._unified = triton_attention.unified_attention
         self._split_decode = triton_decode.split_kv_decode_attention
-        # Latent attention (one 512+64-wide shared head, values inside the keys) has no Triton
-        # kernel yet: it runs the torch backend's implementation on the same device tensors.
-        from engine.attention.torch_backend import TorchAttentionBackend
-
-        self._torch = TorchAttentionBackend(deterministic=deterministic)
+        # Latent attention (one 512+64-wide shared head, values inside the keys): its own kernel.
+        self._mla = triton_mla.mla_attention
+        self._token_positions = triton_mla.token_positions
+        self._mla_plan: tuple[AttentionMetadata, torch.Tensor, torch.Tensor] | None = None
         self.split_size = split_size or triton_decode.DEFAULT_SPLIT_SIZE
         if self.split_size % 64:
             raise ValueError(
@@ -83,4 +82,9 @@ class TritonAttentionBackend(AttentionBackend):
         )  # fmt: skip
 
     def forward_mla(self, q, kv, kv_cache, meta, scale, v_dim):  # type: ignore[override]
-        return self._torch.forward_mla(q, kv, kv_cache, meta, scale, v_dim)
+        kv_cache.view(-1, kv_cache.shape[3]).index_copy_(0, meta.slot_mapping, kv.view(-1, kv.shape[-1]))
+        plan = self._mla_plan
+        if plan is None or plan[0] is not meta:  # once per step, not per layer
+            seqs, positions = self._token_positions(meta.query_start_loc, meta.seq_lens, q.shape[0])
+            plan = self._mla_plan = (meta, seqs, positions)
+        return self._mla(q, kv_cache, plan[1], plan[2], meta.block_tables, scale, v_dim)

@@ -26,6 +26,7 @@ INDEX_POINTERS = {
     "positions_ptr": "*i64", "slot_ptr": "*i64", "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32",
     "block_tables_ptr": "*i32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "cache_ptr": "*fp32",
     "pairs_ptr": "*i32", "block_expert_ptr": "*i32", "weight_ptr": "*fp32",
+    "token_seq_ptr": "*i32", "token_pos_ptr": "*i32",
 }  # fmt: skip
 FLOAT_SCALARS = {"eps", "scale", "softcap"}
 TRITON_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
@@ -67,6 +68,10 @@ MOE_MODELS = [
     MoEModel("qwen3-30b-a3b", 2048, 768, 8),
     MoEModel("tiny-moe", 64, 32, 2),  # the test checkpoints
 ]
+
+
+# Latent attention geometries: (name, latent dims = values, rotary dims).
+MLA_MODELS = [("deepseek-v3", 512, 64), ("tiny-mla", 32, 16)]
 
 
 @dataclass
@@ -117,6 +122,7 @@ def plan(quick: bool) -> list[tuple[str, str, object, str, object, tuple[str, ..
 
     from engine.kernels import triton_attention as att
     from engine.kernels import triton_decode as dec
+    from engine.kernels import triton_mla as mla
     from engine.kernels import triton_moe as moe
     from engine.kernels import triton_ops as ops
 
@@ -162,6 +168,11 @@ def plan(quick: bool) -> list[tuple[str, str, object, str, object, tuple[str, ..
             jobs.append(("moe_gate_up", tag, moe._moe_matmul_kernel, tdt, gate_up, ()))
             down = moe.matmul_launch(e.hidden, e.inter, dt, 1, True, False)
             jobs.append(("moe_down", tag, moe._moe_matmul_kernel, tdt, down, ()))
+    for name, v_dim, rope in MLA_MODELS:
+        for dname in dtypes:
+            dt, tdt = getattr(torch, dname), TRITON_DTYPES[dname]
+            launch = mla.mla_launch(v_dim, rope, dt, False)
+            jobs.append(("mla_attention", f"{name} {dname}", mla._mla_kernel, tdt, launch, ()))
     return jobs
 
 

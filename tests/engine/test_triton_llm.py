@@ -33,8 +33,9 @@ def run(model: Path, backend: str, prompts: list[list[int]], **extra: object) ->
     return [out.outputs[0].token_ids for out in llm.generate(prompts, GREEDY)]
 
 
-# DeepSeek: the Triton norm, rotary (one shared rotary key head) and SiLU kernels around MLA, and
-# the fused experts (engine/kernels/triton_moe.py) with a shared one; Qwen3-MoE: the norm kernel
+# DeepSeek (V3 and V2): the latent attention kernel (engine/kernels/triton_mla.py), the Triton
+# norm, rotary (one shared rotary key head) and SiLU kernels around it, and the fused experts
+# (engine/kernels/triton_moe.py) with a shared one; Qwen3-MoE: the norm kernel
 # on per-head q/k rows, and the fused experts; Mixtral and Qwen2-MoE (a gated shared expert): the
 # fused experts; Phi-3: rotary on part of a head;
 # Gemma 3: sliding and full layers with two rotary tables; Gemma 2: soft-capped scores (the torch
@@ -45,6 +46,7 @@ def run(model: Path, backend: str, prompts: list[list[int]], **extra: object) ->
         "tiny_llama",
         "tiny_qwen2",
         "tiny_deepseek",
+        "tiny_deepseek_v2",
         "tiny_qwen3_moe",
         "tiny_mixtral",
         "tiny_qwen2_moe",
