@@ -42,12 +42,22 @@ class Shapes:
     extend: tuple[int, int, int] = (4, 3584, 512)  # (sequences, cached, new)
     mixed: tuple[int, int, int] = (63, 2048, 1024)  # (decode rows, their context, one prefill chunk)
     split_size: int = 512
+    # Mixture of experts (Qwen3-30B-A3B's layer): hidden, expert intermediate, experts, per token;
+    # tokens routed in a decode step and in a prefill chunk.
+    moe: tuple[int, int, int, int] = (2048, 768, 128, 8)
+    moe_tokens: tuple[int, int] = (64, 4096)
+    # Latent attention (DeepSeek-V3): heads, latent (= value) dims, rotary dims; decode
+    # (sequences, context) and prefill (sequences, new tokens).
+    mla: tuple[int, int, int] = (128, 512, 64)
+    mla_decode: tuple[int, int] = (64, 2048)
+    mla_prefill: tuple[int, int] = (1, 2048)
 
 
 QUICK = Shapes(tokens=2048, decode=(32, 1024), long_decode=(4, 8192), prefill=(2, 1024), extend=(2, 1024, 256),
-               mixed=(15, 1024, 256))  # fmt: skip
+               mixed=(15, 1024, 256), moe_tokens=(32, 1024), mla_decode=(32, 1024), mla_prefill=(1, 1024))  # fmt: skip
 TINY = Shapes(hidden=64, inter=96, hq=4, hkv=2, head_dim=16, tokens=19, decode=(3, 40), long_decode=(2, 150),
-              prefill=(2, 33), extend=(2, 17, 16), mixed=(3, 20, 17), split_size=64)  # fmt: skip
+              prefill=(2, 33), extend=(2, 17, 16), mixed=(3, 20, 17), split_size=64, moe=(64, 32, 8, 2),
+              moe_tokens=(5, 37), mla=(20, 32, 16), mla_decode=(3, 40), mla_prefill=(1, 33))  # fmt: skip
 
 
 @dataclass
@@ -407,6 +417,93 @@ class Bench:
             )
 
 
+class ModelKernels(Bench):
+    """The mixture-of-experts and latent-attention kernels (DeepSeek / Qwen-MoE layers)."""
+
+    def fused_moe(self, name: str, tokens: int) -> Result:
+        from engine import ops
+        from engine.kernels import triton_moe
+        from engine.models.moe import MoE
+
+        torch, (hidden, inter, experts, top_k) = self.torch, self.s.moe
+        r = Result(
+            name, f"T={tokens} H={hidden} I={inter} E={experts} k={top_k}", torch_path="expert loop (torch)"
+        )
+        x = self.randn(tokens, hidden)
+        w13 = self.randn(experts, 2 * inter, hidden) / hidden**0.5
+        w2 = self.randn(experts, hidden, inter) / inter**0.5
+        chosen = torch.rand(tokens, experts, generator=self.gen, device=self.device).topk(top_k, dim=-1)[1]
+        weights = torch.rand(tokens, top_k, generator=self.gen, device=self.device)
+        loop = MoE.__new__(MoE)  # only its expert loop: F.linear and the eager SiLU
+        loop.cfg, loop.linear, loop.silu_and_mul = (
+            _LoopCfg(experts, top_k),
+            torch.nn.functional.linear,
+            ops.silu_and_mul,
+        )
+        layer = {"w13": w13, "w2": w2}
+
+        def run():  # noqa: ANN202
+            return triton_moe.fused_moe(x, w13, w2, weights, chosen, ops.silu_and_mul)
+
+        out = run()
+        ref = MoE._loop(loop, x.float(), {"w13": w13.float(), "w2": w2.float()}, weights, chosen)
+        r.max_rel_err = rel_err(out, ref)
+        r.checks["run_to_run"] = bool(torch.equal(run(), out))
+        alone = triton_moe.fused_moe(x[:1], w13, w2, weights[:1], chosen[:1], ops.silu_and_mul)
+        r.checks["batch_invariant"] = bool(torch.equal(alone, out[:1]))
+        r.ok = r.max_rel_err < self.tol and all(r.checks.values())
+        r.triton_ms = self.time_ms(run)
+        r.torch_ms = self.time_torch(r, lambda: lambda: MoE._loop(loop, x, layer, weights, chosen))
+        used = int(chosen.unique().numel())
+        nbytes = used * 3 * hidden * inter * self.dtype.itemsize + 2 * tokens * hidden * self.dtype.itemsize
+        return self.finish(r, nbytes, 6.0 * tokens * top_k * hidden * inter)
+
+    def mla(self, name: str, seqs: list[tuple[int, int]]) -> Result:
+        from engine.attention.base import AttentionMetadata
+        from engine.attention.torch_backend import TorchAttentionBackend
+        from engine.attention.triton_backend import TritonAttentionBackend
+
+        torch, s = self.torch, self.s
+        heads, v_dim, rope = s.mla
+        width = v_dim + rope
+        need = [-(-(c + n) // s.block_size) for c, n in seqs]
+        num_blocks = sum(need) + 1
+        perm = torch.randperm(num_blocks, generator=self.gen, device=self.device).tolist()
+        tables, used = [], 0
+        for n in need:
+            tables.append(perm[used : used + n])
+            used += n
+        meta = AttentionMetadata.for_chunks(seqs, tables, s.block_size, self.device)
+        cache = self.randn(num_blocks, s.block_size, 1, width)
+        new = sum(n for _, n in seqs)
+        q, kv = self.randn(new, heads, width), self.randn(new, 1, width)
+        scale = width**-0.5
+        r = Result(name, f"{_describe(seqs)}, H={heads} D={v_dim}+{rope}", torch_path="engine torch backend")
+        triton_backend, torch_backend = TritonAttentionBackend(), TorchAttentionBackend()
+
+        def run():  # noqa: ANN202
+            return triton_backend.forward_mla(q, kv, cache, meta, scale, v_dim)
+
+        out = run()
+        ref = torch_backend.forward_mla(q.float(), kv.float(), cache.float(), meta, scale, v_dim)
+        r.max_rel_err = rel_err(out, ref)
+        r.checks["run_to_run"] = bool(torch.equal(run(), out))
+        r.ok = r.max_rel_err < self.tol and all(r.checks.values())
+        r.triton_ms = self.time_ms(run)
+        r.torch_ms = self.time_torch(
+            r, lambda: lambda: torch_backend.forward_mla(q, kv, cache, meta, scale, v_dim)
+        )
+        visible = sum(n * c + n * (n + 1) // 2 for c, n in seqs)
+        nbytes = (sum(c + n for c, n in seqs) * width + new * heads * (width + v_dim)) * self.dtype.itemsize
+        return self.finish(r, nbytes, 2.0 * heads * (width + v_dim) * visible)
+
+
+@dataclass
+class _LoopCfg:
+    num_experts: int
+    experts_per_token: int
+
+
 def _describe(seqs: list[tuple[int, int]]) -> str:
     kinds: dict[tuple[int, int], int] = {}
     for sq in seqs:
@@ -417,7 +514,7 @@ def _describe(seqs: list[tuple[int, int]]) -> str:
     return " + ".join(f"{k}x(ctx {c}, new {n})" for (c, n), k in kinds.items())
 
 
-def cases(b: Bench) -> list[tuple[str, Callable[[], Result]]]:
+def cases(b: ModelKernels) -> list[tuple[str, Callable[[], Result]]]:
     s = b.s
     (nd, cd), (npf, lp), (ne, ce, le), (nm, cm, lm) = s.decode, s.prefill, s.extend, s.mixed
     return [
@@ -438,6 +535,10 @@ def cases(b: Bench) -> list[tuple[str, Callable[[], Result]]]:
         ("unified mixed", lambda: b.unified("unified mixed", [(0, lm)] + [(cm - 1, 1)] * nm, None)),
         ("chunked-prefill invariance", b.chunking),
         ("split-KV decode", b.split_decode),
+        ("fused_moe decode", lambda: b.fused_moe("fused_moe decode", s.moe_tokens[0])),
+        ("fused_moe prefill", lambda: b.fused_moe("fused_moe prefill", s.moe_tokens[1])),
+        ("mla decode", lambda: b.mla("mla decode", [(s.mla_decode[1] - 1, 1)] * s.mla_decode[0])),
+        ("mla prefill", lambda: b.mla("mla prefill", [(0, s.mla_prefill[1])] * s.mla_prefill[0])),
     ]
 
 
@@ -491,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     started = time.perf_counter()
-    bench = Bench(shapes, args.dtype, iters)
+    bench = ModelKernels(shapes, args.dtype, iters)
     results = []
     for name, run in cases(bench):
         if args.only and args.only not in name:
