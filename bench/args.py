@@ -23,9 +23,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     target.add_argument(
         "--endpoint",
-        choices=["chat", "completions"],
+        choices=["chat", "completions", "responses"],
         default=None,
-        help="API to call (default: chat for multi-turn, completions otherwise)",
+        help="API to call (default: chat for multi-turn, completions otherwise; responses: OpenAI's "
+        "Responses API, the prompt as one user message)",
     )
     target.add_argument(
         "--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token (default: $OPENAI_API_KEY)"

@@ -88,6 +88,11 @@ class BenchConfig:
             raise ConfigError("--dataset jsonl needs --dataset-path FILE")
         if args.token_ids and endpoint != "completions":
             raise ConfigError("--token-ids applies to --endpoint completions only (chat content is text)")
+        if args.continuous_usage_stats and endpoint == "responses":
+            raise ConfigError(
+                "--continuous-usage-stats does not apply to --endpoint responses (its usage comes with "
+                "the last event only)"
+            )
         for name in ("input_len", "output_len", "prefix_len", "num_groups", "prompts_per_group", "turns"):
             if getattr(args, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")

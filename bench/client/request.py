@@ -8,6 +8,10 @@ Timing rules (the same for every backend):
 * E2E: send -> end of the stream (``[DONE]`` or the connection's clean end after the last chunk).
 * A server that answers with one JSON body despite ``stream: true`` is measured as one chunk
   (TTFT = E2E, no ITL).
+* The Responses API (``--endpoint responses``) streams typed events: text comes from
+  ``response.output_text.delta`` (and ``response.reasoning_text.delta``) events, the stream ends
+  with ``response.completed`` or ``response.incomplete`` (finish reasons ``stop`` / ``length``),
+  whose response carries the usage; ``response.failed`` and ``error`` events are stream errors.
 * Token counts come from the final ``usage`` (``stream_options.include_usage``); without usage,
   the chunk count stands in and ``usage_missing`` is set.
 * With ``--continuous-usage-stats`` (vLLM's ``stream_options.continuous_usage_stats``) every
@@ -51,6 +55,23 @@ class _StreamError(Exception):
         self.kind = kind
 
 
+_RESPONSES_TEXT = ("response.output_text.delta", "response.reasoning_text.delta")
+_RESPONSES_END = {"response.completed": "stop", "response.incomplete": "length"}
+
+
+def _responses_usage(response: dict[str, Any]) -> dict[str, Any] | None:
+    """A Responses usage object in chat's terms (what ``_count_tokens`` reads)."""
+    usage = response.get("usage")
+    if not isinstance(usage, dict):
+        return None
+    cached = (usage.get("input_tokens_details") or {}).get("cached_tokens")
+    return {
+        "prompt_tokens": usage.get("input_tokens"),
+        "completion_tokens": usage.get("output_tokens"),
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
 def _chunk_text(chunk: dict[str, Any], chat: bool) -> tuple[str, str | None]:
     """Output text and finish reason of a streamed chunk (first choice only; n=1)."""
     choices = chunk.get("choices") or []
@@ -79,9 +100,7 @@ async def send_request(
     start = time.perf_counter()
     try:
         await asyncio.wait_for(
-            _stream(
-                client, base_url + ENDPOINT_PATHS[endpoint], endpoint == "chat", body, headers, out, start
-            ),
+            _stream(client, base_url + ENDPOINT_PATHS[endpoint], endpoint, body, headers, out, start),
             timeout_s,
         )
         record.ok = True
@@ -109,7 +128,7 @@ def _fail(record: RequestRecord, kind: str, message: str) -> None:
 async def _stream(
     client: httpx.AsyncClient,
     url: str,
-    chat: bool,
+    endpoint: str,
     body: dict[str, Any],
     headers: dict[str, str],
     out: Outcome,
@@ -122,8 +141,9 @@ async def _stream(
             raw = await resp.aread()
             raise _StreamError(ErrorKind.http(resp.status_code), _error_message(raw))
         if resp.headers.get("content-type", "").startswith("application/json"):
-            await _whole_answer(resp, chat, out, start)
+            await _whole_answer(resp, endpoint, out, start)
             return
+        chat, responses = endpoint == "chat", endpoint == "responses"
         parser = SSEParser()
         last_chunk_t: float | None = None
         pieces: list[str] = []
@@ -144,9 +164,17 @@ async def _stream(
                 raise _StreamError(ErrorKind.BAD_RESPONSE, f"unparseable chunk: {data[:200]!r}") from None
             if not isinstance(chunk, dict):
                 raise _StreamError(ErrorKind.BAD_RESPONSE, f"chunk is not an object: {data[:200]!r}")
-            if chunk.get("error"):
+            if chunk.get("error") or (responses and chunk.get("type") in ("error", "response.failed")):
                 raise _StreamError(ErrorKind.STREAM_ERROR, _error_message(json.dumps(chunk).encode()))
-            text, finish = _chunk_text(chunk, chat)
+            if responses:
+                kind = chunk.get("type")
+                text = (chunk.get("delta") or "") if kind in _RESPONSES_TEXT else ""
+                finish = _RESPONSES_END.get(kind)
+                if finish is not None:
+                    usage = _responses_usage(chunk.get("response") or {})
+                    done = True
+            else:
+                text, finish = _chunk_text(chunk, chat)
             running = (chunk.get("usage") or {}).get("completion_tokens")
             if text and isinstance(running, int):
                 record.chunk_tokens.append(running - counted)
@@ -163,6 +191,8 @@ async def _stream(
                 record.finish_reason = finish
             if chunk.get("usage"):
                 usage = chunk["usage"]
+            if done:  # the Responses API's last event (it sends no [DONE])
+                break
         if not done and record.finish_reason is None:
             raise _StreamError(ErrorKind.BROKEN_STREAM, "stream ended before [DONE] or a finish_reason")
         record.e2e_s = time.perf_counter() - start
@@ -170,7 +200,7 @@ async def _stream(
         _count_tokens(record, usage)
 
 
-async def _whole_answer(resp: httpx.Response, chat: bool, out: Outcome, start: float) -> None:
+async def _whole_answer(resp: httpx.Response, endpoint: str, out: Outcome, start: float) -> None:
     """A server that ignored ``stream: true`` and sent one JSON answer: the first token arrived
     with the last, so TTFT = E2E and there are no inter-token gaps."""
     record = out.record
@@ -178,14 +208,25 @@ async def _whole_answer(resp: httpx.Response, chat: bool, out: Outcome, start: f
     record.e2e_s = record.ttft_s = time.perf_counter() - start
     try:
         body = json.loads(raw)
-        choice = body["choices"][0]
-        text = (choice.get("message") or {}).get("content") if chat else choice.get("text")
+        if endpoint == "responses":
+            text = "".join(
+                part.get("text") or ""
+                for item in body["output"]
+                if item.get("type") == "message"
+                for part in item.get("content") or []
+            )
+            finish = "length" if body.get("status") == "incomplete" else "stop"
+            usage = _responses_usage(body)
+        else:
+            choice = body["choices"][0]
+            text = (choice.get("message") or {}).get("content") if endpoint == "chat" else choice.get("text")
+            finish, usage = choice.get("finish_reason"), body.get("usage")
     except (ValueError, KeyError, IndexError, TypeError, AttributeError):
         raise _StreamError(ErrorKind.BAD_RESPONSE, f"unparseable answer: {raw[:200]!r}") from None
     out.text = text or ""
     record.stream_chunks = 1 if out.text else 0
-    record.finish_reason = choice.get("finish_reason")
-    _count_tokens(record, body.get("usage"))
+    record.finish_reason = finish
+    _count_tokens(record, usage)
 
 
 def _count_tokens(record: RequestRecord, usage: dict[str, Any] | None) -> None:

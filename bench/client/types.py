@@ -9,7 +9,11 @@ from typing import Any
 # before the body is sent, so a requests.jsonl line is otherwise a plain OpenAI request body.
 META_KEY = "ferry_bench"
 
-ENDPOINT_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+ENDPOINT_PATHS = {
+    "chat": "/v1/chat/completions",
+    "completions": "/v1/completions",
+    "responses": "/v1/responses",
+}
 
 
 class ErrorKind:
@@ -33,7 +37,7 @@ class BenchRequest:
     for a turn of a conversation it holds only that turn's new messages, and the client
     prepends the conversation so far (earlier turns and the server's answers) when sending."""
 
-    endpoint: str  # "chat" | "completions"
+    endpoint: str  # "chat" | "completions" | "responses"
     body: dict[str, Any]
     session_id: str | None = None
     turn: int = 0

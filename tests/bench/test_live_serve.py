@@ -211,3 +211,36 @@ def test_shared_prefix_reports_cached_prompt_tokens(
     assert m["cached_prompt_tokens"] == 4 * 48
     assert m["cached_prompt_fraction"] == pytest.approx(4 * 48 / (6 * 56))
     assert "prompt tokens from cache (fraction)" in stdout
+
+
+def test_responses_endpoint(ferry_serve, bench, tmp_path: Path) -> None:
+    """`--endpoint responses`: OpenAI's Responses API, timed from its text delta events, counted from
+    the usage of its last event; a saved request set replays as Responses bodies."""
+    out = tmp_path / "responses"
+    flags = (
+        f"--base-url {ferry_serve.url} --endpoint responses --num-prompts 4 --input-len 12 "
+        "--output-len 6 --ignore-eos --concurrency 2 --seed 3"
+    )
+    rc, stdout = bench(flags, "--output-dir", str(out))
+    assert rc == 0, stdout
+    recs = _raw(out)
+    assert len(recs) == 4
+    for r in recs:
+        assert r["ok"] and r["http_status"] == 200, r
+        assert r["completion_tokens"] == 6 and r["finish_reason"] == "length"  # max_output_tokens reached
+        assert r["prompt_tokens"] > 0 and r["ttft_s"] > 0 and r["e2e_s"] >= r["ttft_s"]
+        assert 1 <= r["stream_chunks"] <= 6 and len(r["itl_s"]) == r["stream_chunks"] - 1
+    bodies = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+    assert all("input" in b and b["max_output_tokens"] == 6 and "stream_options" not in b for b in bodies)
+    assert _summary(out)["endpoint"] == "responses"
+    replay = tmp_path / "replay"
+    rc, stdout = bench(
+        f"--base-url {ferry_serve.url} --dataset jsonl",
+        "--dataset-path",
+        str(out / "requests.jsonl"),
+        "--output-dir",
+        str(replay),
+    )
+    assert rc == 0 and all(r["ok"] and r["completion_tokens"] == 6 for r in _raw(replay)), stdout
+    rc, stdout = bench(f"--base-url {ferry_serve.url} --endpoint responses --continuous-usage-stats")
+    assert rc != 0 and "--continuous-usage-stats does not apply to --endpoint responses" in stdout

@@ -78,7 +78,23 @@ def apply_request_options(
     if cfg.continuous_usage_stats:
         options["continuous_usage_stats"] = True
     out["stream_options"] = options
+    if endpoint == "responses":
+        out = as_responses_body(out)
     out.update(cfg.extra)
+    return out
+
+
+def as_responses_body(body: dict[str, Any]) -> dict[str, Any]:
+    """A chat-shaped body as the Responses API takes it: ``messages`` as ``input``, the token
+    limit as ``max_output_tokens``; no ``stream_options`` (usage comes with the last event)."""
+    out = dict(body)
+    if "messages" in out:
+        out["input"] = out.pop("messages")
+    limit = out.pop("max_tokens", None) or out.pop("max_completion_tokens", None)
+    out.pop("max_completion_tokens", None)
+    if limit is not None:
+        out["max_output_tokens"] = limit
+    out.pop("stream_options", None)
     return out
 
 
@@ -103,7 +119,7 @@ def make_body(
 def single_prompt_body(
     ctx: DatasetContext, prompt_len_text: str | list[int], max_tokens: int
 ) -> dict[str, Any]:
-    """A one-message chat body or a completions body, as --endpoint says."""
-    if ctx.cfg.endpoint == "chat":
+    """A one-message chat (or Responses) body or a completions body, as --endpoint says."""
+    if ctx.cfg.endpoint in ("chat", "responses"):
         return make_body(ctx, messages=[{"role": "user", "content": prompt_len_text}], max_tokens=max_tokens)
     return make_body(ctx, prompt=prompt_len_text, max_tokens=max_tokens)

@@ -36,8 +36,12 @@ def _parse_line(path: Path, lineno: int, text: str, ctx: DatasetContext) -> Benc
         endpoint = "chat"
     elif "prompt" in body:
         endpoint = "completions"
+    elif isinstance(body.get("input"), (str, list)):
+        endpoint = "responses"
     else:
-        raise DatasetFileError(f"{where}: a body needs 'messages' (chat) or 'prompt' (completions)")
+        raise DatasetFileError(
+            f"{where}: a body needs 'messages' (chat), 'prompt' (completions) or 'input' (responses)"
+        )
     session = meta.get("session_id")
     if session is not None and endpoint != "chat":
         raise DatasetFileError(f"{where}: a session turn must be a chat body ('messages')")
