@@ -194,7 +194,13 @@ class Generation:
                     if out.finished:
                         finished = True
                         reason = (out.outputs[0].finish_reason if out.outputs else None) or "abort"
-                        metrics.observe_finished(reason, time.perf_counter() - arrival, out.metrics)
+                        metrics.observe_finished(
+                            reason,
+                            time.perf_counter() - arrival,
+                            out.metrics,
+                            len(seq.prompt_token_ids),
+                            num_generated,
+                        )
                         if deadline.timed_out and reason == "abort":
                             raise timeout_error(self.config.request_timeout or 0.0)
                     yield out

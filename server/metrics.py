@@ -4,8 +4,10 @@ Two kinds:
 * gauges and counters that mirror engine state (running/waiting requests, KV usage, prefix-cache
   queries/hits, preemptions) are read from ``engine.stats()`` at scrape time by a custom
   collector, never pushed per token;
-* per-request histograms (TTFT, inter-token latency, end-to-end latency, queue time) and
-  finished requests by reason are observed by the serving layer as outputs arrive.
+* per-request histograms (TTFT, inter-token latency, end-to-end latency, queue time; when a
+  request finishes: its prompt and generation tokens, prefill, decode and inference time, time
+  per output token) and finished requests by reason are observed by the serving layer as
+  outputs arrive. vLLM's stock Grafana dashboard reads these.
 
 Every series carries ``model_name``. prometheus-client appends ``_total`` to counters, so the
 exposed names are ``vllm:prompt_tokens_total``, ``vllm:prefix_cache_hits_total`` … exactly as
@@ -40,6 +42,12 @@ _REQUEST_BUCKETS = tuple(
     float(x)
     for x in "0.01 0.05 0.1 0.3 0.5 0.8 1 1.5 2 2.5 5 10 15 20 30 40 50 60 120 240 480 960 1920 7680".split()
 )
+
+_TPOT_BUCKETS = tuple(
+    float(x) for x in "0.01 0.025 0.05 0.075 0.1 0.15 0.2 0.3 0.4 0.5 0.75 1 2.5 5 7.5 10 20 40 80".split()
+)
+# Token counts: 1, 2, 5 times powers of ten up to a million (vLLM's build_1_2_5_buckets).
+_TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5) if m * 10**e <= 1_000_000)
 
 # (exposed name without _total, help, EngineStats attribute, kind)
 _ENGINE_SERIES: tuple[tuple[str, str, str, str], ...] = (
@@ -134,6 +142,48 @@ class ServerMetrics:
             buckets=_REQUEST_BUCKETS,
             registry=reg,
         ).labels(model_name)
+        self._prompt_tokens = Histogram(
+            "vllm:request_prompt_tokens",
+            "Number of prefill tokens processed.",
+            labels,
+            buckets=_TOKEN_BUCKETS,
+            registry=reg,
+        ).labels(model_name)
+        self._generation_tokens = Histogram(
+            "vllm:request_generation_tokens",
+            "Number of generation tokens processed.",
+            labels,
+            buckets=_TOKEN_BUCKETS,
+            registry=reg,
+        ).labels(model_name)
+        self._prefill = Histogram(
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            labels,
+            buckets=_REQUEST_BUCKETS,
+            registry=reg,
+        ).labels(model_name)
+        self._decode = Histogram(
+            "vllm:request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.",
+            labels,
+            buckets=_REQUEST_BUCKETS,
+            registry=reg,
+        ).labels(model_name)
+        self._inference = Histogram(
+            "vllm:request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.",
+            labels,
+            buckets=_REQUEST_BUCKETS,
+            registry=reg,
+        ).labels(model_name)
+        self._tpot = Histogram(
+            "vllm:time_per_output_token_seconds",
+            "Histogram of time per output token in seconds.",
+            labels,
+            buckets=_TPOT_BUCKETS,
+            registry=reg,
+        ).labels(model_name)
         self.rejected = Counter(
             "ferry:server_rejected_requests",
             "Requests refused by admission control (429).",
@@ -168,19 +218,41 @@ class ServerMetrics:
         for _ in range(new_tokens):
             self._itl.observe(per_token)
 
-    def observe_finished(self, reason: str, e2e_s: float, engine_metrics: Mapping[str, float] | None) -> None:
+    def observe_finished(
+        self,
+        reason: str,
+        e2e_s: float,
+        engine_metrics: Mapping[str, float] | None,
+        prompt_tokens: int | None = None,
+        generation_tokens: int = 0,
+    ) -> None:
+        """A request's end. ``prompt_tokens`` is None for one that never reached the engine; the
+        phase times come from the engine's stamps (``time.monotonic()``: arrival, first scheduled,
+        first token, finished), observed only for the phases the request went through."""
         counter = self._success_by_reason.get(reason)
         if counter is None:
             counter = self._success.labels(self.model_name, reason)
             self._success_by_reason[reason] = counter
         counter.inc()
         self._e2e.observe(e2e_s)
-        if engine_metrics:
-            # The engine stamps time.monotonic() at arrival and when the request first ran.
-            arrived = engine_metrics.get("arrival_time")
-            scheduled = engine_metrics.get("first_scheduled_time")
-            if arrived is not None and scheduled is not None:
-                self._queue.observe(max(0.0, float(scheduled) - float(arrived)))
+        if prompt_tokens is not None:
+            self._prompt_tokens.observe(prompt_tokens)
+            self._generation_tokens.observe(generation_tokens)
+        if not engine_metrics:
+            return
+        stamps = {k: float(v) for k, v in engine_metrics.items() if v is not None}
+        arrived, scheduled = stamps.get("arrival_time"), stamps.get("first_scheduled_time")
+        first, done = stamps.get("first_token_time"), stamps.get("finished_time")
+        if arrived is not None and scheduled is not None:
+            self._queue.observe(max(0.0, scheduled - arrived))
+        if scheduled is not None and first is not None:
+            self._prefill.observe(max(0.0, first - scheduled))
+        if first is not None and done is not None:
+            self._decode.observe(max(0.0, done - first))
+            if generation_tokens > 1:
+                self._tpot.observe(max(0.0, done - first) / (generation_tokens - 1))
+        if scheduled is not None and done is not None:
+            self._inference.observe(max(0.0, done - scheduled))
 
     def render(self) -> bytes:
         """The text exposition of this server's metrics plus the default registry (KV tier, process),

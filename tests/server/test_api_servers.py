@@ -57,6 +57,7 @@ from tests.server.test_openai_api import (  # noqa: F401
     test_completion_stream_equals_non_stream,
     test_kv_transfer_producer_answer_and_resume,
     test_metrics_use_vllm_names,
+    test_per_request_histograms_of_vllms_dashboard,
     test_prefix_cache_hits_reported_as_cached_tokens,
     test_request_id_is_echoed_and_prefixes_the_response_id,
     test_tokenize_detokenize_match_tokenizer,

@@ -388,6 +388,42 @@ def test_metrics_use_vllm_names(server, scrape) -> None:
     assert scrape(server.url, "vllm:generation_tokens_total", model_name=name) > 0
 
 
+def test_per_request_histograms_of_vllms_dashboard(server, scrape) -> None:
+    """What vLLM's Grafana dashboard plots per request: token counts, phase times, time per token."""
+    name = server.model_name
+    series = (
+        "vllm:request_prompt_tokens",
+        "vllm:request_generation_tokens",
+        "vllm:request_prefill_time_seconds",
+        "vllm:request_decode_time_seconds",
+        "vllm:request_inference_time_seconds",
+        "vllm:time_per_output_token_seconds",
+    )
+
+    def read() -> dict[str, tuple[float, float]]:
+        return {
+            s: (
+                scrape(server.url, s + "_count", model_name=name) or 0.0,
+                scrape(server.url, s + "_sum", model_name=name) or 0.0,
+            )
+            for s in series
+        }
+
+    before = read()
+    body = {"model": name, "prompt": [5, 6, 7, 8, 9, 10, 11], "max_tokens": 5, "ignore_eos": True}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200
+    after = read()
+    counts = {s: after[s][0] - before[s][0] for s in series}
+    sums = {s: after[s][1] - before[s][1] for s in series}
+    assert counts == dict.fromkeys(series, 1.0)
+    assert sums["vllm:request_prompt_tokens"] == 7 and sums["vllm:request_generation_tokens"] == 5
+    prefill, decode = sums["vllm:request_prefill_time_seconds"], sums["vllm:request_decode_time_seconds"]
+    assert prefill > 0 and decode > 0
+    assert sums["vllm:request_inference_time_seconds"] == pytest.approx(prefill + decode, rel=1e-6)
+    assert sums["vllm:time_per_output_token_seconds"] == pytest.approx(decode / 4, rel=1e-6)
+
+
 def test_choices_of_one_prompt_share_its_prefill(server, scrape) -> None:
     """n > 1: the first choice computes the prompt, the others wait for its blocks and hit them."""
     name = server.model_name
