@@ -39,8 +39,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--role", choices=["mixed", "prefill", "decode"], default="mixed")
     p.add_argument(
         "--served-model-name",
+        nargs="+",
         default=None,
-        help="model id clients send (default: the model directory's name, or ferry-demo)",
+        metavar="NAME",
+        help="model id(s) clients send (default: the model directory's name, or ferry-demo); with "
+        "several, any is accepted and answers and metrics carry the first (as vLLM's)",
     )
     p.add_argument(
         "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize"
@@ -191,7 +194,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def served_model_name(args: argparse.Namespace) -> str:
     if args.served_model_name:
-        return args.served_model_name
+        return args.served_model_name[0]
     if args.model:
         path = Path(args.model)
         return path.name if path.is_dir() and path.name else str(args.model)  # a hub id stays whole
@@ -203,6 +206,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 
     return ServerConfig(
         served_model_name=served_model_name(args),
+        model_aliases=tuple(dict.fromkeys(args.served_model_name[1:])) if args.served_model_name else (),
         host=args.host,
         port=args.port,
         role=args.role,

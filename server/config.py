@@ -13,6 +13,8 @@ class ServerConfig:
     """Everything the HTTP layer decides; engine options live in ``engine.config.EngineConfig``."""
 
     served_model_name: str = "ferry-demo"
+    # More names clients may send (--served-model-name a b ...); answers carry served_model_name.
+    model_aliases: tuple[str, ...] = ()
     host: str = "127.0.0.1"
     port: int = 8000
     role: str = "mixed"  # mixed | prefill | decode

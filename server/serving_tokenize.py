@@ -36,10 +36,10 @@ def detokenize(state: ServerState, req: DetokenizeRequest) -> DetokenizeResponse
 
 def list_models(state: ServerState) -> ModelList:
     root = getattr(getattr(state.engine, "model_info", None), "name", None)
+    names = dict.fromkeys((state.model_name, *state.config.model_aliases))
     return ModelList(
         data=[
-            ModelCard(
-                id=state.model_name, root=root or state.model_name, max_model_len=state.limits.max_model_len
-            )
+            ModelCard(id=name, root=root or state.model_name, max_model_len=state.limits.max_model_len)
+            for name in names
         ]
     )

@@ -48,5 +48,9 @@ class ServerState:
 
     def check_model(self, model: str | None) -> None:
         """Requests may omit ``model``; a named model must be the one served here (else 404)."""
-        if model is not None and model != self.config.served_model_name:
+        if (
+            model is not None
+            and model != self.config.served_model_name
+            and model not in self.config.model_aliases
+        ):
             raise model_not_found(model)

@@ -98,10 +98,9 @@ def test_ferry_args_are_flags_ferry_accepts(overlay: tuple[str, list[dict]]) -> 
                 assert args.host == "0.0.0.0"
                 assert args.kv_tier.startswith(("redis://", "rediss://"))
                 assert args.responses_store == args.kv_tier  # chains continue on any replica
-                assert (
-                    args.served_model_name
-                    == one(docs, "ConfigMap", "ferry-config")["data"]["SERVED_MODEL_NAME"]
-                )
+                assert args.served_model_name == [
+                    one(docs, "ConfigMap", "ferry-config")["data"]["SERVED_MODEL_NAME"]
+                ]
             if args.command == "router":
                 assert args.host == "0.0.0.0" and args.discovery.startswith("k8s:")
                 # The router follows the replicas' KV events in the very tier they write to.

@@ -437,3 +437,24 @@ def test_choices_of_one_prompt_share_its_prefill(server, scrape) -> None:
     assert full >= 48 and answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert scrape(server.url, "ferry:prefix_waits_total", model_name=name) - waits >= 2
     assert scrape(server.url, "vllm:prefix_cache_hits_total", model_name=name) - hits == 2 * full
+
+
+def test_several_served_model_names(tiny_llama, serve_logs, server_process, scrape) -> None:
+    """`--served-model-name primary alias` (vLLM's): either name is accepted, /v1/models lists
+    both, answers and metrics carry the first."""
+    srv = server_process(
+        tiny_llama, ["--served-model-name", "primary", "alias", "--num-kv-blocks", "64"], serve_logs
+    ).start()
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        assert [m.id for m in c.models.list().data] == ["primary", "alias"]
+        for name in ("primary", "alias"):
+            r = c.completions.create(model=name, prompt="Hi", max_tokens=2)
+            assert r.model == "primary"
+        with pytest.raises(openai.NotFoundError):
+            c.completions.create(model="other", prompt="Hi", max_tokens=2)
+        assert (
+            scrape(srv.url, "vllm:request_success_total", model_name="primary", finished_reason="length") == 2
+        )
+    finally:
+        srv.stop()
