@@ -80,9 +80,10 @@ class BenchConfig:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> BenchConfig:
         endpoint = args.endpoint or ("chat" if args.dataset == "multi-turn" else "completions")
-        if args.dataset == "multi-turn" and endpoint != "chat":
+        if args.dataset == "multi-turn" and endpoint not in ("chat", "responses"):
             raise ConfigError(
-                "--dataset multi-turn needs --endpoint chat (a conversation is a list of messages)"
+                "--dataset multi-turn needs --endpoint chat (the client resends the conversation) or "
+                "responses (each turn continues the last answer by previous_response_id)"
             )
         if args.dataset == "jsonl" and not args.dataset_path:
             raise ConfigError("--dataset jsonl needs --dataset-path FILE")

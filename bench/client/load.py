@@ -181,7 +181,8 @@ class _RunContext:
             await self._run_chain(chain_i, chain, warmup, progress)
 
     async def _run_chain(self, chain_i: int, chain: Chain, warmup: bool, progress: Progress) -> None:
-        history: list[dict] = []
+        history: list[dict] = []  # chat: the conversation so far
+        previous: str | None = None  # responses: the last answer's id (the server keeps the rest)
         broken: str | None = None
         for turn_i, req in enumerate(chain):
             rec = self._record(chain_i, turn_i, req, warmup)
@@ -193,7 +194,10 @@ class _RunContext:
                 progress.update(False)
                 continue
             body = req.body
-            if req.session_id is not None:
+            if req.session_id is not None and req.endpoint == "responses":
+                if previous is not None:
+                    body = {**req.body, "previous_response_id": previous}
+            elif req.session_id is not None:
                 body = {**req.body, "messages": history + req.body["messages"]}
             headers = dict(self.runner.base_headers)
             headers["X-Request-Id"] = f"bench-{self.nonce}-{self.run}-{rec.index}"
@@ -206,6 +210,8 @@ class _RunContext:
                 self.runner.lost = rec.error or "connection error"
             if not rec.ok:
                 broken = rec.error_kind
+            elif req.session_id is not None and req.endpoint == "responses":
+                previous = out.response_id
             elif req.session_id is not None:
                 history = body["messages"] + [{"role": "assistant", "content": out.text}]
             progress.update(rec.ok)

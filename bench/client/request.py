@@ -43,10 +43,12 @@ _MAX_ERROR_CHARS = 500
 
 @dataclass
 class Outcome:
-    """A record filled in plus the generated text (kept only for conversation history)."""
+    """A record filled in plus the generated text (kept only for conversation history) and, from
+    the Responses API, the response's id (a session's next turn continues it)."""
 
     record: RequestRecord
     text: str = ""
+    response_id: str | None = None
 
 
 class _StreamError(Exception):
@@ -168,6 +170,8 @@ async def _stream(
                 raise _StreamError(ErrorKind.STREAM_ERROR, _error_message(json.dumps(chunk).encode()))
             if responses:
                 kind = chunk.get("type")
+                if isinstance((chunk.get("response") or {}).get("id"), str):
+                    out.response_id = chunk["response"]["id"]
                 text = (chunk.get("delta") or "") if kind in _RESPONSES_TEXT else ""
                 finish = _RESPONSES_END.get(kind)
                 if finish is not None:
@@ -217,6 +221,7 @@ async def _whole_answer(resp: httpx.Response, endpoint: str, out: Outcome, start
             )
             finish = "length" if body.get("status") == "incomplete" else "stop"
             usage = _responses_usage(body)
+            out.response_id = body.get("id")
         else:
             choice = body["choices"][0]
             text = (choice.get("message") or {}).get("content") if endpoint == "chat" else choice.get("text")

@@ -244,3 +244,25 @@ def test_responses_endpoint(ferry_serve, bench, tmp_path: Path) -> None:
     assert rc == 0 and all(r["ok"] and r["completion_tokens"] == 6 for r in _raw(replay)), stdout
     rc, stdout = bench(f"--base-url {ferry_serve.url} --endpoint responses --continuous-usage-stats")
     assert rc != 0 and "--continuous-usage-stats does not apply to --endpoint responses" in stdout
+
+
+def test_multi_turn_responses_continue_by_previous_response_id(ferry_serve, bench, tmp_path: Path) -> None:
+    """Each turn sends only its new message and the last answer's id: the replica's stored
+    conversation makes the prompt grow as the chat mode's resent history does."""
+    out = tmp_path / "mt-responses"
+    flags = (
+        f"--base-url {ferry_serve.url} --dataset multi-turn --endpoint responses --num-prompts 2 --turns 3 "
+        "--input-len 8 --output-len 5 --ignore-eos --concurrency 2"
+    )
+    rc, stdout = bench(flags, "--output-dir", str(out))
+    assert rc == 0, stdout
+    recs = _raw(out)
+    assert len(recs) == 6 and all(r["ok"] and r["completion_tokens"] == 5 for r in recs)
+    for s in ("bench-0-s00000", "bench-0-s00001"):
+        turns = [r for r in recs if r["session_id"] == s]
+        for prev, cur in zip(turns, turns[1:], strict=False):
+            assert cur["prompt_tokens"] >= prev["prompt_tokens"] + prev["completion_tokens"] + 8
+    bodies = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+    assert all(
+        len(b["input"]) == 1 and "previous_response_id" not in b for b in bodies
+    )  # the plan, as sent first

@@ -43,8 +43,10 @@ def _parse_line(path: Path, lineno: int, text: str, ctx: DatasetContext) -> Benc
             f"{where}: a body needs 'messages' (chat), 'prompt' (completions) or 'input' (responses)"
         )
     session = meta.get("session_id")
-    if session is not None and endpoint != "chat":
-        raise DatasetFileError(f"{where}: a session turn must be a chat body ('messages')")
+    if session is not None and endpoint == "completions":
+        raise DatasetFileError(
+            f"{where}: a session turn must be a chat ('messages') or responses ('input') body"
+        )
     body = apply_request_options(ctx.cfg, body, ctx.model, endpoint)
     return BenchRequest(
         endpoint,

@@ -1,7 +1,9 @@
 """``multi-turn``: sessions of --turns turns. Each turn adds a new --input-len-token user message;
 the client sends it after the previous answer arrives, with the whole conversation so far (earlier
-user turns and the server's real answers), so the context grows turn by turn. Every request of a
-session carries the same ``X-Session-Id`` header for affinity routing."""
+user turns and the server's real answers), so the context grows turn by turn. With ``--endpoint
+responses`` the client sends only the new message and the previous answer's id
+(``previous_response_id``): the server keeps the conversation. Every request of a session
+carries the same ``X-Session-Id`` header for affinity routing."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ def build(ctx: DatasetContext, count: int | None) -> list[Chain]:
             )
             chain.append(
                 BenchRequest(
-                    "chat", body, session_id=session_id, turn=t, input_len=in_len, output_len=out_len
+                    cfg.endpoint, body, session_id=session_id, turn=t, input_len=in_len, output_len=out_len
                 )
             )
         chains.append(chain)
