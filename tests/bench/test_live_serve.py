@@ -129,11 +129,14 @@ def test_same_seed_same_request_set(ferry_serve, bench, tmp_path: Path) -> None:
     assert rc == 0 and (replay / "requests.jsonl").read_bytes() == a
 
 
-def test_multi_turn_chat(ferry_serve, bench, tmp_path: Path) -> None:
+@pytest.mark.parametrize("endpoint", ["chat", "responses"])
+def test_multi_turn(ferry_serve, bench, tmp_path: Path, endpoint: str) -> None:
+    """Chat resends the conversation each turn; responses sends only the new message and the last
+    answer's id (the replica keeps the conversation). Either way the prompt grows."""
     out = tmp_path / "mt"
     flags = (
-        f"--base-url {ferry_serve.url} --dataset multi-turn --num-prompts 2 --turns 3 --input-len 8 "
-        "--output-len 5 --ignore-eos --concurrency 2"
+        f"--base-url {ferry_serve.url} --dataset multi-turn --endpoint {endpoint} --num-prompts 2 --turns 3 "
+        "--input-len 8 --output-len 5 --ignore-eos --concurrency 2"
     )
     rc, stdout = bench(flags, "--output-dir", str(out))
     assert rc == 0, stdout
@@ -141,9 +144,12 @@ def test_multi_turn_chat(ferry_serve, bench, tmp_path: Path) -> None:
     assert len(recs) == 6 and all(r["ok"] and r["completion_tokens"] == 5 for r in recs)
     for s in ("bench-0-s00000", "bench-0-s00001"):
         turns = [r for r in recs if r["session_id"] == s]
-        # Each turn re-sends the conversation: the prompt grows by at least the previous answer.
+        # Each turn's prompt holds at least the previous prompt, its answer and the new message.
         for prev, cur in zip(turns, turns[1:], strict=False):
             assert cur["prompt_tokens"] >= prev["prompt_tokens"] + prev["completion_tokens"] + 8
+    if endpoint == "responses":  # the plan as saved: one message each, the id added when sent
+        bodies = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+        assert all(len(b["input"]) == 1 and "previous_response_id" not in b for b in bodies)
 
 
 def _finished_requests(url: str) -> float:
@@ -244,25 +250,3 @@ def test_responses_endpoint(ferry_serve, bench, tmp_path: Path) -> None:
     assert rc == 0 and all(r["ok"] and r["completion_tokens"] == 6 for r in _raw(replay)), stdout
     rc, stdout = bench(f"--base-url {ferry_serve.url} --endpoint responses --continuous-usage-stats")
     assert rc != 0 and "--continuous-usage-stats does not apply to --endpoint responses" in stdout
-
-
-def test_multi_turn_responses_continue_by_previous_response_id(ferry_serve, bench, tmp_path: Path) -> None:
-    """Each turn sends only its new message and the last answer's id: the replica's stored
-    conversation makes the prompt grow as the chat mode's resent history does."""
-    out = tmp_path / "mt-responses"
-    flags = (
-        f"--base-url {ferry_serve.url} --dataset multi-turn --endpoint responses --num-prompts 2 --turns 3 "
-        "--input-len 8 --output-len 5 --ignore-eos --concurrency 2"
-    )
-    rc, stdout = bench(flags, "--output-dir", str(out))
-    assert rc == 0, stdout
-    recs = _raw(out)
-    assert len(recs) == 6 and all(r["ok"] and r["completion_tokens"] == 5 for r in recs)
-    for s in ("bench-0-s00000", "bench-0-s00001"):
-        turns = [r for r in recs if r["session_id"] == s]
-        for prev, cur in zip(turns, turns[1:], strict=False):
-            assert cur["prompt_tokens"] >= prev["prompt_tokens"] + prev["completion_tokens"] + 8
-    bodies = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
-    assert all(
-        len(b["input"]) == 1 and "previous_response_id" not in b for b in bodies
-    )  # the plan, as sent first
