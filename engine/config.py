@@ -17,7 +17,10 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: derived from kv_cache_memory_bytes
-    kv_cache_memory_bytes: int = 512 * 1024 * 1024
+    # None: on CUDA, what gpu_memory_utilization leaves after the weights and an activation
+    # reserve (engine/kv_budget.py); on CPU, 512 MiB.
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9  # vLLM's: the share of the GPU's memory this engine may use
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     # vLLM's name: a prefill computes at most this many tokens per step (0: no cap beyond the
@@ -44,20 +47,27 @@ class EngineConfig:
         # default deep in the runner.
         at_least = {
             "block_size": 1,
-            "kv_cache_memory_bytes": 1,
             "max_num_seqs": 1,
             "max_num_batched_tokens": 1,
             "long_prefill_token_threshold": 0,
             "kv_tier_write_queue": 1,
             "max_logprobs": 0,
         }
-        optional_at_least = {"num_kv_blocks": 1, "max_model_len": 1, "num_threads": 1}
+        optional_at_least = {
+            "num_kv_blocks": 1,
+            "max_model_len": 1,
+            "num_threads": 1,
+            "kv_cache_memory_bytes": 1,
+        }
         for name, low in [*at_least.items(), *optional_at_least.items()]:
             value = getattr(self, name)
             if value is None and name in optional_at_least:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        util = self.gpu_memory_utilization
+        if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")
         if self.pooling_type not in ("auto", "last", "mean", "cls"):
             raise ValueError(f"pooling_type must be auto, last, mean or cls, got {self.pooling_type!r}")
 

@@ -8,6 +8,7 @@ known tokens) and, when a request asks for prompt logprobs, for its prompt rows.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import torch
 
 from engine.attention import AttentionMetadata, get_attention_backend, resolve_backend_name
 from engine.config import EngineConfig
+from engine.kv_budget import CPU_DEFAULT_BYTES, cuda_kv_bytes
 from engine.models.config import ModelConfig
 from engine.models.loader import load_weights, resolve_dtype, weights_id
 from engine.models.registry import get_model_class
@@ -22,6 +24,8 @@ from engine.ops import select_ops
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.sequence import Request
 from kvcache.keys import model_fingerprint
+
+logger = logging.getLogger(__name__)
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -122,18 +126,35 @@ class ModelRunner:
         per_token = c.kv_cache_parts * c.kv_cache_heads * c.kv_cache_dim
         return c.num_layers * self.block_size * per_token * self.dtype.itemsize
 
+    def _kv_cache_bytes(self) -> int:
+        """``kv_cache_memory_bytes``, or on CUDA what ``gpu_memory_utilization`` leaves now that the
+        weights are loaded (engine/kv_budget.py), or the CPU default."""
+        config = self.config
+        if config.kv_cache_memory_bytes is not None:
+            return config.kv_cache_memory_bytes
+        if self.device.type != "cuda":
+            return CPU_DEFAULT_BYTES
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget, reserve = cuda_kv_bytes(config, self.model_config, self.bytes_per_block, free, total)
+        logger.info(
+            "KV cache: %.2f GiB (gpu_memory_utilization %.2f of %.1f GiB; %.2f GiB in use after loading, "
+            "%.2f GiB reserved for activations)",
+            budget / 2**30, config.gpu_memory_utilization, total / 2**30, (total - free) / 2**30, reserve / 2**30,
+        )  # fmt: skip
+        return budget
+
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
-        by_memory = self.config.kv_cache_memory_bytes // self.bytes_per_block
+        kv_bytes = self._kv_cache_bytes()
+        by_memory = kv_bytes // self.bytes_per_block
         # More than every sequence slot filled to max_model_len is never used at once; the rest
         # would only lengthen prefix-cache retention, at a real memory cost.
         ceiling = self.config.max_num_seqs * -(-self.max_model_len // self.block_size) * 2
         n = min(by_memory, ceiling)
         if n < 1:
             raise ValueError(
-                f"kv_cache_memory_bytes={self.config.kv_cache_memory_bytes} is less than one KV block "
-                f"({self.bytes_per_block} bytes)"
+                f"kv_cache_memory_bytes={kv_bytes} is less than one KV block ({self.bytes_per_block} bytes)"
             )
         return n
 

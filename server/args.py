@@ -138,7 +138,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--kv-cache-memory-bytes",
         type=int,
         default=d.kv_cache_memory_bytes,
-        help="KV cache size when --num-kv-blocks is not given",
+        help="KV cache size when --num-kv-blocks is not given (default: on CUDA, what "
+        "--gpu-memory-utilization leaves; on CPU, 512 MiB)",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=d.gpu_memory_utilization,
+        help="share of the GPU's memory the engine may use (weights, activations, KV cache), as vLLM's; "
+        "sizes the KV cache when neither --num-kv-blocks nor --kv-cache-memory-bytes is given",
     )
     p.add_argument(
         "--max-model-len",
