@@ -8,9 +8,14 @@ from __future__ import annotations
 import numpy as np
 
 
+def truncated(vector: list[float], dimensions: int | None = None) -> np.ndarray:
+    """float64 ``vector[:dimensions]``, not normalised (a request that asked for the raw state)."""
+    return np.asarray(vector[:dimensions] if dimensions is not None else vector, dtype=np.float64)
+
+
 def normalized(vector: list[float], dimensions: int | None = None) -> np.ndarray:
     """float64 ``vector[:dimensions]`` divided by its L2 norm (a zero vector stays zero)."""
-    v = np.asarray(vector[:dimensions] if dimensions is not None else vector, dtype=np.float64)
+    v = truncated(vector, dimensions)
     norm = float(np.linalg.norm(v))
     return v / norm if norm > 0 else v
 

@@ -302,7 +302,8 @@ class TokenizeRequest(_Request):
 
 
 class EmbeddingRequest(_Request):
-    """OpenAI's /v1/embeddings (plus vLLM's ``truncate_prompt_tokens`` and ``add_special_tokens``)."""
+    """OpenAI's /v1/embeddings (plus vLLM's ``truncate_prompt_tokens``, ``add_special_tokens`` and
+    ``normalize``)."""
 
     model: StrictStr | None = None
     input: PromptInput
@@ -311,6 +312,7 @@ class EmbeddingRequest(_Request):
     user: StrictStr | None = None
     truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=1)
     add_special_tokens: StrictBool = True
+    normalize: StrictBool = True  # False: the pooled state as it is (vLLM's pooling parameter)
 
 
 class DetokenizeRequest(_Request):

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.outputs import RequestOutput
-from engine.pooling import as_float32_le, normalized
+from engine.pooling import as_float32_le, normalized, truncated
 from engine.sampling_params import SamplingParams
 from server.errors import bad_request, unavailable
 from server.generation import SequenceRequest
@@ -62,8 +62,10 @@ def _inputs(state: ServerState, req: EmbeddingRequest) -> list[list[int]]:
     return out
 
 
-def _encode(vector: list[float], dimensions: int | None, encoding: str) -> list[float] | str:
-    v = normalized(vector, dimensions)
+def _encode(
+    vector: list[float], dimensions: int | None, encoding: str, normalize: bool = True
+) -> list[float] | str:
+    v = normalized(vector, dimensions) if normalize else truncated(vector, dimensions)
     if encoding == "base64":
         return base64.b64encode(as_float32_le(v)).decode("ascii")
     return v.tolist()
@@ -101,7 +103,7 @@ async def create_embedding(
         if any(v is None for v in vectors):  # ended without a result: the engine is stopping
             raise unavailable("The engine ended an embedding request before computing it.")
         data = [
-            EmbeddingData(index=i, embedding=_encode(v, req.dimensions, req.encoding_format))  # type: ignore[arg-type]
+            EmbeddingData(index=i, embedding=_encode(v, req.dimensions, req.encoding_format, req.normalize))  # type: ignore[arg-type]
             for i, v in enumerate(vectors)
         ]
         tokens = sum(len(ids) for ids in inputs)

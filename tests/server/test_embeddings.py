@@ -68,6 +68,31 @@ def test_token_inputs_dimensions_and_prefix_hits(client, server, reference, tiny
     assert len(short.data[0].embedding) == 8 and _close(short.data[0].embedding, want)
 
 
+def test_normalize_false_gives_the_raw_state(client, server, tiny_llama) -> None:
+    """vLLM's ``normalize: false``: the pooled state as the model left it (truncated by
+    ``dimensions``, not rescaled), in either encoding."""
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
+    ids = Tokenizer.from_dir(tiny_llama).encode(TEXTS[0])
+    with torch.no_grad():
+        raw = model(torch.tensor([ids])).last_hidden_state[0, -1]
+    for fmt in ({"encoding_format": "float"}, {}):  # without one the SDK asks for base64 and decodes it
+        got = client.embeddings.create(
+            model=server.model_name, input=ids, extra_body={"normalize": False}, **fmt
+        )
+        assert _close(got.data[0].embedding, raw)
+    short = client.embeddings.create(
+        model=server.model_name,
+        input=ids,
+        dimensions=8,
+        encoding_format="float",
+        extra_body={"normalize": False},
+    )
+    assert _close(short.data[0].embedding, raw[:8])
+    assert abs(math.fsum(x * x for x in short.data[0].embedding) - 1.0) > 1e-3  # not rescaled
+
+
 @pytest.mark.parametrize(
     ("body", "param", "words"),
     [
@@ -79,6 +104,7 @@ def test_token_inputs_dimensions_and_prefix_hits(client, server, reference, tiny
         ({"input": "x", "encoding_format": "int8"}, "encoding_format", ""),
         ({"input": [5] * 1025}, "input", "maximum context length of 1024"),
         ({"input": 7}, "input", ""),
+        ({"input": "x", "normalize": "no"}, "normalize", ""),
     ],
 )
 def test_bad_inputs_are_400s(server, body: dict, param: str, words: str) -> None:
