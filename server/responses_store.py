@@ -32,9 +32,21 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from prometheus_client import Gauge
+
 logger = logging.getLogger("ferry.server")
 
 KEY_PREFIX = "ferry:response:"
+
+# The memory store's size (process-wide registry; with --api-server-count, the engine process's,
+# summed with the API servers' zeros).
+STORED = Gauge(
+    "ferry:responses_stored", "Responses held in this replica's memory store.", multiprocess_mode="livesum"
+)
+STORED_BYTES = Gauge(
+    "ferry:responses_stored_bytes", "JSON bytes of the responses held in this replica's memory store.",
+    multiprocess_mode="livesum",
+)  # fmt: skip
 
 
 class StoreUnavailable(Exception):
@@ -90,6 +102,7 @@ class MemoryRecords:
         while self.bytes > self.max_bytes:
             _, (_, dropped) = self._records.popitem(last=False)
             self.bytes -= len(dropped)
+        self._publish()
         return True
 
     def delete(self, response_id: str) -> bool:
@@ -97,7 +110,12 @@ class MemoryRecords:
         if entry is None:
             return False
         self.bytes -= len(entry[1])
+        self._publish()
         return True
+
+    def _publish(self) -> None:
+        STORED.set(len(self._records))
+        STORED_BYTES.set(self.bytes)
 
 
 class MemoryResponseStore:

@@ -66,6 +66,7 @@ from tests.server.test_openai_api import (  # noqa: F401
 from tests.server.test_responses_store import (  # noqa: F401
     test_a_chain_continues_the_stored_conversation,
     test_retrieve_delete_and_input_items,
+    test_the_memory_stores_size_is_in_metrics,
 )
 from tests.server.test_structured_outputs import (  # noqa: F401
     no_whitespace,

@@ -105,6 +105,22 @@ def test_retrieve_delete_and_input_items(client, server) -> None:
     assert r.status_code == 404 and r.json()["error"]["code"] == "response_not_found"
 
 
+def test_the_memory_stores_size_is_in_metrics(client, server, scrape) -> None:
+    def size() -> tuple[float, float]:
+        return scrape(server.url, "ferry:responses_stored") or 0.0, scrape(
+            server.url, "ferry:responses_stored_bytes"
+        ) or 0.0
+
+    records, nbytes = size()
+    first = client.responses.create(model=server.model_name, input="One", **GREEDY)
+    client.responses.create(model=server.model_name, previous_response_id=first.id, input="Two", **GREEDY)
+    grown = size()
+    assert grown[0] == records + 2 and grown[1] > nbytes
+    client.responses.delete(first.id)
+    shrunk = size()
+    assert shrunk[0] == records + 1 and nbytes < shrunk[1] < grown[1]
+
+
 def test_store_false_keeps_nothing(client, server) -> None:
     r = client.responses.create(model=server.model_name, input="Hi", store=False, **GREEDY)
     assert r.store is False
