@@ -88,3 +88,17 @@ def test_token_positions() -> None:
     seqs, positions = token_positions(starts, lens, 9)
     assert seqs.tolist() == [0, 1, 1, 1, 1, 1, 3, 3, 3]
     assert positions.tolist() == [9, 0, 1, 2, 3, 4, 13, 14, 15]
+
+
+def test_a_tokens_result_does_not_depend_on_how_its_prompt_was_chunked() -> None:
+    """A 12-token prompt in one chunk, or as 7 then 5 over the cached first part: the same bits."""
+    q, kv, cache, meta = _batch([(0, 12)], torch.float32, seed=3)
+    backend = TritonAttentionBackend()
+    whole = backend.forward_mla(q, kv, cache.clone(), meta, 0.2, V_DIM)
+    table = meta.block_tables_host[0]
+    chunked_cache = cache.clone()
+    first = AttentionMetadata.for_chunks([(0, 7)], [table[:2]], BLOCK, DEVICE)
+    second = AttentionMetadata.for_chunks([(7, 5)], [table], BLOCK, DEVICE)
+    head = backend.forward_mla(q[:7], kv[:7], chunked_cache, first, 0.2, V_DIM)
+    tail = backend.forward_mla(q[7:], kv[7:], chunked_cache, second, 0.2, V_DIM)
+    assert torch.equal(torch.cat([head, tail]), whole)
