@@ -62,8 +62,13 @@ def test_triton_greedy_tokens_match_torch_backend(fixture: str, request: pytest.
     assert all(len(t) == 6 for t in expected)
 
 
-def test_triton_deterministic_mode_is_exact_across_prefix_hits_and_batches(tiny_llama3_rope: Path) -> None:
-    llm = LLM(str(tiny_llama3_rope), attention_backend="triton", deterministic=True, **OPTIONS)
+# DeepSeek: the latent attention and fused MoE kernels keep the promise too.
+@pytest.mark.parametrize("fixture", ["tiny_llama3_rope", "tiny_deepseek"])
+def test_triton_deterministic_mode_is_exact_across_prefix_hits_and_batches(
+    fixture: str, request: pytest.FixtureRequest
+) -> None:
+    model_dir = request.getfixturevalue(fixture)
+    llm = LLM(str(model_dir), attention_backend="triton", deterministic=True, **OPTIONS)
     model = llm.engine.model_runner.model
     assert model.attention.name == "triton" and model.ops.name == "triton" and model.attention.deterministic
     prompt = PROMPTS[2]
@@ -78,4 +83,4 @@ def test_triton_deterministic_mode_is_exact_across_prefix_hits_and_batches(tiny_
     # Beside other requests (a different batch shape at every step).
     batched = logprobs(llm.generate([PROMPTS[0], prompt, PROMPTS[1]], GREEDY)[1])
     assert again == alone and batched == alone
-    assert [t for t, _ in alone] == run(tiny_llama3_rope, "torch", [prompt], deterministic=True)[0]
+    assert [t for t, _ in alone] == run(model_dir, "torch", [prompt], deterministic=True)[0]
