@@ -117,7 +117,7 @@ def token_positions(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each new token's sequence and absolute position (int32), on the device, no host sync."""
     device = query_start_loc.device
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
     seqs = torch.repeat_interleave(
         torch.arange(q_lens.numel(), device=device), q_lens, output_size=num_tokens
     )
