@@ -23,10 +23,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     target.add_argument(
         "--endpoint",
-        choices=["chat", "completions", "responses"],
+        choices=["chat", "completions", "responses", "embeddings"],
         default=None,
         help="API to call (default: chat for multi-turn, completions otherwise; responses: OpenAI's "
-        "Responses API, the prompt as one user message)",
+        "Responses API, the prompt as one user message; embeddings: one input per request, timed "
+        "to its answer)",
     )
     target.add_argument(
         "--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token (default: $OPENAI_API_KEY)"

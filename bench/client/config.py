@@ -87,12 +87,14 @@ class BenchConfig:
             )
         if args.dataset == "jsonl" and not args.dataset_path:
             raise ConfigError("--dataset jsonl needs --dataset-path FILE")
-        if args.token_ids and endpoint != "completions":
-            raise ConfigError("--token-ids applies to --endpoint completions only (chat content is text)")
-        if args.continuous_usage_stats and endpoint == "responses":
+        if args.token_ids and endpoint not in ("completions", "embeddings"):
             raise ConfigError(
-                "--continuous-usage-stats does not apply to --endpoint responses (its usage comes with "
-                "the last event only)"
+                "--token-ids applies to --endpoint completions and embeddings only (chat content is text)"
+            )
+        if args.continuous_usage_stats and endpoint in ("responses", "embeddings"):
+            raise ConfigError(
+                f"--continuous-usage-stats does not apply to --endpoint {endpoint} (its usage comes "
+                "with the whole answer only)"
             )
         for name in ("input_len", "output_len", "prefix_len", "num_groups", "prompts_per_group", "turns"):
             if getattr(args, name) < 1:

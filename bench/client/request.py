@@ -8,6 +8,8 @@ Timing rules (the same for every backend):
 * E2E: send -> end of the stream (``[DONE]`` or the connection's clean end after the last chunk).
 * A server that answers with one JSON body despite ``stream: true`` is measured as one chunk
   (TTFT = E2E, no ITL).
+* Embeddings (``--endpoint embeddings``) are one JSON answer: TTFT = E2E, no generated tokens;
+  the prompt tokens come from its usage.
 * The Responses API (``--endpoint responses``) streams typed events: text comes from
   ``response.output_text.delta`` (and ``response.reasoning_text.delta``) events, the stream ends
   with ``response.completed`` or ``response.incomplete`` (finish reasons ``stop`` / ``length``),
@@ -212,6 +214,16 @@ async def _whole_answer(resp: httpx.Response, endpoint: str, out: Outcome, start
     record.e2e_s = record.ttft_s = time.perf_counter() - start
     try:
         body = json.loads(raw)
+        if endpoint == "embeddings":
+            data = body["data"]
+            if not isinstance(data, list) or not data:
+                raise KeyError("data")
+            out.text, record.stream_chunks, record.finish_reason = "", 1, "stop"
+            usage = body.get("usage") or {}
+            record.prompt_tokens = usage.get("prompt_tokens")
+            record.completion_tokens = 0  # nothing is generated: the answer is the vectors
+            record.usage_missing = not isinstance(record.prompt_tokens, int)
+            return
         if endpoint == "responses":
             text = "".join(
                 part.get("text") or ""

@@ -13,6 +13,7 @@ ENDPOINT_PATHS = {
     "chat": "/v1/chat/completions",
     "completions": "/v1/completions",
     "responses": "/v1/responses",
+    "embeddings": "/v1/embeddings",
 }
 
 
@@ -37,7 +38,7 @@ class BenchRequest:
     for a turn of a conversation it holds only that turn's new messages, and the client
     prepends the conversation so far (earlier turns and the server's answers) when sending."""
 
-    endpoint: str  # "chat" | "completions" | "responses"
+    endpoint: str  # "chat" | "completions" | "responses" | "embeddings"
     body: dict[str, Any]
     session_id: str | None = None
     turn: int = 0
@@ -47,6 +48,8 @@ class BenchRequest:
     def to_line(self) -> dict[str, Any]:
         """The requests.jsonl line: the body plus bench metadata (omitted when empty)."""
         meta: dict[str, Any] = {}
+        if self.endpoint == "embeddings":  # its body ({"input": ...}) alone reads as a Responses one
+            meta["endpoint"] = self.endpoint
         if self.session_id is not None:
             meta["session_id"] = self.session_id
             meta["turn"] = self.turn

@@ -250,3 +250,35 @@ def test_responses_endpoint(ferry_serve, bench, tmp_path: Path) -> None:
     assert rc == 0 and all(r["ok"] and r["completion_tokens"] == 6 for r in _raw(replay)), stdout
     rc, stdout = bench(f"--base-url {ferry_serve.url} --endpoint responses --continuous-usage-stats")
     assert rc != 0 and "--continuous-usage-stats does not apply to --endpoint responses" in stdout
+
+
+def test_embeddings_endpoint(ferry_serve, tiny_llama: Path, bench, tmp_path: Path) -> None:
+    """`--endpoint embeddings`: one answer per input, timed to it, prompt tokens from its usage;
+    a saved request set replays as embeddings (its bodies alone would read as Responses ones)."""
+    out = tmp_path / "emb"
+    flags = (
+        f"--base-url {ferry_serve.url} --endpoint embeddings --tokenizer {tiny_llama} --token-ids "
+        "--num-prompts 6 --input-len 16 --range-ratio 0.5 --concurrency 3 --seed 2"
+    )
+    rc, stdout = bench(flags, "--output-dir", str(out))
+    assert rc == 0, stdout
+    recs = _raw(out)
+    assert len(recs) == 6
+    for r in recs:
+        assert r["ok"] and r["http_status"] == 200, r
+        assert r["prompt_tokens"] == r["input_len"] and r["completion_tokens"] == 0
+        assert r["ttft_s"] == r["e2e_s"] > 0 and r["itl_s"] == []
+    m = _summary(out)["points"][0]["metrics"]
+    assert m["total_input_tokens"] == sum(r["input_len"] for r in recs) and m["total_output_tokens"] == 0
+    bodies = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+    assert all(
+        set(b) == {"model", "input", "ferry_bench"} and b["ferry_bench"]["endpoint"] == "embeddings"
+        for b in bodies
+    )
+    replay = tmp_path / "replay"
+    rc, stdout = bench(
+        f"--base-url {ferry_serve.url} --dataset jsonl", "--dataset-path", str(out / "requests.jsonl"),
+        "--output-dir", str(replay),
+    )  # fmt: skip
+    assert rc == 0 and all(r["ok"] and r["completion_tokens"] == 0 for r in _raw(replay)), stdout
+    assert (replay / "requests.jsonl").read_bytes() == (out / "requests.jsonl").read_bytes()

@@ -67,6 +67,18 @@ def apply_request_options(
     out = dict(body)
     if cfg.model is not None or "model" not in out:
         out["model"] = model
+    if endpoint == "embeddings":  # one answer, nothing generated: no streaming or sampling fields
+        for key in (
+            "stream",
+            "stream_options",
+            "max_tokens",
+            "max_completion_tokens",
+            "temperature",
+            "ignore_eos",
+        ):
+            out.pop(key, None)
+        out.update(cfg.extra)
+        return out
     if cfg.max_tokens is not None:
         out.pop("max_completion_tokens", None)
         out["max_tokens"] = cfg.max_tokens
@@ -119,7 +131,12 @@ def make_body(
 def single_prompt_body(
     ctx: DatasetContext, prompt_len_text: str | list[int], max_tokens: int
 ) -> dict[str, Any]:
-    """A one-message chat (or Responses) body or a completions body, as --endpoint says."""
+    """A one-message chat (or Responses) body, a completions body or an embeddings one, as
+    --endpoint says."""
+    if ctx.cfg.endpoint == "embeddings":
+        return apply_request_options(
+            ctx.cfg, {"model": ctx.model, "input": prompt_len_text}, ctx.model, "embeddings"
+        )
     if ctx.cfg.endpoint in ("chat", "responses"):
         return make_body(ctx, messages=[{"role": "user", "content": prompt_len_text}], max_tokens=max_tokens)
     return make_body(ctx, prompt=prompt_len_text, max_tokens=max_tokens)

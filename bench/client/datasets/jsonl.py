@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from bench.client.datasets.common import DatasetContext, apply_request_options
-from bench.client.types import META_KEY, BenchRequest, Chain
+from bench.client.types import ENDPOINT_PATHS, META_KEY, BenchRequest, Chain
 
 
 class DatasetFileError(ValueError):
@@ -32,7 +32,9 @@ def _parse_line(path: Path, lineno: int, text: str, ctx: DatasetContext) -> Benc
     meta = body.pop(META_KEY, None) or {}
     if not isinstance(meta, dict):
         raise DatasetFileError(f"{where}: {META_KEY!r} must be an object")
-    if isinstance(body.get("messages"), list):
+    if meta.get("endpoint") in ENDPOINT_PATHS:  # written by this client when the body is ambiguous
+        endpoint = meta["endpoint"]
+    elif isinstance(body.get("messages"), list):
         endpoint = "chat"
     elif "prompt" in body:
         endpoint = "completions"
