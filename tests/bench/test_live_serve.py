@@ -22,6 +22,19 @@ def _summary(out: Path) -> dict:
     return json.loads((out / "summary.json").read_text())
 
 
+def _replay(url: str, bench, run: Path, tmp_path: Path) -> tuple[int, str, Path]:  # noqa: ANN001
+    """Replay ``run``'s saved request set (``--dataset jsonl``) into ``tmp_path / "replay"``."""
+    replay = tmp_path / "replay"
+    rc, stdout = bench(
+        f"--base-url {url} --dataset jsonl",
+        "--dataset-path",
+        str(run / "requests.jsonl"),
+        "--output-dir",
+        str(replay),
+    )
+    return rc, stdout, replay
+
+
 def _text_safe_bias(model_dir: Path) -> dict[str, float]:
     """logit_bias banning every token that yields no text on its own (special tokens, partial
     UTF-8 bytes), so each sampled token streams text at once and no chunk waits for the next."""
@@ -118,14 +131,7 @@ def test_same_seed_same_request_set(ferry_serve, bench, tmp_path: Path) -> None:
     assert all(r["ok"] for r in recs)
     # The text was fixed up until it encodes to the planned length, so the server counts it exactly.
     assert [r["prompt_tokens"] for r in recs] == [r["input_len"] for r in recs]
-    replay = tmp_path / "replay"
-    rc, _ = bench(
-        f"--base-url {ferry_serve.url} --dataset jsonl",
-        "--dataset-path",
-        str(runs["a"] / "requests.jsonl"),
-        "--output-dir",
-        str(replay),
-    )
+    rc, _, replay = _replay(ferry_serve.url, bench, runs["a"], tmp_path)
     assert rc == 0 and (replay / "requests.jsonl").read_bytes() == a
 
 
@@ -239,14 +245,7 @@ def test_responses_endpoint(ferry_serve, bench, tmp_path: Path) -> None:
     bodies = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
     assert all("input" in b and b["max_output_tokens"] == 6 and "stream_options" not in b for b in bodies)
     assert _summary(out)["endpoint"] == "responses"
-    replay = tmp_path / "replay"
-    rc, stdout = bench(
-        f"--base-url {ferry_serve.url} --dataset jsonl",
-        "--dataset-path",
-        str(out / "requests.jsonl"),
-        "--output-dir",
-        str(replay),
-    )
+    rc, stdout, replay = _replay(ferry_serve.url, bench, out, tmp_path)
     assert rc == 0 and all(r["ok"] and r["completion_tokens"] == 6 for r in _raw(replay)), stdout
     rc, stdout = bench(f"--base-url {ferry_serve.url} --endpoint responses --continuous-usage-stats")
     assert rc != 0 and "--continuous-usage-stats does not apply to --endpoint responses" in stdout
@@ -275,10 +274,6 @@ def test_embeddings_endpoint(ferry_serve, tiny_llama: Path, bench, tmp_path: Pat
         set(b) == {"model", "input", "ferry_bench"} and b["ferry_bench"]["endpoint"] == "embeddings"
         for b in bodies
     )
-    replay = tmp_path / "replay"
-    rc, stdout = bench(
-        f"--base-url {ferry_serve.url} --dataset jsonl", "--dataset-path", str(out / "requests.jsonl"),
-        "--output-dir", str(replay),
-    )  # fmt: skip
+    rc, stdout, replay = _replay(ferry_serve.url, bench, out, tmp_path)
     assert rc == 0 and all(r["ok"] and r["completion_tokens"] == 0 for r in _raw(replay)), stdout
     assert (replay / "requests.jsonl").read_bytes() == (out / "requests.jsonl").read_bytes()
