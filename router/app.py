@@ -391,6 +391,8 @@ class RouterApp:
         referenced = referenced_response(call.method, call.path, call.json)
         if referenced is not None:
             call.route.prefer_url = self.responses.lookup(referenced)
+            if call.route.prefer_url is None:
+                self.metrics.response_affinity.labels("miss").inc()
         if call.path == RESPONSES_PATH and call.method == "POST":
 
             def answered(replica: Replica, response: Response) -> None:

@@ -50,6 +50,15 @@ class RouterMetrics:
         self.rejected = Counter(
             "ferry:router_rejected", "Requests refused by overload control (429)", registry=r
         )
+        # Requests naming a stored response (previous_response_id, /v1/responses/{id}): "hit" when
+        # sent to the replica that answered it, "miss" when this router does not know it or that
+        # replica cannot take traffic (router/response_affinity.py).
+        self.response_affinity = Counter(
+            "ferry:router_response_affinity",
+            "Requests naming a stored response, by outcome",
+            ["outcome"],
+            registry=r,
+        )
 
         # Label children cached: ``labels()`` costs a lock and a dict build on every call.
         self._inflight: dict[str, Gauge] = {}

@@ -113,7 +113,13 @@ class Relay:
             candidates = pool.candidates(now, tried)
             if not candidates:
                 return last or _no_replica(pool, now)
-            replica = _preferred(call.route, candidates) or self.policy.choose(call.route, candidates)
+            replica = _preferred(call.route, candidates)
+            if replica is not None:
+                self.metrics.response_affinity.labels("hit").inc()
+            else:
+                if call.route.prefer_url is not None:  # known, but that replica cannot take it now
+                    self.metrics.response_affinity.labels("miss").inc()
+                replica = self.policy.choose(call.route, candidates)
             # Recorded at once, not when the answer starts: requests that share a prefix and
             # arrive together must see where the first of them went.
             self.policy.on_routed(call.route, replica)

@@ -619,6 +619,9 @@ def test_a_stored_response_chain_follows_its_replica(cluster: Cluster, pair: lis
     c.responses.delete(previous.id)
     with pytest.raises(openai.NotFoundError):
         c.responses.retrieve(previous.id)  # forgotten by the router, gone from its replica
+    name = "ferry:router_response_affinity_total"
+    assert metric(router.url, name, {"outcome": "hit"}) == 4 + 3 * 2 + 1  # turns, reads, the delete
+    assert metric(router.url, name, {"outcome": "miss"}) == 1  # the read after the delete
     c.responses.create(input="elsewhere", **greedy)
     after = replicas_view(router)
     assert sum(r["total_requests"] for u, r in after.items() if u not in owner) >= 1
