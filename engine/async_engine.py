@@ -3,9 +3,9 @@
 The loop thread owns the ``LLMEngine``: only it schedules, runs the model or touches blocks.
 Callers talk to it through a command queue (add, abort) and receive outputs through per-request
 sinks called on their event loop (``call_soon_threadsafe``, one wake-up per loop and step), so the
-API's event loop never waits on a model step. Everything crossing the thread boundary is a typed message (``Request``, ``RequestOutput``,
-``EngineStats``), which is what would cross a process boundary if the loop moved into its own
-process. A crash of the loop fails every in-flight request with ``EngineDeadError`` and marks the
+API's event loop never waits on a model step. Everything crossing the thread boundary is a typed
+message (``Request``, ``RequestOutput``, ``EngineStats``), which is what crosses the process
+boundary when the loop runs in an engine process of its own (``server/engine_process.py``). A crash of the loop fails every in-flight request with ``EngineDeadError`` and marks the
 engine unhealthy; it never leaves a caller waiting forever.
 """
 
