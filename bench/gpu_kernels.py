@@ -423,6 +423,7 @@ class ModelKernels(Bench):
     def fused_moe(self, name: str, tokens: int) -> Result:
         from engine import ops
         from engine.kernels import triton_moe
+        from engine.models.config import MoEConfig
         from engine.models.moe import MoE
 
         torch, (hidden, inter, experts, top_k) = self.torch, self.s.moe
@@ -434,26 +435,25 @@ class ModelKernels(Bench):
         w2 = self.randn(experts, hidden, inter) / inter**0.5
         chosen = torch.rand(tokens, experts, generator=self.gen, device=self.device).topk(top_k, dim=-1)[1]
         weights = torch.rand(tokens, top_k, generator=self.gen, device=self.device)
-        loop = MoE.__new__(MoE)  # only its expert loop: F.linear and the eager SiLU
-        loop.cfg, loop.linear, loop.silu_and_mul = (
-            _LoopCfg(experts, top_k),
-            torch.nn.functional.linear,
-            ops.silu_and_mul,
-        )
+        cfg = MoEConfig(
+            num_experts=experts, experts_per_token=top_k, num_shared_experts=0, intermediate_size=inter,
+            first_dense_layers=0, num_groups=1, topk_groups=1, routed_scaling_factor=1.0, norm_topk_prob=False,
+        )  # fmt: skip
+        loop = MoE(cfg, torch.nn.functional.linear, ops.silu_and_mul)  # its expert loop is the torch path
         layer = {"w13": w13, "w2": w2}
 
         def run():  # noqa: ANN202
             return triton_moe.fused_moe(x, w13, w2, weights, chosen, ops.silu_and_mul)
 
         out = run()
-        ref = MoE._loop(loop, x.float(), {"w13": w13.float(), "w2": w2.float()}, weights, chosen)
+        ref = loop._loop(x.float(), {"w13": w13.float(), "w2": w2.float()}, weights, chosen)
         r.max_rel_err = rel_err(out, ref)
         r.checks["run_to_run"] = bool(torch.equal(run(), out))
         alone = triton_moe.fused_moe(x[:1], w13, w2, weights[:1], chosen[:1], ops.silu_and_mul)
         r.checks["batch_invariant"] = bool(torch.equal(alone, out[:1]))
         r.ok = r.max_rel_err < self.tol and all(r.checks.values())
         r.triton_ms = self.time_ms(run)
-        r.torch_ms = self.time_torch(r, lambda: lambda: MoE._loop(loop, x, layer, weights, chosen))
+        r.torch_ms = self.time_torch(r, lambda: lambda: loop._loop(x, layer, weights, chosen))
         used = int(chosen.unique().numel())
         nbytes = used * 3 * hidden * inter * self.dtype.itemsize + 2 * tokens * hidden * self.dtype.itemsize
         return self.finish(r, nbytes, 6.0 * tokens * top_k * hidden * inter)
@@ -496,12 +496,6 @@ class ModelKernels(Bench):
         visible = sum(n * c + n * (n + 1) // 2 for c, n in seqs)
         nbytes = (sum(c + n for c, n in seqs) * width + new * heads * (width + v_dim)) * self.dtype.itemsize
         return self.finish(r, nbytes, 2.0 * heads * (width + v_dim) * visible)
-
-
-@dataclass
-class _LoopCfg:
-    num_experts: int
-    experts_per_token: int
 
 
 def _describe(seqs: list[tuple[int, int]]) -> str:
