@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from engine.lora_request import LoRARequest
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -16,7 +17,15 @@ if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
     from engine.llm import LLM
 
-__all__ = ["LLM", "AsyncEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = [
+    "LLM",
+    "AsyncEngine",
+    "SamplingParams",
+    "LoRARequest",
+    "RequestOutput",
+    "CompletionOutput",
+    "Logprob",
+]
 
 _LAZY = {"LLM": "engine.llm", "AsyncEngine": "engine.async_engine"}
 

@@ -25,6 +25,7 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
 from engine.llm_engine import LLMEngine
+from engine.lora_request import LoRARequest, ServedLoRA
 from engine.outputs import RequestOutput, merge_pending
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from engine.sequence import Request
@@ -88,6 +89,8 @@ class AsyncEngine:
         self.tokenizer = self.engine.tokenizer
         self.model_info: ModelInfo = self.engine.model_info
         self._streams: dict[str, _Stream] = {}
+        # The LoRA adapters served by name (``add_lora``): what the server resolves ``model`` against.
+        self.served_loras: dict[str, ServedLoRA] = {}
         self._commands: deque[_Command] = deque()
         self._wake = threading.Condition()
         self._num_adds = 0  # requests submitted so far
@@ -109,6 +112,7 @@ class AsyncEngine:
         resume_token_ids: list[int] | None = None,
         kv_transfer: dict[str, Any] | None = None,
         pooling: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream DELTA outputs of one request; the last has ``finished=True`` (and, for a
         ``pooling`` request, the ``embedding``).
@@ -120,6 +124,9 @@ class AsyncEngine:
         if params.structured_outputs is not None:
             self._check_alive()
             grammar = await self.compile_structured(params.structured_outputs)
+        if lora_request is not None:
+            self._check_alive()
+            await self.load_lora(lora_request)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.start(
             request_id,
@@ -130,6 +137,7 @@ class AsyncEngine:
             kv_transfer=kv_transfer,
             grammar=grammar,
             pooling=pooling,
+            lora_request=lora_request,
         )
         finished = False
         try:
@@ -156,6 +164,7 @@ class AsyncEngine:
         kv_transfer: dict[str, Any] | None = None,
         grammar: Any = None,
         pooling: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Submit a request whose outputs go to ``sink``, called on this event loop: each step's
         DELTA output (the last has ``finished=True``), or an ``EngineDeadError`` if the loop dies.
@@ -166,7 +175,8 @@ class AsyncEngine:
 
         Raises ValueError (nothing submitted) for bad input. ``grammar``: the compiled
         ``params.structured_outputs`` (``compile_structured``); without it, it compiles here.
-        ``cancel`` ends the request early.
+        ``lora_request``: its adapter, read here unless loaded (``load_lora`` reads it off this
+        thread). ``cancel`` ends the request early.
         """
         self._check_alive()
         if request_id in self._streams:
@@ -179,6 +189,7 @@ class AsyncEngine:
             kv_transfer=kv_transfer,
             grammar=grammar,
             pooling=pooling,
+            lora_request=lora_request,
         )
         loop = asyncio.get_running_loop()
         streams = self._streams
@@ -207,6 +218,34 @@ class AsyncEngine:
         grammars = self.engine.grammars
         hit = grammars.cached(spec)
         return hit if hit is not None else await asyncio.to_thread(grammars.compile, spec)
+
+    async def load_lora(self, lora_request: LoRARequest) -> ServedLoRA:
+        """Have the adapter loaded (ValueError if it cannot run on this model): its files are read
+        and checked in a worker thread, unless it is loaded from that directory already."""
+        engine = self.engine
+        adapter = engine.cached_lora(lora_request)
+        if adapter is None:
+            adapter = engine.load_lora(lora_request, await asyncio.to_thread(engine.read_lora, lora_request))
+        return ServedLoRA(lora_request, adapter.weights_id)
+
+    async def add_lora(self, lora_request: LoRARequest, reload: bool = False) -> ServedLoRA:
+        """Serve an adapter under its name (vLLM's ``add_lora``): loaded now, listed in ``served_loras``.
+        ``reload``: read its files again even if an adapter of that name is loaded (new weights);
+        until then, requests naming it run the previous ones."""
+        if reload:
+            engine = self.engine
+            adapter = engine.load_lora(lora_request, await asyncio.to_thread(engine.read_lora, lora_request))
+            served = ServedLoRA(lora_request, adapter.weights_id)
+        else:
+            served = await self.load_lora(lora_request)
+        self.served_loras[lora_request.lora_name] = served
+        return served
+
+    async def remove_lora(self, lora_name: str) -> bool:
+        """Stop serving an adapter (False if it was not served). Requests running with it finish
+        with it; its weights go when they do."""
+        self.engine.remove_lora(lora_name)
+        return self.served_loras.pop(lora_name, None) is not None
 
     def announce(self) -> Callable[[], None]:
         """Say a request is on its way in (received, not yet submitted); call the returned function,

@@ -41,6 +41,12 @@ class EngineConfig:
     max_logprobs: int = 20
     # How an embedding pools its prompt's hidden states: auto | last | mean | cls (engine/pooler.py)
     pooling_type: str = "auto"
+    # LoRA adapters (engine/lora.py): vLLM's flags. max_loras: adapters one step may run (each
+    # kept on the device); max_cpu_loras: adapters kept loaded (None: max_loras).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         # Numbers out of range fail here, by name, instead of as a division by zero or a silent
@@ -52,12 +58,15 @@ class EngineConfig:
             "long_prefill_token_threshold": 0,
             "kv_tier_write_queue": 1,
             "max_logprobs": 0,
+            "max_loras": 1,
+            "max_lora_rank": 1,
         }
         optional_at_least = {
             "num_kv_blocks": 1,
             "max_model_len": 1,
             "num_threads": 1,
             "kv_cache_memory_bytes": 1,
+            "max_cpu_loras": 1,
         }
         for name, low in [*at_least.items(), *optional_at_least.items()]:
             value = getattr(self, name)
@@ -68,6 +77,10 @@ class EngineConfig:
         util = self.gpu_memory_utilization
         if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})"
+            )
         if self.pooling_type not in ("auto", "last", "mean", "cls"):
             raise ValueError(f"pooling_type must be auto, last, mean or cls, got {self.pooling_type!r}")
 

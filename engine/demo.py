@@ -329,3 +329,62 @@ def demo_model_dir() -> Path:
 
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def build_lora_adapter(
+    out_dir: str | os.PathLike,
+    model_dir: str | os.PathLike,
+    *,
+    seed: int = 0,
+    rank: int = 8,
+    alpha: float = 16.0,
+    targets: Sequence[str] = LORA_TARGETS,
+    use_rslora: bool = False,
+    std: float = 0.05,
+) -> Path:
+    """Write a random LoRA adapter for the model at ``model_dir`` in PEFT's format
+    (``adapter_config.json`` + ``adapter_model.safetensors``). Unlike a freshly initialised PEFT
+    adapter (``B = 0``), both matrices are random, so it changes what the model says. Targets
+    are PEFT module names; those a layer does not have (an MoE layer's MLP) are skipped."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    model_dir, out = Path(model_dir), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    gen = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, shape in sorted(shapes.items()):
+        parts = name.split(".")
+        # model.layers.N.{self_attn|mlp}.<module>.weight: experts and shared experts are deeper
+        if len(parts) != 6 or parts[1] != "layers" or parts[4] not in targets or parts[5] != "weight":
+            continue
+        fan_out, fan_in = shape
+        key = "base_model.model." + name.removesuffix(".weight")
+        tensors[key + ".lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) * std
+        tensors[key + ".lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * std
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": str(model_dir),
+        "r": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": 0.0,
+        "target_modules": sorted(set(targets)),
+        "bias": "none",
+        "use_rslora": use_rslora,
+        "use_dora": False,
+        "fan_in_fan_out": False,
+        "modules_to_save": None,
+    }
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    return out

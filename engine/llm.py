@@ -10,6 +10,7 @@ from types import TracebackType
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.lora_request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -59,9 +60,11 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in prompt order; ``n > 1`` gives n completions (child i
-        seeded ``seed + i`` when a seed is given)."""
+        seeded ``seed + i`` when a seed is given). ``lora_request``: the LoRA adapter every prompt
+        runs with, or one per prompt (needs ``enable_lora=True``)."""
         if self.closed:
             raise RuntimeError("this LLM is closed")
         prompt_list = _as_prompt_list(prompts)
@@ -73,15 +76,23 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompt_list):
                 raise ValueError(f"{len(params_list)} sampling params for {len(prompt_list)} prompts")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_list = [lora_request] * len(prompt_list)
+        else:
+            lora_list = list(lora_request)
+            if len(lora_list) != len(prompt_list):
+                raise ValueError(f"{len(lora_list)} LoRA requests for {len(prompt_list)} prompts")
         engine = self.engine
         groups: list[list] = []
-        for prompt, params in zip(prompt_list, params_list, strict=True):
+        for prompt, params, lora in zip(prompt_list, params_list, lora_list, strict=True):
             params.validate()
             children = []
             for i in range(params.n):
                 seed = None if params.seed is None else params.seed + i
                 child = replace(params, n=1, seed=seed)
-                children.append(engine.make_request(f"llm-{next(self._ids)}", prompt, child))
+                children.append(
+                    engine.make_request(f"llm-{next(self._ids)}", prompt, child, lora_request=lora)
+                )
             groups.append(children)
         for children in groups:
             for req in children:

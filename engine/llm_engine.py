@@ -19,6 +19,8 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_connector import build_kv_connector
+from engine.lora import LoRAAdapter, LoRACache, load_adapter
+from engine.lora_request import LoRARequest
 from engine.model_runner import ModelOutput, ModelRunner
 from engine.models.config import ModelConfig
 from engine.models.loader import resolve_model_dir
@@ -65,8 +67,18 @@ class LLMEngine:
             config.long_prefill_token_threshold,
             self.sliding_window,
             needs_every_row(self.pooling_type),
+            config.max_loras if config.enable_lora else 0,
         )
         self.scheduler = Scheduler(sched_cfg, self.block_manager, self.connector)
+        self.loras: LoRACache | None = None
+        if config.enable_lora:
+            layout = getattr(runner.model, "lora_layout", None)
+            if layout is None:
+                raise ValueError(
+                    f"LoRA adapters are not supported for {self.model_config.architecture} models"
+                )
+            self.lora_layouts = layout()
+            self.loras = LoRACache(config.max_cpu_loras or config.max_loras)
         # A checkpoint's embedding may be padded past the tokenizer (e.g. to a multiple of 64): those
         # rows are not tokens, so the sampler and prompt logprobs never look past the tokenizer.
         self.sampling_vocab_size = min(self.vocab_size, self.tokenizer.vocab_size)
@@ -101,6 +113,38 @@ class LLMEngine:
     def model_fingerprint(self) -> str:
         return self.model_runner.model_fingerprint
 
+    # -- LoRA adapters -------------------------------------------------------------------------------
+
+    def read_lora(self, request: LoRARequest) -> LoRAAdapter:
+        """Read and check an adapter (ValueError if it cannot run on this model); touches no engine
+        state, so it may run on any thread."""
+        if self.loras is None:
+            raise ValueError("LoRA adapters are not enabled on this engine (start it with --enable-lora)")
+        return load_adapter(
+            request, self.lora_layouts, max_rank=self.config.max_lora_rank, dtype=self.model_runner.dtype
+        )
+
+    def cached_lora(self, request: LoRARequest) -> LoRAAdapter | None:
+        """The loaded adapter for ``request``, if it is loaded from the same directory."""
+        adapter = self.loras.get(request.lora_name) if self.loras is not None else None
+        if adapter is not None and adapter.path == str(Path(request.lora_path).expanduser()):
+            return adapter
+        return None
+
+    def load_lora(self, request: LoRARequest, adapter: LoRAAdapter | None = None) -> LoRAAdapter:
+        """The adapter for ``request``: ``adapter`` (read elsewhere) if given, else the loaded one,
+        else read now; kept loaded."""
+        cached = self.cached_lora(request) if adapter is None else None
+        if cached is not None:
+            return cached
+        adapter = adapter or self.read_lora(request)
+        self.loras.put(adapter)  # type: ignore[union-attr]
+        return adapter
+
+    def remove_lora(self, name: str) -> bool:
+        """Unload adapter ``name``; requests running with it keep it until they finish."""
+        return self.loras is not None and self.loras.pop(name) is not None
+
     # -- requests ------------------------------------------------------------------------------------
 
     def make_request(
@@ -113,8 +157,11 @@ class LLMEngine:
         kv_transfer: dict[str, Any] | None = None,
         grammar: Any = None,
         pooling: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
         """Validate and build a request (raises ValueError for bad input); does not queue it.
+
+        ``lora_request``: run it with that LoRA adapter, loaded now unless it is (``load_lora``).
 
         ``pooling``: an embedding request; it ends when its prompt is computed, its result the
         prompt's pooled hidden state (``RequestOutput.embedding``; engine/pooler.py), and samples nothing.
@@ -123,6 +170,7 @@ class LLMEngine:
         caller compiled it elsewhere (the async engine does, off its threads); else it is compiled here.
         """
         params.validate()
+        adapter = self.load_lora(lora_request) if lora_request is not None else None
         if params.n != 1:
             raise ValueError("one engine request is one sequence: fan out n > 1 before the engine")
         for name, n in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
@@ -188,6 +236,8 @@ class LLMEngine:
             kv_transfer=kv_transfer,
         )
         req.pooling = pooling
+        if adapter is not None:
+            req.lora, req.block_extra = adapter, adapter.block_extra
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, params, ids)
         if params.structured_outputs is not None:
             if grammar is None:
@@ -308,7 +358,15 @@ class LLMEngine:
             generation_tokens=self.generation_tokens_total,
             num_free_blocks=bm.num_free_blocks,
             num_total_blocks=bm.num_blocks,
+            running_loras=_lora_names(s.running) if self.loras is not None else (),
+            waiting_loras=_lora_names([*s.waiting, *(p.request for p in s.loading)])
+            if self.loras is not None
+            else (),
         )
+
+
+def _lora_names(requests: list[Request]) -> tuple[str, ...]:
+    return tuple(sorted({r.lora.name for r in requests if r.lora is not None}))
 
 
 def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:

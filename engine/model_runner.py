@@ -17,6 +17,7 @@ import torch
 from engine.attention import AttentionMetadata, get_attention_backend, resolve_backend_name
 from engine.config import EngineConfig
 from engine.kv_budget import CPU_DEFAULT_BYTES, cuda_kv_bytes
+from engine.lora import DeviceAdapters
 from engine.models.config import ModelConfig
 from engine.models.loader import load_weights, resolve_dtype, weights_id
 from engine.models.registry import get_model_class
@@ -111,6 +112,7 @@ class ModelRunner:
             device=self.device,
         )
         self.vocab_size = int(self.model.lm_head.shape[0])
+        self.lora_adapters = DeviceAdapters(self.device, config.max_loras) if config.enable_lora else None
         self.num_kv_blocks = self._num_kv_blocks()
         shape = (self.num_kv_blocks, self.block_size, cfg.kv_cache_heads, cfg.kv_cache_dim)
         # Per layer (k, v), or (latent,) for MLA models. Zeroed, not empty: padded attention reads
@@ -207,6 +209,12 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelOutput:
         input_ids, positions, meta = self.prepare(out)
+        if self.lora_adapters is not None:
+            rows, first = [], 0
+            for s in out.scheduled:
+                rows.append((first, s.num_new_tokens, s.request.lora))
+                first += s.num_new_tokens
+            self.model.lora = self.lora_adapters.batch(rows, self.model.linear)
         hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
         rows: list[int] = []
         sampling: list[ScheduledRequest] = []

@@ -45,6 +45,8 @@ class SchedulerConfig:
     sliding_window: int | None = None
     # Pooling requests need every prompt row's hidden state (mean / cls pooling): no prefix reuse.
     pool_every_row: bool = False
+    # Distinct LoRA adapters the running requests may use at once (0: no adapters served).
+    max_loras: int = 0
 
 
 @dataclass
@@ -169,13 +171,22 @@ class Scheduler:
         if out.preempted:
             return out  # memory is short: admitting more now would only thrash
         pending = self._pending_prompt_blocks() if self.waiting and bm.enable_prefix_caching else None
+        loras = self._active_loras() if self.config.max_loras else None
         deferred: list[Request] = []
+        num_prefix_waits = 0
         while (
             self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.config.max_num_seqs
         ):
             req = self.waiting[0]
+            if loras is not None and req.lora is not None and id(req.lora) not in loras:
+                if len(loras) >= self.config.max_loras:
+                    # Another adapter would exceed max_loras: it waits (keeping its place) for one
+                    # to finish, and the requests behind it that fit go first.
+                    deferred.append(self.waiting.popleft())
+                    continue
             if pending and self._waits_for_pending(req, pending):
                 deferred.append(self.waiting.popleft())
+                num_prefix_waits += 1
                 continue
             n = self._admit(req, budget)
             if n is None:
@@ -184,14 +195,22 @@ class Scheduler:
             self.waiting.popleft()
             if pending is not None:
                 pending.update(self._uncached_prompt_blocks(req))
+            if loras is not None and req.lora is not None:
+                loras.add(id(req.lora))
             if n == 0:
                 continue  # parked while its prefix loads from the tier
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens))
             budget -= n
         self.waiting.extendleft(reversed(deferred))  # back at the head, in their order
-        self.num_prefix_waits += len(deferred)
+        self.num_prefix_waits += num_prefix_waits
         return out
+
+    def _active_loras(self) -> set[int]:
+        """The adapters (by object) of the running and parked requests."""
+        active = {id(r.lora) for r in self.running if r.lora is not None}
+        active.update(id(p.request.lora) for p in self.loading if p.request.lora is not None)
+        return active
 
     # -- sharing prompt blocks being computed ------------------------------------------------------
 

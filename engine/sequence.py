@@ -93,6 +93,10 @@ class Request:
         self.embedding: list[float] | None = None
         # mean pooling: the fp32 sum of the prompt rows computed so far; cls: the first row
         self.pooled_rows: Any = None
+        # The LoRA adapter it runs with (engine/lora.py LoRAAdapter), and the block-hash salt that
+        # keeps its KV blocks apart from the base model's and other adapters'.
+        self.lora: Any = None
+        self.block_extra = b""
 
     @property
     def num_tokens(self) -> int:
@@ -116,7 +120,7 @@ class Request:
 
     def full_block_hashes(self) -> list[bytes]:
         """Chained hashes of every full block of the known tokens (extended incrementally)."""
-        return extend_hashes(self.block_hashes, self.token_ids, self.block_size)
+        return extend_hashes(self.block_hashes, self.token_ids, self.block_size, self.block_extra)
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

@@ -35,3 +35,6 @@ class EngineStats:
     generation_tokens: int = 0  # cumulative generated tokens
     num_free_blocks: int = 0
     num_total_blocks: int = 0
+    # LoRA adapters of the running and of the waiting requests (names, sorted; vLLM's lora_requests_info)
+    running_loras: tuple[str, ...] = ()
+    waiting_loras: tuple[str, ...] = ()

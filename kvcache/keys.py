@@ -73,6 +73,17 @@ def extend_hashes(
     return _chain(hashes, parent, token_ids, len(hashes) * block_size, block_size, extra)
 
 
+def lora_extra(lora_name: str | None, lora_weights_id: str = "") -> bytes:
+    """The ``extra`` of every block of a request run with LoRA adapter ``lora_name`` (b"" without
+    one): an adapter changes every layer's keys and values, so its blocks are never the base
+    model's nor another adapter's. The name is what clients and routers see; ``lora_weights_id``
+    (a digest of the adapter's files, listed with the adapter in ``/v1/models``) keeps two
+    different adapters loaded under one name, on two replicas or one after the other, apart."""
+    if lora_name is None:
+        return b""
+    return b"lora\x00" + lora_name.encode() + b"\x00" + lora_weights_id.encode()
+
+
 def to_hex(hashes: Iterable[bytes]) -> list[str]:
     return [h.hex() for h in hashes]
 

@@ -12,13 +12,19 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from fastapi import FastAPI, Query, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from ferry import __version__
 from server.config import ServerConfig
 from server.errors import APIError, client_closed, install_error_handlers, unavailable
 from server.generation import Generation
 from server.generation_routes import GenerationRoutes
+from server.lora import (
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+    load_lora_adapter,
+    unload_lora_adapter,
+)
 from server.metrics import CONTENT_TYPE, ServerMetrics
 from server.middleware import EdgeMiddleware
 from server.params import ModelLimits
@@ -63,7 +69,8 @@ def build_state(engine: Any, config: ServerConfig) -> ServerState:
         num_kv_blocks=int(getattr(info, "num_kv_blocks", 0) or 0),
         seq_capacity=int(getattr(info, "kv_capacity_tokens", 0) or 0),
     )
-    metrics = ServerMetrics(config.served_model_name, engine.stats)
+    max_loras = engine_config.max_loras if getattr(engine_config, "enable_lora", False) else None
+    metrics = ServerMetrics(config.served_model_name, engine.stats, max_loras)
     return ServerState(
         engine=engine,
         config=config,
@@ -139,6 +146,14 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
         return await create_embedding(
             state, body, request.state.request_id, request.receive, getattr(request.state, "submitted", None)
         )
+
+    @app.post("/v1/load_lora_adapter", responses=_ERRORS)
+    async def load_lora_route(body: LoadLoRAAdapterRequest) -> Response:
+        return PlainTextResponse(await load_lora_adapter(state, body))
+
+    @app.post("/v1/unload_lora_adapter", responses=_ERRORS)
+    async def unload_lora_route(body: UnloadLoRAAdapterRequest) -> Response:
+        return PlainTextResponse(await unload_lora_adapter(state, body))
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> Any:

@@ -102,6 +102,20 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=30 * 24 * 3600.0,
         help="seconds a stored response is kept after it was written (default 30 days)",
     )
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT directories) served from the start, each as name=path or vLLM's JSON "
+        '{"name": …, "path": …, "base_model_name": …}; clients name them as the model (needs --enable-lora)',
+    )
+    p.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true does the same)",
+    )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument(
         "--enable-auto-tool-choice",
@@ -168,6 +182,22 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="how /v1/embeddings pools a prompt's hidden states (auto: the model's sentence-transformers "
         "Pooling config, else the last token)",
     )
+    p.add_argument(
+        "--enable-lora",
+        action="store_true",
+        default=d.enable_lora,
+        help="serve LoRA adapters (--lora-modules, or loaded at run time) beside the base model",
+    )
+    p.add_argument(
+        "--max-loras", type=int, default=d.max_loras, help="distinct LoRA adapters one engine step may run"
+    )
+    p.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank, help="largest LoRA rank accepted")
+    p.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        default=d.max_cpu_loras,
+        help="LoRA adapters kept loaded (least recently used read again when named; default --max-loras)",
+    )
     p.add_argument("--kv-tier-write-queue", type=int, default=d.kv_tier_write_queue)
     p.add_argument(
         "--deterministic",
@@ -210,8 +240,13 @@ def served_model_name(args: argparse.Namespace) -> str:
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
+    """Raises ValueError for flags that contradict each other or do not parse."""
     from server.config import ServerConfig
+    from server.lora import parse_lora_modules
 
+    lora_modules = parse_lora_modules(args.lora_modules)
+    if lora_modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
     return ServerConfig(
         served_model_name=served_model_name(args),
         model_aliases=tuple(dict.fromkeys(args.served_model_name[1:])) if args.served_model_name else (),
@@ -232,4 +267,6 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         responses_store=args.responses_store,
         responses_store_max_bytes=args.responses_store_max_bytes,
         responses_store_ttl=args.responses_store_ttl,
+        lora_modules=lora_modules,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
     )

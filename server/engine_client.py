@@ -38,6 +38,8 @@ class EngineClient:
         self.tokenizer = Tokenizer.from_dir(hello["model_dir"])
         self._stats: EngineStats = hello["stats"]
         self._healthy: bool = hello["healthy"]
+        # The LoRA adapters the engine serves (``AsyncEngine.served_loras``), kept current by it.
+        self.served_loras: dict[str, Any] = hello["loras"]
         # Sequences the other API servers have in the engine (``Generation.queued`` adds them).
         self.sequences_elsewhere = 0
         # request id -> (its outputs' queue, its prompt's token ids: the engine process does not
@@ -79,6 +81,7 @@ class EngineClient:
         resume_token_ids: list[int] | None = None,
         kv_transfer: dict[str, Any] | None = None,
         pooling: bool = False,
+        lora_request: Any = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream DELTA outputs of one request, as ``AsyncEngine.generate`` does."""
         self._check_alive()
@@ -86,7 +89,9 @@ class EngineClient:
             raise ValueError(f"request id {request_id!r} is already in use")
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = (queue, prompt)
-        self._channel.send(("add", request_id, prompt, params, resume_token_ids, kv_transfer, pooling))
+        self._channel.send(
+            ("add", request_id, prompt, params, resume_token_ids, kv_transfer, pooling, lora_request)
+        )
         finished = False
         try:
             while not finished:
@@ -132,6 +137,17 @@ class EngineClient:
         server): ``op`` get (-> JSON bytes or None), put (-> kept) or delete (-> existed)."""
         self._check_alive()
         return await self._call("store", (op, response_id, data))
+
+    async def add_lora(self, lora_request: Any, reload: bool = False) -> Any:
+        """``AsyncEngine.add_lora`` in the engine process (every API server hears of it)."""
+        served = await self._call("add_lora", (lora_request, reload))
+        self.served_loras[lora_request.lora_name] = served
+        return served
+
+    async def remove_lora(self, lora_name: str) -> bool:
+        removed = await self._call("remove_lora", lora_name)
+        self.served_loras.pop(lora_name, None)
+        return removed
 
     async def reset_prefix_cache(self) -> int | bool:
         self._check_alive()
@@ -194,6 +210,8 @@ class EngineClient:
             # the requests whose bytes have arrived (see AsyncEngine._gather_burst).
             loop = asyncio.get_running_loop()
             loop.call_soon(loop.call_soon, self._channel.send, ("probe_back", message[1]))
+        elif kind == "loras":
+            self.served_loras = message[1]
         elif kind == "stats":
             self._stats, self._healthy, self.sequences_elsewhere = message[1], message[2], message[3]
         elif kind == "err":

@@ -9,10 +9,13 @@ that delivered them: no task or generator per request (this loop shares the GIL 
 thread). An API server that goes away has its requests aborted and its announcements withdrawn at
 once.
 
-Messages from an API server: ``("add", rid, prompt_ids, params, resume_ids, kv_transfer, pooling)``,
+Messages from an API server: ``("add", rid, prompt_ids, params, resume_ids, kv_transfer, pooling,
+lora_request)``,
 ``("announce", token)``, ``("submitted", token)``, ``("probe_back", token)``,
 ``("call", call_id, name, arg)`` with ``name`` one of ``abort`` / ``compile`` /
-``reset_prefix_cache``. To it: ``("hello", facts)`` first, ``("probe", token)`` (an idle engine
+``reset_prefix_cache`` / ``store`` / ``add_lora`` / ``remove_lora``. To it: ``("hello", facts)`` first,
+``("loras", served)`` to every API server whenever the served LoRA adapters changed (before the
+reply to the call that changed them), ``("probe", token)`` (an idle engine
 gathering a burst: answer after two passes of the event loop), then
 ``("out", rid, RequestOutput)``, ``("err", rid, kind, message)``, ``("reply", call_id, ok, value)``
 and ``("stats", EngineStats, healthy, sequences_elsewhere)`` whenever the engine published new
@@ -87,6 +90,7 @@ class EngineHost:
                     "model_dir": str(engine.engine.model_dir),
                     "stats": conn.sent_stats,
                     "healthy": conn.sent_healthy,
+                    "loras": dict(engine.served_loras),
                 },
             )
         )
@@ -141,19 +145,27 @@ class EngineHost:
             logger.error("unknown message %r from API server %d", kind, conn.index)
 
     def _add(self, conn: _ApiServer, rid: str, *request: Any) -> None:
-        """An "add" message's request: ``(prompt_ids, params, resume_ids, kv_transfer, pooling)``."""
+        """An "add" message's request: ``(prompt_ids, params, resume_ids, kv_transfer, pooling,
+        lora_request)``."""
         if rid in conn.requests:
             conn.channel.send(("err", rid, "value", f"request id {rid!r} is already in use"))
             return
-        if request[1].structured_outputs is not None:  # compiled off this loop first (may take long)
-            conn.requests[rid] = asyncio.ensure_future(self._compile_then_start(conn, rid, request))
+        lora = request[5]
+        if request[1].structured_outputs is not None or (
+            lora is not None and self.engine.engine.cached_lora(lora) is None
+        ):  # a constraint to compile, an adapter to read: off this loop first (may take long)
+            conn.requests[rid] = asyncio.ensure_future(self._prepare_then_start(conn, rid, request))
         else:
             conn.requests[rid] = None
             self._start(conn, rid, request)
 
-    async def _compile_then_start(self, conn: _ApiServer, rid: str, request: tuple[Any, ...]) -> None:
+    async def _prepare_then_start(self, conn: _ApiServer, rid: str, request: tuple[Any, ...]) -> None:
+        grammar = None
         try:
-            grammar = await self.engine.compile_structured(request[1].structured_outputs)
+            if request[5] is not None:
+                await self.engine.load_lora(request[5])
+            if request[1].structured_outputs is not None:
+                grammar = await self.engine.compile_structured(request[1].structured_outputs)
         except Exception as e:  # noqa: BLE001 - reported to the request (ValueError: not a valid one)
             self._failed(conn, rid, e)
             return
@@ -162,7 +174,7 @@ class EngineHost:
             self._start(conn, rid, request, grammar)
 
     def _start(self, conn: _ApiServer, rid: str, request: tuple[Any, ...], grammar: Any = None) -> None:
-        prompt, params, resume_token_ids, kv_transfer, pooling = request
+        prompt, params, resume_token_ids, kv_transfer, pooling, lora_request = request
         send = conn.channel.send
 
         def relay(out: Any) -> None:
@@ -187,6 +199,7 @@ class EngineHost:
                 kv_transfer=kv_transfer,
                 grammar=grammar,
                 pooling=pooling,
+                lora_request=lora_request,
             )
         except Exception as e:  # noqa: BLE001 - reported to the request (ValueError: bad input)
             self._failed(conn, rid, e)
@@ -222,6 +235,12 @@ class EngineHost:
                 value = await engine.reset_prefix_cache()
             elif name == "store":
                 value = self._store(*arg)
+            elif name == "add_lora":
+                value = await engine.add_lora(*arg)
+                self._broadcast_loras()
+            elif name == "remove_lora":
+                value = await engine.remove_lora(arg)
+                self._broadcast_loras()
             else:
                 raise RuntimeError(f"unknown call {name!r}")
         except ValueError as e:
@@ -235,6 +254,11 @@ class EngineHost:
             self._send_stats(conn)
             conn.channel.send(("reply", call_id, True, value))
             self._broadcast_stats()
+
+    def _broadcast_loras(self) -> None:
+        served = dict(self.engine.served_loras)
+        for conn in self._servers:
+            conn.channel.send(("loras", served))
 
     def _store(self, op: str, response_id: str, data: bytes | None) -> Any:
         records = self.responses
@@ -312,7 +336,11 @@ def _call_all(functions: list[Callable[[], None]]) -> None:
 
 
 def engine_process_main(
-    engine_config: Any, socket_path: str, ready: Connection, responses: MemoryRecords | None = None
+    engine_config: Any,
+    socket_path: str,
+    ready: Connection,
+    responses: MemoryRecords | None = None,
+    lora_modules: tuple[Any, ...] = (),
 ) -> None:
     """Entry point of the engine process (spawned by ``server/api_servers.py``).
 
@@ -323,13 +351,18 @@ def engine_process_main(
     from server.main import loop_factory
 
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
-        runner.run(_serve_engine(engine_config, socket_path, ready, responses))
+        runner.run(_serve_engine(engine_config, socket_path, ready, responses, lora_modules))
 
 
 async def _serve_engine(
-    engine_config: Any, socket_path: str, ready: Connection, responses: MemoryRecords | None
+    engine_config: Any,
+    socket_path: str,
+    ready: Connection,
+    responses: MemoryRecords | None,
+    lora_modules: tuple[Any, ...],
 ) -> None:
     from engine import AsyncEngine
+    from server.lora import preload
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -337,7 +370,8 @@ async def _serve_engine(
     loop.add_signal_handler(signal.SIGINT, lambda: None)
     try:
         engine = AsyncEngine(engine_config)
-    except (ValueError, OSError) as e:  # the model directory, or flags the model cannot meet
+        await preload(engine, lora_modules)
+    except (ValueError, OSError) as e:  # the model directory, flags the model cannot meet, an adapter
         logger.debug("engine start failed", exc_info=e)
         ready.send(("error", str(e)))
         return

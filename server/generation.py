@@ -37,6 +37,12 @@ class SequenceRequest:
     resume_token_ids: list[int] | None = None
     kv_transfer: Any = None
     pooling: bool = False  # an embedding: the prompt's last hidden state, nothing sampled
+    lora: Any = None  # engine.lora_request.ServedLoRA: the adapter it runs with
+
+    @property
+    def block_extra(self) -> bytes:
+        """The salt of its blocks' hashes (``kvcache.keys.lora_extra``)."""
+        return self.lora.block_extra if self.lora is not None else b""
 
 
 class Ticket:
@@ -178,6 +184,7 @@ class Generation:
                 resume_token_ids=seq.resume_token_ids,
                 kv_transfer=seq.kv_transfer,
                 pooling=seq.pooling,
+                lora_request=seq.lora.request if seq.lora is not None else None,
             )
             try:
                 async for out in gen:

@@ -141,6 +141,7 @@ async def serve(
 def run_serve(args: argparse.Namespace) -> int:
     from engine import AsyncEngine
     from engine.config import EngineConfig
+    from server.lora import preload
     from server.responses_store import check_store_spec
 
     problem = check_role_config(args.role, args.kv_tier)
@@ -171,7 +172,8 @@ def run_serve(args: argparse.Namespace) -> int:
         # Built inside the loop: the engine may bind its output queues to the running loop.
         try:
             engine = AsyncEngine(engine_config)
-        except (ValueError, OSError) as e:  # the model directory, or flags the model cannot meet
+            await preload(engine, config.lora_modules)
+        except (ValueError, OSError) as e:  # the model directory, flags the model cannot meet, an adapter
             raise _StartupError(e) from e
         logger.info("serving %s on %s (role %s)", config.served_model_name, config.url, config.role)
         await serve(engine, config)

@@ -19,6 +19,7 @@ registry, where the KV tier registers its ``ferry:`` metrics.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -86,9 +87,10 @@ _ENGINE_SERIES: tuple[tuple[str, str, str, str], ...] = (
 class EngineStatsCollector(Collector):
     """Reads ``engine.stats()`` once per scrape and exposes it under vLLM's names."""
 
-    def __init__(self, stats: Callable[[], Any], model_name: str) -> None:
+    def __init__(self, stats: Callable[[], Any], model_name: str, max_loras: int | None = None) -> None:
         self._stats = stats
         self._model_name = model_name
+        self._max_loras = max_loras
 
     def collect(self) -> Iterator[Metric]:
         stats = self._stats()
@@ -100,12 +102,26 @@ class EngineStatsCollector(Collector):
             family = family_cls(name, doc, labels=["model_name"])
             family.add_metric([self._model_name], float(value))
             yield family
+        if self._max_loras is not None:
+            # vLLM's: the adapters in use as labels, the time of the reading as the value.
+            info = GaugeMetricFamily(
+                "vllm:lora_requests_info",
+                "Running stats on lora requests.",
+                labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+            )
+            running = ",".join(getattr(stats, "running_loras", ()))
+            waiting = ",".join(getattr(stats, "waiting_loras", ()))
+            info.add_metric([str(self._max_loras), running, waiting], time.time())
+            yield info
 
 
 class ServerMetrics:
     """The serving layer's metrics for one served model, in a registry of its own."""
 
-    def __init__(self, model_name: str, engine_stats: Callable[[], Any] | None = None) -> None:
+    def __init__(
+        self, model_name: str, engine_stats: Callable[[], Any] | None = None, max_loras: int | None = None
+    ) -> None:
+        """``max_loras``: LoRA adapters are served (``vllm:lora_requests_info`` is exposed)."""
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         labels = ["model_name"]
@@ -197,7 +213,7 @@ class ServerMetrics:
             registry=reg,
         ).labels(model_name)
         if engine_stats is not None:
-            reg.register(EngineStatsCollector(engine_stats, model_name))
+            reg.register(EngineStatsCollector(engine_stats, model_name, max_loras))
         # One of several API server processes (``--api-server-count``): every process's metrics
         # (these, the other API servers', the engine process's KV tier ones) are in the directory
         # prometheus-client's multiprocess mode writes to; the engine's from its latest stats.
@@ -206,7 +222,7 @@ class ServerMetrics:
             self._replica = CollectorRegistry()
             MultiProcessCollector(self._replica)
             if engine_stats is not None:
-                self._replica.register(EngineStatsCollector(engine_stats, model_name))
+                self._replica.register(EngineStatsCollector(engine_stats, model_name, max_loras))
 
     def observe_first_token(self, ttft_s: float) -> None:
         self._ttft.observe(ttft_s)

@@ -523,6 +523,8 @@ class ModelCard(_Response):
     root: str | None = None
     parent: str | None = None
     max_model_len: int | None = None
+    # A LoRA adapter's: the digest of its files, which salts its KV blocks' hashes (kvcache.keys).
+    lora_weights_id: str | None = None
 
 
 class ModelList(_Response):

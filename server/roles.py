@@ -42,8 +42,10 @@ def transfer_for_role(
     prompt_ids: list[int],
     block_size: int,
     resumed: list[int] | None,
+    extra: bytes = b"",
 ) -> dict[str, Any] | None:
-    """The ``kv_transfer`` spec the engine gets, after the role's rules (see the module docstring)."""
+    """The ``kv_transfer`` spec the engine gets, after the role's rules (see the module docstring);
+    ``extra``: the request's block-hash salt (its LoRA adapter's)."""
     if role == "prefill":
         if spec is not None and spec["role"] == "consumer":
             raise bad_request(
@@ -57,7 +59,7 @@ def transfer_for_role(
         raise bad_request("a kv_transfer producer request cannot carry resume", param="resume")
     if spec["role"] == "consumer" and spec.get("block_hashes"):
         listed = spec["block_hashes"]
-        own = to_hex(block_hashes(prompt_ids, block_size))
+        own = to_hex(block_hashes(prompt_ids, block_size, extra))
         if len(listed) > len(own) or own[: len(listed)] != listed:
             raise bad_request(
                 f"kv_transfer.block_hashes ({len(listed)} hashes) are not the leading block hashes of "

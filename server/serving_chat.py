@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -62,11 +63,16 @@ class _Choice:
     prompt_entries: list | None = None  # the engine's prompt logprobs (``prompt_logprobs``)
 
 
-def _plan(state: ServerState, req: ChatCompletionRequest, tools: ToolPlan | None) -> list[SequenceRequest]:
+def _plan(
+    state: ServerState, req: ChatCompletionRequest, tools: ToolPlan | None, lora: Any
+) -> list[SequenceRequest]:
     limits = state.limits
     prompt_ids = chat_prompt(req, state.tokenizer)
     resume = resume_token_ids(req, 1, limits)
-    kv = transfer_for_role(state.config.role, kv_transfer_spec(req, 1), prompt_ids, state.block_size, resume)
+    extra = lora.block_extra if lora is not None else b""
+    kv = transfer_for_role(
+        state.config.role, kv_transfer_spec(req, 1), prompt_ids, state.block_size, resume, extra
+    )
     top_n = req.top_logprobs or 0
     max_tokens = resolve_max_tokens(req, len(prompt_ids), limits, default=None, num_resumed=len(resume or []))
     max_tokens = producer_budget(kv, max_tokens)
@@ -100,6 +106,7 @@ def _plan(state: ServerState, req: ChatCompletionRequest, tools: ToolPlan | None
             dataclasses.replace(base, seed=child_seed(req.seed, j)) if j else base,
             resume,
             kv,
+            lora=lora,
         )
         for j in range(req.n)
     ]
@@ -155,9 +162,9 @@ async def create_chat_completion(
     """The answer: a JSONResponse, or for ``stream`` an SSEResponse; with ``as_chunks`` a stream is
     returned as ``ChatChunks`` (the chunk models unframed, for the Responses API to translate)."""
     arrival = time.perf_counter()
-    state.check_model(req.model)
+    lora = state.check_model(req.model)
     tools = plan_tools(req, state.tool_parser)
-    seqs = _plan(state, req, tools)
+    seqs = _plan(state, req, tools, lora)
     await compile_constraints(state, seqs, "tools" if tools and tools.constraint else constraint_field(req))
     ticket = state.generation.admit(len(seqs), submitted)
     response_id = f"chatcmpl-{request_id}"
@@ -190,7 +197,7 @@ async def create_chat_completion(
         messages = [message(c) for c in choices]
         return ChatCompletionResponse(
             id=response_id,
-            model=state.model_name,
+            model=state.answer_model(lora),
             choices=[
                 ChatChoice(
                     index=i,
@@ -254,7 +261,7 @@ async def _chunks(
     tools: ToolPlan | None,
 ) -> AsyncIterator[ChatCompletionChunk]:
     created = int(time.time())
-    model = state.model_name
+    model = state.answer_model(seqs[0].lora)
     shapers = None
     if tools is not None or state.reasoning is not None:
         shapers = [ChoiceShaper(tools, _splitter(state, seq)) for seq in seqs]
@@ -312,7 +319,7 @@ async def _chunks(
             )
         )
         if producer and out.finished:
-            c.kv_transfer = kv_transfer_result(state, out)
+            c.kv_transfer = kv_transfer_result(state, out, seq.block_extra)
         yield c
     if req.include_usage:
         final = ChatCompletionChunk(

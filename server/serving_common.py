@@ -98,7 +98,7 @@ async def answer_whole(
             last = out
         result = build()
         if is_producer(seqs) and last is not None:
-            result.kv_transfer = kv_transfer_result(state, last)
+            result.kv_transfer = kv_transfer_result(state, last, seqs[0].block_extra)
             if result.choices[0].finish_reason == "length":  # the consumer continues the text
                 deliver(result)
         return result
@@ -110,7 +110,7 @@ async def answer_whole(
     return JSONResponse(result.model_dump())
 
 
-def kv_transfer_result(state: ServerState, out: RequestOutput) -> KVTransferResult:
+def kv_transfer_result(state: ServerState, out: RequestOutput, extra: bytes = b"") -> KVTransferResult:
     """A prefill (producer) answer: the prompt's full-block hashes for the decode worker to load.
 
     The engine's KV connector reports what it wrote when a tier is configured; otherwise the
@@ -125,7 +125,7 @@ def kv_transfer_result(state: ServerState, out: RequestOutput) -> KVTransferResu
             **extra,
         )
     return KVTransferResult(
-        block_hashes=to_hex(block_hashes(out.prompt_token_ids, state.block_size)),
+        block_hashes=to_hex(block_hashes(out.prompt_token_ids, state.block_size, extra)),
         num_cached_tokens=out.num_cached_tokens,
     )
 

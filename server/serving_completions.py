@@ -62,7 +62,8 @@ class _Choice:
 
 
 def _plan(state: ServerState, req: CompletionRequest) -> tuple[list[PreparedPrompt], list[SequenceRequest]]:
-    state.check_model(req.model)
+    lora = state.check_model(req.model)
+    extra = lora.block_extra if lora is not None else b""
     check_completion_features(req)
     limits = state.limits
     prompts = completion_prompts(req, state.tokenizer, limits)
@@ -70,7 +71,7 @@ def _plan(state: ServerState, req: CompletionRequest) -> tuple[list[PreparedProm
     kv = kv_transfer_spec(req, len(prompts))
     if state.config.role == "prefill" and (len(prompts) != 1 or req.n != 1):
         raise bad_request("a prefill worker takes exactly one prompt and n = 1", param="n")
-    kv = transfer_for_role(state.config.role, kv, prompts[0].token_ids, state.block_size, resume)
+    kv = transfer_for_role(state.config.role, kv, prompts[0].token_ids, state.block_size, resume, extra)
     if req.prompt_logprobs is not None and req.stream:
         raise bad_request("prompt_logprobs is not available with stream", param="prompt_logprobs")
     echoed = req.logprobs if (req.echo and req.logprobs is not None) else None
@@ -92,7 +93,7 @@ def _plan(state: ServerState, req: CompletionRequest) -> tuple[list[PreparedProm
         )
         for j in range(req.n):
             params = dataclasses.replace(base, seed=child_seed(req.seed, j)) if j else base
-            seqs.append(SequenceRequest(pi * req.n + j, pi, prompt.token_ids, params, resume, kv))
+            seqs.append(SequenceRequest(pi * req.n + j, pi, prompt.token_ids, params, resume, kv, lora=lora))
     return prompts, seqs
 
 
@@ -167,7 +168,7 @@ async def create_completion(
     def build() -> CompletionResponse:
         return CompletionResponse(
             id=response_id,
-            model=state.model_name,
+            model=state.answer_model(seqs[0].lora),
             choices=[
                 CompletionChoice(
                     index=i,
@@ -206,7 +207,7 @@ async def _stream(
     ticket: Ticket,
 ) -> AsyncIterator[bytes]:
     created = int(time.time())
-    model = state.model_name
+    model = state.answer_model(seqs[0].lora)
     # Echo + logprobs: the prompt's logprobs arrive with the last output, so each choice is sent
     # as one chunk when it finishes (correct values over early bytes).
     defer = req.echo and req.logprobs is not None
@@ -244,7 +245,7 @@ async def _stream(
             if req.continuous_usage:
                 chunk.usage = usage.info()
             if producer and out.finished:
-                chunk.kv_transfer = kv_transfer_result(state, out)
+                chunk.kv_transfer = kv_transfer_result(state, out, seq.block_extra)
             yield sse_frame(chunk.model_dump_json())
         if req.include_usage:
             final = CompletionChunk(

@@ -79,7 +79,7 @@ async def create_embedding(
     submitted: Callable[[], None] | None = None,
 ) -> object:
     arrival = time.perf_counter()
-    state.check_model(req.model)
+    lora = state.check_model(req.model)
     hidden = int(getattr(getattr(state.engine, "model_info", None), "hidden_size", 0) or 0)
     if req.dimensions is not None and hidden and req.dimensions > hidden:
         raise bad_request(
@@ -89,7 +89,9 @@ async def create_embedding(
     inputs = _inputs(state, req)
     params = SamplingParams(max_tokens=1)
     seqs = [
-        SequenceRequest(choice_index=i, prompt_index=i, prompt_token_ids=ids, params=params, pooling=True)
+        SequenceRequest(
+            choice_index=i, prompt_index=i, prompt_token_ids=ids, params=params, pooling=True, lora=lora
+        )
         for i, ids in enumerate(inputs)
     ]
     ticket = state.generation.admit(len(seqs), submitted)
@@ -108,7 +110,9 @@ async def create_embedding(
         ]
         tokens = sum(len(ids) for ids in inputs)
         return EmbeddingResponse(
-            data=data, model=state.model_name, usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens)
+            data=data,
+            model=state.answer_model(lora),
+            usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens),
         )
 
     return await answer_whole(

@@ -351,9 +351,8 @@ async def create_response(
     own = input_items(req.input)
     chat = to_chat_request(req, context + own if context else None)
     answer = await create_chat_completion(state, chat, request_id, receive, submitted, as_chunks=True)
-    built = _Response(
-        req, state.model_name, request_id, store=req.store is not False and state.responses is not None
-    )
+    model = state.answer_model(state.check_model(req.model))  # the chat request checked it: no 404 here
+    built = _Response(req, model, request_id, store=req.store is not False and state.responses is not None)
     save = _Saver(state, built, context + own)
     if isinstance(answer, ChatChunks):
         return SSEResponse(_events(built, answer.chunks, save), on_close=answer.on_close)

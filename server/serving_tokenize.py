@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from server.lora import lora_model_cards
 from server.params import chat_prompt, check_token_ids
 from server.protocol import (
     DetokenizeRequest,
@@ -42,4 +43,5 @@ def list_models(state: ServerState) -> ModelList:
             ModelCard(id=name, root=root or state.model_name, max_model_len=state.limits.max_model_len)
             for name in names
         ]
+        + lora_model_cards(state)
     )

@@ -46,11 +46,21 @@ class ServerState:
     def model_name(self) -> str:
         return self.config.served_model_name
 
-    def check_model(self, model: str | None) -> None:
-        """Requests may omit ``model``; a named model must be the one served here (else 404)."""
-        if (
-            model is not None
-            and model != self.config.served_model_name
-            and model not in self.config.model_aliases
-        ):
+    def check_model(self, model: str | None) -> Any:
+        """Requests may omit ``model``; a named model must be the one served here or one of its
+        LoRA adapters (else 404). Returns the adapter (``ServedLoRA``), or None for the base model."""
+        if model is None or model == self.config.served_model_name or model in self.config.model_aliases:
+            return None
+        served = self.served_loras.get(model)
+        if served is None:
             raise model_not_found(model)
+        return served
+
+    @property
+    def served_loras(self) -> dict[str, Any]:
+        """The LoRA adapters served by name (``AsyncEngine.served_loras``; none without ``--enable-lora``)."""
+        return getattr(self.engine, "served_loras", None) or {}
+
+    def answer_model(self, lora: Any) -> str:
+        """The ``model`` an answer carries: the adapter's name, or the served model name."""
+        return lora.name if lora is not None else self.config.served_model_name

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.lora import LoRABatch, ModuleSlot
 from engine.models.config import ModelConfig
 from engine.models.moe import MoE, load_dense_mlp
 from engine.models.rope import build_cos_sin_cache
@@ -84,6 +85,30 @@ class LlamaForCausalLM:
         self.embed, self.norm, self.lm_head = take_embeddings(weights, cfg)
         self.layers = [self._layer(weights, i) for i in range(cfg.num_layers)]
         self.windows = cfg.layer_windows or (None,) * cfg.num_layers
+        # The step's LoRA adapters (engine/lora.py), set by the model runner before each forward.
+        self.lora: LoRABatch | None = None
+
+    def lora_layout(self) -> list[dict[str, ModuleSlot]]:
+        """Per layer, the projections a LoRA adapter may target: PEFT's module name -> (fused
+        group, first output row in it, in features, out features). Experts take none."""
+        q, kv, hidden = self.q_size, self.kv_size, self.cfg.hidden_size
+        layouts = []
+        for layer in self.layers:
+            slots: dict[str, ModuleSlot] = {
+                "q_proj": ("qkv", 0, hidden, q),
+                "k_proj": ("qkv", q, hidden, kv),
+                "v_proj": ("qkv", q + kv, hidden, kv),
+                "qkv_proj": ("qkv", 0, hidden, q + 2 * kv),
+                "o_proj": ("o", 0, q, hidden),
+            }
+            if "gate_up" in layer:
+                inter = layer["down"].shape[1]  # type: ignore[union-attr]
+                slots["gate_proj"] = ("gate_up", 0, hidden, inter)
+                slots["up_proj"] = ("gate_up", inter, hidden, inter)
+                slots["gate_up_proj"] = ("gate_up", 0, hidden, 2 * inter)
+                slots["down_proj"] = ("down", 0, inter, hidden)
+            layouts.append(slots)
+        return layouts
 
     def _layer(self, w: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor | None]:
         p = f"model.layers.{i}."
@@ -126,11 +151,16 @@ class LlamaForCausalLM:
         scale_out = cfg.residual_multiplier != 1.0  # Granite scales each block's output
         residual: torch.Tensor | None = None
         t = input_ids.shape[0]
-        for layer, window, (k_cache, v_cache) in zip(self.layers, self.windows, kv_caches, strict=True):
+        lora = self.lora
+        for i, (layer, window, (k_cache, v_cache)) in enumerate(
+            zip(self.layers, self.windows, kv_caches, strict=True)
+        ):
             x, residual = ops.rms_norm(hidden, layer["in_norm"], eps, residual)
             if residual is None:
                 residual = hidden
             qkv = linear(x, layer["qkv"], layer["qkv_bias"])
+            if lora is not None:
+                lora.add(i, "qkv", x, qkv)
             q = qkv[:, : self.q_size].reshape(t, cfg.num_heads, cfg.head_dim)
             k = qkv[:, self.q_size : self.q_size + self.kv_size].reshape(t, cfg.num_kv_heads, cfg.head_dim)
             v = qkv[:, self.q_size + self.kv_size :].reshape(t, cfg.num_kv_heads, cfg.head_dim)
@@ -145,14 +175,21 @@ class LlamaForCausalLM:
                 ops.rotary_embedding(positions, q_rot, k_rot, self.cos_sin_cache)
                 q[..., : self.rotary_dim], k[..., : self.rotary_dim] = q_rot, k_rot
             attn = self.attention.forward(q, k, v.contiguous(), k_cache, v_cache, meta, self.scale, window)
-            hidden = linear(attn.reshape(t, self.q_size), layer["o"], layer["o_bias"])
+            attn = attn.reshape(t, self.q_size)
+            hidden = linear(attn, layer["o"], layer["o_bias"])
+            if lora is not None:
+                lora.add(i, "o", attn, hidden)
             if scale_out:
                 hidden = hidden * cfg.residual_multiplier
             x, residual = ops.rms_norm(hidden, layer["post_norm"], eps, residual)
             if "router" in layer:
                 hidden = self.moe.forward(x, layer)  # type: ignore[union-attr]
-            else:
+            elif lora is None:
                 hidden = linear(ops.silu_and_mul(linear(x, layer["gate_up"], None)), layer["down"], None)
+            else:
+                gate_up = lora.add(i, "gate_up", x, linear(x, layer["gate_up"], None))
+                act = ops.silu_and_mul(gate_up)
+                hidden = lora.add(i, "down", act, linear(act, layer["down"], None))
             if scale_out:
                 hidden = hidden * cfg.residual_multiplier
         out, _ = ops.rms_norm(hidden, self.norm, eps, residual)

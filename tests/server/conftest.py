@@ -47,7 +47,8 @@ class ServerProcess:
     def model_name(self) -> str:
         return self.model_dir.name
 
-    def start(self, timeout: float = 120.0) -> ServerProcess:
+    def start(self, timeout: float = 120.0, env: dict[str, str] | None = None) -> ServerProcess:
+        """Run it (``env``: more environment variables) until ``/health`` answers 200."""
         cmd = [
             sys.executable,
             "-m",
@@ -61,7 +62,7 @@ class ServerProcess:
             "1",
             *self.args,
         ]
-        env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
+        env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false", **(env or {})}
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout

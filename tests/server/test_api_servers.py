@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterator
 from http.client import HTTPConnection
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -239,7 +240,7 @@ class _Stream:
 async def test_both_api_servers_take_connections(server) -> None:
     _, api = _processes(server)
     assert len(api) == 2
-    before = [_established(pid, server.port) for pid in api]  # other tests' keep-alive connections
+    before = _client_ports(server.port)  # other tests' keep-alive connections
     body = {"prompt": "x", "max_tokens": 1000, "ignore_eos": True, "stream": True}
     async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=32)) as http_client:
         started = asyncio.Event()
@@ -258,7 +259,9 @@ async def test_both_api_servers_take_connections(server) -> None:
 
         tasks = [asyncio.ensure_future(hold()) for _ in range(16)]
         await asyncio.wait_for(started.wait(), 30)
-        held = [_established(pid, server.port) - b for pid, b in zip(api, before, strict=True)]
+        inodes = {pid: _socket_inodes(pid) for pid in api}
+        owners = [_owner(inodes, server.port, port) for port in _client_ports(server.port) - before]
+        held = [owners.count(pid) for pid in api]
         await asyncio.gather(*tasks)
     # The kernel spreads connections over the API servers' sockets (16 at once never all land on
     # one: with one shared listening socket, the process that woke first often took them all).
@@ -277,6 +280,22 @@ def _owner(pid_inodes: dict[int, set[str]], server_port: int, client_port: int) 
     return None
 
 
+def _client_ports(server_port: int) -> set[int]:
+    """The local ports of this process's open connections to ``server_port``."""
+    mine = _socket_inodes(os.getpid())
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if (
+                int(fields[2].rsplit(":", 1)[1], 16) == server_port
+                and fields[3] == "01"
+                and fields[9] in mine
+            ):
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
 def _socket_inodes(pid: int) -> set[str]:
     inodes = set()
     for fd in os.listdir(f"/proc/{pid}/fd"):
@@ -287,16 +306,16 @@ def _socket_inodes(pid: int) -> set[str]:
     return inodes
 
 
-def test_a_response_stored_through_one_api_server_continues_through_the_other(server) -> None:
-    """--responses-store memory: the engine process keeps the records for every API server."""
-    _, api = _processes(server)
+def connection_per_api_server(srv) -> list[HTTPConnection]:
+    """One open HTTP connection held by each of a replica's two API server processes."""
+    _, api = _processes(srv)
     pinned: dict[int, HTTPConnection] = {}
     spare = []
     for _ in range(64):  # new connections until each API server holds one
-        conn = HTTPConnection("127.0.0.1", server.port, timeout=60)
+        conn = HTTPConnection("127.0.0.1", srv.port, timeout=60)
         conn.request("GET", "/health")
         conn.getresponse().read()
-        owner = _owner({pid: _socket_inodes(pid) for pid in api}, server.port, conn.sock.getsockname()[1])
+        owner = _owner({pid: _socket_inodes(pid) for pid in api}, srv.port, conn.sock.getsockname()[1])
         if owner is not None and owner not in pinned:
             pinned[owner] = conn
         else:
@@ -306,19 +325,25 @@ def test_a_response_stored_through_one_api_server_continues_through_the_other(se
     for conn in spare:
         conn.close()
     assert len(pinned) == 2
-    first_conn, second_conn = (pinned[pid] for pid in api)
+    return [pinned[pid] for pid in api]
 
-    def post(conn: HTTPConnection, path: str, body: dict | None = None) -> tuple[int, dict]:
-        method = "GET" if body is None else "POST"
-        conn.request(
-            method,
-            path,
-            body=json.dumps(body) if body else None,
-            headers={"content-type": "application/json"},
-        )
-        r = conn.getresponse()
-        return r.status, json.loads(r.read())
 
+def post(conn: HTTPConnection, path: str, body: dict | None = None) -> tuple[int, Any]:
+    """GET ``path`` (no body) or POST ``body`` as JSON on ``conn``: the status and the decoded answer."""
+    method = "GET" if body is None else "POST"
+    conn.request(
+        method, path, body=json.dumps(body) if body else None, headers={"content-type": "application/json"}
+    )
+    r = conn.getresponse()
+    data = r.read()
+    return r.status, json.loads(data) if r.getheader("content-type", "").startswith(
+        "application/json"
+    ) else data.decode()
+
+
+def test_a_response_stored_through_one_api_server_continues_through_the_other(server) -> None:
+    """--responses-store memory: the engine process keeps the records for every API server."""
+    first_conn, second_conn = connection_per_api_server(server)
     greedy = {"max_output_tokens": 4, "temperature": 0}
     status, first = post(first_conn, "/v1/responses", {"input": "My name is Ada.", **greedy})
     assert status == 200 and first["store"] is True
@@ -328,7 +353,7 @@ def test_a_response_stored_through_one_api_server_continues_through_the_other(se
     assert status == 200 and second["previous_response_id"] == first["id"]
     status, got = post(second_conn, f"/v1/responses/{first['id']}")
     assert status == 200 and got["output"] == first["output"]
-    for conn in pinned.values():
+    for conn in (first_conn, second_conn):
         conn.close()
 
 
@@ -336,10 +361,12 @@ def test_a_killed_api_server_is_replaced_and_its_requests_aborted(server, scrape
     engine, api = _processes(server)
     name = server.model_name
     body = {"prompt": "x", "max_tokens": 1000, "ignore_eos": True, "stream": True}
-    before = {pid: _established(pid, server.port) for pid in api}  # other tests' keep-alive ones
+    before = _client_ports(server.port)  # other tests' keep-alive connections
     streams = [_Stream(server.url, body) for _ in range(6)]
     # Each stream sits in one API server; kill the one holding the most of them.
-    held = {pid: _established(pid, server.port) - before[pid] for pid in api}
+    inodes = {pid: _socket_inodes(pid) for pid in api}
+    owners = [_owner(inodes, server.port, port) for port in _client_ports(server.port) - before]
+    held = {pid: owners.count(pid) for pid in api}
     assert sum(held.values()) == 6, held
     victim = max(held, key=held.__getitem__)
     os.kill(victim, signal.SIGKILL)

@@ -1,0 +1,204 @@
+"""LoRA adapters over HTTP, as vLLM serves them: ``--enable-lora --lora-modules``, the adapter named
+as ``model`` (same tokens as the offline engine with that adapter; answers carry its name), listed
+in ``/v1/models`` with its base as ``parent``, loaded and unloaded at run time, with
+``--api-server-count`` too."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from engine import LLM, LoRARequest, SamplingParams
+from engine.demo import build_lora_adapter
+from engine.lora import adapter_weights_id
+from tests.server.conftest import metric_value
+from tests.server.test_api_servers import _serve, connection_per_api_server, post
+
+PROMPT = "The quick brown fox"
+GREEDY = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory, tiny_llama: Path) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        name: build_lora_adapter(root / name, tiny_llama, seed=seed, rank=8, alpha=32)
+        for name, seed in (("a", 1), ("b", 2), ("c", 4))
+    }
+
+
+@pytest.fixture(scope="module")
+def lora_server(tiny_llama: Path, adapters, serve_logs: Path, server_process) -> Iterator:
+    modules = [f"a={adapters['a']}", json.dumps({"name": "b", "path": str(adapters["b"])})]
+    flags = ["--enable-lora", "--max-loras", "2", "--allow-runtime-lora-updating", "--lora-modules", *modules]
+    srv = server_process(tiny_llama, [*flags, "--num-kv-blocks", "256"], serve_logs).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(lora_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=lora_server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama: Path, adapters) -> dict[str | None, list[int]]:
+    """The offline engine's greedy tokens for PROMPT, per adapter (None: the base model)."""
+    llm = LLM(str(tiny_llama), enable_lora=True, num_kv_blocks=64, num_threads=1)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    out = {}
+    for i, name in enumerate((None, "a", "b", "c")):
+        lora = LoRARequest(name, i, str(adapters[name])) if name else None
+        out[name] = llm.generate([PROMPT], params, lora_request=lora)[0].outputs[0].token_ids
+    assert len({tuple(v) for v in out.values()}) == 4  # each adapter says something else
+    return out
+
+
+def _token_ids(client: openai.OpenAI, model: str) -> tuple[str, list[int]]:
+    r = client.completions.create(model=model, prompt=PROMPT, extra_body={**GREEDY, "return_token_ids": True})
+    return r.model, r.choices[0].token_ids
+
+
+def test_models_lists_adapters_with_their_base(lora_server, client, adapters) -> None:
+    cards = {m.id: m for m in client.models.list().data}
+    base = lora_server.model_name
+    assert set(cards) == {base, "a", "b"}
+    assert cards[base].parent is None
+    for name in ("a", "b"):
+        card = cards[name].model_dump()
+        assert card["parent"] == base and card["root"] == str(adapters[name])
+        assert card["lora_weights_id"] == adapter_weights_id(adapters[name])
+
+
+def test_requests_run_the_named_adapter(lora_server, client, offline) -> None:
+    for name in ("a", "b"):
+        model, ids = _token_ids(client, name)
+        assert (model, ids) == (name, offline[name])
+    assert _token_ids(client, lora_server.model_name) == (lora_server.model_name, offline[None])
+    chat = client.chat.completions.create(
+        model="b", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0
+    )
+    assert chat.model == "b"
+    chunks = list(
+        client.chat.completions.create(
+            model="a", messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True
+        )
+    )
+    assert chunks and {c.model for c in chunks} == {"a"}
+    resp = client.responses.create(model="a", input="hi", max_output_tokens=4, temperature=0)
+    assert resp.model == "a" and resp.status == "incomplete"  # max_output_tokens reached
+    base_vec = client.embeddings.create(model=lora_server.model_name, input=PROMPT).data[0].embedding
+    emb = client.embeddings.create(model="a", input=PROMPT)
+    assert emb.model == "a" and emb.data[0].embedding != base_vec
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="nope", prompt=PROMPT, max_tokens=2)
+    assert e.value.body["code"] == "model_not_found"
+
+
+def test_adapters_load_and_unload_at_run_time(lora_server, client, adapters, offline) -> None:
+    url = lora_server.url
+    bad = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/no/such/dir"})
+    assert bad.status_code == 400 and "no such directory" in bad.json()["error"]["message"]
+    r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": str(adapters["c"])})
+    assert r.status_code == 200 and r.text == "Success: LoRA adapter 'c' added successfully."
+    assert "c" in {m.id for m in client.models.list().data}
+    assert _token_ids(client, "c") == ("c", offline["c"])
+    again = httpx.post(
+        url + "/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": str(adapters["a"])}
+    )
+    assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
+    # load_inplace: the name now runs a's weights
+    inplace = {"lora_name": "c", "lora_path": str(adapters["a"]), "load_inplace": True}
+    assert httpx.post(url + "/v1/load_lora_adapter", json=inplace).status_code == 200
+    assert _token_ids(client, "c") == ("c", offline["a"])
+    base = httpx.post(
+        url + "/v1/load_lora_adapter", json={"lora_name": lora_server.model_name, "lora_path": "/x"}
+    )
+    assert base.status_code == 400
+    r = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "c"})
+    assert r.status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="c", prompt=PROMPT, max_tokens=2)
+    gone = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "c"})
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "not_found"
+    missing = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "c"})
+    assert missing.status_code == 400
+    # Nothing of this cost the others anything.
+    assert _token_ids(client, "a") == ("a", offline["a"])
+
+
+def test_lora_metrics(lora_server, client) -> None:
+    client.completions.create(model="a", prompt=PROMPT, max_tokens=2)
+    text = httpx.get(lora_server.url + "/metrics").text
+    value = metric_value(text, "vllm:lora_requests_info", max_lora="2", running_lora_adapters="")
+    assert value is not None and value > 1.7e9  # the time of the reading, as vLLM's
+
+
+def test_runtime_updating_needs_enable_lora_and_permission(server, tiny_llama, adapters) -> None:
+    # The session's default replica runs without --enable-lora.
+    r = httpx.post(
+        server.url + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": str(adapters["a"])}
+    )
+    assert r.status_code == 400 and "--enable-lora" in r.json()["error"]["message"]
+    with pytest.raises(openai.NotFoundError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0).completions.create(
+            model="a", prompt=PROMPT, max_tokens=2
+        )
+
+
+def test_api_servers_share_one_set_of_adapters(
+    tiny_llama, adapters, serve_logs, server_process, offline
+) -> None:
+    flags = ["--api-server-count", "2", "--enable-lora", "--lora-modules", f"a={adapters['a']}"]
+    srv = server_process(tiny_llama, [*flags, "--num-kv-blocks", "256"], serve_logs)
+    srv.start(env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"})
+    try:
+        first, second = connection_per_api_server(srv)
+        body = {"model": "a", "prompt": PROMPT, **GREEDY, "return_token_ids": True}
+        for conn in (first, second):
+            status, answer = post(conn, "/v1/completions", body)
+            assert status == 200 and answer["choices"][0]["token_ids"] == offline["a"]
+        status, text = post(
+            first, "/v1/load_lora_adapter", {"lora_name": "c", "lora_path": str(adapters["c"])}
+        )
+        assert status == 200, text
+        status, models = post(second, "/v1/models")
+        assert "c" in {m["id"] for m in models["data"]}
+        status, answer = post(second, "/v1/completions", {**body, "model": "c"})
+        assert status == 200 and answer["model"] == "c" and answer["choices"][0]["token_ids"] == offline["c"]
+        status, _ = post(second, "/v1/unload_lora_adapter", {"lora_name": "c"})
+        assert status == 200
+        status, answer = post(first, "/v1/completions", {**body, "model": "c"})
+        assert status == 404
+        for conn in (first, second):
+            conn.close()
+    finally:
+        assert srv.stop() == 0, srv.log()
+
+
+def test_lora_startup_errors_are_clean(tiny_llama, adapters, tmp_path) -> None:
+    done = _serve(["--model", str(tiny_llama), "--lora-modules", f"a={adapters['a']}"])
+    assert done.returncode == 2 and "--lora-modules needs --enable-lora" in done.stderr
+    done = _serve(["--model", str(tiny_llama), "--enable-lora", "--lora-modules", "a"])
+    assert done.returncode == 2 and "expected name=path" in done.stderr
+    big = build_lora_adapter(tmp_path / "big", tiny_llama, rank=32)
+    for extra in ([], ["--api-server-count", "2"]):
+        done = _serve(
+            [
+                "--model",
+                str(tiny_llama),
+                "--port",
+                "0",
+                "--enable-lora",
+                "--lora-modules",
+                f"big={big}",
+                *extra,
+            ]
+        )
+        assert done.returncode == 2, done.stderr
+        assert "has rank 32, more than max_lora_rank=16" in done.stderr
