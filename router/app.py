@@ -94,7 +94,9 @@ class RouterApp:
             }
         self.policy = make_policy(config.policy, **options)
         self.keyer: PromptKeyer | None = (
-            make_keyer(config.model, config.block_size) if self.policy.needs_prefix else None
+            make_keyer(config.model, config.block_size, self.replicas.lora_extra)
+            if self.policy.needs_prefix
+            else None
         )
         # Probes and /v1/models get a client of their own: short timeouts, never queued behind traffic.
         self.client = UpstreamClient(config.health_timeout, config.health_timeout, max_idle_per_origin=4)
@@ -172,7 +174,7 @@ class RouterApp:
             max_failovers=config.max_failovers,
             clock=self.clock,
         )
-        keyer = self.keyer or make_keyer(config.model, config.block_size)
+        keyer = self.keyer or make_keyer(config.model, config.block_size, self.replicas.lora_extra)
         return PDOrchestrator(pd, prefill, decode, keyer, PDMetrics(self.metrics.registry), config.block_size)
 
     @property
@@ -370,6 +372,8 @@ class RouterApp:
                 return
             if route.session_key is None and isinstance(parsed.get("user"), str):
                 route.session_key = parsed["user"]
+            if isinstance(parsed.get("model"), str):
+                route.model = parsed["model"]
             if self.keyer is not None:
                 hashes, tokens = await prompt_keys(self.keyer, path, parsed, len(body))
                 route.block_hashes = hashes

@@ -2,8 +2,8 @@
 
 Healthy replicas are probed every ``probe_interval``; starting and ejected ones back off
 exponentially (``Replica.on_probe_fail``), so a dead replica costs little and a restarted one is
-readmitted by its first good probe. The first good probe of a replica also reads its
-``/v1/models`` (for the router's aggregated model list). The prober only calls the state machine
+readmitted by its first good probe. Good probes also read its ``/v1/models`` (at most every
+``MODELS_REFRESH_S``): the names and LoRA adapters it serves, which route requests by ``model``. The prober only calls the state machine
 in ``router/replica.py``; it decides nothing itself.
 """
 
@@ -22,6 +22,8 @@ from router.upstream import UpstreamClient, UpstreamError, get_json
 
 log = logging.getLogger("ferry.router")
 TICK = 0.05  # scheduler resolution; probes run on each replica's own schedule
+# How often a healthy replica's /v1/models is read again: LoRA adapters come and go at run time.
+MODELS_REFRESH_S = 5.0
 
 
 class HealthChecker:
@@ -77,9 +79,10 @@ class HealthChecker:
             self._probing.discard(replica.url)
         before = replica.health
         if ok:
-            replica.on_probe_ok(self.clock())
-            if not replica.models:
-                replica.models = await self._models(replica, timeout or self.timeout)
+            now = self.clock()
+            replica.on_probe_ok(now)
+            if not replica.models or now - replica.models_read_at >= MODELS_REFRESH_S:
+                await self._read_models(replica, timeout or self.timeout)
         else:
             replica.on_probe_fail(self.clock())
         if replica.health is not before:
@@ -99,9 +102,15 @@ class HealthChecker:
             return False
         return response.status_code == 200
 
-    async def _models(self, replica: Replica, timeout: float) -> list[str]:
+    async def _read_models(self, replica: Replica, timeout: float) -> None:
+        """The replica's served names and LoRA adapters (kept as they were if it does not answer)."""
         data = await model_list(self.client, replica.url, [], timeout)
-        return [m["id"] for m in data]
+        if data:
+            replica.models = [m["id"] for m in data]
+            replica.lora_weights = {
+                m["id"]: m["lora_weights_id"] for m in data if isinstance(m.get("lora_weights_id"), str)
+            }
+            replica.models_read_at = self.clock()
 
 
 async def model_list(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 
+from kvcache.keys import lora_extra
 from router.discovery import ROLES, check_replica_url, normalize_url
 from router.replica import HealthPolicy, Replica
 
@@ -46,6 +47,16 @@ class Pool:
         return {"total": len(self._replicas), "routable": routable}
 
 
+def serving(model: object, candidates: list[Replica]) -> list[Replica]:
+    """Those of ``candidates`` that list ``model`` (a LoRA adapter loaded on some replicas only),
+    when any does; else all of them (a name none lists, such as an alias of the base model, is the
+    replica's to answer, with a 404 if it serves no such model)."""
+    if not isinstance(model, str) or len(candidates) < 2:
+        return candidates
+    listing = [r for r in candidates if model in r.models]
+    return listing or candidates
+
+
 class Replicas:
     """All pools of one router, plus hooks that fire when a replica is added or removed."""
 
@@ -61,6 +72,16 @@ class Replicas:
     def __iter__(self) -> Iterator[Replica]:
         for pool in self.pools.values():
             yield from pool
+
+    def lora_extra(self, model: object) -> bytes:
+        """The block-hash salt of requests naming ``model``: a LoRA adapter's as a replica lists it
+        (``kvcache.keys.lora_extra``), else none."""
+        if isinstance(model, str):
+            for r in self:
+                weights_id = r.lora_weights.get(model)
+                if weights_id is not None:
+                    return lora_extra(model, weights_id)
+        return b""
 
     def find(self, url: str) -> Replica | None:
         url = normalize_url(url)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 from engine.chat_template import template_message
@@ -30,7 +31,14 @@ TEXT_CHUNK_CHARS = 64  # ~16 tokens of English: one text "block"
 _TEXT_SPACE = b"router-text"  # keeps text-chunk hashes apart from real token-block hashes
 
 
+def _no_extra(model: object) -> bytes:
+    return b""
+
+
 class PromptKeyer(ABC):
+    # The block-hash salt of a body's ``model`` (a LoRA adapter's: ``Replicas.lora_extra``).
+    model_extra: Callable[[object], bytes] = staticmethod(_no_extra)
+
     def keys(self, path: str, body: dict[str, Any]) -> tuple[list[bytes], int]:
         """(block hashes of the prompt, number of prompt tokens, exact or estimated); ``([], 0)``
         for a body the keyer cannot read, whatever is wrong in it: the hashes are only a routing
@@ -107,7 +115,7 @@ class TokenKeyer(PromptKeyer):
         ids = self.token_ids(path, body)
         if ids is None:
             return [], 0
-        return block_hashes(ids, self.block_size), len(ids)
+        return block_hashes(ids, self.block_size, self.model_extra(body.get("model"))), len(ids)
 
 
 class TextKeyer(PromptKeyer):
@@ -115,14 +123,15 @@ class TextKeyer(PromptKeyer):
         self.block_size = block_size
 
     def _keys(self, path: str, body: dict[str, Any]) -> tuple[list[bytes], int]:
+        extra = self.model_extra(body.get("model"))
         ids = _token_id_prompt(body)
         if ids is not None:
-            return block_hashes(ids, self.block_size), len(ids)
+            return block_hashes(ids, self.block_size, extra), len(ids)
         text = _request_text(path, body)
         if not text:
             return [], 0
         codes = [ord(c) for c in text]
-        return block_hashes(codes, TEXT_CHUNK_CHARS, extra=_TEXT_SPACE), max(1, len(text) // 4)
+        return block_hashes(codes, TEXT_CHUNK_CHARS, extra=_TEXT_SPACE + extra), max(1, len(text) // 4)
 
 
 def _request_text(path: str, body: dict[str, Any]) -> str:
@@ -160,5 +169,11 @@ async def prompt_keys(
     return keyer.keys(path, body)
 
 
-def make_keyer(model_dir: str | None, block_size: int) -> PromptKeyer:
-    return TokenKeyer.from_dir(model_dir, block_size) if model_dir else TextKeyer(block_size)
+def make_keyer(
+    model_dir: str | None, block_size: int, model_extra: Callable[[object], bytes] | None = None
+) -> PromptKeyer:
+    """``model_extra``: a body's ``model`` -> its block-hash salt (LoRA adapters)."""
+    keyer = TokenKeyer.from_dir(model_dir, block_size) if model_dir else TextKeyer(block_size)
+    if model_extra is not None:
+        keyer.model_extra = model_extra
+    return keyer

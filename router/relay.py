@@ -28,7 +28,7 @@ from typing import Any
 from router.http import RESPONSE_DROP, Send, error_body, send_bytes
 from router.metrics import RouterMetrics
 from router.policies.base import Policy, RouteRequest
-from router.pool import Pool
+from router.pool import Pool, serving
 from router.replica import Replica
 from router.retry import RetryPolicy, counts_as_replica_failure
 from router.upstream import ConnectError, Response, UpstreamClient, UpstreamError, UpstreamTimeout
@@ -110,7 +110,7 @@ class Relay:
         last: Failed | None = None
         while True:
             now = self.clock()
-            candidates = pool.candidates(now, tried)
+            candidates = serving(call.route.model, pool.candidates(now, tried))
             if not candidates:
                 return last or _no_replica(pool, now)
             replica = _preferred(call.route, candidates)
@@ -130,8 +130,8 @@ class Relay:
                 result = await self._send(replica, call, payload)
                 if isinstance(result, Response):
                     status = result.status_code
-                    if not self.retry.should_retry_status(status, attempt[0]) or not pool.candidates(
-                        self.clock(), tried | {replica.url}
+                    if not self.retry.should_retry_status(status, attempt[0]) or not serving(
+                        call.route.model, pool.candidates(self.clock(), tried | {replica.url})
                     ):
                         if call.route.predicted_hit_tokens:
                             self.metrics.cache_hit_tokens.inc(call.route.predicted_hit_tokens)

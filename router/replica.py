@@ -105,6 +105,10 @@ class Replica:
         self.health = Health.STARTING
         self.draining = False
         self.models: list[str] = []  # served model ids (from /v1/models)
+        # LoRA adapter name -> the digest of its files (``lora_weights_id`` in /v1/models): salts
+        # the adapter's block hashes (kvcache.keys.lora_extra).
+        self.lora_weights: dict[str, str] = {}
+        self.models_read_at = float("-inf")
         self.emits_token_ids = False  # seen answering return_token_ids (else the relay asks logprobs)
         self.circuit = CircuitBreaker(
             self.policy.circuit_failures, self.policy.circuit_cooldown, self.policy.circuit_cooldown_max

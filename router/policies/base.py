@@ -26,6 +26,7 @@ class RouteRequest:
     # The replica to use while it is a candidate, whatever the policy says (the one holding the
     # stored response a Responses API request names: router/response_affinity.py).
     prefer_url: str | None = None
+    model: str | None = None  # the body's ``model``: replicas that list it are preferred (pool.serving)
 
 
 class Policy(ABC):
