@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any
+
+from engine.spec_decode import SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,9 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # vLLM's: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, ...} (a dict
+    # or its JSON text), held parsed (engine/spec_decode.py SpeculativeConfig). None: no drafts.
+    speculative_config: Any = None
 
     def __post_init__(self) -> None:
         # Numbers out of range fail here, by name, instead of as a division by zero or a silent
@@ -77,6 +83,7 @@ class EngineConfig:
         util = self.gpu_memory_utilization
         if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(
                 f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})"

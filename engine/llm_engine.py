@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import time
+from array import array
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,13 +25,14 @@ from engine.lora_request import LoRARequest
 from engine.model_runner import ModelOutput, ModelRunner
 from engine.models.config import ModelConfig
 from engine.models.loader import resolve_model_dir
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, merge_deltas
 from engine.pooler import needs_every_row, resolve_pooling_type
 from engine.postprocess import Postprocessor
-from engine.sampler import Sampler, SamplingRow
+from engine.sampler import Sampler, SamplerOutput, SamplingRow
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import Request, RequestStatus
+from engine.spec_decode import NgramProposer
 from engine.stats import EngineStats, ModelInfo
 from engine.structured_output import GrammarCompiler
 from engine.tokenizer import Tokenizer
@@ -91,6 +93,12 @@ class LLMEngine:
         self.logits_observers: list[LogitsObserver] = []
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        spec = config.speculative_config
+        self.proposer = NgramProposer(spec) if spec is not None else None
+        self.spec_drafts = 0  # steps in which a request verified drafts
+        self.spec_draft_tokens = 0
+        self.spec_accepted_tokens = 0
+        self.spec_accepted_per_position = [0] * (spec.num_speculative_tokens if spec is not None else 0)
         self.kv_capacity_tokens = self.block_manager.num_blocks * config.block_size
         if self.sliding_window is not None and self.block_manager.num_blocks >= self._window_peak_blocks():
             self.kv_capacity_tokens = self.max_model_len
@@ -297,34 +305,87 @@ class LLMEngine:
             return pooled + [
                 self.post.delta(p.scheduled.request, [], "", None) for p in model_out.prompt_logits
             ]
-        rows = [
-            SamplingRow(
-                params=s.request.params,
-                seed=s.request.seed,
-                position=s.request.num_tokens,
-                prompt_token_ids=s.request.prompt_token_ids,
-                output_token_ids=s.request.output_token_ids,
-                eos_token_ids=s.request.eos_token_ids,
-                grammar=s.request.grammar,
-            )
-            for s in model_out.sampling
-        ]
+        rows: list[SamplingRow] = []
+        for s in model_out.sampling:
+            req = s.request
+            for j in range(1 + s.num_spec):  # a draft's row: the history the drafts before it imply
+                outputs_so_far = (
+                    req.output_token_ids if j == 0 else req.output_token_ids + req.spec_token_ids[:j]
+                )
+                rows.append(
+                    SamplingRow(
+                        params=req.params,
+                        seed=req.seed,
+                        position=req.num_tokens + j,
+                        prompt_token_ids=req.prompt_token_ids,
+                        output_token_ids=outputs_so_far,
+                        eos_token_ids=req.eos_token_ids,
+                        grammar=req.grammar,
+                    )
+                )
         for observer in self.logits_observers:
-            observer([s.request.request_id for s in model_out.sampling], model_out.sample_logits)
+            ids = [s.request.request_id for s in model_out.sampling for _ in range(1 + s.num_spec)]
+            observer(ids, model_out.sample_logits)
         sampled = self.sampler(model_out.sample_logits, rows)
         outputs: list[RequestOutput] = []
-        for i, s in enumerate(model_out.sampling):
+        i = 0
+        for s in model_out.sampling:
             req = s.request
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = time.monotonic()
             out = self.post.append_token(req, sampled, i)
-            self.generation_tokens_total += 1
+            if s.num_spec:
+                out = self._verify(s, sampled, i, out)
+            i += 1 + s.num_spec
+            self.generation_tokens_total += len(out.outputs[0].token_ids)
             if req.finish_reason is not None and req.status is not RequestStatus.FINISHED:
                 self.scheduler.finish(req, req.finish_reason)
                 self.requests.pop(req.request_id, None)
                 out = self.post.finalize(req, out)
+            elif self.proposer is not None:
+                self._propose(req)
             outputs.append(out)
         return pooled + outputs
+
+    def _verify(
+        self, s: ScheduledRequest, sampled: SamplerOutput, i: int, out: RequestOutput
+    ) -> RequestOutput:
+        """Walk a request's drafts after its first token (``out``, drawn at row ``i``): while the
+        token drawn at a position equals the draft there, that draft's KV holds and the next
+        position's draw is the next token. Returns the step's whole delta."""
+        req, drafts = s.request, s.request.spec_token_ids
+        accepted = 0
+        while (
+            accepted < s.num_spec
+            and req.finish_reason is None
+            and sampled.token_ids[i + accepted] == drafts[accepted]
+        ):
+            accepted += 1
+            out = merge_deltas(out, self.post.append_token(req, sampled, i + accepted))
+        req.num_computed_tokens += accepted
+        req.spec_token_ids = []
+        self.spec_drafts += 1
+        self.spec_draft_tokens += s.num_spec
+        self.spec_accepted_tokens += accepted
+        for pos in range(accepted):
+            self.spec_accepted_per_position[pos] += 1
+        return out
+
+    def _propose(self, req: Request) -> None:
+        """Drafts for a request's next step (none under structured outputs, or with no room left)."""
+        if req.grammar is not None or req.pooling:
+            return
+        room = (
+            min((req.params.max_tokens or 0) - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
+        )
+        if room <= 0:
+            return
+        tokens = req.lookup_tokens
+        if tokens is None:
+            tokens = req.lookup_tokens = array("i", req.token_ids)
+        else:
+            tokens.extend(req.token_ids[len(tokens) :])
+        req.spec_token_ids = self.proposer.propose(tokens, room)  # type: ignore[union-attr]
 
     def _finish_pooled(self, model_out: ModelOutput) -> list[RequestOutput]:
         """Pooling requests whose prompt was computed this step end with their embedding."""
@@ -358,6 +419,10 @@ class LLMEngine:
             generation_tokens=self.generation_tokens_total,
             num_free_blocks=bm.num_free_blocks,
             num_total_blocks=bm.num_blocks,
+            spec_decode_num_drafts=self.spec_drafts,
+            spec_decode_num_draft_tokens=self.spec_draft_tokens,
+            spec_decode_num_accepted_tokens=self.spec_accepted_tokens,
+            spec_decode_accepted_per_position=tuple(self.spec_accepted_per_position),
             running_loras=_lora_names(s.running) if self.loras is not None else (),
             waiting_loras=_lora_names([*s.waiting, *(p.request for p in s.loading)])
             if self.loras is not None

@@ -42,7 +42,8 @@ class PromptLogits:
 
 @dataclass
 class ModelOutput:
-    sample_logits: torch.Tensor  # fp32 [num sampling rows, vocab], order of ``sampling``
+    # fp32 [num sampling rows, vocab], order of ``sampling``: 1 + num_spec rows per request
+    sample_logits: torch.Tensor
     sampling: list[ScheduledRequest]
     prompt_logits: list[PromptLogits] = field(default_factory=list)
     # Pooling requests whose prompt ended this step, and their last hidden states (fp32 [n, hidden]).
@@ -175,7 +176,11 @@ class ModelRunner:
         for s in out.scheduled:
             req, start, n = s.request, s.start, s.num_new_tokens
             table = req.block_table
-            ids.extend(req.token_ids[start : start + n])
+            if s.num_spec:
+                ids.extend(req.token_ids[start:])
+                ids.extend(req.spec_token_ids[: s.num_spec])
+            else:
+                ids.extend(req.token_ids[start : start + n])
             rng = range(start, start + n)
             pos.extend(rng)
             slots.extend(table[p // bs] * bs + p % bs for p in rng)
@@ -234,7 +239,7 @@ class ModelRunner:
                 pooled_rows.append(end - 1)
                 pooled.append(s)
             elif s.samples:
-                rows.append(end - 1)
+                rows.extend(range(end - 1 - s.num_spec, end))  # the last known token, then each draft
                 sampling.append(s)
             req = s.request
             if req.prompt_logprobs is not None:

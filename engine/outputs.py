@@ -51,6 +51,16 @@ class RequestOutput:
     embedding: list[float] | None = None
 
 
+def merge_deltas(out: RequestOutput, nxt: RequestOutput) -> RequestOutput:
+    """``nxt`` carrying ``out``'s delta in front of its own (two DELTA outputs of one request as one)."""
+    a, b = out.outputs[0], nxt.outputs[0]
+    b.token_ids = a.token_ids + b.token_ids
+    b.text = a.text + b.text
+    if a.logprobs is not None or b.logprobs is not None:
+        b.logprobs = (a.logprobs or []) + (b.logprobs or [])
+    return nxt
+
+
 def merge_pending(out: RequestOutput, queue: asyncio.Queue) -> RequestOutput:
     """Fold deltas that queued up while the consumer was busy into one (fewer, larger chunks)."""
     while not out.finished and not queue.empty():
@@ -58,10 +68,5 @@ def merge_pending(out: RequestOutput, queue: asyncio.Queue) -> RequestOutput:
         if isinstance(nxt, BaseException):
             queue.put_nowait(nxt)
             break
-        a, b = out.outputs[0], nxt.outputs[0]
-        b.token_ids = a.token_ids + b.token_ids
-        b.text = a.text + b.text
-        if a.logprobs is not None or b.logprobs is not None:
-            b.logprobs = (a.logprobs or []) + (b.logprobs or [])
-        out = nxt
+        out = merge_deltas(out, nxt)
     return out

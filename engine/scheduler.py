@@ -54,11 +54,14 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int  # tokens computed this step, from request.num_computed_tokens on
     start: int  # request.num_computed_tokens when scheduled
+    # Of those, draft tokens (request.spec_token_ids) after its last known token: verified this step.
+    num_spec: int = 0
 
     @property
     def samples(self) -> bool:
-        """Whether this step reaches the end of the known tokens and so draws the next one."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
+        """Whether this step reaches the end of the known tokens and so draws the next one (and,
+        with drafts, one at each draft's position)."""
+        return self.start + self.num_new_tokens - self.num_spec == self.request.num_tokens
 
 
 @dataclass
@@ -157,7 +160,14 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
+            remaining = req.num_tokens - req.num_computed_tokens
+            n = self._chunk(remaining, budget)
+            num_spec = 0
+            if req.spec_token_ids:
+                if remaining == 1:  # drafts ride along with a decode, as far as the budget goes
+                    num_spec = self._chunk(1 + len(req.spec_token_ids), budget) - 1
+                    n = 1 + num_spec
+                del req.spec_token_ids[num_spec:]
             while not bm.may_append(req.block_table, req.num_computed_tokens + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -165,7 +175,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens))
+                out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens, num_spec))
                 budget -= n
                 i += 1
         if out.preempted:
@@ -174,16 +184,22 @@ class Scheduler:
         loras = self._active_loras() if self.config.max_loras else None
         deferred: list[Request] = []
         num_prefix_waits = 0
+        lora_blocked = False
         while (
             self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.config.max_num_seqs
         ):
             req = self.waiting[0]
-            if loras is not None and req.lora is not None and id(req.lora) not in loras:
-                if len(loras) >= self.config.max_loras:
-                    # Another adapter would exceed max_loras: it waits (keeping its place) for one
-                    # to finish, and the requests behind it that fit go first.
-                    deferred.append(self.waiting.popleft())
-                    continue
+            if (
+                loras is not None
+                and req.lora is not None
+                and (lora_blocked or (id(req.lora) not in loras and len(loras) >= self.config.max_loras))
+            ):
+                # Another adapter would exceed max_loras: it waits, keeping its place, for the
+                # running ones to finish. Requests behind it go first only if they run no adapter:
+                # later requests for a running adapter would otherwise keep it out for ever.
+                deferred.append(self.waiting.popleft())
+                lora_blocked = True
+                continue
             if pending and self._waits_for_pending(req, pending):
                 deferred.append(self.waiting.popleft())
                 num_prefix_waits += 1
@@ -358,6 +374,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        req.spec_token_ids = []
         self.block_manager.free(req.block_table, req.num_released_blocks)
         req.num_released_blocks = 0
         req.num_computed_tokens = 0
@@ -372,7 +389,8 @@ class Scheduler:
         bm = self.block_manager
         for s in out.scheduled:
             req = s.request
-            req.num_computed_tokens = s.start + s.num_new_tokens
+            # Drafts' KV is written, but counts only once accepted (LLMEngine adds those).
+            req.num_computed_tokens = s.start + s.num_new_tokens - s.num_spec
             full = req.num_computed_tokens // bm.block_size
             if full > req.num_registered_blocks:
                 hashes = req.full_block_hashes()[:full]

@@ -97,6 +97,10 @@ class Request:
         # keeps its KV blocks apart from the base model's and other adapters'.
         self.lora: Any = None
         self.block_extra = b""
+        # Speculative decoding (engine/spec_decode.py): the draft tokens the next step verifies, and
+        # the tokens as int32 for the n-gram lookup (kept up to date by the proposer).
+        self.spec_token_ids: list[int] = []
+        self.lookup_tokens: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -35,6 +35,12 @@ class EngineStats:
     generation_tokens: int = 0  # cumulative generated tokens
     num_free_blocks: int = 0
     num_total_blocks: int = 0
+    # Speculative decoding (cumulative): request-steps that verified drafts, drafts, those accepted,
+    # and accepted drafts by their position in the draft (vLLM's spec_decode metrics).
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_accepted_per_position: tuple[int, ...] = ()
     # LoRA adapters of the running and of the waiting requests (names, sorted; vLLM's lora_requests_info)
     running_loras: tuple[str, ...] = ()
     waiting_loras: tuple[str, ...] = ()

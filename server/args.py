@@ -198,6 +198,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=d.max_cpu_loras,
         help="LoRA adapters kept loaded (least recently used read again when named; default --max-loras)",
     )
+    p.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 3, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' drafts tokens from earlier context, '
+        "verified in the next step (outputs are unchanged)",
+    )
     p.add_argument("--kv-tier-write-queue", type=int, default=d.kv_tier_write_queue)
     p.add_argument(
         "--deterministic",

@@ -84,6 +84,13 @@ _ENGINE_SERIES: tuple[tuple[str, str, str, str], ...] = (
 )
 
 
+_SPEC_SERIES = (
+    ("vllm:spec_decode_num_drafts", "Request-steps that verified draft tokens.", "spec_decode_num_drafts"),
+    ("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.", "spec_decode_num_draft_tokens"),
+    ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", "spec_decode_num_accepted_tokens"),
+)
+
+
 class EngineStatsCollector(Collector):
     """Reads ``engine.stats()`` once per scrape and exposes it under vLLM's names."""
 
@@ -101,6 +108,20 @@ class EngineStatsCollector(Collector):
             family_cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
             family = family_cls(name, doc, labels=["model_name"])
             family.add_metric([self._model_name], float(value))
+            yield family
+        per_position = getattr(stats, "spec_decode_accepted_per_position", ())
+        if per_position:  # speculative decoding is on: vLLM's names
+            for name, doc, attr in _SPEC_SERIES:
+                family = CounterMetricFamily(name, doc, labels=["model_name"])
+                family.add_metric([self._model_name], float(getattr(stats, attr)))
+                yield family
+            family = CounterMetricFamily(
+                "vllm:spec_decode_num_accepted_tokens_per_pos",
+                "Accepted draft tokens, by their position in the draft.",
+                labels=["model_name", "position"],
+            )
+            for pos, count in enumerate(per_position):
+                family.add_metric([self._model_name, str(pos)], float(count))
             yield family
         if self._max_loras is not None:
             # vLLM's: the adapters in use as labels, the time of the reading as the value.

@@ -192,6 +192,39 @@ def test_max_loras_bounds_the_adapters_running_at_once(tiny_llama, adapters, pro
     assert reqs[2].metrics.first_scheduled_time < reqs[1].metrics.first_scheduled_time
 
 
+def test_a_waiting_adapter_is_not_starved_by_later_requests_for_a_running_one(
+    tiny_llama, adapters, prompts
+) -> None:
+    llm = LLM(str(tiny_llama), enable_lora=True, max_loras=1, max_num_seqs=8, num_kv_blocks=256)
+    engine = llm.engine
+    la, lb = LoRARequest("a", 1, str(adapters["a"])), LoRARequest("b", 2, str(adapters["b"]))
+
+    def add(rid: str, lora, max_tokens: int):
+        req = engine.make_request(
+            rid, prompts[2], SamplingParams(max_tokens=max_tokens, ignore_eos=True), lora_request=lora
+        )
+        engine.add_request(req)
+        return req
+
+    first, waiting = add("a0", la, 3), add("b", lb, 2)
+    later = []
+    for i in range(6):  # a stream of requests for the running adapter, arriving while b waits
+        engine.step()
+        later.append(add(f"a{i + 1}", la, 3))
+        later.append(add(f"base{i}", None, 1))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert waiting.metrics.first_scheduled_time > first.metrics.finished_time  # max_loras=1
+    for req in later:
+        if req.lora is not None:  # queued behind b: they wait for it
+            assert req.metrics.first_scheduled_time > waiting.metrics.first_scheduled_time
+    # Requests without an adapter are not held back by the wait.
+    assert (
+        min(r.metrics.first_scheduled_time for r in later if r.lora is None)
+        < waiting.metrics.first_scheduled_time
+    )
+
+
 def test_evicted_adapter_reloads_and_running_requests_keep_theirs(tiny_llama, adapters, prompts) -> None:
     llm = LLM(str(tiny_llama), enable_lora=True, max_loras=1, max_cpu_loras=1, num_kv_blocks=256)
     engine = llm.engine
