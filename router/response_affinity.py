@@ -2,12 +2,14 @@
 
 A ferry replica names a response ``resp_{request id}`` and keeps it in its ``--responses-store``
 (``server/responses_store.py``). With the default memory store only that replica can continue it
-(``previous_response_id``) or answer ``GET`` / ``DELETE /v1/responses/{id}``; with a shared Redis
-store any replica can, but the one that served the conversation also holds its KV blocks. So the
-router remembers ``response id -> replica URL`` for every ``POST /v1/responses`` a replica answered
-with 200 (the id follows from the ``X-Request-Id`` the replica answers with: the router's, or
-one of its own when it could not take that) and routes requests that
-name that id to that replica while it is a candidate; otherwise the policy picks as usual.
+(``previous_response_id``), answer ``GET`` / ``DELETE /v1/responses/{id}`` or cancel a background
+response (``POST /v1/responses/{id}/cancel``); with a shared Redis store any replica can, but the
+one that served the conversation also holds its KV blocks, and the one running a background
+response cancels it and streams its events (``GET …?stream=true``) without a round through the
+store. So the router remembers ``response id -> replica URL`` for every ``POST /v1/responses`` a
+replica answered with 200 (the id follows from the ``X-Request-Id`` the replica answers with: the
+router's, or one of its own when it could not take that) and routes requests that name that id to
+that replica while it is a candidate; otherwise the policy picks as usual.
 
 Bounded: the least recently used ids are forgotten beyond ``max_entries``.
 """
@@ -27,14 +29,15 @@ def response_id_for(request_id: str) -> str:
 
 def referenced_response(method: str, path: str, body: dict[str, Any] | None) -> str | None:
     """The stored response a request names: ``previous_response_id`` of a ``POST /v1/responses``,
-    or the ``{id}`` of ``/v1/responses/{id}[/input_items]``."""
+    or the ``{id}`` of ``/v1/responses/{id}[/input_items|/cancel]`` (``GET ...?stream=true`` of a
+    background response included: the query is not part of ``path``)."""
     if path == RESPONSES_PATH:
         if method == "POST" and body is not None and isinstance(body.get("previous_response_id"), str):
             return body["previous_response_id"]
         return None
     if path.startswith(RESPONSES_PATH + "/"):
         rest = path[len(RESPONSES_PATH) + 1 :].split("/")
-        if rest[0] and (len(rest) == 1 or rest[1:] == ["input_items"]):
+        if rest[0] and (len(rest) == 1 or rest[1:] in (["input_items"], ["cancel"])):
             return rest[0]
     return None
 

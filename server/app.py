@@ -40,6 +40,7 @@ from server.protocol import (
     TokenizeRequest,
     VersionResponse,
 )
+from server.responses_background import RUNNING
 from server.responses_store import StoreUnavailable, open_response_store
 from server.serving_chat import create_chat_completion
 from server.serving_completions import create_completion
@@ -50,7 +51,7 @@ from server.state import ServerState
 from server.streaming import ClientDisconnected
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 413, 429, 503)
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 409, 413, 429, 503)
 }
 
 
@@ -117,11 +118,23 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
         )
 
     @app.get("/v1/responses/{response_id}", responses=_ERRORS)
-    async def get_response(response_id: str) -> Any:
-        return JSONResponse((await load_record(state, response_id))["response"])
+    async def get_response(
+        response_id: str, stream: bool = False, starting_after: int | None = Query(None, ge=0)
+    ) -> Any:
+        record = await load_record(state, response_id)
+        if stream:  # a background stream's events again (server/responses_background.py)
+            return await state.background.stream(record, starting_after)
+        return JSONResponse(record["response"])
+
+    @app.post("/v1/responses/{response_id}/cancel", responses=_ERRORS)
+    async def cancel_response(response_id: str) -> Any:
+        return JSONResponse(await state.background.cancel(await load_record(state, response_id)))
 
     @app.delete("/v1/responses/{response_id}", responses=_ERRORS)
     async def delete_response(response_id: str) -> Any:
+        record = await load_record(state, response_id)
+        if record["response"].get("background") and record["response"].get("status") in RUNNING:
+            await state.background.cancel(record)  # else it would store itself again when it ends
         try:
             deleted = state.responses is not None and await state.responses.delete(response_id)
         except StoreUnavailable as e:

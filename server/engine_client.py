@@ -132,11 +132,11 @@ class EngineClient:
         with contextlib.suppress(EngineDeadError):
             await self._call("abort", request_id)
 
-    async def store(self, op: str, response_id: str, data: bytes | None = None) -> Any:
+    async def store(self, op: str, *args: Any) -> Any:
         """The engine process's stored responses (``--responses-store memory``, shared by every API
-        server): ``op`` get (-> JSON bytes or None), put (-> kept) or delete (-> existed)."""
+        server): ``MemoryRecords.<op>(*args)`` there (get -> JSON bytes or None, put -> kept, …)."""
         self._check_alive()
-        return await self._call("store", (op, response_id, data))
+        return await self._call("store", (op, *args))
 
     async def add_lora(self, lora_request: Any, reload: bool = False) -> Any:
         """``AsyncEngine.add_lora`` in the engine process (every API server hears of it)."""

@@ -13,9 +13,10 @@ Messages from an API server: ``("add", rid, prompt_ids, params, resume_ids, kv_t
 lora_request)``,
 ``("announce", token)``, ``("submitted", token)``, ``("probe_back", token)``,
 ``("call", call_id, name, arg)`` with ``name`` one of ``abort`` / ``compile`` /
-``reset_prefix_cache`` / ``store`` / ``add_lora`` / ``remove_lora``. To it: ``("hello", facts)`` first,
-``("loras", served)`` to every API server whenever the served LoRA adapters changed (before the
-reply to the call that changed them), ``("probe", token)`` (an idle engine
+``reset_prefix_cache`` / ``store`` (``arg``: a ``MemoryRecords`` method's name and arguments) /
+``add_lora`` / ``remove_lora``. To it: ``("hello", facts)`` first, ``("loras", served)`` to every
+API server whenever the served LoRA adapters changed (before the reply to the call that changed
+them), ``("probe", token)`` (an idle engine
 gathering a burst: answer after two passes of the event loop), then
 ``("out", rid, RequestOutput)``, ``("err", rid, kind, message)``, ``("reply", call_id, ok, value)``
 and ``("stats", EngineStats, healthy, sequences_elsewhere)`` whenever the engine published new
@@ -40,7 +41,7 @@ from typing import Any
 
 from engine.errors import EngineDeadError
 from server.engine_ipc import Channel
-from server.responses_store import MemoryRecords
+from server.responses_store import MEMORY_OPS, MemoryRecords
 
 logger = logging.getLogger("ferry.engine_process")
 
@@ -260,17 +261,13 @@ class EngineHost:
         for conn in self._servers:
             conn.channel.send(("loras", served))
 
-    def _store(self, op: str, response_id: str, data: bytes | None) -> Any:
+    def _store(self, op: str, *args: Any) -> Any:
         records = self.responses
         if records is None:
             raise RuntimeError("this engine process keeps no responses")
-        if op == "get":
-            return records.get(response_id)
-        if op == "put":
-            return records.put(response_id, data or b"")
-        if op == "delete":
-            return records.delete(response_id)
-        raise RuntimeError(f"unknown store operation {op!r}")
+        if op not in MEMORY_OPS:
+            raise RuntimeError(f"unknown store operation {op!r}")
+        return getattr(records, op)(*args)
 
     def _probe_api_servers(self, back: Callable[[], None]) -> None:
         """``AsyncEngine.probe_submitters``: ask every API server to pass its event loop twice (the

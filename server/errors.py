@@ -105,7 +105,9 @@ _UNION_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
 
 def _param_from_loc(loc: Sequence[Any]) -> str | None:
     # pydantic adds union-member tags ("str", "list[int]", "function-after[...]") to locations;
-    # they mean nothing to a client.
+    # they mean nothing to a client, nor does where FastAPI found a parameter (OpenAI names it alone).
+    if loc and loc[0] in ("query", "path"):
+        loc = loc[1:]
     parts = [
         str(p) for p in loc if p != "body" and not (isinstance(p, str) and ("[" in p or p in _UNION_TAGS))
     ]

@@ -94,7 +94,7 @@ class Generation:
         self.draining = False
         self.in_flight = 0  # engine sequences admitted and not finished
         self._max_running = int(getattr(getattr(engine, "config", None), "max_num_seqs", 0) or 0)
-        self._live_ids: set[str] = set()
+        self._live_ids: dict[str, str] = {}  # engine request id -> the HTTP request's id
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -153,6 +153,14 @@ class Generation:
             with contextlib.suppress(Exception):
                 await self.engine.abort(request_id)
 
+    async def abort_request(self, request_id: str) -> None:
+        """Abort the engine requests of one HTTP request (its streams end with "abort"; blocks
+        are freed before this returns). For work that outlives its HTTP request (background
+        responses): others abort by closing their streams."""
+        for rid in [rid for rid, owner in self._live_ids.items() if owner == request_id]:
+            with contextlib.suppress(Exception):
+                await self.engine.abort(rid)
+
     # -- one sequence -----------------------------------------------------------------------------
 
     def _engine_request_id(self, request_id: str, seq: SequenceRequest) -> str:
@@ -166,7 +174,7 @@ class Generation:
     ) -> AsyncIterator[RequestOutput]:
         """The engine's delta outputs for one admitted sequence (releases its admission share at the end)."""
         rid = self._engine_request_id(request_id, seq)
-        self._live_ids.add(rid)
+        self._live_ids[rid] = request_id
         ticket.start_one()
         deadline = _Deadline()
         if self.config.request_timeout is not None:
@@ -230,7 +238,7 @@ class Generation:
                 with contextlib.suppress(Exception):
                     await self.engine.abort(rid)
                 metrics.observe_finished("abort", time.perf_counter() - arrival, None)
-            self._live_ids.discard(rid)
+            self._live_ids.pop(rid, None)
             self._add_in_flight(-1)
 
     def _expire(self, rid: str, deadline: _Deadline) -> None:

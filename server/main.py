@@ -2,8 +2,8 @@
 
 Shutdown on SIGTERM (or the first Ctrl-C): stop admitting (``/health`` and new requests answer
 503, the ``--register`` key is deleted so routers stop sending), let in-flight requests finish
-for up to ``--drain-timeout`` seconds, abort what is left, then exit 0. A second signal exits
-at once.
+for up to ``--drain-timeout`` seconds (background responses too), abort what is left (a background
+response's record then says it failed), then exit 0. A second signal exits at once.
 """
 
 from __future__ import annotations
@@ -81,6 +81,7 @@ class DrainingServer(uvicorn.Server):
             logger.warning(
                 "drain timeout (%.0f s): aborting %d in-flight sequence(s)", timeout, generation.in_flight
             )
+            self.app_state.background.stop_all()  # saved as failed, not as answers cut short
             await generation.abort_all()
             await generation.wait_idle(5.0)
         self.should_exit = True
@@ -132,6 +133,7 @@ async def serve(
     finally:
         if registration is not None:
             await registration.stop()
+        await app.state.ferry.background.close()  # before the store they save to closes
         responses = app.state.ferry.responses
         if responses is not None:
             await responses.close()

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
@@ -233,6 +233,19 @@ class ServerMetrics:
             labels,
             registry=reg,
         ).labels(model_name)
+        self.background_running = Gauge(
+            "ferry:responses_background_running",
+            "Background responses (background: true) queued or running in this replica.",
+            labels,
+            registry=reg,
+            multiprocess_mode="livesum",
+        ).labels(model_name)
+        self._background_finished = Counter(
+            "ferry:responses_background",
+            "Background responses finished, by final status.",
+            labels + ["status"],
+            registry=reg,
+        )
         if engine_stats is not None:
             reg.register(EngineStatsCollector(engine_stats, model_name, max_loras))
         # One of several API server processes (``--api-server-count``): every process's metrics
@@ -244,6 +257,9 @@ class ServerMetrics:
             MultiProcessCollector(self._replica)
             if engine_stats is not None:
                 self._replica.register(EngineStatsCollector(engine_stats, model_name, max_loras))
+
+    def background_finished(self, status: str) -> None:
+        self._background_finished.labels(self.model_name, status).inc()
 
     def observe_first_token(self, ttft_s: float) -> None:
         self._ttft.observe(ttft_s)

@@ -16,11 +16,14 @@ on the ``output_text`` parts and text delta events.
 A response is stored unless the request says ``store: false`` (or the replica runs with
 ``--responses-store none``): ``previous_response_id`` continues it, and ``GET`` / ``DELETE
 /v1/responses/{id}`` and its ``input_items`` read and drop it (``server/responses_store.py``).
+With ``background: true`` (stored responses only) the answer is the queued response (or, with
+``stream``, its events as they come) and the generation runs on (``server/responses_background.py``).
 Hosted tools (web search, file search, ...) and non-text inputs are a 400.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -32,6 +35,7 @@ from starlette.responses import JSONResponse, Response
 
 from server.errors import APIError, bad_request, unavailable, validation_error
 from server.protocol import ChatCompletionChunk, ChatCompletionRequest, _Request, random_id
+from server.responses_background import RUNNING
 from server.responses_input import InputError, chat_messages, chat_tools, input_items
 from server.responses_store import StoreUnavailable
 from server.serving_chat import ChatChunks, create_chat_completion
@@ -56,6 +60,7 @@ class ResponsesRequest(_Request):
     text: dict[str, Any] | None = None
     previous_response_id: StrictStr | None = None
     store: StrictBool | None = None
+    background: StrictBool = False
     include: list[StrictStr] | None = None
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
     metadata: dict[str, StrictStr] | None = None
@@ -154,8 +159,10 @@ def to_chat_request(
         "top_logprobs": (req.top_logprobs or 0) if wants_logprobs(req) else None,
         "user": req.user,
         **{name: getattr(req, name) for name in _EXTRAS},
-        "stream": req.stream,
-        "stream_options": {"include_usage": True} if req.stream else None,
+        # A background response runs as a stream whatever the client asked (its events are the
+        # progress the record follows; a streamed one's are also kept for resumption).
+        "stream": req.stream or req.background,
+        "stream_options": {"include_usage": True} if req.stream or req.background else None,
     }
     try:
         return ChatCompletionRequest.model_validate(body)
@@ -166,6 +173,9 @@ def to_chat_request(
             for err in e.errors(include_url=False)
         ]
         raise validation_error(errors) from None
+
+
+Status = Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
 
 
 class _Response:
@@ -179,11 +189,23 @@ class _Response:
         self.model = model
         self.output: list[dict[str, Any]] = []
         self.usage: dict[str, Any] | None = None
-        self.status: Literal["in_progress", "completed", "incomplete"] = "in_progress"
+        self.background = req.background
+        self.status: Status = "queued" if req.background else "in_progress"
+        self.error: dict[str, str] | None = None
         self.incomplete: dict[str, str] | None = None
+        # How a background response was stopped before its end (status, error), set by
+        # BackgroundResponses before it aborts the engine request: the answer then ends as that.
+        self.stopped: tuple[Status, dict[str, str] | None] | None = None
+
+    @property
+    def keeps_events(self) -> bool:
+        """Its events are kept for ``GET /v1/responses/{id}?stream=true`` (background + stream)."""
+        return self.background and self.req.stream
 
     def finish(self, finish_reason: str | None) -> None:
-        if finish_reason == "length":
+        if self.stopped is not None:
+            self.status, self.error = self.stopped
+        elif finish_reason == "length":
             self.status, self.incomplete = "incomplete", {"reason": "max_output_tokens"}
         else:
             self.status = "completed"
@@ -205,7 +227,8 @@ class _Response:
             "object": "response",
             "created_at": self.created_at,
             "status": self.status,
-            "error": None,
+            "background": self.background,
+            "error": self.error,
             "incomplete_details": self.incomplete,
             "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens,
@@ -309,26 +332,41 @@ def item_page(
 
 
 class _Saver:
-    """Stores a finished response with the conversation that led to it (``server/responses_store``)."""
+    """Stores a response with the conversation that led to it (``server/responses_store``): once
+    finished, and a background one also as it starts and runs (``put``)."""
 
     def __init__(self, state: ServerState, built: _Response, conversation: list[dict[str, Any]]) -> None:
         self.state = state
         self.built = built
         self.conversation = conversation
 
-    async def __call__(self) -> None:
+    async def put(self) -> bool:
+        """Write the record as the response is now; False if the store did not keep it (raises
+        StoreUnavailable)."""
         built, store = self.built, self.state.responses
         if not built.store or store is None:
+            return False
+        record: dict[str, Any] = {"response": built.body(), "input": self.conversation}
+        if built.keeps_events:
+            record["stream"] = True
+        return await store.put(built.id, record)
+
+    async def __call__(self) -> None:
+        """The final save (a failed foreground stream is not stored: nothing would read it)."""
+        built, store = self.built, self.state.responses
+        if not built.store or store is None or (built.status == "failed" and not built.background):
             return
-        record = {"response": built.body(), "input": self.conversation}
         try:
-            kept = await store.put(built.id, record)
+            kept = await self.put()
         except StoreUnavailable as e:
             logger.warning("response %s not stored: %s", built.id, e)
             kept = False
         if not kept:
             built.store = False  # the answer says so: a later previous_response_id would 404
             self.state.metrics.responses_not_stored.inc()
+            if built.background:  # not its queued record either, which would say it still runs
+                with contextlib.suppress(StoreUnavailable):
+                    await store.delete(built.id)
 
 
 async def create_response(
@@ -338,6 +376,8 @@ async def create_response(
     receive,
     submitted: Callable[[], None] | None = None,
 ) -> Response:
+    if req.background:
+        state.background.admit(f"resp_{request_id}", req.store)
     context: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
         if state.responses is None:
@@ -347,6 +387,14 @@ async def create_response(
                 param="previous_response_id",
             )
         record = await load_record(state, req.previous_response_id, param="previous_response_id")
+        status = record["response"].get("status")
+        if status in RUNNING:
+            raise bad_request(
+                f"Previous response with id '{req.previous_response_id}' is still {status}: "
+                "wait until it completes (or cancel it).",
+                param="previous_response_id",
+                code="previous_response_in_progress",
+            )
         context = record["input"] + record["response"]["output"]
     own = input_items(req.input)
     chat = to_chat_request(req, context + own if context else None)
@@ -354,8 +402,11 @@ async def create_response(
     model = state.answer_model(state.check_model(req.model))  # the chat request checked it: no 404 here
     built = _Response(req, model, request_id, store=req.store is not False and state.responses is not None)
     save = _Saver(state, built, context + own)
-    if isinstance(answer, ChatChunks):
-        return SSEResponse(_events(built, answer.chunks, save), on_close=answer.on_close)
+    if isinstance(answer, ChatChunks):  # a stream: every background response is one
+        frames = _events(built, answer.chunks, save)
+        if req.background:
+            return await state.background.start(built, request_id, frames, save, answer.on_close)
+        return SSEResponse(frames, on_close=answer.on_close)
     data = json.loads(answer.body)
     choice = data["choices"][0]
     message = choice["message"]
@@ -478,6 +529,7 @@ async def _translate(
         return out
 
     yield event("response.created", response=built.body())
+    built.status = "in_progress"  # a background response was queued until now
     yield event("response.in_progress", response=built.body())
     async with stream_errors() as failed:
         async for chunk in chunks:
@@ -535,9 +587,9 @@ async def _translate(
         for out in close_open():
             yield out
         yield event("error", code=err.code, message=err.message, param=err.param)
-        built.status = "failed"
-        failure = {"code": err.code, "message": err.message}
-        yield event("response.failed", response={**built.body(), "status": "failed", "error": failure})
+        built.status, built.error = "failed", {"code": err.code or "server_error", "message": err.message}
+        await save()  # a background response's record says how it ended
+        yield event("response.failed", response=built.body())
         return
     for out in close_open():
         yield out
@@ -559,6 +611,5 @@ async def _translate(
         built.output.append(done)
     built.finish(finish_reason)
     await save()  # before the last event: a client that continues the chain at once finds it
-    yield event(
-        "response.incomplete" if built.status == "incomplete" else "response.completed", response=built.body()
-    )
+    # "response.cancelled" (a cancelled background response) is ferry's: OpenAI names no event for it.
+    yield event(f"response.{built.status}", response=built.body())

@@ -1,8 +1,9 @@
-"""What every endpoint of one replica shares: the engine, its tokenizer and limits, admission, metrics."""
+"""What every endpoint of one replica shares: the engine, its tokenizer and limits, admission, metrics,
+stored responses and the background ones running here."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.tokenizer import Tokenizer
@@ -12,6 +13,7 @@ from server.generation import Generation
 from server.metrics import ServerMetrics
 from server.params import ModelLimits
 from server.reasoning_parsers import END, REASONING_PARSERS, ReasoningSplitter
+from server.responses_background import BackgroundResponses
 from server.responses_store import ResponseStore
 from server.tool_parsers import ToolParser, get_tool_parser
 
@@ -29,8 +31,10 @@ class ServerState:
 
     reasoning: type[ReasoningSplitter] | None = None  # --reasoning-parser
     responses: ResponseStore | None = None  # stored /v1/responses (--responses-store)
+    background: BackgroundResponses = field(init=False)  # background responses running here
 
     def __post_init__(self) -> None:
+        self.background = BackgroundResponses(self.responses, self.generation, self.metrics)
         if self.tool_parser is None and self.config.enable_auto_tool_choice and self.config.tool_call_parser:
             self.tool_parser = get_tool_parser(self.config.tool_call_parser)
         if self.reasoning is None and self.config.reasoning_parser:

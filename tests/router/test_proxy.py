@@ -15,6 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from router_harness import Cluster, Proc, metric, replicas_view, wait_until
 
+from tests.server.conftest import first_events, wait_in_progress
+
 MODEL = "llama"
 
 
@@ -627,6 +629,32 @@ def test_a_stored_response_chain_follows_its_replica(cluster: Cluster, pair: lis
     assert sum(r["total_requests"] for u, r in after.items() if u not in owner) >= 1
 
 
+def test_a_background_response_is_polled_resumed_and_cancelled_on_its_replica(
+    cluster: Cluster, pair: list[Proc]
+) -> None:
+    """Background responses live in their replica's memory: polls, resumed streams and cancels go
+    there (round robin alone would send every other one to the replica that never saw it: 404)."""
+    a, b = pair
+    router = cluster.router("--replica", a.url, "--replica", b.url, "--policy", "round_robin")
+    c = client(router.url)
+    kw = dict(model=MODEL, input="Resume me", max_output_tokens=12, temperature=0)
+    first = first_events(c.responses.create(background=True, stream=True, **kw), 3)
+    response_id = first[0].response.id
+    for _ in range(2):  # each read from its replica
+        rest = list(c.responses.retrieve(response_id, stream=True, starting_after=2))
+        assert [e.sequence_number for e in first + rest] == list(range(len(first) + len(rest)))
+        assert rest[-1].type in ("response.completed", "response.incomplete")
+    long = c.responses.create(
+        model=MODEL, input="x", max_output_tokens=900, background=True, extra_body={"ignore_eos": True}
+    )
+    wait_in_progress(c, long.id)
+    cancelled = c.responses.cancel(long.id)
+    assert cancelled.status == "cancelled" and 0 < cancelled.usage.output_tokens < 900
+    assert c.responses.cancel(long.id) == cancelled  # twice in a row: not round robin's two replicas
+    assert c.responses.retrieve(long.id).status == "cancelled"
+    assert metric(a.url, "vllm:num_requests_running") + metric(b.url, "vllm:num_requests_running") == 0
+
+
 def test_referenced_responses_and_the_affinity_bound() -> None:
     from router.response_affinity import ResponseAffinity, referenced_response, response_id_for
 
@@ -636,6 +664,7 @@ def test_referenced_responses_and_the_affinity_bound() -> None:
     assert referenced_response("GET", "/v1/responses/resp_2", None) == "resp_2"
     assert referenced_response("DELETE", "/v1/responses/resp_2", None) == "resp_2"
     assert referenced_response("GET", "/v1/responses/resp_3/input_items", None) == "resp_3"
+    assert referenced_response("POST", "/v1/responses/resp_4/cancel", None) == "resp_4"
     assert referenced_response("GET", "/v1/responses/resp_3/other", None) is None
     assert referenced_response("GET", "/v1/responses/", None) is None
     assert response_id_for("abc") == "resp_abc"

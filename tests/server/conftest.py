@@ -119,6 +119,25 @@ def metric_value(text: str, name: str, **labels: str) -> float | None:
     return None
 
 
+def first_events(stream, count: int) -> list:
+    """The first ``count`` events of an SDK stream; then the client leaves (closes it)."""
+    events = []
+    for event in stream:
+        events.append(event)
+        if len(events) == count:
+            break
+    stream.close()
+    return events
+
+
+def wait_in_progress(client, response_id: str, timeout: float = 30.0) -> None:
+    """Until a background response has its first output (its record says ``in_progress``)."""
+    deadline = time.monotonic() + timeout
+    while client.responses.retrieve(response_id).status != "in_progress":
+        assert time.monotonic() < deadline, f"{response_id} never got to in_progress"
+        time.sleep(0.01)
+
+
 @pytest.fixture(scope="session")
 def scrape():
     """``scrape(url, name, **labels)``: one metric's current value from a replica's /metrics."""

@@ -307,7 +307,7 @@ def _socket_inodes(pid: int) -> set[str]:
 
 
 def connection_per_api_server(srv) -> list[HTTPConnection]:
-    """One open HTTP connection held by each of a replica's two API server processes."""
+    """A keep-alive connection to each of a replica's two API servers, in the order of their pids."""
     _, api = _processes(srv)
     pinned: dict[int, HTTPConnection] = {}
     spare = []
@@ -328,31 +328,65 @@ def connection_per_api_server(srv) -> list[HTTPConnection]:
     return [pinned[pid] for pid in api]
 
 
-def post(conn: HTTPConnection, path: str, body: dict | None = None) -> tuple[int, Any]:
-    """GET ``path`` (no body) or POST ``body`` as JSON on ``conn``: the status and the decoded answer."""
-    method = "GET" if body is None else "POST"
+def call(
+    conn: HTTPConnection, path: str, body: dict | None = None, method: str | None = None
+) -> tuple[int, Any]:
+    """A GET (or with ``body``, a POST): its status and JSON answer, an SSE answer's events, or the
+    text of another answer."""
     conn.request(
-        method, path, body=json.dumps(body) if body else None, headers={"content-type": "application/json"}
+        method or ("GET" if body is None else "POST"),
+        path,
+        body=json.dumps(body) if body is not None else None,
+        headers={"content-type": "application/json"},
     )
     r = conn.getresponse()
     data = r.read()
-    return r.status, json.loads(data) if r.getheader("content-type", "").startswith(
-        "application/json"
-    ) else data.decode()
+    kind = r.getheader("content-type") or ""
+    if kind.startswith("text/event-stream"):
+        return r.status, [
+            json.loads(line[6:]) for line in data.decode().splitlines() if line.startswith("data: ")
+        ]
+    return r.status, json.loads(data) if kind.startswith("application/json") else data.decode()
 
 
 def test_a_response_stored_through_one_api_server_continues_through_the_other(server) -> None:
     """--responses-store memory: the engine process keeps the records for every API server."""
     first_conn, second_conn = connection_per_api_server(server)
     greedy = {"max_output_tokens": 4, "temperature": 0}
-    status, first = post(first_conn, "/v1/responses", {"input": "My name is Ada.", **greedy})
+    status, first = call(first_conn, "/v1/responses", {"input": "My name is Ada.", **greedy})
     assert status == 200 and first["store"] is True
-    status, second = post(
+    status, second = call(
         second_conn, "/v1/responses", {"input": "And?", "previous_response_id": first["id"], **greedy}
     )
     assert status == 200 and second["previous_response_id"] == first["id"]
-    status, got = post(second_conn, f"/v1/responses/{first['id']}")
+    status, got = call(second_conn, f"/v1/responses/{first['id']}")
     assert status == 200 and got["output"] == first["output"]
+    for conn in (first_conn, second_conn):
+        conn.close()
+
+
+def test_a_background_response_is_read_streamed_and_cancelled_through_the_other(server, scrape) -> None:
+    """The API server running a background response is not the one asked about it: its record,
+    its events and its cancel flag go through the engine process's store."""
+    first_conn, second_conn = connection_per_api_server(server)
+    body = {"input": "Hello there", "max_output_tokens": 16, "temperature": 0, "background": True}
+    status, events = call(first_conn, "/v1/responses", {**body, "stream": True})
+    assert status == 200 and events[-1]["type"] in ("response.completed", "response.incomplete")
+    response_id = events[0]["response"]["id"]
+    status, resumed = call(second_conn, f"/v1/responses/{response_id}?stream=true&starting_after=3")
+    assert status == 200 and resumed == events[4:]
+    long = {"input": "x", "max_output_tokens": 900, "ignore_eos": True, "background": True}
+    status, queued = call(first_conn, "/v1/responses", long)
+    assert status == 200 and queued["status"] == "queued"
+    path = f"/v1/responses/{queued['id']}"
+    _wait(lambda: call(second_conn, path)[1]["status"] == "in_progress", 10, "no first output")
+    assert scrape(server.url, "ferry:responses_background_running") == 1
+    status, cancelled = call(second_conn, path + "/cancel", method="POST")
+    assert status == 200 and cancelled["status"] == "cancelled", cancelled
+    assert 0 < cancelled["usage"]["output_tokens"] < 900
+    assert call(first_conn, path) == (200, cancelled)
+    _wait(lambda: scrape(server.url, "vllm:num_requests_running") == 0, 5, "the engine still runs it")
+    assert scrape(server.url, "ferry:responses_background_running") == 0
     for conn in (first_conn, second_conn):
         conn.close()
 

@@ -17,7 +17,7 @@ from engine import LLM, LoRARequest, SamplingParams
 from engine.demo import build_lora_adapter
 from engine.lora import adapter_weights_id
 from tests.server.conftest import metric_value
-from tests.server.test_api_servers import _serve, connection_per_api_server, post
+from tests.server.test_api_servers import _serve, call, connection_per_api_server
 
 PROMPT = "The quick brown fox"
 GREEDY = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
@@ -161,19 +161,19 @@ def test_api_servers_share_one_set_of_adapters(
         first, second = connection_per_api_server(srv)
         body = {"model": "a", "prompt": PROMPT, **GREEDY, "return_token_ids": True}
         for conn in (first, second):
-            status, answer = post(conn, "/v1/completions", body)
+            status, answer = call(conn, "/v1/completions", body)
             assert status == 200 and answer["choices"][0]["token_ids"] == offline["a"]
-        status, text = post(
+        status, text = call(
             first, "/v1/load_lora_adapter", {"lora_name": "c", "lora_path": str(adapters["c"])}
         )
         assert status == 200, text
-        status, models = post(second, "/v1/models")
+        status, models = call(second, "/v1/models")
         assert "c" in {m["id"] for m in models["data"]}
-        status, answer = post(second, "/v1/completions", {**body, "model": "c"})
+        status, answer = call(second, "/v1/completions", {**body, "model": "c"})
         assert status == 200 and answer["model"] == "c" and answer["choices"][0]["token_ids"] == offline["c"]
-        status, _ = post(second, "/v1/unload_lora_adapter", {"lora_name": "c"})
+        status, _ = call(second, "/v1/unload_lora_adapter", {"lora_name": "c"})
         assert status == 200
-        status, answer = post(first, "/v1/completions", {**body, "model": "c"})
+        status, answer = call(first, "/v1/completions", {**body, "model": "c"})
         assert status == 404
         for conn in (first, second):
             conn.close()

@@ -1,9 +1,12 @@
 """Stored responses (``--responses-store``): ``previous_response_id`` chains, ``GET`` / ``DELETE
 /v1/responses/{id}`` and ``input_items`` with the official SDK; a chain continued on another
-replica through a shared Redis; Redis down; ``none``; and the memory store's bounds."""
+replica through a shared Redis (background responses too: read, resumed and cancelled on another
+replica; saved as failed by a replica shutting down); Redis down; ``none``; and the memory store's
+bounds."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,8 +18,11 @@ from server.responses_input import input_items
 from server.responses_store import MemoryRecords, encode
 from server.serving_responses import item_page
 from tests.conftest import RedisServer
+from tests.server.conftest import first_events, wait_in_progress
 
 GREEDY = {"max_output_tokens": 8, "temperature": 0}
+# A background response long enough (~2 s on the tiny model) to be caught running.
+LONG_BACKGROUND = {"input": "x", "max_output_tokens": 900, "temperature": 0}
 
 
 def _client(url: str) -> openai.OpenAI:
@@ -211,6 +217,57 @@ def test_redis_down_is_a_503_for_chains_and_answers_still_come(shared_pair, stor
     assert chained.previous_response_id == first.id
 
 
+def test_a_background_response_on_one_replica_is_streamed_and_cancelled_on_another(
+    shared_pair, store_redis, scrape
+) -> None:
+    """Through the shared Redis: the record, the events (resumed on B) and the cancel flag (asked
+    on B, read by A, which aborts its engine request)."""
+    a, b = shared_pair
+    kw = dict(model=a.model_name, input="Tell me more", max_output_tokens=16, temperature=0)
+    foreground = _client(a.url).responses.create(**kw)
+    first = first_events(_client(a.url).responses.create(background=True, stream=True, **kw), 3)
+    response_id = first[0].response.id
+    rest = list(_client(b.url).responses.retrieve(response_id, stream=True, starting_after=2))
+    events = first + rest
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == foreground.output_text == rest[-1].response.output_text
+    import redis
+
+    ttl = redis.Redis.from_url(store_redis.url).pttl(f"ferry:response-events:{response_id}")
+    assert 29 * 24 * 3600 * 1000 < ttl <= 30 * 24 * 3600 * 1000  # the record's
+    long = _client(a.url).responses.create(
+        model=a.model_name, background=True, **LONG_BACKGROUND, extra_body={"ignore_eos": True}
+    )
+    wait_in_progress(_client(b.url), long.id)
+    cancelled = _client(b.url).responses.cancel(long.id)
+    assert cancelled.status == "cancelled" and 0 < cancelled.usage.output_tokens < 900
+    assert _client(a.url).responses.retrieve(long.id).model_dump() == cancelled.model_dump()
+    assert scrape(a.url, "vllm:num_requests_running", model_name=a.model_name) == 0
+    assert scrape(a.url, "ferry:responses_background_running", model_name=a.model_name) == 0
+
+
+def test_shutdown_saves_a_running_background_response_as_failed(
+    tiny_llama: Path, serve_logs: Path, server_process, shared_pair, store_redis
+) -> None:
+    flags = ["--responses-store", store_redis.url, "--num-kv-blocks", "128", "--drain-timeout", "0.1"]
+    srv = server_process(tiny_llama, flags, serve_logs).start()
+    a, _ = shared_pair
+    try:
+        long = _client(srv.url).responses.create(
+            model=srv.model_name, background=True, **LONG_BACKGROUND, extra_body={"ignore_eos": True}
+        )
+        wait_in_progress(_client(a.url), long.id)
+        started = time.monotonic()
+        assert srv.stop() == 0
+        assert time.monotonic() - started < 10, "the drain did not end the background response"
+    finally:
+        srv.stop()
+    failed = _client(a.url).responses.retrieve(long.id)
+    assert failed.status == "failed" and failed.error.code == "server_error"
+    assert "shut down" in failed.error.message and 0 < failed.usage.output_tokens < 900
+
+
 def test_store_none(tiny_llama: Path, serve_logs: Path, server_process) -> None:
     srv = server_process(
         tiny_llama, ["--responses-store", "none", "--num-kv-blocks", "128"], serve_logs
@@ -225,6 +282,9 @@ def test_store_none(tiny_llama: Path, serve_logs: Path, server_process) -> None:
                 model=srv.model_name, previous_response_id=r.id, input="x", **GREEDY
             )
         assert e.value.body["param"] == "previous_response_id" and "--responses-store none" in e.value.message
+        with pytest.raises(openai.BadRequestError) as e:
+            _client(srv.url).responses.create(model=srv.model_name, input="x", background=True, **GREEDY)
+        assert e.value.body["param"] == "background" and "--responses-store none" in e.value.message
     finally:
         srv.stop()
 

@@ -1,0 +1,417 @@
+"""Background responses (``background: true`` on ``POST /v1/responses``): the generation runs on
+after the request that started it was answered, and its stored record says how far it got.
+
+One ``BackgroundResponses`` per API server process holds the responses running there:
+
+* ``start``: the record is written with status ``queued`` before anything runs (a store that
+  fails is a 503, and nothing runs), then the generation runs in a task of its own as a stream
+  (``serving_responses._events``) that writes the record again when the model's first output
+  arrives (``in_progress``) and when it ends (``completed`` / ``incomplete`` / ``failed`` /
+  ``cancelled``). The request is answered with the queued response, or with ``stream: true``
+  with the run's events as they come: a client that goes away closes only its view of them.
+* Events of a streamed one: all kept in the run while it runs (streams following it here read
+  them there), and appended in batches to the store, which keeps the latest ``EVENT_LOG_LIMIT``:
+  ``GET /v1/responses/{id}?stream=true&starting_after=N`` resumes from any API server process or
+  replica sharing the store; asking for events older than those held is a 400.
+* Cancel (``POST /v1/responses/{id}/cancel``, and ``DELETE`` of a running one): the process running
+  it aborts its engine request (its KV blocks are freed at once); the stream ends and the record
+  is saved as ``cancelled``. Cancelling a finished one returns it unchanged.
+* Shutdown: a drain lets background responses finish like any request, up to ``--drain-timeout``;
+  those still running then are stopped and saved as ``failed`` (``server_error``, "shut down").
+
+Cancel across processes: the store is what every API server process (``--api-server-count``, the
+engine process's memory) and every replica sharing a Redis store all see, so a cancel that reaches
+a process not running the response sets a flag next to its record (``request_cancel``). A process
+running background responses reads the flags of its own in one store call every ``CANCEL_POLL_S``
+(only while it runs some, and only with a ``shared`` store), and stops those flagged as a local
+cancel does; the canceller waits for the record to say so. One mechanism for both stores and any
+topology, where routing through the engine process would reach one replica only, and a push
+channel (Redis pub/sub) would need a second path for the memory store. If no record comes within
+``CANCEL_WAIT_S`` the process that ran it is gone (killed): the canceller saves it as cancelled.
+
+A response whose process was killed stays ``in_progress`` until cancelled or expired.
+This module must not import ``serving_responses`` (which imports it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+from starlette.responses import JSONResponse, Response
+
+from server.errors import APIError, bad_request, unavailable
+from server.metrics import ServerMetrics
+from server.responses_store import ResponseStore, StoreUnavailable
+from server.streaming import SSEResponse
+
+if TYPE_CHECKING:
+    from server.generation import Generation
+    from server.serving_responses import _Response
+
+logger = logging.getLogger("ferry.server")
+
+RUNNING = frozenset({"queued", "in_progress"})
+# How often a process running background responses reads their cancel flags (shared stores).
+CANCEL_POLL_S = 0.1
+# How long a cancel waits for the process running the response to save it as cancelled.
+CANCEL_WAIT_S = 5.0
+# How long new events wait to be appended to the store together.
+EVENT_FLUSH_S = 0.05
+# How often a stream following another process's response reads its events, and its record.
+FOLLOW_POLL_S = 0.1
+RECORD_CHECK_S = 1.0
+# At shutdown, how long stopped responses get to save their records before their tasks are cancelled.
+CLOSE_TIMEOUT_S = 5.0
+# Events 0 and 1 are response.created and response.in_progress; event 2 comes with the first output.
+FIRST_OUTPUT_EVENT = 2
+SHUTDOWN_ERROR = {"code": "server_error", "message": "The server shut down before the response completed."}
+_FINAL_EVENTS = tuple(
+    f"event: response.{status}\n".encode() for status in ("completed", "incomplete", "failed", "cancelled")
+)
+
+
+class Saver(Protocol):
+    """``serving_responses._Saver``: writes the response's record as it is now."""
+
+    async def put(self) -> bool: ...
+
+    async def __call__(self) -> None: ...
+
+
+def error_frame(seq: int, code: str, message: str) -> bytes:
+    """An ``error`` event of a stream that cannot go on."""
+    payload = {"type": "error", "sequence_number": seq, "code": code, "message": message, "param": None}
+    return f"event: error\ndata: {json.dumps(payload)}\n\n".encode()
+
+
+def _not_created_with(rid: str, created_with: str, only: str, **error: Any) -> APIError:
+    return bad_request(f"Response '{rid}' was not created with {created_with}: only {only}.", **error)
+
+
+class _Run:
+    """One background response running in this process."""
+
+    def __init__(self, built: _Response, request_id: str) -> None:
+        self.built = built
+        self.request_id = request_id  # its engine requests' (Generation.abort_request)
+        self.frames: list[bytes] = []  # every event so far (kept for a streamed one only)
+        self.count = 0  # events so far
+        self.done = False
+        self.task: asyncio.Task[None] | None = None
+        self.aborting: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+
+    @property
+    def id(self) -> str:
+        return self.built.id
+
+    def publish(self, frame: bytes) -> None:
+        self.count += 1
+        if self.built.keeps_events:
+            self.frames.append(frame)
+            self._wake.set()
+            self._wake = asyncio.Event()
+
+    def end(self) -> None:
+        self.done = True
+        self._wake.set()
+
+    async def changed(self) -> None:
+        """Until the next event or the end."""
+        if not self.done:
+            await self._wake.wait()
+
+    async def follow(self, after: int) -> AsyncIterator[bytes]:
+        """The events after sequence number ``after``, as they come, until the last."""
+        i = after + 1
+        while True:
+            while i < len(self.frames):
+                yield self.frames[i]
+                i += 1
+            if self.done:
+                return
+            await self.changed()
+
+
+class BackgroundResponses:
+    def __init__(self, store: ResponseStore | None, generation: Generation, metrics: ServerMetrics) -> None:
+        self.store = store
+        self.generation = generation
+        self.metrics = metrics
+        self._runs: dict[str, _Run] = {}
+        self._watcher: asyncio.Task[None] | None = None
+
+    def __len__(self) -> int:
+        return len(self._runs)
+
+    def admit(self, response_id: str, store: bool | None) -> None:
+        """Whether a request may run in the background here (``store``: its ``store`` field): it
+        is read back by id, so it must be stored (400), under an id not running here (409: a
+        client reused its X-Request-Id)."""
+        if store is False:
+            raise bad_request("background=true needs store=true (it is read back by id)", param="background")
+        if self.store is None:
+            raise bad_request(
+                "background=true needs stored responses, and this server stores none "
+                "(--responses-store none)",
+                param="background",
+            )
+        if response_id in self._runs:
+            raise APIError(
+                409,
+                f"Background response '{response_id}' is still running: send another X-Request-Id.",
+                code="response_in_progress",
+            )
+
+    # -- running -----------------------------------------------------------------------------------
+
+    async def start(
+        self,
+        built: _Response,
+        request_id: str,
+        frames: AsyncIterator[bytes],
+        save: Saver,
+        on_close: Callable[[], None],
+    ) -> Response:
+        """Store ``built`` as queued and run ``frames`` (its events) on; the answer to its request."""
+        queued = built.body()
+        try:
+            if self.store is not None and self.store.shared:
+                await self.store.clear_cancel(built.id)  # one left by an earlier response of this id
+            kept = await save.put()
+            why = "it is larger than the whole store"
+        except StoreUnavailable as e:
+            kept, why = False, str(e)
+        if not kept:
+            on_close()
+            await frames.aclose()  # type: ignore[attr-defined]
+            raise unavailable(f"The background response could not be stored: {why}.")
+        run = _Run(built, request_id)
+        self._runs[run.id] = run
+        self.metrics.background_running.inc()
+        run.task = asyncio.ensure_future(self._run(run, frames, save, on_close))
+        if self.store is not None and self.store.shared and self._watcher is None:
+            self._watcher = asyncio.ensure_future(self._watch_cancels())
+        # One pass of the loop: the run submits its engine request before this answer leaves, so
+        # a cancel (a later request) always finds it to abort.
+        await asyncio.sleep(0)
+        if built.keeps_events:
+            return SSEResponse(run.follow(-1))
+        return JSONResponse(queued)
+
+    async def _run(
+        self, run: _Run, frames: AsyncIterator[bytes], save: Saver, on_close: Callable[[], None]
+    ) -> None:
+        flusher = asyncio.ensure_future(self._flush_events(run)) if run.built.keeps_events else None
+        try:
+            async for frame in frames:
+                run.publish(frame)
+                if run.count == FIRST_OUTPUT_EVENT + 1:
+                    with contextlib.suppress(StoreUnavailable):
+                        await save.put()  # in_progress, for whoever polls it
+        except Exception:
+            logger.exception("background response %s failed", run.id)
+            run.built.status = "failed"
+            run.built.error = {"code": "server_error", "message": "Internal server error."}
+            await save()
+        finally:
+            on_close()
+            run.end()
+            if flusher is not None:
+                with contextlib.suppress(Exception):
+                    await flusher  # every event in the store before a resume is served from there
+            del self._runs[run.id]
+            self.metrics.background_running.dec()
+            self.metrics.background_finished(run.built.status)
+
+    async def _flush_events(self, run: _Run) -> None:
+        """Append the run's events to the store in batches, until the last."""
+        assert self.store is not None  # a background response is stored
+        sent = 0
+        try:
+            while sent < len(run.frames) or not run.done:
+                if sent == len(run.frames):
+                    await run.changed()
+                    if not run.done:
+                        await asyncio.sleep(EVENT_FLUSH_S)
+                    continue
+                batch = run.frames[sent:]
+                await self.store.append_events(run.id, sent, batch)
+                sent += len(batch)
+        except StoreUnavailable as e:
+            logger.warning("events of background response %s no longer kept: %s", run.id, e)
+
+    # -- stopping ----------------------------------------------------------------------------------
+
+    def _stop(self, run: _Run, status: str, error: dict[str, str] | None) -> None:
+        """End ``run`` as ``status``: its engine request is aborted, its stream ends, and the record
+        is saved with what it had (unless it finished first)."""
+        if run.built.stopped is not None or run.done:
+            return
+        run.built.stopped = (status, error)
+        run.aborting = asyncio.ensure_future(self.generation.abort_request(run.request_id))
+
+    async def _watch_cancels(self) -> None:
+        """Stop the runs whose cancel another process asked for (see the module docstring)."""
+        assert self.store is not None
+        try:
+            while self._runs:
+                await asyncio.sleep(CANCEL_POLL_S)
+                ids = [rid for rid, run in self._runs.items() if run.built.stopped is None]
+                if not ids:
+                    continue
+                try:
+                    flagged = await self.store.cancel_requested(ids)
+                except StoreUnavailable:
+                    continue
+                for rid in flagged:
+                    run = self._runs.get(rid)
+                    if run is not None:
+                        self._stop(run, "cancelled", None)
+        finally:
+            self._watcher = None
+
+    async def cancel(self, record: dict[str, Any]) -> dict[str, Any]:
+        """``POST /v1/responses/{id}/cancel``: the response as it ended."""
+        body = record["response"]
+        rid = body["id"]
+        if not body.get("background"):
+            raise _not_created_with(
+                rid, "background=true", "background responses can be cancelled", code="not_background"
+            )
+        if body.get("status") not in RUNNING:
+            return body  # finished: cancelling changes nothing
+        run = self._runs.get(rid)
+        if run is not None:
+            self._stop(run, "cancelled", None)
+            if run.task is not None:
+                await asyncio.wait({run.task}, timeout=CANCEL_WAIT_S)
+            return run.built.body()
+        return await self._cancel_elsewhere(record)
+
+    async def _cancel_elsewhere(self, record: dict[str, Any]) -> dict[str, Any]:
+        store = self.store
+        assert store is not None  # the record came from it
+        rid = record["response"]["id"]
+        try:
+            if store.shared:  # in this process's own memory nothing else can be running it
+                await store.request_cancel(rid)
+                deadline = time.monotonic() + CANCEL_WAIT_S
+                while time.monotonic() < deadline:
+                    await asyncio.sleep(CANCEL_POLL_S / 2)
+                    current = await store.get(rid)
+                    if current is None:
+                        raise APIError(404, f"Response with id '{rid}' not found.", code="response_not_found")
+                    if current["response"].get("status") not in RUNNING:
+                        return current["response"]
+                    record = current
+                logger.warning("no process answered the cancel of %s: saved as cancelled here", rid)
+            record["response"]["status"] = "cancelled"
+            await store.put(rid, record)
+        except StoreUnavailable as e:
+            raise unavailable(str(e)) from e
+        return record["response"]
+
+    def stop_all(self) -> None:
+        """At shutdown: every running background response ends as failed."""
+        for run in list(self._runs.values()):
+            self._stop(run, "failed", SHUTDOWN_ERROR)
+
+    async def close(self) -> None:
+        """Stop what still runs, let it save its record (bounded), then cancel what did not."""
+        self.stop_all()
+        tasks = [run.task for run in self._runs.values() if run.task is not None]
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=CLOSE_TIMEOUT_S)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        if self._watcher is not None:
+            self._watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watcher
+
+    # -- streaming again ---------------------------------------------------------------------------
+
+    async def stream(self, record: dict[str, Any], starting_after: int | None) -> Response:
+        """``GET /v1/responses/{id}?stream=true[&starting_after=N]``: its events after N, then as
+        they come until the last."""
+        body = record["response"]
+        rid = body["id"]
+        if not record.get("stream"):
+            raise _not_created_with(
+                rid, "background=true and stream=true", "those can be streamed again", param="stream"
+            )
+        after = -1 if starting_after is None else starting_after
+        run = self._runs.get(rid)
+        if run is not None:
+            return SSEResponse(run.follow(after))
+        assert self.store is not None  # the record came from it
+        finished = body.get("status") not in RUNNING
+        try:
+            first, frames = await self.store.read_events(rid, after)
+            if first is None and finished:  # its process may still be appending its only batch
+                await asyncio.sleep(FOLLOW_POLL_S)
+                first, frames = await self.store.read_events(rid, after)
+        except StoreUnavailable as e:
+            raise unavailable(str(e)) from e
+        if first is None and finished:
+            raise bad_request(
+                f"The events of response '{rid}' are no longer held: retrieve it without stream.",
+                param="stream",
+            )
+        if first is not None and after + 1 < first:
+            raise bad_request(
+                f"Events of response '{rid}' before sequence number {first} are no longer held: "
+                f"starting_after must be at least {first - 1}.",
+                param="starting_after",
+            )
+        return SSEResponse(self._follow_store(rid, after + 1, frames, finished))
+
+    async def _follow_store(
+        self, rid: str, next_seq: int, frames: list[bytes], finished: bool
+    ) -> AsyncIterator[bytes]:
+        """A response running in another process (or a finished one): its events from the store,
+        polled, until the last one."""
+        store = self.store
+        assert store is not None
+        checked = quiet_since = time.monotonic()
+        try:
+            while True:
+                for frame in frames:
+                    yield frame
+                    if frame.startswith(_FINAL_EVENTS):
+                        return
+                next_seq += len(frames)
+                now = time.monotonic()
+                if frames:
+                    quiet_since = now
+                elif finished:
+                    # Its last events are on their way to the store (appended after the record),
+                    # or the client has them all, or they never came (the store failed).
+                    _, last = await store.read_events(rid, next_seq - 2)
+                    if last and last[0].startswith(_FINAL_EVENTS):
+                        return
+                    if now - quiet_since >= RECORD_CHECK_S:
+                        yield error_frame(next_seq, "events_not_held", "The rest of the events are not held.")
+                        return
+                elif now - checked >= RECORD_CHECK_S:
+                    checked = now
+                    current = await store.get(rid)
+                    finished = current is None or current["response"].get("status") not in RUNNING
+                if not frames:
+                    await asyncio.sleep(FOLLOW_POLL_S)
+                first, frames = await store.read_events(rid, next_seq - 1)
+                if first is not None and next_seq < first:
+                    yield error_frame(
+                        next_seq, "events_not_held", "Events were dropped before they were read."
+                    )
+                    return
+        except StoreUnavailable as e:
+            yield error_frame(next_seq, "service_unavailable", str(e))
