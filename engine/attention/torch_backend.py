@@ -27,14 +27,18 @@ from engine.attention.base import AttentionBackend, AttentionMetadata
 
 TILE = 32
 MIN_ROWS = 16
+# Chunks of at most this many tokens (decodes, and a decode's draft tokens under verification)
+# attend row by row in the batched decode groups: each row sees the cache up to its own position,
+# written before attention runs. Longer chunks take the per-sequence prefill path.
+DECODE_ROWS_MAX = 8
 
 
 @dataclass
 class _DecodeGroup:
-    """Single-token rows of sequences with similar lengths, batched in one call."""
+    """Query rows attending like single-token decodes, of similar key counts, batched in one call."""
 
     rows: torch.Tensor  # token indices in the flattened batch
-    seqs: list[int]  # their sequences' batch indices
+    seqs: list[tuple[int, int]]  # each row's (sequence's batch index, keys up to and including its own)
 
 
 @dataclass
@@ -133,23 +137,24 @@ class TorchAttentionBackend(AttentionBackend):
         state = meta.backend_state
         if isinstance(state, _Plan):
             return state
-        dec_seq: list[int] = []
-        starts: list[int] = []
+        dec_rows: list[tuple[int, int]] = []  # (row, its key count)
+        dec_seqs: list[tuple[int, int]] = []
         prefill_seqs: list[tuple[int, int]] = []
         start = 0
         for i, qlen in enumerate(meta.query_lens_host):
-            starts.append(start)
-            if qlen == 1:
-                dec_seq.append(i)
+            if qlen <= DECODE_ROWS_MAX:
+                ctx = meta.context_lens_host[i]
+                for j in range(qlen):
+                    dec_rows.append((start + j, ctx + j + 1))
+                    dec_seqs.append((i, ctx + j + 1))
             else:
                 prefill_seqs.append((i, start))
             start += qlen
         groups = []
-        if dec_seq:
-            lens = meta.seq_lens_host
-            for seqs in _split_by_length(dec_seq, [lens[i] for i in dec_seq]):
-                rows = torch.tensor([starts[i] for i in seqs], dtype=torch.long, device=device)
-                groups.append(_DecodeGroup(rows, seqs))
+        if dec_rows:
+            for members in _split_by_length(list(range(len(dec_rows))), [n for _, n in dec_rows]):
+                rows = torch.tensor([dec_rows[m][0] for m in members], dtype=torch.long, device=device)
+                groups.append(_DecodeGroup(rows, [dec_seqs[m] for m in members]))
         plan = _Plan(groups, prefill_seqs)
         meta.backend_state = plan
         return plan
@@ -178,18 +183,18 @@ class TorchAttentionBackend(AttentionBackend):
     @staticmethod
     def _decode_keys(
         meta: AttentionMetadata,
-        seqs: list[int],
+        seqs: list[tuple[int, int]],
         first_key: Callable[[int], int],
         window: int | None,
         device: torch.device,
     ) -> _DecodeKeys:
         bs = meta.block_size
-        lens = [meta.seq_lens_host[i] for i in seqs]
+        lens = [n for _, n in seqs]
         fks = [first_key(n - 1) for n in lens]
         nb = max(-(-n // bs) - fk // bs for n, fk in zip(lens, fks, strict=True))
         tables = [
             meta.block_tables_host[i][fk // bs : -(-n // bs)]
-            for i, n, fk in zip(seqs, lens, fks, strict=True)
+            for (i, _), n, fk in zip(seqs, lens, fks, strict=True)
         ]
         table = [t + [0] * (nb - len(t)) for t in tables]
         lens_t = torch.tensor(lens, dtype=torch.long, device=device)
