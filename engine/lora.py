@@ -71,12 +71,17 @@ class LoRAAdapter:
 
 
 def adapter_weights_id(path: Path) -> str:
-    """A digest of ``adapter_config.json`` and the safetensors file's size and header (tensor
-    names, shapes, offsets), plus a digest of its bytes: adapters are small enough to read whole."""
+    """The digest of the adapter at ``path`` (``_digest`` of its two files)."""
+    return _digest((path / ADAPTER_CONFIG).read_bytes(), (path / ADAPTER_WEIGHTS).read_bytes())
+
+
+def _digest(config: bytes, weights: bytes) -> str:
+    """A digest of ``adapter_config.json`` and all of ``adapter_model.safetensors``: adapters are
+    small enough to hash whole, and two of one shape differ only in their values."""
     h = hashlib.blake2b(digest_size=16)
-    h.update((path / ADAPTER_CONFIG).read_bytes())
+    h.update(config)
     h.update(b"\0")
-    h.update(hashlib.blake2b((path / ADAPTER_WEIGHTS).read_bytes(), digest_size=16).digest())
+    h.update(hashlib.blake2b(weights, digest_size=16).digest())
     return h.hexdigest()
 
 
@@ -100,25 +105,28 @@ def load_adapter(
         )
         raise ValueError(f"{where}: no {ADAPTER_WEIGHTS}{other}")
     try:
-        config = json.loads((path / ADAPTER_CONFIG).read_text())
+        config_bytes = (path / ADAPTER_CONFIG).read_bytes()
+        config = json.loads(config_bytes)
     except (OSError, ValueError) as e:
         raise ValueError(f"{where}: {ADAPTER_CONFIG} is not valid JSON ({e})") from None
     if not isinstance(config, dict):
         raise ValueError(f"{where}: {ADAPTER_CONFIG} is not a JSON object")
     _check_config(config, where)
-    from safetensors import SafetensorError, safe_open
+    from safetensors import SafetensorError
+    from safetensors.torch import load as load_safetensors
 
-    tensors: dict[tuple[int, str, str], torch.Tensor] = {}
+    weights_bytes = (path / ADAPTER_WEIGHTS).read_bytes()  # read once: parsed and hashed
     try:
-        with safe_open(str(path / ADAPTER_WEIGHTS), framework="pt", device="cpu") as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                m = _KEY.match(key)
-                if m is None:
-                    raise ValueError(f"{where}: {key} is not a LoRA weight ferry can apply ({_why(key)})")
-                layer, block, module, ab = int(m[1]), m[2], m[3], m[4]
-                tensors[(layer, f"{block}.{module}", ab)] = f.get_tensor(key).float()
+        stored = load_safetensors(weights_bytes)
     except SafetensorError as e:
         raise ValueError(f"{where}: {ADAPTER_WEIGHTS} is not a valid safetensors file ({e})") from None
+    tensors: dict[tuple[int, str, str], torch.Tensor] = {}
+    for key, tensor in stored.items():
+        m = _KEY.match(key)
+        if m is None:
+            raise ValueError(f"{where}: {key} is not a LoRA weight ferry can apply ({_why(key)})")
+        layer, block, module, ab = int(m[1]), m[2], m[3], m[4]
+        tensors[(layer, f"{block}.{module}", ab)] = tensor.float()
     if not tensors:
         raise ValueError(f"{where}: {ADAPTER_WEIGHTS} holds no LoRA weights")
     modules: dict[int, dict[str, tuple[ModuleSlot, torch.Tensor, torch.Tensor]]] = {}
@@ -151,7 +159,7 @@ def load_adapter(
         if ab == "B" and (layer, full, "A") not in tensors:
             raise ValueError(f"{where}: model.layers.{layer}.{full} has lora_B but no lora_A")
     layers = tuple(_fuse(modules.get(i, {}), layouts[i], dtype) for i in range(len(layouts)))
-    return LoRAAdapter(request.lora_name, str(path), adapter_weights_id(path), rank, layers)
+    return LoRAAdapter(request.lora_name, str(path), _digest(config_bytes, weights_bytes), rank, layers)
 
 
 def _check_config(config: dict[str, Any], where: str) -> None:

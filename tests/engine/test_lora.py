@@ -291,6 +291,9 @@ def test_adapters_that_cannot_run_exactly_are_refused_by_name(tiny_llama, tiny_q
         bin_only / "adapter_model.bin"
     )
     refused(bin_only, "only .bin weights")
+    garbled = _adapter(tmp_path, tiny_llama, "garbled")
+    (garbled / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    refused(garbled, "not a valid safetensors file")
     moe = _adapter(tmp_path, tiny_llama, "moe")
     experts = "base_model.model.model.layers.1.mlp.experts.0.gate_proj.lora_{}.weight"
     _edit(
