@@ -22,6 +22,14 @@ def add_bench_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--model", default=None, help="model name to send (default: first id of GET /v1/models)"
     )
     target.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME",
+        help="LoRA adapters the server serves: each request (each conversation, with multi-turn) names "
+        "one of them as its model, chosen at random from --seed (as vLLM's benchmark)",
+    )
+    target.add_argument(
         "--endpoint",
         choices=["chat", "completions", "responses", "embeddings"],
         default=None,

@@ -115,6 +115,8 @@ def _run(cfg: BenchConfig, args: argparse.Namespace) -> int:
         "requests_file": "requests.jsonl",
         "requests_sha256": requests_sha,
     }
+    if cfg.lora_modules:
+        dataset["lora_modules"] = list(cfg.lora_modules)
     environment = collect_environment(vars(args), [cfg.model, cfg.tokenizer])
     write_json(out_dir / "environment.json", environment)
     if cfg.dry_run:

@@ -68,6 +68,7 @@ class BenchConfig:
     label: str | None
     dry_run: bool
     progress: bool
+    lora_modules: tuple[str, ...] = ()  # each chain names one of these as its model
 
     @property
     def slo(self) -> dict[str, float]:
@@ -146,6 +147,7 @@ class BenchConfig:
             label=args.label,
             dry_run=args.dry_run,
             progress=not args.no_progress,
+            lora_modules=tuple(args.lora_modules),
         )
 
 

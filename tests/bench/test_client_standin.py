@@ -269,3 +269,24 @@ def test_cli_subprocess_progress_and_table(standin, tmp_path: Path) -> None:
         "requests.jsonl",
         "environment.json",
     }
+
+
+def test_lora_modules_spread_chains_over_adapters(standin, bench, tmp_path: Path) -> None:
+    srv = standin("--tokens", "2")
+    plain, spread = tmp_path / "plain", tmp_path / "spread"
+    common = f"--base-url {srv.url} --num-prompts 40 --input-len 6 --output-len 2 --dry-run"
+    assert bench(common, "--output-dir", str(plain))[0] == 0
+    assert bench(common + " --lora-modules sql chat", "--output-dir", str(spread))[0] == 0
+    a, b = _lines(plain / "requests.jsonl"), _lines(spread / "requests.jsonl")
+    assert [x["prompt"] for x in a] == [x["prompt"] for x in b]  # the same prompts either way
+    models = [x["model"] for x in b]
+    assert set(models) == {"sql", "chat"} and 10 <= models.count("sql") <= 30
+    turns = tmp_path / "turns"
+    multi = (
+        f"--base-url {srv.url} --dataset multi-turn --num-prompts 6 --turns 3 --input-len 4 --output-len 2"
+    )
+    assert bench(multi + " --dry-run --lora-modules sql chat", "--output-dir", str(turns))[0] == 0
+    by_session: dict[str, set[str]] = {}
+    for x in _lines(turns / "requests.jsonl"):
+        by_session.setdefault(x["ferry_bench"]["session_id"], set()).add(x["model"])
+    assert all(len(m) == 1 for m in by_session.values())  # a conversation keeps its adapter

@@ -8,6 +8,8 @@ the same tokenizer give the same request set, byte for byte.
 
 from __future__ import annotations
 
+import dataclasses
+import random
 from collections.abc import Callable
 
 from bench.client.datasets import jsonl, multi_turn, random_tokens, shared_prefix
@@ -26,7 +28,21 @@ def build_dataset(ctx: DatasetContext) -> list[Chain]:
     cfg = ctx.cfg
     measured = cfg.num_prompts
     count = None if measured is None else measured + cfg.warmup
-    return DATASETS[cfg.dataset](ctx, count)
+    chains = DATASETS[cfg.dataset](ctx, count)
+    if cfg.lora_modules:
+        chains = spread_over_models(chains, cfg.lora_modules, cfg.seed)
+    return chains
+
+
+def spread_over_models(chains: list[Chain], models: tuple[str, ...], seed: int) -> list[Chain]:
+    """Each chain (a request, or a whole conversation) naming one of ``models``, drawn from a
+    generator of its own: the prompts are the same with or without ``--lora-modules``."""
+    rng = random.Random(f"lora-modules/{seed}")
+    out = []
+    for chain in chains:
+        model = rng.choice(models)
+        out.append([dataclasses.replace(r, body={**r.body, "model": model}) for r in chain])
+    return out
 
 
 __all__ = ["DATASETS", "DatasetContext", "build_dataset"]
