@@ -51,7 +51,6 @@ class LoRAAdapter:
     name: str
     path: str
     weights_id: str  # digest of the adapter's files (its block-hash salt with the name)
-    rank: int  # the largest rank of its modules
     # Per layer: fused group -> (A [R, in], B [out, R] with the scales folded in).
     layers: tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], ...]
 
@@ -59,15 +58,11 @@ class LoRAAdapter:
     def block_extra(self) -> bytes:
         return lora_extra(self.name, self.weights_id)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for layer in self.layers for ab in layer.values() for t in ab)
-
     def to(self, device: torch.device) -> LoRAAdapter:
         layers = tuple(
             {g: (a.to(device), b.to(device)) for g, (a, b) in layer.items()} for layer in self.layers
         )
-        return LoRAAdapter(self.name, self.path, self.weights_id, self.rank, layers)
+        return LoRAAdapter(self.name, self.path, self.weights_id, layers)
 
 
 def adapter_weights_id(path: Path) -> str:
@@ -130,7 +125,6 @@ def load_adapter(
     if not tensors:
         raise ValueError(f"{where}: {ADAPTER_WEIGHTS} holds no LoRA weights")
     modules: dict[int, dict[str, tuple[ModuleSlot, torch.Tensor, torch.Tensor]]] = {}
-    rank = 0
     for (layer, full, ab), tensor in sorted(tensors.items()):
         if ab == "B":
             continue
@@ -153,13 +147,12 @@ def load_adapter(
             )
         if r > max_rank:
             raise ValueError(f"{where}: {name} has rank {r}, more than max_lora_rank={max_rank}")
-        rank = max(rank, r)
         modules.setdefault(layer, {})[module] = (slot, tensor, b * _scale(config, name, r))
     for layer, full, ab in tensors:
         if ab == "B" and (layer, full, "A") not in tensors:
             raise ValueError(f"{where}: model.layers.{layer}.{full} has lora_B but no lora_A")
     layers = tuple(_fuse(modules.get(i, {}), layouts[i], dtype) for i in range(len(layouts)))
-    return LoRAAdapter(request.lora_name, str(path), _digest(config_bytes, weights_bytes), rank, layers)
+    return LoRAAdapter(request.lora_name, str(path), _digest(config_bytes, weights_bytes), layers)
 
 
 def _check_config(config: dict[str, Any], where: str) -> None:
@@ -263,9 +256,6 @@ class LoRACache:
 
     def __contains__(self, name: str) -> bool:
         return name in self._adapters
-
-    def __len__(self) -> int:
-        return len(self._adapters)
 
 
 class LoRABatch:
