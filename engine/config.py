@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from engine.generation_defaults import parse_overrides
 from engine.spec_decode import SpeculativeConfig
 
 
@@ -53,6 +54,11 @@ class EngineConfig:
     # vLLM's: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, ...} (a dict
     # or its JSON text), held parsed (engine/spec_decode.py SpeculativeConfig). None: no drafts.
     speculative_config: Any = None
+    # The model creator's default sampling values (engine/generation_defaults.py), as vLLM's flags:
+    # auto (the model's generation_config.json) | vllm (neutral defaults) | a directory holding one;
+    # the overrides (a dict or its JSON text) apply on top.
+    generation_config: str = "auto"
+    override_generation_config: Any = None
 
     def __post_init__(self) -> None:
         # Numbers out of range fail here, by name, instead of as a division by zero or a silent
@@ -84,6 +90,13 @@ class EngineConfig:
         if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        object.__setattr__(
+            self, "override_generation_config", parse_overrides(self.override_generation_config) or None
+        )
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError(
+                f"generation_config must be 'auto', 'vllm' or a directory, got {self.generation_config!r}"
+            )
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(
                 f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})"

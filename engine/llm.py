@@ -56,6 +56,12 @@ class LLM:
     ) -> None:
         self.close()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's defaults (its ``generation_config.json``, or as the
+        ``generation_config`` and ``override_generation_config`` options say), as vLLM's; what
+        ``generate`` uses when given none."""
+        return SamplingParams(**self.engine.generation_defaults)
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -69,7 +75,7 @@ class LLM:
             raise RuntimeError("this LLM is closed")
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompt_list)
         else:

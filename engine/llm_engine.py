@@ -19,6 +19,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.generation_defaults import load_generation_defaults
 from engine.kv_connector import build_kv_connector
 from engine.lora import LoRAAdapter, LoRACache, load_adapter
 from engine.lora_request import LoRARequest
@@ -46,6 +47,9 @@ class LLMEngine:
         self.model_dir: Path = resolve_model_dir(config.model)
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        self.generation_defaults = load_generation_defaults(
+            self.model_dir, config.generation_config, config.override_generation_config
+        )
         self.model_runner = ModelRunner(config, self.model_dir, self.model_config)
         runner = self.model_runner
         self.pooling_type = runner.pooling_type = resolve_pooling_type(config.pooling_type, self.model_dir)
@@ -115,6 +119,7 @@ class LLMEngine:
             kv_capacity_tokens=self.kv_capacity_tokens,
             hidden_size=runner.model_config.hidden_size,
             pooling_type=self.pooling_type,
+            generation_defaults=self.generation_defaults,
         )
 
     @property

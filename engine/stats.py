@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,9 @@ class ModelInfo:
     kv_capacity_tokens: int = 0
     hidden_size: int = 0  # the width of the model's hidden states (of its embeddings)
     pooling_type: str = "last"  # how embeddings pool the prompt (engine/pooler.py)
+    # Sampling values a request that leaves them unset gets, and max_tokens' cap (SamplingParams
+    # field names; engine/generation_defaults.py).
+    generation_defaults: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

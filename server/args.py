@@ -206,6 +206,20 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' drafts tokens from earlier context, '
         "verified in the next step (outputs are unchanged)",
     )
+    p.add_argument(
+        "--generation-config",
+        default=d.generation_config,
+        metavar="auto|vllm|DIR",
+        help="default sampling values of requests that leave them unset (temperature, top_p, top_k, "
+        "min_p, repetition_penalty; max_new_tokens caps max_tokens), as vLLM's: auto = the model's "
+        "generation_config.json, vllm = neutral defaults, DIR = a directory holding one",
+    )
+    p.add_argument(
+        "--override-generation-config",
+        default=None,
+        metavar="JSON",
+        help="default sampling values over those of --generation-config, e.g. '{\"temperature\": 0.5}'",
+    )
     p.add_argument("--kv-tier-write-queue", type=int, default=d.kv_tier_write_queue)
     p.add_argument(
         "--deterministic",

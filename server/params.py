@@ -7,8 +7,8 @@ Each failure is an ``APIError`` 400 naming the field.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
@@ -32,6 +32,9 @@ class ModelLimits:
     block_size: int = 16
     num_kv_blocks: int = 0  # 0: unknown (no capacity check)
     seq_capacity: int = 0  # the engine's tokens per sequence (ModelInfo.kv_capacity_tokens); 0: unknown
+    # The model's default sampling values for fields a request leaves unset, and max_tokens' cap
+    # (ModelInfo.generation_defaults: --generation-config, --override-generation-config).
+    generation_defaults: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -227,6 +230,7 @@ def resolve_max_tokens(
     budget asked for, the rest of the context is the budget, as in vLLM.
     """
     requested = req.requested_max_tokens if req.requested_max_tokens is not None else default
+    cap = limits.generation_defaults.get("max_tokens")
     capacity = limits.kv_capacity_tokens
     room = capacity - prompt_len
     if room <= num_resumed:
@@ -237,7 +241,7 @@ def resolve_max_tokens(
             code="context_length_exceeded",
         )
     if requested is None:
-        return room
+        return room if cap is None else max(min(room, cap), num_resumed + 1)
     if prompt_len + requested > capacity:
         raise bad_request(
             f"This model's maximum context length is {capacity} tokens. However, you requested "
@@ -251,7 +255,8 @@ def resolve_max_tokens(
             f"resume carries {num_resumed} tokens, which leaves nothing to generate under max_tokens={requested}",
             param="resume.token_ids",
         )
-    return requested
+    # The model's max_new_tokens caps every budget, the asked-for one too (as vLLM's).
+    return requested if cap is None else max(min(requested, cap), num_resumed + 1)
 
 
 def sampling_params(
@@ -281,17 +286,19 @@ def sampling_params(
     allowed = list(req.allowed_token_ids) if req.allowed_token_ids is not None else None
     if allowed is not None:
         check_token_ids(allowed, limits, "allowed_token_ids")
+    defaults = limits.generation_defaults
+    top_k = _or_default(req.top_k, "top_k", defaults, -1)
     params = SamplingParams(
         n=1,
         max_tokens=max_tokens,
         min_tokens=req.min_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=-1 if req.top_k in (None, 0) else req.top_k,
-        min_p=req.min_p,
+        temperature=_or_default(req.temperature, "temperature", defaults, 1.0),
+        top_p=_or_default(req.top_p, "top_p", defaults, 1.0),
+        top_k=-1 if top_k == 0 else top_k,
+        min_p=_or_default(req.min_p, "min_p", defaults, 0.0),
         presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty,
-        repetition_penalty=req.repetition_penalty,
+        repetition_penalty=_or_default(req.repetition_penalty, "repetition_penalty", defaults, 1.0),
         logit_bias=logit_bias,
         seed=req.seed,
         stop=req.stop_list,
@@ -312,6 +319,13 @@ def sampling_params(
         except ValueError as e:
             raise bad_request(str(e), param="bad_words") from e
     return params
+
+
+def _or_default(value: Any, name: str, defaults: Mapping[str, Any], neutral: Any) -> Any:
+    """The request's value; if unset, the model's default (generation_config.json); else neutral."""
+    if value is not None:
+        return value
+    return defaults.get(name, neutral)
 
 
 def bad_words_token_ids(words: Sequence[str], tokenizer: Tokenizer | None) -> list[list[int]]:

@@ -136,8 +136,8 @@ class SamplingFields(_Request):
     user: StrictStr | None = None
     # vLLM-compatible extras
     top_k: StrictInt | None = Field(default=None, ge=-1)
-    min_p: StrictFloat = Field(default=0.0, ge=0.0, le=1.0)
-    repetition_penalty: StrictFloat = Field(default=1.0, gt=0.0, le=10.0)
+    min_p: StrictFloat | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: StrictFloat | None = Field(default=None, gt=0.0, le=10.0)
     min_tokens: StrictInt = Field(default=0, ge=0)
     ignore_eos: StrictBool = False
     stop_token_ids: list[StrictInt] | None = None

@@ -27,7 +27,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, Literal
 
 from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
@@ -181,8 +181,16 @@ Status = Literal["queued", "in_progress", "completed", "incomplete", "failed", "
 class _Response:
     """The Responses object being built (one per request)."""
 
-    def __init__(self, req: ResponsesRequest, model: str, request_id: str, store: bool = False) -> None:
+    def __init__(
+        self,
+        req: ResponsesRequest,
+        model: str,
+        request_id: str,
+        store: bool = False,
+        defaults: Mapping[str, Any] | None = None,
+    ) -> None:
         self.req = req
+        self.defaults = defaults or {}  # the model's default sampling values (generation_config.json)
         self.store = store  # to be stored once complete (set False if storing failed)
         self.id = f"resp_{request_id}"
         self.created_at = int(time.time())
@@ -238,11 +246,13 @@ class _Response:
             "previous_response_id": req.previous_response_id,
             "reasoning": None,
             "store": self.store,
-            "temperature": req.temperature if req.temperature is not None else 1.0,
+            "temperature": req.temperature
+            if req.temperature is not None
+            else self.defaults.get("temperature", 1.0),
             "text": req.text or {"format": {"type": "text"}},
             "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
             "tools": req.tools or [],
-            "top_p": req.top_p if req.top_p is not None else 1.0,
+            "top_p": req.top_p if req.top_p is not None else self.defaults.get("top_p", 1.0),
             "top_logprobs": req.top_logprobs,
             "truncation": "disabled",
             "usage": self.usage,
@@ -400,7 +410,13 @@ async def create_response(
     chat = to_chat_request(req, context + own if context else None)
     answer = await create_chat_completion(state, chat, request_id, receive, submitted, as_chunks=True)
     model = state.answer_model(state.check_model(req.model))  # the chat request checked it: no 404 here
-    built = _Response(req, model, request_id, store=req.store is not False and state.responses is not None)
+    built = _Response(
+        req,
+        model,
+        request_id,
+        store=req.store is not False and state.responses is not None,
+        defaults=state.limits.generation_defaults,
+    )
     save = _Saver(state, built, context + own)
     if isinstance(answer, ChatChunks):  # a stream: every background response is one
         frames = _events(built, answer.chunks, save)
