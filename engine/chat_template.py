@@ -63,6 +63,14 @@ def _part_text(part: Any) -> str:
     )
 
 
+def _as_parts(message: dict[str, Any]) -> dict[str, Any]:
+    """A message whose string content becomes one text part (the ``openai`` content format)."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return {**message, "content": [{"type": "text", "text": content}]}
+    return message
+
+
 def _check_parts(messages: Sequence[Mapping[str, Any]]) -> None:
     for message in messages:
         content = message.get("content")
@@ -168,12 +176,49 @@ def _compile_template(source: str) -> jinja2.Template:
         raise ChatTemplateError(f"the model's chat template does not parse: {e}") from e
 
 
-class ChatTemplates:
-    """A model's named chat templates (``default``, maybe ``tool_use`` ...), compiled on first use."""
+CONTENT_FORMATS = ("auto", "string", "openai")
 
-    def __init__(self, templates: Mapping[str, str], special_tokens: Mapping[str, str]) -> None:
+
+def resolve_chat_template(value: str) -> str:
+    """A ``--chat-template`` value as the template's text: a file's contents, or the value itself
+    when it is a template written inline (it holds ``{``, ``}`` or a newline; backslash escapes
+    such as ``\\n`` are read as such, as vLLM does). ValueError for a path that does not exist
+    or a template that does not parse."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        try:
+            source = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"chat template {value}: cannot read it: {e}") from e
+    elif any(c in value for c in "{}\n"):
+        # Escapes become characters; any other character stays itself (latin-1 with backslashes
+        # for the rest is what unicode_escape reads back unchanged).
+        source = value.encode("latin-1", "backslashreplace").decode("unicode_escape")
+    else:
+        raise ValueError(f"chat template {value!r} looks like a file path, but no such file exists")
+    try:
+        _compile_template(source)
+    except ChatTemplateError as e:
+        raise ValueError(f"chat template {value if path.is_file() else '(inline)'}: {e}") from e
+    return source
+
+
+class ChatTemplates:
+    """A model's named chat templates (``default``, maybe ``tool_use`` ...), compiled on first use.
+
+    ``content_format`` (vLLM's ``--chat-template-content-format``): how message content reaches
+    the template; ``auto`` looks at whether the template loops over content parts, ``string``
+    joins text parts into one string, ``openai`` gives every content as a list of text parts.
+    """
+
+    def __init__(
+        self, templates: Mapping[str, str], special_tokens: Mapping[str, str], content_format: str = "auto"
+    ) -> None:
+        if content_format not in CONTENT_FORMATS:
+            raise ValueError(f"chat template content format must be one of {', '.join(CONTENT_FORMATS)}")
         self._templates = {name: t for name, t in templates.items() if t}
         self._special = dict(special_tokens)
+        self._content_format = content_format
         self._compiled: dict[str, tuple[jinja2.Template, bool]] = {}
 
     @classmethod
@@ -219,8 +264,12 @@ class ChatTemplates:
         if not isinstance(messages, (list, tuple)):
             raise ChatTemplateError("messages must be a list of message objects")
         messages = _normalize_messages(messages)
+        if self._content_format != "auto":
+            takes_parts = self._content_format == "openai"
         if takes_parts:
             _check_parts(messages)
+            if self._content_format == "openai":
+                messages = [_as_parts(m) for m in messages]
         else:
             messages = flatten_content_parts(messages)
         if continue_final_message:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from engine.chat_template import CONTENT_FORMATS, resolve_chat_template
 from engine.generation_defaults import parse_overrides
 from engine.spec_decode import SpeculativeConfig
 
@@ -59,6 +60,11 @@ class EngineConfig:
     # the overrides (a dict or its JSON text) apply on top.
     generation_config: str = "auto"
     override_generation_config: Any = None
+    # vLLM's --chat-template: a file or an inline template replacing the model's own, held as the
+    # template's text (engine/chat_template.py resolve_chat_template); and how message content
+    # reaches it: auto | string | openai.
+    chat_template: str | None = None
+    chat_template_content_format: str = "auto"
 
     def __post_init__(self) -> None:
         # Numbers out of range fail here, by name, instead of as a division by zero or a silent
@@ -93,6 +99,13 @@ class EngineConfig:
         object.__setattr__(
             self, "override_generation_config", parse_overrides(self.override_generation_config) or None
         )
+        if self.chat_template is not None:
+            object.__setattr__(self, "chat_template", resolve_chat_template(self.chat_template))
+        if self.chat_template_content_format not in CONTENT_FORMATS:
+            raise ValueError(
+                f"chat_template_content_format must be one of {', '.join(CONTENT_FORMATS)}, "
+                f"got {self.chat_template_content_format!r}"
+            )
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError(
                 f"generation_config must be 'auto', 'vllm' or a directory, got {self.generation_config!r}"

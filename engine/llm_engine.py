@@ -46,7 +46,9 @@ class LLMEngine:
         self.config = config
         self.model_dir: Path = resolve_model_dir(config.model)
         self.model_config = ModelConfig.from_dir(self.model_dir)
-        self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        self.tokenizer = Tokenizer.from_dir(
+            self.model_dir, config.chat_template, config.chat_template_content_format
+        )
         self.generation_defaults = load_generation_defaults(
             self.model_dir, config.generation_config, config.override_generation_config
         )

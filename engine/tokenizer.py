@@ -101,12 +101,15 @@ class Tokenizer:
         config: dict,
         chat_templates: Mapping[str, str],
         extra_eos_ids: Sequence[int] = (),
+        chat_template_content_format: str = "auto",
     ) -> None:
         self._tok = backend
         self._config = config
         self._special_strings: dict[str, str] = {}
         self._setup_special_tokens()
-        self._chat_templates = ChatTemplates(chat_templates, self._special_strings)
+        self._chat_templates = ChatTemplates(
+            chat_templates, self._special_strings, chat_template_content_format
+        )
         self.vocab_size: int = self._tok.get_vocab_size(with_added_tokens=True)
         self.bos_token_id: int | None = self._id_of(self._special_strings.get("bos_token"))
         eos = [self._id_of(self._special_strings.get("eos_token"))] + list(extra_eos_ids)
@@ -117,7 +120,14 @@ class Tokenizer:
         self._token_text_cache: dict[int, str] = {}
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> Tokenizer:
+    def from_dir(
+        cls,
+        model_dir: str | Path,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
+    ) -> Tokenizer:
+        """``chat_template``: a template's text that replaces the model's own (all of them: vLLM's
+        ``--chat-template``); ``chat_template_content_format``: see ``ChatTemplates``."""
         model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"
         if not path.is_file():
@@ -127,7 +137,8 @@ class Tokenizer:
         extra_eos: list[int] = []
         for name in ("generation_config.json", "config.json"):
             extra_eos += _as_id_list(_read_json(model_dir / name).get("eos_token_id"))
-        return cls(backend, config, load_chat_templates(model_dir, config), extra_eos)
+        templates = {"default": chat_template} if chat_template else load_chat_templates(model_dir, config)
+        return cls(backend, config, templates, extra_eos, chat_template_content_format)
 
     # -- setup -------------------------------------------------------------------------------------
 

@@ -94,7 +94,13 @@ class RouterApp:
             }
         self.policy = make_policy(config.policy, **options)
         self.keyer: PromptKeyer | None = (
-            make_keyer(config.model, config.block_size, self.replicas.lora_extra)
+            make_keyer(
+                config.model,
+                config.block_size,
+                self.replicas.lora_extra,
+                config.chat_template,
+                config.chat_template_content_format,
+            )
             if self.policy.needs_prefix
             else None
         )
@@ -174,7 +180,13 @@ class RouterApp:
             max_failovers=config.max_failovers,
             clock=self.clock,
         )
-        keyer = self.keyer or make_keyer(config.model, config.block_size, self.replicas.lora_extra)
+        keyer = self.keyer or make_keyer(
+            config.model,
+            config.block_size,
+            self.replicas.lora_extra,
+            config.chat_template,
+            config.chat_template_content_format,
+        )
         return PDOrchestrator(pd, prefill, decode, keyer, PDMetrics(self.metrics.registry), config.block_size)
 
     @property

@@ -28,6 +28,18 @@ def add_router_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="tokenizer directory (tokenizer.json + chat template; no weights are read) for exact "
         "block hashes; without it cache_aware matches prefixes of the request text",
     )
+    g.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE|TEMPLATE",
+        help="the replicas' --chat-template, when they serve one (chats are keyed as they render them)",
+    )
+    g.add_argument(
+        "--chat-template-content-format",
+        default="auto",
+        choices=["auto", "string", "openai"],
+        help="the replicas' --chat-template-content-format",
+    )
     g.add_argument("--block-size", type=int, default=16, help="KV block size of the replicas")
     g.add_argument(
         "--balance-abs-threshold",

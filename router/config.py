@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
+from engine.chat_template import resolve_chat_template
+
 
 @dataclass(frozen=True)
 class RouterConfig:
@@ -19,6 +21,10 @@ class RouterConfig:
     api_key: str | None = None
     # cache_aware
     model: str | None = None
+    # The replicas' --chat-template (held as the template's text) and content format, so the
+    # router renders chats into the same tokens.
+    chat_template: str | None = None
+    chat_template_content_format: str = "auto"
     block_size: int = 16
     balance_abs_threshold: int = 16
     load_penalty_tokens: int = 64
@@ -52,6 +58,8 @@ class RouterConfig:
             raise ValueError("--load-penalty-tokens and --decode-penalty-tokens must be >= 0")
         if self.max_retries < 0 or self.max_failovers < 0:
             raise ValueError("--max-retries and --max-failovers must be >= 0")
+        if self.chat_template is not None:
+            object.__setattr__(self, "chat_template", resolve_chat_template(self.chat_template))
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RouterConfig:

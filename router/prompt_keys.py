@@ -78,10 +78,14 @@ class TokenKeyer(PromptKeyer):
         self.chat_encoder = ReuseEncoder(tokenizer.backend)
 
     @classmethod
-    def from_dir(cls, model_dir: str, block_size: int) -> TokenKeyer:
+    def from_dir(
+        cls, model_dir: str, block_size: int, chat_template: str | None = None, content_format: str = "auto"
+    ) -> TokenKeyer:
+        """``chat_template`` (the template's text) and ``content_format``: the replicas'
+        ``--chat-template`` and ``--chat-template-content-format``, to render chats as they do."""
         from engine.tokenizer import Tokenizer
 
-        return cls(Tokenizer.from_dir(model_dir), block_size)
+        return cls(Tokenizer.from_dir(model_dir, chat_template, content_format), block_size)
 
     def token_ids(self, path: str, body: dict[str, Any]) -> list[int] | None:
         """The replica's prompt token ids for ``body``; None when it has no prompt we read (raises
@@ -170,10 +174,17 @@ async def prompt_keys(
 
 
 def make_keyer(
-    model_dir: str | None, block_size: int, model_extra: Callable[[object], bytes] | None = None
+    model_dir: str | None,
+    block_size: int,
+    model_extra: Callable[[object], bytes] | None = None,
+    chat_template: str | None = None,
+    content_format: str = "auto",
 ) -> PromptKeyer:
     """``model_extra``: a body's ``model`` -> its block-hash salt (LoRA adapters)."""
-    keyer = TokenKeyer.from_dir(model_dir, block_size) if model_dir else TextKeyer(block_size)
+    if model_dir:
+        keyer: PromptKeyer = TokenKeyer.from_dir(model_dir, block_size, chat_template, content_format)
+    else:
+        keyer = TextKeyer(block_size)
     if model_extra is not None:
         keyer.model_extra = model_extra
     return keyer

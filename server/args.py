@@ -220,6 +220,19 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         metavar="JSON",
         help="default sampling values over those of --generation-config, e.g. '{\"temperature\": 0.5}'",
     )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE|TEMPLATE",
+        help="a Jinja chat template (a file, or the template inline) used instead of the model's own",
+    )
+    p.add_argument(
+        "--chat-template-content-format",
+        default=d.chat_template_content_format,
+        choices=["auto", "string", "openai"],
+        help="message content as the template takes it: one string, or a list of text parts "
+        "(openai); auto: what the template reads",
+    )
     p.add_argument("--kv-tier-write-queue", type=int, default=d.kv_tier_write_queue)
     p.add_argument(
         "--deterministic",

@@ -35,7 +35,9 @@ class EngineClient:
         self._channel = channel
         self.config = hello["config"]
         self.model_info = hello["model_info"]
-        self.tokenizer = Tokenizer.from_dir(hello["model_dir"])
+        self.tokenizer = Tokenizer.from_dir(
+            hello["model_dir"], self.config.chat_template, self.config.chat_template_content_format
+        )
         self._stats: EngineStats = hello["stats"]
         self._healthy: bool = hello["healthy"]
         # The LoRA adapters the engine serves (``AsyncEngine.served_loras``), kept current by it.

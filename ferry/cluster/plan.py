@@ -184,12 +184,40 @@ def build_plan(
         if tokenizer_dir is not None:
             # Tokenizer + chat template only: exact block hashes (cache_aware) and prompt lengths (PD).
             argv += ["--model", tokenizer_dir]
+            argv += chat_template_args(config)
         argv += r.args
         router = ProcessSpec("router", "router", tuple(argv), r.port, shared_env)
 
     host = LOOPBACK if r.host in ("0.0.0.0", "::", "") else r.host
     endpoint = f"http://[{host}]:{r.port}" if ":" in host else f"http://{host}:{r.port}"
     return ClusterPlan(kv_tier_url, redis, tuple(workers), router, endpoint)
+
+
+CHAT_TEMPLATE_FLAGS = ("--chat-template", "--chat-template-content-format")
+
+
+def chat_template_args(config: ClusterConfig) -> list[str]:
+    """The workers' chat-template flags (from the pools' ``args``), for the router to render chats
+    as they do; none the router's own ``args`` already set."""
+    out: list[str] = []
+    for flag in CHAT_TEMPLATE_FLAGS:
+        if any(a == flag or a.startswith(flag + "=") for a in config.router.args):
+            continue
+        for pool in config.pools:
+            value = _flag_value(pool.args, flag)
+            if value is not None:
+                out += [flag, value]
+                break
+    return out
+
+
+def _flag_value(args: tuple[str, ...] | list[str], flag: str) -> str | None:
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(flag + "="):
+            return arg[len(flag) + 1 :]
+    return None
 
 
 def router_tokenizer_dir(config: ClusterConfig) -> str | None:

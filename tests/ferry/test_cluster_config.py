@@ -256,3 +256,22 @@ def test_api_key_is_masked_outside_the_dry_run() -> None:
         parse_config({"mixed": {}, "kv_tier": "memory://", "router": {"args": ["--api-key=s3cret"]}})
     ).router.redacted_argv()
     assert masked[-1] == "--api-key=***" and "s3cret" not in " ".join(masked)
+
+
+def test_router_renders_chats_with_the_workers_chat_template() -> None:
+    pools = {"args": ["--chat-template", "/t/chat.jinja", "--chat-template-content-format=openai"]}
+    router = build_plan(parse_config({"mixed": pools, "kv_tier": "memory://"}), python="python").router
+    assert router.argv[-4:] == (
+        "--chat-template",
+        "/t/chat.jinja",
+        "--chat-template-content-format",
+        "openai",
+    )
+    own = {"mixed": pools, "kv_tier": "memory://", "router": {"args": ["--chat-template", "/t/other.jinja"]}}
+    router = build_plan(parse_config(own), python="python").router
+    assert router.argv[-4:] == (
+        "--chat-template-content-format",
+        "openai",
+        "--chat-template",
+        "/t/other.jinja",
+    )
