@@ -117,7 +117,13 @@ class RouterApp:
         )
         self.pd = self._build_pd(pd or PDConfig())
         self.admission = Admission(config.max_concurrency, config.max_queue, config.queue_timeout)
-        self.health = HealthChecker(self.replicas, self.client, self.metrics, config.health_timeout, clock)
+        # The key the replicas want (--replica-api-key, else the router's own --api-key): on the
+        # router's own reads of them, and instead of the client's on what it relays.
+        replica_key = config.replica_api_key or config.api_key
+        self.replica_auth = [(b"authorization", f"Bearer {replica_key}".encode())] if replica_key else []
+        self.health = HealthChecker(
+            self.replicas, self.client, self.metrics, config.health_timeout, clock, self.replica_auth
+        )
         self.discovery = (
             DiscoverySync(make_discovery(config.discovery), self.replicas, config.discovery_interval)
             if config.discovery
@@ -305,6 +311,14 @@ class RouterApp:
             send, status, {"status": "ok" if status == 200 else "unavailable", "replicas": counts}
         )
 
+    def _auth_headers(self, scope: Scope) -> list[tuple[bytes, bytes]]:
+        """What authorizes a call the router makes for a client: the replicas' key when the router
+        has one (``--replica-api-key``), else the client's own header."""
+        if self.replica_auth:
+            return list(self.replica_auth)
+        auth = header(scope, b"authorization")
+        return [(b"authorization", auth)] if auth else []
+
     async def _models(self, scope: Scope, send: Send) -> None:
         replicas = self.pool.candidates(self.clock())
         if not replicas:
@@ -312,8 +326,7 @@ class RouterApp:
                 send, 503, "no healthy replica is registered with this router yet", [(b"retry-after", b"1")]
             )
             return
-        auth = header(scope, b"authorization")
-        headers = [(b"authorization", auth)] if auth else []
+        headers = self._auth_headers(scope)
 
         async def one(r: Replica) -> list[dict]:
             return await model_list(self.client, r.url, headers, self.config.health_timeout)
@@ -328,8 +341,7 @@ class RouterApp:
         """vLLM's admin route, fanned out: every replica of every pool drops its cached blocks.
         200 when all did, else the first non-200 status (409 = a replica was busy), with each
         replica's status in ``replicas`` so a caller can retry."""
-        auth = header(scope, b"authorization")
-        headers = [(b"authorization", auth)] if auth else []
+        headers = self._auth_headers(scope)
         replicas = list(self.replicas)
 
         async def one(r: Replica) -> int:
@@ -391,6 +403,8 @@ class RouterApp:
                 route.block_hashes = hashes
                 route.prompt_tokens = tokens or route.prompt_tokens
         headers = forward_headers(scope)
+        if self.replica_auth:  # the router checked the client's key; replicas get theirs
+            headers = [(k, v) for k, v in headers if k != b"authorization"] + self.replica_auth
         headers.append((b"x-request-id", request_id.encode()))
         headers.append((b"accept-encoding", b"identity"))
         call = ProxyCall(

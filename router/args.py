@@ -20,6 +20,12 @@ def add_router_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--api-key", default=None, help="Bearer key for the /admin API (and /v1 when set)")
+    p.add_argument(
+        "--replica-api-key",
+        default=None,
+        help="Bearer key of replicas started with --api-key (default: --api-key): sent on the router's "
+        "own reads of them (/v1/models) and in place of the client's key on relayed requests",
+    )
 
     g = p.add_argument_group("cache_aware policy")
     g.add_argument(

@@ -19,6 +19,9 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 8080
     api_key: str | None = None
+    # The key replicas behind --api-key want (default: api_key): the router sends it on its own
+    # reads of them and in place of the client's on what it relays.
+    replica_api_key: str | None = None
     # cache_aware
     model: str | None = None
     # The replicas' --chat-template (held as the template's text) and content format, so the

@@ -34,8 +34,10 @@ class HealthChecker:
         metrics: RouterMetrics,
         timeout: float,
         clock: Callable[[], float] = time.monotonic,
+        auth: list[tuple[bytes, bytes]] | None = None,
     ) -> None:
         self.replicas = replicas
+        self.auth = auth or []  # the replicas' Authorization header, for /v1/models
         self.client = client
         self.metrics = metrics
         self.timeout = timeout
@@ -104,7 +106,7 @@ class HealthChecker:
 
     async def _read_models(self, replica: Replica, timeout: float) -> None:
         """The replica's served names and LoRA adapters (kept as they were if it does not answer)."""
-        data = await model_list(self.client, replica.url, [], timeout)
+        data = await model_list(self.client, replica.url, self.auth, timeout)
         if data:
             replica.models = [m["id"] for m in data]
             replica.lora_weights = {

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from ferry.cluster.spec import ClusterConfig, PoolSpec
 
 LOOPBACK = "127.0.0.1"
-SECRET_FLAGS = frozenset({"--api-key"})
+SECRET_FLAGS = frozenset({"--api-key", "--replica-api-key"})
 
 
 @dataclass(frozen=True)

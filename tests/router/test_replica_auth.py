@@ -1,0 +1,63 @@
+"""Replicas behind `--api-key`: the router's own reads of them (`/v1/models`, which route requests by
+model) carry `--replica-api-key`, and what it relays carries that key in place of the client's, so a
+router with a key of its own fronts replicas with another."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from router_harness import Cluster, replicas_view, wait_until
+
+PROMPT = {"prompt": "hello", "max_tokens": 2}
+
+
+@pytest.fixture(scope="module")
+def keyed(cluster: Cluster) -> Iterator:
+    (replica,) = cluster.replicas(1, "--api-key", "replica-key")
+    yield replica
+
+
+def test_router_reads_and_relays_with_the_replicas_key(cluster: Cluster, keyed) -> None:
+    name = httpx.get(keyed.url + "/v1/models", headers={"Authorization": "Bearer replica-key"}).json()
+    model = name["data"][0]["id"]
+    open_router = cluster.router("--replica", keyed.url, "--replica-api-key", "replica-key")
+    assert wait_until(lambda: replicas_view(open_router)[keyed.url]["models"] == [model], 15)
+    listed = httpx.get(open_router.url + "/v1/models").json()["data"]
+    assert [m["id"] for m in listed] == [model]
+    ok = httpx.post(open_router.url + "/v1/completions", json={"model": model, **PROMPT}, timeout=60)
+    assert ok.status_code == 200, ok.text
+
+    # A router with its own key: clients show the router's key, replicas get theirs.
+    guarded = cluster.router(
+        "--replica", keyed.url, "--api-key", "router-key", "--replica-api-key", "replica-key"
+    )
+    body = {"model": model, **PROMPT}
+    mine = httpx.post(
+        guarded.url + "/v1/completions", json=body, headers={"Authorization": "Bearer router-key"}, timeout=60
+    )
+    assert mine.status_code == 200, mine.text
+    theirs = httpx.post(
+        guarded.url + "/v1/completions",
+        json=body,
+        headers={"Authorization": "Bearer replica-key"},
+        timeout=60,
+    )
+    assert theirs.status_code == 401
+
+
+def test_without_the_key_the_router_cannot_read_the_models(cluster: Cluster, keyed) -> None:
+    plain = cluster.router("--replica", keyed.url)
+    assert wait_until(lambda: replicas_view(plain)[keyed.url]["routable"], 15)
+    assert replicas_view(plain)[keyed.url]["models"] == []
+    # The client's own header still passes through to the replica.
+    denied = httpx.post(plain.url + "/v1/completions", json=PROMPT, timeout=60)
+    assert denied.status_code == 401
+    allowed = httpx.post(
+        plain.url + "/v1/completions",
+        json=PROMPT,
+        headers={"Authorization": "Bearer replica-key"},
+        timeout=60,
+    )
+    assert allowed.status_code == 200, allowed.text
