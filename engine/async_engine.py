@@ -113,6 +113,7 @@ class AsyncEngine:
         kv_transfer: dict[str, Any] | None = None,
         pooling: bool = False,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Stream DELTA outputs of one request; the last has ``finished=True`` (and, for a
         ``pooling`` request, the ``embedding``).
@@ -138,6 +139,7 @@ class AsyncEngine:
             grammar=grammar,
             pooling=pooling,
             lora_request=lora_request,
+            priority=priority,
         )
         finished = False
         try:
@@ -165,6 +167,7 @@ class AsyncEngine:
         grammar: Any = None,
         pooling: bool = False,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> None:
         """Submit a request whose outputs go to ``sink``, called on this event loop: each step's
         DELTA output (the last has ``finished=True``), or an ``EngineDeadError`` if the loop dies.
@@ -190,6 +193,7 @@ class AsyncEngine:
             grammar=grammar,
             pooling=pooling,
             lora_request=lora_request,
+            priority=priority,
         )
         loop = asyncio.get_running_loop()
         streams = self._streams

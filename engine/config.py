@@ -28,6 +28,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # vLLM's: the share of the GPU's memory this engine may use
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # vLLM's: fcfs (arrival order) | priority (requests' priority, lower first; engine/scheduler.py)
+    scheduling_policy: str = "fcfs"
     # vLLM's name: a prefill computes at most this many tokens per step (0: no cap beyond the
     # budget), so one long prompt cannot stretch a step, and every running decode's token gap.
     long_prefill_token_threshold: int = 0
@@ -114,6 +116,8 @@ class EngineConfig:
             raise ValueError(
                 f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})"
             )
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         if self.pooling_type not in ("auto", "last", "mean", "cls"):
             raise ValueError(f"pooling_type must be auto, last, mean or cls, got {self.pooling_type!r}")
 

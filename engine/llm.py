@@ -67,10 +67,12 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in prompt order; ``n > 1`` gives n completions (child i
         seeded ``seed + i`` when a seed is given). ``lora_request``: the LoRA adapter every prompt
-        runs with, or one per prompt (needs ``enable_lora=True``)."""
+        runs with, or one per prompt (needs ``enable_lora=True``). ``priority``: one per prompt, lower
+        first (needs ``scheduling_policy="priority"``)."""
         if self.closed:
             raise RuntimeError("this LLM is closed")
         prompt_list = _as_prompt_list(prompts)
@@ -88,16 +90,21 @@ class LLM:
             lora_list = list(lora_request)
             if len(lora_list) != len(prompt_list):
                 raise ValueError(f"{len(lora_list)} LoRA requests for {len(prompt_list)} prompts")
+        priorities = list(priority) if priority is not None else [0] * len(prompt_list)
+        if len(priorities) != len(prompt_list):
+            raise ValueError(f"{len(priorities)} priorities for {len(prompt_list)} prompts")
         engine = self.engine
         groups: list[list] = []
-        for prompt, params, lora in zip(prompt_list, params_list, lora_list, strict=True):
+        for prompt, params, lora, prio in zip(prompt_list, params_list, lora_list, priorities, strict=True):
             params.validate()
             children = []
             for i in range(params.n):
                 seed = None if params.seed is None else params.seed + i
                 child = replace(params, n=1, seed=seed)
                 children.append(
-                    engine.make_request(f"llm-{next(self._ids)}", prompt, child, lora_request=lora)
+                    engine.make_request(
+                        f"llm-{next(self._ids)}", prompt, child, lora_request=lora, priority=prio
+                    )
                 )
             groups.append(children)
         for children in groups:

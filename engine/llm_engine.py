@@ -76,6 +76,7 @@ class LLMEngine:
             self.sliding_window,
             needs_every_row(self.pooling_type),
             config.max_loras if config.enable_lora else 0,
+            config.scheduling_policy == "priority",
         )
         self.scheduler = Scheduler(sched_cfg, self.block_manager, self.connector)
         self.loras: LoRACache | None = None
@@ -173,8 +174,12 @@ class LLMEngine:
         grammar: Any = None,
         pooling: bool = False,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> Request:
         """Validate and build a request (raises ValueError for bad input); does not queue it.
+
+        ``priority``: under ``scheduling_policy="priority"``, lower values run first (vLLM's);
+        any other value than 0 is refused under ``fcfs``.
 
         ``lora_request``: run it with that LoRA adapter, loaded now unless it is (``load_lora``).
 
@@ -185,6 +190,11 @@ class LLMEngine:
         caller compiled it elsewhere (the async engine does, off its threads); else it is compiled here.
         """
         params.validate()
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError(
+                "request priority needs priority scheduling (scheduling_policy='priority', "
+                "ferry serve --scheduling-policy priority)"
+            )
         adapter = self.load_lora(lora_request) if lora_request is not None else None
         if params.n != 1:
             raise ValueError("one engine request is one sequence: fan out n > 1 before the engine")
@@ -251,6 +261,7 @@ class LLMEngine:
             kv_transfer=kv_transfer,
         )
         req.pooling = pooling
+        req.priority = priority
         if adapter is not None:
             req.lora, req.block_extra = adapter, adapter.block_extra
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, params, ids)

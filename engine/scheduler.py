@@ -16,6 +16,12 @@ in the queue, until that block is cached, then admitted with it as a prefix-cach
 requests sharing a system prompt, and the n > 1 choices of one prompt, compute the shared part once.
 The owner is running, so the wait ends when its prefill passes the shared blocks.
 
+Under ``--scheduling-policy priority`` (vLLM's), the waiting queue and the running set are kept in
+(priority, arrival) order, lower priority values first: the preemption victim is then the running
+request of the lowest priority (latest arrival among equals), and a waiting request that finds no
+sequence slot or no blocks preempts running requests of a strictly lower priority to get them.
+Among equal priorities everything is as above.
+
 When the KV connector can load asynchronously (``load_blocks_async``), a request whose prefix is
 in the tier is parked while its blocks load, so tier I/O never stalls other requests' steps; it
 joins the running set, with the loaded tokens counted as computed, in the first step after the
@@ -24,6 +30,8 @@ load finishes.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import time
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, wait
@@ -47,6 +55,9 @@ class SchedulerConfig:
     pool_every_row: bool = False
     # Distinct LoRA adapters the running requests may use at once (0: no adapters served).
     max_loras: int = 0
+    # vLLM's --scheduling-policy priority: queues in (priority, arrival) order instead of arrival
+    # order, and a request may preempt running ones of a lower priority (a larger value).
+    priority: bool = False
 
 
 @dataclass
@@ -96,7 +107,9 @@ class Scheduler:
         self.block_manager = block_manager
         self.connector = connector
         self.waiting: deque[Request] = deque()
+        # In admission order; under the priority policy, in (priority, arrival) order.
         self.running: list[Request] = []
+        self._arrivals = itertools.count()
         self.loading: list[_Parked] = []
         # Decided once: a connector that can load on its own thread lets requests park meanwhile.
         self._load_async = getattr(connector, "load_blocks_async", None)
@@ -112,7 +125,25 @@ class Scheduler:
     # -- queue management --------------------------------------------------------------------------
 
     def add(self, request: Request) -> None:
-        self.waiting.append(request)
+        request.arrival_seq = next(self._arrivals)
+        if self.config.priority:
+            self._insert_waiting(request)
+        else:
+            self.waiting.append(request)
+
+    def _insert_waiting(self, request: Request) -> None:
+        """Into the queue at its (priority, arrival) place: after every request that goes first."""
+        key = _order(request)
+        at = len(self.waiting)
+        while at > 0 and _order(self.waiting[at - 1]) > key:
+            at -= 1
+        self.waiting.insert(at, request)
+
+    def _run(self, request: Request) -> None:
+        if self.config.priority:
+            bisect.insort(self.running, request, key=_order)
+        else:
+            self.running.append(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.loading)
@@ -185,10 +216,14 @@ class Scheduler:
         deferred: list[Request] = []
         num_prefix_waits = 0
         lora_blocked = False
-        while (
-            self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.config.max_num_seqs
-        ):
+        while self.waiting and budget > 0:
             req = self.waiting[0]
+            if len(self.running) + len(self.loading) >= self.config.max_num_seqs:
+                freed = self._preempt_for(req, out)
+                if freed is None:
+                    break
+                budget += freed
+                continue
             if (
                 loras is not None
                 and req.lora is not None
@@ -206,7 +241,11 @@ class Scheduler:
                 continue
             n = self._admit(req, budget)
             if n is None:
-                break
+                freed = self._preempt_for(req, out)
+                if freed is None:
+                    break
+                budget += freed
+                continue
             self._tier_lookups.pop(req.request_id, None)
             self.waiting.popleft()
             if pending is not None:
@@ -215,12 +254,29 @@ class Scheduler:
                 loras.add(id(req.lora))
             if n == 0:
                 continue  # parked while its prefix loads from the tier
-            self.running.append(req)
+            self._run(req)
             out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens))
             budget -= n
         self.waiting.extendleft(reversed(deferred))  # back at the head, in their order
         self.num_prefix_waits += num_prefix_waits
         return out
+
+    def _preempt_for(self, req: Request, out: SchedulerOutput) -> int | None:
+        """Under the priority policy, preempt the last running request (the lowest priority, latest
+        arrival) if ``req`` outranks it, to make room for ``req``: the budget it gives back (its
+        tokens, when it was scheduled this step), or None when nothing may be preempted."""
+        if not self.config.priority or not self.running or self.running[-1].priority <= req.priority:
+            return None
+        victim = self.running[-1]
+        freed = 0
+        for i, s in enumerate(out.scheduled):
+            if s.request is victim:
+                freed = s.num_new_tokens
+                del out.scheduled[i]
+                break
+        self._preempt(victim)
+        out.preempted.append(victim)
+        return freed
 
     def _active_loras(self) -> set[int]:
         """The adapters (by object) of the running and parked requests."""
@@ -360,7 +416,7 @@ class Scheduler:
                 req.num_cached_tokens = req.num_computed_tokens
                 self.prefix_cache_hits += req.num_computed_tokens
             req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            self._run(req)
 
     def _release_passed_blocks(self) -> None:
         """Give back the blocks no future query can see: the next query of a running request sits
@@ -382,7 +438,10 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        if self.config.priority:
+            self._insert_waiting(req)  # ahead of later arrivals of its priority
+        else:
+            self.waiting.appendleft(req)
 
     def update_after_step(self, out: SchedulerOutput) -> None:
         """Advance progress of everything that ran and register blocks that became full."""
@@ -397,3 +456,8 @@ class Scheduler:
                 req.num_registered_blocks = bm.cache_full_blocks(
                     req.block_table, req.token_ids, hashes, req.num_registered_blocks
                 )
+
+
+def _order(request: Request) -> tuple[int, int]:
+    """Where a request stands under the priority policy: lower priority values first, then arrival."""
+    return request.priority, request.arrival_seq

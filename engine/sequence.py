@@ -88,6 +88,10 @@ class Request:
         )
         self.num_preemptions = 0
         self.admitted_once = False
+        # vLLM's request priority (lower runs first under --scheduling-policy priority) and the
+        # order the scheduler received it in (engine/scheduler.py sets it).
+        self.priority = 0
+        self.arrival_seq = 0
         # An embedding request: the prompt's last hidden state is its result, nothing is sampled.
         self.pooling = False
         self.embedding: list[float] | None = None

@@ -70,6 +70,7 @@ def build_state(engine: Any, config: ServerConfig) -> ServerState:
         num_kv_blocks=int(getattr(info, "num_kv_blocks", 0) or 0),
         seq_capacity=int(getattr(info, "kv_capacity_tokens", 0) or 0),
         generation_defaults=dict(getattr(info, "generation_defaults", None) or {}),
+        priority_scheduling=getattr(engine_config, "scheduling_policy", "fcfs") == "priority",
     )
     max_loras = engine_config.max_loras if getattr(engine_config, "enable_lora", False) else None
     metrics = ServerMetrics(config.served_model_name, engine.stats, max_loras)

@@ -140,6 +140,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     p.add_argument(
+        "--scheduling-policy",
+        default=d.scheduling_policy,
+        choices=["fcfs", "priority"],
+        help="fcfs: arrival order; priority: requests' priority field, lower first (a request may "
+        "preempt running ones of a lower priority), then arrival",
+    )
+    p.add_argument(
         "--long-prefill-token-threshold",
         type=int,
         default=d.long_prefill_token_threshold,

@@ -84,6 +84,7 @@ class EngineClient:
         kv_transfer: dict[str, Any] | None = None,
         pooling: bool = False,
         lora_request: Any = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Stream DELTA outputs of one request, as ``AsyncEngine.generate`` does."""
         self._check_alive()
@@ -92,7 +93,17 @@ class EngineClient:
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = (queue, prompt)
         self._channel.send(
-            ("add", request_id, prompt, params, resume_token_ids, kv_transfer, pooling, lora_request)
+            (
+                "add",
+                request_id,
+                prompt,
+                params,
+                resume_token_ids,
+                kv_transfer,
+                pooling,
+                lora_request,
+                priority,
+            )
         )
         finished = False
         try:

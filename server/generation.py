@@ -38,6 +38,7 @@ class SequenceRequest:
     kv_transfer: Any = None
     pooling: bool = False  # an embedding: the prompt's last hidden state, nothing sampled
     lora: Any = None  # engine.lora_request.ServedLoRA: the adapter it runs with
+    priority: int = 0  # lower runs first under --scheduling-policy priority
 
     @property
     def block_extra(self) -> bytes:
@@ -193,6 +194,7 @@ class Generation:
                 kv_transfer=seq.kv_transfer,
                 pooling=seq.pooling,
                 lora_request=seq.lora.request if seq.lora is not None else None,
+                priority=seq.priority,
             )
             try:
                 async for out in gen:

@@ -35,6 +35,7 @@ class ModelLimits:
     # The model's default sampling values for fields a request leaves unset, and max_tokens' cap
     # (ModelInfo.generation_defaults: --generation-config, --override-generation-config).
     generation_defaults: Mapping[str, Any] = field(default_factory=dict)
+    priority_scheduling: bool = False  # --scheduling-policy priority: requests may set priority
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -271,6 +272,11 @@ def sampling_params(
     """The engine's SamplingParams for one choice (the caller adjusts ``seed`` per child for n > 1)."""
     if req.n > limits.max_n:
         raise bad_request(f"n must be at most {limits.max_n}, got {req.n}", param="n")
+    if req.priority != 0 and not limits.priority_scheduling:
+        raise bad_request(
+            "priority needs priority scheduling: start the server with --scheduling-policy priority",
+            param="priority",
+        )
     if logprobs is not None and logprobs > limits.max_logprobs:
         raise bad_request(f"logprobs must be at most {limits.max_logprobs}, got {logprobs}", param="logprobs")
     if req.min_tokens > max_tokens:

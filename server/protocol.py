@@ -139,6 +139,8 @@ class SamplingFields(_Request):
     min_p: StrictFloat | None = Field(default=None, ge=0.0, le=1.0)
     repetition_penalty: StrictFloat | None = Field(default=None, gt=0.0, le=10.0)
     min_tokens: StrictInt = Field(default=0, ge=0)
+    # vLLM's: under --scheduling-policy priority, lower values are served first (0 otherwise)
+    priority: StrictInt = Field(default=0, ge=INT64_MIN, le=INT64_MAX)
     ignore_eos: StrictBool = False
     stop_token_ids: list[StrictInt] | None = None
     skip_special_tokens: StrictBool = True

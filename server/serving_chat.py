@@ -107,6 +107,7 @@ def _plan(
             resume,
             kv,
             lora=lora,
+            priority=req.priority,
         )
         for j in range(req.n)
     ]

@@ -93,7 +93,11 @@ def _plan(state: ServerState, req: CompletionRequest) -> tuple[list[PreparedProm
         )
         for j in range(req.n):
             params = dataclasses.replace(base, seed=child_seed(req.seed, j)) if j else base
-            seqs.append(SequenceRequest(pi * req.n + j, pi, prompt.token_ids, params, resume, kv, lora=lora))
+            seqs.append(
+                SequenceRequest(
+                    pi * req.n + j, pi, prompt.token_ids, params, resume, kv, lora=lora, priority=req.priority
+                )
+            )
     return prompts, seqs
 
 

@@ -76,6 +76,7 @@ class ResponsesRequest(_Request):
     repetition_penalty: Any = None
     min_tokens: Any = None
     ignore_eos: Any = None
+    priority: Any = None
 
 
 _CHAT_TO_RESPONSES = {
@@ -117,6 +118,7 @@ _EXTRAS = (
     "repetition_penalty",
     "min_tokens",
     "ignore_eos",
+    "priority",
 )
 
 
