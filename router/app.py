@@ -2,9 +2,10 @@
 
 ``RouterApp(config)`` is a plain ASGI callable (served by uvicorn in ``router/main.py``).
 Generation requests (``/v1/chat/completions``, ``/v1/completions``) are parsed once, keyed for the policy, admitted by overload control and
-handed to the ``Relay``; every other ``/v1/*`` route, ``/tokenize`` and ``/detokenize`` are relayed
-as they are. While a request is relayed the app watches the client: if it disconnects, the relay
-is cancelled at once, which closes the upstream connection and frees the replica's work.
+handed to the ``Relay``; every other ``/v1/*`` route and the root routes of ``FORWARD_ROOT_PATHS``
+(``/tokenize``, ``/score``, ``/rerank``…) are relayed as they are. While a request is relayed the
+app watches the client: if it disconnects, the relay is cancelled at once, which closes the
+upstream connection and frees the replica's work.
 This module must never import torch (the router starts in well under a second).
 """
 
@@ -60,7 +61,9 @@ GENERATE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 # Routed by their prompt (parsed and keyed) but relayed as they come: the Responses API's events
 # are not chat chunks, so its streams have no mid-stream failover (a retry before the first byte).
 KEYED_PATHS = GENERATE_PATHS | {"/v1/responses"}
-FORWARD_ROOT_PATHS = frozenset({"/tokenize", "/detokenize"})
+# Relayed as they come, like every /v1/* route: vLLM serves these outside /v1 (scoring: /score,
+# /rerank, and Cohere's /v2/rerank).
+FORWARD_ROOT_PATHS = frozenset({"/tokenize", "/detokenize", "/score", "/rerank", "/v2/rerank"})
 
 
 class RouterApp:

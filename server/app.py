@@ -42,10 +42,12 @@ from server.protocol import (
 )
 from server.responses_background import RUNNING
 from server.responses_store import StoreUnavailable, open_response_store
+from server.score_protocol import RerankRequest, ScoreRequest
 from server.serving_chat import create_chat_completion
 from server.serving_completions import create_completion
 from server.serving_embeddings import create_embedding
 from server.serving_responses import ResponsesRequest, create_response, item_page, load_record
+from server.serving_score import create_rerank, create_score
 from server.serving_tokenize import detokenize, list_models, tokenize
 from server.state import ServerState
 from server.streaming import ClientDisconnected
@@ -159,6 +161,22 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
     @app.post("/v1/embeddings", responses=_ERRORS)
     async def embeddings(body: EmbeddingRequest, request: Request) -> Any:
         return await create_embedding(
+            state, body, request.state.request_id, request.receive, getattr(request.state, "submitted", None)
+        )
+
+    # vLLM's scoring routes, by its paths (``/v1/…`` kept as vLLM keeps them; ``/v2/rerank``: Cohere's).
+    @app.post("/score", responses=_ERRORS)
+    @app.post("/v1/score", responses=_ERRORS)
+    async def score(body: ScoreRequest, request: Request) -> Any:
+        return await create_score(
+            state, body, request.state.request_id, request.receive, getattr(request.state, "submitted", None)
+        )
+
+    @app.post("/rerank", responses=_ERRORS)
+    @app.post("/v1/rerank", responses=_ERRORS)
+    @app.post("/v2/rerank", responses=_ERRORS)
+    async def rerank(body: RerankRequest, request: Request) -> Any:
+        return await create_rerank(
             state, body, request.state.request_id, request.receive, getattr(request.state, "submitted", None)
         )
 

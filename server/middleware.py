@@ -24,10 +24,18 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 REQUEST_ID_HEADER = b"x-request-id"
 # Ids travel into engine request ids, logs and headers: keep them short and printable.
 _VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:/=+\-]{1,128}$")
-# Paths that need the API key (vLLM protects /v1 only; /tokenize and /detokenize expose the model
-# too, and /reset_prefix_cache changes replica state). /health, /metrics and /version stay open for
-# load balancers and Prometheus.
-_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/reset_prefix_cache")
+# Paths that need the API key (vLLM protects /v1 only; /tokenize, /detokenize and the scoring
+# routes expose the model too, and /reset_prefix_cache changes replica state). /health, /metrics and
+# /version stay open for load balancers and Prometheus.
+_PROTECTED_PREFIXES = (
+    "/v1/",
+    "/v2/",
+    "/tokenize",
+    "/detokenize",
+    "/score",
+    "/rerank",
+    "/reset_prefix_cache",
+)
 # Routes that submit to the engine: announced to it as soon as their body is in (see ``announce``).
 _GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 

@@ -6,7 +6,8 @@ mean or first-token pooling by ``--pooling-type`` or the model's sentence-transf
 Inputs run as engine requests that end once their prompt is computed (``pooling=True``): they are
 admitted, batched, prefix-cached, timed out and aborted on disconnect like generation requests.
 ``dimensions`` keeps the first N values before normalising (Matryoshka models); ``base64`` is
-little-endian float32, as OpenAI's SDKs decode it.
+little-endian float32, as OpenAI's SDKs decode it. ``pooling_prompt`` and ``answer_pooled`` serve
+``/score`` and ``/rerank`` too (``server/serving_score.py``), so every pooled text takes this path.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import base64
 import time
 from collections.abc import Callable
 from typing import Any
+
+from fastapi.responses import JSONResponse
 
 from engine.outputs import RequestOutput
 from engine.pooling import as_float32_le, normalized, truncated
@@ -29,6 +32,37 @@ from server.state import ServerState
 MAX_INPUTS = 2048  # per request, as OpenAI allows
 
 
+def pooling_prompt(
+    state: ServerState,
+    item: str | list[int],
+    *,
+    add_special_tokens: bool,
+    truncate: int | None,
+    param: str,
+    what: str = "an input",
+) -> list[int]:
+    """One text's (or token list's) prompt for a pooling request: checked, truncated to its last
+    ``truncate`` tokens (-1: to the model's context), and no longer than the context (400 naming
+    ``param`` otherwise)."""
+    if isinstance(item, str):
+        ids = state.tokenizer.encode(item, add_special_tokens=add_special_tokens)
+    else:
+        ids = list(item)
+        check_token_ids(ids, state.limits, param)
+    if not ids:
+        raise bad_request(f"{param} must not contain empty strings or token lists", param=param)
+    max_len = state.limits.max_model_len
+    if truncate is not None:
+        ids = ids[-(max_len if truncate == -1 else truncate) :]
+    if len(ids) > max_len:
+        raise bad_request(
+            f"{what} has {len(ids)} tokens, more than this model's maximum context length of "
+            f"{max_len} tokens",
+            param=param,
+        )
+    return ids
+
+
 def _inputs(state: ServerState, req: EmbeddingRequest) -> list[list[int]]:
     raw = req.input
     if isinstance(raw, str):
@@ -41,25 +75,16 @@ def _inputs(state: ServerState, req: EmbeddingRequest) -> list[list[int]]:
         raise bad_request("input must not be empty", param="input")
     if len(items) > MAX_INPUTS:
         raise bad_request(f"input has {len(items)} items; at most {MAX_INPUTS} are allowed", param="input")
-    out = []
-    for item in items:
-        if isinstance(item, str):
-            ids = state.tokenizer.encode(item, add_special_tokens=req.add_special_tokens)
-        else:
-            ids = list(item)
-            check_token_ids(ids, state.limits, "input")
-        if not ids:
-            raise bad_request("input must not contain empty strings or token lists", param="input")
-        if req.truncate_prompt_tokens is not None:
-            ids = ids[-req.truncate_prompt_tokens :]
-        if len(ids) > state.limits.max_model_len:
-            raise bad_request(
-                f"an input has {len(ids)} tokens, more than this model's maximum context length of "
-                f"{state.limits.max_model_len} tokens",
-                param="input",
-            )
-        out.append(ids)
-    return out
+    return [
+        pooling_prompt(
+            state,
+            item,
+            add_special_tokens=req.add_special_tokens,
+            truncate=req.truncate_prompt_tokens,
+            param="input",
+        )
+        for item in items
+    ]
 
 
 def _encode(
@@ -69,6 +94,43 @@ def _encode(
     if encoding == "base64":
         return base64.b64encode(as_float32_le(v)).decode("ascii")
     return v.tolist()
+
+
+async def answer_pooled(
+    state: ServerState,
+    prompts: list[list[int]],
+    lora: Any,
+    request_id: str,
+    arrival: float,
+    receive: Any,
+    submitted: Callable[[], None] | None,
+    build: Callable[[list[list[float]]], Any],
+) -> JSONResponse:
+    """Run each prompt as a pooling engine request (admitted together: 429/503 before any starts;
+    timed out, aborted on disconnect) and answer ``build(vectors)``: the pooled hidden states in
+    ``prompts``' order, as the engine left them (not normalised)."""
+    params = SamplingParams(max_tokens=1)
+    seqs = [
+        SequenceRequest(
+            choice_index=i, prompt_index=i, prompt_token_ids=ids, params=params, pooling=True, lora=lora
+        )
+        for i, ids in enumerate(prompts)
+    ]
+    ticket = state.generation.admit(len(seqs), submitted)
+    vectors: list[list[float] | None] = [None] * len(seqs)
+
+    def on_output(seq: SequenceRequest, out: RequestOutput) -> None:
+        if out.finished and out.embedding is not None:
+            vectors[seq.choice_index] = out.embedding
+
+    def finish() -> Any:
+        if any(v is None for v in vectors):  # ended without a result: the engine is stopping
+            raise unavailable("The engine ended an embedding request before computing it.")
+        return build(vectors)  # type: ignore[arg-type]
+
+    return await answer_whole(
+        state, seqs, request_id, arrival, ticket, receive, on_output, finish, lambda _: None
+    )
 
 
 async def create_embedding(
@@ -87,25 +149,10 @@ async def create_embedding(
             param="dimensions",
         )
     inputs = _inputs(state, req)
-    params = SamplingParams(max_tokens=1)
-    seqs = [
-        SequenceRequest(
-            choice_index=i, prompt_index=i, prompt_token_ids=ids, params=params, pooling=True, lora=lora
-        )
-        for i, ids in enumerate(inputs)
-    ]
-    ticket = state.generation.admit(len(seqs), submitted)
-    vectors: list[list[float] | None] = [None] * len(seqs)
 
-    def on_output(seq: SequenceRequest, out: RequestOutput) -> None:
-        if out.finished and out.embedding is not None:
-            vectors[seq.choice_index] = out.embedding
-
-    def build() -> EmbeddingResponse:
-        if any(v is None for v in vectors):  # ended without a result: the engine is stopping
-            raise unavailable("The engine ended an embedding request before computing it.")
+    def build(vectors: list[list[float]]) -> EmbeddingResponse:
         data = [
-            EmbeddingData(index=i, embedding=_encode(v, req.dimensions, req.encoding_format, req.normalize))  # type: ignore[arg-type]
+            EmbeddingData(index=i, embedding=_encode(v, req.dimensions, req.encoding_format, req.normalize))
             for i, v in enumerate(vectors)
         ]
         tokens = sum(len(ids) for ids in inputs)
@@ -115,6 +162,4 @@ async def create_embedding(
             usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens),
         )
 
-    return await answer_whole(
-        state, seqs, request_id, arrival, ticket, receive, on_output, build, lambda _: None
-    )
+    return await answer_pooled(state, inputs, lora, request_id, arrival, receive, submitted, build)

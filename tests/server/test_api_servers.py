@@ -1,10 +1,11 @@
 """`ferry serve --api-server-count 2`: one engine process behind two API server processes.
 
-The replica must be the same service as with one process: the tests of the OpenAI API, of load
-and of bad input that run against the one-process replica run here too (imported below; this
-module's ``server`` and ``tight`` fixtures replace theirs). The rest is what only this mode has:
-both API servers take connections, one that dies is replaced and its requests are aborted in the
-engine, a dead engine process stops the replica, SIGTERM drains, startup errors are clean.
+The replica must be the same service as with one process: the tests of the OpenAI API, of load,
+of scoring and of bad input that run against the one-process replica run here too (imported
+below; this module's ``server`` and ``tight`` fixtures replace theirs). The rest is what only this
+mode has: both API servers take connections, one that dies is replaced and its requests are
+aborted in the engine, a dead engine process stops the replica, SIGTERM drains, startup errors are
+clean.
 """
 
 from __future__ import annotations
@@ -68,6 +69,10 @@ from tests.server.test_responses_store import (  # noqa: F401
     test_a_chain_continues_the_stored_conversation,
     test_retrieve_delete_and_input_items,
     test_the_memory_stores_size_is_in_metrics,
+)
+from tests.server.test_score import (  # noqa: F401
+    test_rerank_sorts_by_score_keeps_top_n_and_documents,
+    test_score_is_the_dot_product_of_the_embeddings,
 )
 from tests.server.test_structured_outputs import (  # noqa: F401
     no_whitespace,
