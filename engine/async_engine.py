@@ -114,6 +114,7 @@ class AsyncEngine:
         pooling: bool = False,
         lora_request: LoRARequest | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream DELTA outputs of one request; the last has ``finished=True`` (and, for a
         ``pooling`` request, the ``embedding``).
@@ -140,6 +141,7 @@ class AsyncEngine:
             pooling=pooling,
             lora_request=lora_request,
             priority=priority,
+            cache_salt=cache_salt,
         )
         finished = False
         try:
@@ -168,6 +170,7 @@ class AsyncEngine:
         pooling: bool = False,
         lora_request: LoRARequest | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
         """Submit a request whose outputs go to ``sink``, called on this event loop: each step's
         DELTA output (the last has ``finished=True``), or an ``EngineDeadError`` if the loop dies.
@@ -194,6 +197,7 @@ class AsyncEngine:
             pooling=pooling,
             lora_request=lora_request,
             priority=priority,
+            cache_salt=cache_salt,
         )
         loop = asyncio.get_running_loop()
         streams = self._streams

@@ -177,6 +177,7 @@ def _compile_template(source: str) -> jinja2.Template:
 
 
 CONTENT_FORMATS = ("auto", "string", "openai")
+MAX_COMPILED = 32  # compiled templates kept: the model's few, and the latest requests' own
 
 
 def resolve_chat_template(value: str) -> str:
@@ -235,7 +236,11 @@ class ChatTemplates:
         return sorted(self._templates)
 
     def get(self, name: str | None = None, tools: list | None = None) -> str:
-        """The template source: by name, else ``tool_use`` when tools are given and it exists, else ``default``."""
+        """The template source: by name, else ``tool_use`` when tools are given and it exists, else
+        ``default``. As in transformers, ``name`` may also be a template's text (one holding
+        ``{{`` or ``{%``): that is the template then."""
+        if name is not None and name not in self._templates and ("{{" in name or "{%" in name):
+            return name
         if not self._templates:
             raise ChatTemplateError(
                 "this model has no chat template; use /v1/completions with a plain prompt instead"
@@ -300,6 +305,8 @@ class ChatTemplates:
         entry = self._compiled.get(source)
         if entry is None:
             entry = (_compile_template(source), template_iterates_content(source))
+            if len(self._compiled) >= MAX_COMPILED:  # requests' own templates: keep the newest few
+                del self._compiled[next(iter(self._compiled))]
             self._compiled[source] = entry
         return entry
 

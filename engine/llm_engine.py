@@ -37,6 +37,7 @@ from engine.spec_decode import NgramProposer
 from engine.stats import EngineStats, ModelInfo
 from engine.structured_output import GrammarCompiler
 from engine.tokenizer import Tokenizer
+from kvcache.keys import salt_extra
 
 LogitsObserver = Callable[[list[str], torch.Tensor], None]
 
@@ -175,11 +176,15 @@ class LLMEngine:
         pooling: bool = False,
         lora_request: LoRARequest | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> Request:
         """Validate and build a request (raises ValueError for bad input); does not queue it.
 
         ``priority``: under ``scheduling_policy="priority"``, lower values run first (vLLM's);
         any other value than 0 is refused under ``fcfs``.
+
+        ``cache_salt`` (vLLM's): salts every block hash of the request (``kvcache.keys.salt_extra``),
+        so it shares cached blocks only with requests of the same salt.
 
         ``lora_request``: run it with that LoRA adapter, loaded now unless it is (``load_lora``).
 
@@ -264,6 +269,10 @@ class LLMEngine:
         req.priority = priority
         if adapter is not None:
             req.lora, req.block_extra = adapter, adapter.block_extra
+        if cache_salt is not None:
+            if not isinstance(cache_salt, str) or not cache_salt:
+                raise ValueError("cache_salt must be a non-empty string")
+            req.block_extra += salt_extra(cache_salt)
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, params, ids)
         if params.structured_outputs is not None:
             if grammar is None:

@@ -84,6 +84,15 @@ def lora_extra(lora_name: str | None, lora_weights_id: str = "") -> bytes:
     return b"lora\x00" + lora_name.encode() + b"\x00" + lora_weights_id.encode()
 
 
+def salt_extra(cache_salt: str | None) -> bytes:
+    """The ``extra`` a request's ``cache_salt`` (vLLM's field) adds to every block hash, after its
+    adapter's (b"" without one): requests reuse each other's cached blocks only when they carry
+    the same salt, so tenants given secret salts cannot probe each other's prompts by timing."""
+    if cache_salt is None:
+        return b""
+    return b"salt\x00" + cache_salt.encode()
+
+
 def to_hex(hashes: Iterable[bytes]) -> list[str]:
     return [h.hex() for h in hashes]
 

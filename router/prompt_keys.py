@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.chat_template import template_message
-from kvcache.keys import block_hashes
+from kvcache.keys import block_hashes, salt_extra
 from router.reuse_encoder import ReuseEncoder
 from server.responses_input import chat_messages, chat_tools
 
@@ -50,6 +50,14 @@ class PromptKeyer(ABC):
         except Exception:  # noqa: BLE001 - any malformed body; a router error would be a 500
             logger.debug("no prompt keys for a %s body", path, exc_info=True)
             return [], 0
+
+    def body_extra(self, body: dict[str, Any]) -> bytes:
+        """The salt of a body's block hashes, as its replica salts them: its adapter's
+        (``model_extra``), then its ``cache_salt``'s."""
+        salt = body.get("cache_salt")
+        return self.model_extra(body.get("model")) + salt_extra(
+            salt if isinstance(salt, str) and salt else None
+        )
 
     @abstractmethod
     def _keys(self, path: str, body: dict[str, Any]) -> tuple[list[bytes], int]:
@@ -97,6 +105,8 @@ class TokenKeyer(PromptKeyer):
             kwargs = dict(body.get("chat_template_kwargs") or {})
             if body.get("continue_final_message"):
                 kwargs["continue_final_message"] = True
+            if isinstance(body.get("chat_template"), str):  # the request's own (replicas may refuse it)
+                kwargs["chat_template"] = body["chat_template"]
             add_generation_prompt = body.get("add_generation_prompt")
             text = self.tokenizer.apply_chat_template(
                 messages,
@@ -119,7 +129,7 @@ class TokenKeyer(PromptKeyer):
         ids = self.token_ids(path, body)
         if ids is None:
             return [], 0
-        return block_hashes(ids, self.block_size, self.model_extra(body.get("model"))), len(ids)
+        return block_hashes(ids, self.block_size, self.body_extra(body)), len(ids)
 
 
 class TextKeyer(PromptKeyer):
@@ -127,7 +137,7 @@ class TextKeyer(PromptKeyer):
         self.block_size = block_size
 
     def _keys(self, path: str, body: dict[str, Any]) -> tuple[list[bytes], int]:
-        extra = self.model_extra(body.get("model"))
+        extra = self.body_extra(body)
         ids = _token_id_prompt(body)
         if ids is not None:
             return block_hashes(ids, self.block_size, extra), len(ids)

@@ -17,8 +17,19 @@ from engine.config import EngineConfig
 
 # The names in the registries of server/tool_parsers.py and server/reasoning_parsers.py (kept
 # here: this module must stay light).
-TOOL_PARSER_NAMES = ("deepseek_v3", "deepseek_v31", "hermes", "kimi_k2", "llama3_json", "mistral")
-REASONING_PARSER_NAMES = ("deepseek_r1", "qwen3")
+TOOL_PARSER_NAMES = (
+    "deepseek_v3",
+    "deepseek_v31",
+    "granite",
+    "hermes",
+    "kimi_k2",
+    "llama3_json",
+    "llama4_pythonic",
+    "mistral",
+    "phi4_mini_json",
+    "pythonic",
+)
+REASONING_PARSER_NAMES = ("deepseek_r1", "deepseek_v3", "glm45", "qwen3")
 
 if TYPE_CHECKING:
     from server.config import ServerConfig
@@ -115,6 +126,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="store_true",
         help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true does the same)",
+    )
+    p.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let chat and /tokenize requests carry their own chat_template (vLLM's flag; rendered in "
+        "the same sandbox as the model's; refused with a 400 without it)",
     )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument(
@@ -311,4 +328,5 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         responses_store_ttl=args.responses_store_ttl,
         lora_modules=lora_modules,
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+        trust_request_chat_template=args.trust_request_chat_template,
     )

@@ -41,6 +41,8 @@ class ServerConfig:
     # whether /v1/load_lora_adapter and /v1/unload_lora_adapter may change them.
     lora_modules: tuple = ()
     allow_runtime_lora_updating: bool = False
+    # Requests may carry their own chat_template (vLLM's --trust-request-chat-template).
+    trust_request_chat_template: bool = False
 
     @property
     def url(self) -> str:

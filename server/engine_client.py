@@ -85,6 +85,7 @@ class EngineClient:
         pooling: bool = False,
         lora_request: Any = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream DELTA outputs of one request, as ``AsyncEngine.generate`` does."""
         self._check_alive()
@@ -103,6 +104,7 @@ class EngineClient:
                 pooling,
                 lora_request,
                 priority,
+                cache_salt,
             )
         )
         finished = False

@@ -10,7 +10,7 @@ thread). An API server that goes away has its requests aborted and its announcem
 once.
 
 Messages from an API server: ``("add", rid, prompt_ids, params, resume_ids, kv_transfer, pooling,
-lora_request, priority)``,
+lora_request, priority, cache_salt)``,
 ``("announce", token)``, ``("submitted", token)``, ``("probe_back", token)``,
 ``("call", call_id, name, arg)`` with ``name`` one of ``abort`` / ``compile`` /
 ``reset_prefix_cache`` / ``store`` (``arg``: a ``MemoryRecords`` method's name and arguments) /
@@ -147,7 +147,7 @@ class EngineHost:
 
     def _add(self, conn: _ApiServer, rid: str, *request: Any) -> None:
         """An "add" message's request: ``(prompt_ids, params, resume_ids, kv_transfer, pooling,
-        lora_request, priority)``."""
+        lora_request, priority, cache_salt)``."""
         if rid in conn.requests:
             conn.channel.send(("err", rid, "value", f"request id {rid!r} is already in use"))
             return
@@ -175,7 +175,7 @@ class EngineHost:
             self._start(conn, rid, request, grammar)
 
     def _start(self, conn: _ApiServer, rid: str, request: tuple[Any, ...], grammar: Any = None) -> None:
-        prompt, params, resume_token_ids, kv_transfer, pooling, lora_request, priority = request
+        prompt, params, resume_token_ids, kv_transfer, pooling, lora_request, priority, cache_salt = request
         send = conn.channel.send
 
         def relay(out: Any) -> None:
@@ -202,6 +202,7 @@ class EngineHost:
                 pooling=pooling,
                 lora_request=lora_request,
                 priority=priority,
+                cache_salt=cache_salt,
             )
         except Exception as e:  # noqa: BLE001 - reported to the request (ValueError: bad input)
             self._failed(conn, rid, e)

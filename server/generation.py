@@ -19,6 +19,7 @@ from typing import Any
 
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from kvcache.keys import salt_extra
 from server.config import ServerConfig
 from server.errors import APIError, bad_request, overloaded, unavailable
 from server.metrics import ServerMetrics
@@ -39,11 +40,17 @@ class SequenceRequest:
     pooling: bool = False  # an embedding: the prompt's last hidden state, nothing sampled
     lora: Any = None  # engine.lora_request.ServedLoRA: the adapter it runs with
     priority: int = 0  # lower runs first under --scheduling-policy priority
+    cache_salt: str | None = None  # salts its block hashes: cache hits only among equal salts
 
     @property
     def block_extra(self) -> bytes:
-        """The salt of its blocks' hashes (``kvcache.keys.lora_extra``)."""
-        return self.lora.block_extra if self.lora is not None else b""
+        """The salt of its blocks' hashes (``kvcache.keys.lora_extra`` + ``salt_extra``)."""
+        return block_extra(self.lora, self.cache_salt)
+
+
+def block_extra(lora: Any, cache_salt: str | None) -> bytes:
+    """What a request's block hashes are salted with: its adapter's, then its cache salt's."""
+    return (lora.block_extra if lora is not None else b"") + salt_extra(cache_salt)
 
 
 class Ticket:
@@ -195,6 +202,7 @@ class Generation:
                 pooling=seq.pooling,
                 lora_request=seq.lora.request if seq.lora is not None else None,
                 priority=seq.priority,
+                cache_salt=seq.cache_salt,
             )
             try:
                 async for out in gen:

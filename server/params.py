@@ -91,9 +91,19 @@ def completion_prompts(
     return prompts
 
 
-def chat_prompt(req: ChatCompletionRequest | TokenizeRequest, tokenizer: Tokenizer) -> list[int]:
-    """Render the messages with the model's chat template and encode them."""
-    if not tokenizer.has_chat_template:
+def chat_prompt(
+    req: ChatCompletionRequest | TokenizeRequest, tokenizer: Tokenizer, trust_request_template: bool = False
+) -> list[int]:
+    """Render the messages with the model's chat template (or the request's own, when the server
+    trusts requests with one: ``--trust-request-chat-template``) and encode them."""
+    own = getattr(req, "chat_template", None)
+    if own is not None and not trust_request_template:
+        raise bad_request(
+            "this request carries a chat_template, but the server does not run templates from requests "
+            "(start it with --trust-request-chat-template)",
+            param="chat_template",
+        )
+    if own is None and not tokenizer.has_chat_template:
         raise bad_request(
             "This model has no chat template, so /v1/chat/completions cannot format messages; "
             "use /v1/completions with a plain prompt instead.",
@@ -112,6 +122,19 @@ def chat_prompt(req: ChatCompletionRequest | TokenizeRequest, tokenizer: Tokeniz
         )
     if getattr(req, "continue_final_message", False):
         kwargs["continue_final_message"] = True
+    if own is not None:
+        kwargs["chat_template"] = own
+    elif (
+        "chat_template" in kwargs
+        and kwargs["chat_template"] not in tokenizer.chat_template_names
+        and not trust_request_template
+    ):  # a template's text rather than the name of one of the model's
+        raise bad_request(
+            "chat_template_kwargs.chat_template must name one of the model's chat templates "
+            f"({', '.join(tokenizer.chat_template_names) or 'it has none'}); a template of the request's "
+            "own needs --trust-request-chat-template",
+            param="chat_template_kwargs",
+        )
     try:
         text = tokenizer.apply_chat_template(
             messages,

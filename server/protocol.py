@@ -141,6 +141,9 @@ class SamplingFields(_Request):
     min_tokens: StrictInt = Field(default=0, ge=0)
     # vLLM's: under --scheduling-policy priority, lower values are served first (0 otherwise)
     priority: StrictInt = Field(default=0, ge=INT64_MIN, le=INT64_MAX)
+    # vLLM's: salts the prompt's block hashes, so cached blocks are reused only among requests
+    # with the same salt (one per tenant, kept secret, stops prompt probing by timing)
+    cache_salt: StrictStr | None = Field(default=None, min_length=1)
     ignore_eos: StrictBool = False
     stop_token_ids: list[StrictInt] | None = None
     skip_special_tokens: StrictBool = True
@@ -276,6 +279,8 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: a Jinja template for this request (needs --trust-request-chat-template)
+    chat_template: StrictStr | None = None
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:
@@ -295,6 +300,8 @@ class TokenizeRequest(_Request):
     add_generation_prompt: StrictBool = True
     add_special_tokens: StrictBool | None = None  # default: True for prompt, False for messages
     return_token_strs: StrictBool = False
+    chat_template: StrictStr | None = None  # as on chat requests
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:

@@ -11,6 +11,11 @@ rest in ``content``, where a tool-call parser then looks for calls:
   reasoning.
 * ``qwen3`` (Qwen3, QwQ): thinking only when the answer opens with ``<think>`` (up to ``</think>``,
   or to the end if never closed); an answer that does not is all content (thinking switched off).
+  ``glm45`` (GLM-4.5/4.6) is the same.
+* ``deepseek_v3`` (DeepSeek-V3.1, whose template thinks when ``chat_template_kwargs`` sets
+  ``thinking``): the rendered prompt decides. One that ends with ``<think>`` opened the thinking and
+  the answer is read as ``deepseek_r1`` reads it; any other (V3.1's non-thinking prompt ends with
+  ``</think>``) gets an answer that is all content unless it opens with ``<think>`` itself.
 
 Like the tool streamers, a splitter's result does not depend on how the text was cut into deltas,
 so a resumed stream rebuilds it from the text already sent.
@@ -30,6 +35,8 @@ class ReasoningSplitter:
 
     # Thinking only when the answer opens with <think> (else it is all content).
     requires_start: ClassVar[bool] = False
+    # requires_start is read off each request's prompt (``prompt_opens_thinking``).
+    prompt_decides: ClassVar[bool] = False
 
     def __init__(self, requires_start: bool | None = None) -> None:
         if requires_start is not None:
@@ -95,9 +102,22 @@ class Qwen3Splitter(ReasoningSplitter):
     requires_start = True
 
 
+class DeepSeekV3Splitter(ReasoningSplitter):
+    requires_start = True
+    prompt_decides = True
+
+
+def prompt_opens_thinking(prompt_tail: str) -> bool:
+    """Whether a prompt (its last few tokens' text, special tokens kept) leaves the model inside its
+    thinking."""
+    return prompt_tail.rstrip().endswith(START)
+
+
 REASONING_PARSERS: dict[str, type[ReasoningSplitter]] = {
     "deepseek_r1": DeepSeekR1Splitter,
     "qwen3": Qwen3Splitter,
+    "glm45": Qwen3Splitter,
+    "deepseek_v3": DeepSeekV3Splitter,
 }
 
 

@@ -16,7 +16,7 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from server.chat_shape import ChoiceShaper, shape_whole
 from server.errors import bad_request
-from server.generation import SequenceRequest, Ticket
+from server.generation import SequenceRequest, Ticket, block_extra
 from server.logprobs import chat_logprobs, prompt_logprobs_out
 from server.params import (
     chat_prompt,
@@ -37,6 +37,7 @@ from server.protocol import (
     DeltaMessage,
     TokenLogprob,
 )
+from server.reasoning_parsers import prompt_opens_thinking
 from server.roles import producer_budget, transfer_for_role
 from server.serving_common import (
     UsageTracker,
@@ -67,9 +68,9 @@ def _plan(
     state: ServerState, req: ChatCompletionRequest, tools: ToolPlan | None, lora: Any
 ) -> list[SequenceRequest]:
     limits = state.limits
-    prompt_ids = chat_prompt(req, state.tokenizer)
+    prompt_ids = chat_prompt(req, state.tokenizer, state.config.trust_request_chat_template)
     resume = resume_token_ids(req, 1, limits)
-    extra = lora.block_extra if lora is not None else b""
+    extra = block_extra(lora, req.cache_salt)
     kv = transfer_for_role(
         state.config.role, kv_transfer_spec(req, 1), prompt_ids, state.block_size, resume, extra
     )
@@ -108,6 +109,7 @@ def _plan(
             kv,
             lora=lora,
             priority=req.priority,
+            cache_salt=req.cache_salt,
         )
         for j in range(req.n)
     ]
@@ -129,8 +131,11 @@ def _splitter(state: ServerState, seq: SequenceRequest):
     thinking only if it opens with ``<think>`` (the constraint wrote it): otherwise a parser that
     assumes the prompt opened the thinking would take the constrained answer for unfinished thoughts."""
     spec = seq.params.structured_outputs
-    constrained_from_start = spec is not None and spec.after_token_id is None
-    return state.new_reasoning_splitter(requires_start=True if constrained_from_start else None)
+    requires_start = True if spec is not None and spec.after_token_id is None else None
+    if requires_start is None and state.reasoning is not None and state.reasoning.prompt_decides:
+        tail = state.tokenizer.decode(seq.prompt_token_ids[-8:], skip_special_tokens=False)
+        requires_start = not prompt_opens_thinking(tail)
+    return state.new_reasoning_splitter(requires_start=requires_start)
 
 
 def _delta(

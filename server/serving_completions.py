@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Callable
 
 from engine.outputs import RequestOutput
 from server.errors import bad_request
-from server.generation import SequenceRequest, Ticket
+from server.generation import SequenceRequest, Ticket, block_extra
 from server.logprobs import CompletionLogprobsBuilder, merge_completion_logprobs, prompt_logprobs_out
 from server.params import (
     PreparedPrompt,
@@ -63,7 +63,7 @@ class _Choice:
 
 def _plan(state: ServerState, req: CompletionRequest) -> tuple[list[PreparedPrompt], list[SequenceRequest]]:
     lora = state.check_model(req.model)
-    extra = lora.block_extra if lora is not None else b""
+    extra = block_extra(lora, req.cache_salt)
     check_completion_features(req)
     limits = state.limits
     prompts = completion_prompts(req, state.tokenizer, limits)
@@ -95,7 +95,15 @@ def _plan(state: ServerState, req: CompletionRequest) -> tuple[list[PreparedProm
             params = dataclasses.replace(base, seed=child_seed(req.seed, j)) if j else base
             seqs.append(
                 SequenceRequest(
-                    pi * req.n + j, pi, prompt.token_ids, params, resume, kv, lora=lora, priority=req.priority
+                    pi * req.n + j,
+                    pi,
+                    prompt.token_ids,
+                    params,
+                    resume,
+                    kv,
+                    lora=lora,
+                    priority=req.priority,
+                    cache_salt=req.cache_salt,
                 )
             )
     return prompts, seqs

@@ -77,6 +77,7 @@ class ResponsesRequest(_Request):
     min_tokens: Any = None
     ignore_eos: Any = None
     priority: Any = None
+    cache_salt: Any = None
 
 
 _CHAT_TO_RESPONSES = {
@@ -119,6 +120,7 @@ _EXTRAS = (
     "min_tokens",
     "ignore_eos",
     "priority",
+    "cache_salt",
 )
 
 

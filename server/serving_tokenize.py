@@ -19,7 +19,7 @@ def tokenize(state: ServerState, req: TokenizeRequest) -> TokenizeResponse:
     state.check_model(req.model)
     tok = state.tokenizer
     if req.messages is not None:
-        ids = chat_prompt(req, tok)
+        ids = chat_prompt(req, tok, state.config.trust_request_chat_template)
     else:
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
         ids = tok.encode(req.prompt or "", add_special_tokens=add_special)

@@ -12,7 +12,13 @@ format it was trained on; ``--tool-call-parser`` names that format, as in vLLM:
   ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`` + a fenced JSON block + ``<｜tool▁call▁end｜>``;
 * ``deepseek_v31`` (DeepSeek-V3.1): the same section, each call ``NAME<｜tool▁sep｜>{…}``;
 * ``kimi_k2``: a ``<|tool_calls_section_begin|>`` section of ``<|tool_call_begin|>functions.NAME:i``
-  + ``<|tool_call_argument_begin|>{…}<|tool_call_end|>``.
+  + ``<|tool_call_argument_begin|>{…}<|tool_call_end|>``;
+* ``pythonic`` (Llama 3.2, Llama 4, ToolACE; ``llama4_pythonic`` the same): the whole answer is a
+  Python list of calls with literal keyword arguments, ``[get_weather(city="Paris"), now()]``,
+  optionally inside ``<|python_start|>`` … ``<|python_end|>``;
+* ``granite`` (Granite 3.x): the whole answer is ``<|tool_call|>`` (or ``<tool_call>``) then a JSON
+  array of ``{"name": …, "arguments": {…}}``;
+* ``phi4_mini_json`` (Phi-4-mini): the whole answer is ``functools[`` + calls as JSON objects + ``]``.
 
 A parser never loses text: anything that is not a well-formed call stays content. Streaming goes
 through a ``ToolStreamer``, whose result does not depend on how the text was cut into deltas
@@ -23,6 +29,7 @@ it the text already delivered.
 
 from __future__ import annotations
 
+import ast
 import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -302,6 +309,7 @@ class KimiK2Parser(SectionParser):
 class Llama3JsonParser(ToolParser):
     name = "llama3_json"
     TAG = "<|python_tag|>"
+    OPENERS: ClassVar[tuple[str, ...]] = ("{", TAG)  # how an answer that is a call begins
 
     def parse(self, text: str) -> tuple[str, list[ParsedCall]]:
         body = text.strip()
@@ -325,7 +333,7 @@ class _WholeAnswerStreamer(ToolStreamer):
     """For formats where the whole answer is the call: decided by its first visible characters —
     an answer that opens like a call is held and parsed at the end, any other streams as content."""
 
-    def __init__(self, parser: Llama3JsonParser) -> None:
+    def __init__(self, parser: WholeAnswerParser) -> None:
         self.parser = parser
         self.text = ""
         self.holding: bool | None = None  # None: not decided yet
@@ -337,11 +345,12 @@ class _WholeAnswerStreamer(ToolStreamer):
         head = self.text.lstrip()
         if not head:
             return "", []
-        if head.startswith("{") or head.startswith(self.parser.TAG):
+        openers = self.parser.OPENERS
+        if any(head.startswith(o) for o in openers):
             self.holding = True
             return "", []
-        if self.parser.TAG.startswith(head):
-            return "", []  # could still become the tag
+        if any(o.startswith(head) for o in openers):
+            return "", []  # could still become an opener
         self.holding = False
         content, self.text = self.text, ""
         return content, []
@@ -353,6 +362,98 @@ class _WholeAnswerStreamer(ToolStreamer):
         return self.parser.parse(text)
 
 
+class PythonicParser(ToolParser):
+    name = "pythonic"
+    START, END = "<|python_start|>", "<|python_end|>"
+    OPENERS: ClassVar[tuple[str, ...]] = ("[", START)
+
+    def parse(self, text: str) -> tuple[str, list[ParsedCall]]:
+        body = text.strip()
+        if body.startswith(self.START):
+            body = body[len(self.START) :].strip().removesuffix(self.END).rstrip()
+        calls = python_calls(body) if body.startswith("[") else None
+        return ("", calls) if calls else (text, [])
+
+    def streamer(self) -> ToolStreamer:
+        return _WholeAnswerStreamer(self)
+
+
+class Llama4PythonicParser(PythonicParser):
+    name = "llama4_pythonic"
+
+
+def python_calls(text: str) -> list[ParsedCall] | None:
+    """The calls of a Python list of calls, ``[f(a=1), g()]``: names (dotted allowed) with keyword
+    arguments whose values are literals; None for anything else (positional arguments, expressions,
+    values JSON cannot hold). Parsed, never evaluated."""
+    try:
+        tree = ast.parse(text, mode="eval").body
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    if not isinstance(tree, ast.List) or not tree.elts:
+        return None
+    calls = []
+    for node in tree.elts:
+        name = _dotted(node.func) if isinstance(node, ast.Call) else None
+        if name is None or node.args or any(k.arg is None for k in node.keywords):
+            return None
+        try:
+            args = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+            calls.append(ParsedCall(name, json.dumps(args, ensure_ascii=False)))
+        except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+            return None
+    return calls
+
+
+def _dotted(node: ast.expr) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = _dotted(node.value)
+        return None if base is None else f"{base}.{node.attr}"
+    return None
+
+
+class GraniteParser(ToolParser):
+    name = "granite"
+    TOKEN, TAG = "<|tool_call|>", "<tool_call>"
+    OPENERS: ClassVar[tuple[str, ...]] = (TOKEN, TAG, "[")
+
+    def parse(self, text: str) -> tuple[str, list[ParsedCall]]:
+        body = text.strip().removeprefix(self.TOKEN).removeprefix(self.TAG).strip()
+        calls = json_call_list(body) if body.startswith("[") else None
+        return ("", calls) if calls else (text, [])
+
+    def streamer(self) -> ToolStreamer:
+        return _WholeAnswerStreamer(self)
+
+
+class Phi4MiniJsonParser(ToolParser):
+    name = "phi4_mini_json"
+    OPENER = "functools"
+    OPENERS: ClassVar[tuple[str, ...]] = (OPENER,)
+
+    def parse(self, text: str) -> tuple[str, list[ParsedCall]]:
+        body = text.strip()
+        calls = json_call_list(body[len(self.OPENER) :].strip()) if body.startswith(self.OPENER) else None
+        return ("", calls) if calls else (text, [])
+
+    def streamer(self) -> ToolStreamer:
+        return _WholeAnswerStreamer(self)
+
+
+def json_call_list(text: str) -> list[ParsedCall] | None:
+    """The calls of exactly one JSON array of call objects, or None."""
+    values = _json_values(text)
+    if values is None or len(values) != 1 or not isinstance(values[0], list) or not values[0]:
+        return None
+    calls = [call_from(v) for v in values[0]]
+    return None if any(c is None for c in calls) else calls  # type: ignore[return-value]
+
+
+# The formats whose whole answer is the call (held from their first characters: _WholeAnswerStreamer).
+WholeAnswerParser = Llama3JsonParser | PythonicParser | GraniteParser | Phi4MiniJsonParser
+
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     p.name: p
     for p in (
@@ -362,6 +463,10 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
         DeepSeekV3Parser,
         DeepSeekV31Parser,
         KimiK2Parser,
+        PythonicParser,
+        Llama4PythonicParser,
+        GraniteParser,
+        Phi4MiniJsonParser,
     )
 }
 

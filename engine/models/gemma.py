@@ -20,8 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.lora import LoRABatch, ModuleSlot
 from engine.models.config import ModelConfig
-from engine.models.llama import Linear, invariant_linear, take_embeddings
+from engine.models.llama import Linear, dense_lora_layout, invariant_linear, take_embeddings
 from engine.models.rope import build_cos_sin_cache
 from engine.ops import Ops
 
@@ -71,6 +72,11 @@ class GemmaForCausalLM:
         self.norm = _offset(norm)
         self.layers = [self._layer(weights, i) for i in range(cfg.num_layers)]
         self.windows = cfg.layer_windows or (None,) * cfg.num_layers
+        # The step's LoRA adapters (engine/lora.py), set by the model runner before each forward.
+        self.lora: LoRABatch | None = None
+
+    def lora_layout(self) -> list[dict[str, ModuleSlot]]:
+        return dense_lora_layout(self.layers, self.q_size, self.kv_size, self.cfg.hidden_size)
 
     @staticmethod
     def _layer(w: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]:
@@ -107,11 +113,14 @@ class GemmaForCausalLM:
         residual: torch.Tensor | None = None
         t = input_ids.shape[0]
         layers = zip(self.layers, self.windows, self.cos_sin, kv_caches, strict=True)
-        for layer, window, cos_sin, (k_cache, v_cache) in layers:
+        lora = self.lora
+        for i, (layer, window, cos_sin, (k_cache, v_cache)) in enumerate(layers):
             x, residual = ops.rms_norm(hidden, layer["in_norm"], eps, residual)
             if residual is None:
                 residual = hidden
             qkv = linear(x, layer["qkv"], None)
+            if lora is not None:
+                lora.add(i, "qkv", x, qkv)
             q = qkv[:, : self.q_size].reshape(-1, d)
             k = qkv[:, self.q_size : self.q_size + self.kv_size].reshape(-1, d)
             if "q_norm" in layer:
@@ -120,12 +129,20 @@ class GemmaForCausalLM:
             v = qkv[:, self.q_size + self.kv_size :].reshape(t, cfg.num_kv_heads, d).contiguous()
             ops.rotary_embedding(positions, q, k, cos_sin)
             attn = self.attention.forward(q, k, v, k_cache, v_cache, meta, self.scale, window, self.softcap)
-            out = ops.rms_norm(
-                linear(attn.reshape(t, self.q_size), layer["o"], None), layer["post_attn_norm"], eps
-            )[0]
+            attn = attn.reshape(t, self.q_size)
+            out = linear(attn, layer["o"], None)
+            if lora is not None:
+                lora.add(i, "o", attn, out)
+            out = ops.rms_norm(out, layer["post_attn_norm"], eps)[0]
             x, residual = ops.rms_norm(out, layer["pre_ff_norm"], eps, residual)
-            gate, up = linear(x, layer["gate_up"], None).chunk(2, dim=-1)
-            out = linear(F.gelu(gate, approximate="tanh") * up, layer["down"], None)
+            gate_up = linear(x, layer["gate_up"], None)
+            if lora is not None:
+                lora.add(i, "gate_up", x, gate_up)
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.gelu(gate, approximate="tanh") * up
+            out = linear(act, layer["down"], None)
+            if lora is not None:
+                lora.add(i, "down", act, out)
             hidden = ops.rms_norm(out, layer["post_ff_norm"], eps)[0]
         out, _ = ops.rms_norm(hidden, self.norm, eps, residual)
         return out

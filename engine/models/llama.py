@@ -13,6 +13,7 @@ batch-invariant) run is decided once at construction.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +55,31 @@ def take_embeddings(
     return embed, norm, embed if cfg.tie_word_embeddings or head is None else head
 
 
+def dense_lora_layout(
+    layers: list[dict[str, Any]], q: int, kv: int, hidden: int
+) -> list[dict[str, ModuleSlot]]:
+    """Per layer, the projections a LoRA adapter may target, for a model whose layers hold fused
+    ``qkv`` / ``o`` / ``gate_up`` / ``down`` weights: PEFT's module name -> (fused group, first output
+    row in it, in features, out features). A layer without ``gate_up`` (experts) takes none there."""
+    layouts = []
+    for layer in layers:
+        slots: dict[str, ModuleSlot] = {
+            "q_proj": ("qkv", 0, hidden, q),
+            "k_proj": ("qkv", q, hidden, kv),
+            "v_proj": ("qkv", q + kv, hidden, kv),
+            "qkv_proj": ("qkv", 0, hidden, q + 2 * kv),
+            "o_proj": ("o", 0, q, hidden),
+        }
+        if "gate_up" in layer:
+            inter = layer["down"].shape[1]
+            slots["gate_proj"] = ("gate_up", 0, hidden, inter)
+            slots["up_proj"] = ("gate_up", inter, hidden, inter)
+            slots["gate_up_proj"] = ("gate_up", 0, hidden, 2 * inter)
+            slots["down_proj"] = ("down", 0, inter, hidden)
+        layouts.append(slots)
+    return layouts
+
+
 class LlamaForCausalLM:
     # MoE routers that checkpoints store in fp32 (GLM-4.5) stay fp32, as transformers keeps them.
     FP32_WEIGHTS = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
@@ -89,26 +115,8 @@ class LlamaForCausalLM:
         self.lora: LoRABatch | None = None
 
     def lora_layout(self) -> list[dict[str, ModuleSlot]]:
-        """Per layer, the projections a LoRA adapter may target: PEFT's module name -> (fused
-        group, first output row in it, in features, out features). Experts take none."""
-        q, kv, hidden = self.q_size, self.kv_size, self.cfg.hidden_size
-        layouts = []
-        for layer in self.layers:
-            slots: dict[str, ModuleSlot] = {
-                "q_proj": ("qkv", 0, hidden, q),
-                "k_proj": ("qkv", q, hidden, kv),
-                "v_proj": ("qkv", q + kv, hidden, kv),
-                "qkv_proj": ("qkv", 0, hidden, q + 2 * kv),
-                "o_proj": ("o", 0, q, hidden),
-            }
-            if "gate_up" in layer:
-                inter = layer["down"].shape[1]  # type: ignore[union-attr]
-                slots["gate_proj"] = ("gate_up", 0, hidden, inter)
-                slots["up_proj"] = ("gate_up", inter, hidden, inter)
-                slots["gate_up_proj"] = ("gate_up", 0, hidden, 2 * inter)
-                slots["down_proj"] = ("down", 0, inter, hidden)
-            layouts.append(slots)
-        return layouts
+        """Per layer, the projections a LoRA adapter may target (``dense_lora_layout``)."""
+        return dense_lora_layout(self.layers, self.q_size, self.kv_size, self.cfg.hidden_size)
 
     def _layer(self, w: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor | None]:
         p = f"model.layers.{i}."

@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.lora import LoRABatch, ModuleSlot
 from engine.models.config import ModelConfig
-from engine.models.llama import Linear, invariant_linear, take_embeddings
+from engine.models.llama import Linear, dense_lora_layout, invariant_linear, take_embeddings
 from engine.models.moe import load_dense_mlp
 from engine.models.rope import build_cos_sin_cache
 from engine.ops import Ops
@@ -43,6 +44,11 @@ class Olmo2ForCausalLM:
         )
         self.embed, self.norm, self.lm_head = take_embeddings(weights, cfg)
         self.layers = [self._layer(weights, i) for i in range(cfg.num_layers)]
+        # The step's LoRA adapters (engine/lora.py), set by the model runner before each forward.
+        self.lora: LoRABatch | None = None
+
+    def lora_layout(self) -> list[dict[str, ModuleSlot]]:
+        return dense_lora_layout(self.layers, self.q_size, self.kv_size, self.cfg.hidden_size)
 
     @staticmethod
     def _layer(w: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]:
@@ -72,8 +78,11 @@ class Olmo2ForCausalLM:
         eps, d = cfg.rms_norm_eps, cfg.head_dim
         t = input_ids.shape[0]
         hidden = F.embedding(input_ids, self.embed)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+        lora = self.lora
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             qkv = linear(hidden, layer["qkv"], None)
+            if lora is not None:
+                lora.add(i, "qkv", hidden, qkv)
             q = ops.rms_norm(qkv[:, : self.q_size].contiguous(), layer["q_norm"], eps)[0]
             k = ops.rms_norm(
                 qkv[:, self.q_size : self.q_size + self.kv_size].contiguous(), layer["k_norm"], eps
@@ -82,9 +91,18 @@ class Olmo2ForCausalLM:
             v = qkv[:, self.q_size + self.kv_size :].reshape(t, cfg.num_kv_heads, d).contiguous()
             ops.rotary_embedding(positions, q, k, self.cos_sin_cache)
             attn = self.attention.forward(q, k, v, k_cache, v_cache, meta, self.scale)
-            out = linear(attn.reshape(t, self.q_size), layer["o"], None)
+            attn = attn.reshape(t, self.q_size)
+            out = linear(attn, layer["o"], None)
+            if lora is not None:
+                lora.add(i, "o", attn, out)
             hidden = hidden + ops.rms_norm(out, layer["post_attn_norm"], eps)[0]
-            out = linear(ops.silu_and_mul(linear(hidden, layer["gate_up"], None)), layer["down"], None)
+            gate_up = linear(hidden, layer["gate_up"], None)
+            if lora is not None:
+                lora.add(i, "gate_up", hidden, gate_up)
+            act = ops.silu_and_mul(gate_up)
+            out = linear(act, layer["down"], None)
+            if lora is not None:
+                lora.add(i, "down", act, out)
             hidden = hidden + ops.rms_norm(out, layer["post_ff_norm"], eps)[0]
         return ops.rms_norm(hidden, self.norm, eps)[0]
 

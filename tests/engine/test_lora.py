@@ -70,6 +70,8 @@ def _run(llm: LLM, prompts, params, loras):
         ("tiny_phi3", FUSED_TARGETS),  # fused qkv_proj / gate_up_proj
         ("tiny_granite", None),  # multipliers around the projections
         ("tiny_qwen3_moe", None),  # experts take none: attention everywhere, the MLP of the dense layer
+        ("tiny_gemma3", None),  # sandwich norms, GELU MLP, sliding and global layers
+        ("tiny_olmo2", None),  # norms after each block
     ],
 )
 def test_adapter_matches_transformers_merged(
@@ -315,14 +317,14 @@ def test_adapters_that_cannot_run_exactly_are_refused_by_name(tiny_llama, tiny_q
     assert not engine.requests and not engine.has_unfinished_requests()
 
 
-def test_lora_needs_enable_lora_and_a_supported_model(tiny_llama, tiny_gemma3, adapters) -> None:
+def test_lora_needs_enable_lora_and_a_supported_model(tiny_llama, tiny_deepseek, adapters) -> None:
     llm = LLM(str(tiny_llama), num_kv_blocks=64)
     with pytest.raises(ValueError, match="start it with --enable-lora"):
         llm.generate(
             [[5, 6]], SamplingParams(max_tokens=2), lora_request=LoRARequest("a", 1, str(adapters["a"]))
         )
-    with pytest.raises(ValueError, match="not supported for Gemma3ForCausalLM"):
-        LLM(str(tiny_gemma3), enable_lora=True, num_kv_blocks=64)
+    with pytest.raises(ValueError, match="not supported for DeepseekV3ForCausalLM"):
+        LLM(str(tiny_deepseek), enable_lora=True, num_kv_blocks=64)
     with pytest.raises(ValueError, match="max_cpu_loras"):
         LLM(str(tiny_llama), enable_lora=True, max_loras=2, max_cpu_loras=1)
     with pytest.raises(ValueError, match="lora_int_id"):

@@ -109,3 +109,16 @@ def test_responses_bodies_key_like_the_chat_body_the_replica_serves(keyers) -> N
         got = keyer.keys("/v1/responses", body)
         assert got == keyer.keys("/v1/chat/completions", chat) and got[1] > 16
         assert keyer.keys("/v1/responses", {"input": 5}) == ([], 0)  # no hint, no error
+
+
+def test_a_cache_salt_salts_every_key_as_the_replica_does() -> None:
+    from kvcache.keys import salt_extra
+
+    ids = list(range(40))
+    for k in (TextKeyer(16),):
+        salted, _ = k.keys("/v1/completions", {"prompt": ids, "cache_salt": "tenant-a"})
+        assert salted == block_hashes(ids, 16, salt_extra("tenant-a"))
+        assert salted != k.keys("/v1/completions", {"prompt": ids, "cache_salt": "tenant-b"})[0]
+        assert salted[0] != block_hashes(ids, 16)[0]  # the first block already differs
+        # A salt the replica would refuse (400) keys as no salt: only a routing hint is lost.
+        assert k.keys("/v1/completions", {"prompt": ids, "cache_salt": 7})[0] == block_hashes(ids, 16)

@@ -30,6 +30,9 @@ import pytest
 import redis
 
 from tests.server.conftest import REPO, metric_value
+from tests.server.test_cache_salt import (  # noqa: F401 - collected here, against this module's server
+    test_blocks_are_reused_only_under_the_same_salt,
+)
 from tests.server.test_errors import (  # noqa: F401 - collected here, against this module's server
     http,
     test_embeddings_fuzz_never_5xx,

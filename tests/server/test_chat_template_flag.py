@@ -76,7 +76,15 @@ def template_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def chat_server(templateless: Path, template_file: Path, serve_logs: Path, server_process) -> Iterator:
-    flags = ["--chat-template", str(template_file), "--api-server-count", "2", "--num-kv-blocks", "64"]
+    flags = [
+        "--chat-template",
+        str(template_file),
+        "--trust-request-chat-template",
+        "--api-server-count",
+        "2",
+        "--num-kv-blocks",
+        "64",
+    ]
     srv = server_process(templateless, flags, serve_logs).start()
     yield srv
     srv.stop()
@@ -116,3 +124,50 @@ def test_bad_flag_stops_the_start(
     srv = server_process(templateless, ["--chat-template", str(tmp_path / "nope.jinja")], serve_logs)
     with pytest.raises(RuntimeError, match="looks like a file path, but no such file exists"):
         srv.start(timeout=60)
+
+
+OWN = "{% for m in messages %}[{{ m.role | upper }}] {{ m.content }} {% endfor %}=>"
+
+
+def test_a_trusted_request_renders_with_its_own_template(chat_server, templateless: Path) -> None:
+    want = Tokenizer.from_dir(templateless).encode(
+        "[SYSTEM] be brief [USER] hello there =>", add_special_tokens=False
+    )
+    for body in (
+        {"messages": MESSAGES, "chat_template": OWN},
+        {"messages": MESSAGES, "chat_template_kwargs": {"chat_template": OWN}},
+    ):
+        got = httpx.post(
+            chat_server.url + "/tokenize", json={"model": chat_server.model_name, **body}, timeout=30
+        )
+        assert got.json()["tokens"] == want
+    chat = {"model": chat_server.model_name, "messages": MESSAGES, "max_tokens": 2, "chat_template": OWN}
+    answer = httpx.post(chat_server.url + "/v1/chat/completions", json=chat, timeout=60).json()
+    assert answer["usage"]["prompt_tokens"] == len(want)
+    broken = httpx.post(
+        chat_server.url + "/v1/chat/completions",
+        json={**chat, "chat_template": "{% for m in messages %}"},
+        timeout=60,
+    )
+    assert broken.status_code == 400 and broken.json()["error"]["param"] == "messages"
+    # The router renders it as the replica does.
+    keyer = TokenKeyer.from_dir(str(templateless), 4, resolve_chat_template(TEMPLATE))
+    hashes, count = keyer.keys("/v1/chat/completions", {"messages": MESSAGES, "chat_template": OWN})
+    assert count == len(want) and hashes == block_hashes(want, 4)
+
+
+def test_an_untrusted_request_template_is_refused(server) -> None:
+    chat = {"model": server.model_name, "messages": MESSAGES, "max_tokens": 1}
+    own = httpx.post(server.url + "/v1/chat/completions", json={**chat, "chat_template": OWN}, timeout=60)
+    assert own.status_code == 400 and own.json()["error"]["param"] == "chat_template"
+    assert "--trust-request-chat-template" in own.json()["error"]["message"]
+    smuggled = {**chat, "chat_template_kwargs": {"chat_template": OWN}}
+    refused = httpx.post(server.url + "/v1/chat/completions", json=smuggled, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template_kwargs"
+    tokenized = httpx.post(
+        server.url + "/tokenize", json={"messages": MESSAGES, "chat_template": OWN}, timeout=60
+    )
+    assert tokenized.status_code == 400
+    # Naming one of the model's own templates needs no trust.
+    named = {**chat, "chat_template_kwargs": {"chat_template": "default"}}
+    assert httpx.post(server.url + "/v1/chat/completions", json=named, timeout=60).status_code == 200

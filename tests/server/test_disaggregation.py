@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvcache.keys import block_hashes, to_hex
+from kvcache.keys import block_hashes, salt_extra, to_hex
 
 PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    for name in sorted(os.listdir(argv[1])):\n        print(name)\n"
 
@@ -181,3 +181,31 @@ def test_prefill_and_decode_roles_need_a_kv_tier(tiny_llama: Path) -> None:
             timeout=60,
         )
         assert done.returncode == 2 and f"--role {role} needs a KV tier" in done.stderr
+
+
+def test_a_salted_prompt_crosses_with_its_salt(pd_pair) -> None:
+    """The producer's hashes carry the request's cache_salt; the consumer, given the same salt,
+    finds every block; an unsalted request for the same prompt finds none of them."""
+    prefill, decode = pd_pair
+    prompt_ids = [
+        t ^ 1 for t in httpx.post(prefill.url + "/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    ]
+    salt = {"cache_salt": "tenant-a", "temperature": 0, "ignore_eos": True}
+    first = httpx.post(
+        prefill.url + "/v1/completions",
+        timeout=60,
+        json={"prompt": prompt_ids, "max_tokens": 1, "kv_transfer": {"role": "producer"}, **salt},
+    ).json()
+    hashes = first["kv_transfer"]["block_hashes"]
+    assert hashes == to_hex(block_hashes(prompt_ids, 16, salt_extra("tenant-a")))
+    consumer = {"role": "consumer", "block_hashes": hashes}
+    rest = httpx.post(
+        decode.url + "/v1/completions",
+        timeout=60,
+        json={"prompt": prompt_ids, "max_tokens": 2, "kv_transfer": consumer, **salt},
+    ).json()
+    assert rest["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt_ids) // 16 * 16
+    unsalted = httpx.post(
+        decode.url + "/v1/completions", timeout=60, json={"prompt": prompt_ids[:-1], "max_tokens": 1}
+    ).json()
+    assert unsalted["usage"]["prompt_tokens_details"]["cached_tokens"] == 0

@@ -70,6 +70,20 @@ def test_reasoning_then_a_tool_call() -> None:
 
 
 def test_registry() -> None:
-    assert sorted(REASONING_PARSERS) == ["deepseek_r1", "qwen3"]
+    assert sorted(REASONING_PARSERS) == ["deepseek_r1", "deepseek_v3", "glm45", "qwen3"]
+    glm = reasoning_splitter("glm45")  # GLM-4.5 thinks as Qwen3 does: only after an opening <think>
+    assert glm.feed("<think>plan</think>\n\nanswer") == ("plan", "answer")
+    assert reasoning_splitter("glm45").feed("plain answer") == ("", "plain answer")
     with pytest.raises(ValueError, match="unknown reasoning parser 'x'"):
         reasoning_splitter("x")
+
+
+def test_deepseek_v3_reads_the_prompt() -> None:
+    from server.reasoning_parsers import prompt_opens_thinking
+
+    assert prompt_opens_thinking("<｜Assistant｜><think>") and prompt_opens_thinking("x<think>\n")
+    assert not prompt_opens_thinking("<｜Assistant｜></think>") and not prompt_opens_thinking("hi")
+    opened = REASONING_PARSERS["deepseek_v3"](requires_start=False)  # the prompt opened <think>
+    assert opened.feed("plan</think>answer") == ("plan", "answer")
+    closed = REASONING_PARSERS["deepseek_v3"]()  # it did not: all content
+    assert closed.feed("plan</think>answer") == ("", "plan</think>answer")

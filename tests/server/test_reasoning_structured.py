@@ -146,3 +146,30 @@ def test_responses_api_gives_a_reasoning_item_then_the_message(srv, end_id) -> N
     )
     assert reasoning["content"][0]["text"] == chat["choices"][0]["message"]["reasoning_content"]
     assert message["content"][0]["text"] == chat["choices"][0]["message"]["content"]
+
+
+# DeepSeek-V3.1's switch, in miniature: the prompt opens the thinking only when asked to.
+V31_TEMPLATE = (
+    "{% for m in messages %}{{ m.content }}{% endfor %}{% if thinking %}<think>{% else %}</think>{% endif %}"
+)
+
+
+def test_deepseek_v3_parser_follows_the_prompts_thinking_switch(
+    server_process, reasoner: Path, serve_logs: Path, end_id: int, tmp_path: Path
+) -> None:
+    template = tmp_path / "v31.jinja"
+    template.write_text(V31_TEMPLATE)
+    args = ["--reasoning-parser", "deepseek_v3", "--chat-template", str(template)]
+    proc = server_process(reasoner, args, serve_logs).start()
+    try:
+        body = {"max_tokens": 12, "temperature": 0, "logit_bias": {str(end_id): -100.0}, "ignore_eos": True}
+        thinking = _post(proc, {**body, "chat_template_kwargs": {"thinking": True}})["choices"][0]["message"]
+        plain = _post(proc, {**body, "chat_template_kwargs": {"thinking": False}})["choices"][0]["message"]
+        default = _post(proc, body)["choices"][0]["message"]
+    finally:
+        proc.stop()
+    # The same greedy tokens each time (the prompts differ in one tag): read as unfinished thoughts
+    # after "<think>", as the answer after "</think>".
+    assert thinking["reasoning_content"] and thinking["content"] is None
+    assert plain.get("reasoning_content") is None and plain["content"]
+    assert default == plain

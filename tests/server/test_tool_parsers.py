@@ -115,6 +115,37 @@ CASES = {
             [],
         ),
     ],
+    "pythonic": [
+        ('[get_weather(city="Paris"), now()]', "", [W, NOW]),
+        ("<|python_start|>[get_weather(city='Paris')]<|python_end|>", "", [W]),
+        (
+            '[book(when={"day": 3, "slots": (1, 2)}, ok=True, note=None)]',
+            "",
+            [ParsedCall("book", '{"when": {"day": 3, "slots": [1, 2]}, "ok": true, "note": null}')],
+        ),
+        ("[tools.search(q='x')]", "", [ParsedCall("tools.search", '{"q": "x"}')]),
+        ("[get_weather('Paris')]", "[get_weather('Paris')]", []),  # positional: not a call
+        ("[get_weather(city=os.getcwd())]", "[get_weather(city=os.getcwd())]", []),  # never evaluated
+        ("[1, 2, 3]", "[1, 2, 3]", []),
+        ('[get_weather(city="Par', '[get_weather(city="Par', []),  # cut off
+        ("It is sunny.", "It is sunny.", []),
+    ],
+    "granite": [
+        (
+            '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "now", "arguments": {}}]',
+            "",
+            [W, NOW],
+        ),
+        ('<tool_call> [{"name": "now", "arguments": {}}]', "", [NOW]),
+        ('[{"name": "now"}]', "", [NOW]),
+        ('<|tool_call|>{"name": "now"}', '<|tool_call|>{"name": "now"}', []),  # not an array
+        ("Hello.", "Hello.", []),
+    ],
+    "phi4_mini_json": [
+        ('functools[{"name": "get_weather", "arguments": {"city": "Paris"}}]', "", [W]),
+        ("functools is a module", "functools is a module", []),
+        ("Sure.", "Sure.", []),
+    ],
 }
 ALL = [(name, *case) for name, cases in CASES.items() for case in cases]
 
@@ -155,17 +186,10 @@ def test_content_before_a_call_streams_before_the_call_is_complete() -> None:
 def test_unknown_parser() -> None:
     with pytest.raises(
         ValueError,
-        match="unknown tool-call parser 'nope'; known: deepseek_v3, deepseek_v31, hermes, kimi_k2, llama3_json, mistral",
+        match="unknown tool-call parser 'nope'; known: deepseek_v3, deepseek_v31, granite, hermes, kimi_k2, "
+        "llama3_json, llama4_pythonic, mistral, phi4_mini_json, pythonic",
     ):
         get_tool_parser("nope")
-    assert sorted(TOOL_PARSERS) == [
-        "deepseek_v3",
-        "deepseek_v31",
-        "hermes",
-        "kimi_k2",
-        "llama3_json",
-        "mistral",
-    ]
     # The CLI's choices (server/args.py stays light, so it names them itself) are the registry's.
     from server.args import REASONING_PARSER_NAMES, TOOL_PARSER_NAMES
     from server.reasoning_parsers import REASONING_PARSERS
