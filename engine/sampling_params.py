@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 # The kinds of constraint a StructuredOutputsParams can carry: exactly one per request.
-STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 # JSON nesting levels a schema may have (OpenAI allows 10 levels of objects, each two JSON levels
 # deep in a schema). Compiling grows fast with depth: 500 levels measured 6 s of CPU.
 MAX_SCHEMA_DEPTH = 64
@@ -28,6 +28,10 @@ class StructuredOutputsParams:
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
     json_object: bool = False
+    # xgrammar's structural tag (vLLM's): JSON text, either ``{"type": "structural_tag", "format":
+    # {...}}`` or the older ``{"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]}``:
+    # free text, with a schema enforced between tags once a trigger appears.
+    structural_tag: str | None = None
     disable_any_whitespace: bool = False
     # The constraint starts after this token (a reasoning model's end of thinking, as vLLM's
     # structured outputs wait for the reasoning parser); None: from the first output token.
@@ -41,6 +45,8 @@ class StructuredOutputsParams:
                 raise ValueError(
                     f"structured outputs json is nested more than {MAX_SCHEMA_DEPTH} levels deep"
                 ) from None
+        if self.structural_tag is not None and not isinstance(self.structural_tag, str):
+            object.__setattr__(self, "structural_tag", canonical_json(self.structural_tag))
         if self.choice is not None and not isinstance(self.choice, tuple):
             object.__setattr__(self, "choice", tuple(self.choice))
 
@@ -80,6 +86,15 @@ class StructuredOutputsParams:
                     f"structured outputs json is nested more than {MAX_SCHEMA_DEPTH} levels deep; "
                     "a grammar's cost grows with its depth"
                 )
+        elif kind == "structural_tag":
+            try:
+                tag = json.loads(self.structural_tag)
+            except (json.JSONDecodeError, RecursionError) as e:
+                raise ValueError(f"structured outputs structural_tag is not valid JSON: {e}") from e
+            if not isinstance(tag, dict):
+                raise ValueError("structured outputs structural_tag must be a JSON object")
+            if json_depth(tag) > MAX_SCHEMA_DEPTH + 4:
+                raise ValueError("structured outputs structural_tag is nested too deeply")
 
 
 def json_depth(value: Any) -> int:

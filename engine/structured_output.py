@@ -21,6 +21,7 @@ import logging
 import os
 import re
 import threading
+import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -130,9 +131,11 @@ class GrammarCompiler:
                 compiled = compiler.compile_regex(spec.regex)
             elif kind == "choice":
                 compiled = compiler.compile_grammar(choice_grammar(spec.choice or ()))
+            elif kind == "structural_tag":
+                compiled = _compile_structural_tag(compiler, spec.structural_tag)
             else:
                 compiled = compiler.compile_grammar(spec.grammar)
-        except (RuntimeError, ValueError, TypeError, RecursionError) as e:
+        except (RuntimeError, ValueError, TypeError, KeyError, RecursionError) as e:
             raise ValueError(f"invalid structured outputs {kind}: {_reason(e)}") from e
         return compiled
 
@@ -214,3 +217,26 @@ def mask_to_grammars(
     idx = torch.tensor(rows, dtype=torch.long)
     out[idx] = torch.where(allowed, logits[idx], neg_inf)
     return out, rows
+
+
+def _compile_structural_tag(compiler: Any, text: str | None) -> Any:
+    """xgrammar's structural tag: its own format (``{"type": "structural_tag", "format": …}``), or
+    the older one vLLM also takes, ``structures`` of ``{"begin", "schema", "end"}`` and ``triggers``."""
+    import xgrammar as xgr
+
+    tag = json.loads(text or "{}")
+    if "structures" not in tag:
+        return compiler.compile_structural_tag(text)
+    if not isinstance(tag["structures"], list) or not isinstance(tag.get("triggers"), list):
+        raise ValueError("structures and triggers must be lists")
+    items = [
+        xgr.StructuralTagItem(
+            begin=s["begin"],
+            schema=s["schema"] if isinstance(s["schema"], str) else json.dumps(s["schema"]),
+            end=s["end"],
+        )
+        for s in tag["structures"]
+    ]
+    with warnings.catch_warnings():  # the older form is deprecated in xgrammar, not in vLLM's API
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return compiler.compile_structural_tag(items, tag["triggers"])

@@ -193,19 +193,30 @@ def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
                     param="response_format.json_schema",
                 )
             found.append(("response_format", StructuredOutputsParams(json=rf.json_schema.json_schema)))
+        elif rf.type == "structural_tag":
+            if rf.format is not None:
+                tag: dict[str, Any] = {"type": "structural_tag", "format": rf.format}
+            elif rf.structures is not None and rf.triggers is not None:
+                tag = {"structures": rf.structures, "triggers": rf.triggers}
+            else:
+                raise bad_request(
+                    "response_format of type 'structural_tag' needs format (or structures and triggers)",
+                    param="response_format",
+                )
+            found.append(("response_format", StructuredOutputsParams(structural_tag=tag)))
         else:
             raise bad_request(
-                f"response_format type {rf.type!r} is not supported; use 'text', 'json_object' or 'json_schema'",
+                f"response_format type {rf.type!r} is not supported; use 'text', 'json_object', "
+                "'json_schema' or 'structural_tag'",
                 param="response_format.type",
             )
     so = req.structured_outputs
     if so is not None:
-        for name in ("whitespace_pattern", "structural_tag"):
-            if getattr(so, name) is not None:
-                raise bad_request(
-                    f"structured_outputs.{name} is not supported by this server",
-                    param=f"structured_outputs.{name}",
-                )
+        if so.whitespace_pattern is not None:
+            raise bad_request(
+                "structured_outputs.whitespace_pattern is not supported by this server",
+                param="structured_outputs.whitespace_pattern",
+            )
         try:
             found.append(
                 (
@@ -216,6 +227,7 @@ def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
                         choice=so.choice,
                         grammar=so.grammar,
                         json_object=bool(so.json_object),
+                        structural_tag=so.structural_tag,
                         disable_any_whitespace=so.disable_any_whitespace,
                     ),
                 )

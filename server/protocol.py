@@ -95,8 +95,13 @@ class JsonSchemaFormat(_Request):
 
 
 class ResponseFormat(_Request):
-    type: StrictStr  # text | json_object | json_schema (others are refused by the serving layer)
+    # text | json_object | json_schema | structural_tag (others are refused by the serving layer)
+    type: StrictStr
     json_schema: JsonSchemaFormat | None = None
+    # structural_tag (vLLM's): xgrammar's format, or the older structures + triggers
+    format: dict[str, Any] | None = None
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[StrictStr] | None = None
 
 
 class StructuredOutputsField(_Request):
@@ -114,7 +119,8 @@ class StructuredOutputsField(_Request):
     disable_additional_properties: StrictBool = False
     # Would change the answer and are not supported: refused rather than ignored.
     whitespace_pattern: JsonValue | None = None
-    structural_tag: JsonValue | None = None
+    # xgrammar's structural tag, as JSON text (vLLM's) or the object itself
+    structural_tag: dict[str, Any] | StrictStr | None = None
 
 
 class SamplingFields(_Request):

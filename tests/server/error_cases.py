@@ -128,9 +128,9 @@ CASES = [
     ),
     (
         COMP,
-        {"prompt": "x", "structured_outputs": {"structural_tag": "t"}},
+        {"prompt": "x", "structured_outputs": {"structural_tag": "t"}},  # not JSON: not a tag
         400,
-        "structured_outputs.structural_tag",
+        "structured_outputs",
         "invalid_value",
     ),
     (

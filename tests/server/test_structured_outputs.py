@@ -174,3 +174,116 @@ def test_a_constraint_that_does_not_compile_is_a_400_before_the_stream(client, s
     assert r.usage.completion_tokens == 2
     metrics = httpx.get(server.url + "/metrics").text
     assert re.search(r"^vllm:num_requests_running\{[^}]*\} 0\.0$", metrics, re.M)
+
+
+TAG_SCHEMA = {
+    "type": "object",
+    "properties": {"color": {"enum": ["red", "green", "blue"]}},
+    "required": ["color"],
+    "additionalProperties": False,
+}
+
+
+def _tag_text(text: str) -> dict:
+    """The JSON between ``<pick>`` and ``</pick>`` of a whole answer that must be exactly one tag."""
+    assert text.startswith("<pick>") and text.endswith("</pick>"), text
+    return json.loads(text[len("<pick>") : -len("</pick>")])
+
+
+def test_structural_tag_in_xgrammars_format(client, server, tiny_llama, no_whitespace) -> None:
+    fmt = {
+        "type": "structural_tag",
+        "format": {
+            "type": "tag",
+            "begin": "<pick>",
+            "content": {"type": "json_schema", "json_schema": TAG_SCHEMA},
+            "end": "</pick>",
+        },
+    }
+    body = {"max_tokens": 40, "temperature": 0, "logit_bias": no_whitespace}
+    chat = client.chat.completions.create(
+        model=server.model_name, messages=MESSAGES, extra_body={"response_format": fmt, **body}
+    )
+    value = _tag_text(chat.choices[0].message.content)
+    assert value["color"] in ("red", "green", "blue") and chat.choices[0].finish_reason == "stop"
+    # vLLM's structured_outputs.structural_tag (JSON text) gives the same greedy answer as the engine.
+    tag = json.dumps(fmt)
+    text = client.completions.create(
+        model=server.model_name,
+        prompt="Pick:",
+        extra_body={"structured_outputs": {"structural_tag": tag}, **body},
+    )
+    with LLM(str(tiny_llama), num_kv_blocks=64, num_threads=1) as llm:
+        want = llm.generate(
+            ["Pick:"],
+            SamplingParams(
+                temperature=0,
+                max_tokens=40,
+                logit_bias={int(k): v for k, v in no_whitespace.items()},
+                structured_outputs=StructuredOutputsParams(structural_tag=tag),
+            ),
+        )[0].outputs[0]
+    assert text.choices[0].text == want.text
+    _tag_text(want.text)
+
+
+def test_structural_tag_with_triggers(client, server, tiny_llama) -> None:
+    """vLLM's older form: free text until a trigger, then the tag's schema holds up to its end."""
+    import xgrammar as xgr
+
+    fmt = {
+        "type": "structural_tag",
+        "structures": [{"begin": "<pick>", "schema": TAG_SCHEMA, "end": "</pick>"}],
+        "triggers": ["<pick"],
+    }
+    answer = client.completions.create(
+        model=server.model_name,
+        prompt="Pick:",
+        max_tokens=8,
+        temperature=0,
+        extra_body={"response_format": fmt},
+    )
+    assert answer.choices[0].finish_reason == "length"
+    spec = StructuredOutputsParams(structural_tag={k: fmt[k] for k in ("structures", "triggers")})
+    with LLM(str(tiny_llama), num_kv_blocks=16, num_threads=1) as llm:
+        compiled = llm.engine.grammars.compile(spec)
+
+    def accepts(text: str) -> bool:
+        return xgr.GrammarMatcher(compiled).accept_string(text)
+
+    assert accepts('Let me pick. <pick>{"color": "red"}</pick> Done.')
+    assert accepts("no tag at all")
+    assert not accepts('<pick>{"color": "pink"}')
+    assert not accepts("<pick>red</pick>")
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"response_format": {"type": "structural_tag"}}, "response_format"),
+        (
+            {
+                "response_format": {
+                    "type": "structural_tag",
+                    "structures": [{"begin": "<a>"}],
+                    "triggers": ["<a"],
+                }
+            },
+            "response_format",
+        ),
+        ({"structured_outputs": {"structural_tag": "{not json"}}, "structured_outputs"),
+        (
+            {
+                "structured_outputs": {
+                    "structural_tag": {"type": "structural_tag", "format": {"type": "nope"}}
+                }
+            },
+            "structured_outputs",
+        ),
+    ],
+)
+def test_bad_structural_tags_are_400s(server, extra, param) -> None:
+    body = {"model": server.model_name, "prompt": "x", "max_tokens": 2, **extra}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
