@@ -40,8 +40,7 @@ from server.protocol import (
     TokenizeRequest,
     VersionResponse,
 )
-from server.responses_background import RUNNING
-from server.responses_store import StoreUnavailable, open_response_store
+from server.responses_store import RUNNING, StoreUnavailable, open_response_store
 from server.score_protocol import RerankRequest, ScoreRequest
 from server.serving_chat import create_chat_completion
 from server.serving_completions import create_completion

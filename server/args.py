@@ -114,6 +114,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="seconds a stored response is kept after it was written (default 30 days)",
     )
     p.add_argument(
+        "--responses-lease-ttl",
+        type=float,
+        default=5.0,
+        help="shared stores: seconds after its process stopped renewing the lease of a background "
+        "response (every fifth of this) that a reader reports it failed (at least 1)",
+    )
+    p.add_argument(
         "--lora-modules",
         nargs="+",
         default=None,
@@ -326,6 +333,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         responses_store=args.responses_store,
         responses_store_max_bytes=args.responses_store_max_bytes,
         responses_store_ttl=args.responses_store_ttl,
+        responses_lease_ttl=args.responses_lease_ttl,
         lora_modules=lora_modules,
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         trust_request_chat_template=args.trust_request_chat_template,

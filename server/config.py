@@ -37,6 +37,9 @@ class ServerConfig:
     responses_store: str = "memory"
     responses_store_max_bytes: int = 256 * 1024 * 1024
     responses_store_ttl: float = 30 * 24 * 3600.0
+    # A background response's lease (server/responses_lease.py): how long after the process running
+    # it last renewed it (every fifth of this) a reader reports the response failed.
+    responses_lease_ttl: float = 5.0
     # LoRA adapters served from the start (--lora-modules; engine.lora_request.LoRARequest), and
     # whether /v1/load_lora_adapter and /v1/unload_lora_adapter may change them.
     lora_modules: tuple = ()

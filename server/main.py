@@ -155,6 +155,8 @@ def run_serve(args: argparse.Namespace) -> int:
         problem = check_store_spec(args.responses_store)
     if problem is None and (args.responses_store_max_bytes < 1 or args.responses_store_ttl <= 0):
         problem = "--responses-store-max-bytes and --responses-store-ttl must be positive"
+    if problem is None and not args.responses_lease_ttl >= 1:
+        problem = f"--responses-lease-ttl must be at least 1 second, got {args.responses_lease_ttl}"
     if problem is not None:
         return usage_error(problem)
     try:

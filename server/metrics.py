@@ -246,6 +246,12 @@ class ServerMetrics:
             labels + ["status"],
             registry=reg,
         )
+        self.background_orphaned = Counter(
+            "ferry:responses_background_orphaned",
+            "Background responses found running with no process left to run them, saved as failed.",
+            labels,
+            registry=reg,
+        ).labels(model_name)
         if engine_stats is not None:
             reg.register(EngineStatsCollector(engine_stats, model_name, max_loras))
         # One of several API server processes (``--api-server-count``): every process's metrics

@@ -26,10 +26,13 @@ running background responses reads the flags of its own in one store call every 
 (only while it runs some, and only with a ``shared`` store), and stops those flagged as a local
 cancel does; the canceller waits for the record to say so. One mechanism for both stores and any
 topology, where routing through the engine process would reach one replica only, and a push
-channel (Redis pub/sub) would need a second path for the memory store. If no record comes within
-``CANCEL_WAIT_S`` the process that ran it is gone (killed): the canceller saves it as cancelled.
+channel (Redis pub/sub) would need a second path for the memory store. If the record still says
+it runs after ``CANCEL_WAIT_S`` (a process that holds its lease but does not answer), the canceller
+saves it as cancelled.
 
-A response whose process was killed stays ``in_progress`` until cancelled or expired.
+A process killed mid-run never writes how its responses ended: the same loop renews a lease on each
+response running here, and whoever reads a record that says it runs while its lease has lapsed
+saves it as ``failed`` (``server/responses_lease.py`` says how, and how soon).
 This module must not import ``serving_responses`` (which imports it).
 """
 
@@ -37,7 +40,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -47,7 +49,8 @@ from starlette.responses import JSONResponse, Response
 
 from server.errors import APIError, bad_request, unavailable
 from server.metrics import ServerMetrics
-from server.responses_store import ResponseStore, StoreUnavailable
+from server.responses_lease import Leases
+from server.responses_store import RUNNING, ResponseStore, StoreUnavailable, event_frame
 from server.streaming import SSEResponse
 
 if TYPE_CHECKING:
@@ -56,7 +59,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("ferry.server")
 
-RUNNING = frozenset({"queued", "in_progress"})
 # How often a process running background responses reads their cancel flags (shared stores).
 CANCEL_POLL_S = 0.1
 # How long a cancel waits for the process running the response to save it as cancelled.
@@ -86,8 +88,7 @@ class Saver(Protocol):
 
 def error_frame(seq: int, code: str, message: str) -> bytes:
     """An ``error`` event of a stream that cannot go on."""
-    payload = {"type": "error", "sequence_number": seq, "code": code, "message": message, "param": None}
-    return f"event: error\ndata: {json.dumps(payload)}\n\n".encode()
+    return event_frame("error", seq, code=code, message=message, param=None)
 
 
 def _not_created_with(rid: str, created_with: str, only: str, **error: Any) -> APIError:
@@ -140,10 +141,18 @@ class _Run:
 
 
 class BackgroundResponses:
-    def __init__(self, store: ResponseStore | None, generation: Generation, metrics: ServerMetrics) -> None:
+    def __init__(
+        self,
+        store: ResponseStore | None,
+        generation: Generation,
+        metrics: ServerMetrics,
+        lease_ttl_s: float,
+    ) -> None:
         self.store = store
         self.generation = generation
         self.metrics = metrics
+        # Cancel flags and leases: only where another process may run what this one reads.
+        self.leases = Leases(store, metrics, lease_ttl_s) if store is not None and store.shared else None
         self._runs: dict[str, _Run] = {}
         self._watcher: asyncio.Task[None] | None = None
 
@@ -182,8 +191,8 @@ class BackgroundResponses:
         """Store ``built`` as queued and run ``frames`` (its events) on; the answer to its request."""
         queued = built.body()
         try:
-            if self.store is not None and self.store.shared:
-                await self.store.clear_cancel(built.id)  # one left by an earlier response of this id
+            if self.leases is not None:  # before the record, which says it runs
+                await self.leases.claim(built.id)
             kept = await save.put()
             why = "it is larger than the whole store"
         except StoreUnavailable as e:
@@ -196,8 +205,8 @@ class BackgroundResponses:
         self._runs[run.id] = run
         self.metrics.background_running.inc()
         run.task = asyncio.ensure_future(self._run(run, frames, save, on_close))
-        if self.store is not None and self.store.shared and self._watcher is None:
-            self._watcher = asyncio.ensure_future(self._watch_cancels())
+        if self.leases is not None and self._watcher is None:
+            self._watcher = asyncio.ensure_future(self._watch())
         # One pass of the loop: the run submits its engine request before this answer leaves, so
         # a cancel (a later request) always finds it to abort.
         await asyncio.sleep(0)
@@ -257,12 +266,14 @@ class BackgroundResponses:
         run.built.stopped = (status, error)
         run.aborting = asyncio.ensure_future(self.generation.abort_request(run.request_id))
 
-    async def _watch_cancels(self) -> None:
-        """Stop the runs whose cancel another process asked for (see the module docstring)."""
-        assert self.store is not None
+    async def _watch(self) -> None:
+        """Renew the runs' leases, and stop those whose cancel another process asked for (see the
+        module docstring)."""
+        assert self.store is not None and self.leases is not None
         try:
             while self._runs:
                 await asyncio.sleep(CANCEL_POLL_S)
+                await self.leases.renew(list(self._runs))  # when due: every fifth of their TTL
                 ids = [rid for rid, run in self._runs.items() if run.built.stopped is None]
                 if not ids:
                     continue
@@ -276,6 +287,20 @@ class BackgroundResponses:
                         self._stop(run, "cancelled", None)
         finally:
             self._watcher = None
+
+    async def settle(self, record: dict[str, Any]) -> dict[str, Any] | None:
+        """A record as read, unless it says it runs while no process does any more: then saved
+        and returned as failed (``server/responses_lease.py``); None if deleted meanwhile."""
+        body = record["response"]
+        if self.leases is None or body.get("status") not in RUNNING or body["id"] in self._runs:
+            return record
+        return await self.leases.settle(record)
+
+    async def _read(self, rid: str) -> dict[str, Any] | None:
+        """The record of a response running elsewhere, as it stands (``settle``)."""
+        assert self.store is not None
+        record = await self.store.get(rid)
+        return None if record is None else await self.settle(record)
 
     async def cancel(self, record: dict[str, Any]) -> dict[str, Any]:
         """``POST /v1/responses/{id}/cancel``: the response as it ended."""
@@ -305,7 +330,7 @@ class BackgroundResponses:
                 deadline = time.monotonic() + CANCEL_WAIT_S
                 while time.monotonic() < deadline:
                     await asyncio.sleep(CANCEL_POLL_S / 2)
-                    current = await store.get(rid)
+                    current = await self._read(rid)
                     if current is None:
                         raise APIError(404, f"Response with id '{rid}' not found.", code="response_not_found")
                     if current["response"].get("status") not in RUNNING:
@@ -403,7 +428,7 @@ class BackgroundResponses:
                         return
                 elif now - checked >= RECORD_CHECK_S:
                     checked = now
-                    current = await store.get(rid)
+                    current = await self._read(rid)  # its process may have died: then failed
                     finished = current is None or current["response"].get("status") not in RUNNING
                 if not frames:
                     await asyncio.sleep(FOLLOW_POLL_S)

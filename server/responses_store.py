@@ -22,22 +22,23 @@ Records expire ``--responses-store-ttl`` seconds after they were written (30 day
 long as OpenAI keeps them). A store that fails (Redis down) raises ``StoreUnavailable``; the
 server answers 503 to what needs a record and still serves the rest.
 
-Background responses (``server/responses_background.py``) keep two more things per response, next
+Background responses (``server/responses_background.py``) keep three more things per response, next
 to its record and gone with it: the events of a streamed one (its last ``EVENT_LOG_LIMIT``, for
 ``GET /v1/responses/{id}?stream=true&starting_after=N``; Redis: the stream
-``ferry:response-events:{id}``, entry id ``0-{sequence_number + 1}``), and a cancel flag that the
-process running it polls (Redis: ``ferry:response-cancel:{id}``). ``shared`` says whether another
-process may run a response this one reads (every store but this process's own memory).
+``ferry:response-events:{id}``, entry id ``0-{sequence_number + 1}``), a cancel flag that the
+process running it polls (Redis: ``ferry:response-cancel:{id}``), and the lease of the process
+running it, which expires unless renewed (Redis: ``ferry:response-lease:{id}``, ``PX``; see
+``server/responses_lease.py``). ``shared`` says whether another process may run a response this
+one reads (every store but this process's own memory).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any, Protocol
@@ -46,9 +47,8 @@ from prometheus_client import Gauge
 
 logger = logging.getLogger("ferry.server")
 
-KEY_PREFIX = "ferry:response:"
-EVENTS_PREFIX = "ferry:response-events:"
-CANCEL_PREFIX = "ferry:response-cancel:"
+# What a record says while its response runs (background responses only).
+RUNNING = frozenset({"queued", "in_progress"})
 # The events of a streamed background response kept for resumption: the latest ones (a client
 # resumes where its connection broke, near the end). 4096 text deltas are ~1 MB of JSON.
 EVENT_LOG_LIMIT = 4096
@@ -99,13 +99,41 @@ class ResponseStore(Protocol):
         """Those of ``response_ids`` whose cancel was requested."""
         ...
 
-    async def clear_cancel(self, response_id: str) -> None: ...
+    async def claim(self, response_id: str, ttl_s: float) -> None:
+        """This process runs the response from now: its lease taken for ``ttl_s`` seconds, and
+        a cancel flag left by an earlier response of this id dropped."""
+        ...
+
+    async def renew_leases(self, response_ids: list[str], ttl_s: float) -> None:
+        """Every lease of ``response_ids`` held for ``ttl_s`` seconds from now (one round trip)."""
+        ...
+
+    async def lease_held(self, response_id: str) -> bool: ...
+
+    async def replace_orphan(self, response_id: str, record: dict[str, Any]) -> bool:
+        """Store ``record`` only if the stored one still says it runs (``RUNNING``) and no
+        process holds its lease, atomically: True if written (by one caller of many)."""
+        ...
+
+    async def events_end(self, response_id: str) -> int:
+        """The sequence number after the last event held (0 when none is)."""
+        ...
 
     async def close(self) -> None: ...
 
 
 def encode(record: dict[str, Any]) -> bytes:
     return json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def event_frame(kind: str, seq: int, **fields: Any) -> bytes:
+    """A Responses stream event as the SSE frame that is sent and kept."""
+    payload = {"type": kind, "sequence_number": seq, **fields}
+    return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
+
+
+def says_running(data: bytes) -> bool:
+    return json.loads(data)["response"].get("status") in RUNNING
 
 
 @dataclass
@@ -118,9 +146,10 @@ class _EventLog:
 
 
 class MemoryRecords:
-    """Records as JSON bytes in insertion/use order, bounded in bytes and age, with the event logs
-    and cancel flags of background responses (synchronous: the engine process serves it to API
-    servers from its event loop). A record's events count in its bytes and go with it."""
+    """Records as JSON bytes in insertion/use order, bounded in bytes and age, with the event logs,
+    cancel flags and leases of background responses (synchronous: the engine process serves it to
+    API servers from its event loop, so each call is atomic). A record's events count in its bytes
+    and go with it."""
 
     def __init__(self, max_bytes: int, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.max_bytes = max_bytes
@@ -129,6 +158,7 @@ class MemoryRecords:
         self._records: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
         self._logs: dict[str, _EventLog] = {}
         self._cancels: set[str] = set()
+        self._leases: dict[str, float] = {}  # response id -> when its lease expires (clock)
         self.bytes = 0
 
     def __len__(self) -> int:
@@ -171,6 +201,7 @@ class MemoryRecords:
         if log is not None:
             self.bytes -= log.bytes
         self._cancels.discard(response_id)
+        self._leases.pop(response_id, None)
         self._publish()
         return True
 
@@ -204,8 +235,30 @@ class MemoryRecords:
     def cancel_requested(self, response_ids: list[str]) -> list[str]:
         return [rid for rid in response_ids if rid in self._cancels]
 
-    def clear_cancel(self, response_id: str) -> None:
+    def claim(self, response_id: str, ttl_s: float) -> None:
         self._cancels.discard(response_id)
+        self._leases[response_id] = self._clock() + ttl_s
+
+    def renew_leases(self, response_ids: list[str], ttl_s: float) -> None:
+        now = self._clock()
+        # Leases nobody renews (their process died, their record was never kept) go here.
+        for rid in [rid for rid, until in self._leases.items() if until <= now]:
+            del self._leases[rid]
+        for rid in response_ids:
+            self._leases[rid] = now + ttl_s
+
+    def lease_held(self, response_id: str) -> bool:
+        return self._clock() < self._leases.get(response_id, float("-inf"))
+
+    def replace_orphan(self, response_id: str, data: bytes) -> bool:
+        current = self._live(response_id)
+        if current is None or self.lease_held(response_id) or not says_running(current):
+            return False
+        return self.put(response_id, data)
+
+    def events_end(self, response_id: str) -> int:
+        log = self._logs.get(response_id) if self._live(response_id) is not None else None
+        return 0 if log is None else log.first + len(log.frames)
 
     def _evict(self) -> None:
         while self.bytes > self.max_bytes and self._records:
@@ -219,7 +272,8 @@ class MemoryRecords:
 
 # What an API server process may ask of the engine process's MemoryRecords (``EngineClient.store``).
 MEMORY_OPS = frozenset(
-    "get put delete append_events read_events request_cancel cancel_requested clear_cancel".split()
+    "get put delete append_events read_events request_cancel cancel_requested claim renew_leases "
+    "lease_held replace_orphan events_end".split()
 )
 
 
@@ -253,8 +307,20 @@ class MemoryResponseStore:
     async def cancel_requested(self, response_ids: list[str]) -> list[str]:
         return self.records.cancel_requested(response_ids)
 
-    async def clear_cancel(self, response_id: str) -> None:
-        self.records.clear_cancel(response_id)
+    async def claim(self, response_id: str, ttl_s: float) -> None:
+        self.records.claim(response_id, ttl_s)
+
+    async def renew_leases(self, response_ids: list[str], ttl_s: float) -> None:
+        self.records.renew_leases(response_ids, ttl_s)
+
+    async def lease_held(self, response_id: str) -> bool:
+        return self.records.lease_held(response_id)
+
+    async def replace_orphan(self, response_id: str, record: dict[str, Any]) -> bool:
+        return self.records.replace_orphan(response_id, encode(record))
+
+    async def events_end(self, response_id: str) -> int:
+        return self.records.events_end(response_id)
 
     async def close(self) -> None:
         pass
@@ -298,99 +364,23 @@ class RemoteResponseStore:
     async def cancel_requested(self, response_ids: list[str]) -> list[str]:
         return list(await self._store("cancel_requested", response_ids))
 
-    async def clear_cancel(self, response_id: str) -> None:
-        await self._store("clear_cancel", response_id)
+    async def claim(self, response_id: str, ttl_s: float) -> None:
+        await self._store("claim", response_id, ttl_s)
+
+    async def renew_leases(self, response_ids: list[str], ttl_s: float) -> None:
+        await self._store("renew_leases", response_ids, ttl_s)
+
+    async def lease_held(self, response_id: str) -> bool:
+        return bool(await self._store("lease_held", response_id))
+
+    async def replace_orphan(self, response_id: str, record: dict[str, Any]) -> bool:
+        return bool(await self._store("replace_orphan", response_id, encode(record)))
+
+    async def events_end(self, response_id: str) -> int:
+        return int(await self._store("events_end", response_id))
 
     async def close(self) -> None:
         pass
-
-
-class RedisResponseStore:
-    """``--responses-store redis://…``: records shared by every replica using that Redis."""
-
-    shared = True
-
-    def __init__(self, url: str, ttl_s: float) -> None:
-        import redis.asyncio as aioredis
-        from redis.asyncio.retry import Retry
-        from redis.backoff import NoBackoff
-
-        self.url = url
-        self.ttl_ms = max(1, int(ttl_s * 1000))
-        # One retry on a new connection: a restarted Redis leaves every pooled one dead, and each
-        # would otherwise fail one request (a 503) on every replica.
-        self._client = aioredis.from_url(
-            url, socket_timeout=2.0, socket_connect_timeout=2.0, retry=Retry(NoBackoff(), 1)
-        )
-
-    @contextlib.contextmanager
-    def _failing(self) -> Iterator[None]:
-        try:
-            yield
-        except Exception as e:  # noqa: BLE001 - any client failure is an unavailable store
-            raise StoreUnavailable(f"the response store at {self.url} failed: {e}") from e
-
-    async def get(self, response_id: str) -> dict[str, Any] | None:
-        with self._failing():
-            data = await self._client.get(KEY_PREFIX + response_id)
-        return None if data is None else json.loads(data)
-
-    async def put(self, response_id: str, record: dict[str, Any]) -> bool:
-        with self._failing():
-            await self._client.set(KEY_PREFIX + response_id, encode(record), px=self.ttl_ms)
-        return True
-
-    async def delete(self, response_id: str) -> bool:
-        with self._failing():
-            async with self._client.pipeline(transaction=False) as pipe:
-                pipe.delete(KEY_PREFIX + response_id)
-                pipe.delete(EVENTS_PREFIX + response_id, CANCEL_PREFIX + response_id)
-                existed, _ = await pipe.execute()
-        return bool(existed)
-
-    async def append_events(self, response_id: str, first_seq: int, frames: list[bytes]) -> None:
-        key = EVENTS_PREFIX + response_id
-        with self._failing():
-            async with self._client.pipeline(transaction=False) as pipe:
-                for i, frame in enumerate(frames):
-                    # Entry id 0-(seq + 1): a read from any sequence number is one XRANGE.
-                    pipe.xadd(
-                        key,
-                        {"e": frame},
-                        id=f"0-{first_seq + i + 1}",
-                        maxlen=EVENT_LOG_LIMIT,
-                        approximate=False,
-                    )
-                pipe.pexpire(key, self.ttl_ms)
-                await pipe.execute()
-
-    async def read_events(self, response_id: str, after: int) -> tuple[int | None, list[bytes]]:
-        key = EVENTS_PREFIX + response_id
-        with self._failing():
-            async with self._client.pipeline(transaction=False) as pipe:
-                pipe.xrange(key, "-", "+", count=1)
-                pipe.xrange(key, f"0-{after + 2}", "+", count=EVENT_READ_BATCH)
-                oldest, entries = await pipe.execute()
-        if not oldest:
-            return None, []
-        first = int(oldest[0][0].split(b"-")[1]) - 1
-        return first, [fields[b"e"] for _, fields in entries]
-
-    async def request_cancel(self, response_id: str) -> None:
-        with self._failing():
-            await self._client.set(CANCEL_PREFIX + response_id, b"1", px=self.ttl_ms)
-
-    async def cancel_requested(self, response_ids: list[str]) -> list[str]:
-        with self._failing():
-            flags = await self._client.mget([CANCEL_PREFIX + rid for rid in response_ids])
-        return [rid for rid, flag in zip(response_ids, flags, strict=True) if flag is not None]
-
-    async def clear_cancel(self, response_id: str) -> None:
-        with self._failing():
-            await self._client.delete(CANCEL_PREFIX + response_id)
-
-    async def close(self) -> None:
-        await self._client.aclose()
 
 
 def check_store_spec(spec: str) -> str | None:
@@ -409,4 +399,6 @@ def open_response_store(spec: str, max_bytes: int, ttl_s: float, engine: Any) ->
         if hasattr(engine, "store"):
             return RemoteResponseStore(engine)
         return MemoryResponseStore(max_bytes, ttl_s)
+    from server.responses_redis import RedisResponseStore
+
     return RedisResponseStore(spec, ttl_s)

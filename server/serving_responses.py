@@ -35,9 +35,8 @@ from starlette.responses import JSONResponse, Response
 
 from server.errors import APIError, bad_request, unavailable, validation_error
 from server.protocol import ChatCompletionChunk, ChatCompletionRequest, _Request, random_id
-from server.responses_background import RUNNING
 from server.responses_input import InputError, chat_messages, chat_tools, input_items
-from server.responses_store import StoreUnavailable
+from server.responses_store import RUNNING, StoreUnavailable, event_frame
 from server.serving_chat import ChatChunks, create_chat_completion
 from server.serving_common import stream_errors
 from server.state import ServerState
@@ -306,10 +305,13 @@ def _call_item(call_id: str, name: str, arguments: str, status: str = "completed
 
 
 async def load_record(state: ServerState, response_id: str, param: str | None = None) -> dict[str, Any]:
-    """The stored record of ``response_id`` (404 if there is none, 503 if the store failed)."""
+    """The stored record of ``response_id`` (404 if there is none, 503 if the store failed); one
+    that says it runs while no process does any more is saved and read as failed."""
     store = state.responses
     try:
         record = None if store is None else await store.get(response_id)
+        if record is not None:
+            record = await state.background.settle(record)
     except StoreUnavailable as e:
         raise unavailable(str(e)) from e
     if record is None:
@@ -469,9 +471,8 @@ async def _translate(
 
     def event(kind: str, **fields: Any) -> bytes:
         nonlocal seq
-        payload = {"type": kind, "sequence_number": seq, **fields}
         seq += 1
-        return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
+        return event_frame(kind, seq - 1, **fields)
 
     open_item: dict[str, Any] | None = None  # the reasoning or message item being written
     text = ""

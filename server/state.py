@@ -34,7 +34,9 @@ class ServerState:
     background: BackgroundResponses = field(init=False)  # background responses running here
 
     def __post_init__(self) -> None:
-        self.background = BackgroundResponses(self.responses, self.generation, self.metrics)
+        self.background = BackgroundResponses(
+            self.responses, self.generation, self.metrics, self.config.responses_lease_ttl
+        )
         if self.tool_parser is None and self.config.enable_auto_tool_choice and self.config.tool_call_parser:
             self.tool_parser = get_tool_parser(self.config.tool_call_parser)
         if self.reasoning is None and self.config.reasoning_parser:

@@ -44,6 +44,7 @@ def test_serve_flag_and_model_errors(tiny_llama: Path) -> None:
         (["--model", str(tiny_llama), "--block-size", "0"], "block_size must be an integer >= 1, got 0"),
         (["--model", "/nonexistent"], "model path '/nonexistent' is not a directory"),
         (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
+        (["--responses-lease-ttl", "0.5"], "--responses-lease-ttl must be at least 1 second, got 0.5"),
         # The engine refuses it once it has read the model's config.
         (
             ["--model", str(tiny_llama), "--max-model-len", "4096"],

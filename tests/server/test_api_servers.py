@@ -445,6 +445,49 @@ def test_a_killed_api_server_is_replaced_and_its_requests_aborted(server, scrape
     assert _wait_idle(server.url, scrape, name, timeout=5) < 5
 
 
+def test_a_background_response_of_a_killed_api_server_fails_through_the_other(server, scrape) -> None:
+    """--responses-store memory: the engine process holds the leases. The API server running a
+    streamed background response is SIGKILLed; the other one reports it failed once its lease
+    lapsed (the default 5 s TTL), and a stream following it there ends with response.failed."""
+    _, api = _processes(server)
+    owner, other = connection_per_api_server(server)
+    body = {"input": "x", "max_output_tokens": 900, "ignore_eos": True, "background": True, "stream": True}
+    owner.request(
+        "POST", "/v1/responses", body=json.dumps(body), headers={"content-type": "application/json"}
+    )
+    answer = owner.getresponse()
+    events = []
+    while len(events) < 3:  # the third comes with its first output: it runs
+        line = answer.readline()
+        if line.startswith(b"data: "):
+            events.append(json.loads(line[6:]))
+    os.kill(api[0], signal.SIGKILL)
+    killed = time.monotonic()
+    path = f"/v1/responses/{events[0]['response']['id']}"
+    status, followed = call(other, path + "?stream=true")  # follows the store's log until its end
+    took = time.monotonic() - killed
+    # The events its process kept (maybe none: killed before its first batch), then the failure.
+    assert status == 200 and followed[-1]["type"] == "response.failed"
+    assert [e["sequence_number"] for e in followed] == list(range(len(followed)))
+    kept = min(len(followed) - 1, len(events))
+    assert followed[:kept] == events[:kept]
+    failed = followed[-1]["response"]
+    assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
+    assert "the process running it stopped" in failed["error"]["message"]
+    assert 4 < took < 5 + 2.5, f"reported failed {took:.1f} s after the kill"  # no sooner: its lease
+    assert call(other, path) == (200, failed)
+    assert scrape(server.url, "ferry:responses_background_orphaned_total") == 1
+    _wait(lambda: scrape(server.url, "vllm:num_requests_running") == 0, 5, "the engine still runs it")
+    for conn in (owner, other):
+        conn.close()
+    # The supervisor replaces the killed API server (for the tests after this one).
+    _wait(
+        lambda: api[0] not in _children(server.proc.pid) and len(_children(server.proc.pid)) == 3,
+        30,
+        "none new",
+    )
+
+
 def _cpu_ticks(pid: int) -> int:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return int(fields[11]) + int(fields[12])

@@ -157,6 +157,15 @@ async def test_stored_responses_are_shared_by_every_api_server(path, clients) ->
     assert await b.get("resp_1") == record
     assert await b.delete("resp_1") and not await a.delete("resp_1")
     assert await a.get("resp_1") is None
+    # A background response's lease, taken and renewed by one API server, seen by the other.
+    running = {"response": {"id": "resp_2", "status": "in_progress"}, "input": []}
+    failed = {"response": {"id": "resp_2", "status": "failed"}, "input": []}
+    await a.claim("resp_2", 60.0)
+    assert await a.put("resp_2", running)
+    assert await b.lease_held("resp_2") and not await b.replace_orphan("resp_2", failed)
+    await a.renew_leases(["resp_2"], 0.0)  # lapses at once
+    assert not await b.lease_held("resp_2") and await b.replace_orphan("resp_2", failed)
+    assert await a.get("resp_2") == failed and await a.events_end("resp_2") == 0
     gone = await EngineClient.connect(path)
     await gone.shutdown()
     with pytest.raises(StoreUnavailable):  # a 503 for the request, not a 500

@@ -12,13 +12,8 @@ import httpx
 import openai
 import pytest
 
-from server.responses_store import (
-    EVENT_LOG_LIMIT,
-    EVENT_READ_BATCH,
-    MemoryRecords,
-    MemoryResponseStore,
-    RedisResponseStore,
-)
+from server.responses_redis import RedisResponseStore
+from server.responses_store import EVENT_LOG_LIMIT, EVENT_READ_BATCH, MemoryRecords, MemoryResponseStore
 from tests.server.conftest import first_events, wait_in_progress
 
 GREEDY = {"max_output_tokens": 16, "temperature": 0}
@@ -194,7 +189,7 @@ async def _check_events_and_flags(store) -> None:
     assert await store.cancel_requested(["r", "other"]) == ["r"]
     await store.put("r", {"response": {"id": "r", "status": "cancelled"}})  # the record replaced only
     assert await store.cancel_requested(["r"]) == ["r"] and (await store.read_events("r", -1))[0] == 10
-    await store.clear_cancel("r")
+    await store.claim("r", 60.0)  # a new run under this id: the earlier one's flag goes
     assert await store.cancel_requested(["r"]) == []
     await store.request_cancel("r")
     assert await store.delete("r")  # all of it

@@ -1,18 +1,20 @@
 """Stored responses (``--responses-store``): ``previous_response_id`` chains, ``GET`` / ``DELETE
 /v1/responses/{id}`` and ``input_items`` with the official SDK; a chain continued on another
 replica through a shared Redis (background responses too: read, resumed and cancelled on another
-replica; saved as failed by a replica shutting down); Redis down; ``none``; and the memory store's
-bounds."""
+replica; saved as failed by a replica shutting down, and reported failed once a killed one's lease
+lapsed); Redis down; ``none``; and the memory store's bounds."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+import redis
 
 from server.responses_input import input_items
 from server.responses_store import MemoryRecords, encode
@@ -23,6 +25,7 @@ from tests.server.conftest import first_events, wait_in_progress
 GREEDY = {"max_output_tokens": 8, "temperature": 0}
 # A background response long enough (~2 s on the tiny model) to be caught running.
 LONG_BACKGROUND = {"input": "x", "max_output_tokens": 900, "temperature": 0}
+RUNNING = ("queued", "in_progress")
 
 
 def _client(url: str) -> openai.OpenAI:
@@ -266,6 +269,62 @@ def test_shutdown_saves_a_running_background_response_as_failed(
     failed = _client(a.url).responses.retrieve(long.id)
     assert failed.status == "failed" and failed.error.code == "server_error"
     assert "shut down" in failed.error.message and 0 < failed.usage.output_tokens < 900
+
+
+def test_a_killed_replicas_background_response_fails_once_its_lease_lapses(
+    tiny_llama: Path, serve_logs: Path, server_process, shared_pair, store_redis, scrape
+) -> None:
+    """A replica renews the leases of its background responses (a 1 s TTL here) while they wait and
+    run: polled from another replica all along, none is failed. SIGKILLed while running a streamed
+    one: the replicas sharing its Redis report that one failed within the TTL (once), and a stream
+    following it there ends with response.failed."""
+    ttl = 1.0
+    flags = ["--responses-store", store_redis.url, "--num-kv-blocks", "128", "--max-num-seqs", "1"]
+    srv = server_process(tiny_llama, [*flags, "--responses-lease-ttl", str(ttl)], serve_logs).start()
+    a, b = shared_pair
+    store = redis.Redis.from_url(store_redis.url)
+    body = dict(model=srv.model_name, background=True, **LONG_BACKGROUND, extra_body={"ignore_eos": True})
+    try:
+        # One at a time: the last waits queued for the other two, then runs, renewed every 0.2 s
+        # (its lease's TTL seen going up again) however fast this machine runs them.
+        ids = [_client(srv.url).responses.create(**{**body, "max_output_tokens": 600}).id for _ in range(3)]
+        renewed, last_pttl, polled = 0, ttl * 1000, {}
+        while any(polled.get(i, "queued") in RUNNING for i in ids):
+            for i in ids:
+                polled[i] = _client(a.url).responses.retrieve(i).status
+                assert polled[i] != "failed", i
+            pttl = store.pttl(f"ferry:response-lease:{ids[-1]}")
+            assert pttl > 0 or polled[ids[-1]] == "incomplete", pttl
+            renewed += pttl > last_pttl
+            last_pttl = pttl
+            time.sleep(0.02)
+        assert all(_client(a.url).responses.retrieve(i).usage.output_tokens == 600 for i in ids)
+        assert set(polled.values()) == {"incomplete"} and renewed >= 2, (polled, renewed)
+        first = first_events(_client(srv.url).responses.create(stream=True, **body), 3)  # it runs
+        response_id = first[0].response.id
+        while store.xlen(f"ferry:response-events:{response_id}") < 3:  # its first batch is kept
+            time.sleep(0.005)
+        srv.proc.kill()
+        killed = time.monotonic()
+        with ThreadPoolExecutor(1) as pool:
+            follower = pool.submit(lambda: list(_client(b.url).responses.retrieve(response_id, stream=True)))
+            while (failed := _client(a.url).responses.retrieve(response_id)).status in RUNNING:
+                time.sleep(0.05)
+            took = time.monotonic() - killed
+            events = follower.result(timeout=30)
+    finally:
+        srv.stop()
+    assert failed.status == "failed" and failed.error.code == "server_error", failed
+    assert "the process running it stopped" in failed.error.message
+    assert 0.5 < took < ttl + 1.5, f"reported failed {took:.1f} s after the kill"
+    assert events[0].type == "response.created" and events[-1].type == "response.failed"
+    assert events[-1].response.model_dump() == failed.model_dump()
+    assert [e.sequence_number for e in events] == list(range(len(events))) and len(events) >= 4
+    assert _client(b.url).responses.retrieve(response_id).model_dump() == failed.model_dump()
+    orphaned = [
+        scrape(r.url, "ferry:responses_background_orphaned_total", model_name=r.model_name) for r in (a, b)
+    ]
+    assert sorted(orphaned) == [0, 1]
 
 
 def test_store_none(tiny_llama: Path, serve_logs: Path, server_process) -> None:
