@@ -9,6 +9,8 @@ from engine.chat_template import CONTENT_FORMATS, resolve_chat_template
 from engine.generation_defaults import parse_overrides
 from engine.spec_decode import SpeculativeConfig
 
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -35,6 +37,10 @@ class EngineConfig:
     long_prefill_token_threshold: int = 0
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
+    # vLLM's --kv-cache-dtype: auto (the model's dtype) | fp8 / fp8_e4m3 | fp8_e5m2. An fp8 cache
+    # holds 2x (bf16) or 4x (fp32) the tokens in the same memory; values are stored unscaled
+    # (scale 1.0, as vLLM without calibrated scales) and widened back when attention reads them.
+    kv_cache_dtype: str = "auto"
     deterministic: bool = False
     attention_backend: str = "auto"  # auto | torch | triton
     kv_tier: str | None = None  # memory://… | redis://… | rediss://… ; None: no tier
@@ -115,6 +121,10 @@ class EngineConfig:
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(
                 f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
             )
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")

@@ -29,6 +29,12 @@ from kvcache.keys import model_fingerprint
 logger = logging.getLogger(__name__)
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_KV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type: the model's (``auto``) or an fp8 format."""
+    return model_dtype if name == "auto" else _KV_DTYPES[name]
 
 
 @dataclass
@@ -84,9 +90,12 @@ class ModelRunner:
         self.max_model_len = config.max_model_len or limit
         self.block_size = config.block_size
         self.weights_id = weights_id(model_dir)
+        self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        # Blocks of an fp8 cache are other bytes than the model dtype's: never shared with them.
+        kv_name = "" if self.kv_dtype == self.dtype else f"+kv:{str(self.kv_dtype).removeprefix('torch.')}"
         self.model_fingerprint = model_fingerprint(
             weights_id=self.weights_id,
-            dtype=_DTYPE_NAMES[self.dtype],
+            dtype=_DTYPE_NAMES[self.dtype] + kv_name,
             block_size=self.block_size,
             num_layers=cfg.num_layers,
             num_kv_heads=cfg.kv_cache_heads,
@@ -119,7 +128,9 @@ class ModelRunner:
         # Per layer (k, v), or (latent,) for MLA models. Zeroed, not empty: padded attention reads
         # unused slots, which must hold finite numbers.
         self.kv_caches: list[tuple[torch.Tensor, ...]] = [
-            tuple(torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.kv_cache_parts))
+            tuple(
+                torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(cfg.kv_cache_parts)
+            )
             for _ in range(cfg.num_layers)
         ]
 
@@ -127,7 +138,7 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         c = self.model_config
         per_token = c.kv_cache_parts * c.kv_cache_heads * c.kv_cache_dim
-        return c.num_layers * self.block_size * per_token * self.dtype.itemsize
+        return c.num_layers * self.block_size * per_token * self.kv_dtype.itemsize
 
     def _kv_cache_bytes(self) -> int:
         """``kv_cache_memory_bytes``, or on CUDA what ``gpu_memory_utilization`` leaves now that the

@@ -178,6 +178,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "causes; 0: only --max-num-batched-tokens)",
     )
     p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument(
+        "--kv-cache-dtype",
+        default=d.kv_cache_dtype,
+        choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+        help="KV cache element type: auto (the model's) or fp8 (2x the tokens of a bf16 cache in the "
+        "same memory; values stored unscaled, as vLLM's without calibrated scales)",
+    )
     p.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks)
     p.add_argument(
         "--kv-cache-memory-bytes",

@@ -87,6 +87,22 @@ class AttentionMetadata:
         return int(self.slot_mapping.shape[0])
 
 
+FP8_DTYPES = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    """An fp8 tensor as its bytes (a uint8 view of the same storage), anything else as itself:
+    indexed copies are not implemented for fp8 on every device, and bytes are what they move."""
+    return t.view(torch.uint8) if t.dtype in FP8_DTYPES else t
+
+
+def store_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """Write ``rows`` [T, H, D] at ``slots`` of a paged cache [blocks, block_size, H, D], converted
+    to the cache's dtype (an fp8 cache rounds them)."""
+    flat = cache.view(-1, *cache.shape[2:])
+    raw(flat).index_copy_(0, slots, raw(rows.to(cache.dtype)))
+
+
 class AttentionBackend(ABC):
     """Writes new K/V into the paged cache and runs causal attention for the new tokens.
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.attention.base import AttentionBackend, AttentionMetadata, raw, store_rows
 
 TILE = 32
 MIN_ROWS = 16
@@ -98,9 +98,12 @@ def _sdpa(
     return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
 
 
-def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """[nb] or [B, nb] block ids -> [..., nb*block_size, Hkv, D] contiguous copy."""
-    g = cache.index_select(0, blocks.reshape(-1))
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[nb] or [B, nb] block ids -> [..., nb*block_size, Hkv, D] contiguous copy in ``dtype`` (an
+    fp8 cache's values widened to the queries')."""
+    g = raw(cache).index_select(0, blocks.reshape(-1)).view(cache.dtype)
+    if g.dtype != dtype:
+        g = g.to(dtype)
     return g.reshape(*blocks.shape[:-1], blocks.shape[-1] * cache.shape[1], *cache.shape[2:])
 
 
@@ -228,13 +231,12 @@ class TorchAttentionBackend(AttentionBackend):
         return _Prefill(start, qlen, ctx, fk, blocks, mask)
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale, window=None, softcap=None):  # type: ignore[override]
-        hkv, d = k_cache.shape[2], k_cache.shape[3]
-        k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
+        store_rows(k_cache, meta.slot_mapping, k)
+        store_rows(v_cache, meta.slot_mapping, v)
         return self._attend(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
 
     def forward_mla(self, q, kv, kv_cache, meta, scale, v_dim):  # type: ignore[override]
-        kv_cache.view(-1, 1, kv_cache.shape[3]).index_copy_(0, meta.slot_mapping, kv)
+        store_rows(kv_cache, meta.slot_mapping, kv.view(-1, 1, kv_cache.shape[3]))
         return self._attend(q, kv, kv[..., :v_dim], kv_cache, None, meta, scale, None)
 
     def _attend(
@@ -257,8 +259,8 @@ class TorchAttentionBackend(AttentionBackend):
         out = q.new_empty((*q.shape[:2], dv))
         decode = self._decode_det if self.deterministic else self._decode
         for g, keys in zip(plan.decode_groups, wplan.decode_keys, strict=True):
-            kk = _gather(k_cache, keys.blocks)  # [Bg, L, Hkv, D]
-            vv = kk[..., :dv] if v_cache is None else _gather(v_cache, keys.blocks)
+            kk = _gather(k_cache, keys.blocks, q.dtype)  # [Bg, L, Hkv, D]
+            vv = kk[..., :dv] if v_cache is None else _gather(v_cache, keys.blocks, q.dtype)
             out.index_copy_(0, g.rows, decode(q.index_select(0, g.rows), kk, vv, keys, scale, softcap))
         attend = self._prefill_det if self.deterministic else self._prefill
         for p in wplan.prefills:
@@ -266,8 +268,8 @@ class TorchAttentionBackend(AttentionBackend):
             if p.blocks is None:  # a first chunk: its keys start at position 0
                 ks, vs = k[p.start : p.start + p.qlen], v[p.start : p.start + p.qlen]
             else:
-                ks = _gather(k_cache, p.blocks)
-                vs = ks[..., :dv] if v_cache is None else _gather(v_cache, p.blocks)
+                ks = _gather(k_cache, p.blocks, q.dtype)
+                vs = ks[..., :dv] if v_cache is None else _gather(v_cache, p.blocks, q.dtype)
             out[p.start : p.start + p.qlen] = attend(qs, ks, vs, p, window, scale, softcap)
         return out
 

@@ -16,7 +16,7 @@ import importlib.util
 
 import torch
 
-from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.attention.base import AttentionBackend, AttentionMetadata, store_rows
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -82,7 +82,7 @@ class TritonAttentionBackend(AttentionBackend):
         )  # fmt: skip
 
     def forward_mla(self, q, kv, kv_cache, meta, scale, v_dim):  # type: ignore[override]
-        kv_cache.view(-1, 1, kv_cache.shape[3]).index_copy_(0, meta.slot_mapping, kv)
+        store_rows(kv_cache, meta.slot_mapping, kv.view(-1, 1, kv_cache.shape[3]))
         plan = self._mla_plan
         if plan is None or plan[0] is not meta:  # once per step, not per layer
             seqs, positions = self._token_positions(meta.query_start_loc, meta.seq_lens, q.shape[0])

@@ -83,6 +83,9 @@ def _mla_kernel(
         if CAST_FP32:
             k_lat = k_lat.to(tl.float32)
             k_rot = k_rot.to(tl.float32)
+        else:  # an fp8 cache is widened to the queries' dtype (a no-op when they match)
+            k_lat = k_lat.to(q_lat.dtype)
+            k_rot = k_rot.to(q_rot.dtype)
         scores = tl.dot(q_lat, tl.trans(k_lat), input_precision=DOT_PRECISION)
         scores = tl.dot(q_rot, tl.trans(k_rot), scores, input_precision=DOT_PRECISION) * scale
         scores = tl.where(key_ok[None, :], scores, float("-inf"))
