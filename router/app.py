@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
+from urllib.parse import unquote
 
 from router.admin import handle_admin
 from router.admission import Admission
@@ -34,6 +35,7 @@ from router.http import (
     Scope,
     Send,
     bearer_ok,
+    error_body,
     forward_headers,
     header,
     read_body,
@@ -291,8 +293,8 @@ class RouterApp:
             await send_error(send, 401, "missing or wrong API key (Authorization: Bearer …)")
             return
         if path.startswith("/v1/") or path in FORWARD_ROOT_PATHS:
-            if path == "/v1/models" and method == "GET":
-                await self._models(scope, send)
+            if method == "GET" and (path == "/v1/models" or path.startswith("/v1/models/")):
+                await self._models(scope, send, unquote(path[len("/v1/models/") :]) or None)
             else:
                 await self._proxy(scope, receive, send)
         elif reset:
@@ -322,7 +324,8 @@ class RouterApp:
         auth = header(scope, b"authorization")
         return [(b"authorization", auth)] if auth else []
 
-    async def _models(self, scope: Scope, send: Send) -> None:
+    async def _models(self, scope: Scope, send: Send, model: str | None = None) -> None:
+        """``GET /v1/models``: every replica's list, merged; ``GET /v1/models/{model}``: one card."""
         replicas = self.pool.candidates(self.clock())
         if not replicas:
             await send_error(
@@ -338,7 +341,15 @@ class RouterApp:
         for models in await asyncio.gather(*(one(r) for r in replicas)):
             for m in models:
                 merged.setdefault(m["id"], m)
-        await send_json(send, 200, {"object": "list", "data": list(merged.values())})
+        if model is None:
+            await send_json(send, 200, {"object": "list", "data": list(merged.values())})
+        elif model in merged:
+            await send_json(send, 200, merged[model])
+        else:
+            body = error_body(
+                f"The model `{model}` does not exist.", "NotFoundError", "model_not_found", "model"
+            )
+            await send_bytes(send, 404, body)
 
     async def _reset_prefix_cache(self, scope: Scope, send: Send) -> None:
         """vLLM's admin route, fanned out: every replica of every pool drops its cached blocks.

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from ferry import __version__
 from server.config import ServerConfig
-from server.errors import APIError, client_closed, install_error_handlers, unavailable
+from server.errors import APIError, client_closed, install_error_handlers, model_not_found, unavailable
 from server.generation import Generation
 from server.generation_routes import GenerationRoutes
 from server.lora import (
@@ -36,6 +36,7 @@ from server.protocol import (
     DetokenizeRequest,
     EmbeddingRequest,
     ErrorResponse,
+    ModelCard,
     ModelList,
     TokenizeRequest,
     VersionResponse,
@@ -190,6 +191,14 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> Any:
         return list_models(state)
+
+    @app.get("/v1/models/{model:path}", response_model=ModelCard, responses=_ERRORS)
+    async def model_card(model: str) -> Any:
+        """OpenAI's retrieve model (``client.models.retrieve``): one card of ``/v1/models``."""
+        for card in list_models(state).data:
+            if card.id == model:
+                return card
+        raise model_not_found(model)
 
     @app.post("/tokenize", responses=_ERRORS)
     async def tokenize_route(body: TokenizeRequest) -> Any:

@@ -292,6 +292,11 @@ def test_router_health_metrics_and_models(cluster: Cluster, pair: list[Proc]) ->
     assert httpx.get(router.url + "/health").json()["replicas"] == {"total": 2, "routable": 2}
     assert httpx.get(router.url + "/v1/models").json()["data"][0]["id"] == MODEL  # deduplicated
     assert len(httpx.get(router.url + "/v1/models").json()["data"]) == 1
+    card = httpx.get(router.url + f"/v1/models/{MODEL}")
+    assert card.status_code == 200 and card.json()["id"] == MODEL
+    missing = httpx.get(router.url + "/v1/models/org%2Fother")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    assert "org/other" in missing.json()["error"]["message"]
     text = httpx.get(router.url + "/metrics").text
     for name in (
         "ferry:router_requests_total",

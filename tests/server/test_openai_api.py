@@ -60,6 +60,10 @@ def test_models_health_version(server, client) -> None:
     models = client.models.list()
     assert [m.id for m in models.data] == [server.model_name]
     assert models.data[0].model_extra["max_model_len"] == 1024
+    assert client.models.retrieve(server.model_name) == models.data[0]  # OpenAI's retrieve model
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("org/other-model")
+    assert missing.value.body["code"] == "model_not_found"
     assert httpx.get(server.url + "/health").status_code == 200
     assert httpx.get(server.url + "/version").json()["version"]
 
