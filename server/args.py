@@ -44,6 +44,13 @@ def _bool_flag(p: argparse.ArgumentParser, name: str, default: bool, help: str) 
 def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     d = EngineConfig()
     # -- server -------------------------------------------------------------------------------
+    p.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="HF model directory, as in `vllm serve MODEL` (the same as --model)",
+    )
     p.add_argument("--model", default=None, help="HF model directory (default: the built-in demo model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)

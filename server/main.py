@@ -147,6 +147,11 @@ def run_serve(args: argparse.Namespace) -> int:
     from server.responses_store import check_store_spec
 
     problem = check_role_config(args.role, args.kv_tier)
+    tag = getattr(args, "model_tag", None)
+    if tag is not None:  # `ferry serve MODEL`, as `vllm serve MODEL`
+        if args.model is not None and args.model != tag:
+            problem = f"the model is given twice, as {tag!r} and as --model {args.model!r}"
+        args.model = tag
     if problem is None and args.enable_auto_tool_choice and not args.tool_call_parser:
         problem = "--enable-auto-tool-choice needs --tool-call-parser (the model's tool-call format)"
     if problem is None and args.api_server_count < 1:

@@ -45,6 +45,10 @@ def test_serve_flag_and_model_errors(tiny_llama: Path) -> None:
         (["--model", "/nonexistent"], "model path '/nonexistent' is not a directory"),
         (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
         (["--responses-lease-ttl", "0.5"], "--responses-lease-ttl must be at least 1 second, got 0.5"),
+        # `ferry serve MODEL` as `vllm serve MODEL`: the positional model is the model...
+        (["/nonexistent/positional"], "model path '/nonexistent/positional' is not a directory"),
+        # ... and it may not disagree with --model.
+        ([str(tiny_llama), "--model", "/other"], "the model is given twice"),
         # The engine refuses it once it has read the model's config.
         (
             ["--model", str(tiny_llama), "--max-model-len", "4096"],
