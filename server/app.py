@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from fastapi import FastAPI, Query, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from ferry import __version__
@@ -237,5 +238,14 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
         api_key=config.api_key,
         max_request_bytes=config.max_request_bytes,
         announce=getattr(engine, "announce", None),
+    )
+    # Outermost (as vLLM's): a browser's preflight is answered before the API key is asked for.
+    http = config.http
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=list(http.allowed_origins),
+        allow_methods=list(http.allowed_methods),
+        allow_headers=list(http.allowed_headers),
+        allow_credentials=http.allow_credentials,
     )
     return app

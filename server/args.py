@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
+from server.vllm_flags import add_vllm_args, http_options
 
 # The names in the registries of server/tool_parsers.py and server/reasoning_parsers.py (kept
 # here: this module must stay light).
@@ -294,6 +295,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=d.kv_events_replica_id,
         help="replica id on published KV events; routers match it to replica URLs (default: the advertised URL)",
     )
+    add_vllm_args(p)
     return p
 
 
@@ -351,4 +353,5 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         lora_modules=lora_modules,
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         trust_request_chat_template=args.trust_request_chat_template,
+        http=http_options(args),
     )

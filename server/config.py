@@ -6,6 +6,7 @@ import socket
 from dataclasses import dataclass
 
 from server.protocol import MAX_N
+from server.vllm_flags import HttpOptions
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,8 @@ class ServerConfig:
     allow_runtime_lora_updating: bool = False
     # Requests may carry their own chat_template (vLLM's --trust-request-chat-template).
     trust_request_chat_template: bool = False
+    # CORS, TLS, root path (vLLM's HTTP flags: server/vllm_flags.py)
+    http: HttpOptions = HttpOptions()
 
     @property
     def url(self) -> str:
@@ -60,4 +63,5 @@ class ServerConfig:
                 host = "127.0.0.1"
         if ":" in host and not host.startswith("["):
             host = f"[{host}]"
-        return f"http://{host}:{self.port}"
+        scheme = "https" if self.http.tls else "http"
+        return f"{scheme}://{host}:{self.port}"

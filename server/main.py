@@ -24,6 +24,7 @@ import uvicorn
 from server.args import engine_options, server_config
 from server.config import ServerConfig
 from server.roles import check_role_config
+from server.vllm_flags import compat_notes, parallelism_problem
 
 logger = logging.getLogger("ferry.server")
 
@@ -111,15 +112,16 @@ async def serve(
             config.register_interval,
             config.register_ttl,
         )
+    options = {"log_level": config.log_level, **config.http.uvicorn_kwargs()}  # TLS, root path
     uv_config = uvicorn.Config(
         app,
         host=config.host,
         port=config.port,
-        log_level=config.log_level,
         access_log=config.log_level == "debug",
         lifespan="off",
         timeout_graceful_shutdown=5,
         timeout_keep_alive=30,
+        **options,
     )
     server = DrainingServer(uv_config, app.state.ferry, registration, on_started)
     # What startup built (torch, the model, the app) lives as long as the process: move it out of
@@ -152,6 +154,8 @@ def run_serve(args: argparse.Namespace) -> int:
         if args.model is not None and args.model != tag:
             problem = f"the model is given twice, as {tag!r} and as --model {args.model!r}"
         args.model = tag
+    if problem is None:
+        problem = parallelism_problem(args)
     if problem is None and args.enable_auto_tool_choice and not args.tool_call_parser:
         problem = "--enable-auto-tool-choice needs --tool-call-parser (the model's tool-call format)"
     if problem is None and args.api_server_count < 1:
@@ -169,13 +173,16 @@ def run_serve(args: argparse.Namespace) -> int:
         engine_config = EngineConfig.from_options(**engine_options(args))
     except ValueError as e:
         return usage_error(e)
+    log_format = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    if args.api_server_count > 1:
+        from server.api_servers import LOG_FORMAT as log_format
+    logging.basicConfig(level=config.log_level.upper(), format=log_format)
+    for note in compat_notes(args):
+        logger.info(note)
     if args.api_server_count > 1:
         from server.api_servers import run_api_servers
 
         return run_api_servers(config, engine_config, args.api_server_count)
-    logging.basicConfig(
-        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
 
     async def main() -> None:
         # Built inside the loop: the engine may bind its output queues to the running loop.

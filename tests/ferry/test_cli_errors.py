@@ -49,6 +49,10 @@ def test_serve_flag_and_model_errors(tiny_llama: Path) -> None:
         (["/nonexistent/positional"], "model path '/nonexistent/positional' is not a directory"),
         # ... and it may not disagree with --model.
         ([str(tiny_llama), "--model", "/other"], "the model is given twice"),
+        # vLLM's flags: one device per replica; TLS needs both files; CORS lists are JSON.
+        (["-tp", "2"], "--tensor-parallel-size 2: a ferry replica runs on one device"),
+        (["--ssl-keyfile", "/k.pem"], "--ssl-keyfile and --ssl-certfile go together"),
+        (["--allowed-origins", "*"], "argument --allowed-origins: expected a JSON list of strings"),
         # The engine refuses it once it has read the model's config.
         (
             ["--model", str(tiny_llama), "--max-model-len", "4096"],

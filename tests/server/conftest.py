@@ -12,6 +12,7 @@ import contextlib
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -47,8 +48,11 @@ class ServerProcess:
     def model_name(self) -> str:
         return self.model_dir.name
 
-    def start(self, timeout: float = 120.0, env: dict[str, str] | None = None) -> ServerProcess:
-        """Run it (``env``: more environment variables) until ``/health`` answers 200."""
+    def start(
+        self, timeout: float = 120.0, env: dict[str, str] | None = None, tls_cert: Path | None = None
+    ) -> ServerProcess:
+        """Run it (``env``: more environment variables) until ``/health`` answers 200 (over HTTPS,
+        checked against ``tls_cert``, when the server was given a certificate)."""
         cmd = [
             sys.executable,
             "-m",
@@ -70,7 +74,9 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"ferry serve exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                health = self.url.replace("http://", "https://" if tls_cert else "http://") + "/health"
+                verify = ssl.create_default_context(cafile=str(tls_cert)) if tls_cert else True
+                if httpx.get(health, timeout=1.0, verify=verify).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass

@@ -1,0 +1,168 @@
+"""`vllm serve` flags a command line carries over to `ferry serve`.
+
+Two kinds (this module must stay torch-free: ``ferry --help`` imports it):
+
+* HTTP options ferry serves as vLLM does: CORS (``--allowed-origins``, ``--allowed-methods``,
+  ``--allowed-headers``, ``--allow-credentials``; vLLM's defaults let any origin in), TLS
+  (``--ssl-keyfile``, ``--ssl-certfile``, ``--ssl-ca-certs``, ``--ssl-cert-reqs``) and
+  ``--uvicorn-log-level``; gathered into ``HttpOptions`` (``ServerConfig.http``). (No
+  ``--root-path``: the API key and routing match request paths as sent, and a proxy that strips a
+  prefix needs no setting here.)
+* Flags for what ferry does anyway or has no use for, accepted so a vLLM command line starts, each
+  logged once with what ferry does instead (``compat_notes``): ``--enforce-eager``,
+  ``--enable-chunked-prefill``, ``--swap-space``, ``--disable-log-stats``, ``--disable-log-requests``
+  / ``--enable-log-requests``, ``--max-log-len``, ``--trust-remote-code``,
+  ``--disable-frontend-multiprocessing``, ``--enable-prompt-tokens-details``. The parallelism flags
+  (``--tensor-parallel-size`` / ``-tp``, ``--pipeline-parallel-size`` / ``-pp``,
+  ``--data-parallel-size`` / ``-dp``) are accepted at 1 and refused above it, saying how ferry scales
+  out instead (``parallelism_problem``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class HttpOptions:
+    """CORS and TLS options of the API server (uvicorn and Starlette's CORSMiddleware)."""
+
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = 0  # ssl.CERT_NONE; 2 (CERT_REQUIRED) asks clients for certificates
+    uvicorn_log_level: str | None = None  # None: --log-level
+
+    @property
+    def tls(self) -> bool:
+        return self.ssl_certfile is not None
+
+    def uvicorn_kwargs(self) -> dict:
+        """What ``uvicorn.Config`` takes of these options."""
+        kwargs: dict = {}
+        if self.tls:
+            kwargs.update(
+                ssl_keyfile=self.ssl_keyfile,
+                ssl_certfile=self.ssl_certfile,
+                ssl_ca_certs=self.ssl_ca_certs,
+                ssl_cert_reqs=self.ssl_cert_reqs,
+            )
+        if self.uvicorn_log_level is not None:
+            kwargs["log_level"] = self.uvicorn_log_level
+        return kwargs
+
+
+def _json_list(text: str) -> list[str]:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
+    return value
+
+
+# Accepted for compatibility: flag -> (argparse options, what ferry does instead).
+COMPAT_FLAGS: dict[str, tuple[dict, str]] = {
+    "--enforce-eager": ({"action": "store_true"}, "ferry captures no CUDA graphs; every step runs eagerly"),
+    "--enable-chunked-prefill": (
+        {"action": argparse.BooleanOptionalAction, "default": None},
+        "prefills are always chunked to --max-num-batched-tokens",
+    ),
+    "--swap-space": ({"type": float}, "preempted requests are recomputed from the prefix cache, not swapped"),
+    "--disable-log-stats": ({"action": "store_true"}, "engine stats are in /metrics, never logged"),
+    "--disable-log-requests": ({"action": "store_true"}, "requests are not logged (as with this flag)"),
+    "--enable-log-requests": (
+        {"action": "store_true"},
+        "requests are not logged: their ids are in the logs of errors",
+    ),
+    "--max-log-len": ({"type": int}, "prompts are never logged"),
+    "--trust-remote-code": (
+        {"action": "store_true"},
+        "no code from a checkpoint is ever run; architectures are ferry's own (see --help of --model)",
+    ),
+    "--disable-frontend-multiprocessing": ({"action": "store_true"}, "see --api-server-count"),
+    "--enable-prompt-tokens-details": ({"action": "store_true"}, "usage always carries cached prompt tokens"),
+}
+PARALLEL_FLAGS = (
+    ("--tensor-parallel-size", "-tp"),
+    ("--pipeline-parallel-size", "-pp"),
+    ("--data-parallel-size", "-dp"),
+)
+
+
+def add_vllm_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("vLLM's HTTP options")
+    g.add_argument(
+        "--allowed-origins", type=_json_list, default=["*"], help='CORS origins (JSON list; default ["*"])'
+    )
+    g.add_argument("--allowed-methods", type=_json_list, default=["*"], help="CORS methods (JSON list)")
+    g.add_argument("--allowed-headers", type=_json_list, default=["*"], help="CORS headers (JSON list)")
+    g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    g.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key")
+    g.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate")
+    g.add_argument("--ssl-ca-certs", default=None, help="CA certificates to check client certificates with")
+    g.add_argument(
+        "--ssl-cert-reqs", type=int, default=0, help="client certificates: 0 none, 1 optional, 2 required"
+    )
+    g.add_argument(
+        "--uvicorn-log-level",
+        default=None,
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="uvicorn's own log level (default: --log-level)",
+    )
+    c = p.add_argument_group("vLLM flags accepted for compatibility (each logged with what ferry does)")
+    for flag, (options, _) in COMPAT_FLAGS.items():
+        c.add_argument(flag, help=argparse.SUPPRESS, **options)
+    for long, short in PARALLEL_FLAGS:
+        c.add_argument(
+            long, short, type=int, default=1, help="1 only: one device per replica (see ferry router)"
+        )
+
+
+def http_options(args: argparse.Namespace) -> HttpOptions:
+    """Raises ValueError for TLS options that do not go together."""
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        raise ValueError("--ssl-keyfile and --ssl-certfile go together")
+    if args.ssl_cert_reqs not in (0, 1, 2):
+        raise ValueError(f"--ssl-cert-reqs must be 0, 1 or 2, got {args.ssl_cert_reqs}")
+    return HttpOptions(
+        allowed_origins=tuple(args.allowed_origins),
+        allowed_methods=tuple(args.allowed_methods),
+        allowed_headers=tuple(args.allowed_headers),
+        allow_credentials=args.allow_credentials,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        ssl_ca_certs=args.ssl_ca_certs,
+        ssl_cert_reqs=args.ssl_cert_reqs,
+        uvicorn_log_level=args.uvicorn_log_level,
+    )
+
+
+def parallelism_problem(args: argparse.Namespace) -> str | None:
+    for long, _ in PARALLEL_FLAGS:
+        value = getattr(args, long.removeprefix("--").replace("-", "_"))
+        if value != 1:
+            return (
+                f"{long} {value}: a ferry replica runs on one device; scale out with data-parallel "
+                "replicas behind `ferry router` (or `ferry up`)"
+            )
+    return None
+
+
+def compat_notes(args: argparse.Namespace) -> list[str]:
+    """One line per compatibility flag given: the flag and what ferry does instead."""
+    notes = []
+    for flag, (_, note) in COMPAT_FLAGS.items():
+        value = getattr(args, flag.removeprefix("--").replace("-", "_"))
+        # --no-enable-chunked-prefill asks for something too (that cannot be had).
+        given = value not in (None, False) or (value is False and flag == "--enable-chunked-prefill")
+        if given:
+            notes.append(f"{flag} is accepted for vLLM compatibility and changes nothing: {note}")
+    return notes

@@ -1,0 +1,88 @@
+"""`vllm serve` command lines run as `ferry serve` ones: CORS as vLLM answers browsers (any origin by
+default, a list when given, preflight before the API key), HTTPS from --ssl-keyfile/--ssl-certfile,
+and vLLM's flags for what ferry does anyway accepted with a log line saying so."""
+
+from __future__ import annotations
+
+import shutil
+import ssl
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+PREFLIGHT = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+
+
+def test_any_origin_by_default(server) -> None:
+    url = server.url + "/v1/chat/completions"
+    pre = httpx.options(url, headers={"Origin": "http://ui.example", **PREFLIGHT})
+    assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "*"
+    body = {"model": server.model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    r = httpx.post(url, json=body, headers={"Origin": "http://ui.example"}, timeout=60)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+    assert "access-control-allow-origin" not in httpx.get(server.url + "/health").headers  # no Origin
+
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    root = tmp_path_factory.mktemp("tls")
+    key, cert = root / "key.pem", root / "cert.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return key, cert
+
+
+@pytest.fixture(scope="module")
+def tls_server(tiny_llama: Path, serve_logs: Path, server_process, certificate) -> Iterator:
+    key, cert = certificate
+    flags = [
+        "--ssl-keyfile", str(key), "--ssl-certfile", str(cert), "--api-key", "k",
+        "--allowed-origins", '["http://ui.example"]', "--allow-credentials",
+        # vLLM flags for what ferry does anyway: accepted, each logged.
+        "--enforce-eager", "--swap-space", "4", "--disable-log-requests", "--tensor-parallel-size", "1",
+    ]  # fmt: skip
+    srv = server_process(tiny_llama, flags, serve_logs).start(tls_cert=cert)
+    yield srv, cert
+    srv.stop()
+
+
+def _trust(cert: Path) -> ssl.SSLContext:
+    return ssl.create_default_context(cafile=str(cert))
+
+
+def test_https_with_the_api_key_and_listed_origins(tls_server) -> None:
+    srv, cert = tls_server
+    base = "https://" + srv.url.removeprefix("http://")
+    with pytest.raises(httpx.HTTPError):  # plain HTTP gets no answer from a TLS socket
+        httpx.get(srv.url + "/health", timeout=5)
+    client = openai.OpenAI(
+        base_url=base + "/v1",
+        api_key="k",
+        max_retries=0,
+        timeout=60,
+        http_client=httpx.Client(verify=_trust(cert)),
+    )
+    answer = client.completions.create(model=srv.model_name, prompt="hi", max_tokens=2)
+    assert answer.usage.completion_tokens == 2
+    with httpx.Client(verify=_trust(cert), timeout=30) as c:
+        url = base + "/v1/completions"
+        pre = c.options(url, headers={"Origin": "http://ui.example", **PREFLIGHT})  # before any key
+        assert pre.status_code == 200
+        assert pre.headers["access-control-allow-origin"] == "http://ui.example"
+        assert pre.headers["access-control-allow-credentials"] == "true"
+        other = c.options(url, headers={"Origin": "http://elsewhere.example", **PREFLIGHT})
+        assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+        assert c.post(url, json={"prompt": "hi", "max_tokens": 1}).status_code == 401
+    log = srv.log()
+    assert "--enforce-eager is accepted for vLLM compatibility and changes nothing" in log
+    assert "--swap-space is accepted for vLLM compatibility" in log
+    assert "--disable-log-requests is accepted" in log
