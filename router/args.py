@@ -6,6 +6,7 @@ import argparse
 
 from router.pd_config import add_pd_args
 from router.policies.registry import POLICY_NAMES
+from server.vllm_flags import json_list
 
 POLICIES = list(POLICY_NAMES)
 
@@ -20,6 +21,15 @@ def add_router_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--api-key", default=None, help="Bearer key for the /admin API (and /v1 when set)")
+    p.add_argument(
+        "--allowed-origins",
+        type=json_list,
+        default=["*"],
+        help='CORS origins (JSON list; default ["*"], as vLLM\'s)',
+    )
+    p.add_argument("--allowed-methods", type=json_list, default=["*"], help="CORS methods (JSON list)")
+    p.add_argument("--allowed-headers", type=json_list, default=["*"], help="CORS headers (JSON list)")
+    p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     p.add_argument(
         "--replica-api-key",
         default=None,

@@ -22,6 +22,11 @@ class RouterConfig:
     # The key replicas behind --api-key want (default: api_key): the router sends it on its own
     # reads of them and in place of the client's on what it relays.
     replica_api_key: str | None = None
+    # CORS, as ferry serve's (server/vllm_flags.py): any origin by default
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
     # cache_aware
     model: str | None = None
     # The replicas' --chat-template (held as the template's text) and content format, so the
@@ -69,6 +74,9 @@ class RouterConfig:
         names = {f.name for f in fields(cls)}
         values = {k: v for k, v in vars(args).items() if k in names}
         values["replicas"] = tuple(getattr(args, "replica", []) or [])
+        for key in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            if key in values:
+                values[key] = tuple(values[key])
         for key in ("prefill", "decode"):
             values[key] = tuple(values.get(key) or [])
         return cls(**values)

@@ -47,8 +47,18 @@ def run_router(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:  # flags out of range, a --model without a tokenizer: no traceback
         print(f"ferry router: error: {e}", file=sys.stderr)
         return 2
-    uv_config = uvicorn.Config(
+    from starlette.middleware.cors import CORSMiddleware
+
+    # Outermost: a browser's preflight is answered before the API key is asked for.
+    front = CORSMiddleware(
         app,
+        allow_origins=list(config.allowed_origins),
+        allow_methods=list(config.allowed_methods),
+        allow_headers=list(config.allowed_headers),
+        allow_credentials=config.allow_credentials,
+    )
+    uv_config = uvicorn.Config(
+        front,
         host=config.host,
         port=config.port,
         log_level=config.log_level,

@@ -58,7 +58,7 @@ class HttpOptions:
         return kwargs
 
 
-def _json_list(text: str) -> list[str]:
+def json_list(text: str) -> list[str]:
     try:
         value = json.loads(text)
     except ValueError:
@@ -100,10 +100,10 @@ PARALLEL_FLAGS = (
 def add_vllm_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("vLLM's HTTP options")
     g.add_argument(
-        "--allowed-origins", type=_json_list, default=["*"], help='CORS origins (JSON list; default ["*"])'
+        "--allowed-origins", type=json_list, default=["*"], help='CORS origins (JSON list; default ["*"])'
     )
-    g.add_argument("--allowed-methods", type=_json_list, default=["*"], help="CORS methods (JSON list)")
-    g.add_argument("--allowed-headers", type=_json_list, default=["*"], help="CORS headers (JSON list)")
+    g.add_argument("--allowed-methods", type=json_list, default=["*"], help="CORS methods (JSON list)")
+    g.add_argument("--allowed-headers", type=json_list, default=["*"], help="CORS headers (JSON list)")
     g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     g.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key")
     g.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate")

@@ -292,6 +292,12 @@ def test_router_health_metrics_and_models(cluster: Cluster, pair: list[Proc]) ->
     assert httpx.get(router.url + "/health").json()["replicas"] == {"total": 2, "routable": 2}
     assert httpx.get(router.url + "/v1/models").json()["data"][0]["id"] == MODEL  # deduplicated
     assert len(httpx.get(router.url + "/v1/models").json()["data"]) == 1
+    # CORS as a replica answers it (any origin by default), before anything else.
+    pre = httpx.options(
+        router.url + "/v1/completions",
+        headers={"Origin": "http://ui.example", "Access-Control-Request-Method": "POST"},
+    )
+    assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "*"
     card = httpx.get(router.url + f"/v1/models/{MODEL}")
     assert card.status_code == 200 and card.json()["id"] == MODEL
     missing = httpx.get(router.url + "/v1/models/org%2Fother")
