@@ -105,8 +105,13 @@ class TokenKeyer(PromptKeyer):
             kwargs = dict(body.get("chat_template_kwargs") or {})
             if body.get("continue_final_message"):
                 kwargs["continue_final_message"] = True
-            if isinstance(body.get("chat_template"), str):  # the request's own (replicas may refuse it)
-                kwargs["chat_template"] = body["chat_template"]
+            named = kwargs.get("chat_template")
+            if body.get("chat_template") is not None or (
+                named is not None and named not in self.tokenizer.chat_template_names
+            ):
+                # A template of the request's own: the router runs none (a template is code a
+                # client would have it run; replicas run them only if trusted). No hint.
+                return None
             add_generation_prompt = body.get("add_generation_prompt")
             text = self.tokenizer.apply_chat_template(
                 messages,
