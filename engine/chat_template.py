@@ -239,6 +239,8 @@ class ChatTemplates:
         """The template source: by name, else ``tool_use`` when tools are given and it exists, else
         ``default``. As in transformers, ``name`` may also be a template's text (one holding
         ``{{`` or ``{%``): that is the template then."""
+        if name is not None and not isinstance(name, str):
+            raise ChatTemplateError(f"chat_template must be a string, got {type(name).__name__}")
         if name is not None and name not in self._templates and ("{{" in name or "{%" in name):
             return name
         if not self._templates:

@@ -144,6 +144,13 @@ def test_a_trusted_request_renders_with_its_own_template(chat_server, templatele
     chat = {"model": chat_server.model_name, "messages": MESSAGES, "max_tokens": 2, "chat_template": OWN}
     answer = httpx.post(chat_server.url + "/v1/chat/completions", json=chat, timeout=60).json()
     assert answer["usage"]["prompt_tokens"] == len(want)
+    for odd in (["x"], 5):  # a trusting server too: a 400, never a 500
+        body = {
+            "model": chat_server.model_name,
+            "messages": MESSAGES,
+            "chat_template_kwargs": {"chat_template": odd},
+        }
+        assert httpx.post(chat_server.url + "/v1/chat/completions", json=body, timeout=60).status_code == 400
     broken = httpx.post(
         chat_server.url + "/v1/chat/completions",
         json={**chat, "chat_template": "{% for m in messages %}"},
@@ -171,6 +178,9 @@ def test_an_untrusted_request_template_is_refused(server) -> None:
     smuggled = {**chat, "chat_template_kwargs": {"chat_template": OWN}}
     refused = httpx.post(server.url + "/v1/chat/completions", json=smuggled, timeout=60)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template_kwargs"
+    for odd in (["default"], 5):  # not a template's name: a 400 as any other, never a 500
+        body = {**chat, "chat_template_kwargs": {"chat_template": odd}}
+        assert httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).status_code == 400
     tokenized = httpx.post(
         server.url + "/tokenize", json={"messages": MESSAGES, "chat_template": OWN}, timeout=60
     )
