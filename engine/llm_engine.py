@@ -7,6 +7,7 @@ that advanced, only what is new since the previous step.
 
 from __future__ import annotations
 
+import bisect
 import random
 import time
 from array import array
@@ -34,7 +35,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import Request, RequestStatus
 from engine.spec_decode import NgramProposer
-from engine.stats import EngineStats, ModelInfo
+from engine.stats import ITERATION_TOKEN_BUCKETS, EngineStats, ModelInfo
 from engine.structured_output import GrammarCompiler
 from engine.tokenizer import Tokenizer
 from kvcache.keys import salt_extra
@@ -101,6 +102,8 @@ class LLMEngine:
         self.logits_observers: list[LogitsObserver] = []
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.iteration_tokens_counts = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
+        self.iteration_tokens_sum = 0
         spec = config.speculative_config
         self.proposer = NgramProposer(spec) if spec is not None else None
         self.spec_drafts = 0  # steps in which a request verified drafts
@@ -322,6 +325,9 @@ class LLMEngine:
             return []
         model_out = self.model_runner.execute(sched)
         self.scheduler.update_after_step(sched)
+        tokens = sched.num_batched_tokens
+        self.iteration_tokens_counts[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, tokens)] += 1
+        self.iteration_tokens_sum += tokens
         return self._postprocess(sched, model_out)
 
     def _postprocess(self, sched: SchedulerOutput, model_out: ModelOutput) -> list[RequestOutput]:
@@ -450,6 +456,8 @@ class LLMEngine:
             spec_decode_num_draft_tokens=self.spec_draft_tokens,
             spec_decode_num_accepted_tokens=self.spec_accepted_tokens,
             spec_decode_accepted_per_position=tuple(self.spec_accepted_per_position),
+            iteration_tokens_counts=tuple(self.iteration_tokens_counts),
+            iteration_tokens_sum=self.iteration_tokens_sum,
             running_loras=_lora_names(s.running) if self.loras is not None else (),
             waiting_loras=_lora_names([*s.waiting, *(p.request for p in s.loading)])
             if self.loras is not None

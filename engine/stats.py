@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Upper edges of vLLM's vllm:iteration_tokens_total histogram buckets (tokens per engine step).
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
 
 @dataclass(frozen=True)
 class ModelInfo:
@@ -44,6 +47,10 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_accepted_per_position: tuple[int, ...] = ()
+    # Tokens per engine step (vLLM's iteration_tokens_total): steps by ITERATION_TOKEN_BUCKETS
+    # (non-cumulative; the last counts steps above every edge), and the tokens of all steps.
+    iteration_tokens_counts: tuple[int, ...] = ()
+    iteration_tokens_sum: int = 0
     # LoRA adapters of the running and of the waiting requests (names, sorted; vLLM's lora_requests_info)
     running_loras: tuple[str, ...] = ()
     waiting_loras: tuple[str, ...] = ()

@@ -76,7 +76,14 @@ def build_state(engine: Any, config: ServerConfig) -> ServerState:
         priority_scheduling=getattr(engine_config, "scheduling_policy", "fcfs") == "priority",
     )
     max_loras = engine_config.max_loras if getattr(engine_config, "enable_lora", False) else None
-    metrics = ServerMetrics(config.served_model_name, engine.stats, max_loras)
+    cache_info = {
+        "block_size": str(info.block_size),
+        "cache_dtype": str(getattr(engine_config, "kv_cache_dtype", "auto")),
+        "enable_prefix_caching": str(bool(getattr(engine_config, "enable_prefix_caching", True))),
+        "gpu_memory_utilization": str(getattr(engine_config, "gpu_memory_utilization", "")),
+        "num_gpu_blocks": str(getattr(info, "num_kv_blocks", 0)),
+    }
+    metrics = ServerMetrics(config.served_model_name, engine.stats, max_loras, cache_info)
     return ServerState(
         engine=engine,
         config=config,

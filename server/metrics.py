@@ -18,15 +18,18 @@ registry, where the KV tier registers its ``ferry:`` metrics.
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
+
+from engine.stats import ITERATION_TOKEN_BUCKETS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -92,12 +95,20 @@ _SPEC_SERIES = (
 
 
 class EngineStatsCollector(Collector):
-    """Reads ``engine.stats()`` once per scrape and exposes it under vLLM's names."""
+    """Reads ``engine.stats()`` once per scrape and exposes it under vLLM's names; and the cache's
+    configuration (``vllm:cache_config_info``: its values as labels, 1 as the value)."""
 
-    def __init__(self, stats: Callable[[], Any], model_name: str, max_loras: int | None = None) -> None:
+    def __init__(
+        self,
+        stats: Callable[[], Any],
+        model_name: str,
+        max_loras: int | None = None,
+        cache_info: Mapping[str, str] | None = None,
+    ) -> None:
         self._stats = stats
         self._model_name = model_name
         self._max_loras = max_loras
+        self._cache_info = dict(cache_info or {})
 
     def collect(self) -> Iterator[Metric]:
         stats = self._stats()
@@ -109,6 +120,28 @@ class EngineStatsCollector(Collector):
             family = family_cls(name, doc, labels=["model_name"])
             family.add_metric([self._model_name], float(value))
             yield family
+        counts = getattr(stats, "iteration_tokens_counts", ())
+        if counts:
+            family = HistogramMetricFamily(
+                "vllm:iteration_tokens_total",
+                "Histogram of number of tokens per engine_step.",
+                labels=["model_name"],
+            )
+            edges = [str(float(e)) for e in ITERATION_TOKEN_BUCKETS] + ["+Inf"]
+            family.add_metric(
+                [self._model_name],
+                list(zip(edges, itertools.accumulate(counts), strict=True)),
+                float(stats.iteration_tokens_sum),
+            )
+            yield family
+        if self._cache_info:
+            info = GaugeMetricFamily(
+                "vllm:cache_config_info",
+                "Information of the LLMEngine CacheConfig.",
+                labels=list(self._cache_info),
+            )
+            info.add_metric(list(self._cache_info.values()), 1.0)
+            yield info
         per_position = getattr(stats, "spec_decode_accepted_per_position", ())
         if per_position:  # speculative decoding is on: vLLM's names
             for name, doc, attr in _SPEC_SERIES:
@@ -140,9 +173,14 @@ class ServerMetrics:
     """The serving layer's metrics for one served model, in a registry of its own."""
 
     def __init__(
-        self, model_name: str, engine_stats: Callable[[], Any] | None = None, max_loras: int | None = None
+        self,
+        model_name: str,
+        engine_stats: Callable[[], Any] | None = None,
+        max_loras: int | None = None,
+        cache_info: Mapping[str, str] | None = None,
     ) -> None:
-        """``max_loras``: LoRA adapters are served (``vllm:lora_requests_info`` is exposed)."""
+        """``max_loras``: LoRA adapters are served (``vllm:lora_requests_info`` is exposed);
+        ``cache_info``: the KV cache's configuration (``vllm:cache_config_info``)."""
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         labels = ["model_name"]
@@ -252,8 +290,22 @@ class ServerMetrics:
             labels,
             registry=reg,
         ).labels(model_name)
+        self._params_n = Histogram(
+            "vllm:request_params_n",
+            "Histogram of the n request parameter.",
+            labels,
+            buckets=(1, 2, 5, 10, 20),
+            registry=reg,
+        ).labels(model_name)
+        self._params_max_tokens = Histogram(
+            "vllm:request_params_max_tokens",
+            "Histogram of the max_tokens request parameter.",
+            labels,
+            buckets=_TOKEN_BUCKETS,
+            registry=reg,
+        ).labels(model_name)
         if engine_stats is not None:
-            reg.register(EngineStatsCollector(engine_stats, model_name, max_loras))
+            reg.register(EngineStatsCollector(engine_stats, model_name, max_loras, cache_info))
         # One of several API server processes (``--api-server-count``): every process's metrics
         # (these, the other API servers', the engine process's KV tier ones) are in the directory
         # prometheus-client's multiprocess mode writes to; the engine's from its latest stats.
@@ -262,7 +314,13 @@ class ServerMetrics:
             self._replica = CollectorRegistry()
             MultiProcessCollector(self._replica)
             if engine_stats is not None:
-                self._replica.register(EngineStatsCollector(engine_stats, model_name, max_loras))
+                self._replica.register(EngineStatsCollector(engine_stats, model_name, max_loras, cache_info))
+
+    def observe_params(self, n: int, max_tokens: int | None) -> None:
+        """An admitted generation request's ``n`` and ``max_tokens`` (the budget it runs with)."""
+        self._params_n.observe(n)
+        if max_tokens is not None:
+            self._params_max_tokens.observe(max_tokens)
 
     def background_finished(self, status: str) -> None:
         self._background_finished.labels(self.model_name, status).inc()

@@ -173,6 +173,7 @@ async def create_chat_completion(
     seqs = _plan(state, req, tools, lora)
     await compile_constraints(state, seqs, "tools" if tools and tools.constraint else constraint_field(req))
     ticket = state.generation.admit(len(seqs), submitted)
+    state.metrics.observe_params(req.n, seqs[0].params.max_tokens)
     response_id = f"chatcmpl-{request_id}"
     choices = [_Choice() for _ in seqs]
     usage = UsageTracker(1, req.n)

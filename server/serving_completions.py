@@ -165,6 +165,8 @@ async def create_completion(
     prompts, seqs = _plan(state, req)
     await compile_constraints(state, seqs, constraint_field(req))
     ticket = state.generation.admit(len(seqs), submitted)
+    for first in seqs[:: req.n]:  # per prompt, as vLLM runs each prompt as a request
+        state.metrics.observe_params(req.n, first.params.max_tokens)
     response_id = f"cmpl-{request_id}"
     choices = [_Choice(prompts[s.prompt_index]) for s in seqs]
     usage = UsageTracker(len(prompts), req.n)

@@ -462,3 +462,35 @@ def test_several_served_model_names(tiny_llama, serve_logs, server_process, scra
         )
     finally:
         srv.stop()
+
+
+def test_iteration_tokens_request_params_and_cache_config(server, scrape) -> None:
+    """vLLM's vllm:iteration_tokens_total (tokens per engine step), vllm:request_params_n /
+    _max_tokens (per request; per prompt of a completion) and vllm:cache_config_info."""
+    name = server.model_name
+
+    def read(metric: str, **labels: str) -> float:
+        return scrape(server.url, metric, model_name=name, **labels) or 0.0
+
+    steps, tokens = read("vllm:iteration_tokens_total_count"), read("vllm:iteration_tokens_total_sum")
+    n_count, n_sum = read("vllm:request_params_n_count"), read("vllm:request_params_n_sum")
+    max_sum = read("vllm:request_params_max_tokens_sum")
+    body = {"model": name, "prompt": [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]], "max_tokens": 4, "n": 2}
+    assert (
+        httpx.post(server.url + "/v1/completions", json={**body, "ignore_eos": True}, timeout=60).status_code
+        == 200
+    )
+    # 4 sequences of 4 tokens and prompts of 7 and 3 (n = 2: 20 prompt tokens, 4 of them from the
+    # prefix cache at most) in at least 4 steps; the server is otherwise idle.
+    assert read("vllm:iteration_tokens_total_count") - steps >= 4
+    assert 16 + 10 <= read("vllm:iteration_tokens_total_sum") - tokens <= 16 + 20
+    # Cumulative buckets end at the count.
+    assert read("vllm:iteration_tokens_total_bucket", le="+Inf") == read("vllm:iteration_tokens_total_count")
+    assert (
+        read("vllm:request_params_n_count") - n_count == 2 and read("vllm:request_params_n_sum") - n_sum == 4
+    )
+    assert read("vllm:request_params_max_tokens_sum") - max_sum == 8
+    info = scrape(
+        server.url, "vllm:cache_config_info", block_size="16", cache_dtype="auto", num_gpu_blocks="1024"
+    )
+    assert info == 1.0
