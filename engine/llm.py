@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from types import TracebackType
+from typing import Any
 
+from engine.chat_template import template_message
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.lora_request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
 
 Prompt = str | list[int]
 
@@ -121,6 +124,44 @@ class LLM:
             first.outputs = [o.outputs[0] for o in outs]
             results.append(first)
         return results
+
+    def get_tokenizer(self) -> Tokenizer:
+        """The model's tokenizer (with its chat template), as vLLM's ``LLM.get_tokenizer``."""
+        return self.tokenizer
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of messages) or several (a list of them),
+        as vLLM's ``LLM.chat``: each rendered with the model's chat template (or ``chat_template``,
+        a template's text or the name of one of the model's), as ``/v1/chat/completions`` renders
+        it, then generated as ``generate`` does. Raises ``ChatTemplateError`` (a ValueError) for
+        messages the template cannot take."""
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        kwargs = dict(chat_template_kwargs or {})
+        if chat_template is not None:
+            kwargs["chat_template"] = chat_template
+        if continue_final_message:
+            kwargs["continue_final_message"] = True
+        prompts: list[Prompt] = []
+        for conversation in conversations:
+            text = self.tokenizer.apply_chat_template(
+                [template_message(m) for m in conversation],  # type: ignore[arg-type]
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+                **kwargs,
+            )
+            # The template holds every special token: none are added (as the server encodes it).
+            prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
+        return self.generate(prompts, sampling_params, lora_request)
 
     def embed(self, prompts: Prompt | Sequence[Prompt]) -> list[list[float]]:
         """Each prompt's pooled hidden state (after the final norm, fp32, not normalised), in prompt

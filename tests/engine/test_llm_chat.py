@@ -1,0 +1,47 @@
+"""Offline chat (vLLM's ``LLM.chat`` and ``LLM.get_tokenizer``): conversations rendered with the
+model's template (or one given), encoded as the server encodes them, generated as ``generate``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.chat_template import ChatTemplateError
+
+CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+OTHER = [{"role": "user", "content": [{"type": "text", "text": "two"}, {"type": "text", "text": "parts"}]}]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama: Path):
+    with LLM(str(tiny_llama), num_kv_blocks=64, num_threads=1) as llm:
+        yield llm
+
+
+def test_chat_equals_generate_on_the_rendered_prompt(llm) -> None:
+    tok = llm.get_tokenizer()
+    assert tok is llm.engine.tokenizer
+    outs = llm.chat([CHAT, OTHER], GREEDY)
+    for out, messages in zip(outs, (CHAT, OTHER), strict=True):
+        ids = tok.encode_chat(messages, add_generation_prompt=True)
+        assert out.prompt_token_ids == ids
+        assert out.outputs[0].token_ids == llm.generate([ids], GREEDY)[0].outputs[0].token_ids
+    one = llm.chat(CHAT, GREEDY)  # a single conversation
+    assert len(one) == 1 and one[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+
+
+def test_template_options(llm) -> None:
+    tok = llm.get_tokenizer()
+    own = "{% for m in messages %}[{{ m.role }}] {{ m.content }} {% endfor %}=>"
+    out = llm.chat(CHAT, GREEDY, chat_template=own)[0]
+    assert out.prompt_token_ids == tok.encode(
+        "[system] be brief [user] hello there =>", add_special_tokens=False
+    )
+    partial = [*CHAT, {"role": "assistant", "content": "Hi, I am"}]
+    cont = llm.chat(partial, GREEDY, add_generation_prompt=False, continue_final_message=True)[0]
+    assert tok.decode(cont.prompt_token_ids, skip_special_tokens=False).endswith("Hi, I am")
+    with pytest.raises(ChatTemplateError):
+        llm.chat(CHAT, GREEDY, chat_template="{% for m in messages %}")
