@@ -96,6 +96,16 @@ def cached_model_dir(name: str, spec: dict, build) -> Path:  # noqa: ANN001 (bui
     return target
 
 
+def save_report(out: str | Path, threads: int, **report: object) -> Path:
+    """Write a bench script's JSON: the machine, the engine bench model, then ``report``'s items."""
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    machine = {"platform": platform.platform(), "processor": platform.processor(), "threads": threads}
+    path.write_text(json.dumps({"machine": machine, "model": MODEL_SPEC, **report}, indent=2))
+    print(f"wrote {path}")
+    return path
+
+
 def bench_model_dir() -> Path:
     def build():  # noqa: ANN202
         from transformers import LlamaConfig, LlamaForCausalLM

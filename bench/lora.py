@@ -22,8 +22,6 @@ Prints a table, writes JSON to bench/results/lora.json.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import random
 import sys
 import time
@@ -35,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.engine_throughput import MODEL_SPEC, bench_model_dir  # noqa: E402
+from bench.engine_throughput import MODEL_SPEC, bench_model_dir, save_report  # noqa: E402
 
 RANK = 16
 
@@ -114,23 +112,15 @@ def main(argv: list[str] | None = None) -> int:
     for name, r in best.items():
         r["vs_base"] = r["output_tok_s"] / base
         print(f"{name:<22} {r['output_tok_s']:>12.1f} {r['vs_base']:>8.3f} {r['seconds']:>8.2f}")
-    report = {
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor(),
-            "threads": args.threads,
-        },
-        "model": MODEL_SPEC,
-        "rank": RANK,
-        "num_requests": n,
-        "max_tokens": args.max_tokens,
-        "repeats": args.repeats,
-        "results": best,
-    }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {out}")
+    save_report(
+        args.out,
+        args.threads,
+        rank=RANK,
+        num_requests=n,
+        max_tokens=args.max_tokens,
+        repeats=args.repeats,
+        results=best,
+    )
     return 0
 
 

@@ -24,8 +24,6 @@ Prints a table, writes JSON to bench/results/priority.json.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import random
 import statistics
 import sys
@@ -38,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.engine_throughput import MODEL_SPEC, bench_model_dir  # noqa: E402
+from bench.engine_throughput import MODEL_SPEC, bench_model_dir, save_report  # noqa: E402
 
 
 def workload(args: argparse.Namespace, seed: int = 0) -> tuple[list[list[int]], list[list[int]]]:
@@ -149,21 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         f"interactive TTFT p50: {f['ttft_ms_p50'] / max(p['ttft_ms_p50'], 1e-9):.1f}x lower with priority; "
         f"throughput ratio priority/fcfs {p['output_tok_s'] / f['output_tok_s']:.2f}"
     )
-    report = {
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor(),
-            "threads": args.threads,
-        },
-        "model": MODEL_SPEC,
-        "args": vars(args),
-        "median": summary,
-        "runs": runs,
-    }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {out}")
+    save_report(args.out, args.threads, args=vars(args), median=summary, runs=runs)
     return 0
 
 

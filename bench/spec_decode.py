@@ -16,8 +16,6 @@ those without. Prints a table, writes JSON to bench/results/spec_decode.json.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import random
 import sys
 import time
@@ -29,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.engine_throughput import MODEL_SPEC, bench_model_dir  # noqa: E402
+from bench.engine_throughput import MODEL_SPEC, bench_model_dir, save_report  # noqa: E402
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
@@ -119,22 +117,14 @@ def main(argv: list[str] | None = None) -> int:
             f"{kind:<16} {batch:>5} {plain['output_tok_s']:>11.1f} {ngram['output_tok_s']:>11.1f} "
             f"{rows[-1]['speedup']:>8.2f} {accepted:>9} {str(same):>5}"
         )
-    report = {
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor(),
-            "threads": args.threads,
-        },
-        "model": MODEL_SPEC,
-        "speculative_config": SPEC,
-        "max_tokens": args.max_tokens,
-        "repeats": args.repeats,
-        "rows": rows,
-    }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {out}")
+    save_report(
+        args.out,
+        args.threads,
+        speculative_config=SPEC,
+        max_tokens=args.max_tokens,
+        repeats=args.repeats,
+        rows=rows,
+    )
     return 0 if all(r["same_tokens"] for r in rows) else 1
 
 
