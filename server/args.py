@@ -29,6 +29,7 @@ TOOL_PARSER_NAMES = (
     "mistral",
     "phi4_mini_json",
     "pythonic",
+    "qwen3_coder",
 )
 REASONING_PARSER_NAMES = ("deepseek_r1", "deepseek_v3", "glm45", "qwen3")
 

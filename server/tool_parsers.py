@@ -18,7 +18,11 @@ format it was trained on; ``--tool-call-parser`` names that format, as in vLLM:
   optionally inside ``<|python_start|>`` … ``<|python_end|>``;
 * ``granite`` (Granite 3.x): the whole answer is ``<|tool_call|>`` (or ``<tool_call>``) then a JSON
   array of ``{"name": …, "arguments": {…}}``;
-* ``phi4_mini_json`` (Phi-4-mini): the whole answer is ``functools[`` + calls as JSON objects + ``]``.
+* ``phi4_mini_json`` (Phi-4-mini): the whole answer is ``functools[`` + calls as JSON objects + ``]``;
+* ``qwen3_coder`` (Qwen3-Coder): ``<tool_call><function=NAME><parameter=KEY>VALUE</parameter>…
+  </function></tool_call>``, any number, after optional text; values are text, typed by the
+  request's tool schema (``for_tools``: integers, numbers, booleans, objects and arrays decoded,
+  strings kept as written).
 
 A parser never loses text: anything that is not a well-formed call stays content. Streaming goes
 through a ``ToolStreamer``, whose result does not depend on how the text was cut into deltas
@@ -31,7 +35,9 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -83,6 +89,11 @@ class ToolParser(ABC):
     name: ClassVar[str]
     # The call marker is a special token (dropped from text unless special tokens are kept).
     needs_special_tokens: ClassVar[bool] = False
+
+    def for_tools(self, tools: Sequence[Any]) -> ToolParser:
+        """The parser for one request's tools (validated tool definitions): itself, unless its
+        format needs their schemas to read calls."""
+        return self
 
     @abstractmethod
     def parse(self, text: str) -> tuple[str, list[ParsedCall]]:
@@ -451,6 +462,55 @@ def json_call_list(text: str) -> list[ParsedCall] | None:
     return None if any(c is None for c in calls) else calls  # type: ignore[return-value]
 
 
+class Qwen3CoderParser(ToolParser):
+    name = "qwen3_coder"
+    START, END = "<tool_call>", "</tool_call>"
+    _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)(?:</function>\s*)?$", re.S)
+    _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.S)
+
+    def __init__(self, types: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+        self.types = types or {}  # function -> parameter -> its JSON schema type
+
+    def for_tools(self, tools: Sequence[Any]) -> ToolParser:
+        types = {}
+        for tool in tools:
+            props = (tool.function.parameters or {}).get("properties") or {}
+            types[tool.function.name] = {k: v.get("type") for k, v in props.items() if isinstance(v, Mapping)}
+        return Qwen3CoderParser(types)
+
+    def _read(self, body: str) -> list[ParsedCall] | None:
+        m = self._FUNCTION.match(body)
+        if m is None or not m.group(1).strip():
+            return None
+        name = m.group(1).strip()
+        types = self.types.get(name, {})
+        args = {}
+        for key, raw in self._PARAMETER.findall(m.group(2)):
+            key = key.strip()
+            args[key] = _typed(raw.removeprefix("\n").removesuffix("\n"), types.get(key))
+        return [ParsedCall(name, json.dumps(args, ensure_ascii=False))]
+
+    def parse(self, text: str) -> tuple[str, list[ParsedCall]]:
+        return _parse_by_streaming(self, text)
+
+    def streamer(self) -> ToolStreamer:
+        return MarkerStreamer(self.START, self.END, self._read)
+
+
+def _typed(value: str, kind: Any) -> Any:
+    """A parameter's text as its schema's type says (strings as written; JSON text decoded when the
+    type is not known, else kept as a string)."""
+    if kind == "string" or (isinstance(kind, list) and "string" in kind):
+        return value
+    try:
+        decoded = json.loads(value)
+    except ValueError:
+        return value
+    if kind == "integer" and isinstance(decoded, float) and decoded.is_integer():
+        return int(decoded)
+    return decoded
+
+
 # The formats whose whole answer is the call (held from their first characters: _WholeAnswerStreamer).
 WholeAnswerParser = Llama3JsonParser | PythonicParser | GraniteParser | Phi4MiniJsonParser
 
@@ -467,6 +527,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
         Llama4PythonicParser,
         GraniteParser,
         Phi4MiniJsonParser,
+        Qwen3CoderParser,
     )
 }
 

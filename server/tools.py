@@ -135,7 +135,7 @@ def plan_tools(req: ChatCompletionRequest, parser: ToolParser | None) -> ToolPla
                 '--tool-call-parser; send tool_choice "required", "none" or a named function instead',
                 param="tool_choice",
             )
-        return ToolPlan("auto", parser=parser)
+        return ToolPlan("auto", parser=parser.for_tools(tools))
     if isinstance(choice, str):
         raise bad_request(
             f"tool_choice {choice!r} is not one of 'none', 'auto', 'required' or a named function",

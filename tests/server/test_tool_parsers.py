@@ -146,6 +146,23 @@ CASES = {
         ("functools is a module", "functools is a module", []),
         ("Sure.", "Sure.", []),
     ],
+    "qwen3_coder": [
+        (
+            "Let me look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+            "</function>\n</tool_call>",
+            "Let me look.\n",
+            [W],
+        ),
+        (
+            "<tool_call><function=book><parameter=days>\n3\n</parameter><parameter=opts>\n"
+            '{"late": true}\n</parameter></function></tool_call>\n<tool_call><function=now></function></tool_call>',
+            "",
+            [ParsedCall("book", '{"days": 3, "opts": {"late": true}}'), NOW],
+        ),
+        ("<tool_call><function=now>", "", [NOW]),  # cut off
+        ("<tool_call>not a function</tool_call>", "<tool_call>not a function</tool_call>", []),
+        ("plain text", "plain text", []),
+    ],
 }
 ALL = [(name, *case) for name, cases in CASES.items() for case in cases]
 
@@ -187,7 +204,7 @@ def test_unknown_parser() -> None:
     with pytest.raises(
         ValueError,
         match="unknown tool-call parser 'nope'; known: deepseek_v3, deepseek_v31, granite, hermes, kimi_k2, "
-        "llama3_json, llama4_pythonic, mistral, phi4_mini_json, pythonic",
+        "llama3_json, llama4_pythonic, mistral, phi4_mini_json, pythonic, qwen3_coder",
     ):
         get_tool_parser("nope")
     # The CLI's choices (server/args.py stays light, so it names them itself) are the registry's.
@@ -327,3 +344,38 @@ def test_history_tool_call_arguments_reach_templates_decoded() -> None:
     assert msg["tool_calls"][0]["function"]["arguments"] == {"tz": "UTC"}
     assert msg["tool_calls"][1] == bad
     assert call["function"]["arguments"] == '{"tz": "UTC"}'  # the request itself is left alone
+
+
+def test_qwen3_coder_types_values_by_the_tools_schema() -> None:
+    """Qwen3-Coder writes every value as text: the request's tool schema says what it is."""
+    from server.tools import _validated_tools
+
+    tools = _validated_tools(
+        [
+            {
+                "type": "function",
+                "function": {
+                    "name": "ship",
+                    "parameters": {
+                        "type": "object",
+                        "properties": {
+                            "zip": {"type": "string"},
+                            "count": {"type": "integer"},
+                            "express": {"type": "boolean"},
+                        },
+                    },
+                },
+            }
+        ]
+    )
+    text = (
+        "<tool_call>\n<function=ship>\n<parameter=zip>\n02134\n</parameter>\n<parameter=count>\n2\n"
+        "</parameter>\n<parameter=express>\ntrue\n</parameter>\n<parameter=note>\n42\n</parameter>\n"
+        "</function>\n</tool_call>"
+    )
+    typed = get_tool_parser("qwen3_coder").for_tools(tools)
+    _, calls = typed.parse(text)
+    assert json.loads(calls[0].arguments) == {"zip": "02134", "count": 2, "express": True, "note": 42}
+    as_string = text.replace("02134", "12")
+    assert json.loads(typed.parse(as_string)[1][0].arguments)["zip"] == "12"  # a string stays one
+    assert json.loads(get_tool_parser("qwen3_coder").parse(as_string)[1][0].arguments)["zip"] == 12
