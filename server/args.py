@@ -21,6 +21,7 @@ from server.vllm_flags import add_vllm_args, http_options
 TOOL_PARSER_NAMES = (
     "deepseek_v3",
     "deepseek_v31",
+    "glm45",
     "granite",
     "hermes",
     "kimi_k2",

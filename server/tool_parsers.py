@@ -22,7 +22,9 @@ format it was trained on; ``--tool-call-parser`` names that format, as in vLLM:
 * ``qwen3_coder`` (Qwen3-Coder): ``<tool_call><function=NAME><parameter=KEY>VALUE</parameter>…
   </function></tool_call>``, any number, after optional text; values are text, typed by the
   request's tool schema (``for_tools``: integers, numbers, booleans, objects and arrays decoded,
-  strings kept as written).
+  strings kept as written);
+* ``glm45`` (GLM-4.5/4.6): ``<tool_call>NAME`` then ``<arg_key>K</arg_key><arg_value>V</arg_value>``
+  pairs and ``</tool_call>``, values typed as ``qwen3_coder``'s.
 
 A parser never loses text: anything that is not a well-formed call stays content. Streaming goes
 through a ``ToolStreamer``, whose result does not depend on how the text was cut into deltas
@@ -462,11 +464,10 @@ def json_call_list(text: str) -> list[ParsedCall] | None:
     return None if any(c is None for c in calls) else calls  # type: ignore[return-value]
 
 
-class Qwen3CoderParser(ToolParser):
-    name = "qwen3_coder"
+class TypedArgumentsParser(ToolParser):
+    """Formats that write each argument as text: typed by the request's tool schemas."""
+
     START, END = "<tool_call>", "</tool_call>"
-    _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)(?:</function>\s*)?$", re.S)
-    _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.S)
 
     def __init__(self, types: Mapping[str, Mapping[str, Any]] | None = None) -> None:
         self.types = types or {}  # function -> parameter -> its JSON schema type
@@ -476,18 +477,19 @@ class Qwen3CoderParser(ToolParser):
         for tool in tools:
             props = (tool.function.parameters or {}).get("properties") or {}
             types[tool.function.name] = {k: v.get("type") for k, v in props.items() if isinstance(v, Mapping)}
-        return Qwen3CoderParser(types)
+        return type(self)(types)
+
+    @abstractmethod
+    def read_call(self, body: str) -> tuple[str, list[tuple[str, str]]] | None:
+        """(function name, [(parameter, its text)]) of one call's body, or None if it is not one."""
 
     def _read(self, body: str) -> list[ParsedCall] | None:
-        m = self._FUNCTION.match(body)
-        if m is None or not m.group(1).strip():
+        read = self.read_call(body)
+        if read is None:
             return None
-        name = m.group(1).strip()
+        name, pairs = read
         types = self.types.get(name, {})
-        args = {}
-        for key, raw in self._PARAMETER.findall(m.group(2)):
-            key = key.strip()
-            args[key] = _typed(raw.removeprefix("\n").removesuffix("\n"), types.get(key))
+        args = {key: _typed(value, types.get(key)) for key, value in pairs}
         return [ParsedCall(name, json.dumps(args, ensure_ascii=False))]
 
     def parse(self, text: str) -> tuple[str, list[ParsedCall]]:
@@ -495,6 +497,31 @@ class Qwen3CoderParser(ToolParser):
 
     def streamer(self) -> ToolStreamer:
         return MarkerStreamer(self.START, self.END, self._read)
+
+
+class Glm45Parser(TypedArgumentsParser):
+    name = "glm45"
+    _PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)(?:</arg_value>|$)", re.S)
+    _NAME = re.compile(r"[\w.\-]+")
+
+    def read_call(self, body: str) -> tuple[str, list[tuple[str, str]]] | None:
+        name = body.strip().partition("\n")[0].split("<arg_key>", 1)[0].strip()
+        if not self._NAME.fullmatch(name):
+            return None
+        return name, [(k.strip(), v.strip()) for k, v in self._PAIR.findall(body)]
+
+
+class Qwen3CoderParser(TypedArgumentsParser):
+    name = "qwen3_coder"
+    _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)(?:</function>\s*)?$", re.S)
+    _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.S)
+
+    def read_call(self, body: str) -> tuple[str, list[tuple[str, str]]] | None:
+        m = self._FUNCTION.match(body)
+        if m is None or not m.group(1).strip():
+            return None
+        pairs = self._PARAMETER.findall(m.group(2))
+        return m.group(1).strip(), [(k.strip(), v.removeprefix("\n").removesuffix("\n")) for k, v in pairs]
 
 
 def _typed(value: str, kind: Any) -> Any:
@@ -528,6 +555,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
         GraniteParser,
         Phi4MiniJsonParser,
         Qwen3CoderParser,
+        Glm45Parser,
     )
 }
 

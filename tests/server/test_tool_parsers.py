@@ -146,6 +146,20 @@ CASES = {
         ("functools is a module", "functools is a module", []),
         ("Sure.", "Sure.", []),
     ],
+    "glm45": [
+        (
+            "Checking.<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>",
+            "Checking.",
+            [W],
+        ),
+        (
+            "<tool_call>book\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>\n"
+            "<tool_call>now\n</tool_call>",
+            "",
+            [ParsedCall("book", '{"days": 3}'), NOW],
+        ),
+        ('<tool_call>{"name": "now"}</tool_call>', '<tool_call>{"name": "now"}</tool_call>', []),
+    ],
     "qwen3_coder": [
         (
             "Let me look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
@@ -203,7 +217,7 @@ def test_content_before_a_call_streams_before_the_call_is_complete() -> None:
 def test_unknown_parser() -> None:
     with pytest.raises(
         ValueError,
-        match="unknown tool-call parser 'nope'; known: deepseek_v3, deepseek_v31, granite, hermes, kimi_k2, "
+        match="unknown tool-call parser 'nope'; known: deepseek_v3, deepseek_v31, glm45, granite, hermes, kimi_k2, "
         "llama3_json, llama4_pythonic, mistral, phi4_mini_json, pythonic, qwen3_coder",
     ):
         get_tool_parser("nope")
@@ -379,3 +393,22 @@ def test_qwen3_coder_types_values_by_the_tools_schema() -> None:
     as_string = text.replace("02134", "12")
     assert json.loads(typed.parse(as_string)[1][0].arguments)["zip"] == "12"  # a string stays one
     assert json.loads(get_tool_parser("qwen3_coder").parse(as_string)[1][0].arguments)["zip"] == 12
+
+
+def test_glm45_types_values_by_the_tools_schema() -> None:
+    from server.tools import _validated_tools
+
+    tools = _validated_tools(
+        [
+            {
+                "type": "function",
+                "function": {
+                    "name": "ship",
+                    "parameters": {"type": "object", "properties": {"zip": {"type": "string"}}},
+                },
+            }
+        ]
+    )
+    text = "<tool_call>ship\n<arg_key>zip</arg_key>\n<arg_value>12</arg_value>\n</tool_call>"
+    assert get_tool_parser("glm45").for_tools(tools).parse(text)[1] == [ParsedCall("ship", '{"zip": "12"}')]
+    assert get_tool_parser("glm45").parse(text)[1] == [ParsedCall("ship", '{"zip": 12}')]
