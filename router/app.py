@@ -110,8 +110,9 @@ class RouterApp:
             else None
         )
         # Probes and /v1/models get a client of their own: short timeouts, never queued behind traffic.
-        self.client = UpstreamClient(config.health_timeout, config.health_timeout, max_idle_per_origin=4)
-        self.upstream = UpstreamClient(config.connect_timeout, config.request_timeout)
+        ca = config.replica_ca_certs
+        self.client = UpstreamClient(config.health_timeout, config.health_timeout, 4, ca)
+        self.upstream = UpstreamClient(config.connect_timeout, config.request_timeout, ca_certs=ca)
         self.relay = Generation(
             self.upstream,
             self.policy,
@@ -176,7 +177,7 @@ class RouterApp:
 
         retry = RetryPolicy(max_retries=config.max_retries)
         prefill = Generation(
-            UpstreamClient(config.connect_timeout, pd.prefill_timeout),
+            UpstreamClient(config.connect_timeout, pd.prefill_timeout, ca_certs=config.replica_ca_certs),
             policy(pd.prefill_policy),
             self.metrics,
             retry,

@@ -31,6 +31,11 @@ def add_router_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--allowed-headers", type=json_list, default=["*"], help="CORS headers (JSON list)")
     p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     p.add_argument(
+        "--replica-ca-certs",
+        default=None,
+        help="CA file that https:// replicas' certificates are checked against (default: the system's CAs)",
+    )
+    p.add_argument(
         "--replica-api-key",
         default=None,
         help="Bearer key of replicas started with --api-key (default: --api-key): sent on the router's "

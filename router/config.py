@@ -22,6 +22,9 @@ class RouterConfig:
     # The key replicas behind --api-key want (default: api_key): the router sends it on its own
     # reads of them and in place of the client's on what it relays.
     replica_api_key: str | None = None
+    # https replicas (ferry serve --ssl-certfile): the CA file their certificates are checked
+    # against (None: the system's trusted CAs)
+    replica_ca_certs: str | None = None
     # CORS, as ferry serve's (server/vllm_flags.py): any origin by default
     allowed_origins: tuple[str, ...] = ("*",)
     allowed_methods: tuple[str, ...] = ("*",)

@@ -71,15 +71,22 @@ def make_discovery(url: str) -> Discovery:
 
 
 def check_replica_url(url: str) -> None:
-    """Refuse a (normalized) replica URL the relay cannot reach: ``http://host[:port]`` only (the
-    upstream client speaks plain HTTP/1.1 and sends every request to the root of its origin)."""
+    """Refuse a (normalized) replica URL the relay cannot reach: ``http(s)://host[:port]`` only (the
+    upstream client speaks HTTP/1.1, over TLS for https, and sends every request to the root of its
+    origin)."""
     try:
         parts = urlsplit(url)
         parts.port  # noqa: B018 - raises ValueError when out of range or not a number
     except ValueError as e:
         raise ValueError(f"replica URL {url!r} is not valid: {e}") from None
-    if parts.scheme != "http" or not parts.hostname or parts.path or parts.query or parts.fragment:
-        raise ValueError(f"replica URL {url!r} is not valid: http://host[:port] expected")
+    if (
+        parts.scheme not in ("http", "https")
+        or not parts.hostname
+        or parts.path
+        or parts.query
+        or parts.fragment
+    ):
+        raise ValueError(f"replica URL {url!r} is not valid: http(s)://host[:port] expected")
 
 
 def normalize_url(url: str) -> str:

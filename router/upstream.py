@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import ssl
 import sys
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable
@@ -192,9 +193,10 @@ class Response:
 
 
 class _Origin:
-    def __init__(self, host: str, port: int, max_idle: int) -> None:
+    def __init__(self, host: str, port: int, max_idle: int, tls: ssl.SSLContext | None = None) -> None:
         self.host = host
         self.port = port
+        self.tls = tls  # https: the context its certificate is checked with
         self.host_header = f"{host}:{port}".encode()
         self.idle: deque[_Conn] = deque()
         self.max_idle = max_idle
@@ -221,20 +223,33 @@ class _Origin:
 
 class UpstreamClient:
     def __init__(
-        self, connect_timeout: float = 2.0, read_timeout: float = 600.0, max_idle_per_origin: int = 512
+        self,
+        connect_timeout: float = 2.0,
+        read_timeout: float = 600.0,
+        max_idle_per_origin: int = 512,
+        ca_certs: str | None = None,
     ):
+        """``ca_certs``: the CA file https replicas' certificates are checked against (default: the
+        system's trusted CAs)."""
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
         self.max_idle = max_idle_per_origin
+        self.ca_certs = ca_certs
+        self._tls: ssl.SSLContext | None = None  # made on the first https origin
         self._origins: dict[str, _Origin] = {}
 
     def _origin(self, base_url: str) -> _Origin:
         origin = self._origins.get(base_url)
         if origin is None:
             parts = urlsplit(base_url)
-            if parts.scheme != "http" or not parts.hostname:
-                raise ConnectError(f"unsupported replica URL {base_url!r} (http://host:port expected)")
-            origin = _Origin(parts.hostname, parts.port or 80, self.max_idle)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ConnectError(f"unsupported replica URL {base_url!r} (http(s)://host:port expected)")
+            tls = None
+            if parts.scheme == "https":
+                if self._tls is None:
+                    self._tls = ssl.create_default_context(cafile=self.ca_certs)
+                tls = self._tls
+            origin = _Origin(parts.hostname, parts.port or (443 if tls else 80), self.max_idle, tls)
             self._origins[base_url] = origin
         return origin
 
@@ -263,10 +278,21 @@ class UpstreamClient:
     async def _connect(self, origin: _Origin) -> _Conn:
         try:
             reader, writer = await _within(
-                asyncio.open_connection(origin.host, origin.port, limit=1 << 20), self.connect_timeout
+                asyncio.open_connection(
+                    origin.host,
+                    origin.port,
+                    limit=1 << 20,
+                    ssl=origin.tls,
+                    server_hostname=origin.host if origin.tls else None,
+                ),
+                self.connect_timeout,
             )
         except asyncio.TimeoutError as e:
             raise ConnectError(f"connect to {origin.host}:{origin.port} timed out") from e
+        except ssl.SSLError as e:  # a certificate the CAs do not vouch for; no request byte was sent
+            raise ConnectError(
+                f"TLS handshake with {origin.host}:{origin.port} failed: {e.reason or e}"
+            ) from e
         except OSError as e:
             raise ConnectError(f"connect to {origin.host}:{origin.port} failed: {e.strerror or e}") from e
         return _Conn(reader, writer)

@@ -203,8 +203,8 @@ def test_zero_replicas_then_admin_add_drain_remove(cluster: Cluster, pair: list[
     for url, why in [
         ("http://[::1", "Invalid IPv6 URL"),
         ("http://127.0.0.1:99999", "Port out of range"),
-        ("https://127.0.0.1:8000", "http://host[:port] expected"),
-        ("http://127.0.0.1:8000/prefix", "http://host[:port] expected"),
+        ("ftp://127.0.0.1:8000", "http(s)://host[:port] expected"),
+        ("http://127.0.0.1:8000/prefix", "http(s)://host[:port] expected"),
     ]:
         refused = httpx.post(router.url + "/admin/replicas", headers=auth, json={"url": url})
         assert refused.status_code == 400 and why in refused.json()["error"]["message"]

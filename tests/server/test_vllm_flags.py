@@ -7,6 +7,8 @@ from __future__ import annotations
 import shutil
 import ssl
 import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -87,3 +89,45 @@ def test_https_with_the_api_key_and_listed_origins(tls_server) -> None:
     assert "--enforce-eager is accepted for vLLM compatibility and changes nothing" in log
     assert "--swap-space is accepted for vLLM compatibility" in log
     assert "--disable-log-requests is accepted" in log
+
+
+def test_the_router_reaches_https_replicas(tls_server, serve_logs: Path, free_tcp_port) -> None:
+    """`ferry router --replica https://… --replica-ca-certs CA`: probes, model lists and relayed
+    requests go over TLS, the certificate checked; without the CA the replica is never trusted."""
+    srv, cert = tls_server
+    replica = "https://" + srv.url.removeprefix("http://")
+    routers = []
+    try:
+        for extra in (["--replica-ca-certs", str(cert)], []):
+            port = free_tcp_port()
+            cmd = [sys.executable, "-m", "ferry", "router", "--port", str(port), "--replica", replica]
+            cmd += ["--policy", "round_robin", "--replica-api-key", "k", "--health-interval", "0.2", *extra]
+            log = open(serve_logs / f"router-{port}.log", "w")  # noqa: SIM115 - closed below
+            routers.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log, port))
+        (_, _, trusted), (_, _, untrusted) = routers
+        url = f"http://127.0.0.1:{trusted}"
+        deadline = time.monotonic() + 60
+        while not _get(url + "/health") == 200:
+            assert time.monotonic() < deadline, "the router never found its https replica healthy"
+            time.sleep(0.2)
+        assert httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"] == srv.model_name
+        body = {"model": srv.model_name, "prompt": "hi", "max_tokens": 2}
+        answer = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 2
+        # The router without the CA: the replica's certificate is not trusted, so it never serves.
+        while (status := _get(f"http://127.0.0.1:{untrusted}/health")) is None:
+            assert time.monotonic() < deadline + 30, "the second router never started"
+            time.sleep(0.2)
+        assert status == 503
+    finally:
+        for proc, log, _ in routers:
+            proc.terminate()
+            proc.wait(15)
+            log.close()
+
+
+def _get(url: str) -> int | None:
+    try:
+        return httpx.get(url, timeout=2).status_code
+    except httpx.HTTPError:
+        return None
