@@ -52,6 +52,7 @@ def tls_server(tiny_llama: Path, serve_logs: Path, server_process, certificate) 
         "--allowed-origins", '["http://ui.example"]', "--allow-credentials",
         # vLLM flags for what ferry does anyway: accepted, each logged.
         "--enforce-eager", "--swap-space", "4", "--disable-log-requests", "--tensor-parallel-size", "1",
+        "--api-server-count", "2",  # every API server process serves TLS on the one port
     ]  # fmt: skip
     srv = server_process(tiny_llama, flags, serve_logs).start(tls_cert=cert)
     yield srv, cert
