@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from server.tool_parsers import held_prefix
+from server.tool_parser_base import held_prefix
 
 START, END = "<think>", "</think>"
 

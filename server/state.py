@@ -15,7 +15,8 @@ from server.params import ModelLimits
 from server.reasoning_parsers import END, REASONING_PARSERS, ReasoningSplitter
 from server.responses_background import BackgroundResponses
 from server.responses_store import ResponseStore
-from server.tool_parsers import ToolParser, get_tool_parser
+from server.tool_parser_base import ToolParser
+from server.tool_parsers import get_tool_parser
 
 
 @dataclass

@@ -37,7 +37,7 @@ from server.protocol import (
     ToolCall,
     ToolSpec,
 )
-from server.tool_parsers import ParsedCall, ToolParser, ToolStreamer, call_from
+from server.tool_parser_base import ParsedCall, ToolParser, ToolStreamer, call_from
 
 _TOOLS = TypeAdapter(list[ToolSpec])
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}

@@ -1,0 +1,165 @@
+"""What every tool-call parser is built from: the parsed call, the parser and streamer interfaces,
+and the streamer of formats that mark a call's start (and end) with fixed text.
+
+A parser never loses text: anything that is not a well-formed call stays content. Streaming goes
+through a ``ToolStreamer``, whose result does not depend on how the text was cut into deltas
+(content is released as soon as it cannot be the start of a call; a call is released whole when it
+is complete), so a replica resuming a stream (router failover) rebuilds the same state by feeding
+it the text already delivered. The formats: ``server/tool_parsers.py`` (and its registry),
+``server/tool_formats.py``.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    name: str
+    arguments: str  # the arguments object as JSON text
+
+
+def call_from(obj: Any, argument_keys: tuple[str, ...] = ("arguments", "parameters")) -> ParsedCall | None:
+    """A call from a decoded ``{"name": …, "arguments": {…}}`` object, or None if it is not one."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args: Any = {}
+    for key in argument_keys:
+        if key in obj:
+            args = obj[key]
+            break
+    if isinstance(args, str):  # some models write the arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def json_values(text: str, separators: str = "") -> list[Any] | None:
+    """Every JSON value in ``text`` (separated by whitespace and ``separators``), or None if any
+    part of it is not JSON."""
+    decoder = json.JSONDecoder()
+    values, pos = [], 0
+    skip = " \t\r\n" + separators
+    while True:
+        while pos < len(text) and text[pos] in skip:
+            pos += 1
+        if pos == len(text):
+            return values
+        try:
+            value, pos = decoder.raw_decode(text, pos)
+        except ValueError:
+            return None
+        values.append(value)
+
+
+class ToolParser(ABC):
+    name: ClassVar[str]
+    # The call marker is a special token (dropped from text unless special tokens are kept).
+    needs_special_tokens: ClassVar[bool] = False
+
+    def for_tools(self, tools: Sequence[Any]) -> ToolParser:
+        """The parser for one request's tools (validated tool definitions): itself, unless its
+        format needs their schemas to read calls."""
+        return self
+
+    @abstractmethod
+    def parse(self, text: str) -> tuple[str, list[ParsedCall]]:
+        """(content, calls) of a whole answer; content is ``text`` itself when no call is read."""
+
+    @abstractmethod
+    def streamer(self) -> ToolStreamer: ...
+
+
+class ToolStreamer(ABC):
+    @abstractmethod
+    def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
+        """Content to send now and calls completed by this delta."""
+
+    @abstractmethod
+    def finish(self) -> tuple[str, list[ParsedCall]]:
+        """What is still held back, at the end of the answer."""
+
+
+def held_prefix(text: str, marker: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class MarkerStreamer(ToolStreamer):
+    """Content until ``start``; then a call body up to ``end`` (or to the end of the answer when
+    ``end`` is None), read by ``read_body`` into calls; then content again. Whitespace between or
+    after calls is sent only if more content follows it."""
+
+    def __init__(self, start: str, end: str | None, read_body) -> None:
+        self.start, self.end, self.read_body = start, end, read_body
+        self.pending = ""  # content held back: it may be the start of ``start``
+        self.body: str | None = None  # inside a call: its text so far
+        self.spaces = ""  # whitespace after a call
+        self.called = False
+
+    def _content(self, text: str) -> str:
+        if self.called and not (self.spaces + text).strip():
+            self.spaces += text
+            return ""
+        text, self.spaces = self.spaces + text, ""
+        return text
+
+    def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
+        out: list[str] = []
+        calls: list[ParsedCall] = []
+        self.pending += text
+        while self.pending:
+            if self.body is None:
+                at = self.pending.find(self.start)
+                if at < 0:
+                    cut = len(self.pending) - held_prefix(self.pending, self.start)
+                    out.append(self._content(self.pending[:cut]))
+                    self.pending = self.pending[cut:]
+                    break
+                out.append(self._content(self.pending[:at]))
+                self.body, self.pending = "", self.pending[at + len(self.start) :]
+                continue
+            self.body += self.pending
+            self.pending = ""
+            if self.end is None or self.end not in self.body:
+                break
+            at = self.body.index(self.end)
+            body, rest = self.body[:at], self.body[at + len(self.end) :]
+            read = self.read_body(body)
+            if read is None:  # not a call after all: it stays text
+                out.append(self._content(self.start + body + self.end))
+            else:
+                calls += read
+                self.called = True
+            self.body, self.pending = None, rest
+        return "".join(out), calls
+
+    def finish(self) -> tuple[str, list[ParsedCall]]:
+        if self.body is None:
+            content, self.pending = self.pending, ""
+            return self._content(content), []
+        body, self.body = self.body, None
+        read = self.read_body(body)
+        if read is None:
+            return self._content(self.start + body), []
+        return "", read
+
+
+def parse_by_streaming(parser: ToolParser, text: str) -> tuple[str, list[ParsedCall]]:
+    """A whole answer read as one delta: the same result as streaming it, by construction."""
+    streamer = parser.streamer()
+    content, calls = streamer.feed(text)
+    more, last = streamer.finish()
+    return (content + more, calls + last) if calls or last else (text, [])
