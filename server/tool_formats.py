@@ -14,13 +14,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 from server.tool_parser_base import (
-    MarkerStreamer,
+    MarkedCallParser,
     ParsedCall,
     ToolParser,
     ToolStreamer,
     call_from,
     json_values,
-    parse_by_streaming,
 )
 
 
@@ -169,7 +168,7 @@ def json_call_list(text: str) -> list[ParsedCall] | None:
     return None if any(c is None for c in calls) else calls  # type: ignore[return-value]
 
 
-class TypedArgumentsParser(ToolParser):
+class TypedArgumentsParser(MarkedCallParser):
     """Formats that write each argument as text: typed by the request's tool schemas."""
 
     START, END = "<tool_call>", "</tool_call>"
@@ -188,7 +187,7 @@ class TypedArgumentsParser(ToolParser):
     def read_call(self, body: str) -> tuple[str, list[tuple[str, str]]] | None:
         """(function name, [(parameter, its text)]) of one call's body, or None if it is not one."""
 
-    def _read(self, body: str) -> list[ParsedCall] | None:
+    def read_body(self, body: str) -> list[ParsedCall] | None:
         read = self.read_call(body)
         if read is None:
             return None
@@ -196,12 +195,6 @@ class TypedArgumentsParser(ToolParser):
         types = self.types.get(name, {})
         args = {key: _typed(value, types.get(key)) for key, value in pairs}
         return [ParsedCall(name, json.dumps(args, ensure_ascii=False))]
-
-    def parse(self, text: str) -> tuple[str, list[ParsedCall]]:
-        return parse_by_streaming(self, text)
-
-    def streamer(self) -> ToolStreamer:
-        return MarkerStreamer(self.START, self.END, self._read)
 
 
 class Glm45Parser(TypedArgumentsParser):

@@ -163,3 +163,20 @@ def parse_by_streaming(parser: ToolParser, text: str) -> tuple[str, list[ParsedC
     content, calls = streamer.feed(text)
     more, last = streamer.finish()
     return (content + more, calls + last) if calls or last else (text, [])
+
+
+class MarkedCallParser(ToolParser):
+    """Calls between ``START`` and ``END`` markers, after optional text and between text: each
+    marked body read by ``read_body`` into calls (None: not a call after all, so it stays text)."""
+
+    START: ClassVar[str]
+    END: ClassVar[str]
+
+    @abstractmethod
+    def read_body(self, body: str) -> list[ParsedCall] | None: ...
+
+    def parse(self, text: str) -> tuple[str, list[ParsedCall]]:
+        return parse_by_streaming(self, text)
+
+    def streamer(self) -> ToolStreamer:
+        return MarkerStreamer(self.START, self.END, self.read_body)

@@ -47,33 +47,26 @@ from server.tool_formats import (
     Qwen3CoderParser,
 )
 from server.tool_parser_base import (
+    MarkedCallParser,
     MarkerStreamer,
     ParsedCall,
     ToolParser,
     ToolStreamer,
     call_from,
     json_values,
-    parse_by_streaming,
 )
 
 
-class HermesParser(ToolParser):
+class HermesParser(MarkedCallParser):
     name = "hermes"
     START, END = "<tool_call>", "</tool_call>"
 
-    @staticmethod
-    def _read(body: str) -> list[ParsedCall] | None:
+    def read_body(self, body: str) -> list[ParsedCall] | None:
         values = json_values(body)
         if not values:
             return None
         calls = [call_from(v) for v in values]
         return None if any(c is None for c in calls) else calls  # type: ignore[return-value]
-
-    def parse(self, text: str) -> tuple[str, list[ParsedCall]]:
-        return parse_by_streaming(self, text)
-
-    def streamer(self) -> ToolStreamer:
-        return MarkerStreamer(self.START, self.END, self._read)
 
 
 class MistralParser(ToolParser):
@@ -100,14 +93,12 @@ class MistralParser(ToolParser):
         return MarkerStreamer(self.START, None, self._read)
 
 
-class SectionParser(ToolParser):
-    """Calls inside one section of special tokens: ``SECTION_START`` (call)+ ``SECTION_END``, each
+class SectionParser(MarkedCallParser):
+    """Calls inside one section of special tokens: ``START`` (call)+ ``END``, each
     call ``CALL_START`` … ``CALL_END`` read by ``read_call``. Only whitespace may separate calls; a
     section cut off at the end of the answer keeps the calls that are complete in it."""
 
     needs_special_tokens = True
-    SECTION_START: ClassVar[str]
-    SECTION_END: ClassVar[str]
     CALL_START: ClassVar[str]
     CALL_END: ClassVar[str]
 
@@ -115,7 +106,7 @@ class SectionParser(ToolParser):
     def read_call(self, inner: str) -> ParsedCall | None:
         """The call written between CALL_START and CALL_END, or None if it is not one."""
 
-    def _read(self, body: str) -> list[ParsedCall] | None:
+    def read_body(self, body: str) -> list[ParsedCall] | None:
         calls: list[ParsedCall] = []
         rest = body.strip()
         while rest:
@@ -131,12 +122,6 @@ class SectionParser(ToolParser):
             rest = rest.strip()
         return calls or None
 
-    def parse(self, text: str) -> tuple[str, list[ParsedCall]]:
-        return parse_by_streaming(self, text)
-
-    def streamer(self) -> ToolStreamer:
-        return MarkerStreamer(self.SECTION_START, self.SECTION_END, self._read)
-
 
 def _json_object(text: str) -> str | None:
     """``text`` as compact-spaced JSON if it is exactly one JSON object, else None."""
@@ -148,7 +133,7 @@ def _json_object(text: str) -> str | None:
 
 class DeepSeekV3Parser(SectionParser):
     name = "deepseek_v3"
-    SECTION_START, SECTION_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+    START, END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
     CALL_START, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 
     def read_call(self, inner: str) -> ParsedCall | None:
@@ -174,7 +159,7 @@ class DeepSeekV31Parser(DeepSeekV3Parser):
 
 class KimiK2Parser(SectionParser):
     name = "kimi_k2"
-    SECTION_START, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+    START, END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
     CALL_START, CALL_END, ARGS = "<|tool_call_begin|>", "<|tool_call_end|>", "<|tool_call_argument_begin|>"
 
     def read_call(self, inner: str) -> ParsedCall | None:
