@@ -318,8 +318,11 @@ def connection_per_api_server(srv) -> list[HTTPConnection]:
     """A keep-alive connection to each of a replica's two API servers, in the order of their pids."""
     _, api = _processes(srv)
     pinned: dict[int, HTTPConnection] = {}
-    spare = []
-    for _ in range(64):  # new connections until each API server holds one
+    # New connections until each API server holds one. An API server that was just started (a
+    # test before replaced one) may take a few seconds to listen: until then the other gets all.
+    deadline = time.monotonic() + 30
+    tries = 0
+    while len(pinned) < 2 and time.monotonic() < deadline:
         conn = HTTPConnection("127.0.0.1", srv.port, timeout=60)
         conn.request("GET", "/health")
         conn.getresponse().read()
@@ -327,11 +330,10 @@ def connection_per_api_server(srv) -> list[HTTPConnection]:
         if owner is not None and owner not in pinned:
             pinned[owner] = conn
         else:
-            spare.append(conn)
-        if len(pinned) == 2:
-            break
-    for conn in spare:
-        conn.close()
+            conn.close()
+            tries += 1
+            if tries % 64 == 0:
+                time.sleep(0.5)
     assert len(pinned) == 2
     return [pinned[pid] for pid in api]
 
