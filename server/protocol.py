@@ -149,7 +149,7 @@ class SamplingFields(_Request):
     priority: StrictInt = Field(default=0, ge=INT64_MIN, le=INT64_MAX)
     # vLLM's: salts the prompt's block hashes, so cached blocks are reused only among requests
     # with the same salt (one per tenant, kept secret, stops prompt probing by timing)
-    cache_salt: StrictStr | None = Field(default=None, min_length=1)
+    cache_salt: StrictStr | None = Field(default=None, min_length=1, max_length=4096)
     ignore_eos: StrictBool = False
     stop_token_ids: list[StrictInt] | None = None
     skip_special_tokens: StrictBool = True

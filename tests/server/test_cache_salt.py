@@ -40,7 +40,7 @@ def test_blocks_are_reused_only_under_the_same_salt(server) -> None:
 
 
 def test_bad_salts_are_400s(server) -> None:
-    for salt in ("", 5, ["a"]):
+    for salt in ("", 5, ["a"], "s" * 4097):
         body = {"model": server.model_name, "prompt": "x", "max_tokens": 1, "cache_salt": salt}
         r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
