@@ -8,6 +8,7 @@ finish reason on the choice's last chunk, a usage chunk with empty ``choices`` w
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -52,6 +53,9 @@ from server.serving_common import (
 from server.state import ServerState
 from server.streaming import DONE_FRAME, SSEResponse, sse_frame
 from server.tools import ToolPlan, plan_tools, tool_finish_reason
+from server.vllm_flags import log_request
+
+logger = logging.getLogger("ferry.server")
 
 
 @dataclasses.dataclass
@@ -174,6 +178,9 @@ async def create_chat_completion(
     await compile_constraints(state, seqs, "tools" if tools and tools.constraint else constraint_field(req))
     ticket = state.generation.admit(len(seqs), submitted)
     state.metrics.observe_params(req.n, seqs[0].params.max_tokens)
+    if state.config.http.log_requests:
+        prompt = state.tokenizer.decode(seqs[0].prompt_token_ids, skip_special_tokens=False)
+        log_request(logger, state.config.http, request_id, state.answer_model(lora), prompt, seqs[0].params)
     response_id = f"chatcmpl-{request_id}"
     choices = [_Choice() for _ in seqs]
     usage = UsageTracker(1, req.n)

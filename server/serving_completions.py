@@ -42,6 +42,7 @@ from server.serving_common import (
 )
 from server.state import ServerState
 from server.streaming import DONE_FRAME, SSEResponse, sse_frame
+from server.vllm_flags import log_request
 
 logger = logging.getLogger("ferry.server")
 
@@ -167,6 +168,13 @@ async def create_completion(
     ticket = state.generation.admit(len(seqs), submitted)
     for first in seqs[:: req.n]:  # per prompt, as vLLM runs each prompt as a request
         state.metrics.observe_params(req.n, first.params.max_tokens)
+        if state.config.http.log_requests:
+            prompt = prompts[first.prompt_index]
+            shown = prompt.text if prompt.text is not None else prompt.token_ids
+            model = state.answer_model(first.lora)
+            log_request(
+                logger, state.config.http, f"{request_id}-{first.prompt_index}", model, shown, first.params
+            )
     response_id = f"cmpl-{request_id}"
     choices = [_Choice(prompts[s.prompt_index]) for s in seqs]
     usage = UsageTracker(len(prompts), req.n)

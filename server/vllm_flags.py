@@ -2,6 +2,8 @@
 
 Two kinds (this module must stay torch-free: ``ferry --help`` imports it):
 
+* Request logging as vLLM's (``--enable-log-requests``, ``--max-log-len``; ``--disable-log-requests``
+  is the default): one INFO line per admitted generation request (``log_request``).
 * HTTP options ferry serves as vLLM does: CORS (``--allowed-origins``, ``--allowed-methods``,
   ``--allowed-headers``, ``--allow-credentials``; vLLM's defaults let any origin in), TLS
   (``--ssl-keyfile``, ``--ssl-certfile``, ``--ssl-ca-certs``, ``--ssl-cert-reqs``) and
@@ -10,8 +12,7 @@ Two kinds (this module must stay torch-free: ``ferry --help`` imports it):
   prefix needs no setting here.)
 * Flags for what ferry does anyway or has no use for, accepted so a vLLM command line starts, each
   logged once with what ferry does instead (``compat_notes``): ``--enforce-eager``,
-  ``--enable-chunked-prefill``, ``--swap-space``, ``--disable-log-stats``, ``--disable-log-requests``
-  / ``--enable-log-requests``, ``--max-log-len``, ``--trust-remote-code``,
+  ``--enable-chunked-prefill``, ``--swap-space``, ``--disable-log-stats``, ``--trust-remote-code``,
   ``--disable-frontend-multiprocessing``, ``--enable-prompt-tokens-details``. The parallelism flags
   (``--tensor-parallel-size`` / ``-tp``, ``--pipeline-parallel-size`` / ``-pp``,
   ``--data-parallel-size`` / ``-dp``) are accepted at 1 and refused above it, saying how ferry scales
@@ -22,12 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
 class HttpOptions:
-    """CORS and TLS options of the API server (uvicorn and Starlette's CORSMiddleware)."""
+    """CORS, TLS (uvicorn and Starlette's CORSMiddleware) and request-logging options of the API server."""
 
     allowed_origins: tuple[str, ...] = ("*",)
     allowed_methods: tuple[str, ...] = ("*",)
@@ -37,6 +39,8 @@ class HttpOptions:
     ssl_certfile: str | None = None
     ssl_ca_certs: str | None = None
     ssl_cert_reqs: int = 0  # ssl.CERT_NONE; 2 (CERT_REQUIRED) asks clients for certificates
+    log_requests: bool = False  # --enable-log-requests
+    max_log_len: int | None = None  # --max-log-len
     uvicorn_log_level: str | None = None  # None: --log-level
 
     @property
@@ -77,12 +81,6 @@ COMPAT_FLAGS: dict[str, tuple[dict, str]] = {
     ),
     "--swap-space": ({"type": float}, "preempted requests are recomputed from the prefix cache, not swapped"),
     "--disable-log-stats": ({"action": "store_true"}, "engine stats are in /metrics, never logged"),
-    "--disable-log-requests": ({"action": "store_true"}, "requests are not logged (as with this flag)"),
-    "--enable-log-requests": (
-        {"action": "store_true"},
-        "requests are not logged: their ids are in the logs of errors",
-    ),
-    "--max-log-len": ({"type": int}, "prompts are never logged"),
     "--trust-remote-code": (
         {"action": "store_true"},
         "no code from a checkpoint is ever run; architectures are ferry's own (see --help of --model)",
@@ -98,7 +96,7 @@ PARALLEL_FLAGS = (
 
 
 def add_vllm_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("vLLM's HTTP options")
+    g = p.add_argument_group("vLLM's HTTP and logging options")
     g.add_argument(
         "--allowed-origins", type=json_list, default=["*"], help='CORS origins (JSON list; default ["*"])'
     )
@@ -117,6 +115,18 @@ def add_vllm_args(p: argparse.ArgumentParser) -> None:
         choices=["critical", "error", "warning", "info", "debug", "trace"],
         help="uvicorn's own log level (default: --log-level)",
     )
+    g.add_argument(
+        "--enable-log-requests",
+        action="store_true",
+        help="log each generation request (id, model, prompt, parameters) at INFO",
+    )
+    g.add_argument("--disable-log-requests", action="store_true", help="do not log requests (the default)")
+    g.add_argument(
+        "--max-log-len",
+        type=int,
+        default=None,
+        help="most prompt characters (or token ids) a request's log line shows (default: all)",
+    )
     c = p.add_argument_group("vLLM flags accepted for compatibility (each logged with what ferry does)")
     for flag, (options, _) in COMPAT_FLAGS.items():
         c.add_argument(flag, help=argparse.SUPPRESS, **options)
@@ -127,7 +137,9 @@ def add_vllm_args(p: argparse.ArgumentParser) -> None:
 
 
 def http_options(args: argparse.Namespace) -> HttpOptions:
-    """Raises ValueError for TLS options that do not go together."""
+    """Raises ValueError for TLS options that do not go together (or a negative --max-log-len)."""
+    if args.max_log_len is not None and args.max_log_len < 0:
+        raise ValueError(f"--max-log-len must be >= 0, got {args.max_log_len}")
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         raise ValueError("--ssl-keyfile and --ssl-certfile go together")
     if args.ssl_cert_reqs not in (0, 1, 2):
@@ -142,6 +154,8 @@ def http_options(args: argparse.Namespace) -> HttpOptions:
         ssl_ca_certs=args.ssl_ca_certs,
         ssl_cert_reqs=args.ssl_cert_reqs,
         uvicorn_log_level=args.uvicorn_log_level,
+        log_requests=args.enable_log_requests and not args.disable_log_requests,
+        max_log_len=args.max_log_len,
     )
 
 
@@ -166,3 +180,14 @@ def compat_notes(args: argparse.Namespace) -> list[str]:
         if given:
             notes.append(f"{flag} is accepted for vLLM compatibility and changes nothing: {note}")
     return notes
+
+
+def log_request(
+    logger: logging.Logger, options: HttpOptions, request_id: str, model: str, prompt: object, params: object
+) -> None:
+    """vLLM's request log line (``--enable-log-requests``): the prompt (text, or token ids) cut to
+    ``--max-log-len``, and the sampling parameters of its first sequence."""
+    if not options.log_requests:
+        return
+    shown = prompt[: options.max_log_len] if options.max_log_len is not None else prompt  # type: ignore[index]
+    logger.info("Received request %s: model: %s, prompt: %r, params: %s", request_id, model, shown, params)

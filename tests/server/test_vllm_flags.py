@@ -51,7 +51,8 @@ def tls_server(tiny_llama: Path, serve_logs: Path, server_process, certificate) 
         "--ssl-keyfile", str(key), "--ssl-certfile", str(cert), "--api-key", "k",
         "--allowed-origins", '["http://ui.example"]', "--allow-credentials",
         # vLLM flags for what ferry does anyway: accepted, each logged.
-        "--enforce-eager", "--swap-space", "4", "--disable-log-requests", "--tensor-parallel-size", "1",
+        "--enforce-eager", "--swap-space", "4", "--tensor-parallel-size", "1",
+        "--enable-log-requests", "--max-log-len", "5",  # vLLM's request log, prompts cut to 5
         "--api-server-count", "2",  # every API server process serves TLS on the one port
     ]  # fmt: skip
     srv = server_process(tiny_llama, flags, serve_logs).start(tls_cert=cert)
@@ -75,8 +76,12 @@ def test_https_with_the_api_key_and_listed_origins(tls_server) -> None:
         timeout=60,
         http_client=httpx.Client(verify=_trust(cert)),
     )
-    answer = client.completions.create(model=srv.model_name, prompt="hi", max_tokens=2)
+    answer = client.completions.create(model=srv.model_name, prompt="hello world", max_tokens=2)
     assert answer.usage.completion_tokens == 2
+    chat = client.chat.completions.create(
+        model=srv.model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=1
+    )
+    assert chat.usage.completion_tokens == 1
     with httpx.Client(verify=_trust(cert), timeout=30) as c:
         url = base + "/v1/completions"
         pre = c.options(url, headers={"Origin": "http://ui.example", **PREFLIGHT})  # before any key
@@ -89,7 +94,12 @@ def test_https_with_the_api_key_and_listed_origins(tls_server) -> None:
     log = srv.log()
     assert "--enforce-eager is accepted for vLLM compatibility and changes nothing" in log
     assert "--swap-space is accepted for vLLM compatibility" in log
-    assert "--disable-log-requests is accepted" in log
+    # The request log line: its id, the model, the prompt cut to --max-log-len, the parameters.
+    line = next(x for x in log.splitlines() if "Received request" in x)
+    assert f"model: {srv.model_name}, prompt: 'hello', params: SamplingParams(" in line
+    assert "max_tokens=2" in line
+    lines = [x for x in log.splitlines() if "Received request" in x]
+    assert len(lines) == 2 and "max_tokens=1" in lines[1]  # the chat's, its rendered prompt cut too
 
 
 def test_the_router_reaches_https_replicas(tls_server, serve_logs: Path, free_tcp_port) -> None:
