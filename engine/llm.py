@@ -71,11 +71,13 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: Sequence[int] | None = None,
+        use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in prompt order; ``n > 1`` gives n completions (child i
         seeded ``seed + i`` when a seed is given). ``lora_request``: the LoRA adapter every prompt
         runs with, or one per prompt (needs ``enable_lora=True``). ``priority``: one per prompt, lower
-        first (needs ``scheduling_policy="priority"``)."""
+        first (needs ``scheduling_policy="priority"``). Prompts may be vLLM's prompt dicts;
+        ``use_tqdm`` is accepted for vLLM's callers and shows nothing."""
         if self.closed:
             raise RuntimeError("this LLM is closed")
         prompt_list = _as_prompt_list(prompts)
@@ -139,6 +141,7 @@ class LLM:
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of messages) or several (a list of them),
         as vLLM's ``LLM.chat``: each rendered with the model's chat template (or ``chat_template``,
@@ -163,7 +166,7 @@ class LLM:
             prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
         return self.generate(prompts, sampling_params, lora_request)
 
-    def embed(self, prompts: Prompt | Sequence[Prompt]) -> list[list[float]]:
+    def embed(self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = False) -> list[list[float]]:
         """Each prompt's pooled hidden state (after the final norm, fp32, not normalised), in prompt
         order: by default the last token's, the embedding of decoder models such as Qwen3-Embedding
         (``pooling_type``: engine/pooler.py)."""
@@ -182,9 +185,25 @@ class LLM:
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
+    """Prompts as the engine takes them: text or token ids, also given as vLLM's prompt dicts
+    (``{"prompt": text}``, ``{"prompt_token_ids": ids}``)."""
+    if isinstance(prompts, (str, Mapping)):
+        prompts = [prompts]  # type: ignore[list-item]
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # one token-id prompt
-    return prompts
+    return [_unwrap(p) for p in prompts]
+
+
+def _unwrap(prompt: object) -> Prompt:
+    if not isinstance(prompt, Mapping):
+        return prompt  # type: ignore[return-value]
+    keys = set(prompt)
+    if keys == {"prompt"} and isinstance(prompt["prompt"], str):
+        return prompt["prompt"]
+    if keys == {"prompt_token_ids"}:
+        return list(prompt["prompt_token_ids"])
+    raise ValueError(
+        f"a prompt dict takes 'prompt' (text) or 'prompt_token_ids' alone, got {sorted(keys)}"
+        " (this engine reads text only)"
+    )

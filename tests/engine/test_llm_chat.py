@@ -1,5 +1,6 @@
 """Offline chat (vLLM's ``LLM.chat`` and ``LLM.get_tokenizer``): conversations rendered with the
-model's template (or one given), encoded as the server encodes them, generated as ``generate``."""
+model's template (or one given), encoded as the server encodes them, generated as ``generate``;
+and vLLM's prompt dicts and ``use_tqdm`` taken by ``generate``, ``chat`` and ``embed``."""
 
 from __future__ import annotations
 
@@ -45,3 +46,16 @@ def test_template_options(llm) -> None:
     assert tok.decode(cont.prompt_token_ids, skip_special_tokens=False).endswith("Hi, I am")
     with pytest.raises(ChatTemplateError):
         llm.chat(CHAT, GREEDY, chat_template="{% for m in messages %}")
+
+
+def test_vllm_prompt_dicts_and_use_tqdm(llm) -> None:
+    ids = llm.get_tokenizer().encode("hello there")
+    plain = llm.generate(["hello there", ids], GREEDY)
+    dicts = llm.generate([{"prompt": "hello there"}, {"prompt_token_ids": ids}], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in dicts] == [o.outputs[0].token_ids for o in plain]
+    one = llm.generate({"prompt_token_ids": ids}, GREEDY)  # a single dict
+    assert one[0].prompt_token_ids == ids
+    assert llm.embed([{"prompt": "hi"}], use_tqdm=True) == llm.embed(["hi"])
+    assert len(llm.chat(CHAT, GREEDY, use_tqdm=False)) == 1
+    with pytest.raises(ValueError, match="takes 'prompt' .* or 'prompt_token_ids' alone"):
+        llm.generate([{"prompt": "x", "multi_modal_data": {}}], GREEDY)
