@@ -29,19 +29,13 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
+from engine.attention.base import raw
 from kvcache.connector import ConnectorStats, KVConnector
 
 logger = logging.getLogger(__name__)
 
 PRODUCER_FLUSH_TIMEOUT_S = 5.0
 MAX_UNREGISTERED_LOADS = 65536
-
-
-def _raw(t: Any) -> Any:
-    """An fp8 cache as its bytes (a uint8 view), any other as itself."""
-    import torch
-
-    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
 
 
 class TierConnector:
@@ -52,8 +46,8 @@ class TierConnector:
         # Per layer (k, v), or (latent,) for an MLA model: then there are no V caches.
         # An fp8 cache moves as its bytes (uint8 views: indexed copies of fp8 are not implemented
         # everywhere); its fingerprint already keeps its blocks apart from other dtypes'.
-        self.k_caches = [_raw(parts[0]) for parts in runner.kv_caches]
-        self.v_caches = [_raw(parts[1]) for parts in runner.kv_caches if len(parts) == 2]
+        self.k_caches = [raw(parts[0]) for parts in runner.kv_caches]
+        self.v_caches = [raw(parts[1]) for parts in runner.kv_caches if len(parts) == 2]
         k0 = self.k_caches[0]
         block_shape = (len(self.k_caches), len(runner.kv_caches[0]), *k0.shape[1:])
         self.block_size = int(k0.shape[1])
