@@ -9,6 +9,7 @@ from dataclasses import replace
 from types import TracebackType
 from typing import Any
 
+from engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from engine.chat_template import template_message
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -126,6 +127,53 @@ class LLM:
             first.outputs = [o.outputs[0] for o in outs]
             results.append(first)
         return results
+
+    def beam_search(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: BeamSearchParams,
+        lora_request: LoRARequest | None = None,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search for each prompt, as vLLM's ``LLM.beam_search`` (``engine/beam_search.py``):
+        one ``BeamSearchOutput`` per prompt, its ``params.beam_width`` sequences best first, each
+        with ``tokens`` (prompt and output), ``cum_logprob``, ``text`` (the output's text: vLLM's
+        offline API puts the prompt's text in front), ``finish_reason`` and ``stop_reason``. Every
+        prompt's live beams run together, one engine step per beam search step."""
+        if self.closed:
+            raise RuntimeError("this LLM is closed")
+        engine = self.engine
+        searches = []
+        for prompt in _as_prompt_list(prompts):
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            if len(ids) + params.max_tokens > engine.max_model_len:
+                raise ValueError(
+                    f"the prompt ({len(ids)} tokens) and max_tokens ({params.max_tokens}) exceed the "
+                    f"model's context ({engine.max_model_len} tokens)"
+                )
+            searches.append(BeamSearch(ids, params, engine.eos_token_ids, self.tokenizer))
+        while True:
+            running = [s for s in searches if not s.done]
+            if not running:
+                break
+            steps = []
+            for search in running:
+                step = search.step_params()
+                reqs = [
+                    engine.make_request(
+                        f"llm-{next(self._ids)}", beam.tokens, step, lora_request=lora_request
+                    )
+                    for beam in search.live
+                ]
+                steps.append((search, reqs))
+            for _, reqs in steps:
+                for req in reqs:
+                    engine.add_request(req)
+            while engine.has_unfinished_requests():
+                engine.step()
+            for search, reqs in steps:
+                search.advance([engine.post.final(req).outputs[0].logprobs[0] for req in reqs])
+        return [search.finish() for search in searches]
 
     def get_tokenizer(self) -> Tokenizer:
         """The model's tokenizer (with its chat template), as vLLM's ``LLM.get_tokenizer``."""

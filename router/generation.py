@@ -99,7 +99,12 @@ class Generation(Relay):
         wants_ids = bool(body.get("return_token_ids"))
         client_logprobs = bool(body.get("logprobs")) if chat else body.get("logprobs") is not None
         # One sequence whose streamed text is all completion: echo would mix prompt tokens in.
-        can_resume = self.max_failovers > 0 and body.get("n") in (None, 1) and not body.get("echo")
+        can_resume = (
+            self.max_failovers > 0
+            and body.get("n") in (None, 1)
+            and not body.get("echo")
+            and not body.get("use_beam_search")  # a search is not resumed from its best beam so far
+        )
 
         def payload(replica: Replica, base: dict = body) -> tuple[bytes, bool]:
             if not can_resume:

@@ -51,6 +51,8 @@ def wants_disaggregation(path: str, body: dict[str, Any]) -> str | None:
     """None when the request can be disaggregated, else why not (a ``local_prefill`` reason)."""
     if body.get("n") not in (None, 1):
         return "n"
+    if body.get("use_beam_search"):
+        return "beam_search"  # each step of the search is a request of its own, on one replica
     if body.get("prompt_logprobs") is not None:
         return "logprobs"  # the decode worker loads the prompt's KV: it computes no prompt logits
     if path.endswith("/chat/completions"):

@@ -74,6 +74,8 @@ def build_state(engine: Any, config: ServerConfig) -> ServerState:
         seq_capacity=int(getattr(info, "kv_capacity_tokens", 0) or 0),
         generation_defaults=dict(getattr(info, "generation_defaults", None) or {}),
         priority_scheduling=getattr(engine_config, "scheduling_policy", "fcfs") == "priority",
+        eos_token_ids=tuple(getattr(info, "eos_token_ids", ()) or ()),
+        engine_max_logprobs=int(getattr(engine_config, "max_logprobs", MAX_LOGPROBS)),
     )
     max_loras = engine_config.max_loras if getattr(engine_config, "enable_lora", False) else None
     cache_info = {

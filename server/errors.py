@@ -84,6 +84,13 @@ def internal_error() -> APIError:
     return APIError(500, "Internal server error.", code="internal_error")
 
 
+def timeout_error(seconds: float) -> APIError:
+    # 408 as the OpenAI API answers a request it gave up on; the OpenAI SDKs retry it.
+    return APIError(
+        408, f"Request timed out after {seconds:g} s (server --request-timeout).", code="request_timeout"
+    )
+
+
 def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
     return APIError(400, message, code=code, param=param)
 

@@ -17,11 +17,13 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.beam_search import BeamSearchParams
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from kvcache.keys import salt_extra
+from server.beam_search import run_beam_search
 from server.config import ServerConfig
-from server.errors import APIError, bad_request, overloaded, unavailable
+from server.errors import APIError, bad_request, overloaded, timeout_error, unavailable
 from server.metrics import ServerMetrics
 
 logger = logging.getLogger("ferry.server")
@@ -41,6 +43,8 @@ class SequenceRequest:
     lora: Any = None  # engine.lora_request.ServedLoRA: the adapter it runs with
     priority: int = 0  # lower runs first under --scheduling-policy priority
     cache_salt: str | None = None  # salts its block hashes: cache hits only among equal salts
+    # use_beam_search: this choice is one of its prompt's beam_width answers (``beam_search.py``)
+    beam: BeamSearchParams | None = None
 
     @property
     def block_extra(self) -> bytes:
@@ -83,13 +87,6 @@ class Ticket:
 class _Deadline:
     timed_out: bool = False
     handle: asyncio.TimerHandle | None = field(default=None, repr=False)
-
-
-def timeout_error(seconds: float) -> APIError:
-    # 408 as the OpenAI API answers a request it gave up on; the OpenAI SDKs retry it.
-    return APIError(
-        408, f"Request timed out after {seconds:g} s (server --request-timeout).", code="request_timeout"
-    )
 
 
 class Generation:
@@ -171,18 +168,22 @@ class Generation:
 
     # -- one sequence -----------------------------------------------------------------------------
 
-    def _engine_request_id(self, request_id: str, seq: SequenceRequest) -> str:
-        rid = f"{request_id}-{seq.choice_index}"
-        if rid in self._live_ids:  # a client reused its X-Request-Id while the first is running
+    def claim_id(self, rid: str, request_id: str) -> str:
+        """An engine request id of HTTP request ``request_id``: ``rid``, made unique if a client
+        reused its X-Request-Id while the first is running. ``unclaim_id`` it when it ends."""
+        if rid in self._live_ids:
             rid = f"{rid}-{time.monotonic_ns():x}"
+        self._live_ids[rid] = request_id
         return rid
+
+    def unclaim_id(self, rid: str) -> None:
+        self._live_ids.pop(rid, None)
 
     async def stream(
         self, request_id: str, seq: SequenceRequest, arrival: float, ticket: Ticket
     ) -> AsyncIterator[RequestOutput]:
         """The engine's delta outputs for one admitted sequence (releases its admission share at the end)."""
-        rid = self._engine_request_id(request_id, seq)
-        self._live_ids[rid] = request_id
+        rid = self.claim_id(f"{request_id}-{seq.choice_index}", request_id)
         ticket.start_one()
         deadline = _Deadline()
         if self.config.request_timeout is not None:
@@ -248,7 +249,7 @@ class Generation:
                 with contextlib.suppress(Exception):
                     await self.engine.abort(rid)
                 metrics.observe_finished("abort", time.perf_counter() - arrival, None)
-            self._live_ids.pop(rid, None)
+            self.unclaim_id(rid)
             self._add_in_flight(-1)
 
     def _expire(self, rid: str, deadline: _Deadline) -> None:
@@ -258,24 +259,27 @@ class Generation:
     async def merged(
         self, request_id: str, seqs: Sequence[SequenceRequest], arrival: float, ticket: Ticket
     ) -> AsyncIterator[tuple[SequenceRequest, RequestOutput]]:
-        """Outputs of several sequences as they come (n > 1, several prompts); one failure ends all."""
-        if len(seqs) == 1:
-            async for out in self.stream(request_id, seqs[0], arrival, ticket):
-                yield seqs[0], out
+        """Outputs of several sequences as they come (n > 1, several prompts); one failure ends all.
+        Beam search choices come as each prompt's search ends, all its choices at once."""
+        units = _units(self, request_id, seqs, arrival, ticket)
+        if len(units) == 1:
+            async with contextlib.aclosing(units[0]) as unit:
+                async for item in unit:
+                    yield item
             return
         queue: asyncio.Queue[tuple[SequenceRequest, RequestOutput] | BaseException | None] = asyncio.Queue()
 
-        async def pump(seq: SequenceRequest) -> None:
+        async def pump(unit: AsyncIterator[tuple[SequenceRequest, RequestOutput]]) -> None:
             try:
-                async for out in self.stream(request_id, seq, arrival, ticket):
-                    queue.put_nowait((seq, out))
+                async for item in unit:
+                    queue.put_nowait(item)
                 queue.put_nowait(None)
             except asyncio.CancelledError:
                 raise
             except BaseException as e:  # handed to the consumer, which re-raises it
                 queue.put_nowait(e)
 
-        tasks = [asyncio.ensure_future(pump(seq)) for seq in seqs]
+        tasks = [asyncio.ensure_future(pump(unit)) for unit in units]
         remaining = len(tasks)
         try:
             while remaining:
@@ -290,3 +294,23 @@ class Generation:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _units(
+    generation: Generation, request_id: str, seqs: Sequence[SequenceRequest], arrival: float, ticket: Ticket
+) -> list[AsyncIterator[tuple[SequenceRequest, RequestOutput]]]:
+    """What runs on its own: each sequence, or each prompt's beam search (all its choices)."""
+    if seqs and seqs[0].beam is not None:
+        groups: dict[int, list[SequenceRequest]] = {}
+        for seq in seqs:
+            groups.setdefault(seq.prompt_index, []).append(seq)
+        return [run_beam_search(generation, request_id, group, arrival, ticket) for group in groups.values()]
+    return [_paired(seq, generation.stream(request_id, seq, arrival, ticket)) for seq in seqs]
+
+
+async def _paired(
+    seq: SequenceRequest, outs: AsyncIterator[RequestOutput]
+) -> AsyncIterator[tuple[SequenceRequest, RequestOutput]]:
+    async with contextlib.aclosing(outs):  # type: ignore[type-var]
+        async for out in outs:
+            yield seq, out

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.beam_search import BeamSearchParams, candidates_per_beam
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from engine.tokenizer import ChatTemplateError, Tokenizer
 from kvcache.keys import from_hex
@@ -36,6 +37,8 @@ class ModelLimits:
     # (ModelInfo.generation_defaults: --generation-config, --override-generation-config).
     generation_defaults: Mapping[str, Any] = field(default_factory=dict)
     priority_scheduling: bool = False  # --scheduling-policy priority: requests may set priority
+    eos_token_ids: tuple[int, ...] = ()  # the model's (beam search counts them among its candidates)
+    engine_max_logprobs: int = 20  # the engine's --max-logprobs: beam search's candidates per beam
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -415,3 +418,55 @@ def child_seed(seed: int | None, index: int) -> int | None:
         return None
     value = seed + index
     return ((value + 2**63) % 2**64) - 2**63
+
+
+def beam_search_params(
+    req: SamplingFields, params: SamplingParams, limits: ModelLimits, top_n: int | None
+) -> BeamSearchParams | None:
+    """vLLM's ``use_beam_search``: the search's parameters (``n`` beams, each choice one of them),
+    or None for a sampled request. ``params``: the request's SamplingParams, for the stopping
+    fields; ``top_n``: the logprobs alternatives asked for per token.
+
+    The search is deterministic: temperature, top_p/top_k/min_p, penalties and seed do not apply
+    (as in vLLM). Fields that would change which tokens may be chosen are refused rather than
+    ignored, and so is a beam wider than the logprobs limit lets a step look at."""
+    if not req.use_beam_search:
+        return None
+    refused = [
+        ("logit_bias", bool(req.logit_bias)),
+        ("allowed_token_ids", req.allowed_token_ids is not None),
+        ("bad_words", bool(req.bad_words)),
+        ("kv_transfer", req.kv_transfer is not None),
+        ("resume", req.resume is not None),
+    ]
+    for name, given in refused:
+        if given:
+            raise bad_request(f"{name} cannot be combined with use_beam_search", param=name)
+    if params.structured_outputs is not None:
+        raise bad_request(
+            "structured outputs (response_format, structured_outputs, guided_*) cannot be combined with "
+            "use_beam_search",
+            param="use_beam_search",
+        )
+    beam = BeamSearchParams(
+        beam_width=req.n,
+        max_tokens=params.max_tokens or 1,
+        ignore_eos=req.ignore_eos,
+        length_penalty=req.length_penalty,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        min_tokens=req.min_tokens,
+        stop=tuple(params.stop),
+        stop_token_ids=tuple(params.stop_token_ids),
+        logprobs=top_n,
+        prompt_logprobs=params.prompt_logprobs,
+        skip_special_tokens=req.skip_special_tokens,
+    )
+    ending = len(set(params.stop_token_ids) | (set() if req.ignore_eos else set(limits.eos_token_ids)))
+    k = candidates_per_beam(beam, ending)
+    if k > limits.engine_max_logprobs:
+        raise bad_request(
+            f"use_beam_search with n={req.n} looks at the top {k} tokens of each beam, more than the "
+            f"server's --max-logprobs ({limits.engine_max_logprobs}) allows; lower n",
+            param="n",
+        )
+    return beam

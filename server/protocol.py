@@ -151,6 +151,9 @@ class SamplingFields(_Request):
     # with the same salt (one per tenant, kept secret, stops prompt probing by timing)
     cache_salt: StrictStr | None = Field(default=None, min_length=1, max_length=4096)
     ignore_eos: StrictBool = False
+    # vLLM's: the n best beams of a beam search instead of n samples (engine/beam_search.py)
+    use_beam_search: StrictBool = False
+    length_penalty: StrictFloat = 1.0  # beam search ranks by cum_logprob / length ** length_penalty
     stop_token_ids: list[StrictInt] | None = None
     skip_special_tokens: StrictBool = True
     spaces_between_special_tokens: StrictBool = True

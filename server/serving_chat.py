@@ -20,6 +20,7 @@ from server.errors import bad_request
 from server.generation import SequenceRequest, Ticket, block_extra
 from server.logprobs import chat_logprobs, prompt_logprobs_out
 from server.params import (
+    beam_search_params,
     chat_prompt,
     child_seed,
     kv_transfer_spec,
@@ -103,6 +104,9 @@ def _plan(
         base = _after_thinking(state, base, prompt_ids)
     if tools is not None and tools.parser is not None and tools.parser.needs_special_tokens:
         base = dataclasses.replace(base, skip_special_tokens=False)  # the call marker is one
+    if req.use_beam_search and state.config.role == "prefill":
+        raise bad_request("a prefill worker does not run beam search", param="use_beam_search")
+    beam = beam_search_params(req, base, limits, top_n if req.logprobs else None)
     return [
         SequenceRequest(
             j,
@@ -114,6 +118,7 @@ def _plan(
             lora=lora,
             priority=req.priority,
             cache_salt=req.cache_salt,
+            beam=beam,
         )
         for j in range(req.n)
     ]

@@ -13,6 +13,7 @@ from server.generation import SequenceRequest, Ticket, block_extra
 from server.logprobs import CompletionLogprobsBuilder, merge_completion_logprobs, prompt_logprobs_out
 from server.params import (
     PreparedPrompt,
+    beam_search_params,
     check_completion_features,
     child_seed,
     completion_prompts,
@@ -70,8 +71,8 @@ def _plan(state: ServerState, req: CompletionRequest) -> tuple[list[PreparedProm
     prompts = completion_prompts(req, state.tokenizer, limits)
     resume = resume_token_ids(req, len(prompts), limits)
     kv = kv_transfer_spec(req, len(prompts))
-    if state.config.role == "prefill" and (len(prompts) != 1 or req.n != 1):
-        raise bad_request("a prefill worker takes exactly one prompt and n = 1", param="n")
+    if state.config.role == "prefill" and (len(prompts) != 1 or req.n != 1 or req.use_beam_search):
+        raise bad_request("a prefill worker takes exactly one prompt, n = 1 and no beam search", param="n")
     kv = transfer_for_role(state.config.role, kv, prompts[0].token_ids, state.block_size, resume, extra)
     if req.prompt_logprobs is not None and req.stream:
         raise bad_request("prompt_logprobs is not available with stream", param="prompt_logprobs")
@@ -92,6 +93,7 @@ def _plan(state: ServerState, req: CompletionRequest) -> tuple[list[PreparedProm
             prompt_logprobs=prompt_logprobs,
             tokenizer=state.tokenizer,
         )
+        beam = beam_search_params(req, base, limits, req.logprobs)
         for j in range(req.n):
             params = dataclasses.replace(base, seed=child_seed(req.seed, j)) if j else base
             seqs.append(
@@ -105,6 +107,7 @@ def _plan(state: ServerState, req: CompletionRequest) -> tuple[list[PreparedProm
                     lora=lora,
                     priority=req.priority,
                     cache_salt=req.cache_salt,
+                    beam=beam,
                 )
             )
     return prompts, seqs

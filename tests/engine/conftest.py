@@ -60,3 +60,9 @@ def prompts(vocab_size: int) -> list[list[int]]:
 def hf_reference():
     """``hf_reference(path, prompt, max_new_tokens) -> (tokens, logits)`` from transformers."""
     return hf_greedy
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    """``hf_model(path)``: transformers' model of a checkpoint, fp32, in eval mode (loaded once)."""
+    return lambda path: _hf_model(str(path))

@@ -50,6 +50,7 @@ def test_long_prompts_are_disaggregated_short_ones_prefill_on_decode(app: Router
 def test_requests_the_hand_off_does_not_cover(app: RouterApp) -> None:
     long = list(range(10, 80))
     assert _reason(app, {"prompt": long, "n": 2}) == "n"
+    assert _reason(app, {"prompt": long, "use_beam_search": True}) == "beam_search"
     assert _reason(app, {"prompt": long, "logprobs": 1}) == "logprobs"
     assert _reason(app, {"prompt": long, "echo": True}) == "echo"
     assert _reason(app, {"prompt": long, "prompt_logprobs": 0}) == "logprobs"

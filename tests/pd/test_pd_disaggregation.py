@@ -171,9 +171,21 @@ def test_short_prompts_and_n_prefill_on_decode(pd: PDCluster) -> None:
     got = httpx.post(pd.router.url + "/v1/completions", json=two, timeout=60).json()
     ref = httpx.post(pd.mixed.url + "/v1/completions", json=two, timeout=60).json()
     assert [c["text"] for c in got["choices"]] == [c["text"] for c in ref["choices"]]
+    # A beam search (n = 1 too) runs whole on one worker: each of its steps is a request of its own.
+    beams = {
+        "prompt": _text(4, 40),
+        "max_tokens": 5,
+        "n": 1,
+        "use_beam_search": True,
+        "return_token_ids": True,
+    }
+    got = httpx.post(pd.router.url + "/v1/completions", json=beams, timeout=60).json()
+    ref = httpx.post(pd.mixed.url + "/v1/completions", json=beams, timeout=60).json()
+    assert [c["token_ids"] for c in got["choices"]] == [c["token_ids"] for c in ref["choices"]]
     assert metric(pd.router.url, "ferry:router_pd_local_prefill_total", {"reason": "short_prompt"}) >= 1
     assert metric(pd.router.url, "ferry:router_pd_local_prefill_total", {"reason": "n"}) >= 1
-    assert metric(pd.router.url, "ferry:router_pd_requests_total", {"path": "local_prefill"}) - before == 2
+    assert metric(pd.router.url, "ferry:router_pd_local_prefill_total", {"reason": "beam_search"}) == 1
+    assert metric(pd.router.url, "ferry:router_pd_requests_total", {"path": "local_prefill"}) - before == 3
 
 
 def test_mixed_replicas_serve_what_is_not_disaggregated(pd: PDCluster) -> None:

@@ -218,6 +218,8 @@ FIELDS = [
     "repetition_penalty",
     "min_tokens",
     "ignore_eos",
+    "use_beam_search",
+    "length_penalty",
     "stop_token_ids",
     "skip_special_tokens",
     "include_stop_str_in_output",
@@ -262,6 +264,8 @@ schemas = st.recursive(
     max_leaves=10,
 )
 CONSTRAINTS = {
+    "use_beam_search": st.booleans() | json_values,
+    "length_penalty": st.floats(-3, 3) | json_values,
     "guided_regex": constraint_text | json_values,
     "guided_grammar": constraint_text.map(lambda t: "root ::= " + t) | json_values,
     "guided_json": schemas | json_values,
