@@ -52,14 +52,18 @@ class CTScheme:
     symmetric: bool
     block: tuple[int, int] | None
 
-    def matches(self, prefix: str) -> bool:
+    def match(self, prefix: str) -> int:
+        """How closely a target names module ``prefix``, as compressed-tensors ranks them: 3 by its
+        name, 2 by a regex, 1 by its class (every quantized module here is a Linear), 0 not at all."""
+        ranks = [0]
         for target in self.targets:
             if target.startswith("re:"):
-                if re.match(target[3:], prefix):
-                    return True
-            elif target == "Linear" or prefix == target or prefix.endswith("." + target):
-                return True
-        return False
+                ranks.append(2 if re.match(target[3:], prefix) else 0)
+            elif target == "Linear":
+                ranks.append(1)
+            else:
+                ranks.append(3 if prefix == target or prefix.endswith("." + target) else 0)
+        return max(ranks)
 
 
 @dataclass(frozen=True)
@@ -197,7 +201,9 @@ def dequantize(prefix: str, parts: dict[str, torch.Tensor], quant: WeightQuant) 
         q = unpack_int32(parts["qweight"], 4, dim=1)[:, order].T
         zeros = unpack_int32(parts["qzeros"], 4, dim=1)[:, _awq_columns(parts["qzeros"].shape[1] * 8)].T
     cols = q.shape[1]
-    if quant.desc_act and "g_idx" in parts:
+    if quant.desc_act:
+        if "g_idx" not in parts:
+            raise ValueError(f"{prefix}.qweight has no {prefix}.g_idx in the checkpoint (desc_act is true)")
         groups = parts["g_idx"].long()
     else:
         groups = torch.arange(cols) // (cols if quant.group_size == -1 else quant.group_size)
@@ -210,8 +216,10 @@ def _dequantize_ct(prefix: str, parts: dict[str, torch.Tensor], quant: WeightQua
         if "weight_scale" in parts:
             raise ValueError(f"{prefix}.weight_scale has no quantized weight in the checkpoint")
         return None
-    scheme = next((s for s in quant.schemes if s.matches(prefix)), None)
-    if scheme is None:
+    ranks = [(s.match(prefix), -i) for i, s in enumerate(quant.schemes)]  # the first of equals wins
+    best = max(range(len(ranks)), key=ranks.__getitem__)
+    scheme = quant.schemes[best]
+    if ranks[best][0] == 0:
         raise ValueError(f"{prefix} is quantized but matches no compressed-tensors config group's targets")
     if "weight_scale" not in parts:
         raise ValueError(f"{prefix} has no {prefix}.weight_scale in the checkpoint")

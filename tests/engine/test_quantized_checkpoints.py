@@ -222,6 +222,27 @@ def test_awq_unpacks_interleaved_columns() -> None:
     assert w[:, 0].tolist() == [0.0, 4.0, 1.0, 5.0, 2.0, 6.0, 3.0, 7.0]
 
 
+def test_compressed_tensors_module_takes_its_closest_config_group() -> None:
+    """A regex or a module name outranks the class name "Linear", as compressed-tensors ranks them."""
+    from engine.models.quantized import dequantize, from_config
+
+    def group(bits: int, targets: list[str]) -> dict:
+        return {"targets": targets, "weights": {"num_bits": bits, "type": "int", "strategy": "channel"}}
+
+    quant = from_config(
+        {
+            "quant_method": "compressed-tensors",
+            "format": "pack-quantized",
+            "config_groups": {"a": group(4, ["Linear"]), "b": group(8, ["re:.*down_proj$"])},
+        }
+    )
+    packed = torch.full((2, 1), 0x76543210, dtype=torch.int32)  # 4 bits: 0..7; 8 bits: 0x10, 0x32…
+    parts = {"weight_packed": packed, "weight_scale": torch.ones(2, 1), "weight_shape": torch.tensor([2, 4])}
+    assert dequantize("model.layers.0.mlp.up_proj", parts, quant)[0].tolist() == [-8.0, -7.0, -6.0, -5.0]
+    down = dequantize("model.layers.0.mlp.down_proj", parts, quant)
+    assert down[0].tolist() == [16 - 128.0, 0x32 - 128.0, 0x54 - 128.0, 0x76 - 128.0]
+
+
 # compressed-tensors: (weights, input activations, format, transformers reads the checkpoint)
 CT_CASES = {
     "pack_w4a16_group_sym": (
@@ -245,6 +266,12 @@ CT_CASES = {
         {"num_bits": 8, "strategy": "token", "dynamic": True},
         "int-quantized",
         False,
+    ),
+    "float_fp8_block16": (
+        {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [16, 16]},
+        None,
+        "float-quantized",
+        True,
     ),
     "float_fp8_channel": (
         {"num_bits": 8, "type": "float", "strategy": "channel"},
@@ -276,9 +303,11 @@ def _ct_checkpoint(src: Path, root: Path, case: str) -> tuple[Path, Path, dict]:
             continue
         w = module.weight.detach()
         if args.type == "float":
-            scale = (w.abs().amax(1, keepdim=True) / 448).half().float()
-            ref = (w / scale).to(torch.float8_e4m3fn).float() * scale
-            zero = None
+            rows, cols = args.block_structure or (1, w.shape[1])  # a block, or a whole row
+            blocks = w.abs().reshape(w.shape[0] // rows, rows, w.shape[1] // cols, cols).amax((1, 3))
+            scale = (blocks / 448).half().float()
+            full = scale.repeat_interleave(rows, 0).repeat_interleave(cols, 1)
+            ref, zero = (w / full).to(torch.float8_e4m3fn).float() * full, None
         else:
             cols = w.shape[1]
             groups = torch.arange(cols) // (args.group_size or cols)
