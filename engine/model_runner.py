@@ -110,7 +110,14 @@ class ModelRunner:
         renames = getattr(model_cls, "WEIGHT_RENAMES", {}).get(cfg.architecture, ())
         keep_fp32 = getattr(model_cls, "FP32_WEIGHTS", ())
         weights = load_weights(
-            model_dir, self.dtype, self.device, keep_fp32, cfg.num_layers, renames, cfg.fp8_block
+            model_dir,
+            self.dtype,
+            self.device,
+            keep_fp32,
+            cfg.num_layers,
+            renames,
+            cfg.fp8_block,
+            cfg.weight_quant,
         )
         self.model = model_cls(
             cfg,

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.models.quantized import WeightQuant, from_config
+
 
 @dataclass(frozen=True)
 class MLAConfig:
@@ -96,6 +98,8 @@ class ModelConfig:
     # Block-quantized fp8 weights (DeepSeek-V3/R1, Qwen3-FP8): each weight's scale covers a block of
     # this shape; the loader dequantizes them to the model dtype. None: unquantized.
     fp8_block: tuple[int, int] | None = None
+    # GPTQ / AWQ / compressed-tensors weights, also dequantized at load. None: none of those.
+    weight_quant: WeightQuant | None = None
     # Granite's scalings: embeddings times embedding_multiplier, attention scores times
     # attention_multiplier (instead of head_dim ** -0.5), each block's output times
     # residual_multiplier before the residual add, logits divided by logits_scaling.
@@ -156,7 +160,9 @@ class ModelConfig:
         dtype = str(raw.get("dtype") or raw.get("torch_dtype") or "float32").replace("torch.", "")
         if raw.get("mlp_bias"):
             raise ValueError("MLP biases (mlp_bias=true) are not supported")
-        fp8_block = _fp8_block(raw.get("quantization_config"))
+        quant = raw.get("quantization_config")
+        weight_quant = from_config(quant) if isinstance(quant, dict) else None
+        fp8_block = None if weight_quant else _fp8_block(quant)
         num_layers = int(raw["num_hidden_layers"])
         window, layer_windows = _sliding_windows(raw, model_type, num_layers)
         return cls(
@@ -185,6 +191,7 @@ class ModelConfig:
             moe=_moe(raw),
             gemma=_gemma(raw, num_layers),
             fp8_block=fp8_block,
+            weight_quant=weight_quant,
             embedding_multiplier=float(raw.get("embedding_multiplier") or 1.0),
             attention_multiplier=float(raw["attention_multiplier"])
             if raw.get("attention_multiplier")
@@ -216,8 +223,8 @@ def _fp8_block(quant: Any) -> tuple[int, int] | None:
         "fp8 without weight_block_size" if method == "fp8" else f"quantization_config.quant_method={method!r}"
     )
     raise ValueError(
-        f"quantized checkpoints are not supported ({detail}); block-wise fp8 (weight_block_size) and "
-        "bfloat16/float16/float32 weights are"
+        f"quantized checkpoints are not supported ({detail}); block-wise fp8 (weight_block_size), GPTQ, "
+        "AWQ, compressed-tensors and bfloat16/float16/float32 weights are"
     )
 
 

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from engine.models.quantized import WeightQuant, dequantize
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -92,6 +94,7 @@ def load_weights(
     num_layers: int | None = None,
     renames: tuple[tuple[str, str], ...] = (),
     fp8_block: tuple[int, int] | None = None,
+    quant: WeightQuant | None = None,
 ) -> dict[str, torch.Tensor]:
     """Every tensor in ``dtype``, except names ending with one of ``keep_fp32`` (a router's
     weights, which transformers also keeps in fp32 whatever the model dtype). Layers from
@@ -100,11 +103,14 @@ def load_weights(
     ``renames`` maps name prefixes (a multimodal checkpoint's ``language_model.model.`` to
     ``model.``); with renames, tensors matching none of them (a vision tower) are not read.
     With ``fp8_block``, fp8 weights are dequantized with their ``…weight_scale_inv`` (one scale per
-    block of that shape; the scale may sit in another shard than its weight)."""
+    block of that shape; the scale may sit in another shard than its weight). With ``quant``, each
+    GPTQ / AWQ / compressed-tensors module's pieces (``<prefix>.qweight``…) are gathered, wherever the
+    shard, and dequantized into ``<prefix>.weight``."""
     from safetensors import safe_open
 
     out: dict[str, torch.Tensor] = {}
     fp8: dict[str, torch.Tensor] = {}  # fp8 weights and their scales, until both are read
+    pieces: dict[str, dict[str, torch.Tensor]] = {}  # quantized modules' tensors, by module prefix
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for stored in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
@@ -115,6 +121,10 @@ def load_weights(
                 if fp8_block is not None and (tensor.dtype in _FP8 or name.endswith("_scale_inv")):
                     fp8[name] = tensor
                     continue
+                if quant is not None and quant.holds(name, tensor):
+                    prefix, part = name.rsplit(".", 1)
+                    pieces.setdefault(prefix, {})[part] = tensor
+                    continue
                 target = torch.float32 if name.endswith(keep_fp32) else dtype
                 out[name] = tensor.to(device=device, dtype=target)
     for name in [n for n in fp8 if not n.endswith("_scale_inv")]:
@@ -124,6 +134,11 @@ def load_weights(
         weight = dequantize_fp8(fp8.pop(name), scale, fp8_block)  # type: ignore[arg-type]
         target = torch.float32 if name.endswith(keep_fp32) else dtype
         out[name] = weight.to(device=device, dtype=target)
+    for prefix, parts in pieces.items():
+        weight = dequantize(prefix, parts, quant)  # type: ignore[arg-type]
+        if weight is not None:
+            name = prefix + ".weight"
+            out[name] = weight.to(device=device, dtype=torch.float32 if name.endswith(keep_fp32) else dtype)
     if fp8:
         raise ValueError(f"scales without an fp8 weight in the checkpoint: {sorted(fp8)[:3]}")
     if not renames and "embed_tokens.weight" in out and "model.embed_tokens.weight" not in out:

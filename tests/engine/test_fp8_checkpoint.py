@@ -94,7 +94,10 @@ def test_dequantize_covers_partial_edge_blocks() -> None:
 @pytest.mark.parametrize(
     ("quant", "message"),
     [
-        ({"quant_method": "awq", "bits": 4}, "quantization_config.quant_method='awq'"),
+        (
+            {"quant_method": "bitsandbytes", "load_in_4bit": True},
+            "quantization_config.quant_method='bitsandbytes'",
+        ),
         ({"quant_method": "fp8", "activation_scheme": "static"}, "fp8 without weight_block_size"),
     ],
 )

@@ -1,0 +1,287 @@
+"""Integer- and fp8-quantized checkpoints (GPTQ, AWQ, compressed-tensors) dequantized at load.
+
+``quantization_config`` is read once into a frozen :class:`WeightQuant`; the loader hands each
+quantized module's tensors (``<prefix>.qweight``, ``.scales``… or ``.weight_packed``,
+``.weight_scale``…) to :func:`dequantize`, which returns the ``[out, in]`` float weight that the
+model code then finds under ``<prefix>.weight``. Which modules are quantized comes from the tensor
+names, so ``modules_to_not_convert`` / ``ignore`` layers and an unquantized ``lm_head`` load as
+usual. There are no integer kernels here: weights are held and computed in the model dtype.
+
+This module must never guess at a layout: a variant it does not know is refused by name when the
+config is read, before any weight is touched.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# GPTQ / AWQ tensors of one module (``<prefix>.<part>``).
+_PACKED_PARTS = ("qweight", "qzeros", "scales", "g_idx")
+# compressed-tensors: pack-quantized stores ``weight_packed``; the naive formats store ``weight`` in
+# int8 / fp8 (recognised by its dtype). Activation scales are read and dropped (see WeightQuant).
+_CT_PARTS = (
+    "weight_packed",
+    "weight_scale",
+    "weight_zero_point",
+    "weight_shape",
+    "weight_g_idx",
+    "input_scale",
+    "input_zero_point",
+)
+_QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
+_CT_FORMATS = ("pack-quantized", "naive-quantized", "int-quantized", "float-quantized")
+_CT_STRATEGIES = ("tensor", "channel", "group", "block")
+# AWQ's GEMM layout packs output columns 8 to an int32 in this order (nibble i holds column ORDER[i]).
+_AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+@dataclass(frozen=True)
+class CTScheme:
+    """One compressed-tensors ``config_groups`` entry: its module targets and weight arguments."""
+
+    targets: tuple[str, ...]  # class names ("Linear"), "re:<regex>" or module names
+    format: str
+    type: str  # int | float
+    bits: int
+    strategy: str  # tensor | channel | group | block
+    group_size: int | None
+    symmetric: bool
+    block: tuple[int, int] | None
+
+    def match(self, prefix: str) -> int:
+        """How closely a target names module ``prefix``, as compressed-tensors ranks them: 3 by its
+        name, 2 by a regex, 1 by its class (every quantized module here is a Linear), 0 not at all."""
+        ranks = [0]
+        for target in self.targets:
+            if target.startswith("re:"):
+                ranks.append(2 if re.match(target[3:], prefix) else 0)
+            elif target == "Linear":
+                ranks.append(1)
+            else:
+                ranks.append(3 if prefix == target or prefix.endswith("." + target) else 0)
+        return max(ranks)
+
+
+@dataclass(frozen=True)
+class WeightQuant:
+    """How the checkpoint stores its quantized linear weights.
+
+    compressed-tensors schemes that also quantize activations (W8A8) are served with the weights
+    dequantized and activations left in the model dtype: nothing rounds them as the quantizer did.
+    """
+
+    method: str  # gptq | awq | compressed-tensors
+    bits: int = 4
+    group_size: int = -1  # -1: one group spans the whole input dimension
+    desc_act: bool = False  # GPTQ: ``g_idx`` names each input row's group
+    zero_offset: int = 0  # GPTQ v1 checkpoints store zero - 1
+    schemes: tuple[CTScheme, ...] = ()
+
+    def holds(self, name: str, tensor: torch.Tensor) -> bool:
+        """Whether this tensor is a piece of a quantized module (the loader collects those)."""
+        part = name.rsplit(".", 1)[-1]
+        if self.method != "compressed-tensors":
+            return part in _PACKED_PARTS
+        return part in _CT_PARTS or (part == "weight" and tensor.dtype in _QUANTIZED_DTYPES)
+
+
+def from_config(quant: dict[str, Any]) -> WeightQuant | None:
+    """The :class:`WeightQuant` of a GPTQ / AWQ / compressed-tensors config; None for other methods.
+    Unsupported variants raise ValueError naming them."""
+    method = quant.get("quant_method")
+    if method == "gptq":
+        return _gptq(quant)
+    if method == "awq":
+        return _awq(quant)
+    if method == "compressed-tensors":
+        return _compressed_tensors(quant)
+    return None
+
+
+def _refuse(what: str) -> ValueError:
+    return ValueError(f"quantized checkpoints are not supported ({what})")
+
+
+def _gptq(quant: dict[str, Any]) -> WeightQuant:
+    bits = int(quant.get("bits", 4))
+    if bits not in (2, 4, 8):
+        raise _refuse(f"GPTQ bits={bits}; 2, 4 and 8 bits load")
+    fmt = quant.get("checkpoint_format") or quant.get("format") or "gptq"
+    if fmt not in ("gptq", "gptq_v2") or quant.get("is_marlin_format"):
+        raise _refuse(f"GPTQ checkpoint_format={fmt!r}; 'gptq' and 'gptq_v2' load")
+    if quant.get("pack_dtype", "int32") != "int32":
+        raise _refuse(f"GPTQ pack_dtype={quant['pack_dtype']!r}; int32 loads")
+    if quant.get("dynamic"):
+        raise _refuse("GPTQ with per-module 'dynamic' overrides")
+    return WeightQuant(
+        method="gptq",
+        bits=bits,
+        group_size=int(quant.get("group_size", -1)),
+        desc_act=bool(quant.get("desc_act", False)),
+        zero_offset=1 if fmt == "gptq" else 0,
+    )
+
+
+def _awq(quant: dict[str, Any]) -> WeightQuant:
+    version = str(quant.get("version", "gemm")).lower()
+    bits = int(quant.get("bits", quant.get("w_bit", 4)))
+    if version != "gemm":
+        raise _refuse(f"AWQ version={version!r}; 'gemm' loads")
+    if bits != 4:
+        raise _refuse(f"AWQ bits={bits}; 4 bits load")
+    if not quant.get("zero_point", True):
+        raise _refuse("AWQ zero_point=false; AWQ GEMM checkpoints with zero points load")
+    return WeightQuant(
+        method="awq", bits=4, group_size=int(quant.get("group_size", quant.get("q_group_size", -1)))
+    )
+
+
+def _compressed_tensors(quant: dict[str, Any]) -> WeightQuant:
+    if quant.get("kv_cache_scheme"):
+        raise _refuse("compressed-tensors kv_cache_scheme (a quantized KV cache)")
+    if quant.get("sparsity_config") or quant.get("transform_config"):
+        raise _refuse("compressed-tensors sparsity_config / transform_config")
+    top_format = quant.get("format", "dense")
+    schemes = []
+    for name, group in (quant.get("config_groups") or {}).items():
+        w = group.get("weights") or {}
+        fmt = group.get("format") or top_format
+        kind, bits, strategy = w.get("type", "int"), int(w.get("num_bits", 8)), w.get("strategy", "tensor")
+        if fmt not in _CT_FORMATS:
+            raise _refuse(f"compressed-tensors format {fmt!r}; {', '.join(_CT_FORMATS)} load")
+        if strategy not in _CT_STRATEGIES or w.get("dynamic"):
+            raise _refuse(f"compressed-tensors weight strategy {strategy!r} (dynamic={w.get('dynamic')})")
+        if kind == "int":
+            ok = bits in (4, 8) if fmt == "pack-quantized" else bits == 8 and fmt != "float-quantized"
+        else:
+            ok = kind == "float" and bits == 8 and fmt in ("float-quantized", "naive-quantized")
+        if not ok or (strategy == "block" and kind != "float"):
+            raise _refuse(f"compressed-tensors {kind} {bits}-bit weights in {fmt!r} ({name})")
+        if group.get("output_activations"):
+            raise _refuse(f"compressed-tensors output_activations quantization ({name})")
+        block = w.get("block_structure")
+        schemes.append(
+            CTScheme(
+                targets=tuple(group.get("targets") or ()),
+                format=fmt,
+                type=kind,
+                bits=bits,
+                strategy=strategy,
+                group_size=w.get("group_size"),
+                symmetric=bool(w.get("symmetric", True)),
+                block=(int(block[0]), int(block[1])) if block else None,
+            )
+        )
+    if not schemes:
+        raise _refuse("compressed-tensors without config_groups")
+    return WeightQuant(method="compressed-tensors", schemes=tuple(schemes))
+
+
+def dequantize(prefix: str, parts: dict[str, torch.Tensor], quant: WeightQuant) -> torch.Tensor | None:
+    """The fp32 ``[out, in]`` weight of module ``prefix`` from its quantized pieces; None when the
+    pieces hold no weight (activation scales alone)."""
+    if quant.method == "compressed-tensors":
+        return _dequantize_ct(prefix, parts, quant)
+    if "qweight" not in parts:
+        raise ValueError(f"{prefix}: {sorted(parts)} without {prefix}.qweight in the checkpoint")
+    missing = [p for p in ("qzeros", "scales") if p not in parts]
+    if missing:
+        raise ValueError(f"{prefix}.qweight has no {prefix}.{missing[0]} in the checkpoint")
+    scales = parts["scales"].float().T  # [out, groups]
+    out = scales.shape[0]
+    if quant.method == "gptq":
+        q = unpack_int32(parts["qweight"], quant.bits, dim=0).T  # [out, in]
+        zeros = unpack_int32(parts["qzeros"], quant.bits, dim=1)[:, :out].T + quant.zero_offset
+    else:  # awq: packed along the output dimension, columns interleaved
+        order = _awq_columns(parts["qweight"].shape[1] * 8)
+        q = unpack_int32(parts["qweight"], 4, dim=1)[:, order].T
+        zeros = unpack_int32(parts["qzeros"], 4, dim=1)[:, _awq_columns(parts["qzeros"].shape[1] * 8)].T
+    cols = q.shape[1]
+    if quant.desc_act:
+        if "g_idx" not in parts:
+            raise ValueError(f"{prefix}.qweight has no {prefix}.g_idx in the checkpoint (desc_act is true)")
+        groups = parts["g_idx"].long()
+    else:
+        groups = torch.arange(cols) // (cols if quant.group_size == -1 else quant.group_size)
+    _check_groups(prefix, groups, scales, q.shape)
+    return _affine(q, scales, zeros[:out], groups)
+
+
+def _dequantize_ct(prefix: str, parts: dict[str, torch.Tensor], quant: WeightQuant) -> torch.Tensor | None:
+    if "weight_packed" not in parts and "weight" not in parts:
+        if "weight_scale" in parts:
+            raise ValueError(f"{prefix}.weight_scale has no quantized weight in the checkpoint")
+        return None
+    ranks = [(s.match(prefix), -i) for i, s in enumerate(quant.schemes)]  # the first of equals wins
+    best = max(range(len(ranks)), key=ranks.__getitem__)
+    scheme = quant.schemes[best]
+    if ranks[best][0] == 0:
+        raise ValueError(f"{prefix} is quantized but matches no compressed-tensors config group's targets")
+    if "weight_scale" not in parts:
+        raise ValueError(f"{prefix} has no {prefix}.weight_scale in the checkpoint")
+    scale = parts["weight_scale"].float()
+    zero = parts.get("weight_zero_point")
+    if "weight_packed" in parts:
+        out, cols = (int(n) for n in parts["weight_shape"])
+        q = unpack_int32(parts["weight_packed"], scheme.bits, dim=1)[:, :cols] - (1 << (scheme.bits - 1))
+        if zero is not None and zero.dtype == torch.int32 and scheme.strategy in ("channel", "group"):
+            zero = unpack_int32(zero, scheme.bits, dim=0)[:out] - (1 << (scheme.bits - 1))
+    else:
+        q = parts["weight"]
+        out, cols = q.shape
+    if scheme.strategy == "block":
+        from engine.models.loader import dequantize_fp8
+
+        return dequantize_fp8(q, scale, scheme.block or (128, 128))
+    if scheme.strategy == "tensor":
+        scale = scale.reshape(1, 1).expand(out, 1)
+        zero = zero.reshape(1, 1).expand(out, 1) if zero is not None else None
+    if scheme.strategy == "group":
+        groups = (
+            parts["weight_g_idx"].long()
+            if "weight_g_idx" in parts
+            else torch.arange(cols) // scheme.group_size
+        )
+    else:
+        groups = torch.zeros(cols, dtype=torch.long)
+    _check_groups(prefix, groups, scale, (out, cols))
+    return _affine(q.float() if q.is_floating_point() else q, scale, zero, groups)
+
+
+def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """int32 words holding ``32 // bits`` unsigned values each, lowest bits first, packed along
+    ``dim`` (0: word ``r`` holds rows ``r * n …``; 1: word ``c`` holds columns ``c * n …``)."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    mask = (1 << bits) - 1
+    rows, cols = packed.shape
+    if dim == 0:
+        return ((packed[:, None, :] >> shifts[None, :, None]) & mask).reshape(rows * len(shifts), cols)
+    return ((packed[:, :, None] >> shifts[None, None, :]) & mask).reshape(rows, cols * len(shifts))
+
+
+def _awq_columns(n: int) -> torch.Tensor:
+    """For each logical output column, the position its value unpacks to in AWQ's interleaved order."""
+    inverse = sorted(range(8), key=lambda i: _AWQ_ORDER[i])  # column j sits in nibble inverse[j]
+    return torch.tensor([8 * (j // 8) + inverse[j % 8] for j in range(n)])
+
+
+def _check_groups(prefix: str, groups: torch.Tensor, scales: torch.Tensor, shape: tuple[int, int]) -> None:
+    if scales.shape[0] != shape[0] or len(groups) != shape[1] or int(groups.max()) >= scales.shape[1]:
+        raise ValueError(
+            f"{prefix}: scales of shape {tuple(scales.shape)} do not fit a {shape[0]}x{shape[1]} weight"
+            f" in {int(groups.max()) + 1} groups"
+        )
+
+
+def _affine(
+    q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, groups: torch.Tensor
+) -> torch.Tensor:
+    """``(q - zero) * scale`` in fp32, where column ``c`` of the ``[out, in]`` weight takes the scale
+    and zero of group ``groups[c]`` (``scale`` and ``zero`` are ``[out, num_groups]``)."""
+    if zero is not None:
+        q = q.to(torch.int32) - zero.to(torch.int32)[:, groups]
+    return q.float() * scale[:, groups]
