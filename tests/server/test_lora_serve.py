@@ -202,3 +202,24 @@ def test_lora_startup_errors_are_clean(tiny_llama, adapters, tmp_path) -> None:
         )
         assert done.returncode == 2, done.stderr
         assert "has rank 32, more than max_lora_rank=16" in done.stderr
+
+
+def test_beam_search_runs_the_named_adapter(client, tiny_llama: Path, adapters) -> None:
+    from engine import BeamSearchParams
+
+    with LLM(str(tiny_llama), enable_lora=True, num_kv_blocks=64, num_threads=1) as llm:
+        lora = LoRARequest("a", 1, str(adapters["a"]))
+        params = BeamSearchParams(beam_width=2, max_tokens=6, ignore_eos=True)
+        beams = llm.beam_search([PROMPT], params, lora_request=lora)[0].sequences
+        base = llm.beam_search([PROMPT], params)[0].sequences
+    assert [b.tokens for b in beams] != [b.tokens for b in base]
+    r = client.completions.create(
+        model="a",
+        prompt=PROMPT,
+        n=2,
+        max_tokens=6,
+        extra_body={"use_beam_search": True, "ignore_eos": True, "return_token_ids": True},
+    )
+    prompt_len = len(beams[0].tokens) - 6
+    assert r.model == "a"
+    assert [c.token_ids for c in r.choices] == [b.tokens[prompt_len:] for b in beams]
