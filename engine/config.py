@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -10,6 +11,20 @@ from engine.generation_defaults import parse_overrides
 from engine.spec_decode import SpeculativeConfig
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+# vLLM's --tokenizer-mode values ferry serves: both read the fast tokenizer (tokenizer.json).
+TOKENIZER_MODES = ("auto", "hf")
+# vLLM's --load-format values ferry serves (dummy: random weights, nothing read from the checkpoint).
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+# vLLM's --quantization names a checkpoint may be served under -> the quant_method it must declare
+# (vLLM's Marlin kernels are its names for GPTQ and AWQ checkpoints run with those kernels).
+QUANTIZATION_METHODS = {
+    "gptq": "gptq",
+    "gptq_marlin": "gptq",
+    "awq": "awq",
+    "awq_marlin": "awq",
+    "compressed-tensors": "compressed-tensors",
+    "fp8": "fp8",
+}
 
 
 @dataclass(frozen=True)
@@ -18,6 +33,17 @@ class EngineConfig:
     ``num_kv_blocks``), so a flag and its Python spelling never drift apart."""
 
     model: str | None = None  # HF directory (or hub id); None = the built-in demo model
+    # vLLM's --tokenizer: the directory (or hub id) of the tokenizer, chat template and special
+    # tokens when they are not the model's own; None: the model directory.
+    tokenizer: str | None = None
+    tokenizer_mode: str = "auto"  # auto | hf (vLLM's slow and mistral tokenizers are not served)
+    # vLLM's --hf-overrides: a JSON object (or its text) merged over config.json before it is read
+    # (engine/models/config.py read_hf_config); held parsed, as a dict. None: none.
+    hf_overrides: Any = None
+    # vLLM's --quantization: the method the checkpoint must be quantized with (checked, never
+    # applied: ferry does no online quantization). None: whatever the checkpoint says.
+    quantization: str | None = None
+    load_format: str = "auto"  # auto | safetensors | dummy (random weights, for benchmarks)
     dtype: str = (
         "auto"  # auto | float32 | bfloat16 | float16 (auto: the checkpoint's, float32 on CPU for fp16)
     )
@@ -126,6 +152,22 @@ class EngineConfig:
             raise ValueError(
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
             )
+        object.__setattr__(self, "hf_overrides", _json_object("hf_overrides", self.hf_overrides))
+        if self.tokenizer_mode not in TOKENIZER_MODES:
+            raise ValueError(
+                f"tokenizer_mode {self.tokenizer_mode!r} is not supported: ferry reads the fast tokenizer "
+                f"(tokenizer.json) only; use {' or '.join(TOKENIZER_MODES)}"
+            )
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(
+                f"load_format {self.load_format!r} is not supported: ferry reads safetensors weights "
+                f"(choose {', '.join(LOAD_FORMATS)})"
+            )
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(
+                f"quantization {self.quantization!r} is not supported: ferry serves checkpoints quantized "
+                f"with {', '.join(QUANTIZATION_METHODS)} (dequantized at load)"
+            )
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         if self.pooling_type not in ("auto", "last", "mean", "cls"):
@@ -141,3 +183,15 @@ class EngineConfig:
                 f"unknown engine option(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}"
             )
         return cls(**options)  # type: ignore[arg-type]
+
+
+def _json_object(name: str, value: Any) -> dict[str, Any] | None:
+    """A dict, or the JSON text of an object; None and ``{}`` are None."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"{name} is not valid JSON ({e}): {value!r}") from None
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, got {type(value).__name__}: {value!r}")
+    return value or None

@@ -27,6 +27,7 @@ from engine.lora_request import LoRARequest
 from engine.model_runner import ModelOutput, ModelRunner
 from engine.models.config import ModelConfig
 from engine.models.loader import resolve_model_dir
+from engine.models.quantized import check_quantization
 from engine.outputs import RequestOutput, merge_deltas
 from engine.pooler import needs_every_row, resolve_pooling_type
 from engine.postprocess import Postprocessor
@@ -47,9 +48,15 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_dir: Path = resolve_model_dir(config.model)
-        self.model_config = ModelConfig.from_dir(self.model_dir)
+        self.model_config = ModelConfig.from_dir(self.model_dir, config.hf_overrides)
+        check_quantization(config.quantization, self.model_config.quant_method)
+        # vLLM's --tokenizer: tokenizer, chat template and special tokens from another directory.
+        self.tokenizer_dir: Path = resolve_model_dir(config.tokenizer) if config.tokenizer else self.model_dir
         self.tokenizer = Tokenizer.from_dir(
-            self.model_dir, config.chat_template, config.chat_template_content_format
+            self.tokenizer_dir,
+            config.chat_template,
+            config.chat_template_content_format,
+            config_dir=self.model_dir,
         )
         self.generation_defaults = load_generation_defaults(
             self.model_dir, config.generation_config, config.override_generation_config

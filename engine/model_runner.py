@@ -18,7 +18,8 @@ from engine.attention import AttentionMetadata, get_attention_backend, resolve_b
 from engine.config import EngineConfig
 from engine.kv_budget import CPU_DEFAULT_BYTES, cuda_kv_bytes
 from engine.lora import DeviceAdapters
-from engine.models.config import ModelConfig
+from engine.models.config import ModelConfig, read_hf_config
+from engine.models.dummy import dummy_weights
 from engine.models.loader import load_weights, resolve_dtype, weights_id
 from engine.models.registry import get_model_class
 from engine.ops import select_ops
@@ -89,7 +90,8 @@ class ModelRunner:
             )
         self.max_model_len = config.max_model_len or limit
         self.block_size = config.block_size
-        self.weights_id = weights_id(model_dir)
+        dummy = config.load_format == "dummy"
+        self.weights_id = weights_id(model_dir, config.hf_overrides, dummy)
         self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         # Blocks of an fp8 cache are other bytes than the model dtype's: never shared with them.
         kv_name = "" if self.kv_dtype == self.dtype else f"+kv:{str(self.kv_dtype).removeprefix('torch.')}"
@@ -109,16 +111,20 @@ class ModelRunner:
         model_cls = get_model_class(cfg.architecture)
         renames = getattr(model_cls, "WEIGHT_RENAMES", {}).get(cfg.architecture, ())
         keep_fp32 = getattr(model_cls, "FP32_WEIGHTS", ())
-        weights = load_weights(
-            model_dir,
-            self.dtype,
-            self.device,
-            keep_fp32,
-            cfg.num_layers,
-            renames,
-            cfg.fp8_block,
-            cfg.weight_quant,
-        )
+        if dummy:
+            raw = read_hf_config(model_dir, config.hf_overrides)
+            weights = dummy_weights(raw, self.dtype, self.device, keep_fp32, renames)
+        else:
+            weights = load_weights(
+                model_dir,
+                self.dtype,
+                self.device,
+                keep_fp32,
+                cfg.num_layers,
+                renames,
+                cfg.fp8_block,
+                cfg.weight_quant,
+            )
         self.model = model_cls(
             cfg,
             weights,

@@ -125,18 +125,25 @@ class Tokenizer:
         model_dir: str | Path,
         chat_template: str | None = None,
         chat_template_content_format: str = "auto",
+        config_dir: str | Path | None = None,
     ) -> Tokenizer:
         """``chat_template``: a template's text that replaces the model's own (all of them: vLLM's
-        ``--chat-template``); ``chat_template_content_format``: see ``ChatTemplates``."""
+        ``--chat-template``); ``chat_template_content_format``: see ``ChatTemplates``; ``config_dir``:
+        the model directory whose ``generation_config.json`` / ``config.json`` eos ids count too, when
+        the tokenizer is another directory's (vLLM's ``--tokenizer``; default: ``model_dir``)."""
         model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"
         if not path.is_file():
-            raise FileNotFoundError(f"{model_dir} has no tokenizer.json (a fast tokenizer file is required)")
+            raise FileNotFoundError(
+                f"{model_dir} has no tokenizer.json (a fast tokenizer file is required; --tokenizer DIR "
+                "reads it from another directory)"
+            )
         backend = _RustTokenizer.from_file(str(path))
         config = _read_json(model_dir / "tokenizer_config.json")
         extra_eos: list[int] = []
+        config_dir = Path(config_dir) if config_dir is not None else model_dir
         for name in ("generation_config.json", "config.json"):
-            extra_eos += _as_id_list(_read_json(model_dir / name).get("eos_token_id"))
+            extra_eos += _as_id_list(_read_json(config_dir / name).get("eos_token_id"))
         templates = {"default": chat_template} if chat_template else load_chat_templates(model_dir, config)
         return cls(backend, config, templates, extra_eos, chat_template_content_format)
 

@@ -55,22 +55,48 @@ API_SERVER_START_TIMEOUT_S = 120.0
 def run_api_servers(config: ServerConfig, engine_config: Any, count: int) -> int:
     """Run one replica as a supervisor, an engine process and ``count`` API server processes."""
     logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT)
+    uds = config.http.uds
     try:
-        reservation = reserve_port(config.host, config.port)
+        reservation = listen_unix(uds) if uds else reserve_port(config.host, config.port)
     except OSError as e:
-        return usage_error(f"cannot listen on {config.host}:{config.port}: {e.strerror or e}")
+        where = uds or f"{config.host}:{config.port}"
+        return usage_error(f"cannot listen on {where}: {e.strerror or e}")
     workdir = tempfile.mkdtemp(prefix="ferry-serve-")  # mode 0700: the engine socket lives here
     metrics_dir = os.path.join(workdir, "metrics")
     os.mkdir(metrics_dir)
     # Inherited by every child, read by prometheus-client when they import it.
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
-    config = dataclasses.replace(config, port=reservation.getsockname()[1])
-    supervisor = Supervisor(config, engine_config, count, os.path.join(workdir, "engine.sock"))
+    if not uds:
+        config = dataclasses.replace(config, port=reservation.getsockname()[1])
+    supervisor = Supervisor(
+        config, engine_config, count, os.path.join(workdir, "engine.sock"), reservation if uds else None
+    )
     try:
         return asyncio.run(supervisor.run())
     finally:
         reservation.close()
+        if uds:
+            with contextlib.suppress(OSError):
+                os.unlink(uds)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def listen_unix(path: str) -> socket.socket:
+    """``--uds``: one listening Unix socket that every API server accepts on (a Unix socket has no
+    ``SO_REUSEPORT`` spreading); a stale socket file left at ``path`` is replaced."""
+    import stat
+
+    with contextlib.suppress(FileNotFoundError):
+        if stat.S_ISSOCK(os.stat(path).st_mode):
+            os.unlink(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def reserve_port(host: str, port: int) -> socket.socket:
@@ -109,8 +135,16 @@ def _bound(sock: socket.socket, host: str, port: int) -> socket.socket:
 
 
 class Supervisor:
-    def __init__(self, config: ServerConfig, engine_config: Any, count: int, engine_path: str) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        engine_config: Any,
+        count: int,
+        engine_path: str,
+        shared_socket: socket.socket | None = None,
+    ) -> None:
         self.config = config
+        self.shared_socket = shared_socket  # --uds: the listening socket every API server accepts on
         self.engine_config = engine_config
         self.count = count
         self.engine_path = engine_path
@@ -201,7 +235,7 @@ class Supervisor:
         config = dataclasses.replace(self.config, register=None)
         proc = self._ctx.Process(
             target=api_server_main,
-            args=(index, config, self.engine_path, sender, os.getpid()),
+            args=(index, config, self.engine_path, sender, os.getpid(), self.shared_socket),
             name=f"api-server-{index}",
         )
         proc.start()
@@ -322,17 +356,24 @@ def engine_main(
 
 
 def api_server_main(
-    index: int, config: ServerConfig, engine_path: str, ready: Connection, supervisor: int
+    index: int,
+    config: ServerConfig,
+    engine_path: str,
+    ready: Connection,
+    supervisor: int,
+    shared_socket: socket.socket | None = None,
 ) -> None:
     _become_child(supervisor)
     logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT)
     from server.main import loop_factory
 
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
-        runner.run(_serve_api(config, engine_path, ready))
+        runner.run(_serve_api(config, engine_path, ready, shared_socket))
 
 
-async def _serve_api(config: ServerConfig, engine_path: str, ready: Connection) -> None:
+async def _serve_api(
+    config: ServerConfig, engine_path: str, ready: Connection, shared_socket: socket.socket | None
+) -> None:
     from server.engine_client import EngineClient
     from server.main import serve
 
@@ -343,4 +384,5 @@ async def _serve_api(config: ServerConfig, engine_path: str, ready: Connection) 
             ready.send(("ready",))
         ready.close()
 
-    await serve(engine, config, sockets=[listen_socket(config.host, config.port)], on_started=started)
+    sock = shared_socket if shared_socket is not None else listen_socket(config.host, config.port)
+    await serve(engine, config, sockets=[sock], on_started=started)

@@ -104,7 +104,10 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
     """The OpenAI-compatible app over ``engine`` (an ``engine.AsyncEngine``)."""
     state = build_state(engine, config)
     app = FastAPI(
-        title="ferry", version=__version__, description="OpenAI-compatible API of one ferry replica."
+        title="ferry",
+        version=__version__,
+        description="OpenAI-compatible API of one ferry replica.",
+        **config.http.fastapi_kwargs(),  # root path, docs
     )
     app.state.ferry = state
     install_error_handlers(app)

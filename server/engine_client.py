@@ -36,7 +36,10 @@ class EngineClient:
         self.config = hello["config"]
         self.model_info = hello["model_info"]
         self.tokenizer = Tokenizer.from_dir(
-            hello["model_dir"], self.config.chat_template, self.config.chat_template_content_format
+            hello["tokenizer_dir"],
+            self.config.chat_template,
+            self.config.chat_template_content_format,
+            config_dir=hello["model_dir"],
         )
         self._stats: EngineStats = hello["stats"]
         self._healthy: bool = hello["healthy"]

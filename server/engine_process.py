@@ -89,6 +89,7 @@ class EngineHost:
                     "config": engine.config,
                     "model_info": engine.model_info,
                     "model_dir": str(engine.engine.model_dir),
+                    "tokenizer_dir": str(engine.engine.tokenizer_dir),
                     "stats": conn.sent_stats,
                     "healthy": conn.sent_healthy,
                     "loras": dict(engine.served_loras),

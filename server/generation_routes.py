@@ -22,7 +22,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 
 from server.errors import APIError, client_closed, internal_error, validation_error
-from server.middleware import ASGIApp, Receive, Scope, Send
+from server.middleware import ASGIApp, Receive, Scope, Send, route_path
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.serving_chat import create_chat_completion
 from server.serving_completions import create_completion
@@ -53,7 +53,9 @@ class GenerationRoutes:
         self.state = state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        route = ROUTES.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        route = (
+            ROUTES.get(route_path(scope)) if scope["type"] == "http" and scope["method"] == "POST" else None
+        )
         if route is None:
             await self.app(scope, receive, send)
             return

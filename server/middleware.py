@@ -40,6 +40,15 @@ _PROTECTED_PREFIXES = (
 _GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 
 
+def route_path(scope: Scope) -> str:
+    """The path routes match: without the app's root path (``--root-path``) when the request carries
+    it, as Starlette routes, so a prefixed path is checked for the API key like a bare one."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root) : len(root) + 1] in ("", "/"):
+        return path[len(root) :] or "/"
+    return path
+
+
 def _header(scope: Scope, name: bytes) -> bytes | None:
     for key, value in scope.get("headers", ()):
         if key == name:
@@ -105,7 +114,7 @@ class EdgeMiddleware:
             request_id = uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = request_id
 
-        if self.api_key is not None and scope["path"].startswith(_PROTECTED_PREFIXES):
+        if self.api_key is not None and route_path(scope).startswith(_PROTECTED_PREFIXES):
             auth = _header(scope, b"authorization") or b""
             if not hmac.compare_digest(auth, b"Bearer " + self.api_key):
                 error = APIError(401, "Invalid or missing API key.", code="invalid_api_key")
@@ -125,7 +134,7 @@ class EdgeMiddleware:
                 message["headers"] = headers
             await send(message)
 
-        if self.announce is None or scope["method"] != "POST" or scope["path"] not in _GENERATION_PATHS:
+        if self.announce is None or scope["method"] != "POST" or route_path(scope) not in _GENERATION_PATHS:
             await self.app(scope, receive, send_with_id)
             return
         submitted = self.announce()

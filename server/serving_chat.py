@@ -54,7 +54,7 @@ from server.serving_common import (
 from server.state import ServerState
 from server.streaming import DONE_FRAME, SSEResponse, sse_frame
 from server.tools import ToolPlan, plan_tools, tool_finish_reason
-from server.vllm_flags import log_request
+from server.vllm_flags import apply_request_defaults, log_request
 
 logger = logging.getLogger("ferry.server")
 
@@ -177,6 +177,8 @@ async def create_chat_completion(
     """The answer: a JSONResponse, or for ``stream`` an SSEResponse; with ``as_chunks`` a stream is
     returned as ``ChatChunks`` (the chunk models unframed, for the Responses API to translate)."""
     arrival = time.perf_counter()
+    if not as_chunks:  # the Responses API's own chat requests keep their settings
+        apply_request_defaults(req, state.config.http)
     lora = state.check_model(req.model)
     tools = plan_tools(req, state.tool_parser)
     seqs = _plan(state, req, tools, lora)

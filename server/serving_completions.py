@@ -43,7 +43,7 @@ from server.serving_common import (
 )
 from server.state import ServerState
 from server.streaming import DONE_FRAME, SSEResponse, sse_frame
-from server.vllm_flags import log_request
+from server.vllm_flags import apply_request_defaults, log_request
 
 logger = logging.getLogger("ferry.server")
 
@@ -166,6 +166,7 @@ async def create_completion(
     submitted: Callable[[], None] | None = None,
 ) -> object:
     arrival = time.perf_counter()
+    apply_request_defaults(req, state.config.http)
     prompts, seqs = _plan(state, req)
     await compile_constraints(state, seqs, constraint_field(req))
     ticket = state.generation.admit(len(seqs), submitted)

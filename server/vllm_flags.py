@@ -6,10 +6,15 @@ Two kinds (this module must stay torch-free: ``ferry --help`` imports it):
   is the default): one INFO line per admitted generation request (``log_request``).
 * HTTP options ferry serves as vLLM does: CORS (``--allowed-origins``, ``--allowed-methods``,
   ``--allowed-headers``, ``--allow-credentials``; vLLM's defaults let any origin in), TLS
-  (``--ssl-keyfile``, ``--ssl-certfile``, ``--ssl-ca-certs``, ``--ssl-cert-reqs``) and
-  ``--uvicorn-log-level``; gathered into ``HttpOptions`` (``ServerConfig.http``). (No
-  ``--root-path``: the API key and routing match request paths as sent, and a proxy that strips a
-  prefix needs no setting here.)
+  (``--ssl-keyfile``, ``--ssl-certfile``, ``--ssl-ca-certs``, ``--ssl-cert-reqs``),
+  ``--uvicorn-log-level``, ``--root-path`` (the app's root path behind a proxy that adds a path
+  prefix: routes and the API key match with or without it), ``--disable-fastapi-docs``, ``--uds``
+  (a Unix socket instead of host:port) and two server-wide request defaults,
+  ``--return-tokens-as-token-ids`` and ``--enable-force-include-usage`` (``apply_request_defaults``);
+  gathered into ``HttpOptions`` (``ServerConfig.http``).
+* Model-loading options, ``EngineConfig`` fields by name (``server.args.engine_options``):
+  ``--tokenizer``, ``--tokenizer-mode``, ``--hf-overrides``, ``--quantization`` / ``-q`` and
+  ``--load-format``; their values are checked by the engine (``engine/config.py``).
 * Flags for what ferry does anyway or has no use for, accepted so a vLLM command line starts, each
   logged once with what ferry does instead (``compat_notes``): ``--enforce-eager``,
   ``--enable-chunked-prefill``, ``--swap-space``, ``--disable-log-stats``, ``--trust-remote-code``,
@@ -25,6 +30,9 @@ import argparse
 import json
 import logging
 from dataclasses import dataclass
+from typing import Any
+
+from server.protocol import StreamOptions
 
 
 @dataclass(frozen=True)
@@ -42,6 +50,13 @@ class HttpOptions:
     log_requests: bool = False  # --enable-log-requests
     max_log_len: int | None = None  # --max-log-len
     uvicorn_log_level: str | None = None  # None: --log-level
+    root_path: str = ""  # --root-path: FastAPI's root_path (a path-prefixing proxy in front)
+    docs: bool = True  # /docs, /redoc and /openapi.json (--disable-fastapi-docs: none)
+    uds: str | None = None  # --uds: listen on this Unix socket instead of host:port
+    # Server-wide request defaults: logprob tokens as "token_id:N" where a request does not say
+    # (--return-tokens-as-token-ids), and usage at the end of every stream (--enable-force-include-usage).
+    return_tokens_as_token_ids: bool = False
+    force_include_usage: bool = False
 
     @property
     def tls(self) -> bool:
@@ -59,6 +74,15 @@ class HttpOptions:
             )
         if self.uvicorn_log_level is not None:
             kwargs["log_level"] = self.uvicorn_log_level
+        if self.uds is not None:
+            kwargs["uds"] = self.uds
+        return kwargs
+
+    def fastapi_kwargs(self) -> dict:
+        """What ``FastAPI(...)`` takes of these options (vLLM's root path and docs switch)."""
+        kwargs: dict = {"root_path": self.root_path}
+        if not self.docs:
+            kwargs.update(openapi_url=None, docs_url=None, redoc_url=None)
         return kwargs
 
 
@@ -127,6 +151,61 @@ def add_vllm_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="most prompt characters (or token ids) a request's log line shows (default: all)",
     )
+    g.add_argument(
+        "--root-path",
+        default="",
+        help="the path prefix a proxy in front adds (FastAPI's root_path): routes and the API key "
+        "match with or without it, the OpenAPI docs name it",
+    )
+    g.add_argument(
+        "--disable-fastapi-docs", action="store_true", help="serve no /docs, /redoc or /openapi.json"
+    )
+    g.add_argument(
+        "--uds", default=None, metavar="PATH", help="listen on this Unix socket instead of host:port"
+    )
+    g.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help='logprob tokens as "token_id:N" for requests that do not set return_tokens_as_token_ids',
+    )
+    g.add_argument(
+        "--enable-force-include-usage",
+        action="store_true",
+        help="every stream ends with a usage chunk, as if stream_options.include_usage were set",
+    )
+    m = p.add_argument_group("vLLM's model-loading options")
+    m.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR",
+        help="read the tokenizer, chat template and special tokens from this directory (or hub id) "
+        "instead of the model's",
+    )
+    m.add_argument(
+        "--tokenizer-mode",
+        default="auto",
+        help="auto or hf: the fast tokenizer (slow and mistral are not served)",
+    )
+    m.add_argument(
+        "--hf-overrides",
+        default=None,
+        metavar="JSON",
+        help="a JSON object merged over the model's config.json before it is read, e.g. "
+        "'{\"max_position_embeddings\": 4096}'",
+    )
+    m.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        metavar="METHOD",
+        help="the method the checkpoint is quantized with (gptq, awq, compressed-tensors, fp8; "
+        "gptq_marlin and awq_marlin name the first two): a checkpoint that is not is refused",
+    )
+    m.add_argument(
+        "--load-format",
+        default="auto",
+        help="auto or safetensors: the checkpoint's weights; dummy: random weights, no weight file read",
+    )
     c = p.add_argument_group("vLLM flags accepted for compatibility (each logged with what ferry does)")
     for flag, (options, _) in COMPAT_FLAGS.items():
         c.add_argument(flag, help=argparse.SUPPRESS, **options)
@@ -144,6 +223,13 @@ def http_options(args: argparse.Namespace) -> HttpOptions:
         raise ValueError("--ssl-keyfile and --ssl-certfile go together")
     if args.ssl_cert_reqs not in (0, 1, 2):
         raise ValueError(f"--ssl-cert-reqs must be 0, 1 or 2, got {args.ssl_cert_reqs}")
+    root = args.root_path
+    if root and (not root.startswith("/") or root.endswith("/")):
+        raise ValueError(f"--root-path must start with / and not end with one (e.g. /api), got {root!r}")
+    if args.uds is not None and args.register is not None and args.advertise_url is None:
+        raise ValueError("--uds with --register needs --advertise-url: routers cannot reach a Unix socket")
+    if args.uds is not None and args.ssl_certfile is not None:
+        raise ValueError("--uds serves plain HTTP on a Unix socket: leave out --ssl-keyfile/--ssl-certfile")
     return HttpOptions(
         allowed_origins=tuple(args.allowed_origins),
         allowed_methods=tuple(args.allowed_methods),
@@ -156,6 +242,11 @@ def http_options(args: argparse.Namespace) -> HttpOptions:
         uvicorn_log_level=args.uvicorn_log_level,
         log_requests=args.enable_log_requests and not args.disable_log_requests,
         max_log_len=args.max_log_len,
+        root_path=root,
+        docs=not args.disable_fastapi_docs,
+        uds=args.uds,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        force_include_usage=args.enable_force_include_usage,
     )
 
 
@@ -191,3 +282,16 @@ def log_request(
         return
     shown = prompt[: options.max_log_len] if options.max_log_len is not None else prompt  # type: ignore[index]
     logger.info("Received request %s: model: %s, prompt: %r, params: %s", request_id, model, shown, params)
+
+
+def apply_request_defaults(request: Any, options: HttpOptions) -> None:
+    """The server-wide defaults of a chat or completion request, as vLLM applies them: logprob tokens
+    as ids unless the request says otherwise; with forced usage, a stream's usage chunk (continuous
+    usage stays the request's choice)."""
+    if options.return_tokens_as_token_ids and "return_tokens_as_token_ids" not in request.model_fields_set:
+        request.return_tokens_as_token_ids = True
+    if options.force_include_usage and request.stream:
+        if request.stream_options is None:
+            request.stream_options = StreamOptions(include_usage=True)
+        else:
+            request.stream_options.include_usage = True

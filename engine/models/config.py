@@ -123,20 +123,20 @@ class ModelConfig:
         return self.mla.latent_dim if self.mla else self.head_dim
 
     @property
+    def quant_method(self) -> str | None:
+        """The checkpoint's ``quantization_config.quant_method`` as ferry loads it (None: unquantized)."""
+        if self.weight_quant is not None:
+            return self.weight_quant.method
+        return "fp8" if self.fp8_block is not None else None
+
+    @property
     def kv_layout(self) -> str:
         """Names the cache layout in the tier fingerprint: blocks of another layout never mix."""
         return "latent:[block,token,1,dim]" if self.mla else "k,v:[block,token,kv_head,dim]"
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
-        path = Path(model_dir) / "config.json"
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ValueError(
-                f"{model_dir} has no config.json; it is not a Hugging Face model directory"
-            ) from None
-        return cls.from_dict(raw)
+    def from_dir(cls, model_dir: str | Path, overrides: dict[str, Any] | None = None) -> ModelConfig:
+        return cls.from_dict(read_hf_config(model_dir, overrides))
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -202,6 +202,37 @@ class ModelConfig:
                 raw.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
             ),
         )
+
+
+def read_hf_config(model_dir: str | Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``config.json`` with vLLM's ``--hf-overrides`` merged over it: each key replaces the file's,
+    except that an object given for a sub-config (``text_config``: a key ending in ``_config`` other
+    than ``quantization_config``) updates that sub-config key by key, as vLLM updates a nested
+    ``PretrainedConfig``; other objects (``rope_scaling``) replace the file's whole."""
+    path = Path(model_dir) / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(
+            f"{model_dir} has no config.json; it is not a Hugging Face model directory"
+        ) from None
+    return _merged(raw, overrides or {})
+
+
+def _merged(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    out = dict(raw)
+    for key, value in overrides.items():
+        sub = out.get(key)
+        if (
+            isinstance(value, dict)
+            and isinstance(sub, dict)
+            and key.endswith("_config")
+            and key != "quantization_config"
+        ):
+            out[key] = _merged(sub, value)
+        else:
+            out[key] = value
+    return out
 
 
 def _fp8_block(quant: Any) -> tuple[int, int] | None:

@@ -60,14 +60,20 @@ def _header(path: Path) -> bytes:
         return f.read(n)
 
 
-def weights_id(model_dir: Path) -> str:
-    """A digest of config.json plus every safetensors file's name, size and header.
+def weights_id(model_dir: Path, hf_overrides: dict | None = None, dummy: bool = False) -> str:
+    """A digest of config.json (and ``--hf-overrides``) plus every safetensors file's name, size and
+    header; with ``dummy`` (random weights), of the config alone.
 
     Headers hold each tensor's name, dtype, shape and byte offsets; with the file sizes this
     separates checkpoints cheaply without hashing gigabytes of weights.
     """
     h = hashlib.blake2b(digest_size=16)
     h.update((model_dir / "config.json").read_bytes())
+    if hf_overrides:
+        h.update(b"\0hf_overrides\0" + json.dumps(hf_overrides, sort_keys=True).encode())
+    if dummy:
+        h.update(b"\0dummy weights")
+        return h.hexdigest()
     for path in safetensors_files(model_dir):
         h.update(path.name.encode() + b"\0" + str(path.stat().st_size).encode() + b"\0")
         h.update(_header(path))

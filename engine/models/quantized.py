@@ -102,6 +102,32 @@ def from_config(quant: dict[str, Any]) -> WeightQuant | None:
     return None
 
 
+def check_quantization(requested: str | None, actual: str | None) -> None:
+    """vLLM's check of ``--quantization``: the checkpoint (``actual``: its quant_method, None when
+    unquantized) must be quantized with the method named (``gptq_marlin`` / ``awq_marlin`` name GPTQ
+    / AWQ checkpoints). ferry never quantizes weights itself: a method asked of an unquantized
+    checkpoint is refused by name."""
+    from engine.config import QUANTIZATION_METHODS
+
+    if requested is None or QUANTIZATION_METHODS[requested] == actual:
+        return
+    if actual is None and requested == "fp8":
+        raise ValueError(
+            "--quantization fp8 on an unquantized checkpoint asks for vLLM's online fp8 quantization, "
+            "which ferry does not do; serve an fp8 checkpoint (block-wise or compressed-tensors) or leave "
+            "out --quantization"
+        )
+    if actual is None:
+        raise ValueError(
+            f"--quantization {requested}: the checkpoint is not quantized (its config.json has no "
+            "quantization_config) and ferry does not quantize weights itself"
+        )
+    raise ValueError(
+        f"--quantization {requested} does not match the checkpoint, quantized with "
+        f"quantization_config.quant_method={actual!r}; pass --quantization {actual} or leave it out"
+    )
+
+
 def _refuse(what: str) -> ValueError:
     return ValueError(f"quantized checkpoints are not supported ({what})")
 

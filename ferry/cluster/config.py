@@ -51,6 +51,7 @@ SERVE_MANAGED = {
     "--kv-tier": "use kv_tier",
     "--num-threads": "use {pool}.threads",
     "--served-model-name": "use served_model_name",
+    "--uds": "workers listen on {pool}.port, where the router reaches them",
 }
 ROUTER_MANAGED = {
     "--host": "use router.host",

@@ -221,9 +221,13 @@ def _flag_value(args: tuple[str, ...] | list[str], flag: str) -> str | None:
 
 
 def router_tokenizer_dir(config: ClusterConfig) -> str | None:
-    """The model directory the router reads its tokenizer from: the file's model if it is a local
-    directory, the built-in demo model's path when the file names none (``ferry up`` builds it before
+    """The model directory the router reads its tokenizer from: a pool's ``--tokenizer`` if its args
+    set one (a local directory), the file's model if it is a local directory, the built-in demo model's path when the file names none (``ferry up`` builds it before
     starting anything), else None (a hub id: the router falls back to text-based keys)."""
+    for pool in config.pools:  # the workers read theirs from another directory (--tokenizer)
+        tokenizer = _flag_value(pool.args, "--tokenizer")
+        if tokenizer is not None:
+            return tokenizer if os.path.isdir(tokenizer) else None
     if config.model is None:
         from engine.demo import demo_model_path  # torch-free; nothing is built here
 

@@ -275,3 +275,14 @@ def test_router_renders_chats_with_the_workers_chat_template() -> None:
         "--chat-template",
         "/t/other.jinja",
     )
+
+
+def test_router_reads_the_workers_tokenizer_directory(tmp_path: Path) -> None:
+    """A pool's --tokenizer (vLLM's) is where the router reads its tokenizer from too; --uds is ferry up's."""
+    pools = {"args": ["--tokenizer", str(tmp_path)]}
+    router = build_plan(parse_config({"mixed": pools, "kv_tier": "memory://"}), python="python").router
+    assert router.argv[router.argv.index("--model") + 1] == str(tmp_path)
+    with pytest.raises(
+        ConfigError, match=r"mixed.args: --uds is set by ferry up \(workers listen on mixed.port"
+    ):
+        parse_config({"mixed": {"args": ["--uds", "/tmp/x.sock"]}, "kv_tier": "memory://"})

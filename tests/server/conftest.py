@@ -49,10 +49,15 @@ class ServerProcess:
         return self.model_dir.name
 
     def start(
-        self, timeout: float = 120.0, env: dict[str, str] | None = None, tls_cert: Path | None = None
+        self,
+        timeout: float = 120.0,
+        env: dict[str, str] | None = None,
+        tls_cert: Path | None = None,
+        uds: Path | None = None,
     ) -> ServerProcess:
         """Run it (``env``: more environment variables) until ``/health`` answers 200 (over HTTPS,
-        checked against ``tls_cert``, when the server was given a certificate)."""
+        checked against ``tls_cert``, when the server was given a certificate; on the Unix socket
+        ``uds`` when it serves there)."""
         cmd = [
             sys.executable,
             "-m",
@@ -76,8 +81,10 @@ class ServerProcess:
             try:
                 health = self.url.replace("http://", "https://" if tls_cert else "http://") + "/health"
                 verify = ssl.create_default_context(cafile=str(tls_cert)) if tls_cert else True
-                if httpx.get(health, timeout=1.0, verify=verify).status_code == 200:
-                    return self
+                transport = httpx.HTTPTransport(uds=str(uds)) if uds else None
+                with httpx.Client(verify=verify, transport=transport, timeout=1.0) as client:
+                    if client.get(health).status_code == 200:
+                        return self
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
