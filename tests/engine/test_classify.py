@@ -152,3 +152,15 @@ def test_config_mistakes_are_refused() -> None:
             {"sbert_ce_default_activation_function": "torch.nn.modules.activation.Tanh"}, 1
         )
     assert not ClassifierInfo.from_config({"use_pad_token": False}, 1).use_sep_token
+
+
+def test_a_chat_template_is_the_score_template(tiny_cross_encoder: Path) -> None:
+    """vLLM's score template: the ``chat_template`` option rendered over a query and a document
+    message (Qwen3-Reranker's prompt format is served so), then encoded as one text."""
+    template = "{% for m in messages %}{{ '<' + m['role'] + '>' + m['content'] + '</' + m['role'] + '>' }}{% endfor %}"
+    llm = LLM(str(tiny_cross_encoder), num_kv_blocks=64, chat_template=template)
+    (out,) = llm.score(TEXTS[0], DOCS[0])
+    text = f"<query>{TEXTS[0]}</query><document>{DOCS[0]}</document>"
+    assert out.prompt_token_ids == llm.tokenizer.encode(text)
+    (logit,) = _hf_logits(tiny_cross_encoder, [out.prompt_token_ids])
+    assert abs(out.outputs.score - torch.sigmoid(logit)[0].item()) < 1e-5
