@@ -11,7 +11,15 @@ from typing import TYPE_CHECKING, Any
 
 from engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from engine.lora_request import LoRARequest
-from engine.outputs import CompletionOutput, Logprob, RequestOutput
+from engine.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    CompletionOutput,
+    Logprob,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -29,6 +37,10 @@ __all__ = [
     "RequestOutput",
     "CompletionOutput",
     "Logprob",
+    "ClassificationOutput",
+    "ClassificationRequestOutput",
+    "ScoringOutput",
+    "ScoringRequestOutput",
 ]
 
 _LAZY = {"LLM": "engine.llm", "AsyncEngine": "engine.async_engine"}

@@ -89,8 +89,11 @@ def build_model(
     rope_scaling: dict | None = None,
     tokenizer_vocab_size: int = 1000,
     extra_tokens: Sequence[str] = (),
+    num_labels: int | None = None,
+    id2label: dict[int, str] | None = None,
 ) -> Path:
-    """Write a random-weight HF checkpoint (config, safetensors, tokenizer) for ``arch``.
+    """Write a random-weight HF checkpoint (config, safetensors, tokenizer) for ``arch``; with
+    ``num_labels``, its ``*ForSequenceClassification`` (a ``score`` head, labels ``id2label``).
 
     ``arch`` is "llama", "qwen2" (attention q/k/v bias), "deepseek_v3" (MLA + MoE: 8 routed
     experts in 2 groups, 2 per token, 1 shared; layer 0 dense; ``rope_scaling`` may be YaRN),
@@ -274,6 +277,13 @@ def build_model(
         cls = getattr(transformers, f"Deepseek{version}ForCausalLM")
     else:
         raise ValueError(f"unknown tiny architecture {arch!r}")
+    if num_labels is not None:
+        import transformers
+
+        cfg.num_labels = num_labels
+        if id2label is not None:
+            cfg.id2label, cfg.label2id = dict(id2label), {v: k for k, v in id2label.items()}
+        cls = getattr(transformers, cls.__name__.replace("ForCausalLM", "ForSequenceClassification"))
     torch.manual_seed(seed)
     model = cls(cfg)
     # Larger-than-default init so random models produce varied, non-degenerate tokens.

@@ -134,6 +134,7 @@ class LLMEngine:
             hidden_size=runner.model_config.hidden_size,
             pooling_type=self.pooling_type,
             generation_defaults=self.generation_defaults,
+            classifier=runner.classifier,
         )
 
     @property
@@ -205,6 +206,11 @@ class LLMEngine:
         caller compiled it elsewhere (the async engine does, off its threads); else it is compiled here.
         """
         params.validate()
+        if not pooling and self.model_runner.classifier is not None:
+            raise ValueError(
+                f"this model ({self.model_config.architecture}) is a sequence classifier and does not "
+                "generate text: use /classify, /score or /rerank (LLM.classify, LLM.score)"
+            )
         if priority != 0 and self.config.scheduling_policy != "priority":
             raise ValueError(
                 "request priority needs priority scheduling (scheduling_policy='priority', "

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from engine.attention import AttentionMetadata, get_attention_backend, resolve_backend_name
+from engine.classifier import ClassifierInfo, is_classifier
 from engine.config import EngineConfig
 from engine.kv_budget import CPU_DEFAULT_BYTES, cuda_kv_bytes
 from engine.lora import DeviceAdapters
@@ -53,7 +54,8 @@ class ModelOutput:
     sample_logits: torch.Tensor
     sampling: list[ScheduledRequest]
     prompt_logits: list[PromptLogits] = field(default_factory=list)
-    # Pooling requests whose prompt ended this step, and their last hidden states (fp32 [n, hidden]).
+    # Pooling requests whose prompt ended this step, and their pooled hidden states (fp32 [n, hidden]),
+    # or a classifier's logits over them (fp32 [n, num_labels]).
     pooled: list[ScheduledRequest] = field(default_factory=list)
     pooled_hidden: torch.Tensor | None = None
 
@@ -124,6 +126,20 @@ class ModelRunner:
                 renames,
                 cfg.fp8_block,
                 cfg.weight_quant,
+            )
+        # A classifier's ``score`` head [num_labels, hidden], kept fp32 (vLLM's default head dtype):
+        # its pooling requests end with the head's logits instead of the hidden state.
+        self.score_head: torch.Tensor | None = None
+        self.classifier: ClassifierInfo | None = None
+        if is_classifier(cfg.architecture):
+            head = weights.pop("score.weight", None)
+            if head is None:
+                raise ValueError(
+                    f"{cfg.architecture} checkpoint has no score.weight (its classification head)"
+                )
+            self.score_head = head.float()
+            self.classifier = ClassifierInfo.from_config(
+                read_hf_config(model_dir, config.hf_overrides), head.shape[0]
             )
         self.model = model_cls(
             cfg,
@@ -278,10 +294,14 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden.index_select(0, index))
         pooled_hidden = None
         if pooled_vectors:
-            pooled_hidden = torch.stack(pooled_vectors).cpu()
+            pooled_hidden = torch.stack(pooled_vectors)
         elif pooled:
             pooled_index = torch.tensor(pooled_rows, dtype=torch.long, device=self.device)
-            pooled_hidden = hidden.index_select(0, pooled_index).float().cpu()
+            pooled_hidden = hidden.index_select(0, pooled_index).float()
+        if pooled_hidden is not None:
+            if self.score_head is not None:
+                pooled_hidden = self.model.linear(pooled_hidden, self.score_head, None)
+            pooled_hidden = pooled_hidden.cpu()
         return ModelOutput(logits, sampling, prompt, pooled, pooled_hidden)
 
     def _pool_rows(self, s: ScheduledRequest, rows: torch.Tensor) -> None:

@@ -46,8 +46,8 @@ class RequestOutput:
     kv_transfer: dict | None = (
         None  # on the final output of a kv_transfer request: block_hashes, num_cached_tokens
     )
-    # On the final output of a pooling request: the prompt's last hidden state (after the final
-    # norm; fp32, not normalised).
+    # On the final output of a pooling request: the prompt's pooled hidden state (after the final
+    # norm; fp32, not normalised), or on a classifier model its score head's logits over it.
     embedding: list[float] | None = None
 
 
@@ -70,3 +70,42 @@ def merge_pending(out: RequestOutput, queue: asyncio.Queue) -> RequestOutput:
             break
         out = merge_deltas(out, nxt)
     return out
+
+
+@dataclass
+class ClassificationOutput:
+    """One input's classification (vLLM's ``ClassificationOutput``): ``probs`` is the activation the
+    model's config names over ``logits`` (engine/classifier.py), ``logits`` the score head's own."""
+
+    probs: list[float]
+    logits: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """``LLM.classify``'s result for one prompt (vLLM's shape: ``.outputs.probs``)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+    finished: bool = True
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """``LLM.score``'s result for one pair (vLLM's shape: ``.outputs.score``); a cross-encoder's
+    ``prompt_token_ids`` are the pair's, as the model read them."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+    finished: bool = True

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.classifier import ClassifierInfo
+
 # Upper edges of vLLM's vllm:iteration_tokens_total histogram buckets (tokens per engine step).
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
@@ -26,6 +28,9 @@ class ModelInfo:
     # Sampling values a request that leaves them unset gets, and max_tokens' cap (SamplingParams
     # field names; engine/generation_defaults.py).
     generation_defaults: dict = field(default_factory=dict)
+    # A sequence-classification model's labels and activations (engine/classifier.py); None for a
+    # decoder that generates (and embeds).
+    classifier: ClassifierInfo | None = None
 
 
 @dataclass(frozen=True)

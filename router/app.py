@@ -65,7 +65,7 @@ GENERATE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 KEYED_PATHS = GENERATE_PATHS | {"/v1/responses"}
 # Relayed as they come, like every /v1/* route: vLLM serves these outside /v1 (scoring: /score,
 # /rerank, and Cohere's /v2/rerank).
-FORWARD_ROOT_PATHS = frozenset({"/tokenize", "/detokenize", "/score", "/rerank", "/v2/rerank"})
+FORWARD_ROOT_PATHS = frozenset({"/tokenize", "/detokenize", "/score", "/rerank", "/v2/rerank", "/classify"})
 
 
 class RouterApp:

@@ -43,8 +43,9 @@ from server.protocol import (
     VersionResponse,
 )
 from server.responses_store import RUNNING, StoreUnavailable, open_response_store
-from server.score_protocol import RerankRequest, ScoreRequest
+from server.score_protocol import ClassificationRequest, RerankRequest, ScoreRequest
 from server.serving_chat import create_chat_completion
+from server.serving_classify import create_classification
 from server.serving_completions import create_completion
 from server.serving_embeddings import create_embedding
 from server.serving_responses import ResponsesRequest, create_response, item_page, load_record
@@ -190,6 +191,13 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
     @app.post("/v2/rerank", responses=_ERRORS)
     async def rerank(body: RerankRequest, request: Request) -> Any:
         return await create_rerank(
+            state, body, request.state.request_id, request.receive, getattr(request.state, "submitted", None)
+        )
+
+    @app.post("/classify", responses=_ERRORS)
+    @app.post("/v1/classify", responses=_ERRORS)
+    async def classify(body: ClassificationRequest, request: Request) -> Any:
+        return await create_classification(
             state, body, request.state.request_id, request.receive, getattr(request.state, "submitted", None)
         )
 

@@ -99,6 +99,8 @@ class Generation:
         self.draining = False
         self.in_flight = 0  # engine sequences admitted and not finished
         self._max_running = int(getattr(getattr(engine, "config", None), "max_num_seqs", 0) or 0)
+        # A sequence-classification model (engine/classifier.py) serves pooling requests only.
+        self._classifier = getattr(getattr(engine, "model_info", None), "classifier", None)
         self._live_ids: dict[str, str] = {}  # engine request id -> the HTTP request's id
         self._idle = asyncio.Event()
         self._idle.set()
@@ -114,12 +116,20 @@ class Generation:
         beyond_slots = self.in_flight + elsewhere - self._max_running
         return max(0, beyond_slots, int(getattr(self.engine.stats(), "num_waiting", 0)))
 
-    def admit(self, num_sequences: int, submitted: Callable[[], None] | None = None) -> Ticket:
-        """Admit a request of ``num_sequences`` or raise 503 (draining/unhealthy) / 429 (queue full).
+    def admit(
+        self, num_sequences: int, submitted: Callable[[], None] | None = None, pooling: bool = False
+    ) -> Ticket:
+        """Admit a request of ``num_sequences`` or raise 503 (draining/unhealthy) / 429 (queue full),
+        or 400 for generation on a classifier model (before any stream starts).
 
         Call after validation; the caller must ``close()`` the ticket when the request ends.
         ``submitted``: the request's ``AsyncEngine.announce`` handle, if it was announced.
         """
+        if not pooling and self._classifier is not None:
+            raise bad_request(
+                "This model is a sequence classifier: it does not generate text. "
+                "Use /classify, /score or /rerank."
+            )
         if self.draining:
             raise unavailable("Server is shutting down; retry on another replica.")
         if not self.engine.is_healthy():

@@ -1,5 +1,6 @@
 """Request and response models of vLLM's scoring endpoints: ``/score`` (also ``/v1/score``) and the
-Jina/Cohere-style ``/rerank`` (also ``/v1/rerank``, ``/v2/rerank``).
+Jina/Cohere-style ``/rerank`` (also ``/v1/rerank``, ``/v2/rerank``); and of its ``/classify``
+(also ``/v1/classify``), which shares their pooling fields.
 
 A score request names its two sides in any of vLLM's spellings: ``text_1``/``text_2`` (the
 original), ``data_1``/``data_2``, ``queries``/``documents`` or ``queries``/``items``; exactly one
@@ -15,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
 
-from server.protocol import EmbeddingUsage, _Request, _Response
+from server.protocol import EmbeddingUsage, PromptInput, _Request, _Response
 
 Texts = StrictStr | list[StrictStr]
 
@@ -79,6 +80,23 @@ class ScoreRequest(_PoolingFields):
         return (first, _as_list(getattr(self, first))), (second, _as_list(getattr(self, second)))
 
 
+class ClassificationRequest(_PoolingFields):
+    """vLLM's ``/classify``: texts or token ids, each classified on its own."""
+
+    input: PromptInput
+    add_special_tokens: StrictBool = True
+    # vLLM's: false gives the head's logits as ``probs``; ``activation`` and ``softmax`` are its
+    # older spellings (which win, in that order, when given).
+    use_activation: StrictBool | None = None
+    activation: StrictBool | None = None
+    softmax: StrictBool | None = None
+
+    @property
+    def activated(self) -> bool:
+        chosen = [v for v in (self.softmax, self.activation, self.use_activation) if v is not None]
+        return chosen[0] if chosen else True
+
+
 class RerankRequest(_PoolingFields):
     query: StrictStr
     documents: Texts
@@ -124,3 +142,19 @@ class RerankResponse(_Response):
     model: str
     usage: EmbeddingUsage
     results: list[RerankResult]
+
+
+class ClassificationData(_Response):
+    index: int
+    label: str | None
+    probs: list[float]
+    num_classes: int
+
+
+class ClassificationResponse(_Response):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[ClassificationData]
+    usage: EmbeddingUsage

@@ -63,7 +63,9 @@ def pooling_prompt(
     return ids
 
 
-def _inputs(state: ServerState, req: EmbeddingRequest) -> list[list[int]]:
+def pooling_inputs(state: ServerState, req: EmbeddingRequest | Any) -> list[list[int]]:
+    """The prompts of a request's ``input`` (a text, texts, token ids or lists of them), each checked
+    and truncated by ``pooling_prompt`` (``add_special_tokens``, ``truncate_prompt_tokens``)."""
     raw = req.input
     if isinstance(raw, str):
         items: list[Any] = [raw]
@@ -85,6 +87,12 @@ def _inputs(state: ServerState, req: EmbeddingRequest) -> list[list[int]]:
         )
         for item in items
     ]
+
+
+def pooled_usage(prompts: list[list[int]]) -> EmbeddingUsage:
+    """A pooling answer's usage: the tokens of the prompts it computed."""
+    tokens = sum(len(ids) for ids in prompts)
+    return EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens)
 
 
 def _encode(
@@ -116,7 +124,7 @@ async def answer_pooled(
         )
         for i, ids in enumerate(prompts)
     ]
-    ticket = state.generation.admit(len(seqs), submitted)
+    ticket = state.generation.admit(len(seqs), submitted, pooling=True)
     vectors: list[list[float] | None] = [None] * len(seqs)
 
     def on_output(seq: SequenceRequest, out: RequestOutput) -> None:
@@ -142,24 +150,25 @@ async def create_embedding(
 ) -> object:
     arrival = time.perf_counter()
     lora = state.check_model(req.model)
-    hidden = int(getattr(getattr(state.engine, "model_info", None), "hidden_size", 0) or 0)
+    info = getattr(state.engine, "model_info", None)
+    if getattr(info, "classifier", None) is not None:
+        raise bad_request(
+            "This model is a sequence classifier: it has no embeddings. Use /classify, /score or /rerank.",
+            param="model",
+        )
+    hidden = int(getattr(info, "hidden_size", 0) or 0)
     if req.dimensions is not None and hidden and req.dimensions > hidden:
         raise bad_request(
             f"dimensions={req.dimensions} is more than this model's {hidden} embedding dimensions",
             param="dimensions",
         )
-    inputs = _inputs(state, req)
+    inputs = pooling_inputs(state, req)
 
     def build(vectors: list[list[float]]) -> EmbeddingResponse:
         data = [
             EmbeddingData(index=i, embedding=_encode(v, req.dimensions, req.encoding_format, req.normalize))
             for i, v in enumerate(vectors)
         ]
-        tokens = sum(len(ids) for ids in inputs)
-        return EmbeddingResponse(
-            data=data,
-            model=state.answer_model(lora),
-            usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens),
-        )
+        return EmbeddingResponse(data=data, model=state.answer_model(lora), usage=pooled_usage(inputs))
 
     return await answer_pooled(state, inputs, lora, request_id, arrival, receive, submitted, build)

@@ -1,11 +1,20 @@
-"""``POST /score`` and ``POST /rerank`` (vLLM's scoring endpoints) for embedding models: bi-encoder
-scoring, as vLLM serves it for a model that embeds. A pair's score is the cosine similarity of its
-two texts' embeddings: the dot product of their L2-normalised vectors, in float64.
+"""``POST /score`` and ``POST /rerank`` (vLLM's scoring endpoints), as vLLM serves them:
 
-Every distinct text of a request is embedded once, through the same pooling engine requests as
+* on a model that embeds, bi-encoder scoring: a pair's score is the cosine similarity of its two
+  texts' embeddings (the dot product of their L2-normalised vectors, in float64);
+* on a one-label sequence classifier (a cross-encoder reranker such as bge-reranker-v2-gemma or a
+  Qwen3-Reranker seq-cls conversion), each pair is one input, built by
+  ``engine.classifier.pair_prompt`` (the tokenizer's pair encoding, the texts joined when the config
+  says ``use_sep_token: false``, or the ``--chat-template`` as vLLM's score template), its score
+  the config's activation of the logit (the sigmoid by default); ``truncate_prompt_tokens`` cuts a
+  pair as transformers' truncation does. A classifier with more labels answers 400, as vLLM
+  enables scoring for ``num_labels == 1`` only.
+
+For a bi-encoder, every distinct text of a request is embedded once, through the same pooling engine requests as
 ``/v1/embeddings`` (``serving_embeddings.answer_pooled``: admitted together, batched with the rest,
 timed out, aborted when the client leaves); a query scored against every document is computed
-once, and so counted once in ``usage``, which is the tokens of the texts embedded.
+once, and so counted once in ``usage``, which is the tokens of the texts embedded. A cross-encoder's
+``usage`` is the tokens of its pair prompts.
 
 Pairing follows vLLM: one text on the first side scores against each text of the second (1:N),
 N texts against N pair up in order (N:N); any other shape is a 400 naming the second field. A
@@ -15,6 +24,7 @@ cut to ``top_n``.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -22,9 +32,9 @@ from typing import Any
 import numpy as np
 from fastapi.responses import JSONResponse
 
-from engine.pooling import normalized
+from engine.classifier import ClassifierInfo, pair_prompt
+from engine.pooling import activate, normalized
 from server.errors import bad_request
-from server.protocol import EmbeddingUsage
 from server.score_protocol import (
     RerankDocument,
     RerankRequest,
@@ -34,7 +44,8 @@ from server.score_protocol import (
     ScoreRequest,
     ScoreResponse,
 )
-from server.serving_embeddings import MAX_INPUTS, answer_pooled, pooling_prompt
+from server.serving_classify import served_classifier
+from server.serving_embeddings import MAX_INPUTS, answer_pooled, pooled_usage, pooling_prompt
 from server.state import ServerState
 
 MAX_TEXTS = MAX_INPUTS  # per side: texts to score against, documents to rank
@@ -74,9 +85,66 @@ def _distinct_prompts(
     return prompts, positions
 
 
-def _usage(prompts: list[list[int]]) -> EmbeddingUsage:
-    tokens = sum(len(ids) for ids in prompts)
-    return EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens)
+def _pair_prompts(
+    state: ServerState,
+    info: ClassifierInfo,
+    pairs: Sequence[tuple[str, str]],
+    truncate: int | None,
+    param: str,
+) -> list[list[int]]:
+    """A cross-encoder's prompt for each pair (400 naming ``param`` for one past the context)."""
+    if not info.scores_pairs:
+        raise bad_request(
+            f"This classifier has {info.num_labels} labels: scoring and reranking are served by "
+            "one-label classifiers (cross-encoders) only. Use /classify.",
+            param="model",
+        )
+    max_len = state.limits.max_model_len
+    template = getattr(getattr(state.engine, "config", None), "chat_template", None)
+    prompts = []
+    for first, second in pairs:
+        try:
+            ids = pair_prompt(
+                state.tokenizer,
+                first,
+                second,
+                use_sep_token=info.use_sep_token,
+                template=template,
+                max_length=max_len if truncate == -1 else truncate,
+            )
+        except ValueError as e:  # a template that cannot render the pair, a cut below the special tokens
+            raise bad_request(str(e), param="truncate_prompt_tokens" if truncate else param) from e
+        if len(ids) > max_len:
+            raise bad_request(
+                f"a pair has {len(ids)} tokens, more than this model's maximum context length of "
+                f"{max_len} tokens",
+                param=param,
+            )
+        prompts.append(ids)
+    return prompts
+
+
+def _cross_scores(info: ClassifierInfo, logits: list[list[float]]) -> list[float]:
+    return [float(activate(row, info.score_activation)[0]) for row in logits]
+
+
+def _paired(firsts: list[Any], seconds: list[Any]) -> list[tuple[Any, Any]]:
+    """vLLM's pairing: one first against each second (1:N), else N:N in order."""
+    return list(zip(firsts * len(seconds) if len(firsts) == 1 else firsts, seconds, strict=True))
+
+
+def _plan(
+    state: ServerState, sides: Sequence[tuple[str, Sequence[str]]], truncate: int | None
+) -> tuple[list[list[int]], Callable[[list[list[float]]], list[float]]]:
+    """A request's pooling prompts, and what turns their results into the pairs' scores (in pair
+    order): a cross-encoder's prompt per pair, or a bi-encoder's per distinct text."""
+    (_, texts_1), (param, texts_2) = sides
+    info = served_classifier(state)
+    if info is not None:
+        prompts = _pair_prompts(state, info, _paired(list(texts_1), list(texts_2)), truncate, param)
+        return prompts, functools.partial(_cross_scores, info)
+    prompts, (left, right) = _distinct_prompts(state, sides, truncate)
+    return prompts, functools.partial(_cosines, pairs=_paired(left, right))
 
 
 def _cosines(vectors: list[list[float]], pairs: Sequence[tuple[int, int]]) -> list[float]:
@@ -103,18 +171,14 @@ async def create_score(
             f"text to score against every {second} text, or as many of each to score in pairs",
             param=second,
         )
-    prompts, (left, right) = _distinct_prompts(
-        state, [(first, texts_1), (second, texts_2)], req.truncate_prompt_tokens
-    )
-    pairs = list(zip(left * len(right) if len(left) == 1 else left, right, strict=True))
+    prompts, scores_of = _plan(state, [(first, texts_1), (second, texts_2)], req.truncate_prompt_tokens)
 
-    def build(vectors: list[list[float]]) -> ScoreResponse:
-        scores = _cosines(vectors, pairs)
+    def build(results: list[list[float]]) -> ScoreResponse:
         return ScoreResponse(
             id=f"score-{request_id}",
             model=state.answer_model(lora),
-            data=[ScoreData(index=i, score=s) for i, s in enumerate(scores)],
-            usage=_usage(prompts),
+            data=[ScoreData(index=i, score=s) for i, s in enumerate(scores_of(results))],
+            usage=pooled_usage(prompts),
         )
 
     return await answer_pooled(state, prompts, lora, request_id, arrival, receive, submitted, build)
@@ -132,12 +196,12 @@ async def create_rerank(
     documents = [req.documents] if isinstance(req.documents, str) else list(req.documents)
     _check_side("query", [req.query])
     _check_side("documents", documents)
-    prompts, ((query,), docs) = _distinct_prompts(
+    prompts, scores_of = _plan(
         state, [("query", [req.query]), ("documents", documents)], req.truncate_prompt_tokens
     )
 
-    def build(vectors: list[list[float]]) -> RerankResponse:
-        scores = _cosines(vectors, [(query, d) for d in docs])
+    def build(results: list[list[float]]) -> RerankResponse:
+        scores = scores_of(results)
         ranked = sorted(range(len(documents)), key=lambda i: -scores[i])  # stable: ties keep order
         if req.top_n:
             ranked = ranked[: req.top_n]
@@ -150,7 +214,10 @@ async def create_rerank(
             for i in ranked
         ]
         return RerankResponse(
-            id=f"rerank-{request_id}", model=state.answer_model(lora), usage=_usage(prompts), results=results
+            id=f"rerank-{request_id}",
+            model=state.answer_model(lora),
+            usage=pooled_usage(prompts),
+            results=results,
         )
 
     return await answer_pooled(state, prompts, lora, request_id, arrival, receive, submitted, build)

@@ -67,6 +67,13 @@ TINY_MODELS: dict[str, tuple[str, int, dict]] = {
     "tiny_granite": ("granite", 17, {}),  # Llama with four multipliers
     "tiny_gemma2": ("gemma2", 18, {}),  # soft-capped attention scores and logits, alternating windows
     "tiny_olmo2": ("olmo2", 19, {}),  # norms after each block, q/k norm over whole projections
+    # Sequence classifiers (the decoder + a score head): three named labels; two on Gemma 2.
+    "tiny_llama_cls": (
+        "llama",
+        20,
+        {"num_labels": 3, "id2label": {0: "negative", 1: "neutral", 2: "positive"}},
+    ),
+    "tiny_gemma2_cls": ("gemma2", 22, {"num_labels": 2}),
 }
 
 
@@ -82,6 +89,38 @@ def _tiny_model_fixture(name: str, arch: str, seed: int, options: dict):
 
 for _name, (_arch, _seed, _options) in TINY_MODELS.items():
     globals()[_name] = _tiny_model_fixture(_name, _arch, _seed, _options)
+
+
+# A cross-encoder's tokenizer places special tokens around a pair (BERT's [CLS] a [SEP] b [SEP]).
+_PAIR_POST_PROCESSOR = {
+    "type": "TemplateProcessing",
+    "single": [{"Sequence": {"id": "A", "type_id": 0}}, {"SpecialToken": {"id": "<|im_end|>", "type_id": 0}}],
+    "pair": [
+        {"Sequence": {"id": "A", "type_id": 0}},
+        {"SpecialToken": {"id": "<|im_start|>", "type_id": 0}},
+        {"Sequence": {"id": "B", "type_id": 1}},
+        {"SpecialToken": {"id": "<|im_end|>", "type_id": 1}},
+    ],
+    "special_tokens": {
+        "<|im_start|>": {"id": "<|im_start|>", "ids": [1], "tokens": ["<|im_start|>"]},
+        "<|im_end|>": {"id": "<|im_end|>", "ids": [2], "tokens": ["<|im_end|>"]},
+    },
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_cross_encoder(models_root: Path) -> Path:
+    """A one-label Qwen3ForSequenceClassification (a reranker) whose tokenizer marks pairs with
+    special tokens: ``a <|im_start|> b <|im_end|>``."""
+    import json
+
+    from engine.demo import build_model
+
+    path = build_model(models_root / "cross_encoder", "qwen3", seed=21, num_labels=1)
+    tokenizer = json.loads((path / "tokenizer.json").read_text())
+    tokenizer["post_processor"] = _PAIR_POST_PROCESSOR
+    (path / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return path
 
 
 def free_port() -> int:

@@ -145,7 +145,7 @@ class ModelConfig:
             raise ValueError("config.json names no 'architectures'")
         if archs[0] in ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"):
             raw = _gemma3_text_config(raw)
-        elif archs[0] == "Gemma2ForCausalLM":
+        elif archs[0] in ("Gemma2ForCausalLM", "Gemma2ForSequenceClassification"):
             raw = {**_GEMMA2_DEFAULTS, **raw}
         model_type = raw.get("model_type", "")
         heads = int(raw["num_attention_heads"])

@@ -26,6 +26,12 @@ _MODELS: dict[str, str] = {
     "Gemma3ForConditionalGeneration": "engine.models.gemma:GemmaForCausalLM",  # its text model only
     "DeepseekV2ForCausalLM": "engine.models.deepseek:DeepseekForCausalLM",  # MLA + MoE (softmax router)
     "DeepseekV3ForCausalLM": "engine.models.deepseek:DeepseekForCausalLM",  # MLA + MoE (sigmoid router)
+    # Classifiers, reward models, cross-encoders: the decoder + a ``score`` head (engine/classifier.py).
+    "LlamaForSequenceClassification": "engine.models.llama:LlamaForCausalLM",
+    "MistralForSequenceClassification": "engine.models.llama:LlamaForCausalLM",
+    "Qwen2ForSequenceClassification": "engine.models.llama:LlamaForCausalLM",
+    "Qwen3ForSequenceClassification": "engine.models.llama:LlamaForCausalLM",
+    "Gemma2ForSequenceClassification": "engine.models.gemma:GemmaForCausalLM",
 }
 
 
