@@ -419,7 +419,9 @@ class RouterApp:
                 route.prompt_tokens = tokens or route.prompt_tokens
         headers = forward_headers(scope)
         if self.replica_auth:  # the router checked the client's key; replicas get theirs
-            headers = [(k, v) for k, v in headers if k != b"authorization"] + self.replica_auth
+            headers = [
+                (k, v) for k, v in headers if k not in (b"authorization", b"x-api-key")
+            ] + self.replica_auth
         headers.append((b"x-request-id", request_id.encode()))
         headers.append((b"accept-encoding", b"identity"))
         call = ProxyCall(

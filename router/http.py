@@ -6,6 +6,7 @@ every layer between the socket and the upstream client costs latency on every re
 
 from __future__ import annotations
 
+import hmac
 import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
@@ -132,5 +133,9 @@ def forward_headers(scope: Scope) -> list[tuple[bytes, bytes]]:
 
 
 def bearer_ok(scope: Scope, key: str) -> bool:
+    """``Authorization: Bearer KEY``, or Anthropic's ``x-api-key: KEY`` (its SDKs' Messages API)."""
     value = header(scope, b"authorization")
-    return value is not None and value.decode("latin-1") == f"Bearer {key}"
+    if value is not None and hmac.compare_digest(value, f"Bearer {key}".encode("latin-1")):
+        return True
+    other = header(scope, b"x-api-key")
+    return other is not None and hmac.compare_digest(other, key.encode("latin-1"))

@@ -16,6 +16,8 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from ferry import __version__
+from server.anthropic_protocol import CountTokensRequest, MessagesRequest
+from server.anthropic_protocol import error_response as anthropic_error
 from server.config import ServerConfig
 from server.errors import APIError, client_closed, install_error_handlers, model_not_found, unavailable
 from server.generation import Generation
@@ -48,6 +50,7 @@ from server.serving_chat import create_chat_completion
 from server.serving_classify import create_classification
 from server.serving_completions import create_completion
 from server.serving_embeddings import create_embedding
+from server.serving_messages import count_tokens, create_message, json_body, parse
 from server.serving_responses import ResponsesRequest, create_response, item_page, load_record
 from server.serving_score import create_rerank, create_score
 from server.serving_tokenize import detokenize, list_models, tokenize
@@ -134,6 +137,27 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
         return await create_response(
             state, body, request.state.request_id, request.receive, getattr(request.state, "submitted", None)
         )
+
+    @app.post("/v1/messages", responses=_ERRORS)
+    async def messages(request: Request) -> Any:
+        try:
+            body = parse(MessagesRequest, await json_body(request))
+            return await create_message(
+                state,
+                body,
+                request.state.request_id,
+                request.receive,
+                getattr(request.state, "submitted", None),
+            )
+        except APIError as e:
+            return anthropic_error(e)
+
+    @app.post("/v1/messages/count_tokens", responses=_ERRORS)
+    async def messages_count_tokens(request: Request) -> Any:
+        try:
+            return count_tokens(state, parse(CountTokensRequest, await json_body(request)))
+        except APIError as e:
+            return anthropic_error(e)
 
     @app.get("/v1/responses/{response_id}", responses=_ERRORS)
     async def get_response(

@@ -37,7 +37,7 @@ _PROTECTED_PREFIXES = (
     "/reset_prefix_cache",
 )
 # Routes that submit to the engine: announced to it as soon as their body is in (see ``announce``).
-_GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+_GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
 
 
 def route_path(scope: Scope) -> str:
@@ -116,7 +116,10 @@ class EdgeMiddleware:
 
         if self.api_key is not None and route_path(scope).startswith(_PROTECTED_PREFIXES):
             auth = _header(scope, b"authorization") or b""
-            if not hmac.compare_digest(auth, b"Bearer " + self.api_key):
+            # Anthropic's SDKs send the key as x-api-key (the Messages API): taken as well.
+            anthropic = _header(scope, b"x-api-key") or b""
+            bearer_ok = hmac.compare_digest(auth, b"Bearer " + self.api_key)
+            if not (bearer_ok or hmac.compare_digest(anthropic, self.api_key)):
                 error = APIError(401, "Invalid or missing API key.", code="invalid_api_key")
                 await _send_error(send, error, request_id)
                 return

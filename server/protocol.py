@@ -311,6 +311,7 @@ class TokenizeRequest(_Request):
     return_token_strs: StrictBool = False
     chat_template: StrictStr | None = None  # as on chat requests
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None  # rendered by the template, as on chat requests (vLLM's)
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:

@@ -45,6 +45,15 @@ def test_router_reads_and_relays_with_the_replicas_key(cluster: Cluster, keyed) 
         timeout=60,
     )
     assert theirs.status_code == 401
+    # Anthropic's SDKs send the key as x-api-key: the router takes it, and never passes it on.
+    messages = {"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    anthropic_style = httpx.post(
+        guarded.url + "/v1/messages", json=messages, headers={"x-api-key": "router-key"}, timeout=60
+    )
+    assert anthropic_style.status_code == 200, anthropic_style.text
+    assert anthropic_style.json()["type"] == "message"
+    wrong = httpx.post(guarded.url + "/v1/messages", json=messages, headers={"x-api-key": "replica-key"})
+    assert wrong.status_code == 401
 
 
 def test_without_the_key_the_router_cannot_read_the_models(cluster: Cluster, keyed) -> None:

@@ -1,0 +1,150 @@
+"""The request side of Anthropic's Messages API (``POST /v1/messages``), as vLLM and SGLang take it.
+
+Requests are validated here and translated into chat completions requests by
+``server/serving_messages.py``; errors are answered in Anthropic's shape (``{"type": "error",
+"error": {"type", "message"}}``), with Anthropic's error type for each status.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi.responses import JSONResponse
+from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
+
+from server.errors import APIError
+from server.protocol import _Request
+
+# Anthropic's error type for each status it answers with (its API reference, "Errors").
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
+
+
+def error_body(error: APIError) -> dict[str, Any]:
+    kind = ERROR_TYPES.get(error.status, "api_error" if error.status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": error.message}}
+
+
+def error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error_body(error), status_code=error.status, headers=error.headers)
+
+
+class TextBlock(_Request):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ToolUseBlock(_Request):
+    type: Literal["tool_use"]
+    id: StrictStr
+    name: StrictStr
+    input: dict[str, Any] = Field(default_factory=dict)
+
+
+class ToolResultBlock(_Request):
+    type: Literal["tool_result"]
+    tool_use_id: StrictStr
+    content: StrictStr | list[TextBlock] = ""
+    is_error: StrictBool = False
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ThinkingBlock(_Request):
+    """An assistant turn's earlier thinking, sent back by clients that keep it (not re-rendered)."""
+
+    type: Literal["thinking", "redacted_thinking"]
+    thinking: StrictStr = ""
+    signature: StrictStr | None = None
+
+
+ContentBlock = TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock
+
+
+class Message(_Request):
+    role: Literal["user", "assistant"]
+    content: StrictStr | list[ContentBlock]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_blocks(cls, data: Any) -> Any:
+        # A clear message for blocks this text-only server does not take (images, documents).
+        if isinstance(data, dict) and isinstance(data.get("content"), list):
+            for block in data["content"]:
+                kind = block.get("type") if isinstance(block, dict) else None
+                if kind not in ("text", "tool_use", "tool_result", "thinking", "redacted_thinking"):
+                    raise ValueError(
+                        f"content block type {kind!r} is not supported: this model takes text only"
+                    )
+        return data
+
+
+class Tool(_Request):
+    name: StrictStr = Field(min_length=1)
+    description: StrictStr | None = None
+    input_schema: dict[str, Any]
+
+
+class ToolChoice(_Request):
+    type: Literal["auto", "any", "tool", "none"]
+    name: StrictStr | None = None
+    disable_parallel_tool_use: StrictBool = False
+
+    @model_validator(mode="after")
+    def _named(self) -> ToolChoice:
+        if self.type == "tool" and not self.name:
+            raise ValueError("tool_choice of type 'tool' needs the tool's name")
+        return self
+
+
+class Metadata(_Request):
+    user_id: StrictStr | None = None
+
+
+class MessagesRequest(_Request):
+    model: StrictStr
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: StrictInt = Field(ge=1)
+    system: StrictStr | list[TextBlock] | None = None
+    stop_sequences: list[StrictStr] | None = None
+    stream: StrictBool = False
+    temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: StrictInt | None = Field(default=None, ge=-1)
+    metadata: Metadata | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    # Accepted as Anthropic's clients send it: a reasoning model thinks as its template says.
+    thinking: dict[str, Any] | None = None
+
+    @property
+    def system_text(self) -> str | None:
+        if self.system is None or isinstance(self.system, str):
+            return self.system or None
+        return "".join(block.text for block in self.system) or None
+
+
+class CountTokensRequest(_Request):
+    model: StrictStr
+    messages: list[Message] = Field(min_length=1)
+    system: StrictStr | list[TextBlock] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: dict[str, Any] | None = None
+
+    @property
+    def system_text(self) -> str | None:
+        return MessagesRequest.system_text.fget(self)  # type: ignore[attr-defined]

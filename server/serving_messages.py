@@ -1,0 +1,326 @@
+"""Anthropic's Messages API (``POST /v1/messages``, ``POST /v1/messages/count_tokens``) over chat.
+
+A messages request becomes a chat completions request (``to_chat_request``): ``system`` the first
+message, ``tool_use`` blocks an assistant turn's ``tool_calls``, ``tool_result`` blocks ``tool``
+messages, ``tools`` and ``tool_choice`` OpenAI's (``any`` is ``required``), ``stop_sequences`` the
+stop strings. Its answer comes back as a message: a ``thinking`` block (with a reasoning parser),
+a ``text`` block, a ``tool_use`` block per call; ``stop_reason`` ``end_turn``, ``max_tokens``,
+``stop_sequence`` (naming it) or ``tool_use``. Streamed, the chat chunks become Anthropic's events
+(``message_start``, ``content_block_start`` / ``_delta`` / ``_stop`` per block, ``message_delta``
+with the stop reason and usage, ``message_stop``), each as ``event: TYPE`` + ``data: JSON``.
+
+``usage`` follows Anthropic's accounting: ``input_tokens`` are the prompt tokens not read from the
+prefix cache, ``cache_read_input_tokens`` the ones that were. Errors have Anthropic's shape.
+Admission, timeouts, aborts on disconnect and metrics are the chat endpoint's.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+from server.anthropic_protocol import (
+    CountTokensRequest,
+    MessagesRequest,
+    TextBlock,
+    ToolResultBlock,
+    ToolUseBlock,
+    error_body,
+)
+from server.errors import bad_request, validation_error
+from server.params import chat_prompt
+from server.protocol import ChatCompletionChunk, ChatCompletionRequest
+from server.serving_chat import ChatChunks, create_chat_completion
+from server.serving_common import stream_errors
+from server.state import ServerState
+from server.streaming import SSEResponse
+
+_STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
+
+
+async def json_body(request: Request) -> Any:
+    """The request's JSON body, or a 400 saying why it is not JSON."""
+    try:
+        return json.loads(await request.body())
+    except ValueError as e:
+        raise bad_request(f"Request body is not valid JSON: {e}", code="invalid_json") from e
+
+
+def parse(model: type[MessagesRequest] | type[CountTokensRequest], body: Any) -> Any:
+    """The validated request, or a 400 naming the first bad field."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise validation_error(e.errors()) from e
+
+
+def to_chat_request(req: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest:
+    messages: list[dict[str, Any]] = []
+    if req.system_text:
+        messages.append({"role": "system", "content": req.system_text})
+    for m in req.messages:
+        if isinstance(m.content, str):
+            messages.append({"role": m.role, "content": m.content})
+            continue
+        texts = [{"type": "text", "text": b.text} for b in m.content if isinstance(b, TextBlock)]
+        if m.role == "assistant":
+            calls = [
+                {
+                    "id": b.id,
+                    "type": "function",
+                    "function": {"name": b.name, "arguments": json.dumps(b.input)},
+                }
+                for b in m.content
+                if isinstance(b, ToolUseBlock)
+            ]
+            turn: dict[str, Any] = {"role": "assistant", "content": texts or None}
+            if calls:
+                turn["tool_calls"] = calls
+            if texts or calls:
+                messages.append(turn)
+            continue
+        # A user turn answers the previous turn's calls first (tool_result blocks), then speaks.
+        for b in m.content:
+            if isinstance(b, ToolResultBlock):
+                messages.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text})
+        if texts:
+            messages.append({"role": "user", "content": texts})
+    body: dict[str, Any] = {"model": req.model, "messages": messages}
+    if req.tools:
+        body["tools"] = [
+            {
+                "type": "function",
+                "function": {"name": t.name, "description": t.description, "parameters": t.input_schema},
+            }
+            for t in req.tools
+        ]
+    choice = req.tool_choice
+    if choice is not None:
+        body["tool_choice"] = (
+            {"type": "function", "function": {"name": choice.name}}
+            if choice.type == "tool"
+            else {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+        )
+        if choice.disable_parallel_tool_use:
+            body["parallel_tool_calls"] = False
+    if isinstance(req, MessagesRequest):
+        body["max_tokens"] = req.max_tokens
+        for name in ("temperature", "top_p", "top_k"):
+            if getattr(req, name) is not None:
+                body[name] = getattr(req, name)
+        if req.stop_sequences:
+            body["stop"] = req.stop_sequences
+        if req.metadata is not None and req.metadata.user_id is not None:
+            body["user"] = req.metadata.user_id
+        if req.stream:
+            body["stream"] = True
+            body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    return parse(ChatCompletionRequest, body)  # type: ignore[arg-type]
+
+
+def stop_reason(finish_reason: str | None, stop: Any, req: MessagesRequest) -> tuple[str, str | None]:
+    """Anthropic's ``stop_reason`` and ``stop_sequence`` for a chat choice's end."""
+    if finish_reason == "stop" and isinstance(stop, str) and stop in (req.stop_sequences or ()):
+        return "stop_sequence", stop
+    return _STOP_REASONS.get(finish_reason or "", "end_turn"), None
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, int]:
+    return {
+        "input_tokens": prompt_tokens - cached_tokens,
+        "output_tokens": completion_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached_tokens,
+    }
+
+
+def _usage_of(chat_usage: dict[str, Any]) -> dict[str, int]:
+    cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return usage(chat_usage["prompt_tokens"], chat_usage["completion_tokens"], cached)
+
+
+def _tool_input(arguments: str) -> dict[str, Any]:
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+async def create_message(
+    state: ServerState, req: MessagesRequest, request_id: str, receive, submitted: Callable[[], None] | None
+) -> Any:
+    chat = to_chat_request(req)
+    answer = await create_chat_completion(state, chat, request_id, receive, submitted, as_chunks=True)
+    message_id = f"msg_{request_id}"
+    model = state.answer_model(state.check_model(req.model))
+    if isinstance(answer, ChatChunks):
+        return SSEResponse(_events(req, message_id, model, answer), on_close=answer.on_close)
+    data = json.loads(answer.body)  # type: ignore[attr-defined]
+    choice = data["choices"][0]
+    message = choice["message"]
+    content: list[dict[str, Any]] = []
+    if message.get("reasoning_content"):
+        content.append({"type": "thinking", "thinking": message["reasoning_content"], "signature": ""})
+    if message.get("content"):
+        content.append({"type": "text", "text": message["content"]})
+    for call in message.get("tool_calls") or []:
+        fn = call["function"]
+        content.append(
+            {"type": "tool_use", "id": call["id"], "name": fn["name"], "input": _tool_input(fn["arguments"])}
+        )
+    reason, sequence = stop_reason(choice.get("finish_reason"), choice.get("stop_reason"), req)
+    if message.get("tool_calls") and reason == "end_turn":  # a named tool_choice's chat says "stop"
+        reason = "tool_use"
+    return JSONResponse(
+        {
+            "id": message_id,
+            "type": "message",
+            "role": "assistant",
+            "model": model,
+            "content": content,
+            "stop_reason": reason,
+            "stop_sequence": sequence,
+            "usage": _usage_of(data["usage"]),
+        }
+    )
+
+
+def count_tokens(state: ServerState, req: CountTokensRequest) -> JSONResponse:
+    state.check_model(req.model)
+    ids = chat_prompt(to_chat_request(req), state.tokenizer, state.config.trust_request_chat_template)
+    return JSONResponse({"input_tokens": len(ids)})
+
+
+def _frame(kind: str, payload: dict[str, Any]) -> bytes:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **payload}, ensure_ascii=False)}\n\n".encode()
+
+
+async def _events(
+    req: MessagesRequest, message_id: str, model: str, answer: ChatChunks
+) -> AsyncIterator[bytes]:
+    """The chat stream's chunks as Anthropic's events. Closing this closes the chat stream (its
+    cleanup aborts the request in the engine)."""
+    chunks = answer.chunks
+    try:
+        async for frame in _translate(req, message_id, model, chunks):
+            yield frame
+    finally:
+        await chunks.aclose()  # type: ignore[attr-defined]
+
+
+async def _translate(
+    req: MessagesRequest, message_id: str, model: str, chunks: AsyncIterator[ChatCompletionChunk]
+) -> AsyncIterator[bytes]:
+    started = False
+    block: str | None = None  # the kind of the open content block: thinking, text or tool_use
+    index = -1  # the open block's index
+    calls: dict[int, int] = {}  # a chat tool call's index -> its tool_use block's index
+    end: tuple[str, str | None] | None = None
+    last_usage: dict[str, int] = usage(0, 0, 0)
+
+    def start(kind: str, content_block: dict[str, Any]) -> list[bytes]:
+        nonlocal block, index
+        out = close()
+        block, index = kind, index + 1
+        out.append(_frame("content_block_start", {"index": index, "content_block": content_block}))
+        return out
+
+    def close() -> list[bytes]:
+        nonlocal block
+        if block is None:
+            return []
+        block = None
+        return [_frame("content_block_stop", {"index": index})]
+
+    def opening() -> bytes:
+        message = {
+            "id": message_id,
+            "type": "message",
+            "role": "assistant",
+            "model": model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {**last_usage, "output_tokens": 0},
+        }
+        return _frame("message_start", {"message": message})
+
+    async with stream_errors() as failed:
+        async for chunk in chunks:
+            if chunk.usage is not None:
+                last_usage = _usage_of(chunk.usage.model_dump())
+            if not chunk.choices:
+                continue
+            choice = chunk.choices[0]
+            delta = choice.delta
+            if delta.role is not None and not (delta.content or delta.reasoning_content or delta.tool_calls):
+                continue  # the role chunk: message_start waits for the prompt's usage
+            if not started:
+                started = True
+                yield opening()
+            out: list[bytes] = []
+            if delta.reasoning_content:
+                if block != "thinking":
+                    out += start("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+                out.append(
+                    _frame(
+                        "content_block_delta",
+                        {
+                            "index": index,
+                            "delta": {"type": "thinking_delta", "thinking": delta.reasoning_content},
+                        },
+                    )
+                )
+            if delta.content:
+                if block != "text":
+                    out += start("text", {"type": "text", "text": ""})
+                out.append(
+                    _frame(
+                        "content_block_delta",
+                        {"index": index, "delta": {"type": "text_delta", "text": delta.content}},
+                    )
+                )
+            for call in delta.tool_calls or []:
+                if call.index not in calls:
+                    block_start = {"type": "tool_use", "id": call.id, "name": call.function.name, "input": {}}
+                    out += start("tool_use", block_start)
+                    calls[call.index] = index
+                arguments = call.function.arguments
+                if arguments:
+                    out.append(
+                        _frame(
+                            "content_block_delta",
+                            {
+                                "index": calls[call.index],
+                                "delta": {"type": "input_json_delta", "partial_json": arguments},
+                            },
+                        )
+                    )
+            if choice.finish_reason is not None:
+                end = stop_reason(choice.finish_reason, choice.stop_reason, req)
+            for frame in out:
+                yield frame
+    if failed.error is not None:
+        yield _frame("error", {"error": error_body(failed.error)["error"]})
+        return
+    if not started:
+        yield opening()
+    for frame in close():
+        yield frame
+    reason, sequence = end or ("end_turn", None)
+    if calls and reason == "end_turn":  # the turn ends in a call (a named tool_choice's chat says "stop")
+        reason = "tool_use"
+    yield _frame(
+        "message_delta",
+        {
+            "delta": {"stop_reason": reason, "stop_sequence": sequence},
+            "usage": {"output_tokens": last_usage["output_tokens"]},
+        },
+    )
+    yield _frame("message_stop", {})

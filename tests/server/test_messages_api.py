@@ -1,0 +1,353 @@
+"""Anthropic's Messages API (``POST /v1/messages``, ``/v1/messages/count_tokens``) on `ferry serve`,
+driven by the official ``anthropic`` SDK: the same answer as chat completions for the same
+conversation, Anthropic's event stream, stop sequences, tools both ways, its error shape and its
+``x-api-key`` header."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import anthropic
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from server.anthropic_protocol import MessagesRequest
+from server.serving_messages import to_chat_request
+from tests.server.error_cases import json_values
+
+SYSTEM = "You are terse."
+GREEDY = {"temperature": 0.0}
+# Renders tools, calls and tool results, so a conversation with them shows in the prompt.
+TEMPLATE = (
+    "{% if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}</tools>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.content is string %}{{ m.content }}{% elif m.content %}{% for p in m.content %}{{ p.text }}"
+    "{% endfor %}{% endif %}"
+    "{% for c in m.tool_calls or [] %}<call>{{ c.function.name }}</call>{% endfor %}"
+    "{% if m.tool_call_id %}[{{ m.tool_call_id }}]{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TOOLS = [
+    {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "input_schema": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}},
+            "required": ["city"],
+        },
+    }
+]
+HISTORY = [
+    {"role": "user", "content": "Weather in Oslo?"},
+    {
+        "role": "assistant",
+        "content": [
+            {"type": "text", "text": "Checking."},
+            {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo"}},
+        ],
+    },
+    {
+        "role": "user",
+        "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": "4 C, rain"},
+            {"type": "text", "text": "And tomorrow?"},
+        ],
+    },
+]
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_llama: Path, serve_logs: Path, server_process, tmp_path_factory) -> Iterator:
+    template = tmp_path_factory.mktemp("template") / "tools.jinja"
+    template.write_text(TEMPLATE)
+    flags = ["--api-key", "k3y", "--chat-template", str(template), "--num-kv-blocks", "256"]
+    server = server_process(tiny_llama, flags, serve_logs).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(srv) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=srv.url, api_key="k3y", max_retries=0, timeout=60)
+
+
+def _chat(srv, messages: list[dict], **extra) -> dict:
+    body = {"model": srv.model_name, "messages": messages, **extra}
+    r = httpx.post(
+        srv.url + "/v1/chat/completions", json=body, headers={"Authorization": "Bearer k3y"}, timeout=60
+    )
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_message_equals_chat_completion(srv, client) -> None:
+    def ask():  # noqa: ANN202
+        return client.messages.create(
+            model=srv.model_name,
+            max_tokens=8,
+            system=SYSTEM,
+            messages=[{"role": "user", "content": "Name a color."}],
+            extra_body=GREEDY,
+        )
+
+    m = ask()
+    chat = _chat(
+        srv,
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name a color."}],
+        max_tokens=8,
+        **GREEDY,
+    )
+    assert m.id.startswith("msg_") and m.type == "message" and m.role == "assistant"
+    assert m.model == srv.model_name
+    assert [b.type for b in m.content] == ["text"]
+    assert m.content[0].text == chat["choices"][0]["message"]["content"]
+    assert (m.stop_reason, m.stop_sequence) == ("max_tokens", None)
+    usage = chat["usage"]
+    assert m.usage.output_tokens == usage["completion_tokens"] == 8
+    # Anthropic's accounting: prompt tokens read from the cache are not input_tokens.
+    cached = m.usage.cache_read_input_tokens
+    assert m.usage.input_tokens + cached == usage["prompt_tokens"]
+    assert ask().usage.cache_read_input_tokens > 0  # the same prompt's full blocks, cached
+
+
+def test_stream_is_anthropics_event_sequence(srv, client) -> None:
+    body = {
+        "model": srv.model_name,
+        "max_tokens": 8,
+        "messages": [{"role": "user", "content": "Name a color."}],
+        "stream": True,
+        **GREEDY,
+    }
+    with httpx.stream(
+        "POST", srv.url + "/v1/messages", json=body, headers={"x-api-key": "k3y"}, timeout=60
+    ) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        frames = [f for f in r.read().decode().split("\n\n") if f]
+    events = []
+    for frame in frames:
+        kind, data = frame.split("\n", 1)
+        payload = json.loads(data.removeprefix("data: "))
+        assert kind == f"event: {payload['type']}"
+        events.append(payload)
+    kinds = [e["type"] for e in events]
+    assert kinds[:2] == ["message_start", "content_block_start"]
+    assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert set(kinds[2:-3]) == {"content_block_delta"}
+    assert events[1]["content_block"] == {"type": "text", "text": ""} and events[1]["index"] == 0
+    text = "".join(e["delta"]["text"] for e in events if e["type"] == "content_block_delta")
+    whole = client.messages.create(
+        model=srv.model_name,
+        max_tokens=8,
+        messages=[{"role": "user", "content": "Name a color."}],
+        extra_body=GREEDY,
+    )
+    assert text == whole.content[0].text
+    assert events[-2]["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
+    assert events[-2]["usage"]["output_tokens"] == 8
+    start = events[0]["message"]["usage"]
+    assert start["input_tokens"] + start["cache_read_input_tokens"] == whole.usage.input_tokens + (
+        whole.usage.cache_read_input_tokens or 0
+    )
+    # The SDK's own stream helper assembles the same message.
+    with client.messages.stream(
+        model=srv.model_name,
+        max_tokens=8,
+        messages=[{"role": "user", "content": "Name a color."}],
+        extra_body=GREEDY,
+    ) as stream:
+        final = stream.get_final_message()
+    assert final.content[0].text == text and final.stop_reason == "max_tokens"
+
+
+def test_stop_sequence_ends_the_turn_and_is_named(srv, client) -> None:
+    messages = [{"role": "user", "content": "Count."}]
+    full = client.messages.create(model=srv.model_name, max_tokens=12, messages=messages, extra_body=GREEDY)
+    stop = full.content[0].text[3:5]
+    m = client.messages.create(
+        model=srv.model_name, max_tokens=12, messages=messages, stop_sequences=[stop], extra_body=GREEDY
+    )
+    assert (m.stop_reason, m.stop_sequence) == ("stop_sequence", stop)
+    assert full.content[0].text.startswith(m.content[0].text) and stop not in m.content[0].text
+
+
+def test_tool_history_renders_as_chat_tool_calls_and_results(srv, client) -> None:
+    req = MessagesRequest.model_validate(
+        {"model": "m", "max_tokens": 4, "system": SYSTEM, "messages": HISTORY, "tools": TOOLS}
+    )
+    chat = to_chat_request(req).model_dump(exclude_none=True)
+    assert [(m["role"], m.get("tool_call_id")) for m in chat["messages"]] == [
+        ("system", None),
+        ("user", None),
+        ("assistant", None),
+        ("tool", "toolu_1"),
+        ("user", None),
+    ]
+    call = chat["messages"][2]["tool_calls"][0]
+    assert call["id"] == "toolu_1" and call["function"] == {
+        "name": "get_weather",
+        "arguments": '{"city": "Oslo"}',
+    }
+    assert chat["messages"][3]["content"] == "4 C, rain"
+    assert chat["tools"][0]["function"]["parameters"] == TOOLS[0]["input_schema"]
+    # Over HTTP: the same prompt as the chat conversation, token for token counted.
+    counted = client.messages.count_tokens(model=srv.model_name, system=SYSTEM, messages=HISTORY, tools=TOOLS)
+    tokens = httpx.post(
+        srv.url + "/tokenize",
+        json={"model": srv.model_name, "messages": chat["messages"], "tools": chat["tools"]},
+        headers={"Authorization": "Bearer k3y"},
+    ).json()["tokens"]
+    assert counted.input_tokens == len(tokens)
+    text = httpx.post(
+        srv.url + "/detokenize", json={"tokens": tokens}, headers={"Authorization": "Bearer k3y"}
+    )
+    assert "<call>get_weather</call>" in text.json()["prompt"] and "[toolu_1]" in text.json()["prompt"]
+
+
+def test_forced_tool_use_answers_with_a_tool_use_block(srv, client) -> None:
+    forced = {
+        "model": srv.model_name,
+        "max_tokens": 64,
+        "messages": HISTORY,
+        "tools": TOOLS,
+        "tool_choice": {"type": "tool", "name": "get_weather"},
+        "extra_body": GREEDY,
+    }
+    m = client.messages.create(**forced)
+    uses = [b for b in m.content if b.type == "tool_use"]
+    assert len(uses) == 1 and uses[0].name == "get_weather" and uses[0].id
+    assert set(uses[0].input) == {"city"} and isinstance(uses[0].input["city"], str)
+    assert m.stop_reason == "tool_use"
+    with client.messages.stream(**forced) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    starts = [e for e in events if e.type == "content_block_start" and e.content_block.type == "tool_use"]
+    assert len(starts) == 1 and starts[0].content_block.name == "get_weather"
+    partial = "".join(
+        e.delta.partial_json
+        for e in events
+        if e.type == "content_block_delta" and e.delta.type == "input_json_delta"
+    )
+    assert json.loads(partial) == uses[0].input
+    assert [b.type for b in final.content] == [b.type for b in m.content] and final.stop_reason == "tool_use"
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ({"max_tokens": 4}, "messages"),
+        ({"messages": [{"role": "user", "content": "x"}]}, "max_tokens"),
+        (
+            {"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+            "text only",
+        ),
+        ({"max_tokens": 4, "messages": [{"role": "system", "content": "x"}]}, "role"),
+        (
+            {
+                "max_tokens": 4,
+                "messages": [{"role": "user", "content": "x"}],
+                "tool_choice": {"type": "tool"},
+            },
+            "name",
+        ),
+    ],
+)
+def test_bad_requests_are_anthropic_400s(srv, body, needle) -> None:
+    r = httpx.post(
+        srv.url + "/v1/messages", json={"model": srv.model_name, **body}, headers={"x-api-key": "k3y"}
+    )
+    assert r.status_code == 400, r.text
+    error = r.json()
+    assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+    assert needle in error["error"]["message"]
+
+
+def test_invalid_json_unknown_model_and_wrong_key(srv, client) -> None:
+    r = httpx.post(
+        srv.url + "/v1/messages",
+        content=b"{",
+        headers={"x-api-key": "k3y", "content-type": "application/json"},
+    )
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    with pytest.raises(anthropic.NotFoundError) as e:
+        client.messages.create(model="nope", max_tokens=4, messages=[{"role": "user", "content": "x"}])
+    assert e.value.body["error"]["type"] == "not_found_error"
+    wrong = anthropic.Anthropic(base_url=srv.url, api_key="wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError):
+        wrong.messages.create(model=srv.model_name, max_tokens=4, messages=[{"role": "user", "content": "x"}])
+    assert httpx.get(srv.url + "/health").status_code == 200
+
+
+_valid_block = st.one_of(
+    st.builds(lambda t: {"type": "text", "text": t}, st.text(max_size=12)),
+    st.builds(
+        lambda i, c: {"type": "tool_use", "id": i, "name": "get_weather", "input": {"city": c}},
+        st.text(min_size=1, max_size=4),
+        st.text(max_size=6),
+    ),
+    st.builds(
+        lambda i, c: {"type": "tool_result", "tool_use_id": i, "content": c},
+        st.text(max_size=4),
+        st.text(max_size=8) | st.just([{"type": "text", "text": "r"}]),
+    ),
+)
+_block = _valid_block | st.fixed_dictionaries(
+    {"type": st.sampled_from(["text", "tool_use", "thinking", "image", "x"]) | json_values},
+    optional={"text": json_values, "id": json_values, "name": json_values, "input": json_values},
+)
+_message = st.fixed_dictionaries(
+    {
+        "role": st.sampled_from(["user", "user", "user", "assistant", "assistant", "system"]),
+        "content": st.text(max_size=16) | st.lists(_valid_block, max_size=3) | st.lists(_block, max_size=2),
+    }
+)
+_bodies = st.fixed_dictionaries(
+    {"messages": st.lists(_message, min_size=1, max_size=3), "max_tokens": st.integers(1, 3)},
+    optional={
+        "system": st.text(max_size=8),
+        "stop_sequences": st.lists(st.text(min_size=1, max_size=3), max_size=2),
+        "stream": st.booleans(),
+        "temperature": st.floats(0, 2),
+        "tools": st.just(TOOLS),
+        "tool_choice": st.sampled_from(
+            [{"type": "auto"}, {"type": "any"}, {"type": "tool", "name": "get_weather"}]
+        ),
+        "thinking": st.just({"type": "enabled", "budget_tokens": 16}),
+    },
+)
+# Anything at all in the fields the API reads, for the validation paths.
+_junk = st.dictionaries(
+    st.sampled_from(
+        ["messages", "max_tokens", "system", "stop_sequences", "tools", "tool_choice", "temperature"]
+    ),
+    json_values,
+)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(
+    body=_bodies | st.dictionaries(st.sampled_from(["messages", "max_tokens", "tools"]), json_values),
+    path=st.sampled_from(["/v1/messages", "/v1/messages/count_tokens"]),
+)
+def test_fuzz_never_5xx(srv, body: object, path: str) -> None:
+    if isinstance(body, dict):
+        body = {"model": srv.model_name, **body}
+        if isinstance(body.get("max_tokens"), int) and body["max_tokens"] > 3:
+            body["max_tokens"] = 3
+    r = httpx.post(
+        srv.url + path,
+        content=json.dumps(body, allow_nan=False),
+        headers={"x-api-key": "k3y", "content-type": "application/json"},
+        timeout=60,
+    )
+    assert r.status_code < 500, r.text
+    if r.status_code >= 400:
+        error = r.json()
+        assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error", error
+    elif r.headers["content-type"].startswith("text/event-stream"):
+        assert r.text.rstrip().endswith('data: {"type": "message_stop"}') or "event: error" in r.text
+        assert "api_error" not in r.text
