@@ -61,11 +61,21 @@ log = logging.getLogger("ferry.router")
 
 GENERATE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 # Routed by their prompt (parsed and keyed) but relayed as they come: the Responses API's events
-# are not chat chunks, so its streams have no mid-stream failover (a retry before the first byte).
-KEYED_PATHS = GENERATE_PATHS | {"/v1/responses"}
+# (and the Messages API's) are not chat chunks, so their streams have no mid-stream failover (a
+# retry before the first byte).
+KEYED_PATHS = GENERATE_PATHS | {"/v1/responses", "/v1/messages"}
 # Relayed as they come, like every /v1/* route: vLLM serves these outside /v1 (scoring: /score,
 # /rerank, and Cohere's /v2/rerank).
 FORWARD_ROOT_PATHS = frozenset({"/tokenize", "/detokenize", "/score", "/rerank", "/v2/rerank", "/classify"})
+
+
+def _session_of(body: dict) -> str | None:
+    """A body's own session key: OpenAI's ``user``, or the Messages API's ``metadata.user_id``."""
+    if isinstance(body.get("user"), str):
+        return body["user"]
+    metadata = body.get("metadata")
+    user_id = metadata.get("user_id") if isinstance(metadata, dict) else None
+    return user_id if isinstance(user_id, str) else None
 
 
 class RouterApp:
@@ -409,8 +419,8 @@ class RouterApp:
             if not isinstance(parsed, dict):
                 await send_error(send, 400, "request body must be a JSON object", id_header)
                 return
-            if route.session_key is None and isinstance(parsed.get("user"), str):
-                route.session_key = parsed["user"]
+            if route.session_key is None:
+                route.session_key = _session_of(parsed)
             if isinstance(parsed.get("model"), str):
                 route.model = parsed["model"]
             if self.keyer is not None:

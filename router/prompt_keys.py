@@ -23,6 +23,7 @@ from typing import Any
 from engine.chat_template import template_message
 from kvcache.keys import block_hashes, salt_extra
 from router.reuse_encoder import ReuseEncoder
+from server.anthropic_protocol import MessagesRequest
 from server.responses_input import chat_messages, chat_tools
 
 logger = logging.getLogger("ferry.router")
@@ -46,6 +47,8 @@ class PromptKeyer(ABC):
         try:
             if path.endswith("/v1/responses"):
                 path, body = "/v1/chat/completions", responses_as_chat(body)
+            elif path.endswith("/v1/messages"):
+                path, body = "/v1/chat/completions", messages_as_chat(body)
             return self._keys(path, body)
         except Exception:  # noqa: BLE001 - any malformed body; a router error would be a 500
             logger.debug("no prompt keys for a %s body", path, exc_info=True)
@@ -69,6 +72,12 @@ def responses_as_chat(body: dict[str, Any]) -> dict[str, Any]:
     translates it with the same functions), for the prompt's keys."""
     tools, _ = chat_tools(body.get("tools"), None)
     return {"messages": chat_messages(body.get("instructions"), body["input"]), "tools": tools}
+
+
+def messages_as_chat(body: dict[str, Any]) -> dict[str, Any]:
+    """An Anthropic Messages API body as the chat body its replica renders (``MessagesRequest``'s
+    own translation, ``server/serving_messages.py``), for the prompt's keys."""
+    return MessagesRequest.model_validate(body).chat_body()
 
 
 def _token_id_prompt(body: dict[str, Any]) -> list[int] | None:

@@ -7,6 +7,7 @@ Requests are validated here and translated into chat completions requests by
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
@@ -114,17 +115,12 @@ class Metadata(_Request):
     user_id: StrictStr | None = None
 
 
-class MessagesRequest(_Request):
+class _Conversation(_Request):
+    """What both endpoints render: the conversation, its system prompt and its tools."""
+
     model: StrictStr
     messages: list[Message] = Field(min_length=1)
-    max_tokens: StrictInt = Field(ge=1)
     system: StrictStr | list[TextBlock] | None = None
-    stop_sequences: list[StrictStr] | None = None
-    stream: StrictBool = False
-    temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: StrictInt | None = Field(default=None, ge=-1)
-    metadata: Metadata | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     # Accepted as Anthropic's clients send it: a reasoning model thinks as its template says.
@@ -136,15 +132,86 @@ class MessagesRequest(_Request):
             return self.system or None
         return "".join(block.text for block in self.system) or None
 
+    def chat_body(self) -> dict[str, Any]:
+        """The chat completions body of the same conversation (``server/serving_messages.py``
+        serves it; the router keys its prompt with it): ``system`` first, ``tool_use`` blocks as
+        the assistant's ``tool_calls``, ``tool_result`` blocks as ``tool`` messages before the
+        user's text, tools and tool_choice as OpenAI's (``any`` is ``required``)."""
+        messages: list[dict[str, Any]] = []
+        if self.system_text:
+            messages.append({"role": "system", "content": self.system_text})
+        for m in self.messages:
+            if isinstance(m.content, str):
+                messages.append({"role": m.role, "content": m.content})
+                continue
+            texts = [{"type": "text", "text": b.text} for b in m.content if isinstance(b, TextBlock)]
+            if m.role == "assistant":
+                calls = [
+                    {
+                        "id": b.id,
+                        "type": "function",
+                        "function": {"name": b.name, "arguments": json.dumps(b.input)},
+                    }
+                    for b in m.content
+                    if isinstance(b, ToolUseBlock)
+                ]
+                turn: dict[str, Any] = {"role": "assistant", "content": texts or None}
+                if calls:
+                    turn["tool_calls"] = calls
+                if texts or calls:
+                    messages.append(turn)
+                continue
+            # A user turn answers the previous turn's calls first (tool_result blocks), then speaks.
+            for b in m.content:
+                if isinstance(b, ToolResultBlock):
+                    messages.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text})
+            if texts:
+                messages.append({"role": "user", "content": texts})
+        body: dict[str, Any] = {"model": self.model, "messages": messages}
+        if self.tools:
+            body["tools"] = [
+                {
+                    "type": "function",
+                    "function": {"name": t.name, "description": t.description, "parameters": t.input_schema},
+                }
+                for t in self.tools
+            ]
+        choice = self.tool_choice
+        if choice is not None:
+            body["tool_choice"] = (
+                {"type": "function", "function": {"name": choice.name}}
+                if choice.type == "tool"
+                else {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+            )
+            if choice.disable_parallel_tool_use:
+                body["parallel_tool_calls"] = False
+        return body
 
-class CountTokensRequest(_Request):
-    model: StrictStr
-    messages: list[Message] = Field(min_length=1)
-    system: StrictStr | list[TextBlock] | None = None
-    tools: list[Tool] | None = None
-    tool_choice: ToolChoice | None = None
-    thinking: dict[str, Any] | None = None
 
-    @property
-    def system_text(self) -> str | None:
-        return MessagesRequest.system_text.fget(self)  # type: ignore[attr-defined]
+class MessagesRequest(_Conversation):
+    max_tokens: StrictInt = Field(ge=1)
+    stop_sequences: list[StrictStr] | None = None
+    stream: StrictBool = False
+    temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: StrictInt | None = Field(default=None, ge=-1)
+    metadata: Metadata | None = None
+
+    def chat_body(self) -> dict[str, Any]:
+        body = super().chat_body()
+        body["max_tokens"] = self.max_tokens
+        for name in ("temperature", "top_p", "top_k"):
+            if getattr(self, name) is not None:
+                body[name] = getattr(self, name)
+        if self.stop_sequences:
+            body["stop"] = self.stop_sequences
+        if self.metadata is not None and self.metadata.user_id is not None:
+            body["user"] = self.metadata.user_id
+        if self.stream:
+            body["stream"] = True
+            body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+        return body
+
+
+class CountTokensRequest(_Conversation):
+    """``POST /v1/messages/count_tokens``: the conversation alone."""

@@ -24,14 +24,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from server.anthropic_protocol import (
-    CountTokensRequest,
-    MessagesRequest,
-    TextBlock,
-    ToolResultBlock,
-    ToolUseBlock,
-    error_body,
-)
+from server.anthropic_protocol import CountTokensRequest, MessagesRequest, error_body
 from server.errors import bad_request, validation_error
 from server.params import chat_prompt
 from server.protocol import ChatCompletionChunk, ChatCompletionRequest
@@ -60,67 +53,7 @@ def parse(model: type[MessagesRequest] | type[CountTokensRequest], body: Any) ->
 
 
 def to_chat_request(req: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest:
-    messages: list[dict[str, Any]] = []
-    if req.system_text:
-        messages.append({"role": "system", "content": req.system_text})
-    for m in req.messages:
-        if isinstance(m.content, str):
-            messages.append({"role": m.role, "content": m.content})
-            continue
-        texts = [{"type": "text", "text": b.text} for b in m.content if isinstance(b, TextBlock)]
-        if m.role == "assistant":
-            calls = [
-                {
-                    "id": b.id,
-                    "type": "function",
-                    "function": {"name": b.name, "arguments": json.dumps(b.input)},
-                }
-                for b in m.content
-                if isinstance(b, ToolUseBlock)
-            ]
-            turn: dict[str, Any] = {"role": "assistant", "content": texts or None}
-            if calls:
-                turn["tool_calls"] = calls
-            if texts or calls:
-                messages.append(turn)
-            continue
-        # A user turn answers the previous turn's calls first (tool_result blocks), then speaks.
-        for b in m.content:
-            if isinstance(b, ToolResultBlock):
-                messages.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text})
-        if texts:
-            messages.append({"role": "user", "content": texts})
-    body: dict[str, Any] = {"model": req.model, "messages": messages}
-    if req.tools:
-        body["tools"] = [
-            {
-                "type": "function",
-                "function": {"name": t.name, "description": t.description, "parameters": t.input_schema},
-            }
-            for t in req.tools
-        ]
-    choice = req.tool_choice
-    if choice is not None:
-        body["tool_choice"] = (
-            {"type": "function", "function": {"name": choice.name}}
-            if choice.type == "tool"
-            else {"auto": "auto", "any": "required", "none": "none"}[choice.type]
-        )
-        if choice.disable_parallel_tool_use:
-            body["parallel_tool_calls"] = False
-    if isinstance(req, MessagesRequest):
-        body["max_tokens"] = req.max_tokens
-        for name in ("temperature", "top_p", "top_k"):
-            if getattr(req, name) is not None:
-                body[name] = getattr(req, name)
-        if req.stop_sequences:
-            body["stop"] = req.stop_sequences
-        if req.metadata is not None and req.metadata.user_id is not None:
-            body["user"] = req.metadata.user_id
-        if req.stream:
-            body["stream"] = True
-            body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
-    return parse(ChatCompletionRequest, body)  # type: ignore[arg-type]
+    return parse(ChatCompletionRequest, req.chat_body())  # type: ignore[arg-type]
 
 
 def stop_reason(finish_reason: str | None, stop: Any, req: MessagesRequest) -> tuple[str, str | None]:

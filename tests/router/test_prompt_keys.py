@@ -67,7 +67,10 @@ def test_a_text_part_that_is_not_text_gives_no_hint_not_an_error(keyers) -> None
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(body=BODIES, path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/responses"]))
+@given(
+    body=BODIES,
+    path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"]),
+)
 def test_keys_never_raise_on_any_body(keyers, body: dict, path: str) -> None:
     """Whatever a client sends, keying yields a routing hint or none; the replica judges the body."""
     for keyer in keyers:
@@ -109,6 +112,44 @@ def test_responses_bodies_key_like_the_chat_body_the_replica_serves(keyers) -> N
         got = keyer.keys("/v1/responses", body)
         assert got == keyer.keys("/v1/chat/completions", chat) and got[1] > 16
         assert keyer.keys("/v1/responses", {"input": 5}) == ([], 0)  # no hint, no error
+
+
+def test_messages_bodies_key_like_the_chat_body_the_replica_serves(keyers) -> None:
+    body = {
+        "model": "m",
+        "max_tokens": 8,
+        "system": [{"type": "text", "text": "be brief " * 10}],
+        "messages": [
+            {"role": "user", "content": "hello " * 30},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "ok"}]},
+        ],
+        "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+    }
+    chat = {
+        "messages": [
+            {"role": "system", "content": "be brief " * 10},
+            {"role": "user", "content": "hello " * 30},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": "t1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": "t1", "content": "ok"},
+        ],
+        "tools": [
+            {
+                "type": "function",
+                "function": {"name": "f", "description": None, "parameters": {"type": "object"}},
+            }
+        ],
+    }
+    for keyer in keyers:
+        got = keyer.keys("/v1/messages", body)
+        assert got == keyer.keys("/v1/chat/completions", chat) and got[1] > 16
+        assert keyer.keys("/v1/messages", {"messages": 5}) == ([], 0)  # no hint, no error
 
 
 def test_a_cache_salt_salts_every_key_as_the_replica_does() -> None:
