@@ -65,8 +65,10 @@ GENERATE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 # retry before the first byte).
 KEYED_PATHS = GENERATE_PATHS | {"/v1/responses", "/v1/messages"}
 # Relayed as they come, like every /v1/* route: vLLM serves these outside /v1 (scoring: /score,
-# /rerank, and Cohere's /v2/rerank).
-FORWARD_ROOT_PATHS = frozenset({"/tokenize", "/detokenize", "/score", "/rerank", "/v2/rerank", "/classify"})
+# /rerank, Cohere's /v2/rerank; /classify; SageMaker's /invocations, any request on one path).
+FORWARD_ROOT_PATHS = frozenset(
+    {"/tokenize", "/detokenize", "/score", "/rerank", "/v2/rerank", "/classify", "/invocations"}
+)
 
 
 def _session_of(body: dict) -> str | None:
@@ -310,7 +312,7 @@ class RouterApp:
                 await self._proxy(scope, receive, send)
         elif reset:
             await self._reset_prefix_cache(scope, send)
-        elif path == "/health":
+        elif path == "/health" or path == "/ping":  # /ping: SageMaker's health check
             await self._health(send)
         elif path == "/metrics":
             await send_bytes(send, 200, self.metrics.render(), content_type=b"text/plain; version=0.0.4")

@@ -45,6 +45,7 @@ from server.protocol import (
     VersionResponse,
 )
 from server.responses_store import RUNNING, StoreUnavailable, open_response_store
+from server.sagemaker import invocation
 from server.score_protocol import ClassificationRequest, RerankRequest, ScoreRequest
 from server.serving_chat import create_chat_completion
 from server.serving_classify import create_classification
@@ -225,6 +226,22 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
             state, body, request.state.request_id, request.receive, getattr(request.state, "submitted", None)
         )
 
+    # SageMaker's contract (vLLM serves it too): every request on one path; /ping is the health check.
+    @app.post("/invocations", responses=_ERRORS)
+    async def invocations(request: Request) -> Any:
+        kind, body = invocation(await json_body(request), state.generation.serves_classifier)
+        handler = {
+            "chat": create_chat_completion,
+            "completion": create_completion,
+            "embedding": create_embedding,
+            "classification": create_classification,
+            "score": create_score,
+            "rerank": create_rerank,
+        }[kind]
+        return await handler(
+            state, body, request.state.request_id, request.receive, getattr(request.state, "submitted", None)
+        )
+
     @app.post("/v1/load_lora_adapter", responses=_ERRORS)
     async def load_lora_route(body: LoadLoRAAdapterRequest) -> Response:
         return PlainTextResponse(await load_lora_adapter(state, body))
@@ -254,6 +271,8 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
         return detokenize(state, body)
 
     @app.get("/health")
+    @app.get("/ping")
+    @app.post("/ping")
     async def health() -> Response:
         if state.generation.draining:
             return APIError(503, "Server is draining.", code="draining").to_response()

@@ -34,10 +34,18 @@ _PROTECTED_PREFIXES = (
     "/detokenize",
     "/score",
     "/rerank",
+    "/classify",
+    "/invocations",
     "/reset_prefix_cache",
 )
 # Routes that submit to the engine: announced to it as soon as their body is in (see ``announce``).
-_GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
+_GENERATION_PATHS = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/responses",
+    "/v1/messages",
+    "/invocations",
+)
 
 
 def route_path(scope: Scope) -> str:

@@ -28,6 +28,10 @@ def test_router_reads_and_relays_with_the_replicas_key(cluster: Cluster, keyed) 
     assert [m["id"] for m in listed] == [model]
     ok = httpx.post(open_router.url + "/v1/completions", json={"model": model, **PROMPT}, timeout=60)
     assert ok.status_code == 200, ok.text
+    # SageMaker's paths: /ping is the router's health, /invocations is relayed.
+    assert httpx.post(open_router.url + "/ping").status_code == 200
+    sagemaker = httpx.post(open_router.url + "/invocations", json={"model": model, **PROMPT}, timeout=60)
+    assert sagemaker.status_code == 200 and sagemaker.json()["object"] == "text_completion"
 
     # A router with its own key: clients show the router's key, replicas get theirs.
     guarded = cluster.router(
