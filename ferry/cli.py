@@ -8,8 +8,9 @@ at module level so `ferry router` never loads torch.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from ferry import __version__
 
@@ -30,7 +31,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# SageMaker runs a container as ``<image> serve`` and configures it through environment variables:
+# each SM_FERRY_<FLAG> becomes a `ferry serve` flag, as vLLM's image maps SM_VLLM_<FLAG>.
+SAGEMAKER_PREFIX = "SM_FERRY_"
+SAGEMAKER_DEFAULTS = ("--host", "0.0.0.0", "--port", "8080")  # where SageMaker sends /ping, /invocations
+
+
+def sagemaker_args(environ: Mapping[str, str]) -> list[str]:
+    """The `ferry serve` flags of the SM_FERRY_ variables, in name order: ``SM_FERRY_MAX_MODEL_LEN=4096``
+    is ``--max-model-len 4096``; an empty value or ``true`` is the switch alone
+    (``SM_FERRY_ENABLE_LORA=true``: ``--enable-lora``). With any of them set, the server listens on
+    0.0.0.0:8080 (SageMaker's port) unless they say otherwise."""
+    flags: list[str] = []
+    for key in sorted(
+        k for k in environ if k.startswith(SAGEMAKER_PREFIX) and len(k) > len(SAGEMAKER_PREFIX)
+    ):
+        flag = "--" + key[len(SAGEMAKER_PREFIX) :].lower().replace("_", "-")
+        value = environ[key]
+        flags += [flag] if value.strip().lower() in ("", "true") else [flag, value]
+    return [*SAGEMAKER_DEFAULTS, *flags] if flags else []
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:  # flags given on the command line come last, so they win
+        argv = ["serve", *sagemaker_args(os.environ), *argv[1:]]
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         from server.main import run_serve

@@ -4,11 +4,18 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+
+from ferry.cli import sagemaker_args
+from tests.server.conftest import REPO, free_port
 
 KEY = {"Authorization": "Bearer s4ge"}
 
@@ -78,3 +85,58 @@ def test_api_key_guards_invocations_and_classify(srv) -> None:
     assert _post(srv, "/invocations", body, headers=None).status_code == 401
     assert _post(srv, "/classify", {"input": "x"}, headers=None).status_code == 401
     assert _post(srv, "/invocations", body).status_code == 200
+
+
+def test_sm_ferry_variables_become_serve_flags() -> None:
+    env = {
+        "SM_FERRY_MAX_MODEL_LEN": "4096",
+        "SM_FERRY_ENABLE_LORA": "true",
+        "SM_FERRY_API_KEY": "k",
+        "HOME": "/",
+    }
+    assert sagemaker_args(env) == [
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "8080",
+        "--api-key",
+        "k",
+        "--enable-lora",
+        "--max-model-len",
+        "4096",
+    ]
+    assert sagemaker_args({"HOME": "/", "SM_FERRY_": "x"}) == []  # none set: nothing added
+
+
+def test_a_container_configured_by_sm_ferry_variables_serves_sagemaker(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    port = free_port()
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "SM_FERRY_MODEL": str(tiny_llama),
+        "SM_FERRY_HOST": "127.0.0.1",
+        "SM_FERRY_PORT": str(port),
+        "SM_FERRY_NUM_KV_BLOCKS": "64",
+        "SM_FERRY_NUM_THREADS": "1",
+    }
+    with open(tmp_path / "serve.log", "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ferry", "serve"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-2000:]
+            try:
+                if httpx.get(url + "/ping", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        r = httpx.post(url + "/invocations", json={"prompt": [5, 9], "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200 and r.json()["model"] == tiny_llama.name
+    finally:
+        proc.terminate()
+        proc.wait(30)
