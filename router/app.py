@@ -72,12 +72,15 @@ FORWARD_ROOT_PATHS = frozenset(
 
 
 def _session_of(body: dict) -> str | None:
-    """A body's own session key: OpenAI's ``user``, or the Messages API's ``metadata.user_id``."""
-    if isinstance(body.get("user"), str):
-        return body["user"]
+    """A body's own session key (after the ``X-Session-Id`` header): OpenAI's ``prompt_cache_key``
+    (which its clients set to keep a conversation on one cache), ``user`` or ``safety_identifier``,
+    or the Messages API's ``metadata.user_id``."""
+    for field in ("prompt_cache_key", "user", "safety_identifier"):
+        if isinstance(body.get(field), str) and body[field]:
+            return body[field]
     metadata = body.get("metadata")
     user_id = metadata.get("user_id") if isinstance(metadata, dict) else None
-    return user_id if isinstance(user_id, str) else None
+    return user_id if isinstance(user_id, str) and user_id else None
 
 
 class RouterApp:

@@ -414,12 +414,19 @@ def test_cache_aware_follows_prefixes_and_spreads_a_flood(cluster: Cluster, pair
     assert sum(got.values()) == 12 and min(got.values()) >= 3, got
 
 
-def test_session_policy_sticks_by_header_and_user_field(cluster: Cluster, pair: list[Proc]) -> None:
+def test_session_policy_sticks_by_header_and_body_fields(cluster: Cluster, pair: list[Proc]) -> None:
     a, b = pair
     router = cluster.router("--replica", a.url, "--replica", b.url, "--policy", "session")
     from router.policies.session import rendezvous_pick
 
-    for key, how in (("alice", "header"), ("bob", "header"), ("carol", "user"), ("dave", "user")):
+    for key, how in (
+        ("alice", "header"),
+        ("bob", "header"),
+        ("carol", "user"),
+        ("dave", "user"),
+        ("erin", "prompt_cache_key"),  # OpenAI's field for keeping a conversation on one cache
+        ("frank", "safety_identifier"),
+    ):
         before = {u: r["total_requests"] for u, r in replicas_view(router).items()}
         for _ in range(3):
             body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
@@ -427,7 +434,7 @@ def test_session_policy_sticks_by_header_and_user_field(cluster: Cluster, pair: 
             if how == "header":
                 headers["X-Session-Id"] = key
             else:
-                body["user"] = key
+                body[how] = key
             assert httpx.post(router.url + "/v1/completions", json=body, headers=headers).status_code == 200
         after = replicas_view(router)
         got = {u for u in after if after[u]["total_requests"] > before[u]}
