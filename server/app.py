@@ -29,7 +29,7 @@ from server.lora import (
     unload_lora_adapter,
 )
 from server.metrics import CONTENT_TYPE, ServerMetrics
-from server.middleware import EdgeMiddleware
+from server.middleware import EdgeMiddleware, ServerLoad
 from server.params import ModelLimits
 from server.prefix_cache import reset_engine_prefix_cache
 from server.protocol import (
@@ -286,6 +286,13 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
         dropped = await reset_engine_prefix_cache(engine, state.generation)
         return JSONResponse({"status": "ok", "num_blocks_dropped": dropped})
 
+    load = ServerLoad()
+
+    @app.get("/load")
+    async def server_load() -> Response:
+        """vLLM's: the requests on the engine's routes now (queued, running or streaming)."""
+        return JSONResponse({"server_load": load.requests})
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
@@ -301,6 +308,7 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
         api_key=config.api_key,
         max_request_bytes=config.max_request_bytes,
         announce=getattr(engine, "announce", None),
+        load=load,
     )
     # Outermost (as vLLM's): a browser's preflight is answered before the API key is asked for.
     http = config.http

@@ -11,6 +11,7 @@ import hmac
 import re
 import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
 from typing import Any
 
 from server.errors import APIError
@@ -46,6 +47,29 @@ _GENERATION_PATHS = (
     "/v1/messages",
     "/invocations",
 )
+
+
+# Routes whose requests run on the engine: what ``GET /load`` counts (vLLM's server load).
+_LOAD_PATHS = frozenset(
+    (
+        *_GENERATION_PATHS,
+        "/v1/embeddings",
+        "/score",
+        "/v1/score",
+        "/rerank",
+        "/v1/rerank",
+        "/v2/rerank",
+        "/classify",
+        "/v1/classify",
+    )
+)
+
+
+@dataclass
+class ServerLoad:
+    """Requests on the engine's routes, from their arrival to their last byte (``GET /load``)."""
+
+    requests: int = 0
 
 
 def route_path(scope: Scope) -> str:
@@ -106,8 +130,10 @@ class EdgeMiddleware:
         api_key: str | None,
         max_request_bytes: int,
         announce: Callable[[], Callable[[], None]] | None = None,
+        load: ServerLoad | None = None,
     ) -> None:
         self.app = app
+        self.load = load if load is not None else ServerLoad()
         self.api_key = api_key.encode() if api_key else None
         self.max_request_bytes = max_request_bytes
         self.announce = announce
@@ -145,15 +171,21 @@ class EdgeMiddleware:
                 message["headers"] = headers
             await send(message)
 
-        if self.announce is None or scope["method"] != "POST" or route_path(scope) not in _GENERATION_PATHS:
-            await self.app(scope, receive, send_with_id)
-            return
-        submitted = self.announce()
-        scope["state"]["submitted"] = submitted
+        path = route_path(scope)
+        tracked = scope["method"] == "POST" and path in _LOAD_PATHS
+        self.load.requests += tracked
         try:
-            await self.app(scope, receive, send_with_id)
+            if self.announce is None or scope["method"] != "POST" or path not in _GENERATION_PATHS:
+                await self.app(scope, receive, send_with_id)
+                return
+            submitted = self.announce()
+            scope["state"]["submitted"] = submitted
+            try:
+                await self.app(scope, receive, send_with_id)
+            finally:
+                submitted()
         finally:
-            submitted()
+            self.load.requests -= tracked
 
     async def _buffer_body(
         self, scope: Scope, receive: Receive, send: Send, request_id: str

@@ -111,6 +111,7 @@ COMPAT_FLAGS: dict[str, tuple[dict, str]] = {
     ),
     "--disable-frontend-multiprocessing": ({"action": "store_true"}, "see --api-server-count"),
     "--enable-prompt-tokens-details": ({"action": "store_true"}, "usage always carries cached prompt tokens"),
+    "--enable-server-load-tracking": ({"action": "store_true"}, "GET /load always counts the requests"),
 }
 PARALLEL_FLAGS = (
     ("--tensor-parallel-size", "-tp"),

@@ -199,3 +199,26 @@ def test_disconnect_mid_responses_stream_frees_blocks(server, scrape) -> None:
                 break
         assert scrape(server.url, "vllm:num_requests_running", model_name=name) == 1
     assert _wait_idle(server.url, scrape, name, timeout=1.5) < 1.5
+
+
+async def test_load_counts_requests_on_the_engine_routes(server) -> None:
+    # vLLM's GET /load: requests on the engine's routes from arrival to their last byte.
+    assert httpx.get(server.url + "/load").json() == {"server_load": 0}
+    long = {"max_tokens": 1000, "ignore_eos": True}
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+        running = [
+            asyncio.ensure_future(client.post("/v1/completions", json={"prompt": "x", **long})),
+            asyncio.ensure_future(
+                client.post(
+                    "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], **long}
+                )
+            ),
+        ]
+        seen = set()
+        while not all(t.done() for t in running):
+            await client.get("/v1/models")  # not an engine route: never counted
+            seen.add((await client.get("/load")).json()["server_load"])
+            await asyncio.sleep(0.01)
+        assert all(t.result().status_code == 200 for t in running)
+    assert max(seen) == 2
+    assert httpx.get(server.url + "/load").json() == {"server_load": 0}
