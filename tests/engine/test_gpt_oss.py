@@ -9,6 +9,7 @@ enough that random weights hit the clamps.
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 from pathlib import Path
@@ -16,11 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.attention import AttentionMetadata, get_attention_backend
-from engine.models.config import ModelConfig
-from engine.models.loader import load_weights
-from engine.models.quantized import FP4_VALUES, MXFP4_GROUP
+if not torch.cuda.is_available():  # never force the interpreter onto a real GPU run
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.attention import AttentionMetadata, get_attention_backend  # noqa: E402
+from engine.models.config import ModelConfig  # noqa: E402
+from engine.models.loader import load_weights  # noqa: E402
+from engine.models.quantized import FP4_VALUES, MXFP4_GROUP  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
 LENGTHS = [1, 7, 8, 9, 20, 45]  # around and past the 8-token window
@@ -116,17 +120,32 @@ def _reference(q_all, k_all, v_all, ctx, scale, sinks, window):  # noqa: ANN001
     return torch.einsum("hqk,khd->qhd", probs, v).float()
 
 
-@pytest.mark.parametrize("deterministic", [False, True])
+BACKENDS = [("torch", False), ("torch", True), ("triton", False)]
+NO_TRITON = "triton is not installed (pip install 'ferry-serve[triton]')"
+MIXED = ([(0, 11), (6, 10), (9, 1), (14, 1)], [[3, 17, 4], [8, 2, 30, 31], [11, 5, 21], [12, 13, 14, 15]])
+# Decode rows only, past one 64-key split: the Triton backend's split-KV kernel (split_size 64).
+DECODES = ([(70, 1), (90, 1)], [list(range(18)), list(range(18, 41))])
+
+
+@pytest.mark.parametrize("name,deterministic", BACKENDS)
 @pytest.mark.parametrize("window", [None, 5])
-def test_torch_backend_sinks_match_reference(deterministic: bool, window: int | None) -> None:
+@pytest.mark.parametrize("batch", ["mixed", "decodes"])
+def test_backend_sinks_match_reference(
+    name: str, deterministic: bool, window: int | None, batch: str
+) -> None:
     """Prefill (fresh and after a cached prefix, long enough for the prefill path) and decode rows
-    (batched in one group) on a paged cache, with sinks that take most of some rows' mass."""
+    on a paged cache, with sinks that take most of some rows' mass."""
     torch.manual_seed(0)
     bs, hq, hkv, d = 4, 4, 2, 8
-    backend = get_attention_backend("torch", "cpu", deterministic=deterministic)
-    k_cache, v_cache = torch.zeros(40, bs, hkv, d), torch.zeros(40, bs, hkv, d)
-    seqs = [(0, 11), (6, 10), (9, 1), (14, 1)]
-    tables = [[3, 17, 4], [8, 2, 30, 31], [11, 5, 21], [12, 13, 14, 15]]
+    if name == "triton":
+        pytest.importorskip("triton", reason=NO_TRITON)
+        from engine.attention.triton_backend import TritonAttentionBackend
+
+        backend = TritonAttentionBackend(split_size=64)
+    else:
+        backend = get_attention_backend(name, "cpu", deterministic=deterministic)
+    k_cache, v_cache = torch.zeros(48, bs, hkv, d), torch.zeros(48, bs, hkv, d)
+    seqs, tables = MIXED if batch == "mixed" else DECODES
     full_k = [torch.randn(c + n, hkv, d) for c, n in seqs]
     full_v = [torch.randn(c + n, hkv, d) for c, n in seqs]
     full_q = [torch.randn(n, hq, d) for _, n in seqs]
@@ -146,6 +165,15 @@ def test_torch_backend_sinks_match_reference(deterministic: bool, window: int | 
         start += n
     # The sinks took mass: head 3's sink dominates, so its output shrinks towards zero.
     assert out[:, 3].abs().max() < 0.1 * plain[:, 3].abs().max()
+
+
+def test_triton_backend_matches_transformers(tiny_gpt_oss, oss_prompts, hf_reference) -> None:
+    """The whole model on the Triton backend and op set (interpreted on CPU: two short prompts)."""
+    pytest.importorskip("triton", reason=NO_TRITON)
+    llm = LLM(str(tiny_gpt_oss), attention_backend="triton", num_kv_blocks=32, block_size=4)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=0)
+    for out, prompt in zip(llm.generate(oss_prompts[2:4], params), oss_prompts[2:4], strict=True):
+        _assert_matches(out, *hf_reference(tiny_gpt_oss, prompt, 4))
 
 
 # --------------------------------------------------------------------------- the model
