@@ -24,6 +24,7 @@ QUANTIZATION_METHODS = {
     "awq_marlin": "awq",
     "compressed-tensors": "compressed-tensors",
     "fp8": "fp8",
+    "mxfp4": "mxfp4",
 }
 
 

@@ -102,8 +102,10 @@ def build_model(
     (4 experts, 2 per token), "qwen2_moe" (a gated shared expert too), "phi3" (fused weights,
     partial rotary 0.75), "gemma3" (text; local/global layers, soft-capped logits) or "gemma3_mm"
     (the same text model inside a Gemma3ForConditionalGeneration checkpoint), "gemma2" (soft-capped
-    attention), "glm4_moe" (GLM-4.5) or
-    "granite" (Llama with embedding, attention, residual and logit multipliers) or "olmo2".
+    attention), "glm4_moe" (GLM-4.5),
+    "granite" (Llama with embedding, attention, residual and logit multipliers), "olmo2" or
+    "gpt_oss" (attention sinks, sliding (window 8) and full layers, q/k/v/o biases, YaRN, a biased
+    router over 4 biased experts, 2 per token, with a clamped SwiGLU).
     The model's eos is ``<|im_end|>``.
     """
     import torch
@@ -205,6 +207,27 @@ def build_model(
             final_logit_softcapping=5.0,
         )
         cls = transformers.Gemma2ForCausalLM
+    elif arch == "gpt_oss":  # sinks, sliding (window 8) and full layers, biased MoE (4 experts, 2 per token)
+        import transformers
+
+        cfg = transformers.GptOssConfig(
+            **{**common, "rms_norm_eps": 1e-5},
+            head_dim=hidden_size // num_attention_heads,
+            sliding_window=8,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            swiglu_limit=0.5,  # small enough that random weights hit the clamps
+        )
+        cfg.rope_parameters = rope_scaling or {
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 256,
+        }
+        cls = transformers.GptOssForCausalLM
     elif arch == "olmo2":  # norms after attention and MLP, q/k normalised over whole projections
         import transformers
 
@@ -295,6 +318,8 @@ def build_model(
                 p.normal_(0.0, 0.1)
             elif "bias" in name:
                 p.normal_(0.0, 0.05)
+            elif name.endswith("sinks"):  # large enough to take a visible share of attention
+                p.normal_(0.0, 1.0)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # zero at init: make it matter (DeepSeek, GLM)
                 b.normal_(0.0, 0.1)

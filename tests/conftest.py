@@ -67,6 +67,8 @@ TINY_MODELS: dict[str, tuple[str, int, dict]] = {
     "tiny_granite": ("granite", 17, {}),  # Llama with four multipliers
     "tiny_gemma2": ("gemma2", 18, {}),  # soft-capped attention scores and logits, alternating windows
     "tiny_olmo2": ("olmo2", 19, {}),  # norms after each block, q/k norm over whole projections
+    # gpt-oss: attention sinks, sliding (window 8) and full layers, biased router and experts, YaRN.
+    "tiny_gpt_oss": ("gpt_oss", 23, {}),
     # Sequence classifiers (the decoder + a score head): three named labels; two on Gemma 2.
     "tiny_llama_cls": (
         "llama",

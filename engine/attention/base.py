@@ -129,12 +129,15 @@ class AttentionBackend(ABC):
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,  # [Hq] fp32
     ) -> torch.Tensor:  # [T, Hq, D]
         """Store ``k``/``v`` at ``meta.slot_mapping``, then attend each new token over its sequence's
         cached prefix plus the new tokens up to and including itself (GQA: query head h reads KV head
         ``h // (Hq // Hkv)``). With a sliding ``window``, the token at position q sees only keys at
         positions k with ``q - window < k <= q``. With ``softcap`` (Gemma 2), the scaled scores
-        become ``softcap * tanh(score / softcap)`` before the softmax."""
+        become ``softcap * tanh(score / softcap)`` before the softmax. With ``sinks`` (gpt-oss),
+        head h's softmax has one more logit, ``sinks[h]``, whose value is zero: it takes probability
+        mass and adds nothing. A model passes ``sinks`` only if it has them (decided at load)."""
 
     @abstractmethod
     def forward_mla(

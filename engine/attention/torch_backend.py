@@ -12,6 +12,9 @@ Two numerics, chosen at construction:
 A sliding-window layer gathers only the blocks its window reaches. In deterministic mode the
 gathered keys start at a multiple of ``TILE`` (and of the block size), so tiles still sit at the
 same absolute positions and the tiles left out would only have added exact zeros.
+
+Soft-capped scores (Gemma 2) and attention sinks (gpt-oss) take explicit fp32 scores in the fast
+path (SDPA has neither); layers without them keep SDPA.
 """
 
 from __future__ import annotations
@@ -87,15 +90,30 @@ class _Plan:
 
 
 def _sdpa(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """SDPA over ``[..., L, D]`` with a boolean ``mask`` (True: visible); with ``softcap`` the scores
-    are soft-capped first (``softcap * tanh(s / softcap)``, Gemma 2), which SDPA cannot do, in fp32."""
-    if softcap is None:
+    """SDPA over ``[..., L, D]`` with a boolean ``mask`` (True: visible). What SDPA cannot do runs on
+    explicit fp32 scores: ``softcap`` soft-caps them first (``softcap * tanh(s / softcap)``, Gemma 2);
+    ``sinks`` (fp32, broadcastable to the scores' ``[..., 1]``: one logit per query head, gpt-oss)
+    joins each row's softmax as one more column that has no value."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    scores = (torch.tanh(scores / softcap) * softcap).masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        sink = sinks.expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs, v.float()).to(q.dtype)
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -230,10 +248,10 @@ class TorchAttentionBackend(AttentionBackend):
                 mask.triu_(diagonal=ctx - fk - window + 1)
         return _Prefill(start, qlen, ctx, fk, blocks, mask)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale, window=None, softcap=None):  # type: ignore[override]
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, window=None, softcap=None, sinks=None):  # type: ignore[override]
         store_rows(k_cache, meta.slot_mapping, k)
         store_rows(v_cache, meta.slot_mapping, v)
-        return self._attend(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
+        return self._attend(q, k, v, k_cache, v_cache, meta, scale, window, softcap, sinks)
 
     def forward_mla(self, q, kv, kv_cache, meta, scale, v_dim):  # type: ignore[override]
         store_rows(kv_cache, meta.slot_mapping, kv.view(-1, 1, kv_cache.shape[3]))
@@ -250,6 +268,7 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
         window: int | None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         plan = self._plan(meta, q.device)
         wplan = plan.windows.get(window)
@@ -261,7 +280,7 @@ class TorchAttentionBackend(AttentionBackend):
         for g, keys in zip(plan.decode_groups, wplan.decode_keys, strict=True):
             kk = _gather(k_cache, keys.blocks, q.dtype)  # [Bg, L, Hkv, D]
             vv = kk[..., :dv] if v_cache is None else _gather(v_cache, keys.blocks, q.dtype)
-            out.index_copy_(0, g.rows, decode(q.index_select(0, g.rows), kk, vv, keys, scale, softcap))
+            out.index_copy_(0, g.rows, decode(q.index_select(0, g.rows), kk, vv, keys, scale, softcap, sinks))
         attend = self._prefill_det if self.deterministic else self._prefill
         for p in wplan.prefills:
             qs = q[p.start : p.start + p.qlen]
@@ -270,7 +289,7 @@ class TorchAttentionBackend(AttentionBackend):
             else:
                 ks = _gather(k_cache, p.blocks, q.dtype)
                 vs = ks[..., :dv] if v_cache is None else _gather(v_cache, p.blocks, q.dtype)
-            out[p.start : p.start + p.qlen] = attend(qs, ks, vs, p, window, scale, softcap)
+            out[p.start : p.start + p.qlen] = attend(qs, ks, vs, p, window, scale, softcap, sinks)
         return out
 
     @staticmethod
@@ -281,6 +300,7 @@ class TorchAttentionBackend(AttentionBackend):
         keys: _DecodeKeys,
         scale: float,
         softcap: float | None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """A group's single-token rows in one SDPA call over its gathered keys/values
         ``[Bg, L, Hkv, D]``: the G query heads sharing a KV head are laid out as G query rows, so
@@ -288,7 +308,8 @@ class TorchAttentionBackend(AttentionBackend):
         bd, hq, d = q.shape
         hkv = kk.shape[2]
         qg = q.view(bd, hkv, hq // hkv, d)
-        o = _sdpa(qg, kk.transpose(1, 2), vv.transpose(1, 2), keys.visible, scale, softcap)
+        sink = None if sinks is None else sinks.view(hkv, hq // hkv, 1)
+        o = _sdpa(qg, kk.transpose(1, 2), vv.transpose(1, 2), keys.visible, scale, softcap, sink)
         return o.reshape(bd, hq, vv.shape[-1])
 
     @staticmethod
@@ -300,6 +321,7 @@ class TorchAttentionBackend(AttentionBackend):
         window: int | None,
         scale: float,
         softcap: float | None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One sequence's chunk over keys ``p.first_key .. ctx+Lq-1`` (``k`` may run past them);
         the window is already in ``p.mask``."""
@@ -307,13 +329,13 @@ class TorchAttentionBackend(AttentionBackend):
         # 4-D [1, H, L, D]: with 3-D inputs PyTorch's CPU SDPA takes its unfused math path, which
         # measured 4-9x slower here than the flash kernel 4-D inputs get (fp32 and bf16).
         qt, kt, vt = q.transpose(0, 1)[None], k[:nk].transpose(0, 1)[None], v[:nk].transpose(0, 1)[None]
-        if softcap is not None:
+        if softcap is not None or sinks is not None:
             mask = p.mask
             if mask is None:  # plain causal over keys from position 0: square
                 mask = torch.ones(p.qlen, nk, dtype=torch.bool, device=q.device).tril_()
             rep = q.shape[1] // k.shape[1]
             kt, vt = kt.repeat_interleave(rep, 1), vt.repeat_interleave(rep, 1)
-            o = _sdpa(qt, kt, vt, mask, scale, softcap)
+            o = _sdpa(qt, kt, vt, mask, scale, softcap, None if sinks is None else sinks.view(-1, 1, 1))
         elif p.mask is None:
             o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
         else:
@@ -329,11 +351,16 @@ class TorchAttentionBackend(AttentionBackend):
         window: int | None,
         scale: float,
         softcap: float | None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Batch-invariant attention for one sequence's chunk (see ``_attend_det``)."""
         lq, hq, d = q.shape
         hkv = k.shape[1]
         g = hq // hkv
+        # Row r of KV head h is query token r // g, head h * g + r % g.
+        sink = (
+            None if sinks is None else sinks.view(1, hkv, 1, g).expand(1, hkv, lq, g).reshape(1, hkv, lq * g)
+        )
         nk = p.ctx + lq - p.first_key
         rows = lq * g
         qg = q.reshape(lq, hkv, g, d).permute(1, 0, 2, 3).reshape(1, hkv, rows, d)
@@ -341,7 +368,7 @@ class TorchAttentionBackend(AttentionBackend):
         last = q_pos - p.first_key
         first = None if window is None else (q_pos - window + 1).clamp_(min=p.first_key) - p.first_key
         kk, vv = k[:nk].transpose(0, 1)[None], v[:nk].transpose(0, 1)[None]
-        o = _attend_det(qg, kk, vv, last, first, nk, scale, softcap)
+        o = _attend_det(qg, kk, vv, last, first, nk, scale, softcap, sink)
         dv = v.shape[-1]
         return o[0].reshape(hkv, lq, g, dv).permute(1, 0, 2, 3).reshape(lq, hq, dv).to(q.dtype)
 
@@ -353,6 +380,7 @@ class TorchAttentionBackend(AttentionBackend):
         keys: _DecodeKeys,
         scale: float,
         softcap: float | None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Batch-invariant single-token rows of a group (see ``_attend_det``)."""
         bd, hq, d = q.shape
@@ -361,7 +389,8 @@ class TorchAttentionBackend(AttentionBackend):
         kk, vv = kk.transpose(1, 2), vv.transpose(1, 2)
         last = keys.last[:, None].expand(bd, g)
         first = None if keys.first is None else keys.first[:, None].expand(bd, g)
-        o = _attend_det(q.reshape(bd, hkv, g, d), kk, vv, last, first, kk.shape[2], scale, softcap)
+        sink = None if sinks is None else sinks.view(1, hkv, g)
+        o = _attend_det(q.reshape(bd, hkv, g, d), kk, vv, last, first, kk.shape[2], scale, softcap, sink)
         return o.reshape(bd, hq, vv.shape[-1]).to(q.dtype)
 
 
@@ -374,6 +403,7 @@ def _attend_det(
     n: int,  # keys present (N)
     scale: float,
     softcap: float | None = None,  # scores become softcap * tanh(scores / softcap) (Gemma 2)
+    sinks: torch.Tensor | None = None,  # [1 or S, Hkv, R] fp32: each row's sink logit (gpt-oss)
 ) -> torch.Tensor:  # [S, Hkv, R, Dv] fp32
     """Attention whose every row depends only on its own keys, never on S, R or N.
 
@@ -410,9 +440,15 @@ def _attend_det(
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     scores.masked_fill_(~visible[:, None], float("-inf"))
-    probs = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
-    num = torch.zeros(s_, hkv, prow, dv, dtype=torch.float32, device=dev)
+    top = scores.amax(dim=-1, keepdim=True)
     den = torch.zeros(s_, hkv, prow, 1, dtype=torch.float32, device=dev)
+    if sinks is not None:  # one more softmax column per row, with no value: only the denominator
+        sink = torch.zeros(sinks.shape[0], hkv, prow, 1, dtype=torch.float32, device=dev)
+        sink[:, :, :r, 0] = sinks
+        top = torch.maximum(top, sink)
+        den = den + torch.exp(sink - top)
+    probs = torch.exp(scores - top)
+    num = torch.zeros(s_, hkv, prow, dv, dtype=torch.float32, device=dev)
     for t in range(ntiles):
         sl = slice(t * TILE, (t + 1) * TILE)
         p = probs[..., sl].contiguous()

@@ -7,6 +7,9 @@ context over more programs. In deterministic mode every step uses the unified ke
 per-row result is independent of the batch and of how a prompt was chunked; switching kernels
 by batch shape would break that.
 
+Attention sinks (gpt-oss) join both kernels as a value-less softmax column per query head
+(``SINKS``, compiled in only for models that have them).
+
 Runs on CUDA, or on CPU under Triton's interpreter (``TRITON_INTERPRET=1``, tests only).
 """
 
@@ -59,6 +62,7 @@ class TritonAttentionBackend(AttentionBackend):
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         self._write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if q.stride(-1) != 1:
@@ -74,11 +78,11 @@ class TritonAttentionBackend(AttentionBackend):
             # Decode-only step (exactly one query per sequence) with a long context to attend to.
             return self._split_decode(
                 q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale, meta.max_seq_len,
-                window=window, softcap=softcap, split_size=self.split_size,
+                window=window, softcap=softcap, sinks=sinks, split_size=self.split_size,
             )  # fmt: skip
         return self._unified(
             q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
-            window=window, softcap=softcap,
+            window=window, softcap=softcap, sinks=sinks,
         )  # fmt: skip
 
     def forward_mla(self, q, kv, kv_cache, meta, scale, v_dim):  # type: ignore[override]

@@ -164,6 +164,7 @@ def _unified_attention_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     block_tables_ptr,
+    sinks_ptr,
     scale,
     softcap,
     window,
@@ -185,6 +186,7 @@ def _unified_attention_kernel(
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     q_block_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -225,6 +227,12 @@ def _unified_attention_kernel(
             stride_cb, stride_cs, stride_ch, dims, dim_mask,
             CAUSAL=True, SOFTCAP=SOFTCAP, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
         )  # fmt: skip
+        if SINKS:  # one more softmax column per query head, with no value (gpt-oss)
+            sink = tl.load(sinks_ptr + q_head, mask=row_mask, other=0.0).to(tl.float32)
+            m_new = tl.maximum(m_i, sink)
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.exp(sink - m_new)
+            acc = acc * alpha[:, None]
         out = acc / tl.where(row_mask, l_i, 1.0)[:, None]
         o_offs = (
             (q_start + token).to(tl.int64)[:, None] * stride_ot + q_head[:, None] * stride_oh + dims[None, :]
@@ -244,11 +252,13 @@ def unified_attention(
     out: torch.Tensor | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     block_m: int = 64,
     block_n: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of the new tokens ``q`` [T, Hq, D] of a batch of sequences, within a
-    sliding ``window`` if one is given, scores soft-capped at ``softcap`` if one is given.
+    sliding ``window`` if one is given, scores soft-capped at ``softcap`` if one is given, with
+    a value-less softmax column of ``sinks[h]`` (fp32 [Hq]) per query head if they are given.
 
     Sequence ``i`` owns query rows ``query_start_loc[i]:query_start_loc[i+1]`` (possibly none),
     has ``seq_lens[i]`` tokens in total after this step (its K/V already in the caches) and
@@ -265,11 +275,13 @@ def unified_attention(
         return out
     queries_per_kv = n_q_heads // n_kv_heads
     launch = unified_launch(
-        queries_per_kv, head_dim, q.dtype, block_m, block_n, interpreting(), softcap is not None
-    )
+        queries_per_kv, head_dim, q.dtype, block_m, block_n, interpreting(), softcap is not None,
+        sinks is not None,
+    )  # fmt: skip
     grid = (n_tokens // launch["BLOCK_Q"] + 2 * num_seqs, n_kv_heads)
     _unified_attention_kernel[grid](
-        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale, softcap or 0.0,
+        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,
+        q if sinks is None else sinks, scale, softcap or 0.0,
         kernel_window(window),
         num_seqs, queries_per_kv, head_dim, k_cache.shape[1],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -287,6 +299,7 @@ def unified_launch(
     block_n: int | None = None,
     interpret: bool = False,
     softcap: bool = False,
+    sinks: bool = False,
 ) -> Launch:
     block_g = triton.next_power_of_2(queries_per_kv)
     block_d = max(16, triton.next_power_of_2(head_dim))
@@ -295,6 +308,7 @@ def unified_launch(
             "BLOCK_Q": max(1, block_m // block_g), "BLOCK_G": block_g,
             "BLOCK_N": block_n or default_block_n(block_d), "BLOCK_D": block_d,
             "DOT_PRECISION": dot_precision(dtype, interpret), "SOFTCAP": softcap,
+            "SINKS": sinks,
         },
         num_warps=8 if block_d >= 128 else 4,
     )  # fmt: skip

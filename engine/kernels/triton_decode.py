@@ -98,6 +98,7 @@ def _decode_reduce_kernel(
     part_out_ptr,
     part_lse_ptr,
     seq_lens_ptr,
+    sinks_ptr,
     out_ptr,
     window,
     head_dim,
@@ -107,6 +108,7 @@ def _decode_reduce_kernel(
     stride_oh,
     SPLIT_SIZE: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -121,6 +123,10 @@ def _decode_reduce_kernel(
         max_lse = tl.maximum(max_lse, tl.load(part_lse_ptr + row + s))
     acc = tl.zeros([BLOCK_D], tl.float32)
     total = tl.zeros([], tl.float32)
+    if SINKS:  # the head's value-less softmax column (gpt-oss) joins the merge as one more split
+        sink = tl.load(sinks_ptr + head).to(tl.float32)
+        max_lse = tl.maximum(max_lse, sink)
+        total += tl.exp(sink - max_lse)
     for s in range(first_split, n_splits):
         weight = tl.exp(tl.load(part_lse_ptr + row + s) - max_lse)
         acc += weight * tl.load(part_out_ptr + (row + s) * BLOCK_D + dims)
@@ -142,12 +148,14 @@ def split_kv_decode_attention(
     out: torch.Tensor | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     split_size: int = DEFAULT_SPLIT_SIZE,
     block_n: int | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence (``q`` [B, Hq, D], row i = sequence i) over all
     ``seq_lens[i]`` cached positions (the token's own K/V included), or only the last ``window``
-    of them, in fixed KV splits.
+    of them, in fixed KV splits; with ``sinks`` (fp32 [Hq]), each head's softmax has that extra
+    value-less logit, added when the splits merge.
 
     ``max_seq_len`` (a host int, >= every ``seq_lens[i]``) sizes the grid; split boundaries are
     multiples of ``split_size`` whatever the batch, and splits merge in order, so each row's
@@ -179,9 +187,9 @@ def split_kv_decode_attention(
         ).kwargs,
     )  # fmt: skip
     _decode_reduce_kernel[(num_seqs, n_q_heads)](
-        part_out, part_lse, seq_lens, out, window, head_dim,
+        part_out, part_lse, seq_lens, part_lse if sinks is None else sinks, out, window, head_dim,
         part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
-        **reduce_launch(head_dim, split_size).kwargs,
+        **reduce_launch(head_dim, split_size, sinks is not None).kwargs,
     )  # fmt: skip
     return out
 
@@ -204,7 +212,8 @@ def split_launch(
 
 
 @cache
-def reduce_launch(head_dim: int, split_size: int) -> Launch:
+def reduce_launch(head_dim: int, split_size: int, sinks: bool = False) -> Launch:
     return Launch(
-        {"SPLIT_SIZE": split_size, "BLOCK_D": max(16, triton.next_power_of_2(head_dim))}, num_stages=1
+        {"SPLIT_SIZE": split_size, "BLOCK_D": max(16, triton.next_power_of_2(head_dim)), "SINKS": sinks},
+        num_stages=1,
     )

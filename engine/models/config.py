@@ -107,6 +107,9 @@ class ModelConfig:
     attention_multiplier: float | None = None
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    # gpt-oss experts' clamped SwiGLU: (alpha, limit), ``(clamp(up) + 1) * g * sigmoid(alpha * g)``
+    # with g the gate clamped above at limit. None: not gpt-oss.
+    swiglu: tuple[float, float] | None = None
 
     # The paged KV cache per layer: ``kv_cache_parts`` tensors (K and V, or MLA's one latent) of
     # ``[num_blocks, block_size, kv_cache_heads, kv_cache_dim]``.
@@ -147,6 +150,8 @@ class ModelConfig:
             raw = _gemma3_text_config(raw)
         elif archs[0] in ("Gemma2ForCausalLM", "Gemma2ForSequenceClassification"):
             raw = {**_GEMMA2_DEFAULTS, **raw}
+        elif archs[0] == "GptOssForCausalLM":
+            raw = {**_GPT_OSS_DEFAULTS, **raw}
         model_type = raw.get("model_type", "")
         heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
@@ -201,6 +206,9 @@ class ModelConfig:
             partial_rotary_factor=float(
                 raw.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
             ),
+            swiglu=(float(raw["swiglu_alpha"]), float(raw["swiglu_limit"]))
+            if model_type == "gpt_oss"
+            else None,
         )
 
 
@@ -332,6 +340,32 @@ _GEMMA2_DEFAULTS: dict[str, Any] = {
 }
 
 
+# GptOssConfig's defaults (layer i slides when i is even; YaRN stretches 4096 positions 32 times).
+_GPT_OSS_DEFAULTS: dict[str, Any] = {
+    "head_dim": 64,
+    "sliding_window": 128,
+    "sliding_window_pattern": 2,
+    "attention_bias": True,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 131072,
+    "num_local_experts": 128,
+    "num_experts_per_tok": 4,
+    "swiglu_alpha": 1.702,
+    "swiglu_limit": 7.0,
+    # Under the transformers 5 name, so a config's own rope_scaling / rope_theta (the released
+    # checkpoints' spelling) or rope_parameters wins.
+    "rope_parameters": {
+        "rope_theta": 150000.0,
+        "rope_type": "yarn",
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 4096,
+    },
+}
+
+
 def _gemma(raw: dict[str, Any], num_layers: int) -> GemmaConfig | None:
     if raw.get("model_type") not in ("gemma2", "gemma3_text"):
         return None
@@ -380,7 +414,8 @@ def _mla(raw: dict[str, Any]) -> MLAConfig | None:
 
 def _moe(raw: dict[str, Any]) -> MoEConfig | None:
     arch = (raw.get("architectures") or [""])[0]
-    if arch == "MixtralForCausalLM":
+    # gpt-oss softmaxes its top k logits: the same as all of them softmaxed, the top k renormalised.
+    if arch in ("MixtralForCausalLM", "GptOssForCausalLM"):
         return MoEConfig(
             num_experts=int(raw["num_local_experts"]),
             experts_per_token=int(raw["num_experts_per_tok"]),
@@ -442,7 +477,9 @@ def _sliding_windows(
     """The model's window and each layer's, as transformers reads them (defaults included)."""
     if model_type == "llama":
         return None, (None,) * num_layers  # transformers' Llama ignores a sliding_window entry
-    if model_type in ("gemma2", "gemma3_text"):
+    if model_type == "gpt_oss" and not raw.get("sliding_window"):
+        return None, (None,) * num_layers  # GptOssAttention: sliding layers without a window see all
+    if model_type in ("gemma2", "gemma3_text", "gpt_oss"):
         window = int(raw.get("sliding_window") or 4096)
         types = _layer_types(raw, num_layers) or ["full_attention"] * num_layers
         return window, tuple(window if t == "sliding_attention" else None for t in types)

@@ -111,7 +111,8 @@ def load_weights(
     With ``fp8_block``, fp8 weights are dequantized with their ``…weight_scale_inv`` (one scale per
     block of that shape; the scale may sit in another shard than its weight). With ``quant``, each
     GPTQ / AWQ / compressed-tensors module's pieces (``<prefix>.qweight``…) are gathered, wherever the
-    shard, and dequantized into ``<prefix>.weight``."""
+    shard, and dequantized into ``<prefix>.weight`` (MXFP4's ``<name>_blocks`` / ``_scales`` into
+    ``<name>``)."""
     from safetensors import safe_open
 
     out: dict[str, torch.Tensor] = {}
@@ -128,7 +129,7 @@ def load_weights(
                     fp8[name] = tensor
                     continue
                 if quant is not None and quant.holds(name, tensor):
-                    prefix, part = name.rsplit(".", 1)
+                    prefix, part = quant.split(name)
                     pieces.setdefault(prefix, {})[part] = tensor
                     continue
                 target = torch.float32 if name.endswith(keep_fp32) else dtype
@@ -141,10 +142,11 @@ def load_weights(
         target = torch.float32 if name.endswith(keep_fp32) else dtype
         out[name] = weight.to(device=device, dtype=target)
     for prefix, parts in pieces.items():
-        weight = dequantize(prefix, parts, quant)  # type: ignore[arg-type]
+        name = quant.weight_name(prefix)  # type: ignore[union-attr]
+        target = torch.float32 if name.endswith(keep_fp32) else dtype
+        weight = dequantize(prefix, parts, quant, target)  # type: ignore[arg-type]
         if weight is not None:
-            name = prefix + ".weight"
-            out[name] = weight.to(device=device, dtype=torch.float32 if name.endswith(keep_fp32) else dtype)
+            out[name] = weight.to(device=device, dtype=target)
     if fp8:
         raise ValueError(f"scales without an fp8 weight in the checkpoint: {sorted(fp8)[:3]}")
     if not renames and "embed_tokens.weight" in out and "model.embed_tokens.weight" not in out:

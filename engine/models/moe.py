@@ -32,6 +32,33 @@ def load_dense_mlp(w: Weights, prefix: str) -> dict[str, torch.Tensor]:
     return {"gate_up": gate_up, "down": w.pop(prefix + "down_proj.weight")}
 
 
+def run_experts(
+    x: torch.Tensor,  # [T, hidden]
+    weights: torch.Tensor,  # [T, k] fp32
+    experts: torch.Tensor,  # [T, k]
+    num_experts: int,
+    expert: Callable[[int, torch.Tensor], torch.Tensor],  # (e, its tokens' rows) -> its outputs
+) -> torch.Tensor:
+    """Each expert once over the tokens routed to it, outputs weighted and summed per token in
+    expert order (transformers' order)."""
+    out = torch.zeros_like(x)
+    k = experts.shape[1]
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, token order kept
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    tokens = order // k
+    flat_weights = weights.reshape(-1)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        rows, pairs = tokens[start : start + n], order[start : start + n]
+        start += n
+        h = expert(e, x.index_select(0, rows))
+        out.index_add_(0, rows, (h * flat_weights.index_select(0, pairs)[:, None]).to(x.dtype))
+    return out
+
+
 class MoE:
     def __init__(
         self,
@@ -86,23 +113,12 @@ class MoE:
     def _loop(
         self, x: torch.Tensor, layer: dict[str, torch.Tensor], weights: torch.Tensor, experts: torch.Tensor
     ) -> torch.Tensor:
-        cfg, linear = self.cfg, self.linear
-        out = torch.zeros_like(x)
-        flat = experts.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, token order kept
-        counts = torch.bincount(flat, minlength=cfg.num_experts).tolist()
-        tokens = order // cfg.experts_per_token
-        flat_weights = weights.reshape(-1)
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            rows, pairs = tokens[start : start + n], order[start : start + n]
-            start += n
-            h = self.silu_and_mul(linear(x.index_select(0, rows), layer["w13"][e], None))
-            h = linear(h, layer["w2"][e], None)
-            out.index_add_(0, rows, (h * flat_weights.index_select(0, pairs)[:, None]).to(x.dtype))
-        return out
+        linear, w13, w2 = self.linear, layer["w13"], layer["w2"]
+
+        def expert(e: int, xs: torch.Tensor) -> torch.Tensor:
+            return linear(self.silu_and_mul(linear(xs, w13[e], None)), w2[e], None)
+
+        return run_experts(x, weights, experts, self.cfg.num_experts, expert)
 
     def route(self, x: torch.Tensor, layer: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts and their fp32 weights (see ``MoEConfig``)."""

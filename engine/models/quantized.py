@@ -19,6 +19,12 @@ from typing import Any
 
 import torch
 
+# MXFP4 (gpt-oss experts): ``<name>_blocks`` uint8 [E, out, in/32, 16], two 4-bit floats (e2m1) a
+# byte, the low nibble first; ``<name>_scales`` uint8 [E, out, in/32], one power of two (e8m0, bias
+# 127) per 32 values along the input dimension.
+_MXFP4_PARTS = ("_blocks", "_scales")
+MXFP4_GROUP = 32
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 # GPTQ / AWQ tensors of one module (``<prefix>.<part>``).
 _PACKED_PARTS = ("qweight", "qzeros", "scales", "g_idx")
 # compressed-tensors: pack-quantized stores ``weight_packed``; the naive formats store ``weight`` in
@@ -83,16 +89,34 @@ class WeightQuant:
 
     def holds(self, name: str, tensor: torch.Tensor) -> bool:
         """Whether this tensor is a piece of a quantized module (the loader collects those)."""
+        if self.method == "mxfp4":
+            return name.endswith(_MXFP4_PARTS) and tensor.dtype == torch.uint8
         part = name.rsplit(".", 1)[-1]
         if self.method != "compressed-tensors":
             return part in _PACKED_PARTS
         return part in _CT_PARTS or (part == "weight" and tensor.dtype in _QUANTIZED_DTYPES)
 
+    def split(self, name: str) -> tuple[str, str]:
+        """A piece's (module prefix, part): ``x.qweight`` -> (``x``, ``qweight``); MXFP4's
+        ``x.gate_up_proj_blocks`` -> (``x.gate_up_proj``, ``blocks``)."""
+        if self.method == "mxfp4":
+            prefix, part = name.rsplit("_", 1)
+            return prefix, part
+        prefix, part = name.rsplit(".", 1)
+        return prefix, part
+
+    def weight_name(self, prefix: str) -> str:
+        """The dequantized weight's name: ``<prefix>.weight``; for MXFP4 experts the unquantized
+        checkpoint's name (``….experts.gate_up_proj``)."""
+        return prefix if self.method == "mxfp4" else prefix + ".weight"
+
 
 def from_config(quant: dict[str, Any]) -> WeightQuant | None:
-    """The :class:`WeightQuant` of a GPTQ / AWQ / compressed-tensors config; None for other methods.
-    Unsupported variants raise ValueError naming them."""
+    """The :class:`WeightQuant` of a GPTQ / AWQ / compressed-tensors / MXFP4 config; None for other
+    methods. Unsupported variants raise ValueError naming them."""
     method = quant.get("quant_method")
+    if method == "mxfp4":
+        return WeightQuant(method="mxfp4", bits=4, group_size=MXFP4_GROUP)
     if method == "gptq":
         return _gptq(quant)
     if method == "awq":
@@ -207,9 +231,14 @@ def _compressed_tensors(quant: dict[str, Any]) -> WeightQuant:
     return WeightQuant(method="compressed-tensors", schemes=tuple(schemes))
 
 
-def dequantize(prefix: str, parts: dict[str, torch.Tensor], quant: WeightQuant) -> torch.Tensor | None:
+def dequantize(
+    prefix: str, parts: dict[str, torch.Tensor], quant: WeightQuant, dtype: torch.dtype = torch.float32
+) -> torch.Tensor | None:
     """The fp32 ``[out, in]`` weight of module ``prefix`` from its quantized pieces; None when the
-    pieces hold no weight (activation scales alone)."""
+    pieces hold no weight (activation scales alone). MXFP4 experts come back in ``dtype`` (exact:
+    each value is a 4-bit float times a power of two), in the unquantized checkpoint's layout."""
+    if quant.method == "mxfp4":
+        return dequantize_mxfp4(prefix, parts, dtype)
     if quant.method == "compressed-tensors":
         return _dequantize_ct(prefix, parts, quant)
     if "qweight" not in parts:
@@ -311,3 +340,23 @@ def _affine(
     if zero is not None:
         q = q.to(torch.int32) - zero.to(torch.int32)[:, groups]
     return q.float() * scale[:, groups]
+
+
+def dequantize_mxfp4(prefix: str, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """gpt-oss's fused expert weight ``[E, in, out]`` (``gate_up_proj`` / ``down_proj``, as the
+    unquantized checkpoints store it; a transposed view of the dequantized ``[E, out, in]``)."""
+    missing = [p for p in ("blocks", "scales") if p not in parts]
+    if missing:
+        raise ValueError(f"{prefix}_{missing[0]} is missing from the MXFP4 checkpoint")
+    blocks, scales = parts["blocks"], parts["scales"]
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != MXFP4_GROUP // 2:
+        raise ValueError(
+            f"{prefix}: MXFP4 blocks {tuple(blocks.shape)} do not fit scales {tuple(scales.shape)} "
+            f"(expected [..., groups, {MXFP4_GROUP // 2}] and [..., groups])"
+        )
+    lut = torch.tensor(FP4_VALUES, dtype=dtype)
+    values = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1)  # [..., G, 16, 2]
+    values = values.reshape(*scales.shape, MXFP4_GROUP)
+    # ldexp in the target dtype, as transformers dequantizes: fp4 values times powers of two are exact.
+    values = torch.ldexp(values, scales.to(torch.int32)[..., None] - 127)
+    return values.reshape(*scales.shape[:-1], -1).transpose(-1, -2)

@@ -25,6 +25,7 @@ MODELS = [
     "tiny_granite",  # embedding, attention, residual and logit multipliers
     "tiny_gemma2",  # soft-capped attention (explicit scores in the torch backend)
     "tiny_olmo2",  # post-block norms
+    "tiny_gpt_oss",  # attention sinks, alternating windows, biased MoE with a clamped SwiGLU
     "tiny_deepseek",  # MLA + MoE (sigmoid router with correction bias, group-limited)
     "tiny_deepseek_yarn",
     "tiny_deepseek_v2",  # softmax router, group-limited
