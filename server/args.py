@@ -28,11 +28,12 @@ TOOL_PARSER_NAMES = (
     "llama3_json",
     "llama4_pythonic",
     "mistral",
+    "openai",
     "phi4_mini_json",
     "pythonic",
     "qwen3_coder",
 )
-REASONING_PARSER_NAMES = ("deepseek_r1", "deepseek_v3", "glm45", "qwen3")
+REASONING_PARSER_NAMES = ("deepseek_r1", "deepseek_v3", "glm45", "openai_gptoss", "qwen3")
 
 if TYPE_CHECKING:
     from server.config import ServerConfig
@@ -161,13 +162,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         choices=sorted(TOOL_PARSER_NAMES),
         help="the model's tool-call format, read back into tool_calls: hermes (Hermes, Qwen2.5/3), "
-        "llama3_json (Llama 3.x), mistral",
+        "llama3_json (Llama 3.x), mistral, openai (gpt-oss), …",
     )
     p.add_argument(
         "--reasoning-parser",
         default=None,
         choices=sorted(REASONING_PARSER_NAMES),
-        help="split a reasoning model's <think>…</think> into reasoning_content: deepseek_r1, qwen3",
+        help="split a reasoning model's <think>…</think> (gpt-oss: its analysis channel) into "
+        "reasoning_content: deepseek_r1, qwen3, openai_gptoss, …",
     )
     # -- engine (1:1 with EngineConfig fields) ------------------------------------------------
     p.add_argument("--kv-tier", default=d.kv_tier, help="memory://… | redis://host:port/db | rediss://…")

@@ -16,6 +16,9 @@ rest in ``content``, where a tool-call parser then looks for calls:
   ``thinking``): the rendered prompt decides. One that ends with ``<think>`` opened the thinking and
   the answer is read as ``deepseek_r1`` reads it; any other (V3.1's non-thinking prompt ends with
   ``</think>``) gets an answer that is all content unless it opens with ``<think>`` itself.
+* ``openai_gptoss`` (gpt-oss): harmony channels (``HarmonySplitter``): ``analysis`` is reasoning,
+  ``final`` (and ``commentary``) content, messages to ``functions.*`` tool calls for the ``openai``
+  tool parser.
 
 Like the tool streamers, a splitter's result does not depend on how the text was cut into deltas,
 so a resumed stream rebuilds it from the text already sent.
@@ -23,6 +26,7 @@ so a resumed stream rebuilds it from the text already sent.
 
 from __future__ import annotations
 
+import re
 from typing import ClassVar
 
 from server.tool_parser_base import held_prefix
@@ -37,6 +41,8 @@ class ReasoningSplitter:
     requires_start: ClassVar[bool] = False
     # requires_start is read off each request's prompt (``prompt_opens_thinking``).
     prompt_decides: ClassVar[bool] = False
+    # Its markers are special tokens (dropped from text unless requests keep them).
+    needs_special_tokens: ClassVar[bool] = False
 
     def __init__(self, requires_start: bool | None = None) -> None:
         if requires_start is not None:
@@ -107,6 +113,81 @@ class DeepSeekV3Splitter(ReasoningSplitter):
     prompt_decides = True
 
 
+class HarmonySplitter(ReasoningSplitter):
+    """gpt-oss's harmony format (vLLM's ``openai_gptoss``): the answer is a series of messages, each
+    a header (``<|channel|>CHANNEL``, maybe `` to=RECIPIENT`` and ``<|constrain|>json``) then
+    ``<|message|>`` and a body that ends at ``<|end|>`` (the next one opens with ``<|start|>assistant``)
+    or at the end of the answer (``<|return|>`` and ``<|call|>`` end generation and are not text).
+
+    ``analysis`` bodies are reasoning, ``final`` and ``commentary`` ones content; a message to
+    ``functions.NAME`` is a tool call, handed on in the content as ``to=functions.NAME<|message|>ARGS
+    <|call|>`` for the ``openai`` tool parser (without one the client sees that text). Text that does
+    not start as a header (an answer under a structured-outputs constraint) is content as it is.
+    The channel markers are special tokens, so requests keep them in the text."""
+
+    needs_special_tokens = True
+
+    def __init__(self, requires_start: bool | None = None) -> None:
+        super().__init__(requires_start)
+        self.in_body = False
+        self.plain = False  # no harmony here: all content
+        self.destination = "content"  # where the open body goes: reasoning, content or call
+
+    def feed(self, text: str) -> tuple[str, str]:
+        if self.plain:
+            return "", text
+        self.pending += text
+        reasoning: list[str] = []
+        content: list[str] = []
+        while self.pending:
+            if not self.in_body:
+                at = self.pending.find(_MESSAGE)
+                if at < 0:
+                    head = self.pending.lstrip()
+                    if head and not any(m.startswith(head[: len(m)]) for m in _HEADER_STARTS):
+                        self.plain, text, self.pending = True, self.pending, ""
+                        content.append(text)
+                    break
+                header, self.pending = self.pending[:at], self.pending[at + len(_MESSAGE) :]
+                self.destination, opening = _route(header)
+                content.append(opening)
+                self.in_body = True
+                continue
+            at = self.pending.find(_END)
+            body_end = at if at >= 0 else len(self.pending) - held_prefix(self.pending, _END)
+            body, self.pending = self.pending[:body_end], self.pending[body_end:]
+            (reasoning if self.destination == "reasoning" else content).append(body)
+            if at < 0:
+                break
+            self.pending = self.pending[len(_END) :]
+            self.in_body = False
+            if self.destination == "call":
+                content.append(_CALL)
+        return "".join(reasoning), "".join(content)
+
+    def finish(self) -> tuple[str, str]:
+        text, self.pending = self.pending, ""
+        if self.plain or not self.in_body:
+            # An unfinished header holds nothing a client should see, unless it was never harmony.
+            return "", text if self.plain or not text.lstrip().startswith(_HEADER_STARTS) else ""
+        if self.destination == "reasoning":
+            return text, ""
+        return "", text + (_CALL if self.destination == "call" else "")
+
+
+_MESSAGE, _END, _CALL = "<|message|>", "<|end|>", "<|call|>"
+_HEADER_STARTS = ("<|start|>", "<|channel|>", "to=", "<|constrain|>")
+
+
+def _route(header: str) -> tuple[str, str]:
+    """(where a message's body goes, the content that opens it) from its header."""
+    recipient = re.search(r"to=([^\s<]+)", header)
+    if recipient is not None and recipient.group(1).startswith("functions."):
+        return "call", f"to={recipient.group(1)}{_MESSAGE}"
+    channel = re.search(r"<\|channel\|>\s*(\w+)", header)
+    return ("reasoning" if channel is not None and channel.group(1) == "analysis" else "content"), ""
+
+
 def prompt_opens_thinking(prompt_tail: str) -> bool:
     """Whether a prompt (its last few tokens' text, special tokens kept) leaves the model inside its
     thinking."""
@@ -118,6 +199,7 @@ REASONING_PARSERS: dict[str, type[ReasoningSplitter]] = {
     "qwen3": Qwen3Splitter,
     "glm45": Qwen3Splitter,
     "deepseek_v3": DeepSeekV3Splitter,
+    "openai_gptoss": HarmonySplitter,
 }
 
 

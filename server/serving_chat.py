@@ -102,8 +102,10 @@ def _plan(
         base = dataclasses.replace(base, structured_outputs=tools.constraint)
     if base.structured_outputs is not None and state.reasoning is not None:
         base = _after_thinking(state, base, prompt_ids)
-    if tools is not None and tools.parser is not None and tools.parser.needs_special_tokens:
-        base = dataclasses.replace(base, skip_special_tokens=False)  # the call marker is one
+    if (tools is not None and tools.parser is not None and tools.parser.needs_special_tokens) or (
+        state.reasoning is not None and state.reasoning.needs_special_tokens
+    ):
+        base = dataclasses.replace(base, skip_special_tokens=False)  # the markers are special tokens
     if req.use_beam_search and state.config.role == "prefill":
         raise bad_request("a prefill worker does not run beam search", param="use_beam_search")
     beam = beam_search_params(req, base, limits, top_n if req.logprobs else None)

@@ -24,7 +24,9 @@ format it was trained on; ``--tool-call-parser`` names that format, as in vLLM:
   request's tool schema (``for_tools``: integers, numbers, booleans, objects and arrays decoded,
   strings kept as written);
 * ``glm45`` (GLM-4.5/4.6): ``<tool_call>NAME`` then ``<arg_key>K</arg_key><arg_value>V</arg_value>``
-  pairs and ``</tool_call>``, values typed as ``qwen3_coder``'s.
+  pairs and ``</tool_call>``, values typed as ``qwen3_coder``'s;
+* ``openai`` (gpt-oss, with ``--reasoning-parser openai_gptoss``): a harmony message to
+  ``functions.NAME`` whose body is the arguments' JSON.
 
 The interfaces and the marker streamer are in ``server/tool_parser_base.py``; the whole-answer and
 text-argument formats in ``server/tool_formats.py``; the JSON and special-token formats and the
@@ -34,6 +36,7 @@ registry here.
 from __future__ import annotations
 
 import json
+import re
 from abc import abstractmethod
 from typing import ClassVar
 
@@ -170,6 +173,23 @@ class KimiK2Parser(SectionParser):
         return None if args is None else ParsedCall(name, args)
 
 
+class OpenAIHarmonyParser(MarkedCallParser):
+    """gpt-oss (vLLM's ``openai``): a harmony message to ``functions.NAME`` whose body is the
+    arguments' JSON. With ``--reasoning-parser openai_gptoss`` the content holds such a call as
+    ``to=functions.NAME<|message|>ARGS<|call|>``; without it, the raw header (``to=functions.NAME
+    <|constrain|>json<|message|>ARGS``, the answer ending at its ``<|call|>``) reads the same."""
+
+    name = "openai"
+    needs_special_tokens = True
+    START, END = "to=functions.", "<|call|>"
+
+    def read_body(self, body: str) -> list[ParsedCall] | None:
+        header, found, args = body.partition("<|message|>")
+        name = re.split(r"[\s<]", header.strip(), maxsplit=1)[0]
+        arguments = _json_object(args) if found and name else None
+        return None if arguments is None else [ParsedCall(name, arguments)]
+
+
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     p.name: p
     for p in (
@@ -185,6 +205,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
         Phi4MiniJsonParser,
         Qwen3CoderParser,
         Glm45Parser,
+        OpenAIHarmonyParser,
     )
 }
 

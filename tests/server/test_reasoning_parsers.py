@@ -28,6 +28,31 @@ CASES = [
     ("qwen3", "<think>unclosed", "unclosed", ""),
     ("qwen3", "<thi", None, "<thi"),
     ("qwen3", "  \n<think>x</think>y", "x", "y"),
+    # gpt-oss's harmony channels (special tokens kept in the text)
+    (
+        "openai_gptoss",
+        "<|channel|>analysis<|message|>2 + 2 is 4.<|end|><|start|>assistant<|channel|>final<|message|>4.",
+        "2 + 2 is 4.",
+        "4.",
+    ),
+    ("openai_gptoss", "<|channel|>final<|message|>Just 4.", None, "Just 4."),
+    ("openai_gptoss", "<|channel|>analysis<|message|>cut off while thinking", "cut off while thinking", ""),
+    (
+        "openai_gptoss",
+        "<|channel|>analysis<|message|>Weather?<|end|><|start|>assistant<|channel|>commentary "
+        'to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo"}',
+        "Weather?",
+        'to=functions.get_weather<|message|>{"city": "Oslo"}<|call|>',
+    ),
+    (  # the recipient before the channel, and a preamble on commentary
+        "openai_gptoss",
+        "<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant to=functions.f"
+        "<|channel|>commentary json<|message|>{}",
+        None,
+        "Checking.to=functions.f<|message|>{}<|call|>",
+    ),
+    ("openai_gptoss", '{"a": 1}', None, '{"a": 1}'),  # no harmony (a constrained answer): content
+    ("openai_gptoss", "<|channel|>analy", None, ""),  # cut inside a header: nothing to show
 ]
 
 
@@ -69,8 +94,40 @@ def test_reasoning_then_a_tool_call() -> None:
     assert [d.function.name for p in parts for d in p.tool_calls] == ["now"]
 
 
+def test_harmony_reasoning_then_a_tool_call() -> None:
+    text = (
+        "<|channel|>analysis<|message|>Use the tool.<|end|><|start|>assistant<|channel|>commentary "
+        'to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo"}'
+    )
+    plan = ToolPlan("auto", parser=get_tool_parser("openai"))
+    reasoning, content, calls = shape_whole(text, plan, reasoning_splitter("openai_gptoss"))
+    assert reasoning == "Use the tool." and content is None
+    assert [(c.function.name, c.function.arguments) for c in calls] == [("get_weather", '{"city": "Oslo"}')]
+    shaper = ChoiceShaper(plan, reasoning_splitter("openai_gptoss"))
+    parts = [shaper.feed(text[i : i + 5]) for i in range(0, len(text), 5)] + [shaper.finish()]
+    assert "".join(p.reasoning for p in parts) == "Use the tool."
+    assert "".join(p.content for p in parts) == ""
+    assert [d.function.name for p in parts for d in p.tool_calls] == ["get_weather"]
+    # Without the reasoning parser, the raw harmony call reads the same.
+    raw = get_tool_parser("openai").parse(
+        '<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"x": 1}'
+    )
+    assert [(c.name, c.arguments) for c in raw[1]] == [("f", '{"x": 1}')]
+    assert get_tool_parser("openai").parse("to=functions.f<|message|>not json") == (
+        "to=functions.f<|message|>not json",
+        [],
+    )
+
+
+def test_harmony_reasoning_streams_before_its_message_ends() -> None:
+    splitter = reasoning_splitter("openai_gptoss")
+    assert splitter.feed("<|channel|>analysis<|mess") == ("", "")  # a header: held
+    assert splitter.feed("age|>Step one. <|en") == ("Step one. ", "")  # "<|en" may end it: held
+    assert splitter.feed("d|><|start|>assistant<|channel|>final<|message|>Done") == ("", "Done")
+
+
 def test_registry() -> None:
-    assert sorted(REASONING_PARSERS) == ["deepseek_r1", "deepseek_v3", "glm45", "qwen3"]
+    assert sorted(REASONING_PARSERS) == ["deepseek_r1", "deepseek_v3", "glm45", "openai_gptoss", "qwen3"]
     glm = reasoning_splitter("glm45")  # GLM-4.5 thinks as Qwen3 does: only after an opening <think>
     assert glm.feed("<think>plan</think>\n\nanswer") == ("plan", "answer")
     assert reasoning_splitter("glm45").feed("plain answer") == ("", "plain answer")

@@ -218,7 +218,7 @@ def test_unknown_parser() -> None:
     with pytest.raises(
         ValueError,
         match="unknown tool-call parser 'nope'; known: deepseek_v3, deepseek_v31, glm45, granite, hermes, kimi_k2, "
-        "llama3_json, llama4_pythonic, mistral, phi4_mini_json, pythonic, qwen3_coder",
+        "llama3_json, llama4_pythonic, mistral, openai, phi4_mini_json, pythonic, qwen3_coder",
     ):
         get_tool_parser("nope")
     # The CLI's choices (server/args.py stays light, so it names them itself) are the registry's.

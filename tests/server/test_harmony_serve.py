@@ -1,0 +1,69 @@
+"""gpt-oss's harmony format through `ferry serve --reasoning-parser openai_gptoss --tool-call-parser
+openai`: the analysis channel comes back as reasoning, a message to ``functions.NAME`` as a tool
+call, whole or streamed. A regex constraint makes
+the tiny model write harmony text, so the whole path (special tokens kept, split, parsed) runs."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+HARMONY = (
+    r"<\|channel\|>analysis<\|message\|>Look it up\.<\|end\|><\|start\|>assistant<\|channel\|>commentary "
+    r'to=functions\.get_weather <\|constrain\|>json<\|message\|>\{"city": "Oslo"\}'
+)
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_llama: Path, serve_logs: Path, server_process) -> Iterator:
+    flags = [
+        "--reasoning-parser",
+        "openai_gptoss",
+        "--tool-call-parser",
+        "openai",
+        "--enable-auto-tool-choice",
+    ]
+    server = server_process(tiny_llama, [*flags, "--num-kv-blocks", "256"], serve_logs).start()
+    yield server
+    server.stop()
+
+
+def _body(**extra) -> dict:
+    return {
+        "messages": [{"role": "user", "content": "Weather in Oslo?"}],
+        "max_tokens": 400,
+        "temperature": 0,
+        "tools": TOOLS,
+        "structured_outputs": {"regex": HARMONY},
+        **extra,
+    }
+
+
+def test_analysis_is_reasoning_and_a_function_message_a_tool_call(srv) -> None:
+    r = httpx.post(srv.url + "/v1/chat/completions", json=_body(), timeout=120)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    message = choice["message"]
+    assert message["reasoning_content"] == "Look it up."
+    assert message["content"] is None
+    assert [
+        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]
+    ] == [("get_weather", {"city": "Oslo"})]
+    assert choice["finish_reason"] == "tool_calls"
+
+
+def test_streamed_the_same(srv) -> None:
+    with httpx.stream("POST", srv.url + "/v1/chat/completions", json=_body(stream=True), timeout=120) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == "Look it up."
+    assert "".join(d.get("content") or "" for d in deltas) == ""
+    calls = [t for d in deltas for t in d.get("tool_calls") or []]
+    assert calls[0]["function"]["name"] == "get_weather"
+    assert json.loads("".join(t["function"].get("arguments") or "" for t in calls)) == {"city": "Oslo"}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
