@@ -40,7 +40,20 @@ class _PoolingFields(_Request):
     _check_truncation = field_validator("truncate_prompt_tokens")(_truncation)
 
 
-class ScoreRequest(_PoolingFields):
+class _Activation(_PoolingFields):
+    # vLLM's: false gives a classifier head's logits as they are (no softmax or sigmoid);
+    # ``activation`` and ``softmax`` are its older spellings (which win, in that order, when given).
+    use_activation: StrictBool | None = None
+    activation: StrictBool | None = None
+    softmax: StrictBool | None = None
+
+    @property
+    def activated(self) -> bool:
+        chosen = [v for v in (self.softmax, self.activation, self.use_activation) if v is not None]
+        return chosen[0] if chosen else True
+
+
+class ScoreRequest(_Activation):
     text_1: Texts | None = None
     text_2: Texts | None = None
     data_1: Texts | None = None
@@ -80,24 +93,14 @@ class ScoreRequest(_PoolingFields):
         return (first, _as_list(getattr(self, first))), (second, _as_list(getattr(self, second)))
 
 
-class ClassificationRequest(_PoolingFields):
+class ClassificationRequest(_Activation):
     """vLLM's ``/classify``: texts or token ids, each classified on its own."""
 
     input: PromptInput
     add_special_tokens: StrictBool = True
-    # vLLM's: false gives the head's logits as ``probs``; ``activation`` and ``softmax`` are its
-    # older spellings (which win, in that order, when given).
-    use_activation: StrictBool | None = None
-    activation: StrictBool | None = None
-    softmax: StrictBool | None = None
-
-    @property
-    def activated(self) -> bool:
-        chosen = [v for v in (self.softmax, self.activation, self.use_activation) if v is not None]
-        return chosen[0] if chosen else True
 
 
-class RerankRequest(_PoolingFields):
+class RerankRequest(_Activation):
     query: StrictStr
     documents: Texts
     top_n: StrictInt = Field(default=0, ge=0)  # 0: every document

@@ -124,8 +124,8 @@ def _pair_prompts(
     return prompts
 
 
-def _cross_scores(info: ClassifierInfo, logits: list[list[float]]) -> list[float]:
-    return [float(activate(row, info.score_activation)[0]) for row in logits]
+def _cross_scores(kind: str, logits: list[list[float]]) -> list[float]:
+    return [float(activate(row, kind)[0]) for row in logits]
 
 
 def _paired(firsts: list[Any], seconds: list[Any]) -> list[tuple[Any, Any]]:
@@ -134,15 +134,19 @@ def _paired(firsts: list[Any], seconds: list[Any]) -> list[tuple[Any, Any]]:
 
 
 def _plan(
-    state: ServerState, sides: Sequence[tuple[str, Sequence[str]]], truncate: int | None
+    state: ServerState,
+    sides: Sequence[tuple[str, Sequence[str]]],
+    truncate: int | None,
+    activated: bool = True,
 ) -> tuple[list[list[int]], Callable[[list[list[float]]], list[float]]]:
     """A request's pooling prompts, and what turns their results into the pairs' scores (in pair
-    order): a cross-encoder's prompt per pair, or a bi-encoder's per distinct text."""
+    order): a cross-encoder's prompt per pair (its logit through the config's activation, unless
+    ``use_activation`` is false), or a bi-encoder's per distinct text."""
     (_, texts_1), (param, texts_2) = sides
     info = served_classifier(state)
     if info is not None:
         prompts = _pair_prompts(state, info, _paired(list(texts_1), list(texts_2)), truncate, param)
-        return prompts, functools.partial(_cross_scores, info)
+        return prompts, functools.partial(_cross_scores, info.score_activation if activated else "identity")
     prompts, (left, right) = _distinct_prompts(state, sides, truncate)
     return prompts, functools.partial(_cosines, pairs=_paired(left, right))
 
@@ -171,7 +175,9 @@ async def create_score(
             f"text to score against every {second} text, or as many of each to score in pairs",
             param=second,
         )
-    prompts, scores_of = _plan(state, [(first, texts_1), (second, texts_2)], req.truncate_prompt_tokens)
+    prompts, scores_of = _plan(
+        state, [(first, texts_1), (second, texts_2)], req.truncate_prompt_tokens, req.activated
+    )
 
     def build(results: list[list[float]]) -> ScoreResponse:
         return ScoreResponse(
@@ -197,7 +203,7 @@ async def create_rerank(
     _check_side("query", [req.query])
     _check_side("documents", documents)
     prompts, scores_of = _plan(
-        state, [("query", [req.query]), ("documents", documents)], req.truncate_prompt_tokens
+        state, [("query", [req.query]), ("documents", documents)], req.truncate_prompt_tokens, req.activated
     )
 
     def build(results: list[list[float]]) -> RerankResponse:

@@ -170,6 +170,12 @@ def test_score_and_rerank_read_each_pair_as_one_input(reranker, tiny_cross_encod
     # /classify on it: the sigmoid of the logit, the config's one label.
     one = _post(reranker.url, "/classify", {"input": pairs[0]})
     assert _close(one.json()["data"][0]["probs"], [want[0]]) and one.json()["data"][0]["label"] == "LABEL_0"
+    # use_activation: false (vLLM's) scores and ranks by the logits themselves.
+    logits = [float(w[0]) for w in _hf_logits(tiny_cross_encoder, pairs)]
+    raw = _post(reranker.url, "/score", {"text_1": QUERY, "text_2": DOCS, "use_activation": False})
+    assert _close([d["score"] for d in raw.json()["data"]], logits)
+    ranked = _post(reranker.url, "/rerank", {"query": QUERY, "documents": DOCS, "activation": False})
+    assert _close([x["relevance_score"] for x in ranked.json()["results"]], [logits[i] for i in order])
 
 
 def test_cross_encoder_truncation_and_limits(reranker, tiny_cross_encoder: Path) -> None:
