@@ -19,7 +19,15 @@ from ferry import __version__
 from server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from server.anthropic_protocol import error_response as anthropic_error
 from server.config import ServerConfig
-from server.errors import APIError, client_closed, install_error_handlers, model_not_found, unavailable
+from server.errors import (
+    APIError,
+    client_closed,
+    install_error_handlers,
+    json_body,
+    model_not_found,
+    unavailable,
+    validated,
+)
 from server.generation import Generation
 from server.generation_routes import GenerationRoutes
 from server.lora import (
@@ -51,7 +59,7 @@ from server.serving_chat import create_chat_completion
 from server.serving_classify import create_classification
 from server.serving_completions import create_completion
 from server.serving_embeddings import create_embedding
-from server.serving_messages import count_tokens, create_message, json_body, parse
+from server.serving_messages import count_tokens, create_message
 from server.serving_responses import ResponsesRequest, create_response, item_page, load_record
 from server.serving_score import create_rerank, create_score
 from server.serving_tokenize import detokenize, list_models, tokenize
@@ -142,7 +150,7 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
     @app.post("/v1/messages", responses=_ERRORS)
     async def messages(request: Request) -> Any:
         try:
-            body = parse(MessagesRequest, await json_body(request))
+            body = validated(MessagesRequest, await json_body(request))
             return await create_message(
                 state,
                 body,
@@ -156,7 +164,7 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
     @app.post("/v1/messages/count_tokens", responses=_ERRORS)
     async def messages_count_tokens(request: Request) -> Any:
         try:
-            return count_tokens(state, parse(CountTokensRequest, await json_body(request)))
+            return count_tokens(state, validated(CountTokensRequest, await json_body(request)))
         except APIError as e:
             return anthropic_error(e)
 

@@ -9,20 +9,23 @@ Anything else that escapes a handler is a server bug: logged with its traceback,
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger("ferry.server")
+
+M = TypeVar("M", bound=BaseModel)
 
 _TYPE_BY_STATUS = {
     400: "BadRequestError",
@@ -150,6 +153,22 @@ def validation_error(errors: Sequence[Mapping[str, Any]]) -> APIError:
         return bad_request(f"Invalid request body: {msg}", code=code)
     more = f" (and {len(errors) - 1} more error(s))" if len(errors) > 1 else ""
     return bad_request(f"Invalid value for '{param}': {msg}{more}", param=param, code=code)
+
+
+async def json_body(request: Request) -> Any:
+    """A request's JSON body (for routes that validate it themselves), or a 400 saying why not."""
+    try:
+        return json.loads(await request.body())
+    except ValueError as e:
+        raise bad_request(f"Request body is not valid JSON: {e}", code="invalid_json") from e
+
+
+def validated(model: type[M], body: Any) -> M:
+    """``body`` as a ``model``, or a 400 naming its first bad field."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise validation_error(e.errors()) from e
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -461,6 +461,10 @@ def beam_search_params(
         prompt_logprobs=params.prompt_logprobs,
         skip_special_tokens=req.skip_special_tokens,
     )
+    try:
+        beam.validate()
+    except ValueError as e:
+        raise bad_request(str(e), param="use_beam_search") from e
     ending = len(set(params.stop_token_ids) | (set() if req.ignore_eos else set(limits.eos_token_ids)))
     k = candidates_per_beam(beam, ending)
     if k > limits.engine_max_logprobs:

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
-from server.errors import bad_request, validation_error
+from server.errors import bad_request, validated
 from server.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from server.score_protocol import ClassificationRequest, RerankRequest, ScoreRequest
 
@@ -53,7 +53,4 @@ def invocation(body: Any, classifier: bool) -> tuple[str, BaseModel]:
         )
     if kind == "pooling":
         kind = "classification" if classifier else "embedding"
-    try:
-        return kind, _MODELS[kind].model_validate(body)
-    except ValidationError as e:
-        raise validation_error(e.errors()) from e
+    return kind, validated(_MODELS[kind], body)

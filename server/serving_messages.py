@@ -20,12 +20,10 @@ import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from fastapi import Request
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
 
 from server.anthropic_protocol import CountTokensRequest, MessagesRequest, error_body
-from server.errors import bad_request, validation_error
+from server.errors import validated
 from server.params import chat_prompt
 from server.protocol import ChatCompletionChunk, ChatCompletionRequest
 from server.serving_chat import ChatChunks, create_chat_completion
@@ -36,24 +34,8 @@ from server.streaming import SSEResponse
 _STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
 
 
-async def json_body(request: Request) -> Any:
-    """The request's JSON body, or a 400 saying why it is not JSON."""
-    try:
-        return json.loads(await request.body())
-    except ValueError as e:
-        raise bad_request(f"Request body is not valid JSON: {e}", code="invalid_json") from e
-
-
-def parse(model: type[MessagesRequest] | type[CountTokensRequest], body: Any) -> Any:
-    """The validated request, or a 400 naming the first bad field."""
-    try:
-        return model.model_validate(body)
-    except ValidationError as e:
-        raise validation_error(e.errors()) from e
-
-
 def to_chat_request(req: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest:
-    return parse(ChatCompletionRequest, req.chat_body())  # type: ignore[arg-type]
+    return validated(ChatCompletionRequest, req.chat_body())
 
 
 def stop_reason(finish_reason: str | None, stop: Any, req: MessagesRequest) -> tuple[str, str | None]:
