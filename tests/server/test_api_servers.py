@@ -198,7 +198,10 @@ async def test_flood_gets_429_counting_every_api_server(tight) -> None:
             *(sender.post(tight.url + "/v1/completions", json=body) for _ in range(6))
         )
         assert [r.status_code for r in late] == [429] * 6, [r.status_code for r in late]
-        assert {r.status_code for r in await asyncio.gather(*held)} == {408}
+        # The held ones end by the 1 s timeout (those still queued surely; a fast machine may
+        # finish a running one's 1000 tokens first).
+        held_codes = {r.status_code for r in await asyncio.gather(*held)}
+        assert 408 in held_codes and held_codes <= {200, 408}, held_codes
 
 
 def _wait(condition, timeout: float, what: str) -> None:
