@@ -8,13 +8,15 @@ counts):
 
 * ``sample_nW``: ``LLM.generate`` with ``n=W`` (seeded sampling): W sequences decoding together;
 * ``beam_wW``: ``LLM.beam_search`` with ``beam_width=W``: each step submits every live beam as a
-  one-token request (engine/beam_search.py), so a step also re-reads the beam's prompt from the
-  prefix cache and recomputes its last partial block;
+  one-token request (engine/beam_search.py), which finds the beam's full blocks in the prefix cache
+  and copies its parent's last partial block (partial prefix caching), so it computes one token;
+* ``beam_wW_no_partial``: the same with ``partial_prefix_caching=False``: each step also recomputes
+  every beam's last partial block (up to ``block_size - 1`` tokens per beam);
 * ``beam_wW_no_prefix_cache``: the same with prefix caching off (every step recomputes every beam
   from its first token): what the prefix cache saves the search.
 
-Prints a table (seconds, output tokens per second, ratio to sampling) and writes JSON to
-bench/results/beam_search.json.
+Prints a table (seconds, output tokens per second, ratio to sampling, tokens the model computed)
+and writes JSON to bench/results/beam_search.json.
 
     .venv/bin/python bench/beam_search.py                          # full run
     .venv/bin/python bench/beam_search.py --num-prompts 2 --max-tokens 8 --repeats 1   # smoke run
@@ -57,6 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--widths", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument(
+        "--skip-no-prefix-cache",
+        action="store_true",
+        help="leave out the beam_wW_no_prefix_cache rows (the slowest by far)",
+    )
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "beam_search.json"))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -66,23 +73,32 @@ def main(argv: list[str] | None = None) -> int:
     prompts = workload(args.num_prompts)
     common = {"num_threads": args.threads, "max_num_seqs": 64, "num_kv_blocks": 4096}
     cached = LLM(str(model_dir), **common)
+    whole_blocks = LLM(str(model_dir), partial_prefix_caching=False, **common)
     uncached = LLM(str(model_dir), enable_prefix_caching=False, **common)
     # Warm-up: first-call allocations, and every prompt computed once, so the rows compare what
     # follows the prompt (the prefix-cached rows find it cached; the uncached one recomputes it).
-    for llm in (cached, uncached):
+    for llm in (cached, whole_blocks, uncached):
         llm.beam_search([prompts[0][:32]], BeamSearchParams(beam_width=2, max_tokens=2, ignore_eos=True))
-    cached.generate(prompts, SamplingParams(max_tokens=1))
+    for llm in (cached, whole_blocks):
+        llm.generate(prompts, SamplingParams(max_tokens=1))
     t = args.max_tokens
     rows = {}
     for w in args.widths:
         beam = BeamSearchParams(beam_width=w, max_tokens=t, ignore_eos=True)
         sample = SamplingParams(n=w, temperature=1.0, seed=0, max_tokens=t, ignore_eos=True)
-        rows[f"sample_n{w}"] = (w, lambda s=sample: cached.generate(prompts, s))
-        rows[f"beam_w{w}"] = (w, lambda b=beam: cached.beam_search(prompts, b))
-        rows[f"beam_w{w}_no_prefix_cache"] = (w, lambda b=beam: uncached.beam_search(prompts, b))
+        rows[f"sample_n{w}"] = (w, cached, lambda s=sample: cached.generate(prompts, s))
+        rows[f"beam_w{w}"] = (w, cached, lambda b=beam: cached.beam_search(prompts, b))
+        rows[f"beam_w{w}_no_partial"] = (w, whole_blocks, lambda b=beam: whole_blocks.beam_search(prompts, b))
+        if not args.skip_no_prefix_cache:
+            rows[f"beam_w{w}_no_prefix_cache"] = (
+                w,
+                uncached,
+                lambda b=beam: uncached.beam_search(prompts, b),
+            )
     best: dict[str, dict] = {}
     for _ in range(args.repeats):
-        for name, (w, fn) in rows.items():
+        for name, (w, llm, fn) in rows.items():
+            before = llm.engine.iteration_tokens_sum
             seconds = timed(fn)
             tokens = w * t * len(prompts)
             if name not in best or seconds < best[name]["seconds"]:
@@ -91,11 +107,16 @@ def main(argv: list[str] | None = None) -> int:
                     "seconds": seconds,
                     "output_tokens": tokens,
                     "output_tok_s": tokens / seconds,
+                    # tokens the model ran (all steps, all requests): what the prefix cache saves
+                    "computed_tokens": llm.engine.iteration_tokens_sum - before,
                 }
-    print(f"{'configuration':<28} {'seconds':>8} {'output tok/s':>12} {'vs sampling':>11}")
+    print(f"{'configuration':<28} {'seconds':>8} {'output tok/s':>12} {'vs sampling':>11} {'computed':>9}")
     for name, r in best.items():
         r["vs_sampling"] = best[f"sample_n{r['width']}"]["seconds"] / r["seconds"]
-        print(f"{name:<28} {r['seconds']:>8.2f} {r['output_tok_s']:>12.1f} {r['vs_sampling']:>11.3f}")
+        print(
+            f"{name:<28} {r['seconds']:>8.2f} {r['output_tok_s']:>12.1f} {r['vs_sampling']:>11.3f}"
+            f" {r['computed_tokens']:>9}"
+        )
     save_report(
         args.out,
         args.threads,

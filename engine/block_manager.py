@@ -5,7 +5,15 @@ exactly one state:
 * used: ref_count > 0 (in the block table of at least one running request);
 * cached: ref_count == 0 but holds a full block registered under its content hash, reusable by a
   later request with the same prefix until it is evicted (least recently freed first);
+* cached partial: ref_count == 0 and holds the first tokens of a block (a finished request's last,
+  partly filled block), kept under what precedes it (``PartialParent``) and those tokens; a later
+  request that extends them copies its KV into a block of its own (copy-on-write, the scheduler's
+  ``BlockCopy``). It is in the same LRU as cached full blocks, but never has a hash: it is never
+  announced to listeners, so never reaches the KV tier or KV events;
 * free: ref_count == 0 and holds nothing worth keeping.
+
+A cached partial block being copied from is pinned (``pin``/``unpin``: ref counted, out of the LRU)
+until the copy has run, and stays findable meanwhile.
 
 Shortage is signalled by return value (``False``), never by an exception: the scheduler decides
 whether to wait or preempt. A hash hit is re-checked against the block's token ids, so a hash
@@ -21,6 +29,11 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
+
+# What precedes a partial block: the hash of the full block before it (None for a request's first
+# block) and the request's root salt (``Request.block_extra``: LoRA adapter, cache_salt). A full
+# block's hash already covers the salt; the first block has only the salt to tell it apart.
+PartialParent = tuple[bytes | None, bytes]
 
 
 class BlockListener(Protocol):
@@ -38,16 +51,26 @@ class Block:
     block_id: int
     ref_count: int = 0
     block_hash: bytes | None = None
-    token_ids: tuple[int, ...] | None = None
+    token_ids: tuple[int, ...] | None = None  # a full block's tokens, or a partial block's first ones
+    partial_parent: PartialParent | None = None  # set only on a cached partial block
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        enable_partial_caching: bool = True,
+    ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.enable_partial_caching = enable_prefix_caching and enable_partial_caching
+        # parent -> {first tokens -> block id}: the cached partial blocks
+        self._partial: dict[PartialParent, dict[tuple[int, ...], int]] = {}
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: deque[int] = deque(range(num_blocks))
         self._cached: OrderedDict[int, None] = OrderedDict()  # LRU order: first = evicted first
@@ -67,7 +90,13 @@ class BlockManager:
 
     @property
     def num_cached_blocks(self) -> int:
+        """Evictable cached blocks, full and partial."""
         return len(self._cached)
+
+    @property
+    def num_partial_blocks(self) -> int:
+        """Cached partial blocks (evictable, or pinned while being copied from)."""
+        return sum(len(entries) for entries in self._partial.values())
 
     def usage(self) -> float:
         return self.num_used_blocks / self.num_blocks
@@ -96,6 +125,18 @@ class BlockManager:
                 break
             out.append(bid)
         return out
+
+    def match_partial(self, parent: PartialParent, token_ids: Sequence[int]) -> tuple[int, int] | None:
+        """The cached partial block under ``parent`` whose tokens are the longest prefix of
+        ``token_ids`` (the tokens a request may reuse in its next block), as (block id, tokens)."""
+        entries = self._partial.get(parent)
+        if not entries:
+            return None
+        for m in range(min(len(token_ids), self.block_size - 1), 0, -1):
+            bid = entries.get(tuple(token_ids[:m]))
+            if bid is not None:
+                return bid, m
+        return None
 
     # -- allocation --------------------------------------------------------------------------------
 
@@ -135,11 +176,18 @@ class BlockManager:
             self._unref(block_table[i])
             block_table[i] = 0
 
+    def pin(self, bid: int) -> None:
+        """Keep a cached (partial) block from eviction until ``unpin``: it is being copied from."""
+        self._touch(bid)
+
+    def unpin(self, bid: int) -> None:
+        self._unref(bid)
+
     def _unref(self, bid: int) -> None:
         block = self.blocks[bid]
         block.ref_count -= 1
         if block.ref_count == 0:
-            if block.block_hash is not None:
+            if block.block_hash is not None or block.partial_parent is not None:
                 self._cached[bid] = None
             else:
                 self._free.append(bid)
@@ -170,11 +218,34 @@ class BlockManager:
                 listener.block_stored(block.block_id, h, parent, block.token_ids)
         return len(hashes)
 
+    def cache_partial_block(self, bid: int, parent: PartialParent, token_ids: Sequence[int]) -> bool:
+        """Keep block ``bid``, whose first ``token_ids`` hold written KV, as a cached partial block
+        once it is freed. The caller (the block's only owner, about to free it) must name exactly
+        what precedes it. False when partial caching is off, the block is shared, registered or
+        full, or an equal partial block is already cached (that one serves later hits)."""
+        block = self.blocks[bid]
+        tokens = tuple(token_ids)
+        if (
+            not self.enable_partial_caching
+            or not 0 < len(tokens) < self.block_size
+            or block.ref_count != 1
+            or block.block_hash is not None
+            or block.partial_parent is not None
+        ):
+            return False
+        entries = self._partial.setdefault(parent, {})
+        if tokens in entries:
+            return False
+        entries[tokens] = bid
+        block.partial_parent = parent
+        block.token_ids = tokens
+        return True
+
     def add_listener(self, listener: BlockListener) -> None:
         self._listeners.append(listener)
 
     def reset_prefix_cache(self) -> int:
-        """Drop every cached (unused) block from the prefix cache; returns how many."""
+        """Drop every cached (unused) block, full or partial, from the prefix cache; returns how many."""
         n = 0
         while self._cached:
             bid, _ = self._cached.popitem(last=False)
@@ -192,11 +263,31 @@ class BlockManager:
         )
         assert len(set(self._free)) == len(self._free), "a block is free twice"
         for bid in self._free:
-            assert self.blocks[bid].ref_count == 0 and self.blocks[bid].block_hash is None
+            block = self.blocks[bid]
+            assert block.ref_count == 0 and block.block_hash is None and block.partial_parent is None
         for bid in self._cached:
-            assert self.blocks[bid].ref_count == 0 and self.blocks[bid].block_hash is not None
+            block = self.blocks[bid]
+            assert block.ref_count == 0, "a cached block is in use"
+            assert (block.block_hash is None) != (block.partial_parent is None), (
+                "a cached block must be exactly one of full (hash) or partial"
+            )
         for h, bid in self._by_hash.items():
             assert self.blocks[bid].block_hash == h, "hash map points at a block holding another hash"
+        num_partial = 0
+        for parent, entries in self._partial.items():
+            assert entries, "empty partial entry list kept"
+            for tokens, bid in entries.items():
+                block = self.blocks[bid]
+                assert block.partial_parent == parent and block.token_ids == tokens, (
+                    "partial map points at a block holding other tokens"
+                )
+                assert 0 < len(tokens) < self.block_size, "a partial block must be partly filled"
+                num_partial += 1
+        assert num_partial == sum(b.partial_parent is not None for b in self.blocks), (
+            "a partial block is missing from the partial map"
+        )
+        if not self.enable_partial_caching:
+            assert num_partial == 0, "partial blocks cached while partial caching is off"
 
     # -- internals ---------------------------------------------------------------------------------
 
@@ -225,6 +316,15 @@ class BlockManager:
 
     def _forget(self, bid: int) -> None:
         block = self.blocks[bid]
+        parent = block.partial_parent
+        if parent is not None:  # never announced, so never retracted
+            entries = self._partial[parent]
+            del entries[block.token_ids]  # type: ignore[arg-type]
+            if not entries:
+                del self._partial[parent]
+            block.partial_parent = None
+            block.token_ids = None
+            return
         h = block.block_hash
         if h is None:
             return

@@ -64,6 +64,9 @@ class EngineConfig:
     long_prefill_token_threshold: int = 0
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
+    # With prefix caching: a request's last, partly filled block outlives it, and a later request
+    # extending its tokens copies that block's KV instead of recomputing it (engine/scheduler.py).
+    partial_prefix_caching: bool = True
     # vLLM's --kv-cache-dtype: auto (the model's dtype) | fp8 / fp8_e4m3 | fp8_e5m2. An fp8 cache
     # holds 2x (bf16) or 4x (fp32) the tokens in the same memory; values are stored unscaled
     # (scale 1.0, as vLLM without calibrated scales) and widened back when attention reads them.

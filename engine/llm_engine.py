@@ -69,7 +69,10 @@ class LLMEngine:
         eos = list(self.tokenizer.eos_token_ids) + list(self.model_config.eos_token_ids)
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos))
         self.block_manager = BlockManager(
-            runner.num_kv_blocks, config.block_size, config.enable_prefix_caching
+            runner.num_kv_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            config.partial_prefix_caching,
         )
         self.connector = build_kv_connector(config, self)
         windows = self.model_config.layer_windows

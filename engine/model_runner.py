@@ -24,13 +24,14 @@ from engine.models.dummy import dummy_weights
 from engine.models.loader import load_weights, resolve_dtype, weights_id
 from engine.models.registry import get_model_class
 from engine.ops import select_ops
-from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.scheduler import BlockCopy, ScheduledRequest, SchedulerOutput
 from engine.sequence import Request
 from kvcache.keys import model_fingerprint
 
 logger = logging.getLogger(__name__)
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_RAW_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _KV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
@@ -252,7 +253,21 @@ class ModelRunner:
         return input_ids, positions, meta
 
     @torch.inference_mode()
+    def copy_blocks(self, copies: list[BlockCopy]) -> None:
+        """Copy whole KV blocks (reused partial blocks) in every layer's every cache part, as raw
+        bytes so fp8 caches copy the same way."""
+        dev = self.device
+        src = torch.tensor([c.src for c in copies], dtype=torch.long, device=dev)
+        dst = torch.tensor([c.dst for c in copies], dtype=torch.long, device=dev)
+        for layer in self.kv_caches:
+            for cache in layer:
+                raw = cache.view(_RAW_DTYPES[cache.element_size()])
+                raw[dst] = raw[src]
+
+    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelOutput:
+        if out.copies:
+            self.copy_blocks(out.copies)
         input_ids, positions, meta = self.prepare(out)
         if self.lora_adapters is not None:
             rows, first = [], 0

@@ -22,6 +22,15 @@ request of the lowest priority (latest arrival among equals), and a waiting requ
 sequence slot or no blocks preempts running requests of a strictly lower priority to get them.
 Among equal priorities everything is as above.
 
+With prefix caching, a request's last, partly filled block outlives it as a cached partial block
+(finished, aborted or preempted: ``_free``). A later request whose next block starts with those
+tokens, under the same preceding blocks and salt, gets a fresh block of its own and the step copies
+the cached block's KV into it before the forward pass (``SchedulerOutput.copies``), so it computes
+only what follows. Each beam search step (a one-token request per beam, extending its parent's
+tokens by one) and a chat's next turn (extending the previous answer) compute little more than
+their new tokens. Skipped when every layer slides (blocks are given back behind the window) and
+for blocks the KV tier is loading.
+
 When the KV connector can load asynchronously (``load_blocks_async``), a request whose prefix is
 in the tier is parked while its blocks load, so tier I/O never stalls other requests' steps; it
 joins the running set, with the loaded tokens counted as computed, in the first step after the
@@ -75,10 +84,20 @@ class ScheduledRequest:
         return self.start + self.num_new_tokens - self.num_spec == self.request.num_tokens
 
 
+@dataclass(frozen=True)
+class BlockCopy:
+    """Copy block ``src``'s KV (every layer, every part) into block ``dst`` before the step's
+    forward pass: a cached partial block reused by a request admitted this step."""
+
+    src: int
+    dst: int
+
+
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    copies: list[BlockCopy] = field(default_factory=list)  # run first; sources pinned until then
 
     @property
     def num_batched_tokens(self) -> int:
@@ -117,6 +136,9 @@ class Scheduler:
         # kept while it waits for blocks so each retry does not repeat the tier round trip;
         # dropped at admission (a readmitted request asks again).
         self._tier_lookups: dict[str, tuple[int, int, int]] = {}
+        # Decided once: partial blocks are kept and reused unless blocks are given back behind a
+        # sliding window (a released table slot reads as block 0).
+        self._partial = block_manager.enable_partial_caching and config.sliding_window is None
         self.num_preemptions = 0
         self.num_prefix_waits = 0  # admissions put off to reuse a prompt block being computed
         self.prefix_cache_queries = 0  # prompt tokens looked up (cumulative)
@@ -172,8 +194,7 @@ class Scheduler:
             self._tier_lookups.pop(request.request_id, None)
         self.connector.request_finished(request)
         if not parked:
-            self.block_manager.free(request.block_table, request.num_released_blocks)
-            request.num_released_blocks = 0
+            self._free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.metrics.finished_time = time.monotonic()
@@ -239,7 +260,7 @@ class Scheduler:
                 deferred.append(self.waiting.popleft())
                 num_prefix_waits += 1
                 continue
-            n = self._admit(req, budget)
+            n = self._admit(req, budget, out.copies)
             if n is None:
                 freed = self._preempt_for(req, out)
                 if freed is None:
@@ -274,9 +295,22 @@ class Scheduler:
                 freed = s.num_new_tokens
                 del out.scheduled[i]
                 break
+        self._drop_copy(victim, out)
         self._preempt(victim)
         out.preempted.append(victim)
         return freed
+
+    def _drop_copy(self, victim: Request, out: SchedulerOutput) -> None:
+        """A request admitted this step with a partial block hit is preempted before its copy ran:
+        drop the copy, and its partial tokens, which its block does not hold (nothing keeps them)."""
+        if not out.copies or not victim.block_table:
+            return
+        owned = set(victim.block_table)
+        for c in [c for c in out.copies if c.dst in owned]:
+            out.copies.remove(c)
+            self.block_manager.unpin(c.src)
+            bs = self.block_manager.block_size
+            victim.num_computed_tokens -= victim.num_computed_tokens % bs
 
     def _active_loras(self) -> set[int]:
         """The adapters (by object) of the running and parked requests."""
@@ -318,9 +352,10 @@ class Scheduler:
         cap = self.config.long_prefill_token_threshold
         return min(remaining, budget, cap) if cap > 0 else min(remaining, budget)
 
-    def _admit(self, req: Request, budget: int) -> int | None:
-        """Match the prefix cache (and the tier) and allocate blocks. Returns the tokens to compute
-        now, 0 when the request was parked for an asynchronous tier load, None when blocks are short."""
+    def _admit(self, req: Request, budget: int, copies: list[BlockCopy]) -> int | None:
+        """Match the prefix cache (and the tier, then a cached partial block) and allocate blocks.
+        Returns the tokens to compute now, 0 when the request was parked for an asynchronous tier
+        load, None when blocks are short. A partial block hit adds its copy to ``copies``."""
         bm = self.block_manager
         bs = bm.block_size
         hashes = req.full_block_hashes()
@@ -346,9 +381,17 @@ class Scheduler:
             self._count_admission(req, 0)
             req.status = RequestStatus.LOADING
             return 0
+        partial = self._match_partial(req, hashes, num_hit) if reuse and not num_ext else None
+        if partial is not None:
+            bm.pin(partial[0])  # not evicted by the allocation below
+            cached_tokens += partial[1]
         n = self._chunk(req.num_tokens - cached_tokens, budget)
         if not bm.allocate(req.block_table, hits, cached_tokens + n):
+            if partial is not None:
+                bm.unpin(partial[0])
             return None
+        if partial is not None:
+            copies.append(BlockCopy(partial[0], req.block_table[num_hit]))
         if num_ext:
             ext_ids = req.block_table[num_hit : num_hit + num_ext]
             loaded = max(0, min(num_ext, self.connector.load_blocks(req, ext_ids, ext_hashes[:num_ext])))
@@ -368,6 +411,32 @@ class Scheduler:
         self._count_admission(req, cached_tokens)
         req.status = RequestStatus.RUNNING
         return n
+
+    def _match_partial(self, req: Request, hashes: list[bytes], num_hit: int) -> tuple[int, int] | None:
+        """A cached partial block holding the first tokens of ``req``'s block ``num_hit`` (the one
+        after its full-block hits), leaving at least one token to compute: (block id, tokens)."""
+        if not self._partial:
+            return None
+        bs = self.block_manager.block_size
+        start = num_hit * bs
+        most = min(bs - 1, req.num_tokens - 1 - start)
+        if most < 1:
+            return None
+        parent = (hashes[num_hit - 1] if num_hit else None, req.block_extra)
+        return self.block_manager.match_partial(parent, req.token_ids[start : start + most])
+
+    def _free(self, req: Request) -> None:
+        """Free a request's blocks, keeping its last block as a cached partial block when it holds
+        written KV but is not full."""
+        bm = self.block_manager
+        if self._partial:
+            k, m = divmod(req.num_computed_tokens, bm.block_size)
+            if m and k < len(req.block_table):
+                parent = (req.full_block_hashes()[k - 1] if k else None, req.block_extra)
+                start = k * bm.block_size
+                bm.cache_partial_block(req.block_table[k], parent, req.token_ids[start : start + m])
+        bm.free(req.block_table, req.num_released_blocks)
+        req.num_released_blocks = 0
 
     def _num_loadable(self, req: Request, first: int, ext_hashes: list[bytes]) -> int:
         """Leading blocks of ``ext_hashes`` (the request's blocks from ``first`` on) in the tier.
@@ -431,8 +500,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         req.spec_token_ids = []
-        self.block_manager.free(req.block_table, req.num_released_blocks)
-        req.num_released_blocks = 0
+        self._free(req)
         req.num_computed_tokens = 0
         req.num_registered_blocks = 0
         req.status = RequestStatus.PREEMPTED
@@ -444,8 +512,11 @@ class Scheduler:
             self.waiting.appendleft(req)
 
     def update_after_step(self, out: SchedulerOutput) -> None:
-        """Advance progress of everything that ran and register blocks that became full."""
+        """Advance progress of everything that ran, register blocks that became full, and unpin
+        the partial blocks the step copied from."""
         bm = self.block_manager
+        for c in out.copies:
+            bm.unpin(c.src)
         for s in out.scheduled:
             req = s.request
             # Drafts' KV is written, but counts only once accepted (LLMEngine adds those).

@@ -293,6 +293,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     _bool_flag(
         p, "--enable-prefix-caching", d.enable_prefix_caching, "reuse KV blocks of shared prompt prefixes"
     )
+    _bool_flag(
+        p,
+        "--partial-prefix-caching",
+        d.partial_prefix_caching,
+        "with prefix caching, also reuse a finished request's last, partly filled block (copied)",
+    )
     _bool_flag(p, "--kv-events", d.kv_events, "publish KV block stored/removed events to the tier")
     p.add_argument(
         "--kv-events-replica-id",

@@ -222,9 +222,11 @@ async def test_loop_crash_fails_requests_and_marks_unhealthy(engine, prompts) ->
 async def test_reset_prefix_cache(engine, prompts) -> None:
     await _collect(engine, "warm", prompts[-1], GREEDY)
     cached = engine.engine.block_manager.num_cached_blocks
-    assert cached == (200 + 11) // 16
+    # 211 tokens with KV: 13 full blocks and the 3 tokens of a cached partial block.
+    assert cached == (200 + 11) // 16 + 1 and engine.engine.block_manager.num_partial_blocks == 1
     assert await engine.reset_prefix_cache() == cached
     assert engine.engine.block_manager.num_cached_blocks == 0
+    assert engine.engine.block_manager.num_partial_blocks == 0
     params = SamplingParams(temperature=0.0, max_tokens=700, ignore_eos=True)
     gen = engine.generate("busy", prompts[-2], params)
     await gen.__anext__()

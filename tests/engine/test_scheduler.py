@@ -5,7 +5,7 @@ from __future__ import annotations
 from engine.block_manager import BlockManager
 from engine.kv_connector import KVConnector
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler import BlockCopy, Scheduler, SchedulerConfig
 from engine.sequence import Request, RequestStatus
 
 BS = 4
@@ -148,3 +148,117 @@ def test_long_prefill_token_threshold_caps_each_prefill_chunk() -> None:
     assert b.num_output_tokens == 1
     assert _step(s) == [("a", 1), ("b", 1)]
     s.block_manager.check_integrity()
+
+
+# -- cached partial blocks ---------------------------------------------------------------------------
+
+
+def _tokens_req(rid: str, tokens: list[int], extra: bytes = b"", **params) -> Request:
+    req = Request(
+        rid, tokens, SamplingParams(max_tokens=50, **params), seed=0, eos_token_ids=(), block_size=BS
+    )
+    req.block_extra = extra
+    return req
+
+
+def _run_and_finish(s: Scheduler, req: Request) -> None:
+    """Admit ``req`` alone, compute its prompt, sample one token and finish it."""
+    s.add(req)
+    _step(s)
+    assert req.num_computed_tokens == req.num_prompt_tokens
+    s.finish(req, "stop")
+
+
+def test_a_finished_requests_partial_block_is_copied_by_an_extension() -> None:
+    s = _sched(blocks=16, budget=64)
+    bm = s.block_manager
+    a = _req("a", 6, base=100)  # [100..103] [104 105]
+    _run_and_finish(s, a)  # a computed 6 tokens; its sampled 7th has no KV
+    assert a.token_ids[-1] == 7 and bm.num_partial_blocks == 1 and bm.blocks[1].token_ids == (104, 105)
+    assert list(bm._cached) == [1, 0]
+    b = _tokens_req("b", [*range(100, 106), 7, 8])  # extends a's tokens inside block 1
+    s.add(b)
+    out = s.schedule()
+    # b reuses full block 0 and the 2 tokens of partial block 1, copied into its own block 2.
+    assert out.copies == [BlockCopy(1, 2)] and b.block_table == [0, 2]
+    assert [(i.request.request_id, i.start, i.num_new_tokens) for i in out.scheduled] == [("b", 6, 2)]
+    assert b.num_computed_tokens == 6 and b.num_cached_tokens == 6
+    assert bm.blocks[1].ref_count == 1 and 1 not in bm._cached  # pinned until the copy ran
+    bm.check_integrity()
+    s.update_after_step(out)
+    assert bm.blocks[1].ref_count == 0 and list(bm._cached) == [1]  # unpinned: evictable again
+    b.append_token(9)
+    s.finish(b, "stop")
+    # Tokens that diverge inside the block (105 -> 99) find no partial block: only the full one.
+    c = _tokens_req("c", [100, 101, 102, 103, 104, 99, 7])
+    s.add(c)
+    out = s.schedule()
+    assert out.copies == [] and c.num_computed_tokens == 4 and c.num_cached_tokens == 4
+    assert s.prefix_cache_hits == 6 + 4 and s.prefix_cache_queries == 6 + 8 + 7
+    s.update_after_step(out)
+    bm.check_integrity()
+
+
+def test_partial_blocks_are_not_shared_across_salts() -> None:
+    s = _sched(blocks=16, budget=64)
+    _run_and_finish(s, _tokens_req("a", [1, 2, 3], extra=b"lora\x00x\x00"))  # a first-block partial
+    other = _tokens_req("b", [1, 2, 3, 4, 5], extra=b"salt\x00y")
+    same = _tokens_req("c", [1, 2, 3, 4, 5], extra=b"lora\x00x\x00")
+    s.add(other)
+    s.add(same)
+    out = s.schedule()
+    assert out.copies == [BlockCopy(0, 3)]  # c's, into its first block (b took blocks 1 and 2)
+    assert (other.block_table, same.block_table) == ([1, 2], [3, 4])
+    assert (other.num_computed_tokens, same.num_computed_tokens) == (0, 3)
+    s.update_after_step(out)
+    s.block_manager.check_integrity()
+
+
+def test_requests_that_compute_every_prompt_row_do_not_reuse_a_partial_block() -> None:
+    s = _sched(blocks=16, budget=64)
+    _run_and_finish(s, _req("a", 6, base=100))
+    b = _tokens_req("b", [*range(100, 106), 7, 8], prompt_logprobs=1)
+    s.add(b)
+    out = s.schedule()
+    assert out.copies == [] and b.num_computed_tokens == 0
+    s.update_after_step(out)
+    s.block_manager.check_integrity()
+
+
+def test_a_preempted_request_keeps_its_partial_block_and_copies_it_back() -> None:
+    s = Scheduler(SchedulerConfig(1, 64, 1024, priority=True), BlockManager(16, BS), KVConnector())
+    bm = s.block_manager
+    x = _req("x", 6, base=100)
+    x.priority = 5
+    s.add(x)
+    _step(s)
+    y = _req("y", 3)
+    s.add(y)  # outranks x, and there is one sequence slot: x is preempted
+    out = s.schedule()
+    assert out.preempted == [x] and [i.request.request_id for i in out.scheduled] == ["y"]
+    assert bm.num_partial_blocks == 1 and bm.blocks[1].token_ids == (104, 105)
+    assert y.block_table == [2]
+    s.update_after_step(out)
+    y.append_token(7)
+    s.finish(y, "stop")  # y's 3 tokens stay cached too
+    out = s.schedule()
+    assert out.copies == [BlockCopy(1, 3)] and x.block_table == [0, 3]
+    assert [(i.request.request_id, i.start, i.num_new_tokens) for i in out.scheduled] == [("x", 6, 1)]
+    s.update_after_step(out)
+    assert bm.num_partial_blocks == 2
+    bm.check_integrity()
+
+
+def test_no_partial_blocks_when_every_layer_slides_or_when_turned_off() -> None:
+    windowed = Scheduler(SchedulerConfig(8, 64, 1024, sliding_window=8), BlockManager(16, BS), KVConnector())
+    off = Scheduler(
+        SchedulerConfig(8, 64, 1024), BlockManager(16, BS, enable_partial_caching=False), KVConnector()
+    )
+    for s in (windowed, off):
+        _run_and_finish(s, _req("a", 6, base=100))
+        assert s.block_manager.num_partial_blocks == 0
+        b = _tokens_req("b", [*range(100, 106), 7, 8])
+        s.add(b)
+        out = s.schedule()
+        assert out.copies == [] and b.num_computed_tokens == 4
+        s.block_manager.check_integrity()

@@ -134,6 +134,7 @@ def test_every_engine_field_has_a_flag_and_maps_by_name() -> None:
             "--num-kv-blocks",
             "64",
             "--no-enable-prefix-caching",
+            "--no-partial-prefix-caching",
             "--kv-events",
             "--dtype",
             "float32",
@@ -152,6 +153,7 @@ def test_every_engine_field_has_a_flag_and_maps_by_name() -> None:
     opts = engine_options(args)
     assert set(opts) == {f.name for f in fields(EngineConfig)}
     cfg = EngineConfig.from_options(**opts)
+    assert cfg.partial_prefix_caching is False and EngineConfig().partial_prefix_caching is True
     assert (cfg.model, cfg.num_kv_blocks, cfg.enable_prefix_caching, cfg.kv_events, cfg.dtype) == (
         "/m",
         64,
