@@ -56,7 +56,7 @@ from server.responses_store import RUNNING, StoreUnavailable, open_response_stor
 from server.sagemaker import invocation
 from server.score_protocol import ClassificationRequest, RerankRequest, ScoreRequest
 from server.serving_chat import create_chat_completion
-from server.serving_classify import create_classification
+from server.serving_classify import create_classification, served_classifier
 from server.serving_completions import create_completion
 from server.serving_embeddings import create_embedding
 from server.serving_messages import count_tokens, create_message
@@ -237,7 +237,7 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
     # SageMaker's contract (vLLM serves it too): every request on one path; /ping is the health check.
     @app.post("/invocations", responses=_ERRORS)
     async def invocations(request: Request) -> Any:
-        kind, body = invocation(await json_body(request), state.generation.serves_classifier)
+        kind, body = invocation(await json_body(request), served_classifier(state) is not None)
         handler = {
             "chat": create_chat_completion,
             "completion": create_completion,

@@ -116,11 +116,6 @@ class Generation:
         beyond_slots = self.in_flight + elsewhere - self._max_running
         return max(0, beyond_slots, int(getattr(self.engine.stats(), "num_waiting", 0)))
 
-    @property
-    def serves_classifier(self) -> bool:
-        """The model is a sequence classifier (engine/classifier.py): it serves pooling requests only."""
-        return self._classifier is not None
-
     def admit(
         self, num_sequences: int, submitted: Callable[[], None] | None = None, pooling: bool = False
     ) -> Ticket:
