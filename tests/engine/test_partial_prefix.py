@@ -72,3 +72,46 @@ def test_beam_search_is_unchanged_and_computes_one_token_per_beam_step(tiny_llam
     # Without it each step recomputes every beam's last partial block (all of the short prompt's).
     assert computed[1] > 3 * computed[0]
     assert hits[0] - hits[1] == computed[1] - computed[0]
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_llama", "tiny_deepseek"])
+def test_random_conversations_under_preemption_match_without_reuse(model_fixture: str, request) -> None:
+    """Differential: random multi-turn conversations (each turn the last prompt, its answer and new
+    tokens), greedy and seeded, on a cache small enough to preempt, give the same tokens with and
+    without partial reuse, and the block manager stays consistent."""
+    path = request.getfixturevalue(model_fixture)
+    options = {
+        "num_kv_blocks": 24,  # 96 tokens for up to 4 sequences of up to 70: preemption
+        "block_size": 4,
+        "max_num_seqs": 4,
+        "max_num_batched_tokens": 16,
+        "num_threads": 1,
+        "deterministic": True,
+    }
+    rng = random.Random(7)
+    with LLM(str(path), **options) as on, LLM(str(path), partial_prefix_caching=False, **options) as off:
+        for _ in range(40):
+            convs = [
+                [rng.randrange(3, 200) for _ in range(rng.randint(1, 9))] for _ in range(rng.randint(1, 4))
+            ]
+            for _turn in range(rng.randint(1, 4)):
+                params = SamplingParams(
+                    max_tokens=rng.randint(1, 10),
+                    temperature=rng.choice([0.0, 0.9]),
+                    seed=rng.randrange(1000),
+                    ignore_eos=True,
+                )
+                got, want = on.generate(convs, params), off.generate(convs, params)
+                assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+                convs = [
+                    (
+                        c
+                        + list(o.outputs[0].token_ids)
+                        + [rng.randrange(3, 200) for _ in range(rng.randint(0, 5))]
+                    )[-60:]
+                    for c, o in zip(convs, got, strict=True)
+                ]
+            on.engine.scheduler.block_manager.check_integrity()
+        with_reuse, without = on.engine.stats(), off.engine.stats()
+    assert with_reuse.prefix_cache_hits > without.prefix_cache_hits  # reuse happened
+    assert with_reuse.num_preemptions > 0  # and under preemption
