@@ -462,6 +462,7 @@ class LLMEngine:
             kv_cache_usage=bm.usage(),
             prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits,
+            partial_prefix_hits=s.partial_prefix_hits,
             num_preemptions=s.num_preemptions,
             num_prefix_waits=s.num_prefix_waits,
             prompt_tokens=self.prompt_tokens_total,

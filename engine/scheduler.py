@@ -143,6 +143,7 @@ class Scheduler:
         self.num_prefix_waits = 0  # admissions put off to reuse a prompt block being computed
         self.prefix_cache_queries = 0  # prompt tokens looked up (cumulative)
         self.prefix_cache_hits = 0  # of which served from the device prefix cache or the tier
+        self.partial_prefix_hits = 0  # of which copied from cached partial blocks
 
     # -- queue management --------------------------------------------------------------------------
 
@@ -392,6 +393,7 @@ class Scheduler:
             return None
         if partial is not None:
             copies.append(BlockCopy(partial[0], req.block_table[num_hit]))
+            self.partial_prefix_hits += partial[1]
         if num_ext:
             ext_ids = req.block_table[num_hit : num_hit + num_ext]
             loaded = max(0, min(num_ext, self.connector.load_blocks(req, ext_ids, ext_hashes[:num_ext])))

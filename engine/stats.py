@@ -40,6 +40,7 @@ class EngineStats:
     kv_cache_usage: float = 0.0  # used blocks / all blocks, 0..1
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (cumulative)
     prefix_cache_hits: int = 0  # of which found (device prefix cache or KV tier)
+    partial_prefix_hits: int = 0  # of which copied from cached partial blocks (cumulative)
     num_preemptions: int = 0  # cumulative
     num_prefix_waits: int = 0  # cumulative admissions put off to reuse a prompt block being computed
     prompt_tokens: int = 0  # cumulative prompt tokens of finished requests

@@ -71,6 +71,12 @@ _ENGINE_SERIES: tuple[tuple[str, str, str, str], ...] = (
         "counter",
     ),
     (
+        "ferry:partial_prefix_cache_hits",
+        "Prefix cache hits copied from cached partial blocks (included in vllm:prefix_cache_hits).",
+        "partial_prefix_hits",
+        "counter",
+    ),
+    (
         "vllm:num_preemptions",
         "Cumulative number of preemptions from the engine.",
         "num_preemptions",

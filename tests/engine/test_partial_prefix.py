@@ -49,6 +49,9 @@ def test_turns_extending_each_other_mid_block_give_the_same_tokens(
         # The turns computed 26, 37 and 48 tokens: two partial blocks kept, the last turn's block full.
         assert on.engine.block_manager.num_partial_blocks == 2
         assert off.engine.block_manager.num_partial_blocks == 0
+        # Copied, not recomputed: 26 - 16 and 37 - 32 tokens.
+        assert on.engine.stats().partial_prefix_hits == 10 + 5
+        assert off.engine.stats().partial_prefix_hits == 0
 
 
 PROMPTS = [[5, 9, 14, 3, 77], [400, 12, 800, 33, 7, 91, 250, 61, 17, 500, 42, 8, 311, 29, 640, 71, 99]]
@@ -57,7 +60,7 @@ PROMPTS = [[5, 9, 14, 3, 77], [400, 12, 800, 33, 7, 91, 250, 61, 17, 500, 42, 8,
 def test_beam_search_is_unchanged_and_computes_one_token_per_beam_step(tiny_llama: Path) -> None:
     width, steps = 3, 8
     params = BeamSearchParams(beam_width=width, max_tokens=steps, ignore_eos=True)
-    beams, computed, hits = [], [], []
+    beams, computed, hits, partial_hits = [], [], [], []
     for partial in (True, False):
         with LLM(str(tiny_llama), num_kv_blocks=128, num_threads=1, partial_prefix_caching=partial) as llm:
             outs = llm.beam_search(PROMPTS, params)
@@ -65,6 +68,7 @@ def test_beam_search_is_unchanged_and_computes_one_token_per_beam_step(tiny_llam
             stats = llm.engine.stats()
             computed.append(stats.iteration_tokens_sum)
             hits.append(stats.prefix_cache_hits)
+            partial_hits.append(stats.partial_prefix_hits)
             llm.engine.block_manager.check_integrity()
     assert beams[0] == beams[1]
     # With reuse: the prompts once, then one token per live beam per step.
@@ -72,6 +76,7 @@ def test_beam_search_is_unchanged_and_computes_one_token_per_beam_step(tiny_llam
     # Without it each step recomputes every beam's last partial block (all of the short prompt's).
     assert computed[1] > 3 * computed[0]
     assert hits[0] - hits[1] == computed[1] - computed[0]
+    assert partial_hits == [hits[0] - hits[1], 0]  # the difference is all partial reuse
 
 
 @pytest.mark.parametrize("model_fixture", ["tiny_llama", "tiny_deepseek"])

@@ -390,6 +390,13 @@ def test_metrics_use_vllm_names(server, scrape) -> None:
     assert scrape(server.url, "vllm:request_success_total", model_name=name, finished_reason="length") > 0
     assert scrape(server.url, "vllm:prefix_cache_hits_total", model_name=name) > 0
     assert scrape(server.url, "vllm:generation_tokens_total", model_name=name) > 0
+    # ferry's own counter: tokens copied from a cached partial block. A 21-token prompt sent again
+    # finds its 16-token block and 4 of the 5 tokens after it (the last one is computed again).
+    before = scrape(server.url, "ferry:partial_prefix_cache_hits_total", model_name=name)
+    again = {"model": name, "prompt": list(range(300, 321)), "max_tokens": 2, "ignore_eos": True}
+    for _ in range(2):
+        assert httpx.post(server.url + "/v1/completions", json=again, timeout=60).status_code == 200
+    assert scrape(server.url, "ferry:partial_prefix_cache_hits_total", model_name=name) - before == 4
 
 
 def test_per_request_histograms_of_vllms_dashboard(server, scrape) -> None:
