@@ -8,12 +8,14 @@ which is how a gone client's request gets aborted in the engine.
 from __future__ import annotations
 
 import hmac
+import json
 import re
 import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
+from server.anthropic_protocol import error_body
 from server.errors import APIError
 
 Scope = MutableMapping[str, Any]
@@ -88,8 +90,9 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
     return None
 
 
-async def _send_error(send: Send, error: APIError, request_id: str) -> None:
-    body = error.body().model_dump_json().encode()
+async def _send_error(send: Send, error: APIError, request_id: str, anthropic: bool = False) -> None:
+    """The error answered before the app runs: OpenAI's shape, or Anthropic's on its Messages API."""
+    body = json.dumps(error_body(error)).encode() if anthropic else error.body().model_dump_json().encode()
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
@@ -98,6 +101,10 @@ async def _send_error(send: Send, error: APIError, request_id: str) -> None:
     headers += [(k.lower().encode(), v.encode()) for k, v in error.headers.items()]
     await send({"type": "http.response.start", "status": error.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+def _is_messages(scope: Scope) -> bool:
+    return route_path(scope).startswith("/v1/messages")
 
 
 def _default_to_json(scope: Scope) -> None:
@@ -155,7 +162,7 @@ class EdgeMiddleware:
             bearer_ok = hmac.compare_digest(auth, b"Bearer " + self.api_key)
             if not (bearer_ok or hmac.compare_digest(anthropic, self.api_key)):
                 error = APIError(401, "Invalid or missing API key.", code="invalid_api_key")
-                await _send_error(send, error, request_id)
+                await _send_error(send, error, request_id, _is_messages(scope))
                 return
 
         if scope["method"] in ("POST", "PUT", "PATCH"):
@@ -196,7 +203,7 @@ class EdgeMiddleware:
         )
         declared = _header(scope, b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            await _send_error(send, too_large, request_id)
+            await _send_error(send, too_large, request_id, _is_messages(scope))
             return None
         chunks: list[bytes] = []
         size = 0
@@ -207,7 +214,7 @@ class EdgeMiddleware:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
-                await _send_error(send, too_large, request_id)
+                await _send_error(send, too_large, request_id, _is_messages(scope))
                 return None
             chunks.append(chunk)
             if not message.get("more_body", False):

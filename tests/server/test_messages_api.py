@@ -277,8 +277,12 @@ def test_invalid_json_unknown_model_and_wrong_key(srv, client) -> None:
         client.messages.create(model="nope", max_tokens=4, messages=[{"role": "user", "content": "x"}])
     assert e.value.body["error"]["type"] == "not_found_error"
     wrong = anthropic.Anthropic(base_url=srv.url, api_key="wrong", max_retries=0)
-    with pytest.raises(anthropic.AuthenticationError):
+    with pytest.raises(anthropic.AuthenticationError) as denied:
         wrong.messages.create(model=srv.model_name, max_tokens=4, messages=[{"role": "user", "content": "x"}])
+    assert denied.value.body == {  # answered before the app, in Anthropic's shape all the same
+        "type": "error",
+        "error": {"type": "authentication_error", "message": "Invalid or missing API key."},
+    }
     assert httpx.get(srv.url + "/health").status_code == 200
 
 
