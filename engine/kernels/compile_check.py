@@ -26,7 +26,7 @@ INDEX_POINTERS = {
     "positions_ptr": "*i64", "slot_ptr": "*i64", "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32",
     "block_tables_ptr": "*i32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "cache_ptr": "*fp32",
     "pairs_ptr": "*i32", "block_expert_ptr": "*i32", "weight_ptr": "*fp32",
-    "token_seq_ptr": "*i32", "token_pos_ptr": "*i32",
+    "token_seq_ptr": "*i32", "token_pos_ptr": "*i32", "sinks_ptr": "*fp32",
 }  # fmt: skip
 FLOAT_SCALARS = {"eps", "scale", "softcap"}
 TRITON_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
@@ -161,6 +161,16 @@ def plan(quick: bool) -> list[tuple[str, str, object, str, object, tuple[str, ..
             )
             kv = ops.write_kv_launch(m.hkv, m.head_dim)
             jobs.append(("write_kv_cache", tag, ops._write_kv_kernel, tdt, kv, ()))
+    # gpt-oss's attention sinks (compiled in only for models with them): gpt-oss-20b's geometry.
+    sink_model = Model("gpt-oss-20b", 64, 8, 64, 2880, 2880)
+    for dname in dtypes[:1] if quick else dtypes:
+        dt, tdt = getattr(torch, dname), TRITON_DTYPES[dname]
+        tag = f"{sink_model.name} {dname} sinks"
+        g = sink_model.hq // sink_model.hkv
+        uni = att.unified_launch(g, sink_model.head_dim, dt, sinks=True)
+        jobs.append(("unified_attention", tag, att._unified_attention_kernel, tdt, uni, ()))
+        reduce = dec.reduce_launch(sink_model.head_dim, dec.DEFAULT_SPLIT_SIZE, sinks=True)
+        jobs.append(("split_kv_reduce", tag, dec._decode_reduce_kernel, tdt, reduce, ()))
     for e in [MOE_MODELS[0], MOE_MODELS[2]] if quick else MOE_MODELS:
         for dname in dtypes:
             dt, tdt, tag = getattr(torch, dname), TRITON_DTYPES[dname], f"{e.name} {dname}"
