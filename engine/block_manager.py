@@ -127,20 +127,16 @@ class BlockManager:
         return out
 
     def match_partial(self, parent: PartialParent, token_ids: Sequence[int]) -> tuple[int, int] | None:
-        """The cached partial block under ``parent`` that shares the longest prefix with
-        ``token_ids`` (the tokens a request may reuse in its next block), as (block id, tokens
-        shared). The block's KV of those first tokens is the request's whatever follows them in it
-        (the request overwrites the rest), so the same prompt sent again, or a conversation's next
-        turn that re-renders the last answer's end differently, reuses what it shares."""
+        """The cached partial block under ``parent`` whose tokens are the longest prefix of
+        ``token_ids`` (the tokens a request may reuse in its next block), as (block id, tokens)."""
         entries = self._partial.get(parent)
         if not entries:
             return None
-        best: tuple[int, int] | None = None
-        for tokens, bid in entries.items():
-            n = _shared_prefix(tokens, token_ids)
-            if n and (best is None or n > best[1]):
-                best = (bid, n)
-        return best
+        for m in range(min(len(token_ids), self.block_size - 1), 0, -1):
+            bid = entries.get(tuple(token_ids[:m]))
+            if bid is not None:
+                return bid, m
+        return None
 
     # -- allocation --------------------------------------------------------------------------------
 
@@ -226,8 +222,7 @@ class BlockManager:
         """Keep block ``bid``, whose first ``token_ids`` hold written KV, as a cached partial block
         once it is freed. The caller (the block's only owner, about to free it) must name exactly
         what precedes it. False when partial caching is off, the block is shared, registered or
-        full, or a cached partial block already starts with these tokens (that one serves their
-        hits)."""
+        full, or an equal partial block is already cached (that one serves later hits)."""
         block = self.blocks[bid]
         tokens = tuple(token_ids)
         if (
@@ -238,10 +233,10 @@ class BlockManager:
             or block.partial_parent is not None
         ):
             return False
-        entries = self._partial.get(parent)
-        if entries is not None and any(cached[: len(tokens)] == tokens for cached in entries):
-            return False  # a cached block starts with these tokens: it serves their hits
-        self._partial.setdefault(parent, {})[tokens] = bid
+        entries = self._partial.setdefault(parent, {})
+        if tokens in entries:
+            return False
+        entries[tokens] = bid
         block.partial_parent = parent
         block.token_ids = tokens
         return True
@@ -338,13 +333,3 @@ class BlockManager:
         block.token_ids = None
         for listener in self._listeners:
             listener.block_removed(bid, h)
-
-
-def _shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens ``a`` and ``b`` share."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n

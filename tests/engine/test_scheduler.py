@@ -189,12 +189,12 @@ def test_a_finished_requests_partial_block_is_copied_by_an_extension() -> None:
     assert bm.blocks[1].ref_count == 0 and list(bm._cached) == [1]  # unpinned: evictable again
     b.append_token(9)
     s.finish(b, "stop")
-    # Tokens that diverge inside the block (105 -> 99) reuse what they share with it: 104.
+    # Tokens that diverge inside the block (105 -> 99) find no partial block: only the full one.
     c = _tokens_req("c", [100, 101, 102, 103, 104, 99, 7])
     s.add(c)
     out = s.schedule()
-    assert out.copies == [BlockCopy(1, 3)] and c.num_computed_tokens == 5 and c.num_cached_tokens == 5
-    assert s.prefix_cache_hits == 6 + 5 and s.prefix_cache_queries == 6 + 8 + 7
+    assert out.copies == [] and c.num_computed_tokens == 4 and c.num_cached_tokens == 4
+    assert s.prefix_cache_hits == 6 + 4 and s.prefix_cache_queries == 6 + 8 + 7
     s.update_after_step(out)
     bm.check_integrity()
 
