@@ -390,13 +390,15 @@ def test_metrics_use_vllm_names(server, scrape) -> None:
     assert scrape(server.url, "vllm:request_success_total", model_name=name, finished_reason="length") > 0
     assert scrape(server.url, "vllm:prefix_cache_hits_total", model_name=name) > 0
     assert scrape(server.url, "vllm:generation_tokens_total", model_name=name) > 0
-    # ferry's own counter: tokens copied from a cached partial block. A 21-token prompt sent again
-    # finds its 16-token block and 4 of the 5 tokens after it (the last one is computed again).
+    # ferry's own counter: tokens copied from a cached partial block. A 21-token prompt answered
+    # with 2 tokens leaves 16 + 6 computed (the prompt's last 5 and the first answer token); the
+    # next turn, carrying that answer, copies those 6.
     before = scrape(server.url, "ferry:partial_prefix_cache_hits_total", model_name=name)
-    again = {"model": name, "prompt": list(range(300, 321)), "max_tokens": 2, "ignore_eos": True}
-    for _ in range(2):
-        assert httpx.post(server.url + "/v1/completions", json=again, timeout=60).status_code == 200
-    assert scrape(server.url, "ferry:partial_prefix_cache_hits_total", model_name=name) - before == 4
+    first = {"model": name, "prompt": list(range(300, 321)), "max_tokens": 2, "ignore_eos": True}
+    answer = httpx.post(server.url + "/v1/completions", json={**first, "return_token_ids": True}, timeout=60)
+    turn = {**first, "prompt": first["prompt"] + answer.json()["choices"][0]["token_ids"] + [400, 401]}
+    assert httpx.post(server.url + "/v1/completions", json=turn, timeout=60).status_code == 200
+    assert scrape(server.url, "ferry:partial_prefix_cache_hits_total", model_name=name) - before == 6
 
 
 def test_per_request_histograms_of_vllms_dashboard(server, scrape) -> None:
