@@ -56,6 +56,7 @@ from router.replica import HealthPolicy, Replica
 from router.response_affinity import RESPONSES_PATH, ResponseAffinity, referenced_response, response_id_for
 from router.retry import RetryPolicy
 from router.upstream import Response, UpstreamClient, UpstreamError, fetch
+from server.middleware import route_path
 
 log = logging.getLogger("ferry.router")
 
@@ -279,6 +280,11 @@ class RouterApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind == "http":
+            if scope.get("root_path"):
+                # --root-path: uvicorn puts the prefix in front of every path (a proxy that strips it
+                # is expected); one that forwards it adds it twice. Route (and relay) without it.
+                path = route_path(scope)
+                scope = {**scope, "path": route_path({**scope, "path": path})}
             await self.handle(scope, receive, send)
         elif kind == "lifespan":
             await self._lifespan(receive, send)

@@ -20,6 +20,14 @@ def add_router_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--discovery", default=None, help="redis://… | k8s:… | dns:…")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
+    p.add_argument(
+        "--uds", default=None, metavar="PATH", help="listen on this Unix socket instead of host:port"
+    )
+    p.add_argument(
+        "--root-path",
+        default="",
+        help="the path prefix a proxy in front adds: routes and the API key match with or without it",
+    )
     p.add_argument("--api-key", default=None, help="Bearer key for the /admin API (and /v1 when set)")
     p.add_argument(
         "--allowed-origins",

@@ -18,6 +18,8 @@ class RouterConfig:
     discovery: str | None = None
     host: str = "127.0.0.1"
     port: int = 8080
+    uds: str | None = None  # listen on this Unix socket instead of host:port (ferry serve's --uds)
+    root_path: str = ""  # the path prefix a proxy in front adds (ferry serve's --root-path)
     api_key: str | None = None
     # The key replicas behind --api-key want (default: api_key): the router sends it on its own
     # reads of them and in place of the client's on what it relays.
@@ -71,6 +73,8 @@ class RouterConfig:
             raise ValueError("--max-retries and --max-failovers must be >= 0")
         if self.chat_template is not None:
             object.__setattr__(self, "chat_template", resolve_chat_template(self.chat_template))
+        if self.root_path and (not self.root_path.startswith("/") or self.root_path.endswith("/")):
+            raise ValueError(f"--root-path must start with '/' and not end with one, got {self.root_path!r}")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RouterConfig:

@@ -61,6 +61,8 @@ def run_router(args: argparse.Namespace) -> int:
         front,
         host=config.host,
         port=config.port,
+        uds=config.uds,
+        root_path=config.root_path,
         log_level=config.log_level,
         access_log=False,
         lifespan="on",
