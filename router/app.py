@@ -61,10 +61,12 @@ from server.middleware import route_path
 log = logging.getLogger("ferry.router")
 
 GENERATE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
-# Routed by their prompt (parsed and keyed) but relayed as they come: the Responses API's events
-# (and the Messages API's) are not chat chunks, so their streams have no mid-stream failover (a
-# retry before the first byte).
-KEYED_PATHS = GENERATE_PATHS | {"/v1/responses", "/v1/messages"}
+# Anthropic's Messages API: whole answers retried, streams resumed (router/messages_stream.py).
+MESSAGES_PATH = "/v1/messages"
+# Routed by their prompt (parsed and keyed). The Responses API's are relayed as they come: its
+# events are not chat chunks, so its streams have no mid-stream failover (a retry before the first
+# byte).
+KEYED_PATHS = GENERATE_PATHS | {"/v1/responses", MESSAGES_PATH}
 # Relayed as they come, like every /v1/* route: vLLM serves these outside /v1 (scoring: /score,
 # /rerank, Cohere's /v2/rerank; /classify; SageMaker's /invocations, any request on one path).
 FORWARD_ROOT_PATHS = frozenset(
@@ -450,7 +452,12 @@ class RouterApp:
         )
         self._follow_responses(call)
 
-        relay = self._generate if generate else self.relay.forward
+        if generate:
+            relay = self._generate
+        elif path == MESSAGES_PATH and scope["method"] == "POST":
+            relay = self.relay.messages
+        else:
+            relay = self.relay.forward
         await _until_disconnect(self._admitted(relay, call, send, id_header), receive)
 
     def _follow_responses(self, call: ProxyCall) -> None:

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 
 from server.errors import APIError
-from server.protocol import _Request
+from server.protocol import Resume, _Request
 
 # Anthropic's error type for each status it answers with (its API reference, "Errors").
 ERROR_TYPES = {
@@ -196,9 +196,17 @@ class MessagesRequest(_Conversation):
     top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
     top_k: StrictInt | None = Field(default=None, ge=-1)
     metadata: Metadata | None = None
+    # Internal (router -> replica): continue a stream another replica started, and give each
+    # streamed chunk's token ids so that a router can resume this one (``router/messages_stream.py``).
+    resume: Resume | None = None
+    return_token_ids: StrictBool = False
 
     def chat_body(self) -> dict[str, Any]:
         body = super().chat_body()
+        if self.resume is not None:
+            body["resume"] = {"token_ids": self.resume.token_ids}
+        if self.return_token_ids:
+            body["return_token_ids"] = True
         body["max_tokens"] = self.max_tokens
         for name in ("temperature", "top_p", "top_k"):
             if getattr(self, name) is not None:
