@@ -44,6 +44,7 @@ from router.http import (
     send_json,
 )
 from router.kv_events import KVEventFollower
+from router.messages_stream import anthropic_errors
 from router.metrics import RouterMetrics
 from router.pd import PDOrchestrator
 from router.pd_config import PDConfig, PDMetrics
@@ -308,6 +309,8 @@ class RouterApp:
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         path, method = scope["path"], scope["method"]
+        if path.startswith(MESSAGES_PATH):  # the router's own errors in Anthropic's shape there too
+            send = anthropic_errors(send)
         if sum(len(k) + len(v) for k, v in scope["headers"]) > self.config.max_header_bytes:
             await send_error(send, 431, "request headers too large")
             return

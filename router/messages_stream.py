@@ -15,6 +15,9 @@ another replica with ``resume.token_ids`` = the tokens already sent, and its eve
 * every later block index is mapped onto the client's numbering;
 * the final ``message_delta`` reports the whole answer's ``output_tokens``.
 
+``anthropic_errors`` puts the router's own error answers on these routes (401, 413, 429, 502…) in
+Anthropic's shape, as the replicas answer theirs.
+
 The tracker is pure (events in, events out); ``router/generation.py`` runs it.
 """
 
@@ -23,7 +26,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from router.http import Send
 from router.sse import event_data
+from server.anthropic_protocol import ERROR_TYPES
 
 # server/serving_messages.py's GROUP_EVENT (the router does not import the serving code).
 GROUP_EVENT = "ferry_chunk"
@@ -137,3 +142,42 @@ class MessagesTracker:
             self.done = True
         prefix.append(_event(kind, obj))
         return b"\n\n".join(prefix)
+
+
+def anthropic_errors(send: Send) -> Send:
+    """``send`` with error answers in OpenAI's shape (the router's own: no key, too large, no replica…)
+    rewritten in Anthropic's (``{"type": "error", "error": {"type", "message"}}``); the replicas'
+    answers there have it already and pass as they are, as does everything that is not an error."""
+    start: dict | None = None
+    chunks: list[bytes] = []
+
+    async def wrapped(message: dict) -> None:
+        nonlocal start
+        if message["type"] == "http.response.start" and message["status"] >= 400:
+            start = message  # held until the whole body is in
+            return
+        if start is None or message["type"] != "http.response.body":
+            await send(message)
+            return
+        chunks.append(message.get("body", b""))
+        if message.get("more_body", False):
+            return
+        body = b"".join(chunks)
+        try:
+            obj = json.loads(body)
+            error = obj["error"]
+            if obj.get("type") != "error" and isinstance(error, dict):
+                status = start["status"]
+                kind = ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+                body = json.dumps(
+                    {"type": "error", "error": {"type": kind, "message": error.get("message")}}
+                ).encode()
+        except (ValueError, KeyError, TypeError):
+            pass
+        headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+        headers.append((b"content-length", str(len(body)).encode()))
+        await send({**start, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+        start = None
+
+    return wrapped

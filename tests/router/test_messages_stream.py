@@ -3,9 +3,11 @@ client gets from a replica's grouped events, and how a resumed replica's events 
 
 from __future__ import annotations
 
+import asyncio
 import json
 
-from router.messages_stream import GROUP_EVENT, MessagesTracker
+from router.http import send_error
+from router.messages_stream import GROUP_EVENT, MessagesTracker, anthropic_errors
 from server.serving_messages import GROUP_EVENT as SERVER_GROUP_EVENT
 
 
@@ -153,3 +155,45 @@ def test_a_client_that_asks_for_token_ids_gets_them_as_pings() -> None:
     t = MessagesTracker(client_wants_token_ids=True)
     out = relayed(t, group([7, 8], start(0, "text", text=""), delta(0, type="text_delta", text="z")))
     assert out[-1] == {"type": "ping", "token_ids": [7, 8]}
+
+
+def _collect(messages: list[dict]):
+    async def send(message: dict) -> None:
+        messages.append(message)
+
+    return send
+
+
+def test_router_errors_on_messages_routes_take_anthropics_shape() -> None:
+    sent: list[dict] = []
+    asyncio.run(send_error(anthropic_errors(_collect(sent)), 503, "no replica is available"))
+    start, body = sent
+    assert start["status"] == 503
+    payload = json.loads(body["body"])
+    assert payload == {
+        "type": "error",
+        "error": {"type": "overloaded_error", "message": "no replica is available"},
+    }
+    assert dict(start["headers"])[b"content-length"] == str(len(body["body"])).encode()
+
+    # A replica's answer in Anthropic's shape, in two body parts, passes unchanged; so does a 200.
+    sent.clear()
+    already = json.dumps(
+        {"type": "error", "error": {"type": "invalid_request_error", "message": "m"}}
+    ).encode()
+
+    async def replica_answer() -> None:
+        send = anthropic_errors(_collect(sent))
+        await send({"type": "http.response.start", "status": 400, "headers": []})
+        await send({"type": "http.response.body", "body": already[:10], "more_body": True})
+        await send({"type": "http.response.body", "body": already[10:]})
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"event: ping", "more_body": True})
+
+    asyncio.run(replica_answer())
+    assert [m.get("status") for m in sent] == [400, None, 200, None]
+    assert sent[1]["body"] == already and sent[3] == {
+        "type": "http.response.body",
+        "body": b"event: ping",
+        "more_body": True,
+    }
