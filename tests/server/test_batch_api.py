@@ -223,6 +223,8 @@ def test_refusals(client, replica) -> None:
         ({**create, "completion_window": "48h"}, openai.BadRequestError, "completion_window"),
         ({**create, "input_file_id": "file-" + "0" * 32}, openai.NotFoundError, "No such File"),
         ({**create, "input_file_id": "../../etc/passwd"}, openai.NotFoundError, "No such File"),
+        ({**create, "metadata": {"k" * 65: "v"}}, openai.BadRequestError, "metadata"),
+        ({**create, "metadata": {f"k{i}": "v" for i in range(17)}}, openai.BadRequestError, "metadata"),
     ]
     for kwargs, error, message in cases:
         with pytest.raises(error) as exc:
