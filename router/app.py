@@ -3,7 +3,8 @@
 ``RouterApp(config)`` is a plain ASGI callable (served by uvicorn in ``router/main.py``).
 Generation requests (``/v1/chat/completions``, ``/v1/completions``) are parsed once, keyed for the policy, admitted by overload control and
 handed to the ``Relay``; every other ``/v1/*`` route and the root routes of ``FORWARD_ROOT_PATHS``
-(``/tokenize``, ``/score``, ``/rerank``…) are relayed as they are. While a request is relayed the
+(``/tokenize``, ``/score``, ``/rerank``…) are relayed as they are; the Files and Batches API
+(``/v1/files*``, ``/v1/batches*``) all to one replica (``batch_home``). While a request is relayed the
 app watches the client: if it disconnects, the relay is cancelled at once, which closes the
 upstream connection and frees the replica's work.
 This module must never import torch (the router starts in well under a second).
@@ -54,7 +55,14 @@ from router.pool import Pool, Replicas
 from router.prompt_keys import PromptKeyer, make_keyer, prompt_keys
 from router.relay import ProxyCall
 from router.replica import HealthPolicy, Replica
-from router.response_affinity import RESPONSES_PATH, ResponseAffinity, referenced_response, response_id_for
+from router.response_affinity import (
+    RESPONSES_PATH,
+    ResponseAffinity,
+    batch_home,
+    is_batch_path,
+    referenced_response,
+    response_id_for,
+)
 from router.retry import RetryPolicy
 from router.upstream import Response, UpstreamClient, UpstreamError, fetch
 from server.middleware import route_path
@@ -454,6 +462,8 @@ class RouterApp:
             scope["method"], path, scope.get("query_string", b""), headers, body, request_id, route, parsed
         )
         self._follow_responses(call)
+        if is_batch_path(path):
+            call.route.prefer_url = batch_home(self.pool.candidates(self.clock()))
 
         if generate:
             relay = self._generate

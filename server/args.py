@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from server.config import ServerConfig
 
 DEMO_MODEL_NAME = "ferry-demo"
+DEFAULT_BATCH_CONCURRENCY = 8  # batch requests at once in `ferry serve`: a modest share of the engine
 
 
 def _bool_flag(p: argparse.ArgumentParser, name: str, default: bool, help: str) -> None:
@@ -105,6 +106,25 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=1,
         help="API server processes in front of one engine process (more than 1: HTTP work of a burst "
         "runs in parallel and off the engine's process; 1: one process, the engine on a thread)",
+    )
+    p.add_argument(
+        "--batch-dir",
+        default=None,
+        help="where the Files and Batches API keep uploaded files, batch records and results "
+        "(default: a temporary directory of this replica, removed when it stops)",
+    )
+    p.add_argument(
+        "--max-batch-concurrency",
+        type=int,
+        default=None,
+        help="requests of batches (/v1/batches) running at once, all batches together (default 8; "
+        "`ferry run-batch`: --max-num-seqs)",
+    )
+    p.add_argument(
+        "--max-file-bytes",
+        type=int,
+        default=100 * 1024 * 1024,
+        help="larger /v1/files uploads get 413 (default 100 MiB)",
     )
     p.add_argument(
         "--responses-store",
@@ -349,6 +369,9 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         max_queued_requests=args.max_queued_requests,
         request_timeout=args.request_timeout,
         max_request_bytes=args.max_request_bytes,
+        batch_dir=args.batch_dir,
+        max_batch_concurrency=args.max_batch_concurrency or DEFAULT_BATCH_CONCURRENCY,
+        max_file_bytes=args.max_file_bytes,
         drain_timeout=args.drain_timeout,
         register=args.register,
         advertise_url=args.advertise_url,
