@@ -12,12 +12,14 @@ in OpenAI's error shape.
 from __future__ import annotations
 
 import asyncio
-import re
 from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.formparsers import MultiPartException
 
 from server.batch_jobs import BatchJobs
 from server.batch_lines import BATCH_URLS, input_lines, parse_line
@@ -42,28 +44,6 @@ class BatchCreateRequest(BaseModel):
     metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = (
         Field(default=None, max_length=16)
     )
-
-
-def _form_parts(content_type: str, body: bytes) -> dict[str, tuple[str | None, bytes]]:
-    """``multipart/form-data`` fields by name: (filename or None, bytes)."""
-    match = re.search(r'boundary="?([^";]+)"?', content_type)
-    if not content_type.lower().startswith("multipart/form-data") or match is None:
-        raise bad_request("Upload a file as multipart/form-data with the fields 'file' and 'purpose'.")
-    delimiter = b"--" + match.group(1).encode("latin-1")
-    fields: dict[str, tuple[str | None, bytes]] = {}
-    for part in body.split(delimiter)[1:]:
-        if part.startswith(b"--"):  # the closing delimiter
-            break
-        head, sep, data = part.partition(b"\r\n\r\n")
-        if not sep:
-            raise bad_request("The multipart body is malformed.")
-        headers = head.decode("utf-8", "replace")
-        name = re.search(r'\bname="([^"]*)"', headers)
-        filename = re.search(r'\bfilename="([^"]*)"', headers)
-        if name is not None:
-            value = data[:-2] if data.endswith(b"\r\n") else data
-            fields[name.group(1)] = (filename.group(1) if filename else None, value)
-    return fields
 
 
 def check_batch_file(text: str, urls: tuple[str, ...] = BATCH_URLS) -> list[str]:
@@ -95,13 +75,34 @@ def _found(value: T | None, kind: str, object_id: str | None) -> T:
     return value
 
 
+async def _form_fields(request: Request) -> dict[str, tuple[str | None, bytes]]:
+    """An upload's ``multipart/form-data`` fields by name: (filename or None for a plain field,
+    bytes), parsed by Starlette's form parser (python-multipart); 400 when it is not one."""
+    if not request.headers.get("content-type", "").lower().startswith("multipart/form-data"):
+        raise bad_request("Upload a file as multipart/form-data with the fields 'file' and 'purpose'.")
+    try:
+        form = await request.form(max_files=1, max_fields=16)
+    except (MultiPartException, StarletteHTTPException) as e:
+        detail = getattr(e, "message", None) or getattr(e, "detail", None) or str(e)
+        raise bad_request(f"The multipart body is malformed: {detail}") from None
+    try:
+        fields: dict[str, tuple[str | None, bytes]] = {}
+        for name, value in form.multi_items():
+            if isinstance(value, UploadFile):
+                fields[name] = (value.filename or "", await value.read())
+            else:
+                fields[name] = (None, value.encode())
+        return fields
+    finally:
+        await form.close()
+
+
 def add_batch_routes(app: FastAPI, jobs: BatchJobs) -> None:
     store = jobs.store
 
     @app.post("/v1/files", responses=_ERRORS)
     async def upload_file(request: Request) -> Any:
-        body = request.scope.get("state", {}).get("body") or await request.body()
-        fields = _form_parts(request.headers.get("content-type", ""), body)
+        fields = await _form_fields(request)
         purpose = fields.get("purpose", (None, b""))[1].decode("utf-8", "replace")
         if "file" not in fields or fields["file"][0] is None:
             raise bad_request("The upload has no 'file' field.", param="file")
