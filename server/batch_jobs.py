@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from server.batch_lines import AppCaller, Progress, run_lines
-from server.batch_store import BatchStore
+from server.batch_store import ALIVE_EVERY_S, BatchStore, batch_errors
 
 logger = logging.getLogger("ferry.batch")
 
@@ -71,6 +71,7 @@ class BatchJobs:
             "request_counts": {"total": len(lines), "completed": 0, "failed": 0},
             "metadata": metadata,
         }
+        self.store.touch_alive(record["id"])
         self.store.save_batch(record)
         gone = asyncio.Event()
         task = asyncio.ensure_future(self._run(dict(record), lines, gone))
@@ -135,14 +136,14 @@ class BatchJobs:
             record.update(
                 status="failed",
                 failed_at=int(time.time()),
-                errors=_errors("server_shutdown", "The server stopped before the batch finished."),
+                errors=batch_errors("server_shutdown", "The server stopped before the batch finished."),
             )
             self._count(record, counts)
             raise
         except Exception as e:  # a bug: the batch fails, the server goes on
             logger.exception("batch %s failed", record["id"])
             record.update(
-                status="failed", failed_at=int(time.time()), errors=_errors("internal_error", str(e))
+                status="failed", failed_at=int(time.time()), errors=batch_errors("internal_error", str(e))
             )
         finally:
             watch.cancel()
@@ -150,9 +151,14 @@ class BatchJobs:
             logger.info("batch %s: %s", record["id"], record["status"])
 
     async def _watch(self, record: dict[str, Any], counts: _Counts, gone: asyncio.Event) -> None:
-        """Save the counts as they change; pass on a cancel request written by any process."""
+        """Save the counts as they change; pass on a cancel request written by any process; say
+        that this process still runs the batch (``BatchStore.touch_alive``)."""
+        touched = time.monotonic()
         while True:
             await asyncio.sleep(POLL_S)
+            if time.monotonic() - touched >= ALIVE_EVERY_S:
+                self.store.touch_alive(record["id"])
+                touched = time.monotonic()
             if not gone.is_set() and self.store.cancel_requested(record["id"]) is not None:
                 gone.set()
             if self._count(record, counts):
@@ -174,7 +180,3 @@ class BatchJobs:
                 data = "".join(json.dumps(line) + "\n" for line in group).encode()
                 name = f"{record['id']}_{suffix}.jsonl"
                 record[key] = self.store.add_file(data, name, "batch_output")["id"]
-
-
-def _errors(code: str, message: str) -> dict[str, Any]:
-    return {"object": "list", "data": [{"code": code, "message": message, "param": None, "line": None}]}

@@ -3,6 +3,7 @@
 ```
 files/{file_id}.json     the file object (OpenAI's shape)      files/{file_id}.data   its bytes
 batches/{batch_id}.json  the batch object                     batches/{batch_id}.cancel  a cancel request
+                                                               batches/{batch_id}.alive   touched while it runs
 ```
 
 The disk is the only truth (nothing is cached in memory), so every API server process of a replica
@@ -32,6 +33,12 @@ _FILE_ID = re.compile(r"^file-[0-9a-f]{32}$")
 _BATCH_ID = re.compile(r"^batch_[0-9a-f]{32}$")
 # Batch states a cancel request turns into "cancelling" (later ones are past cancelling).
 CANCELLABLE = ("validating", "in_progress")
+RUNNING = (*CANCELLABLE, "finalizing")
+# A running batch's process touches its ``.alive`` file every ``ALIVE_EVERY_S``; a record that says
+# it runs while that file is older than ``ALIVE_STALE_S`` belongs to a process that died (kill -9,
+# OOM, a host gone): it reads as failed (``owner_lost``).
+ALIVE_EVERY_S = 1.0
+ALIVE_STALE_S = 15.0
 TERMINAL = ("completed", "failed", "cancelled", "expired")
 
 
@@ -169,6 +176,17 @@ class BatchStore:
         record = _read_json(path) if path else None
         if record is None:
             return None
+        if record["status"] in RUNNING:
+            alive_at = self.alive_at(batch_id)
+            if alive_at is None or time.time() - alive_at > ALIVE_STALE_S:
+                return {
+                    **record,
+                    "status": "failed",
+                    "failed_at": int(alive_at or record["created_at"]),
+                    "errors": batch_errors(
+                        "owner_lost", "The server process running this batch stopped before it finished."
+                    ),
+                }
         cancelled_at = self.cancel_requested(batch_id)
         if cancelled_at is not None and record["status"] in CANCELLABLE:
             record["status"] = "cancelling"
@@ -185,6 +203,19 @@ class BatchStore:
         records = [self._batch_record(p.stem) for p in (self.root / "batches").glob("batch_*.json")]
         return sorted((r for r in records if r), key=lambda r: r["_order"])
 
+    def touch_alive(self, batch_id: str) -> None:
+        """The running process says it still runs the batch (see ``ALIVE_STALE_S``)."""
+        path = self._batch_path(batch_id, ".alive")
+        assert path is not None, batch_id
+        path.touch()
+
+    def alive_at(self, batch_id: str) -> float | None:
+        path = self._batch_path(batch_id, ".alive")
+        try:
+            return path.stat().st_mtime if path is not None else None
+        except OSError:
+            return None
+
     def request_cancel(self, batch_id: str) -> None:
         path = self._batch_path(batch_id, ".cancel")
         if path is not None and not path.exists():
@@ -197,3 +228,8 @@ class BatchStore:
             return int(path.read_bytes()) if path is not None else None
         except (OSError, ValueError):
             return None
+
+
+def batch_errors(code: str, message: str) -> dict[str, Any]:
+    """A batch record's ``errors`` (OpenAI's list shape) holding one error."""
+    return {"object": "list", "data": [{"code": code, "message": message, "param": None, "line": None}]}

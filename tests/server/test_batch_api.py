@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import threading
 import time
 
 import httpx
 import openai
 import pytest
+
+from server.batch_store import ALIVE_STALE_S, BatchStore
 
 KEY = "sk-batch-test"
 CONCURRENCY = 2
@@ -289,3 +292,48 @@ def test_a_batch_running_at_shutdown_ends_failed(tiny_llama, server_process, ser
     assert record["status"] == "failed" and record["failed_at"] is not None
     assert record["errors"]["data"][0]["code"] == "server_shutdown"
     assert record["request_counts"]["completed"] < 8
+
+
+def test_a_batch_whose_process_died_reads_failed(tiny_llama, server_process, serve_logs, tmp_path) -> None:
+    """kill -9 mid-batch: the record on disk still says in_progress, but its process no longer
+    touches the batch's .alive file, so the next server on the directory reports it failed."""
+    srv = server_process(
+        tiny_llama, ["--batch-dir", str(tmp_path), "--max-batch-concurrency", "1"], serve_logs
+    )
+    client = _client(srv.start().url)
+    lines = [_chat(f"r{i}", "x", max_tokens=500, ignore_eos=True) for i in range(4)]
+    batch = client.batches.create(
+        input_file_id=_upload(client, _jsonl(*lines)).id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+    )
+    deadline = time.monotonic() + 30
+    while client.batches.retrieve(batch.id).status != "in_progress":
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    srv.proc.kill()
+    srv.stop()
+    assert json.loads((tmp_path / "batches" / f"{batch.id}.json").read_text())["status"] == "in_progress"
+    alive = tmp_path / "batches" / f"{batch.id}.alive"
+    os.utime(alive, (time.time() - 60, time.time() - 60))  # as if it had died a minute ago
+    again = server_process(tiny_llama, ["--batch-dir", str(tmp_path)], serve_logs)
+    try:
+        found = _client(again.start().url).batches.retrieve(batch.id)
+        assert found.status == "failed" and found.errors.data[0].code == "owner_lost"
+        assert found.failed_at == int(alive.stat().st_mtime)
+    finally:
+        again.stop()
+
+
+def test_liveness_of_running_batches(tmp_path) -> None:
+    store = BatchStore(str(tmp_path))
+    record = {"id": store.new_batch_id(), "status": "in_progress", "created_at": 100, "request_counts": {}}
+    store.save_batch(record)
+    assert store.batch(record["id"])["status"] == "failed"  # never touched: no process runs it
+    store.touch_alive(record["id"])
+    assert store.batch(record["id"])["status"] == "in_progress"
+    stale = time.time() - ALIVE_STALE_S - 1
+    os.utime(tmp_path / "batches" / f"{record['id']}.alive", (stale, stale))
+    assert store.batch(record["id"])["status"] == "failed"
+    store.save_batch({**record, "status": "completed"})  # ended: liveness no longer matters
+    assert store.batch(record["id"])["status"] == "completed"
