@@ -268,14 +268,13 @@ def test_refusals(client, replica) -> None:
     assert client.files.retrieve(upload.id).id == upload.id
 
 
-def test_a_batch_running_at_shutdown_ends_failed(tiny_llama, server_process, serve_logs, tmp_path) -> None:
-    """SIGTERM stops running batches at once (their requests aborted, the drain not held up by
-    them); with --batch-dir the record stays on disk, saying so."""
+def _running_batch(tiny_llama, server_process, serve_logs, tmp_path, n: int):
+    """A server on ``tmp_path`` running a batch of ``n`` long requests, one at a time."""
     srv = server_process(
         tiny_llama, ["--batch-dir", str(tmp_path), "--max-batch-concurrency", "1"], serve_logs
     )
     client = _client(srv.start().url)
-    lines = [_chat(f"r{i}", "x", max_tokens=500, ignore_eos=True) for i in range(8)]
+    lines = [_chat(f"r{i}", "x", max_tokens=500, ignore_eos=True) for i in range(n)]
     batch = client.batches.create(
         input_file_id=_upload(client, _jsonl(*lines)).id,
         endpoint="/v1/chat/completions",
@@ -285,6 +284,13 @@ def test_a_batch_running_at_shutdown_ends_failed(tiny_llama, server_process, ser
     while client.batches.retrieve(batch.id).status != "in_progress":
         assert time.monotonic() < deadline
         time.sleep(0.02)
+    return srv, batch
+
+
+def test_a_batch_running_at_shutdown_ends_failed(tiny_llama, server_process, serve_logs, tmp_path) -> None:
+    """SIGTERM stops running batches at once (their requests aborted, the drain not held up by
+    them); with --batch-dir the record stays on disk, saying so."""
+    srv, batch = _running_batch(tiny_llama, server_process, serve_logs, tmp_path, 8)
     started = time.monotonic()
     assert srv.stop() == 0
     assert time.monotonic() - started < 10
@@ -297,20 +303,7 @@ def test_a_batch_running_at_shutdown_ends_failed(tiny_llama, server_process, ser
 def test_a_batch_whose_process_died_reads_failed(tiny_llama, server_process, serve_logs, tmp_path) -> None:
     """kill -9 mid-batch: the record on disk still says in_progress, but its process no longer
     touches the batch's .alive file, so the next server on the directory reports it failed."""
-    srv = server_process(
-        tiny_llama, ["--batch-dir", str(tmp_path), "--max-batch-concurrency", "1"], serve_logs
-    )
-    client = _client(srv.start().url)
-    lines = [_chat(f"r{i}", "x", max_tokens=500, ignore_eos=True) for i in range(4)]
-    batch = client.batches.create(
-        input_file_id=_upload(client, _jsonl(*lines)).id,
-        endpoint="/v1/chat/completions",
-        completion_window="24h",
-    )
-    deadline = time.monotonic() + 30
-    while client.batches.retrieve(batch.id).status != "in_progress":
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    srv, batch = _running_batch(tiny_llama, server_process, serve_logs, tmp_path, 4)
     srv.proc.kill()
     srv.stop()
     assert json.loads((tmp_path / "batches" / f"{batch.id}.json").read_text())["status"] == "in_progress"
