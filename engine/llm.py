@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any
 
@@ -28,6 +28,14 @@ from engine.sequence import Request
 from engine.tokenizer import Tokenizer
 
 Prompt = str | list[int]
+
+
+@dataclass(frozen=True)
+class ImagePrompt:
+    """A prompt with images (vLLM's ``{"prompt": …, "multi_modal_data": {"image": …}}``)."""
+
+    prompt: Prompt
+    images: tuple[Any, ...]
 
 
 class LLM:
@@ -90,7 +98,7 @@ class LLM:
         ``use_tqdm`` is accepted for vLLM's callers and shows nothing."""
         if self.closed:
             raise RuntimeError("this LLM is closed")
-        prompt_list = _as_prompt_list(prompts)
+        prompt_list = _as_prompt_list(prompts, images=True)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -112,13 +120,21 @@ class LLM:
         groups: list[list] = []
         for prompt, params, lora, prio in zip(prompt_list, params_list, lora_list, priorities, strict=True):
             params.validate()
+            images: list[Any] = []
+            if isinstance(prompt, ImagePrompt):
+                prompt, images = prompt.prompt, list(prompt.images)
             children = []
             for i in range(params.n):
                 seed = None if params.seed is None else params.seed + i
                 child = replace(params, n=1, seed=seed)
                 children.append(
                     engine.make_request(
-                        f"llm-{next(self._ids)}", prompt, child, lora_request=lora, priority=prio
+                        f"llm-{next(self._ids)}",
+                        prompt,
+                        child,
+                        lora_request=lora,
+                        priority=prio,
+                        images=images,
                     )
                 )
             groups.append(children)
@@ -325,26 +341,36 @@ class LLM:
         return reqs
 
 
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt], images: bool = False) -> list[Prompt]:
     """Prompts as the engine takes them: text or token ids, also given as vLLM's prompt dicts
-    (``{"prompt": text}``, ``{"prompt_token_ids": ids}``)."""
+    (``{"prompt": text}``, ``{"prompt_token_ids": ids}``, either with ``"multi_modal_data":
+    {"image": PIL image or list}`` where ``images`` allows it: then an ``ImagePrompt``)."""
     if isinstance(prompts, (str, Mapping)):
         prompts = [prompts]  # type: ignore[list-item]
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # one token-id prompt
-    return [_unwrap(p) for p in prompts]
+    return [_unwrap(p, images) for p in prompts]
 
 
-def _unwrap(prompt: object) -> Prompt:
+def _unwrap(prompt: object, images: bool) -> Prompt:
     if not isinstance(prompt, Mapping):
         return prompt  # type: ignore[return-value]
-    keys = set(prompt)
+    keys = set(prompt) - {"multi_modal_data"}
     if keys == {"prompt"} and isinstance(prompt["prompt"], str):
-        return prompt["prompt"]
-    if keys == {"prompt_token_ids"}:
-        return list(prompt["prompt_token_ids"])
-    raise ValueError(
-        f"a prompt dict takes 'prompt' (text) or 'prompt_token_ids' alone, got {sorted(keys)}"
-        " (this engine reads text only)"
-    )
+        text: Prompt = prompt["prompt"]
+    elif keys == {"prompt_token_ids"}:
+        text = list(prompt["prompt_token_ids"])
+    else:
+        raise ValueError(
+            f"a prompt dict takes 'prompt' (text) or 'prompt_token_ids' (and 'multi_modal_data'), got {sorted(keys)}"
+        )
+    if "multi_modal_data" not in prompt:
+        return text
+    if not images:
+        raise ValueError("multi_modal_data is taken by LLM.generate only")
+    data = prompt["multi_modal_data"]
+    if not isinstance(data, Mapping) or set(data) - {"image"}:
+        raise ValueError("multi_modal_data takes 'image': a PIL image or a list of them")
+    given = data.get("image", [])
+    return ImagePrompt(text, tuple(given) if isinstance(given, (list, tuple)) else (given,))  # type: ignore[return-value]
