@@ -115,6 +115,7 @@ class AsyncEngine:
         lora_request: LoRARequest | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        images: list[Any] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream DELTA outputs of one request; the last has ``finished=True`` (and, for a
         ``pooling`` request, the ``embedding``).
@@ -142,6 +143,7 @@ class AsyncEngine:
             lora_request=lora_request,
             priority=priority,
             cache_salt=cache_salt,
+            images=images,
         )
         finished = False
         try:
@@ -171,6 +173,7 @@ class AsyncEngine:
         lora_request: LoRARequest | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        images: list[Any] | None = None,
     ) -> None:
         """Submit a request whose outputs go to ``sink``, called on this event loop: each step's
         DELTA output (the last has ``finished=True``), or an ``EngineDeadError`` if the loop dies.
@@ -198,6 +201,7 @@ class AsyncEngine:
             lora_request=lora_request,
             priority=priority,
             cache_salt=cache_salt,
+            images=images,
         )
         loop = asyncio.get_running_loop()
         streams = self._streams

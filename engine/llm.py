@@ -15,6 +15,7 @@ from engine.classifier import ClassifierInfo, pair_prompt
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.lora_request import LoRARequest
+from engine.media import MediaOptions, load_image, message_image_parts
 from engine.outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
@@ -219,8 +220,10 @@ class LLM:
         """Generate replies to one conversation (a list of messages) or several (a list of them),
         as vLLM's ``LLM.chat``: each rendered with the model's chat template (or ``chat_template``,
         a template's text or the name of one of the model's), as ``/v1/chat/completions`` renders
-        it, then generated as ``generate`` does. Raises ``ChatTemplateError`` (a ValueError) for
-        messages the template cannot take."""
+        it, then generated as ``generate`` does. A vision-language model takes image parts too:
+        ``image_url`` with a data: or http(s) URL, or ``{"type": "image_pil", "image_pil": image}``.
+        Raises ``ChatTemplateError`` (a ValueError) for messages the template cannot take, and
+        ``MediaError`` (a ValueError) for an image that cannot be read."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         kwargs = dict(chat_template_kwargs or {})
         if chat_template is not None:
@@ -229,6 +232,9 @@ class LLM:
             kwargs["continue_final_message"] = True
         prompts: list[Prompt] = []
         for conversation in conversations:
+            # Image parts (data: or http(s) URLs, or PIL images as "image_pil") are read first, so a
+            # bad one fails before anything runs.
+            images = [load_image(src, MediaOptions()) for src in message_image_parts(conversation)]
             text = self.tokenizer.apply_chat_template(
                 [template_message(m) for m in conversation],  # type: ignore[arg-type]
                 add_generation_prompt=add_generation_prompt,
@@ -236,7 +242,8 @@ class LLM:
                 **kwargs,
             )
             # The template holds every special token: none are added (as the server encodes it).
-            prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            prompts.append(ImagePrompt(ids, tuple(images)) if images else ids)  # type: ignore[arg-type]
         return self.generate(prompts, sampling_params, lora_request)
 
     def embed(self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = False) -> list[list[float]]:
