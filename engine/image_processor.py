@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from engine.multimodal import ImageInput, ImageSpec, expand_image_tokens, image_runs
+from engine.multimodal import ImageInput, ImageSpec, expand_image_tokens, image_offsets
 from kvcache.keys import DIGEST_SIZE
 
 # Images one request may carry (an engine-side bound; the server's --limit-mm-per-prompt is
@@ -56,9 +56,8 @@ class ImageProcessor:
         except Exception as e:  # the processor's own checks (channels, sizes…)
             raise ValueError(f"the image could not be processed: {type(e).__name__}: {e}") from None
         inputs = []
-        for (offset, length), pixel_values in zip(
-            image_runs(ids, self.spec.image_token_id), pixels, strict=True
-        ):
+        length = self.spec.tokens_per_image
+        for offset, pixel_values in zip(image_offsets(ids, self.spec), pixels, strict=True):
             pv = pixel_values.unsqueeze(0).contiguous()
             inputs.append(ImageInput(offset, length, pv, pixel_digest(pv)))
         return ids, inputs

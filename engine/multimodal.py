@@ -38,45 +38,46 @@ class ImageInput:
     digest: bytes  # content hash of the pixels: keys the KV blocks it touches
 
 
-def image_runs(ids: list[int], image_token_id: int) -> list[tuple[int, int]]:
-    """(first position, length) of each run of consecutive image tokens in ``ids``."""
-    runs: list[tuple[int, int]] = []
-    i, n = 0, len(ids)
+def image_offsets(ids: list[int], spec: ImageSpec) -> list[int]:
+    """The first position of each image's placeholder run in expanded ``ids`` (adjacent images'
+    runs touch: a run of k * tokens_per_image image tokens is k images)."""
+    offsets: list[int] = []
+    i, n, size = 0, len(ids), spec.tokens_per_image
     while i < n:
-        if ids[i] == image_token_id:
+        if ids[i] == spec.image_token_id:
             j = i
-            while j < n and ids[j] == image_token_id:
+            while j < n and ids[j] == spec.image_token_id:
                 j += 1
-            runs.append((i, j - i))
+            if (j - i) % size:
+                raise ValueError(
+                    f"a run of {j - i} {spec.image_token} tokens is not whole images of {size} tokens each"
+                )
+            offsets.extend(range(i, j, size))
             i = j
         else:
             i += 1
-    return runs
+    return offsets
 
 
 def expand_image_tokens(ids: list[int], spec: ImageSpec, num_images: int) -> list[int]:
-    """``ids`` with each single image token expanded to the image's placeholder run. Raises
-    ValueError unless the prompt holds exactly ``num_images`` image tokens (or expanded runs)."""
-    runs = image_runs(ids, spec.image_token_id)
-    if len(runs) != num_images:
+    """``ids`` with each image token expanded to an image's placeholder run (kept as they are when
+    already expanded). Raises ValueError unless the prompt holds ``num_images`` image tokens (or
+    that many expanded runs)."""
+    count = ids.count(spec.image_token_id)
+    if count == num_images * spec.tokens_per_image:
+        image_offsets(ids, spec)  # checks that the runs are whole images
+        return list(ids)
+    if count != num_images:
         raise ValueError(
-            f"the prompt has {len(runs)} image placeholders ({spec.image_token}) but {num_images} "
+            f"the prompt has {count} image placeholders ({spec.image_token}) but {num_images} "
             f"image{'s were' if num_images != 1 else ' was'} given"
         )
-    if all(length == spec.tokens_per_image for _, length in runs):
-        return list(ids)
-    if any(length != 1 for _, length in runs):
-        raise ValueError(
-            f"each image takes one {spec.image_token} token in the prompt (or a run of "
-            f"{spec.tokens_per_image}, already expanded)"
-        )
     out: list[int] = []
-    last = 0
-    for first, _ in runs:
-        out.extend(ids[last:first])
-        out.extend([spec.image_token_id] * spec.tokens_per_image)
-        last = first + 1
-    out.extend(ids[last:])
+    for token in ids:
+        if token == spec.image_token_id:
+            out.extend([token] * spec.tokens_per_image)
+        else:
+            out.append(token)
     return out
 
 

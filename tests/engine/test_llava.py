@@ -53,6 +53,7 @@ CASES = {
     "one image": ("<image>\nwhat is in this picture?", [0]),
     "two images": ("compare <image> with <image> please", [1, 2]),
     "image mid-prompt": ("def f(x):\n    return x  # <image> and then some more text after it", [3]),
+    "adjacent images": ("<image><image> two at once", [4, 5]),
 }
 
 
@@ -75,6 +76,9 @@ def test_info_and_expansion(llm: LLM) -> None:
     assert expand_image_tokens(expanded, spec, 1) == expanded
     with pytest.raises(ValueError, match="2 image placeholders"):
         expand_image_tokens([IMAGE_ID, 1, IMAGE_ID], spec, 1)
+    assert expand_image_tokens([IMAGE_ID, IMAGE_ID], spec, 2) == [IMAGE_ID] * 32  # adjacent images
+    with pytest.raises(ValueError, match="not whole images"):
+        expand_image_tokens([IMAGE_ID] * 8 + [1] + [IMAGE_ID] * 24, spec, 2)
     with pytest.raises(ValueError, match="1 image placeholders"):
         llm.generate("a <image> b", PARAMS)
 
