@@ -23,21 +23,24 @@ def image_sources(messages: Sequence[Any] | None) -> list[str]:
     return [url for message in messages or () for url in message.image_urls]
 
 
-def check_images(state: ServerState, count: int) -> None:
-    """400 unless this model takes ``count`` images in one prompt."""
-    if count and state.limits.image is None:
+def check_images(state: ServerState, messages: Sequence[Any] | None) -> list[str]:
+    """The messages' image URLs; 400 unless this model takes that many images in one prompt."""
+    sources = image_sources(messages)
+    if sources and state.limits.image is None:
+        first = next(i for i, m in enumerate(messages or ()) if m.image_urls)
         raise bad_request(
-            "image content parts are not supported: this model takes text only", param="messages"
+            "image content parts are not supported: this model takes text only", param=f"messages.{first}"
         )
     try:
-        check_image_count(count, state.config.media)
+        check_image_count(len(sources), state.config.media)
     except MediaError as e:
         raise bad_request(str(e), param="messages") from None
+    return sources
 
 
-async def load_images(state: ServerState, sources: list[str]) -> list[Any]:
-    """The decoded images (fetched concurrently), or a 400 naming the first that failed."""
-    check_images(state, len(sources))
+async def load_images(state: ServerState, messages: Sequence[Any] | None) -> list[Any]:
+    """The messages' decoded images (fetched concurrently), or a 400 naming the first that failed."""
+    sources = check_images(state, messages)
     if not sources:
         return []
     media = state.config.media

@@ -18,7 +18,7 @@ from engine.sampling_params import SamplingParams
 from server.chat_shape import ChoiceShaper, shape_whole
 from server.errors import bad_request
 from server.generation import SequenceRequest, Ticket, block_extra
-from server.images import image_sources, load_images, with_image_runs
+from server.images import load_images, with_image_runs
 from server.logprobs import chat_logprobs, prompt_logprobs_out
 from server.params import (
     beam_search_params,
@@ -191,7 +191,7 @@ async def create_chat_completion(
         apply_request_defaults(req, state.config.http)
     lora = state.check_model(req.model)
     tools = plan_tools(req, state.tool_parser)
-    images = await load_images(state, image_sources(req.messages))
+    images = await load_images(state, req.messages)
     seqs = _plan(state, req, tools, lora, images)
     await compile_constraints(state, seqs, "tools" if tools and tools.constraint else constraint_field(req))
     ticket = state.generation.admit(len(seqs), submitted)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from server.images import check_images, image_sources, with_image_runs
+from server.images import check_images, with_image_runs
 from server.lora import lora_model_cards
 from server.params import chat_prompt, check_token_ids
 from server.protocol import (
@@ -21,8 +21,7 @@ def tokenize(state: ServerState, req: TokenizeRequest) -> TokenizeResponse:
     tok = state.tokenizer
     if req.messages is not None:
         # Image parts count as their placeholder runs (the images themselves are not read).
-        num_images = len(image_sources(req.messages))
-        check_images(state, num_images)
+        num_images = len(check_images(state, req.messages))
         ids = with_image_runs(
             state, chat_prompt(req, tok, state.config.trust_request_chat_template), num_images
         )
