@@ -129,7 +129,9 @@ def test_bad_images_are_400s(llava_server: ServerProcess, origin: str) -> None:
     for name, (url, message) in cases.items():
         with pytest.raises(openai.BadRequestError) as err:
             client.chat.completions.create(
-                model=llava_server.model_name, messages=image_message(url), max_tokens=2  # type: ignore[arg-type]
+                model=llava_server.model_name,
+                messages=image_message(url),
+                max_tokens=2,  # type: ignore[arg-type]
             )
         assert err.value.status_code == 400, name
         body = err.value.body
@@ -143,7 +145,9 @@ def test_bad_images_are_400s(llava_server: ServerProcess, origin: str) -> None:
     assert "3 images, more than the 2 allowed" in r.json()["error"]["message"]
     # The replica still serves.
     ok = client.chat.completions.create(
-        model=llava_server.model_name, messages=image_message(data_url(png(2))), max_tokens=2  # type: ignore[arg-type]
+        model=llava_server.model_name,
+        messages=image_message(data_url(png(2))),
+        max_tokens=2,  # type: ignore[arg-type]
     )
     assert ok.choices[0].finish_reason == "length"
 
@@ -158,3 +162,46 @@ def test_text_only_model_refuses_image_parts(server: ServerProcess) -> None:
     error = r.json()["error"]
     assert "this model takes text only" in error["message"]
     assert set(error) >= {"message", "type", "param", "code"}
+
+
+def test_responses_and_messages_take_images(tiny_llava: Path, llava_server: ServerProcess) -> None:
+    """The Responses API's ``input_image`` and Anthropic's base64 ``image`` block reach the model as
+    a chat ``image_url`` part does: the same prompt (usage) and the same greedy answer."""
+    import anthropic
+
+    image = png(5)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    offline = {"type": "image_pil", "image_pil": Image.open(io.BytesIO(image))}
+    want = LLM(str(tiny_llava), num_kv_blocks=64).chat(
+        [{"role": "user", "content": [offline, QUESTION]}], params
+    )[0]
+    client = openai.OpenAI(base_url=llava_server.url + "/v1", api_key="x")
+    content = [
+        {"type": "input_image", "image_url": data_url(image)},
+        {"type": "input_text", "text": "what is this?"},
+    ]
+    r = client.responses.create(
+        model=llava_server.model_name,
+        input=[{"role": "user", "content": content}],  # type: ignore[list-item]
+        max_output_tokens=8,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+        store=False,
+    )
+    assert r.output_text == want.outputs[0].text
+    assert r.usage is not None and r.usage.input_tokens == len(want.prompt_token_ids)
+    block = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(image).decode()}
+    messages = [{"role": "user", "content": [{"type": "image", "source": block}, QUESTION]}]
+    claude = anthropic.Anthropic(base_url=llava_server.url, api_key="x", max_retries=0)
+    m = claude.messages.create(
+        model=llava_server.model_name,
+        max_tokens=8,
+        messages=messages,  # type: ignore[arg-type]
+        extra_body={"ignore_eos": True, "temperature": 0},
+    )
+    assert m.content[0].text == want.outputs[0].text  # type: ignore[union-attr]
+    # The same image and text as the Responses request: its two full blocks come from the cache.
+    assert m.usage.cache_read_input_tokens == 32
+    assert m.usage.input_tokens + 32 == len(want.prompt_token_ids)
+    counted = claude.messages.count_tokens(model=llava_server.model_name, messages=messages)  # type: ignore[arg-type]
+    assert counted.input_tokens == len(want.prompt_token_ids)
