@@ -349,11 +349,26 @@ def _gemma3_text_config(raw: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
+# LlamaConfig's defaults (LLaVA's default text model), for text_configs that leave them out.
+_LLAMA_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+}
+
+
 def _llava_config(raw: dict[str, Any]) -> tuple[dict[str, Any], VisionConfig]:
     """A LLaVA checkpoint's language model config (its ``text_config``, LlavaConfig's Llama default
     when absent) and its image side, with LlavaConfig's defaults."""
     text = dict(raw.get("text_config") or {})
     text.setdefault("model_type", "llama")
+    if text["model_type"] == "llama":  # the hub's llava-1.5 configs write only what differs from these
+        text = {**_LLAMA_DEFAULTS, **text}
     top = {k: raw[k] for k in ("architectures", "dtype", "torch_dtype", "quantization_config") if k in raw}
     layer = raw.get("vision_feature_layer", -2)
     vision = VisionConfig(

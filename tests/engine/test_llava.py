@@ -170,3 +170,27 @@ def test_partial_block_with_an_image(tiny_llava: Path) -> None:
     ]
     assert same.outputs[0].token_ids == want.outputs[0].token_ids
     llm.engine.block_manager.check_integrity()
+
+
+def test_feature_layers_and_full_strategy(tmp_path: Path) -> None:
+    """``vision_feature_layer`` as a list (hidden states concatenated) and the ``full`` strategy
+    (CLS row kept: 17 tokens per image) follow transformers."""
+    from engine.demo import build_llava
+
+    path = build_llava(
+        tmp_path / "llava_full", seed=25, vision_feature_layer=[-3, -1], vision_feature_select_strategy="full"
+    )
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    hf = (
+        LlavaForConditionalGeneration.from_pretrained(str(path)).eval(),
+        AutoProcessor.from_pretrained(str(path)),
+    )
+    text = "first <image> then <image> end"
+    images = [image(50), image(51, (64, 30))]
+    want_prompt, want = hf_generate(hf, text, images)
+    llm = LLM(str(path), num_kv_blocks=32, block_size=8, long_prefill_token_threshold=7)
+    assert llm.engine.model_info.image.tokens_per_image == 17
+    out = llm.generate({"prompt": text, "multi_modal_data": {"image": images}}, PARAMS)[0]
+    assert out.prompt_token_ids == want_prompt
+    assert out.outputs[0].token_ids == want
