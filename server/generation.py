@@ -215,7 +215,7 @@ class Generation:
                 lora_request=seq.lora.request if seq.lora is not None else None,
                 priority=seq.priority,
                 cache_salt=seq.cache_salt,
-                **({"images": seq.images} if seq.images else {}),
+                images=seq.images,
             )
             try:
                 async for out in gen:
