@@ -127,6 +127,8 @@ class AsyncEngine:
         if params.structured_outputs is not None:
             self._check_alive()
             grammar = await self.compile_structured(params.structured_outputs)
+        if images:
+            images = await self.process_images(images)
         if lora_request is not None:
             self._check_alive()
             await self.load_lora(lora_request)
@@ -230,6 +232,13 @@ class AsyncEngine:
         grammars = self.engine.grammars
         hit = grammars.cached(spec)
         return hit if hit is not None else await asyncio.to_thread(grammars.compile, spec)
+
+    async def process_images(self, images: list[Any]) -> list[Any]:
+        """A request's images made pixel values in a worker thread (engine/image_processor.py:
+        resizing a photo takes tens of ms, which neither loop should wait on); as given for a model
+        that takes no images (``make_request`` refuses them)."""
+        processor = self.engine.image_processor
+        return images if processor is None else await asyncio.to_thread(processor.process, images)
 
     async def load_lora(self, lora_request: LoRARequest) -> ServedLoRA:
         """Have the adapter loaded (ValueError if it cannot run on this model): its files are read

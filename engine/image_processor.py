@@ -11,6 +11,7 @@ expansion of ``<image>`` is what ``tokens_per_image`` is measured from, so the t
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,30 +38,49 @@ class ImageProcessor:
             raise ValueError(f"the model's processor does not expand {token!r} into image tokens")
         self.spec = ImageSpec(token, image_token_id, count)
 
-    def prepare(self, ids: list[int], images: list[Any]) -> tuple[list[int], list[ImageInput]]:
-        """The prompt with each image's placeholder run expanded, and its images' inputs in order;
-        ValueError for a prompt whose placeholders do not match the images, or images the
-        processor cannot take."""
+    def process(self, images: list[Any]) -> list[ProcessedImage]:
+        """PIL images as pixel values and digests (ValueError for what the processor cannot take).
+        The costly part of ``prepare`` (tens of ms for a photo): the async engine runs it off its
+        event loop first."""
         from PIL import Image
 
         if len(images) > MAX_IMAGES_PER_REQUEST:
             raise ValueError(f"{len(images)} images: at most {MAX_IMAGES_PER_REQUEST} per request")
+        if all(isinstance(img, ProcessedImage) for img in images):
+            return list(images)
         for img in images:
             if not isinstance(img, Image.Image):
                 raise ValueError(f"an image must be a PIL.Image, got {type(img).__name__}")
-        ids = expand_image_tokens(ids, self.spec, len(images))
         if not images:
-            return ids, []
+            return []
         try:
             pixels = self.processor.image_processor(images=images, return_tensors="pt")["pixel_values"]
         except Exception as e:  # the processor's own checks (channels, sizes…)
             raise ValueError(f"the image could not be processed: {type(e).__name__}: {e}") from None
-        inputs = []
-        length = self.spec.tokens_per_image
-        for offset, pixel_values in zip(image_offsets(ids, self.spec), pixels, strict=True):
+        out = []
+        for pixel_values in pixels:
             pv = pixel_values.unsqueeze(0).contiguous()
-            inputs.append(ImageInput(offset, length, pv, pixel_digest(pv)))
+            out.append(ProcessedImage(pv, pixel_digest(pv)))
+        return out
+
+    def prepare(self, ids: list[int], images: list[Any]) -> tuple[list[int], list[ImageInput]]:
+        """The prompt with each image's placeholder run expanded, and its images' inputs in order
+        (``images``: PIL images, or what ``process`` made of them); ValueError for a prompt whose
+        placeholders do not match the images, or images the processor cannot take."""
+        ids = expand_image_tokens(ids, self.spec, len(images))
+        processed = self.process(images)
+        length = self.spec.tokens_per_image
+        inputs = [
+            ImageInput(offset, length, image.pixel_values, image.digest)
+            for offset, image in zip(image_offsets(ids, self.spec), processed, strict=True)
+        ]
         return ids, inputs
+
+
+@dataclass(frozen=True)
+class ProcessedImage:
+    pixel_values: torch.Tensor  # [1, channels, height, width]
+    digest: bytes  # pixel_digest
 
 
 def probe_image() -> Any:

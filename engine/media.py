@@ -8,6 +8,7 @@ wrong with which URL; the server answers it with a 400.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 from collections.abc import Mapping, Sequence
@@ -99,8 +100,8 @@ async def aload_image(source: Any, options: MediaOptions) -> Any:
     if not isinstance(source, str):
         return _given_image(source)
     scheme = _scheme(source)
-    if scheme not in ("http", "https"):
-        return _decode(source, _local_bytes(source, scheme, options))
+    if scheme not in ("http", "https"):  # decoding a photo takes tens of ms: off the event loop
+        return await asyncio.to_thread(lambda: _decode(source, _local_bytes(source, scheme, options)))
     import httpx
 
     try:
@@ -115,7 +116,7 @@ async def aload_image(source: Any, options: MediaOptions) -> Any:
                 _check_size(source, len(data), options)
     except httpx.HTTPError as e:
         raise MediaError(f"could not fetch image {_short(source)}: {type(e).__name__}") from None
-    return _decode(source, bytes(data))
+    return await asyncio.to_thread(_decode, source, bytes(data))
 
 
 def _given_image(source: Any) -> Any:

@@ -153,9 +153,11 @@ class EngineHost:
             conn.channel.send(("err", rid, "value", f"request id {rid!r} is already in use"))
             return
         lora = request[5]
-        if request[1].structured_outputs is not None or (
-            lora is not None and self.engine.engine.cached_lora(lora) is None
-        ):  # a constraint to compile, an adapter to read: off this loop first (may take long)
+        if (
+            request[1].structured_outputs is not None
+            or (lora is not None and self.engine.engine.cached_lora(lora) is None)
+            or request[8]
+        ):  # a constraint to compile, an adapter to read, images to process: off this loop first
             conn.requests[rid] = asyncio.ensure_future(self._prepare_then_start(conn, rid, request))
         else:
             conn.requests[rid] = None
@@ -168,6 +170,8 @@ class EngineHost:
                 await self.engine.load_lora(request[5])
             if request[1].structured_outputs is not None:
                 grammar = await self.engine.compile_structured(request[1].structured_outputs)
+            if request[8]:
+                request = (*request[:8], await self.engine.process_images(request[8]))
         except Exception as e:  # noqa: BLE001 - reported to the request (ValueError: not a valid one)
             self._failed(conn, rid, e)
             return

@@ -205,3 +205,29 @@ def test_responses_and_messages_take_images(tiny_llava: Path, llava_server: Serv
     assert m.usage.input_tokens + 32 == len(want.prompt_token_ids)
     counted = claude.messages.count_tokens(model=llava_server.model_name, messages=messages)  # type: ignore[arg-type]
     assert counted.input_tokens == len(want.prompt_token_ids)
+
+
+def test_images_cross_to_the_engine_process(tiny_llava: Path, serve_logs: Path) -> None:
+    """With --api-server-count 2 the images travel to the engine process (and are processed there
+    off its event loop): the same answer as one process gives."""
+    messages = image_message(data_url(png(6)))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    offline = {"type": "image_pil", "image_pil": Image.open(io.BytesIO(png(6)))}
+    want = LLM(str(tiny_llava), num_kv_blocks=64).chat(
+        [{"role": "user", "content": [offline, QUESTION]}], params
+    )[0]
+    srv = ServerProcess(tiny_llava, ["--num-kv-blocks", "64", "--api-server-count", "2"], serve_logs).start()
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x")
+        for _ in range(2):  # both API servers, whichever takes each connection
+            got = client.chat.completions.create(
+                model=srv.model_name,
+                messages=messages,  # type: ignore[arg-type]
+                max_tokens=8,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+            assert got.choices[0].message.content == want.outputs[0].text
+            assert got.usage is not None and got.usage.prompt_tokens == len(want.prompt_token_ids)
+    finally:
+        srv.stop()
