@@ -91,6 +91,7 @@ def build_state(engine: Any, config: ServerConfig) -> ServerState:
         priority_scheduling=getattr(engine_config, "scheduling_policy", "fcfs") == "priority",
         eos_token_ids=tuple(getattr(info, "eos_token_ids", ()) or ()),
         engine_max_logprobs=int(getattr(engine_config, "max_logprobs", MAX_LOGPROBS)),
+        image=getattr(info, "image", None),
     )
     max_loras = engine_config.max_loras if getattr(engine_config, "enable_lora", False) else None
     cache_info = {

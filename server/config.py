@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass
 
+from engine.media import MediaOptions
 from server.protocol import MAX_N
 from server.vllm_flags import HttpOptions
 
@@ -52,6 +53,8 @@ class ServerConfig:
     allow_runtime_lora_updating: bool = False
     # Requests may carry their own chat_template (vLLM's --trust-request-chat-template).
     trust_request_chat_template: bool = False
+    # Image inputs (engine/media.py): --allowed-local-media-path, --limit-mm-per-prompt
+    media: MediaOptions = MediaOptions()
     # CORS, TLS, root path (vLLM's HTTP flags: server/vllm_flags.py)
     http: HttpOptions = HttpOptions()
 

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse
 
 from server.anthropic_protocol import CountTokensRequest, MessagesRequest, error_body
 from server.errors import validated
+from server.images import check_images, with_image_runs
 from server.params import chat_prompt
 from server.protocol import ChatCompletionChunk, ChatCompletionRequest
 from server.serving_chat import ChatChunks, create_chat_completion
@@ -110,7 +111,11 @@ async def create_message(
 
 def count_tokens(state: ServerState, req: CountTokensRequest) -> JSONResponse:
     state.check_model(req.model)
-    ids = chat_prompt(to_chat_request(req), state.tokenizer, state.config.trust_request_chat_template)
+    chat = to_chat_request(req)
+    num_images = len(check_images(state, chat.messages))  # counted as their placeholder runs
+    ids = with_image_runs(
+        state, chat_prompt(chat, state.tokenizer, state.config.trust_request_chat_template), num_images
+    )
     return JSONResponse({"input_tokens": len(ids)})
 
 
