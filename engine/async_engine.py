@@ -20,7 +20,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
@@ -30,6 +30,9 @@ from engine.outputs import RequestOutput, merge_pending
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from engine.sequence import Request
 from engine.stats import EngineStats, ModelInfo
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +110,7 @@ class AsyncEngine:
     async def generate(
         self,
         request_id: str,
-        prompt: str | list[int],
+        prompt: str | list[int] | torch.Tensor,  # a tensor: prompt embeddings
         params: SamplingParams,
         resume_token_ids: list[int] | None = None,
         kv_transfer: dict[str, Any] | None = None,
@@ -164,7 +167,7 @@ class AsyncEngine:
     def start(
         self,
         request_id: str,
-        prompt: str | list[int],
+        prompt: str | list[int] | torch.Tensor,  # a tensor: prompt embeddings
         params: SamplingParams,
         sink: Sink,
         *,

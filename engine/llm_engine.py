@@ -32,6 +32,7 @@ from engine.models.quantized import check_quantization
 from engine.outputs import RequestOutput, merge_deltas
 from engine.pooler import needs_every_row, resolve_pooling_type
 from engine.postprocess import Postprocessor
+from engine.prompt_embeds import prompt_embeds_input
 from engine.sampler import Sampler, SamplerOutput, SamplingRow
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
@@ -198,7 +199,7 @@ class LLMEngine:
     def make_request(
         self,
         request_id: str,
-        prompt: str | list[int],
+        prompt: str | list[int] | torch.Tensor,
         params: SamplingParams,
         *,
         resume_token_ids: list[int] | None = None,
@@ -211,6 +212,10 @@ class LLMEngine:
         images: list[Any] | None = None,
     ) -> Request:
         """Validate and build a request (raises ValueError for bad input); does not queue it.
+
+        ``prompt``: text, token ids, or (with ``enable_prompt_embeds``) the prompt's input embeddings,
+        a tensor ``[seq_len, hidden]`` (``engine/prompt_embeds.py``): its token ids are then
+        ``seq_len`` placeholders, and it takes neither images nor prompt logprobs.
 
         ``images``: PIL images for a vision-language model, one per image token of the prompt (in
         order); each image token becomes the image's placeholder run (``engine/image_processor.py``).
@@ -249,14 +254,18 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise ValueError("the prompt is empty")
         image_inputs = []
-        if self.image_processor is not None:
-            ids, image_inputs = self.image_processor.prepare(ids, list(images or []))
-        elif images:
-            raise ValueError(f"this model ({self.model_config.architecture}) takes text only, not images")
+        if isinstance(prompt, torch.Tensor):
+            ids, embeds = self._prompt_embeds(prompt, params, images)
+            image_inputs = [embeds]
+        else:
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            if not ids:
+                raise ValueError("the prompt is empty")
+            if self.image_processor is not None:
+                ids, image_inputs = self.image_processor.prepare(ids, list(images or []))
+            elif images:
+                raise ValueError(f"this model ({self.model_config.architecture}) takes text only, not images")
         resumed = list(resume_token_ids or [])
         extra = [
             *(params.allowed_token_ids or ()),
@@ -321,7 +330,10 @@ class LLMEngine:
             if not isinstance(cache_salt, str) or not cache_salt:
                 raise ValueError("cache_salt must be a non-empty string")
             req.block_extra += salt_extra(cache_salt)
-        req.detokenizer = IncrementalDetokenizer(self.tokenizer, params, ids)
+        if isinstance(prompt, torch.Tensor):
+            req.prompt_embeds, req.penalty_prompt_ids = True, []
+        # Placeholders are no text to continue from: a prompt given as embeddings gives no context.
+        req.detokenizer = IncrementalDetokenizer(self.tokenizer, params, req.penalty_prompt_ids)
         if params.structured_outputs is not None:
             if grammar is None:
                 grammar = self.grammars.compile(params.structured_outputs)
@@ -335,6 +347,22 @@ class LLMEngine:
             # The text of resumed tokens was delivered by whoever produced them.
             req.detokenizer.append(resumed)
         return req
+
+    def _prompt_embeds(
+        self, embeds: torch.Tensor, params: SamplingParams, images: list[Any] | None
+    ) -> tuple[list[int], Any]:
+        """A prompt given as embeddings: its placeholder ids and its span of features."""
+        if not self.config.enable_prompt_embeds:
+            raise ValueError(
+                "prompt embeddings are not enabled on this engine (enable_prompt_embeds=True, "
+                "ferry serve --enable-prompt-embeds)"
+            )
+        if images:
+            raise ValueError("a prompt given as embeddings takes no images")
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs needs prompt tokens: a prompt given as embeddings has none")
+        runner = self.model_runner
+        return prompt_embeds_input(embeds, self.model_config.hidden_size, runner.dtype, runner.device)
 
     def _window_peak_blocks(self) -> int:
         """Most blocks one request holds at once when every layer slides: the window behind its
@@ -395,7 +423,7 @@ class LLMEngine:
                         params=req.params,
                         seed=req.seed,
                         position=req.num_tokens + j,
-                        prompt_token_ids=req.prompt_token_ids,
+                        prompt_token_ids=req.penalty_prompt_ids,
                         output_token_ids=outputs_so_far,
                         eos_token_ids=req.eos_token_ids,
                         grammar=req.grammar,
