@@ -217,12 +217,23 @@ PromptInput = StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictIn
 
 
 class CompletionRequest(SamplingFields):
-    prompt: PromptInput
+    # Without prompt_embeds, a prompt is required; with them, an empty text prompt ("", as the
+    # OpenAI SDK must send) stands for none (vLLM's rule).
+    prompt: PromptInput | None = None
+    # vLLM's --enable-prompt-embeds: base64 of torch.save'd tensors [seq_len, hidden] (server/prompt_embeds.py);
+    # their prompts come before the text prompts'.
+    prompt_embeds: StrictStr | list[StrictStr] | None = None
     max_tokens: StrictInt | None = Field(default=16, ge=1)
     logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: StrictBool = False
     suffix: StrictStr | None = None
     best_of: StrictInt | None = Field(default=None, ge=1, le=MAX_N)
+
+    @model_validator(mode="after")
+    def _has_a_prompt(self) -> CompletionRequest:
+        if self.prompt is None and self.prompt_embeds is None:
+            raise ValueError("prompt (or prompt_embeds) is required")
+        return self
 
 
 class ImageURL(_Request):

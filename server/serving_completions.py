@@ -22,6 +22,7 @@ from server.params import (
     resume_token_ids,
     sampling_params,
 )
+from server.prompt_embeds import check_embeds_features, embeds_prompts
 from server.protocol import (
     CompletionChoice,
     CompletionChunk,
@@ -68,7 +69,8 @@ def _plan(state: ServerState, req: CompletionRequest) -> tuple[list[PreparedProm
     extra = block_extra(lora, req.cache_salt)
     check_completion_features(req)
     limits = state.limits
-    prompts = completion_prompts(req, state.tokenizer, limits)
+    check_embeds_features(req, state.config.role)
+    prompts = embeds_prompts(req, limits) + completion_prompts(req, state.tokenizer, limits)
     resume = resume_token_ids(req, len(prompts), limits)
     kv = kv_transfer_spec(req, len(prompts))
     if state.config.role == "prefill" and (len(prompts) != 1 or req.n != 1 or req.use_beam_search):
@@ -108,6 +110,7 @@ def _plan(state: ServerState, req: CompletionRequest) -> tuple[list[PreparedProm
                     priority=req.priority,
                     cache_salt=req.cache_salt,
                     beam=beam,
+                    prompt_embeds=prompt.embeds,
                 )
             )
     return prompts, seqs
