@@ -73,7 +73,7 @@ def completion_prompts(
     """The request's text or token-id prompts: a string, strings, a token list or token lists (none
     when it has ``prompt_embeds`` and no prompt, or ``""``: ``server/prompt_embeds.py``)."""
     raw = req.prompt
-    if req.prompt_embeds is not None and raw in (None, "", [""]):
+    if req.prompt_embeds is not None and raw in ("", [""]):
         return []
     if isinstance(raw, str):
         items: list[str | list[int]] = [raw]

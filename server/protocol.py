@@ -217,9 +217,9 @@ PromptInput = StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictIn
 
 
 class CompletionRequest(SamplingFields):
-    # Without prompt_embeds, a prompt is required; with them, an empty text prompt ("", as the
-    # OpenAI SDK must send) stands for none (vLLM's rule).
-    prompt: PromptInput | None = None
+    # With prompt_embeds, an empty text prompt ("", as the OpenAI SDK must send; or none) adds no
+    # prompt (vLLM's rule).
+    prompt: PromptInput
     # vLLM's --enable-prompt-embeds: base64 of torch.save'd tensors [seq_len, hidden] (server/prompt_embeds.py);
     # their prompts come before the text prompts'.
     prompt_embeds: StrictStr | list[StrictStr] | None = None
@@ -229,11 +229,12 @@ class CompletionRequest(SamplingFields):
     suffix: StrictStr | None = None
     best_of: StrictInt | None = Field(default=None, ge=1, le=MAX_N)
 
-    @model_validator(mode="after")
-    def _has_a_prompt(self) -> CompletionRequest:
-        if self.prompt is None and self.prompt_embeds is None:
-            raise ValueError("prompt (or prompt_embeds) is required")
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _embeds_need_no_prompt(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("prompt") is None and data.get("prompt_embeds") is not None:
+            return {**data, "prompt": ""}
+        return data
 
 
 class ImageURL(_Request):

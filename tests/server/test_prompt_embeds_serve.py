@@ -110,7 +110,7 @@ def test_bad_prompt_embeds_are_400s(embeds_server: ServerProcess, server: Server
         "too long": ({"prompt_embeds": b64(torch.zeros(2000, 64))}, "maximum context length is 1024"),
         "echo": ({"prompt_embeds": b64(table[A]), "echo": True}, "echo"),
         "prompt_logprobs": ({"prompt_embeds": b64(table[A]), "prompt_logprobs": 1}, "prompt_logprobs"),
-        "neither": ({}, "prompt"),
+        "neither": ({}, "Field required"),
     }
     for name, (body, message) in cases.items():
         r = httpx.post(
