@@ -32,7 +32,7 @@ from engine.models.quantized import check_quantization
 from engine.outputs import RequestOutput, merge_deltas
 from engine.pooler import needs_every_row, resolve_pooling_type
 from engine.postprocess import Postprocessor
-from engine.prompt_embeds import prompt_embeds_input
+from engine.prompt_embeds import PreparedEmbeds, prepare_prompt_embeds
 from engine.sampler import Sampler, SamplerOutput, SamplingRow
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
@@ -199,7 +199,7 @@ class LLMEngine:
     def make_request(
         self,
         request_id: str,
-        prompt: str | list[int] | torch.Tensor,
+        prompt: str | list[int] | torch.Tensor | PreparedEmbeds,
         params: SamplingParams,
         *,
         resume_token_ids: list[int] | None = None,
@@ -214,8 +214,9 @@ class LLMEngine:
         """Validate and build a request (raises ValueError for bad input); does not queue it.
 
         ``prompt``: text, token ids, or (with ``enable_prompt_embeds``) the prompt's input embeddings,
-        a tensor ``[seq_len, hidden]`` (``engine/prompt_embeds.py``): its token ids are then
-        ``seq_len`` placeholders, and it takes neither images nor prompt logprobs.
+        a tensor ``[seq_len, hidden]`` or what ``prepare_prompt_embeds`` made of one
+        (``engine/prompt_embeds.py``): its token ids are then ``seq_len`` placeholders, and it takes
+        neither images nor prompt logprobs.
 
         ``images``: PIL images for a vision-language model, one per image token of the prompt (in
         order); each image token becomes the image's placeholder run (``engine/image_processor.py``).
@@ -255,9 +256,10 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
         image_inputs = []
-        if isinstance(prompt, torch.Tensor):
-            ids, embeds = self._prompt_embeds(prompt, params, images)
-            image_inputs = [embeds]
+        embeds = None
+        if isinstance(prompt, (torch.Tensor, PreparedEmbeds)):
+            embeds = self._prompt_embeds(prompt, params, images)
+            ids, image_inputs = embeds.token_ids, [embeds.span]
         else:
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             if not ids:
@@ -330,7 +332,7 @@ class LLMEngine:
             if not isinstance(cache_salt, str) or not cache_salt:
                 raise ValueError("cache_salt must be a non-empty string")
             req.block_extra += salt_extra(cache_salt)
-        if isinstance(prompt, torch.Tensor):
+        if embeds is not None:
             req.prompt_embeds, req.penalty_prompt_ids = True, []
         # Placeholders are no text to continue from: a prompt given as embeddings gives no context.
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, params, req.penalty_prompt_ids)
@@ -348,21 +350,27 @@ class LLMEngine:
             req.detokenizer.append(resumed)
         return req
 
-    def _prompt_embeds(
-        self, embeds: torch.Tensor, params: SamplingParams, images: list[Any] | None
-    ) -> tuple[list[int], Any]:
-        """A prompt given as embeddings: its placeholder ids and its span of features."""
+    def prepare_prompt_embeds(self, embeds: torch.Tensor) -> PreparedEmbeds:
+        """Check, cast and hash a prompt given as embeddings (ValueError for bad ones, or when the
+        engine does not take them); touches no engine state, so it may run on any thread."""
         if not self.config.enable_prompt_embeds:
             raise ValueError(
                 "prompt embeddings are not enabled on this engine (enable_prompt_embeds=True, "
                 "ferry serve --enable-prompt-embeds)"
             )
+        runner = self.model_runner
+        return prepare_prompt_embeds(embeds, self.model_config.hidden_size, runner.dtype, runner.device)
+
+    def _prompt_embeds(
+        self, embeds: torch.Tensor | PreparedEmbeds, params: SamplingParams, images: list[Any] | None
+    ) -> PreparedEmbeds:
+        if not isinstance(embeds, PreparedEmbeds):
+            embeds = self.prepare_prompt_embeds(embeds)
         if images:
             raise ValueError("a prompt given as embeddings takes no images")
         if params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs needs prompt tokens: a prompt given as embeddings has none")
-        runner = self.model_runner
-        return prompt_embeds_input(embeds, self.model_config.hidden_size, runner.dtype, runner.device)
+        return embeds
 
     def _window_peak_blocks(self) -> int:
         """Most blocks one request holds at once when every layer slides: the window behind its

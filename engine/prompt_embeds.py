@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+from dataclasses import dataclass
 
 import torch
 
@@ -74,14 +75,25 @@ def embeds_digest(features: torch.Tensor) -> bytes:
     return h.digest()
 
 
-def prompt_embeds_input(
+@dataclass(frozen=True)
+class PreparedEmbeds:
+    """A prompt given as embeddings, ready for ``LLMEngine.make_request``: its placeholder ids and
+    its one span of features (checked, cast to the model's dtype, hashed, on the model's device).
+    The async engine prepares it in a worker thread: checking and hashing a long prompt's rows
+    takes milliseconds that no event loop should wait on."""
+
+    token_ids: list[int]
+    span: ImageInput
+
+
+def prepare_prompt_embeds(
     value: object, hidden_size: int, dtype: torch.dtype, device: torch.device
-) -> tuple[list[int], ImageInput]:
-    """The placeholder ids of a prompt given as embeddings and its one span of features (checked,
-    cast to the model's dtype, hashed, on the model's device)."""
+) -> PreparedEmbeds:
     t = check_prompt_embeds(value, hidden_size).to(dtype=dtype)
     if not bool(torch.isfinite(t).all()):  # fp32 values past the model dtype's range
         raise ValueError(f"prompt_embeds holds values out of the range of the model's dtype ({dtype})")
     digest = embeds_digest(t)
     n = t.shape[0]
-    return [EMBEDS_PLACEHOLDER_ID] * n, ImageInput(0, n, None, digest, t.to(device).contiguous())
+    return PreparedEmbeds(
+        [EMBEDS_PLACEHOLDER_ID] * n, ImageInput(0, n, None, digest, t.to(device).contiguous())
+    )

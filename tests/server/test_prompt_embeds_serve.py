@@ -52,13 +52,15 @@ def tokens_by_index(completion) -> list[list[int]]:
 def test_sdk_prompt_embeds(embeds_server: ServerProcess, table: torch.Tensor) -> None:
     client = openai.OpenAI(base_url=embeds_server.url + "/v1", api_key="x", max_retries=0)
     kw = dict(model=embeds_server.model_name, max_tokens=6, temperature=0.0)
-    want = {
-        name: client.completions.create(prompt=ids, extra_body=EXTRA, **kw).choices[0].token_ids
+    by_ids = {
+        name: client.completions.create(prompt=ids, extra_body=EXTRA, **kw)
         for name, ids in (("a", A), ("b", B))
     }
+    want = {name: c.choices[0].token_ids for name, c in by_ids.items()}
     # vLLM's example: the SDK needs a prompt, "" stands for none
     got = client.completions.create(prompt="", extra_body={**EXTRA, "prompt_embeds": b64(table[A])}, **kw)
     assert tokens_by_index(got) == [want["a"]]
+    assert got.choices[0].text == by_ids["a"].choices[0].text
     assert got.usage.prompt_tokens == len(A) and got.usage.completion_tokens == 6
     # prompt and prompt_embeds are two prompts, the embeddings' first; n = 2 each
     both = client.completions.create(
