@@ -62,6 +62,12 @@ def test_sdk_prompt_embeds(embeds_server: ServerProcess, table: torch.Tensor) ->
     assert tokens_by_index(got) == [want["a"]]
     assert got.choices[0].text == by_ids["a"].choices[0].text
     assert got.usage.prompt_tokens == len(A) and got.usage.completion_tokens == 6
+    # truncate_prompt_tokens keeps the last rows
+    longer = b64(table[B[:5] + A])
+    cut = client.completions.create(
+        prompt="", extra_body={**EXTRA, "prompt_embeds": longer, "truncate_prompt_tokens": len(A)}, **kw
+    )
+    assert tokens_by_index(cut) == [want["a"]] and cut.usage.prompt_tokens == len(A)
     # prompt and prompt_embeds are two prompts, the embeddings' first; n = 2 each
     both = client.completions.create(
         prompt=B, n=2, extra_body={**EXTRA, "prompt_embeds": [b64(table[A][None])]}, **kw
