@@ -2,8 +2,8 @@
 torch.save'd tensors) through the OpenAI SDK as vLLM's example sends them; embeddings that are the
 embedding table's rows answer as their token ids do, embeddings' choices come before the text
 prompts', n > 1 and streaming work, usage counts the rows, and every bad payload is a 400 in
-OpenAI's error shape (also on a server without the flag). With --api-server-count 2 the tensors
-cross to the engine process."""
+OpenAI's error shape (also on a server without the flag). The --api-server-count path (tensors
+pickled to the engine process) is tests/server/test_engine_ipc.py's."""
 
 from __future__ import annotations
 
@@ -143,21 +143,3 @@ def test_bad_prompt_embeds_are_400s(embeds_server: ServerProcess, server: Server
         timeout=30,
     )
     assert ok.status_code == 200 and ok.json()["usage"]["prompt_tokens"] == len(A)
-
-
-def test_api_server_count(tiny_llama: Path, serve_logs: Path, table: torch.Tensor) -> None:
-    """Tensors cross to the engine process; the prefix cache keys them there too."""
-    args = ["--num-kv-blocks", "64", "--enable-prompt-embeds", "--api-server-count", "2"]
-    srv = ServerProcess(tiny_llama, args, serve_logs).start()
-    try:
-        body = {"model": srv.model_name, "max_tokens": 6, "temperature": 0, **EXTRA}
-        want = httpx.post(srv.url + "/v1/completions", json={**body, "prompt": B}, timeout=60).json()
-        embeds = {**body, "prompt": "", "prompt_embeds": b64(table[B])}
-        for _ in range(2):
-            got = httpx.post(srv.url + "/v1/completions", json=embeds, timeout=60).json()
-            assert got["choices"][0]["token_ids"] == want["choices"][0]["token_ids"]
-            assert got["usage"]["prompt_tokens"] == len(B)
-        details = got["usage"].get("prompt_tokens_details") or {}
-        assert details.get("cached_tokens") == 16
-    finally:
-        srv.stop()
