@@ -105,6 +105,8 @@ class Request:
         # the tokens as int32 for the n-gram lookup (kept up to date by the proposer).
         self.spec_token_ids: list[int] = []
         self.lookup_tokens: Any = None
+        # With a draft model (engine/draft_model.py): leading positions whose draft KV is valid.
+        self.num_draft_computed = 0
 
     @property
     def num_tokens(self) -> int:
