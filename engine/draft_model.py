@@ -32,7 +32,7 @@ import torch
 
 from engine import runner_parts as parts
 from engine.classifier import is_classifier
-from engine.models.config import ModelConfig
+from engine.models.config import ModelConfig, read_hf_config
 from engine.models.loader import resolve_model_dir
 from engine.models.quantized import check_quantization
 from engine.models.registry import get_model_class
@@ -51,8 +51,9 @@ class DraftModel:
         self.model_dir = resolve_model_dir(spec.model)
         name = f"speculative_config model {spec.model!r}"
         try:
-            cfg = ModelConfig.from_dir(self.model_dir)
-            get_model_class(cfg.architecture)
+            raw = read_hf_config(self.model_dir, None)
+            get_model_class(str((raw.get("architectures") or ["(none named)"])[0]))
+            cfg = ModelConfig.from_dict(raw)
         except (ValueError, OSError) as e:
             raise ValueError(f"{name}: {e}") from None
         if is_classifier(cfg.architecture):
