@@ -19,9 +19,14 @@ target's ``num_computed_tokens``:
   the target rejects leave draft KV past the accepted tokens, which the engine disowns
   (``num_draft_computed`` falls back to the target's computed tokens).
 
-Draft KV that is wrong (a block of the tier registered in the prefix cache and hit by another
-request before its loader's first step) costs acceptance, never correctness: the target verifies
-every draft (engine/spec_decode.py).
+Draft KV that is wrong costs acceptance, never correctness: the target verifies every draft
+(engine/spec_decode.py). One way it can be: blocks loaded from the tier are registered in the
+prefix cache at admission, and if their loader is preempted before its first step, later hits on
+them read draft KV nobody computed, until they are evicted. Requests admitted in the same step as
+the loader read them after its recompute (each layer stores the step's KV before it attends).
+
+The first step after a tier load recomputes all the loaded positions in one draft forward, beside
+the step's token budget; the CUDA activation reserve (engine/kv_budget.py) counts only the target.
 """
 
 from __future__ import annotations
@@ -101,11 +106,12 @@ class DraftModel:
     @torch.inference_mode()
     def follow(self, scheduled: list[ScheduledRequest]) -> None:
         """Compute the draft's KV for every position the step's target forward computes that it
-        does not hold yet (from each request's ``num_draft_computed``)."""
+        does not hold yet (from each request's ``num_draft_computed``, below its ``max_model_len``)."""
         segments: list[parts.Segment] = []
         for s in scheduled:
             req = s.request
-            first, end = req.num_draft_computed, s.start + s.num_new_tokens
+            # Positions past the draft's max_model_len are never drafted from: no KV needed.
+            first, end = req.num_draft_computed, min(s.start + s.num_new_tokens, self.max_model_len)
             if first >= end:
                 continue  # the token and drafts were fed when they were proposed
             n = req.num_tokens

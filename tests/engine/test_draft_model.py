@@ -12,10 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from engine import LLM, LoRARequest, SamplingParams
-from engine.demo import build_lora_adapter, build_model
+from engine.demo import build_layer_draft, build_lora_adapter, build_model
 from engine.sampling_params import StructuredOutputsParams
 from engine.spec_decode import SpeculativeConfig
 from tests.engine.test_kv_connector_hooks import AsyncCopyConnector, CopyConnector, _attach
@@ -40,14 +39,7 @@ def copy_draft(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
 def layer_draft(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The target's first layer alone, with its embeddings and head: a smaller model that agrees
     with the target on some tokens."""
-    out = tmp_path_factory.mktemp("draft") / "one_layer"
-    out.mkdir()
-    config = json.loads((tiny_llama / "config.json").read_text())
-    config["num_hidden_layers"] = 1
-    (out / "config.json").write_text(json.dumps(config))
-    weights = load_file(tiny_llama / "model.safetensors")
-    save_file({k: v for k, v in weights.items() if ".layers.1." not in k}, out / "model.safetensors")
-    return out
+    return build_layer_draft(tmp_path_factory.mktemp("draft") / "one_layer", tiny_llama, 1)
 
 
 @pytest.fixture(scope="module")
@@ -245,3 +237,27 @@ def test_drafts_that_cannot_run_are_refused_at_startup(tiny_llama, tmp_path) -> 
         LLM(str(tiny_llama), speculative_config=_spec(alien))
     with pytest.raises(ValueError, match="max_model_len=4096 is more than the 1024 positions of the draft"):
         LLM(str(tiny_llama), speculative_config={**_spec(tiny_llama), "max_model_len": 4096})
+
+
+def test_the_drafts_kv_takes_its_share_of_every_block(tiny_llama, layer_draft) -> None:
+    # A block of the target's KV: 2 layers x 16 slots x (k, v) x 2 heads x 16 dims x 4 bytes; the
+    # one-layer draft's: half that.
+    budget = 10 * (8192 + 4096) + 4095
+    plain = LLM(str(tiny_llama), kv_cache_memory_bytes=budget)
+    spec = LLM(str(tiny_llama), kv_cache_memory_bytes=budget, speculative_config=_spec(layer_draft))
+    assert plain.engine.model_runner.bytes_per_block == spec.engine.model_runner.bytes_per_block == 8192
+    assert spec.engine.model_runner.kv_bytes_per_block == 8192 + 4096
+    assert (plain.engine.block_manager.num_blocks, spec.engine.block_manager.num_blocks) == (15, 10)
+    assert [c.shape[0] for c in spec.engine.model_runner.draft.kv_caches[0]] == [10, 10]
+
+
+def test_sequences_past_the_drafts_max_model_len_get_no_drafts(tiny_llama, copy_draft, reference) -> None:
+    spec = LLM(
+        str(tiny_llama),
+        num_kv_blocks=64,
+        deterministic=True,
+        speculative_config={**_spec(copy_draft), "max_model_len": 66},
+    )
+    _same(reference.generate(PROMPTS[:1], GREEDY), spec.generate(PROMPTS[:1], GREEDY))
+    # 61 tokens: 3 drafts (positions 60..62 fed); 65 tokens: 2 (64, 65); 68 tokens: none fit.
+    assert _counts(spec) == (2, 5, 5, (2, 2, 1))
