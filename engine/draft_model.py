@@ -69,7 +69,10 @@ class DraftModel:
                 f"{name} has vocab_size {cfg.vocab_size}, the target {target.vocab_size}: a draft model "
                 "must share the target's vocabulary"
             )
-        check_quantization(spec.quantization, cfg.quant_method)
+        try:
+            check_quantization(spec.quantization, cfg.quant_method)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
         limit, source = parts.position_limit(cfg)
         if spec.max_model_len is not None and spec.max_model_len > limit:
             raise ValueError(

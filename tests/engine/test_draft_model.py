@@ -235,6 +235,10 @@ def test_drafts_that_cannot_run_are_refused_at_startup(tiny_llama, tmp_path) -> 
     (alien / "config.json").write_text(json.dumps({"architectures": ["FooForCausalLM"], "vocab_size": 8}))
     with pytest.raises(ValueError, match="unsupported architecture 'FooForCausalLM'"):
         LLM(str(tiny_llama), speculative_config=_spec(alien))
+    with pytest.raises(
+        ValueError, match="speculative_config model .*: --quantization awq: the checkpoint is not quantized"
+    ):
+        LLM(str(tiny_llama), speculative_config={**_spec(tiny_llama), "quantization": "awq"})
     with pytest.raises(ValueError, match="max_model_len=4096 is more than the 1024 positions of the draft"):
         LLM(str(tiny_llama), speculative_config={**_spec(tiny_llama), "max_model_len": 4096})
 
