@@ -131,24 +131,28 @@ class DraftModel:
         ``k`` long for ``(request, k)``. The slots of positions ``num_tokens - 1`` to
         ``num_tokens + k - 2`` (the newest token and every draft but the last) must be allocated.
         ``vocab``: the columns that are tokens (padded embedding rows are never drafted)."""
-        drafts: list[list[int]] = [[] for _ in batch]
-        live = list(range(len(batch)))
-        for j in range(max(k for _, k in batch)):
-            live = [i for i in live if batch[i][1] > j]
+        # Longest first, so each round's requests are a prefix of the previous round's and its
+        # input ids a slice of that round's drafts: the drafts stay on the device until the end.
+        batch = sorted(batch, key=lambda item: -item[1])
+        rounds: list[torch.Tensor] = []
+        for j in range(batch[0][1]):
             segments: list[parts.Segment] = []
-            for i in live:
-                req = batch[i][0]
+            for req, k in batch:
+                if k <= j:
+                    break
                 if j == 0:  # the newest token, after any the draft lacks
                     first = req.num_draft_computed
                     segments.append((req.token_ids[first:], first, req.block_table))
-                else:
-                    segments.append(([drafts[i][-1]], req.num_tokens - 1 + j, req.block_table))
+                else:  # the token is the previous round's draft, set below
+                    segments.append(([0], req.num_tokens - 1 + j, req.block_table))
             input_ids, positions, meta = parts.build_batch(segments, self.block_size, self.device)
+            if j:
+                input_ids = rounds[-1][: len(segments)]
             hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
-            last = meta.query_start_loc[1:].long() - 1
-            logits = self.model.compute_logits(hidden.index_select(0, last))
-            for i, token in zip(live, logits[:, :vocab].argmax(dim=-1).tolist(), strict=True):
-                drafts[i].append(token)
-        for (req, k), tokens in zip(batch, drafts, strict=True):
-            req.spec_token_ids = tokens
+            if j == 0:
+                hidden = hidden.index_select(0, meta.query_start_loc[1:].long() - 1)
+            rounds.append(self.model.compute_logits(hidden)[:, :vocab].argmax(dim=-1))
+        drafts = [r.tolist() for r in rounds]
+        for row, (req, k) in enumerate(batch):
+            req.spec_token_ids = [drafts[j][row] for j in range(k)]
             req.num_draft_computed = req.num_tokens - 1 + k
