@@ -1,7 +1,10 @@
-"""N-gram speculative decoding: output tokens/s with and without drafts, on the same requests.
+"""Speculative decoding: output tokens/s with and without drafts, on the same requests.
 
 Model: the Llama shape of ``bench/engine_throughput.py`` (hidden 512, 8 layers, vocab 32000,
-random fp32 weights). Greedy decoding, EOS ignored. Two workloads:
+random fp32 weights). Greedy decoding, EOS ignored. Methods: ``plain`` (no drafts), ``ngram``,
+``draft2l`` (a draft model: the target's first 2 of 8 layers with its embeddings and head,
+``engine.demo.build_layer_draft``) and ``copy`` (a draft model that is the target itself: every
+draft accepted, the draft's full cost paid). Two workloads:
 * ``repetitive``: prompts that repeat a 24-token segment with small edits (a log or a table being
   continued), the kind of context prompt lookup drafts from;
 * ``random``: prompts of random tokens (drafts come only from what the model itself repeats).
@@ -11,6 +14,7 @@ those without. Prints a table, writes JSON to bench/results/spec_decode.json.
 
     .venv/bin/python bench/spec_decode.py
     .venv/bin/python bench/spec_decode.py --max-tokens 32 --repeats 1     # smoke run
+    .venv/bin/python bench/spec_decode.py --methods ngram,draft2l,copy --batches 1
 """
 
 from __future__ import annotations
@@ -30,6 +34,22 @@ if str(ROOT) not in sys.path:
 from bench.engine_throughput import MODEL_SPEC, bench_model_dir, save_report  # noqa: E402
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+DRAFT_LAYERS = 2
+METHODS = ("ngram", "draft2l", "copy")
+
+
+def method_specs(model_dir: Path, k: int) -> dict[str, dict]:
+    """The speculative_config of each method (the 2-layer draft built next to the model once)."""
+    from engine.demo import build_layer_draft
+
+    draft = model_dir.parent / f"{model_dir.name}-draft{DRAFT_LAYERS}l"
+    if not (draft / "model.safetensors").exists():
+        build_layer_draft(draft, model_dir, DRAFT_LAYERS)
+    return {
+        "ngram": SPEC,
+        "draft2l": {"model": str(draft), "num_speculative_tokens": k},
+        "copy": {"model": str(model_dir), "num_speculative_tokens": k},
+    }
 
 
 def prompts(kind: str, n: int, seed: int = 0) -> list[list[int]]:
@@ -77,50 +97,63 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
+    ap.add_argument("--batches", default="1,16", help="comma-separated batch sizes")
+    ap.add_argument("--draft-k", type=int, default=3, help="num_speculative_tokens of the draft models")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "spec_decode.json"))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     model_dir = bench_model_dir()
-    cases = [(kind, batch) for kind in ("repetitive", "random") for batch in (1, 16)]
+    specs = method_specs(model_dir, args.draft_k)
+    methods = [m for m in args.methods.split(",") if m]
+    unknown = sorted(set(methods) - set(specs))
+    if unknown:
+        ap.error(f"unknown method(s) {', '.join(unknown)}")
+    batches = [int(b) for b in args.batches.split(",")]
+    cases = [(kind, batch) for kind in ("repetitive", "random") for batch in batches]
     best: dict[str, dict] = {}
     for _ in range(args.repeats):
         for kind, batch in cases:
             work = prompts(kind, batch)
-            for label, spec in (("plain", None), ("ngram", SPEC)):
+            for label in ("plain", *methods):
                 key = f"{kind} b{batch} {label}"
-                r = run(model_dir, work, args.max_tokens, args.threads, spec)
+                r = run(model_dir, work, args.max_tokens, args.threads, specs.get(label))
                 if key not in best or r["output_tok_s"] > best[key]["output_tok_s"]:
                     best[key] = r
     print(
-        f"{'workload':<16} {'batch':>5} {'plain tok/s':>11} {'ngram tok/s':>11} {'speedup':>8} {'accepted':>9} {'same':>5}"
+        f"{'workload':<12} {'batch':>5} {'method':<8} {'tok/s':>8} {'plain tok/s':>11} {'speedup':>8} "
+        f"{'accepted':>9} {'same':>5}"
     )
     rows = []
     for kind, batch in cases:
-        plain, ngram = best[f"{kind} b{batch} plain"], best[f"{kind} b{batch} ngram"]
-        same = plain["tokens"] == ngram["tokens"]
-        acceptance = ngram["acceptance"]
-        rows.append(
-            {
-                "workload": kind,
-                "batch": batch,
-                "plain_tok_s": plain["output_tok_s"],
-                "ngram_tok_s": ngram["output_tok_s"],
-                "speedup": ngram["output_tok_s"] / plain["output_tok_s"],
-                "draft_tokens": ngram["draft_tokens"],
-                "accepted_tokens": ngram["accepted_tokens"],
-                "acceptance": acceptance,
-                "same_tokens": same,
-            }
-        )
-        accepted = f"{acceptance:.0%}" if acceptance is not None else "-"
-        print(
-            f"{kind:<16} {batch:>5} {plain['output_tok_s']:>11.1f} {ngram['output_tok_s']:>11.1f} "
-            f"{rows[-1]['speedup']:>8.2f} {accepted:>9} {str(same):>5}"
-        )
+        plain = best[f"{kind} b{batch} plain"]
+        for label in methods:
+            spec = best[f"{kind} b{batch} {label}"]
+            same = plain["tokens"] == spec["tokens"]
+            acceptance = spec["acceptance"]
+            rows.append(
+                {
+                    "workload": kind,
+                    "batch": batch,
+                    "method": label,
+                    "plain_tok_s": plain["output_tok_s"],
+                    "spec_tok_s": spec["output_tok_s"],
+                    "speedup": spec["output_tok_s"] / plain["output_tok_s"],
+                    "draft_tokens": spec["draft_tokens"],
+                    "accepted_tokens": spec["accepted_tokens"],
+                    "acceptance": acceptance,
+                    "same_tokens": same,
+                }
+            )
+            accepted = f"{acceptance:.0%}" if acceptance is not None else "-"
+            print(
+                f"{kind:<12} {batch:>5} {label:<8} {spec['output_tok_s']:>8.1f} {plain['output_tok_s']:>11.1f} "
+                f"{rows[-1]['speedup']:>8.2f} {accepted:>9} {str(same):>5}"
+            )
     save_report(
         args.out,
         args.threads,
-        speculative_config=SPEC,
+        speculative_configs={m: specs[m] for m in methods},
         max_tokens=args.max_tokens,
         repeats=args.repeats,
         rows=rows,

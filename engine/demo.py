@@ -366,6 +366,28 @@ def demo_model_dir() -> Path:
     return target
 
 
+def build_layer_draft(out_dir: str | os.PathLike, model_dir: str | os.PathLike, num_layers: int) -> Path:
+    """A draft model for speculative decoding cut from a decoder-only checkpoint: its first
+    ``num_layers`` layers with its embeddings, final norm and head (same vocabulary, config
+    otherwise unchanged). It agrees with the whole model on some tokens, as a smaller model would."""
+    from safetensors.torch import load_file, save_file
+
+    src, out = Path(model_dir), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = json.loads((src / "config.json").read_text())
+    config["num_hidden_layers"] = num_layers
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    keep = {}
+    for shard in sorted(src.glob("*.safetensors")):
+        for name, tensor in load_file(shard).items():
+            parts = name.split(".")
+            layer = parts[parts.index("layers") + 1] if "layers" in parts else None
+            if layer is None or int(layer) < num_layers:
+                keep[name] = tensor
+    save_file(keep, out / "model.safetensors")
+    return out
+
+
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 

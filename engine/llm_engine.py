@@ -118,7 +118,13 @@ class LLMEngine:
         self.iteration_tokens_counts = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
         self.iteration_tokens_sum = 0
         spec = config.speculative_config
-        self.proposer = NgramProposer(spec) if spec is not None else None
+        self.proposer = NgramProposer(spec) if spec is not None and spec.method == "ngram" else None
+        # Decided once: how a step's sampled requests get their next drafts, if at all.
+        self._propose: Callable[[list[Request]], None] | None = None
+        if runner.draft is not None:
+            self._propose = self._propose_draft
+        elif self.proposer is not None:
+            self._propose = self._propose_ngram
         self.spec_drafts = 0  # steps in which a request verified drafts
         self.spec_draft_tokens = 0
         self.spec_accepted_tokens = 0
@@ -442,6 +448,7 @@ class LLMEngine:
             observer(ids, model_out.sample_logits)
         sampled = self.sampler(model_out.sample_logits, rows)
         outputs: list[RequestOutput] = []
+        drafting: list[Request] = []
         i = 0
         for s in model_out.sampling:
             req = s.request
@@ -456,9 +463,11 @@ class LLMEngine:
                 self.scheduler.finish(req, req.finish_reason)
                 self.requests.pop(req.request_id, None)
                 out = self.post.finalize(req, out)
-            elif self.proposer is not None:
-                self._propose(req)
+            elif self._propose is not None and req.grammar is None:  # structured outputs: no drafts
+                drafting.append(req)
             outputs.append(out)
+        if drafting:
+            self._propose(drafting)
         return pooled + outputs
 
     def _verify(
@@ -485,21 +494,43 @@ class LLMEngine:
             self.spec_accepted_per_position[pos] += 1
         return out
 
-    def _propose(self, req: Request) -> None:
-        """Drafts for a request's next step (none under structured outputs, or with no room left)."""
-        if req.grammar is not None or req.pooling:
-            return
-        room = (
+    def _room(self, req: Request) -> int:
+        """Most drafts a request's next step may verify: its tokens then, drafts and the token
+        drawn after them, stay within ``max_tokens`` and ``max_model_len``."""
+        return (
             min((req.params.max_tokens or 0) - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
         )
-        if room <= 0:
-            return
-        tokens = req.lookup_tokens
-        if tokens is None:
-            tokens = req.lookup_tokens = array("i", req.token_ids)
-        else:
-            tokens.extend(req.token_ids[len(tokens) :])
-        req.spec_token_ids = self.proposer.propose(tokens, room)  # type: ignore[union-attr]
+
+    def _propose_ngram(self, requests: list[Request]) -> None:
+        for req in requests:
+            room = self._room(req)
+            if room <= 0:
+                continue
+            tokens = req.lookup_tokens
+            if tokens is None:
+                tokens = req.lookup_tokens = array("i", req.token_ids)
+            else:
+                tokens.extend(req.token_ids[len(tokens) :])
+            req.spec_token_ids = self.proposer.propose(tokens, room)  # type: ignore[union-attr]
+
+    def _propose_draft(self, requests: list[Request]) -> None:
+        """The draft model's drafts for the requests, in one batch. It feeds each request's newest
+        token and every draft but the last: their slots are allocated now (vLLM's lookahead
+        slots), and where blocks are short a request gets only the drafts its blocks hold."""
+        draft, bm = self.model_runner.draft, self.block_manager
+        k_max, bs = self.config.speculative_config.num_speculative_tokens, self.config.block_size
+        batch: list[tuple[Request, int]] = []
+        for req in requests:
+            # Draft KV past the accepted tokens holds rejected drafts.
+            req.num_draft_computed = min(req.num_draft_computed, req.num_computed_tokens)
+            newest = req.num_tokens - 1  # the position the draft feeds first
+            k = min(self._room(req), k_max, draft.max_model_len - newest)  # type: ignore[union-attr]
+            if k > 0 and not bm.may_append(req.block_table, newest + k):
+                k = len(req.block_table) * bs - newest
+            if k > 0:
+                batch.append((req, k))
+        if batch:
+            draft.propose(batch, self.sampling_vocab_size)  # type: ignore[union-attr]
 
     def _finish_pooled(self, model_out: ModelOutput) -> list[RequestOutput]:
         """Pooling requests whose prompt was computed this step end with their embedding."""

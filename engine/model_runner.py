@@ -17,13 +17,21 @@ import torch
 from engine.attention import AttentionMetadata, get_attention_backend, resolve_backend_name
 from engine.classifier import ClassifierInfo, is_classifier
 from engine.config import EngineConfig
+from engine.draft_model import DraftModel
 from engine.kv_budget import CPU_DEFAULT_BYTES, cuda_kv_bytes
 from engine.lora import DeviceAdapters
 from engine.models.config import ModelConfig, read_hf_config
-from engine.models.dummy import dummy_weights
-from engine.models.loader import load_weights, resolve_dtype, weights_id
+from engine.models.loader import resolve_dtype, weights_id
 from engine.models.registry import get_model_class
 from engine.ops import select_ops
+from engine.runner_parts import (
+    Segment,
+    allocate_kv,
+    build_batch,
+    kv_block_bytes,
+    position_limit,
+    read_weights,
+)
 from engine.scheduler import BlockCopy, ScheduledRequest, SchedulerOutput
 from engine.sequence import Request
 from kvcache.keys import model_fingerprint
@@ -79,12 +87,7 @@ class ModelRunner:
         # Sliding-window layers attend within their window (the attention backends mask and skip
         # the rest), so the whole trained context is served. When every layer slides, the scheduler
         # gives back the blocks behind the window (their table slots then read as block 0).
-        limit, source = cfg.max_position_embeddings, f"max_position_embeddings={cfg.max_position_embeddings}"
-        if cfg.rope_scaling is not None and cfg.rope_scaling["rope_type"] == "linear":
-            # Linear scaling stretches the trained positions by its factor (vLLM derives the same);
-            # llama3's config already states the extended length.
-            factor = float(cfg.rope_scaling["factor"])
-            limit, source = int(limit * factor), f"{source} x linear rope scaling factor {factor:g}"
+        limit, source = position_limit(cfg)
         if config.max_model_len is not None and config.max_model_len > limit:
             # Positions past the trained ones give garbage, not an error: refuse, as vLLM does.
             raise ValueError(
@@ -112,22 +115,7 @@ class ModelRunner:
             self.attention_backend, self.device.type, deterministic=config.deterministic
         )
         model_cls = get_model_class(cfg.architecture)
-        renames = getattr(model_cls, "WEIGHT_RENAMES", {}).get(cfg.architecture, ())
-        keep_fp32 = getattr(model_cls, "FP32_WEIGHTS", ())
-        if dummy:
-            raw = read_hf_config(model_dir, config.hf_overrides)
-            weights = dummy_weights(raw, self.dtype, self.device, keep_fp32, renames)
-        else:
-            weights = load_weights(
-                model_dir,
-                self.dtype,
-                self.device,
-                keep_fp32,
-                cfg.num_layers,
-                renames,
-                cfg.fp8_block,
-                cfg.weight_quant,
-            )
+        weights = read_weights(model_dir, cfg, self.dtype, self.device, config.hf_overrides, dummy)
         # A classifier's ``score`` head [num_labels, hidden], kept fp32 (vLLM's default head dtype):
         # its pooling requests end with the head's logits instead of the hidden state.
         self.score_head: torch.Tensor | None = None
@@ -158,22 +146,27 @@ class ModelRunner:
         # Whether a step may replace token embeddings (images, prompt embeddings): decided once here.
         self.replaces_embeddings = self.takes_images or config.enable_prompt_embeds
         self.lora_adapters = DeviceAdapters(self.device, config.max_loras) if config.enable_lora else None
+        # A draft model (engine/draft_model.py) is loaded before the block count is decided: its
+        # weights are resident then, and its KV takes a share of every block's bytes.
+        self.draft: DraftModel | None = None
+        spec = config.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            self.draft = DraftModel(self, spec, attention)
         self.num_kv_blocks = self._num_kv_blocks()
-        shape = (self.num_kv_blocks, self.block_size, cfg.kv_cache_heads, cfg.kv_cache_dim)
-        # Per layer (k, v), or (latent,) for MLA models. Zeroed, not empty: padded attention reads
-        # unused slots, which must hold finite numbers.
-        self.kv_caches: list[tuple[torch.Tensor, ...]] = [
-            tuple(
-                torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(cfg.kv_cache_parts)
-            )
-            for _ in range(cfg.num_layers)
-        ]
+        self.kv_caches = allocate_kv(cfg, self.num_kv_blocks, self.block_size, self.kv_dtype, self.device)
+        if self.draft is not None:
+            self.draft.allocate(self.num_kv_blocks)
 
     @property
     def bytes_per_block(self) -> int:
-        c = self.model_config
-        per_token = c.kv_cache_parts * c.kv_cache_heads * c.kv_cache_dim
-        return c.num_layers * self.block_size * per_token * self.kv_dtype.itemsize
+        """Bytes of one block of the target model's KV (what the KV tier moves)."""
+        return kv_block_bytes(self.model_config, self.block_size, self.kv_dtype)
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        """Device bytes one block id takes: the target's KV and the draft model's."""
+        draft = self.draft.bytes_per_block if self.draft is not None else 0
+        return self.bytes_per_block + draft
 
     def _kv_cache_bytes(self) -> int:
         """``kv_cache_memory_bytes``, or on CUDA what ``gpu_memory_utilization`` leaves now that the
@@ -184,7 +177,7 @@ class ModelRunner:
         if self.device.type != "cuda":
             return CPU_DEFAULT_BYTES
         free, total = torch.cuda.mem_get_info(self.device)
-        budget, reserve = cuda_kv_bytes(config, self.model_config, self.bytes_per_block, free, total)
+        budget, reserve = cuda_kv_bytes(config, self.model_config, self.kv_bytes_per_block, free, total)
         logger.info(
             "KV cache: %.2f GiB (gpu_memory_utilization %.2f of %.1f GiB; %.2f GiB in use after loading, "
             "%.2f GiB reserved for activations)",
@@ -196,66 +189,29 @@ class ModelRunner:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         kv_bytes = self._kv_cache_bytes()
-        by_memory = kv_bytes // self.bytes_per_block
+        by_memory = kv_bytes // self.kv_bytes_per_block
         # More than every sequence slot filled to max_model_len is never used at once; the rest
         # would only lengthen prefix-cache retention, at a real memory cost.
         ceiling = self.config.max_num_seqs * -(-self.max_model_len // self.block_size) * 2
         n = min(by_memory, ceiling)
         if n < 1:
             raise ValueError(
-                f"kv_cache_memory_bytes={kv_bytes} is less than one KV block ({self.bytes_per_block} bytes)"
+                f"kv_cache_memory_bytes={kv_bytes} is less than one KV block ({self.kv_bytes_per_block} bytes)"
             )
         return n
 
     # -- one step ------------------------------------------------------------------------------------
 
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        bs = self.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        qsl = [0]
-        seq_lens: list[int] = []
-        ctx_lens: list[int] = []
-        qlens: list[int] = []
-        tables: list[list[int]] = []
+        segments: list[Segment] = []
         for s in out.scheduled:
             req, start, n = s.request, s.start, s.num_new_tokens
-            table = req.block_table
             if s.num_spec:
-                ids.extend(req.token_ids[start:])
-                ids.extend(req.spec_token_ids[: s.num_spec])
+                ids = req.token_ids[start:] + req.spec_token_ids[: s.num_spec]
             else:
-                ids.extend(req.token_ids[start : start + n])
-            rng = range(start, start + n)
-            pos.extend(rng)
-            slots.extend(table[p // bs] * bs + p % bs for p in rng)
-            qsl.append(qsl[-1] + n)
-            seq_lens.append(start + n)
-            ctx_lens.append(start)
-            qlens.append(n)
-            tables.append(table)
-        width = max(len(t) for t in tables)
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            context_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(
-                [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev
-            ),
-            max_query_len=max(qlens),
-            max_seq_len=max(seq_lens),
-            query_lens_host=qlens,
-            seq_lens_host=seq_lens,
-            context_lens_host=ctx_lens,
-            block_tables_host=tables,
-            block_size=bs,
-        )
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        positions = torch.tensor(pos, dtype=torch.long, device=dev)
-        return input_ids, positions, meta
+                ids = req.token_ids[start : start + n]
+            segments.append((ids, start, req.block_table))
+        return build_batch(segments, self.block_size, self.device)
 
     @torch.inference_mode()
     def copy_blocks(self, copies: list[BlockCopy]) -> None:
@@ -264,7 +220,8 @@ class ModelRunner:
         dev = self.device
         src = torch.tensor([c.src for c in copies], dtype=torch.long, device=dev)
         dst = torch.tensor([c.dst for c in copies], dtype=torch.long, device=dev)
-        for layer in self.kv_caches:
+        draft = self.draft.kv_caches if self.draft is not None else []
+        for layer in [*self.kv_caches, *draft]:
             for cache in layer:
                 raw = cache.view(_RAW_DTYPES[cache.element_size()])
                 raw[dst] = raw[src]
@@ -285,6 +242,8 @@ class ModelRunner:
             hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
         else:
             hidden = self.model.forward(input_ids, positions, self.kv_caches, meta, inputs_embeds=embeds)
+        if self.draft is not None:
+            self.draft.follow(out.scheduled)
         rows: list[int] = []
         sampling: list[ScheduledRequest] = []
         prompt: list[PromptLogits] = []

@@ -410,6 +410,8 @@ class Scheduler:
         else:
             req.num_registered_blocks = num_hit
         req.num_computed_tokens = cached_tokens
+        # A draft model holds KV for what this engine computed, not for what the tier loaded.
+        req.num_draft_computed = num_hit * bs if num_ext else cached_tokens
         self._count_admission(req, cached_tokens)
         req.status = RequestStatus.RUNNING
         return n
@@ -483,6 +485,7 @@ class Scheduler:
                 req.block_table, req.token_ids, p.hashes[:keep], p.num_hit
             )
             req.num_computed_tokens = keep * bm.block_size
+            req.num_draft_computed = p.num_hit * bm.block_size  # the tier's blocks hold no draft KV
             if req.num_preemptions == 0:
                 req.num_cached_tokens = req.num_computed_tokens
                 self.prefix_cache_hits += req.num_computed_tokens
@@ -503,7 +506,7 @@ class Scheduler:
         self.running.remove(req)
         req.spec_token_ids = []
         self._free(req)
-        req.num_computed_tokens = 0
+        req.num_computed_tokens = req.num_draft_computed = 0
         req.num_registered_blocks = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1

@@ -105,6 +105,8 @@ class Request:
         # the tokens as int32 for the n-gram lookup (kept up to date by the proposer).
         self.spec_token_ids: list[int] = []
         self.lookup_tokens: Any = None
+        # With a draft model (engine/draft_model.py): leading positions whose draft KV is valid.
+        self.num_draft_computed = 0
         # Images (engine/multimodal.py ImageInput, in prompt order), their placeholder runs for the
         # block hashes, and the encoded features of those whose run is being computed (index ->
         # tensor), kept from the first chunk that reaches a run until the run is computed.

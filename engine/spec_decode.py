@@ -1,8 +1,11 @@
-"""N-gram speculative decoding ("prompt lookup"), as vLLM's ``speculative_config={"method": "ngram"}``.
+"""Speculative decoding, as vLLM's ``speculative_config``: n-gram ("prompt lookup") or a draft model.
 
-After a request samples a token, the proposer looks for the latest earlier occurrence of its last
-n tokens (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``) in its own prompt and output,
-and proposes the up to ``num_speculative_tokens`` tokens that followed it. The next step computes
+After a request samples a token, a proposer drafts up to ``num_speculative_tokens`` tokens. The
+n-gram proposer (``{"method": "ngram"}``) looks for the latest earlier occurrence of its last n
+tokens (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``) in its own prompt and output,
+and proposes the tokens that followed it. The draft model (``{"model": "/path"}``, method
+``draft_model``; engine/draft_model.py) is a smaller model with the target's vocabulary that
+proposes its greedy continuation, one token per forward pass. The next step computes
 the request's last token and the drafts in one chunk, and samples a token at every one of those
 positions, each under the history the drafts before it imply.
 
@@ -27,18 +30,11 @@ from array import array
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram",)
-# Other methods vLLM knows, refused by name (they need a draft model or heads ferry does not load).
-_MODEL_METHODS = (
-    "eagle",
-    "eagle3",
-    "medusa",
-    "mlp_speculator",
-    "draft_model",
-    "mtp",
-    "deepseek_mtp",
-    "suffix",
-)
+METHODS = ("ngram", "draft_model")
+# Other methods vLLM knows, refused by name (they need heads or layers ferry does not load).
+_MODEL_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "deepseek_mtp", "suffix")
+_NGRAM_FIELDS = ("prompt_lookup_max", "prompt_lookup_min")
+_DRAFT_FIELDS = ("model", "draft_tensor_parallel_size", "quantization", "max_model_len")
 
 
 @dataclass(frozen=True)
@@ -47,12 +43,17 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 3
     prompt_lookup_max: int = 5
     prompt_lookup_min: int = 5
+    # draft_model: the draft checkpoint's directory (or hub id), the quantization its weights must
+    # have (as --quantization), and the longest sequence it drafts for (None: its own limit).
+    model: str | None = None
+    quantization: str | None = None
+    max_model_len: int | None = None
 
     @classmethod
     def parse(cls, spec: Any) -> SpeculativeConfig | None:
         """vLLM's ``speculative_config``: a dict or its JSON text (None: no speculation). Raises
-        ValueError naming what is wrong. Only one of ``prompt_lookup_max``/``_min`` given: the other
-        takes its value (as vLLM)."""
+        ValueError naming what is wrong. ``model`` given without ``method``: ``draft_model``. Only
+        one of ``prompt_lookup_max``/``_min`` given: the other takes its value (as vLLM)."""
         if spec is None or isinstance(spec, SpeculativeConfig):
             return spec
         if isinstance(spec, str):
@@ -62,19 +63,24 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config is not valid JSON: {e}") from None
         if not isinstance(spec, dict):
             raise ValueError("speculative_config must be a JSON object")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        known = {"method", "num_speculative_tokens", *_NGRAM_FIELDS, *_DRAFT_FIELDS}
         unknown = sorted(set(spec) - known)
         if unknown:
             raise ValueError(
                 f"speculative_config: unknown field(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})"
             )
-        method = spec.get("method", "ngram")
+        method = spec.get("method", "draft_model" if spec.get("model") is not None else "ngram")
         if method in _MODEL_METHODS:
             raise ValueError(
-                f"speculative_config method {method!r} is not supported (ferry drafts with: ngram)"
+                f"speculative_config method {method!r} is not supported (ferry drafts with: ngram, draft_model)"
             )
         if method not in METHODS:
-            raise ValueError(f"speculative_config method must be 'ngram', got {method!r}")
+            raise ValueError(f"speculative_config method must be 'ngram' or 'draft_model', got {method!r}")
+        if method == "draft_model":
+            return cls._parse_draft(spec)
+        extra = [name for name in _DRAFT_FIELDS if spec.get(name) is not None]
+        if extra:
+            raise ValueError(f"speculative_config {', '.join(extra)}: only for method 'draft_model'")
         values = {}
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
             value = spec.get(name)
@@ -92,6 +98,42 @@ class SpeculativeConfig:
                 f"speculative_config prompt_lookup_min ({low}) exceeds prompt_lookup_max ({high})"
             )
         return cls(method, values["num_speculative_tokens"], high, low)
+
+    @classmethod
+    def _parse_draft(cls, spec: dict[str, Any]) -> SpeculativeConfig:
+        extra = [name for name in _NGRAM_FIELDS if spec.get(name) is not None]
+        if extra:
+            raise ValueError(f"speculative_config {', '.join(extra)}: only for method 'ngram'")
+        model = spec.get("model")
+        if not isinstance(model, str) or not model:
+            raise ValueError("speculative_config method 'draft_model' needs model (the draft's path)")
+        for name in ("num_speculative_tokens", "max_model_len"):
+            value = spec.get(name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"speculative_config {name} must be an integer >= 1, got {value!r}")
+        if spec.get("num_speculative_tokens") is None:
+            raise ValueError("speculative_config needs num_speculative_tokens")
+        tp = spec.get("draft_tensor_parallel_size")
+        if tp is not None and (isinstance(tp, bool) or tp != 1):
+            raise ValueError(
+                f"speculative_config draft_tensor_parallel_size must be 1 (ferry runs one device), got {tp!r}"
+            )
+        quantization = spec.get("quantization")
+        if quantization is not None:
+            from engine.config import QUANTIZATION_METHODS
+
+            if quantization not in QUANTIZATION_METHODS:
+                raise ValueError(
+                    f"speculative_config quantization must be one of {', '.join(QUANTIZATION_METHODS)}, "
+                    f"got {quantization!r}"
+                )
+        return cls(
+            "draft_model",
+            spec["num_speculative_tokens"],
+            model=model,
+            quantization=quantization,
+            max_model_len=spec.get("max_model_len"),
+        )
 
 
 class NgramProposer:

@@ -296,7 +296,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         metavar="JSON",
         help='speculative decoding, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 3, '
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' drafts tokens from earlier context, '
-        "verified in the next step (outputs are unchanged)",
+        '\'{"model": "DRAFT_DIR", "num_speculative_tokens": 3}\' with a smaller model of the same '
+        "vocabulary; drafts are verified in the next step (outputs are unchanged)",
     )
     p.add_argument(
         "--generation-config",

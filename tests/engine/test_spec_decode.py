@@ -53,7 +53,8 @@ def test_config_parses_as_vllm() -> None:
         ({"method": "ngram"}, "needs num_speculative_tokens"),
         ({"num_speculative_tokens": 0}, "integer >= 1"),
         ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "exceeds"),
-        ({"num_speculative_tokens": 2, "model": "x"}, "unknown field"),
+        ({"num_speculative_tokens": 2, "draft": "x"}, "unknown field"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "only for method 'draft_model'"),
         ("{nope", "not valid JSON"),
     ):
         with pytest.raises(ValueError, match=match):

@@ -12,17 +12,24 @@ import openai
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.server.conftest import metric_value
+from tests.server.conftest import ServerProcess, metric_value
 from tests.server.test_api_servers import _serve
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 LOOP = [7, 8, 9, 10, 11] * 12
 
 
+def start_spec_server(
+    server_process: type[ServerProcess], model: Path, logs: Path, spec: dict
+) -> ServerProcess:
+    """A deterministic replica of ``model`` serving with ``--speculative-config spec``."""
+    flags = ["--speculative-config", json.dumps(spec), "--deterministic", "--num-kv-blocks", "256"]
+    return server_process(model, flags, logs).start()
+
+
 @pytest.fixture(scope="module")
 def spec_server(tiny_llama: Path, serve_logs: Path, server_process) -> Iterator:
-    flags = ["--speculative-config", json.dumps(SPEC), "--deterministic", "--num-kv-blocks", "256"]
-    srv = server_process(tiny_llama, flags, serve_logs).start()
+    srv = start_spec_server(server_process, tiny_llama, serve_logs, SPEC)
     yield srv
     srv.stop()
 

@@ -50,6 +50,9 @@ def _greedy_chat(client: httpx.Client, base: str, model: str) -> dict:
 
 def test_tokenizer_from_another_directory_serves_as_the_whole_checkpoint(split_server, server) -> None:
     with httpx.Client(timeout=60) as plain:
+        # The shared server's prefix cache holds what earlier tests sent: start it empty, as the
+        # split server's is, so that both report the same cached tokens.
+        assert plain.post(server.url + "/reset_prefix_cache").status_code == 200
         whole = _greedy_chat(plain, server.url, server.model_name)
         whole_ids = plain.post(server.url + "/tokenize", json={"messages": CHAT}).json()["tokens"]
     split = _greedy_chat(split_server, "", "split")
