@@ -173,3 +173,23 @@ def test_saved_tensor_round_trip() -> None:
         load_prompt_embeds(buf.getvalue())
     with pytest.raises(ValueError, match="not a torch.save'd tensor"):
         load_prompt_embeds(b"not a zip")
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1},
+        "draft",
+    ],
+)
+def test_speculative_decoding_keeps_the_tokens(tiny_llama: Path, llm: LLM, spec) -> None:
+    """Drafts (n-gram lookups over placeholders, or a draft model reading them) are verified
+    against the target's embeddings forward: the tokens are those without drafts."""
+    if spec == "draft":
+        spec = {"model": str(tiny_llama), "num_speculative_tokens": 3}
+    prompts = [{"prompt_embeds": hf_embeds(tiny_llama, ids)} for ids in IDS]
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    want = tokens(llm.generate(prompts, params))
+    spec_llm = LLM(str(tiny_llama), enable_prompt_embeds=True, num_kv_blocks=64, speculative_config=spec)
+    assert tokens(spec_llm.generate(prompts, params)) == want
+    assert spec_llm.engine.spec_drafts > 0
