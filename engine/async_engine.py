@@ -20,16 +20,20 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
 from engine.llm_engine import LLMEngine
 from engine.lora_request import LoRARequest, ServedLoRA
 from engine.outputs import RequestOutput, merge_pending
+from engine.prompt_embeds import PreparedEmbeds
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from engine.sequence import Request
 from engine.stats import EngineStats, ModelInfo
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +111,7 @@ class AsyncEngine:
     async def generate(
         self,
         request_id: str,
-        prompt: str | list[int],
+        prompt: str | list[int] | torch.Tensor | PreparedEmbeds,  # a tensor: prompt embeddings
         params: SamplingParams,
         resume_token_ids: list[int] | None = None,
         kv_transfer: dict[str, Any] | None = None,
@@ -129,6 +133,8 @@ class AsyncEngine:
             grammar = await self.compile_structured(params.structured_outputs)
         if images:
             images = await self.process_images(images)
+        if not isinstance(prompt, (str, list)):
+            prompt = await self.prepare_prompt_embeds(prompt)
         if lora_request is not None:
             self._check_alive()
             await self.load_lora(lora_request)
@@ -164,7 +170,7 @@ class AsyncEngine:
     def start(
         self,
         request_id: str,
-        prompt: str | list[int],
+        prompt: str | list[int] | torch.Tensor | PreparedEmbeds,  # a tensor: prompt embeddings
         params: SamplingParams,
         sink: Sink,
         *,
@@ -239,6 +245,13 @@ class AsyncEngine:
         that takes no images (``make_request`` refuses them)."""
         processor = self.engine.image_processor
         return images if processor is None else await asyncio.to_thread(processor.process, images)
+
+    async def prepare_prompt_embeds(self, embeds: Any) -> Any:
+        """Prompt embeddings checked, cast and hashed in a worker thread (``LLMEngine.
+        prepare_prompt_embeds``; ValueError for bad ones); what is prepared already as it is."""
+        if isinstance(embeds, PreparedEmbeds):
+            return embeds
+        return await asyncio.to_thread(self.engine.prepare_prompt_embeds, embeds)
 
     async def load_lora(self, lora_request: LoRARequest) -> ServedLoRA:
         """Have the adapter loaded (ValueError if it cannot run on this model): its files are read

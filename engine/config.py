@@ -87,6 +87,9 @@ class EngineConfig:
     # LoRA adapters (engine/lora.py): vLLM's flags. max_loras: adapters one step may run (each
     # kept on the device); max_cpu_loras: adapters kept loaded (None: max_loras).
     enable_lora: bool = False
+    # vLLM's --enable-prompt-embeds: prompts may be given as input embeddings [seq_len, hidden]
+    # instead of tokens (engine/prompt_embeds.py).
+    enable_prompt_embeds: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None

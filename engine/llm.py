@@ -351,7 +351,9 @@ class LLM:
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt], images: bool = False) -> list[Prompt]:
     """Prompts as the engine takes them: text or token ids, also given as vLLM's prompt dicts
     (``{"prompt": text}``, ``{"prompt_token_ids": ids}``, either with ``"multi_modal_data":
-    {"image": PIL image or list}`` where ``images`` allows it: then an ``ImagePrompt``)."""
+    {"image": PIL image or list}`` where ``images`` allows it: then an ``ImagePrompt``; and,
+    there too, ``{"prompt_embeds": tensor [seq_len, hidden]}``: the tensor, for the engine's
+    ``enable_prompt_embeds``)."""
     if isinstance(prompts, (str, Mapping)):
         prompts = [prompts]  # type: ignore[list-item]
     prompts = list(prompts)
@@ -364,13 +366,18 @@ def _unwrap(prompt: object, images: bool) -> Prompt:
     if not isinstance(prompt, Mapping):
         return prompt  # type: ignore[return-value]
     keys = set(prompt) - {"multi_modal_data"}
+    if keys == {"prompt_embeds"} and "multi_modal_data" not in prompt:
+        if not images:
+            raise ValueError("prompt_embeds is taken by LLM.generate only")
+        return prompt["prompt_embeds"]
     if keys == {"prompt"} and isinstance(prompt["prompt"], str):
         text: Prompt = prompt["prompt"]
     elif keys == {"prompt_token_ids"}:
         text = list(prompt["prompt_token_ids"])
     else:
         raise ValueError(
-            f"a prompt dict takes 'prompt' (text) or 'prompt_token_ids' (and 'multi_modal_data'), got {sorted(keys)}"
+            "a prompt dict takes 'prompt' (text) or 'prompt_token_ids' (and 'multi_modal_data'), or "
+            f"'prompt_embeds' alone, got {sorted(keys)}"
         )
     if "multi_modal_data" not in prompt:
         return text

@@ -32,6 +32,7 @@ from engine.models.quantized import check_quantization
 from engine.outputs import RequestOutput, merge_deltas
 from engine.pooler import needs_every_row, resolve_pooling_type
 from engine.postprocess import Postprocessor
+from engine.prompt_embeds import PreparedEmbeds, prepare_prompt_embeds
 from engine.sampler import Sampler, SamplerOutput, SamplingRow
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
@@ -204,7 +205,7 @@ class LLMEngine:
     def make_request(
         self,
         request_id: str,
-        prompt: str | list[int],
+        prompt: str | list[int] | torch.Tensor | PreparedEmbeds,
         params: SamplingParams,
         *,
         resume_token_ids: list[int] | None = None,
@@ -217,6 +218,11 @@ class LLMEngine:
         images: list[Any] | None = None,
     ) -> Request:
         """Validate and build a request (raises ValueError for bad input); does not queue it.
+
+        ``prompt``: text, token ids, or (with ``enable_prompt_embeds``) the prompt's input embeddings,
+        a tensor ``[seq_len, hidden]`` or what ``prepare_prompt_embeds`` made of one
+        (``engine/prompt_embeds.py``): its token ids are then ``seq_len`` placeholders, and it takes
+        neither images nor prompt logprobs.
 
         ``images``: PIL images for a vision-language model, one per image token of the prompt (in
         order); each image token becomes the image's placeholder run (``engine/image_processor.py``).
@@ -255,14 +261,19 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise ValueError("the prompt is empty")
         image_inputs = []
-        if self.image_processor is not None:
-            ids, image_inputs = self.image_processor.prepare(ids, list(images or []))
-        elif images:
-            raise ValueError(f"this model ({self.model_config.architecture}) takes text only, not images")
+        embeds = None
+        if isinstance(prompt, (torch.Tensor, PreparedEmbeds)):
+            embeds = self._prompt_embeds(prompt, params, images)
+            ids, image_inputs = embeds.token_ids, [embeds.span]
+        else:
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            if not ids:
+                raise ValueError("the prompt is empty")
+            if self.image_processor is not None:
+                ids, image_inputs = self.image_processor.prepare(ids, list(images or []))
+            elif images:
+                raise ValueError(f"this model ({self.model_config.architecture}) takes text only, not images")
         resumed = list(resume_token_ids or [])
         extra = [
             *(params.allowed_token_ids or ()),
@@ -327,7 +338,10 @@ class LLMEngine:
             if not isinstance(cache_salt, str) or not cache_salt:
                 raise ValueError("cache_salt must be a non-empty string")
             req.block_extra += salt_extra(cache_salt)
-        req.detokenizer = IncrementalDetokenizer(self.tokenizer, params, ids)
+        if embeds is not None:
+            req.prompt_embeds, req.penalty_prompt_ids = True, []
+        # Placeholders are no text to continue from: a prompt given as embeddings gives no context.
+        req.detokenizer = IncrementalDetokenizer(self.tokenizer, params, req.penalty_prompt_ids)
         if params.structured_outputs is not None:
             if grammar is None:
                 grammar = self.grammars.compile(params.structured_outputs)
@@ -341,6 +355,28 @@ class LLMEngine:
             # The text of resumed tokens was delivered by whoever produced them.
             req.detokenizer.append(resumed)
         return req
+
+    def prepare_prompt_embeds(self, embeds: torch.Tensor) -> PreparedEmbeds:
+        """Check, cast and hash a prompt given as embeddings (ValueError for bad ones, or when the
+        engine does not take them); touches no engine state, so it may run on any thread."""
+        if not self.config.enable_prompt_embeds:
+            raise ValueError(
+                "prompt embeddings are not enabled on this engine (enable_prompt_embeds=True, "
+                "ferry serve --enable-prompt-embeds)"
+            )
+        runner = self.model_runner
+        return prepare_prompt_embeds(embeds, self.model_config.hidden_size, runner.dtype, runner.device)
+
+    def _prompt_embeds(
+        self, embeds: torch.Tensor | PreparedEmbeds, params: SamplingParams, images: list[Any] | None
+    ) -> PreparedEmbeds:
+        if not isinstance(embeds, PreparedEmbeds):
+            embeds = self.prepare_prompt_embeds(embeds)
+        if images:
+            raise ValueError("a prompt given as embeddings takes no images")
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs needs prompt tokens: a prompt given as embeddings has none")
+        return embeds
 
     def _window_peak_blocks(self) -> int:
         """Most blocks one request holds at once when every layer slides: the window behind its
@@ -401,7 +437,7 @@ class LLMEngine:
                         params=req.params,
                         seed=req.seed,
                         position=req.num_tokens + j,
-                        prompt_token_ids=req.prompt_token_ids,
+                        prompt_token_ids=req.penalty_prompt_ids,
                         output_token_ids=outputs_so_far,
                         eos_token_ids=req.eos_token_ids,
                         grammar=req.grammar,

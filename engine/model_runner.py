@@ -141,6 +141,10 @@ class ModelRunner:
         )
         self.vocab_size = int(self.model.lm_head.shape[0])
         self.takes_images = hasattr(self.model, "encode_image")
+        if config.enable_prompt_embeds and not hasattr(self.model, "embed_tokens"):
+            raise ValueError(f"prompt embeddings are not supported for {cfg.architecture} models")
+        # Whether a step may replace token embeddings (images, prompt embeddings): decided once here.
+        self.replaces_embeddings = self.takes_images or config.enable_prompt_embeds
         self.lora_adapters = DeviceAdapters(self.device, config.max_loras) if config.enable_lora else None
         # A draft model (engine/draft_model.py) is loaded before the block count is decided: its
         # weights are resident then, and its KV takes a share of every block's bytes.
@@ -233,7 +237,7 @@ class ModelRunner:
                 rows.append((first, s.num_new_tokens, s.request.lora))
                 first += s.num_new_tokens
             self.model.lora = self.lora_adapters.batch(rows, self.model.linear)
-        embeds = self._image_embeddings(out, input_ids) if self.takes_images else None
+        embeds = self._image_embeddings(out, input_ids) if self.replaces_embeddings else None
         if embeds is None:
             hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
         else:
@@ -284,11 +288,11 @@ class ModelRunner:
         return ModelOutput(logits, sampling, prompt, pooled, pooled_hidden)
 
     def _image_embeddings(self, out: SchedulerOutput, input_ids: torch.Tensor) -> torch.Tensor | None:
-        """The step's input embeddings with image features at the image placeholder positions it
-        computes, or None when it computes none. An image is encoded when a chunk first reaches its
-        run and its features are kept on the request until the run is computed: chunked prefill
-        may split a run across steps, and a prefix hit or a recompute after preemption may start
-        inside one."""
+        """The step's input embeddings with image features (or given prompt embeddings) at the
+        placeholder positions it computes, or None when it computes none. An image is encoded when a
+        chunk first reaches its run and its features are kept on the request until the run is
+        computed: chunked prefill may split a run across steps, and a prefix hit or a recompute
+        after preemption may start inside one. Given features stay on the request throughout."""
         embeds = None
         row = 0
         for s in out.scheduled:
@@ -298,16 +302,18 @@ class ModelRunner:
                 first, last = max(lo, image.offset), min(hi, image.offset + image.length)
                 if first >= last:
                     continue
-                features = req.image_features.get(i)
+                features = image.features
                 if features is None:
-                    features = req.image_features[i] = self.model.encode_image(image.pixel_values)
+                    features = req.image_features.get(i)
+                    if features is None:
+                        features = req.image_features[i] = self.model.encode_image(image.pixel_values)
+                    if last == image.offset + image.length:
+                        del req.image_features[i]
                 if embeds is None:
                     embeds = self.model.embed_tokens(input_ids)
                 embeds[row + first - lo : row + last - lo] = features[
                     first - image.offset : last - image.offset
                 ]
-                if last == image.offset + image.length:
-                    del req.image_features[i]
             row += s.num_new_tokens
         return embeds
 

@@ -28,14 +28,22 @@ class ImageSpec:
     tokens_per_image: int  # the placeholder run one image becomes
 
 
+# The token id of every position of a prompt given as embeddings (engine/prompt_embeds.py): it
+# stands in the request's token ids and block hashes (whose ``extra`` carries the embeddings'
+# digest); the sampler's penalties and the detokenizer never see it.
+EMBEDS_PLACEHOLDER_ID = 0
+
+
 @dataclass
 class ImageInput:
-    """One image of a request: its placeholder run and its processed pixels (engine side)."""
+    """One span of a request whose input embeddings are not its tokens': an image (its processed
+    pixels, encoded when a chunk first reaches it) or prompt embeddings (``features`` given)."""
 
     offset: int  # first placeholder position in the prompt
     length: int  # placeholder tokens (the rows of its features)
-    pixel_values: Any  # torch tensor [1, channels, height, width]
-    digest: bytes  # content hash of the pixels: keys the KV blocks it touches
+    pixel_values: Any  # torch tensor [1, channels, height, width]; None when features are given
+    digest: bytes  # content hash of the pixels or features: keys the KV blocks it touches
+    features: Any = None  # torch tensor [length, hidden] in the model's dtype and device: given, not encoded
 
 
 def image_offsets(ids: list[int], spec: ImageSpec) -> list[int]:

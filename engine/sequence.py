@@ -113,6 +113,10 @@ class Request:
         self.images: list[Any] = []
         self.image_spans: tuple[ImageSpan, ...] = ()
         self.image_features: dict[int, Any] = {}
+        # A prompt given as embeddings (engine/prompt_embeds.py): its token ids are placeholders,
+        # which the sampler's penalties do not count as prompt tokens (``penalty_prompt_ids``).
+        self.prompt_embeds = False
+        self.penalty_prompt_ids: list[int] = self.prompt_token_ids
 
     @property
     def num_tokens(self) -> int:

@@ -8,13 +8,17 @@ Two keyers behind one interface, chosen once at start:
 * ``TextKeyer`` (no tokenizer): chained hashes over fixed-size chunks of the request's text.
   Only the router's own history can be matched then, but shared prefixes still land together.
 
-Completions given as token ids are hashed exactly by both. A body the keyer cannot read yields no
-hashes (the replica reports the client's error; routing just loses its cache hint).
+Completions given as token ids are hashed exactly by both. Completions with ``prompt_embeds``
+(base64 tensors the router does not decode: it never loads torch) are keyed by one hash of their
+first payload, apart from token and text hashes: identical embeddings land on the replica that
+has their blocks, different ones share nothing. A body the keyer cannot read yields no hashes
+(the replica reports the client's error; routing just loses its cache hint).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -30,6 +34,7 @@ logger = logging.getLogger("ferry.router")
 
 TEXT_CHUNK_CHARS = 64  # ~16 tokens of English: one text "block"
 _TEXT_SPACE = b"router-text"  # keeps text-chunk hashes apart from real token-block hashes
+_EMBEDS_SPACE = b"router-embeds"  # and prompt-embeddings payload hashes apart from both
 
 
 def _no_extra(model: object) -> bytes:
@@ -49,6 +54,8 @@ class PromptKeyer(ABC):
                 path, body = "/v1/chat/completions", responses_as_chat(body)
             elif path.endswith("/v1/messages"):
                 path, body = "/v1/chat/completions", messages_as_chat(body)
+            elif body.get("prompt_embeds") is not None:
+                return self._embeds_keys(body)
             return self._keys(path, body)
         except Exception:  # noqa: BLE001 - any malformed body; a router error would be a 500
             logger.debug("no prompt keys for a %s body", path, exc_info=True)
@@ -61,6 +68,16 @@ class PromptKeyer(ABC):
         return self.model_extra(body.get("model")) + salt_extra(
             salt if isinstance(salt, str) and salt else None
         )
+
+    def _embeds_keys(self, body: dict[str, Any]) -> tuple[list[bytes], int]:
+        """One hash of the first prompt's embeddings payload (its base64 text), salted as the body
+        is; the token count is left to the body-size estimate."""
+        raw = body["prompt_embeds"]
+        first = raw if isinstance(raw, str) else raw[0]
+        if not isinstance(first, str) or not first:
+            return [], 0
+        h = hashlib.blake2b(_EMBEDS_SPACE + self.body_extra(body) + first.encode(), digest_size=16)
+        return [h.digest()], 0
 
     @abstractmethod
     def _keys(self, path: str, body: dict[str, Any]) -> tuple[list[bytes], int]:

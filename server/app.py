@@ -92,6 +92,9 @@ def build_state(engine: Any, config: ServerConfig) -> ServerState:
         eos_token_ids=tuple(getattr(info, "eos_token_ids", ()) or ()),
         engine_max_logprobs=int(getattr(engine_config, "max_logprobs", MAX_LOGPROBS)),
         image=getattr(info, "image", None),
+        prompt_embeds_hidden=int(info.hidden_size)
+        if getattr(engine_config, "enable_prompt_embeds", False)
+        else 0,
     )
     max_loras = engine_config.max_loras if getattr(engine_config, "enable_lora", False) else None
     cache_info = {

@@ -274,6 +274,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="serve LoRA adapters (--lora-modules, or loaded at run time) beside the base model",
     )
     p.add_argument(
+        "--enable-prompt-embeds",
+        action="store_true",
+        default=d.enable_prompt_embeds,
+        help="/v1/completions takes prompt_embeds: base64 torch.save'd tensors [seq_len, hidden] used as the "
+        "prompt's input embeddings (read with torch.load(weights_only=True))",
+    )
+    p.add_argument(
         "--max-loras", type=int, default=d.max_loras, help="distinct LoRA adapters one engine step may run"
     )
     p.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank, help="largest LoRA rank accepted")

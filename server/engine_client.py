@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from engine.errors import EngineDeadError
+from engine.multimodal import EMBEDS_PLACEHOLDER_ID
 from engine.outputs import RequestOutput, merge_pending
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from engine.stats import EngineStats
@@ -81,7 +82,7 @@ class EngineClient:
     async def generate(
         self,
         request_id: str,
-        prompt: list[int],
+        prompt: Any,  # token ids, or prompt embeddings (a tensor, pickled to the engine process)
         params: SamplingParams,
         resume_token_ids: list[int] | None = None,
         kv_transfer: dict[str, Any] | None = None,
@@ -97,7 +98,8 @@ class EngineClient:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._streams[request_id] = (queue, prompt)
+        ids = prompt if isinstance(prompt, list) else [EMBEDS_PLACEHOLDER_ID] * len(prompt)
+        self._streams[request_id] = (queue, ids)
         self._channel.send(
             (
                 "add",

@@ -10,7 +10,7 @@ thread). An API server that goes away has its requests aborted and its announcem
 once.
 
 Messages from an API server: ``("add", rid, prompt_ids, params, resume_ids, kv_transfer, pooling,
-lora_request, priority, cache_salt, images)``,
+lora_request, priority, cache_salt, images)`` (``prompt_ids``: a tensor for prompt embeddings),
 ``("announce", token)``, ``("submitted", token)``, ``("probe_back", token)``,
 ``("call", call_id, name, arg)`` with ``name`` one of ``abort`` / ``compile`` /
 ``reset_prefix_cache`` / ``store`` (``arg``: a ``MemoryRecords`` method's name and arguments) /
@@ -157,7 +157,9 @@ class EngineHost:
             request[1].structured_outputs is not None
             or (lora is not None and self.engine.engine.cached_lora(lora) is None)
             or request[8]
-        ):  # a constraint to compile, an adapter to read, images to process: off this loop first
+            or not isinstance(request[0], list)
+        ):  # a constraint to compile, an adapter to read, images or prompt embeddings to process:
+            # off this loop first
             conn.requests[rid] = asyncio.ensure_future(self._prepare_then_start(conn, rid, request))
         else:
             conn.requests[rid] = None
@@ -172,6 +174,8 @@ class EngineHost:
                 grammar = await self.engine.compile_structured(request[1].structured_outputs)
             if request[8]:
                 request = (*request[:8], await self.engine.process_images(request[8]))
+            if not isinstance(request[0], list):
+                request = (await self.engine.prepare_prompt_embeds(request[0]), *request[1:])
         except Exception as e:  # noqa: BLE001 - reported to the request (ValueError: not a valid one)
             self._failed(conn, rid, e)
             return

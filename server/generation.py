@@ -46,6 +46,9 @@ class SequenceRequest:
     # use_beam_search: this choice is one of its prompt's beam_width answers (``beam_search.py``)
     beam: BeamSearchParams | None = None
     images: list[Any] | None = None  # PIL images of a vision-language model's prompt, in order
+    # The prompt's input embeddings (a tensor; prompt_token_ids are its placeholders): what the
+    # engine is given as the prompt instead of the ids.
+    prompt_embeds: Any = None
 
     @property
     def block_extra(self) -> bytes:
@@ -207,7 +210,7 @@ class Generation:
         try:
             gen = self.engine.generate(
                 rid,
-                seq.prompt_token_ids,
+                seq.prompt_token_ids if seq.prompt_embeds is None else seq.prompt_embeds,
                 seq.params,
                 resume_token_ids=seq.resume_token_ids,
                 kv_transfer=seq.kv_transfer,

@@ -41,6 +41,8 @@ class ModelLimits:
     eos_token_ids: tuple[int, ...] = ()  # the model's (beam search counts them among its candidates)
     engine_max_logprobs: int = 20  # the engine's --max-logprobs: beam search's candidates per beam
     image: ImageSpec | None = None  # a vision-language model's image token (ModelInfo.image)
+    # --enable-prompt-embeds: the hidden size prompt embeddings must have; 0: not enabled
+    prompt_embeds_hidden: int = 0
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -56,6 +58,7 @@ class ModelLimits:
 class PreparedPrompt:
     token_ids: list[int]
     text: str | None  # the prompt text when the client gave text (for echo)
+    embeds: Any = None  # prompt embeddings (a tensor): token_ids are then its placeholders
 
 
 def check_token_ids(ids: Sequence[int], limits: ModelLimits, param: str) -> None:
@@ -67,8 +70,11 @@ def check_token_ids(ids: Sequence[int], limits: ModelLimits, param: str) -> None
 def completion_prompts(
     req: CompletionRequest, tokenizer: Tokenizer, limits: ModelLimits
 ) -> list[PreparedPrompt]:
-    """The request's prompts as token ids: a string, strings, a token list or token lists."""
+    """The request's text or token-id prompts: a string, strings, a token list or token lists (none
+    when it has ``prompt_embeds`` and no prompt, or ``""``: ``server/prompt_embeds.py``)."""
     raw = req.prompt
+    if req.prompt_embeds is not None and raw in ("", [""]):
+        return []
     if isinstance(raw, str):
         items: list[str | list[int]] = [raw]
     elif raw and isinstance(raw[0], list):

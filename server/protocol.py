@@ -217,12 +217,24 @@ PromptInput = StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictIn
 
 
 class CompletionRequest(SamplingFields):
+    # With prompt_embeds, an empty text prompt ("", as the OpenAI SDK must send; or none) adds no
+    # prompt (vLLM's rule).
     prompt: PromptInput
+    # vLLM's --enable-prompt-embeds: base64 of torch.save'd tensors [seq_len, hidden] (server/prompt_embeds.py);
+    # their prompts come before the text prompts'.
+    prompt_embeds: StrictStr | list[StrictStr] | None = None
     max_tokens: StrictInt | None = Field(default=16, ge=1)
     logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: StrictBool = False
     suffix: StrictStr | None = None
     best_of: StrictInt | None = Field(default=None, ge=1, le=MAX_N)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _embeds_need_no_prompt(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("prompt") is None and data.get("prompt_embeds") is not None:
+            return {**data, "prompt": ""}
+        return data
 
 
 class ImageURL(_Request):

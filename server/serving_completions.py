@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -22,6 +23,7 @@ from server.params import (
     resume_token_ids,
     sampling_params,
 )
+from server.prompt_embeds import check_embeds_features, embeds_prompts
 from server.protocol import (
     CompletionChoice,
     CompletionChunk,
@@ -63,12 +65,15 @@ class _Choice:
     stop_reason: int | str | None = None
 
 
-def _plan(state: ServerState, req: CompletionRequest) -> tuple[list[PreparedPrompt], list[SequenceRequest]]:
+def _plan(
+    state: ServerState, req: CompletionRequest, embeds: list[PreparedPrompt]
+) -> tuple[list[PreparedPrompt], list[SequenceRequest]]:
+    """``embeds``: the request's prompts given as embeddings (``server/prompt_embeds.py``)."""
     lora = state.check_model(req.model)
     extra = block_extra(lora, req.cache_salt)
     check_completion_features(req)
     limits = state.limits
-    prompts = completion_prompts(req, state.tokenizer, limits)
+    prompts = embeds + completion_prompts(req, state.tokenizer, limits)
     resume = resume_token_ids(req, len(prompts), limits)
     kv = kv_transfer_spec(req, len(prompts))
     if state.config.role == "prefill" and (len(prompts) != 1 or req.n != 1 or req.use_beam_search):
@@ -108,6 +113,7 @@ def _plan(state: ServerState, req: CompletionRequest) -> tuple[list[PreparedProm
                     priority=req.priority,
                     cache_salt=req.cache_salt,
                     beam=beam,
+                    prompt_embeds=prompt.embeds,
                 )
             )
     return prompts, seqs
@@ -167,7 +173,12 @@ async def create_completion(
 ) -> object:
     arrival = time.perf_counter()
     apply_request_defaults(req, state.config.http)
-    prompts, seqs = _plan(state, req)
+    embeds = []
+    if req.prompt_embeds is not None:
+        check_embeds_features(req, state.config.role)
+        # Decoding and checking megabytes of rows: off the event loop.
+        embeds = await asyncio.to_thread(embeds_prompts, req, state.limits)
+    prompts, seqs = _plan(state, req, embeds)
     await compile_constraints(state, seqs, constraint_field(req))
     ticket = state.generation.admit(len(seqs), submitted)
     for first in seqs[:: req.n]:  # per prompt, as vLLM runs each prompt as a request

@@ -99,16 +99,22 @@ class DeepseekForCausalLM:
 
     # -- forward -------------------------------------------------------------------------------------
 
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The ids' input embeddings ``[T, hidden]``, as transformers' ``get_input_embeddings()``
+        gives them (what prompt embeddings and image features stand in for; a fresh tensor)."""
+        return F.embedding(input_ids, self.embed)
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
         kv_caches: list[tuple[torch.Tensor]],  # per layer, the latent cache [blocks, bs, 1, rank + rope]
         meta: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,  # [T, hidden]: instead of ``embed_tokens(input_ids)``
     ) -> torch.Tensor:
         """Hidden states after the final norm, ``[T, hidden]``."""
         ops, eps = self.ops, self.cfg.rms_norm_eps
-        hidden = F.embedding(input_ids, self.embed)
+        hidden = F.embedding(input_ids, self.embed) if inputs_embeds is None else inputs_embeds
         residual: torch.Tensor | None = None
         for layer, (kv_cache,) in zip(self.layers, kv_caches, strict=True):
             x, residual = ops.rms_norm(hidden, layer["in_norm"], eps, residual)

@@ -88,17 +88,23 @@ class GptOssForCausalLM:
             "w2_bias": w.pop(m + "experts.down_proj_bias"),
         }
 
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The ids' input embeddings ``[T, hidden]``, as transformers' ``get_input_embeddings()``
+        gives them (what prompt embeddings and image features stand in for; a fresh tensor)."""
+        return F.embedding(input_ids, self.embed)
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,  # [T, hidden]: instead of ``embed_tokens(input_ids)``
     ) -> torch.Tensor:
         """Hidden states after the final norm, ``[T, hidden]``."""
         cfg, ops, linear = self.cfg, self.ops, self.linear
         eps, d = cfg.rms_norm_eps, cfg.head_dim
-        hidden = F.embedding(input_ids, self.embed)
+        hidden = F.embedding(input_ids, self.embed) if inputs_embeds is None else inputs_embeds
         residual: torch.Tensor | None = None
         t = input_ids.shape[0]
         for layer, window, (k_cache, v_cache) in zip(self.layers, self.windows, kv_caches, strict=True):

@@ -143,6 +143,11 @@ class LlamaForCausalLM:
         layer.update(self.moe.load(w, m) if moe else load_dense_mlp(w, m))  # type: ignore[union-attr]
         return layer
 
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The ids' input embeddings ``[T, hidden]``, as transformers' ``get_input_embeddings()``
+        gives them (what prompt embeddings and image features stand in for; a fresh tensor)."""
+        return F.embedding(input_ids, self.embed)
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]

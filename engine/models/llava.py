@@ -73,10 +73,6 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
 
         self.proj_act = ACT2FN[cfg.vision.projector_act]
 
-    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The ids' token embeddings ``[T, hidden]`` (a copy: image features are written into it)."""
-        return F.embedding(input_ids, self.embed)
-
     @torch.inference_mode()
     def encode_image(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """One image's features ``[placeholder tokens, hidden]``, as transformers'

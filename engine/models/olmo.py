@@ -66,18 +66,24 @@ class Olmo2ForCausalLM:
             **load_dense_mlp(w, p + "mlp."),
         }
 
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The ids' input embeddings ``[T, hidden]``, as transformers' ``get_input_embeddings()``
+        gives them (what prompt embeddings and image features stand in for; a fresh tensor)."""
+        return F.embedding(input_ids, self.embed)
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,  # [T, hidden]: instead of ``embed_tokens(input_ids)``
     ) -> torch.Tensor:
         """Hidden states after the final norm, ``[T, hidden]``."""
         cfg, ops, linear = self.cfg, self.ops, self.linear
         eps, d = cfg.rms_norm_eps, cfg.head_dim
         t = input_ids.shape[0]
-        hidden = F.embedding(input_ids, self.embed)
+        hidden = F.embedding(input_ids, self.embed) if inputs_embeds is None else inputs_embeds
         lora = self.lora
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             qkv = linear(hidden, layer["qkv"], None)

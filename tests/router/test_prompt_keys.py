@@ -163,3 +163,18 @@ def test_a_cache_salt_salts_every_key_as_the_replica_does() -> None:
         assert salted[0] != block_hashes(ids, 16)[0]  # the first block already differs
         # A salt the replica would refuse (400) keys as no salt: only a routing hint is lost.
         assert k.keys("/v1/completions", {"prompt": ids, "cache_salt": 7})[0] == block_hashes(ids, 16)
+
+
+@pytest.mark.parametrize("keyer", [TextKeyer(16), "token"])
+def test_prompt_embeds_bodies_key_by_their_payload(keyer, tiny_llama) -> None:
+    """The router never decodes embeddings: one hash of the payload, identical payloads alike,
+    others apart, never a token or text hash; a body with only prompt_embeds does not break it."""
+    k = TokenKeyer.from_dir(str(tiny_llama), 16) if keyer == "token" else keyer
+    one = k.keys("/v1/completions", {"prompt": "", "prompt_embeds": "QUJD"})
+    assert len(one[0]) == 1 and one[1] == 0
+    assert k.keys("/v1/completions", {"prompt_embeds": ["QUJD", "REVG"]}) == one
+    assert k.keys("/v1/completions", {"prompt_embeds": "REVG"})[0] != one[0]
+    assert k.keys("/v1/completions", {"prompt": "QUJD"})[0] != one[0]
+    assert k.keys("/v1/completions", {"prompt_embeds": "QUJD", "cache_salt": "s"})[0] != one[0]
+    for bad in ([], [3], 5, ""):
+        assert k.keys("/v1/completions", {"prompt_embeds": bad}) == ([], 0)

@@ -30,7 +30,7 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [20, 21, 22, 23], [40, 41, 42, 43, 4
 
 @pytest.fixture
 async def engine(tiny_llama) -> AsyncIterator[AsyncEngine]:
-    eng = AsyncEngine(EngineConfig(model=str(tiny_llama), num_kv_blocks=128))
+    eng = AsyncEngine(EngineConfig(model=str(tiny_llama), num_kv_blocks=128, enable_prompt_embeds=True))
     yield eng
     await eng.shutdown()
 
@@ -102,6 +102,24 @@ async def test_refusals_arrive_as_value_errors_before_any_output(clients) -> Non
     await a.compile_structured(StructuredOutputsParams(choice=["yes", "no"]))
     tokens, _ = await _collect(a, "after", PROMPTS[0])  # and the connection still serves
     assert len(tokens) == 8
+
+
+async def test_prompt_embeds_cross_to_the_engine(engine, clients) -> None:
+    """A tensor prompt is pickled to the engine process and prepared there off its loop: the
+    embedding rows of a prompt answer as its ids, a repeat hits the prefix cache, a bad tensor is
+    a ValueError before any output; outputs carry the placeholder ids."""
+    import torch
+
+    a, b = clients
+    ids = list(range(40, 60))
+    rows = engine.engine.model_runner.model.embed.detach().cpu()[ids].clone()
+    want, _ = await _collect(engine, "ids", ids)
+    tokens, last = await _collect(a, "embeds", rows)
+    assert tokens == want and last.prompt_token_ids == [0] * 20 and last.num_cached_tokens == 0
+    tokens, last = await _collect(b, "again", rows.clone())
+    assert tokens == want and last.num_cached_tokens == 16
+    with pytest.raises(ValueError, match="hidden size 3"):
+        await _collect(a, "bad", torch.zeros(4, 3))
 
 
 async def test_abort_and_a_closed_connection_free_the_blocks(engine, path, clients) -> None:
