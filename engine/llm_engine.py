@@ -12,6 +12,7 @@ import random
 import time
 from array import array
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +36,12 @@ from engine.sampler import Sampler, SamplerOutput, SamplingRow
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import Request, RequestStatus
+from engine.sleep_mode import AWAKE, DISCARDED, OFFLOADED, SleepState, check_level, check_tags
 from engine.spec_decode import NgramProposer
 from engine.stats import ITERATION_TOKEN_BUCKETS, EngineStats, ModelInfo
 from engine.structured_output import GrammarCompiler
 from engine.tokenizer import Tokenizer
+from engine.weight_update import Checkpoint, read_checkpoint
 from kvcache.keys import salt_extra
 
 LogitsObserver = Callable[[list[str], torch.Tensor], None]
@@ -107,6 +110,7 @@ class LLMEngine:
         self.post = Postprocessor(self.tokenizer, self.max_model_len, self.sampling_vocab_size)
         self.grammars = GrammarCompiler(self.tokenizer, self.sampling_vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
+        self.sleep_state = SleepState()
         self._seed_rng = random.Random(config.seed)
         # Test and debugging hook: called with (request ids, fp32 logits) of each step's sampling rows.
         self.logits_observers: list[LogitsObserver] = []
@@ -143,6 +147,87 @@ class LLMEngine:
     @property
     def model_fingerprint(self) -> str:
         return self.model_runner.model_fingerprint
+
+    # -- sleep mode and weight updates (engine/sleep_mode.py, engine/weight_update.py) ---------------
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.sleep_state.is_sleeping
+
+    def sleep(self, level: int) -> None:
+        """Empty the prefix cache, free the KV cache, and offload (level 1) or discard (level 2) the
+        weights. No request may be running (the async engine aborts, waits for or preempts them
+        first); preempted requests left waiting recompute once the engine is awake."""
+        if not self.config.enable_sleep_mode:
+            raise ValueError("sleep mode is not enabled (start the engine with --enable-sleep-mode)")
+        check_level(level)
+        self._check_idle("sleep")
+        state, runner = self.sleep_state, self.model_runner
+        self.block_manager.reset_prefix_cache()
+        if not state.kv_cache_released:
+            self.connector.release_caches()
+            runner.release_kv_cache()
+            state.kv_cache_released = True
+        if level == 2 and state.weights != DISCARDED:
+            runner.discard_weights()
+            state.weights = DISCARDED
+        elif level == 1 and state.weights == AWAKE:
+            runner.offload_weights()
+            state.weights = OFFLOADED
+        state.level = max(state.level, level)
+
+    def wake_up(
+        self, tags: list[str] | tuple[str, ...] | None = None, checkpoint: Checkpoint | None = None
+    ) -> None:
+        """Bring back the weights and / or the KV cache (``tags``; None: both). Discarded weights are
+        read from the checkpoint again (``checkpoint``, if the caller read it off this thread)."""
+        tags = check_tags(tags)
+        state, runner = self.sleep_state, self.model_runner
+        if "weights" in tags and state.weights != AWAKE:
+            if state.weights == OFFLOADED:
+                runner.restore_weights()
+            else:
+                self._install(checkpoint or self.read_checkpoint())
+            state.weights = AWAKE
+        if "kv_cache" in tags and state.kv_cache_released:
+            runner.allocate_kv_cache()
+            self.connector.bind_caches(runner.kv_caches)
+            state.kv_cache_released = False
+        if not state.is_sleeping:
+            state.level = 0
+
+    def read_checkpoint(self, path: str | None = None, load_format: str | None = None) -> Checkpoint:
+        """Read new weights (None: the current checkpoint's directory again), checked against the
+        served model; ValueError if they cannot replace it. Touches no engine state: any thread."""
+        runner = self.model_runner
+        return read_checkpoint(runner, str(runner.model_dir) if path is None else path, load_format)
+
+    def load_checkpoint(self, checkpoint: Checkpoint) -> None:
+        """Serve new weights from now on (asleep or not; an offloaded copy is dropped). No request may
+        be running: its KV would be the old weights'."""
+        self._check_idle("update the weights")
+        self._install(checkpoint)
+        self.sleep_state.weights = AWAKE
+        if not self.sleep_state.is_sleeping:
+            self.sleep_state.level = 0
+
+    def _install(self, checkpoint: Checkpoint) -> None:
+        runner = self.model_runner
+        runner.install_weights(checkpoint.weights)
+        runner.model_dir = checkpoint.model_dir
+        if checkpoint.weights_id != runner.weights_id:
+            runner.set_weights_id(checkpoint.weights_id)
+            self.connector.set_fingerprint(runner.model_fingerprint)
+            self.model_info = replace(
+                self.model_info, model_fingerprint=runner.model_fingerprint, weights_id=runner.weights_id
+            )
+        # Cached KV (device prefix cache, partial blocks, what the tier was asked for) is the old weights'.
+        self.block_manager.reset_prefix_cache()
+        self.scheduler.forget_tier_lookups()
+
+    def _check_idle(self, what: str) -> None:
+        if self.scheduler.running or self.scheduler.loading:
+            raise RuntimeError(f"cannot {what} while requests are running")
 
     # -- LoRA adapters -------------------------------------------------------------------------------
 
@@ -334,6 +419,8 @@ class LLMEngine:
     # -- the step ------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.sleep_state.is_sleeping:
+            raise RuntimeError("the engine is asleep: wake_up() before stepping")
         sched = self.scheduler.schedule()
         if sched.is_empty:
             # Only parked requests remain: wait for a tier load instead of spinning.
@@ -487,6 +574,4 @@ def _lora_names(requests: list[Request]) -> tuple[str, ...]:
 
 
 def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:
-    from dataclasses import replace
-
     return replace(params, max_tokens=max_tokens)
