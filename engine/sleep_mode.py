@@ -83,8 +83,10 @@ def _move(obj: Any, device: torch.device, memo: dict[int, Any]) -> Any:
         return moved
     if isinstance(obj, list):
         obj[:] = [_move(x, device, memo) for x in obj]
-    elif isinstance(obj, tuple):
-        return type(obj)(_move(x, device, memo) for x in obj) if not hasattr(obj, "_fields") else obj
+    elif isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        moved_items = [_move(x, device, memo) for x in obj]
+        if any(a is not b for a, b in zip(moved_items, obj, strict=True)):
+            return tuple(moved_items)
     elif isinstance(obj, dict):
         for k, v in obj.items():
             obj[k] = _move(v, device, memo)

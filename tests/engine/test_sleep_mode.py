@@ -193,3 +193,33 @@ def test_bad_levels_and_tags_are_refused(tiny_llama) -> None:
     assert llm.engine.model_runner.model is None
     llm.wake_up()
     assert not llm.is_sleeping()
+
+
+@pytest.mark.parametrize(
+    "name", ["tiny_llama_tied", "tiny_deepseek", "tiny_gemma3", "tiny_gpt_oss", "tiny_llama_cls"]
+)
+def test_offload_moves_every_tensor_of_every_model_family(name, request) -> None:
+    """Level 1 on an accelerator moves the model's tensors with ``move_tensors``: none may stay
+    behind (found here by the garbage collector's referents, not by the same walk), and tied
+    tensors stay one tensor. Moving to ``meta`` shows it without a GPU."""
+    import torch
+
+    from engine.sleep_mode import move_tensors
+
+    llm = LLM(str(request.getfixturevalue(name)), num_kv_blocks=8)
+    model = llm.engine.model_runner.model
+    tied = model.embed is model.lm_head
+    move_tensors(model, torch.device("meta"))
+    found, seen, stack = [], set(), [model]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            found.append(obj)
+        elif isinstance(obj, (list, tuple, dict)) or type(obj).__module__.startswith("engine.models"):
+            stack.extend(gc.get_referents(obj))
+    assert len(found) > 10
+    assert all(t.device.type == "meta" for t in found)
+    assert (model.embed is model.lm_head) == tied

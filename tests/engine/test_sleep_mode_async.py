@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.demo import build_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -147,3 +147,15 @@ async def test_sleep_needs_sleep_mode(tiny_llama) -> None:
             await eng.sleep()
     finally:
         await eng.shutdown()
+
+
+async def test_shutdown_while_asleep_fails_held_requests_cleanly(tiny_llama) -> None:
+    eng = AsyncEngine(model=str(tiny_llama), enable_sleep_mode=True, num_kv_blocks=64)
+    await eng.sleep(level=1)
+    held = asyncio.ensure_future(_collect(eng, "held"))
+    await asyncio.sleep(0.1)
+    await eng.shutdown()
+    with pytest.raises(EngineDeadError):
+        await held
+    with pytest.raises(EngineDeadError):
+        await eng.wake_up()
