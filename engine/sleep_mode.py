@@ -10,15 +10,17 @@ The engine is asleep until both are back: it runs no step, and the async engine 
 until then (engine/async_engine.py). On a CPU device the weights already live in host memory, so
 level 1 leaves them where they are and frees only the KV cache.
 
-This module only moves tensors and tracks state; it never schedules or touches blocks.
+This module only moves tensors and tracks state; it never schedules or touches blocks. It is
+torch-free at import (API server processes check levels and tags with it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 SLEEP_LEVELS = (1, 2)
 WAKE_TAGS = ("weights", "kv_cache")
@@ -76,6 +78,8 @@ def move_tensors(obj: Any, device: torch.device) -> Any:
 
 
 def _move(obj: Any, device: torch.device, memo: dict[int, Any]) -> Any:
+    import torch
+
     if isinstance(obj, torch.Tensor):
         moved = memo.get(id(obj))
         if moved is None:
