@@ -215,15 +215,16 @@ class LLMEngine:
         runner = self.model_runner
         runner.install_weights(checkpoint.weights)
         runner.model_dir = checkpoint.model_dir
+        # Cached KV (device prefix cache, partial blocks, what the tier was asked for) is the old
+        # weights': dropped first, so its removal events go out under the old fingerprint.
+        self.block_manager.reset_prefix_cache()
+        self.scheduler.forget_tier_lookups()
         if checkpoint.weights_id != runner.weights_id:
             runner.set_weights_id(checkpoint.weights_id)
             self.connector.set_fingerprint(runner.model_fingerprint)
             self.model_info = replace(
                 self.model_info, model_fingerprint=runner.model_fingerprint, weights_id=runner.weights_id
             )
-        # Cached KV (device prefix cache, partial blocks, what the tier was asked for) is the old weights'.
-        self.block_manager.reset_prefix_cache()
-        self.scheduler.forget_tier_lookups()
 
     def _check_idle(self, what: str) -> None:
         if self.scheduler.running or self.scheduler.loading:

@@ -223,3 +223,31 @@ def test_offload_moves_every_tensor_of_every_model_family(name, request) -> None
     assert len(found) > 10
     assert all(t.device.type == "meta" for t in found)
     assert (model.embed is model.lm_head) == tied
+
+
+def test_a_weight_update_moves_tier_keys_and_events_to_the_new_fingerprint(
+    redis_url, tiny_llama, other_llama, reference
+) -> None:
+    """With a Redis tier and KV events: blocks written before the update keep the old weights'
+    keys, those after land under the new fingerprint, and each model's events go to its own stream."""
+    import redis
+
+    from kvcache.events import KVEventReader
+
+    llm = LLM(str(tiny_llama), num_kv_blocks=64, kv_tier=redis_url, kv_events=True, kv_events_replica_id="r1")
+    assert _tokens(llm) == reference["tiny"]
+    old = llm.engine.model_fingerprint
+    llm.reload_weights(str(other_llama))
+    new = llm.engine.model_fingerprint
+    assert _tokens(llm) == reference["other"]
+    llm.close()
+    keys = {k.decode() for k in redis.Redis.from_url(redis_url).scan_iter("ferry:kv:*")}
+    # The first request's three full blocks (40 prompt + 9 computed output tokens) under each
+    # fingerprint, and one events stream each.
+    assert sum(k.startswith(f"ferry:kv:{old}:") for k in keys) == 3
+    assert sum(k.startswith(f"ferry:kv:{new}:") for k in keys) == 3
+    assert {k for k in keys if ":events:" in k} == {f"ferry:kv:events:{old}", f"ferry:kv:events:{new}"}
+    old_events = KVEventReader(redis_url, old).read()
+    new_events = KVEventReader(redis_url, new).read()
+    assert {e.kind for e in old_events} == {"stored", "removed"}  # removed: the update emptied the cache
+    assert {e.kind for e in new_events} == {"stored"}
