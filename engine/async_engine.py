@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import functools
 import logging
 import threading
@@ -23,16 +22,15 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from engine.async_sleep import Barrier, Lifecycle, SleepCommands, aborted_output, resolve
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
 from engine.llm_engine import LLMEngine
 from engine.lora_request import LoRARequest, ServedLoRA
 from engine.outputs import RequestOutput, merge_pending
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
-from engine.sequence import Request, RequestStatus
-from engine.sleep_mode import DISCARDED, check_level, check_mode, check_tags
+from engine.sequence import Request
 from engine.stats import EngineStats, ModelInfo
-from engine.weight_update import Checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -70,41 +68,10 @@ class _ResetPrefixCache:
     result: int | bool = False
 
 
-_Outcome = tuple[bool, Any]  # (ok, result or exception)
+_Command = _Add | _Abort | _ResetPrefixCache | Lifecycle
 
 
-@dataclass
-class _Sleep:
-    level: int
-    mode: str  # abort | wait | keep (engine/sleep_mode.py)
-    done: concurrent.futures.Future
-    outcome: _Outcome | None = None  # set when it ran; ``done`` resolved once stats are published
-
-
-@dataclass
-class _WakeUp:
-    tags: tuple[str, ...]
-    checkpoint: Checkpoint | None  # discarded weights, read off the loop thread
-    done: concurrent.futures.Future
-    outcome: _Outcome | None = None
-
-
-@dataclass
-class _LoadWeights:
-    checkpoint: Checkpoint
-    abort_running: bool
-    done: concurrent.futures.Future  # -> the number of requests aborted
-    aborted: int = 0
-    outcome: _Outcome | None = None
-
-
-_Command = _Add | _Abort | _ResetPrefixCache | _Sleep | _WakeUp | _LoadWeights
-# Commands that run only once no request is running (the loop keeps stepping until then, new
-# requests held meanwhile): a sleep in ``wait`` mode, a weight update.
-_Barrier = _Sleep | _LoadWeights
-
-
-class AsyncEngine:
+class AsyncEngine(SleepCommands):
     # The most an idle loop holds its first step to gather a burst of arrivals (``_gather_burst``).
     arrival_wait_s = 0.025
     # How ``_gather_burst`` probes the submitters, called on their event loop with a function to
@@ -135,7 +102,7 @@ class AsyncEngine:
         # Sleep mode and weight updates: requests that arrived while the engine sleeps or drains
         # (held, in arrival order, until it is awake and idle-barriers ran), and those barriers.
         self._held: dict[str, _Add] = {}
-        self._barriers: list[_Barrier] = []
+        self._barriers: list[Barrier] = []
         self._stats = self._engine_stats()
         self._thread = threading.Thread(target=self._run, name="ferry-engine-loop", daemon=True)
         self._thread.start()
@@ -335,50 +302,6 @@ class AsyncEngine:
         self._submit(_ResetPrefixCache(done))
         return await asyncio.wrap_future(done)
 
-    # -- sleep mode and weight updates (engine/sleep_mode.py, engine/weight_update.py) --------------
-
-    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
-        """vLLM's sleep: free the KV cache (prefix cache emptied) and offload (1) or discard (2) the
-        weights. Requests in flight are, by ``mode``: aborted (``abort``, vLLM's default: their
-        streams end with finish reason "abort"), run to their end first (``wait``), or preempted
-        and resumed after waking (``keep``). Requests arriving while asleep are held until the
-        engine is awake. ValueError without ``enable_sleep_mode`` or for a bad level or mode."""
-        self._check_alive()
-        if not self.config.enable_sleep_mode:
-            raise ValueError("sleep mode is not enabled (start the engine with --enable-sleep-mode)")
-        await self._run_command(_Sleep(check_level(level), check_mode(mode), concurrent.futures.Future()))
-
-    async def wake_up(self, tags: list[str] | tuple[str, ...] | None = None) -> None:
-        """Restore ``tags`` (``weights``, ``kv_cache``; None: both); once both are back, held
-        requests run. Discarded weights are read from the checkpoint again, in a worker thread."""
-        self._check_alive()
-        tags = check_tags(tags)
-        checkpoint = None
-        if "weights" in tags and self.engine.sleep_state.weights == DISCARDED:
-            checkpoint = await asyncio.to_thread(self.engine.read_checkpoint)
-        await self._run_command(_WakeUp(tags, checkpoint, concurrent.futures.Future()))
-
-    def is_sleeping(self) -> bool:
-        return self.engine.is_sleeping
-
-    async def reload_weights(
-        self, path: str | None = None, load_format: str | None = None, abort_running: bool = False
-    ) -> int:
-        """Serve the weights of checkpoint ``path`` (None: the current one, read again): read and
-        checked in a worker thread (ValueError if they cannot replace the served ones, which keep
-        serving), installed between steps once no request runs: new requests are held meanwhile,
-        running ones finish first (or are aborted with ``abort_running``). The prefix cache is
-        emptied and the model fingerprint changes. Returns the number of requests aborted."""
-        self._check_alive()
-        checkpoint = await asyncio.to_thread(self.engine.read_checkpoint, path, load_format)
-        return await self._run_command(_LoadWeights(checkpoint, abort_running, concurrent.futures.Future()))
-
-    async def _run_command(self, cmd: _Sleep | _WakeUp | _LoadWeights) -> Any:
-        self._submit(cmd)
-        result = await asyncio.wrap_future(cmd.done)
-        self.model_info = self.engine.model_info  # a weight update changes the fingerprint
-        return result
-
     def stats(self) -> EngineStats:
         """The snapshot the loop published after its latest step or command."""
         return self._stats
@@ -448,8 +371,8 @@ class AsyncEngine:
                             cmd.done.set_result(None)
                         elif isinstance(cmd, _ResetPrefixCache):
                             cmd.done.set_result(cmd.result)
-                        elif isinstance(cmd, _Sleep | _WakeUp | _LoadWeights) and cmd.outcome is not None:
-                            _resolve(cmd.done, cmd.outcome)
+                        elif isinstance(cmd, Lifecycle) and cmd.outcome is not None:
+                            resolve(cmd.done, cmd.outcome)
                 if self._can_step():
                     outputs = engine.step()
                     # Publish stats first: a caller that sees its final output sees them updated.
@@ -516,106 +439,16 @@ class AsyncEngine:
             busy = engine.has_unfinished_requests()
             cmd.result = False if busy else engine.block_manager.reset_prefix_cache()
             return
-        if isinstance(cmd, _Sleep | _WakeUp | _LoadWeights):
+        if isinstance(cmd, Lifecycle):
             self._apply_lifecycle(cmd)
             return
         held = self._held.pop(cmd.request_id, None)
         if held is not None:
-            self._deliver([_aborted(engine, held.request)])
+            self._deliver([aborted_output(engine, held.request)])
             return
         out = engine.abort_request(cmd.request_id)
         if out is not None:
             self._deliver([out])
-
-    # -- sleep mode and weight updates, on the loop thread ---------------------------------------------
-
-    def _has_work(self) -> bool:
-        """A step to run, or barriers whose running requests have all ended."""
-        return self._can_step() or bool(self._barriers) and self._barrier_ready()
-
-    def _can_step(self) -> bool:
-        engine = self.engine
-        return engine.has_unfinished_requests() and not engine.is_sleeping
-
-    def _holding(self) -> bool:
-        """New requests wait outside the scheduler: the engine sleeps or drains for a barrier."""
-        return bool(self._barriers) or self.engine.is_sleeping
-
-    def _apply_lifecycle(self, cmd: _Sleep | _WakeUp | _LoadWeights) -> None:
-        engine = self.engine
-        if isinstance(cmd, _WakeUp):
-            cmd.outcome = _run(lambda: engine.wake_up(cmd.tags, cmd.checkpoint))
-            self._release_held()
-            return
-        if (
-            isinstance(cmd, _Sleep)
-            and cmd.mode == "abort"
-            or isinstance(cmd, _LoadWeights)
-            and cmd.abort_running
-        ):
-            aborted = self._abort_in_flight()
-            if isinstance(cmd, _LoadWeights):
-                cmd.aborted = aborted
-        elif isinstance(cmd, _Sleep) and cmd.mode == "keep":
-            engine.scheduler.preempt_all()
-        if isinstance(cmd, _Sleep) and cmd.mode != "wait" or self._barrier_ready():
-            self._run_barrier(cmd)
-        else:
-            self._barriers.append(cmd)
-
-    def _barrier_ready(self) -> bool:
-        """Nothing runs: the engine is idle, or asleep (requests kept by a ``keep`` sleep wait for the wake)."""
-        engine = self.engine
-        return not engine.has_unfinished_requests() or engine.is_sleeping
-
-    def _run_barriers(self) -> list[_Command]:
-        """Run the barriers that waited for running requests to end; then let held requests in."""
-        ran: list[_Command] = list(self._barriers)
-        self._barriers.clear()
-        for cmd in ran:
-            self._run_barrier(cmd)  # type: ignore[arg-type]
-        return ran
-
-    def _run_barrier(self, cmd: _Barrier) -> None:
-        engine = self.engine
-        if isinstance(cmd, _Sleep):
-            cmd.outcome = _run(lambda: engine.sleep(cmd.level))
-        else:
-            cmd.outcome = _run(lambda: (engine.load_checkpoint(cmd.checkpoint), cmd.aborted)[1])
-        self._release_held()
-
-    def _abort_in_flight(self) -> int:
-        """Abort every request in the engine (not those held); their streams end with "abort"."""
-        engine = self.engine
-        outputs = [out for rid in list(engine.requests) if (out := engine.abort_request(rid)) is not None]
-        engine.scheduler.drain_loads()  # parked requests' blocks are freed once their load is done
-        self._deliver(outputs)
-        return len(outputs)
-
-    def _release_held(self) -> None:
-        if self._holding() or not self._held:
-            return
-        held = list(self._held.values())
-        self._held.clear()
-        for cmd in held:
-            self.engine.add_request(cmd.request)
-
-    def _engine_stats(self) -> EngineStats:
-        stats = self.engine.stats()
-        state = self.engine.sleep_state
-        return dataclasses.replace(
-            stats,
-            num_waiting=stats.num_waiting + len(self._held),
-            sleep_level=state.level if state.is_sleeping else 0,
-        )
-
-    def _fail_commands(self, error: BaseException) -> None:
-        """Commands that will never run (shutdown, a dead loop) fail instead of hanging their callers."""
-        for cmd in [*self._barriers, *self._commands]:
-            done = getattr(cmd, "done", None)
-            if done is not None and not done.done():
-                done.set_exception(error)
-        self._barriers.clear()
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Hand a step's outputs over with one wake-up per event loop (not one per request): each
@@ -637,30 +470,6 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(_hand_over, items)
             except RuntimeError:
                 pass  # that event loop is closed: nobody is waiting
-
-
-def _run(function: Callable[[], Any]) -> _Outcome:
-    """What ``function`` returned, or what it raised (ValueError: the caller's bad input; the engine
-    loop goes on either way)."""
-    try:
-        return True, function()
-    except Exception as exc:  # noqa: BLE001 - the caller's to handle, not the loop's
-        return False, exc
-
-
-def _resolve(done: concurrent.futures.Future, outcome: _Outcome) -> None:
-    if not done.done():
-        if outcome[0]:
-            done.set_result(outcome[1])
-        else:
-            done.set_exception(outcome[1])
-
-
-def _aborted(engine: LLMEngine, request: Request) -> RequestOutput:
-    """The final output of a held request aborted before it reached the scheduler."""
-    request.status = RequestStatus.FINISHED
-    request.finish_reason = "abort"
-    return engine.post.delta(request, [], "", None)
 
 
 def _hand_over(items: list[tuple[Sink, RequestOutput | BaseException]]) -> None:

@@ -36,18 +36,17 @@ from engine.sampler import Sampler, SamplerOutput, SamplingRow
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import Request, RequestStatus
-from engine.sleep_mode import AWAKE, DISCARDED, OFFLOADED, SleepState, check_level, check_tags
+from engine.sleep_mode import EngineSleep, SleepState
 from engine.spec_decode import NgramProposer
 from engine.stats import ITERATION_TOKEN_BUCKETS, EngineStats, ModelInfo
 from engine.structured_output import GrammarCompiler
 from engine.tokenizer import Tokenizer
-from engine.weight_update import Checkpoint, read_checkpoint
 from kvcache.keys import salt_extra
 
 LogitsObserver = Callable[[list[str], torch.Tensor], None]
 
 
-class LLMEngine:
+class LLMEngine(EngineSleep):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_dir: Path = resolve_model_dir(config.model)
@@ -147,88 +146,6 @@ class LLMEngine:
     @property
     def model_fingerprint(self) -> str:
         return self.model_runner.model_fingerprint
-
-    # -- sleep mode and weight updates (engine/sleep_mode.py, engine/weight_update.py) ---------------
-
-    @property
-    def is_sleeping(self) -> bool:
-        return self.sleep_state.is_sleeping
-
-    def sleep(self, level: int) -> None:
-        """Empty the prefix cache, free the KV cache, and offload (level 1) or discard (level 2) the
-        weights. No request may be running (the async engine aborts, waits for or preempts them
-        first); preempted requests left waiting recompute once the engine is awake."""
-        if not self.config.enable_sleep_mode:
-            raise ValueError("sleep mode is not enabled (start the engine with --enable-sleep-mode)")
-        check_level(level)
-        self._check_idle("sleep")
-        state, runner = self.sleep_state, self.model_runner
-        self.block_manager.reset_prefix_cache()
-        if not state.kv_cache_released:
-            self.connector.release_caches()
-            runner.release_kv_cache()
-            state.kv_cache_released = True
-        if level == 2 and state.weights != DISCARDED:
-            runner.discard_weights()
-            state.weights = DISCARDED
-        elif level == 1 and state.weights == AWAKE:
-            runner.offload_weights()
-            state.weights = OFFLOADED
-        state.level = max(state.level, level)
-
-    def wake_up(
-        self, tags: list[str] | tuple[str, ...] | None = None, checkpoint: Checkpoint | None = None
-    ) -> None:
-        """Bring back the weights and / or the KV cache (``tags``; None: both). Discarded weights are
-        read from the checkpoint again (``checkpoint``, if the caller read it off this thread)."""
-        tags = check_tags(tags)
-        state, runner = self.sleep_state, self.model_runner
-        if "weights" in tags and state.weights != AWAKE:
-            if state.weights == OFFLOADED:
-                runner.restore_weights()
-            else:
-                self._install(checkpoint or self.read_checkpoint())
-            state.weights = AWAKE
-        if "kv_cache" in tags and state.kv_cache_released:
-            runner.allocate_kv_cache()
-            self.connector.bind_caches(runner.kv_caches)
-            state.kv_cache_released = False
-        if not state.is_sleeping:
-            state.level = 0
-
-    def read_checkpoint(self, path: str | None = None, load_format: str | None = None) -> Checkpoint:
-        """Read new weights (None: the current checkpoint's directory again), checked against the
-        served model; ValueError if they cannot replace it. Touches no engine state: any thread."""
-        runner = self.model_runner
-        return read_checkpoint(runner, str(runner.model_dir) if path is None else path, load_format)
-
-    def load_checkpoint(self, checkpoint: Checkpoint) -> None:
-        """Serve new weights from now on (asleep or not; an offloaded copy is dropped). No request may
-        be running: its KV would be the old weights'."""
-        self._check_idle("update the weights")
-        self._install(checkpoint)
-        self.sleep_state.weights = AWAKE
-        if not self.sleep_state.is_sleeping:
-            self.sleep_state.level = 0
-
-    def _install(self, checkpoint: Checkpoint) -> None:
-        runner = self.model_runner
-        runner.install_weights(checkpoint.weights)
-        runner.model_dir = checkpoint.model_dir
-        # Cached KV (device prefix cache, partial blocks, what the tier was asked for) is the old
-        # weights': dropped first, so its removal events go out under the old fingerprint.
-        self.block_manager.reset_prefix_cache()
-        self.scheduler.forget_tier_lookups()
-        if checkpoint.weights_id != runner.weights_id:
-            runner.set_weights_id(checkpoint.weights_id)
-            self.connector.set_fingerprint(runner.model_fingerprint)
-            self.model_info = replace(
-                self.model_info, model_fingerprint=runner.model_fingerprint, weights_id=runner.weights_id
-            )
-
-    def _check_idle(self, what: str) -> None:
-        if self.scheduler.running or self.scheduler.loading:
-            raise RuntimeError(f"cannot {what} while requests are running")
 
     # -- LoRA adapters -------------------------------------------------------------------------------
 
