@@ -33,7 +33,6 @@ UPDATE_LOAD_FORMATS = ("auto", "safetensors")
 # ModelConfig fields a new checkpoint may change: the loader casts to the serving dtype anyway, and
 # the stop tokens are fixed at start (as the tokenizer is).
 _FREE_FIELDS = frozenset({"checkpoint_dtype", "eos_token_ids"})
-_READ_CHUNK = 16 << 20
 
 
 @dataclass
@@ -58,8 +57,7 @@ def content_weights_id(model_dir: Path, hf_overrides: dict | None = None) -> str
     h = hashlib.sha256(weights_id(model_dir, hf_overrides).encode())
     for path in safetensors_files(model_dir):
         with path.open("rb") as f:
-            while chunk := f.read(_READ_CHUNK):
-                h.update(chunk)
+            h.update(hashlib.file_digest(f, "sha256").digest())
     return h.hexdigest()[:32]
 
 
