@@ -120,6 +120,7 @@ class AsyncEngine(SleepCommands):
         lora_request: LoRARequest | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        images: list[Any] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream DELTA outputs of one request; the last has ``finished=True`` (and, for a
         ``pooling`` request, the ``embedding``).
@@ -131,6 +132,8 @@ class AsyncEngine(SleepCommands):
         if params.structured_outputs is not None:
             self._check_alive()
             grammar = await self.compile_structured(params.structured_outputs)
+        if images:
+            images = await self.process_images(images)
         if lora_request is not None:
             self._check_alive()
             await self.load_lora(lora_request)
@@ -147,6 +150,7 @@ class AsyncEngine(SleepCommands):
             lora_request=lora_request,
             priority=priority,
             cache_salt=cache_salt,
+            images=images,
         )
         finished = False
         try:
@@ -176,6 +180,7 @@ class AsyncEngine(SleepCommands):
         lora_request: LoRARequest | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        images: list[Any] | None = None,
     ) -> None:
         """Submit a request whose outputs go to ``sink``, called on this event loop: each step's
         DELTA output (the last has ``finished=True``), or an ``EngineDeadError`` if the loop dies.
@@ -203,6 +208,7 @@ class AsyncEngine(SleepCommands):
             lora_request=lora_request,
             priority=priority,
             cache_salt=cache_salt,
+            images=images,
         )
         loop = asyncio.get_running_loop()
         streams = self._streams
@@ -231,6 +237,13 @@ class AsyncEngine(SleepCommands):
         grammars = self.engine.grammars
         hit = grammars.cached(spec)
         return hit if hit is not None else await asyncio.to_thread(grammars.compile, spec)
+
+    async def process_images(self, images: list[Any]) -> list[Any]:
+        """A request's images made pixel values in a worker thread (engine/image_processor.py:
+        resizing a photo takes tens of ms, which neither loop should wait on); as given for a model
+        that takes no images (``make_request`` refuses them)."""
+        processor = self.engine.image_processor
+        return images if processor is None else await asyncio.to_thread(processor.process, images)
 
     async def load_lora(self, lora_request: LoRARequest) -> ServedLoRA:
         """Have the adapter loaded (ValueError if it cannot run on this model): its files are read

@@ -29,34 +29,46 @@ _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _CONTINUE_TAG = "\x00FERRY_CONTINUE_FINAL_MESSAGE\x00"
 
 
+# Content part types that carry an image (OpenAI chat's, the Responses API's, and the plain form
+# templates see: transformers' ``{"type": "image"}``).
+IMAGE_PART_TYPES = ("image_url", "input_image", "image", "image_pil")
+
+
 class ChatTemplateError(ValueError):
     """The chat template is missing or failed on these messages (a client error: HTTP 400)."""
 
 
-def flatten_content_parts(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def flatten_content_parts(
+    messages: Sequence[Mapping[str, Any]], image_token: str | None = None
+) -> list[dict[str, Any]]:
     """Messages with ``content`` given as a list of text parts, turned into plain strings.
 
     For templates that expect ``message['content']`` to be a string (most do). Text parts are joined
-    with newlines, as vLLM does. Parts that are not text cannot be shown to a text-only model.
+    with newlines, as vLLM does; an image part (``{"type": "image"}``) becomes ``image_token`` where
+    it stands, for a vision-language model. Other parts cannot be shown to a text-only model.
     """
     flat = []
     for message in messages:
         content = message.get("content")
         if isinstance(content, list):
-            message = {**message, "content": "\n".join(_part_text(p) for p in content)}
+            message = {**message, "content": "\n".join(_part_text(p, image_token) for p in content)}
         flat.append(dict(message))
     return flat
 
 
-def _part_text(part: Any) -> str:
+def _part_text(part: Any, image_token: str | None = None) -> str:
     if isinstance(part, str):
         return part
     if isinstance(part, Mapping):
         kind = part.get("type", "text")
         if kind in ("text", "input_text") and isinstance(part.get("text"), str):
             return part["text"]
+        if kind == "image" and image_token is not None:
+            return image_token
         raise ChatTemplateError(
             f"content part of type {kind!r} is not supported: this model accepts text only"
+            if image_token is None or kind not in IMAGE_PART_TYPES
+            else f"content part of type {kind!r} is not supported"
         )
     raise ChatTemplateError(
         f"a content part must be an object with 'type' and 'text', got {type(part).__name__}"
@@ -71,12 +83,12 @@ def _as_parts(message: dict[str, Any]) -> dict[str, Any]:
     return message
 
 
-def _check_parts(messages: Sequence[Mapping[str, Any]]) -> None:
+def _check_parts(messages: Sequence[Mapping[str, Any]], image_token: str | None) -> None:
     for message in messages:
         content = message.get("content")
         if isinstance(content, list):
             for part in content:
-                _part_text(part)
+                _part_text(part, image_token)
 
 
 def template_iterates_content(template: str) -> bool:
@@ -213,13 +225,21 @@ class ChatTemplates:
     """
 
     def __init__(
-        self, templates: Mapping[str, str], special_tokens: Mapping[str, str], content_format: str = "auto"
+        self,
+        templates: Mapping[str, str],
+        special_tokens: Mapping[str, str],
+        content_format: str = "auto",
+        image_token: str | None = None,
     ) -> None:
+        """``image_token``: a vision-language model's image placeholder text; image parts
+        (``{"type": "image"}``) reach templates that loop over parts as they are and become this
+        text in string content. None: image parts are refused (a text-only model)."""
         if content_format not in CONTENT_FORMATS:
             raise ValueError(f"chat template content format must be one of {', '.join(CONTENT_FORMATS)}")
         self._templates = {name: t for name, t in templates.items() if t}
         self._special = dict(special_tokens)
         self._content_format = content_format
+        self.image_token = image_token
         self._compiled: dict[str, tuple[jinja2.Template, bool]] = {}
 
     @classmethod
@@ -274,11 +294,11 @@ class ChatTemplates:
         if self._content_format != "auto":
             takes_parts = self._content_format == "openai"
         if takes_parts:
-            _check_parts(messages)
+            _check_parts(messages, self.image_token)
             if self._content_format == "openai":
                 messages = [_as_parts(m) for m in messages]
         else:
-            messages = flatten_content_parts(messages)
+            messages = flatten_content_parts(messages, self.image_token)
         if continue_final_message:
             if add_generation_prompt:
                 raise ChatTemplateError("continue_final_message and add_generation_prompt cannot both be set")
@@ -321,7 +341,12 @@ def template_message(message: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"role": message.get("role")}
     content = message.get("content")
     if isinstance(content, list):
-        out["content"] = [{"type": "text", "text": part.get("text")} for part in content]
+        out["content"] = [
+            {"type": "image"}
+            if part.get("type") in IMAGE_PART_TYPES
+            else {"type": "text", "text": part.get("text")}
+            for part in content
+        ]
     else:
         out["content"] = content if content is not None else ""
     for key in ("name", "tool_call_id"):

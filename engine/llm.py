@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any
 
@@ -15,6 +15,7 @@ from engine.classifier import ClassifierInfo, pair_prompt
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.lora_request import LoRARequest
+from engine.media import MediaOptions, load_image, message_image_parts
 from engine.outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
@@ -28,6 +29,14 @@ from engine.sequence import Request
 from engine.tokenizer import Tokenizer
 
 Prompt = str | list[int]
+
+
+@dataclass(frozen=True)
+class ImagePrompt:
+    """A prompt with images (vLLM's ``{"prompt": …, "multi_modal_data": {"image": …}}``)."""
+
+    prompt: Prompt
+    images: tuple[Any, ...]
 
 
 class LLM:
@@ -129,7 +138,7 @@ class LLM:
         first (needs ``scheduling_policy="priority"``). Prompts may be vLLM's prompt dicts;
         ``use_tqdm`` is accepted for vLLM's callers and shows nothing."""
         self._check_ready()
-        prompt_list = _as_prompt_list(prompts)
+        prompt_list = _as_prompt_list(prompts, images=True)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -151,13 +160,21 @@ class LLM:
         groups: list[list] = []
         for prompt, params, lora, prio in zip(prompt_list, params_list, lora_list, priorities, strict=True):
             params.validate()
+            images: list[Any] = []
+            if isinstance(prompt, ImagePrompt):
+                prompt, images = prompt.prompt, list(prompt.images)
             children = []
             for i in range(params.n):
                 seed = None if params.seed is None else params.seed + i
                 child = replace(params, n=1, seed=seed)
                 children.append(
                     engine.make_request(
-                        f"llm-{next(self._ids)}", prompt, child, lora_request=lora, priority=prio
+                        f"llm-{next(self._ids)}",
+                        prompt,
+                        child,
+                        lora_request=lora,
+                        priority=prio,
+                        images=images,
                     )
                 )
             groups.append(children)
@@ -241,8 +258,10 @@ class LLM:
         """Generate replies to one conversation (a list of messages) or several (a list of them),
         as vLLM's ``LLM.chat``: each rendered with the model's chat template (or ``chat_template``,
         a template's text or the name of one of the model's), as ``/v1/chat/completions`` renders
-        it, then generated as ``generate`` does. Raises ``ChatTemplateError`` (a ValueError) for
-        messages the template cannot take."""
+        it, then generated as ``generate`` does. A vision-language model takes image parts too:
+        ``image_url`` with a data: or http(s) URL, or ``{"type": "image_pil", "image_pil": image}``.
+        Raises ``ChatTemplateError`` (a ValueError) for messages the template cannot take, and
+        ``MediaError`` (a ValueError) for an image that cannot be read."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         kwargs = dict(chat_template_kwargs or {})
         if chat_template is not None:
@@ -251,6 +270,9 @@ class LLM:
             kwargs["continue_final_message"] = True
         prompts: list[Prompt] = []
         for conversation in conversations:
+            # Image parts (data: or http(s) URLs, or PIL images as "image_pil") are read first, so a
+            # bad one fails before anything runs.
+            images = [load_image(src, MediaOptions()) for src in message_image_parts(conversation)]
             text = self.tokenizer.apply_chat_template(
                 [template_message(m) for m in conversation],  # type: ignore[arg-type]
                 add_generation_prompt=add_generation_prompt,
@@ -258,7 +280,8 @@ class LLM:
                 **kwargs,
             )
             # The template holds every special token: none are added (as the server encodes it).
-            prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            prompts.append(ImagePrompt(ids, tuple(images)) if images else ids)  # type: ignore[arg-type]
         return self.generate(prompts, sampling_params, lora_request)
 
     def embed(self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = False) -> list[list[float]]:
@@ -362,26 +385,36 @@ class LLM:
         return reqs
 
 
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt], images: bool = False) -> list[Prompt]:
     """Prompts as the engine takes them: text or token ids, also given as vLLM's prompt dicts
-    (``{"prompt": text}``, ``{"prompt_token_ids": ids}``)."""
+    (``{"prompt": text}``, ``{"prompt_token_ids": ids}``, either with ``"multi_modal_data":
+    {"image": PIL image or list}`` where ``images`` allows it: then an ``ImagePrompt``)."""
     if isinstance(prompts, (str, Mapping)):
         prompts = [prompts]  # type: ignore[list-item]
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # one token-id prompt
-    return [_unwrap(p) for p in prompts]
+    return [_unwrap(p, images) for p in prompts]
 
 
-def _unwrap(prompt: object) -> Prompt:
+def _unwrap(prompt: object, images: bool) -> Prompt:
     if not isinstance(prompt, Mapping):
         return prompt  # type: ignore[return-value]
-    keys = set(prompt)
+    keys = set(prompt) - {"multi_modal_data"}
     if keys == {"prompt"} and isinstance(prompt["prompt"], str):
-        return prompt["prompt"]
-    if keys == {"prompt_token_ids"}:
-        return list(prompt["prompt_token_ids"])
-    raise ValueError(
-        f"a prompt dict takes 'prompt' (text) or 'prompt_token_ids' alone, got {sorted(keys)}"
-        " (this engine reads text only)"
-    )
+        text: Prompt = prompt["prompt"]
+    elif keys == {"prompt_token_ids"}:
+        text = list(prompt["prompt_token_ids"])
+    else:
+        raise ValueError(
+            f"a prompt dict takes 'prompt' (text) or 'prompt_token_ids' (and 'multi_modal_data'), got {sorted(keys)}"
+        )
+    if "multi_modal_data" not in prompt:
+        return text
+    if not images:
+        raise ValueError("multi_modal_data is taken by LLM.generate only")
+    data = prompt["multi_modal_data"]
+    if not isinstance(data, Mapping) or set(data) - {"image"}:
+        raise ValueError("multi_modal_data takes 'image': a PIL image or a list of them")
+    given = data.get("image", [])
+    return ImagePrompt(text, tuple(given) if isinstance(given, (list, tuple)) else (given,))  # type: ignore[return-value]

@@ -22,6 +22,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.generation_defaults import load_generation_defaults
+from engine.image_processor import ImageProcessor, probe_image
 from engine.kv_connector import build_kv_connector
 from engine.lora import LoRAAdapter, LoRACache, load_adapter
 from engine.lora_request import LoRARequest
@@ -65,6 +66,7 @@ class LLMEngine(EngineSleep):
         )
         self.model_runner = ModelRunner(config, self.model_dir, self.model_config)
         runner = self.model_runner
+        self.image_processor = self._image_processor() if runner.takes_images else None
         self.pooling_type = runner.pooling_type = resolve_pooling_type(config.pooling_type, self.model_dir)
         self.max_model_len = runner.max_model_len
         self.vocab_size = self.model_config.vocab_size
@@ -141,7 +143,22 @@ class LLMEngine(EngineSleep):
             pooling_type=self.pooling_type,
             generation_defaults=self.generation_defaults,
             classifier=runner.classifier,
+            image=self.image_processor.spec if self.image_processor is not None else None,
         )
+
+    def _image_processor(self) -> ImageProcessor:
+        """The model's image processor, checked once against the vision tower: one image's features
+        must fill exactly the placeholder run the processor expands its token into."""
+        vision = self.model_config.vision
+        processor = ImageProcessor(self.model_dir, vision.image_token_id)  # type: ignore[union-attr]
+        _, (probe,) = processor.prepare([vision.image_token_id], [probe_image()])  # type: ignore[union-attr]
+        rows = self.model_runner.model.encode_image(probe.pixel_values).shape[0]
+        if rows != probe.length:
+            raise ValueError(
+                f"the vision tower gives {rows} features per image but the processor expands an image "
+                f"into {probe.length} tokens"
+            )
+        return processor
 
     @property
     def model_fingerprint(self) -> str:
@@ -194,8 +211,12 @@ class LLMEngine(EngineSleep):
         lora_request: LoRARequest | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        images: list[Any] | None = None,
     ) -> Request:
         """Validate and build a request (raises ValueError for bad input); does not queue it.
+
+        ``images``: PIL images for a vision-language model, one per image token of the prompt (in
+        order); each image token becomes the image's placeholder run (``engine/image_processor.py``).
 
         ``priority``: under ``scheduling_policy="priority"``, lower values run first (vLLM's);
         any other value than 0 is refused under ``fcfs``.
@@ -234,6 +255,11 @@ class LLMEngine(EngineSleep):
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("the prompt is empty")
+        image_inputs = []
+        if self.image_processor is not None:
+            ids, image_inputs = self.image_processor.prepare(ids, list(images or []))
+        elif images:
+            raise ValueError(f"this model ({self.model_config.architecture}) takes text only, not images")
         resumed = list(resume_token_ids or [])
         extra = [
             *(params.allowed_token_ids or ()),
@@ -289,6 +315,9 @@ class LLMEngine(EngineSleep):
         )
         req.pooling = pooling
         req.priority = priority
+        if image_inputs:
+            req.images = image_inputs
+            req.image_spans = tuple((i.offset, i.length, i.digest) for i in image_inputs)
         if adapter is not None:
             req.lora, req.block_extra = adapter, adapter.block_extra
         if cache_salt is not None:

@@ -133,6 +133,7 @@ class ModelRunner:
         self.model: Any = None
         self.install_weights(weights)
         self.vocab_size = int(self.model.lm_head.shape[0])
+        self.takes_images = hasattr(self.model, "encode_image")
         self.lora_adapters = DeviceAdapters(self.device, config.max_loras) if config.enable_lora else None
         self.num_kv_blocks = self._num_kv_blocks()
         self.kv_caches: list[tuple[torch.Tensor, ...]] = []
@@ -338,7 +339,11 @@ class ModelRunner:
                 rows.append((first, s.num_new_tokens, s.request.lora))
                 first += s.num_new_tokens
             self.model.lora = self.lora_adapters.batch(rows, self.model.linear)
-        hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
+        embeds = self._image_embeddings(out, input_ids) if self.takes_images else None
+        if embeds is None:
+            hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
+        else:
+            hidden = self.model.forward(input_ids, positions, self.kv_caches, meta, inputs_embeds=embeds)
         rows: list[int] = []
         sampling: list[ScheduledRequest] = []
         prompt: list[PromptLogits] = []
@@ -381,6 +386,34 @@ class ModelRunner:
                 pooled_hidden = self.model.linear(pooled_hidden, self.score_head, None)
             pooled_hidden = pooled_hidden.cpu()
         return ModelOutput(logits, sampling, prompt, pooled, pooled_hidden)
+
+    def _image_embeddings(self, out: SchedulerOutput, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """The step's input embeddings with image features at the image placeholder positions it
+        computes, or None when it computes none. An image is encoded when a chunk first reaches its
+        run and its features are kept on the request until the run is computed: chunked prefill
+        may split a run across steps, and a prefix hit or a recompute after preemption may start
+        inside one."""
+        embeds = None
+        row = 0
+        for s in out.scheduled:
+            req = s.request
+            lo, hi = s.start, s.start + s.num_new_tokens
+            for i, image in enumerate(req.images):
+                first, last = max(lo, image.offset), min(hi, image.offset + image.length)
+                if first >= last:
+                    continue
+                features = req.image_features.get(i)
+                if features is None:
+                    features = req.image_features[i] = self.model.encode_image(image.pixel_values)
+                if embeds is None:
+                    embeds = self.model.embed_tokens(input_ids)
+                embeds[row + first - lo : row + last - lo] = features[
+                    first - image.offset : last - image.offset
+                ]
+                if last == image.offset + image.length:
+                    del req.image_features[i]
+            row += s.num_new_tokens
+        return embeds
 
     def _pool_rows(self, s: ScheduledRequest, rows: torch.Tensor) -> None:
         """Fold a pooling request's chunk of prompt rows into what it keeps (engine/pooler.py). A

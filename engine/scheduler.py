@@ -442,7 +442,7 @@ class Scheduler:
         most = min(bs - 1, req.num_tokens - 1 - start)
         if most < 1:
             return None
-        parent = (hashes[num_hit - 1] if num_hit else None, req.block_extra)
+        parent = (hashes[num_hit - 1] if num_hit else None, req.partial_extra(num_hit))
         return self.block_manager.match_partial(parent, req.token_ids[start : start + most])
 
     def _free(self, req: Request) -> None:
@@ -452,7 +452,7 @@ class Scheduler:
         if self._partial:
             k, m = divmod(req.num_computed_tokens, bm.block_size)
             if m and k < len(req.block_table):
-                parent = (req.full_block_hashes()[k - 1] if k else None, req.block_extra)
+                parent = (req.full_block_hashes()[k - 1] if k else None, req.partial_extra(k))
                 start = k * bm.block_size
                 bm.cache_partial_block(req.block_table[k], parent, req.token_ids[start : start + m])
         bm.free(req.block_table, req.num_released_blocks)

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvcache.keys import extend_hashes
+from kvcache.keys import ImageSpan, extend_hashes, image_extra
 
 if TYPE_CHECKING:
     from engine.detokenizer import IncrementalDetokenizer
@@ -105,6 +105,12 @@ class Request:
         # the tokens as int32 for the n-gram lookup (kept up to date by the proposer).
         self.spec_token_ids: list[int] = []
         self.lookup_tokens: Any = None
+        # Images (engine/multimodal.py ImageInput, in prompt order), their placeholder runs for the
+        # block hashes, and the encoded features of those whose run is being computed (index ->
+        # tensor), kept from the first chunk that reaches a run until the run is computed.
+        self.images: list[Any] = []
+        self.image_spans: tuple[ImageSpan, ...] = ()
+        self.image_features: dict[int, Any] = {}
 
     @property
     def num_tokens(self) -> int:
@@ -128,7 +134,17 @@ class Request:
 
     def full_block_hashes(self) -> list[bytes]:
         """Chained hashes of every full block of the known tokens (extended incrementally)."""
-        return extend_hashes(self.block_hashes, self.token_ids, self.block_size, self.block_extra)
+        return extend_hashes(
+            self.block_hashes, self.token_ids, self.block_size, self.block_extra, self.image_spans
+        )
+
+    def partial_extra(self, block_index: int) -> bytes:
+        """What keys a cached partial block of block ``block_index`` besides its parent hash: the
+        request's salt and the images overlapping that block."""
+        if not self.image_spans:
+            return self.block_extra
+        start = block_index * self.block_size
+        return self.block_extra + image_extra(self.image_spans, start, start + self.block_size)
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

@@ -154,6 +154,8 @@ class EngineSleep:
         # weights': dropped first, so its removal events go out under the old fingerprint.
         self.block_manager.reset_prefix_cache()
         self.scheduler.forget_tier_lookups()
+        for request in self.requests.values():  # kept requests' encoded images: the old vision tower's
+            request.image_features.clear()
         if checkpoint.weights_id != runner.weights_id:
             runner.set_weights_id(checkpoint.weights_id)
             self.connector.set_fingerprint(runner.model_fingerprint)
@@ -168,8 +170,8 @@ class EngineSleep:
 
 def move_tensors(obj: Any, device: torch.device) -> Any:
     """Move every tensor a model object holds (attributes, lists, tuples, dicts, nested model
-    objects of ``engine.models``) to ``device``, in place; tensors shared between places stay
-    shared. Returns ``obj`` (a tuple comes back rebuilt)."""
+    objects of ``engine.models``, torch modules) to ``device``, in place; tensors shared between
+    places stay shared. Returns ``obj`` (a tuple comes back rebuilt)."""
     return _move(obj, device, {})
 
 
@@ -181,6 +183,8 @@ def _move(obj: Any, device: torch.device, memo: dict[int, Any]) -> Any:
         if moved is None:
             moved = memo[id(obj)] = obj.to(device)
         return moved
+    if isinstance(obj, torch.nn.Module):  # a part built by transformers (LLaVA's vision tower)
+        return obj.to(device)
     if isinstance(obj, list):
         obj[:] = [_move(x, device, memo) for x in obj]
     elif isinstance(obj, tuple) and not hasattr(obj, "_fields"):

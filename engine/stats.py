@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.classifier import ClassifierInfo
+from engine.multimodal import ImageSpec
 
 # Upper edges of vLLM's vllm:iteration_tokens_total histogram buckets (tokens per engine step).
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -31,6 +32,9 @@ class ModelInfo:
     # A sequence-classification model's labels and activations (engine/classifier.py); None for a
     # decoder that generates (and embeds).
     classifier: ClassifierInfo | None = None
+    # A vision-language model's image token and placeholder run (engine/multimodal.py); None:
+    # text only.
+    image: ImageSpec | None = None
 
 
 @dataclass(frozen=True)

@@ -102,13 +102,16 @@ class Tokenizer:
         chat_templates: Mapping[str, str],
         extra_eos_ids: Sequence[int] = (),
         chat_template_content_format: str = "auto",
+        image_token: str | None = None,
     ) -> None:
         self._tok = backend
         self._config = config
         self._special_strings: dict[str, str] = {}
         self._setup_special_tokens()
+        # A vision-language model's image placeholder (``<image>``): chat templates render image parts.
+        self.image_token = image_token
         self._chat_templates = ChatTemplates(
-            chat_templates, self._special_strings, chat_template_content_format
+            chat_templates, self._special_strings, chat_template_content_format, image_token
         )
         self.vocab_size: int = self._tok.get_vocab_size(with_added_tokens=True)
         self.bos_token_id: int | None = self._id_of(self._special_strings.get("bos_token"))
@@ -145,7 +148,12 @@ class Tokenizer:
         for name in ("generation_config.json", "config.json"):
             extra_eos += _as_id_list(_read_json(config_dir / name).get("eos_token_id"))
         templates = {"default": chat_template} if chat_template else load_chat_templates(model_dir, config)
-        return cls(backend, config, templates, extra_eos, chat_template_content_format)
+        model_config = _read_json(config_dir / "config.json")
+        image_token = None
+        if "vision_config" in model_config:  # a vision-language model (LLaVA): its image token's text
+            image_id = model_config.get("image_token_id", model_config.get("image_token_index"))
+            image_token = backend.id_to_token(image_id) if isinstance(image_id, int) else None
+        return cls(backend, config, templates, extra_eos, chat_template_content_format, image_token)
 
     # -- setup -------------------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""The one `ferry` command: `serve`, `router`, `up`, `bench`.
+"""The one `ferry` command: `serve`, `run-batch`, `router`, `up`, `bench`.
 
 Each part owns its flags (``server/args.py``, ``router/args.py``, ``bench/args.py``,
 ``ferry/up.py``); this module only assembles them and dispatches. It imports nothing heavy
@@ -20,11 +20,15 @@ def build_parser() -> argparse.ArgumentParser:
     from ferry.up import add_up_args
     from router.args import add_router_args
     from server.args import add_serve_args
+    from server.run_batch import add_run_batch_args
 
     parser = argparse.ArgumentParser(prog="ferry", description="OpenAI-compatible LLM serving.")
     parser.add_argument("--version", action="version", version=f"ferry {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve_args(sub.add_parser("serve", help="serve one model replica (OpenAI API)"))
+    add_run_batch_args(
+        sub.add_parser("run-batch", help="run a JSONL file of OpenAI requests offline (as vllm run-batch)")
+    )
     add_router_args(sub.add_parser("router", help="route OpenAI traffic over many replicas"))
     add_up_args(sub.add_parser("up", help="run a whole local cluster from one YAML file"))
     add_bench_args(sub.add_parser("bench", help="benchmark any OpenAI-compatible endpoint"))
@@ -61,6 +65,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from server.main import run_serve
 
         return run_serve(args)
+    if args.command == "run-batch":
+        from server.run_batch import run_batch
+
+        return run_batch(args)
     if args.command == "router":
         from router.main import run_router
 

@@ -6,6 +6,10 @@ and router computes these values independently and they must agree bit for bit.
 
 hash_i = blake2b-128(hash_{i-1} || "T" || int64-le token ids of block i || "X" || len(extra) || extra)
 hash_{-1} = blake2b-128(b"ferry-kv-root/" + HASH_VERSION)
+
+A block that holds (part of) an image's placeholder tokens adds ``image_extra`` of each such image
+to its ``extra``: the same tokens with another image are other KV. Blocks without images keep the
+bytes above, so text-only hashes never change.
 """
 
 from __future__ import annotations
@@ -36,8 +40,28 @@ def hash_block(parent: bytes, token_ids: Sequence[int], extra: bytes = b"") -> b
     return h.digest()
 
 
+# An image's placeholder run in a prompt: (first position, number of tokens, content digest).
+ImageSpan = tuple[int, int, bytes]
+
+
+def image_extra(spans: Sequence[ImageSpan], start: int, end: int) -> bytes:
+    """What the images whose placeholder runs overlap positions ``[start, end)`` add to a block's
+    ``extra``: each one's position, length and content digest, in prompt order (b"" for none)."""
+    out = b""
+    for first, length, digest in spans:
+        if first < end and first + length > start:
+            out += b"img\x00" + struct.pack("<qq", first, length) + digest
+    return out
+
+
 def _chain(
-    out: list[bytes], parent: bytes, token_ids: Sequence[int], start: int, block_size: int, extra: bytes
+    out: list[bytes],
+    parent: bytes,
+    token_ids: Sequence[int],
+    start: int,
+    block_size: int,
+    extra: bytes,
+    images: Sequence[ImageSpan] = (),
 ) -> list[bytes]:
     """Append ``hash_block`` of each full block from ``start`` on: the same bytes, packed once for all
     blocks and hashed in one call per block (a router keys every prompt; long ones have thousands)."""
@@ -49,28 +73,43 @@ def _chain(
     tail = b"X" + struct.pack("<I", len(extra)) + extra
     blake2b = hashlib.blake2b
     for offset in range(0, num_blocks * width, width):
+        block_tail = tail
+        if images:
+            first = start + offset // 8
+            more = image_extra(images, first, first + block_size)
+            if more:
+                block_tail = b"X" + struct.pack("<I", len(extra) + len(more)) + extra + more
         parent = blake2b(
-            parent + b"T" + data[offset : offset + width] + tail, digest_size=DIGEST_SIZE
+            parent + b"T" + data[offset : offset + width] + block_tail, digest_size=DIGEST_SIZE
         ).digest()
         out.append(parent)
     return out
 
 
 def block_hashes(
-    token_ids: Sequence[int], block_size: int, extra: bytes = b"", parent: bytes = ROOT_HASH
+    token_ids: Sequence[int],
+    block_size: int,
+    extra: bytes = b"",
+    parent: bytes = ROOT_HASH,
+    images: Sequence[ImageSpan] = (),
 ) -> list[bytes]:
-    """Chained hashes of every *full* block of ``token_ids`` (a trailing partial block is not hashed)."""
+    """Chained hashes of every *full* block of ``token_ids`` (a trailing partial block is not hashed);
+    ``images``: the prompt's image placeholder runs (``image_extra``)."""
     if block_size <= 0:
         raise ValueError("block_size must be positive")
-    return _chain([], parent, token_ids, 0, block_size, extra)
+    return _chain([], parent, token_ids, 0, block_size, extra, images)
 
 
 def extend_hashes(
-    hashes: list[bytes], token_ids: Sequence[int], block_size: int, extra: bytes = b""
+    hashes: list[bytes],
+    token_ids: Sequence[int],
+    block_size: int,
+    extra: bytes = b"",
+    images: Sequence[ImageSpan] = (),
 ) -> list[bytes]:
     """Append the hashes of blocks that became full since ``hashes`` was computed (in place; returned)."""
     parent = hashes[-1] if hashes else ROOT_HASH
-    return _chain(hashes, parent, token_ids, len(hashes) * block_size, block_size, extra)
+    return _chain(hashes, parent, token_ids, len(hashes) * block_size, block_size, extra, images)
 
 
 def lora_extra(lora_name: str | None, lora_weights_id: str = "") -> bytes:

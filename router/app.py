@@ -3,7 +3,8 @@
 ``RouterApp(config)`` is a plain ASGI callable (served by uvicorn in ``router/main.py``).
 Generation requests (``/v1/chat/completions``, ``/v1/completions``) are parsed once, keyed for the policy, admitted by overload control and
 handed to the ``Relay``; every other ``/v1/*`` route and the root routes of ``FORWARD_ROOT_PATHS``
-(``/tokenize``, ``/score``, ``/rerank``…) are relayed as they are. While a request is relayed the
+(``/tokenize``, ``/score``, ``/rerank``…) are relayed as they are; the Files and Batches API
+(``/v1/files*``, ``/v1/batches*``) all to one replica (``batch_home``). While a request is relayed the
 app watches the client: if it disconnects, the relay is cancelled at once, which closes the
 upstream connection and frees the replica's work.
 This module must never import torch (the router starts in well under a second).
@@ -44,6 +45,7 @@ from router.http import (
     send_json,
 )
 from router.kv_events import KVEventFollower
+from router.messages_stream import anthropic_errors
 from router.metrics import RouterMetrics
 from router.pd import PDOrchestrator
 from router.pd_config import PDConfig, PDMetrics
@@ -53,7 +55,14 @@ from router.pool import Pool, Replicas
 from router.prompt_keys import PromptKeyer, make_keyer, prompt_keys
 from router.relay import ProxyCall
 from router.replica import HealthPolicy, Replica
-from router.response_affinity import RESPONSES_PATH, ResponseAffinity, referenced_response, response_id_for
+from router.response_affinity import (
+    RESPONSES_PATH,
+    ResponseAffinity,
+    batch_home,
+    is_batch_path,
+    referenced_response,
+    response_id_for,
+)
 from router.retry import RetryPolicy
 from router.upstream import Response, UpstreamClient, UpstreamError, fetch
 from server.middleware import route_path
@@ -61,10 +70,12 @@ from server.middleware import route_path
 log = logging.getLogger("ferry.router")
 
 GENERATE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
-# Routed by their prompt (parsed and keyed) but relayed as they come: the Responses API's events
-# (and the Messages API's) are not chat chunks, so their streams have no mid-stream failover (a
-# retry before the first byte).
-KEYED_PATHS = GENERATE_PATHS | {"/v1/responses", "/v1/messages"}
+# Anthropic's Messages API: whole answers retried, streams resumed (router/messages_stream.py).
+MESSAGES_PATH = "/v1/messages"
+# Routed by their prompt (parsed and keyed). The Responses API's are relayed as they come: its
+# events are not chat chunks, so its streams have no mid-stream failover (a retry before the first
+# byte).
+KEYED_PATHS = GENERATE_PATHS | {"/v1/responses", MESSAGES_PATH}
 # Relayed as they come, like every /v1/* route: vLLM serves these outside /v1 (scoring: /score,
 # /rerank, Cohere's /v2/rerank; /classify; SageMaker's /invocations, any request on one path).
 FORWARD_ROOT_PATHS = frozenset(
@@ -306,6 +317,8 @@ class RouterApp:
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         path, method = scope["path"], scope["method"]
+        if path.startswith(MESSAGES_PATH):  # the router's own errors in Anthropic's shape there too
+            send = anthropic_errors(send)
         if sum(len(k) + len(v) for k, v in scope["headers"]) > self.config.max_header_bytes:
             await send_error(send, 431, "request headers too large")
             return
@@ -449,8 +462,15 @@ class RouterApp:
             scope["method"], path, scope.get("query_string", b""), headers, body, request_id, route, parsed
         )
         self._follow_responses(call)
+        if is_batch_path(path):
+            call.route.prefer_url = batch_home(self.pool.candidates(self.clock()))
 
-        relay = self._generate if generate else self.relay.forward
+        if generate:
+            relay = self._generate
+        elif path == MESSAGES_PATH and scope["method"] == "POST":
+            relay = self.relay.messages
+        else:
+            relay = self.relay.forward
         await _until_disconnect(self._admitted(relay, call, send, id_header), receive)
 
     def _follow_responses(self, call: ProxyCall) -> None:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from router.http import Send, error_body, send_bytes, send_error
+from router.messages_stream import MessagesTracker
 from router.pool import Pool
 from router.relay import (
     CLIENT_GONE,
@@ -96,7 +97,6 @@ class Generation(Relay):
 
     async def _generate_stream(self, pool: Pool, call: ProxyCall, body: dict, send: Send) -> None:
         chat = call.path.endswith("/chat/completions")
-        wants_ids = bool(body.get("return_token_ids"))
         client_logprobs = bool(body.get("logprobs")) if chat else body.get("logprobs") is not None
         # One sequence whose streamed text is all completion: echo would mix prompt tokens in.
         can_resume = (
@@ -106,9 +106,7 @@ class Generation(Relay):
             and not body.get("use_beam_search")  # a search is not resumed from its best beam so far
         )
 
-        def payload(replica: Replica, base: dict = body) -> tuple[bytes, bool]:
-            if not can_resume:
-                return json.dumps(base).encode(), False
+        def payload(replica: Replica, base: dict) -> tuple[bytes, bool]:
             extra: dict[str, Any] = {"return_token_ids": True}
             router_logprobs = not replica.emits_token_ids and not client_logprobs
             if router_logprobs:  # until this replica shows it honours return_token_ids
@@ -117,13 +115,45 @@ class Generation(Relay):
 
         tracker = StreamTracker(
             chat=chat,
-            client_wants_token_ids=wants_ids,
+            client_wants_token_ids=bool(body.get("return_token_ids")),
             client_ids_in_logprobs=client_logprobs and bool(body.get("return_tokens_as_token_ids")),
         )
+        await self.stream(pool, call, body, send, tracker, payload if can_resume else None, _stream_error)
+
+    async def messages(self, pool: Pool, call: ProxyCall, send: Send) -> None:
+        """``POST /v1/messages`` (Anthropic's API): whole answers with retries, streams with failover
+        (``router/messages_stream.py``)."""
+        body = call.json or {}
+        if not body.get("stream"):
+            await self.answer_whole(pool, call, call.body, send)
+        else:
+
+            def payload(replica: Replica, base: dict) -> tuple[bytes, bool]:
+                return json.dumps({**base, "return_token_ids": True}).encode(), False
+
+            tracker = MessagesTracker(client_wants_token_ids=bool(body.get("return_token_ids")))
+            resumable = payload if self.max_failovers > 0 else None
+            await self.stream(pool, call, body, send, tracker, resumable, _messages_error)
+        self.metrics.latency.observe(time.perf_counter() - call.started)
+
+    async def stream(
+        self,
+        pool: Pool,
+        call: ProxyCall,
+        body: dict,
+        send: Send,
+        tracker: StreamTracker | MessagesTracker,
+        payload: Callable[[Replica, dict], tuple[bytes, bool]] | None,
+        error_event: Callable[[str], bytes],
+    ) -> None:
+        """Relay a stream; when its replica dies part-way and ``payload`` (the body to send a replica,
+        asking for token ids) is given, resume it on another replica (``tracker.resume_body``)."""
         tried: set[str] = set()
         opened: Opened | Failed | None = None
+        can_resume = payload is not None
         try:
-            opened = await self.open(pool, call, payload if can_resume else call.body, tried, [0])
+            first = (lambda r: payload(r, body)) if payload is not None else call.body
+            opened = await self.open(pool, call, first, tried, [0])
             if isinstance(opened, Failed):
                 await send_bytes(send, opened.status, opened.body, with_request_id(opened.headers, call))
                 return
@@ -147,11 +177,18 @@ class Generation(Relay):
                 tried.add(opened.replica.url)
                 opened.replica.next_probe_at = self.clock()  # let the prober confirm the death at once
                 if tracker.finished:
-                    await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": True})
+                    if isinstance(tracker, StreamTracker):
+                        await send(
+                            {"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": True}
+                        )
+                    else:
+                        stop = b'event: message_stop\ndata: {"type": "message_stop"}\n\n'
+                        await send({"type": "http.response.body", "body": stop, "more_body": True})
                     break
                 if not (can_resume and tracker.ids_complete and tracker.failovers < self.max_failovers):
-                    await _send_stream_error(
-                        send, "the replica serving this stream failed and it cannot be resumed"
+                    message = "the replica serving this stream failed and it cannot be resumed"
+                    await send(
+                        {"type": "http.response.body", "body": error_event(message), "more_body": True}
                     )
                     break
                 tracker.begin_failover()
@@ -159,8 +196,9 @@ class Generation(Relay):
                 resumed = tracker.resume_body(body)
                 opened = await self.open(pool, call, lambda r, b=resumed: payload(r, b), tried, [0])
                 if isinstance(opened, Failed) or opened.response.status_code != 200:
-                    await _send_stream_error(
-                        send, "the replica serving this stream failed and no replica could resume it"
+                    message = "the replica serving this stream failed and no replica could resume it"
+                    await send(
+                        {"type": "http.response.body", "body": error_event(message), "more_body": True}
                     )
                     break
             await send({"type": "http.response.body", "body": b""})
@@ -189,7 +227,9 @@ class Generation(Relay):
             content_type=response.headers.get("content-type", "application/json").encode(),
         )
 
-    async def pump(self, opened: Opened, tracker: StreamTracker, call: ProxyCall, send: Send) -> bool:
+    async def pump(
+        self, opened: Opened, tracker: StreamTracker | MessagesTracker, call: ProxyCall, send: Send
+    ) -> bool:
         """Relay one replica's events; True when its stream ended normally."""
         splitter = SSESplitter()
         tracker.router_logprobs = opened.router_logprobs
@@ -224,6 +264,10 @@ class Generation(Relay):
                 opened.replica.emits_token_ids = True
 
 
-async def _send_stream_error(send: Send, message: str) -> None:
-    event = b"data: " + error_body(message, "upstream_error", 502) + b"\n\ndata: [DONE]\n\n"
-    await send({"type": "http.response.body", "body": event, "more_body": True})
+def _stream_error(message: str) -> bytes:
+    return b"data: " + error_body(message, "upstream_error", 502) + b"\n\ndata: [DONE]\n\n"
+
+
+def _messages_error(message: str) -> bytes:
+    error = {"type": "error", "error": {"type": "api_error", "message": message}}
+    return b"event: error\ndata: " + json.dumps(error).encode() + b"\n\n"

@@ -30,6 +30,7 @@ from router.metrics import RouterMetrics
 from router.policies.base import Policy, RouteRequest
 from router.pool import Pool, serving
 from router.replica import Replica
+from router.response_affinity import is_batch_path
 from router.retry import RetryPolicy, counts_as_replica_failure
 from router.upstream import ConnectError, Response, UpstreamClient, UpstreamError, UpstreamTimeout
 
@@ -114,10 +115,14 @@ class Relay:
             if not candidates:
                 return last or _no_replica(pool, now)
             replica = _preferred(call.route, candidates)
+            responses = not is_batch_path(call.path)  # a batch request's pin is no response's
             if replica is not None:
-                self.metrics.response_affinity.labels("hit").inc()
+                if responses:
+                    self.metrics.response_affinity.labels("hit").inc()
             else:
-                if call.route.prefer_url is not None:  # known, but that replica cannot take it now
+                if (
+                    call.route.prefer_url is not None and responses
+                ):  # known, but that replica cannot take it now
                     self.metrics.response_affinity.labels("miss").inc()
                 replica = self.policy.choose(call.route, candidates)
             # Recorded at once, not when the answer starts: requests that share a prefix and

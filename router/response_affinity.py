@@ -12,14 +12,36 @@ router's, or one of its own when it could not take that) and routes requests tha
 that replica while it is a candidate; otherwise the policy picks as usual.
 
 Bounded: the least recently used ids are forgotten beyond ``max_entries``.
+
+The Files and Batches API needs no map: a replica keeps its files and runs its batches itself
+(``server/batch_store.py``), so every ``/v1/files*`` and ``/v1/batches*`` request goes to one
+replica, ``batch_home``.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from router.replica import Replica
 
 RESPONSES_PATH = "/v1/responses"
+
+# OpenAI's Files and Batches API: a replica keeps its files and runs its batches itself
+# (server/batch_store.py), so these go to one replica (``batch_home``) whatever the policy.
+BATCH_PATH_PREFIXES = ("/v1/files", "/v1/batches")
+
+
+def is_batch_path(path: str) -> bool:
+    return any(path == p or path.startswith(p + "/") for p in BATCH_PATH_PREFIXES)
+
+
+def batch_home(candidates: list[Replica]) -> str | None:
+    """The replica every Files and Batches API request goes to: the routable one with the lowest URL,
+    so lists are whole and every id resolves while the replica set stays as it is (ids of a replica
+    that left are 404 elsewhere, as its files went with it)."""
+    return min((r.url for r in candidates), default=None)
 
 
 def response_id_for(request_id: str) -> str:

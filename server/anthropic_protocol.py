@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 
 from server.errors import APIError
-from server.protocol import _Request
+from server.protocol import Resume, _Request
 
 # Anthropic's error type for each status it answers with (its API reference, "Errors").
 ERROR_TYPES = {
@@ -64,6 +64,37 @@ class ToolResultBlock(_Request):
         return "".join(part.text for part in self.content)
 
 
+class ImageSource(_Request):
+    """``{"type": "base64", "media_type": "image/png", "data": …}`` or ``{"type": "url", "url": …}``."""
+
+    type: Literal["base64", "url"]
+    media_type: StrictStr | None = None
+    data: StrictStr | None = None
+    url: StrictStr | None = None
+
+    @model_validator(mode="after")
+    def _complete(self) -> ImageSource:
+        if self.type == "base64" and (self.media_type is None or self.data is None):
+            raise ValueError("a base64 image source needs media_type and data")
+        if self.type == "url" and not self.url:
+            raise ValueError("a url image source needs url")
+        return self
+
+    @property
+    def chat_url(self) -> str:
+        """The image as a chat ``image_url`` URL (a data: URL for base64 data)."""
+        if self.type == "url":
+            return self.url  # type: ignore[return-value]
+        return f"data:{self.media_type};base64,{self.data}"
+
+
+class ImageBlock(_Request):
+    """An image for a vision-language model (a text-only one answers 400)."""
+
+    type: Literal["image"]
+    source: ImageSource
+
+
 class ThinkingBlock(_Request):
     """An assistant turn's earlier thinking, sent back by clients that keep it (not re-rendered)."""
 
@@ -72,7 +103,7 @@ class ThinkingBlock(_Request):
     signature: StrictStr | None = None
 
 
-ContentBlock = TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock
+ContentBlock = TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock
 
 
 class Message(_Request):
@@ -82,14 +113,12 @@ class Message(_Request):
     @model_validator(mode="before")
     @classmethod
     def _known_blocks(cls, data: Any) -> Any:
-        # A clear message for blocks this text-only server does not take (images, documents).
+        # A clear message for blocks this server does not take (documents, search results…).
         if isinstance(data, dict) and isinstance(data.get("content"), list):
             for block in data["content"]:
                 kind = block.get("type") if isinstance(block, dict) else None
-                if kind not in ("text", "tool_use", "tool_result", "thinking", "redacted_thinking"):
-                    raise ValueError(
-                        f"content block type {kind!r} is not supported: this model takes text only"
-                    )
+                if kind not in ("text", "image", "tool_use", "tool_result", "thinking", "redacted_thinking"):
+                    raise ValueError(f"content block type {kind!r} is not supported")
         return data
 
 
@@ -161,12 +190,20 @@ class _Conversation(_Request):
                 if texts or calls:
                     messages.append(turn)
                 continue
-            # A user turn answers the previous turn's calls first (tool_result blocks), then speaks.
+            # A user turn answers the previous turn's calls first (tool_result blocks), then speaks
+            # (text and images, in their order).
             for b in m.content:
                 if isinstance(b, ToolResultBlock):
                     messages.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text})
-            if texts:
-                messages.append({"role": "user", "content": texts})
+            parts = [
+                {"type": "text", "text": b.text}
+                if isinstance(b, TextBlock)
+                else {"type": "image_url", "image_url": {"url": b.source.chat_url}}
+                for b in m.content
+                if isinstance(b, (TextBlock, ImageBlock))
+            ]
+            if parts:
+                messages.append({"role": "user", "content": parts})
         body: dict[str, Any] = {"model": self.model, "messages": messages}
         if self.tools:
             body["tools"] = [
@@ -196,9 +233,17 @@ class MessagesRequest(_Conversation):
     top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
     top_k: StrictInt | None = Field(default=None, ge=-1)
     metadata: Metadata | None = None
+    # Internal (router -> replica): continue a stream another replica started, and give each
+    # streamed chunk's token ids so that a router can resume this one (``router/messages_stream.py``).
+    resume: Resume | None = None
+    return_token_ids: StrictBool = False
 
     def chat_body(self) -> dict[str, Any]:
         body = super().chat_body()
+        if self.resume is not None:
+            body["resume"] = {"token_ids": self.resume.token_ids}
+        if self.return_token_ids:
+            body["return_token_ids"] = True
         body["max_tokens"] = self.max_tokens
         for name in ("temperature", "top_p", "top_k"):
             if getattr(self, name) is not None:

@@ -68,6 +68,8 @@ def run_api_servers(config: ServerConfig, engine_config: Any, count: int) -> int
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     if not uds:
         config = dataclasses.replace(config, port=reservation.getsockname()[1])
+    if config.batch_dir is None:  # one Batch API directory for every API server (server/batch_store.py)
+        config = dataclasses.replace(config, batch_dir=os.path.join(workdir, "batches"))
     supervisor = Supervisor(
         config, engine_config, count, os.path.join(workdir, "engine.sock"), reservation if uds else None
     )

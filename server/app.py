@@ -19,6 +19,8 @@ from ferry import __version__
 from server import sleep_mode
 from server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from server.anthropic_protocol import error_response as anthropic_error
+from server.batch_api import add_batch_routes
+from server.batch_lines import AppCaller
 from server.config import ServerConfig
 from server.errors import (
     APIError,
@@ -90,6 +92,7 @@ def build_state(engine: Any, config: ServerConfig) -> ServerState:
         priority_scheduling=getattr(engine_config, "scheduling_policy", "fcfs") == "priority",
         eos_token_ids=tuple(getattr(info, "eos_token_ids", ()) or ()),
         engine_max_logprobs=int(getattr(engine_config, "max_logprobs", MAX_LOGPROBS)),
+        image=getattr(info, "image", None),
     )
     max_loras = engine_config.max_loras if getattr(engine_config, "enable_lora", False) else None
     cache_info = {
@@ -279,6 +282,8 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
     async def detokenize_route(body: DetokenizeRequest) -> Any:
         return detokenize(state, body)
 
+    add_batch_routes(app, state.batches)  # OpenAI's Files and Batches API (server/batch_api.py)
+
     @app.get("/health")
     @app.get("/ping")
     @app.post("/ping")
@@ -335,6 +340,7 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
         EdgeMiddleware,
         api_key=config.api_key,
         max_request_bytes=config.max_request_bytes,
+        max_file_bytes=config.max_file_bytes,
         announce=getattr(engine, "announce", None),
         load=load,
     )
@@ -347,4 +353,6 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
         allow_headers=list(http.allowed_headers),
         allow_credentials=http.allow_credentials,
     )
+    # A batch's requests go through this whole app, edge checks included (server/batch_lines.py).
+    state.batches.caller = AppCaller(app, config.api_key)
     return app

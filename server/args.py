@@ -9,6 +9,7 @@ is imported by ``ferry --help``; it must stay torch-free.
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,9 +37,11 @@ TOOL_PARSER_NAMES = (
 REASONING_PARSER_NAMES = ("deepseek_r1", "deepseek_v3", "glm45", "openai_gptoss", "qwen3")
 
 if TYPE_CHECKING:
+    from engine.media import MediaOptions
     from server.config import ServerConfig
 
 DEMO_MODEL_NAME = "ferry-demo"
+DEFAULT_BATCH_CONCURRENCY = 8  # batch requests at once in `ferry serve`: a modest share of the engine
 
 
 def _bool_flag(p: argparse.ArgumentParser, name: str, default: bool, help: str) -> None:
@@ -107,6 +110,25 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "runs in parallel and off the engine's process; 1: one process, the engine on a thread)",
     )
     p.add_argument(
+        "--batch-dir",
+        default=None,
+        help="where the Files and Batches API keep uploaded files, batch records and results "
+        "(default: a temporary directory of this replica, removed when it stops)",
+    )
+    p.add_argument(
+        "--max-batch-concurrency",
+        type=int,
+        default=None,
+        help="requests of batches (/v1/batches) running at once, all batches together (default 8; "
+        "`ferry run-batch`: --max-num-seqs)",
+    )
+    p.add_argument(
+        "--max-file-bytes",
+        type=int,
+        default=100 * 1024 * 1024,
+        help="larger /v1/files uploads get 413 (default 100 MiB)",
+    )
+    p.add_argument(
         "--responses-store",
         default="memory",
         help="where /v1/responses keeps responses for previous_response_id and GET: memory (this "
@@ -150,6 +172,19 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="store_true",
         help="let chat and /tokenize requests carry their own chat_template (vLLM's flag; rendered in "
         "the same sandbox as the model's; refused with a 400 without it)",
+    )
+    p.add_argument(
+        "--allowed-local-media-path",
+        default=None,
+        metavar="DIR",
+        help="let chat requests name images as file:// URLs under this directory (vLLM's flag; refused "
+        "without it)",
+    )
+    p.add_argument(
+        "--limit-mm-per-prompt",
+        default=None,
+        metavar="JSON",
+        help="most images one prompt may carry, as vLLM's JSON: '{\"image\": 2}' (default: no limit)",
     )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument(
@@ -338,6 +373,29 @@ def served_model_name(args: argparse.Namespace) -> str:
     return DEMO_MODEL_NAME
 
 
+def media_options(args: argparse.Namespace) -> MediaOptions:
+    """``--allowed-local-media-path`` and ``--limit-mm-per-prompt`` (ValueError if it does not parse)."""
+    from engine.media import MediaOptions
+
+    limit = None
+    if args.limit_mm_per_prompt is not None:
+        try:
+            limits = json.loads(args.limit_mm_per_prompt)
+        except ValueError:
+            raise ValueError(
+                f"--limit-mm-per-prompt must be JSON such as '{{\"image\": 2}}', got {args.limit_mm_per_prompt!r}"
+            ) from None
+        if not isinstance(limits, dict) or any(
+            not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in limits.values()
+        ):
+            raise ValueError("--limit-mm-per-prompt maps each modality to a count: '{\"image\": 2}'")
+        limit = limits.get("image")
+    path = args.allowed_local_media_path
+    if path is not None and not Path(path).is_dir():
+        raise ValueError(f"--allowed-local-media-path {path!r} is not a directory")
+    return MediaOptions(allowed_local_media_path=path, limit_images=limit)
+
+
 def server_config(args: argparse.Namespace) -> ServerConfig:
     """Raises ValueError for flags that contradict each other or do not parse."""
     from server.config import ServerConfig
@@ -356,6 +414,9 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         max_queued_requests=args.max_queued_requests,
         request_timeout=args.request_timeout,
         max_request_bytes=args.max_request_bytes,
+        batch_dir=args.batch_dir,
+        max_batch_concurrency=args.max_batch_concurrency or DEFAULT_BATCH_CONCURRENCY,
+        max_file_bytes=args.max_file_bytes,
         drain_timeout=args.drain_timeout,
         register=args.register,
         advertise_url=args.advertise_url,
@@ -370,5 +431,6 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         lora_modules=lora_modules,
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         trust_request_chat_template=args.trust_request_chat_template,
+        media=media_options(args),
         http=http_options(args),
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass
 
+from engine.media import MediaOptions
 from server.protocol import MAX_N
 from server.vllm_flags import HttpOptions
 
@@ -23,6 +24,11 @@ class ServerConfig:
     max_queued_requests: int = 256  # engine sequences waiting beyond which new requests get 429
     request_timeout: float | None = None  # seconds; None: no limit
     max_request_bytes: int = 8 * 1024 * 1024
+    # The Files and Batches API (server/batch_api.py): its directory (None: a temporary one), the
+    # batch requests running at once across all batches, the largest upload.
+    batch_dir: str | None = None
+    max_batch_concurrency: int = 8
+    max_file_bytes: int = 100 * 1024 * 1024
     drain_timeout: float = 30.0  # seconds to finish in-flight requests after SIGTERM
     max_n: int = MAX_N
     register: str | None = None  # redis://… to announce this replica in
@@ -47,6 +53,8 @@ class ServerConfig:
     allow_runtime_lora_updating: bool = False
     # Requests may carry their own chat_template (vLLM's --trust-request-chat-template).
     trust_request_chat_template: bool = False
+    # Image inputs (engine/media.py): --allowed-local-media-path, --limit-mm-per-prompt
+    media: MediaOptions = MediaOptions()
     # CORS, TLS, root path (vLLM's HTTP flags: server/vllm_flags.py)
     http: HttpOptions = HttpOptions()
 

@@ -90,8 +90,10 @@ class EngineClient:
         lora_request: Any = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        images: list[Any] | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream DELTA outputs of one request, as ``AsyncEngine.generate`` does."""
+        """Stream DELTA outputs of one request, as ``AsyncEngine.generate`` does (``images``: PIL
+        images, pickled to the engine process)."""
         self._check_alive()
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -109,6 +111,7 @@ class EngineClient:
                 lora_request,
                 priority,
                 cache_salt,
+                images,
             )
         )
         finished = False

@@ -10,7 +10,7 @@ thread). An API server that goes away has its requests aborted and its announcem
 once.
 
 Messages from an API server: ``("add", rid, prompt_ids, params, resume_ids, kv_transfer, pooling,
-lora_request, priority, cache_salt)``,
+lora_request, priority, cache_salt, images)``,
 ``("announce", token)``, ``("submitted", token)``, ``("probe_back", token)``,
 ``("call", call_id, name, arg)`` with ``name`` one of ``abort`` / ``compile`` /
 ``reset_prefix_cache`` / ``store`` (``arg``: a ``MemoryRecords`` method's name and arguments) /
@@ -149,14 +149,16 @@ class EngineHost:
 
     def _add(self, conn: _ApiServer, rid: str, *request: Any) -> None:
         """An "add" message's request: ``(prompt_ids, params, resume_ids, kv_transfer, pooling,
-        lora_request, priority, cache_salt)``."""
+        lora_request, priority, cache_salt, images)``."""
         if rid in conn.requests:
             conn.channel.send(("err", rid, "value", f"request id {rid!r} is already in use"))
             return
         lora = request[5]
-        if request[1].structured_outputs is not None or (
-            lora is not None and self.engine.engine.cached_lora(lora) is None
-        ):  # a constraint to compile, an adapter to read: off this loop first (may take long)
+        if (
+            request[1].structured_outputs is not None
+            or (lora is not None and self.engine.engine.cached_lora(lora) is None)
+            or request[8]
+        ):  # a constraint to compile, an adapter to read, images to process: off this loop first
             conn.requests[rid] = asyncio.ensure_future(self._prepare_then_start(conn, rid, request))
         else:
             conn.requests[rid] = None
@@ -169,6 +171,8 @@ class EngineHost:
                 await self.engine.load_lora(request[5])
             if request[1].structured_outputs is not None:
                 grammar = await self.engine.compile_structured(request[1].structured_outputs)
+            if request[8]:
+                request = (*request[:8], await self.engine.process_images(request[8]))
         except Exception as e:  # noqa: BLE001 - reported to the request (ValueError: not a valid one)
             self._failed(conn, rid, e)
             return
@@ -177,7 +181,9 @@ class EngineHost:
             self._start(conn, rid, request, grammar)
 
     def _start(self, conn: _ApiServer, rid: str, request: tuple[Any, ...], grammar: Any = None) -> None:
-        prompt, params, resume_token_ids, kv_transfer, pooling, lora_request, priority, cache_salt = request
+        prompt, params, resume_token_ids, kv_transfer, pooling, lora_request, priority, cache_salt, images = (
+            request
+        )
         send = conn.channel.send
 
         def relay(out: Any) -> None:
@@ -205,6 +211,7 @@ class EngineHost:
                 lora_request=lora_request,
                 priority=priority,
                 cache_salt=cache_salt,
+                images=images,
             )
         except Exception as e:  # noqa: BLE001 - reported to the request (ValueError: bad input)
             self._failed(conn, rid, e)

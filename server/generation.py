@@ -45,6 +45,7 @@ class SequenceRequest:
     cache_salt: str | None = None  # salts its block hashes: cache hits only among equal salts
     # use_beam_search: this choice is one of its prompt's beam_width answers (``beam_search.py``)
     beam: BeamSearchParams | None = None
+    images: list[Any] | None = None  # PIL images of a vision-language model's prompt, in order
 
     @property
     def block_extra(self) -> bytes:
@@ -214,6 +215,7 @@ class Generation:
                 lora_request=seq.lora.request if seq.lora is not None else None,
                 priority=seq.priority,
                 cache_salt=seq.cache_salt,
+                images=seq.images,
             )
             try:
                 async for out in gen:

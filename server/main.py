@@ -75,6 +75,7 @@ class DrainingServer(uvicorn.Server):
     async def drain(self) -> None:
         generation = self.app_state.generation
         generation.draining = True
+        await self.app_state.batches.stop_all()  # running batches end failed, their requests aborted
         if self.registration is not None:
             await self.registration.stop()
         timeout = self.app_state.config.drain_timeout
@@ -135,6 +136,7 @@ async def serve(
     finally:
         if registration is not None:
             await registration.stop()
+        await app.state.ferry.batches.close()
         await app.state.ferry.background.close()  # before the store they save to closes
         responses = app.state.ferry.responses
         if responses is not None:
@@ -144,33 +146,10 @@ async def serve(
 
 def run_serve(args: argparse.Namespace) -> int:
     from engine import AsyncEngine
-    from engine.config import EngineConfig
     from server.lora import preload
-    from server.responses_store import check_store_spec
 
-    problem = check_role_config(args.role, args.kv_tier)
-    tag = getattr(args, "model_tag", None)
-    if tag is not None:  # `ferry serve MODEL`, as `vllm serve MODEL`
-        if args.model is not None and args.model != tag:
-            problem = f"the model is given twice, as {tag!r} and as --model {args.model!r}"
-        args.model = tag
-    if problem is None:
-        problem = parallelism_problem(args)
-    if problem is None and args.enable_auto_tool_choice and not args.tool_call_parser:
-        problem = "--enable-auto-tool-choice needs --tool-call-parser (the model's tool-call format)"
-    if problem is None and args.api_server_count < 1:
-        problem = f"--api-server-count must be at least 1, got {args.api_server_count}"
-    if problem is None:
-        problem = check_store_spec(args.responses_store)
-    if problem is None and (args.responses_store_max_bytes < 1 or args.responses_store_ttl <= 0):
-        problem = "--responses-store-max-bytes and --responses-store-ttl must be positive"
-    if problem is None and not args.responses_lease_ttl >= 1:
-        problem = f"--responses-lease-ttl must be at least 1 second, got {args.responses_lease_ttl}"
-    if problem is not None:
-        return usage_error(problem)
     try:
-        config = server_config(args)
-        engine_config = EngineConfig.from_options(**engine_options(args))
+        config, engine_config = serve_configs(args)
     except ValueError as e:
         return usage_error(e)
     log_format = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -201,6 +180,47 @@ def run_serve(args: argparse.Namespace) -> int:
         logger.debug("engine start failed", exc_info=e.__cause__)
         return usage_error(e)
     return 0
+
+
+def serve_configs(args: argparse.Namespace) -> tuple[ServerConfig, Any]:
+    """The server's and the engine's configuration from the `ferry serve` flags (also `ferry
+    run-batch`'s); ValueError names what is wrong with them."""
+    from engine.config import EngineConfig
+
+    problem = check_serve_args(args)
+    if problem is not None:
+        raise ValueError(problem)
+    return server_config(args), EngineConfig.from_options(**engine_options(args))
+
+
+def check_serve_args(args: argparse.Namespace) -> str | None:
+    """What is wrong with the `ferry serve` flags (shared by `ferry run-batch`), or None; takes the
+    positional model (`ferry serve MODEL`) into ``args.model``."""
+    from server.responses_store import check_store_spec
+
+    problem = check_role_config(args.role, args.kv_tier)
+    tag = getattr(args, "model_tag", None)
+    if tag is not None:  # `ferry serve MODEL`, as `vllm serve MODEL`
+        if args.model is not None and args.model != tag:
+            problem = f"the model is given twice, as {tag!r} and as --model {args.model!r}"
+        args.model = tag
+    if problem is None:
+        problem = parallelism_problem(args)
+    if problem is None and args.enable_auto_tool_choice and not args.tool_call_parser:
+        problem = "--enable-auto-tool-choice needs --tool-call-parser (the model's tool-call format)"
+    if problem is None and args.api_server_count < 1:
+        problem = f"--api-server-count must be at least 1, got {args.api_server_count}"
+    if problem is None:
+        problem = check_store_spec(args.responses_store)
+    if problem is None and (args.responses_store_max_bytes < 1 or args.responses_store_ttl <= 0):
+        problem = "--responses-store-max-bytes and --responses-store-ttl must be positive"
+    if problem is None and not args.responses_lease_ttl >= 1:
+        problem = f"--responses-lease-ttl must be at least 1 second, got {args.responses_lease_ttl}"
+    if problem is None and args.max_batch_concurrency is not None and args.max_batch_concurrency < 1:
+        problem = f"--max-batch-concurrency must be at least 1, got {args.max_batch_concurrency}"
+    if problem is None and args.max_file_bytes < 1:
+        problem = f"--max-file-bytes must be positive, got {args.max_file_bytes}"
+    return problem
 
 
 class _StartupError(Exception):

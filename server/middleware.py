@@ -55,6 +55,10 @@ _GENERATION_PATHS = (
 )
 
 
+# Uploads (OpenAI's Files API): multipart bodies, limited by max_file_bytes instead.
+_UPLOAD_PATH = "/v1/files"
+
+
 # Routes whose requests run on the engine: what ``GET /load`` counts (vLLM's server load).
 _LOAD_PATHS = frozenset(
     (
@@ -122,7 +126,8 @@ def _default_to_json(scope: Scope) -> None:
 
 
 class EdgeMiddleware:
-    """Assigns/echoes ``X-Request-Id``, enforces the API key and ``max_request_bytes``.
+    """Assigns/echoes ``X-Request-Id``, enforces the API key and ``max_request_bytes`` (``max_file_bytes``
+    for an upload to ``/v1/files``, whose multipart content type is left as it is).
 
     The body is read here, counted as it streams in (Content-Length alone can lie or be
     absent with chunked encoding) and replayed to the app; after the replay, ``receive``
@@ -140,6 +145,7 @@ class EdgeMiddleware:
         *,
         api_key: str | None,
         max_request_bytes: int,
+        max_file_bytes: int | None = None,
         announce: Callable[[], Callable[[], None]] | None = None,
         load: ServerLoad | None = None,
     ) -> None:
@@ -147,6 +153,7 @@ class EdgeMiddleware:
         self.load = load if load is not None else ServerLoad()
         self.api_key = api_key.encode() if api_key else None
         self.max_request_bytes = max_request_bytes
+        self.max_file_bytes = max_file_bytes if max_file_bytes is not None else max_request_bytes
         self.announce = announce
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -170,10 +177,13 @@ class EdgeMiddleware:
                 return
 
         if scope["method"] in ("POST", "PUT", "PATCH"):
-            receive = await self._buffer_body(scope, receive, send, request_id)
+            upload = route_path(scope) == _UPLOAD_PATH
+            limit = self.max_file_bytes if upload else self.max_request_bytes
+            receive = await self._buffer_body(scope, receive, send, request_id, limit)
             if receive is None:
                 return
-            _default_to_json(scope)
+            if not upload:
+                _default_to_json(scope)
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -199,9 +209,8 @@ class EdgeMiddleware:
             self.load.requests -= tracked
 
     async def _buffer_body(
-        self, scope: Scope, receive: Receive, send: Send, request_id: str
+        self, scope: Scope, receive: Receive, send: Send, request_id: str, limit: int
     ) -> Receive | None:
-        limit = self.max_request_bytes
         too_large = APIError(
             413, f"Request body is larger than the limit of {limit} bytes.", code="request_too_large"
         )

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.beam_search import BeamSearchParams, candidates_per_beam
+from engine.multimodal import ImageSpec
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from engine.tokenizer import ChatTemplateError, Tokenizer
 from kvcache.keys import from_hex
@@ -39,6 +40,7 @@ class ModelLimits:
     priority_scheduling: bool = False  # --scheduling-policy priority: requests may set priority
     eos_token_ids: tuple[int, ...] = ()  # the model's (beam search counts them among its candidates)
     engine_max_logprobs: int = 20  # the engine's --max-logprobs: beam search's candidates per beam
+    image: ImageSpec | None = None  # a vision-language model's image token (ModelInfo.image)
 
     @property
     def kv_capacity_tokens(self) -> int:

@@ -225,9 +225,17 @@ class CompletionRequest(SamplingFields):
     best_of: StrictInt | None = Field(default=None, ge=1, le=MAX_N)
 
 
+class ImageURL(_Request):
+    url: StrictStr = Field(min_length=1)
+    detail: StrictStr | None = None  # OpenAI's; LLaVA sees every image the same way
+
+
 class TextPart(_Request):
+    """A content part: text, or an image (``image_url``) for a vision-language model."""
+
     type: StrictStr
     text: StrictStr | None = None
+    image_url: ImageURL | None = None
 
 
 class ChatMessage(_Request):
@@ -238,16 +246,28 @@ class ChatMessage(_Request):
     tool_calls: list[dict[str, Any]] | None = None
 
     @model_validator(mode="after")
-    def _only_text(self) -> ChatMessage:
+    def _known_parts(self) -> ChatMessage:
         if isinstance(self.content, list):
             for part in self.content:
-                if part.type != "text":
-                    raise ValueError(
-                        f"content part type {part.type!r} is not supported: this model takes text only"
-                    )
-                if part.text is None:
+                if part.type == "image_url":
+                    if part.image_url is None:
+                        raise ValueError("an image_url content part needs 'image_url': {'url': ...}")
+                elif part.type != "text":
+                    raise ValueError(f"content part type {part.type!r} is not supported")
+                elif part.text is None:
                     raise ValueError("a text content part needs a 'text' field")
         return self
+
+    @property
+    def image_urls(self) -> list[str]:
+        """The URLs of its image parts, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [
+            part.image_url.url
+            for part in self.content
+            if part.image_url is not None and part.type == "image_url"
+        ]
 
     def template_dict(self) -> dict[str, Any]:
         """The message as the chat template sees it (``engine.chat_template.template_message``)."""

@@ -19,14 +19,22 @@ class InputError(ValueError):
         self.param = param
 
 
-def _text_of(content: Any, where: str) -> str | list[dict[str, Any]]:
+def _text_of(content: Any, where: str, images: bool) -> str | list[dict[str, Any]]:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise InputError(f"{where}.content must be a string or a list of text parts", param=where)
-    parts = []
+    parts: list[dict[str, Any]] = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_image" and images:
+            if not isinstance(part.get("image_url"), str):
+                raise InputError(
+                    f"{where}.content[{j}]: an input_image needs image_url (a data: or http(s) URL)",
+                    param=f"{where}.content",
+                )
+            parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+            continue
         if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
             raise InputError(
                 f"{where}.content[{j}]: only text parts are supported (input_text, output_text)",
@@ -36,7 +44,9 @@ def _text_of(content: Any, where: str) -> str | list[dict[str, Any]]:
     return parts
 
 
-def chat_messages(instructions: Any, input_: Any) -> list[dict[str, Any]]:
+def chat_messages(instructions: Any, input_: Any, images: bool = False) -> list[dict[str, Any]]:
+    """``images``: the model takes images, so ``input_image`` parts become chat ``image_url`` parts
+    (otherwise they are refused like any part that is not text)."""
     messages: list[dict[str, Any]] = []
     if instructions:
         messages.append({"role": "system", "content": instructions})
@@ -54,7 +64,7 @@ def chat_messages(instructions: Any, input_: Any) -> list[dict[str, Any]]:
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise InputError(f"{where}.role must be user, system, developer or assistant", param="input")
-            messages.append({"role": role, "content": _text_of(item.get("content"), where)})
+            messages.append({"role": role, "content": _text_of(item.get("content"), where, images)})
         elif kind == "function_call":
             if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
                 raise InputError(f"{where}: a function_call needs call_id, name and arguments", param="input")

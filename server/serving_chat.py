@@ -18,6 +18,7 @@ from engine.sampling_params import SamplingParams
 from server.chat_shape import ChoiceShaper, shape_whole
 from server.errors import bad_request
 from server.generation import SequenceRequest, Ticket, block_extra
+from server.images import load_images, with_image_runs
 from server.logprobs import chat_logprobs, prompt_logprobs_out
 from server.params import (
     beam_search_params,
@@ -70,10 +71,16 @@ class _Choice:
 
 
 def _plan(
-    state: ServerState, req: ChatCompletionRequest, tools: ToolPlan | None, lora: Any
+    state: ServerState, req: ChatCompletionRequest, tools: ToolPlan | None, lora: Any, images: list[Any]
 ) -> list[SequenceRequest]:
     limits = state.limits
     prompt_ids = chat_prompt(req, state.tokenizer, state.config.trust_request_chat_template)
+    prompt_ids = with_image_runs(state, prompt_ids, len(images))
+    if images and (state.config.role != "mixed" or req.kv_transfer is not None or req.use_beam_search):
+        # A KV hand-off's block hashes and beam search's own requests leave the images out.
+        raise bad_request(
+            "image inputs are served by mixed replicas, without kv_transfer or beam search", param="messages"
+        )
     resume = resume_token_ids(req, 1, limits)
     extra = block_extra(lora, req.cache_salt)
     kv = transfer_for_role(
@@ -121,6 +128,7 @@ def _plan(
             priority=req.priority,
             cache_salt=req.cache_salt,
             beam=beam,
+            images=images or None,
         )
         for j in range(req.n)
     ]
@@ -183,7 +191,8 @@ async def create_chat_completion(
         apply_request_defaults(req, state.config.http)
     lora = state.check_model(req.model)
     tools = plan_tools(req, state.tool_parser)
-    seqs = _plan(state, req, tools, lora)
+    images = await load_images(state, req.messages)
+    seqs = _plan(state, req, tools, lora, images)
     await compile_constraints(state, seqs, "tools" if tools and tools.constraint else constraint_field(req))
     ticket = state.generation.admit(len(seqs), submitted)
     state.metrics.observe_params(req.n, seqs[0].params.max_tokens)

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse
 
 from server.anthropic_protocol import CountTokensRequest, MessagesRequest, error_body
 from server.errors import validated
+from server.images import check_images, with_image_runs
 from server.params import chat_prompt
 from server.protocol import ChatCompletionChunk, ChatCompletionRequest
 from server.serving_chat import ChatChunks, create_chat_completion
@@ -31,6 +32,8 @@ from server.serving_common import stream_errors
 from server.state import ServerState
 from server.streaming import SSEResponse
 
+# The internal event that carries one chat chunk's events and token ids to a router.
+GROUP_EVENT = "ferry_chunk"
 _STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
 
 
@@ -108,7 +111,11 @@ async def create_message(
 
 def count_tokens(state: ServerState, req: CountTokensRequest) -> JSONResponse:
     state.check_model(req.model)
-    ids = chat_prompt(to_chat_request(req), state.tokenizer, state.config.trust_request_chat_template)
+    chat = to_chat_request(req)
+    num_images = len(check_images(state, chat.messages))  # counted as their placeholder runs
+    ids = with_image_runs(
+        state, chat_prompt(chat, state.tokenizer, state.config.trust_request_chat_template), num_images
+    )
     return JSONResponse({"input_tokens": len(ids)})
 
 
@@ -132,26 +139,33 @@ async def _events(
 async def _translate(
     req: MessagesRequest, message_id: str, model: str, chunks: AsyncIterator[ChatCompletionChunk]
 ) -> AsyncIterator[bytes]:
+    """Anthropic's events of a chat stream. With ``return_token_ids`` (a router that may resume the
+    stream) each chunk's content events travel inside one ``GROUP_EVENT`` with the chunk's token
+    ids, which the router unpacks (``router/messages_stream.py``)."""
     started = False
     block: str | None = None  # the kind of the open content block: thinking, text or tool_use
     index = -1  # the open block's index
     calls: dict[int, int] = {}  # a chat tool call's index -> its tool_use block's index
     end: tuple[str, str | None] | None = None
     last_usage: dict[str, int] = usage(0, 0, 0)
+    Event = tuple[str, dict[str, Any]]
 
-    def start(kind: str, content_block: dict[str, Any]) -> list[bytes]:
+    def start(kind: str, content_block: dict[str, Any]) -> list[Event]:
         nonlocal block, index
         out = close()
         block, index = kind, index + 1
-        out.append(_frame("content_block_start", {"index": index, "content_block": content_block}))
+        out.append(("content_block_start", {"index": index, "content_block": content_block}))
         return out
 
-    def close() -> list[bytes]:
+    def close() -> list[Event]:
         nonlocal block
         if block is None:
             return []
         block = None
-        return [_frame("content_block_stop", {"index": index})]
+        return [("content_block_stop", {"index": index})]
+
+    def delta(at: int, payload: dict[str, Any]) -> Event:
+        return ("content_block_delta", {"index": at, "delta": payload})
 
     def opening() -> bytes:
         message = {
@@ -173,61 +187,50 @@ async def _translate(
             if not chunk.choices:
                 continue
             choice = chunk.choices[0]
-            delta = choice.delta
-            if delta.role is not None and not (delta.content or delta.reasoning_content or delta.tool_calls):
+            d = choice.delta
+            ids = choice.token_ids if req.return_token_ids else None
+            if d.role is not None and not (d.content or d.reasoning_content or d.tool_calls or ids):
                 continue  # the role chunk: message_start waits for the prompt's usage
             if not started:
                 started = True
                 yield opening()
-            out: list[bytes] = []
-            if delta.reasoning_content:
+            out: list[Event] = []
+            if d.reasoning_content:
                 if block != "thinking":
                     out += start("thinking", {"type": "thinking", "thinking": "", "signature": ""})
-                out.append(
-                    _frame(
-                        "content_block_delta",
-                        {
-                            "index": index,
-                            "delta": {"type": "thinking_delta", "thinking": delta.reasoning_content},
-                        },
-                    )
-                )
-            if delta.content:
+                out.append(delta(index, {"type": "thinking_delta", "thinking": d.reasoning_content}))
+            if d.content:
                 if block != "text":
                     out += start("text", {"type": "text", "text": ""})
-                out.append(
-                    _frame(
-                        "content_block_delta",
-                        {"index": index, "delta": {"type": "text_delta", "text": delta.content}},
-                    )
-                )
-            for call in delta.tool_calls or []:
+                out.append(delta(index, {"type": "text_delta", "text": d.content}))
+            for call in d.tool_calls or []:
                 if call.index not in calls:
                     block_start = {"type": "tool_use", "id": call.id, "name": call.function.name, "input": {}}
                     out += start("tool_use", block_start)
                     calls[call.index] = index
-                arguments = call.function.arguments
-                if arguments:
+                if call.function.arguments:
                     out.append(
-                        _frame(
-                            "content_block_delta",
-                            {
-                                "index": calls[call.index],
-                                "delta": {"type": "input_json_delta", "partial_json": arguments},
-                            },
+                        delta(
+                            calls[call.index],
+                            {"type": "input_json_delta", "partial_json": call.function.arguments},
                         )
                     )
             if choice.finish_reason is not None:
                 end = stop_reason(choice.finish_reason, choice.stop_reason, req)
-            for frame in out:
-                yield frame
+            if req.return_token_ids:  # one event: a router relays all of it or none of it
+                if out or ids:
+                    group = [{"type": kind, **payload} for kind, payload in out]
+                    yield _frame(GROUP_EVENT, {"token_ids": list(ids or ()), "events": group})
+                continue
+            for kind, payload in out:
+                yield _frame(kind, payload)
     if failed.error is not None:
         yield _frame("error", {"error": error_body(failed.error)["error"]})
         return
     if not started:
         yield opening()
-    for frame in close():
-        yield frame
+    for kind, payload in close():
+        yield _frame(kind, payload)
     reason, sequence = end or ("end_turn", None)
     if calls and reason == "end_turn":  # the turn ends in a call (a named tool_choice's chat says "stop")
         reason = "tool_use"

@@ -136,7 +136,7 @@ def _response_format(req: ResponsesRequest) -> dict[str, Any] | None:
 
 
 def to_chat_request(
-    req: ResponsesRequest, items: list[dict[str, Any]] | None = None
+    req: ResponsesRequest, items: list[dict[str, Any]] | None = None, images: bool = False
 ) -> ChatCompletionRequest:
     """The chat request ``req`` runs as; ``items``: its whole conversation as input items (the
     responses it continues, then its own input), if not just ``req.input``."""
@@ -145,7 +145,7 @@ def to_chat_request(
             raise bad_request(f"include[{i}]: unknown value {name!r}", param="include")
     try:
         tools, choice = chat_tools(req.tools, req.tool_choice)
-        messages = chat_messages(req.instructions, req.input if items is None else items)
+        messages = chat_messages(req.instructions, req.input if items is None else items, images)
     except InputError as e:
         raise bad_request(str(e), param=e.param) from None
     body: dict[str, Any] = {
@@ -413,7 +413,7 @@ async def create_response(
             )
         context = record["input"] + record["response"]["output"]
     own = input_items(req.input)
-    chat = to_chat_request(req, context + own if context else None)
+    chat = to_chat_request(req, context + own if context else None, images=state.limits.image is not None)
     answer = await create_chat_completion(state, chat, request_id, receive, submitted, as_chunks=True)
     model = state.answer_model(state.check_model(req.model))  # the chat request checked it: no 404 here
     built = _Response(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from server.images import check_images, with_image_runs
 from server.lora import lora_model_cards
 from server.params import chat_prompt, check_token_ids
 from server.protocol import (
@@ -19,7 +20,11 @@ def tokenize(state: ServerState, req: TokenizeRequest) -> TokenizeResponse:
     state.check_model(req.model)
     tok = state.tokenizer
     if req.messages is not None:
-        ids = chat_prompt(req, tok, state.config.trust_request_chat_template)
+        # Image parts count as their placeholder runs (the images themselves are not read).
+        num_images = len(check_images(state, req.messages))
+        ids = with_image_runs(
+            state, chat_prompt(req, tok, state.config.trust_request_chat_template), num_images
+        )
     else:
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
         ids = tok.encode(req.prompt or "", add_special_tokens=add_special)

@@ -1,5 +1,5 @@
 """What every endpoint of one replica shares: the engine, its tokenizer and limits, admission, metrics,
-stored responses and the background ones running here."""
+stored responses and the background ones running here, the Batch API's store and runs."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.tokenizer import Tokenizer
+from server.batch_jobs import BatchJobs
+from server.batch_store import BatchStore
 from server.config import ServerConfig
 from server.errors import model_not_found
 from server.generation import Generation
@@ -33,11 +35,13 @@ class ServerState:
     reasoning: type[ReasoningSplitter] | None = None  # --reasoning-parser
     responses: ResponseStore | None = None  # stored /v1/responses (--responses-store)
     background: BackgroundResponses = field(init=False)  # background responses running here
+    batches: BatchJobs = field(init=False)  # the Batch API's files and the batches running here
 
     def __post_init__(self) -> None:
         self.background = BackgroundResponses(
             self.responses, self.generation, self.metrics, self.config.responses_lease_ttl
         )
+        self.batches = BatchJobs(BatchStore(self.config.batch_dir), self.config.max_batch_concurrency)
         if self.tool_parser is None and self.config.enable_auto_tool_choice and self.config.tool_call_parser:
             self.tool_parser = get_tool_parser(self.config.tool_call_parser)
         if self.reasoning is None and self.config.reasoning_parser:

@@ -125,6 +125,15 @@ def tiny_cross_encoder(models_root: Path) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def tiny_llava(models_root: Path) -> Path:
+    """A LlavaForConditionalGeneration: a 2-layer CLIP vision tower (32x32 images in 8x8 patches:
+    16 image tokens each, CLS dropped), the projector, the tiny Llama; ``<image>`` is token 1000."""
+    from engine.demo import build_llava
+
+    return build_llava(models_root / "llava", seed=24)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

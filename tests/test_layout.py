@@ -12,7 +12,7 @@ def test_ferry_cli_lists_subcommands() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "ferry", "--help"], capture_output=True, text=True, check=True
     )
-    for sub in ("serve", "router", "up", "bench"):
+    for sub in ("serve", "run-batch", "router", "up", "bench"):
         assert sub in out.stdout
 
 

@@ -69,6 +69,21 @@ class GemmaConfig:
 
 
 @dataclass(frozen=True)
+class VisionConfig:
+    """A LLaVA checkpoint's image side: the vision tower's own config (``vision_config``), which of
+    its hidden states feed the projector and whether the CLS row is dropped (transformers'
+    ``vision_feature_layer`` / ``vision_feature_select_strategy``), the projector's activation and
+    bias, and the image token."""
+
+    vision_config: dict[str, Any]
+    feature_layer: int | tuple[int, ...]
+    select_strategy: str  # "default" (drop the CLS row) | "full"
+    projector_act: str
+    projector_bias: bool
+    image_token_id: int
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     model_type: str
@@ -110,6 +125,8 @@ class ModelConfig:
     # gpt-oss experts' clamped SwiGLU: (alpha, limit), ``(clamp(up) + 1) * g * sigmoid(alpha * g)``
     # with g the gate clamped above at limit. None: not gpt-oss.
     swiglu: tuple[float, float] | None = None
+    # A vision-language model (LLaVA): its vision tower and projector settings. None: text only.
+    vision: VisionConfig | None = None
 
     # The paged KV cache per layer: ``kv_cache_parts`` tensors (K and V, or MLA's one latent) of
     # ``[num_blocks, block_size, kv_cache_heads, kv_cache_dim]``.
@@ -146,8 +163,11 @@ class ModelConfig:
         archs = raw.get("architectures") or []
         if not archs:
             raise ValueError("config.json names no 'architectures'")
+        vision = None
         if archs[0] in ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"):
             raw = _gemma3_text_config(raw)
+        elif archs[0] == "LlavaForConditionalGeneration":
+            raw, vision = _llava_config(raw)
         elif archs[0] in ("Gemma2ForCausalLM", "Gemma2ForSequenceClassification"):
             raw = {**_GEMMA2_DEFAULTS, **raw}
         elif archs[0] == "GptOssForCausalLM":
@@ -209,6 +229,7 @@ class ModelConfig:
             swiglu=(float(raw["swiglu_alpha"]), float(raw["swiglu_limit"]))
             if model_type == "gpt_oss"
             else None,
+            vision=vision,
         )
 
 
@@ -326,6 +347,41 @@ def _gemma3_text_config(raw: dict[str, Any]) -> dict[str, Any]:
     if "text_config" in raw:
         merged["final_logit_softcapping"] = None  # transformers' multimodal Gemma 3 never applies it
     return merged
+
+
+# LlamaConfig's defaults (LLaVA's default text model), for text_configs that leave them out.
+_LLAMA_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+}
+
+
+def _llava_config(raw: dict[str, Any]) -> tuple[dict[str, Any], VisionConfig]:
+    """A LLaVA checkpoint's language model config (its ``text_config``, LlavaConfig's Llama default
+    when absent) and its image side, with LlavaConfig's defaults."""
+    text = dict(raw.get("text_config") or {})
+    text.setdefault("model_type", "llama")
+    if text["model_type"] == "llama":  # the hub's llava-1.5 configs write only what differs from these
+        text = {**_LLAMA_DEFAULTS, **text}
+    top = {k: raw[k] for k in ("architectures", "dtype", "torch_dtype", "quantization_config") if k in raw}
+    layer = raw.get("vision_feature_layer", -2)
+    vision = VisionConfig(
+        vision_config=dict(raw.get("vision_config") or {"model_type": "clip_vision_model"}),
+        feature_layer=tuple(int(x) for x in layer) if isinstance(layer, list) else int(layer),
+        select_strategy=str(raw.get("vision_feature_select_strategy", "default")),
+        projector_act=str(raw.get("projector_hidden_act", "gelu")),
+        projector_bias=bool(raw.get("multimodal_projector_bias", True)),
+        image_token_id=int(raw.get("image_token_id", raw.get("image_token_index", 32000))),
+    )
+    if vision.select_strategy not in ("default", "full"):
+        raise ValueError(f"vision_feature_select_strategy {vision.select_strategy!r} is not supported")
+    return {**text, **top}, vision
 
 
 # Gemma2Config's defaults (layer i slides when i is even).

@@ -149,11 +149,12 @@ class LlamaForCausalLM:
         positions: torch.Tensor,  # [T]
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,  # [T, hidden]: instead of the ids' embeddings
     ) -> torch.Tensor:
         """Hidden states after the final norm, ``[T, hidden]``."""
         cfg, ops, linear = self.cfg, self.ops, self.linear
         eps = cfg.rms_norm_eps
-        hidden = F.embedding(input_ids, self.embed)
+        hidden = F.embedding(input_ids, self.embed) if inputs_embeds is None else inputs_embeds
         if cfg.embedding_multiplier != 1.0:
             hidden = hidden * cfg.embedding_multiplier
         scale_out = cfg.residual_multiplier != 1.0  # Granite scales each block's output

@@ -24,6 +24,8 @@ _MODELS: dict[str, str] = {
     "Gemma2ForCausalLM": "engine.models.gemma:GemmaForCausalLM",  # soft-capped attention and logits
     "Gemma3ForCausalLM": "engine.models.gemma:GemmaForCausalLM",  # sandwich norms, local/global layers
     "Gemma3ForConditionalGeneration": "engine.models.gemma:GemmaForCausalLM",  # its text model only
+    # A CLIP vision tower + projector in front of a Llama-family language model.
+    "LlavaForConditionalGeneration": "engine.models.llava:LlavaForConditionalGeneration",
     "GptOssForCausalLM": "engine.models.gpt_oss:GptOssForCausalLM",  # sinks, sliding/full, biased MoE
     "DeepseekV2ForCausalLM": "engine.models.deepseek:DeepseekForCausalLM",  # MLA + MoE (softmax router)
     "DeepseekV3ForCausalLM": "engine.models.deepseek:DeepseekForCausalLM",  # MLA + MoE (sigmoid router)

@@ -57,5 +57,10 @@ def test_vllm_prompt_dicts_and_use_tqdm(llm) -> None:
     assert one[0].prompt_token_ids == ids
     assert llm.embed([{"prompt": "hi"}], use_tqdm=True) == llm.embed(["hi"])
     assert len(llm.chat(CHAT, GREEDY, use_tqdm=False)) == 1
-    with pytest.raises(ValueError, match="takes 'prompt' .* or 'prompt_token_ids' alone"):
-        llm.generate([{"prompt": "x", "multi_modal_data": {}}], GREEDY)
+    with pytest.raises(ValueError, match="takes 'prompt' .* or 'prompt_token_ids'"):
+        llm.generate([{"prompt": "x", "mm_processor_kwargs": {}}], GREEDY)
+    from PIL import Image
+
+    image = Image.new("RGB", (8, 8))
+    with pytest.raises(ValueError, match="takes text only"):  # images need a vision-language model
+        llm.generate([{"prompt": "x", "multi_modal_data": {"image": image}}], GREEDY)

@@ -196,7 +196,8 @@ def test_bad_levels_and_tags_are_refused(tiny_llama) -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["tiny_llama_tied", "tiny_deepseek", "tiny_gemma3", "tiny_gpt_oss", "tiny_llama_cls"]
+    "name",
+    ["tiny_llama_tied", "tiny_deepseek", "tiny_gemma3", "tiny_gpt_oss", "tiny_llama_cls", "tiny_llava"],
 )
 def test_offload_moves_every_tensor_of_every_model_family(name, request) -> None:
     """Level 1 on an accelerator moves the model's tensors with ``move_tensors``: none may stay
@@ -218,7 +219,9 @@ def test_offload_moves_every_tensor_of_every_model_family(name, request) -> None
         seen.add(id(obj))
         if isinstance(obj, torch.Tensor):
             found.append(obj)
-        elif isinstance(obj, (list, tuple, dict)) or type(obj).__module__.startswith("engine.models"):
+        elif isinstance(obj, (list, tuple, dict, torch.nn.Module)) or type(obj).__module__.startswith(
+            "engine.models"
+        ):
             stack.extend(gc.get_referents(obj))
     assert len(found) > 10
     assert all(t.device.type == "meta" for t in found)

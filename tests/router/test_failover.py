@@ -3,6 +3,7 @@ retry before the first byte, ejection and readmission, replicas still starting, 
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -18,8 +19,8 @@ MODEL = "llama"
 
 @pytest.fixture(scope="module")
 def trio(cluster: Cluster) -> list[Proc]:
-    """A survivor and three victims (one per failover test), loaded together."""
-    return cluster.replicas(4)
+    """A survivor and four victims (one per failover test), loaded together."""
+    return cluster.replicas(5)
 
 
 # A named tool whose arguments cannot be complete within the budget: the call streams until length.
@@ -149,6 +150,54 @@ def test_kill9_mid_stream_fails_over_exactly(
     assert roles in (0, 1) and (kind == "completions" or roles == 1)
     if kind == "tool":
         assert len(headers) == 1 and headers[0][0].startswith("call_") and headers[0][1] == "tell"
+
+
+def test_kill9_mid_messages_stream_fails_over_exactly(cluster: Cluster, trio: list[Proc]) -> None:
+    """Anthropic's Messages API through the router: the stream a killed replica was writing goes on
+    from another replica, one message, one text block, the whole answer's output tokens."""
+    survivor, victim = trio[0], trio[4]
+    request = {
+        "model": MODEL,
+        "max_tokens": 300,
+        "messages": [{"role": "user", "content": "Write a long story."}],
+        # Greedy: Anthropic's API has no seed, and exactness across replicas needs one to sample.
+        "temperature": 0.0,
+    }
+    reference = httpx.post(survivor.url + "/v1/messages", json=request, timeout=120).json()
+    (expected,) = reference["content"]
+    assert reference["usage"]["output_tokens"] > 20  # long enough to be cut mid-way
+    router = cluster.router("--replica", victim.url, "--replica", survivor.url, "--policy", "round_robin")
+    events = []
+    with httpx.stream(
+        "POST", router.url + "/v1/messages", json={**request, "stream": True}, timeout=120
+    ) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        kind = None
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                kind = line[7:]
+            elif line.startswith("data: "):
+                event = json.loads(line[6:])
+                assert event["type"] == kind
+                events.append(event)
+                if len(events) == 8:
+                    assert replicas_view(router)[victim.url]["inflight"] == 1
+                    victim.kill9()
+    assert metric(router.url, "ferry:router_failovers_total") == 1
+    kinds = [e["type"] for e in events]
+    assert kinds[0] == "message_start" and kinds.count("message_start") == 1
+    assert kinds[-2:] == ["message_delta", "message_stop"] and "error" not in kinds
+    assert "ferry_chunk" not in kinds and not any("token_ids" in e for e in events)
+    starts = [e for e in events if e["type"] == "content_block_start"]
+    stops = [e for e in events if e["type"] == "content_block_stop"]
+    assert [s["index"] for s in starts] == [s["index"] for s in stops] == [0]
+    text = "".join(e["delta"]["text"] for e in events if e["type"] == "content_block_delta")
+    assert {e["index"] for e in events if e["type"] == "content_block_delta"} == {0}
+    assert text == expected["text"]  # no duplicate, no gap
+    final = events[-2]
+    assert final["delta"]["stop_reason"] == reference["stop_reason"]
+    assert final["usage"]["output_tokens"] == reference["usage"]["output_tokens"]
+    assert wait_until(lambda: all(v["inflight"] == 0 for v in replicas_view(router).values()))
 
 
 def test_starting_replica_retry_ejection_and_readmission(cluster: Cluster, trio: list[Proc]) -> None:

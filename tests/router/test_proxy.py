@@ -694,3 +694,31 @@ def test_referenced_responses_and_the_affinity_bound() -> None:
     assert affinity.lookup("r2") is None and len(affinity) == 2
     affinity.forget("r1")
     assert affinity.lookup("r1") is None and affinity.lookup("r3") == "http://a"
+
+
+def test_files_and_batches_go_to_one_replica(cluster: Cluster, pair: list[Proc]) -> None:
+    """A replica keeps its files and runs its batches itself: through a round-robin router every
+    Files and Batches API request goes to the replica with the lowest URL, so each id resolves and
+    lists are whole (round robin alone would send every other request where the id is unknown)."""
+    import io
+
+    a, b = pair
+    router = cluster.router("--replica", a.url, "--replica", b.url, "--policy", "round_robin")
+    c = client(router.url)
+    home, other = sorted([a.url, b.url])
+    line = {"custom_id": "one", "method": "POST", "url": "/v1/completions"}
+    line["body"] = {"model": MODEL, "prompt": "hi", "max_tokens": 3, "temperature": 0}
+    upload = c.files.create(file=("in.jsonl", io.BytesIO(json.dumps(line).encode())), purpose="batch")
+    batch = c.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
+    for _ in range(4):  # round robin would alternate
+        assert c.files.retrieve(upload.id).id == upload.id
+        assert batch.id in [x.id for x in c.batches.list()]
+    assert wait_until(lambda: c.batches.retrieve(batch.id).status == "completed", 30)
+    done = c.batches.retrieve(batch.id)
+    out = json.loads(c.files.content(done.output_file_id).text)
+    assert out["custom_id"] == "one" and out["response"]["body"]["usage"]["completion_tokens"] == 3
+    assert client(home).files.retrieve(upload.id).id == upload.id
+    with pytest.raises(openai.NotFoundError):
+        client(other).files.retrieve(upload.id)
+    # Pinning Files/Batches requests is not the Responses API's affinity.
+    assert not metric(router.url, "ferry:router_response_affinity_total", {"outcome": "hit"})

@@ -58,6 +58,9 @@ def test_router_reads_and_relays_with_the_replicas_key(cluster: Cluster, keyed) 
     assert anthropic_style.json()["type"] == "message"
     wrong = httpx.post(guarded.url + "/v1/messages", json=messages, headers={"x-api-key": "replica-key"})
     assert wrong.status_code == 401
+    # The router's own refusal, in Anthropic's shape as the replicas' are on this route.
+    assert wrong.json()["type"] == "error" and wrong.json()["error"]["type"] == "authentication_error"
+    assert int(wrong.headers["content-length"]) == len(wrong.content)
 
 
 def test_without_the_key_the_router_cannot_read_the_models(cluster: Cluster, keyed) -> None:

@@ -584,3 +584,43 @@ def test_startup_errors_are_clean(tiny_llama: Path) -> None:
     assert done.stderr.strip().endswith(
         "max_model_len=99999 is more than the 1024 positions of the model (max_position_embeddings=1024)"
     )
+
+
+def test_a_batch_is_uploaded_run_and_cancelled_through_either_api_server(server) -> None:
+    """The Batch API's directory is shared by the API servers (the supervisor's): a file uploaded
+    through one is a batch's input through the other, which runs it; the first reads its progress
+    and cancels it (a marker the running process polls)."""
+    first_conn, second_conn = connection_per_api_server(server)
+    body = {"prompt": "x", "max_tokens": 300, "ignore_eos": True}
+    lines = [
+        {"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": body} for i in range(16)
+    ]
+    data = "".join(json.dumps(line) + "\n" for line in lines)
+    form = (
+        '--b0undary\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+        '--b0undary\r\nContent-Disposition: form-data; name="file"; filename="in.jsonl"\r\n'
+        f"Content-Type: application/jsonl\r\n\r\n{data}\r\n--b0undary--\r\n"
+    )
+    first_conn.request(
+        "POST",
+        "/v1/files",
+        body=form.encode(),
+        headers={"content-type": "multipart/form-data; boundary=b0undary"},
+    )
+    upload = json.loads(first_conn.getresponse().read())
+    assert upload["bytes"] == len(data.encode()) and upload["purpose"] == "batch"
+    assert call(second_conn, f"/v1/files/{upload['id']}") == (200, upload)
+    create = {"input_file_id": upload["id"], "endpoint": "/v1/completions", "completion_window": "24h"}
+    status, batch = call(second_conn, "/v1/batches", create)
+    assert status == 200 and batch["status"] == "validating"
+    path = f"/v1/batches/{batch['id']}"
+    _wait(lambda: call(first_conn, path)[1]["request_counts"]["completed"] >= 1, 30, "no request done")
+    status, cancelling = call(first_conn, path + "/cancel", method="POST")
+    assert status == 200 and cancelling["status"] == "cancelling", cancelling
+    _wait(lambda: call(first_conn, path)[1]["status"] == "cancelled", 30, "not cancelled")
+    status, done = call(first_conn, path)
+    assert 1 <= done["request_counts"]["completed"] < 16 and done["cancelled_at"] >= done["cancelling_at"]
+    assert call(second_conn, path) == (200, done)
+    assert batch["id"] in [b["id"] for b in call(first_conn, "/v1/batches")[1]["data"]]
+    for conn in (first_conn, second_conn):
+        conn.close()

@@ -242,7 +242,20 @@ def test_forced_tool_use_answers_with_a_tool_use_block(srv, client) -> None:
         ({"max_tokens": 4}, "messages"),
         ({"messages": [{"role": "user", "content": "x"}]}, "max_tokens"),
         (
-            {"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+            {
+                "max_tokens": 4,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "image",
+                                "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"},
+                            }
+                        ],
+                    }
+                ],
+            },
             "text only",
         ),
         ({"max_tokens": 4, "messages": [{"role": "system", "content": "x"}]}, "role"),

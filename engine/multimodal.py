@@ -1,0 +1,100 @@
+"""Image inputs of vision-language models, on the torch-free side: what a model's image token is,
+how a prompt's image tokens expand into placeholder runs, and opening image bytes. Torch-free
+(Pillow is imported when an image is opened), so API servers use it too.
+
+A prompt names an image with one image token (``<image>``) where the chat template or the user put
+it; before the engine runs it, each such token becomes a run of ``tokens_per_image`` image tokens,
+the positions whose embeddings the model runner replaces with the image's features (as
+transformers' processor expands them). A prompt whose runs are already expanded is kept as it is.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from typing import Any
+
+# Images decoded from a request may not be larger than this (Pillow's decompression-bomb guard
+# at its warning level, as vLLM leaves it): a few bytes of PNG must not become gigabytes of pixels.
+MAX_IMAGE_PIXELS = 89_478_485
+
+
+@dataclass(frozen=True)
+class ImageSpec:
+    """How a vision-language model takes images (``ModelInfo.image``; None for text-only models)."""
+
+    image_token: str  # the placeholder text chat templates write (``<image>``)
+    image_token_id: int
+    tokens_per_image: int  # the placeholder run one image becomes
+
+
+@dataclass
+class ImageInput:
+    """One image of a request: its placeholder run and its processed pixels (engine side)."""
+
+    offset: int  # first placeholder position in the prompt
+    length: int  # placeholder tokens (the rows of its features)
+    pixel_values: Any  # torch tensor [1, channels, height, width]
+    digest: bytes  # content hash of the pixels: keys the KV blocks it touches
+
+
+def image_offsets(ids: list[int], spec: ImageSpec) -> list[int]:
+    """The first position of each image's placeholder run in expanded ``ids`` (adjacent images'
+    runs touch: a run of k * tokens_per_image image tokens is k images)."""
+    offsets: list[int] = []
+    i, n, size = 0, len(ids), spec.tokens_per_image
+    while i < n:
+        if ids[i] == spec.image_token_id:
+            j = i
+            while j < n and ids[j] == spec.image_token_id:
+                j += 1
+            if (j - i) % size:
+                raise ValueError(
+                    f"a run of {j - i} {spec.image_token} tokens is not whole images of {size} tokens each"
+                )
+            offsets.extend(range(i, j, size))
+            i = j
+        else:
+            i += 1
+    return offsets
+
+
+def expand_image_tokens(ids: list[int], spec: ImageSpec, num_images: int) -> list[int]:
+    """``ids`` with each image token expanded to an image's placeholder run (kept as they are when
+    already expanded). Raises ValueError unless the prompt holds ``num_images`` image tokens (or
+    that many expanded runs)."""
+    count = ids.count(spec.image_token_id)
+    if count == num_images * spec.tokens_per_image:
+        image_offsets(ids, spec)  # checks that the runs are whole images
+        return list(ids)
+    if count != num_images:
+        raise ValueError(
+            f"the prompt has {count} image placeholders ({spec.image_token}) but {num_images} "
+            f"image{'s were' if num_images != 1 else ' was'} given"
+        )
+    out: list[int] = []
+    for token in ids:
+        if token == spec.image_token_id:
+            out.extend([token] * spec.tokens_per_image)
+        else:
+            out.append(token)
+    return out
+
+
+def open_image(data: bytes) -> Any:
+    """A decoded RGB ``PIL.Image`` from encoded bytes; ValueError when they are not an image Pillow
+    can decode, or one past ``MAX_IMAGE_PIXELS``."""
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            if img.width * img.height > MAX_IMAGE_PIXELS:
+                raise ValueError(
+                    f"the image is {img.width}x{img.height} pixels, more than {MAX_IMAGE_PIXELS} allowed"
+                )
+            img.load()
+            return img.convert("RGB")
+    except ValueError:
+        raise
+    except Exception as e:  # Pillow raises many types for bad data (UnidentifiedImageError, OSError…)
+        raise ValueError(f"the data is not an image that can be decoded ({type(e).__name__})") from None

@@ -1,0 +1,182 @@
+"""The batches running in this API server process (OpenAI's Batch API, ``server/batch_api.py``).
+
+Lifecycle of a batch: ``validating`` (its input file was checked when it was created: every line
+parses and names the batch's endpoint) → ``in_progress`` (its lines run through the replica's own
+app, ``server/batch_lines.py``) → ``finalizing`` (the output file gets the 2xx answers, the error
+file every other, each in input order) → ``completed``. A cancel turns ``validating`` /
+``in_progress`` into ``cancelling``: no more lines start, the running ones are aborted, and the
+batch ends ``cancelled`` with files of what had finished. A batch still running when the server
+stops ends ``failed``.
+
+Every batch of this process shares one gate of ``--max-batch-concurrency`` requests, so batches
+never hold more of the engine than that, however many run. The process that created a batch runs
+it and is the only writer of its record; it polls the store for cancel requests (which another API
+server process may have written) every ``POLL_S``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any
+
+from server.batch_lines import AppCaller, Progress, run_lines
+from server.batch_store import ALIVE_EVERY_S, BatchStore, batch_errors
+
+logger = logging.getLogger("ferry.batch")
+
+POLL_S = 0.2  # how often a running batch saves its counts and looks for a cancel request
+WINDOW_S = 24 * 3600  # the one completion window ("24h")
+
+
+class _Counts(Progress):
+    def __init__(self, record: dict[str, Any]) -> None:
+        super().__init__(record["id"], record["request_counts"]["total"], every_s=30.0)
+
+
+class BatchJobs:
+    def __init__(self, store: BatchStore, max_concurrency: int) -> None:
+        self.store = store
+        self.max_concurrency = max_concurrency
+        self.gate = asyncio.Semaphore(max_concurrency)
+        self.caller: AppCaller | None = None  # set once the app exists (build_app)
+        self._runs: dict[str, tuple[asyncio.Task, asyncio.Event]] = {}
+
+    def start(
+        self, input_file_id: str, endpoint: str, lines: list[str], metadata: dict[str, str] | None
+    ) -> dict[str, Any]:
+        """Record a new batch of ``lines`` (already checked) and start running it."""
+        now = int(time.time())
+        record: dict[str, Any] = {
+            "id": self.store.new_batch_id(),
+            "object": "batch",
+            "endpoint": endpoint,
+            "errors": None,
+            "input_file_id": input_file_id,
+            "completion_window": "24h",
+            "status": "validating",
+            "output_file_id": None,
+            "error_file_id": None,
+            "created_at": now,
+            "in_progress_at": None,
+            "expires_at": now + WINDOW_S,
+            "finalizing_at": None,
+            "completed_at": None,
+            "failed_at": None,
+            "expired_at": None,
+            "cancelling_at": None,
+            "cancelled_at": None,
+            "request_counts": {"total": len(lines), "completed": 0, "failed": 0},
+            "metadata": metadata,
+        }
+        self.store.touch_alive(record["id"])
+        self.store.save_batch(record)
+        gone = asyncio.Event()
+        task = asyncio.ensure_future(self._run(dict(record), lines, gone))
+        self._runs[record["id"]] = (task, gone)
+        task.add_done_callback(lambda _: self._runs.pop(record["id"], None))
+        return {k: v for k, v in record.items() if not k.startswith("_")}
+
+    def cancel(self, batch_id: str) -> None:
+        """Ask for the batch to stop (it may run in another API server process, which polls)."""
+        self.store.request_cancel(batch_id)
+        run = self._runs.get(batch_id)
+        if run is not None:
+            run[1].set()
+
+    async def stop_all(self) -> None:
+        """Stop every batch running here (each ends ``failed``, its running requests aborted)."""
+        for task, gone in list(self._runs.values()):
+            gone.set()
+            task.cancel()
+        for task, _ in list(self._runs.values()):
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):
+                pass
+
+    async def close(self) -> None:
+        """``stop_all``, then drop a temporary directory."""
+        await self.stop_all()
+        self.store.close()
+
+    async def _run(self, record: dict[str, Any], lines: list[str], gone: asyncio.Event) -> None:
+        record.update(status="in_progress", in_progress_at=int(time.time()))
+        self.store.save_batch(record)
+        counts = _Counts(record)
+        logger.info("batch %s: %d requests (%s)", record["id"], len(lines), record["endpoint"])
+        watch = asyncio.ensure_future(self._watch(record, counts, gone))
+        try:
+            assert self.caller is not None
+            results = await run_lines(
+                self.caller,
+                lines,
+                self.max_concurrency,
+                urls=(record["endpoint"],),
+                progress=counts,
+                gate=self.gate,
+                gone=gone,
+            )
+            cancelled = gone.is_set()
+            if not cancelled:
+                record.update(status="finalizing", finalizing_at=int(time.time()))
+            self._count(record, counts)
+            self.store.save_batch(record)
+            await asyncio.to_thread(self._write_results, record, results)
+            now = int(time.time())
+            if cancelled:
+                cancelling_at = self.store.cancel_requested(record["id"]) or now
+                record.update(status="cancelled", cancelling_at=cancelling_at, cancelled_at=now)
+            else:
+                record.update(status="completed", completed_at=now)
+            counts.log()
+        except asyncio.CancelledError:  # the server is stopping
+            record.update(
+                status="failed",
+                failed_at=int(time.time()),
+                errors=batch_errors("server_shutdown", "The server stopped before the batch finished."),
+            )
+            self._count(record, counts)
+            raise
+        except Exception as e:  # a bug: the batch fails, the server goes on
+            logger.exception("batch %s failed", record["id"])
+            record.update(
+                status="failed", failed_at=int(time.time()), errors=batch_errors("internal_error", str(e))
+            )
+        finally:
+            watch.cancel()
+            self.store.save_batch(record)
+            logger.info("batch %s: %s", record["id"], record["status"])
+
+    async def _watch(self, record: dict[str, Any], counts: _Counts, gone: asyncio.Event) -> None:
+        """Save the counts as they change; pass on a cancel request written by any process; say
+        that this process still runs the batch (``BatchStore.touch_alive``)."""
+        touched = time.monotonic()
+        while True:
+            await asyncio.sleep(POLL_S)
+            if time.monotonic() - touched >= ALIVE_EVERY_S:
+                self.store.touch_alive(record["id"])
+                touched = time.monotonic()
+            if not gone.is_set() and self.store.cancel_requested(record["id"]) is not None:
+                gone.set()
+            if self._count(record, counts):
+                self.store.save_batch(record)
+
+    @staticmethod
+    def _count(record: dict[str, Any], counts: _Counts) -> bool:
+        new = {"total": counts.total, "completed": counts.completed, "failed": counts.failed}
+        changed = new != record["request_counts"]
+        record["request_counts"] = new
+        return changed
+
+    def _write_results(self, record: dict[str, Any], results: list[dict[str, Any] | None]) -> None:
+        done = [line for line in results if line is not None]
+        ok = [line for line in done if line["error"] is None]
+        failed = [line for line in done if line["error"] is not None]
+        for key, group, suffix in (("output_file_id", ok, "output"), ("error_file_id", failed, "errors")):
+            if group:
+                data = "".join(json.dumps(line) + "\n" for line in group).encode()
+                name = f"{record['id']}_{suffix}.jsonl"
+                record[key] = self.store.add_file(data, name, "batch_output")["id"]

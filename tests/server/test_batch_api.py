@@ -1,0 +1,332 @@
+"""OpenAI's Files and Batches API on a replica, driven by the official SDK over loopback: the whole
+lifecycle (answers equal direct requests', failed requests in the error file), cancel, the
+concurrency bound, the API key, and every refusal as a 4xx in OpenAI's shape. Across API server
+processes: ``test_batch_api_servers`` below."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from server.batch_store import ALIVE_STALE_S, BatchStore
+
+KEY = "sk-batch-test"
+CONCURRENCY = 2
+MAX_FILE_BYTES = 20_000
+PROMPTS = ["Hello there", "What is a ferry?", "Count to three"]
+
+
+def _client(url: str, key: str = KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def replica(tiny_llama, server_process, serve_logs):
+    srv = server_process(
+        tiny_llama,
+        [
+            "--api-key",
+            KEY,
+            "--deterministic",
+            "--max-batch-concurrency",
+            str(CONCURRENCY),
+            "--max-file-bytes",
+            str(MAX_FILE_BYTES),
+            "--num-kv-blocks",
+            "512",
+        ],  # fmt: skip
+        serve_logs,
+    ).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(replica) -> openai.OpenAI:
+    return _client(replica.url)
+
+
+def _jsonl(*lines: dict) -> bytes:
+    return "".join(json.dumps(line) + "\n" for line in lines).encode()
+
+
+def _chat(custom_id: str, content: str, **extra: object) -> dict:
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 6, "temperature": 0, **extra}
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body}
+
+
+def _upload(client: openai.OpenAI, data: bytes, purpose: str = "batch"):
+    return client.files.create(file=("requests.jsonl", io.BytesIO(data)), purpose=purpose)
+
+
+def _wait(client: openai.OpenAI, batch_id: str, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while (batch := client.batches.retrieve(batch_id)).status not in ("completed", "failed", "cancelled"):
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.05)
+    return batch
+
+
+def test_batch_lifecycle(client, replica) -> None:
+    lines = [_chat(f"req-{i}", p) for i, p in enumerate(PROMPTS)]
+    lines.insert(1, _chat("wrong-model", "Hi", model="no-such-model"))
+    upload = _upload(client, _jsonl(*lines))
+    assert upload.object == "file" and upload.purpose == "batch" and upload.status == "processed"
+    assert upload.bytes == len(_jsonl(*lines)) and upload.filename == "requests.jsonl"
+    assert client.files.retrieve(upload.id).model_dump() == upload.model_dump()
+
+    created = client.batches.create(
+        input_file_id=upload.id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        metadata={"job": "nightly"},
+    )
+    assert created.status == "validating" and created.object == "batch" and created.id.startswith("batch_")
+    assert created.metadata == {"job": "nightly"} and created.input_file_id == upload.id
+    assert created.expires_at == created.created_at + 24 * 3600
+    assert created.request_counts.total == 4
+
+    done = _wait(client, created.id)
+    assert done.status == "completed" and done.errors is None
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (4, 3, 1)
+    assert created.created_at <= done.in_progress_at <= done.finalizing_at <= done.completed_at
+    assert done.failed_at is None and done.cancelled_at is None and done.metadata == {"job": "nightly"}
+
+    out = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()]
+    assert [o["custom_id"] for o in out] == ["req-0", "req-1", "req-2"]  # input order
+    for o, prompt in zip(out, PROMPTS, strict=True):
+        direct = client.chat.completions.create(
+            model=replica.model_name,
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=6,
+            temperature=0,
+        )
+        body = o["response"]["body"]
+        assert o["error"] is None and o["response"]["status_code"] == 200
+        assert body["choices"][0]["message"]["content"] == direct.choices[0].message.content
+        assert body["usage"]["prompt_tokens"] == direct.usage.prompt_tokens
+        assert body["usage"]["completion_tokens"] == direct.usage.completion_tokens == 6
+    errors = [json.loads(x) for x in client.files.content(done.error_file_id).text.splitlines()]
+    assert len(errors) == 1 and errors[0]["custom_id"] == "wrong-model"
+    assert errors[0]["response"]["status_code"] == 404
+    assert errors[0]["response"]["body"]["error"]["code"] == "model_not_found"
+    assert errors[0]["error"]["code"] == "model_not_found"
+
+    output_file = client.files.retrieve(done.output_file_id)
+    assert output_file.purpose == "batch_output" and output_file.filename == f"{done.id}_output.jsonl"
+    listed = [f.id for f in client.files.list()]
+    assert {upload.id, done.output_file_id, done.error_file_id} <= set(listed)
+    assert [f.id for f in client.files.list(purpose="batch_output")] == [
+        done.error_file_id,
+        done.output_file_id,
+    ]
+    assert done.id in [b.id for b in client.batches.list()]
+    assert client.batches.list(limit=1).data[0].id == client.batches.list().data[0].id  # newest first
+
+    deleted = client.files.delete(upload.id)
+    assert deleted.deleted is True and deleted.id == upload.id
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(upload.id)
+    assert client.batches.retrieve(done.id).status == "completed"  # a batch outlives its input file
+    with pytest.raises(openai.ConflictError):
+        client.batches.cancel(done.id)
+
+
+def test_batch_cancel_and_concurrency_bound(client, replica) -> None:
+    lines = [_chat(f"long-{i}", f"story {i}", max_tokens=200, ignore_eos=True) for i in range(12)]
+    batch = client.batches.create(
+        input_file_id=_upload(client, _jsonl(*lines)).id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+    )
+    seen: list[int] = []
+    stop = threading.Event()
+
+    def sample_load() -> None:  # what the engine's routes are serving now (the batch's requests)
+        with httpx.Client(base_url=replica.url, timeout=10) as http:
+            while not stop.is_set():
+                seen.append(http.get("/load").json()["server_load"])
+                time.sleep(0.01)
+
+    sampler = threading.Thread(target=sample_load)
+    sampler.start()
+    try:
+        deadline = time.monotonic() + 30
+        while client.batches.retrieve(batch.id).request_counts.completed < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    finally:
+        stop.set()
+        sampler.join()
+    assert max(seen) == CONCURRENCY  # the batch filled its bound and never went past it
+    # An interactive request is served while the batch runs.
+    direct = client.completions.create(model=replica.model_name, prompt="hi", max_tokens=2)
+    assert direct.usage.completion_tokens == 2
+    cancelling = client.batches.cancel(batch.id)
+    assert cancelling.status == "cancelling" and cancelling.cancelling_at is not None
+    done = _wait(client, batch.id)
+    assert done.status == "cancelled" and done.cancelled_at >= done.cancelling_at
+    assert 1 <= done.request_counts.completed < 12 and done.request_counts.failed == 0
+    out = client.files.content(done.output_file_id).text.splitlines()
+    assert len(out) == done.request_counts.completed and done.error_file_id is None
+    assert all(json.loads(x)["response"]["body"]["usage"]["completion_tokens"] == 200 for x in out)
+    with pytest.raises(openai.ConflictError):
+        client.batches.cancel(batch.id)
+
+
+def _error(exc: pytest.ExceptionInfo) -> dict:
+    return (
+        exc.value.body
+        if isinstance(exc.value.body, dict) and "code" in exc.value.body
+        else exc.value.body["error"]
+    )
+
+
+@pytest.mark.parametrize(
+    ("data", "purpose", "message"),
+    [
+        (_jsonl(_chat("a", "x")), "fine-tune", "purpose 'fine-tune' is not supported"),
+        (b'{"custom_id": "a"}\nnot json\n', "batch", "Line 1 of the batch file: method"),
+        (
+            _jsonl(_chat("a", "x")) + b"{oops\n",
+            "batch",
+            "Line 2 of the batch file: The line is not valid JSON",
+        ),
+        (_jsonl(_chat("a", "x"), _chat("a", "y")), "batch", "Line 2: the custom_id 'a' is used twice"),
+        (_jsonl({**_chat("a", "x"), "url": "/v1/moderations"}), "batch", "The url '/v1/moderations'"),
+        (_jsonl(_chat("a", "x", stream=True)), "batch", "Streaming is not supported"),
+        (b"\n\n", "batch", "no requests"),
+        (b"\xff\xfe", "batch", "not UTF-8"),
+    ],
+)
+def test_bad_uploads_are_400(client, data: bytes, purpose: str, message: str) -> None:
+    with pytest.raises(openai.BadRequestError) as exc:
+        _upload(client, data, purpose)
+    assert message in _error(exc)["message"]
+    assert exc.value.response.json()["error"]["type"] == "BadRequestError"
+
+
+def test_refusals(client, replica) -> None:
+    upload = _upload(client, _jsonl(_chat("a", "x")))
+    create = dict(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+    cases = [
+        (
+            {**create, "endpoint": "/v1/images"},
+            openai.BadRequestError,
+            "endpoint '/v1/images' is not supported",
+        ),
+        ({**create, "endpoint": "/v1/completions"}, openai.BadRequestError, "Line 1"),  # lines name another
+        ({**create, "completion_window": "48h"}, openai.BadRequestError, "completion_window"),
+        ({**create, "input_file_id": "file-" + "0" * 32}, openai.NotFoundError, "No such File"),
+        ({**create, "input_file_id": "../../etc/passwd"}, openai.NotFoundError, "No such File"),
+        ({**create, "metadata": {"k" * 65: "v"}}, openai.BadRequestError, "metadata"),
+        ({**create, "metadata": {f"k{i}": "v" for i in range(17)}}, openai.BadRequestError, "metadata"),
+    ]
+    for kwargs, error, message in cases:
+        with pytest.raises(error) as exc:
+            client.batches.create(**kwargs)
+        assert message in _error(exc)["message"], kwargs
+    with pytest.raises(openai.NotFoundError):
+        client.batches.retrieve("batch_nope")
+    with pytest.raises(openai.NotFoundError):
+        client.batches.cancel("batch_" + "0" * 32)
+    with pytest.raises(openai.NotFoundError):
+        client.files.content("file-nope")
+    with pytest.raises(openai.NotFoundError):
+        client.files.delete("file-" + "0" * 32)
+
+    # Larger than --max-file-bytes: 413 before anything is stored.
+    big = _jsonl(*[_chat(f"r{i}", "y" * 100) for i in range(200)])
+    assert len(big) > MAX_FILE_BYTES
+    with pytest.raises(openai.APIStatusError) as exc:
+        _upload(client, big)
+    assert exc.value.status_code == 413 and _error(exc)["code"] == "request_too_large"
+    # Not multipart at all.
+    r = httpx.post(
+        replica.url + "/v1/files", json={"purpose": "batch"}, headers={"Authorization": f"Bearer {KEY}"}
+    )
+    assert r.status_code == 400 and "multipart/form-data" in r.json()["error"]["message"]
+
+    # The API key guards every route of the two APIs.
+    wrong = _client(replica.url, "sk-wrong")
+    for call in (
+        lambda: wrong.files.list(),
+        lambda: wrong.files.create(file=("x.jsonl", io.BytesIO(b"{}")), purpose="batch"),
+        lambda: wrong.files.content(upload.id),
+        lambda: wrong.batches.list(),
+        lambda: wrong.batches.create(**create),
+    ):
+        with pytest.raises(openai.AuthenticationError):
+            call()
+    assert client.files.retrieve(upload.id).id == upload.id
+
+
+def _running_batch(tiny_llama, server_process, serve_logs, tmp_path, n: int):
+    """A server on ``tmp_path`` running a batch of ``n`` long requests, one at a time."""
+    srv = server_process(
+        tiny_llama, ["--batch-dir", str(tmp_path), "--max-batch-concurrency", "1"], serve_logs
+    )
+    client = _client(srv.start().url)
+    lines = [_chat(f"r{i}", "x", max_tokens=500, ignore_eos=True) for i in range(n)]
+    batch = client.batches.create(
+        input_file_id=_upload(client, _jsonl(*lines)).id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+    )
+    deadline = time.monotonic() + 30
+    while client.batches.retrieve(batch.id).status != "in_progress":
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    return srv, batch
+
+
+def test_a_batch_running_at_shutdown_ends_failed(tiny_llama, server_process, serve_logs, tmp_path) -> None:
+    """SIGTERM stops running batches at once (their requests aborted, the drain not held up by
+    them); with --batch-dir the record stays on disk, saying so."""
+    srv, batch = _running_batch(tiny_llama, server_process, serve_logs, tmp_path, 8)
+    started = time.monotonic()
+    assert srv.stop() == 0
+    assert time.monotonic() - started < 10
+    record = json.loads((tmp_path / "batches" / f"{batch.id}.json").read_text())
+    assert record["status"] == "failed" and record["failed_at"] is not None
+    assert record["errors"]["data"][0]["code"] == "server_shutdown"
+    assert record["request_counts"]["completed"] < 8
+
+
+def test_a_batch_whose_process_died_reads_failed(tiny_llama, server_process, serve_logs, tmp_path) -> None:
+    """kill -9 mid-batch: the record on disk still says in_progress, but its process no longer
+    touches the batch's .alive file, so the next server on the directory reports it failed."""
+    srv, batch = _running_batch(tiny_llama, server_process, serve_logs, tmp_path, 4)
+    srv.proc.kill()
+    srv.stop()
+    assert json.loads((tmp_path / "batches" / f"{batch.id}.json").read_text())["status"] == "in_progress"
+    alive = tmp_path / "batches" / f"{batch.id}.alive"
+    os.utime(alive, (time.time() - 60, time.time() - 60))  # as if it had died a minute ago
+    again = server_process(tiny_llama, ["--batch-dir", str(tmp_path)], serve_logs)
+    try:
+        found = _client(again.start().url).batches.retrieve(batch.id)
+        assert found.status == "failed" and found.errors.data[0].code == "owner_lost"
+        assert found.failed_at == int(alive.stat().st_mtime)
+    finally:
+        again.stop()
+
+
+def test_liveness_of_running_batches(tmp_path) -> None:
+    store = BatchStore(str(tmp_path))
+    record = {"id": store.new_batch_id(), "status": "in_progress", "created_at": 100, "request_counts": {}}
+    store.save_batch(record)
+    assert store.batch(record["id"])["status"] == "failed"  # never touched: no process runs it
+    store.touch_alive(record["id"])
+    assert store.batch(record["id"])["status"] == "in_progress"
+    stale = time.time() - ALIVE_STALE_S - 1
+    os.utime(tmp_path / "batches" / f"{record['id']}.alive", (stale, stale))
+    assert store.batch(record["id"])["status"] == "failed"
+    store.save_batch({**record, "status": "completed"})  # ended: liveness no longer matters
+    assert store.batch(record["id"])["status"] == "completed"
