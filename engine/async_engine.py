@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from engine.async_sleep import Barrier, Lifecycle, SleepCommands, aborted_output, resolve
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
 from engine.llm_engine import LLMEngine
@@ -71,10 +72,10 @@ class _ResetPrefixCache:
     result: int | bool = False
 
 
-_Command = _Add | _Abort | _ResetPrefixCache
+_Command = _Add | _Abort | _ResetPrefixCache | Lifecycle
 
 
-class AsyncEngine:
+class AsyncEngine(SleepCommands):
     # The most an idle loop holds its first step to gather a burst of arrivals (``_gather_burst``).
     arrival_wait_s = 0.025
     # How ``_gather_burst`` probes the submitters, called on their event loop with a function to
@@ -102,7 +103,11 @@ class AsyncEngine:
         self._probes_sent = self._probes_back = 0  # _gather_burst's round trips through a loop
         self._stopping = False
         self._error: BaseException | None = None
-        self._stats = self.engine.stats()
+        # Sleep mode and weight updates: requests that arrived while the engine sleeps or drains
+        # (held, in arrival order, until it is awake and idle-barriers ran), and those barriers.
+        self._held: dict[str, _Add] = {}
+        self._barriers: list[Barrier] = []
+        self._stats = self._engine_stats()
         self._thread = threading.Thread(target=self._run, name="ferry-engine-loop", daemon=True)
         self._thread.start()
 
@@ -336,6 +341,7 @@ class AsyncEngine:
             self._wake.notify()
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
         self._fail_all(EngineDeadError("the engine was shut down"))
+        self._fail_commands(EngineDeadError("the engine was shut down"))
         self.engine.connector.close()
 
     # -- loop thread ---------------------------------------------------------------------------------
@@ -358,11 +364,15 @@ class AsyncEngine:
         try:
             while True:
                 with self._wake:
-                    while not self._commands and not self._stopping and not engine.has_unfinished_requests():
+                    while not self._commands and not self._stopping and not self._has_work():
                         self._wake.wait()
                     if self._stopping:
                         return
-                    if not engine.has_unfinished_requests() and isinstance(self._commands[0], _Add):
+                    if (
+                        self._commands
+                        and not engine.has_unfinished_requests()
+                        and isinstance(self._commands[0], _Add)
+                    ):
                         gather_start = time.monotonic()
                         self._gather_burst(self._commands[0].loop)
                         if logger.isEnabledFor(logging.DEBUG):
@@ -377,23 +387,28 @@ class AsyncEngine:
                     self._commands.clear()
                 for cmd in commands:
                     self._apply(cmd)
+                if self._barriers and self._barrier_ready():
+                    commands += self._run_barriers()
                 if commands:
-                    self._stats = engine.stats()
+                    self._stats = self._engine_stats()
                     # Resolve aborts only now, so a caller awaiting abort() sees the freed blocks.
                     for cmd in commands:
                         if isinstance(cmd, _Abort) and not cmd.done.done():
                             cmd.done.set_result(None)
                         elif isinstance(cmd, _ResetPrefixCache):
                             cmd.done.set_result(cmd.result)
-                if engine.has_unfinished_requests():
+                        elif isinstance(cmd, Lifecycle) and cmd.outcome is not None:
+                            resolve(cmd.done, cmd.outcome)
+                if self._can_step():
                     outputs = engine.step()
                     # Publish stats first: a caller that sees its final output sees them updated.
-                    self._stats = engine.stats()
+                    self._stats = self._engine_stats()
                     self._deliver(outputs)
         except BaseException as exc:  # noqa: BLE001 - any crash must fail requests, not hang them
             logger.exception("engine loop crashed")
             self._error = exc
             self._fail_all(EngineDeadError(f"the engine loop died: {exc!r}"))
+            self._fail_commands(EngineDeadError(f"the engine loop died: {exc!r}"))
 
     def _gather_burst(self, loop: asyncio.AbstractEventLoop) -> None:
         """Before an idle loop's first step, let the rest of a burst of arrivals in. Called with
@@ -441,11 +456,21 @@ class AsyncEngine:
         engine = self.engine
         if isinstance(cmd, _Add):
             if self._streams.get(cmd.request.request_id) is cmd.stream:
-                engine.add_request(cmd.request)
+                if self._holding():
+                    self._held[cmd.request.request_id] = cmd
+                else:
+                    engine.add_request(cmd.request)
             return
         if isinstance(cmd, _ResetPrefixCache):
             busy = engine.has_unfinished_requests()
             cmd.result = False if busy else engine.block_manager.reset_prefix_cache()
+            return
+        if isinstance(cmd, Lifecycle):
+            self._apply_lifecycle(cmd)
+            return
+        held = self._held.pop(cmd.request_id, None)
+        if held is not None:
+            self._deliver([aborted_output(engine, held.request)])
             return
         out = engine.abort_request(cmd.request_id)
         if out is not None:

@@ -107,6 +107,9 @@ class EngineConfig:
     # reaches it: auto | string | openai.
     chat_template: str | None = None
     chat_template_content_format: str = "auto"
+    # vLLM's --enable-sleep-mode: sleep(level) frees the KV cache and offloads (1) or drops (2) the
+    # weights, wake_up(tags) restores them (engine/sleep_mode.py). Weight updates need no flag.
+    enable_sleep_mode: bool = False
 
     def __post_init__(self) -> None:
         # Numbers out of range fail here, by name, instead of as a division by zero or a silent

@@ -21,6 +21,9 @@ Contract, in the order the engine calls it (all on the engine loop thread):
 4. ``request_finished(request)`` when a request ends (any reason, before its blocks are freed,
    so a producer can still read its KV); may set ``request.kv_transfer_result`` (a dict that the
    engine returns on the final ``RequestOutput.kv_transfer``).
+5. Sleep mode and weight updates, with no request running: ``release_caches()`` before the KV
+   cache is freed, ``bind_caches(kv_caches)`` once it is allocated again, ``set_fingerprint(fp)``
+   after new weights were installed (blocks of the old weights are never read as the new ones').
 """
 
 from __future__ import annotations
@@ -47,6 +50,19 @@ class KVConnector:
         return None
 
     def close(self) -> None:
+        return None
+
+    # Sleep mode and weight updates (engine/sleep_mode.py, engine/weight_update.py), between steps:
+    def release_caches(self) -> None:
+        """Drop every reference to ``model_runner.kv_caches``: they are about to be freed."""
+        return None
+
+    def bind_caches(self, kv_caches: Sequence[tuple[Any, ...]]) -> None:
+        """``model_runner.kv_caches`` were allocated anew (waking from sleep)."""
+        return None
+
+    def set_fingerprint(self, fingerprint: str) -> None:
+        """The weights changed: blocks are keyed by the new ``model_runner.model_fingerprint`` from now on."""
         return None
 
 

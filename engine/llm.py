@@ -78,6 +78,46 @@ class LLM:
     ) -> None:
         self.close()
 
+    def _check_ready(self) -> None:
+        if self.closed:
+            raise RuntimeError("this LLM is closed")
+        if self.engine.is_sleeping:
+            # The offline engine has nobody to wake it while a call waits: refuse instead of holding.
+            raise RuntimeError("the engine is asleep: call LLM.wake_up() first")
+
+    # -- sleep mode and weight updates (vLLM's; engine/sleep_mode.py, engine/weight_update.py) -------
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache (the prefix cache emptied) and offload the weights to host memory
+        (``level=1``; on a CPU device they stay where they are) or discard them (``level=2``: waking
+        reads the checkpoint again, or ``reload_weights`` brings new ones). Needs
+        ``enable_sleep_mode=True``."""
+        self.engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore ``tags`` (``["weights"]``, ``["kv_cache"]``; None: both). A trainer wakes the
+        weights, loads new ones (``reload_weights``), then wakes the KV cache."""
+        self.engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        """True until both the weights and the KV cache are awake."""
+        return self.engine.is_sleeping
+
+    def reload_weights(self, path: str | None = None, load_format: str | None = None) -> None:
+        """Serve the weights of checkpoint ``path`` (None: the current checkpoint's directory, read
+        again), which must be the same architecture and shapes (ValueError otherwise, the old
+        weights kept). The prefix cache is emptied and the model fingerprint (KV tier keys) changes."""
+        engine = self.engine
+        engine.load_checkpoint(engine.read_checkpoint(path, load_format))
+
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list:
+        """vLLM's ``collective_rpc`` for the one method RL frameworks call on it after a level-2
+        wake: ``"reload_weights"``. One worker here, so one result."""
+        if method != "reload_weights":
+            raise ValueError(f"collective_rpc supports only 'reload_weights', got {method!r}")
+        self.reload_weights(*args, **(kwargs or {}))
+        return [None]
+
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's defaults (its ``generation_config.json``, or as the
         ``generation_config`` and ``override_generation_config`` options say), as vLLM's; what
@@ -97,8 +137,7 @@ class LLM:
         runs with, or one per prompt (needs ``enable_lora=True``). ``priority``: one per prompt, lower
         first (needs ``scheduling_policy="priority"``). Prompts may be vLLM's prompt dicts;
         ``use_tqdm`` is accepted for vLLM's callers and shows nothing."""
-        if self.closed:
-            raise RuntimeError("this LLM is closed")
+        self._check_ready()
         prompt_list = _as_prompt_list(prompts, images=True)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -166,8 +205,7 @@ class LLM:
         with ``tokens`` (prompt and output), ``cum_logprob``, ``text`` (the output's text: vLLM's
         offline API puts the prompt's text in front), ``finish_reason`` and ``stop_reason``. Every
         prompt's live beams run together, one engine step per beam search step."""
-        if self.closed:
-            raise RuntimeError("this LLM is closed")
+        self._check_ready()
         engine = self.engine
         searches = []
         for prompt in _as_prompt_list(prompts):
@@ -334,8 +372,7 @@ class LLM:
 
     def _pool(self, prompts: list[Prompt]) -> list[Request]:
         """Run each prompt as a pooling request to its end; the requests, in prompt order."""
-        if self.closed:
-            raise RuntimeError("this LLM is closed")
+        self._check_ready()
         engine = self.engine
         reqs = [
             engine.make_request(f"llm-{next(self._ids)}", p, SamplingParams(max_tokens=1), pooling=True)

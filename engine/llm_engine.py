@@ -12,6 +12,7 @@ import random
 import time
 from array import array
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ from engine.sampler import Sampler, SamplerOutput, SamplingRow
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import Request, RequestStatus
+from engine.sleep_mode import EngineSleep, SleepState
 from engine.spec_decode import NgramProposer
 from engine.stats import ITERATION_TOKEN_BUCKETS, EngineStats, ModelInfo
 from engine.structured_output import GrammarCompiler
@@ -46,7 +48,7 @@ from kvcache.keys import salt_extra
 LogitsObserver = Callable[[list[str], torch.Tensor], None]
 
 
-class LLMEngine:
+class LLMEngine(EngineSleep):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_dir: Path = resolve_model_dir(config.model)
@@ -110,6 +112,7 @@ class LLMEngine:
         self.post = Postprocessor(self.tokenizer, self.max_model_len, self.sampling_vocab_size)
         self.grammars = GrammarCompiler(self.tokenizer, self.sampling_vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
+        self.sleep_state = SleepState()
         self._seed_rng = random.Random(config.seed)
         # Test and debugging hook: called with (request ids, fp32 logits) of each step's sampling rows.
         self.logits_observers: list[LogitsObserver] = []
@@ -405,6 +408,8 @@ class LLMEngine:
     # -- the step ------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.sleep_state.is_sleeping:
+            raise RuntimeError("the engine is asleep: wake_up() before stepping")
         sched = self.scheduler.schedule()
         if sched.is_empty:
             # Only parked requests remain: wait for a tier load instead of spinning.
@@ -583,6 +588,4 @@ def _lora_names(requests: list[Request]) -> tuple[str, ...]:
 
 
 def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:
-    from dataclasses import replace
-
     return replace(params, max_tokens=max_tokens)

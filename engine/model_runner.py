@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -34,6 +35,8 @@ from engine.runner_parts import (
 )
 from engine.scheduler import BlockCopy, ScheduledRequest, SchedulerOutput
 from engine.sequence import Request
+from engine.sleep_mode import move_tensors
+from engine.weight_update import weight_signature
 from kvcache.keys import model_fingerprint
 
 logger = logging.getLogger(__name__)
@@ -99,46 +102,33 @@ class ModelRunner:
         dummy = config.load_format == "dummy"
         self.weights_id = weights_id(model_dir, config.hf_overrides, dummy)
         self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)
-        # Blocks of an fp8 cache are other bytes than the model dtype's: never shared with them.
-        kv_name = "" if self.kv_dtype == self.dtype else f"+kv:{str(self.kv_dtype).removeprefix('torch.')}"
-        self.model_fingerprint = model_fingerprint(
-            weights_id=self.weights_id,
-            dtype=_DTYPE_NAMES[self.dtype] + kv_name,
-            block_size=self.block_size,
-            num_layers=cfg.num_layers,
-            num_kv_heads=cfg.kv_cache_heads,
-            head_dim=cfg.kv_cache_dim,
-            kv_layout=cfg.kv_layout,
-        )
+        self.model_fingerprint = self._fingerprint()
         self.attention_backend = resolve_backend_name(config.attention_backend, self.device.type)
         attention = get_attention_backend(
             self.attention_backend, self.device.type, deterministic=config.deterministic
         )
-        model_cls = get_model_class(cfg.architecture)
+        self._model_cls = get_model_class(cfg.architecture)
+        self._ops = select_ops(self.attention_backend)
+        self._attention = attention
+        self.model_dir = model_dir  # the checkpoint the weights came from (a weight update changes it)
         weights = read_weights(model_dir, cfg, self.dtype, self.device, config.hf_overrides, dummy)
+        # What a weight update must match (engine/weight_update.py).
+        self.weight_signature = weight_signature(weights)
         # A classifier's ``score`` head [num_labels, hidden], kept fp32 (vLLM's default head dtype):
         # its pooling requests end with the head's logits instead of the hidden state.
         self.score_head: torch.Tensor | None = None
         self.classifier: ClassifierInfo | None = None
         if is_classifier(cfg.architecture):
-            head = weights.pop("score.weight", None)
+            head = weights.get("score.weight")
             if head is None:
                 raise ValueError(
                     f"{cfg.architecture} checkpoint has no score.weight (its classification head)"
                 )
-            self.score_head = head.float()
             self.classifier = ClassifierInfo.from_config(
                 read_hf_config(model_dir, config.hf_overrides), head.shape[0]
             )
-        self.model = model_cls(
-            cfg,
-            weights,
-            ops=select_ops(self.attention_backend),
-            attention=attention,
-            deterministic=config.deterministic,
-            max_positions=self.max_model_len,
-            device=self.device,
-        )
+        self.model: Any = None
+        self.install_weights(weights)
         self.vocab_size = int(self.model.lm_head.shape[0])
         self.takes_images = hasattr(self.model, "encode_image")
         if config.enable_prompt_embeds and not hasattr(self.model, "embed_tokens"):
@@ -153,9 +143,92 @@ class ModelRunner:
         if spec is not None and spec.method == "draft_model":
             self.draft = DraftModel(self, spec, attention)
         self.num_kv_blocks = self._num_kv_blocks()
+        self.kv_caches: list[tuple[torch.Tensor, ...]] = []
+        self.allocate_kv_cache()
+
+    # -- weights and KV cache (loaded at start; let go and restored by sleep mode, engine/sleep_mode.py)
+
+    def read_weights(self, model_dir: Path, device: torch.device) -> dict[str, torch.Tensor]:
+        """The checkpoint's tensors as this model loads them (dtype, renames, dequantized), on ``device``."""
+        return read_weights(model_dir, self.model_config, self.dtype, device, None, dummy=False)
+
+    def install_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Build the model from loaded weights (moved to the device first); the previous model is
+        replaced only once the new one is built."""
+        weights = {name: t.to(self.device) for name, t in weights.items()}
+        head = weights.pop("score.weight", None) if self.classifier is not None else None
+        model = self._model_cls(
+            self.model_config,
+            weights,
+            ops=self._ops,
+            attention=self._attention,
+            deterministic=self.config.deterministic,
+            max_positions=self.max_model_len,
+            device=self.device,
+        )
+        self.model = model
+        if head is not None:
+            self.score_head = head.float()
+
+    def offload_weights(self) -> None:
+        """Sleep level 1: the weights to host memory (where they already are on a CPU device)."""
+        if self.device.type != "cpu":
+            move_tensors(self.model, torch.device("cpu"))
+            if self.score_head is not None:
+                self.score_head = self.score_head.cpu()
+            self._move_draft(torch.device("cpu"))
+            _empty_device_cache(self.device)
+
+    def restore_weights(self) -> None:
+        if self.device.type != "cpu":
+            move_tensors(self.model, self.device)
+            if self.score_head is not None:
+                self.score_head = self.score_head.to(self.device)
+        self._move_draft(self.device)
+
+    def discard_weights(self) -> None:
+        """Sleep level 2: drop the weights (waking reads a checkpoint: ``install_weights``). A draft
+        model's go to host memory instead: weight updates never change them."""
+        self.model = None
+        self.score_head = None
+        self._move_draft(torch.device("cpu"))
+        _empty_device_cache(self.device)
+
+    def _move_draft(self, device: torch.device) -> None:
+        if self.draft is not None and self.device.type != "cpu":
+            move_tensors(self.draft.model, device)
+
+    def set_weights_id(self, new_id: str) -> None:
+        self.weights_id = new_id
+        self.model_fingerprint = self._fingerprint()
+
+    def allocate_kv_cache(self) -> None:
+        """The target's KV cache, and the draft model's beside it."""
+        cfg = self.model_config
         self.kv_caches = allocate_kv(cfg, self.num_kv_blocks, self.block_size, self.kv_dtype, self.device)
         if self.draft is not None:
             self.draft.allocate(self.num_kv_blocks)
+
+    def release_kv_cache(self) -> None:
+        """Drop the KV cache tensors, the draft model's too (every cached block's content with them)."""
+        self.kv_caches = []
+        if self.draft is not None:
+            self.draft.kv_caches = []
+        _empty_device_cache(self.device)
+
+    def _fingerprint(self) -> str:
+        cfg = self.model_config
+        # Blocks of an fp8 cache are other bytes than the model dtype's: never shared with them.
+        kv_name = "" if self.kv_dtype == self.dtype else f"+kv:{str(self.kv_dtype).removeprefix('torch.')}"
+        return model_fingerprint(
+            weights_id=self.weights_id,
+            dtype=_DTYPE_NAMES[self.dtype] + kv_name,
+            block_size=self.block_size,
+            num_layers=cfg.num_layers,
+            num_kv_heads=cfg.kv_cache_heads,
+            head_dim=cfg.kv_cache_dim,
+            kv_layout=cfg.kv_layout,
+        )
 
     @property
     def bytes_per_block(self) -> int:
@@ -333,3 +406,9 @@ class ModelRunner:
             vector = vector / req.num_prompt_tokens
         req.pooled_rows = None
         return vector
+
+
+def _empty_device_cache(device: torch.device) -> None:
+    """Hand freed blocks of PyTorch's CUDA caching allocator back to the device (sleep mode's point)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

@@ -180,6 +180,24 @@ class Scheduler:
         if self.loading:
             wait([p.future for p in self.loading], timeout=timeout, return_when=FIRST_COMPLETED)
 
+    def drain_loads(self) -> None:
+        """Wait for every parked request's tier load and settle it (sleep mode: nothing may still
+        write into the KV cache when it is freed)."""
+        while self.loading:
+            self.wait_for_loads(timeout=0.05)
+            self._unpark()
+
+    def preempt_all(self) -> None:
+        """Send every running request back to waiting, in order (sleep mode's ``keep``: they
+        recompute when the engine wakes)."""
+        self.drain_loads()
+        for req in reversed(self.running[:]):  # the last first: the first ends up in front
+            self._preempt(req)
+
+    def forget_tier_lookups(self) -> None:
+        """The weights changed: what the tier held for waiting requests was the old weights'."""
+        self._tier_lookups.clear()
+
     def finish(self, request: Request, reason: str) -> None:
         """End a request (any reason) and free its blocks at once."""
         if request.status is RequestStatus.FINISHED:

@@ -64,3 +64,6 @@ class EngineStats:
     # LoRA adapters of the running and of the waiting requests (names, sorted; vLLM's lora_requests_info)
     running_loras: tuple[str, ...] = ()
     waiting_loras: tuple[str, ...] = ()
+    # Sleep mode (engine/sleep_mode.py): 0 awake; else the level slept at (1: weights offloaded,
+    # 2: discarded), until every part is awake again (vLLM's vllm:engine_sleep_state).
+    sleep_level: int = 0

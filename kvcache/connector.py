@@ -302,7 +302,8 @@ class KVConnector:
             return 0
         with single_threaded():
             snapshot = self._snapshot(block_ids[:n], k_caches, v_caches)
-        self._writer.submit([BlockWrite(bytes(hashes[i]), snapshot[i]) for i in range(n)])
+        fp = self.fingerprint
+        self._writer.submit([BlockWrite(bytes(hashes[i]), snapshot[i], fp) for i in range(n)])
         return n
 
     def _snapshot(
@@ -323,6 +324,17 @@ class KVConnector:
     def flush(self, timeout: float | None = None, hashes: Sequence[bytes] | None = None) -> bool:
         """Wait until every queued write (or only those of ``hashes``) was attempted; ``False`` on timeout."""
         return self._writer.flush(timeout, hashes)
+
+    def set_fingerprint(self, fingerprint: str, timeout: float = 5.0) -> None:
+        """The model's weights changed: look up, load and write blocks under ``fingerprint`` from
+        now on. Writes already queued keep their old key; events queued before go out on the old
+        stream (waited for up to ``timeout``), those after on the new model's."""
+        self._writer.flush(timeout)
+        self.fingerprint = self._writer.fingerprint = fingerprint
+        if self._writer.publisher is not None:
+            from kvcache.events import events_stream
+
+            self._writer.publisher.stream = events_stream(fingerprint)
 
     # ---- events ------------------------------------------------------------------------------
 

@@ -6,7 +6,8 @@ engine's hook methods by name (it does not import ``engine``: parts import downw
 → kvcache), and reads from the engine only ``model_runner.kv_caches`` (per layer ``(k, v)``,
 ``[num_blocks, block_size, num_kv_heads, head_dim]``; ``(latent,)`` for MLA models),
 ``model_runner.model_fingerprint`` and
-``block_manager.add_listener``.
+``block_manager.add_listener``. Sleep mode hands it new cache tensors (``bind_caches``) or takes
+them away (``release_caches``); a weight update changes its fingerprint (``set_fingerprint``).
 
 What happens when (all on the engine loop thread):
 
@@ -46,8 +47,7 @@ class TierConnector:
         # Per layer (k, v), or (latent,) for an MLA model: then there are no V caches.
         # An fp8 cache moves as its bytes (uint8 views: indexed copies of fp8 are not implemented
         # everywhere); its fingerprint already keeps its blocks apart from other dtypes'.
-        self.k_caches = [raw(parts[0]) for parts in runner.kv_caches]
-        self.v_caches = [raw(parts[1]) for parts in runner.kv_caches if len(parts) == 2]
+        self.bind_caches(runner.kv_caches)
         k0 = self.k_caches[0]
         block_shape = (len(self.k_caches), len(runner.kv_caches[0]), *k0.shape[1:])
         self.block_size = int(k0.shape[1])
@@ -120,6 +120,23 @@ class TierConnector:
 
     def close(self) -> None:
         self.kv.close()
+
+    # -- sleep mode and weight updates ---------------------------------------------------------------
+
+    def bind_caches(self, kv_caches: Sequence[tuple[Any, ...]]) -> None:
+        """Read and write these KV cache tensors (at start, and when sleep mode allocates them anew)."""
+        self.k_caches = [raw(parts[0]) for parts in kv_caches]
+        self.v_caches = [raw(parts[1]) for parts in kv_caches if len(parts) == 2]
+
+    def release_caches(self) -> None:
+        """Let go of the KV cache tensors, so sleep mode can free them (no request runs meanwhile)."""
+        self.k_caches, self.v_caches = [], []
+
+    def set_fingerprint(self, fingerprint: str) -> None:
+        """The weights changed: tier keys and event streams follow the new fingerprint."""
+        self.kv.set_fingerprint(fingerprint)
+        with self._lock:
+            self._just_loaded.clear()
 
     # -- block manager listener --------------------------------------------------------------------
 

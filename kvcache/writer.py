@@ -38,6 +38,9 @@ WRITE_BATCH = 32  # blocks per tier write
 class BlockWrite:
     block_hash: bytes
     tensor: torch.Tensor  # host snapshot of one block
+    # The model fingerprint the block was computed under (None: the writer's): a write queued
+    # before a weight update still lands under the old weights' key.
+    fingerprint: str | None = None
 
 
 @dataclass(frozen=True)
@@ -169,7 +172,8 @@ class BlockWriter:
 
     def _write(self, writes: list[BlockWrite]) -> None:
         items = [
-            (tier_key(self.fingerprint, w.block_hash), codec.encode(w.block_hash, w.tensor)) for w in writes
+            (tier_key(w.fingerprint or self.fingerprint, w.block_hash), codec.encode(w.block_hash, w.tensor))
+            for w in writes
         ]
         if not self.tier.put_many(items):
             self.drop(len(writes))

@@ -16,6 +16,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from ferry import __version__
+from server import sleep_mode
 from server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from server.anthropic_protocol import error_response as anthropic_error
 from server.batch_api import add_batch_routes
@@ -301,6 +302,25 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
         # vLLM's admin route (benchmarks call it between runs): drops cached, unused KV blocks.
         dropped = await reset_engine_prefix_cache(engine, state.generation)
         return JSONResponse({"status": "ok", "num_blocks_dropped": dropped})
+
+    # Sleep mode (vLLM's routes, with --enable-sleep-mode) and weight updates (SGLang's route).
+    @app.post("/sleep", responses=_ERRORS)
+    async def sleep_route(level: str | None = None, mode: str | None = None) -> Response:
+        await sleep_mode.sleep(engine, level, mode)
+        return Response(status_code=200)
+
+    @app.post("/wake_up", responses=_ERRORS)
+    async def wake_up_route(tags: list[str] = Query(default=[])) -> Response:  # noqa: B008
+        await sleep_mode.wake_up(engine, tags)
+        return Response(status_code=200)
+
+    @app.get("/is_sleeping")
+    async def is_sleeping_route() -> Response:
+        return JSONResponse({"is_sleeping": engine.is_sleeping()})
+
+    @app.post("/update_weights_from_disk", responses=_ERRORS)
+    async def update_weights_route(body: sleep_mode.UpdateWeightsFromDiskRequest) -> Response:
+        return JSONResponse(await sleep_mode.update_weights_from_disk(engine, body))
 
     load = ServerLoad()
 

@@ -268,6 +268,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "Pooling config, else the last token)",
     )
     p.add_argument(
+        "--enable-sleep-mode",
+        action="store_true",
+        default=d.enable_sleep_mode,
+        help="allow POST /sleep and /wake_up (vLLM's): free the KV cache and offload or drop the weights "
+        "while a colocated trainer uses the memory",
+    )
+    p.add_argument(
         "--enable-lora",
         action="store_true",
         default=d.enable_lora,

@@ -1,7 +1,8 @@
 """``EngineClient``: an API server process's engine, across a Unix socket to the engine process.
 
 It has ``AsyncEngine``'s interface as the server uses it (``generate``, ``abort``, ``announce``,
-``compile_structured``, ``reset_prefix_cache``, ``stats``, ``is_healthy``, ``shutdown``, and
+``compile_structured``, ``reset_prefix_cache``, ``sleep`` / ``wake_up`` / ``is_sleeping`` /
+``reload_weights``, ``stats``, ``is_healthy``, ``shutdown``, and
 ``config`` / ``model_info`` / ``tokenizer``), so ``build_app`` takes either. The engine process
 (``server/engine_process.py``) validates each request as ``AsyncEngine.generate`` does; a
 refusal arrives as the stream's first message and is raised as ``ValueError`` before anything is
@@ -176,6 +177,22 @@ class EngineClient:
         self._check_alive()
         return await self._call("reset_prefix_cache", None)
 
+    # Sleep mode and weight updates: the engine process runs them (``AsyncEngine``'s methods).
+    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        await self._call("sleep", (level, mode))
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self._call("wake_up", tags)
+
+    def is_sleeping(self) -> bool:
+        """From the stats the engine pushed (before the reply to any call that changed it)."""
+        return self._stats.sleep_level > 0
+
+    async def reload_weights(
+        self, path: str | None = None, load_format: str | None = None, abort_running: bool = False
+    ) -> int:
+        return await self._call("reload_weights", (path, load_format, abort_running))
+
     def stats(self) -> EngineStats:
         return self._stats
 
@@ -235,6 +252,8 @@ class EngineClient:
             loop.call_soon(loop.call_soon, self._channel.send, ("probe_back", message[1]))
         elif kind == "loras":
             self.served_loras = message[1]
+        elif kind == "model_info":  # new weights: a new fingerprint
+            self.model_info = message[1]
         elif kind == "stats":
             self._stats, self._healthy, self.sequences_elsewhere = message[1], message[2], message[3]
         elif kind == "err":

@@ -14,9 +14,10 @@ lora_request, priority, cache_salt, images)`` (``prompt_ids``: a tensor for prom
 ``("announce", token)``, ``("submitted", token)``, ``("probe_back", token)``,
 ``("call", call_id, name, arg)`` with ``name`` one of ``abort`` / ``compile`` /
 ``reset_prefix_cache`` / ``store`` (``arg``: a ``MemoryRecords`` method's name and arguments) /
-``add_lora`` / ``remove_lora``. To it: ``("hello", facts)`` first, ``("loras", served)`` to every
-API server whenever the served LoRA adapters changed (before the reply to the call that changed
-them), ``("probe", token)`` (an idle engine
+``add_lora`` / ``remove_lora`` / ``sleep`` / ``wake_up`` / ``reload_weights``. To it: ``("hello",
+facts)`` first, ``("loras", served)`` to every API server whenever the served LoRA adapters changed
+(before the reply to the call that changed them), ``("model_info", ModelInfo)`` to every API server
+after a weight update (its fingerprint changed), ``("probe", token)`` (an idle engine
 gathering a burst: answer after two passes of the event loop), then
 ``("out", rid, RequestOutput)``, ``("err", rid, kind, message)``, ``("reply", call_id, ok, value)``
 and ``("stats", EngineStats, healthy, sequences_elsewhere)`` whenever the engine published new
@@ -250,6 +251,14 @@ class EngineHost:
                 value = await engine.reset_prefix_cache()
             elif name == "store":
                 value = self._store(*arg)
+            elif name == "sleep":
+                value = await engine.sleep(*arg)
+            elif name == "wake_up":
+                value = await engine.wake_up(arg)
+            elif name == "reload_weights":
+                value = await engine.reload_weights(*arg)
+                for other in self._servers:
+                    other.channel.send(("model_info", engine.model_info))
             elif name == "add_lora":
                 value = await engine.add_lora(*arg)
                 self._broadcast_loras()

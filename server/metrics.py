@@ -162,6 +162,17 @@ class EngineStatsCollector(Collector):
             for pos, count in enumerate(per_position):
                 family.add_metric([self._model_name, str(pos)], float(count))
             yield family
+        # vLLM's sleep gauge: one series per state, 1 for the engine's (engine 0: one engine here).
+        level = getattr(stats, "sleep_level", 0)
+        sleep = GaugeMetricFamily(
+            "vllm:engine_sleep_state",
+            "The engine's sleep state, one series per state: awake (1 while it serves), "
+            "weights_offloaded (1 asleep at level 1), discard_all (1 asleep at level 2).",
+            labels=["model_name", "engine", "sleep_state"],
+        )
+        for state, at in (("awake", 0), ("weights_offloaded", 1), ("discard_all", 2)):
+            sleep.add_metric([self._model_name, "0", state], float(level == at))
+        yield sleep
         if self._max_loras is not None:
             # vLLM's: the adapters in use as labels, the time of the reading as the value.
             info = GaugeMetricFamily(

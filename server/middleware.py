@@ -28,8 +28,8 @@ REQUEST_ID_HEADER = b"x-request-id"
 # Ids travel into engine request ids, logs and headers: keep them short and printable.
 _VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:/=+\-]{1,128}$")
 # Paths that need the API key (vLLM protects /v1 only; /tokenize, /detokenize and the scoring
-# routes expose the model too, and /reset_prefix_cache changes replica state). /health, /metrics and
-# /version stay open for load balancers and Prometheus.
+# routes expose the model too; /reset_prefix_cache, sleep mode and weight updates change replica
+# state). /health, /metrics and /version stay open for load balancers and Prometheus.
 _PROTECTED_PREFIXES = (
     "/v1/",
     "/v2/",
@@ -40,6 +40,10 @@ _PROTECTED_PREFIXES = (
     "/classify",
     "/invocations",
     "/reset_prefix_cache",
+    "/sleep",
+    "/wake_up",
+    "/is_sleeping",
+    "/update_weights_from_disk",
 )
 # Routes that submit to the engine: announced to it as soon as their body is in (see ``announce``).
 _GENERATION_PATHS = (

@@ -18,7 +18,8 @@ def test_ferry_cli_lists_subcommands() -> None:
 
 def test_torch_free_modules_do_not_import_torch() -> None:
     code = (
-        "import sys, engine, engine.sampling_params, engine.outputs, engine.config, kvcache.keys, ferry.cli;"
+        "import sys, engine, engine.sampling_params, engine.outputs, engine.config, engine.sleep_mode, kvcache.keys,"
+        " server.sleep_mode, ferry.cli;"
         "ferry.cli.build_parser();"
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )

@@ -1,0 +1,122 @@
+"""Weight updates (SGLang's ``/update_weights_from_disk``, vLLM's ``reload_weights``): read a
+checkpoint of the serving model's shape into host memory, checked, before the engine swaps it in.
+
+``read_checkpoint`` runs on any thread (the async engine runs it in a worker thread, so neither the
+event loop nor the engine loop waits on the disk) and touches no engine state; the engine installs
+the result between steps (``LLMEngine.load_checkpoint``). A checkpoint of another architecture or
+other shapes is a ``ValueError`` naming what differs, raised before anything changed, so the old
+weights keep serving.
+
+The new weights get their own identity: a digest of the checkpoint's files' bytes (not only of their
+headers, as at start), since a trainer usually rewrites the same directory with tensors of the same
+shapes. The model fingerprint that keys the KV tier follows it, so no block computed with the old
+weights is ever read as the new ones'.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.models.config import ModelConfig
+from engine.models.loader import safetensors_files, weights_id
+
+if TYPE_CHECKING:
+    from engine.model_runner import ModelRunner
+
+# Formats a weight update reads (vLLM's / SGLang's load_format names); None: auto.
+UPDATE_LOAD_FORMATS = ("auto", "safetensors")
+# ModelConfig fields a new checkpoint may change: the loader casts to the serving dtype anyway, and
+# the stop tokens are fixed at start (as the tokenizer is).
+_FREE_FIELDS = frozenset({"checkpoint_dtype", "eos_token_ids"})
+
+
+@dataclass
+class Checkpoint:
+    """New weights read and checked, in host memory, waiting to be installed."""
+
+    model_dir: Path
+    weights: dict[str, torch.Tensor]
+    weights_id: str
+
+
+Signature = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+def weight_signature(weights: dict[str, torch.Tensor]) -> Signature:
+    """Each loaded tensor's shape and dtype, by name: what a replacement must match."""
+    return {name: (tuple(t.shape), t.dtype) for name, t in weights.items()}
+
+
+def content_weights_id(model_dir: Path, hf_overrides: dict | None = None) -> str:
+    """The header-based ``weights_id`` extended with a digest of every safetensors file's bytes."""
+    h = hashlib.sha256(weights_id(model_dir, hf_overrides).encode())
+    for path in safetensors_files(model_dir):
+        with path.open("rb") as f:
+            h.update(hashlib.file_digest(f, "sha256").digest())
+    return h.hexdigest()[:32]
+
+
+def resolve_checkpoint_dir(path: object) -> Path:
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"model_path must be a non-empty string, got {path!r}")
+    model_dir = Path(path).expanduser()
+    if not model_dir.is_dir():
+        raise ValueError(f"model_path {path!r} is not a directory")
+    if not (model_dir / "config.json").is_file():
+        raise ValueError(f"model_path {path!r} has no config.json")
+    safetensors_files(model_dir)  # ValueError if none
+    return model_dir
+
+
+def read_checkpoint(runner: ModelRunner, path: str, load_format: str | None = None) -> Checkpoint:
+    """Read ``path`` as new weights for ``runner``'s model (ValueError if they cannot replace them)."""
+    if load_format is not None and load_format not in UPDATE_LOAD_FORMATS:
+        raise ValueError(
+            f"load_format {load_format!r} is not supported for a weight update; use "
+            f"{' or '.join(UPDATE_LOAD_FORMATS)}"
+        )
+    model_dir = resolve_checkpoint_dir(path)
+    overrides = runner.config.hf_overrides
+    try:
+        new = ModelConfig.from_dir(model_dir, overrides)
+    except (ValueError, KeyError, TypeError, OSError) as e:
+        raise ValueError(f"model_path {path!r}: its config.json cannot be read ({e!r})") from None
+    old = runner.model_config
+    changed = [
+        f.name
+        for f in fields(ModelConfig)
+        if f.name not in _FREE_FIELDS and getattr(new, f.name) != getattr(old, f.name)
+    ]
+    if changed:
+        detail = ", ".join(f"{n}: {getattr(old, n)!r} -> {getattr(new, n)!r}" for n in changed[:4])
+        raise ValueError(
+            f"model_path {path!r} holds another model than the one served (same architecture and "
+            f"shapes required; {detail})"
+        )
+    try:
+        weights = runner.read_weights(model_dir, torch.device("cpu"))
+    except (ValueError, KeyError, OSError) as e:
+        raise ValueError(f"model_path {path!r}: its weights cannot be read ({e})") from None
+    _check_signature(path, runner.weight_signature, weight_signature(weights))
+    return Checkpoint(model_dir, weights, content_weights_id(model_dir, overrides))
+
+
+def _check_signature(path: str, old: Signature, new: Signature) -> None:
+    missing = sorted(old.keys() - new.keys())
+    extra = sorted(new.keys() - old.keys())
+    differ = sorted(n for n in old.keys() & new.keys() if old[n] != new[n])
+    if not (missing or extra or differ):
+        return
+    parts = []
+    if missing:
+        parts.append(f"missing tensors {missing[:3]}")
+    if extra:
+        parts.append(f"unexpected tensors {extra[:3]}")
+    for name in differ[:3]:
+        parts.append(f"{name}: shape {list(old[name][0])} -> {list(new[name][0])}")
+    raise ValueError(f"model_path {path!r} does not match the served model's weights ({'; '.join(parts)})")
