@@ -119,7 +119,9 @@ class BatchJobs:
                 gate=self.gate,
                 gone=gone,
             )
-            cancelled = gone.is_set()
+            # A cancel asked for before the run ended ends it cancelled, even when the last requests
+            # finished before this process polled the request (the client was told "cancelling").
+            cancelled = gone.is_set() or self.store.cancel_requested(record["id"]) is not None
             if not cancelled:
                 record.update(status="finalizing", finalizing_at=int(time.time()))
             self._count(record, counts)

@@ -5,6 +5,7 @@ processes: ``test_batch_api_servers`` below."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
@@ -15,6 +16,8 @@ import httpx
 import openai
 import pytest
 
+from server.batch_jobs import BatchJobs
+from server.batch_lines import AppCaller
 from server.batch_store import ALIVE_STALE_S, BatchStore
 
 KEY = "sk-batch-test"
@@ -330,3 +333,40 @@ def test_liveness_of_running_batches(tmp_path) -> None:
     assert store.batch(record["id"])["status"] == "failed"
     store.save_batch({**record, "status": "completed"})  # ended: liveness no longer matters
     assert store.batch(record["id"])["status"] == "completed"
+
+
+def test_a_cancel_asked_for_before_the_run_ends_ends_it_cancelled(tmp_path) -> None:
+    """Another API server process writes the cancel marker while this one's last requests finish,
+    before its 0.2 s poll sees it: the client was told "cancelling", so the batch ends cancelled
+    (with every answer in its output file), never completed."""
+    store = BatchStore(str(tmp_path))
+    jobs = BatchJobs(store, 2)
+    batch_ids: list[str] = []
+
+    async def app(scope, receive, send) -> None:  # a replica that answers at once
+        await receive()
+        store.request_cancel(batch_ids[0])  # as another process's POST /cancel would
+        body = json.dumps({"object": "text_completion", "choices": []}).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"application/json")],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+    jobs.caller = AppCaller(app)
+
+    async def run() -> dict:
+        lines = [json.dumps(_chat(f"r{i}", "x")) for i in range(3)]
+        record = jobs.start("file-x", "/v1/chat/completions", lines, None)
+        batch_ids.append(record["id"])
+        task, _ = jobs._runs[record["id"]]
+        await task
+        return store.batch(record["id"])
+
+    done = asyncio.run(run())
+    assert done["status"] == "cancelled" and done["completed_at"] is None
+    assert done["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
+    assert len(store.file_data(done["output_file_id"]).splitlines()) == 3
