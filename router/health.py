@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -98,11 +99,18 @@ class HealthChecker:
             response = await asyncio.wait_for(
                 self.client.request("GET", replica.url, "/health", [], b""), timeout
             )
-            await asyncio.wait_for(response.aread(), timeout)
+            content = await asyncio.wait_for(response.aread(), timeout)
             await response.aclose()
         except (UpstreamError, asyncio.TimeoutError):
             return False
-        return response.status_code == 200
+        if response.status_code != 200:
+            return False
+        try:  # a ferry replica says whether its engine sleeps; other servers' bodies say nothing
+            body = json.loads(content)
+        except ValueError:
+            body = None
+        replica.sleeping = isinstance(body, dict) and body.get("sleeping") is True
+        return True
 
     async def _read_models(self, replica: Replica, timeout: float) -> None:
         """The replica's served names and LoRA adapters (kept as they were if it does not answer)."""

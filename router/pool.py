@@ -57,6 +57,13 @@ def serving(model: object, candidates: list[Replica]) -> list[Replica]:
     return listing or candidates
 
 
+def awake(candidates: list[Replica]) -> list[Replica]:
+    """Those of ``candidates`` whose engine is not asleep (sleep mode), when any is; else all of them
+    (a sleeping replica holds a request until it wakes up, better than no answer)."""
+    up = [r for r in candidates if not r.sleeping]
+    return up if up and len(up) < len(candidates) else candidates
+
+
 class Replicas:
     """All pools of one router, plus hooks that fire when a replica is added or removed."""
 

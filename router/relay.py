@@ -28,7 +28,7 @@ from typing import Any
 from router.http import RESPONSE_DROP, Send, error_body, send_bytes
 from router.metrics import RouterMetrics
 from router.policies.base import Policy, RouteRequest
-from router.pool import Pool, serving
+from router.pool import Pool, awake, serving
 from router.replica import Replica
 from router.response_affinity import is_batch_path
 from router.retry import RetryPolicy, counts_as_replica_failure
@@ -111,7 +111,7 @@ class Relay:
         last: Failed | None = None
         while True:
             now = self.clock()
-            candidates = serving(call.route.model, pool.candidates(now, tried))
+            candidates = awake(serving(call.route.model, pool.candidates(now, tried)))
             if not candidates:
                 return last or _no_replica(pool, now)
             replica = _preferred(call.route, candidates)

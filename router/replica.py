@@ -104,6 +104,7 @@ class Replica:
         self.policy = policy or HealthPolicy()
         self.health = Health.STARTING
         self.draining = False
+        self.sleeping = False  # its /health says its engine sleeps (vLLM's sleep mode): used only when all do
         self.models: list[str] = []  # served model ids (from /v1/models)
         # LoRA adapter name -> the digest of its files (``lora_weights_id`` in /v1/models): salts
         # the adapter's block hashes (kvcache.keys.lora_extra).
@@ -196,6 +197,7 @@ class Replica:
             "circuit": self.circuit.state.value,
             "failures": self.circuit.consecutive_failures,
             "draining": self.draining,
+            "sleeping": self.sleeping,
             "routable": self.routable(now),
             "models": list(self.models),
             "inflight": self.inflight,

@@ -295,7 +295,8 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
             return APIError(503, "Server is draining.", code="draining").to_response()
         if not engine.is_healthy():
             return APIError(503, "Engine is not healthy.", code="engine_unhealthy").to_response()
-        return JSONResponse({"status": "ok", "role": config.role})
+        # "sleeping": a router keeps sending to awake replicas while others sleep (server/sleep_mode.py).
+        return JSONResponse({"status": "ok", "role": config.role, "sleeping": engine.is_sleeping()})
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:

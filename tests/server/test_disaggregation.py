@@ -136,7 +136,7 @@ def test_roles_refuse_what_they_cannot_serve(pd_pair) -> None:
 
 def test_role_is_reported(pd_pair) -> None:
     prefill, decode = pd_pair
-    assert httpx.get(prefill.url + "/health").json() == {"status": "ok", "role": "prefill"}
+    assert httpx.get(prefill.url + "/health").json() == {"status": "ok", "role": "prefill", "sleeping": False}
     assert httpx.get(decode.url + "/version").json()["role"] == "decode"
 
 

@@ -393,6 +393,8 @@ def test_metrics_use_vllm_names(server, scrape) -> None:
     # ferry's own counter: tokens copied from a cached partial block. A 21-token prompt answered
     # with 2 tokens leaves 16 + 6 computed (the prompt's last 5 and the first answer token); the
     # next turn, carrying that answer, copies those 6.
+    # Earlier tests' cached partial blocks could match the first request's start: none left.
+    assert httpx.post(server.url + "/reset_prefix_cache", timeout=60).status_code == 200
     before = scrape(server.url, "ferry:partial_prefix_cache_hits_total", model_name=name)
     first = {"model": name, "prompt": list(range(300, 321)), "max_tokens": 2, "ignore_eos": True}
     answer = httpx.post(server.url + "/v1/completions", json={**first, "return_token_ids": True}, timeout=60)

@@ -64,6 +64,13 @@ def _properties(schema: dict, components: dict, seen: frozenset[str] = frozenset
     return names
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _clean_cache_after(server):
+    """The fuzz's prompts leave cached (partial) blocks on the shared server: none for later tests."""
+    yield
+    httpx.post(server.url + "/reset_prefix_cache", timeout=60)
+
+
 @pytest.fixture(scope="module")
 def routes(server) -> dict[str, list[str]]:
     """POST route → its body's field names, from the server's OpenAPI document."""
@@ -148,7 +155,10 @@ def _assert_error_shape(path: str, r: httpx.Response) -> None:
     assert isinstance(body["error"]["message"], str) and body["error"]["message"]
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+# Derandomized: the same bodies every run, so a failure reproduces (and later tests meet the same server).
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), database=None, derandomize=True
+)
 @given(data=st.data())
 def test_every_post_route_never_5xx(server, routes, data) -> None:
     path, body = data.draw(_request(routes, server.model_name))
