@@ -20,9 +20,10 @@ import asyncio
 import json
 import logging
 import time
+import uuid
 from typing import Any
 
-from server.batch_lines import AppCaller, Progress, run_lines
+from server.batch_lines import AppCaller, Progress, line_error, output_line, parse_line, run_lines
 from server.batch_store import ALIVE_EVERY_S, BatchStore, batch_errors
 
 logger = logging.getLogger("ferry.batch")
@@ -37,9 +38,10 @@ class _Counts(Progress):
 
 
 class BatchJobs:
-    def __init__(self, store: BatchStore, max_concurrency: int) -> None:
+    def __init__(self, store: BatchStore, max_concurrency: int, window_s: float = WINDOW_S) -> None:
         self.store = store
         self.max_concurrency = max_concurrency
+        self.window_s = window_s  # the completion window ("24h"): a batch still running then expires
         self.gate = asyncio.Semaphore(max_concurrency)
         self.caller: AppCaller | None = None  # set once the app exists (build_app)
         self._runs: dict[str, tuple[asyncio.Task, asyncio.Event]] = {}
@@ -61,7 +63,7 @@ class BatchJobs:
             "error_file_id": None,
             "created_at": now,
             "in_progress_at": None,
-            "expires_at": now + WINDOW_S,
+            "expires_at": now + int(self.window_s),
             "finalizing_at": None,
             "completed_at": None,
             "failed_at": None,
@@ -108,6 +110,10 @@ class BatchJobs:
         counts = _Counts(record)
         logger.info("batch %s: %d requests (%s)", record["id"], len(lines), record["endpoint"])
         watch = asyncio.ensure_future(self._watch(record, counts, gone))
+        expired = asyncio.Event()  # the completion window ended first (OpenAI's "expired")
+        expiry = asyncio.get_running_loop().call_later(
+            max(0.0, record["expires_at"] - time.time()), lambda: (expired.set(), gone.set())
+        )
         try:
             assert self.caller is not None
             results = await run_lines(
@@ -121,14 +127,23 @@ class BatchJobs:
             )
             # A cancel asked for before the run ended ends it cancelled, even when the last requests
             # finished before this process polled the request (the client was told "cancelling").
-            cancelled = gone.is_set() or self.store.cancel_requested(record["id"]) is not None
+            cancelled = not expired.is_set() and (
+                gone.is_set() or self.store.cancel_requested(record["id"]) is not None
+            )
+            unanswered = sum(line is None for line in results)
+            if expired.is_set():  # requests it never answered: batch_expired lines in the error file
+                results = [line or _expired_line(raw) for line, raw in zip(results, lines, strict=True)]
             if not cancelled:
                 record.update(status="finalizing", finalizing_at=int(time.time()))
             self._count(record, counts)
+            if expired.is_set():
+                record["request_counts"]["failed"] += unanswered
             self.store.save_batch(record)
             await asyncio.to_thread(self._write_results, record, results)
             now = int(time.time())
-            if cancelled:
+            if expired.is_set():
+                record.update(status="expired", expired_at=now)
+            elif cancelled:
                 cancelling_at = self.store.cancel_requested(record["id"]) or now
                 record.update(status="cancelled", cancelling_at=cancelling_at, cancelled_at=now)
             else:
@@ -149,6 +164,7 @@ class BatchJobs:
             )
         finally:
             watch.cancel()
+            expiry.cancel()
             self.store.save_batch(record)
             logger.info("batch %s: %s", record["id"], record["status"])
 
@@ -182,3 +198,11 @@ class BatchJobs:
                 data = "".join(json.dumps(line) + "\n" for line in group).encode()
                 name = f"{record['id']}_{suffix}.jsonl"
                 record[key] = self.store.add_file(data, name, "batch_output")["id"]
+
+
+def _expired_line(raw: str) -> dict[str, Any]:
+    """The error-file line of a request the completion window ended before it was answered."""
+    parsed = parse_line(raw)
+    custom_id = parsed[0] if isinstance(parsed, tuple) else parsed.custom_id
+    message = "This request could not be executed before the completion window expired."
+    return output_line(custom_id, 408, uuid.uuid4().hex, line_error("batch_expired", message, 408))

@@ -370,3 +370,38 @@ def test_a_cancel_asked_for_before_the_run_ends_ends_it_cancelled(tmp_path) -> N
     assert done["status"] == "cancelled" and done["completed_at"] is None
     assert done["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
     assert len(store.file_data(done["output_file_id"]).splitlines()) == 3
+
+
+def test_a_batch_still_running_when_its_window_ends_expires(tmp_path) -> None:
+    """OpenAI's "expired": the answered requests go to the output file, the running ones are
+    aborted and, with those never started, go to the error file as batch_expired."""
+    store = BatchStore(str(tmp_path))
+    jobs = BatchJobs(store, 2, window_s=2)
+
+    async def app(scope, receive, send) -> None:  # answers at once, except "slow" (until aborted)
+        body = json.loads((await receive())["body"])
+        if body["messages"][0]["content"] == "slow":
+            await receive()  # the client is gone: nothing is answered
+            return
+        answer = json.dumps({"object": "chat.completion", "choices": []}).encode()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": answer})
+
+    jobs.caller = AppCaller(app)
+
+    async def run() -> dict:
+        lines = [json.dumps(_chat(f"r{i}", "fast" if i < 2 else "slow")) for i in range(5)]
+        record = jobs.start("file-x", "/v1/chat/completions", lines, None)
+        await jobs._runs[record["id"]][0]
+        return store.batch(record["id"])
+
+    done = asyncio.run(run())
+    assert done["status"] == "expired" and done["expired_at"] >= done["expires_at"] - 1
+    assert done["cancelled_at"] is None and done["completed_at"] is None
+    assert done["request_counts"] == {"total": 5, "completed": 2, "failed": 3}
+    output = [json.loads(x) for x in store.file_data(done["output_file_id"]).splitlines()]
+    errors = [json.loads(x) for x in store.file_data(done["error_file_id"]).splitlines()]
+    assert [x["custom_id"] for x in output] == ["r0", "r1"]
+    assert [(x["custom_id"], x["error"]["code"]) for x in errors] == [
+        (f"r{i}", "batch_expired") for i in (2, 3, 4)
+    ]
