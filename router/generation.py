@@ -177,13 +177,7 @@ class Generation(Relay):
                 tried.add(opened.replica.url)
                 opened.replica.next_probe_at = self.clock()  # let the prober confirm the death at once
                 if tracker.finished:
-                    if isinstance(tracker, StreamTracker):
-                        await send(
-                            {"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": True}
-                        )
-                    else:
-                        stop = b'event: message_stop\ndata: {"type": "message_stop"}\n\n'
-                        await send({"type": "http.response.body", "body": stop, "more_body": True})
+                    await send({"type": "http.response.body", "body": tracker.END_EVENT, "more_body": True})
                     break
                 if not (can_resume and tracker.ids_complete and tracker.failovers < self.max_failovers):
                     message = "the replica serving this stream failed and it cannot be resumed"

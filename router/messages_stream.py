@@ -41,6 +41,8 @@ def _event(kind: str, obj: dict[str, Any]) -> bytes:
 class MessagesTracker:
     """The Messages API's counterpart of ``router.sse.StreamTracker`` (same attributes for the relay)."""
 
+    END_EVENT = b'event: message_stop\ndata: {"type": "message_stop"}\n\n'
+
     def __init__(self, *, client_wants_token_ids: bool = False) -> None:
         self.keep_ids = client_wants_token_ids
         self.router_logprobs = False  # never used here: the relay sets it per replica

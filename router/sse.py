@@ -49,6 +49,9 @@ def event_data(event: bytes) -> bytes | None:
 
 
 class StreamTracker:
+    # What ends the client's stream when its replica died after the last token was sent.
+    END_EVENT = b"data: [DONE]\n\n"
+
     def __init__(
         self, *, chat: bool, client_wants_token_ids: bool, client_ids_in_logprobs: bool = False
     ) -> None:
