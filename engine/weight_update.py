@@ -7,9 +7,10 @@ the result between steps (``LLMEngine.load_checkpoint``). A checkpoint of anothe
 other shapes is a ``ValueError`` naming what differs, raised before anything changed, so the old
 weights keep serving.
 
-The new weights get their own identity: a digest of the checkpoint's files' bytes (not only of their
-headers, as at start), since a trainer usually rewrites the same directory with tensors of the same
-shapes. The model fingerprint that keys the KV tier follows it, so no block computed with the old
+The new weights get their own identity: a digest of every byte of the checkpoint's files (at start
+only samples of each tensor are read, ``weights_id``), since a trainer usually rewrites the same
+directory with tensors of the same shapes, and a small learning rate may change few of a tensor's
+elements. The model fingerprint that keys the KV tier follows it, so no block computed with the old
 weights is ever read as the new ones'.
 """
 
@@ -53,7 +54,7 @@ def weight_signature(weights: dict[str, torch.Tensor]) -> Signature:
 
 
 def content_weights_id(model_dir: Path, hf_overrides: dict | None = None) -> str:
-    """The header-based ``weights_id`` extended with a digest of every safetensors file's bytes."""
+    """The sampled ``weights_id`` extended with a digest of every safetensors file's bytes."""
     h = hashlib.sha256(weights_id(model_dir, hf_overrides).encode())
     for path in safetensors_files(model_dir):
         with path.open("rb") as f:

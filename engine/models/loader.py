@@ -54,18 +54,23 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _header(path: Path) -> bytes:
-    with path.open("rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        return f.read(n)
+# What ``weights_id`` reads of each tensor's bytes: all of a tensor up to SAMPLE_WHOLE bytes; of a
+# larger one, SAMPLES slices of SAMPLE_BYTES spread evenly over it, the first and last included.
+SAMPLE_WHOLE = 64 * 1024
+SAMPLES = 16
+SAMPLE_BYTES = 4096
 
 
 def weights_id(model_dir: Path, hf_overrides: dict | None = None, dummy: bool = False) -> str:
-    """A digest of config.json (and ``--hf-overrides``) plus every safetensors file's name, size and
-    header; with ``dummy`` (random weights), of the config alone.
+    """A digest of config.json (and ``--hf-overrides``) plus every safetensors file's name, size,
+    header and a sample of each tensor's bytes; with ``dummy`` (random weights), of the config alone.
 
-    Headers hold each tensor's name, dtype, shape and byte offsets; with the file sizes this
-    separates checkpoints cheaply without hashing gigabytes of weights.
+    It keys the KV tier (through the model fingerprint), which every replica shares: two fine-tunes
+    of one base, or a checkpoint a trainer rewrote in place, have the same names, shapes and file
+    sizes, so the header alone would let one model's KV blocks be read as the other's. Hashing all
+    the bytes would cost seconds per GB at every start; every tensor's samples (about 64 KiB of a
+    large one, all of a small one: norms, biases, scales) tell apart any update that touches more
+    than a sliver of a tensor, and are read from the page cache the weights are loaded through.
     """
     h = hashlib.blake2b(digest_size=16)
     h.update((model_dir / "config.json").read_bytes())
@@ -76,8 +81,30 @@ def weights_id(model_dir: Path, hf_overrides: dict | None = None, dummy: bool = 
         return h.hexdigest()
     for path in safetensors_files(model_dir):
         h.update(path.name.encode() + b"\0" + str(path.stat().st_size).encode() + b"\0")
-        h.update(_header(path))
+        with path.open("rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = f.read(n)
+            h.update(header)
+            for begin, end in _tensor_ranges(header):
+                for offset, size in _samples(end - begin):
+                    f.seek(8 + n + begin + offset)
+                    h.update(f.read(size))
     return h.hexdigest()
+
+
+def _tensor_ranges(header: bytes) -> list[tuple[int, int]]:
+    """Each tensor's byte range in the data section, in file order."""
+    entries = json.loads(header)
+    ranges = [tuple(v["data_offsets"]) for k, v in entries.items() if k != "__metadata__"]
+    return sorted((int(b), int(e)) for b, e in ranges)
+
+
+def _samples(size: int) -> list[tuple[int, int]]:
+    """(offset, length) of the slices ``weights_id`` reads of a tensor of ``size`` bytes."""
+    if size <= SAMPLE_WHOLE:
+        return [(0, size)]
+    step = (size - SAMPLE_BYTES) / (SAMPLES - 1)
+    return [(round(i * step), SAMPLE_BYTES) for i in range(SAMPLES)]
 
 
 def resolve_dtype(requested: str, checkpoint_dtype: str, device: torch.device) -> torch.dtype:

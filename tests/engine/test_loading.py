@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.models.config import ModelConfig
-from engine.models.loader import weights_id
+from engine.models.loader import _samples, weights_id
 from kvcache.keys import model_fingerprint
 
 BASE = {
@@ -99,6 +100,34 @@ def test_weights_id_and_fingerprint(tiny_llama, tiny_qwen2, tmp_path) -> None:
     assert llm.engine.model_fingerprint == expected == llm.engine.model_info.model_fingerprint
     other = LLM(str(tiny_llama), num_kv_blocks=8, block_size=8)
     assert other.engine.model_fingerprint != expected
+
+
+def _checkpoint(path: Path, tensors: dict[str, torch.Tensor]) -> Path:
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    save_file(tensors, str(path / "model.safetensors"))
+    return path
+
+
+def test_weights_id_samples_tensor_bytes(tmp_path) -> None:
+    """Same names, shapes and sizes (a fine-tune, a checkpoint retrained in place): another id."""
+    g = torch.Generator().manual_seed(0)
+    w, norm = torch.randn(256, 256, generator=g), torch.randn(64, generator=g)  # 256 KiB, 256 B
+    base = weights_id(_checkpoint(tmp_path / "a", {"w": w, "norm": norm}))
+    assert weights_id(_checkpoint(tmp_path / "b", {"w": w.clone(), "norm": norm.clone()})) == base
+    assert weights_id(_checkpoint(tmp_path / "c", {"w": w * 1.01, "norm": norm})) != base
+    one = norm.clone()
+    one[63] += 1.0  # a small tensor is read whole
+    assert weights_id(_checkpoint(tmp_path / "d", {"w": w, "norm": one})) != base
+    # A large tensor is read in 16 slices of 4 KiB from 0 to its end (step (262144 - 4096) / 15
+    # bytes): a change to one element between two slices goes unseen, one inside a slice does not.
+    assert _samples(256 * 256 * 4)[:3] == [(0, 4096), (17203, 4096), (34406, 4096)]
+    assert _samples(256 * 256 * 4)[-1] == (258048, 4096) and _samples(65536) == [(0, 65536)]
+    between, inside = w.clone(), w.clone()
+    between.view(-1)[10000 // 4] += 1.0
+    inside.view(-1)[17204 // 4 + 1] += 1.0
+    assert weights_id(_checkpoint(tmp_path / "e", {"w": between, "norm": norm})) == base
+    assert weights_id(_checkpoint(tmp_path / "f", {"w": inside, "norm": norm})) != base
 
 
 def test_kv_cache_layout_and_sizing(tiny_llama) -> None:
