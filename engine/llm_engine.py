@@ -341,6 +341,8 @@ class LLMEngine(EngineSleep):
             if not isinstance(cache_salt, str) or not cache_salt:
                 raise ValueError("cache_salt must be a non-empty string")
             req.block_extra += salt_extra(cache_salt)
+        if image_inputs and kv_transfer and kv_transfer.get("block_hashes"):
+            _check_listed_hashes(req, kv_transfer["block_hashes"])
         if embeds is not None:
             req.prompt_embeds, req.penalty_prompt_ids = True, []
         # Placeholders are no text to continue from: a prompt given as embeddings gives no context.
@@ -589,3 +591,15 @@ def _lora_names(requests: list[Request]) -> tuple[str, ...]:
 
 def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:
     return replace(params, max_tokens=max_tokens)
+
+
+def _check_listed_hashes(req: Request, listed: list[str]) -> None:
+    """A PD consumer's ``kv_transfer.block_hashes`` must lead its prompt's own block hashes. The API
+    server checks this for text prompts (server/roles.py); images are hashed by their pixels, which
+    only the engine computes, so their prompts are checked here."""
+    own = [h.hex() for h in req.full_block_hashes()[: req.num_prompt_tokens // req.block_size]]
+    if len(listed) > len(own) or own[: len(listed)] != [h.lower() for h in listed]:
+        raise ValueError(
+            f"kv_transfer.block_hashes ({len(listed)} hashes) are not the leading block hashes of this "
+            f"prompt with its images ({len(own)} full blocks of {req.block_size} tokens)"
+        )

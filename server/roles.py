@@ -43,9 +43,12 @@ def transfer_for_role(
     block_size: int,
     resumed: list[int] | None,
     extra: bytes = b"",
+    *,
+    check_hashes: bool = True,
 ) -> dict[str, Any] | None:
     """The ``kv_transfer`` spec the engine gets, after the role's rules (see the module docstring);
-    ``extra``: the request's block-hash salt (its LoRA adapter's)."""
+    ``extra``: the request's block-hash salt (its LoRA adapter's). ``check_hashes=False``: a
+    consumer's listed block hashes are left for the engine to check (a prompt with images)."""
     if role == "prefill":
         if spec is not None and spec["role"] == "consumer":
             raise bad_request(
@@ -57,7 +60,7 @@ def transfer_for_role(
         return None
     if spec["role"] == "producer" and resumed:
         raise bad_request("a kv_transfer producer request cannot carry resume", param="resume")
-    if spec["role"] == "consumer" and spec.get("block_hashes"):
+    if spec["role"] == "consumer" and spec.get("block_hashes") and check_hashes:
         listed = spec["block_hashes"]
         own = to_hex(block_hashes(prompt_ids, block_size, extra))
         if len(listed) > len(own) or own[: len(listed)] != listed:

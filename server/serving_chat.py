@@ -76,15 +76,20 @@ def _plan(
     limits = state.limits
     prompt_ids = chat_prompt(req, state.tokenizer, state.config.trust_request_chat_template)
     prompt_ids = with_image_runs(state, prompt_ids, len(images))
-    if images and (state.config.role != "mixed" or req.kv_transfer is not None or req.use_beam_search):
-        # A KV hand-off's block hashes and beam search's own requests leave the images out.
-        raise bad_request(
-            "image inputs are served by mixed replicas, without kv_transfer or beam search", param="messages"
-        )
+    if images and req.use_beam_search:  # beam search's own requests leave the images out
+        raise bad_request("image inputs are not served with beam search", param="messages")
     resume = resume_token_ids(req, 1, limits)
     extra = block_extra(lora, req.cache_salt)
+    # An image's pixels are part of its blocks' hashes, known once the engine has processed it: a
+    # consumer's listed hashes are then checked there (LLMEngine.add_request), not here.
     kv = transfer_for_role(
-        state.config.role, kv_transfer_spec(req, 1), prompt_ids, state.block_size, resume, extra
+        state.config.role,
+        kv_transfer_spec(req, 1),
+        prompt_ids,
+        state.block_size,
+        resume,
+        extra,
+        check_hashes=not images,
     )
     top_n = req.top_logprobs or 0
     max_tokens = resolve_max_tokens(req, len(prompt_ids), limits, default=None, num_resumed=len(resume or []))
@@ -351,7 +356,7 @@ async def _chunks(
             )
         )
         if producer and out.finished:
-            c.kv_transfer = kv_transfer_result(state, out, seq.block_extra)
+            c.kv_transfer = kv_transfer_result(state, out, seq)
         yield c
     if req.include_usage:
         final = ChatCompletionChunk(

@@ -98,7 +98,7 @@ async def answer_whole(
             last = out
         result = build()
         if is_producer(seqs) and last is not None:
-            result.kv_transfer = kv_transfer_result(state, last, seqs[0].block_extra)
+            result.kv_transfer = kv_transfer_result(state, last, seqs[0])
             if result.choices[0].finish_reason == "length":  # the consumer continues the text
                 deliver(result)
         return result
@@ -110,11 +110,13 @@ async def answer_whole(
     return JSONResponse(result.model_dump())
 
 
-def kv_transfer_result(state: ServerState, out: RequestOutput, extra: bytes = b"") -> KVTransferResult:
+def kv_transfer_result(state: ServerState, out: RequestOutput, seq: SequenceRequest) -> KVTransferResult:
     """A prefill (producer) answer: the prompt's full-block hashes for the decode worker to load.
 
     The engine's KV connector reports what it wrote when a tier is configured; otherwise the
-    hashes are computed here with the same function (``kvcache.keys``).
+    hashes are computed here with the same function (``kvcache.keys``), except for a prompt with
+    images, whose hashes cover the pixels only the engine has seen: none are listed then (there is
+    no tier to load them from anyway).
     """
     reported = out.kv_transfer
     if reported and "block_hashes" in reported:
@@ -124,10 +126,10 @@ def kv_transfer_result(state: ServerState, out: RequestOutput, extra: bytes = b"
             num_cached_tokens=int(reported.get("num_cached_tokens", out.num_cached_tokens)),
             **extra,
         )
-    return KVTransferResult(
-        block_hashes=to_hex(block_hashes(out.prompt_token_ids, state.block_size, extra)),
-        num_cached_tokens=out.num_cached_tokens,
+    hashes = (
+        [] if seq.images else to_hex(block_hashes(out.prompt_token_ids, state.block_size, seq.block_extra))
     )
+    return KVTransferResult(block_hashes=hashes, num_cached_tokens=out.num_cached_tokens)
 
 
 def delivered_text(state: ServerState, seq: SequenceRequest, token_ids: list[int]) -> str:

@@ -282,7 +282,7 @@ async def _stream(
             if req.continuous_usage:
                 chunk.usage = usage.info()
             if producer and out.finished:
-                chunk.kv_transfer = kv_transfer_result(state, out, seq.block_extra)
+                chunk.kv_transfer = kv_transfer_result(state, out, seq)
             yield sse_frame(chunk.model_dump_json())
         if req.include_usage:
             final = CompletionChunk(
