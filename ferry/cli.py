@@ -56,10 +56,29 @@ def sagemaker_args(environ: Mapping[str, str]) -> list[str]:
     return [*SAGEMAKER_DEFAULTS, *flags] if flags else []
 
 
+def _with_config_file(argv: list[str]) -> list[str]:
+    """``ferry serve|run-batch … --config FILE``: the file's flags first (ferry/config_file.py)."""
+    from ferry.config_file import ConfigFileError, expand_config
+    from server.args import add_serve_args
+    from server.run_batch import add_run_batch_args
+
+    command = argv[0]
+    try:
+        return [
+            command,
+            *expand_config(command, argv[1:], add_serve_args if command == "serve" else add_run_batch_args),
+        ]
+    except ConfigFileError as e:
+        sys.stderr.write(f"{e}\n")
+        raise SystemExit(2) from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:  # flags given on the command line come last, so they win
         argv = ["serve", *sagemaker_args(os.environ), *argv[1:]]
+    if argv[:1] in (["serve"], ["run-batch"]):
+        argv = _with_config_file(argv)
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         from server.main import run_serve

@@ -59,6 +59,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="HF model directory, as in `vllm serve MODEL` (the same as --model)",
     )
     p.add_argument("--model", default=None, help="HF model directory (default: the built-in demo model)")
+    p.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="read flags from a YAML file of long flag names and values, as `vllm serve --config`; "
+        "the command line's flags win (ferry/config_file.py)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--role", choices=["mixed", "prefill", "decode"], default="mixed")
