@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import fields
+from decimal import Decimal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +43,31 @@ if TYPE_CHECKING:
 
 DEMO_MODEL_NAME = "ferry-demo"
 DEFAULT_BATCH_CONCURRENCY = 8  # batch requests at once in `ferry serve`: a modest share of the engine
+
+
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def human_int(text: str) -> int:
+    """An integer flag value with vLLM's human-readable suffixes: ``1k`` = 1,000 and ``25.6k`` =
+    25,600 (decimal k/m/g/t, a fraction allowed when the result is whole), ``32K`` = 32,768 (binary
+    K/M/G/T, integers only); a plain integer as itself."""
+    value = text.strip()
+    try:
+        if value[-1:] in _BINARY:
+            return int(value[:-1]) * _BINARY[value[-1]]
+        if value[-1:] in _DECIMAL:
+            number = Decimal(value[:-1]) * _DECIMAL[value[-1]]
+            if number != number.to_integral_value():
+                raise ValueError
+            return int(number)
+        return int(value)
+    except (ValueError, ArithmeticError):
+        raise argparse.ArgumentTypeError(
+            f"invalid integer {text!r} (a whole number, optionally with k/m/g/t for 10^3.., or K/M/G/T "
+            "for 2^10.., e.g. 32K or 1.5k)"
+        ) from None
 
 
 def _bool_flag(p: argparse.ArgumentParser, name: str, default: bool, help: str) -> None:
@@ -101,7 +127,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="seconds after which a request is aborted (408; streams end with an error event)",
     )
     p.add_argument(
-        "--max-request-bytes", type=int, default=8 * 1024 * 1024, help="larger request bodies get 413"
+        "--max-request-bytes", type=human_int, default=8 * 1024 * 1024, help="larger request bodies get 413"
     )
     p.add_argument(
         "--drain-timeout",
@@ -131,7 +157,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--max-file-bytes",
-        type=int,
+        type=human_int,
         default=100 * 1024 * 1024,
         help="larger /v1/files uploads get 413 (default 100 MiB)",
     )
@@ -143,7 +169,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--responses-store-max-bytes",
-        type=int,
+        type=human_int,
         default=256 * 1024 * 1024,
         help="memory store: the least recently used responses are dropped beyond this many bytes of JSON",
     )
@@ -216,7 +242,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     # -- engine (1:1 with EngineConfig fields) ------------------------------------------------
     p.add_argument("--kv-tier", default=d.kv_tier, help="memory://… | redis://host:port/db | rediss://…")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    p.add_argument("--max-num-batched-tokens", type=human_int, default=d.max_num_batched_tokens)
     p.add_argument(
         "--scheduling-policy",
         default=d.scheduling_policy,
@@ -242,7 +268,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks)
     p.add_argument(
         "--kv-cache-memory-bytes",
-        type=int,
+        type=human_int,
         default=d.kv_cache_memory_bytes,
         help="KV cache size when --num-kv-blocks is not given (default: on CUDA, what "
         "--gpu-memory-utilization leaves; on CPU, 512 MiB)",
@@ -256,7 +282,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--max-model-len",
-        type=int,
+        type=human_int,
         default=d.max_model_len,
         help="context length, at most the model's max_position_embeddings (times a linear rope "
         "scaling factor), which is the default",

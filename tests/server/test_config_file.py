@@ -110,3 +110,26 @@ def test_serve_runs_from_a_config_file(tiny_llama: Path, serve_logs: Path, tmp_p
         assert (card["id"], card["max_model_len"]) == ("from-yaml", 96)
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize(
+    ("flag", "text", "value"),
+    [
+        ("--max-model-len", "32K", 32768),
+        ("--max-model-len", "1k", 1000),
+        ("--max-num-batched-tokens", "25.6k", 25600),
+        ("--kv-cache-memory-bytes", "2G", 2 * 2**30),
+        ("--max-request-bytes", "1m", 1_000_000),
+        ("--max-model-len", "2048", 2048),
+    ],
+)
+def test_size_flags_take_vllms_suffixes(flag: str, text: str, value: int) -> None:
+    args = build_parser().parse_args(["serve", flag, text])
+    assert getattr(args, flag[2:].replace("-", "_")) == value
+
+
+@pytest.mark.parametrize("text", ["1.5K", "1.0001k", "32Q", "k", ""])
+def test_bad_sizes_are_usage_errors(text: str, capsys) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--max-model-len", text])
+    assert f"invalid integer {text!r}" in capsys.readouterr().err
