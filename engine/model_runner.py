@@ -36,7 +36,7 @@ from engine.runner_parts import (
 from engine.scheduler import BlockCopy, ScheduledRequest, SchedulerOutput
 from engine.sequence import Request
 from engine.sleep_mode import move_tensors
-from engine.weight_update import weight_signature
+from engine.weight_update import tensor_pairs, weight_signature
 from kvcache.keys import model_fingerprint
 
 logger = logging.getLogger(__name__)
@@ -155,7 +155,33 @@ class ModelRunner:
     def install_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Build the model from loaded weights (moved to the device first); the previous model is
         replaced only once the new one is built."""
-        weights = {name: t.to(self.device) for name, t in weights.items()}
+        self.model, head = self._build(weights, self.device)
+        if head is not None:
+            self.score_head = head.float()
+
+    def replace_weights(self, weights: dict[str, torch.Tensor]) -> bool:
+        """New weights of the serving model's shapes copied into its own tensors, one at a time, so
+        the device never holds two models (a model that fills most of a GPU can be updated). The new
+        model is built in host memory first (fused projections, derived tensors) and must hold
+        tensors of the same shapes in the same places; False, with nothing changed, when it does not
+        (``install_weights`` is then the way)."""
+        host = torch.device("cpu")
+        new, head = self._build(weights, host)
+        pairs = tensor_pairs(self.model, new)
+        if pairs is None or (head is None) != (self.score_head is None):
+            return False
+        if head is not None:
+            pairs.append((self.score_head, head.float()))  # type: ignore[arg-type]
+        with torch.inference_mode():
+            for dst, src in pairs:
+                dst.copy_(src)
+        return True
+
+    def _build(
+        self, weights: dict[str, torch.Tensor], device: torch.device
+    ) -> tuple[Any, torch.Tensor | None]:
+        """(the model built from ``weights`` on ``device``, a classifier's score head or None)."""
+        weights = {name: t.to(device) for name, t in weights.items()}
         head = weights.pop("score.weight", None) if self.classifier is not None else None
         model = self._model_cls(
             self.model_config,
@@ -164,11 +190,9 @@ class ModelRunner:
             attention=self._attention,
             deterministic=self.config.deterministic,
             max_positions=self.max_model_len,
-            device=self.device,
+            device=device,
         )
-        self.model = model
-        if head is not None:
-            self.score_head = head.float()
+        return model, head
 
     def offload_weights(self) -> None:
         """Sleep level 1: the weights to host memory (where they already are on a CPU device)."""

@@ -19,6 +19,7 @@ import (API server processes check levels and tags with it).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
     import torch
 
     from engine.weight_update import Checkpoint
+
+logger = logging.getLogger(__name__)
 
 SLEEP_LEVELS = (1, 2)
 WAKE_TAGS = ("weights", "kv_cache")
@@ -148,7 +151,13 @@ class EngineSleep:
 
     def _install(self, checkpoint: Checkpoint) -> None:
         runner = self.model_runner
-        runner.install_weights(checkpoint.weights)
+        # Serving weights are overwritten in place (one model on the device, not two at once);
+        # offloaded or dropped ones are replaced by a model built on the device.
+        in_place = self.sleep_state.weights == AWAKE and runner.replace_weights(checkpoint.weights)
+        if not in_place:
+            if self.sleep_state.weights == AWAKE:
+                logger.warning("the new weights do not fit the serving model's tensors: built beside them")
+            runner.install_weights(checkpoint.weights)
         runner.model_dir = checkpoint.model_dir
         # Cached KV (device prefix cache, partial blocks, what the tier was asked for) is the old
         # weights': dropped first, so its removal events go out under the old fingerprint.

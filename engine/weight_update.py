@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -121,3 +121,54 @@ def _check_signature(path: str, old: Signature, new: Signature) -> None:
     for name in differ[:3]:
         parts.append(f"{name}: shape {list(old[name][0])} -> {list(new[name][0])}")
     raise ValueError(f"model_path {path!r} does not match the served model's weights ({'; '.join(parts)})")
+
+
+def tensor_pairs(dst: Any, src: Any) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """Each tensor of model object ``dst`` with its counterpart in ``src``, a model of the same class
+    and config (``engine.models`` objects, their lists, tuples and dicts, torch modules by their
+    parameters and buffers), or None where the two differ in structure, shape or dtype. A tensor ``dst`` holds
+    in several places (tied embeddings) is listed once."""
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    return pairs if _pair(dst, src, pairs, set()) else None
+
+
+def _pair(dst: Any, src: Any, out: list[tuple[torch.Tensor, torch.Tensor]], seen: set[int]) -> bool:
+    if isinstance(dst, torch.Tensor):
+        if not isinstance(src, torch.Tensor) or dst.shape != src.shape or dst.dtype != src.dtype:
+            return False
+        if id(dst) not in seen:
+            seen.add(id(dst))
+            out.append((dst, src))
+        return True
+    if isinstance(dst, torch.nn.Module):
+        if not isinstance(src, torch.nn.Module):
+            return False
+        a, b = _module_tensors(dst), _module_tensors(src)
+        return a.keys() == b.keys() and all(_pair(a[k], b[k], out, seen) for k in a)
+    if isinstance(dst, (list, tuple)):
+        return (
+            type(src) is type(dst)
+            and len(src) == len(dst)
+            and all(_pair(x, y, out, seen) for x, y in zip(dst, src, strict=True))
+        )
+    if isinstance(dst, dict):
+        return (
+            isinstance(src, dict)
+            and dst.keys() == src.keys()
+            and all(_pair(dst[k], src[k], out, seen) for k in dst)
+        )
+    if type(dst).__module__.startswith("engine.models") and hasattr(dst, "__dict__"):
+        if id(dst) in seen:
+            return True
+        seen.add(id(dst))
+        if type(src) is not type(dst) or vars(dst).keys() != vars(src).keys():
+            return False
+        return all(_pair(v, vars(src)[k], out, seen) for k, v in vars(dst).items())
+    return True  # configs, ops, numbers: no tensors to copy
+
+
+def _module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A torch module's parameters (as plain tensors) and buffers, non-persistent ones included."""
+    out = {"p:" + name: p.data for name, p in module.named_parameters()}
+    out.update({"b:" + name: b for name, b in module.named_buffers()})
+    return out

@@ -108,9 +108,14 @@ def test_reload_while_awake_resets_the_prefix_cache(tiny_llama, other_llama, ref
     llm = LLM(str(tiny_llama), num_kv_blocks=64)  # weight updates need no sleep mode
     _tokens(llm)
     assert llm.engine.block_manager.num_cached_blocks > 0
+    model = llm.engine.model_runner.model
+    pointers = (model.embed.data_ptr(), model.layers[1]["qkv"].data_ptr(), model.lm_head.data_ptr())
     llm.reload_weights(str(other_llama))
     assert llm.engine.block_manager.num_cached_blocks == 0
     assert _tokens(llm) == reference["other"]
+    # Written over the serving tensors: the device never held two models.
+    assert llm.engine.model_runner.model is model
+    assert (model.embed.data_ptr(), model.layers[1]["qkv"].data_ptr(), model.lm_head.data_ptr()) == pointers
     with pytest.raises(ValueError, match="sleep mode is not enabled"):
         llm.sleep()
 
@@ -226,6 +231,52 @@ def test_offload_moves_every_tensor_of_every_model_family(name, request) -> None
     assert len(found) > 10
     assert all(t.device.type == "meta" for t in found)
     assert (model.embed is model.lm_head) == tied
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["tiny_llama_tied", "tiny_deepseek", "tiny_gemma3", "tiny_gpt_oss", "tiny_llama_cls", "tiny_llava"],
+)
+def test_in_place_update_reaches_every_tensor_of_every_model_family(name, request) -> None:
+    """``replace_weights`` pairs each serving tensor with the rebuilt model's: every tensor the
+    model holds (found by the garbage collector's referents, not by the same walk) is written, tied
+    ones once, and none is replaced by another object."""
+    import torch
+
+    from engine.weight_update import tensor_pairs
+
+    model_dir = request.getfixturevalue(name)
+    llm = LLM(str(model_dir), num_kv_blocks=8)
+    runner = llm.engine.model_runner
+    model = runner.model
+    held, seen, stack = {}, set(), [model]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            held[id(obj)] = obj.data_ptr()
+        elif isinstance(obj, (list, tuple, dict, torch.nn.Module)) or type(obj).__module__.startswith(
+            "engine.models"
+        ):
+            stack.extend(gc.get_referents(obj))
+    rebuilt, _ = runner._build(runner.read_weights(model_dir, torch.device("cpu")), torch.device("cpu"))
+    pairs = tensor_pairs(model, rebuilt)
+    assert pairs is not None
+    written = {id(dst) for dst, _ in pairs}
+    assert len(written) == len(pairs)  # tied tensors once
+    # Parameters of a torch module are reached through their .data views (other objects, same memory).
+    assert {t.data_ptr() for t, _ in pairs} >= set(held.values())
+    head = runner.score_head  # a classifier's: written in place too
+    out = (
+        (lambda: llm.classify([[5, 6, 7, 8]])[0].outputs.probs)
+        if head is not None
+        else (lambda: _tokens(llm, [[5, 6, 7, 8]]))
+    )
+    before = out()
+    assert runner.replace_weights(runner.read_weights(model_dir, torch.device("cpu")))
+    assert runner.model is model and runner.score_head is head and out() == before
 
 
 def test_a_weight_update_moves_tier_keys_and_events_to_the_new_fingerprint(
