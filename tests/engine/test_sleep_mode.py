@@ -200,6 +200,26 @@ def test_bad_levels_and_tags_are_refused(tiny_llama) -> None:
     assert not llm.is_sleeping()
 
 
+def _held_tensors(model) -> list:
+    """Every tensor ``model`` holds, found by the garbage collector's referents (not by the walks
+    under test)."""
+    import torch
+
+    found, seen, stack = [], set(), [model]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            found.append(obj)
+        elif isinstance(obj, (list, tuple, dict, torch.nn.Module)) or type(obj).__module__.startswith(
+            "engine.models"
+        ):
+            stack.extend(gc.get_referents(obj))
+    return found
+
+
 @pytest.mark.parametrize(
     "name",
     ["tiny_llama_tied", "tiny_deepseek", "tiny_gemma3", "tiny_gpt_oss", "tiny_llama_cls", "tiny_llava"],
@@ -216,18 +236,7 @@ def test_offload_moves_every_tensor_of_every_model_family(name, request) -> None
     model = llm.engine.model_runner.model
     tied = model.embed is model.lm_head
     move_tensors(model, torch.device("meta"))
-    found, seen, stack = [], set(), [model]
-    while stack:
-        obj = stack.pop()
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            found.append(obj)
-        elif isinstance(obj, (list, tuple, dict, torch.nn.Module)) or type(obj).__module__.startswith(
-            "engine.models"
-        ):
-            stack.extend(gc.get_referents(obj))
+    found = _held_tensors(model)
     assert len(found) > 10
     assert all(t.device.type == "meta" for t in found)
     assert (model.embed is model.lm_head) == tied
@@ -249,18 +258,7 @@ def test_in_place_update_reaches_every_tensor_of_every_model_family(name, reques
     llm = LLM(str(model_dir), num_kv_blocks=8)
     runner = llm.engine.model_runner
     model = runner.model
-    held, seen, stack = {}, set(), [model]
-    while stack:
-        obj = stack.pop()
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            held[id(obj)] = obj.data_ptr()
-        elif isinstance(obj, (list, tuple, dict, torch.nn.Module)) or type(obj).__module__.startswith(
-            "engine.models"
-        ):
-            stack.extend(gc.get_referents(obj))
+    held = {id(t): t.data_ptr() for t in _held_tensors(model)}
     rebuilt, _ = runner._build(runner.read_weights(model_dir, torch.device("cpu")), torch.device("cpu"))
     pairs = tensor_pairs(model, rebuilt)
     assert pairs is not None
