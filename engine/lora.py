@@ -311,6 +311,15 @@ class DeviceAdapters:
                 parts.append((torch.tensor(rows, dtype=torch.long, device=self.device), on_device))
         return LoRABatch(parts, linear)
 
+    def clear(self) -> None:
+        """Drop every device copy (sleep mode lets the device's memory go; the next step that runs
+        an adapter copies it again from host memory)."""
+        self._copies.clear()
+
+    @property
+    def num_copies(self) -> int:
+        return len(self._copies)
+
     def _on_device(self, adapter: LoRAAdapter, needed: set[int]) -> LoRAAdapter:
         if self.device.type == "cpu":
             return adapter

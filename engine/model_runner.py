@@ -195,7 +195,9 @@ class ModelRunner:
         return model, head
 
     def offload_weights(self) -> None:
-        """Sleep level 1: the weights to host memory (where they already are on a CPU device)."""
+        """Sleep level 1: the weights to host memory (where they already are on a CPU device); LoRA
+        adapters' device copies are dropped (their host copies stay loaded)."""
+        self._drop_lora_copies()
         if self.device.type != "cpu":
             move_tensors(self.model, torch.device("cpu"))
             if self.score_head is not None:
@@ -213,10 +215,15 @@ class ModelRunner:
     def discard_weights(self) -> None:
         """Sleep level 2: drop the weights (waking reads a checkpoint: ``install_weights``). A draft
         model's go to host memory instead: weight updates never change them."""
+        self._drop_lora_copies()
         self.model = None
         self.score_head = None
         self._move_draft(torch.device("cpu"))
         _empty_device_cache(self.device)
+
+    def _drop_lora_copies(self) -> None:
+        if self.lora_adapters is not None:
+            self.lora_adapters.clear()
 
     def _move_draft(self, device: torch.device) -> None:
         if self.draft is not None and self.device.type != "cpu":

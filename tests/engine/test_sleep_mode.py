@@ -322,3 +322,29 @@ def test_sleep_releases_a_draft_models_kv_too(tiny_llama, reference) -> None:
     assert _tokens(llm) == reference["tiny"]
     accepted = llm.engine.spec_accepted_tokens - before[0]
     assert accepted == llm.engine.spec_draft_tokens - before[1] > 0
+
+
+def test_sleep_drops_lora_device_copies(tiny_llama, tmp_path) -> None:
+    """LoRA adapters copied to the device for a step are let go with the weights at either level;
+    the host copies stay loaded and serve after waking. (The copies are made on ``meta`` here, as a
+    CPU device runs the host copies themselves.)"""
+    import torch
+
+    from engine.demo import build_lora_adapter
+    from engine.lora_request import LoRARequest
+
+    path = build_lora_adapter(tmp_path / "a", tiny_llama, seed=1, rank=8, alpha=16)
+    lora = LoRARequest("a", 1, str(path))
+    llm = LLM(str(tiny_llama), num_kv_blocks=64, enable_sleep_mode=True, enable_lora=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, lora_request=lora)]
+    copies = llm.engine.model_runner.lora_adapters
+    adapter = llm.engine.load_lora(lora)
+    for level in (1, 2):
+        copies.device = torch.device("meta")
+        copies.batch([(0, 2, adapter)], llm.engine.model_runner.model.linear)
+        assert copies.num_copies == 1
+        llm.sleep(level=level)
+        assert copies.num_copies == 0
+        copies.device = torch.device("cpu")
+        llm.wake_up()
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, lora_request=lora)] == want
