@@ -11,14 +11,24 @@ expansion of ``<image>`` is what ``tokens_per_image`` is measured from, so the t
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from engine.multimodal import ImageInput, ImageSpec, expand_image_tokens, image_offsets
+from engine.multimodal import (
+    SOURCE_DIGEST_KEY,
+    ImageInput,
+    ImageSpec,
+    expand_image_tokens,
+    image_offsets,
+    tokens_per_image_from_files,
+)
 from kvcache.keys import DIGEST_SIZE
+
+logger = logging.getLogger(__name__)
 
 # Images one request may carry (an engine-side bound; the server's --limit-mm-per-prompt is
 # usually lower).
@@ -37,6 +47,14 @@ class ImageProcessor:
         if count < 1:
             raise ValueError(f"the model's processor does not expand {token!r} into image tokens")
         self.spec = ImageSpec(token, image_token_id, count)
+        from_files = tokens_per_image_from_files(model_dir)
+        if from_files != count:
+            logger.warning(
+                "the processor makes %d tokens of an image, its files say %s: a router keys image "
+                "prompts by the files, so its cache-aware hints for them will miss",
+                count,
+                from_files,
+            )
 
     def process(self, images: list[Any]) -> list[ProcessedImage]:
         """PIL images as pixel values and digests (ValueError for what the processor cannot take).
@@ -58,9 +76,10 @@ class ImageProcessor:
         except Exception as e:  # the processor's own checks (channels, sizes…)
             raise ValueError(f"the image could not be processed: {type(e).__name__}: {e}") from None
         out = []
-        for pixel_values in pixels:
+        for image, pixel_values in zip(images, pixels, strict=True):
             pv = pixel_values.unsqueeze(0).contiguous()
-            out.append(ProcessedImage(pv, pixel_digest(pv)))
+            digest = image.info.get(SOURCE_DIGEST_KEY)
+            out.append(ProcessedImage(pv, digest if isinstance(digest, bytes) else pixel_digest(pv)))
         return out
 
     def prepare(self, ids: list[int], images: list[Any]) -> tuple[list[int], list[ImageInput]]:
@@ -80,7 +99,7 @@ class ImageProcessor:
 @dataclass(frozen=True)
 class ProcessedImage:
     pixel_values: torch.Tensor  # [1, channels, height, width]
-    digest: bytes  # pixel_digest
+    digest: bytes  # the source bytes' digest when known (SOURCE_DIGEST_KEY), else pixel_digest
 
 
 def probe_image() -> Any:

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-from engine.multimodal import open_image
+from engine.multimodal import SOURCE_DIGEST_KEY, open_image
+from kvcache.keys import image_source_digest
 
 # vLLM's VLLM_IMAGE_FETCH_TIMEOUT default is 5 s; a little more room for slow origins.
 DEFAULT_FETCH_TIMEOUT = 10.0
@@ -182,10 +183,13 @@ def _check_size(url: str, size: int, options: MediaOptions) -> None:
 
 
 def _decode(url: str, data: bytes) -> Any:
+    """The decoded image, carrying its bytes' digest (``SOURCE_DIGEST_KEY``)."""
     try:
-        return open_image(data)
+        image = open_image(data)
     except ValueError as e:
         raise MediaError(f"image {_short(url)}: {e}") from None
+    image.info[SOURCE_DIGEST_KEY] = image_source_digest(data)
+    return image
 
 
 def _short(url: str) -> str:

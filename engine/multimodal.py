@@ -11,8 +11,16 @@ transformers' processor expands them). A prompt whose runs are already expanded 
 from __future__ import annotations
 
 import io
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+# Where an image decoded from encoded bytes keeps their digest (``kvcache.keys.image_source_digest``,
+# in ``PIL.Image.info``, which survives pickling to the engine process): its KV blocks are keyed by
+# it, so a router that reads the same bytes from the request keys them alike. An image given as a
+# ``PIL.Image`` (offline) has none and is keyed by its processed pixels.
+SOURCE_DIGEST_KEY = "ferry_source_digest"
 
 # Images decoded from a request may not be larger than this (Pillow's decompression-bomb guard
 # at its warning level, as vLLM leaves it): a few bytes of PNG must not become gigabytes of pixels.
@@ -106,3 +114,33 @@ def open_image(data: bytes) -> Any:
         raise
     except Exception as e:  # Pillow raises many types for bad data (UnidentifiedImageError, OSError…)
         raise ValueError(f"the data is not an image that can be decoded ({type(e).__name__})") from None
+
+
+def tokens_per_image_from_files(model_dir: str | Path) -> int | None:
+    """How many placeholder tokens one image becomes, read from a LLaVA-style model's processor
+    files as transformers' ``LlavaProcessor`` counts them (patches of the cropped image, plus its
+    additional tokens, less the CLS token under the ``default`` feature strategy); None when the
+    files do not say. For the router, which keys image prompts without loading the processor; the
+    engine measures the count with the processor itself and warns if the two disagree."""
+    root = Path(model_dir)
+    try:
+        processor = json.loads((root / "processor_config.json").read_text())
+    except (OSError, ValueError):
+        processor = {}
+    images = processor.get("image_processor")
+    if not isinstance(images, dict):
+        try:
+            images = json.loads((root / "preprocessor_config.json").read_text())
+        except (OSError, ValueError):
+            return None
+    patch = processor.get("patch_size")
+    crop = images.get("crop_size") if images.get("do_center_crop", True) else images.get("size")
+    if not isinstance(patch, int) or patch < 1 or not isinstance(crop, dict):
+        return None
+    height, width = crop.get("height"), crop.get("width")
+    if not isinstance(height, int) or not isinstance(width, int):
+        return None
+    count = (height // patch) * (width // patch) + int(processor.get("num_additional_image_tokens") or 0)
+    if processor.get("vision_feature_select_strategy", "default") == "default":
+        count -= 1
+    return count if count > 0 else None

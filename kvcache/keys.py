@@ -44,6 +44,12 @@ def hash_block(parent: bytes, token_ids: Sequence[int], extra: bytes = b"") -> b
 ImageSpan = tuple[int, int, bytes]
 
 
+def image_source_digest(data: bytes) -> bytes:
+    """An image's content digest from its encoded bytes (what a data URL or a fetched URL carries):
+    the same bytes decode to the same pixels, and a router can compute it without decoding."""
+    return hashlib.blake2b(b"ferry-image-src/v1\x00" + data, digest_size=DIGEST_SIZE).digest()
+
+
 def image_extra(spans: Sequence[ImageSpan], start: int, end: int) -> bytes:
     """What the images whose placeholder runs overlap positions ``[start, end)`` add to a block's
     ``extra``: each one's position, length and content digest, in prompt order (b"" for none)."""

@@ -8,6 +8,12 @@ Two keyers behind one interface, chosen once at start:
 * ``TextKeyer`` (no tokenizer): chained hashes over fixed-size chunks of the request's text.
   Only the router's own history can be matched then, but shared prefixes still land together.
 
+Chats with images (a LLaVA-style ``--model``): each image token is expanded into the image's
+placeholder run (its length read from the model's processor files) and keyed by the digest of the
+image's bytes, as the replica keys it (``kvcache.keys.image_source_digest``), for images given as
+data URLs; the router fetches no URL, so a prompt's keys stop before its first image given by an
+http(s) or file URL.
+
 Completions given as token ids are hashed exactly by both. Completions with ``prompt_embeds``
 (base64 tensors the router does not decode: it never loads torch) are keyed by one hash of their
 first payload, apart from token and text hashes: identical embeddings land on the replica that
@@ -18,6 +24,8 @@ has their blocks, different ones share nothing. A body the keyer cannot read yie
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import hashlib
 import logging
 from abc import ABC, abstractmethod
@@ -25,7 +33,9 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.chat_template import template_message
-from kvcache.keys import block_hashes, salt_extra
+from engine.media import message_image_parts
+from engine.multimodal import tokens_per_image_from_files
+from kvcache.keys import block_hashes, image_source_digest, salt_extra
 from router.reuse_encoder import ReuseEncoder
 from server.anthropic_protocol import MessagesRequest
 from server.responses_input import chat_messages, chat_tools
@@ -105,9 +115,11 @@ def _token_id_prompt(body: dict[str, Any]) -> list[int] | None:
 
 
 class TokenKeyer(PromptKeyer):
-    def __init__(self, tokenizer: Any, block_size: int) -> None:
+    def __init__(self, tokenizer: Any, block_size: int, image: tuple[int, int] | None = None) -> None:
+        """``image``: a vision-language model's (image token id, placeholder tokens per image)."""
         self.tokenizer = tokenizer
         self.block_size = block_size
+        self.image = image
         # A conversation's next turn re-renders every earlier message: encode only what is new.
         self.chat_encoder = ReuseEncoder(tokenizer.backend)
 
@@ -119,7 +131,13 @@ class TokenKeyer(PromptKeyer):
         ``--chat-template`` and ``--chat-template-content-format``, to render chats as they do."""
         from engine.tokenizer import Tokenizer
 
-        return cls(Tokenizer.from_dir(model_dir, chat_template, content_format), block_size)
+        tokenizer = Tokenizer.from_dir(model_dir, chat_template, content_format)
+        image = None
+        token_id = tokenizer.backend.token_to_id(tokenizer.image_token) if tokenizer.image_token else None
+        run = tokens_per_image_from_files(model_dir) if token_id is not None else None
+        if token_id is not None and run is not None:
+            image = (token_id, run)
+        return cls(tokenizer, block_size, image)
 
     def token_ids(self, path: str, body: dict[str, Any]) -> list[int] | None:
         """The replica's prompt token ids for ``body``; None when it has no prompt we read (raises
@@ -160,7 +178,47 @@ class TokenKeyer(PromptKeyer):
         ids = self.token_ids(path, body)
         if ids is None:
             return [], 0
+        if self.image is not None and path.endswith("/chat/completions") and self.image[0] in ids:
+            return self._image_keys(ids, body)
         return block_hashes(ids, self.block_size, self.body_extra(body)), len(ids)
+
+    def _image_keys(self, ids: list[int], body: dict[str, Any]) -> tuple[list[bytes], int]:
+        """A chat prompt's keys with its images' placeholder runs, as the replica expands and keys
+        them; the prompt's length counts every run."""
+        token, run = self.image  # type: ignore[misc]
+        positions = [i for i, t in enumerate(ids) if t == token]
+        sources = message_image_parts(body["messages"])
+        extra, length = self.body_extra(body), len(ids) + (run - 1) * len(positions)
+        if len(sources) != len(positions):  # the replica answers 400: no hint past the first
+            return block_hashes(ids[: positions[0]], self.block_size, extra), length
+        expanded: list[int] = []
+        spans: list[tuple[int, int, bytes]] = []
+        last = 0
+        for position, source in zip(positions, sources, strict=True):
+            digest = _data_url_digest(source)
+            expanded += ids[last:position]
+            if digest is None:  # an image the router does not read: keys stop before it
+                break
+            spans.append((len(expanded), run, digest))
+            expanded += [token] * run
+            last = position + 1
+        else:
+            expanded += ids[last:]
+        return block_hashes(expanded, self.block_size, extra, images=spans), length
+
+
+def _data_url_digest(source: Any) -> bytes | None:
+    """The digest of a data URL image's bytes, decoded as the replica decodes them
+    (``engine/media.py``); None for any other source."""
+    if not isinstance(source, str) or not source.startswith("data:"):
+        return None
+    header, sep, payload = source[5:].partition(",")
+    if not sep or not header.endswith(";base64"):
+        return None
+    try:
+        return image_source_digest(base64.b64decode(payload, validate=True))
+    except (binascii.Error, ValueError):
+        return None
 
 
 class TextKeyer(PromptKeyer):

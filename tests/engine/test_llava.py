@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from engine import LLM, SamplingParams
-from engine.multimodal import ImageSpec, expand_image_tokens
+from engine.multimodal import ImageSpec, expand_image_tokens, tokens_per_image_from_files
 from kvcache.keys import block_hashes
 
 IMAGE_ID = 1000
@@ -66,6 +66,12 @@ def test_greedy_tokens_equal_transformers(llm: LLM, hf, case: str) -> None:
     assert out.prompt_token_ids == want_prompt
     assert out.prompt_token_ids.count(IMAGE_ID) == 16 * len(images)
     assert out.outputs[0].token_ids == want
+
+
+def test_processor_files_give_the_run_length(tiny_llava: Path, llm: LLM) -> None:
+    """What a router reads from the processor files is what the processor makes (default strategy
+    here, ``full`` below)."""
+    assert tokens_per_image_from_files(tiny_llava) == llm.engine.model_info.image.tokens_per_image == 16
 
 
 def test_info_and_expansion(llm: LLM) -> None:
@@ -190,7 +196,7 @@ def test_feature_layers_and_full_strategy(tmp_path: Path) -> None:
     images = [image(50), image(51, (64, 30))]
     want_prompt, want = hf_generate(hf, text, images)
     llm = LLM(str(path), num_kv_blocks=32, block_size=8, long_prefill_token_threshold=7)
-    assert llm.engine.model_info.image.tokens_per_image == 17
+    assert llm.engine.model_info.image.tokens_per_image == 17 == tokens_per_image_from_files(path)
     out = llm.generate({"prompt": text, "multi_modal_data": {"image": images}}, PARAMS)[0]
     assert out.prompt_token_ids == want_prompt
     assert out.outputs[0].token_ids == want

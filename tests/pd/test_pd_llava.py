@@ -1,7 +1,7 @@
 """Prefill/decode disaggregation of a chat request with images (a LLaVA checkpoint).
 
-An image's pixels are part of the hashes of the blocks its placeholder run touches, and only the
-engine sees them: the prefill worker's answer lists the hashes its engine computed, the decode
+An image's content digest is part of the hashes of the blocks its placeholder run touches (a
+router reading the same data URL keys the prompt alike): the prefill worker's answer lists the hashes its engine computed, the decode
 worker's engine checks the listed hashes against its own (a list computed without the images is a
 400) and loads the blocks from the tier. Through a PD router the answer, streamed or not, is the
 offline engine's.
@@ -20,6 +20,7 @@ from PIL import Image
 
 from engine import LLM, SamplingParams
 from kvcache.keys import block_hashes, to_hex
+from router.prompt_keys import TokenKeyer
 from tests.router.router_harness import Proc, free_port, metric, replica_args
 from tests.server.test_llava_serve import data_url, image_message, png
 
@@ -93,6 +94,10 @@ def test_replicas_hand_off_an_image_prompt(tiny_llava: Path, llava_pd: dict) -> 
     # The pixels are in the hashes: the text-only hashes of the same tokens differ from the first block.
     text_only = to_hex(block_hashes(ids, 16))
     assert listed[0] != text_only[0]
+    # A router reading the same body keys it exactly as the engine did (images by their bytes).
+    keyer = TokenKeyer.from_dir(str(tiny_llava), 16)
+    keys, count = keyer.keys("/v1/chat/completions", {"messages": messages})
+    assert to_hex(keys) == listed and count == len(ids)
     token = first["choices"][0]["token_ids"]
     assert token == want.outputs[0].token_ids[:1]
 

@@ -7,7 +7,7 @@ from body_strategies import BODIES
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcache.keys import block_hashes
+from kvcache.keys import block_hashes, image_source_digest
 from router.prompt_keys import TEXT_CHUNK_CHARS, TextKeyer, TokenKeyer
 
 
@@ -178,3 +178,23 @@ def test_prompt_embeds_bodies_key_by_their_payload(keyer, tiny_llama) -> None:
     assert k.keys("/v1/completions", {"prompt_embeds": "QUJD", "cache_salt": "s"})[0] != one[0]
     for bad in ([], [3], 5, ""):
         assert k.keys("/v1/completions", {"prompt_embeds": bad}) == ([], 0)
+
+
+def test_image_chats_key_their_runs_by_the_images_bytes(tiny_llava) -> None:
+    """Each image token becomes its placeholder run, keyed by the data URL's bytes; an image the
+    router does not read (an http URL) ends the keys before it; the count covers every run."""
+    from tests.server.test_llava_serve import data_url, image_message, png
+
+    keyer = TokenKeyer.from_dir(str(tiny_llava), 16)
+    assert keyer.image == (1000, 16)
+    path = "/v1/chat/completions"
+    ids = keyer.token_ids(path, {"messages": image_message(data_url(png(1)))})
+    at = ids.index(1000)
+    expanded = ids[:at] + [1000] * 16 + ids[at + 1 :]
+    span = (at, 16, image_source_digest(png(1)))
+    keys, count = keyer.keys(path, {"messages": image_message(data_url(png(1)))})
+    assert keys == block_hashes(expanded, 16, images=[span]) and count == len(expanded)
+    other, _ = keyer.keys(path, {"messages": image_message(data_url(png(2)))})
+    assert other[: at // 16] == keys[: at // 16] and other[at // 16 :] != keys[at // 16 :]
+    fetched, count = keyer.keys(path, {"messages": image_message("http://127.0.0.1:9/a.png")})
+    assert fetched == block_hashes(ids[:at], 16) and count == len(expanded)
