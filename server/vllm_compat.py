@@ -149,7 +149,7 @@ LIMITED_FLAGS: dict[tuple[str, ...], Limited] = {
 
 
 def add_compat_args(p: argparse.ArgumentParser) -> None:
-    c = p.add_argument_group("vLLM flags accepted for compatibility (each logged with what ferry does)")
+    c = p.add_argument_group("vLLM flags ferry takes at some values only, or refuses (accepted ones are logged)")
     for flag, (options, _) in COMPAT_FLAGS.items():
         c.add_argument(flag, *filter(None, [_SHORT.get(flag)]), help=argparse.SUPPRESS, **options)
     for names, limited in LIMITED_FLAGS.items():
