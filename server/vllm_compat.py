@@ -149,7 +149,9 @@ LIMITED_FLAGS: dict[tuple[str, ...], Limited] = {
 
 
 def add_compat_args(p: argparse.ArgumentParser) -> None:
-    c = p.add_argument_group("vLLM flags ferry takes at some values only, or refuses (accepted ones are logged)")
+    c = p.add_argument_group(
+        "vLLM flags ferry takes at some values only, or refuses (accepted ones are logged)"
+    )
     for flag, (options, _) in COMPAT_FLAGS.items():
         c.add_argument(flag, *filter(None, [_SHORT.get(flag)]), help=argparse.SUPPRESS, **options)
     for names, limited in LIMITED_FLAGS.items():
@@ -206,8 +208,9 @@ def add_structured_output_args(p: argparse.ArgumentParser | argparse._ArgumentGr
     p.add_argument(
         "--guided-decoding-backend",
         default=None,
-        metavar="NAME",
-        help="vLLM's older spelling of the structured-output backend (xgrammar serves it)",
+        metavar="NAME[:OPTIONS]",
+        help="vLLM's older spelling of the structured-output backend (xgrammar serves it; options are "
+        "noted and ignored)",
     )
 
 
@@ -215,6 +218,9 @@ def structured_backend(args: argparse.Namespace) -> tuple[str | None, list[str]]
     """The backend the flags name (None: none named) and the settings given besides it; ValueError
     for a value that does not parse or a backend vLLM does not have."""
     backend, others = args.guided_decoding_backend, []
+    if backend is not None and ":" in backend:  # vLLM's older "xgrammar:disable-any-whitespace" form
+        backend, _, options = backend.partition(":")
+        others = options.split(",")
     if args.structured_outputs_config is not None:
         try:
             config = json.loads(args.structured_outputs_config)
@@ -226,7 +232,7 @@ def structured_backend(args: argparse.Namespace) -> tuple[str | None, list[str]]
                 f"got {args.structured_outputs_config!r}"
             )
         backend = config.pop("backend", backend)
-        others = sorted(config)
+        others += sorted(config)
     if backend is not None and backend not in STRUCTURED_BACKENDS:
         raise ValueError(
             f"structured-output backend {backend!r} is not one of vLLM's ({', '.join(STRUCTURED_BACKENDS)})"
@@ -244,6 +250,6 @@ def structured_notes(args: argparse.Namespace) -> list[str]:
         )
     if others:
         notes.append(
-            f"--structured-outputs-config {', '.join(others)}: accepted for vLLM compatibility, ignored"
+            f"structured-output options {', '.join(others)}: accepted for vLLM compatibility, ignored"
         )
     return notes

@@ -177,7 +177,7 @@ def test_http_limits_access_log_and_compat_notes(chat_server) -> None:
         "--logprobs-mode raw_logprobs is what ferry does",
         "--cpu-offload-gb 0.0 is what ferry does",
         "structured-output backend guidance: ferry's structured outputs are xgrammar's",
-        "--structured-outputs-config disable_any_whitespace: accepted for vLLM compatibility, ignored",
+        "structured-output options disable_any_whitespace: accepted for vLLM compatibility, ignored",
     ):
         assert note in log, note
 
@@ -195,7 +195,7 @@ def test_values_ferry_cannot_honour_stop_the_start(capsys) -> None:
         ("--headless",): "--headless: a ferry replica always serves its own API",
         ("--skip-tokenizer-init",): "--skip-tokenizer-init: ferry needs the tokenizer",
         ("-tp", "2"): "--tensor-parallel-size 2: a ferry replica runs on one device",
-        ("--guided-decoding-backend", "nope"): "structured-output backend 'nope' is not one of vLLM's",
+        ("--guided-decoding-backend", "nope:no-fallback"): "structured-output backend 'nope' is not one of",
         ("--structured-outputs-config", "xgrammar"): "--structured-outputs-config must be a JSON object",
         ("--default-chat-template-kwargs", "[1]"): "--default-chat-template-kwargs must be a JSON object",
         ("--default-chat-template-kwargs", '{"tools": []}'): "must not set tools",
