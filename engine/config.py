@@ -38,6 +38,12 @@ class EngineConfig:
     # tokens when they are not the model's own; None: the model directory.
     tokenizer: str | None = None
     tokenizer_mode: str = "auto"  # auto | hf (vLLM's slow and mistral tokenizers are not served)
+    # vLLM's --revision / --tokenizer-revision / --download-dir: what a hub id resolves to and
+    # where it is downloaded (engine/models/loader.py resolve_model_dir); a local directory is read
+    # as it is. tokenizer_revision None: revision.
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    download_dir: str | None = None
     # vLLM's --hf-overrides: a JSON object (or its text) merged over config.json before it is read
     # (engine/models/config.py read_hf_config); held parsed, as a dict. None: none.
     hf_overrides: Any = None

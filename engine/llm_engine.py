@@ -51,11 +51,16 @@ LogitsObserver = Callable[[list[str], torch.Tensor], None]
 class LLMEngine(EngineSleep):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.model_dir: Path = resolve_model_dir(config.model)
+        self.model_dir: Path = resolve_model_dir(config.model, config.revision, config.download_dir)
         self.model_config = ModelConfig.from_dir(self.model_dir, config.hf_overrides)
         check_quantization(config.quantization, self.model_config.quant_method)
         # vLLM's --tokenizer: tokenizer, chat template and special tokens from another directory.
-        self.tokenizer_dir: Path = resolve_model_dir(config.tokenizer) if config.tokenizer else self.model_dir
+        self.tokenizer_dir: Path = self.model_dir
+        if config.tokenizer or config.tokenizer_revision:
+            tokenizer_revision = config.tokenizer_revision or config.revision
+            self.tokenizer_dir = resolve_model_dir(
+                config.tokenizer or config.model, tokenizer_revision, config.download_dir
+            )
         self.tokenizer = Tokenizer.from_dir(
             self.tokenizer_dir,
             config.chat_template,

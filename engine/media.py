@@ -1,5 +1,6 @@
 """Images named by URL in chat messages, fetched and decoded as vLLM does: ``data:image/…;base64,…``
-URLs, ``http(s)://`` URLs (httpx, with a timeout and a byte limit), and ``file://`` paths only under
+URLs, ``http(s)://`` URLs (httpx, with a timeout and a byte limit; given ``allowed_media_domains``,
+only from those hosts, redirects included), and ``file://`` paths only under
 ``allowed_local_media_path``. Torch-free; shared by the server (async) and ``LLM.chat`` (sync).
 
 Every failure a client can cause is a ``MediaError`` (a ValueError) whose message says what was
@@ -37,6 +38,9 @@ class MediaOptions:
 
     allowed_local_media_path: str | None = None
     limit_images: int | None = None
+    # vLLM's --allowed-media-domains: the host names http(s) image URLs may name (redirects too);
+    # None: any.
+    allowed_media_domains: tuple[str, ...] | None = None
     fetch_timeout: float = DEFAULT_FETCH_TIMEOUT
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
 
@@ -80,9 +84,13 @@ def load_image(source: Any, options: MediaOptions) -> Any:
     if scheme in ("http", "https"):
         import httpx
 
+        check_domain(source, options)
+        hooks = {"request": [lambda r: check_domain(str(r.url), options)]}
         try:
             with (
-                httpx.Client(timeout=options.fetch_timeout, follow_redirects=True) as client,
+                httpx.Client(
+                    timeout=options.fetch_timeout, follow_redirects=True, event_hooks=hooks
+                ) as client,
                 client.stream("GET", source) as response,
             ):
                 _check_status(source, response.status_code)
@@ -105,9 +113,18 @@ async def aload_image(source: Any, options: MediaOptions) -> Any:
         return await asyncio.to_thread(lambda: _decode(source, _local_bytes(source, scheme, options)))
     import httpx
 
+    check_domain(source, options)
+
+    async def check_redirect(request: httpx.Request) -> None:
+        check_domain(str(request.url), options)
+
     try:
         async with (
-            httpx.AsyncClient(timeout=options.fetch_timeout, follow_redirects=True) as client,
+            httpx.AsyncClient(
+                timeout=options.fetch_timeout,
+                follow_redirects=True,
+                event_hooks={"request": [check_redirect]},
+            ) as client,
             client.stream("GET", source) as response,
         ):
             _check_status(source, response.status_code)
@@ -133,6 +150,20 @@ def _scheme(url: str) -> str:
     if scheme not in ("http", "https", "data", "file"):
         raise MediaError(f"image URL {_short(url)}: only data:, http(s):// and file:// URLs are taken")
     return scheme
+
+
+def check_domain(url: Any, options: MediaOptions) -> None:
+    """``--allowed-media-domains``: refuse an http(s) URL (or a redirect) to any other host, before
+    fetching (other sources pass)."""
+    allowed = options.allowed_media_domains
+    if allowed is None or not isinstance(url, str) or not url.lower().startswith(("http://", "https://")):
+        return
+    host = (urlparse(url).hostname or "").lower()
+    if host not in allowed:
+        raise MediaError(
+            f"image URL {_short(url)}: {host or 'its host'} is not one of the server's allowed media domains "
+            f"({', '.join(allowed)})"
+        )
 
 
 def _local_bytes(url: str, scheme: str, options: MediaOptions) -> bytes:

@@ -340,6 +340,16 @@ class Tokenizer:
     def get_chat_template(self, name: str | None = None, tools: list | None = None) -> str:
         return self._chat_templates.get(name, tools)
 
+    def info(self) -> dict[str, Any]:
+        """vLLM's ``GET /tokenizer_info``: the tokenizer's configuration as tokenizer_config.json
+        holds it, with ``tokenizer_class`` always set and ``chat_template`` the default template
+        served (``--chat-template``'s when given)."""
+        info = dict(self._config)
+        info.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+        if self.has_chat_template:
+            info["chat_template"] = self.get_chat_template()
+        return info
+
     def apply_chat_template(
         self,
         messages: list[dict],

@@ -132,6 +132,7 @@ class RouterApp:
                 self.replicas.lora_extra,
                 config.chat_template,
                 config.chat_template_content_format,
+                config.chat_defaults,
             )
             if self.policy.needs_prefix
             else None
@@ -225,6 +226,7 @@ class RouterApp:
             self.replicas.lora_extra,
             config.chat_template,
             config.chat_template_content_format,
+            config.chat_defaults,
         )
         return PDOrchestrator(pd, prefill, decode, keyer, PDMetrics(self.metrics.registry), config.block_size)
 

@@ -6,6 +6,7 @@ import argparse
 
 from router.pd_config import add_pd_args
 from router.policies.registry import POLICY_NAMES
+from server.chat_defaults import add_chat_default_args
 from server.vllm_flags import json_list
 
 POLICIES = list(POLICY_NAMES)
@@ -69,6 +70,7 @@ def add_router_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         choices=["auto", "string", "openai"],
         help="the replicas' --chat-template-content-format",
     )
+    add_chat_default_args(g, router=True)
     g.add_argument("--block-size", type=int, default=16, help="KV block size of the replicas")
     g.add_argument(
         "--balance-abs-threshold",

@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass, fields
 
 from engine.chat_template import resolve_chat_template
+from server.chat_defaults import ChatDefaults, template_kwargs_flag
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,10 @@ class RouterConfig:
     # router renders chats into the same tokens.
     chat_template: str | None = None
     chat_template_content_format: str = "auto"
+    # The replicas' --default-chat-template-kwargs (JSON text) and --exclude-tools-when-tool-choice-none
+    # (server/chat_defaults.py), for the same reason.
+    default_chat_template_kwargs: str | None = None
+    exclude_tools_when_tool_choice_none: bool = False
     block_size: int = 16
     balance_abs_threshold: int = 16
     load_penalty_tokens: int = 64
@@ -73,8 +78,15 @@ class RouterConfig:
             raise ValueError("--max-retries and --max-failovers must be >= 0")
         if self.chat_template is not None:
             object.__setattr__(self, "chat_template", resolve_chat_template(self.chat_template))
+        template_kwargs_flag(self.default_chat_template_kwargs)  # a bad value stops the start
         if self.root_path and (not self.root_path.startswith("/") or self.root_path.endswith("/")):
             raise ValueError(f"--root-path must start with '/' and not end with one, got {self.root_path!r}")
+
+    @property
+    def chat_defaults(self) -> ChatDefaults:
+        return ChatDefaults(
+            template_kwargs_flag(self.default_chat_template_kwargs), self.exclude_tools_when_tool_choice_none
+        )
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RouterConfig:

@@ -38,6 +38,7 @@ from engine.multimodal import tokens_per_image_from_files
 from kvcache.keys import block_hashes, image_source_digest, salt_extra
 from router.reuse_encoder import ReuseEncoder
 from server.anthropic_protocol import MessagesRequest
+from server.chat_defaults import ChatDefaults
 from server.responses_input import chat_messages, chat_tools
 
 logger = logging.getLogger("ferry.router")
@@ -97,8 +98,12 @@ class PromptKeyer(ABC):
 def responses_as_chat(body: dict[str, Any]) -> dict[str, Any]:
     """A Responses API body as the chat body its replica renders (``server/serving_responses.py``
     translates it with the same functions), for the prompt's keys."""
-    tools, _ = chat_tools(body.get("tools"), None)
-    return {"messages": chat_messages(body.get("instructions"), body["input"]), "tools": tools}
+    tools, choice = chat_tools(body.get("tools"), body.get("tool_choice"))
+    return {
+        "messages": chat_messages(body.get("instructions"), body["input"]),
+        "tools": tools,
+        "tool_choice": choice,
+    }
 
 
 def messages_as_chat(body: dict[str, Any]) -> dict[str, Any]:
@@ -115,20 +120,33 @@ def _token_id_prompt(body: dict[str, Any]) -> list[int] | None:
 
 
 class TokenKeyer(PromptKeyer):
-    def __init__(self, tokenizer: Any, block_size: int, image: tuple[int, int] | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        block_size: int,
+        chat: ChatDefaults = ChatDefaults(),
+        image: tuple[int, int] | None = None,
+    ) -> None:
         """``image``: a vision-language model's (image token id, placeholder tokens per image)."""
         self.tokenizer = tokenizer
         self.block_size = block_size
+        self.chat = chat  # the replicas' template defaults (server/chat_defaults.py)
         self.image = image
         # A conversation's next turn re-renders every earlier message: encode only what is new.
         self.chat_encoder = ReuseEncoder(tokenizer.backend)
 
     @classmethod
     def from_dir(
-        cls, model_dir: str, block_size: int, chat_template: str | None = None, content_format: str = "auto"
+        cls,
+        model_dir: str,
+        block_size: int,
+        chat_template: str | None = None,
+        content_format: str = "auto",
+        chat: ChatDefaults = ChatDefaults(),
     ) -> TokenKeyer:
-        """``chat_template`` (the template's text) and ``content_format``: the replicas'
-        ``--chat-template`` and ``--chat-template-content-format``, to render chats as they do."""
+        """``chat_template`` (the template's text), ``content_format`` and ``chat``: the replicas'
+        ``--chat-template``, ``--chat-template-content-format``, ``--default-chat-template-kwargs`` and
+        ``--exclude-tools-when-tool-choice-none``, to render chats as they do."""
         from engine.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_dir(model_dir, chat_template, content_format)
@@ -137,7 +155,7 @@ class TokenKeyer(PromptKeyer):
         run = tokens_per_image_from_files(model_dir) if token_id is not None else None
         if token_id is not None and run is not None:
             image = (token_id, run)
-        return cls(tokenizer, block_size, image)
+        return cls(tokenizer, block_size, chat, image)
 
     def token_ids(self, path: str, body: dict[str, Any]) -> list[int] | None:
         """The replica's prompt token ids for ``body``; None when it has no prompt we read (raises
@@ -146,7 +164,7 @@ class TokenKeyer(PromptKeyer):
             # Exactly the replica's rendering (``server/params.py`` chat_prompt): the same
             # message normalisation, null meaning the default, template kwargs then tools.
             messages = [template_message(m) for m in body["messages"]]
-            kwargs = dict(body.get("chat_template_kwargs") or {})
+            kwargs = self.chat.kwargs(body.get("chat_template_kwargs"))
             if body.get("continue_final_message"):
                 kwargs["continue_final_message"] = True
             named = kwargs.get("chat_template")
@@ -160,7 +178,7 @@ class TokenKeyer(PromptKeyer):
             text = self.tokenizer.apply_chat_template(
                 messages,
                 add_generation_prompt=True if add_generation_prompt is None else add_generation_prompt,
-                tools=body.get("tools"),
+                tools=self.chat.tools(body.get("tools"), body.get("tool_choice")),
                 **kwargs,
             )
             return self.chat_encoder.encode(text)  # = encode_chat: no special tokens added
@@ -278,10 +296,11 @@ def make_keyer(
     model_extra: Callable[[object], bytes] | None = None,
     chat_template: str | None = None,
     content_format: str = "auto",
+    chat: ChatDefaults = ChatDefaults(),
 ) -> PromptKeyer:
     """``model_extra``: a body's ``model`` -> its block-hash salt (LoRA adapters)."""
     if model_dir:
-        keyer: PromptKeyer = TokenKeyer.from_dir(model_dir, block_size, chat_template, content_format)
+        keyer: PromptKeyer = TokenKeyer.from_dir(model_dir, block_size, chat_template, content_format, chat)
     else:
         keyer = TextKeyer(block_size)
     if model_extra is not None:

@@ -285,6 +285,12 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
     async def detokenize_route(body: DetokenizeRequest) -> Any:
         return detokenize(state, body)
 
+    if config.tokenizer_info_endpoint:  # vLLM's --enable-tokenizer-info-endpoint
+
+        @app.get("/tokenizer_info")
+        async def tokenizer_info() -> Any:
+            return JSONResponse(state.tokenizer.info())
+
     add_batch_routes(app, state.batches)  # OpenAI's Files and Batches API (server/batch_api.py)
 
     @app.get("/health")

@@ -415,7 +415,8 @@ def served_model_name(args: argparse.Namespace) -> str:
 
 
 def media_options(args: argparse.Namespace) -> MediaOptions:
-    """``--allowed-local-media-path`` and ``--limit-mm-per-prompt`` (ValueError if it does not parse)."""
+    """``--allowed-local-media-path``, ``--limit-mm-per-prompt`` (ValueError if it does not parse) and
+    ``--allowed-media-domains``."""
     from engine.media import MediaOptions
 
     limit = None
@@ -434,11 +435,17 @@ def media_options(args: argparse.Namespace) -> MediaOptions:
     path = args.allowed_local_media_path
     if path is not None and not Path(path).is_dir():
         raise ValueError(f"--allowed-local-media-path {path!r} is not a directory")
-    return MediaOptions(allowed_local_media_path=path, limit_images=limit)
+    domains = args.allowed_media_domains
+    return MediaOptions(
+        allowed_local_media_path=path,
+        limit_images=limit,
+        allowed_media_domains=tuple(d.lower() for d in domains) if domains is not None else None,
+    )
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
     """Raises ValueError for flags that contradict each other or do not parse."""
+    from server.chat_defaults import chat_defaults
     from server.config import ServerConfig
     from server.lora import parse_lora_modules
 
@@ -472,6 +479,9 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         lora_modules=lora_modules,
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         trust_request_chat_template=args.trust_request_chat_template,
+        chat=chat_defaults(args),
+        response_role=args.response_role,
+        tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         media=media_options(args),
         http=http_options(args),
     )

@@ -6,6 +6,7 @@ import socket
 from dataclasses import dataclass
 
 from engine.media import MediaOptions
+from server.chat_defaults import ChatDefaults
 from server.protocol import MAX_N
 from server.vllm_flags import HttpOptions
 
@@ -53,6 +54,12 @@ class ServerConfig:
     allow_runtime_lora_updating: bool = False
     # Requests may carry their own chat_template (vLLM's --trust-request-chat-template).
     trust_request_chat_template: bool = False
+    # Template variables every chat gets and tool_choice "none" hiding tools (server/chat_defaults.py)
+    chat: ChatDefaults = ChatDefaults()
+    # The role chat completions answer with (vLLM's --response-role)
+    response_role: str = "assistant"
+    # GET /tokenizer_info (vLLM's --enable-tokenizer-info-endpoint)
+    tokenizer_info_endpoint: bool = False
     # Image inputs (engine/media.py): --allowed-local-media-path, --limit-mm-per-prompt
     media: MediaOptions = MediaOptions()
     # CORS, TLS, root path (vLLM's HTTP flags: server/vllm_flags.py)

@@ -25,6 +25,7 @@ from server.beam_search import run_beam_search
 from server.config import ServerConfig
 from server.errors import APIError, bad_request, overloaded, timeout_error, unavailable
 from server.metrics import ServerMetrics
+from server.vllm_flags import log_output
 
 logger = logging.getLogger("ferry.server")
 
@@ -220,6 +221,8 @@ class Generation:
                 cache_salt=seq.cache_salt,
                 images=seq.images,
             )
+            if self.config.http.log_outputs and not seq.pooling:
+                gen = self._logging_outputs(rid, gen)
             try:
                 async for out in gen:
                     now = time.perf_counter()
@@ -266,6 +269,24 @@ class Generation:
                 metrics.observe_finished("abort", time.perf_counter() - arrival, None)
             self.unclaim_id(rid)
             self._add_in_flight(-1)
+
+    async def _logging_outputs(
+        self, rid: str, gen: AsyncIterator[RequestOutput]
+    ) -> AsyncIterator[RequestOutput]:
+        """``gen``, logging the sequence's whole output when it ends (``--enable-log-outputs``)."""
+        text: list[str] = []
+        ids: list[int] = []
+        try:
+            async for out in gen:
+                if out.outputs:
+                    text.append(out.outputs[0].text)
+                    ids += out.outputs[0].token_ids
+                if out.finished:
+                    reason = (out.outputs[0].finish_reason if out.outputs else None) or "abort"
+                    log_output(logger, self.config.http, rid, "".join(text), ids, reason)
+                yield out
+        finally:
+            await gen.aclose()  # type: ignore[attr-defined]
 
     def _expire(self, rid: str, deadline: _Deadline) -> None:
         deadline.timed_out = True

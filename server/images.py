@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from engine.media import MediaError, aload_image, check_image_count
+from engine.media import MediaError, aload_image, check_domain, check_image_count
 from engine.multimodal import expand_image_tokens
 from server.errors import bad_request
 from server.state import ServerState
@@ -44,6 +44,11 @@ async def load_images(state: ServerState, messages: Sequence[Any] | None) -> lis
     if not sources:
         return []
     media = state.config.media
+    try:
+        for source in sources:  # every URL's host, before any is fetched
+            check_domain(source, media)
+    except MediaError as e:
+        raise bad_request(str(e), param="messages") from None
     results = await asyncio.gather(*(aload_image(s, media) for s in sources), return_exceptions=True)
     for result in results:
         if isinstance(result, MediaError):

@@ -24,7 +24,7 @@ import uvicorn
 from server.args import engine_options, server_config
 from server.config import ServerConfig
 from server.roles import check_role_config
-from server.vllm_flags import compat_notes, parallelism_problem
+from server.vllm_compat import compat_notes, limited_problem
 
 logger = logging.getLogger("ferry.server")
 
@@ -118,7 +118,7 @@ async def serve(
         app,
         host=config.host,
         port=config.port,
-        access_log=config.log_level == "debug",
+        access_log=config.log_level == "debug" and config.http.access_log,  # --disable-uvicorn-access-log
         lifespan="off",
         timeout_graceful_shutdown=5,
         timeout_keep_alive=30,
@@ -205,7 +205,7 @@ def check_serve_args(args: argparse.Namespace) -> str | None:
             problem = f"the model is given twice, as {tag!r} and as --model {args.model!r}"
         args.model = tag
     if problem is None:
-        problem = parallelism_problem(args)
+        problem = limited_problem(args)
     if problem is None and args.enable_auto_tool_choice and not args.tool_call_parser:
         problem = "--enable-auto-tool-choice needs --tool-call-parser (the model's tool-call format)"
     if problem is None and args.api_server_count < 1:

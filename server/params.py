@@ -16,11 +16,9 @@ from engine.multimodal import ImageSpec
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from engine.tokenizer import ChatTemplateError, Tokenizer
 from kvcache.keys import from_hex
+from server.chat_defaults import RESERVED_TEMPLATE_KWARGS, ChatDefaults
 from server.errors import bad_request
 from server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, TokenizeRequest
-
-# Template variables a request sets through its own fields, never through chat_template_kwargs.
-RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "tools", "continue_final_message"})
 
 
 @dataclass(frozen=True)
@@ -103,10 +101,15 @@ def completion_prompts(
 
 
 def chat_prompt(
-    req: ChatCompletionRequest | TokenizeRequest, tokenizer: Tokenizer, trust_request_template: bool = False
+    req: ChatCompletionRequest | TokenizeRequest,
+    tokenizer: Tokenizer,
+    trust_request_template: bool = False,
+    defaults: ChatDefaults = ChatDefaults(),
 ) -> list[int]:
     """Render the messages with the model's chat template (or the request's own, when the server
-    trusts requests with one: ``--trust-request-chat-template``) and encode them."""
+    trusts requests with one: ``--trust-request-chat-template``) and encode them; ``defaults``: the
+    server's template variables under the request's own, and whether tool_choice "none" hides the
+    tools (``server/chat_defaults.py``)."""
     own = getattr(req, "chat_template", None)
     if own is not None and not trust_request_template:
         raise bad_request(
@@ -124,13 +127,14 @@ def chat_prompt(
     messages = [m.template_dict() for m in req.messages or []]
     # Rendered exactly as the router's TokenKeyer renders a body (``router/prompt_keys.py``):
     # template kwargs, then tools, so router and replica agree on every block hash.
-    kwargs = dict(getattr(req, "chat_template_kwargs", None) or {})
-    reserved = RESERVED_TEMPLATE_KWARGS.intersection(kwargs)
+    own_kwargs = getattr(req, "chat_template_kwargs", None) or {}
+    reserved = RESERVED_TEMPLATE_KWARGS.intersection(own_kwargs)
     if reserved:
         raise bad_request(
             f"chat_template_kwargs must not set {', '.join(sorted(reserved))}: use the request fields",
             param="chat_template_kwargs",
         )
+    kwargs = defaults.kwargs(own_kwargs)
     if getattr(req, "continue_final_message", False):
         kwargs["continue_final_message"] = True
     if own is not None:
@@ -150,7 +154,7 @@ def chat_prompt(
         text = tokenizer.apply_chat_template(
             messages,
             add_generation_prompt=req.add_generation_prompt,
-            tools=getattr(req, "tools", None),
+            tools=defaults.tools(getattr(req, "tools", None), getattr(req, "tool_choice", None)),
             **kwargs,
         )
     except ChatTemplateError as e:

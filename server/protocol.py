@@ -495,7 +495,7 @@ class DeltaToolCall(_Response):
 
 
 class AssistantMessage(_Response):
-    role: Literal["assistant"] = "assistant"
+    role: str = "assistant"  # --response-role
     content: str | None = None
     tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=_omit_none)
     reasoning_content: str | None = Field(default=None, exclude_if=_omit_none)  # --reasoning-parser
@@ -522,7 +522,7 @@ class ChatCompletionResponse(_Response):
 
 
 class DeltaMessage(_Response):
-    role: Literal["assistant"] | None = Field(default=None, exclude_if=_omit_none)
+    role: str | None = Field(default=None, exclude_if=_omit_none)  # --response-role
     content: str | None = Field(default=None, exclude_if=_omit_none)
     reasoning_content: str | None = Field(default=None, exclude_if=_omit_none)
     tool_calls: list[DeltaToolCall] | None = Field(default=None, exclude_if=_omit_none)

@@ -74,7 +74,9 @@ def _plan(
     state: ServerState, req: ChatCompletionRequest, tools: ToolPlan | None, lora: Any, images: list[Any]
 ) -> list[SequenceRequest]:
     limits = state.limits
-    prompt_ids = chat_prompt(req, state.tokenizer, state.config.trust_request_chat_template)
+    prompt_ids = chat_prompt(
+        req, state.tokenizer, state.config.trust_request_chat_template, state.config.chat
+    )
     prompt_ids = with_image_runs(state, prompt_ids, len(images))
     if images and req.use_beam_search:  # beam search's own requests leave the images out
         raise bad_request("image inputs are not served with beam search", param="messages")
@@ -181,6 +183,14 @@ def _delta(
     return o.text, logprobs
 
 
+def answer_role(state: ServerState, req: ChatCompletionRequest) -> str:
+    """The role of the answer's message, as vLLM names it: ``--response-role`` (default "assistant")
+    when the prompt asks for a new turn, else the role of the message it continues."""
+    if req.add_generation_prompt:
+        return state.config.response_role
+    return req.messages[-1].role
+
+
 async def create_chat_completion(
     state: ServerState,
     req: ChatCompletionRequest,
@@ -220,14 +230,16 @@ async def create_chat_completion(
         _delta(state, choices[seq.choice_index], req, out)
         usage.add(seq, out)
 
+    role = answer_role(state, req)
+
     def message(c: _Choice) -> tuple[AssistantMessage, str | None]:
         text = "".join(c.texts)
         if tools is None and state.reasoning is None:
-            return AssistantMessage(content=text), c.finish_reason
+            return AssistantMessage(role=role, content=text), c.finish_reason
         reasoning, content, calls = shape_whole(text, tools, _splitter(state, seqs[0]))
         reason = tool_finish_reason(tools, bool(calls), c.finish_reason)
         return AssistantMessage(
-            content=content, tool_calls=calls or None, reasoning_content=reasoning
+            role=role, content=content, tool_calls=calls or None, reasoning_content=reasoning
         ), reason
 
     def build() -> ChatCompletionResponse:
@@ -313,7 +325,9 @@ async def _chunks(
         return c
 
     for seq in seqs:
-        role = ChatStreamChoice(index=seq.choice_index, delta=DeltaMessage(role="assistant", content=""))
+        role = ChatStreamChoice(
+            index=seq.choice_index, delta=DeltaMessage(role=answer_role(state, req), content="")
+        )
         yield chunk(role)
     async for seq, out in state.generation.merged(request_id, seqs, arrival, ticket):
         choice = choices[seq.choice_index]

@@ -114,7 +114,9 @@ def count_tokens(state: ServerState, req: CountTokensRequest) -> JSONResponse:
     chat = to_chat_request(req)
     num_images = len(check_images(state, chat.messages))  # counted as their placeholder runs
     ids = with_image_runs(
-        state, chat_prompt(chat, state.tokenizer, state.config.trust_request_chat_template), num_images
+        state,
+        chat_prompt(chat, state.tokenizer, state.config.trust_request_chat_template, state.config.chat),
+        num_images,
     )
     return JSONResponse({"input_tokens": len(ids)})
 

@@ -23,7 +23,9 @@ def tokenize(state: ServerState, req: TokenizeRequest) -> TokenizeResponse:
         # Image parts count as their placeholder runs (the images themselves are not read).
         num_images = len(check_images(state, req.messages))
         ids = with_image_runs(
-            state, chat_prompt(req, tok, state.config.trust_request_chat_template), num_images
+            state,
+            chat_prompt(req, tok, state.config.trust_request_chat_template, state.config.chat),
+            num_images,
         )
     else:
         add_special = True if req.add_special_tokens is None else req.add_special_tokens

@@ -1,6 +1,6 @@
 """`vllm serve` flags a command line carries over to `ferry serve`.
 
-Two kinds (this module must stay torch-free: ``ferry --help`` imports it):
+What it adds (this module must stay torch-free: ``ferry --help`` imports it):
 
 * Request logging as vLLM's (``--enable-log-requests``, ``--max-log-len``; ``--disable-log-requests``
   is the default): one INFO line per admitted generation request (``log_request``).
@@ -15,13 +15,13 @@ Two kinds (this module must stay torch-free: ``ferry --help`` imports it):
 * Model-loading options, ``EngineConfig`` fields by name (``server.args.engine_options``):
   ``--tokenizer``, ``--tokenizer-mode``, ``--hf-overrides``, ``--quantization`` / ``-q`` and
   ``--load-format``; their values are checked by the engine (``engine/config.py``).
-* Flags for what ferry does anyway or has no use for, accepted so a vLLM command line starts, each
-  logged once with what ferry does instead (``compat_notes``): ``--enforce-eager``,
-  ``--enable-chunked-prefill``, ``--swap-space``, ``--disable-log-stats``, ``--trust-remote-code``,
-  ``--disable-frontend-multiprocessing``, ``--enable-prompt-tokens-details``. The parallelism flags
-  (``--tensor-parallel-size`` / ``-tp``, ``--pipeline-parallel-size`` / ``-pp``,
-  ``--data-parallel-size`` / ``-dp``) are accepted at 1 and refused above it, saying how ferry scales
-  out instead (``parallelism_problem``).
+* Chat options: ``--response-role``, ``--enable-tokenizer-info-endpoint``, ``--allowed-media-domains``
+  (into ``MediaOptions``), the chat rendering defaults of ``server/chat_defaults.py`` and the
+  structured-output backend flags (``server/vllm_compat.py``); ``--revision``,
+  ``--tokenizer-revision`` and ``--download-dir`` for hub ids (EngineConfig fields);
+  ``--enable-log-outputs`` (``log_output``), ``--disable-uvicorn-access-log`` and
+  ``--h11-max-incomplete-event-size``.
+* Flags ferry accepts without acting on them, or refuses: ``server/vllm_compat.py``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from server.chat_defaults import add_chat_default_args
 from server.protocol import StreamOptions
+from server.vllm_compat import add_compat_args, add_structured_output_args
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,10 @@ class HttpOptions:
     ssl_ca_certs: str | None = None
     ssl_cert_reqs: int = 0  # ssl.CERT_NONE; 2 (CERT_REQUIRED) asks clients for certificates
     log_requests: bool = False  # --enable-log-requests
+    log_outputs: bool = False  # --enable-log-outputs (with --enable-log-requests)
     max_log_len: int | None = None  # --max-log-len
+    access_log: bool = True  # uvicorn's access log at --log-level debug (--disable-uvicorn-access-log: never)
+    h11_max_incomplete_event_size: int | None = None  # uvicorn's limit on a request's head (bytes)
     uvicorn_log_level: str | None = None  # None: --log-level
     root_path: str = ""  # --root-path: FastAPI's root_path (a path-prefixing proxy in front)
     docs: bool = True  # /docs, /redoc and /openapi.json (--disable-fastapi-docs: none)
@@ -76,6 +81,9 @@ class HttpOptions:
             kwargs["log_level"] = self.uvicorn_log_level
         if self.uds is not None:
             kwargs["uds"] = self.uds
+        if self.h11_max_incomplete_event_size is not None:
+            # The limit is h11's: uvicorn's default parser (httptools) has none of its own to set.
+            kwargs.update(http="h11", h11_max_incomplete_event_size=self.h11_max_incomplete_event_size)
         return kwargs
 
     def fastapi_kwargs(self) -> dict:
@@ -94,30 +102,6 @@ def json_list(text: str) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
     return value
-
-
-# Accepted for compatibility: flag -> (argparse options, what ferry does instead).
-COMPAT_FLAGS: dict[str, tuple[dict, str]] = {
-    "--enforce-eager": ({"action": "store_true"}, "ferry captures no CUDA graphs; every step runs eagerly"),
-    "--enable-chunked-prefill": (
-        {"action": argparse.BooleanOptionalAction, "default": None},
-        "prefills are always chunked to --max-num-batched-tokens",
-    ),
-    "--swap-space": ({"type": float}, "preempted requests are recomputed from the prefix cache, not swapped"),
-    "--disable-log-stats": ({"action": "store_true"}, "engine stats are in /metrics, never logged"),
-    "--trust-remote-code": (
-        {"action": "store_true"},
-        "no code from a checkpoint is ever run; architectures are ferry's own (see --help of --model)",
-    ),
-    "--disable-frontend-multiprocessing": ({"action": "store_true"}, "see --api-server-count"),
-    "--enable-prompt-tokens-details": ({"action": "store_true"}, "usage always carries cached prompt tokens"),
-    "--enable-server-load-tracking": ({"action": "store_true"}, "GET /load always counts the requests"),
-}
-PARALLEL_FLAGS = (
-    ("--tensor-parallel-size", "-tp"),
-    ("--pipeline-parallel-size", "-pp"),
-    ("--data-parallel-size", "-dp"),
-)
 
 
 def add_vllm_args(p: argparse.ArgumentParser) -> None:
@@ -147,6 +131,26 @@ def add_vllm_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--disable-log-requests", action="store_true", help="do not log requests (the default)")
     g.add_argument(
+        "--enable-log-outputs",
+        action="store_true",
+        help="with --enable-log-requests, also log each sequence's output (text, token ids, finish "
+        "reason) when it ends, streamed or not",
+    )
+    g.add_argument(
+        "--disable-uvicorn-access-log",
+        action="store_true",
+        help="no access log line per HTTP request (ferry writes them only at --log-level debug)",
+    )
+    g.add_argument(
+        "--h11-max-incomplete-event-size",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="most bytes of a request head (request line and headers) still arriving that are buffered: "
+        "beyond them the request gets a 400; HTTP is then parsed by h11, whose limit this is (default: "
+        "httptools)",
+    )
+    g.add_argument(
         "--max-log-len",
         type=int,
         default=None,
@@ -174,6 +178,30 @@ def add_vllm_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="every stream ends with a usage chunk, as if stream_options.include_usage were set",
     )
+    c = p.add_argument_group("vLLM's chat options")
+    c.add_argument(
+        "--response-role",
+        default="assistant",
+        metavar="ROLE",
+        help="the role chat completions answer with when the prompt asks for a new turn "
+        "(add_generation_prompt, the default; otherwise the continued message's role)",
+    )
+    add_chat_default_args(c)
+    c.add_argument(
+        "--enable-tokenizer-info-endpoint",
+        action="store_true",
+        help="serve GET /tokenizer_info: the tokenizer's configuration (tokenizer_config.json, its class "
+        "and the chat template served)",
+    )
+    c.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        default=None,
+        metavar="DOMAIN",
+        help="image URLs (http/https) are fetched only from these host names (redirects included); "
+        "others get a 400 before any fetch (default: any)",
+    )
+    add_structured_output_args(c)
     m = p.add_argument_group("vLLM's model-loading options")
     m.add_argument(
         "--tokenizer",
@@ -203,23 +231,36 @@ def add_vllm_args(p: argparse.ArgumentParser) -> None:
         "gptq_marlin and awq_marlin name the first two): a checkpoint that is not is refused",
     )
     m.add_argument(
+        "--revision",
+        default=None,
+        help="a hub id's branch, tag or commit to download (default: main)",
+    )
+    m.add_argument(
+        "--tokenizer-revision",
+        default=None,
+        help="the tokenizer's branch, tag or commit, for a hub id (default: --revision)",
+    )
+    m.add_argument(
+        "--download-dir",
+        default=None,
+        metavar="DIR",
+        help="where hub ids are downloaded and looked up (default: the Hugging Face cache)",
+    )
+    m.add_argument(
         "--load-format",
         default="auto",
         help="auto or safetensors: the checkpoint's weights; dummy: random weights, no weight file read",
     )
-    c = p.add_argument_group("vLLM flags accepted for compatibility (each logged with what ferry does)")
-    for flag, (options, _) in COMPAT_FLAGS.items():
-        c.add_argument(flag, help=argparse.SUPPRESS, **options)
-    for long, short in PARALLEL_FLAGS:
-        c.add_argument(
-            long, short, type=int, default=1, help="1 only: one device per replica (see ferry router)"
-        )
+    add_compat_args(p)
 
 
 def http_options(args: argparse.Namespace) -> HttpOptions:
     """Raises ValueError for TLS options that do not go together (or a negative --max-log-len)."""
     if args.max_log_len is not None and args.max_log_len < 0:
         raise ValueError(f"--max-log-len must be >= 0, got {args.max_log_len}")
+    size = args.h11_max_incomplete_event_size
+    if size is not None and size < 1:
+        raise ValueError(f"--h11-max-incomplete-event-size must be positive, got {size}")
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         raise ValueError("--ssl-keyfile and --ssl-certfile go together")
     if args.ssl_cert_reqs not in (0, 1, 2):
@@ -242,36 +283,16 @@ def http_options(args: argparse.Namespace) -> HttpOptions:
         ssl_cert_reqs=args.ssl_cert_reqs,
         uvicorn_log_level=args.uvicorn_log_level,
         log_requests=args.enable_log_requests and not args.disable_log_requests,
+        log_outputs=args.enable_log_outputs and args.enable_log_requests and not args.disable_log_requests,
         max_log_len=args.max_log_len,
+        access_log=not args.disable_uvicorn_access_log,
+        h11_max_incomplete_event_size=size,
         root_path=root,
         docs=not args.disable_fastapi_docs,
         uds=args.uds,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         force_include_usage=args.enable_force_include_usage,
     )
-
-
-def parallelism_problem(args: argparse.Namespace) -> str | None:
-    for long, _ in PARALLEL_FLAGS:
-        value = getattr(args, long.removeprefix("--").replace("-", "_"))
-        if value != 1:
-            return (
-                f"{long} {value}: a ferry replica runs on one device; scale out with data-parallel "
-                "replicas behind `ferry router` (or `ferry up`)"
-            )
-    return None
-
-
-def compat_notes(args: argparse.Namespace) -> list[str]:
-    """One line per compatibility flag given: the flag and what ferry does instead."""
-    notes = []
-    for flag, (_, note) in COMPAT_FLAGS.items():
-        value = getattr(args, flag.removeprefix("--").replace("-", "_"))
-        # --no-enable-chunked-prefill asks for something too (that cannot be had).
-        given = value not in (None, False) or (value is False and flag == "--enable-chunked-prefill")
-        if given:
-            notes.append(f"{flag} is accepted for vLLM compatibility and changes nothing: {note}")
-    return notes
 
 
 def log_request(
@@ -283,6 +304,27 @@ def log_request(
         return
     shown = prompt[: options.max_log_len] if options.max_log_len is not None else prompt  # type: ignore[index]
     logger.info("Received request %s: model: %s, prompt: %r, params: %s", request_id, model, shown, params)
+
+
+def log_output(
+    logger: logging.Logger,
+    options: HttpOptions,
+    request_id: str,
+    text: str,
+    token_ids: list[int],
+    reason: str,
+) -> None:
+    """vLLM's output log line (``--enable-log-outputs``): a sequence's text and token ids, each cut
+    to ``--max-log-len``, and why it ended."""
+    if options.max_log_len is not None:
+        text, token_ids = text[: options.max_log_len], token_ids[: options.max_log_len]
+    logger.info(
+        "Generated response %s: output: %r, output_token_ids: %s, finish_reason: %s",
+        request_id,
+        text,
+        token_ids,
+        reason,
+    )
 
 
 def apply_request_defaults(request: Any, options: HttpOptions) -> None:

@@ -14,11 +14,15 @@ from engine.models.quantized import WeightQuant, dequantize
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_model_dir(model: str | None) -> Path:
+def resolve_model_dir(
+    model: str | None, revision: str | None = None, download_dir: str | None = None
+) -> Path:
     """A local directory as is; ``None`` -> the demo model; anything else is a hub id.
 
-    Hub ids resolve through ``huggingface_hub.snapshot_download`` when it is installed and the
-    network allows; otherwise the error names the id and asks for a local directory.
+    Hub ids resolve through ``huggingface_hub.snapshot_download`` (at ``revision``: a branch, tag or
+    commit, default main; into ``download_dir``, default the Hugging Face cache) when it is
+    installed and the network allows, or from that cache when the revision was downloaded before;
+    otherwise the error names the id and asks for a local directory.
     """
     if model is None:
         from engine.demo import demo_model_dir
@@ -38,12 +42,17 @@ def resolve_model_dir(model: str | None) -> Path:
         ) from None
     try:
         patterns = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.txt"]
-        return Path(snapshot_download(repo_id=model, allow_patterns=patterns))
+        return Path(
+            snapshot_download(
+                repo_id=model, revision=revision, cache_dir=download_dir, allow_patterns=patterns
+            )
+        )
     except Exception as exc:  # network down, unknown repo, gated repo…: all mean "give us a directory"
         reason = " ".join(str(exc).split())
+        at = f" at revision {revision!r}" if revision else ""
         raise ValueError(
-            f"model {model!r} is not a local directory and could not be downloaded from the Hugging Face "
-            f"hub ({type(exc).__name__}: {reason}); pass a local model directory"
+            f"model {model!r}{at} is not a local directory and could not be downloaded from the Hugging "
+            f"Face hub ({type(exc).__name__}: {reason}); pass a local model directory"
         ) from None
 
 

@@ -193,15 +193,20 @@ def build_plan(
     return ClusterPlan(kv_tier_url, redis, tuple(workers), router, endpoint)
 
 
-CHAT_TEMPLATE_FLAGS = ("--chat-template", "--chat-template-content-format")
+CHAT_TEMPLATE_FLAGS = ("--chat-template", "--chat-template-content-format", "--default-chat-template-kwargs")
+CHAT_TEMPLATE_SWITCHES = ("--exclude-tools-when-tool-choice-none",)
 
 
 def chat_template_args(config: ClusterConfig) -> list[str]:
     """The workers' chat-template flags (from the pools' ``args``), for the router to render chats
     as they do; none the router's own ``args`` already set."""
     out: list[str] = []
-    for flag in CHAT_TEMPLATE_FLAGS:
+    for flag in CHAT_TEMPLATE_FLAGS + CHAT_TEMPLATE_SWITCHES:
         if any(a == flag or a.startswith(flag + "=") for a in config.router.args):
+            continue
+        if flag in CHAT_TEMPLATE_SWITCHES:
+            if any(flag in pool.args for pool in config.pools):
+                out.append(flag)
             continue
         for pool in config.pools:
             value = _flag_value(pool.args, flag)

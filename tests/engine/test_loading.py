@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.models.config import ModelConfig
-from engine.models.loader import _samples, weights_id
+from engine.models.loader import _samples, resolve_model_dir, weights_id
 from kvcache.keys import model_fingerprint
 
 BASE = {
@@ -83,6 +83,19 @@ def test_hub_id_without_network_names_the_id(monkeypatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ValueError, match=r"'no-such-org/no-such-model'.*pass a local model directory"):
         LLM("no-such-org/no-such-model")
+
+
+def test_hub_revision_missing_from_the_cache_is_named(tmp_path, monkeypatch) -> None:
+    """--revision / --download-dir reach the download: without network, a revision the cache holds
+    resolves to its snapshot (tests/server/test_vllm_flags_chat.py serves one), another is named."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    repo = tmp_path / "models--ferry-test--tiny"
+    (repo / "snapshots" / ("a" * 40)).mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+    assert resolve_model_dir("ferry-test/tiny", None, str(tmp_path)) == repo / "snapshots" / ("a" * 40)
+    with pytest.raises(ValueError, match=r"'ferry-test/tiny' at revision 'v9' is not a local directory"):
+        resolve_model_dir("ferry-test/tiny", "v9", str(tmp_path))
 
 
 def test_weights_id_and_fingerprint(tiny_llama, tiny_qwen2, tmp_path) -> None:

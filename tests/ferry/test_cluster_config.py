@@ -277,6 +277,22 @@ def test_router_renders_chats_with_the_workers_chat_template() -> None:
     )
 
 
+def test_router_renders_chats_with_the_workers_template_defaults() -> None:
+    pools = {
+        "args": [
+            "--default-chat-template-kwargs",
+            '{"enable_thinking": false}',
+            "--exclude-tools-when-tool-choice-none",
+        ]
+    }
+    router = build_plan(parse_config({"mixed": pools, "kv_tier": "memory://"}), python="python").router
+    assert router.argv[-3:] == (
+        "--default-chat-template-kwargs",
+        '{"enable_thinking": false}',
+        "--exclude-tools-when-tool-choice-none",
+    )
+
+
 def test_router_reads_the_workers_tokenizer_directory(tmp_path: Path) -> None:
     """A pool's --tokenizer (vLLM's) is where the router reads its tokenizer from too; --uds is ferry up's."""
     pools = {"args": ["--tokenizer", str(tmp_path)]}

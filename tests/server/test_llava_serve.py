@@ -1,7 +1,8 @@
 """`ferry serve` of a LLaVA checkpoint through the OpenAI SDK: images as data URLs, http URLs (a
 loopback origin) and file:// URLs under --allowed-local-media-path give the offline engine's answer,
 usage counts the image tokens, /tokenize counts them too; and every bad image is a 400 in OpenAI's
-error shape that leaves the replica serving. A text-only model refuses image parts with a 400."""
+error shape that leaves the replica serving, image URLs of hosts outside --allowed-media-domains
+before anything is fetched. A text-only model refuses image parts with a 400."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import pytest
 from PIL import Image
 
 from engine import LLM, SamplingParams
+from engine.media import MediaError, MediaOptions, load_image
 from tests.server.conftest import ServerProcess, free_port
 
 QUESTION = {"type": "text", "text": "what is this?"}
@@ -42,8 +44,16 @@ def image_message(*urls: str) -> list[dict]:
 
 class _Origin(BaseHTTPRequestHandler):
     files = {"/a.png": (png(1), "image/png"), "/notes.txt": (b"not an image at all", "text/plain")}
+    paths: list[str] = []  # every path requested, in order
 
     def do_GET(self) -> None:  # noqa: N802 - the http.server API
+        self.paths.append(self.path)
+        if self.path == "/hop.png":  # a redirect to this origin under another host name
+            self.send_response(302)
+            self.send_header("Location", f"http://localhost:{self.server.server_address[1]}/a.png")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
         found = self.files.get(self.path)
         if found is None:
             self.send_error(404)
@@ -75,7 +85,14 @@ def media_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def llava_server(tiny_llava: Path, serve_logs: Path, media_dir: Path) -> Iterator[ServerProcess]:
-    args = ["--num-kv-blocks", "64", "--limit-mm-per-prompt", '{"image": 2}']
+    args = [
+        "--num-kv-blocks",
+        "64",
+        "--limit-mm-per-prompt",
+        '{"image": 2}',
+        "--allowed-media-domains",
+        "127.0.0.1",
+    ]
     srv = ServerProcess(tiny_llava, [*args, "--allowed-local-media-path", str(media_dir)], serve_logs).start()
     yield srv
     srv.stop()
@@ -150,6 +167,30 @@ def test_bad_images_are_400s(llava_server: ServerProcess, origin: str) -> None:
         max_tokens=2,  # type: ignore[arg-type]
     )
     assert ok.choices[0].finish_reason == "length"
+
+
+def test_media_domains_refuse_other_hosts_before_fetching(llava_server: ServerProcess, origin: str) -> None:
+    """--allowed-media-domains 127.0.0.1: the same origin named as localhost is a 400 before any
+    image of the request is fetched; a redirect to another host is refused before it is followed."""
+    port = origin.rsplit(":", 1)[1]
+    elsewhere = f"http://localhost:{port}/a.png"
+    _Origin.paths.clear()
+    chat = {"model": llava_server.model_name, "max_tokens": 2}
+    for urls, fetched in (((f"{origin}/a.png", elsewhere), []), ((f"{origin}/hop.png",), ["/hop.png"])):
+        r = httpx.post(
+            llava_server.url + "/v1/chat/completions",
+            json={**chat, "messages": image_message(*urls)},
+            timeout=30,
+        )
+        assert r.status_code == 400, r.text
+        message = r.json()["error"]["message"]
+        assert "localhost is not one of the server's allowed media domains (127.0.0.1)" in message, message
+        assert _Origin.paths == fetched
+    # The offline path (LLM.chat) checks the same way.
+    allowed = MediaOptions(allowed_media_domains=("127.0.0.1",))
+    with pytest.raises(MediaError, match="localhost is not one of"):
+        load_image(elsewhere, allowed)
+    assert load_image(f"{origin}/a.png", allowed).size == (44, 36)
 
 
 def test_text_only_model_refuses_image_parts(server: ServerProcess) -> None:
