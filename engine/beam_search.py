@@ -158,6 +158,7 @@ class BeamSearch:
             logprobs=self.k,
             prompt_logprobs=self.params.prompt_logprobs if first else None,
             ignore_eos=True,
+            logprobs_mode="raw_logprobs",
         )
 
     def advance(self, positions: Sequence[PositionLogprobs]) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 
 from engine.chat_template import CONTENT_FORMATS, resolve_chat_template
 from engine.generation_defaults import parse_overrides
+from engine.sampling_params import LOGPROBS_MODES
 from engine.spec_decode import SpeculativeConfig
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -88,6 +89,9 @@ class EngineConfig:
     seed: int = 0  # engine-level default seed for requests that give none
     num_threads: int | None = None  # torch intra-op threads on CPU
     max_logprobs: int = 20
+    # What reported logprobs are (vLLM's --logprobs-mode, LOGPROBS_MODES): the model's distribution
+    # (raw) or the one a token was drawn from (processed), as log-probabilities or logits.
+    logprobs_mode: str = "raw_logprobs"
     # How an embedding pools its prompt's hidden states: auto | last | mean | cls (engine/pooler.py)
     pooling_type: str = "auto"
     # LoRA adapters (engine/lora.py): vLLM's flags. max_loras: adapters one step may run (each
@@ -164,6 +168,10 @@ class EngineConfig:
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(
                 f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})"
+            )
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(
+                f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}"
             )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(

@@ -113,7 +113,7 @@ class LLMEngine(EngineSleep):
         # A checkpoint's embedding may be padded past the tokenizer (e.g. to a multiple of 64): those
         # rows are not tokens, so the sampler and prompt logprobs never look past the tokenizer.
         self.sampling_vocab_size = min(self.vocab_size, self.tokenizer.vocab_size)
-        self.sampler = Sampler(self.sampling_vocab_size)
+        self.sampler = Sampler(self.sampling_vocab_size, config.logprobs_mode)
         self.post = Postprocessor(self.tokenizer, self.max_model_len, self.sampling_vocab_size)
         self.grammars = GrammarCompiler(self.tokenizer, self.sampling_vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}

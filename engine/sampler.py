@@ -4,7 +4,10 @@ Processing order (as vLLM v1): structured-output grammar mask -> allowed_token_i
 logit_bias -> min_tokens (EOS and stop ids masked) -> repetition
 penalty (prompt + output tokens) -> presence / frequency penalties (output tokens) -> greedy
 argmax, or temperature -> top_k -> top_p -> min_p -> sample. Reported logprobs, ranks and top-N
-come from the *raw* distribution (log_softmax of the unprocessed logits), as in vLLM v1; for a
+follow vLLM's ``logprobs_mode`` (``LOGPROBS_MODES``): by default the *raw* distribution
+(log_softmax of the unprocessed logits), as in vLLM v1; ``processed_*`` report what the draw
+used (after the penalties and, for a sampled row, temperature and the top-k/top-p/min-p filters:
+filtered tokens get -inf), ``*_logits`` the logits themselves instead of log-probabilities. For a
 row with a grammar, raw means after its mask (vLLM applies the bitmask before its sampler too).
 
 Randomness comes only from each row's ``(seed, position)``: one uniform number per row, a
@@ -25,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import LOGPROBS_MODES, SamplingParams
 from engine.structured_output import mask_to_grammars
 
 if TYPE_CHECKING:
@@ -63,14 +66,19 @@ class SamplingRow:
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
-    logprobs: list[float | None]  # of the sampled token, raw distribution; None when not asked
-    top_logprobs: list[list[tuple[int, float]] | None]  # top-N (id, raw logprob), descending
-    ranks: list[int | None]  # 1-based rank of the sampled token in the raw distribution
+    logprobs: list[float | None]  # of the sampled token (per the logprobs mode); None when not asked
+    top_logprobs: list[list[tuple[int, float]] | None]  # top-N (id, value), descending
+    ranks: list[int | None]  # 1-based rank of the sampled token by the reported values
 
 
 class Sampler:
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, logprobs_mode: str = "raw_logprobs") -> None:
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(
+                f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {logprobs_mode!r}"
+            )
         self.vocab_size = vocab_size
+        self.logprobs_mode = logprobs_mode
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
@@ -86,11 +94,17 @@ class Sampler:
             _revive_dead_rows(processed, raw)
 
         greedy = [r.params.greedy for r in rows]
+        modes = [r.params.logprobs_mode or self.logprobs_mode for r in rows]
+        wants_final = any(
+            m.startswith("processed") and r.params.logprobs is not None
+            for m, r in zip(modes, rows, strict=True)
+        )
+        final = processed
         if all(greedy):
             tokens = greedy_tokens(processed)
         else:
-            tokens = _sample(processed, rows, greedy)
-        return _build_output(raw, tokens, rows)
+            tokens, final = _sample(processed, rows, greedy, keep_final=wants_final)
+        return _build_output(raw, final, tokens, rows, modes)
 
 
 def _may_mask_everything(rows: list[SamplingRow]) -> bool:
@@ -247,8 +261,12 @@ def _unique_pairs(
     return (keys // vocab, keys % vocab), counts
 
 
-def _sample(logits: torch.Tensor, rows: list[SamplingRow], greedy: list[bool]) -> torch.Tensor:
-    """Greedy rows take the argmax; the others a seeded draw after temperature and the filters."""
+def _sample(
+    logits: torch.Tensor, rows: list[SamplingRow], greedy: list[bool], keep_final: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy rows take the argmax; the others a seeded draw after temperature and the filters.
+    Returns the tokens and, with ``keep_final``, the logits each row was drawn from (a greedy
+    row's as given), else ``logits``."""
     device = logits.device
     rand = [i for i, g in enumerate(greedy) if not g]
     everyone = len(rand) == len(rows)
@@ -264,10 +282,14 @@ def _sample(logits: torch.Tensor, rows: list[SamplingRow], greedy: list[bool]) -
     u = torch.tensor([row_uniform(rows[i].seed, rows[i].position) for i in rand], dtype=torch.float64)
     drawn = sample_from_logits(scaled, u.to(device))
     if everyone:
-        return drawn
+        return drawn, scaled if keep_final else logits
     tokens = greedy_tokens(logits)
     tokens[idx] = drawn
-    return tokens
+    final = logits
+    if keep_final:
+        final = logits.clone()
+        final[idx] = scaled
+    return tokens, final
 
 
 def sample_from_logits(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -339,7 +361,11 @@ def _first_reaching(sorted_probs: torch.Tensor, p: torch.Tensor) -> tuple[torch.
     return cutoff, found
 
 
-def _build_output(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+def _build_output(
+    raw: torch.Tensor, final: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow], modes: list[str]
+) -> SamplerOutput:
+    """The tokens, and for rows that ask, logprobs by each row's mode: from ``raw`` or from
+    ``final`` (what the row was drawn from), as log-probabilities or as logits."""
     n = len(rows)
     token_ids = tokens.tolist()
     logprobs: list[float | None] = [None] * n
@@ -347,8 +373,16 @@ def _build_output(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRo
     ranks: list[int | None] = [None] * n
     asked = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     if asked:
-        idx = torch.tensor(asked, dtype=torch.long, device=raw.device)
-        lp, rk, tops = _logprob_stats(raw[idx], tokens[idx], max(rows[i].params.logprobs for i in asked))
+        device = raw.device
+        idx = torch.tensor(asked, dtype=torch.long, device=device)
+        source = raw[idx]
+        processed = [i for i in asked if modes[i].startswith("processed")]
+        if processed and final is not raw:
+            use = torch.tensor([modes[i].startswith("processed") for i in asked], device=device)
+            source = torch.where(use.view(-1, 1), final[idx], source)
+        as_logits = [modes[i].endswith("logits") for i in asked]
+        top_n = max(rows[i].params.logprobs for i in asked)
+        lp, rk, tops = _logprob_stats(source, tokens[idx], top_n, as_logits if any(as_logits) else None)
         for j, i in enumerate(asked):
             logprobs[i], ranks[i] = lp[j], rk[j]
             top[i] = tops[j][: rows[i].params.logprobs]
@@ -356,10 +390,14 @@ def _build_output(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRo
 
 
 def _logprob_stats(
-    logits: torch.Tensor, chosen: torch.Tensor, top_n: int
+    logits: torch.Tensor, chosen: torch.Tensor, top_n: int, as_logits: list[bool] | None = None
 ) -> tuple[list[float], list[int], list[list[tuple[int, float]]]]:
-    """Raw logprob of ``chosen`` per row, its 1-based rank (1 + ids strictly more likely), top-N."""
+    """Logprob of ``chosen`` per row (or its logit, for rows ``as_logits`` marks), its 1-based rank
+    (1 + ids strictly more likely), top-N."""
     logp = torch.log_softmax(logits.float(), dim=-1)
+    if as_logits is not None:
+        mark = torch.tensor(as_logits, device=logits.device).view(-1, 1)
+        logp = torch.where(mark, logits.float(), logp)
     chosen_lp = logp.gather(1, chosen.view(-1, 1))
     rank = (logp > chosen_lp).sum(dim=-1) + 1
     top_n = min(top_n, logp.shape[1])

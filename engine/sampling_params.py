@@ -6,6 +6,9 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+# vLLM's --logprobs-mode: what reported logprobs are (engine/sampler.py).
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
+
 # The kinds of constraint a StructuredOutputsParams can carry: exactly one per request.
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 # JSON nesting levels a schema may have (OpenAI allows 10 levels of objects, each two JSON levels
@@ -152,6 +155,9 @@ class SamplingParams:
     # Token sequences that must not be completed: the last token of each is masked while the output
     # ends with the rest (vLLM's bad_words, tokenized by the caller).
     bad_words_token_ids: list[list[int]] | None = None
+    # What this request's logprobs are (``EngineConfig.logprobs_mode``'s values); None: the
+    # engine's. Beam search pins raw log-probabilities: its scores are sums of them.
+    logprobs_mode: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -164,6 +170,10 @@ class SamplingParams:
         return self.temperature < 1e-5 or self.top_k == 1
 
     def validate(self) -> None:
+        if self.logprobs_mode is not None and self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(
+                f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}"
+            )
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")
         if self.max_tokens is not None and self.max_tokens < 1:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
+from engine.sampling_params import LOGPROBS_MODES
 from server.vllm_flags import add_vllm_args, http_options
 
 # The names in the registries of server/tool_parsers.py and server/reasoning_parsers.py (kept
@@ -293,6 +294,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--num-threads", type=int, default=d.num_threads, help="torch intra-op threads on CPU")
     p.add_argument("--seed", type=int, default=d.seed, help="default seed of requests that give none")
     p.add_argument("--max-logprobs", type=int, default=d.max_logprobs)
+    p.add_argument(
+        "--logprobs-mode",
+        default=d.logprobs_mode,
+        choices=list(LOGPROBS_MODES),
+        help="what reported logprobs are, as vLLM's: raw_logprobs (the model's distribution, the "
+        "default), processed_logprobs (the one a token was drawn from: after penalties, temperature "
+        "and top-k/top-p/min-p), raw_logits or processed_logits (logits instead); prompt logprobs "
+        "are always raw",
+    )
     p.add_argument(
         "--pooling-type",
         default=d.pooling_type,

@@ -5,8 +5,7 @@
   what ferry does instead (``compat_notes``).
 * ``LIMITED_FLAGS``: accepted at the values ferry honours (logged like the compatibility flags when
   given), refused at start with one line at any other (``limited_problem``): the parallelism flags
-  above 1, ``--preemption-mode swap``, ``--cpu-offload-gb`` above 0, ``--logprobs-mode`` other than
-  vLLM's default ``raw_logprobs`` (what ferry reports), and flags whose feature ferry does not
+  above 1, ``--preemption-mode swap``, ``--cpu-offload-gb`` above 0, and flags whose feature ferry does not
   have (KV connectors, OTLP tracing, logits-processor plugins, headless engines, no tokenizer).
 """
 
@@ -115,15 +114,6 @@ LIMITED_FLAGS: dict[tuple[str, ...], Limited] = {
         "no weights are offloaded",
         "ferry keeps every weight on the device; use a smaller or quantized checkpoint (-q), or "
         "--kv-cache-memory-bytes to leave weights more room",
-    ),
-    ("--logprobs-mode",): Limited(
-        {"choices": ["raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits"]},
-        lambda v: v == "raw_logprobs",
-        "raw_logprobs only (vLLM's default)",
-        "logprobs are the model's distribution before penalties, temperature and top-k/p (after a "
-        "structured-output mask, as vLLM's)",
-        "ferry reports raw_logprobs only: the model's distribution before penalties, temperature and "
-        "top-k/p (vLLM's default)",
     ),
     ("--kv-transfer-config",): _refused(
         {},

@@ -314,6 +314,43 @@ def test_logprobs_ranks_top_n_are_raw_log_softmax() -> None:
     assert out.logprobs[2] is None and out.top_logprobs[2] is None and out.ranks[2] is None
 
 
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits"])
+def test_logprobs_modes_report_the_distribution_asked_for(mode: str) -> None:
+    """vLLM's logprobs modes, exactly: raw = the model's logits; processed = what the row was drawn
+    from (penalties, bias; a sampled row's temperature and top-k too: filtered tokens -inf; a
+    greedy row's without temperature); *_logprobs their log_softmax, *_logits the values."""
+    torch.manual_seed(3)
+    logits = torch.randn(3, 40)
+    greedy = SamplingParams(temperature=0.0, logprobs=3, logit_bias={5: 2.0})
+    sampled = SamplingParams(temperature=0.7, top_k=6, logprobs=8, repetition_penalty=1.3)
+    pinned = SamplingParams(temperature=0.7, top_k=6, logprobs=4, logprobs_mode="raw_logprobs")
+    rows = [row(greedy), row(sampled, seed=4, output=[7, 8]), row(pinned, seed=5)]
+    out = Sampler(40, mode)(logits, rows)
+    processed = process_logits(logits.clone(), rows)
+    finals = [
+        processed[0],
+        apply_filters(processed[1:2] / 0.7, top_k=[6], top_p=[1.0], min_p=[0.0])[0],
+    ]
+    for i in (0, 1):
+        src = finals[i] if mode.startswith("processed") else logits[i]
+        want = src if mode.endswith("logits") else torch.log_softmax(src, dim=-1)
+        tok = out.token_ids[i]
+        assert out.logprobs[i] == want[tok].item()
+        assert out.ranks[i] == int((want > want[tok]).sum()) + 1
+        values, ids = want.topk(rows[i].params.logprobs)
+        finite = [(t, v) for t, v in zip(ids.tolist(), values.tolist(), strict=True) if v > -math.inf]
+        assert out.top_logprobs[i][: len(finite)] == finite  # -inf ties: lowest ids, any order here
+        assert [v for _, v in out.top_logprobs[i]] == values.tolist()
+    # top-k 6 of the sampled row: in processed modes the 7th and 8th values reported are -inf.
+    cut = [v for _, v in out.top_logprobs[1][6:]]
+    assert (cut == [-math.inf, -math.inf]) == mode.startswith("processed")
+    # A request that pins its mode (beam search pins raw_logprobs) is reported so in any engine mode.
+    raw = torch.log_softmax(logits[2], dim=-1)
+    assert out.logprobs[2] == raw[out.token_ids[2]].item()
+    # The draw itself never depends on the mode.
+    assert out.token_ids == Sampler(40)(logits, rows).token_ids
+
+
 def test_prompt_logprobs_exact() -> None:
     torch.manual_seed(2)
     logits = torch.randn(4, 30)

@@ -174,7 +174,6 @@ def test_http_limits_access_log_and_compat_notes(chat_server) -> None:
         "--max-num-partial-prefills is accepted for vLLM compatibility",
         "--code-revision is accepted for vLLM compatibility",
         "--preemption-mode recompute is what ferry does",
-        "--logprobs-mode raw_logprobs is what ferry does",
         "--cpu-offload-gb 0.0 is what ferry does",
         "structured-output backend guidance: ferry's structured outputs are xgrammar's",
         "structured-output options disable_any_whitespace: accepted for vLLM compatibility, ignored",
@@ -188,7 +187,6 @@ def test_values_ferry_cannot_honour_stop_the_start(capsys) -> None:
     refused = {
         ("--preemption-mode", "swap"): "--preemption-mode swap: ferry never swaps KV blocks",
         ("--cpu-offload-gb", "4"): "--cpu-offload-gb 4.0: ferry keeps every weight on the device",
-        ("--logprobs-mode", "processed_logprobs"): "ferry reports raw_logprobs only",
         ("--kv-transfer-config", '{"kv_connector": "NixlConnector"}'): "use --kv-tier URL and --role",
         ("--otlp-traces-endpoint", "localhost:4317"): "ferry exports no OpenTelemetry traces",
         ("--logits-processors", "my.Proc"): "ferry loads no logits-processor plugins",
