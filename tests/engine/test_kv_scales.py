@@ -273,3 +273,25 @@ def test_scaled_fp8_blocks_cross_the_kv_tier(scaled) -> None:
         with LLM(str(with_scales), **opts) as reader:
             warm = reader.generate([PROMPT], params)[0]
     assert warm.num_cached_tokens == 32 and warm.outputs[0].token_ids == cold.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_mla_checkpoint_scales_its_latent_cache(tiny_deepseek: Path, tmp_path: Path, backend: str) -> None:
+    """A DeepSeek checkpoint's k_scale scales its fp8 latent cache (v_scale has no cache of its own
+    there); with every latent stored 8x larger and read back unscaled the model would fall apart."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    d = tmp_path / "mla"
+    shutil.copytree(tiny_deepseek, d)
+    weights = load_file(str(d / "model.safetensors"))
+    layers = json.loads((d / "config.json").read_text())["num_hidden_layers"]
+    for i in range(layers):
+        weights[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(0.125)
+        weights[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(3.0)
+    save_file(weights, str(d / "model.safetensors"))
+    opts = {"attention_backend": backend}
+    full = _prompt_logprobs(tiny_deepseek, **opts)
+    with LLM(str(d), **CHUNKED, kv_cache_dtype="fp8", **opts) as llm:
+        assert llm.engine.model_runner.model.kv_scales == [0.125] * layers
+    got = _prompt_logprobs(d, kv_cache_dtype="fp8", **opts)
+    assert 0 < (got - full).abs().max() < (0.05 if backend == "torch" else 0.1)
