@@ -275,6 +275,27 @@ def test_scaled_fp8_blocks_cross_the_kv_tier(scaled) -> None:
     assert warm.num_cached_tokens == 32 and warm.outputs[0].token_ids == cold.outputs[0].token_ids
 
 
+def test_a_weight_update_brings_its_kv_scales(scaled, tmp_path: Path) -> None:
+    """New weights copied over the serving tensors bring their scales (numbers, not tensors) too;
+    the fingerprint follows them, and the model serves as one started on the new checkpoint."""
+    with_scales, _ = scaled
+    other = tmp_path / "other"
+    shutil.copytree(with_scales, other)
+    weights = load_file(str(other / "model.safetensors"))
+    weights["model.layers.0.self_attn.k_scale"] = torch.tensor(MULTIPLIERS[0][0] * 4)
+    save_file(weights, str(other / "model.safetensors"))
+    with LLM(str(with_scales), **CHUNKED, kv_cache_dtype="fp8") as llm:
+        runner = llm.engine.model_runner
+        before, serving = runner.model_fingerprint, runner.model
+        llm.reload_weights(str(other))
+        assert runner.model is serving  # updated in place
+        assert runner.kv_scales[0] == runner.model.kv_scales[0] == (MULTIPLIERS[0][0] * 4, MULTIPLIERS[0][1])
+        assert runner.model_fingerprint != before
+        out = llm.generate([PROMPT], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+    got = torch.tensor([next(iter(e.values())).logprob for e in out.prompt_logprobs[1:]])
+    assert torch.equal(got, _prompt_logprobs(other, kv_cache_dtype="fp8"))
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_mla_checkpoint_scales_its_latent_cache(tiny_deepseek: Path, tmp_path: Path, backend: str) -> None:
     """A DeepSeek checkpoint's k_scale scales its fp8 latent cache (v_scale has no cache of its own
