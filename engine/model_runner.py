@@ -158,7 +158,9 @@ class ModelRunner:
     def install_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Build the model from loaded weights (moved to the device first); the previous model is
         replaced only once the new one is built."""
-        self.model, head, self.kv_scales = self._build(weights, self.device)
+        weights, kv_scales = self._split_kv_scales(weights)
+        self.model, head = self._build(weights, self.device, kv_scales)
+        self.kv_scales = kv_scales
         if head is not None:
             self.score_head = head.float()
 
@@ -169,7 +171,8 @@ class ModelRunner:
         tensors of the same shapes in the same places; False, with nothing changed, when it does not
         (``install_weights`` is then the way)."""
         host = torch.device("cpu")
-        new, head, kv_scales = self._build(weights, host)
+        weights, kv_scales = self._split_kv_scales(weights)
+        new, head = self._build(weights, host, kv_scales)
         pairs = tensor_pairs(self.model, new)
         if pairs is None or (head is None) != (self.score_head is None):
             return False
@@ -182,15 +185,20 @@ class ModelRunner:
         self.model.kv_scales, self.kv_scales = new.kv_scales, kv_scales
         return True
 
+    def _split_kv_scales(
+        self, weights: dict[str, torch.Tensor]
+    ) -> tuple[dict[str, torch.Tensor], KVScales | None]:
+        """The weights without the KV cache's scale tensors (no model class sees them), and the
+        scales an fp8 cache uses (``models/kv_scales.py``; None: none)."""
+        weights = dict(weights)
+        return weights, take_kv_scales(weights, self.model_config.num_layers, self.kv_dtype in FP8_DTYPES)
+
     def _build(
-        self, weights: dict[str, torch.Tensor], device: torch.device
-    ) -> tuple[Any, torch.Tensor | None, KVScales | None]:
-        """(the model built from ``weights`` on ``device``, a classifier's score head or None, the fp8
-        cache's scales: ``models/kv_scales.py`` pops them before the model class sees the weights)."""
+        self, weights: dict[str, torch.Tensor], device: torch.device, kv_scales: KVScales | None = None
+    ) -> tuple[Any, torch.Tensor | None]:
+        """(the model built from ``weights`` on ``device``, a classifier's score head or None)."""
         weights = {name: t.to(device) for name, t in weights.items()}
         head = weights.pop("score.weight", None) if self.classifier is not None else None
-        fp8_cache = self.kv_dtype in FP8_DTYPES
-        kv_scales = take_kv_scales(weights, self.model_config.num_layers, fp8_cache)
         model = self._model_cls(
             self.model_config,
             weights,
@@ -201,7 +209,7 @@ class ModelRunner:
             device=device,
             kv_scales=kv_scales,
         )
-        return model, head, kv_scales
+        return model, head
 
     def offload_weights(self) -> None:
         """Sleep level 1: the weights to host memory (where they already are on a CPU device); LoRA
