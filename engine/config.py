@@ -75,8 +75,9 @@ class EngineConfig:
     # extending its tokens copies that block's KV instead of recomputing it (engine/scheduler.py).
     partial_prefix_caching: bool = True
     # vLLM's --kv-cache-dtype: auto (the model's dtype) | fp8 / fp8_e4m3 | fp8_e5m2. An fp8 cache
-    # holds 2x (bf16) or 4x (fp32) the tokens in the same memory; values are stored unscaled
-    # (scale 1.0, as vLLM without calibrated scales) and widened back when attention reads them.
+    # holds 2x (bf16) or 4x (fp32) the tokens in the same memory; values are stored divided by the
+    # checkpoint's per-layer K/V scales (engine/models/kv_scales.py; 1.0 when it has none, as vLLM)
+    # and widened back, times the scale, when attention reads them.
     kv_cache_dtype: str = "auto"
     deterministic: bool = False
     attention_backend: str = "auto"  # auto | torch | triton

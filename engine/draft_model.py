@@ -36,8 +36,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine import runner_parts as parts
+from engine.attention.base import FP8_DTYPES
 from engine.classifier import is_classifier
 from engine.models.config import ModelConfig, read_hf_config
+from engine.models.kv_scales import take_kv_scales
 from engine.models.loader import resolve_model_dir
 from engine.models.quantized import check_quantization
 from engine.models.registry import get_model_class
@@ -86,6 +88,7 @@ class DraftModel:
         self.device = runner.device
         self.kv_dtype = runner.kv_dtype
         weights = parts.read_weights(self.model_dir, cfg, runner.dtype, self.device, None, dummy=False)
+        kv_scales = take_kv_scales(weights, cfg.num_layers, self.kv_dtype in FP8_DTYPES)
         self.model = get_model_class(cfg.architecture)(
             cfg,
             weights,
@@ -94,6 +97,7 @@ class DraftModel:
             deterministic=runner.config.deterministic,
             max_positions=self.max_model_len,
             device=self.device,
+            kv_scales=kv_scales,
         )
         self.kv_caches: list[tuple[torch.Tensor, ...]] = []
 

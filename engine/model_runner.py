@@ -16,12 +16,14 @@ from typing import Any
 import torch
 
 from engine.attention import AttentionMetadata, get_attention_backend, resolve_backend_name
+from engine.attention.base import FP8_DTYPES
 from engine.classifier import ClassifierInfo, is_classifier
 from engine.config import EngineConfig
 from engine.draft_model import DraftModel
 from engine.kv_budget import CPU_DEFAULT_BYTES, cuda_kv_bytes
 from engine.lora import DeviceAdapters
 from engine.models.config import ModelConfig, read_hf_config
+from engine.models.kv_scales import KVScales, scales_digest, take_kv_scales
 from engine.models.loader import resolve_dtype, weights_id
 from engine.models.registry import get_model_class
 from engine.ops import select_ops
@@ -102,7 +104,6 @@ class ModelRunner:
         dummy = config.load_format == "dummy"
         self.weights_id = weights_id(model_dir, config.hf_overrides, dummy)
         self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)
-        self.model_fingerprint = self._fingerprint()
         self.attention_backend = resolve_backend_name(config.attention_backend, self.device.type)
         attention = get_attention_backend(
             self.attention_backend, self.device.type, deterministic=config.deterministic
@@ -128,7 +129,9 @@ class ModelRunner:
                 read_hf_config(model_dir, config.hf_overrides), head.shape[0]
             )
         self.model: Any = None
+        self.kv_scales: KVScales | None = None  # the fp8 cache's per-layer scales (install_weights)
         self.install_weights(weights)
+        self.model_fingerprint = self._fingerprint()  # covers the KV scales the weights brought
         self.vocab_size = int(self.model.lm_head.shape[0])
         self.takes_images = hasattr(self.model, "encode_image")
         if config.enable_prompt_embeds and not hasattr(self.model, "embed_tokens"):
@@ -155,7 +158,9 @@ class ModelRunner:
     def install_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Build the model from loaded weights (moved to the device first); the previous model is
         replaced only once the new one is built."""
-        self.model, head = self._build(weights, self.device)
+        weights, kv_scales = self._split_kv_scales(weights)
+        self.model, head = self._build(weights, self.device, kv_scales)
+        self.kv_scales = kv_scales
         if head is not None:
             self.score_head = head.float()
 
@@ -166,7 +171,8 @@ class ModelRunner:
         tensors of the same shapes in the same places; False, with nothing changed, when it does not
         (``install_weights`` is then the way)."""
         host = torch.device("cpu")
-        new, head = self._build(weights, host)
+        weights, kv_scales = self._split_kv_scales(weights)
+        new, head = self._build(weights, host, kv_scales)
         pairs = tensor_pairs(self.model, new)
         if pairs is None or (head is None) != (self.score_head is None):
             return False
@@ -175,10 +181,20 @@ class ModelRunner:
         with torch.inference_mode():
             for dst, src in pairs:
                 dst.copy_(src)
+        # The fp8 cache's scales are numbers, not tensors: the new model's replace the old ones.
+        self.model.kv_scales, self.kv_scales = new.kv_scales, kv_scales
         return True
 
+    def _split_kv_scales(
+        self, weights: dict[str, torch.Tensor]
+    ) -> tuple[dict[str, torch.Tensor], KVScales | None]:
+        """The weights without the KV cache's scale tensors (no model class sees them), and the
+        scales an fp8 cache uses (``models/kv_scales.py``; None: none)."""
+        weights = dict(weights)
+        return weights, take_kv_scales(weights, self.model_config.num_layers, self.kv_dtype in FP8_DTYPES)
+
     def _build(
-        self, weights: dict[str, torch.Tensor], device: torch.device
+        self, weights: dict[str, torch.Tensor], device: torch.device, kv_scales: KVScales | None = None
     ) -> tuple[Any, torch.Tensor | None]:
         """(the model built from ``weights`` on ``device``, a classifier's score head or None)."""
         weights = {name: t.to(device) for name, t in weights.items()}
@@ -191,6 +207,7 @@ class ModelRunner:
             deterministic=self.config.deterministic,
             max_positions=self.max_model_len,
             device=device,
+            kv_scales=kv_scales,
         )
         return model, head
 
@@ -249,8 +266,11 @@ class ModelRunner:
 
     def _fingerprint(self) -> str:
         cfg = self.model_config
-        # Blocks of an fp8 cache are other bytes than the model dtype's: never shared with them.
+        # Blocks of an fp8 cache are other bytes than the model dtype's: never shared with them; nor
+        # are those written with the checkpoint's KV scales (without scales, the name is as before).
         kv_name = "" if self.kv_dtype == self.dtype else f"+kv:{str(self.kv_dtype).removeprefix('torch.')}"
+        if self.kv_scales is not None:
+            kv_name += f"+scales:{scales_digest(self.kv_scales)}"
         return model_fingerprint(
             weights_id=self.weights_id,
             dtype=_DTYPE_NAMES[self.dtype] + kv_name,

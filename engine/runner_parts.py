@@ -10,6 +10,7 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.models.config import ModelConfig, read_hf_config
 from engine.models.dummy import dummy_weights
+from engine.models.kv_scales import SCALE_SUFFIXES
 from engine.models.loader import load_weights
 from engine.models.registry import get_model_class
 
@@ -73,10 +74,11 @@ def read_weights(
     hf_overrides: dict | None,
     dummy: bool,
 ) -> dict[str, torch.Tensor]:
-    """A checkpoint's weights as its architecture's model class names them (random for ``dummy``)."""
+    """A checkpoint's weights as its architecture's model class names them (random for ``dummy``);
+    KV cache scales among them (engine/models/kv_scales.py) stay fp32."""
     model_cls = get_model_class(cfg.architecture)
     renames = getattr(model_cls, "WEIGHT_RENAMES", {}).get(cfg.architecture, ())
-    keep_fp32 = getattr(model_cls, "FP32_WEIGHTS", ())
+    keep_fp32 = (*getattr(model_cls, "FP32_WEIGHTS", ()), *SCALE_SUFFIXES)
     if dummy:
         return dummy_weights(read_hf_config(model_dir, hf_overrides), dtype, device, keep_fp32, renames)
     return load_weights(

@@ -264,7 +264,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=d.kv_cache_dtype,
         choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
         help="KV cache element type: auto (the model's) or fp8 (2x the tokens of a bf16 cache in the "
-        "same memory; values stored unscaled, as vLLM's without calibrated scales)",
+        "same memory; values divided by the checkpoint's per-layer k_scale / v_scale when it has them, "
+        "else stored unscaled, as vLLM's)",
     )
     p.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks)
     p.add_argument(

@@ -96,11 +96,22 @@ def raw(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype in FP8_DTYPES else t
 
 
-def store_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+def to_cache(rows: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """``rows`` as a cache of ``dtype`` stores them. An fp8 cache holds ``rows / scale`` (computed in
+    fp32) rounded to fp8, saturated at the format's largest finite value as vLLM's cache writes
+    are: a value past it would otherwise become NaN."""
+    if dtype not in FP8_DTYPES:
+        return rows.to(dtype)
+    top = torch.finfo(dtype).max
+    rows = rows.float() if scale == 1.0 else rows.float() / scale
+    return rows.clamp(-top, top).to(dtype)
+
+
+def store_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, scale: float = 1.0) -> None:
     """Write ``rows`` [T, H, D] at ``slots`` of a paged cache [blocks, block_size, H, D], converted
-    to the cache's dtype (an fp8 cache rounds them)."""
+    to the cache's dtype (``to_cache``: an fp8 cache rounds ``rows / scale``)."""
     flat = cache.view(-1, *cache.shape[2:])
-    raw(flat).index_copy_(0, slots, raw(rows.to(cache.dtype)))
+    raw(flat).index_copy_(0, slots, raw(to_cache(rows, cache.dtype, scale)))
 
 
 class AttentionBackend(ABC):
@@ -130,6 +141,8 @@ class AttentionBackend(ABC):
         window: int | None = None,
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,  # [Hq] fp32
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:  # [T, Hq, D]
         """Store ``k``/``v`` at ``meta.slot_mapping``, then attend each new token over its sequence's
         cached prefix plus the new tokens up to and including itself (GQA: query head h reads KV head
@@ -137,7 +150,10 @@ class AttentionBackend(ABC):
         positions k with ``q - window < k <= q``. With ``softcap`` (Gemma 2), the scaled scores
         become ``softcap * tanh(score / softcap)`` before the softmax. With ``sinks`` (gpt-oss),
         head h's softmax has one more logit, ``sinks[h]``, whose value is zero: it takes probability
-        mass and adds nothing. A model passes ``sinks`` only if it has them (decided at load)."""
+        mass and adds nothing. A model passes ``sinks`` only if it has them (decided at load).
+        ``k_scale`` / ``v_scale`` (engine/models/kv_scales.py): an fp8 cache stores ``k / k_scale``
+        and is read as its values times ``k_scale`` (V likewise); a model passes 1.0 for every other
+        cache."""
 
     @abstractmethod
     def forward_mla(
@@ -148,7 +164,9 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
         scale: float,
         v_dim: int,
+        kv_scale: float = 1.0,
     ) -> torch.Tensor:  # [T, Hq, v_dim]
         """Multi-head latent attention in its absorbed form (DeepSeek V2/V3): store ``kv`` at
         ``meta.slot_mapping``, then attend as one shared KV head whose values are the first
-        ``v_dim`` dims of the keys (the latent), causally as in ``forward``."""
+        ``v_dim`` dims of the keys (the latent), causally as in ``forward``. An fp8 latent cache is
+        scaled by ``kv_scale`` as ``forward``'s caches are by ``k_scale``."""

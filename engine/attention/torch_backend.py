@@ -116,12 +116,16 @@ def _sdpa(
     return torch.matmul(probs, v.float()).to(q.dtype)
 
 
-def _gather(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _gather(
+    cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype, scale: float = 1.0
+) -> torch.Tensor:
     """[nb] or [B, nb] block ids -> [..., nb*block_size, Hkv, D] contiguous copy in ``dtype`` (an
-    fp8 cache's values widened to the queries')."""
+    fp8 cache's values widened to the queries', times the cache's ``scale``)."""
     g = raw(cache).index_select(0, blocks.reshape(-1)).view(cache.dtype)
     if g.dtype != dtype:
         g = g.to(dtype)
+    if scale != 1.0:
+        g = g * scale
     return g.reshape(*blocks.shape[:-1], blocks.shape[-1] * cache.shape[1], *cache.shape[2:])
 
 
@@ -248,14 +252,31 @@ class TorchAttentionBackend(AttentionBackend):
                 mask.triu_(diagonal=ctx - fk - window + 1)
         return _Prefill(start, qlen, ctx, fk, blocks, mask)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale, window=None, softcap=None, sinks=None):  # type: ignore[override]
-        store_rows(k_cache, meta.slot_mapping, k)
-        store_rows(v_cache, meta.slot_mapping, v)
-        return self._attend(q, k, v, k_cache, v_cache, meta, scale, window, softcap, sinks)
+    def forward(  # type: ignore[override]
+        self,
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        meta,
+        scale,
+        window=None,
+        softcap=None,
+        sinks=None,
+        k_scale=1.0,
+        v_scale=1.0,
+    ):
+        store_rows(k_cache, meta.slot_mapping, k, k_scale)
+        store_rows(v_cache, meta.slot_mapping, v, v_scale)
+        scales = (k_scale, v_scale)
+        return self._attend(q, k, v, k_cache, v_cache, meta, scale, window, softcap, sinks, scales)
 
-    def forward_mla(self, q, kv, kv_cache, meta, scale, v_dim):  # type: ignore[override]
-        store_rows(kv_cache, meta.slot_mapping, kv.view(-1, 1, kv_cache.shape[3]))
-        return self._attend(q, kv, kv[..., :v_dim], kv_cache, None, meta, scale, None)
+    def forward_mla(self, q, kv, kv_cache, meta, scale, v_dim, kv_scale=1.0):  # type: ignore[override]
+        store_rows(kv_cache, meta.slot_mapping, kv.view(-1, 1, kv_cache.shape[3]), kv_scale)
+        return self._attend(
+            q, kv, kv[..., :v_dim], kv_cache, None, meta, scale, None, scales=(kv_scale, kv_scale)
+        )
 
     def _attend(
         self,
@@ -269,6 +290,7 @@ class TorchAttentionBackend(AttentionBackend):
         window: int | None,
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
+        scales: tuple[float, float] = (1.0, 1.0),  # what the caches' values are multiplied by when read
     ) -> torch.Tensor:
         plan = self._plan(meta, q.device)
         wplan = plan.windows.get(window)
@@ -277,9 +299,10 @@ class TorchAttentionBackend(AttentionBackend):
         dv = v.shape[-1]
         out = q.new_empty((*q.shape[:2], dv))
         decode = self._decode_det if self.deterministic else self._decode
+        k_scale, v_scale = scales
         for g, keys in zip(plan.decode_groups, wplan.decode_keys, strict=True):
-            kk = _gather(k_cache, keys.blocks, q.dtype)  # [Bg, L, Hkv, D]
-            vv = kk[..., :dv] if v_cache is None else _gather(v_cache, keys.blocks, q.dtype)
+            kk = _gather(k_cache, keys.blocks, q.dtype, k_scale)  # [Bg, L, Hkv, D]
+            vv = kk[..., :dv] if v_cache is None else _gather(v_cache, keys.blocks, q.dtype, v_scale)
             out.index_copy_(0, g.rows, decode(q.index_select(0, g.rows), kk, vv, keys, scale, softcap, sinks))
         attend = self._prefill_det if self.deterministic else self._prefill
         for p in wplan.prefills:
@@ -287,8 +310,8 @@ class TorchAttentionBackend(AttentionBackend):
             if p.blocks is None:  # a first chunk: its keys start at position 0
                 ks, vs = k[p.start : p.start + p.qlen], v[p.start : p.start + p.qlen]
             else:
-                ks = _gather(k_cache, p.blocks, q.dtype)
-                vs = ks[..., :dv] if v_cache is None else _gather(v_cache, p.blocks, q.dtype)
+                ks = _gather(k_cache, p.blocks, q.dtype, k_scale)
+                vs = ks[..., :dv] if v_cache is None else _gather(v_cache, p.blocks, q.dtype, v_scale)
             out[p.start : p.start + p.qlen] = attend(qs, ks, vs, p, window, scale, softcap, sinks)
         return out
 

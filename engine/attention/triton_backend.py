@@ -63,8 +63,10 @@ class TritonAttentionBackend(AttentionBackend):
         window: int | None = None,
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
-        self._write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        self._write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         if q.stride(-1) != 1:
             q = q.contiguous()
         num_seqs = meta.seq_lens.shape[0]
@@ -78,17 +80,18 @@ class TritonAttentionBackend(AttentionBackend):
             # Decode-only step (exactly one query per sequence) with a long context to attend to.
             return self._split_decode(
                 q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale, meta.max_seq_len,
-                window=window, softcap=softcap, sinks=sinks, split_size=self.split_size,
+                window=window, softcap=softcap, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
+                split_size=self.split_size,
             )  # fmt: skip
         return self._unified(
             q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
-            window=window, softcap=softcap, sinks=sinks,
+            window=window, softcap=softcap, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
 
-    def forward_mla(self, q, kv, kv_cache, meta, scale, v_dim):  # type: ignore[override]
-        store_rows(kv_cache, meta.slot_mapping, kv.view(-1, 1, kv_cache.shape[3]))
+    def forward_mla(self, q, kv, kv_cache, meta, scale, v_dim, kv_scale=1.0):  # type: ignore[override]
+        store_rows(kv_cache, meta.slot_mapping, kv.view(-1, 1, kv_cache.shape[3]), kv_scale)
         plan = self._mla_plan
         if plan is None or plan[0] is not meta:  # once per step, not per layer
             seqs, positions = self._token_positions(meta.query_start_loc, meta.seq_lens, q.shape[0])
             plan = self._mla_plan = (meta, seqs, positions)
-        return self._mla(q, kv_cache, plan[1], plan[2], meta.block_tables, scale, v_dim)
+        return self._mla(q, kv_cache, plan[1], plan[2], meta.block_tables, scale, v_dim, kv_scale)

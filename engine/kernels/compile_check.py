@@ -28,7 +28,7 @@ INDEX_POINTERS = {
     "pairs_ptr": "*i32", "block_expert_ptr": "*i32", "weight_ptr": "*fp32",
     "token_seq_ptr": "*i32", "token_pos_ptr": "*i32", "sinks_ptr": "*fp32",
 }  # fmt: skip
-FLOAT_SCALARS = {"eps", "scale", "softcap"}
+FLOAT_SCALARS = {"eps", "scale", "softcap", "k_scale", "v_scale"}
 TRITON_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
@@ -91,6 +91,8 @@ def _signature(fn, dtype: str, constexprs: dict[str, object]) -> dict[str, str]:
             sig[name] = "constexpr"
         elif name in INDEX_POINTERS:
             sig[name] = INDEX_POINTERS[name]
+        elif name.endswith("cache_ptr") and constexprs.get("FP8_MAX"):  # the KV write into an fp8 cache
+            sig[name] = "*fp8e4nv"
         elif name.endswith("_ptr"):
             sig[name] = "*" + dtype
         else:
@@ -161,6 +163,9 @@ def plan(quick: bool) -> list[tuple[str, str, object, str, object, tuple[str, ..
             )
             kv = ops.write_kv_launch(m.hkv, m.head_dim)
             jobs.append(("write_kv_cache", tag, ops._write_kv_kernel, tdt, kv, ()))
+            if dname == dtypes[0]:  # an fp8 cache: K/V divided by their scales, saturated, rounded
+                fp8 = ops.write_kv_launch(m.hkv, m.head_dim, float(torch.finfo(torch.float8_e4m3fn).max))
+                jobs.append(("write_kv_cache", tag + " fp8 cache", ops._write_kv_kernel, tdt, fp8, ()))
     # gpt-oss's attention sinks (compiled in only for models with them): gpt-oss-20b's geometry.
     sink_model = Model("gpt-oss-20b", 64, 8, 64, 2880, 2880)
     for dname in dtypes[:1] if quick else dtypes:

@@ -9,6 +9,9 @@ positions k with ``q_pos - window < k <= q_pos``. The online-softmax tile loop (
 is shared with the split-KV decode kernel in ``triton_decode.py``.
 
 Numerics: Q/K/V are converted to fp32 right after loading and the online softmax runs in fp32.
+An fp8 cache's scales (``k_scale`` / ``v_scale``: the cache holds K / k_scale) are applied outside
+the tile loop: ``k_scale`` joins the softmax scale and ``v_scale`` multiplies each row's output, so
+the loop reads fp8 values widened as they are (with scales of 1.0 both are exact no-ops).
 fp32 models use exact fp32 dots; fp16/bf16 models on a GPU use tf32 dots, which hold fp16 and
 bf16 values exactly, so only the probabilities are rounded (to tf32) before the P@V product.
 
@@ -166,6 +169,7 @@ def _unified_attention_kernel(
     block_tables_ptr,
     sinks_ptr,
     scale,
+    v_scale,
     softcap,
     window,
     num_seqs,
@@ -233,7 +237,7 @@ def _unified_attention_kernel(
             alpha = tl.exp(m_i - m_new)
             l_i = l_i * alpha + tl.exp(sink - m_new)
             acc = acc * alpha[:, None]
-        out = acc / tl.where(row_mask, l_i, 1.0)[:, None]
+        out = acc * v_scale / tl.where(row_mask, l_i, 1.0)[:, None]
         o_offs = (
             (q_start + token).to(tl.int64)[:, None] * stride_ot + q_head[:, None] * stride_oh + dims[None, :]
         )
@@ -253,6 +257,8 @@ def unified_attention(
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     block_m: int = 64,
     block_n: int | None = None,
 ) -> torch.Tensor:
@@ -262,7 +268,8 @@ def unified_attention(
 
     Sequence ``i`` owns query rows ``query_start_loc[i]:query_start_loc[i+1]`` (possibly none),
     has ``seq_lens[i]`` tokens in total after this step (its K/V already in the caches) and
-    its blocks listed in ``block_tables[i]``. ``block_m`` (query rows x grouped heads per tile)
+    its blocks listed in ``block_tables[i]``. The caches' values are read times ``k_scale`` /
+    ``v_scale`` (an fp8 cache's scales). ``block_m`` (query rows x grouped heads per tile)
     and ``block_n`` (KV positions per tile) are powers of two and fix the numerics: keep them
     constant across steps for batch invariance.
     """
@@ -281,7 +288,7 @@ def unified_attention(
     grid = (n_tokens // launch["BLOCK_Q"] + 2 * num_seqs, n_kv_heads)
     _unified_attention_kernel[grid](
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,
-        q if sinks is None else sinks, scale, softcap or 0.0,
+        q if sinks is None else sinks, scale * k_scale, v_scale, softcap or 0.0,
         kernel_window(window),
         num_seqs, queries_per_kv, head_dim, k_cache.shape[1],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),

@@ -38,6 +38,7 @@ def _decode_split_kernel(
     part_out_ptr,
     part_lse_ptr,
     scale,
+    v_scale,
     softcap,
     window,
     queries_per_kv,
@@ -87,7 +88,7 @@ def _decode_split_kernel(
         )  # fmt: skip
         row = seq.to(tl.int64) * stride_po_t + q_head * stride_po_h + split
         tl.store(part_lse_ptr + row, m_i + tl.log(l_i), mask=head_mask)
-        part = acc / l_i[:, None]
+        part = acc * v_scale / l_i[:, None]
         tl.store(
             part_out_ptr + row[:, None] * BLOCK_D + dims[None, :], part, mask=head_mask[:, None]
         )  # padded dims hold zeros
@@ -149,13 +150,16 @@ def split_kv_decode_attention(
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     split_size: int = DEFAULT_SPLIT_SIZE,
     block_n: int | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence (``q`` [B, Hq, D], row i = sequence i) over all
     ``seq_lens[i]`` cached positions (the token's own K/V included), or only the last ``window``
     of them, in fixed KV splits; with ``sinks`` (fp32 [Hq]), each head's softmax has that extra
-    value-less logit, added when the splits merge.
+    value-less logit, added when the splits merge. The caches' values are read times ``k_scale`` /
+    ``v_scale`` (an fp8 cache's scales, applied as ``unified_attention`` applies them).
 
     ``max_seq_len`` (a host int, >= every ``seq_lens[i]``) sizes the grid; split boundaries are
     multiples of ``split_size`` whatever the batch, and splits merge in order, so each row's
@@ -178,7 +182,8 @@ def split_kv_decode_attention(
     part_lse = torch.empty((num_seqs, n_q_heads, num_splits), dtype=torch.float32, device=q.device)
     window = kernel_window(window)
     _decode_split_kernel[(num_seqs, n_kv_heads, num_splits)](
-        q, k_cache, v_cache, seq_lens, block_tables, part_out, part_lse, scale, softcap or 0.0, window,
+        q, k_cache, v_cache, seq_lens, block_tables, part_out, part_lse, scale * k_scale, v_scale,
+        softcap or 0.0, window,
         queries_per_kv, head_dim, k_cache.shape[1], num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), part_lse.stride(0), part_lse.stride(1),

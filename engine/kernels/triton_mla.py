@@ -36,6 +36,7 @@ def _mla_kernel(
     token_pos_ptr,
     block_tables_ptr,
     scale,
+    v_scale,
     num_heads,
     v_dim,
     rope_dim,
@@ -95,7 +96,7 @@ def _mla_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = tl.dot(p.to(k_lat.dtype), k_lat, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
-    out = acc / l_i[:, None]
+    out = acc * v_scale / l_i[:, None]
     o_offs = token * stride_ot + heads[:, None] * stride_oh + dv[None, :]
     tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & dv_ok[None, :])
 
@@ -137,11 +138,13 @@ def mla_attention(
     block_tables: torch.Tensor,
     scale: float,
     v_dim: int,
+    kv_scale: float = 1.0,
 ) -> torch.Tensor:
     """``q`` [T, H, v_dim + rope_dim] (latent query | rotary query per head) attending causally
     over ``cache`` [num_blocks, block_size, 1, v_dim + rope_dim] (the new tokens' rows already
-    written); token t belongs to sequence ``token_seq[t]`` at position ``token_pos[t]``. Returns
-    [T, H, v_dim]."""
+    written); token t belongs to sequence ``token_seq[t]`` at position ``token_pos[t]``. The cache's
+    rows are read times ``kv_scale`` (an fp8 cache's scale: it joins the softmax scale for the keys
+    and multiplies the output for the values, which are the same rows). Returns [T, H, v_dim]."""
     num_tokens, num_heads, width = q.shape
     out = torch.empty((num_tokens, num_heads, v_dim), dtype=q.dtype, device=q.device)
     if num_tokens == 0:
@@ -151,7 +154,7 @@ def mla_attention(
     launch = mla_launch(v_dim, width - v_dim, q.dtype, interpreting())
     grid = (num_tokens, triton.cdiv(num_heads, launch["BLOCK_H"]))
     _mla_kernel[grid](
-        q, cache, out, token_seq, token_pos, block_tables, scale,
+        q, cache, out, token_seq, token_pos, block_tables, scale * kv_scale, kv_scale,
         num_heads, v_dim, width - v_dim, cache.shape[1],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         cache.stride(0), cache.stride(1), block_tables.stride(0), **launch.kwargs,

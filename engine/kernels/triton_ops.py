@@ -255,6 +255,8 @@ def _write_kv_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_ptr,
+    k_scale,
+    v_scale,
     n_heads,
     head_dim,
     block_size,
@@ -267,6 +269,7 @@ def _write_kv_kernel(
     stride_ch,
     BLOCK_HEADS: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    FP8_MAX: tl.constexpr,  # an fp8 cache's largest finite value; 0: the cache is not fp8
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -280,6 +283,9 @@ def _write_kv_kernel(
         v = tl.load(v_ptr + token * stride_vt + src, mask=mask, other=0.0)
         dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs
         dst += heads[:, None] * stride_ch + dims[None, :]
+        if FP8_MAX > 0:  # x / scale, correctly rounded in fp32 as torch divides, saturated (to_cache)
+            k = tl.clamp(tl.math.div_rn(k.to(tl.float32), k_scale), -FP8_MAX, FP8_MAX)
+            v = tl.clamp(tl.math.div_rn(v.to(tl.float32), v_scale), -FP8_MAX, FP8_MAX)
         tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -290,9 +296,12 @@ def write_kv_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Store ``k``/``v`` [T, Hkv, D] at ``slot_mapping`` [T] in the paged caches
-    [num_blocks, block_size, Hkv, D]; slots < 0 (padding) are skipped."""
+    [num_blocks, block_size, Hkv, D]; slots < 0 (padding) are skipped. fp8 caches hold
+    ``k / k_scale`` and ``v / v_scale`` as ``engine.attention.base.to_cache`` stores them."""
     n_tokens = k.shape[0]
     if n_tokens == 0:
         return
@@ -300,15 +309,17 @@ def write_kv_cache(
         raise ValueError("k_cache and v_cache must share one layout with a contiguous head dim")
     k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
     _, block_size, n_heads, head_dim = k_cache.shape
+    fp8_max = torch.finfo(k_cache.dtype).max if k_cache.element_size() == 1 else 0.0
     _write_kv_kernel[(n_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping, n_heads, head_dim, block_size,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), **write_kv_launch(n_heads, head_dim).kwargs,
+        k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, n_heads, head_dim, block_size,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), **write_kv_launch(n_heads, head_dim, fp8_max).kwargs,
     )  # fmt: skip
 
 
 @cache
-def write_kv_launch(n_heads: int, head_dim: int) -> Launch:
-    return Launch(
-        {"BLOCK_HEADS": triton.next_power_of_2(n_heads), "BLOCK_D": triton.next_power_of_2(head_dim)}
-    )
+def write_kv_launch(n_heads: int, head_dim: int, fp8_max: float = 0.0) -> Launch:
+    return Launch({
+        "BLOCK_HEADS": triton.next_power_of_2(n_heads), "BLOCK_D": triton.next_power_of_2(head_dim),
+        "FP8_MAX": fp8_max,
+    })  # fmt: skip

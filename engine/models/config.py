@@ -113,7 +113,8 @@ class ModelConfig:
     # Block-quantized fp8 weights (DeepSeek-V3/R1, Qwen3-FP8): each weight's scale covers a block of
     # this shape; the loader dequantizes them to the model dtype. None: unquantized.
     fp8_block: tuple[int, int] | None = None
-    # GPTQ / AWQ / compressed-tensors weights, also dequantized at load. None: none of those.
+    # GPTQ / AWQ / compressed-tensors / per-tensor or per-channel fp8 weights, also dequantized at
+    # load. None: none of those.
     weight_quant: WeightQuant | None = None
     # Granite's scalings: embeddings times embedding_multiplier, attention scores times
     # attention_multiplier (instead of head_dim ** -0.5), each block's output times
@@ -280,11 +281,13 @@ def _fp8_block(quant: Any) -> tuple[int, int] | None:
             raise ValueError(f"fp8 checkpoints in format {quant.get('fmt')!r} are not supported (only e4m3)")
         return int(block[0]), int(block[1])
     detail = (
-        "fp8 without weight_block_size" if method == "fp8" else f"quantization_config.quant_method={method!r}"
+        f"fp8 weight_block_size={block!r}"
+        if method == "fp8"
+        else f"quantization_config.quant_method={method!r}"
     )
     raise ValueError(
-        f"quantized checkpoints are not supported ({detail}); block-wise fp8 (weight_block_size), GPTQ, "
-        "AWQ, compressed-tensors and bfloat16/float16/float32 weights are"
+        f"quantized checkpoints are not supported ({detail}); fp8 (block-wise, per tensor or per channel), "
+        "GPTQ, AWQ, compressed-tensors and bfloat16/float16/float32 weights are"
     )
 
 

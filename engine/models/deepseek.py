@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.models.config import ModelConfig
+from engine.models.kv_scales import KVScales, layer_scales
 from engine.models.llama import MIN_INVARIANT_ROWS, Linear, invariant_linear, take_embeddings
 from engine.models.moe import MoE, load_dense_mlp
 from engine.models.rope import build_cos_sin_cache, softmax_scale_factor
@@ -43,6 +44,7 @@ class DeepseekForCausalLM:
         deterministic: bool,
         max_positions: int,
         device: torch.device,
+        kv_scales: KVScales | None = None,
     ) -> None:
         if cfg.mla is None or cfg.moe is None:
             raise ValueError(f"{cfg.architecture} needs kv_lora_rank and n_routed_experts in config.json")
@@ -60,6 +62,8 @@ class DeepseekForCausalLM:
         )
         self.embed, self.norm, self.lm_head = take_embeddings(weights, cfg)
         self.layers = [self._layer(weights, i) for i in range(cfg.num_layers)]
+        # The fp8 latent cache's scale per layer: the layer's k_scale (values are the latent too).
+        self.kv_scales = [k for k, _ in layer_scales(kv_scales, cfg.num_layers)]
 
     # -- weights -------------------------------------------------------------------------------------
 
@@ -116,11 +120,11 @@ class DeepseekForCausalLM:
         ops, eps = self.ops, self.cfg.rms_norm_eps
         hidden = F.embedding(input_ids, self.embed) if inputs_embeds is None else inputs_embeds
         residual: torch.Tensor | None = None
-        for layer, (kv_cache,) in zip(self.layers, kv_caches, strict=True):
+        for layer, (kv_cache,), kv_scale in zip(self.layers, kv_caches, self.kv_scales, strict=True):
             x, residual = ops.rms_norm(hidden, layer["in_norm"], eps, residual)
             if residual is None:
                 residual = hidden
-            hidden = self._attention(x, positions, layer, kv_cache, meta)
+            hidden = self._attention(x, positions, layer, kv_cache, kv_scale, meta)
             x, residual = ops.rms_norm(hidden, layer["post_norm"], eps, residual)
             hidden = self.moe_mlp.forward(x, layer) if "router" in layer else self._mlp(x, layer)
         out, _ = ops.rms_norm(hidden, self.norm, eps, residual)
@@ -132,6 +136,7 @@ class DeepseekForCausalLM:
         positions: torch.Tensor,
         layer: dict,
         kv_cache: torch.Tensor,
+        kv_scale: float,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         mla, ops, linear, eps = self.mla, self.ops, self.linear, self.cfg.rms_norm_eps
@@ -158,7 +163,7 @@ class DeepseekForCausalLM:
         q_latent = self._per_head(q_nope, layer["w_uk"])  # [T, H, rank]
         q_full = torch.cat([q_latent, q_pe], dim=-1)
         kv = torch.cat([latent[:, None, :], k_pe], dim=-1)  # [T, 1, rank + rope]
-        o = self.attention.forward_mla(q_full, kv, kv_cache, meta, self.scale, mla.kv_lora_rank)
+        o = self.attention.forward_mla(q_full, kv, kv_cache, meta, self.scale, mla.kv_lora_rank, kv_scale)
         o = self._per_head(o, layer["w_uv_t"])  # [T, H, v]
         return linear(o.reshape(t, heads * mla.v_head_dim), layer["o"], layer["o_bias"])
 

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.lora import LoRABatch, ModuleSlot
 from engine.models.config import ModelConfig
+from engine.models.kv_scales import KVScales, layer_scales
 from engine.models.llama import Linear, dense_lora_layout, invariant_linear, take_embeddings
 from engine.models.rope import build_cos_sin_cache
 from engine.ops import Ops
@@ -48,6 +49,7 @@ class GemmaForCausalLM:
         deterministic: bool,
         max_positions: int,
         device: torch.device,
+        kv_scales: KVScales | None = None,
     ) -> None:
         if cfg.gemma is None:
             raise ValueError(f"{cfg.architecture} needs a gemma3_text config")
@@ -72,6 +74,7 @@ class GemmaForCausalLM:
         self.norm = _offset(norm)
         self.layers = [self._layer(weights, i) for i in range(cfg.num_layers)]
         self.windows = cfg.layer_windows or (None,) * cfg.num_layers
+        self.kv_scales = layer_scales(kv_scales, cfg.num_layers)  # the fp8 cache's (k, v) scales
         # The step's LoRA adapters (engine/lora.py), set by the model runner before each forward.
         self.lora: LoRABatch | None = None
 
@@ -119,9 +122,9 @@ class GemmaForCausalLM:
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         residual: torch.Tensor | None = None
         t = input_ids.shape[0]
-        layers = zip(self.layers, self.windows, self.cos_sin, kv_caches, strict=True)
+        layers = zip(self.layers, self.windows, self.cos_sin, kv_caches, self.kv_scales, strict=True)
         lora = self.lora
-        for i, (layer, window, cos_sin, (k_cache, v_cache)) in enumerate(layers):
+        for i, (layer, window, cos_sin, (k_cache, v_cache), (k_scale, v_scale)) in enumerate(layers):
             x, residual = ops.rms_norm(hidden, layer["in_norm"], eps, residual)
             if residual is None:
                 residual = hidden
@@ -135,7 +138,19 @@ class GemmaForCausalLM:
             q, k = q.view(t, cfg.num_heads, d).contiguous(), k.view(t, cfg.num_kv_heads, d).contiguous()
             v = qkv[:, self.q_size + self.kv_size :].reshape(t, cfg.num_kv_heads, d).contiguous()
             ops.rotary_embedding(positions, q, k, cos_sin)
-            attn = self.attention.forward(q, k, v, k_cache, v_cache, meta, self.scale, window, self.softcap)
+            attn = self.attention.forward(
+                q,
+                k,
+                v,
+                k_cache,
+                v_cache,
+                meta,
+                self.scale,
+                window,
+                self.softcap,
+                k_scale=k_scale,
+                v_scale=v_scale,
+            )
             attn = attn.reshape(t, self.q_size)
             out = linear(attn, layer["o"], None)
             if lora is not None:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.models.config import ModelConfig
+from engine.models.kv_scales import KVScales, layer_scales
 from engine.models.llama import Linear, invariant_linear, take_embeddings
 from engine.models.moe import run_experts
 from engine.models.rope import build_cos_sin_cache
@@ -42,6 +43,7 @@ class GptOssForCausalLM:
         deterministic: bool,
         max_positions: int,
         device: torch.device,
+        kv_scales: KVScales | None = None,
     ) -> None:
         if cfg.moe is None or cfg.swiglu is None:
             raise ValueError(f"{cfg.architecture} needs a gpt_oss config (num_local_experts, swiglu_limit)")
@@ -60,6 +62,7 @@ class GptOssForCausalLM:
         self.embed, self.norm, self.lm_head = take_embeddings(weights, cfg)
         self.layers = [self._layer(weights, i) for i in range(cfg.num_layers)]
         self.windows = cfg.layer_windows or (None,) * cfg.num_layers
+        self.kv_scales = layer_scales(kv_scales, cfg.num_layers)  # the fp8 cache's (k, v) scales
 
     @staticmethod
     def _layer(w: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor | None]:
@@ -107,7 +110,8 @@ class GptOssForCausalLM:
         hidden = F.embedding(input_ids, self.embed) if inputs_embeds is None else inputs_embeds
         residual: torch.Tensor | None = None
         t = input_ids.shape[0]
-        for layer, window, (k_cache, v_cache) in zip(self.layers, self.windows, kv_caches, strict=True):
+        layers = zip(self.layers, self.windows, kv_caches, self.kv_scales, strict=True)
+        for layer, window, (k_cache, v_cache), (k_scale, v_scale) in layers:
             x, residual = ops.rms_norm(hidden, layer["in_norm"], eps, residual)
             if residual is None:
                 residual = hidden
@@ -117,7 +121,7 @@ class GptOssForCausalLM:
             v = qkv[:, self.q_size + self.kv_size :].reshape(t, cfg.num_kv_heads, d).contiguous()
             ops.rotary_embedding(positions, q, k, self.cos_sin_cache)
             attn = self.attention.forward(
-                q, k, v, k_cache, v_cache, meta, self.scale, window, None, layer["sinks"]
+                q, k, v, k_cache, v_cache, meta, self.scale, window, None, layer["sinks"], k_scale, v_scale
             )
             hidden = linear(attn.reshape(t, self.q_size), layer["o"], layer["o_bias"])
             x, residual = ops.rms_norm(hidden, layer["post_norm"], eps, residual)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.lora import LoRABatch, ModuleSlot
 from engine.models.config import ModelConfig
+from engine.models.kv_scales import KVScales, layer_scales
 from engine.models.moe import MoE, load_dense_mlp
 from engine.models.rope import build_cos_sin_cache
 from engine.ops import Ops
@@ -94,6 +95,7 @@ class LlamaForCausalLM:
         deterministic: bool,
         max_positions: int,
         device: torch.device,
+        kv_scales: KVScales | None = None,
     ) -> None:
         self.cfg = cfg
         self.ops = ops
@@ -111,6 +113,7 @@ class LlamaForCausalLM:
         self.embed, self.norm, self.lm_head = take_embeddings(weights, cfg)
         self.layers = [self._layer(weights, i) for i in range(cfg.num_layers)]
         self.windows = cfg.layer_windows or (None,) * cfg.num_layers
+        self.kv_scales = layer_scales(kv_scales, cfg.num_layers)  # the fp8 cache's (k, v) scales
         # The step's LoRA adapters (engine/lora.py), set by the model runner before each forward.
         self.lora: LoRABatch | None = None
 
@@ -166,8 +169,8 @@ class LlamaForCausalLM:
         residual: torch.Tensor | None = None
         t = input_ids.shape[0]
         lora = self.lora
-        for i, (layer, window, (k_cache, v_cache)) in enumerate(
-            zip(self.layers, self.windows, kv_caches, strict=True)
+        for i, (layer, window, (k_cache, v_cache), (k_scale, v_scale)) in enumerate(
+            zip(self.layers, self.windows, kv_caches, self.kv_scales, strict=True)
         ):
             x, residual = ops.rms_norm(hidden, layer["in_norm"], eps, residual)
             if residual is None:
@@ -188,7 +191,18 @@ class LlamaForCausalLM:
                 q_rot, k_rot = q[..., : self.rotary_dim].contiguous(), k[..., : self.rotary_dim].contiguous()
                 ops.rotary_embedding(positions, q_rot, k_rot, self.cos_sin_cache)
                 q[..., : self.rotary_dim], k[..., : self.rotary_dim] = q_rot, k_rot
-            attn = self.attention.forward(q, k, v.contiguous(), k_cache, v_cache, meta, self.scale, window)
+            attn = self.attention.forward(
+                q,
+                k,
+                v.contiguous(),
+                k_cache,
+                v_cache,
+                meta,
+                self.scale,
+                window,
+                k_scale=k_scale,
+                v_scale=v_scale,
+            )
             attn = attn.reshape(t, self.q_size)
             hidden = linear(attn, layer["o"], layer["o_bias"])
             if lora is not None:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend
 from engine.models.config import ModelConfig
+from engine.models.kv_scales import KVScales
 from engine.models.llama import LlamaForCausalLM
 from engine.ops import Ops
 
@@ -51,6 +52,7 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         deterministic: bool,
         max_positions: int,
         device: torch.device,
+        kv_scales: KVScales | None = None,
     ) -> None:
         if cfg.vision is None:
             raise ValueError("a LLaVA model needs its vision settings (config.json vision_config)")
@@ -63,6 +65,7 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
             deterministic=deterministic,
             max_positions=max_positions,
             device=device,
+            kv_scales=kv_scales,
         )
         self.vision = cfg.vision
         self.tower = _vision_tower(cfg.vision.vision_config, vision, device)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.lora import LoRABatch, ModuleSlot
 from engine.models.config import ModelConfig
+from engine.models.kv_scales import KVScales, layer_scales
 from engine.models.llama import Linear, dense_lora_layout, invariant_linear, take_embeddings
 from engine.models.moe import load_dense_mlp
 from engine.models.rope import build_cos_sin_cache
@@ -31,6 +32,7 @@ class Olmo2ForCausalLM:
         deterministic: bool,
         max_positions: int,
         device: torch.device,
+        kv_scales: KVScales | None = None,
     ) -> None:
         self.cfg = cfg
         self.ops = ops
@@ -44,6 +46,7 @@ class Olmo2ForCausalLM:
         )
         self.embed, self.norm, self.lm_head = take_embeddings(weights, cfg)
         self.layers = [self._layer(weights, i) for i in range(cfg.num_layers)]
+        self.kv_scales = layer_scales(kv_scales, cfg.num_layers)  # the fp8 cache's (k, v) scales
         # The step's LoRA adapters (engine/lora.py), set by the model runner before each forward.
         self.lora: LoRABatch | None = None
 
@@ -85,7 +88,8 @@ class Olmo2ForCausalLM:
         t = input_ids.shape[0]
         hidden = F.embedding(input_ids, self.embed) if inputs_embeds is None else inputs_embeds
         lora = self.lora
-        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
+        layers = zip(self.layers, kv_caches, self.kv_scales, strict=True)
+        for i, (layer, (k_cache, v_cache), (k_scale, v_scale)) in enumerate(layers):
             qkv = linear(hidden, layer["qkv"], None)
             if lora is not None:
                 lora.add(i, "qkv", hidden, qkv)
@@ -96,7 +100,9 @@ class Olmo2ForCausalLM:
             q, k = q.view(t, cfg.num_heads, d), k.view(t, cfg.num_kv_heads, d)
             v = qkv[:, self.q_size + self.kv_size :].reshape(t, cfg.num_kv_heads, d).contiguous()
             ops.rotary_embedding(positions, q, k, self.cos_sin_cache)
-            attn = self.attention.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+            attn = self.attention.forward(
+                q, k, v, k_cache, v_cache, meta, self.scale, k_scale=k_scale, v_scale=v_scale
+            )
             attn = attn.reshape(t, self.q_size)
             out = linear(attn, layer["o"], None)
             if lora is not None:

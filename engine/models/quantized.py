@@ -1,4 +1,5 @@
-"""Integer- and fp8-quantized checkpoints (GPTQ, AWQ, compressed-tensors) dequantized at load.
+"""Integer- and fp8-quantized checkpoints (GPTQ, AWQ, compressed-tensors, vLLM's per-tensor /
+per-channel fp8) dequantized at load.
 
 ``quantization_config`` is read once into a frozen :class:`WeightQuant`; the loader hands each
 quantized module's tensors (``<prefix>.qweight``, ``.scales``… or ``.weight_packed``,
@@ -27,8 +28,9 @@ MXFP4_GROUP = 32
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 # GPTQ / AWQ tensors of one module (``<prefix>.<part>``).
 _PACKED_PARTS = ("qweight", "qzeros", "scales", "g_idx")
-# compressed-tensors: pack-quantized stores ``weight_packed``; the naive formats store ``weight`` in
-# int8 / fp8 (recognised by its dtype). Activation scales are read and dropped (see WeightQuant).
+# compressed-tensors: pack-quantized stores ``weight_packed``; the naive formats (and vLLM's fp8)
+# store ``weight`` in int8 / fp8 (recognised by its dtype). Activation scales are read and dropped
+# (see WeightQuant).
 _CT_PARTS = (
     "weight_packed",
     "weight_scale",
@@ -80,7 +82,7 @@ class WeightQuant:
     dequantized and activations left in the model dtype: nothing rounds them as the quantizer did.
     """
 
-    method: str  # gptq | awq | compressed-tensors
+    method: str  # gptq | awq | compressed-tensors | fp8 (per tensor / channel) | mxfp4
     bits: int = 4
     group_size: int = -1  # -1: one group spans the whole input dimension
     desc_act: bool = False  # GPTQ: ``g_idx`` names each input row's group
@@ -92,7 +94,7 @@ class WeightQuant:
         if self.method == "mxfp4":
             return name.endswith(_MXFP4_PARTS) and tensor.dtype == torch.uint8
         part = name.rsplit(".", 1)[-1]
-        if self.method != "compressed-tensors":
+        if self.method not in ("compressed-tensors", "fp8"):
             return part in _PACKED_PARTS
         return part in _CT_PARTS or (part == "weight" and tensor.dtype in _QUANTIZED_DTYPES)
 
@@ -112,9 +114,12 @@ class WeightQuant:
 
 
 def from_config(quant: dict[str, Any]) -> WeightQuant | None:
-    """The :class:`WeightQuant` of a GPTQ / AWQ / compressed-tensors / MXFP4 config; None for other
-    methods. Unsupported variants raise ValueError naming them."""
+    """The :class:`WeightQuant` of a GPTQ / AWQ / compressed-tensors / MXFP4 / per-tensor or
+    per-channel fp8 config; None for other methods (block-wise fp8 is the loader's ``fp8_block``).
+    Unsupported variants raise ValueError naming them."""
     method = quant.get("quant_method")
+    if method == "fp8" and quant.get("weight_block_size") is None:
+        return _fp8(quant)
     if method == "mxfp4":
         return WeightQuant(method="mxfp4", bits=4, group_size=MXFP4_GROUP)
     if method == "gptq":
@@ -190,9 +195,27 @@ def _awq(quant: dict[str, Any]) -> WeightQuant:
     )
 
 
+def _fp8(quant: dict[str, Any]) -> WeightQuant:
+    """vLLM's own fp8 format without ``weight_block_size`` (AutoFP8, older llm-compressor exports):
+    each quantized linear stores ``weight`` in e4m3 and a ``weight_scale`` per tensor or per output
+    channel; static activation scales (``input_scale``) are dropped. Modules in ``ignored_layers`` /
+    ``modules_to_not_convert`` are stored unquantized, so they load as usual."""
+    if quant.get("fmt", "e4m3") != "e4m3":
+        raise ValueError(f"fp8 checkpoints in format {quant.get('fmt')!r} are not supported (only e4m3)")
+    if quant.get("activation_scheme", "dynamic") not in ("static", "dynamic"):
+        raise _refuse(f"fp8 activation_scheme={quant['activation_scheme']!r}; 'static' and 'dynamic' load")
+    return WeightQuant(method="fp8", bits=8)
+
+
 def _compressed_tensors(quant: dict[str, Any]) -> WeightQuant:
-    if quant.get("kv_cache_scheme"):
-        raise _refuse("compressed-tensors kv_cache_scheme (a quantized KV cache)")
+    kv = quant.get("kv_cache_scheme")
+    if kv and (kv.get("type", "float"), int(kv.get("num_bits", 8)), kv.get("strategy", "tensor")) != (
+        "float",
+        8,
+        "tensor",
+    ):
+        # Per-tensor fp8 K/V scales are read by the runner (engine/kv_scales.py); others are not.
+        raise _refuse(f"compressed-tensors kv_cache_scheme {kv!r}; per-tensor 8-bit float loads")
     if quant.get("sparsity_config") or quant.get("transform_config"):
         raise _refuse("compressed-tensors sparsity_config / transform_config")
     top_format = quant.get("format", "dense")
@@ -241,6 +264,8 @@ def dequantize(
         return dequantize_mxfp4(prefix, parts, dtype)
     if quant.method == "compressed-tensors":
         return _dequantize_ct(prefix, parts, quant)
+    if quant.method == "fp8":
+        return _dequantize_fp8_scaled(prefix, parts)
     if "qweight" not in parts:
         raise ValueError(f"{prefix}: {sorted(parts)} without {prefix}.qweight in the checkpoint")
     missing = [p for p in ("qzeros", "scales") if p not in parts]
@@ -266,18 +291,35 @@ def dequantize(
     return _affine(q, scales, zeros[:out], groups)
 
 
-def _dequantize_ct(prefix: str, parts: dict[str, torch.Tensor], quant: WeightQuant) -> torch.Tensor | None:
+def _holds_weight(prefix: str, parts: dict[str, torch.Tensor]) -> bool:
+    """Whether a module's pieces hold a quantized weight (not activation scales alone)."""
     if "weight_packed" not in parts and "weight" not in parts:
         if "weight_scale" in parts:
             raise ValueError(f"{prefix}.weight_scale has no quantized weight in the checkpoint")
+        return False
+    if "weight_scale" not in parts:
+        raise ValueError(f"{prefix} has no {prefix}.weight_scale in the checkpoint")
+    return True
+
+
+def _dequantize_fp8_scaled(prefix: str, parts: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """vLLM's fp8 format: the strategy follows the scale's size (one value: per tensor; one per
+    output row, ``[out]`` or ``[out, 1]``: per channel), as compressed-tensors' float formats."""
+    if not _holds_weight(prefix, parts):
+        return None
+    scale = parts["weight_scale"]
+    strategy = "tensor" if scale.numel() == 1 else "channel"
+    return _per_row(prefix, parts["weight"], scale.float().reshape(-1, 1), None, strategy)
+
+
+def _dequantize_ct(prefix: str, parts: dict[str, torch.Tensor], quant: WeightQuant) -> torch.Tensor | None:
+    if not _holds_weight(prefix, parts):
         return None
     ranks = [(s.match(prefix), -i) for i, s in enumerate(quant.schemes)]  # the first of equals wins
     best = max(range(len(ranks)), key=ranks.__getitem__)
     scheme = quant.schemes[best]
     if ranks[best][0] == 0:
         raise ValueError(f"{prefix} is quantized but matches no compressed-tensors config group's targets")
-    if "weight_scale" not in parts:
-        raise ValueError(f"{prefix} has no {prefix}.weight_scale in the checkpoint")
     scale = parts["weight_scale"].float()
     zero = parts.get("weight_zero_point")
     if "weight_packed" in parts:
@@ -292,17 +334,25 @@ def _dequantize_ct(prefix: str, parts: dict[str, torch.Tensor], quant: WeightQua
         from engine.models.loader import dequantize_fp8
 
         return dequantize_fp8(q, scale, scheme.block or (128, 128))
-    if scheme.strategy == "tensor":
+    if scheme.strategy != "group":
+        return _per_row(prefix, q, scale, zero, scheme.strategy)
+    groups = (
+        parts["weight_g_idx"].long() if "weight_g_idx" in parts else torch.arange(cols) // scheme.group_size
+    )
+    _check_groups(prefix, groups, scale, (out, cols))
+    return _affine(q.float() if q.is_floating_point() else q, scale, zero, groups)
+
+
+def _per_row(
+    prefix: str, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, strategy: str
+) -> torch.Tensor:
+    """A ``[out, in]`` weight with one scale (and zero) for the whole tensor (``tensor``) or one
+    per output row (``channel``: ``[out, 1]``)."""
+    out, cols = q.shape[0], q.shape[-1]
+    if strategy == "tensor":
         scale = scale.reshape(1, 1).expand(out, 1)
         zero = zero.reshape(1, 1).expand(out, 1) if zero is not None else None
-    if scheme.strategy == "group":
-        groups = (
-            parts["weight_g_idx"].long()
-            if "weight_g_idx" in parts
-            else torch.arange(cols) // scheme.group_size
-        )
-    else:
-        groups = torch.zeros(cols, dtype=torch.long)
+    groups = torch.zeros(cols, dtype=torch.long)
     _check_groups(prefix, groups, scale, (out, cols))
     return _affine(q.float() if q.is_floating_point() else q, scale, zero, groups)
 

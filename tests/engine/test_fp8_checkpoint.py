@@ -98,7 +98,7 @@ def test_dequantize_covers_partial_edge_blocks() -> None:
             {"quant_method": "bitsandbytes", "load_in_4bit": True},
             "quantization_config.quant_method='bitsandbytes'",
         ),
-        ({"quant_method": "fp8", "activation_scheme": "static"}, "fp8 without weight_block_size"),
+        ({"quant_method": "fp8", "weight_block_size": 128}, "fp8 weight_block_size=128"),
     ],
 )
 def test_other_quantizations_are_refused_by_name(

@@ -384,7 +384,7 @@ REFUSED = [
         {
             "quant_method": "compressed-tensors",
             "format": "float-quantized",
-            "kv_cache_scheme": {"num_bits": 8},
+            "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "attn_head"},
         },
         "compressed-tensors kv_cache_scheme",
     ),

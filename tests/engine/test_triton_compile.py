@@ -30,12 +30,14 @@ def test_every_kernel_compiles_for_sm90() -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     lines = proc.stdout.splitlines()
-    assert lines[-1] == "41/41 kernels compiled for sm_90"
+    assert lines[-1] == "42/42 kernels compiled for sm_90"
     for kernel in KERNELS:
         assert any(line.split()[1] == kernel and line.rstrip().endswith(" B") for line in lines[:-1]), kernel
     # The GQA, one-sequence and fp32 variants are among them.
     assert any("qwen2-7b bfloat16 num_seqs=1" in line for line in lines)
     assert any("unified_attention" in line and "float32" in line for line in lines)
+    # The KV write into an fp8 cache (scaled, saturated).
+    assert any("write_kv_cache" in line and "fp8 cache" in line for line in lines)
     # gpt-oss's attention sinks, in the prefill/decode kernel and the split-KV merge.
     assert any("unified_attention" in line and "gpt-oss-20b bfloat16 sinks" in line for line in lines)
     assert any("split_kv_reduce" in line and "gpt-oss-20b bfloat16 sinks" in line for line in lines)
