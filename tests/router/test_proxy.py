@@ -615,8 +615,8 @@ def test_a_stored_response_chain_follows_its_replica(cluster: Cluster, pair: lis
     router = cluster.router("--replica", a.url, "--replica", b.url, "--policy", "round_robin")
     c = client(router.url)
     greedy = dict(model=MODEL, max_output_tokens=4, temperature=0)
-    # A request id the replica cannot take (it uses one of its own): the router follows the one
-    # the replica answered with.
+    # A request id a replica could not take: the router takes one of its own, as a replica would,
+    # and follows the response named after it.
     previous = c.responses.create(input="Turn 0", extra_headers={"X-Request-Id": "not an id!"}, **greedy)
     assert previous.id != "resp_not an id!"
     owner = {u for u, r in replicas_view(router).items() if r["total_requests"] == 1}
