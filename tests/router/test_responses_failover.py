@@ -22,7 +22,7 @@ STORY_TOOL = {
                 "type": "object",
                 # Long enough to be cut mid-way, short enough to end (the SDK's helper needs a
                 # completed response).
-                "properties": {"story": {"type": "string", "minLength": 400, "maxLength": 400}},
+                "properties": {"story": {"type": "string", "minLength": 1500, "maxLength": 1500}},
                 "required": ["story"],
             },
         }
@@ -33,15 +33,15 @@ STORY_TOOL = {
 
 @pytest.fixture(scope="module")
 def replicas(cluster: Cluster) -> list[Proc]:
-    """A survivor and three victims (one per test), loaded together."""
-    return cluster.replicas(4)
+    """A survivor and four victims (one per test), loaded together."""
+    return cluster.replicas(5)
 
 
 def _client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
 
 
-def _killed_mid_stream(router: Proc, victim: Proc, events: list, kill_at: int = 8, **request):
+def _killed_mid_stream(router: Proc, victim: Proc, events: list, kill_at: int = 6, **request):
     """The final response the SDK assembled from a stream whose replica is killed after ``kill_at``
     events (collected in ``events``)."""
     with _client(router.url).responses.stream(model=MODEL, input=PROMPT, **request) as stream:
@@ -71,7 +71,8 @@ def _one_response(events: list) -> None:
 
 def test_kill9_mid_text_stream_goes_on_as_one_stored_response(cluster: Cluster, replicas: list[Proc]) -> None:
     survivor, victim = replicas[0], replicas[1]
-    request = {"max_output_tokens": 300, "temperature": 0.0, "store": False}
+    # Long enough (~1.5 s on CPU) that the victim is still writing when the client has read a few events.
+    request = {"max_output_tokens": 800, "temperature": 0.0, "store": False}
     whole = _client(survivor.url).responses.create(
         model=MODEL, input=PROMPT, extra_body={"ignore_eos": True}, **request
     )
@@ -84,7 +85,7 @@ def test_kill9_mid_text_stream_goes_on_as_one_stored_response(cluster: Cluster, 
     request = {**request, "extra_body": {"ignore_eos": True, "stop": [whole.output_text[at : at + 8]]}}
     reference = _client(survivor.url).responses.create(model=MODEL, input=PROMPT, **request)
     assert reference.status == "completed" and reference.output_text == whole.output_text[:at]
-    assert reference.usage.output_tokens > 100
+    assert reference.usage.output_tokens > 400
     del request["store"]
     # round_robin sends the first request to the first replica: the victim.
     router = cluster.router("--replica", victim.url, "--replica", survivor.url, "--policy", "round_robin")
@@ -120,7 +121,7 @@ def test_kill9_mid_text_stream_goes_on_as_one_stored_response(cluster: Cluster, 
 
 def test_kill9_mid_function_call_goes_on_in_the_same_call(cluster: Cluster, replicas: list[Proc]) -> None:
     survivor, victim = replicas[0], replicas[2]
-    request = {"max_output_tokens": 300, "temperature": 0.8, "extra_body": {"seed": 99}, **STORY_TOOL}
+    request = {"max_output_tokens": 800, "temperature": 0.8, "extra_body": {"seed": 99}, **STORY_TOOL}
     reference = _client(survivor.url).responses.create(model=MODEL, input=PROMPT, store=False, **request)
     (expected,) = reference.output
     router = cluster.router("--replica", victim.url, "--replica", survivor.url, "--policy", "round_robin")
@@ -144,7 +145,7 @@ def test_a_stream_that_may_not_be_resumed_ends_failed(cluster: Cluster, replicas
     router = cluster.router(
         "--replica", victim.url, "--replica", survivor.url, "--policy", "round_robin", "--max-failovers", "0"
     )
-    request = {"max_output_tokens": 300, "temperature": 0.0, "extra_body": {"ignore_eos": True}}
+    request = {"max_output_tokens": 600, "temperature": 0.0, "extra_body": {"ignore_eos": True}}
     events = []
     with pytest.raises(RuntimeError, match="response.completed"):
         _killed_mid_stream(router, victim, events, **request)
@@ -157,3 +158,25 @@ def test_a_stream_that_may_not_be_resumed_ends_failed(cluster: Cluster, replicas
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     (item,) = failed.output
     assert item.status == "in_progress" and item.content[0].text == text and text
+
+
+def test_a_chain_whose_previous_response_died_with_its_replica_ends_failed(
+    cluster: Cluster, replicas: list[Proc]
+) -> None:
+    """Memory stores: a stream continuing a chain (``previous_response_id``) runs where that response
+    is; when that replica dies, no other can read it (a 404 there), so the stream ends failed."""
+    survivor, victim = replicas[0], replicas[4]
+    router = cluster.router("--replica", victim.url, "--replica", survivor.url, "--policy", "round_robin")
+    client = _client(router.url)
+    first = client.responses.create(model=MODEL, input="Hi", max_output_tokens=3)
+    assert replicas_view(router)[victim.url]["total_requests"] == 1
+    events: list = []
+    request = {"max_output_tokens": 600, "temperature": 0.0, "extra_body": {"ignore_eos": True}}
+    with pytest.raises(RuntimeError, match="response.completed"):
+        _killed_mid_stream(router, victim, events, previous_response_id=first.id, **request)
+    assert metric(router.url, "ferry:router_failovers_total") == 1  # tried, refused by the survivor
+    kinds = [e.type for e in events]
+    assert kinds[-2:] == ["error", "response.failed"] and "no replica could resume it" in events[-2].message
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert events[-1].response.output[0].content[0].text == text
