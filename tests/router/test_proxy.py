@@ -121,6 +121,16 @@ def test_round_robin_exact_distribution_and_request_id(cluster: Cluster, pair: l
     assert metric(router.url, "ferry:router_requests_total", {"replica": a.url, "status": "200"}) == 3
     resp = httpx.post(router.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1})
     assert len(resp.headers["x-request-id"]) == 32  # generated when absent
+    # One a replica could not take is replaced, as a replica would: the replica and the client get
+    # the router's, and the answer is named after it.
+    bad = {"X-Request-Id": "not an id!"}
+    resp = httpx.post(
+        router.url + "/v1/completions", headers=bad, json={"model": MODEL, "prompt": "x", "max_tokens": 1}
+    )
+    assert (
+        len(resp.headers["x-request-id"]) == 32
+        and resp.json()["id"] == "cmpl-" + resp.headers["x-request-id"]
+    )
     tok = httpx.post(router.url + "/tokenize", json={"model": MODEL, "prompt": "hello"}).json()
     assert tok == httpx.post(a.url + "/tokenize", json={"model": MODEL, "prompt": "hello"}).json()
 
