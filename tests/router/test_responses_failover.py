@@ -87,15 +87,21 @@ def _stopped_reference(survivor: Proc, text_of) -> tuple:
     return reference, request
 
 
-def test_kill9_mid_text_stream_goes_on_as_one_stored_response(cluster: Cluster, replicas: list[Proc]) -> None:
-    survivor, victim = replicas[0], replicas[1]
-    reference, request = _stopped_reference(survivor, lambda r: r.output_text)
-    # round_robin sends the first request to the first replica: the victim.
+def _failed_over(cluster: Cluster, survivor: Proc, victim: Proc, request: dict) -> tuple:
+    """A router over the two (round robin sends its first request to the victim), and the events
+    and final response of a stream whose replica it kills part-way: failed over once, one response."""
     router = cluster.router("--replica", victim.url, "--replica", survivor.url, "--policy", "round_robin")
     events: list = []
     final = _killed_mid_stream(router, victim, events, **request)
     assert metric(router.url, "ferry:router_failovers_total") == 1
     _one_response(events)
+    return router, events, final
+
+
+def test_kill9_mid_text_stream_goes_on_as_one_stored_response(cluster: Cluster, replicas: list[Proc]) -> None:
+    survivor, victim = replicas[0], replicas[1]
+    reference, request = _stopped_reference(survivor, lambda r: r.output_text)
+    router, events, final = _failed_over(cluster, survivor, victim, request)
     deltas = [e for e in events if e.type == "response.output_text.delta"]
     assert {(e.item_id, e.output_index, e.content_index) for e in deltas} == {(final.output[0].id, 0, 0)}
     assert "".join(e.delta for e in deltas) == reference.output_text  # no duplicate, no gap
@@ -127,11 +133,7 @@ def test_kill9_mid_function_call_goes_on_in_the_same_call(cluster: Cluster, repl
     request = {"max_output_tokens": 800, "temperature": 0.8, "extra_body": {"seed": 99}, **STORY_TOOL}
     reference = _client(survivor.url).responses.create(model=MODEL, input=PROMPT, store=False, **request)
     (expected,) = reference.output
-    router = cluster.router("--replica", victim.url, "--replica", survivor.url, "--policy", "round_robin")
-    events: list = []
-    final = _killed_mid_stream(router, victim, events, **request)
-    assert metric(router.url, "ferry:router_failovers_total") == 1
-    _one_response(events)
+    router, events, final = _failed_over(cluster, survivor, victim, request)
     (call,) = final.output
     assert call.type == "function_call" and call.name == "tell" and call.call_id.startswith("call_")
     deltas = [e for e in events if e.type == "response.function_call_arguments.delta"]
@@ -173,11 +175,7 @@ def thinkers(cluster: Cluster) -> list[Proc]:
 def test_kill9_mid_reasoning_goes_on_in_the_same_item(cluster: Cluster, thinkers: list[Proc]) -> None:
     survivor, victim = thinkers
     reference, request = _stopped_reference(survivor, lambda r: r.output[0].content[0].text)
-    router = cluster.router("--replica", victim.url, "--replica", survivor.url, "--policy", "round_robin")
-    events: list = []
-    final = _killed_mid_stream(router, victim, events, **request)
-    assert metric(router.url, "ferry:router_failovers_total") == 1
-    _one_response(events)
+    router, events, final = _failed_over(cluster, survivor, victim, request)
     (item,) = final.output
     deltas = [e for e in events if e.type == "response.reasoning_text.delta"]
     assert {(e.item_id, e.output_index) for e in deltas} == {(item.id, 0)}
