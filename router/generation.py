@@ -5,7 +5,8 @@ A non-streamed answer is read whole before the client sees it, so a replica dyin
 one more retry. A stream is relayed event by event; when its replica dies part-way, the request
 is re-sent to another replica with ``resume.token_ids`` = the completion tokens already sent, and
 the new replica's chunks are spliced in (``router/sse.py``, ``router/messages_stream.py``,
-``router/responses_stream.py``), so the client sees one unbroken stream. Prefill/decode orchestration can reuse ``Generation.pump`` the same way.
+``router/responses_stream.py``), so the client sees one unbroken stream. Prefill/decode
+orchestration can reuse ``Generation.pump`` the same way.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ Tracker = StreamTracker | MessagesTracker | ResponsesTracker
 
 
 class Generation(Relay):
-    """The relay plus the generation routes (``/v1/completions``, ``/v1/chat/completions``)."""
+    """The relay plus the generation routes (``/v1/completions``, ``/v1/chat/completions``,
+    ``/v1/messages``, streamed ``/v1/responses``)."""
 
     async def generate(self, pool: Pool, call: ProxyCall, send: Send) -> None:
         body = call.json or {}

@@ -103,7 +103,7 @@ class _Output:
     def seed(self, items: list[dict[str, Any]]) -> None:
         """Take over the output a client already has (a resumed stream)."""
         for position, item in enumerate(items):
-            if item.get("type") == "function_call" and item.get("status") != "completed":
+            if item.get("type") == "function_call":  # calls stay open until the answer ends
                 self.calls[len(self.calls)] = {**item, "output_index": position}
             elif item.get("status") == "in_progress" and item.get("type") in ("message", "reasoning"):
                 part = (item.get("content") or [{}])[0]
