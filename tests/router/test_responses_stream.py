@@ -18,18 +18,28 @@ from router.responses_stream import ResponsesTracker
 from router.sse import SSESplitter
 from server.protocol import (
     ChatCompletionChunk,
+    ChatLogprobs,
     ChatStreamChoice,
     DeltaFunctionCall,
     DeltaMessage,
     DeltaToolCall,
+    TokenLogprob,
     UsageInfo,
 )
 from server.responses_stream import events
 from server.serving_responses import ResponsesRequest, ResponsesResume, _Response
 
 
-def chunk(ids: list[int], finish: str | None = None, **delta) -> ChatCompletionChunk:
-    choice = ChatStreamChoice(index=0, delta=DeltaMessage(**delta), finish_reason=finish, token_ids=ids)
+def chunk(
+    ids: list[int], finish: str | None = None, logprobs: list | None = None, **delta
+) -> ChatCompletionChunk:
+    choice = ChatStreamChoice(
+        index=0,
+        delta=DeltaMessage(**delta),
+        finish_reason=finish,
+        token_ids=ids,
+        logprobs=ChatLogprobs(content=logprobs) if logprobs is not None else None,
+    )
     return ChatCompletionChunk(id="c", created=0, model="m", choices=[choice])
 
 
@@ -43,7 +53,9 @@ def call(index: int, arguments: str, name: str | None = None) -> list[DeltaToolC
     return [DeltaToolCall(index=index, id="call_1" if name else None, function=fn)]
 
 
-def replica(chunks: list[ChatCompletionChunk], resume: dict | None = None) -> tuple[list[bytes], _Response]:
+def replica(
+    chunks: list[ChatCompletionChunk], resume: dict | None = None, logprobs: bool = False
+) -> tuple[list[bytes], _Response]:
     """A replica's SSE events for ``chunks`` (grouped, as a router asks), and the response it built."""
     req = ResponsesRequest(
         input="x",
@@ -62,7 +74,7 @@ def replica(chunks: list[ChatCompletionChunk], resume: dict | None = None) -> tu
 
     async def run() -> list[bytes]:
         resumed = req.resume.output if req.resume is not None else None
-        stream = events(built, source(), save, want_logprobs=False, grouped=True, resumed=resumed)
+        stream = events(built, source(), save, want_logprobs=logprobs, grouped=True, resumed=resumed)
         return SSESplitter().feed(b"".join([f async for f in stream]))
 
     return asyncio.run(run()), built
@@ -83,15 +95,21 @@ def relay(tracker: ResponsesTracker, frames: list[bytes]) -> list[dict]:
     return [e for frame in frames for e in parse(tracker.process(frame) or b"")]
 
 
-def splice(first: list[ChatCompletionChunk], dies_after: int, second: list[ChatCompletionChunk]):
+def splice(
+    first: list[ChatCompletionChunk],
+    dies_after: int,
+    second: list[ChatCompletionChunk],
+    logprobs: bool = False,
+):
     """The client's events when the first replica dies after ``dies_after`` SSE events and the
     second resumes from what the router was given; and what the second replica built."""
     tracker = ResponsesTracker()
-    frames, _ = replica(first)
+    frames, _ = replica(first, logprobs=logprobs)
     sent = relay(tracker, frames[:dies_after])
+    assert not tracker.done  # it died part-way
     tracker.begin_failover()
     resume = tracker.resume_body({"input": "x"})["resume"]
-    frames, built = replica(second, resume)
+    frames, built = replica(second, resume, logprobs)
     return sent + relay(tracker, frames), tracker, built
 
 
@@ -157,6 +175,20 @@ def test_an_open_message_is_closed_when_the_resumed_text_is_a_call() -> None:
     assert [i.type for i in final.output] == ["message", "function_call"]
     assert final.output_text == "Let me see" and final.output[1].arguments == '{"tz": "UTC"}'
     assert final.output[1].call_id == "call_1"
+
+
+def test_logprobs_of_a_resumed_message_are_the_whole_answers() -> None:
+    def lp(token: str) -> list[TokenLogprob]:
+        return [TokenLogprob(token=token, logprob=-1.0)]
+
+    first = [chunk([1], content="a", logprobs=lp("a")), chunk([2], content="b", logprobs=lp("b"))]
+    second = [chunk([3], content="c", logprobs=lp("c")), chunk([], "stop"), usage(1)]
+    client, _, built = splice(first, 4, second, logprobs=True)
+    done = next(e for e in client if e["type"] == "response.output_text.done")
+    assert [t["token"] for t in done["logprobs"]] == ["a", "b", "c"] and done["text"] == "abc"
+    final = sdk_final(client)
+    assert [t.token for t in final.output[0].content[0].logprobs] == ["a", "b", "c"]
+    assert built.body()["output"][0]["content"][0]["logprobs"] == done["logprobs"]
 
 
 def test_a_resumed_function_call_goes_on_in_the_same_item() -> None:
