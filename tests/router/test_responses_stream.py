@@ -158,6 +158,25 @@ def test_a_resumed_reasoning_item_goes_on_then_its_message_opens() -> None:
     assert built.body()["output"] == client[-1]["response"]["output"]
 
 
+def test_a_stream_resumed_twice_is_still_one_response() -> None:
+    tracker = ResponsesTracker()
+    frames, _ = replica([chunk([1], content="a"), chunk([2], content="b")])
+    client = relay(tracker, frames[:4])
+    tracker.begin_failover()
+    # The second replica dies too, after one more token.
+    frames, _ = replica([chunk([3], content="c"), chunk([4], content="d")], tracker.resume_body({})["resume"])
+    client += relay(tracker, frames[:1])
+    tracker.begin_failover()
+    resume = tracker.resume_body({})["resume"]
+    assert resume["token_ids"] == [1, 2, 3] and resume["output"][0]["content"][0]["text"] == "abc"
+    frames, built = replica([chunk([4], content="d"), chunk([5], "stop"), usage(2)], resume)
+    client += relay(tracker, frames)
+    assert [e["sequence_number"] for e in client] == list(range(len(client)))
+    final = sdk_final(client)
+    assert final.output_text == "abcd" and len(final.output) == 1 and final.usage.output_tokens == 5
+    assert built.body()["output"] == client[-1]["response"]["output"]
+
+
 def test_an_open_message_is_closed_when_the_resumed_text_is_a_call() -> None:
     first = [chunk([1], content="Let me "), chunk([2], content="see")]
     second = [
