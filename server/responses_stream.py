@@ -89,7 +89,9 @@ _TEXT_DELTAS = (
 
 class _Output:
     """The response's output as it is written: closed items in ``built.output``, one open message or
-    reasoning item, and the function calls (closed when the answer ends)."""
+    reasoning item, and the function calls (closed when the answer ends). Each item's
+    ``output_index`` is its place among the items added, which is the order of the final output
+    (text after a call comes after it)."""
 
     def __init__(self, built: _Response, want_logprobs: bool) -> None:
         self.built = built
@@ -99,9 +101,13 @@ class _Output:
         self.logprobs: list[dict[str, Any]] = []  # the open message's, as sent with its deltas
         self.pending: list[dict[str, Any]] = []  # arrived with no text yet (a held-back partial character)
         self.calls: dict[int, dict[str, Any]] = {}  # a chat tool call's index -> its item (+ output_index)
+        self.added = 0  # items added so far: the next one's output_index
+        self.open_index = 0  # the open item's
+        self.index_of: dict[str, int] = {}  # a closed item's id -> its output_index
 
     def seed(self, items: list[dict[str, Any]]) -> None:
         """Take over the output a client already has (a resumed stream)."""
+        self.added = len(items)
         for position, item in enumerate(items):
             if item.get("type") == "function_call":  # calls stay open until the answer ends
                 self.calls[len(self.calls)] = {**item, "output_index": position}
@@ -110,14 +116,27 @@ class _Output:
                 self.open_item = {**item, "content": []}
                 self.text = part.get("text", "")
                 self.logprobs = list(part.get("logprobs") or [])
+                self.open_index = position
             else:
-                self.built.output.append(item)
+                self._closed(item, position)
+
+    def _closed(self, item: dict[str, Any], index: int) -> None:
+        self.built.output.append(item)
+        self.index_of[item["id"]] = index
+
+    def _add(self) -> int:
+        self.added += 1
+        return self.added - 1
+
+    def ordered(self) -> None:
+        """Put the closed items in ``output_index`` order (calls close last)."""
+        self.built.output.sort(key=lambda item: self.index_of[item["id"]])
 
     def close_open(self) -> list[Event]:
         item = self.open_item
         if item is None:
             return []
-        index = len(self.built.output)
+        index = self.open_index
         ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
         if item["type"] == "message":
             self.logprobs, self.pending = self.logprobs + self.pending, []
@@ -131,13 +150,13 @@ class _Output:
             out = [("response.reasoning_text.done", {**ids, "text": self.text})]
             done = {**item, "status": "completed", "content": [{"type": "reasoning_text", "text": self.text}]}
         out.append(("response.output_item.done", {"output_index": index, "item": done}))
-        self.built.output.append(done)
+        self._closed(done, index)
         self.open_item, self.text, self.logprobs = None, "", []
         return out
 
     def start(self, kind: str) -> list[Event]:
         out = self.close_open()
-        index = len(self.built.output)
+        index = self.open_index = self._add()
         if kind == "message":
             item = message_item("", status="in_progress")
             out.append(("response.output_item.added", {"output_index": index, "item": item}))
@@ -169,7 +188,7 @@ class _Output:
                 self.logprobs += extra["logprobs"]
             ids = {
                 "item_id": self.open_item["id"],
-                "output_index": len(self.built.output),
+                "output_index": self.open_index,
                 "content_index": 0,
             }
             out.append((name, {**ids, "delta": piece, **extra}))
@@ -178,7 +197,7 @@ class _Output:
             call = self.calls.get(tc.index)
             if call is None:
                 call = call_item(tc.id or "", tc.function.name or "", "", status="in_progress")
-                call["output_index"] = len(self.built.output) + len(self.calls)
+                call["output_index"] = self._add()
                 self.calls[tc.index] = call
                 item = {k: v for k, v in call.items() if k != "output_index"}
                 out.append(
@@ -203,7 +222,8 @@ class _Output:
             fields = {"item_id": call["id"], "output_index": index, "arguments": call["arguments"]}
             out.append(("response.function_call_arguments.done", fields))
             out.append(("response.output_item.done", {"output_index": index, "item": done}))
-            self.built.output.append(done)
+            self._closed(done, index)
+        self.ordered()
         return out
 
 
@@ -274,6 +294,7 @@ async def _translate(
     if failed.error is not None:
         err = failed.error
         end = last[1] + output.close_open()
+        output.ordered()
         end.append(("error", {"code": err.code, "message": err.message, "param": err.param}))
         built.status, built.error = "failed", {"code": err.code or "server_error", "message": err.message}
         await save()  # a background response's record says how it ended

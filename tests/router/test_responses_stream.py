@@ -230,6 +230,21 @@ def test_a_resumed_function_call_goes_on_in_the_same_item() -> None:
     assert final.usage.output_tokens == 4
 
 
+def test_text_after_a_call_is_the_next_item_and_goes_on_there() -> None:
+    """A call stays open until the answer ends; text after it takes the next output index (not
+    the call's), also when a resumed replica continues it."""
+    first = [chunk([1], tool_calls=call(0, "{}", name="now")), chunk([2], content="x")]
+    client, _, built = splice(first, 4, [chunk([3], content="y"), chunk([4], "stop"), usage(2)])
+    added = [
+        (e["output_index"], e["item"]["type"]) for e in client if e["type"] == "response.output_item.added"
+    ]
+    assert added == [(0, "function_call"), (1, "message")]
+    assert {e["output_index"] for e in client if e["type"] == "response.output_text.delta"} == {1}
+    final = sdk_final(client)
+    assert [i.type for i in final.output] == ["function_call", "message"] and final.output_text == "xy"
+    assert [i["type"] for i in built.output] == ["function_call", "message"]
+
+
 def test_a_death_before_the_first_token_resumes_without_a_second_opening() -> None:
     client, tracker, _ = splice(
         [chunk([1], content="a")], 2, [chunk([1], content="a"), chunk([2], "stop"), usage(2)]
