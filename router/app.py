@@ -17,7 +17,6 @@ import contextlib
 import json
 import logging
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 from urllib.parse import unquote
@@ -65,16 +64,16 @@ from router.response_affinity import (
 )
 from router.retry import RetryPolicy
 from router.upstream import Response, UpstreamClient, UpstreamError, fetch
-from server.middleware import route_path
+from server.middleware import request_id_of, route_path
 
 log = logging.getLogger("ferry.router")
 
 GENERATE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 # Anthropic's Messages API: whole answers retried, streams resumed (router/messages_stream.py).
 MESSAGES_PATH = "/v1/messages"
-# Routed by their prompt (parsed and keyed). The Responses API's are relayed as they come: its
-# events are not chat chunks, so its streams have no mid-stream failover (a retry before the first
-# byte).
+# Routed by their prompt (parsed and keyed). The Responses API's streams are resumed
+# (router/responses_stream.py); its other answers (whole, background) are relayed as they come,
+# retried before their first byte.
 KEYED_PATHS = GENERATE_PATHS | {"/v1/responses", MESSAGES_PATH}
 # Relayed as they come, like every /v1/* route: vLLM serves these outside /v1 (scoring: /score,
 # /rerank, Cohere's /v2/rerank; /classify; SageMaker's /invocations, any request on one path).
@@ -410,7 +409,7 @@ class RouterApp:
         await send_json(send, status, body)
 
     async def _proxy(self, scope: Scope, receive: Receive, send: Send) -> None:
-        request_id = (header(scope, b"x-request-id") or b"").decode("latin-1") or uuid.uuid4().hex
+        request_id = request_id_of(header(scope, b"x-request-id"))
         id_header = [(b"x-request-id", request_id.encode())]
         length = header(scope, b"content-length")
         if length is not None and length.isdigit() and int(length) > self.config.max_request_bytes:
@@ -471,6 +470,13 @@ class RouterApp:
             relay = self._generate
         elif path == MESSAGES_PATH and scope["method"] == "POST":
             relay = self.relay.messages
+        elif (
+            path == RESPONSES_PATH
+            and parsed is not None
+            and parsed.get("stream")
+            and not parsed.get("background")
+        ):
+            relay = self.relay.responses_stream
         else:
             relay = self.relay.forward
         await _until_disconnect(self._admitted(relay, call, send, id_header), receive)

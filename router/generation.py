@@ -1,10 +1,12 @@
-"""Completions and chat through the relay: whole answers with retries, streams with failover.
+"""Generation through the relay (completions, chat, Anthropic Messages, streamed Responses): whole
+answers with retries, streams with failover.
 
 A non-streamed answer is read whole before the client sees it, so a replica dying mid-answer is
 one more retry. A stream is relayed event by event; when its replica dies part-way, the request
 is re-sent to another replica with ``resume.token_ids`` = the completion tokens already sent, and
-the new replica's chunks are spliced in (``router/sse.py``), so the client sees one unbroken
-stream. Prefill/decode orchestration can reuse ``Generation.pump`` the same way.
+the new replica's chunks are spliced in (``router/sse.py``, ``router/messages_stream.py``,
+``router/responses_stream.py``), so the client sees one unbroken stream. Prefill/decode
+orchestration can reuse ``Generation.pump`` the same way.
 """
 
 from __future__ import annotations
@@ -29,11 +31,15 @@ from router.relay import (
     with_request_id,
 )
 from router.replica import Replica
+from router.responses_stream import ResponsesTracker
 from router.sse import SSESplitter, StreamTracker
+
+Tracker = StreamTracker | MessagesTracker | ResponsesTracker
 
 
 class Generation(Relay):
-    """The relay plus the generation routes (``/v1/completions``, ``/v1/chat/completions``)."""
+    """The relay plus the generation routes (``/v1/completions``, ``/v1/chat/completions``,
+    ``/v1/messages``, streamed ``/v1/responses``)."""
 
     async def generate(self, pool: Pool, call: ProxyCall, send: Send) -> None:
         body = call.json or {}
@@ -127,13 +133,17 @@ class Generation(Relay):
         if not body.get("stream"):
             await self.answer_whole(pool, call, call.body, send)
         else:
-
-            def payload(replica: Replica, base: dict) -> tuple[bytes, bool]:
-                return json.dumps({**base, "return_token_ids": True}).encode(), False
-
             tracker = MessagesTracker(client_wants_token_ids=bool(body.get("return_token_ids")))
-            resumable = payload if self.max_failovers > 0 else None
+            resumable = _with_token_ids if self.max_failovers > 0 else None
             await self.stream(pool, call, body, send, tracker, resumable, _messages_error)
+        self.metrics.latency.observe(time.perf_counter() - call.started)
+
+    async def responses_stream(self, pool: Pool, call: ProxyCall, send: Send) -> None:
+        """``POST /v1/responses`` with ``stream`` (not ``background``): relayed with mid-stream
+        failover (``router/responses_stream.py``)."""
+        tracker = ResponsesTracker()
+        resumable = _with_token_ids if self.max_failovers > 0 else None
+        await self.stream(pool, call, call.json or {}, send, tracker, resumable, tracker.error_event)
         self.metrics.latency.observe(time.perf_counter() - call.started)
 
     async def stream(
@@ -142,7 +152,7 @@ class Generation(Relay):
         call: ProxyCall,
         body: dict,
         send: Send,
-        tracker: StreamTracker | MessagesTracker,
+        tracker: Tracker,
         payload: Callable[[Replica, dict], tuple[bytes, bool]] | None,
         error_event: Callable[[str], bytes],
     ) -> None:
@@ -163,6 +173,7 @@ class Generation(Relay):
             ):
                 await self.send_whole(opened, call, send)
                 return
+            self._answered(call, opened)
             await send(
                 {
                     "type": "http.response.start",
@@ -195,11 +206,18 @@ class Generation(Relay):
                         {"type": "http.response.body", "body": error_event(message), "more_body": True}
                     )
                     break
+                self._answered(call, opened)
             await send({"type": "http.response.body", "body": b""})
         finally:
             if isinstance(opened, Opened) and not opened.finished:
                 await opened.response.aclose()
                 self.finish(opened, False, CLIENT_GONE)
+
+    @staticmethod
+    def _answered(call: ProxyCall, opened: Opened) -> None:
+        """Tell the call who answers its stream (a resumed stream: the replica that took it over)."""
+        if call.on_answered is not None:
+            call.on_answered(opened.replica, opened.response)
 
     async def send_whole(self, opened: Opened, call: ProxyCall, send: Send) -> None:
         """A non-stream answer (or an error answer to a stream request): read it, then send it."""
@@ -221,9 +239,7 @@ class Generation(Relay):
             content_type=response.headers.get("content-type", "application/json").encode(),
         )
 
-    async def pump(
-        self, opened: Opened, tracker: StreamTracker | MessagesTracker, call: ProxyCall, send: Send
-    ) -> bool:
+    async def pump(self, opened: Opened, tracker: Tracker, call: ProxyCall, send: Send) -> bool:
         """Relay one replica's events; True when its stream ended normally."""
         splitter = SSESplitter()
         tracker.router_logprobs = opened.router_logprobs
@@ -256,6 +272,12 @@ class Generation(Relay):
             self.finish(opened, ok, 200 if ok else gone)
             if tracker.saw_token_ids_field:
                 opened.replica.emits_token_ids = True
+
+
+def _with_token_ids(replica: Replica, base: dict) -> tuple[bytes, bool]:
+    """A Messages or Responses request asking the replica to group each chunk's events with its
+    token ids (what a resume needs)."""
+    return json.dumps({**base, "return_token_ids": True}).encode(), False
 
 
 def _stream_error(message: str) -> bytes:

@@ -27,11 +27,28 @@ import json
 from typing import Any
 
 from router.http import Send
-from router.sse import event_data
+from router.sse import typed_event
 from server.anthropic_protocol import ERROR_TYPES
 
 # server/serving_messages.py's GROUP_EVENT (the router does not import the serving code).
 GROUP_EVENT = "ferry_chunk"
+
+
+def unpack_group(obj: dict[str, Any], token_ids: list[int]) -> tuple[list | None, list[dict[str, Any]]]:
+    """A ``GROUP_EVENT``'s token ids (None when it has none: not a replica that honours
+    ``return_token_ids``), added to ``token_ids``, and its events."""
+    ids = obj.get("token_ids")
+    if isinstance(ids, list):
+        token_ids.extend(i for i in ids if isinstance(i, int))
+    else:
+        ids = None
+    events = obj.get("events")
+    events = (
+        [e for e in events if isinstance(e, dict) and isinstance(e.get("type"), str)]
+        if isinstance(events, list)
+        else []
+    )
+    return ids, events
 
 
 def _event(kind: str, obj: dict[str, Any]) -> bytes:
@@ -71,25 +88,16 @@ class MessagesTracker:
 
     def process(self, event: bytes) -> bytes | None:
         """The event(s) to send the client (without the trailing blank line), or None to drop it."""
-        data = event_data(event)
-        if data is None:
-            return event
-        try:
-            obj = json.loads(data)
-        except ValueError:
-            return event
-        if not isinstance(obj, dict) or not isinstance(obj.get("type"), str):
+        obj = typed_event(event)
+        if obj is None:
             return event
         if obj["type"] != GROUP_EVENT:
             if obj["type"] == "content_block_delta" and self._has_content(obj):
                 self.ids_complete = False  # a replica that does not group: its text has no ids
             return self._one(obj)
-        ids = obj.get("token_ids")
-        if isinstance(ids, list):
-            self.saw_token_ids_field = True
-            self.token_ids.extend(i for i in ids if isinstance(i, int))
-        events = obj.get("events") if isinstance(obj.get("events"), list) else []
-        out = [e for e in map(self._one, (e for e in events if isinstance(e, dict))) if e is not None]
+        ids, events = unpack_group(obj, self.token_ids)
+        self.saw_token_ids_field |= ids is not None
+        out = [e for e in map(self._one, events) if e is not None]
         if self.keep_ids and isinstance(ids, list):
             out.append(_event("ping", {"type": "ping", "token_ids": ids}))
         return b"\n\n".join(out) if out else None

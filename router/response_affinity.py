@@ -9,7 +9,9 @@ response cancels it and streams its events (``GET …?stream=true``) without a r
 store. So the router remembers ``response id -> replica URL`` for every ``POST /v1/responses`` a
 replica answered with 200 (the id follows from the ``X-Request-Id`` the replica answers with: the
 router's, or one of its own when it could not take that) and routes requests that name that id to
-that replica while it is a candidate; otherwise the policy picks as usual.
+that replica while it is a candidate; otherwise the policy picks as usual. A stream resumed on
+another replica (``router/responses_stream.py``) is finished and stored there under the same id,
+so the id is remembered again with the replica that took it over.
 
 Bounded: the least recently used ids are forgotten beyond ``max_entries``.
 

@@ -48,6 +48,19 @@ def event_data(event: bytes) -> bytes | None:
     return b"\n".join(lines) if lines else None
 
 
+def typed_event(event: bytes) -> dict[str, Any] | None:
+    """A named event's JSON object (one with a string ``type``: Anthropic's and the Responses API's),
+    or None for anything else (comments, ``[DONE]``, malformed data), which is relayed as it is."""
+    data = event_data(event)
+    if data is None:
+        return None
+    try:
+        obj = json.loads(data)
+    except ValueError:
+        return None
+    return obj if isinstance(obj, dict) and isinstance(obj.get("type"), str) else None
+
+
 class StreamTracker:
     # What ends the client's stream when its replica died after the last token was sent.
     END_EVENT = b"data: [DONE]\n\n"

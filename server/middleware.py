@@ -75,6 +75,13 @@ _LOAD_PATHS = frozenset(
 )
 
 
+def request_id_of(raw: bytes | None) -> str:
+    """A request's id: its ``X-Request-Id`` when that is one the id can travel as, else a new one.
+    The router takes ids the same way, so every replica it sends a request to names it alike."""
+    request_id = raw.decode("latin-1") if raw is not None else ""
+    return request_id if _VALID_REQUEST_ID.match(request_id) else uuid.uuid4().hex
+
+
 @dataclass
 class ServerLoad:
     """Requests on the engine's routes, from their arrival to their last byte (``GET /load``)."""
@@ -160,10 +167,7 @@ class EdgeMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        raw_id = _header(scope, REQUEST_ID_HEADER)
-        request_id = raw_id.decode("latin-1") if raw_id is not None else ""
-        if not _VALID_REQUEST_ID.match(request_id):
-            request_id = uuid.uuid4().hex
+        request_id = request_id_of(_header(scope, REQUEST_ID_HEADER))
         scope.setdefault("state", {})["request_id"] = request_id
 
         if self.api_key is not None and route_path(scope).startswith(_PROTECTED_PREFIXES):

@@ -5,7 +5,7 @@ One ``BackgroundResponses`` per API server process holds the responses running t
 
 * ``start``: the record is written with status ``queued`` before anything runs (a store that
   fails is a 503, and nothing runs), then the generation runs in a task of its own as a stream
-  (``serving_responses._events``) that writes the record again when the model's first output
+  (``responses_stream.events``) that writes the record again when the model's first output
   arrives (``in_progress``) and when it ends (``completed`` / ``incomplete`` / ``failed`` /
   ``cancelled``). The request is answered with the queued response, or with ``stream: true``
   with the run's events as they come: a client that goes away closes only its view of them.

@@ -6,9 +6,8 @@ system message, flat function tools to chat tools, ``text.format`` to ``response
 structured outputs, tool calls, reasoning, admission, aborts and metrics are the same), and its
 answer turned into Responses output items: ``reasoning``, ``message`` (``output_text``) and
 ``function_call``. Streamed, the chat chunk models (``ChatChunks``: never framed as chat SSE)
-become Responses events (``response.created``,
-``response.output_item.added``, ``response.output_text.delta``, ...,
-``response.completed``), each with its ``sequence_number``.
+become Responses events (``server/responses_stream.py``, which also serves a router's internal
+``resume`` and ``return_token_ids``).
 
 ``include: ["message.output_text.logprobs"]`` (with ``top_logprobs``) puts chat's token logprobs
 on the ``output_text`` parts and text delta events.
@@ -27,22 +26,31 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 from starlette.responses import JSONResponse, Response
 
 from server.errors import APIError, bad_request, unavailable, validation_error
-from server.protocol import ChatCompletionChunk, ChatCompletionRequest, _Request, random_id
+from server.protocol import ChatCompletionRequest, _Request
 from server.responses_input import InputError, chat_messages, chat_tools, input_items
-from server.responses_store import RUNNING, StoreUnavailable, event_frame
+from server.responses_store import RUNNING, StoreUnavailable
+from server.responses_stream import call_item, events, message_item, reasoning_item
 from server.serving_chat import ChatChunks, create_chat_completion
-from server.serving_common import stream_errors
 from server.state import ServerState
 from server.streaming import SSEResponse
 
 logger = logging.getLogger("ferry.server")
+
+
+class ResponsesResume(_Request):
+    """Internal (router -> replica): continue a stream another replica started
+    (``server/responses_stream.py``): what the client already has of the response."""
+
+    token_ids: list[StrictInt] = []  # the output tokens sent
+    output: list[dict[str, Any]] = []  # the output items, the last ones possibly in progress
+    created_at: StrictInt
 
 
 class ResponsesRequest(_Request):
@@ -77,6 +85,10 @@ class ResponsesRequest(_Request):
     ignore_eos: Any = None
     priority: Any = None
     cache_salt: Any = None
+    # Internal (router -> replica): resume a stream, and group each chunk's events with its token ids
+    # so that a router can resume this one (``router/responses_stream.py``).
+    resume: ResponsesResume | None = None
+    return_token_ids: StrictBool = False
 
 
 _CHAT_TO_RESPONSES = {
@@ -166,6 +178,8 @@ def to_chat_request(
         # progress the record follows; a streamed one's are also kept for resumption).
         "stream": req.stream or req.background,
         "stream_options": {"include_usage": True} if req.stream or req.background else None,
+        "resume": {"token_ids": req.resume.token_ids} if req.resume and req.resume.token_ids else None,
+        "return_token_ids": req.return_token_ids,
     }
     try:
         return ChatCompletionRequest.model_validate(body)
@@ -196,7 +210,10 @@ class _Response:
         self.defaults = defaults or {}  # the model's default sampling values (generation_config.json)
         self.store = store  # to be stored once complete (set False if storing failed)
         self.id = f"resp_{request_id}"
-        self.created_at = int(time.time())
+        resume = req.resume
+        self.created_at = resume.created_at if resume is not None else int(time.time())
+        # Output tokens another replica produced (a resumed stream): part of this response's usage.
+        self.resumed_tokens = len(resume.token_ids) if resume is not None else 0
         self.model = model
         self.output: list[dict[str, Any]] = []
         self.usage: dict[str, Any] | None = None
@@ -226,9 +243,9 @@ class _Response:
         self.usage = {
             "input_tokens": usage.get("prompt_tokens", 0),
             "input_tokens_details": {"cached_tokens": details.get("cached_tokens", 0)},
-            "output_tokens": usage.get("completion_tokens", 0),
+            "output_tokens": usage.get("completion_tokens", 0) + self.resumed_tokens,
             "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
-            "total_tokens": usage.get("total_tokens", 0),
+            "total_tokens": usage.get("total_tokens", 0) + self.resumed_tokens,
         }
 
     def body(self) -> dict[str, Any]:
@@ -262,46 +279,6 @@ class _Response:
             "user": req.user,
             "metadata": req.metadata or {},
         }
-
-
-def _reasoning_item(text: str, status: str = "completed") -> dict[str, Any]:
-    return {
-        "type": "reasoning",
-        "id": f"rs_{random_id()}",
-        "summary": [],
-        "content": [{"type": "reasoning_text", "text": text}],
-        "status": status,
-    }
-
-
-def _text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """An ``output_text`` content part; ``logprobs`` as OpenAI gives them (empty unless the request
-    included ``message.output_text.logprobs``)."""
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
-
-
-def _message_item(
-    text: str, status: str = "completed", logprobs: list[dict[str, Any]] | None = None
-) -> dict[str, Any]:
-    content = [_text_part(text, logprobs)] if status == "completed" else []
-    return {
-        "type": "message",
-        "id": f"msg_{random_id()}",
-        "status": status,
-        "role": "assistant",
-        "content": content,
-    }
-
-
-def _call_item(call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
-    return {
-        "type": "function_call",
-        "id": f"fc_{random_id()}",
-        "call_id": call_id,
-        "name": name,
-        "arguments": arguments,
-        "status": status,
-    }
 
 
 async def load_record(state: ServerState, response_id: str, param: str | None = None) -> dict[str, Any]:
@@ -392,6 +369,11 @@ async def create_response(
     receive,
     submitted: Callable[[], None] | None = None,
 ) -> Response:
+    if (req.resume is not None or req.return_token_ids) and (req.background or not req.stream):
+        raise bad_request(
+            "resume and return_token_ids are for streams (stream: true, without background)",
+            param="resume" if req.resume is not None else "return_token_ids",
+        )
     if req.background:
         state.background.admit(f"resp_{request_id}", req.store)
     context: list[dict[str, Any]] = []
@@ -425,7 +407,14 @@ async def create_response(
     )
     save = _Saver(state, built, context + own)
     if isinstance(answer, ChatChunks):  # a stream: every background response is one
-        frames = _events(built, answer.chunks, save)
+        frames = events(
+            built,
+            answer.chunks,
+            save,
+            want_logprobs=wants_logprobs(req),
+            grouped=req.return_token_ids,
+            resumed=req.resume.output if req.resume is not None else None,
+        )
         if req.background:
             return await state.background.start(built, request_id, frames, save, answer.on_close)
         return SSEResponse(frames, on_close=answer.on_close)
@@ -433,204 +422,13 @@ async def create_response(
     choice = data["choices"][0]
     message = choice["message"]
     if message.get("reasoning_content"):
-        built.output.append(_reasoning_item(message["reasoning_content"]))
+        built.output.append(reasoning_item(message["reasoning_content"]))
     if message.get("content") or not message.get("tool_calls"):
         logprobs = (choice.get("logprobs") or {}).get("content") if wants_logprobs(req) else None
-        built.output.append(_message_item(message.get("content") or "", logprobs=logprobs))
+        built.output.append(message_item(message.get("content") or "", logprobs=logprobs))
     for call in message.get("tool_calls") or []:
-        built.output.append(_call_item(call["id"], call["function"]["name"], call["function"]["arguments"]))
+        built.output.append(call_item(call["id"], call["function"]["name"], call["function"]["arguments"]))
     built.finish(choice.get("finish_reason"))
     built.set_usage(data["usage"])
     await save()
     return JSONResponse(built.body())
-
-
-# A chat delta's text fields, the output item each goes to, and its Responses event.
-_TEXT_DELTAS = (
-    ("reasoning_content", "reasoning", "response.reasoning_text.delta"),
-    ("content", "message", "response.output_text.delta"),
-)
-
-
-async def _events(
-    built: _Response, chunks: AsyncIterator[ChatCompletionChunk], save: Callable[[], Awaitable[None]]
-) -> AsyncIterator[bytes]:
-    """The chat stream's chunks as Responses events. Closing this closes the chat stream at once
-    (its cleanup aborts the request in the engine), not whenever it is garbage-collected."""
-    try:
-        async for event in _translate(built, chunks, save):
-            yield event
-    finally:
-        await chunks.aclose()  # type: ignore[attr-defined]
-
-
-async def _translate(
-    built: _Response, chunks: AsyncIterator[ChatCompletionChunk], save: Callable[[], Awaitable[None]]
-) -> AsyncIterator[bytes]:
-    seq = 0
-
-    def event(kind: str, **fields: Any) -> bytes:
-        nonlocal seq
-        seq += 1
-        return event_frame(kind, seq - 1, **fields)
-
-    open_item: dict[str, Any] | None = None  # the reasoning or message item being written
-    text = ""
-    want_logprobs = wants_logprobs(built.req)
-    logprobs: list[dict[str, Any]] = []  # the open message's, as sent with its deltas
-    pending: list[dict[str, Any]] = []  # arrived with no text yet (a held-back partial character)
-    calls: dict[int, dict[str, Any]] = {}
-    finish_reason = None
-
-    def close_open() -> list[bytes]:
-        nonlocal open_item, text, logprobs, pending
-        if open_item is None:
-            return []
-        item, index = open_item, len(built.output)
-        out = []
-        if item["type"] == "message":
-            logprobs, pending = logprobs + pending, []
-            part = _text_part(text, logprobs)
-            out.append(
-                event(
-                    "response.output_text.done",
-                    item_id=item["id"],
-                    output_index=index,
-                    content_index=0,
-                    text=text,
-                    logprobs=logprobs,
-                )
-            )
-            out.append(
-                event(
-                    "response.content_part.done",
-                    item_id=item["id"],
-                    output_index=index,
-                    content_index=0,
-                    part=part,
-                )
-            )
-            done = {**item, "status": "completed", "content": [part]}
-        else:
-            out.append(
-                event(
-                    "response.reasoning_text.done",
-                    item_id=item["id"],
-                    output_index=index,
-                    content_index=0,
-                    text=text,
-                )
-            )
-            done = {**item, "status": "completed", "content": [{"type": "reasoning_text", "text": text}]}
-        out.append(event("response.output_item.done", output_index=index, item=done))
-        built.output.append(done)
-        open_item, text, logprobs = None, "", []
-        return out
-
-    def start(kind: str) -> list[bytes]:
-        nonlocal open_item
-        out = close_open()
-        index = len(built.output)
-        if kind == "message":
-            open_item = _message_item("", status="in_progress")
-            out.append(event("response.output_item.added", output_index=index, item=open_item))
-            part = _text_part("")
-            out.append(
-                event(
-                    "response.content_part.added",
-                    item_id=open_item["id"],
-                    output_index=index,
-                    content_index=0,
-                    part=part,
-                )
-            )
-        else:
-            open_item = {**_reasoning_item("", status="in_progress"), "content": []}
-            out.append(event("response.output_item.added", output_index=index, item=open_item))
-        return out
-
-    yield event("response.created", response=built.body())
-    built.status = "in_progress"  # a background response was queued until now
-    yield event("response.in_progress", response=built.body())
-    async with stream_errors() as failed:
-        async for chunk in chunks:
-            if chunk.usage is not None and not chunk.choices:
-                built.set_usage(chunk.usage.model_dump())
-                continue
-            for choice in chunk.choices:
-                delta = choice.delta
-                if want_logprobs and choice.logprobs is not None and choice.logprobs.content:
-                    if delta.content or not delta.reasoning_content:  # not a thought's tokens
-                        pending += [t.model_dump() for t in choice.logprobs.content]
-                for field, kind, name in _TEXT_DELTAS:
-                    piece = getattr(delta, field)
-                    if not piece:
-                        continue
-                    if open_item is None or open_item["type"] != kind:
-                        for out in start(kind):
-                            yield out
-                    text += piece
-                    extra: dict[str, Any] = {}
-                    if kind == "message":  # a text delta carries its tokens' logprobs
-                        extra["logprobs"], pending = pending, []
-                        logprobs += extra["logprobs"]
-                    yield event(
-                        name,
-                        item_id=open_item["id"],
-                        output_index=len(built.output),
-                        content_index=0,
-                        delta=piece,
-                        **extra,
-                    )
-                for tc in delta.tool_calls or []:
-                    for out in close_open():
-                        yield out
-                    call = calls.get(tc.index)
-                    if call is None:
-                        call = _call_item(tc.id or "", tc.function.name or "", "", status="in_progress")
-                        call["output_index"] = len(built.output) + len(calls)
-                        calls[tc.index] = call
-                        item = {k: v for k, v in call.items() if k != "output_index"}
-                        yield event(
-                            "response.output_item.added", output_index=call["output_index"], item=item
-                        )
-                    if tc.function.arguments:
-                        call["arguments"] += tc.function.arguments
-                        yield event(
-                            "response.function_call_arguments.delta",
-                            item_id=call["id"],
-                            output_index=call["output_index"],
-                            delta=tc.function.arguments,
-                        )
-                finish_reason = choice.finish_reason or finish_reason
-    if failed.error is not None:
-        err = failed.error
-        for out in close_open():
-            yield out
-        yield event("error", code=err.code, message=err.message, param=err.param)
-        built.status, built.error = "failed", {"code": err.code or "server_error", "message": err.message}
-        await save()  # a background response's record says how it ended
-        yield event("response.failed", response=built.body())
-        return
-    for out in close_open():
-        yield out
-    if not built.output and not calls:  # an empty answer still has its message
-        for out in start("message"):
-            yield out
-        for out in close_open():
-            yield out
-    for call in calls.values():
-        index = call.pop("output_index")
-        done = {**call, "status": "completed"}
-        yield event(
-            "response.function_call_arguments.done",
-            item_id=call["id"],
-            output_index=index,
-            arguments=call["arguments"],
-        )
-        yield event("response.output_item.done", output_index=index, item=done)
-        built.output.append(done)
-    built.finish(finish_reason)
-    await save()  # before the last event: a client that continues the chain at once finds it
-    # "response.cancelled" (a cancelled background response) is ferry's: OpenAI names no event for it.
-    yield event(f"response.{built.status}", response=built.body())

@@ -121,6 +121,16 @@ def test_round_robin_exact_distribution_and_request_id(cluster: Cluster, pair: l
     assert metric(router.url, "ferry:router_requests_total", {"replica": a.url, "status": "200"}) == 3
     resp = httpx.post(router.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1})
     assert len(resp.headers["x-request-id"]) == 32  # generated when absent
+    # One a replica could not take is replaced, as a replica would: the replica and the client get
+    # the router's, and the answer is named after it.
+    bad = {"X-Request-Id": "not an id!"}
+    resp = httpx.post(
+        router.url + "/v1/completions", headers=bad, json={"model": MODEL, "prompt": "x", "max_tokens": 1}
+    )
+    assert (
+        len(resp.headers["x-request-id"]) == 32
+        and resp.json()["id"] == "cmpl-" + resp.headers["x-request-id"]
+    )
     tok = httpx.post(router.url + "/tokenize", json={"model": MODEL, "prompt": "hello"}).json()
     assert tok == httpx.post(a.url + "/tokenize", json={"model": MODEL, "prompt": "hello"}).json()
 
@@ -615,8 +625,8 @@ def test_a_stored_response_chain_follows_its_replica(cluster: Cluster, pair: lis
     router = cluster.router("--replica", a.url, "--replica", b.url, "--policy", "round_robin")
     c = client(router.url)
     greedy = dict(model=MODEL, max_output_tokens=4, temperature=0)
-    # A request id the replica cannot take (it uses one of its own): the router follows the one
-    # the replica answered with.
+    # A request id a replica could not take: the router takes one of its own, as a replica would,
+    # and follows the response named after it.
     previous = c.responses.create(input="Turn 0", extra_headers={"X-Request-Id": "not an id!"}, **greedy)
     assert previous.id != "resp_not an id!"
     owner = {u for u, r in replicas_view(router).items() if r["total_requests"] == 1}

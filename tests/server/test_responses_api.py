@@ -194,6 +194,18 @@ def test_what_it_cannot_honour_is_a_400(server, body, param) -> None:
         assert r.json()["error"]["param"] == param
 
 
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [({"return_token_ids": True}, "return_token_ids"), ({"resume": {"created_at": 1}}, "resume")],
+)
+def test_the_routers_fields_are_for_foreground_streams(server, extra, param) -> None:
+    """What a router sends to resume a stream (``server/responses_stream.py``): nothing else takes it."""
+    for mode in ({"stream": False}, {"stream": True, "background": True}):
+        r = httpx.post(server.url + "/v1/responses", json={"input": "x", **mode, **extra}, timeout=60)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param
+
+
 def test_the_routers_keys_count_this_replicas_prompt(client, server, tiny_llama: Path) -> None:
     from router.prompt_keys import TokenKeyer
 

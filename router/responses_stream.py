@@ -1,0 +1,146 @@
+"""Mid-stream failover for the Responses API: one response across replicas, as the client saw it begin.
+
+The router asks the replica for each chunk's token ids (``return_token_ids``): the replica then
+sends each chat chunk's events inside one ``ferry_chunk`` event with the chunk's token ids, and the
+chunk that ends the answer inside the same group as the events that end the response
+(``server/responses_stream.py``). So the router relays a token's text with its id, and the last
+token with ``response.completed``, or nothing of either; the tracker unpacks the groups.
+
+The tracker follows what the client has of the response, as the client assembles it: the
+``response.created`` body and each output item with its text, logprobs or arguments so far. When
+the replica dies part-way, the request goes to another replica with ``resume`` = the tokens sent,
+those items and the response's ``created_at``. The resumed replica goes on from there: it opens no
+second response (its id is the same: the replicas name a response after the request id, which the
+router sends them all), continues the open item under its id and output index or closes it, and
+ends with ``...done`` events and a ``response.completed`` that describe the whole answer (usage
+included), which it also stores. The tracker renumbers ``sequence_number`` so that it increases
+by one across the splice.
+
+A stream that cannot be resumed ends with an ``error`` event and ``response.failed`` (the output
+the client has), never with corrupt output.
+
+The tracker is pure (events in, events out); ``router/generation.py`` runs it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from router.messages_stream import GROUP_EVENT, unpack_group
+from router.sse import typed_event
+
+# The events after which a Responses stream has nothing more to say.
+_ENDS = frozenset({"response.completed", "response.incomplete", "response.failed", "error"})
+_DELTAS = frozenset(
+    {"response.output_text.delta", "response.reasoning_text.delta", "response.function_call_arguments.delta"}
+)
+
+
+class ResponsesTracker:
+    """The Responses API's counterpart of ``router.sse.StreamTracker`` (same attributes for the relay)."""
+
+    # The answer's last token travels in the group that ends the response: a stream is never
+    # finished without being done, so the relay never needs an end event of its own.
+    END_EVENT = b""
+    finished = False
+
+    def __init__(self) -> None:
+        self.router_logprobs = False  # never used here: the relay sets it per replica
+        self.token_ids: list[int] = []  # output tokens already sent to the client
+        self.ids_complete = True  # False once text came without ids: no exact resume
+        self.saw_token_ids_field = False
+        self.done = False  # the response's last event was sent
+        self.failovers = 0
+        self.content_choices = 0  # deltas relayed so far (the first one: TTFT)
+        self.response: dict[str, Any] | None = None  # as ``response.created`` gave it the client
+        self.items: dict[int, dict[str, Any]] = {}  # the client's output items by output_index
+        self.sent = 0  # events sent: the next one's sequence_number
+
+    def begin_failover(self) -> None:
+        self.failovers += 1
+
+    def resume_body(self, body: dict) -> dict:
+        """The request for the next replica: the same, resumed after what the client has (from the
+        start when it has not even the response's opening)."""
+        if self.response is None:
+            return dict(body)
+        resume = {
+            "token_ids": list(self.token_ids),
+            "output": self.output(),
+            "created_at": self.response.get("created_at"),
+        }
+        return {**body, "resume": resume}
+
+    def output(self) -> list[dict[str, Any]]:
+        return [self.items[i] for i in sorted(self.items)]
+
+    def process(self, event: bytes) -> bytes | None:
+        """The event(s) to send the client (without the trailing blank line), or None to drop it."""
+        obj = typed_event(event)
+        if obj is None:
+            return event
+        if obj["type"] != GROUP_EVENT:
+            if obj["type"] in _DELTAS and obj.get("delta"):
+                self.ids_complete = False  # a replica that does not group: its text has no ids
+            return self._one(obj)
+        ids, events = unpack_group(obj, self.token_ids)
+        self.saw_token_ids_field |= ids is not None
+        out = [self._one(e) for e in events]
+        return b"\n\n".join(out) if out else None
+
+    def error_event(self, message: str) -> bytes:
+        """What ends a stream that cannot go on: an ``error`` event, then ``response.failed`` with
+        the output the client has."""
+        events: list[dict[str, Any]] = [
+            {"type": "error", "code": "upstream_error", "message": message, "param": None}
+        ]
+        if self.response is not None:
+            failed = {
+                **self.response,
+                "status": "failed",
+                "error": {"code": "server_error", "message": message},
+                "output": self.output(),
+            }
+            events.append({"type": "response.failed", "response": failed})
+        return b"".join(self._one(e) + b"\n\n" for e in events)
+
+    def _one(self, obj: dict[str, Any]) -> bytes:
+        """One event as the client gets it: followed, and numbered in the client's sequence."""
+        kind = obj["type"]
+        self._follow(kind, obj)
+        obj["sequence_number"] = self.sent
+        self.sent += 1
+        return b"event: " + kind.encode() + b"\ndata: " + json.dumps(obj, ensure_ascii=False).encode()
+
+    def _follow(self, kind: str, obj: dict[str, Any]) -> None:
+        """Keep the client's view of the response up to date (what a resumed replica is given)."""
+        if kind in _ENDS:
+            self.done = True
+            return
+        if kind == "response.created" and isinstance(obj.get("response"), dict):
+            self.response = obj["response"]
+            return
+        index = obj.get("output_index")
+        if kind == "response.output_item.added" and isinstance(obj.get("item"), dict):
+            self.items[index] = obj["item"]
+            return
+        item = self.items.get(index) if isinstance(index, int) else None
+        if item is None:
+            return
+        if kind == "response.output_item.done" and isinstance(obj.get("item"), dict):
+            self.items[index] = obj["item"]
+        elif kind == "response.content_part.added" and isinstance(obj.get("part"), dict):
+            item.setdefault("content", []).append(obj["part"])
+        elif kind in _DELTAS and isinstance(obj.get("delta"), str):
+            self.content_choices += 1
+            if kind == "response.function_call_arguments.delta":
+                item["arguments"] = item.get("arguments", "") + obj["delta"]
+                return
+            content = item.setdefault("content", [])
+            if not content:  # reasoning text comes without a content part of its own
+                content.append({"type": "reasoning_text", "text": ""})
+            part = content[-1]
+            part["text"] = part.get("text", "") + obj["delta"]
+            if isinstance(obj.get("logprobs"), list):
+                part["logprobs"] = part.get("logprobs", []) + obj["logprobs"]

@@ -1,0 +1,309 @@
+"""A Responses API stream: chat chunks in, Responses events out (``POST /v1/responses``, ``stream``).
+
+``events`` turns the chat stream's chunks (``ChatChunks``) into ``response.created``,
+``response.output_item.added``, ``response.output_text.delta``, ..., ``response.completed``, each
+with its ``sequence_number``. The output items (``reasoning``, ``message``, ``function_call``) are
+written by ``_Output``, which whole answers share through the item builders below.
+
+For a router that may resume the stream elsewhere (``router/responses_stream.py``), two internal
+request fields change the stream, never its content:
+
+* ``return_token_ids``: each chat chunk's events travel inside one ``ferry_chunk`` event with the
+  chunk's token ids, and the chunk that ends the answer travels together with the events that end
+  the response (the closing ``...done`` events and ``response.completed``), so a router relays a
+  token's text with its id, and the last token with the end, or not at all.
+* ``resume``: the client already has the response (its ``created_at``), the output items so far
+  (``output``, the last ones possibly still in progress) and the text of ``token_ids``. The stream
+  then opens no second response: the open message or reasoning item goes on when the resumed text
+  is of its kind (same id and output index), else it is closed (the ``...done`` events the dead
+  replica never sent) and the next item takes the next index; an open function call goes on (a
+  resumed call comes without an id). The ``...done`` events, ``response.completed`` and the stored
+  response describe the whole answer, ``usage.output_tokens`` the resumed tokens included.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from server.protocol import ChatCompletionChunk, ChatStreamChoice, random_id
+from server.responses_store import event_frame
+from server.serving_common import stream_errors
+from server.serving_messages import GROUP_EVENT
+
+if TYPE_CHECKING:
+    from server.serving_responses import _Response
+
+Event = tuple[str, dict[str, Any]]  # kind, fields (the sequence number is added when framed)
+# Events and the token ids of the chunk they came from (None: not from a chunk).
+Unit = tuple[list[int] | None, list[Event]]
+
+
+def reasoning_item(text: str, status: str = "completed") -> dict[str, Any]:
+    return {
+        "type": "reasoning",
+        "id": f"rs_{random_id()}",
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}],
+        "status": status,
+    }
+
+
+def text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """An ``output_text`` content part; ``logprobs`` as OpenAI gives them (empty unless the request
+    included ``message.output_text.logprobs``)."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+
+
+def message_item(
+    text: str, status: str = "completed", logprobs: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    content = [text_part(text, logprobs)] if status == "completed" else []
+    return {
+        "type": "message",
+        "id": f"msg_{random_id()}",
+        "status": status,
+        "role": "assistant",
+        "content": content,
+    }
+
+
+def call_item(call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
+    return {
+        "type": "function_call",
+        "id": f"fc_{random_id()}",
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
+
+
+# A chat delta's text fields, the output item each goes to, and its Responses event.
+_TEXT_DELTAS = (
+    ("reasoning_content", "reasoning", "response.reasoning_text.delta"),
+    ("content", "message", "response.output_text.delta"),
+)
+
+
+class _Output:
+    """The response's output as it is written: closed items in ``built.output``, one open message or
+    reasoning item, and the function calls (closed when the answer ends). Each item's
+    ``output_index`` is its place among the items added, which is the order of the final output
+    (text after a call comes after it)."""
+
+    def __init__(self, built: _Response, want_logprobs: bool) -> None:
+        self.built = built
+        self.want_logprobs = want_logprobs
+        self.open_item: dict[str, Any] | None = None
+        self.text = ""  # the open item's
+        self.logprobs: list[dict[str, Any]] = []  # the open message's, as sent with its deltas
+        self.pending: list[dict[str, Any]] = []  # arrived with no text yet (a held-back partial character)
+        self.calls: dict[int, dict[str, Any]] = {}  # a chat tool call's index -> its item (+ output_index)
+        self.added = 0  # items added so far: the next one's output_index
+        self.open_index = 0  # the open item's
+        self.index_of: dict[str, int] = {}  # a closed item's id -> its output_index
+
+    def seed(self, items: list[dict[str, Any]]) -> None:
+        """Take over the output a client already has (a resumed stream)."""
+        self.added = len(items)
+        for position, item in enumerate(items):
+            if item.get("type") == "function_call":  # calls stay open until the answer ends
+                self.calls[len(self.calls)] = {**item, "output_index": position}
+            elif item.get("status") == "in_progress" and item.get("type") in ("message", "reasoning"):
+                part = (item.get("content") or [{}])[0]
+                self.open_item = {**item, "content": []}
+                self.text = part.get("text", "")
+                self.logprobs = list(part.get("logprobs") or [])
+                self.open_index = position
+            else:
+                self._closed(item, position)
+
+    def _closed(self, item: dict[str, Any], index: int) -> None:
+        self.built.output.append(item)
+        self.index_of[item["id"]] = index
+
+    def _add(self) -> int:
+        self.added += 1
+        return self.added - 1
+
+    def ordered(self) -> None:
+        """Put the closed items in ``output_index`` order (calls close last)."""
+        self.built.output.sort(key=lambda item: self.index_of[item["id"]])
+
+    def close_open(self) -> list[Event]:
+        item = self.open_item
+        if item is None:
+            return []
+        index = self.open_index
+        ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
+        if item["type"] == "message":
+            self.logprobs, self.pending = self.logprobs + self.pending, []
+            part = text_part(self.text, self.logprobs)
+            out: list[Event] = [
+                ("response.output_text.done", {**ids, "text": self.text, "logprobs": self.logprobs}),
+                ("response.content_part.done", {**ids, "part": part}),
+            ]
+            done = {**item, "status": "completed", "content": [part]}
+        else:
+            out = [("response.reasoning_text.done", {**ids, "text": self.text})]
+            done = {**item, "status": "completed", "content": [{"type": "reasoning_text", "text": self.text}]}
+        out.append(("response.output_item.done", {"output_index": index, "item": done}))
+        self._closed(done, index)
+        self.open_item, self.text, self.logprobs = None, "", []
+        return out
+
+    def start(self, kind: str) -> list[Event]:
+        out = self.close_open()
+        index = self.open_index = self._add()
+        if kind == "message":
+            item = message_item("", status="in_progress")
+            out.append(("response.output_item.added", {"output_index": index, "item": item}))
+            part = {"item_id": item["id"], "output_index": index, "content_index": 0, "part": text_part("")}
+            out.append(("response.content_part.added", part))
+        else:
+            item = {**reasoning_item("", status="in_progress"), "content": []}
+            out.append(("response.output_item.added", {"output_index": index, "item": item}))
+        self.open_item = item
+        return out
+
+    def feed(self, choice: ChatStreamChoice) -> list[Event]:
+        """The events of one chat choice delta."""
+        out: list[Event] = []
+        delta = choice.delta
+        if self.want_logprobs and choice.logprobs is not None and choice.logprobs.content:
+            if delta.content or not delta.reasoning_content:  # not a thought's tokens
+                self.pending += [t.model_dump() for t in choice.logprobs.content]
+        for field, kind, name in _TEXT_DELTAS:
+            piece = getattr(delta, field)
+            if not piece:
+                continue
+            if self.open_item is None or self.open_item["type"] != kind:
+                out += self.start(kind)
+            self.text += piece
+            extra: dict[str, Any] = {}
+            if kind == "message":  # a text delta carries its tokens' logprobs
+                extra["logprobs"], self.pending = self.pending, []
+                self.logprobs += extra["logprobs"]
+            ids = {
+                "item_id": self.open_item["id"],
+                "output_index": self.open_index,
+                "content_index": 0,
+            }
+            out.append((name, {**ids, "delta": piece, **extra}))
+        for tc in delta.tool_calls or []:
+            out += self.close_open()
+            call = self.calls.get(tc.index)
+            if call is None:
+                call = call_item(tc.id or "", tc.function.name or "", "", status="in_progress")
+                call["output_index"] = self._add()
+                self.calls[tc.index] = call
+                item = {k: v for k, v in call.items() if k != "output_index"}
+                out.append(
+                    ("response.output_item.added", {"output_index": call["output_index"], "item": item})
+                )
+            if tc.function.arguments:
+                call["arguments"] += tc.function.arguments
+                fields = {"item_id": call["id"], "output_index": call["output_index"]}
+                out.append(
+                    ("response.function_call_arguments.delta", {**fields, "delta": tc.function.arguments})
+                )
+        return out
+
+    def finish(self) -> list[Event]:
+        """The events that close every item (an empty answer still has its message)."""
+        out = self.close_open()
+        if not self.built.output and not self.calls:
+            out += self.start("message") + self.close_open()
+        for call in self.calls.values():
+            index = call.pop("output_index")
+            done = {**call, "status": "completed"}
+            fields = {"item_id": call["id"], "output_index": index, "arguments": call["arguments"]}
+            out.append(("response.function_call_arguments.done", fields))
+            out.append(("response.output_item.done", {"output_index": index, "item": done}))
+            self._closed(done, index)
+        self.ordered()
+        return out
+
+
+async def events(
+    built: _Response,
+    chunks: AsyncIterator[ChatCompletionChunk],
+    save: Callable[[], Awaitable[None]],
+    *,
+    want_logprobs: bool,
+    grouped: bool = False,
+    resumed: list[dict[str, Any]] | None = None,
+) -> AsyncIterator[bytes]:
+    """The chat stream's chunks as Responses events (``grouped``: each chunk's inside one
+    ``GROUP_EVENT``); ``resumed``: the output items the client already has. Closing this closes the
+    chat stream at once (its cleanup aborts the request in the engine), not whenever it is
+    garbage-collected."""
+    seq = -1
+
+    def next_seq() -> int:
+        nonlocal seq
+        seq += 1
+        return seq
+
+    try:
+        async for ids, unit in _translate(built, chunks, save, want_logprobs, resumed):
+            if grouped and ids is not None:
+                grouped_events = [{"type": k, "sequence_number": next_seq(), **f} for k, f in unit]
+                group = {"type": GROUP_EVENT, "token_ids": ids, "events": grouped_events}
+                yield f"event: {GROUP_EVENT}\ndata: {json.dumps(group, ensure_ascii=False)}\n\n".encode()
+                continue
+            for kind, fields in unit:
+                yield event_frame(kind, next_seq(), **fields)
+    finally:
+        await chunks.aclose()  # type: ignore[attr-defined]
+
+
+async def _translate(
+    built: _Response,
+    chunks: AsyncIterator[ChatCompletionChunk],
+    save: Callable[[], Awaitable[None]],
+    want_logprobs: bool,
+    resumed: list[dict[str, Any]] | None,
+) -> AsyncIterator[Unit]:
+    output = _Output(built, want_logprobs)
+    if resumed is not None:
+        output.seed(resumed)
+    else:
+        yield None, [("response.created", {"response": built.body()})]
+        built.status = "in_progress"  # a background response was queued until now
+        yield None, [("response.in_progress", {"response": built.body()})]
+    finish_reason = None
+    last: Unit = ([], [])  # the chunk that ends the answer: it goes out with the response's end
+    async with stream_errors() as failed:
+        async for chunk in chunks:
+            if chunk.usage is not None and not chunk.choices:
+                built.set_usage(chunk.usage.model_dump())
+                continue
+            ids: list[int] = []
+            out: list[Event] = []
+            for choice in chunk.choices:
+                ids += choice.token_ids or []
+                out += output.feed(choice)
+                finish_reason = choice.finish_reason or finish_reason
+            if any(choice.finish_reason is not None for choice in chunk.choices):
+                last = (ids, out)
+            elif out or ids:
+                yield ids, out
+    if failed.error is not None:
+        err = failed.error
+        end = last[1] + output.close_open()
+        output.ordered()
+        end.append(("error", {"code": err.code, "message": err.message, "param": err.param}))
+        built.status, built.error = "failed", {"code": err.code or "server_error", "message": err.message}
+        await save()  # a background response's record says how it ended
+        end.append(("response.failed", {"response": built.body()}))
+        yield None, end
+        return
+    end = last[1] + output.finish()
+    built.finish(finish_reason)
+    await save()  # before the last event: a client that continues the chain at once finds it
+    # "response.cancelled" (a cancelled background response) is ferry's: OpenAI names no event for it.
+    end.append((f"response.{built.status}", {"response": built.body()}))
+    yield last[0], end

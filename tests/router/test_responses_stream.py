@@ -1,0 +1,288 @@
+"""A Responses stream spliced across replicas, event by event: a replica's translation of chat
+chunks (``server/responses_stream.py``, grouped with token ids and resumed from what the client
+has) through the router's tracker (``router/responses_stream.py``), checked by the official SDK's
+stream accumulator, as a client would. The kinds of items a replica can be writing when it dies:
+reasoning, a message, a function call; and the stream that cannot go on."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from openai import omit
+from openai._models import construct_type
+from openai.lib.streaming.responses._responses import ResponseStreamState
+from openai.types.responses import ResponseStreamEvent
+
+from router.responses_stream import ResponsesTracker
+from router.sse import SSESplitter
+from server.protocol import (
+    ChatCompletionChunk,
+    ChatLogprobs,
+    ChatStreamChoice,
+    DeltaFunctionCall,
+    DeltaMessage,
+    DeltaToolCall,
+    TokenLogprob,
+    UsageInfo,
+)
+from server.responses_stream import events
+from server.serving_responses import ResponsesRequest, ResponsesResume, _Response
+
+
+def chunk(
+    ids: list[int], finish: str | None = None, logprobs: list | None = None, **delta
+) -> ChatCompletionChunk:
+    choice = ChatStreamChoice(
+        index=0,
+        delta=DeltaMessage(**delta),
+        finish_reason=finish,
+        token_ids=ids,
+        logprobs=ChatLogprobs(content=logprobs) if logprobs is not None else None,
+    )
+    return ChatCompletionChunk(id="c", created=0, model="m", choices=[choice])
+
+
+def usage(completion: int) -> ChatCompletionChunk:
+    info = UsageInfo(prompt_tokens=5, completion_tokens=completion, total_tokens=5 + completion)
+    return ChatCompletionChunk(id="c", created=0, model="m", choices=[], usage=info)
+
+
+def call(index: int, arguments: str, name: str | None = None) -> list[DeltaToolCall]:
+    fn = DeltaFunctionCall(name=name, arguments=arguments)
+    return [DeltaToolCall(index=index, id="call_1" if name else None, function=fn)]
+
+
+def replica(
+    chunks: list[ChatCompletionChunk], resume: dict | None = None, logprobs: bool = False
+) -> tuple[list[bytes], _Response]:
+    """A replica's SSE events for ``chunks`` (grouped, as a router asks), and the response it built."""
+    req = ResponsesRequest(
+        input="x",
+        stream=True,
+        return_token_ids=True,
+        resume=ResponsesResume(**resume) if resume is not None else None,
+    )
+    built = _Response(req, "m", "rid", store=True)
+
+    async def source():
+        for c in chunks:
+            yield c
+
+    async def save() -> None:
+        pass
+
+    async def run() -> list[bytes]:
+        resumed = req.resume.output if req.resume is not None else None
+        stream = events(built, source(), save, want_logprobs=logprobs, grouped=True, resumed=resumed)
+        return SSESplitter().feed(b"".join([f async for f in stream]))
+
+    return asyncio.run(run()), built
+
+
+def parse(sent: bytes) -> list[dict]:
+    """Events as the client reads them (each event's name checked against its data's type)."""
+    out = []
+    for one in SSESplitter().feed(sent + b"\n\n"):
+        head, data = one.split(b"\n", 1)
+        obj = json.loads(data[len(b"data: ") :])
+        assert head == b"event: " + obj["type"].encode()
+        out.append(obj)
+    return out
+
+
+def relay(tracker: ResponsesTracker, frames: list[bytes]) -> list[dict]:
+    return [e for frame in frames for e in parse(tracker.process(frame) or b"")]
+
+
+def splice(
+    first: list[ChatCompletionChunk],
+    dies_after: int,
+    second: list[ChatCompletionChunk],
+    logprobs: bool = False,
+):
+    """The client's events when the first replica dies after ``dies_after`` SSE events and the
+    second resumes from what the router was given; and what the second replica built."""
+    tracker = ResponsesTracker()
+    frames, _ = replica(first, logprobs=logprobs)
+    sent = relay(tracker, frames[:dies_after])
+    assert not tracker.done  # it died part-way
+    tracker.begin_failover()
+    resume = tracker.resume_body({"input": "x"})["resume"]
+    frames, built = replica(second, resume, logprobs)
+    return sent + relay(tracker, frames), tracker, built
+
+
+def sdk_final(client_events: list[dict]):
+    """The response the SDK's stream helper assembles (it raises on events it cannot accept)."""
+    state = ResponseStreamState(input_tools=omit, text_format=omit)
+    for e in client_events:
+        state.handle_event(construct_type(type_=ResponseStreamEvent, value=e))
+    return state._completed_response
+
+
+def test_a_resumed_reasoning_item_goes_on_then_its_message_opens() -> None:
+    first = [chunk([1], reasoning_content="a"), chunk([2], reasoning_content="b")]
+    # The resumed replica's reasoning goes on, then its answer: the message is the next item.
+    second = [chunk([3], reasoning_content="c"), chunk([4], content="Hi"), chunk([5], "stop"), usage(3)]
+    # created, in_progress, then groups: [added + delta "a"], [delta "b"]
+    client, tracker, built = splice(first, 4, second)
+    assert tracker.token_ids == [1, 2, 3, 4, 5] and tracker.done
+    assert [e["sequence_number"] for e in client] == list(range(len(client)))
+    kinds = [e["type"] for e in client]
+    assert kinds == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.delta",  # "c": the same item
+        "response.reasoning_text.done",
+        "response.output_item.done",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    reasoning_id = client[2]["item"]["id"]
+    assert {e["item_id"] for e in client if e["type"] == "response.reasoning_text.delta"} == {reasoning_id}
+    assert client[6]["text"] == "abc" and client[8]["output_index"] == 1
+    final = sdk_final(client)
+    assert final.id == "resp_rid" and [i.type for i in final.output] == ["reasoning", "message"]
+    assert final.output[0].id == reasoning_id and final.output[0].content[0].text == "abc"
+    assert final.output_text == "Hi" and final.usage.output_tokens == 5 and final.usage.total_tokens == 10
+    # What the resumed replica stores: the whole response.
+    assert built.body()["output"] == client[-1]["response"]["output"]
+
+
+def test_a_stream_resumed_twice_is_still_one_response() -> None:
+    tracker = ResponsesTracker()
+    frames, _ = replica([chunk([1], content="a"), chunk([2], content="b")])
+    client = relay(tracker, frames[:4])
+    tracker.begin_failover()
+    # The second replica dies too, after one more token.
+    frames, _ = replica([chunk([3], content="c"), chunk([4], content="d")], tracker.resume_body({})["resume"])
+    client += relay(tracker, frames[:1])
+    tracker.begin_failover()
+    resume = tracker.resume_body({})["resume"]
+    assert resume["token_ids"] == [1, 2, 3] and resume["output"][0]["content"][0]["text"] == "abc"
+    frames, built = replica([chunk([4], content="d"), chunk([5], "stop"), usage(2)], resume)
+    client += relay(tracker, frames)
+    assert [e["sequence_number"] for e in client] == list(range(len(client)))
+    final = sdk_final(client)
+    assert final.output_text == "abcd" and len(final.output) == 1 and final.usage.output_tokens == 5
+    assert built.body()["output"] == client[-1]["response"]["output"]
+
+
+def test_an_open_message_is_closed_when_the_resumed_text_is_a_call() -> None:
+    first = [chunk([1], content="Let me "), chunk([2], content="see")]
+    second = [
+        chunk([3, 4], tool_calls=call(0, '{"tz": "UTC"}', name="now")),
+        chunk([], "tool_calls"),
+        usage(2),
+    ]
+    client, _, _ = splice(first, 4, second)
+    kinds = [e["type"] for e in client]
+    # The message's done events the dead replica never sent, with its whole text, then the call.
+    at = kinds.index("response.output_text.done")
+    assert client[at]["text"] == "Let me see" and kinds[at + 3] == "response.output_item.added"
+    assert client[at + 3]["output_index"] == 1 and client[at + 3]["item"]["type"] == "function_call"
+    final = sdk_final(client)
+    assert [i.type for i in final.output] == ["message", "function_call"]
+    assert final.output_text == "Let me see" and final.output[1].arguments == '{"tz": "UTC"}'
+    assert final.output[1].call_id == "call_1"
+
+
+def test_logprobs_of_a_resumed_message_are_the_whole_answers() -> None:
+    def lp(token: str) -> list[TokenLogprob]:
+        return [TokenLogprob(token=token, logprob=-1.0)]
+
+    first = [chunk([1], content="a", logprobs=lp("a")), chunk([2], content="b", logprobs=lp("b"))]
+    second = [chunk([3], content="c", logprobs=lp("c")), chunk([], "stop"), usage(1)]
+    client, _, built = splice(first, 4, second, logprobs=True)
+    done = next(e for e in client if e["type"] == "response.output_text.done")
+    assert [t["token"] for t in done["logprobs"]] == ["a", "b", "c"] and done["text"] == "abc"
+    final = sdk_final(client)
+    assert [t.token for t in final.output[0].content[0].logprobs] == ["a", "b", "c"]
+    assert built.body()["output"][0]["content"][0]["logprobs"] == done["logprobs"]
+
+
+def test_a_resumed_function_call_goes_on_in_the_same_item() -> None:
+    first = [
+        chunk([1], tool_calls=call(0, '{"story": "Once', name="tell")),
+        chunk([2], tool_calls=call(0, " upon")),
+    ]
+    # A named call resumed: its deltas come without id or name (the client has them).
+    second = [chunk([3], tool_calls=call(0, ' a time"}')), chunk([4], "stop"), usage(2)]
+    client, _, _ = splice(first, 4, second)
+    added = [e for e in client if e["type"] == "response.output_item.added"]
+    assert len(added) == 1
+    deltas = {e["item_id"] for e in client if e["type"] == "response.function_call_arguments.delta"}
+    assert deltas == {added[0]["item"]["id"]}
+    final = sdk_final(client)
+    (item,) = final.output
+    assert (
+        item.arguments == '{"story": "Once upon a time"}' and item.name == "tell" and item.call_id == "call_1"
+    )
+    assert final.usage.output_tokens == 4
+
+
+def test_text_after_a_call_is_the_next_item_and_goes_on_there() -> None:
+    """A call stays open until the answer ends; text after it takes the next output index (not
+    the call's), also when a resumed replica continues it."""
+    first = [chunk([1], tool_calls=call(0, "{}", name="now")), chunk([2], content="x")]
+    client, _, built = splice(first, 4, [chunk([3], content="y"), chunk([4], "stop"), usage(2)])
+    added = [
+        (e["output_index"], e["item"]["type"]) for e in client if e["type"] == "response.output_item.added"
+    ]
+    assert added == [(0, "function_call"), (1, "message")]
+    assert {e["output_index"] for e in client if e["type"] == "response.output_text.delta"} == {1}
+    final = sdk_final(client)
+    assert [i.type for i in final.output] == ["function_call", "message"] and final.output_text == "xy"
+    assert [i["type"] for i in built.output] == ["function_call", "message"]
+
+
+def test_a_death_before_the_first_token_resumes_without_a_second_opening() -> None:
+    client, tracker, _ = splice(
+        [chunk([1], content="a")], 2, [chunk([1], content="a"), chunk([2], "stop"), usage(2)]
+    )
+    kinds = [e["type"] for e in client]
+    assert kinds.count("response.created") == 1 and kinds[-1] == "response.completed"
+    assert sdk_final(client).output_text == "a" and tracker.token_ids == [1, 2]
+
+
+def test_the_last_token_travels_with_the_end_of_the_response() -> None:
+    frames, _ = replica([chunk([1], content="a"), chunk([2], "length", content="b"), usage(2)])
+    last = json.loads(frames[-1].split(b"data: ", 1)[1])
+    assert last["type"] == "ferry_chunk" and last["token_ids"] == [2]
+    assert [e["type"] for e in last["events"]][0] == "response.output_text.delta"
+    assert [e["type"] for e in last["events"]][-1] == "response.incomplete"
+
+
+def test_a_stream_that_cannot_go_on_ends_failed_with_what_the_client_has() -> None:
+    tracker = ResponsesTracker()
+    frames, _ = replica([chunk([1], content="Hel"), chunk([2], content="lo"), chunk([3], "stop"), usage(3)])
+    client = relay(tracker, frames[:4])
+    client += parse(tracker.error_event("gone"))
+    assert [e["type"] for e in client][-2:] == ["error", "response.failed"]
+    assert [e["sequence_number"] for e in client] == list(range(len(client)))
+    failed = client[-1]["response"]
+    assert failed["id"] == "resp_rid" and failed["status"] == "failed"
+    assert (
+        failed["output"][0]["content"][0]["text"] == "Hello"
+        and failed["output"][0]["status"] == "in_progress"
+    )
+    state = ResponseStreamState(input_tools=omit, text_format=omit)
+    for e in client:  # accepted, with no completed response to give
+        state.handle_event(construct_type(type_=ResponseStreamEvent, value=e))
+    assert state._completed_response is None
+
+
+def test_text_from_a_replica_that_does_not_group_cannot_be_resumed() -> None:
+    tracker = ResponsesTracker()
+    delta = {"type": "response.output_text.delta", "item_id": "m", "output_index": 0, "content_index": 0}
+    relay(tracker, [f"event: x\ndata: {json.dumps({**delta, 'delta': 'a'})}".encode()])
+    assert not tracker.ids_complete and tracker.token_ids == []
