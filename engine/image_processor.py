@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,9 @@ from kvcache.keys import DIGEST_SIZE
 
 logger = logging.getLogger(__name__)
 
+# Processed images kept by their bytes' digest (a 336x336 LLaVA image is 1.3 MB of fp32 pixels).
+PROCESSED_CACHE_SIZE = 32
+
 # Images one request may carry (an engine-side bound; the server's --limit-mm-per-prompt is
 # usually lower).
 MAX_IMAGES_PER_REQUEST = 64
@@ -47,6 +52,10 @@ class ImageProcessor:
         if count < 1:
             raise ValueError(f"the model's processor does not expand {token!r} into image tokens")
         self.spec = ImageSpec(token, image_token_id, count)
+        # Images read from bytes, processed, by their bytes' digest: a multi-turn chat resends its
+        # images with every turn, and beam search sends them with every beam of every step.
+        self._processed: OrderedDict[bytes, ProcessedImage] = OrderedDict()
+        self._lock = threading.Lock()
         from_files = tokens_per_image_from_files(model_dir)
         if from_files != count:
             logger.warning(
@@ -71,16 +80,41 @@ class ImageProcessor:
                 raise ValueError(f"an image must be a PIL.Image, got {type(img).__name__}")
         if not images:
             return []
-        try:
-            pixels = self.processor.image_processor(images=images, return_tensors="pt")["pixel_values"]
-        except Exception as e:  # the processor's own checks (channels, sizes…)
-            raise ValueError(f"the image could not be processed: {type(e).__name__}: {e}") from None
-        out = []
-        for image, pixel_values in zip(images, pixels, strict=True):
-            pv = pixel_values.unsqueeze(0).contiguous()
-            digest = image.info.get(SOURCE_DIGEST_KEY)
-            out.append(ProcessedImage(pv, digest if isinstance(digest, bytes) else pixel_digest(pv)))
-        return out
+        out: list[ProcessedImage | None] = [self._cached(img) for img in images]
+        todo = [i for i, done in enumerate(out) if done is None]
+        if todo:
+            try:
+                pixels = self.processor.image_processor(
+                    images=[images[i] for i in todo], return_tensors="pt"
+                )["pixel_values"]
+            except Exception as e:  # the processor's own checks (channels, sizes…)
+                raise ValueError(f"the image could not be processed: {type(e).__name__}: {e}") from None
+            for i, pixel_values in zip(todo, pixels, strict=True):
+                pv = pixel_values.unsqueeze(0).contiguous()
+                digest = images[i].info.get(SOURCE_DIGEST_KEY)
+                if isinstance(digest, bytes):
+                    out[i] = self._keep(digest, ProcessedImage(pv, digest))
+                else:
+                    out[i] = ProcessedImage(pv, pixel_digest(pv))
+        return out  # type: ignore[return-value]
+
+    def _cached(self, image: Any) -> ProcessedImage | None:
+        digest = image.info.get(SOURCE_DIGEST_KEY)
+        if not isinstance(digest, bytes):
+            return None
+        with self._lock:
+            found = self._processed.get(digest)
+            if found is not None:
+                self._processed.move_to_end(digest)
+            return found
+
+    def _keep(self, digest: bytes, processed: ProcessedImage) -> ProcessedImage:
+        with self._lock:
+            self._processed[digest] = processed
+            self._processed.move_to_end(digest)
+            while len(self._processed) > PROCESSED_CACHE_SIZE:
+                self._processed.popitem(last=False)
+        return processed
 
     def prepare(self, ids: list[int], images: list[Any]) -> tuple[list[int], list[ImageInput]]:
         """The prompt with each image's placeholder run expanded, and its images' inputs in order

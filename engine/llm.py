@@ -16,6 +16,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.lora_request import LoRARequest
 from engine.media import MediaOptions, load_image, message_image_parts
+from engine.multimodal import expand_image_tokens
 from engine.outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
@@ -208,8 +209,17 @@ class LLM:
         self._check_ready()
         engine = self.engine
         searches = []
-        for prompt in _as_prompt_list(prompts):
+        images: list[list[Any]] = []  # each search's images, processed once for all its steps
+        for prompt in _as_prompt_list(prompts, images=True):
+            given: list[Any] = []
+            if isinstance(prompt, ImagePrompt):
+                prompt, given = prompt.prompt, list(prompt.images)
+            if not isinstance(prompt, (str, list)):
+                raise ValueError("prompt_embeds is taken by LLM.generate only")
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            if given or engine.image_processor is not None:
+                ids, given = self._with_images(ids, given)
+            images.append(given)
             if len(ids) + params.max_tokens > engine.max_model_len:
                 raise ValueError(
                     f"the prompt ({len(ids)} tokens) and max_tokens ({params.max_tokens}) exceed the "
@@ -217,15 +227,15 @@ class LLM:
                 )
             searches.append(BeamSearch(ids, params, engine.eos_token_ids, self.tokenizer))
         while True:
-            running = [s for s in searches if not s.done]
+            running = [(s, given) for s, given in zip(searches, images, strict=True) if not s.done]
             if not running:
                 break
             steps = []
-            for search in running:
+            for search, given in running:
                 step = search.step_params()
                 reqs = [
                     engine.make_request(
-                        f"llm-{next(self._ids)}", beam.tokens, step, lora_request=lora_request
+                        f"llm-{next(self._ids)}", beam.tokens, step, lora_request=lora_request, images=given
                     )
                     for beam in search.live
                 ]
@@ -238,6 +248,16 @@ class LLM:
             for search, reqs in steps:
                 search.advance([engine.post.final(req).outputs[0].logprobs[0] for req in reqs])
         return [search.finish() for search in searches]
+
+    def _with_images(self, ids: list[int], images: list[Any]) -> tuple[list[int], list[Any]]:
+        """A beam search prompt's ids with each image's placeholder run, and its images processed
+        (every step's requests take them as they are)."""
+        processor = self.engine.image_processor
+        if processor is None:
+            raise ValueError(
+                f"this model ({self.engine.model_config.architecture}) takes text only, not images"
+            )
+        return expand_image_tokens(ids, processor.spec, len(images)), processor.process(images)
 
     def get_tokenizer(self) -> Tokenizer:
         """The model's tokenizer (with its chat template), as vLLM's ``LLM.get_tokenizer``."""

@@ -153,6 +153,7 @@ async def _one(
             lora_request=seq.lora.request if seq.lora is not None else None,
             priority=seq.priority,
             cache_salt=seq.cache_salt,
+            images=seq.images,  # every step's prompt holds them (processed once: the engine keeps them)
         )
         async with contextlib.aclosing(gen):
             async for out in gen:

@@ -78,8 +78,6 @@ def _plan(
         req, state.tokenizer, state.config.trust_request_chat_template, state.config.chat
     )
     prompt_ids = with_image_runs(state, prompt_ids, len(images))
-    if images and req.use_beam_search:  # beam search's own requests leave the images out
-        raise bad_request("image inputs are not served with beam search", param="messages")
     resume = resume_token_ids(req, 1, limits)
     extra = block_extra(lora, req.cache_salt)
     # An image's pixels are part of its blocks' hashes, known once the engine has processed it: a

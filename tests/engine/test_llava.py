@@ -74,6 +74,23 @@ def test_processor_files_give_the_run_length(tiny_llava: Path, llm: LLM) -> None
     assert tokens_per_image_from_files(tiny_llava) == llm.engine.model_info.image.tokens_per_image == 16
 
 
+def test_images_read_from_bytes_are_processed_once(llm: LLM) -> None:
+    """Keyed by their bytes' digest: the same bytes again (a later turn, another beam) reuse the
+    processed pixels; an image given as a PIL.Image is processed each time (keyed by its pixels)."""
+    from engine.media import MediaOptions, load_image
+
+    processor = llm.engine.image_processor
+    buf = io.BytesIO()
+    image(40).save(buf, format="PNG")
+    data = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    first = processor.process([load_image(data, MediaOptions())])[0]
+    again = processor.process([load_image(data, MediaOptions())])[0]
+    assert again is first
+    given = image(40)
+    assert processor.process([given])[0] is not processor.process([given])[0]
+    assert processor.process([given])[0].digest != first.digest  # pixels vs bytes: another key
+
+
 def test_info_and_expansion(llm: LLM) -> None:
     spec = llm.engine.model_info.image
     assert spec == ImageSpec("<image>", IMAGE_ID, 16)

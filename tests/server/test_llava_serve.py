@@ -193,6 +193,36 @@ def test_media_domains_refuse_other_hosts_before_fetching(llava_server: ServerPr
     assert load_image(f"{origin}/a.png", allowed).size == (44, 36)
 
 
+def test_beam_search_over_an_image_prompt_equals_offline(
+    tiny_llava: Path, llava_server: ServerProcess
+) -> None:
+    """vLLM's use_beam_search with image parts: every beam of every step carries the images (processed
+    once: the engine keeps processed images by their bytes); the beams are the offline engine's."""
+    from engine.beam_search import BeamSearchParams
+
+    messages = image_message(data_url(png(8)))
+    prompt = httpx.post(llava_server.url + "/tokenize", json={"messages": messages}, timeout=30).json()[
+        "tokens"
+    ]
+    client = openai.OpenAI(base_url=llava_server.url + "/v1", api_key="x", max_retries=0)
+    r = client.chat.completions.create(
+        model=llava_server.model_name,
+        messages=messages,  # type: ignore[arg-type]
+        n=2,
+        max_tokens=5,
+        extra_body={"use_beam_search": True, "ignore_eos": True, "return_token_ids": True},
+    )
+    llm = LLM(str(tiny_llava), num_kv_blocks=64)
+    image = Image.open(io.BytesIO(png(8)))
+    beams = llm.beam_search(
+        [{"prompt_token_ids": prompt, "multi_modal_data": {"image": image}}],
+        BeamSearchParams(beam_width=2, max_tokens=5, ignore_eos=True),
+    )[0].sequences
+    assert prompt.count(1000) == 16  # /tokenize counts the expanded run
+    assert [c.token_ids for c in r.choices] == [b.tokens[len(prompt) :] for b in beams]
+    assert r.usage is not None and r.usage.prompt_tokens == len(prompt)
+
+
 def test_text_only_model_refuses_image_parts(server: ServerProcess) -> None:
     r = httpx.post(
         server.url + "/v1/chat/completions",
