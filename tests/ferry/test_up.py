@@ -152,7 +152,7 @@ mixed: {{replicas: 1, threads: 1, args: [--max-model-len, lots]}}
     )
     assert up.proc.wait(120) == 1
     out = up.output()
-    assert "[mixed-0] ferry serve: error: argument --max-model-len: invalid int value: 'lots'" in out
+    assert "[mixed-0] ferry serve: error: argument --max-model-len: invalid integer 'lots'" in out
     assert "[up] error: mixed-0 exited with exit code 2 before the cluster was ready" in out
     assert wait_gone(up.started_pids(), 5) == []
     assert len(up.started_pids()) == 2  # mixed-0 and the router
