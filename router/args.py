@@ -29,7 +29,11 @@ def add_router_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default="",
         help="the path prefix a proxy in front adds: routes and the API key match with or without it",
     )
-    p.add_argument("--api-key", default=None, help="Bearer key for the /admin API (and /v1 when set)")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="Bearer key for the /admin API (and /v1 when set; default: $FERRY_API_KEY, else $VLLM_API_KEY)",
+    )
     p.add_argument(
         "--allowed-origins",
         type=json_list,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, fields
 
 from engine.chat_template import resolve_chat_template
@@ -98,4 +99,7 @@ class RouterConfig:
                 values[key] = tuple(values[key])
         for key in ("prefill", "decode"):
             values[key] = tuple(values.get(key) or [])
+        from server.config import api_key_from  # (pydantic models: not at the router's import)
+
+        values["api_key"] = api_key_from(values.get("api_key"), os.environ)
         return cls(**values)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from dataclasses import fields
 from decimal import Decimal
 from pathlib import Path
@@ -105,7 +106,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "several, any is accepted and answers and metrics carry the first (as vLLM's)",
     )
     p.add_argument(
-        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize"
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize (default: "
+        "$FERRY_API_KEY, else vLLM's $VLLM_API_KEY)",
     )
     p.add_argument(
         "--register", default=None, help="redis://… to announce this replica to routers (heartbeat)"
@@ -457,7 +461,7 @@ def media_options(args: argparse.Namespace) -> MediaOptions:
 def server_config(args: argparse.Namespace) -> ServerConfig:
     """Raises ValueError for flags that contradict each other or do not parse."""
     from server.chat_defaults import chat_defaults
-    from server.config import ServerConfig
+    from server.config import ServerConfig, api_key_from
     from server.lora import parse_lora_modules
 
     lora_modules = parse_lora_modules(args.lora_modules)
@@ -469,7 +473,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         host=args.host,
         port=args.port,
         role=args.role,
-        api_key=args.api_key,
+        api_key=api_key_from(args.api_key, os.environ),
         max_queued_requests=args.max_queued_requests,
         request_timeout=args.request_timeout,
         max_request_bytes=args.max_request_bytes,

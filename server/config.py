@@ -3,12 +3,25 @@
 from __future__ import annotations
 
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from engine.media import MediaOptions
 from server.chat_defaults import ChatDefaults
 from server.protocol import MAX_N
 from server.vllm_flags import HttpOptions
+
+# Where an API key comes from when no --api-key is given (`ferry serve` and `ferry router` alike, so
+# a router started in the replicas' environment sends them the key they want): ferry's variable,
+# then vLLM's (its servers read VLLM_API_KEY). A secret in the environment stays out of `ps`.
+API_KEY_ENVS = ("FERRY_API_KEY", "VLLM_API_KEY")
+
+
+def api_key_from(flag: str | None, environ: Mapping[str, str]) -> str | None:
+    """The flag's key, else the first non-empty ``API_KEY_ENVS`` variable, else None."""
+    if flag:
+        return flag
+    return next((environ[name] for name in API_KEY_ENVS if environ.get(name)), None)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,10 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Servers and routers take an API key from these when no --api-key is given: the tests' processes
+# (which inherit this environment) must not find one the developer set.
+for _name in ("FERRY_API_KEY", "VLLM_API_KEY"):
+    os.environ.pop(_name, None)
 
 
 @pytest.fixture(scope="session")

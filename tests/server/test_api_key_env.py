@@ -1,0 +1,42 @@
+"""The API key from the environment (``FERRY_API_KEY``, else vLLM's ``VLLM_API_KEY``) when no
+``--api-key`` is given, for `ferry serve` and `ferry router` alike: a secret kept out of ``ps``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+
+from ferry.cli import build_parser
+from router.config import RouterConfig
+from server.config import api_key_from
+from tests.server.conftest import ServerProcess
+
+
+def test_flag_then_ferrys_variable_then_vllms() -> None:
+    env = {"FERRY_API_KEY": "f", "VLLM_API_KEY": "v"}
+    assert api_key_from("flag", env) == "flag"
+    assert api_key_from(None, env) == "f"
+    assert api_key_from(None, {"FERRY_API_KEY": "", "VLLM_API_KEY": "v"}) == "v"
+    assert api_key_from(None, {}) is None
+
+
+def test_the_router_reads_the_same_variables(monkeypatch) -> None:
+    monkeypatch.setenv("VLLM_API_KEY", "shared")
+    monkeypatch.delenv("FERRY_API_KEY", raising=False)
+    config = RouterConfig.from_args(build_parser().parse_args(["router", "--replica", "http://127.0.0.1:9"]))
+    assert config.api_key == "shared"
+    flagged = build_parser().parse_args(["router", "--replica", "http://127.0.0.1:9", "--api-key", "own"])
+    assert RouterConfig.from_args(flagged).api_key == "own"
+
+
+def test_serve_takes_vllms_variable(tiny_llama: Path, serve_logs: Path, monkeypatch) -> None:
+    monkeypatch.delenv("FERRY_API_KEY", raising=False)
+    srv = ServerProcess(tiny_llama, ["--num-kv-blocks", "16"], serve_logs).start(env={"VLLM_API_KEY": "vk"})
+    try:
+        assert httpx.get(srv.url + "/v1/models", timeout=10).status_code == 401
+        ok = httpx.get(srv.url + "/v1/models", headers={"Authorization": "Bearer vk"}, timeout=10)
+        assert ok.status_code == 200
+        assert httpx.get(srv.url + "/health", timeout=10).status_code == 200  # stays open
+    finally:
+        srv.stop()
