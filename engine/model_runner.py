@@ -102,7 +102,6 @@ class ModelRunner:
         self.max_model_len = config.max_model_len or limit
         self.block_size = config.block_size
         dummy = config.load_format == "dummy"
-        self.weights_id = weights_id(model_dir, config.hf_overrides, dummy)
         self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.attention_backend = resolve_backend_name(config.attention_backend, self.device.type)
         attention = get_attention_backend(
@@ -113,6 +112,8 @@ class ModelRunner:
         self._attention = attention
         self.model_dir = model_dir  # the checkpoint the weights came from (a weight update changes it)
         weights = read_weights(model_dir, cfg, self.dtype, self.device, config.hf_overrides, dummy)
+        # After the load: the tensor samples it reads are in the page cache by now.
+        self.weights_id = weights_id(model_dir, config.hf_overrides, dummy)
         # What a weight update must match (engine/weight_update.py).
         self.weight_signature = weight_signature(weights)
         # A classifier's ``score`` head [num_labels, hidden], kept fp32 (vLLM's default head dtype):
