@@ -162,7 +162,10 @@ def nginx_binary() -> str:
 
 
 GPU_OVERLAYS = {"disaggregated-gpu", "production"}
-SAMPLE_SECRETS = {("ferry-kv-tier", "url"): "rediss://default:s3cret@redis.example.com:6380/0"}
+SAMPLE_SECRETS = {
+    ("ferry-kv-tier", "url"): "rediss://default:s3cret@redis.example.com:6380/0",
+    ("ferry-api-key", "key"): "sample-api-key",
+}
 WORKLOAD_KINDS = ("Deployment", "StatefulSet", "Job")
 
 

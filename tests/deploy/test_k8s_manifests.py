@@ -42,6 +42,7 @@ from kubernetes import client
 
 from ferry.cli import build_parser
 from router.discovery_k8s import parse_k8s_url, replicas_from_slices
+from server.config import api_key_from
 
 
 @pytest.fixture(params=OVERLAYS)
@@ -323,6 +324,21 @@ def test_kv_tier_points_at_the_deployed_redis_or_the_secret(overlay: tuple[str, 
             assert maxmemory < to_bytes(redis_container["resources"]["limits"]["memory"])
             if name in GPU_OVERLAYS:
                 assert maxmemory >= 16 << 30  # a real model's blocks need room
+
+
+def test_production_guards_router_and_replicas_with_one_key(overlay: tuple[str, list[dict]]) -> None:
+    """The api-key component: the router and every replica take the same key from the Secret (as
+    FERRY_API_KEY, never on a command line); the other overlays run without one."""
+    name, docs = overlay
+    router = one(docs, "Deployment", "ferry-router")
+    keys = set()
+    for w in [router, *replica_pools(docs)]:
+        (container,) = ferry_containers(w)
+        env = env_of(container, docs, w["metadata"]["namespace"])
+        args = parsed_args(w, docs)
+        assert args.api_key is None  # not on the command line
+        keys.add(api_key_from(args.api_key, env))
+    assert keys == ({"sample-api-key"} if name == "production" else {None})
 
 
 def test_embedded_scripts_run(rendered: dict[str, list[dict]], tmp_path: Path) -> None:
