@@ -20,9 +20,9 @@ computed from the target's hidden state there and the request's real next token:
   from the KV tier, and the last position of a prefix-cache hit (its entry was computed with
   whichever token followed it there). The scheduler admits such a request with
   ``num_draft_computed`` before them, and its first ``follow`` runs the target again over those
-  positions for their hidden states (one forward beside the step; it rewrites the target's KV
-  there with what it holds, bit for bit in deterministic mode). A PD consumer thus pays a prefill
-  of the loaded prompt once more.
+  positions for their hidden states (beside the step, in forwards of at most the step's token
+  budget; it rewrites the target's KV there with what it holds, bit for bit in deterministic
+  mode). A PD consumer thus pays a prefill of the loaded prompt once more.
 
 A finished request's last entry is never computed; a later prefix hit on its last full block
 reads it stale. Entries that are wrong cost acceptance, never correctness: the target verifies
@@ -99,6 +99,8 @@ class MTPProposer(PagedDraft):
         self.device = runner.device
         self.kv_dtype = runner.kv_dtype
         self.max_model_len = runner.max_model_len
+        # Most tokens of one forward: what the CUDA activation reserve (engine/kv_budget.py) allows.
+        self._budget = runner.config.max_num_batched_tokens
         self.kv_caches: list[tuple[torch.Tensor, ...]] = []
         self._runner = runner  # its model and KV cache as they are at each step (weight updates, sleep)
         # The step's target hidden states, and each request's row of position 0 in them.
@@ -130,22 +132,26 @@ class MTPProposer(PagedDraft):
         if not segments:
             return
         recomputed = self._target_hidden(gaps) if gaps else None
-        previous: list[torch.Tensor] = []
+        rows: list[torch.Tensor] = []
         taken = 0
         for gap, lo, hi in pieces:
             if gap:
-                previous.append(recomputed[taken : taken + gap])  # type: ignore[index]
+                rows.append(recomputed[taken : taken + gap])  # type: ignore[index]
                 taken += gap
-            previous.append(hidden[lo:hi])
-        input_ids, positions, meta = parts.build_batch(segments, self.block_size, self.device)
-        self.model.forward_mtp(
-            input_ids, positions, torch.cat(previous), self.kv_caches[0][0], meta, self._embed()
-        )
+            rows.append(hidden[lo:hi])
+        previous = torch.cat(rows)
+        embed, cache = self._embed(), self.kv_caches[0][0]
+        for chunk, lo, hi in parts.split_batch(segments, self._budget):  # one forward but after a gap
+            input_ids, positions, meta = parts.build_batch(chunk, self.block_size, self.device)
+            self.model.forward_mtp(input_ids, positions, previous[lo:hi], cache, meta, embed)
 
     def _target_hidden(self, segments: list[parts.Segment]) -> torch.Tensor:
-        runner = self._runner
-        input_ids, positions, meta = parts.build_batch(segments, self.block_size, self.device)
-        return runner.model.forward(input_ids, positions, runner.kv_caches, meta)
+        """The target's hidden states over ``segments`` (whose KV it holds)."""
+        runner, out = self._runner, []
+        for chunk, _, _ in parts.split_batch(segments, self._budget):
+            input_ids, positions, meta = parts.build_batch(chunk, self.block_size, self.device)
+            out.append(runner.model.forward(input_ids, positions, runner.kv_caches, meta))
+        return torch.cat(out)
 
     def _embed(self) -> torch.Tensor:
         return self.model.embed if self.model.embed is not None else self._runner.model.embed

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
 from engine.demo import add_mtp_layer
-from engine.runner_parts import build_batch
+from engine.runner_parts import build_batch, split_batch
 from engine.sampling_params import StructuredOutputsParams
 from engine.spec_decode import SpeculativeConfig
 from tests.engine.test_draft_model import _counts, _drained
@@ -243,7 +243,11 @@ def test_chunks_hits_preemption_and_tier_loads_keep_the_layers_kv(mtp_model) -> 
     _drained(small)
     # A tier that holds the target's KV of the prompts' full blocks: the first step of each
     # recomputes the layer's entries for them.
-    loaded = LLM(str(mtp_model), num_kv_blocks=64, deterministic=True, speculative_config=_spec(2))
+    # 16 tokens a step: the recompute runs in forwards of 16.
+    loaded = LLM(
+        str(mtp_model), num_kv_blocks=64, deterministic=True, max_num_batched_tokens=16,
+        speculative_config=_spec(2),
+    )  # fmt: skip
     _attach(loaded, LatentCopyConnector(plain))
     drafts = _record_drafts(loaded)
     got = loaded.generate(PROMPTS, GREEDY)
@@ -251,6 +255,28 @@ def test_chunks_hits_preemption_and_tier_loads_keep_the_layers_kv(mtp_model) -> 
     assert [o.num_cached_tokens for o in got] == [32, 0, 48, 16]
     _the_references(drafts, ref)
     _drained(loaded)
+
+
+def test_a_partial_block_hit_keeps_the_layers_kv(mtp_model) -> None:
+    ref = Reference(mtp_model)
+    spec = LLM(str(mtp_model), num_kv_blocks=64, deterministic=True, speculative_config=_spec(2))
+    drafts = _record_drafts(spec)
+    prompt = list(range(300, 340))
+    first = spec.generate([prompt], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    # The next turn: its third block starts with the 12 tokens of the first one's cached partial block.
+    spec.generate([prompt + first[0].outputs[0].token_ids + [7, 8, 9]], GREEDY)
+    assert spec.engine.stats().partial_prefix_hits == 12
+    _the_references(drafts, ref)
+    _drained(spec)
+
+
+def test_recomputes_are_cut_into_forwards_of_the_step_budget() -> None:
+    segments = [([1, 2, 3], 5, [0]), ([4, 5, 6, 7, 8], 0, [1]), ([9], 2, [2])]
+    assert list(split_batch(segments, 4)) == [
+        ([([1, 2, 3], 5, [0]), ([4], 0, [1])], 0, 4),
+        ([([5, 6, 7, 8], 1, [1])], 4, 8),
+        ([([9], 2, [2])], 8, 9),
+    ]
 
 
 class LatentCopyConnector(CopyConnector):
