@@ -218,6 +218,7 @@ def test_every_draft_is_the_references(model, request) -> None:
 
 
 def _the_references(seen: dict[tuple[int, ...], list[int]], ref: Reference) -> None:
+    assert seen
     for history, drafts in seen.items():
         assert drafts == ref.drafts(list(history), len(drafts)), len(history)
 
