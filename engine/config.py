@@ -104,8 +104,9 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
-    # vLLM's: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, ...} or
-    # {"model": "/draft", "num_speculative_tokens": k} (a dict or its JSON text), held parsed
+    # vLLM's: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, ...},
+    # {"model": "/draft", "num_speculative_tokens": k} or {"method": "deepseek_mtp" (or "mtp"),
+    # "num_speculative_tokens": k} (a dict or its JSON text), held parsed
     # (engine/spec_decode.py SpeculativeConfig). None: no drafts.
     speculative_config: Any = None
     # The model creator's default sampling values (engine/generation_defaults.py), as vLLM's flags:

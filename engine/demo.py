@@ -388,6 +388,53 @@ def build_layer_draft(out_dir: str | os.PathLike, model_dir: str | os.PathLike, 
     return out
 
 
+def add_mtp_layer(
+    out_dir: str | os.PathLike, model_dir: str | os.PathLike, *, seed: int = 0, own_head: bool = True
+) -> Path:
+    """A copy of a DeepSeek-V3-style checkpoint with a multi-token-prediction layer appended, as
+    DeepSeek-V3's own (transformers has none to build): ``model.layers.{N}`` (N =
+    ``num_hidden_layers``) with ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm`` and a decoder
+    layer of the last one's shapes and names, random (norms and the router's bias copied), and
+    ``num_nextn_predict_layers: 1`` in config.json. ``own_head``: the layer also holds
+    ``embed_tokens`` and ``shared_head.head`` (copies of the target's, as DeepSeek-V3 ships them);
+    else the target's are used."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src, out = Path(model_dir), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = json.loads((src / "config.json").read_text())
+    config["num_nextn_predict_layers"] = 1
+    for path in src.iterdir():
+        if path.suffix != ".safetensors" and path.is_file():
+            (out / path.name).write_bytes(path.read_bytes())
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    weights: dict[str, torch.Tensor] = {}
+    for shard in sorted(src.glob("*.safetensors")):
+        weights.update(load_file(shard))
+    n, hidden = config["num_hidden_layers"], config["hidden_size"]
+    g = torch.Generator().manual_seed(seed)
+    dtype = weights["model.embed_tokens.weight"].dtype
+
+    def rand(shape: Sequence[int], std: float) -> torch.Tensor:
+        return (torch.randn(tuple(shape), generator=g) * std).to(dtype)
+
+    last, new = f"model.layers.{n - 1}.", f"model.layers.{n}."
+    for name, t in list(weights.items()):
+        if name.startswith(last):
+            kept = name.endswith(("norm.weight", "e_score_correction_bias"))
+            weights[new + name[len(last) :]] = t.clone() if kept else rand(t.shape, float(t.float().std()))
+    weights[new + "enorm.weight"] = torch.ones(hidden, dtype=dtype)
+    weights[new + "hnorm.weight"] = torch.ones(hidden, dtype=dtype)
+    weights[new + "shared_head.norm.weight"] = torch.ones(hidden, dtype=dtype)
+    weights[new + "eh_proj.weight"] = rand((hidden, 2 * hidden), (2 * hidden) ** -0.5)
+    if own_head:
+        weights[new + "embed_tokens.weight"] = weights["model.embed_tokens.weight"].clone()
+        weights[new + "shared_head.head.weight"] = weights["lm_head.weight"].clone()
+    save_file(weights, out / "model.safetensors")
+    return out
+
+
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 

@@ -51,7 +51,39 @@ if TYPE_CHECKING:
     from engine.scheduler import ScheduledRequest
 
 
-class DraftModel:
+class PagedDraft:
+    """A proposer's own paged KV cache beside the target's: same block size and block count,
+    indexed by the target's block tables (the draft model's, and the MTP layer's in engine/mtp.py).
+    The model runner sizes, allocates, copies and drops it with the target's."""
+
+    kv_config: ModelConfig  # the layers whose KV it holds
+    block_size: int
+    kv_dtype: torch.dtype
+    device: torch.device
+    model: Any  # what sleep mode moves between devices
+    max_model_len: int  # sequences longer than this get no drafts
+    kv_caches: list[tuple[torch.Tensor, ...]]
+
+    @property
+    def bytes_per_block(self) -> int:
+        return parts.kv_block_bytes(self.kv_config, self.block_size, self.kv_dtype)
+
+    def allocate(self, num_blocks: int) -> None:
+        self.kv_caches = parts.allocate_kv(
+            self.kv_config, num_blocks, self.block_size, self.kv_dtype, self.device
+        )
+
+    def follow(self, scheduled: list[ScheduledRequest], hidden: torch.Tensor) -> None:
+        """In the step's forward, after the target's (``hidden``: its output after the final norm):
+        compute what the step's positions need of this proposer's KV."""
+        raise NotImplementedError
+
+    def propose(self, batch: list[tuple[Request, int]], vocab: int) -> None:
+        """After sampling: ``k`` drafts for each ``(request, k)`` into its ``spec_token_ids``."""
+        raise NotImplementedError
+
+
+class DraftModel(PagedDraft):
     def __init__(self, runner: Any, spec: SpeculativeConfig, attention: Any) -> None:
         """Load the draft of ``spec`` beside ``runner``'s target (same dtype, device and attention
         backend). ValueError, naming the draft, when it cannot draft for the target."""
@@ -81,7 +113,7 @@ class DraftModel:
                 f"speculative_config max_model_len={spec.max_model_len} is more than the {limit} positions "
                 f"of the draft model ({source})"
             )
-        self.config = cfg
+        self.kv_config = cfg
         # Sequences longer than this get no drafts (vLLM's draft max_model_len).
         self.max_model_len = min(spec.max_model_len or limit, runner.max_model_len)
         self.block_size = runner.block_size
@@ -101,19 +133,11 @@ class DraftModel:
         )
         self.kv_caches: list[tuple[torch.Tensor, ...]] = []
 
-    @property
-    def bytes_per_block(self) -> int:
-        return parts.kv_block_bytes(self.config, self.block_size, self.kv_dtype)
-
-    def allocate(self, num_blocks: int) -> None:
-        self.kv_caches = parts.allocate_kv(
-            self.config, num_blocks, self.block_size, self.kv_dtype, self.device
-        )
-
     @torch.inference_mode()
-    def follow(self, scheduled: list[ScheduledRequest]) -> None:
+    def follow(self, scheduled: list[ScheduledRequest], hidden: torch.Tensor) -> None:
         """Compute the draft's KV for every position the step's target forward computes that it
-        does not hold yet (from each request's ``num_draft_computed``, below its ``max_model_len``)."""
+        does not hold yet (from each request's ``num_draft_computed``, below its ``max_model_len``).
+        ``hidden``, the target's output, is not needed: the draft reads tokens alone."""
         segments: list[parts.Segment] = []
         for s in scheduled:
             req = s.request
@@ -134,7 +158,11 @@ class DraftModel:
         """Set each request's ``spec_token_ids`` to the draft's greedy continuation of its tokens,
         ``k`` long for ``(request, k)``. The slots of positions ``num_tokens - 1`` to
         ``num_tokens + k - 2`` (the newest token and every draft but the last) must be allocated.
-        ``vocab``: the columns that are tokens (padded embedding rows are never drafted)."""
+        ``vocab``: the columns that are tokens (padded embedding rows are never drafted). Requests
+        with ``k`` 0 are left as they are."""
+        batch = [item for item in batch if item[1] > 0]
+        if not batch:
+            return
         # Longest first, so each round's requests are a prefix of the previous round's and its
         # input ids a slice of that round's drafts: the drafts stay on the device until the end.
         batch = sorted(batch, key=lambda item: -item[1])

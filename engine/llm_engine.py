@@ -99,6 +99,7 @@ class LLMEngine(EngineSleep):
             needs_every_row(self.pooling_type),
             config.max_loras if config.enable_lora else 0,
             config.scheduling_policy == "priority",
+            draft_hit_lag=1 if getattr(config.speculative_config, "method", None) == "mtp" else 0,
         )
         self.scheduler = Scheduler(sched_cfg, self.block_manager, self.connector)
         self.loras: LoRACache | None = None
@@ -475,7 +476,7 @@ class LLMEngine(EngineSleep):
                 self.scheduler.finish(req, req.finish_reason)
                 self.requests.pop(req.request_id, None)
                 out = self.post.finalize(req, out)
-            elif self._propose is not None and req.grammar is None:  # structured outputs: no drafts
+            elif self._propose is not None:
                 drafting.append(req)
             outputs.append(out)
         if drafting:
@@ -508,7 +509,10 @@ class LLMEngine(EngineSleep):
 
     def _room(self, req: Request) -> int:
         """Most drafts a request's next step may verify: its tokens then, drafts and the token
-        drawn after them, stay within ``max_tokens`` and ``max_model_len``."""
+        drawn after them, stay within ``max_tokens`` and ``max_model_len``. None under structured
+        outputs (whose grammar would have to walk the drafts)."""
+        if req.grammar is not None:
+            return 0
         return (
             min((req.params.max_tokens or 0) - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
         )
@@ -528,7 +532,8 @@ class LLMEngine(EngineSleep):
     def _propose_draft(self, requests: list[Request]) -> None:
         """The draft model's drafts for the requests, in one batch. It feeds each request's newest
         token and every draft but the last: their slots are allocated now (vLLM's lookahead
-        slots), and where blocks are short a request gets only the drafts its blocks hold."""
+        slots), and where blocks are short a request gets only the drafts its blocks hold. Requests
+        without room go too, with no drafts: the MTP layer (engine/mtp.py) completes their entries."""
         draft, bm = self.model_runner.draft, self.block_manager
         k_max, bs = self.config.speculative_config.num_speculative_tokens, self.config.block_size
         batch: list[tuple[Request, int]] = []
@@ -539,10 +544,8 @@ class LLMEngine(EngineSleep):
             k = min(self._room(req), k_max, draft.max_model_len - newest)  # type: ignore[union-attr]
             if k > 0 and not bm.may_append(req.block_table, newest + k):
                 k = len(req.block_table) * bs - newest
-            if k > 0:
-                batch.append((req, k))
-        if batch:
-            draft.propose(batch, self.sampling_vocab_size)  # type: ignore[union-attr]
+            batch.append((req, max(k, 0)))
+        draft.propose(batch, self.sampling_vocab_size)  # type: ignore[union-attr]
 
     def _finish_pooled(self, model_out: ModelOutput) -> list[RequestOutput]:
         """Pooling requests whose prompt was computed this step end with their embedding."""

@@ -19,13 +19,14 @@ from engine.attention import AttentionMetadata, get_attention_backend, resolve_b
 from engine.attention.base import FP8_DTYPES
 from engine.classifier import ClassifierInfo, is_classifier
 from engine.config import EngineConfig
-from engine.draft_model import DraftModel
+from engine.draft_model import DraftModel, PagedDraft
 from engine.kv_budget import CPU_DEFAULT_BYTES, cuda_kv_bytes
 from engine.lora import DeviceAdapters
 from engine.models.config import ModelConfig, read_hf_config
 from engine.models.kv_scales import KVScales, scales_digest, take_kv_scales
 from engine.models.loader import resolve_dtype, weights_id
 from engine.models.registry import get_model_class
+from engine.mtp import MTPProposer
 from engine.ops import select_ops
 from engine.runner_parts import (
     Segment,
@@ -140,12 +141,15 @@ class ModelRunner:
         # Whether a step may replace token embeddings (images, prompt embeddings): decided once here.
         self.replaces_embeddings = self.takes_images or config.enable_prompt_embeds
         self.lora_adapters = DeviceAdapters(self.device, config.max_loras) if config.enable_lora else None
-        # A draft model (engine/draft_model.py) is loaded before the block count is decided: its
-        # weights are resident then, and its KV takes a share of every block's bytes.
-        self.draft: DraftModel | None = None
+        # A draft model (engine/draft_model.py) or the MTP layer (engine/mtp.py) is loaded before the
+        # block count is decided: its weights are resident then, and its KV takes a share of every
+        # block's bytes.
+        self.draft: PagedDraft | None = None
         spec = config.speculative_config
         if spec is not None and spec.method == "draft_model":
             self.draft = DraftModel(self, spec, attention)
+        elif spec is not None and spec.method == "mtp":
+            self.draft = MTPProposer(self, attention)
         self.num_kv_blocks = self._num_kv_blocks()
         self.kv_caches: list[tuple[torch.Tensor, ...]] = []
         self.allocate_kv_cache()
@@ -368,7 +372,7 @@ class ModelRunner:
         else:
             hidden = self.model.forward(input_ids, positions, self.kv_caches, meta, inputs_embeds=embeds)
         if self.draft is not None:
-            self.draft.follow(out.scheduled)
+            self.draft.follow(out.scheduled, hidden)
         rows: list[int] = []
         sampling: list[ScheduledRequest] = []
         prompt: list[PromptLogits] = []

@@ -3,6 +3,7 @@ weights, sizing and allocating a paged KV cache, and laying requests out as one 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -64,6 +65,26 @@ def build_batch(
     input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
     positions = torch.tensor(pos, dtype=torch.long, device=dev)
     return input_ids, positions, meta
+
+
+def split_batch(segments: list[Segment], budget: int) -> Iterator[tuple[list[Segment], int, int]]:
+    """The segments laid out back to back, cut into forwards of at most ``budget`` tokens (a segment
+    may be cut: its later piece starts where the earlier one ended, whose KV is then stored): each
+    forward's segments and the rows ``[first, end)`` of the whole layout it covers."""
+    chunk: list[Segment] = []
+    first = row = 0
+    for tokens, start, table in segments:
+        lo = 0
+        while lo < len(tokens):
+            take = min(len(tokens) - lo, budget - (row - first))
+            chunk.append((tokens[lo : lo + take], start + lo, table))
+            lo += take
+            row += take
+            if row - first == budget:
+                yield chunk, first, row
+                chunk, first = [], row
+    if chunk:
+        yield chunk, first, row
 
 
 def read_weights(

@@ -67,6 +67,10 @@ class SchedulerConfig:
     # vLLM's --scheduling-policy priority: queues in (priority, arrival) order instead of arrival
     # order, and a request may preempt running ones of a lower priority (a larger value).
     priority: bool = False
+    # Positions of a prefix hit or tier load whose draft KV the proposer holds none of besides those
+    # it computed: 1 for the MTP layer (engine/mtp.py), whose entry at a position also depends on
+    # the next token, so the last one hit was computed for whichever token followed it there.
+    draft_hit_lag: int = 0
 
 
 @dataclass
@@ -429,7 +433,9 @@ class Scheduler:
             req.num_registered_blocks = num_hit
         req.num_computed_tokens = cached_tokens
         # A draft model holds KV for what this engine computed, not for what the tier loaded.
-        req.num_draft_computed = num_hit * bs if num_ext else cached_tokens
+        req.num_draft_computed = max(
+            0, (num_hit * bs if num_ext else cached_tokens) - self.config.draft_hit_lag
+        )
         self._count_admission(req, cached_tokens)
         req.status = RequestStatus.RUNNING
         return n
@@ -503,7 +509,8 @@ class Scheduler:
                 req.block_table, req.token_ids, p.hashes[:keep], p.num_hit
             )
             req.num_computed_tokens = keep * bm.block_size
-            req.num_draft_computed = p.num_hit * bm.block_size  # the tier's blocks hold no draft KV
+            # The tier's blocks hold no draft KV.
+            req.num_draft_computed = max(0, p.num_hit * bm.block_size - self.config.draft_hit_lag)
             if req.num_preemptions == 0:
                 req.num_cached_tokens = req.num_computed_tokens
                 self.prefix_cache_hits += req.num_computed_tokens

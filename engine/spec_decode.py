@@ -1,11 +1,14 @@
-"""Speculative decoding, as vLLM's ``speculative_config``: n-gram ("prompt lookup") or a draft model.
+"""Speculative decoding, as vLLM's ``speculative_config``: n-gram ("prompt lookup"), a draft model,
+or the target's own multi-token-prediction layer.
 
 After a request samples a token, a proposer drafts up to ``num_speculative_tokens`` tokens. The
 n-gram proposer (``{"method": "ngram"}``) looks for the latest earlier occurrence of its last n
 tokens (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``) in its own prompt and output,
 and proposes the tokens that followed it. The draft model (``{"model": "/path"}``, method
 ``draft_model``; engine/draft_model.py) is a smaller model with the target's vocabulary that
-proposes its greedy continuation, one token per forward pass. The next step computes
+proposes its greedy continuation, one token per forward pass. ``{"method": "mtp"}`` (vLLM's
+``deepseek_mtp``, the older name, is accepted too; engine/mtp.py) drafts with the checkpoint's
+DeepSeek-V3 multi-token-prediction layer, fed the target's hidden states. The next step computes
 the request's last token and the drafts in one chunk, and samples a token at every one of those
 positions, each under the history the drafts before it imply.
 
@@ -30,9 +33,11 @@ from array import array
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "mtp")
+# vLLM's method names for a DeepSeek-V3-style MTP layer: the older one means the same.
+_MTP_NAMES = ("mtp", "deepseek_mtp")
 # Other methods vLLM knows, refused by name (they need heads or layers ferry does not load).
-_MODEL_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "deepseek_mtp", "suffix")
+_MODEL_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "suffix")
 _NGRAM_FIELDS = ("prompt_lookup_max", "prompt_lookup_min")
 _DRAFT_FIELDS = ("model", "draft_tensor_parallel_size", "quantization", "max_model_len")
 
@@ -72,15 +77,24 @@ class SpeculativeConfig:
         method = spec.get("method", "draft_model" if spec.get("model") is not None else "ngram")
         if method in _MODEL_METHODS:
             raise ValueError(
-                f"speculative_config method {method!r} is not supported (ferry drafts with: ngram, draft_model)"
+                f"speculative_config method {method!r} is not supported (ferry drafts with: ngram, "
+                "draft_model, mtp)"
             )
+        if method in _MTP_NAMES:
+            method = "mtp"
         if method not in METHODS:
-            raise ValueError(f"speculative_config method must be 'ngram' or 'draft_model', got {method!r}")
+            raise ValueError(
+                f"speculative_config method must be 'ngram', 'draft_model' or 'mtp', got {method!r}"
+            )
         if method == "draft_model":
             return cls._parse_draft(spec)
         extra = [name for name in _DRAFT_FIELDS if spec.get(name) is not None]
         if extra:
             raise ValueError(f"speculative_config {', '.join(extra)}: only for method 'draft_model'")
+        if method == "mtp":
+            extra = [name for name in _NGRAM_FIELDS if spec.get(name) is not None]
+            if extra:
+                raise ValueError(f"speculative_config {', '.join(extra)}: only for method 'ngram'")
         values = {}
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
             value = spec.get(name)
@@ -89,6 +103,8 @@ class SpeculativeConfig:
             values[name] = value
         if values["num_speculative_tokens"] is None:
             raise ValueError("speculative_config needs num_speculative_tokens")
+        if method == "mtp":
+            return cls("mtp", values["num_speculative_tokens"])
         high, low = values["prompt_lookup_max"], values["prompt_lookup_min"]
         if high is None and low is None:
             high = low = cls.prompt_lookup_max

@@ -352,7 +352,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help='speculative decoding, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 3, '
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' drafts tokens from earlier context, '
         '\'{"model": "DRAFT_DIR", "num_speculative_tokens": 3}\' with a smaller model of the same '
-        "vocabulary; drafts are verified in the next step (outputs are unchanged)",
+        'vocabulary, \'{"method": "deepseek_mtp", "num_speculative_tokens": 1}\' with a DeepSeek-V3 '
+        "checkpoint's multi-token-prediction layer; drafts are verified in the next step (outputs are "
+        "unchanged)",
     )
     p.add_argument(
         "--generation-config",

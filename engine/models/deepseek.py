@@ -60,6 +60,12 @@ class DeepseekForCausalLM:
         self.cos_sin_cache = build_cos_sin_cache(
             mla.qk_rope_head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device
         )
+        self._load(weights, kv_scales)
+
+    def _load(self, weights: Weights, kv_scales: KVScales | None) -> None:
+        """Take the layers this model runs from ``weights`` (the MTP layer takes its own instead,
+        engine/models/deepseek_mtp.py)."""
+        cfg = self.cfg
         self.embed, self.norm, self.lm_head = take_embeddings(weights, cfg)
         self.layers = [self._layer(weights, i) for i in range(cfg.num_layers)]
         # The fp8 latent cache's scale per layer: the layer's k_scale (values are the latent too).
@@ -121,14 +127,31 @@ class DeepseekForCausalLM:
         hidden = F.embedding(input_ids, self.embed) if inputs_embeds is None else inputs_embeds
         residual: torch.Tensor | None = None
         for layer, (kv_cache,), kv_scale in zip(self.layers, kv_caches, self.kv_scales, strict=True):
-            x, residual = ops.rms_norm(hidden, layer["in_norm"], eps, residual)
-            if residual is None:
-                residual = hidden
-            hidden = self._attention(x, positions, layer, kv_cache, kv_scale, meta)
-            x, residual = ops.rms_norm(hidden, layer["post_norm"], eps, residual)
-            hidden = self.moe_mlp.forward(x, layer) if "router" in layer else self._mlp(x, layer)
+            hidden, residual = self._decoder_layer(
+                hidden, residual, positions, layer, kv_cache, kv_scale, meta
+            )
         out, _ = ops.rms_norm(hidden, self.norm, eps, residual)
         return out
+
+    def _decoder_layer(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        layer: dict,
+        kv_cache: torch.Tensor,
+        kv_scale: float,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer: (its output, the residual stream before it; their sum is the layer's result)."""
+        ops, eps = self.ops, self.cfg.rms_norm_eps
+        x, residual = ops.rms_norm(hidden, layer["in_norm"], eps, residual)
+        if residual is None:
+            residual = hidden
+        hidden = self._attention(x, positions, layer, kv_cache, kv_scale, meta)
+        x, residual = ops.rms_norm(hidden, layer["post_norm"], eps, residual)
+        hidden = self.moe_mlp.forward(x, layer) if "router" in layer else self._mlp(x, layer)
+        return hidden, residual
 
     def _attention(
         self,

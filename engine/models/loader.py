@@ -137,11 +137,13 @@ def load_weights(
     renames: tuple[tuple[str, str], ...] = (),
     fp8_block: tuple[int, int] | None = None,
     quant: WeightQuant | None = None,
+    layer: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Every tensor in ``dtype``, except names ending with one of ``keep_fp32`` (a router's
     weights, which transformers also keeps in fp32 whatever the model dtype). Layers from
     ``num_layers`` on are not read: checkpoints append extra ones that the decoder does not run
     (DeepSeek-V3's multi-token-prediction layer, ``model.layers.61``, holds ~11B parameters).
+    With ``layer``, only ``model.layers.{layer}.…`` is read (that MTP layer, for engine/mtp.py).
     ``renames`` maps name prefixes (a multimodal checkpoint's ``language_model.model.`` to
     ``model.``); with renames, tensors matching none of them (a vision tower) are not read.
     With ``fp8_block``, fp8 weights are dequantized with their ``…weight_scale_inv`` (one scale per
@@ -159,6 +161,8 @@ def load_weights(
             for stored in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 name = _rename(stored, renames)
                 if name is None or (num_layers is not None and _layer_index(name) >= num_layers):
+                    continue
+                if layer is not None and _layer_index(name) != layer:
                     continue
                 tensor = f.get_tensor(stored)
                 if fp8_block is not None and (tensor.dtype in _FP8 or name.endswith("_scale_inv")):
