@@ -31,6 +31,7 @@ the step's token budget; the CUDA activation reserve (engine/kv_budget.py) count
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -51,7 +52,7 @@ if TYPE_CHECKING:
     from engine.scheduler import ScheduledRequest
 
 
-class PagedDraft:
+class PagedDraft(ABC):
     """A proposer's own paged KV cache beside the target's: same block size and block count,
     indexed by the target's block tables (the draft model's, and the MTP layer's in engine/mtp.py).
     The model runner sizes, allocates, copies and drops it with the target's."""
@@ -73,14 +74,14 @@ class PagedDraft:
             self.kv_config, num_blocks, self.block_size, self.kv_dtype, self.device
         )
 
+    @abstractmethod
     def follow(self, scheduled: list[ScheduledRequest], hidden: torch.Tensor) -> None:
         """In the step's forward, after the target's (``hidden``: its output after the final norm):
         compute what the step's positions need of this proposer's KV."""
-        raise NotImplementedError
 
+    @abstractmethod
     def propose(self, batch: list[tuple[Request, int]], vocab: int) -> None:
         """After sampling: ``k`` drafts for each ``(request, k)`` into its ``spec_token_ids``."""
-        raise NotImplementedError
 
 
 class DraftModel(PagedDraft):
