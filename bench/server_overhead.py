@@ -237,7 +237,14 @@ def start_server(
     ]
     log = open(log_path, "w")  # noqa: SIM115 - lives as long as the server
     proc = subprocess.Popen(
-        cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)}
+        cmd,
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        },
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
@@ -444,6 +451,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--num-threads", type=int, default=2)
     p.add_argument("--num-kv-blocks", type=int, default=2048)
+    p.add_argument("--device", default="cpu", help="engine device: cpu | cuda | auto")
+    p.add_argument("--dtype", default="auto", help="engine dtype (auto: the checkpoint's)")
     p.add_argument("--repeats", type=int, default=3, help="alternate the modes this many times")
     p.add_argument(
         "--api-server-count",
@@ -465,6 +474,8 @@ def main(argv: list[str] | None = None) -> int:
         "num_threads": args.num_threads,
         "num_kv_blocks": args.num_kv_blocks,
         "max_num_seqs": max(args.concurrency),
+        "device": args.device,
+        "dtype": args.dtype,
     }
 
     out = Path(args.out)

@@ -15,7 +15,8 @@ from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 
 # Triton's kernels run in its interpreter on a machine without a GPU; set before triton is imported.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+if not torch.cuda.is_available():  # never force the interpreter onto a real GPU run
+    os.environ["TRITON_INTERPRET"] = "1"
 
 PROMPT = [(11 * i + 5) % 900 + 10 for i in range(64)]
 # Chunks of 16: each later chunk's prompt logprobs read the earlier chunks from the cache.
