@@ -33,6 +33,7 @@ from router.relay import (
 from router.replica import Replica
 from router.responses_stream import ResponsesTracker
 from router.sse import SSESplitter, StreamTracker
+from server.error_types import error_type
 
 Tracker = StreamTracker | MessagesTracker | ResponsesTracker
 
@@ -281,7 +282,7 @@ def _with_token_ids(replica: Replica, base: dict) -> tuple[bytes, bool]:
 
 
 def _stream_error(message: str) -> bytes:
-    return b"data: " + error_body(message, "upstream_error", 502) + b"\n\ndata: [DONE]\n\n"
+    return b"data: " + error_body(message, error_type(502), 502) + b"\n\ndata: [DONE]\n\n"
 
 
 def _messages_error(message: str) -> bytes:

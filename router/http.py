@@ -11,6 +11,8 @@ import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from server.error_types import error_type
+
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -57,21 +59,6 @@ def error_body(message: str, type_: str, code: int | str | None = None, param: s
     return json.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}}).encode()
 
 
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    431: "invalid_request_error",
-    502: "upstream_error",
-    503: "service_unavailable",
-    504: "timeout_error",
-}
-
-
 async def send_bytes(
     send: Send,
     status: int,
@@ -99,7 +86,7 @@ async def send_error(
     headers: list[tuple[bytes, bytes]] | None = None,
     code: int | str | None = None,
 ) -> None:
-    body = error_body(message, _ERROR_TYPES.get(status, "server_error"), code if code is not None else status)
+    body = error_body(message, error_type(status), code if code is not None else status)
     await send_bytes(send, status, body, headers)
 
 

@@ -56,6 +56,7 @@ from router.pool import Pool
 from router.prompt_keys import PromptKeyer
 from router.relay import TRANSPORT_ERRORS, Failed, Opened, ProxyCall, response_headers, with_request_id
 from router.replica import Replica
+from server.error_types import error_type
 
 
 class LocalPrefill(Exception):
@@ -313,4 +314,4 @@ class PDOrchestrator:
 
 
 def _error_event(message: str) -> bytes:
-    return b"data: " + error_body(message, "upstream_error", 502) + b"\n\ndata: [DONE]\n\n"
+    return b"data: " + error_body(message, error_type(502), 502) + b"\n\ndata: [DONE]\n\n"

@@ -33,6 +33,7 @@ from router.replica import Replica
 from router.response_affinity import is_batch_path
 from router.retry import RetryPolicy, counts_as_replica_failure
 from router.upstream import ConnectError, Response, UpstreamClient, UpstreamError, UpstreamTimeout
+from server.error_types import error_type
 
 TRANSPORT_ERRORS = (UpstreamError,)
 BodyFor = Callable[[Replica], tuple[bytes, bool]]
@@ -163,13 +164,13 @@ class Relay:
             return await self.client.request(call.method, replica.url, call.url_path, call.headers, body)
         except ConnectError as e:
             replica.on_connect_error(self.clock())
-            return Failed(502, error_body(f"replica {replica.url} unreachable: {e}", "upstream_error", 502))
+            return Failed(502, error_body(f"replica {replica.url} unreachable: {e}", error_type(502), 502))
         except UpstreamTimeout:
             replica.on_request_failure(self.clock())
-            return Failed(504, error_body(f"replica {replica.url} timed out", "timeout_error", 504))
+            return Failed(504, error_body(f"replica {replica.url} timed out", error_type(504), 504))
         except UpstreamError as e:
             replica.on_request_failure(self.clock())
-            return Failed(502, error_body(f"replica {replica.url} failed: {e}", "upstream_error", 502))
+            return Failed(502, error_body(f"replica {replica.url} failed: {e}", error_type(502), 502))
 
     def _acquire(self, replica: Replica, tokens: int, now: float) -> None:
         replica.acquire(tokens, now)

@@ -21,26 +21,12 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from server.error_types import error_type
 from server.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger("ferry.server")
 
 M = TypeVar("M", bound=BaseModel)
-
-_TYPE_BY_STATUS = {
-    400: "BadRequestError",
-    401: "AuthenticationError",
-    403: "PermissionDeniedError",
-    404: "NotFoundError",
-    405: "MethodNotAllowedError",
-    408: "TimeoutError",
-    413: "RequestTooLargeError",
-    415: "UnsupportedMediaTypeError",
-    429: "RateLimitError",
-    499: "ClientClosedRequest",
-    500: "InternalServerError",
-    503: "ServiceUnavailableError",
-}
 
 
 class APIError(Exception):
@@ -64,9 +50,7 @@ class APIError(Exception):
 
     @property
     def type(self) -> str:
-        return _TYPE_BY_STATUS.get(
-            self.status, "BadRequestError" if self.status < 500 else "InternalServerError"
-        )
+        return error_type(self.status)
 
     def body(self) -> ErrorResponse:
         return ErrorResponse(
