@@ -167,7 +167,8 @@ def add_batch_routes(app: FastAPI, jobs: BatchJobs) -> None:
 
     @app.get("/v1/batches", responses=_ERRORS)
     async def list_batches(limit: int = Query(20, ge=1, le=100), after: str | None = None) -> Any:
-        return JSONResponse(_found(page(store.batches(), limit, after, "desc"), "Batch", after))
+        # reads records from disk: off the event loop
+        return JSONResponse(_found(await asyncio.to_thread(store.batches_page, limit, after), "Batch", after))
 
     @app.get("/v1/batches/{batch_id}", responses=_ERRORS)
     async def retrieve_batch(batch_id: str) -> Any:

@@ -4,7 +4,11 @@
 files/{file_id}.json     the file object (OpenAI's shape)      files/{file_id}.data   its bytes
 batches/{batch_id}.json  the batch object                     batches/{batch_id}.cancel  a cancel request
                                                                batches/{batch_id}.alive   touched while it runs
+batches/order/{created ns, 20 digits}-{batch_id}               an empty marker: listing order by name
 ```
+
+Listing batches reads the order markers' names and then only the page's records, so a page of 20
+costs the same with ten thousand batches on disk as with ten.
 
 The disk is the only truth (nothing is cached in memory), so every API server process of a replica
 (``--api-server-count``) that shares the directory sees the same files and batches. Each record
@@ -59,26 +63,40 @@ def _public(record: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in record.items() if not k.startswith("_")}
 
 
+def cursor(ids: list[str], limit: int, after: str | None) -> tuple[list[str], bool] | None:
+    """OpenAI's cursor over ``ids`` (in listing order): the ``limit`` ids after ``after`` and whether
+    more follow; None when ``after`` names none of them."""
+    start = 0
+    if after is not None:
+        if after not in ids:
+            return None
+        start = ids.index(after) + 1
+    return ids[start : start + limit], start + limit < len(ids)
+
+
+def list_page(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+    data = [_public(item) for item in data]
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": has_more,
+    }
+
+
 def page(
     items: list[dict[str, Any]], limit: int, after: str | None, order: str = "desc"
 ) -> dict[str, Any] | None:
     """OpenAI's cursor page of ``items`` (oldest first): the ``limit`` after the id ``after`` in
     ``order``; None when ``after`` names no item."""
     ordered = items if order == "asc" else items[::-1]
-    start = 0
-    if after is not None:
-        ids = [item["id"] for item in ordered]
-        if after not in ids:
-            return None
-        start = ids.index(after) + 1
-    data = [_public(item) for item in ordered[start : start + limit]]
-    return {
-        "object": "list",
-        "data": data,
-        "first_id": data[0]["id"] if data else None,
-        "last_id": data[-1]["id"] if data else None,
-        "has_more": start + limit < len(ordered),
-    }
+    by_id = {item["id"]: item for item in ordered}
+    found = cursor(list(by_id), limit, after)
+    if found is None:
+        return None
+    ids, has_more = found
+    return list_page([by_id[i] for i in ids], has_more)
 
 
 class BatchStore:
@@ -90,7 +108,7 @@ class BatchStore:
     def root(self) -> Path:
         if self._root is None:
             self._root = Path(tempfile.mkdtemp(prefix="ferry-batches-"))
-        for sub in ("files", "batches"):
+        for sub in ("files", "batches", "batches/order"):
             (self._root / sub).mkdir(parents=True, exist_ok=True)
         return self._root
 
@@ -168,8 +186,32 @@ class BatchStore:
         """Only the process running the batch (or creating it) writes its record."""
         path = self._batch_path(record["id"])
         assert path is not None, record["id"]  # ids are minted here
+        new = "_order" not in record
         record.setdefault("_order", time.time_ns())
         _write_atomic(path, json.dumps(record).encode())
+        if new:  # after the record: a listing never names a batch it cannot read
+            self._mark(record)
+
+    def _mark(self, record: dict[str, Any]) -> None:
+        (self.root / "batches" / "order" / f"{record['_order']:020d}-{record['id']}").touch()
+
+    def _batch_ids(self) -> list[str]:
+        """Every batch id, oldest first, from the order markers' names (no record is read). A
+        record without a marker (a directory written by an older version) gets one here, once."""
+        batches = self.root / "batches"
+        ids = self._marked_ids()
+        known = set(ids)
+        marked = False
+        for path in batches.glob("batch_*.json"):
+            record = None if path.stem in known else _read_json(path)
+            if record is not None and "_order" in record:
+                self._mark(record)
+                marked = True
+        return self._marked_ids() if marked else ids
+
+    def _marked_ids(self) -> list[str]:
+        names = sorted(os.listdir(self.root / "batches" / "order"))
+        return list(dict.fromkeys(name.partition("-")[2] for name in names))  # each id once, first mark
 
     def _batch_record(self, batch_id: str) -> dict[str, Any] | None:
         path = self._batch_path(batch_id)
@@ -198,10 +240,14 @@ class BatchStore:
         record = self._batch_record(batch_id)
         return _public(record) if record else None
 
-    def batches(self) -> list[dict[str, Any]]:
-        """Every batch, oldest first."""
-        records = [self._batch_record(p.stem) for p in (self.root / "batches").glob("batch_*.json")]
-        return sorted((r for r in records if r), key=lambda r: r["_order"])
+    def batches_page(self, limit: int, after: str | None) -> dict[str, Any] | None:
+        """OpenAI's page of batches, newest first: the ``limit`` after ``after`` (None when
+        ``after`` names no batch); reads only those records."""
+        found = cursor(self._batch_ids()[::-1], limit, after)
+        if found is None:
+            return None
+        ids, has_more = found
+        return list_page([r for r in map(self._batch_record, ids) if r is not None], has_more)
 
     def touch_alive(self, batch_id: str) -> None:
         """The running process says it still runs the batch (see ``ALIVE_STALE_S``)."""

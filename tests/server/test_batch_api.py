@@ -335,6 +335,49 @@ def test_liveness_of_running_batches(tmp_path) -> None:
     assert store.batch(record["id"])["status"] == "completed"
 
 
+def test_batch_listing_reads_only_the_page(tmp_path, monkeypatch) -> None:
+    """Pages come newest first from the order markers' names: a page of 5 of 40 batches reads 5
+    records, ``after`` continues where the last page ended, and an unknown ``after`` is None (404)."""
+    import server.batch_store as batch_store
+
+    store = BatchStore(str(tmp_path))
+    ids = []
+    for i in range(40):
+        record = {"id": store.new_batch_id(), "status": "completed", "created_at": i, "request_counts": {}}
+        store.save_batch(record)
+        store.save_batch(record)  # a later save of the same batch leaves its place alone
+        ids.append(record["id"])
+    newest = ids[::-1]
+    reads: list[str] = []
+    real_read = batch_store._read_json
+    monkeypatch.setattr(batch_store, "_read_json", lambda path: reads.append(path.name) or real_read(path))
+    first = store.batches_page(5, None)
+    assert [b["id"] for b in first["data"]] == newest[:5] and first["has_more"]
+    assert (first["first_id"], first["last_id"]) == (newest[0], newest[4])
+    assert sorted(reads) == sorted(f"{i}.json" for i in newest[:5])
+    assert all(not k.startswith("_") for b in first["data"] for k in b)
+    last = store.batches_page(20, newest[24])
+    assert [b["id"] for b in last["data"]] == newest[25:] and not last["has_more"]
+    assert store.batches_page(5, store.new_batch_id()) is None
+
+
+def test_batches_written_before_the_order_markers_are_listed(tmp_path) -> None:
+    """A batch directory from before the markers existed: its records are read once, marked, and
+    listed in creation order; an unreadable record is left out, not fatal."""
+    store = BatchStore(str(tmp_path))
+    ids = []
+    for i in range(3):
+        record = {"id": store.new_batch_id(), "status": "completed", "created_at": i, "request_counts": {}}
+        store.save_batch(record)
+        ids.append(record["id"])
+    order = tmp_path / "batches" / "order"
+    for marker in order.iterdir():
+        marker.unlink()
+    (tmp_path / "batches" / f"{store.new_batch_id()}.json").write_text("{half a record")
+    assert [b["id"] for b in store.batches_page(10, None)["data"]] == ids[::-1]
+    assert len(list(order.iterdir())) == 3
+
+
 def test_a_cancel_asked_for_before_the_run_ends_ends_it_cancelled(tmp_path) -> None:
     """Another API server process writes the cancel marker while this one's last requests finish,
     before its 0.2 s poll sees it: the client was told "cancelling", so the batch ends cancelled
