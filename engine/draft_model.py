@@ -32,6 +32,7 @@ the step's token budget; the CUDA activation reserve (engine/kv_budget.py) count
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -73,6 +74,16 @@ class PagedDraft(ABC):
         self.kv_caches = parts.allocate_kv(
             self.kv_config, num_blocks, self.block_size, self.kv_dtype, self.device
         )
+
+    def read_update(self, model_dir: Path) -> Any:
+        """What a weight update of the target (new checkpoint ``model_dir``) changes here, read and
+        checked off the engine's threads (ValueError if it cannot), or None: a draft model's weights
+        are its own checkpoint's, which the target's update leaves alone."""
+        return None
+
+    def install_update(self, update: Any) -> None:
+        """Serve ``read_update``'s result (called between steps, with the target's new weights)."""
+        raise TypeError(f"{type(self).__name__} reads no weight update to install")
 
     @abstractmethod
     def follow(self, scheduled: list[ScheduledRequest], hidden: torch.Tensor) -> None:

@@ -32,6 +32,7 @@ every draft (engine/spec_decode.py).
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,6 +46,7 @@ from engine.models.loader import load_weights
 from engine.models.registry import get_model_class
 from engine.ops import select_ops
 from engine.sequence import Request
+from engine.weight_update import tensor_pairs
 
 if TYPE_CHECKING:
     from engine.scheduler import ScheduledRequest
@@ -72,28 +74,17 @@ class MTPProposer(PagedDraft):
             )
         if runner.config.load_format == "dummy":
             raise ValueError(f"{name} reads the MTP layer from the checkpoint: not with load_format 'dummy'")
-        n = cfg.num_layers
-        weights = load_weights(
-            runner.model_dir, runner.dtype, runner.device, DeepseekMTP.FP32_WEIGHTS,
-            fp8_block=cfg.fp8_block, quant=cfg.weight_quant, layer=n,
-        )  # fmt: skip
+        self._runner = runner  # its model and KV cache as they are at each step (weight updates, sleep)
+        self._attention = attention
+        self._name = name
+        weights = self._load(runner.model_dir, runner.device)
         if not weights:
             raise ValueError(
                 f"{name}: the model has no multi-token-prediction layer (config.json says "
-                f"num_nextn_predict_layers={count}, the checkpoint holds no model.layers.{n}.* tensors)"
+                f"num_nextn_predict_layers={count}, the checkpoint holds no "
+                f"model.layers.{cfg.num_layers}.* tensors)"
             )
-        try:
-            self.model = DeepseekMTP(
-                cfg,
-                weights,
-                ops=select_ops(runner.attention_backend),
-                attention=attention,
-                deterministic=runner.config.deterministic,
-                max_positions=runner.max_model_len,
-                device=runner.device,
-            )
-        except KeyError as e:
-            raise ValueError(f"{name}: the checkpoint lacks {e.args[0]}") from None
+        self.model = self._build(weights, runner.device)
         self.kv_config = replace(cfg, num_layers=1)
         self.block_size = runner.block_size
         self.device = runner.device
@@ -102,10 +93,57 @@ class MTPProposer(PagedDraft):
         # Most tokens of one forward: what the CUDA activation reserve (engine/kv_budget.py) allows.
         self._budget = runner.config.max_num_batched_tokens
         self.kv_caches: list[tuple[torch.Tensor, ...]] = []
-        self._runner = runner  # its model and KV cache as they are at each step (weight updates, sleep)
         # The step's target hidden states, and each request's row of position 0 in them.
         self._hidden: torch.Tensor | None = None
         self._rows: dict[Request, int] = {}
+
+    def _load(self, model_dir: Path, device: torch.device) -> dict[str, torch.Tensor]:
+        """The checkpoint's MTP-layer tensors (``model.layers.{num_layers}.*``) as the target loads its own."""
+        runner, cfg = self._runner, self._runner.model_config
+        return load_weights(
+            model_dir, runner.dtype, device, DeepseekMTP.FP32_WEIGHTS,
+            fp8_block=cfg.fp8_block, quant=cfg.weight_quant, layer=cfg.num_layers,
+        )  # fmt: skip
+
+    def _build(self, weights: dict[str, torch.Tensor], device: torch.device) -> DeepseekMTP:
+        runner = self._runner
+        try:
+            return DeepseekMTP(
+                runner.model_config,
+                weights,
+                ops=select_ops(runner.attention_backend),
+                attention=self._attention,
+                deterministic=runner.config.deterministic,
+                max_positions=runner.max_model_len,
+                device=device,
+            )
+        except KeyError as e:
+            raise ValueError(f"{self._name}: the checkpoint lacks {e.args[0]}") from None
+
+    def read_update(self, model_dir: Path) -> DeepseekMTP:
+        """A weight update's MTP layer, built in host memory and checked against the serving one's
+        tensors (ValueError, before anything changed, when the checkpoint has none or others). Any
+        thread."""
+        host = torch.device("cpu")
+        weights = self._load(model_dir, host)
+        if not weights:
+            raise ValueError(
+                f"{model_dir}: the new checkpoint has no multi-token-prediction layer "
+                f"(model.layers.{self._runner.model_config.num_layers}.*), which the served one drafts with"
+            )
+        new = self._build(weights, host)
+        if tensor_pairs(self.model, new) is None:
+            raise ValueError(
+                f"{model_dir}: its multi-token-prediction layer has other shapes than the served one's"
+            )
+        return new
+
+    def install_update(self, new: DeepseekMTP) -> None:
+        """Serve ``read_update``'s layer: its tensors copied over the serving layer's, wherever those
+        are now (the device, or host memory while asleep), so the device never holds two."""
+        with torch.inference_mode():
+            for dst, src in tensor_pairs(self.model, new) or ():
+                dst.copy_(src)
 
     @torch.inference_mode()
     def follow(self, scheduled: list[ScheduledRequest], hidden: torch.Tensor) -> None:

@@ -158,6 +158,8 @@ class EngineSleep:
             if self.sleep_state.weights == AWAKE:
                 logger.warning("the new weights do not fit the serving model's tensors: built beside them")
             runner.install_weights(checkpoint.weights)
+        if checkpoint.draft_update is not None:
+            runner.draft.install_update(checkpoint.draft_update)
         runner.model_dir = checkpoint.model_dir
         # Cached KV (device prefix cache, partial blocks, what the tier was asked for) is the old
         # weights': dropped first, so its removal events go out under the old fingerprint.

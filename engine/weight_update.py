@@ -43,6 +43,9 @@ class Checkpoint:
     model_dir: Path
     weights: dict[str, torch.Tensor]
     weights_id: str
+    # What the update changes in the speculative proposer (the MTP layer, built in host memory;
+    # ``PagedDraft.read_update``), or None.
+    draft_update: Any = None
 
 
 Signature = dict[str, tuple[tuple[int, ...], torch.dtype]]
@@ -104,7 +107,8 @@ def read_checkpoint(runner: ModelRunner, path: str, load_format: str | None = No
     except (ValueError, KeyError, OSError) as e:
         raise ValueError(f"model_path {path!r}: its weights cannot be read ({e})") from None
     _check_signature(path, runner.weight_signature, weight_signature(weights))
-    return Checkpoint(model_dir, weights, content_weights_id(model_dir, overrides))
+    draft_update = runner.draft.read_update(model_dir) if runner.draft is not None else None
+    return Checkpoint(model_dir, weights, content_weights_id(model_dir, overrides), draft_update)
 
 
 def _check_signature(path: str, old: Signature, new: Signature) -> None:

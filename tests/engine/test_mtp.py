@@ -364,3 +364,43 @@ def test_sleep_releases_the_layers_kv_and_wakes_to_the_same_drafts(echo_model) -
         before = _counts(llm)
         assert _ids(llm.generate(PROMPTS[:1], params)) == want
         assert _counts(llm)[2] - before[2] == 21
+
+
+def test_weight_updates_reach_the_layer(echo_model, tiny_deepseek, tmp_path) -> None:
+    """``reload_weights`` replaces the MTP layer with the target: the echo layer swapped for one
+    whose ``eh_proj`` is random (the target's weights unchanged) stops having its drafts accepted,
+    and swapping back accepts all again; the outputs never change. A checkpoint without the layer
+    is refused before anything changed."""
+    scrambled = tmp_path / "scrambled"
+    scrambled.mkdir()
+    for f in echo_model.iterdir():
+        (scrambled / f.name).write_bytes(f.read_bytes())
+    weights = load_file(scrambled / "model.safetensors")
+    n = json.loads((scrambled / "config.json").read_text())["num_hidden_layers"]
+    eh = weights[f"model.layers.{n}.eh_proj.weight"]
+    weights[f"model.layers.{n}.eh_proj.weight"] = torch.randn(
+        eh.shape, generator=torch.Generator().manual_seed(9)
+    )
+    save_file(weights, scrambled / "model.safetensors")
+
+    llm = LLM(str(echo_model), num_kv_blocks=32, speculative_config=_spec(3))
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    want = _ids(llm.generate(PROMPTS[:1], params))
+    eh_proj = llm.engine.model_runner.draft.model.eh_proj
+
+    def accepted_of_one_run() -> tuple[int, int]:
+        before = _counts(llm)
+        assert _ids(llm.generate(PROMPTS[:1], params)) == want
+        after = _counts(llm)
+        return after[1] - before[1], after[2] - before[2]
+
+    llm.reload_weights(str(scrambled))
+    drafted, accepted = accepted_of_one_run()
+    assert drafted > 0 and accepted < drafted // 2
+    llm.reload_weights(str(echo_model))
+    assert accepted_of_one_run() == (21, 21)
+    assert llm.engine.model_runner.draft.model.eh_proj is eh_proj  # written in place, not replaced
+    with pytest.raises(ValueError, match="has no multi-token-prediction layer"):
+        llm.reload_weights(str(tiny_deepseek))
+    assert accepted_of_one_run() == (21, 21)
+    _drained(llm)
