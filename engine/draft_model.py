@@ -144,12 +144,16 @@ class DraftModel(PagedDraft):
             kv_scales=kv_scales,
         )
         self.kv_caches: list[tuple[torch.Tensor, ...]] = []
+        # Most tokens of one forward: what the CUDA activation reserve (engine/kv_budget.py) allows.
+        self._budget = runner.config.max_num_batched_tokens
 
     @torch.inference_mode()
     def follow(self, scheduled: list[ScheduledRequest], hidden: torch.Tensor) -> None:
         """Compute the draft's KV for every position the step's target forward computes that it
         does not hold yet (from each request's ``num_draft_computed``, below its ``max_model_len``).
-        ``hidden``, the target's output, is not needed: the draft reads tokens alone."""
+        ``hidden``, the target's output, is not needed: the draft reads tokens alone. Usually one
+        forward of the step's tokens; KV the target loaded from the KV tier (none of it the
+        draft's) is recomputed in forwards of at most the step's token budget."""
         segments: list[parts.Segment] = []
         for s in scheduled:
             req = s.request
@@ -161,8 +165,8 @@ class DraftModel(PagedDraft):
             ids = req.token_ids[first:end] + req.spec_token_ids[max(0, first - n) : max(0, end - n)]
             segments.append((ids, first, req.block_table))
             req.num_draft_computed = end
-        if segments:
-            input_ids, positions, meta = parts.build_batch(segments, self.block_size, self.device)
+        for chunk, _, _ in parts.split_batch(segments, self._budget):
+            input_ids, positions, meta = parts.build_batch(chunk, self.block_size, self.device)
             self.model.forward(input_ids, positions, self.kv_caches, meta)
 
     @torch.inference_mode()

@@ -265,3 +265,34 @@ def test_sequences_past_the_drafts_max_model_len_get_no_drafts(tiny_llama, copy_
     _same(reference.generate(PROMPTS[:1], GREEDY), spec.generate(PROMPTS[:1], GREEDY))
     # 61 tokens: 3 drafts (positions 60..62 fed); 65 tokens: 2 (64, 65); 68 tokens: none fit.
     assert _counts(spec) == (2, 5, 5, (2, 2, 1))
+
+
+def test_a_tier_loads_recompute_is_cut_to_the_step_budget(tiny_llama, copy_draft) -> None:
+    """The 192 positions loaded from the tier are recomputed for the draft in forwards of at most
+    ``max_num_batched_tokens`` (the activation reserve's bound), with the same KV as one forward."""
+    prompt = list(range(1, 200))
+    source = LLM(str(tiny_llama), num_kv_blocks=64, deterministic=True)
+    want = source.generate([prompt], GREEDY)
+    spec = LLM(
+        str(tiny_llama),
+        num_kv_blocks=64,
+        deterministic=True,
+        max_num_batched_tokens=48,
+        speculative_config=_spec(copy_draft),
+    )
+    _attach(spec, CopyConnector(source))
+    draft = spec.engine.model_runner.draft.model
+    sizes: list[int] = []
+    forward = draft.forward
+
+    def observe(input_ids, *args):  # noqa: ANN001, ANN202
+        sizes.append(len(input_ids))
+        return forward(input_ids, *args)
+
+    draft.forward = observe
+    got = spec.generate([prompt], GREEDY)
+    _same(want, got)
+    assert got[0].num_cached_tokens == 192
+    assert max(sizes) == 48 and sizes[:4] == [48, 48, 48, 48]  # the loaded 192, then the prompt's rest
+    _copy_kv_is_the_targets(spec)
+    _drained(spec)
