@@ -17,12 +17,22 @@ from typing import Any
 
 CPU_DEFAULT_BYTES = 512 * 1024 * 1024
 ACTIVATION_MARGIN_BYTES = 512 * 1024 * 1024  # the allocator's fragmentation, CUDA graphs, cuBLAS workspaces
+MIN_LOGIT_ROWS = 64  # prompt logprobs' chunks are never smaller
+
+
+def logit_rows(config: Any) -> int:
+    """Most rows of vocabulary-wide logits a step holds at once: each sequence's sampled position
+    and its speculative drafts'. Prompt logprobs are computed in chunks of this many rows
+    (``engine/postprocess.py``), so a long prompt's never take more."""
+    spec = config.speculative_config
+    drafts = spec.num_speculative_tokens if spec is not None else 0
+    return max(config.max_num_seqs * (1 + drafts), MIN_LOGIT_ROWS)
 
 
 def activation_reserve(
     *,
     max_num_batched_tokens: int,
-    max_num_seqs: int,
+    logit_rows: int,
     hidden_size: int,
     intermediate_size: int,
     vocab_size: int,
@@ -31,10 +41,10 @@ def activation_reserve(
 ) -> int:
     """Bytes one step's activations may peak at (fp32 worst case): a few hidden-state copies, the
     MLP's gate/up output, the attention's q/k/v and output for every scheduled token, and fp32
-    logits with the sampler's working copies for every sequence."""
+    logits with the sampler's working copies for ``logit_rows`` rows (see ``logit_rows()``)."""
     tokens = max_num_batched_tokens
     per_token = 6 * hidden_size + 3 * intermediate_size + 4 * num_heads * head_dim
-    logits = 4 * max_num_seqs * vocab_size
+    logits = 4 * logit_rows * vocab_size
     return 4 * tokens * per_token + 4 * logits + ACTIVATION_MARGIN_BYTES
 
 
@@ -54,7 +64,7 @@ def cuda_kv_bytes(config: Any, model: Any, block_bytes: int, free: int, total: i
         inter = max(inter, model.moe.experts_per_token * model.moe.intermediate_size)
     reserve = activation_reserve(
         max_num_batched_tokens=config.max_num_batched_tokens,
-        max_num_seqs=config.max_num_seqs,
+        logit_rows=logit_rows(config),
         hidden_size=model.hidden_size,
         intermediate_size=inter,
         vocab_size=model.vocab_size,

@@ -23,6 +23,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.generation_defaults import load_generation_defaults
 from engine.image_processor import ImageProcessor, probe_image
+from engine.kv_budget import logit_rows
 from engine.kv_connector import build_kv_connector
 from engine.lora import LoRAAdapter, LoRACache, load_adapter
 from engine.lora_request import LoRARequest
@@ -116,6 +117,7 @@ class LLMEngine(EngineSleep):
         self.sampling_vocab_size = min(self.vocab_size, self.tokenizer.vocab_size)
         self.sampler = Sampler(self.sampling_vocab_size, config.logprobs_mode)
         self.post = Postprocessor(self.tokenizer, self.max_model_len, self.sampling_vocab_size)
+        self.logit_rows = logit_rows(config)  # prompt logprobs' chunk: what the activation reserve counts
         self.grammars = GrammarCompiler(self.tokenizer, self.sampling_vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.sleep_state = SleepState()
@@ -432,7 +434,7 @@ class LLMEngine(EngineSleep):
 
     def _postprocess(self, sched: SchedulerOutput, model_out: ModelOutput) -> list[RequestOutput]:
         for pl in model_out.prompt_logits:
-            self.post.add_prompt_logprobs(pl)
+            self.post.add_prompt_logprobs(pl, self.logit_rows)
         pooled = self._finish_pooled(model_out)
         if not model_out.sampling:
             return pooled + [

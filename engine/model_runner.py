@@ -9,6 +9,7 @@ known tokens) and, when a request asks for prompt logprobs, for its prompt rows.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,11 +57,19 @@ def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
 
 @dataclass
 class PromptLogits:
-    """Logits of one request's prompt rows this step: row j predicts prompt token ``first + j``."""
+    """One request's prompt rows this step (row j predicts prompt token ``first + j``), whose
+    vocabulary-wide logits ``chunks`` makes a bounded number of rows at a time, so a long
+    prompt's never hold more device memory at once than the activation reserve counts."""
 
     scheduled: ScheduledRequest
     first: int
-    logits: torch.Tensor  # fp32 [rows, vocab]
+    hidden: torch.Tensor  # [rows, hidden]: the model's output at those positions
+    compute_logits: Callable[[torch.Tensor], torch.Tensor]
+
+    def chunks(self, rows: int) -> Iterator[torch.Tensor]:
+        """fp32 logits ``[<= rows, vocab]``, chunk after chunk, in row order."""
+        for lo in range(0, self.hidden.shape[0], rows):
+            yield self.compute_logits(self.hidden[lo : lo + rows])
 
 
 @dataclass
@@ -400,7 +409,7 @@ class ModelRunner:
                 last = min(s.start + s.num_new_tokens, req.num_prompt_tokens - 1)
                 if last > first:
                     h = hidden[start + first - s.start : start + last - s.start]
-                    prompt.append(PromptLogits(s, first + 1, self.model.compute_logits(h)))
+                    prompt.append(PromptLogits(s, first + 1, h, self.model.compute_logits))
             start = end
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, index))

@@ -77,14 +77,18 @@ class Postprocessor:
                     req.finish_reason, req.stop_reason = "stop", detok.stop_hit
         return self.delta(req, [token], text, entries)
 
-    def add_prompt_logprobs(self, pl: PromptLogits) -> None:
+    def add_prompt_logprobs(self, pl: PromptLogits, rows: int) -> None:
+        """The step's prompt logprobs of ``pl``'s request, from its logits ``rows`` at a time."""
         req = pl.scheduled.request
-        nxt = req.prompt_token_ids[pl.first : pl.first + pl.logits.shape[0]]
-        for lp, rank, top in prompt_logprobs(
-            pl.logits, nxt, req.params.prompt_logprobs or 0, vocab_size=self.vocab_size
-        ):
-            token = req.prompt_token_ids[len(req.prompt_logprobs)]
-            req.prompt_logprobs.append(self._entry(token, lp, rank, top))
+        first = pl.first
+        for logits in pl.chunks(rows):
+            nxt = req.prompt_token_ids[first : first + logits.shape[0]]
+            first += logits.shape[0]
+            for lp, rank, top in prompt_logprobs(
+                logits, nxt, req.params.prompt_logprobs or 0, vocab_size=self.vocab_size
+            ):
+                token = req.prompt_token_ids[len(req.prompt_logprobs)]
+                req.prompt_logprobs.append(self._entry(token, lp, rank, top))
 
     def delta(
         self, req: Request, token_ids: list[int], text: str, logprobs: list[PositionLogprobs] | None

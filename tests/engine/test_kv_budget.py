@@ -10,7 +10,14 @@ import pytest
 
 from engine import LLM
 from engine.config import EngineConfig
-from engine.kv_budget import ACTIVATION_MARGIN_BYTES, CPU_DEFAULT_BYTES, activation_reserve, cuda_kv_bytes
+from engine.kv_budget import (
+    ACTIVATION_MARGIN_BYTES,
+    CPU_DEFAULT_BYTES,
+    MIN_LOGIT_ROWS,
+    activation_reserve,
+    cuda_kv_bytes,
+    logit_rows,
+)
 from engine.models.config import ModelConfig
 
 GIB = 1 << 30
@@ -18,7 +25,7 @@ GIB = 1 << 30
 
 def test_activation_reserve_counts_every_step_buffer() -> None:
     reserve = activation_reserve(
-        max_num_batched_tokens=2048, max_num_seqs=64, hidden_size=4096, intermediate_size=14336,
+        max_num_batched_tokens=2048, logit_rows=64, hidden_size=4096, intermediate_size=14336,
         vocab_size=128256, num_heads=32, head_dim=128,
     )  # fmt: skip
     per_token = 6 * 4096 + 3 * 14336 + 4 * 32 * 128
@@ -31,7 +38,7 @@ def test_cuda_budget_is_the_share_less_what_is_in_use_and_the_reserve(tiny_llama
     total, free = 80 * GIB, 60 * GIB  # 20 GiB in use after loading (weights, other processes)
     budget, reserve = cuda_kv_bytes(config, model, 4096, free, total)
     assert reserve == activation_reserve(
-        max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens, logit_rows=config.max_num_seqs,
         hidden_size=model.hidden_size, intermediate_size=model.intermediate_size, vocab_size=model.vocab_size,
         num_heads=model.num_heads, head_dim=model.head_dim,
     )  # fmt: skip
@@ -52,10 +59,23 @@ def test_moe_reserve_counts_the_routed_experts_rows(tiny_qwen3_moe: Path) -> Non
     _, reserve = cuda_kv_bytes(config, model, 1, 70 * GIB, 80 * GIB)
     inter = max(model.intermediate_size, model.moe.experts_per_token * model.moe.intermediate_size)
     assert reserve == activation_reserve(
-        max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens, logit_rows=config.max_num_seqs,
         hidden_size=model.hidden_size, intermediate_size=inter, vocab_size=model.vocab_size,
         num_heads=model.num_heads, head_dim=model.head_dim,
     )  # fmt: skip
+
+
+def test_logit_rows_count_every_draft_and_bound_prompt_chunks(tiny_llama: Path) -> None:
+    """Each sequence's sampled row and its drafts' rows: the reserve's logits grow with speculative
+    decoding; never fewer than MIN_LOGIT_ROWS (prompt logprobs are computed in chunks of these)."""
+    model = ModelConfig.from_dir(tiny_llama)
+    plain = EngineConfig(max_num_seqs=128)
+    spec = EngineConfig(max_num_seqs=128, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    assert (logit_rows(plain), logit_rows(spec)) == (128, 512)
+    assert logit_rows(EngineConfig(max_num_seqs=2)) == MIN_LOGIT_ROWS
+    _, without = cuda_kv_bytes(plain, model, 1, 70 * GIB, 80 * GIB)
+    _, with_drafts = cuda_kv_bytes(spec, model, 1, 70 * GIB, 80 * GIB)
+    assert with_drafts - without == 4 * 4 * (512 - 128) * model.vocab_size
 
 
 def test_cpu_default_and_explicit_sizes(tiny_llama: Path) -> None:
