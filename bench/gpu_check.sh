@@ -12,7 +12,8 @@
 # Needs the project's Python packages (pytest-xdist for the tests) and redis-server on PATH (the KV
 # tier tests start their own). Each step has its own time limit (seconds, from the environment:
 # TESTS_S, KERNELS_S, OVERHEAD_S); a step that fails or runs out of time never stops the next one,
-# and a stopped pytest still writes its summary and JUnit XML. Everything lands in OUT_DIR.
+# and a stopped pytest still writes its summary and JUnit XML. OVERHEAD_ARGS adds flags to the
+# overhead bench (e.g. "--burst-wait-ms 0"). Everything lands in OUT_DIR.
 set -u
 out=${1:?usage: bash bench/gpu_check.sh OUT_DIR [tests] [kernels] [overhead]}
 shift
@@ -48,7 +49,7 @@ for step in $steps; do
     stamp overhead
     timeout -s INT "${OVERHEAD_S:-200}" "$py" -m bench.server_overhead --device cuda --dtype bfloat16 \
       --api-server-count 1 4 --concurrency 1 32 --num-requests 32 --max-tokens 16 --repeats 3 --num-threads 4 \
-      --out "$out/server_overhead.json" 2>&1 | tee "$out/overhead.log" | tail -30
+      ${OVERHEAD_ARGS:-} --out "$out/server_overhead.json" 2>&1 | tee "$out/overhead.log" | tail -30
     ;;
   *)
     echo "unknown step '$step' (tests, kernels, overhead)" >&2

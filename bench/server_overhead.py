@@ -451,6 +451,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--num-threads", type=int, default=2)
     p.add_argument("--num-kv-blocks", type=int, default=2048)
+    p.add_argument(
+        "--burst-wait-ms", type=float, default=None, help="the engine's burst_wait_ms (default: its own)"
+    )
     p.add_argument("--device", default="cpu", help="engine device: cpu | cuda | auto")
     p.add_argument("--dtype", default="auto", help="engine dtype (auto: the checkpoint's)")
     p.add_argument("--repeats", type=int, default=3, help="alternate the modes this many times")
@@ -477,6 +480,8 @@ def main(argv: list[str] | None = None) -> int:
         "device": args.device,
         "dtype": args.dtype,
     }
+    if args.burst_wait_ms is not None:
+        engine_opts["burst_wait_ms"] = args.burst_wait_ms
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -76,7 +76,8 @@ _Command = _Add | _Abort | _ResetPrefixCache | Lifecycle
 
 
 class AsyncEngine(SleepCommands):
-    # The most an idle loop holds its first step to gather a burst of arrivals (``_gather_burst``).
+    # The most an idle loop holds its first step to gather a burst of arrivals (``_gather_burst``):
+    # ``EngineConfig.burst_wait_ms``, this by default.
     arrival_wait_s = 0.025
     # How ``_gather_burst`` probes the submitters, called on their event loop with a function to
     # call once they have taken in what they had received. Default (None): two passes of that loop,
@@ -90,6 +91,7 @@ class AsyncEngine(SleepCommands):
         elif options:
             raise TypeError("pass either an EngineConfig or keyword options, not both")
         self.config = config
+        self.arrival_wait_s = config.burst_wait_ms / 1000
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
         self.model_info: ModelInfo = self.engine.model_info
@@ -369,7 +371,8 @@ class AsyncEngine(SleepCommands):
                     if self._stopping:
                         return
                     if (
-                        self._commands
+                        self.arrival_wait_s > 0
+                        and self._commands
                         and not engine.has_unfinished_requests()
                         and isinstance(self._commands[0], _Add)
                     ):

@@ -64,6 +64,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # vLLM's: the share of the GPU's memory this engine may use
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # Most milliseconds an idle AsyncEngine holds its first step to let the rest of a burst of
+    # arrivals in (engine/async_engine.py ``_gather_burst``); 0: start on the first arrival.
+    burst_wait_ms: float = 25.0
     # vLLM's: fcfs (arrival order) | priority (requests' priority, lower first; engine/scheduler.py)
     scheduling_policy: str = "fcfs"
     # vLLM's name: a prefill computes at most this many tokens per step (0: no cap beyond the
@@ -149,6 +152,9 @@ class EngineConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        wait = self.burst_wait_ms
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 10_000:
+            raise ValueError(f"burst_wait_ms must be a number of milliseconds in [0, 10000], got {wait!r}")
         util = self.gpu_memory_utilization
         if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")

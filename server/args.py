@@ -249,6 +249,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=human_int, default=d.max_num_batched_tokens)
     p.add_argument(
+        "--burst-wait-ms",
+        type=float,
+        default=d.burst_wait_ms,
+        help="most an idle engine holds its first step to let the rest of a burst of requests in "
+        "(it stops as soon as every request received is taken in); 0: start on the first",
+    )
+    p.add_argument(
         "--scheduling-policy",
         default=d.scheduling_policy,
         choices=["fcfs", "priority"],

@@ -279,6 +279,24 @@ async def test_idle_loop_waits_for_announced_requests(engine, prompts) -> None:
     assert _same_first_step(a.metrics, b.metrics)
 
 
+async def test_burst_wait_ms_0_starts_on_the_first_arrival(engine, tiny_llama, prompts) -> None:
+    """``burst_wait_ms=0``: an idle loop steps the first request at once, never probing for more
+    (an announced request that never comes would otherwise hold it until the cap); the default
+    probes."""
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    await _collect(engine, "p0", prompts[0], params)
+    assert engine.arrival_wait_s == 0.025 and engine._probes_sent >= 1
+    eager = AsyncEngine(EngineConfig(model=str(tiny_llama), num_kv_blocks=128, burst_wait_ms=0))
+    try:
+        assert eager.arrival_wait_s == 0
+        forgotten = eager.announce()
+        _, _, out = await asyncio.wait_for(_collect(eager, "e0", prompts[0], params), 10)
+        assert out.finished and eager._probes_sent == 0
+        forgotten()
+    finally:
+        await eager.shutdown()
+
+
 async def test_announced_wait_is_capped_and_a_lone_request_does_not_wait(engine, prompts) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     engine.arrival_wait_s = 0.2

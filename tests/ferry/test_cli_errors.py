@@ -42,6 +42,10 @@ def test_router_flag_errors(args: list[str], message: str) -> None:
 def test_serve_flag_and_model_errors(tiny_llama: Path) -> None:
     cases = [
         (["--model", str(tiny_llama), "--block-size", "0"], "block_size must be an integer >= 1, got 0"),
+        (
+            ["--model", str(tiny_llama), "--burst-wait-ms", "-1"],
+            "burst_wait_ms must be a number of milliseconds in [0, 10000], got -1.0",
+        ),
         (["--model", "/nonexistent"], "model path '/nonexistent' is not a directory"),
         (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
         (["--responses-lease-ttl", "0.5"], "--responses-lease-ttl must be at least 1 second, got 0.5"),
