@@ -353,6 +353,65 @@ class Bench:
         r.torch_path += f"; unified kernel {unified_ms:.3f} ms"
         return self.finish(r, *self.attn_cost(meta))
 
+    def reference_variant(self, q, kc, vc, meta, window=None, softcap=None, sinks=None):  # noqa: ANN001, ANN201
+        """Float32 attention with explicit scores: a sliding ``window``, Gemma 2's ``softcap`` on the
+        scaled scores, gpt-oss's ``sinks`` (one value-less logit per query head)."""
+        torch, outs, group = self.torch, [], self.s.hq // self.s.hkv
+        for i, n in enumerate(meta.query_lens_host):
+            ctx, lo = meta.context_lens_host[i], sum(meta.query_lens_host[:i])
+            k = self.gather(kc, meta, i).float().repeat_interleave(group, 0)  # [Hq, L, D]
+            v = self.gather(vc, meta, i).float().repeat_interleave(group, 0)
+            qi = q[lo : lo + n].float().transpose(0, 1)  # [Hq, n, D]
+            scores = qi @ k.transpose(1, 2) * self.scale
+            if softcap is not None:
+                scores = softcap * torch.tanh(scores / softcap)
+            q_pos = torch.arange(ctx, ctx + n, device=self.device)[:, None]
+            k_pos = torch.arange(ctx + n, device=self.device)[None, :]
+            visible = k_pos <= q_pos
+            if window is not None:
+                visible &= k_pos > q_pos - window
+            scores = scores.masked_fill(~visible, float("-inf"))
+            if sinks is not None:
+                sink = sinks.float().view(-1, 1, 1).expand(-1, n, 1)
+                probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+            else:
+                probs = torch.softmax(scores, dim=-1)
+            outs.append((probs @ v).transpose(0, 1))
+        return torch.cat(outs)
+
+    def variants(self, name: str, window: int | None, softcap: float | None, sinks: bool) -> Result:
+        """Unified attention (a prefill beside decodes) and split-KV decode with a model family's
+        extras, against ``reference_variant``: where a compiled kernel and the interpreter could
+        part (the CPU tests run only the interpreter)."""
+        from engine.kernels.triton_attention import unified_attention
+        from engine.kernels.triton_decode import split_kv_decode_attention
+
+        s = self.s
+        n_new, ctx = s.mixed[2], s.mixed[1]
+        seqs = [(0, n_new)] + [(ctx - 1 - ctx // 4 * i, 1) for i in range(3)]  # unequal decodes
+        q, kc, vc, meta = self.paged(seqs)
+        sink = self.randn(s.hq, dtype=self.torch.float32) * 2 if sinks else None
+        extras = {"window": window, "softcap": softcap, "sinks": sink}
+        r = Result(name, _describe(seqs), torch_path="float32 reference (explicit scores)")
+        ref = self.reference_variant(q, kc, vc, meta, window, softcap, sink)
+        out = unified_attention(q, kc, vc, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                                self.scale, **extras)  # fmt: skip
+        r.max_rel_err = rel_err(out, ref)
+        decodes = self.sub_meta(meta, [1, 2, 3])
+        dq = q[n_new:]
+        split = split_kv_decode_attention(dq, kc, vc, decodes.seq_lens, decodes.block_tables, self.scale,
+                                          decodes.max_seq_len, split_size=s.split_size, **extras)  # fmt: skip
+        split_err = rel_err(split, ref[n_new:])
+        r.checks["split_kv_within_tol"] = split_err < self.tol
+        r.torch_path += f"; split-KV rel_err {split_err:.1e}"
+        r.ok = r.max_rel_err < self.tol and all(r.checks.values())
+        r.triton_ms = self.time_ms(
+            lambda: unified_attention(
+                q, kc, vc, meta.query_start_loc, meta.seq_lens, meta.block_tables, self.scale, **extras
+            )  # fmt: skip
+        )
+        return self.finish(r, *self.attn_cost(meta))
+
     def sub_meta(self, meta, rows: list[int]):  # noqa: ANN001, ANN201
         from engine.attention.base import AttentionMetadata
 
@@ -511,6 +570,7 @@ def _describe(seqs: list[tuple[int, int]]) -> str:
 def cases(b: ModelKernels) -> list[tuple[str, Callable[[], Result]]]:
     s = b.s
     (nd, cd), (npf, lp), (ne, ce, le), (nm, cm, lm) = s.decode, s.prefill, s.extend, s.mixed
+    window = max(8, cm // 8)  # the variants' sliding window: shorter than their contexts
     return [
         ("rms_norm", lambda: b.rms_norm(False)),
         ("rms_norm+residual", lambda: b.rms_norm(True)),
@@ -529,6 +589,9 @@ def cases(b: ModelKernels) -> list[tuple[str, Callable[[], Result]]]:
         ("unified mixed", lambda: b.unified("unified mixed", [(0, lm)] + [(cm - 1, 1)] * nm, None)),
         ("chunked-prefill invariance", b.chunking),
         ("split-KV decode", b.split_decode),
+        ("attention, soft-capped", lambda: b.variants("attention, soft-capped", None, 50.0, False)),
+        ("attention, sinks + window", lambda: b.variants("attention, sinks + window", window, None, True)),
+        ("attention, window", lambda: b.variants("attention, window", window - 3, None, False)),
         ("fused_moe decode", lambda: b.fused_moe("fused_moe decode", s.moe_tokens[0])),
         ("fused_moe prefill", lambda: b.fused_moe("fused_moe prefill", s.moe_tokens[1])),
         ("mla decode", lambda: b.mla("mla decode", [(s.mla_decode[1] - 1, 1)] * s.mla_decode[0])),
