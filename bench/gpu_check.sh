@@ -44,6 +44,9 @@ for step in $steps; do
     stamp kernels
     timeout -s INT "${KERNELS_S:-150}" "$py" -m bench.gpu_kernels --quick --json "$out/gpu_kernels.json" 2>&1 \
       | tee "$out/gpu_kernels.log" | tail -40
+    # the attention variants again in float32, where a compiled kernel's error stands out
+    timeout -s INT 60 "$py" -m bench.gpu_kernels --quick --only attention --dtype float32 \
+      --json "$out/gpu_kernels_fp32.json" 2>&1 | tee "$out/gpu_kernels_fp32.log" | tail -8
     ;;
   overhead)
     stamp overhead
