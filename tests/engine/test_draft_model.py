@@ -296,3 +296,33 @@ def test_a_tier_loads_recompute_is_cut_to_the_step_budget(tiny_llama, copy_draft
     assert max(sizes) == 48 and sizes[:4] == [48, 48, 48, 48]  # the loaded 192, then the prompt's rest
     _copy_kv_is_the_targets(spec)
     _drained(spec)
+
+
+def test_a_draft_kept_on_the_host_through_level_2_comes_back_with_the_weights(tiny_llama, copy_draft) -> None:
+    """Level 2 drops the target's weights and keeps the draft's in host memory; installing weights
+    again (waking) brings the draft back to the device too, or its first forward would mix devices.
+    ``meta`` stands for the accelerator (a CPU device keeps everything where it is)."""
+    import gc
+
+    llm = LLM(str(tiny_llama), num_kv_blocks=32, enable_sleep_mode=True, speculative_config=_spec(copy_draft))
+    runner = llm.engine.model_runner
+
+    def draft_devices() -> set[str]:
+        found, seen, stack = set(), set(), [runner.draft.model]
+        while stack:  # every tensor the draft holds, by the garbage collector's referents
+            obj = stack.pop()
+            if id(obj) in seen:
+                continue
+            seen.add(id(obj))
+            if isinstance(obj, torch.Tensor):
+                found.add(obj.device.type)
+            elif isinstance(obj, (list, tuple, dict)) or type(obj).__module__.startswith("engine.models"):
+                stack.extend(gc.get_referents(obj))
+        return found
+
+    weights = runner.read_weights(tiny_llama, torch.device("cpu"))
+    runner.device = torch.device("meta")
+    runner.discard_weights()
+    assert runner.model is None and draft_devices() == {"cpu"}
+    runner.install_weights(weights)
+    assert draft_devices() == {"meta"}
