@@ -517,30 +517,6 @@ class ModelKernels(Bench):
         nbytes = used * 3 * hidden * inter * self.dtype.itemsize + 2 * tokens * hidden * self.dtype.itemsize
         return self.finish(r, nbytes, 6.0 * tokens * top_k * hidden * inter)
 
-    def dense(self, name: str, tokens: int) -> Result:
-        """Deterministic mode's dense layer (the MLP's down projection's shape) beside cuBLAS."""
-        from engine.kernels.triton_matmul import invariant_matmul
-
-        torch, s = self.torch, self.s
-        r = Result(name, f"M={tokens} K={s.inter} N={s.hidden}", torch_path="F.linear (cuBLAS)")
-        x = self.randn(tokens, s.inter)
-        w = self.randn(s.hidden, s.inter) / s.inter**0.5
-
-        def run():  # noqa: ANN202
-            return invariant_matmul(x, w)
-
-        out = run()
-        r.max_rel_err = rel_err(out, torch.nn.functional.linear(x.float(), w.float()))
-        r.checks["run_to_run"] = bool(torch.equal(run(), out))
-        r.checks["batch_invariant"] = all(
-            bool(torch.equal(invariant_matmul(x[lo:hi], w), out[lo:hi])) for lo, hi in ((0, 1), (3, 5))
-        )
-        r.ok = r.max_rel_err < self.tol and all(r.checks.values())
-        r.triton_ms = self.time_ms(run)
-        r.torch_ms = self.time_torch(r, lambda: lambda: torch.nn.functional.linear(x, w))
-        nbytes = (s.hidden * s.inter + tokens * (s.inter + s.hidden)) * self.dtype.itemsize
-        return self.finish(r, nbytes, 2.0 * tokens * s.hidden * s.inter)
-
     def mla(self, name: str, seqs: list[tuple[int, int]]) -> Result:
         from engine.attention.base import AttentionMetadata
         from engine.attention.torch_backend import TorchAttentionBackend
@@ -618,8 +594,6 @@ def cases(b: ModelKernels) -> list[tuple[str, Callable[[], Result]]]:
         ("attention, window", lambda: b.variants("attention, window", window - 3, None, False)),
         ("fused_moe decode", lambda: b.fused_moe("fused_moe decode", s.moe_tokens[0])),
         ("fused_moe prefill", lambda: b.fused_moe("fused_moe prefill", s.moe_tokens[1])),
-        ("invariant matmul, decode", lambda: b.dense("invariant matmul, decode", s.decode[0])),
-        ("invariant matmul, prefill", lambda: b.dense("invariant matmul, prefill", s.tokens)),
         ("mla decode", lambda: b.mla("mla decode", [(s.mla_decode[1] - 1, 1)] * s.mla_decode[0])),
         ("mla prefill", lambda: b.mla("mla prefill", [(0, s.mla_prefill[1])] * s.mla_prefill[0])),
     ]

@@ -124,7 +124,6 @@ def plan(quick: bool) -> list[tuple[str, str, object, str, object, tuple[str, ..
 
     from engine.kernels import triton_attention as att
     from engine.kernels import triton_decode as dec
-    from engine.kernels import triton_matmul as mm
     from engine.kernels import triton_mla as mla
     from engine.kernels import triton_moe as moe
     from engine.kernels import triton_ops as ops
@@ -162,10 +161,6 @@ def plan(quick: bool) -> list[tuple[str, str, object, str, object, tuple[str, ..
             jobs.append(
                 ("silu_and_mul", tag, ops._silu_and_mul_kernel, tdt, ops.silu_and_mul_launch(m.inter), ())
             )
-            # deterministic mode's dense layers: the MLP's gate/up and down projections, with a bias
-            for n, k, bias in ((2 * m.inter, m.hidden, False), (m.hidden, m.inter, True)):
-                dense = mm.matmul_launch(n, k, dt, bias, False)
-                jobs.append(("invariant_matmul", f"{tag} {n}x{k}", mm._matmul_kernel, tdt, dense, ()))
             kv = ops.write_kv_launch(m.hkv, m.head_dim)
             jobs.append(("write_kv_cache", tag, ops._write_kv_kernel, tdt, kv, ()))
             if dname == dtypes[0]:  # an fp8 cache: K/V divided by their scales, saturated, rounded

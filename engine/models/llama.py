@@ -12,8 +12,6 @@ batch-invariant) run is decided once at construction.
 
 from __future__ import annotations
 
-import functools
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -28,21 +26,15 @@ from engine.models.moe import MoE, load_dense_mlp
 from engine.models.rope import build_cos_sin_cache
 from engine.ops import Ops
 
-logger = logging.getLogger("ferry.engine")
-
 Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` whose row results do not depend on how many rows share the call.
 
-    On CUDA, cuBLAS picks its kernel by size: a Triton matmul with tiles fixed by the weight's shape
-    does the work (``engine/kernels/triton_matmul.py``; without triton, F.linear and a warning).
     Measured on MKL: results for a row are identical for every M >= 12 but differ for smaller M
     (another kernel with another summation order), so short inputs are padded to ``MIN_INVARIANT_ROWS`` rows.
     """
-    if x.is_cuda:
-        return _device_invariant_linear(x, weight, bias)
     m = x.shape[0]
     if m >= MIN_INVARIANT_ROWS:
         return F.linear(x, weight, bias)
@@ -52,26 +44,6 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 MIN_INVARIANT_ROWS = 16
-
-
-def _device_invariant_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    matmul = _triton_matmul()
-    return matmul(x, weight, bias) if matmul is not None else F.linear(x, weight, bias)
-
-
-@functools.cache
-def _triton_matmul() -> Callable | None:
-    try:
-        from engine.kernels.triton_matmul import invariant_matmul
-    except ImportError:
-        logger.warning(
-            "deterministic mode on CUDA without triton: the dense layers use cuBLAS, whose results "
-            "depend on the batch size (pip install 'ferry-serve[triton]' for batch-invariant ones)"
-        )
-        return None
-    return invariant_matmul
 
 
 def take_embeddings(

@@ -19,7 +19,7 @@ CASES = {
     "rms_norm", "rms_norm+residual", "rotary_embedding", "silu_and_mul", "write_kv_cache", "unified decode",
     "unified prefill", "unified extend", "unified mixed", "unified chunked prefill", "split-KV decode",
     "fused_moe decode", "fused_moe prefill", "mla decode", "mla prefill", "attention, soft-capped",
-    "attention, sinks + window", "attention, window", "invariant matmul, decode", "invariant matmul, prefill",
+    "attention, sinks + window", "attention, window",
 }  # fmt: skip
 
 
@@ -55,5 +55,4 @@ def test_interpreter_pass_checks_every_kernel(tmp_path: Path) -> None:
     assert results["unified chunked prefill"]["checks"]["chunk_invariant"] is True
     assert results["fused_moe prefill"]["checks"]["batch_invariant"] is True
     assert results["attention, sinks + window"]["checks"]["split_kv_within_tol"] is True
-    assert results["invariant matmul, prefill"]["checks"]["batch_invariant"] is True
-    assert "20/20 passed" in proc.stdout
+    assert "18/18 passed" in proc.stdout
