@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 CASES = {
     "rms_norm", "rms_norm+residual", "rotary_embedding", "silu_and_mul", "write_kv_cache", "unified decode",
     "unified prefill", "unified extend", "unified mixed", "unified chunked prefill", "split-KV decode",
-    "fused_moe decode", "fused_moe prefill", "mla decode", "mla prefill",
+    "fused_moe decode", "fused_moe prefill", "mla decode", "mla prefill", "linear decode", "linear batch",
+    "linear prefill",
 }  # fmt: skip
 
 
@@ -53,4 +54,5 @@ def test_interpreter_pass_checks_every_kernel(tmp_path: Path) -> None:
     assert results["split-KV decode"]["checks"]["batch_invariant"] is True
     assert results["unified chunked prefill"]["checks"]["chunk_invariant"] is True
     assert results["fused_moe prefill"]["checks"]["batch_invariant"] is True
-    assert "15/15 passed" in proc.stdout
+    assert results["linear decode"]["checks"]["batch_invariant"] is True
+    assert "18/18 passed" in proc.stdout
