@@ -103,8 +103,8 @@ def test_cpu_keeps_the_mkl_path() -> None:
 def test_deterministic_logprobs_through_the_kernel_are_batch_invariant(
     tiny_llama, vocab_size, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A prompt's logprobs alone equal its logprobs beside others, with every linear layer (the
-    lm_head included) in the Triton matmul."""
+    """A prompt's logprobs alone equal its logprobs beside others and with its prompt chunked, with
+    every linear layer (the lm_head included) in the Triton matmul."""
     monkeypatch.setattr(llama, "KERNEL_DEVICES", frozenset({"cuda", "cpu"}))
     calls = []
 
@@ -117,10 +117,12 @@ def test_deterministic_logprobs_through_the_kernel_are_batch_invariant(
     prompts = [torch.randint(3, vocab_size, (n,), generator=g).tolist() for n in (9, 20, 4)]
     params = SamplingParams(max_tokens=3, temperature=0.0, logprobs=2, ignore_eos=True)
 
-    def run(batch: list[list[int]]) -> tuple[list[int], float | None, object]:
-        out = LLM(str(tiny_llama), num_kv_blocks=64, deterministic=True).generate(batch, params)[0].outputs[0]
+    def run(batch: list[list[int]], **opts: int) -> tuple[list[int], float | None, object]:
+        llm = LLM(str(tiny_llama), num_kv_blocks=64, deterministic=True, **opts)
+        out = llm.generate(batch, params)[0].outputs[0]
         return out.token_ids, out.cumulative_logprob, out.logprobs
 
     alone = run(prompts[:1])
     assert calls and min(calls) == 1  # decode steps of one row went through the kernel
     assert run(prompts) == alone
+    assert run(prompts[:1], max_num_batched_tokens=4) == alone  # its prompt in chunks of 4
