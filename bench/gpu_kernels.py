@@ -25,6 +25,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 
 
 @dataclass(frozen=True)
@@ -51,13 +52,18 @@ class Shapes:
     mla: tuple[int, int, int] = (128, 512, 64)
     mla_decode: tuple[int, int] = (64, 2048)
     mla_prefill: tuple[int, int] = (1, 2048)
+    # The deterministic linear (hidden -> inter, Llama-3-8B's gate projection): rows of a decode
+    # step of one sequence, of a decode batch and of a prefill chunk.
+    linear_rows: tuple[int, int, int] = (1, 32, 2048)
 
 
 QUICK = Shapes(tokens=2048, decode=(32, 1024), long_decode=(4, 8192), prefill=(2, 1024), extend=(2, 1024, 256),
-               mixed=(15, 1024, 256), moe_tokens=(32, 1024), mla_decode=(32, 1024), mla_prefill=(1, 1024))  # fmt: skip
+               mixed=(15, 1024, 256), moe_tokens=(32, 1024), mla_decode=(32, 1024), mla_prefill=(1, 1024),
+               linear_rows=(1, 32, 1024))  # fmt: skip
 TINY = Shapes(hidden=64, inter=96, hq=4, hkv=2, head_dim=16, tokens=19, decode=(3, 40), long_decode=(2, 150),
               prefill=(2, 33), extend=(2, 17, 16), mixed=(3, 20, 17), split_size=64, moe=(64, 32, 8, 2),
-              moe_tokens=(5, 37), mla=(20, 32, 16), mla_decode=(3, 40), mla_prefill=(1, 33))  # fmt: skip
+              moe_tokens=(5, 37), mla=(20, 32, 16), mla_decode=(3, 40), mla_prefill=(1, 33),
+              linear_rows=(1, 5, 37))  # fmt: skip
 
 
 @dataclass
@@ -477,7 +483,8 @@ class Bench:
 
 
 class ModelKernels(Bench):
-    """The mixture-of-experts and latent-attention kernels (DeepSeek / Qwen-MoE layers)."""
+    """The mixture-of-experts and latent-attention kernels (DeepSeek / Qwen-MoE layers), and the
+    deterministic mode's linear."""
 
     def fused_moe(self, name: str, tokens: int) -> Result:
         from engine import ops
@@ -556,6 +563,32 @@ class ModelKernels(Bench):
         nbytes = (sum(c + n for c, n in seqs) * width + new * heads * (width + v_dim)) * self.dtype.itemsize
         return self.finish(r, nbytes, 2.0 * heads * (width + v_dim) * visible)
 
+    def linear(self, name: str, rows: int) -> Result:
+        from engine.kernels import triton_matmul
+
+        torch, k, n = self.torch, self.s.hidden, self.s.inter
+        r = Result(name, f"M={rows} K={k} N={n}", torch_path="F.linear (cuBLAS)")
+        x, w = self.randn(rows, k), self.randn(n, k) / k**0.5
+
+        def run():  # noqa: ANN202
+            return triton_matmul.linear(x, w)
+
+        out = run()
+        r.max_rel_err = rel_err(out, torch.nn.functional.linear(x.float(), w.float()))
+        r.checks["run_to_run"] = bool(torch.equal(run(), out))
+        # The same rows at another offset of a bigger batch.
+        batch = torch.cat([self.randn(17, k), x, self.randn(23, k)])
+        r.checks["batch_invariant"] = bool(torch.equal(triton_matmul.linear(batch, w)[17 : 17 + rows], out))
+        r.ok = r.max_rel_err < self.tol and all(r.checks.values())
+        cublas = torch.equal(
+            torch.nn.functional.linear(batch, w)[17 : 17 + rows], torch.nn.functional.linear(x, w)
+        )
+        r.torch_path += f", batch_invariant={cublas}"  # why deterministic mode needs the kernel
+        r.triton_ms = self.time_ms(run)
+        r.torch_ms = self.time_torch(r, lambda: lambda: torch.nn.functional.linear(x, w))
+        nbytes = (rows * k + k * n + rows * n) * self.dtype.itemsize
+        return self.finish(r, nbytes, 2.0 * rows * k * n)
+
 
 def _describe(seqs: list[tuple[int, int]]) -> str:
     kinds: dict[tuple[int, int], int] = {}
@@ -596,6 +629,10 @@ def cases(b: ModelKernels) -> list[tuple[str, Callable[[], Result]]]:
         ("fused_moe prefill", lambda: b.fused_moe("fused_moe prefill", s.moe_tokens[1])),
         ("mla decode", lambda: b.mla("mla decode", [(s.mla_decode[1] - 1, 1)] * s.mla_decode[0])),
         ("mla prefill", lambda: b.mla("mla prefill", [(0, s.mla_prefill[1])] * s.mla_prefill[0])),
+        *[
+            (f"linear {kind}", partial(b.linear, f"linear {kind}", rows))
+            for kind, rows in zip(("decode", "batch", "prefill"), s.linear_rows, strict=True)
+        ],
     ]
 
 

@@ -3,6 +3,7 @@
 * ``triton_ops``: rms_norm (+ residual), rotary embedding, silu_and_mul, paged KV-cache write;
   same signatures as ``engine/ops.py``.
 * ``triton_attention``: unified paged attention for mixed batches; ``triton_decode``: split-KV decode.
+* ``triton_matmul``: a batch-invariant ``F.linear``, deterministic mode's linear on CUDA.
 * ``compile_check``: compiles every kernel for a CUDA architecture without a GPU.
 
 The kernel modules import ``triton`` at import time, so nothing in the engine imports them

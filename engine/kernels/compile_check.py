@@ -124,6 +124,7 @@ def plan(quick: bool) -> list[tuple[str, str, object, str, object, tuple[str, ..
 
     from engine.kernels import triton_attention as att
     from engine.kernels import triton_decode as dec
+    from engine.kernels import triton_matmul as mm
     from engine.kernels import triton_mla as mla
     from engine.kernels import triton_moe as moe
     from engine.kernels import triton_ops as ops
@@ -166,6 +167,18 @@ def plan(quick: bool) -> list[tuple[str, str, object, str, object, tuple[str, ..
             if dname == dtypes[0]:  # an fp8 cache: K/V divided by their scales, saturated, rounded
                 fp8 = ops.write_kv_launch(m.hkv, m.head_dim, float(torch.finfo(torch.float8_e4m3fn).max))
                 jobs.append(("write_kv_cache", tag + " fp8 cache", ops._write_kv_kernel, tdt, fp8, ()))
+    # The deterministic linear: one job per distinct launch (big models share their tiles).
+    linears = set()
+    for m in models:
+        for dname in dtypes:
+            dt, tdt = getattr(torch, dname), TRITON_DTYPES[dname]
+            qkv = (m.hq + 2 * m.hkv) * m.head_dim
+            for proj, n, k, bias in [("qkv+bias", qkv, m.hidden, True), ("down", m.hidden, m.inter, False)]:
+                launch = mm.matmul_launch(n, k, dt, bias, False)
+                key = (dname, *launch.constexprs.values())
+                if key not in linears:
+                    linears.add(key)
+                    jobs.append(("linear", f"{m.name} {dname} {proj}", mm._matmul_kernel, tdt, launch, ()))
     # gpt-oss's attention sinks (compiled in only for models with them): gpt-oss-20b's geometry.
     sink_model = Model("gpt-oss-20b", 64, 8, 64, 2880, 2880)
     for dname in dtypes[:1] if quick else dtypes:

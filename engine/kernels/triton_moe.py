@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels import Launch, interpreting
+from engine.kernels.triton_matmul import tile_dot
 
 BLOCK_M = 16  # rows (token-expert pairs) per block: decode steps give each expert few rows
 
@@ -68,20 +69,12 @@ def _moe_matmul_kernel(
     a_rows = (pairs // TOP_K).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n
-    b_base = b_ptr + expert * stride_be + cols[None, :].to(tl.int64) * stride_bn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    b_cols = b_ptr + expert * stride_be + cols[None, :].to(tl.int64) * stride_bn
     k_end = tl.where(used, k, 0)  # a block past the last expert's: nothing to multiply
-    for k0 in range(0, k_end, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < k
-        a = tl.load(
-            a_ptr + a_rows[:, None] * stride_a + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0
-        )
-        b = tl.load(b_base + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [K, N]
-        if CAST_FP32:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    acc = tile_dot(
+        a_ptr + a_rows[:, None] * stride_a, b_cols, row_ok, col_ok, k_end, k,
+        CAST_FP32, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
     if WEIGHTED:
         acc = acc * tl.load(weight_ptr + pairs, mask=row_ok, other=0.0)[:, None]
     out = c_ptr + pairs[:, None].to(tl.int64) * stride_c + cols[None, :]

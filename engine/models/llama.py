@@ -12,7 +12,9 @@ batch-invariant) run is decided once at construction.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
+from functools import cache
 from typing import Any
 
 import torch
@@ -32,9 +34,13 @@ Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tenso
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` whose row results do not depend on how many rows share the call.
 
-    Measured on MKL: results for a row are identical for every M >= 12 but differ for smaller M
-    (another kernel with another summation order), so short inputs are padded to ``MIN_INVARIANT_ROWS`` rows.
+    Inputs on a device in ``KERNEL_DEVICES`` (CUDA: cuBLAS picks kernels and split-K by M) go to the
+    Triton matmul of ``engine/kernels/triton_matmul.py``. CPU inputs stay on MKL, measured: results
+    for a row are identical for every M >= 12 but differ for smaller M (another kernel with another
+    summation order), so short inputs are padded to ``MIN_INVARIANT_ROWS`` rows.
     """
+    if x.device.type in KERNEL_DEVICES:
+        return _kernel_linear(x.device.type)(x, weight, bias)
     m = x.shape[0]
     if m >= MIN_INVARIANT_ROWS:
         return F.linear(x, weight, bias)
@@ -44,6 +50,27 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 MIN_INVARIANT_ROWS = 16
+# Devices whose deterministic linears run the Triton matmul. The tests add "cpu" (under Triton's
+# interpreter) to run the kernel path through the engine; the MKL path stays CPU's serving path.
+KERNEL_DEVICES = frozenset({"cuda"})
+
+
+@cache
+def _kernel_linear(device: str) -> Linear:
+    """The Triton matmul where Triton can run on ``device``; else ``F.linear``, with one warning that
+    rows then depend on their batch (Triton is an optional dependency)."""
+    from engine.kernels import triton_usable
+
+    if triton_usable(device):
+        from engine.kernels.triton_matmul import linear
+
+        return linear
+    warnings.warn(
+        f"deterministic mode on {device} without triton: linear layers use F.linear, whose results "
+        "depend on the batch (pip install 'ferry-serve[triton]' for batch invariance)",
+        stacklevel=2,
+    )
+    return F.linear
 
 
 def take_embeddings(

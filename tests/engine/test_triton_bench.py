@@ -19,7 +19,7 @@ CASES = {
     "rms_norm", "rms_norm+residual", "rotary_embedding", "silu_and_mul", "write_kv_cache", "unified decode",
     "unified prefill", "unified extend", "unified mixed", "unified chunked prefill", "split-KV decode",
     "fused_moe decode", "fused_moe prefill", "mla decode", "mla prefill", "attention, soft-capped",
-    "attention, sinks + window", "attention, window",
+    "attention, sinks + window", "attention, window", "linear decode", "linear batch", "linear prefill",
 }  # fmt: skip
 
 
@@ -55,4 +55,5 @@ def test_interpreter_pass_checks_every_kernel(tmp_path: Path) -> None:
     assert results["unified chunked prefill"]["checks"]["chunk_invariant"] is True
     assert results["fused_moe prefill"]["checks"]["batch_invariant"] is True
     assert results["attention, sinks + window"]["checks"]["split_kv_within_tol"] is True
-    assert "18/18 passed" in proc.stdout
+    assert results["linear decode"]["checks"]["batch_invariant"] is True
+    assert "21/21 passed" in proc.stdout

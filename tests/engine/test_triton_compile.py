@@ -15,7 +15,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed (pip inst
 ROOT = Path(__file__).resolve().parents[2]
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 KERNELS = ["unified_attention", "split_kv_decode", "split_kv_reduce", "rms_norm", "rms_norm+residual",
-           "rotary_embedding", "silu_and_mul", "write_kv_cache", "moe_gate_up", "moe_down", "mla_attention"]  # fmt: skip
+           "rotary_embedding", "silu_and_mul", "write_kv_cache", "moe_gate_up", "moe_down", "mla_attention", "linear"]  # fmt: skip
 
 
 @pytest.mark.skipif(
@@ -30,7 +30,7 @@ def test_every_kernel_compiles_for_sm90() -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     lines = proc.stdout.splitlines()
-    assert lines[-1] == "42/42 kernels compiled for sm_90"
+    assert lines[-1] == "47/47 kernels compiled for sm_90"
     for kernel in KERNELS:
         assert any(line.split()[1] == kernel and line.rstrip().endswith(" B") for line in lines[:-1]), kernel
     # The GQA, one-sequence and fp32 variants are among them.
