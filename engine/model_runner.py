@@ -132,6 +132,7 @@ class ModelRunner:
             )
         self.model: Any = None
         self.kv_scales: KVScales | None = None  # the fp8 cache's per-layer scales (install_weights)
+        self.draft: PagedDraft | None = None  # loaded below, once the target's model is built
         self.install_weights(weights)
         self.model_fingerprint = self._fingerprint()  # covers the KV scales the weights brought
         self.vocab_size = int(self.model.lm_head.shape[0])
@@ -144,7 +145,6 @@ class ModelRunner:
         # A draft model (engine/draft_model.py) or the MTP layer (engine/mtp.py) is loaded before the
         # block count is decided: its weights are resident then, and its KV takes a share of every
         # block's bytes.
-        self.draft: PagedDraft | None = None
         spec = config.speculative_config
         if spec is not None and spec.method == "draft_model":
             self.draft = DraftModel(self, spec, attention)
@@ -162,12 +162,14 @@ class ModelRunner:
 
     def install_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Build the model from loaded weights (moved to the device first); the previous model is
-        replaced only once the new one is built."""
+        replaced only once the new one is built. A draft model or MTP layer that sleep sent to host
+        memory comes back to the device with them: weight updates never change its own weights."""
         weights, kv_scales = self._split_kv_scales(weights)
         self.model, head = self._build(weights, self.device, kv_scales)
         self.kv_scales = kv_scales
         if head is not None:
             self.score_head = head.float()
+        self._move_draft(self.device)
 
     def replace_weights(self, weights: dict[str, torch.Tensor]) -> bool:
         """New weights of the serving model's shapes copied into its own tensors, one at a time, so
