@@ -137,11 +137,13 @@ def test_backend_sinks_match_reference(
     on a paged cache, with sinks that take most of some rows' mass."""
     torch.manual_seed(0)
     bs, hq, hkv, d = 4, 4, 2, 8
+    device = "cpu"  # where the backend runs; the inputs and the reference are built on the CPU
     if name == "triton":
         pytest.importorskip("triton", reason=NO_TRITON)
         from engine.attention.triton_backend import TritonAttentionBackend
 
         backend = TritonAttentionBackend(split_size=64)
+        device = "cuda" if torch.cuda.is_available() else "cpu"  # compiled kernels take CUDA tensors
     else:
         backend = get_attention_backend(name, "cpu", deterministic=deterministic)
     k_cache, v_cache = torch.zeros(48, bs, hkv, d), torch.zeros(48, bs, hkv, d)
@@ -153,11 +155,12 @@ def test_backend_sinks_match_reference(
     for (ctx, _), table, kk, vv in zip(seqs, tables, full_k, full_v, strict=True):
         for p in range(ctx):
             k_cache[table[p // bs], p % bs], v_cache[table[p // bs], p % bs] = kk[p], vv[p]
-    meta = AttentionMetadata.for_chunks(seqs, tables, bs)
+    meta = AttentionMetadata.for_chunks(seqs, tables, bs, device)
     k = torch.cat([kk[c:] for (c, _), kk in zip(seqs, full_k, strict=True)])
     v = torch.cat([vv[c:] for (c, _), vv in zip(seqs, full_v, strict=True)])
-    out = backend.forward(torch.cat(full_q), k, v, k_cache, v_cache, meta, 0.35, window, None, sinks)
-    plain = backend.forward(torch.cat(full_q), k, v, k_cache, v_cache, meta, 0.35, window)
+    q, k, v, k_cache, v_cache = (t.to(device) for t in (torch.cat(full_q), k, v, k_cache, v_cache))
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, 0.35, window, None, sinks.to(device)).cpu()
+    plain = backend.forward(q, k, v, k_cache, v_cache, meta, 0.35, window).cpu()
     start = 0
     for (ctx, n), qq, kk, vv in zip(seqs, full_q, full_k, full_v, strict=True):
         ref = _reference(qq, kk, vv, ctx, 0.35, sinks, window)

@@ -21,6 +21,7 @@ if not torch.cuda.is_available():  # never force the interpreter onto a real GPU
 PROMPT = [(11 * i + 5) % 900 + 10 for i in range(64)]
 # Chunks of 16: each later chunk's prompt logprobs read the earlier chunks from the cache.
 CHUNKED = {"num_threads": 1, "max_num_batched_tokens": 16, "block_size": 16}
+TORCH = {"attention_backend": "torch"}  # on every device (auto is Triton on CUDA)
 
 
 def _prompt_logprobs(llm: LLM, prompt: list[int] = PROMPT) -> torch.Tensor:
@@ -45,9 +46,11 @@ def test_an_fp8_cache_holds_more_blocks_in_the_same_bytes(tiny_llama: Path) -> N
 
 @pytest.mark.parametrize(("kv", "tolerance"), [("fp8", 0.05), ("fp8_e5m2", 0.1)])
 def test_results_stay_within_fp8_rounding(tiny_llama: Path, kv: str, tolerance: float) -> None:
-    with LLM(str(tiny_llama), num_kv_blocks=32, **CHUNKED) as llm:
+    """The torch backend's bounds (what ``auto`` picks on a CPU; on CUDA it would be Triton, whose
+    kernels read even the first chunk from the cache: test_kv_scales.py bounds those)."""
+    with LLM(str(tiny_llama), num_kv_blocks=32, **CHUNKED, **TORCH) as llm:
         want = _prompt_logprobs(llm)
-    with LLM(str(tiny_llama), num_kv_blocks=32, kv_cache_dtype=kv, **CHUNKED) as llm:
+    with LLM(str(tiny_llama), num_kv_blocks=32, kv_cache_dtype=kv, **CHUNKED, **TORCH) as llm:
         got = _prompt_logprobs(llm)
     diff = (got - want).abs()
     assert diff[:15].max() == 0  # the first chunk attends over its own fresh keys and values
@@ -80,9 +83,10 @@ def test_fp8_blocks_cross_the_kv_tier(tiny_llama: Path) -> None:
 
 
 def test_mla_latents_in_fp8(tiny_deepseek: Path) -> None:
-    with LLM(str(tiny_deepseek), num_kv_blocks=32, **CHUNKED) as llm:
+    """The torch backend's bound, as above."""
+    with LLM(str(tiny_deepseek), num_kv_blocks=32, **CHUNKED, **TORCH) as llm:
         want = _prompt_logprobs(llm)
-    with LLM(str(tiny_deepseek), num_kv_blocks=32, kv_cache_dtype="fp8", **CHUNKED) as llm:
+    with LLM(str(tiny_deepseek), num_kv_blocks=32, kv_cache_dtype="fp8", **CHUNKED, **TORCH) as llm:
         assert llm.engine.model_runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
         got = _prompt_logprobs(llm)
     assert 0 < (got - want).abs().max() < 0.05

@@ -24,6 +24,7 @@ from kvcache.keys import model_fingerprint
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # where the kernels run
 FP8 = torch.float8_e4m3fn
 PROMPT = [(11 * i + 5) % 900 + 10 for i in range(40)]
 CHUNKED = {"num_threads": 1, "max_num_batched_tokens": 16, "block_size": 16, "num_kv_blocks": 32}
@@ -68,14 +69,14 @@ def _paged(seed: int = 0):
     decodes, a draft-sized chunk and a prefill tail over a cached prefix."""
     g = torch.Generator().manual_seed(seed)
     chunks, tables = [(9, 1), (5, 12), (13, 3)], [[3, 1, 10], [4, 0, 6, 9, 11], [2, 8, 5, 7]]
-    meta = AttentionMetadata.for_chunks(chunks, tables, 4)
+    meta = AttentionMetadata.for_chunks(chunks, tables, 4, DEVICE)
     t = meta.num_tokens
     k_cache = (torch.randn(12, 4, 2, 16, generator=g) * 50).to(FP8)
     v_cache = (torch.randn(12, 4, 2, 16, generator=g) * 0.01).to(FP8)
     q = torch.randn(t, 4, 16, generator=g)
     k = torch.randn(t, 2, 16, generator=g) * 1000  # unscaled, most would clip at 448
     v = torch.randn(t, 2, 16, generator=g) * 1e-3  # unscaled, most would fall to subnormals
-    return q, k, v, k_cache, v_cache, meta
+    return *(x.to(DEVICE) for x in (q, k, v, k_cache, v_cache)), meta
 
 
 def _backends() -> list:
@@ -91,10 +92,11 @@ def test_backends_write_scaled_fp8_and_read_it_back_scaled(which: str) -> None:
     backend = dict(zip(["torch", "triton", "triton-split"], _backends(), strict=True))[which]
     q, k, v, kc, vc, meta = _paged()
     if which == "triton-split":  # decode rows only, long enough for two splits
-        meta = AttentionMetadata.for_chunks([(70, 1), (90, 1)], [list(range(18)), list(range(25, 48))], 4)
+        tables = [list(range(18)), list(range(25, 48))]
+        meta = AttentionMetadata.for_chunks([(70, 1), (90, 1)], tables, 4, DEVICE)
         q, k, v = q[:2], k[:2], v[:2]
-        kc = (torch.randn(48, 4, 2, 16) * 50).to(FP8)
-        vc = (torch.randn(48, 4, 2, 16) * 0.01).to(FP8)
+        kc = (torch.randn(48, 4, 2, 16) * 50).to(FP8).to(DEVICE)
+        vc = (torch.randn(48, 4, 2, 16) * 0.01).to(FP8).to(DEVICE)
     k_scale, v_scale = 8.0, 2.0**-10
     got = backend.forward(q, k, v, kc, vc, meta, 0.25, k_scale=k_scale, v_scale=v_scale)
     slots = meta.slot_mapping
@@ -156,10 +158,10 @@ def test_mla_latent_cache_takes_the_k_scale() -> None:
     from engine.attention.triton_backend import TritonAttentionBackend
 
     g = torch.Generator().manual_seed(2)
-    meta = AttentionMetadata.for_chunks([(9, 1), (5, 12)], [[3, 1, 2], [4, 0, 6, 9, 7]], 4)
-    cache = (torch.randn(10, 4, 1, 48, generator=g) * 30).to(FP8)
-    q = torch.randn(meta.num_tokens, 5, 48, generator=g)
-    kv = torch.randn(meta.num_tokens, 1, 48, generator=g) * 2000
+    meta = AttentionMetadata.for_chunks([(9, 1), (5, 12)], [[3, 1, 2], [4, 0, 6, 9, 7]], 4, DEVICE)
+    cache = (torch.randn(10, 4, 1, 48, generator=g) * 30).to(FP8).to(DEVICE)
+    q = torch.randn(meta.num_tokens, 5, 48, generator=g).to(DEVICE)
+    kv = (torch.randn(meta.num_tokens, 1, 48, generator=g) * 2000).to(DEVICE)
     for backend in (TorchAttentionBackend(), TritonAttentionBackend()):
         c = cache.clone()
         got = backend.forward_mla(q, kv, c, meta, 0.2, 32, kv_scale=16.0)

@@ -201,9 +201,9 @@ def test_the_layer_computes_what_the_reference_does(mtp_model) -> None:
     target = runner.model.forward(ids, positions, runner.kv_caches, meta)
     ids, positions, meta = build_batch([(history[1:], 0, [0])], 16, runner.device)
     out = mtp.model.forward_mtp(ids, positions, target, mtp.kv_caches[0][0], meta, mtp.model.embed)
-    torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.cpu(), want_out, atol=1e-5, rtol=1e-5)  # the reference runs on CPU
     logits = mtp.model.mtp_logits(out, mtp.model.lm_head)
-    torch.testing.assert_close(logits, want_logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits.cpu(), want_logits, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("model", ["mtp_model", "shared_head_model"])
@@ -404,3 +404,18 @@ def test_weight_updates_reach_the_layer(echo_model, tiny_deepseek, tmp_path) -> 
         llm.reload_weights(str(tiny_deepseek))
     assert accepted_of_one_run() == (21, 21)
     _drained(llm)
+
+
+def test_waking_from_level2_brings_the_layer_back_to_the_device(echo_model) -> None:
+    """Level 2 sends the MTP layer to host memory and drops the target's weights; waking builds the
+    target on the device and must bring the layer back beside it. A CPU engine keeps everything in
+    place, so ``meta`` stands in for an accelerator from the wake on (nothing runs after it)."""
+    llm = LLM(str(echo_model), num_kv_blocks=32, enable_sleep_mode=True, speculative_config=_spec(3))
+    runner = llm.engine.model_runner
+    llm.sleep(level=2)
+    runner.device = torch.device("meta")
+    llm.wake_up(tags=["weights"])
+    devices = {t.device for t in vars(runner.draft.model).values() if isinstance(t, torch.Tensor)}
+    devices |= {t.device for t in runner.draft.model.layers[0].values() if isinstance(t, torch.Tensor)}
+    assert devices == {torch.device("meta")}
+    assert runner.model.embed.device == torch.device("meta")

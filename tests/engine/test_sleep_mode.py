@@ -49,22 +49,28 @@ def _assert_released(llm: LLM, cache_ref: weakref.ref) -> None:
 
 
 def test_level1_frees_kv_keeps_weights_on_cpu_and_wakes_exact(tiny_llama, reference, hf_reference) -> None:
+    import torch
+
     llm = LLM(str(tiny_llama), enable_sleep_mode=True, num_kv_blocks=64)
     assert _tokens(llm) == reference["tiny"]
     assert llm.engine.block_manager.num_cached_blocks > 0
     cache_ref = weakref.ref(llm.engine.model_runner.kv_caches[0][0])
-    embed = llm.engine.model_runner.model.embed
+    runner = llm.engine.model_runner
+    embed = runner.model.embed
     llm.sleep(level=1)
     assert llm.is_sleeping()
     _assert_released(llm, cache_ref)
-    # On a CPU device the weights already live in host memory: level 1 leaves them in place.
-    assert llm.engine.model_runner.model.embed is embed
+    if runner.device.type == "cpu":  # the weights already live in host memory: left in place
+        assert runner.model.embed is embed
+    else:  # moved to host memory
+        assert runner.model.embed.device.type == "cpu" and torch.equal(runner.model.embed, embed.cpu())
     assert llm.engine.stats().sleep_level == 0  # engine stats carry it through the async engine only
     with pytest.raises(RuntimeError, match="asleep"):
         llm.generate(PROMPTS, GREEDY)
     llm.wake_up()
     assert not llm.is_sleeping()
     assert [t.numel() for t in llm.engine.model_runner.kv_caches[0]] == [64 * 16 * 2 * 16] * 2
+    assert runner.model.embed.device == embed.device  # back on the device
     assert _tokens(llm) == reference["tiny"]
     assert reference["tiny"][0] == hf_reference(tiny_llama, PROMPTS[0], 10)[0]
 
@@ -327,7 +333,7 @@ def test_sleep_releases_a_draft_models_kv_too(tiny_llama, reference) -> None:
 def test_sleep_drops_lora_device_copies(tiny_llama, tmp_path) -> None:
     """LoRA adapters copied to the device for a step are let go with the weights at either level;
     the host copies stay loaded and serve after waking. (The copies are made on ``meta`` here, as a
-    CPU device runs the host copies themselves.)"""
+    CPU device runs the host copies themselves; the steps after waking make them on the device.)"""
     import torch
 
     from engine.demo import build_lora_adapter
@@ -339,12 +345,13 @@ def test_sleep_drops_lora_device_copies(tiny_llama, tmp_path) -> None:
     want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, lora_request=lora)]
     copies = llm.engine.model_runner.lora_adapters
     adapter = llm.engine.load_lora(lora)
+    device = copies.device
     for level in (1, 2):
         copies.device = torch.device("meta")
         copies.batch([(0, 2, adapter)], llm.engine.model_runner.model.linear)
         assert copies.num_copies == 1
         llm.sleep(level=level)
         assert copies.num_copies == 0
-        copies.device = torch.device("cpu")
+        copies.device = device
         llm.wake_up()
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, lora_request=lora)] == want

@@ -84,7 +84,7 @@ def _assert_matches(outs, logits, refs) -> None:  # noqa: ANN001
         ref_lp = torch.log_softmax(ref_logits, dim=-1)
         for step, (tok, entry) in enumerate(zip(ref_tokens, o.logprobs, strict=True)):
             assert abs(entry[tok].logprob - ref_lp[step, tok].item()) < 1e-4
-        assert (torch.log_softmax(rows, dim=-1) - ref_lp).abs().max().item() < 1e-4
+        assert (torch.log_softmax(rows.cpu(), dim=-1) - ref_lp).abs().max().item() < 1e-4
 
 
 # --------------------------------------------------------------------------- config
