@@ -34,6 +34,7 @@ def tile_dot(
     col_ok,
     k_end,
     k,
+    stride_bk,
     CAST_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -42,14 +43,17 @@ def tile_dot(
 ):
     """The fp32 [BLOCK_M, BLOCK_N] product of a row tile and a column tile over ``k`` features,
     ``BLOCK_K`` at a time in increasing order: ``a_rows`` [BLOCK_M, 1] points at the rows' first
-    feature, ``b_cols`` [1, BLOCK_N] at the weight rows' (an [out, in] weight), both contiguous
-    along K. Stops at ``k_end`` (<= k; 0 skips the tile). Shared with ``triton_moe``."""
+    feature (contiguous along K), ``b_cols`` [1, BLOCK_N] at the weight rows' (an [out, in] weight,
+    ``stride_bk`` apart along K: 1, or a per-head [in, out] matrix's row length). Stops at ``k_end``
+    (<= k; 0 skips the tile). Shared with ``triton_moe``."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < k
         a = tl.load(a_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_cols + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [K, N]
+        b = tl.load(
+            b_cols + ks[:, None] * stride_bk, mask=k_ok[:, None] & col_ok[None, :], other=0.0
+        )  # [K, N]
         if CAST_FP32:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -68,7 +72,11 @@ def _matmul_kernel(
     k,
     stride_x,
     stride_w,
+    stride_wk,
     stride_out,
+    stride_xb,
+    stride_wb,
+    stride_ob,
     HAS_BIAS: tl.constexpr,
     CAST_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -80,12 +88,15 @@ def _matmul_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < m
     col_ok = cols < n
-    x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_x
-    w_cols = w_ptr + cols[None, :].to(tl.int64) * stride_w
-    acc = tile_dot(x_rows, w_cols, row_ok, col_ok, k, k, CAST_FP32, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+    batch = tl.program_id(2).to(tl.int64)  # a head of ``per_head_matmul`` (0 for ``linear``)
+    x_rows = x_ptr + batch * stride_xb + rows[:, None].to(tl.int64) * stride_x
+    w_cols = w_ptr + batch * stride_wb + cols[None, :].to(tl.int64) * stride_w
+    acc = tile_dot(
+        x_rows, w_cols, row_ok, col_ok, k, k, stride_wk, CAST_FP32, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K
+    )
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + rows[:, None].to(tl.int64) * stride_out + cols[None, :]
+    out = out_ptr + batch * stride_ob + rows[:, None].to(tl.int64) * stride_out + cols[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
@@ -123,7 +134,30 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     grid = (triton.cdiv(m, launch["BLOCK_M"]), triton.cdiv(n, launch["BLOCK_N"]))
     _matmul_kernel[grid](
         x2, weight, bias if bias is not None else weight, out,
-        m, n, k, x2.stride(0), weight.stride(0), out.stride(0),
+        m, n, k, x2.stride(0), weight.stride(0), 1, out.stride(0), 0, 0, 0,
         **launch.kwargs,
     )  # fmt: skip
     return out.view(*lead, n)
+
+
+def per_head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x[t, h] @ w[h]`` for ``x`` [T, H, a] and ``w`` [H, a, b] -> [T, H, b] (``torch.bmm`` over
+    heads, as DeepSeek's absorbed latent attention multiplies), each token's result the same
+    whatever other tokens share the call: one grid slice per head, each as ``linear``'s."""
+    t, heads, k = x.shape
+    if w.shape[:2] != (heads, k):
+        raise ValueError(f"x is [T, {heads}, {k}], w {list(w.shape)}: expected [{heads}, {k}, b]")
+    n = w.shape[2]
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    w = w if w.stride(-1) == 1 else w.contiguous()
+    out = torch.empty(t, heads, n, dtype=x.dtype, device=x.device)
+    if t == 0:
+        return out
+    launch = matmul_launch(n, k, x.dtype, False, interpreting())
+    grid = (triton.cdiv(t, launch["BLOCK_M"]), triton.cdiv(n, launch["BLOCK_N"]), heads)
+    _matmul_kernel[grid](
+        x, w, w, out, t, n, k,
+        x.stride(0), 1, w.stride(1), out.stride(0), x.stride(1), w.stride(0), out.stride(1),
+        **launch.kwargs,
+    )  # fmt: skip
+    return out

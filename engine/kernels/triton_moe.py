@@ -72,7 +72,7 @@ def _moe_matmul_kernel(
     b_cols = b_ptr + expert * stride_be + cols[None, :].to(tl.int64) * stride_bn
     k_end = tl.where(used, k, 0)  # a block past the last expert's: nothing to multiply
     acc = tile_dot(
-        a_ptr + a_rows[:, None] * stride_a, b_cols, row_ok, col_ok, k_end, k,
+        a_ptr + a_rows[:, None] * stride_a, b_cols, row_ok, col_ok, k_end, k, 1,
         CAST_FP32, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
     )  # fmt: skip
     if WEIGHTED:

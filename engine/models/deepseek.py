@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.models.config import ModelConfig
 from engine.models.kv_scales import KVScales, layer_scales
-from engine.models.llama import MIN_INVARIANT_ROWS, Linear, invariant_linear, take_embeddings
+from engine.models.llama import Linear, invariant_linear, invariant_per_head, take_embeddings
 from engine.models.moe import MoE, load_dense_mlp
 from engine.models.rope import build_cos_sin_cache, softmax_scale_factor
 from engine.ops import Ops
@@ -191,17 +191,11 @@ class DeepseekForCausalLM:
         return linear(o.reshape(t, heads * mla.v_head_dim), layer["o"], layer["o_bias"])
 
     def _per_head(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """``x[t, h] @ w[h]`` for ``x`` [T, H, a] and ``w`` [H, a, b] -> [T, H, b], one batched matmul.
-
-        Deterministic mode pads T to the rows where the matmul's per-row result stops depending
-        on T (as ``invariant_linear`` does)."""
-        t = x.shape[0]
-        xt = x.transpose(0, 1)
-        if self.deterministic and t < MIN_INVARIANT_ROWS:
-            padded = x.new_zeros((x.shape[1], MIN_INVARIANT_ROWS, x.shape[2]))
-            padded[:, :t] = xt
-            return torch.bmm(padded, w)[:, :t].transpose(0, 1)
-        return torch.bmm(xt, w).transpose(0, 1)
+        """``x[t, h] @ w[h]`` for ``x`` [T, H, a] and ``w`` [H, a, b] -> [T, H, b], one batched matmul
+        (deterministic mode: ``invariant_per_head``, whose per-token result does not depend on T)."""
+        if self.deterministic:
+            return invariant_per_head(x, w)
+        return torch.bmm(x.transpose(0, 1), w).transpose(0, 1)
 
     def _mlp(self, x: torch.Tensor, layer: dict) -> torch.Tensor:
         return self.linear(self.ops.silu_and_mul(self.linear(x, layer["gate_up"], None)), layer["down"], None)

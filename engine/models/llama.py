@@ -73,6 +73,24 @@ def _kernel_linear(device: str) -> Linear:
     return F.linear
 
 
+def invariant_per_head(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x[t, h] @ w[h]`` for ``x`` [T, H, a] and ``w`` [H, a, b] -> [T, H, b] (DeepSeek's absorbed
+    latent attention), each token's result independent of T: on ``KERNEL_DEVICES`` the Triton
+    kernel (cuBLAS's batched matmul picks kernels by size too); on MKL, T padded to
+    ``MIN_INVARIANT_ROWS`` as ``invariant_linear`` pads."""
+    if x.device.type in KERNEL_DEVICES and _kernel_linear(x.device.type) is not F.linear:
+        from engine.kernels.triton_matmul import per_head_matmul
+
+        return per_head_matmul(x, w)
+    t = x.shape[0]
+    xt = x.transpose(0, 1)
+    if t < MIN_INVARIANT_ROWS:
+        padded = x.new_zeros((x.shape[1], MIN_INVARIANT_ROWS, x.shape[2]))
+        padded[:, :t] = xt
+        return torch.bmm(padded, w)[:, :t].transpose(0, 1)
+    return torch.bmm(xt, w).transpose(0, 1)
+
+
 def take_embeddings(
     w: dict[str, torch.Tensor], cfg: ModelConfig
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

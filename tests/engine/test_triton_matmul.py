@@ -126,3 +126,49 @@ def test_deterministic_logprobs_through_the_kernel_are_batch_invariant(
     assert calls and min(calls) == 1  # decode steps of one row went through the kernel
     assert run(prompts) == alone
     assert run(prompts[:1], max_num_batched_tokens=4) == alone  # its prompt in chunks of 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_per_head_matmul_equals_bmm_and_a_tokens_result_ignores_the_rest(dtype: torch.dtype) -> None:
+    """DeepSeek's absorbed attention multiplies each head by its own matrix: ``x[t, h] @ w[h]``.
+    Against a float64 ``bmm``, and each token's bits the same alone or among 33 (3 heads, odd
+    a and b)."""
+    g = torch.Generator().manual_seed(4)
+    w = (torch.randn(3, 40, 24, generator=g) / 40**0.5).to(DEVICE, dtype)
+    x = torch.randn(33, 3, 40, generator=g).to(DEVICE, dtype)
+    out = triton_matmul.per_head_matmul(x, w)
+    want = torch.bmm(x.double().transpose(0, 1), w.double()).transpose(0, 1)
+    assert out.shape == (33, 3, 24) and out.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2**-7  # as the reference test above
+    assert ((out.double() - want).abs() <= tol * want.abs() + 1e-5).all()
+    for lo, hi in ((0, 1), (5, 22), (32, 33)):
+        assert torch.equal(triton_matmul.per_head_matmul(x[lo:hi], w), out[lo:hi]), (lo, hi)
+    with pytest.raises(ValueError, match=r"x is \[T, 3, 40\], w \[3, 24, 40\]"):
+        triton_matmul.per_head_matmul(x, w.transpose(1, 2))
+
+
+def test_deepseek_deterministic_logprobs_through_the_kernels_are_batch_invariant(
+    tiny_deepseek, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Latent attention's per-head matmuls go through the kernel too: a prompt's logprobs alone and
+    beside others are the same bits."""
+    monkeypatch.setattr(llama, "KERNEL_DEVICES", frozenset({"cuda", "cpu"}))
+    heads = []
+    per_head = triton_matmul.per_head_matmul
+
+    def counted(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        heads.append(x.shape[0])
+        return per_head(x, w)
+
+    monkeypatch.setattr(triton_matmul, "per_head_matmul", counted)
+    prompts = [[5, 9, 13, 200, 7, 44], list(range(30, 47)), [11, 12]]
+    params = SamplingParams(max_tokens=2, temperature=0.0, logprobs=2, ignore_eos=True)
+
+    def run(batch: list[list[int]]) -> tuple[list[int], float | None, object]:
+        llm = LLM(str(tiny_deepseek), num_kv_blocks=64, deterministic=True)
+        out = llm.generate(batch, params)[0].outputs[0]
+        return out.token_ids, out.cumulative_logprob, out.logprobs
+
+    alone = run(prompts[:1])
+    assert heads and 1 in heads  # a decode step's one token went through the per-head kernel
+    assert run(prompts) == alone
