@@ -76,9 +76,6 @@ _Command = _Add | _Abort | _ResetPrefixCache | Lifecycle
 
 
 class AsyncEngine(SleepCommands):
-    # The most an idle loop holds its first step to gather a burst of arrivals (``_gather_burst``):
-    # ``EngineConfig.burst_wait_ms``, this by default.
-    arrival_wait_s = 0.025
     # How ``_gather_burst`` probes the submitters, called on their event loop with a function to
     # call once they have taken in what they had received. Default (None): two passes of that loop,
     # which parses the requests itself. An engine serving API server processes
@@ -91,6 +88,7 @@ class AsyncEngine(SleepCommands):
         elif options:
             raise TypeError("pass either an EngineConfig or keyword options, not both")
         self.config = config
+        # The most an idle loop holds its first step to gather a burst of arrivals (``_gather_burst``).
         self.arrival_wait_s = config.burst_wait_ms / 1000
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer

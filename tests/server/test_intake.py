@@ -108,7 +108,7 @@ async def test_rejected_request_is_marked_submitted(engine, serve_app) -> None:
 
 
 async def test_burst_over_http_completes_with_the_tokens_each_gets_alone(engine, serve_app) -> None:
-    engine.arrival_wait_s = AsyncEngine.arrival_wait_s
+    engine.arrival_wait_s = engine.config.burst_wait_ms / 1000
     app = build_app(engine, ServerConfig(served_model_name="m"))
     prompts = [[10 + i, 20 + i, 30 + i] for i in range(12)]
     async with serve_app(app) as url, httpx.AsyncClient(base_url=url, timeout=60) as client:
