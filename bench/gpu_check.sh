@@ -12,8 +12,9 @@
 # Needs the project's Python packages (pytest-xdist for the tests) and redis-server on PATH (the KV
 # tier tests start their own). Each step has its own time limit (seconds, from the environment:
 # TESTS_S, KERNELS_S, OVERHEAD_S); a step that fails or runs out of time never stops the next one,
-# and a stopped pytest still writes its summary and JUnit XML. OVERHEAD_ARGS adds flags to the
-# overhead bench (e.g. "--burst-wait-ms 0"). Everything lands in OUT_DIR.
+# and a stopped pytest still writes its summary and JUnit XML. TESTS narrows the test step (pytest
+# paths or node ids, default tests/engine); OVERHEAD_ARGS adds flags to the overhead bench, later
+# ones win (e.g. "--burst-wait-ms 25 0 --api-server-count 1 4 8"). Everything lands in OUT_DIR.
 set -u
 out=${1:?usage: bash bench/gpu_check.sh OUT_DIR [tests] [kernels] [overhead]}
 shift
@@ -37,7 +38,7 @@ for step in $steps; do
   tests)
     stamp tests
     workers=$(($(nproc) > 16 ? 15 : $(nproc) - 1))
-    timeout -s INT "${TESTS_S:-300}" "$py" -m pytest tests/engine -q -n "$workers" -p no:cacheprovider \
+    timeout -s INT "${TESTS_S:-300}" "$py" -m pytest ${TESTS:-tests/engine} -q -n "$workers" -p no:cacheprovider \
       --timeout 150 -rfE --junitxml="$out/engine_tests.xml" 2>&1 | tee "$out/engine_tests.log" | tail -80
     ;;
   kernels)

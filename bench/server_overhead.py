@@ -7,7 +7,8 @@ request makes exactly ``--max-tokens`` tokens), at each concurrency in ``--concu
 * HTTP: a `ferry serve` subprocess, streamed over loopback by a minimal asyncio HTTP/1.1 client in
   this process (SSE parsed here) on keep-alive connections, as SDK clients pool them; with
   ``--api-server-count 1 2``, one such mode per count (``http``: one process, the engine on a
-  thread; ``http-2``: an engine process behind 2 API server processes), all interleaved.
+  thread; ``http-2``: an engine process behind 2 API server processes), all interleaved; with
+  ``--burst-wait-ms 25 0``, each of those once per burst wait (``http/bw25``, ``http/bw0``, ...).
 
 Both modes get one unrecorded wave per concurrency first. TTFT is submit -> first token; TPOT
 (time per output token, the mean inter-token latency) is (last token - first token) / (tokens - 1)
@@ -402,16 +403,21 @@ async def run_interleaved(
     ]
 
 
+def _one_process(mode: str) -> bool:
+    """Whether an HTTP mode's replica is one process (the engine on a thread of the API server's)."""
+    return mode.split("/")[0] == "http"
+
+
 def print_table(rows: list[Summary]) -> list[dict]:
     by_c: dict[int, dict[str, Summary]] = {}
     for r in rows:
         by_c.setdefault(r.concurrency, {})[r.mode] = r
-    print(f"{'conc':>4} {'mode':>10} {'TTFT p50':>9} {'TTFT p90':>9} {'TPOT p50':>9} {'TPOT p90':>9}  (ms)")
+    print(f"{'conc':>4} {'mode':>12} {'TTFT p50':>9} {'TTFT p90':>9} {'TPOT p50':>9} {'TPOT p90':>9}  (ms)")
     overhead = []
     for c, modes in sorted(by_c.items()):
         for r in modes.values():
             print(
-                f"{c:>4} {r.mode:>10} {r.ttft_p50_ms:9.2f} {r.ttft_p90_ms:9.2f} {r.tpot_p50_ms:9.2f} {r.tpot_p90_ms:9.2f}"
+                f"{c:>4} {r.mode:>12} {r.ttft_p50_ms:9.2f} {r.ttft_p90_ms:9.2f} {r.tpot_p50_ms:9.2f} {r.tpot_p90_ms:9.2f}"
             )
         for name, h in modes.items():
             if not name.startswith("http") or "in-process" not in modes:
@@ -427,17 +433,17 @@ def print_table(rows: list[Summary]) -> list[dict]:
             }
             overhead.append(row)
             print(
-                f"{c:>4} {'+' + name:>10} {row['ttft_added_ms_p50']:9.2f} {'':>9} {row['tpot_added_ms_p50']:9.2f}"
+                f"{c:>4} {'+' + name:>12} {row['ttft_added_ms_p50']:9.2f} {'':>9} {row['tpot_added_ms_p50']:9.2f}"
                 f"   ratio TTFT {row['ttft_ratio_p50']:.2f}x, TPOT {row['tpot_ratio_p50']:.2f}x"
             )
             if h.loop_cpu_us_per_token is not None:
                 row["loop_cpu_us_per_token"] = h.loop_cpu_us_per_token
-                what = "server event loop" if name == "http" else "API server processes"
-                print(f"{c:>4} {'':>10} {what}: {h.loop_cpu_us_per_token:.0f} us CPU per token")
+                what = "server event loop" if _one_process(name) else "API server processes"
+                print(f"{c:>4} {'':>12} {what}: {h.loop_cpu_us_per_token:.0f} us CPU per token")
             if h.engine_loop_cpu_us_per_token is not None:
                 row["engine_loop_cpu_us_per_token"] = h.engine_loop_cpu_us_per_token
                 print(
-                    f"{c:>4} {'':>10} engine process event loop: {h.engine_loop_cpu_us_per_token:.0f} us CPU per token"
+                    f"{c:>4} {'':>12} engine process event loop: {h.engine_loop_cpu_us_per_token:.0f} us CPU per token"
                 )
     return overhead
 
@@ -452,7 +458,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-threads", type=int, default=2)
     p.add_argument("--num-kv-blocks", type=int, default=2048)
     p.add_argument(
-        "--burst-wait-ms", type=float, default=None, help="the engine's burst_wait_ms (default: its own)"
+        "--burst-wait-ms",
+        type=float,
+        nargs="+",
+        default=None,
+        help="the engine's burst_wait_ms (default: its own); several values: each HTTP mode once per "
+        "value ('http/bw0', ...), interleaved, the in-process engine with the first",
     )
     p.add_argument("--device", default="cpu", help="engine device: cpu | cuda | auto")
     p.add_argument("--dtype", default="auto", help="engine dtype (auto: the checkpoint's)")
@@ -480,17 +491,23 @@ def main(argv: list[str] | None = None) -> int:
         "device": args.device,
         "dtype": args.dtype,
     }
-    if args.burst_wait_ms is not None:
-        engine_opts["burst_wait_ms"] = args.burst_wait_ms
+    waits = args.burst_wait_ms or [None]
+    if waits[0] is not None:
+        engine_opts["burst_wait_ms"] = waits[0]
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     servers: dict[str, tuple[subprocess.Popen, str]] = {}
     try:
         for count in args.api_server_count:
-            name = "http" if count == 1 else f"http-{count}"
-            log = Path(tempfile.gettempdir()) / f"ferry-server-overhead-{name}.log"
-            servers[name] = start_server(model, engine_opts, log, count)  # idle while others run
+            for wait in waits:
+                name = "http" if count == 1 else f"http-{count}"
+                opts = dict(engine_opts)
+                if len(waits) > 1:
+                    name += f"/bw{wait:g}"
+                    opts["burst_wait_ms"] = wait
+                log = Path(tempfile.gettempdir()) / f"ferry-server-overhead-{name.replace('/', '-')}.log"
+                servers[name] = start_server(model, opts, log, count)  # idle while others run
         rows = asyncio.run(_run(model, engine_opts, servers, prompts, args))
     finally:
         for proc, _ in servers.values():
@@ -516,7 +533,7 @@ async def _run(
         cpu_of = {}
         for name, (proc, url) in servers.items():
             runners[name] = http_runner(url, args.max_tokens)
-            if name == "http":  # the event-loop thread (the engine runs on another one)
+            if _one_process(name):  # the event-loop thread (the engine runs on another one)
                 cpu_of[name] = lambda pid=proc.pid: (thread_cpu_seconds(pid, pid), None)
             else:  # every API server process, whole; the engine process's event-loop thread
                 pids, engine_pid = replica_pids(proc.pid)
