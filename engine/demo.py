@@ -216,7 +216,7 @@ def build_model(
             sliding_window=8,
             num_local_experts=4,
             num_experts_per_tok=2,
-            swiglu_limit=0.5,  # small enough that random weights hit the clamps
+            swiglu_limit=_gpt_oss_swiglu_limit(0.5),  # small enough that random weights hit the clamps
         )
         cfg.rope_parameters = rope_scaling or {
             "rope_type": "yarn",
@@ -579,3 +579,16 @@ def build_llava(
     )
     processor.save_pretrained(str(out))
     return out
+
+
+def _gpt_oss_swiglu_limit(wanted: float) -> float:
+    """``wanted`` where transformers' gpt-oss reads ``swiglu_limit`` from the config, else the 7.0
+    that older releases (5.17 among them) hard-code: a checkpoint made here must mean the same to
+    transformers as to ferry, which reads the config."""
+    import transformers
+    from transformers.models.gpt_oss import modeling_gpt_oss
+
+    probe = transformers.GptOssConfig(
+        hidden_size=4, intermediate_size=4, num_local_experts=1, swiglu_limit=wanted
+    )
+    return wanted if modeling_gpt_oss.GptOssExperts(probe).limit == wanted else 7.0

@@ -20,9 +20,11 @@ def make_prompts(vocab: int, lengths: list[int] = PROMPT_LENGTHS, seed: int = 0)
 
 @functools.lru_cache(maxsize=8)
 def _hf_model(path: str):
+    # Eager attention: the exact reference. Some transformers releases (5.17) pick SDPA for Gemma 2,
+    # which drops its attention soft-capping.
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
 
 
 def hf_greedy(path: Path, prompt: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:

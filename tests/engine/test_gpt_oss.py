@@ -260,7 +260,10 @@ def hf_mxfp4(mxfp4_gpt_oss: Path):
     from transformers import AutoModelForCausalLM, Mxfp4Config
 
     return AutoModelForCausalLM.from_pretrained(
-        str(mxfp4_gpt_oss), dtype=torch.float32, quantization_config=Mxfp4Config(dequantize=True)
+        str(mxfp4_gpt_oss),
+        dtype=torch.float32,
+        quantization_config=Mxfp4Config(dequantize=True),
+        attn_implementation="eager",
     ).eval()
 
 

@@ -24,7 +24,7 @@ IDS = [[5, 99, 230, 17, 64, 301, 12, 7, 450, 3, 88], list(range(40, 80))]  # 11 
 def hf_model(path: str):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
 
 
 def hf_embeds(path: Path, ids: list[int]) -> torch.Tensor:

@@ -29,7 +29,9 @@ def _post(url: str, path: str, body: dict) -> httpx.Response:
 def _hf_logits(path: Path, prompts: list[list[int]]) -> list[torch.Tensor]:
     from transformers import AutoModelForSequenceClassification
 
-    model = AutoModelForSequenceClassification.from_pretrained(str(path), dtype=torch.float32).eval()
+    model = AutoModelForSequenceClassification.from_pretrained(
+        str(path), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     with torch.no_grad():
         return [model(torch.tensor([p])).logits[0] for p in prompts]
 
