@@ -7,6 +7,7 @@ where it can run.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 
 from engine.attention.base import AttentionBackend
 
@@ -42,6 +43,16 @@ def resolve_backend_name(name: str, device: str) -> str:
 
 def get_attention_backend(name: str, device: str, *, deterministic: bool = False) -> AttentionBackend:
     resolved = resolve_backend_name(name, device)
+    if resolved == "triton" and importlib.util.find_spec("triton") is not None:
+        from engine.kernels import triton_usable
+
+        if not triton_usable(device):
+            # The engine's device, not the machine's: a CPU engine on a GPU box would otherwise
+            # start, then fail its first step handing CPU tensors to compiled kernels.
+            raise RuntimeError(
+                f"attention_backend='triton' runs on a CUDA device (or on CPU under TRITON_INTERPRET=1); "
+                f"this engine's device is {device!r}: use attention_backend='torch' there"
+            )
     module_name, cls_name = _BACKENDS[resolved].split(":")
     cls = getattr(importlib.import_module(module_name), cls_name)
     return cls(deterministic=deterministic)

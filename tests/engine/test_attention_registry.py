@@ -34,3 +34,21 @@ def test_explicit_names() -> None:
         ValueError, match=r"unknown attention backend 'flash'; choose one of: auto, torch, triton"
     ):
         resolve_backend_name("flash", "cpu")
+
+
+def test_triton_on_a_cpu_engine_is_refused_at_start_even_where_cuda_is_present(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The check is the engine's device, not the machine's: on a GPU box a CPU engine asked for the
+    Triton backend would start, then hand CPU tensors to compiled kernels at its first step."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    import torch
+
+    from engine.attention import get_attention_backend
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(RuntimeError, match="this engine's device is 'cpu'"):
+        get_attention_backend("triton", "cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert get_attention_backend("triton", "cpu").name == "triton"
