@@ -222,7 +222,7 @@ async def create_chat_completion(
         )
         if as_chunks:
             return ChatChunks(chunks, ticket.close)
-        return SSEResponse(_sse(chunks), on_close=ticket.close)
+        return SSEResponse(_sse(chunks), on_close=ticket.close, hold_start=True)
 
     def on_output(seq: SequenceRequest, out: RequestOutput) -> None:
         _delta(state, choices[seq.choice_index], req, out)
@@ -322,12 +322,21 @@ async def _chunks(
             c.usage = usage.info()
         return c
 
-    for seq in seqs:
-        role = ChatStreamChoice(
-            index=seq.choice_index, delta=DeltaMessage(role=answer_role(state, req), content="")
-        )
-        yield chunk(role)
+    def roles() -> list[ChatCompletionChunk]:
+        role = answer_role(state, req)
+        return [
+            chunk(ChatStreamChoice(index=seq.choice_index, delta=DeltaMessage(role=role, content="")))
+            for seq in seqs
+        ]
+
+    # The role chunks go out with the first output, as vLLM sends them: the request reaches the
+    # engine before its stream writes anything (SSEResponse's hold_start).
+    opening = True
     async for seq, out in state.generation.merged(request_id, seqs, arrival, ticket):
+        if opening:
+            opening = False
+            for c in roles():
+                yield c
         choice = choices[seq.choice_index]
         text, logprobs = _delta(state, choice, req, out)
         usage.add(seq, out)

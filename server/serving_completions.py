@@ -196,7 +196,7 @@ async def create_completion(
     producer = is_producer(seqs)
     if req.stream:
         frames = _stream(state, req, seqs, choices, usage, response_id, request_id, arrival, producer, ticket)
-        return SSEResponse(frames, on_close=ticket.close)
+        return SSEResponse(frames, on_close=ticket.close, hold_start=True)
 
     def on_output(seq: SequenceRequest, out: RequestOutput) -> None:
         _delta(state, choices[seq.choice_index], req, out)

@@ -71,6 +71,12 @@ class SSEResponse(StreamingResponse):
     Unlike Starlette's StreamingResponse, the disconnect watch does not depend on the ASGI
     server's spec version, and the iterator is closed in its own task so its cleanup (the engine
     abort) has run when the response returns.
+
+    ``hold_start``: send the status line and headers with the first frame, not before it. A
+    generation stream's first frame comes with the engine's first output, and its iterator submits
+    the request when first advanced: held, a burst's requests all reach the engine before any of
+    them writes to its socket, so the engine's first step is not kept waiting on those writes
+    (the idle engine gathers a burst before it steps, ``AsyncEngine._gather_burst``).
     """
 
     def __init__(
@@ -78,11 +84,13 @@ class SSEResponse(StreamingResponse):
         frames: AsyncIterator[bytes],
         headers: dict[str, str] | None = None,
         on_close: Callable[[], None] | None = None,
+        hold_start: bool = False,
     ) -> None:
         merged = {"cache-control": "no-cache", "x-accel-buffering": "no", **(headers or {})}
         super().__init__(frames, media_type="text/event-stream", headers=merged)
         self.frames = frames
         self.on_close = on_close
+        self.hold_start = hold_start
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         pump = asyncio.ensure_future(self._pump(send, self.raw_headers))
@@ -104,13 +112,21 @@ class SSEResponse(StreamingResponse):
                 raise exc
 
     async def _pump(self, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        start = {"type": "http.response.start", "status": 200, "headers": headers}
+        held = self.hold_start
+        if not held:
+            await send(start)
         try:
             async for frame in self.frames:
+                if held:
+                    held = False
+                    await send(start)
                 await send({"type": "http.response.body", "body": frame, "more_body": True})
         finally:
             # Close the iterator here, in this task, so its finally blocks run before we return.
             aclose = getattr(self.frames, "aclose", None)
             if aclose is not None:
                 await aclose()
+        if held:  # not one frame
+            await send(start)
         await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -9,6 +9,7 @@ can be read between requests.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 
 import httpx
@@ -124,3 +125,49 @@ async def test_burst_over_http_completes_with_the_tokens_each_gets_alone(engine,
     assert together == alone
     assert all(len(t) == 6 for t in alone)
     assert engine.announced == 0
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_a_stream_reaches_the_engine_before_it_writes_a_byte(engine, path: str) -> None:
+    """A streamed generation request is submitted before its response starts: the headers go out
+    with the first frame (and a chat stream's role chunk with the first output), so a burst's
+    requests all reach an idle engine, gathering them, before any of them writes to its socket."""
+    events: list[str] = []
+    real_start = engine.start
+
+    def start(request_id, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+        events.append("submitted")
+        return real_start(request_id, *args, **kwargs)
+
+    engine.start = start
+    engine.arrival_wait_s = 0.0
+    app = build_app(engine, ServerConfig(served_model_name="m"))
+    body = {"max_tokens": 2, "temperature": 0, "stream": True}
+    if path.endswith("chat/completions"):
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    else:
+        body["prompt"] = [5, 6, 7]
+    inbox: asyncio.Queue[dict] = asyncio.Queue()  # the body, then nothing: the client stays
+    inbox.put_nowait({"type": "http.request", "body": json.dumps(body).encode(), "more_body": False})
+    frames: list[bytes] = []
+
+    async def send(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            events.append(f"start {message['status']}")
+        elif message.get("body"):
+            events.append("frame")
+            frames.append(message["body"])
+
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+        "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+        "headers": [(b"host", b"t"), (b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2),
+    }  # fmt: skip
+    await app(scope, inbox.get, send)
+    assert events[:3] == ["submitted", "start 200", "frame"]
+    first = json.loads(frames[0].removeprefix(b"data: "))
+    if path.endswith("chat/completions"):
+        assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert json.loads(frames[1].removeprefix(b"data: "))["choices"][0]["delta"]["content"]
+    assert frames[-1] == b"data: [DONE]\n\n"
