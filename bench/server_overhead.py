@@ -403,6 +403,10 @@ async def run_interleaved(
     ]
 
 
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
 def _one_process(mode: str) -> bool:
     """Whether an HTTP mode's replica is one process (the engine on a thread of the API server's)."""
     return mode.split("/")[0] == "http"
@@ -434,7 +438,7 @@ def print_table(rows: list[Summary]) -> list[dict]:
             overhead.append(row)
             print(
                 f"{c:>4} {'+' + name:>12} {row['ttft_added_ms_p50']:9.2f} {'':>9} {row['tpot_added_ms_p50']:9.2f}"
-                f"   ratio TTFT {row['ttft_ratio_p50']:.2f}x, TPOT {row['tpot_ratio_p50']:.2f}x"
+                f"   ratio TTFT {_ratio(row['ttft_ratio_p50'])}, TPOT {_ratio(row['tpot_ratio_p50'])}"
             )
             if h.loop_cpu_us_per_token is not None:
                 row["loop_cpu_us_per_token"] = h.loop_cpu_us_per_token
