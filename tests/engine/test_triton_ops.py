@@ -109,7 +109,7 @@ def hf_rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) 
     """HF's own apply_rotary_pos_emb on [T, H, D], computed in float64."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    freqs = positions.double()[:, None] * inv_freq.double()[None, :]
+    freqs = positions.double()[:, None] * inv_freq.to(positions.device, torch.float64)[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     out, _ = apply_rotary_pos_emb(x.double(), x.double(), emb.cos(), emb.sin(), unsqueeze_dim=1)
     return out
