@@ -10,9 +10,10 @@ their images):
 * ``data URLs`` — the images inline: the router keys every turn's blocks through the image (its
   bytes' digest, as the replicas key them), so a conversation's later turns find the replica that
   holds its KV;
-* ``http URLs`` — the same images from a loopback origin: the router fetches no URL, so its keys
-  stop before the image and it cannot tell the conversations apart (the router before images were
-  keyed saw every image prompt this way); the replicas fetch and cache exactly as above;
+* ``http URLs`` — the same images from a loopback origin: the router fetches no URL and keys each
+  image by its URL instead (matched against its own history only; before that, its keys stopped
+  before the image and it could not tell the conversations apart); the replicas fetch and cache
+  exactly as above;
 * ``round robin`` — no cache awareness, data URLs;
 * ``one replica`` — every request to one replica, no router: one cache sees every prefix, so its
   hit rate is the workload's ceiling for any router.

@@ -11,8 +11,10 @@ Two keyers behind one interface, chosen once at start:
 Chats with images (a LLaVA-style ``--model``): each image token is expanded into the image's
 placeholder run (its length read from the model's processor files) and keyed by the digest of the
 image's bytes, as the replica keys it (``kvcache.keys.image_source_digest``), for images given as
-data URLs; the router fetches no URL, so a prompt's keys stop before its first image given by an
-http(s) or file URL.
+data URLs. The router fetches no URL: an image given by an http(s) or file URL is keyed by its URL
+instead (a digest in a namespace of its own), so the blocks from that image on match only what the
+router itself sent (its own history, not the replicas' block events), which is what keeps a
+multi-turn chat that resends the same URL on the replica holding its KV.
 
 Completions given as token ids are hashed exactly by both. Completions with ``prompt_embeds``
 (base64 tensors the router does not decode: it never loads torch) are keyed by one hash of their
@@ -35,7 +37,7 @@ from typing import Any
 from engine.chat_template import template_message
 from engine.media import message_image_parts
 from engine.multimodal import tokens_per_image_from_files
-from kvcache.keys import block_hashes, image_source_digest, salt_extra
+from kvcache.keys import DIGEST_SIZE, block_hashes, image_source_digest, salt_extra
 from router.reuse_encoder import ReuseEncoder
 from server.anthropic_protocol import MessagesRequest
 from server.chat_defaults import ChatDefaults
@@ -46,6 +48,7 @@ logger = logging.getLogger("ferry.router")
 TEXT_CHUNK_CHARS = 64  # ~16 tokens of English: one text "block"
 _TEXT_SPACE = b"router-text"  # keeps text-chunk hashes apart from real token-block hashes
 _EMBEDS_SPACE = b"router-embeds"  # and prompt-embeddings payload hashes apart from both
+_IMAGE_URL_SPACE = b"router-image-url\x00"  # URL-keyed images apart from content digests
 
 
 def _no_extra(model: object) -> bytes:
@@ -213,9 +216,9 @@ class TokenKeyer(PromptKeyer):
         spans: list[tuple[int, int, bytes]] = []
         last = 0
         for position, source in zip(positions, sources, strict=True):
-            digest = _data_url_digest(source)
+            digest = _data_url_digest(source) or _url_digest(source)
             expanded += ids[last:position]
-            if digest is None:  # an image the router does not read: keys stop before it
+            if digest is None:  # neither: keys stop before it (the replica will answer 400)
                 break
             spans.append((len(expanded), run, digest))
             expanded += [token] * run
@@ -237,6 +240,14 @@ def _data_url_digest(source: Any) -> bytes | None:
         return image_source_digest(base64.b64decode(payload, validate=True))
     except (binascii.Error, ValueError):
         return None
+
+
+def _url_digest(source: Any) -> bytes | None:
+    """An http(s) or file URL image's key: a digest of the URL (not of bytes the router never
+    fetches), apart from every content digest; None for any other source."""
+    if not isinstance(source, str) or not source.startswith(("http://", "https://", "file://")):
+        return None
+    return hashlib.blake2b(_IMAGE_URL_SPACE + source.encode(), digest_size=DIGEST_SIZE).digest()
 
 
 class TextKeyer(PromptKeyer):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 from body_strategies import BODIES
 from hypothesis import HealthCheck, given, settings
@@ -182,7 +184,8 @@ def test_prompt_embeds_bodies_key_by_their_payload(keyer, tiny_llama) -> None:
 
 def test_image_chats_key_their_runs_by_the_images_bytes(tiny_llava) -> None:
     """Each image token becomes its placeholder run, keyed by the data URL's bytes; an image the
-    router does not read (an http URL) ends the keys before it; the count covers every run."""
+    router does not fetch (an http or file URL) by its URL, apart from any bytes' digest; the count
+    covers every run."""
     from tests.server.test_llava_serve import data_url, image_message, png
 
     keyer = TokenKeyer.from_dir(str(tiny_llava), 16)
@@ -196,5 +199,14 @@ def test_image_chats_key_their_runs_by_the_images_bytes(tiny_llava) -> None:
     assert keys == block_hashes(expanded, 16, images=[span]) and count == len(expanded)
     other, _ = keyer.keys(path, {"messages": image_message(data_url(png(2)))})
     assert other[: at // 16] == keys[: at // 16] and other[at // 16 :] != keys[at // 16 :]
-    fetched, count = keyer.keys(path, {"messages": image_message("http://127.0.0.1:9/a.png")})
-    assert fetched == block_hashes(ids[:at], 16) and count == len(expanded)
+    url = "http://127.0.0.1:9/a.png"
+    by_url, count = keyer.keys(path, {"messages": image_message(url)})
+    url_span = (at, 16, hashlib.blake2b(b"router-image-url\x00" + url.encode(), digest_size=16).digest())
+    assert by_url == block_hashes(expanded, 16, images=[url_span]) and count == len(expanded)
+    assert by_url[: at // 16] == keys[: at // 16] and by_url[at // 16 :] != keys[at // 16 :]
+    assert keyer.keys(path, {"messages": image_message(url)}) == (by_url, count)  # a resent URL matches
+    other_url, _ = keyer.keys(path, {"messages": image_message("file:///tmp/b.png")})
+    assert other_url[: at // 16] == by_url[: at // 16] and other_url[at // 16 :] != by_url[at // 16 :]
+    # a source that is neither (a data URL that does not decode): the keys end before the image
+    broken, count = keyer.keys(path, {"messages": image_message("data:image/png;base64,@@@")})
+    assert broken == block_hashes(ids[:at], 16) and count == len(expanded)
