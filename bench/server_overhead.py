@@ -14,7 +14,10 @@ Both modes get one unrecorded wave per concurrency first. TTFT is submit -> firs
 (time per output token, the mean inter-token latency) is (last token - first token) / (tokens - 1)
 per request. The table prints p50/p90 of each mode, the milliseconds and ratio each HTTP mode adds
 and the CPU per token of the server's event loop (``http``) or of all API server processes and of the
-engine process's event loop (``http-N``); JSON goes to bench/results/server_overhead.json.
+engine process's event loop (``http-N``); JSON goes to bench/results/server_overhead.json. Those
+CPU clocks come from /proc in ticks (10 ms here): a cell's figure resolves 10 ms / its tokens, so
+--max-tokens 1 needs hundreds of requests per cell (e.g. --num-requests 32 --repeats 30) to say
+anything (96 requests read 0, 104 or 208 us a request).
 
 Default model: the engine benchmark model (Llama, hidden 512, 8 layers, 8 heads, 2 KV heads,
 intermediate 1408, vocab 32000, random fp32 weights), built once into the ferry cache directory.
