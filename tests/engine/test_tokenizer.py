@@ -43,6 +43,24 @@ CONVERSATIONS = [
 ]
 
 
+def _hf_chat(hf, messages: list[dict], **kwargs):  # noqa: ANN001, ANN202
+    """transformers' ``apply_chat_template``, skipping where this release cannot be the reference:
+    5.17 fails on (or prints "None" for) a message whose content is None, which 5.25 and ferry
+    render as empty."""
+    import transformers
+
+    missing = any(m.get("content", "") is None for m in messages)
+    try:
+        out = hf.apply_chat_template(messages, **kwargs)
+    except TypeError:
+        if not missing:
+            raise
+        pytest.skip(f"transformers {transformers.__version__} cannot render a message without content")
+    if missing and kwargs.get("tokenize") is False and "None" in out:
+        pytest.skip(f"transformers {transformers.__version__} renders a missing content as 'None'")
+    return out
+
+
 @pytest.fixture(scope="module", params=["tiny_llama", "tiny_qwen2"])
 def model_dir(request: pytest.FixtureRequest) -> Path:
     return request.getfixturevalue(request.param)
@@ -116,11 +134,9 @@ def test_chat_template_matches_hf(pair, conv: int, add_generation_prompt: bool) 
     ours, hf = pair
     messages = CONVERSATIONS[conv]
     text = ours.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-    assert text == hf.apply_chat_template(
-        messages, add_generation_prompt=add_generation_prompt, tokenize=False
-    )
+    assert text == _hf_chat(hf, messages, add_generation_prompt=add_generation_prompt, tokenize=False)
     ids = ours.encode_chat(messages, add_generation_prompt=add_generation_prompt)
-    expected = hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+    expected = _hf_chat(hf, messages, add_generation_prompt=add_generation_prompt, tokenize=True)
     if isinstance(expected, dict) or hasattr(expected, "input_ids"):
         expected = expected["input_ids"]
     assert ids == list(expected)
@@ -418,7 +434,7 @@ def test_rich_template_matches_hf(tiny_qwen2: Path, tmp_path: Path, conv: int, w
         messages = flatten_content_parts(messages)  # what we hand such templates; HF passes lists as is
     kwargs = {"tools": tools} if with_tools else {}
     text = ours.apply_chat_template(CONVERSATIONS[conv], **kwargs)
-    assert text == hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+    assert text == _hf_chat(hf, messages, add_generation_prompt=True, tokenize=False, **kwargs)
     assert text.startswith("<|endoftext|>") and text.endswith("<assistant>")
     assert ('{"name": "get<weather>"' in text) == with_tools
     with pytest.raises(ChatTemplateError, match="unknown role robot"):
