@@ -11,8 +11,8 @@ requests is taken in one at a time. Here (vLLM's ``--api-server-count``):
 * the **engine process** (``server/engine_process.py``) loads the model and runs the one
   ``AsyncEngine`` behind a Unix socket;
 * each **API server process** runs the whole OpenAI app over an ``EngineClient``
-  (``server/engine_client.py``) on a listening socket of its own on the replica's port
-  (``SO_REUSEPORT``: the kernel spreads connections over them; see ``reserve_port``).
+  (``server/engine_client.py``) on the connections the supervisor accepts on the replica's port
+  and passes to it, to whichever API server holds the fewest (``server/conn_balance.py``).
 
 Prometheus metrics of every process go through prometheus-client's multiprocess mode (a private
 directory in ``PROMETHEUS_MULTIPROC_DIR``): whichever API server answers ``/metrics`` reports the
@@ -41,6 +41,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from server.config import ServerConfig
+from server.conn_balance import ConnectionBalancer
 from server.main import usage_error
 
 logger = logging.getLogger("ferry.server")
@@ -57,7 +58,7 @@ def run_api_servers(config: ServerConfig, engine_config: Any, count: int) -> int
     logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT)
     uds = config.http.uds
     try:
-        reservation = listen_unix(uds) if uds else reserve_port(config.host, config.port)
+        reservation = listen_unix(uds) if uds else bind_port(config.host, config.port)
     except OSError as e:
         where = uds or f"{config.host}:{config.port}"
         return usage_error(f"cannot listen on {where}: {e.strerror or e}")
@@ -70,9 +71,7 @@ def run_api_servers(config: ServerConfig, engine_config: Any, count: int) -> int
         config = dataclasses.replace(config, port=reservation.getsockname()[1])
     if config.batch_dir is None:  # one Batch API directory for every API server (server/batch_store.py)
         config = dataclasses.replace(config, batch_dir=os.path.join(workdir, "batches"))
-    supervisor = Supervisor(
-        config, engine_config, count, os.path.join(workdir, "engine.sock"), reservation if uds else None
-    )
+    supervisor = Supervisor(config, engine_config, count, os.path.join(workdir, "engine.sock"), reservation)
     try:
         return asyncio.run(supervisor.run())
     finally:
@@ -84,8 +83,8 @@ def run_api_servers(config: ServerConfig, engine_config: Any, count: int) -> int
 
 
 def listen_unix(path: str) -> socket.socket:
-    """``--uds``: one listening Unix socket that every API server accepts on (a Unix socket has no
-    ``SO_REUSEPORT`` spreading); a stale socket file left at ``path`` is replaced."""
+    """``--uds``: the replica's listening Unix socket (the supervisor accepts on it); a stale socket
+    file left at ``path`` is replaced."""
     import stat
 
     with contextlib.suppress(FileNotFoundError):
@@ -101,30 +100,14 @@ def listen_unix(path: str) -> socket.socket:
     return sock
 
 
-def reserve_port(host: str, port: int) -> socket.socket:
-    """Hold ``host:port`` for this replica's API servers, which each listen on a socket of their
-    own there (``SO_REUSEPORT``: the kernel spreads new connections evenly over them, where one
-    shared listening socket lets whichever process wakes first take a whole burst).
-
-    Refused (OSError) if anything else holds the port, another ferry replica included: a plain
-    bind fails against any listener and against this reservation. The reservation itself never
-    listens (connections are refused until an API server serves, as with one process)."""
-    with _socket(host, socket.SO_REUSEADDR) as probe:  # TIME_WAIT is no conflict
-        probe.bind((host, port))
-        port = probe.getsockname()[1]
-    return _bound(_socket(host, socket.SO_REUSEPORT), host, port)
-
-
-def listen_socket(host: str, port: int) -> socket.socket:
-    """An API server's own socket on the replica's port (joins the supervisor's reservation)."""
-    return _bound(_socket(host, socket.SO_REUSEADDR, socket.SO_REUSEPORT), host, port)
-
-
-def _socket(host: str, *options: int) -> socket.socket:
+def bind_port(host: str, port: int) -> socket.socket:
+    """The replica's TCP socket, bound to ``host:port`` (port 0: a free one), not listening yet:
+    connections are refused until the API servers serve (``ConnectionBalancer.start``), as with
+    one process. Refused (OSError) if anything else holds the port, another ferry replica
+    included."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    for option in options:
-        sock.setsockopt(socket.SOL_SOCKET, option, 1)
-    return sock
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no conflict
+    return _bound(sock, host, port)
 
 
 def _bound(sock: socket.socket, host: str, port: int) -> socket.socket:
@@ -143,10 +126,11 @@ class Supervisor:
         engine_config: Any,
         count: int,
         engine_path: str,
-        shared_socket: socket.socket | None = None,
+        listener: socket.socket,
     ) -> None:
         self.config = config
-        self.shared_socket = shared_socket  # --uds: the listening socket every API server accepts on
+        # Accepts on the replica's socket, hands each connection to an API server.
+        self.balancer = ConnectionBalancer(listener, count)
         self.engine_config = engine_config
         self.count = count
         self.engine_path = engine_path
@@ -164,6 +148,7 @@ class Supervisor:
         try:
             return await self._run()
         finally:
+            self.balancer.stop()
             self._kill_all()
 
     async def _run(self) -> int:
@@ -180,6 +165,7 @@ class Supervisor:
                     return await self._shutdown()
                 logger.error("API server %d did not start", index)
                 return 1
+        self.balancer.start()
         registration = None
         if self.config.register:
             from server.registration import Registration
@@ -233,15 +219,17 @@ class Supervisor:
 
     def _start_api_server(self, index: int) -> Connection:
         receiver, sender = self._ctx.Pipe(duplex=False)
+        channel = self.balancer.attach(index)
         # API servers never register (the supervisor does, once for the replica).
         config = dataclasses.replace(self.config, register=None)
         proc = self._ctx.Process(
             target=api_server_main,
-            args=(index, config, self.engine_path, sender, os.getpid(), self.shared_socket),
+            args=(index, config, self.engine_path, sender, os.getpid(), channel),
             name=f"api-server-{index}",
         )
         proc.start()
         sender.close()
+        channel.close()  # the API server's end: its copy is its own (EOF here once it exits)
         self.api_servers[index] = proc
         self._started_at[index] = time.monotonic()
         return receiver
@@ -363,18 +351,18 @@ def api_server_main(
     engine_path: str,
     ready: Connection,
     supervisor: int,
-    shared_socket: socket.socket | None = None,
+    channel: socket.socket,
 ) -> None:
     _become_child(supervisor)
     logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT)
     from server.main import loop_factory
 
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
-        runner.run(_serve_api(config, engine_path, ready, shared_socket))
+        runner.run(_serve_api(config, engine_path, ready, channel))
 
 
 async def _serve_api(
-    config: ServerConfig, engine_path: str, ready: Connection, shared_socket: socket.socket | None
+    config: ServerConfig, engine_path: str, ready: Connection, channel: socket.socket
 ) -> None:
     from server.engine_client import EngineClient
     from server.main import serve
@@ -386,5 +374,4 @@ async def _serve_api(
             ready.send(("ready",))
         ready.close()
 
-    sock = shared_socket if shared_socket is not None else listen_socket(config.host, config.port)
-    await serve(engine, config, sockets=[sock], on_started=started)
+    await serve(engine, config, sockets=[], on_started=started, passed=channel)

@@ -23,6 +23,7 @@ import uvicorn
 
 from server.args import engine_options, server_config
 from server.config import ServerConfig
+from server.conn_balance import PassedConnections
 from server.roles import check_role_config
 from server.vllm_compat import compat_notes, limited_problem
 
@@ -38,21 +39,38 @@ class DrainingServer(uvicorn.Server):
         app_state: Any,
         registration: Any = None,
         on_started: Callable[[], None] | None = None,
+        passed: socket.socket | None = None,
     ) -> None:
         super().__init__(config)
         self.app_state = app_state
         self.registration = registration
         self.on_started = on_started
+        self.passed = passed  # an API server process's channel from the supervisor (conn_balance)
+        self._passed: PassedConnections | None = None
         self._drain_task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def startup(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
+        if self.started and self.passed is not None:
+            self._passed = PassedConnections(self.passed, self._protocol, self.config.ssl)
+            self._passed.ready()
         if self.started and self.registration is not None:
             await self.registration.start()  # only once the port answers: routers probe at once
         if self.started and self.on_started is not None:
             self.on_started()
+
+    def _protocol(self) -> asyncio.Protocol:
+        """What uvicorn's own listening socket would serve a new connection with."""
+        return self.config.http_protocol_class(  # type: ignore[call-arg]
+            config=self.config, server_state=self.server_state, app_state=self.lifespan.state
+        )
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self._passed is not None:  # no new connections: the supervisor passes them elsewhere
+            self._passed.close()
+        await super().shutdown(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._drain_task is None and self._loop is not None and not self.should_exit:
@@ -94,11 +112,12 @@ async def serve(
     config: ServerConfig,
     sockets: list[socket.socket] | None = None,
     on_started: Callable[[], None] | None = None,
+    passed: socket.socket | None = None,
 ) -> None:
     """Run the API over an already-built engine (an ``AsyncEngine``, or an ``EngineClient`` in an API
     server process) until drained; shuts the engine down at the end. ``sockets``: listen on these
-    (an API server process's own socket on the replica's port) instead of binding
-    ``config.host:port``."""
+    instead of binding ``config.host:port`` (none: an API server process). ``passed``: serve the
+    connections the supervisor passes over this channel (``server/conn_balance.py``)."""
     from server.app import build_app
     from server.registration import Registration
 
@@ -124,7 +143,7 @@ async def serve(
         timeout_keep_alive=30,
         **options,
     )
-    server = DrainingServer(uv_config, app.state.ferry, registration, on_started)
+    server = DrainingServer(uv_config, app.state.ferry, registration, on_started, passed)
     # What startup built (torch, the model, the app) lives as long as the process: move it out of
     # the cyclic GC's view, so collections of the oldest generation scan only what requests leave
     # behind. A full collection over the startup heap takes ~110 ms (traced at startup), a pause of

@@ -271,12 +271,16 @@ async def test_both_api_servers_take_connections(server) -> None:
         tasks = [asyncio.ensure_future(hold()) for _ in range(16)]
         await asyncio.wait_for(started.wait(), 30)
         inodes = {pid: _socket_inodes(pid) for pid in api}
-        owners = [_owner(inodes, server.port, port) for port in _client_ports(server.port) - before]
+        now = _client_ports(server.port)
+        owners = [_owner(inodes, server.port, port) for port in now - before]
+        earlier = [_owner(inodes, server.port, port) for port in now & before]
         held = [owners.count(pid) for pid in api]
+        total = [held[i] + earlier.count(pid) for i, pid in enumerate(api)]
         await asyncio.gather(*tasks)
-    # The kernel spreads connections over the API servers' sockets (16 at once never all land on
-    # one: with one shared listening socket, the process that woke first often took them all).
-    assert sum(held) == 16 and min(held) >= 1, held
+    # The supervisor hands each new connection to the API server holding the fewest: with the
+    # connections other tests left open, they hold as many as each other, give or take one (the
+    # kernel's SO_REUSEPORT, which this replaced, chose by a hash of the connection's addresses).
+    assert sum(held) == 16 and max(total) - min(total) <= 1, (held, total)
 
 
 def _owner(pid_inodes: dict[int, set[str]], server_port: int, client_port: int) -> int | None:
