@@ -214,7 +214,7 @@ async def test_client_gone_mid_search_aborts_it(server, scrape) -> None:
 
 @pytest.fixture(scope="module")
 def two_api_servers(tiny_llama: Path, serve_logs: Path, server_process) -> Iterator:
-    flags = ["--api-server-count", "2", "--request-timeout", "2", "--num-kv-blocks", "256"]
+    flags = ["--api-server-count", "2", "--request-timeout", "2", "--num-kv-blocks", "512"]
     srv = server_process(tiny_llama, flags, serve_logs).start()
     yield srv
     srv.stop()
@@ -224,8 +224,9 @@ def test_beam_search_across_api_server_processes(two_api_servers, llm, scrape) -
     srv = two_api_servers
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
     _check_completions(client, srv.model_name, llm)
-    # --request-timeout ends a search that runs past it, and frees what it held.
-    body = {"prompt": "x", "n": 4, "max_tokens": 1000, "ignore_eos": True, "use_beam_search": True}
+    # --request-timeout ends a search that runs past it, and frees what it held. (Eight beams of
+    # 1,000 tokens: a 2-core EPYC VM runs four in 1.85 s, under the timeout.)
+    body = {"prompt": "x", "n": 8, "max_tokens": 1000, "ignore_eos": True, "use_beam_search": True}
     r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
     assert r.status_code == 408 and r.json()["error"]["code"] == "request_timeout"
     _wait_stopped(srv.url, scrape, srv.model_name, timeout=5.0)
