@@ -99,8 +99,12 @@ class AsyncEngine(SleepCommands):
         self._commands: deque[_Command] = deque()
         self._wake = threading.Condition()
         self._num_adds = 0  # requests submitted so far
+        self._num_announces = 0  # ``announce`` calls so far
         self._announced = 0  # requests on their way in (``announce``), not yet submitted
+        # The loop thread waits in ``_gather_burst`` (for probes and announced requests, not adds).
+        self._gathering = False
         self._probes_sent = self._probes_back = 0  # _gather_burst's round trips through a loop
+        self._probe_base = (0, 0, 0)  # announces, adds, announced-pending when the latest probe left
         self._stopping = False
         self._error: BaseException | None = None
         # Sleep mode and weight updates: requests that arrived while the engine sleeps or drains
@@ -294,6 +298,7 @@ class AsyncEngine(SleepCommands):
         """
         with self._wake:
             self._announced += 1
+            self._num_announces += 1
         pending = True
 
         def submitted() -> None:
@@ -351,6 +356,11 @@ class AsyncEngine(SleepCommands):
             self._commands.append(cmd)
             if isinstance(cmd, _Add):
                 self._num_adds += 1
+                if self._gathering:
+                    # Waking the gathering thread for it would cost a GIL hand-off per request of
+                    # a burst (the submitter's loop waits for the GIL back), and it waits for
+                    # probes and announced requests, not adds.
+                    return
             self._wake.notify()
 
     def _check_alive(self) -> None:
@@ -420,28 +430,40 @@ class AsyncEngine(SleepCommands):
         behind, and it would slow their intake, sharing the cores. So: send a probe through the
         submitter's loop (a few passes: the passes that turn bytes already received into running
         handlers; or through API server processes' loops, ``probe_submitters``), wait for it and
-        for every ``announce``d request, and repeat while a round brought new requests. A lone request costs one probe (tens of microseconds); a burst, its intake;
+        for every ``announce``d request, and repeat while requests arrived during a round (not those
+        announced before it, which it waited for). A lone request costs one probe (tens of
+        microseconds); a burst, its intake;
         nothing costs more than ``arrival_wait_s``. A busy engine never waits: it batches whatever
         arrived by its next step.
         """
         deadline = time.monotonic() + self.arrival_wait_s
-        while not self._stopping:
-            seen = self._num_adds
-            self._probes_sent += 1
-            try:
-                loop.call_soon_threadsafe(self._start_probe, loop, self._probes_sent)
-            except RuntimeError:  # that loop is closed
-                return
-            while (self._probes_back < self._probes_sent or self._announced > 0) and not self._stopping:
-                left = deadline - time.monotonic()
-                if left <= 0:
+        self._gathering = True
+        try:
+            while not self._stopping:
+                self._probes_sent += 1
+                try:
+                    loop.call_soon_threadsafe(self._start_probe, loop, self._probes_sent)
+                except RuntimeError:  # that loop is closed
                     return
-                self._wake.wait(left)
-            if self._num_adds == seen:
-                return
+                while (self._probes_back < self._probes_sent or self._announced > 0) and not self._stopping:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return
+                    self._wake.wait(left)
+                # Another round only if requests arrived during this one: announced since its probe
+                # left, or submitted unannounced (more adds than the requests announced before or
+                # since could account for). The announced ones it waited for are no news.
+                announces, adds, pending = self._probe_base
+                arrived = self._num_announces - announces
+                if arrived == 0 and self._num_adds - adds <= pending:
+                    return
+        finally:
+            self._gathering = False
 
     def _start_probe(self, loop: asyncio.AbstractEventLoop, number: int) -> None:
         """On the submitter's loop: probe what is on its way in, then tell the loop thread."""
+        with self._wake:  # what the round knew of when its probe left (``_gather_burst``)
+            self._probe_base = (self._num_announces, self._num_adds, self._announced)
         back = functools.partial(self._probe_back, number)
         if self.probe_submitters is not None:
             self.probe_submitters(back)

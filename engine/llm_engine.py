@@ -290,11 +290,8 @@ class LLMEngine(EngineSleep):
             *(params.allowed_token_ids or ()),
             *(t for seq in params.bad_words_token_ids or () for t in seq),
         ]
-        for tok in (*ids, *resumed, *extra):
-            # Against the tokenizer's vocabulary: padded embedding rows are not tokens (and have no
-            # prompt logprob column).
-            if not isinstance(tok, int) or isinstance(tok, bool) or not 0 <= tok < self.sampling_vocab_size:
-                raise ValueError(f"token id {tok!r} is out of the vocabulary [0, {self.sampling_vocab_size})")
+        for seq in (ids, resumed, extra):
+            _check_token_ids(seq, self.sampling_vocab_size)
         limit = self.max_model_len
         if pooling:
             if len(ids) > limit:
@@ -613,3 +610,15 @@ def _check_listed_hashes(req: Request, listed: list[str]) -> None:
             f"kv_transfer.block_hashes ({len(listed)} hashes) are not the leading block hashes of this "
             f"prompt with its images ({len(own)} full blocks of {req.block_size} tokens)"
         )
+
+
+def _check_token_ids(ids: list[Any], vocab_size: int) -> None:
+    """Every id an int in ``[0, vocab_size)``: against the tokenizer's vocabulary, as padded
+    embedding rows are not tokens (and have no prompt logprob column). A request's whole prompt
+    passes through here on the submitter's event loop, so the common case (plain ints) is checked
+    by C builtins, not a Python step per token."""
+    if not ids or (set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab_size):
+        return
+    for tok in ids:
+        if not isinstance(tok, int) or isinstance(tok, bool) or not 0 <= tok < vocab_size:
+            raise ValueError(f"token id {tok!r} is out of the vocabulary [0, {vocab_size})")

@@ -279,6 +279,74 @@ async def test_idle_loop_waits_for_announced_requests(engine, prompts) -> None:
     assert _same_first_step(a.metrics, b.metrics)
 
 
+async def test_a_round_that_only_brought_the_announced_requests_is_the_last(engine, prompts) -> None:
+    """Requests announced before a round's probe left are what the round waits for, not news of
+    more coming: the burst takes one probe round (a second one would only add a round trip through
+    every submitter before the first step). A request announced during the round takes another."""
+    engine.arrival_wait_s = 30.0
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    marks = {i: engine.announce() for i in range(3)}  # three requests being parsed
+
+    async def submit(*ids: int) -> list[asyncio.Future]:
+        tasks = [asyncio.ensure_future(_collect(engine, f"b{i}", prompts[i], params)) for i in ids]
+        await asyncio.sleep(0)  # each task submits its request in its first step
+        for i in ids:
+            marks[i]()
+        return tasks
+
+    probes = engine._probes_sent
+    tasks = await submit(0)
+    await asyncio.sleep(0.05)  # the round's probe is back; it waits for the two announced
+    assert not tasks[0].done() and engine.announced == 2
+    tasks += await submit(1, 2)
+    results = await asyncio.wait_for(asyncio.gather(*tasks), 10)
+    assert engine._probes_sent == probes + 1
+    assert all(_same_first_step(results[0][2].metrics, r[2].metrics) for r in results[1:])
+
+    await _wait_idle(engine)
+    marks = {0: engine.announce()}
+    probes = engine._probes_sent
+    tasks = [asyncio.ensure_future(_collect(engine, "c0", prompts[3], params))]
+    await asyncio.sleep(0.05)  # round one waits for the announced request...
+    marks[1] = engine.announce()  # ...and another arrives meanwhile
+    tasks += [asyncio.ensure_future(_collect(engine, f"c{i}", prompts[3 + i], params)) for i in (1, 2)]
+    await asyncio.sleep(0)
+    marks[0](), marks[1]()
+    results = await asyncio.wait_for(asyncio.gather(*tasks), 10)
+    assert engine._probes_sent == probes + 2
+    assert all(_same_first_step(results[0][2].metrics, r[2].metrics) for r in results[1:])
+
+
+async def test_requests_added_while_the_loop_gathers_do_not_wake_it(engine, prompts) -> None:
+    """The gathering loop thread waits for probes and announced requests; waking it for each add of
+    a burst would hand the GIL to it and back once per request on the submitter's loop."""
+    engine.arrival_wait_s = 30.0
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    held = engine.announce()
+    first = asyncio.ensure_future(_collect(engine, "n0", prompts[0], params))
+    await asyncio.sleep(0.05)
+    assert engine._gathering and not first.done()
+    wakes = 0
+    notify = engine._wake.notify
+
+    def counted(n: int = 1) -> None:
+        nonlocal wakes
+        wakes += 1
+        notify(n)
+
+    engine._wake.notify = counted
+    try:
+        rest = [asyncio.ensure_future(_collect(engine, f"n{i}", prompts[i], params)) for i in (1, 2, 3)]
+        await asyncio.sleep(0)  # all three submitted
+        assert engine._num_adds >= 4 and wakes == 0
+        held()  # the announced request: this one wakes it
+        assert wakes == 1
+    finally:
+        engine._wake.notify = notify
+    results = await asyncio.wait_for(asyncio.gather(first, *rest), 10)
+    assert all(_same_first_step(results[0][2].metrics, r[2].metrics) for r in results[1:])
+
+
 async def test_burst_wait_ms_0_starts_on_the_first_arrival(engine, tiny_llama, prompts) -> None:
     """``burst_wait_ms=0``: an idle loop steps the first request at once, never probing for more
     (an announced request that never comes would otherwise hold it until the cap); the default
