@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import threading
@@ -105,6 +106,9 @@ class AsyncEngine(SleepCommands):
         self._gathering = False
         self._probes_sent = self._probes_back = 0  # _gather_burst's round trips through a loop
         self._probe_base = (0, 0, 0)  # announces, adds, announced-pending when the latest probe left
+        self._gather_id = 0  # the gather under way (or next); its rounds carry it
+        self._gathered = False  # the rounds found the burst in
+        self._gather_loop: asyncio.AbstractEventLoop | None = None  # whose loop runs the rounds
         self._stopping = False
         self._error: BaseException | None = None
         # Sleep mode and weight updates: requests that arrived while the engine sleeps or drains
@@ -307,8 +311,12 @@ class AsyncEngine(SleepCommands):
                 pending = False
                 with self._wake:
                     self._announced -= 1
-                    if self._announced == 0:
-                        self._wake.notify()
+                    if self._announced or not self._gathering:
+                        return
+                    loop, gather = self._gather_loop, self._gather_id
+                # The last announced request is in: that may end the gather's round.
+                if loop is not None:
+                    _on_loop(loop, self._end_round, loop, gather)
 
         return submitted
 
@@ -385,7 +393,8 @@ class AsyncEngine(SleepCommands):
                         and isinstance(self._commands[0], _Add)
                     ):
                         gather_start = time.monotonic()
-                        self._gather_burst(self._commands[0].loop)
+                        self._gather_loop = self._commands[0].loop
+                        self._gather_burst(self._gather_loop)
                         if logger.isEnabledFor(logging.DEBUG):
                             logger.debug(
                                 "burst: %d request(s) gathered in %.1f ms",
@@ -427,53 +436,66 @@ class AsyncEngine(SleepCommands):
 
         Requests that arrive together reach the engine one by one, as the submitter's event loop
         parses each; a step started on the first would be a lone prefill that the others queue
-        behind, and it would slow their intake, sharing the cores. So: send a probe through the
-        submitter's loop (a few passes: the passes that turn bytes already received into running
-        handlers; or through API server processes' loops, ``probe_submitters``), wait for it and
-        for every ``announce``d request, and repeat while requests arrived during a round (not those
-        announced before it, which it waited for). A lone request costs one probe (tens of
-        microseconds); a burst, its intake;
-        nothing costs more than ``arrival_wait_s``. A busy engine never waits: it batches whatever
-        arrived by its next step.
+        behind, and it would slow their intake, sharing the cores. So the submitter's loop runs
+        rounds (``_begin_round``): a probe through that loop (a few passes: the passes that turn
+        bytes already received into running handlers; or through API server processes' loops,
+        ``probe_submitters``), then a wait for every ``announce``d request, and another round
+        while requests arrived during one (not those announced before its probe left, which it
+        waited for). The rounds run on that loop, which decides each next one at once; this
+        thread waits for the last. A lone request costs one probe (tens of microseconds); a
+        burst, its intake; nothing costs more than ``arrival_wait_s``. A busy engine never waits:
+        it batches whatever arrived by its next step.
         """
         deadline = time.monotonic() + self.arrival_wait_s
-        self._gathering = True
+        self._gathering, self._gathered = True, False
         try:
-            while not self._stopping:
-                self._probes_sent += 1
-                try:
-                    loop.call_soon_threadsafe(self._start_probe, loop, self._probes_sent)
-                except RuntimeError:  # that loop is closed
+            try:
+                loop.call_soon_threadsafe(self._begin_round, loop, self._gather_id)
+            except RuntimeError:  # that loop is closed
+                return
+            while not self._gathered and not self._stopping:
+                left = deadline - time.monotonic()
+                if left <= 0:
                     return
-                while (self._probes_back < self._probes_sent or self._announced > 0) and not self._stopping:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        return
-                    self._wake.wait(left)
-                # Another round only if requests arrived during this one: announced since its probe
-                # left, or submitted unannounced (more adds than the requests announced before or
-                # since could account for). The announced ones it waited for are no news.
-                announces, adds, pending = self._probe_base
-                arrived = self._num_announces - announces
-                if arrived == 0 and self._num_adds - adds <= pending:
-                    return
+                self._wake.wait(left)
         finally:
             self._gathering = False
+            self._gather_id += 1  # a round still under way on the loop ends there
 
-    def _start_probe(self, loop: asyncio.AbstractEventLoop, number: int) -> None:
-        """On the submitter's loop: probe what is on its way in, then tell the loop thread."""
-        with self._wake:  # what the round knew of when its probe left (``_gather_burst``)
+    def _begin_round(self, loop: asyncio.AbstractEventLoop, gather: int) -> None:
+        """On the submitter's loop: probe what is on its way in (``_gather_burst``)."""
+        with self._wake:
+            if gather != self._gather_id:
+                return
+            self._probes_sent += 1
+            number = self._probes_sent
+            # What the round knows of as its probe leaves: arrivals after it call for another.
             self._probe_base = (self._num_announces, self._num_adds, self._announced)
-        back = functools.partial(self._probe_back, number)
+        back = functools.partial(self._probe_back, loop, gather, number)
         if self.probe_submitters is not None:
             self.probe_submitters(back)
         else:
             _pass_through(loop, 2, back)
 
-    def _probe_back(self, number: int) -> None:
+    def _probe_back(self, loop: asyncio.AbstractEventLoop, gather: int, number: int) -> None:
         with self._wake:
             self._probes_back = max(self._probes_back, number)
-            self._wake.notify()
+        self._end_round(loop, gather)
+
+    def _end_round(self, loop: asyncio.AbstractEventLoop, gather: int) -> None:
+        """On the submitter's loop, when a round's probe is back or the last announced request was
+        submitted: once both, the burst is in unless requests arrived during the round (announced
+        since its probe left, or submitted unannounced: more adds than the requests announced
+        before or since account for); then another round, at once."""
+        with self._wake:
+            if gather != self._gather_id or self._probes_back < self._probes_sent or self._announced > 0:
+                return
+            announces, adds, pending = self._probe_base
+            if self._num_announces == announces and self._num_adds - adds <= pending:
+                self._gathered = True
+                self._wake.notify()
+                return
+        self._begin_round(loop, gather)
 
     def _apply(self, cmd: _Command) -> None:
         engine = self.engine
@@ -535,3 +557,16 @@ def _pass_through(loop: asyncio.AbstractEventLoop, passes: int, then: Callable[[
         loop.call_soon(_pass_through, loop, passes - 1, then)
     else:
         then()
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop, function: Callable[..., None], *args: Any) -> None:
+    """Call ``function(*args)`` on ``loop``: now if this is its thread, else soon."""
+    try:
+        here = asyncio.get_running_loop() is loop
+    except RuntimeError:
+        here = False
+    if here:
+        function(*args)
+    else:
+        with contextlib.suppress(RuntimeError):  # that loop is closed
+            loop.call_soon_threadsafe(function, *args)

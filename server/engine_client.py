@@ -114,7 +114,10 @@ class EngineClient:
                 priority,
                 cache_salt,
                 images,
-            )
+            ),
+            # At once: the engine process takes each request in while this process parses the
+            # next ones of a burst (the flush at the end of the pass would send them all at once).
+            now=True,
         )
         finished = False
         try:

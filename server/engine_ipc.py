@@ -32,13 +32,16 @@ class Channel:
         self._outbox: list[Any] = []
         self.closed = False
 
-    def send(self, message: tuple[Any, ...]) -> None:
-        """Queue ``message``; it leaves with everything else sent in this event-loop pass."""
+    def send(self, message: tuple[Any, ...], now: bool = False) -> None:
+        """Queue ``message``; it leaves with everything else sent in this event-loop pass, or
+        ``now`` (with what was queued before it)."""
         if self.closed:
             return
-        if not self._outbox:
+        if not self._outbox and not now:
             self._loop.call_soon(self._flush)
         self._outbox.append(message)
+        if now:
+            self._flush()
 
     def _flush(self) -> None:
         messages, self._outbox = self._outbox, []

@@ -21,8 +21,8 @@ after a weight update (its fingerprint changed), ``("probe", token)`` (an idle e
 gathering a burst: answer after two passes of the event loop), then
 ``("out", rid, RequestOutput)``, ``("err", rid, kind, message)``, ``("reply", call_id, ok, value)``
 and ``("stats", EngineStats, healthy, sequences_elsewhere)`` whenever the engine published new
-stats or the other API servers' sequences changed (to every API server, in the event-loop pass
-that brought the news, and before a request's own output): each API server admits requests
+stats or the other API servers' sequences changed (before a request's own output, and to every
+API server within ``BROADCAST_DELAY_S`` of the news): each API server admits requests
 (``Generation.queued``) counting the others' too.
 """
 
@@ -48,6 +48,11 @@ logger = logging.getLogger("ferry.engine_process")
 
 # How often idle connections hear of changed stats or health (outputs carry them when busy).
 STATS_INTERVAL_S = 0.1
+# News for the other API servers (a request added or ended elsewhere, a step's stats) waits this
+# long to go out with whatever follows: a burst's requests come in one by one, and a broadcast
+# per arrival would cost every API server a frame to read per request of the burst while it is
+# still parsing its own share. An API server's own outputs always carry fresh stats.
+BROADCAST_DELAY_S = 0.002
 
 
 @dataclass(eq=False)
@@ -330,12 +335,12 @@ class EngineHost:
             conn.channel.send(("stats", stats, healthy, elsewhere))
 
     def _broadcast_stats(self) -> None:
-        """Once per event-loop pass with news: every API server admits by the engine's queue
-        (``Generation.queued``), so each hears of a step or an abort at once, not only the one whose
+        """Within ``BROADCAST_DELAY_S`` of news: every API server admits by the engine's queue
+        (``Generation.queued``), so each hears of a step or an abort, not only the one whose
         requests it concerned."""
         if not self._broadcast_scheduled:
             self._broadcast_scheduled = True
-            asyncio.get_running_loop().call_soon(self._broadcast)
+            asyncio.get_running_loop().call_later(BROADCAST_DELAY_S, self._broadcast)
 
     def _broadcast(self) -> None:
         self._broadcast_scheduled = False

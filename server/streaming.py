@@ -93,23 +93,35 @@ class SSEResponse(StreamingResponse):
         self.hold_start = hold_start
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        pump = asyncio.ensure_future(self._pump(send, self.raw_headers))
+        # The frames run in this task, not one of their own: the iterator's first step (which
+        # submits the request to the engine) follows the handler in the same event-loop pass, so
+        # a burst's requests reach the engine one by one as each is parsed, not all after the last
+        # (a new task would start only in the next pass, after every request parsed in this one).
+        # A disconnect cancels this task; the iterator's cleanup (the engine abort) runs first.
+        task = asyncio.current_task()
+        assert task is not None
+        state = {"done": False, "gone": False}
+
+        def on_disconnect(watcher: asyncio.Future[None]) -> None:
+            if not watcher.cancelled() and watcher.exception() is None and not state["done"]:
+                state["gone"] = True
+                task.cancel()
+
         watcher = asyncio.ensure_future(wait_for_disconnect(receive))
+        watcher.add_done_callback(on_disconnect)
         try:
-            done, _ = await asyncio.wait({pump, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            await self._pump(send, self.raw_headers)
+        except asyncio.CancelledError:
+            if not state["gone"]:
+                raise
+            task.uncancel()  # ours: the client left, which ends the response
+        except OSError:
+            pass  # the client's socket failed under a write
         finally:
-            for task in (pump, watcher):
-                if not task.done():
-                    task.cancel()
-            # Wait for the pump so the frames iterator's cleanup (engine abort) has run.
-            with contextlib.suppress(asyncio.CancelledError, OSError):
-                await pump
+            state["done"] = True
+            watcher.cancel()
             if self.on_close is not None:
                 self.on_close()
-        if pump in done and pump.exception() is not None:
-            exc = pump.exception()
-            if not isinstance(exc, OSError):
-                raise exc
 
     async def _pump(self, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
         start = {"type": "http.response.start", "status": 200, "headers": headers}

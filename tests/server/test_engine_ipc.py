@@ -7,7 +7,10 @@ Two clients stand for two API server processes.
 from __future__ import annotations
 
 import asyncio
+import pickle
 import shutil
+import socket
+import struct
 import tempfile
 import time
 from collections.abc import AsyncIterator
@@ -21,6 +24,7 @@ from engine.config import EngineConfig
 from engine.errors import EngineDeadError
 from engine.sampling_params import StructuredOutputsParams
 from server.engine_client import EngineClient
+from server.engine_ipc import Channel
 from server.engine_process import EngineHost
 from server.responses_store import MemoryRecords, RemoteResponseStore, StoreUnavailable
 
@@ -250,3 +254,27 @@ async def test_a_dead_engine_loop_fails_streams_and_health(engine, clients) -> N
     await _until(lambda: not a.is_healthy(), "still healthy")
     with pytest.raises(EngineDeadError):
         await _collect(a, "refused", PROMPTS[1])
+
+
+async def test_a_request_leaves_for_the_engine_process_at_once() -> None:
+    """An "add" is written to the socket when sent (with what was queued before it), not at the end
+    of the event-loop pass: the engine process takes a burst's requests in one by one while the API
+    server parses the rest. Other messages still leave together at the end of the pass."""
+    ours, theirs = socket.socketpair()
+    theirs.setblocking(False)
+    reader, writer = await asyncio.open_unix_connection(sock=ours)
+    channel = Channel(reader, writer)
+    try:
+        channel.send(("announce", 1))
+        with pytest.raises(BlockingIOError):
+            theirs.recv(1 << 16)  # queued for the end of the pass
+        channel.send(("add", "r1"), now=True)
+        data = theirs.recv(1 << 16)
+        (size,) = struct.unpack("!I", data[:4])
+        assert pickle.loads(data[4 : 4 + size]) == [("announce", 1), ("add", "r1")]
+        await asyncio.sleep(0)  # the pass's own flush finds nothing left to send
+        with pytest.raises(BlockingIOError):
+            theirs.recv(1 << 16)
+    finally:
+        channel.close()
+        theirs.close()

@@ -171,3 +171,48 @@ async def test_a_stream_reaches_the_engine_before_it_writes_a_byte(engine, path:
         assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
         assert json.loads(frames[1].removeprefix(b"data: "))["choices"][0]["delta"]["content"]
     assert frames[-1] == b"data: [DONE]\n\n"
+
+
+async def test_a_stream_is_submitted_in_the_pass_its_handler_ran(engine) -> None:
+    """The response runs its frames in the request's own task: the request reaches the engine in
+    the event-loop pass that parsed it, not in the next one, after every other request of a burst
+    parsed in that pass (the engine process then takes a burst in while API servers still parse)."""
+    submitted: list[str] = []
+    real_start = engine.start
+
+    def start(request_id, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+        submitted.append(request_id)
+        return real_start(request_id, *args, **kwargs)
+
+    engine.start = start
+    engine.arrival_wait_s = 0.0
+    app = build_app(engine, ServerConfig(served_model_name="m"))
+    body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0, "stream": True}).encode()
+    finished = asyncio.Event()
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        if not sent:
+            sent.append({})
+            return {"type": "http.request", "body": body, "more_body": False}
+        await finished.wait()
+        return {"type": "http.disconnect"}
+
+    frames: list[bytes] = []
+
+    async def send(message: dict) -> None:
+        if message.get("body"):
+            frames.append(message["body"])
+
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+        "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+        "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2),
+        "headers": [(b"host", b"t"), (b"content-type", b"application/json")],
+    }  # fmt: skip
+    call = asyncio.ensure_future(app(scope, receive, send))
+    await asyncio.sleep(0)  # one pass: the request's task ran until it waits for its first output
+    assert len(submitted) == 1
+    await asyncio.wait_for(call, 30)
+    finished.set()
+    assert frames[-1] == b"data: [DONE]\n\n"
