@@ -251,18 +251,35 @@ def start_server(
         },
     )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
+    wait_serving(proc, url, log_path)
+    return proc, url
+
+
+def wait_serving(proc: subprocess.Popen, url: str, log_path: Path, timeout: float = 300) -> None:
+    """Until the server at ``url`` answers /health 200 (its log's tail raised if it exits)."""
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"ferry serve exited: {log_path.read_text()[-2000:]}")
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
+                return
         except httpx.HTTPError:
             pass
         time.sleep(0.3)
     proc.kill()
     raise RuntimeError("ferry serve did not start")
+
+
+def stop_servers(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM every server, then wait for each (killed after 60 s)."""
+    for proc in procs:
+        proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 class _Connections:
@@ -517,13 +534,7 @@ def main(argv: list[str] | None = None) -> int:
                 servers[name] = start_server(model, opts, log, count)  # idle while others run
         rows = asyncio.run(_run(model, engine_opts, servers, prompts, args))
     finally:
-        for proc, _ in servers.values():
-            proc.send_signal(signal.SIGTERM)
-        for proc, _ in servers.values():
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_servers([proc for proc, _ in servers.values()])
     overhead = print_table(rows)
     write_result(out, args, model=model, rows=[asdict(r) for r in rows], overhead=overhead)
     return 0

@@ -107,6 +107,7 @@ class AsyncEngine(SleepCommands):
         self._probes_sent = self._probes_back = 0  # _gather_burst's round trips through a loop
         self._probe_base = (0, 0, 0)  # announces, adds, announced-pending when the latest probe left
         self._gather_id = 0  # the gather under way (or next); its rounds carry it
+        self._round_gather = -1  # the gather whose round was begun last
         self._gathered = False  # the rounds found the burst in
         self._gather_loop: asyncio.AbstractEventLoop | None = None  # whose loop runs the rounds
         self._stopping = False
@@ -467,6 +468,7 @@ class AsyncEngine(SleepCommands):
         with self._wake:
             if gather != self._gather_id:
                 return
+            self._round_gather = gather
             self._probes_sent += 1
             number = self._probes_sent
             # What the round knows of as its probe leaves: arrivals after it call for another.
@@ -488,7 +490,12 @@ class AsyncEngine(SleepCommands):
         since its probe left, or submitted unannounced: more adds than the requests announced
         before or since account for); then another round, at once."""
         with self._wake:
-            if gather != self._gather_id or self._probes_back < self._probes_sent or self._announced > 0:
+            if (
+                gather != self._gather_id
+                or self._round_gather != gather  # its first round has not begun
+                or self._probes_back < self._probes_sent
+                or self._announced > 0
+            ):
                 return
             announces, adds, pending = self._probe_base
             if self._num_announces == announces and self._num_adds - adds <= pending:

@@ -20,6 +20,7 @@ import struct
 from typing import Any
 
 _HEADER = struct.Struct("!I")
+_READ_SIZE = 1 << 16
 
 
 class Channel:
@@ -30,6 +31,7 @@ class Channel:
         self._writer = writer
         self._loop = asyncio.get_running_loop()
         self._outbox: list[Any] = []
+        self._buffer = bytearray()  # received bytes not yet a whole frame
         self.closed = False
 
     def send(self, message: tuple[Any, ...], now: bool = False) -> None:
@@ -54,13 +56,36 @@ class Channel:
             self.close()
 
     async def receive(self) -> list[Any] | None:
-        """The next frame's messages; None once the other side is gone."""
-        try:
-            header = await self._reader.readexactly(_HEADER.size)
-            data = await self._reader.readexactly(_HEADER.unpack(header)[0])
-        except (asyncio.IncompleteReadError, ConnectionError):
-            return None
-        return pickle.loads(data)
+        """The messages of every whole frame that has arrived (at least one), in order; None once
+        the other side is gone. One read takes in what is there: a burst's requests, written one
+        frame each, cost the reader one wake-up for all that arrived together."""
+        buffer = self._buffer
+        while True:
+            if len(buffer) >= _HEADER.size:
+                end = _HEADER.size + _HEADER.unpack_from(buffer)[0]
+                if len(buffer) >= end:
+                    break
+                need = end - len(buffer)
+            else:
+                need = _HEADER.size - len(buffer)
+            try:
+                data = await self._reader.read(max(need, _READ_SIZE))
+            except ConnectionError:
+                return None
+            if not data:
+                return None
+            buffer += data
+        messages: list[Any] = []
+        start = 0
+        with memoryview(buffer) as view:  # released before the buffer shrinks
+            while len(view) - start >= _HEADER.size:
+                end = start + _HEADER.size + _HEADER.unpack_from(view, start)[0]
+                if end > len(view):
+                    break
+                messages += pickle.loads(view[start + _HEADER.size : end])
+                start = end
+        del buffer[:start]
+        return messages
 
     def close(self) -> None:
         if not self.closed:

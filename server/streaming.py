@@ -9,7 +9,6 @@ the same for non-streaming requests.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
@@ -46,22 +45,43 @@ async def wait_for_disconnect(receive: Receive) -> None:
             return
 
 
+class _DisconnectCancels:
+    """Within it, the client's disconnect cancels the current task (watched on ``receive`` by a
+    task of its own); ``gone`` tells that cancellation from any other. The work runs in the
+    request's own task, not a new one, so it starts in the event-loop pass that parsed the request
+    (a new task would start only in the next pass, after every other request parsed in this one)."""
+
+    def __init__(self, receive: Receive) -> None:
+        self.receive = receive
+        self.gone = False
+        self._done = False
+
+    def __enter__(self) -> _DisconnectCancels:
+        task = asyncio.current_task()
+        assert task is not None
+        self._task = task
+        self._watcher = asyncio.ensure_future(wait_for_disconnect(self.receive))
+        self._watcher.add_done_callback(self._on_disconnect)
+        return self
+
+    def _on_disconnect(self, watcher: asyncio.Future[None]) -> None:
+        if not watcher.cancelled() and watcher.exception() is None and not self._done:
+            self.gone = True
+            self._task.cancel()
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: object) -> bool:
+        self._done = True
+        self._watcher.cancel()
+        if kind is not None and issubclass(kind, asyncio.CancelledError) and self.gone:
+            self._task.uncancel()  # ours: the client left
+            return True
+        return False
+
+
 async def run_or_disconnect(receive: Receive, work: Awaitable[T]) -> T:
     """Await ``work`` unless the client disconnects first; then cancel it and raise ClientDisconnected."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(wait_for_disconnect(receive))
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        watcher.cancel()
-        raise
-    if task in done:
-        watcher.cancel()
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        await task
+    with _DisconnectCancels(receive):
+        return await work
     raise ClientDisconnected()
 
 
@@ -93,33 +113,16 @@ class SSEResponse(StreamingResponse):
         self.hold_start = hold_start
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        # The frames run in this task, not one of their own: the iterator's first step (which
-        # submits the request to the engine) follows the handler in the same event-loop pass, so
-        # a burst's requests reach the engine one by one as each is parsed, not all after the last
-        # (a new task would start only in the next pass, after every request parsed in this one).
-        # A disconnect cancels this task; the iterator's cleanup (the engine abort) runs first.
-        task = asyncio.current_task()
-        assert task is not None
-        state = {"done": False, "gone": False}
-
-        def on_disconnect(watcher: asyncio.Future[None]) -> None:
-            if not watcher.cancelled() and watcher.exception() is None and not state["done"]:
-                state["gone"] = True
-                task.cancel()
-
-        watcher = asyncio.ensure_future(wait_for_disconnect(receive))
-        watcher.add_done_callback(on_disconnect)
+        # The frames run in this task (see _DisconnectCancels): the iterator's first step, which
+        # submits the request to the engine, follows the handler in the same event-loop pass, so
+        # a burst's requests reach the engine one by one as each is parsed. A disconnect cancels
+        # the frames; the iterator's cleanup (the engine abort) has run when this returns.
         try:
-            await self._pump(send, self.raw_headers)
-        except asyncio.CancelledError:
-            if not state["gone"]:
-                raise
-            task.uncancel()  # ours: the client left, which ends the response
+            with _DisconnectCancels(receive):
+                await self._pump(send, self.raw_headers)
         except OSError:
             pass  # the client's socket failed under a write
         finally:
-            state["done"] = True
-            watcher.cancel()
             if self.on_close is not None:
                 self.on_close()
 

@@ -278,3 +278,37 @@ async def test_a_request_leaves_for_the_engine_process_at_once() -> None:
     finally:
         channel.close()
         theirs.close()
+
+
+async def test_one_receive_takes_every_whole_frame_that_arrived() -> None:
+    """Frames that arrived together come out of one ``receive``, in order (the engine process
+    takes a burst's requests, written a frame each, in one wake-up); a frame split across reads
+    waits for its rest; a closed connection ends with None."""
+    ours, theirs = socket.socketpair()
+    reader, writer = await asyncio.open_unix_connection(sock=ours)
+    channel = Channel(reader, writer)
+
+    def frame(messages: list) -> bytes:
+        data = pickle.dumps(messages)
+        return struct.pack("!I", len(data)) + data
+
+    try:
+        big = ("add", "r3", list(range(50_000)))  # several reads' worth
+        theirs.sendall(frame([("add", "r1")]) + frame([("add", "r2"), ("submitted", 7)]))
+        assert await channel.receive() == [("add", "r1"), ("add", "r2"), ("submitted", 7)]
+        data = frame([big])
+        theirs.sendall(data[:3])
+        pending = asyncio.ensure_future(channel.receive())
+        await asyncio.sleep(0.05)
+        assert not pending.done()  # not even a whole header yet
+        theirs.sendall(data[3:100_000])
+        await asyncio.sleep(0.05)
+        assert not pending.done()
+        theirs.sendall(data[100_000:] + frame([("probe_back", 1)])[:2])
+        assert await asyncio.wait_for(pending, 5) == [big]
+        theirs.sendall(frame([("probe_back", 1)])[2:])
+        assert await channel.receive() == [("probe_back", 1)]
+        theirs.close()
+        assert await channel.receive() is None
+    finally:
+        channel.close()

@@ -173,10 +173,12 @@ async def test_a_stream_reaches_the_engine_before_it_writes_a_byte(engine, path:
     assert frames[-1] == b"data: [DONE]\n\n"
 
 
-async def test_a_stream_is_submitted_in_the_pass_its_handler_ran(engine) -> None:
-    """The response runs its frames in the request's own task: the request reaches the engine in
-    the event-loop pass that parsed it, not in the next one, after every other request of a burst
-    parsed in that pass (the engine process then takes a burst in while API servers still parse)."""
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_request_is_submitted_in_the_pass_its_handler_ran(engine, stream: bool) -> None:
+    """The response (a stream's frames, or a whole answer's collection) runs in the request's own
+    task: the request reaches the engine in the event-loop pass that parsed it, not in the next
+    one, after every other request of a burst parsed in that pass (the engine process then takes
+    a burst in while API servers still parse)."""
     submitted: list[str] = []
     real_start = engine.start
 
@@ -187,7 +189,7 @@ async def test_a_stream_is_submitted_in_the_pass_its_handler_ran(engine) -> None
     engine.start = start
     engine.arrival_wait_s = 0.0
     app = build_app(engine, ServerConfig(served_model_name="m"))
-    body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0, "stream": True}).encode()
+    body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0, "stream": stream}).encode()
     finished = asyncio.Event()
     sent: list[dict] = []
 
@@ -215,4 +217,7 @@ async def test_a_stream_is_submitted_in_the_pass_its_handler_ran(engine) -> None
     assert len(submitted) == 1
     await asyncio.wait_for(call, 30)
     finished.set()
-    assert frames[-1] == b"data: [DONE]\n\n"
+    if stream:
+        assert frames[-1] == b"data: [DONE]\n\n"
+    else:
+        assert json.loads(frames[0])["usage"]["completion_tokens"] == 2
