@@ -12,6 +12,13 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Triton's interpreter multiplies tiles with numpy, whose OpenBLAS picks a matrix kernel by CPU or
+# by OPENBLAS_CORETYPE. The Haswell kernel (which one VM's environment sets) rounds a row
+# differently by its place in the tile, so a kernel's batch invariance, a property of its fixed
+# tiles on a GPU, fails there for the interpreter's sake alone (SkylakeX's and Nehalem's treat every
+# row alike). One kernel for every machine: Nehalem's (SSE4.2, any x86-64). Set before numpy loads
+# OpenBLAS; the tests' subprocesses inherit it.
+os.environ["OPENBLAS_CORETYPE"] = "Nehalem"
 # Servers and routers take an API key from these when no --api-key is given: the tests' processes
 # (which inherit this environment) must not find one the developer set.
 for _name in ("FERRY_API_KEY", "VLLM_API_KEY"):

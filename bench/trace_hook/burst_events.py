@@ -168,9 +168,12 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 
 def install(directory: str) -> None:
-    """Wrap the modules above when they are imported; write this process's events under
-    ``directory``."""
+    """Wrap the modules above (now, or when they are imported); write this process's events under
+    ``directory``. Once per process."""
     sys.meta_path.insert(0, _Finder())
+    for name, patch in PATCHES.items():  # imported already: wrapped now
+        if name in sys.modules:
+            patch(sys.modules[name])
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, f"trace-{os.getpid()}.jsonl")
 
