@@ -23,6 +23,16 @@ from server.app import build_app
 from server.config import ServerConfig
 
 
+def _post_scope(path: str) -> dict:
+    """The ASGI scope of a JSON POST to ``path``, as uvicorn makes it (the app called directly)."""
+    return {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+        "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+        "headers": [(b"host", b"t"), (b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2),
+    }  # fmt: skip
+
+
 @pytest.fixture
 async def engine(tiny_llama) -> AsyncIterator[AsyncEngine]:
     eng = AsyncEngine(EngineConfig(model=str(tiny_llama), num_kv_blocks=128))
@@ -158,13 +168,7 @@ async def test_a_stream_reaches_the_engine_before_it_writes_a_byte(engine, path:
             events.append("frame")
             frames.append(message["body"])
 
-    scope = {
-        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-        "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
-        "headers": [(b"host", b"t"), (b"content-type", b"application/json")],
-        "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2),
-    }  # fmt: skip
-    await app(scope, inbox.get, send)
+    await app(_post_scope(path), inbox.get, send)
     assert events[:3] == ["submitted", "start 200", "frame"]
     first = json.loads(frames[0].removeprefix(b"data: "))
     if path.endswith("chat/completions"):
@@ -206,13 +210,7 @@ async def test_a_request_is_submitted_in_the_pass_its_handler_ran(engine, stream
         if message.get("body"):
             frames.append(message["body"])
 
-    scope = {
-        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-        "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
-        "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2),
-        "headers": [(b"host", b"t"), (b"content-type", b"application/json")],
-    }  # fmt: skip
-    call = asyncio.ensure_future(app(scope, receive, send))
+    call = asyncio.ensure_future(app(_post_scope("/v1/completions"), receive, send))
     await asyncio.sleep(0)  # one pass: the request's task ran until it waits for its first output
     assert len(submitted) == 1
     await asyncio.wait_for(call, 30)
