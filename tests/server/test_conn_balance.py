@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
+import subprocess
 
 from server.conn_balance import ConnectionBalancer, PassedConnections
 
@@ -127,5 +129,42 @@ async def test_no_ready_endpoint_closes_the_connection() -> None:
         writer.write(b"who\n")
         assert await asyncio.wait_for(reader.read(), 5) == b""  # closed, not left hanging
         writer.close()
+    finally:
+        replica.close()
+
+
+async def test_a_failed_tls_handshake_counts_as_closed(tmp_path) -> None:
+    """A passed connection that never gets through its TLS handshake (a plain-text client) is
+    reported closed once; a TLS client is served by the endpoint's protocol."""
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_tls.load_cert_chain(cert, key)
+    replica = _Replica(1)
+    try:
+        replica.endpoints[0] = PassedConnections(replica.balancer.attach(0), lambda: _Tagged(0), server_tls)
+        replica.endpoints[0].ready()
+        replica.balancer.start()
+        await _settle(lambda: replica.balancer._ready[0], "the endpoint never said ready")
+
+        reader, writer = await asyncio.open_connection("127.0.0.1", replica.port)
+        writer.write(b"who\n" * 64)  # not a TLS client hello
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # closed, not left hanging
+        writer.close()
+        await _settle(lambda: replica.balancer.open == [0], f"open {replica.balancer.open}")
+
+        client_tls = ssl.create_default_context(cafile=str(cert))
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1", replica.port, ssl=client_tls, server_hostname="127.0.0.1"
+        )
+        writer.write(b"who\n")
+        assert await asyncio.wait_for(reader.readline(), 5) == b"0\n"
+        assert replica.balancer.open == [1]
+        writer.close()
+        await _settle(lambda: replica.balancer.open == [0], f"open {replica.balancer.open}")
     finally:
         replica.close()
