@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import ssl
@@ -24,6 +25,20 @@ import pytest
 import uvicorn
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def self_signed_certificate(root: Path) -> tuple[Path, Path]:
+    """(key, certificate) for 127.0.0.1, made by openssl under ``root``."""
+    assert shutil.which("openssl"), (
+        "openssl (Debian's, on every machine this runs on) makes the test certificate"
+    )
+    key, cert = root / "key.pem", root / "cert.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return key, cert
 
 
 def free_port() -> int:

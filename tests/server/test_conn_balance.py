@@ -7,9 +7,9 @@ from __future__ import annotations
 import asyncio
 import socket
 import ssl
-import subprocess
 
 from server.conn_balance import ConnectionBalancer, PassedConnections
+from tests.server.conftest import self_signed_certificate
 
 
 class _Tagged(asyncio.Protocol):
@@ -136,12 +136,7 @@ async def test_no_ready_endpoint_closes_the_connection() -> None:
 async def test_a_failed_tls_handshake_counts_as_closed(tmp_path) -> None:
     """A passed connection that never gets through its TLS handshake (a plain-text client) is
     reported closed once; a TLS client is served by the endpoint's protocol."""
-    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
-         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True,
-    )  # fmt: skip
+    key, cert = self_signed_certificate(tmp_path)
     server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     server_tls.load_cert_chain(cert, key)
     replica = _Replica(1)

@@ -4,7 +4,6 @@ and vLLM's flags for what ferry does anyway accepted with a log line saying so."
 
 from __future__ import annotations
 
-import shutil
 import ssl
 import subprocess
 import sys
@@ -15,6 +14,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+
+from tests.server.conftest import self_signed_certificate
 
 PREFLIGHT = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
 
@@ -31,17 +32,7 @@ def test_any_origin_by_default(server) -> None:
 
 @pytest.fixture(scope="module")
 def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    assert shutil.which("openssl"), (
-        "openssl (Debian's, on every machine this runs on) makes the test certificate"
-    )
-    root = tmp_path_factory.mktemp("tls")
-    key, cert = root / "key.pem", root / "cert.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
-         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True,
-    )  # fmt: skip
-    return key, cert
+    return self_signed_certificate(tmp_path_factory.mktemp("tls"))
 
 
 @pytest.fixture(scope="module")
