@@ -8,16 +8,17 @@ request makes exactly ``--max-tokens`` tokens), at each concurrency in ``--concu
   this process (SSE parsed here) on keep-alive connections, as SDK clients pool them; with
   ``--api-server-count 1 2``, one such mode per count (``http``: one process, the engine on a
   thread; ``http-2``: an engine process behind 2 API server processes), all interleaved; with
-  ``--burst-wait-ms 25 0``, each of those once per burst wait (``http/bw25``, ``http/bw0``, ...).
+  ``--burst-wait-ms 25 0``, each of those once per burst wait (``http/bw25``, ``http/bw0``, ...);
+  with ``--base DIR``, each of those also served from another checkout (``base/http-4``, ...), so
+  a change and the code before it are measured in one interleaved run.
 
 Both modes get one unrecorded wave per concurrency first. TTFT is submit -> first token; TPOT
 (time per output token, the mean inter-token latency) is (last token - first token) / (tokens - 1)
 per request. The table prints p50/p90 of each mode, the milliseconds and ratio each HTTP mode adds
 and the CPU per token of the server's event loop (``http``) or of all API server processes and of the
 engine process's event loop (``http-N``); JSON goes to bench/results/server_overhead.json. Those
-CPU clocks come from /proc in ticks (10 ms here): a cell's figure resolves 10 ms / its tokens, so
---max-tokens 1 needs hundreds of requests per cell (e.g. --num-requests 32 --repeats 30) to say
-anything (96 requests read 0, 104 or 208 us a request).
+CPU clocks are the scheduler's nanosecond counts (/proc/PID/task/TID/schedstat; clock ticks of
+10 ms where a kernel keeps none, which need hundreds of requests per cell to say anything).
 
 Default model: the engine benchmark model (Llama, hidden 512, 8 layers, 8 heads, 2 KV heads,
 intermediate 1408, vocab 32000, random fp32 weights), built once into the ferry cache directory.
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -130,9 +132,14 @@ def summarize(
 
 
 def thread_cpu_seconds(pid: int, tid: int) -> float:
-    """user + system CPU of one thread (Linux /proc; the main thread's tid is the pid)."""
-    fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU time of one thread (Linux /proc; the main thread's tid is the pid): the scheduler's
+    nanosecond count where the kernel keeps one (``schedstat``), else user + system clock ticks
+    (10 ms each: a bench cell of a few hundred requests would read in 15-30 us steps)."""
+    try:
+        return int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):
+        fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def replica_pids(supervisor: int) -> tuple[list[int], int | None]:
@@ -157,12 +164,13 @@ def replica_pids(supervisor: int) -> tuple[list[int], int | None]:
 
 
 def processes_cpu_seconds(pids: list[int]) -> float:
-    """user + system CPU of whole processes, all their threads."""
-    total = 0
+    """CPU time of whole processes: all their live threads (``thread_cpu_seconds``)."""
+    total = 0.0
     for pid in pids:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError):  # a thread that just ended
+                total += thread_cpu_seconds(pid, int(tid))
+    return total
 
 
 def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -218,8 +226,9 @@ def _free_port() -> int:
 
 
 def start_server(
-    model: str, engine_opts: dict, log_path: Path, api_server_count: int = 1
+    model: str, engine_opts: dict, log_path: Path, api_server_count: int = 1, repo: Path = REPO
 ) -> tuple[subprocess.Popen, str]:
+    """`ferry serve` from the checkout at ``repo`` (this one by default) on a free port."""
     port = _free_port()
     flags = ["--api-server-count", str(api_server_count)]
     for key, value in engine_opts.items():
@@ -242,12 +251,12 @@ def start_server(
     log = open(log_path, "w")  # noqa: SIM115 - lives as long as the server
     proc = subprocess.Popen(
         cmd,
-        cwd=REPO,
+        cwd=repo,
         stdout=log,
         stderr=subprocess.STDOUT,
         env={
             **os.environ,
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])),
         },
     )
     url = f"http://127.0.0.1:{port}"
@@ -429,7 +438,7 @@ def _ratio(value: float | None) -> str:
 
 def _one_process(mode: str) -> bool:
     """Whether an HTTP mode's replica is one process (the engine on a thread of the API server's)."""
-    return mode.split("/")[0] == "http"
+    return mode.removeprefix("base/").split("/")[0] == "http"
 
 
 def print_table(rows: list[Summary]) -> list[dict]:
@@ -444,7 +453,7 @@ def print_table(rows: list[Summary]) -> list[dict]:
                 f"{c:>4} {r.mode:>12} {r.ttft_p50_ms:9.2f} {r.ttft_p90_ms:9.2f} {r.tpot_p50_ms:9.2f} {r.tpot_p90_ms:9.2f}"
             )
         for name, h in modes.items():
-            if not name.startswith("http") or "in-process" not in modes:
+            if name == "in-process" or "in-process" not in modes:
                 continue
             e = modes["in-process"]
             row = {
@@ -500,6 +509,12 @@ def main(argv: list[str] | None = None) -> int:
         help="one HTTP mode per count: a replica with that many API server processes ('http' for 1, "
         "'http-N' for N)",
     )
+    p.add_argument(
+        "--base",
+        default=None,
+        help="another checkout (e.g. a git worktree of the code before a change): each HTTP mode is "
+        "also served from it ('base/http-4', ...), interleaved with the modes served from this one",
+    )
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "server_overhead.json"))
     args = p.parse_args(argv)
 
@@ -530,8 +545,12 @@ def main(argv: list[str] | None = None) -> int:
                 if len(waits) > 1:
                     name += f"/bw{wait:g}"
                     opts["burst_wait_ms"] = wait
-                log = Path(tempfile.gettempdir()) / f"ferry-server-overhead-{name.replace('/', '-')}.log"
-                servers[name] = start_server(model, opts, log, count)  # idle while others run
+                for prefix, repo in (("", REPO), ("base/", args.base)):
+                    if repo is None:
+                        continue
+                    mode = prefix + name
+                    log = Path(tempfile.gettempdir()) / f"ferry-server-overhead-{mode.replace('/', '-')}.log"
+                    servers[mode] = start_server(model, opts, log, count, Path(repo))  # idle while others run
         rows = asyncio.run(_run(model, engine_opts, servers, prompts, args))
     finally:
         stop_servers([proc for proc, _ in servers.values()])

@@ -9,6 +9,7 @@ still declares them for the OpenAPI schema); every error leaves in OpenAI's shap
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Literal
 
 from fastapi import FastAPI, Query, Request
@@ -120,6 +121,17 @@ def build_state(engine: Any, config: ServerConfig) -> ServerState:
     )
 
 
+# FastAPI (0.165 on) traces and meters every request through OpenTelemetry when a provider is
+# set process-wide, and asks the providers on each request whether one is (a tenth of a
+# streamed request's cost to the event loop, found by profiling an API server). ferry exports
+# no OpenTelemetry (``--otlp-traces-endpoint`` is refused: server/vllm_compat.py), so it is off.
+_NO_TELEMETRY: dict[str, Any] = (
+    {"telemetry": {"tracing": False, "metrics": False, "logs": False}}
+    if "telemetry" in inspect.signature(FastAPI.__init__).parameters
+    else {}
+)
+
+
 def build_app(engine: Any, config: ServerConfig) -> FastAPI:
     """The OpenAI-compatible app over ``engine`` (an ``engine.AsyncEngine``)."""
     state = build_state(engine, config)
@@ -128,6 +140,7 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
         version=__version__,
         description="OpenAI-compatible API of one ferry replica.",
         **config.http.fastapi_kwargs(),  # root path, docs
+        **_NO_TELEMETRY,
     )
     app.state.ferry = state
     install_error_handlers(app)

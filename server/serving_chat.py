@@ -53,7 +53,7 @@ from server.serving_common import (
     stream_errors,
 )
 from server.state import ServerState
-from server.streaming import DONE_FRAME, SSEResponse, sse_frame
+from server.streaming import DONE_FRAME, FinalFrames, SSEResponse, sse_frame
 from server.tools import ToolPlan, plan_tools, tool_finish_reason
 from server.vllm_flags import apply_request_defaults, log_request
 
@@ -222,7 +222,7 @@ async def create_chat_completion(
         )
         if as_chunks:
             return ChatChunks(chunks, ticket.close)
-        return SSEResponse(_sse(chunks), on_close=ticket.close, hold_start=True)
+        return SSEResponse(_sse(chunks, len(seqs)), on_close=ticket.close, hold_start=True)
 
     def on_output(seq: SequenceRequest, out: RequestOutput) -> None:
         _delta(state, choices[seq.choice_index], req, out)
@@ -282,14 +282,23 @@ class ChatChunks:
     on_close: Callable[[], None]
 
 
-async def _sse(chunks: AsyncIterator[ChatCompletionChunk]) -> AsyncIterator[bytes]:
+async def _sse(chunks: AsyncIterator[ChatCompletionChunk], num_choices: int) -> AsyncIterator[bytes]:
+    """The chunks as SSE frames. The chunk that finishes the last of ``num_choices`` choices
+    waits (briefly: the chunks end right after it) to leave with the usage chunk, [DONE] and the
+    end of the body in one write."""
+    unfinished = num_choices
+    tail = b""
     try:
         async with stream_errors() as failed:
             async for c in chunks:
-                yield sse_frame(c.model_dump_json())
-        if failed.frame is not None:
-            yield failed.frame
-        yield DONE_FRAME
+                unfinished -= sum(1 for choice in c.choices if choice.finish_reason is not None)
+                frame = tail + sse_frame(c.model_dump_json())
+                if unfinished > 0:
+                    tail = b""
+                    yield frame
+                else:
+                    tail = frame
+        yield FinalFrames(tail + (failed.frame or b"") + DONE_FRAME)
     finally:
         await chunks.aclose()  # type: ignore[attr-defined]
 

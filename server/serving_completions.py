@@ -44,7 +44,7 @@ from server.serving_common import (
     stream_errors,
 )
 from server.state import ServerState
-from server.streaming import DONE_FRAME, SSEResponse, sse_frame
+from server.streaming import DONE_FRAME, FinalFrames, SSEResponse, sse_frame
 from server.vllm_flags import apply_request_defaults, log_request
 
 logger = logging.getLogger("ferry.server")
@@ -248,8 +248,14 @@ async def _stream(
     # Echo + logprobs: the prompt's logprobs arrive with the last output, so each choice is sent
     # as one chunk when it finishes (correct values over early bytes).
     defer = req.echo and req.logprobs is not None
+    # The last sequence's last chunk waits (briefly: the outputs end right after it) to leave
+    # with the usage chunk, [DONE] and the end of the body in one write.
+    unfinished = {seq.choice_index for seq in seqs}
+    tail = b""
     async with stream_errors() as failed:
         async for seq, out in state.generation.merged(request_id, seqs, arrival, ticket):
+            if out.finished:
+                unfinished.discard(seq.choice_index)
             choice = choices[seq.choice_index]
             text, logprobs = _delta(state, choice, req, out)
             usage.add(seq, out)
@@ -283,12 +289,15 @@ async def _stream(
                 chunk.usage = usage.info()
             if producer and out.finished:
                 chunk.kv_transfer = kv_transfer_result(state, out, seq)
-            yield sse_frame(chunk.model_dump_json())
+            frame = tail + sse_frame(chunk.model_dump_json())
+            if unfinished:
+                tail = b""
+                yield frame
+            else:
+                tail = frame
         if req.include_usage:
             final = CompletionChunk(
                 id=response_id, created=created, model=model, choices=[], usage=usage.info()
             )
-            yield sse_frame(final.model_dump_json())
-    if failed.frame is not None:
-        yield failed.frame
-    yield DONE_FRAME
+            tail += sse_frame(final.model_dump_json())
+    yield FinalFrames(tail + (failed.frame or b"") + DONE_FRAME)

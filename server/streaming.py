@@ -25,6 +25,12 @@ T = TypeVar("T")
 DONE_FRAME = b"data: [DONE]\n\n"
 
 
+class FinalFrames(bytes):
+    """A stream's last frames: ``SSEResponse`` sends them with the end of the body, as one write
+    (a generation stream's last token, usage and ``[DONE]``: one write instead of three). Its
+    iterator must end after yielding it."""
+
+
 def sse_frame(payload: str) -> bytes:
     """One SSE event carrying a JSON payload."""
     return b"data: " + payload.encode() + b"\n\n"
@@ -136,7 +142,10 @@ class SSEResponse(StreamingResponse):
                 if held:
                     held = False
                     await send(start)
-                await send({"type": "http.response.body", "body": frame, "more_body": True})
+                final = type(frame) is FinalFrames
+                await send({"type": "http.response.body", "body": frame, "more_body": not final})
+                if final:
+                    return
         finally:
             # Close the iterator here, in this task, so its finally blocks run before we return.
             aclose = getattr(self.frames, "aclose", None)

@@ -184,3 +184,18 @@ def test_json_validation_agrees_with_fastapis_for_any_body(body: object, path: s
         assert fast[0] == 400
         return
     assert fast == _outcome(model.model_validate, json.loads(raw)), raw
+
+
+async def test_requests_do_not_consult_opentelemetry(engine, serve_app, monkeypatch) -> None:
+    """FastAPI (0.165 on) asks OpenTelemetry's global providers on every request whether to trace
+    it; ferry exports no OpenTelemetry, so its app has that off: a request asks nothing."""
+    trace = pytest.importorskip("opentelemetry.trace")
+    metrics = pytest.importorskip("opentelemetry.metrics")
+    asked: list[str] = []
+    for module, name in ((trace, "get_tracer_provider"), (metrics, "get_meter_provider")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda real=real, name=name: asked.append(name) or real())
+    async with serve_app(build_app(engine, CONFIG)) as url, httpx.AsyncClient(base_url=url, timeout=30) as client:
+        r = await client.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 1})
+        assert r.status_code == 200 and (await client.get("/v1/models")).status_code == 200
+    assert asked == []

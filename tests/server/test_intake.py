@@ -173,8 +173,9 @@ async def test_a_stream_reaches_the_engine_before_it_writes_a_byte(engine, path:
     first = json.loads(frames[0].removeprefix(b"data: "))
     if path.endswith("chat/completions"):
         assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-        assert json.loads(frames[1].removeprefix(b"data: "))["choices"][0]["delta"]["content"]
-    assert frames[-1] == b"data: [DONE]\n\n"
+        second = frames[1].split(b"\n\n")[0]  # the stream's last frames may have come with it
+        assert json.loads(second.removeprefix(b"data: "))["choices"][0]["delta"]["content"]
+    assert frames[-1].endswith(b"data: [DONE]\n\n")
 
 
 @pytest.mark.parametrize("stream", [True, False])
@@ -216,6 +217,49 @@ async def test_a_request_is_submitted_in_the_pass_its_handler_ran(engine, stream
     await asyncio.wait_for(call, 30)
     finished.set()
     if stream:
-        assert frames[-1] == b"data: [DONE]\n\n"
+        assert frames[-1].endswith(b"data: [DONE]\n\n")
     else:
         assert json.loads(frames[0])["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("n", [1, 2])
+async def test_a_stream_ends_in_one_write(engine, path: str, n: int) -> None:
+    """The chunk that finishes the last choice, the usage chunk and [DONE] go out with the end of
+    the body: one ASGI message (one socket write), not four. Every chunk before goes out alone,
+    as it comes."""
+    engine.arrival_wait_s = 0.0
+    app = build_app(engine, ServerConfig(served_model_name="m"))
+    body: dict = {
+        "max_tokens": 3, "temperature": 0.8, "seed": 7, "n": n, "ignore_eos": True, "stream": True,
+        "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    if path.endswith("chat/completions"):
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    else:
+        body["prompt"] = [5, 6, 7]
+    inbox: asyncio.Queue[dict] = asyncio.Queue()
+    inbox.put_nowait({"type": "http.request", "body": json.dumps(body).encode(), "more_body": False})
+    messages: list[dict] = []
+
+    async def send(message: dict) -> None:
+        if message["type"] == "http.response.body":
+            messages.append(message)
+
+    await app(_post_scope(path), inbox.get, send)
+    *each, last = messages
+    for message in each:  # one event each, the body going on
+        assert message["more_body"] is True and message["body"].count(b"\n\n") == 1
+    assert last["more_body"] is False
+    events = last["body"].split(b"\n\n")
+    assert events[-2:] == [b"data: [DONE]", b""] and len(events) == 4
+    finishing, usage = (json.loads(e.removeprefix(b"data: ")) for e in events[:2])
+    assert [c["finish_reason"] for c in finishing["choices"]] == ["length"]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 3 * n
+    finishes = [
+        c["finish_reason"]
+        for m in each
+        for c in json.loads(m["body"].removeprefix(b"data: "))["choices"]
+        if c["finish_reason"] is not None
+    ]
+    assert finishes == ["length"] * (n - 1)  # the other choice finished in a frame of its own
