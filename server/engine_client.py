@@ -141,14 +141,19 @@ class EngineClient:
     def announce(self) -> Callable[[], None]:
         """``AsyncEngine.announce`` across the socket (the engine process gathers bursts)."""
         token = next(self._ids)
-        self._channel.send(("announce", token))
+        announcement = ("announce", token)
+        self._channel.send(announcement)
         pending = True
 
         def submitted() -> None:
+            # Submitted (or dropped) before the announcement left, in the same event-loop pass:
+            # the pair would cancel out in the engine process, so neither is sent (the request's
+            # add, if any, goes out at once after this: the engine sees it as an unannounced add).
             nonlocal pending
             if pending:
                 pending = False
-                self._channel.send(("submitted", token))
+                if not self._channel.retract(announcement):
+                    self._channel.send(("submitted", token))
 
         return submitted
 

@@ -45,6 +45,14 @@ class Channel:
         if now:
             self._flush()
 
+    def retract(self, message: tuple[Any, ...]) -> bool:
+        """Take ``message`` (the object given to ``send``) back if it has not left yet."""
+        for i, queued in enumerate(self._outbox):
+            if queued is message:
+                del self._outbox[i]
+                return True
+        return False
+
     def _flush(self) -> None:
         messages, self._outbox = self._outbox, []
         if self.closed or not messages:

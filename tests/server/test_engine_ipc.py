@@ -223,6 +223,55 @@ async def test_an_idle_engine_waits_for_what_another_api_server_announced(engine
     assert y.metrics["first_scheduled_time"] <= x.metrics["first_token_time"]  # one first step
 
 
+async def test_an_announcement_submitted_before_it_left_is_never_sent(engine, clients) -> None:
+    """A request announced and submitted in one event-loop pass (its body parsed as it came in)
+    sends neither message: the pair would cancel out in the engine process, which sees the add.
+    Once the announcement has left, its "submitted" follows it. Neither way holds the engine."""
+    engine.arrival_wait_s = 30.0  # an announcement left pending would show as a 30 s wait
+    a, _ = clients
+    channel = a._channel
+    left: list[str] = []
+    real_flush = channel._flush
+
+    def flush() -> None:
+        left.extend(message[0] for message in channel._outbox)
+        real_flush()
+
+    channel._flush = flush
+    submitted = a.announce()
+    submitted()  # in the same pass, right before the add (as ``Ticket.start_one`` calls it)
+    tokens, _ = await asyncio.wait_for(_collect(a, "same-pass", PROMPTS[0]), 10)
+    assert len(tokens) == GREEDY.max_tokens
+    assert "announce" not in left and "submitted" not in left and "add" in left
+    left.clear()
+    submitted = a.announce()
+    await asyncio.sleep(0)  # the pass ends: the announcement leaves
+    assert left == ["announce"]
+    submitted()
+    tokens, _ = await asyncio.wait_for(_collect(a, "later-pass", PROMPTS[1]), 10)
+    assert len(tokens) == GREEDY.max_tokens and left[:3] == ["announce", "submitted", "add"]
+
+
+async def test_a_queued_message_can_be_retracted() -> None:
+    """``retract`` takes back exactly the message object given to ``send``, only while unsent."""
+    ours, theirs = socket.socketpair()
+    reader, writer = await asyncio.open_unix_connection(sock=ours)
+    channel = Channel(reader, writer)
+    try:
+        token = len(PROMPTS)  # not a constant: two tuples of it are two objects
+        first, twin = ("announce", token), ("announce", token)
+        channel.send(first)
+        channel.send(twin)
+        assert channel.retract(first) and not channel.retract(first)
+        channel.send(("add", "r"), now=True)
+        data = theirs.recv(1 << 16)
+        assert pickle.loads(data[4:]) == [("announce", token), ("add", "r")]  # the twin stayed
+        assert not channel.retract(twin)  # it has left
+    finally:
+        channel.close()
+        theirs.close()
+
+
 async def test_probes_are_answered_by_every_api_server(engine, path, clients) -> None:
     engine.arrival_wait_s = 30.0  # an unanswered probe would show as a 30 s wait
     a, b = clients
