@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import pickle
 import struct
-from collections.abc import Callable
 from typing import Any
 
 _HEADER = struct.Struct("!I")
@@ -46,11 +45,6 @@ class Channel:
         if now:
             self._flush()
 
-    def send_later(self, make: Callable[[], tuple[Any, ...] | None]) -> None:
-        """Queue a message made as its frame leaves: ``make()`` (None: nothing) says what is true at
-        the end of the event-loop pass, in the place among this pass's messages it was queued at."""
-        self.send(make)  # type: ignore[arg-type] - told apart from a message when the frame leaves
-
     def retract(self, message: tuple[Any, ...]) -> bool:
         """Take ``message`` (the object given to ``send``) back if it has not left yet."""
         for i, queued in enumerate(self._outbox):
@@ -61,11 +55,7 @@ class Channel:
 
     def _flush(self) -> None:
         messages, self._outbox = self._outbox, []
-        if self.closed:
-            return
-        messages = [m if type(m) is tuple else m() for m in messages]
-        messages = [m for m in messages if m is not None]
-        if not messages:
+        if self.closed or not messages:
             return
         data = pickle.dumps(messages, protocol=pickle.HIGHEST_PROTOCOL)
         try:

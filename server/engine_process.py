@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import gc
 import itertools
 import logging
@@ -67,7 +66,6 @@ class _ApiServer:
     sent_stats: Any = None
     sent_healthy: bool = True
     sent_elsewhere: int = 0
-    stats_queued: bool = False  # a stats message is queued, to be made as the frame leaves
 
 
 class EngineHost:
@@ -330,22 +328,11 @@ class EngineHost:
         return sum(len(conn.requests) for conn in self._servers)
 
     def _send_stats(self, conn: _ApiServer) -> None:
-        """Queue ``conn`` the stats, health and the others' sequence count, if changed, as they are
-        when this pass's frame leaves: a step's outputs for every API server go out in one pass,
-        and the counts after all of them (its finished requests gone everywhere) leave nothing
-        for the broadcast that follows to say."""
-        if not conn.stats_queued:
-            conn.stats_queued = True
-            conn.channel.send_later(functools.partial(self._stats_news, conn))
-
-    def _stats_news(self, conn: _ApiServer) -> tuple[Any, ...] | None:
-        conn.stats_queued = False
         stats, healthy = self.engine.stats(), self.engine.is_healthy()
         elsewhere = self._in_flight() - len(conn.requests)
-        if stats is conn.sent_stats and healthy == conn.sent_healthy and elsewhere == conn.sent_elsewhere:
-            return None
-        conn.sent_stats, conn.sent_healthy, conn.sent_elsewhere = stats, healthy, elsewhere
-        return ("stats", stats, healthy, elsewhere)
+        if stats is not conn.sent_stats or healthy != conn.sent_healthy or elsewhere != conn.sent_elsewhere:
+            conn.sent_stats, conn.sent_healthy, conn.sent_elsewhere = stats, healthy, elsewhere
+            conn.channel.send(("stats", stats, healthy, elsewhere))
 
     def _broadcast_stats(self) -> None:
         """Within ``BROADCAST_DELAY_S`` of news: every API server admits by the engine's queue

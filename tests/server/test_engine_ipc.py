@@ -25,7 +25,7 @@ from engine.errors import EngineDeadError
 from engine.sampling_params import StructuredOutputsParams
 from server.engine_client import EngineClient
 from server.engine_ipc import Channel
-from server.engine_process import BROADCAST_DELAY_S, EngineHost
+from server.engine_process import EngineHost
 from server.responses_store import MemoryRecords, RemoteResponseStore, StoreUnavailable
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -207,40 +207,6 @@ async def test_each_api_server_hears_of_the_others_sequences(engine, clients) ->
     await _until(lambda: b.sequences_elsewhere == 0, "B still counts them")
     for s in streams:
         await s.aclose()
-
-
-async def test_a_step_that_ends_requests_everywhere_needs_no_broadcast_after(engine, clients) -> None:
-    """Stats go out as they are when a frame leaves: a step that finishes requests of both API
-    servers tells each, with its outputs, that the other has none left, so the broadcast the
-    step's news schedules finds nothing to say and no stats frame follows."""
-    engine.arrival_wait_s = 30.0
-    a, b = clients
-    heard: dict[str, list[tuple]] = {"a": [], "b": []}
-    for name, client in (("a", a), ("b", b)):
-        real = client._dispatch
-
-        def dispatch(message: tuple, real=real, log=heard[name]) -> None:  # noqa: ANN001
-            log.append(message)
-            real(message)
-
-        client._dispatch = dispatch
-    # Both announced first: the idle engine gathers both into one first step, so both finish in
-    # the same step.
-    held = [a.announce(), b.announce()]
-    runs = [
-        asyncio.ensure_future(_collect(c, f"{name}0", PROMPTS[i]))
-        for i, (name, c) in enumerate((("a", a), ("b", b)))
-    ]
-    await asyncio.sleep(0)
-    for submitted in held:
-        submitted()
-    (xs, _), (ys, _) = await asyncio.wait_for(asyncio.gather(*runs), 10)
-    assert len(xs) == len(ys) == GREEDY.max_tokens  # same length, same first step: same last step
-    assert a.sequences_elsewhere == 0 and b.sequences_elsewhere == 0  # told with the outputs
-    await asyncio.sleep(10 * BROADCAST_DELAY_S)
-    for log in heard.values():
-        last_out = max(i for i, m in enumerate(log) if m[0] == "out")
-        assert [m[0] for m in log[last_out + 1 :]] == []  # no stats frame after the last output
 
 
 async def test_an_idle_engine_waits_for_what_another_api_server_announced(engine, clients) -> None:
