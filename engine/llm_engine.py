@@ -116,7 +116,9 @@ class LLMEngine(EngineSleep):
         # rows are not tokens, so the sampler and prompt logprobs never look past the tokenizer.
         self.sampling_vocab_size = min(self.vocab_size, self.tokenizer.vocab_size)
         self.sampler = Sampler(self.sampling_vocab_size, config.logprobs_mode)
-        self.post = Postprocessor(self.tokenizer, self.max_model_len, self.sampling_vocab_size)
+        self.post = Postprocessor(
+            self.tokenizer, self.max_model_len, self.sampling_vocab_size, config.logprobs_mode
+        )
         self.logit_rows = logit_rows(config)  # prompt logprobs' chunk: what the activation reserve counts
         self.grammars = GrammarCompiler(self.tokenizer, self.sampling_vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}

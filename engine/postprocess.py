@@ -22,10 +22,17 @@ log = logging.getLogger(__name__)
 
 
 class Postprocessor:
-    def __init__(self, tokenizer: Tokenizer, max_model_len: int, vocab_size: int | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        max_model_len: int,
+        vocab_size: int | None = None,
+        logprobs_mode: str = "raw_logprobs",
+    ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size  # logit columns past it (embedding padding) are not tokens
+        self.logprobs_mode = logprobs_mode  # the engine's; a request's own takes precedence
 
     def _entry(
         self, token: int, logprob: float, rank: int | None, top: list[tuple[int, float]] | None
@@ -81,11 +88,12 @@ class Postprocessor:
         """The step's prompt logprobs of ``pl``'s request, from its logits ``rows`` at a time."""
         req = pl.scheduled.request
         first = pl.first
+        as_logits = (req.params.logprobs_mode or self.logprobs_mode).endswith("_logits")
         for logits in pl.chunks(rows):
             nxt = req.prompt_token_ids[first : first + logits.shape[0]]
             first += logits.shape[0]
             for lp, rank, top in prompt_logprobs(
-                logits, nxt, req.params.prompt_logprobs or 0, vocab_size=self.vocab_size
+                logits, nxt, req.params.prompt_logprobs or 0, vocab_size=self.vocab_size, as_logits=as_logits
             ):
                 token = req.prompt_token_ids[len(req.prompt_logprobs)]
                 req.prompt_logprobs.append(self._entry(token, lp, rank, top))

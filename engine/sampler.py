@@ -411,9 +411,15 @@ def _logprob_stats(
 
 
 def prompt_logprobs(
-    logits: torch.Tensor, next_token_ids: Sequence[int], top_n: int, vocab_size: int | None = None
+    logits: torch.Tensor,
+    next_token_ids: Sequence[int],
+    top_n: int,
+    vocab_size: int | None = None,
+    as_logits: bool = False,
 ) -> list[tuple[float, int, list[tuple[int, float]]]]:
-    """For each position: the raw logprob of the token that actually came next, its rank, the top-N.
+    """For each position: the raw logprob of the token that actually came next (its raw logit,
+    ``as_logits``: a ``*_logits`` logprobs mode), its rank, the top-N. Nothing processes a prompt
+    position's logits, so the ``processed_*`` modes read the same as the ``raw_*`` ones (as vLLM's).
 
     ``logits[t]`` is the distribution after the prompt's first ``t + 1`` tokens, so it scores
     ``next_token_ids[t]`` (= prompt token ``t + 1``). Columns past ``vocab_size`` (embedding
@@ -426,5 +432,5 @@ def prompt_logprobs(
     if vocab_size is not None:
         logits = logits[:, :vocab_size]
     chosen = torch.tensor(list(next_token_ids), dtype=torch.long, device=logits.device)
-    lp, rk, tops = _logprob_stats(logits, chosen, top_n)
+    lp, rk, tops = _logprob_stats(logits, chosen, top_n, [True] * len(next_token_ids) if as_logits else None)
     return list(zip(lp, rk, tops, strict=True))

@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 
@@ -108,6 +109,52 @@ def test_prompt_logprobs(llm) -> None:
     for a, b in zip(out.prompt_logprobs[1:], chunked.prompt_logprobs[1:], strict=True):
         assert a.keys() == b.keys()
         assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+
+
+@pytest.mark.parametrize("mode", ["raw_logits", "processed_logits", "raw_logprobs", "processed_logprobs"])
+def test_prompt_logprobs_follow_the_logprobs_mode(llm, tiny_llama, mode: str) -> None:
+    """A ``*_logits`` logprobs mode gives a prompt position's raw logits, as it does for the sampled
+    tokens (vLLM's too): transformers' logits for the same weights; ``*_logprobs`` their
+    log-softmax. Nothing processes a prompt position, so processed reads as raw. Per request here;
+    the engine's ``logprobs_mode`` sets the default."""
+    from tests.engine.conftest import _hf_model
+
+    ids = llm.tokenizer.encode(PROMPT)
+    with torch.no_grad():
+        logits = _hf_model(str(tiny_llama))(torch.tensor([ids])).logits[0].float()
+    want = logits if mode.endswith("_logits") else torch.log_softmax(logits, dim=-1)
+    params = SamplingParams(temperature=0.8, max_tokens=1, prompt_logprobs=2, logprobs_mode=mode)
+    out = llm.generate(PROMPT, params)[0]
+    for pos, entry in enumerate(out.prompt_logprobs[1:], start=1):
+        row = want[pos - 1]
+        for tid, value in entry.items():
+            assert value.logprob == pytest.approx(row[tid].item(), abs=1e-4), (pos, tid)
+        top = sorted(entry.values(), key=lambda v: v.rank)[:2]
+        assert [v.rank for v in top] == [1, 2]
+        assert top[0].logprob == pytest.approx(row.max().item(), abs=1e-4)
+
+
+def test_the_engine_logprobs_mode_applies_to_prompt_logprobs(tiny_llama) -> None:
+    engine = LLM(str(tiny_llama), num_kv_blocks=64, logprobs_mode="raw_logits")
+    try:
+        ids = engine.tokenizer.encode(PROMPT)
+        out = engine.generate(PROMPT, SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+        by_request = engine.generate(
+            PROMPT, SamplingParams(max_tokens=1, prompt_logprobs=0, logprobs_mode="raw_logprobs")
+        )[0]
+    finally:
+        engine.close()
+    from tests.engine.conftest import _hf_model
+
+    with torch.no_grad():
+        logits = _hf_model(str(tiny_llama))(torch.tensor([ids])).logits[0].float()
+    for pos in range(1, len(ids)):
+        assert out.prompt_logprobs[pos][ids[pos]].logprob == pytest.approx(
+            logits[pos - 1, ids[pos]].item(), abs=1e-4
+        )
+        assert by_request.prompt_logprobs[pos][ids[pos]].logprob == pytest.approx(
+            torch.log_softmax(logits[pos - 1], dim=-1)[ids[pos]].item(), abs=1e-4
+        )
 
 
 def test_bad_input_is_a_value_error(llm) -> None:
