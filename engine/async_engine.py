@@ -45,10 +45,25 @@ __all__ = ["AsyncEngine", "EngineDeadError"]
 Sink = Callable[[RequestOutput | BaseException], None]
 
 
-@dataclass
+@dataclass(eq=False)
 class _Stream:
+    """Where a request's outputs go: its caller's ``sink``, on the caller's event loop, while it is
+    the request's current stream in ``streams`` (the engine's). No closure over itself: a request
+    leaves no reference cycle behind, so its objects go when it ends, not at the next collection
+    of the cyclic GC (which pauses every thread of the process)."""
+
     loop: asyncio.AbstractEventLoop
     sink: Sink
+    request_id: str
+    streams: dict[str, _Stream]
+
+    def deliver(self, out: RequestOutput | BaseException) -> None:
+        streams = self.streams
+        if streams.get(self.request_id) is not self:
+            return  # cancelled: nobody wants the rest
+        if isinstance(out, BaseException) or out.finished:
+            del streams[self.request_id]
+        self.sink(out)
 
 
 @dataclass
@@ -225,18 +240,8 @@ class AsyncEngine(SleepCommands):
             cache_salt=cache_salt,
             images=images,
         )
-        loop = asyncio.get_running_loop()
-        streams = self._streams
-
-        def deliver(out: RequestOutput | BaseException) -> None:
-            if streams.get(request_id) is not stream:
-                return  # cancelled: nobody wants the rest
-            if isinstance(out, BaseException) or out.finished:
-                del streams[request_id]
-            sink(out)
-
-        stream = _Stream(loop, deliver)
-        streams[request_id] = stream
+        stream = _Stream(asyncio.get_running_loop(), sink, request_id, self._streams)
+        self._streams[request_id] = stream
         self._submit(_Add(req, stream))
 
     def cancel(self, request_id: str) -> None:
@@ -535,14 +540,14 @@ class AsyncEngine(SleepCommands):
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
-                by_loop.setdefault(stream.loop, []).append((stream.sink, out))
+                by_loop.setdefault(stream.loop, []).append((stream.deliver, out))
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_hand_over, items)
 
     def _fail_all(self, error: BaseException) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Sink, BaseException]]] = {}
         for stream in list(self._streams.values()):
-            by_loop.setdefault(stream.loop, []).append((stream.sink, error))
+            by_loop.setdefault(stream.loop, []).append((stream.deliver, error))
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_hand_over, items)

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import itertools
 import logging
 import os
@@ -404,8 +403,9 @@ async def _serve_engine(
     server = await asyncio.start_unix_server(host.handle, path=socket_path)
     os.chmod(socket_path, 0o600)
     publisher = asyncio.ensure_future(host.publish_stats())
-    gc.collect()
-    gc.freeze()  # the loaded model and torch live as long as the process (see server.main.serve)
+    from server.main import settle_heap
+
+    settle_heap()  # the loaded model and torch live as long as the process
     ready.send(("ready",))
     ready.close()
     try:

@@ -376,3 +376,47 @@ async def test_announced_wait_is_capped_and_a_lone_request_does_not_wait(engine,
     engine.arrival_wait_s = 30.0  # nothing announced: a lone request starts at once
     _, _, out = await asyncio.wait_for(_collect(engine, "lone", prompts[1], params), 10)
     assert out.metrics["first_scheduled_time"] - out.metrics["arrival_time"] < 5
+
+
+async def test_a_finished_request_leaves_no_reference_cycle(engine) -> None:
+    """What a request's stream holds (its caller's sink, and what that holds) goes when the request
+    ends, by reference counting: none of it waits for the cyclic GC, whose collections pause every
+    thread of the process (the serving processes collect their young generation rarely for that)."""
+    import gc
+    import weakref
+
+    done = asyncio.Event()
+
+    class Sink:
+        def __call__(self, out) -> None:  # noqa: ANN001
+            if isinstance(out, BaseException) or out.finished:
+                done.set()
+
+    sink = Sink()
+    gone = weakref.ref(sink)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    gc.disable()
+    try:
+        engine.start("no-cycle", [5, 6, 7], params, sink)
+        del sink
+        await asyncio.wait_for(done.wait(), 30)
+        # Another request through, so the engine thread's locals (its last command) move on too.
+        await _collect(engine, "next", [8, 9], params)
+        assert gone() is None
+    finally:
+        gc.enable()
+
+
+def test_settle_heap_freezes_startup_and_collects_young_objects_rarely() -> None:
+    import gc
+
+    from server.main import GC_YOUNG_THRESHOLD, settle_heap
+
+    before = gc.get_threshold()
+    try:
+        settle_heap()
+        assert gc.get_threshold() == (GC_YOUNG_THRESHOLD, *before[1:])
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.set_threshold(*before)
+        gc.unfreeze()
