@@ -111,7 +111,7 @@ def http_runner(port: int, max_tokens: int):
         while (await reader.readline()) not in (b"\r\n", b""):
             pass
         first = None
-        async for payload in _sse_events(reader):
+        async for payload, _ in _sse_events(reader):  # stamped here, on the traces' clock
             if first is None and payload != b"[DONE]":
                 first = time.monotonic_ns()
         idle.append(conn)

@@ -375,10 +375,10 @@ class _Connections:
             conn[1].close()
 
 
-async def _sse_events(reader: _StampedReader):
+async def _sse_events(reader: asyncio.StreamReader):
     """Yield each SSE event payload (bytes after 'data: ') from a chunked response body, with when
-    its bytes arrived; returns after the terminating chunk, leaving the connection ready for the
-    next request.
+    its bytes arrived (a ``_StampedReader``'s stamp; for a plain reader, when it was read); returns
+    after the terminating chunk, leaving the connection ready for the next request.
 
     A minimal client on purpose: on a small machine a full client library's per-chunk Python work
     competes with the server for the same cores and would be billed to the server."""
@@ -391,7 +391,7 @@ async def _sse_events(reader: _StampedReader):
             return
         buf += await reader.readexactly(size)
         await reader.readexactly(2)  # CRLF after the chunk
-        arrived = reader.arrived()
+        arrived = reader.arrived() if isinstance(reader, _StampedReader) else time.perf_counter()
         while b"\n\n" in buf:
             event, buf = buf.split(b"\n\n", 1)
             if event.startswith(b"data: "):
