@@ -403,7 +403,7 @@ async def _serve_engine(
     server = await asyncio.start_unix_server(host.handle, path=socket_path)
     os.chmod(socket_path, 0o600)
     publisher = asyncio.ensure_future(host.publish_stats())
-    from server.main import settle_heap
+    from server.heap import settle_heap
 
     settle_heap()  # the loaded model and torch live as long as the process
     ready.send(("ready",))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import logging
 import signal
 import socket
@@ -24,6 +23,7 @@ import uvicorn
 from server.args import engine_options, server_config
 from server.config import ServerConfig
 from server.conn_balance import PassedConnections
+from server.heap import settle_heap
 from server.roles import check_role_config
 from server.vllm_compat import compat_notes, limited_problem
 
@@ -244,25 +244,6 @@ class _StartupError(Exception):
 def usage_error(problem: object) -> int:
     print(f"ferry serve: error: {problem}", file=sys.stderr)
     return 2
-
-
-# CPython collects its youngest generation whenever 700 more tracked objects are alive than at the
-# last collection. A burst's requests in flight are that many: traced on a 2-core VM (4 API servers,
-# waves of 32 one-token streams), every API server collected once per wave, ~0.1 ms each in the
-# middle of the burst's intake, and freed nothing (the objects were the requests themselves).
-GC_YOUNG_THRESHOLD = 20_000
-
-
-def settle_heap() -> None:
-    """Once startup is done. What startup built (torch, the model, the app) lives as long as the
-    process: out of the cyclic GC's view (``gc.freeze``), so collections of the oldest generation
-    scan only what requests leave behind (a full collection over the startup heap took ~110 ms, a
-    pause of the event loop and every stream). And the young generation is collected when
-    ``GC_YOUNG_THRESHOLD`` objects more are alive, not 700: requests leave no reference cycles
-    (``AsyncEngine``'s streams hold none), so its collections find little to free."""
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
 
 
 def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:

@@ -410,7 +410,7 @@ async def test_a_finished_request_leaves_no_reference_cycle(engine) -> None:
 def test_settle_heap_freezes_startup_and_collects_young_objects_rarely() -> None:
     import gc
 
-    from server.main import GC_YOUNG_THRESHOLD, settle_heap
+    from server.heap import GC_YOUNG_THRESHOLD, settle_heap
 
     before = gc.get_threshold()
     try:
