@@ -41,6 +41,7 @@ from typing import Any
 
 from engine.errors import EngineDeadError
 from server.engine_ipc import Channel
+from server.heap import settle_heap
 from server.responses_store import MEMORY_OPS, MemoryRecords
 
 logger = logging.getLogger("ferry.engine_process")
@@ -403,8 +404,6 @@ async def _serve_engine(
     server = await asyncio.start_unix_server(host.handle, path=socket_path)
     os.chmod(socket_path, 0o600)
     publisher = asyncio.ensure_future(host.publish_stats())
-    from server.heap import settle_heap
-
     settle_heap()  # the loaded model and torch live as long as the process
     ready.send(("ready",))
     ready.close()
