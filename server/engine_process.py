@@ -22,8 +22,9 @@ gathering a burst: answer after two passes of the event loop), then
 ``("out", rid, RequestOutput)``, ``("err", rid, kind, message)``, ``("reply", call_id, ok, value)``
 and ``("stats", EngineStats, healthy, sequences_elsewhere)`` whenever the engine published new
 stats or the other API servers' sequences changed (before a request's own output, and to every
-API server within ``BROADCAST_DELAY_S`` of the news): each API server admits requests
-(``Generation.queued``) counting the others' too.
+API server within ``BROADCAST_DELAY_S`` of the news; the others' sequences alone within
+``STATS_INTERVAL_S`` while the queue is under half of ``--max-queued-requests``): each API server
+admits requests (``Generation.queued``) counting the others' too.
 """
 
 from __future__ import annotations
@@ -48,10 +49,14 @@ logger = logging.getLogger("ferry.engine_process")
 
 # How often idle connections hear of changed stats or health (outputs carry them when busy).
 STATS_INTERVAL_S = 0.1
-# News for the other API servers (a request added or ended elsewhere, a step's stats) waits this
+# News for the other API servers (a step's stats, a request added or ended elsewhere) waits this
 # long to go out with whatever follows: a burst's requests come in one by one, and a broadcast
 # per arrival would cost every API server a frame to read per request of the burst while it is
-# still parsing its own share. An API server's own outputs always carry fresh stats.
+# still parsing its own share. Sequences added or ended elsewhere with no new stats (a burst taken
+# in while the idle engine gathers it) wait for STATS_INTERVAL_S unless the queue is at least half
+# of the admission limit, or was when last told: a frame costs tens of microseconds to write here
+# and to read there, and a wave of 32 requests made ten such broadcasts. An API server's own
+# outputs always carry fresh stats.
 BROADCAST_DELAY_S = 0.002
 
 
@@ -71,12 +76,18 @@ class _ApiServer:
 class EngineHost:
     """Serves one ``AsyncEngine`` to any number of API server connections."""
 
-    def __init__(self, engine: Any, responses: MemoryRecords | None = None) -> None:
+    def __init__(
+        self, engine: Any, responses: MemoryRecords | None = None, max_queued_requests: int | None = None
+    ) -> None:
         self.engine = engine
         self.responses = responses  # --responses-store memory: kept here for every API server
+        # The API servers' admission limit (None: unknown, every change is news at once).
+        self.max_queued_requests = max_queued_requests
+        self._max_running = int(getattr(engine.config, "max_num_seqs", 0) or 0)
         self._servers: set[_ApiServer] = set()
         self._next_index = 0
         self._broadcast_scheduled = False
+        self._told_busy = False  # an API server may hold counts from a busy queue
         self._probe_ids = itertools.count()
         self._probes: dict[int, tuple[set[_ApiServer], Callable[[], None]]] = {}
         engine.probe_submitters = self._probe_api_servers
@@ -327,32 +338,59 @@ class EngineHost:
     def _in_flight(self) -> int:
         return sum(len(conn.requests) for conn in self._servers)
 
-    def _send_stats(self, conn: _ApiServer) -> None:
+    def _queue_busy(self) -> bool:
+        """Whether the engine's queue is at least half of the API servers' admission limit: the
+        sequences beyond its batch slots (as ``Generation.queued`` counts them) or its waiting ones."""
+        limit = self.max_queued_requests
+        if limit is None:
+            return True
+        queued = max(self._in_flight() - self._max_running, self.engine.stats().num_waiting)
+        return 2 * queued >= limit
+
+    def _send_stats(self, conn: _ApiServer, counts: bool = True) -> None:
+        """``conn``'s stats if they changed; the other API servers' sequences alone only if ``counts``."""
         stats, healthy = self.engine.stats(), self.engine.is_healthy()
         elsewhere = self._in_flight() - len(conn.requests)
-        if stats is not conn.sent_stats or healthy != conn.sent_healthy or elsewhere != conn.sent_elsewhere:
+        if (
+            stats is not conn.sent_stats
+            or healthy != conn.sent_healthy
+            or (counts and elsewhere != conn.sent_elsewhere)
+        ):
             conn.sent_stats, conn.sent_healthy, conn.sent_elsewhere = stats, healthy, elsewhere
             conn.channel.send(("stats", stats, healthy, elsewhere))
+            if not self._told_busy and self._queue_busy():
+                self._told_busy = True
 
     def _broadcast_stats(self) -> None:
         """Within ``BROADCAST_DELAY_S`` of news: every API server admits by the engine's queue
         (``Generation.queued``), so each hears of a step or an abort, not only the one whose
-        requests it concerned."""
+        requests it concerned. The other API servers' sequences alone (requests added while an
+        idle engine gathers a burst, or ended after the step that last published stats) are news
+        only while they could change an admission; else they wait for ``publish_stats``."""
         if not self._broadcast_scheduled:
             self._broadcast_scheduled = True
             asyncio.get_running_loop().call_later(BROADCAST_DELAY_S, self._broadcast)
 
     def _broadcast(self) -> None:
         self._broadcast_scheduled = False
+        if self._told_busy or self._queue_busy():
+            self._send_all()
+        else:
+            for conn in self._servers:
+                self._send_stats(conn, counts=False)
+
+    def _send_all(self) -> None:
+        told_busy = self._queue_busy()
         for conn in self._servers:
             self._send_stats(conn)
+        self._told_busy = told_busy  # every API server now holds these counts
 
     async def publish_stats(self) -> None:
-        """Keep idle connections' stats and health current (a dead engine loop, a finished abort)."""
+        """Keep every connection's stats and health current: news that could not change an
+        admission, a dead engine loop, a finished abort."""
         while True:
             await asyncio.sleep(STATS_INTERVAL_S)
-            for conn in list(self._servers):
-                self._send_stats(conn)
+            self._send_all()
 
 
 def _call_all(functions: list[Callable[[], None]]) -> None:
@@ -366,6 +404,7 @@ def engine_process_main(
     ready: Connection,
     responses: MemoryRecords | None = None,
     lora_modules: tuple[Any, ...] = (),
+    max_queued_requests: int | None = None,
 ) -> None:
     """Entry point of the engine process (spawned by ``server/api_servers.py``).
 
@@ -376,7 +415,9 @@ def engine_process_main(
     from server.main import loop_factory
 
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
-        runner.run(_serve_engine(engine_config, socket_path, ready, responses, lora_modules))
+        runner.run(
+            _serve_engine(engine_config, socket_path, ready, responses, lora_modules, max_queued_requests)
+        )
 
 
 async def _serve_engine(
@@ -385,6 +426,7 @@ async def _serve_engine(
     ready: Connection,
     responses: MemoryRecords | None,
     lora_modules: tuple[Any, ...],
+    max_queued_requests: int | None,
 ) -> None:
     from engine import AsyncEngine
     from server.lora import preload
@@ -400,7 +442,7 @@ async def _serve_engine(
         logger.debug("engine start failed", exc_info=e)
         ready.send(("error", str(e)))
         return
-    host = EngineHost(engine, responses)
+    host = EngineHost(engine, responses, max_queued_requests)
     server = await asyncio.start_unix_server(host.handle, path=socket_path)
     os.chmod(socket_path, 0o600)
     publisher = asyncio.ensure_future(host.publish_stats())

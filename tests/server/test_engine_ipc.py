@@ -7,6 +7,7 @@ Two clients stand for two API server processes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import pickle
 import shutil
 import socket
@@ -25,7 +26,7 @@ from engine.errors import EngineDeadError
 from engine.sampling_params import StructuredOutputsParams
 from server.engine_client import EngineClient
 from server.engine_ipc import Channel
-from server.engine_process import EngineHost
+from server.engine_process import BROADCAST_DELAY_S, EngineHost
 from server.responses_store import MemoryRecords, RemoteResponseStore, StoreUnavailable
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -41,16 +42,25 @@ async def engine(tiny_llama) -> AsyncIterator[AsyncEngine]:
 
 # In the test's own event loop (this project's async fixtures default to the session's): the host
 # and its clients run on the loop they were made on.
+@contextlib.asynccontextmanager
+async def _hosted(host: EngineHost, publish: bool = True) -> AsyncIterator[str]:
+    """``host`` served on a Unix socket (its path), publishing stats as the engine process does."""
+    directory = tempfile.mkdtemp(prefix="ferry-ipc-")  # short: Unix socket paths are limited
+    server = await asyncio.start_unix_server(host.handle, path=f"{directory}/engine.sock")
+    publisher = asyncio.ensure_future(host.publish_stats()) if publish else None
+    try:
+        yield f"{directory}/engine.sock"
+    finally:
+        if publisher is not None:
+            publisher.cancel()
+        server.close()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 @pytest_asyncio.fixture(loop_scope="function")
 async def path(engine) -> AsyncIterator[str]:
-    directory = tempfile.mkdtemp(prefix="ferry-ipc-")  # short: Unix socket paths are limited
-    host = EngineHost(engine, MemoryRecords(max_bytes=1 << 20, ttl_s=60.0))
-    server = await asyncio.start_unix_server(host.handle, path=f"{directory}/engine.sock")
-    publisher = asyncio.ensure_future(host.publish_stats())  # as the engine process runs it
-    yield f"{directory}/engine.sock"
-    publisher.cancel()
-    server.close()
-    shutil.rmtree(directory, ignore_errors=True)
+    async with _hosted(EngineHost(engine, MemoryRecords(max_bytes=1 << 20, ttl_s=60.0))) as where:
+        yield where
 
 
 @pytest_asyncio.fixture(loop_scope="function")
@@ -207,6 +217,43 @@ async def test_each_api_server_hears_of_the_others_sequences(engine, clients) ->
     await _until(lambda: b.sequences_elsewhere == 0, "B still counts them")
     for s in streams:
         await s.aclose()
+
+
+async def test_counts_that_cannot_change_an_admission_wait_for_the_stats_interval(tiny_llama) -> None:
+    """Requests one API server adds while the idle engine gathers a burst change no stats; the
+    other API servers hear of them at once (``BROADCAST_DELAY_S``) only once the queue is at least
+    half of ``--max-queued-requests``, else with the next ``publish_stats`` (not run here, so only
+    a broadcast can deliver). A step's stats go out at once as before."""
+    engine = AsyncEngine(EngineConfig(model=str(tiny_llama), num_kv_blocks=128, max_num_seqs=2))
+    engine.arrival_wait_s = 30.0  # B's announcement keeps the engine gathering
+    host = EngineHost(engine, max_queued_requests=4)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    try:
+        async with _hosted(host, publish=False) as where:
+            a, b = await EngineClient.connect(where), await EngineClient.connect(where)
+            submitted = b.announce()
+            firsts = [
+                asyncio.ensure_future(_collect(a, f"s{i}", p, params)) for i, p in enumerate(PROMPTS[:2])
+            ]
+            await _until(lambda: host._in_flight() == 2, "A's requests do not arrive")
+            # 2 sequences on 2 slots: nothing queued, under half of 4.
+            await asyncio.sleep(20 * BROADCAST_DELAY_S)
+            assert b.sequences_elsewhere == 0 and engine.stats().num_running == 0
+            host._send_all()  # what publish_stats does every STATS_INTERVAL_S
+            await _until(lambda: b.sequences_elsewhere == 2, "B never hears of A's sequences")
+            # Two more: 2 beyond the slots, half of 4: B hears at once.
+            firsts += [
+                asyncio.ensure_future(_collect(a, f"t{i}", p, params)) for i, p in enumerate(PROMPTS[1:])
+            ]
+            await _until(lambda: b.sequences_elsewhere == 4, "B does not hear of a busy queue", 1.0)
+            submitted()  # the burst is in: the engine steps, and every step's stats go out
+            got = await asyncio.wait_for(asyncio.gather(*firsts), 30)
+            assert [len(tokens) for tokens, _ in got] == [4] * 4
+            await _until(lambda: b.sequences_elsewhere == 0, "B still counts A's ended sequences", 1.0)
+            await a.shutdown()
+            await b.shutdown()
+    finally:
+        await engine.shutdown()
 
 
 async def test_an_idle_engine_waits_for_what_another_api_server_announced(engine, clients) -> None:

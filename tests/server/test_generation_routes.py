@@ -195,7 +195,10 @@ async def test_requests_do_not_consult_opentelemetry(engine, serve_app, monkeypa
     for module, name in ((trace, "get_tracer_provider"), (metrics, "get_meter_provider")):
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda real=real, name=name: asked.append(name) or real())
-    async with serve_app(build_app(engine, CONFIG)) as url, httpx.AsyncClient(base_url=url, timeout=30) as client:
+    async with (
+        serve_app(build_app(engine, CONFIG)) as url,
+        httpx.AsyncClient(base_url=url, timeout=30) as client,
+    ):
         r = await client.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 1})
         assert r.status_code == 200 and (await client.get("/v1/models")).status_code == 200
     assert asked == []
