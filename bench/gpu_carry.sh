@@ -8,6 +8,8 @@
 #             wrapper that points the loader at lib/ (the KV tier tests start their own Redis)
 #   setup.sh  source it there: installs the wheels whose modules are missing into /tmp/site and
 #             puts /tmp/site, the repo and bin/ on PYTHONPATH and PATH
+#   base/     with BASE=<commit>: that commit's tree (git archive), for the benches' interleaved
+#             base modes (bench/gpu_check.sh runs them when it is there)
 #
 # On the box (repo root):  source .dev/setup.sh && bash bench/gpu_check.sh "$OUT"
 # The image seen so far (an H200 box: Python 3.12, torch 2.11, Triton 3.6, transformers 5.17,
@@ -39,6 +41,12 @@ LD_LIBRARY_PATH="$d/../lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" exec "$d/redis-
 SH
 chmod +x "$dest/bin/redis-server"
 
+if [ -n "${BASE:-}" ]; then
+  rm -rf "$dest/base"
+  mkdir -p "$dest/base"
+  git archive "$BASE" | tar -x -C "$dest/base"
+fi
+
 cat > "$dest/setup.sh" <<'SH'
 # source from the repo root on the GPU box (made by bench/gpu_carry.sh)
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -57,4 +65,4 @@ export PATH=$here/bin:$PATH
 echo "installed:$(for w in $need; do basename "$w" | cut -d- -f1; done | tr '\n' ' ')"
 redis-server --version
 SH
-echo "$dest: $(ls "$dest/wheels" | wc -l) wheels, redis-server with $(ls "$dest/lib" | wc -l) libraries; $(du -sh "$dest" | cut -f1)"
+echo "$dest: $(ls "$dest/wheels" | wc -l) wheels, redis-server with $(ls "$dest/lib" | wc -l) libraries${BASE:+, base $BASE}; $(du -sh "$dest" | cut -f1)"

@@ -7,16 +7,21 @@
 #             determinism promises on the hardware, timings beside the torch path
 #   overhead  python -m bench.server_overhead on the GPU: what HTTP adds at concurrency 1 and 32,
 #             one process and 4 API server processes
+#   trace     python -m bench.burst_trace on the GPU: where a wave of 32 streams spends its time, in
+#             process and behind 4 and 8 API servers; with .dev/base (bench/gpu_carry.sh's BASE=),
+#             that commit's 4 API servers too, interleaved (not in the default steps)
 #
-# Usage (repo root):  bash bench/gpu_check.sh OUT_DIR [tests] [kernels] [overhead]   (default: all)
+# Usage (repo root):  bash bench/gpu_check.sh OUT_DIR [tests] [kernels] [overhead] [trace]
+# (default: tests kernels overhead)
 # Needs the project's Python packages (pytest-xdist for the tests) and redis-server on PATH (the KV
 # tier tests start their own). Each step has its own time limit (seconds, from the environment:
-# TESTS_S, KERNELS_S, OVERHEAD_S); a step that fails or runs out of time never stops the next one,
+# TESTS_S, KERNELS_S, OVERHEAD_S, TRACE_S); a step that fails or runs out of time never stops the next one,
 # and a stopped pytest still writes its summary and JUnit XML. TESTS narrows the test step (pytest
 # paths or node ids, default tests/engine); OVERHEAD_ARGS adds flags to the overhead bench, later
-# ones win (e.g. "--burst-wait-ms 25 0 --api-server-count 1 4 8"). Everything lands in OUT_DIR.
+# ones win (e.g. "--burst-wait-ms 25 0 --api-server-count 1 4 8"; with .dev/base, "--base .dev/base"
+# serves each HTTP mode from the base commit too); TRACE_ARGS, the trace's. Everything lands in OUT_DIR.
 set -u
-out=${1:?usage: bash bench/gpu_check.sh OUT_DIR [tests] [kernels] [overhead]}
+out=${1:?usage: bash bench/gpu_check.sh OUT_DIR [tests] [kernels] [overhead] [trace]}
 shift
 steps=${*:-tests kernels overhead}
 py=${PYTHON:-python3}
@@ -55,8 +60,16 @@ for step in $steps; do
       --api-server-count 1 4 --concurrency 1 32 --num-requests 32 --max-tokens 16 --repeats 3 --num-threads 4 \
       ${OVERHEAD_ARGS:-} --out "$out/server_overhead.json" 2>&1 | tee "$out/overhead.log" | tail -30
     ;;
+  trace)
+    stamp trace
+    base=()
+    if [ -d .dev/base ]; then base=(base/4 --base .dev/base); fi
+    timeout -s INT "${TRACE_S:-240}" "$py" -m bench.burst_trace --device cuda --dtype bfloat16 --num-threads 4 \
+      --modes in-process 4 8 "${base[@]}" ${TRACE_ARGS:-} --out "$out/burst_trace.json" 2>&1 \
+      | tee "$out/trace.log" | tail -30
+    ;;
   *)
-    echo "unknown step '$step' (tests, kernels, overhead)" >&2
+    echo "unknown step '$step' (tests, kernels, overhead, trace)" >&2
     ;;
   esac
 done
