@@ -135,9 +135,11 @@ class BatchJobs:
                 results = [line or _expired_line(raw) for line, raw in zip(results, lines, strict=True)]
             if not cancelled:
                 record.update(status="finalizing", finalizing_at=int(time.time()))
-            self._count(record, counts)
             if expired.is_set():
-                record["request_counts"]["failed"] += unanswered
+                # Counted in ``counts``, not only in the record: the watch, still saving counts
+                # while the results are written, would put back the failed count without them.
+                counts.failed += unanswered
+            self._count(record, counts)
             self.store.save_batch(record)
             await asyncio.to_thread(self._write_results, record, results)
             now = int(time.time())
