@@ -121,6 +121,7 @@ class Tokenizer:
             i for i, t in self._tok.get_added_tokens_decoder().items() if t.special
         }
         self._token_text_cache: dict[int, str] = {}
+        self._text_width_cache: dict[int, int] = {}
 
     @classmethod
     def from_dir(
@@ -295,6 +296,17 @@ class Tokenizer:
                     text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
         self._token_text_cache[token_id] = text
         return text
+
+    def text_width(self, token_id: int, skip_special_tokens: bool = True) -> int:
+        """How many characters the token adds to decoded text, for legacy ``text_offset``: a
+        special token none when skipped, a piece of a multi-byte character one (its U+FFFD), else
+        the length of its text as it reads after other text."""
+        if skip_special_tokens and token_id in self.all_special_ids:
+            return 0
+        width = self._text_width_cache.get(token_id)
+        if width is None:
+            width = self._text_width_cache[token_id] = len(self._text_in_context(token_id))
+        return width
 
     def _text_in_context(self, token_id: int) -> str:
         """The token's text as it reads after other text: decoders that strip a leading space

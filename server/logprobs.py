@@ -76,13 +76,26 @@ def chat_logprobs(
 
 
 class CompletionLogprobsBuilder:
-    """Accumulates legacy completion logprobs across deltas, keeping ``text_offset`` running."""
+    """Accumulates legacy completion logprobs across deltas, keeping ``text_offset`` running.
 
-    def __init__(self, tokenizer: Tokenizer, top_n: int, start_offset: int = 0, as_ids: bool = False) -> None:
+    ``text_offset`` indexes the choice's text: each token moves it by the characters the token adds
+    there (``Tokenizer.text_width``), not by the length of its shown form (``bytes:\\xcc``,
+    ``token_id:7``, a skipped special token's text).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        top_n: int,
+        start_offset: int = 0,
+        as_ids: bool = False,
+        skip_special_tokens: bool = True,
+    ) -> None:
         self.tokenizer = tokenizer
         self.as_ids = as_ids
         self.top_n = top_n
         self.offset = start_offset
+        self.skip_special_tokens = skip_special_tokens
 
     def add(
         self, token_ids: Sequence[int], positions: Sequence[PositionLogprobs | None] | None
@@ -110,7 +123,7 @@ class CompletionLogprobsBuilder:
                     top.setdefault(text, _logprob(chosen.logprob))
                 result.top_logprobs.append(top)
             result.text_offset.append(self.offset)
-            self.offset += len(text)
+            self.offset += self.tokenizer.text_width(token_id, self.skip_special_tokens)
         return result
 
     def fill(

@@ -127,7 +127,10 @@ def _echo_prefix(state: ServerState, choice: _Choice, req: CompletionRequest, ou
         text = prompt.text if prompt.text is not None else state.tokenizer.decode(prompt.token_ids)
     if req.logprobs is not None:
         choice.builder = CompletionLogprobsBuilder(
-            state.tokenizer, req.logprobs, as_ids=req.return_tokens_as_token_ids
+            state.tokenizer,
+            req.logprobs,
+            as_ids=req.return_tokens_as_token_ids,
+            skip_special_tokens=req.skip_special_tokens,
         )
         if req.echo:
             # The engine hands prompt logprobs over with the last output; the entries (tokens and

@@ -153,6 +153,38 @@ def test_sse_framing_on_the_wire(server) -> None:
     assert all(p["choices"][0]["finish_reason"] is None for p in payloads[:-2])
 
 
+def test_text_offsets_index_the_returned_text(client, tokenizer) -> None:
+    # A lone byte of a multi-byte character (shown as "bytes:\\xcc", read as one U+FFFD) and a
+    # skipped special token (shown as its text, absent from the text) move the offset by what
+    # they add to the text, so every offset is where its token starts in ``text``.
+    lone_byte = tokenizer.convert_ids_to_tokens(range(tokenizer.vocab_size)).index("\u00cc")
+    special = min(tokenizer.all_special_ids)
+    prompt = tokenizer.encode("ab") + [lone_byte] + tokenizer.encode(" used it") + [special]
+    prompt += tokenizer.encode(" here")
+    answers = [
+        client.completions.create(
+            model=None,
+            prompt=prompt,
+            max_tokens=4,
+            temperature=0,
+            echo=True,
+            logprobs=0,
+            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": as_ids},
+        ).choices[0]
+        for as_ids in (False, True)
+    ]
+    shown, by_id = answers
+    ids = ids_of(by_id.logprobs.tokens)
+    assert ids[: len(prompt)] == prompt and len(ids) == len(prompt) + 4
+    assert shown.text == by_id.text == tokenizer.decode(ids)
+    assert shown.logprobs.tokens[prompt.index(lone_byte)] == "bytes:\\xcc"
+    assert shown.logprobs.tokens[prompt.index(special)] == tokenizer.decode(
+        [special], skip_special_tokens=False
+    )
+    expected = [len(tokenizer.decode(ids[:i])) for i in range(len(ids))]
+    assert shown.logprobs.text_offset == by_id.logprobs.text_offset == expected
+
+
 def test_echo_with_logprobs(client, tokenizer) -> None:
     resp = client.completions.create(
         model=None,
