@@ -65,7 +65,7 @@ class ToolPlan:
         content, parsed = self.parser.parse(text)
         if not parsed:
             return text, []
-        return (content.strip() or None), [_call(c) for c in parsed]
+        return (content or None), [_call(c) for c in parsed]
 
 
 def _call(parsed: ParsedCall) -> ToolCall:
