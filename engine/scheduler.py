@@ -407,15 +407,20 @@ class Scheduler:
         partial = self._match_partial(req, hashes, num_hit) if reuse and not num_ext else None
         if partial is not None:
             bm.pin(partial[0])  # not evicted by the allocation below
-            cached_tokens += partial[1]
-        n = self._chunk(req.num_tokens - cached_tokens, budget)
-        if not bm.allocate(req.block_table, hits, cached_tokens + n):
-            if partial is not None:
+            n = self._chunk(req.num_tokens - cached_tokens - partial[1], budget)
+            if bm.allocate(req.block_table, hits, cached_tokens + partial[1] + n):
+                copies.append(BlockCopy(partial[0], req.block_table[num_hit]))
+                self.partial_prefix_hits += partial[1]
+                cached_tokens += partial[1]
+            else:
+                # The pinned block may be the very one the request lacks (it needs every free
+                # block): a hit must never make a request unschedulable, so try without it.
                 bm.unpin(partial[0])
-            return None
-        if partial is not None:
-            copies.append(BlockCopy(partial[0], req.block_table[num_hit]))
-            self.partial_prefix_hits += partial[1]
+                partial = None
+        if partial is None:
+            n = self._chunk(req.num_tokens - cached_tokens, budget)
+            if not bm.allocate(req.block_table, hits, cached_tokens + n):
+                return None
         if num_ext:
             ext_ids = req.block_table[num_hit : num_hit + num_ext]
             loaded = max(0, min(num_ext, self.connector.load_blocks(req, ext_ids, ext_hashes[:num_ext])))

@@ -120,3 +120,30 @@ def test_random_conversations_under_preemption_match_without_reuse(model_fixture
         with_reuse, without = on.engine.stats(), off.engine.stats()
     assert with_reuse.prefix_cache_hits > without.prefix_cache_hits  # reuse happened
     assert with_reuse.num_preemptions > 0  # and under preemption
+
+
+def test_a_partial_hit_never_keeps_a_request_that_needs_every_block_waiting(tiny_llama: Path) -> None:
+    """The cached partial block is pinned while the request's blocks are allocated; when the request
+    needs every block of the cache, that pin alone made the allocation fail at every step (no running
+    request to preempt): the request, and every one behind it, waited for ever. It now runs without
+    the hit, with the tokens it gets with partial reuse off."""
+    rng = random.Random(0)
+    first = [rng.randrange(3, 1000) for _ in range(40)]  # leaves 40 - 32 = 8 tokens in a partial block
+    second = first + [rng.randrange(3, 1000) for _ in range(23)]  # 63 + 1 tokens: all 4 blocks
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    tokens = []
+    for partial in (True, False):
+        with LLM(
+            str(tiny_llama), num_kv_blocks=4, block_size=16, num_threads=1, partial_prefix_caching=partial
+        ) as llm:
+            engine = llm.engine
+            llm.generate([first], params)
+            assert engine.block_manager.num_partial_blocks == (1 if partial else 0)
+            engine.add_request(engine.make_request("second", second, params))
+            outs = [o for _ in range(3) for o in engine.step() if o.finished]
+            assert [o.request_id for o in outs] == ["second"]
+            tokens.append(outs[0].outputs[0].token_ids)
+            assert engine.stats().partial_prefix_hits == 0  # no room to copy the partial block
+            assert engine.block_manager.num_used_blocks == 0
+            engine.block_manager.check_integrity()
+    assert tokens[0] == tokens[1]
