@@ -6,7 +6,10 @@ and calls return a miss at once, without touching the network. Once ``cooldown_s
 passed, the next call (still answered with a miss at once) starts a *half-open* probe — one
 cheap ``contains_prefix`` on a background thread, so no engine-thread call ever waits on a
 dead host's connect timeout. Success closes the breaker (hits resume by themselves); failure
-re-opens it for another cool-down. Nothing here ever raises to the caller.
+re-opens it for another cool-down. An error the server answers with (a full Redis refusing
+writes, a read-only replica) is counted and logged but opens nothing: the server is reachable,
+and what it still serves (reads, when only writes are refused) goes on. Nothing here ever raises
+to the caller.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
 PROBE_KEY = "ferry:kv:probe"  # never written: the probe only asks whether the server answers
+RESPONSE_LOG_INTERVAL_S = 60.0  # a server's refusals of one call kind are logged this seldom
 
 T = TypeVar("T")
 
@@ -138,6 +142,7 @@ class GuardedTier(Tier):
         self.name = name
         self._errors = ErrorCounter()
         self._probe: threading.Thread | None = None
+        self._refusals_logged: dict[str, float] = {}  # call kind -> when a refusal was last logged
 
     def contains_prefix(self, keys: Sequence[str]) -> int:
         return self._call("contains_prefix", lambda: self.inner.contains_prefix(keys), 0)
@@ -194,6 +199,16 @@ class GuardedTier(Tier):
     def _failed(self, op: str, exc: Exception) -> None:
         kind = classify_error(exc)
         self._errors.record(kind)
+        if kind == ERROR_RESPONSE:
+            # The server answered: it is reachable, and a refusal of one kind of call (writes to a
+            # full server under ``noeviction``, a read-only replica) is no reason to stop the others
+            # (reads it still serves). Counted, and logged at most once a minute per call kind.
+            self.breaker.record_success()
+            now = time.monotonic()
+            if now - self._refusals_logged.get(op, -RESPONSE_LOG_INTERVAL_S) >= RESPONSE_LOG_INTERVAL_S:
+                self._refusals_logged[op] = now
+                logger.warning("%s %s refused by the server (treated as a miss): %s", self.name, op, exc)
+            return
         self.breaker.record_failure()
         if kind == ERROR_INTERNAL:
             logger.error("%s %s failed unexpectedly; treated as a miss", self.name, op, exc_info=exc)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import struct
+import time
 import warnings
 import zlib
 from collections.abc import Sequence
@@ -118,8 +119,29 @@ def decode(
     tensor, reason = decode_with_reason(block_hash, data, expected_dtype, expected_shape)
     if tensor is None:
         KV_TIER_ERRORS.labels(kind=ERROR_CORRUPT).inc()
-        logger.debug("rejected KV block %s: %s", block_hash.hex(), reason)
+        _log_rejection(block_hash, reason)
     return tensor
+
+
+REJECTION_LOG_INTERVAL_S = 60.0
+_last_rejection_warning = -REJECTION_LOG_INTERVAL_S
+
+
+def _log_rejection(block_hash: bytes, reason: str | None) -> None:
+    """A warning for the first rejected block in a minute (a tier with bad values says so without
+    flooding the log; every rejection is counted), the rest at debug level."""
+    global _last_rejection_warning
+    now = time.monotonic()
+    if now - _last_rejection_warning >= REJECTION_LOG_INTERVAL_S:
+        _last_rejection_warning = now
+        logger.warning(
+            "rejected a KV block from the tier (%s, block %s): recomputed instead; "
+            'ferry:kv_tier_errors_total{kind="corrupt"} counts every one',
+            reason,
+            block_hash.hex(),
+        )
+    else:
+        logger.debug("rejected KV block %s: %s", block_hash.hex(), reason)
 
 
 def _check(block_hash: bytes, data: object, dtype: torch.dtype, shape: tuple[int, ...]) -> str | None:

@@ -121,3 +121,14 @@ def test_encode_rejects_bad_input() -> None:
         codec.encode(b"short", _block(torch.float32))
     with pytest.raises(ValueError, match="cannot be stored"):
         codec.encode(H0, torch.zeros(SHAPE, dtype=torch.complex64))
+
+
+def test_a_rejected_block_is_a_warning_once_a_minute(caplog, monkeypatch) -> None:
+    good = codec.encode(H0, _block(torch.float32))
+    monkeypatch.setattr(codec, "_last_rejection_warning", -codec.REJECTION_LOG_INTERVAL_S)
+    with caplog.at_level("DEBUG", logger="kvcache.codec"):
+        for _ in range(3):
+            assert codec.decode(H0, good[:-1], torch.float32, SHAPE) is None
+    levels = [(r.levelname, "truncated" in r.getMessage()) for r in caplog.records]
+    assert levels == [("WARNING", True), ("DEBUG", True), ("DEBUG", True)]
+    assert H0.hex() in caplog.records[0].getMessage()

@@ -122,6 +122,30 @@ def test_password_in_url(secured_redis: int, metric) -> None:
     assert bad.stats().errors == {"response": 1}
 
 
+def test_a_full_redis_refuses_writes_and_still_serves_reads(private_redis, metric, caplog) -> None:
+    # Redis at maxmemory under noeviction answers writes with OOM: the server is reachable, so the
+    # refusals are counted and logged (once) but open no breaker, and reads go on hitting.
+    url = private_redis().url
+    tier = open_tier(url + "?breaker_failures=2&breaker_cooldown=60")
+    items = _items("fp", [0, 1, 2])
+    keys = [k for k, _ in items]
+    assert tier.put_many(items) is True
+    raw = redis.Redis.from_url(url)
+    raw.config_set("maxmemory-policy", "noeviction")
+    raw.config_set("maxmemory", 1)
+    before = metric("ferry:kv_tier_errors_total", kind="response")
+    with caplog.at_level("WARNING", logger="kvcache.breaker"):
+        for i in range(3, 8):  # refusals in a row (as a busy writer thread meets them)
+            assert tier.put_many(_items("fp", [i])) is False
+        assert tier.get_many(keys) == [v for _, v in items]  # reads still hit
+    assert metric("ferry:kv_tier_errors_total", kind="response") == before + 5
+    assert tier.stats().breaker_state == "closed"
+    assert tier.stats().errors == {"response": 5}
+    refusals = [r for r in caplog.records if "refused by the server" in r.getMessage()]
+    assert len(refusals) == 1 and "maxmemory" in refusals[0].getMessage()
+    assert raw.dbsize() == 3
+
+
 def test_redis_outage_returns_misses_fast_and_recovers(redis_server, redis_url: str, metric) -> None:
     tier = open_tier(redis_url + "?breaker_failures=2&breaker_cooldown=0.3&timeout=0.5&connect_timeout=0.5")
     items = _items("fp", [0, 1])
