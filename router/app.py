@@ -60,11 +60,10 @@ from router.response_affinity import (
     batch_home,
     is_batch_path,
     referenced_response,
-    response_id_for,
 )
 from router.retry import RetryPolicy
 from router.upstream import Response, UpstreamClient, UpstreamError, fetch
-from server.middleware import request_id_of, route_path
+from server.middleware import request_id_of, response_id_for, route_path
 
 log = logging.getLogger("ferry.router")
 

@@ -1,6 +1,6 @@
 """Which replica answered a Responses API request, so what refers to that response goes there too.
 
-A ferry replica names a response ``resp_{request id}`` and keeps it in its ``--responses-store``
+A ferry replica names a response ``resp_{request id}`` (``server.middleware.response_id_for``) and keeps it in its ``--responses-store``
 (``server/responses_store.py``). With the default memory store only that replica can continue it
 (``previous_response_id``), answer ``GET`` / ``DELETE /v1/responses/{id}`` or cancel a background
 response (``POST /v1/responses/{id}/cancel``); with a shared Redis store any replica can, but the
@@ -44,11 +44,6 @@ def batch_home(candidates: list[Replica]) -> str | None:
     so lists are whole and every id resolves while the replica set stays as it is (ids of a replica
     that left are 404 elsewhere, as its files went with it)."""
     return min((r.url for r in candidates), default=None)
-
-
-def response_id_for(request_id: str) -> str:
-    """The id a ferry replica gives the response of the request it got with ``request_id``."""
-    return f"resp_{request_id}"
 
 
 def referenced_response(method: str, path: str, body: dict[str, Any] | None) -> str | None:

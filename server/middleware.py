@@ -7,6 +7,7 @@ which is how a gone client's request gets aborted in the engine.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import os
@@ -81,6 +82,15 @@ def request_id_of(raw: bytes | None) -> str:
     request_id = raw.decode("latin-1") if raw is not None else ""
     # 128 random bits, as long as uuid4().hex: 0.37 us against its 1.8 (no UUID object)
     return request_id if _VALID_REQUEST_ID.match(request_id) else os.urandom(16).hex()
+
+
+def response_id_for(request_id: str) -> str:
+    """The id of the Responses API response served under ``request_id`` (the router's affinity
+    derives it alike): ``resp_`` and the request id, or, for a request id with ``/`` (fine in
+    ``X-Request-Id``, not in the ``/v1/responses/{id}`` path), a digest of it."""
+    if "/" in request_id:
+        return "resp_" + hashlib.blake2b(request_id.encode(), digest_size=16).hexdigest()
+    return f"resp_{request_id}"
 
 
 @dataclass

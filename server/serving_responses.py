@@ -33,6 +33,7 @@ from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr, Valid
 from starlette.responses import JSONResponse, Response
 
 from server.errors import APIError, bad_request, unavailable, validation_error
+from server.middleware import response_id_for
 from server.protocol import ChatCompletionRequest, _Request
 from server.responses_input import InputError, chat_messages, chat_tools, input_items
 from server.responses_store import RUNNING, StoreUnavailable
@@ -209,7 +210,7 @@ class _Response:
         self.req = req
         self.defaults = defaults or {}  # the model's default sampling values (generation_config.json)
         self.store = store  # to be stored once complete (set False if storing failed)
-        self.id = f"resp_{request_id}"
+        self.id = response_id_for(request_id)
         resume = req.resume
         self.created_at = resume.created_at if resume is not None else int(time.time())
         # Output tokens another replica produced (a resumed stream): part of this response's usage.
@@ -362,6 +363,29 @@ class _Saver:
                     await store.delete(built.id)
 
 
+def _without_ids(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in item.items() if k != "id"} for item in items]
+
+
+async def _refuse_a_taken_id(
+    state: ServerState, response_id: str, conversation: list[dict[str, Any]]
+) -> None:
+    """409 when a stored response already has this id (it follows the X-Request-Id) with another
+    conversation: a client reusing its X-Request-Id would otherwise replace it. The same input
+    again is a retry (a client's, or the router's after a lost answer) and is answered anew."""
+    try:
+        record = await state.responses.get(response_id)  # type: ignore[union-attr]
+    except StoreUnavailable:
+        return  # saving it will say so
+    if record is not None and _without_ids(record.get("input") or []) != _without_ids(conversation):
+        raise APIError(
+            409,
+            f"A stored response already has id '{response_id}', for another input: "
+            "send a new X-Request-Id for each request.",
+            code="response_id_in_use",
+        )
+
+
 async def create_response(
     state: ServerState,
     req: ResponsesRequest,
@@ -375,7 +399,7 @@ async def create_response(
             param="resume" if req.resume is not None else "return_token_ids",
         )
     if req.background:
-        state.background.admit(f"resp_{request_id}", req.store)
+        state.background.admit(response_id_for(request_id), req.store)
     context: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
         if state.responses is None:
@@ -395,6 +419,8 @@ async def create_response(
             )
         context = record["input"] + record["response"]["output"]
     own = input_items(req.input)
+    if req.resume is None and req.store is not False and state.responses is not None:
+        await _refuse_a_taken_id(state, response_id_for(request_id), context + own)
     chat = to_chat_request(req, context + own if context else None, images=state.limits.image is not None)
     answer = await create_chat_completion(state, chat, request_id, receive, submitted, as_chunks=True)
     model = state.answer_model(state.check_model(req.model))  # the chat request checked it: no 404 here

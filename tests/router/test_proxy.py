@@ -687,7 +687,8 @@ def test_a_background_response_is_polled_resumed_and_cancelled_on_its_replica(
 
 
 def test_referenced_responses_and_the_affinity_bound() -> None:
-    from router.response_affinity import ResponseAffinity, referenced_response, response_id_for
+    from router.response_affinity import ResponseAffinity, referenced_response
+    from server.middleware import response_id_for
 
     assert referenced_response("POST", "/v1/responses", {"previous_response_id": "resp_1"}) == "resp_1"
     assert referenced_response("POST", "/v1/responses", {"input": "x"}) is None

@@ -114,6 +114,42 @@ def test_retrieve_delete_and_input_items(client, server) -> None:
     assert r.status_code == 404 and r.json()["error"]["code"] == "response_not_found"
 
 
+def test_a_reused_request_id_never_replaces_another_stored_response(client, server) -> None:
+    # The id follows X-Request-Id (the router's affinity relies on it): a second, different request
+    # under it is a 409 and the first stays as it was; the same input again is a retry, answered.
+    request_id = f"mine-{time.monotonic_ns()}"
+    headers = {"X-Request-Id": request_id}
+    first = client.responses.create(
+        model=server.model_name, input="My name is Ada.", extra_headers=headers, **GREEDY
+    )
+    assert first.id == f"resp_{request_id}"
+    with pytest.raises(openai.ConflictError) as e:
+        client.responses.create(
+            model=server.model_name, input="My name is Bo.", extra_headers=headers, **GREEDY
+        )
+    assert e.value.code == "response_id_in_use"
+    kept = client.responses.retrieve(first.id)
+    assert kept.output_text == first.output_text
+    assert [i.content[0].text for i in client.responses.input_items.list(first.id).data] == [
+        "My name is Ada."
+    ]
+    again = client.responses.create(
+        model=server.model_name, input="My name is Ada.", extra_headers=headers, **GREEDY
+    )
+    assert again.id == first.id and again.output_text == first.output_text
+
+
+def test_a_request_id_with_a_slash_names_a_response_that_can_be_read(client, server) -> None:
+    # "/" is fine in X-Request-Id, not in /v1/responses/{id}: such ids are digested.
+    headers = {"X-Request-Id": f"team/a=1/{time.monotonic_ns()}"}
+    r = client.responses.create(model=server.model_name, input="Hello", extra_headers=headers, **GREEDY)
+    assert r.id.startswith("resp_") and "/" not in r.id and len(r.id) == len("resp_") + 32
+    assert client.responses.retrieve(r.id).output_text == r.output_text
+    client.responses.delete(r.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+
+
 def test_the_memory_stores_size_is_in_metrics(client, server, scrape) -> None:
     def size() -> tuple[float, float]:
         return scrape(server.url, "ferry:responses_stored") or 0.0, scrape(
