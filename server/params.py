@@ -320,6 +320,9 @@ def sampling_params(
     tokenizer: Tokenizer | None = None,
 ) -> SamplingParams:
     """The engine's SamplingParams for one choice (the caller adjusts ``seed`` per child for n > 1)."""
+    if req.stream_options is not None and not req.stream:
+        # As OpenAI and vLLM answer: the options would silently do nothing.
+        raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
     if req.n > limits.max_n:
         raise bad_request(f"n must be at most {limits.max_n}, got {req.n}", param="n")
     if req.priority != 0 and not limits.priority_scheduling:

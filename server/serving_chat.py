@@ -344,6 +344,7 @@ async def _chunks(
     async for seq, out in state.generation.merged(request_id, seqs, arrival, ticket):
         if opening:
             opening = False
+            usage.see_prompt(seq.prompt_index, out)  # continuous usage: the role chunks count it
             for c in roles():
                 yield c
         choice = choices[seq.choice_index]

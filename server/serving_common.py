@@ -60,10 +60,14 @@ class UsageTracker:
 
     def add(self, seq: SequenceRequest, out: RequestOutput) -> None:
         if seq.choice_index % self.n == 0:  # the prompt's first choice speaks for the prompt
-            self.prompt_tokens[seq.prompt_index] = len(out.prompt_token_ids)
-            self.cached_tokens[seq.prompt_index] = out.num_cached_tokens
+            self.see_prompt(seq.prompt_index, out)
         if out.outputs:
             self.completion_tokens += len(out.outputs[0].token_ids)
+
+    def see_prompt(self, prompt_index: int, out: RequestOutput) -> None:
+        """Count a prompt from any of its choices' outputs (before its tokens are added)."""
+        self.prompt_tokens[prompt_index] = len(out.prompt_token_ids)
+        self.cached_tokens[prompt_index] = out.num_cached_tokens
 
     def info(self) -> UsageInfo:
         prompt = sum(self.prompt_tokens)

@@ -56,6 +56,20 @@ CASES = [
     ),
     (COMP, {"prompt": ["a", "b"], "kv_transfer": {"role": "producer"}}, 400, "kv_transfer", "invalid_value"),
     (COMP, {"prompt": "x", "temperature": float("nan")}, 400, "temperature", "invalid_value"),
+    (
+        COMP,
+        {"prompt": "x", "stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
+        "invalid_value",
+    ),
+    (
+        CHAT,
+        {"messages": USER, "stream": False, "stream_options": {"continuous_usage_stats": True}},
+        400,
+        "stream_options",
+        "invalid_value",
+    ),
     (CHAT, {"messages": []}, 400, "messages", "invalid_value"),
     (CHAT, {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role", "invalid_value"),
     (

@@ -377,15 +377,19 @@ async def test_async_client_streams_n_choices(aclient) -> None:
     texts = {0: "", 1: "", 2: ""}
     roles = set()
     finished = set()
+    role_usage = []
     async for chunk in stream:
         for c in chunk.choices:
             texts[c.index] += c.delta.content or ""
             if c.delta.role:
                 roles.add(c.index)
+                role_usage.append((chunk.usage.prompt_tokens, chunk.usage.completion_tokens))
             if c.finish_reason:
                 finished.add(c.index)
         assert chunk.usage is not None  # continuous_usage_stats: every chunk carries usage
     assert roles == finished == {0, 1, 2}
+    # The role chunks count the prompt (as vLLM's do) and no completion token yet.
+    assert role_usage == [(chunk.usage.prompt_tokens, 0)] * 3 and chunk.usage.prompt_tokens > 0
     again = await aclient.chat.completions.create(
         model=None, messages=MESSAGES, max_tokens=6, n=3, seed=11, temperature=0.8
     )
