@@ -114,6 +114,8 @@ class Generation(Relay):
         )
 
         def payload(replica: Replica, base: dict) -> tuple[bytes, bool]:
+            if not _token_ids_askable(base):
+                return json.dumps(base).encode(), False  # the replica answers its 400
             extra: dict[str, Any] = {"return_token_ids": True}
             router_logprobs = not replica.emits_token_ids and not client_logprobs
             if router_logprobs:  # until this replica shows it honours return_token_ids
@@ -124,6 +126,7 @@ class Generation(Relay):
             chat=chat,
             client_wants_token_ids=bool(body.get("return_token_ids")),
             client_ids_in_logprobs=client_logprobs and bool(body.get("return_tokens_as_token_ids")),
+            num_choices=_num_choices(body, chat),
         )
         await self.stream(pool, call, body, send, tracker, payload if can_resume else None, _stream_error)
 
@@ -278,7 +281,26 @@ class Generation(Relay):
 def _with_token_ids(replica: Replica, base: dict) -> tuple[bytes, bool]:
     """A Messages or Responses request asking the replica to group each chunk's events with its
     token ids (what a resume needs)."""
+    if not _token_ids_askable(base):
+        return json.dumps(base).encode(), False  # the replica answers its 400
     return json.dumps({**base, "return_token_ids": True}).encode(), False
+
+
+def _token_ids_askable(body: dict) -> bool:
+    """The router may set ``return_token_ids``: the client's own value, if any, is one a replica
+    takes (overwriting an invalid one would turn the replica's 400 into a 200)."""
+    return isinstance(body.get("return_token_ids", False), bool)
+
+
+def _num_choices(body: dict, chat: bool) -> int:
+    """How many choices a chat or completions stream has: ``n`` per prompt (a completions
+    ``prompt`` may be a list of prompts)."""
+    n = body.get("n")
+    n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+    prompt = body.get("prompt")
+    if not chat and isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        return n * len(prompt)
+    return n
 
 
 def _stream_error(message: str) -> bytes:

@@ -66,9 +66,15 @@ class StreamTracker:
     END_EVENT = b"data: [DONE]\n\n"
 
     def __init__(
-        self, *, chat: bool, client_wants_token_ids: bool, client_ids_in_logprobs: bool = False
+        self,
+        *,
+        chat: bool,
+        client_wants_token_ids: bool,
+        client_ids_in_logprobs: bool = False,
+        num_choices: int = 1,
     ) -> None:
         self.chat = chat
+        self.num_choices = num_choices  # the stream is finished once each has its finish_reason
         self.keep_ids = client_wants_token_ids
         # Where this stream's token ids come from besides ``token_ids``: logprobs the router added
         # (``router_logprobs``: stripped before the client sees them) or the client's own
@@ -78,13 +84,18 @@ class StreamTracker:
         self.token_ids: list[int] = []  # completion tokens already sent to the client
         self.ids_complete = True  # False once a content chunk came without ids: no exact resume
         self.saw_token_ids_field = False  # the replica supports return_token_ids
-        self.finished = False  # a finish_reason was sent
+        self.finished_choices: set[Any] = set()  # indexes of choices whose finish_reason was sent
         self.done = False  # [DONE] was sent
         self.role_sent = False
         self.failovers = 0
         self.stream_id: str | None = None
         self.created: int | None = None
         self.content_choices = 0  # choices with content relayed so far (the first one: TTFT)
+
+    @property
+    def finished(self) -> bool:
+        """Every choice's finish_reason was sent: what is missing is at most the usage and [DONE]."""
+        return len(self.finished_choices) >= self.num_choices
 
     def begin_failover(self) -> None:
         self.failovers += 1
@@ -128,6 +139,11 @@ class StreamTracker:
             # Each replica counts only what it saw; the client must see the whole request's count.
             usage["completion_tokens"] = len(self.token_ids)
             usage["total_tokens"] = usage.get("prompt_tokens", 0) + len(self.token_ids)
+            details = usage.get("prompt_tokens_details")
+            if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+                # The resuming replica found cached KV for the prompt and the resumed tokens: of the
+                # prompt, at most all of it was cached.
+                details["cached_tokens"] = min(details["cached_tokens"], usage.get("prompt_tokens", 0))
             changed = True
         if not changed:
             return event
@@ -155,7 +171,7 @@ class StreamTracker:
         if self._has_content(choice):
             self.content_choices += 1
         if choice.get("finish_reason"):
-            self.finished = True
+            self.finished_choices.add(choice.get("index"))
         return changed
 
     def _has_content(self, choice: dict) -> bool:
@@ -169,6 +185,8 @@ class StreamTracker:
     def _empty(self, choice: Any) -> bool:
         if not isinstance(choice, dict) or choice.get("finish_reason"):
             return False
+        if self.keep_ids and choice.get("token_ids"):
+            return False  # ids the client asked for (a token that completes no character yet)
         if self.chat:
             delta = choice.get("delta")
             return isinstance(delta, dict) and "role" not in delta and not any(delta.values())

@@ -66,3 +66,50 @@ def test_tracker_splices_the_resumed_stream() -> None:
     fixed = json.loads(t.process(usage)[6:])
     assert fixed["usage"] == {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13}
     assert t.token_ids == [1, 2, 3]
+
+
+def test_a_stream_of_n_choices_is_finished_when_every_choice_is() -> None:
+    # A replica that dies after one of two choices finished has not finished the stream: the relay
+    # must then send an error event, not a clean end.
+    t = StreamTracker(chat=False, client_wants_token_ids=False, num_choices=2)
+    for index, finish in ((0, None), (1, None), (0, "stop"), (1, None)):
+        t.process(ev({"id": "x", "choices": [{"index": index, "text": "a", "finish_reason": finish}]}))
+    assert not t.finished
+    t.process(ev({"id": "x", "choices": [{"index": 1, "text": "", "finish_reason": "length"}]}))
+    assert t.finished
+
+
+def test_ids_the_client_asked_for_are_kept_in_chunks_without_text() -> None:
+    # While the router also asks this replica for logprobs (router_logprobs), a chunk with nothing
+    # left but the router's logprobs is dropped; one with ids the client asked for is not (a token
+    # that completes no UTF-8 character yet has no text).
+    partial = {"index": 0, "delta": {"content": ""}, "finish_reason": None, "token_ids": [9]}
+    partial["logprobs"] = {"content": [{"token": "token_id:9", "logprob": -1.0}]}
+    raw = ev({"id": "c1", "created": 1, "choices": [partial]})
+    for keep, kept in ((True, [9]), (False, None)):
+        t = StreamTracker(chat=True, client_wants_token_ids=keep)
+        t.router_logprobs = True
+        out = t.process(raw)
+        assert (json.loads(out[6:])["choices"][0]["token_ids"] if out is not None else None) == kept
+        assert t.token_ids == [9]
+
+
+def test_after_a_failover_cached_tokens_stay_within_the_prompt() -> None:
+    t = StreamTracker(chat=True, client_wants_token_ids=False)
+    t.process(chunk("ab", [1, 2]))
+    t.begin_failover()
+    t.process(chunk("c", [3], cid="c2"))
+    details = {"cached_tokens": 12}  # the resuming replica: prompt and resumed tokens were cached
+    usage = {
+        "prompt_tokens": 10,
+        "completion_tokens": 1,
+        "total_tokens": 11,
+        "prompt_tokens_details": details,
+    }
+    fixed = json.loads(t.process(ev({"id": "c2", "choices": [], "usage": usage}))[6:])["usage"]
+    assert fixed == {
+        "prompt_tokens": 10,
+        "completion_tokens": 3,
+        "total_tokens": 13,
+        "prompt_tokens_details": {"cached_tokens": 10},
+    }
