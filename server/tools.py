@@ -53,6 +53,7 @@ class ToolPlan:
     name: str | None = None  # the named function
     parser: ToolParser | None = None  # auto
     constraint: StructuredOutputsParams | None = None  # named, required
+    parallel: bool = True  # auto: False (parallel_tool_calls false) keeps the first call only, as vLLM
 
     def read(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content, calls) of a whole answer."""
@@ -65,6 +66,8 @@ class ToolPlan:
         content, parsed = self.parser.parse(text)
         if not parsed:
             return text, []
+        if not self.parallel:
+            parsed = parsed[:1]
         return (content or None), [_call(c) for c in parsed]
 
 
@@ -135,7 +138,7 @@ def plan_tools(req: ChatCompletionRequest, parser: ToolParser | None) -> ToolPla
                 '--tool-call-parser; send tool_choice "required", "none" or a named function instead',
                 param="tool_choice",
             )
-        return ToolPlan("auto", parser=parser.for_tools(tools))
+        return ToolPlan("auto", parser=parser.for_tools(tools), parallel=req.parallel_tool_calls is not False)
     if isinstance(choice, str):
         raise bad_request(
             f"tool_choice {choice!r} is not one of 'none', 'auto', 'required' or a named function",
@@ -204,6 +207,8 @@ class ChoiceTools:
     def _deltas(self, calls: list[ParsedCall]) -> list[DeltaToolCall]:
         out = []
         for c in calls:
+            if self.count and not self.plan.parallel:
+                break  # parallel_tool_calls false: the first call only
             fn = DeltaFunctionCall(name=c.name, arguments=c.arguments)
             out.append(DeltaToolCall(index=self.count, id=new_call_id(), type="function", function=fn))
             self.count += 1

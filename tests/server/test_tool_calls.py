@@ -157,6 +157,32 @@ def test_auto_reads_the_models_own_format(client, tool_server) -> None:
     assert [(n, a) for _, n, a in calls] == [("now", "{}")]
 
 
+@pytest.mark.parametrize("parallel", [True, False])
+def test_auto_keeps_only_the_first_call_unless_parallel(client, tool_server, parallel) -> None:
+    # The model writes two calls; parallel_tool_calls false keeps the first (vLLM's filter), whole
+    # and streamed.
+    two = (
+        HERMES_NOW
+        + r"\n"
+        + HERMES_NOW.replace("now", "get_weather").replace(
+            r"\{\}\}", r'\{"city": "Oslo", "unit": "C", "days": false\}\}'
+        )
+    )
+    kw = dict(
+        tools=TOOLS,
+        max_tokens=150,
+        temperature=0,
+        parallel_tool_calls=parallel,
+        extra_body={"guided_regex": two},
+    )
+    r = _create(client, tool_server, **kw)
+    whole = [(t.function.name, t.function.arguments) for t in r.choices[0].message.tool_calls]
+    content, calls, finish = _streamed(client, tool_server, **kw)
+    expected = [("now", "{}"), ("get_weather", '{"city": "Oslo", "unit": "C", "days": false}')]
+    assert whole == [(n, a) for _, n, a in calls] == (expected if parallel else expected[:1])
+    assert r.choices[0].finish_reason == finish == "tool_calls"
+
+
 def test_auto_without_a_call_is_text(client, tool_server) -> None:
     r = _create(
         client,
