@@ -169,7 +169,18 @@ def chat_prompt(
     return ids
 
 
+def scores_prompt(req: CompletionRequest) -> bool:
+    """``echo`` with ``max_tokens`` 0: the answer is the prompt with its logprobs (the engine runs
+    it for one token, which the answer leaves out)."""
+    return req.echo and req.max_tokens == 0 and req.max_completion_tokens is None
+
+
 def check_completion_features(req: CompletionRequest) -> None:
+    if req.max_tokens == 0 and not scores_prompt(req):
+        raise bad_request(
+            "max_tokens must be at least 1 (0 only with echo, which answers the prompt scored)",
+            param="max_tokens",
+        )
     if req.suffix:
         raise bad_request("suffix is not supported by this server", param="suffix")
     if req.best_of is not None and req.best_of != req.n:

@@ -223,7 +223,9 @@ class CompletionRequest(SamplingFields):
     # vLLM's --enable-prompt-embeds: base64 of torch.save'd tensors [seq_len, hidden] (server/prompt_embeds.py);
     # their prompts come before the text prompts'.
     prompt_embeds: StrictStr | list[StrictStr] | None = None
-    max_tokens: StrictInt | None = Field(default=16, ge=1)
+    # 0 with echo: the prompt scored (its text and logprobs), nothing generated, as OpenAI's legacy
+    # API and vLLM allow (``server.params.scores_prompt``).
+    max_tokens: StrictInt | None = Field(default=16, ge=0)
     logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: StrictBool = False
     suffix: StrictStr | None = None

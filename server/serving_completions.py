@@ -22,6 +22,7 @@ from server.params import (
     resolve_max_tokens,
     resume_token_ids,
     sampling_params,
+    scores_prompt,
 )
 from server.prompt_embeds import check_embeds_features, embeds_prompts
 from server.protocol import (
@@ -85,9 +86,10 @@ def _plan(
     asked = [n for n in (echoed, req.prompt_logprobs) if n is not None]
     prompt_logprobs = max(asked) if asked else None
     seqs = []
+    budget_req = req.model_copy(update={"max_tokens": 1}) if scores_prompt(req) else req
     for pi, prompt in enumerate(prompts):
         max_tokens = resolve_max_tokens(
-            req, len(prompt.token_ids), limits, default=16, num_resumed=len(resume or [])
+            budget_req, len(prompt.token_ids), limits, default=16, num_resumed=len(resume or [])
         )
         max_tokens = producer_budget(kv, max_tokens)
         base = sampling_params(
@@ -117,6 +119,15 @@ def _plan(
                 )
             )
     return prompts, seqs
+
+
+def _without_generation(out: RequestOutput) -> RequestOutput:
+    """``out`` with its generated token left out (a scored prompt: ``max_tokens`` 0 with echo)."""
+    outputs = [
+        dataclasses.replace(o, text="", token_ids=[], logprobs=[] if o.logprobs is not None else None)
+        for o in out.outputs
+    ]
+    return dataclasses.replace(out, outputs=outputs)
 
 
 def _echo_prefix(state: ServerState, choice: _Choice, req: CompletionRequest, out: RequestOutput) -> str:
@@ -201,7 +212,11 @@ async def create_completion(
         frames = _stream(state, req, seqs, choices, usage, response_id, request_id, arrival, producer, ticket)
         return SSEResponse(frames, on_close=ticket.close, hold_start=True)
 
+    scoring = scores_prompt(req)
+
     def on_output(seq: SequenceRequest, out: RequestOutput) -> None:
+        if scoring:
+            out = _without_generation(out)
         _delta(state, choices[seq.choice_index], req, out)
         usage.add(seq, out)
 
@@ -248,6 +263,7 @@ async def _stream(
 ) -> AsyncIterator[bytes]:
     created = int(time.time())
     model = state.answer_model(seqs[0].lora)
+    scoring = scores_prompt(req)
     # Echo + logprobs: the prompt's logprobs arrive with the last output, so each choice is sent
     # as one chunk when it finishes (correct values over early bytes).
     defer = req.echo and req.logprobs is not None
@@ -257,6 +273,8 @@ async def _stream(
     tail = b""
     async with stream_errors() as failed:
         async for seq, out in state.generation.merged(request_id, seqs, arrival, ticket):
+            if scoring:
+                out = _without_generation(out)
             if out.finished:
                 unfinished.discard(seq.choice_index)
             choice = choices[seq.choice_index]

@@ -185,6 +185,24 @@ def test_text_offsets_index_the_returned_text(client, tokenizer) -> None:
     assert shown.logprobs.text_offset == by_id.logprobs.text_offset == expected
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt(client, tokenizer) -> None:
+    # OpenAI's legacy idiom (and vLLM's) for scoring a prompt: its text and logprobs, nothing generated.
+    kw = dict(model=None, prompt=PROMPT, temperature=0, echo=True, logprobs=2)
+    scored = client.completions.create(max_tokens=0, **kw)
+    one = client.completions.create(max_tokens=1, **kw).choices[0]
+    n_prompt = len(tokenizer.encode(PROMPT))
+    (choice,) = scored.choices
+    assert choice.text == PROMPT and choice.finish_reason == "length"
+    assert (scored.usage.prompt_tokens, scored.usage.completion_tokens) == (n_prompt, 0)
+    lp = choice.logprobs
+    assert len(lp.tokens) == n_prompt and lp.token_logprobs[0] is None
+    for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert getattr(lp, field) == getattr(one.logprobs, field)[:n_prompt]
+    chunks = list(client.completions.create(max_tokens=0, stream=True, **kw))
+    assert [(c.choices[0].text, c.choices[0].finish_reason) for c in chunks] == [(PROMPT, "length")]
+    assert chunks[0].choices[0].logprobs.token_logprobs == lp.token_logprobs
+
+
 def test_echo_with_logprobs(client, tokenizer) -> None:
     resp = client.completions.create(
         model=None,
