@@ -321,6 +321,9 @@ class ChatCompletionRequest(SamplingFields):
     # vLLM-compatible extras
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
+    # vLLM's: the answer starts with the last message's text when the answer has its role (a
+    # continued assistant message, written whole).
+    echo: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's: a Jinja template for this request (needs --trust-request-chat-template)
     chat_template: StrictStr | None = None

@@ -189,6 +189,17 @@ def answer_role(state: ServerState, req: ChatCompletionRequest) -> str:
     return req.messages[-1].role
 
 
+def echoed_text(req: ChatCompletionRequest, role: str) -> str:
+    """What ``echo`` puts in front of the answer (vLLM's rule): the last message's text when that
+    message has the answer's role, its text parts joined by newlines; else nothing."""
+    if not req.echo or not req.messages or req.messages[-1].role != role:
+        return ""
+    content = req.messages[-1].content
+    if isinstance(content, list):
+        return "\n".join(part.text for part in content if part.text is not None)
+    return content or ""
+
+
 async def create_chat_completion(
     state: ServerState,
     req: ChatCompletionRequest,
@@ -230,12 +241,16 @@ async def create_chat_completion(
 
     role = answer_role(state, req)
 
+    echoed = echoed_text(req, role)
+
     def message(c: _Choice) -> tuple[AssistantMessage, str | None]:
         text = "".join(c.texts)
         if tools is None and state.reasoning is None:
-            return AssistantMessage(role=role, content=text), c.finish_reason
+            return AssistantMessage(role=role, content=echoed + text), c.finish_reason
         reasoning, content, calls = shape_whole(text, tools, _splitter(state, seqs[0]))
         reason = tool_finish_reason(tools, bool(calls), c.finish_reason)
+        if echoed:
+            content = echoed + (content or "")
         return AssistantMessage(
             role=role, content=content, tool_calls=calls or None, reasoning_content=reasoning
         ), reason
@@ -333,10 +348,17 @@ async def _chunks(
 
     def roles() -> list[ChatCompletionChunk]:
         role = answer_role(state, req)
-        return [
+        opening = [
             chunk(ChatStreamChoice(index=seq.choice_index, delta=DeltaMessage(role=role, content="")))
             for seq in seqs
         ]
+        echoed = echoed_text(req, role) if not seqs[0].resume_token_ids else ""  # a resumed client has it
+        if echoed:
+            opening += [
+                chunk(ChatStreamChoice(index=seq.choice_index, delta=DeltaMessage(content=echoed)))
+                for seq in seqs
+            ]
+        return opening
 
     # The role chunks go out with the first output, as vLLM sends them: the request reaches the
     # engine before its stream writes anything (SSEResponse's hold_start).

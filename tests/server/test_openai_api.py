@@ -381,6 +381,32 @@ def test_chat_stream_role_first_usage_last(client) -> None:
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
 
 
+def test_chat_echo_prepends_the_continued_message(client) -> None:
+    # vLLM's chat ``echo``: the answer starts with the last message when it has the answer's role.
+    messages = [*MESSAGES, {"role": "assistant", "content": "The answer is"}]
+    kw = dict(model=None, max_tokens=4, temperature=0, n=2)
+    cont = {"add_generation_prompt": False, "continue_final_message": True}
+    plain = client.chat.completions.create(messages=messages, extra_body=cont, **kw)
+    echoed = client.chat.completions.create(messages=messages, extra_body={**cont, "echo": True}, **kw)
+    expected = ["The answer is" + c.message.content for c in plain.choices]
+    assert [c.message.content for c in echoed.choices] == expected
+    assert (echoed.usage.prompt_tokens, echoed.usage.completion_tokens) == (
+        plain.usage.prompt_tokens,
+        plain.usage.completion_tokens,
+    )
+    streamed = ["", ""]
+    for chunk in client.chat.completions.create(
+        messages=messages, extra_body={**cont, "echo": True}, stream=True, **kw
+    ):
+        for c in chunk.choices:
+            streamed[c.index] += c.delta.content or ""
+    assert streamed == expected
+    # A new turn (the answer's role is not the last message's): nothing to echo.
+    turn = client.chat.completions.create(messages=MESSAGES, extra_body={"echo": True}, **kw)
+    again = client.chat.completions.create(messages=MESSAGES, **kw)
+    assert [c.message.content for c in turn.choices] == [c.message.content for c in again.choices]
+
+
 async def test_async_client_streams_n_choices(aclient) -> None:
     stream = await aclient.chat.completions.create(
         model=None,
