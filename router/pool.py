@@ -122,6 +122,7 @@ class Replicas:
         for pool in self.pools.values():
             r = pool.pop(url)
             if r is not None:
+                r.removed = True
                 for hook in self.on_removed:
                     hook(r)
                 return r

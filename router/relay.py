@@ -13,12 +13,19 @@ The relay owns the load counters of the replicas it uses: every ``acquire`` is p
 ``release`` in a ``finally``, including when the client disconnects (the task is cancelled and
 the upstream connection closed, which makes the replica abort the request). A request also counts
 in its replica's ``prefilling`` from ``acquire`` until the first content that replica streams back
-(``Opened.first_content``) or, failing that, its ``release``: exactly once either way.
+(``Opened.first_content``) or, failing that, its ``release``: exactly once either way. A
+request that is its replica's half-open circuit trial carries the trial's number to its
+``release``, which frees the trial slot when the request ended without a verdict.
+
+Once an answer's head has reached the client, the relay can no longer change its status: an
+answer whose upstream breaks mid-body is cut off (connection closed, no end of body) so that the
+client sees a failure, never a shorter answer that looks complete.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 from collections.abc import Callable
@@ -35,6 +42,7 @@ from router.retry import RetryPolicy, counts_as_replica_failure
 from router.upstream import ConnectError, Response, UpstreamClient, UpstreamError, UpstreamTimeout
 from server.error_types import error_type
 
+log = logging.getLogger("ferry.router")
 TRANSPORT_ERRORS = (UpstreamError,)
 BodyFor = Callable[[Replica], tuple[bytes, bool]]
 CLIENT_GONE = 499  # nginx's code for "client closed the request"
@@ -69,6 +77,7 @@ class Opened:
     router_logprobs: bool = False  # the router added logprobs to learn token ids (strip them)
     finished: bool = False  # load released and outcome recorded (exactly once)
     prefilling: bool = True  # counted in replica.prefilling until its first content (or the end)
+    trial: int = 0  # the replica's circuit trial number this request is (0: none), for release
 
     def first_content(self) -> None:
         if self.prefilling:
@@ -130,7 +139,7 @@ class Relay:
             # arrive together must see where the first of them went.
             self.policy.on_routed(call.route, replica)
             tokens = call.route.prompt_tokens
-            self._acquire(replica, tokens, now)
+            trial = self._acquire(replica, tokens, now)
             payload, router_logprobs = body(replica) if callable(body) else (body, False)
             try:
                 result = await self._send(replica, call, payload)
@@ -141,7 +150,7 @@ class Relay:
                     ):
                         if call.route.predicted_hit_tokens:
                             self.metrics.cache_hit_tokens.inc(call.route.predicted_hit_tokens)
-                        return Opened(replica, result, tokens, router_logprobs)
+                        return Opened(replica, result, tokens, router_logprobs, trial=trial)
                     content = await _read_quietly(result)
                     last = Failed(status, content, response_headers(result))
                     if counts_as_replica_failure(status):
@@ -149,9 +158,9 @@ class Relay:
                 else:
                     last = result
             except BaseException:  # the client left (task cancelled): give the load back
-                self._release(replica, tokens, True, str(CLIENT_GONE))
+                self._release(replica, tokens, True, str(CLIENT_GONE), trial)
                 raise
-            self._release(replica, tokens, True, str(last.status))
+            self._release(replica, tokens, True, str(last.status), trial)
             tried.add(replica.url)
             if not self.retry.can_retry(attempt[0]):
                 return last
@@ -172,14 +181,21 @@ class Relay:
             replica.on_request_failure(self.clock())
             return Failed(502, error_body(f"replica {replica.url} failed: {e}", error_type(502), 502))
 
-    def _acquire(self, replica: Replica, tokens: int, now: float) -> None:
-        replica.acquire(tokens, now)
-        self.metrics.inflight_of(replica.url).set(replica.inflight)
+    def _acquire(self, replica: Replica, tokens: int, now: float) -> int:
+        trial = replica.acquire(tokens, now)
+        self._show_inflight(replica)
+        return trial
 
-    def _release(self, replica: Replica, tokens: int, prefilling: bool, status: str) -> None:
-        replica.release(tokens, prefilling)
-        self.metrics.inflight_of(replica.url).set(replica.inflight)
+    def _release(self, replica: Replica, tokens: int, prefilling: bool, status: str, trial: int) -> None:
+        replica.release(tokens, prefilling, trial)
+        self._show_inflight(replica)
         self.metrics.requests_of(replica.url, status).inc()
+
+    def _show_inflight(self, replica: Replica) -> None:
+        # A removed replica's series is gone (RouterMetrics.forget_replica): setting it would bring
+        # it back, for a replica the router no longer has (or over a re-added one's at that URL).
+        if not replica.removed:
+            self.metrics.inflight_of(replica.url).set(replica.inflight)
 
     def finish(self, opened: Opened, ok: bool, status: int | None = None) -> None:
         if opened.finished:
@@ -187,13 +203,14 @@ class Relay:
         opened.finished = True
         code = status if status is not None else opened.response.status_code
         if code == CLIENT_GONE:  # the client's doing: says nothing about the replica
-            self._release(opened.replica, opened.tokens, opened.prefilling, str(CLIENT_GONE))
+            self._release(opened.replica, opened.tokens, opened.prefilling, str(CLIENT_GONE), opened.trial)
             return
         if ok and code < 500:
             opened.replica.on_request_success()
         elif not ok or counts_as_replica_failure(code):
             opened.replica.on_request_failure(self.clock())
-        self._release(opened.replica, opened.tokens, opened.prefilling, str(code) if ok else "broken")
+        outcome = str(code) if ok else "broken"
+        self._release(opened.replica, opened.tokens, opened.prefilling, outcome, opened.trial)
 
     # ---- plain relay --------------------------------------------------------------------------
     async def forward(self, pool: Pool, call: ProxyCall, send: Send) -> None:
@@ -220,8 +237,11 @@ class Relay:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b""})
             ok = True
-        except TRANSPORT_ERRORS:
-            await send({"type": "http.response.body", "body": b""})
+        except TRANSPORT_ERRORS as e:
+            # The head (a 200, often) is out. Ending the body now would pass a cut answer off as a
+            # whole one: return without its last message instead, so that uvicorn closes the
+            # connection with no end of body (no last chunk), which clients report as an error.
+            log.warning("replica %s broke off its answer to %s: %s", opened.replica.url, call.path, e)
         except asyncio.CancelledError:
             status = CLIENT_GONE
             raise

@@ -43,7 +43,9 @@ class HealthPolicy:
 
 class CircuitBreaker:
     """Closed → (N consecutive failures) → open → (cooldown) → half-open: one trial request.
-    The trial's success closes it; its failure re-opens it with a doubled cooldown."""
+    The trial's success closes it; its failure re-opens it with a doubled cooldown. A trial that
+    ends with neither (its client left, it was answered 429 and re-sent elsewhere) gives its slot
+    back: the circuit stays half-open and the next request is the trial."""
 
     def __init__(self, failures: int, cooldown: float, cooldown_max: float) -> None:
         self.threshold = failures
@@ -54,6 +56,7 @@ class CircuitBreaker:
         self.cooldown = cooldown
         self.opened_at = 0.0
         self.trial_in_flight = False
+        self.trials = 0  # trials sent so far: numbers them, so only the current one frees the slot
 
     def allows(self, now: float) -> bool:
         """May a request be sent now? (Pure: does not consume the half-open trial.)"""
@@ -63,11 +66,22 @@ class CircuitBreaker:
             return now - self.opened_at >= self.cooldown
         return not self.trial_in_flight
 
-    def on_send(self, now: float) -> None:
+    def on_send(self, now: float) -> int:
+        """A request was sent. Returns its trial number when it is the half-open trial, else 0."""
         if self.state is Circuit.OPEN and now - self.opened_at >= self.cooldown:
             self.state = Circuit.HALF_OPEN
-        if self.state is Circuit.HALF_OPEN:
-            self.trial_in_flight = True
+        if self.state is not Circuit.HALF_OPEN:
+            return 0
+        self.trial_in_flight = True
+        self.trials += 1
+        return self.trials
+
+    def on_trial_end(self, trial: int) -> None:
+        """Trial ``trial`` (``on_send``'s number) ended. Without a verdict the circuit is still
+        half-open with that trial in flight: free the slot. After a verdict, a reset, or for an
+        older trial, nothing changes."""
+        if trial and trial == self.trials and self.state is Circuit.HALF_OPEN:
+            self.trial_in_flight = False
 
     def on_success(self) -> None:
         self.state = Circuit.CLOSED
@@ -102,6 +116,7 @@ class Replica:
         self.role = role
         self.source = source  # static | admin | discovery: who may remove it
         self.policy = policy or HealthPolicy()
+        self.removed = False  # taken out of the router (admin, discovery): requests still in flight finish
         self.health = Health.STARTING
         self.draining = False
         self.sleeping = False  # its /health says its engine sleeps (vLLM's sleep mode): used only when all do
@@ -132,18 +147,21 @@ class Replica:
         return self.health is not Health.STARTING
 
     # ---- load accounting ------------------------------------------------------------------------
-    def acquire(self, tokens: int, now: float) -> None:
+    def acquire(self, tokens: int, now: float) -> int:
+        """Count a request sent. Returns its circuit trial number (0: not a trial), for ``release``."""
         self.inflight += 1
         self.prefilling += 1
         self.inflight_tokens += tokens
         self.total_requests += 1
-        self.circuit.on_send(now)
+        return self.circuit.on_send(now)
 
-    def release(self, tokens: int, prefilling: bool) -> None:
+    def release(self, tokens: int, prefilling: bool, trial: int = 0) -> None:
+        """The request ended (after its verdict, if it got one)."""
         self.inflight -= 1
         self.inflight_tokens -= tokens
         if prefilling:
             self.prefilling -= 1
+        self.circuit.on_trial_end(trial)
 
     def first_content(self) -> None:
         """A request's first content came back: it left the replica's prefill queue."""
