@@ -429,10 +429,9 @@ class RouterApp:
         generate = path in GENERATE_PATHS and scope["method"] == "POST"
         keyed = path in KEYED_PATHS and scope["method"] == "POST"
         parsed: dict | None = None
+        session = header(scope, b"x-session-id")  # empty (as some proxies send it): absent
         route = RouteRequest(
-            request_id,
-            header(scope, b"x-session-id") and header(scope, b"x-session-id").decode("latin-1"),
-            prompt_tokens=len(body) // 4,
+            request_id, session.decode("latin-1") if session else None, prompt_tokens=len(body) // 4
         )
         if keyed:
             try:

@@ -18,11 +18,16 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
-# Hop-by-hop and framing headers never cross the proxy (RFC 9110 §7.6.1).
+# Hop-by-hop and framing headers never cross the proxy (RFC 9110 §7.6.1), nor do the headers a
+# request's own ``Connection`` names (``forward_headers``). ``expect``: uvicorn answers a client's
+# ``100-continue`` itself and the router sends replicas whole bodies, so a replica asked for one
+# would only answer an interim 100 before its real answer.
 HOP_BY_HOP = frozenset(
     {
         b"connection",
+        b"proxy-connection",
         b"keep-alive",
+        b"expect",
         b"proxy-authenticate",
         b"proxy-authorization",
         b"te",
@@ -37,7 +42,10 @@ HOP_BY_HOP = frozenset(
 RESPONSE_DROP = frozenset(
     {
         b"connection",
+        b"proxy-connection",
         b"keep-alive",
+        b"trailer",
+        b"upgrade",
         b"transfer-encoding",
         b"content-length",
         b"date",
@@ -116,7 +124,13 @@ def header(scope: Scope, name: bytes) -> bytes | None:
 
 
 def forward_headers(scope: Scope) -> list[tuple[bytes, bytes]]:
-    return [(k, v) for k, v in scope["headers"] if k not in HOP_BY_HOP and k != b"x-request-id"]
+    """The client's headers a replica gets: none of HOP_BY_HOP, none its ``Connection`` lists."""
+    headers = scope["headers"]
+    drop = HOP_BY_HOP
+    listed = [v for k, v in headers if k == b"connection"]
+    if listed:
+        drop = drop | {name.strip().lower() for v in listed for name in v.split(b",")}
+    return [(k, v) for k, v in headers if k not in drop and k != b"x-request-id"]
 
 
 def bearer_ok(scope: Scope, key: str) -> bool:

@@ -4,9 +4,9 @@ Why not httpx here: measured on this project's machines, httpx/httpcore (anyio l
 that scans every connection per request) cost ~2 ms of CPU per proxied request, several times
 what the whole replica-side stack costs. A proxy forwards one request shape to a handful of
 known origins, so a small client on ``asyncio`` streams does: one write per request, the
-response head parsed with ``bytes`` operations, bodies by ``Content-Length``, chunked encoding
-or connection close. Health probes and ``/v1/models`` use it too (with short timeouts), so the
-router does not even import httpx.
+response head parsed with ``bytes`` operations (interim 1xx heads read and dropped), bodies by
+``Content-Length``, chunked encoding or connection close. Health probes and ``/v1/models`` use it
+too (with short timeouts), so the router does not even import httpx.
 
 Failure classes the relay acts on: ``ConnectError`` (nothing listens: safe to retry anywhere),
 ``UpstreamTimeout`` and ``UpstreamBroken`` (the connection failed after the request was sent).
@@ -298,40 +298,56 @@ class UpstreamClient:
         return _Conn(reader, writer)
 
     async def _exchange(self, origin: _Origin, conn: _Conn, payload: bytes) -> Response:
+        interim = False  # a 1xx head came: the replica has the request, the connection is not stale
         try:
             conn.writer.write(payload)
-            raw = await _within(conn.reader.readuntil(b"\r\n\r\n"), self.read_timeout)
+            while True:
+                raw = await _within(conn.reader.readuntil(b"\r\n\r\n"), self.read_timeout)
+                status, headers = _parse_head(raw)
+                if not 100 <= status < 200:
+                    break
+                if status == 101:  # never asked for (no Upgrade is sent): what follows is not HTTP/1.1
+                    raise UpstreamBroken("the replica switched protocols unasked (101)")
+                # An interim answer (100 Continue, 103 Early Hints…): the final one follows on the
+                # same connection (RFC 9110 §15.2).
+                interim = True
         except asyncio.TimeoutError as e:
             conn.close()
             raise UpstreamTimeout("no response from the replica within the read timeout") from e
         except (asyncio.IncompleteReadError, ConnectionError, OSError) as e:
             conn.close()
-            if isinstance(e, asyncio.IncompleteReadError) and not e.partial and conn.reused:
+            stale = conn.reused and not interim
+            if isinstance(e, asyncio.IncompleteReadError) and not e.partial and stale:
                 raise _Stale() from e
-            if isinstance(e, ConnectionResetError) and conn.reused:
+            if isinstance(e, ConnectionResetError) and stale:
                 raise _Stale() from e
             raise UpstreamBroken(f"connection to the replica broke: {type(e).__name__}") from e
         except asyncio.LimitOverrunError as e:
             conn.close()
             raise UpstreamBroken("response head too large") from e
-        except BaseException:
-            conn.close()  # cancelled: the replica must see us go
-            raise
-        try:
-            lines = raw[:-4].split(b"\r\n")
-            status = int(lines[0].split(b" ", 2)[1])
-            headers = []
-            for line in lines[1:]:
-                name, _, value = line.partition(b":")
-                headers.append((name.strip().lower(), value.strip()))
         except (IndexError, ValueError) as e:
             conn.close()
             raise UpstreamBroken("malformed response head from the replica") from e
+        except BaseException:
+            conn.close()  # cancelled: the replica must see us go
+            raise
         return Response(origin, conn, status, Headers(headers), self.read_timeout)
 
     async def aclose(self) -> None:
         for origin in self._origins.values():
             origin.close()
+
+
+def _parse_head(raw: bytes) -> tuple[int, list[tuple[bytes, bytes]]]:
+    """A response head (through its blank line): status and headers with lower-case names;
+    IndexError or ValueError when malformed."""
+    lines = raw[:-4].split(b"\r\n")
+    status = int(lines[0].split(b" ", 2)[1])
+    headers = []
+    for line in lines[1:]:
+        name, _, value = line.partition(b":")
+        headers.append((name.strip().lower(), value.strip()))
+    return status, headers
 
 
 async def fetch(
