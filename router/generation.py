@@ -250,6 +250,8 @@ class Generation(Relay):
         ok = False
         gone: int | None = None
         before = tracker.content_choices  # content relayed from earlier replicas (failover)
+        streams = opened.replica.streams  # cut if the replica is ejected (Replica._cut_streams)
+        streams.add(opened.response)
         try:
             async for chunk in opened.response.aiter_raw():
                 out = []
@@ -272,6 +274,7 @@ class Generation(Relay):
             gone = CLIENT_GONE
             raise
         finally:
+            streams.discard(opened.response)
             await opened.response.aclose()
             self.finish(opened, ok, 200 if ok else gone)
             if tracker.saw_token_ids_field:

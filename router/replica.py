@@ -15,6 +15,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from router.upstream import Response
 
 
 class Health(enum.Enum):
@@ -117,6 +121,9 @@ class Replica:
         self.source = source  # static | admin | discovery: who may remove it
         self.policy = policy or HealthPolicy()
         self.removed = False  # taken out of the router (admin, discovery): requests still in flight finish
+        # Streams being relayed from it: cut when it is ejected, so they fail over (or end with an
+        # error) at once instead of waiting on a replica that stopped answering.
+        self.streams: set[Response] = set()
         self.health = Health.STARTING
         self.draining = False
         self.sleeping = False  # its /health says its engine sleeps (vLLM's sleep mode): used only when all do
@@ -181,6 +188,7 @@ class Replica:
             self.probe_failures += 1
             if self.probe_failures >= self.policy.eject_after_probe_failures:
                 self.health = Health.EJECTED
+                self._cut_streams()
             self.next_probe_at = now + self.policy.probe_interval
             return
         # Starting or ejected: back off so a dead replica costs little; starting ones are not errors.
@@ -189,11 +197,19 @@ class Replica:
         )
         self.next_probe_at = now + self.probe_delay
 
+    def _cut_streams(self) -> None:
+        """Ejected: a stream it still holds open would wait out the read timeout (a hung process
+        keeps its sockets): drop them, for their relays to resume them elsewhere."""
+        streams, self.streams = self.streams, set()
+        for response in streams:
+            response.abort()
+
     # ---- passive signals from traffic ---------------------------------------------------------
     def on_connect_error(self, now: float) -> None:
         """Nothing listens: eject now and probe soon (a restart is readmitted by the next good probe)."""
         if self.health is Health.HEALTHY:
             self.health = Health.EJECTED
+            self._cut_streams()
             self.probe_delay = self.policy.probe_interval / 4
             self.next_probe_at = now + self.probe_delay
         self.circuit.on_failure(now)

@@ -110,6 +110,16 @@ class Response:
             self._chunked or self._remaining is not None
         )
         self._complete = self._remaining == 0
+        self._aborted = False
+
+    def abort(self) -> None:
+        """Drop the connection now (its replica stopped answering): a read in progress, or the next,
+        fails with UpstreamBroken."""
+        self._aborted = True
+        conn = self._conn
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.writer.transport.abort()
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
         conn = self._conn
@@ -131,6 +141,8 @@ class Response:
                 while True:
                     data = await _within(conn.reader.read(1 << 16), self._timeout)
                     if not data:
+                        if self._aborted:
+                            raise UpstreamBroken("connection to the replica dropped: it stopped answering")
                         self._complete = True
                         return
                     yield data

@@ -26,13 +26,17 @@ def _choice(index: int, text: str, finish: str | None = None) -> dict:
 
 class ScriptedReplica:
     """Answers health and models; a completions stream sends ``events`` and then, unless
-    ``done``, drops the connection (a replica dying mid-stream). Keeps each request body."""
+    ``done``, drops the connection (a replica dying mid-stream), or with ``hang`` holds it open
+    and answers health with 503 from then on (a replica that stopped answering). Keeps each
+    request body."""
 
     def __init__(self) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.events: list[bytes] = []
         self.done = False
+        self.hang = False
+        self.hung = False
         self.bodies: list[dict] = []
         self._tasks: set[asyncio.Task] = set()
         self._loop = asyncio.new_event_loop()
@@ -75,9 +79,13 @@ class ScriptedReplica:
                         writer.write(b"0\r\n\r\n")
                         await writer.drain()
                         continue
+                    if self.hang:
+                        self.hung = True
+                        await reader.read()  # until the router drops the connection
                     return  # mid-body: the connection just closes
                 out = MODELS if path == "/v1/models" else b'{"status":"ok"}'
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n")
+                status = b"503 Service Unavailable" if self.hung and path == "/health" else b"200 OK"
+                writer.write(b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\n")
                 writer.write(b"content-length: %d\r\n\r\n%s" % (len(out), out))
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
@@ -139,3 +147,24 @@ def test_a_clients_invalid_return_token_ids_reaches_the_replica_as_sent(scripted
             body["return_token_ids"] = value
         _stream(url, body)
         assert replica.bodies[-1]["return_token_ids"] == sent
+
+
+def test_a_stream_on_a_replica_that_stops_answering_resumes_once_it_is_ejected(cluster: Cluster) -> None:
+    # The replica holds the stream's connection open and sends nothing more (a hung process); its
+    # health probes fail, it is ejected, and the stream is cut then: the relay resumes it on the
+    # other replica at once instead of waiting out the read timeout (--request-timeout, 600 s).
+    hung, other = ScriptedReplica(), ScriptedReplica()
+    try:
+        hung.hang = True
+        hung.events = [_event({"id": "c", "choices": [_choice(0, "a")]})] * 2
+        other.done = True
+        other.events = [_event({"id": "d", "choices": [_choice(0, "b", "length")]})]
+        router = cluster.router("--replica", hung.url, "--replica", other.url, "--policy", "round_robin")
+        lines = _stream(router.url, {"model": "m", "prompt": "x", "stream": True, "max_tokens": 3})
+        texts = [json.loads(line.removeprefix("data: "))["choices"][0]["text"] for line in lines[:-1]]
+        assert texts == ["a", "a", "b"] and lines[-1] == "data: [DONE]"
+        assert [b.get("resume") for b in hung.bodies] == [None]
+        assert [b["resume"] for b in other.bodies] == [{"token_ids": [7, 7]}]
+    finally:
+        hung.close()
+        other.close()
