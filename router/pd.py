@@ -5,8 +5,11 @@ The flow (DESIGN.md "A disaggregated request"):
 1. The prompt's block hashes come from the router's keyer (``router/prompt_keys.py``, the same
    chat template and ``kvcache.keys`` as the replicas).
 2. A prefill worker (``--prefill-policy``) gets the request non-streamed with ``max_tokens=1`` and
-   ``kv_transfer={"role": "producer"}``; it writes the prompt's blocks to the shared tier and
-   answers with the first token and the block hashes.
+   ``kv_transfer={"role": "producer"}`` (with the client's budget fields as ``budget``): it checks
+   the request as a replica does (that budget too), computes one token, writes the prompt's blocks
+   to the shared tier and answers with the first token and the block hashes. Its 4xx is the
+   client's answer; a stream's ``stream_options`` (left out of that request) is checked by the
+   router first.
 3. A streamed request gets that first token at once (the role chunk and the first content chunk
    are written by the router), then a decode worker (``--decode-policy``) is sent the same request
    with ``resume.token_ids = [first]`` and ``kv_transfer={"role": "consumer", "block_hashes": …}``,
@@ -17,12 +20,14 @@ The flow (DESIGN.md "A disaggregated request"):
 Not disaggregated (served whole by a mixed replica when the cluster has a routable one, else
 prefilled locally by the decode worker, as Dynamo's conditional disaggregation does) when: the
 prompt's uncached part is shorter than ``--pd-threshold``; no prefill worker is routable or all
-are saturated; every prefill worker tried failed or timed out; or the request is one the hand-off
-does not cover (``max_tokens`` = 1: it is all prefill; ``n`` > 1,
-several prompts, ``echo``, client ``logprobs``: their first token would need the prefill worker's
-per-choice logprobs and text merged into the decode worker's, which a resume cannot reproduce
-exactly; chat ``tools`` unless ``tool_choice`` is "none": a tool call's first token is not text
-the router could send the client itself).
+are saturated; no decode worker is routable (no prefill is spent on a request nobody could
+continue; with no mixed replica either, the answer is the 503 a router without a routable
+replica gives); every prefill worker tried failed or timed out; or the request is one the
+hand-off does not cover (``max_tokens`` = 1: it is all prefill; ``n`` > 1, several prompts,
+``echo``, client ``logprobs``: their first token would need the prefill worker's per-choice
+logprobs and text merged into the decode worker's, which a resume cannot reproduce exactly; chat
+``tools`` unless ``tool_choice`` is "none": a tool call's first token is not text the router could
+send the client itself).
 
 Failures: a prefill worker that dies or is slower than ``--prefill-timeout`` is replaced by another,
 then by local prefill; a tier miss on the decode worker is recomputed there (the replica's job); a
@@ -36,6 +41,7 @@ from __future__ import annotations
 
 import json
 import time
+from functools import partial
 from typing import Any
 
 from router.generation import Generation
@@ -49,6 +55,7 @@ from router.pd_messages import (
     parse_prefill,
     prefill_body,
     requested_budget,
+    stream_options_error,
     wants_disaggregation,
 )
 from router.policies.cache_aware import CacheAware
@@ -111,6 +118,8 @@ class PDOrchestrator:
             return "no_prefill_worker"
         if all(r.inflight >= self.config.prefill_max_inflight for r in candidates):
             return "prefill_saturated"
+        if not decode_pool.candidates(self.decode.clock()):
+            return "no_decode_worker"  # a prefill would be wasted: nobody could continue it
         return None
 
     async def generate(
@@ -127,6 +136,11 @@ class PDOrchestrator:
         reason = self._local_reason(call, prefill_pool, decode_pool)
         prefilled: Prefilled | None = None
         if reason is None:
+            error = stream_options_error(call.path, call.json or {}, call.body)
+            if error is not None:
+                body = error.body().model_dump_json().encode()
+                await send_bytes(send, error.status, body, with_request_id([], call))
+                return
             try:
                 prefilled = await self._prefill(prefill_pool, call, send)
             except LocalPrefill as e:
@@ -189,7 +203,7 @@ class PDOrchestrator:
                     send, status, content, with_request_id(response_headers(opened.response), call)
                 )
                 return None
-            prefilled = parse_prefill(call.path, content)
+            prefilled = parse_prefill(call.path, call.json or {}, content)
             if prefilled is None:
                 raise LocalPrefill("prefill_answer_unreadable")
             self.metrics.prefill_latency.observe(time.perf_counter() - started)
@@ -202,29 +216,29 @@ class PDOrchestrator:
         tracker = PDTracker(chat=chat, client_wants_token_ids=bool(body.get("return_token_ids")))
         tracker.cached_tokens = p.cached_tokens
         done = self._finished_by_prefill(call, p)
-        headers = with_request_id(
-            [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")], call
-        )
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        out = []
-        for event in first_events(call.path, call.json or {}, p, done):
-            relayed = tracker.process(event)
-            if relayed is not None:
-                out.append(relayed + b"\n\n")
-        if done:
-            out.append(b"data: [DONE]\n\n")
-        await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
-        self.decode.metrics.ttft.observe(time.perf_counter() - call.started)
-        if done:
-            await send({"type": "http.response.body", "body": b""})
-            return
-        tracker.begin_failover()  # the hand-off is a resume: same id, no second role chunk, full usage
         base = self._decode_body(body, p)
         failovers = 0
         tried: set[str] = set()
         opened: Opened | Failed | None = None
         try:
-            opened = await self.decode.open(pool, call, lambda r: self._decode_payload(r, base), tried, [0])
+            headers = with_request_id(
+                [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")], call
+            )
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            out = []
+            for event in first_events(call.path, body, p, done):
+                relayed = tracker.process(event)
+                if relayed is not None:
+                    out.append(relayed + b"\n\n")
+            if done:
+                out.append(b"data: [DONE]\n\n")
+            await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
+            self.decode.metrics.ttft.observe(time.perf_counter() - call.started)
+            if done:
+                await send({"type": "http.response.body", "body": b""})
+                return
+            tracker.begin_failover()  # the hand-off is a resume: same id, no second role chunk, full usage
+            opened = await self.decode.open(pool, call, partial(self._decode_payload, base=base), tried, [0])
             while True:
                 if isinstance(opened, Failed) or opened.response.status_code != 200:
                     event = await self._stream_error(opened, "no decode worker could continue this request")
@@ -246,7 +260,7 @@ class PDOrchestrator:
                 self.decode.metrics.failovers.inc()
                 resumed = tracker.resume_body(base)
                 opened = await self.decode.open(
-                    pool, call, lambda r, b=resumed: self._decode_payload(r, b), tried, [0]
+                    pool, call, partial(self._decode_payload, base=resumed), tried, [0]
                 )
             await send({"type": "http.response.body", "body": b""})
         finally:

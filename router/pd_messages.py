@@ -4,6 +4,12 @@ What the router sends a prefill worker, what it reads from its answer, which req
 off, and how the client's answer is put together from the first token and the decode worker's
 rest (streamed: opening events and a tracker that keeps ``usage`` whole; not streamed: one merged
 body). No I/O here.
+
+A disaggregated request must be refused exactly as a replica refuses it (status and OpenAI error
+body, before any 200): the producer request therefore carries every client field a producer
+checks as the client sent it (the budget in ``kv_transfer.budget``: a producer checks it against
+its context, then computes one token, ``server/params.client_budget``), and
+``stream_options_error`` checks the one field it cannot carry.
 """
 
 from __future__ import annotations
@@ -12,7 +18,11 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import ValidationError
+
 from router.sse import StreamTracker
+from server.errors import APIError, validation_error
+from server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 
 @dataclass(frozen=True)
@@ -22,6 +32,7 @@ class Prefilled:
     first_token: int
     text: str
     finish_reason: str | None
+    stop_reason: int | str | None  # the stop token or string that ended the request there
     prompt_tokens: int
     cached_tokens: int
     block_hashes: list[str]
@@ -77,16 +88,49 @@ def requested_budget(path: str, body: dict[str, Any]) -> int | None:
     return None if path.endswith("/chat/completions") else 16  # the replicas' defaults
 
 
+# The client's budget: the producer request says ``max_tokens`` 1 (DESIGN's hand-off) and carries
+# these as the client sent them in ``kv_transfer.budget``, for the producer to check them as a
+# replica would (``server.params.client_budget``).
+BUDGET_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens")
+
+
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The producer request: the client's sampling fields, one token, and that token's id."""
-    out = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "max_completion_tokens")}
-    out.update(max_tokens=1, kv_transfer={"role": "producer"}, return_token_ids=True)
-    if isinstance(body.get("min_tokens"), int) and body["min_tokens"] > 1:
+    """The producer request: the client's fields, one token (``max_tokens`` 1, the client's budget
+    in ``kv_transfer.budget``), answered whole, with that token's id."""
+    streamed = body.get("stream") is True  # anything else is the producer's to accept or refuse
+    drop = (*BUDGET_FIELDS, "stream", "stream_options") if streamed else BUDGET_FIELDS
+    out = {k: v for k, v in body.items() if k not in drop}
+    out["max_tokens"] = 1
+    out["kv_transfer"] = {"role": "producer", "budget": {k: body[k] for k in BUDGET_FIELDS if k in body}}
+    asked = body.get("return_token_ids")
+    if asked is None or isinstance(asked, bool):
+        out["return_token_ids"] = True  # else the client's value, for the producer to refuse
+    least = body.get("min_tokens")
+    if isinstance(least, int) and not isinstance(least, bool) and least >= 1:
         out["min_tokens"] = 1  # the first token still may not be EOS
     return out
 
 
-def parse_prefill(path: str, content: bytes) -> Prefilled | None:
+def stream_options_error(path: str, body: dict[str, Any], raw: bytes) -> APIError | None:
+    """The 400 a replica answers for a stream's ``stream_options`` (which the producer request,
+    answered whole, leaves out), or None. A bad one is reported as a replica reports the request's
+    first bad field, which may be another: the whole request (``raw``) is validated as it does."""
+    if body.get("stream") is not True or body.get("stream_options") is None:
+        return None
+    try:
+        SamplingFields.model_validate({"stream": True, "stream_options": body["stream_options"]})
+        return None
+    except ValidationError as e:
+        errors = e.errors(include_url=False)
+    model = ChatCompletionRequest if path.endswith("/chat/completions") else CompletionRequest
+    try:
+        model.model_validate_json(raw)
+    except ValidationError as e:
+        errors = e.errors(include_url=False)
+    return validation_error(errors)
+
+
+def parse_prefill(path: str, body: dict[str, Any], content: bytes) -> Prefilled | None:
     try:
         obj = json.loads(content)
         choice = obj["choices"][0]
@@ -95,12 +139,21 @@ def parse_prefill(path: str, content: bytes) -> Prefilled | None:
             text = choice["message"]["content"] or ""
         else:
             text = choice["text"]
+        finish, stop = choice.get("finish_reason"), choice.get("stop_reason")
+        if finish == "stop" and isinstance(stop, str) and "\ufffd" in stop:
+            # The producer's one-token end flushed an unfinished character as U+FFFD, which this
+            # stop string matched: a replica going on waits for the character's next bytes. Its
+            # text stops where that match starts, as a stream would have shown it so far.
+            if body.get("include_stop_str_in_output") is True and text.endswith(stop):
+                text = text[: -len(stop)]
+            finish, stop = "length", None
         usage = obj["usage"]
         transfer = obj["kv_transfer"]
         return Prefilled(
             first_token=int(token),
             text=text,
-            finish_reason=choice.get("finish_reason"),
+            finish_reason=finish,
+            stop_reason=stop,
             prompt_tokens=int(usage["prompt_tokens"]),
             cached_tokens=int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)),
             block_hashes=list(transfer["block_hashes"]),
@@ -140,6 +193,8 @@ def first_events(path: str, body: dict[str, Any], p: Prefilled, done: bool) -> l
     else:
         head["object"] = "text_completion"
         first = {"index": 0, "text": p.text, "logprobs": None, "finish_reason": finish}
+    if done and p.stop_reason is not None:
+        first["stop_reason"] = p.stop_reason
     first["token_ids"] = [p.first_token]
     chunk: dict[str, Any] = {**head, "choices": [first]}
     if stream_options.get("continuous_usage_stats"):
@@ -159,7 +214,9 @@ def merge_answer(path: str, body: dict[str, Any], p: Prefilled, content: bytes |
             "object": "chat.completion" if chat else "text_completion",
             "created": p.created,
             "model": p.model,
-            "choices": [{"index": 0, "logprobs": None, "finish_reason": p.finish_reason}],
+            "choices": [
+                {"index": 0, "logprobs": None, "finish_reason": p.finish_reason, "stop_reason": p.stop_reason}
+            ],
             "usage": {"prompt_tokens": p.prompt_tokens, "completion_tokens": 0},
         }
         choice = obj["choices"][0]

@@ -11,13 +11,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ValidationError
+
 from engine.beam_search import BeamSearchParams, candidates_per_beam
 from engine.multimodal import ImageSpec
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from engine.tokenizer import ChatTemplateError, Tokenizer
 from kvcache.keys import from_hex
 from server.chat_defaults import RESERVED_TEMPLATE_KWARGS, ChatDefaults
-from server.errors import bad_request
+from server.errors import bad_request, validation_error
 from server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, TokenizeRequest
 
 
@@ -343,10 +345,7 @@ def sampling_params(
         )
     if logprobs is not None and logprobs > limits.max_logprobs:
         raise bad_request(f"logprobs must be at most {limits.max_logprobs}, got {logprobs}", param="logprobs")
-    if req.min_tokens > max_tokens:
-        raise bad_request(
-            f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens})", param="min_tokens"
-        )
+    check_min_tokens(req, max_tokens)
     logit_bias = None
     if req.logit_bias:
         logit_bias = {int(k): float(v) for k, v in req.logit_bias.items()}
@@ -410,6 +409,33 @@ def bad_words_token_ids(words: Sequence[str], tokenizer: Tokenizer | None) -> li
             if ids and ids not in seqs:
                 seqs.append(ids)
     return seqs
+
+
+BUDGET_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens")
+
+
+def client_budget(req: SamplingFields) -> SamplingFields:
+    """The request with the budget its client sent, for a producer (a prefill worker's request
+    carries ``max_tokens`` 1, as DESIGN's hand-off says, and the client's fields in
+    ``kv_transfer.budget``); ``req`` itself otherwise. The fields are checked by the request
+    model's own rules, so a bad budget is the 400 a replica gives the client, before the prefill."""
+    budget = req.kv_transfer.budget if req.kv_transfer is not None else None
+    if budget is None:
+        return req
+    chat = isinstance(req, ChatCompletionRequest)
+    stub: dict[str, Any] = {"messages": [{"role": "user", "content": "."}]} if chat else {"prompt": "."}
+    try:
+        sent = type(req).model_validate({**stub, **{k: budget[k] for k in BUDGET_FIELDS if k in budget}})
+    except ValidationError as e:
+        raise validation_error(e.errors(include_url=False)) from None
+    return req.model_copy(update={k: getattr(sent, k) for k in BUDGET_FIELDS})
+
+
+def check_min_tokens(req: SamplingFields, max_tokens: int) -> None:
+    if req.min_tokens > max_tokens:
+        raise bad_request(
+            f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens})", param="min_tokens"
+        )
 
 
 def kv_transfer_spec(req: SamplingFields, num_prompts: int) -> dict[str, Any] | None:

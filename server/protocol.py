@@ -74,6 +74,9 @@ class KVTransfer(_Request):
 
     role: Literal["producer", "consumer"]
     block_hashes: list[StrictStr] | None = None  # consumer: 32-char hex hashes, in prompt order
+    # producer: the client's max_tokens / max_completion_tokens / min_tokens as it sent them (the
+    # request itself carries max_tokens 1): checked as a replica checks them (server.params.client_budget)
+    budget: dict[str, Any] | None = None
 
 
 class Resume(_Request):

@@ -23,7 +23,9 @@ from server.logprobs import chat_logprobs, prompt_logprobs_out
 from server.params import (
     beam_search_params,
     chat_prompt,
+    check_min_tokens,
     child_seed,
+    client_budget,
     kv_transfer_spec,
     resolve_max_tokens,
     resume_token_ids,
@@ -92,7 +94,12 @@ def _plan(
         check_hashes=not images,
     )
     top_n = req.top_logprobs or 0
-    max_tokens = resolve_max_tokens(req, len(prompt_ids), limits, default=None, num_resumed=len(resume or []))
+    budget = client_budget(req)  # a producer's: the client's (it computes one token whatever it says)
+    max_tokens = resolve_max_tokens(
+        budget, len(prompt_ids), limits, default=None, num_resumed=len(resume or [])
+    )
+    if budget is not req:
+        check_min_tokens(budget, max_tokens)
     max_tokens = producer_budget(kv, max_tokens)
     if req.prompt_logprobs is not None and req.stream:
         raise bad_request("prompt_logprobs is not available with stream", param="prompt_logprobs")

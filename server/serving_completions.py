@@ -16,7 +16,9 @@ from server.params import (
     PreparedPrompt,
     beam_search_params,
     check_completion_features,
+    check_min_tokens,
     child_seed,
+    client_budget,
     completion_prompts,
     kv_transfer_spec,
     resolve_max_tokens,
@@ -72,7 +74,8 @@ def _plan(
     """``embeds``: the request's prompts given as embeddings (``server/prompt_embeds.py``)."""
     lora = state.check_model(req.model)
     extra = block_extra(lora, req.cache_salt)
-    check_completion_features(req)
+    budget = client_budget(req)  # a producer's: the client's (it computes one token whatever it says)
+    check_completion_features(budget)
     limits = state.limits
     prompts = embeds + completion_prompts(req, state.tokenizer, limits)
     resume = resume_token_ids(req, len(prompts), limits)
@@ -86,11 +89,13 @@ def _plan(
     asked = [n for n in (echoed, req.prompt_logprobs) if n is not None]
     prompt_logprobs = max(asked) if asked else None
     seqs = []
-    budget_req = req.model_copy(update={"max_tokens": 1}) if scores_prompt(req) else req
+    budget_req = budget.model_copy(update={"max_tokens": 1}) if scores_prompt(budget) else budget
     for pi, prompt in enumerate(prompts):
         max_tokens = resolve_max_tokens(
             budget_req, len(prompt.token_ids), limits, default=16, num_resumed=len(resume or [])
         )
+        if budget is not req:
+            check_min_tokens(budget, max_tokens)
         max_tokens = producer_budget(kv, max_tokens)
         base = sampling_params(
             req,

@@ -86,7 +86,8 @@ def test_producer_request_shape() -> None:
         "min_tokens": 1,
         "temperature": 0.5,
         "seed": 3,
-        "kv_transfer": {"role": "producer"},
+        # DESIGN's hand-off: one token; the client's budget rides along for the producer to check.
+        "kv_transfer": {"role": "producer", "budget": {"max_completion_tokens": 9, "min_tokens": 4}},
         "return_token_ids": True,
     }
     assert (
