@@ -129,6 +129,16 @@ def _gather(
     return g.reshape(*blocks.shape[:-1], blocks.shape[-1] * cache.shape[1], *cache.shape[2:])
 
 
+def _read_rows(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """The rows at ``slots`` of a paged cache as attention reads them back: [T, Hkv, D] in ``dtype``
+    (an fp8 cache's rounding included), as ``_gather`` widens them."""
+    flat = cache.view(-1, *cache.shape[2:])
+    g = raw(flat).index_select(0, slots).view(cache.dtype)
+    if g.dtype != dtype:
+        g = g.to(dtype)
+    return g * scale if scale != 1.0 else g
+
+
 def _split_by_length(seqs: list[int], lens: list[int]) -> list[list[int]]:
     """Sorted by length, cut where padding to the group's longest would waste the most.
 
@@ -305,9 +315,17 @@ class TorchAttentionBackend(AttentionBackend):
             vv = kk[..., :dv] if v_cache is None else _gather(v_cache, keys.blocks, q.dtype, v_scale)
             out.index_copy_(0, g.rows, decode(q.index_select(0, g.rows), kk, vv, keys, scale, softcap, sinks))
         attend = self._prefill_det if self.deterministic else self._prefill
+        # A cache that rounds what it stores (fp8, or scaled): every read, a first chunk's included,
+        # sees the stored values, so a prompt's tokens do not depend on how it was chunked, cached
+        # or batched (later chunks, prefix hits and decode read the rounded values back).
+        rounded = k_cache.dtype != q.dtype or scales != (1.0, 1.0)
         for p in wplan.prefills:
             qs = q[p.start : p.start + p.qlen]
-            if p.blocks is None:  # a first chunk: its keys start at position 0
+            if p.blocks is None and rounded:  # a first chunk: its keys start at position 0
+                slots = meta.slot_mapping[p.start : p.start + p.qlen]
+                ks = _read_rows(k_cache, slots, q.dtype, k_scale).view(k[p.start : p.start + p.qlen].shape)
+                vs = ks[..., :dv] if v_cache is None else _read_rows(v_cache, slots, q.dtype, v_scale)
+            elif p.blocks is None:
                 ks, vs = k[p.start : p.start + p.qlen], v[p.start : p.start + p.qlen]
             else:
                 ks = _gather(k_cache, p.blocks, q.dtype, k_scale)

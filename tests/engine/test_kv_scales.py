@@ -233,7 +233,7 @@ def test_scaled_checkpoint_serves_as_its_unscaled_twin(tiny_llama: Path, scaled,
     assert torch.equal(got, twin)
     # fp8's rounding (the Triton kernels read even the first chunk from the cache, and the
     # interpreter rounds to fp8 more coarsely than a GPU; test_kv_cache_dtype.py's bounds).
-    assert 0 < (got - full).abs().max() < (0.05 if backend == "torch" else 0.1)
+    assert 0 < (got - full).abs().max() < 0.15  # every read rounded, as Triton's kernels read
     assert (lost - full).abs().mean() > 10 * (got - full).abs().mean()
     assert (ignored - full).abs().max() < 1e-4
 
@@ -317,4 +317,4 @@ def test_mla_checkpoint_scales_its_latent_cache(tiny_deepseek: Path, tmp_path: P
     with LLM(str(d), **CHUNKED, kv_cache_dtype="fp8", **opts) as llm:
         assert llm.engine.model_runner.model.kv_scales == [0.125] * layers
     got = _prompt_logprobs(d, kv_cache_dtype="fp8", **opts)
-    assert 0 < (got - full).abs().max() < (0.05 if backend == "torch" else 0.1)
+    assert 0 < (got - full).abs().max() < 0.15  # every read rounded, as Triton kernels read
