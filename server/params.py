@@ -54,6 +54,21 @@ class ModelLimits:
         return min(self.max_model_len, self.num_kv_blocks * self.block_size)
 
 
+def kept_prompt_tokens(req: Any, limits: ModelLimits) -> int | None:
+    """How many of a prompt's last tokens ``truncate_prompt_tokens`` keeps (-1: the model's context
+    length, as vLLM); more than the context is a 400, as vLLM answers."""
+    keep = getattr(req, "truncate_prompt_tokens", None)
+    if keep == -1:
+        return limits.max_model_len
+    if keep is not None and keep > limits.max_model_len:
+        raise bad_request(
+            f"truncate_prompt_tokens ({keep}) is greater than this model's maximum context length "
+            f"({limits.max_model_len})",
+            param="truncate_prompt_tokens",
+        )
+    return keep
+
+
 @dataclass(frozen=True)
 class PreparedPrompt:
     token_ids: list[int]
@@ -83,6 +98,7 @@ def completion_prompts(
         items = [list(raw)]  # type: ignore[arg-type]
     else:
         items = list(raw)  # type: ignore[arg-type]
+    keep = kept_prompt_tokens(req, limits)
     if not items:
         raise bad_request("prompt must not be empty", param="prompt")
     prompts = []
@@ -96,8 +112,8 @@ def completion_prompts(
             text = None
         if not ids:
             raise bad_request("prompt must not be empty", param="prompt")
-        if req.truncate_prompt_tokens is not None and len(ids) > req.truncate_prompt_tokens:
-            ids, text = ids[-req.truncate_prompt_tokens :], None
+        if keep is not None and len(ids) > keep:
+            ids, text = ids[-keep:], None
         prompts.append(PreparedPrompt(ids, text))
     return prompts
 
@@ -107,6 +123,7 @@ def chat_prompt(
     tokenizer: Tokenizer,
     trust_request_template: bool = False,
     defaults: ChatDefaults = ChatDefaults(),
+    limits: ModelLimits | None = None,
 ) -> list[int]:
     """Render the messages with the model's chat template (or the request's own, when the server
     trusts requests with one: ``--trust-request-chat-template``) and encode them; ``defaults``: the
@@ -163,7 +180,11 @@ def chat_prompt(
         raise bad_request(str(e), param="messages") from e
     add_special = getattr(req, "add_special_tokens", None)
     ids = tokenizer.encode(text, add_special_tokens=bool(add_special))
-    keep = getattr(req, "truncate_prompt_tokens", None)
+    keep = (
+        kept_prompt_tokens(req, limits)
+        if limits is not None
+        else getattr(req, "truncate_prompt_tokens", None)
+    )
     if keep is not None and len(ids) > keep:
         ids = ids[-keep:]
     if not ids:

@@ -15,7 +15,7 @@ import binascii
 
 from engine.multimodal import EMBEDS_PLACEHOLDER_ID
 from server.errors import bad_request
-from server.params import ModelLimits, PreparedPrompt
+from server.params import ModelLimits, PreparedPrompt, kept_prompt_tokens
 from server.protocol import CompletionRequest
 
 PARAM = "prompt_embeds"
@@ -48,8 +48,9 @@ def embeds_prompts(req: CompletionRequest, limits: ModelLimits) -> list[Prepared
             embeds = check_prompt_embeds(load_prompt_embeds(data), limits.prompt_embeds_hidden)
         except ValueError as e:
             raise bad_request(str(e), param=PARAM) from None
-        if req.truncate_prompt_tokens is not None:
-            embeds = embeds[-req.truncate_prompt_tokens :]
+        keep = kept_prompt_tokens(req, limits)
+        if keep is not None:
+            embeds = embeds[-keep:]
         prompts.append(PreparedPrompt([EMBEDS_PLACEHOLDER_ID] * embeds.shape[0], None, embeds))
     return prompts
 

@@ -26,10 +26,20 @@ from pydantic import (
     StrictFloat,
     StrictInt,
     StrictStr,
+    field_validator,
     model_validator,
 )
 
 from engine.chat_template import template_message
+
+
+def truncation(value: int | None) -> int | None:
+    """vLLM's ``truncate_prompt_tokens``: keep the prompt's last N tokens; -1 keeps the model's
+    context length."""
+    if value == 0:
+        raise ValueError("must be -1 (the model's context length) or at least 1")
+    return value
+
 
 MAX_N = 128  # choices per request, as OpenAI allows
 MAX_LOGPROBS = 20  # top logprobs per token, as OpenAI allows
@@ -167,7 +177,8 @@ class SamplingFields(_Request):
     prompt_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     allowed_token_ids: list[StrictInt] | None = Field(default=None, min_length=1)
     bad_words: list[StrictStr] | None = None
-    truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=1)  # keep the prompt's last N
+    truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=-1)  # keep the prompt's last N
+    _check_truncation = field_validator("truncate_prompt_tokens")(truncation)
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs, or vLLM's older guided_*
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
@@ -369,9 +380,11 @@ class EmbeddingRequest(_Request):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: StrictInt | None = Field(default=None, ge=1)
     user: StrictStr | None = None
-    truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=1)
+    truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=-1)
     add_special_tokens: StrictBool = True
     normalize: StrictBool = True  # False: the pooled state as it is (vLLM's pooling parameter)
+
+    _check_truncation = field_validator("truncate_prompt_tokens")(truncation)
 
 
 class DetokenizeRequest(_Request):

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
 
-from server.protocol import EmbeddingUsage, PromptInput, _Request, _Response
+from server.protocol import EmbeddingUsage, PromptInput, _Request, _Response, truncation
 
 Texts = StrictStr | list[StrictStr]
 
@@ -25,10 +25,7 @@ _FIRST_OF = {"text_2": "text_1", "data_2": "data_1", "documents": "queries", "it
 _FIRSTS = ("text_1", "data_1", "queries")
 
 
-def _truncation(value: int | None) -> int | None:
-    if value == 0:
-        raise ValueError("must be -1 (the model's context length) or at least 1")
-    return value
+_truncation = truncation  # keep the prompt's last N tokens; -1: the context length
 
 
 class _PoolingFields(_Request):

@@ -77,7 +77,7 @@ def _plan(
 ) -> list[SequenceRequest]:
     limits = state.limits
     prompt_ids = chat_prompt(
-        req, state.tokenizer, state.config.trust_request_chat_template, state.config.chat
+        req, state.tokenizer, state.config.trust_request_chat_template, state.config.chat, limits
     )
     prompt_ids = with_image_runs(state, prompt_ids, len(images))
     resume = resume_token_ids(req, 1, limits)

@@ -115,7 +115,9 @@ def count_tokens(state: ServerState, req: CountTokensRequest) -> JSONResponse:
     num_images = len(check_images(state, chat.messages))  # counted as their placeholder runs
     ids = with_image_runs(
         state,
-        chat_prompt(chat, state.tokenizer, state.config.trust_request_chat_template, state.config.chat),
+        chat_prompt(
+            chat, state.tokenizer, state.config.trust_request_chat_template, state.config.chat, state.limits
+        ),
         num_images,
     )
     return JSONResponse({"input_tokens": len(ids)})

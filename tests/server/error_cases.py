@@ -56,6 +56,9 @@ CASES = [
     ),
     (COMP, {"prompt": ["a", "b"], "kv_transfer": {"role": "producer"}}, 400, "kv_transfer", "invalid_value"),
     (COMP, {"prompt": "x", "temperature": float("nan")}, 400, "temperature", "invalid_value"),
+    (COMP, {"prompt": "x", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens", "invalid_value"),
+    (COMP, {"prompt": "x", "truncate_prompt_tokens": 5000}, 400, "truncate_prompt_tokens", "invalid_value"),
+    (CHAT, {"messages": USER, "truncate_prompt_tokens": -2}, 400, "truncate_prompt_tokens", "invalid_value"),
     (
         COMP,
         {"prompt": "x", "stream_options": {"include_usage": True}},

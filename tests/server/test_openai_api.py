@@ -203,6 +203,27 @@ def test_echo_with_max_tokens_0_scores_the_prompt(client, tokenizer) -> None:
     assert chunks[0].choices[0].logprobs.token_logprobs == lp.token_logprobs
 
 
+def test_truncate_prompt_tokens_minus_one_keeps_the_context_length(client, tokenizer) -> None:
+    # vLLM's -1: the prompt's last max_model_len tokens (all of a shorter one); 3: its last 3.
+    kw = dict(model=None, max_tokens=3, temperature=0, extra_body={"return_token_ids": True})
+    plain = client.completions.create(prompt=LONG_PROMPT, **kw).choices[0]
+    whole = client.completions.create(
+        prompt=LONG_PROMPT, **{**kw, "extra_body": {"return_token_ids": True, "truncate_prompt_tokens": -1}}
+    )
+    assert whole.choices[0].token_ids == plain.token_ids
+    assert whole.usage.prompt_tokens == len(tokenizer.encode(LONG_PROMPT))
+    cut = client.completions.create(
+        prompt=LONG_PROMPT, **{**kw, "extra_body": {"return_token_ids": True, "truncate_prompt_tokens": 3}}
+    )
+    tail = client.completions.create(prompt=tokenizer.encode(LONG_PROMPT)[-3:], **kw)
+    assert cut.usage.prompt_tokens == 3 and cut.choices[0].token_ids == tail.choices[0].token_ids
+    chat = client.chat.completions.create(
+        messages=MESSAGES, model=None, max_tokens=3, temperature=0, extra_body={"truncate_prompt_tokens": -1}
+    )
+    again = client.chat.completions.create(messages=MESSAGES, model=None, max_tokens=3, temperature=0)
+    assert chat.choices[0].message.content == again.choices[0].message.content
+
+
 def test_echo_with_logprobs(client, tokenizer) -> None:
     resp = client.completions.create(
         model=None,
