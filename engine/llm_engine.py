@@ -8,6 +8,7 @@ that advanced, only what is new since the previous step.
 from __future__ import annotations
 
 import bisect
+import logging
 import random
 import time
 from array import array
@@ -45,6 +46,8 @@ from engine.stats import ITERATION_TOKEN_BUCKETS, EngineStats, ModelInfo
 from engine.structured_output import GrammarCompiler
 from engine.tokenizer import Tokenizer
 from kvcache.keys import salt_extra
+
+logger = logging.getLogger(__name__)
 
 LogitsObserver = Callable[[list[str], torch.Tensor], None]
 
@@ -145,6 +148,19 @@ class LLMEngine(EngineSleep):
         self.kv_capacity_tokens = self.block_manager.num_blocks * config.block_size
         if self.sliding_window is not None and self.block_manager.num_blocks >= self._window_peak_blocks():
             self.kv_capacity_tokens = self.max_model_len
+        if self.kv_capacity_tokens < self.max_model_len:
+            # vLLM refuses to start here; ferry serves, each sequence held to what the cache holds
+            # (the API's max_model_len says so), and says so once.
+            logger.warning(
+                "the KV cache holds %d tokens (%d blocks of %d), fewer than max_model_len %d: each "
+                "request is limited to %d tokens (more KV memory or --num-kv-blocks, or a lower "
+                "--max-model-len, lifts this)",
+                self.kv_capacity_tokens,
+                self.block_manager.num_blocks,
+                config.block_size,
+                self.max_model_len,
+                self.kv_capacity_tokens,
+            )
         name = config.model if config.model is not None else "ferry-demo"
         self.model_info = ModelInfo(
             name=str(name),

@@ -82,7 +82,7 @@ def lora_model_cards(state: Any) -> list[ModelCard]:
             id=name,
             root=served.request.lora_path,
             parent=served.request.base_model_name or state.model_name,
-            max_model_len=state.limits.max_model_len,
+            max_model_len=state.limits.kv_capacity_tokens,
             lora_weights_id=served.weights_id,
         )
         for name, served in sorted(state.served_loras.items())

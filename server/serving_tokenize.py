@@ -32,7 +32,7 @@ def tokenize(state: ServerState, req: TokenizeRequest) -> TokenizeResponse:
         ids = tok.encode(req.prompt or "", add_special_tokens=add_special)
     strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
     return TokenizeResponse(
-        count=len(ids), max_model_len=state.limits.max_model_len, tokens=ids, token_strs=strs
+        count=len(ids), max_model_len=state.limits.kv_capacity_tokens, tokens=ids, token_strs=strs
     )
 
 
@@ -47,7 +47,7 @@ def list_models(state: ServerState) -> ModelList:
     names = dict.fromkeys((state.model_name, *state.config.model_aliases))
     return ModelList(
         data=[
-            ModelCard(id=name, root=root or state.model_name, max_model_len=state.limits.max_model_len)
+            ModelCard(id=name, root=root or state.model_name, max_model_len=state.limits.kv_capacity_tokens)
             for name in names
         ]
         + lora_model_cards(state)

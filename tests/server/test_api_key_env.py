@@ -37,6 +37,11 @@ def test_serve_takes_vllms_variable(tiny_llama: Path, serve_logs: Path, monkeypa
         assert httpx.get(srv.url + "/v1/models", timeout=10).status_code == 401
         ok = httpx.get(srv.url + "/v1/models", headers={"Authorization": "Bearer vk"}, timeout=10)
         assert ok.status_code == 200
+        # 16 blocks of 16 hold 256 tokens of the model's 1024: what a request may use, said at start.
+        assert ok.json()["data"][0]["max_model_len"] == 256
+        assert "the KV cache holds 256 tokens (16 blocks of 16), fewer than max_model_len 1024" in (
+            srv.log_path.read_text()
+        )
         assert httpx.get(srv.url + "/health", timeout=10).status_code == 200  # stays open
     finally:
         srv.stop()
