@@ -77,6 +77,26 @@ class RouterConfig:
             raise ValueError("--load-penalty-tokens and --decode-penalty-tokens must be >= 0")
         if self.max_retries < 0 or self.max_failovers < 0:
             raise ValueError("--max-retries and --max-failovers must be >= 0")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in 0..65535, got {self.port}")
+        if self.max_request_bytes < 1 or self.max_header_bytes < 1:
+            raise ValueError("--max-request-bytes and --max-header-bytes must be positive")
+        for flag, value in (
+            ("--queue-timeout", self.queue_timeout),
+            ("--request-timeout", self.request_timeout),
+            ("--health-interval", self.health_interval),
+            ("--health-timeout", self.health_timeout),
+            ("--connect-timeout", self.connect_timeout),
+            ("--discovery-interval", self.discovery_interval),
+        ):
+            if not value > 0:
+                raise ValueError(f"{flag} must be positive, got {value}")
+        if self.circuit_failures < 1 or self.circuit_cooldown < 0 or self.drain_timeout < 0:
+            raise ValueError("--circuit-failures must be >= 1, --circuit-cooldown and --drain-timeout >= 0")
+        if self.replica_ca_certs is not None and not os.path.isfile(self.replica_ca_certs):
+            raise ValueError(f"--replica-ca-certs: no such file: {self.replica_ca_certs}")
+        if self.uds is not None and not os.path.isdir(os.path.dirname(os.path.abspath(self.uds))):
+            raise ValueError(f"--uds: no such directory for the socket: {os.path.dirname(self.uds)}")
         if self.chat_template is not None:
             object.__setattr__(self, "chat_template", resolve_chat_template(self.chat_template))
         template_kwargs_flag(self.default_chat_template_kwargs)  # a bad value stops the start

@@ -224,6 +224,16 @@ def check_serve_args(args: argparse.Namespace) -> str | None:
         problem = "--enable-auto-tool-choice needs --tool-call-parser (the model's tool-call format)"
     if problem is None and args.api_server_count < 1:
         problem = f"--api-server-count must be at least 1, got {args.api_server_count}"
+    if problem is None and not 0 <= args.port <= 65535:
+        problem = f"--port must be in 0..65535, got {args.port}"
+    if problem is None and args.max_queued_requests < 0:
+        problem = f"--max-queued-requests must be >= 0, got {args.max_queued_requests}"
+    if problem is None and args.request_timeout is not None and not args.request_timeout > 0:
+        problem = f"--request-timeout must be positive, got {args.request_timeout}"
+    if problem is None and args.max_request_bytes < 1:
+        problem = f"--max-request-bytes must be positive, got {args.max_request_bytes}"
+    if problem is None and not args.drain_timeout >= 0:
+        problem = f"--drain-timeout must be >= 0, got {args.drain_timeout}"
     if problem is None:
         problem = check_store_spec(args.responses_store)
     if problem is None and (args.responses_store_max_bytes < 1 or args.responses_store_ttl <= 0):

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -272,6 +273,15 @@ def http_options(args: argparse.Namespace) -> HttpOptions:
         raise ValueError("--uds with --register needs --advertise-url: routers cannot reach a Unix socket")
     if args.uds is not None and args.ssl_certfile is not None:
         raise ValueError("--uds serves plain HTTP on a Unix socket: leave out --ssl-keyfile/--ssl-certfile")
+    for flag, path in (
+        ("--ssl-keyfile", args.ssl_keyfile),
+        ("--ssl-certfile", args.ssl_certfile),
+        ("--ssl-ca-certs", args.ssl_ca_certs),
+    ):
+        if path is not None and not os.path.isfile(path):
+            raise ValueError(f"{flag}: no such file: {path}")
+    if args.uds is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.uds))):
+        raise ValueError(f"--uds: no such directory for the socket: {os.path.dirname(args.uds)}")
     return HttpOptions(
         allowed_origins=tuple(args.allowed_origins),
         allowed_methods=tuple(args.allowed_methods),

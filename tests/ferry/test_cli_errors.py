@@ -30,6 +30,9 @@ def ferry(*args: str) -> subprocess.CompletedProcess:
         (["--pd-threshold", "-1"], "--pd-threshold >= 0"),
         (["--model", "/nonexistent"], "/nonexistent has no tokenizer.json"),
         (["--replica", "http://[::1"], "replica URL 'http://[::1' is not valid: Invalid IPv6 URL"),
+        (["--max-request-bytes", "0"], "--max-request-bytes and --max-header-bytes must be positive"),
+        (["--health-interval", "-1"], "--health-interval must be positive, got -1.0"),
+        (["--replica-ca-certs", "/nonexistent.pem"], "--replica-ca-certs: no such file: /nonexistent.pem"),
     ],
 )
 def test_router_flag_errors(args: list[str], message: str) -> None:
@@ -56,6 +59,8 @@ def test_serve_flag_and_model_errors(tiny_llama: Path) -> None:
         # vLLM's flags: one device per replica; TLS needs both files; CORS lists are JSON.
         (["-tp", "2"], "--tensor-parallel-size 2: a ferry replica runs on one device"),
         (["--ssl-keyfile", "/k.pem"], "--ssl-keyfile and --ssl-certfile go together"),
+        # Checked before the model loads, not found by uvicorn after it.
+        (["--ssl-keyfile", "/k.pem", "--ssl-certfile", "/c.pem"], "--ssl-keyfile: no such file: /k.pem"),
         (["--allowed-origins", "*"], "argument --allowed-origins: expected a JSON list of strings"),
         # The engine refuses it once it has read the model's config.
         (
@@ -68,3 +73,28 @@ def test_serve_flag_and_model_errors(tiny_llama: Path) -> None:
         assert done.returncode == 2, done.stderr[-2000:]
         assert f"ferry serve: error: {message}" in done.stderr
         assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--port", "99999"], "--port must be in 0..65535, got 99999"),
+        (["--max-queued-requests", "-1"], "--max-queued-requests must be >= 0, got -1"),
+        (["--request-timeout", "0"], "--request-timeout must be positive, got 0.0"),
+        (["--max-request-bytes", "0"], "--max-request-bytes must be positive, got 0"),
+        (["--drain-timeout", "-5"], "--drain-timeout must be >= 0, got -5.0"),
+    ],
+)
+def test_serve_values_that_would_refuse_every_request(flags: list[str], message: str) -> None:
+    # Each would start a server that answers everything 429, 408 or 413 (or listen elsewhere).
+    from ferry.cli import build_parser
+    from server.main import check_serve_args
+
+    assert check_serve_args(build_parser().parse_args(["serve", *flags])) == message
+
+
+def test_router_port_out_of_range() -> None:
+    from router.config import RouterConfig
+
+    with pytest.raises(ValueError, match="--port must be in 0..65535, got 99999"):
+        RouterConfig(replicas=("http://127.0.0.1:9",), port=99999)
