@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -59,6 +60,22 @@ def write_output(where: str, text: str) -> None:
     Path(where).write_text(text, encoding="utf-8")
 
 
+def unwritable(where: str) -> str | None:
+    """Why a local output file could not be written (its directory missing or read-only, or it is
+    a directory), or None; a URL is tried only when the results are there."""
+    if _is_url(where):
+        return None
+    path = Path(where)
+    if path.is_dir():
+        return "it is a directory"
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        return f"no such directory: {parent}"
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        return "permission denied"
+    return None
+
+
 def _error(problem: object) -> int:
     print(f"ferry run-batch: error: {problem}", file=sys.stderr)
     return 2
@@ -83,6 +100,9 @@ def run_batch(args: argparse.Namespace) -> int:
         lines = input_lines(read_input(args.input_file))
     except (OSError, UnicodeDecodeError, httpx.HTTPError) as e:
         return _error(f"cannot read {args.input_file}: {e}")
+    problem = unwritable(args.output_file)
+    if problem is not None:  # found now, not after every request has run
+        return _error(f"cannot write {args.output_file}: {problem}")
     concurrency = args.max_batch_concurrency or engine_config.max_num_seqs
     try:
         with asyncio.Runner(loop_factory=loop_factory()) as runner:

@@ -175,6 +175,7 @@ def build_plan(
 
         r = config.router
         argv = [*ferry, "router", "--host", r.host, "--port", str(r.port), "--policy", r.policy]
+        argv += ["--drain-timeout", _num(config.drain_timeout)]  # the router drains as its workers do
         flag = {"mixed": "--replica", "prefill": "--prefill", "decode": "--decode"}
         for w in workers:
             argv += [flag[w.name.rsplit("-", 1)[0]], w.url]

@@ -158,7 +158,7 @@ drain_timeout: 7.5
         f"{common} OMP_NUM_THREADS=3 MKL_NUM_THREADS=3 FOO='bar baz' {serve} --port 7201 --role decode"
         f" --num-threads 3 {tail}",
         "# router: http://127.0.0.1:7000",
-        f"{common} {py} -m ferry router --host 0.0.0.0 --port 7000 --policy cache_aware"
+        f"{common} {py} -m ferry router --host 0.0.0.0 --port 7000 --policy cache_aware --drain-timeout 7.5"
         " --prefill http://127.0.0.1:7100 --decode http://127.0.0.1:7200 --decode http://127.0.0.1:7201"
         f" --kv-tier redis://127.0.0.1:7001/0 --model {m} --max-retries 3",
         "# endpoint: http://127.0.0.1:7000/v1",
@@ -180,7 +180,7 @@ def test_default_cluster_plan() -> None:
     assert decode.argv[8:10] == ("--role", "decode") and prefill.env["OMP_NUM_THREADS"] == threads
     assert plan.router.argv == (
         "python", "-m", "ferry", "router", "--host", "127.0.0.1", "--port", "8080", "--policy", "cache_aware",
-        "--prefill", prefill.url, "--decode", decode.url, "--kv-tier", plan.kv_tier_url,
+        "--drain-timeout", "30", "--prefill", prefill.url, "--decode", decode.url, "--kv-tier", plan.kv_tier_url,
         "--model", str(demo_model_path()),
     )  # fmt: skip
     ports = [plan.redis.port, prefill.port, decode.port, plan.router.port]

@@ -165,5 +165,10 @@ def test_run_batch_reads_and_writes_urls(tiny_llama: Path, tmp_path: Path, capsy
         assert _run(tiny_llama, f"{base}/missing.jsonl", str(tmp_path / "never.jsonl")) == 2
         assert "ferry run-batch: error: cannot read" in capsys.readouterr().err
         assert not (tmp_path / "never.jsonl").exists()
+        # An output that cannot be written is refused before the model loads and any request runs
+        # (it was found only when writing the results, which were then lost).
+        missing = tmp_path / "no" / "such" / "out.jsonl"
+        assert _run(tiny_llama, f"{base}/in.jsonl", str(missing)) == 2
+        assert f"cannot write {missing}: no such directory: {missing.parent}" in capsys.readouterr().err
     finally:
         server.shutdown()
