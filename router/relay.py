@@ -265,7 +265,7 @@ def _no_replica(pool: Pool, now: float) -> Failed:
         message = "no replica is registered with this router yet; retry when one has registered"
     else:
         message = f"no healthy replica available ({counts['total']} registered, none routable now)"
-    return Failed(503, error_body(message, "service_unavailable", 503), [(b"retry-after", b"1")])
+    return Failed(503, error_body(message, error_type(503), 503), [(b"retry-after", b"1")])
 
 
 async def _read_quietly(response: Response) -> bytes:

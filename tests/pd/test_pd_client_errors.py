@@ -186,7 +186,7 @@ def test_no_routable_decode_worker_answers_503_without_prefill(pd: Workers) -> N
     expected = {
         "error": {
             "message": "no healthy replica available (1 registered, none routable now)",
-            "type": "service_unavailable",
+            "type": "ServiceUnavailableError",
             "param": None,
             "code": 503,
         }

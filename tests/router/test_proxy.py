@@ -202,6 +202,7 @@ def test_zero_replicas_then_admin_add_drain_remove(cluster: Cluster, pair: list[
     assert httpx.get(router.url + "/health").status_code == 503
     resp = httpx.post(router.url + "/v1/completions", headers=auth, json={"model": MODEL, "prompt": "x"})
     assert resp.status_code == 503 and "no replica is registered" in resp.json()["error"]["message"]
+    assert resp.json()["error"]["type"] == "ServiceUnavailableError"  # vLLM's names, as every error
     assert resp.headers["retry-after"] == "1"
     assert httpx.post(router.url + "/v1/completions", json={"model": MODEL, "prompt": "x"}).status_code == 401
     assert httpx.get(router.url + "/admin/replicas").status_code == 401
