@@ -15,6 +15,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -109,14 +110,21 @@ def run_batch(args: argparse.Namespace) -> int:
             results = runner.run(_run(engine_config, config, lines, concurrency))
     except (ValueError, OSError) as e:  # the model directory, flags the model cannot meet
         return _error(e)
-    text = "".join(json.dumps(line) + "\n" for line in results)
+    answered = [line for line in results if line is not None]
+    if len(answered) < len(results):
+        print(
+            f"ferry run-batch: interrupted: {len(answered)} of {len(results)} requests answered, "
+            f"those written to {args.output_file}",
+            file=sys.stderr,
+        )
+    text = "".join(json.dumps(line) + "\n" for line in answered)
     try:
         write_output(args.output_file, text)
     except (OSError, httpx.HTTPError) as e:
         return _error(f"cannot write {args.output_file}: {e}")
-    failed = sum(1 for line in results if line is not None and line["error"] is not None)
-    logger.info("wrote %d results to %s (%d failed)", len(results), args.output_file, failed)
-    return 0
+    failed = sum(1 for line in answered if line["error"] is not None)
+    logger.info("wrote %d results to %s (%d failed)", len(answered), args.output_file, failed)
+    return 0 if len(answered) == len(results) else 130
 
 
 async def _run(engine_config: object, config: object, lines: list[str], concurrency: int) -> list:
@@ -131,7 +139,19 @@ async def _run(engine_config: object, config: object, lines: list[str], concurre
         app = build_app(engine, config)
         progress = Progress("run-batch", len(lines))
         logger.info("running %d requests, at most %d at once", len(lines), concurrency)
-        results = await run_lines(AppCaller(app, config.api_key), lines, concurrency, progress=progress)
+        # Ctrl-C or SIGTERM: no more lines start, those running are aborted, and what was answered
+        # is still written (their places stay empty).
+        gone = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, gone.set)
+        try:
+            results = await run_lines(
+                AppCaller(app, config.api_key), lines, concurrency, progress=progress, gone=gone
+            )
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
         state = app.state.ferry
         await state.background.close()
         if state.responses is not None:

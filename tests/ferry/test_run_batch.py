@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import json
 import math
+import signal
+import subprocess
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -172,3 +175,25 @@ def test_run_batch_reads_and_writes_urls(tiny_llama: Path, tmp_path: Path, capsy
         assert f"cannot write {missing}: no such directory: {missing.parent}" in capsys.readouterr().err
     finally:
         server.shutdown()
+
+
+def test_an_interrupted_run_writes_what_was_answered(tiny_llama: Path, tmp_path: Path) -> None:
+    # Ctrl-C: no more requests start, those running are aborted, the answered ones are written
+    # (in input order), and the exit code says the batch is not whole; no traceback.
+    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    body = {"prompt": PROMPT, "max_tokens": 64, "temperature": 0, "ignore_eos": True}
+    source.write_text("".join(_line(f"c{i}", "/v1/completions", body) + "\n" for i in range(400)))
+    cmd = [sys.executable, "-m", "ferry", "run-batch", "-i", str(source), "-o", str(target)]
+    cmd += ["--model", str(tiny_llama), "--num-threads", "1", "--max-batch-concurrency", "2"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    for line in proc.stderr:  # the first request is answered (the progress line says so)
+        if "/400 requests done" in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 130
+    out = [json.loads(line) for line in target.read_text().splitlines()]
+    assert 0 < len(out) < 400 and "Traceback" not in err
+    assert f"interrupted: {len(out)} of 400 requests answered" in err
+    ids = [int(o["custom_id"][1:]) for o in out]
+    assert ids == sorted(ids) and all(o["error"] is None for o in out)
