@@ -176,6 +176,16 @@ def run_serve(args: argparse.Namespace) -> int:
         from server.api_servers import run_api_servers
 
         return run_api_servers(config, engine_config, args.api_server_count)
+    from server.api_servers import bind_port, listen_unix
+
+    # The address is taken before the model loads (minutes, for a large one), so a port in use is
+    # said at once; connections are refused until the server serves, as before.
+    uds = config.http.uds
+    try:
+        listener = listen_unix(uds) if uds else bind_port(config.host, config.port)
+    except (OSError, OverflowError) as e:
+        where = uds or f"{config.host}:{config.port}"
+        return usage_error(f"cannot listen on {where}: {getattr(e, 'strerror', None) or e}")
 
     async def main() -> None:
         # Built inside the loop: the engine may bind its output queues to the running loop.
@@ -185,7 +195,7 @@ def run_serve(args: argparse.Namespace) -> int:
         except (ValueError, OSError) as e:  # the model directory, flags the model cannot meet, an adapter
             raise _StartupError(e) from e
         logger.info("serving %s on %s (role %s)", config.served_model_name, config.url, config.role)
-        await serve(engine, config)
+        await serve(engine, config, sockets=[listener])
 
     try:
         with asyncio.Runner(loop_factory=loop_factory()) as runner:
@@ -193,6 +203,8 @@ def run_serve(args: argparse.Namespace) -> int:
     except _StartupError as e:
         logger.debug("engine start failed", exc_info=e.__cause__)
         return usage_error(e)
+    finally:
+        listener.close()
     return 0
 
 

@@ -3,6 +3,7 @@ does for its own errors: no traceback for an operator to read through."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -98,3 +99,20 @@ def test_router_port_out_of_range() -> None:
 
     with pytest.raises(ValueError, match="--port must be in 0..65535, got 99999"):
         RouterConfig(replicas=("http://127.0.0.1:9",), port=99999)
+
+
+def test_serve_says_a_port_in_use_before_loading_the_model(tiny_llama: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "ferry", "serve", "--model", str(tiny_llama), "--port", str(port)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert f"ferry serve: error: cannot listen on 127.0.0.1:{port}: Address already in use" in done.stderr
+    assert "serving" not in done.stderr  # the engine was never built
