@@ -77,6 +77,11 @@ def expand_config(
         if name == "--model" and _positional_model(parser, argv):
             continue  # `ferry serve MODEL --config FILE`: the command line's model wins
         flags += _flag(name, value, action, options, where)
+    try:  # a bad value (``max-num-seqs: abc``) is the file's mistake: say so
+        parser.parse_args(flags)
+    except ConfigFileError as e:
+        if not str(e).startswith("the following arguments are required"):  # given on the command line
+            raise ConfigFileError(f"{where}: {e}") from None
     return [*flags, *argv]
 
 
