@@ -180,11 +180,7 @@ def chat_prompt(
         raise bad_request(str(e), param="messages") from e
     add_special = getattr(req, "add_special_tokens", None)
     ids = tokenizer.encode(text, add_special_tokens=bool(add_special))
-    keep = (
-        kept_prompt_tokens(req, limits)
-        if limits is not None
-        else getattr(req, "truncate_prompt_tokens", None)
-    )
+    keep = kept_prompt_tokens(req, limits) if limits is not None else None  # /tokenize: no truncation
     if keep is not None and len(ids) > keep:
         ids = ids[-keep:]
     if not ids:

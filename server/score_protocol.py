@@ -25,16 +25,13 @@ _FIRST_OF = {"text_2": "text_1", "data_2": "data_1", "documents": "queries", "it
 _FIRSTS = ("text_1", "data_1", "queries")
 
 
-_truncation = truncation  # keep the prompt's last N tokens; -1: the context length
-
-
 class _PoolingFields(_Request):
     model: StrictStr | None = None
     user: StrictStr | None = None
     # vLLM's: keep the last N tokens of each text; -1 keeps the model's context length.
     truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=-1)
 
-    _check_truncation = field_validator("truncate_prompt_tokens")(_truncation)
+    _check_truncation = field_validator("truncate_prompt_tokens")(truncation)
 
 
 class _Activation(_PoolingFields):
