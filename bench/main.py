@@ -45,9 +45,11 @@ def _headers(cfg: BenchConfig) -> dict[str, str]:
 
 
 def _models(cfg: BenchConfig, headers: dict[str, str]) -> Any:
-    """GET /v1/models, or None when the server does not answer it."""
+    """GET /v1/models, or None when the server does not answer it (with ``--model`` it is only
+    recorded in the summary, so it is not waited for long)."""
+    timeout = 30.0 if cfg.model is None else 5.0
     try:
-        resp = httpx.get(cfg.base_url + "/v1/models", headers=headers, timeout=30.0, trust_env=False)
+        resp = httpx.get(cfg.base_url + "/v1/models", headers=headers, timeout=timeout, trust_env=False)
     except httpx.HTTPError as exc:
         if cfg.model is None:
             raise BenchError(
