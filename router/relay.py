@@ -170,7 +170,9 @@ class Relay:
 
     async def _send(self, replica: Replica, call: ProxyCall, body: bytes) -> Response | Failed:
         try:
-            return await self.client.request(call.method, replica.url, call.url_path, call.headers, body)
+            return await self.client.request(
+                call.method, replica.url, call.url_path, call.headers, body, replica.waiting
+            )
         except ConnectError as e:
             replica.on_connect_error(self.clock())
             return Failed(502, error_body(f"replica {replica.url} unreachable: {e}", error_type(502), 502))

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from router.upstream import cut_waiting
 
 if TYPE_CHECKING:
     from router.upstream import Response
@@ -124,6 +126,7 @@ class Replica:
         # Streams being relayed from it: cut when it is ejected, so they fail over (or end with an
         # error) at once instead of waiting on a replica that stopped answering.
         self.streams: set[Response] = set()
+        self.waiting: set[Any] = set()  # connections whose answer's head is awaited (the same)
         self.health = Health.STARTING
         self.draining = False
         self.sleeping = False  # its /health says its engine sleeps (vLLM's sleep mode): used only when all do
@@ -198,11 +201,13 @@ class Replica:
         self.next_probe_at = now + self.probe_delay
 
     def _cut_streams(self) -> None:
-        """Ejected: a stream it still holds open would wait out the read timeout (a hung process
-        keeps its sockets): drop them, for their relays to resume them elsewhere."""
+        """Ejected: a stream it still holds open, or a request still waiting for its answer's head,
+        would wait out the read timeout (a hung process keeps its sockets): drop them, for their
+        relays to resume or retry them elsewhere."""
         streams, self.streams = self.streams, set()
         for response in streams:
             response.abort()
+        cut_waiting(self.waiting)
 
     # ---- passive signals from traffic ---------------------------------------------------------
     def on_connect_error(self, now: float) -> None:

@@ -76,12 +76,13 @@ class Headers:
 
 
 class _Conn:
-    __slots__ = ("reader", "writer", "reused")
+    __slots__ = ("reader", "writer", "reused", "cut")
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader = reader
         self.writer = writer
         self.reused = False
+        self.cut = False  # dropped on purpose while waiting for a head (``cut_waiting``)
 
     def usable(self) -> bool:
         return not self.reader.at_eof() and not self.writer.is_closing()
@@ -266,9 +267,16 @@ class UpstreamClient:
         return origin
 
     async def request(
-        self, method: str, base_url: str, target: str, headers: list[tuple[bytes, bytes]], body: bytes
+        self,
+        method: str,
+        base_url: str,
+        target: str,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        waiting: set[_Conn] | None = None,
     ) -> Response:
-        """Send a request and wait for the response head. ``target`` is the path plus query."""
+        """Send a request and wait for the response head. ``target`` is the path plus query.
+        ``waiting`` holds the connection while its head is awaited, for ``cut_waiting``."""
         origin = self._origin(base_url)
         head = [f"{method} {target} HTTP/1.1\r\n".encode(), b"host: ", origin.host_header, b"\r\n"]
         for k, v in headers:
@@ -278,12 +286,12 @@ class UpstreamClient:
         conn = origin.take()
         if conn is not None:
             try:
-                return await self._exchange(origin, conn, payload)
+                return await self._exchange(origin, conn, payload, waiting)
             except _Stale:
                 pass  # the server closed it while idle; a fresh connection below
         conn = await self._connect(origin)
         try:
-            return await self._exchange(origin, conn, payload)
+            return await self._exchange(origin, conn, payload, waiting)
         except _Stale as e:
             raise UpstreamBroken("the replica closed the connection without answering") from e
 
@@ -309,8 +317,12 @@ class UpstreamClient:
             raise ConnectError(f"connect to {origin.host}:{origin.port} failed: {e.strerror or e}") from e
         return _Conn(reader, writer)
 
-    async def _exchange(self, origin: _Origin, conn: _Conn, payload: bytes) -> Response:
+    async def _exchange(
+        self, origin: _Origin, conn: _Conn, payload: bytes, waiting: set[_Conn] | None = None
+    ) -> Response:
         interim = False  # a 1xx head came: the replica has the request, the connection is not stale
+        if waiting is not None:
+            waiting.add(conn)
         try:
             conn.writer.write(payload)
             while True:
@@ -328,6 +340,8 @@ class UpstreamClient:
             raise UpstreamTimeout("no response from the replica within the read timeout") from e
         except (asyncio.IncompleteReadError, ConnectionError, OSError) as e:
             conn.close()
+            if conn.cut:
+                raise UpstreamBroken("the replica stopped answering (cut when it was ejected)") from e
             stale = conn.reused and not interim
             if isinstance(e, asyncio.IncompleteReadError) and not e.partial and stale:
                 raise _Stale() from e
@@ -343,11 +357,24 @@ class UpstreamClient:
         except BaseException:
             conn.close()  # cancelled: the replica must see us go
             raise
+        finally:
+            if waiting is not None:
+                waiting.discard(conn)
         return Response(origin, conn, status, Headers(headers), self.read_timeout)
 
     async def aclose(self) -> None:
         for origin in self._origins.values():
             origin.close()
+
+
+def cut_waiting(waiting: set[_Conn]) -> None:
+    """Drop every connection in ``waiting`` (requests whose replica stopped answering): each
+    request fails with UpstreamBroken, which its relay retries elsewhere."""
+    for conn in waiting:
+        conn.cut = True
+        with contextlib.suppress(Exception):
+            conn.writer.transport.abort()
+    waiting.clear()
 
 
 def _parse_head(raw: bytes) -> tuple[int, list[tuple[bytes, bytes]]]:

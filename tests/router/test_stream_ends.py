@@ -68,6 +68,17 @@ class ScriptedReplica:
                 path = head[0].split(" ")[1]
                 headers = {k.lower(): v.strip() for k, _, v in (h.partition(":") for h in head[1:] if h)}
                 body = await reader.readexactly(int(headers.get("content-length", 0)))
+                if path == "/v1/completions" and not json.loads(body).get("stream"):
+                    self.bodies.append(json.loads(body))
+                    if self.hang:  # never answers
+                        self.hung = True
+                        await reader.read()
+                        return
+                    out = json.dumps({"id": "w", "choices": [_choice(0, "whole", "length")]}).encode()
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n")
+                    writer.write(b"content-length: %d\r\n\r\n%s" % (len(out), out))
+                    await writer.drain()
+                    continue
                 if path == "/v1/completions":
                     self.bodies.append(json.loads(body))
                     writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n")
@@ -165,6 +176,23 @@ def test_a_stream_on_a_replica_that_stops_answering_resumes_once_it_is_ejected(c
         assert texts == ["a", "a", "b"] and lines[-1] == "data: [DONE]"
         assert [b.get("resume") for b in hung.bodies] == [None]
         assert [b["resume"] for b in other.bodies] == [{"token_ids": [7, 7]}]
+    finally:
+        hung.close()
+        other.close()
+
+
+def test_a_request_waiting_on_a_replica_that_stops_answering_is_retried_once_it_is_ejected(
+    cluster: Cluster,
+) -> None:
+    # A whole answer (no head yet) from a replica that holds the connection and sends nothing: cut
+    # when the replica is ejected, and retried on the other one at once.
+    hung, other = ScriptedReplica(), ScriptedReplica()
+    try:
+        hung.hang = True
+        router = cluster.router("--replica", hung.url, "--replica", other.url, "--policy", "round_robin")
+        r = httpx.post(router.url + "/v1/completions", json={"model": "m", "prompt": "x"}, timeout=30)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "whole"
+        assert (len(hung.bodies), len(other.bodies)) == (1, 1)
     finally:
         hung.close()
         other.close()
