@@ -9,7 +9,11 @@ Contract, in the order the engine calls it (all on the engine loop thread):
 
 1. ``num_loadable_blocks(request, hashes)`` at admission, after the device prefix cache matched
    ``request.num_computed_tokens`` tokens: how many *leading* blocks of ``hashes`` (the request's
-   next full-block hashes) the tier can supply.
+   next full-block hashes) the tier can supply. A connector whose tier is remote may also have
+   ``num_loadable_blocks_async(request, hashes)``: a ``Future[int]`` for the same answer, or
+   None when asking synchronously is as cheap (an in-process tier). The scheduler starts one
+   when a request arrives (or returns to the queue), over its leading blocks from the first, and
+   admits it once the answer is in: other requests keep stepping while the tier is slow.
 2. The scheduler allocates device blocks for them, then calls
    ``load_blocks(request, block_ids, hashes)``: write each block's KV into
    ``engine.model_runner.kv_caches`` at ``block_ids[i]`` and return how many leading blocks were

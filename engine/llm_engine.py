@@ -437,8 +437,9 @@ class LLMEngine(EngineSleep):
             raise RuntimeError("the engine is asleep: wake_up() before stepping")
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            # Only parked requests remain: wait for a tier load instead of spinning.
-            self.scheduler.wait_for_loads(timeout=0.05)
+            # Only requests waiting on the tier remain (parked loads, lookups still out): wait
+            # for one to finish instead of spinning.
+            self.scheduler.wait_for_tier(timeout=0.05)
             return []
         model_out = self.model_runner.execute(sched)
         self.scheduler.update_after_step(sched)

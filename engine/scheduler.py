@@ -34,7 +34,11 @@ for blocks the KV tier is loading.
 When the KV connector can load asynchronously (``load_blocks_async``), a request whose prefix is
 in the tier is parked while its blocks load, so tier I/O never stalls other requests' steps; it
 joins the running set, with the loaded tokens counted as computed, in the first step after the
-load finishes.
+load finishes. Likewise a remote tier's lookup (``num_loadable_blocks_async``) starts when a
+request arrives, so it is usually answered by the time the request is admitted; one still out
+``TIER_LOOKUP_GRACE_S`` after it started does not hold the step: the request keeps its place and
+others are admitted past it until the answer is in. A slow tier then delays the requests that
+ask it, not every request behind them.
 """
 
 from __future__ import annotations
@@ -49,6 +53,22 @@ from dataclasses import dataclass, field
 from engine.block_manager import BlockManager
 from engine.kv_connector import KVConnector
 from engine.sequence import Request, RequestStatus
+
+# How long admission waits for a tier lookup, counted from when it started (at arrival): a
+# healthy Redis answers in about a millisecond; past this, other requests are admitted first.
+TIER_LOOKUP_GRACE_S = 0.02
+
+
+@dataclass
+class _TierLookup:
+    """A request's tier lookup: the tier holds ``result`` leading blocks of its blocks
+    ``first .. first + count - 1`` (once ``future``, when asynchronous, is done)."""
+
+    first: int
+    count: int
+    future: Future | None = None  # None once answered
+    result: int = 0
+    started: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -124,6 +144,9 @@ class _Parked:
     aborted: bool = False
 
 
+LOOKUP_PENDING = -1  # what _admit returns while the request's tier lookup is out
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, connector: KVConnector) -> None:
         self.config = config
@@ -136,10 +159,11 @@ class Scheduler:
         self.loading: list[_Parked] = []
         # Decided once: a connector that can load on its own thread lets requests park meanwhile.
         self._load_async = getattr(connector, "load_blocks_async", None)
-        # request id -> (first tier block, blocks asked, blocks loadable) of its last tier lookup,
-        # kept while it waits for blocks so each retry does not repeat the tier round trip;
-        # dropped at admission (a readmitted request asks again).
-        self._tier_lookups: dict[str, tuple[int, int, int]] = {}
+        self._lookup_async = getattr(connector, "num_loadable_blocks_async", None)
+        # request id -> its last tier lookup, started when it arrived (or came back to the queue)
+        # or at an admission attempt, kept while it waits so each retry does not ask the tier
+        # again; dropped at admission (a readmitted request asks again).
+        self._tier_lookups: dict[str, _TierLookup] = {}
         # Decided once: partial blocks are kept and reused unless blocks are given back behind a
         # sliding window (a released table slot reads as block 0).
         self._partial = block_manager.enable_partial_caching and config.sliding_window is None
@@ -157,6 +181,19 @@ class Scheduler:
             self._insert_waiting(request)
         else:
             self.waiting.append(request)
+        self._start_lookup(request)
+
+    def _start_lookup(self, req: Request) -> None:
+        """Ask a remote tier now, on the connector's thread, how many of ``req``'s leading blocks
+        it holds, so the answer is in by admission (batched with other arrivals' lookups)."""
+        if self._lookup_async is None or not self._reuses(req):
+            return
+        most = (req.num_tokens - 1) // self.block_manager.block_size
+        if most <= 0 or not self.block_manager.enable_prefix_caching:
+            return
+        future = self._lookup_async(req, req.full_block_hashes()[:most])
+        if future is not None:
+            self._tier_lookups[req.request_id] = _TierLookup(0, most, future, started=time.monotonic())
 
     def _insert_waiting(self, request: Request) -> None:
         """Into the queue at its (priority, arrival) place: after every request that goes first."""
@@ -179,16 +216,19 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting) + sum(1 for p in self.loading if not p.aborted)
 
-    def wait_for_loads(self, timeout: float) -> None:
-        """Block until a parked request's load finishes (or ``timeout``): nothing else can run."""
-        if self.loading:
-            wait([p.future for p in self.loading], timeout=timeout, return_when=FIRST_COMPLETED)
+    def wait_for_tier(self, timeout: float) -> None:
+        """Block until a parked request's load or a waiting request's tier lookup finishes (or
+        ``timeout``): the step found nothing else to run."""
+        futures = [p.future for p in self.loading]
+        futures += [t.future for t in self._tier_lookups.values() if t.future is not None]
+        if futures:
+            wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
 
     def drain_loads(self) -> None:
         """Wait for every parked request's tier load and settle it (sleep mode: nothing may still
         write into the KV cache when it is freed)."""
         while self.loading:
-            self.wait_for_loads(timeout=0.05)
+            wait([p.future for p in self.loading], timeout=0.05, return_when=FIRST_COMPLETED)
             self._unpark()
 
     def preempt_all(self) -> None:
@@ -284,6 +324,10 @@ class Scheduler:
                 num_prefix_waits += 1
                 continue
             n = self._admit(req, budget, out.copies)
+            if n == LOOKUP_PENDING:
+                # Its tier lookup is still out: it keeps its place, and the requests behind it go.
+                deferred.append(self.waiting.popleft())
+                continue
             if n is None:
                 freed = self._preempt_for(req, out)
                 if freed is None:
@@ -378,13 +422,13 @@ class Scheduler:
     def _admit(self, req: Request, budget: int, copies: list[BlockCopy]) -> int | None:
         """Match the prefix cache (and the tier, then a cached partial block) and allocate blocks.
         Returns the tokens to compute now, 0 when the request was parked for an asynchronous tier
-        load, None when blocks are short. A partial block hit adds its copy to ``copies``."""
+        load, ``LOOKUP_PENDING`` while its tier lookup is out, None when blocks are short. A
+        partial block hit adds its copy to ``copies``."""
         bm = self.block_manager
         bs = bm.block_size
         hashes = req.full_block_hashes()
         # Keep at least one token to compute: its logits draw the next token.
-        # Prompt logprobs need every prompt row's logits, so such requests compute everything.
-        reuse = req.params.prompt_logprobs is None and not (req.pooling and self.config.pool_every_row)
+        reuse = self._reuses(req)
         most = (req.num_tokens - 1) // bs  # blocks a hit may cover
         if self.config.sliding_window is not None:
             # Under a window a sequence may outgrow the cache; a hit must still leave room for a
@@ -394,6 +438,8 @@ class Scheduler:
         num_hit = len(hits)
         ext_hashes = hashes[num_hit:most] if reuse else []
         num_ext = self._num_loadable(req, num_hit, ext_hashes)
+        if num_ext is None:
+            return LOOKUP_PENDING
         cached_tokens = (num_hit + num_ext) * bs
         if num_ext and self._load_async is not None:
             if not bm.allocate(req.block_table, hits, cached_tokens):
@@ -471,20 +517,45 @@ class Scheduler:
         bm.free(req.block_table, req.num_released_blocks)
         req.num_released_blocks = 0
 
-    def _num_loadable(self, req: Request, first: int, ext_hashes: list[bytes]) -> int:
-        """Leading blocks of ``ext_hashes`` (the request's blocks from ``first`` on) in the tier.
+    def _reuses(self, req: Request) -> bool:
+        """Whether ``req`` may take cached KV. Prompt logprobs need every prompt row's logits, so
+        such requests compute everything (as do pooling requests that pool every row)."""
+        return req.params.prompt_logprobs is None and not (req.pooling and self.config.pool_every_row)
+
+    def _num_loadable(self, req: Request, first: int, ext_hashes: list[bytes]) -> int | None:
+        """Leading blocks of ``ext_hashes`` (the request's blocks from ``first`` on) in the tier,
+        or None while its lookup is still out.
 
         Asked once per admission attempt series: a request that keeps failing to get blocks
-        reuses its answer (the load itself copes with blocks gone since).
+        reuses its answer (the load itself copes with blocks gone since). A lookup that covered
+        these blocks answers for them: the one started on arrival asks from the first block, and
+        the device prefix cache's hits only move ``first`` on.
         """
         if not ext_hashes:
             return 0
-        prev = self._tier_lookups.get(req.request_id)
-        if prev is not None and prev[:2] == (first, len(ext_hashes)):
-            return prev[2]
-        num_ext = self.connector.num_loadable_blocks(req, ext_hashes)
-        self._tier_lookups[req.request_id] = (first, len(ext_hashes), num_ext)
-        return num_ext
+        look = self._tier_lookups.get(req.request_id)
+        if look is None or not (look.first <= first and first + len(ext_hashes) <= look.first + look.count):
+            future = self._lookup_async(req, ext_hashes) if self._lookup_async is not None else None
+            if future is None:
+                look = _TierLookup(
+                    first, len(ext_hashes), result=self.connector.num_loadable_blocks(req, ext_hashes)
+                )
+            else:
+                look = _TierLookup(first, len(ext_hashes), future, started=time.monotonic())
+            self._tier_lookups[req.request_id] = look
+        if look.future is not None:
+            if not look.future.done():
+                grace = look.started + TIER_LOOKUP_GRACE_S - time.monotonic()
+                if grace <= 0 or not wait([look.future], timeout=grace).done:
+                    return None
+            try:
+                look.result = int(look.future.result())
+            except Exception:  # a failed lookup is a miss
+                look.result = 0
+            look.future = None
+        # The tier holds blocks look.first .. end - 1; past a block it lacks, nothing is loaded.
+        end = look.first + look.result
+        return max(0, min(len(ext_hashes), end - first))
 
     def _count_admission(self, req: Request, cached_tokens: int) -> None:
         if not req.admitted_once:
@@ -545,6 +616,7 @@ class Scheduler:
             self._insert_waiting(req)  # ahead of later arrivals of its priority
         else:
             self.waiting.appendleft(req)
+        self._start_lookup(req)
 
     def update_after_step(self, out: SchedulerOutput) -> None:
         """Advance progress of everything that ran, register blocks that became full, and unpin

@@ -147,6 +147,10 @@ class GuardedTier(Tier):
     def contains_prefix(self, keys: Sequence[str]) -> int:
         return self._call("contains_prefix", lambda: self.inner.contains_prefix(keys), 0)
 
+    def contains_prefix_many(self, key_lists: Sequence[Sequence[str]]) -> list[int]:
+        misses = [0] * len(key_lists)
+        return self._call("contains_prefix", lambda: self.inner.contains_prefix_many(key_lists), misses)
+
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         return self._call("get_many", lambda: self.inner.get_many(keys), None) or [None] * len(keys)
 

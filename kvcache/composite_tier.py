@@ -37,6 +37,21 @@ class CompositeTier(Tier):
             i += step_l1
         return i
 
+    def contains_prefix_many(self, key_lists: Sequence[Sequence[str]]) -> list[int]:
+        # L1 for every list, then one batched L2 call for the lists L1 did not cover; a list whose
+        # L2 run ends early goes on alternating alone (rare: L1 holding blocks L2 lost).
+        found = [self.l1.contains_prefix(keys) for keys in key_lists]
+        todo = [j for j, keys in enumerate(key_lists) if found[j] < len(keys)]
+        if not todo:
+            return found
+        steps = self.l2.contains_prefix_many([key_lists[j][found[j] :] for j in todo])
+        for j, step in zip(todo, steps, strict=True):
+            keys, i = key_lists[j], found[j] + step
+            if step and i < len(keys) and self.l1.contains_prefix(keys[i : i + 1]):
+                i += self.contains_prefix(keys[i:])
+            found[j] = i
+        return found
+
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         values = self.l1.get_many(keys)
         missing = [i for i, v in enumerate(values) if v is None]

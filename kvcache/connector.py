@@ -6,6 +6,8 @@ A model caches two parts per layer (K and V) or one (MLA's latent, passed as the
 no V caches); the block shape's second dim says which.
 
 * ``lookup(hashes)``: how many leading blocks the tier holds (one cheap round trip).
+  ``lookup_async`` answers on a lookup thread, batching the lookups queued meanwhile into one
+  call (one round trip on Redis): the engine starts one when a request arrives.
 * ``load(hashes, block_ids, k_caches, v_caches)``: fetch, verify and copy into the given
   blocks; returns how many *leading* blocks landed (stops at the first miss or corrupt
   value). ``load_async`` runs the same on a loader thread and returns a ``Future[int]``, so a
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -45,6 +48,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 LOAD_CHUNK = 64  # blocks per tier read: long prefixes stream in chunks and stop at a miss early
+LOOKUP_BATCH = 256  # admission lookups answered by one tier call (one Redis round trip)
 STAGING_BYTES = 32 << 20  # cap of one thread's host staging buffer (bounds LOAD_CHUNK for big blocks)
 
 # The connector's tensor work is memcpy-shaped: one thread already outruns the network, while an
@@ -132,6 +136,9 @@ class KVConnector:
         self._loader = ThreadPoolExecutor(
             max_workers=load_threads, thread_name_prefix="kv-tier-load", initializer=_single_thread_worker
         )
+        # Admission lookups (lookup_async): (keys, future) items, None to stop; started on first use.
+        self._lookups: queue.SimpleQueue[tuple[list[str], Future[int]] | None] = queue.SimpleQueue()
+        self._lookup_thread: threading.Thread | None = None
 
     # ---- lookups and loads -------------------------------------------------------------------
 
@@ -146,6 +153,50 @@ class KVConnector:
         with self._lock:
             self._looked_up += len(hashes)
         return n
+
+    def lookup_async(self, hashes: Sequence[bytes]) -> Future[int]:
+        """``lookup`` on the lookup thread, which answers every lookup queued meanwhile in one
+        batched call (one round trip on Redis), so admission never waits on the tier's latency."""
+        if not hashes:
+            done: Future[int] = Future()
+            done.set_result(0)
+            return done
+        future: Future[int] = Future()
+        keys = self.keys(hashes)
+        with self._lock:
+            if self._closed:
+                future.set_result(0)
+                return future
+            if self._lookup_thread is None:
+                self._lookup_thread = threading.Thread(
+                    target=self._run_lookups, name="kv-tier-lookup", daemon=True
+                )
+                self._lookup_thread.start()
+            self._lookups.put((keys, future))
+        return future
+
+    def _run_lookups(self) -> None:
+        while True:
+            batch = [self._lookups.get()]
+            while len(batch) < LOOKUP_BATCH:
+                try:
+                    batch.append(self._lookups.get_nowait())
+                except queue.Empty:
+                    break
+            stop = any(item is None for item in batch)
+            batch = [item for item in batch if item is not None]
+            counts = [0] * len(batch)
+            if batch and not self._closed:
+                try:
+                    counts = self.tier.contains_prefix_many([keys for keys, _ in batch])
+                except Exception:  # the tier never raises; this thread must never die either
+                    logger.exception("KV tier lookups failed; treated as misses")
+            with self._lock:
+                self._looked_up += sum(len(keys) for keys, _ in batch)
+            for (_, future), n in zip(batch, counts, strict=True):
+                future.set_result(n)
+            if stop:
+                return
 
     def load(
         self,
@@ -402,6 +453,9 @@ class KVConnector:
             self._closed = True
         self._writer.close(timeout)
         self._loader.shutdown(wait=True, cancel_futures=True)
+        if self._lookup_thread is not None:
+            self._lookups.put(None)  # answers what is queued (misses: closed), then stops
+            self._lookup_thread.join(timeout)
         self.tier.close()
         if self._writer.publisher is not None:
             self._writer.publisher.close()

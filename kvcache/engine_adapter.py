@@ -11,7 +11,10 @@ them away (``release_caches``); a weight update changes its fingerprint (``set_f
 
 What happens when (all on the engine loop thread):
 
-* admission: ``num_loadable_blocks`` → ``KVConnector.lookup`` (one round trip), then
+* arrival: ``num_loadable_blocks_async`` → ``KVConnector.lookup_async`` (a remote tier: batched
+  with other arrivals' lookups on the lookup thread, one round trip);
+* admission: ``num_loadable_blocks`` → ``KVConnector.lookup`` (one round trip) unless the
+  arrival's lookup answered, then
   ``load_blocks`` → ``KVConnector.load`` into the freshly allocated blocks (or
   ``load_blocks_async`` → a ``Future[int]`` for a scheduler that parks the request meanwhile);
 * a block becomes full and registered in the device prefix cache (``block_stored``): its KV is
@@ -32,6 +35,7 @@ from typing import Any
 
 from engine.attention.base import raw
 from kvcache.connector import ConnectorStats, KVConnector
+from kvcache.tier import TierURL
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +64,8 @@ class TierConnector:
             events=config.kv_events,
             replica_id=config.kv_events_replica_id,
         )
+        # memory:// answers lookups in microseconds: no thread hop for them.
+        self._in_process = TierURL(config.kv_tier).scheme == "memory"
         # Hashes loaded from the tier and not yet registered by the block manager: a block that
         # came from the tier must not be written back to it. Loader threads add, the engine
         # thread removes.
@@ -71,6 +77,13 @@ class TierConnector:
 
     def num_loadable_blocks(self, request: Any, block_hashes: Sequence[bytes]) -> int:
         return self.kv.lookup(block_hashes)
+
+    def num_loadable_blocks_async(self, request: Any, block_hashes: Sequence[bytes]) -> Future[int] | None:
+        """``num_loadable_blocks`` on the connector's lookup thread (batched with other requests'
+        lookups: one round trip); None for an in-process tier, which answers synchronously at once."""
+        if self._in_process:
+            return None
+        return self.kv.lookup_async(block_hashes)
 
     def load_blocks(self, request: Any, block_ids: Sequence[int], block_hashes: Sequence[bytes]) -> int:
         loaded = self.kv.load(block_hashes, block_ids, self.k_caches, self.v_caches)

@@ -8,6 +8,8 @@ URL: ``redis[s]://[[user]:password@]host:port/db?ttl=S&timeout=S&connect_timeout
   pipelined ``SET`` s, not ``MSET``: hiredis' command packer caps large ``MSET`` s at ~0.5 GB/s.
 * ``contains_prefix`` runs a 4-line Lua script (``EVALSHA``): one round trip, the server stops
   at the first absent key. Where scripting is refused it pipelines one ``EXISTS`` per key.
+  ``contains_prefix_many`` (the engine's batched admission lookups) pipelines one script call
+  per key list: one round trip for them all.
 * Every call is bounded by socket timeouts, no call is retried (the breaker decides when to
   try again), and eviction is Redis' own (``maxmemory`` + an LRU policy); ``ttl`` adds expiry.
 * ``l1_bytes=N`` puts a process-local memory LRU of N bytes in front (see ``composite_tier``).
@@ -95,6 +97,47 @@ class RedisTier(Tier):
                 logger.warning("Redis refuses Lua scripts (%s); contains_prefix uses pipelined EXISTS", exc)
                 self._prefix_script = None
         return self._contains_prefix_pipelined(keys)
+
+    def contains_prefix_many(self, key_lists: Sequence[Sequence[str]]) -> list[int]:
+        """Every list's ``contains_prefix`` in one pipelined round trip (one ``EVALSHA`` each)."""
+        if len(key_lists) == 1:
+            return [self.contains_prefix(key_lists[0])]
+        if self._prefix_script is not None:
+            try:
+                return self._scripted_many(key_lists)
+            except redis.exceptions.ResponseError as exc:
+                if "script" not in str(exc).lower() and "noperm" not in str(exc).lower():
+                    raise
+                logger.warning("Redis refuses Lua scripts (%s); contains_prefix uses pipelined EXISTS", exc)
+                self._prefix_script = None
+        pipe = self._client.pipeline(transaction=False)
+        for keys in key_lists:
+            for key in keys:
+                pipe.exists(key)
+        found = iter(pipe.execute())
+        counts = []
+        for keys in key_lists:
+            flags = [next(found) for _ in keys]
+            counts.append(next((i for i, f in enumerate(flags) if not f), len(keys)))
+        return counts
+
+    def _scripted_many(self, key_lists: Sequence[Sequence[str]]) -> list[int]:
+        script = self._prefix_script
+        assert script is not None
+        for attempt in range(2):
+            pipe = self._client.pipeline(transaction=False)
+            for keys in key_lists:
+                pipe.evalsha(script.sha, len(keys), *keys)
+            replies = pipe.execute(raise_on_error=False)
+            if attempt == 0 and any(isinstance(r, redis.exceptions.NoScriptError) for r in replies):
+                # The server forgot the script (a restart, SCRIPT FLUSH): load it and ask again.
+                self._client.script_load(script.script)
+                continue
+            for reply in replies:
+                if isinstance(reply, Exception):
+                    raise reply
+            return [int(r) for r in replies]
+        raise AssertionError("unreachable")
 
     def _contains_prefix_pipelined(self, keys: Sequence[str]) -> int:
         found = 0

@@ -7,6 +7,8 @@ may use a tier too (e.g. ``contains_prefix`` for cache-aware routing).
 Contract of the ``Tier`` methods (all thread-safe):
 
 * ``contains_prefix(keys)``: how many *leading* keys the tier holds (stops at the first absent).
+* ``contains_prefix_many(key_lists)``: ``contains_prefix`` of each list, in order; a remote
+  backend answers them all in one round trip.
 * ``get_many(keys)``: one value or ``None`` per key, in order.
 * ``put_many(items)``: store ``(key, value)`` pairs; ``True`` when every write was accepted.
 * ``close()``: release connections; later calls behave as misses.
@@ -48,6 +50,9 @@ class Tier(ABC):
 
     @abstractmethod
     def contains_prefix(self, keys: Sequence[str]) -> int: ...
+
+    def contains_prefix_many(self, key_lists: Sequence[Sequence[str]]) -> list[int]:
+        return [self.contains_prefix(keys) for keys in key_lists]
 
     @abstractmethod
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]: ...
@@ -179,6 +184,15 @@ class MeteredTier(Tier):
         except Exception:
             self._internal_error("contains_prefix")
             return 0
+
+    def contains_prefix_many(self, key_lists: Sequence[Sequence[str]]) -> list[int]:
+        if not any(key_lists):
+            return [0] * len(key_lists)
+        try:
+            return self.inner.contains_prefix_many(key_lists)
+        except Exception:
+            self._internal_error("contains_prefix")
+            return [0] * len(key_lists)
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         if not keys:
