@@ -129,7 +129,7 @@ class SleepCommands:
 
     def _can_step(self) -> bool:
         engine = self.engine
-        return engine.has_unfinished_requests() and not engine.is_sleeping
+        return engine.has_unfinished_requests() and (not engine.is_sleeping or engine.has_held_outputs)
 
     def _holding(self) -> bool:
         """New requests wait outside the scheduler: the engine sleeps or drains for a barrier."""

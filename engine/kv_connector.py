@@ -23,8 +23,10 @@ Contract, in the order the engine calls it (all on the engine loop thread):
    (``engine.block_manager.add_listener``) after their KV is written: the place for tier writes
    and block events.
 4. ``request_finished(request)`` when a request ends (any reason, before its blocks are freed,
-   so a producer can still read its KV); may set ``request.kv_transfer_result`` (a dict that the
-   engine returns on the final ``RequestOutput.kv_transfer``).
+   so a producer can still read its KV; ``request.finish_reason`` is set); may set
+   ``request.kv_transfer_result`` (a dict that the engine returns on the final
+   ``RequestOutput.kv_transfer``), or ``request.kv_transfer_future`` (a ``Future`` of that dict:
+   the engine frees the request's blocks at once and holds its final output until it is done).
 5. Sleep mode and weight updates, with no request running: ``release_caches()`` before the KV
    cache is freed, ``bind_caches(kv_caches)`` once it is allocated again, ``set_fingerprint(fp)``
    after new weights were installed (blocks of the old weights are never read as the new ones').

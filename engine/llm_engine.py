@@ -125,6 +125,9 @@ class LLMEngine(EngineSleep):
         self.logit_rows = logit_rows(config)  # prompt logprobs' chunk: what the activation reserve counts
         self.grammars = GrammarCompiler(self.tokenizer, self.sampling_vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
+        # Finished requests whose final output waits for the KV connector's report (a PD
+        # producer's prompt blocks being written to the tier), with that output.
+        self._held_finals: list[tuple[Request, RequestOutput]] = []
         self.sleep_state = SleepState()
         self._seed_rng = random.Random(config.seed)
         # Test and debugging hook: called with (request ids, fp32 logits) of each step's sampling rows.
@@ -428,25 +431,55 @@ class LLMEngine(EngineSleep):
         return self.post.delta(req, [], "", None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._held_finals)
+
+    @property
+    def has_held_outputs(self) -> bool:
+        """Finished requests whose final output waits for the KV connector (stepped even asleep)."""
+        return bool(self._held_finals)
 
     # -- the step ------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        released = self._release_finals() if self._held_finals else []
         if self.sleep_state.is_sleeping:
-            raise RuntimeError("the engine is asleep: wake_up() before stepping")
-        sched = self.scheduler.schedule()
+            if not self.has_held_outputs and not released:
+                raise RuntimeError("the engine is asleep: wake_up() before stepping")
+            sched = SchedulerOutput()  # asleep: only finished requests' held outputs go out
+        else:
+            sched = self.scheduler.schedule()
         if sched.is_empty:
-            # Only requests waiting on the tier remain (parked loads, lookups still out): wait
-            # for one to finish instead of spinning.
-            self.scheduler.wait_for_tier(timeout=0.05)
-            return []
+            if not released:
+                # Only requests waiting on the tier remain (parked loads, lookups still out,
+                # finished producers' blocks being written): wait for one instead of spinning.
+                held = [req.kv_transfer_future for req, _ in self._held_finals]
+                self.scheduler.wait_for_tier(timeout=0.05, also=held)
+            return released
         model_out = self.model_runner.execute(sched)
         self.scheduler.update_after_step(sched)
         tokens = sched.num_batched_tokens
         self.iteration_tokens_counts[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, tokens)] += 1
         self.iteration_tokens_sum += tokens
-        return self._postprocess(sched, model_out)
+        return released + self._postprocess(sched, model_out)
+
+    def _release_finals(self) -> list[RequestOutput]:
+        """The final outputs whose connector report (``kv_transfer_future``) came in."""
+        outputs: list[RequestOutput] = []
+        still: list[tuple[Request, RequestOutput]] = []
+        for req, out in self._held_finals:
+            future = req.kv_transfer_future
+            assert future is not None
+            if not future.done():
+                still.append((req, out))
+                continue
+            try:
+                req.kv_transfer_result = future.result()
+            except Exception:  # the connector reports nothing: the consumer recomputes
+                logger.exception("request %s: the KV connector's finish report failed", req.request_id)
+            req.kv_transfer_future = None
+            outputs.append(self.post.finalize(req, out))
+        self._held_finals = still
+        return outputs
 
     def _postprocess(self, sched: SchedulerOutput, model_out: ModelOutput) -> list[RequestOutput]:
         for pl in model_out.prompt_logits:
@@ -493,6 +526,9 @@ class LLMEngine(EngineSleep):
             if req.finish_reason is not None and req.status is not RequestStatus.FINISHED:
                 self.scheduler.finish(req, req.finish_reason)
                 self.requests.pop(req.request_id, None)
+                if req.kv_transfer_future is not None:
+                    self._held_finals.append((req, out))  # out when its connector's report is in
+                    continue
                 out = self.post.finalize(req, out)
             elif self._propose is not None:
                 drafting.append(req)

@@ -47,6 +47,7 @@ import bisect
 import itertools
 import time
 from collections import deque
+from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 
@@ -216,11 +217,12 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting) + sum(1 for p in self.loading if not p.aborted)
 
-    def wait_for_tier(self, timeout: float) -> None:
-        """Block until a parked request's load or a waiting request's tier lookup finishes (or
-        ``timeout``): the step found nothing else to run."""
+    def wait_for_tier(self, timeout: float, also: Sequence[Future] = ()) -> None:
+        """Block until a parked request's load, a waiting request's tier lookup or one of
+        ``also`` finishes (or ``timeout``): the step found nothing else to run."""
         futures = [p.future for p in self.loading]
         futures += [t.future for t in self._tier_lookups.values() if t.future is not None]
+        futures += also
         if futures:
             wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
 
@@ -255,11 +257,11 @@ class Scheduler:
         else:
             self.waiting.remove(request)
             self._tier_lookups.pop(request.request_id, None)
+        request.finish_reason = reason  # the connector reads it
         self.connector.request_finished(request)
         if not parked:
             self._free(request)
         request.status = RequestStatus.FINISHED
-        request.finish_reason = reason
         request.metrics.finished_time = time.monotonic()
 
     # -- the step ----------------------------------------------------------------------------------

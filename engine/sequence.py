@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 from kvcache.keys import ImageSpan, extend_hashes, image_extra
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     from engine.detokenizer import IncrementalDetokenizer
     from engine.outputs import PositionLogprobs
     from engine.sampling_params import SamplingParams
@@ -78,6 +80,8 @@ class Request:
         self.stop_reason: int | str | None = None
         self.kv_transfer = kv_transfer  # set by the caller; read by the KV connector
         self.kv_transfer_result: dict[str, Any] | None = None  # what the connector reports back
+        # ... or will report: the final output waits for it (a producer's blocks being written)
+        self.kv_transfer_future: Future[dict[str, Any]] | None = None
         self.metrics = RequestMetrics()
         self.detokenizer: IncrementalDetokenizer | None = None
         self.grammar: RequestGrammar | None = None  # structured outputs: where the output is in its grammar

@@ -20,9 +20,11 @@ What happens when (all on the engine loop thread):
 * a block becomes full and registered in the device prefix cache (``block_stored``): its KV is
   snapshotted and queued for the tier — unless it was itself just loaded from the tier;
 * a cached block is evicted (``block_removed``): only a device event, if events are on;
-* a ``kv_transfer`` producer request finishes (``request_finished``): wait (bounded) until its
-  prompt blocks reached the tier, so the consumer that the router calls next finds them, and
-  report how many leading prompt blocks the tier holds (``kv_transfer.tier_blocks``).
+* a ``kv_transfer`` producer request finishes (``request_finished``): on the reporter thread,
+  wait (bounded) until its prompt blocks reached the tier, so the consumer that the router calls
+  next finds them, and report how many leading prompt blocks the tier holds
+  (``kv_transfer.tier_blocks``); the engine holds the request's final output until then
+  (``request.kv_transfer_future``) and steps on meanwhile.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from engine.attention.base import raw
@@ -71,6 +73,7 @@ class TierConnector:
         # thread removes.
         self._lock = threading.Lock()
         self._just_loaded: set[bytes] = set()
+        self._reporter: ThreadPoolExecutor | None = None  # producers' finish reports, one at a time
         engine.block_manager.add_listener(self)
 
     # -- engine hooks ------------------------------------------------------------------------------
@@ -112,26 +115,38 @@ class TierConnector:
             self._just_loaded.update(hashes)
 
     def request_finished(self, request: Any) -> None:
+        """A producer's final output waits (``kv_transfer_future``) until its prompt blocks were
+        written, off the engine thread: its blocks' KV was snapshotted when they filled, so they
+        are freed at once and the engine steps on meanwhile. An aborted producer reports nothing."""
         spec = request.kv_transfer
-        if not spec or spec.get("role") != "producer":
+        if not spec or spec.get("role") != "producer" or request.finish_reason == "abort":
             return
         prompt_hashes = request.block_hashes[: request.num_prompt_tokens // self.block_size]
+        with self._lock:
+            if self._reporter is None:
+                self._reporter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-tier-producer")
+            request.kv_transfer_future = self._reporter.submit(
+                self._producer_report, request.request_id, prompt_hashes
+            )
+
+    def _producer_report(self, request_id: str, prompt_hashes: list[bytes]) -> dict[str, Any]:
         self.kv.flush(PRODUCER_FLUSH_TIMEOUT_S, hashes=prompt_hashes)
         # Confirm with the tier itself: a write may have been dropped (full queue, Redis down).
         in_tier = self.kv.lookup(prompt_hashes)
         if in_tier < len(prompt_hashes):
             logger.warning(
                 "request %s: %d of %d prompt blocks reached the tier; the consumer recomputes the rest",
-                request.request_id,
+                request_id,
                 in_tier,
                 len(prompt_hashes),
             )
-        request.kv_transfer_result = {
-            "tier_blocks": in_tier,
-            "tier_write_complete": in_tier == len(prompt_hashes),
-        }
+        return {"tier_blocks": in_tier, "tier_write_complete": in_tier == len(prompt_hashes)}
 
     def close(self) -> None:
+        with self._lock:
+            reporter, self._reporter = self._reporter, None
+        if reporter is not None:
+            reporter.shutdown(wait=True)  # the reports still out, then the writes they wait for
         self.kv.close()
 
     # -- sleep mode and weight updates ---------------------------------------------------------------

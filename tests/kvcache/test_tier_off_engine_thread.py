@@ -7,6 +7,7 @@ tiny Llama.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -121,3 +122,42 @@ def test_a_stalled_tier_lookup_holds_only_its_own_request(
         assert final.outputs[0].token_ids == ref
         assert engine.block_manager.num_used_blocks == 0
         engine.block_manager.check_integrity()
+
+
+def test_a_producer_waits_for_its_writes_off_the_engine_thread(
+    tiny_llama: Path, redis_server, held: LatencyProxy
+) -> None:
+    tier = f"redis://127.0.0.1:{held.port}/0?timeout=10"
+    with LLM(str(tiny_llama), kv_tier=tier, block_size=BS, num_kv_blocks=64) as llm:
+        engine = llm.engine
+        one = SamplingParams(temperature=0.0, max_tokens=1)
+        producer = engine.make_request("p", PROMPT_A, one, kv_transfer={"role": "producer"})
+        other = engine.make_request("b", PROMPT_B, GREEDY)
+        engine.add_request(producer)
+        deadline = time.monotonic() + 10
+        while engine.connector.stats().blocks_looked_up < 4:  # its arrival's lookup: answered
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        held.flowing.clear()  # then Redis stalls: the producer's block writes get no answer
+        engine.add_request(other)
+        finals: dict[str, object] = {}
+        for _ in range(40):
+            for out in engine.step():
+                if out.finished:
+                    finals[out.request_id] = out
+            if "b" in finals:
+                break
+        # The producer finished computing on the first step and freed its blocks; its final
+        # output waits for its writes while the other request runs to its end.
+        assert "b" in finals and "p" not in finals
+        assert producer.status is RequestStatus.FINISHED and engine.has_unfinished_requests()
+        assert engine.block_manager.num_used_blocks == 0
+        held.flowing.set()
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finals[out.request_id] = out
+        report = finals["p"].kv_transfer
+        assert report["tier_blocks"] == 5 and report["tier_write_complete"] is True
+        assert len(report["block_hashes"]) == 5  # 80 prompt tokens: 5 full blocks
+        assert redis.Redis(port=redis_server.port).dbsize() >= 5
