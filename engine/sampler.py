@@ -3,7 +3,7 @@
 Processing order (as vLLM v1): structured-output grammar mask -> allowed_token_ids -> bad_words ->
 logit_bias -> min_tokens (EOS and stop ids masked) -> repetition
 penalty (prompt + output tokens) -> presence / frequency penalties (output tokens) -> greedy
-argmax, or temperature -> top_k -> top_p -> min_p -> sample. Reported logprobs, ranks and top-N
+argmax, or temperature -> min_p -> top_k -> top_p -> sample. Reported logprobs, ranks and top-N
 follow vLLM's ``logprobs_mode`` (``LOGPROBS_MODES``): by default the *raw* distribution
 (log_softmax of the unprocessed logits), as in vLLM v1; ``processed_*`` report what the draw
 used (after the penalties and, for a sampled row, temperature and the top-k/top-p/min-p filters:
@@ -310,13 +310,20 @@ def sample_from_logits(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def apply_filters(
     logits: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float], min_p: Sequence[float]
 ) -> torch.Tensor:
-    """top_k (0: off) -> top_p (the smallest head whose mass reaches p, renormalised after top_k)
-    -> min_p (prob >= min_p * max prob). Removed logits become -inf; kept ones are unchanged. Cut-offs
-    are values, so tokens tied with the last kept one are kept too (no dependence on sort order)."""
+    """min_p (prob >= min_p * max prob) -> top_k (0: off) -> top_p (the smallest head whose mass
+    reaches p, renormalised after the filters before it): vLLM v1's order, where min_p is an
+    argmax-invariant logits processor that runs before its top-k/top-p sampler. Removed logits
+    become -inf; kept ones are unchanged. Cut-offs are values, so tokens tied with the last kept one
+    are kept too (no dependence on sort order)."""
     use_k, use_p, use_min = any(top_k), any(p < 1.0 for p in top_p), any(m > 0.0 for m in min_p)
     if not (use_k or use_p or use_min):
         return logits
     device, vocab = logits.device, logits.shape[1]
+    if use_min:
+        m = torch.tensor(list(min_p), dtype=logits.dtype, device=device).view(-1, 1)
+        probs = logits.softmax(dim=-1)
+        threshold = probs.max(dim=-1, keepdim=True).values * m
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
     if use_k:
         ks = [min(k, vocab) if k > 0 else vocab for k in top_k]
         head = logits.topk(max(ks), dim=-1).values
@@ -326,11 +333,6 @@ def apply_filters(
     if use_p:
         probs = logits.softmax(dim=-1)
         logits = logits.masked_fill(probs < _top_p_cutoff(probs, top_p), float("-inf"))
-    if use_min:
-        m = torch.tensor(list(min_p), dtype=logits.dtype, device=device).view(-1, 1)
-        probs = logits.softmax(dim=-1)
-        threshold = probs.max(dim=-1, keepdim=True).values * m
-        logits = logits.masked_fill(probs < threshold, float("-inf"))
     return logits
 
 

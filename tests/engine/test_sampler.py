@@ -163,6 +163,16 @@ def test_min_p_keeps_tokens_above_fraction_of_max() -> None:
     assert kept(apply_filters(logits, [0], [1.0], [0.5])) == [[0, 1]]
 
 
+def test_min_p_runs_before_top_p_as_in_vllm() -> None:
+    # vLLM v1 applies min_p (an argmax-invariant logits processor) before top-k/top-p: min_p 0.5
+    # drops 0.2 (< 0.25), top_p 0.6 then keeps 0.5 / 0.8 = 0.625 alone. top_p first would keep
+    # {0, 1} (0.5 < 0.6), and min_p after it would keep both.
+    logits = torch.tensor([[0.5, 0.3, 0.2]]).log()
+    assert kept(apply_filters(logits, [0], [0.6], [0.5])) == [[0]]
+    # ... and before top_k: min_p 0.7 leaves token 0 alone, whatever k is.
+    assert kept(apply_filters(logits, [2], [1.0], [0.7])) == [[0]]
+
+
 def test_top_p_beyond_the_fast_head_sorts_the_row() -> None:
     # Row 0 is flat over 1000 tokens, so top_p=0.5 keeps 500, beyond the 256-token head; the
     # slightly higher first 500 make the cut exact. Row 1 is peaked and takes the fast path.
