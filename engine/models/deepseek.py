@@ -53,7 +53,9 @@ class DeepseekForCausalLM:
         self.attention = attention
         self.deterministic = deterministic
         self.linear: Linear = invariant_linear if deterministic else F.linear
-        self.moe_mlp = MoE(self.moe, self.linear, ops.silu_and_mul, ops.fused_moe)
+        self.moe_mlp = MoE(
+            self.moe, self.linear, ops.silu_and_mul, ops.fused_moe, deterministic=deterministic
+        )
         mla = self.mla
         self.qk_head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
         self.scale = self.qk_head_dim**-0.5 * softmax_scale_factor(cfg.rope_scaling)

@@ -146,7 +146,11 @@ class LlamaForCausalLM:
         self.ops = ops
         self.attention = attention
         self.linear: Linear = invariant_linear if deterministic else F.linear
-        self.moe = None if cfg.moe is None else MoE(cfg.moe, self.linear, ops.silu_and_mul, ops.fused_moe)
+        self.moe = (
+            None
+            if cfg.moe is None
+            else MoE(cfg.moe, self.linear, ops.silu_and_mul, ops.fused_moe, deterministic=deterministic)
+        )
         self.scale = cfg.attention_multiplier or cfg.head_dim**-0.5
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim

@@ -59,6 +59,17 @@ def run_experts(
     return out
 
 
+def invariant_sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """``sigmoid(x)`` whose every element does not depend on the tensor's size (deterministic mode).
+
+    An elementwise op on CPU runs a flattened tensor through a vectorised body and a scalar tail
+    (and splits big ones across threads), which round the last bit differently, so a token's router
+    scores would depend on how many tokens share its batch. ``softmax([x, 0])[0]`` is a row-wise
+    kernel: each element's pair is computed alike wherever it sits (within an ulp of ``sigmoid``).
+    """
+    return torch.stack([x, torch.zeros_like(x)], dim=-1).softmax(dim=-1)[..., 0]
+
+
 class MoE:
     def __init__(
         self,
@@ -66,9 +77,12 @@ class MoE:
         linear: Linear,
         silu_and_mul: Callable[[torch.Tensor], torch.Tensor],
         fused: Callable[..., torch.Tensor] | None = None,
+        *,
+        deterministic: bool = False,
     ) -> None:
         self.cfg = cfg
         self.linear = linear
+        self.sigmoid = invariant_sigmoid if deterministic else torch.sigmoid
         self.silu_and_mul = silu_and_mul
         self.fused = fused  # the Triton op set's grouped matmuls (engine/kernels/triton_moe.py)
 
@@ -106,7 +120,7 @@ class MoE:
         if "gate_up" in layer:  # shared experts
             shared = linear(self.silu_and_mul(linear(x, layer["gate_up"], None)), layer["down"], None)
             if "shared_gate" in layer:
-                shared = torch.sigmoid(linear(x, layer["shared_gate"], None)) * shared
+                shared = self.sigmoid(linear(x, layer["shared_gate"], None)) * shared
             out = out + shared
         return out
 
@@ -125,7 +139,7 @@ class MoE:
         logits = self.linear(x.float(), layer["router"], None)
         if self.cfg.scoring == "softmax":
             return self._route_softmax(logits.softmax(dim=-1))
-        return self._route_sigmoid(logits.sigmoid(), layer["router_bias"])
+        return self._route_sigmoid(self.sigmoid(logits), layer["router_bias"])
 
     def _route_softmax(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Softmax scores (DeepSeek-V2, Qwen3-MoE); with ``group_limited_greedy`` only the

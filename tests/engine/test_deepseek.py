@@ -98,3 +98,31 @@ def test_experts_in_transformers_fused_layout_load_the_same(tiny_deepseek, tmp_p
     a = LLM(str(tiny_deepseek), num_kv_blocks=64).generate(prompts[:4], GREEDY)
     b = LLM(str(fused), num_kv_blocks=64).generate(prompts[:4], GREEDY)
     assert _tokens(a) == _tokens(b)
+
+
+def test_deterministic_router_scores_do_not_depend_on_the_batch() -> None:
+    """A sigmoid router's scores for a token are the same whatever number of tokens share its
+    step (on CPU, ``torch.sigmoid`` over [T, 8] rounds some rows differently for some T)."""
+    from engine.models.config import MoEConfig
+    from engine.models.llama import invariant_linear
+    from engine.models.moe import MoE
+
+    cfg = MoEConfig(
+        num_experts=8,
+        experts_per_token=8,  # every score is a weight: no rounding difference can hide
+        num_shared_experts=0,
+        intermediate_size=16,
+        first_dense_layers=0,
+        num_groups=1,
+        topk_groups=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=False,
+    )
+    moe = MoE(cfg, invariant_linear, lambda x: x, deterministic=True)
+    gen = torch.Generator().manual_seed(0)
+    layer = {"router": torch.randn(8, 32, generator=gen), "router_bias": torch.zeros(8)}
+    x = torch.randn(96, 32, generator=gen)
+    weights, experts = moe.route(x, layer)
+    for t in range(1, 97):
+        w, e = moe.route(x[:t], layer)
+        assert torch.equal(w[-1].sort().values, weights[t - 1].sort().values), t
