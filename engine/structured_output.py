@@ -12,6 +12,11 @@ request with ``finish_reason="stop"`` whatever ``ignore_eos`` says (there is not
 Compiling may take milliseconds to seconds for a large schema, so the async engine compiles in a
 worker thread, never on the event loop or the engine thread; the engine thread only fills masks
 and advances matchers (microseconds per token).
+
+A constraint is refused (ValueError, a 400 at the HTTP edge) rather than half applied: a JSON
+schema using a keyword xgrammar compiles but does not enforce (``engine/json_schema_support.py``),
+and a constraint no output can satisfy (its first token mask is empty). Both checks run where the
+compile runs, once per distinct constraint.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.json_schema_support import tag_schemas, unenforced_keyword
 from engine.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -115,6 +121,10 @@ class GrammarCompiler:
             if hit is not None:
                 return hit
             compiled = self._compile(compiler, spec, kind, any_ws)
+        problem = _unenforced(spec, kind)
+        if problem is not None:
+            raise ValueError(f"structured outputs {kind} {problem}, which structured outputs cannot enforce")
+        self._check_satisfiable(compiled, kind)
         with self._lock:
             self._cache[spec] = compiled
             while len(self._cache) > self._cache_size:
@@ -138,6 +148,17 @@ class GrammarCompiler:
         except (RuntimeError, ValueError, TypeError, KeyError, RecursionError) as e:
             raise ValueError(f"invalid structured outputs {kind}: {_reason(e)}") from e
         return compiled
+
+    def _check_satisfiable(self, compiled: Any, kind: str) -> None:
+        """ValueError when no first token is allowed (``root ::= root``, ``[^\\s\\S]``, or text the
+        vocabulary cannot spell): the request would otherwise start and be aborted at its first token.
+        Not a proof that some output completes, but what would abort every request at once."""
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask)
+        if not bool(bitmask.any()):
+            raise ValueError(f"invalid structured outputs {kind}: no output of this model can satisfy it")
 
     def matcher(self, compiled: xgr.CompiledGrammar, after_token_id: int | None = None) -> RequestGrammar:
         import xgrammar as xgr
@@ -217,6 +238,20 @@ def mask_to_grammars(
     idx = torch.tensor(rows, dtype=torch.long)
     out[idx] = torch.where(allowed, logits[idx], neg_inf)
     return out, rows
+
+
+def _unenforced(spec: StructuredOutputsParams, kind: str) -> str | None:
+    """What in the constraint's JSON schemas its grammar would not enforce, or None."""
+    if kind == "json":
+        schemas = [json.loads(spec.json or "{}")]
+    elif kind == "structural_tag":
+        schemas = [
+            json.loads(s) if isinstance(s, str) else s
+            for s in tag_schemas(json.loads(spec.structural_tag or "{}"))
+        ]
+    else:
+        return None
+    return next((found for found in map(unenforced_keyword, schemas) if found is not None), None)
 
 
 def _compile_structural_tag(compiler: Any, text: str | None) -> Any:

@@ -154,6 +154,8 @@ class _Conversation(_Request):
     tool_choice: ToolChoice | None = None
     # Accepted as Anthropic's clients send it: a reasoning model thinks as its template says.
     thinking: dict[str, Any] | None = None
+    # vLLM's: the chat template's variables (Qwen3's enable_thinking, DeepSeek-V3.1's thinking).
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @property
     def system_text(self) -> str | None:
@@ -165,7 +167,8 @@ class _Conversation(_Request):
         """The chat completions body of the same conversation (``server/serving_messages.py``
         serves it; the router keys its prompt with it): ``system`` first, ``tool_use`` blocks as
         the assistant's ``tool_calls``, ``tool_result`` blocks as ``tool`` messages before the
-        user's text, tools and tool_choice as OpenAI's (``any`` is ``required``)."""
+        user's text, tools and tool_choice as OpenAI's (``any`` is ``required``), the template
+        variables as given."""
         messages: list[dict[str, Any]] = []
         if self.system_text:
             messages.append({"role": "system", "content": self.system_text})
@@ -205,6 +208,8 @@ class _Conversation(_Request):
             if parts:
                 messages.append({"role": "user", "content": parts})
         body: dict[str, Any] = {"model": self.model, "messages": messages}
+        if self.chat_template_kwargs is not None:
+            body["chat_template_kwargs"] = self.chat_template_kwargs
         if self.tools:
             body["tools"] = [
                 {

@@ -358,6 +358,9 @@ class TokenizeRequest(_Request):
     prompt: StrictStr | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: StrictBool = True
+    # As on chat requests: the prompt ends inside the last message, so a count made here is the
+    # chat request's.
+    continue_final_message: StrictBool = False
     add_special_tokens: StrictBool | None = None  # default: True for prompt, False for messages
     return_token_strs: StrictBool = False
     chat_template: StrictStr | None = None  # as on chat requests
@@ -368,6 +371,8 @@ class TokenizeRequest(_Request):
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of 'prompt' or 'messages'")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         return self
 
 

@@ -3,7 +3,9 @@
 ``events`` turns the chat stream's chunks (``ChatChunks``) into ``response.created``,
 ``response.output_item.added``, ``response.output_text.delta``, ..., ``response.completed``, each
 with its ``sequence_number``. The output items (``reasoning``, ``message``, ``function_call``) are
-written by ``_Output``, which whole answers share through the item builders below.
+written by ``_Output`` in the order the model wrote them: text after a function call is a message
+item after it, as OpenAI's output lists items. A whole (non-streamed) answer is read from the same
+chunks by the same ``_Output`` (``collect``), so it has the output a stream of it ends with.
 
 For a router that may resume the stream elsewhere (``router/responses_stream.py``), two internal
 request fields change the stream, never its content:
@@ -258,6 +260,32 @@ async def events(
                 yield event_frame(kind, next_seq(), **fields)
     finally:
         await chunks.aclose()  # type: ignore[attr-defined]
+
+
+async def collect(
+    built: _Response,
+    chunks: AsyncIterator[ChatCompletionChunk],
+    save: Callable[[], Awaitable[None]],
+    *,
+    want_logprobs: bool,
+) -> None:
+    """A whole answer: the chat stream's chunks written into ``built`` (output, usage, status) as
+    ``events`` writes them, then saved. An error raises (nothing is saved); closing the chunks at the
+    end, or when cancelled, aborts the request in the engine."""
+    output = _Output(built, want_logprobs)
+    finish_reason = None
+    try:
+        async for chunk in chunks:
+            if chunk.usage is not None and not chunk.choices:
+                built.set_usage(chunk.usage.model_dump())
+            for choice in chunk.choices:
+                output.feed(choice)
+                finish_reason = choice.finish_reason or finish_reason
+    finally:
+        await chunks.aclose()  # type: ignore[attr-defined]
+    output.finish()
+    built.finish(finish_reason)
+    await save()
 
 
 async def _translate(

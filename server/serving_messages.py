@@ -10,20 +10,22 @@ a ``text`` block, a ``tool_use`` block per call; ``stop_reason`` ``end_turn``, `
 with the stop reason and usage, ``message_stop``), each as ``event: TYPE`` + ``data: JSON``.
 
 ``usage`` follows Anthropic's accounting: ``input_tokens`` are the prompt tokens not read from the
-prefix cache, ``cache_read_input_tokens`` the ones that were. Errors have Anthropic's shape.
+prefix cache, ``cache_read_input_tokens`` the ones that were. Errors have Anthropic's shape and
+name the request's own fields (``stop_sequences``, not the chat request's ``stop``: ``renamed``).
 Admission, timeouts, aborts on disconnect and metrics are the chat endpoint's.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable
+import re
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from fastapi.responses import JSONResponse
 
 from server.anthropic_protocol import CountTokensRequest, MessagesRequest, error_body
-from server.errors import validated
+from server.errors import APIError, validated
 from server.images import check_images, with_image_runs
 from server.params import chat_prompt
 from server.protocol import ChatCompletionChunk, ChatCompletionRequest
@@ -35,10 +37,31 @@ from server.streaming import SSEResponse
 # The internal event that carries one chat chunk's events and token ids to a router.
 GROUP_EVENT = "ferry_chunk"
 _STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
+# The chat fields a messages request's fields become, where the names differ.
+_CHAT_TO_MESSAGES = {"stop": "stop_sequences"}
 
 
 def to_chat_request(req: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest:
     return validated(ChatCompletionRequest, req.chat_body())
+
+
+def renamed(error: APIError, names: Mapping[str, str], keep_parts: bool = False) -> APIError:
+    """``error`` naming the fields the client sent instead of the chat fields they became: its
+    ``param`` (the field, or a part of it: with ``keep_parts`` the rest of the path is kept, else
+    the client's field alone is named), that name quoted in the message, and the chat field names
+    with an underscore anywhere in the message (never a word of prose)."""
+    param, message = error.param, error.message
+    for chat, client in names.items():
+        if param is not None and (param == chat or param.startswith(chat + ".")):
+            new = client + param[len(chat) :] if keep_parts else client
+            param, message = new, message.replace(f"'{error.param}'", f"'{new}'")
+            break
+    words = "|".join(re.escape(name) for name in names if "_" in name)
+    if words:
+        message = re.sub(rf"(?<![\w./#])({words})(?!\w)", lambda m: names[m.group(1)], message)
+    if param == error.param and message == error.message:
+        return error
+    return APIError(error.status, message, code=error.code, param=param, headers=error.headers)
 
 
 def stop_reason(finish_reason: str | None, stop: Any, req: MessagesRequest) -> tuple[str, str | None]:
@@ -73,8 +96,11 @@ def _tool_input(arguments: str) -> dict[str, Any]:
 async def create_message(
     state: ServerState, req: MessagesRequest, request_id: str, receive, submitted: Callable[[], None] | None
 ) -> Any:
-    chat = to_chat_request(req)
-    answer = await create_chat_completion(state, chat, request_id, receive, submitted, as_chunks=True)
+    try:
+        chat = to_chat_request(req)
+        answer = await create_chat_completion(state, chat, request_id, receive, submitted, as_chunks=True)
+    except APIError as e:
+        raise renamed(e, _CHAT_TO_MESSAGES, keep_parts=True) from None
     message_id = f"msg_{request_id}"
     model = state.answer_model(state.check_model(req.model))
     if isinstance(answer, ChatChunks):
@@ -111,16 +137,15 @@ async def create_message(
 
 def count_tokens(state: ServerState, req: CountTokensRequest) -> JSONResponse:
     state.check_model(req.model)
-    chat = to_chat_request(req)
-    num_images = len(check_images(state, chat.messages))  # counted as their placeholder runs
-    ids = with_image_runs(
-        state,
-        chat_prompt(
+    try:
+        chat = to_chat_request(req)
+        num_images = len(check_images(state, chat.messages))  # counted as their placeholder runs
+        prompt = chat_prompt(
             chat, state.tokenizer, state.config.trust_request_chat_template, state.config.chat, state.limits
-        ),
-        num_images,
-    )
-    return JSONResponse({"input_tokens": len(ids)})
+        )
+    except APIError as e:
+        raise renamed(e, _CHAT_TO_MESSAGES, keep_parts=True) from None
+    return JSONResponse({"input_tokens": len(with_image_runs(state, prompt, num_images))})
 
 
 def _frame(kind: str, payload: dict[str, Any]) -> bytes:

@@ -5,9 +5,10 @@ system message, flat function tools to chat tools, ``text.format`` to ``response
 ``max_output_tokens`` to ``max_completion_tokens``), served by ``serving_chat`` (so templates,
 structured outputs, tool calls, reasoning, admission, aborts and metrics are the same), and its
 answer turned into Responses output items: ``reasoning``, ``message`` (``output_text``) and
-``function_call``. Streamed, the chat chunk models (``ChatChunks``: never framed as chat SSE)
-become Responses events (``server/responses_stream.py``, which also serves a router's internal
-``resume`` and ``return_token_ids``).
+``function_call``. The chat request always streams: its chunk models (``ChatChunks``: never framed
+as chat SSE) become Responses events (``server/responses_stream.py``, which also serves a router's
+internal ``resume`` and ``return_token_ids``), or for a non-streamed request the output of one
+body, written by the same code (``collect``): both give the same output items.
 
 ``include: ["message.output_text.logprobs"]`` (with ``top_logprobs``) puts chat's token logprobs
 on the ``output_text`` parts and text delta events.
@@ -23,7 +24,6 @@ Hosted tools (web search, file search, ...) and non-text inputs are a 400.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -37,10 +37,11 @@ from server.middleware import response_id_for
 from server.protocol import ChatCompletionRequest, _Request
 from server.responses_input import InputError, chat_messages, chat_tools, input_items
 from server.responses_store import RUNNING, StoreUnavailable
-from server.responses_stream import call_item, events, message_item, reasoning_item
+from server.responses_stream import collect, events
 from server.serving_chat import ChatChunks, create_chat_completion
+from server.serving_messages import renamed
 from server.state import ServerState
-from server.streaming import SSEResponse
+from server.streaming import SSEResponse, run_or_disconnect
 
 logger = logging.getLogger("ferry.server")
 
@@ -92,9 +93,11 @@ class ResponsesRequest(_Request):
     return_token_ids: StrictBool = False
 
 
+# The chat fields a Responses request's fields become (an error names the client's field).
 _CHAT_TO_RESPONSES = {
     "messages": "input",
     "max_completion_tokens": "max_output_tokens",
+    "max_tokens": "max_output_tokens",
     "response_format": "text.format",
 }
 
@@ -144,6 +147,8 @@ def _response_format(req: ResponsesRequest) -> dict[str, Any] | None:
         raise bad_request("text.format.type must be text, json_object or json_schema", param="text.format")
     if fmt["type"] != "json_schema":
         return {"type": fmt["type"]}
+    if fmt.get("schema") is None:
+        raise bad_request("text.format of type 'json_schema' needs schema", param="text.format")
     schema = {k: fmt[k] for k in ("name", "description", "schema", "strict") if k in fmt}
     return {"type": "json_schema", "json_schema": schema}
 
@@ -175,10 +180,11 @@ def to_chat_request(
         "top_logprobs": (req.top_logprobs or 0) if wants_logprobs(req) else None,
         "user": req.user,
         **{name: getattr(req, name) for name in _EXTRAS},
-        # A background response runs as a stream whatever the client asked (its events are the
-        # progress the record follows; a streamed one's are also kept for resumption).
-        "stream": req.stream or req.background,
-        "stream_options": {"include_usage": True} if req.stream or req.background else None,
+        # Every response runs as a chat stream: its chunks make the output items alike whether the
+        # client streams or not (responses_stream.collect), and a background response's events
+        # are the progress its record follows.
+        "stream": True,
+        "stream_options": {"include_usage": True},
         "resume": {"token_ids": req.resume.token_ids} if req.resume and req.resume.token_ids else None,
         "return_token_ids": req.return_token_ids,
     }
@@ -421,8 +427,12 @@ async def create_response(
     own = input_items(req.input)
     if req.resume is None and req.store is not False and state.responses is not None:
         await _refuse_a_taken_id(state, response_id_for(request_id), context + own)
-    chat = to_chat_request(req, context + own if context else None, images=state.limits.image is not None)
-    answer = await create_chat_completion(state, chat, request_id, receive, submitted, as_chunks=True)
+    try:
+        chat = to_chat_request(req, context + own if context else None, images=state.limits.image is not None)
+        answer = await create_chat_completion(state, chat, request_id, receive, submitted, as_chunks=True)
+    except APIError as e:
+        raise renamed(e, _CHAT_TO_RESPONSES) from None
+    assert isinstance(answer, ChatChunks)  # the chat request streams
     model = state.answer_model(state.check_model(req.model))  # the chat request checked it: no 404 here
     built = _Response(
         req,
@@ -432,7 +442,7 @@ async def create_response(
         defaults=state.limits.generation_defaults,
     )
     save = _Saver(state, built, context + own)
-    if isinstance(answer, ChatChunks):  # a stream: every background response is one
+    if req.stream or req.background:
         frames = events(
             built,
             answer.chunks,
@@ -444,17 +454,10 @@ async def create_response(
         if req.background:
             return await state.background.start(built, request_id, frames, save, answer.on_close)
         return SSEResponse(frames, on_close=answer.on_close)
-    data = json.loads(answer.body)
-    choice = data["choices"][0]
-    message = choice["message"]
-    if message.get("reasoning_content"):
-        built.output.append(reasoning_item(message["reasoning_content"]))
-    if message.get("content") or not message.get("tool_calls"):
-        logprobs = (choice.get("logprobs") or {}).get("content") if wants_logprobs(req) else None
-        built.output.append(message_item(message.get("content") or "", logprobs=logprobs))
-    for call in message.get("tool_calls") or []:
-        built.output.append(call_item(call["id"], call["function"]["name"], call["function"]["arguments"]))
-    built.finish(choice.get("finish_reason"))
-    built.set_usage(data["usage"])
-    await save()
+    try:
+        await run_or_disconnect(
+            receive, collect(built, answer.chunks, save, want_logprobs=wants_logprobs(req))
+        )
+    finally:
+        answer.on_close()
     return JSONResponse(built.body())

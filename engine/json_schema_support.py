@@ -1,0 +1,400 @@
+"""Which parts of a JSON schema xgrammar compiles without enforcing.
+
+xgrammar turns some schemas into grammars that accept JSON breaking one of their keywords (measured
+with xgrammar 0.2.9; ``tests/engine/test_constraint_checks.py`` keeps the evidence). Structured
+outputs refuse such a schema (``engine/structured_output.py``) rather than answer with output that
+ignores part of it.
+
+A schema node is read the way xgrammar reads it: the first of ``SHAPES`` it has makes its grammar,
+and every other keyword beside it is dropped; else its ``type`` (without one, object or array
+keywords make it that type), whose keywords apply; else it is any JSON value and they are all
+dropped. A keyword only counts where it can constrain the output: a string keyword beside
+``"type": "integer"`` constrains nothing for any validator either.
+
+Pure functions of decoded JSON; never imports xgrammar (nor torch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from fractions import Fraction
+from typing import Any
+from urllib.parse import unquote
+
+SHAPES = ("$ref", "const", "enum", "anyOf", "oneOf", "allOf")
+_FAMILIES = {
+    "number": "minimum maximum exclusiveMinimum exclusiveMaximum multipleOf",
+    "string": "minLength maxLength pattern format",
+    "array": "items prefixItems unevaluatedItems minItems maxItems uniqueItems contains",
+    "object": "properties required additionalProperties unevaluatedProperties patternProperties "
+    "propertyNames minProperties maxProperties dependentRequired dependentSchemas dependencies",
+}
+_FAMILY = {kw: family for family, kws in _FAMILIES.items() for kw in kws.split()}
+# Never enforced, whatever the schema around them.
+_NEVER = frozenset({"uniqueItems", "contains", "dependentRequired", "dependentSchemas", "dependencies"})
+_OBJECT_HINTS = ("properties", "additionalProperties", "unevaluatedProperties")
+_ARRAY_HINTS = ("items", "prefixItems", "unevaluatedItems")
+# The string formats xgrammar has a grammar for; any other is not checked.
+FORMATS = frozenset(
+    "date time date-time duration email hostname ipv4 ipv6 uuid uri uri-reference uri-template "
+    "json-pointer relative-json-pointer".split()
+)
+# An integer's multipleOf is enforced up to this value, with no bounds or over a closed range of at
+# most this many integers.
+_MULTIPLE_OF_MAX, _MULTIPLE_OF_RANGE_MAX = 1024, 10000
+
+Types = frozenset[str]
+Problem = tuple[str, str]  # the keyword, why it is dropped ("" or " next to 'anyOf'", …)
+
+
+def unenforced_keyword(schema: Any) -> str | None:
+    """The first keyword of ``schema`` that its grammar would not enforce, as "uses the JSON Schema
+    keyword 'K' … at PATH"; None when the grammar enforces every keyword. Walks what the grammar is
+    made of: properties, items, members of anyOf / oneOf / allOf, local ``$ref`` targets."""
+    seen: set[tuple[int, str | None]] = set()
+    stack: list[tuple[Any, str, str | None]] = [(schema, "#", None)]
+    while stack:
+        node, path, default_type = stack.pop()
+        if not isinstance(node, dict) or (id(node), default_type) in seen:
+            continue
+        seen.add((id(node), default_type))
+        found = _node_problem(node, schema, default_type)
+        if found is not None:
+            where = "" if path == "#" else f" at {path}"
+            return f"uses the JSON Schema keyword {found[0]!r}{found[1]}{where}"
+        stack.extend(reversed(_children(node, path, default_type, schema)))
+    return None
+
+
+def tag_schemas(tag: Any) -> list[Any]:
+    """The JSON schemas inside a structural tag, in either of its formats."""
+    found, stack = [], [tag]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            if item.get("type") in ("json_schema", "qwen_xml_parameter") and "json_schema" in item:
+                found.append(item["json_schema"])
+            elif "begin" in item and "schema" in item:  # the older structures + triggers
+                found.append(item["schema"])
+            else:
+                stack.extend(item.values())
+    return found
+
+
+def _children(
+    node: dict, path: str, default_type: str | None, root: Any
+) -> list[tuple[Any, str, str | None]]:
+    """The schemas the node's grammar is made of, with their paths (and default types: a
+    ``propertyNames`` schema describes strings)."""
+    shape = _shape(node)
+    if shape == "$ref":
+        target = _resolve(root, node["$ref"])
+        return [] if target is None else [(target, node["$ref"], None)]
+    if shape in ("anyOf", "oneOf", "allOf") and isinstance(node[shape], list):
+        return [(m, f"{path}/{shape}/{i}", None) for i, m in enumerate(node[shape])]
+    if shape is not None:
+        return []
+    types = _branch_types(node, default_type) or frozenset()
+    out: list[tuple[Any, str, str | None]] = []
+    if "object" in types:
+        for key in ("properties", "patternProperties"):
+            if isinstance(node.get(key), dict):
+                out += [(v, f"{path}/{key}/{k}", None) for k, v in node[key].items()]
+        extra = "additionalProperties" if "additionalProperties" in node else "unevaluatedProperties"
+        out.append((node.get(extra), f"{path}/{extra}", None))
+        out.append((node.get("propertyNames"), f"{path}/propertyNames", "string"))
+    if "array" in types:
+        if isinstance(node.get("prefixItems"), list):
+            out += [(v, f"{path}/prefixItems/{i}", None) for i, v in enumerate(node["prefixItems"])]
+        rest = "items" if "items" in node else "unevaluatedItems"
+        out.append((node.get(rest), f"{path}/{rest}", None))
+    return out
+
+
+def _node_problem(node: dict, root: Any, default_type: str | None) -> Problem | None:
+    """The first keyword of this node (not of the schemas inside it) that its grammar drops."""
+    if "not" in node:
+        return "not", ""
+    if "if" in node and ("then" in node or "else" in node):
+        return "if", ""
+    for keyword in ("$dynamicRef", "$recursiveRef"):
+        if keyword in node:
+            return keyword, ""
+    shape = _shape(node)
+    if shape is not None:
+        return _shape_problem(node, shape, root)
+    types = _branch_types(node, default_type)
+    for keyword in node:
+        family = _FAMILY.get(keyword)
+        if family is None or not _constrains(node, keyword):
+            continue
+        if types is None:
+            return keyword, "" if keyword in _NEVER else " without a 'type'"
+        if _applies(family, types):
+            found = _keyword_problem(node, keyword, types)
+            if found is not None:
+                return found
+    if types is not None and not types:
+        return "type", " with no types"
+    return None
+
+
+def _keyword_problem(node: dict, keyword: str, types: Types) -> Problem | None:
+    """What the grammar drops of ``keyword`` in a node of these ``types``."""
+    if keyword in _NEVER:
+        return keyword, ""
+    if keyword == "multipleOf":
+        return (keyword, " on a 'number'") if "number" in types else _integer_multiple(node)
+    fmt = node.get("format")
+    known_format = isinstance(fmt, str) and fmt in FORMATS
+    if keyword == "format" and not known_format:
+        return keyword, f" with the value {fmt!r}"
+    if keyword in ("pattern", "minLength", "maxLength"):  # format, then pattern, then lengths
+        if known_format:
+            return keyword, " next to 'format'"
+        if keyword != "pattern" and "pattern" in node:
+            return keyword, " next to 'pattern'"
+    if keyword == "patternProperties" and isinstance(node.get("properties"), dict):
+        for pattern in node["patternProperties"]:  # the declared property's schema alone applies
+            for name in node["properties"]:
+                with contextlib.suppress(re.error):
+                    if re.search(pattern, name):
+                        return keyword, f" matching the declared property {name!r}"
+    return None
+
+
+def _integer_multiple(node: dict) -> Problem | None:
+    step = node["multipleOf"]
+    if step == 1 or isinstance(step, bool) or not isinstance(step, (int, float)):
+        return None
+    if step != int(step):  # every integer is a multiple of 1/k, which xgrammar drops rightly
+        if (1 / Fraction(step)).denominator == 1:
+            return None
+        return "multipleOf", " with a value that is not a whole number, on an 'integer'"
+    if step > _MULTIPLE_OF_MAX:
+        return "multipleOf", f" with a value above {_MULTIPLE_OF_MAX}"
+    low = [node[k] + d for k, d in (("minimum", 0), ("exclusiveMinimum", 1)) if k in node]
+    high = [node[k] - d for k, d in (("maximum", 0), ("exclusiveMaximum", 1)) if k in node]
+    if bool(low) != bool(high):
+        return "multipleOf", " with a lower or an upper bound alone"
+    if low and min(high) - max(low) + 1 > _MULTIPLE_OF_RANGE_MAX:
+        return "multipleOf", f" over more than {_MULTIPLE_OF_RANGE_MAX} integers"
+    return None
+
+
+def _shape_problem(node: dict, shape: str, root: Any) -> Problem | None:
+    """What the grammar drops in a node made by its ``shape`` keyword: what xgrammar approximates of
+    the shape itself, and the keywords beside it that could constrain what it produces."""
+    value = node[shape]
+    if shape == "$ref" and isinstance(value, str) and value != "#" and not value.startswith("#/"):
+        return "$ref", f" with the reference {value!r} (only '#' and '#/…' pointers are followed)"
+    if shape == "allOf" and isinstance(value, list) and len(value) > 1:
+        return "allOf", " with more than one schema"
+    if shape == "oneOf" and isinstance(value, list):  # xgrammar writes it as anyOf
+        for i in range(len(value)):
+            for j in range(i + 1, len(value)):
+                if not _disjoint(value[i], value[j], root):
+                    return "oneOf", f" with members {i} and {j}, which can match the same value"
+    values = _values(node)
+    produced = _types({shape: value}, root) if values is None else frozenset(map(_value_type, values))
+    for keyword, arg in node.items():
+        if keyword == shape or not _constrains(node, keyword):
+            continue
+        if keyword == "type":
+            allowed = _type_set(arg)
+            ok = allowed is not None and produced is not None and _within(produced, allowed)
+        elif keyword == "enum" and shape == "const":
+            ok = isinstance(arg, list) and any(_same(value, v) for v in arg)
+        elif keyword in SHAPES:
+            ok = False
+        elif keyword in _FAMILY:
+            if values is not None:
+                ok = all(_value_meets(v, keyword, arg) for v in values)
+            else:
+                ok = produced is not None and not _applies(_FAMILY[keyword], produced)
+        else:
+            continue
+        if not ok:
+            return keyword, f" next to {shape!r}"
+    return None
+
+
+def _shape(node: dict) -> str | None:
+    return next((k for k in SHAPES if k in node), None)
+
+
+def _constrains(node: dict, keyword: str) -> bool:
+    """Whether the keyword's value constrains anything (``uniqueItems: false`` does not)."""
+    value = node[keyword]
+    if keyword == "uniqueItems":
+        return value is True
+    if keyword in ("minLength", "minItems", "minProperties"):
+        return value != 0
+    if keyword in ("required", "dependentRequired", "dependentSchemas", "dependencies"):
+        return bool(value)
+    return True
+
+
+def _branch_types(node: dict, default_type: str | None) -> Types | None:
+    """The types a node without a shape keyword takes (None: any JSON value)."""
+    declared = node.get("type", default_type)
+    if declared is not None:
+        return _type_set(declared)
+    if any(k in node for k in _OBJECT_HINTS):
+        return frozenset({"object"})
+    if any(k in node for k in _ARRAY_HINTS):
+        return frozenset({"array"})
+    return None
+
+
+def _type_set(declared: Any) -> Types | None:
+    if isinstance(declared, str):
+        return frozenset({declared})
+    if isinstance(declared, list) and all(isinstance(t, str) for t in declared):
+        return frozenset(declared)
+    return None
+
+
+def _applies(family: str, types: Types) -> bool:
+    """A keyword of ``family`` constrains values of one of these types."""
+    return family in types or (family == "number" and "integer" in types)
+
+
+def _within(types: Types, allowed: Types) -> bool:
+    return all(t in allowed or (t == "integer" and "number" in allowed) for t in types)
+
+
+def _overlap(a: Types, b: Types) -> bool:
+    return any(x == y or {x, y} <= {"integer", "number"} for x in a for y in b)
+
+
+def _types(node: Any, root: Any, depth: int = 0) -> Types | None:
+    """The JSON types a schema's grammar can produce (None: any, or not worked out)."""
+    node = _deref(node, root)
+    if not isinstance(node, dict) or depth > 64:
+        return None
+    values = _values(node)
+    if values is not None:
+        return frozenset(map(_value_type, values))
+    shape = _shape(node)
+    if shape in ("anyOf", "oneOf", "allOf") and isinstance(node[shape], list):
+        if shape == "allOf" and len(node[shape]) != 1:
+            return None
+        found = [_types(m, root, depth + 1) for m in node[shape]]
+        return None if any(t is None for t in found) else frozenset().union(*found)  # type: ignore[arg-type]
+    return None if shape is not None else _branch_types(node, None)
+
+
+def _values(node: Any) -> list[Any] | None:
+    """The values a const or enum node allows (xgrammar reads const first)."""
+    if not isinstance(node, dict) or _shape(node) not in ("const", "enum"):
+        return None
+    if "const" in node:
+        return [node["const"]]
+    return node["enum"] if isinstance(node["enum"], list) else None
+
+
+def _value_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "integer" if float(value).is_integer() else "number"
+    return {str: "string", list: "array"}.get(type(value), "object")
+
+
+def _same(a: Any, b: Any) -> bool:
+    """JSON equality: 1 equals 1.0, true is not 1."""
+    if isinstance(a, bool) or isinstance(b, bool) or a is None or b is None:
+        return type(a) is type(b) and a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return type(a) is type(b) and a == b
+
+
+def _value_meets(value: Any, keyword: str, arg: Any) -> bool:
+    """Whether a const / enum value satisfies a keyword the grammar drops (False: not worked out)."""
+    if not _applies(_FAMILY[keyword], frozenset({_value_type(value)})):
+        return True  # the keyword is about values of another type
+    checks = {
+        "minimum": lambda: value >= arg,
+        "maximum": lambda: value <= arg,
+        "exclusiveMinimum": lambda: value > arg,
+        "exclusiveMaximum": lambda: value < arg,
+        "multipleOf": lambda: (Fraction(value) / Fraction(arg)).denominator == 1,
+        "minLength": lambda: len(value) >= arg,
+        "maxLength": lambda: len(value) <= arg,
+        "pattern": lambda: re.search(arg, value) is not None,
+    }
+    try:
+        return keyword in checks and bool(checks[keyword]())
+    except (TypeError, ValueError, ZeroDivisionError, re.error):
+        return False
+
+
+def _disjoint(a: Any, b: Any, root: Any) -> bool:
+    """No JSON value matches both schemas, proved from their values, their types, or a property
+    both require with disjoint const / enum values (a discriminator); False when not proved."""
+    a, b = _deref(a, root), _deref(b, root)
+    va, vb = _values(a), _values(b)
+    if va is not None and vb is not None:
+        return not any(_same(x, y) for x in va for y in vb)
+    ta, tb = _types(a, root), _types(b, root)
+    if va is not None and tb is not None:
+        return not _overlap(frozenset(map(_value_type, va)), tb)
+    if vb is not None and ta is not None:
+        return not _overlap(frozenset(map(_value_type, vb)), ta)
+    if ta is not None and tb is not None and not _overlap(ta, tb):
+        return True
+    if ta != frozenset({"object"}) or tb != ta or _shape(a) is not None or _shape(b) is not None:
+        return False
+    props_a, props_b = a.get("properties"), b.get("properties")
+    if not (isinstance(props_a, dict) and isinstance(props_b, dict)):
+        return False
+    required_b = b.get("required") if isinstance(b.get("required"), list) else []
+    for key in a.get("required") if isinstance(a.get("required"), list) else []:
+        if key in required_b and key in props_a and key in props_b:
+            xs, ys = _values(_deref(props_a[key], root)), _values(_deref(props_b[key], root))
+            if xs is not None and ys is not None and not any(_same(x, y) for x in xs for y in ys):
+                return True
+    return False
+
+
+def _deref(node: Any, root: Any) -> Any:
+    """``node`` with its local ``$ref``s followed (as far as they resolve)."""
+    seen: set[str] = set()
+    while isinstance(node, dict) and isinstance(node.get("$ref"), str) and node["$ref"] not in seen:
+        seen.add(node["$ref"])
+        target = _resolve(root, node["$ref"])
+        if target is None:
+            return node
+        node = target
+    return node
+
+
+def _resolve(root: Any, ref: Any) -> Any:
+    """The schema a local JSON pointer (``#``, ``#/$defs/a``) names in ``root``; None if none."""
+    if ref == "#":
+        return root
+    if not isinstance(ref, str) or not ref.startswith("#/"):
+        return None
+    node = root
+    for part in ref[2:].split("/"):
+        if not part:
+            continue
+        part = unquote(part).replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
