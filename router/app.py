@@ -6,7 +6,9 @@ handed to the ``Relay``; every other ``/v1/*`` route and the root routes of ``FO
 (``/tokenize``, ``/score``, ``/rerank``…) are relayed as they are; the Files and Batches API
 (``/v1/files*``, ``/v1/batches*``) all to one replica (``batch_home``). While a request is relayed the
 app watches the client: if it disconnects, the relay is cancelled at once, which closes the
-upstream connection and frees the replica's work.
+upstream connection and frees the replica's work. What the router answers itself (``/health``,
+``/v1/models``, ``/version``, ``/load``…) is in ``router/own_routes.py``. Every answer carries the
+request's ``X-Request-Id`` (the client's, else a new one), relayed or the router's own.
 This module must never import torch (the router starts in well under a second).
 """
 
@@ -27,15 +29,15 @@ from router.config import RouterConfig
 from router.discovery import make_discovery
 from router.discovery_sync import DiscoverySync
 from router.generation import Generation
-from router.health import HealthChecker, model_list
+from router.health import HealthChecker
 from router.http import (
     BodyTooLarge,
     ClientGone,
+    Message,
     Receive,
     Scope,
     Send,
     bearer_ok,
-    error_body,
     forward_headers,
     header,
     read_body,
@@ -46,6 +48,7 @@ from router.http import (
 from router.kv_events import KVEventFollower
 from router.messages_stream import anthropic_errors
 from router.metrics import RouterMetrics
+from router.own_routes import OWN_PATHS, answer_models, answer_own
 from router.pd import PDOrchestrator
 from router.pd_config import PDConfig, PDMetrics
 from router.policies import RouteRequest, make_policy
@@ -317,25 +320,30 @@ class RouterApp:
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         path, method = scope["path"], scope["method"]
+        request_id = request_id_of(header(scope, b"x-request-id"))
         if path.startswith(MESSAGES_PATH):  # the router's own errors in Anthropic's shape there too
             send = anthropic_errors(send)
+        relayed = path.startswith("/v1/") or path in FORWARD_ROOT_PATHS
+        models = relayed and method == "GET" and (path == "/v1/models" or path.startswith("/v1/models/"))
+        if not relayed or models:
+            send = _with_request_id(send, request_id)  # (relayed answers name it themselves)
+        id_header = [(b"x-request-id", request_id.encode())]
         if sum(len(k) + len(v) for k, v in scope["headers"]) > self.config.max_header_bytes:
-            await send_error(send, 431, "request headers too large")
+            await send_error(send, 431, "request headers too large", id_header)
             return
         reset = path == "/reset_prefix_cache" and method == "POST"
-        guarded = path.startswith("/v1/") or path in FORWARD_ROOT_PATHS or reset
+        guarded = relayed or reset
         if guarded and self.config.api_key is not None and not bearer_ok(scope, self.config.api_key):
-            await send_error(send, 401, "missing or wrong API key (Authorization: Bearer …)")
+            await send_error(send, 401, "missing or wrong API key (Authorization: Bearer …)", id_header)
             return
-        if path.startswith("/v1/") or path in FORWARD_ROOT_PATHS:
-            if method == "GET" and (path == "/v1/models" or path.startswith("/v1/models/")):
-                await self._models(scope, send, unquote(path[len("/v1/models/") :]) or None)
-            else:
-                await self._proxy(scope, receive, send)
+        if models:
+            await answer_models(self, scope, send, unquote(path[len("/v1/models/") :]) or None)
+        elif relayed:
+            await self._proxy(scope, receive, send, request_id)
         elif reset:
             await self._reset_prefix_cache(scope, send)
-        elif path == "/health" or path == "/ping":  # /ping: SageMaker's health check
-            await self._health(send)
+        elif path in OWN_PATHS:
+            await answer_own(self, path, send)
         elif path == "/metrics":
             await send_bytes(send, 200, self.metrics.render(), content_type=b"text/plain; version=0.0.4")
         elif path.startswith("/admin/"):
@@ -343,15 +351,7 @@ class RouterApp:
         else:
             await send_error(send, 404, f"no route {path}")
 
-    async def _health(self, send: Send) -> None:
-        now = self.clock()
-        counts = self.pool.counts(now)
-        status = 200 if counts["routable"] else 503
-        await send_json(
-            send, status, {"status": "ok" if status == 200 else "unavailable", "replicas": counts}
-        )
-
-    def _auth_headers(self, scope: Scope) -> list[tuple[bytes, bytes]]:
+    def auth_headers(self, scope: Scope) -> list[tuple[bytes, bytes]]:
         """What authorizes a call the router makes for a client: the replicas' key when the router
         has one (``--replica-api-key``), else the client's own header."""
         if self.replica_auth:
@@ -359,38 +359,11 @@ class RouterApp:
         auth = header(scope, b"authorization")
         return [(b"authorization", auth)] if auth else []
 
-    async def _models(self, scope: Scope, send: Send, model: str | None = None) -> None:
-        """``GET /v1/models``: every replica's list, merged; ``GET /v1/models/{model}``: one card."""
-        replicas = self.pool.candidates(self.clock())
-        if not replicas:
-            await send_error(
-                send, 503, "no healthy replica is registered with this router yet", [(b"retry-after", b"1")]
-            )
-            return
-        headers = self._auth_headers(scope)
-
-        async def one(r: Replica) -> list[dict]:
-            return await model_list(self.client, r.url, headers, self.config.health_timeout)
-
-        merged: dict[str, dict] = {}
-        for models in await asyncio.gather(*(one(r) for r in replicas)):
-            for m in models:
-                merged.setdefault(m["id"], m)
-        if model is None:
-            await send_json(send, 200, {"object": "list", "data": list(merged.values())})
-        elif model in merged:
-            await send_json(send, 200, merged[model])
-        else:
-            body = error_body(
-                f"The model `{model}` does not exist.", "NotFoundError", "model_not_found", "model"
-            )
-            await send_bytes(send, 404, body)
-
     async def _reset_prefix_cache(self, scope: Scope, send: Send) -> None:
         """vLLM's admin route, fanned out: every replica of every pool drops its cached blocks.
         200 when all did, else the first non-200 status (409 = a replica was busy), with each
         replica's status in ``replicas`` so a caller can retry."""
-        headers = self._auth_headers(scope)
+        headers = self.auth_headers(scope)
         replicas = list(self.replicas)
 
         async def one(r: Replica) -> int:
@@ -407,8 +380,7 @@ class RouterApp:
         body = {"replicas": {r.url: st for r, st in zip(replicas, statuses, strict=True)}}
         await send_json(send, status, body)
 
-    async def _proxy(self, scope: Scope, receive: Receive, send: Send) -> None:
-        request_id = request_id_of(header(scope, b"x-request-id"))
+    async def _proxy(self, scope: Scope, receive: Receive, send: Send, request_id: str) -> None:
         id_header = [(b"x-request-id", request_id.encode())]
         length = header(scope, b"content-length")
         if length is not None and length.isdigit() and int(length) > self.config.max_request_bytes:
@@ -525,6 +497,20 @@ class RouterApp:
             await relay(self.pool, call, send)
         finally:
             self.admission.release()
+
+
+def _with_request_id(send: Send, request_id: str) -> Send:
+    """``send`` with ``X-Request-Id`` on the answer's head, unless the answer names one already."""
+    value = request_id.encode()
+
+    async def wrapped(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            headers = list(message.get("headers", []))
+            if not any(k.lower() == b"x-request-id" for k, _ in headers):
+                message = {**message, "headers": [*headers, (b"x-request-id", value)]}
+        await send(message)
+
+    return wrapped
 
 
 async def _until_disconnect(work: Coroutine[Any, Any, None], receive: Receive) -> None:

@@ -5,8 +5,10 @@ A non-streamed answer is read whole before the client sees it, so a replica dyin
 one more retry. A stream is relayed event by event; when its replica dies part-way, the request
 is re-sent to another replica with ``resume.token_ids`` = the completion tokens already sent, and
 the new replica's chunks are spliced in (``router/sse.py``, ``router/messages_stream.py``,
-``router/responses_stream.py``), so the client sees one unbroken stream. Prefill/decode
-orchestration can reuse ``Generation.pump`` the same way.
+``router/responses_stream.py``), so the client sees one unbroken stream. A replica that ends a
+stream with an error event saying it could not finish (its engine process died: a 503) counts as
+one that died: the trackers hold that event back, and send it only when the stream cannot be
+resumed. Prefill/decode orchestration can reuse ``Generation.pump`` the same way.
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ class Generation(Relay):
         self.metrics.latency.observe(time.perf_counter() - call.started)
 
     async def _generate_whole(self, pool: Pool, call: ProxyCall, send: Send) -> None:
-        await self.answer_whole(pool, call, call.body, send)
+        client_sent = "kv_transfer" in (call.json or {})
+        await self.answer_whole(pool, call, call.body, send, None if client_sent else _without_kv_transfer)
 
     async def answer_whole(
         self,
@@ -88,6 +91,7 @@ class Generation(Relay):
                     return
                 attempt[0] += 1
                 self.metrics.retries.inc()
+                self.log_retry(call, opened.replica, "broke off its answer", attempt[0])
                 await asyncio.sleep(self.retry.backoff(attempt[0] - 1, self.rng))
                 continue
             self.finish(opened, True)
@@ -127,6 +131,7 @@ class Generation(Relay):
             client_wants_token_ids=bool(body.get("return_token_ids")),
             client_ids_in_logprobs=client_logprobs and bool(body.get("return_tokens_as_token_ids")),
             num_choices=_num_choices(body, chat),
+            client_sent_kv_transfer="kv_transfer" in body,
         )
         await self.stream(pool, call, body, send, tracker, payload if can_resume else None, _stream_error)
 
@@ -196,12 +201,15 @@ class Generation(Relay):
                     break
                 if not (can_resume and tracker.ids_complete and tracker.failovers < self.max_failovers):
                     message = "the replica serving this stream failed and it cannot be resumed"
-                    await send(
-                        {"type": "http.response.body", "body": error_event(message), "more_body": True}
-                    )
+                    self.log_stream_failure(call, opened.replica, tracker, None)
+                    end = tracker.failure_end() or error_event(message)  # the replica's own words first
+                    await send({"type": "http.response.body", "body": end, "more_body": True})
                     break
                 tracker.begin_failover()
                 self.metrics.failovers.inc()
+                self.log_stream_failure(
+                    call, opened.replica, tracker, (tracker.failovers, self.max_failovers)
+                )
                 resumed = tracker.resume_body(body)
                 opened = await self.open(pool, call, lambda r, b=resumed: payload(r, b), tried, [0])
                 if isinstance(opened, Failed) or opened.response.status_code != 200:
@@ -216,6 +224,30 @@ class Generation(Relay):
             if isinstance(opened, Opened) and not opened.finished:
                 await opened.response.aclose()
                 self.finish(opened, False, CLIENT_GONE)
+
+    def log_stream_failure(
+        self, call: ProxyCall, replica: Replica, tracker: Tracker, failover: tuple[int, int] | None
+    ) -> None:
+        """One line per stream that broke: resumed (``failover``: its number, of how many allowed)
+        or ended (None)."""
+        why = "sent an error event" if tracker.replica_error is not None else "broke off"
+        if failover is None:
+            self.request_log.warning(
+                "request %s: stream from %s %s after %d tokens; it cannot be resumed",
+                call.request_id,
+                replica.url,
+                why,
+                len(tracker.token_ids),
+            )
+            return
+        self.request_log.warning(
+            "request %s: stream from %s %s after %d tokens; resumed on another replica (failover %d of %d)",
+            call.request_id,
+            replica.url,
+            why,
+            len(tracker.token_ids),
+            *failover,
+        )
 
     @staticmethod
     def _answered(call: ProxyCall, opened: Opened) -> None:
@@ -247,6 +279,7 @@ class Generation(Relay):
         """Relay one replica's events; True when its stream ended normally."""
         splitter = SSESplitter()
         tracker.router_logprobs = opened.router_logprobs
+        tracker.replica_error = None  # this replica's own, if it says it cannot finish
         ok = False
         gone: int | None = None
         before = tracker.content_choices  # content relayed from earlier replicas (failover)
@@ -279,6 +312,21 @@ class Generation(Relay):
             self.finish(opened, ok, 200 if ok else gone)
             if tracker.saw_token_ids_field:
                 opened.replica.emits_token_ids = True
+
+
+def _without_kv_transfer(status: int, content: bytes) -> bytes:
+    """A whole answer without the replica's ``kv_transfer`` result (a prefill worker's, or a replica
+    that took the client's request as a producer): the router's business, never a client's."""
+    if b'"kv_transfer"' not in content:
+        return content
+    try:
+        obj = json.loads(content)
+    except ValueError:
+        return content
+    if not isinstance(obj, dict) or "kv_transfer" not in obj:
+        return content
+    del obj["kv_transfer"]
+    return json.dumps(obj, ensure_ascii=False).encode()
 
 
 def _with_token_ids(replica: Replica, base: dict) -> tuple[bytes, bool]:

@@ -3,8 +3,13 @@
 Healthy replicas are probed every ``probe_interval``; starting and ejected ones back off
 exponentially (``Replica.on_probe_fail``), so a dead replica costs little and a restarted one is
 readmitted by its first good probe. Good probes also read its ``/v1/models`` (at most every
-``MODELS_REFRESH_S``): the names and LoRA adapters it serves, which route requests by ``model``. The prober only calls the state machine
-in ``router/replica.py``; it decides nothing itself.
+``MODELS_REFRESH_S``): the names and LoRA adapters it serves, which route requests by ``model``,
+and the model cards the router's ``/v1/models`` falls back on when a replica does not answer it
+in time. A removed replica whose requests are still in flight (``Replicas.retiring``) is probed
+too, until they end: a removed replica that hangs is ejected and its streams cut, as any other.
+A ferry replica's ``/health`` body names its role: one that differs from the role the router was
+given for it is logged, and a replica reporting ``prefill`` takes no whole requests (``Replica.misrole``).
+The prober only calls the state machine in ``router/replica.py``; it decides nothing itself.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ class HealthChecker:
         self.metrics = metrics
         self.timeout = timeout
         self.clock = clock
-        self._probing: set[str] = set()
+        self._probing: set[Replica] = set()
         self._task: asyncio.Task | None = None
         self._children: set[asyncio.Task] = set()
 
@@ -65,31 +70,33 @@ class HealthChecker:
     async def _run(self) -> None:
         while True:
             now = self.clock()
-            for r in list(self.replicas):
-                if r.next_probe_at <= now and r.url not in self._probing:
+            for r in [*self.replicas, *self.replicas.retiring()]:
+                if r.next_probe_at <= now and r not in self._probing:
                     task = asyncio.create_task(self.probe(r))
                     self._children.add(task)
                     task.add_done_callback(self._children.discard)
             await asyncio.sleep(TICK)
 
     async def probe(self, replica: Replica, timeout: float | None = None) -> bool:
-        if replica.url in self._probing:
+        if replica in self._probing:
             return replica.routable(self.clock())
-        self._probing.add(replica.url)
+        self._probing.add(replica)
         try:
             ok = await self._check(replica, timeout or self.timeout)
         finally:
-            self._probing.discard(replica.url)
+            self._probing.discard(replica)
         before = replica.health
         if ok:
             now = self.clock()
             replica.on_probe_ok(now)
-            if not replica.models or now - replica.models_read_at >= MODELS_REFRESH_S:
+            stale = not replica.models or now - replica.models_read_at >= MODELS_REFRESH_S
+            if stale and not replica.removed:
                 await self._read_models(replica, timeout or self.timeout)
         else:
             replica.on_probe_fail(self.clock())
         if replica.health is not before:
-            log.warning("replica %s: %s -> %s", replica.url, before.value, replica.health.value)
+            removed = " (removed, requests in flight)" if replica.removed else ""
+            log.warning("replica %s%s: %s -> %s", replica.url, removed, before.value, replica.health.value)
         if self.replicas.find(replica.url) is replica:  # not removed meanwhile
             self.metrics.healthy.labels(replica.url).set(1 if replica.routable(self.clock()) else 0)
         return ok
@@ -109,13 +116,46 @@ class HealthChecker:
             body = json.loads(content)
         except ValueError:
             body = None
-        replica.sleeping = isinstance(body, dict) and body.get("sleeping") is True
+        body = body if isinstance(body, dict) else {}
+        replica.sleeping = body.get("sleeping") is True
+        role = body.get("role")
+        if isinstance(role, str) and role != replica.reported_role:
+            self._role_reported(replica, role)
         return True
 
+    @staticmethod
+    def _role_reported(replica: Replica, role: str) -> None:
+        """The replica names its role (``ferry serve --role``): trusted over the one it was added
+        with where they disagree in a way that breaks requests (module docstring)."""
+        replica.reported_role = role
+        replica.misrole = role == "prefill" and replica.role != "prefill"
+        if role == replica.role:
+            return
+        if replica.misrole:
+            log.error(
+                "replica %s was added as a %s replica (%s) but reports role 'prefill': a prefill "
+                "worker answers every request with one token, so it gets no requests here; add it "
+                'as a prefill worker (--prefill URL, or POST /admin/replicas with "role": "prefill")',
+                replica.url,
+                replica.role,
+                replica.source,
+            )
+        else:
+            log.warning(
+                "replica %s was added as a %s replica (%s) but reports role %r: it is used as %s",
+                replica.url,
+                replica.role,
+                replica.source,
+                role,
+                replica.role,
+            )
+
     async def _read_models(self, replica: Replica, timeout: float) -> None:
-        """The replica's served names and LoRA adapters (kept as they were if it does not answer)."""
+        """The replica's served names, LoRA adapters and model cards (kept as they were if it does
+        not answer)."""
         data = await model_list(self.client, replica.url, self.auth, timeout)
         if data:
+            replica.model_cards = data
             replica.models = [m["id"] for m in data]
             replica.lora_weights = {
                 m["id"]: m["lora_weights_id"] for m in data if isinstance(m.get("lora_weights_id"), str)
@@ -125,13 +165,13 @@ class HealthChecker:
 
 async def model_list(
     client: UpstreamClient, url: str, headers: list[tuple[bytes, bytes]], timeout: float
-) -> list[dict]:
-    """A replica's ``/v1/models`` entries (empty on any failure)."""
+) -> list[dict] | None:
+    """A replica's ``/v1/models`` entries; None when it gave no usable answer in time."""
     try:
         body = await asyncio.wait_for(get_json(client, url, "/v1/models", headers), timeout)
     except (UpstreamError, asyncio.TimeoutError, ValueError):
-        return []
+        return None
     data = body.get("data") if isinstance(body, dict) else None
     if not isinstance(data, list):
-        return []
+        return None
     return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]

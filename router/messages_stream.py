@@ -15,6 +15,10 @@ another replica with ``resume.token_ids`` = the tokens already sent, and its eve
 * every later block index is mapped onto the client's numbering;
 * the final ``message_delta`` reports the whole answer's ``output_tokens``.
 
+A replica that cannot finish (its engine process died) ends its stream with an ``error`` event of
+type ``overloaded_error`` (its 503): the tracker holds it back and the stream is resumed as if the
+replica had died; other errors (the client's, a 500) end the stream as they are.
+
 ``anthropic_errors`` puts the router's own error answers on these routes (401, 413, 429, 502…) in
 Anthropic's shape, as the replicas answer theirs.
 
@@ -32,6 +36,8 @@ from server.anthropic_protocol import ERROR_TYPES
 
 # server/serving_messages.py's GROUP_EVENT (the router does not import the serving code).
 GROUP_EVENT = "ferry_chunk"
+# The error type of a replica's 503 in Anthropic's shape: it could not finish (router/sse.py).
+_REPLICA_FAILURE_TYPE = ERROR_TYPES[503]
 
 
 def unpack_group(obj: dict[str, Any], token_ids: list[int]) -> tuple[list | None, list[dict[str, Any]]]:
@@ -68,6 +74,7 @@ class MessagesTracker:
         self.saw_token_ids_field = False
         self.finished = False  # the stop reason was sent (message_delta)
         self.done = False  # message_stop (or the replica's own error event) was sent
+        self.replica_error: bytes | None = None  # the replica's "could not finish", held back
         self.failovers = 0
         self.content_choices = 0  # content deltas relayed so far (the first one: TTFT)
         self.open_block: tuple[int, str] | None = None  # the client's open block: index, kind
@@ -86,11 +93,20 @@ class MessagesTracker:
             out["resume"] = {"token_ids": list(self.token_ids)}
         return out
 
+    def failure_end(self) -> bytes | None:
+        """The replica's own error event, when its failure cannot be resumed (None: it sent none)."""
+        return None if self.replica_error is None else self.replica_error + b"\n\n"
+
     def process(self, event: bytes) -> bytes | None:
         """The event(s) to send the client (without the trailing blank line), or None to drop it."""
         obj = typed_event(event)
         if obj is None:
             return event
+        if obj["type"] == "error" and not self.finished:
+            error = obj.get("error")
+            if isinstance(error, dict) and error.get("type") == _REPLICA_FAILURE_TYPE:
+                self.replica_error = event
+                return None
         if obj["type"] != GROUP_EVENT:
             if obj["type"] == "content_block_delta" and self._has_content(obj):
                 self.ids_complete = False  # a replica that does not group: its text has no ids

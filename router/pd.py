@@ -193,6 +193,7 @@ class PDOrchestrator:
                 if not self.prefill.retry.can_retry(attempt[0]):
                     raise LocalPrefill("prefill_failed")
                 attempt[0] += 1
+                self.prefill.log_retry(call, opened.replica, "broke off its prefill answer", attempt[0])
                 continue
             self.prefill.finish(opened, True)
             if status != 200:
@@ -253,11 +254,17 @@ class PDOrchestrator:
                     await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": True})
                     break
                 if not tracker.ids_complete or failovers >= self.decode.max_failovers:
-                    event = _error_event("the decode worker failed and the stream cannot be resumed")
+                    self.decode.log_stream_failure(call, opened.replica, tracker, None)
+                    event = tracker.failure_end() or _error_event(
+                        "the decode worker failed and the stream cannot be resumed"
+                    )
                     await send({"type": "http.response.body", "body": event, "more_body": True})
                     break
                 failovers += 1
                 self.decode.metrics.failovers.inc()
+                self.decode.log_stream_failure(
+                    call, opened.replica, tracker, (failovers, self.decode.max_failovers)
+                )
                 resumed = tracker.resume_body(base)
                 opened = await self.decode.open(
                     pool, call, partial(self._decode_payload, base=resumed), tried, [0]

@@ -3,13 +3,16 @@
 A ``Pool`` keeps replicas in insertion order (so round_robin is exact and tests can predict
 assignments) and answers "which replicas may take a request now". ``Replicas`` holds one pool per
 role (``mixed`` today; ``prefill`` and ``decode`` for PD orchestration) and is what the admin API,
-discovery and the health prober change. Everything here runs on the router's event loop.
+discovery and the health prober change. A replica removed while requests to it are in flight is
+*retiring* until they end: no pool has it, but the prober still watches it, so that if it stops
+answering its streams are cut and resumed elsewhere as an ejected replica's are. Everything here
+runs on the router's event loop.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from kvcache.keys import lora_extra
 from router.discovery import ROLES, check_replica_url, normalize_url
@@ -43,8 +46,15 @@ class Pool:
         return [r for r in self._replicas.values() if r.url not in exclude and r.routable(now)]
 
     def counts(self, now: float) -> dict[str, int]:
-        routable = sum(1 for r in self._replicas.values() if r.routable(now))
-        return {"total": len(self._replicas), "routable": routable}
+        return counts(self._replicas.values(), now)
+
+
+def counts(replicas: Iterable[Replica], now: float) -> dict[str, int]:
+    total = routable = 0
+    for r in replicas:
+        total += 1
+        routable += r.routable(now)
+    return {"total": total, "routable": routable}
 
 
 def serving(model: object, candidates: list[Replica]) -> list[Replica]:
@@ -75,6 +85,7 @@ class Replicas:
         self.clock = clock
         self.on_added: list[Callable[[Replica], None]] = []
         self.on_removed: list[Callable[[Replica], None]] = []
+        self._retiring: list[Replica] = []  # removed, with requests still in flight
 
     def __iter__(self) -> Iterator[Replica]:
         for pool in self.pools.values():
@@ -123,10 +134,19 @@ class Replicas:
             r = pool.pop(url)
             if r is not None:
                 r.removed = True
+                if r.inflight:
+                    self._retiring.append(r)
                 for hook in self.on_removed:
                     hook(r)
                 return r
         return None
+
+    def retiring(self) -> list[Replica]:
+        """Removed replicas whose requests are still in flight (the prober watches them until
+        those end)."""
+        if self._retiring:
+            self._retiring = [r for r in self._retiring if r.inflight]
+        return self._retiring
 
     def drain(self, url: str) -> Replica | None:
         r = self.find(url)

@@ -20,6 +20,10 @@ request that is its replica's half-open circuit trial carries the trial's number
 Once an answer's head has reached the client, the relay can no longer change its status: an
 answer whose upstream breaks mid-body is cut off (connection closed, no end of body) so that the
 client sees a failure, never a shorter answer that looks complete.
+
+What traffic tells the relay about a replica is logged where it learns it: a replica ejected by a
+connect error and a circuit that opens, each time (the prober logs only what its probes change);
+each retry and failover with its request id, rate-limited (``router/log_limit.py``).
 """
 
 from __future__ import annotations
@@ -33,10 +37,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router.http import RESPONSE_DROP, Send, error_body, send_bytes
+from router.log_limit import RateLimitedLog
 from router.metrics import RouterMetrics
 from router.policies.base import Policy, RouteRequest
 from router.pool import Pool, awake, serving
-from router.replica import Replica
+from router.replica import Circuit, Replica
 from router.response_affinity import is_batch_path
 from router.retry import RetryPolicy, counts_as_replica_failure
 from router.upstream import ConnectError, Response, UpstreamClient, UpstreamError, UpstreamTimeout
@@ -90,6 +95,7 @@ class Failed:
     status: int
     body: bytes
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    reason: str = ""  # for the log: what went wrong ("unreachable: …"; empty: the replica answered)
 
 
 class Relay:
@@ -111,6 +117,7 @@ class Relay:
         self.max_failovers = max_failovers
         self.clock = clock
         self.rng = rng or random.Random()
+        self.request_log = RateLimitedLog(log)  # retries and failovers: one line per request
 
     # ---- picking and sending ------------------------------------------------------------------
     async def open(
@@ -154,7 +161,7 @@ class Relay:
                     content = await _read_quietly(result)
                     last = Failed(status, content, response_headers(result))
                     if counts_as_replica_failure(status):
-                        replica.on_request_failure(self.clock())
+                        self.replica_failed(replica, f"answered {status}")
                 else:
                     last = result
             except BaseException:  # the client left (task cancelled): give the load back
@@ -166,7 +173,31 @@ class Relay:
                 return last
             attempt[0] += 1
             self.metrics.retries.inc()
+            self.log_retry(call, replica, last.reason or f"answered {last.status}", attempt[0])
             await asyncio.sleep(self.retry.backoff(attempt[0] - 1, self.rng))
+
+    def log_retry(self, call: ProxyCall, replica: Replica, why: str, attempt: int) -> None:
+        self.request_log.warning(
+            "request %s: %s %s; re-sent to another replica (retry %d of %d)",
+            call.request_id,
+            replica.url,
+            why,
+            attempt,
+            self.retry.max_retries,
+        )
+
+    def replica_failed(self, replica: Replica, why: str) -> None:
+        """A request failed on ``replica`` (a 5xx, a timeout, a broken answer): its circuit counts it."""
+        before = replica.circuit.state
+        replica.on_request_failure(self.clock())
+        if replica.circuit.state is Circuit.OPEN and before is not Circuit.OPEN:
+            log.warning(
+                "replica %s: circuit open for %.1f s after %d failed requests (last: %s)",
+                replica.url,
+                replica.circuit.cooldown,
+                replica.circuit.consecutive_failures,
+                why,
+            )
 
     async def _send(self, replica: Replica, call: ProxyCall, body: bytes) -> Response | Failed:
         try:
@@ -174,14 +205,28 @@ class Relay:
                 call.method, replica.url, call.url_path, call.headers, body, replica.waiting
             )
         except ConnectError as e:
+            before = replica.health
             replica.on_connect_error(self.clock())
-            return Failed(502, error_body(f"replica {replica.url} unreachable: {e}", error_type(502), 502))
+            if replica.health is not before:  # ejected by this request, not by a probe: say so here
+                log.warning(
+                    "replica %s: %s -> %s (connect error: %s)",
+                    replica.url,
+                    before.value,
+                    replica.health.value,
+                    e,
+                )
+                if not replica.removed:
+                    self.metrics.healthy.labels(replica.url).set(0)
+            body = error_body(f"replica {replica.url} unreachable: {e}", error_type(502), 502)
+            return Failed(502, body, reason=f"unreachable ({e})")
         except UpstreamTimeout:
-            replica.on_request_failure(self.clock())
-            return Failed(504, error_body(f"replica {replica.url} timed out", error_type(504), 504))
+            self.replica_failed(replica, "timed out")
+            body = error_body(f"replica {replica.url} timed out", error_type(504), 504)
+            return Failed(504, body, reason="timed out")
         except UpstreamError as e:
-            replica.on_request_failure(self.clock())
-            return Failed(502, error_body(f"replica {replica.url} failed: {e}", error_type(502), 502))
+            self.replica_failed(replica, str(e))
+            body = error_body(f"replica {replica.url} failed: {e}", error_type(502), 502)
+            return Failed(502, body, reason=f"failed ({e})")
 
     def _acquire(self, replica: Replica, tokens: int, now: float) -> int:
         trial = replica.acquire(tokens, now)
@@ -210,7 +255,7 @@ class Relay:
         if ok and code < 500:
             opened.replica.on_request_success()
         elif not ok or counts_as_replica_failure(code):
-            opened.replica.on_request_failure(self.clock())
+            self.replica_failed(opened.replica, "broken answer" if not ok else f"answered {code}")
         outcome = str(code) if ok else "broken"
         self._release(opened.replica, opened.tokens, opened.prefilling, outcome, opened.trial)
 

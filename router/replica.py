@@ -131,6 +131,12 @@ class Replica:
         self.draining = False
         self.sleeping = False  # its /health says its engine sleeps (vLLM's sleep mode): used only when all do
         self.models: list[str] = []  # served model ids (from /v1/models)
+        self.model_cards: list[dict] = []  # its /v1/models entries as last read (the router's fallback)
+        # The role its /health names (a ferry replica's), when it names one; ``misrole``: it says
+        # prefill while the router has it in a pool that sends whole requests (it would answer
+        # each with one token), so it is not routable there.
+        self.reported_role: str | None = None
+        self.misrole = False
         # LoRA adapter name -> the digest of its files (``lora_weights_id`` in /v1/models): salts
         # the adapter's block hashes (kvcache.keys.lora_extra).
         self.lora_weights: dict[str, str] = {}
@@ -150,7 +156,12 @@ class Replica:
 
     # ---- routing view -------------------------------------------------------------------------
     def routable(self, now: float) -> bool:
-        return self.health is Health.HEALTHY and not self.draining and self.circuit.allows(now)
+        return (
+            self.health is Health.HEALTHY
+            and not self.draining
+            and not self.misrole
+            and self.circuit.allows(now)
+        )
 
     @property
     def ever_healthy(self) -> bool:
@@ -231,6 +242,7 @@ class Replica:
         return {
             "url": self.url,
             "role": self.role,
+            "reported_role": self.reported_role,
             "source": self.source,
             "health": self.health.value,
             "circuit": self.circuit.state.value,

@@ -19,6 +19,13 @@ by one across the splice.
 A stream that cannot be resumed ends with an ``error`` event and ``response.failed`` (the output
 the client has), never with corrupt output.
 
+A replica that cannot finish (its engine process died) closes the open items, then sends an
+``error`` event with code ``service_unavailable`` and ``response.failed``, all outside groups (a
+grouping replica sends nothing else outside one once its first group is out). The tracker holds
+such events until it sees what they lead to: that failure is resumed like a replica's death (the
+held events dropped: the client's items stay open for the resumed replica to continue), or the held
+events are relayed when it cannot be resumed; any other error ends the stream as the replica sent it.
+
 The tracker is pure (events in, events out); ``router/generation.py`` runs it.
 """
 
@@ -28,7 +35,7 @@ import json
 from typing import Any
 
 from router.messages_stream import GROUP_EVENT, unpack_group
-from router.sse import typed_event
+from router.sse import replica_failure, typed_event
 
 # The events after which a Responses stream has nothing more to say.
 _ENDS = frozenset({"response.completed", "response.incomplete", "response.failed", "error"})
@@ -51,6 +58,10 @@ class ResponsesTracker:
         self.ids_complete = True  # False once text came without ids: no exact resume
         self.saw_token_ids_field = False
         self.done = False  # the response's last event was sent
+        # This replica's failure (its events from the items' closing to ``response.failed``), held
+        # back: the relay resumes the stream elsewhere, or sends them (``failure_end``) when it cannot.
+        self.replica_error: list[dict[str, Any]] | None = None
+        self._held: list[dict[str, Any]] = []  # a grouping replica's events outside a group, until
         self.failovers = 0
         self.content_choices = 0  # deltas relayed so far (the first one: TTFT)
         self.response: dict[str, Any] | None = None  # as ``response.created`` gave it the client
@@ -59,6 +70,7 @@ class ResponsesTracker:
 
     def begin_failover(self) -> None:
         self.failovers += 1
+        self._held = []
 
     def resume_body(self, body: dict) -> dict:
         """The request for the next replica: the same, resumed after what the client has (from the
@@ -80,14 +92,34 @@ class ResponsesTracker:
         obj = typed_event(event)
         if obj is None:
             return event
-        if obj["type"] != GROUP_EVENT:
-            if obj["type"] in _DELTAS and obj.get("delta"):
+        kind = obj["type"]
+        if self.replica_error is not None:  # what follows the replica's failure: held with it
+            self.replica_error.append(obj)
+            return None
+        if kind == "error" and replica_failure(obj):
+            self.replica_error, self._held = [*self._held, obj], []
+            return None
+        if kind != GROUP_EVENT and kind != "error" and self.saw_token_ids_field and not self.done:
+            self._held.append(obj)  # outside a group: the start of a failure's end, or of an error's
+            return None
+        held, self._held = self._held, []
+        out = [self._one(e) for e in held]
+        if kind != GROUP_EVENT:
+            if kind in _DELTAS and obj.get("delta"):
                 self.ids_complete = False  # a replica that does not group: its text has no ids
-            return self._one(obj)
-        ids, events = unpack_group(obj, self.token_ids)
-        self.saw_token_ids_field |= ids is not None
-        out = [self._one(e) for e in events]
+            out.append(self._one(obj))
+        else:
+            ids, events = unpack_group(obj, self.token_ids)
+            self.saw_token_ids_field |= ids is not None
+            out += [self._one(e) for e in events]
         return b"\n\n".join(out) if out else None
+
+    def failure_end(self) -> bytes | None:
+        """The replica's own end of a response it could not finish, when that cannot be resumed
+        (None: it sent none)."""
+        if self.replica_error is None:
+            return None
+        return b"".join(self._one(e) + b"\n\n" for e in self.replica_error)
 
     def error_event(self, message: str) -> bytes:
         """What ends a stream that cannot go on: an ``error`` event, then ``response.failed`` with

@@ -7,6 +7,13 @@ written ``"token_id:123"``, also vLLM's). ``StreamTracker`` reads each event onc
 ids (the ``resume.token_ids`` of a failover), removes what the client did not ask for (dropping
 chunks that only carried router-requested logprobs), and, after a failover, makes the new replica's chunks look like the rest of the stream
 (same ``id`` and ``created``, no second ``role`` chunk, ``usage`` counting every token sent).
+
+A replica that cannot finish a stream it started (its engine process died or is stopping) says so
+with an error event before ``[DONE]`` (``{"error": {"type": "ServiceUnavailableError", "code":
+"service_unavailable", …}}``): the tracker holds that event back (``replica_error``) and drops the
+``[DONE]``, so the relay treats the stream as broken and resumes it on another replica, as it does
+for a replica that died outright. Errors a client caused (4xx, and 408: the replica's own request
+timeout) and 500s (a bug, which another replica would likely meet too) end the stream as they are.
 """
 
 from __future__ import annotations
@@ -14,7 +21,23 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from server.error_types import error_type
+
 DONE = b"[DONE]"
+# The statuses whose in-stream error means "this replica could not finish": those a whole answer
+# is retried on (router/retry.py) but 429, which a replica answers before a stream starts.
+_REPLICA_FAILURE_STATUSES = (502, 503, 504)
+_REPLICA_FAILURE_TYPES = frozenset(error_type(s) for s in _REPLICA_FAILURE_STATUSES)
+_REPLICA_FAILURE_CODES = frozenset({"service_unavailable", *_REPLICA_FAILURE_STATUSES})
+
+
+def replica_failure(error: Any) -> bool:
+    """An OpenAI error object sent in a stream says the replica failed (its engine died, it is
+    stopping, an upstream of its own failed), not that the request is at fault: another replica
+    can finish the stream."""
+    if not isinstance(error, dict):
+        return False
+    return error.get("type") in _REPLICA_FAILURE_TYPES or error.get("code") in _REPLICA_FAILURE_CODES
 
 
 class SSESplitter:
@@ -72,10 +95,14 @@ class StreamTracker:
         client_wants_token_ids: bool,
         client_ids_in_logprobs: bool = False,
         num_choices: int = 1,
+        client_sent_kv_transfer: bool = False,
     ) -> None:
         self.chat = chat
         self.num_choices = num_choices  # the stream is finished once each has its finish_reason
         self.keep_ids = client_wants_token_ids
+        # A replica's kv_transfer result is the router's business (prefill/decode hand-off), never
+        # a client's: relayed only to a client that sent kv_transfer itself (one router behind another).
+        self.keep_kv_transfer = client_sent_kv_transfer
         # Where this stream's token ids come from besides ``token_ids``: logprobs the router added
         # (``router_logprobs``: stripped before the client sees them) or the client's own
         # ``return_tokens_as_token_ids`` logprobs.
@@ -86,6 +113,9 @@ class StreamTracker:
         self.saw_token_ids_field = False  # the replica supports return_token_ids
         self.finished_choices: set[Any] = set()  # indexes of choices whose finish_reason was sent
         self.done = False  # [DONE] was sent
+        # This replica's error event saying it could not finish (``replica_failure``), held back:
+        # the relay resumes the stream elsewhere, or sends it (``failure_end``) when it cannot.
+        self.replica_error: bytes | None = None
         self.role_sent = False
         self.failovers = 0
         self.stream_id: str | None = None
@@ -100,12 +130,21 @@ class StreamTracker:
     def begin_failover(self) -> None:
         self.failovers += 1
 
+    def failure_end(self) -> bytes | None:
+        """What ends the client's stream when the replica's failure cannot be resumed: its own
+        error event and ``[DONE]`` (None: it sent none)."""
+        if self.replica_error is None:
+            return None
+        return self.replica_error + b"\n\n" + self.END_EVENT
+
     def process(self, event: bytes) -> bytes | None:
         """The event to send the client (bytes without the trailing blank line), or None to drop it."""
         data = event_data(event)
         if data is None:
             return event
         if data == DONE:
+            if self.replica_error is not None:
+                return None  # the end of a stream its replica could not finish: not the client's end
             self.done = True
             return event
         try:
@@ -113,6 +152,11 @@ class StreamTracker:
         except ValueError:
             return event
         if not isinstance(obj, dict):
+            return event
+        if "error" in obj and "choices" not in obj:  # an error event (OpenAI's shape)
+            if not self.finished and replica_failure(obj["error"]):
+                self.replica_error = event
+                return None
             return event
         changed = False
         if self.stream_id is None:
@@ -122,6 +166,9 @@ class StreamTracker:
             changed = True
         if "prompt_token_ids" in obj and not self.keep_ids:
             del obj["prompt_token_ids"]
+            changed = True
+        if "kv_transfer" in obj and not self.keep_kv_transfer:
+            del obj["kv_transfer"]
             changed = True
         choices = obj.get("choices")
         if isinstance(choices, list):
