@@ -138,9 +138,10 @@ class Tokenizer:
         model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"
         if not path.is_file():
-            raise FileNotFoundError(
-                f"{model_dir} has no tokenizer.json (a fast tokenizer file is required; --tokenizer DIR "
-                "reads it from another directory)"
+            raise FileNotFoundError(  # both commands read it, and only `ferry serve` has --tokenizer
+                f"{model_dir} has no tokenizer.json (a fast tokenizer file is required: `ferry serve "
+                "--tokenizer DIR` reads it from another directory; `ferry router --model DIR` takes the "
+                "directory that holds it)"
             )
         backend = _RustTokenizer.from_file(str(path))
         config = _read_json(model_dir / "tokenizer_config.json")

@@ -43,16 +43,35 @@ SAGEMAKER_DEFAULTS = ("--host", "0.0.0.0", "--port", "8080")  # where SageMaker 
 
 def sagemaker_args(environ: Mapping[str, str]) -> list[str]:
     """The `ferry serve` flags of the SM_FERRY_ variables, in name order: ``SM_FERRY_MAX_MODEL_LEN=4096``
-    is ``--max-model-len 4096``; an empty value or ``true`` is the switch alone
-    (``SM_FERRY_ENABLE_LORA=true``: ``--enable-lora``). With any of them set, the server listens on
-    0.0.0.0:8080 (SageMaker's port) unless they say otherwise."""
+    is ``--max-model-len 4096``; for a switch an empty value or ``true`` is the switch alone
+    (``SM_FERRY_ENABLE_LORA=true``: ``--enable-lora``) and ``false`` its ``--no-`` form (nothing, for a
+    switch that has none), as in a ``--config`` file. With any of them set, the server listens on
+    0.0.0.0:8080 (SageMaker's port) unless they say otherwise. ValueError naming the variable for a
+    switch given another value."""
+    from server.args import add_serve_args
+
+    options = add_serve_args(argparse.ArgumentParser(add_help=False))._option_string_actions  # noqa: SLF001
     flags: list[str] = []
     for key in sorted(
         k for k in environ if k.startswith(SAGEMAKER_PREFIX) and len(k) > len(SAGEMAKER_PREFIX)
     ):
         flag = "--" + key[len(SAGEMAKER_PREFIX) :].lower().replace("_", "-")
         value = environ[key]
-        flags += [flag] if value.strip().lower() in ("", "true") else [flag, value]
+        word = value.strip().lower()
+        action = options.get(flag)
+        if action is not None and action.nargs == 0:  # a switch: never followed by a value
+            if word in ("", "true"):
+                flags.append(flag)
+            elif word == "false":
+                negative = "--no-" + flag[2:]
+                flags += [negative] if options.get(negative) is action else []
+            else:
+                raise ValueError(f"{key}={value!r}: {flag} is a switch, give it true or false")
+            continue
+        if action is not None:  # a flag that takes a value takes ``true`` as one
+            flags += [flag, value] if value else [flag]
+        else:  # not a serve flag: the parser names it
+            flags += [flag] if word in ("", "true") else [flag, value]
     return [*SAGEMAKER_DEFAULTS, *flags] if flags else []
 
 
@@ -76,7 +95,11 @@ def _with_config_file(argv: list[str]) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:  # flags given on the command line come last, so they win
-        argv = ["serve", *sagemaker_args(os.environ), *argv[1:]]
+        try:
+            argv = ["serve", *sagemaker_args(os.environ), *argv[1:]]
+        except ValueError as e:
+            sys.stderr.write(f"ferry serve: error: {e}\n")
+            return 2
     if argv[:1] in (["serve"], ["run-batch"]):
         argv = _with_config_file(argv)
     args = build_parser().parse_args(argv)

@@ -13,8 +13,9 @@ Each entry becomes the flag it names, placed before the command line's own flags
 line wins (vLLM's order: command line > config file > defaults). ``true`` is the switch alone,
 ``false`` its ``--no-`` form (or nothing, for a switch that has none); a list fills a flag that takes
 several values and is JSON for one that takes a JSON value, as a mapping always is. ``model`` gives
-way to a positional ``ferry serve MODEL``. What the parser would refuse on a command line (an
-unknown name, a bad value) is refused here, naming the file.
+way to a positional ``ferry serve MODEL``, which a file's last flag never takes as one more value (the
+positional then goes first). What the parser would refuse on a command line (an unknown name, a bad
+value) is refused here, naming the file.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ def expand_config(
     make_parser(parser)
     options = parser._option_string_actions  # noqa: SLF001 - argparse keeps no public index
     flags: list[str] = []
+    takes_several = False  # whether the last flag in ``flags`` takes several values
     for key, value in loaded.items():
         name = "--" + str(key).replace("_", "-")
         if name == CONFIG_FLAG:
@@ -76,12 +78,19 @@ def expand_config(
             raise ConfigFileError(f"{where}: unknown option {key!r} (not a `ferry {command}` flag)")
         if name == "--model" and _positional_model(parser, argv):
             continue  # `ferry serve MODEL --config FILE`: the command line's model wins
-        flags += _flag(name, value, action, options, where)
+        emitted = _flag(name, value, action, options, where)
+        if emitted:
+            flags += emitted
+            takes_several = action.nargs in ("+", "*")
     try:  # a bad value (``max-num-seqs: abc``) is the file's mistake: say so
         parser.parse_args(flags)
     except ConfigFileError as e:
         if not str(e).startswith("the following arguments are required"):  # given on the command line
             raise ConfigFileError(f"{where}: {e}") from None
+    if takes_several and argv and not argv[0].startswith("-"):
+        # ``ferry serve MODEL --config FILE`` with a file ending in ``served-model-name: [a, b]``:
+        # MODEL would be one more name. A leading positional goes before the file's flags (vLLM's order).
+        return [argv[0], *flags, *argv[1:]]
     return [*flags, *argv]
 
 

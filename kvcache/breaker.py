@@ -39,6 +39,10 @@ logger = logging.getLogger(__name__)
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
 PROBE_KEY = "ferry:kv:probe"  # never written: the probe only asks whether the server answers
 RESPONSE_LOG_INTERVAL_S = 60.0  # a server's refusals of one call kind are logged this seldom
+ERROR_TEXT_LIMIT = 200  # characters of an error's message in a log line
+# redis-py names a failed pipeline command with its arguments (a block's raw bytes) before the
+# server's answer: "Command # 1 (SET key <bytes>) of pipeline caused error: <answer>".
+_PIPELINE_ERROR = " of pipeline caused error: "
 
 T = TypeVar("T")
 
@@ -133,6 +137,19 @@ def classify_error(exc: BaseException) -> str:
     return ERROR_INTERNAL
 
 
+def error_text(exc: BaseException) -> str:
+    """``exc`` for a log line: its class and message, a failed pipeline command's arguments left out
+    (they hold the block's bytes), characters that are not printable escaped, the message cut at
+    ``ERROR_TEXT_LIMIT`` characters."""
+    text = str(exc)
+    if _PIPELINE_ERROR in text:
+        text = text.split(_PIPELINE_ERROR, 1)[1]
+    if len(text) > ERROR_TEXT_LIMIT:
+        text = text[:ERROR_TEXT_LIMIT] + "..."
+    text = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+    return f"{type(exc).__name__}: {text}"
+
+
 class GuardedTier(Tier):
     """Wrap a backend that may raise: bound it with a breaker, count errors, return misses."""
 
@@ -211,10 +228,12 @@ class GuardedTier(Tier):
             now = time.monotonic()
             if now - self._refusals_logged.get(op, -RESPONSE_LOG_INTERVAL_S) >= RESPONSE_LOG_INTERVAL_S:
                 self._refusals_logged[op] = now
-                logger.warning("%s %s refused by the server (treated as a miss): %s", self.name, op, exc)
+                logger.warning(
+                    "%s %s refused by the server (treated as a miss): %s", self.name, op, error_text(exc)
+                )
             return
         self.breaker.record_failure()
         if kind == ERROR_INTERNAL:
             logger.error("%s %s failed unexpectedly; treated as a miss", self.name, op, exc_info=exc)
         else:
-            logger.debug("%s %s failed (%s): %r", self.name, op, kind, exc)
+            logger.debug("%s %s failed (%s): %s", self.name, op, kind, error_text(exc))

@@ -52,6 +52,26 @@ PASSTHROUGH_PARAMS = (
     "ssl_check_hostname",
     "client_name",
 )
+# The parameters ferry reads from a tier URL (``_open_redis``), which redis-py does not take.
+TIER_PARAMS = (
+    "ttl",
+    "timeout",
+    "connect_timeout",
+    "max_connections",
+    "l1_bytes",
+    "breaker_failures",
+    "breaker_cooldown",
+)
+
+
+def client_url(url: str) -> str:
+    """``url`` for a plain redis-py client: a tier URL (``redis://h:6379/0?ttl=600&l1_bytes=…``) given
+    as a ``--responses-store``, ``--register`` or ``--discovery`` URL or to the router's KV-event
+    reader works there too. Ferry's tier parameters are dropped, any other (redis-py's) kept."""
+    parsed = TierURL(url)
+    if not any(name in TIER_PARAMS for name in parsed.params):
+        return url
+    return parsed.url_without_params({k: v for k, v in parsed.params.items() if k not in TIER_PARAMS})
 
 
 class RedisTier(Tier):

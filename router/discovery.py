@@ -2,8 +2,11 @@
 
 A ``Discovery`` backend answers one question, "which replicas exist right now?", and the
 router polls it (about once a second) and reconciles its pools with the answer: new URLs
-are added (and probed before they get traffic), URLs that vanished are drained and removed.
-Backends are chosen by URL scheme through ``DISCOVERY_BACKENDS``:
+are added (and probed before they get traffic), URLs that vanished are drained and removed —
+at once for a source of truth (Kubernetes, DNS); for heartbeat registrations (Redis) only when
+the replica deregistered, or its key stopped while the others' are refreshed, or its own health
+probes fail too (``Listing``, ``router/discovery_sync.py``). Backends are chosen by URL scheme
+through ``DISCOVERY_BACKENDS``:
 
 * ``redis://`` / ``rediss://`` — replicas started with ``ferry serve --register`` heartbeat a key
   (``router/discovery_redis.py``; the wire format is documented there).
@@ -38,6 +41,21 @@ class DiscoveredReplica:
         object.__setattr__(self, "url", normalize_url(self.url))
 
 
+@dataclass(frozen=True)
+class Listing:
+    """One poll of a backend: the replicas it lists, and what a replica missing from them means."""
+
+    replicas: list[DiscoveredReplica]
+    # A source of truth (Kubernetes, DNS): a replica it no longer lists is gone. Heartbeat
+    # registrations (Redis) are not one: a restarted, full or hung Redis loses the keys of replicas
+    # that still serve, so a missing replica is gone only when it ``departed``, or its key stayed
+    # away ``grace_s`` while registrations kept ``refreshing``, or its health probes fail too.
+    authoritative: bool = True
+    departed: frozenset[str] = frozenset()  # replicas that deregistered themselves (clean shutdown)
+    refreshing: bool = True  # the source keeps registrations now: a key that stops is its replica's doing
+    grace_s: float = 0.0  # how long a missing registration may take to come back (a heartbeat interval)
+
+
 class Discovery(ABC):
     """Lists the replicas that exist now. Called periodically; must not block the event loop."""
 
@@ -45,6 +63,11 @@ class Discovery(ABC):
     async def list_replicas(self) -> list[DiscoveredReplica]:
         """Every replica currently known to the backend. Raise on backend errors (the router keeps
         its previous view and retries; a transient outage must not remove every replica)."""
+
+    async def poll(self) -> Listing:
+        """``list_replicas`` with what a missing replica means; a backend whose listing is not the
+        source of truth overrides it. Raises as ``list_replicas`` does."""
+        return Listing(await self.list_replicas())
 
     async def close(self) -> None:  # noqa: B027 - optional hook, most backends hold nothing
         """Release connections; called once when the router stops."""

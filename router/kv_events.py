@@ -31,7 +31,10 @@ class KVEventFollower:
     def __init__(
         self, redis_url: str, index: PrefixIndex, known_url: Callable[[str], bool], block_ms: int = 200
     ):
+        from kvcache.redis_tier import client_url
+
         self.redis_url = redis_url
+        self.client_url = client_url(redis_url)  # the router's --kv-tier: a tier URL, its parameters too
         self.index = index
         self.known_url = known_url
         self.block_ms = block_ms
@@ -58,7 +61,7 @@ class KVEventFollower:
 
         from kvcache.events import KVEventReader
 
-        client = redis.Redis.from_url(self.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        client = redis.Redis.from_url(self.client_url, socket_timeout=2.0, socket_connect_timeout=2.0)
         try:
             streams = [k.decode() for k in client.scan_iter(match=STREAM_PATTERN, count=100)]
         finally:
@@ -68,7 +71,7 @@ class KVEventFollower:
             reader = self.readers.get(name)
             if reader is None:
                 fingerprint = name.rsplit(":", 1)[1]
-                reader = self.readers[name] = KVEventReader(self.redis_url, fingerprint, start_id="0")
+                reader = self.readers[name] = KVEventReader(self.client_url, fingerprint, start_id="0")
             for event in reader.read(count=10_000):  # type: ignore[attr-defined]
                 fresh += self.apply(event)
         return fresh

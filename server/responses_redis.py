@@ -38,12 +38,17 @@ class RedisResponseStore:
         from redis.asyncio.retry import Retry
         from redis.backoff import NoBackoff
 
+        from kvcache.redis_tier import client_url
+
         self.url = url
         self.ttl_ms = _ms(ttl_s)
         # One retry on a new connection: a restarted Redis leaves every pooled one dead, and each
         # would otherwise fail one request (a 503) on every replica.
         self._client = aioredis.from_url(
-            url, socket_timeout=2.0, socket_connect_timeout=2.0, retry=Retry(NoBackoff(), 1)
+            client_url(url),  # the KV tier's URL, as `ferry up` passes it, with its parameters
+            socket_timeout=2.0,
+            socket_connect_timeout=2.0,
+            retry=Retry(NoBackoff(), 1),
         )
 
     @contextlib.contextmanager

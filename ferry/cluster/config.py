@@ -8,6 +8,7 @@ it trusts the ``ClusterConfig``.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import os
 from collections.abc import Callable, Mapping
@@ -297,7 +298,7 @@ def parse_config(data: Any, base_dir: Path | None = None) -> ClusterConfig:
     config = ClusterConfig(**values)
     _check_topology(config)
     _check_ports(config)
-    return config
+    return dataclasses.replace(config, block_size=_block_size(config))
 
 
 def _check_topology(config: ClusterConfig) -> None:
@@ -314,6 +315,55 @@ def _check_topology(config: ClusterConfig) -> None:
             "kv_tier: memory:// is private to each process; prefill and decode pools need a shared"
             " tier (redis://… or {redis: {…}})"
         )
+
+
+def _block_size(config: ClusterConfig) -> int | None:
+    """The ``--block-size`` the pools' args set (None: none does). Pools that would run different
+    block sizes are refused, as is a router told another: the router keys prompt blocks, and reads
+    the workers' KV events, with the one size they all use."""
+    from engine.config import EngineConfig
+
+    runs: list[tuple[str, int, bool]] = []  # (pool with workers, its block size, set in its args)
+    for pool in config.pools:
+        if pool.replicas:
+            n = _block_size_arg(pool.args, f"{pool.role}.args")
+            runs.append((pool.role, EngineConfig.block_size if n is None else n, n is not None))
+    if not runs:
+        return None
+    first, size, first_given = runs[0]
+    for role, n, given in runs[1:]:
+        if n != size:
+            raise ConfigError(
+                f"{role}.args: block size {_size(n, given)} differs from {first}'s {_size(size, first_given)}:"
+                " every pool must run the same --block-size (the router hashes prompts with it)"
+            )
+    routers = _block_size_arg(config.router.args, "router.args")
+    if routers is not None and routers != size:
+        raise ConfigError(
+            f"router.args: --block-size {routers} differs from the workers' {size}"
+            " (ferry up passes the workers' to the router)"
+        )
+    return size if any(given for _, _, given in runs) else None
+
+
+def _size(n: int, given: bool) -> str:
+    return str(n) if given else f"{n} (the default)"
+
+
+def _block_size_arg(args: tuple[str, ...], path: str) -> int | None:
+    """The last ``--block-size`` in ``args`` (argparse's choice), or None."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == "--block-size" and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith("--block-size="):
+            value = arg.split("=", 1)[1]
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"{path}: --block-size must be an integer, got {value!r}") from None
 
 
 def _check_ports(config: ClusterConfig) -> None:

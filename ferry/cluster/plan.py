@@ -186,6 +186,8 @@ def build_plan(
             # Tokenizer + chat template only: exact block hashes (cache_aware) and prompt lengths (PD).
             argv += ["--model", tokenizer_dir]
             argv += chat_template_args(config)
+        if config.block_size is not None and _flag_value(r.args, "--block-size") is None:
+            argv += ["--block-size", str(config.block_size)]  # keys blocks as the workers do
         argv += r.args
         router = ProcessSpec("router", "router", tuple(argv), r.port, shared_env)
 

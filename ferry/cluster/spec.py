@@ -84,6 +84,9 @@ class ClusterConfig:
     drain_timeout: float = 30.0
     startup_timeout: float = 600.0
     restart: RestartSpec = field(default_factory=RestartSpec)
+    # The KV block size every worker runs with, when a pool's args set it (None: the engine's
+    # default); the router hashes prompt blocks with it. Derived from the pools by ``parse_config``.
+    block_size: int | None = None
 
     @property
     def pools(self) -> tuple[PoolSpec, ...]:

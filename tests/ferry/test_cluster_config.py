@@ -132,7 +132,7 @@ served_model_name: tiny
 kv_tier: {redis: {port: 7001, maxmemory: 1gb}}
 router: {host: 0.0.0.0, port: 7000, args: [--max-retries, 3]}
 prefill: {threads: 2, port: 7100, args: [--block-size, 32]}
-decode: {replicas: 2, threads: 3, port: 7200, env: {FOO: bar baz}}
+decode: {replicas: 2, threads: 3, port: 7200, env: {FOO: bar baz}, args: [--block-size, 32]}
 env: {HF_HUB_OFFLINE: 1}
 drain_timeout: 7.5
 """
@@ -153,14 +153,14 @@ drain_timeout: 7.5
         f" {tail} --block-size 32",
         "# decode-0: http://127.0.0.1:7200",
         f"{common} OMP_NUM_THREADS=3 MKL_NUM_THREADS=3 FOO='bar baz' {serve} --port 7200 --role decode"
-        f" --num-threads 3 {tail}",
+        f" --num-threads 3 {tail} --block-size 32",
         "# decode-1: http://127.0.0.1:7201",
         f"{common} OMP_NUM_THREADS=3 MKL_NUM_THREADS=3 FOO='bar baz' {serve} --port 7201 --role decode"
-        f" --num-threads 3 {tail}",
+        f" --num-threads 3 {tail} --block-size 32",
         "# router: http://127.0.0.1:7000",
         f"{common} {py} -m ferry router --host 0.0.0.0 --port 7000 --policy cache_aware --drain-timeout 7.5"
         " --prefill http://127.0.0.1:7100 --decode http://127.0.0.1:7200 --decode http://127.0.0.1:7201"
-        f" --kv-tier redis://127.0.0.1:7001/0 --model {m} --max-retries 3",
+        f" --kv-tier redis://127.0.0.1:7001/0 --model {m} --block-size 32 --max-retries 3",
         "# endpoint: http://127.0.0.1:7000/v1",
     ]
 
