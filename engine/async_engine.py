@@ -112,6 +112,8 @@ class AsyncEngine(SleepCommands):
         self._streams: dict[str, _Stream] = {}
         # The LoRA adapters served by name (``add_lora``): what the server resolves ``model`` against.
         self.served_loras: dict[str, ServedLoRA] = {}
+        # Per adapter name, the lock its changes take and how many hold or wait for it (``_lora_change``).
+        self._lora_locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}
         self._commands: deque[_Command] = deque()
         self._wake = threading.Condition()
         self._num_adds = 0  # requests submitted so far
@@ -281,24 +283,48 @@ class AsyncEngine(SleepCommands):
             adapter = engine.load_lora(lora_request, await asyncio.to_thread(engine.read_lora, lora_request))
         return ServedLoRA(lora_request, adapter.weights_id)
 
-    async def add_lora(self, lora_request: LoRARequest, reload: bool = False) -> ServedLoRA:
+    async def add_lora(self, lora_request: LoRARequest, reload: bool = False) -> ServedLoRA | None:
         """Serve an adapter under its name (vLLM's ``add_lora``): loaded now, listed in ``served_loras``.
-        ``reload``: read its files again even if an adapter of that name is loaded (new weights);
-        until then, requests naming it run the previous ones."""
-        if reload:
-            engine = self.engine
-            adapter = engine.load_lora(lora_request, await asyncio.to_thread(engine.read_lora, lora_request))
-            served = ServedLoRA(lora_request, adapter.weights_id)
-        else:
-            served = await self.load_lora(lora_request)
-        self.served_loras[lora_request.lora_name] = served
-        return served
+        None (nothing read) if the name is served already: ``reload`` replaces it, reading its files
+        again even from the same directory (new weights); until then, requests naming it run the
+        previous ones. Changes to one name take turns (``_lora_change``)."""
+        name = lora_request.lora_name
+        async with self._lora_change(name):
+            if name in self.served_loras and not reload:
+                return None
+            if reload:
+                engine = self.engine
+                adapter = engine.load_lora(
+                    lora_request, await asyncio.to_thread(engine.read_lora, lora_request)
+                )
+                served = ServedLoRA(lora_request, adapter.weights_id)
+            else:
+                served = await self.load_lora(lora_request)
+            self.served_loras[name] = served
+            return served
 
     async def remove_lora(self, lora_name: str) -> bool:
         """Stop serving an adapter (False if it was not served). Requests running with it finish
         with it; its weights go when they do."""
-        self.engine.remove_lora(lora_name)
-        return self.served_loras.pop(lora_name, None) is not None
+        async with self._lora_change(lora_name):
+            self.engine.remove_lora(lora_name)
+            return self.served_loras.pop(lora_name, None) is not None
+
+    @contextlib.asynccontextmanager
+    async def _lora_change(self, name: str) -> AsyncIterator[None]:
+        """One change of adapter ``name`` at a time, in the order they came: a load's files are read
+        in a worker thread, and two overlapping changes of one name would otherwise leave
+        ``served_loras`` and the loaded adapter in either order (and both of two loads of a new name
+        would find it free)."""
+        lock, users = self._lora_locks.setdefault(name, (asyncio.Lock(), [0]))
+        users[0] += 1
+        try:
+            async with lock:
+                yield
+        finally:
+            users[0] -= 1
+            if not users[0]:
+                del self._lora_locks[name]
 
     def announce(self) -> Callable[[], None]:
         """Say a request is on its way in (received, not yet submitted); call the returned function,

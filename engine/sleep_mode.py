@@ -35,6 +35,8 @@ WAKE_TAGS = ("weights", "kv_cache")
 # vLLM's pause modes for requests in flight when sleep is asked: abort them (default), wait until
 # they finish, or keep them (preempted: they recompute when the engine wakes).
 SLEEP_MODES = ("abort", "wait", "keep")
+# Formats a weight update reads (vLLM's / SGLang's load_format names); None: auto.
+UPDATE_LOAD_FORMATS = ("auto", "safetensors")
 # Weight states
 AWAKE, OFFLOADED, DISCARDED = "awake", "offloaded", "discarded"
 
@@ -64,6 +66,15 @@ def check_mode(mode: object) -> str:
     if mode not in SLEEP_MODES:
         raise ValueError(f"sleep mode must be one of {', '.join(SLEEP_MODES)}, got {mode!r}")
     return mode  # type: ignore[return-value]
+
+
+def check_load_format(load_format: str | None) -> None:
+    """A weight update's ``load_format`` (engine/weight_update.py reads the checkpoint)."""
+    if load_format is not None and load_format not in UPDATE_LOAD_FORMATS:
+        raise ValueError(
+            f"load_format {load_format!r} is not supported for a weight update; use "
+            f"{' or '.join(UPDATE_LOAD_FORMATS)}"
+        )
 
 
 def check_tags(tags: object) -> tuple[str, ...]:

@@ -25,12 +25,11 @@ import torch
 
 from engine.models.config import ModelConfig
 from engine.models.loader import safetensors_files, weights_id
+from engine.sleep_mode import check_load_format
 
 if TYPE_CHECKING:
     from engine.model_runner import ModelRunner
 
-# Formats a weight update reads (vLLM's / SGLang's load_format names); None: auto.
-UPDATE_LOAD_FORMATS = ("auto", "safetensors")
 # ModelConfig fields a new checkpoint may change: the loader casts to the serving dtype anyway, and
 # the stop tokens are fixed at start (as the tokenizer is).
 _FREE_FIELDS = frozenset({"checkpoint_dtype", "eos_token_ids"})
@@ -79,11 +78,7 @@ def resolve_checkpoint_dir(path: object) -> Path:
 
 def read_checkpoint(runner: ModelRunner, path: str, load_format: str | None = None) -> Checkpoint:
     """Read ``path`` as new weights for ``runner``'s model (ValueError if they cannot replace them)."""
-    if load_format is not None and load_format not in UPDATE_LOAD_FORMATS:
-        raise ValueError(
-            f"load_format {load_format!r} is not supported for a weight update; use "
-            f"{' or '.join(UPDATE_LOAD_FORMATS)}"
-        )
+    check_load_format(load_format)
     model_dir = resolve_checkpoint_dir(path)
     overrides = runner.config.hf_overrides
     try:

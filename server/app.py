@@ -41,7 +41,7 @@ from server.lora import (
     unload_lora_adapter,
 )
 from server.metrics import CONTENT_TYPE, ServerMetrics
-from server.middleware import EdgeMiddleware, ServerLoad
+from server.middleware import EdgeMiddleware, ReplicaLoad, ServerLoad
 from server.params import ModelLimits
 from server.prefix_cache import reset_engine_prefix_cache
 from server.protocol import (
@@ -342,12 +342,13 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
     async def update_weights_route(body: sleep_mode.UpdateWeightsFromDiskRequest) -> Response:
         return JSONResponse(await sleep_mode.update_weights_from_disk(engine, body))
 
-    load = ServerLoad()
+    # Behind --api-server-count, the engine process adds up every API server's count.
+    load = ReplicaLoad(engine) if hasattr(engine, "report_load") else ServerLoad()
 
     @app.get("/load")
     async def server_load() -> Response:
         """vLLM's: the requests on the engine's routes now (queued, running or streaming)."""
-        return JSONResponse({"server_load": load.requests})
+        return JSONResponse({"server_load": load.total()})
 
     @app.get("/metrics")
     async def metrics() -> Response:

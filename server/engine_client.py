@@ -3,12 +3,14 @@
 It has ``AsyncEngine``'s interface as the server uses it (``generate``, ``abort``, ``announce``,
 ``compile_structured``, ``reset_prefix_cache``, ``sleep`` / ``wake_up`` / ``is_sleeping`` /
 ``reload_weights``, ``stats``, ``is_healthy``, ``shutdown``, and
-``config`` / ``model_info`` / ``tokenizer``), so ``build_app`` takes either. The engine process
-(``server/engine_process.py``) validates each request as ``AsyncEngine.generate`` does; a
-refusal arrives as the stream's first message and is raised as ``ValueError`` before anything is
-yielded, as in process. ``stats()`` is the latest snapshot the engine process pushed (with every
-step's outputs, and every 0.1 s while idle). If the engine process goes away, every stream and
-call fails with ``EngineDeadError`` and ``is_healthy()`` turns False (``/health`` answers 503).
+``config`` / ``model_info`` / ``tokenizer``), so ``build_app`` takes either; and what only one API
+server of several needs: ``sequences_elsewhere`` (admission), ``report_load`` and
+``load_elsewhere`` (``GET /load``). The engine process (``server/engine_process.py``) validates
+each request as ``AsyncEngine.generate`` does; a refusal arrives as the stream's first message
+and is raised as ``ValueError`` before anything is yielded, as in process. ``stats()`` is the
+latest snapshot the engine process pushed (with every step's outputs, and every 0.1 s while idle).
+If the engine process goes away, every stream and call fails with ``EngineDeadError`` and
+``is_healthy()`` turns False (``/health`` answers 503).
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ from server.engine_ipc import Channel
 
 logger = logging.getLogger("ferry.engine_client")
 
+# A change of this API server's load (``report_load``) waits this long to leave, with the changes
+# after it: a burst's arrivals and ends cost the engine process one message, not one each.
+LOAD_REPORT_DELAY_S = 0.05
+
 
 class EngineClient:
     def __init__(self, channel: Channel, hello: dict[str, Any]) -> None:
@@ -49,6 +55,11 @@ class EngineClient:
         self.served_loras: dict[str, Any] = hello["loras"]
         # Sequences the other API servers have in the engine (``Generation.queued`` adds them).
         self.sequences_elsewhere = 0
+        # The other API servers' requests on the engine's routes (``GET /load`` adds them), and
+        # this one's as told to the engine process (``report_load``).
+        self.load_elsewhere = 0
+        self._load = self._load_sent = 0
+        self._load_report: asyncio.TimerHandle | None = None
         # request id -> (its outputs' queue, its prompt's token ids: the engine process does not
         # send them back with every output)
         self._streams: dict[str, tuple[asyncio.Queue[RequestOutput | BaseException], list[int]]] = {}
@@ -170,16 +181,29 @@ class EngineClient:
         self._check_alive()
         return await self._call("store", (op, *args))
 
+    # The engine process sends every API server the whole served set ("loras") after a call that
+    # may have changed it, and replies once all have taken it in: that message alone writes
+    # ``served_loras``. Patching the entry from the reply would undo a later change of the same
+    # name that came in meanwhile.
     async def add_lora(self, lora_request: Any, reload: bool = False) -> Any:
         """``AsyncEngine.add_lora`` in the engine process (every API server hears of it)."""
-        served = await self._call("add_lora", (lora_request, reload))
-        self.served_loras[lora_request.lora_name] = served
-        return served
+        return await self._call("add_lora", (lora_request, reload))
 
     async def remove_lora(self, lora_name: str) -> bool:
-        removed = await self._call("remove_lora", lora_name)
-        self.served_loras.pop(lora_name, None)
-        return removed
+        return await self._call("remove_lora", lora_name)
+
+    def report_load(self, requests: int) -> None:
+        """This API server's requests on the engine's routes now (``server.middleware.ReplicaLoad``),
+        for the engine process to add to the others' ``load_elsewhere`` (within LOAD_REPORT_DELAY_S)."""
+        self._load = requests
+        if self._load_report is None and not self._channel.closed:
+            self._load_report = asyncio.get_running_loop().call_later(LOAD_REPORT_DELAY_S, self._send_load)
+
+    def _send_load(self) -> None:
+        self._load_report = None
+        if self._load != self._load_sent:
+            self._load_sent = self._load
+            self._channel.send(("load", self._load))
 
     async def reset_prefix_cache(self) -> int | bool:
         self._check_alive()
@@ -210,6 +234,8 @@ class EngineClient:
     async def shutdown(self) -> None:
         """Close this API server's connection (the engine process aborts what it still runs)."""
         self._channel.close()
+        if self._load_report is not None:
+            self._load_report.cancel()
         self._reader.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._reader
@@ -263,7 +289,7 @@ class EngineClient:
         elif kind == "model_info":  # new weights: a new fingerprint
             self.model_info = message[1]
         elif kind == "stats":
-            self._stats, self._healthy, self.sequences_elsewhere = message[1], message[2], message[3]
+            _, self._stats, self._healthy, self.sequences_elsewhere, self.load_elsewhere = message
         elif kind == "err":
             stream = self._streams.get(message[1])
             if stream is not None:

@@ -11,20 +11,23 @@ once.
 
 Messages from an API server: ``("add", rid, prompt_ids, params, resume_ids, kv_transfer, pooling,
 lora_request, priority, cache_salt, images)`` (``prompt_ids``: a tensor for prompt embeddings),
-``("announce", token)``, ``("submitted", token)``, ``("probe_back", token)``,
+``("announce", token)``, ``("submitted", token)``, ``("probe_back", token)``, ``("load", requests)``
+(its requests on the engine's routes, for the others' ``GET /load``),
 ``("call", call_id, name, arg)`` with ``name`` one of ``abort`` / ``compile`` /
 ``reset_prefix_cache`` / ``store`` (``arg``: a ``MemoryRecords`` method's name and arguments) /
 ``add_lora`` / ``remove_lora`` / ``sleep`` / ``wake_up`` / ``reload_weights``. To it: ``("hello",
-facts)`` first, ``("loras", served)`` to every API server whenever the served LoRA adapters changed
-(before the reply to the call that changed them), ``("model_info", ModelInfo)`` to every API server
-after a weight update (its fingerprint changed), ``("probe", token)`` (an idle engine
-gathering a burst: answer after two passes of the event loop), then
+facts)`` first, ``("loras", served)`` to every API server after each ``add_lora`` / ``remove_lora``
+call (its reply waits until every API server answered a probe sent after it),
+``("model_info", ModelInfo)`` to every API server after a weight update (its fingerprint changed),
+``("probe", token)`` (an idle engine gathering a burst, or the adapters' broadcast: answer after
+two passes of the event loop), then
 ``("out", rid, RequestOutput)``, ``("err", rid, kind, message)``, ``("reply", call_id, ok, value)``
-and ``("stats", EngineStats, healthy, sequences_elsewhere)`` whenever the engine published new
-stats or the other API servers' sequences changed (before a request's own output, and to every
-API server within ``BROADCAST_DELAY_S`` of the news; the others' sequences alone within
-``STATS_INTERVAL_S`` while the queue is under half of ``--max-queued-requests``): each API server
-admits requests (``Generation.queued``) counting the others' too.
+and ``("stats", EngineStats, healthy, sequences_elsewhere, load_elsewhere)`` whenever the engine
+published new stats or the other API servers' sequences changed (before a request's own output,
+and to every API server within ``BROADCAST_DELAY_S`` of the news; the others' sequences alone
+within ``STATS_INTERVAL_S`` while the queue is under half of ``--max-queued-requests``, and their
+load alone within ``STATS_INTERVAL_S``): each API server admits requests (``Generation.queued``)
+counting the others' too, and answers ``GET /load`` with the others' load added.
 """
 
 from __future__ import annotations
@@ -68,9 +71,11 @@ class _ApiServer:
     # constraint to compile (-> that task).
     requests: dict[str, asyncio.Task[None] | None] = field(default_factory=dict)
     announced: dict[int, Callable[[], None]] = field(default_factory=dict)
+    load: int = 0  # its requests on the engine's routes, as it last said ("load")
     sent_stats: Any = None
     sent_healthy: bool = True
     sent_elsewhere: int = 0
+    sent_load: int = 0
 
 
 class EngineHost:
@@ -88,6 +93,7 @@ class EngineHost:
         self._next_index = 0
         self._broadcast_scheduled = False
         self._told_busy = False  # an API server may hold counts from a busy queue
+        self._load = 0  # every API server's ``load``
         self._probe_ids = itertools.count()
         self._probes: dict[int, tuple[set[_ApiServer], Callable[[], None]]] = {}
         engine.probe_submitters = self._probe_api_servers
@@ -128,6 +134,7 @@ class EngineHost:
         finally:
             conn.channel.close()
             self._servers.discard(conn)
+            self._load -= conn.load
             for token in list(self._probes):  # answered, as far as this API server goes
                 self._probe_answered(token, conn)
             for rid, compiling in conn.requests.items():
@@ -160,6 +167,9 @@ class EngineHost:
                 after_adds.append(back)
         elif kind == "call":
             asyncio.ensure_future(self._call(conn, message[1], message[2], message[3]))
+        elif kind == "load":  # news for the others with the next stats (publish_stats at the latest)
+            self._load += message[1] - conn.load
+            conn.load = message[1]
         else:
             logger.error("unknown message %r from API server %d", kind, conn.index)
 
@@ -277,10 +287,10 @@ class EngineHost:
                     other.channel.send(("model_info", engine.model_info))
             elif name == "add_lora":
                 value = await engine.add_lora(*arg)
-                self._broadcast_loras()
+                await self._broadcast_loras()
             elif name == "remove_lora":
                 value = await engine.remove_lora(arg)
-                self._broadcast_loras()
+                await self._broadcast_loras()
             else:
                 raise RuntimeError(f"unknown call {name!r}")
         except ValueError as e:
@@ -295,10 +305,19 @@ class EngineHost:
             conn.channel.send(("reply", call_id, True, value))
             self._broadcast_stats()
 
-    def _broadcast_loras(self) -> None:
+    async def _broadcast_loras(self) -> None:
+        """The served adapters to every API server, whole (the only writer of their copies,
+        ``EngineClient.served_loras``, in the order of the changes); returns once every one has
+        taken them in: a probe through its loop, answered after the message sent before it. The
+        frames to the API servers leave one by one, and one may be read after the reply to the
+        call's API server has reached its client, who then finds an adapter it loaded missing
+        (or one it unloaded still there) through another API server."""
         served = dict(self.engine.served_loras)
         for conn in self._servers:
             conn.channel.send(("loras", served))
+        taken_in = asyncio.get_running_loop().create_future()
+        self._probe_api_servers(lambda: taken_in.done() or taken_in.set_result(None))
+        await taken_in
 
     def _store(self, op: str, *args: Any) -> Any:
         records = self.responses
@@ -311,7 +330,8 @@ class EngineHost:
     def _probe_api_servers(self, back: Callable[[], None]) -> None:
         """``AsyncEngine.probe_submitters``: ask every API server to pass its event loop twice (the
         passes that turn requests it has received into announcements) and answer; ``back`` once
-        all did (a burst's requests spread over all of them)."""
+        all did (a burst's requests spread over all of them). Each has then also taken in what
+        was sent to it before (``_broadcast_loras``)."""
         servers = {conn for conn in self._servers if not conn.channel.closed}
         if not servers:
             back()
@@ -348,16 +368,19 @@ class EngineHost:
         return 2 * queued >= limit
 
     def _send_stats(self, conn: _ApiServer, counts: bool = True) -> None:
-        """``conn``'s stats if they changed; the other API servers' sequences alone only if ``counts``."""
+        """``conn``'s stats if they changed; the other API servers' sequences or load alone only if
+        ``counts``."""
         stats, healthy = self.engine.stats(), self.engine.is_healthy()
         elsewhere = self._in_flight() - len(conn.requests)
+        load = self._load - conn.load
         if (
             stats is not conn.sent_stats
             or healthy != conn.sent_healthy
-            or (counts and elsewhere != conn.sent_elsewhere)
+            or (counts and (elsewhere != conn.sent_elsewhere or load != conn.sent_load))
         ):
-            conn.sent_stats, conn.sent_healthy, conn.sent_elsewhere = stats, healthy, elsewhere
-            conn.channel.send(("stats", stats, healthy, elsewhere))
+            conn.sent_stats, conn.sent_healthy = stats, healthy
+            conn.sent_elsewhere, conn.sent_load = elsewhere, load
+            conn.channel.send(("stats", stats, healthy, elsewhere, load))
             if not self._told_busy and self._queue_busy():
                 self._told_busy = True
 

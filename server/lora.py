@@ -5,7 +5,8 @@ adapter's name runs with it, and its answer carries that name. ``/v1/models`` li
 with its base model as ``parent``. ``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter``
 change the set at run time, when ``--allow-runtime-lora-updating`` (or vLLM's environment variable
 ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=true``) allows it. The set lives in the engine
-(``AsyncEngine.served_loras``), so every API server process of a replica sees one set.
+(``AsyncEngine.served_loras``), so every API server process of a replica sees one set; the engine
+also decides whether a name is taken, so of two loads of a new name that meet, one wins.
 """
 
 from __future__ import annotations
@@ -108,15 +109,17 @@ async def load_lora_adapter(state: Any, req: LoadLoRAAdapterRequest) -> str:
         raise bad_request("lora_name and lora_path must not be empty")
     if name == state.model_name or name in state.config.model_aliases:
         raise bad_request(f"{name!r} is the base model's name", param="lora_name")
-    if name in state.served_loras and not req.load_inplace:
+    try:
+        served = await state.engine.add_lora(
+            LoRARequest(name, next(_int_ids), req.lora_path), reload=req.load_inplace
+        )
+    except ValueError as e:
+        raise bad_request(str(e), param="lora_path") from None
+    if served is None:  # the engine decides, in turn with the name's other changes
         raise bad_request(
             f"The lora adapter '{name}' has already been loaded (load_inplace replaces it).",
             param="lora_name",
         )
-    try:
-        await state.engine.add_lora(LoRARequest(name, next(_int_ids), req.lora_path), reload=req.load_inplace)
-    except ValueError as e:
-        raise bad_request(str(e), param="lora_path") from None
     return f"Success: LoRA adapter '{name}' added successfully."
 
 

@@ -99,6 +99,36 @@ class ServerLoad:
 
     requests: int = 0
 
+    def total(self) -> int:
+        """The replica's: this process serves all of them."""
+        return self.requests
+
+
+class ReplicaLoad:
+    """``ServerLoad`` in one of several API server processes (``--api-server-count``): each change
+    of this process's count is told to the engine process (``EngineClient.report_load``), which
+    passes every API server the others' sum with its stats (``EngineClient.load_elsewhere``), so
+    ``GET /load`` answers for the replica from whichever API server it reaches, as ``/metrics``
+    does. The others' part is as fresh as their last report (within ~0.15 s): a load balancer's
+    number, not admission's."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+        self._requests = 0
+
+    @property
+    def requests(self) -> int:
+        return self._requests
+
+    @requests.setter
+    def requests(self, value: int) -> None:
+        if value != self._requests:
+            self._requests = value
+            self._engine.report_load(value)
+
+    def total(self) -> int:
+        return self._requests + self._engine.load_elsewhere
+
 
 def route_path(scope: Scope) -> str:
     """The path routes match: without the app's root path (``--root-path``) when the request carries
@@ -165,7 +195,7 @@ class EdgeMiddleware:
         max_request_bytes: int,
         max_file_bytes: int | None = None,
         announce: Callable[[], Callable[[], None]] | None = None,
-        load: ServerLoad | None = None,
+        load: ServerLoad | ReplicaLoad | None = None,
     ) -> None:
         self.app = app
         self.load = load if load is not None else ServerLoad()

@@ -18,7 +18,7 @@ from typing import Any
 from pydantic import StrictBool, StrictStr
 
 from engine.errors import EngineDeadError
-from engine.sleep_mode import SLEEP_MODES, check_tags
+from engine.sleep_mode import SLEEP_MODES, check_load_format, check_tags
 from server.errors import APIError, bad_request, unavailable
 from server.protocol import _Request
 
@@ -66,6 +66,10 @@ async def wake_up(engine: Any, tags: list[str]) -> None:
 
 
 async def update_weights_from_disk(engine: Any, body: UpdateWeightsFromDiskRequest) -> dict[str, Any]:
+    try:
+        check_load_format(body.load_format)
+    except ValueError as e:  # here: the engine's other refusals are the checkpoint's (model_path)
+        raise bad_request(str(e), param="load_format") from None
     aborted = await _engine_call(
         engine.reload_weights(body.model_path, body.load_format, body.abort_all_requests), param="model_path"
     )
