@@ -10,7 +10,9 @@ each request as ``AsyncEngine.generate`` does; a refusal arrives as the stream's
 and is raised as ``ValueError`` before anything is yielded, as in process. ``stats()`` is the
 latest snapshot the engine process pushed (with every step's outputs, and every 0.1 s while idle).
 If the engine process goes away, every stream and call fails with ``EngineDeadError`` and
-``is_healthy()`` turns False (``/health`` answers 503).
+``is_healthy()`` turns False (``/health`` answers 503); if it stays connected but sends nothing,
+not even its heartbeat, for ``ENGINE_SILENCE_S`` (stopped, wedged), ``is_healthy()`` is False and
+new requests are refused until it is heard from again, so a load balancer moves on.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ from engine.tokenizer import Tokenizer
 from server.engine_ipc import Channel
 
 logger = logging.getLogger("ferry.engine_client")
+# An engine process sends a heartbeat every second (server/engine_process.py HEARTBEAT_S): this long
+# without a message and it is taken as stopped or wedged (/health 503, new requests refused).
+ENGINE_SILENCE_S = 5.0
 
 # A change of this API server's load (``report_load``) waits this long to leave, with the changes
 # after it: a burst's arrivals and ends cost the engine process one message, not one each.
@@ -51,6 +56,8 @@ class EngineClient:
         )
         self._stats: EngineStats = hello["stats"]
         self._healthy: bool = hello["healthy"]
+        self._heard = time.monotonic()  # when the engine process last sent anything
+        self._silence_logged = False
         # The LoRA adapters the engine serves (``AsyncEngine.served_loras``), kept current by it.
         self.served_loras: dict[str, Any] = hello["loras"]
         # Sequences the other API servers have in the engine (``Generation.queued`` adds them).
@@ -229,7 +236,21 @@ class EngineClient:
         return self._stats
 
     def is_healthy(self) -> bool:
-        return self._healthy and not self._channel.closed
+        return self._healthy and not self._channel.closed and not self._silent()
+
+    def _silent(self) -> bool:
+        """Whether the engine process sent nothing (not even its heartbeat) for
+        ``ENGINE_SILENCE_S``: it is stopped or wedged, though its socket stays open."""
+        silent = time.monotonic() - self._heard > ENGINE_SILENCE_S
+        if silent != self._silence_logged:
+            self._silence_logged = silent
+            if silent:
+                logger.error(
+                    "the engine process sent nothing for %.0f s: reported unhealthy", ENGINE_SILENCE_S
+                )
+            else:
+                logger.warning("the engine process is heard from again")
+        return silent
 
     async def shutdown(self) -> None:
         """Close this API server's connection (the engine process aborts what it still runs)."""
@@ -248,6 +269,8 @@ class EngineClient:
             raise EngineDeadError("the engine process is gone")
         if not self._healthy:
             raise EngineDeadError("the engine is not healthy")
+        if self._silent():
+            raise EngineDeadError(f"the engine process sent nothing for {ENGINE_SILENCE_S:.0f} s")
 
     async def _call(self, name: str, arg: Any) -> Any:
         self._check_alive()
@@ -263,6 +286,7 @@ class EngineClient:
     async def _read(self) -> None:
         try:
             while (frame := await self._channel.receive()) is not None:
+                self._heard = time.monotonic()
                 for message in frame:
                     self._dispatch(message)
         finally:
@@ -288,6 +312,8 @@ class EngineClient:
             self.served_loras = message[1]
         elif kind == "model_info":  # new weights: a new fingerprint
             self.model_info = message[1]
+        elif kind == "beat":
+            pass  # only its arrival counts (_heard)
         elif kind == "stats":
             _, self._stats, self._healthy, self.sequences_elsewhere, self.load_elsewhere = message
         elif kind == "err":

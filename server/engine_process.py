@@ -52,6 +52,7 @@ logger = logging.getLogger("ferry.engine_process")
 
 # How often idle connections hear of changed stats or health (outputs carry them when busy).
 STATS_INTERVAL_S = 0.1
+HEARTBEAT_S = 1.0  # at least one message this often to every API server (server/engine_client.py)
 # News for the other API servers (a step's stats, a request added or ended elsewhere) waits this
 # long to go out with whatever follows: a burst's requests come in one by one, and a broadcast
 # per arrival would cost every API server a frame to read per request of the burst while it is
@@ -410,10 +411,15 @@ class EngineHost:
 
     async def publish_stats(self) -> None:
         """Keep every connection's stats and health current: news that could not change an
-        admission, a dead engine loop, a finished abort."""
-        while True:
+        admission, a dead engine loop, a finished abort; and a heartbeat every ``HEARTBEAT_S``, so an
+        API server tells a stopped or wedged engine process from an idle one."""
+        rounds_per_beat = max(1, round(HEARTBEAT_S / STATS_INTERVAL_S))
+        for n in itertools.count(1):
             await asyncio.sleep(STATS_INTERVAL_S)
             self._send_all()
+            if n % rounds_per_beat == 0:
+                for conn in self._servers:
+                    conn.channel.send(("beat",))
 
 
 def _call_all(functions: list[Callable[[], None]]) -> None:

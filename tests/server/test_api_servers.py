@@ -560,6 +560,30 @@ def test_a_dead_engine_process_stops_the_replica(tiny_llama: Path, serve_logs: P
         srv.stop()
 
 
+def test_a_stopped_engine_process_is_reported_unhealthy(
+    tiny_llama: Path, serve_logs: Path, server_process
+) -> None:
+    """A wedged engine process keeps its sockets open: its silence (no heartbeat) makes /health a
+    503 and new requests 503s, so a router ejects the replica; heard from again, it serves."""
+    srv = server_process(tiny_llama, API_SERVERS, serve_logs).start()
+    try:
+        engine, _ = _processes(srv)
+        body = {"prompt": "x", "max_tokens": 2}
+        assert httpx.post(srv.url + "/v1/completions", json=body).status_code == 200
+        os.kill(engine, signal.SIGSTOP)
+        try:
+            _wait(lambda: httpx.get(srv.url + "/health").status_code == 503, 15, "never unhealthy")
+            refused = httpx.post(srv.url + "/v1/completions", json=body, timeout=10)
+            assert refused.status_code == 503, refused.text
+        finally:
+            os.kill(engine, signal.SIGCONT)
+        _wait(lambda: httpx.get(srv.url + "/health").status_code == 200, 10, "never healthy again")
+        assert httpx.post(srv.url + "/v1/completions", json=body).status_code == 200
+        assert "the engine process sent nothing for 5 s" in srv.log()
+    finally:
+        srv.stop()
+
+
 def test_children_die_with_a_killed_supervisor(tiny_llama: Path, serve_logs: Path, server_process) -> None:
     srv = server_process(tiny_llama, API_SERVERS, serve_logs).start()
     try:
