@@ -412,7 +412,9 @@ class KVConnector:
             parsed = TierURL(tier_url)
             if parsed.scheme not in ("redis", "rediss"):
                 raise ValueError("KV events need a Redis: use a redis:// tier or pass events_url")
-            events_url = parsed.url_without_params()
+            from kvcache.redis_tier import client_url
+
+            events_url = client_url(tier_url)  # the tier's TLS and client_name settings kept
         return KVEventPublisher(events_url, fingerprint, replica_id)
 
     # ---- lifecycle ---------------------------------------------------------------------------

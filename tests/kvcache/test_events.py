@@ -73,3 +73,17 @@ def test_connector_publishes_tier_writes_and_device_events(redis_url: str) -> No
     ]
     with KVConnector("memory://", "fp", (2, 2, 16, 2, 8), torch.float32) as plain:
         assert plain.events_enabled is False and plain.publish_event("stored", HASHES[:1]) is False
+
+
+def test_the_events_publisher_connects_with_the_tiers_client_settings(redis_url: str) -> None:
+    """The events publisher takes the tier URL's redis-py settings (client_name here; TLS ones
+    alike) and drops only ferry's own tier parameters."""
+    k = [torch.randn(4, 16, 2, 8) for _ in range(2)]
+    v = [torch.randn(4, 16, 2, 8) for _ in range(2)]
+    url = redis_url + "?ttl=60&client_name=ferry-events-test"
+    with KVConnector(url, "fp", (2, 2, 16, 2, 8), torch.float32, events=True, replica_id="r") as conn:
+        conn.save_many(HASHES[:1], [0], k, v)
+        assert conn.flush(5.0)
+        names = [c["name"] for c in redis.Redis.from_url(redis_url).client_list()]
+        # One connection for the tier's write, one for the event it published.
+        assert names.count("ferry-events-test") == 2, names
