@@ -313,7 +313,7 @@ class EngineClient:
         elif kind == "model_info":  # new weights: a new fingerprint
             self.model_info = message[1]
         elif kind == "beat":
-            pass  # only its arrival counts (_heard)
+            return  # only its arrival counts (_heard, set by _read)
         elif kind == "stats":
             _, self._stats, self._healthy, self.sequences_elsewhere, self.load_elsewhere = message
         elif kind == "err":

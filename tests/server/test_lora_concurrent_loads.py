@@ -89,9 +89,8 @@ def test_of_two_loads_of_a_new_name_one_wins(replica, adapters) -> None:
         conn.close()
 
 
+@pytest.mark.parametrize("replica", ["api servers"], indirect=True)
 def test_api_servers_agree_after_two_inplace_loads_of_one_name(replica, adapters) -> None:
-    if not replica.api_servers:
-        pytest.skip("two API servers' views of the served adapters")
     conns = connection_per_api_server(replica)
     either = {(str(path), adapter_weights_id(path)) for path in adapters}
     greedy = {"prompt": "The quick brown fox", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
@@ -116,11 +115,10 @@ def test_api_servers_agree_after_two_inplace_loads_of_one_name(replica, adapters
         conn.close()
 
 
+@pytest.mark.parametrize("replica", ["api servers"], indirect=True)
 def test_a_change_answered_through_one_api_server_holds_through_the_other(replica, adapters) -> None:
     """Once one API server answered a load (or an unload), the other serves what it says: the
     answer waits until every API server has the new set, not only the one that answered."""
-    if not replica.api_servers:
-        pytest.skip("two API servers' views of the served adapters")
     first, second = connection_per_api_server(replica)
     loaded = (str(adapters[0]), adapter_weights_id(adapters[0]))
     # Before, the other API server still missed the change one time in ten or twenty.
