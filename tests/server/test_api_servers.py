@@ -568,17 +568,19 @@ def test_a_stopped_engine_process_is_reported_unhealthy(
     srv = server_process(tiny_llama, API_SERVERS, serve_logs).start()
     try:
         engine, _ = _processes(srv)
+        conns = connection_per_api_server(srv)
         body = {"prompt": "x", "max_tokens": 2}
-        assert httpx.post(srv.url + "/v1/completions", json=body).status_code == 200
+        assert [call(conn, "/v1/completions", body)[0] for conn in conns] == [200, 200]
         os.kill(engine, signal.SIGSTOP)
         try:
-            _wait(lambda: httpx.get(srv.url + "/health").status_code == 503, 15, "never unhealthy")
-            refused = httpx.post(srv.url + "/v1/completions", json=body, timeout=10)
-            assert refused.status_code == 503, refused.text
+            for conn in conns:  # each API server on its own
+                _wait(lambda conn=conn: call(conn, "/health")[0] == 503, 15, "never unhealthy")
+                assert call(conn, "/v1/completions", body)[0] == 503
         finally:
             os.kill(engine, signal.SIGCONT)
-        _wait(lambda: httpx.get(srv.url + "/health").status_code == 200, 10, "never healthy again")
-        assert httpx.post(srv.url + "/v1/completions", json=body).status_code == 200
+        for conn in conns:
+            _wait(lambda conn=conn: call(conn, "/health")[0] == 200, 10, "never healthy again")
+            assert call(conn, "/v1/completions", body)[0] == 200
         assert "the engine process sent nothing for 5 s" in srv.log()
     finally:
         srv.stop()
