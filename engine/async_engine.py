@@ -383,7 +383,7 @@ class AsyncEngine(SleepCommands):
     async def shutdown(self) -> None:
         with self._wake:
             self._stopping = True
-            self._wake.notify()
+            self._notify()
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
         self._fail_all(EngineDeadError("the engine was shut down"))
         self._fail_commands(EngineDeadError("the engine was shut down"))
@@ -401,7 +401,13 @@ class AsyncEngine(SleepCommands):
                     # a burst (the submitter's loop waits for the GIL back), and it waits for
                     # probes and announced requests, not adds.
                     return
-            self._wake.notify()
+            self._notify()
+
+    def _notify(self) -> None:
+        """Wake the loop thread, also out of a step that waits on the KV tier. ``_wake`` held."""
+        self._wake.notify()
+        if not self.engine.step_interrupt.done():
+            self.engine.step_interrupt.set_result(None)
 
     def _check_alive(self) -> None:
         if self._error is not None:
@@ -437,6 +443,8 @@ class AsyncEngine(SleepCommands):
                             return
                     commands = list(self._commands)
                     self._commands.clear()
+                    if self.engine.step_interrupt.done():
+                        self.engine.step_interrupt = concurrent.futures.Future()
                 for cmd in commands:
                     self._apply(cmd)
                 if self._barriers and self._barrier_ready():

@@ -13,6 +13,7 @@ import random
 import time
 from array import array
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,10 @@ from engine.tokenizer import Tokenizer
 from kvcache.keys import salt_extra
 
 logger = logging.getLogger(__name__)
+
+# The most a step that finds only the KV tier to wait on (loads, lookups, a producer's writes)
+# waits before returning; a new command cuts it short (``step_interrupt``).
+TIER_IDLE_WAIT_S = 0.05
 
 LogitsObserver = Callable[[list[str], torch.Tensor], None]
 
@@ -128,6 +133,9 @@ class LLMEngine(EngineSleep):
         # Finished requests whose final output waits for the KV connector's report (a PD
         # producer's prompt blocks being written to the tier), with that output.
         self._held_finals: list[tuple[Request, RequestOutput]] = []
+        # A step that finds only the tier to wait on also returns once this is set: the async
+        # loop sets it when a command (a new request, an abort) comes in.
+        self.step_interrupt: Future = Future()
         self.sleep_state = SleepState()
         self._seed_rng = random.Random(config.seed)
         # Test and debugging hook: called with (request ids, fp32 logits) of each step's sampling rows.
@@ -453,7 +461,9 @@ class LLMEngine(EngineSleep):
                 # Only requests waiting on the tier remain (parked loads, lookups still out,
                 # finished producers' blocks being written): wait for one instead of spinning.
                 held = [req.kv_transfer_future for req, _ in self._held_finals]
-                self.scheduler.wait_for_tier(timeout=0.05, also=held)
+                self.scheduler.wait_for_tier(
+                    timeout=TIER_IDLE_WAIT_S, also=held, interrupt=self.step_interrupt
+                )
             return released
         model_out = self.model_runner.execute(sched)
         self.scheduler.update_after_step(sched)

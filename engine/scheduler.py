@@ -217,13 +217,18 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting) + sum(1 for p in self.loading if not p.aborted)
 
-    def wait_for_tier(self, timeout: float, also: Sequence[Future] = ()) -> None:
+    def wait_for_tier(
+        self, timeout: float, also: Sequence[Future] = (), interrupt: Future | None = None
+    ) -> None:
         """Block until a parked request's load, a waiting request's tier lookup or one of
-        ``also`` finishes (or ``timeout``): the step found nothing else to run."""
+        ``also`` finishes (or ``timeout``): the step found nothing else to run. ``interrupt``
+        (set when the caller has new work) cuts the wait short; alone it is not waited on."""
         futures = [p.future for p in self.loading]
         futures += [t.future for t in self._tier_lookups.values() if t.future is not None]
         futures += also
         if futures:
+            if interrupt is not None:
+                futures.append(interrupt)
             wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
 
     def drain_loads(self) -> None:

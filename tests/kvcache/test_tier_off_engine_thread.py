@@ -161,3 +161,44 @@ def test_a_producer_waits_for_its_writes_off_the_engine_thread(
         assert report["tier_blocks"] == 5 and report["tier_write_complete"] is True
         assert len(report["block_hashes"]) == 5  # 80 prompt tokens: 5 full blocks
         assert redis.Redis(port=redis_server.port).dbsize() >= 5
+
+
+async def test_a_new_command_cuts_short_an_idle_wait_on_the_tier(
+    tiny_llama: Path, held: LatencyProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import asyncio
+
+    import engine.llm_engine as llm_engine
+    from engine.async_engine import AsyncEngine
+    from engine.config import EngineConfig
+
+    # An idle step waits on the stalled lookup this long unless a command interrupts it.
+    monkeypatch.setattr(llm_engine, "TIER_IDLE_WAIT_S", 120.0)
+    tier = f"redis://127.0.0.1:{held.port}/0?timeout=60"
+    eng = AsyncEngine(EngineConfig(model=str(tiny_llama), kv_tier=tier, block_size=BS, num_kv_blocks=64))
+
+    async def run(rid: str, prompt: list[int]) -> tuple[list[int], str | None]:
+        tokens: list[int] = []
+        reason = None
+        async for out in eng.generate(rid, prompt, GREEDY):
+            tokens += out.outputs[0].token_ids
+            reason = out.outputs[0].finish_reason
+        return tokens, reason
+
+    try:
+        held.flowing.clear()  # A's arrival lookup gets no answer: the loop idles, waiting on it
+        stalled = asyncio.ensure_future(run("a", PROMPT_A))
+        for _ in range(500):
+            if eng.stats().num_waiting == 1:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)  # well past the lookup's 20 ms grace: the step waits on the tier
+        assert not stalled.done()
+        # A new request and an abort are taken at once, not after the idle wait.
+        tokens, reason = await asyncio.wait_for(run("b", PROMPT_B), 20)
+        assert len(tokens) == 8 and reason == "length"
+        await asyncio.wait_for(eng.abort("a"), 20)
+        assert (await asyncio.wait_for(stalled, 20)) == ([], "abort")
+    finally:
+        held.flowing.set()
+        await asyncio.wait_for(eng.shutdown(), 30)
