@@ -67,6 +67,11 @@ class Proc:
             time.sleep(0.1)
         raise RuntimeError(f"{self.url} not ready after {timeout}s:\n{self.log.read_text()[-3000:]}")
 
+    def freeze(self) -> None:
+        """SIGSTOP: the process holds whatever it has not sent yet (``kill9`` still ends it)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGSTOP)
+
     def kill9(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)

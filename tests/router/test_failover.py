@@ -4,6 +4,7 @@ retry before the first byte, ejection and readmission, replicas still starting, 
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import httpx
@@ -112,13 +113,9 @@ def test_kill9_mid_stream_fails_over_exactly(
     else:
         stream = c.completions.create(model=MODEL, prompt="Once upon a time", **opts)
     pieces, finishes, usage, ids, roles, headers = [], [], None, set(), 0, []
-    for i, chunk in enumerate(stream):
+    killer: threading.Timer | None = None
+    for chunk in stream:
         ids.add(chunk.id)
-        if i == 8:
-            view = replicas_view(router)[victim.url]
-            # The victim is serving it, past its first content unless every piece so far was empty.
-            assert view["inflight"] == 1 and view["prefilling"] == (0 if "".join(pieces) else 1)
-            victim.kill9()
         if chunk.usage is not None:
             usage = chunk.usage
         for ch in chunk.choices:
@@ -137,6 +134,16 @@ def test_kill9_mid_stream_fails_over_exactly(
                 pieces.append(ch.text)
             if ch.finish_reason:
                 finishes.append(ch.finish_reason)
+        if killer is None and "".join(pieces):
+            # The victim is serving it, past its first content. Freeze it at once and kill it a
+            # moment later: a replica faster than this client could have sent the whole answer by
+            # a later chunk.
+            assert replicas_view(router)[victim.url]["inflight"] == 1
+            victim.freeze()
+            killer = threading.Timer(0.5, victim.kill9)
+            killer.start()
+    assert killer is not None
+    killer.join()
     assert metric(router.url, "ferry:router_failovers_total") == 1
     assert "".join(pieces) == expected_text  # no duplicate, no gap
     assert finishes == [expected_finish] == ["length"]
@@ -168,6 +175,7 @@ def test_kill9_mid_messages_stream_fails_over_exactly(cluster: Cluster, trio: li
     assert reference["usage"]["output_tokens"] > 20  # long enough to be cut mid-way
     router = cluster.router("--replica", victim.url, "--replica", survivor.url, "--policy", "round_robin")
     events = []
+    killer: threading.Timer | None = None
     with httpx.stream(
         "POST", router.url + "/v1/messages", json={**request, "stream": True}, timeout=120
     ) as r:
@@ -180,9 +188,14 @@ def test_kill9_mid_messages_stream_fails_over_exactly(cluster: Cluster, trio: li
                 event = json.loads(line[6:])
                 assert event["type"] == kind
                 events.append(event)
-                if len(events) == 8:
+                if killer is None and event["type"] == "content_block_delta":
+                    # Frozen at its first text, killed a moment later (as above).
                     assert replicas_view(router)[victim.url]["inflight"] == 1
-                    victim.kill9()
+                    victim.freeze()
+                    killer = threading.Timer(0.5, victim.kill9)
+                    killer.start()
+    assert killer is not None
+    killer.join()
     assert metric(router.url, "ferry:router_failovers_total") == 1
     kinds = [e["type"] for e in events]
     assert kinds[0] == "message_start" and kinds.count("message_start") == 1
