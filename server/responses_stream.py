@@ -4,8 +4,10 @@
 ``response.output_item.added``, ``response.output_text.delta``, ..., ``response.completed``, each
 with its ``sequence_number``. The output items (``reasoning``, ``message``, ``function_call``) are
 written by ``_Output`` in the order the model wrote them: text after a function call is a message
-item after it, as OpenAI's output lists items. A whole (non-streamed) answer is read from the same
-chunks by the same ``_Output`` (``collect``), so it has the output a stream of it ends with.
+item after it, as OpenAI's output lists items. Each item is done before the next one is added, as
+OpenAI streams them: a function call as soon as its arguments are complete (``_Output.feed``), not
+when the answer ends, so a client can run it at once. A whole (non-streamed) answer is read from the
+same chunks by the same ``_Output`` (``collect``), so it has the output a stream of it ends with.
 
 For a router that may resume the stream elsewhere (``router/responses_stream.py``), two internal
 request fields change the stream, never its content:
@@ -19,8 +21,9 @@ request fields change the stream, never its content:
   then opens no second response: the open message or reasoning item goes on when the resumed text
   is of its kind (same id and output index), else it is closed (the ``...done`` events the dead
   replica never sent) and the next item takes the next index; an open function call goes on (a
-  resumed call comes without an id). The ``...done`` events, ``response.completed`` and the stored
-  response describe the whole answer, ``usage.output_tokens`` the resumed tokens included.
+  resumed call comes without an id), a done one stays done. The ``...done`` events,
+  ``response.completed`` and the stored response describe the whole answer, ``usage.output_tokens``
+  the resumed tokens included.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from server.serving_common import stream_errors
 from server.serving_messages import GROUP_EVENT
 
 if TYPE_CHECKING:
-    from server.serving_responses import _Response
+    from server.serving_responses import ResponsesRequest, _Response
 
 Event = tuple[str, dict[str, Any]]  # kind, fields (the sequence number is added when framed)
 # Events and the token ids of the chunk they came from (None: not from a chunk).
@@ -89,20 +92,33 @@ _TEXT_DELTAS = (
 )
 
 
+def calls_come_whole(req: ResponsesRequest) -> bool:
+    """Whether the chat stream sends each function call whole: its id, name and complete arguments
+    in one delta, as the tool-call parser (``auto``) or the ``required`` array releases a call once it
+    is complete (``server/tools.py``). A named function's arguments stream as they are generated:
+    that call is complete only when something follows it or the answer ends."""
+    return bool(req.tools) and not isinstance(req.tool_choice, dict)
+
+
 class _Output:
     """The response's output as it is written: closed items in ``built.output``, one open message or
-    reasoning item, and the function calls (closed when the answer ends). Each item's
-    ``output_index`` is its place among the items added, which is the order of the final output
-    (text after a call comes after it)."""
+    reasoning item, and the open function calls. Each item's ``output_index`` is its place among the
+    items added, which is the order of the final output (text after a call comes after it).
+
+    A function call is done once its arguments are complete: at once when calls come whole
+    (``calls_come_whole``), else when a later call or text starts (the model has moved on) or the
+    answer ends; never before, so no argument text comes after its call's ``...done`` events."""
 
     def __init__(self, built: _Response, want_logprobs: bool) -> None:
         self.built = built
         self.want_logprobs = want_logprobs
+        self.whole_calls = calls_come_whole(built.req)
         self.open_item: dict[str, Any] | None = None
         self.text = ""  # the open item's
         self.logprobs: list[dict[str, Any]] = []  # the open message's, as sent with its deltas
         self.pending: list[dict[str, Any]] = []  # arrived with no text yet (a held-back partial character)
-        self.calls: dict[int, dict[str, Any]] = {}  # a chat tool call's index -> its item (+ output_index)
+        # The open function calls: a chat tool call's index -> its item (+ output_index).
+        self.calls: dict[int, dict[str, Any]] = {}
         self.added = 0  # items added so far: the next one's output_index
         self.open_index = 0  # the open item's
         self.index_of: dict[str, int] = {}  # a closed item's id -> its output_index
@@ -110,9 +126,14 @@ class _Output:
     def seed(self, items: list[dict[str, Any]]) -> None:
         """Take over the output a client already has (a resumed stream)."""
         self.added = len(items)
+        calls = 0  # the chat stream numbers the calls from the first, done or not
         for position, item in enumerate(items):
-            if item.get("type") == "function_call":  # calls stay open until the answer ends
-                self.calls[len(self.calls)] = {**item, "output_index": position}
+            if item.get("type") == "function_call":
+                if item.get("status") == "completed":
+                    self._closed(item, position)
+                else:
+                    self.calls[calls] = {**item, "output_index": position}
+                calls += 1
             elif item.get("status") == "in_progress" and item.get("type") in ("message", "reasoning"):
                 part = (item.get("content") or [{}])[0]
                 self.open_item = {**item, "content": []}
@@ -131,8 +152,21 @@ class _Output:
         return self.added - 1
 
     def ordered(self) -> None:
-        """Put the closed items in ``output_index`` order (calls close last)."""
+        """Put the closed items in ``output_index`` order (calls still open at the end close last)."""
         self.built.output.sort(key=lambda item: self.index_of[item["id"]])
+
+    def close_calls(self) -> list[Event]:
+        """The events that close the open function calls (their arguments are complete)."""
+        out: list[Event] = []
+        for call in self.calls.values():
+            index = call.pop("output_index")
+            done = {**call, "status": "completed"}
+            fields = {"item_id": call["id"], "output_index": index, "arguments": call["arguments"]}
+            out.append(("response.function_call_arguments.done", fields))
+            out.append(("response.output_item.done", {"output_index": index, "item": done}))
+            self._closed(done, index)
+        self.calls = {}
+        return out
 
     def close_open(self) -> list[Event]:
         item = self.open_item
@@ -181,6 +215,7 @@ class _Output:
             piece = getattr(delta, field)
             if not piece:
                 continue
+            out += self.close_calls()  # text after a call: the model has moved on
             if self.open_item is None or self.open_item["type"] != kind:
                 out += self.start(kind)
             self.text += piece
@@ -198,6 +233,7 @@ class _Output:
             out += self.close_open()
             call = self.calls.get(tc.index)
             if call is None:
+                out += self.close_calls()  # a later call: the earlier ones are complete
                 call = call_item(tc.id or "", tc.function.name or "", "", status="in_progress")
                 call["output_index"] = self._add()
                 self.calls[tc.index] = call
@@ -211,6 +247,8 @@ class _Output:
                 out.append(
                     ("response.function_call_arguments.delta", {**fields, "delta": tc.function.arguments})
                 )
+            if self.whole_calls:
+                out += self.close_calls()
         return out
 
     def finish(self) -> list[Event]:
@@ -218,13 +256,7 @@ class _Output:
         out = self.close_open()
         if not self.built.output and not self.calls:
             out += self.start("message") + self.close_open()
-        for call in self.calls.values():
-            index = call.pop("output_index")
-            done = {**call, "status": "completed"}
-            fields = {"item_id": call["id"], "output_index": index, "arguments": call["arguments"]}
-            out.append(("response.function_call_arguments.done", fields))
-            out.append(("response.output_item.done", {"output_index": index, "item": done}))
-            self._closed(done, index)
+        out += self.close_calls()
         self.ordered()
         return out
 

@@ -231,8 +231,8 @@ def test_a_resumed_function_call_goes_on_in_the_same_item() -> None:
 
 
 def test_text_after_a_call_is_the_next_item_and_goes_on_there() -> None:
-    """A call stays open until the answer ends; text after it takes the next output index (not
-    the call's), also when a resumed replica continues it."""
+    """Text after a call closes the call and takes the next output index (not the call's), also
+    when a resumed replica continues it."""
     first = [chunk([1], tool_calls=call(0, "{}", name="now")), chunk([2], content="x")]
     client, _, built = splice(first, 4, [chunk([3], content="y"), chunk([4], "stop"), usage(2)])
     added = [
