@@ -11,6 +11,10 @@ keywords make it that type), whose keywords apply; else it is any JSON value and
 dropped. A keyword only counts where it can constrain the output: a string keyword beside
 ``"type": "integer"`` constrains nothing for any validator either.
 
+xgrammar enforces no ``allOf`` of more than one member (and drops the keywords beside one), so a
+schema's ``allOf``s are merged before it is compiled (``engine/json_schema_merge.py``), and the
+merged schema is the one checked.
+
 Pure functions of decoded JSON; never imports xgrammar (nor torch).
 """
 

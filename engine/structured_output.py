@@ -13,9 +13,13 @@ Compiling may take milliseconds to seconds for a large schema, so the async engi
 worker thread, never on the event loop or the engine thread; the engine thread only fills masks
 and advances matchers (microseconds per token).
 
+A JSON schema's ``allOf`` is merged into one schema first (xgrammar enforces none of more than one
+member), and that merged schema is compiled.
+
 A constraint is refused (ValueError, a 400 at the HTTP edge) rather than half applied: a JSON
-schema using a keyword xgrammar compiles but does not enforce (``engine/json_schema_support.py``),
-and a constraint no output can satisfy (its first token mask is empty). Both checks run where the
+schema using a keyword xgrammar compiles but does not enforce, or an ``allOf`` that cannot be
+merged soundly (``engine/json_schema_support.py``), and a constraint no output can satisfy (an
+``allOf`` of conflicting members, a first token mask that is empty). The checks run where the
 compile runs, once per distinct constraint.
 """
 
@@ -33,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.json_schema_merge import merge_all_of
 from engine.json_schema_support import tag_schemas, unenforced_keyword
 from engine.sampling_params import StructuredOutputsParams
 
@@ -116,12 +121,13 @@ class GrammarCompiler:
         compiler = self._xgr_compiler()
         kind = spec.kind
         any_ws = not spec.disable_any_whitespace
+        schema = _json_schema(spec) if kind == "json" else None
         with self._compiling:
             hit = self.cached(spec)  # compiled by whoever held the lock before
             if hit is not None:
                 return hit
-            compiled = self._compile(compiler, spec, kind, any_ws)
-        problem = _unenforced(spec, kind)
+            compiled = self._compile(compiler, spec, kind, any_ws, schema)
+        problem = _unenforced(spec, kind, schema)
         if problem is not None:
             raise ValueError(f"structured outputs {kind} {problem}, which structured outputs cannot enforce")
         self._check_satisfiable(compiled, kind)
@@ -131,10 +137,12 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return compiled
 
-    def _compile(self, compiler: Any, spec: StructuredOutputsParams, kind: str, any_ws: bool) -> Any:
+    def _compile(
+        self, compiler: Any, spec: StructuredOutputsParams, kind: str, any_ws: bool, schema: str | None
+    ) -> Any:
         try:
             if kind == "json":
-                compiled = compiler.compile_json_schema(spec.json, any_whitespace=any_ws)
+                compiled = compiler.compile_json_schema(schema, any_whitespace=any_ws)
             elif kind == "json_object":
                 compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=any_ws)
             elif kind == "regex":
@@ -240,10 +248,23 @@ def mask_to_grammars(
     return out, rows
 
 
-def _unenforced(spec: StructuredOutputsParams, kind: str) -> str | None:
-    """What in the constraint's JSON schemas its grammar would not enforce, or None."""
+def _json_schema(spec: StructuredOutputsParams) -> str:
+    """The JSON schema text a json constraint compiles: its own, with any ``allOf`` merged.
+    ValueError when an allOf cannot be merged soundly or no JSON value satisfies it."""
+    text = spec.json or "{}"
+    if '"allOf"' not in text:  # as it came: no reason to rewrite it
+        return text
+    try:
+        return json.dumps(merge_all_of(json.loads(text)))
+    except ValueError as e:
+        raise ValueError(f"structured outputs json {e}") from e
+
+
+def _unenforced(spec: StructuredOutputsParams, kind: str, schema: str | None) -> str | None:
+    """What in the constraint's JSON schemas (``schema``: the json one, as compiled) its grammar
+    would not enforce, or None."""
     if kind == "json":
-        schemas = [json.loads(spec.json or "{}")]
+        schemas = [json.loads(schema or "{}")]
     elif kind == "structural_tag":
         schemas = [
             json.loads(s) if isinstance(s, str) else s
