@@ -142,7 +142,7 @@ class GrammarCompiler:
     ) -> Any:
         try:
             if kind == "json":
-                compiled = compiler.compile_json_schema(schema, any_whitespace=any_ws)
+                compiled = _compile_json_schema(compiler, schema, any_ws)
             elif kind == "json_object":
                 compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=any_ws)
             elif kind == "regex":
@@ -258,6 +258,31 @@ def _json_schema(spec: StructuredOutputsParams) -> str:
         return json.dumps(merge_all_of(json.loads(text)))
     except ValueError as e:
         raise ValueError(f"structured outputs json {e}") from e
+
+
+# The rule xgrammar (0.2.9) writes for one character of a string with minLength / maxLength: it
+# admits raw control characters (invalid JSON, which a strict parser refuses) and no escape.
+_BOUNDED_CHARACTER = re.compile(r'^(\S+) ::= \(\(\[\^\\"\\\\\\r\\n\]\)\)$', re.M)
+# One character of a JSON string, as JSON writes it: unescaped (no control character, quote or
+# backslash), a short escape, a \uXXXX of the basic plane, or a surrogate pair (one character).
+_JSON_CHARACTER = (
+    r'(([^\0-\x1f\"\\]) | ("\\" [\"\\/bfnrt])'
+    r' | ("\\u" [0-9A-Ca-cE-Fe-f] [0-9A-Fa-f] [0-9A-Fa-f] [0-9A-Fa-f])'
+    r' | ("\\u" [Dd] [0-7] [0-9A-Fa-f] [0-9A-Fa-f])'
+    r' | ("\\u" [Dd] [89ABab] [0-9A-Fa-f] [0-9A-Fa-f] "\\u" [Dd] [C-Fc-f] [0-9A-Fa-f] [0-9A-Fa-f]))'
+)
+
+
+def _compile_json_schema(compiler: Any, schema: str | None, any_ws: bool) -> Any:
+    """xgrammar's grammar for ``schema``, its length-bounded strings made valid JSON: as xgrammar
+    writes them they may hold raw control characters and no escape (mlc-ai/xgrammar#800)."""
+    import xgrammar as xgr
+
+    text = str(xgr.Grammar.from_json_schema(schema or "{}", any_whitespace=any_ws))
+    fixed, count = _BOUNDED_CHARACTER.subn(lambda m: f"{m.group(1)} ::= {_JSON_CHARACTER}", text)
+    if not count:  # nothing bounded, or an xgrammar that writes it otherwise: as it compiles it
+        return compiler.compile_json_schema(schema or "{}", any_whitespace=any_ws)
+    return compiler.compile_grammar(fixed)
 
 
 def _unenforced(spec: StructuredOutputsParams, kind: str, schema: str | None) -> str | None:

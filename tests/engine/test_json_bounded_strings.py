@@ -1,0 +1,72 @@
+"""Strings with ``minLength`` / ``maxLength`` under structured outputs are valid JSON: xgrammar
+(0.2.9) writes their characters as any but quote, backslash, CR and LF, so a model could emit a raw
+control character (which a strict JSON parser refuses) and no escape (mlc-ai/xgrammar#800)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import xgrammar as xgr
+
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from engine.sampling_params import StructuredOutputsParams as SO
+from engine.structured_output import GrammarCompiler
+from engine.tokenizer import Tokenizer
+
+BOUNDED = {
+    "type": "object",
+    "properties": {
+        "s": {"type": "string", "maxLength": 3},
+        "t": {"type": "array", "items": {"type": "string", "minLength": 2}},
+    },
+    "required": ["s", "t"],
+}
+
+
+@pytest.fixture(scope="module")
+def grammars(tiny_llama: Path) -> GrammarCompiler:
+    tokenizer = Tokenizer.from_dir(tiny_llama)
+    return GrammarCompiler(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids)
+
+
+@pytest.mark.parametrize(
+    ("text", "ok"),
+    [
+        ('{"s": "a\\nb", "t": []}', True),  # an escape is one character
+        ('{"s": "a\\"\\\\", "t": ["\\u00e9A"]}', True),
+        ('{"s": "", "t": ["\\ud83d\\ude00x"]}', True),  # a surrogate pair is one character
+        ('{"s": "\u00e9\u00e9\u00e9", "t": []}', True),
+        ('{"s": "a\x14b", "t": []}', False),  # a raw control character is not JSON
+        ('{"s": "a\tb", "t": []}', False),
+        ('{"s": "abcd", "t": []}', False),  # over maxLength
+        ('{"s": "", "t": ["\\ud83d\\ude00"]}', False),  # one character: under minLength
+        ('{"s": "", "t": ["\\ud83dx"]}', False),  # a lone surrogate
+    ],
+)
+def test_bounded_strings_take_json_characters(grammars, text: str, ok: bool) -> None:
+    matcher = xgr.GrammarMatcher(grammars.compile(SO(json=BOUNDED, disable_any_whitespace=True)))
+    whole = matcher.accept_string(text) and matcher.accept_token(grammars.stop_token_ids[0])
+    assert whole is ok
+
+
+def test_generated_bounded_strings_parse_as_strict_json(tiny_llama: Path) -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "string", "maxLength": 12},
+            "b": {"type": "string", "minLength": 4, "maxLength": 12},
+        },
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    }
+    params = SamplingParams(n=16, max_tokens=200, temperature=1.0, seed=3, structured_outputs=SO(json=schema))
+    with LLM(str(tiny_llama), num_kv_blocks=512) as llm:
+        (out,) = llm.generate(["Tell me about it:"], params)
+    finished = [c for c in out.outputs if c.finish_reason == "stop"]
+    assert len(finished) >= 8
+    for completion in finished:
+        value = json.loads(completion.text)  # strict: raw control characters are refused
+        assert len(value["a"]) <= 12 and 4 <= len(value["b"]) <= 12
