@@ -475,3 +475,49 @@ def _check_bounds(node: dict, path: str) -> None:
     if types == {"array"} and node.get("items") is False and _number(least):
         if least > len(node.get("prefixItems") or ()):
             raise _Unsatisfiable(f"'minItems' {least} is more items than it allows", path)
+
+
+def declare_required(schema: Any) -> Any:
+    """``schema`` with each required property that an object's ``properties`` lacks declared there,
+    with the schema its ``additionalProperties`` gives it: xgrammar drops a required name that
+    ``properties`` lacks (its strict mode admits no other names either), so the output could lack
+    it. ValueError when ``additionalProperties: false`` rules a required name out."""
+    return _declared(schema, "#")
+
+
+def _declared(node: Any, path: str) -> Any:
+    if not isinstance(node, dict):
+        return node
+    out = dict(node)
+    for key, value in node.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {k: _declared(v, f"{path}/{key}/{k}") for k, v in value.items()}
+        elif key in _SCHEMA_LISTS and isinstance(value, list):
+            out[key] = [_declared(v, f"{path}/{key}/{i}") for i, v in enumerate(value)]
+        elif key in _SCHEMA_ONE:
+            out[key] = _declared(value, f"{path}/{key}")
+    props = out.get("properties", {})
+    if not _an_object(out) or not isinstance(out.get("required"), list) or not isinstance(props, dict):
+        return out
+    if "patternProperties" in out:
+        return out
+    extra = _additional(out)
+    for name in out["required"]:
+        if isinstance(name, str) and name not in props:
+            if extra is False:
+                where = "" if path == "#" else f" at {path}"
+                raise ValueError(
+                    f"requires the property {name!r}{where}, which its 'additionalProperties' rules out"
+                )
+            props = {**props, name: {} if extra is True else extra}
+    if props:
+        out["properties"] = props
+    return out
+
+
+def _an_object(node: dict) -> bool:
+    """Whether xgrammar reads ``node`` as an object schema (its ``required`` applies)."""
+    declared = node.get("type")
+    if declared is None:
+        return any(k in node for k in ("properties", "additionalProperties", "unevaluatedProperties"))
+    return declared == "object" or declared == ["object"]

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.json_schema_merge import merge_all_of
+from engine.json_schema_merge import declare_required, merge_all_of
 from engine.json_schema_support import tag_schemas, unenforced_keyword
 from engine.sampling_params import StructuredOutputsParams
 
@@ -249,13 +249,20 @@ def mask_to_grammars(
 
 
 def _json_schema(spec: StructuredOutputsParams) -> str:
-    """The JSON schema text a json constraint compiles: its own, with any ``allOf`` merged.
-    ValueError when an allOf cannot be merged soundly or no JSON value satisfies it."""
+    """The JSON schema text a json constraint compiles: its own, with any ``allOf`` merged and the
+    required properties its objects do not declare declared. ValueError when an allOf cannot be
+    merged soundly, or no JSON value satisfies it or an object's required names."""
     text = spec.json or "{}"
-    if '"allOf"' not in text:  # as it came: no reason to rewrite it
+    if '"allOf"' not in text and '"required"' not in text:  # as it came: no reason to rewrite it
         return text
     try:
-        return json.dumps(merge_all_of(json.loads(text)))
+        schema = json.loads(text)
+    except ValueError:  # not JSON: the compile says so
+        return text
+    try:
+        if '"allOf"' in text:
+            schema = merge_all_of(schema)
+        return json.dumps(declare_required(schema))
     except ValueError as e:
         raise ValueError(f"structured outputs json {e}") from e
 

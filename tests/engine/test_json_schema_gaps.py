@@ -1,6 +1,9 @@
-"""Strings with ``minLength`` / ``maxLength`` under structured outputs are valid JSON: xgrammar
+"""How structured outputs read JSON schemas where xgrammar alone would let output break them.
+
+Strings with ``minLength`` / ``maxLength`` under structured outputs are valid JSON: xgrammar
 (0.2.9) writes their characters as any but quote, backslash, CR and LF, so a model could emit a raw
-control character (which a strict JSON parser refuses) and no escape (mlc-ai/xgrammar#800)."""
+control character (which a strict JSON parser refuses) and no escape (mlc-ai/xgrammar#800).
+A required property that `properties` lacks: xgrammar drops the name."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from engine.sampling_params import StructuredOutputsParams as SO
 from engine.structured_output import GrammarCompiler
 from engine.tokenizer import Tokenizer
 
+INT = {"type": "integer"}
 BOUNDED = {
     "type": "object",
     "properties": {
@@ -70,3 +74,48 @@ def test_generated_bounded_strings_parse_as_strict_json(tiny_llama: Path) -> Non
     for completion in finished:
         value = json.loads(completion.text)  # strict: raw control characters are refused
         assert len(value["a"]) <= 12 and 4 <= len(value["b"]) <= 12
+
+
+@pytest.mark.parametrize(
+    ("schema", "text", "ok"),
+    [
+        # A required name ``properties`` lacks: xgrammar alone took ``{}`` and refused ``{"x": 1}``.
+        ({"type": "object", "required": ["x"]}, '{"x": 1}', True),
+        ({"type": "object", "required": ["x"]}, "{}", False),
+        ({"type": "object", "properties": {"y": INT}, "required": ["x", "y"]}, '{"y": 2, "x": [1]}', True),
+        ({"type": "object", "properties": {"y": INT}, "required": ["x", "y"]}, '{"y": 2}', False),
+        # The undeclared name takes the schema additionalProperties gives it.
+        ({"type": "object", "required": ["x"], "additionalProperties": INT}, '{"x": 1}', True),
+        ({"type": "object", "required": ["x"], "additionalProperties": INT}, '{"x": "a"}', False),
+        # Nested, and in $defs.
+        (
+            {"type": "object", "properties": {"o": {"$ref": "#/$defs/o"}}, "required": ["o"],
+             "$defs": {"o": {"type": "object", "required": ["k"]}}},
+            '{"o": {"k": null}}',
+            True,
+        ),
+        (
+            {"type": "object", "properties": {"o": {"$ref": "#/$defs/o"}}, "required": ["o"],
+             "$defs": {"o": {"type": "object", "required": ["k"]}}},
+            '{"o": {}}',
+            False,
+        ),
+        # ``required`` means nothing for a value that is not an object.
+        ({"type": "string", "required": ["x"]}, '"s"', True),
+    ],
+)  # fmt: skip
+def test_required_names_that_properties_lacks_are_required(grammars, schema, text: str, ok: bool) -> None:
+    matcher = xgr.GrammarMatcher(grammars.compile(SO(json=schema, disable_any_whitespace=True)))
+    whole = matcher.accept_string(text) and matcher.accept_token(grammars.stop_token_ids[0])
+    assert whole is ok
+
+
+def test_a_required_name_additional_properties_rules_out_is_refused(grammars) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "object", "required": ["k"],
+              "additionalProperties": False}}}  # fmt: skip
+    with pytest.raises(ValueError) as err:
+        grammars.compile(SO(json=schema))
+    assert str(err.value) == (
+        "structured outputs json requires the property 'k' at #/properties/a, "
+        "which its 'additionalProperties' rules out"
+    )
