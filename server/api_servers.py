@@ -6,8 +6,9 @@ requests is taken in one at a time. Here (vLLM's ``--api-server-count``):
 
 * this process, the **supervisor**, binds the port, starts the engine process, then N API server
   processes, and registers the replica (``--register``) once they serve; it restarts an API
-  server that dies, and stops everything if the engine process dies (the orchestrator restarts
-  the replica: ``/health`` has answered 503 since);
+  server that dies or goes silent (its event loop stopped: ``API_SERVER_SILENCE_S``), and stops
+  everything if the engine process dies (the orchestrator restarts the replica: ``/health`` has
+  answered 503 since);
 * the **engine process** (``server/engine_process.py``) loads the model and runs the one
   ``AsyncEngine`` behind a Unix socket;
 * each **API server process** runs the whole OpenAI app over an ``EngineClient``
@@ -51,6 +52,11 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s"
 RESTART_BACKOFF_S = 1.0
 # How long the supervisor waits for a started API server to serve before giving up.
 API_SERVER_START_TIMEOUT_S = 120.0
+# A serving API server's event loop tells the supervisor it runs this often; one silent for
+# API_SERVER_SILENCE_S (stopped, or its loop blocked) is killed and started again: the
+# connections it holds would hang, and it would go on taking new ones.
+API_SERVER_BEAT_S = 1.0
+API_SERVER_SILENCE_S = 10.0
 
 
 def run_api_servers(config: ServerConfig, engine_config: Any, count: int) -> int:
@@ -138,6 +144,11 @@ class Supervisor:
         self.engine: BaseProcess | None = None
         self.api_servers: list[BaseProcess | None] = [None] * count
         self._started_at = [0.0] * count
+        # Each API server's messages ("ready", then a beat every API_SERVER_BEAT_S), when the
+        # latest came, and whether it has said it serves.
+        self._beats: list[Connection | None] = [None] * count
+        self._heard = [0.0] * count
+        self._serving = [False] * count
         self._signals = 0
         self._stop = asyncio.Event()
 
@@ -165,6 +176,7 @@ class Supervisor:
                     return await self._shutdown()
                 logger.error("API server %d did not start", index)
                 return 1
+            self._heard[index], self._serving[index] = time.monotonic(), True
         self.balancer.start()
         registration = None
         if self.config.register:
@@ -193,6 +205,7 @@ class Supervisor:
                     # In-flight requests have failed (503) already; let the API servers answer them.
                     await self._stop_api_servers(10.0)
                     return self._engine_died()
+                self._kill_silent_api_servers()
                 self._restart_dead_api_servers()
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), 0.2)
@@ -231,7 +244,10 @@ class Supervisor:
         sender.close()
         channel.close()  # the API server's end: its copy is its own (EOF here once it exits)
         self.api_servers[index] = proc
-        self._started_at[index] = time.monotonic()
+        self._started_at[index] = self._heard[index] = time.monotonic()
+        if self._beats[index] is not None:
+            self._beats[index].close()
+        self._beats[index], self._serving[index] = receiver, False
         return receiver
 
     def _restart_dead_api_servers(self) -> None:
@@ -243,7 +259,32 @@ class Supervisor:
             logger.error(
                 "API server %d (pid %s) exited with %s: starting it again", index, proc.pid, proc.exitcode
             )
-            self._start_api_server(index).close()
+            self._start_api_server(index)
+
+    def _kill_silent_api_servers(self) -> None:
+        """Kill an API server that has sent nothing for API_SERVER_SILENCE_S (or, starting, for
+        API_SERVER_START_TIMEOUT_S): it is stopped or its event loop is blocked. It is started again."""
+        now = time.monotonic()
+        for index, proc in enumerate(self.api_servers):
+            beats = self._beats[index]
+            if proc is None or beats is None or not proc.is_alive():
+                continue
+            try:
+                while beats.poll():
+                    if beats.recv() == ("ready",):
+                        self._serving[index] = True
+                    self._heard[index] = now
+            except (EOFError, OSError):  # it is exiting: the restart sees to it
+                continue
+            limit = API_SERVER_SILENCE_S if self._serving[index] else API_SERVER_START_TIMEOUT_S
+            if now - self._heard[index] > limit:
+                logger.error(
+                    "API server %d (pid %s) sent nothing for %.0f s: killing it (it is started again)",
+                    index,
+                    proc.pid,
+                    limit,
+                )
+                proc.kill()
 
     def _engine_died(self) -> int:
         code = self.engine.exitcode if self.engine is not None else None
@@ -371,9 +412,26 @@ async def _serve_api(
 
     engine = await EngineClient.connect(engine_path)
 
+    beats: list[asyncio.Task] = []
+
     def started() -> None:
-        with contextlib.suppress(OSError):  # a restarted API server's supervisor does not listen
+        with contextlib.suppress(OSError):
             ready.send(("ready",))
+        beats.append(asyncio.ensure_future(_beat(ready)))
+
+    try:
+        await serve(engine, config, sockets=[], on_started=started, passed=channel)
+    finally:
+        for task in beats:
+            task.cancel()
         ready.close()
 
-    await serve(engine, config, sockets=[], on_started=started, passed=channel)
+
+async def _beat(supervisor: Connection) -> None:
+    """Tell the supervisor, from the event loop, that it runs (``API_SERVER_SILENCE_S``)."""
+    while True:
+        await asyncio.sleep(API_SERVER_BEAT_S)
+        try:
+            supervisor.send(("beat",))
+        except OSError:  # the supervisor is gone: this process dies with it
+            return

@@ -586,6 +586,31 @@ def test_a_stopped_engine_process_is_reported_unhealthy(
         srv.stop()
 
 
+def test_a_stopped_api_server_is_killed_and_started_again(
+    tiny_llama: Path, serve_logs: Path, server_process
+) -> None:
+    """An API server whose event loop stops (SIGSTOP here; a loop blocked for good alike) holds its
+    connections forever and goes on taking new ones: silent for API_SERVER_SILENCE_S, it is killed
+    and started again, and the replica serves on both."""
+    srv = server_process(tiny_llama, API_SERVERS, serve_logs).start()
+    try:
+        _, (victim, other) = _processes(srv)
+        os.kill(victim, signal.SIGSTOP)
+        _wait(lambda: not _alive(victim), 30, "the stopped API server was never killed")
+        _wait(
+            lambda: victim not in (api := _processes(srv)[1]) and len(api) == 2,
+            30,
+            "no API server was started in its place",
+        )
+        assert other in _processes(srv)[1]
+        conns = connection_per_api_server(srv)
+        body = {"prompt": "x", "max_tokens": 2}
+        assert [call(conn, "/v1/completions", body)[0] for conn in conns] == [200, 200]
+        assert f"(pid {victim}) sent nothing for 10 s: killing it" in srv.log()
+    finally:
+        srv.stop()
+
+
 def test_children_die_with_a_killed_supervisor(tiny_llama: Path, serve_logs: Path, server_process) -> None:
     srv = server_process(tiny_llama, API_SERVERS, serve_logs).start()
     try:
