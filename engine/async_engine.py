@@ -16,8 +16,10 @@ import concurrent.futures
 import contextlib
 import functools
 import logging
+import sys
 import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -129,6 +131,11 @@ class AsyncEngine(SleepCommands):
         self._gather_loop: asyncio.AbstractEventLoop | None = None  # whose loop runs the rounds
         self._stopping = False
         self._error: BaseException | None = None
+        # When the step under way began (None between steps), and whether it was found stuck:
+        # one running over ``step_timeout_s`` makes the engine unhealthy until it ends.
+        self.step_timeout_s = config.step_timeout_s
+        self._step_since: float | None = None
+        self._stuck_logged = False
         # Sleep mode and weight updates: requests that arrived while the engine sleeps or drains
         # (held, in arrival order, until it is awake and idle-barriers ran), and those barriers.
         self._held: dict[str, _Add] = {}
@@ -378,7 +385,29 @@ class AsyncEngine(SleepCommands):
         return self._stats
 
     def is_healthy(self) -> bool:
-        return self._error is None and not self._stopping and self._thread.is_alive()
+        return self._error is None and not self._stopping and self._thread.is_alive() and not self._stuck()
+
+    def _stuck(self) -> bool:
+        """Whether the step under way has run over ``step_timeout_s`` (logged once, with where the
+        loop thread is, and again when it ends)."""
+        since = self._step_since
+        stuck = (
+            bool(self.step_timeout_s) and since is not None and time.monotonic() - since > self.step_timeout_s
+        )
+        if stuck != self._stuck_logged:
+            self._stuck_logged = stuck
+            if stuck:
+                frame = sys._current_frames().get(self._thread.ident or -1)
+                where = "".join(traceback.format_stack(frame)) if frame is not None else "(unknown)\n"
+                logger.error(
+                    "an engine step has run for over %g s: the engine is reported unhealthy until it "
+                    "ends. The engine loop is at:\n%s",
+                    self.step_timeout_s,
+                    where.rstrip(),
+                )
+            else:
+                logger.warning("the stuck engine step ended: the engine is healthy again")
+        return stuck
 
     async def shutdown(self) -> None:
         with self._wake:
@@ -460,7 +489,11 @@ class AsyncEngine(SleepCommands):
                         elif isinstance(cmd, Lifecycle) and cmd.outcome is not None:
                             resolve(cmd.done, cmd.outcome)
                 if self._can_step():
-                    outputs = engine.step()
+                    self._step_since = time.monotonic()
+                    try:
+                        outputs = engine.step()
+                    finally:
+                        self._step_since = None
                     # Publish stats first: a caller that sees its final output sees them updated.
                     self._stats = self._engine_stats()
                     self._deliver(outputs)

@@ -67,6 +67,10 @@ class EngineConfig:
     # Most milliseconds an idle AsyncEngine holds its first step to let the rest of a burst of
     # arrivals in (engine/async_engine.py ``_gather_burst``); 0: start on the first arrival.
     burst_wait_ms: float = 25.0
+    # A step (or command) of the engine loop that runs this many seconds means the loop is stuck
+    # (a hung kernel or collective, a deadlock): the engine reports unhealthy (/health 503) until
+    # it ends, and logs where the loop is (vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S); 0: never.
+    step_timeout_s: float = 60.0
     # vLLM's: fcfs (arrival order) | priority (requests' priority, lower first; engine/scheduler.py)
     scheduling_policy: str = "fcfs"
     # vLLM's name: a prefill computes at most this many tokens per step (0: no cap beyond the
@@ -155,6 +159,9 @@ class EngineConfig:
         wait = self.burst_wait_ms
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 10_000:
             raise ValueError(f"burst_wait_ms must be a number of milliseconds in [0, 10000], got {wait!r}")
+        timeout = self.step_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout < 1e9:
+            raise ValueError(f"step_timeout_s must be a number of seconds >= 0, got {timeout!r}")
         util = self.gpu_memory_utilization
         if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")

@@ -256,6 +256,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "(it stops as soon as every request received is taken in); 0: start on the first",
     )
     p.add_argument(
+        "--step-timeout-s",
+        type=float,
+        default=d.step_timeout_s,
+        help="seconds one engine step may run before the engine counts as stuck: /health answers "
+        "503 (so an orchestrator restarts the replica) until it ends; 0: never",
+    )
+    p.add_argument(
         "--scheduling-policy",
         default=d.scheduling_policy,
         choices=["fcfs", "priority"],
