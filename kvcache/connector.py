@@ -219,7 +219,7 @@ class KVConnector:
             if self._closed:
                 break
             chunk = hashes[start : start + self.load_chunk]
-            values = self.tier.get_many(self.keys(chunk))
+            values = self.tier.fetch(self.keys(chunk))
             blocks: list[torch.Tensor] = []
             for block_hash, value in zip(chunk, values, strict=True):
                 if value is None:
@@ -236,6 +236,8 @@ class KVConnector:
                 loaded += len(blocks)
             if len(blocks) < len(chunk):
                 break
+        # A hit is a block that landed: not one found corrupt, nor one read past a miss and unused.
+        self.tier.count_blocks(loaded, len(hashes) - loaded)
         with self._lock:
             self._loaded += loaded
             self._load_seconds += time.perf_counter() - started

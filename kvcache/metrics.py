@@ -38,8 +38,10 @@ _LATENCY_BUCKETS = (
     2.5,
 )
 
-KV_TIER_HITS = Counter("ferry:kv_tier_hits", "KV blocks found in the tier by get_many.")
-KV_TIER_MISSES = Counter("ferry:kv_tier_misses", "KV blocks asked of the tier and not found.")
+KV_TIER_HITS = Counter("ferry:kv_tier_hits", "KV blocks read from the tier and used (found intact).")
+KV_TIER_MISSES = Counter(
+    "ferry:kv_tier_misses", "KV blocks asked of the tier and not used (absent, corrupt, or after either)."
+)
 KV_TIER_BYTES_READ = Counter("ferry:kv_tier_bytes_read", "Bytes of KV block values read from the tier.")
 KV_TIER_BYTES_WRITTEN = Counter(
     "ferry:kv_tier_bytes_written", "Bytes of KV block values written to the tier."

@@ -74,6 +74,17 @@ def client_url(url: str) -> str:
     return parsed.url_without_params({k: v for k, v in parsed.params.items() if k not in TIER_PARAMS})
 
 
+def _refuses_scripts(exc: redis.exceptions.ResponseError) -> bool:
+    """Whether an ``EVALSHA`` (or ``SCRIPT LOAD``) error says this server will not run scripts for
+    us: an ACL without the scripting commands (redis-py raises ``NoPermissionError``, whose text is
+    "no permissions to run the 'evalsha' command"), the commands renamed away or disabled
+    ("unknown command 'EVALSHA'", as some managed Redis do), scripting turned off."""
+    if isinstance(exc, redis.exceptions.NoPermissionError):
+        return True
+    text = str(exc).lower()
+    return any(sign in text for sign in ("script", "noperm", "unknown command"))
+
+
 class RedisTier(Tier):
     """Raw Redis backend (may raise); see the module docstring."""
 
@@ -111,7 +122,7 @@ class RedisTier(Tier):
             try:
                 return int(self._prefix_script(keys=list(keys)))
             except redis.exceptions.ResponseError as exc:
-                if "script" not in str(exc).lower() and "noperm" not in str(exc).lower():
+                if not _refuses_scripts(exc):
                     raise
                 # Scripting disabled (ACLs, some managed Redis): pipelined EXISTS from now on.
                 logger.warning("Redis refuses Lua scripts (%s); contains_prefix uses pipelined EXISTS", exc)
@@ -126,7 +137,7 @@ class RedisTier(Tier):
             try:
                 return self._scripted_many(key_lists)
             except redis.exceptions.ResponseError as exc:
-                if "script" not in str(exc).lower() and "noperm" not in str(exc).lower():
+                if not _refuses_scripts(exc):
                     raise
                 logger.warning("Redis refuses Lua scripts (%s); contains_prefix uses pipelined EXISTS", exc)
                 self._prefix_script = None

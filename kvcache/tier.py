@@ -15,7 +15,9 @@ Contract of the ``Tier`` methods (all thread-safe):
 
 A backend may raise on I/O failure; what ``open_tier`` returns never does: failing backends
 are wrapped in a circuit breaker (``breaker.GuardedTier``) and the outermost ``MeteredTier``
-records the Prometheus metrics and turns anything unexpected into a counted miss.
+records the Prometheus metrics and turns anything unexpected into a counted miss. Its
+``get_many`` counts each value found as a hit; the engine's connector reads with ``fetch`` and
+counts with ``count_blocks`` once it has checked the values, so a corrupt block is a miss.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from urllib.parse import parse_qsl, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from kvcache.metrics import (
     ERROR_INTERNAL,
@@ -132,8 +134,10 @@ class TierURL:
             )
 
     def url_without_params(self, keep: dict[str, str] | None = None) -> str:
-        """The URL with only ``keep`` as its query (for handing to a client library)."""
-        query = "&".join(f"{k}={v}" for k, v in (keep or {}).items())
+        """The URL with only ``keep`` as its query (for handing to a client library). The values
+        were decoded when parsed, so they are encoded again: a ``+``, ``&`` or ``%`` in one (a
+        certificate's path, a client name) reaches the library as the user wrote it."""
+        query = urlencode(keep or {})
         p = self.parts
         return urlunsplit((p.scheme, p.netloc, p.path, query, p.fragment))
 
@@ -149,7 +153,7 @@ def register_tier(*schemes: str) -> Callable[[TierFactory], TierFactory]:
     return deco
 
 
-def open_tier(url: str) -> Tier:
+def open_tier(url: str) -> MeteredTier:
     """Open the tier a URL names, wrapped so that no call ever raises (errors become counted misses).
 
     Raises ``ValueError`` only for a malformed URL or an unknown scheme/parameter: configuration
@@ -195,6 +199,16 @@ class MeteredTier(Tier):
             return [0] * len(key_lists)
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        """Values as found: each one present counts as a hit. A caller that checks the values
+        before using them reads with ``fetch`` and counts with ``count_blocks`` instead."""
+        values = self.fetch(keys)
+        hits = sum(1 for v in values if v is not None)
+        self.count_blocks(hits, len(keys) - hits)
+        return values
+
+    def fetch(self, keys: Sequence[str]) -> list[bytes | None]:
+        """``get_many`` that leaves hits and misses to the caller (bytes and latency are counted):
+        a value that fails its check, or is not used, must not count as a hit."""
         if not keys:
             return []
         start = time.perf_counter()
@@ -204,16 +218,19 @@ class MeteredTier(Tier):
             self._internal_error("get_many")
             values = [None] * len(keys)
         KV_TIER_GET_SECONDS.observe(time.perf_counter() - start)
-        hits = sum(1 for v in values if v is not None)
         nbytes = sum(len(v) for v in values if v is not None)
-        KV_TIER_HITS.inc(hits)
-        KV_TIER_MISSES.inc(len(keys) - hits)
         KV_TIER_BYTES_READ.inc(nbytes)
         with self._lock:
-            self._hits += hits
-            self._misses += len(keys) - hits
             self._bytes_read += nbytes
         return values
+
+    def count_blocks(self, hits: int, misses: int) -> None:
+        """Record ``hits`` blocks served and ``misses`` blocks asked for and not served."""
+        KV_TIER_HITS.inc(hits)
+        KV_TIER_MISSES.inc(misses)
+        with self._lock:
+            self._hits += hits
+            self._misses += misses
 
     def put_many(self, items: Sequence[tuple[str, bytes]]) -> bool:
         if not items:
