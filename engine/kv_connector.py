@@ -55,6 +55,11 @@ class KVConnector:
     def request_finished(self, request: Request) -> None:
         return None
 
+    def count_lookup_misses(self, num_blocks: int) -> None:
+        """An admitted request asked the tier for ``num_blocks`` blocks (after those it loads) that
+        the tier did not hold: misses in the tier's metrics."""
+        return None
+
     def close(self) -> None:
         return None
 

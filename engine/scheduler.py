@@ -454,6 +454,7 @@ class Scheduler:
             ext_ids = req.block_table[num_hit : num_hit + num_ext]
             future = self._load_async(req, ext_ids, ext_hashes[:num_ext])
             self.loading.append(_Parked(req, future, hashes[: num_hit + num_ext], num_hit, num_ext))
+            self._count_tier_misses(len(ext_hashes) - num_ext)
             self._count_admission(req, 0)
             req.status = RequestStatus.LOADING
             return 0
@@ -494,9 +495,16 @@ class Scheduler:
         req.num_draft_computed = max(
             0, (num_hit * bs if num_ext else cached_tokens) - self.config.draft_hit_lag
         )
+        self._count_tier_misses(len(ext_hashes) - num_ext)
         self._count_admission(req, cached_tokens)
         req.status = RequestStatus.RUNNING
         return n
+
+    def _count_tier_misses(self, num_blocks: int) -> None:
+        """The blocks an admitted request asked the tier for and the tier lacked (those it found
+        count as hits or misses when loaded)."""
+        if num_blocks > 0:
+            self.connector.count_lookup_misses(num_blocks)
 
     def _match_partial(self, req: Request, hashes: list[bytes], num_hit: int) -> tuple[int, int] | None:
         """A cached partial block holding the first tokens of ``req``'s block ``num_hit`` (the one

@@ -88,6 +88,9 @@ class TierConnector:
             return None
         return self.kv.lookup_async(block_hashes)
 
+    def count_lookup_misses(self, num_blocks: int) -> None:
+        self.kv.tier.count_blocks(0, num_blocks)
+
     def load_blocks(self, request: Any, block_ids: Sequence[int], block_hashes: Sequence[bytes]) -> int:
         loaded = self.kv.load(block_hashes, block_ids, self.k_caches, self.v_caches)
         self._mark_loaded(block_hashes[:loaded])

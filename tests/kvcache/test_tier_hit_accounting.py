@@ -87,3 +87,21 @@ def test_engine_counts_only_the_blocks_it_loaded(tiny_llama, redis_url: str, met
     assert (s.blocks_loaded, s.corrupt_blocks) == (2, 1)
     # The lookup found 4 blocks; 2 landed, the corrupt 3rd and the 4th behind it did not.
     assert _counts(metric) == (hits + 2, misses + 2)
+
+
+def test_blocks_the_lookup_did_not_find_are_misses(tiny_llama, redis_url: str, metric) -> None:
+    """A dashboard's hit rate covers every block an admission asked the tier for: those the
+    lookup found and loaded are hits, those it did not find are misses."""
+    prompt = [(11 * i + 5) % 900 + 10 for i in range(5 * BLOCK)]
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    options = {"block_size": BLOCK, "num_kv_blocks": 64, "deterministic": True}
+    writer = LLM(str(tiny_llama), kv_tier=redis_url, **options)
+    writer.generate([prompt], greedy)  # the tier holds the prompt's 5 blocks
+    assert writer.engine.connector.flush(10.0)
+    longer = prompt + [(13 * i + 7) % 900 + 10 for i in range(2 * BLOCK)]  # 7 blocks: 6 asked for
+
+    hits, misses = _counts(metric)
+    reader = LLM(str(tiny_llama), kv_tier=redis_url, **options)
+    out = reader.generate([longer], greedy)[0]
+    assert out.num_cached_tokens == 5 * BLOCK
+    assert _counts(metric) == (hits + 5, misses + 1)
