@@ -7,6 +7,7 @@ tokenizer (``token_text`` writes partial UTF-8 as ``bytes:\\x..`` as OpenAI does
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Sequence
 
 from engine.outputs import Logprob, PositionLogprobs
@@ -35,6 +36,14 @@ def _top(position: PositionLogprobs, n: int) -> list[tuple[int, Logprob]]:
         position.items(), key=lambda kv: (kv[1].rank if kv[1].rank is not None else 1 << 30, -kv[1].logprob)
     )
     return ranked[:n]
+
+
+def _is_utf8(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _logprob(value: float) -> float:
@@ -78,9 +87,12 @@ def chat_logprobs(
 class CompletionLogprobsBuilder:
     """Accumulates legacy completion logprobs across deltas, keeping ``text_offset`` running.
 
-    ``text_offset`` indexes the choice's text: each token moves it by the characters the token adds
+    ``text_offset`` indexes the choice's text: a token's offset is the length of the text of the
+    tokens before it (as ``decode(ids[:i])`` reads). Each token moves it by the characters it adds
     there (``Tokenizer.text_width``), not by the length of its shown form (``bytes:\\xcc``,
-    ``token_id:7``, a skipped special token's text).
+    ``token_id:7``, a skipped special token's text); the pieces of a multi-byte character (byte-level
+    tokens that are not UTF-8 alone) add the one character they make together, read as UTF-8 is
+    (an incomplete or invalid run reads as one U+FFFD, as the decoded text shows it).
     """
 
     def __init__(
@@ -94,13 +106,22 @@ class CompletionLogprobsBuilder:
         self.tokenizer = tokenizer
         self.as_ids = as_ids
         self.top_n = top_n
-        self.offset = start_offset
+        self.offset = start_offset  # the text's length before any unfinished character
         self.skip_special_tokens = skip_special_tokens
+        # The bytes of a character whose pieces have not all come (held in the decoder's buffer).
+        self._pieces = codecs.getincrementaldecoder("utf-8")("replace")
 
     def add(
-        self, token_ids: Sequence[int], positions: Sequence[PositionLogprobs | None] | None
+        self,
+        token_ids: Sequence[int],
+        positions: Sequence[PositionLogprobs | None] | None,
+        shown: str | None = None,
     ) -> CompletionLogprobs:
-        """Logprobs of ``token_ids``; a ``None`` position (the first prompt token when echoing) has none."""
+        """Logprobs of ``token_ids``; a ``None`` position (the first prompt token when echoing) has none.
+        ``shown``: the whole text these tokens read as, when it is known beforehand (an echoed
+        prompt: the client's own string, or the ids decoded): a special token is in it where that
+        text has it (typed by the client), not where the tokenizer added it (a BOS); a character
+        left unfinished at its end stays its U+FFFD, whatever follows."""
         result = CompletionLogprobs()
         if positions is None:
             return result
@@ -122,9 +143,40 @@ class CompletionLogprobsBuilder:
                 if chosen is not None:
                     top.setdefault(text, _logprob(chosen.logprob))
                 result.top_logprobs.append(top)
-            result.text_offset.append(self.offset)
-            self.offset += self.tokenizer.text_width(token_id, self.skip_special_tokens)
+            result.text_offset.append(self._place(token_id, shown))
+        if shown is not None:
+            self._finish_pieces()
         return result
+
+    def _place(self, token_id: int, shown: str | None) -> int:
+        """The offset of the next token, ``token_id``; moves past it."""
+        tokenizer = self.tokenizer
+        pending = 1 if self._pieces.getstate()[0] else 0  # an unfinished character reads as one U+FFFD
+        if token_id in tokenizer.all_special_ids:
+            if shown is not None:
+                in_text = shown.startswith(tokenizer.token_text(token_id), self.offset + pending)
+            else:
+                in_text = not self.skip_special_tokens
+            if not in_text:  # no text; the decoder joins the pieces around it
+                return self.offset + pending
+            self._finish_pieces()
+            at = self.offset
+            self.offset += tokenizer.text_width(token_id, skip_special_tokens=False)
+            return at
+        raw = tokenizer.token_bytes(token_id)
+        if raw is None or _is_utf8(raw):
+            # Whole characters: it cannot continue an unfinished one (which then reads as U+FFFD).
+            self._finish_pieces()
+            at = self.offset
+            self.offset += tokenizer.text_width(token_id, self.skip_special_tokens)
+            return at
+        at = self.offset + pending
+        self.offset += len(self._pieces.decode(raw))  # the characters it completes; keeps a new start
+        return at
+
+    def _finish_pieces(self) -> None:
+        self.offset += len(self._pieces.decode(b"", final=True))
+        self._pieces.reset()
 
     def fill(
         self, part: CompletionLogprobs, token_ids: Sequence[int], positions: Sequence[PositionLogprobs | None]

@@ -360,8 +360,11 @@ def sampling_params(
             "priority needs priority scheduling: start the server with --scheduling-policy priority",
             param="priority",
         )
-    if logprobs is not None and logprobs > limits.max_logprobs:
-        raise bad_request(f"logprobs must be at most {limits.max_logprobs}, got {logprobs}", param="logprobs")
+    # Chat asks for alternatives in top_logprobs (its logprobs is a switch); completions in logprobs.
+    field = "top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs"
+    for name, asked in ((field, logprobs), ("prompt_logprobs", req.prompt_logprobs)):
+        if asked is not None and asked > limits.max_logprobs:
+            raise bad_request(f"{name} must be at most {limits.max_logprobs}, got {asked}", param=name)
     check_min_tokens(req, max_tokens)
     logit_bias = None
     if req.logit_bias:

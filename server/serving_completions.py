@@ -140,7 +140,10 @@ def _echo_prefix(state: ServerState, choice: _Choice, req: CompletionRequest, ou
     prompt = choice.prompt
     text = ""
     if req.echo:
-        text = prompt.text if prompt.text is not None else state.tokenizer.decode(prompt.token_ids)
+        # A token prompt reads as generated text does: its special tokens shown or not as asked.
+        text = prompt.text
+        if text is None:
+            text = state.tokenizer.decode(prompt.token_ids, skip_special_tokens=req.skip_special_tokens)
     if req.logprobs is not None:
         choice.builder = CompletionLogprobsBuilder(
             state.tokenizer,
@@ -151,7 +154,9 @@ def _echo_prefix(state: ServerState, choice: _Choice, req: CompletionRequest, ou
         if req.echo:
             # The engine hands prompt logprobs over with the last output; the entries (tokens and
             # offsets) are laid out now and their values filled in then.
-            choice.prompt_logprobs = choice.builder.add(prompt.token_ids, [None] * len(prompt.token_ids))
+            choice.prompt_logprobs = choice.builder.add(
+                prompt.token_ids, [None] * len(prompt.token_ids), shown=text
+            )
             choice.logprobs.append(choice.prompt_logprobs)
     return text
 
