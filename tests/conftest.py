@@ -121,6 +121,14 @@ _PAIR_POST_PROCESSOR = {
 }
 
 
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama: Path):  # noqa: ANN201 - engine.tokenizer.Tokenizer
+    """tiny_llama's tokenizer, as the engine reads it."""
+    from engine.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(tiny_llama)
+
+
 @pytest.fixture(scope="session")
 def tiny_cross_encoder(models_root: Path) -> Path:
     """A one-label Qwen3ForSequenceClassification (a reranker) whose tokenizer marks pairs with

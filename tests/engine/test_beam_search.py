@@ -170,11 +170,6 @@ def _step_logprobs(model, tokens: list[int], k: int) -> dict[int, Logprob]:
 # -- the rules, on hand-made steps -----------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_llama: Path) -> Tokenizer:
-    return Tokenizer.from_dir(tiny_llama)
-
-
 def _position(*entries: tuple[int, float]) -> dict[int, Logprob]:
     return {tid: Logprob(lp, rank) for rank, (tid, lp) in enumerate(entries, 1)}
 

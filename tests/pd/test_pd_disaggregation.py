@@ -16,7 +16,6 @@ import threading
 from pathlib import Path
 
 import httpx
-import pytest
 
 from engine import LLM, SamplingParams
 from engine.tokenizer import Tokenizer
@@ -72,11 +71,6 @@ def _call(base: str, path: str, body: dict, on_chunk=None) -> tuple[list[int], s
                 ids_seen = len(ids)
                 on_chunk(len(ids))
     return ids, text, usage
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_llama: Path) -> Tokenizer:
-    return Tokenizer.from_dir(tiny_llama)
 
 
 def _prompt_ids(tokenizer: Tokenizer, path: str, body: dict) -> list[int]:

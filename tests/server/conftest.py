@@ -137,6 +137,14 @@ def server(tiny_llama: Path, serve_logs: Path) -> Iterator[ServerProcess]:
     srv.stop()
 
 
+@pytest.fixture(scope="module")
+def client(server: ServerProcess):  # noqa: ANN201 - openai.OpenAI, imported where used
+    """The OpenAI SDK on the shared replica (a module that needs another client defines its own)."""
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
 def metric_value(text: str, name: str, **labels: str) -> float | None:
     """One sample's value from a Prometheus text exposition (None when absent)."""
     for line in text.splitlines():

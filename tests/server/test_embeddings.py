@@ -19,11 +19,6 @@ TEXTS = ["def parse_args(argv):", "import os\nimport sys\n\nprint(sys.argv)", "x
 
 
 @pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
 def reference(tiny_llama: Path) -> list[torch.Tensor]:
     """transformers' last hidden state of each text's last token, L2-normalised."""
     from transformers import AutoModel

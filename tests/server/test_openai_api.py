@@ -15,17 +15,11 @@ import openai
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.tokenizer import Tokenizer
 from kvcache.keys import block_hashes, to_hex
 
 PROMPT = "def parse_args(argv):\n    parser = "
 LONG_PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    for name in sorted(os.listdir(argv[1])):\n        print(name)\n"
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a color."}]
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 @pytest.fixture
@@ -37,11 +31,6 @@ def aclient(server) -> openai.AsyncOpenAI:
 @pytest.fixture(scope="module")
 def llm(tiny_llama: Path) -> LLM:
     return LLM(str(tiny_llama), num_kv_blocks=256, num_threads=1)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_llama: Path) -> Tokenizer:
-    return Tokenizer.from_dir(tiny_llama)
 
 
 def ids_of(tokens: list[str]) -> list[int]:

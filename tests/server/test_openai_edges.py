@@ -18,16 +18,6 @@ MULTIBYTE = "你好 wörld ☃ ok"
 SPECIAL = "<|im_end|>"
 
 
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_llama: Path) -> Tokenizer:
-    return Tokenizer.from_dir(tiny_llama)
-
-
 def ids_of(tokens: list[str]) -> list[int]:
     return [int(t.removeprefix("token_id:")) for t in tokens]
 

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Literal
 
 import httpx
-import openai
 import pytest
 from pydantic import BaseModel
 
@@ -28,11 +27,6 @@ TOOLS = [
         },
     }
 ]
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def test_text_equals_the_chat_answer(client, server) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 from typing import Literal
 
 import httpx
@@ -26,16 +25,6 @@ class Pick(BaseModel):
     ok: bool
     color: Literal["red", "green", "blue"]
     count: Literal[1, 2, 3]
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_llama: Path) -> Tokenizer:
-    return Tokenizer.from_dir(tiny_llama)
 
 
 @pytest.fixture(scope="module")

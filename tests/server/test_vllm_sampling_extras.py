@@ -3,19 +3,10 @@ each checked against what the request would give without it."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import httpx
 import pytest
 
-from engine.tokenizer import Tokenizer
-
 PROMPT = "def parse_args(argv):\n    parser = argparse.ArgumentParser()\n    parser.add_argument("
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_llama: Path) -> Tokenizer:
-    return Tokenizer.from_dir(tiny_llama)
 
 
 def _complete(server, **body) -> dict:
