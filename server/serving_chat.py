@@ -405,6 +405,8 @@ async def _chunks(
             # Nothing a client could see (a held-back partial character): skip, unless it
             # follows token progress through continuous usage stats.
             continue
+        if logprobs and not out.finished and not (text or delta.reasoning_content or delta.tool_calls):
+            delta.content = ""  # a token with nothing to show yet (OpenAI's and vLLM's delta)
         c = chunk(
             ChatStreamChoice(
                 index=seq.choice_index,
