@@ -30,7 +30,8 @@ class Prefilled:
     """The prefill worker's answer, reduced to what the hand-off needs."""
 
     first_token: int
-    text: str
+    text: str  # the first token's content as a stream shows it
+    reasoning: str | None  # its reasoning_content (a replica's --reasoning-parser), None: none
     finish_reason: str | None
     stop_reason: int | str | None  # the stop token or string that ended the request there
     prompt_tokens: int
@@ -72,6 +73,8 @@ def wants_disaggregation(path: str, body: dict[str, Any]) -> str | None:
         if body.get("tools") and body.get("tool_choice") != "none":
             # A tool call's first token is not text the router could send on its own.
             return "tools"
+        if body.get("echo"):
+            return "echo"  # the last message's text goes before the first token, which the router sends
     else:
         if body.get("logprobs") is not None or body.get("echo"):
             return "logprobs" if body.get("logprobs") is not None else "echo"
@@ -135,8 +138,11 @@ def parse_prefill(path: str, body: dict[str, Any], content: bytes) -> Prefilled 
         obj = json.loads(content)
         choice = obj["choices"][0]
         token = choice["token_ids"][0]
+        reasoning = None
         if path.endswith("/chat/completions"):
             text = choice["message"]["content"] or ""
+            reasoning = choice["message"].get("reasoning_content")
+            reasoning = str(reasoning) if reasoning is not None else None
         else:
             text = choice["text"]
         finish, stop = choice.get("finish_reason"), choice.get("stop_reason")
@@ -152,6 +158,7 @@ def parse_prefill(path: str, body: dict[str, Any], content: bytes) -> Prefilled 
         return Prefilled(
             first_token=int(token),
             text=text,
+            reasoning=reasoning,
             finish_reason=finish,
             stop_reason=stop,
             prompt_tokens=int(usage["prompt_tokens"]),
@@ -187,8 +194,13 @@ def first_events(path: str, body: dict[str, Any], p: Prefilled, done: bool) -> l
             "logprobs": None,
             "finish_reason": None,
         }
-        events.append({**head, "choices": [role]})
-        delta = {"content": p.text} if p.text else {}
+        opening: dict[str, Any] = {**head, "choices": [role]}
+        if stream_options.get("continuous_usage_stats"):  # a replica's role chunk counts the prompt
+            opening["usage"] = {**usage, "completion_tokens": 0, "total_tokens": p.prompt_tokens}
+        events.append(opening)
+        delta = {"reasoning_content": p.reasoning} if p.reasoning else {}
+        if p.text:
+            delta["content"] = p.text
         first = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
     else:
         head["object"] = "text_completion"
@@ -229,7 +241,13 @@ def merge_answer(path: str, body: dict[str, Any], p: Prefilled, content: bytes |
         choice = obj["choices"][0]
     if chat:
         message = choice.setdefault("message", {"role": "assistant"})
-        message["content"] = p.text + (message.get("content") or "")
+        reasoning = (p.reasoning or "") + (message.get("reasoning_content") or "")
+        content = p.text + (message.get("content") or "")
+        if reasoning or p.reasoning is not None or "reasoning_content" in message:
+            # A replica's reasoning parser shaped the answer: a part with no text is null there.
+            message["reasoning_content"] = reasoning or None
+            content = content or None
+        message["content"] = content
     else:
         choice["text"] = p.text + (choice.get("text") or "")
     if body.get("return_token_ids"):

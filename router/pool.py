@@ -57,14 +57,20 @@ def counts(replicas: Iterable[Replica], now: float) -> dict[str, int]:
     return {"total": total, "routable": routable}
 
 
-def serving(model: object, candidates: list[Replica]) -> list[Replica]:
+def serving(model: object, candidates: list[Replica], pool: Iterable[Replica] = ()) -> list[Replica]:
     """Those of ``candidates`` that list ``model`` (a LoRA adapter loaded on some replicas only),
-    when any does; else all of them (a name none lists, such as an alias of the base model, is the
+    when any does; none when only replicas of ``pool`` that cannot take it now list it (another
+    model's replica would answer a 404 saying the model does not exist: the router's 503 says to
+    retry); else all of them (a name none lists, such as an alias of the base model, is the
     replica's to answer, with a 404 if it serves no such model)."""
-    if not isinstance(model, str) or len(candidates) < 2:
+    if not isinstance(model, str):
         return candidates
     listing = [r for r in candidates if model in r.models]
-    return listing or candidates
+    if listing:
+        return listing
+    if any(model in r.models for r in pool):
+        return []
+    return candidates
 
 
 def awake(candidates: list[Replica]) -> list[Replica]:

@@ -128,9 +128,9 @@ class Relay:
         last: Failed | None = None
         while True:
             now = self.clock()
-            candidates = awake(serving(call.route.model, pool.candidates(now, tried)))
+            candidates = awake(serving(call.route.model, pool.candidates(now, tried), pool))
             if not candidates:
-                return last or _no_replica(pool, now)
+                return last or _no_replica(pool, now, call.route.model)
             replica = _preferred(call.route, candidates)
             responses = not is_batch_path(call.path)  # a batch request's pin is no response's
             if replica is not None:
@@ -153,7 +153,7 @@ class Relay:
                 if isinstance(result, Response):
                     status = result.status_code
                     if not self.retry.should_retry_status(status, attempt[0]) or not serving(
-                        call.route.model, pool.candidates(self.clock(), tried | {replica.url})
+                        call.route.model, pool.candidates(self.clock(), tried | {replica.url}), pool
                     ):
                         if call.route.predicted_hit_tokens:
                             self.metrics.cache_hit_tokens.inc(call.route.predicted_hit_tokens)
@@ -306,10 +306,13 @@ def _preferred(route: RouteRequest, candidates: list[Replica]) -> Replica | None
     return next((r for r in candidates if r.url == route.prefer_url), None)
 
 
-def _no_replica(pool: Pool, now: float) -> Failed:
+def _no_replica(pool: Pool, now: float, model: str | None = None) -> Failed:
     counts = pool.counts(now)
+    serving_model = [r for r in pool if model is not None and model in r.models]
     if counts["total"] == 0:
         message = "no replica is registered with this router yet; retry when one has registered"
+    elif serving_model and counts["routable"]:
+        message = f"no replica serving model {model!r} is available now ({len(serving_model)} registered)"
     else:
         message = f"no healthy replica available ({counts['total']} registered, none routable now)"
     return Failed(503, error_body(message, error_type(503), 503), [(b"retry-after", b"1")])

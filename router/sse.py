@@ -240,8 +240,9 @@ class StreamTracker:
         return not choice.get("text")
 
     def _is_bare_role_chunk(self, choices: list, obj: dict) -> bool:
-        """The resumed replica's opening ``{"role": "assistant", "content": ""}`` chunk, already sent once."""
-        if not self.role_sent or obj.get("usage"):
+        """The resumed replica's opening ``{"role": "assistant", "content": ""}`` chunk, already sent once
+        (with ``continuous_usage_stats`` it carries a ``usage``, which the next chunk has too)."""
+        if not self.role_sent or not choices:  # (no choices: the final usage chunk)
             return False
         for c in choices:
             delta = c.get("delta") if isinstance(c, dict) else None

@@ -157,6 +157,15 @@ def _after_thinking(state: ServerState, params: SamplingParams, prompt_ids: list
     return dataclasses.replace(params, structured_outputs=spec)
 
 
+def _resumed_split(state: ServerState, seq: SequenceRequest, text: str) -> tuple[str | None, str | None]:
+    """(reasoning, content) of a resumed whole answer's ``text``, after its resumed tokens' text:
+    None for a part that has no text (the caller joins them to the resumed tokens' own)."""
+    shaper = ChoiceShaper(None, _splitter(state, seq))
+    shaper.skip(delivered_text(state, seq, seq.resume_token_ids or []))
+    shaped, last = shaper.feed(text), shaper.finish()
+    return (shaped.reasoning + last.reasoning) or None, (shaped.content + last.content) or None
+
+
 def _splitter(state: ServerState, seq: SequenceRequest):
     """The choice's reasoning splitter. Under a constraint from the first token the answer holds
     thinking only if it opens with ``<think>`` (the constraint wrote it): otherwise a parser that
@@ -254,6 +263,11 @@ async def create_chat_completion(
         text = "".join(c.texts)
         if tools is None and state.reasoning is None:
             return AssistantMessage(role=role, content=echoed + text), c.finish_reason
+        if seqs[0].resume_token_ids and tools is None:
+            # A resumed answer (a PD hand-off's decode worker): the reasoning split goes on from where
+            # the resumed tokens left it, as a resumed stream's does; the caller has their text.
+            reasoning, content = _resumed_split(state, seqs[0], text)
+            return AssistantMessage(role=role, content=content, reasoning_content=reasoning), c.finish_reason
         reasoning, content, calls = shape_whole(text, tools, _splitter(state, seqs[0]))
         reason = tool_finish_reason(tools, bool(calls), c.finish_reason)
         if echoed:
@@ -290,7 +304,16 @@ async def create_chat_completion(
         )
 
     def deliver(result: ChatCompletionResponse) -> None:
-        result.choices[0].message.content = delivered_text(state, seqs[0], choices[0].token_ids)
+        text = delivered_text(state, seqs[0], choices[0].token_ids)
+        message = result.choices[0].message
+        if tools is None and state.reasoning is None:
+            message.content = text
+            return
+        # As a stream would have shown it so far: the consumer's shaper takes this text in (a
+        # resumed stream's ``skip``) and sends what it held back with what follows.
+        shaped = ChoiceShaper(tools, _splitter(state, seqs[0])).feed(text)
+        message.content = shaped.content
+        message.reasoning_content = shaped.reasoning or None
 
     return await answer_whole(state, seqs, request_id, arrival, ticket, receive, on_output, build, deliver)
 
