@@ -148,7 +148,7 @@ def _run(cfg: BenchConfig, args: argparse.Namespace) -> int:
     table = summary_table(points, title) if points else title + "\n(no run finished)"
     if any(p["metrics"]["token_count_mismatches"] for p in points):
         table += (
-            "\nnote: token count mismatch = usage's completion tokens != text chunks: the server sent "
+            "\nnote: token count mismatch = usage's completion tokens != token chunks: the server sent "
             "several tokens in a chunk (or held text back); ITL is per chunk, TPOT per token."
         )
     if lost or interrupted:

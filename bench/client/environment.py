@@ -114,21 +114,30 @@ def redact_flags(flags: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _secret_flag(arg: str) -> str | None:
+    """``--api-key`` or ``--header`` when ``arg`` (before any ``=``) names it, abbreviated as
+    argparse accepts (``--api``, ``--hea``): the value is as secret however the flag is spelled."""
+    name = arg.partition("=")[0]
+    if len(name) < 3 or not name.startswith("--"):
+        return None
+    return next((flag for flag in ("--api-key", "--header") if flag.startswith(name)), None)
+
+
 def redact_argv(argv: list[str]) -> list[str]:
     out: list[str] = []
     pending: str | None = None  # a flag whose value is the next argument
     for arg in argv:
+        flag = _secret_flag(arg) if pending is None else None
         if pending == "--api-key":
             out.append(_REDACTED)
         elif pending == "--header":
             out.append(_redact_header(arg))
-        elif arg.startswith("--api-key="):
-            out.append("--api-key=" + _REDACTED)
-        elif arg.startswith("--header="):
-            out.append("--header=" + _redact_header(arg[len("--header=") :]))
+        elif flag is not None and "=" in arg:
+            name, _, value = arg.partition("=")
+            out.append(f"{name}={_REDACTED if flag == '--api-key' else _redact_header(value)}")
         else:
             out.append(arg)
-        pending = arg if pending is None and arg in ("--api-key", "--header") else None
+        pending = flag if flag is not None and "=" not in arg else None
     return out
 
 

@@ -1,10 +1,13 @@
 """Send one streamed request and time it: TTFT, every inter-chunk gap, end-to-end latency, usage.
 
 Timing rules (the same for every backend):
-* TTFT: send -> the first chunk carrying output text (a role-only or empty chunk does not count).
-* ITL: the gap between consecutive chunks carrying output text. A chunk may carry several
-  tokens, so ITL is per chunk; ``stream_chunks`` counts those chunks and ITL has
-  ``stream_chunks - 1`` entries.
+* A *token chunk* is a chunk carrying output (text, reasoning text or tool-call deltas), or the
+  chunk that ends the choice (``finish_reason``): that one brings the last token even when it
+  shows no text (an EOS or stop token, or an answer whose only token is one), unless per-chunk
+  usage says it brought none. A role-only or otherwise empty chunk is not one.
+* TTFT: send -> the first token chunk.
+* ITL: the gap between consecutive token chunks. A chunk may carry several tokens, so ITL is per
+  chunk; ``stream_chunks`` counts those chunks and ITL has ``stream_chunks - 1`` entries.
 * E2E: send -> end of the stream (``[DONE]`` or the connection's clean end after the last chunk).
 * A server that answers with one JSON body despite ``stream: true`` is measured as one chunk
   (TTFT = E2E, no ITL).
@@ -17,14 +20,15 @@ Timing rules (the same for every backend):
 * Token counts come from the final ``usage`` (``stream_options.include_usage``); without usage,
   the chunk count stands in and ``usage_missing`` is set.
 * With ``--continuous-usage-stats`` (vLLM's ``stream_options.continuous_usage_stats``) every
-  chunk carries the running usage, so ``chunk_tokens`` records the tokens each text chunk
-  delivered (tokens of text-less chunks, e.g. held-back partial UTF-8, count with the next text
-  chunk). ``token_count_mismatch`` then means sum(chunk_tokens) != usage; without per-chunk
+  chunk carries the running usage, so ``chunk_tokens`` records the tokens each token chunk
+  delivered (tokens of text-less chunks, e.g. held-back partial UTF-8, count with the next
+  token chunk). ``token_count_mismatch`` then means sum(chunk_tokens) != usage; without per-chunk
   usage it means stream_chunks != usage, i.e. the server did not stream one token per chunk
   (it batched tokens, held text back, or dropped/duplicated text).
 
 Failures are recorded, never raised: HTTP status, timeout, connection error, broken stream,
-an error object in the stream, an unparseable response.
+an error object in the stream, a stream the server aborted (``finish_reason: "abort"``, vLLM's
+value for a request ended before its stop condition), an unparseable response.
 """
 
 from __future__ import annotations
@@ -76,18 +80,24 @@ def _responses_usage(response: dict[str, Any]) -> dict[str, Any] | None:
     }
 
 
-def _chunk_text(chunk: dict[str, Any], chat: bool) -> tuple[str, str | None]:
-    """Output text and finish reason of a streamed chunk (first choice only; n=1)."""
+def _chunk_text(chunk: dict[str, Any], chat: bool) -> tuple[str, bool, str | None]:
+    """Output text, whether the chunk carries tool-call deltas (output too, but not text a
+    conversation's history holds), and finish reason of a streamed chunk (first choice only; n=1)."""
     choices = chunk.get("choices") or []
     if not choices:
-        return "", None
+        return "", False, None
     choice = choices[0]
+    calls = False
     if chat:
         delta = choice.get("delta") or {}
         text = (delta.get("content") or "") + (delta.get("reasoning_content") or delta.get("reasoning") or "")
+        calls = any(
+            isinstance(call, dict) and isinstance(call.get("function"), dict)
+            for call in delta.get("tool_calls") or []
+        )
     else:
         text = choice.get("text") or ""
-    return text, choice.get("finish_reason")
+    return text, calls, choice.get("finish_reason")
 
 
 async def send_request(
@@ -107,7 +117,10 @@ async def send_request(
             _stream(client, base_url + ENDPOINT_PATHS[endpoint], endpoint, body, headers, out, start),
             timeout_s,
         )
-        record.ok = True
+        if record.finish_reason == "abort":  # vLLM's reason for a request ended before its stop condition
+            _fail(record, ErrorKind.ABORTED, "the server aborted the request (finish_reason 'abort')")
+        else:
+            record.ok = True
     except (asyncio.TimeoutError, httpx.TimeoutException):
         _fail(record, ErrorKind.TIMEOUT, f"no complete answer within {timeout_s:g} s")
     except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
@@ -152,7 +165,7 @@ async def _stream(
         last_chunk_t: float | None = None
         pieces: list[str] = []
         usage: dict[str, Any] | None = None
-        counted = 0  # running completion_tokens at the last text chunk (continuous usage)
+        counted = 0  # running completion_tokens at the last token chunk (continuous usage)
         done = False
         async for line in resp.aiter_lines():
             data = parser.feed(line)
@@ -170,6 +183,8 @@ async def _stream(
                 raise _StreamError(ErrorKind.BAD_RESPONSE, f"chunk is not an object: {data[:200]!r}")
             if chunk.get("error") or (responses and chunk.get("type") in ("error", "response.failed")):
                 raise _StreamError(ErrorKind.STREAM_ERROR, _error_message(json.dumps(chunk).encode()))
+            running = (chunk.get("usage") or {}).get("completion_tokens")
+            running = running if isinstance(running, int) else None
             if responses:
                 kind = chunk.get("type")
                 if isinstance((chunk.get("response") or {}).get("id"), str):
@@ -179,13 +194,16 @@ async def _stream(
                 if finish is not None:
                     usage = _responses_usage(chunk.get("response") or {})
                     done = True
+                delivered = bool(text)  # its end event follows the last delta and brings no token
             else:
-                text, finish = _chunk_text(chunk, chat)
-            running = (chunk.get("usage") or {}).get("completion_tokens")
-            if text and isinstance(running, int):
-                record.chunk_tokens.append(running - counted)
-                counted = running
-            if text:
+                text, calls, finish = _chunk_text(chunk, chat)
+                # The chunk that ends the choice brings its last token even without text (EOS or
+                # a stop token), unless per-chunk usage says it brought none.
+                delivered = bool(text) or calls or (finish is not None and running != counted)
+            if delivered:
+                if running is not None:
+                    record.chunk_tokens.append(running - counted)
+                    counted = running
                 if last_chunk_t is None:
                     record.ttft_s = now - start
                 else:
@@ -195,6 +213,8 @@ async def _stream(
                 pieces.append(text)
             if finish:
                 record.finish_reason = finish
+                if record.ttft_s is None:  # an answer with no output at all: its end is its first token
+                    record.ttft_s = now - start
             if chunk.get("usage"):
                 usage = chunk["usage"]
             if done:  # the Responses API's last event (it sends no [DONE])

@@ -25,6 +25,7 @@ class ErrorKind:
     BROKEN_STREAM = "broken_stream"  # the stream stopped before its end ([DONE] / finish_reason)
     STREAM_ERROR = "stream_error"  # the server sent an error object inside the stream
     BAD_RESPONSE = "bad_response"  # unparseable chunk or body
+    ABORTED = "aborted"  # the answer ended with finish_reason "abort": the server gave up on it
     NOT_SENT = "not_sent"  # never sent: the run ended early because the server was lost
 
     @staticmethod
@@ -94,8 +95,8 @@ class RequestRecord:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, if the server says
-    stream_chunks: int = 0  # chunks that carried output text
-    chunk_tokens: list[int] = field(default_factory=list)  # tokens per text chunk (continuous usage only)
+    stream_chunks: int = 0  # token chunks: carried output, or ended the choice (request.py)
+    chunk_tokens: list[int] = field(default_factory=list)  # tokens per token chunk (continuous usage only)
     usage_missing: bool = False
     token_count_mismatch: bool = False  # usage's completion_tokens != stream_chunks
     finish_reason: str | None = None
