@@ -37,6 +37,17 @@ __all__ = ["ChatTemplateError", "Tokenizer", "flatten_content_parts", "template_
 _NAMED_SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 _EXTRA_SPECIAL = ("additional_special_tokens", "extra_special_tokens")
 _BYTE_FALLBACK_RE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+# Texts longer than this are encoded through ``encode_batch``: `tokenizers` lets go of the GIL
+# only there (``encode`` holds it throughout: about 2 s for a 3 MB prompt), so the engine loop,
+# and an event loop that tokenizes on a worker thread, run on while a long prompt is encoded.
+GIL_FREE_CHARS = 2048
+
+
+def encoding(backend: _RustTokenizer, text: str, add_special_tokens: bool) -> Any:
+    """``backend.encode(text, add_special_tokens)``, without holding the GIL for a long text."""
+    if len(text) > GIL_FREE_CHARS:
+        return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+    return backend.encode(text, add_special_tokens=add_special_tokens)
 
 
 def _token_content(value: Any) -> str | None:
@@ -241,7 +252,7 @@ class Tokenizer:
         return dict(self._special_strings)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return encoding(self._tok, text, add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``. Like transformers 5 on BPE tokenizers, no tokenization-space clean-up.

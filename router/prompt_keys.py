@@ -288,7 +288,8 @@ def _request_text(path: str, body: dict[str, Any]) -> str:
 
 # Bodies larger than this are keyed on a worker thread: rendering and tokenizing a long chat prompt
 # takes milliseconds (about 2.5 ms for 3.5k tokens here), during which the event loop relaying every
-# other stream must not stall; `tokenizers` releases the GIL while it encodes.
+# other stream must not stall; `tokenizers` lets go of the GIL while it encodes a long text
+# (`engine.tokenizer.encoding`).
 OFFLOAD_BYTES = 16 * 1024
 
 

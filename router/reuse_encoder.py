@@ -25,6 +25,8 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
+from engine.tokenizer import encoding
+
 logger = logging.getLogger("ferry.router")
 
 _MIN_REUSED_CHARS = 256  # below this, encoding the whole prompt costs about what reuse saves
@@ -61,7 +63,7 @@ class ReuseEncoder:
     def encode(self, text: str) -> list[int]:
         """``backend.encode(text, add_special_tokens=False).ids``, reusing a recent prompt's ids."""
         if not self.enabled:
-            return self._backend.encode(text, add_special_tokens=False).ids
+            return encoding(self._backend, text, False).ids
         with self._lock:
             base = self._find_base(text)
         entry = self._reuse(base, text) if base is not None else None
@@ -70,7 +72,7 @@ class ReuseEncoder:
         else:
             self.reused += 1
             if self.reused % self._verify_every == 0:
-                whole = self._backend.encode(text, add_special_tokens=False).ids
+                whole = encoding(self._backend, text, False).ids
                 if whole != entry.ids:
                     logger.warning(
                         "prompt token reuse disagrees with a whole encoding for this tokenizer; turned off"
@@ -115,7 +117,7 @@ class ReuseEncoder:
         entry, j = base
         k, end = entry.cut_index[j], entry.cut_end[j]
         special = self._special[entry.ids[k]]
-        rest = self._backend.encode(special + text[end:], add_special_tokens=False)
+        rest = encoding(self._backend, special + text[end:], False)
         rest_ids = rest.ids
         if not rest_ids or rest_ids[0] != entry.ids[k]:
             return None
@@ -129,7 +131,7 @@ class ReuseEncoder:
         )
 
     def _encode_whole(self, text: str) -> _Entry:
-        enc = self._backend.encode(text, add_special_tokens=False)
+        enc = encoding(self._backend, text, False)
         cuts = self._cuts(enc.ids, enc, start=0)
         return _Entry(text, enc.ids, [i for i, _ in cuts], [e for _, e in cuts])
 

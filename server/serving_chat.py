@@ -52,6 +52,8 @@ from server.serving_common import (
     delivered_text,
     is_producer,
     kv_transfer_result,
+    plan_off_loop,
+    prompt_chars,
     stream_errors,
 )
 from server.state import ServerState
@@ -232,7 +234,7 @@ async def create_chat_completion(
     lora = state.check_model(req.model)
     tools = plan_tools(req, state.tool_parser)
     images = await load_images(state, req.messages)
-    seqs = _plan(state, req, tools, lora, images)
+    seqs = await plan_off_loop(prompt_chars(req.messages), _plan, state, req, tools, lora, images)
     await compile_constraints(state, seqs, "tools" if tools and tools.constraint else constraint_field(req))
     ticket = state.generation.admit(len(seqs), submitted)
     state.metrics.observe_params(req.n, seqs[0].params.max_tokens)

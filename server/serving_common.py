@@ -4,6 +4,7 @@ started into an SSE error event."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -23,6 +24,33 @@ from server.state import ServerState
 from server.streaming import run_or_disconnect, sse_error_frame
 
 logger = logging.getLogger("ferry.server")
+
+
+# A request whose prompt text is longer than this is planned (its chat template rendered, its text
+# tokenized) on a worker thread: `tokenizers` lets go of the GIL for a long text
+# (``engine.tokenizer.encoding``), so the event loop goes on relaying every other stream meanwhile
+# (a 1 MB prompt takes about a second to encode here). bench/long_prompt_stall.py measures it.
+OFFLOAD_CHARS = 16 * 1024
+
+
+def prompt_chars(value: Any) -> int:
+    """The characters of text in a prompt or messages (strings, lists, dicts, pydantic models),
+    as a cheap size: whether planning the request belongs off the event loop."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, (list, tuple)):
+        return sum(prompt_chars(v) for v in value)
+    if isinstance(value, dict):
+        return sum(prompt_chars(v) for v in value.values())
+    fields = getattr(value, "__dict__", None)
+    return prompt_chars(fields) if isinstance(fields, dict) else 0
+
+
+async def plan_off_loop(chars: int, plan: Callable[..., Any], *args: Any) -> Any:
+    """``plan(*args)``; on a worker thread when the prompt has over ``OFFLOAD_CHARS`` characters."""
+    if chars > OFFLOAD_CHARS:
+        return await asyncio.to_thread(plan, *args)
+    return plan(*args)
 
 
 async def compile_constraints(state: ServerState, seqs: list[SequenceRequest], param: str) -> None:

@@ -44,6 +44,8 @@ from server.serving_common import (
     delivered_text,
     is_producer,
     kv_transfer_result,
+    plan_off_loop,
+    prompt_chars,
     stream_errors,
 )
 from server.state import ServerState
@@ -202,7 +204,7 @@ async def create_completion(
         check_embeds_features(req, state.config.role)
         # Decoding and checking megabytes of rows: off the event loop.
         embeds = await asyncio.to_thread(embeds_prompts, req, state.limits)
-    prompts, seqs = _plan(state, req, embeds)
+    prompts, seqs = await plan_off_loop(prompt_chars(req.prompt), _plan, state, req, embeds)
     await compile_constraints(state, seqs, constraint_field(req))
     ticket = state.generation.admit(len(seqs), submitted)
     for first in seqs[:: req.n]:  # per prompt, as vLLM runs each prompt as a request
