@@ -60,7 +60,7 @@ from router.pd_messages import (
 )
 from router.policies.cache_aware import CacheAware
 from router.pool import Pool
-from router.prompt_keys import PromptKeyer
+from router.prompt_keys import PromptKeyer, prompt_keys
 from router.relay import TRANSPORT_ERRORS, Failed, Opened, ProxyCall, response_headers, with_request_id
 from router.replica import Replica
 from server.error_types import error_type
@@ -102,14 +102,15 @@ class PDOrchestrator:
             return route.prompt_tokens - max(matched.values(), default=0) * self.block_size
         return route.prompt_tokens
 
-    def _local_reason(self, call: ProxyCall, prefill_pool: Pool, decode_pool: Pool) -> str | None:
+    async def _local_reason(self, call: ProxyCall, prefill_pool: Pool, decode_pool: Pool) -> str | None:
         reason = wants_disaggregation(call.path, call.json or {})
         if reason is not None:
             return reason
         if requested_budget(call.path, call.json or {}) == 1:
             return "single_token"  # the whole answer is the prefill: nothing to hand off
         if self.keyer is not None and not call.route.block_hashes:
-            hashes, tokens = self.keyer.keys(call.path, call.json or {})
+            # A long prompt's keying goes off the event loop, as the other routes' does.
+            hashes, tokens = await prompt_keys(self.keyer, call.path, call.json or {}, len(call.body or b""))
             call.route.block_hashes, call.route.prompt_tokens = hashes, tokens or call.route.prompt_tokens
         if self._uncached_tokens(call, decode_pool) < self.config.pd_threshold:
             return "short_prompt"
@@ -133,7 +134,7 @@ class PDOrchestrator:
         """``whole``: the mixed replicas (and the Generation that routes to them), when the cluster
         has any: a request that is not disaggregated is served whole there, keeping its prefill off
         the decode workers; without them the decode pool serves it (local prefill)."""
-        reason = self._local_reason(call, prefill_pool, decode_pool)
+        reason = await self._local_reason(call, prefill_pool, decode_pool)
         prefilled: Prefilled | None = None
         if reason is None:
             error = stream_options_error(call.path, call.json or {}, call.body)

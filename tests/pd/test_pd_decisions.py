@@ -6,6 +6,7 @@ no process is started, nothing is sent.
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -38,7 +39,7 @@ def _call(body: dict, path: str = "/v1/completions") -> ProxyCall:
 
 def _reason(app: RouterApp, body: dict, path: str = "/v1/completions") -> str | None:
     pools = app.replicas.pools
-    return app.pd._local_reason(_call(body, path), pools["prefill"], pools["decode"])
+    return asyncio.run(app.pd._local_reason(_call(body, path), pools["prefill"], pools["decode"]))
 
 
 def test_long_prompts_are_disaggregated_short_ones_prefill_on_decode(app: RouterApp) -> None:
