@@ -11,7 +11,8 @@ URL: ``redis[s]://[[user]:password@]host:port/db?ttl=S&timeout=S&connect_timeout
   ``contains_prefix_many`` (the engine's batched admission lookups) pipelines one script call
   per key list: one round trip for them all.
 * Every call is bounded by socket timeouts, no call is retried (the breaker decides when to
-  try again), and eviction is Redis' own (``maxmemory`` + an LRU policy); ``ttl`` adds expiry.
+  try again), and eviction is Redis' own (``maxmemory`` + an LRU policy); ``ttl`` adds expiry
+  after that many seconds without a write or a read of the block (a read sets it again).
 * ``l1_bytes=N`` puts a process-local memory LRU of N bytes in front (see ``composite_tier``).
 
 This backend raises on I/O errors; the factory wraps it in ``GuardedTier`` so the tier that
@@ -184,14 +185,21 @@ class RedisTier(Tier):
         return found
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
-        if len(keys) <= READ_CHUNK:
+        if len(keys) <= READ_CHUNK and self.ttl_s is None:
             return self._client.mget(keys)
         pipe = self._client.pipeline(transaction=False)
         for start in range(0, len(keys), READ_CHUNK):
-            pipe.mget(keys[start : start + READ_CHUNK])
+            chunk = keys[start : start + READ_CHUNK]
+            pipe.mget(chunk)
+            if self.ttl_s is not None:
+                # A block read is in use: its expiry starts again (``ttl`` is an idle time), in the
+                # same round trip. EXPIRE of a key that is not there does nothing.
+                for key in chunk:
+                    pipe.expire(key, self.ttl_s)
         out: list[bytes | None] = []
         for part in pipe.execute():
-            out.extend(part)
+            if isinstance(part, list):
+                out.extend(part)
         return out
 
     def put_many(self, items: Sequence[tuple[str, bytes]]) -> bool:

@@ -86,6 +86,23 @@ def test_ttl_is_applied(redis_url: str) -> None:
     assert raw.ttl(tier_key("fp", HASHES[1])) == -1  # no TTL: Redis' maxmemory policy evicts
 
 
+def test_a_read_starts_a_blocks_ttl_again(redis_url: str) -> None:
+    """``ttl`` is an idle time: a hot prefix read again and again does not expire every ttl seconds
+    (each replica would recompute it); a read of a missing block creates nothing."""
+    tier = open_tier(redis_url + "?ttl=30")
+    tier.put_many(_items("fp", [0, 1]))
+    raw = redis.Redis.from_url(redis_url)
+    keys = [tier_key("fp", h) for h in HASHES[:3]]
+    for key in keys[:2]:
+        raw.pexpire(key, 2000)  # as if written 28 s ago
+    values = tier.get_many(keys)
+    assert [v is not None for v in values] == [True, True, False]
+    assert all(28_000 < raw.pttl(key) <= 30_000 for key in keys[:2])
+    assert raw.exists(keys[2]) == 0
+    many = [tier_key("fp", i.to_bytes(16, "big")) for i in range(300)]  # several read chunks
+    assert tier.get_many(many) == [None] * 300
+
+
 def test_l1_in_front_of_redis(redis_url: str) -> None:
     tier = open_tier(redis_url + "?l1_bytes=100000")
     writer = open_tier(redis_url)  # another replica, writing only to Redis
