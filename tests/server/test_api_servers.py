@@ -52,7 +52,6 @@ from tests.server.test_load import (  # noqa: F401
 )
 from tests.server.test_openai_api import (  # noqa: F401
     aclient,
-    client,
     llm,
     test_async_client_completion,
     test_async_client_streams_n_choices,
@@ -67,7 +66,6 @@ from tests.server.test_openai_api import (  # noqa: F401
     test_prefix_cache_hits_reported_as_cached_tokens,
     test_request_id_is_echoed_and_prefixes_the_response_id,
     test_tokenize_detokenize_match_tokenizer,
-    tokenizer,
 )
 from tests.server.test_responses_store import (  # noqa: F401
     test_a_chain_continues_the_stored_conversation,
