@@ -25,6 +25,7 @@ from server.batch_lines import AppCaller
 from server.config import ServerConfig
 from server.errors import (
     APIError,
+    StrictJSONRoute,
     client_closed,
     install_error_handlers,
     json_body,
@@ -142,6 +143,7 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
         **config.http.fastapi_kwargs(),  # root path, docs
         **_NO_TELEMETRY,
     )
+    app.router.route_class = StrictJSONRoute  # every route declared below parses its body strictly
     app.state.ferry = state
     install_error_handlers(app)
 
