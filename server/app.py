@@ -62,6 +62,7 @@ from server.sagemaker import invocation
 from server.score_protocol import ClassificationRequest, RerankRequest, ScoreRequest
 from server.serving_chat import create_chat_completion
 from server.serving_classify import create_classification, served_classifier
+from server.serving_common import plan_off_loop, prompt_chars
 from server.serving_completions import create_completion
 from server.serving_embeddings import create_embedding
 from server.serving_messages import count_tokens, create_message
@@ -186,7 +187,8 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
     @app.post("/v1/messages/count_tokens", responses=_ERRORS)
     async def messages_count_tokens(request: Request) -> Any:
         try:
-            return count_tokens(state, validated(CountTokensRequest, await json_body(request)))
+            req = validated(CountTokensRequest, await json_body(request))
+            return await plan_off_loop(prompt_chars(req), count_tokens, state, req)
         except APIError as e:
             return anthropic_error(e)
 
@@ -294,7 +296,7 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
 
     @app.post("/tokenize", responses=_ERRORS)
     async def tokenize_route(body: TokenizeRequest) -> Any:
-        return tokenize(state, body)
+        return await plan_off_loop(prompt_chars(body), tokenize, state, body)
 
     @app.post("/detokenize", responses=_ERRORS)
     async def detokenize_route(body: DetokenizeRequest) -> Any:

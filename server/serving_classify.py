@@ -22,6 +22,7 @@ from engine.classifier import ClassifierInfo
 from engine.pooling import activate
 from server.errors import bad_request
 from server.score_protocol import ClassificationData, ClassificationRequest, ClassificationResponse
+from server.serving_common import plan_off_loop, prompt_chars
 from server.serving_embeddings import answer_pooled, pooled_usage, pooling_inputs
 from server.state import ServerState
 
@@ -47,7 +48,7 @@ async def create_classification(
             "/classify needs one. Use /v1/embeddings, /score or /rerank.",
             param="model",
         )
-    inputs = pooling_inputs(state, req)
+    inputs = await plan_off_loop(prompt_chars(req.input), pooling_inputs, state, req)
     kind = info.classify_activation if req.activated else "identity"
 
     def build(logits: list[list[float]]) -> ClassificationResponse:

@@ -26,7 +26,7 @@ from server.errors import bad_request, unavailable
 from server.generation import SequenceRequest
 from server.params import check_token_ids
 from server.protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
-from server.serving_common import answer_whole
+from server.serving_common import answer_whole, plan_off_loop, prompt_chars
 from server.state import ServerState
 
 MAX_INPUTS = 2048  # per request, as OpenAI allows
@@ -162,7 +162,7 @@ async def create_embedding(
             f"dimensions={req.dimensions} is more than this model's {hidden} embedding dimensions",
             param="dimensions",
         )
-    inputs = pooling_inputs(state, req)
+    inputs = await plan_off_loop(prompt_chars(req.input), pooling_inputs, state, req)
 
     def build(vectors: list[list[float]]) -> EmbeddingResponse:
         data = [

@@ -45,6 +45,7 @@ from server.score_protocol import (
     ScoreResponse,
 )
 from server.serving_classify import served_classifier
+from server.serving_common import plan_off_loop, prompt_chars
 from server.serving_embeddings import MAX_INPUTS, answer_pooled, pooled_usage, pooling_prompt
 from server.state import ServerState
 
@@ -175,8 +176,9 @@ async def create_score(
             f"text to score against every {second} text, or as many of each to score in pairs",
             param=second,
         )
-    prompts, scores_of = _plan(
-        state, [(first, texts_1), (second, texts_2)], req.truncate_prompt_tokens, req.activated
+    sides = [(first, texts_1), (second, texts_2)]
+    prompts, scores_of = await plan_off_loop(
+        prompt_chars(sides), _plan, state, sides, req.truncate_prompt_tokens, req.activated
     )
 
     def build(results: list[list[float]]) -> ScoreResponse:
@@ -202,8 +204,9 @@ async def create_rerank(
     documents = [req.documents] if isinstance(req.documents, str) else list(req.documents)
     _check_side("query", [req.query])
     _check_side("documents", documents)
-    prompts, scores_of = _plan(
-        state, [("query", [req.query]), ("documents", documents)], req.truncate_prompt_tokens, req.activated
+    sides = [("query", [req.query]), ("documents", documents)]
+    prompts, scores_of = await plan_off_loop(
+        prompt_chars(sides), _plan, state, sides, req.truncate_prompt_tokens, req.activated
     )
 
     def build(results: list[list[float]]) -> RerankResponse:

@@ -74,7 +74,10 @@ async def engine(tiny_llama) -> AsyncIterator[AsyncEngine]:
     await eng.shutdown()
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize(
+    "path",
+    ["/v1/completions", "/v1/chat/completions", "/tokenize", "/v1/messages/count_tokens", "/v1/embeddings"],
+)
 async def test_a_long_prompt_is_planned_off_the_event_loop(engine, serve_app, path: str) -> None:
     app = build_app(engine, ServerConfig(served_model_name="m"))
     tokenizer = app.state.ferry.tokenizer
@@ -90,12 +93,15 @@ async def test_a_long_prompt_is_planned_off_the_event_loop(engine, serve_app, pa
         loop_thread = threading.get_ident()  # serve_app runs uvicorn on this test's loop
         async with serve_app(app) as url, httpx.AsyncClient(base_url=url, timeout=60) as client:
             for text in ("short prompt", LONG):
-                if path.endswith("chat/completions"):
-                    body = {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 2}
-                else:
-                    body = {"model": "m", "prompt": text, "max_tokens": 2}
+                chat = {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 2}
+                body = {
+                    "/v1/completions": {"model": "m", "prompt": text, "max_tokens": 2},
+                    "/tokenize": {"model": "m", "prompt": text},
+                    "/v1/embeddings": {"model": "m", "input": text},
+                }.get(path, chat)
                 r = await client.post(path, json=body)
-                assert r.status_code == 400 if text == LONG else 200, r.text  # LONG: past the context
+                past_context = text == LONG and path not in ("/tokenize", "/v1/messages/count_tokens")
+                assert r.status_code == (400 if past_context else 200), r.text
     finally:
         tokenizer.encode = plain
     short, long = [t for t in threads if t[0] < OFFLOAD_CHARS], [t for t in threads if t[0] > OFFLOAD_CHARS]
