@@ -35,18 +35,22 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     """``F.linear`` whose row results do not depend on how many rows share the call.
 
     Inputs on a device in ``KERNEL_DEVICES`` (CUDA: cuBLAS picks kernels and split-K by M) go to the
-    Triton matmul of ``engine/kernels/triton_matmul.py``. CPU inputs stay on MKL, measured: results
-    for a row are identical for every M >= 12 but differ for smaller M (another kernel with another
-    summation order), so short inputs are padded to ``MIN_INVARIANT_ROWS`` rows.
+    Triton matmul of ``engine/kernels/triton_matmul.py``. CPU inputs stay on MKL, whose summation
+    order for a row depends on M twice over, measured: tiny M (< 12) takes another kernel, and with
+    more than one thread a long input (M past ~128-256 at K >= 1024) is split across the threads
+    another way. So every call has exactly ``MIN_INVARIANT_ROWS`` rows: short inputs are padded,
+    long ones cut into tiles of that many rows (the last padded). Within one call shape a row's
+    result does not depend on its place in the tile or on the other rows.
     """
     if x.device.type in KERNEL_DEVICES:
         return _kernel_linear(x.device.type)(x, weight, bias)
-    m = x.shape[0]
-    if m >= MIN_INVARIANT_ROWS:
-        return F.linear(x, weight, bias)
-    padded = x.new_zeros((MIN_INVARIANT_ROWS, x.shape[1]))
-    padded[:m] = x
-    return F.linear(padded, weight, bias)[:m]
+    m, tile = x.shape[0], MIN_INVARIANT_ROWS
+    if m % tile:
+        padded = x.new_zeros((m + tile - m % tile, x.shape[1]))
+        padded[:m] = x
+        x = padded
+    outs = [F.linear(rows, weight, bias) for rows in x.split(tile)]
+    return (outs[0] if len(outs) == 1 else torch.cat(outs))[:m]
 
 
 MIN_INVARIANT_ROWS = 16
