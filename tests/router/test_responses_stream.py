@@ -54,11 +54,15 @@ def call(index: int, arguments: str, name: str | None = None) -> list[DeltaToolC
 
 
 def replica(
-    chunks: list[ChatCompletionChunk], resume: dict | None = None, logprobs: bool = False
+    chunks: list[ChatCompletionChunk],
+    resume: dict | None = None,
+    logprobs: bool = False,
+    tools: list[dict] | None = None,
 ) -> tuple[list[bytes], _Response]:
     """A replica's SSE events for ``chunks`` (grouped, as a router asks), and the response it built."""
     req = ResponsesRequest(
         input="x",
+        tools=tools,
         stream=True,
         return_token_ids=True,
         resume=ResponsesResume(**resume) if resume is not None else None,

@@ -14,7 +14,6 @@ through the router's tracker, as ``tests/router/test_responses_stream.py`` drive
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -42,8 +41,8 @@ from server.protocol import (
     StructuredOutputsField,
     UsageInfo,
 )
-from server.responses_stream import events
-from server.serving_responses import ResponsesRequest, ResponsesResume, _Response
+from server.serving_responses import _Response
+from tests.router.test_responses_stream import replica
 
 TOOLS = [
     {
@@ -216,28 +215,7 @@ def _whole_call(index: int, name: str, arguments: str) -> list[DeltaToolCall]:
 
 def _replica(chunks: list[ChatCompletionChunk], resume: dict | None = None) -> tuple[list[bytes], _Response]:
     """A replica's SSE events for ``chunks`` (grouped, as a router asks them), and its response."""
-    req = ResponsesRequest(
-        input="x",
-        tools=TOOLS,
-        stream=True,
-        return_token_ids=True,
-        resume=ResponsesResume(**resume) if resume is not None else None,
-    )
-    built = _Response(req, "m", "rid", store=True)
-
-    async def source() -> AsyncIterator[ChatCompletionChunk]:
-        for c in chunks:
-            yield c
-
-    async def save() -> None:
-        pass
-
-    async def run() -> list[bytes]:
-        resumed = req.resume.output if req.resume is not None else None
-        stream = events(built, source(), save, want_logprobs=False, grouped=True, resumed=resumed)
-        return SSESplitter().feed(b"".join([frame async for frame in stream]))
-
-    return asyncio.run(run()), built
+    return replica(chunks, resume, tools=TOOLS)
 
 
 def _relay(tracker: ResponsesTracker, frames: list[bytes]) -> list[dict]:
