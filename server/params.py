@@ -82,6 +82,13 @@ def check_token_ids(ids: Sequence[int], limits: ModelLimits, param: str) -> None
             raise bad_request(f"token id {tid} is out of range [0, {limits.vocab_size})", param=param)
 
 
+def check_stream_prompt_logprobs(req: Any) -> None:
+    """A stream has no place for prompt logprobs: asking for alternatives there is a 400, and
+    ``prompt_logprobs: 0`` (none) is taken and unused, as vLLM takes it."""
+    if req.stream and req.prompt_logprobs:
+        raise bad_request("prompt_logprobs is not available with stream", param="prompt_logprobs")
+
+
 def completion_prompts(
     req: CompletionRequest, tokenizer: Tokenizer, limits: ModelLimits
 ) -> list[PreparedPrompt]:

@@ -24,6 +24,7 @@ from server.params import (
     beam_search_params,
     chat_prompt,
     check_min_tokens,
+    check_stream_prompt_logprobs,
     child_seed,
     client_budget,
     kv_transfer_spec,
@@ -103,14 +104,13 @@ def _plan(
     if budget is not req:
         check_min_tokens(budget, max_tokens)
     max_tokens = producer_budget(kv, max_tokens)
-    if req.prompt_logprobs is not None and req.stream:
-        raise bad_request("prompt_logprobs is not available with stream", param="prompt_logprobs")
+    check_stream_prompt_logprobs(req)
     base = sampling_params(
         req,
         max_tokens=max_tokens,
         logprobs=top_n if req.logprobs else None,
         limits=limits,
-        prompt_logprobs=req.prompt_logprobs,
+        prompt_logprobs=None if req.stream else req.prompt_logprobs,
         tokenizer=state.tokenizer,
     )
     if tools is not None and tools.constraint is not None:

@@ -17,6 +17,7 @@ from server.params import (
     beam_search_params,
     check_completion_features,
     check_min_tokens,
+    check_stream_prompt_logprobs,
     child_seed,
     client_budget,
     completion_prompts,
@@ -85,10 +86,9 @@ def _plan(
     if state.config.role == "prefill" and (len(prompts) != 1 or req.n != 1 or req.use_beam_search):
         raise bad_request("a prefill worker takes exactly one prompt, n = 1 and no beam search", param="n")
     kv = transfer_for_role(state.config.role, kv, prompts[0].token_ids, state.block_size, resume, extra)
-    if req.prompt_logprobs is not None and req.stream:
-        raise bad_request("prompt_logprobs is not available with stream", param="prompt_logprobs")
+    check_stream_prompt_logprobs(req)
     echoed = req.logprobs if (req.echo and req.logprobs is not None) else None
-    asked = [n for n in (echoed, req.prompt_logprobs) if n is not None]
+    asked = [n for n in (echoed, None if req.stream else req.prompt_logprobs) if n is not None]
     prompt_logprobs = max(asked) if asked else None
     seqs = []
     budget_req = budget.model_copy(update={"max_tokens": 1}) if scores_prompt(budget) else budget

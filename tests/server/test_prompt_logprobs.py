@@ -4,6 +4,7 @@ not skip the prompt's logits); chat carries them at the response level; not with
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import httpx
@@ -85,3 +86,24 @@ def test_not_with_stream_and_bounded(server, path) -> None:
     for extra in ({"stream": True, "prompt_logprobs": 1}, {"prompt_logprobs": 21}, {"prompt_logprobs": -1}):
         r = httpx.post(server.url + path, json={**base, "max_tokens": 1, **extra}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_zero_with_stream_is_taken_as_vllm_takes_it(server, path) -> None:
+    """``prompt_logprobs: 0`` asks for no alternatives: vLLM takes it with ``stream`` (and a stream
+    has no place for prompt logprobs), so it streams as without it."""
+    chat = "chat" in path
+    base = {"messages": [{"role": "user", "content": "x"}]} if chat else {"prompt": "x"}
+    base = {**base, "max_tokens": 3, "temperature": 0, "stream": True}
+    texts = []
+    for extra in ({"prompt_logprobs": 0}, {}):
+        with httpx.stream("POST", server.url + path, json={**base, **extra}, timeout=60) as r:
+            assert r.status_code == 200
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        assert not any("prompt_logprobs" in e for e in events)
+        texts.append(
+            "".join(
+                c["delta"].get("content") or "" if chat else c["text"] for e in events for c in e["choices"]
+            )
+        )
+    assert texts[0] == texts[1]
