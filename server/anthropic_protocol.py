@@ -168,7 +168,7 @@ class _Conversation(_Request):
         serves it; the router keys its prompt with it): ``system`` first, ``tool_use`` blocks as
         the assistant's ``tool_calls``, ``tool_result`` blocks as ``tool`` messages before the
         user's text, tools and tool_choice as OpenAI's (``any`` is ``required``), the template
-        variables as given."""
+        variables as given; a conversation that ends in the assistant's text is continued (a prefill)."""
         messages: list[dict[str, Any]] = []
         if self.system_text:
             messages.append({"role": "system", "content": self.system_text})
@@ -208,6 +208,11 @@ class _Conversation(_Request):
             if parts:
                 messages.append({"role": "user", "content": parts})
         body: dict[str, Any] = {"model": self.model, "messages": messages}
+        last = messages[-1] if messages else None
+        if last is not None and last["role"] == "assistant" and "tool_calls" not in last:
+            # A prefill: the answer continues the last assistant turn's text, as Anthropic's does.
+            body["add_generation_prompt"] = False
+            body["continue_final_message"] = True
         if self.chat_template_kwargs is not None:
             body["chat_template_kwargs"] = self.chat_template_kwargs
         if self.tools:
