@@ -10,6 +10,7 @@ ports, and a child redis-server as their shared KV tier. Exit status: 0 after a 
 from __future__ import annotations
 
 import argparse
+import errno
 import shutil
 import socket
 import sys
@@ -88,6 +89,10 @@ def preflight(config: ClusterConfig, plan: ClusterPlan) -> str | None:
     redis = config.kv_tier.redis
     if redis is not None and shutil.which(redis.binary) is None:
         return REDIS_MISSING.format(binary=redis.binary)
+    try:
+        socket.getaddrinfo(config.router.host, config.router.port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        return f"router.host: cannot listen on {config.router.host!r}: {getattr(e, 'strerror', None) or e}"
     fixed = [("router.port", config.router.host, config.router.port)]
     if redis is not None and redis.port is not None:
         fixed.append(("kv_tier.redis.port", LOOPBACK, redis.port))
@@ -95,18 +100,22 @@ def preflight(config: ClusterConfig, plan: ClusterPlan) -> str | None:
         if pool.port is not None:
             fixed += [(f"{pool.role}.port", LOOPBACK, pool.port + i) for i in range(pool.replicas)]
     for key, host, port in fixed:
-        if not _can_bind(host, port):
-            return f"{key}: port {port} is already in use on {host} (another ferry up? choose another port)"
+        problem = _bind_problem(host, port)
+        if problem is not None:
+            return f"{key}: {problem}"
     return None
 
 
-def _can_bind(host: str, port: int) -> bool:
+def _bind_problem(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be listened on (None: it can)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family) as s:
         # Same option as uvicorn and redis use, so a port in TIME_WAIT does not count as taken.
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
-        except OSError:
-            return False
-    return True
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return f"port {port} is already in use on {host} (another ferry up? choose another port)"
+            return f"cannot listen on {host}:{port}: {e.strerror or e}"
+    return None

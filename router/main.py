@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import socket
 import sys
 from types import FrameType
 
@@ -70,9 +71,34 @@ def run_router(args: argparse.Namespace) -> int:
         timeout_keep_alive=60,
         timeout_graceful_shutdown=config.drain_timeout,
     )
+    # Taken here, not by uvicorn, so a port in use (or a host that does not resolve) is one line
+    # and exit 2, as for `ferry serve`, rather than uvicorn's log line and exit 3.
+    sockets = None
+    if not config.uds:
+        try:
+            sockets = [_bind(config.host, config.port)]
+        except (OSError, OverflowError) as e:
+            where = f"{config.host}:{config.port}"
+            print(
+                f"ferry router: error: cannot listen on {where}: {getattr(e, 'strerror', None) or e}",
+                file=sys.stderr,
+            )
+            return 2
     # What startup built lives as long as the process: keep it out of the cyclic GC's full
     # collections, which would otherwise scan it (and stall every relayed stream) each time.
     gc.collect()
     gc.freeze()
-    _Server(uv_config).run()
+    _Server(uv_config).run(sockets=sockets)
     return 0
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """The router's TCP socket bound to ``host:port``, as uvicorn would bind it (it listens)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no conflict
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock

@@ -402,11 +402,25 @@ def load_config(path: str | os.PathLike | None) -> ClusterConfig:
         return config
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigError(f"cannot read {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"cannot read {path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise ConfigError(f"not valid YAML: {e}") from None
+        raise ConfigError(f"not valid YAML: {_yaml_problem(e)}") from None
     return parse_config(data, path.parent)
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """PyYAML's error on one line: ``line 1, column 9: expected ',' or '}', but got '<stream end>'``
+    (its own text spans several lines and quotes the file)."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None)
+    if mark is None or not problem:
+        return " ".join(str(e).split())
+    context = getattr(e, "context", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}"
+    return f"{where}: {problem}" + (f" ({context})" if context else "")
