@@ -28,7 +28,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 logger = logging.getLogger("ferry.batch")
 
 # The routes a line may name (OpenAI's batch endpoints ferry serves, and vLLM's scoring ones).
-BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/score", "/v1/rerank")
+BATCH_URLS = (
+    "/v1/responses",
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/v1/score",
+    "/v1/rerank",
+)
 # An overloaded replica (429) is asked again after this long at least, for at most RETRY_FOR_S.
 RETRY_MIN_S = 0.05
 RETRY_FOR_S = 60.0
@@ -159,6 +166,9 @@ def parse_line(
     if line.body.get("stream"):
         message = "Streaming is not supported in a batch: leave 'stream' unset or false."
         return custom_id, line_error("streaming_not_supported", message)
+    if line.body.get("background"):  # its answer would be a queued response, not the result
+        message = "Background responses are not supported in a batch: leave 'background' unset or false."
+        return custom_id, line_error("background_not_supported", message)
     return line
 
 
@@ -270,5 +280,7 @@ async def run_lines(
 
 
 def input_lines(text: str) -> list[str]:
-    """The non-blank lines of a JSONL file (blank ones are skipped, as vLLM and OpenAI do)."""
-    return [line for line in text.splitlines() if line.strip()]
+    """The non-blank lines of a JSONL file (blank ones are skipped, as vLLM and OpenAI do). Lines end
+    at ``\n`` only (a ``\r`` before it is JSON whitespace): ``str.splitlines`` would also cut at
+    U+2028, U+2029 and U+0085, which JSON allows raw inside a string."""
+    return [line for line in text.split("\n") if line.strip()]
