@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -81,7 +82,7 @@ def _int(value: Any, path: str) -> int:
 def _number(value: Any, path: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{path}: expected a number, got {value!r} ({_type_name(value)})")
-    if value <= 0:
+    if math.isnan(value) or value <= 0:  # NaN compares false with everything: a timeout never fires
         raise ConfigError(f"{path}: must be > 0, got {value}")
     return float(value)
 

@@ -82,6 +82,7 @@ BAD_CONFIGS = [
     ("mixed: {env: {A: [1]}}", "mixed.env.A: expected a string, got [1] (list)"),
     ("env: [A]", "env: expected a mapping NAME: value, got ['A'] (list)"),
     ("drain_timeout: 0", "drain_timeout: must be > 0, got 0"),
+    ("startup_timeout: .nan", "startup_timeout: must be > 0, got nan"),
     (
         "restart: {initial_delay: 5, max_delay: 2}",
         "restart.max_delay: must be >= restart.initial_delay (2 < 5)",
