@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -356,12 +357,14 @@ def demo_model_dir() -> Path:
         return target
     base.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="demo-", dir=base))
-    build_model(tmp, **DEMO_SPEC)
+    try:
+        build_model(tmp, **DEMO_SPEC)
+    except BaseException:  # a failed or interrupted (Ctrl-C) build leaves nothing behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     try:
         os.replace(tmp, target)  # atomic: concurrent first starts never see a half-written model
-    except OSError:
-        import shutil
-
+    except OSError:  # another start's model won the rename
         shutil.rmtree(tmp, ignore_errors=True)
     return target
 

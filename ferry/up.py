@@ -66,7 +66,11 @@ def run_up(args: argparse.Namespace) -> int:
         # router (which reads its tokenizer) start.
         from engine.demo import demo_model_dir
 
-        demo_model_dir()
+        try:
+            demo_model_dir()
+        except KeyboardInterrupt:
+            print("ferry up: interrupted while building the demo model; nothing was started", file=sys.stderr)
+            return 130
 
     from ferry.cluster.child import LogSink
     from ferry.cluster.supervisor import Supervisor
