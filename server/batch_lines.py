@@ -282,5 +282,6 @@ async def run_lines(
 def input_lines(text: str) -> list[str]:
     """The non-blank lines of a JSONL file (blank ones are skipped, as vLLM and OpenAI do). Lines end
     at ``\n`` only (a ``\r`` before it is JSON whitespace): ``str.splitlines`` would also cut at
-    U+2028, U+2029 and U+0085, which JSON allows raw inside a string."""
-    return [line for line in text.split("\n") if line.strip()]
+    U+2028, U+2029 and U+0085, which JSON allows raw inside a string. A leading byte order mark (a
+    file saved as "UTF-8 with BOM") is not part of the first line."""
+    return [line for line in text.removeprefix("\ufeff").split("\n") if line.strip()]

@@ -21,6 +21,7 @@ def test_input_lines_split_at_newline_only() -> None:
     text = f"{line}\r\n\n  \n{line}\n"
     assert input_lines(text) == [line + "\r", line]
     assert [json.loads(x)["body"]["messages"][0]["content"] for x in input_lines(text)] == [CONTENT] * 2
+    assert input_lines("\ufeff" + text) == input_lines(text)  # a file saved as "UTF-8 with BOM"
 
 
 def test_batch_line_with_unicode_line_separators(client: openai.OpenAI, replica) -> None:  # noqa: F811
