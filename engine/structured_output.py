@@ -285,11 +285,17 @@ def _compile_json_schema(compiler: Any, schema: str | None, any_ws: bool) -> Any
     writes them they may hold raw control characters and no escape (mlc-ai/xgrammar#800)."""
     import xgrammar as xgr
 
-    text = str(xgr.Grammar.from_json_schema(schema or "{}", any_whitespace=any_ws))
-    fixed, count = _BOUNDED_CHARACTER.subn(lambda m: f"{m.group(1)} ::= {_JSON_CHARACTER}", text)
-    if not count:  # nothing bounded, or an xgrammar that writes it otherwise: as it compiles it
+    fixed = _json_strings(xgr.Grammar.from_json_schema(schema or "{}", any_whitespace=any_ws))
+    if fixed is None:  # nothing bounded, or an xgrammar that writes it otherwise: as it compiles it
         return compiler.compile_json_schema(schema or "{}", any_whitespace=any_ws)
     return compiler.compile_grammar(fixed)
+
+
+def _json_strings(grammar: Any) -> str | None:
+    """``grammar``'s text with its length-bounded JSON strings' character rule made JSON's, or
+    None when it has no such rule."""
+    fixed, count = _BOUNDED_CHARACTER.subn(lambda m: f"{m.group(1)} ::= {_JSON_CHARACTER}", str(grammar))
+    return fixed if count else None
 
 
 def _unenforced(spec: StructuredOutputsParams, kind: str, schema: str | None) -> str | None:
@@ -314,17 +320,21 @@ def _compile_structural_tag(compiler: Any, text: str | None) -> Any:
 
     tag = json.loads(text or "{}")
     if "structures" not in tag:
-        return compiler.compile_structural_tag(text)
-    if not isinstance(tag["structures"], list) or not isinstance(tag.get("triggers"), list):
-        raise ValueError("structures and triggers must be lists")
-    items = [
-        xgr.StructuralTagItem(
-            begin=s["begin"],
-            schema=s["schema"] if isinstance(s["schema"], str) else json.dumps(s["schema"]),
-            end=s["end"],
-        )
-        for s in tag["structures"]
-    ]
+        args: tuple[Any, ...] = (text,)
+    else:
+        if not isinstance(tag["structures"], list) or not isinstance(tag.get("triggers"), list):
+            raise ValueError("structures and triggers must be lists")
+        items = [
+            xgr.StructuralTagItem(
+                begin=s["begin"],
+                schema=s["schema"] if isinstance(s["schema"], str) else json.dumps(s["schema"]),
+                end=s["end"],
+            )
+            for s in tag["structures"]
+        ]
+        args = (items, tag["triggers"])
     with warnings.catch_warnings():  # the older form is deprecated in xgrammar, not in vLLM's API
         warnings.simplefilter("ignore", DeprecationWarning)
-        return compiler.compile_structural_tag(items, tag["triggers"])
+        # Its schemas' length-bounded strings made valid JSON, as a json constraint's are.
+        fixed = _json_strings(xgr.Grammar.from_structural_tag(*args))
+        return compiler.compile_structural_tag(*args) if fixed is None else compiler.compile_grammar(fixed)

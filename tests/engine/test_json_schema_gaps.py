@@ -119,3 +119,21 @@ def test_a_required_name_additional_properties_rules_out_is_refused(grammars) ->
         "structured outputs json requires the property 'k' at #/properties/a, "
         "which its 'additionalProperties' rules out"
     )
+
+
+@pytest.mark.parametrize("form", ["format", "structures"])
+def test_bounded_strings_in_structural_tags_take_json_characters(grammars, form: str) -> None:
+    """A tool call's schema inside a structural tag (both of its forms) gets the same JSON strings."""
+    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 3}}, "required": ["s"]}
+    if form == "format":
+        content = {"type": "json_schema", "json_schema": schema}
+        tag = {
+            "type": "structural_tag",
+            "format": {"type": "tag", "begin": "<f>", "content": content, "end": "</f>"},
+        }
+    else:
+        tag = {"structures": [{"begin": "<f>", "schema": schema, "end": "</f>"}], "triggers": ["<f>"]}
+    compiled = grammars.compile(SO(structural_tag=tag))
+    for body, ok in (('{"s": "a\\nb"}', True), ('{"s": "a\x14b"}', False), ('{"s": "abcd"}', False)):
+        matcher = xgr.GrammarMatcher(compiled)
+        assert matcher.accept_string("<f>" + body + "</f>") is ok, body
