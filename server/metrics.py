@@ -53,6 +53,9 @@ _TPOT_BUCKETS = tuple(
 # Token counts: 1, 2, 5 times powers of ten up to a million (vLLM's build_1_2_5_buckets).
 _TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5) if m * 10**e <= 1_000_000)
 
+# The engine's finish reasons (vLLM's FinishReason values).
+_FINISH_REASONS = ("stop", "length", "abort")
+
 # (exposed name without _total, help, EngineStats attribute, kind)
 _ENGINE_SERIES: tuple[tuple[str, str, str, str], ...] = (
     ("vllm:num_requests_running", "Number of requests in model execution batches.", "num_running", "gauge"),
@@ -205,7 +208,11 @@ class ServerMetrics:
         self._success = Counter(
             "vllm:request_success", "Count of finished requests.", labels + ["finished_reason"], registry=reg
         )
-        self._success_by_reason: dict[str, Counter] = {}
+        # Every finish reason exposed from the start at 0, as vLLM does: a rate() over a reason
+        # that has not happened yet reads 0, not "no data".
+        self._success_by_reason: dict[str, Counter] = {
+            reason: self._success.labels(model_name, reason) for reason in _FINISH_REASONS
+        }
         self._ttft = Histogram(
             "vllm:time_to_first_token_seconds",
             "Histogram of time to first token in seconds.",
