@@ -483,9 +483,15 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     lora_modules = parse_lora_modules(args.lora_modules)
     if lora_modules and not args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
+    name = served_model_name(args)
+    aliases = tuple(dict.fromkeys(args.served_model_name[1:])) if args.served_model_name else ()
+    for module in lora_modules:
+        # A request naming the base model runs without an adapter: one of that name is never reached.
+        if module.lora_name == name or module.lora_name in aliases:
+            raise ValueError(f"--lora-modules names {module.lora_name!r}, the base model's name")
     return ServerConfig(
-        served_model_name=served_model_name(args),
-        model_aliases=tuple(dict.fromkeys(args.served_model_name[1:])) if args.served_model_name else (),
+        served_model_name=name,
+        model_aliases=aliases,
         host=args.host,
         port=args.port,
         role=args.role,
