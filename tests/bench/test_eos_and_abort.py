@@ -100,7 +100,7 @@ def test_tool_call_deltas_are_output(ferry_serve, bench, tmp_path: Path) -> None
                 "name": "f",
                 "parameters": {
                     "type": "object",
-                    "properties": {"a": {"type": "boolean"}},
+                    "properties": {"a": {"type": "string", "minLength": 40, "maxLength": 50}},
                     "required": ["a"],
                     "additionalProperties": False,
                 },
@@ -113,7 +113,7 @@ def test_tool_call_deltas_are_output(ferry_serve, bench, tmp_path: Path) -> None
             json.dumps(
                 {
                     "messages": [{"role": "user", "content": f"call f {i}"}],
-                    "max_tokens": 60,
+                    "max_tokens": 120,
                     "tools": tools,
                     "tool_choice": {"type": "function", "function": {"name": "f"}},
                 }
@@ -133,8 +133,9 @@ def test_tool_call_deltas_are_output(ferry_serve, bench, tmp_path: Path) -> None
     assert rc == 0, stdout
     for r in _raw(out):
         assert r["ok"] and r["finish_reason"] == "stop", r
-        # '{"a": true}' or '{"a": false}' takes several tokens, each streamed as it comes.
-        assert r["stream_chunks"] >= 3 and len(r["itl_s"]) == r["stream_chunks"] - 1, r
+        # '{"a": "…"}' of 40 characters or more takes dozens of tokens over as many steps: a server
+        # that falls behind may put several in one chunk, never all of them.
+        assert r["stream_chunks"] >= 2 and len(r["itl_s"]) == r["stream_chunks"] - 1, r
         assert r["ttft_s"] < r["e2e_s"] and sum(r["chunk_tokens"]) == r["completion_tokens"], r
 
 
