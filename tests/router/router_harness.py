@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -71,6 +72,14 @@ class Proc:
         """SIGSTOP: the process holds whatever it has not sent yet (``kill9`` still ends it)."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGSTOP)
+
+    def freeze_then_kill(self, after: float = 0.5) -> threading.Timer:
+        """Freeze it now and kill -9 it ``after`` seconds later (join the returned timer): killed
+        mid-stream, whatever it could have sent meanwhile had it run on."""
+        self.freeze()
+        killer = threading.Timer(after, self.kill9)
+        killer.start()
+        return killer
 
     def kill9(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

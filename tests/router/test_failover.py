@@ -139,9 +139,7 @@ def test_kill9_mid_stream_fails_over_exactly(
             # moment later: a replica faster than this client could have sent the whole answer by
             # a later chunk.
             assert replicas_view(router)[victim.url]["inflight"] == 1
-            victim.freeze()
-            killer = threading.Timer(0.5, victim.kill9)
-            killer.start()
+            killer = victim.freeze_then_kill()
     assert killer is not None
     killer.join()
     assert metric(router.url, "ferry:router_failovers_total") == 1
@@ -191,9 +189,7 @@ def test_kill9_mid_messages_stream_fails_over_exactly(cluster: Cluster, trio: li
                 if killer is None and event["type"] == "content_block_delta":
                     # Frozen at its first text, killed a moment later (as above).
                     assert replicas_view(router)[victim.url]["inflight"] == 1
-                    victim.freeze()
-                    killer = threading.Timer(0.5, victim.kill9)
-                    killer.start()
+                    killer = victim.freeze_then_kill()
     assert killer is not None
     killer.join()
     assert metric(router.url, "ferry:router_failovers_total") == 1
