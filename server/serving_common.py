@@ -39,6 +39,8 @@ def prompt_chars(value: Any) -> int:
     if isinstance(value, str):
         return len(value)
     if isinstance(value, (list, tuple)):
+        if value and isinstance(value[0], int):  # token ids: no text (and no walk over them)
+            return 0
         return sum(prompt_chars(v) for v in value)
     if isinstance(value, dict):
         return sum(prompt_chars(v) for v in value.values())
