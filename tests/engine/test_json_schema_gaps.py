@@ -56,6 +56,29 @@ def test_bounded_strings_take_json_characters(grammars, text: str, ok: bool) -> 
     assert whole is ok
 
 
+@pytest.mark.parametrize(
+    ("text", "ok"),
+    [
+        ('{"s": "ab", "t": "' + "x" * 1000 + '"}', True),
+        ('{"s": "a\\nb", "t": "' + "x" * 1000 + '"}', True),  # a short string keeps its escapes
+        ('{"s": "ab", "t": "a\\nb' + "x" * 1000 + '"}', False),  # a long one writes no escape
+        ('{"s": "ab", "t": "a\x14b' + "x" * 1000 + '"}', False),  # nor a raw control character
+        ('{"s": "ab", "t": "' + "x" * 999 + '"}', False),  # under minLength
+    ],
+)
+def test_long_bounded_strings_take_unescaped_json_characters(grammars, text: str, ok: bool) -> None:
+    """Past a 128-character bound a string's characters are JSON's unescaped ones: xgrammar matches
+    a long repetition of the escaping rule in time growing with the position (minutes for 5000)."""
+    schema = {
+        "type": "object",
+        "properties": {"s": {"type": "string", "maxLength": 128}, "t": {"type": "string", "minLength": 1000}},
+        "required": ["s", "t"],
+    }
+    matcher = xgr.GrammarMatcher(grammars.compile(SO(json=schema, disable_any_whitespace=True)))
+    whole = matcher.accept_string(text) and matcher.accept_token(grammars.stop_token_ids[0])
+    assert whole is ok
+
+
 def test_generated_bounded_strings_parse_as_strict_json(tiny_llama: Path) -> None:
     schema = {
         "type": "object",
