@@ -73,6 +73,10 @@ class Proc:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGSTOP)
 
+    def throttle(self, run_s: float = 0.01, pause_s: float = 0.04) -> Throttle:
+        """Let it run only in short slices from now on (see ``Throttle``)."""
+        return Throttle(self, run_s, pause_s)
+
     def freeze_then_kill(self, after: float = 0.5) -> threading.Timer:
         """Freeze it now and kill -9 it ``after`` seconds later (join the returned timer): killed
         mid-stream, whatever it could have sent meanwhile had it run on."""
@@ -95,6 +99,46 @@ class Proc:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+class Throttle:
+    """Runs a process in slices: ``run_s`` running, then ``pause_s`` stopped (SIGSTOP), over and
+    over, until ``freeze_then_kill``. A replica throttled so cannot race ahead of a loaded test
+    client: whatever the client sees, the replica was stopped within one slice of sending it, so
+    freezing it at the client's first content leaves it mid-answer."""
+
+    def __init__(self, proc: Proc, run_s: float, pause_s: float) -> None:
+        self.proc = proc
+        self.run_s, self.pause_s = run_s, pause_s
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _signal(self, sig: int) -> None:
+        if self.proc.proc is not None and self.proc.proc.poll() is None:
+            self.proc.proc.send_signal(sig)
+
+    def _loop(self) -> None:
+        while not self._done.is_set():
+            self._signal(signal.SIGCONT)
+            time.sleep(self.run_s)
+            self._signal(signal.SIGSTOP)
+            self._done.wait(self.pause_s)
+
+    def freeze_then_kill(self, after: float = 0.5) -> threading.Timer:
+        """End the slicing with the process stopped; kill -9 it ``after`` seconds later."""
+        self._done.set()
+        self._thread.join()
+        return self.proc.freeze_then_kill(after)
+
+    def __enter__(self) -> Throttle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """End the slicing and let the process run on (a no-op once it is killed)."""
+        self._done.set()
+        self._thread.join()
+        self._signal(signal.SIGCONT)
 
 
 def replica_args(model: Path, port: int, *extra: str) -> list[str]:

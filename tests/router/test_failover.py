@@ -99,47 +99,50 @@ def test_kill9_mid_stream_fails_over_exactly(
         "extra_body": {"ignore_eos": True},
         **sampling,
     }
-    if kind == "tool":
-        # The resumed replica's grammar takes the tokens already sent, and its tool state the text:
-        # the call's id and name are not sent twice, its arguments continue exactly.
-        del opts["extra_body"]
-        stream = c.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "Write a long story."}], **STORY_TOOL, **opts
-        )
-    elif kind == "chat":
-        stream = c.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "Write a long story."}], **opts
-        )
-    else:
-        stream = c.completions.create(model=MODEL, prompt="Once upon a time", **opts)
-    pieces, finishes, usage, ids, roles, headers = [], [], None, set(), 0, []
-    killer: threading.Timer | None = None
-    for chunk in stream:
-        ids.add(chunk.id)
-        if chunk.usage is not None:
-            usage = chunk.usage
-        for ch in chunk.choices:
-            if kind == "tool":
-                assert not ch.delta.content
-                for d in ch.delta.tool_calls or []:
-                    assert d.index == 0
-                    if d.id or d.function.name:
-                        headers.append((d.id, d.function.name))
-                    pieces.append(d.function.arguments or "")
-                roles += 1 if ch.delta.role else 0
-            elif kind == "chat":
-                pieces.append(ch.delta.content or "")
-                roles += 1 if ch.delta.role else 0
-            else:
-                pieces.append(ch.text)
-            if ch.finish_reason:
-                finishes.append(ch.finish_reason)
-        if killer is None and "".join(pieces):
-            # The victim is serving it, past its first content. Freeze it at once and kill it a
-            # moment later: a replica faster than this client could have sent the whole answer by
-            # a later chunk.
-            assert replicas_view(router)[victim.url]["inflight"] == 1
-            killer = victim.freeze_then_kill()
+    with victim.throttle() as throttle:
+        if kind == "tool":
+            # The resumed replica's grammar takes the tokens already sent, and its tool state the text:
+            # the call's id and name are not sent twice, its arguments continue exactly.
+            del opts["extra_body"]
+            stream = c.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "Write a long story."}],
+                **STORY_TOOL,
+                **opts,
+            )
+        elif kind == "chat":
+            stream = c.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "Write a long story."}], **opts
+            )
+        else:
+            stream = c.completions.create(model=MODEL, prompt="Once upon a time", **opts)
+        pieces, finishes, usage, ids, roles, headers = [], [], None, set(), 0, []
+        killer: threading.Timer | None = None
+        for chunk in stream:
+            ids.add(chunk.id)
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for ch in chunk.choices:
+                if kind == "tool":
+                    assert not ch.delta.content
+                    for d in ch.delta.tool_calls or []:
+                        assert d.index == 0
+                        if d.id or d.function.name:
+                            headers.append((d.id, d.function.name))
+                        pieces.append(d.function.arguments or "")
+                    roles += 1 if ch.delta.role else 0
+                elif kind == "chat":
+                    pieces.append(ch.delta.content or "")
+                    roles += 1 if ch.delta.role else 0
+                else:
+                    pieces.append(ch.text)
+                if ch.finish_reason:
+                    finishes.append(ch.finish_reason)
+            if killer is None and "".join(pieces):
+                # The victim is serving it, past its first content. Freeze it at once and kill it a
+                # moment later: it runs throttled, so a loaded client cannot fall a whole answer behind.
+                killer = throttle.freeze_then_kill()
+                assert replicas_view(router)[victim.url]["inflight"] == 1
     assert killer is not None
     killer.join()
     assert metric(router.url, "ferry:router_failovers_total") == 1
@@ -174,9 +177,10 @@ def test_kill9_mid_messages_stream_fails_over_exactly(cluster: Cluster, trio: li
     router = cluster.router("--replica", victim.url, "--replica", survivor.url, "--policy", "round_robin")
     events = []
     killer: threading.Timer | None = None
-    with httpx.stream(
-        "POST", router.url + "/v1/messages", json={**request, "stream": True}, timeout=120
-    ) as r:
+    with (
+        victim.throttle() as throttle,
+        httpx.stream("POST", router.url + "/v1/messages", json={**request, "stream": True}, timeout=120) as r,
+    ):
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         kind = None
         for line in r.iter_lines():
@@ -188,8 +192,8 @@ def test_kill9_mid_messages_stream_fails_over_exactly(cluster: Cluster, trio: li
                 events.append(event)
                 if killer is None and event["type"] == "content_block_delta":
                     # Frozen at its first text, killed a moment later (as above).
+                    killer = throttle.freeze_then_kill()
                     assert replicas_view(router)[victim.url]["inflight"] == 1
-                    killer = victim.freeze_then_kill()
     assert killer is not None
     killer.join()
     assert metric(router.url, "ferry:router_failovers_total") == 1
