@@ -21,7 +21,9 @@ Pure functions of decoded JSON; never imports xgrammar (nor torch).
 from __future__ import annotations
 
 import contextlib
+import json
 import re
+from collections.abc import Callable
 from fractions import Fraction
 from typing import Any
 from urllib.parse import unquote
@@ -69,6 +71,29 @@ def unenforced_keyword(schema: Any) -> str | None:
             return f"uses the JSON Schema keyword {found[0]!r}{found[1]}{where}"
         stack.extend(reversed(_children(node, path, default_type, schema)))
     return None
+
+
+def map_tag_schemas(tag: Any, fn: Callable[[Any], Any]) -> Any:
+    """A copy of structural tag ``tag`` (either format) with each JSON schema in it replaced by
+    ``fn`` of the decoded schema; a schema given as JSON text stays text."""
+    if isinstance(tag, list):
+        return [map_tag_schemas(item, fn) for item in tag]
+    if not isinstance(tag, dict):
+        return tag
+    schema_keys = (
+        ("json_schema", tag.get("type") in ("json_schema", "qwen_xml_parameter")),
+        ("schema", "begin" in tag),  # the older structures + triggers
+    )
+    for key, holds_schema in schema_keys:
+        if holds_schema and key in tag:
+            if not isinstance(tag[key], str):
+                return {**tag, key: fn(tag[key])}
+            try:
+                decoded = json.loads(tag[key])
+            except ValueError:  # not JSON: the compile says so
+                return tag
+            return {**tag, key: json.dumps(fn(decoded))}
+    return {k: map_tag_schemas(v, fn) for k, v in tag.items()}
 
 
 def tag_schemas(tag: Any) -> list[Any]:

@@ -14,7 +14,7 @@ worker thread, never on the event loop or the engine thread; the engine thread o
 and advances matchers (microseconds per token).
 
 A JSON schema's ``allOf`` is merged into one schema first (xgrammar enforces none of more than one
-member), and that merged schema is compiled.
+member), and that merged schema is compiled: a json constraint's, and each one a structural tag holds.
 
 A constraint is refused (ValueError, a 400 at the HTTP edge) rather than half applied: a JSON
 schema using a keyword xgrammar compiles but does not enforce, or an ``allOf`` that cannot be
@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.json_schema_merge import declare_required, merge_all_of
-from engine.json_schema_support import tag_schemas, unenforced_keyword
+from engine.json_schema_support import map_tag_schemas, tag_schemas, unenforced_keyword
 from engine.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -121,7 +121,14 @@ class GrammarCompiler:
         compiler = self._xgr_compiler()
         kind = spec.kind
         any_ws = not spec.disable_any_whitespace
-        schema = _json_schema(spec) if kind == "json" else None
+        # The text compiled, where rewritten: a json schema, or a structural tag with its schemas.
+        schema = (
+            _json_schema(spec)
+            if kind == "json"
+            else _structural_tag(spec)
+            if kind == "structural_tag"
+            else None
+        )
         with self._compiling:
             hit = self.cached(spec)  # compiled by whoever held the lock before
             if hit is not None:
@@ -150,7 +157,7 @@ class GrammarCompiler:
             elif kind == "choice":
                 compiled = compiler.compile_grammar(choice_grammar(spec.choice or ()))
             elif kind == "structural_tag":
-                compiled = _compile_structural_tag(compiler, spec.structural_tag)
+                compiled = _compile_structural_tag(compiler, schema)
             else:
                 compiled = compiler.compile_grammar(spec.grammar)
         except (RuntimeError, ValueError, TypeError, KeyError, RecursionError) as e:
@@ -248,6 +255,28 @@ def mask_to_grammars(
     return out, rows
 
 
+def _rewritten(schema: Any) -> Any:
+    """``schema`` with any ``allOf`` merged and the required properties its objects do not
+    declare declared; ValueError as ``_json_schema`` says."""
+    return declare_required(merge_all_of(schema))
+
+
+def _structural_tag(spec: StructuredOutputsParams) -> str:
+    """The structural tag text compiled: its own, with each JSON schema in it rewritten as a json
+    constraint's is (``_json_schema``)."""
+    text = spec.structural_tag or "{}"
+    if "allOf" not in text and "required" not in text:  # (a schema may be JSON text in the tag's)
+        return text
+    try:
+        tag = json.loads(text)
+    except ValueError:  # not JSON: the compile says so
+        return text
+    try:
+        return json.dumps(map_tag_schemas(tag, _rewritten))
+    except ValueError as e:
+        raise ValueError(f"structured outputs structural_tag {e}") from e
+
+
 def _json_schema(spec: StructuredOutputsParams) -> str:
     """The JSON schema text a json constraint compiles: its own, with any ``allOf`` merged and the
     required properties its objects do not declare declared. ValueError when an allOf cannot be
@@ -324,8 +353,7 @@ def _unenforced(spec: StructuredOutputsParams, kind: str, schema: str | None) ->
         schemas = [json.loads(schema or "{}")]
     elif kind == "structural_tag":
         schemas = [
-            json.loads(s) if isinstance(s, str) else s
-            for s in tag_schemas(json.loads(spec.structural_tag or "{}"))
+            json.loads(s) if isinstance(s, str) else s for s in tag_schemas(json.loads(schema or "{}"))
         ]
     else:
         return None

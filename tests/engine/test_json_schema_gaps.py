@@ -160,3 +160,41 @@ def test_bounded_strings_in_structural_tags_take_json_characters(grammars, form:
     for body, ok in (('{"s": "a\\nb"}', True), ('{"s": "a\x14b"}', False), ('{"s": "abcd"}', False)):
         matcher = xgr.GrammarMatcher(compiled)
         assert matcher.accept_string("<f>" + body + "</f>") is ok, body
+
+
+@pytest.mark.parametrize("form", ["format", "structures"])
+def test_structural_tag_schemas_merge_all_of_and_declare_required(grammars, form: str) -> None:
+    """A structural tag's schemas are rewritten as a json constraint's: an allOf merged (was a 400),
+    a required name that properties lacks declared (xgrammar dropped it: output could lack it)."""
+    schema = {
+        "allOf": [
+            {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+            {"type": "object", "required": ["b"]},
+        ]
+    }
+    if form == "format":
+        content = {"type": "json_schema", "json_schema": schema}
+        tag = {
+            "type": "structural_tag",
+            "format": {"type": "tag", "begin": "<f>", "content": content, "end": "</f>"},
+        }
+    else:  # the older form, its schema as JSON text
+        tag = {
+            "structures": [{"begin": "<f>", "schema": json.dumps(schema), "end": "</f>"}],
+            "triggers": ["<f>"],
+        }
+    compiled = grammars.compile(SO(structural_tag=tag, disable_any_whitespace=True))
+    for body, ok in (('{"a": 1, "b": null}', True), ('{"a": 1}', False), ('{"b": 2}', False)):
+        matcher = xgr.GrammarMatcher(compiled)
+        assert matcher.accept_string("<f>" + body + "</f>") is ok, body
+
+
+def test_structural_tag_all_of_that_cannot_hold_is_refused(grammars) -> None:
+    schema = {"allOf": [{"type": "integer"}, {"type": "string"}]}
+    tag = {"structures": [{"begin": "<f>", "schema": schema, "end": "</f>"}], "triggers": ["<f>"]}
+    with pytest.raises(ValueError) as err:
+        grammars.compile(SO(structural_tag=tag))
+    assert str(err.value) == (
+        "structured outputs structural_tag has an 'allOf' that no JSON value satisfies: "
+        "its members share no 'type' ('integer' and 'string')"
+    )
