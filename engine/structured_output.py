@@ -32,7 +32,7 @@ import re
 import threading
 import warnings
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -261,20 +261,26 @@ def _rewritten(schema: Any) -> Any:
     return declare_required(merge_all_of(schema))
 
 
+def _rewrite(text: str, kind: str, rewrite: Callable[[Any], Any]) -> str:
+    """``text`` decoded, rewritten and encoded again; as it came when it is not JSON (the compile
+    says so). ValueError, naming the constraint ``kind``, when the rewrite refuses it."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    try:
+        return json.dumps(rewrite(value))
+    except ValueError as e:
+        raise ValueError(f"structured outputs {kind} {e}") from e
+
+
 def _structural_tag(spec: StructuredOutputsParams) -> str:
     """The structural tag text compiled: its own, with each JSON schema in it rewritten as a json
     constraint's is (``_json_schema``)."""
     text = spec.structural_tag or "{}"
     if "allOf" not in text and "required" not in text:  # (a schema may be JSON text in the tag's)
         return text
-    try:
-        tag = json.loads(text)
-    except ValueError:  # not JSON: the compile says so
-        return text
-    try:
-        return json.dumps(map_tag_schemas(tag, _rewritten))
-    except ValueError as e:
-        raise ValueError(f"structured outputs structural_tag {e}") from e
+    return _rewrite(text, "structural_tag", lambda tag: map_tag_schemas(tag, _rewritten))
 
 
 def _json_schema(spec: StructuredOutputsParams) -> str:
@@ -284,16 +290,7 @@ def _json_schema(spec: StructuredOutputsParams) -> str:
     text = spec.json or "{}"
     if '"allOf"' not in text and '"required"' not in text:  # as it came: no reason to rewrite it
         return text
-    try:
-        schema = json.loads(text)
-    except ValueError:  # not JSON: the compile says so
-        return text
-    try:
-        if '"allOf"' in text:
-            schema = merge_all_of(schema)
-        return json.dumps(declare_required(schema))
-    except ValueError as e:
-        raise ValueError(f"structured outputs json {e}") from e
+    return _rewrite(text, "json", _rewritten)
 
 
 # The rule xgrammar (0.2.9) writes for one character of a string with minLength / maxLength: it
