@@ -168,7 +168,7 @@ def bench_writes(
 
     def tier_put() -> int:
         for b in batches:
-            if not tier.put_many(b):
+            if not all(tier.put_many(b)):
                 raise RuntimeError("put_many failed")
         return total
 
@@ -310,7 +310,9 @@ def main() -> None:
         hashes = block_hashes(list(range(16 * args.blocks)), 16)
         g = torch.Generator().manual_seed(0)
         blocks = [torch.randn(BLOCK_SHAPE, generator=g) for _ in range(min(16, args.blocks))]
-        values = [codec.encode(h, blocks[i % len(blocks)]) for i, h in enumerate(hashes)]
+        values = [
+            codec.encode(h, blocks[i % len(blocks)], fingerprint=FINGERPRINT) for i, h in enumerate(hashes)
+        ]
         # Blocks must decode under their own hash, so encode each under its key's hash.
         seed = open_tier(server.url)
         seed.put_many([(tier_key(FINGERPRINT, h), v) for h, v in zip(hashes, values, strict=True)])

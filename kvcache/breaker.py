@@ -32,7 +32,7 @@ from kvcache.metrics import (
     TierStats,
     merge_errors,
 )
-from kvcache.tier import Tier
+from kvcache.tier import PartialWriteError, Tier
 
 logger = logging.getLogger(__name__)
 
@@ -171,8 +171,21 @@ class GuardedTier(Tier):
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         return self._call("get_many", lambda: self.inner.get_many(keys), None) or [None] * len(keys)
 
-    def put_many(self, items: Sequence[tuple[str, bytes]]) -> bool:
-        return self._call("put_many", lambda: self.inner.put_many(items), False)
+    def put_many(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
+        failed = [False] * len(items)
+        if not self._admit():
+            return failed
+        try:
+            stored = self.inner.put_many(items)
+        except PartialWriteError as exc:
+            # What the server acknowledged before the failure stays written (and counted so).
+            self._failed("put_many", exc.cause)
+            return exc.stored
+        except Exception as exc:
+            self._failed("put_many", exc)
+            return failed
+        self.breaker.record_success()
+        return stored
 
     def close(self) -> None:
         try:
@@ -194,12 +207,19 @@ class GuardedTier(Tier):
         if probe is not None:
             probe.join(timeout)
 
+    def _admit(self) -> bool:
+        """Whether a call may go to the backend now (an open breaker counts the skip, and may start
+        the background probe)."""
+        if self.breaker.is_closed():
+            return True
+        self._errors.record(ERROR_CIRCUIT_OPEN)
+        if self.breaker.begin_probe():
+            self._probe = threading.Thread(target=self._run_probe, name=f"{self.name}-probe", daemon=True)
+            self._probe.start()
+        return False
+
     def _call(self, op: str, fn: Callable[[], T], on_failure: T) -> T:
-        if not self.breaker.is_closed():
-            self._errors.record(ERROR_CIRCUIT_OPEN)
-            if self.breaker.begin_probe():
-                self._probe = threading.Thread(target=self._run_probe, name=f"{self.name}-probe", daemon=True)
-                self._probe.start()
+        if not self._admit():
             return on_failure
         try:
             result = fn()

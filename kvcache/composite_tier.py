@@ -67,7 +67,9 @@ class CompositeTier(Tier):
             self.l1.put_many(promote)
         return values
 
-    def put_many(self, items: Sequence[tuple[str, bytes]]) -> bool:
+    def put_many(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
+        # A write counts as stored when the shared level took it: L1 is this process's alone, and
+        # another replica (a decode worker after a prefill) can only find what L2 holds.
         self.l1.put_many(items)
         return self.l2.put_many(items)
 

@@ -9,9 +9,10 @@ no V caches); the block shape's second dim says which.
   ``lookup_async`` answers on a lookup thread, batching the lookups queued meanwhile into one
   call (one round trip on Redis): the engine starts one when a request arrives.
 * ``load(hashes, block_ids, k_caches, v_caches)``: fetch, verify and copy into the given
-  blocks; returns how many *leading* blocks landed (stops at the first miss or corrupt
-  value). ``load_async`` runs the same on a loader thread and returns a ``Future[int]``, so a
-  request waiting on tier I/O never stalls other requests' steps.
+  blocks; returns how many *leading* blocks landed (stops at the first miss, corrupt value or
+  value whose header names another model fingerprint, dtype or shape than this connector's).
+  ``load_async`` runs the same on a loader thread and returns a ``Future[int]``, so a request
+  waiting on tier I/O never stalls other requests' steps.
 * ``save(hash, block_id, ...)`` / ``save_many``: snapshot the block to host memory *now*, on
   the caller's thread (the cache slot may be reused right after), and queue the write for a
   background writer. A full queue drops the write and counts it; saving never blocks.
@@ -37,7 +38,7 @@ import torch
 
 from kvcache import codec
 from kvcache.keys import tier_key
-from kvcache.metrics import TierStats
+from kvcache.metrics import ERROR_MISMATCH, TierStats
 from kvcache.tier import TierURL, open_tier
 from kvcache.writer import BlockEvent, BlockWrite, BlockWriter
 
@@ -84,7 +85,8 @@ class ConnectorStats:
     load_seconds: float  # wall time spent in load() (fetch + verify + copy), all calls
     blocks_saved: int
     writes_dropped: int
-    corrupt_blocks: int
+    corrupt_blocks: int  # refused as damaged (codec: kind "corrupt")
+    mismatched_blocks: int  # refused as another model's, layout's or format's (kind "mismatch")
     pending_writes: int
     tier: TierStats
 
@@ -126,7 +128,7 @@ class KVConnector:
             raise
         self._writer = BlockWriter(self.tier, fingerprint, write_queue, publisher)
         self._lock = threading.Lock()
-        self._looked_up = self._loaded = self._corrupt = 0
+        self._looked_up = self._loaded = self._corrupt = self._mismatched = 0
         self._load_seconds = 0.0
         self._closed = False
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -215,19 +217,28 @@ class KVConnector:
         self._check_caches(k_caches, v_caches)
         started = time.perf_counter()
         loaded = 0
+        # One fingerprint for the whole load: the keys read and the headers checked name the same
+        # model even if a weight update changes the connector's fingerprint meanwhile.
+        fingerprint = self.fingerprint
         for start in range(0, len(hashes), self.load_chunk):
             if self._closed:
                 break
             chunk = hashes[start : start + self.load_chunk]
-            values = self.tier.fetch(self.keys(chunk))
+            values = self.tier.fetch([tier_key(fingerprint, h) for h in chunk])
             blocks: list[torch.Tensor] = []
             for block_hash, value in zip(chunk, values, strict=True):
                 if value is None:
                     break
-                tensor = codec.decode(block_hash, value, self.dtype, self.block_shape)
+                tensor, reason = codec.decode_with_reason(
+                    block_hash, value, self.dtype, self.block_shape, fingerprint=fingerprint
+                )
                 if tensor is None:
+                    kind = codec.record_rejection(block_hash, reason or codec.INTERNAL)
                     with self._lock:
-                        self._corrupt += 1
+                        if kind == ERROR_MISMATCH:
+                            self._mismatched += 1
+                        else:
+                            self._corrupt += 1
                     break
                 blocks.append(tensor)
             if blocks:
@@ -353,8 +364,12 @@ class KVConnector:
             self._writer.drop(len(hashes) - n)
         if n == 0:
             return 0
-        with single_threaded():
-            snapshot = self._snapshot(block_ids[:n], k_caches, v_caches)
+        try:
+            with single_threaded():
+                snapshot = self._snapshot(block_ids[:n], k_caches, v_caches)
+        except BaseException:
+            self._writer.cancel(n)  # the slots come back and the blocks count as dropped
+            raise
         fp = self.fingerprint
         self._writer.submit([BlockWrite(bytes(hashes[i]), snapshot[i], fp) for i in range(n)])
         return n
@@ -445,6 +460,7 @@ class KVConnector:
                 blocks_saved=w.written,
                 writes_dropped=w.dropped,
                 corrupt_blocks=self._corrupt,
+                mismatched_blocks=self._mismatched,
                 pending_writes=w.pending,
                 tier=tier,
             )

@@ -7,9 +7,10 @@ URL forms:
   (e.g. two engines in one test process); it lives while any opener holds it open.
 
 Only values count against the bound (keys are ~60 bytes next to ~100 KiB+ values). A value
-larger than the whole bound is refused. ``get_many`` refreshes recency; ``contains_prefix``
-does not, so probing for a prefix never reorders eviction. Nothing here is shared across
-processes: "shared by every replica" needs Redis.
+larger than the whole bound is refused, and one that a later value of the same ``put_many``
+evicts again counts as not written (a batch larger than the bound keeps only its tail).
+``get_many`` refreshes recency; ``contains_prefix`` does not, so probing for a prefix never
+reorders eviction. Nothing here is shared across processes: "shared by every replica" needs Redis.
 """
 
 from __future__ import annotations
@@ -53,24 +54,30 @@ class LRUStore:
                 out.append(value)
         return out
 
-    def put_many(self, items: Sequence[tuple[str, bytes]]) -> bool:
-        all_stored = True
+    def put_many(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
+        """One flag per item: ``False`` for a value larger than the whole bound, and for one that a
+        later value of the same call evicted again (it never was readable once the call returned)."""
+        stored = [False] * len(items)
+        written: dict[str, list[int]] = {}  # key -> the items of this call that stored it
         with self._lock:
-            for key, value in items:
+            for i, (key, value) in enumerate(items):
                 size = len(value)
                 if size > self.max_bytes:
-                    all_stored = False
                     continue
                 old = self._data.pop(key, None)
                 if old is not None:
                     self._bytes -= len(old)
                 while self._bytes + size > self.max_bytes:
-                    _, evicted = self._data.popitem(last=False)
+                    evicted_key, evicted = self._data.popitem(last=False)
                     self._bytes -= len(evicted)
                     self._evictions += 1
+                    for j in written.pop(evicted_key, ()):
+                        stored[j] = False
                 self._data[key] = bytes(value)
                 self._bytes += size
-        return all_stored
+                stored[i] = True
+                written.setdefault(key, []).append(i)
+        return stored
 
     def keys(self) -> list[str]:
         """Keys from least to most recently used (for tests and debugging)."""
@@ -117,8 +124,8 @@ class MemoryTier(Tier):
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         return [None] * len(keys) if self._closed else self.store.get_many(keys)
 
-    def put_many(self, items: Sequence[tuple[str, bytes]]) -> bool:
-        return False if self._closed else self.store.put_many(items)
+    def put_many(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
+        return [False] * len(items) if self._closed else self.store.put_many(items)
 
     def close(self) -> None:
         if self._closed:

@@ -16,7 +16,10 @@ from prometheus_client import Counter, Histogram
 # Error kinds used as the ``kind`` label of ferry:kv_tier_errors_total.
 ERROR_CONNECTION = "connection"  # refused, reset, DNS, TLS: the tier is unreachable
 ERROR_TIMEOUT = "timeout"  # a socket timeout bounded the call
-ERROR_CORRUPT = "corrupt"  # a stored value failed its header or checksum
+ERROR_CORRUPT = "corrupt"  # a stored value is damaged: truncated, bad magic, failed checksum
+# An intact stored value that is not the block asked for: its header names another model
+# fingerprint, dtype, shape, block or format version (refused, never loaded).
+ERROR_MISMATCH = "mismatch"
 ERROR_RESPONSE = "response"  # the server answered with an error (OOM, READONLY, auth…)
 ERROR_CIRCUIT_OPEN = "circuit_open"  # call skipped: the breaker is open after recent failures
 ERROR_INTERNAL = "internal"  # anything else; a bug if it ever shows up
@@ -44,11 +47,12 @@ KV_TIER_MISSES = Counter(
 )
 KV_TIER_BYTES_READ = Counter("ferry:kv_tier_bytes_read", "Bytes of KV block values read from the tier.")
 KV_TIER_BYTES_WRITTEN = Counter(
-    "ferry:kv_tier_bytes_written", "Bytes of KV block values written to the tier."
+    "ferry:kv_tier_bytes_written", "Bytes of KV block values the tier acknowledged writing."
 )
 KV_TIER_ERRORS = Counter("ferry:kv_tier_errors", "Tier calls or values that failed, by kind.", ["kind"])
 KV_TIER_DROPPED_WRITES = Counter(
-    "ferry:kv_tier_dropped_writes", "KV block writes dropped because the write queue was full or failed."
+    "ferry:kv_tier_dropped_writes",
+    "KV block writes dropped: the write queue was full, or the tier did not acknowledge the block.",
 )
 KV_TIER_GET_SECONDS = Histogram(
     "ferry:kv_tier_get_seconds", "Latency of one batched tier read (get_many).", buckets=_LATENCY_BUCKETS

@@ -30,7 +30,7 @@ from redis.commands.core import Script
 from redis.retry import Retry
 
 from kvcache.breaker import CircuitBreaker, GuardedTier
-from kvcache.tier import Tier, TierURL, register_tier
+from kvcache.tier import PartialWriteError, Tier, TierURL, register_tier
 
 logger = logging.getLogger(__name__)
 
@@ -202,17 +202,37 @@ class RedisTier(Tier):
                 out.extend(part)
         return out
 
-    def put_many(self, items: Sequence[tuple[str, bytes]]) -> bool:
-        pipe = self._client.pipeline(transaction=False)
-        pending = 0
-        for key, value in items:
-            pipe.set(key, value, ex=self.ttl_s)
-            pending += len(value)
-            if pending >= WRITE_CHUNK_BYTES:
-                pipe.execute()
-                pending = 0
-        pipe.execute()
-        return True
+    def put_many(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
+        """Pipelined ``SET`` s, sent in chunks of ~``WRITE_CHUNK_BYTES``; each item's flag says whether
+        Redis acknowledged it. A chunk with a refused write (OOM under ``noeviction``, a read-only
+        replica) or a lost connection ends the call: ``PartialWriteError`` carries the flags (the
+        writes of earlier chunks, and a chunk's writes Redis answered OK, stay counted as written)."""
+        stored = [False] * len(items)
+        start = 0
+        while start < len(items):
+            end, pending = start, 0
+            pipe = self._client.pipeline(transaction=False)
+            while end < len(items) and pending < WRITE_CHUNK_BYTES:
+                key, value = items[end]
+                pipe.set(key, value, ex=self.ttl_s)
+                pending += len(value)
+                end += 1
+            try:
+                replies = pipe.execute(raise_on_error=False)
+            except Exception as exc:
+                # The connection broke: what Redis did with this chunk is unknown, so none of it is
+                # counted as written (a reader finds out by itself, and misses are safe).
+                raise PartialWriteError(stored, exc) from exc
+            refused: Exception | None = None
+            for i, reply in enumerate(replies, start):
+                if isinstance(reply, Exception):
+                    refused = refused or reply
+                else:
+                    stored[i] = True
+            if refused is not None:
+                raise PartialWriteError(stored, refused)
+            start = end
+        return stored
 
     def close(self) -> None:
         self._client.close()

@@ -10,7 +10,11 @@ Contract of the ``Tier`` methods (all thread-safe):
 * ``contains_prefix_many(key_lists)``: ``contains_prefix`` of each list, in order; a remote
   backend answers them all in one round trip.
 * ``get_many(keys)``: one value or ``None`` per key, in order.
-* ``put_many(items)``: store ``(key, value)`` pairs; ``True`` when every write was accepted.
+* ``put_many(items)``: store ``(key, value)`` pairs; one flag per item, in order: ``True`` for a
+  write the store acknowledged, ``False`` for one it refused, lost or pushed out again before the
+  call returned. Exact, so that a write that fails part-way (Redis down mid-write, a full Redis,
+  a memory bound) counts exactly its dropped blocks. A backend that fails part-way may raise
+  ``PartialWriteError`` with the flags so far instead.
 * ``close()``: release connections; later calls behave as misses.
 
 A backend may raise on I/O failure; what ``open_tier`` returns never does: failing backends
@@ -47,6 +51,16 @@ from kvcache.metrics import (
 logger = logging.getLogger(__name__)
 
 
+class PartialWriteError(Exception):
+    """A ``put_many`` that failed part-way (perhaps before its first item): ``stored`` flags each
+    item as a return value would, ``cause`` is the failure (for the breaker and the metrics)."""
+
+    def __init__(self, stored: list[bool], cause: Exception) -> None:
+        super().__init__(f"{sum(stored)} of {len(stored)} writes stored before: {cause!r}")
+        self.stored = stored
+        self.cause = cause
+
+
 class Tier(ABC):
     """A byte store of KV blocks addressed by tier key. See the module docstring for the contract."""
 
@@ -60,7 +74,7 @@ class Tier(ABC):
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]: ...
 
     @abstractmethod
-    def put_many(self, items: Sequence[tuple[str, bytes]]) -> bool: ...
+    def put_many(self, items: Sequence[tuple[str, bytes]]) -> list[bool]: ...
 
     @abstractmethod
     def close(self) -> None: ...
@@ -232,23 +246,32 @@ class MeteredTier(Tier):
             self._hits += hits
             self._misses += misses
 
-    def put_many(self, items: Sequence[tuple[str, bytes]]) -> bool:
+    def put_many(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
+        """The backend's per-item outcome; only the writes it acknowledged count as written."""
         if not items:
-            return True
+            return []
         start = time.perf_counter()
         try:
-            ok = self.inner.put_many(items)
+            stored = self.inner.put_many(items)
+        except PartialWriteError as exc:  # a bare backend; a guarded one returns the flags itself
+            self._internal_error("put_many")
+            stored = exc.stored
         except Exception:
             self._internal_error("put_many")
-            ok = False
+            stored = [False] * len(items)
+        if len(stored) != len(items):  # a backend breaking the contract must not skew the counts
+            logger.error("KV tier put_many answered %d flags for %d items", len(stored), len(items))
+            self._errors.record(ERROR_INTERNAL)
+            stored = [False] * len(items)
         KV_TIER_PUT_SECONDS.observe(time.perf_counter() - start)
-        if ok:
-            nbytes = sum(len(v) for _, v in items)
+        nbytes = sum(len(v) for (_, v), ok in zip(items, stored, strict=True) if ok)
+        blocks = sum(stored)
+        if blocks:
             KV_TIER_BYTES_WRITTEN.inc(nbytes)
             with self._lock:
                 self._bytes_written += nbytes
-                self._blocks_written += len(items)
-        return ok
+                self._blocks_written += blocks
+        return [bool(ok) for ok in stored]
 
     def close(self) -> None:
         try:

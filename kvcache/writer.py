@@ -4,8 +4,10 @@ The engine thread hands over host snapshots of blocks; one daemon thread encodes
 writes them in batches. The bound is on *pending* items (queued or being written), reserved
 before the caller takes a snapshot, so a full queue costs the caller nothing and never blocks:
 the write is dropped and counted in ``ferry:kv_tier_dropped_writes_total``. Writes that the
-tier refuses (Redis down) are counted there too. Events ride the same queue, after the writes
-they describe, and consecutive events of one kind are coalesced into one stream entry.
+tier refuses or loses (Redis down, even mid-write; a full Redis; a memory bound) are counted there
+too, block by block: every block handed over ends as exactly one of ``written`` or ``dropped``.
+Events ride the same queue, after the writes they describe, and consecutive events of one kind
+are coalesced into one stream entry.
 """
 
 from __future__ import annotations
@@ -101,6 +103,13 @@ class BlockWriter:
         self._queue.put(event)
         return True
 
+    def cancel(self, n: int) -> None:
+        """Give back ``n`` reserved slots whose writes will never be submitted; they count as dropped."""
+        with self._changed:
+            self._pending -= n
+            self._changed.notify_all()
+        self.drop(n)
+
     def drop(self, n: int) -> None:
         KV_TIER_DROPPED_WRITES.inc(n)
         with self._lock:
@@ -155,12 +164,12 @@ class BlockWriter:
         writes = [b for b in batch if isinstance(b, BlockWrite)]
         try:
             if writes:
-                self._write(writes)
+                self._write(writes)  # counts every write exactly once, written or dropped
             if self.publisher is not None:
                 self._publish([b for b in batch if isinstance(b, BlockEvent)])
         except Exception:
-            logger.exception("KV tier writer failed on a batch of %d blocks; dropped", len(writes))
-            self.drop(len(writes))
+            # Only events get here (their publishing failed): the writes were counted already.
+            logger.exception("KV tier writer failed publishing block events; dropped")
         finally:
             with self._changed:
                 self._pending -= len(batch)
@@ -171,17 +180,33 @@ class BlockWriter:
                 self._changed.notify_all()
 
     def _write(self, writes: list[BlockWrite]) -> None:
-        items = [
-            (tier_key(w.fingerprint or self.fingerprint, w.block_hash), codec.encode(w.block_hash, w.tensor))
-            for w in writes
-        ]
-        if not self.tier.put_many(items):
-            self.drop(len(writes))
-            return
+        """Encode and write a batch; each block counts once: ``written`` if the tier acknowledged it,
+        else dropped (a block that does not encode, a write the tier refused or lost)."""
+        items: list[tuple[str, bytes]] = []
+        encoded: list[BlockWrite] = []
+        for w in writes:
+            fingerprint = w.fingerprint or self.fingerprint
+            try:
+                value = codec.encode(w.block_hash, w.tensor, fingerprint=fingerprint)
+            except Exception:
+                logger.exception("KV block %s could not be encoded; dropped", w.block_hash.hex())
+                continue
+            items.append((tier_key(fingerprint, w.block_hash), value))
+            encoded.append(w)
+        try:
+            stored = self.tier.put_many(items) if items else []
+        except Exception:  # open_tier's tiers never raise; this thread must not lose count either
+            logger.exception("KV tier write of %d blocks failed; dropped", len(items))
+            stored = [False] * len(items)
+        done = [w.block_hash for w, ok in zip(encoded, stored, strict=True) if ok]
         with self._lock:
-            self.written += len(writes)
-        if self.publisher is not None:
-            self.publisher.publish("stored", [w.block_hash for w in writes], medium="tier")
+            self.written += len(done)
+        if len(done) < len(writes):
+            self.drop(len(writes) - len(done))
+        if self.publisher is not None and done:
+            # Only the blocks the tier holds: a router that routes by these events must not send a
+            # request to blocks that were never written.
+            self.publisher.publish("stored", done, medium="tier")
 
     def _publish(self, events: list[BlockEvent]) -> None:
         assert self.publisher is not None

@@ -23,7 +23,7 @@ def test_a_refused_write_logs_the_servers_answer_not_the_block(
     tier = open_tier(srv.url)
     try:
         with caplog.at_level(logging.WARNING, logger="kvcache.breaker"):
-            assert tier.put_many([("ferry:kv:fp:00ff", BLOCK), ("ferry:kv:fp:0100", BLOCK)]) is False
+            assert tier.put_many([("ferry:kv:fp:00ff", BLOCK), ("ferry:kv:fp:0100", BLOCK)]) == [False, False]
         assert tier.get_many(["ferry:kv:fp:00ff"]) == [None]  # the server still answers reads
     finally:
         tier.close()

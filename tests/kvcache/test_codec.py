@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import struct
 
 import pytest
@@ -12,6 +13,7 @@ from kvcache.keys import ROOT_HASH, block_hashes
 
 SHAPE = (2, 2, 16, 2, 8)  # (num_layers, 2, block_size, num_kv_heads, head_dim)
 H0, H1 = block_hashes(list(range(32)), 16)
+FP = "0123456789abcdef"
 
 
 def _block(dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
@@ -25,10 +27,10 @@ def _block(dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
 )
 def test_round_trip_exact(dtype: torch.dtype, nbytes: int) -> None:
     t = _block(dtype)
-    data = codec.encode(H0, t)
+    data = codec.encode(H0, t, fingerprint=FP)
     assert len(data) == nbytes == codec.encoded_size(dtype, SHAPE)
     assert data[:4] == b"FKVB"
-    out = codec.decode(H0, data, dtype, SHAPE)
+    out = codec.decode(H0, data, dtype, SHAPE, fingerprint=FP)
     assert out is not None and out.dtype == dtype and tuple(out.shape) == SHAPE
     # Bit-exact (compare raw bits so bf16/fp16 NaN-free equality is not the only check).
     assert torch.equal(
@@ -42,25 +44,36 @@ def test_round_trip_exact(dtype: torch.dtype, nbytes: int) -> None:
 def test_encode_non_contiguous_and_header_fields() -> None:
     base = torch.arange(2 * 16 * 2 * 8 * 2, dtype=torch.float32).reshape(2, 16, 2, 8, 2)
     t = base.permute(0, 4, 1, 2, 3)  # non-contiguous view of shape SHAPE
-    data = codec.encode(H1, t)
-    magic, version, code, ndim, *rest = struct.unpack_from("<4sHBB6IQ16sI", data)
-    assert (magic, version, code, ndim) == (b"FKVB", 1, 1, 5)
-    assert rest[:6] == [2, 2, 16, 2, 8, 0]
-    assert rest[6] == 1024 * 4 and rest[7] == H1 and rest[8] == 0
-    assert torch.equal(codec.decode(H1, data, torch.float32, SHAPE), t)
+    data = codec.encode(H1, t, fingerprint=FP)
+    magic, version, code, ndim, *rest = struct.unpack_from("<4sHBB5IQ8s16sI", data)
+    assert (magic, version, code, ndim) == (b"FKVB", 2, 1, 5)
+    assert rest[:5] == [2, 2, 16, 2, 8]
+    assert rest[5] == 1024 * 4 and rest[6] == codec.fingerprint_tag(FP) and rest[7] == H1
+    assert rest[6] == hashlib.blake2b(b"ferry-kv-fp\x00" + FP.encode(), digest_size=8).digest()
+    assert torch.equal(codec.decode(H1, data, torch.float32, SHAPE, fingerprint=FP), t)
 
 
 def _rejected(
-    metric, data: object, reason: str, *, block_hash: bytes = H0, dtype=torch.float32, shape=SHAPE
+    metric,
+    data: object,
+    reason: str,
+    *,
+    block_hash: bytes = H0,
+    dtype=torch.float32,
+    shape=SHAPE,
+    fingerprint: str = FP,
+    kind: str = "corrupt",
 ) -> None:
-    before = metric("ferry:kv_tier_errors_total", kind="corrupt")
-    assert codec.decode_with_reason(block_hash, data, dtype, shape) == (None, reason)
-    assert codec.decode(block_hash, data, dtype, shape) is None
-    assert metric("ferry:kv_tier_errors_total", kind="corrupt") == before + 1
+    other = "mismatch" if kind == "corrupt" else "corrupt"
+    before, before_other = (metric("ferry:kv_tier_errors_total", kind=k) for k in (kind, other))
+    assert codec.decode_with_reason(block_hash, data, dtype, shape, fingerprint=fingerprint) == (None, reason)
+    assert codec.decode(block_hash, data, dtype, shape, fingerprint=fingerprint) is None
+    assert metric("ferry:kv_tier_errors_total", kind=kind) == before + 1
+    assert metric("ferry:kv_tier_errors_total", kind=other) == before_other
 
 
 def test_flipped_bytes_anywhere_are_rejected(metric) -> None:
-    good = codec.encode(H0, _block(torch.float32))
+    good = codec.encode(H0, _block(torch.float32), fingerprint=FP)
     size = len(good)
 
     def flip(i: int) -> bytes:
@@ -69,31 +82,32 @@ def test_flipped_bytes_anywhere_are_rejected(metric) -> None:
         return bytes(b)
 
     _rejected(metric, flip(0), "magic")
-    _rejected(metric, flip(4), "version")
-    _rejected(metric, flip(6), "dtype")
-    _rejected(metric, flip(7), "shape")  # ndim
-    _rejected(metric, flip(8), "shape")  # first dim
-    _rejected(metric, flip(32), "size")  # payload length
-    _rejected(metric, flip(40), "hash")  # first byte of the stored block hash
-    _rejected(metric, flip(55), "hash")  # last byte of the stored block hash
-    _rejected(metric, flip(56), "header")  # reserved
-    _rejected(metric, flip(60), "checksum")  # the crc itself
+    # A version byte cannot be told from a newer format's: refused as another format's block.
+    _rejected(metric, flip(4), "version", kind="mismatch")
+    _rejected(metric, flip(28), "truncated")  # payload length: now claims more than the value holds
+    # Every other header byte (dtype, ndim, shape, fingerprint tag, block hash) and the crc itself:
+    # damage the checksum catches before the fields are believed.
+    for i in (6, 7, 8, 27, 36, 43, 44, 59, 60, 63):
+        _rejected(metric, flip(i), "checksum")
     for i in (64, 65, size // 2, size - 1):  # payload
         _rejected(metric, flip(i), "checksum")
 
 
-def test_wrong_key_dtype_or_shape_is_rejected(metric) -> None:
-    good = codec.encode(H0, _block(torch.bfloat16))
+def test_wrong_key_model_dtype_or_shape_is_a_mismatch(metric) -> None:
+    good = codec.encode(H0, _block(torch.bfloat16), fingerprint=FP)
     bf16 = torch.bfloat16
-    _rejected(metric, good, "hash", block_hash=H1, dtype=bf16)  # a value stored under another block's key
-    _rejected(metric, good, "hash", block_hash=ROOT_HASH, dtype=bf16)
-    _rejected(metric, good, "dtype", dtype=torch.float16)  # same size, other dtype
-    _rejected(metric, good, "shape", dtype=torch.bfloat16, shape=(2, 2, 16, 8, 2))
-    _rejected(metric, good, "shape", dtype=torch.bfloat16, shape=(2, 2, 16, 2))
+    # A value stored under another block's key:
+    _rejected(metric, good, "hash", block_hash=H1, dtype=bf16, kind="mismatch")
+    _rejected(metric, good, "hash", block_hash=ROOT_HASH, dtype=bf16, kind="mismatch")
+    # Written by another model (fingerprint), or read with another KV layout (dtype, shape):
+    _rejected(metric, good, "fingerprint", dtype=bf16, fingerprint="fedcba9876543210", kind="mismatch")
+    _rejected(metric, good, "dtype", dtype=torch.float16, kind="mismatch")  # same size, other dtype
+    _rejected(metric, good, "shape", dtype=bf16, shape=(2, 2, 16, 8, 2), kind="mismatch")
+    _rejected(metric, good, "shape", dtype=bf16, shape=(2, 2, 16, 2), kind="mismatch")
 
 
 def test_truncated_garbage_and_empty_values_never_raise(metric) -> None:
-    good = codec.encode(H0, _block(torch.float32))
+    good = codec.encode(H0, _block(torch.float32), fingerprint=FP)
     _rejected(metric, b"", "truncated")
     _rejected(metric, good[:10], "truncated")
     _rejected(metric, good[:64], "truncated")
@@ -105,30 +119,30 @@ def test_truncated_garbage_and_empty_values_never_raise(metric) -> None:
     _rejected(metric, memoryview(good).cast("I"), "type")
     # A header that claims an absurd payload must not allocate or raise.
     evil = bytearray(good)
-    struct.pack_into("<Q", evil, 32, 1 << 62)
-    _rejected(metric, bytes(evil), "size")
+    struct.pack_into("<Q", evil, 28, 1 << 62)
+    _rejected(metric, bytes(evil), "truncated")
 
 
 def test_decode_accepts_bytearray_and_memoryview() -> None:
     t = _block(torch.float16)
-    data = codec.encode(H0, t)
+    data = codec.encode(H0, t, fingerprint=FP)
     for buf in (bytearray(data), memoryview(data)):
-        assert torch.equal(codec.decode(H0, buf, torch.float16, SHAPE), t)
+        assert torch.equal(codec.decode(H0, buf, torch.float16, SHAPE, fingerprint=FP), t)
 
 
 def test_encode_rejects_bad_input() -> None:
     with pytest.raises(ValueError, match="16 bytes"):
-        codec.encode(b"short", _block(torch.float32))
+        codec.encode(b"short", _block(torch.float32), fingerprint=FP)
     with pytest.raises(ValueError, match="cannot be stored"):
-        codec.encode(H0, torch.zeros(SHAPE, dtype=torch.complex64))
+        codec.encode(H0, torch.zeros(SHAPE, dtype=torch.complex64), fingerprint=FP)
 
 
 def test_a_rejected_block_is_a_warning_once_a_minute(caplog, monkeypatch) -> None:
-    good = codec.encode(H0, _block(torch.float32))
+    good = codec.encode(H0, _block(torch.float32), fingerprint=FP)
     monkeypatch.setattr(codec, "_last_rejection_warning", -codec.REJECTION_LOG_INTERVAL_S)
     with caplog.at_level("DEBUG", logger="kvcache.codec"):
         for _ in range(3):
-            assert codec.decode(H0, good[:-1], torch.float32, SHAPE) is None
+            assert codec.decode(H0, good[:-1], torch.float32, SHAPE, fingerprint=FP) is None
     levels = [(r.levelname, "truncated" in r.getMessage()) for r in caplog.records]
     assert levels == [("WARNING", True), ("DEBUG", True), ("DEBUG", True)]
     assert H0.hex() in caplog.records[0].getMessage()

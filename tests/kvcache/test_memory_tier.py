@@ -13,17 +13,17 @@ from kvcache.tier import MeteredTier, open_tier
 def test_lru_eviction_order_and_byte_bound_exact() -> None:
     tier = open_tier("memory://?max_bytes=300")
     store = tier.inner.store
-    assert tier.put_many([("a", b"A" * 100), ("b", b"B" * 100), ("c", b"C" * 100)])
+    assert tier.put_many([("a", b"A" * 100), ("b", b"B" * 100), ("c", b"C" * 100)]) == [True] * 3
     assert store.keys() == ["a", "b", "c"]
     assert tier.get_many(["a"]) == [b"A" * 100]  # a becomes most recent
     assert store.keys() == ["b", "c", "a"]
     assert tier.contains_prefix(["b", "c"]) == 2  # probing does not refresh recency
     assert store.keys() == ["b", "c", "a"]
-    assert tier.put_many([("d", b"D" * 100)])  # evicts b, the least recently used
+    assert tier.put_many([("d", b"D" * 100)]) == [True]  # evicts b, the least recently used
     assert store.keys() == ["c", "a", "d"]
     s = tier.stats()
     assert (s.entries, s.bytes_used, s.capacity_bytes, s.evictions) == (3, 300, 300, 1)
-    assert tier.put_many([("e", b"E" * 250)])  # needs 250: evicts c, a, d in that order
+    assert tier.put_many([("e", b"E" * 250)]) == [True]  # needs 250: evicts c, a, d in that order
     assert store.keys() == ["e"]
     assert tier.stats().bytes_used == 250 and tier.stats().evictions == 4
     assert tier.get_many(["a", "e", "zz"]) == [None, b"E" * 250, None]
@@ -32,7 +32,7 @@ def test_lru_eviction_order_and_byte_bound_exact() -> None:
 def test_oversized_value_is_refused_and_evicts_nothing() -> None:
     tier = open_tier("memory://?max_bytes=300")
     tier.put_many([("a", b"x" * 200)])
-    assert tier.put_many([("big", b"x" * 301)]) is False
+    assert tier.put_many([("big", b"x" * 301)]) == [False]
     assert tier.inner.store.keys() == ["a"] and tier.stats().bytes_used == 200
 
 
@@ -128,4 +128,4 @@ def test_bad_urls_are_rejected_at_open(url: str, message: str) -> None:
 def test_open_tier_wraps_in_metered_tier() -> None:
     tier = open_tier("memory://?max_bytes=10")
     assert isinstance(tier, MeteredTier) and isinstance(tier.inner, MemoryTier)
-    assert tier.get_many([]) == [] and tier.put_many([]) is True
+    assert tier.get_many([]) == [] and tier.put_many([]) == []

@@ -76,7 +76,7 @@ def scriptless_redis(tmp_path: Path) -> Iterator[str]:
 def _check_lookups(url: str) -> None:
     tier = open_tier(url)
     try:
-        assert tier.put_many([(KEYS[0], b"1"), (KEYS[1], b"2")]) is True
+        assert tier.put_many([(KEYS[0], b"1"), (KEYS[1], b"2")]) == [True, True]
         assert tier.contains_prefix(KEYS) == 2
         assert tier.contains_prefix_many([KEYS[:1], KEYS[1:], KEYS]) == [1, 1, 2]
         assert tier.stats().errors == {}

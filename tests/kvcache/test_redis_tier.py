@@ -21,7 +21,7 @@ def _items(fp: str, idx: list[int], size: int = 1000) -> list[tuple[str, bytes]]
 def test_put_get_contains_exact(redis_url: str) -> None:
     tier = open_tier(redis_url)
     items = _items("fpA", [0, 1, 2, 4])
-    assert tier.put_many(items) is True
+    assert tier.put_many(items) == [True] * 4
     raw = redis.Redis.from_url(redis_url)
     # Stored exactly under ferry:kv:{fingerprint}:{hash_hex}, value byte for byte.
     assert raw.get(f"ferry:kv:fpA:{HASHES[1].hex()}") == bytes([1]) * 1000
@@ -129,7 +129,7 @@ def secured_redis(private_redis) -> int:
 
 def test_password_in_url(secured_redis: int, metric) -> None:
     good = open_tier(f"redis://:s3cret@127.0.0.1:{secured_redis}/0")
-    assert good.put_many(_items("fp", [0])) is True
+    assert good.put_many(_items("fp", [0])) == [True]
     key = tier_key("fp", HASHES[0])
     assert good.get_many([key]) == [bytes([0]) * 1000]
     before = metric("ferry:kv_tier_errors_total", kind="response")
@@ -146,14 +146,14 @@ def test_a_full_redis_refuses_writes_and_still_serves_reads(private_redis, metri
     tier = open_tier(url + "?breaker_failures=2&breaker_cooldown=60")
     items = _items("fp", [0, 1, 2])
     keys = [k for k, _ in items]
-    assert tier.put_many(items) is True
+    assert tier.put_many(items) == [True] * 3
     raw = redis.Redis.from_url(url)
     raw.config_set("maxmemory-policy", "noeviction")
     raw.config_set("maxmemory", 1)
     before = metric("ferry:kv_tier_errors_total", kind="response")
     with caplog.at_level("WARNING", logger="kvcache.breaker"):
         for i in range(3, 8):  # refusals in a row (as a busy writer thread meets them)
-            assert tier.put_many(_items("fp", [i])) is False
+            assert tier.put_many(_items("fp", [i])) == [False]
         assert tier.get_many(keys) == [v for _, v in items]  # reads still hit
     assert metric("ferry:kv_tier_errors_total", kind="response") == before + 5
     assert tier.stats().breaker_state == "closed"
@@ -167,7 +167,7 @@ def test_redis_outage_returns_misses_fast_and_recovers(redis_server, redis_url: 
     tier = open_tier(redis_url + "?breaker_failures=2&breaker_cooldown=0.3&timeout=0.5&connect_timeout=0.5")
     items = _items("fp", [0, 1])
     keys = [k for k, _ in items]
-    assert tier.put_many(items)
+    assert tier.put_many(items) == [True, True]
     assert tier.get_many(keys) == [v for _, v in items]
     conn_errors = metric("ferry:kv_tier_errors_total", kind="connection")
     open_skips = metric("ferry:kv_tier_errors_total", kind="circuit_open")
@@ -182,7 +182,7 @@ def test_redis_outage_returns_misses_fast_and_recovers(redis_server, redis_url: 
         # Open breaker: answers without touching the network.
         start = time.monotonic()
         assert tier.contains_prefix(keys) == 0
-        assert tier.put_many(items) is False
+        assert tier.put_many(items) == [False, False]
         assert tier.get_many(keys) == [None, None]
         assert time.monotonic() - start < 0.5
         assert metric("ferry:kv_tier_errors_total", kind="circuit_open") == open_skips + 3

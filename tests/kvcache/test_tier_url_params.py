@@ -17,7 +17,7 @@ from kvcache.tier import open_tier
 def test_encoded_client_name_reaches_redis(redis_url: str) -> None:
     tier = open_tier(redis_url + "?ttl=60&client_name=ferry%2Breplica")
     try:
-        assert tier.put_many([("ferry:kv:fp:00", b"v")]) is True
+        assert tier.put_many([("ferry:kv:fp:00", b"v")]) == [True]
         assert tier.get_many(["ferry:kv:fp:00"]) == [b"v"]
         assert tier.stats().errors == {}
         names = [c["name"] for c in redis.Redis.from_url(redis_url).client_list()]
