@@ -46,10 +46,13 @@ def _headers(cfg: BenchConfig) -> dict[str, str]:
 
 def _models(cfg: BenchConfig, headers: dict[str, str]) -> Any:
     """GET /v1/models, or None when the server does not answer it (with ``--model`` it is only
-    recorded in the summary, so it is not waited for long)."""
+    recorded in the summary, so it is not waited for long). A server that cannot be connected to
+    at all (nothing listening, no route to it) is an error either way: every request would fail."""
     timeout = 30.0 if cfg.model is None else 5.0
     try:
         resp = httpx.get(cfg.base_url + "/v1/models", headers=headers, timeout=timeout, trust_env=False)
+    except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+        raise BenchError(f"cannot connect to {cfg.base_url} ({exc}); is the server up?") from None
     except httpx.HTTPError as exc:
         if cfg.model is None:
             raise BenchError(

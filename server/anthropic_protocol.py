@@ -11,7 +11,16 @@ import json
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
+from pydantic import (
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from server.errors import APIError
 from server.protocol import Resume, _Request
@@ -51,19 +60,6 @@ class ToolUseBlock(_Request):
     input: dict[str, Any] = Field(default_factory=dict)
 
 
-class ToolResultBlock(_Request):
-    type: Literal["tool_result"]
-    tool_use_id: StrictStr
-    content: StrictStr | list[TextBlock] = ""
-    is_error: StrictBool = False
-
-    @property
-    def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
-
-
 class ImageSource(_Request):
     """``{"type": "base64", "media_type": "image/png", "data": …}`` or ``{"type": "url", "url": …}``."""
 
@@ -95,6 +91,32 @@ class ImageBlock(_Request):
     source: ImageSource
 
 
+class ToolResultBlock(_Request):
+    """A tool's answer: text, or text and image blocks (images reach the model after the tool
+    messages, in the user's turn, as OpenAI's tool messages take text only)."""
+
+    type: Literal["tool_result"]
+    tool_use_id: StrictStr
+    content: StrictStr | list[TextBlock | ImageBlock] = ""
+    is_error: StrictBool = False
+
+    @property
+    def text(self) -> str:
+        """The ``tool`` message's content. A chat tool message has no error flag, so a failed
+        call's result says so in its text (``Error: …``), as OpenAI ⇄ Anthropic adapters write it."""
+        if isinstance(self.content, str):
+            text = self.content
+        else:
+            text = "".join(part.text for part in self.content if isinstance(part, TextBlock))
+        if not self.is_error:
+            return text
+        return f"Error: {text}" if text else "Error"
+
+    @property
+    def images(self) -> list[ImageBlock]:
+        return [] if isinstance(self.content, str) else [p for p in self.content if isinstance(p, ImageBlock)]
+
+
 class ThinkingBlock(_Request):
     """An assistant turn's earlier thinking, sent back by clients that keep it (not re-rendered)."""
 
@@ -104,6 +126,41 @@ class ThinkingBlock(_Request):
 
 
 ContentBlock = TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock
+_BLOCKS: dict[str, type[_Request]] = {
+    "text": TextBlock,
+    "image": ImageBlock,
+    "tool_use": ToolUseBlock,
+    "tool_result": ToolResultBlock,
+    "thinking": ThinkingBlock,
+    "redacted_thinking": ThinkingBlock,
+}
+_RESULT_PARTS: dict[str, type[_Request]] = {"text": TextBlock, "image": ImageBlock}
+_SYSTEM_BLOCKS: dict[str, type[_Request]] = {"text": TextBlock}
+# pydantic's names for the members of a union in an error's location: nothing a client sent.
+_UNION_TAGS = ("str", "list", "dict", "none")
+
+
+def _check_block(block: Any, models: dict[str, type[_Request]], what: str, index: int) -> None:
+    """One clear error for a block this server does not take (documents, search results…) or one
+    that is not what its type says: pydantic alone reports a bad block against every member of the
+    content's union ("Input should be a valid string (and 9 more error(s))")."""
+    kind = block.get("type") if isinstance(block, dict) else None
+    model = models.get(kind) if isinstance(kind, str) else None
+    if model is None:
+        raise ValueError(f"{what} type {kind!r} is not supported")
+    parts = block.get("content") if kind == "tool_result" else None
+    for i, part in enumerate(parts if isinstance(parts, list) else ()):
+        _check_block(part, _RESULT_PARTS, "tool_result content block", i)
+    try:
+        model.model_validate(block)
+    except ValidationError as e:
+        first = e.errors()[0]
+        field = ".".join(
+            str(p) for p in first["loc"] if not (isinstance(p, str) and ("[" in p or p in _UNION_TAGS))
+        )
+        message = first["msg"].removeprefix("Value error, ")
+        where = f"{what} {index} ({kind})"
+        raise ValueError(f"{where}: " + (f"'{field}': {message}" if field else message)) from None
 
 
 class Message(_Request):
@@ -113,12 +170,9 @@ class Message(_Request):
     @model_validator(mode="before")
     @classmethod
     def _known_blocks(cls, data: Any) -> Any:
-        # A clear message for blocks this server does not take (documents, search results…).
         if isinstance(data, dict) and isinstance(data.get("content"), list):
-            for block in data["content"]:
-                kind = block.get("type") if isinstance(block, dict) else None
-                if kind not in ("text", "image", "tool_use", "tool_result", "thinking", "redacted_thinking"):
-                    raise ValueError(f"content block type {kind!r} is not supported")
+            for i, block in enumerate(data["content"]):
+                _check_block(block, _BLOCKS, "content block", i)
         return data
 
 
@@ -157,6 +211,13 @@ class _Conversation(_Request):
     # vLLM's: the chat template's variables (Qwen3's enable_thinking, DeepSeek-V3.1's thinking).
     chat_template_kwargs: dict[str, Any] | None = None
 
+    @field_validator("system", mode="before")
+    @classmethod
+    def _text_blocks(cls, value: Any) -> Any:
+        for i, block in enumerate(value if isinstance(value, list) else ()):
+            _check_block(block, _SYSTEM_BLOCKS, "block", i)
+        return value
+
     @property
     def system_text(self) -> str | None:
         if self.system is None or isinstance(self.system, str):
@@ -194,16 +255,17 @@ class _Conversation(_Request):
                     messages.append(turn)
                 continue
             # A user turn answers the previous turn's calls first (tool_result blocks), then speaks
-            # (text and images, in their order).
-            for b in m.content:
-                if isinstance(b, ToolResultBlock):
-                    messages.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text})
+            # (text and images, in their order). The results' images open the user's message: the
+            # tool messages stay one run (templates expect that) and take text only, as OpenAI's.
+            results = [b for b in m.content if isinstance(b, ToolResultBlock)]
+            for b in results:
+                messages.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text})
+            said = [b for b in m.content if isinstance(b, (TextBlock, ImageBlock))]
             parts = [
                 {"type": "text", "text": b.text}
                 if isinstance(b, TextBlock)
                 else {"type": "image_url", "image_url": {"url": b.source.chat_url}}
-                for b in m.content
-                if isinstance(b, (TextBlock, ImageBlock))
+                for b in [*(image for r in results for image in r.images), *said]
             ]
             if parts:
                 messages.append({"role": "user", "content": parts})

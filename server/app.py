@@ -4,7 +4,7 @@ Routes are thin: parse (pydantic, at the edge), hand to a serving module, return
 (request id, API key, body size) run in ``EdgeMiddleware`` before routing; the two generation
 routes are then served by ``GenerationRoutes`` without FastAPI's per-request machinery (FastAPI
 still declares them for the OpenAPI schema); every error leaves in OpenAI's shape
-(``server.errors``).
+(``server.errors``), or in Anthropic's under ``/v1/messages``.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from server.lora import (
     unload_lora_adapter,
 )
 from server.metrics import CONTENT_TYPE, ServerMetrics
-from server.middleware import EdgeMiddleware, ReplicaLoad, ServerLoad
+from server.middleware import EdgeMiddleware, ReplicaLoad, ServerLoad, is_messages
 from server.params import ModelLimits
 from server.prefix_cache import reset_engine_prefix_cache
 from server.protocol import (
@@ -134,6 +134,11 @@ _NO_TELEMETRY: dict[str, Any] = (
 )
 
 
+def _shaped(request: Request, error: APIError) -> Response:
+    """An error in Anthropic's shape under ``/v1/messages`` (an unknown path there too), else OpenAI's."""
+    return anthropic_error(error) if is_messages(request.scope) else error.to_response()
+
+
 def build_app(engine: Any, config: ServerConfig) -> FastAPI:
     """The OpenAI-compatible app over ``engine`` (an ``engine.AsyncEngine``)."""
     state = build_state(engine, config)
@@ -146,7 +151,7 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
     )
     app.router.route_class = StrictJSONRoute  # every route declared below parses its body strictly
     app.state.ferry = state
-    install_error_handlers(app)
+    install_error_handlers(app, _shaped)
 
     @app.exception_handler(ClientDisconnected)
     async def _gone(_: Request, __: ClientDisconnected) -> Response:

@@ -129,7 +129,9 @@ def add_batch_routes(app: FastAPI, jobs: BatchJobs) -> None:
         order: Literal["asc", "desc"] = "desc",
         after: str | None = None,
     ) -> Any:
-        return JSONResponse(_found(page(store.files(purpose), limit, after, order), "File", after))
+        files = await asyncio.to_thread(store.files)  # reads every record: off the event loop
+        keep = None if purpose is None else lambda f: f["purpose"] == purpose
+        return JSONResponse(_found(page(files, limit, after, order, keep), "File", after))
 
     @app.get("/v1/files/{file_id}", responses=_ERRORS)
     async def retrieve_file(file_id: str) -> Any:

@@ -30,6 +30,7 @@ import shutil
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -86,17 +87,25 @@ def list_page(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
 
 
 def page(
-    items: list[dict[str, Any]], limit: int, after: str | None, order: str = "desc"
+    items: list[dict[str, Any]],
+    limit: int,
+    after: str | None,
+    order: str = "desc",
+    keep: Callable[[dict[str, Any]], bool] | None = None,
 ) -> dict[str, Any] | None:
     """OpenAI's cursor page of ``items`` (oldest first): the ``limit`` after the id ``after`` in
-    ``order``; None when ``after`` names no item."""
+    ``order`` that ``keep`` keeps; None when ``after`` names no item. The cursor is any item's id,
+    kept or not (OpenAI's: a listing filtered by purpose may go on from a file of another)."""
     ordered = items if order == "asc" else items[::-1]
     by_id = {item["id"]: item for item in ordered}
-    found = cursor(list(by_id), limit, after)
-    if found is None:
-        return None
-    ids, has_more = found
-    return list_page([by_id[i] for i in ids], has_more)
+    ids = list(by_id)
+    start = 0
+    if after is not None:
+        if after not in by_id:
+            return None
+        start = ids.index(after) + 1
+    rest = [by_id[i] for i in ids[start:] if keep is None or keep(by_id[i])]
+    return list_page(rest[:limit], len(rest) > limit)
 
 
 class BatchStore:
@@ -157,11 +166,10 @@ class BatchStore:
         except OSError:
             return None
 
-    def files(self, purpose: str | None = None) -> list[dict[str, Any]]:
-        """Every file (oldest first), or those of ``purpose``."""
+    def files(self) -> list[dict[str, Any]]:
+        """Every file, oldest first."""
         records = [_read_json(p) for p in (self.root / "files").glob("file-*.json")]
-        found = [r for r in records if r and (purpose is None or r.get("purpose") == purpose)]
-        return sorted(found, key=lambda r: r["_order"])
+        return sorted((r for r in records if r), key=lambda r: r["_order"])
 
     def delete_file(self, file_id: str) -> bool:
         paths = self._file_paths(file_id)

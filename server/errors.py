@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import pydantic_core
@@ -188,26 +188,35 @@ def validated(model: type[M], body: Any) -> M:
         raise validation_error(e.errors()) from e
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def _openai_shape(_: Request, error: APIError) -> Response:
+    return error.to_response()
+
+
+def install_error_handlers(
+    app: FastAPI, respond: Callable[[Request, APIError], Response] = _openai_shape
+) -> None:
+    """The app's handlers: every error an ``APIError``, answered by ``respond`` (OpenAI's shape
+    unless the app answers some paths in another API's shape, as Anthropic's Messages API)."""
+
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.to_response()
+    async def _api_error(request: Request, exc: APIError) -> Response:
+        return respond(request, exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc.errors()).to_response()
+    async def _request_validation(request: Request, exc: RequestValidationError) -> Response:
+        return respond(request, validation_error(exc.errors()))
 
     @app.exception_handler(ValidationError)
-    async def _pydantic_validation(_: Request, exc: ValidationError) -> JSONResponse:
-        return validation_error(exc.errors()).to_response()
+    async def _pydantic_validation(request: Request, exc: ValidationError) -> Response:
+        return respond(request, validation_error(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
         message = exc.detail if isinstance(exc.detail, str) else "HTTP error"
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return APIError(exc.status_code, message, code=code, headers=exc.headers).to_response()
+        return respond(request, APIError(exc.status_code, message, code=code, headers=exc.headers))
 
     @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> Response:
         logger.exception("internal error while serving %s %s", request.method, request.url.path)
-        return internal_error().to_response()
+        return respond(request, internal_error())

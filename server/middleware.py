@@ -159,8 +159,11 @@ async def _send_error(send: Send, error: APIError, request_id: str, anthropic: b
     await send({"type": "http.response.body", "body": body})
 
 
-def _is_messages(scope: Scope) -> bool:
-    return route_path(scope).startswith("/v1/messages")
+def is_messages(scope: Scope) -> bool:
+    """Whether a request is for Anthropic's Messages API (``/v1/messages`` and every path under
+    it, known or not): its errors take Anthropic's shape."""
+    path = route_path(scope)
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
 
 
 def _default_to_json(scope: Scope) -> None:
@@ -218,7 +221,7 @@ class EdgeMiddleware:
             bearer_ok = hmac.compare_digest(auth, b"Bearer " + self.api_key)
             if not (bearer_ok or hmac.compare_digest(anthropic, self.api_key)):
                 error = APIError(401, "Invalid or missing API key.", code="invalid_api_key")
-                await _send_error(send, error, request_id, _is_messages(scope))
+                await _send_error(send, error, request_id, is_messages(scope))
                 return
 
         if scope["method"] in ("POST", "PUT", "PATCH"):
@@ -261,7 +264,7 @@ class EdgeMiddleware:
         )
         declared = _header(scope, b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            await _send_error(send, too_large, request_id, _is_messages(scope))
+            await _send_error(send, too_large, request_id, is_messages(scope))
             return None
         chunks: list[bytes] = []
         size = 0
@@ -272,7 +275,7 @@ class EdgeMiddleware:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
-                await _send_error(send, too_large, request_id, _is_messages(scope))
+                await _send_error(send, too_large, request_id, is_messages(scope))
                 return None
             chunks.append(chunk)
             if not message.get("more_body", False):

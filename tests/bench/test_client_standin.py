@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -99,16 +101,45 @@ def test_failures_are_typed_and_counted(standin, bench, tmp_path: Path) -> None:
 
 
 def test_server_lost_ends_run_quickly(standin, bench, tmp_path: Path) -> None:
-    srv = standin("--tokens", "4")
-    srv.kill()  # nothing listens any more: connection refused at once
+    srv = standin("--tokens", "4", "--ttft-ms", "200")
+
+    def kill_when_the_second_arrives() -> None:  # the first has finished (one at a time)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if httpx.get(srv.url + "/standin/stats", timeout=5).json()["completions"] >= 2:
+                break
+            time.sleep(0.02)
+        srv.kill()  # nothing listens any more: connection refused at once
+
     out = tmp_path / "gone"
     flags = f"--base-url {srv.url} --model standin --tokenizer words --num-prompts 50 --concurrency 1,4 --timeout 60"
+    killer = threading.Thread(target=kill_when_the_second_arrives)
+    killer.start()
     rc, stdout = bench(flags, "--output-dir", str(out))
-    assert rc == 1
+    killer.join()
+    assert rc == 1, stdout
     s = _summary(out)
     assert s["server_lost"] and s["skipped_points"] == ["c=4"]
-    assert s["points"][0]["metrics"]["failures"] == {"connect_error": 1, "not_sent": 49}
+    m = s["points"][0]["metrics"]
+    assert m["completed"] >= 1 and m["completed"] + m["failed"] == 50 and m["failures"]["not_sent"] > 0
+    assert set(m["failures"]) <= {"broken_stream", "connect_error", "not_sent"}
     assert "server lost" in stdout
+
+
+@pytest.mark.parametrize("model", [[], ["--model", "standin"]])
+def test_refused_url_fails_fast_with_one_line(standin, bench, tmp_path: Path, model: list[str]) -> None:
+    """Nothing listening before any request: one clear line and exit 2, whether or not --model
+    spares the bench asking the server for its model (no table of failed requests)."""
+    srv = standin("--tokens", "4")
+    srv.kill()
+    out = tmp_path / "refused"
+    flags = f"--base-url {srv.url} --tokenizer words --num-prompts 5"
+    rc, stdout = bench(flags, *model, "--output-dir", str(out))
+    assert rc == 2
+    [line] = stdout.splitlines()
+    assert line.startswith(f"ferry bench: error: cannot connect to {srv.url} (")
+    assert line.endswith("); is the server up?")
+    assert not out.exists()
 
 
 def test_multi_turn_context_grows_and_replays(standin, bench, tmp_path: Path) -> None:

@@ -2,7 +2,8 @@
 loopback origin) and file:// URLs under --allowed-local-media-path give the offline engine's answer,
 usage counts the image tokens, /tokenize counts them too; and every bad image is a 400 in OpenAI's
 error shape that leaves the replica serving, image URLs of hosts outside --allowed-media-domains
-before anything is fetched. A text-only model refuses image parts with a 400."""
+before anything is fetched. A text-only model refuses image parts with a 400. Anthropic's image
+blocks (in a ``tool_result`` too) reach the model as chat image parts do."""
 
 from __future__ import annotations
 
@@ -302,3 +303,64 @@ def test_images_cross_to_the_engine_process(tiny_llava: Path, serve_logs: Path) 
             assert got.usage is not None and got.usage.prompt_tokens == len(want.prompt_token_ids)
     finally:
         srv.stop()
+
+
+def test_an_image_in_a_tool_result_reaches_the_model(llava_server: ServerProcess) -> None:
+    """Anthropic's ``tool_result`` may hold image blocks: they reach the model as image parts of the
+    user's turn after the tool message (OpenAI's tool messages take text only), as vLLM's Messages
+    API puts them: the same prompt and greedy answer as that chat conversation."""
+    import anthropic
+
+    image = png(7)
+    source = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(image).decode()}
+    call = {"type": "tool_use", "id": "toolu_1", "name": "screenshot", "input": {}}
+
+    def conversation(*result: dict) -> list[dict]:
+        return [
+            {"role": "user", "content": "Take a screenshot."},
+            {"role": "assistant", "content": [{"type": "text", "text": "Taking it."}, call]},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_1", "content": [*result]},
+                    QUESTION,
+                ],
+            },
+        ]
+
+    messages = conversation({"type": "text", "text": "done"}, {"type": "image", "source": source})
+    claude = anthropic.Anthropic(base_url=llava_server.url, api_key="x", max_retries=0)
+    m = claude.messages.create(
+        model=llava_server.model_name,
+        max_tokens=8,
+        messages=messages,  # type: ignore[arg-type]
+        extra_body={"ignore_eos": True, "temperature": 0},
+    )
+    chat_messages = [
+        {"role": "user", "content": "Take a screenshot."},
+        {
+            "role": "assistant",
+            "content": [{"type": "text", "text": "Taking it."}],
+            "tool_calls": [
+                {"id": "toolu_1", "type": "function", "function": {"name": "screenshot", "arguments": "{}"}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "done"},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(image)}}, QUESTION]},
+    ]
+    chat = openai.OpenAI(base_url=llava_server.url + "/v1", api_key="x").chat.completions.create(
+        model=llava_server.model_name,
+        messages=chat_messages,  # type: ignore[arg-type]
+        max_tokens=8,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert m.content[0].text == chat.choices[0].message.content  # type: ignore[union-attr]
+    assert chat.usage is not None
+    assert m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0) == chat.usage.prompt_tokens
+    counted = claude.messages.count_tokens(model=llava_server.model_name, messages=messages)  # type: ignore[arg-type]
+    text_only = claude.messages.count_tokens(
+        model=llava_server.model_name,
+        messages=conversation({"type": "text", "text": "done"}),  # type: ignore[arg-type]
+    )
+    assert counted.input_tokens == chat.usage.prompt_tokens == text_only.input_tokens + 16  # the image's run
