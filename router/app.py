@@ -493,10 +493,27 @@ class RouterApp:
                 [(b"retry-after", b"1"), *id_header],
             )
             return
+        status = 0  # of the answer's head, once sent
+
+        async def watched(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        outcome = "client_gone"  # unless it ends otherwise: the task is cancelled when the client leaves
         try:
-            await relay(self.pool, call, send)
+            await relay(self.pool, call, watched)
+            outcome = "error" if call.broken or status >= 500 else "ok"
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            outcome = "error"
+            raise
         finally:
             self.admission.release()
+            # Every admitted request, however it ended (RouterMetrics.OUTCOMES).
+            self.metrics.observe_latency(time.perf_counter() - call.started, outcome)
 
 
 def _with_request_id(send: Send, request_id: str) -> Send:

@@ -50,7 +50,6 @@ class Generation(Relay):
             await self._generate_stream(pool, call, body, send)
         else:
             await self._generate_whole(pool, call, send)
-        self.metrics.latency.observe(time.perf_counter() - call.started)
 
     async def _generate_whole(self, pool: Pool, call: ProxyCall, send: Send) -> None:
         client_sent = "kv_transfer" in (call.json or {})
@@ -145,7 +144,6 @@ class Generation(Relay):
             tracker = MessagesTracker(client_wants_token_ids=bool(body.get("return_token_ids")))
             resumable = _with_token_ids if self.max_failovers > 0 else None
             await self.stream(pool, call, body, send, tracker, resumable, _messages_error)
-        self.metrics.latency.observe(time.perf_counter() - call.started)
 
     async def responses_stream(self, pool: Pool, call: ProxyCall, send: Send) -> None:
         """``POST /v1/responses`` with ``stream`` (not ``background``): relayed with mid-stream
@@ -153,7 +151,6 @@ class Generation(Relay):
         tracker = ResponsesTracker()
         resumable = _with_token_ids if self.max_failovers > 0 else None
         await self.stream(pool, call, call.json or {}, send, tracker, resumable, tracker.error_event)
-        self.metrics.latency.observe(time.perf_counter() - call.started)
 
     async def stream(
         self,
@@ -201,6 +198,7 @@ class Generation(Relay):
                     break
                 if not (can_resume and tracker.ids_complete and tracker.failovers < self.max_failovers):
                     message = "the replica serving this stream failed and it cannot be resumed"
+                    call.broken = True
                     self.log_stream_failure(call, opened.replica, tracker, None)
                     end = tracker.failure_end() or error_event(message)  # the replica's own words first
                     await send({"type": "http.response.body", "body": end, "more_body": True})
@@ -214,6 +212,7 @@ class Generation(Relay):
                 opened = await self.open(pool, call, lambda r, b=resumed: payload(r, b), tried, [0])
                 if isinstance(opened, Failed) or opened.response.status_code != 200:
                     message = "the replica serving this stream failed and no replica could resume it"
+                    call.broken = True
                     await send(
                         {"type": "http.response.body", "body": error_event(message), "more_body": True}
                     )

@@ -9,6 +9,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
+# How a request ended, the ``outcome`` of ``ferry:router_request_latency_seconds``:
+# ok: answered to the end with a status below 500 (a client's 4xx included);
+# error: a 5xx answer, or one the router could not finish (a forwarded body cut off, a stream it
+#   ended with an error event because its replica failed and no other could resume it);
+# client_gone: the client disconnected first (the time until it left).
+OUTCOMES = ("ok", "error", "client_gone")
+
 
 class RouterMetrics:
     def __init__(self) -> None:
@@ -20,9 +27,12 @@ class RouterMetrics:
             ["replica", "status"],
             registry=r,
         )
+        # Every request the router admitted, once, however it ended (``OUTCOMES``): a dashboard's
+        # `sum by (le)` sees them all; `outcome="ok"` selects the answered ones.
         self.latency = Histogram(
             "ferry:router_request_latency_seconds",
-            "End-to-end latency through the router",
+            "End-to-end latency through the router, by how the request ended",
+            ["outcome"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
@@ -60,9 +70,15 @@ class RouterMetrics:
             registry=r,
         )
 
-        # Label children cached: ``labels()`` costs a lock and a dict build on every call.
+        # Label children cached: ``labels()`` costs a lock and a dict build on every call. Every
+        # outcome is exposed from the start, at 0, so a rate() over one not seen yet reads 0.
         self._inflight: dict[str, Gauge] = {}
         self._requests: dict[tuple[str, str], Counter] = {}
+        self._latency = {outcome: self.latency.labels(outcome) for outcome in OUTCOMES}
+
+    def observe_latency(self, seconds: float, outcome: str) -> None:
+        """One admitted request's time from arrival to its end, by ``outcome`` (``OUTCOMES``)."""
+        self._latency[outcome].observe(seconds)
 
     def inflight_of(self, url: str) -> Gauge:
         child = self._inflight.get(url)

@@ -166,7 +166,6 @@ class PDOrchestrator:
                 await self._whole(decode_pool, call, prefilled, send)
         finally:
             self.metrics.decode_latency.observe(time.perf_counter() - started)
-            self.decode.metrics.latency.observe(time.perf_counter() - call.started)
 
     # ---- prefill --------------------------------------------------------------------------------
     async def _prefill(self, pool: Pool, call: ProxyCall, send: Send) -> Prefilled | None:
@@ -243,6 +242,7 @@ class PDOrchestrator:
             opened = await self.decode.open(pool, call, partial(self._decode_payload, base=base), tried, [0])
             while True:
                 if isinstance(opened, Failed) or opened.response.status_code != 200:
+                    call.broken = True
                     event = await self._stream_error(opened, "no decode worker could continue this request")
                     await send({"type": "http.response.body", "body": event, "more_body": True})
                     break
@@ -255,6 +255,7 @@ class PDOrchestrator:
                     await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": True})
                     break
                 if not tracker.ids_complete or failovers >= self.decode.max_failovers:
+                    call.broken = True
                     self.decode.log_stream_failure(call, opened.replica, tracker, None)
                     event = tracker.failure_end() or _error_event(
                         "the decode worker failed and the stream cannot be resumed"

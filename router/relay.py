@@ -68,6 +68,9 @@ class ProxyCall:
     started: float = field(default_factory=time.perf_counter)
     # Told which replica answered, and its answer's head, once the answer starts (``forward``).
     on_answered: Callable[[Replica, Response], None] | None = None
+    # Set when the answer could not be finished after its head went out (a body cut off, a stream
+    # ended with an error event in place of the rest): an "error" in the latency metric.
+    broken: bool = False
 
     @property
     def url_path(self) -> str:
@@ -288,6 +291,7 @@ class Relay:
             # The head (a 200, often) is out. Ending the body now would pass a cut answer off as a
             # whole one: return without its last message instead, so that uvicorn closes the
             # connection with no end of body (no last chunk), which clients report as an error.
+            call.broken = True
             log.warning("replica %s broke off its answer to %s: %s", opened.replica.url, call.path, e)
         except asyncio.CancelledError:
             status = CLIENT_GONE
@@ -295,7 +299,6 @@ class Relay:
         finally:
             await opened.response.aclose()
             self.finish(opened, ok, status)
-            self.metrics.latency.observe(time.perf_counter() - call.started)
 
     # ---- generation ---------------------------------------------------------------------------
 

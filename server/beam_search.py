@@ -51,6 +51,8 @@ async def run_beam_search(
     opening: RequestOutput | None = None  # the first step's output: prompt logprobs, cached tokens
     last_at = arrival
     observed = 0  # choices counted in the metrics as finished
+    steps = 0  # tokens each live beam has
+    refused = False  # the engine refused its first step (a 400): it never ran, so it is not counted
     try:
         try:
             async with asyncio.timeout(timeout):
@@ -63,6 +65,7 @@ async def run_beam_search(
                     else:
                         metrics.observe_tokens(now - last_at, 1)
                     last_at = now
+                    steps += 1
                     search.advance([_position(out) for out in outs])
             result = search.finish().sequences
         except _Aborted:
@@ -70,6 +73,7 @@ async def run_beam_search(
         except TimeoutError as e:
             raise timeout_error(timeout or 0.0) from e
         except ValueError as e:
+            refused = steps == 0
             raise bad_request(str(e)) from e
         except APIError:
             raise
@@ -104,8 +108,8 @@ async def run_beam_search(
             )
     finally:
         e2e = time.perf_counter() - arrival
-        for _ in range(len(group) - observed):  # choices that ended without their answer
-            metrics.observe_finished("abort", e2e, None)
+        for _ in range(0 if refused else len(group) - observed):  # ended without their answer
+            metrics.observe_finished("abort", e2e, None, len(first.prompt_token_ids), steps)
         generation.release(len(group))
 
 

@@ -205,6 +205,7 @@ class Generation:
             loop = asyncio.get_running_loop()
             deadline.handle = loop.call_later(self.config.request_timeout, self._expire, rid, deadline)
         finished = False
+        refused = False  # the engine refused it (a 400): it never ran, so it is not counted
         metrics = self.metrics
         first_at = last_at = 0.0
         num_generated = 0
@@ -230,7 +231,7 @@ class Generation:
                     if new_tokens:
                         if first_at == 0.0:
                             first_at = now
-                            metrics.observe_first_token(now - arrival)
+                            metrics.observe_first_token(now - arrival, new_tokens)
                         else:
                             metrics.observe_tokens(now - last_at, new_tokens)
                         last_at = now
@@ -253,6 +254,7 @@ class Generation:
                     await gen.aclose()
         except ValueError as e:
             # The engine's contract: ValueError is a client error (prompt too long, bad token id…).
+            refused = True
             raise bad_request(str(e)) from e
         except APIError:
             raise
@@ -264,9 +266,11 @@ class Generation:
             if deadline.handle is not None:
                 deadline.handle.cancel()
             if not finished:
+                if not refused:  # ended before its last output (client gone, error): an abort
+                    e2e = time.perf_counter() - arrival
+                    metrics.observe_finished("abort", e2e, None, len(seq.prompt_token_ids), num_generated)
                 with contextlib.suppress(Exception):
                     await self.engine.abort(rid)
-                metrics.observe_finished("abort", time.perf_counter() - arrival, None)
             self.unclaim_id(rid)
             self._add_in_flight(-1)
 

@@ -9,6 +9,15 @@ Two kinds:
   per output token) and finished requests by reason are observed by the serving layer as
   outputs arrive. vLLM's stock Grafana dashboard reads these.
 
+Counts per engine request (one choice) that generated n tokens (ARCHITECTURE.md, "Metrics"):
+TTFT 1 (n >= 1); ``vllm:inter_token_latency_seconds`` and its deprecated vLLM alias
+``vllm:time_per_output_token_seconds`` exactly n - 1 (a delta of k tokens read t s after the last
+is k gaps of t / k; the tokens that came with the first are gaps of 0); vLLM's per-request
+``vllm:request_time_per_output_token_seconds`` 1 when it finished with n >= 2. Every request that
+ran ends once in ``request_success`` (an abort before its last output: ``abort``, with the
+tokens received), e2e latency and the prompt and generation token histograms; one the engine
+refused (a 400) is not counted.
+
 Every series carries ``model_name``. prometheus-client appends ``_total`` to counters, so the
 exposed names are ``vllm:prompt_tokens_total``, ``vllm:prefix_cache_hits_total`` … exactly as
 vLLM v1 exposes them. The serving metrics live in a registry of their own (two apps in one
@@ -276,9 +285,18 @@ class ServerMetrics:
             buckets=_REQUEST_BUCKETS,
             registry=reg,
         ).labels(model_name)
+        # vLLM's deprecated name of the inter-token latency: the same samples, its own buckets.
         self._tpot = Histogram(
             "vllm:time_per_output_token_seconds",
-            "Histogram of time per output token in seconds.",
+            "Histogram of time per output token in seconds. "
+            "DEPRECATED: Use vllm:inter_token_latency_seconds instead.",
+            labels,
+            buckets=_TPOT_BUCKETS,
+            registry=reg,
+        ).labels(model_name)
+        self._request_tpot = Histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
             labels,
             buckets=_TPOT_BUCKETS,
             registry=reg,
@@ -349,8 +367,13 @@ class ServerMetrics:
     def background_finished(self, status: str) -> None:
         self._background_finished.labels(self.model_name, status).inc()
 
-    def observe_first_token(self, ttft_s: float) -> None:
+    def observe_first_token(self, ttft_s: float, num_tokens: int = 1) -> None:
+        """A request's first delta, of ``num_tokens``: the first is its TTFT; the others came with
+        it (a gap of 0 each), so a request's inter-token samples are always its tokens - 1."""
         self._ttft.observe(ttft_s)
+        for _ in range(num_tokens - 1):
+            self._itl.observe(0.0)
+            self._tpot.observe(0.0)
 
     def observe_tokens(self, interval_s: float, new_tokens: int) -> None:
         # A delta can carry several tokens when the server fell behind the engine: spread the
@@ -358,6 +381,7 @@ class ServerMetrics:
         per_token = interval_s / new_tokens
         for _ in range(new_tokens):
             self._itl.observe(per_token)
+            self._tpot.observe(per_token)
 
     def observe_finished(
         self,
@@ -369,7 +393,8 @@ class ServerMetrics:
     ) -> None:
         """A request's end. ``prompt_tokens`` is None for one that never reached the engine; the
         phase times come from the engine's stamps (``time.monotonic()``: arrival, first scheduled,
-        first token, finished), observed only for the phases the request went through."""
+        first token, finished), observed only for the phases the request went through (none for a
+        request aborted before its last output: it has no stamps)."""
         counter = self._success_by_reason.get(reason)
         if counter is None:
             counter = self._success.labels(self.model_name, reason)
@@ -391,7 +416,7 @@ class ServerMetrics:
         if first is not None and done is not None:
             self._decode.observe(max(0.0, done - first))
             if generation_tokens > 1:
-                self._tpot.observe(max(0.0, done - first) / (generation_tokens - 1))
+                self._request_tpot.observe(max(0.0, done - first) / (generation_tokens - 1))
         if scheduled is not None and done is not None:
             self._inference.observe(max(0.0, done - scheduled))
 

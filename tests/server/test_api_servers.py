@@ -81,6 +81,10 @@ from tests.server.test_structured_outputs import (  # noqa: F401
     test_a_constraint_that_does_not_compile_is_a_400_before_the_stream,
     test_greedy_json_schema_over_http_equals_the_engine,
 )
+from tests.server.test_token_metrics import (  # noqa: F401
+    test_a_stream_the_client_leaves_is_counted_with_its_tokens,
+    test_finished_requests_count_every_token,
+)
 
 API_SERVERS = ["--api-server-count", "2"]
 

@@ -191,9 +191,18 @@ def _wait_stopped(url: str, scrape, model: str, timeout: float) -> None:
     raise AssertionError("the engine kept working")
 
 
+# The series every request ends in, once.
+_ENDS = (
+    "vllm:e2e_request_latency_seconds_count",
+    "vllm:request_prompt_tokens_count",
+    "vllm:request_generation_tokens_count",
+)
+
+
 async def test_client_gone_mid_search_aborts_it(server, scrape) -> None:
     name = server.model_name
     aborted = scrape(server.url, "vllm:request_success_total", model_name=name, finished_reason="abort") or 0
+    ended = {s: scrape(server.url, s, model_name=name) or 0 for s in _ENDS}
     body = {"prompt": "x", "n": 4, "max_tokens": 500, "ignore_eos": True, "use_beam_search": True}
     start = _queries(server.url, scrape, name)
     async with httpx.AsyncClient(timeout=60) as http:
@@ -210,6 +219,8 @@ async def test_client_gone_mid_search_aborts_it(server, scrape) -> None:
     _wait_stopped(server.url, scrape, name, timeout=5.0)
     after = scrape(server.url, "vllm:request_success_total", model_name=name, finished_reason="abort")
     assert after == aborted + 4  # its four choices
+    # ... each counted in every series a request ends in, with its prompt and the tokens it had.
+    assert {s: scrape(server.url, s, model_name=name) - ended[s] for s in _ENDS} == dict.fromkeys(_ENDS, 4)
 
 
 @pytest.fixture(scope="module")

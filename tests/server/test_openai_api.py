@@ -494,7 +494,8 @@ def test_metrics_use_vllm_names(server, scrape) -> None:
 
 
 def test_per_request_histograms_of_vllms_dashboard(server, scrape) -> None:
-    """What vLLM's Grafana dashboard plots per request: token counts, phase times, time per token."""
+    """What vLLM's Grafana dashboard plots per request: token counts, phase times, time per token
+    (per request; and per token, as the inter-token latency and its deprecated alias)."""
     name = server.model_name
     series = (
         "vllm:request_prompt_tokens",
@@ -502,8 +503,9 @@ def test_per_request_histograms_of_vllms_dashboard(server, scrape) -> None:
         "vllm:request_prefill_time_seconds",
         "vllm:request_decode_time_seconds",
         "vllm:request_inference_time_seconds",
-        "vllm:time_per_output_token_seconds",
+        "vllm:request_time_per_output_token_seconds",
     )
+    per_token = ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds")
 
     def read() -> dict[str, tuple[float, float]]:
         return {
@@ -511,7 +513,7 @@ def test_per_request_histograms_of_vllms_dashboard(server, scrape) -> None:
                 scrape(server.url, s + "_count", model_name=name) or 0.0,
                 scrape(server.url, s + "_sum", model_name=name) or 0.0,
             )
-            for s in series
+            for s in series + per_token
         }
 
     before = read()
@@ -519,14 +521,17 @@ def test_per_request_histograms_of_vllms_dashboard(server, scrape) -> None:
     r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
     assert r.status_code == 200
     after = read()
-    counts = {s: after[s][0] - before[s][0] for s in series}
-    sums = {s: after[s][1] - before[s][1] for s in series}
-    assert counts == dict.fromkeys(series, 1.0)
+    counts = {s: after[s][0] - before[s][0] for s in series + per_token}
+    sums = {s: after[s][1] - before[s][1] for s in series + per_token}
+    # One per request; one per token after the first (however the server's reads grouped them).
+    assert counts == {**dict.fromkeys(series, 1.0), **dict.fromkeys(per_token, 4.0)}
     assert sums["vllm:request_prompt_tokens"] == 7 and sums["vllm:request_generation_tokens"] == 5
     prefill, decode = sums["vllm:request_prefill_time_seconds"], sums["vllm:request_decode_time_seconds"]
     assert prefill > 0 and decode > 0
     assert sums["vllm:request_inference_time_seconds"] == pytest.approx(prefill + decode, rel=1e-6)
-    assert sums["vllm:time_per_output_token_seconds"] == pytest.approx(decode / 4, rel=1e-6)
+    assert sums["vllm:request_time_per_output_token_seconds"] == pytest.approx(decode / 4, rel=1e-6)
+    itl = sums["vllm:inter_token_latency_seconds"]
+    assert sums["vllm:time_per_output_token_seconds"] == pytest.approx(itl, rel=1e-9)
 
 
 def test_choices_of_one_prompt_share_its_prefill(server, scrape) -> None:
