@@ -7,7 +7,9 @@ It has ``AsyncEngine``'s interface as the server uses it (``generate``, ``abort`
 server of several needs: ``sequences_elsewhere`` (admission), ``report_load`` and
 ``load_elsewhere`` (``GET /load``). The engine process (``server/engine_process.py``) validates
 each request as ``AsyncEngine.generate`` does; a refusal arrives as the stream's first message
-and is raised as ``ValueError`` before anything is yielded, as in process. ``stats()`` is the
+and is raised as ``ValueError`` before anything is yielded, as in process. It also admits each
+request's sequences over every API server's (``generate``'s ``admission``; ``end_admission``):
+a full queue is raised as ``AdmissionRefused``, also before anything is yielded. ``stats()`` is the
 latest snapshot the engine process pushed (with every step's outputs, and every 0.1 s while idle).
 If the engine process goes away, every stream and call fails with ``EngineDeadError`` and
 ``is_healthy()`` turns False (``/health`` answers 503); if it stays connected but sends nothing,
@@ -31,6 +33,7 @@ from engine.outputs import RequestOutput, merge_pending
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from engine.stats import EngineStats
 from engine.tokenizer import Tokenizer
+from server.admission import AdmissionRefused
 from server.engine_ipc import Channel
 
 logger = logging.getLogger("ferry.engine_client")
@@ -44,6 +47,9 @@ LOAD_REPORT_DELAY_S = 0.05
 
 
 class EngineClient:
+    # ``Generation`` passes each sequence's ``admission``: the engine process checks the limit.
+    checks_admission = True
+
     def __init__(self, channel: Channel, hello: dict[str, Any]) -> None:
         self._channel = channel
         self.config = hello["config"]
@@ -71,6 +77,10 @@ class EngineClient:
         # send them back with every output)
         self._streams: dict[str, tuple[asyncio.Queue[RequestOutput | BaseException], list[int]]] = {}
         self._calls: dict[int, asyncio.Future[Any]] = {}
+        # Admission key -> sequences of that request not sent yet, for requests of several whose
+        # first went out: the engine process holds their places until they come or it hears
+        # ``end_admission``.
+        self._unsent: dict[int, int] = {}
         self._ids = itertools.count()
         self._reader = asyncio.ensure_future(self._read())
 
@@ -110,19 +120,31 @@ class EngineClient:
         priority: int = 0,
         cache_salt: str | None = None,
         images: list[Any] | None = None,
+        admission: tuple[int, int] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream DELTA outputs of one request, as ``AsyncEngine.generate`` does (``images``: PIL
-        images, pickled to the engine process)."""
+        images, pickled to the engine process). ``admission``: (key, number of sequences) of the
+        HTTP request it is one sequence of; the engine process admits them all or none over every
+        API server's (else ``AdmissionRefused``). None: part of a request admitted already (a beam
+        search step)."""
         self._check_alive()
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         ids = prompt if isinstance(prompt, list) else [EMBEDS_PLACEHOLDER_ID] * len(prompt)
         self._streams[request_id] = (queue, ids)
+        if admission is not None and admission[1] > 1:
+            key = admission[0]
+            unsent = self._unsent.get(key, admission[1]) - 1
+            if unsent > 0:
+                self._unsent[key] = unsent
+            else:
+                self._unsent.pop(key, None)
         self._channel.send(
             (
                 "add",
                 request_id,
+                admission,
                 prompt,
                 params,
                 resume_token_ids,
@@ -151,6 +173,12 @@ class EngineClient:
             self._streams.pop(request_id, None)
             if not finished and not self._channel.closed:
                 self._channel.send(("call", -1, "abort", request_id))
+
+    def end_admission(self, key: int) -> None:
+        """The request of admission ``key`` ended: the places of its sequences that were never sent
+        are free (the engine process holds them from its first sequence on)."""
+        if self._unsent.pop(key, None) is not None and not self._channel.closed:
+            self._channel.send(("release", key))
 
     async def compile_structured(self, spec: StructuredOutputsParams) -> None:
         """Compile (and keep, in the engine process) a constraint; ValueError if it is not valid."""
@@ -339,6 +367,8 @@ class EngineClient:
 def _error(kind: str, message: str) -> BaseException:
     if kind == "value":
         return ValueError(message)
+    if kind == "overloaded":
+        return AdmissionRefused(message)
     if kind == "dead":
         return EngineDeadError(message)
     return RuntimeError(message)

@@ -9,10 +9,13 @@ that delivered them: no task or generator per request (this loop shares the GIL 
 thread). An API server that goes away has its requests aborted and its announcements withdrawn at
 once.
 
-Messages from an API server: ``("add", rid, prompt_ids, params, resume_ids, kv_transfer, pooling,
-lora_request, priority, cache_salt, images)`` (``prompt_ids``: a tensor for prompt embeddings),
-``("announce", token)``, ``("submitted", token)``, ``("probe_back", token)``, ``("load", requests)``
-(its requests on the engine's routes, for the others' ``GET /load``),
+Messages from an API server: ``("add", rid, admission, prompt_ids, params, resume_ids, kv_transfer,
+pooling, lora_request, priority, cache_salt, images)`` (``prompt_ids``: a tensor for prompt
+embeddings; ``admission``: the (key, number of sequences) of the HTTP request it belongs to, or None
+for a beam search step of one admitted already), ``("release", key)`` (that request ended before
+all its sequences were sent), ``("announce", token)``, ``("submitted", token)``,
+``("probe_back", token)``, ``("load", requests)`` (its requests on the engine's routes, for the
+others' ``GET /load``),
 ``("call", call_id, name, arg)`` with ``name`` one of ``abort`` / ``compile`` /
 ``reset_prefix_cache`` / ``store`` (``arg``: a ``MemoryRecords`` method's name and arguments) /
 ``add_lora`` / ``remove_lora`` / ``sleep`` / ``wake_up`` / ``reload_weights``. To it: ``("hello",
@@ -21,13 +24,21 @@ call (its reply waits until every API server answered a probe sent after it),
 ``("model_info", ModelInfo)`` to every API server after a weight update (its fingerprint changed),
 ``("probe", token)`` (an idle engine gathering a burst, or the adapters' broadcast: answer after
 two passes of the event loop), then
-``("out", rid, RequestOutput)``, ``("err", rid, kind, message)``, ``("reply", call_id, ok, value)``
+``("out", rid, RequestOutput)``, ``("err", rid, kind, message)`` (``kind``: ``value``, a bad request;
+``overloaded``, refused by admission; ``dead``; ``other``), ``("reply", call_id, ok, value)``
 and ``("stats", EngineStats, healthy, sequences_elsewhere, load_elsewhere)`` whenever the engine
 published new stats or the other API servers' sequences changed (before a request's own output,
 and to every API server within ``BROADCAST_DELAY_S`` of the news; the others' sequences alone
 within ``STATS_INTERVAL_S`` while the queue is under half of ``--max-queued-requests``, and their
 load alone within ``STATS_INTERVAL_S``): each API server admits requests (``Generation.queued``)
 counting the others' too, and answers ``GET /load`` with the others' load added.
+
+Admission (``server/admission.py``) is decided here for good: each API server's own check uses
+counts up to ``BROADCAST_DELAY_S`` old, so requests reaching several at once could all pass it.
+The first sequence of a request to arrive is checked against every API server's sequences (the
+engine's, and the places held for sequences of admitted requests still on their way); the
+request's other sequences take the places held for them, or are refused with it. No extra round
+trip: a refusal comes back as the stream's first message, like a bad request's.
 """
 
 from __future__ import annotations
@@ -44,6 +55,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from engine.errors import EngineDeadError
+from server.admission import HeldPlaces, overload_message, queued_after, running_slots
 from server.engine_ipc import Channel
 from server.heap import settle_heap
 from server.responses_store import MEMORY_OPS, MemoryRecords
@@ -73,6 +85,7 @@ class _ApiServer:
     requests: dict[str, asyncio.Task[None] | None] = field(default_factory=dict)
     announced: dict[int, Callable[[], None]] = field(default_factory=dict)
     load: int = 0  # its requests on the engine's routes, as it last said ("load")
+    places: HeldPlaces = field(default_factory=HeldPlaces)  # of its requests of several sequences
     sent_stats: Any = None
     sent_healthy: bool = True
     sent_elsewhere: int = 0
@@ -154,8 +167,10 @@ class EngineHost:
     ) -> None:
         kind = message[0]
         if kind == "add":
-            self._add(conn, *message[1:])
+            self._add(conn, message[1], message[2], message[3:])
             self._broadcast_stats()  # the others' admission counts this one
+        elif kind == "release":
+            self._release(conn, message[1])
         elif kind == "announce":
             conn.announced[message[1]] = self.engine.announce()
         elif kind == "submitted":
@@ -174,9 +189,13 @@ class EngineHost:
         else:
             logger.error("unknown message %r from API server %d", kind, conn.index)
 
-    def _add(self, conn: _ApiServer, rid: str, *request: Any) -> None:
+    def _add(
+        self, conn: _ApiServer, rid: str, admission: tuple[int, int] | None, request: tuple[Any, ...]
+    ) -> None:
         """An "add" message's request: ``(prompt_ids, params, resume_ids, kv_transfer, pooling,
         lora_request, priority, cache_salt, images)``."""
+        if admission is not None and not self._admitted(conn, rid, admission, request[4]):
+            return
         if rid in conn.requests:
             conn.channel.send(("err", rid, "value", f"request id {rid!r} is already in use"))
             return
@@ -192,6 +211,35 @@ class EngineHost:
         else:
             conn.requests[rid] = None
             self._start(conn, rid, request)
+
+    def _admitted(self, conn: _ApiServer, rid: str, admission: tuple[int, int], pooling: bool) -> bool:
+        """Whether sequence ``rid`` of the request ``admission`` names may run; refused, it is
+        answered so. A request is checked at its first sequence here, as a whole."""
+        key, size = admission
+        known = conn.places.take(key)
+        if known is None:
+            limit = self.max_queued_requests
+            refusal = None
+            if limit is not None:
+                stats = self.engine.stats()
+                slots = running_slots(self._max_running, stats)
+                refusal = overload_message(
+                    self._in_flight(), slots, stats.num_waiting, size, limit, pooling, self._max_running
+                )
+            conn.places.decide(key, size, refusal is None)
+            if refusal is None:
+                return True
+        elif known:
+            return True
+        else:
+            refusal = "Server is overloaded: this request's other sequences were refused. Retry later."
+        conn.channel.send(("err", rid, "overloaded", refusal))
+        return False
+
+    def _release(self, conn: _ApiServer, key: int) -> None:
+        """The request ``key`` ended: the places still held for its sequences are free."""
+        if conn.places.release(key):
+            self._broadcast_stats()
 
     async def _prepare_then_start(self, conn: _ApiServer, rid: str, request: tuple[Any, ...]) -> None:
         grammar = None
@@ -357,7 +405,8 @@ class EngineHost:
         return probe[1]
 
     def _in_flight(self) -> int:
-        return sum(len(conn.requests) for conn in self._servers)
+        """Every API server's sequences: in the engine, or admitted and on their way."""
+        return sum(len(conn.requests) + conn.places.num_held for conn in self._servers)
 
     def _queue_busy(self) -> bool:
         """Whether the engine's queue is at least half of the API servers' admission limit: the
@@ -365,14 +414,15 @@ class EngineHost:
         limit = self.max_queued_requests
         if limit is None:
             return True
-        queued = max(self._in_flight() - self._max_running, self.engine.stats().num_waiting)
+        stats = self.engine.stats()
+        queued = queued_after(self._in_flight(), running_slots(self._max_running, stats), stats.num_waiting)
         return 2 * queued >= limit
 
     def _send_stats(self, conn: _ApiServer, counts: bool = True) -> None:
         """``conn``'s stats if they changed; the other API servers' sequences or load alone only if
         ``counts``."""
         stats, healthy = self.engine.stats(), self.engine.is_healthy()
-        elsewhere = self._in_flight() - len(conn.requests)
+        elsewhere = self._in_flight() - len(conn.requests) - conn.places.num_held
         load = self._load - conn.load
         if (
             stats is not conn.sent_stats

@@ -3,14 +3,16 @@
 Each engine request (one sequence: one prompt, one choice) goes through ``Generation.stream``,
 which guarantees that a request that does not finish normally (client gone, timeout, error,
 shutdown) is aborted in the engine at once, so its KV blocks are freed. Requests are admitted
-only while the server is not draining and the queue of sequences that are not yet running is
-below ``max_queued_requests``.
+only while the server is not draining and their sequences keep the queue of those that are not
+yet running within ``max_queued_requests`` (``server/admission.py``); with several API server
+processes the engine process has the last word, and its refusal is the same 429.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -21,6 +23,12 @@ from engine.beam_search import BeamSearchParams
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from kvcache.keys import salt_extra
+from server.admission import (
+    AdmissionRefused,
+    overload_message,
+    queued_after,
+    running_slots,
+)
 from server.beam_search import run_beam_search
 from server.config import ServerConfig
 from server.errors import APIError, bad_request, overloaded, timeout_error, unavailable
@@ -67,14 +75,24 @@ class Ticket:
     simultaneous arrivals see each other. A sequence releases its share when its stream ends;
     ``close()`` releases the shares of sequences that never started (client gone first).
     ``submitted`` (the engine's ``announce`` handle) is called once every sequence has started;
-    ``EdgeMiddleware`` calls it when the request ends, for one that never got that far."""
+    ``EdgeMiddleware`` calls it when the request ends, for one that never got that far.
+    ``key`` and ``size`` go with each sequence to an engine process that admits them too
+    (``EngineClient.generate``'s ``admission``)."""
 
     def __init__(
-        self, generation: Generation, num_sequences: int, submitted: Callable[[], None] | None = None
+        self,
+        generation: Generation,
+        num_sequences: int,
+        submitted: Callable[[], None] | None = None,
+        key: int = 0,
     ) -> None:
         self._generation = generation
         self.unstarted = num_sequences
         self._submitted = submitted
+        self.key = key
+        self.size = num_sequences
+        self.refused = False  # the engine process refused it (counted once in the metrics)
+        self._closed = False
 
     def start_one(self) -> None:
         # Called right before the sequence's engine.generate submits it, in the same loop step.
@@ -83,9 +101,13 @@ class Ticket:
             self._submitted()
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         if self.unstarted > 0:
             self._generation.release(self.unstarted)
             self.unstarted = 0
+        self._generation.ticket_closed(self)
 
 
 @dataclass
@@ -107,6 +129,10 @@ class Generation:
         # A sequence-classification model (engine/classifier.py) serves pooling requests only.
         self._classifier = getattr(getattr(engine, "model_info", None), "classifier", None)
         self._live_ids: dict[str, str] = {}  # engine request id -> the HTTP request's id
+        # An engine process behind several API servers checks admission again, over all of them
+        # (``EngineClient``): each sequence tells it which request it belongs to.
+        self._engine_admits = bool(getattr(engine, "checks_admission", False))
+        self._ticket_keys = itertools.count(1)
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -116,16 +142,19 @@ class Generation:
         """Sequences admitted that cannot run now: those beyond the engine's batch slots (including
         ones the engine has not seen yet), or the engine's own waiting queue when KV memory, not
         slots, holds them back."""
+        stats = self.engine.stats()
+        return queued_after(self._all_in_flight(), running_slots(self._max_running, stats), stats.num_waiting)
+
+    def _all_in_flight(self) -> int:
         # With several API server processes, the engine also runs the others' sequences.
-        elsewhere = int(getattr(self.engine, "sequences_elsewhere", 0))
-        beyond_slots = self.in_flight + elsewhere - self._max_running
-        return max(0, beyond_slots, int(getattr(self.engine.stats(), "num_waiting", 0)))
+        return self.in_flight + int(getattr(self.engine, "sequences_elsewhere", 0))
 
     def admit(
         self, num_sequences: int, submitted: Callable[[], None] | None = None, pooling: bool = False
     ) -> Ticket:
-        """Admit a request of ``num_sequences`` or raise 503 (draining/unhealthy) / 429 (queue full),
-        or 400 for generation on a classifier model (before any stream starts).
+        """Admit a request of ``num_sequences`` or raise 503 (draining/unhealthy) / 429 (the queue is
+        full, or these sequences would take it past the limit; ``server/admission.py``), or 400 for
+        generation on a classifier model (before any stream starts).
 
         Call after validation; the caller must ``close()`` the ticket when the request ends.
         ``submitted``: the request's ``AsyncEngine.announce`` handle, if it was announced.
@@ -139,19 +168,26 @@ class Generation:
             raise unavailable("Server is shutting down; retry on another replica.")
         if not self.engine.is_healthy():
             raise unavailable("Engine is not healthy.")
-        queued = self.queued()
-        if queued >= self.config.max_queued_requests:
+        limit = self.config.max_queued_requests
+        stats = self.engine.stats()
+        slots = running_slots(self._max_running, stats)
+        refusal = overload_message(
+            self._all_in_flight(), slots, stats.num_waiting, num_sequences, limit, pooling, self._max_running
+        )
+        if refusal is not None:
             self.metrics.rejected.inc()
-            raise overloaded(
-                f"Server is overloaded: {queued} sequences are waiting (limit {self.config.max_queued_requests}). "
-                "Retry later."
-            )
+            raise overloaded(refusal)
         self._add_in_flight(num_sequences)
-        return Ticket(self, num_sequences, submitted)
+        return Ticket(self, num_sequences, submitted, next(self._ticket_keys))
 
     def release(self, num_sequences: int) -> None:
         """Give back admitted sequences that will never run (their request ended first)."""
         self._add_in_flight(-num_sequences)
+
+    def ticket_closed(self, ticket: Ticket) -> None:
+        """An engine process that admits too holds a request's unsent sequences until it ends."""
+        if self._engine_admits and ticket.size > 1:
+            self.engine.end_admission(ticket.key)
 
     def _add_in_flight(self, delta: int) -> None:
         self.in_flight += delta
@@ -209,6 +245,7 @@ class Generation:
         metrics = self.metrics
         first_at = last_at = 0.0
         num_generated = 0
+        admission = {"admission": (ticket.key, ticket.size)} if self._engine_admits else {}
         try:
             gen = self.engine.generate(
                 rid,
@@ -221,6 +258,7 @@ class Generation:
                 priority=seq.priority,
                 cache_salt=seq.cache_salt,
                 images=seq.images,
+                **admission,
             )
             if self.config.http.log_outputs and not seq.pooling:
                 gen = self._logging_outputs(rid, gen)
@@ -256,6 +294,12 @@ class Generation:
             # The engine's contract: ValueError is a client error (prompt too long, bad token id…).
             refused = True
             raise bad_request(str(e)) from e
+        except AdmissionRefused as e:  # before any output: the request's sequences are all refused
+            finished = True  # the engine process holds nothing of it: no abort, no finish to count
+            if not ticket.refused:
+                ticket.refused = True
+                metrics.rejected.inc()
+            raise overloaded(str(e)) from e
         except APIError:
             raise
         except Exception as e:

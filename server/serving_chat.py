@@ -55,6 +55,7 @@ from server.serving_common import (
     kv_transfer_result,
     plan_off_loop,
     prompt_chars,
+    refused_before_start,
     stream_errors,
 )
 from server.state import ServerState
@@ -335,9 +336,11 @@ async def _sse(chunks: AsyncIterator[ChatCompletionChunk], num_choices: int) -> 
     end of the body in one write."""
     unfinished = num_choices
     tail = b""
+    produced = False
     try:
         async with stream_errors() as failed:
             async for c in chunks:
+                produced = True
                 unfinished -= sum(1 for choice in c.choices if choice.finish_reason is not None)
                 frame = tail + sse_frame(c.model_dump_json())
                 if unfinished > 0:
@@ -345,6 +348,7 @@ async def _sse(chunks: AsyncIterator[ChatCompletionChunk], num_choices: int) -> 
                     yield frame
                 else:
                     tail = frame
+        refused_before_start(failed, produced)
         yield FinalFrames(tail + (failed.frame or b"") + DONE_FRAME)
     finally:
         await chunks.aclose()  # type: ignore[attr-defined]

@@ -186,6 +186,15 @@ class StreamFailure:
     error: APIError | None = None  # what the frame says, for callers that speak another format
 
 
+def refused_before_start(failure: StreamFailure, produced: bool) -> None:
+    """Raise an admission refusal (429) that ended a held-start stream before it produced anything,
+    for ``SSEResponse`` to answer with its status (the engine process of several API servers
+    refuses a request as its stream's first message): a client gets the same 429 as when its own
+    API server refused it, not a 200 with an error event."""
+    if failure.error is not None and failure.error.status == 429 and not produced:
+        raise failure.error
+
+
 @contextlib.asynccontextmanager
 async def stream_errors() -> AsyncIterator[StreamFailure]:
     """Inside an SSE generator: an exception becomes one ``data: {"error": …}`` frame for the caller

@@ -47,6 +47,7 @@ from server.serving_common import (
     kv_transfer_result,
     plan_off_loop,
     prompt_chars,
+    refused_before_start,
     stream_errors,
 )
 from server.state import ServerState
@@ -283,8 +284,10 @@ async def _stream(
     # with the usage chunk, [DONE] and the end of the body in one write.
     unfinished = {seq.choice_index for seq in seqs}
     tail = b""
+    produced = False
     async with stream_errors() as failed:
         async for seq, out in state.generation.merged(request_id, seqs, arrival, ticket):
+            produced = True
             if scoring:
                 out = _without_generation(out)
             if out.finished:
@@ -333,4 +336,5 @@ async def _stream(
                 id=response_id, created=created, model=model, choices=[], usage=usage.info()
             )
             tail += sse_frame(final.model_dump_json())
+    refused_before_start(failed, produced)
     yield FinalFrames(tail + (failed.frame or b"") + DONE_FRAME)

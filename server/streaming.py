@@ -102,7 +102,10 @@ class SSEResponse(StreamingResponse):
     generation stream's first frame comes with the engine's first output, and its iterator submits
     the request when first advanced: held, a burst's requests all reach the engine before any of
     them writes to its socket, so the engine's first step is not kept waiting on those writes
-    (the idle engine gathers a burst before it steps, ``AsyncEngine._gather_burst``).
+    (the idle engine gathers a burst before it steps, ``AsyncEngine._gather_burst``). An
+    ``APIError`` the frames raise before their first (an admission refused by the engine process:
+    ``refused_before_start``) is then the response, with its own status, as if the handler had
+    raised it.
     """
 
     def __init__(
@@ -146,6 +149,13 @@ class SSEResponse(StreamingResponse):
                 await send({"type": "http.response.body", "body": frame, "more_body": not final})
                 if final:
                     return
+        except APIError as e:
+            if not held:
+                raise
+            answer = e.to_response()
+            await send({"type": "http.response.start", "status": e.status, "headers": answer.raw_headers})
+            await send({"type": "http.response.body", "body": answer.body, "more_body": False})
+            return
         finally:
             # Close the iterator here, in this task, so its finally blocks run before we return.
             aclose = getattr(self.frames, "aclose", None)

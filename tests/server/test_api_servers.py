@@ -168,8 +168,9 @@ def _established(pid: int, port: int) -> int:
 
 async def test_flood_gets_429_counting_every_api_server(tight) -> None:
     # 2 running slots + 2 queued. Each API server counts the other's sequences as the engine
-    # process reports them (within BROADCAST_DELAY_S of a change); requests that reach both within
-    # that window are admitted by each before it hears of the other's: up to 2 x 4 here.
+    # process reports them (within BROADCAST_DELAY_S of a change), and the engine process admits
+    # them again over both: requests that reach both within that window cannot both pass. More
+    # than 4 served only as a served one finishes during the flood (200 tokens each).
     body = {"prompt": "x", "max_tokens": 200, "ignore_eos": True}
     auth = {"Authorization": "Bearer sekrit"}
     async with httpx.AsyncClient(timeout=60, headers=auth) as sender:
