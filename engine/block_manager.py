@@ -76,6 +76,7 @@ class BlockManager:
         self._cached: OrderedDict[int, None] = OrderedDict()  # LRU order: first = evicted first
         self._by_hash: dict[bytes, int] = {}
         self._listeners: list[BlockListener] = []
+        self.prefix_cache_resets = 0  # times the prefix cache was emptied (a router's cue to forget it)
 
     # -- queries -----------------------------------------------------------------------------------
 
@@ -246,6 +247,7 @@ class BlockManager:
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached (unused) block, full or partial, from the prefix cache; returns how many."""
+        self.prefix_cache_resets += 1
         n = 0
         while self._cached:
             bid, _ = self._cached.popitem(last=False)

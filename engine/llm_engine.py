@@ -644,6 +644,7 @@ class LLMEngine(EngineSleep):
             generation_tokens=self.generation_tokens_total,
             num_free_blocks=bm.num_free_blocks,
             num_total_blocks=bm.num_blocks,
+            prefix_cache_resets=bm.prefix_cache_resets,
             spec_decode_num_drafts=self.spec_drafts,
             spec_decode_num_draft_tokens=self.spec_draft_tokens,
             spec_decode_num_accepted_tokens=self.spec_accepted_tokens,

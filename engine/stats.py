@@ -51,6 +51,9 @@ class EngineStats:
     generation_tokens: int = 0  # cumulative generated tokens
     num_free_blocks: int = 0
     num_total_blocks: int = 0
+    # Times the prefix cache was emptied (sleep, new weights, /reset_prefix_cache), cumulative: a
+    # replica's /health names it, so a router forgets which prompts it believed cached there.
+    prefix_cache_resets: int = 0
     # Speculative decoding (cumulative): request-steps that verified drafts, drafts, those accepted,
     # and accepted drafts by their position in the draft (vLLM's spec_decode metrics).
     spec_decode_num_drafts: int = 0

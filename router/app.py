@@ -174,6 +174,7 @@ class RouterApp:
                 config.kv_tier, self.policy.index, lambda u: self.replicas.find(u) is not None
             )
         self.replicas.on_removed.append(self._forget)
+        self.replicas.on_cache_lost.append(self._cache_lost)
         for role, urls in (
             ("mixed", config.replicas),
             ("prefill", config.prefill),
@@ -250,6 +251,10 @@ class RouterApp:
         for gen in (self.pd.prefill, self.pd.decode):
             gen.policy.on_replica_removed(replica.url)
         self.metrics.forget_replica(replica.url)
+
+    def _cache_lost(self, replica: Replica) -> None:
+        for policy in (self.policy, self.pd.prefill.policy, self.pd.decode.policy):
+            policy.on_cache_lost(replica.url)
 
     @property
     def pool(self) -> Pool:
@@ -370,9 +375,12 @@ class RouterApp:
             try:
                 fetched = fetch(self.client, "POST", r.url, "/reset_prefix_cache", headers)
                 status, _ = await asyncio.wait_for(fetched, self.config.health_timeout)
-                return status
             except (UpstreamError, asyncio.TimeoutError):
                 return 502
+            if status == 200:  # it holds no cached blocks now: cache_aware must not count on them
+                self.replicas.cache_lost(r)
+                r.prefix_cache_resets = None  # the next probe reads the new count (no second drop)
+            return status
 
         statuses = await asyncio.gather(*(one(r) for r in replicas))
         failed = [st for st in statuses if st != 200]

@@ -34,7 +34,7 @@ from router.relay import (
 )
 from router.replica import Replica
 from router.responses_stream import ResponsesTracker
-from router.sse import SSESplitter, StreamTracker
+from router.sse import SSESplitter, StreamTracker, client_resume
 from server.error_types import error_type
 
 Tracker = StreamTracker | MessagesTracker | ResponsesTracker
@@ -108,9 +108,11 @@ class Generation(Relay):
     async def _generate_stream(self, pool: Pool, call: ProxyCall, body: dict, send: Send) -> None:
         chat = call.path.endswith("/chat/completions")
         client_logprobs = bool(body.get("logprobs")) if chat else body.get("logprobs") is not None
+        resumed = client_resume(body)
         # One sequence whose streamed text is all completion: echo would mix prompt tokens in.
         can_resume = (
             self.max_failovers > 0
+            and resumed is not None
             and body.get("n") in (None, 1)
             and not body.get("echo")
             and not body.get("use_beam_search")  # a search is not resumed from its best beam so far
@@ -131,6 +133,7 @@ class Generation(Relay):
             client_ids_in_logprobs=client_logprobs and bool(body.get("return_tokens_as_token_ids")),
             num_choices=_num_choices(body, chat),
             client_sent_kv_transfer="kv_transfer" in body,
+            resumed=resumed,
         )
         await self.stream(pool, call, body, send, tracker, payload if can_resume else None, _stream_error)
 
@@ -141,15 +144,21 @@ class Generation(Relay):
         if not body.get("stream"):
             await self.answer_whole(pool, call, call.body, send)
         else:
-            tracker = MessagesTracker(client_wants_token_ids=bool(body.get("return_token_ids")))
-            resumable = _with_token_ids if self.max_failovers > 0 else None
+            resumed = client_resume(body)
+            tracker = MessagesTracker(
+                client_wants_token_ids=bool(body.get("return_token_ids")), resumed=resumed
+            )
+            resumable = _with_token_ids if self.max_failovers > 0 and resumed is not None else None
             await self.stream(pool, call, body, send, tracker, resumable, _messages_error)
 
     async def responses_stream(self, pool: Pool, call: ProxyCall, send: Send) -> None:
         """``POST /v1/responses`` with ``stream`` (not ``background``): relayed with mid-stream
         failover (``router/responses_stream.py``)."""
         tracker = ResponsesTracker()
-        resumable = _with_token_ids if self.max_failovers > 0 else None
+        # A client's own resume (its response's items so far) is not state the tracker follows:
+        # such a stream is relayed without failover.
+        own = (call.json or {}).get("resume") is not None
+        resumable = _with_token_ids if self.max_failovers > 0 and not own else None
         await self.stream(pool, call, call.json or {}, send, tracker, resumable, tracker.error_event)
 
     async def stream(

@@ -9,6 +9,11 @@ in time. A removed replica whose requests are still in flight (``Replicas.retiri
 too, until they end: a removed replica that hangs is ejected and its streams cut, as any other.
 A ferry replica's ``/health`` body names its role: one that differs from the role the router was
 given for it is logged, and a replica reporting ``prefill`` takes no whole requests (``Replica.misrole``).
+A ferry replica's body also names its engine's ``instance_id`` (new at each start) and
+``prefix_cache_resets`` (how often it emptied its prefix cache: sleep, new weights, a reset): when
+either changes, what the router believed it held is forgotten (``Replicas.cache_lost``: the
+cache_aware policy's prefix index). A replica that names neither (another server) is taken as
+restarted when it comes back after being ejected.
 The prober only calls the state machine in ``router/replica.py``; it decides nothing itself.
 """
 
@@ -23,7 +28,7 @@ from collections.abc import Callable
 
 from router.metrics import RouterMetrics
 from router.pool import Replicas
-from router.replica import Replica
+from router.replica import Health, Replica
 from router.upstream import UpstreamClient, UpstreamError, get_json
 
 log = logging.getLogger("ferry.router")
@@ -81,6 +86,7 @@ class HealthChecker:
         if replica in self._probing:
             return replica.routable(self.clock())
         self._probing.add(replica)
+        known = (replica.instance_id, replica.prefix_cache_resets)
         try:
             ok = await self._check(replica, timeout or self.timeout)
         finally:
@@ -88,6 +94,10 @@ class HealthChecker:
         before = replica.health
         if ok:
             now = self.clock()
+            lost = self._cache_lost(replica, known, before)
+            if lost is not None and not replica.removed:
+                log.warning("replica %s %s: forgetting the KV blocks it held", replica.url, lost)
+                self.replicas.cache_lost(replica)
             replica.on_probe_ok(now)
             stale = not replica.models or now - replica.models_read_at >= MODELS_REFRESH_S
             if stale and not replica.removed:
@@ -100,6 +110,20 @@ class HealthChecker:
         if self.replicas.find(replica.url) is replica:  # not removed meanwhile
             self.metrics.healthy.labels(replica.url).set(1 if replica.routable(self.clock()) else 0)
         return ok
+
+    @staticmethod
+    def _cache_lost(replica: Replica, known: tuple[str | None, int | None], before: Health) -> str | None:
+        """How a good probe shows the replica's KV cache was emptied since the last one (None: it
+        was not): another instance, more prefix-cache resets, or, for a replica that names no
+        instance, a return from being ejected (perhaps a restart)."""
+        instance, resets = known
+        if replica.instance_id is None or instance is None:
+            return "is back after being ejected" if before is Health.EJECTED else None
+        if replica.instance_id != instance:
+            return "restarted"
+        if resets is not None and replica.prefix_cache_resets != resets:
+            return "emptied its prefix cache"
+        return None
 
     async def _check(self, replica: Replica, timeout: float) -> bool:
         try:
@@ -118,6 +142,11 @@ class HealthChecker:
             body = None
         body = body if isinstance(body, dict) else {}
         replica.sleeping = body.get("sleeping") is True
+        instance, resets = body.get("instance_id"), body.get("prefix_cache_resets")
+        replica.instance_id = instance if isinstance(instance, str) and instance else None
+        replica.prefix_cache_resets = (
+            resets if isinstance(resets, int) and not isinstance(resets, bool) else None
+        )
         role = body.get("role")
         if isinstance(role, str) and role != replica.reported_role:
             self._role_reported(replica, role)

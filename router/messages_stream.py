@@ -66,8 +66,9 @@ class MessagesTracker:
 
     END_EVENT = b'event: message_stop\ndata: {"type": "message_stop"}\n\n'
 
-    def __init__(self, *, client_wants_token_ids: bool = False) -> None:
+    def __init__(self, *, client_wants_token_ids: bool = False, resumed: list[int] | None = None) -> None:
         self.keep_ids = client_wants_token_ids
+        self.resumed = list(resumed or [])  # the client's own resume.token_ids (as StreamTracker's)
         self.router_logprobs = False  # never used here: the relay sets it per replica
         self.token_ids: list[int] = []  # output tokens already sent to the client
         self.ids_complete = True  # False once content came without ids: no exact resume
@@ -90,7 +91,7 @@ class MessagesTracker:
     def resume_body(self, body: dict) -> dict:
         out = dict(body)
         if self.token_ids:
-            out["resume"] = {"token_ids": list(self.token_ids)}
+            out["resume"] = {"token_ids": [*self.resumed, *self.token_ids]}
         return out
 
     def failure_end(self) -> bytes | None:

@@ -8,8 +8,8 @@ The flow (DESIGN.md "A disaggregated request"):
    ``kv_transfer={"role": "producer"}`` (with the client's budget fields as ``budget``): it checks
    the request as a replica does (that budget too), computes one token, writes the prompt's blocks
    to the shared tier and answers with the first token and the block hashes. Its 4xx is the
-   client's answer; a stream's ``stream_options`` (left out of that request) is checked by the
-   router first.
+   client's answer. The router validates the client's body first, as a replica does (a field the
+   producer request moves, such as the budget, would be checked late there).
 3. A streamed request gets that first token at once (the role chunk and the first content chunk
    are written by the router), then a decode worker (``--decode-policy``) is sent the same request
    with ``resume.token_ids = [first]`` and ``kv_transfer={"role": "consumer", "block_hashes": …}``,
@@ -27,7 +27,8 @@ hand-off does not cover (``max_tokens`` = 1: it is all prefill; ``n`` > 1, sever
 ``echo``, client ``logprobs``: their first token would need the prefill worker's per-choice
 logprobs and text merged into the decode worker's, which a resume cannot reproduce exactly; chat
 ``tools`` unless ``tool_choice`` is "none": a tool call's first token is not text the router could
-send the client itself).
+send the client itself; the client's own ``resume`` or ``kv_transfer``, which the hand-off's would
+replace: a replica honours them, so the request is served whole).
 
 Failures: a prefill worker that dies or is slower than ``--prefill-timeout`` is replaced by another,
 then by local prefill; a tier miss on the decode worker is recomputed there (the replica's job); a
@@ -54,8 +55,8 @@ from router.pd_messages import (
     merge_answer,
     parse_prefill,
     prefill_body,
+    request_error,
     requested_budget,
-    stream_options_error,
     wants_disaggregation,
 )
 from router.policies.cache_aware import CacheAware
@@ -137,7 +138,7 @@ class PDOrchestrator:
         reason = await self._local_reason(call, prefill_pool, decode_pool)
         prefilled: Prefilled | None = None
         if reason is None:
-            error = stream_options_error(call.path, call.json or {}, call.body)
+            error = request_error(call.path, call.body)
             if error is not None:
                 body = error.body().model_dump_json().encode()
                 await send_bytes(send, error.status, body, with_request_id([], call))

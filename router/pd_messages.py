@@ -8,8 +8,10 @@ body). No I/O here.
 A disaggregated request must be refused exactly as a replica refuses it (status and OpenAI error
 body, before any 200): the producer request therefore carries every client field a producer
 checks as the client sent it (the budget in ``kv_transfer.budget``: a producer checks it against
-its context, then computes one token, ``server/params.client_budget``), and
-``stream_options_error`` checks the one field it cannot carry.
+its context, then computes one token, ``server/params.client_budget``), and ``request_error``
+validates the client's body as a replica does first, before the fields the producer request moves
+(the budget, ``stream``, ``stream_options``) could be checked later than a replica checks them
+(after ``model``, say: a replica's 400 for ``max_tokens: -1`` would be the producer's 404).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pydantic import ValidationError
 
 from router.sse import StreamTracker
 from server.errors import APIError, validation_error
-from server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from server.protocol import ChatCompletionRequest, CompletionRequest
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,10 @@ def wants_disaggregation(path: str, body: dict[str, Any]) -> str | None:
     """None when the request can be disaggregated, else why not (a ``local_prefill`` reason)."""
     if body.get("n") not in (None, 1):
         return "n"
+    if body.get("resume") is not None or body.get("kv_transfer") is not None:
+        # The client's own hand-off fields (a router in front of this one): the hand-off's
+        # would replace them, so the request is served whole, as a replica serves it.
+        return "resume" if body.get("resume") is not None else "kv_transfer"
     if body.get("use_beam_search"):
         return "beam_search"  # each step of the search is a request of its own, on one replica
     if body.get("prompt_logprobs") is not None:
@@ -114,23 +120,17 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def stream_options_error(path: str, body: dict[str, Any], raw: bytes) -> APIError | None:
-    """The 400 a replica answers for a stream's ``stream_options`` (which the producer request,
-    answered whole, leaves out), or None. A bad one is reported as a replica reports the request's
-    first bad field, which may be another: the whole request (``raw``) is validated as it does."""
-    if body.get("stream") is not True or body.get("stream_options") is None:
-        return None
-    try:
-        SamplingFields.model_validate({"stream": True, "stream_options": body["stream_options"]})
-        return None
-    except ValidationError as e:
-        errors = e.errors(include_url=False)
+def request_error(path: str, raw: bytes) -> APIError | None:
+    """The 400 a replica answers for the client's body (``server/generation_routes``: the whole body
+    through the route's model, its first error named), or None when the body is valid. The
+    producer request cannot give it: its budget fields and a stream's ``stream_options`` are moved
+    or left out, so a bad one would be checked after the fields a replica checks later (``model``)."""
     model = ChatCompletionRequest if path.endswith("/chat/completions") else CompletionRequest
     try:
         model.model_validate_json(raw)
     except ValidationError as e:
-        errors = e.errors(include_url=False)
-    return validation_error(errors)
+        return validation_error(e.errors(include_url=False))
+    return None
 
 
 def parse_prefill(path: str, body: dict[str, Any], content: bytes) -> Prefilled | None:

@@ -137,6 +137,11 @@ class Replica:
         # each with one token), so it is not routable there.
         self.reported_role: str | None = None
         self.misrole = False
+        # The engine instance its /health names (a ferry replica's, new at each start) and how often
+        # it emptied its prefix cache, when it names them: a change means the KV blocks the router
+        # believed it held are gone (router/health.py).
+        self.instance_id: str | None = None
+        self.prefix_cache_resets: int | None = None
         # LoRA adapter name -> the digest of its files (``lora_weights_id`` in /v1/models): salts
         # the adapter's block hashes (kvcache.keys.lora_extra).
         self.lora_weights: dict[str, str] = {}
@@ -243,6 +248,8 @@ class Replica:
             "url": self.url,
             "role": self.role,
             "reported_role": self.reported_role,
+            "instance_id": self.instance_id,
+            "prefix_cache_resets": self.prefix_cache_resets,
             "source": self.source,
             "health": self.health.value,
             "circuit": self.circuit.state.value,

@@ -96,8 +96,12 @@ class StreamTracker:
         client_ids_in_logprobs: bool = False,
         num_choices: int = 1,
         client_sent_kv_transfer: bool = False,
+        resumed: list[int] | None = None,
     ) -> None:
         self.chat = chat
+        # The client's own ``resume.token_ids`` (a router in front of this one): a failover's resume
+        # goes on after them and what was sent (``usage`` counts only what was sent, as a replica's).
+        self.resumed = list(resumed or [])
         self.num_choices = num_choices  # the stream is finished once each has its finish_reason
         self.keep_ids = client_wants_token_ids
         # A replica's kv_transfer result is the router's business (prefill/decode hand-off), never
@@ -256,8 +260,23 @@ class StreamTracker:
         """The request to send the next replica: the same request, resumed after what was sent."""
         out = dict(body)
         if self.token_ids:
-            out["resume"] = {"token_ids": list(self.token_ids)}
+            out["resume"] = {"token_ids": [*self.resumed, *self.token_ids]}
         return out
+
+
+def client_resume(body: dict) -> list[int] | None:
+    """The token ids of the client's own ``resume`` ([] when it sent none), or None when its
+    ``resume`` is not one the router can extend on a failover (a replica's to accept or refuse;
+    such a stream is relayed without failover)."""
+    resume = body.get("resume")
+    if resume is None:
+        return []
+    if not isinstance(resume, dict) or set(resume) != {"token_ids"}:
+        return None
+    ids = resume["token_ids"]
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        return None
+    return ids
 
 
 def _ids_from_logprobs(logprobs: Any, chat: bool) -> list[int] | None:

@@ -324,7 +324,11 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
         if not engine.is_healthy():
             return APIError(503, "Engine is not healthy.", code="engine_unhealthy").to_response()
         # "sleeping": a router keeps sending to awake replicas while others sleep (server/sleep_mode.py).
-        return JSONResponse({"status": "ok", "role": config.role, "sleeping": engine.is_sleeping()})
+        # "instance_id" (new when the engine starts) and "prefix_cache_resets": when either changes,
+        # the prefix cache was emptied, and a router's cache_aware index forgets what it held.
+        body = {"status": "ok", "role": config.role, "sleeping": engine.is_sleeping()}
+        cache = {"instance_id": engine.instance_id, "prefix_cache_resets": engine.stats().prefix_cache_resets}
+        return JSONResponse({**body, **cache})
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:

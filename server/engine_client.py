@@ -54,6 +54,7 @@ class EngineClient:
         self._channel = channel
         self.config = hello["config"]
         self.model_info = hello["model_info"]
+        self.instance_id: str = hello["instance_id"]  # the engine's (AsyncEngine.instance_id)
         self.tokenizer = Tokenizer.from_dir(
             hello["tokenizer_dir"],
             self.config.chat_template,

@@ -130,6 +130,7 @@ class EngineHost:
                     "stats": conn.sent_stats,
                     "healthy": conn.sent_healthy,
                     "loras": dict(engine.served_loras),
+                    "instance_id": engine.instance_id,
                 },
             )
         )

@@ -44,6 +44,9 @@ class Policy(ABC):
     def on_replica_removed(self, url: str) -> None:  # noqa: B027 - optional hook
         """Forget whatever the policy remembers about ``url``."""
 
+    def on_cache_lost(self, url: str) -> None:  # noqa: B027 - optional hook
+        """``url`` holds no KV blocks now (it restarted, or dropped its prefix cache)."""
+
 
 def load_key(r: Replica) -> tuple[int, int]:
     """Ordering of replicas by the load the router tracks: requests first, then tokens."""

@@ -68,3 +68,6 @@ class CacheAware(Policy):
 
     def on_replica_removed(self, url: str) -> None:
         self.index.drop_replica(url)
+
+    def on_cache_lost(self, url: str) -> None:
+        self.index.drop_replica(url)

@@ -261,3 +261,62 @@ def test_chat_answer_opening_with_a_lone_byte_stops_where_a_replica_does(pd: Wor
         assert got == _answer(pd.decode.url, CHAT, body)
         assert (got["finish_reason"], got["stop_reason"], got["text"]) == ("stop", "\ufffd", "")
         assert got["token_ids"][0] == 150 and len(got["token_ids"]) == got["usage"][1] == 2
+
+
+# ---- a request for an unknown model that is also invalid: the replica's 400 first ------------------
+
+# Fields the producer request moves or drops (the budget, a stream's stream_options), invalid as a
+# replica's schema sees them: a replica names them (400) before it looks at ``model`` (404).
+MOVED_AND_INVALID = [
+    ({"max_tokens": -1}, "max_tokens"),
+    ({"max_tokens": "x"}, "max_tokens"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"stream": True, "stream_options": "x"}, "stream_options"),
+    ({"kv_transfer": {"role": "bogus"}}, "kv_transfer.role"),
+]
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+def test_unknown_model_with_an_invalid_field_is_the_replicas_answer(pd: Workers, path: str) -> None:
+    before = _prefills(pd)
+    for stream in (False, True):
+        for fields, param in MOVED_AND_INVALID:
+            body = _body(path, **{"max_tokens": 4, "stream": stream, **fields, "model": "no-such-model"})
+            status, got, _ = _status_and_body(pd.router.url, path, body)
+            assert (status, got) == _status_and_body(pd.decode.url, path, body)[:2], fields
+            assert (status, got["error"]["param"], got["error"]["type"]) == (400, param, "BadRequestError")
+    assert _prefills(pd) == before  # refused by the router, as a replica would, before any prefill
+    # Valid fields, unknown model: the prefill worker's 404 (a replica's), whatever the budget says.
+    for stream in (False, True):
+        body = _body(path, max_tokens=2000, stream=stream, model="no-such-model")
+        status, got, _ = _status_and_body(pd.router.url, path, body)
+        assert (status, got) == _status_and_body(pd.decode.url, path, body)[:2]
+        assert (status, got["error"]["code"]) == (404, "model_not_found")
+
+
+# ---- the client's own resume and kv_transfer: honoured as a replica honours them -------------------
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+def test_client_resume_is_served_as_a_replica_serves_it(pd: Workers, path: str) -> None:
+    """``resume`` is ferry's field (DESIGN.md: a router may stand in front of another router, and a
+    client cannot tell a router from a replica): the PD router serves it whole, as a replica does,
+    instead of sending the producer a resume it refuses."""
+    start = _answer(pd.decode.url, path, _body(path, max_tokens=3, return_token_ids=True))["token_ids"]
+    reason = {"reason": "resume"}
+    before = metric(pd.router.url, "ferry:router_pd_local_prefill_total", reason)
+    for stream in (False, True):
+        body = _body(path, max_tokens=8, return_token_ids=True, stream=stream, resume={"token_ids": start})
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        got = _answer(pd.router.url, path, body)
+        assert got == _answer(pd.decode.url, path, body)
+        assert len(got["token_ids"]) == got["usage"][1] == 5  # the resumed tokens count in max_tokens
+    assert metric(pd.router.url, "ferry:router_pd_local_prefill_total", reason) == before + 2
+    # A consumer kv_transfer naming another prompt's blocks: the replica's 400, not a hand-off.
+    bad = {"role": "consumer", "block_hashes": ["0" * 32]}
+    body = _body(path, max_tokens=4, stream=True, kv_transfer=bad)
+    status, got, _ = _status_and_body(pd.router.url, path, body)
+    assert (status, got) == _status_and_body(pd.decode.url, path, body)[:2]
+    assert (status, got["error"]["code"]) == (400, "kv_transfer_mismatch")

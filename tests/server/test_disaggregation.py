@@ -136,7 +136,10 @@ def test_roles_refuse_what_they_cannot_serve(pd_pair) -> None:
 
 def test_role_is_reported(pd_pair) -> None:
     prefill, decode = pd_pair
-    assert httpx.get(prefill.url + "/health").json() == {"status": "ok", "role": "prefill", "sleeping": False}
+    health = httpx.get(prefill.url + "/health").json()
+    instance = health.pop("instance_id")
+    assert health == {"status": "ok", "role": "prefill", "sleeping": False, "prefix_cache_resets": 0}
+    assert isinstance(instance, str) and len(instance) == 32
     assert httpx.get(decode.url + "/version").json()["role"] == "decode"
 
 
@@ -146,9 +149,12 @@ def test_reset_prefix_cache_drops_cached_blocks(pd_pair) -> None:
         decode.url + "/v1/completions", json={"prompt": PROMPT + " reset", "max_tokens": 2}, timeout=60
     )
     assert r.status_code == 200
+    resets = httpx.get(decode.url + "/health").json()["prefix_cache_resets"]
     first = httpx.post(decode.url + "/reset_prefix_cache", timeout=10)
     assert first.status_code == 200 and first.json()["num_blocks_dropped"] >= 1
     assert httpx.post(decode.url + "/reset_prefix_cache", timeout=10).json()["num_blocks_dropped"] == 0
+    # Each reset is counted in /health (a router's cue that the cache it knew of is gone).
+    assert httpx.get(decode.url + "/health").json()["prefix_cache_resets"] == resets + 2
 
 
 def test_chat_template_kwargs_and_tools_render_like_the_router(pd_pair, tiny_llama: Path) -> None:

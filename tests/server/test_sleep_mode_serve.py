@@ -73,9 +73,13 @@ def test_sleep_holds_requests_and_wakes_to_the_same_text(replica, expected) -> N
     with httpx.Client(base_url=replica.url, timeout=30) as http:
         assert _complete(replica) == expected["tiny"]
         assert _state(http) == (False, {"awake": 1.0, "weights_offloaded": 0.0, "discard_all": 0.0})
+        resets = http.get("/health").json()["prefix_cache_resets"]
         assert http.post("/sleep", params={"level": 1}, headers=AUTH).status_code == 200
         assert _state(http) == (True, {"awake": 0.0, "weights_offloaded": 1.0, "discard_all": 0.0})
-        assert http.get("/health").status_code == 200  # as vLLM: alive, though asleep
+        health = http.get("/health")
+        assert health.status_code == 200  # as vLLM: alive, though asleep
+        # Its prefix cache went with the KV cache: a router's cache_aware index forgets it.
+        assert health.json()["prefix_cache_resets"] == resets + 1
         assert http.get("/v1/models", headers=AUTH).json()["data"][0]["id"] == replica.model_name
         held: list[str] = []
         thread = threading.Thread(target=lambda: held.append(_complete(replica)))
