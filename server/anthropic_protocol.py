@@ -21,6 +21,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from server.errors import APIError
 from server.protocol import Resume, _Request
@@ -138,6 +139,9 @@ _RESULT_PARTS: dict[str, type[_Request]] = {"text": TextBlock, "image": ImageBlo
 _SYSTEM_BLOCKS: dict[str, type[_Request]] = {"text": TextBlock}
 # pydantic's names for the members of a union in an error's location: nothing a client sent.
 _UNION_TAGS = ("str", "list", "dict", "none")
+# The blocks only one side of the conversation sends: the assistant calls tools, the user answers
+# them. Anthropic refuses either on the other side; the chat translation would drop it unsaid.
+_ROLE_OF_BLOCK = {"tool_use": "assistant", "tool_result": "user"}
 
 
 def _check_block(block: Any, models: dict[str, type[_Request]], what: str, index: int) -> None:
@@ -175,6 +179,16 @@ class Message(_Request):
                 _check_block(block, _BLOCKS, "content block", i)
         return data
 
+    @model_validator(mode="after")
+    def _blocks_of_its_role(self) -> Message:
+        for i, block in enumerate(self.content if isinstance(self.content, list) else ()):
+            role = _ROLE_OF_BLOCK.get(block.type)
+            if role is not None and role != self.role:
+                raise ValueError(
+                    f"content block {i} ({block.type}): a {block.type} block may appear only in the {role}'s messages"
+                )
+        return self
+
 
 class Tool(_Request):
     name: StrictStr = Field(min_length=1)
@@ -210,6 +224,27 @@ class _Conversation(_Request):
     thinking: dict[str, Any] | None = None
     # vLLM's: the chat template's variables (Qwen3's enable_thinking, DeepSeek-V3.1's thinking).
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _non_empty(cls, messages: list[Message]) -> list[Message]:
+        """Anthropic's rule: every message has content but a final assistant one after others (an
+        empty prefill, answered as if it were not there). The chat translation would drop an empty
+        message unsaid, or leave no message at all and answer with the chat request's error."""
+        for i, m in enumerate(messages):
+            if m.content or (i == len(messages) - 1 and i > 0 and m.role == "assistant"):
+                continue
+            problem = (
+                "the only message must have non-empty content"
+                if len(messages) == 1
+                else "all messages must have non-empty content except for the optional final assistant message"
+            )
+            # Raised as a validation error of the message itself, so the 400 names it (messages.i).
+            error = InitErrorDetails(
+                type=PydanticCustomError("value_error", problem), loc=(i,), input=m.content
+            )
+            raise ValidationError.from_exception_data(cls.__name__, [error])
+        return messages
 
     @field_validator("system", mode="before")
     @classmethod

@@ -193,7 +193,7 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
     async def messages_count_tokens(request: Request) -> Any:
         try:
             req = validated(CountTokensRequest, await json_body(request))
-            return await plan_off_loop(prompt_chars(req), count_tokens, state, req)
+            return await count_tokens(state, req)
         except APIError as e:
             return anthropic_error(e)
 

@@ -35,13 +35,38 @@ def _text_of(content: Any, where: str, images: bool) -> str | list[dict[str, Any
                 )
             parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
             continue
+        if kind == "refusal" and isinstance(part.get("refusal"), str):
+            # An earlier answer's refusal (an output message's other part), sent back as history:
+            # what the assistant said.
+            parts.append({"type": "text", "text": part["refusal"]})
+            continue
         if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
             raise InputError(
-                f"{where}.content[{j}]: only text parts are supported (input_text, output_text)",
+                f"{where}.content[{j}]: only text parts are supported (input_text, output_text, refusal)",
                 param=f"{where}.content",
             )
         parts.append({"type": "text", "text": part["text"]})
     return parts
+
+
+def _call_output(output: Any, where: str) -> str:
+    """A function_call_output's ``output``: a string, or OpenAI's list of content parts, whose text
+    parts make the tool message's text (a chat tool message takes text only)."""
+    if isinstance(output, str):
+        return output
+    if not isinstance(output, list):
+        raise InputError(f"{where}.output must be a string or a list of input_text parts", param="input")
+    texts = []
+    for j, part in enumerate(output):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "input_text" or not isinstance(part.get("text"), str):
+            raise InputError(
+                f"{where}.output[{j}]: only input_text parts are supported in a function_call_output, "
+                f"not {kind!r}",
+                param="input",
+            )
+        texts.append(part["text"])
+    return "".join(texts)
 
 
 def chat_messages(instructions: Any, input_: Any, images: bool = False) -> list[dict[str, Any]]:
@@ -74,14 +99,18 @@ def chat_messages(instructions: Any, input_: Any, images: bool = False) -> list[
                 "function": {"name": item["name"], "arguments": item["arguments"]},
             }
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and last.get("tool_calls") is not None:
-                last["tool_calls"].append(call)  # parallel calls share one assistant turn
+            if last is not None and last["role"] == "assistant":
+                # One model turn: the text it wrote before its calls (a message item, then the
+                # function_call items, as a response's output lists them) and parallel calls share
+                # the assistant turn it was generated as.
+                last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
-            if not isinstance(item.get("call_id"), str) or not isinstance(item.get("output"), str):
+            if not isinstance(item.get("call_id"), str) or "output" not in item:
                 raise InputError(f"{where}: a function_call_output needs call_id and output", param="input")
-            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
+            output = _call_output(item["output"], where)
+            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
         elif kind == "reasoning":
             continue  # earlier thoughts are not shown to the model again
         else:
@@ -130,6 +159,12 @@ def chat_tools(tools_: Any, choice: Any) -> tuple[list[dict[str, Any]] | None, A
                 raise InputError(
                     f"tools[{i}]: only function tools are supported, not {kind!r}", param="tools"
                 )
+            # Checked here, as the client wrote them: the chat request would name its own fields
+            # (tools.0.function.name) in the error.
+            if not isinstance(tool.get("name"), str) or not tool["name"]:
+                raise InputError(f"tools[{i}]: a function tool needs a name", param="tools")
+            if tool.get("parameters") is not None and not isinstance(tool["parameters"], dict):
+                raise InputError(f"tools[{i}].parameters must be a JSON schema object", param="tools")
             function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
             tools.append({"type": "function", "function": function})
     if isinstance(choice, dict):

@@ -155,12 +155,13 @@ class _Output:
         """Put the closed items in ``output_index`` order (calls still open at the end close last)."""
         self.built.output.sort(key=lambda item: self.index_of[item["id"]])
 
-    def close_calls(self) -> list[Event]:
-        """The events that close the open function calls (their arguments are complete)."""
+    def close_calls(self, status: str = "completed") -> list[Event]:
+        """The events that close the open function calls (their arguments are complete, unless the
+        answer was cut: ``status`` ``incomplete``)."""
         out: list[Event] = []
         for call in self.calls.values():
             index = call.pop("output_index")
-            done = {**call, "status": "completed"}
+            done = {**call, "status": status}
             fields = {"item_id": call["id"], "output_index": index, "arguments": call["arguments"]}
             out.append(("response.function_call_arguments.done", fields))
             out.append(("response.output_item.done", {"output_index": index, "item": done}))
@@ -168,7 +169,7 @@ class _Output:
         self.calls = {}
         return out
 
-    def close_open(self) -> list[Event]:
+    def close_open(self, status: str = "completed") -> list[Event]:
         item = self.open_item
         if item is None:
             return []
@@ -181,10 +182,10 @@ class _Output:
                 ("response.output_text.done", {**ids, "text": self.text, "logprobs": self.logprobs}),
                 ("response.content_part.done", {**ids, "part": part}),
             ]
-            done = {**item, "status": "completed", "content": [part]}
+            done = {**item, "status": status, "content": [part]}
         else:
             out = [("response.reasoning_text.done", {**ids, "text": self.text})]
-            done = {**item, "status": "completed", "content": [{"type": "reasoning_text", "text": self.text}]}
+            done = {**item, "status": status, "content": [{"type": "reasoning_text", "text": self.text}]}
         out.append(("response.output_item.done", {"output_index": index, "item": done}))
         self._closed(done, index)
         self.open_item, self.text, self.logprobs = None, "", []
@@ -251,12 +252,16 @@ class _Output:
                 out += self.close_calls()
         return out
 
-    def finish(self) -> list[Event]:
-        """The events that close every item (an empty answer still has its message)."""
-        out = self.close_open()
+    def finish(self, cut: bool = False) -> list[Event]:
+        """The events that close every item (an empty answer still has its message). ``cut``: the
+        answer ended before the model did (``max_output_tokens``, a cancel), so the items still open
+        are ``incomplete``, as OpenAI marks the item a cut-off response ends in; items done before
+        stay ``completed``."""
+        status = "incomplete" if cut else "completed"
+        out = self.close_open(status)
         if not self.built.output and not self.calls:
-            out += self.start("message") + self.close_open()
-        out += self.close_calls()
+            out += self.start("message") + self.close_open(status)
+        out += self.close_calls(status)
         self.ordered()
         return out
 
@@ -315,8 +320,8 @@ async def collect(
                 finish_reason = choice.finish_reason or finish_reason
     finally:
         await chunks.aclose()  # type: ignore[attr-defined]
-    output.finish()
     built.finish(finish_reason)
+    output.finish(cut=built.status != "completed")
     await save()
 
 
@@ -361,8 +366,8 @@ async def _translate(
         end.append(("response.failed", {"response": built.body()}))
         yield None, end
         return
-    end = last[1] + output.finish()
     built.finish(finish_reason)
+    end = last[1] + output.finish(cut=built.status != "completed")
     await save()  # before the last event: a client that continues the chain at once finds it
     # "response.cancelled" (a cancelled background response) is ferry's: OpenAI names no event for it.
     end.append((f"response.{built.status}", {"response": built.body()}))

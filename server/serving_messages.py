@@ -26,11 +26,11 @@ from fastapi.responses import JSONResponse
 
 from server.anthropic_protocol import CountTokensRequest, MessagesRequest, error_body
 from server.errors import APIError, validated
-from server.images import check_images, with_image_runs
+from server.images import load_images, with_image_runs
 from server.params import chat_prompt
 from server.protocol import ChatCompletionChunk, ChatCompletionRequest
 from server.serving_chat import ChatChunks, create_chat_completion
-from server.serving_common import stream_errors
+from server.serving_common import plan_off_loop, prompt_chars, stream_errors
 from server.state import ServerState
 from server.streaming import SSEResponse
 
@@ -135,17 +135,24 @@ async def create_message(
     )
 
 
-def count_tokens(state: ServerState, req: CountTokensRequest) -> JSONResponse:
+async def count_tokens(state: ServerState, req: CountTokensRequest) -> JSONResponse:
+    """The prompt's tokens, image runs included. Its images are read as ``/v1/messages`` reads them,
+    so an image that request would refuse (data that is not an image, a URL that cannot be read)
+    is the same 400 here, never a count."""
     state.check_model(req.model)
     try:
         chat = to_chat_request(req)
-        num_images = len(check_images(state, chat.messages))  # counted as their placeholder runs
-        prompt = chat_prompt(
-            chat, state.tokenizer, state.config.trust_request_chat_template, state.config.chat, state.limits
-        )
+        num_images = len(await load_images(state, chat.messages))
+        count = await plan_off_loop(prompt_chars(req), _prompt_length, state, chat, num_images)
     except APIError as e:
         raise renamed(e, _CHAT_TO_MESSAGES, keep_parts=True) from None
-    return JSONResponse({"input_tokens": len(with_image_runs(state, prompt, num_images))})
+    return JSONResponse({"input_tokens": count})
+
+
+def _prompt_length(state: ServerState, chat: ChatCompletionRequest, num_images: int) -> int:
+    config = state.config
+    prompt = chat_prompt(chat, state.tokenizer, config.trust_request_chat_template, config.chat, state.limits)
+    return len(with_image_runs(state, prompt, num_images))
 
 
 def _frame(kind: str, payload: dict[str, Any]) -> bytes:
