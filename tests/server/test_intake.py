@@ -170,7 +170,9 @@ async def test_a_stream_reaches_the_engine_before_it_writes_a_byte(engine, path:
 
     await app(_post_scope(path), inbox.get, send)
     assert events[:3] == ["submitted", "start 200", "frame"]
-    first = json.loads(frames[0].removeprefix(b"data: "))
+    # A loaded machine may deliver both tokens in one output: the first frame then holds the last
+    # chunks too (and [DONE]).
+    first = json.loads(frames[0].split(b"\n\n")[0].removeprefix(b"data: "))
     if path.endswith("chat/completions"):
         assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
         second = frames[1].split(b"\n\n")[0]  # the stream's last frames may have come with it
