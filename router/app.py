@@ -66,7 +66,13 @@ from router.response_affinity import (
 )
 from router.retry import RetryPolicy
 from router.upstream import Response, UpstreamClient, UpstreamError, fetch
-from server.middleware import request_id_of, response_id_for, route_path
+from server.middleware import (
+    request_id_of,
+    response_id_for,
+    route_path,
+    unsupported_encoding,
+    unsupported_encoding_error,
+)
 
 log = logging.getLogger("ferry.router")
 
@@ -390,6 +396,12 @@ class RouterApp:
 
     async def _proxy(self, scope: Scope, receive: Receive, send: Send, request_id: str) -> None:
         id_header = [(b"x-request-id", request_id.encode())]
+        coding = unsupported_encoding(scope)
+        if coding is not None:  # as a replica answers it, before a keyed body fails to parse
+            error = unsupported_encoding_error(coding)
+            headers = [(k.lower().encode(), v.encode()) for k, v in error.headers.items()]
+            await send_error(send, error.status, error.message, headers + id_header, error.code)
+            return
         length = header(scope, b"content-length")
         if length is not None and length.isdigit() and int(length) > self.config.max_request_bytes:
             await send_error(

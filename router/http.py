@@ -39,8 +39,18 @@ HOP_BY_HOP = frozenset(
         b"accept-encoding",
     }
 )
+# What a replica's answer loses on the way: hop-by-hop and framing headers, those the router sets
+# itself, and CORS headers: the browser talks to the router, whose policy (--allowed-origins…, its
+# CORSMiddleware) must hold; relayed, a replica's ``access-control-allow-origin: *`` let in
+# origins the router refuses.
 RESPONSE_DROP = frozenset(
     {
+        b"access-control-allow-origin",
+        b"access-control-allow-credentials",
+        b"access-control-allow-methods",
+        b"access-control-allow-headers",
+        b"access-control-expose-headers",
+        b"access-control-max-age",
         b"connection",
         b"proxy-connection",
         b"keep-alive",

@@ -12,6 +12,10 @@ from types import FrameType
 import uvicorn
 
 logger = logging.getLogger("ferry.router")
+# How long an idle client connection stays open. A proxy in front that pools connections to the
+# router must drop its idle ones sooner (deploy/nginx: keepalive_timeout), or it can send a
+# request down one the router is closing that instant, and answer its client 502.
+KEEP_ALIVE_S = 60
 
 
 class _Server(uvicorn.Server):
@@ -68,7 +72,7 @@ def run_router(args: argparse.Namespace) -> int:
         access_log=False,
         lifespan="on",
         h11_max_incomplete_event_size=config.max_header_bytes,
-        timeout_keep_alive=60,
+        timeout_keep_alive=KEEP_ALIVE_S,
         timeout_graceful_shutdown=config.drain_timeout,
     )
     # Taken here, not by uvicorn, so a port in use (or a host that does not resolve) is one line

@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import quote
 
 from router.http import RESPONSE_DROP, Send, error_body, send_bytes
 from router.log_limit import RateLimitedLog
@@ -51,6 +52,9 @@ log = logging.getLogger("ferry.router")
 TRANSPORT_ERRORS = (UpstreamError,)
 BodyFor = Callable[[Replica], tuple[bytes, bool]]
 CLIENT_GONE = 499  # nginx's code for "client closed the request"
+# What a path segment may hold as it is (RFC 3986 pchar: sub-delims, ":" and "@"; quote keeps the
+# unreserved ones); everything else is percent-encoded.
+_PATH_SAFE = "/:@!$&'()*+,;="
 
 
 @dataclass
@@ -74,7 +78,12 @@ class ProxyCall:
 
     @property
     def url_path(self) -> str:
-        return self.path + ("?" + self.query.decode("latin-1") if self.query else "")
+        """The request target sent upstream. ``path`` is the client's, percent-decoded (as ASGI
+        gives it): sent as it is, a decoded ``%20`` or ``%0D%0A`` would end the request line early
+        and let a client write headers, or a whole second request, to the replica. Encoded again,
+        it reaches the replica's router as the same path it would decode from the client."""
+        target = quote(self.path, safe=_PATH_SAFE)
+        return target + ("?" + self.query.decode("latin-1") if self.query else "")
 
 
 @dataclass
@@ -273,11 +282,14 @@ class Relay:
         status = CLIENT_GONE  # until the answer starts
         try:
             response = opened.response
+            headers = response_headers(response)
+            if response.content_length is not None:  # relayed byte for byte: its length holds
+                headers.append((b"content-length", b"%d" % response.content_length))
             await send(
                 {
                     "type": "http.response.start",
                     "status": response.status_code,
-                    "headers": with_request_id(response_headers(response), call),
+                    "headers": with_request_id(headers, call),
                 }
             )
             status = response.status_code
@@ -331,7 +343,11 @@ async def _read_quietly(response: Response) -> bytes:
 
 
 def response_headers(response: Response) -> list[tuple[bytes, bytes]]:
-    return [(k, v) for k, v in response.headers.raw if k not in RESPONSE_DROP]  # names are lower case
+    return [
+        (k, response.local_location(v) if k == b"location" else v)
+        for k, v in response.headers.raw  # names are lower case
+        if k not in RESPONSE_DROP
+    ]
 
 
 def with_request_id(headers: list[tuple[bytes, bytes]], call: ProxyCall) -> list[tuple[bytes, bytes]]:

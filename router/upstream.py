@@ -25,7 +25,7 @@ import sys
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 T = TypeVar("T")
 
@@ -96,22 +96,52 @@ class Response:
     """A response whose head has arrived; the body is read with ``aiter_raw``/``aread``."""
 
     def __init__(
-        self, origin: _Origin, conn: _Conn, status: int, headers: Headers, read_timeout: float
+        self,
+        origin: _Origin,
+        conn: _Conn,
+        status: int,
+        headers: Headers,
+        read_timeout: float,
+        head_request: bool = False,
     ) -> None:
         self._origin = origin
         self._conn: _Conn | None = conn
         self.status_code = status
         self.headers = headers
         self._timeout = read_timeout
+        # The answer to a HEAD, a 204 and a 304 end with their head, whatever Content-Length or
+        # Transfer-Encoding say (RFC 9112 §6.3): a HEAD's carries the length its GET would have.
+        bodiless = head_request or status in (204, 304)
         te = headers.get("transfer-encoding")
-        self._chunked = te is not None and "chunked" in te.lower()
+        self._chunked = not bodiless and te is not None and "chunked" in te.lower()
         length = headers.get("content-length")
-        self._remaining = int(length) if length is not None and not self._chunked else None
+        if bodiless:
+            self._remaining: int | None = 0
+        else:
+            self._remaining = int(length) if length is not None and not self._chunked else None
+        # The body's length when its Content-Length frames it: a relay that passes it on sends the
+        # body as it came, not re-framed as chunks (which an HTTP/1.0 client cannot read).
+        self.content_length = None if bodiless else self._remaining
         self._keep_alive = (headers.get("connection") or "").lower() != "close" and (
             self._chunked or self._remaining is not None
         )
         self._complete = self._remaining == 0
         self._aborted = False
+
+    def local_location(self, value: bytes) -> bytes:
+        """A ``Location`` of this answer, as the router relays it: one that names the replica itself
+        (which builds it from the Host the router sent, e.g. FastAPI's trailing-slash redirect)
+        becomes a path, which the client follows through the router (nginx's ``proxy_redirect
+        default``) rather than to an address it may not reach, past the router's checks."""
+        try:
+            parts = urlsplit(value.decode("latin-1"))
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+        except ValueError:  # not a URL the replica could have meant: as it is
+            return value
+        origin = self._origin
+        if parts.scheme in ("http", "https") and parts.hostname == origin.host and port == origin.port:
+            return urlunsplit(("", "", parts.path or "/", parts.query, parts.fragment)).encode("latin-1")
+        return value
 
     def abort(self) -> None:
         """Drop the connection now (its replica stopped answering): a read in progress, or the next,
@@ -210,7 +240,7 @@ class _Origin:
         self.host = host
         self.port = port
         self.tls = tls  # https: the context its certificate is checked with
-        self.host_header = f"{host}:{port}".encode()
+        self.host_header = f"[{host}]:{port}".encode() if ":" in host else f"{host}:{port}".encode()
         self.idle: deque[_Conn] = deque()
         self.max_idle = max_idle
 
@@ -283,15 +313,16 @@ class UpstreamClient:
             head += (k, b": ", v, b"\r\n")
         head.append(b"content-length: %d\r\n\r\n" % len(body))
         payload = b"".join(head) + body
+        head_request = method == "HEAD"
         conn = origin.take()
         if conn is not None:
             try:
-                return await self._exchange(origin, conn, payload, waiting)
+                return await self._exchange(origin, conn, payload, waiting, head_request)
             except _Stale:
                 pass  # the server closed it while idle; a fresh connection below
         conn = await self._connect(origin)
         try:
-            return await self._exchange(origin, conn, payload, waiting)
+            return await self._exchange(origin, conn, payload, waiting, head_request)
         except _Stale as e:
             raise UpstreamBroken("the replica closed the connection without answering") from e
 
@@ -318,7 +349,12 @@ class UpstreamClient:
         return _Conn(reader, writer)
 
     async def _exchange(
-        self, origin: _Origin, conn: _Conn, payload: bytes, waiting: set[_Conn] | None = None
+        self,
+        origin: _Origin,
+        conn: _Conn,
+        payload: bytes,
+        waiting: set[_Conn] | None = None,
+        head_request: bool = False,
     ) -> Response:
         interim = False  # a 1xx head came: the replica has the request, the connection is not stale
         if waiting is not None:
@@ -360,7 +396,7 @@ class UpstreamClient:
         finally:
             if waiting is not None:
                 waiting.discard(conn)
-        return Response(origin, conn, status, Headers(headers), self.read_timeout)
+        return Response(origin, conn, status, Headers(headers), self.read_timeout, head_request)
 
     async def aclose(self) -> None:
         for origin in self._origins.values():

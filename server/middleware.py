@@ -166,6 +166,28 @@ def is_messages(scope: Scope) -> bool:
     return path == "/v1/messages" or path.startswith("/v1/messages/")
 
 
+def unsupported_encoding(scope: Scope) -> str | None:
+    """A request body's ``Content-Encoding`` other than ``identity``, or None. Bodies are read as
+    they come (as vLLM does): a compressed one would fail as "not JSON", which hides the cause,
+    and one labelled compressed but sent plain would pass on a false label. The router shares it."""
+    encodings = [v for k, v in scope.get("headers", ()) if k == b"content-encoding"]
+    if not encodings:  # the usual case, in one pass over the headers
+        return None
+    codings = [c.strip().lower() for v in encodings for c in v.split(b",")]
+    unsupported = [c for c in codings if c not in (b"", b"identity")]
+    return b", ".join(unsupported).decode("latin-1") if unsupported else None
+
+
+def unsupported_encoding_error(coding: str) -> APIError:
+    """415 with ``Accept-Encoding: identity``, the codings a server takes (RFC 9110 §12.5.3)."""
+    return APIError(
+        415,
+        f"Content-Encoding {coding!r} is not supported: send the request body uncompressed.",
+        code="unsupported_content_encoding",
+        headers={"Accept-Encoding": "identity"},
+    )
+
+
 def _default_to_json(scope: Scope) -> None:
     """Every POST body here is JSON; read it as such even when the client labels it otherwise
     (``curl -d`` sends form encoding) instead of failing on the label."""
@@ -225,6 +247,10 @@ class EdgeMiddleware:
                 return
 
         if scope["method"] in ("POST", "PUT", "PATCH"):
+            coding = unsupported_encoding(scope)
+            if coding is not None:
+                await _send_error(send, unsupported_encoding_error(coding), request_id, is_messages(scope))
+                return
             upload = route_path(scope) == _UPLOAD_PATH
             limit = self.max_file_bytes if upload else self.max_request_bytes
             receive = await self._buffer_body(scope, receive, send, request_id, limit)

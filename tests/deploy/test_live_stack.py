@@ -96,6 +96,17 @@ def test_nginx_template_is_sse_safe() -> None:
     )  # a POST that reached a router is never re-sent
 
 
+def test_nginx_drops_idle_router_connections_before_the_router_does() -> None:
+    """nginx reuses an idle connection to a router until its upstream keepalive_timeout; one the
+    router closed meanwhile (its uvicorn keep-alive) can take a request as it closes: a 502."""
+    from router.main import KEEP_ALIVE_S
+
+    text = (ROOT / "deploy" / "nginx" / "ferry.conf.template").read_text()
+    upstream = re.search(r"upstream ferry_routers \{(.*?)\n\}", text, flags=re.S).group(1)
+    (timeout,) = re.findall(r"^\s*keepalive_timeout (\d+)s;", upstream, flags=re.M)
+    assert int(timeout) < KEEP_ALIVE_S
+
+
 def test_nginx_accepts_the_rendered_config(tmp_path: Path) -> None:
     binary = nginx_binary()
     conf = render_nginx_conf(tmp_path, free_port(), [free_port(), free_port()])

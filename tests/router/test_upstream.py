@@ -101,3 +101,63 @@ async def test_connect_refused_and_broken_body() -> None:
     await resp.aclose()
     await client.aclose()
     server.close()
+
+
+async def test_answers_without_a_body_end_with_their_head_and_keep_the_connection() -> None:
+    """A HEAD's answer (whose Content-Length is its GET's), a 204 and a 304 have no body whatever
+    their framing headers say (RFC 9112 §6.3): reading one used to wait for bytes that never come
+    (the read timeout; a HEAD relayed through the router hung its client)."""
+    answers = [
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 114\r\n\r\n",
+        b"HTTP/1.1 204 No Content\r\n\r\n",
+        b"HTTP/1.1 304 Not Modified\r\ntransfer-encoding: chunked\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok",
+    ]
+    connections = 0
+
+    async def handler(reader, writer):
+        nonlocal connections
+        connections += 1
+        for answer in answers:
+            await _read_request(reader)
+            writer.write(answer)
+            await writer.drain()
+        writer.close()
+
+    server, url = await _serve(handler)
+    client = UpstreamClient(read_timeout=5)
+    got = []
+    for method in ("HEAD", "DELETE", "GET", "GET"):
+        resp = await client.request(method, url, "/", [], b"")
+        got.append((resp.status_code, await resp.aread(), resp.content_length))
+        await resp.aclose()
+    assert got == [(200, b"", None), (204, b"", None), (304, b"", None), (200, b"ok", 2)]
+    assert connections == 1  # each answer ended where it should: the connection was reused
+    await client.aclose()
+    server.close()
+
+
+async def test_an_ipv6_replica_gets_a_bracketed_host_and_its_own_redirects_become_paths() -> None:
+    """``Host: ::1:port`` was no valid Host (RFC 9112 §3.2 wants ``[::1]:port``), and a replica builds
+    its redirects from it. A Location naming the replica is relayed as a path (``local_location``)."""
+    hosts = []
+
+    async def handler(reader, writer):
+        head = await reader.readuntil(b"\r\n\r\n")
+        hosts.extend(ln.split(b": ", 1)[1] for ln in head.split(b"\r\n") if ln.lower().startswith(b"host:"))
+        writer.write(b"HTTP/1.1 307 Temporary Redirect\r\ncontent-length: 0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handler, "::1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = UpstreamClient(read_timeout=5)
+    resp = await client.request("POST", f"http://[::1]:{port}", "/v1/x/", [], b"")
+    await resp.aclose()
+    assert hosts == [b"[::1]:%d" % port]
+    assert resp.local_location(b"http://[::1]:%d/v1/x?a=1" % port) == b"/v1/x?a=1"
+    assert resp.local_location(b"http://[::1]:%d" % port) == b"/"
+    for elsewhere in (b"http://[::1]:1/v1/x", b"https://example.com/v1/x", b"/v1/x", b"http://[::1"):
+        assert resp.local_location(elsewhere) == elsewhere
+    await client.aclose()
+    server.close()

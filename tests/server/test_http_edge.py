@@ -1,0 +1,79 @@
+"""A replica's HTTP edge as odd clients meet it, over raw loopback sockets: compressed request
+bodies (``Content-Encoding``), which the server does not decode, get a clear 415 in the route's
+error shape instead of a "not JSON" 400 (or, for a plain body under a false label, an answer)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import socket
+
+import pytest
+
+
+def _exchange(port: int, request: bytes) -> tuple[int, dict[bytes, bytes], bytes]:
+    """Send one request (``Connection: close``) and read the whole answer: status, headers (lower-case
+    names), body."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(request)
+        wire = b""
+        while data := sock.recv(65536):
+            wire += data
+    head, _, body = wire.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    headers = dict(line.lower().split(b": ", 1) for line in lines[1:])
+    return int(lines[0].split(b" ")[1]), headers, body
+
+
+def _post(port: int, path: str, body: bytes, encoding: bytes) -> bytes:
+    return (
+        b"POST %s HTTP/1.1\r\nhost: 127.0.0.1:%d\r\nconnection: close\r\ncontent-type: application/json\r\n"
+        b"content-encoding: %s\r\ncontent-length: %d\r\n\r\n%s"
+        % (path.encode(), port, encoding, len(body), body)
+    )
+
+
+@pytest.mark.parametrize(
+    ("path", "payload"),
+    [
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),  # served around FastAPI
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+        ("/tokenize", {"prompt": "hi"}),  # a FastAPI route
+    ],
+)
+def test_a_compressed_body_gets_415(server, path: str, payload: dict) -> None:
+    raw = json.dumps({"model": server.model_name, **payload}).encode()
+    status, headers, body = _exchange(server.port, _post(server.port, path, gzip.compress(raw), b"gzip"))
+    assert status == 415
+    assert headers[b"accept-encoding"] == b"identity"  # what the server takes (RFC 9110 §12.5.3)
+    assert json.loads(body) == {
+        "error": {
+            "message": "Content-Encoding 'gzip' is not supported: send the request body uncompressed.",
+            "type": "UnsupportedMediaTypeError",
+            "param": None,
+            "code": "unsupported_content_encoding",
+        }
+    }
+    # A plain body labelled compressed is refused too (it would pass on a false label); identity
+    # (or an empty value) is no coding at all.
+    status, _, body = _exchange(server.port, _post(server.port, path, raw, b"br"))
+    assert status == 415 and "'br'" in json.loads(body)["error"]["message"]
+    for label in (b"identity", b"Identity", b""):
+        status, _, body = _exchange(server.port, _post(server.port, path, raw, label))
+        assert status == 200, body
+
+
+def test_a_compressed_messages_body_gets_415_in_anthropics_shape(server) -> None:
+    raw = json.dumps(
+        {"model": server.model_name, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    ).encode()
+    port = server.port
+    status, _, body = _exchange(port, _post(port, "/v1/messages", gzip.compress(raw), b"gzip, identity"))
+    assert status == 415
+    assert json.loads(body) == {
+        "type": "error",
+        "error": {
+            "type": "invalid_request_error",
+            "message": "Content-Encoding 'gzip' is not supported: send the request body uncompressed.",
+        },
+    }
