@@ -69,6 +69,10 @@ class RouterConfig:
     log_level: str = "warning"
 
     def __post_init__(self) -> None:
+        if self.replica_api_key is not None:
+            from server.config import check_api_key
+
+            check_api_key(self.replica_api_key, "--replica-api-key")
         if self.block_size <= 0:
             raise ValueError("--block-size must be positive")
         if self.max_concurrency < 1 or self.max_queue < 0:

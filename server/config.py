@@ -18,10 +18,24 @@ API_KEY_ENVS = ("FERRY_API_KEY", "VLLM_API_KEY")
 
 
 def api_key_from(flag: str | None, environ: Mapping[str, str]) -> str | None:
-    """The flag's key, else the first non-empty ``API_KEY_ENVS`` variable, else None."""
+    """The flag's key, else the first non-empty ``API_KEY_ENVS`` variable, else None. ValueError
+    for a key no HTTP client can send (``check_api_key``)."""
     if flag:
-        return flag
-    return next((environ[name] for name in API_KEY_ENVS if environ.get(name)), None)
+        return check_api_key(flag, "--api-key")
+    name = next((name for name in API_KEY_ENVS if environ.get(name)), None)
+    return None if name is None else check_api_key(environ[name], name)
+
+
+def check_api_key(key: str, source: str) -> str:
+    """``key`` when a client can send it in an ``Authorization`` header: printable ASCII, no
+    whitespace at either end (HTTP clients encode header values as ASCII, parsers strip the
+    ends). Else ValueError naming ``source``: every guarded request would fail (a 500 or a 401)."""
+    if not key.isascii() or not key.isprintable() or key != key.strip():
+        raise ValueError(
+            f"{source} must be printable ASCII without leading or trailing spaces "
+            "(a client sends it in an HTTP header)"
+        )
+    return key
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import httpx
+import pytest
 
 from ferry.cli import build_parser
 from router.config import RouterConfig
@@ -45,3 +47,23 @@ def test_serve_takes_vllms_variable(tiny_llama: Path, serve_logs: Path, monkeypa
         assert httpx.get(srv.url + "/health", timeout=10).status_code == 200  # stays open
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("key", ["k\u20acy", " key", "key\n", "k\x00y"])
+def test_a_key_no_client_can_send_is_refused_at_start(key: str) -> None:
+    """A key outside printable ASCII (or with spaces at its ends) could never match what a client
+    sends in its header: every guarded request would fail (the router answered 500), so neither
+    `ferry serve`, `ferry router` nor the router's --replica-api-key starts with one."""
+    message = (
+        "must be printable ASCII without leading or trailing spaces (a client sends it in an HTTP header)"
+    )
+    with pytest.raises(ValueError, match=r"^--api-key " + re.escape(message)):
+        api_key_from(key, {})
+    with pytest.raises(ValueError, match=r"^FERRY_API_KEY " + re.escape(message)):
+        api_key_from(None, {"FERRY_API_KEY": key})
+    args = ["router", "--replica", "http://127.0.0.1:9"]
+    with pytest.raises(ValueError, match=r"^--api-key "):
+        RouterConfig.from_args(build_parser().parse_args([*args, "--api-key", key]))
+    with pytest.raises(ValueError, match=r"^--replica-api-key "):
+        RouterConfig.from_args(build_parser().parse_args([*args, "--replica-api-key", key]))
+    assert api_key_from("k-Y_1.~!", {}) == "k-Y_1.~!"
