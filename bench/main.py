@@ -64,7 +64,14 @@ def _models(cfg: BenchConfig, headers: dict[str, str]) -> Any:
         if cfg.model is None:
             raise BenchError(f"GET {cfg.base_url}/v1/models answered {resp.status_code}; pass --model")
         return None
-    return resp.json()
+    try:
+        return resp.json()
+    except ValueError:  # e.g. a gateway's HTML page
+        if cfg.model is None:
+            raise BenchError(
+                f"GET {cfg.base_url}/v1/models answered 200 without JSON; pass --model"
+            ) from None
+        return None
 
 
 def _model_name(cfg: BenchConfig, models: Any) -> str:

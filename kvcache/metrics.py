@@ -23,6 +23,15 @@ ERROR_MISMATCH = "mismatch"
 ERROR_RESPONSE = "response"  # the server answered with an error (OOM, READONLY, auth…)
 ERROR_CIRCUIT_OPEN = "circuit_open"  # call skipped: the breaker is open after recent failures
 ERROR_INTERNAL = "internal"  # anything else; a bug if it ever shows up
+ERROR_KINDS = (
+    ERROR_CONNECTION,
+    ERROR_TIMEOUT,
+    ERROR_CORRUPT,
+    ERROR_MISMATCH,
+    ERROR_RESPONSE,
+    ERROR_CIRCUIT_OPEN,
+    ERROR_INTERNAL,
+)
 
 _LATENCY_BUCKETS = (
     0.0001,
@@ -50,6 +59,10 @@ KV_TIER_BYTES_WRITTEN = Counter(
     "ferry:kv_tier_bytes_written", "Bytes of KV block values the tier acknowledged writing."
 )
 KV_TIER_ERRORS = Counter("ferry:kv_tier_errors", "Tier calls or values that failed, by kind.", ["kind"])
+# Every kind exposed from the start at 0: a series that first appears at 1 shows no increase to
+# rate(), so a replica's first tier error would never reach a dashboard or an alert.
+for _kind in ERROR_KINDS:
+    KV_TIER_ERRORS.labels(kind=_kind)
 KV_TIER_DROPPED_WRITES = Counter(
     "ferry:kv_tier_dropped_writes",
     "KV block writes dropped: the write queue was full, or the tier did not acknowledge the block.",

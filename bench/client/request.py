@@ -14,9 +14,11 @@ Timing rules (the same for every backend):
 * Embeddings (``--endpoint embeddings``) are one JSON answer: TTFT = E2E, no generated tokens;
   the prompt tokens come from its usage.
 * The Responses API (``--endpoint responses``) streams typed events: text comes from
-  ``response.output_text.delta`` (and ``response.reasoning_text.delta``) events, the stream ends
-  with ``response.completed`` or ``response.incomplete`` (finish reasons ``stop`` / ``length``),
-  whose response carries the usage; ``response.failed`` and ``error`` events are stream errors.
+  ``response.output_text.delta`` (and ``response.reasoning_text.delta``) events, a function call's
+  ``response.function_call_arguments.delta`` events are token chunks without answer text, the
+  stream ends with ``response.completed`` or ``response.incomplete`` (finish reasons ``stop`` /
+  ``length``), whose response carries the usage; ``response.failed`` and ``error`` events are
+  stream errors, ``response.cancelled`` (ferry's, a cancelled background response) an abort.
 * Token counts come from the final ``usage`` (``stream_options.include_usage``); without usage,
   the chunk count stands in and ``usage_missing`` is set.
 * With ``--continuous-usage-stats`` (vLLM's ``stream_options.continuous_usage_stats``) every
@@ -27,8 +29,10 @@ Timing rules (the same for every backend):
   (it batched tokens, held text back, or dropped/duplicated text).
 
 Failures are recorded, never raised: HTTP status, timeout, connection error, broken stream,
-an error object in the stream, a stream the server aborted (``finish_reason: "abort"``, vLLM's
-value for a request ended before its stop condition), an unparseable response.
+an error object in the stream (``{"error": ...}``, or older vLLM's ``{"object": "error", ...}``),
+a stream the server aborted (``finish_reason: "abort"``, vLLM's value for a request ended before
+its stop condition), an unparseable or malformed response (a chunk of the wrong shape, or a
+stream that ends without any token chunk or finish reason: there is no TTFT to measure).
 """
 
 from __future__ import annotations
@@ -64,7 +68,14 @@ class _StreamError(Exception):
 
 
 _RESPONSES_TEXT = ("response.output_text.delta", "response.reasoning_text.delta")
-_RESPONSES_END = {"response.completed": "stop", "response.incomplete": "length"}
+# A function call's arguments are output too (as chat's tool-call deltas), but not answer text.
+_RESPONSES_CALL = "response.function_call_arguments.delta"
+# "response.cancelled" is ferry's event for a cancelled background response: the server gave up.
+_RESPONSES_END = {
+    "response.completed": "stop",
+    "response.incomplete": "length",
+    "response.cancelled": "abort",
+}
 
 
 def _responses_usage(response: dict[str, Any]) -> dict[str, Any] | None:
@@ -72,32 +83,62 @@ def _responses_usage(response: dict[str, Any]) -> dict[str, Any] | None:
     usage = response.get("usage")
     if not isinstance(usage, dict):
         return None
-    cached = (usage.get("input_tokens_details") or {}).get("cached_tokens")
+    details = usage.get("input_tokens_details")
     return {
         "prompt_tokens": usage.get("input_tokens"),
         "completion_tokens": usage.get("output_tokens"),
-        "prompt_tokens_details": {"cached_tokens": cached},
+        "prompt_tokens_details": details if isinstance(details, dict) else None,
     }
+
+
+def _obj(value: Any, what: str) -> dict[str, Any]:
+    """``value`` as an object ({} for null/absent); a TypeError names a part of the wrong shape."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise TypeError(f"{what} is {type(value).__name__}, not an object")
+    return value
+
+
+def _text(value: Any, what: str) -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise TypeError(f"{what} is {type(value).__name__}, not a string")
+    return value
+
+
+def _is_error(chunk: dict[str, Any], responses: bool) -> bool:
+    """An error event: ``{"error": ...}`` (OpenAI, SGLang, vLLM), ``{"object": "error", ...}``
+    (vLLM before its errors took OpenAI's shape), or the Responses API's failure events."""
+    if chunk.get("error") or chunk.get("object") == "error":
+        return True
+    return responses and chunk.get("type") in ("error", "response.failed")
 
 
 def _chunk_text(chunk: dict[str, Any], chat: bool) -> tuple[str, bool, str | None]:
     """Output text, whether the chunk carries tool-call deltas (output too, but not text a
-    conversation's history holds), and finish reason of a streamed chunk (first choice only; n=1)."""
+    conversation's history holds), and finish reason of a streamed chunk (first choice only; n=1).
+    A TypeError names a part of the wrong shape (the request is then a bad response)."""
     choices = chunk.get("choices") or []
+    if not isinstance(choices, list):
+        raise TypeError(f"choices is {type(choices).__name__}, not a list")
     if not choices:
         return "", False, None
-    choice = choices[0]
+    choice = _obj(choices[0], "choices[0]")
     calls = False
     if chat:
-        delta = choice.get("delta") or {}
-        text = (delta.get("content") or "") + (delta.get("reasoning_content") or delta.get("reasoning") or "")
-        calls = any(
-            isinstance(call, dict) and isinstance(call.get("function"), dict)
-            for call in delta.get("tool_calls") or []
-        )
+        delta = _obj(choice.get("delta"), "delta")
+        text = _text(delta.get("content"), "delta.content")
+        text += _text(delta.get("reasoning_content") or delta.get("reasoning"), "delta.reasoning_content")
+        tool_calls = delta.get("tool_calls") or []
+        if not isinstance(tool_calls, list):
+            raise TypeError(f"delta.tool_calls is {type(tool_calls).__name__}, not a list")
+        calls = any(isinstance(call, dict) and isinstance(call.get("function"), dict) for call in tool_calls)
     else:
-        text = choice.get("text") or ""
-    return text, calls, choice.get("finish_reason")
+        text = _text(choice.get("text"), "text")
+    finish = choice.get("finish_reason")
+    return text, calls, None if finish is None else _text(finish, "finish_reason")
 
 
 async def send_request(
@@ -181,22 +222,34 @@ async def _stream(
                 raise _StreamError(ErrorKind.BAD_RESPONSE, f"unparseable chunk: {data[:200]!r}") from None
             if not isinstance(chunk, dict):
                 raise _StreamError(ErrorKind.BAD_RESPONSE, f"chunk is not an object: {data[:200]!r}")
-            if chunk.get("error") or (responses and chunk.get("type") in ("error", "response.failed")):
+            if _is_error(chunk, responses):
                 raise _StreamError(ErrorKind.STREAM_ERROR, _error_message(json.dumps(chunk).encode()))
-            running = (chunk.get("usage") or {}).get("completion_tokens")
+            response: dict[str, Any] = {}
+            try:
+                chunk_usage = _obj(chunk.get("usage"), "usage")
+                if responses:
+                    response = _obj(chunk.get("response"), "response")
+                    kind = chunk.get("type")
+                    output = kind in _RESPONSES_TEXT or kind == _RESPONSES_CALL
+                    delta = _text(chunk.get("delta"), "delta") if output else ""
+                    text = delta if kind in _RESPONSES_TEXT else ""
+                    calls, finish = kind == _RESPONSES_CALL and bool(delta), _RESPONSES_END.get(kind)
+                else:
+                    text, calls, finish = _chunk_text(chunk, chat)
+            except TypeError as exc:
+                raise _StreamError(
+                    ErrorKind.BAD_RESPONSE, f"malformed chunk ({exc}): {data[:200]!r}"
+                ) from None
+            running = chunk_usage.get("completion_tokens")
             running = running if isinstance(running, int) else None
             if responses:
-                kind = chunk.get("type")
-                if isinstance((chunk.get("response") or {}).get("id"), str):
-                    out.response_id = chunk["response"]["id"]
-                text = (chunk.get("delta") or "") if kind in _RESPONSES_TEXT else ""
-                finish = _RESPONSES_END.get(kind)
+                if isinstance(response.get("id"), str):
+                    out.response_id = response["id"]
                 if finish is not None:
-                    usage = _responses_usage(chunk.get("response") or {})
+                    usage = _responses_usage(response)
                     done = True
-                delivered = bool(text)  # its end event follows the last delta and brings no token
+                delivered = bool(text) or calls  # the end event follows the last delta, brings no token
             else:
-                text, calls, finish = _chunk_text(chunk, chat)
                 # The chunk that ends the choice brings its last token even without text (EOS or
                 # a stop token), unless per-chunk usage says it brought none.
                 delivered = bool(text) or calls or (finish is not None and running != counted)
@@ -215,12 +268,16 @@ async def _stream(
                 record.finish_reason = finish
                 if record.ttft_s is None:  # an answer with no output at all: its end is its first token
                     record.ttft_s = now - start
-            if chunk.get("usage"):
-                usage = chunk["usage"]
+            if chunk_usage:
+                usage = chunk_usage
             if done:  # the Responses API's last event (it sends no [DONE])
                 break
         if not done and record.finish_reason is None:
             raise _StreamError(ErrorKind.BROKEN_STREAM, "stream ended before [DONE] or a finish_reason")
+        if record.ttft_s is None:  # e.g. only role / empty chunks, then [DONE]: nothing was generated
+            raise _StreamError(
+                ErrorKind.BAD_RESPONSE, "the stream ended without any token chunk or finish_reason"
+            )
         record.e2e_s = time.perf_counter() - start
         out.text = "".join(pieces)
         _count_tokens(record, usage)
@@ -266,12 +323,14 @@ async def _whole_answer(resp: httpx.Response, endpoint: str, out: Outcome, start
     _count_tokens(record, usage)
 
 
-def _count_tokens(record: RequestRecord, usage: dict[str, Any] | None) -> None:
-    if usage and isinstance(usage.get("completion_tokens"), int):
+def _count_tokens(record: RequestRecord, usage: Any) -> None:
+    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
         record.completion_tokens = usage["completion_tokens"]
-        record.prompt_tokens = usage.get("prompt_tokens")
-        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-        record.cached_tokens = cached if isinstance(cached, int) else None
+        record.prompt_tokens = _int_or_none(usage.get("prompt_tokens"))
+        details = usage.get("prompt_tokens_details")
+        record.cached_tokens = (
+            _int_or_none(details.get("cached_tokens")) if isinstance(details, dict) else None
+        )
         if record.chunk_tokens and len(record.chunk_tokens) == record.stream_chunks:
             record.token_count_mismatch = sum(record.chunk_tokens) != record.completion_tokens
         else:
@@ -283,14 +342,21 @@ def _count_tokens(record: RequestRecord, usage: dict[str, Any] | None) -> None:
         record.prompt_tokens = record.input_len
 
 
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def _error_message(raw: bytes) -> str:
     text = raw.decode("utf-8", "replace")
     try:
-        err = json.loads(text).get("error")
+        body = json.loads(text)
+        err = body.get("error")
         if isinstance(err, dict) and err.get("message"):
             return str(err["message"])[:_MAX_ERROR_CHARS]
         if isinstance(err, str):
             return err[:_MAX_ERROR_CHARS]
+        if body.get("object") == "error" and body.get("message"):  # older vLLM's error shape
+            return str(body["message"])[:_MAX_ERROR_CHARS]
     except (ValueError, AttributeError):
         pass
     return text[:_MAX_ERROR_CHARS]

@@ -26,9 +26,9 @@ class SSEParser:
         return None
 
     def flush(self) -> str | None:
-        """End of input (or of an event): the pending event's data, if any."""
-        if not self._data:
-            return None
+        """End of input (or of an event): the pending event's data, if any. An event whose data
+        is empty (``data:`` alone, a keep-alive some proxies send) is no event, as the SSE
+        standard says."""
         data = "\n".join(self._data)
         self._data = []
-        return data
+        return data or None

@@ -98,7 +98,9 @@ class ServerTokenizer(TokenSource):
     def __init__(self, base_url: str, model: str, headers: dict[str, str], timeout: float = 30.0) -> None:
         self.base_url = base_url
         self.model = model
-        self._client = httpx.Client(headers=headers, timeout=timeout)
+        # No proxy from the environment: the requests themselves never take one (request.py), and
+        # a proxy that cannot reach the server would quietly turn 'auto' into approximate words.
+        self._client = httpx.Client(headers=headers, timeout=timeout, trust_env=False)
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         try:
@@ -107,7 +109,13 @@ class ServerTokenizer(TokenSource):
             raise TokenSourceError(f"POST {path} failed: {exc}") from None
         if resp.status_code != 200:
             raise TokenSourceError(f"POST {path} answered {resp.status_code}: {resp.text[:200]}")
-        return resp.json()
+        try:
+            body = resp.json()
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            raise TokenSourceError(f"POST {path} answered 200 without a JSON object: {resp.text[:200]!r}")
+        return body
 
     def encode(self, text: str) -> list[int]:
         tokens = self._post("/tokenize", {"prompt": text, "add_special_tokens": False}).get("tokens")

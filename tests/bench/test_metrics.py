@@ -104,6 +104,9 @@ def test_sse_parser_events() -> None:
     assert events == ['{"a": 1}', "line1\nline2", "[DONE]"]
     p.feed("data: tail")
     assert p.flush() == "tail" and p.flush() is None
+    # An empty data field dispatches nothing (the SSE standard), it is no unparseable chunk.
+    assert [p.feed(line) for line in ["data:", ""]] == [None, None]
+    assert [p.feed(line) for line in ["data: ", "", "data: x", ""]] == [None, None, None, "x"]
 
 
 def test_flag_parsing() -> None:

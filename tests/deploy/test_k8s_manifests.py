@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -191,6 +192,10 @@ def test_graceful_termination_outlasts_the_drain(overlay: tuple[str, list[dict]]
         if w in replica_pools(docs):
             assert drain >= 60  # long generations get a real chance to finish
             assert w["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    # Every stream passes a router: a router rollout must give it as long as its replica would (the
+    # router's own default, 30 s, would cut what a replica lets run for 120 s).
+    router_drain = parsed_args(one(docs, "Deployment", "ferry-router"), docs).drain_timeout
+    assert router_drain >= max(parsed_args(w, docs).drain_timeout for w in replica_pools(docs))
 
 
 def test_resources_and_gpu_variant(overlay: tuple[str, list[dict]]) -> None:
@@ -430,3 +435,35 @@ def test_object_storage_init_containers_copy_the_model(
         assert ("model.safetensors" in copied) is expect_weights
         if expect_weights:
             assert copied == {p.name for p in tiny_llama.iterdir()}
+
+
+def nginx_size(value: str) -> int:
+    """nginx sizes: 32m, 512k, 1g, or bytes."""
+    number, unit = re.fullmatch(r"(\d+)([kKmMgG]?)", value).groups()
+    return int(number) << {"": 0, "k": 10, "m": 20, "g": 30}[unit.lower()]
+
+
+def test_ingress_never_ends_what_the_router_would_still_serve(overlay: tuple[str, list[dict]]) -> None:
+    """ingress-nginx in front of the routers: a stream quiet for as long as the router still waits
+    on its replica (--request-timeout), or a body the router still takes (--max-request-bytes),
+    must reach the router, not end in nginx's own 504 / 413 page."""
+    _, docs = overlay
+    router = parsed_args(one(docs, "Deployment", "ferry-router"), docs)
+    for ingress in of_kind(docs, "Ingress"):
+        notes = {
+            k.removeprefix("nginx.ingress.kubernetes.io/"): v
+            for k, v in ingress["metadata"]["annotations"].items()
+        }
+        assert notes["proxy-buffering"] == "off" and notes["proxy-http-version"] == "1.1"
+        assert (
+            min(int(notes["proxy-read-timeout"]), int(notes["proxy-send-timeout"])) >= router.request_timeout
+        )
+        assert nginx_size(notes["proxy-body-size"]) >= router.max_request_bytes
+        for rule in ingress["spec"]["rules"]:
+            for path in rule["http"]["paths"]:
+                backend = path["backend"]["service"]
+                service = one(docs, "Service", backend["name"])
+                assert backend["port"]["name"] in {p["name"] for p in service["spec"]["ports"]}
+                assert matches(
+                    service["spec"]["selector"], pod_labels(one(docs, "Deployment", "ferry-router"))
+                )

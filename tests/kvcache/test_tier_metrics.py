@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 from prometheus_client import REGISTRY, generate_latest
 
 import kvcache.metrics  # noqa: F401  (registers the collectors)
@@ -33,3 +36,14 @@ def test_exposed_metric_names() -> None:
         assert any(line.startswith(name) for line in lines), name
     # Counters carry exactly one _total suffix.
     assert not any("_total_total" in line for line in lines)
+
+
+def test_every_error_kind_is_exposed_from_the_start() -> None:
+    """A fresh process shows every kind at 0: a series that first appears at 1 shows no increase to
+    rate(), so the first tier error of a replica would reach no dashboard or alert."""
+    from kvcache.metrics import ERROR_KINDS
+
+    code = "import kvcache.metrics; from prometheus_client import generate_latest; print(generate_latest().decode())"
+    text = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    for kind in ERROR_KINDS:
+        assert f'ferry:kv_tier_errors_total{{kind="{kind}"}} 0.0' in text.splitlines(), kind
