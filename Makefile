@@ -47,7 +47,7 @@ test-tools:
 	fi; true
 
 test: install-test redis test-tools
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 lint: install-test
 	$(VENV)/bin/ruff check .
