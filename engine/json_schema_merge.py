@@ -18,6 +18,7 @@ from engine.json_schema_support import (
     _type_set,
     _value_type,
     _within,
+    value_key,
 )
 
 # Keywords that constrain a value; any other (title, description, default, x-…) only annotates,
@@ -386,7 +387,11 @@ def _merge_values(a: dict, b: dict, out: dict, path: str) -> None:
     va, vb = _allowed_values(a), _allowed_values(b)
     if va is None and vb is None:
         return
-    values = va if vb is None else vb if va is None else [x for x in va if any(_same(x, y) for y in vb)]
+    if va is not None and vb is not None:
+        in_b = {value_key(y) for y in vb}
+        values = [x for x in va if value_key(x) in in_b]
+    else:
+        values = va if vb is None else vb
     declared = _type_set(out["type"]) if "type" in out else None
     if declared is not None:
         values = [v for v in values if _within(frozenset({_value_type(v)}), declared)]
@@ -419,7 +424,8 @@ def _union(a: dict, b: dict, key: str, path: str) -> list[Any] | None:
         return la if lb is None else lb
     if not isinstance(la, list) or not isinstance(lb, list):
         raise _refusal(key, " that is not a list, in 'allOf'", path)
-    return la + [x for x in lb if x not in la]
+    in_a = {value_key(x) for x in la}
+    return la + [x for x in lb if value_key(x) not in in_a]
 
 
 def _properties(node: dict, path: str) -> dict:

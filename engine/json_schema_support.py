@@ -186,6 +186,11 @@ def _keyword_problem(node: dict, keyword: str, types: Types) -> Problem | None:
             return keyword, " next to 'format'"
         if keyword != "pattern" and "pattern" in node:
             return keyword, " next to 'pattern'"
+    if keyword in ("pattern", "patternProperties"):
+        value = node[keyword]
+        regexes = list(value) if isinstance(value, dict) else [value]
+        if any(isinstance(r, str) and _has_lookahead(r) for r in regexes):
+            return keyword, " with a lookahead ('(?=' or '(?!')"
     if keyword == "patternProperties" and isinstance(node.get("properties"), dict):
         for pattern in node["patternProperties"]:  # the declared property's schema alone applies
             for name in node["properties"]:
@@ -193,6 +198,26 @@ def _keyword_problem(node: dict, keyword: str, types: Types) -> Problem | None:
                     if re.search(pattern, name):
                         return keyword, f" matching the declared property {name!r}"
     return None
+
+
+def _has_lookahead(regex: str) -> bool:
+    """Whether ``regex`` has a lookahead, which xgrammar's automaton for a pattern ignores (it logs
+    a warning and matches the rest). Escapes and character classes (JavaScript's: "[^]" is one)
+    are skipped."""
+    i = 0
+    while i < len(regex):
+        if regex[i] == "\\":
+            i += 2
+        elif regex[i] == "[":
+            i += 2 if regex.startswith("^", i + 1) else 1
+            while i < len(regex) and regex[i] != "]":
+                i += 2 if regex[i] == "\\" else 1
+            i += 1
+        elif regex.startswith(("(?=", "(?!"), i):
+            return True
+        else:
+            i += 1
+    return False
 
 
 def _integer_multiple(node: dict) -> Problem | None:
@@ -223,9 +248,10 @@ def _shape_problem(node: dict, shape: str, root: Any) -> Problem | None:
     if shape == "allOf" and isinstance(value, list) and len(value) > 1:
         return "allOf", " with more than one schema"
     if shape == "oneOf" and isinstance(value, list):  # xgrammar writes it as anyOf
-        for i in range(len(value)):
-            for j in range(i + 1, len(value)):
-                if not _disjoint(value[i], value[j], root):
+        members = [_Member(m, root) for m in value]  # once each: the pairs are many
+        for i in range(len(members)):
+            for j in range(i + 1, len(members)):
+                if not _disjoint(members[i], members[j]):
                     return "oneOf", f" with members {i} and {j}, which can match the same value"
     values = _values(node)
     produced = _types({shape: value}, root) if values is None else frozenset(map(_value_type, values))
@@ -336,6 +362,25 @@ def _value_type(value: Any) -> str:
     return {str: "string", list: "array"}.get(type(value), "object")
 
 
+def value_key(value: Any) -> Any:
+    """A hashable key of a decoded JSON value under JSON equality (``_same``): equal values, and
+    only they, have equal keys, so sets of values meet in linear time (an enum of thousands
+    against another was a pairwise comparison: seconds of Python holding the GIL)."""
+    if value is None:
+        return ("null",)
+    if isinstance(value, bool):
+        return ("bool", value)
+    if isinstance(value, (int, float)):
+        return ("number", value)  # 1 and 1.0 are equal and hash alike
+    if isinstance(value, str):
+        return ("string", value)
+    if isinstance(value, list):
+        return ("array", tuple(value_key(v) for v in value))
+    if isinstance(value, dict):
+        return ("object", frozenset((k, value_key(v)) for k, v in value.items()))
+    return ("other", repr(value))
+
+
 def _same(a: Any, b: Any) -> bool:
     """JSON equality: 1 equals 1.0, true is not 1."""
     if isinstance(a, bool) or isinstance(b, bool) or a is None or b is None:
@@ -369,32 +414,45 @@ def _value_meets(value: Any, keyword: str, arg: Any) -> bool:
         return False
 
 
-def _disjoint(a: Any, b: Any, root: Any) -> bool:
+class _Member:
+    """What ``_disjoint`` reads of a schema, worked out once (a oneOf's members meet pairwise):
+    the keys and types of its const / enum values, its types, and, for an object, the keys of the
+    values of each property it requires that has const / enum values."""
+
+    __slots__ = ("keys", "required_values", "types", "value_types")
+
+    def __init__(self, schema: Any, root: Any) -> None:
+        node = _deref(schema, root)
+        values = _values(node)
+        self.keys = None if values is None else frozenset(map(value_key, values))
+        self.value_types = None if values is None else frozenset(map(_value_type, values))
+        self.types = _types(node, root)
+        self.required_values: dict[str, frozenset[Any]] = {}
+        if self.types == frozenset({"object"}) and _shape(node) is None:
+            props, required = node.get("properties"), node.get("required")
+            if isinstance(props, dict) and isinstance(required, list):
+                for key in required:
+                    found = _values(_deref(props.get(key), root)) if isinstance(key, str) else None
+                    if found is not None:
+                        self.required_values[key] = frozenset(map(value_key, found))
+
+
+def _disjoint(a: _Member, b: _Member) -> bool:
     """No JSON value matches both schemas, proved from their values, their types, or a property
     both require with disjoint const / enum values (a discriminator); False when not proved."""
-    a, b = _deref(a, root), _deref(b, root)
-    va, vb = _values(a), _values(b)
-    if va is not None and vb is not None:
-        return not any(_same(x, y) for x in va for y in vb)
-    ta, tb = _types(a, root), _types(b, root)
-    if va is not None and tb is not None:
-        return not _overlap(frozenset(map(_value_type, va)), tb)
-    if vb is not None and ta is not None:
-        return not _overlap(frozenset(map(_value_type, vb)), ta)
+    ta, tb = a.types, b.types
+    if a.keys is not None and b.keys is not None:
+        return a.keys.isdisjoint(b.keys)
+    if a.value_types is not None and tb is not None:
+        return not _overlap(a.value_types, tb)
+    if b.value_types is not None and ta is not None:
+        return not _overlap(b.value_types, ta)
     if ta is not None and tb is not None and not _overlap(ta, tb):
         return True
-    if ta != frozenset({"object"}) or tb != ta or _shape(a) is not None or _shape(b) is not None:
-        return False
-    props_a, props_b = a.get("properties"), b.get("properties")
-    if not (isinstance(props_a, dict) and isinstance(props_b, dict)):
-        return False
-    required_b = b.get("required") if isinstance(b.get("required"), list) else []
-    for key in a.get("required") if isinstance(a.get("required"), list) else []:
-        if key in required_b and key in props_a and key in props_b:
-            xs, ys = _values(_deref(props_a[key], root)), _values(_deref(props_b[key], root))
-            if xs is not None and ys is not None and not any(_same(x, y) for x in xs for y in ys):
-                return True
-    return False
+    return any(
+        key in b.required_values and keys.isdisjoint(b.required_values[key])
+        for key, keys in a.required_values.items()
+    )
 
 
 def _deref(node: Any, root: Any) -> Any:

@@ -21,6 +21,12 @@ schema using a keyword xgrammar compiles but does not enforce, or an ``allOf`` t
 merged soundly (``engine/json_schema_support.py``), and a constraint no output can satisfy (an
 ``allOf`` of conflicting members, a first token mask that is empty). The checks run where the
 compile runs, once per distinct constraint.
+
+A constraint whose grammar would cost the engine thread milliseconds a token, or the compiler
+seconds, is refused before it compiles (``engine/grammar_limits.py``: long counted repetitions in
+regexes, many optional properties, long enums, many anyOf members); where an equivalent grammar is
+cheap, that one is compiled instead (a regex as an automaton, JSON's "at least n" repetitions
+unambiguous, a bounded string's characters as one character class).
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.grammar_limits import choice_problem, regex_problem, schema_problem
+from engine.grammar_rewrites import json_grammar, regex_automaton
 from engine.json_schema_merge import declare_required, merge_all_of
 from engine.json_schema_support import map_tag_schemas, tag_schemas, unenforced_keyword
 from engine.sampling_params import StructuredOutputsParams
@@ -129,6 +137,9 @@ class GrammarCompiler:
             if kind == "structural_tag"
             else None
         )
+        costly = _costly(spec, kind, schema)
+        if costly is not None:
+            raise ValueError(f"structured outputs {kind} {costly}")
         with self._compiling:
             hit = self.cached(spec)  # compiled by whoever held the lock before
             if hit is not None:
@@ -153,7 +164,7 @@ class GrammarCompiler:
             elif kind == "json_object":
                 compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=any_ws)
             elif kind == "regex":
-                compiled = compiler.compile_regex(spec.regex)
+                compiled = _compile_regex(compiler, spec.regex or "")
             elif kind == "choice":
                 compiled = compiler.compile_grammar(choice_grammar(spec.choice or ()))
             elif kind == "structural_tag":
@@ -293,68 +304,62 @@ def _json_schema(spec: StructuredOutputsParams) -> str:
     return _rewrite(text, "json", _rewritten)
 
 
-# The rule xgrammar (0.2.9) writes for one character of a string with minLength / maxLength: it
-# admits raw control characters (invalid JSON, which a strict parser refuses) and no escape.
-_BOUNDED_CHARACTER = re.compile(r'^(\S+) ::= \(\(\[\^\\"\\\\\\r\\n\]\)\)$', re.M)
-# One character of a JSON string, as JSON writes it: unescaped (no control character, quote or
-# backslash), a short escape, a \uXXXX of the basic plane, or a surrogate pair (one character).
-_JSON_CHARACTER = (
-    r'(([^\0-\x1f\"\\]) | ("\\" [\"\\/bfnrt])'
-    r' | ("\\u" [0-9A-Ca-cE-Fe-f] [0-9A-Fa-f] [0-9A-Fa-f] [0-9A-Fa-f])'
-    r' | ("\\u" [Dd] [0-7] [0-9A-Fa-f] [0-9A-Fa-f])'
-    r' | ("\\u" [Dd] [89ABab] [0-9A-Fa-f] [0-9A-Fa-f] "\\u" [Dd] [C-Fc-f] [0-9A-Fa-f] [0-9A-Fa-f]))'
-)
-# One unescaped character of a JSON string: valid JSON, though it cannot write a quote, a backslash
-# or a control character.
-_PLAIN_CHARACTER = r"(([^\0-\x1f\"\\]))"
-# The largest bound under which the escaping rule stays cheap. Past it xgrammar (0.2.9) matches a
-# repetition of a rule with several-character alternatives in time that grows with the position
-# (measured: 0.3 ms a token at 128, 20-70 ms at 256 and beyond, so a 5000-character string took
-# minutes); a repetition of one character class costs nothing at any bound.
-_ESCAPES_UP_TO = 128
-
-
-def _character_rule(grammar: str, name: str) -> str:
-    """The rule for one character of the bounded strings that ``name`` repeats: JSON's, escapes
-    included, where every bound of its repetitions is at most ``_ESCAPES_UP_TO``; else plain."""
-    bounds = re.findall(rf"(?<![\w.-]){re.escape(name)}\{{(\d+), *(-?\d+)\}}", grammar)
-    cheap = bool(bounds) and all(int(lo) <= _ESCAPES_UP_TO and int(hi) <= _ESCAPES_UP_TO for lo, hi in bounds)
-    return _JSON_CHARACTER if cheap else _PLAIN_CHARACTER
-
-
 def _compile_json_schema(compiler: Any, schema: str | None, any_ws: bool) -> Any:
-    """xgrammar's grammar for ``schema``, its length-bounded strings made valid JSON: as xgrammar
-    writes them they may hold raw control characters and no escape (mlc-ai/xgrammar#800)."""
+    """xgrammar's grammar for ``schema``, its length-bounded strings made valid JSON (as xgrammar
+    writes them they may hold raw control characters: mlc-ai/xgrammar#800) and its long "at least"
+    repetitions matched in constant time a token (``engine/grammar_rewrites.py``)."""
     import xgrammar as xgr
 
-    fixed = _json_strings(xgr.Grammar.from_json_schema(schema or "{}", any_whitespace=any_ws))
-    if fixed is None:  # nothing bounded, or an xgrammar that writes it otherwise: as it compiles it
+    fixed = json_grammar(str(xgr.Grammar.from_json_schema(schema or "{}", any_whitespace=any_ws)))
+    if fixed is None:  # nothing to fix, or an xgrammar that writes it otherwise: as it compiles it
         return compiler.compile_json_schema(schema or "{}", any_whitespace=any_ws)
     return compiler.compile_grammar(fixed)
 
 
-def _json_strings(grammar: Any) -> str | None:
-    """``grammar``'s text with its length-bounded JSON strings' character rule made JSON's (see
-    ``_character_rule``), or None when it has no such rule."""
-    text = str(grammar)
-    fixed, count = _BOUNDED_CHARACTER.subn(
-        lambda m: f"{m.group(1)} ::= {_character_rule(text, m.group(1))}", text
-    )
-    return fixed if count else None
+def _schemas(kind: str, schema: str | None) -> list[Any]:
+    """The JSON schemas of a json constraint (``schema``: its text as compiled) or of a structural
+    tag's, decoded; a tag's schema given as text that is not JSON is left to the compile."""
+    if kind == "json":
+        return [json.loads(schema or "{}")]
+    if kind != "structural_tag":
+        return []
+    found = []
+    for item in tag_schemas(json.loads(schema or "{}")):
+        try:
+            found.append(json.loads(item) if isinstance(item, str) else item)
+        except ValueError:
+            continue
+    return found
 
 
 def _unenforced(spec: StructuredOutputsParams, kind: str, schema: str | None) -> str | None:
     """What in the constraint's JSON schemas (``schema``: the json one, as compiled) its grammar
     would not enforce, or None."""
-    if kind == "json":
-        schemas = [json.loads(schema or "{}")]
-    elif kind == "structural_tag":
-        schemas = [
-            json.loads(s) if isinstance(s, str) else s for s in tag_schemas(json.loads(schema or "{}"))
-        ]
-    else:
-        return None
-    return next((found for found in map(unenforced_keyword, schemas) if found is not None), None)
+    return next((found for found in map(unenforced_keyword, _schemas(kind, schema)) if found), None)
+
+
+def _costly(spec: StructuredOutputsParams, kind: str, schema: str | None) -> str | None:
+    """What in the constraint is past one of ``engine/grammar_limits.py``'s limits (its grammar
+    would cost the engine thread milliseconds a token, or the compiler seconds), or None."""
+    if kind == "regex":
+        return regex_problem(spec.regex or "")
+    if kind == "choice":
+        return choice_problem(spec.choice or ())
+    return next((found for found in map(schema_problem, _schemas(kind, schema)) if found), None)
+
+
+def _compile_regex(compiler: Any, regex: str) -> Any:
+    """xgrammar's grammar for ``regex`` as an automaton (``regex_automaton``), or, where that does
+    not build (too large), as ``compile_regex`` makes it. Its errors are ``compile_regex``'s, whose
+    reader refuses what xgrammar cannot match (lookarounds, backreferences…): the automaton's
+    would ignore a lookahead."""
+    import xgrammar as xgr
+
+    xgr.Grammar.from_regex(regex)
+    try:
+        return compiler.compile_grammar(regex_automaton(regex))
+    except (RuntimeError, ValueError):
+        return compiler.compile_regex(regex)
 
 
 def _compile_structural_tag(compiler: Any, text: str | None) -> Any:
@@ -380,5 +385,5 @@ def _compile_structural_tag(compiler: Any, text: str | None) -> Any:
     with warnings.catch_warnings():  # the older form is deprecated in xgrammar, not in vLLM's API
         warnings.simplefilter("ignore", DeprecationWarning)
         # Its schemas' length-bounded strings made valid JSON, as a json constraint's are.
-        fixed = _json_strings(xgr.Grammar.from_structural_tag(*args))
+        fixed = json_grammar(str(xgr.Grammar.from_structural_tag(*args)))
         return compiler.compile_structural_tag(*args) if fixed is None else compiler.compile_grammar(fixed)

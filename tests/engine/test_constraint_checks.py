@@ -52,6 +52,17 @@ REFUSED = [
     ({"type": "string", "format": "iri"}, '"x"', "'format' with the value 'iri'"),
     ({"type": "string", "pattern": "^a*$", "minLength": 2}, '"a"', "'minLength' next to 'pattern'"),
     ({"type": "string", "format": "date", "pattern": "^2024"}, '"2023-01-01"', "'pattern' next to 'format'"),
+    # xgrammar's automaton for a pattern ignores a lookahead (it logs a warning).
+    (
+        {"type": "string", "pattern": "^(?!abc)[a-z]+$"},
+        '"abcd"',
+        "'pattern' with a lookahead ('(?=' or '(?!')",
+    ),
+    (
+        {"type": "object", "patternProperties": {"^(?=x)[a-z]+$": INT}, "additionalProperties": False},
+        '{"ab": 1}',
+        "'patternProperties' with a lookahead ('(?=' or '(?!')",
+    ),
     ({"minimum": 5}, "4", "'minimum' without a 'type'"),
     ({"required": ["a"]}, "{}", "'required' without a 'type'"),
     ({"type": "string", "enum": ["a", 1]}, "1", "'type' next to 'enum'"),
@@ -161,6 +172,7 @@ ALLOWED = [
     ({"type": "object", "patternProperties": {"^x": INT}, "properties": {"a": STR}}, '{"x": "s"}'),
     ({"type": "object", "additionalProperties": INT, "propertyNames": {"maxLength": 1}}, '{"ab": 1}'),
     ({"items": INT, "maxItems": 1}, "[1, 2]"),  # items make it an array
+    ({"type": "string", "pattern": "^\\(?=[(?!]$"}, '"x"'),  # an escaped "(" and a class: no lookahead
     ({"type": "object", "properties": {"x": {"anyOf": [{"$ref": "#"}, INT]}}}, '{"x": "s"}'),
 ]
 

@@ -2,7 +2,9 @@
 
 Strings with ``minLength`` / ``maxLength`` under structured outputs are valid JSON: xgrammar
 (0.2.9) writes their characters as any but quote, backslash, CR and LF, so a model could emit a raw
-control character (which a strict JSON parser refuses) and no escape (mlc-ai/xgrammar#800).
+control character (which a strict JSON parser refuses) and no escape (mlc-ai/xgrammar#800). Their
+characters are JSON's unescaped ones, at every bound: xgrammar matches a counted repetition of
+JSON's escaping rule in milliseconds a token (``bench/grammar_cost.py``).
 A required property that `properties` lacks: xgrammar drops the name."""
 
 from __future__ import annotations
@@ -39,18 +41,20 @@ def grammars(tiny_llama: Path) -> GrammarCompiler:
 @pytest.mark.parametrize(
     ("text", "ok"),
     [
-        ('{"s": "a\\nb", "t": []}', True),  # an escape is one character
-        ('{"s": "a\\"\\\\", "t": ["\\u00e9A"]}', True),
-        ('{"s": "", "t": ["\\ud83d\\ude00x"]}', True),  # a surrogate pair is one character
-        ('{"s": "\u00e9\u00e9\u00e9", "t": []}', True),
+        ('{"s": "abc", "t": []}', True),
+        ('{"s": "\u00e9\u00e9\u00e9", "t": ["\u00e9A"]}', True),  # a character, not a byte
+        ('{"s": "", "t": ["\U0001f600x"]}', True),  # one character outside the basic plane
+        ('{"s": "", "t": ["\U0001f600"]}', False),  # one character: under minLength
         ('{"s": "a\x14b", "t": []}', False),  # a raw control character is not JSON
         ('{"s": "a\tb", "t": []}', False),
         ('{"s": "abcd", "t": []}', False),  # over maxLength
-        ('{"s": "", "t": ["\\ud83d\\ude00"]}', False),  # one character: under minLength
-        ('{"s": "", "t": ["\\ud83dx"]}', False),  # a lone surrogate
+        # No escape, at any bound: its rule made every token cost milliseconds.
+        ('{"s": "a\\nb", "t": []}', False),
+        ('{"s": "", "t": ["\\u00e9A"]}', False),
+        ('{"s": "a\\"", "t": []}', False),
     ],
 )
-def test_bounded_strings_take_json_characters(grammars, text: str, ok: bool) -> None:
+def test_bounded_strings_take_unescaped_json_characters(grammars, text: str, ok: bool) -> None:
     matcher = xgr.GrammarMatcher(grammars.compile(SO(json=BOUNDED, disable_any_whitespace=True)))
     whole = matcher.accept_string(text) and matcher.accept_token(grammars.stop_token_ids[0])
     assert whole is ok
@@ -60,15 +64,12 @@ def test_bounded_strings_take_json_characters(grammars, text: str, ok: bool) -> 
     ("text", "ok"),
     [
         ('{"s": "ab", "t": "' + "x" * 1000 + '"}', True),
-        ('{"s": "a\\nb", "t": "' + "x" * 1000 + '"}', True),  # a short string keeps its escapes
-        ('{"s": "ab", "t": "a\\nb' + "x" * 1000 + '"}', False),  # a long one writes no escape
+        ('{"s": "ab", "t": "a\\nb' + "x" * 1000 + '"}', False),  # no escape
         ('{"s": "ab", "t": "a\x14b' + "x" * 1000 + '"}', False),  # nor a raw control character
         ('{"s": "ab", "t": "' + "x" * 999 + '"}', False),  # under minLength
     ],
 )
 def test_long_bounded_strings_take_unescaped_json_characters(grammars, text: str, ok: bool) -> None:
-    """Past a 128-character bound a string's characters are JSON's unescaped ones: xgrammar matches
-    a long repetition of the escaping rule in time growing with the position (minutes for 5000)."""
     schema = {
         "type": "object",
         "properties": {"s": {"type": "string", "maxLength": 128}, "t": {"type": "string", "minLength": 1000}},
@@ -77,6 +78,27 @@ def test_long_bounded_strings_take_unescaped_json_characters(grammars, text: str
     matcher = xgr.GrammarMatcher(grammars.compile(SO(json=schema, disable_any_whitespace=True)))
     whole = matcher.accept_string(text) and matcher.accept_token(grammars.stop_token_ids[0])
     assert whole is ok
+
+
+@pytest.mark.parametrize(
+    ("raw", "ok"),
+    [
+        ("\u00e9".encode(), True),
+        ("\ud7ff".encode(), True),  # the last character before the surrogates
+        (b"\xed\xa0\x80", False),  # a surrogate's UTF-8 form: no UTF-8 (decodes as 3 characters)
+    ],
+)
+def test_bounded_strings_take_no_surrogate(grammars, raw: bytes, ok: bool) -> None:
+    matcher = xgr.GrammarMatcher(grammars.compile(SO(json={"type": "string", "maxLength": 2})))
+    assert matcher.accept_string(b'"' + raw + b'"') is ok
+
+
+def test_unbounded_strings_keep_their_escapes(grammars) -> None:
+    """Only a bounded string loses its escapes (xgrammar's own rule for an unbounded one is cheap)."""
+    schema = {"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]}
+    matcher = xgr.GrammarMatcher(grammars.compile(SO(json=schema, disable_any_whitespace=True)))
+    assert matcher.accept_string('{"s": "a\\n\\"\\u00e9"}')
+    assert matcher.accept_token(grammars.stop_token_ids[0])
 
 
 def test_generated_bounded_strings_parse_as_strict_json(tiny_llama: Path) -> None:
@@ -145,7 +167,7 @@ def test_a_required_name_additional_properties_rules_out_is_refused(grammars) ->
 
 
 @pytest.mark.parametrize("form", ["format", "structures"])
-def test_bounded_strings_in_structural_tags_take_json_characters(grammars, form: str) -> None:
+def test_bounded_strings_in_structural_tags_take_unescaped_json_characters(grammars, form: str) -> None:
     """A tool call's schema inside a structural tag (both of its forms) gets the same JSON strings."""
     schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 3}}, "required": ["s"]}
     if form == "format":
@@ -157,7 +179,13 @@ def test_bounded_strings_in_structural_tags_take_json_characters(grammars, form:
     else:
         tag = {"structures": [{"begin": "<f>", "schema": schema, "end": "</f>"}], "triggers": ["<f>"]}
     compiled = grammars.compile(SO(structural_tag=tag))
-    for body, ok in (('{"s": "a\\nb"}', True), ('{"s": "a\x14b"}', False), ('{"s": "abcd"}', False)):
+    bodies = (
+        ('{"s": "abc"}', True),
+        ('{"s": "a\\n"}', False),
+        ('{"s": "a\x14b"}', False),
+        ('{"s": "abcd"}', False),
+    )
+    for body, ok in bodies:
         matcher = xgr.GrammarMatcher(compiled)
         assert matcher.accept_string("<f>" + body + "</f>") is ok, body
 
