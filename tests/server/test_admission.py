@@ -203,13 +203,12 @@ def test_concurrent_clients_get_exactly_the_limit(replica) -> None:
         conn.close()
 
 
+@pytest.mark.parametrize("replica", ["api servers"], indirect=True)  # two API servers to race
 def test_two_api_servers_cannot_both_admit_a_request_that_fills_the_queue(replica) -> None:
     """Two 3-sequence requests at once, one on each API server, each alone admissible: exactly one
     runs. Each API server's own view cannot know of the other's in time; the engine process decides.
     The refused one streams: it gets a 429, not a 200 carrying an error event. And the places its
     sequences were checked against are freed: the queue takes 3 sequences again afterwards."""
-    if replica.api_servers == 1:
-        pytest.skip("two API servers race only with --api-server-count 2")
     three = {**ONE, "prompt": ["a", "b", "c"], "stream": True}
     control = HTTPConnection("127.0.0.1", replica.port, timeout=60)
     for _ in range(3):  # the race, three times over
