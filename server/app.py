@@ -316,6 +316,7 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
     add_batch_routes(app, state.batches)  # OpenAI's Files and Batches API (server/batch_api.py)
 
     @app.get("/health")
+    @app.head("/health")  # load balancers that probe with HEAD (the router answers it too)
     @app.get("/ping")
     @app.post("/ping")
     async def health() -> Response:

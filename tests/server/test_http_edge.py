@@ -77,3 +77,11 @@ def test_a_compressed_messages_body_gets_415_in_anthropics_shape(server) -> None
             "message": "Content-Encoding 'gzip' is not supported: send the request body uncompressed.",
         },
     }
+
+
+def test_a_head_health_probe_is_answered_without_a_body(server) -> None:
+    """A load balancer probing with HEAD gets /health's status (a 405 before), and no body."""
+    request = b"HEAD /health HTTP/1.1\r\nhost: 127.0.0.1:%d\r\nconnection: close\r\n\r\n" % server.port
+    status, headers, body = _exchange(server.port, request)
+    assert (status, body) == (200, b"")
+    assert headers[b"content-type"] == b"application/json"
