@@ -106,12 +106,12 @@ class BenchConfig:
             raise ConfigError("--range-ratio must be in [0, 1)")
         if args.max_tokens is not None and args.max_tokens < 1:
             raise ConfigError("--max-tokens must be >= 1")
-        if args.burstiness <= 0:
-            raise ConfigError("--burstiness must be > 0")
+        if not (math.isfinite(args.burstiness) and args.burstiness > 0):  # inf: Infinity in the JSON
+            raise ConfigError("--burstiness must be a finite number > 0")
         if args.warmup < 0 or args.repeat < 1:
             raise ConfigError("--warmup must be >= 0 and --repeat >= 1")
-        if args.timeout <= 0:
-            raise ConfigError("--timeout must be > 0")
+        if not (math.isfinite(args.timeout) and args.timeout > 0):  # nan passed every comparison
+            raise ConfigError("--timeout must be a finite number > 0")
         return cls(
             base_url=args.base_url.rstrip("/"),
             model=args.model,

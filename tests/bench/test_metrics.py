@@ -165,3 +165,20 @@ def test_secrets_never_reach_the_results() -> None:
         "header": ["authorization: <redacted>", "X-Trace: 7"],
         "model": "m",
     }
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--burstiness", "inf"), ("--burstiness", "nan"),
+                                             ("--burstiness", "0"), ("--timeout", "nan"),
+                                             ("--timeout", "inf"), ("--timeout", "-1")])  # fmt: skip
+def test_burstiness_and_timeout_are_finite_and_positive(flag: str, value: str) -> None:
+    """nan passed every comparison and inf burstiness wrote Infinity into summary.json."""
+    import argparse
+
+    from bench.args import add_bench_args
+    from bench.client.config import BenchConfig
+
+    args = add_bench_args(argparse.ArgumentParser()).parse_args(
+        ["--base-url", "http://127.0.0.1:9", flag, value]
+    )
+    with pytest.raises(ConfigError, match=f"^{flag} must be a finite number > 0$"):
+        BenchConfig.from_args(args)
