@@ -24,13 +24,13 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from server.anthropic_protocol import CountTokensRequest, MessagesRequest, error_body
+from server.anthropic_protocol import CountTokensRequest, MessagesRequest, error_body, error_response
 from server.errors import APIError, validated
 from server.images import load_images, with_image_runs
 from server.params import chat_prompt
 from server.protocol import ChatCompletionChunk, ChatCompletionRequest
 from server.serving_chat import ChatChunks, create_chat_completion
-from server.serving_common import plan_off_loop, prompt_chars, stream_errors
+from server.serving_common import plan_off_loop, prompt_chars, refused_before_start, stream_errors
 from server.state import ServerState
 from server.streaming import SSEResponse
 
@@ -104,7 +104,10 @@ async def create_message(
     message_id = f"msg_{request_id}"
     model = state.answer_model(state.check_model(req.model))
     if isinstance(answer, ChatChunks):
-        return SSEResponse(_events(req, message_id, model, answer), on_close=answer.on_close)
+        # Held like the chat stream it relays: the engine process's admission refusal, its first
+        # message, is then a 429 in Anthropic's shape, not a 200 carrying an error event.
+        frames = _events(req, message_id, model, answer)
+        return SSEResponse(frames, on_close=answer.on_close, hold_start=True, error_response=error_response)
     data = json.loads(answer.body)  # type: ignore[attr-defined]
     choice = data["choices"][0]
     message = choice["message"]
@@ -216,8 +219,10 @@ async def _translate(
         }
         return _frame("message_start", {"message": message})
 
+    produced = False
     async with stream_errors() as failed:
         async for chunk in chunks:
+            produced = True
             if chunk.usage is not None:
                 last_usage = _usage_of(chunk.usage.model_dump())
             if not chunk.choices:
@@ -260,6 +265,7 @@ async def _translate(
                 continue
             for kind, payload in out:
                 yield _frame(kind, payload)
+    refused_before_start(failed, produced)
     if failed.error is not None:
         yield _frame("error", {"error": error_body(failed.error)["error"]})
         return

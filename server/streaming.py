@@ -13,7 +13,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
-from starlette.responses import StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from server.errors import APIError
 from server.middleware import Receive, Scope, Send
@@ -105,7 +105,8 @@ class SSEResponse(StreamingResponse):
     (the idle engine gathers a burst before it steps, ``AsyncEngine._gather_burst``). An
     ``APIError`` the frames raise before their first (an admission refused by the engine process:
     ``refused_before_start``) is then the response, with its own status, as if the handler had
-    raised it.
+    raised it; ``error_response`` renders it (OpenAI's error shape unless told: Anthropic's for
+    ``/v1/messages``).
     """
 
     def __init__(
@@ -114,12 +115,14 @@ class SSEResponse(StreamingResponse):
         headers: dict[str, str] | None = None,
         on_close: Callable[[], None] | None = None,
         hold_start: bool = False,
+        error_response: Callable[[APIError], Response] = APIError.to_response,
     ) -> None:
         merged = {"cache-control": "no-cache", "x-accel-buffering": "no", **(headers or {})}
         super().__init__(frames, media_type="text/event-stream", headers=merged)
         self.frames = frames
         self.on_close = on_close
         self.hold_start = hold_start
+        self.error_response = error_response
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # The frames run in this task (see _DisconnectCancels): the iterator's first step, which
@@ -152,7 +155,7 @@ class SSEResponse(StreamingResponse):
         except APIError as e:
             if not held:
                 raise
-            answer = e.to_response()
+            answer = self.error_response(e)
             await send({"type": "http.response.start", "status": e.status, "headers": answer.raw_headers})
             await send({"type": "http.response.body", "body": answer.body, "more_body": False})
             return
