@@ -126,16 +126,21 @@ def _children(pid: int) -> list[int]:
     return sorted(found)
 
 
-def _is_engine(pid: int) -> bool:
-    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+def _is_engine(pid: int) -> bool | None:
+    """Whether ``pid`` runs the engine (torch loaded); None when it has exited since it was listed."""
+    try:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return None
 
 
 def _processes(srv) -> tuple[int, list[int]]:
-    """(engine pid, API server pids) of a replica."""
-    kids = _children(srv.proc.pid)
-    engines = [p for p in kids if _is_engine(p)]
-    assert len(engines) == 1, kids
-    return engines[0], [p for p in kids if p != engines[0]]
+    """(engine pid, API server pids) of a replica; a child that exits meanwhile (one the supervisor
+    is replacing) is left out."""
+    kinds = {pid: _is_engine(pid) for pid in _children(srv.proc.pid)}
+    engines = [p for p, engine in kinds.items() if engine]
+    assert len(engines) == 1, kinds
+    return engines[0], [p for p, engine in kinds.items() if engine is False]
 
 
 def _alive(pid: int) -> bool:
