@@ -53,6 +53,15 @@ class TextBlock(_Request):
     type: Literal["text"]
     text: StrictStr
 
+    @field_validator("text")
+    @classmethod
+    def _non_empty(cls, text: str) -> str:
+        # Anthropic refuses an empty text block wherever it is (a message's, a tool result's, the
+        # system prompt's); the chat translation would render it as nothing, unsaid.
+        if not text:
+            raise ValueError("text content blocks must be non-empty")
+        return text
+
 
 class ToolUseBlock(_Request):
     type: Literal["tool_use"]
@@ -140,8 +149,9 @@ _SYSTEM_BLOCKS: dict[str, type[_Request]] = {"text": TextBlock}
 # pydantic's names for the members of a union in an error's location: nothing a client sent.
 _UNION_TAGS = ("str", "list", "dict", "none")
 # The blocks only one side of the conversation sends: the assistant calls tools, the user answers
-# them. Anthropic refuses either on the other side; the chat translation would drop it unsaid.
-_ROLE_OF_BLOCK = {"tool_use": "assistant", "tool_result": "user"}
+# them and shows images. Anthropic refuses each on the other side ("'image' blocks are not
+# permitted within assistant turns"); the chat translation would drop it unsaid.
+_ROLE_OF_BLOCK = {"tool_use": "assistant", "tool_result": "user", "image": "user"}
 
 
 def _check_block(block: Any, models: dict[str, type[_Request]], what: str, index: int) -> None:
@@ -184,10 +194,24 @@ class Message(_Request):
         for i, block in enumerate(self.content if isinstance(self.content, list) else ()):
             role = _ROLE_OF_BLOCK.get(block.type)
             if role is not None and role != self.role:
+                article = "an" if block.type[0] in "aeiou" else "a"
                 raise ValueError(
-                    f"content block {i} ({block.type}): a {block.type} block may appear only in the {role}'s messages"
+                    f"content block {i} ({block.type}): {article} {block.type} block may appear only "
+                    f"in the {role}'s messages"
                 )
         return self
+
+
+def _blocks(message: Message) -> list[ContentBlock]:
+    return message.content if isinstance(message.content, list) else []
+
+
+def _message_error(model: str, messages: list[Message], index: int, problem: str) -> ValidationError:
+    """A validation error of message ``index`` itself, so that the 400 names it (``messages.i``)."""
+    error = InitErrorDetails(
+        type=PydanticCustomError("value_error", problem), loc=(index,), input=messages[index].content
+    )
+    return ValidationError.from_exception_data(model, [error])
 
 
 class Tool(_Request):
@@ -239,11 +263,46 @@ class _Conversation(_Request):
                 if len(messages) == 1
                 else "all messages must have non-empty content except for the optional final assistant message"
             )
-            # Raised as a validation error of the message itself, so the 400 names it (messages.i).
-            error = InitErrorDetails(
-                type=PydanticCustomError("value_error", problem), loc=(i,), input=m.content
-            )
-            raise ValidationError.from_exception_data(cls.__name__, [error])
+            raise _message_error(cls.__name__, messages, i, problem)
+        return messages
+
+    @field_validator("messages")
+    @classmethod
+    def _results_answer_calls(cls, messages: list[Message]) -> list[Message]:
+        """Anthropic's pairing of calls and results: each ``tool_result`` answers a ``tool_use`` of
+        the assistant turn just before it, and the turn after an assistant turn with ``tool_use``
+        blocks answers every one of them (a conversation may end at the calls). Consecutive
+        messages of one role are one turn, as Anthropic combines them. The chat translation would
+        otherwise show the model a result of no call, or a call that was never answered."""
+        calls: dict[str, int] = {}  # the last assistant turn's tool_use ids -> their message
+        answered: set[str] = set()
+        for i, m in enumerate(messages):
+            if m.role == "assistant":
+                if i > 0 and messages[i - 1].role == "user":
+                    calls, answered = {}, set()  # a new assistant turn
+                calls.update({b.id: i for b in _blocks(m) if isinstance(b, ToolUseBlock)})
+                continue
+            for j, b in enumerate(_blocks(m)):
+                if isinstance(b, ToolResultBlock):
+                    if b.tool_use_id not in calls:
+                        problem = (
+                            f"content block {j} (tool_result): unexpected `tool_use_id` found in `tool_result` "
+                            f"blocks: {b.tool_use_id}. Each `tool_result` block must have a corresponding "
+                            "`tool_use` block in the previous message."
+                        )
+                        raise _message_error(cls.__name__, messages, i, problem)
+                    answered.add(b.tool_use_id)
+            if i + 1 < len(messages) and messages[i + 1].role == "user":
+                continue  # the user's turn goes on
+            missing = [call for call in calls if call not in answered]
+            if missing:
+                problem = (
+                    f"`tool_use` ids were found without `tool_result` blocks immediately after: "
+                    f"{', '.join(missing)}. Each `tool_use` block must have a corresponding `tool_result` "
+                    "block in the next message."
+                )
+                raise _message_error(cls.__name__, messages, calls[missing[0]], problem)
+            calls = {}
         return messages
 
     @field_validator("system", mode="before")

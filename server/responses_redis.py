@@ -5,7 +5,9 @@ Keys, each ``PX`` the record's TTL unless said otherwise: the record ``ferry:res
 JSON); a background response's events, the stream ``ferry:response-events:{id}`` (entry id
 ``0-{sequence_number + 1}``, field ``e`` the SSE frame, ``MAXLEN`` ``EVENT_LOG_LIMIT``); its cancel
 flag ``ferry:response-cancel:{id}``; the lease of the process running it
-``ferry:response-lease:{id}`` (``PX`` the lease's own short TTL, ``server/responses_lease.py``).
+``ferry:response-lease:{id}`` (``PX`` the lease's own short TTL, ``server/responses_lease.py``);
+each item of a record, ``ferry:response-item:{item id}`` = the id of the latest record written that
+holds it (left to expire when that record is deleted: ``find_item`` then finds no record).
 Every call that fails raises ``StoreUnavailable``.
 """
 
@@ -16,12 +18,20 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-from server.responses_store import EVENT_LOG_LIMIT, EVENT_READ_BATCH, StoreUnavailable, encode, says_running
+from server.responses_store import (
+    EVENT_LOG_LIMIT,
+    EVENT_READ_BATCH,
+    StoreUnavailable,
+    encode,
+    item_ids,
+    says_running,
+)
 
 KEY_PREFIX = "ferry:response:"
 EVENTS_PREFIX = "ferry:response-events:"
 CANCEL_PREFIX = "ferry:response-cancel:"
 LEASE_PREFIX = "ferry:response-lease:"
+ITEM_PREFIX = "ferry:response-item:"
 
 
 def _ms(seconds: float) -> int:
@@ -65,8 +75,18 @@ class RedisResponseStore:
 
     async def put(self, response_id: str, record: dict[str, Any]) -> bool:
         with self._failing():
-            await self._client.set(KEY_PREFIX + response_id, encode(record), px=self.ttl_ms)
+            async with self._client.pipeline(transaction=False) as pipe:
+                pipe.set(KEY_PREFIX + response_id, encode(record), px=self.ttl_ms)
+                for item_id in item_ids(record):
+                    pipe.set(ITEM_PREFIX + item_id, response_id, px=self.ttl_ms)
+                await pipe.execute()
         return True
+
+    async def find_item(self, item_id: str) -> dict[str, Any] | None:
+        with self._failing():
+            response_id = await self._client.get(ITEM_PREFIX + item_id)
+            data = None if response_id is None else await self._client.get(KEY_PREFIX + response_id.decode())
+        return None if data is None else json.loads(data)
 
     async def delete(self, response_id: str) -> bool:
         with self._failing():

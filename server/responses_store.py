@@ -18,6 +18,12 @@ Where records live (``ferry serve --responses-store``):
   value the record's JSON.
 * ``none``: nothing is stored; ``previous_response_id`` is a 400.
 
+An input item may name a stored item instead of repeating it (``{"type": "item_reference", "id"}``,
+``server/responses_refs.py``): every item of a record (its ``input`` and its response's ``output``)
+is indexed by id, pointing at the latest record written that holds it (Redis: the key
+``ferry:response-item:{item id}`` = the response id, with the record's TTL; in memory, beside the
+records and gone with the one it points at). ``find_item`` reads the record an item id points at.
+
 Records expire ``--responses-store-ttl`` seconds after they were written (30 days by default, as
 long as OpenAI keeps them). A store that fails (Redis down) raises ``StoreUnavailable``; the
 server answers 503 to what needs a record and still serves the rest.
@@ -76,7 +82,13 @@ class ResponseStore(Protocol):
     async def get(self, response_id: str) -> dict[str, Any] | None: ...
 
     async def put(self, response_id: str, record: dict[str, Any]) -> bool:
-        """Store ``record``; False if it was not kept (larger than the whole store)."""
+        """Store ``record`` and index its items (``item_ids``); False if it was not kept (larger
+        than the whole store)."""
+        ...
+
+    async def find_item(self, item_id: str) -> dict[str, Any] | None:
+        """The latest record written that holds item ``item_id``, or None (never stored, expired,
+        or its record deleted)."""
         ...
 
     async def delete(self, response_id: str) -> bool:
@@ -122,6 +134,12 @@ class ResponseStore(Protocol):
     async def close(self) -> None: ...
 
 
+def item_ids(record: dict[str, Any]) -> list[str]:
+    """The ids of a record's items: the conversation before its response, then the output."""
+    items = [*record.get("input", ()), *record["response"].get("output", ())]
+    return [item["id"] for item in items if isinstance(item, dict) and isinstance(item.get("id"), str)]
+
+
 def encode(record: dict[str, Any]) -> bytes:
     return json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode()
 
@@ -159,6 +177,8 @@ class MemoryRecords:
         self._logs: dict[str, _EventLog] = {}
         self._cancels: set[str] = set()
         self._leases: dict[str, float] = {}  # response id -> when its lease expires (clock)
+        self._item_records: dict[str, str] = {}  # item id -> the latest record holding it
+        self._items_of: dict[str, set[str]] = {}  # response id -> the item ids it indexed
         self.bytes = 0
 
     def __len__(self) -> int:
@@ -180,7 +200,9 @@ class MemoryRecords:
             self._records.move_to_end(response_id)
         return data
 
-    def put(self, response_id: str, data: bytes) -> bool:
+    def put(self, response_id: str, data: bytes, items: Iterable[str] = ()) -> bool:
+        """``items``: the record's item ids (``item_ids``), indexed to it; a record replaced
+        without them keeps the ones it indexed."""
         if len(data) > self.max_bytes:
             self.delete(response_id)
             return False
@@ -189,8 +211,16 @@ class MemoryRecords:
             self.bytes -= len(old[1])
         self._records[response_id] = (self._clock() + self.ttl_s, data)
         self.bytes += len(data)
+        indexed = self._items_of.setdefault(response_id, set())
+        for item_id in items:
+            self._item_records[item_id] = response_id
+            indexed.add(item_id)
         self._evict()
         return True
+
+    def find_item(self, item_id: str) -> bytes | None:
+        response_id = self._item_records.get(item_id)
+        return None if response_id is None else self.get(response_id)
 
     def delete(self, response_id: str) -> bool:
         entry = self._records.pop(response_id, None)
@@ -202,6 +232,9 @@ class MemoryRecords:
             self.bytes -= log.bytes
         self._cancels.discard(response_id)
         self._leases.pop(response_id, None)
+        for item_id in self._items_of.pop(response_id, ()):
+            if self._item_records.get(item_id) == response_id:  # not since indexed to a later one
+                del self._item_records[item_id]
         self._publish()
         return True
 
@@ -272,8 +305,8 @@ class MemoryRecords:
 
 # What an API server process may ask of the engine process's MemoryRecords (``EngineClient.store``).
 MEMORY_OPS = frozenset(
-    "get put delete append_events read_events request_cancel cancel_requested claim renew_leases "
-    "lease_held replace_orphan events_end".split()
+    "get put find_item delete append_events read_events request_cancel cancel_requested claim "
+    "renew_leases lease_held replace_orphan events_end".split()
 )
 
 
@@ -290,7 +323,11 @@ class MemoryResponseStore:
         return None if data is None else json.loads(data)
 
     async def put(self, response_id: str, record: dict[str, Any]) -> bool:
-        return self.records.put(response_id, encode(record))
+        return self.records.put(response_id, encode(record), item_ids(record))
+
+    async def find_item(self, item_id: str) -> dict[str, Any] | None:
+        data = self.records.find_item(item_id)
+        return None if data is None else json.loads(data)
 
     async def delete(self, response_id: str) -> bool:
         return self.records.delete(response_id)
@@ -346,7 +383,11 @@ class RemoteResponseStore:
         return None if data is None else json.loads(data)
 
     async def put(self, response_id: str, record: dict[str, Any]) -> bool:
-        return bool(await self._store("put", response_id, encode(record)))
+        return bool(await self._store("put", response_id, encode(record), item_ids(record)))
+
+    async def find_item(self, item_id: str) -> dict[str, Any] | None:
+        data = await self._store("find_item", item_id)
+        return None if data is None else json.loads(data)
 
     async def delete(self, response_id: str) -> bool:
         return bool(await self._store("delete", response_id))

@@ -8,6 +8,9 @@ item after it, as OpenAI's output lists items. Each item is done before the next
 OpenAI streams them: a function call as soon as its arguments are complete (``_Output.feed``), not
 when the answer ends, so a client can run it at once. A whole (non-streamed) answer is read from the
 same chunks by the same ``_Output`` (``collect``), so it has the output a stream of it ends with.
+A stream that fails part way (an engine error, ``--request-timeout``) ends with an ``error`` event
+and ``response.failed`` (OpenAI's ``response.incomplete`` is for a cut answer only); the items the
+failure cut off are done ``incomplete``, as a cut answer's are.
 
 For a router that may resume the stream elsewhere (``router/responses_stream.py``), two internal
 request fields change the stream, never its content:
@@ -358,7 +361,10 @@ async def _translate(
                 yield ids, out
     if failed.error is not None:
         err = failed.error
-        end = last[1] + output.close_open()
+        # The items the failure cut off are incomplete, as a cut answer's are (``finish``), its
+        # function calls too (their arguments may be partial JSON); items done before it stay
+        # completed. The response failed: no empty message is added for it.
+        end = last[1] + output.close_open("incomplete") + output.close_calls("incomplete")
         output.ordered()
         end.append(("error", {"code": err.code, "message": err.message, "param": err.param}))
         built.status, built.error = "failed", {"code": err.code or "server_error", "message": err.message}

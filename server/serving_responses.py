@@ -14,7 +14,8 @@ body, written by the same code (``collect``): both give the same output items.
 on the ``output_text`` parts and text delta events.
 
 A response is stored unless the request says ``store: false`` (or the replica runs with
-``--responses-store none``): ``previous_response_id`` continues it, and ``GET`` / ``DELETE
+``--responses-store none``): ``previous_response_id`` continues it, an input ``item_reference``
+names one of its items (``server/responses_refs.py``), and ``GET`` / ``DELETE
 /v1/responses/{id}`` and its ``input_items`` read and drop it (``server/responses_store.py``).
 With ``background: true`` (stored responses only) the answer is the queued response (or, with
 ``stream``, its events as they come) and the generation runs on (``server/responses_background.py``).
@@ -36,6 +37,7 @@ from server.errors import APIError, bad_request, unavailable, validation_error
 from server.middleware import response_id_for
 from server.protocol import ChatCompletionRequest, _Request
 from server.responses_input import InputError, chat_messages, chat_tools, input_items
+from server.responses_refs import resolve_references
 from server.responses_store import RUNNING, StoreUnavailable
 from server.responses_stream import collect, events
 from server.serving_chat import ChatChunks, create_chat_completion
@@ -424,6 +426,9 @@ async def create_response(
                 code="previous_response_in_progress",
             )
         context = record["input"] + record["response"]["output"]
+    resolved = await resolve_references(state.responses, req.input)
+    if resolved is not req.input:  # item references: the stored items they name from here on
+        req = req.model_copy(update={"input": resolved})
     own = input_items(req.input)
     if req.resume is None and req.store is not False and state.responses is not None:
         await _refuse_a_taken_id(state, response_id_for(request_id), context + own)
