@@ -335,7 +335,10 @@ def test_a_killed_replicas_background_response_fails_once_its_lease_lapses(
             last_pttl = pttl
             time.sleep(0.02)
         assert all(_client(a.url).responses.retrieve(i).usage.output_tokens == 600 for i in ids)
-        assert set(polled.values()) == {"incomplete"} and renewed >= 2, (polled, renewed)
+        # Seen going up once at least (a poll can take longer than the renewal period under load,
+        # and then sees a fresh TTL each time); the lease held past its 1 s TTL all along is
+        # checked by the pttl assertion in the loop.
+        assert set(polled.values()) == {"incomplete"} and renewed >= 1, (polled, renewed)
         first = first_events(_client(srv.url).responses.create(stream=True, **body), 3)  # it runs
         response_id = first[0].response.id
         while store.xlen(f"ferry:response-events:{response_id}") < 3:  # its first batch is kept
