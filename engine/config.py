@@ -71,6 +71,12 @@ class EngineConfig:
     # (a hung kernel or collective, a deadlock): the engine reports unhealthy (/health 503) until
     # it ends, and logs where the loop is (vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S); 0: never.
     step_timeout_s: float = 60.0
+    # Most CPU time of the engine thread a request's structured-outputs grammar may cost a token
+    # (its mask fill and advance), as a mean over its last 8 tokens with the costliest left out
+    # (engine/grammar_matcher.py): past it the request is ended with an error (a 400), since
+    # every request in the batch waits for its mask. Cheap grammars cost 0.001-0.1 ms (1-3 ms at a
+    # 150k vocabulary); known costly ones 7-40 ms at 20k, growing with the vocabulary. 0: no limit.
+    structured_outputs_mask_budget_ms: float = 50.0
     # vLLM's: fcfs (arrival order) | priority (requests' priority, lower first; engine/scheduler.py)
     scheduling_policy: str = "fcfs"
     # vLLM's name: a prefill computes at most this many tokens per step (0: no cap beyond the
@@ -159,6 +165,11 @@ class EngineConfig:
         wait = self.burst_wait_ms
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 10_000:
             raise ValueError(f"burst_wait_ms must be a number of milliseconds in [0, 10000], got {wait!r}")
+        budget = self.structured_outputs_mask_budget_ms
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 <= budget < 1e9:
+            raise ValueError(
+                f"structured_outputs_mask_budget_ms must be a number of milliseconds >= 0, got {budget!r}"
+            )
         timeout = self.step_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout < 1e9:
             raise ValueError(f"step_timeout_s must be a number of seconds >= 0, got {timeout!r}")

@@ -24,6 +24,15 @@ _BOUNDED_CHARACTER = re.compile(r'^(\S+) ::= \(\(\[\^\\"\\\\\\r\\n\]\)\)$', re.M
 # growing with the position past 128; 0.02 ms with this class). Surrogates are left out: xgrammar
 # takes their UTF-8 form (ED A0 80), which is no UTF-8, and decodes as three characters.
 _PLAIN_CHARACTER = r"(([^\0-\x1f\"\\\ud800-\udfff]))"
+# The character class xgrammar writes for a character of an unbounded JSON string (its
+# "basic_string_sub"; json_object, any-typed values and property names use it too), matched outside
+# string literals: it takes a surrogate's UTF-8 form (ED A0 80..ED BF BF), which is no UTF-8, so
+# a byte-level vocabulary could write a string no strict reader decodes. Made ``_STRING_CLASS``:
+# the same class without surrogates (the same cost a token: bench/grammar_cost.py).
+_STRING_CLASS_XGR = r"[^\0-\x1f\"\\\r\n]"
+_STRING_CLASS = r"[^\0-\x1f\"\\\r\n\ud800-\udfff]"
+# A string literal or a character class of xgrammar's printed grammar (each skipped whole).
+_LITERAL_OR_CLASS = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]')
 # A repetition "rule{n, -1}" (at least n: a minItems, a minLength) as xgrammar prints it, matched
 # outside string literals and character classes. Past n = 128 xgrammar expands it as
 # "rule* rule{n-128} rule{128}": its parser then follows every way of splitting the items between
@@ -38,9 +47,13 @@ _ONE_CLASS_RULE = re.compile(r"^(\S+) ::= \(\(\[(?:[^\]\\]|\\.)*\]\)\)$", re.M)
 
 def json_grammar(text: str) -> str | None:
     """xgrammar's grammar ``text`` for a JSON schema (or a structural tag) with its bounded strings'
-    character rule made ``_PLAIN_CHARACTER`` and its long "at least" repetitions unambiguous
-    (``_AT_LEAST``); None when it has neither."""
+    character rule made ``_PLAIN_CHARACTER``, its unbounded strings' class ``_STRING_CLASS`` (no
+    surrogates) and its long "at least" repetitions unambiguous (``_AT_LEAST``); None when it has
+    none of them."""
     fixed = _BOUNDED_CHARACTER.sub(lambda m: f"{m.group(1)} ::= {_PLAIN_CHARACTER}", text)
+    fixed = _LITERAL_OR_CLASS.sub(
+        lambda m: _STRING_CLASS if m.group(0) == _STRING_CLASS_XGR else m.group(0), fixed
+    )
     classes = set(_ONE_CLASS_RULE.findall(fixed))
     fixed = _AT_LEAST.sub(lambda m: _at_least(m, classes), fixed)
     return None if fixed == text else fixed

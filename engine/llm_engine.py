@@ -128,7 +128,12 @@ class LLMEngine(EngineSleep):
             self.tokenizer, self.max_model_len, self.sampling_vocab_size, config.logprobs_mode
         )
         self.logit_rows = logit_rows(config)  # prompt logprobs' chunk: what the activation reserve counts
-        self.grammars = GrammarCompiler(self.tokenizer, self.sampling_vocab_size, self.eos_token_ids)
+        self.grammars = GrammarCompiler(
+            self.tokenizer,
+            self.sampling_vocab_size,
+            self.eos_token_ids,
+            mask_budget_ms=config.structured_outputs_mask_budget_ms,
+        )
         self.requests: dict[str, Request] = {}
         # Finished requests whose final output waits for the KV connector's report (a PD
         # producer's prompt blocks being written to the tier), with that output.

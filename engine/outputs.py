@@ -26,6 +26,9 @@ class CompletionOutput:
     logprobs: list[PositionLogprobs] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    # With finish_reason "abort": why the engine ended it, for the client (its structured-outputs
+    # grammar cost the engine thread too much a token: engine/grammar_matcher.py); None otherwise.
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -1,8 +1,9 @@
 """After sampling: append tokens, apply stop conditions, detokenize, and build RequestOutputs.
 
 Stop order per sampled token: a structured-outputs grammar that is complete (its stop token
-accepted, whatever ignore_eos says), EOS (unless ignore_eos), a ``stop_token_ids`` id, a stop string
-(found by the detokenizer), ``max_tokens`` (-> "length"), ``max_model_len`` (-> "length"). EOS
+accepted, whatever ignore_eos says), one past its cost budget ("abort", with ``error``), EOS
+(unless ignore_eos), a ``stop_token_ids`` id, a stop string (found by the detokenizer),
+``max_tokens`` (-> "length"), ``max_model_len`` (-> "length"). EOS
 and stop ids are masked by the sampler until ``min_tokens`` is reached; stop strings count only
 once more than ``min_tokens`` tokens are out (the detokenizer checks).
 """
@@ -65,6 +66,11 @@ class Postprocessor:
             reason = "abort"
         elif req.grammar is not None and req.grammar.terminated:
             reason = "stop"
+        elif req.grammar is not None and req.grammar.error is not None:
+            # Its mask costs the engine thread more than the budget a token, and every request in
+            # the batch waits for it: ended, with the reason for the client.
+            log.warning("request %s: ended after %d tokens: %s", req.request_id, n_out, req.grammar.error)
+            reason = "abort"
         elif n_out >= params.min_tokens:
             if token in req.eos_token_ids and not params.ignore_eos:
                 reason = "stop"
@@ -110,6 +116,7 @@ class Postprocessor:
             logprobs=logprobs,
             finish_reason=req.finish_reason,
             stop_reason=req.stop_reason,
+            error=req.grammar.error if req.finish_reason == "abort" and req.grammar is not None else None,
         )
         return RequestOutput(
             request_id=req.request_id,

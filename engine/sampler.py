@@ -28,11 +28,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.grammar_matcher import mask_to_grammars
 from engine.sampling_params import LOGPROBS_MODES, SamplingParams
-from engine.structured_output import mask_to_grammars
 
 if TYPE_CHECKING:
-    from engine.structured_output import RequestGrammar
+    from engine.grammar_matcher import RequestGrammar
 
 _MASK64 = (1 << 64) - 1
 # On CPU, top_p first looks for its cut-off among this many most likely tokens; only rows whose

@@ -11,7 +11,10 @@ request with ``finish_reason="stop"`` whatever ``ignore_eos`` says (there is not
 
 Compiling may take milliseconds to seconds for a large schema, so the async engine compiles in a
 worker thread, never on the event loop or the engine thread; the engine thread only fills masks
-and advances matchers (microseconds per token).
+and advances matchers (microseconds per token; a grammar that costs more is ended as it runs:
+``engine/grammar_matcher.py``). At most ``MAX_CONCURRENT_COMPILES`` compiles run at once (xgrammar's
+compile releases the GIL), so a trivial schema never waits behind one costly compile; requests for
+the same constraint share one compile.
 
 A JSON schema's ``allOf`` is merged into one schema first (xgrammar enforces none of more than one
 member), and that merged schema is compiled: a json constraint's, and each one a structural tag holds.
@@ -39,11 +42,11 @@ import threading
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from engine.grammar_limits import choice_problem, regex_problem, schema_problem
+from engine.grammar_matcher import BudgetedGrammar, RequestGrammar
 from engine.grammar_rewrites import json_grammar, regex_automaton
 from engine.json_schema_merge import declare_required, merge_all_of
 from engine.json_schema_support import map_tag_schemas, tag_schemas, unenforced_keyword
@@ -56,6 +59,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# Compiles running at once, each on at most a quarter of the cores (at least one thread): a costly
+# compile (thousands of optional properties took 16 s here) then holds one slot while a trivial
+# schema compiles in the other, and compiles never take more than about half the cores (both of
+# a 2-core machine while two run at once) from the engine's steps.
+MAX_CONCURRENT_COMPILES = 2
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: " and sometimes a
 # "Check failed: (...) is false: " clause; the client needs only the reason after them.
 _XGR_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*(?:Check failed:.*? is false:\s*)?", re.S)
@@ -79,21 +87,31 @@ class GrammarCompiler:
     """
 
     def __init__(
-        self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: Sequence[int], cache_size: int = 256
+        self,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        stop_token_ids: Sequence[int],
+        cache_size: int = 256,
+        mask_budget_ms: float = 0.0,
     ) -> None:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
+        # A request's grammar may cost the engine thread this many ms a token (0: no limit).
+        self.mask_budget_ms = mask_budget_ms
         self._cache_size = cache_size
         self._cache: OrderedDict[StructuredOutputsParams, xgr.CompiledGrammar] = OrderedDict()
-        self._lock = threading.Lock()
-        # One compile at a time, on at most half the cores: a costly schema (thousands of optional
-        # properties took 16 s here) then delays other compiles, never the engine's steps.
-        self._compiling = threading.Lock()
+        self._lock = threading.Lock()  # the cache and the compiles in flight; held for microseconds
+        self._building = threading.Lock()  # the vocabulary table, built once (seconds, 150k vocab)
+        self._slots = threading.BoundedSemaphore(MAX_CONCURRENT_COMPILES)
+        # Each constraint being compiled now, with its result to come: a second request for it
+        # waits for that (holding no slot) instead of compiling it again.
+        self._in_flight: dict[StructuredOutputsParams, Future[xgr.CompiledGrammar]] = {}
+        self._running: list[StructuredOutputsParams] = []  # those holding a slot
         self._compiler: xgr.GrammarCompiler | None = None
 
     def _xgr_compiler(self) -> xgr.GrammarCompiler:
-        with self._lock:
+        with self._building:
             if self._compiler is None:
                 import xgrammar as xgr
                 from transformers import PreTrainedTokenizerFast
@@ -104,10 +122,9 @@ class GrammarCompiler:
                 info = xgr.TokenizerInfo.from_huggingface(
                     hf, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
                 )
+                threads = max(1, min(8, (os.cpu_count() or 1) // 2) // MAX_CONCURRENT_COMPILES)
                 # Our own LRU holds the results; xgrammar's cache would keep a second copy.
-                self._compiler = xgr.GrammarCompiler(
-                    info, max_threads=max(1, min(8, (os.cpu_count() or 1) // 2)), cache_enabled=False
-                )
+                self._compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
             return self._compiler
 
     def cached(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar | None:
@@ -119,12 +136,43 @@ class GrammarCompiler:
                 self._cache.move_to_end(spec)
             return hit
 
+    @property
+    def compiling(self) -> list[StructuredOutputsParams]:
+        """The constraints xgrammar is compiling now (each once, however many requests wait for it;
+        not those waiting for a free slot)."""
+        with self._lock:
+            return list(self._running)
+
     def compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
-        """The compiled grammar of ``spec``; ValueError with the reason when it is not a valid one."""
-        hit = self.cached(spec)
-        if hit is not None:
-            return hit
+        """The compiled grammar of ``spec``; ValueError with the reason when it is not a valid one.
+        A constraint another thread is compiling now is waited for, not compiled again."""
         spec = spec.grammar_key
+        with self._lock:
+            hit = self._cache.get(spec)
+            if hit is not None:
+                self._cache.move_to_end(spec)
+                return hit
+            pending = self._in_flight.get(spec)
+            if pending is None:
+                mine: Future[xgr.CompiledGrammar] = Future()
+                self._in_flight[spec] = mine
+        if pending is not None:
+            try:
+                return pending.result()
+            except ValueError as e:  # the same refusal, raised anew in this thread
+                raise ValueError(str(e)) from None
+        try:
+            compiled = self._compile_new(spec)
+        except BaseException as e:
+            mine.set_exception(e)
+            raise
+        finally:
+            with self._lock:  # after the cache has it: a later request finds one or the other
+                del self._in_flight[spec]
+        mine.set_result(compiled)
+        return compiled
+
+    def _compile_new(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
         spec.validate()
         compiler = self._xgr_compiler()
         kind = spec.kind
@@ -140,11 +188,14 @@ class GrammarCompiler:
         costly = _costly(spec, kind, schema)
         if costly is not None:
             raise ValueError(f"structured outputs {kind} {costly}")
-        with self._compiling:
-            hit = self.cached(spec)  # compiled by whoever held the lock before
-            if hit is not None:
-                return hit
-            compiled = self._compile(compiler, spec, kind, any_ws, schema)
+        with self._slots:
+            with self._lock:
+                self._running.append(spec)
+            try:
+                compiled = self._compile(compiler, spec, kind, any_ws, schema)
+            finally:
+                with self._lock:
+                    self._running.remove(spec)
         problem = _unenforced(spec, kind, schema)
         if problem is not None:
             raise ValueError(f"structured outputs {kind} {problem}, which structured outputs cannot enforce")
@@ -162,7 +213,7 @@ class GrammarCompiler:
             if kind == "json":
                 compiled = _compile_json_schema(compiler, schema, any_ws)
             elif kind == "json_object":
-                compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=any_ws)
+                compiled = _compile_json_schema(compiler, '{"type": "object"}', any_ws)
             elif kind == "regex":
                 compiled = _compile_regex(compiler, spec.regex or "")
             elif kind == "choice":
@@ -187,83 +238,13 @@ class GrammarCompiler:
             raise ValueError(f"invalid structured outputs {kind}: no output of this model can satisfy it")
 
     def matcher(self, compiled: xgr.CompiledGrammar, after_token_id: int | None = None) -> RequestGrammar:
+        """A request's matcher; one whose cost a token is checked when there is a budget."""
         import xgrammar as xgr
 
-        return RequestGrammar(xgr.GrammarMatcher(compiled), self.stop_token_ids, after_token_id)
-
-
-class RequestGrammar:
-    """One sequence's position in its grammar. With ``waiting_for`` set the grammar has not
-    started: every token is allowed and taken until that one (a reasoning model's end of
-    thinking) has been generated."""
-
-    __slots__ = ("_matcher", "stop_token_ids", "waiting_for")
-
-    def __init__(self, matcher: Any, stop_token_ids: list[int], waiting_for: int | None = None) -> None:
-        self._matcher = matcher
-        self.stop_token_ids = stop_token_ids
-        self.waiting_for = waiting_for
-
-    def accept(self, token_id: int) -> bool:
-        """Advance by ``token_id``; False (state unchanged) when the grammar does not allow it."""
-        if self.waiting_for is not None:
-            if token_id == self.waiting_for:
-                self.waiting_for = None
-            return True
-        return bool(self._matcher.accept_token(int(token_id)))
-
-    @property
-    def active(self) -> bool:
-        """The grammar decides the next token (it has started and is not finished)."""
-        return self.waiting_for is None and not self._matcher.is_terminated()
-
-    @property
-    def terminated(self) -> bool:
-        """A stop token was accepted after a complete sentence: the output is finished."""
-        return self.waiting_for is None and bool(self._matcher.is_terminated())
-
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        self._matcher.fill_next_token_bitmask(bitmask, row)
-
-
-# Bit j of a bitmask word, as int32 (bit 31 is the sign bit).
-_BITS = torch.tensor([1 << j if j < 31 else -(1 << 31) for j in range(32)], dtype=torch.int32)
-
-
-def mask_to_grammars(
-    logits: torch.Tensor, grammars: Sequence[RequestGrammar | None]
-) -> tuple[torch.Tensor, list[int]]:
-    """A copy of ``logits`` in which every token a row's grammar does not allow next is -inf, and
-    the rows concerned. ``logits`` is ``[rows, vocab]`` (the tokenizer's vocabulary, no padding)
-    and is left as it is.
-
-    On CPU the bitmask is expanded with torch (one ``&`` and a ``where``, multithreaded): measured
-    6x faster than xgrammar's own CPU kernel for 32 rows x 32k tokens (0.67 vs 4.2 ms). Elsewhere
-    xgrammar's kernel runs.
-    """
-    import xgrammar as xgr
-
-    rows = [i for i, g in enumerate(grammars) if g is not None and g.active]
-    if not rows:
-        return logits, []
-    num_rows, vocab = logits.shape
-    bitmask = xgr.allocate_token_bitmask(num_rows, vocab)
-    for i in rows:
-        grammars[i].fill(bitmask, i)  # type: ignore[union-attr]
-    if logits.device.type != "cpu":
-        out = logits.clone()
-        xgr.apply_token_bitmask_inplace(out, bitmask.to(logits.device), indices=rows)
-        return out, rows
-    everyone = len(rows) == num_rows
-    words = bitmask if everyone else bitmask[rows]
-    allowed = (words.unsqueeze(-1) & _BITS).ne(0).view(len(rows), -1)[:, :vocab]
-    neg_inf = torch.tensor(float("-inf"), dtype=logits.dtype)
-    if everyone:
-        return torch.where(allowed, logits, neg_inf), rows
-    out = logits.clone()
-    idx = torch.tensor(rows, dtype=torch.long)
-    out[idx] = torch.where(allowed, logits[idx], neg_inf)
-    return out, rows
+        matcher = xgr.GrammarMatcher(compiled)
+        if self.mask_budget_ms > 0:
+            return BudgetedGrammar(matcher, self.stop_token_ids, after_token_id, self.mask_budget_ms)
+        return RequestGrammar(matcher, self.stop_token_ids, after_token_id)
 
 
 def _rewritten(schema: Any) -> Any:

@@ -263,6 +263,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "503 (so an orchestrator restarts the replica) until it ends; 0: never",
     )
     p.add_argument(
+        "--structured-outputs-mask-budget-ms",
+        type=float,
+        default=d.structured_outputs_mask_budget_ms,
+        help="most CPU time of the engine thread a request's structured-outputs grammar may cost a "
+        "token (mean of its last 8, the costliest left out); past it the request ends with a 400 "
+        "naming the cost, as every request in the batch waits for its mask; 0: no limit",
+    )
+    p.add_argument(
         "--scheduling-policy",
         default=d.scheduling_policy,
         choices=["fcfs", "priority"],

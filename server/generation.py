@@ -286,6 +286,10 @@ class Generation:
                         )
                         if deadline.timed_out and reason == "abort":
                             raise timeout_error(self.config.request_timeout or 0.0)
+                        if out.outputs and out.outputs[0].error is not None:
+                            # The engine ended it for what its constraint costs: the client's doing.
+                            metrics.structured_outputs_too_costly.inc()
+                            raise bad_request(out.outputs[0].error, code="structured_outputs_too_costly")
                     yield out
             finally:
                 with contextlib.suppress(Exception):

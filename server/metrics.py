@@ -307,6 +307,13 @@ class ServerMetrics:
             labels,
             registry=reg,
         ).labels(model_name)
+        self.structured_outputs_too_costly = Counter(
+            "ferry:structured_outputs_too_costly",
+            "Requests ended because their structured-outputs grammar cost the engine thread more than "
+            "--structured-outputs-mask-budget-ms a token (each also counted as an abort).",
+            labels,
+            registry=reg,
+        ).labels(model_name)
         self.responses_not_stored = Counter(
             "ferry:responses_not_stored",
             "Responses asked to be stored that were not (the response store failed or was too small).",

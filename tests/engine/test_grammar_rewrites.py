@@ -161,3 +161,46 @@ def test_a_one_of_whose_members_share_a_value_is_refused(grammars) -> None:
         "structured outputs json uses the JSON Schema keyword 'oneOf' with members 0 and 1, which can "
         "match the same value, which structured outputs cannot enforce"
     )
+
+
+_UNBOUNDED_STRINGS = {
+    "string": (SO(json={"type": "string"}), b'"', b'"'),
+    "json_object": (SO(json_object=True), b'{"k": "', b'"}'),
+    "property name": (SO(json={"type": "object", "additionalProperties": INT}), b'{"', b'": 1}'),
+    "structural tag": (
+        SO(
+            structural_tag={
+                "structures": [{"begin": "<f>", "schema": {"type": "string"}, "end": "</f>"}],
+                "triggers": ["<f>"],
+            }
+        ),
+        b'<f>"',
+        b'"</f>',
+    ),
+}
+
+
+def _walk_bytes(grammars: GrammarCompiler, compiled: xgr.CompiledGrammar, data: bytes) -> int | None:
+    """Feed ``data`` a byte a token (the tiny vocabulary is byte-level: every byte is a token); the
+    index of the first byte refused, or None when all were taken."""
+    tokenizer = grammars._tokenizer
+    by_byte = {tokenizer.token_bytes(t): t for t in range(grammars.vocab_size)}
+    matcher = xgr.GrammarMatcher(compiled)
+    for i, byte in enumerate(data):
+        if not matcher.accept_token(by_byte[bytes([byte])]):
+            return i
+    return None
+
+
+@pytest.mark.parametrize("where", list(_UNBOUNDED_STRINGS))
+def test_an_unbounded_json_string_takes_no_surrogate(grammars, where: str) -> None:
+    """xgrammar's class for a character of an unbounded JSON string takes the UTF-8 form of a
+    surrogate (ED A0 80 is U+D800's), which is no UTF-8: a byte-level model could write a string no
+    strict reader decodes. The class is compiled without surrogates; the characters around them,
+    and those beyond the basic plane, are taken as before."""
+    spec, head, tail = _UNBOUNDED_STRINGS[where]
+    compiled = grammars.compile(spec)
+    for surrogate in (b"\xed\xa0\x80", b"\xed\xbf\xbf"):  # U+D800, U+DFFF as CESU-8 would write them
+        assert _walk_bytes(grammars, compiled, head + b"a" + surrogate) == len(head) + 2
+    for char in ("\ud7ff", "\ue000", "\U0010ffff", "é"):
+        assert _walk_bytes(grammars, compiled, head + ("a" + char).encode() + tail) is None

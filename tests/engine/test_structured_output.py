@@ -11,10 +11,11 @@ import pytest
 import torch
 from conftest_helpers import record_logits
 
+from engine.grammar_matcher import mask_to_grammars
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from engine.sampling_params import StructuredOutputsParams as SO
-from engine.structured_output import choice_grammar, mask_to_grammars
+from engine.structured_output import choice_grammar
 
 SCHEMA = {
     "type": "object",
