@@ -20,7 +20,6 @@ import sys
 import threading
 import time
 import traceback
-import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -112,9 +111,7 @@ class AsyncEngine(SleepCommands):
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
         self.model_info: ModelInfo = self.engine.model_info
-        # New at each start: what a replica's /health names so a router can tell a restarted
-        # replica (whose KV cache is empty) from one that merely stopped answering for a while.
-        self.instance_id = uuid.uuid4().hex
+        self.instance_id: str = self.engine.instance_id  # new at each start (LLMEngine's)
         self._streams: dict[str, _Stream] = {}
         # The LoRA adapters served by name (``add_lora``): what the server resolves ``model`` against.
         self.served_loras: dict[str, ServedLoRA] = {}

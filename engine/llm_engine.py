@@ -11,6 +11,7 @@ import bisect
 import logging
 import random
 import time
+import uuid
 from array import array
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -93,6 +94,10 @@ class LLMEngine(EngineSleep):
             config.enable_prefix_caching,
             config.partial_prefix_caching,
         )
+        # New at each start: what a replica's /health names so a router can tell a restarted
+        # replica (whose KV cache is empty) from one that merely stopped answering for a while;
+        # its KV events name it too (set before the connector, which publishes them).
+        self.instance_id = uuid.uuid4().hex
         self.connector = build_kv_connector(config, self)
         windows = self.model_config.layer_windows
         # Blocks behind the window can be given back only if no layer attends further.

@@ -106,6 +106,7 @@ class KVConnector:
         events: bool = False,
         events_url: str | None = None,
         replica_id: str | None = None,
+        instance_id: str | None = None,
     ) -> None:
         shape = tuple(int(d) for d in block_shape)
         if len(shape) != 5 or shape[1] not in (1, 2) or min(shape) <= 0:
@@ -122,7 +123,9 @@ class KVConnector:
         self.num_parts = shape[1]
         self.tier = open_tier(tier_url)
         try:
-            publisher = self._open_publisher(tier_url, events, events_url, fingerprint, replica_id)
+            publisher = self._open_publisher(
+                tier_url, events, events_url, fingerprint, replica_id, instance_id
+            )
         except Exception:
             self.tier.close()
             raise
@@ -419,7 +422,12 @@ class KVConnector:
 
     @staticmethod
     def _open_publisher(
-        tier_url: str, events: bool, events_url: str | None, fingerprint: str, replica_id: str | None
+        tier_url: str,
+        events: bool,
+        events_url: str | None,
+        fingerprint: str,
+        replica_id: str | None,
+        instance_id: str | None,
     ) -> KVEventPublisher | None:
         if not events:
             return None
@@ -432,7 +440,7 @@ class KVConnector:
             from kvcache.redis_tier import client_url
 
             events_url = client_url(tier_url)  # the tier's TLS and client_name settings kept
-        return KVEventPublisher(events_url, fingerprint, replica_id)
+        return KVEventPublisher(events_url, fingerprint, replica_id, instance_id=instance_id)
 
     # ---- lifecycle ---------------------------------------------------------------------------
 

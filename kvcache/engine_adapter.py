@@ -65,6 +65,9 @@ class TierConnector:
             config.kv_tier_write_queue,
             events=config.kv_events,
             replica_id=config.kv_events_replica_id,
+            # The events name the engine's start, as its /health does: a router tells a restarted
+            # replica's blocks from the previous process's by it.
+            instance_id=getattr(engine, "instance_id", None),
         )
         # memory:// answers lookups in microseconds: no thread hop for them.
         self._in_process = TierURL(config.kv_tier).scheme == "memory"

@@ -7,6 +7,11 @@ Stream ``ferry:kv:events:{fingerprint}``; each entry has the fields
     medium   "device" (the replica's own prefix cache) | "tier" (the shared KV tier)
     hashes   comma-separated 32-char hex block hashes (empty for "cleared")
     ts       publisher's wall-clock time (seconds, float)
+    instance the publishing engine's instance id (the ``instance_id`` of the replica's ``/health``,
+             new at each start); absent from publishers that have none (and from older ones)
+
+A replica that restarts keeps its ``replica`` id but not its blocks: ``instance`` tells a router
+which events are the new process's, whichever of its events and its ``/health`` it reads first.
 
 Publishing is best effort: bounded by socket timeouts, behind a circuit breaker, trimmed with
 ``XADD MAXLEN ~`` so the stream never grows without bound, and it never raises. A router reads
@@ -65,6 +70,7 @@ class KVEvent:
     medium: str
     block_hashes: tuple[str, ...]
     ts: float
+    instance: str | None = None  # the publishing engine's instance id, if it named one
 
 
 class KVEventPublisher:
@@ -78,9 +84,11 @@ class KVEventPublisher:
         *,
         maxlen: int = 100_000,
         timeout: float = 0.5,
+        instance_id: str | None = None,
     ) -> None:
         self.stream = events_stream(fingerprint)
         self.replica_id = replica_id or default_replica_id()
+        self.instance_id = instance_id
         self.maxlen = maxlen
         self._client = _client(redis_url, timeout)
         self._breaker = CircuitBreaker(failure_threshold=3, cooldown_s=1.0)
@@ -102,6 +110,8 @@ class KVEventPublisher:
             "hashes": ",".join(hexes),
             "ts": repr(time.time()),
         }
+        if self.instance_id:
+            fields["instance"] = self.instance_id
         try:
             self._client.xadd(self.stream, fields, maxlen=self.maxlen, approximate=True)
         except Exception as exc:
@@ -154,6 +164,7 @@ def _parse(event_id: str, fields: dict[bytes, bytes]) -> KVEvent | None:
         kind = fields[b"kind"].decode()
         medium = fields[b"medium"].decode()
         hashes = fields[b"hashes"].decode()
+        instance = fields.get(b"instance", b"").decode()
         if kind not in _KINDS or medium not in _MEDIA:
             return None
         return KVEvent(
@@ -163,6 +174,7 @@ def _parse(event_id: str, fields: dict[bytes, bytes]) -> KVEvent | None:
             medium=medium,
             block_hashes=tuple(h for h in hashes.split(",") if h),
             ts=float(fields[b"ts"]),
+            instance=instance or None,
         )
     except (KeyError, ValueError, UnicodeDecodeError):
         logger.debug("skipping malformed KV event %s", event_id)

@@ -23,6 +23,13 @@ ERROR_MISMATCH = "mismatch"
 ERROR_RESPONSE = "response"  # the server answered with an error (OOM, READONLY, auth…)
 ERROR_CIRCUIT_OPEN = "circuit_open"  # call skipped: the breaker is open after recent failures
 ERROR_INTERNAL = "internal"  # anything else; a bug if it ever shows up
+# Why a block write was dropped: the ``reason`` label of ferry:kv_tier_dropped_writes_total.
+DROP_QUEUE_FULL = "queue_full"  # the write queue was full when the block filled
+DROP_TIER = "tier"  # the tier refused or lost the write (down, full, timed out, broken off)
+DROP_ENCODE = "encode"  # the block could not be encoded
+DROP_SNAPSHOT = "snapshot"  # copying the block off the device failed
+DROP_CLOSED = "closed"  # the writer closed first, or gave up on it at close's timeout
+DROP_REASONS = (DROP_QUEUE_FULL, DROP_TIER, DROP_ENCODE, DROP_SNAPSHOT, DROP_CLOSED)
 ERROR_KINDS = (
     ERROR_CONNECTION,
     ERROR_TIMEOUT,
@@ -65,8 +72,12 @@ for _kind in ERROR_KINDS:
     KV_TIER_ERRORS.labels(kind=_kind)
 KV_TIER_DROPPED_WRITES = Counter(
     "ferry:kv_tier_dropped_writes",
-    "KV block writes dropped: the write queue was full, or the tier did not acknowledge the block.",
+    "KV block writes dropped, by reason: the write queue was full, the tier did not acknowledge the "
+    "block, the block did not encode or snapshot, or the writer closed first.",
+    ["reason"],
 )
+for _reason in DROP_REASONS:
+    KV_TIER_DROPPED_WRITES.labels(reason=_reason)
 KV_TIER_GET_SECONDS = Histogram(
     "ferry:kv_tier_get_seconds", "Latency of one batched tier read (get_many).", buckets=_LATENCY_BUCKETS
 )

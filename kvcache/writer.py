@@ -6,6 +6,9 @@ before the caller takes a snapshot, so a full queue costs the caller nothing and
 the write is dropped and counted in ``ferry:kv_tier_dropped_writes_total``. Writes that the
 tier refuses or loses (Redis down, even mid-write; a full Redis; a memory bound) are counted there
 too, block by block: every block handed over ends as exactly one of ``written`` or ``dropped``.
+``close(timeout)`` keeps that true when the tier does not answer in time: what is still queued, and
+the batch whose write is still waiting on the tier, count as dropped when ``close`` gives up (the
+thread that finishes that write later counts nothing), so the counts are final when it returns.
 Events ride the same queue, after the writes they describe, and consecutive events of one kind
 are coalesced into one stream entry.
 """
@@ -13,10 +16,9 @@ are coalesced into one stream entry.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -25,7 +27,14 @@ import torch
 
 from kvcache import codec
 from kvcache.keys import tier_key
-from kvcache.metrics import KV_TIER_DROPPED_WRITES
+from kvcache.metrics import (
+    DROP_CLOSED,
+    DROP_ENCODE,
+    DROP_QUEUE_FULL,
+    DROP_SNAPSHOT,
+    DROP_TIER,
+    KV_TIER_DROPPED_WRITES,
+)
 from kvcache.tier import Tier
 
 if TYPE_CHECKING:
@@ -52,9 +61,6 @@ class BlockEvent:
     medium: str
 
 
-_STOP = object()
-
-
 class BlockWriter:
     def __init__(
         self, tier: Tier, fingerprint: str, capacity: int, publisher: KVEventPublisher | None = None
@@ -65,14 +71,20 @@ class BlockWriter:
         self.fingerprint = fingerprint
         self.capacity = capacity
         self.publisher = publisher
-        # Unbounded by itself: ``_pending`` is the bound, so nothing ever blocks on the queue,
-        # including close()'s stop marker.
-        self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+        # Unbounded by itself: ``_pending`` is the bound, so nothing ever blocks on the queue.
+        # Items are taken off it under ``_lock``, so close() always knows where each one is.
+        self._queue: deque[object] = deque()
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
+        self._stopping = False  # the thread ends once the queue is empty
         self._pending = 0
         self._pending_hashes: Counter[bytes] = Counter()
         self._closed = False
+        self._given_up = False  # close's timeout passed: whatever is left counts as dropped
+        # The batch the thread took and has not settled (None: none, or close counted it);
+        # ``_batch_counted``: its writes are counted already (events still to publish).
+        self._batch: list[object] | None = None
+        self._batch_counted = False
         self.written = 0
         self.dropped = 0
         self._thread = threading.Thread(target=self._run, name="kv-tier-write", daemon=True)
@@ -92,27 +104,44 @@ class BlockWriter:
 
     def submit(self, writes: Sequence[BlockWrite]) -> None:
         """Queue writes for slots already reserved (one slot each)."""
-        with self._lock:
+        with self._changed:
+            if self._given_up:  # reserved before close gave up: nothing will write them now
+                self._pending -= len(writes)
+                self._count_dropped(len(writes), DROP_CLOSED)
+                self._changed.notify_all()
+                return
             self._pending_hashes.update(w.block_hash for w in writes)
-        for w in writes:
-            self._queue.put(w)
+            self._queue.extend(writes)
+            self._changed.notify_all()
 
     def submit_event(self, event: BlockEvent) -> bool:
         if self.publisher is None or self.reserve(1) == 0:
             return False
-        self._queue.put(event)
+        with self._changed:
+            if self._given_up:
+                self._pending -= 1
+                return False
+            self._queue.append(event)
+            self._changed.notify_all()
         return True
 
     def cancel(self, n: int) -> None:
-        """Give back ``n`` reserved slots whose writes will never be submitted; they count as dropped."""
+        """Give back ``n`` reserved slots whose writes will never be submitted (their snapshot
+        failed); they count as dropped."""
         with self._changed:
             self._pending -= n
             self._changed.notify_all()
-        self.drop(n)
+            self._count_dropped(n, DROP_SNAPSHOT)
 
     def drop(self, n: int) -> None:
-        KV_TIER_DROPPED_WRITES.inc(n)
+        """``n`` writes found no slot (``reserve``): the queue was full, or the writer closed."""
         with self._lock:
+            self._count_dropped(n, DROP_CLOSED if self._closed else DROP_QUEUE_FULL)
+
+    def _count_dropped(self, n: int, reason: str) -> None:
+        # Under ``_lock``.
+        if n:
+            KV_TIER_DROPPED_WRITES.labels(reason=reason).inc(n)
             self.dropped += n
 
     def flush(self, timeout: float | None = None, hashes: Sequence[bytes] | None = None) -> bool:
@@ -133,55 +162,93 @@ class BlockWriter:
         return True
 
     def close(self, timeout: float) -> None:
+        """Write what is queued, for up to ``timeout``; then what is left is dropped and counted."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        self.flush(timeout)
-        self._queue.put(_STOP)
-        self._thread.join(timeout)
+        if self.flush(timeout):
+            with self._changed:
+                self._stopping = True
+                self._changed.notify_all()
+            self._thread.join(timeout)
+        else:
+            # No join: the thread waits on the tier, and what that call returns is decided already.
+            self._give_up()
+
+    def _give_up(self) -> None:
+        """Count as dropped every write not yet counted: the queued ones and the batch whose write
+        is still waiting on the tier (the thread, when that write returns, counts nothing)."""
+        with self._changed:
+            self._given_up = self._stopping = True
+            left: list[object] = []
+            if self._batch is not None:
+                left = [] if self._batch_counted else self._batch
+                self._forget(self._batch)
+                self._batch = None
+            left += self._queue
+            self._forget(list(self._queue))
+            self._queue.clear()
+            unwritten = sum(isinstance(item, BlockWrite) for item in left)
+            self._count_dropped(unwritten, DROP_CLOSED)
+            self._changed.notify_all()
+        if unwritten:
+            logger.warning("KV tier writer closed with %d block writes unwritten; dropped", unwritten)
+
+    def _forget(self, items: list[object]) -> None:
+        # Under ``_lock``: these items are no longer pending (written, dropped or given up).
+        self._pending -= len(items)
+        writes = [w.block_hash for w in items if isinstance(w, BlockWrite)]
+        self._pending_hashes.subtract(writes)
+        for h in writes:
+            if self._pending_hashes[h] <= 0:
+                del self._pending_hashes[h]
 
     def _run(self) -> None:
         if "parallel backend: OpenMP" in torch.__config__.parallel_info():
             torch.set_num_threads(1)  # per-thread under OpenMP: encoding never competes with the model
         while True:
-            item = self._queue.get()
-            if item is _STOP:
-                return
-            batch = [item]
-            while len(batch) < WRITE_BATCH:
-                try:
-                    nxt = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is _STOP:
-                    self._queue.put(_STOP)  # handled after this batch
-                    break
-                batch.append(nxt)
+            with self._changed:
+                while not self._queue and not self._stopping:
+                    self._changed.wait()
+                if not self._queue:
+                    return
+                n = min(WRITE_BATCH, len(self._queue))
+                batch = [self._queue.popleft() for _ in range(n)]
+                self._batch, self._batch_counted = batch, False
             self._process(batch)
 
     def _process(self, batch: list[object]) -> None:
         writes = [b for b in batch if isinstance(b, BlockWrite)]
         try:
-            if writes:
-                self._write(writes)  # counts every write exactly once, written or dropped
+            done, unencoded = self._write(writes) if writes else ([], 0)
+            with self._lock:
+                if self._batch is not batch:  # close gave up on it meanwhile and counted it
+                    return
+                self.written += len(done)
+                self._count_dropped(unencoded, DROP_ENCODE)
+                self._count_dropped(len(writes) - unencoded - len(done), DROP_TIER)
+                self._batch_counted = True
             if self.publisher is not None:
+                if done:
+                    # Only the blocks the tier holds: a router that routes by these events must
+                    # not send a request to blocks that were never written.
+                    self.publisher.publish("stored", done, medium="tier")
                 self._publish([b for b in batch if isinstance(b, BlockEvent)])
         except Exception:
             # Only events get here (their publishing failed): the writes were counted already.
             logger.exception("KV tier writer failed publishing block events; dropped")
         finally:
             with self._changed:
-                self._pending -= len(batch)
-                self._pending_hashes.subtract(w.block_hash for w in writes)
-                for w in writes:
-                    if self._pending_hashes[w.block_hash] <= 0:
-                        del self._pending_hashes[w.block_hash]
-                self._changed.notify_all()
+                if self._batch is batch:
+                    self._forget(batch)
+                    self._batch = None
+                    self._changed.notify_all()
 
-    def _write(self, writes: list[BlockWrite]) -> None:
-        """Encode and write a batch; each block counts once: ``written`` if the tier acknowledged it,
-        else dropped (a block that does not encode, a write the tier refused or lost)."""
+    def _write(self, writes: list[BlockWrite]) -> tuple[list[bytes], int]:
+        """Encode and write a batch: the hashes of the blocks the tier acknowledged, and how many
+        did not encode. The others are dropped (a write the tier refused or lost); the caller
+        counts each block once."""
         items: list[tuple[str, bytes]] = []
         encoded: list[BlockWrite] = []
         for w in writes:
@@ -199,14 +266,7 @@ class BlockWriter:
             logger.exception("KV tier write of %d blocks failed; dropped", len(items))
             stored = [False] * len(items)
         done = [w.block_hash for w, ok in zip(encoded, stored, strict=True) if ok]
-        with self._lock:
-            self.written += len(done)
-        if len(done) < len(writes):
-            self.drop(len(writes) - len(done))
-        if self.publisher is not None and done:
-            # Only the blocks the tier holds: a router that routes by these events must not send a
-            # request to blocks that were never written.
-            self.publisher.publish("stored", done, medium="tier")
+        return done, len(writes) - len(encoded)
 
     def _publish(self, events: list[BlockEvent]) -> None:
         assert self.publisher is not None

@@ -177,7 +177,11 @@ class RouterApp:
             and isinstance(self.policy, CacheAware)
         ):
             self.kv_events = KVEventFollower(
-                config.kv_tier, self.policy.index, lambda u: self.replicas.find(u) is not None
+                config.kv_tier,
+                self.policy.index,
+                lambda u: self.replicas.find(u) is not None,
+                instance_of=self._instance_of,
+                registry=self.metrics.registry,
             )
         self.replicas.on_removed.append(self._forget)
         self.replicas.on_cache_lost.append(self._cache_lost)
@@ -257,10 +261,21 @@ class RouterApp:
         for gen in (self.pd.prefill, self.pd.decode):
             gen.policy.on_replica_removed(replica.url)
         self.metrics.forget_replica(replica.url)
+        if self.kv_events is not None:
+            self.kv_events.forget(replica.url)
 
-    def _cache_lost(self, replica: Replica) -> None:
+    def _cache_lost(self, replica: Replica, restarted: bool) -> None:
+        follower = self.kv_events if restarted else None
+        if follower is not None:
+            # Its events may have shown the new instance first: the follower keeps those blocks.
+            follower.restarted(replica.url, replica.instance_id)
         for policy in (self.policy, self.pd.prefill.policy, self.pd.decode.policy):
-            policy.on_cache_lost(replica.url)
+            if follower is None or getattr(policy, "index", None) is not follower.index:
+                policy.on_cache_lost(replica.url)
+
+    def _instance_of(self, url: str) -> str | None:
+        replica = self.replicas.find(url)
+        return replica.instance_id if replica is not None else None
 
     @property
     def pool(self) -> Pool:

@@ -12,8 +12,9 @@ given for it is logged, and a replica reporting ``prefill`` takes no whole reque
 A ferry replica's body also names its engine's ``instance_id`` (new at each start) and
 ``prefix_cache_resets`` (how often it emptied its prefix cache: sleep, new weights, a reset): when
 either changes, what the router believed it held is forgotten (``Replicas.cache_lost``: the
-cache_aware policy's prefix index). A replica that names neither (another server) is taken as
-restarted when it comes back after being ejected.
+cache_aware policy's prefix index; with KV events followed, ``router/kv_events.py`` decides what
+a restart drops, as the replica's events may have shown the new instance first). A replica that
+names neither (another server) is taken as restarted when it comes back after being ejected.
 The prober only calls the state machine in ``router/replica.py``; it decides nothing itself.
 """
 
@@ -35,6 +36,7 @@ log = logging.getLogger("ferry.router")
 TICK = 0.05  # scheduler resolution; probes run on each replica's own schedule
 # How often a healthy replica's /v1/models is read again: LoRA adapters come and go at run time.
 MODELS_REFRESH_S = 5.0
+RESTARTED = "restarted"
 
 
 class HealthChecker:
@@ -97,7 +99,7 @@ class HealthChecker:
             lost = self._cache_lost(replica, known, before)
             if lost is not None and not replica.removed:
                 log.warning("replica %s %s: forgetting the KV blocks it held", replica.url, lost)
-                self.replicas.cache_lost(replica)
+                self.replicas.cache_lost(replica, restarted=lost == RESTARTED)
             replica.on_probe_ok(now)
             stale = not replica.models or now - replica.models_read_at >= MODELS_REFRESH_S
             if stale and not replica.removed:
@@ -120,7 +122,7 @@ class HealthChecker:
         if replica.instance_id is None or instance is None:
             return "is back after being ejected" if before is Health.EJECTED else None
         if replica.instance_id != instance:
-            return "restarted"
+            return RESTARTED
         if resets is not None and replica.prefix_cache_resets != resets:
             return "emptied its prefix cache"
         return None

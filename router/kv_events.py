@@ -9,8 +9,29 @@ the router knows it (``ferry serve --advertise-url``); events of unknown replica
 skipped. Tier events are ignored here: every replica can load tier blocks, so they do not change
 which replica is best.
 
-The reader is redis-py's blocking client, so reads run in a worker thread; a Redis outage only
-pauses exact updates (routing history keeps working) and is retried with backoff.
+A restarted replica keeps its URL but not its blocks, and the router learns of the restart two
+ways that race: the ``instance`` its events name, and the ``instance_id`` its ``/health`` names.
+The index must hold one instance's blocks per replica, whichever comes first, so per replica the
+follower keeps the instance whose blocks the index holds (``_Replica``):
+
+* an event of that instance is applied;
+* an event of an instance that instance has handed over from (``retired``) is stale: skipped (a
+  router reading a stream from its start, or catching up after a Redis outage, meets many);
+* an event of an unseen instance after that instance's own events were read is a restart seen
+  first in the stream (a stream is in order): the replica's entries are dropped, then it applies;
+* an event of the instance ``/health`` names switches the index to its instance;
+* one the router cannot place yet (no event of the current instance read, and ``/health`` names
+  another or none yet: a replica down when the router starts and reads the stream) is held until
+  ``/health`` names its instance (``settle``), or dropped when a later one shows up.
+
+A restart the health probe sees first (``restarted``) drops the replica's entries, unless its
+events already moved the index to that very instance: then those blocks are the new process's
+and are kept. Events without an ``instance`` (older replicas) are applied as they come.
+
+The reader is redis-py's blocking client, so reads run in a worker thread; events are applied on
+the event loop (the same thread as routing and the health probe, so the index has one writer at a
+time). A Redis outage only pauses exact updates (routing history keeps working) and is retried
+with backoff.
 """
 
 from __future__ import annotations
@@ -18,18 +39,45 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter
 
 from router.discovery import normalize_url
 from router.prefix_index import PrefixIndex
 
 log = logging.getLogger("ferry.router")
 STREAM_PATTERN = "ferry:kv:events:*"
+MAX_HELD_EVENTS = 4096  # per replica: events of instances not placed yet (beyond: the oldest go)
+MAX_RETIRED = 16  # per replica: instances remembered as gone
+APPLY_SLICE = 512  # events applied between yields to the event loop (~1 ms)
+
+APPLIED, UNKNOWN_REPLICA, STALE, HELD, DISCARDED = "applied", "unknown_replica", "stale", "held", "discarded"
+
+
+@dataclass
+class _Replica:
+    """What the index holds of one replica's events (module docstring)."""
+
+    instance: str | None = None  # whose blocks the index holds (None: no instance named yet)
+    confirmed: bool = False  # an event of ``instance`` was read: unseen instances after it are newer
+    retired: deque[str] = field(default_factory=lambda: deque(maxlen=MAX_RETIRED))
+    held: dict[str, list[Any]] = field(default_factory=dict)  # instance -> its events, in order
+    num_held: int = 0
 
 
 class KVEventFollower:
     def __init__(
-        self, redis_url: str, index: PrefixIndex, known_url: Callable[[str], bool], block_ms: int = 200
+        self,
+        redis_url: str,
+        index: PrefixIndex,
+        known_url: Callable[[str], bool],
+        block_ms: int = 200,
+        instance_of: Callable[[str], str | None] = lambda url: None,
+        registry: CollectorRegistry | None = None,
     ):
         from kvcache.redis_tier import client_url
 
@@ -37,11 +85,33 @@ class KVEventFollower:
         self.client_url = client_url(redis_url)  # the router's --kv-tier: a tier URL, its parameters too
         self.index = index
         self.known_url = known_url
+        self.instance_of = instance_of  # the instance a replica's /health named last (None: none)
         self.block_ms = block_ms
         self.readers: dict[str, object] = {}  # stream name -> kvcache.events.KVEventReader
-        self.applied = 0
-        self.skipped = 0
+        self.counts = dict.fromkeys((APPLIED, UNKNOWN_REPLICA, STALE, HELD, DISCARDED), 0)
+        self._replicas: dict[str, _Replica] = {}
+        self._counter = (
+            Counter(
+                "ferry:router_kv_events",
+                "Replicas' KV block events read by the router, by what became of them.",
+                ["outcome"],
+                registry=registry,
+            )
+            if registry is not None
+            else None
+        )
+        if self._counter is not None:
+            for outcome in self.counts:  # at 0 from the start: a first increase shows in rate()
+                self._counter.labels(outcome)
         self._task: asyncio.Task | None = None
+
+    @property
+    def applied(self) -> int:
+        return self.counts[APPLIED]
+
+    @property
+    def skipped(self) -> int:
+        return self.counts[UNKNOWN_REPLICA]
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="ferry-router-kv-events")
@@ -55,8 +125,9 @@ class KVEventFollower:
             with contextlib.suppress(Exception):
                 reader.close()  # type: ignore[attr-defined]
 
-    def poll_once(self) -> int:
-        """Discover streams, read what is new, apply it. Blocking: call from a worker thread."""
+    def read_new(self) -> list[Any]:
+        """Discover streams and read what is new (``kvcache.events.KVEvent`` s). Blocking: call
+        from a worker thread."""
         import redis
 
         from kvcache.events import KVEventReader
@@ -66,23 +137,99 @@ class KVEventFollower:
             streams = [k.decode() for k in client.scan_iter(match=STREAM_PATTERN, count=100)]
         finally:
             client.close()
-        fresh = 0
+        events: list[Any] = []
         for name in streams:
             reader = self.readers.get(name)
             if reader is None:
                 fingerprint = name.rsplit(":", 1)[1]
                 reader = self.readers[name] = KVEventReader(self.client_url, fingerprint, start_id="0")
-            for event in reader.read(count=10_000):  # type: ignore[attr-defined]
-                fresh += self.apply(event)
-        return fresh
+            events.extend(reader.read(count=10_000))  # type: ignore[attr-defined]
+        return events
 
-    def apply(self, event) -> int:  # event: kvcache.events.KVEvent
+    def poll_once(self) -> int:
+        """Read what is new and apply it; how many events were applied."""
+        return sum(self.apply(event) for event in self.read_new()) + self.settle()
+
+    def settle(self) -> int:
+        """Apply the held events of each replica whose /health names their instance now (its first
+        probe came after them); how many were applied."""
+        applied = 0
+        for url, state in list(self._replicas.items()):
+            health = self.instance_of(url) if state.held else None
+            if health is not None and health in state.held:
+                before = self.counts[APPLIED]
+                self._switch(url, state, health, confirmed=True)
+                applied += self.counts[APPLIED] - before
+        return applied
+
+    def apply(self, event: Any) -> int:  # event: kvcache.events.KVEvent
         if event.medium != "device":
             return 0
         url = normalize_url(event.replica_id) if "://" in event.replica_id else event.replica_id
         if not self.known_url(url):
-            self.skipped += 1
+            self._count(UNKNOWN_REPLICA)
             return 0
+        instance = event.instance
+        if instance is None:  # a publisher that names no instance: as it comes
+            return self._apply(url, event)
+        state = self._replicas.setdefault(url, _Replica())
+        if instance == state.instance:
+            state.confirmed = True
+            return self._apply(url, event)
+        if instance in state.retired:
+            self._count(STALE)
+            return 0
+        # Placed: after the current instance's own events (so newer), or the one /health names now.
+        if state.confirmed or instance == self.instance_of(url):
+            self._switch(url, state, instance, confirmed=True)
+            return self._apply(url, event)
+        self._hold(state, instance, event)
+        return 0
+
+    def restarted(self, url: str, instance: str | None) -> None:
+        """The health probe saw replica ``url`` restart as ``instance``: forget the previous
+        instance's blocks (and the routing history), unless its events showed this one first."""
+        state = self._replicas.setdefault(url, _Replica())
+        if instance is not None and instance == state.instance:
+            return
+        if instance is None:
+            self.index.drop_replica(url)
+            self._replicas.pop(url, None)
+            return
+        if state.instance is None:  # the routing history's entries (_switch drops an instance's)
+            self.index.drop_replica(url)
+        self._switch(url, state, instance, confirmed=False)
+
+    def forget(self, url: str) -> None:
+        """Replica ``url`` left the router."""
+        self._replicas.pop(url, None)
+
+    def _switch(self, url: str, state: _Replica, instance: str, confirmed: bool) -> None:
+        """The index holds ``instance``'s blocks of ``url`` from now on (the previous instance's go)."""
+        if state.instance is not None:
+            self.index.drop_replica(url)
+            state.retired.append(state.instance)
+        state.instance, state.confirmed = instance, confirmed
+        held = state.held.pop(instance, [])
+        # Held events of other instances are older than this one's, or cannot be placed: never applied.
+        self._count(DISCARDED, state.num_held - len(held))
+        state.held, state.num_held = {}, 0
+        if held:
+            state.confirmed = True
+        for event in held:
+            self._apply(url, event)
+
+    def _hold(self, state: _Replica, instance: str, event: Any) -> None:
+        if state.num_held >= MAX_HELD_EVENTS:
+            oldest = next(iter(state.held))
+            dropped = state.held.pop(oldest)
+            state.num_held -= len(dropped)
+            self._count(DISCARDED, len(dropped))
+        state.held.setdefault(instance, []).append(event)
+        state.num_held += 1
+        self._count(HELD)
+
+    def _apply(self, url: str, event: Any) -> int:
         if event.kind == "cleared":
             self.index.drop_replica(url)
         else:
@@ -91,16 +238,28 @@ class KVEventFollower:
                 self.index.insert(hashes, url)
             else:
                 self.index.remove(hashes, url)
-        self.applied += 1
+        self._count(APPLIED)
         return 1
+
+    def _count(self, outcome: str, n: int = 1) -> None:
+        if not n:
+            return
+        self.counts[outcome] += n
+        if self._counter is not None:
+            self._counter.labels(outcome).inc(n)
 
     async def _run(self) -> None:
         delay = 0.2
         while True:
             try:
-                fresh = await asyncio.to_thread(self.poll_once)
+                events = await asyncio.to_thread(self.read_new)
                 delay = 0.2
-                if not fresh:
+                for i, event in enumerate(events, 1):  # on the loop: the index has one writer
+                    self.apply(event)
+                    if i % APPLY_SLICE == 0:  # a long backlog must not stall the streams relayed
+                        await asyncio.sleep(0)
+                self.settle()
+                if not events:
                     await asyncio.sleep(0.2)
             except asyncio.CancelledError:
                 raise

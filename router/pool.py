@@ -91,8 +91,9 @@ class Replicas:
         self.clock = clock
         self.on_added: list[Callable[[Replica], None]] = []
         self.on_removed: list[Callable[[Replica], None]] = []
-        # A replica's KV cache was emptied while it stayed in the router (restart, prefix cache reset).
-        self.on_cache_lost: list[Callable[[Replica], None]] = []
+        # A replica's KV cache was emptied while it stayed in the router (restart, prefix cache
+        # reset); the flag says whether it restarted (its /health names a new instance).
+        self.on_cache_lost: list[Callable[[Replica, bool], None]] = []
         self._retiring: list[Replica] = []  # removed, with requests still in flight
 
     def __iter__(self) -> Iterator[Replica]:
@@ -149,10 +150,11 @@ class Replicas:
                 return r
         return None
 
-    def cache_lost(self, replica: Replica) -> None:
-        """``replica`` holds no KV blocks now (it restarted, or dropped its prefix cache)."""
+    def cache_lost(self, replica: Replica, restarted: bool = False) -> None:
+        """``replica`` holds no KV blocks now (it ``restarted`` as ``replica.instance_id``, or
+        dropped its prefix cache)."""
         for hook in self.on_cache_lost:
-            hook(replica)
+            hook(replica, restarted)
 
     def retiring(self) -> list[Replica]:
         """Removed replicas whose requests are still in flight (the prober watches them until

@@ -19,12 +19,28 @@ batch outright would break clients that vLLM serves.
 the engine process applies it again, to the sequences of every API server, when a request's
 first sequence reaches it (``EngineHost``): that check is the one that holds, since two API
 servers' own views can both admit at once. Both refuse with ``overload_message``'s words.
+
+A beam search (``server/beam_search.py``) of width w is w sequences per prompt, as ``n=w`` is,
+though the engine sees it as steps of one-token requests (one per live beam, none between
+steps): its request *leases* its places (``Admission.lease``) from its first step to its end, and
+its steps run inside the lease, neither checked nor counted again.
+
 This module must not import torch: every API server process imports it.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
+
+
+class Admission(NamedTuple):
+    """What an engine request tells the engine process that admits it: the HTTP request it is
+    one sequence of (``key``, per API server), that request's number of sequences, and whether it
+    leases them (a beam search: its places are held until the request ends, whatever the steps)."""
+
+    key: int
+    size: int
+    lease: bool = False
 
 
 class AdmissionRefused(Exception):
@@ -82,12 +98,17 @@ class HeldPlaces:
 
     def __init__(self) -> None:
         self._held: dict[int, int] = {}  # request key -> its sequences still to come
+        self._leased: dict[int, int] = {}  # request key -> its places, until it ends (beam search)
         self._refused: dict[int, int] = {}
-        self.num_held = 0  # sum(self._held.values()): sequences admitted, on their way
+        # Sequences admitted and on their way, plus every leased place (the engine's requests
+        # that run in a lease are not counted again).
+        self.num_held = 0
 
     def take(self, key: int) -> bool | None:
-        """A sequence of request ``key`` came: True if its place was held, False if its request was
-        refused, None if it is the request's first (to be checked, then ``decide``)."""
+        """A sequence of request ``key`` came: True if its place was held (or leased), False if its
+        request was refused, None if it is the request's first (to be checked, then ``decide``)."""
+        if key in self._leased:
+            return True
         if key in self._held:
             _count_down(self._held, key)
             self.num_held -= 1
@@ -97,10 +118,16 @@ class HeldPlaces:
             return False
         return None
 
-    def decide(self, key: int, size: int, admitted: bool) -> None:
+    def decide(self, key: int, size: int, admitted: bool, lease: bool = False) -> None:
         """Request ``key`` of ``size`` sequences, at its first: admitted (its others' places are
-        held) or refused."""
-        if size > 1:
+        held; all of them, until it ends, for a ``lease``) or refused."""
+        if lease:
+            if admitted:
+                self._leased[key] = size
+                self.num_held += size
+            else:  # its other prompts' first steps may still come: refused with it
+                self._refused[key] = size
+        elif size > 1:
             if admitted:
                 self._held[key] = size - 1
                 self.num_held += size - 1
@@ -110,7 +137,7 @@ class HeldPlaces:
     def release(self, key: int) -> int:
         """Request ``key`` ended: the number of places held for it that are free now."""
         self._refused.pop(key, None)
-        unsent = self._held.pop(key, 0)
+        unsent = self._held.pop(key, 0) + self._leased.pop(key, 0)
         self.num_held -= unsent
         return unsent
 

@@ -7,8 +7,11 @@ come out together when its search ends, each as one finished ``RequestOutput``, 
 completions and chat endpoints build (or stream) their answers as for any finished choice.
 
 Admission is the request's: its ``beam_width`` choices count as in flight from start to end (the
-engine never runs more than that many beams of it at once). A client that goes away, a timeout
-or a shutdown aborts the step's engine requests at once, as ``Generation.stream`` does.
+engine never runs more than that many beams of it at once). An engine process behind several API
+servers admits it too, at its first step, and holds its places until it ends (the steps lease
+them: ``server/admission.py``); refused there, it is a 429 as any request is. A client that goes
+away, a timeout or a shutdown aborts the step's engine requests at once, as ``Generation.stream``
+does.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from typing import TYPE_CHECKING, Any
 from engine.beam_search import BeamSearch, completion_output
 from engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from engine.sampling_params import SamplingParams
-from server.errors import APIError, bad_request, timeout_error, unavailable
+from server.admission import AdmissionRefused
+from server.errors import APIError, bad_request, overloaded, timeout_error, unavailable
 
 if TYPE_CHECKING:
     from server.generation import Generation, SequenceRequest, Ticket
@@ -57,7 +61,7 @@ async def run_beam_search(
         try:
             async with asyncio.timeout(timeout):
                 while not search.done:
-                    outs = await _step(generation, request_id, first, search)
+                    outs = await _step(generation, request_id, first, search, ticket)
                     now = time.perf_counter()
                     if opening is None:
                         opening = outs[0]
@@ -75,6 +79,12 @@ async def run_beam_search(
         except ValueError as e:
             refused = steps == 0
             raise bad_request(str(e)) from e
+        except AdmissionRefused as e:  # at its first step: nothing of it ran
+            refused = True
+            if not ticket.refused:  # counted once for the request (its other prompts too)
+                ticket.refused = True
+                metrics.rejected.inc()
+            raise overloaded(str(e)) from e
         except APIError:
             raise
         except Exception as e:
@@ -114,10 +124,11 @@ async def run_beam_search(
 
 
 async def _step(
-    generation: Generation, request_id: str, first: SequenceRequest, search: BeamSearch
+    generation: Generation, request_id: str, first: SequenceRequest, search: BeamSearch, ticket: Ticket
 ) -> list[RequestOutput]:
     """One step: every live beam as a one-token engine request, run together."""
     params = search.step_params()
+    admission = generation.step_admission(ticket)
     tasks = [
         asyncio.ensure_future(
             _one(
@@ -127,6 +138,7 @@ async def _step(
                 beam.tokens,
                 params,
                 first,
+                admission,
             )
         )
         for i, beam in enumerate(search.live)
@@ -146,6 +158,7 @@ async def _one(
     tokens: list[int],
     params: SamplingParams,
     seq: SequenceRequest,
+    admission: dict[str, Any],
 ) -> RequestOutput:
     """One beam's step: its final output (the one token, its logprobs)."""
     rid = generation.claim_id(rid, request_id)
@@ -158,6 +171,7 @@ async def _one(
             priority=seq.priority,
             cache_salt=seq.cache_salt,
             images=seq.images,  # every step's prompt holds them (processed once: the engine keeps them)
+            **admission,
         )
         async with contextlib.aclosing(gen):
             async for out in gen:

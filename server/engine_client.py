@@ -33,7 +33,7 @@ from engine.outputs import RequestOutput, merge_pending
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from engine.stats import EngineStats
 from engine.tokenizer import Tokenizer
-from server.admission import AdmissionRefused
+from server.admission import Admission, AdmissionRefused
 from server.engine_ipc import Channel
 
 logger = logging.getLogger("ferry.engine_client")
@@ -82,6 +82,9 @@ class EngineClient:
         # first went out: the engine process holds their places until they come or it hears
         # ``end_admission``.
         self._unsent: dict[int, int] = {}
+        # Admission keys of leasing requests (beam searches) whose first step went out: the engine
+        # process holds their places until ``end_admission``.
+        self._leases: set[int] = set()
         self._ids = itertools.count()
         self._reader = asyncio.ensure_future(self._read())
 
@@ -121,20 +124,21 @@ class EngineClient:
         priority: int = 0,
         cache_salt: str | None = None,
         images: list[Any] | None = None,
-        admission: tuple[int, int] | None = None,
+        admission: Admission | tuple[int, int] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream DELTA outputs of one request, as ``AsyncEngine.generate`` does (``images``: PIL
-        images, pickled to the engine process). ``admission``: (key, number of sequences) of the
-        HTTP request it is one sequence of; the engine process admits them all or none over every
-        API server's (else ``AdmissionRefused``). None: part of a request admitted already (a beam
-        search step)."""
+        images, pickled to the engine process). ``admission``: (key, number of sequences, lease)
+        of the HTTP request it is one sequence (or beam search step) of; the engine process admits
+        them all or none over every API server's (else ``AdmissionRefused``). None: not counted."""
         self._check_alive()
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         ids = prompt if isinstance(prompt, list) else [EMBEDS_PLACEHOLDER_ID] * len(prompt)
         self._streams[request_id] = (queue, ids)
-        if admission is not None and admission[1] > 1:
+        if admission is not None and Admission(*admission).lease:
+            self._leases.add(admission[0])
+        elif admission is not None and admission[1] > 1:
             key = admission[0]
             unsent = self._unsent.get(key, admission[1]) - 1
             if unsent > 0:
@@ -176,9 +180,13 @@ class EngineClient:
                 self._channel.send(("call", -1, "abort", request_id))
 
     def end_admission(self, key: int) -> None:
-        """The request of admission ``key`` ended: the places of its sequences that were never sent
-        are free (the engine process holds them from its first sequence on)."""
-        if self._unsent.pop(key, None) is not None and not self._channel.closed:
+        """The request of admission ``key`` ended: the places of its sequences that were never sent,
+        or that it leased, are free (the engine process holds them from its first sequence on)."""
+        held = self._unsent.pop(key, None) is not None
+        if key in self._leases:
+            self._leases.discard(key)
+            held = True
+        if held and not self._channel.closed:
             self._channel.send(("release", key))
 
     async def compile_structured(self, spec: StructuredOutputsParams) -> None:

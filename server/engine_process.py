@@ -11,9 +11,9 @@ once.
 
 Messages from an API server: ``("add", rid, admission, prompt_ids, params, resume_ids, kv_transfer,
 pooling, lora_request, priority, cache_salt, images)`` (``prompt_ids``: a tensor for prompt
-embeddings; ``admission``: the (key, number of sequences) of the HTTP request it belongs to, or None
-for a beam search step of one admitted already), ``("release", key)`` (that request ended before
-all its sequences were sent), ``("announce", token)``, ``("submitted", token)``,
+embeddings; ``admission``: the ``server.admission.Admission`` (key, number of sequences, lease) of
+the HTTP request it belongs to, or None), ``("release", key)`` (that request ended before
+all its sequences were sent, or a leasing one ended), ``("announce", token)``, ``("submitted", token)``,
 ``("probe_back", token)``, ``("load", requests)`` (its requests on the engine's routes, for the
 others' ``GET /load``),
 ``("call", call_id, name, arg)`` with ``name`` one of ``abort`` / ``compile`` /
@@ -55,7 +55,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from engine.errors import EngineDeadError
-from server.admission import HeldPlaces, overload_message, queued_after, running_slots
+from server.admission import Admission, HeldPlaces, overload_message, queued_after, running_slots
 from server.engine_ipc import Channel
 from server.heap import settle_heap
 from server.responses_store import MEMORY_OPS, MemoryRecords
@@ -86,6 +86,9 @@ class _ApiServer:
     announced: dict[int, Callable[[], None]] = field(default_factory=dict)
     load: int = 0  # its requests on the engine's routes, as it last said ("load")
     places: HeldPlaces = field(default_factory=HeldPlaces)  # of its requests of several sequences
+    # Its requests (in ``requests``) that run in a lease (beam search steps; -> the lease's key):
+    # counted in ``places`` while the lease lasts.
+    leased: dict[str, int] = field(default_factory=dict)
     sent_stats: Any = None
     sent_healthy: bool = True
     sent_elsewhere: int = 0
@@ -200,6 +203,8 @@ class EngineHost:
         if rid in conn.requests:
             conn.channel.send(("err", rid, "value", f"request id {rid!r} is already in use"))
             return
+        if admission is not None and Admission(*admission).lease:
+            conn.leased[rid] = admission[0]
         lora = request[5]
         if (
             request[1].structured_outputs is not None
@@ -213,10 +218,10 @@ class EngineHost:
             conn.requests[rid] = None
             self._start(conn, rid, request)
 
-    def _admitted(self, conn: _ApiServer, rid: str, admission: tuple[int, int], pooling: bool) -> bool:
+    def _admitted(self, conn: _ApiServer, rid: str, admission: tuple[Any, ...], pooling: bool) -> bool:
         """Whether sequence ``rid`` of the request ``admission`` names may run; refused, it is
         answered so. A request is checked at its first sequence here, as a whole."""
-        key, size = admission
+        key, size, lease = Admission(*admission)
         known = conn.places.take(key)
         if known is None:
             limit = self.max_queued_requests
@@ -227,7 +232,7 @@ class EngineHost:
                 refusal = overload_message(
                     self._in_flight(), slots, stats.num_waiting, size, limit, pooling, self._max_running
                 )
-            conn.places.decide(key, size, refusal is None)
+            conn.places.decide(key, size, refusal is None, lease)
             if refusal is None:
                 return True
         elif known:
@@ -238,7 +243,10 @@ class EngineHost:
         return False
 
     def _release(self, conn: _ApiServer, key: int) -> None:
-        """The request ``key`` ended: the places still held for its sequences are free."""
+        """The request ``key`` ended: the places still held for its sequences are free (its
+        leased steps still ending, aborted, count as themselves until they end)."""
+        for rid in [rid for rid, lease in conn.leased.items() if lease == key]:
+            del conn.leased[rid]
         if conn.places.release(key):
             self._broadcast_stats()
 
@@ -275,7 +283,7 @@ class EngineHost:
             self._send_stats(conn)  # before the output: a final output finds its stats there
             send(("out", rid, out))
             if out.finished:
-                conn.requests.pop(rid, None)
+                self._ended(conn, rid)
             self._broadcast_stats()
 
         try:
@@ -298,7 +306,7 @@ class EngineHost:
 
     def _failed(self, conn: _ApiServer, rid: str, error: BaseException) -> None:
         """End request ``rid`` with ``error``: ValueError is the client's (a 400 there)."""
-        conn.requests.pop(rid, None)
+        self._ended(conn, rid)
         if isinstance(error, ValueError):
             conn.channel.send(("err", rid, "value", str(error)))
         elif isinstance(error, EngineDeadError):
@@ -405,9 +413,20 @@ class EngineHost:
             return None
         return probe[1]
 
+    @staticmethod
+    def _ended(conn: _ApiServer, rid: str) -> None:
+        conn.requests.pop(rid, None)
+        conn.leased.pop(rid, None)
+
+    @staticmethod
+    def _sequences(conn: _ApiServer) -> int:
+        """One API server's sequences: in the engine (those in a lease counted by it), admitted
+        and on their way, or leased."""
+        return len(conn.requests) - len(conn.leased) + conn.places.num_held
+
     def _in_flight(self) -> int:
         """Every API server's sequences: in the engine, or admitted and on their way."""
-        return sum(len(conn.requests) + conn.places.num_held for conn in self._servers)
+        return sum(self._sequences(conn) for conn in self._servers)
 
     def _queue_busy(self) -> bool:
         """Whether the engine's queue is at least half of the API servers' admission limit: the
@@ -423,7 +442,7 @@ class EngineHost:
         """``conn``'s stats if they changed; the other API servers' sequences or load alone only if
         ``counts``."""
         stats, healthy = self.engine.stats(), self.engine.is_healthy()
-        elsewhere = self._in_flight() - len(conn.requests) - conn.places.num_held
+        elsewhere = self._in_flight() - self._sequences(conn)
         load = self._load - conn.load
         if (
             stats is not conn.sent_stats

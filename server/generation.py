@@ -24,6 +24,7 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from kvcache.keys import salt_extra
 from server.admission import (
+    Admission,
     AdmissionRefused,
     overload_message,
     queued_after,
@@ -92,6 +93,7 @@ class Ticket:
         self.key = key
         self.size = num_sequences
         self.refused = False  # the engine process refused it (counted once in the metrics)
+        self.leased = False  # its beam search steps leased its places in the engine process
         self._closed = False
 
     def start_one(self) -> None:
@@ -185,9 +187,18 @@ class Generation:
         self._add_in_flight(-num_sequences)
 
     def ticket_closed(self, ticket: Ticket) -> None:
-        """An engine process that admits too holds a request's unsent sequences until it ends."""
-        if self._engine_admits and ticket.size > 1:
+        """An engine process that admits too holds a request's unsent sequences (a beam search's
+        leased places) until it ends."""
+        if self._engine_admits and (ticket.size > 1 or ticket.leased):
             self.engine.end_admission(ticket.key)
+
+    def step_admission(self, ticket: Ticket) -> dict[str, Any]:
+        """``engine.generate``'s admission for a beam search step of ``ticket``'s request: to an
+        engine process that admits too, the request leases its places (``server/admission.py``)."""
+        if not self._engine_admits:
+            return {}
+        ticket.leased = True
+        return {"admission": Admission(ticket.key, ticket.size, lease=True)}
 
     def _add_in_flight(self, delta: int) -> None:
         self.in_flight += delta

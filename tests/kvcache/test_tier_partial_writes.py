@@ -131,6 +131,7 @@ def test_a_block_that_cannot_be_encoded_drops_alone(metric) -> None:
         BlockWrite(HASHES[2], good),
     ]
     dropped = metric("ferry:kv_tier_dropped_writes_total")
+    encode = metric("ferry:kv_tier_dropped_writes_total", reason="encode")
     writer = BlockWriter(tier, "fp", capacity=8)
     try:
         assert writer.reserve(3) == 3
@@ -138,6 +139,7 @@ def test_a_block_that_cannot_be_encoded_drops_alone(metric) -> None:
         assert writer.flush(5.0)
         assert (writer.written, writer.dropped, writer.pending) == (2, 1, 0)
         assert metric("ferry:kv_tier_dropped_writes_total") == dropped + 1
+        assert metric("ferry:kv_tier_dropped_writes_total", reason="encode") == encode + 1
         assert tier.contains_prefix([tier_key("fp", HASHES[0])]) == 1
         assert tier.contains_prefix([tier_key("fp", HASHES[2])]) == 1
     finally:

@@ -234,3 +234,33 @@ def test_two_api_servers_cannot_both_admit_a_request_that_fills_the_queue(replic
     assert held.join()[0].status == 200
     for conn in [*conns, control]:
         conn.close()
+
+
+BEAM = {"prompt": "x", "max_tokens": 2, "ignore_eos": True, "use_beam_search": True, "n": 3}
+
+
+def test_a_beam_search_holds_its_width_from_start_to_end(replica) -> None:
+    """A beam search of width 3 is 3 sequences, as ``n=3`` is: its steps are engine requests of
+    their own (one per live beam, its first step one), yet from its first step to its end it holds
+    3 places, in the engine process too: the queue is full for the other API server. Its places
+    are free once it ends."""
+    conns = _connections(replica, 2)
+    control = HTTPConnection("127.0.0.1", replica.port, timeout=60)
+    _sleep(replica, [*conns, control])
+    beam = _Sent(conns[:1], [BEAM])
+    _wait_waiting(replica, 1)  # its first step (one live beam), held by the sleeping engine
+    for stream in (False, True):
+        _assert_refused(_post(conns[-1], "/v1/completions", {**ONE, "stream": stream}))
+    # A second search of width 3 (on the other API server, when there are two) does not fit either.
+    _assert_refused(_post(conns[-1], "/v1/completions", BEAM))
+    assert _post(control, "/wake_up").status == 200
+    (answer,) = beam.join()
+    assert answer.status == 200 and len(answer.body["choices"]) == 3, answer
+    # Nothing of it is held any more: a full queue's worth is admitted again.
+    _sleep(replica, [*conns, control])
+    held = _Sent(conns[-1:], [{**ONE, "prompt": ["a", "b", "c"]}])
+    _wait_waiting(replica, 3)
+    assert _post(control, "/wake_up").status == 200
+    assert held.join()[0].status == 200
+    for conn in [*conns, control]:
+        conn.close()

@@ -15,7 +15,7 @@ import pytest
 from engine import SamplingParams
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from server.admission import AdmissionRefused
+from server.admission import Admission, AdmissionRefused
 from server.engine_client import EngineClient
 from server.engine_process import EngineHost
 from tests.server.test_engine_ipc import _hosted, _until
@@ -68,6 +68,58 @@ async def test_places_are_held_for_a_requests_sequences_until_it_ends(tiny_llama
             for stream in streams:
                 await stream.aclose()
             await _until(lambda: a.sequences_elsewhere == 0 and host._in_flight() == 0, "sequences linger")
+            await a.shutdown()
+            await b.shutdown()
+    finally:
+        for future in held:
+            future.cancel()
+            with contextlib.suppress(BaseException):
+                await future
+        await engine.shutdown()
+
+
+async def test_a_beam_search_leases_its_places_until_it_ends(tiny_llama) -> None:
+    """A beam search of width 3 is checked at its first step as 3 sequences, and holds 3 places
+    until its request ends, however many of its steps' engine requests (one per live beam) are in
+    the engine: none between steps, one at the first, up to 3 later. Refused, its request's other
+    first steps are refused with it."""
+    config = EngineConfig(model=str(tiny_llama), num_kv_blocks=128, max_num_seqs=2, enable_sleep_mode=True)
+    engine = AsyncEngine(config)
+    await engine.sleep(1)
+    host = EngineHost(engine, max_queued_requests=3)
+    beam = Admission(1, 3, lease=True)
+    held: list[asyncio.Future] = []
+    try:
+        async with _hosted(host) as where:
+            a, b = await EngineClient.connect(where), await EngineClient.connect(where)
+            # Its first step: one live beam, in the engine; three places counted.
+            streams = [a.generate("a-s0-b0", [5, 6, 7], PARAMS, admission=beam)]
+            held.append(asyncio.ensure_future(streams[0].__anext__()))
+            await _until(lambda: b.sequences_elsewhere == 3, "the beam search counts as its first step")
+            assert "3 sequences are waiting (limit 3)" in await _refused(b, "b-0", (1, 1))
+            # B's own beam search (2 prompts, width 2) does not fit, nor its other prompt's first step.
+            assert "3 sequences are waiting (limit 3)" in await _refused(
+                b, "b-s0", Admission(2, 4, lease=True)
+            )
+            assert "other sequences were refused" in await _refused(b, "b-s0-p1", Admission(2, 4, lease=True))
+            b.end_admission(2)
+            # The next step's three beams run inside the lease: admitted, not counted again.
+            for i in range(3):
+                streams.append(a.generate(f"a-s1-b{i}", [5, 6, 7, 8], PARAMS, admission=beam))
+                held.append(asyncio.ensure_future(streams[-1].__anext__()))
+            await _until(lambda: engine.stats().num_waiting == 4, "the steps do not reach the engine")
+            assert host._in_flight() == 3 and b.sequences_elsewhere == 3
+            # Between steps (its engine requests ended), its places stay held.
+            for future in held:  # the client gone mid-step: its steps are aborted
+                future.cancel()
+            await asyncio.gather(*held, return_exceptions=True)
+            await _until(lambda: engine.stats().num_waiting == 0, "the aborted steps linger")
+            assert host._in_flight() == 3 and b.sequences_elsewhere == 3
+            # Its request ended: the places are free.
+            a.end_admission(1)
+            await _until(
+                lambda: b.sequences_elsewhere == 0 and host._in_flight() == 0, "the lease outlives it"
+            )
             await a.shutdown()
             await b.shutdown()
     finally:

@@ -1,4 +1,5 @@
-"""KV events carry the replica's URL, which routers' cache-aware policies match events by."""
+"""KV events carry the replica's URL, which routers' cache-aware policies match events by, and its
+engine's instance id, by which they tell a restarted replica's blocks from the old process's."""
 
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ def test_served_events_carry_the_advertised_url(
         body = {"model": srv.model_name, "prompt": prompt, "max_tokens": 4, "temperature": 0}
         r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
+        instance = httpx.get(srv.url + "/health", timeout=10).json()["instance_id"]
         raw = redis.Redis.from_url(redis_url)
         events_prefix = f"{KEY_PREFIX}:events:"
         want = set(to_hex(block_hashes(prompt, 16)))
@@ -62,6 +64,8 @@ def test_served_events_carry_the_advertised_url(
         srv.stop()
     assert want <= _stored_on_device(events)
     assert {e.replica_id for e in events} == {advertised}
+    # ... and the engine's instance, as /health names it: a router tells a restart by it.
+    assert {e.instance for e in events} == {instance}
 
 
 def _stored_on_device(events: list) -> set[str]:
