@@ -97,8 +97,13 @@ def expand_config(
 def _load(path: Path) -> dict[str, Any]:
     import yaml
 
+    from ferry.strict_yaml import load_yaml, not_yaml_problem
+
+    problem = not_yaml_problem(path)
+    if problem is not None:
+        raise ValueError(problem)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = load_yaml(path.read_text())
     except yaml.YAMLError as e:
         raise ValueError(f"not valid YAML ({' '.join(str(e).split())})") from None
     if data is None:

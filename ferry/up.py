@@ -4,13 +4,14 @@
 ``ferry/cluster/config.py`` (commented example: ``deploy/local/cluster.yaml``); with no file, the
 default is a router on port 8080, one prefill and one decode worker of the demo model on free
 ports, and a child redis-server as their shared KV tier. Exit status: 0 after a clean stop
-(SIGTERM, Ctrl-C) or a dry run, 1 when the cluster cannot start, 2 for a bad cluster file.
+(SIGTERM, Ctrl-C, SIGHUP) or a dry run, 1 when the cluster cannot start, 2 for a bad cluster file.
 """
 
 from __future__ import annotations
 
 import argparse
 import errno
+import os
 import shutil
 import socket
 import sys
@@ -56,7 +57,8 @@ def run_up(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(format_plan(plan))
         return 0
-    problem = preflight(config, plan)
+    state_file = Path(args.state_file) if args.state_file else None
+    problem = preflight(config, plan) or (state_file_problem(state_file) if state_file else None)
     if problem is not None:
         print(f"ferry up: {problem}", file=sys.stderr)
         return 1
@@ -75,7 +77,6 @@ def run_up(args: argparse.Namespace) -> int:
     from ferry.cluster.child import LogSink
     from ferry.cluster.supervisor import Supervisor
 
-    state_file = Path(args.state_file) if args.state_file else None
     return Supervisor(config, plan, LogSink(sys.stdout), state_file).run()
 
 
@@ -107,6 +108,19 @@ def preflight(config: ClusterConfig, plan: ClusterPlan) -> str | None:
         problem = _bind_problem(host, port)
         if problem is not None:
             return f"{key}: {problem}"
+    return None
+
+
+def state_file_problem(path: Path) -> str | None:
+    """Why ``--state-file`` could not be written (None: it can); it is first written once a child
+    has started, too late to fail cleanly."""
+    parent = path.parent
+    if path.is_dir():
+        return f"--state-file {path}: is a directory"
+    if not parent.is_dir():
+        return f"--state-file {path}: no directory {parent}"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"--state-file {path}: cannot write in {parent}"
     return None
 
 

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
-from ferry.cluster.plan import LOOPBACK, ProcessSpec
+from ferry.cluster.plan import ProcessSpec
 
 PR_SET_PDEATHSIG = 1
 
@@ -64,9 +64,10 @@ class LogSink:
 class Child:
     """A ``ProcessSpec`` and its current process, with the counters the supervisor keeps."""
 
-    def __init__(self, spec: ProcessSpec, sink: LogSink) -> None:
+    def __init__(self, spec: ProcessSpec, sink: LogSink, cwd: str | None = None) -> None:
         self.spec = spec
         self.sink = sink
+        self.cwd = cwd  # None: ours
         self.proc: subprocess.Popen[bytes] | None = None
         self.pids: list[int] = []  # every pid this child has had, oldest first
         self.restarts = 0
@@ -89,6 +90,7 @@ class Child:
         self.proc = subprocess.Popen(
             self.spec.argv,
             env={**os.environ, **self.spec.env},
+            cwd=self.cwd,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -122,8 +124,8 @@ class Child:
         """A worker's ``GET /health`` answers 200; Redis answers PING with PONG; the router answers
         HTTP at all (its /health also depends on the workers: the supervisor judges that part)."""
         if self.spec.kind == "redis":
-            return _redis_ping(self.spec.port, timeout)
-        conn = http.client.HTTPConnection(LOOPBACK, self.spec.port, timeout=timeout)
+            return _redis_ping(self.spec.host, self.spec.port, timeout)
+        conn = http.client.HTTPConnection(self.spec.host, self.spec.port, timeout=timeout)
         try:
             conn.request("GET", "/health")
             status = conn.getresponse().status
@@ -154,9 +156,9 @@ class Child:
             self._pump.join(timeout)
 
 
-def _redis_ping(port: int, timeout: float) -> bool:
+def _redis_ping(host: str, port: int, timeout: float) -> bool:
     try:
-        with socket.create_connection((LOOPBACK, port), timeout=timeout) as s:
+        with socket.create_connection((host, port), timeout=timeout) as s:
             s.sendall(b"PING\r\n")
             deadline = time.monotonic() + timeout
             reply = b""

@@ -29,6 +29,7 @@ from ferry.cluster.spec import (
     RestartSpec,
     RouterSpec,
 )
+from ferry.strict_yaml import load_yaml, not_yaml_problem
 
 __all__ = [
     "ClusterConfig",
@@ -63,6 +64,8 @@ ROUTER_MANAGED = {
     "--prefill": "ferry up passes its prefill pool",
     "--decode": "ferry up passes its decode pool",
     "--kv-tier": "use kv_tier",
+    # On a Unix socket the router would not answer on router.port, where ferry up waits for it.
+    "--uds": "use router.host and router.port",
 }
 
 
@@ -402,6 +405,9 @@ def load_config(path: str | os.PathLike | None) -> ClusterConfig:
         _check_ports(config)
         return config
     path = Path(path)
+    problem = not_yaml_problem(path)
+    if problem is not None:
+        raise ConfigError(f"{problem}; see deploy/local/cluster.yaml")
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as e:
@@ -409,7 +415,7 @@ def load_config(path: str | os.PathLike | None) -> ClusterConfig:
     except UnicodeDecodeError as e:
         raise ConfigError(f"cannot read {path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
     try:
-        data = yaml.safe_load(text)
+        data = load_yaml(text)
     except yaml.YAMLError as e:
         raise ConfigError(f"not valid YAML: {_yaml_problem(e)}") from None
     return parse_config(data, path.parent)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shlex
 import socket
 import sys
@@ -23,19 +24,22 @@ SECRET_FLAGS = frozenset({"--api-key", "--replica-api-key"})
 
 @dataclass(frozen=True)
 class ProcessSpec:
-    """One child: ``kind`` is ``redis``, ``worker`` or ``router``; ``env`` is added to ours."""
+    """One child: ``kind`` is ``redis``, ``worker`` or ``router``; ``env`` is added to ours; ``host``
+    is where this machine reaches it (the router may listen elsewhere than loopback)."""
 
     name: str
     kind: str
     argv: tuple[str, ...]
     port: int
     env: Mapping[str, str] = field(default_factory=dict)
+    host: str = LOOPBACK
 
     @property
     def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
         if self.kind == "redis":
-            return f"redis://{LOOPBACK}:{self.port}/0"
-        return f"http://{LOOPBACK}:{self.port}"
+            return f"redis://{host}:{self.port}/0"
+        return f"http://{host}:{self.port}"
 
     def shell(self) -> str:
         """The command as one line a user can paste into a shell."""
@@ -44,14 +48,23 @@ class ProcessSpec:
         return f"{env} {cmd}" if env else cmd
 
     def redacted_argv(self) -> tuple[str, ...]:
-        """``argv`` with secrets (API keys) masked, for logs and the state file."""
-        out = list(self.argv)
+        """``argv`` with secrets (API keys, URL passwords) masked, for logs and the state file."""
+        out = [redact_url(arg) for arg in self.argv]
         for i, arg in enumerate(out):
             if arg in SECRET_FLAGS and i + 1 < len(out):
                 out[i + 1] = "***"
             elif arg.split("=", 1)[0] in SECRET_FLAGS and "=" in arg:
                 out[i] = arg.split("=", 1)[0] + "=***"
         return tuple(out)
+
+
+# ``scheme://[user]:password@``: a KV tier (``rediss://user:pw@host``), ``--register`` and the like.
+_URL_PASSWORD = re.compile(r"(?P<head>\b[a-z][a-z0-9+.-]*://[^/@:\s]*:)[^/@\s]+@", re.IGNORECASE)
+
+
+def redact_url(text: str) -> str:
+    """``text`` with the password of any URL in it masked: ``rediss://user:***@host:6380/0``."""
+    return _URL_PASSWORD.sub(r"\g<head>***@", text)
 
 
 @dataclass(frozen=True)
@@ -189,11 +202,11 @@ def build_plan(
         if config.block_size is not None and _flag_value(r.args, "--block-size") is None:
             argv += ["--block-size", str(config.block_size)]  # keys blocks as the workers do
         argv += r.args
-        router = ProcessSpec("router", "router", tuple(argv), r.port, shared_env)
+        # A router on one address (``::1``, a LAN address) answers only there: probe it there too.
+        host = LOOPBACK if r.host in ("0.0.0.0", "::", "") else r.host
+        router = ProcessSpec("router", "router", tuple(argv), r.port, shared_env, host)
 
-    host = LOOPBACK if r.host in ("0.0.0.0", "::", "") else r.host
-    endpoint = f"http://[{host}]:{r.port}" if ":" in host else f"http://{host}:{r.port}"
-    return ClusterPlan(kv_tier_url, redis, tuple(workers), router, endpoint)
+    return ClusterPlan(kv_tier_url, redis, tuple(workers), router, router.url)
 
 
 CHAT_TEMPLATE_FLAGS = ("--chat-template", "--chat-template-content-format", "--default-chat-template-kwargs")

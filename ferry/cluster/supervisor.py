@@ -7,9 +7,10 @@ Life cycle:
 2. Once everything answers, print the endpoint; from then on a child that exits is started again
    on the same port after an exponential back-off (``restart``), like a Kubernetes pod's
    CrashLoopBackOff; the router meanwhile sends requests to the healthy workers.
-3. SIGTERM or Ctrl-C: SIGTERM to the router and workers (they finish in-flight requests for up to
-   ``drain_timeout``), SIGKILL to what is left after it, then Redis. A second signal skips the
-   drain. Every child runs in its own process group, which is what gets signalled.
+3. SIGTERM, Ctrl-C or SIGHUP (the terminal closed): SIGTERM to the router, which finishes its
+   in-flight requests for up to ``drain_timeout`` while the workers still serve them; then the
+   same for the workers; SIGKILL to what is left after each drain; then Redis. A second signal
+   skips the drains. Every child runs in its own process group, which is what gets signalled.
 
 All of it runs on the main thread (see ``child.py`` for why); log lines arrive on one thread per
 child.
@@ -22,20 +23,23 @@ import http.client
 import json
 import os
 import shlex
+import shutil
 import signal
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
 from ferry.cluster.child import Child, LogSink
-from ferry.cluster.plan import LOOPBACK, ClusterPlan
+from ferry.cluster.plan import ClusterPlan, ProcessSpec, redact_url
 from ferry.cluster.spec import ClusterConfig, RestartSpec
 
 TICK = 0.1  # seconds between looks at the children
 PROBE_INTERVAL = 0.5  # seconds between health probes of a child that is not healthy yet
 KILL_GRACE = 10.0  # seconds after drain_timeout before SIGKILL (a worker aborts, then exits)
 REDIS_STOP_TIMEOUT = 5.0
+LOG_FLUSH_TIMEOUT = 2.0  # seconds to let an exited child's last log lines out before saying why
 ROUTER_UNREADY_LIMIT = 15.0  # seconds the router may stay unhealthy once it routes to every worker
 
 
@@ -52,9 +56,12 @@ class Supervisor:
         self.sink = sink
         self.state_file = state_file
         self.redis = Child(plan.redis, sink) if plan.redis is not None else None
+        self.redis_dir: str | None = None  # the child Redis' working directory, removed at exit
         self.servers = [Child(spec, sink) for spec in (*plan.workers, plan.router)]
         self.children = ([self.redis] if self.redis else []) + self.servers
         self.signals = 0
+        self.first_signal: int | None = None
+        self._signals_at_stop = 0  # signals seen when the stop began; any later one means "now"
         self.ready = False  # everything was healthy once and the endpoint is announced
         self._last_probe: dict[str, float] = {}
 
@@ -64,7 +71,15 @@ class Supervisor:
     # ---- entry point ----------------------------------------------------------------------------
     def run(self) -> int:
         """Run until a signal; 0 after a clean stop, 1 if the cluster could not start."""
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        stops = [signal.SIGINT, signal.SIGTERM]
+        if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # under nohup it stays ignored
+            stops.append(signal.SIGHUP)  # the terminal closed: stop as cleanly as on Ctrl-C
+        redis = self.config.kv_tier.redis
+        if self.redis is not None and redis is not None and "--dir" not in redis.args:
+            # Redis loads the dump.rdb of its directory at start (and SAVE writes one there): in
+            # the user's, a dump left by a Redis once run there would fill the fresh KV tier.
+            self.redis_dir = self.redis.cwd = tempfile.mkdtemp(prefix="ferry-redis-")
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in stops}
         try:
             try:
                 started = self._start_all()
@@ -76,7 +91,12 @@ class Supervisor:
                 self._watch()
             return 0
         finally:
+            if self.first_signal is not None:
+                name = signal.Signals(self.first_signal).name
+                self.say(f"{name}: draining (a second signal stops at once)")
             self._stop_all()
+            if self.redis_dir is not None:
+                shutil.rmtree(self.redis_dir, ignore_errors=True)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             if self.state_file is not None:
@@ -84,9 +104,11 @@ class Supervisor:
                     self.state_file.unlink()
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        # Only take note: the main thread may be printing, inside the log sink's lock, when the
+        # handler runs on it; a line said from here would wait for that lock forever.
         self.signals += 1
-        if self.signals == 1:
-            self.say(f"{signal.Signals(signum).name}: draining (a second signal stops at once)")
+        if self.first_signal is None:
+            self.first_signal = signum
 
     # ---- start ----------------------------------------------------------------------------------
     def _start_all(self) -> bool:
@@ -119,6 +141,7 @@ class Supervisor:
             for child in self.children:
                 code = child.exit_code()
                 if code is not None:
+                    child.join_logs(LOG_FLUSH_TIMEOUT)  # its last lines (the reason) before ours
                     raise StartupFailed(
                         f"{child.name} exited with {_status(code)} before the cluster was ready"
                         f" (its output is above, prefixed [{child.name}]): {shlex.join(child.spec.redacted_argv())}"
@@ -141,8 +164,8 @@ class Supervisor:
         if now - self._last_probe.get("router-view", 0.0) < PROBE_INTERVAL:
             return False
         self._last_probe["router-view"] = now
-        health, health_body = _get(self.plan.router.port, "/health", {})
-        status, body = _get(self.plan.router.port, "/admin/replicas", self._router_headers())
+        health, health_body = _get(self.plan.router, "/health", {})
+        status, body = _get(self.plan.router, "/admin/replicas", self._router_headers())
         if status != 200:
             return health == 200
         try:
@@ -186,7 +209,7 @@ class Supervisor:
     # ---- run ------------------------------------------------------------------------------------
     def _announce(self) -> None:
         counts = ", ".join(f"{p.replicas} {p.role}" for p in self.config.pools if p.replicas)
-        tier = self.plan.kv_tier_url or "none"
+        tier = redact_url(self.plan.kv_tier_url or "none")
         self.ready = True
         self._write_state()  # before the ready line: whoever sees the line finds the file
         self.say(f"ready: {self.plan.endpoint} (router; {counts}; KV tier {tier})")
@@ -205,7 +228,7 @@ class Supervisor:
         self.say("Ctrl-C (or SIGTERM) drains and stops everything.")
 
     def _served_model(self) -> str | None:
-        status, body = _get(self.plan.router.port, "/v1/models", self._router_headers())
+        status, body = _get(self.plan.router, "/v1/models", self._router_headers())
         try:
             models = json.loads(body)["data"] if status == 200 else []
             return models[0]["id"] if models else None
@@ -227,6 +250,7 @@ class Supervisor:
                 elif child.restart_at is None:
                     code = child.exit_code()
                     child.signal_group(signal.SIGKILL)  # anything it started goes with it
+                    child.join_logs(LOG_FLUSH_TIMEOUT)  # its last lines (a traceback) before ours
                     child.crashes += 1
                     delay = restart_delay(backoff, child.crashes)
                     child.restart_at = now + delay
@@ -241,12 +265,19 @@ class Supervisor:
 
     # ---- stop -----------------------------------------------------------------------------------
     def _stop_all(self) -> None:
+        # Dependents first, as `docker compose down` does: the router finishes its in-flight
+        # requests while every worker still serves them (a draining worker refuses new work, so a
+        # PD hand-off or a retry would fail), then the workers, then Redis.
+        self._signals_at_stop = self.signals
         drain = self.config.drain_timeout
-        self._stop(self.servers, drain + KILL_GRACE, f"stopping router and workers (drain up to {drain:g} s)")
+        router = [c for c in self.servers if c.spec.kind == "router"]
+        workers = [c for c in self.servers if c.spec.kind != "router"]
+        self._stop(router, drain + KILL_GRACE, f"stopping the router (drain up to {drain:g} s)")
+        self._stop(workers, drain + KILL_GRACE, f"stopping workers (drain up to {drain:g} s)")
         if self.redis is not None:
             self._stop([self.redis], REDIS_STOP_TIMEOUT, "stopping redis")
         for child in self.children:
-            child.join_logs(2.0)
+            child.join_logs(LOG_FLUSH_TIMEOUT)
         self.say("stopped")
 
     def _stop(self, children: list[Child], timeout: float, message: str) -> None:
@@ -254,13 +285,13 @@ class Supervisor:
         if not running:
             return
         self.say(message)
-        signals_before = self.signals
         for child in running:
             child.signal_group(signal.SIGTERM)
         deadline = time.monotonic() + timeout
         while any(c.running for c in running):
-            # A signal that arrives during the stop means "now" (the first one started it).
-            if time.monotonic() > deadline or self.signals > signals_before:
+            # A signal that arrives during the stop means "now" for every step left (the first
+            # one started it).
+            if time.monotonic() > deadline or self.signals > self._signals_at_stop:
                 break
             time.sleep(TICK)
         for child in running:
@@ -277,7 +308,7 @@ class Supervisor:
             "pid": os.getpid(),
             "ready": self.ready,
             "endpoint": self.plan.endpoint,
-            "kv_tier": self.plan.kv_tier_url,
+            "kv_tier": self.plan.kv_tier_url and redact_url(self.plan.kv_tier_url),
             "processes": [
                 {
                     "name": c.name,
@@ -301,9 +332,9 @@ def restart_delay(spec: RestartSpec, crashes: int) -> float:
     return min(spec.max_delay, spec.initial_delay * 2 ** (crashes - 1))
 
 
-def _get(port: int, path: str, headers: dict[str, str]) -> tuple[int, bytes]:
-    """GET on loopback: (status, body), or (0, b"") when nothing answers."""
-    conn = http.client.HTTPConnection(LOOPBACK, port, timeout=2.0)
+def _get(spec: ProcessSpec, path: str, headers: dict[str, str]) -> tuple[int, bytes]:
+    """GET from a child: (status, body), or (0, b"") when nothing answers."""
+    conn = http.client.HTTPConnection(spec.host, spec.port, timeout=2.0)
     try:
         conn.request("GET", path, headers=headers)
         response = conn.getresponse()

@@ -1,7 +1,9 @@
-"""Helpers for `ferry up` tests: run `ferry up` as a subprocess and follow its output."""
+"""Helpers for `ferry up` tests: run `ferry up` as a subprocess and follow its output; run the
+supervisor in process over stand-in children (a stdlib HTTP server answering /health)."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -14,6 +16,11 @@ import time
 from pathlib import Path
 
 import pytest
+
+from ferry.cluster import supervisor as sup
+from ferry.cluster.child import LogSink
+from ferry.cluster.plan import ClusterPlan, ProcessSpec
+from ferry.cluster.spec import ClusterConfig, KVTierSpec, PoolSpec
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -127,3 +134,108 @@ def start_up(tmp_path: Path):
     for up in started:
         up.kill()
         print(f"---- ferry up output ({up.state_file.name}) ----\n{up.output()}")  # shown when a test fails
+
+
+# /health answers 200; with IGNORE_TERM it shrugs SIGTERM off; with LIFETIME it exits 3 after that,
+# first printing LAST_WORDS lines (a traceback, say) and "exiting"; it listens on HOST (127.0.0.1).
+# SIGTERM with DRAIN: /health answers 503 for that long, then exit (a draining worker); with
+# ASK_ON_TERM=PORT: print what 127.0.0.1:PORT/health answers, then exit (a router finishing a request).
+STAND_IN = """
+import http.server, os, signal, sys, threading, urllib.error, urllib.request
+draining = []
+if os.environ.get("IGNORE_TERM"):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if os.environ.get("DRAIN"):
+    def drain(*a):
+        draining.append(1)
+        threading.Timer(float(os.environ["DRAIN"]), lambda: os._exit(0)).start()
+    signal.signal(signal.SIGTERM, drain)
+if os.environ.get("ASK_ON_TERM"):
+    def ask(*a):
+        url = "http://127.0.0.1:" + os.environ["ASK_ON_TERM"] + "/health"
+        try:
+            status = urllib.request.urlopen(url, timeout=5).status
+        except urllib.error.HTTPError as e:
+            status = e.code
+        except OSError as e:
+            status = type(e).__name__
+        print("worker answered", status, flush=True)
+        os._exit(0)
+    signal.signal(signal.SIGTERM, ask)
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(503 if draining else 200 if self.path == "/health" else 404)
+        self.send_header("content-length", "0")
+        self.end_headers()
+    def log_message(self, *a):
+        pass
+server = http.server.HTTPServer((os.environ.get("HOST", "127.0.0.1"), int(sys.argv[1])), H)
+print("listening", flush=True)
+def die():
+    for i in range(int(os.environ.get("LAST_WORDS", "0"))):
+        print("  File", i)
+    print("exiting", flush=True)
+    os._exit(3)
+if os.environ.get("LIFETIME"):
+    threading.Timer(float(os.environ["LIFETIME"]), die).start()
+server.serve_forever()
+"""
+
+
+def stand_in(name: str, kind: str, env: dict[str, str] | None = None) -> ProcessSpec:
+    port = free_port()
+    return ProcessSpec(name, kind, (sys.executable, "-c", STAND_IN, str(port)), port, env or {})
+
+
+class SlowTerminal(io.StringIO):
+    """A terminal that takes a moment to show each line (a remote session, a busy machine)."""
+
+    def write(self, text: str) -> int:
+        time.sleep(0.001)
+        return super().write(text)
+
+
+def run_supervisor(
+    config: ClusterConfig, plan: ClusterPlan, tmp_path: Path, act, out: io.StringIO | None = None
+) -> tuple[int, str, dict[str, list[int]]]:
+    """Run the supervisor on this (main) thread; ``act(output, pids)`` runs on another once ready
+    (never if it does not get ready: its signals would then reach pytest)."""
+    out = io.StringIO() if out is None else out
+    state = tmp_path / "state.json"
+    supervisor = sup.Supervisor(config, plan, LogSink(out), state)
+    pids: dict[str, list[int]] = {}
+
+    def driver() -> None:
+        deadline = time.monotonic() + 30
+        while "[up] ready:" not in out.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if "[up] ready:" in out.getvalue():
+            act(out, supervisor)
+
+    thread = threading.Thread(target=driver, daemon=True)
+    thread.start()
+    try:
+        code = supervisor.run()
+    finally:
+        for child in supervisor.children:
+            pids[child.name] = list(child.pids)
+            child.signal_group(signal.SIGKILL)
+    thread.join(5)
+    return code, out.getvalue(), pids
+
+
+def wait_output(out: io.StringIO, pattern: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not re.search(pattern, out.getvalue(), re.M):
+        assert time.monotonic() < deadline, f"no {pattern!r} in:\n{out.getvalue()}"
+        time.sleep(0.05)
+
+
+def config_for(**kw) -> ClusterConfig:
+    return ClusterConfig(
+        kv_tier=KVTierSpec(url="memory://"),
+        prefill=PoolSpec("prefill"),
+        decode=PoolSpec("decode"),
+        mixed=PoolSpec("mixed", replicas=1),
+        **kw,
+    )

@@ -37,6 +37,63 @@ def test_invalid_yaml_is_said_on_one_line(tmp_path: Path, capsys: pytest.Capture
     )
 
 
+@pytest.mark.parametrize(
+    ("text", "where"),
+    [
+        (
+            "router: {port: 18080}\nmixed: {}\nrouter: {port: 18081}\n",
+            "line 3, column 1: duplicate key 'router' (first given on line 1)",
+        ),
+        (
+            "mixed: {replicas: 1, replicas: 2}\n",
+            "line 1, column 22: duplicate key 'replicas' (first given on line 1)",
+        ),
+        (
+            "mixed:\n  threads: 1\n  env: {A: x}\n  threads: 2\n",
+            "line 4, column 3: duplicate key 'threads' (first given on line 2)",
+        ),
+    ],
+)
+def test_a_key_given_twice_is_refused_not_silently_the_last(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, where: str
+) -> None:
+    """PyYAML keeps the last of two equal keys: the file would run with half of what it says."""
+    config = tmp_path / "cluster.yaml"
+    config.write_text(text)
+    assert main(["up", "--config", str(config), "--dry-run"]) == 2
+    assert capsys.readouterr().err == f"ferry up: {config}: not valid YAML: {where}\n"
+
+
+def test_merge_keys_still_override_what_they_merge(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "cluster.yaml"
+    config.write_text(
+        "kv_tier: redis://127.0.0.1:6399/0\nmixed: &pool {replicas: 1, threads: 3, port: 18100}\n"
+        "prefill: {<<: *pool, port: 18200}\ndecode: {<<: *pool, port: 18300}\n"
+    )
+    assert main(["up", "--config", str(config), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    for port in (18100, 18200, 18300):
+        assert f"--port {port} " in out
+    assert out.count("--num-threads 3 ") == 3
+
+
+def test_serve_config_file_with_a_key_given_twice_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "serve.yaml"
+    # The second value alone would be refused too, so nothing starts even where the first is read.
+    config.write_text("max-num-seqs: 4\nport: 8001\nmax-num-seqs: lots\n")
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--config", str(config)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"ferry serve --config {config}: not valid YAML (duplicate key 'max-num-seqs' (first given on line 1)"
+    )
+
+
 def test_router_host_that_does_not_resolve_is_not_called_a_port_in_use(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -66,3 +123,32 @@ def test_router_that_cannot_listen_says_so_and_exits_2(host: str) -> None:
     assert done.stderr.startswith(f"ferry router: error: cannot listen on {host}:{port}: "), done.stderr
     if host == "127.0.0.1":
         assert done.stderr == f"ferry router: error: cannot listen on {host}:{port}: Address already in use\n"
+
+
+def test_a_toml_file_is_named_as_such(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """TOML parses as a YAML string (or a YAML error about '<document start>'): say what it is."""
+    cluster = tmp_path / "cluster.toml"
+    cluster.write_text('model = "/models/llama"\n[router]\nport = 8080\n')
+    assert main(["up", "--config", str(cluster), "--dry-run"]) == 2
+    assert capsys.readouterr().err == (
+        f"ferry up: {cluster}: a TOML file: ferry reads YAML (JSON is YAML too); see deploy/local/cluster.yaml\n"
+    )
+    serve = tmp_path / "serve.toml"
+    serve.write_text("port = 8001\n")
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--config", str(serve)])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err == (
+        f"ferry serve --config {serve}: a TOML file: ferry reads YAML (JSON is YAML too)\n"
+    )
+
+
+def test_a_json_cluster_file_is_read(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text(
+        '{"kv_tier": "memory://", "router": {"port": 18123}, "mixed": {"replicas": 2, "threads": 1}}'
+    )
+    assert main(["up", "--config", str(cluster), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert out.count(" --role mixed --num-threads 1 ") == 2
+    assert out.endswith("# endpoint: http://127.0.0.1:18123/v1\n")

@@ -79,6 +79,10 @@ BAD_CONFIGS = [
         "router: {args: [--prefill=http://x:1]}",
         "router.args: --prefill is set by ferry up (ferry up passes its prefill pool)",
     ),
+    (
+        "router: {args: [--uds, /tmp/router.sock]}",
+        "router.args: --uds is set by ferry up (use router.host and router.port)",
+    ),
     ("mixed: {env: {A: [1]}}", "mixed.env.A: expected a string, got [1] (list)"),
     ("env: [A]", "env: expected a mapping NAME: value, got ['A'] (list)"),
     ("drain_timeout: 0", "drain_timeout: must be > 0, got 0"),
@@ -218,6 +222,20 @@ def test_port_in_use_is_named_before_anything_starts(
     )
 
 
+@pytest.mark.parametrize("where", ["no-such-dir/state.json", "."])
+def test_state_file_that_cannot_be_written_is_named_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], where: str
+) -> None:
+    """It was first written once Redis had started: a traceback, not a message."""
+    config = tmp_path / "cluster.yaml"
+    # `true` as the Redis binary: were anything started, it would be that and nothing heavier.
+    config.write_text('model: no-such-org/no-such-model\nkv_tier: {redis: {binary: "true"}}\nmixed: {}\n')
+    state = tmp_path / where
+    assert main(["up", "--config", str(config), "--state-file", str(state)]) == 1
+    problem = f"no directory {tmp_path / 'no-such-dir'}" if where != "." else "is a directory"
+    assert capsys.readouterr() == ("", f"ferry up: --state-file {state}: {problem}\n")
+
+
 def test_unreadable_and_invalid_files_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     missing = tmp_path / "none.yaml"
     assert main(["up", "--config", str(missing)]) == 2
@@ -257,6 +275,22 @@ def test_api_key_is_masked_outside_the_dry_run() -> None:
         parse_config({"mixed": {}, "kv_tier": "memory://", "router": {"args": ["--api-key=s3cret"]}})
     ).router.redacted_argv()
     assert masked[-1] == "--api-key=***" and "s3cret" not in " ".join(masked)
+
+
+def test_a_kv_tier_password_is_masked_outside_the_dry_run() -> None:
+    tier = "rediss://ferry:s3cret@cache:6380/0"
+    config = parse_config({"mixed": {"args": ["--register=redis://:hunter2@reg:6379/1"]}, "kv_tier": tier})
+    plan = build_plan(config, python="python")
+    worker, router = plan.workers[0], plan.router
+    assert tier in worker.argv and tier in router.argv  # what runs (and what --dry-run prints)
+    masked = "rediss://ferry:***@cache:6380/0"
+    assert [a for a in worker.redacted_argv() if "://" in a] == [
+        masked,  # --kv-tier
+        masked,  # --responses-store
+        "--register=redis://:***@reg:6379/1",
+    ]
+    assert [a for a in router.redacted_argv() if "@cache" in a] == [masked]
+    assert not any("s3cret" in a or "hunter2" in a for p in plan.processes for a in p.redacted_argv())
 
 
 def test_router_renders_chats_with_the_workers_chat_template() -> None:
