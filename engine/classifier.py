@@ -46,7 +46,7 @@ class ClassifierInfo:
     """What a classifier model's logits mean; carried in ``ModelInfo.classifier``."""
 
     num_labels: int
-    labels: tuple[str | None, ...]  # config.json id2label by index (None where it names none)
+    labels: tuple[str, ...]  # config.json id2label by index (LABEL_i where it names none)
     classify_activation: str  # one of ACTIVATIONS
     score_activation: str
     use_sep_token: bool = True  # a scored pair: the tokenizer's pair encoding (else the texts joined)
@@ -88,9 +88,11 @@ class ClassifierInfo:
         return cls(num_labels, labels, classify, score, bool(sep))
 
 
-def _label(id2label: Mapping[Any, Any], i: int) -> str | None:
+def _label(id2label: Mapping[Any, Any], i: int) -> str:
+    """``id2label``'s name of label ``i``, else transformers' default ``LABEL_{i}`` (its configs name
+    every label so, and a two-label config saved with those defaults writes no ``id2label``)."""
     value = id2label.get(str(i), id2label.get(i))
-    return None if value is None else str(value)
+    return f"LABEL_{i}" if value is None else str(value)
 
 
 def pair_prompt(

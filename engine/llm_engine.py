@@ -355,7 +355,8 @@ class LLMEngine(EngineSleep):
             raise ValueError(
                 f"{len(resumed)} resumed tokens leave nothing to generate under max_tokens={params.max_tokens}"
             )
-        need = self.block_manager.blocks_for(len(ids) + params.max_tokens)
+        # A pooling request ends once its prompt is computed: it never writes the KV of a next token.
+        need = self.block_manager.blocks_for(len(ids) + (0 if pooling else params.max_tokens))
         if self.sliding_window is not None:
             need = min(need, self._window_peak_blocks())
         if need > self.block_manager.num_blocks:

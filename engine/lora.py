@@ -139,11 +139,11 @@ def load_adapter(
         if slot is None:
             raise ValueError(f"{where}: {name}: {_no_slot(full, layouts[layer])}")
         _, _, fan_in, fan_out = slot
-        r = tensor.shape[0]
-        if tensor.dim() != 2 or b.dim() != 2 or tensor.shape[1] != fan_in or tuple(b.shape) != (fan_out, r):
+        r = tensor.shape[0] if tensor.dim() == 2 else -1  # a scalar or a vector has no rank
+        if r < 1 or b.dim() != 2 or tensor.shape[1] != fan_in or tuple(b.shape) != (fan_out, r):
             raise ValueError(
                 f"{where}: {name} has lora_A {tuple(tensor.shape)} and lora_B {tuple(b.shape)}; this model "
-                f"needs [r, {fan_in}] and [{fan_out}, r]"
+                f"needs [r, {fan_in}] and [{fan_out}, r] with r >= 1"
             )
         if r > max_rank:
             raise ValueError(f"{where}: {name} has rank {r}, more than max_lora_rank={max_rank}")
@@ -169,12 +169,32 @@ def _check_config(config: dict[str, Any], where: str) -> None:
             raise ValueError(f"{where}: {why} ({key}={config[key]!r})")
     if config.get("bias", "none") != "none":
         raise ValueError(f"{where}: trained biases are not supported (bias={config['bias']!r})")
-    alpha = config.get("lora_alpha", 8)
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
-        raise ValueError(f"{where}: lora_alpha must be a number, got {alpha!r}")
+    _check_alpha(config.get("lora_alpha", 8), f"{where}: lora_alpha")
     for key in ("alpha_pattern", "rank_pattern"):
         if not isinstance(config.get(key) or {}, dict):
             raise ValueError(f"{where}: {key} must be an object")
+    for pattern, alpha in (config.get("alpha_pattern") or {}).items():
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ValueError(
+                f"{where}: alpha_pattern key {pattern!r} is not a regular expression ({e})"
+            ) from None
+        _check_alpha(alpha, f"{where}: alpha_pattern[{pattern!r}]")
+
+
+def _check_alpha(alpha: object, what: str) -> None:
+    # Python's json reads NaN, Infinity and 1e400 (and integers past any float): such a scale would
+    # make every output NaN.
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(_as_float(alpha)):
+        raise ValueError(f"{what} must be a finite number, got {alpha!r}")
+
+
+def _as_float(x: float) -> float:
+    try:
+        return float(x)
+    except OverflowError:
+        return math.inf
 
 
 def _scale(config: dict[str, Any], name: str, rank: int) -> float:

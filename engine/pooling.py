@@ -28,6 +28,11 @@ def as_float32_le(v: np.ndarray) -> bytes:
     return np.asarray(v).astype("<f4").tobytes()
 
 
+def float32_values(v: np.ndarray) -> list[float]:
+    """``v`` rounded to float32, as Python floats: exactly what ``as_float32_le`` encodes."""
+    return np.asarray(v).astype(np.float32).tolist()
+
+
 def activate(logits: Sequence[float] | np.ndarray, kind: str) -> np.ndarray:
     """float64 ``kind`` of ``logits`` over its last axis (softmax max-shifted; the sigmoid as
     ``(1 + tanh(x / 2)) / 2``, which never overflows)."""

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from safetensors import SafetensorError
 
 from engine.models.config import ModelConfig
 from engine.models.loader import safetensors_files, weights_id
@@ -83,7 +84,8 @@ def read_checkpoint(runner: ModelRunner, path: str, load_format: str | None = No
     overrides = runner.config.hf_overrides
     try:
         new = ModelConfig.from_dir(model_dir, overrides)
-    except (ValueError, KeyError, TypeError, OSError) as e:
+    # ArithmeticError: a config whose numbers cannot shape a model (0 heads, 1e400 hidden units).
+    except (ValueError, KeyError, TypeError, OSError, ArithmeticError) as e:
         raise ValueError(f"model_path {path!r}: its config.json cannot be read ({e!r})") from None
     old = runner.model_config
     changed = [
@@ -99,7 +101,7 @@ def read_checkpoint(runner: ModelRunner, path: str, load_format: str | None = No
         )
     try:
         weights = runner.read_weights(model_dir, torch.device("cpu"))
-    except (ValueError, KeyError, OSError) as e:
+    except (ValueError, KeyError, OSError, SafetensorError) as e:  # a truncated or corrupt shard too
         raise ValueError(f"model_path {path!r}: its weights cannot be read ({e})") from None
     _check_signature(path, runner.weight_signature, weight_signature(weights))
     draft_update = runner.draft.read_update(model_dir) if runner.draft is not None else None

@@ -20,11 +20,11 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from engine.outputs import RequestOutput
-from engine.pooling import as_float32_le, normalized, truncated
+from engine.pooling import as_float32_le, float32_values, normalized, truncated
 from engine.sampling_params import SamplingParams
 from server.errors import bad_request, unavailable
 from server.generation import SequenceRequest
-from server.params import check_token_ids
+from server.params import check_token_ids, kept_prompt_tokens
 from server.protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
 from server.serving_common import answer_whole, plan_off_loop, prompt_chars
 from server.state import ServerState
@@ -32,18 +32,25 @@ from server.state import ServerState
 MAX_INPUTS = 2048  # per request, as OpenAI allows
 
 
+def pooling_context(state: ServerState) -> int:
+    """The most tokens one pooled input may have: the context ``/v1/models`` advertises (the KV
+    cache's tokens per sequence when they are fewer than ``max_model_len``), so that a longer input is
+    this layer's 400 naming the input rather than the engine's refusal of its KV blocks."""
+    return state.limits.kv_capacity_tokens
+
+
 def pooling_prompt(
     state: ServerState,
     item: str | list[int],
     *,
     add_special_tokens: bool,
-    truncate: int | None,
+    keep: int | None,
     param: str,
     what: str = "an input",
 ) -> list[int]:
-    """One text's (or token list's) prompt for a pooling request: checked, truncated to its last
-    ``truncate`` tokens (-1: to the model's context), and no longer than the context (400 naming
-    ``param`` otherwise)."""
+    """One text's (or token list's) prompt for a pooling request: checked, cut to its last ``keep``
+    tokens (``params.kept_prompt_tokens``: ``truncate_prompt_tokens`` resolved), and no longer than
+    the context (400 naming ``param`` otherwise)."""
     if isinstance(item, str):
         ids = state.tokenizer.encode(item, add_special_tokens=add_special_tokens)
     else:
@@ -51,13 +58,13 @@ def pooling_prompt(
         check_token_ids(ids, state.limits, param)
     if not ids:
         raise bad_request(f"{param} must not contain empty strings or token lists", param=param)
-    max_len = state.limits.max_model_len
-    if truncate is not None:
-        ids = ids[-(max_len if truncate == -1 else truncate) :]
-    if len(ids) > max_len:
+    if keep is not None:
+        ids = ids[-keep:]
+    context = pooling_context(state)
+    if len(ids) > context:
         raise bad_request(
             f"{what} has {len(ids)} tokens, more than this model's maximum context length of "
-            f"{max_len} tokens",
+            f"{context} tokens",
             param=param,
         )
     return ids
@@ -77,14 +84,9 @@ def pooling_inputs(state: ServerState, req: EmbeddingRequest | Any) -> list[list
         raise bad_request("input must not be empty", param="input")
     if len(items) > MAX_INPUTS:
         raise bad_request(f"input has {len(items)} items; at most {MAX_INPUTS} are allowed", param="input")
+    keep = kept_prompt_tokens(req, state.limits)
     return [
-        pooling_prompt(
-            state,
-            item,
-            add_special_tokens=req.add_special_tokens,
-            truncate=req.truncate_prompt_tokens,
-            param="input",
-        )
+        pooling_prompt(state, item, add_special_tokens=req.add_special_tokens, keep=keep, param="input")
         for item in items
     ]
 
@@ -101,7 +103,9 @@ def _encode(
     v = normalized(vector, dimensions) if normalize else truncated(vector, dimensions)
     if encoding == "base64":
         return base64.b64encode(as_float32_le(v)).decode("ascii")
-    return v.tolist()
+    # The float32 values the base64 bytes carry (as vLLM's float32 tensor lists them): one answer
+    # whichever encoding the client asks for.
+    return float32_values(v)
 
 
 async def answer_pooled(

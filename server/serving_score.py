@@ -35,6 +35,7 @@ from fastapi.responses import JSONResponse
 from engine.classifier import ClassifierInfo, pair_prompt
 from engine.pooling import activate, normalized
 from server.errors import bad_request
+from server.params import kept_prompt_tokens
 from server.score_protocol import (
     RerankDocument,
     RerankRequest,
@@ -46,7 +47,13 @@ from server.score_protocol import (
 )
 from server.serving_classify import served_classifier
 from server.serving_common import plan_off_loop, prompt_chars
-from server.serving_embeddings import MAX_INPUTS, answer_pooled, pooled_usage, pooling_prompt
+from server.serving_embeddings import (
+    MAX_INPUTS,
+    answer_pooled,
+    pooled_usage,
+    pooling_context,
+    pooling_prompt,
+)
 from server.state import ServerState
 
 MAX_TEXTS = MAX_INPUTS  # per side: texts to score against, documents to rank
@@ -63,7 +70,7 @@ def _check_side(param: str, texts: Sequence[str]) -> None:
 
 
 def _distinct_prompts(
-    state: ServerState, sides: Sequence[tuple[str, Sequence[str]]], truncate: int | None
+    state: ServerState, sides: Sequence[tuple[str, Sequence[str]]], keep: int | None
 ) -> tuple[list[list[int]], list[list[int]]]:
     """The token ids of each distinct text of the request (in order of first appearance), and for
     each side the position of each of its texts among them."""
@@ -78,7 +85,7 @@ def _distinct_prompts(
                 at = seen[text] = len(prompts)
                 prompts.append(
                     pooling_prompt(
-                        state, text, add_special_tokens=True, truncate=truncate, param=param, what="a text"
+                        state, text, add_special_tokens=True, keep=keep, param=param, what="a text"
                     )
                 )
             row.append(at)
@@ -90,7 +97,7 @@ def _pair_prompts(
     state: ServerState,
     info: ClassifierInfo,
     pairs: Sequence[tuple[str, str]],
-    truncate: int | None,
+    keep: int | None,
     param: str,
 ) -> list[list[int]]:
     """A cross-encoder's prompt for each pair (400 naming ``param`` for one past the context)."""
@@ -100,7 +107,7 @@ def _pair_prompts(
             "one-label classifiers (cross-encoders) only. Use /classify.",
             param="model",
         )
-    max_len = state.limits.max_model_len
+    context = pooling_context(state)
     template = getattr(getattr(state.engine, "config", None), "chat_template", None)
     prompts = []
     for first, second in pairs:
@@ -111,14 +118,14 @@ def _pair_prompts(
                 second,
                 use_sep_token=info.use_sep_token,
                 template=template,
-                max_length=max_len if truncate == -1 else truncate,
+                max_length=keep,
             )
         except ValueError as e:  # a template that cannot render the pair, a cut below the special tokens
-            raise bad_request(str(e), param="truncate_prompt_tokens" if truncate else param) from e
-        if len(ids) > max_len:
+            raise bad_request(str(e), param="truncate_prompt_tokens" if keep else param) from e
+        if len(ids) > context:
             raise bad_request(
                 f"a pair has {len(ids)} tokens, more than this model's maximum context length of "
-                f"{max_len} tokens",
+                f"{context} tokens",
                 param=param,
             )
         prompts.append(ids)
@@ -137,7 +144,7 @@ def _paired(firsts: list[Any], seconds: list[Any]) -> list[tuple[Any, Any]]:
 def _plan(
     state: ServerState,
     sides: Sequence[tuple[str, Sequence[str]]],
-    truncate: int | None,
+    keep: int | None,
     activated: bool = True,
 ) -> tuple[list[list[int]], Callable[[list[list[float]]], list[float]]]:
     """A request's pooling prompts, and what turns their results into the pairs' scores (in pair
@@ -146,9 +153,9 @@ def _plan(
     (_, texts_1), (param, texts_2) = sides
     info = served_classifier(state)
     if info is not None:
-        prompts = _pair_prompts(state, info, _paired(list(texts_1), list(texts_2)), truncate, param)
+        prompts = _pair_prompts(state, info, _paired(list(texts_1), list(texts_2)), keep, param)
         return prompts, functools.partial(_cross_scores, info.score_activation if activated else "identity")
-    prompts, (left, right) = _distinct_prompts(state, sides, truncate)
+    prompts, (left, right) = _distinct_prompts(state, sides, keep)
     return prompts, functools.partial(_cosines, pairs=_paired(left, right))
 
 
@@ -177,9 +184,8 @@ async def create_score(
             param=second,
         )
     sides = [(first, texts_1), (second, texts_2)]
-    prompts, scores_of = await plan_off_loop(
-        prompt_chars(sides), _plan, state, sides, req.truncate_prompt_tokens, req.activated
-    )
+    keep = kept_prompt_tokens(req, state.limits)
+    prompts, scores_of = await plan_off_loop(prompt_chars(sides), _plan, state, sides, keep, req.activated)
 
     def build(results: list[list[float]]) -> ScoreResponse:
         return ScoreResponse(
@@ -205,9 +211,8 @@ async def create_rerank(
     _check_side("query", [req.query])
     _check_side("documents", documents)
     sides = [("query", [req.query]), ("documents", documents)]
-    prompts, scores_of = await plan_off_loop(
-        prompt_chars(sides), _plan, state, sides, req.truncate_prompt_tokens, req.activated
-    )
+    keep = kept_prompt_tokens(req, state.limits)
+    prompts, scores_of = await plan_off_loop(prompt_chars(sides), _plan, state, sides, keep, req.activated)
 
     def build(results: list[list[float]]) -> RerankResponse:
         scores = scores_of(results)

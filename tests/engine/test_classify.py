@@ -143,7 +143,7 @@ def test_what_a_classifier_refuses(tiny_llama_cls: Path, tiny_qwen3: Path) -> No
 def test_activations_follow_the_config(extra: dict, labels: int, classify: str, score: str) -> None:
     info = ClassifierInfo.from_config(extra, labels)
     assert (info.classify_activation, info.score_activation) == (classify, score)
-    assert info.labels == (None,) * labels and info.use_sep_token
+    assert info.labels == tuple(f"LABEL_{i}" for i in range(labels)) and info.use_sep_token
 
 
 def test_config_mistakes_are_refused() -> None:
@@ -166,3 +166,23 @@ def test_a_chat_template_is_the_score_template(tiny_cross_encoder: Path) -> None
     assert out.prompt_token_ids == llm.tokenizer.encode(text)
     (logit,) = _hf_logits(tiny_cross_encoder, [out.prompt_token_ids])
     assert abs(out.outputs.score - torch.sigmoid(logit)[0].item()) < 1e-5
+
+
+def test_a_two_label_config_without_id2label_names_transformers_defaults(tmp_path: Path) -> None:
+    """transformers writes no ``id2label`` for a two-label model with its default names, and reads
+    it back as ``LABEL_0`` / ``LABEL_1`` (which vLLM answers): so does ``/classify``'s label."""
+    import json
+
+    from transformers import AutoConfig
+
+    from engine.demo import build_model
+    from engine.models.config import read_hf_config
+
+    path = build_model(tmp_path / "two", "llama", seed=8, num_labels=2)
+    assert "id2label" not in json.loads((path / "config.json").read_text())
+    info = ClassifierInfo.from_config(read_hf_config(path, None), 2)
+    assert (
+        info.labels
+        == ("LABEL_0", "LABEL_1")
+        == tuple(AutoConfig.from_pretrained(str(path)).id2label.values())
+    )
