@@ -62,13 +62,11 @@ from router.response_affinity import (
     ResponseAffinity,
     batch_home,
     is_batch_path,
-    referenced_response,
 )
 from router.retry import RetryPolicy
-from router.upstream import Response, UpstreamClient, UpstreamError, fetch
+from router.upstream import UpstreamClient, UpstreamError, fetch
 from server.middleware import (
     request_id_of,
-    response_id_for,
     route_path,
     unsupported_encoding,
     unsupported_encoding_error,
@@ -487,29 +485,10 @@ class RouterApp:
         await _until_disconnect(self._admitted(relay, call, send, id_header), receive)
 
     def _follow_responses(self, call: ProxyCall) -> None:
-        """Send what names a stored response to the replica that answered it, and remember who
+        """Send what names a stored response or item to the replica that holds it, and remember who
         answers new ones (``router/response_affinity.py``)."""
-        referenced = referenced_response(call.method, call.path, call.json)
-        if referenced is not None:
-            call.route.prefer_url = self.responses.lookup(referenced)
-            if call.route.prefer_url is None:
-                self.metrics.response_affinity.labels("miss").inc()
-        if call.path == RESPONSES_PATH and call.method == "POST":
-
-            def answered(replica: Replica, response: Response) -> None:
-                if response.status_code == 200:
-                    # The id the replica used (it replaces a request id it cannot take).
-                    used = response.headers.get("x-request-id") or call.request_id
-                    self.responses.remember(response_id_for(used), replica.url)
-
-            call.on_answered = answered
-        elif referenced is not None and call.method == "DELETE":
-
-            def deleted(replica: Replica, response: Response) -> None:
-                if response.status_code == 200:
-                    self.responses.forget(referenced)
-
-            call.on_answered = deleted
+        if not self.responses.follow(call):
+            self.metrics.response_affinity.labels("miss").inc()
 
     async def _admitted(
         self,

@@ -160,6 +160,8 @@ class Generation(Relay):
         own = (call.json or {}).get("resume") is not None
         resumable = _with_token_ids if self.max_failovers > 0 and not own else None
         await self.stream(pool, call, call.json or {}, send, tracker, resumable, tracker.error_event)
+        if call.on_response is not None and tracker.final is not None:
+            call.on_response(tracker.final)
 
     async def stream(
         self,

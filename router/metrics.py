@@ -60,12 +60,12 @@ class RouterMetrics:
         self.rejected = Counter(
             "ferry:router_rejected", "Requests refused by overload control (429)", registry=r
         )
-        # Requests naming a stored response (previous_response_id, /v1/responses/{id}): "hit" when
-        # sent to the replica that answered it, "miss" when this router does not know it or that
+        # Requests naming a stored response (previous_response_id, /v1/responses/{id}) or stored
+        # items (input item_reference): "hit" when sent to the replica that holds it, "miss" when this router does not know it or that
         # replica cannot take traffic (router/response_affinity.py).
         self.response_affinity = Counter(
             "ferry:router_response_affinity",
-            "Requests naming a stored response, by outcome",
+            "Requests naming a stored response or item, by outcome",
             ["outcome"],
             registry=r,
         )

@@ -43,7 +43,7 @@ from router.metrics import RouterMetrics
 from router.policies.base import Policy, RouteRequest
 from router.pool import Pool, awake, serving
 from router.replica import Circuit, Replica
-from router.response_affinity import is_batch_path
+from router.response_affinity import answer_reader, is_batch_path
 from router.retry import RetryPolicy, counts_as_replica_failure
 from router.upstream import ConnectError, Response, UpstreamClient, UpstreamError, UpstreamTimeout
 from server.error_types import error_type
@@ -72,6 +72,9 @@ class ProxyCall:
     started: float = field(default_factory=time.perf_counter)
     # Told which replica answered, and its answer's head, once the answer starts (``forward``).
     on_answered: Callable[[Replica, Response], None] | None = None
+    # Told the Responses API object a replica answered with (a whole 200 answer's JSON, a stream's
+    # ``response.completed`` / ``response.incomplete``): what it stored (router/response_affinity.py).
+    on_response: Callable[[dict[str, Any]], None] | None = None
     # Set when the answer could not be finished after its head went out (a body cut off, a stream
     # ended with an error event in place of the rest): an "error" in the latency metric.
     broken: bool = False
@@ -295,10 +298,15 @@ class Relay:
             status = response.status_code
             if call.on_answered is not None:
                 call.on_answered(opened.replica, response)
+            reader = None if call.on_response is None else answer_reader(response)
             async for chunk in response.aiter_raw():
+                if reader is not None:
+                    reader.add(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b""})
             ok = True
+            if reader is not None and call.on_response is not None and (obj := reader.result()) is not None:
+                call.on_response(obj)
         except TRANSPORT_ERRORS as e:
             # The head (a 200, often) is out. Ending the body now would pass a cut answer off as a
             # whole one: return without its last message instead, so that uvicorn closes the

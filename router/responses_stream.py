@@ -16,8 +16,9 @@ ends with ``...done`` events and a ``response.completed`` that describe the whol
 included), which it also stores. The tracker renumbers ``sequence_number`` so that it increases
 by one across the splice.
 
-A stream that cannot be resumed ends with an ``error`` event and ``response.failed`` (the output
-the client has), never with corrupt output.
+A stream that cannot be resumed ends as a replica ends one it cannot finish: the items the client
+has open closed ``incomplete`` (their ``...done`` events), an ``error`` event and ``response.failed``
+(the output the client has), never with corrupt output.
 
 A replica that cannot finish (its engine process died) closes the open items, then sends an
 ``error`` event with code ``service_unavailable`` and ``response.failed``, all outside groups (a
@@ -39,6 +40,8 @@ from router.sse import replica_failure, typed_event
 
 # The events after which a Responses stream has nothing more to say.
 _ENDS = frozenset({"response.completed", "response.incomplete", "response.failed", "error"})
+# The ends of a response its replica stored (a foreground stream that failed is not stored).
+_STORED = frozenset({"response.completed", "response.incomplete"})
 _DELTAS = frozenset(
     {"response.output_text.delta", "response.reasoning_text.delta", "response.function_call_arguments.delta"}
 )
@@ -67,6 +70,9 @@ class ResponsesTracker:
         self.response: dict[str, Any] | None = None  # as ``response.created`` gave it the client
         self.items: dict[int, dict[str, Any]] = {}  # the client's output items by output_index
         self.sent = 0  # events sent: the next one's sequence_number
+        # The response as its completed / incomplete event gave it the client: what the replica
+        # that finished it stored (router/response_affinity.py learns its items' ids from it).
+        self.final: dict[str, Any] | None = None
 
     def begin_failover(self) -> None:
         self.failovers += 1
@@ -122,11 +128,13 @@ class ResponsesTracker:
         return b"".join(self._one(e) + b"\n\n" for e in self.replica_error)
 
     def error_event(self, message: str) -> bytes:
-        """What ends a stream that cannot go on: an ``error`` event, then ``response.failed`` with
-        the output the client has."""
-        events: list[dict[str, Any]] = [
-            {"type": "error", "code": "upstream_error", "message": message, "param": None}
-        ]
+        """What ends a stream that cannot go on: the ``...done`` events of the items the client has
+        open, which end ``incomplete`` (as a replica that fails part-way ends them,
+        ``server/responses_stream.py``), an ``error`` event, then ``response.failed`` with the output
+        the client has."""
+        # Sent (followed) before ``response.failed`` is built: its output has the items closed.
+        sent = [self._one(e) for e in self._closings()]
+        sent.append(self._one({"type": "error", "code": "upstream_error", "message": message, "param": None}))
         if self.response is not None:
             failed = {
                 **self.response,
@@ -134,8 +142,49 @@ class ResponsesTracker:
                 "error": {"code": "server_error", "message": message},
                 "output": self.output(),
             }
-            events.append({"type": "response.failed", "response": failed})
-        return b"".join(self._one(e) + b"\n\n" for e in events)
+            sent.append(self._one({"type": "response.failed", "response": failed}))
+        return b"".join(one + b"\n\n" for one in sent)
+
+    def _closings(self) -> list[dict[str, Any]]:
+        """The events that close each item still in progress as ``incomplete``, in output order:
+        the replica's own (its text's, content part's or arguments' ``...done``, then the item's),
+        from what the client has of it."""
+        events: list[dict[str, Any]] = []
+        for index in sorted(self.items):
+            item = self.items[index]
+            if item.get("status") != "in_progress":
+                continue
+            ids = {"item_id": item.get("id"), "output_index": index}
+            kind = item.get("type")
+            done = {**item, "status": "incomplete"}
+            if kind == "function_call":
+                arguments = item.get("arguments", "")
+                events.append(
+                    {"type": "response.function_call_arguments.done", **ids, "arguments": arguments}
+                )
+            elif kind == "message":
+                content = item.get("content") or [_empty_text_part()]
+                part = {**content[-1], "text": content[-1].get("text", "")}
+                logprobs = part.get("logprobs", [])
+                events.append(
+                    {
+                        "type": "response.output_text.done",
+                        **ids,
+                        "content_index": 0,
+                        "text": part["text"],
+                        "logprobs": logprobs,
+                    }
+                )
+                events.append({"type": "response.content_part.done", **ids, "content_index": 0, "part": part})
+                done["content"] = [part]
+            elif kind == "reasoning":
+                text = "".join(p.get("text", "") for p in item.get("content") or () if isinstance(p, dict))
+                events.append(
+                    {"type": "response.reasoning_text.done", **ids, "content_index": 0, "text": text}
+                )
+                done["content"] = [{"type": "reasoning_text", "text": text}]
+            events.append({"type": "response.output_item.done", "output_index": index, "item": done})
+        return events
 
     def _one(self, obj: dict[str, Any]) -> bytes:
         """One event as the client gets it: followed, and numbered in the client's sequence."""
@@ -149,6 +198,8 @@ class ResponsesTracker:
         """Keep the client's view of the response up to date (what a resumed replica is given)."""
         if kind in _ENDS:
             self.done = True
+            if kind in _STORED and isinstance(obj.get("response"), dict):
+                self.final = obj["response"]
             return
         if kind == "response.created" and isinstance(obj.get("response"), dict):
             self.response = obj["response"]
@@ -176,3 +227,8 @@ class ResponsesTracker:
             part["text"] = part.get("text", "") + obj["delta"]
             if isinstance(obj.get("logprobs"), list):
                 part["logprobs"] = part.get("logprobs", []) + obj["logprobs"]
+
+
+def _empty_text_part() -> dict[str, Any]:
+    """A message's content part before its first text (``server.responses_stream.text_part``)."""
+    return {"type": "output_text", "text": "", "annotations": [], "logprobs": []}

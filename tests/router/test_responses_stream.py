@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
 from openai import omit
 from openai._models import construct_type
 from openai.lib.streaming.responses._responses import ResponseStreamState
@@ -16,6 +17,7 @@ from openai.types.responses import ResponseStreamEvent
 
 from router.responses_stream import ResponsesTracker
 from router.sse import SSESplitter
+from server.errors import APIError
 from server.protocol import (
     ChatCompletionChunk,
     ChatLogprobs,
@@ -58,8 +60,10 @@ def replica(
     resume: dict | None = None,
     logprobs: bool = False,
     tools: list[dict] | None = None,
+    fail: Exception | None = None,
 ) -> tuple[list[bytes], _Response]:
-    """A replica's SSE events for ``chunks`` (grouped, as a router asks), and the response it built."""
+    """A replica's SSE events for ``chunks`` (grouped, as a router asks), and the response it built;
+    ``fail``: raised by the chat stream after its chunks (its engine failed part-way)."""
     req = ResponsesRequest(
         input="x",
         tools=tools,
@@ -72,6 +76,8 @@ def replica(
     async def source():
         for c in chunks:
             yield c
+        if fail is not None:
+            raise fail
 
     async def save() -> None:
         pass
@@ -271,18 +277,72 @@ def test_a_stream_that_cannot_go_on_ends_failed_with_what_the_client_has() -> No
     frames, _ = replica([chunk([1], content="Hel"), chunk([2], content="lo"), chunk([3], "stop"), usage(3)])
     client = relay(tracker, frames[:4])
     client += parse(tracker.error_event("gone"))
-    assert [e["type"] for e in client][-2:] == ["error", "response.failed"]
+    # The open message is closed, incomplete, before the error (as a failing replica closes it).
+    assert [e["type"] for e in client][-5:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "error",
+        "response.failed",
+    ]
+    assert client[-5]["text"] == "Hello" and client[-4]["part"]["text"] == "Hello"
+    assert (
+        client[-3]["item"]["status"] == "incomplete" and client[-3]["item"]["id"] == client[2]["item"]["id"]
+    )
     assert [e["sequence_number"] for e in client] == list(range(len(client)))
     failed = client[-1]["response"]
     assert failed["id"] == "resp_rid" and failed["status"] == "failed"
-    assert (
-        failed["output"][0]["content"][0]["text"] == "Hello"
-        and failed["output"][0]["status"] == "in_progress"
-    )
+    assert failed["output"] == [client[-3]["item"]]
+    assert failed["output"][0]["content"][0]["text"] == "Hello"
     state = ResponseStreamState(input_tools=omit, text_format=omit)
     for e in client:  # accepted, with no completed response to give
         state.handle_event(construct_type(type_=ResponseStreamEvent, value=e))
     assert state._completed_response is None
+
+
+def _lp(token: str) -> list[TokenLogprob]:
+    return [TokenLogprob(token=token, logprob=-0.5)]
+
+
+@pytest.mark.parametrize(
+    "chunks",
+    [
+        [chunk([1], content="Hel", logprobs=_lp("Hel")), chunk([2], content="lo", logprobs=_lp("lo"))],
+        [chunk([1], reasoning_content="a"), chunk([2], reasoning_content="b")],
+        # A message done, then a named call whose arguments were cut.
+        [
+            chunk([1], content="x", logprobs=_lp("x")),
+            chunk([2], tool_calls=call(0, '{"story": "Once', name="tell")),
+            chunk([3], tool_calls=call(0, " upon")),
+        ],
+    ],
+    ids=["message", "reasoning", "call"],
+)
+def test_the_routers_end_of_a_stream_closes_its_items_as_a_failing_replica_does(chunks) -> None:
+    """A replica whose engine fails part-way closes the open items ``incomplete`` before its error
+    and ``response.failed``; the router's own end of a stream it cannot resume (the replica died
+    without a word) says the same of the same items."""
+    frames, _ = replica(chunks, logprobs=True, fail=APIError(503, "engine gone", code="service_unavailable"))
+    grouped = [i for i, f in enumerate(frames) if f.startswith(b"event: ferry_chunk")]
+    replicas_end = ResponsesTracker()
+    said = relay(replicas_end, frames)
+    said += parse((replicas_end.failure_end() or b"").rstrip(b"\n"))
+    routers_end = ResponsesTracker()
+    died = relay(routers_end, frames[: grouped[-1] + 1])  # died after its last chunk
+    died += parse(routers_end.error_event("gone"))
+    assert len(died) == len(said) and [e["sequence_number"] for e in died] == list(range(len(died)))
+
+    def ending(events: list[dict]) -> list[dict]:
+        return [{k: v for k, v in e.items() if k != "sequence_number"} for e in events[:-2]]
+
+    assert ending(died) == ending(said)
+    assert [e["type"] for e in died[-2:]] == [e["type"] for e in said[-2:]] == ["error", "response.failed"]
+    assert died[-1]["response"]["output"] == said[-1]["response"]["output"]
+    statuses = [item["status"] for item in died[-1]["response"]["output"]]
+    assert statuses == (["completed", "incomplete"] if len(chunks) == 3 else ["incomplete"])
+    state = ResponseStreamState(input_tools=omit, text_format=omit)
+    for e in died:
+        state.handle_event(construct_type(type_=ResponseStreamEvent, value=e))
 
 
 def test_text_from_a_replica_that_does_not_group_cannot_be_resumed() -> None:
