@@ -179,7 +179,7 @@ class RouterApp:
                 self.policy.index,
                 lambda u: self.replicas.find(u) is not None,
                 instance_of=self._instance_of,
-                registry=self.metrics.registry,
+                counter=self.metrics.kv_events,
             )
         self.replicas.on_removed.append(self._forget)
         self.replicas.on_cache_lost.append(self._cache_lost)

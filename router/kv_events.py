@@ -44,7 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import Counter
 
 from router.discovery import normalize_url
 from router.prefix_index import PrefixIndex
@@ -56,6 +56,7 @@ MAX_RETIRED = 16  # per replica: instances remembered as gone
 APPLY_SLICE = 512  # events applied between yields to the event loop (~1 ms)
 
 APPLIED, UNKNOWN_REPLICA, STALE, HELD, DISCARDED = "applied", "unknown_replica", "stale", "held", "discarded"
+OUTCOMES = (APPLIED, UNKNOWN_REPLICA, STALE, HELD, DISCARDED)
 
 
 @dataclass
@@ -77,7 +78,7 @@ class KVEventFollower:
         known_url: Callable[[str], bool],
         block_ms: int = 200,
         instance_of: Callable[[str], str | None] = lambda url: None,
-        registry: CollectorRegistry | None = None,
+        counter: Counter | None = None,
     ):
         from kvcache.redis_tier import client_url
 
@@ -88,21 +89,9 @@ class KVEventFollower:
         self.instance_of = instance_of  # the instance a replica's /health named last (None: none)
         self.block_ms = block_ms
         self.readers: dict[str, object] = {}  # stream name -> kvcache.events.KVEventReader
-        self.counts = dict.fromkeys((APPLIED, UNKNOWN_REPLICA, STALE, HELD, DISCARDED), 0)
+        self.counts = dict.fromkeys(OUTCOMES, 0)
         self._replicas: dict[str, _Replica] = {}
-        self._counter = (
-            Counter(
-                "ferry:router_kv_events",
-                "Replicas' KV block events read by the router, by what became of them.",
-                ["outcome"],
-                registry=registry,
-            )
-            if registry is not None
-            else None
-        )
-        if self._counter is not None:
-            for outcome in self.counts:  # at 0 from the start: a first increase shows in rate()
-                self._counter.labels(outcome)
+        self._counter = counter  # ferry:router_kv_events_total{outcome} (router/metrics.py)
         self._task: asyncio.Task | None = None
 
     @property

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from router.kv_events import OUTCOMES as KV_EVENT_OUTCOMES
+
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 # How a request ended, the ``outcome`` of ``ferry:router_request_latency_seconds``:
@@ -69,6 +71,16 @@ class RouterMetrics:
             ["outcome"],
             registry=r,
         )
+        # What became of the replicas' KV block events the router read (router/kv_events.py; all
+        # at 0 without a Redis --kv-tier and cache_aware: nothing is read then).
+        self.kv_events = Counter(
+            "ferry:router_kv_events",
+            "Replicas' KV block events read by the router, by what became of them.",
+            ["outcome"],
+            registry=r,
+        )
+        for outcome in KV_EVENT_OUTCOMES:  # at 0 from the start: a first increase shows in rate()
+            self.kv_events.labels(outcome)
 
         # Label children cached: ``labels()`` costs a lock and a dict build on every call. Every
         # outcome is exposed from the start, at 0, so a rate() over one not seen yet reads 0.
