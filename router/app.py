@@ -352,9 +352,6 @@ class RouterApp:
         if not relayed or models:
             send = _with_request_id(send, request_id)  # (relayed answers name it themselves)
         id_header = [(b"x-request-id", request_id.encode())]
-        if sum(len(k) + len(v) for k, v in scope["headers"]) > self.config.max_header_bytes:
-            await send_error(send, 431, "request headers too large", id_header)
-            return
         reset = path == "/reset_prefix_cache" and method == "POST"
         guarded = relayed or reset
         if guarded and self.config.api_key is not None and not bearer_ok(scope, self.config.api_key):

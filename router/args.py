@@ -7,6 +7,7 @@ import argparse
 from router.pd_config import add_pd_args
 from router.policies.registry import POLICY_NAMES
 from server.chat_defaults import add_chat_default_args
+from server.http_limits import DEFAULT_MAX_HEAD_BYTES, add_header_timeout_arg
 from server.vllm_flags import json_list
 
 POLICIES = list(POLICY_NAMES)
@@ -105,7 +106,14 @@ def add_router_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
     g = p.add_argument_group("limits")
     g.add_argument("--max-request-bytes", type=int, default=16 << 20, help="largest request body")
-    g.add_argument("--max-header-bytes", type=int, default=64 << 10, help="largest request header block")
+    g.add_argument(
+        "--max-header-bytes",
+        type=int,
+        default=DEFAULT_MAX_HEAD_BYTES,
+        help="most bytes of a request head (request line and headers): a larger one gets 431 before it "
+        "is buffered whole",
+    )
+    add_header_timeout_arg(g)
     g.add_argument("--max-concurrency", type=int, default=1024, help="requests relayed at once")
     g.add_argument("--max-queue", type=int, default=1024, help="requests waiting for a slot; beyond: 429")
     g.add_argument("--queue-timeout", type=float, default=30.0, help="seconds a request may wait for a slot")

@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 
 from engine.chat_template import resolve_chat_template
 from server.chat_defaults import ChatDefaults, template_kwargs_flag
+from server.http_limits import DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_HEAD_BYTES
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,9 @@ class RouterConfig:
     prefix_index_size: int = 1 << 20
     # limits
     max_request_bytes: int = 16 << 20
-    max_header_bytes: int = 64 << 10
+    # a request head's bytes, and seconds for it (and again for its body): server/http_limits.py
+    max_header_bytes: int = DEFAULT_MAX_HEAD_BYTES
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT
     max_concurrency: int = 1024
     max_queue: int = 1024
     queue_timeout: float = 30.0
@@ -87,6 +90,7 @@ class RouterConfig:
             raise ValueError("--max-request-bytes and --max-header-bytes must be positive")
         for flag, value in (
             ("--queue-timeout", self.queue_timeout),
+            ("--header-timeout", self.header_timeout),
             ("--request-timeout", self.request_timeout),
             ("--health-interval", self.health_interval),
             ("--health-timeout", self.health_timeout),

@@ -42,6 +42,7 @@ def run_router(args: argparse.Namespace) -> int:
     from router.app import RouterApp
     from router.config import RouterConfig
     from router.pd_config import PDConfig
+    from server.http_limits import HttpLimits, uvicorn_options
 
     try:
         config = RouterConfig.from_args(args)
@@ -71,7 +72,7 @@ def run_router(args: argparse.Namespace) -> int:
         log_level=config.log_level,
         access_log=False,
         lifespan="on",
-        h11_max_incomplete_event_size=config.max_header_bytes,
+        **uvicorn_options(HttpLimits(config.header_timeout, config.max_header_bytes)),
         timeout_keep_alive=KEEP_ALIVE_S,
         timeout_graceful_shutdown=config.drain_timeout,
     )

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
 from engine.sampling_params import LOGPROBS_MODES
+from server.http_limits import add_header_timeout_arg
 from server.vllm_flags import add_vllm_args, http_options
 
 # The names in the registries of server/tool_parsers.py and server/reasoning_parsers.py (kept
@@ -134,6 +135,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument(
         "--max-request-bytes", type=human_int, default=8 * 1024 * 1024, help="larger request bodies get 413"
     )
+    add_header_timeout_arg(p)
     p.add_argument(
         "--drain-timeout",
         type=float,

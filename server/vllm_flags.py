@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from server.chat_defaults import add_chat_default_args
+from server.http_limits import DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_HEAD_BYTES, HttpLimits, uvicorn_options
 from server.protocol import StreamOptions
 from server.vllm_compat import add_compat_args, add_structured_output_args
 
@@ -54,7 +55,10 @@ class HttpOptions:
     log_outputs: bool = False  # --enable-log-outputs (with --enable-log-requests)
     max_log_len: int | None = None  # --max-log-len
     access_log: bool = True  # uvicorn's access log at --log-level debug (--disable-uvicorn-access-log: never)
-    h11_max_incomplete_event_size: int | None = None  # uvicorn's limit on a request's head (bytes)
+    # The most bytes of a request head (request line and headers) buffered: past them, 431. vLLM's
+    # flag name, for h11's limit; ferry's protocols set it under httptools too (server/http_limits.py).
+    h11_max_incomplete_event_size: int = DEFAULT_MAX_HEAD_BYTES
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT  # --header-timeout (server/http_limits.py)
     uvicorn_log_level: str | None = None  # None: --log-level
     root_path: str = ""  # --root-path: FastAPI's root_path (a path-prefixing proxy in front)
     docs: bool = True  # /docs, /redoc and /openapi.json (--disable-fastapi-docs: none)
@@ -82,9 +86,8 @@ class HttpOptions:
             kwargs["log_level"] = self.uvicorn_log_level
         if self.uds is not None:
             kwargs["uds"] = self.uds
-        if self.h11_max_incomplete_event_size is not None:
-            # The limit is h11's: uvicorn's default parser (httptools) has none of its own to set.
-            kwargs.update(http="h11", h11_max_incomplete_event_size=self.h11_max_incomplete_event_size)
+        # uvicorn's own parser choice (httptools when installed), with the head limit and timeout
+        kwargs.update(uvicorn_options(HttpLimits(self.header_timeout, self.h11_max_incomplete_event_size)))
         return kwargs
 
     def fastapi_kwargs(self) -> dict:
@@ -145,11 +148,10 @@ def add_vllm_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--h11-max-incomplete-event-size",
         type=int,
-        default=None,
+        default=DEFAULT_MAX_HEAD_BYTES,
         metavar="BYTES",
-        help="most bytes of a request head (request line and headers) still arriving that are buffered: "
-        "beyond them the request gets a 400; HTTP is then parsed by h11, whose limit this is (default: "
-        "httptools)",
+        help="most bytes of a request head (request line and headers) buffered while it arrives: a "
+        "larger head gets 431 and the connection closes (default: %(default)d)",
     )
     g.add_argument(
         "--max-log-len",
@@ -260,8 +262,10 @@ def http_options(args: argparse.Namespace) -> HttpOptions:
     if args.max_log_len is not None and args.max_log_len < 0:
         raise ValueError(f"--max-log-len must be >= 0, got {args.max_log_len}")
     size = args.h11_max_incomplete_event_size
-    if size is not None and size < 1:
+    if size < 1:
         raise ValueError(f"--h11-max-incomplete-event-size must be positive, got {size}")
+    if not args.header_timeout > 0:
+        raise ValueError(f"--header-timeout must be positive, got {args.header_timeout}")
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         raise ValueError("--ssl-keyfile and --ssl-certfile go together")
     if args.ssl_cert_reqs not in (0, 1, 2):
@@ -297,6 +301,7 @@ def http_options(args: argparse.Namespace) -> HttpOptions:
         max_log_len=args.max_log_len,
         access_log=not args.disable_uvicorn_access_log,
         h11_max_incomplete_event_size=size,
+        header_timeout=args.header_timeout,
         root_path=root,
         docs=not args.disable_fastapi_docs,
         uds=args.uds,

@@ -162,10 +162,10 @@ def test_outputs_are_logged_cut_to_max_log_len(chat_server) -> None:
 def test_http_limits_access_log_and_compat_notes(chat_server) -> None:
     srv, client = chat_server
     assert client.get("/health", headers={"X-Big": "x" * 1000}).status_code == 200
-    # A request head still arriving past 4096 bytes is refused, not buffered on (h11's limit).
+    # A request head still arriving past 4096 bytes is refused, not buffered on (server/http_limits.py).
     with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as sock:
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"x" * 5000)
-        assert sock.recv(100).startswith(b"HTTP/1.1 400 ")
+        assert sock.recv(100).startswith(b"HTTP/1.1 431 ")
     log = srv.log_path.read_text()
     assert 'HTTP/1.1" 200' not in log  # --log-level debug writes access lines unless disabled
     for note in (
@@ -198,6 +198,7 @@ def test_values_ferry_cannot_honour_stop_the_start(capsys) -> None:
         ("--default-chat-template-kwargs", "[1]"): "--default-chat-template-kwargs must be a JSON object",
         ("--default-chat-template-kwargs", '{"tools": []}'): "must not set tools",
         ("--h11-max-incomplete-event-size", "0"): "--h11-max-incomplete-event-size must be positive",
+        ("--header-timeout", "nan"): "--header-timeout must be positive, got nan",
     }
     for flags, message in refused.items():  # before any model is read
         assert main(["serve", *flags]) == 2

@@ -1,0 +1,155 @@
+"""The router's front door against slow and oversized clients (server/http_limits.py, as on a
+replica: tests/server/test_http_limits.py), over raw loopback sockets in front of a real replica:
+``--header-timeout`` cuts off a request that trickles in (408) and a connection that says nothing,
+``--max-header-bytes`` refuses a head while it is still arriving (431: it used to be buffered whole
+and only then checked), and an HTTP/1.0 client's relayed stream is not framed in chunks. A stream
+that runs longer than the timeout, and a kept-alive connection idle longer, are untouched."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import select
+import signal
+import socket
+import time
+
+import pytest
+from router_harness import Cluster, Proc
+
+MODEL = "llama"
+BOUND_S = 30.0  # "soon": far above the 1 s timeout, far below "never"
+
+
+@pytest.fixture(scope="module")
+def replica(cluster: Cluster) -> Proc:
+    (replica,) = cluster.replicas(1)
+    return replica
+
+
+@pytest.fixture(scope="module")
+def router(cluster: Cluster, replica: Proc) -> Proc:
+    # Health probes far apart and patient: a replica frozen for a moment stays in rotation.
+    return cluster.router(
+        "--replica", replica.url, "--header-timeout", "1", "--max-header-bytes", "4096",
+        "--health-interval", "5", "--health-timeout", "10",
+    )  # fmt: skip
+
+
+def _connect(port: int) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", port), timeout=BOUND_S)
+
+
+def _read_to_close(sock: socket.socket) -> bytes:
+    wire = b""
+    while data := sock.recv(65536):
+        wire += data
+    return wire
+
+
+def _parse(wire: bytes) -> tuple[int, dict[bytes, bytes], bytes]:
+    head, _, body = wire.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    headers = {k.lower(): v for k, v in (line.split(b": ", 1) for line in lines[1:])}
+    return int(lines[0].split(b" ")[1]), headers, body
+
+
+def _health(sock: socket.socket) -> int:
+    sock.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+    wire = b""
+    while b"\r\n\r\n" not in wire:
+        data = sock.recv(65536)
+        assert data, f"closed after {wire!r}"
+        wire += data
+    status, headers, body = _parse(wire)
+    while len(body) < int(headers[b"content-length"]):
+        body += sock.recv(65536)
+    return status
+
+
+def _post(path: bytes, body: dict, version: bytes = b"1.1") -> bytes:
+    raw = json.dumps(body).encode()
+    return b"POST %s HTTP/%s\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (
+        path,
+        version,
+        len(raw),
+        raw,
+    )
+
+
+def test_a_request_that_trickles_in_gets_408(router: Proc) -> None:
+    with _connect(router.port) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n")
+        begin = time.monotonic()
+        for byte in b"x-slow: " + b"y" * 1000:
+            if select.select([sock], [], [], 0.2)[0]:
+                break
+            assert time.monotonic() - begin < BOUND_S, "the slow client was never cut off"
+            sock.sendall(bytes([byte]))
+        status, headers, body = _parse(_read_to_close(sock))
+    assert status == 408 and headers[b"connection"] == b"close"
+    assert json.loads(body) == {
+        "error": {
+            "message": "The request headers did not arrive within 1 s.",
+            "type": "TimeoutError",
+            "param": None,
+            "code": "request_header_timeout",
+        }
+    }
+    with _connect(router.port) as sock:  # nothing at all: closed, nothing answered
+        assert sock.recv(100) == b""
+
+
+def test_an_oversized_head_gets_431_while_it_is_still_coming(router: Proc) -> None:
+    with _connect(router.port) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\nx-big: ")
+        answer, sent, begin = b"", 0, time.monotonic()
+        with contextlib.suppress(OSError):  # reset: the router closed with our bytes unread
+            while sent < 64 << 20 and time.monotonic() - begin < BOUND_S:
+                if not answer and select.select([sock], [], [], 0)[0]:
+                    answer = sock.recv(65536)
+                sock.sendall(b"y" * (64 << 10))
+                sent += 64 << 10
+                time.sleep(0.01)
+    assert answer.startswith(b"HTTP/1.1 431 "), answer
+    assert json.loads(_parse(answer)[2])["error"]["code"] == "request_headers_too_large"
+    assert sent < 64 << 20 and time.monotonic() - begin < BOUND_S  # and then it closed
+    with _connect(router.port) as sock:  # a head under the limit is served
+        sock.sendall(
+            b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\nx-big: %s\r\n\r\n" % (b"y" * 3500)
+        )
+        assert _parse(_read_to_close(sock))[0] == 200
+
+
+def test_an_http10_client_gets_a_relayed_stream_unchunked(router: Proc) -> None:
+    request = {"model": MODEL, "prompt": "hi", "max_tokens": 4, "temperature": 0, "stream": True}
+    with _connect(router.port) as sock:
+        sock.sendall(_post(b"/v1/completions", request, b"1.0"))
+        status, headers, stream = _parse(_read_to_close(sock))
+    assert status == 200 and b"transfer-encoding" not in headers and headers[b"connection"] == b"close"
+    events = stream.decode().split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    assert json.loads(events[-3].removeprefix("data: "))["choices"][0]["finish_reason"] == "length"
+
+
+def test_long_streams_and_idle_kept_alive_connections_are_not_cut(router: Proc, replica: Proc) -> None:
+    request = {"model": MODEL, "prompt": "hi", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with _connect(router.port) as sock:
+        assert _health(sock) == 200
+        time.sleep(2.5)  # idle on a kept-alive connection: uvicorn's keep-alive timeout's (60 s)
+        assert _health(sock) == 200
+        sock.sendall(_post(b"/v1/completions", request))
+        wire = sock.recv(65536)
+        assert replica.proc is not None
+        replica.proc.send_signal(signal.SIGSTOP)  # the stream stalls for longer than the timeout
+        try:
+            assert b"[DONE]" not in wire  # (200 tokens take far longer than one read)
+            time.sleep(2.5)
+        finally:
+            replica.proc.send_signal(signal.SIGCONT)
+        while not wire.endswith(b"\r\n0\r\n\r\n"):
+            data = sock.recv(65536)
+            assert data, f"closed after {wire!r}"
+            wire += data
+        assert b"data: [DONE]" in wire and wire.count(b'"finish_reason":"length"') == 1
+        assert _health(sock) == 200  # and the connection still serves
