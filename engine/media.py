@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,6 +87,9 @@ def load_image(source: Any, options: MediaOptions) -> Any:
 
         check_domain(source, options)
         hooks = {"request": [lambda r: check_domain(str(r.url), options)]}
+        # httpx's timeout bounds each read, not the fetch: an origin that trickles a byte now and
+        # then would hold the caller forever. The whole fetch gets the limit, as vLLM's.
+        deadline = time.monotonic() + options.fetch_timeout
         try:
             with (
                 httpx.Client(
@@ -98,6 +102,8 @@ def load_image(source: Any, options: MediaOptions) -> Any:
                 for chunk in response.iter_bytes():
                     data += chunk
                     _check_size(source, len(data), options)
+                    if time.monotonic() > deadline:
+                        raise _too_slow(source, options)
         except httpx.HTTPError as e:
             raise MediaError(f"could not fetch image {_short(source)}: {type(e).__name__}") from None
         return _decode(source, bytes(data))
@@ -119,7 +125,9 @@ async def aload_image(source: Any, options: MediaOptions) -> Any:
         check_domain(str(request.url), options)
 
     try:
+        # The whole fetch, redirects and a trickling body included (httpx's timeout is per read).
         async with (
+            asyncio.timeout(options.fetch_timeout),
             httpx.AsyncClient(
                 timeout=options.fetch_timeout,
                 follow_redirects=True,
@@ -134,6 +142,8 @@ async def aload_image(source: Any, options: MediaOptions) -> Any:
                 _check_size(source, len(data), options)
     except httpx.HTTPError as e:
         raise MediaError(f"could not fetch image {_short(source)}: {type(e).__name__}") from None
+    except TimeoutError:
+        raise _too_slow(source, options) from None
     return await asyncio.to_thread(_decode, source, bytes(data))
 
 
@@ -201,6 +211,10 @@ def _data_url_bytes(url: str, options: MediaOptions) -> bytes:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
         raise MediaError("the data URL's base64 image data does not decode") from None
+
+
+def _too_slow(url: str, options: MediaOptions) -> MediaError:
+    return MediaError(f"could not fetch image {_short(url)} within {options.fetch_timeout:g} s")
 
 
 def _check_status(url: str, status: int) -> None:

@@ -25,6 +25,9 @@ SOURCE_DIGEST_KEY = "ferry_source_digest"
 # Images decoded from a request may not be larger than this (Pillow's decompression-bomb guard
 # at its warning level, as vLLM leaves it): a few bytes of PNG must not become gigabytes of pixels.
 MAX_IMAGE_PIXELS = 89_478_485
+# Formats Pillow decodes by running another program (EPS: Ghostscript, where installed) are never
+# opened from a request's bytes: a client's file must not reach an interpreter on the server.
+EXTERNAL_DECODER_FORMATS = frozenset({"EPS"})
 
 
 @dataclass(frozen=True)
@@ -99,11 +102,14 @@ def expand_image_tokens(ids: list[int], spec: ImageSpec, num_images: int) -> lis
 
 def open_image(data: bytes) -> Any:
     """A decoded RGB ``PIL.Image`` from encoded bytes; ValueError when they are not an image Pillow
-    can decode, or one past ``MAX_IMAGE_PIXELS``."""
+    can decode (without another program: ``EXTERNAL_DECODER_FORMATS``), or one past
+    ``MAX_IMAGE_PIXELS``."""
     from PIL import Image
 
+    Image.init()  # registers every plugin, so the formats below are all the others
+    formats = [f for f in Image.OPEN if f not in EXTERNAL_DECODER_FORMATS]
     try:
-        with Image.open(io.BytesIO(data)) as img:
+        with Image.open(io.BytesIO(data), formats=formats) as img:
             if img.width * img.height > MAX_IMAGE_PIXELS:
                 raise ValueError(
                     f"the image is {img.width}x{img.height} pixels, more than {MAX_IMAGE_PIXELS} allowed"

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import re
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -99,6 +100,16 @@ _BUILTIN_MODULES = {
     "redis": "kvcache.redis_tier",
     "rediss": "kvcache.redis_tier",
 }
+
+
+# ``scheme://[user]:password@``: a KV tier (``rediss://user:pw@host``), ``--register``, a response
+# store: URLs that go into logs and error messages with their password masked.
+_URL_PASSWORD = re.compile(r"(?P<head>\b[a-z][a-z0-9+.-]*://[^/@:\s]*:)[^/@\s]+@", re.IGNORECASE)
+
+
+def redact_url(text: str) -> str:
+    """``text`` with the password of any URL in it masked: ``rediss://user:***@host:6380/0``."""
+    return _URL_PASSWORD.sub(r"\g<head>***@", text)
 
 
 class TierURL:

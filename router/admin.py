@@ -105,6 +105,8 @@ async def _json_body(scope: Scope, receive: Receive) -> dict[str, Any]:
         body = json.loads(raw)
     except ValueError as e:
         raise ValueError(f"request body is not valid JSON: {e}") from e
+    except RecursionError:  # [[[[…: a 400 as any other body that does not parse, not a 500
+        raise ValueError("request body is not valid JSON: nested too deeply") from None
     if not isinstance(body, dict):
         raise ValueError("request body must be a JSON object")
     return body

@@ -441,6 +441,9 @@ class RouterApp:
             except ValueError as e:
                 await send_error(send, 400, f"request body is not valid JSON: {e}", id_header)
                 return
+            except RecursionError:  # [[[[…: json's recursion, a client's error as the replica's
+                await send_error(send, 400, "request body is not valid JSON: nested too deeply", id_header)
+                return
             if not isinstance(parsed, dict):
                 await send_error(send, 400, "request body must be a JSON object", id_header)
                 return

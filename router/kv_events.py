@@ -46,6 +46,7 @@ from typing import Any
 
 from prometheus_client import Counter
 
+from kvcache.tier import redact_url
 from router.discovery import normalize_url
 from router.prefix_index import PrefixIndex
 
@@ -253,6 +254,6 @@ class KVEventFollower:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # Redis outage: history-based routing continues meanwhile
-                log.warning("reading KV events from %s failed: %s", self.redis_url, e)
+                log.warning("reading KV events from %s failed: %s", redact_url(self.redis_url), e)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)

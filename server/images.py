@@ -43,6 +43,16 @@ async def load_images(state: ServerState, messages: Sequence[Any] | None) -> lis
     sources = check_images(state, messages)
     if not sources:
         return []
+    # Every image's run must fit the context: more images than it holds are a 400 before any is
+    # fetched or decoded (each decoded image may hold up to ~270 MB of pixels: a request of many
+    # small files of huge images would otherwise fill the memory only to be refused afterwards).
+    spec, context = state.limits.image, state.limits.max_model_len
+    if spec is not None and len(sources) * spec.tokens_per_image > context:
+        raise bad_request(
+            f"this request has {len(sources)} images of {spec.tokens_per_image} tokens each, more than "
+            f"the model's context of {context} tokens holds",
+            param="messages",
+        )
     media = state.config.media
     try:
         for source in sources:  # every URL's host, before any is fetched

@@ -28,6 +28,8 @@ import logging
 import time
 from typing import Any
 
+from kvcache.tier import redact_url
+
 logger = logging.getLogger("ferry.server")
 
 KEY_PREFIX = "ferry:replica:"
@@ -93,12 +95,12 @@ class Registration:
             kept = await self._keep_alive()
             logger.warning(
                 "replica heartbeat to %s refused: %s%s",
-                self.redis_url,
+                redact_url(self.redis_url),
                 e,
                 " (the registration it holds was kept alive)" if kept else "",
             )
         except Exception as e:  # Redis down: keep serving, keep trying
-            logger.warning("replica heartbeat to %s failed: %s", self.redis_url, e)
+            logger.warning("replica heartbeat to %s failed: %s", redact_url(self.redis_url), e)
 
     async def _keep_alive(self) -> bool:
         """Refresh the TTL of the key Redis holds (``PEXPIRE`` is not refused by a full Redis)."""

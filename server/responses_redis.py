@@ -18,6 +18,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+from kvcache.tier import redact_url
 from server.responses_store import (
     EVENT_LOG_LIMIT,
     EVENT_READ_BATCH,
@@ -66,7 +67,8 @@ class RedisResponseStore:
         try:
             yield
         except Exception as e:  # noqa: BLE001 - any client failure is an unavailable store
-            raise StoreUnavailable(f"the response store at {self.url} failed: {e}") from e
+            # the message reaches clients (a 503) and logs: never the URL's password
+            raise StoreUnavailable(f"the response store at {redact_url(self.url)} failed: {e}") from e
 
     async def get(self, response_id: str) -> dict[str, Any] | None:
         with self._failing():

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import shlex
 import socket
 import sys
@@ -17,6 +16,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from ferry.cluster.spec import ClusterConfig, PoolSpec
+from kvcache.tier import redact_url
 
 LOOPBACK = "127.0.0.1"
 SECRET_FLAGS = frozenset({"--api-key", "--replica-api-key"})
@@ -56,15 +56,6 @@ class ProcessSpec:
             elif arg.split("=", 1)[0] in SECRET_FLAGS and "=" in arg:
                 out[i] = arg.split("=", 1)[0] + "=***"
         return tuple(out)
-
-
-# ``scheme://[user]:password@``: a KV tier (``rediss://user:pw@host``), ``--register`` and the like.
-_URL_PASSWORD = re.compile(r"(?P<head>\b[a-z][a-z0-9+.-]*://[^/@:\s]*:)[^/@\s]+@", re.IGNORECASE)
-
-
-def redact_url(text: str) -> str:
-    """``text`` with the password of any URL in it masked: ``rediss://user:***@host:6380/0``."""
-    return _URL_PASSWORD.sub(r"\g<head>***@", text)
 
 
 @dataclass(frozen=True)
