@@ -127,6 +127,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="sequences waiting to run beyond which new requests get 429 + Retry-After",
     )
     p.add_argument(
+        "--max-request-sequences",
+        type=int,
+        default=16384,
+        metavar="N",
+        help="most sequences (prompts x n) one completions request may ask for; more is a 400 "
+        "(default: %(default)d)",
+    )
+    p.add_argument(
         "--request-timeout",
         type=float,
         default=None,
@@ -507,6 +515,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         role=args.role,
         api_key=api_key_from(args.api_key, os.environ),
         max_queued_requests=args.max_queued_requests,
+        max_request_sequences=args.max_request_sequences,
         request_timeout=args.request_timeout,
         max_request_bytes=args.max_request_bytes,
         batch_dir=args.batch_dir,

@@ -50,6 +50,9 @@ class ServerConfig:
     role: str = "mixed"  # mixed | prefill | decode
     api_key: str | None = None
     max_queued_requests: int = 256  # engine sequences waiting beyond which new requests get 429
+    # Most sequences (prompts x n) one completions request may ask for: a body within
+    # max_request_bytes can hold two million one-token prompts, ~14 KB of server memory each.
+    max_request_sequences: int = 16384
     request_timeout: float | None = None  # seconds; None: no limit
     max_request_bytes: int = 8 * 1024 * 1024
     # The Files and Batches API (server/batch_api.py): its directory (None: a temporary one), the

@@ -240,6 +240,8 @@ def check_serve_args(args: argparse.Namespace) -> str | None:
         problem = f"--port must be in 0..65535, got {args.port}"
     if problem is None and args.max_queued_requests < 0:
         problem = f"--max-queued-requests must be >= 0, got {args.max_queued_requests}"
+    if problem is None and args.max_request_sequences < 1:
+        problem = f"--max-request-sequences must be at least 1, got {args.max_request_sequences}"
     if problem is None and args.request_timeout is not None and not args.request_timeout > 0:
         problem = f"--request-timeout must be positive, got {args.request_timeout}"
     if problem is None and args.max_request_bytes < 1:

@@ -89,6 +89,27 @@ def check_stream_prompt_logprobs(req: Any) -> None:
         raise bad_request("prompt_logprobs is not available with stream", param="prompt_logprobs")
 
 
+def check_request_sequences(req: CompletionRequest, num_embeds: int, limit: int) -> None:
+    """400 when the request asks for more than ``limit`` sequences (prompts x n; ``num_embeds``: its
+    prompts given as embeddings), before any prompt is tokenized: a body within the size limit can
+    hold millions of one-token prompts, each costing the server kilobytes."""
+    raw = req.prompt
+    if req.prompt_embeds is not None and raw in ("", [""]):
+        count = 0  # the embeddings are the prompts (``completion_prompts``)
+    elif isinstance(raw, str) or (raw and isinstance(raw[0], int)):
+        count = 1
+    else:
+        count = len(raw)
+    width = max(req.n, req.best_of or 1)
+    asked = (count + num_embeds) * width
+    if asked > limit:
+        raise bad_request(
+            f"this request asks for {asked} sequences ({count + num_embeds} prompts x n={width}), more "
+            f"than this server takes in one request ({limit}, --max-request-sequences): split it",
+            param="prompt",
+        )
+
+
 def completion_prompts(
     req: CompletionRequest, tokenizer: Tokenizer, limits: ModelLimits
 ) -> list[PreparedPrompt]:

@@ -17,6 +17,7 @@ from server.params import (
     beam_search_params,
     check_completion_features,
     check_min_tokens,
+    check_request_sequences,
     check_stream_prompt_logprobs,
     child_seed,
     client_budget,
@@ -81,6 +82,7 @@ def _plan(
     budget = client_budget(req)  # a producer's: the client's (it computes one token whatever it says)
     check_completion_features(budget)
     limits = state.limits
+    check_request_sequences(req, len(embeds), state.config.max_request_sequences)
     prompts = embeds + completion_prompts(req, state.tokenizer, limits)
     resume = resume_token_ids(req, len(prompts), limits)
     kv = kv_transfer_spec(req, len(prompts))
