@@ -9,9 +9,10 @@ rest in ``content``, where a tool-call parser then looks for calls:
   prompt, so the answer starts inside the thinking (a ``<think>`` the model writes anyway is
   dropped); everything up to ``</think>`` is reasoning, and an answer that never closes it is all
   reasoning.
-* ``qwen3`` (Qwen3, QwQ): thinking only when the answer opens with ``<think>`` (up to ``</think>``,
-  or to the end if never closed); an answer that does not is all content (thinking switched off).
-  ``glm45`` (GLM-4.5/4.6) is the same.
+* ``qwen3`` (Qwen3, QwQ): thinking when the answer opens with ``<think>`` (up to ``</think>``, or to
+  the end if never closed), or when the rendered prompt opened it (Qwen3-Thinking-2507 and Qwen3.5
+  templates end the prompt with ``<think>``: the answer is then read as ``deepseek_r1`` reads it);
+  any other answer is all content (thinking switched off). ``glm45`` (GLM-4.5/4.6) is the same.
 * ``deepseek_v3`` (DeepSeek-V3.1, whose template thinks when ``chat_template_kwargs`` sets
   ``thinking``): the rendered prompt decides. One that ends with ``<think>`` opened the thinking and
   the answer is read as ``deepseek_r1`` reads it; any other (V3.1's non-thinking prompt ends with
@@ -106,6 +107,7 @@ class DeepSeekR1Splitter(ReasoningSplitter):
 
 class Qwen3Splitter(ReasoningSplitter):
     requires_start = True
+    prompt_decides = True
 
 
 class DeepSeekV3Splitter(ReasoningSplitter):

@@ -124,7 +124,7 @@ def _plan(
         base = dataclasses.replace(base, structured_outputs=tools.constraint)
     if base.structured_outputs is not None and state.reasoning is not None:
         base = _after_thinking(state, base, prompt_ids)
-    if (tools is not None and tools.parser is not None and tools.parser.needs_special_tokens) or (
+    if (tools is not None and tools.mode == "auto" and tools.parser.needs_special_tokens) or (
         state.reasoning is not None and state.reasoning.needs_special_tokens
     ):
         base = dataclasses.replace(base, skip_special_tokens=False)  # the markers are special tokens

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import re
 from abc import abstractmethod
 from collections.abc import Mapping, Sequence
@@ -19,7 +20,9 @@ from server.tool_parser_base import (
     ToolParser,
     ToolStreamer,
     call_from,
+    dumps,
     json_values,
+    loads,
 )
 
 
@@ -52,19 +55,22 @@ class _WholeAnswerStreamer(ToolStreamer):
 
     def __init__(self, parser: WholeAnswerParser) -> None:
         self.parser = parser
-        self.text = ""
+        self.text = ""  # the opening, while it is not decided
+        self.held: list[str] = []  # an answer that opened like a call, in pieces (joined at the end)
         self.holding: bool | None = None  # None: not decided yet
 
     def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
-        if self.holding is False:
-            return text, []
+        if self.holding is not None:
+            if self.holding:
+                self.held.append(text)
+            return ("", []) if self.holding else (text, [])
         self.text += text
         head = self.text.lstrip()
         if not head:
             return "", []
         openers = self.parser.OPENERS
         if any(head.startswith(o) for o in openers):
-            self.holding = True
+            self.holding, self.held, self.text = True, [self.text], ""
             return "", []
         if any(o.startswith(head) for o in openers):
             return "", []  # could still become an opener
@@ -75,7 +81,7 @@ class _WholeAnswerStreamer(ToolStreamer):
     def finish(self) -> tuple[str, list[ParsedCall]]:
         if self.holding is False:
             return "", []
-        text, self.text = self.text, ""
+        text, self.text, self.held = self.text + "".join(self.held), "", []
         return self.parser.parse(text)
 
 
@@ -169,32 +175,38 @@ def json_call_list(text: str) -> list[ParsedCall] | None:
 
 
 class TypedArgumentsParser(MarkedCallParser):
-    """Formats that write each argument as text: typed by the request's tool schemas."""
+    """Formats that write each argument as text: typed by the request's tool schemas (each format's
+    ``typed``, as vLLM's parser of its name types them)."""
 
     START, END = "<tool_call>", "</tool_call>"
 
-    def __init__(self, types: Mapping[str, Mapping[str, Any]] | None = None) -> None:
-        self.types = types or {}  # function -> parameter -> its JSON schema type
+    def __init__(self, schemas: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+        self.schemas = schemas or {}  # function -> parameter -> its JSON schema
 
     def for_tools(self, tools: Sequence[Any]) -> ToolParser:
-        types = {}
+        schemas = {}
         for tool in tools:
             props = (tool.function.parameters or {}).get("properties") or {}
-            types[tool.function.name] = {k: v.get("type") for k, v in props.items() if isinstance(v, Mapping)}
-        return type(self)(types)
+            schemas[tool.function.name] = {k: v for k, v in props.items() if isinstance(v, Mapping)}
+        return type(self)(schemas)
 
     @abstractmethod
     def read_call(self, body: str) -> tuple[str, list[tuple[str, str]]] | None:
         """(function name, [(parameter, its text)]) of one call's body, or None if it is not one."""
+
+    @staticmethod
+    @abstractmethod
+    def typed(value: str, schema: Mapping[str, Any] | None) -> Any:
+        """A parameter's value from its text and its schema (None: the tool does not declare it)."""
 
     def read_body(self, body: str) -> list[ParsedCall] | None:
         read = self.read_call(body)
         if read is None:
             return None
         name, pairs = read
-        types = self.types.get(name, {})
-        args = {key: _typed(value, types.get(key)) for key, value in pairs}
-        return [ParsedCall(name, json.dumps(args, ensure_ascii=False))]
+        schemas = self.schemas.get(name, {})
+        arguments = dumps({key: self.typed(value, schemas.get(key)) for key, value in pairs})
+        return None if arguments is None else [ParsedCall(name, arguments)]
 
 
 class Glm45Parser(TypedArgumentsParser):
@@ -207,6 +219,18 @@ class Glm45Parser(TypedArgumentsParser):
         if not self._NAME.fullmatch(name):
             return None
         return name, [(k.strip(), v.strip()) for k, v in self._PAIR.findall(body)]
+
+    @staticmethod
+    def typed(value: str, schema: Mapping[str, Any] | None) -> Any:
+        """Strings as written; anything else (undeclared parameters too) decoded as JSON, else as a
+        Python literal (GLM writes ``True``, ``{'a': 1}``), else kept as text."""
+        kind = None if schema is None else schema.get("type")
+        if kind == "string" or (isinstance(kind, list) and "string" in kind):
+            return value
+        try:
+            return loads(value)
+        except ValueError:
+            return _literal(value)
 
 
 class Qwen3CoderParser(TypedArgumentsParser):
@@ -221,18 +245,53 @@ class Qwen3CoderParser(TypedArgumentsParser):
         pairs = self._PARAMETER.findall(m.group(2))
         return m.group(1).strip(), [(k.strip(), v.removeprefix("\n").removesuffix("\n")) for k, v in pairs]
 
+    @staticmethod
+    def typed(value: str, schema: Mapping[str, Any] | None) -> Any:
+        """``null`` is null; a parameter the tool does not declare, or one without a type, is text;
+        otherwise by its type's name, as Qwen3-Coder's tool schemas spell them (``integer``,
+        ``number``/``float``, ``boolean``, ``object``/``array``; a value that does not read as its
+        type stays text)."""
+        if value.lower() == "null":
+            return None
+        kind = None if schema is None else schema.get("type", "string")
+        if kind is None:
+            return value
+        if isinstance(kind, list):  # ["string", "null"]: a string, unless it is null (read above)
+            kinds = [str(k).lower() for k in kind if k != "null"]
+            kind = kinds[0] if len(kinds) == 1 else ("string" if "string" in kinds else "")
+        kind = str(kind).strip().lower()
+        if kind in ("string", "str", "text", "varchar", "char", "enum"):
+            return value
+        if kind.startswith(("int", "uint", "long", "short", "unsigned")):
+            try:
+                return int(value)
+            except ValueError:
+                return value
+        if kind.startswith(("num", "float")):
+            try:
+                number = float(value)
+            except ValueError:
+                return value
+            if not math.isfinite(number):  # JSON has no inf or nan
+                return value
+            return int(number) if number.is_integer() else number
+        if kind in ("boolean", "bool", "binary"):
+            return value.lower() == "true"
+        if kind in ("object", "array", "arr") or kind.startswith(("dict", "list")):
+            try:
+                return loads(value)
+            except ValueError:
+                pass
+        return _literal(value)
 
-def _typed(value: str, kind: Any) -> Any:
-    """A parameter's text as its schema's type says (strings as written; JSON text decoded when the
-    type is not known, else kept as a string)."""
-    if kind == "string" or (isinstance(kind, list) and "string" in kind):
-        return value
+
+def _literal(value: str) -> Any:
+    """A Python literal's value where JSON can hold it (never evaluated), else the text itself."""
     try:
-        decoded = json.loads(value)
-    except ValueError:
+        decoded = ast.literal_eval(value)
+        json.dumps(decoded, allow_nan=False)
+    except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
         return value
-    if kind == "integer" and isinstance(decoded, float) and decoded.is_integer():
-        return int(decoded)
     return decoded
 
 

@@ -12,6 +12,7 @@ it the text already delivered. The formats: ``server/tool_parsers.py`` (and its 
 from __future__ import annotations
 
 import json
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,6 +23,30 @@ from typing import Any, ClassVar
 class ParsedCall:
     name: str
     arguments: str  # the arguments object as JSON text
+    # The call's id where the model writes one (Kimi-K2's ``functions.NAME:i``): its chat template
+    # renders the id back into the history, so it must come back unchanged. None: the server makes one.
+    id: str | None = None
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def loads(text: str) -> Any:
+    """``json.loads``; JSON nested deeper than Python's stack allows (a model looping on ``[``) is
+    a ValueError like any other text that is not JSON, never a failed request."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("JSON nested too deep") from None
+
+
+def dumps(value: Any) -> str | None:
+    """``value`` as JSON text (non-ASCII kept), or None where it nests too deep to write."""
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except RecursionError:
+        return None
 
 
 def call_from(obj: Any, argument_keys: tuple[str, ...] = ("arguments", "parameters")) -> ParsedCall | None:
@@ -35,12 +60,11 @@ def call_from(obj: Any, argument_keys: tuple[str, ...] = ("arguments", "paramete
             break
     if isinstance(args, str):  # some models write the arguments as a JSON string
         try:
-            args = json.loads(args)
+            args = loads(args)
         except ValueError:
             return None
-    if not isinstance(args, dict):
-        return None
-    return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
+    arguments = dumps(args) if isinstance(args, dict) else None
+    return None if arguments is None else ParsedCall(obj["name"], arguments)
 
 
 def json_values(text: str, separators: str = "") -> list[Any] | None:
@@ -56,7 +80,7 @@ def json_values(text: str, separators: str = "") -> list[Any] | None:
             return values
         try:
             value, pos = decoder.raw_decode(text, pos)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         values.append(value)
 
@@ -65,6 +89,10 @@ class ToolParser(ABC):
     name: ClassVar[str]
     # The call marker is a special token (dropped from text unless special tokens are kept).
     needs_special_tokens: ClassVar[bool] = False
+
+    def new_call_id(self) -> str:
+        """An id for a call the model wrote without one."""
+        return new_call_id()
 
     def for_tools(self, tools: Sequence[Any]) -> ToolParser:
         """The parser for one request's tools (validated tool definitions): itself, unless its
@@ -105,7 +133,10 @@ class MarkerStreamer(ToolStreamer):
     def __init__(self, start: str, end: str | None, read_body) -> None:
         self.start, self.end, self.read_body = start, end, read_body
         self.pending = ""  # content held back: it may be the start of ``start``
-        self.body: str | None = None  # inside a call: its text so far
+        # Inside a call: its text so far, in pieces (joined once, at its end: a call's arguments may
+        # be a whole file written a few characters a delta) ...
+        self.body: list[str] | None = None
+        self.tail = ""  # ... and its last characters, which may be the first ones of ``end``
         self.spaces = ""  # whitespace after a call
         self.called = False
 
@@ -129,28 +160,33 @@ class MarkerStreamer(ToolStreamer):
                     self.pending = self.pending[cut:]
                     break
                 out.append(self._content(self.pending[:at]))
-                self.body, self.pending = "", self.pending[at + len(self.start) :]
+                self.body, self.tail, self.pending = [], "", self.pending[at + len(self.start) :]
                 continue
-            self.body += self.pending
-            self.pending = ""
-            if self.end is None or self.end not in self.body:
+            piece, self.pending = self.pending, ""
+            window = self.tail + piece  # the body's text where ``end`` may be, seen for the first time
+            at = -1 if self.end is None else window.find(self.end)
+            if at < 0:
+                self.body.append(piece)
+                if self.end is not None:
+                    self.tail = window[max(0, len(window) - len(self.end) + 1) :]
                 break
-            at = self.body.index(self.end)
-            body, rest = self.body[:at], self.body[at + len(self.end) :]
+            whole = "".join(self.body) + piece
+            at += len(whole) - len(window)
+            body, rest = whole[:at], whole[at + len(self.end) :]
             read = self.read_body(body)
             if read is None:  # not a call after all: it stays text
                 out.append(self._content(self.start + body + self.end))
             else:
                 calls += read
                 self.called = True
-            self.body, self.pending = None, rest
+            self.body, self.tail, self.pending = None, "", rest
         return "".join(out), calls
 
     def finish(self) -> tuple[str, list[ParsedCall]]:
         if self.body is None:
             content, self.pending = self.pending, ""
             return self._content(content), []
-        body, self.body = self.body, None
+        body, self.body = "".join(self.body), None
         read = self.read_body(body)
         if read is None:
             return self._content(self.start + body), []

@@ -35,8 +35,9 @@ registry here.
 
 from __future__ import annotations
 
-import json
+import random
 import re
+import string
 from abc import abstractmethod
 from typing import ClassVar
 
@@ -56,6 +57,7 @@ from server.tool_parser_base import (
     ToolParser,
     ToolStreamer,
     call_from,
+    dumps,
     json_values,
 )
 
@@ -76,6 +78,11 @@ class MistralParser(ToolParser):
     name = "mistral"
     needs_special_tokens = True
     START = "[TOOL_CALLS]"
+
+    def new_call_id(self) -> str:
+        # Mistral's chat templates (and mistral_common) refuse a history whose tool-call ids are not
+        # 9 letters or digits, so the next turn of a conversation with these calls would fail.
+        return "".join(random.choices(string.ascii_letters + string.digits, k=9))
 
     @staticmethod
     def _read(body: str) -> list[ParsedCall] | None:
@@ -131,7 +138,7 @@ def _json_object(text: str) -> str | None:
     values = json_values(text)
     if values is None or len(values) != 1 or not isinstance(values[0], dict):
         return None
-    return json.dumps(values[0], ensure_ascii=False)
+    return dumps(values[0])
 
 
 class DeepSeekV3Parser(SectionParser):
@@ -167,10 +174,12 @@ class KimiK2Parser(SectionParser):
 
     def read_call(self, inner: str) -> ParsedCall | None:
         call_id, found, rest = inner.partition(self.ARGS)
-        # The id is "functions.NAME:INDEX".
-        name = call_id.strip().removeprefix("functions.").rpartition(":")[0]
+        # The id is "functions.NAME:INDEX" (or "NAME:INDEX"); the call keeps it, as Kimi's chat
+        # template writes it back into the history.
+        call_id = call_id.strip()
+        name = call_id.removeprefix("functions.").rpartition(":")[0]
         args = _json_object(rest) if found and name else None
-        return None if args is None else ParsedCall(name, args)
+        return None if args is None else ParsedCall(name, args, call_id)
 
 
 class OpenAIHarmonyParser(MarkedCallParser):

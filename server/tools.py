@@ -20,7 +20,6 @@ out whole as each is complete (with their id, name and arguments in one delta).
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,48 +36,52 @@ from server.protocol import (
     ToolCall,
     ToolSpec,
 )
-from server.tool_parser_base import ParsedCall, ToolParser, ToolStreamer, call_from
+from server.tool_parser_base import ParsedCall, ToolParser, ToolStreamer, call_from, loads, new_call_id
 
 _TOOLS = TypeAdapter(list[ToolSpec])
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
-
-
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 @dataclass(frozen=True)
 class ToolPlan:
     mode: str  # "named" | "required" | "auto"
     name: str | None = None  # the named function
-    parser: ToolParser | None = None  # auto
+    # auto: reads the calls; in every mode, makes the ids of calls the model wrote without one.
+    parser: ToolParser | None = None
     constraint: StructuredOutputsParams | None = None  # named, required
     parallel: bool = True  # auto: False (parallel_tool_calls false) keeps the first call only, as vLLM
 
     def read(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content, calls) of a whole answer."""
         if self.mode == "named":
-            return None, [_call(ParsedCall(self.name or "", text))]
+            return None, [self._call(ParsedCall(self.name or "", text))]
         if self.mode == "required":
             calls = read_required(text)
-            return (text, []) if calls is None else (None, [_call(c) for c in calls])
+            return (text, []) if calls is None else (None, [self._call(c) for c in calls])
         assert self.parser is not None
         content, parsed = self.parser.parse(text)
         if not parsed:
             return text, []
         if not self.parallel:
             parsed = parsed[:1]
-        return (content or None), [_call(c) for c in parsed]
+        return (content or None), [self._call(c) for c in parsed]
 
+    def call_id(self, parsed: ParsedCall | None = None) -> str:
+        """The model's own id for the call, else one in the style the parser's model expects."""
+        if parsed is not None and parsed.id:
+            return parsed.id
+        return self.parser.new_call_id() if self.parser is not None else new_call_id()
 
-def _call(parsed: ParsedCall) -> ToolCall:
-    return ToolCall(id=new_call_id(), function=FunctionCall(name=parsed.name, arguments=parsed.arguments))
+    def _call(self, parsed: ParsedCall) -> ToolCall:
+        return ToolCall(
+            id=self.call_id(parsed), function=FunctionCall(name=parsed.name, arguments=parsed.arguments)
+        )
 
 
 def read_required(text: str) -> list[ParsedCall] | None:
     """The calls of a ``required`` answer (a JSON array of {"name", "parameters"}), or None."""
     try:
-        items = json.loads(text)
+        items = loads(text)
     except ValueError:
         return None
     if not isinstance(items, list) or not items:
@@ -93,17 +96,47 @@ def required_schema(tools: list[ToolSpec], parallel: bool) -> dict[str, Any]:
             "type": "object",
             "properties": {
                 "name": {"type": "string", "enum": [t.function.name]},
-                "parameters": t.function.parameters or _ANY_OBJECT,
+                "parameters": _rebased(
+                    t.function.parameters or _ANY_OBJECT, f"#/items/anyOf/{i}/properties/parameters"
+                ),
             },
             "required": ["name", "parameters"],
             "additionalProperties": False,
         }
-        for t in tools
+        for i, t in enumerate(tools)
     ]
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": one_of_the_tools}}
     if not parallel:
         schema["maxItems"] = 1
     return schema
+
+
+# Keywords whose values are data, not schemas: a "$ref" key inside them is not a reference.
+_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
+# Keywords whose values map names to schemas (a property may be named "default").
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def _rebased(schema: dict[str, Any], base: str) -> dict[str, Any]:
+    """A copy of a tool's parameters schema placed at ``base`` inside a larger one: its local
+    references (``#``, ``#/$defs/X``, as pydantic writes nested models) made to point into its new
+    place, where they would otherwise name the larger schema's root."""
+    copy = json.loads(json.dumps(schema))
+    stack: list[Any] = [copy]
+    while stack:  # iterative: a deeply nested schema must not exhaust the stack
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+                node["$ref"] = base + ref[1:]
+            for key, value in node.items():
+                if key in _SCHEMA_MAPS and isinstance(value, dict):
+                    stack.extend(value.values())
+                elif key not in _DATA_KEYWORDS:
+                    stack.append(value)
+    return copy
 
 
 def _validated_tools(raw: list[dict[str, Any]]) -> list[ToolSpec]:
@@ -130,7 +163,7 @@ def plan_tools(req: ChatCompletionRequest, parser: ToolParser | None) -> ToolPla
         return None
     if choice == "required":
         schema = required_schema(tools, parallel=req.parallel_tool_calls is not False)
-        return ToolPlan("required", constraint=_compact(schema))
+        return ToolPlan("required", parser=parser, constraint=_compact(schema))
     if choice == "auto":
         if parser is None:
             raise bad_request(
@@ -155,7 +188,7 @@ def plan_tools(req: ChatCompletionRequest, parser: ToolParser | None) -> ToolPla
             param="tool_choice",
         )
     params = tools[names.index(named.function.name)].function.parameters or _ANY_OBJECT
-    return ToolPlan("named", name=named.function.name, constraint=_compact(params))
+    return ToolPlan("named", name=named.function.name, parser=parser, constraint=_compact(params))
 
 
 def _compact(schema: dict[str, Any]) -> StructuredOutputsParams:
@@ -187,7 +220,7 @@ class ChoiceTools:
                 return "", []
             delta = DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=text))
             if self.count == 0:
-                delta.id, delta.type, delta.function.name = new_call_id(), "function", self.plan.name
+                delta.id, delta.type, delta.function.name = self.plan.call_id(), "function", self.plan.name
                 self.count = 1
             return "", [delta]
         assert self._streamer is not None
@@ -210,7 +243,7 @@ class ChoiceTools:
             if self.count and not self.plan.parallel:
                 break  # parallel_tool_calls false: the first call only
             fn = DeltaFunctionCall(name=c.name, arguments=c.arguments)
-            out.append(DeltaToolCall(index=self.count, id=new_call_id(), type="function", function=fn))
+            out.append(DeltaToolCall(index=self.count, id=self.plan.call_id(c), type="function", function=fn))
             self.count += 1
         return out
 
@@ -219,14 +252,14 @@ class _WholeJSON(ToolStreamer):
     """``required``: the answer is one JSON array, read when it is complete."""
 
     def __init__(self) -> None:
-        self.text = ""
+        self.parts: list[str] = []  # joined once, at the end
 
     def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
-        self.text += text
+        self.parts.append(text)
         return "", []
 
     def finish(self) -> tuple[str, list[ParsedCall]]:
-        text, self.text = self.text, ""
+        text, self.parts = "".join(self.parts), []
         calls = read_required(text)
         return (text, []) if calls is None else ("", calls)
 

@@ -105,7 +105,10 @@ CASES = {
             '<|tool_call_argument_begin|> {"city": "Paris"} <|tool_call_end|> <|tool_call_begin|>'
             "functions.now:1<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>",
             "Sure.",
-            [W, NOW],
+            [  # the model's ids kept: Kimi's template writes them back into the history
+                ParsedCall(W.name, W.arguments, "functions.get_weather:0"),
+                ParsedCall(NOW.name, NOW.arguments, "functions.now:1"),
+            ],
         ),
         (  # no index after the name: not Kimi's id
             "<|tool_calls_section_begin|><|tool_call_begin|>functions.now<|tool_call_argument_begin|>{}"
@@ -171,7 +174,8 @@ CASES = {
             "<tool_call><function=book><parameter=days>\n3\n</parameter><parameter=opts>\n"
             '{"late": true}\n</parameter></function></tool_call>\n<tool_call><function=now></function></tool_call>',
             "",
-            [ParsedCall("book", '{"days": 3, "opts": {"late": true}}'), NOW],
+            # no tools to type them by: text, as vLLM's qwen3_coder leaves undeclared parameters
+            [ParsedCall("book", '{"days": "3", "opts": "{\\"late\\": true}"}'), NOW],
         ),
         ("<tool_call><function=now>", "", [NOW]),  # cut off
         ("<tool_call>not a function</tool_call>", "<tool_call>not a function</tool_call>", []),
@@ -389,10 +393,11 @@ def test_qwen3_coder_types_values_by_the_tools_schema() -> None:
     )
     typed = get_tool_parser("qwen3_coder").for_tools(tools)
     _, calls = typed.parse(text)
-    assert json.loads(calls[0].arguments) == {"zip": "02134", "count": 2, "express": True, "note": 42}
+    # "note" is not declared: text, as vLLM's qwen3_coder keeps it
+    assert json.loads(calls[0].arguments) == {"zip": "02134", "count": 2, "express": True, "note": "42"}
     as_string = text.replace("02134", "12")
     assert json.loads(typed.parse(as_string)[1][0].arguments)["zip"] == "12"  # a string stays one
-    assert json.loads(get_tool_parser("qwen3_coder").parse(as_string)[1][0].arguments)["zip"] == 12
+    assert json.loads(get_tool_parser("qwen3_coder").parse(as_string)[1][0].arguments)["count"] == "2"
 
 
 def test_glm45_types_values_by_the_tools_schema() -> None:
