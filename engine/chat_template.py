@@ -24,14 +24,31 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from engine.chat_messages import IMAGE_PART_TYPES as IMAGE_PART_TYPES
+from engine.chat_messages import JsonArguments
+from engine.chat_messages import template_message as template_message
+
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
-# Marks the end of the final message when it is to be continued; cut off after rendering.
-_CONTINUE_TAG = "\x00FERRY_CONTINUE_FINAL_MESSAGE\x00"
+# Marks the end of the final message when it is to be continued; cut off after rendering. Its
+# trailing space tells whether the template trims the message (``| trim``): then the prompt ends
+# with the message's text stripped, as transformers (and so vLLM) end it.
+_CONTINUE_TAG = "\x00FERRY_CONTINUE_FINAL_MESSAGE\x00 "
 
 
-# Content part types that carry an image (OpenAI chat's, the Responses API's, and the plain form
-# templates see: transformers' ``{"type": "image"}``).
-IMAGE_PART_TYPES = ("image_url", "input_image", "image", "image_pil")
+class GenerationTag(jinja2.ext.Extension):
+    """transformers' ``{% generation %}…{% endgeneration %}`` block, which marks the assistant's
+    text for training masks (TRL, NeMo templates): rendered as its body, in a scope of its own."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
+# The extensions transformers renders chat templates with (so every template it takes parses here).
+_EXTENSIONS = [jinja2.ext.loopcontrols, GenerationTag]
 
 
 class ChatTemplateError(ValueError):
@@ -98,7 +115,7 @@ def template_iterates_content(template: str) -> bool:
     the text parts flattened to one string. Follows ``{% set c = message['content'] %}`` aliases.
     """
     try:
-        ast = jinja2.Environment(extensions=[jinja2.ext.loopcontrols]).parse(template)
+        ast = jinja2.Environment(extensions=_EXTENSIONS).parse(template)
     except jinja2.TemplateSyntaxError:
         return False
     aliases = {
@@ -137,6 +154,8 @@ def _plain(value: Any) -> Any:
         return int.__int__(value)
     if isinstance(value, float):
         return float.__float__(value)
+    if isinstance(value, JsonArguments):
+        return JsonArguments(_plain(dict(value)), str.__str__(value.text))
     if isinstance(value, Mapping):
         return {_plain(k): _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -176,9 +195,7 @@ def _compile_template(source: str) -> jinja2.Template:
             x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
         )
 
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=_EXTENSIONS)
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -256,9 +273,9 @@ class ChatTemplates:
         return sorted(self._templates)
 
     def get(self, name: str | None = None, tools: list | None = None) -> str:
-        """The template source: by name, else ``tool_use`` when tools are given and it exists, else
-        ``default``. As in transformers, ``name`` may also be a template's text (one holding
-        ``{{`` or ``{%``): that is the template then."""
+        """The template source: by name, else ``tool_use`` when tools are given (an empty list too,
+        as transformers picks) and it exists, else ``default``. As in transformers, ``name`` may also
+        be a template's text (one holding ``{{`` or ``{%``): that is the template then."""
         if name is not None and not isinstance(name, str):
             raise ChatTemplateError(f"chat_template must be a string, got {type(name).__name__}")
         if name is not None and name not in self._templates and ("{{" in name or "{%" in name):
@@ -268,7 +285,7 @@ class ChatTemplates:
                 "this model has no chat template; use /v1/completions with a plain prompt instead"
             )
         if name is None:
-            name = "tool_use" if tools and "tool_use" in self._templates else "default"
+            name = "tool_use" if tools is not None and "tool_use" in self._templates else "default"
         if name not in self._templates:
             raise ChatTemplateError(f"no chat template named {name!r}; available: {', '.join(self.names)}")
         return self._templates[name]
@@ -315,12 +332,12 @@ class ChatTemplates:
         except Exception as e:  # a template is code from the checkpoint: any crash is a bad request
             raise ChatTemplateError(f"chat template failed on these messages: {type(e).__name__}: {e}") from e
         if continue_final_message:
-            at = text.rfind(_CONTINUE_TAG)
+            at = text.rfind(_CONTINUE_TAG.rstrip())
             if at < 0:
                 raise ChatTemplateError(
                     "continue_final_message: the template dropped the final message's content"
                 )
-            text = text[:at]
+            text = text[:at] if text.startswith(_CONTINUE_TAG, at) else text[:at].rstrip()
         return text
 
     def _compile(self, source: str) -> tuple[jinja2.Template, bool]:
@@ -331,45 +348,6 @@ class ChatTemplates:
                 del self._compiled[next(iter(self._compiled))]
             self._compiled[source] = entry
         return entry
-
-
-def template_message(message: Mapping[str, Any]) -> dict[str, Any]:
-    """One chat message as templates see it: ``role``; ``content`` ("" when absent or null, text
-    parts kept as ``{"type": "text", "text": …}`` parts); ``name``, ``tool_call_id`` and
-    ``tool_calls`` when set; nothing else. The server and the router's ``TokenKeyer`` both render
-    through this, so they agree on every token and block hash of a chat prompt."""
-    out: dict[str, Any] = {"role": message.get("role")}
-    content = message.get("content")
-    if isinstance(content, list):
-        out["content"] = [
-            {"type": "image"}
-            if part.get("type") in IMAGE_PART_TYPES
-            else {"type": "text", "text": part.get("text")}
-            for part in content
-        ]
-    else:
-        out["content"] = content if content is not None else ""
-    for key in ("name", "tool_call_id"):
-        if message.get(key) is not None:
-            out[key] = message[key]
-    calls = message.get("tool_calls")
-    if calls is not None:
-        out["tool_calls"] = [_template_tool_call(c) for c in calls] if isinstance(calls, list) else calls
-    return out
-
-
-def _template_tool_call(call: Any) -> Any:
-    """An assistant's earlier tool call as templates expect it. OpenAI clients send ``arguments``
-    as JSON text; templates (Qwen2.5, Llama 3.1, Hermes) write it with ``| tojson`` or iterate it,
-    so, as vLLM does, they get the decoded object (text that is not JSON is left as it is)."""
-    function = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
-        return call
-    try:
-        arguments = json.loads(function["arguments"])
-    except ValueError:
-        return call
-    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def _tag_final_message(messages: list[dict[str, Any]]) -> None:

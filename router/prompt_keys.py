@@ -103,6 +103,9 @@ def responses_as_chat(body: dict[str, Any]) -> dict[str, Any]:
     translates it with the same functions), for the prompt's keys."""
     tools, choice = chat_tools(body.get("tools"), body.get("tool_choice"))
     return {
+        # What salts its block hashes on the replica: the adapter its model names, its cache_salt.
+        "model": body.get("model"),
+        "cache_salt": body.get("cache_salt"),
         "messages": chat_messages(body.get("instructions"), body["input"]),
         "tools": tools,
         "tool_choice": choice,
@@ -167,7 +170,7 @@ class TokenKeyer(PromptKeyer):
             # Exactly the replica's rendering (``server/params.py`` chat_prompt): the same
             # message normalisation, null meaning the default, template kwargs then tools.
             messages = [template_message(m) for m in body["messages"]]
-            kwargs = self.chat.kwargs(body.get("chat_template_kwargs"))
+            kwargs = self.chat.kwargs(body.get("chat_template_kwargs"), body.get("documents"))
             if body.get("continue_final_message"):
                 kwargs["continue_final_message"] = True
             named = kwargs.get("chat_template")
@@ -184,6 +187,8 @@ class TokenKeyer(PromptKeyer):
                 tools=self.chat.tools(body.get("tools"), body.get("tool_choice")),
                 **kwargs,
             )
+            if body.get("add_special_tokens"):  # vLLM's: the tokenizer's BOS on top of the template's
+                return self.tokenizer.encode(text, add_special_tokens=True)
             return self.chat_encoder.encode(text)  # = encode_chat: no special tokens added
         ids = _token_id_prompt(body)
         if ids is not None:
@@ -192,13 +197,20 @@ class TokenKeyer(PromptKeyer):
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
+            return self.tokenizer.encode(
+                prompt, add_special_tokens=body.get("add_special_tokens") is not False
+            )
         return None
 
     def _keys(self, path: str, body: dict[str, Any]) -> tuple[list[bytes], int]:
         ids = self.token_ids(path, body)
         if ids is None:
             return [], 0
+        keep = body.get("truncate_prompt_tokens")
+        if type(keep) is int and 0 < keep < len(ids):
+            # The replica keeps the prompt's last N tokens (``server/params.py``); -1 (the model's
+            # context length, which the router does not know) cuts only prompts longer than that.
+            ids = ids[-keep:]
         if self.image is not None and path.endswith("/chat/completions") and self.image[0] in ids:
             return self._image_keys(ids, body)
         return block_hashes(ids, self.block_size, self.body_extra(body)), len(ids)

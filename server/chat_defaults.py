@@ -27,9 +27,12 @@ class ChatDefaults:
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     exclude_tools_when_tool_choice_none: bool = False
 
-    def kwargs(self, request_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
-        """The template variables of one request: the server's defaults, then the request's own."""
-        return {**self.template_kwargs, **(request_kwargs or {})}
+    def kwargs(self, request_kwargs: Mapping[str, Any] | None, documents: Any = None) -> dict[str, Any]:
+        """The template variables of one request: its ``documents`` (vLLM's request field, for
+        RAG templates), then the server's defaults, then the request's own (each winning over the
+        ones before, as vLLM merges them)."""
+        base = {"documents": documents} if documents is not None else {}
+        return {**base, **self.template_kwargs, **(request_kwargs or {})}
 
     def tools(self, tools: Any, tool_choice: Any) -> Any:
         """The tools the template is shown."""

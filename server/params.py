@@ -132,7 +132,7 @@ def completion_prompts(
     prompts = []
     for item in items:
         if isinstance(item, str):
-            ids = tokenizer.encode(item)
+            ids = tokenizer.encode(item, add_special_tokens=req.add_special_tokens)
             text: str | None = item
         else:
             ids = list(item)
@@ -181,7 +181,7 @@ def chat_prompt(
             f"chat_template_kwargs must not set {', '.join(sorted(reserved))}: use the request fields",
             param="chat_template_kwargs",
         )
-    kwargs = defaults.kwargs(own_kwargs)
+    kwargs = defaults.kwargs(own_kwargs, getattr(req, "documents", None))
     if getattr(req, "continue_final_message", False):
         kwargs["continue_final_message"] = True
     if own is not None:

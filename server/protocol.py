@@ -244,6 +244,9 @@ class CompletionRequest(SamplingFields):
     echo: StrictBool = False
     suffix: StrictStr | None = None
     best_of: StrictInt | None = Field(default=None, ge=1, le=MAX_N)
+    # vLLM's: false for a prompt that already holds them (a chat template rendered by the client),
+    # so its BOS is not doubled
+    add_special_tokens: StrictBool = True
 
     @model_validator(mode="before")
     @classmethod
@@ -272,6 +275,10 @@ class ChatMessage(_Request):
     name: StrictStr | None = None
     tool_call_id: StrictStr | None = None
     tool_calls: list[dict[str, Any]] | None = None
+    # An assistant turn's reasoning, sent back in the history (vLLM's names): templates such as
+    # Qwen3's write it into the turns after the last user message.
+    reasoning_content: StrictStr | None = None
+    reasoning: StrictStr | None = None
 
     @model_validator(mode="after")
     def _known_parts(self) -> ChatMessage:
@@ -341,6 +348,10 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's: a Jinja template for this request (needs --trust-request-chat-template)
     chat_template: StrictStr | None = None
+    # vLLM's: documents shown to templates that support RAG (``documents``), e.g. Command-R's
+    documents: list[dict[str, Any]] | None = None
+    # vLLM's: special tokens (BOS) added by the tokenizer on top of the template's own (rarely right)
+    add_special_tokens: StrictBool = False
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:
@@ -366,6 +377,7 @@ class TokenizeRequest(_Request):
     chat_template: StrictStr | None = None  # as on chat requests
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None  # rendered by the template, as on chat requests (vLLM's)
+    documents: list[dict[str, Any]] | None = None  # as on chat requests
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
