@@ -9,7 +9,9 @@ response cancels it and streams its events (``GET …?stream=true``) without a r
 store. So the router remembers ``response id -> replica URL`` for every ``POST /v1/responses`` a
 replica answered with 200 (the id follows from the ``X-Request-Id`` the replica answers with: the
 router's, or one of its own when it could not take that) and routes requests that name that id to
-that replica while it is a candidate; otherwise the policy picks as usual. A stream resumed on
+that replica while it is a candidate; otherwise the policy picks as usual. Not for a request with
+``"store": false``: no replica holds that response, so nothing can name it (remembered, such ids
+filled the map for nothing: ~400 bytes each, ~39 MiB at its bound). A stream resumed on
 another replica (``router/responses_stream.py``) is finished and stored there under the same id,
 so the id is remembered again with the replica that took it over.
 
@@ -247,6 +249,7 @@ class ResponseAffinity:
         stored. False when it names something whose replica is not known (a miss)."""
         referenced = referenced_response(call.method, call.path, call.json)
         is_post = call.path == RESPONSES_PATH and call.method == "POST"
+        stores = is_post and (call.json or {}).get("store") is not False
         items = referenced_items(call.json) if is_post else []
         if referenced is not None:
             call.route.prefer_url = self.lookup(referenced)
@@ -257,7 +260,7 @@ class ResponseAffinity:
         def answered(replica: Replica, response: Response) -> None:
             if response.status_code == 200:
                 answered_by[:] = [replica.url]
-                if is_post:  # the id the replica used (it replaces a request id it cannot take)
+                if stores:  # the id the replica used (it replaces a request id it cannot take)
                     used = response.headers.get("x-request-id") or call.request_id
                     self.remember(response_id_for(used), replica.url)
 
