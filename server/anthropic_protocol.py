@@ -128,7 +128,9 @@ class ToolResultBlock(_Request):
 
 
 class ThinkingBlock(_Request):
-    """An assistant turn's earlier thinking, sent back by clients that keep it (not re-rendered)."""
+    """An assistant turn's earlier thinking, sent back by clients that keep it: a ``thinking``
+    block's text is the turn's ``reasoning_content`` (the chat template renders it, as vLLM passes
+    it); a ``redacted_thinking`` block (encrypted ``data``, Anthropic's) has no text and is dropped."""
 
     type: Literal["thinking", "redacted_thinking"]
     thinking: StrictStr = ""
@@ -345,6 +347,11 @@ class _Conversation(_Request):
                 turn: dict[str, Any] = {"role": "assistant", "content": texts or None}
                 if calls:
                     turn["tool_calls"] = calls
+                thought = "".join(
+                    b.thinking for b in m.content if isinstance(b, ThinkingBlock) and b.type == "thinking"
+                )
+                if thought:
+                    turn["reasoning_content"] = thought
                 if texts or calls:
                     messages.append(turn)
                 continue

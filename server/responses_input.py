@@ -69,10 +69,39 @@ def _call_output(output: Any, where: str) -> str:
     return "".join(texts)
 
 
+def _reasoning_text(item: dict[str, Any], where: str) -> str:
+    """A reasoning item's text: its ``reasoning_text`` content, else its summary (as vLLM reads it).
+    Encrypted reasoning (OpenAI's, never this server's) has no text here: it is dropped."""
+    for field, kind, joiner in (("content", "reasoning_text", ""), ("summary", "summary_text", "\n\n")):
+        parts = item.get(field)
+        if parts is None:
+            continue
+        if not isinstance(parts, list) or not all(
+            isinstance(p, dict) and p.get("type") == kind and isinstance(p.get("text"), str) for p in parts
+        ):
+            raise InputError(f"{where}.{field} must be a list of {kind} parts", param="input")
+        if parts:
+            return joiner.join(p["text"] for p in parts)
+    return ""
+
+
+def _with_reasoning(turn: dict[str, Any], reasoning: str) -> None:
+    """Earlier thinking onto the assistant turn it was generated with, where the chat template
+    renders it (a Qwen3-style one writes it back into the turns after the last user message)."""
+    if reasoning:
+        turn["reasoning_content"] = turn.get("reasoning_content", "") + reasoning
+
+
 def chat_messages(instructions: Any, input_: Any, images: bool = False) -> list[dict[str, Any]]:
     """``images``: the model takes images, so ``input_image`` parts become chat ``image_url`` parts
-    (otherwise they are refused like any part that is not text)."""
+    (otherwise they are refused like any part that is not text).
+
+    A ``reasoning`` item (an earlier answer's, as a client replays ``response.output`` in a tool
+    loop, or a stored response's) is the thinking of the assistant turn that follows it: its text
+    becomes that turn's ``reasoning_content``, as vLLM passes it. One that no assistant text or call
+    follows (a user message or the end comes next) has no turn to go with and is dropped."""
     messages: list[dict[str, Any]] = []
+    reasoning = ""  # from reasoning items not yet given to an assistant turn
     if instructions:
         messages.append({"role": "system", "content": instructions})
     if isinstance(input_, str):
@@ -90,6 +119,9 @@ def chat_messages(instructions: Any, input_: Any, images: bool = False) -> list[
             if role not in ("user", "system", "developer", "assistant"):
                 raise InputError(f"{where}.role must be user, system, developer or assistant", param="input")
             messages.append({"role": role, "content": _text_of(item.get("content"), where, images)})
+            if role == "assistant":
+                _with_reasoning(messages[-1], reasoning)
+            reasoning = ""
         elif kind == "function_call":
             if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
                 raise InputError(f"{where}: a function_call needs call_id, name and arguments", param="input")
@@ -106,13 +138,16 @@ def chat_messages(instructions: Any, input_: Any, images: bool = False) -> list[
                 last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            _with_reasoning(messages[-1], reasoning)
+            reasoning = ""
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str) or "output" not in item:
                 raise InputError(f"{where}: a function_call_output needs call_id and output", param="input")
             output = _call_output(item["output"], where)
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
+            reasoning = ""
         elif kind == "reasoning":
-            continue  # earlier thoughts are not shown to the model again
+            reasoning += _reasoning_text(item, where)
         else:
             raise InputError(f"{where}: input items of type {kind!r} are not supported", param="input")
     return messages

@@ -117,7 +117,11 @@ class _Output:
         self.want_logprobs = want_logprobs
         self.whole_calls = calls_come_whole(built.req)
         self.open_item: dict[str, Any] | None = None
-        self.text = ""  # the open item's
+        # The open item's text and the open calls' arguments (by chat tool call index) as the
+        # pieces they came in, joined once when the item is done: appending to one string per delta
+        # copies it each time, quadratic in a long streamed text or call.
+        self.pieces: list[str] = []
+        self.arguments: dict[int, list[str]] = {}
         self.logprobs: list[dict[str, Any]] = []  # the open message's, as sent with its deltas
         self.pending: list[dict[str, Any]] = []  # arrived with no text yet (a held-back partial character)
         # The open function calls: a chat tool call's index -> its item (+ output_index).
@@ -136,11 +140,12 @@ class _Output:
                     self._closed(item, position)
                 else:
                     self.calls[calls] = {**item, "output_index": position}
+                    self.arguments[calls] = [item.get("arguments", "")]
                 calls += 1
             elif item.get("status") == "in_progress" and item.get("type") in ("message", "reasoning"):
                 part = (item.get("content") or [{}])[0]
                 self.open_item = {**item, "content": []}
-                self.text = part.get("text", "")
+                self.pieces = [part.get("text", "")]
                 self.logprobs = list(part.get("logprobs") or [])
                 self.open_index = position
             else:
@@ -162,14 +167,15 @@ class _Output:
         """The events that close the open function calls (their arguments are complete, unless the
         answer was cut: ``status`` ``incomplete``)."""
         out: list[Event] = []
-        for call in self.calls.values():
+        for position, call in self.calls.items():
             index = call.pop("output_index")
+            call["arguments"] = "".join(self.arguments.pop(position, ()))
             done = {**call, "status": status}
             fields = {"item_id": call["id"], "output_index": index, "arguments": call["arguments"]}
             out.append(("response.function_call_arguments.done", fields))
             out.append(("response.output_item.done", {"output_index": index, "item": done}))
             self._closed(done, index)
-        self.calls = {}
+        self.calls, self.arguments = {}, {}
         return out
 
     def close_open(self, status: str = "completed") -> list[Event]:
@@ -178,20 +184,21 @@ class _Output:
             return []
         index = self.open_index
         ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
+        text = "".join(self.pieces)
         if item["type"] == "message":
             self.logprobs, self.pending = self.logprobs + self.pending, []
-            part = text_part(self.text, self.logprobs)
+            part = text_part(text, self.logprobs)
             out: list[Event] = [
-                ("response.output_text.done", {**ids, "text": self.text, "logprobs": self.logprobs}),
+                ("response.output_text.done", {**ids, "text": text, "logprobs": self.logprobs}),
                 ("response.content_part.done", {**ids, "part": part}),
             ]
             done = {**item, "status": status, "content": [part]}
         else:
-            out = [("response.reasoning_text.done", {**ids, "text": self.text})]
-            done = {**item, "status": status, "content": [{"type": "reasoning_text", "text": self.text}]}
+            out = [("response.reasoning_text.done", {**ids, "text": text})]
+            done = {**item, "status": status, "content": [{"type": "reasoning_text", "text": text}]}
         out.append(("response.output_item.done", {"output_index": index, "item": done}))
         self._closed(done, index)
-        self.open_item, self.text, self.logprobs = None, "", []
+        self.open_item, self.pieces, self.logprobs = None, [], []
         return out
 
     def start(self, kind: str) -> list[Event]:
@@ -222,7 +229,7 @@ class _Output:
             out += self.close_calls()  # text after a call: the model has moved on
             if self.open_item is None or self.open_item["type"] != kind:
                 out += self.start(kind)
-            self.text += piece
+            self.pieces.append(piece)
             extra: dict[str, Any] = {}
             if kind == "message":  # a text delta carries its tokens' logprobs
                 extra["logprobs"], self.pending = self.pending, []
@@ -241,12 +248,13 @@ class _Output:
                 call = call_item(tc.id or "", tc.function.name or "", "", status="in_progress")
                 call["output_index"] = self._add()
                 self.calls[tc.index] = call
+                self.arguments[tc.index] = []
                 item = {k: v for k, v in call.items() if k != "output_index"}
                 out.append(
                     ("response.output_item.added", {"output_index": call["output_index"], "item": item})
                 )
             if tc.function.arguments:
-                call["arguments"] += tc.function.arguments
+                self.arguments[tc.index].append(tc.function.arguments)
                 fields = {"item_id": call["id"], "output_index": call["output_index"]}
                 out.append(
                     ("response.function_call_arguments.delta", {**fields, "delta": tc.function.arguments})

@@ -2,7 +2,13 @@
 chat's ``usage.prompt_tokens``), and the router's ``TokenKeyer`` gives the same token ids: an
 assistant's earlier reasoning, empty tool-call arguments, DeepSeek's concatenated arguments, a
 trimming template's ``continue_final_message``, vLLM's ``documents``. A template that raises is a
-400 with its message, a stream's too."""
+400 with its message, a stream's too.
+
+Earlier thinking sent back through the other APIs reaches the template as the assistant turn's
+``reasoning_content`` (as vLLM passes it), on the replica and in the router's keys alike: a
+Responses ``reasoning`` item (its ``reasoning_text`` content, else its summary) goes with the
+assistant text and calls that follow it, replayed or stored (``previous_response_id``); Anthropic
+``thinking`` blocks are their turn's, ``redacted_thinking`` ones are taken and dropped."""
 
 from __future__ import annotations
 
@@ -14,9 +20,9 @@ from pathlib import Path
 import httpx
 import pytest
 from family_chat_templates import DEEPSEEK_R1, MIXTRAL, QWEN3
-from family_template_cases import CASES, USER, hf_ids
+from family_template_cases import CALL, CASES, TOOLS, USER, hf_ids
 
-from router.prompt_keys import TokenKeyer
+from router.prompt_keys import TokenKeyer, messages_as_chat, responses_as_chat
 
 
 @pytest.fixture(scope="module")
@@ -117,3 +123,146 @@ def test_a_template_that_raises_is_a_400_with_its_message(qwen3_server, stream: 
             "chat template error: Conversation roles must alternate user/assistant/user/assistant/..."
         )
         assert error["param"] == "messages"
+
+
+THOUGHT = "I should call the tool."
+# The messages a tool loop with earlier thinking is (Qwen3's template renders the thought: the turn
+# comes after the last user message).
+THINKING_LOOP = [
+    USER,
+    {
+        "role": "assistant",
+        "content": "Let me check.",
+        "reasoning_content": THOUGHT,
+        "tool_calls": [{**CALL[0], "function": {**CALL[0]["function"], "arguments": '{"city": "Paris"}'}}],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "22C"},
+]
+RESPONSES_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
+REASONING_ITEMS = {
+    "content": {
+        "type": "reasoning",
+        "id": "rs_1",
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": THOUGHT}],
+    },
+    "summary": {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": THOUGHT}]},
+}
+
+
+def _loop_items(reasoning: dict | None) -> list[dict]:
+    """THINKING_LOOP as a client replays a response's output items in a Responses tool loop."""
+    said = {
+        "type": "message",
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": "Let me check."}],
+    }
+    call = {
+        "type": "function_call",
+        "call_id": "call_1",
+        "name": "get_weather",
+        "arguments": '{"city": "Paris"}',
+    }
+    return [
+        USER,
+        *([reasoning] if reasoning else []),
+        said,
+        call,
+        {"type": "function_call_output", "call_id": "call_1", "output": "22C"},
+    ]
+
+
+def _input_tokens(server, body: dict) -> int:
+    answer = httpx.post(
+        server.url + "/v1/responses",
+        json={"model": server.model_name, "max_output_tokens": 16, "temperature": 0, **body},
+        timeout=60,
+    )
+    assert answer.status_code == 200, answer.text
+    return answer.json()["usage"]["input_tokens"]
+
+
+@pytest.mark.parametrize("form", list(REASONING_ITEMS))
+def test_responses_reasoning_items_reach_the_template(qwen3_server, qwen3_model: Path, form: str) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast.from_pretrained(str(qwen3_model))
+    want = hf_ids(hf, {"messages": THINKING_LOOP, "tools": TOOLS})
+    body = {
+        "model": qwen3_server.model_name,
+        "input": _loop_items(REASONING_ITEMS[form]),
+        "tools": RESPONSES_TOOLS,
+    }
+    assert _input_tokens(qwen3_server, body) == len(want)
+    keyer = TokenKeyer.from_dir(str(qwen3_model), 16)
+    assert keyer.token_ids("/v1/chat/completions", responses_as_chat(body)) == want
+    assert keyer.keys("/v1/responses", body)[1] == len(want)
+    # Encrypted reasoning (OpenAI's) has no text here: the turn as if it had none.
+    encrypted = {"type": "reasoning", "id": "rs_2", "summary": [], "encrypted_content": "gAAA"}
+    plain = _input_tokens(qwen3_server, {**body, "input": _loop_items(None)})
+    assert _input_tokens(qwen3_server, {**body, "input": _loop_items(encrypted)}) == plain < len(want)
+
+
+def test_a_stored_reasoning_item_renders_as_a_replayed_one(qwen3_server) -> None:
+    """previous_response_id: the stored input's reasoning item reaches the template as it does
+    when the client replays the same items."""
+    items = _loop_items(REASONING_ITEMS["content"])
+    first = httpx.post(
+        qwen3_server.url + "/v1/responses",
+        json={
+            "model": qwen3_server.model_name,
+            "input": items[:-1],
+            "tools": RESPONSES_TOOLS,
+            "max_output_tokens": 16,
+        },
+        timeout=60,
+    ).json()
+    then = {"tools": RESPONSES_TOOLS}
+    stored = _input_tokens(qwen3_server, {**then, "previous_response_id": first["id"], "input": items[-1:]})
+    replayed = _input_tokens(qwen3_server, {**then, "input": items[:-1] + first["output"] + items[-1:]})
+    without = _input_tokens(
+        qwen3_server, {**then, "input": items[:1] + items[2:-1] + first["output"] + items[-1:]}
+    )
+    assert stored == replayed > without
+
+
+def test_anthropic_thinking_blocks_reach_the_template(qwen3_server, qwen3_model: Path) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast.from_pretrained(str(qwen3_model))
+    want = hf_ids(hf, {"messages": THINKING_LOOP, "tools": TOOLS})
+    function = TOOLS[0]["function"]
+    body = {
+        "model": qwen3_server.model_name,
+        "max_tokens": 1,
+        "tools": [
+            {
+                "name": function["name"],
+                "description": function["description"],
+                "input_schema": function["parameters"],
+            }
+        ],
+        "messages": [
+            USER,
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "I should ", "signature": "c2ln"},
+                    {"type": "redacted_thinking", "data": "EmwKAhgBEgy3va3pzix"},
+                    {"type": "thinking", "thinking": "call the tool.", "signature": "c2lnMg=="},
+                    {"type": "text", "text": "Let me check."},
+                    {"type": "tool_use", "id": "call_1", "name": "get_weather", "input": {"city": "Paris"}},
+                ],
+            },
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "call_1", "content": "22C"}]},
+        ],
+    }
+    answer = httpx.post(qwen3_server.url + "/v1/messages", json=body, timeout=60)
+    assert answer.status_code == 200, answer.text
+    usage = answer.json()["usage"]  # Anthropic's input_tokens leave out the cached prefix
+    assert usage["input_tokens"] + usage["cache_read_input_tokens"] == len(want)
+    counted = httpx.post(qwen3_server.url + "/v1/messages/count_tokens", json=body, timeout=60).json()
+    assert counted == {"input_tokens": len(want)}
+    keyer = TokenKeyer.from_dir(str(qwen3_model), 16)
+    assert keyer.token_ids("/v1/chat/completions", messages_as_chat(body)) == want
+    assert keyer.keys("/v1/messages", body)[1] == len(want)
