@@ -1,8 +1,11 @@
 """OpenAI's Files and Batches API on a replica: ``/v1/files*`` and ``/v1/batches*``.
 
 Files are uploaded as OpenAI's SDK sends them (``multipart/form-data`` with ``file`` and
-``purpose``; at most ``--max-file-bytes``, checked by ``EdgeMiddleware``) and kept in the
-``BatchStore``. Only ``purpose="batch"`` is taken, and such a file is checked whole at upload:
+``purpose``; at most ``--max-file-bytes``, counted by ``EdgeMiddleware`` as the body streams in: 413
+the moment it is passed) and kept in the ``BatchStore``. An upload is never held in memory whole:
+Starlette's form parser spools the file part to an anonymous temporary file (in memory up to 1 MiB),
+which is checked line by line and copied into the store in chunks; a file is served back from disk
+in chunks too. Only ``purpose="batch"`` is taken, and such a file is checked whole at upload:
 every non-blank line a request line with a unique ``custom_id``, a supported ``url`` and no
 streaming (else 400 naming the line). ``POST /v1/batches`` checks that its input file is a batch
 file whose lines all name its ``endpoint`` and hands it to ``BatchJobs``. Every refusal is a 4xx
@@ -12,14 +15,17 @@ in OpenAI's error shape.
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated, Any, Literal, TypeVar
+import os
+from collections.abc import AsyncIterator, Iterable, Iterator
+from typing import IO, Annotated, Any, Literal, TypeVar
 
 from fastapi import FastAPI, Query, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
-from starlette.datastructures import UploadFile
+from starlette.datastructures import FormData, UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.formparsers import MultiPartException
+from starlette.requests import ClientDisconnect
 
 from server.batch_jobs import BatchJobs
 from server.batch_lines import BATCH_URLS, input_lines, parse_line
@@ -46,26 +52,57 @@ class BatchCreateRequest(BaseModel):
     )
 
 
-def check_batch_file(text: str, urls: tuple[str, ...] = BATCH_URLS) -> list[str]:
-    """The request lines of a batch input file; 400 naming the first line that is not one."""
-    lines = input_lines(text)
-    if not lines:
-        raise bad_request("The batch file has no requests.", param="file")
-    if len(lines) > MAX_BATCH_LINES:
-        raise bad_request(f"A batch file holds at most {MAX_BATCH_LINES} requests, this one {len(lines)}.")
+def check_batch_lines(lines: Iterable[str], urls: tuple[str, ...] = BATCH_URLS) -> None:
+    """400 naming the first of a batch file's non-blank ``lines`` that is not a request line, or
+    when there are none or more than ``MAX_BATCH_LINES``."""
     seen: set[str] = set()
-    for number, raw in enumerate(lines, start=1):
+    count = 0
+    for count, raw in enumerate(lines, start=1):  # noqa: B007 - count is read after the loop
+        if count > MAX_BATCH_LINES:
+            continue  # only counted, for the message
         parsed = parse_line(raw, urls)
         if isinstance(parsed, tuple):
             raise bad_request(
-                f"Line {number} of the batch file: {parsed[1]['error']['message']}", param="file"
+                f"Line {count} of the batch file: {parsed[1]['error']['message']}", param="file"
             )
         if parsed.custom_id in seen:
             raise bad_request(
-                f"Line {number}: the custom_id {parsed.custom_id!r} is used twice.", param="file"
+                f"Line {count}: the custom_id {parsed.custom_id!r} is used twice.", param="file"
             )
         seen.add(parsed.custom_id)
+    if count == 0:
+        raise bad_request("The batch file has no requests.", param="file")
+    if count > MAX_BATCH_LINES:
+        raise bad_request(f"A batch file holds at most {MAX_BATCH_LINES} requests, this one {count}.")
+
+
+def check_batch_file(text: str, urls: tuple[str, ...] = BATCH_URLS) -> list[str]:
+    """The request lines of a batch input file; 400 naming the first line that is not one."""
+    lines = input_lines(text)
+    check_batch_lines(lines, urls)
     return lines
+
+
+def _file_lines(file: IO[bytes]) -> Iterator[str]:
+    """The non-blank lines of an uploaded file, read one at a time, as ``input_lines`` cuts them
+    (at ``\n`` only, a leading byte order mark dropped); 400 if it is not UTF-8. A line is decoded
+    alone: ``\n`` is never part of a multi-byte UTF-8 sequence, so this is the whole file's check."""
+    for number, raw in enumerate(file):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise bad_request("The batch file is not UTF-8 text.", param="file") from e
+        line = line.removesuffix("\n")
+        if number == 0:
+            line = line.removeprefix("\ufeff")
+        if line.strip():
+            yield line
+
+
+def check_upload(file: IO[bytes]) -> None:
+    """Check an uploaded batch file from its start, streaming (blocking: run it in a thread)."""
+    file.seek(0)
+    check_batch_lines(_file_lines(file))
 
 
 def _found(value: T | None, kind: str, object_id: str | None) -> T:
@@ -75,9 +112,9 @@ def _found(value: T | None, kind: str, object_id: str | None) -> T:
     return value
 
 
-async def _form_fields(request: Request) -> dict[str, tuple[str | None, bytes]]:
-    """An upload's ``multipart/form-data`` fields by name: (filename or None for a plain field,
-    bytes), parsed by Starlette's form parser (python-multipart); 400 when it is not one."""
+async def _form(request: Request) -> tuple[FormData, UploadFile]:
+    """An upload's form and its ``file`` (spooled by Starlette's form parser, python-multipart;
+    the caller closes the form); 400 when the body is not such a form or its purpose not "batch"."""
     if not request.headers.get("content-type", "").lower().startswith("multipart/form-data"):
         raise bad_request("Upload a file as multipart/form-data with the fields 'file' and 'purpose'.")
     try:
@@ -85,16 +122,29 @@ async def _form_fields(request: Request) -> dict[str, tuple[str | None, bytes]]:
     except (MultiPartException, StarletteHTTPException) as e:
         detail = getattr(e, "message", None) or getattr(e, "detail", None) or str(e)
         raise bad_request(f"The multipart body is malformed: {detail}") from None
-    try:
-        fields: dict[str, tuple[str | None, bytes]] = {}
-        for name, value in form.multi_items():
-            if isinstance(value, UploadFile):
-                fields[name] = (value.filename or "", await value.read())
-            else:
-                fields[name] = (None, value.encode())
-        return fields
-    finally:
+    except ClientDisconnect:  # nothing was stored: the parser closed (so removed) its spool file
+        raise bad_request("The upload ended before its body was complete.") from None
+    file, purpose = form.get("file"), form.get("purpose")
+    if not isinstance(file, UploadFile):
         await form.close()
+        raise bad_request("The upload has no 'file' field.", param="file")
+    if purpose != "batch":
+        await form.close()
+        raise bad_request(
+            f"The purpose {purpose if isinstance(purpose, str) else ''!r} is not supported: ferry keeps "
+            "files for the Batch API only (purpose 'batch').",
+            param="purpose",
+        )
+    return form, file
+
+
+async def _chunks(data: IO[bytes], size: int = 1 << 18) -> AsyncIterator[bytes]:
+    """``data`` read from disk a chunk at a time (off the event loop), then closed."""
+    try:
+        while chunk := await asyncio.to_thread(data.read, size):
+            yield chunk
+    finally:
+        data.close()
 
 
 def add_batch_routes(app: FastAPI, jobs: BatchJobs) -> None:
@@ -102,25 +152,15 @@ def add_batch_routes(app: FastAPI, jobs: BatchJobs) -> None:
 
     @app.post("/v1/files", responses=_ERRORS)
     async def upload_file(request: Request) -> Any:
-        fields = await _form_fields(request)
-        purpose = fields.get("purpose", (None, b""))[1].decode("utf-8", "replace")
-        if "file" not in fields or fields["file"][0] is None:
-            raise bad_request("The upload has no 'file' field.", param="file")
-        if purpose != "batch":
-            raise bad_request(
-                f"The purpose {purpose!r} is not supported: ferry keeps files for the Batch API only "
-                "(purpose 'batch').",
-                param="purpose",
-            )
-        filename, data = fields["file"]
+        form, file = await _form(request)
         try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise bad_request("The batch file is not UTF-8 text.", param="file") from e
-        await asyncio.to_thread(check_batch_file, text)  # up to 50,000 lines: off the event loop
-        return JSONResponse(
-            await asyncio.to_thread(store.add_file, data, filename or "upload.jsonl", purpose)
-        )
+            await asyncio.to_thread(check_upload, file.file)  # up to 50,000 lines: off the event loop
+            file.file.seek(0)
+            name = file.filename or "upload.jsonl"
+            record = await asyncio.to_thread(store.add_file, file.file, name, "batch")
+        finally:
+            await form.close()
+        return JSONResponse(record)
 
     @app.get("/v1/files", responses=_ERRORS)
     async def list_files(
@@ -144,8 +184,11 @@ def add_batch_routes(app: FastAPI, jobs: BatchJobs) -> None:
 
     @app.get("/v1/files/{file_id}/content", responses=_ERRORS)
     async def file_content(file_id: str) -> Any:
-        data = _found(await asyncio.to_thread(store.file_data, file_id), "File", file_id)
-        return Response(data, media_type="application/jsonl")
+        # Opened before it is answered: a file deleted meanwhile is still read whole (POSIX).
+        data = _found(await asyncio.to_thread(store.open_file_data, file_id), "File", file_id)
+        size = os.fstat(data.fileno()).st_size
+        headers = {"content-length": str(size)}
+        return StreamingResponse(_chunks(data), media_type="application/jsonl", headers=headers)
 
     @app.post("/v1/batches", responses=_ERRORS)
     async def create_batch(request: Request) -> Any:

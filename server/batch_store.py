@@ -32,7 +32,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 _FILE_ID = re.compile(r"^file-[0-9a-f]{32}$")
 _BATCH_ID = re.compile(r"^batch_[0-9a-f]{32}$")
@@ -45,12 +45,27 @@ RUNNING = (*CANCELLABLE, "finalizing")
 ALIVE_EVERY_S = 1.0
 ALIVE_STALE_S = 15.0
 TERMINAL = ("completed", "failed", "cancelled", "expired")
+# An uploaded file is copied into the store this many bytes at a time (never held whole).
+COPY_CHUNK = 1 << 20
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def _write_atomic(path: Path, data: bytes | IO[bytes]) -> int:
+    """Write ``data`` (bytes, or a binary file from where it stands to its end, copied in chunks)
+    to a temporary name beside ``path``, renamed over it when complete; the temporary file is
+    removed if that fails. The bytes written."""
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    try:
+        with tmp.open("wb") as out:
+            if isinstance(data, bytes):
+                out.write(data)
+            else:
+                shutil.copyfileobj(data, out, COPY_CHUNK)
+            size = out.tell()
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return size
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -133,13 +148,14 @@ class BatchStore:
         base = self.root / "files"
         return base / f"{file_id}.json", base / f"{file_id}.data"
 
-    def add_file(self, data: bytes, filename: str, purpose: str) -> dict[str, Any]:
+    def add_file(self, data: bytes | IO[bytes], filename: str, purpose: str) -> dict[str, Any]:
+        """Store a file: ``data`` as ``_write_atomic`` takes it (an upload streams from its spool)."""
         file_id = f"file-{uuid.uuid4().hex}"
         meta_path, data_path = self._file_paths(file_id)  # type: ignore[misc]
         record = {
             "id": file_id,
             "object": "file",
-            "bytes": len(data),
+            "bytes": 0,  # known once written
             "created_at": int(time.time()),
             "filename": filename,
             "purpose": purpose,
@@ -148,7 +164,7 @@ class BatchStore:
             "expires_at": None,
             "_order": time.time_ns(),
         }
-        _write_atomic(data_path, data)
+        record["bytes"] = _write_atomic(data_path, data)
         _write_atomic(meta_path, json.dumps(record).encode())  # last: the file exists once this does
         return _public(record)
 
@@ -163,6 +179,16 @@ class BatchStore:
             return None
         try:
             return paths[1].read_bytes()
+        except OSError:
+            return None
+
+    def open_file_data(self, file_id: str) -> IO[bytes] | None:
+        """The file's bytes opened for reading (the caller closes it), or None."""
+        paths = self._file_paths(file_id)
+        if paths is None or not paths[0].exists():
+            return None
+        try:
+            return paths[1].open("rb")
         except OSError:
             return None
 

@@ -198,13 +198,18 @@ def _default_to_json(scope: Scope) -> None:
         scope["headers"] = headers
 
 
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"Request body is larger than the limit of {limit} bytes.", code="request_too_large")
+
+
 class EdgeMiddleware:
     """Assigns/echoes ``X-Request-Id``, enforces the API key and ``max_request_bytes`` (``max_file_bytes``
     for an upload to ``/v1/files``, whose multipart content type is left as it is).
 
     The body is read here, counted as it streams in (Content-Length alone can lie or be
     absent with chunked encoding) and replayed to the app; after the replay, ``receive``
-    is the server's own, so disconnects still reach the handlers.
+    is the server's own, so disconnects still reach the handlers. An upload is not buffered: it
+    is only counted as the app reads it (413 raised from ``receive`` once past the limit).
 
     The buffered body is also left in ``scope["state"]["body"]`` for ``GenerationRoutes``.
     A generation request whose body is in is ``announce``d to the engine (``AsyncEngine.announce``)
@@ -251,13 +256,15 @@ class EdgeMiddleware:
             if coding is not None:
                 await _send_error(send, unsupported_encoding_error(coding), request_id, is_messages(scope))
                 return
-            upload = route_path(scope) == _UPLOAD_PATH
-            limit = self.max_file_bytes if upload else self.max_request_bytes
-            receive = await self._buffer_body(scope, receive, send, request_id, limit)
+            if route_path(scope) == _UPLOAD_PATH:
+                # Up to --max-file-bytes: counted as it streams to the Files API, which spools it
+                # to disk (buffered here, it would be held in memory whole).
+                receive = await self._limit_body(scope, receive, send, request_id, self.max_file_bytes)
+            else:
+                receive = await self._buffer_body(scope, receive, send, request_id, self.max_request_bytes)
+                _default_to_json(scope)
             if receive is None:
                 return
-            if not upload:
-                _default_to_json(scope)
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -282,15 +289,37 @@ class EdgeMiddleware:
         finally:
             self.load.requests -= tracked
 
+    async def _limit_body(
+        self, scope: Scope, receive: Receive, send: Send, request_id: str, limit: int
+    ) -> Receive | None:
+        """``receive``, raising the 413 (``APIError``, answered by the app's handler) as soon as
+        more than ``limit`` bytes came in; None after a 413 for a declared length over it."""
+        if await self._declared_too_large(scope, send, request_id, limit):
+            return None
+        size = 0
+
+        async def counted() -> Message:
+            nonlocal size
+            message = await receive()
+            size += len(message.get("body", b""))
+            if size > limit:
+                raise _too_large(limit)
+            return message
+
+        return counted
+
+    @staticmethod
+    async def _declared_too_large(scope: Scope, send: Send, request_id: str, limit: int) -> bool:
+        declared = _header(scope, b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await _send_error(send, _too_large(limit), request_id, is_messages(scope))
+            return True
+        return False
+
     async def _buffer_body(
         self, scope: Scope, receive: Receive, send: Send, request_id: str, limit: int
     ) -> Receive | None:
-        too_large = APIError(
-            413, f"Request body is larger than the limit of {limit} bytes.", code="request_too_large"
-        )
-        declared = _header(scope, b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            await _send_error(send, too_large, request_id, is_messages(scope))
+        if await self._declared_too_large(scope, send, request_id, limit):
             return None
         chunks: list[bytes] = []
         size = 0
@@ -301,7 +330,7 @@ class EdgeMiddleware:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
-                await _send_error(send, too_large, request_id, is_messages(scope))
+                await _send_error(send, _too_large(limit), request_id, is_messages(scope))
                 return None
             chunks.append(chunk)
             if not message.get("more_body", False):

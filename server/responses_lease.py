@@ -8,8 +8,10 @@ on each response it runs, a store entry that lapses ``--responses-lease-ttl`` se
 default) after its last renewal (Redis: ``ferry:response-lease:{id}``, ``PX``; the engine
 process's memory store: that process's clock). The lease is taken before the queued record is
 written (``ResponseStore.claim``) and all of a process's leases are renewed in one store call every
-fifth of the TTL, from the loop that polls their cancel flags. A lease is never given back: the
-final record ends the response, and the lease lapses by itself.
+fifth of the TTL, from the loop that polls their cancel flags. A lease is not given back by a
+call of its own: the final record ends the response; in Redis the lease then lapses by itself, and
+the engine process's memory store drops it with that record (``MemoryRecords.put``, ``ended``),
+since its lapsed leases are only swept by a renewal, which needs another response running.
 
 One lease per response rather than one per process that its records name: records stay as they
 are (no owner field for every writer to carry), a response whose run ended without its final

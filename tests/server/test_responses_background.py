@@ -13,7 +13,15 @@ import openai
 import pytest
 
 from server.responses_redis import RedisResponseStore
-from server.responses_store import EVENT_LOG_LIMIT, EVENT_READ_BATCH, MemoryRecords, MemoryResponseStore
+from server.responses_store import (
+    EVENT_LOG_LIMIT,
+    EVENT_LOG_OVERHEAD,
+    EVENT_OVERHEAD,
+    EVENT_READ_BATCH,
+    RECORD_OVERHEAD,
+    MemoryRecords,
+    MemoryResponseStore,
+)
 from tests.server.conftest import first_events, wait_in_progress
 
 GREEDY = {"max_output_tokens": 16, "temperature": 0}
@@ -198,13 +206,15 @@ async def _check_events_and_flags(store) -> None:
 
 
 def test_memory_records_count_events_in_their_bytes() -> None:
-    records = MemoryRecords(max_bytes=30, ttl_s=10.0)
+    r = RECORD_OVERHEAD + 1  # what a record of a one-letter id counts beyond its JSON
+    events = EVENT_LOG_OVERHEAD + 10 + 2 * EVENT_OVERHEAD
+    records = MemoryRecords(max_bytes=2 * r + 20 + events, ttl_s=10.0)
     assert records.put("a", b"0123456789")
     records.append_events("a", 0, [b"01234", b"56789"])
-    assert records.bytes == 20
+    assert records.bytes == r + 10 + events
     records.request_cancel("nothing")  # no record: no flag
     assert records.cancel_requested(["nothing"]) == []
-    assert records.put("b", b"0123456789")  # 30 bytes
-    assert records.put("c", b"01")  # 32: the least recently used (a) goes, with its events
+    assert records.put("b", b"0123456789")  # at the bound
+    assert records.put("c", b"01")  # over it: the least recently used (a) goes, with its events
     assert records.get("a") is None and records.read_events("a", -1) == (None, [])
-    assert records.bytes == 12 and len(records) == 2
+    assert records.bytes == 2 * r + 12 and len(records) == 2

@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from server.responses_input import input_items
-from server.responses_store import MemoryRecords, encode
+from server.responses_store import RECORD_OVERHEAD, MemoryRecords, encode
 from server.serving_responses import item_page
 from tests.conftest import RedisServer
 from tests.server.conftest import first_events, wait_in_progress
@@ -392,20 +392,22 @@ def test_store_none(tiny_llama: Path, serve_logs: Path, server_process) -> None:
 
 def test_memory_records_drop_the_least_recently_used_beyond_their_bytes() -> None:
     now = [0.0]
-    records = MemoryRecords(max_bytes=25, ttl_s=10.0, clock=lambda: now[0])
+    r = RECORD_OVERHEAD + 1  # what a record of a one-letter id counts beyond its JSON
+    records = MemoryRecords(max_bytes=3 * r + 25, ttl_s=10.0, clock=lambda: now[0])
     assert records.put("a", b"0123456789") and records.put("b", b"0123456789")
-    assert records.bytes == 20
+    assert records.bytes == 2 * r + 20
     assert records.get("a") == b"0123456789"  # a is now the most recently used
     assert records.put("c", b"01234")
-    assert records.bytes == 25 and len(records) == 3
-    assert records.put("d", b"0")  # 26 bytes: the least recently used (b) goes
-    assert records.get("b") is None and records.bytes == 16
+    assert records.bytes == 3 * r + 25 and len(records) == 3
+    assert records.put("d", b"0")  # one byte over: the least recently used (b) goes
+    assert records.get("b") is None and records.bytes == 3 * r + 16
     assert records.put("a", b"x")  # replaced, not added
-    assert records.bytes == 7
-    assert not records.put("big", b"x" * 26) and records.get("big") is None
+    assert records.bytes == 3 * r + 7
+    assert not records.put("big", b"x" * (records.max_bytes - RECORD_OVERHEAD - 2))  # one byte over
+    assert records.get("big") is None
     now[0] = 10.0  # written at 0 with a 10 s TTL: expired
     assert records.get("a") is None and records.get("c") is None
-    assert records.bytes == 1 and records.delete("d") and records.bytes == 0
+    assert records.bytes == r + 1 and records.delete("d") and records.bytes == 0
     assert not records.delete("d")
 
 
