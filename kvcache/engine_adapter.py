@@ -37,6 +37,7 @@ from typing import Any
 
 from engine.attention.base import raw
 from kvcache.connector import ConnectorStats, KVConnector
+from kvcache.log_limit import RateLimitedLog
 from kvcache.tier import TierURL
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,7 @@ class TierConnector:
         self._lock = threading.Lock()
         self._just_loaded: set[bytes] = set()
         self._reporter: ThreadPoolExecutor | None = None  # producers' finish reports, one at a time
+        self._shortfall_log = RateLimitedLog(logger)  # written on the reporter thread only
         engine.block_manager.add_listener(self)
 
     # -- engine hooks ------------------------------------------------------------------------------
@@ -140,7 +142,9 @@ class TierConnector:
         # Confirm with the tier itself: a write may have been dropped (full queue, Redis down).
         in_tier = self.kv.lookup(prompt_hashes)
         if in_tier < len(prompt_hashes):
-            logger.warning(
+            # A tier that is down makes every producer request fall short: the breaker's own line
+            # says why, these are kept to a rate (the chaos run logged 70 in 4 s per prefill worker).
+            self._shortfall_log.warning(
                 "request %s: %d of %d prompt blocks reached the tier; the consumer recomputes the rest",
                 request_id,
                 in_tier,

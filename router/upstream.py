@@ -22,12 +22,15 @@ import contextlib
 import json
 import ssl
 import sys
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 T = TypeVar("T")
+
+IDLE_SWEEP_S = 1.0  # how often returning a connection to its pool drops those their server closed
 
 if sys.version_info >= (3, 11):
 
@@ -243,13 +246,31 @@ class _Origin:
         self.host_header = f"[{host}]:{port}".encode() if ":" in host else f"{host}:{port}".encode()
         self.idle: deque[_Conn] = deque()
         self.max_idle = max_idle
+        self._swept = time.monotonic()
 
     def put(self, conn: _Conn) -> None:
+        now = time.monotonic()
+        if now - self._swept >= IDLE_SWEEP_S:
+            self._sweep(now)
         if len(self.idle) < self.max_idle:
             conn.reused = True
             self.idle.append(conn)
         else:
             conn.close()
+
+    def _sweep(self, now: float) -> None:
+        """Close the idle connections their server closed. ``take`` drops those it meets on top,
+        but ones under a live connection would sit in CLOSE_WAIT (an fd each) for as long as the
+        pool stays shallower: those of a killed API server of a replica whose other API server
+        lives, or of a replica's keep-alive timeout after a burst. At most once a second: a scan
+        per request is what made httpcore's pool slow."""
+        self._swept = now
+        for _ in range(len(self.idle)):  # in place, oldest first: the order stays
+            conn = self.idle.popleft()
+            if conn.usable():
+                self.idle.append(conn)
+            else:
+                conn.close()
 
     def take(self) -> _Conn | None:
         while self.idle:

@@ -170,3 +170,20 @@ def test_mla_latent_blocks_round_trip_through_redis(tiny_deepseek, redis_url: st
     ]
     for (la,), (lb,) in zip(a.engine.model_runner.kv_caches, b.engine.model_runner.kv_caches, strict=True):
         assert torch.equal(la[ids_a], lb[ids_b])
+
+
+def test_dead_tier_shortfall_lines_are_kept_to_a_rate(tiny_llama, caplog) -> None:
+    # A tier that is down makes every producer request fall short; one WARNING each flooded the
+    # prefill workers' logs in the chaos run (bench/chaos.py). At most 10 lines per 10 s.
+    llm = LLM(str(tiny_llama), kv_tier="redis://127.0.0.1:1/0?timeout=0.2&connect_timeout=0.2", **OPTIONS)
+    engine = llm.engine
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    for i in range(15):
+        engine.add_request(engine.make_request(f"p{i}", PROMPT, one, kv_transfer={"role": "producer"}))
+    with caplog.at_level("WARNING", logger="kvcache.engine_adapter"):
+        finished = []
+        while engine.has_unfinished_requests():
+            finished += [o for o in engine.step() if o.finished]
+    assert len(finished) == 15 and all(o.kv_transfer["tier_blocks"] == 0 for o in finished)
+    lines = [r for r in caplog.records if "prompt blocks reached the tier" in r.getMessage()]
+    assert len(lines) == 10

@@ -161,3 +161,40 @@ async def test_an_ipv6_replica_gets_a_bracketed_host_and_its_own_redirects_becom
         assert resp.local_location(elsewhere) == elsewhere
     await client.aclose()
     server.close()
+
+
+async def test_pooled_connections_their_server_closed_are_dropped_from_under_live_ones() -> None:
+    # bench/chaos.py: after one API server of a replica was killed, the router kept its connections
+    # in CLOSE_WAIT beneath live ones (take() only drops stale connections it meets on top).
+    by_delay: dict[float, asyncio.StreamWriter] = {}
+
+    async def handler(reader, writer):
+        while True:
+            try:
+                delay = float(await _read_request(reader))
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            by_delay[delay] = writer
+            await asyncio.sleep(delay)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            await writer.drain()
+
+    server, url = await _serve(handler)
+    client = UpstreamClient(read_timeout=5)
+
+    async def call(delay: float) -> None:
+        resp = await client.request("POST", url, "/", [], str(delay).encode())
+        assert await resp.aread() == b"ok"
+        await resp.aclose()
+
+    await asyncio.gather(call(0.05), call(0.3), call(0.6))  # pooled in that order: 0.6's on top
+    pool = client._origins[url].idle
+    assert len(pool) == 3
+    for delay in (0.05, 0.3):  # the two beneath: their server end closes them
+        by_delay[delay].close()
+    await asyncio.sleep(1.1)  # their EOF arrives; the pool's once-a-second sweep is due
+    await call(0.0)  # reuses the live one on top, then returns it
+    assert len(pool) == 1 and pool[0].usable()
+    assert sorted(by_delay) == [0.0, 0.05, 0.3, 0.6]
+    await client.aclose()
+    server.close()
