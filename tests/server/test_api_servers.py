@@ -192,27 +192,39 @@ async def test_flood_gets_429_counting_every_api_server(tight) -> None:
         # and 2 waiting (for up to the 1 s request timeout), every further one is refused. The late
         # ones go out soon after the engine runs 2, all at once: the 1 s window must not be spent
         # waiting (a busy 2-core machine can stretch a fixed sleep and a scrape).
+        # The window is the 1 s the held ones wait: a machine too loaded to send the late ones
+        # within it (a CI box under other work) tries again; the assertions hold for every try
+        # that did, and one must.
         long = {**body, "max_tokens": 1000}
-        held = [
-            asyncio.ensure_future(sender.post(tight.url + "/v1/completions", json=long)) for _ in range(4)
-        ]
-        running = None
-        for _ in range(200):
-            text = (await sender.get(tight.url + "/metrics")).text
-            running = metric_value(text, "vllm:num_requests_running", model_name=tight.model_name)
-            if running == 2:
+        tries = []
+        for _ in range(3):
+            sent = time.monotonic()
+            held = [
+                asyncio.ensure_future(sender.post(tight.url + "/v1/completions", json=long)) for _ in range(4)
+            ]
+            running = None
+            for _ in range(200):
+                text = (await sender.get(tight.url + "/metrics")).text
+                running = metric_value(text, "vllm:num_requests_running", model_name=tight.model_name)
+                if running == 2:
+                    break
+                await asyncio.sleep(0.005)
+            assert running == 2
+            await asyncio.sleep(5 * BROADCAST_DELAY_S)
+            late_after = time.monotonic() - sent
+            late = await asyncio.gather(
+                *(sender.post(tight.url + "/v1/completions", json=body) for _ in range(6))
+            )
+            # The held ones end by the 1 s timeout (those still queued surely; a fast machine may
+            # finish a running one's 1000 tokens first).
+            held_codes = {r.status_code for r in await asyncio.gather(*held)}
+            assert 408 in held_codes and held_codes <= {200, 408}, held_codes
+            tries.append(round(late_after, 2))
+            if late_after < 0.6:
+                assert [r.status_code for r in late] == [429] * 6, [r.status_code for r in late]
                 break
-            await asyncio.sleep(0.005)
-        assert running == 2
-        await asyncio.sleep(5 * BROADCAST_DELAY_S)
-        late = await asyncio.gather(
-            *(sender.post(tight.url + "/v1/completions", json=body) for _ in range(6))
-        )
-        assert [r.status_code for r in late] == [429] * 6, [r.status_code for r in late]
-        # The held ones end by the 1 s timeout (those still queued surely; a fast machine may
-        # finish a running one's 1000 tokens first).
-        held_codes = {r.status_code for r in await asyncio.gather(*held)}
-        assert 408 in held_codes and held_codes <= {200, 408}, held_codes
+        else:
+            raise AssertionError(f"the late requests never went out within the 1 s window: {tries} s")
 
 
 def _wait(condition, timeout: float, what: str) -> None:
