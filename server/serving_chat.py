@@ -376,9 +376,11 @@ async def _chunks(
             if seq.resume_token_ids:  # a resumed stream: the client has this text already
                 shapers[seq.choice_index].skip(delivered_text(state, seq, seq.resume_token_ids))
 
+    continuous_usage = req.continuous_usage  # a property: read once, not per token
+
     def chunk(choice: ChatStreamChoice) -> ChatCompletionChunk:
         c = ChatCompletionChunk(id=response_id, created=created, model=model, choices=[choice])
-        if req.continuous_usage:
+        if continuous_usage:
             c.usage = usage.info()
         return c
 
@@ -429,7 +431,7 @@ async def _chunks(
             not (text or delta.reasoning_content or delta.tool_calls)
             and not out.finished
             and not logprobs
-            and not ((req.continuous_usage or req.return_token_ids) and out.outputs[0].token_ids)
+            and not ((continuous_usage or req.return_token_ids) and out.outputs[0].token_ids)
         ):
             # Nothing a client could see (a held-back partial character): skip, unless it
             # follows token progress through continuous usage stats.

@@ -287,6 +287,7 @@ async def _stream(
     unfinished = {seq.choice_index for seq in seqs}
     tail = b""
     produced = False
+    continuous_usage = req.continuous_usage  # a property: read once, not per token
     async with stream_errors() as failed:
         async for seq, out in state.generation.merged(request_id, seqs, arrival, ticket):
             produced = True
@@ -303,7 +304,7 @@ async def _stream(
                     continue
                 text, logprobs = "".join(choice.texts), merge_completion_logprobs(choice.logprobs)
                 ids = list(choice.token_ids) if req.return_token_ids else None
-            progress = (req.continuous_usage or req.return_token_ids) and bool(out.outputs[0].token_ids)
+            progress = (continuous_usage or req.return_token_ids) and bool(out.outputs[0].token_ids)
             if not text and not out.finished and not (logprobs and logprobs.tokens) and not progress:
                 # Nothing a client could see (a held-back partial character): skip, unless it
                 # follows token progress through continuous usage stats.
@@ -323,7 +324,7 @@ async def _stream(
                     )
                 ],
             )
-            if req.continuous_usage:
+            if continuous_usage:
                 chunk.usage = usage.info()
             if producer and out.finished:
                 chunk.kv_transfer = kv_transfer_result(state, out, seq)

@@ -23,6 +23,11 @@ logger = logging.getLogger("ferry.server")
 T = TypeVar("T")
 
 DONE_FRAME = b"data: [DONE]\n\n"
+_SSE_HEADERS = (
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+)
 
 
 class FinalFrames(bytes):
@@ -117,8 +122,17 @@ class SSEResponse(StreamingResponse):
         hold_start: bool = False,
         error_response: Callable[[APIError], Response] = APIError.to_response,
     ) -> None:
-        merged = {"cache-control": "no-cache", "x-accel-buffering": "no", **(headers or {})}
-        super().__init__(frames, media_type="text/event-stream", headers=merged)
+        if headers:
+            merged = {"cache-control": "no-cache", "x-accel-buffering": "no", **headers}
+            super().__init__(frames, media_type="text/event-stream", headers=merged)
+        else:
+            # What Starlette's __init__ makes of the two headers above, without its per-call header
+            # building (every streamed generation request constructs one of these)
+            self.body_iterator = frames
+            self.status_code = 200
+            self.media_type = "text/event-stream"
+            self.background = None
+            self.raw_headers = list(_SSE_HEADERS)
         self.frames = frames
         self.on_close = on_close
         self.hold_start = hold_start
