@@ -17,6 +17,8 @@ import time
 import pytest
 from router_harness import Cluster, Proc
 
+from tests.server.test_http_limits import _connect, _parse, _read_to_close
+
 MODEL = "llama"
 BOUND_S = 30.0  # "soon": far above the 1 s timeout, far below "never"
 
@@ -34,24 +36,6 @@ def router(cluster: Cluster, replica: Proc) -> Proc:
         "--replica", replica.url, "--header-timeout", "1", "--max-header-bytes", "4096",
         "--health-interval", "5", "--health-timeout", "10",
     )  # fmt: skip
-
-
-def _connect(port: int) -> socket.socket:
-    return socket.create_connection(("127.0.0.1", port), timeout=BOUND_S)
-
-
-def _read_to_close(sock: socket.socket) -> bytes:
-    wire = b""
-    while data := sock.recv(65536):
-        wire += data
-    return wire
-
-
-def _parse(wire: bytes) -> tuple[int, dict[bytes, bytes], bytes]:
-    head, _, body = wire.partition(b"\r\n\r\n")
-    lines = head.split(b"\r\n")
-    headers = {k.lower(): v for k, v in (line.split(b": ", 1) for line in lines[1:])}
-    return int(lines[0].split(b" ")[1]), headers, body
 
 
 def _health(sock: socket.socket) -> int:
