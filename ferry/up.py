@@ -4,7 +4,9 @@
 ``ferry/cluster/config.py`` (commented example: ``deploy/local/cluster.yaml``); with no file, the
 default is a router on port 8080, one prefill and one decode worker of the demo model on free
 ports, and a child redis-server as their shared KV tier. Exit status: 0 after a clean stop
-(SIGTERM, Ctrl-C, SIGHUP) or a dry run, 1 when the cluster cannot start, 2 for a bad cluster file.
+(SIGTERM, Ctrl-C, SIGHUP) or a dry run, 1 when the cluster cannot start (an existing KV tier the
+file names that does not answer included: workers would start against it and quietly recompute
+every block), 2 for a bad cluster file.
 """
 
 from __future__ import annotations
@@ -27,6 +29,11 @@ REDIS_MISSING = (
     " redis-server; Fedora: sudo dnf install redis; macOS: brew install redis), set"
     " kv_tier.redis.binary to its path, or use a Redis you already run (kv_tier: redis://HOST:6379/0)."
 )
+TIER_UNREACHABLE = (
+    "kv_tier: {problem} the KV tier {url}: {reason}. Start that Redis or fix the URL (host, port,"
+    " password, TLS), or leave kv_tier out and ferry up starts a redis-server of its own."
+)
+TIER_TIMEOUT_S = 5.0  # connect and answer timeout of the PING that checks an existing KV tier
 
 
 def add_up_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -108,7 +115,44 @@ def preflight(config: ClusterConfig, plan: ClusterPlan) -> str | None:
         problem = _bind_problem(host, port)
         if problem is not None:
             return f"{key}: {problem}"
+    if config.kv_tier.url is not None:  # an existing tier: last, as it may wait on the network
+        return tier_problem(config.kv_tier.url)
     return None
+
+
+def tier_problem(url: str, timeout_s: float = TIER_TIMEOUT_S) -> str | None:
+    """Why the existing KV tier at ``url`` cannot be used (None: it answers PING, or it is not a
+    Redis tier). The password, if any, is masked in what is said."""
+    if not url.startswith(("redis://", "rediss://")):
+        return None
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    from kvcache.redis_tier import client_url
+    from kvcache.tier import open_tier, redact_url
+
+    try:
+        open_tier(url)  # the workers' own check of its parameters (connects to nothing)
+    except ValueError as e:
+        return f"kv_tier: {redact_url(str(e))}"
+    problem = "cannot reach"
+    try:
+        client = redis.Redis.from_url(
+            client_url(url),
+            socket_connect_timeout=timeout_s,
+            socket_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0),
+        )
+        with client:
+            client.ping()
+        return None
+    except redis.exceptions.AuthenticationError as e:
+        problem, error = "cannot log in to", e
+    except (redis.exceptions.RedisError, OSError, ValueError, TypeError) as e:
+        error = e
+    reason = redact_url(str(error)).rstrip(".") or type(error).__name__
+    return TIER_UNREACHABLE.format(problem=problem, url=redact_url(url), reason=reason)
 
 
 def state_file_problem(path: Path) -> str | None:

@@ -8,15 +8,18 @@ which is checked line by line and copied into the store in chunks; a file is ser
 in chunks too. Only ``purpose="batch"`` is taken, and such a file is checked whole at upload:
 every non-blank line a request line with a unique ``custom_id``, a supported ``url`` and no
 streaming (else 400 naming the line). ``POST /v1/batches`` checks that its input file is a batch
-file whose lines all name its ``endpoint`` and hands it to ``BatchJobs``. Every refusal is a 4xx
-in OpenAI's error shape.
+file whose lines all name its ``endpoint`` and hands it to ``BatchJobs``; that check, and the run
+after it, read the file from disk a line at a time (``FileLines``), so no step of a batch holds
+its input (or its output, ``server/batch_results.py``) whole. Every refusal is a 4xx in OpenAI's
+error shape.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Iterable
 from typing import IO, Annotated, Any, Literal, TypeVar
 
 from fastapi import FastAPI, Query, Request
@@ -28,7 +31,7 @@ from starlette.formparsers import MultiPartException
 from starlette.requests import ClientDisconnect
 
 from server.batch_jobs import BatchJobs
-from server.batch_lines import BATCH_URLS, input_lines, parse_line
+from server.batch_lines import BATCH_URLS, FileLines, file_lines, parse_line
 from server.batch_store import CANCELLABLE, page
 from server.errors import APIError, bad_request, json_body, validated
 from server.protocol import ErrorResponse
@@ -52,10 +55,11 @@ class BatchCreateRequest(BaseModel):
     )
 
 
-def check_batch_lines(lines: Iterable[str], urls: tuple[str, ...] = BATCH_URLS) -> None:
-    """400 naming the first of a batch file's non-blank ``lines`` that is not a request line, or
-    when there are none or more than ``MAX_BATCH_LINES``."""
-    seen: set[str] = set()
+def check_batch_lines(lines: Iterable[str], urls: tuple[str, ...] = BATCH_URLS) -> int:
+    """The number of a batch file's non-blank ``lines``, taken one at a time; 400 naming the first
+    that is not a request line, or when there are none or more than ``MAX_BATCH_LINES``. Only a
+    digest of each ``custom_id`` is kept (the duplicate check), never a line."""
+    seen: set[bytes] = set()
     count = 0
     for count, raw in enumerate(lines, start=1):  # noqa: B007 - count is read after the loop
         if count > MAX_BATCH_LINES:
@@ -65,44 +69,27 @@ def check_batch_lines(lines: Iterable[str], urls: tuple[str, ...] = BATCH_URLS) 
             raise bad_request(
                 f"Line {count} of the batch file: {parsed[1]['error']['message']}", param="file"
             )
-        if parsed.custom_id in seen:
+        digest = hashlib.blake2b(parsed.custom_id.encode(), digest_size=16).digest()
+        if digest in seen:
             raise bad_request(
                 f"Line {count}: the custom_id {parsed.custom_id!r} is used twice.", param="file"
             )
-        seen.add(parsed.custom_id)
+        seen.add(digest)
     if count == 0:
         raise bad_request("The batch file has no requests.", param="file")
     if count > MAX_BATCH_LINES:
         raise bad_request(f"A batch file holds at most {MAX_BATCH_LINES} requests, this one {count}.")
+    return count
 
 
-def check_batch_file(text: str, urls: tuple[str, ...] = BATCH_URLS) -> list[str]:
-    """The request lines of a batch input file; 400 naming the first line that is not one."""
-    lines = input_lines(text)
-    check_batch_lines(lines, urls)
-    return lines
-
-
-def _file_lines(file: IO[bytes]) -> Iterator[str]:
-    """The non-blank lines of an uploaded file, read one at a time, as ``input_lines`` cuts them
-    (at ``\n`` only, a leading byte order mark dropped); 400 if it is not UTF-8. A line is decoded
-    alone: ``\n`` is never part of a multi-byte UTF-8 sequence, so this is the whole file's check."""
-    for number, raw in enumerate(file):
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise bad_request("The batch file is not UTF-8 text.", param="file") from e
-        line = line.removesuffix("\n")
-        if number == 0:
-            line = line.removeprefix("\ufeff")
-        if line.strip():
-            yield line
-
-
-def check_upload(file: IO[bytes]) -> None:
-    """Check an uploaded batch file from its start, streaming (blocking: run it in a thread)."""
+def check_upload(file: IO[bytes], urls: tuple[str, ...] = BATCH_URLS) -> int:
+    """Check a batch file from its start, streaming, a line at a time (blocking: run it in a
+    thread); its number of request lines. 400 if it is not UTF-8."""
     file.seek(0)
-    check_batch_lines(_file_lines(file))
+    try:
+        return check_batch_lines(file_lines(file), urls)
+    except UnicodeDecodeError as e:
+        raise bad_request("The batch file is not UTF-8 text.", param="file") from e
 
 
 def _found(value: T | None, kind: str, object_id: str | None) -> T:
@@ -204,10 +191,17 @@ def add_batch_routes(app: FastAPI, jobs: BatchJobs) -> None:
                 f"The file {body.input_file_id!r} has purpose {record['purpose']!r}, not 'batch'.",
                 param="input_file_id",
             )
+        # Opened once: checked from this handle, then run from it (a file deleted meanwhile is
+        # still read whole, POSIX), a line at a time, never held in memory whole.
         data = _found(
-            await asyncio.to_thread(store.file_data, body.input_file_id), "File", body.input_file_id
+            await asyncio.to_thread(store.open_file_data, body.input_file_id), "File", body.input_file_id
         )
-        lines = await asyncio.to_thread(check_batch_file, data.decode("utf-8"), (body.endpoint,))
+        try:
+            count = await asyncio.to_thread(check_upload, data, (body.endpoint,))
+        except BaseException:
+            data.close()
+            raise
+        lines = FileLines(data, count)
         return JSONResponse(jobs.start(body.input_file_id, body.endpoint, lines, body.metadata))
 
     @app.get("/v1/batches", responses=_ERRORS)

@@ -17,13 +17,22 @@ server process may have written) every ``POLL_S``.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
+from collections.abc import Collection
 from typing import Any
 
-from server.batch_lines import AppCaller, Progress, line_error, output_line, parse_line, run_lines
+from server.batch_lines import (
+    AppCaller,
+    Progress,
+    line_error,
+    output_line,
+    parse_line,
+    read_ahead,
+    stream_lines,
+)
+from server.batch_results import ResultSpool
 from server.batch_store import ALIVE_EVERY_S, BatchStore, batch_errors
 
 logger = logging.getLogger("ferry.batch")
@@ -47,9 +56,11 @@ class BatchJobs:
         self._runs: dict[str, tuple[asyncio.Task, asyncio.Event]] = {}
 
     def start(
-        self, input_file_id: str, endpoint: str, lines: list[str], metadata: dict[str, str] | None
+        self, input_file_id: str, endpoint: str, lines: Collection[str], metadata: dict[str, str] | None
     ) -> dict[str, Any]:
-        """Record a new batch of ``lines`` (already checked) and start running it."""
+        """Record a new batch of ``lines`` (already checked; a ``FileLines`` reads them from the
+        input file each time they are iterated, and is closed when the run ends) and start
+        running it."""
         now = int(time.time())
         record: dict[str, Any] = {
             "id": self.store.new_batch_id(),
@@ -104,7 +115,8 @@ class BatchJobs:
         await self.stop_all()
         self.store.close()
 
-    async def _run(self, record: dict[str, Any], lines: list[str], gone: asyncio.Event) -> None:
+    async def _run(self, record: dict[str, Any], lines: Collection[str], gone: asyncio.Event) -> None:
+        results: ResultSpool | None = None
         record.update(status="in_progress", in_progress_at=int(time.time()))
         self.store.save_batch(record)
         counts = _Counts(record)
@@ -116,10 +128,12 @@ class BatchJobs:
         )
         try:
             assert self.caller is not None
-            results = await run_lines(
+            results = ResultSpool(len(lines), self.store.root / "batches")
+            await stream_lines(
                 self.caller,
-                lines,
+                read_ahead(lines),
                 self.max_concurrency,
+                results.add,
                 urls=(record["endpoint"],),
                 progress=counts,
                 gate=self.gate,
@@ -130,9 +144,9 @@ class BatchJobs:
             cancelled = not expired.is_set() and (
                 gone.is_set() or self.store.cancel_requested(record["id"]) is not None
             )
-            unanswered = sum(line is None for line in results)
+            unanswered = len(lines) - len(results)
             if expired.is_set():  # requests it never answered: batch_expired lines in the error file
-                results = [line or _expired_line(raw) for line, raw in zip(results, lines, strict=True)]
+                await asyncio.to_thread(_add_expired, results, lines)
             if not cancelled:
                 record.update(status="finalizing", finalizing_at=int(time.time()))
             if expired.is_set():
@@ -167,6 +181,9 @@ class BatchJobs:
         finally:
             watch.cancel()
             expiry.cancel()
+            if results is not None:
+                results.close()
+            getattr(lines, "close", lambda: None)()  # a FileLines' handle on the input file
             self.store.save_batch(record)
             logger.info("batch %s: %s", record["id"], record["status"])
 
@@ -191,15 +208,21 @@ class BatchJobs:
         record["request_counts"] = new
         return changed
 
-    def _write_results(self, record: dict[str, Any], results: list[dict[str, Any] | None]) -> None:
-        done = [line for line in results if line is not None]
-        ok = [line for line in done if line["error"] is None]
-        failed = [line for line in done if line["error"] is not None]
-        for key, group, suffix in (("output_file_id", ok, "output"), ("error_file_id", failed, "errors")):
-            if group:
-                data = "".join(json.dumps(line) + "\n" for line in group).encode()
+    def _write_results(self, record: dict[str, Any], results: ResultSpool) -> None:
+        """The output file (2xx answers) and the error file (every other), each in input order and
+        only when it has a line, copied from the spool a line at a time."""
+        for key, failed, suffix in (("output_file_id", False, "output"), ("error_file_id", True, "errors")):
+            if results.failed if failed else results.completed:
                 name = f"{record['id']}_{suffix}.jsonl"
-                record[key] = self.store.add_file(data, name, "batch_output")["id"]
+                record[key] = self.store.add_file(results.lines(failed), name, "batch_output")["id"]
+
+
+def _add_expired(results: ResultSpool, lines: Collection[str]) -> None:
+    """A batch_expired line for every input line that has no output line (blocking: the input file
+    is read again, a line at a time)."""
+    for index, raw in enumerate(lines):
+        if index not in results:
+            results.add(index, _expired_line(raw))
 
 
 def _expired_line(raw: str) -> dict[str, Any]:

@@ -19,9 +19,9 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import IO, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -236,6 +236,65 @@ class Progress:
         )
 
 
+async def stream_lines(
+    caller: AppCaller,
+    lines: AsyncIterator[str | bytes],
+    concurrency: int,
+    done: Callable[[int, dict[str, Any]], None],
+    urls: Sequence[str] = BATCH_URLS,
+    progress: Progress | None = None,
+    gate: asyncio.Semaphore | None = None,
+    gone: asyncio.Event | None = None,
+) -> None:
+    """Answer every line of ``lines``, handing each output line to ``done(index, line)`` as it
+    comes (in any order); at most ``concurrency`` requests at once (and at most ``gate``'s count
+    across every run sharing it). A line is taken from ``lines`` only once a slot is free, so no
+    more than the running lines are held. Once ``gone`` is set no line starts and the running ones
+    are aborted; ``done`` never hears of them."""
+    own = asyncio.Semaphore(concurrency)
+    tasks: set[asyncio.Task] = set()
+
+    def release() -> None:
+        own.release()
+        if gate is not None:
+            gate.release()
+
+    async def one(index: int, raw: str | bytes) -> None:
+        try:
+            line = await answer_line(caller, raw, urls, gone)
+            if line is not None:
+                done(index, line)
+                if progress is not None:
+                    progress.done(line)
+        finally:
+            release()
+
+    index = 0
+    try:
+        while True:
+            await own.acquire()
+            if gate is not None:
+                await gate.acquire()
+            raw = None if gone is not None and gone.is_set() else await anext(lines, None)
+            if raw is None:
+                release()
+                break
+            task = asyncio.ensure_future(one(index, raw))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            index += 1
+        if tasks:
+            await asyncio.gather(*tasks)
+    except BaseException:  # ``done`` failed (a full disk), or the run is cancelled: none goes on
+        for task in tasks:
+            task.cancel()
+        raise
+    finally:
+        aclose = getattr(lines, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
 async def run_lines(
     caller: AppCaller,
     lines: Sequence[str | bytes],
@@ -245,38 +304,38 @@ async def run_lines(
     gate: asyncio.Semaphore | None = None,
     gone: asyncio.Event | None = None,
 ) -> list[dict[str, Any] | None]:
-    """Every line's output line, in input order; at most ``concurrency`` requests at once (and at
-    most ``gate``'s count across every run sharing it). Once ``gone`` is set no line starts and the
-    running ones are aborted; their places hold None."""
+    """Every line's output line, in input order (``stream_lines`` over lines held in memory); the
+    places of lines never answered (``gone``) hold None."""
     results: list[dict[str, Any] | None] = [None] * len(lines)
-    own = asyncio.Semaphore(concurrency)
-    tasks: set[asyncio.Task] = set()
 
-    async def one(index: int) -> None:
-        try:
-            results[index] = await answer_line(caller, lines[index], urls, gone)
-            if results[index] is not None and progress is not None:
-                progress.done(results[index])
-        finally:
-            own.release()
-            if gate is not None:
-                gate.release()
+    def keep(index: int, line: dict[str, Any]) -> None:
+        results[index] = line
 
-    for index in range(len(lines)):
-        await own.acquire()
-        if gate is not None:
-            await gate.acquire()
-        if gone is not None and gone.is_set():
-            own.release()
-            if gate is not None:
-                gate.release()
-            break
-        task = asyncio.ensure_future(one(index))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
-    if tasks:
-        await asyncio.gather(*tasks)
+    await stream_lines(caller, read_ahead(lines), concurrency, keep, urls, progress, gate, gone)
     return results
+
+
+async def read_ahead(
+    lines: Iterable[str | bytes], max_lines: int = 64, max_chars: int = 1 << 20
+) -> AsyncIterator[str | bytes]:
+    """``lines``, taken from their iterator in a worker thread a few at a time (at most
+    ``max_lines``, and no more once ``max_chars`` are taken), so that a file's lines are read from
+    disk off the event loop while only a little of it is held."""
+    it = iter(lines)
+
+    def take() -> list[str | bytes]:
+        chunk: list[str | bytes] = []
+        size = 0
+        for line in it:
+            chunk.append(line)
+            size += len(line)
+            if len(chunk) >= max_lines or size >= max_chars:
+                break
+        return chunk
+
+    while chunk := await asyncio.to_thread(take):
+        for line in chunk:
+            yield line
 
 
 def input_lines(text: str) -> list[str]:
@@ -285,3 +344,38 @@ def input_lines(text: str) -> list[str]:
     U+2028, U+2029 and U+0085, which JSON allows raw inside a string. A leading byte order mark (a
     file saved as "UTF-8 with BOM") is not part of the first line."""
     return [line for line in text.removeprefix("\ufeff").split("\n") if line.strip()]
+
+
+def file_lines(file: IO[bytes]) -> Iterator[str]:
+    """The non-blank lines of a binary file from where it stands, read one at a time, cut as
+    ``input_lines`` cuts them (at ``\n`` only, a leading byte order mark dropped when reading from
+    the start). UnicodeDecodeError if it is not UTF-8: a line is decoded alone, and ``\n`` is never
+    part of a multi-byte UTF-8 sequence, so this is the whole file's check."""
+    first = file.tell() == 0
+    for raw in file:
+        line = raw.decode("utf-8").removesuffix("\n")
+        if first:
+            line = line.removeprefix("\ufeff")
+            first = False
+        if line.strip():
+            yield line
+
+
+class FileLines:
+    """The request lines of a checked batch input file, read from its open handle each time they
+    are iterated (never held whole). The handle stays valid when the stored file is deleted
+    meanwhile (POSIX); ``close`` closes it."""
+
+    def __init__(self, file: IO[bytes], count: int) -> None:
+        self.file = file
+        self.count = count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __iter__(self) -> Iterator[str]:
+        self.file.seek(0)
+        return file_lines(self.file)
+
+    def close(self) -> None:
+        self.file.close()

@@ -30,7 +30,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO, Any
 
@@ -49,17 +49,19 @@ TERMINAL = ("completed", "failed", "cancelled", "expired")
 COPY_CHUNK = 1 << 20
 
 
-def _write_atomic(path: Path, data: bytes | IO[bytes]) -> int:
-    """Write ``data`` (bytes, or a binary file from where it stands to its end, copied in chunks)
-    to a temporary name beside ``path``, renamed over it when complete; the temporary file is
-    removed if that fails. The bytes written."""
+def _write_atomic(path: Path, data: bytes | IO[bytes] | Iterable[bytes]) -> int:
+    """Write ``data`` (bytes; a binary file from where it stands to its end, copied in chunks; or
+    pieces of bytes, written as they are made) to a temporary name beside ``path``, renamed over
+    it when complete; the temporary file is removed if that fails. The bytes written."""
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     try:
         with tmp.open("wb") as out:
             if isinstance(data, bytes):
                 out.write(data)
+            elif hasattr(data, "read"):
+                shutil.copyfileobj(data, out, COPY_CHUNK)  # type: ignore[arg-type]
             else:
-                shutil.copyfileobj(data, out, COPY_CHUNK)
+                out.writelines(data)
             size = out.tell()
         os.replace(tmp, path)
     except BaseException:
@@ -148,8 +150,11 @@ class BatchStore:
         base = self.root / "files"
         return base / f"{file_id}.json", base / f"{file_id}.data"
 
-    def add_file(self, data: bytes | IO[bytes], filename: str, purpose: str) -> dict[str, Any]:
-        """Store a file: ``data`` as ``_write_atomic`` takes it (an upload streams from its spool)."""
+    def add_file(
+        self, data: bytes | IO[bytes] | Iterable[bytes], filename: str, purpose: str
+    ) -> dict[str, Any]:
+        """Store a file: ``data`` as ``_write_atomic`` takes it (an upload streams from its spool, a
+        batch's output from its results spool)."""
         file_id = f"file-{uuid.uuid4().hex}"
         meta_path, data_path = self._file_paths(file_id)  # type: ignore[misc]
         record = {
