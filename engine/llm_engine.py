@@ -35,7 +35,7 @@ from engine.models.config import ModelConfig
 from engine.models.loader import resolve_model_dir
 from engine.models.quantized import check_quantization
 from engine.outputs import RequestOutput, merge_deltas
-from engine.pooler import needs_every_row, resolve_pooling_type
+from engine.pooler import needs_every_row, resolve_matryoshka, resolve_pooling_type
 from engine.postprocess import Postprocessor
 from engine.prompt_embeds import PreparedEmbeds, prepare_prompt_embeds
 from engine.sampler import Sampler, SamplerOutput, SamplingRow
@@ -195,6 +195,7 @@ class LLMEngine(EngineSleep):
             kv_capacity_tokens=self.kv_capacity_tokens,
             hidden_size=runner.model_config.hidden_size,
             pooling_type=self.pooling_type,
+            matryoshka=resolve_matryoshka(self.model_config, self.model_dir),
             generation_defaults=self.generation_defaults,
             classifier=runner.classifier,
             image=self.image_processor.spec if self.image_processor is not None else None,

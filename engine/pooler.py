@@ -9,13 +9,20 @@ naming a ``sentence_transformers.models.Pooling`` module, whose ``config.json`` 
 The vector is the final norm's output in fp32, not normalised: the server normalises (and
 truncates to ``dimensions``) in ``engine/pooling.py``. ``mean`` and ``cls`` need the hidden state of
 every prompt token (of the first, for ``cls``), so their requests skip the prefix cache.
+
+``resolve_matryoshka`` decides once at load whether the model's embeddings may be cut to fewer
+``dimensions`` (``Matryoshka``, carried to the server in ``ModelInfo.matryoshka``): vLLM's reading of
+``config.json`` (``is_matryoshka``, ``matryoshka_dimensions``; ``--hf-overrides`` sets either), else
+the same keys in the sentence-transformers ``config_sentence_transformers.json``. Torch-free.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -62,3 +69,30 @@ def resolve_pooling_type(requested: str, model_dir: Path) -> str:
         )
         return "last"
     return "last"
+
+
+@dataclass(frozen=True)
+class Matryoshka:
+    """A Matryoshka embedding model: a prefix of its vector is an embedding of its own."""
+
+    dimensions: tuple[int, ...] | None = None  # the only sizes allowed; None: any, up to the hidden size
+
+
+def resolve_matryoshka(model_config: Any, model_dir: Path) -> Matryoshka | None:
+    """The model's ``Matryoshka`` facts, None when it is not one (``dimensions`` is then refused):
+    ``model_config`` (``engine.models.config.ModelConfig``: config.json with ``--hf-overrides``)
+    first; a config.json that says nothing defers to the sentence-transformers config."""
+    if model_config.is_matryoshka:
+        return Matryoshka(model_config.matryoshka_dimensions)
+    try:
+        st = json.loads((model_dir / "config_sentence_transformers.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(st, dict):
+        return None
+    from engine.models.config import matryoshka_dimensions
+
+    dims = matryoshka_dimensions(st.get("matryoshka_dimensions"))
+    if dims is None and st.get("is_matryoshka") is not True:
+        return None
+    return Matryoshka(dims)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from engine.classifier import ClassifierInfo
 from engine.multimodal import ImageSpec
+from engine.pooler import Matryoshka
 
 # Upper edges of vLLM's vllm:iteration_tokens_total histogram buckets (tokens per engine step).
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -26,6 +27,8 @@ class ModelInfo:
     kv_capacity_tokens: int = 0
     hidden_size: int = 0  # the width of the model's hidden states (of its embeddings)
     pooling_type: str = "last"  # how embeddings pool the prompt (engine/pooler.py)
+    # Whether (and to which sizes) embeddings may be cut by ``dimensions``; None: they may not.
+    matryoshka: Matryoshka | None = None
     # Sampling values a request that leaves them unset gets, and max_tokens' cap (SamplingParams
     # field names; engine/generation_defaults.py).
     generation_defaults: dict = field(default_factory=dict)

@@ -82,9 +82,9 @@ MESSAGES_PATH = "/v1/messages"
 # retried before their first byte.
 KEYED_PATHS = GENERATE_PATHS | {"/v1/responses", MESSAGES_PATH}
 # Relayed as they come, like every /v1/* route: vLLM serves these outside /v1 (scoring: /score,
-# /rerank, Cohere's /v2/rerank; /classify; SageMaker's /invocations, any request on one path).
+# /rerank, Cohere's /v2/rerank; /classify; /pooling; SageMaker's /invocations, any request on one path).
 FORWARD_ROOT_PATHS = frozenset(
-    {"/tokenize", "/detokenize", "/score", "/rerank", "/v2/rerank", "/classify", "/invocations"}
+    {"/tokenize", "/detokenize", "/score", "/rerank", "/v2/rerank", "/classify", "/pooling", "/invocations"}
 )
 
 

@@ -117,6 +117,7 @@ _ROUTES: tuple[tuple[str, str, str, str | None], ...] = (
     ("/rerank", "post", "Rerank (relayed)", None),
     ("/v2/rerank", "post", "Rerank, Cohere's shape (relayed)", None),
     ("/classify", "post", "Classify (relayed)", None),
+    ("/pooling", "post", "Pooling: raw pooler output (relayed)", None),
     ("/invocations", "post", "SageMaker invocations (relayed)", None),
     ("/reset_prefix_cache", "post", "Every replica drops its cached KV blocks", None),
     ("/health", "get", "200 while a replica takes traffic, else 503", None),

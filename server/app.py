@@ -44,6 +44,7 @@ from server.lora import (
 from server.metrics import CONTENT_TYPE, ServerMetrics
 from server.middleware import EdgeMiddleware, ReplicaLoad, ServerLoad, is_messages
 from server.params import ModelLimits
+from server.pooling_protocol import PoolingRequest
 from server.prefix_cache import reset_engine_prefix_cache
 from server.protocol import (
     MAX_LOGPROBS,
@@ -66,6 +67,7 @@ from server.serving_common import plan_off_loop, prompt_chars
 from server.serving_completions import create_completion
 from server.serving_embeddings import create_embedding
 from server.serving_messages import count_tokens, create_message
+from server.serving_pooling import create_pooling
 from server.serving_responses import ResponsesRequest, create_response, item_page, load_record
 from server.serving_score import create_rerank, create_score
 from server.serving_tokenize import detokenize, list_models, tokenize
@@ -260,6 +262,13 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
     @app.post("/v1/classify", responses=_ERRORS)
     async def classify(body: ClassificationRequest, request: Request) -> Any:
         return await create_classification(
+            state, body, request.state.request_id, request.receive, getattr(request.state, "submitted", None)
+        )
+
+    # vLLM's raw pooling route: each input's embedding or class probabilities as a plain vector.
+    @app.post("/pooling", responses=_ERRORS)
+    async def pooling(body: PoolingRequest, request: Request) -> Any:
+        return await create_pooling(
             state, body, request.state.request_id, request.receive, getattr(request.state, "submitted", None)
         )
 

@@ -39,6 +39,7 @@ _PROTECTED_PREFIXES = (
     "/score",
     "/rerank",
     "/classify",
+    "/pooling",
     "/invocations",
     "/reset_prefix_cache",
     "/sleep",
@@ -72,6 +73,7 @@ _LOAD_PATHS = frozenset(
         "/v2/rerank",
         "/classify",
         "/v1/classify",
+        "/pooling",
     )
 )
 

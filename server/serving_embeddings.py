@@ -5,7 +5,8 @@ mean or first-token pooling by ``--pooling-type`` or the model's sentence-transf
 
 Inputs run as engine requests that end once their prompt is computed (``pooling=True``): they are
 admitted, batched, prefix-cached, timed out and aborted on disconnect like generation requests.
-``dimensions`` keeps the first N values before normalising (Matryoshka models); ``base64`` is
+``dimensions`` keeps the first N values before normalising, on Matryoshka models only
+(``check_dimensions``: a 400 on any other, as vLLM answers); ``base64`` is
 little-endian float32, as OpenAI's SDKs decode it. ``pooling_prompt`` and ``answer_pooled`` serve
 ``/score`` and ``/rerank`` too (``server/serving_score.py``), so every pooled text takes this path.
 """
@@ -145,6 +146,32 @@ async def answer_pooled(
     )
 
 
+def check_dimensions(state: ServerState, info: Any, dimensions: int) -> None:
+    """``dimensions`` as vLLM allows it: only on a Matryoshka model (``ModelInfo.matryoshka``, read
+    once at load: ``engine/pooler.py``), only a size its ``matryoshka_dimensions`` lists when it lists
+    them, and never more than the model's hidden size; a 400 naming ``dimensions`` otherwise."""
+    matryoshka = getattr(info, "matryoshka", None)
+    if matryoshka is None:
+        raise bad_request(
+            f'Model "{state.model_name}" does not support matryoshka representation: its embeddings '
+            "cannot be cut to fewer dimensions (leave out dimensions)",
+            param="dimensions",
+        )
+    allowed = matryoshka.dimensions
+    if allowed is not None and dimensions not in allowed:
+        raise bad_request(
+            f'Model "{state.model_name}" supports only the matryoshka dimensions '
+            f"{', '.join(map(str, allowed))}, not {dimensions}",
+            param="dimensions",
+        )
+    hidden = int(getattr(info, "hidden_size", 0) or 0)
+    if hidden and dimensions > hidden:
+        raise bad_request(
+            f"dimensions={dimensions} is more than this model's {hidden} embedding dimensions",
+            param="dimensions",
+        )
+
+
 async def create_embedding(
     state: ServerState,
     req: EmbeddingRequest,
@@ -160,12 +187,8 @@ async def create_embedding(
             "This model is a sequence classifier: it has no embeddings. Use /classify, /score or /rerank.",
             param="model",
         )
-    hidden = int(getattr(info, "hidden_size", 0) or 0)
-    if req.dimensions is not None and hidden and req.dimensions > hidden:
-        raise bad_request(
-            f"dimensions={req.dimensions} is more than this model's {hidden} embedding dimensions",
-            param="dimensions",
-        )
+    if req.dimensions is not None:
+        check_dimensions(state, info, req.dimensions)
     inputs = await plan_off_loop(prompt_chars(req.input), pooling_inputs, state, req)
 
     def build(vectors: list[list[float]]) -> EmbeddingResponse:

@@ -128,6 +128,11 @@ class ModelConfig:
     swiglu: tuple[float, float] | None = None
     # A vision-language model (LLaVA): its vision tower and projector settings. None: text only.
     vision: VisionConfig | None = None
+    # Matryoshka embeddings, as vLLM reads config.json (and --hf-overrides): ``is_matryoshka`` or
+    # a non-empty ``matryoshka_dimensions`` lets an embedding request keep fewer ``dimensions``;
+    # the list, when given, names the only sizes a request may ask for.
+    is_matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] | None = None
 
     # The paged KV cache per layer: ``kv_cache_parts`` tensors (K and V, or MLA's one latent) of
     # ``[num_blocks, block_size, kv_cache_heads, kv_cache_dim]``.
@@ -231,7 +236,21 @@ class ModelConfig:
             if model_type == "gpt_oss"
             else None,
             vision=vision,
+            is_matryoshka=raw.get("is_matryoshka") is True or bool(raw.get("matryoshka_dimensions")),
+            matryoshka_dimensions=matryoshka_dimensions(raw.get("matryoshka_dimensions")),
         )
+
+
+def matryoshka_dimensions(value: Any) -> tuple[int, ...] | None:
+    """A config's ``matryoshka_dimensions``: positive integers (None when absent or empty); anything
+    else is a ValueError at load, not a list each request would be checked against wrongly."""
+    if value is None or value == []:
+        return None
+    if not isinstance(value, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in value
+    ):
+        raise ValueError(f"matryoshka_dimensions must be a list of positive integers, not {value!r}")
+    return tuple(value)
 
 
 def read_hf_config(model_dir: str | Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:

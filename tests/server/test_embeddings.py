@@ -1,10 +1,12 @@
 """POST /v1/embeddings through the official SDK against the session's replica (tiny Llama):
 last-token pooling equal to transformers' last hidden state, normalised; float and base64
-encodings; several inputs in order; ``dimensions``; usage; every bad input a 400 that costs nothing."""
+encodings; several inputs in order; ``dimensions`` (on a Matryoshka replica: ``--hf-overrides``
+``is_matryoshka``); usage; every bad input a 400 that costs nothing."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -33,6 +35,19 @@ def reference(tiny_llama: Path) -> list[torch.Tensor]:
     return out
 
 
+@pytest.fixture(scope="module")
+def mrl(tiny_llama: Path, serve_logs: Path, server_process) -> Iterator:
+    """tiny_llama declared a Matryoshka model (vLLM's ``--hf-overrides``): ``dimensions`` allowed."""
+    args = ["--hf-overrides", '{"is_matryoshka": true}', "--num-kv-blocks", "64"]
+    srv = server_process(tiny_llama, args, serve_logs).start()
+    yield srv
+    srv.stop()
+
+
+def _client(srv) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
 def _close(got: list[float], want: torch.Tensor, tol: float = 1e-5) -> bool:
     return float((torch.tensor(got) - want).abs().max()) < tol
 
@@ -51,19 +66,19 @@ def test_embeddings_equal_transformers_in_both_encodings(client, server, referen
         assert _close(a.embedding, torch.tensor(b.embedding), 1e-7)  # float32 round trip
 
 
-def test_token_inputs_dimensions_and_prefix_hits(client, server, reference, tiny_llama) -> None:
+def test_token_inputs_dimensions_and_prefix_hits(client, server, mrl, reference, tiny_llama) -> None:
     ids = Tokenizer.from_dir(tiny_llama).encode(TEXTS[1])
     by_ids = client.embeddings.create(model=server.model_name, input=[ids, ids], encoding_format="float")
     for d in by_ids.data:  # the second is a prefix-cache hit of the first: same vector
         assert _close(d.embedding, reference[1])
-    short = client.embeddings.create(
-        model=server.model_name, input=ids, dimensions=8, encoding_format="float"
+    short = _client(mrl).embeddings.create(
+        model=mrl.model_name, input=ids, dimensions=8, encoding_format="float"
     )
     want = reference[1][:8] / reference[1][:8].norm()
     assert len(short.data[0].embedding) == 8 and _close(short.data[0].embedding, want)
 
 
-def test_normalize_false_gives_the_raw_state(client, server, tiny_llama) -> None:
+def test_normalize_false_gives_the_raw_state(client, server, mrl, tiny_llama) -> None:
     """vLLM's ``normalize: false``: the pooled state as the model left it (truncated by
     ``dimensions``, not rescaled), in either encoding."""
     from transformers import AutoModel
@@ -77,8 +92,8 @@ def test_normalize_false_gives_the_raw_state(client, server, tiny_llama) -> None
             model=server.model_name, input=ids, extra_body={"normalize": False}, **fmt
         )
         assert _close(got.data[0].embedding, raw)
-    short = client.embeddings.create(
-        model=server.model_name,
+    short = _client(mrl).embeddings.create(
+        model=mrl.model_name,
         input=ids,
         dimensions=8,
         encoding_format="float",
@@ -94,16 +109,19 @@ def test_normalize_false_gives_the_raw_state(client, server, tiny_llama) -> None
         ({"input": []}, "input", "must not be empty"),
         ({"input": ["ok", ""]}, "input", "empty strings"),
         ({"input": [[1, 2], [99999]]}, "input", "out of range"),
-        ({"input": "x", "dimensions": 65}, "dimensions", "more than this model's 64"),
+        ({"input": "x", "dimensions": 65, "mrl": True}, "dimensions", "more than this model's 64"),
         ({"input": "x", "dimensions": 0}, "dimensions", ""),
+        ({"input": "x", "dimensions": 8}, "dimensions", "does not support matryoshka"),
         ({"input": "x", "encoding_format": "int8"}, "encoding_format", ""),
         ({"input": [5] * 1025}, "input", "maximum context length of 1024"),
         ({"input": 7}, "input", ""),
         ({"input": "x", "normalize": "no"}, "normalize", ""),
     ],
 )
-def test_bad_inputs_are_400s(server, body: dict, param: str, words: str) -> None:
-    r = httpx.post(server.url + "/v1/embeddings", json=body, timeout=30)
+def test_bad_inputs_are_400s(server, mrl, body: dict, param: str, words: str) -> None:
+    srv = mrl if body.get("mrl") else server  # "mrl": on the Matryoshka replica
+    body = {k: v for k, v in body.items() if k != "mrl"}
+    r = httpx.post(srv.url + "/v1/embeddings", json=body, timeout=30)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert set(err) >= {"message", "type", "param", "code"} and words in err["message"]

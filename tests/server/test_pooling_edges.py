@@ -24,7 +24,9 @@ LONG = " ".join(str(i) for i in range(20))  # more than 32 tokens, fewer than 10
 
 @pytest.fixture(scope="module")
 def embedder(tiny_llama: Path, serve_logs: Path, server_process) -> Iterator:
-    srv = server_process(tiny_llama, SMALL_KV, serve_logs).start()
+    # Declared a Matryoshka model (vLLM's --hf-overrides), so ``dimensions`` is allowed.
+    args = [*SMALL_KV, "--hf-overrides", '{"is_matryoshka": true}']
+    srv = server_process(tiny_llama, args, serve_logs).start()
     yield srv
     srv.stop()
 

@@ -1,0 +1,101 @@
+"""``POST /pooling`` (vLLM's): the served pooling model's output for each input, as a plain vector.
+
+On an embedding model (task ``embed``) an input's vector is its embedding, normalised unless the
+request turns the activation off: the values ``/v1/embeddings`` answers. On a sequence classifier
+(task ``classify``) it is the class probabilities by the config's activation (the raw logits without
+it): the ``probs`` ``/classify`` answers. Either way the values are float32 (``float`` lists exactly
+what ``base64``'s little-endian float32 bytes carry). Inputs run as pooling engine requests through
+``serving_embeddings.answer_pooled`` (admitted together, batched, timed out, aborted when the client
+leaves), with the same prompt checks and usage as the other pooling routes. ``dimensions`` is a 400
+here, as vLLM answers it on this route (``/v1/embeddings`` takes it on Matryoshka models).
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+from engine.pooling import activate, as_float32_le, float32_values, normalized, truncated
+from server.errors import bad_request
+from server.params import chat_prompt
+from server.pooling_protocol import PoolingData, PoolingRequest, PoolingResponse
+from server.serving_common import plan_off_loop, prompt_chars
+from server.serving_embeddings import answer_pooled, pooled_usage, pooling_inputs, pooling_prompt
+from server.state import ServerState
+
+
+def _chat_inputs(state: ServerState, req: PoolingRequest) -> list[list[int]]:
+    """The one prompt of a ``messages`` request: rendered and truncated as a chat request's, then
+    held to the context like every pooled input."""
+    if any(m.image_urls for m in req.messages or ()):
+        raise bad_request("image content parts are not supported on /pooling", param="messages")
+    ids = chat_prompt(
+        req,  # type: ignore[arg-type]
+        state.tokenizer,
+        state.config.trust_request_chat_template,
+        state.config.chat,
+        state.limits,
+    )
+    return [
+        pooling_prompt(state, ids, add_special_tokens=False, keep=None, param="messages", what="the prompt")
+    ]
+
+
+def _encoded(values: Any, encoding: str) -> list[float] | str:
+    if encoding == "base64":
+        return base64.b64encode(as_float32_le(values)).decode("ascii")
+    return float32_values(values)
+
+
+async def create_pooling(
+    state: ServerState,
+    req: PoolingRequest,
+    request_id: str,
+    receive: Any,
+    submitted: Callable[[], None] | None = None,
+) -> JSONResponse:
+    arrival = time.perf_counter()
+    lora = state.check_model(req.model)
+    classifier = getattr(getattr(state.engine, "model_info", None), "classifier", None)
+    task = "classify" if classifier is not None else "embed"
+    if req.task is not None and req.task != task:
+        raise bad_request(
+            f"task {req.task!r} is not served: this model's pooling task is {task!r}", param="task"
+        )
+    if req.dimensions is not None:
+        raise bad_request(
+            "dimensions is not supported on /pooling; /v1/embeddings takes it on Matryoshka models",
+            param="dimensions",
+        )
+    if classifier is not None and req.normalize is not None:
+        raise bad_request(
+            "normalize applies to embedding models; a classifier's activation is use_activation",
+            param="normalize",
+        )
+    activated = req.normalize if req.normalize is not None else req.activated
+    if req.messages is not None:
+        inputs = await plan_off_loop(prompt_chars(req.messages), _chat_inputs, state, req)
+    else:
+        inputs = await plan_off_loop(prompt_chars(req.input), pooling_inputs, state, req)
+
+    values: Callable[[list[float]], Any]
+    if classifier is not None:
+        values = partial(activate, kind=classifier.classify_activation if activated else "identity")
+    else:
+        values = normalized if activated else truncated
+
+    def build(rows: list[list[float]]) -> PoolingResponse:
+        data = [
+            PoolingData(index=i, data=_encoded(values(row), req.encoding_format))
+            for i, row in enumerate(rows)
+        ]
+        return PoolingResponse(
+            id=f"pool-{request_id}", model=state.answer_model(lora), data=data, usage=pooled_usage(inputs)
+        )
+
+    return await answer_pooled(state, inputs, lora, request_id, arrival, receive, submitted, build)
