@@ -263,10 +263,13 @@ class RouterApp:
             self.kv_events.forget(replica.url)
 
     def _cache_lost(self, replica: Replica, restarted: bool) -> None:
-        follower = self.kv_events if restarted else None
-        if follower is not None:
+        follower = self.kv_events
+        if follower is not None and restarted:
             # Its events may have shown the new instance first: the follower keeps those blocks.
             follower.restarted(replica.url, replica.instance_id)
+        elif follower is not None and not follower.follows(replica.url):
+            follower = None  # a reset of a replica whose events say nothing: forget what it held
+        # else a reset of a replica whose events are followed: they say which blocks went (kv_events.py)
         for policy in (self.policy, self.pd.prefill.policy, self.pd.decode.policy):
             if follower is None or getattr(policy, "index", None) is not follower.index:
                 policy.on_cache_lost(replica.url)

@@ -3,7 +3,8 @@ answers with retries, streams with failover.
 
 A non-streamed answer is read whole before the client sees it, so a replica dying mid-answer is
 one more retry. A stream is relayed event by event; when its replica dies part-way, the request
-is re-sent to another replica with ``resume.token_ids`` = the completion tokens already sent, and
+is re-sent to another replica with ``resume.token_ids`` = the completion tokens already sent (for
+``n`` > 1, ``resume.choices``: each unfinished choice with its own tokens), and
 the new replica's chunks are spliced in (``router/sse.py``, ``router/messages_stream.py``,
 ``router/responses_stream.py``), so the client sees one unbroken stream. A replica that ends a
 stream with an error event saying it could not finish (its engine process died: a 503) counts as
@@ -109,11 +110,16 @@ class Generation(Relay):
         chat = call.path.endswith("/chat/completions")
         client_logprobs = bool(body.get("logprobs")) if chat else body.get("logprobs") is not None
         resumed = client_resume(body)
-        # One sequence whose streamed text is all completion: echo would mix prompt tokens in.
+        num_choices = _num_choices(body, chat)
+        n = body.get("n")
+        # Streamed text that is all completion (echo would mix prompt tokens in), of one prompt: n > 1
+        # choices resume each after its own tokens (``resume.choices``), seeded ones at their own
+        # seeds, as the replica derives them from the index; a client's own resume (one choice's
+        # tokens) cannot say which choice it continues.
         can_resume = (
             self.max_failovers > 0
             and resumed is not None
-            and body.get("n") in (None, 1)
+            and (n in (None, 1) or (num_choices == n and not resumed))
             and not body.get("echo")
             and not body.get("use_beam_search")  # a search is not resumed from its best beam so far
         )
@@ -131,7 +137,7 @@ class Generation(Relay):
             chat=chat,
             client_wants_token_ids=bool(body.get("return_token_ids")),
             client_ids_in_logprobs=client_logprobs and bool(body.get("return_tokens_as_token_ids")),
-            num_choices=_num_choices(body, chat),
+            num_choices=num_choices,
             client_sent_kv_transfer="kv_transfer" in body,
             resumed=resumed,
         )

@@ -24,6 +24,12 @@ follower keeps the instance whose blocks the index holds (``_Replica``):
   another or none yet: a replica down when the router starts and reads the stream) is held until
   ``/health`` names its instance (``settle``), or dropped when a later one shows up.
 
+A prefix-cache reset (``POST /reset_prefix_cache``, sleep; refused while requests run) is in a
+replica's events: a ``removed`` for each block it dropped, in stream order between the ``stored``
+of blocks cached before it and after it. So for a replica whose events are followed (``follows``),
+a reset the router sees (its fan-out, or ``/health``'s ``prefix_cache_resets``) changes nothing
+here: applying the stream in order gives the replica's cache whichever the router reads first.
+
 A restart the health probe sees first (``restarted``) drops the replica's entries, unless its
 events already moved the index to that very instance: then those blocks are the new process's
 and are kept. Events without an ``instance`` (older replicas) are applied as they come.
@@ -193,6 +199,14 @@ class KVEventFollower:
     def forget(self, url: str) -> None:
         """Replica ``url`` left the router."""
         self._replicas.pop(url, None)
+
+    def follows(self, url: str) -> bool:
+        """The index holds what the events of replica ``url``'s running process (the instance its
+        /health names) said, so a prefix-cache reset there is theirs to tell (module docstring):
+        dropping the replica's entries on seeing the reset would also drop blocks cached after it
+        whose events were read before the reset was seen."""
+        state = self._replicas.get(url)
+        return state is not None and state.instance is not None and state.instance == self.instance_of(url)
 
     def _switch(self, url: str, state: _Replica, instance: str, confirmed: bool) -> None:
         """The index holds ``instance``'s blocks of ``url`` from now on (the previous instance's go)."""

@@ -22,7 +22,8 @@ prefilled locally by the decode worker, as Dynamo's conditional disaggregation d
 prompt's uncached part is shorter than ``--pd-threshold``; no prefill worker is routable or all
 are saturated; no decode worker is routable (no prefill is spent on a request nobody could
 continue; with no mixed replica either, the answer is the 503 a router without a routable
-replica gives); every prefill worker tried failed or timed out; or the request is one the
+replica gives; with neither pool routable, reason ``no_worker`` and a 503 that names both pools);
+every prefill worker tried failed or timed out; or the request is one the
 hand-off does not cover (``max_tokens`` = 1: it is all prefill; ``n`` > 1, several prompts,
 ``echo``, client ``logprobs``: their first token would need the prefill worker's per-choice
 logprobs and text merged into the decode worker's, which a resume cannot reproduce exactly; chat
@@ -117,6 +118,8 @@ class PDOrchestrator:
             return "short_prompt"
         candidates = prefill_pool.candidates(self.prefill.clock())
         if not candidates:
+            if not decode_pool.candidates(self.decode.clock()):
+                return "no_worker"  # neither pool can take it: the label must not blame one alone
             return "no_prefill_worker"
         if all(r.inflight >= self.config.prefill_max_inflight for r in candidates):
             return "prefill_saturated"
@@ -155,6 +158,9 @@ class PDOrchestrator:
                 self.metrics.requests.labels("mixed").inc()
                 await whole[0].generate(whole[1], call, send)
                 return
+            if reason == "no_worker":
+                await self._unavailable(prefill_pool, decode_pool, call, send, whole)
+                return
             self.metrics.requests.labels("local_prefill").inc()
             await self.decode.generate(decode_pool, call, send)
             return
@@ -167,6 +173,23 @@ class PDOrchestrator:
                 await self._whole(decode_pool, call, prefilled, send)
         finally:
             self.metrics.decode_latency.observe(time.perf_counter() - started)
+
+    async def _unavailable(
+        self,
+        prefill_pool: Pool,
+        decode_pool: Pool,
+        call: ProxyCall,
+        send: Send,
+        whole: tuple[Generation, Pool] | None,
+    ) -> None:
+        """The 503 when no pool has a routable replica. The decode pool's own 503 would count only
+        its replicas and say nothing of the prefill pool, which is down too: name every pool."""
+        pools = [prefill_pool, decode_pool] + ([whole[1]] if whole is not None else [])
+        now = self.decode.clock()
+        counted = ", ".join(f"{p.role} pool: {p.counts(now)['total']} registered" for p in pools)
+        message = f"no healthy replica available ({counted}; none routable now)"
+        body = error_body(message, error_type(503), 503)
+        await send_bytes(send, 503, body, with_request_id([(b"retry-after", b"1")], call))
 
     # ---- prefill --------------------------------------------------------------------------------
     async def _prefill(self, pool: Pool, call: ProxyCall, send: Send) -> Prefilled | None:

@@ -112,7 +112,8 @@ class StreamTracker:
         # ``return_tokens_as_token_ids`` logprobs.
         self.client_ids_in_logprobs = client_ids_in_logprobs
         self.router_logprobs = False  # set per replica stream by the relay
-        self.token_ids: list[int] = []  # completion tokens already sent to the client
+        self.token_ids: list[int] = []  # completion tokens already sent to the client (all choices)
+        self.choice_ids: dict[Any, list[int]] = {}  # the same, per choice index (an n > 1 resume)
         self.ids_complete = True  # False once a content chunk came without ids: no exact resume
         self.saw_token_ids_field = False  # the replica supports return_token_ids
         self.finished_choices: set[Any] = set()  # indexes of choices whose finish_reason was sent
@@ -120,7 +121,7 @@ class StreamTracker:
         # This replica's error event saying it could not finish (``replica_failure``), held back:
         # the relay resumes the stream elsewhere, or sends it (``failure_end``) when it cannot.
         self.replica_error: bytes | None = None
-        self.role_sent = False
+        self.roles_sent: set[Any] = set()  # indexes of choices whose role chunk was sent
         self.failovers = 0
         self.stream_id: str | None = None
         self.created: int | None = None
@@ -183,8 +184,12 @@ class StreamTracker:
             if self.router_logprobs and choices and not obj.get("usage") and all(map(self._empty, choices)):
                 # A chunk that only carried the logprobs we asked for: the client would not get it.
                 return None
-            if self.chat and any(isinstance(c.get("delta"), dict) and "role" in c["delta"] for c in choices):
-                self.role_sent = True
+            if self.chat:
+                self.roles_sent.update(
+                    c.get("index")
+                    for c in choices
+                    if isinstance(c.get("delta"), dict) and "role" in c["delta"]
+                )
         usage = obj.get("usage")
         if self.failovers and isinstance(usage, dict) and self.ids_complete:
             # Each replica counts only what it saw; the client must see the whole request's count.
@@ -217,6 +222,7 @@ class StreamTracker:
             changed = True
         if isinstance(ids, list) and ids:
             self.token_ids.extend(ids)
+            self.choice_ids.setdefault(choice.get("index"), []).extend(ids)
         elif self._has_content(choice):
             self.ids_complete = False
         if self._has_content(choice):
@@ -246,20 +252,32 @@ class StreamTracker:
     def _is_bare_role_chunk(self, choices: list, obj: dict) -> bool:
         """The resumed replica's opening ``{"role": "assistant", "content": ""}`` chunk, already sent once
         (with ``continuous_usage_stats`` it carries a ``usage``, which the next chunk has too)."""
-        if not self.role_sent or not choices:  # (no choices: the final usage chunk)
+        if not choices:  # (no choices: the final usage chunk)
             return False
         for c in choices:
             delta = c.get("delta") if isinstance(c, dict) else None
             if not isinstance(delta, dict) or "role" not in delta or c.get("finish_reason"):
                 return False
+            if c.get("index") not in self.roles_sent:
+                return False  # this choice's role was not sent yet: the client needs it
             if delta.get("content") or delta.get("tool_calls") or c.get("token_ids") or c.get("logprobs"):
                 return False
         return True
 
     def resume_body(self, body: dict) -> dict:
-        """The request to send the next replica: the same request, resumed after what was sent."""
+        """The request to send the next replica: the same request, resumed after what was sent.
+        With ``n`` > 1 choices: ``resume.choices``, each unfinished choice with its own tokens (the
+        finished ones are left out: the replica does not run them again)."""
         out = dict(body)
-        if self.token_ids:
+        if self.num_choices > 1:
+            out["resume"] = {
+                "choices": [
+                    {"index": i, "token_ids": self.choice_ids.get(i, [])}
+                    for i in range(self.num_choices)
+                    if i not in self.finished_choices
+                ]
+            }
+        elif self.token_ids:
             out["resume"] = {"token_ids": [*self.resumed, *self.token_ids]}
         return out
 

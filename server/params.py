@@ -508,14 +508,42 @@ def kv_transfer_spec(req: SamplingFields, num_prompts: int) -> dict[str, Any] | 
     return spec
 
 
-def resume_token_ids(req: SamplingFields, num_prompts: int, limits: ModelLimits) -> list[int] | None:
+def resumed_choices(
+    req: SamplingFields, num_prompts: int, limits: ModelLimits
+) -> dict[int, list[int]] | None:
+    """The choices a ``resume`` runs, each with the tokens it already produced elsewhere (in index
+    order), or None without ``resume`` (every choice runs from its start). ``resume.token_ids`` is
+    choice 0 of an ``n`` = 1 request; ``resume.choices`` (a stream's unfinished choices, for ``n``
+    > 1) names its choices: those left out finished before and do not run again."""
     if req.resume is None:
         return None
-    if num_prompts != 1 or req.n != 1:
-        raise bad_request("resume needs exactly one prompt and n = 1", param="resume")
-    ids = list(req.resume.token_ids)
-    check_token_ids(ids, limits, "resume.token_ids")
-    return ids
+    if req.resume.token_ids is not None:
+        if num_prompts != 1 or req.n != 1:
+            raise bad_request("resume needs exactly one prompt and n = 1", param="resume")
+        ids = list(req.resume.token_ids)
+        check_token_ids(ids, limits, "resume.token_ids")
+        return {0: ids}
+    if num_prompts != 1:
+        raise bad_request("resume.choices needs exactly one prompt", param="resume.choices")
+    if not getattr(req, "stream", False):
+        # A whole answer would hold only the resumed choices, not the request's n.
+        raise bad_request("resume.choices needs stream", param="resume.choices")
+    out: dict[int, list[int]] = {}
+    for c in sorted(req.resume.choices or (), key=lambda c: c.index):
+        if c.index >= req.n:
+            raise bad_request(
+                f"resume.choices: index {c.index} is not below n = {req.n}", param="resume.choices"
+            )
+        check_token_ids(c.token_ids, limits, "resume.choices.token_ids")
+        out[c.index] = list(c.token_ids)
+    return out
+
+
+def longest_resumed(resumed: dict[int, list[int]] | None) -> list[int] | None:
+    """The resumed tokens of the choice furthest along (what a budget must leave room after)."""
+    if not resumed:
+        return None
+    return max(resumed.values(), key=len) or None
 
 
 def child_seed(seed: int | None, index: int) -> int | None:

@@ -95,6 +95,30 @@ class Resume(_Request):
     token_ids: list[StrictInt] = Field(min_length=1)
 
 
+class ResumeChoice(_Request):
+    """One unfinished choice of a resumed ``n`` > 1 stream: its index and the tokens it already sent."""
+
+    index: StrictInt = Field(ge=0, lt=MAX_N)
+    token_ids: list[StrictInt]  # [] when the choice had sent nothing yet
+
+
+class SamplingResume(_Request):
+    """A chat or completions request's ``resume``: ``token_ids`` (one choice, ``n`` = 1), or
+    ``choices`` (a stream of ``n`` choices: only the listed ones run, each after its own tokens;
+    the others finished before and are not sent again)."""
+
+    token_ids: list[StrictInt] | None = Field(default=None, min_length=1)
+    choices: list[ResumeChoice] | None = Field(default=None, min_length=1, max_length=MAX_N)
+
+    @model_validator(mode="after")
+    def _one_form(self) -> SamplingResume:
+        if (self.token_ids is None) == (self.choices is None):
+            raise ValueError("resume needs exactly one of token_ids and choices")
+        if self.choices is not None and len({c.index for c in self.choices}) != len(self.choices):
+            raise ValueError("resume.choices: each choice index at most once")
+        return self
+
+
 JsonValue = dict[str, Any] | list[Any] | StrictStr | StrictInt | StrictFloat | StrictBool
 
 
@@ -190,7 +214,7 @@ class SamplingFields(_Request):
     guided_decoding_backend: StrictStr | None = None  # ignored: there is one backend (xgrammar)
     # internal (router -> replica)
     kv_transfer: KVTransfer | None = None
-    resume: Resume | None = None
+    resume: SamplingResume | None = None
 
     @model_validator(mode="after")
     def _check_stop(self) -> SamplingFields:

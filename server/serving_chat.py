@@ -28,8 +28,9 @@ from server.params import (
     child_seed,
     client_budget,
     kv_transfer_spec,
+    longest_resumed,
     resolve_max_tokens,
-    resume_token_ids,
+    resumed_choices,
     sampling_params,
 )
 from server.protocol import (
@@ -84,7 +85,8 @@ def _plan(
         req, state.tokenizer, state.config.trust_request_chat_template, state.config.chat, limits
     )
     prompt_ids = with_image_runs(state, prompt_ids, len(images))
-    resume = resume_token_ids(req, 1, limits)
+    resumed = resumed_choices(req, 1, limits)
+    resume = longest_resumed(resumed)
     extra = block_extra(lora, req.cache_salt)
     # An image's pixels are part of its blocks' hashes, known once the engine has processed it: a
     # consumer's listed hashes are then checked there (LLMEngine.add_request), not here.
@@ -137,7 +139,7 @@ def _plan(
             0,
             prompt_ids,
             dataclasses.replace(base, seed=child_seed(req.seed, j)) if j else base,
-            resume,
+            (resumed or {}).get(j) or None,
             kv,
             lora=lora,
             priority=req.priority,
@@ -145,7 +147,7 @@ def _plan(
             beam=beam,
             images=images or None,
         )
-        for j in range(req.n)
+        for j in (range(req.n) if resumed is None else resumed)
     ]
 
 
@@ -243,7 +245,7 @@ async def create_chat_completion(
         prompt = state.tokenizer.decode(seqs[0].prompt_token_ids, skip_special_tokens=False)
         log_request(logger, state.config.http, request_id, state.answer_model(lora), prompt, seqs[0].params)
     response_id = f"chatcmpl-{request_id}"
-    choices = [_Choice() for _ in seqs]
+    choices = [_Choice() for _ in range(req.n)]  # a resumed stream runs only some (by index)
     usage = UsageTracker(1, req.n)
     producer = is_producer(seqs)
     if req.stream:
@@ -371,7 +373,7 @@ async def _chunks(
     model = state.answer_model(seqs[0].lora)
     shapers = None
     if tools is not None or state.reasoning is not None:
-        shapers = [ChoiceShaper(tools, _splitter(state, seq)) for seq in seqs]
+        shapers = {seq.choice_index: ChoiceShaper(tools, _splitter(state, seq)) for seq in seqs}
         for seq in seqs:
             if seq.resume_token_ids:  # a resumed stream: the client has this text already
                 shapers[seq.choice_index].skip(delivered_text(state, seq, seq.resume_token_ids))
@@ -390,7 +392,7 @@ async def _chunks(
             chunk(ChatStreamChoice(index=seq.choice_index, delta=DeltaMessage(role=role, content="")))
             for seq in seqs
         ]
-        echoed = echoed_text(req, role) if not seqs[0].resume_token_ids else ""  # a resumed client has it
+        echoed = echoed_text(req, role) if req.resume is None else ""  # a resumed client has it
         if echoed:
             opening += [
                 chunk(ChatStreamChoice(index=seq.choice_index, delta=DeltaMessage(content=echoed)))

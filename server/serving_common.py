@@ -89,7 +89,9 @@ class UsageTracker:
         self.completion_tokens = 0
 
     def add(self, seq: SequenceRequest, out: RequestOutput) -> None:
-        if seq.choice_index % self.n == 0:  # the prompt's first choice speaks for the prompt
+        # The prompt's first choice speaks for the prompt (any choice of a resumed stream that
+        # runs without it).
+        if seq.choice_index % self.n == 0 or not self.prompt_tokens[seq.prompt_index]:
             self.see_prompt(seq.prompt_index, out)
         if out.outputs:
             self.completion_tokens += len(out.outputs[0].token_ids)

@@ -23,8 +23,9 @@ from server.params import (
     client_budget,
     completion_prompts,
     kv_transfer_spec,
+    longest_resumed,
     resolve_max_tokens,
-    resume_token_ids,
+    resumed_choices,
     sampling_params,
     scores_prompt,
 )
@@ -84,7 +85,8 @@ def _plan(
     limits = state.limits
     check_request_sequences(req, len(embeds), state.config.max_request_sequences)
     prompts = embeds + completion_prompts(req, state.tokenizer, limits)
-    resume = resume_token_ids(req, len(prompts), limits)
+    resumed = resumed_choices(req, len(prompts), limits)
+    resume = longest_resumed(resumed)
     kv = kv_transfer_spec(req, len(prompts))
     if state.config.role == "prefill" and (len(prompts) != 1 or req.n != 1 or req.use_beam_search):
         raise bad_request("a prefill worker takes exactly one prompt, n = 1 and no beam search", param="n")
@@ -111,7 +113,7 @@ def _plan(
             tokenizer=state.tokenizer,
         )
         beam = beam_search_params(req, base, limits, req.logprobs)
-        for j in range(req.n):
+        for j in range(req.n) if resumed is None else resumed:  # resumed: one prompt
             params = dataclasses.replace(base, seed=child_seed(req.seed, j)) if j else base
             seqs.append(
                 SequenceRequest(
@@ -119,7 +121,7 @@ def _plan(
                     pi,
                     prompt.token_ids,
                     params,
-                    resume,
+                    (resumed or {}).get(j) or None,
                     kv,
                     lora=lora,
                     priority=req.priority,
@@ -220,7 +222,7 @@ async def create_completion(
                 logger, state.config.http, f"{request_id}-{first.prompt_index}", model, shown, first.params
             )
     response_id = f"cmpl-{request_id}"
-    choices = [_Choice(prompts[s.prompt_index]) for s in seqs]
+    choices = [_Choice(prompts[i // req.n]) for i in range(len(prompts) * req.n)]  # resumed: some run
     usage = UsageTracker(len(prompts), req.n)
     producer = is_producer(seqs)
     if req.stream:

@@ -183,7 +183,7 @@ def test_a_client_caused_error_event_ends_the_stream_as_sent(setup) -> None:
 def test_an_unresumable_stream_ends_with_the_replicas_own_error(setup) -> None:
     replicas, router = setup
     failovers, _ = _counts(router)
-    body = {"model": "m", "prompt": "engine-dies", "stream": True, "max_tokens": 3, "n": 2}
+    body = {"model": "m", "prompt": "engine-dies", "stream": True, "max_tokens": 3, "echo": True}
     events = _events(router, "/v1/completions", body)
     assert events[-1] == b"data: [DONE]"
     error = json.loads(events[-2].removeprefix(b"data: "))["error"]
