@@ -287,6 +287,11 @@ class ModelRunner:
         kv_name = "" if self.kv_dtype == self.dtype else f"+kv:{str(self.kv_dtype).removeprefix('torch.')}"
         if self.kv_scales is not None:
             kv_name += f"+scales:{scales_digest(self.kv_scales)}"
+        # Deterministic mode's batch-invariant projections write other K/V bits than the default
+        # linears (whose rows also vary with the batch): a deterministic engine that loaded those
+        # would continue from KV it never computes itself.
+        if self.config.deterministic:
+            kv_name += "+batch_invariant"
         return model_fingerprint(
             weights_id=self.weights_id,
             dtype=_DTYPE_NAMES[self.dtype] + kv_name,
