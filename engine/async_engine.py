@@ -7,14 +7,17 @@ API's event loop never waits on a model step. Everything crossing the thread bou
 message (``Request``, ``RequestOutput``, ``EngineStats``), which is what crosses the process
 boundary when the loop runs in an engine process of its own (``server/engine_process.py``). A crash of the loop fails every in-flight request with ``EngineDeadError`` and marks the
 engine unhealthy; it never leaves a caller waiting forever.
+
+``AsyncEngine`` inherits four parts that live in files of their own: gathering a burst of arrivals
+before an idle loop's first step (``announce``, engine/async_burst.py), a request's inputs prepared
+in worker threads before it is submitted (engine/async_prepare.py), the LoRA adapters served by
+name (engine/async_lora.py), and sleep mode and weight updates (engine/async_sleep.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
-import functools
 import logging
 import sys
 import threading
@@ -25,6 +28,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from engine.async_burst import BurstGathering
+from engine.async_lora import LoRAServing
+from engine.async_prepare import RequestPreparation
 from engine.async_sleep import Barrier, Lifecycle, SleepCommands, aborted_output, resolve
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
@@ -32,7 +38,7 @@ from engine.llm_engine import LLMEngine
 from engine.lora_request import LoRARequest, ServedLoRA
 from engine.outputs import RequestOutput, merge_pending
 from engine.prompt_embeds import PreparedEmbeds
-from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from engine.sampling_params import SamplingParams
 from engine.sequence import Request
 from engine.stats import EngineStats, ModelInfo
 
@@ -93,13 +99,7 @@ class _ResetPrefixCache:
 _Command = _Add | _Abort | _ResetPrefixCache | Lifecycle
 
 
-class AsyncEngine(SleepCommands):
-    # How ``_gather_burst`` probes the submitters, called on their event loop with a function to
-    # call once they have taken in what they had received. Default (None): two passes of that loop,
-    # which parses the requests itself. An engine serving API server processes
-    # (server/engine_process.py) probes their event loops instead.
-    probe_submitters: Callable[[Callable[[], None]], None] | None = None
-
+class AsyncEngine(SleepCommands, BurstGathering, LoRAServing, RequestPreparation):
     def __init__(self, config: EngineConfig | None = None, **options: Any) -> None:
         if config is None:
             config = EngineConfig.from_options(**options)
@@ -260,111 +260,6 @@ class AsyncEngine(SleepCommands):
         if self._streams.pop(request_id, None) is not None and self._error is None and not self._stopping:
             self._submit(_Abort(request_id, concurrent.futures.Future()))
 
-    async def compile_structured(self, spec: StructuredOutputsParams) -> Any:
-        """Compile a structured-outputs constraint (ValueError if it is not a valid one). A new one
-        compiles in a worker thread: a large schema can take long, and neither the event loop nor
-        the engine loop may wait on it. Compiled constraints are kept, so repeats cost a lookup."""
-        grammars = self.engine.grammars
-        hit = grammars.cached(spec)
-        return hit if hit is not None else await asyncio.to_thread(grammars.compile, spec)
-
-    async def process_images(self, images: list[Any]) -> list[Any]:
-        """A request's images made pixel values in a worker thread (engine/image_processor.py:
-        resizing a photo takes tens of ms, which neither loop should wait on); as given for a model
-        that takes no images (``make_request`` refuses them)."""
-        processor = self.engine.image_processor
-        return images if processor is None else await asyncio.to_thread(processor.process, images)
-
-    async def prepare_prompt_embeds(self, embeds: Any) -> Any:
-        """Prompt embeddings checked, cast and hashed in a worker thread (``LLMEngine.
-        prepare_prompt_embeds``; ValueError for bad ones); what is prepared already as it is."""
-        if isinstance(embeds, PreparedEmbeds):
-            return embeds
-        return await asyncio.to_thread(self.engine.prepare_prompt_embeds, embeds)
-
-    async def load_lora(self, lora_request: LoRARequest) -> ServedLoRA:
-        """Have the adapter loaded (ValueError if it cannot run on this model): its files are read
-        and checked in a worker thread, unless it is loaded from that directory already."""
-        engine = self.engine
-        adapter = engine.cached_lora(lora_request)
-        if adapter is None:
-            adapter = engine.load_lora(lora_request, await asyncio.to_thread(engine.read_lora, lora_request))
-        return ServedLoRA(lora_request, adapter.weights_id)
-
-    async def add_lora(self, lora_request: LoRARequest, reload: bool = False) -> ServedLoRA | None:
-        """Serve an adapter under its name (vLLM's ``add_lora``): loaded now, listed in ``served_loras``.
-        None (nothing read) if the name is served already: ``reload`` replaces it, reading its files
-        again even from the same directory (new weights); until then, requests naming it run the
-        previous ones. Changes to one name take turns (``_lora_change``)."""
-        name = lora_request.lora_name
-        async with self._lora_change(name):
-            if name in self.served_loras and not reload:
-                return None
-            if reload:
-                engine = self.engine
-                adapter = engine.load_lora(
-                    lora_request, await asyncio.to_thread(engine.read_lora, lora_request)
-                )
-                served = ServedLoRA(lora_request, adapter.weights_id)
-            else:
-                served = await self.load_lora(lora_request)
-            self.served_loras[name] = served
-            return served
-
-    async def remove_lora(self, lora_name: str) -> bool:
-        """Stop serving an adapter (False if it was not served). Requests running with it finish
-        with it; its weights go when they do."""
-        async with self._lora_change(lora_name):
-            self.engine.remove_lora(lora_name)
-            return self.served_loras.pop(lora_name, None) is not None
-
-    @contextlib.asynccontextmanager
-    async def _lora_change(self, name: str) -> AsyncIterator[None]:
-        """One change of adapter ``name`` at a time, in the order they came: a load's files are read
-        in a worker thread, and two overlapping changes of one name would otherwise leave
-        ``served_loras`` and the loaded adapter in either order (and both of two loads of a new name
-        would find it free)."""
-        lock, users = self._lora_locks.setdefault(name, (asyncio.Lock(), [0]))
-        users[0] += 1
-        try:
-            async with lock:
-                yield
-        finally:
-            users[0] -= 1
-            if not users[0]:
-                del self._lora_locks[name]
-
-    def announce(self) -> Callable[[], None]:
-        """Say a request is on its way in (received, not yet submitted); call the returned function,
-        idempotent, once its sequences are submitted or it was dropped. An idle loop gathering a
-        burst (``_gather_burst``) waits for announced requests, so an API server announces each
-        request as early as it can: its parsing and validation may span several event-loop passes.
-        """
-        with self._wake:
-            self._announced += 1
-            self._num_announces += 1
-        pending = True
-
-        def submitted() -> None:
-            nonlocal pending
-            if pending:
-                pending = False
-                with self._wake:
-                    self._announced -= 1
-                    if self._announced or not self._gathering:
-                        return
-                    loop, gather = self._gather_loop, self._gather_id
-                # The last announced request is in: that may end the gather's round.
-                if loop is not None:
-                    _on_loop(loop, self._end_round, loop, gather)
-
-        return submitted
-
-    @property
-    def announced(self) -> int:
-        """Requests announced and not yet submitted."""
-        return self._announced
-
     async def abort(self, request_id: str) -> None:
         """Finish the request now (blocks freed before this returns); its stream ends with "abort"."""
         if self._error is not None or not self._thread.is_alive():
@@ -504,79 +399,6 @@ class AsyncEngine(SleepCommands):
             self._fail_all(EngineDeadError(f"the engine loop died: {exc!r}"))
             self._fail_commands(EngineDeadError(f"the engine loop died: {exc!r}"))
 
-    def _gather_burst(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Before an idle loop's first step, let the rest of a burst of arrivals in. Called with
-        ``_wake`` held, commands pending.
-
-        Requests that arrive together reach the engine one by one, as the submitter's event loop
-        parses each; a step started on the first would be a lone prefill that the others queue
-        behind, and it would slow their intake, sharing the cores. So the submitter's loop runs
-        rounds (``_begin_round``): a probe through that loop (a few passes: the passes that turn
-        bytes already received into running handlers; or through API server processes' loops,
-        ``probe_submitters``), then a wait for every ``announce``d request, and another round
-        while requests arrived during one (not those announced before its probe left, which it
-        waited for). The rounds run on that loop, which decides each next one at once; this
-        thread waits for the last. A lone request costs one probe (tens of microseconds); a
-        burst, its intake; nothing costs more than ``arrival_wait_s``. A busy engine never waits:
-        it batches whatever arrived by its next step.
-        """
-        deadline = time.monotonic() + self.arrival_wait_s
-        self._gathering, self._gathered = True, False
-        try:
-            try:
-                loop.call_soon_threadsafe(self._begin_round, loop, self._gather_id)
-            except RuntimeError:  # that loop is closed
-                return
-            while not self._gathered and not self._stopping:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return
-                self._wake.wait(left)
-        finally:
-            self._gathering = False
-            self._gather_id += 1  # a round still under way on the loop ends there
-
-    def _begin_round(self, loop: asyncio.AbstractEventLoop, gather: int) -> None:
-        """On the submitter's loop: probe what is on its way in (``_gather_burst``)."""
-        with self._wake:
-            if gather != self._gather_id:
-                return
-            self._round_gather = gather
-            self._probes_sent += 1
-            number = self._probes_sent
-            # What the round knows of as its probe leaves: arrivals after it call for another.
-            self._probe_base = (self._num_announces, self._num_adds, self._announced)
-        back = functools.partial(self._probe_back, loop, gather, number)
-        if self.probe_submitters is not None:
-            self.probe_submitters(back)
-        else:
-            _pass_through(loop, 2, back)
-
-    def _probe_back(self, loop: asyncio.AbstractEventLoop, gather: int, number: int) -> None:
-        with self._wake:
-            self._probes_back = max(self._probes_back, number)
-        self._end_round(loop, gather)
-
-    def _end_round(self, loop: asyncio.AbstractEventLoop, gather: int) -> None:
-        """On the submitter's loop, when a round's probe is back or the last announced request was
-        submitted: once both, the burst is in unless requests arrived during the round (announced
-        since its probe left, or submitted unannounced: more adds than the requests announced
-        before or since account for); then another round, at once."""
-        with self._wake:
-            if (
-                gather != self._gather_id
-                or self._round_gather != gather  # its first round has not begun
-                or self._probes_back < self._probes_sent
-                or self._announced > 0
-            ):
-                return
-            announces, adds, pending = self._probe_base
-            if self._num_announces == announces and self._num_adds - adds <= pending:
-                self._gathered = True
-                self._wake.notify()
-                return
-        self._begin_round(loop, gather)
-
     def _apply(self, cmd: _Command) -> None:
         engine = self.engine
         if isinstance(cmd, _Add):
@@ -629,24 +451,3 @@ def _hand_over(items: list[tuple[Sink, RequestOutput | BaseException]]) -> None:
             sink(out)
         except Exception:  # one consumer's bug must not starve the others of this step
             logger.exception("an output sink failed")
-
-
-def _pass_through(loop: asyncio.AbstractEventLoop, passes: int, then: Callable[[], None]) -> None:
-    """Call ``then`` on ``loop`` after ``passes`` more passes of it."""
-    if passes:
-        loop.call_soon(_pass_through, loop, passes - 1, then)
-    else:
-        then()
-
-
-def _on_loop(loop: asyncio.AbstractEventLoop, function: Callable[..., None], *args: Any) -> None:
-    """Call ``function(*args)`` on ``loop``: now if this is its thread, else soon."""
-    try:
-        here = asyncio.get_running_loop() is loop
-    except RuntimeError:
-        here = False
-    if here:
-        function(*args)
-    else:
-        with contextlib.suppress(RuntimeError):  # that loop is closed
-            loop.call_soon_threadsafe(function, *args)

@@ -65,7 +65,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     # Most milliseconds an idle AsyncEngine holds its first step to let the rest of a burst of
-    # arrivals in (engine/async_engine.py ``_gather_burst``); 0: start on the first arrival.
+    # arrivals in (engine/async_burst.py ``_gather_burst``); 0: start on the first arrival.
     burst_wait_ms: float = 25.0
     # A step (or command) of the engine loop that runs this many seconds means the loop is stuck
     # (a hung kernel or collective, a deadlock): the engine reports unhealthy (/health 503) until
@@ -85,7 +85,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     # With prefix caching: a request's last, partly filled block outlives it, and a later request
-    # extending its tokens copies that block's KV instead of recomputing it (engine/scheduler.py).
+    # extending its tokens copies that block's KV instead of recomputing it (engine/scheduler_sharing.py).
     partial_prefix_caching: bool = True
     # vLLM's --kv-cache-dtype: auto (the model's dtype) | fp8 / fp8_e4m3 | fp8_e5m2. An fp8 cache
     # holds 2x (bf16) or 4x (fp32) the tokens in the same memory; values are stored divided by the

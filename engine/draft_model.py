@@ -50,7 +50,7 @@ from engine.sequence import Request
 from engine.spec_decode import SpeculativeConfig
 
 if TYPE_CHECKING:
-    from engine.scheduler import ScheduledRequest
+    from engine.scheduler_output import ScheduledRequest
 
 
 class PagedDraft(ABC):

@@ -3,6 +3,10 @@
 ``LLMEngine`` is synchronous and single-threaded; ``LLM`` drives it to completion and
 ``AsyncEngine`` runs it on a background thread. ``step()`` returns DELTA outputs: for each request
 that advanced, only what is new since the previous step.
+
+``LLMEngine`` inherits three parts that live in files of their own: checking and building a request
+(``make_request``, engine/request_builder.py), speculative decoding's verify and propose
+(engine/spec_step.py), and sleep mode and weight updates (engine/sleep_mode.py).
 """
 
 from __future__ import annotations
@@ -12,18 +16,14 @@ import logging
 import random
 import time
 import uuid
-from array import array
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
 from engine.generation_defaults import load_generation_defaults
 from engine.image_processor import ImageProcessor, probe_image
 from engine.kv_budget import logit_rows
@@ -34,20 +34,20 @@ from engine.model_runner import ModelOutput, ModelRunner
 from engine.models.config import ModelConfig
 from engine.models.loader import resolve_model_dir
 from engine.models.quantized import check_quantization
-from engine.outputs import RequestOutput, merge_deltas
+from engine.outputs import RequestOutput
 from engine.pooler import needs_every_row, resolve_matryoshka, resolve_pooling_type
 from engine.postprocess import Postprocessor
-from engine.prompt_embeds import PreparedEmbeds, prepare_prompt_embeds
-from engine.sampler import Sampler, SamplerOutput, SamplingRow
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
+from engine.request_builder import RequestBuilder
+from engine.sampler import Sampler, SamplingRow
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler_output import SchedulerOutput
 from engine.sequence import Request, RequestStatus
 from engine.sleep_mode import EngineSleep, SleepState
 from engine.spec_decode import NgramProposer
+from engine.spec_step import SpecDecodeStep
 from engine.stats import ITERATION_TOKEN_BUCKETS, EngineStats, ModelInfo
 from engine.structured_output import GrammarCompiler
 from engine.tokenizer import Tokenizer
-from kvcache.keys import salt_extra
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ TIER_IDLE_WAIT_S = 0.05
 LogitsObserver = Callable[[list[str], torch.Tensor], None]
 
 
-class LLMEngine(EngineSleep):
+class LLMEngine(EngineSleep, RequestBuilder, SpecDecodeStep):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_dir: Path = resolve_model_dir(config.model, config.revision, config.download_dir)
@@ -253,182 +253,6 @@ class LLMEngine(EngineSleep):
 
     # -- requests ------------------------------------------------------------------------------------
 
-    def make_request(
-        self,
-        request_id: str,
-        prompt: str | list[int] | torch.Tensor | PreparedEmbeds,
-        params: SamplingParams,
-        *,
-        resume_token_ids: list[int] | None = None,
-        kv_transfer: dict[str, Any] | None = None,
-        grammar: Any = None,
-        pooling: bool = False,
-        lora_request: LoRARequest | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        images: list[Any] | None = None,
-    ) -> Request:
-        """Validate and build a request (raises ValueError for bad input); does not queue it.
-
-        ``prompt``: text, token ids, or (with ``enable_prompt_embeds``) the prompt's input embeddings,
-        a tensor ``[seq_len, hidden]`` or what ``prepare_prompt_embeds`` made of one
-        (``engine/prompt_embeds.py``): its token ids are then ``seq_len`` placeholders, and it takes
-        neither images nor prompt logprobs.
-
-        ``images``: PIL images for a vision-language model, one per image token of the prompt (in
-        order); each image token becomes the image's placeholder run (``engine/image_processor.py``).
-
-        ``priority``: under ``scheduling_policy="priority"``, lower values run first (vLLM's);
-        any other value than 0 is refused under ``fcfs``.
-
-        ``cache_salt`` (vLLM's): salts every block hash of the request (``kvcache.keys.salt_extra``),
-        so it shares cached blocks only with requests of the same salt.
-
-        ``lora_request``: run it with that LoRA adapter, loaded now unless it is (``load_lora``).
-
-        ``pooling``: an embedding request; it ends when its prompt is computed, its result the
-        prompt's pooled hidden state (``RequestOutput.embedding``; engine/pooler.py), and samples nothing.
-
-        ``grammar``: the compiled ``params.structured_outputs`` (``self.grammars.compile``), when the
-        caller compiled it elsewhere (the async engine does, off its threads); else it is compiled here.
-        """
-        params.validate()
-        if not pooling and self.model_runner.classifier is not None:
-            raise ValueError(
-                f"this model ({self.model_config.architecture}) is a sequence classifier and does not "
-                "generate text: use /classify, /score or /rerank (LLM.classify, LLM.score)"
-            )
-        if priority != 0 and self.config.scheduling_policy != "priority":
-            raise ValueError(
-                "request priority needs priority scheduling (scheduling_policy='priority', "
-                "ferry serve --scheduling-policy priority)"
-            )
-        adapter = self.load_lora(lora_request) if lora_request is not None else None
-        if params.n != 1:
-            raise ValueError("one engine request is one sequence: fan out n > 1 before the engine")
-        for name, n in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
-            if n is not None and n > self.config.max_logprobs:
-                raise ValueError(f"{name}={n} exceeds the engine's max_logprobs={self.config.max_logprobs}")
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        text = prompt if isinstance(prompt, str) else None
-        image_inputs = []
-        embeds = None
-        if isinstance(prompt, (torch.Tensor, PreparedEmbeds)):
-            embeds = self._prompt_embeds(prompt, params, images)
-            ids, image_inputs = embeds.token_ids, [embeds.span]
-        else:
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            if not ids:
-                raise ValueError("the prompt is empty")
-            if self.image_processor is not None:
-                ids, image_inputs = self.image_processor.prepare(ids, list(images or []))
-            elif images:
-                raise ValueError(f"this model ({self.model_config.architecture}) takes text only, not images")
-        resumed = list(resume_token_ids or [])
-        extra = [
-            *(params.allowed_token_ids or ()),
-            *(t for seq in params.bad_words_token_ids or () for t in seq),
-        ]
-        for seq in (ids, resumed, extra):
-            _check_token_ids(seq, self.sampling_vocab_size)
-        limit = self.max_model_len
-        if pooling:
-            if len(ids) > limit:
-                raise ValueError(f"the input has {len(ids)} tokens, more than max_model_len={limit}")
-            params = _with_max_tokens(params, 1)  # reserves the KV slot the last position writes
-            limit += 1
-        if params.max_tokens is None:
-            # As much as fits in max_model_len and in the KV cache (so it can always finish).
-            capacity = self.kv_capacity_tokens
-            params = _with_max_tokens(params, min(limit, capacity) - len(ids))
-            if params.max_tokens < 1:
-                raise ValueError(
-                    f"the prompt has {len(ids)} tokens, which leaves no room to generate (max_model_len={limit}, "
-                    f"KV cache {capacity} tokens)"
-                )
-        if len(ids) + params.max_tokens > limit:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {len(ids) + params.max_tokens} "
-                f"exceeds max_model_len={limit}"
-            )
-        if len(resumed) >= params.max_tokens:
-            raise ValueError(
-                f"{len(resumed)} resumed tokens leave nothing to generate under max_tokens={params.max_tokens}"
-            )
-        # A pooling request ends once its prompt is computed: it never writes the KV of a next token.
-        need = self.block_manager.blocks_for(len(ids) + (0 if pooling else params.max_tokens))
-        if self.sliding_window is not None:
-            need = min(need, self._window_peak_blocks())
-        if need > self.block_manager.num_blocks:
-            raise ValueError(
-                f"prompt + max_tokens needs {need} KV blocks but the cache has only {self.block_manager.num_blocks}"
-            )
-        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        req = Request(
-            request_id,
-            ids,
-            params,
-            seed=seed,
-            eos_token_ids=self.eos_token_ids,
-            block_size=self.config.block_size,
-            prompt=text,
-            resume_token_ids=resumed,
-            kv_transfer=kv_transfer,
-        )
-        req.pooling = pooling
-        req.priority = priority
-        if image_inputs:
-            req.images = image_inputs
-            req.image_spans = tuple((i.offset, i.length, i.digest) for i in image_inputs)
-        if adapter is not None:
-            req.lora, req.block_extra = adapter, adapter.block_extra
-        if cache_salt is not None:
-            if not isinstance(cache_salt, str) or not cache_salt:
-                raise ValueError("cache_salt must be a non-empty string")
-            req.block_extra += salt_extra(cache_salt)
-        if image_inputs and kv_transfer and kv_transfer.get("block_hashes"):
-            _check_listed_hashes(req, kv_transfer["block_hashes"])
-        if embeds is not None:
-            req.prompt_embeds, req.penalty_prompt_ids = True, []
-        # Placeholders are no text to continue from: a prompt given as embeddings gives no context.
-        req.detokenizer = IncrementalDetokenizer(self.tokenizer, params, req.penalty_prompt_ids)
-        if params.structured_outputs is not None:
-            if grammar is None:
-                grammar = self.grammars.compile(params.structured_outputs)
-            req.grammar = self.grammars.matcher(grammar, params.structured_outputs.after_token_id)
-            for i, tok in enumerate(resumed):
-                if not req.grammar.accept(tok):
-                    raise ValueError(
-                        f"resumed token {i} ({tok}) does not follow the request's structured outputs"
-                    )
-        if resumed:
-            # The text of resumed tokens was delivered by whoever produced them.
-            req.detokenizer.append(resumed)
-        return req
-
-    def prepare_prompt_embeds(self, embeds: torch.Tensor) -> PreparedEmbeds:
-        """Check, cast and hash a prompt given as embeddings (ValueError for bad ones, or when the
-        engine does not take them); touches no engine state, so it may run on any thread."""
-        if not self.config.enable_prompt_embeds:
-            raise ValueError(
-                "prompt embeddings are not enabled on this engine (enable_prompt_embeds=True, "
-                "ferry serve --enable-prompt-embeds)"
-            )
-        runner = self.model_runner
-        return prepare_prompt_embeds(embeds, self.model_config.hidden_size, runner.dtype, runner.device)
-
-    def _prompt_embeds(
-        self, embeds: torch.Tensor | PreparedEmbeds, params: SamplingParams, images: list[Any] | None
-    ) -> PreparedEmbeds:
-        if not isinstance(embeds, PreparedEmbeds):
-            embeds = self.prepare_prompt_embeds(embeds)
-        if images:
-            raise ValueError("a prompt given as embeddings takes no images")
-        if params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs needs prompt tokens: a prompt given as embeddings has none")
-        return embeds
-
     def _window_peak_blocks(self) -> int:
         """Most blocks one request holds at once when every layer slides: the window behind its
         next query, the largest step it can take, and the partly filled blocks at both ends."""
@@ -559,70 +383,6 @@ class LLMEngine(EngineSleep):
             self._propose(drafting)
         return pooled + outputs
 
-    def _verify(
-        self, s: ScheduledRequest, sampled: SamplerOutput, i: int, out: RequestOutput
-    ) -> RequestOutput:
-        """Walk a request's drafts after its first token (``out``, drawn at row ``i``): while the
-        token drawn at a position equals the draft there, that draft's KV holds and the next
-        position's draw is the next token. Returns the step's whole delta."""
-        req, drafts = s.request, s.request.spec_token_ids
-        accepted = 0
-        while (
-            accepted < s.num_spec
-            and req.finish_reason is None
-            and sampled.token_ids[i + accepted] == drafts[accepted]
-        ):
-            accepted += 1
-            out = merge_deltas(out, self.post.append_token(req, sampled, i + accepted))
-        req.num_computed_tokens += accepted
-        req.spec_token_ids = []
-        self.spec_drafts += 1
-        self.spec_draft_tokens += s.num_spec
-        self.spec_accepted_tokens += accepted
-        for pos in range(accepted):
-            self.spec_accepted_per_position[pos] += 1
-        return out
-
-    def _room(self, req: Request) -> int:
-        """Most drafts a request's next step may verify: its tokens then, drafts and the token
-        drawn after them, stay within ``max_tokens`` and ``max_model_len``. None under structured
-        outputs (whose grammar would have to walk the drafts)."""
-        if req.grammar is not None:
-            return 0
-        return (
-            min((req.params.max_tokens or 0) - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
-        )
-
-    def _propose_ngram(self, requests: list[Request]) -> None:
-        for req in requests:
-            room = self._room(req)
-            if room <= 0:
-                continue
-            tokens = req.lookup_tokens
-            if tokens is None:
-                tokens = req.lookup_tokens = array("i", req.token_ids)
-            else:
-                tokens.extend(req.token_ids[len(tokens) :])
-            req.spec_token_ids = self.proposer.propose(tokens, room)  # type: ignore[union-attr]
-
-    def _propose_draft(self, requests: list[Request]) -> None:
-        """The draft model's drafts for the requests, in one batch. It feeds each request's newest
-        token and every draft but the last: their slots are allocated now (vLLM's lookahead
-        slots), and where blocks are short a request gets only the drafts its blocks hold. Requests
-        without room go too, with no drafts: the MTP layer (engine/mtp.py) completes their entries."""
-        draft, bm = self.model_runner.draft, self.block_manager
-        k_max, bs = self.config.speculative_config.num_speculative_tokens, self.config.block_size
-        batch: list[tuple[Request, int]] = []
-        for req in requests:
-            # Draft KV past the accepted tokens holds rejected drafts.
-            req.num_draft_computed = min(req.num_draft_computed, req.num_computed_tokens)
-            newest = req.num_tokens - 1  # the position the draft feeds first
-            k = min(self._room(req), k_max, draft.max_model_len - newest)  # type: ignore[union-attr]
-            if k > 0 and not bm.may_append(req.block_table, newest + k):
-                k = len(req.block_table) * bs - newest
-            batch.append((req, max(k, 0)))
-        draft.propose(batch, self.sampling_vocab_size)  # type: ignore[union-attr]
-
     def _finish_pooled(self, model_out: ModelOutput) -> list[RequestOutput]:
         """Pooling requests whose prompt was computed this step end with their embedding."""
         outputs: list[RequestOutput] = []
@@ -672,31 +432,3 @@ class LLMEngine(EngineSleep):
 
 def _lora_names(requests: list[Request]) -> tuple[str, ...]:
     return tuple(sorted({r.lora.name for r in requests if r.lora is not None}))
-
-
-def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:
-    return replace(params, max_tokens=max_tokens)
-
-
-def _check_listed_hashes(req: Request, listed: list[str]) -> None:
-    """A PD consumer's ``kv_transfer.block_hashes`` must lead its prompt's own block hashes. The API
-    server checks this for text prompts (server/roles.py); images are hashed by their pixels, which
-    only the engine computes, so their prompts are checked here."""
-    own = [h.hex() for h in req.full_block_hashes()[: req.num_prompt_tokens // req.block_size]]
-    if len(listed) > len(own) or own[: len(listed)] != [h.lower() for h in listed]:
-        raise ValueError(
-            f"kv_transfer.block_hashes ({len(listed)} hashes) are not the leading block hashes of this "
-            f"prompt with its images ({len(own)} full blocks of {req.block_size} tokens)"
-        )
-
-
-def _check_token_ids(ids: list[Any], vocab_size: int) -> None:
-    """Every id an int in ``[0, vocab_size)``: against the tokenizer's vocabulary, as padded
-    embedding rows are not tokens (and have no prompt logprob column). A request's whole prompt
-    passes through here on the submitter's event loop, so the common case (plain ints) is checked
-    by C builtins, not a Python step per token."""
-    if not ids or (set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab_size):
-        return
-    for tok in ids:
-        if not isinstance(tok, int) or isinstance(tok, bool) or not 0 <= tok < vocab_size:
-            raise ValueError(f"token id {tok!r} is out of the vocabulary [0, {vocab_size})")

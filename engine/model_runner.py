@@ -37,7 +37,7 @@ from engine.runner_parts import (
     position_limit,
     read_weights,
 )
-from engine.scheduler import BlockCopy, ScheduledRequest, SchedulerOutput
+from engine.scheduler_output import BlockCopy, ScheduledRequest, SchedulerOutput
 from engine.sequence import Request
 from engine.sleep_mode import move_tensors
 from engine.weight_update import tensor_pairs, weight_signature

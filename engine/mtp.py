@@ -49,7 +49,7 @@ from engine.sequence import Request
 from engine.weight_update import tensor_pairs
 
 if TYPE_CHECKING:
-    from engine.scheduler import ScheduledRequest
+    from engine.scheduler_output import ScheduledRequest
 
 
 class MTPProposer(PagedDraft):

@@ -5,7 +5,8 @@ from __future__ import annotations
 from engine.block_manager import BlockManager
 from engine.kv_connector import KVConnector
 from engine.sampling_params import SamplingParams
-from engine.scheduler import BlockCopy, Scheduler, SchedulerConfig
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler_output import BlockCopy
 from engine.sequence import Request, RequestStatus
 
 BS = 4
