@@ -47,7 +47,14 @@ from typing import TYPE_CHECKING, Any
 
 from engine.grammar_limits import choice_problem, regex_problem, schema_problem
 from engine.grammar_matcher import BudgetedGrammar, RequestGrammar
-from engine.grammar_rewrites import json_grammar, regex_automaton
+from engine.grammar_rewrites import (
+    ebnf_grammar,
+    json_grammar,
+    marked_patterns,
+    marked_tag_patterns,
+    regex_automaton,
+    regex_utf8,
+)
 from engine.json_schema_merge import declare_required, merge_all_of
 from engine.json_schema_support import map_tag_schemas, tag_schemas, unenforced_keyword
 from engine.sampling_params import StructuredOutputsParams
@@ -122,6 +129,7 @@ class GrammarCompiler:
                 info = xgr.TokenizerInfo.from_huggingface(
                     hf, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
                 )
+                info = _special_tokens_apart(info, hf, self._tokenizer.all_special_ids, self.vocab_size)
                 threads = max(1, min(8, (os.cpu_count() or 1) // 2) // MAX_CONCURRENT_COMPILES)
                 # Our own LRU holds the results; xgrammar's cache would keep a second copy.
                 self._compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
@@ -221,7 +229,7 @@ class GrammarCompiler:
             elif kind == "structural_tag":
                 compiled = _compile_structural_tag(compiler, schema)
             else:
-                compiled = compiler.compile_grammar(spec.grammar)
+                compiled = _compile_ebnf(compiler, spec.grammar or "")
         except (RuntimeError, ValueError, TypeError, KeyError, RecursionError) as e:
             raise ValueError(f"invalid structured outputs {kind}: {_reason(e)}") from e
         return compiled
@@ -245,6 +253,31 @@ class GrammarCompiler:
         if self.mask_budget_ms > 0:
             return BudgetedGrammar(matcher, self.stop_token_ids, after_token_id, self.mask_budget_ms)
         return RequestGrammar(matcher, self.stop_token_ids, after_token_id)
+
+
+def _special_tokens_apart(info: Any, hf: Any, special_ids: set[int], vocab_size: int) -> Any:
+    """``info`` with the vocabulary's special tokens (``<|im_start|>``) written as no text, which
+    xgrammar then never takes as part of a sentence (its own special tokens; a stop token still
+    ends one). As their text, a regex's "." or a JSON string's character took them, and the
+    detokenizer, which skips special tokens, wrote text that no longer matched: ``.{3,}`` gave ""."""
+    import xgrammar as xgr
+
+    special = [i for i in special_ids if i < vocab_size]
+    if not special:
+        return info
+    vocab = [""] * vocab_size
+    for token, i in hf.get_vocab().items():
+        if i < vocab_size:
+            vocab[i] = token
+    for i in special:
+        vocab[i] = ""
+    return xgr.TokenizerInfo(
+        vocab,
+        vocab_type=info.vocab_type,
+        vocab_size=vocab_size,
+        stop_token_ids=info.stop_token_ids,
+        add_prefix_space=info.add_prefix_space,
+    )
 
 
 def _rewritten(schema: Any) -> Any:
@@ -288,10 +321,12 @@ def _json_schema(spec: StructuredOutputsParams) -> str:
 def _compile_json_schema(compiler: Any, schema: str | None, any_ws: bool) -> Any:
     """xgrammar's grammar for ``schema``, its length-bounded strings made valid JSON (as xgrammar
     writes them they may hold raw control characters: mlc-ai/xgrammar#800) and its long "at least"
-    repetitions matched in constant time a token (``engine/grammar_rewrites.py``)."""
+    repetitions matched in constant time a token, its patterns matched as JSON text
+    (``engine/grammar_rewrites.py``)."""
     import xgrammar as xgr
 
-    fixed = json_grammar(str(xgr.Grammar.from_json_schema(schema or "{}", any_whitespace=any_ws)))
+    marked, patterns = marked_patterns(schema or "{}")
+    fixed = json_grammar(str(xgr.Grammar.from_json_schema(marked, any_whitespace=any_ws)), patterns)
     if fixed is None:  # nothing to fix, or an xgrammar that writes it otherwise: as it compiles it
         return compiler.compile_json_schema(schema or "{}", any_whitespace=any_ws)
     return compiler.compile_grammar(fixed)
@@ -340,7 +375,22 @@ def _compile_regex(compiler: Any, regex: str) -> Any:
     try:
         return compiler.compile_grammar(regex_automaton(regex))
     except (RuntimeError, ValueError):
-        return compiler.compile_regex(regex)
+        return compiler.compile_regex(regex_utf8(regex))
+
+
+def _compile_ebnf(compiler: Any, grammar: str) -> Any:
+    """The client's EBNF ``grammar``, its character classes and regexes matching no surrogate (as
+    xgrammar reads "[^x]" it takes a surrogate's UTF-8 form, which is no UTF-8): rewritten as
+    xgrammar prints it (``ebnf_grammar``), or as it came where that does not compile."""
+    import xgrammar as xgr
+
+    fixed = ebnf_grammar(str(xgr.Grammar.from_ebnf(grammar)))
+    if fixed is not None:
+        try:
+            return compiler.compile_grammar(fixed)
+        except (RuntimeError, ValueError):  # a grammar xgrammar prints but cannot read back
+            pass
+    return compiler.compile_grammar(grammar)
 
 
 def _compile_structural_tag(compiler: Any, text: str | None) -> Any:
@@ -348,9 +398,9 @@ def _compile_structural_tag(compiler: Any, text: str | None) -> Any:
     the older one vLLM also takes, ``structures`` of ``{"begin", "schema", "end"}`` and ``triggers``."""
     import xgrammar as xgr
 
-    tag = json.loads(text or "{}")
+    tag, patterns = marked_tag_patterns(json.loads(text or "{}"))  # as a json constraint's are
     if "structures" not in tag:
-        args: tuple[Any, ...] = (text,)
+        args: tuple[Any, ...] = (json.dumps(tag),)
     else:
         if not isinstance(tag["structures"], list) or not isinstance(tag.get("triggers"), list):
             raise ValueError("structures and triggers must be lists")
@@ -366,5 +416,5 @@ def _compile_structural_tag(compiler: Any, text: str | None) -> Any:
     with warnings.catch_warnings():  # the older form is deprecated in xgrammar, not in vLLM's API
         warnings.simplefilter("ignore", DeprecationWarning)
         # Its schemas' length-bounded strings made valid JSON, as a json constraint's are.
-        fixed = json_grammar(str(xgr.Grammar.from_structural_tag(*args)))
+        fixed = json_grammar(str(xgr.Grammar.from_structural_tag(*args)), patterns)
         return compiler.compile_structural_tag(*args) if fixed is None else compiler.compile_grammar(fixed)
