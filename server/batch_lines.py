@@ -295,26 +295,6 @@ async def stream_lines(
             await aclose()
 
 
-async def run_lines(
-    caller: AppCaller,
-    lines: Sequence[str | bytes],
-    concurrency: int,
-    urls: Sequence[str] = BATCH_URLS,
-    progress: Progress | None = None,
-    gate: asyncio.Semaphore | None = None,
-    gone: asyncio.Event | None = None,
-) -> list[dict[str, Any] | None]:
-    """Every line's output line, in input order (``stream_lines`` over lines held in memory); the
-    places of lines never answered (``gone``) hold None."""
-    results: list[dict[str, Any] | None] = [None] * len(lines)
-
-    def keep(index: int, line: dict[str, Any]) -> None:
-        results[index] = line
-
-    await stream_lines(caller, read_ahead(lines), concurrency, keep, urls, progress, gate, gone)
-    return results
-
-
 async def read_ahead(
     lines: Iterable[str | bytes], max_lines: int = 64, max_chars: int = 1 << 20
 ) -> AsyncIterator[str | bytes]:
@@ -338,18 +318,12 @@ async def read_ahead(
             yield line
 
 
-def input_lines(text: str) -> list[str]:
-    """The non-blank lines of a JSONL file (blank ones are skipped, as vLLM and OpenAI do). Lines end
-    at ``\n`` only (a ``\r`` before it is JSON whitespace): ``str.splitlines`` would also cut at
-    U+2028, U+2029 and U+0085, which JSON allows raw inside a string. A leading byte order mark (a
-    file saved as "UTF-8 with BOM") is not part of the first line."""
-    return [line for line in text.removeprefix("\ufeff").split("\n") if line.strip()]
-
-
 def file_lines(file: IO[bytes]) -> Iterator[str]:
-    """The non-blank lines of a binary file from where it stands, read one at a time, cut as
-    ``input_lines`` cuts them (at ``\n`` only, a leading byte order mark dropped when reading from
-    the start). UnicodeDecodeError if it is not UTF-8: a line is decoded alone, and ``\n`` is never
+    """The non-blank lines of a binary file from where it stands (blank ones are skipped, as vLLM
+    and OpenAI do), read one at a time. Lines end at ``\n`` only (a ``\r`` before it is JSON
+    whitespace; ``str.splitlines`` would also cut at U+2028, U+2029 and U+0085, which JSON allows raw
+    inside a string); a leading byte order mark (a file saved as "UTF-8 with BOM") is dropped when
+    reading from the start. UnicodeDecodeError if it is not UTF-8: a line is decoded alone, and ``\n`` is never
     part of a multi-byte UTF-8 sequence, so this is the whole file's check."""
     first = file.tell() == 0
     for raw in file:

@@ -1,10 +1,12 @@
-"""A running batch's output lines, spooled to disk as they come (``server/batch_jobs.py``).
+"""A running batch's output lines, spooled to disk as they come (``server/batch_jobs.py`` and
+``ferry run-batch``, ``server/run_batch.py``).
 
 Requests finish in any order, and a slow early one must not make the later answers wait in
-memory: each output line is appended to an anonymous temporary file in the batch directory the
-moment it comes, and only its offset is kept (8 bytes and a flag per input line, within the
-50,000 lines a batch may have). The output and error files are then read back from the spool in
-input order, a line at a time. Nothing here ever holds more than one output line.
+memory: each output line is appended to an anonymous temporary file (in the batch directory, or
+the system's temporary directory) the moment it comes, and only its offset is kept (8 bytes and a
+flag per input line: within the 50,000 lines a Batch API batch may have, and 9 MB for a million
+lines of a run-batch file). The output and error files are then read back from the spool in input
+order, a line at a time. Nothing here ever holds more than one output line.
 """
 
 from __future__ import annotations
@@ -45,12 +47,13 @@ class ResultSpool:
     def __len__(self) -> int:
         return self.completed + self.failed
 
-    def lines(self, failed: bool) -> Iterator[bytes]:
-        """The output lines (``failed``: those of the error file, else the output file's), in
-        input order, each read from the spool when it is asked for."""
+    def lines(self, failed: bool | None = None) -> Iterator[bytes]:
+        """The output lines (``failed``: those of the error file, else the output file's; None:
+        every one, as run-batch's one output file holds them), in input order, each read from the
+        spool when it is asked for."""
         self._file.flush()
         for index, at in enumerate(self._at):
-            if at >= 0 and self._failed[index] == failed:
+            if at >= 0 and (failed is None or self._failed[index] == failed):
                 self._file.seek(at)
                 yield self._file.readline()
         self._file.seek(self._end)

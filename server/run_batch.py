@@ -6,18 +6,33 @@ built from the same flags `ferry serve` takes, the replica's app over it, and ev
 through that app in this process (``server/batch_lines.py``), at most ``--max-batch-concurrency``
 at once (default ``--max-num-seqs``). Output lines come in input order; a bad line gets an error
 line and the rest still run. Nothing listens on a port.
+
+Neither file is ever held whole: the input is counted and checked as UTF-8 before the model loads,
+then read a line at a time as request slots free up (``read_ahead`` over a ``FileLines``); a URL's
+body, or a pipe's, is first streamed to a temporary file, as the lines are read twice. Answers are
+spooled to a temporary file as they come (``ResultSpool``) and copied from it in input order at the
+end, to the output file or to a temporary file PUT with its length. This module must never build
+a list of the lines or of the answers.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import itertools
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
+from collections.abc import Iterable
 from pathlib import Path
+from typing import IO, TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from server.batch_lines import FileLines
+    from server.batch_results import ResultSpool
 
 logger = logging.getLogger("ferry.batch")
 
@@ -41,24 +56,95 @@ def _is_url(where: str) -> bool:
     return where.startswith(("http://", "https://"))
 
 
-def read_input(where: str) -> str:
+def read_input(where: str) -> FileLines:
+    """The input's non-blank lines, counted and checked as UTF-8 now and read from an open file a
+    line at a time later: a local file itself, or a temporary copy of a URL's body or of a pipe
+    (``-i /dev/stdin``), which could not be read twice. OSError, UnicodeDecodeError (at its offset
+    in the file) or httpx.HTTPError when it cannot be read."""
+    from server.batch_lines import FileLines
+
+    file = _download(where) if _is_url(where) else _open_local(where)
+    try:
+        return FileLines(file, _count_lines(file))
+    except BaseException:
+        file.close()
+        raise
+
+
+def _download(url: str) -> IO[bytes]:
+    """The body of a GET of ``url``, streamed to a temporary file as UTF-8: decoded as httpx's
+    ``Response.text`` decodes it (its charset, else UTF-8, bad bytes replaced), a chunk at a time."""
+    import httpx
+
+    file = tempfile.TemporaryFile()
+    try:
+        with httpx.stream("GET", url, timeout=60.0, follow_redirects=True) as response:
+            response.raise_for_status()
+            for text in response.iter_text():
+                file.write(text.encode("utf-8"))
+    except BaseException:
+        file.close()
+        raise
+    return file
+
+
+def _open_local(path: str) -> IO[bytes]:
+    file = open(path, "rb")  # FileLines owns and closes it
+    if file.seekable():
+        return file
+    with file:  # a pipe or a terminal: read once, into a file that can be read again
+        copy = tempfile.TemporaryFile()
+        try:
+            shutil.copyfileobj(file, copy)
+        except BaseException:
+            copy.close()
+            raise
+        return copy
+
+
+def _count_lines(file: IO[bytes]) -> int:
+    from server.batch_lines import file_lines
+
+    file.seek(0)
+    try:
+        return sum(1 for _ in file_lines(file))
+    except UnicodeDecodeError as e:  # the bad line was the last one read: it ends at tell()
+        raise FileDecodeError(e, file.tell() - len(e.object)) from None
+
+
+class FileDecodeError(UnicodeDecodeError):
+    """A line's UnicodeDecodeError told at its place in the whole file (``line_at``: the offset of
+    the line's first byte), as decoding the whole file at once tells it."""
+
+    def __init__(self, e: UnicodeDecodeError, line_at: int) -> None:
+        super().__init__(e.encoding, e.object, e.start, e.end, e.reason)
+        self.line_at = line_at
+
+    def __str__(self) -> str:
+        start = self.line_at + self.start
+        if self.end == self.start + 1:
+            byte = self.object[self.start]
+            return (
+                f"'{self.encoding}' codec can't decode byte 0x{byte:02x} in position {start}: {self.reason}"
+            )
+        end = self.line_at + self.end - 1
+        return f"'{self.encoding}' codec can't decode bytes in position {start}-{end}: {self.reason}"
+
+
+def write_output(where: str, lines: Iterable[bytes]) -> None:
+    """``lines`` to a local file, or PUT to a URL from a temporary file (streamed, with a
+    Content-Length, which a pre-signed object-store URL requires)."""
     if _is_url(where):
         import httpx
 
-        response = httpx.get(where, timeout=60.0, follow_redirects=True)
-        response.raise_for_status()
-        return response.text
-    return Path(where).read_text(encoding="utf-8")
-
-
-def write_output(where: str, text: str) -> None:
-    if _is_url(where):
-        import httpx
-
-        response = httpx.put(where, content=text.encode(), timeout=60.0)
-        response.raise_for_status()
+        with tempfile.TemporaryFile() as body:
+            body.writelines(lines)
+            body.seek(0)
+            response = httpx.put(where, content=body, timeout=60.0)
+            response.raise_for_status()
         return
-    Path(where).write_text(text, encoding="utf-8")
+    with open(where, "wb") as file:
+        file.writelines(lines)
 
 
 def unwritable(where: str) -> str | None:
@@ -85,8 +171,7 @@ def _error(problem: object) -> int:
 def run_batch(args: argparse.Namespace) -> int:
     import httpx
 
-    from server.batch_lines import input_lines
-    from server.main import loop_factory, serve_configs
+    from server.main import serve_configs
 
     if args.api_server_count != 1:
         return _error("--api-server-count does not apply to run-batch (no API server runs)")
@@ -98,39 +183,55 @@ def run_batch(args: argparse.Namespace) -> int:
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        lines = input_lines(read_input(args.input_file))
-    except (OSError, UnicodeDecodeError, httpx.HTTPError) as e:
+        lines = read_input(args.input_file)
+    except (OSError, ValueError, httpx.HTTPError) as e:  # ValueError: UnicodeDecodeError, a NUL in the path
         return _error(f"cannot read {args.input_file}: {e}")
+    try:
+        return _run_and_write(args, config, engine_config, lines)
+    finally:
+        lines.close()
+
+
+def _run_and_write(args: argparse.Namespace, config: object, engine_config: object, lines: FileLines) -> int:
+    import httpx
+
+    from server.batch_results import ResultSpool
+    from server.main import loop_factory
+
     problem = unwritable(args.output_file)
     if problem is not None:  # found now, not after every request has run
         return _error(f"cannot write {args.output_file}: {problem}")
     concurrency = args.max_batch_concurrency or engine_config.max_num_seqs
+    results = ResultSpool(len(lines))
     try:
-        with asyncio.Runner(loop_factory=loop_factory()) as runner:
-            results = runner.run(_run(engine_config, config, lines, concurrency))
-    except (ValueError, OSError) as e:  # the model directory, flags the model cannot meet
-        return _error(e)
-    answered = [line for line in results if line is not None]
-    if len(answered) < len(results):
-        print(
-            f"ferry run-batch: interrupted: {len(answered)} of {len(results)} requests answered, "
-            f"those written to {args.output_file}",
-            file=sys.stderr,
-        )
-    text = "".join(json.dumps(line) + "\n" for line in answered)
-    try:
-        write_output(args.output_file, text)
-    except (OSError, httpx.HTTPError) as e:
-        return _error(f"cannot write {args.output_file}: {e}")
-    failed = sum(1 for line in answered if line["error"] is not None)
-    logger.info("wrote %d results to %s (%d failed)", len(answered), args.output_file, failed)
-    return 0 if len(answered) == len(results) else 130
+        try:
+            with asyncio.Runner(loop_factory=loop_factory()) as runner:
+                runner.run(_run(engine_config, config, lines, results, concurrency))
+        except (ValueError, OSError) as e:  # the model directory, flags the model cannot meet
+            return _error(e)
+        answered = len(results)
+        if answered < len(lines):
+            print(
+                f"ferry run-batch: interrupted: {answered} of {len(lines)} requests answered, "
+                f"those written to {args.output_file}",
+                file=sys.stderr,
+            )
+        try:
+            write_output(args.output_file, results.lines())
+        except (OSError, httpx.HTTPError) as e:
+            return _error(f"cannot write {args.output_file}: {e}")
+        logger.info("wrote %d results to %s (%d failed)", answered, args.output_file, results.failed)
+        return 0 if answered == len(lines) else 130
+    finally:
+        results.close()
 
 
-async def _run(engine_config: object, config: object, lines: list[str], concurrency: int) -> list:
+async def _run(
+    engine_config: object, config: object, lines: FileLines, results: ResultSpool, concurrency: int
+) -> None:
     from engine import AsyncEngine
     from server.app import build_app
-    from server.batch_lines import AppCaller, Progress, run_lines
+    from server.batch_lines import AppCaller, Progress, read_ahead, stream_lines
     from server.lora import preload
 
     engine = AsyncEngine(engine_config)  # inside the loop: it binds its output queues to it
@@ -146,8 +247,15 @@ async def _run(engine_config: object, config: object, lines: list[str], concurre
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, gone.set)
         try:
-            results = await run_lines(
-                AppCaller(app, config.api_key), lines, concurrency, progress=progress, gone=gone
+            # Only the lines counted: a file appended to meanwhile never runs past its results' places.
+            counted = itertools.islice(lines, len(lines))
+            await stream_lines(
+                AppCaller(app, config.api_key),
+                read_ahead(counted),
+                concurrency,
+                results.add,
+                progress=progress,
+                gone=gone,
             )
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM):
@@ -157,6 +265,5 @@ async def _run(engine_config: object, config: object, lines: list[str], concurre
         if state.responses is not None:
             await state.responses.close()
         await state.batches.close()
-        return results
     finally:
         await engine.shutdown()

@@ -10,18 +10,22 @@ import json
 import openai
 import pytest
 
-from server.batch_lines import input_lines
+from server.batch_lines import file_lines
 from tests.server.test_batch_api import _chat, _wait, client, replica  # noqa: F401 (fixtures)
 
 CONTENT = "one\u2028two\u2029three\u0085four"
 
 
-def test_input_lines_split_at_newline_only() -> None:
+def _lines(text: str) -> list[str]:
+    return list(file_lines(io.BytesIO(text.encode())))
+
+
+def test_file_lines_split_at_newline_only() -> None:
     line = json.dumps(_chat("x", CONTENT), ensure_ascii=False)
     text = f"{line}\r\n\n  \n{line}\n"
-    assert input_lines(text) == [line + "\r", line]
-    assert [json.loads(x)["body"]["messages"][0]["content"] for x in input_lines(text)] == [CONTENT] * 2
-    assert input_lines("\ufeff" + text) == input_lines(text)  # a file saved as "UTF-8 with BOM"
+    assert _lines(text) == [line + "\r", line]
+    assert [json.loads(x)["body"]["messages"][0]["content"] for x in _lines(text)] == [CONTENT] * 2
+    assert _lines("\ufeff" + text) == _lines(text)  # a file saved as "UTF-8 with BOM"
 
 
 def test_batch_line_with_unicode_line_separators(client: openai.OpenAI, replica) -> None:  # noqa: F811
