@@ -7,6 +7,8 @@ unless asked, as vLLM's pooling chat requests), never both. ``use_activation`` (
 spellings ``activation`` / ``softmax``) says whether the model's activation is applied: an embedding's
 L2 normalisation (``normalize`` too, ferry's ``/v1/embeddings`` spelling), a classifier's softmax or
 sigmoid. ``task`` may only name the served model's own (``embed`` or ``classify``).
+``encoding_format``, ``embed_dtype`` and ``endianness`` are ``/v1/embeddings``' (vLLM's ``float``,
+``base64``, ``bytes`` and ``bytes_only``).
 """
 
 from __future__ import annotations
@@ -16,14 +18,24 @@ from typing import Literal
 
 from pydantic import Field, StrictBool, StrictInt, StrictStr, model_validator
 
-from server.protocol import ChatMessage, EmbeddingUsage, PromptInput, _Response
+from server.protocol import (
+    ChatMessage,
+    EmbeddingUsage,
+    EmbedDType,
+    Endianness,
+    PoolingEncoding,
+    PromptInput,
+    _Response,
+)
 from server.score_protocol import _Activation
 
 
 class PoolingRequest(_Activation):
     input: PromptInput | None = None
     messages: list[ChatMessage] | None = None
-    encoding_format: Literal["float", "base64"] = "float"
+    encoding_format: PoolingEncoding = "float"
+    embed_dtype: EmbedDType = "float32"
+    endianness: Endianness = "native"
     task: StrictStr | None = None
     normalize: StrictBool | None = None
     dimensions: StrictInt | None = None  # refused by the serving layer, as vLLM's /pooling refuses it
@@ -48,7 +60,7 @@ class PoolingRequest(_Activation):
 class PoolingData(_Response):
     index: int
     object: Literal["pooling"] = "pooling"
-    data: list[float] | str  # floats, or base64 of little-endian float32
+    data: list[float] | str  # float32 values, or base64 of their embed_dtype bytes
 
 
 class PoolingResponse(_Response):

@@ -412,20 +412,34 @@ class TokenizeRequest(_Request):
         return self
 
 
+# vLLM's binary encodings of pooled vectors (``engine.pooling.encode_values``): the dtype the float32
+# values are cast to and the byte order, for ``base64`` and the raw ``bytes`` / ``bytes_only`` answers.
+EmbedDType = Literal["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"]
+Endianness = Literal["native", "big", "little"]
+PoolingEncoding = Literal["float", "base64", "bytes", "bytes_only"]
+
+
 class EmbeddingRequest(_Request):
-    """OpenAI's /v1/embeddings (plus vLLM's ``truncate_prompt_tokens``, ``add_special_tokens`` and
-    ``normalize``)."""
+    """OpenAI's /v1/embeddings (plus vLLM's ``truncate_prompt_tokens``, ``add_special_tokens``,
+    ``normalize`` / ``use_activation``, ``embed_dtype``, ``endianness`` and the ``bytes`` encodings)."""
 
     model: StrictStr | None = None
     input: PromptInput
-    encoding_format: Literal["float", "base64"] = "float"
+    encoding_format: PoolingEncoding = "float"
+    embed_dtype: EmbedDType = "float32"
+    endianness: Endianness = "native"
     dimensions: StrictInt | None = Field(default=None, ge=1)
     user: StrictStr | None = None
     truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=-1)
     add_special_tokens: StrictBool = True
     normalize: StrictBool = True  # False: the pooled state as it is (vLLM's pooling parameter)
+    use_activation: StrictBool | None = None  # vLLM's newer spelling of normalize; wins when given
 
     _check_truncation = field_validator("truncate_prompt_tokens")(truncation)
+
+    @property
+    def normalized(self) -> bool:
+        return self.normalize if self.use_activation is None else self.use_activation
 
 
 class DetokenizeRequest(_Request):
@@ -439,12 +453,18 @@ class DetokenizeRequest(_Request):
 class EmbeddingData(_Response):
     object: Literal["embedding"] = "embedding"
     index: int
-    embedding: list[float] | str  # floats, or base64 of little-endian float32
+    embedding: list[float] | str  # float32 values, or base64 of their embed_dtype bytes
 
 
 class EmbeddingUsage(_Response):
+    """A pooling answer's usage (embeddings, /pooling, /classify, /score): vLLM's ``UsageInfo`` as
+    its pooling routes answer it, ``completion_tokens`` 0 and ``prompt_tokens_details`` null. A
+    rerank answers the first two only, as vLLM's ``RerankUsage`` (``serving_embeddings``)."""
+
     prompt_tokens: int
     total_tokens: int
+    completion_tokens: int = 0
+    prompt_tokens_details: None = None
 
 
 class EmbeddingResponse(_Response):

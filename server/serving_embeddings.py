@@ -6,27 +6,34 @@ mean or first-token pooling by ``--pooling-type`` or the model's sentence-transf
 Inputs run as engine requests that end once their prompt is computed (``pooling=True``): they are
 admitted, batched, prefix-cached, timed out and aborted on disconnect like generation requests.
 ``dimensions`` keeps the first N values before normalising, on Matryoshka models only
-(``check_dimensions``: a 400 on any other, as vLLM answers); ``base64`` is
-little-endian float32, as OpenAI's SDKs decode it. ``pooling_prompt`` and ``answer_pooled`` serve
-``/score`` and ``/rerank`` too (``server/serving_score.py``), so every pooled text takes this path.
+(``check_dimensions``: a 400 on any other, as vLLM answers). Encodings, as vLLM's: ``float`` lists
+the float32 values; ``base64`` carries them cast to ``embed_dtype`` (float32 by default, as OpenAI's
+SDKs decode it) in ``endianness``'s byte order (native by default); ``bytes`` answers those bytes
+as the body, every vector after the other, with a ``metadata`` header saying where each lies
+(``bytes_only``: without it). ``pooling_prompt`` and ``answer_pooled`` serve ``/score``,
+``/rerank``, ``/classify`` and ``/pooling`` too, so every pooled text takes this path.
 """
 
 from __future__ import annotations
 
 import base64
+import json
 import time
 from collections.abc import Callable
 from typing import Any
 
-from fastapi.responses import JSONResponse
+import numpy as np
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 
 from engine.outputs import RequestOutput
-from engine.pooling import as_float32_le, float32_values, normalized, truncated
+from engine.pooling import encode_values, float32_values, normalized, truncated
 from engine.sampling_params import SamplingParams
 from server.errors import bad_request, unavailable
 from server.generation import SequenceRequest
 from server.params import check_token_ids, kept_prompt_tokens
 from server.protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
+from server.score_protocol import RerankResponse
 from server.serving_common import answer_whole, plan_off_loop, prompt_chars
 from server.state import ServerState
 
@@ -98,15 +105,55 @@ def pooled_usage(prompts: list[list[int]]) -> EmbeddingUsage:
     return EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens)
 
 
-def _encode(
-    vector: list[float], dimensions: int | None, encoding: str, normalize: bool = True
-) -> list[float] | str:
-    v = normalized(vector, dimensions) if normalize else truncated(vector, dimensions)
-    if encoding == "base64":
-        return base64.b64encode(as_float32_le(v)).decode("ascii")
-    # The float32 values the base64 bytes carry (as vLLM's float32 tensor lists them): one answer
-    # whichever encoding the client asks for.
-    return float32_values(v)
+def encoded_row(values: np.ndarray, req: Any) -> list[float] | str:
+    """One pooled vector as a JSON answer carries it (``req``: an embeddings or pooling request):
+    its float32 values, or for ``base64`` their ``embed_dtype`` bytes in ``endianness``'s order."""
+    if req.encoding_format == "base64":
+        return base64.b64encode(encode_values(values, req.embed_dtype, req.endianness)).decode("ascii")
+    return float32_values(values)
+
+
+def bytes_answer(
+    rows: list[np.ndarray], req: Any, answer_id: str, model: str, usage: EmbeddingUsage
+) -> Response:
+    """vLLM's binary answer (``encoding_format`` ``bytes`` or ``bytes_only``): each vector's
+    ``embed_dtype`` bytes, one after another, as the body; with ``bytes`` a ``metadata`` header (JSON:
+    the answer's id, created, model, usage and, per vector, its index, embed_dtype, endianness,
+    byte ``start`` and ``end`` in the body and ``shape``)."""
+    chunks = [encode_values(row, req.embed_dtype, req.endianness) for row in rows]
+    headers = None
+    if req.encoding_format == "bytes":
+        items, start = [], 0
+        for i, (row, chunk) in enumerate(zip(rows, chunks, strict=True)):
+            end = start + len(chunk)
+            items.append(
+                {
+                    "index": i,
+                    "embed_dtype": req.embed_dtype,
+                    "endianness": req.endianness,
+                    "start": start,
+                    "end": end,
+                    "shape": [len(row)],
+                }
+            )
+            start = end
+        meta = {
+            "id": answer_id,
+            "created": int(time.time()),
+            "model": model,
+            "data": items,
+            "usage": {"prompt_tokens": usage.prompt_tokens, "total_tokens": usage.total_tokens},
+        }
+        headers = {"metadata": json.dumps(meta)}
+    return Response(b"".join(chunks), media_type="application/octet-stream", headers=headers)
+
+
+class _Built(BaseModel):
+    """What ``answer_whole`` renders for ``answer_pooled``, which answers itself."""
+
+
+# vLLM's rerank usage is its RerankUsage: the prompt and total tokens only.
+_RERANK_DUMP: dict[str, Any] = {"exclude": {"usage": {"completion_tokens", "prompt_tokens_details"}}}
 
 
 async def answer_pooled(
@@ -118,10 +165,11 @@ async def answer_pooled(
     receive: Any,
     submitted: Callable[[], None] | None,
     build: Callable[[list[list[float]]], Any],
-) -> JSONResponse:
+) -> Response:
     """Run each prompt as a pooling engine request (admitted together: 429/503 before any starts;
     timed out, aborted on disconnect) and answer ``build(vectors)``: the pooled hidden states in
-    ``prompts``' order, as the engine left them (not normalised)."""
+    ``prompts``' order, as the engine left them (not normalised); a response model (as JSON) or a
+    ready ``Response`` (``bytes_answer``)."""
     params = SamplingParams(max_tokens=1)
     seqs = [
         SequenceRequest(
@@ -131,6 +179,7 @@ async def answer_pooled(
     ]
     ticket = state.generation.admit(len(seqs), submitted, pooling=True)
     vectors: list[list[float] | None] = [None] * len(seqs)
+    built: list[Any] = []
 
     def on_output(seq: SequenceRequest, out: RequestOutput) -> None:
         if out.finished and out.embedding is not None:
@@ -139,11 +188,14 @@ async def answer_pooled(
     def finish() -> Any:
         if any(v is None for v in vectors):  # ended without a result: the engine is stopping
             raise unavailable("The engine ended an embedding request before computing it.")
-        return build(vectors)  # type: ignore[arg-type]
+        built.append(build(vectors))  # type: ignore[arg-type]
+        return _Built()
 
-    return await answer_whole(
-        state, seqs, request_id, arrival, ticket, receive, on_output, finish, lambda _: None
-    )
+    await answer_whole(state, seqs, request_id, arrival, ticket, receive, on_output, finish, lambda _: None)
+    answer = built[0]
+    if isinstance(answer, Response):
+        return answer
+    return JSONResponse(answer.model_dump(**(_RERANK_DUMP if isinstance(answer, RerankResponse) else {})))
 
 
 def check_dimensions(state: ServerState, info: Any, dimensions: int) -> None:
@@ -190,12 +242,14 @@ async def create_embedding(
     if req.dimensions is not None:
         check_dimensions(state, info, req.dimensions)
     inputs = await plan_off_loop(prompt_chars(req.input), pooling_inputs, state, req)
+    values = normalized if req.normalized else truncated
 
-    def build(vectors: list[list[float]]) -> EmbeddingResponse:
-        data = [
-            EmbeddingData(index=i, embedding=_encode(v, req.dimensions, req.encoding_format, req.normalize))
-            for i, v in enumerate(vectors)
-        ]
-        return EmbeddingResponse(data=data, model=state.answer_model(lora), usage=pooled_usage(inputs))
+    def build(vectors: list[list[float]]) -> EmbeddingResponse | Response:
+        rows = [values(v, req.dimensions) for v in vectors]
+        usage, model = pooled_usage(inputs), state.answer_model(lora)
+        if req.encoding_format in ("bytes", "bytes_only"):
+            return bytes_answer(rows, req, f"embd-{request_id}", model, usage)
+        data = [EmbeddingData(index=i, embedding=encoded_row(row, req)) for i, row in enumerate(rows)]
+        return EmbeddingResponse(data=data, model=model, usage=usage)
 
     return await answer_pooled(state, inputs, lora, request_id, arrival, receive, submitted, build)

@@ -3,29 +3,37 @@
 On an embedding model (task ``embed``) an input's vector is its embedding, normalised unless the
 request turns the activation off: the values ``/v1/embeddings`` answers. On a sequence classifier
 (task ``classify``) it is the class probabilities by the config's activation (the raw logits without
-it): the ``probs`` ``/classify`` answers. Either way the values are float32 (``float`` lists exactly
-what ``base64``'s little-endian float32 bytes carry). Inputs run as pooling engine requests through
-``serving_embeddings.answer_pooled`` (admitted together, batched, timed out, aborted when the client
-leaves), with the same prompt checks and usage as the other pooling routes. ``dimensions`` is a 400
-here, as vLLM answers it on this route (``/v1/embeddings`` takes it on Matryoshka models).
+it): the ``probs`` ``/classify`` answers. Either way the values are float32, encoded as
+``/v1/embeddings`` encodes them (``float``; ``base64``, ``bytes`` or ``bytes_only`` in ``embed_dtype``
+and ``endianness``: ``serving_embeddings.encoded_row`` and ``bytes_answer``). Inputs run as pooling
+engine requests through ``serving_embeddings.answer_pooled`` (admitted together, batched, timed out,
+aborted when the client leaves), with the same prompt checks and usage as the other pooling routes.
+``dimensions`` is a 400 here, as vLLM answers it on this route (``/v1/embeddings`` takes it on
+Matryoshka models).
 """
 
 from __future__ import annotations
 
-import base64
 import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 
-from engine.pooling import activate, as_float32_le, float32_values, normalized, truncated
-from server.errors import bad_request
+from engine.pooling import activate, normalized, truncated
+from server.errors import bad_request, validated
 from server.params import chat_prompt
 from server.pooling_protocol import PoolingData, PoolingRequest, PoolingResponse
 from server.serving_common import plan_off_loop, prompt_chars
-from server.serving_embeddings import answer_pooled, pooled_usage, pooling_inputs, pooling_prompt
+from server.serving_embeddings import (
+    answer_pooled,
+    bytes_answer,
+    encoded_row,
+    pooled_usage,
+    pooling_inputs,
+    pooling_prompt,
+)
 from server.state import ServerState
 
 
@@ -46,10 +54,18 @@ def _chat_inputs(state: ServerState, req: PoolingRequest) -> list[list[int]]:
     ]
 
 
-def _encoded(values: Any, encoding: str) -> list[float] | str:
-    if encoding == "base64":
-        return base64.b64encode(as_float32_le(values)).decode("ascii")
-    return float32_values(values)
+def pooling_invocation(body: Any, classifier: bool) -> PoolingRequest | None:
+    """The ``/pooling`` request a SageMaker ``/invocations`` body is, where vLLM would pool it (None
+    elsewhere). vLLM tries the request types of the endpoints the model serves in a fixed order
+    (chat, completions, embeddings, classify, rerank, score, and pooling last) and serves the first
+    that validates, ignoring unknown fields. Every ``input`` body ``/pooling`` takes, embeddings (or
+    classify, on a classifier) takes first: a pooling request adds only ``task``, which they ignore.
+    On a classifier, which serves no chat, a body with ``messages`` and no ``input`` is vLLM's
+    chat-shaped classify request; ferry's ``/classify`` takes no messages, so ``/pooling``, which
+    answers the same probabilities, serves it (with its own 400 when it is not valid there)."""
+    if classifier and isinstance(body, dict) and "messages" in body and "input" not in body:
+        return validated(PoolingRequest, body)
+    return None
 
 
 async def create_pooling(
@@ -58,7 +74,7 @@ async def create_pooling(
     request_id: str,
     receive: Any,
     submitted: Callable[[], None] | None = None,
-) -> JSONResponse:
+) -> Response:
     arrival = time.perf_counter()
     lora = state.check_model(req.model)
     classifier = getattr(getattr(state.engine, "model_info", None), "classifier", None)
@@ -89,13 +105,12 @@ async def create_pooling(
     else:
         values = normalized if activated else truncated
 
-    def build(rows: list[list[float]]) -> PoolingResponse:
-        data = [
-            PoolingData(index=i, data=_encoded(values(row), req.encoding_format))
-            for i, row in enumerate(rows)
-        ]
-        return PoolingResponse(
-            id=f"pool-{request_id}", model=state.answer_model(lora), data=data, usage=pooled_usage(inputs)
-        )
+    def build(vectors: list[list[float]]) -> PoolingResponse | Response:
+        rows = [values(v) for v in vectors]
+        answer_id, usage, model = f"pool-{request_id}", pooled_usage(inputs), state.answer_model(lora)
+        if req.encoding_format in ("bytes", "bytes_only"):
+            return bytes_answer(rows, req, answer_id, model, usage)
+        data = [PoolingData(index=i, data=encoded_row(row, req)) for i, row in enumerate(rows)]
+        return PoolingResponse(id=answer_id, model=model, data=data, usage=usage)
 
     return await answer_pooled(state, inputs, lora, request_id, arrival, receive, submitted, build)

@@ -74,7 +74,12 @@ def test_classify_equals_transformers_softmax(classifier, tiny_llama_cls: Path) 
         assert body["id"].startswith("classify-") and body["object"] == "list"
         assert body["model"] == classifier.model_name and isinstance(body["created"], int)
         tokens = sum(len(i) for i in ids)
-        assert body["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
+        assert body["usage"] == {
+            "prompt_tokens": tokens,
+            "total_tokens": tokens,
+            "completion_tokens": 0,
+            "prompt_tokens_details": None,
+        }
         assert [d["index"] for d in body["data"]] == [0, 1, 2]
         for d, w in zip(body["data"], want, strict=True):
             assert d["num_classes"] == 3 and _close(d["probs"], w)
@@ -159,7 +164,12 @@ def test_score_and_rerank_read_each_pair_as_one_input(reranker, tiny_cross_encod
     r = _post(reranker.url, "/score", {"model": reranker.model_name, "text_1": QUERY, "text_2": DOCS})
     assert r.status_code == 200, r.text
     assert _close([d["score"] for d in r.json()["data"]], want)
-    assert r.json()["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
+    assert r.json()["usage"] == {
+        "prompt_tokens": tokens,
+        "total_tokens": tokens,
+        "completion_tokens": 0,
+        "prompt_tokens_details": None,
+    }
     n_to_n = _post(reranker.url, "/v1/score", {"queries": [QUERY] * 4, "documents": DOCS})
     assert _close([d["score"] for d in n_to_n.json()["data"]], want)
     for path in ("/rerank", "/v2/rerank"):

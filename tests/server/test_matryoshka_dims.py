@@ -94,7 +94,12 @@ def test_listed_sizes_only(mrl_server) -> None:
         assert r.status_code == 200, r.text
         want = raw[:size] / np.linalg.norm(raw[:size])
         assert r.json()["data"][0]["embedding"] == want.astype(np.float32).tolist()
-        assert r.json()["usage"] == {"prompt_tokens": len(IDS), "total_tokens": len(IDS)}
+        assert r.json()["usage"] == {
+            "prompt_tokens": len(IDS),
+            "total_tokens": len(IDS),
+            "completion_tokens": 0,
+            "prompt_tokens_details": None,
+        }
     for size in (5, 32, 65):
         r = _embed(mrl_server, dimensions=size)
         assert r.status_code == 400, r.text

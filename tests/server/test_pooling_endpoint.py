@@ -38,6 +38,16 @@ def _floats(packed: str) -> list[float]:
     return list(struct.unpack(f"<{len(raw) // 4}f", raw))
 
 
+def _usage(tokens: int) -> dict:
+    """vLLM's UsageInfo as its pooling routes answer it."""
+    return {
+        "prompt_tokens": tokens,
+        "total_tokens": tokens,
+        "completion_tokens": 0,
+        "prompt_tokens_details": None,
+    }
+
+
 def _f32(values: list[float]) -> list[float]:
     return np.asarray(values, dtype=np.float64).astype(np.float32).tolist()
 
@@ -71,7 +81,7 @@ def test_embedding_model_pools_as_v1_embeddings(server, tiny_llama: Path) -> Non
     assert body["id"] == "pool-abc-1" and body["object"] == "list" and isinstance(body["created"], int)
     assert body["model"] == server.model_name
     tokens = sum(len(i) for i in ids)
-    assert body["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
+    assert body["usage"] == _usage(tokens)
     want = _ok(server, "/v1/embeddings", {"input": TEXTS, "encoding_format": "float"})["data"]
     assert [d["index"] for d in body["data"]] == [0, 1, 2]
     assert all(d["object"] == "pooling" for d in body["data"])
@@ -94,7 +104,7 @@ def test_truncation_and_messages(server) -> None:
     cut = _ok(server, "/pooling", {"input": TEXTS[1], "truncate_prompt_tokens": 3})
     want = _ok(server, "/v1/embeddings", {"input": TEXTS[1], "truncate_prompt_tokens": 3})
     assert cut["data"][0]["data"] == want["data"][0]["embedding"]
-    assert cut["usage"] == {"prompt_tokens": 3, "total_tokens": 3}
+    assert cut["usage"] == _usage(3)
     # Messages: the chat template's rendering, without a generation prompt unless asked for.
     prompts = []
     for extra in ({}, {"add_generation_prompt": True}):
@@ -104,7 +114,7 @@ def test_truncation_and_messages(server) -> None:
         got = _ok(server, "/pooling", {"messages": MESSAGES, **extra})
         want = _ok(server, "/v1/embeddings", {"input": ids})
         assert got["data"] == [{"index": 0, "object": "pooling", "data": want["data"][0]["embedding"]}]
-        assert got["usage"] == {"prompt_tokens": len(ids), "total_tokens": len(ids)}
+        assert got["usage"] == _usage(len(ids))
         prompts.append(ids)
     assert len(prompts[1]) > len(prompts[0]) and prompts[1][: len(prompts[0])] == prompts[0]
 
@@ -116,7 +126,7 @@ def test_classifier_pools_as_classify(classifier, tiny_llama_cls: Path) -> None:
         got = _ok(classifier, "/pooling", {"input": TEXTS, **flags})
         assert [d["data"] for d in got["data"]] == [_f32(w["probs"]) for w in want]
         tokens = sum(len(i) for i in ids)
-        assert got["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
+        assert got["usage"] == _usage(tokens)
         packed = _ok(classifier, "/pooling", {"input": ids, "encoding_format": "base64", **flags})["data"]
         assert [_floats(d["data"]) for d in packed] == [_f32(w["probs"]) for w in want]
     probs = _ok(classifier, "/pooling", {"input": TEXTS[0], "task": "classify"})["data"][0]["data"]
@@ -131,7 +141,7 @@ def test_classifier_pools_as_classify(classifier, tiny_llama_cls: Path) -> None:
         ({"input": "x", "dimensions": 8}, "dimensions", "dimensions is not supported on /pooling"),
         ({"input": "x", "task": "classify"}, "task", "this model's pooling task is 'embed'"),
         ({"input": "x", "task": "token_embed"}, "task", "'token_embed' is not served"),
-        ({"input": "x", "encoding_format": "bytes"}, "encoding_format", ""),
+        ({"input": "x", "encoding_format": "binary"}, "encoding_format", ""),
         ({"input": []}, "input", "must not be empty"),
         ({"input": ["ok", ""]}, "input", "empty strings"),
         ({"input": [[1, 2], [99999]]}, "input", "out of range"),

@@ -68,7 +68,12 @@ def test_score_is_the_dot_product_of_the_embeddings(server) -> None:
     assert body["id"].startswith("score-") and body["object"] == "list" and body["model"] == server.model_name
     assert isinstance(body["created"], int) and {d["object"] for d in body["data"]} == {"score"}
     tokens = _tokens(server.url, [QUERY, *DOCS])  # the query is embedded (and counted) once
-    assert body["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
+    assert body["usage"] == {
+        "prompt_tokens": tokens,
+        "total_tokens": tokens,
+        "completion_tokens": 0,
+        "prompt_tokens_details": None,
+    }  # vLLM's UsageInfo (a rerank's is its RerankUsage: the first two)
     # One pooling engine request per distinct text, counted as embeddings' are.
     after = metric_value(
         httpx.get(server.url + "/metrics").text, "vllm:request_success_total", finished_reason="stop"
