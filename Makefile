@@ -46,8 +46,10 @@ test-tools:
 	  apt-get install -y -q $$missing >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q $$missing >/dev/null 2>&1) || echo "could not install$$missing; those tests will skip"; \
 	fi; true
 
+# Two workers (pytest-xdist), a test file each at a time: a file's module-scoped servers start once,
+# and one worker's servers load the CPU while the other's tests wait on sockets and processes.
 test: install-test redis test-tools
-	$(PY) -m pytest -q --durations=15 tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15 tests
 
 lint: install-test
 	$(VENV)/bin/ruff check .
