@@ -169,6 +169,13 @@ def parse_line(
     if line.body.get("background"):  # its answer would be a queued response, not the result
         message = "Background responses are not supported in a batch: leave 'background' unset or false."
         return custom_id, line_error("background_not_supported", message)
+    encoding = line.body.get("encoding_format")
+    if line.url == "/v1/embeddings" and encoding in ("bytes", "bytes_only"):  # no JSON body to hold
+        message = (
+            f"encoding_format {encoding!r} answers binary data, which a batch output line cannot hold: "
+            "use 'float' or 'base64'."
+        )
+        return custom_id, line_error("binary_encoding_not_supported", message)
     return line
 
 

@@ -432,14 +432,20 @@ class EmbeddingRequest(_Request):
     user: StrictStr | None = None
     truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=-1)
     add_special_tokens: StrictBool = True
-    normalize: StrictBool = True  # False: the pooled state as it is (vLLM's pooling parameter)
-    use_activation: StrictBool | None = None  # vLLM's newer spelling of normalize; wins when given
+    normalize: StrictBool | None = None  # False: the pooled state as it is (vLLM's pooling parameter)
+    use_activation: StrictBool | None = None  # vLLM's newer spelling of normalize
 
     _check_truncation = field_validator("truncate_prompt_tokens")(truncation)
 
     @property
     def normalized(self) -> bool:
-        return self.normalize if self.use_activation is None else self.use_activation
+        """Whether the vector is L2-normalised. ``normalize`` wins over ``use_activation`` when
+        both are given, as in vLLM (its older spelling first, on every pooling route: ``/pooling``
+        too); True when neither is."""
+        for flag in (self.normalize, self.use_activation):
+            if flag is not None:
+                return flag
+        return True
 
 
 class DetokenizeRequest(_Request):
@@ -468,7 +474,12 @@ class EmbeddingUsage(_Response):
 
 
 class EmbeddingResponse(_Response):
+    """vLLM's embeddings answer: OpenAI's fields plus ``id`` (``embd-`` and the request id, as the
+    ``bytes`` metadata's) and ``created``, which OpenAI's SDKs keep as extra fields."""
+
+    id: str
     object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
     data: list[EmbeddingData]
     model: str
     usage: EmbeddingUsage

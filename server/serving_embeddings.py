@@ -10,8 +10,11 @@ admitted, batched, prefix-cached, timed out and aborted on disconnect like gener
 the float32 values; ``base64`` carries them cast to ``embed_dtype`` (float32 by default, as OpenAI's
 SDKs decode it) in ``endianness``'s byte order (native by default); ``bytes`` answers those bytes
 as the body, every vector after the other, with a ``metadata`` header saying where each lies
-(``bytes_only``: without it). ``pooling_prompt`` and ``answer_pooled`` serve ``/score``,
-``/rerank``, ``/classify`` and ``/pooling`` too, so every pooled text takes this path.
+(``bytes_only``: without it). A JSON answer carries vLLM's ``id`` (``embd-`` and the request id,
+the ``metadata``'s too) and ``created``. ``normalize: false`` or ``use_activation: false`` gives the
+pooled state unnormalised (``normalize`` wins when both are given, as in vLLM and on ``/pooling``).
+``pooling_prompt`` and ``answer_pooled`` serve ``/score``, ``/rerank``, ``/classify`` and
+``/pooling`` too, so every pooled text takes this path.
 """
 
 from __future__ import annotations
@@ -246,10 +249,10 @@ async def create_embedding(
 
     def build(vectors: list[list[float]]) -> EmbeddingResponse | Response:
         rows = [values(v, req.dimensions) for v in vectors]
-        usage, model = pooled_usage(inputs), state.answer_model(lora)
+        answer_id, usage, model = f"embd-{request_id}", pooled_usage(inputs), state.answer_model(lora)
         if req.encoding_format in ("bytes", "bytes_only"):
-            return bytes_answer(rows, req, f"embd-{request_id}", model, usage)
+            return bytes_answer(rows, req, answer_id, model, usage)
         data = [EmbeddingData(index=i, embedding=encoded_row(row, req)) for i, row in enumerate(rows)]
-        return EmbeddingResponse(data=data, model=model, usage=usage)
+        return EmbeddingResponse(id=answer_id, data=data, model=model, usage=usage)
 
     return await answer_pooled(state, inputs, lora, request_id, arrival, receive, submitted, build)

@@ -93,6 +93,7 @@ async def create_pooling(
             "normalize applies to embedding models; a classifier's activation is use_activation",
             param="normalize",
         )
+    # vLLM's precedence: normalize, then softmax, activation, use_activation (as /v1/embeddings').
     activated = req.normalize if req.normalize is not None else req.activated
     if req.messages is not None:
         inputs = await plan_off_loop(prompt_chars(req.messages), _chat_inputs, state, req)
