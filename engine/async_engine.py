@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import sys
 import threading
@@ -175,6 +176,8 @@ class AsyncEngine(SleepCommands, BurstGathering, LoRAServing, RequestPreparation
         if not isinstance(prompt, (str, list)):
             prompt = await self.prepare_prompt_embeds(prompt)
         if lora_request is not None:
+            # Last, with nothing awaited between it and ``start``: other requests' adapters, loaded
+            # meanwhile, could evict it (``max_cpu_loras``), and ``start`` would read it again here.
             self._check_alive()
             await self.load_lora(lora_request)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
@@ -252,20 +255,28 @@ class AsyncEngine(SleepCommands, BurstGathering, LoRAServing, RequestPreparation
         )
         stream = _Stream(asyncio.get_running_loop(), sink, request_id, self._streams)
         self._streams[request_id] = stream
-        self._submit(_Add(req, stream))
+        try:
+            self._submit(_Add(req, stream))
+        except EngineDeadError:
+            self._streams.pop(request_id, None)
+            raise
 
     def cancel(self, request_id: str) -> None:
         """Stop delivering a ``start``ed request's outputs and abort it (its blocks are freed by the
         engine's next pass; ``abort`` waits for that). Nothing happens for a finished request."""
-        if self._streams.pop(request_id, None) is not None and self._error is None and not self._stopping:
-            self._submit(_Abort(request_id, concurrent.futures.Future()))
+        if self._streams.pop(request_id, None) is not None:
+            with contextlib.suppress(EngineDeadError):  # a dead loop frees nothing: nothing to abort
+                self._submit(_Abort(request_id, concurrent.futures.Future()))
 
     async def abort(self, request_id: str) -> None:
         """Finish the request now (blocks freed before this returns); its stream ends with "abort"."""
         if self._error is not None or not self._thread.is_alive():
             return
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._submit(_Abort(request_id, done))
+        try:
+            self._submit(_Abort(request_id, done))
+        except EngineDeadError:
+            return  # it died meanwhile
         await asyncio.wrap_future(done)
 
     async def reset_prefix_cache(self) -> int | bool:
@@ -317,7 +328,14 @@ class AsyncEngine(SleepCommands, BurstGathering, LoRAServing, RequestPreparation
     # -- loop thread ---------------------------------------------------------------------------------
 
     def _submit(self, cmd: _Command) -> None:
+        """Queue a command for the loop thread; EngineDeadError if the loop died or is stopping.
+
+        Checked under ``_wake``, which the loop takes to record its death (and ``shutdown`` to
+        stop it): a command is either queued before, and then failed with the rest, or refused
+        here. A caller's own earlier check may be stale: a request is built, a checkpoint read,
+        between it and this."""
         with self._wake:
+            self._check_alive()
             self._commands.append(cmd)
             if isinstance(cmd, _Add):
                 self._num_adds += 1
@@ -395,7 +413,8 @@ class AsyncEngine(SleepCommands, BurstGathering, LoRAServing, RequestPreparation
                     self._deliver(outputs)
         except BaseException as exc:  # noqa: BLE001 - any crash must fail requests, not hang them
             logger.exception("engine loop crashed")
-            self._error = exc
+            with self._wake:  # after this, ``_submit`` queues nothing more (see there)
+                self._error = exc
             self._fail_all(EngineDeadError(f"the engine loop died: {exc!r}"))
             self._fail_commands(EngineDeadError(f"the engine loop died: {exc!r}"))
 

@@ -35,7 +35,10 @@ class LoRAServing:
         engine = self.engine
         adapter = engine.cached_lora(lora_request)
         if adapter is None:
-            adapter = engine.load_lora(lora_request, await asyncio.to_thread(engine.read_lora, lora_request))
+            read = await asyncio.to_thread(engine.read_lora, lora_request)
+            # Loaded meanwhile (an ``add_lora``, a ``reload`` of new files): that one is newer than
+            # what this read, which must not replace it.
+            adapter = engine.cached_lora(lora_request) or engine.load_lora(lora_request, read)
         return ServedLoRA(lora_request, adapter.weights_id)
 
     async def add_lora(self, lora_request: LoRARequest, reload: bool = False) -> ServedLoRA | None:

@@ -14,6 +14,7 @@ cannot take) is a ``ChatTemplateError`` (a ``ValueError``), which the server map
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -258,6 +259,9 @@ class ChatTemplates:
         self._content_format = content_format
         self.image_token = image_token
         self._compiled: dict[str, tuple[jinja2.Template, bool]] = {}
+        # The event loop and worker threads render at once (the server plans long prompts off its
+        # loop): the cache's check, eviction and insert take turns; compiling does not.
+        self._compiled_lock = threading.Lock()
 
     @classmethod
     def from_dir(
@@ -342,11 +346,14 @@ class ChatTemplates:
 
     def _compile(self, source: str) -> tuple[jinja2.Template, bool]:
         entry = self._compiled.get(source)
-        if entry is None:
-            entry = (_compile_template(source), template_iterates_content(source))
-            if len(self._compiled) >= MAX_COMPILED:  # requests' own templates: keep the newest few
-                del self._compiled[next(iter(self._compiled))]
-            self._compiled[source] = entry
+        if entry is not None:
+            return entry
+        entry = (_compile_template(source), template_iterates_content(source))
+        with self._compiled_lock:
+            if source not in self._compiled:
+                if len(self._compiled) >= MAX_COMPILED:  # requests' own templates: keep the newest few
+                    del self._compiled[next(iter(self._compiled))]
+                self._compiled[source] = entry
         return entry
 
 

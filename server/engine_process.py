@@ -253,14 +253,17 @@ class EngineHost:
     async def _prepare_then_start(self, conn: _ApiServer, rid: str, request: tuple[Any, ...]) -> None:
         grammar = None
         try:
-            if request[5] is not None:
-                await self.engine.load_lora(request[5])
             if request[1].structured_outputs is not None:
                 grammar = await self.engine.compile_structured(request[1].structured_outputs)
             if request[8]:
                 request = (*request[:8], await self.engine.process_images(request[8]))
             if not isinstance(request[0], list):
                 request = (await self.engine.prepare_prompt_embeds(request[0]), *request[1:])
+            # Last, with nothing awaited between it and ``_start``: other requests' adapters,
+            # loaded meanwhile, could evict it (``max_cpu_loras``), and ``start`` would read it
+            # again on this loop.
+            if request[5] is not None:
+                await self.engine.load_lora(request[5])
         except Exception as e:  # noqa: BLE001 - reported to the request (ValueError: not a valid one)
             self._failed(conn, rid, e)
             return
