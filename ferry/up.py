@@ -1,8 +1,8 @@
 """`ferry up`: a whole local cluster (router, prefill/decode pools, KV tier) from one YAML file.
 
-``ferry up [--config cluster.yaml] [--dry-run] [--state-file PATH]``. The file's schema is in
-``ferry/cluster/config.py`` (commented example: ``deploy/local/cluster.yaml``); with no file, the
-default is a router on port 8080, one prefill and one decode worker of the demo model on free
+``ferry up [--config cluster.yaml] [--dry-run] [--state-file PATH] [--kv-tier-check-interval S]``.
+The file's schema is in ``ferry/cluster/config.py`` (commented example:
+``deploy/local/cluster.yaml``); with no file, the default is a router on port 8080, one prefill and one decode worker of the demo model on free
 ports, and a child redis-server as their shared KV tier. Exit status: 0 after a clean stop
 (SIGTERM, Ctrl-C, SIGHUP) or a dry run, 1 when the cluster cannot start (an existing KV tier the
 file names that does not answer included: workers would start against it and quietly recompute
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import math
 import os
 import shutil
 import socket
@@ -22,6 +23,7 @@ from pathlib import Path
 from ferry.cluster.config import load_config
 from ferry.cluster.plan import LOOPBACK, ClusterPlan, build_plan
 from ferry.cluster.spec import ClusterConfig, ConfigError
+from ferry.cluster.tier_watch import CHECK_INTERVAL_S, CHECK_TIMEOUT_S, is_redis_url, ping_tier
 
 REDIS_MISSING = (
     "{binary} not found on PATH, and the KV tier is a redis-server that ferry up starts"
@@ -44,6 +46,15 @@ def add_up_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         " see deploy/local/cluster.yaml)",
     )
     p.add_argument("--dry-run", action="store_true", help="print the commands ferry up would run, and exit")
+    p.add_argument(
+        "--kv-tier-check-interval",
+        type=_seconds,
+        default=CHECK_INTERVAL_S,
+        metavar="SECONDS",
+        help="once the cluster is up, PING a Redis KV tier this often (each PING waits at most"
+        f" {CHECK_TIMEOUT_S:g} s); a tier that stops answering, or answers again, is said once and"
+        f" kept in --state-file (default: {CHECK_INTERVAL_S:g})",
+    )
     p.add_argument(
         "--state-file",
         default=None,
@@ -84,7 +95,17 @@ def run_up(args: argparse.Namespace) -> int:
     from ferry.cluster.child import LogSink
     from ferry.cluster.supervisor import Supervisor
 
-    return Supervisor(config, plan, LogSink(sys.stdout), state_file).run()
+    return Supervisor(config, plan, LogSink(sys.stdout), state_file, args.kv_tier_check_interval).run()
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:  # NaN compares false with everything
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return value
 
 
 def format_plan(plan: ClusterPlan) -> str:
@@ -123,36 +144,18 @@ def preflight(config: ClusterConfig, plan: ClusterPlan) -> str | None:
 def tier_problem(url: str, timeout_s: float = TIER_TIMEOUT_S) -> str | None:
     """Why the existing KV tier at ``url`` cannot be used (None: it answers PING, or it is not a
     Redis tier). The password, if any, is masked in what is said."""
-    if not url.startswith(("redis://", "rediss://")):
-        return None
-    import redis
-    from redis.backoff import NoBackoff
-    from redis.retry import Retry
-
-    from kvcache.redis_tier import client_url
     from kvcache.tier import open_tier, redact_url
 
+    if not is_redis_url(url):
+        return None
     try:
         open_tier(url)  # the workers' own check of its parameters (connects to nothing)
     except ValueError as e:
         return f"kv_tier: {redact_url(str(e))}"
-    problem = "cannot reach"
-    try:
-        client = redis.Redis.from_url(
-            client_url(url),
-            socket_connect_timeout=timeout_s,
-            socket_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 0),
-        )
-        with client:
-            client.ping()
+    check = ping_tier(url, timeout_s)
+    if check.ok:
         return None
-    except redis.exceptions.AuthenticationError as e:
-        problem, error = "cannot log in to", e
-    except (redis.exceptions.RedisError, OSError, ValueError, TypeError) as e:
-        error = e
-    reason = redact_url(str(error)).rstrip(".") or type(error).__name__
-    return TIER_UNREACHABLE.format(problem=problem, url=redact_url(url), reason=reason)
+    return TIER_UNREACHABLE.format(problem=check.problem, url=redact_url(url), reason=check.reason)
 
 
 def state_file_problem(path: Path) -> str | None:

@@ -12,8 +12,13 @@ Life cycle:
    same for the workers; SIGKILL to what is left after each drain; then Redis. A second signal
    skips the drains. Every child runs in its own process group, which is what gets signalled.
 
+A Redis KV tier (the child's or an existing one) is PINGed once the cluster is up and every
+``--kv-tier-check-interval`` seconds after (``tier_watch.py``): its going away and coming back are
+said once each and kept in the state file (``kv_tier_ok``); nothing is stopped for it, as the
+workers serve on without it.
+
 All of it runs on the main thread (see ``child.py`` for why); log lines arrive on one thread per
-child.
+child, the tier's PINGs on one more.
 """
 
 from __future__ import annotations
@@ -31,9 +36,11 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
+from ferry.cluster import tier_watch
 from ferry.cluster.child import Child, LogSink
 from ferry.cluster.plan import ClusterPlan, ProcessSpec, redact_url
 from ferry.cluster.spec import ClusterConfig, RestartSpec
+from ferry.cluster.tier_watch import TierCheck, TierWatcher, is_redis_url, ping_tier
 
 TICK = 0.1  # seconds between looks at the children
 PROBE_INTERVAL = 0.5  # seconds between health probes of a child that is not healthy yet
@@ -49,7 +56,12 @@ class StartupFailed(RuntimeError):
 
 class Supervisor:
     def __init__(
-        self, config: ClusterConfig, plan: ClusterPlan, sink: LogSink, state_file: Path | None = None
+        self,
+        config: ClusterConfig,
+        plan: ClusterPlan,
+        sink: LogSink,
+        state_file: Path | None = None,
+        tier_check_interval: float | None = None,  # None: tier_watch.CHECK_INTERVAL_S
     ) -> None:
         self.config = config
         self.plan = plan
@@ -64,6 +76,14 @@ class Supervisor:
         self._signals_at_stop = 0  # signals seen when the stop began; any later one means "now"
         self.ready = False  # everything was healthy once and the endpoint is announced
         self._last_probe: dict[str, float] = {}
+        interval = tier_watch.CHECK_INTERVAL_S if tier_check_interval is None else tier_check_interval
+        self.tier_watcher = (
+            TierWatcher(plan.kv_tier_url, interval, tier_watch.CHECK_TIMEOUT_S)
+            if plan.kv_tier_url is not None and is_redis_url(plan.kv_tier_url)
+            else None
+        )
+        self.tier_check: TierCheck | None = None  # the last PING's result (None: not checked)
+        self._tier_since: tuple[float, float] | None = None  # (wall, monotonic) when ok last changed
 
     def say(self, text: str) -> None:
         self.sink.line("up", text)
@@ -87,10 +107,13 @@ class Supervisor:
                 self.say(f"error: {e}")
                 return 1
             if started:
+                self._start_tier_watch()
                 self._announce()
                 self._watch()
             return 0
         finally:
+            if self.tier_watcher is not None:
+                self.tier_watcher.stop()
             if self.first_signal is not None:
                 name = signal.Signals(self.first_signal).name
                 self.say(f"{name}: draining (a second signal stops at once)")
@@ -207,6 +230,35 @@ class Supervisor:
         return True
 
     # ---- run ------------------------------------------------------------------------------------
+    def _start_tier_watch(self) -> None:
+        """The tier's state at ready is a PING's, made now; the watcher's PINGs follow."""
+        if self.tier_watcher is None:
+            return
+        self._note_tier(ping_tier(self.tier_watcher.url, self.tier_watcher.timeout_s))
+        self.tier_watcher.start()
+
+    def _note_tier(self, check: TierCheck | None) -> None:
+        """Take a PING's result: any change goes to the state file, then the tier going away or
+        coming back is said (once each way)."""
+        if check is None or check == self.tier_check:
+            return
+        was, self.tier_check = self.tier_check, check
+        line = None
+        if was is None or was.ok != check.ok:
+            now = time.monotonic()
+            tier = redact_url(self.plan.kv_tier_url or "")
+            if not check.ok:
+                line = (
+                    f"warning: {check.problem} the KV tier {tier}: {check.reason}; the workers serve on,"
+                    " recomputing what they would have loaded, until it answers again"
+                )
+            elif was is not None and self._tier_since is not None:
+                line = f"the KV tier {tier} answers again (after {now - self._tier_since[1]:.1f} s)"
+            self._tier_since = (time.time(), now)
+        self._write_state()  # before the line: whoever sees it finds the file saying so
+        if line is not None:
+            self.say(line)
+
     def _announce(self) -> None:
         counts = ", ".join(f"{p.replicas} {p.role}" for p in self.config.pools if p.replicas)
         tier = redact_url(self.plan.kv_tier_url or "none")
@@ -238,6 +290,8 @@ class Supervisor:
     def _watch(self) -> None:
         backoff = self.config.restart
         while not self.signals:
+            if self.tier_watcher is not None:
+                self._note_tier(self.tier_watcher.latest())
             now = time.monotonic()
             for child in self.children:
                 if child.running:
@@ -309,6 +363,11 @@ class Supervisor:
             "ready": self.ready,
             "endpoint": self.plan.endpoint,
             "kv_tier": self.plan.kv_tier_url and redact_url(self.plan.kv_tier_url),
+            # The Redis tier's last PING: true / false (kv_tier_error says why) / null (not checked:
+            # not started yet, or a tier with nothing to PING).
+            "kv_tier_ok": None if self.tier_check is None else self.tier_check.ok,
+            "kv_tier_error": None if self.tier_check is None else self.tier_check.reason,
+            "kv_tier_since": None if self._tier_since is None else round(self._tier_since[0], 3),
             "processes": [
                 {
                     "name": c.name,
