@@ -21,6 +21,12 @@ the time the OS gave other processes and the wait to take the GIL back from anot
 burns. Why a window with the costliest token left out: one slow token (a first fill's cold
 caches, a page fault) must not end a request; a cost that persists over tokens does.
 
+A grammar may also reach a state that allows no token at all (a constraint with a branch that
+matches nothing further: ``b|a[^\\s\\S]`` after "a"); the sampler then draws from an empty mask, the
+grammar refuses that token, and ``RequestGrammar.dead_end`` tells it from a token drawn wrongly: the
+request is ended the same way, its ``error`` naming the dead end (code
+``structured_outputs_dead_end``: ``error_code``).
+
 Never compiles anything; never imported by the router.
 """
 
@@ -32,6 +38,8 @@ from typing import Any
 
 import torch
 
+from engine.grammar_errors import DEAD_END
+
 # Tokens a request's grammar cost is averaged over, the costliest of them left out; its first
 # tokens are judged only one at a time (against BUDGET_WINDOW times the budget).
 BUDGET_WINDOW = 8
@@ -42,12 +50,16 @@ class RequestGrammar:
     started: every token is allowed and taken until that one (a reasoning model's end of
     thinking) has been generated."""
 
-    __slots__ = ("_matcher", "stop_token_ids", "waiting_for")
+    __slots__ = ("_matcher", "stop_token_ids", "waiting_for", "vocab_size", "_error")
 
-    def __init__(self, matcher: Any, stop_token_ids: list[int], waiting_for: int | None = None) -> None:
+    def __init__(
+        self, matcher: Any, stop_token_ids: list[int], waiting_for: int | None = None, *, vocab_size: int
+    ) -> None:
         self._matcher = matcher
         self.stop_token_ids = stop_token_ids
         self.waiting_for = waiting_for
+        self.vocab_size = vocab_size
+        self._error: str | None = None
 
     def accept(self, token_id: int) -> bool:
         """Advance by ``token_id``; False (state unchanged) when the grammar does not allow it."""
@@ -69,11 +81,35 @@ class RequestGrammar:
 
     @property
     def error(self) -> str | None:
-        """Why the request must end though its grammar allows more (its cost), or None."""
-        return None
+        """Why the request must end though it is not finished (a dead end, its cost), or None."""
+        return self._error
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def dead_end(self, num_tokens: int, text: str) -> bool:
+        """After ``accept`` refused a token: True, with ``error`` set, when the grammar allows no
+        token at all where it is (the mask the token was drawn under was empty, so any token was
+        refused): a constraint whose every sentence starting with the ``num_tokens`` tokens
+        generated, ``text``, needs what the model cannot write (``a[^\\s\\S]``; a JSON
+        ``pattern`` that needs a quote, which a JSON string holds only escaped). False when the
+        mask allowed some token and another one came (a bug: a NaN row). Fills a mask of its own,
+        only on this path: the per-token fill stays as it is."""
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        self._matcher.fill_next_token_bitmask(bitmask)
+        if bool(bitmask.any()):
+            return False
+        tail = text if len(text) <= 40 else "…" + text[-40:]
+        self._error = (
+            f"{DEAD_END} after the {num_tokens} token(s) generated ({tail!r}): no token this model "
+            "has can follow them, so no output that starts this way can satisfy the constraint. A "
+            "part of it matches no text this model can write (an empty character class such as "
+            "[^\\s\\S], a rule with no way to end, a JSON string pattern that needs a quote, "
+            "backslash or control character, which JSON text writes only escaped): remove that part."
+        )
+        return True
 
 
 class BudgetedGrammar(RequestGrammar):
@@ -82,21 +118,22 @@ class BudgetedGrammar(RequestGrammar):
     costliest left out) is past ``budget_ms``, or one token cost ``BUDGET_WINDOW`` times that
     (module docstring)."""
 
-    __slots__ = ("_budget_s", "_costs", "_next", "_spent", "_error")
+    __slots__ = ("_budget_s", "_costs", "_next", "_spent")
 
     def __init__(
-        self, matcher: Any, stop_token_ids: list[int], waiting_for: int | None, budget_ms: float
+        self,
+        matcher: Any,
+        stop_token_ids: list[int],
+        waiting_for: int | None,
+        budget_ms: float,
+        *,
+        vocab_size: int,
     ) -> None:
-        super().__init__(matcher, stop_token_ids, waiting_for)
+        super().__init__(matcher, stop_token_ids, waiting_for, vocab_size=vocab_size)
         self._budget_s = budget_ms / 1000
         self._costs: list[float] = []  # the last BUDGET_WINDOW tokens' seconds, a ring
         self._next = 0
         self._spent = 0.0  # this token's so far (its fill)
-        self._error: str | None = None
-
-    @property
-    def error(self) -> str | None:
-        return self._error
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         start = time.thread_time()

@@ -1,7 +1,9 @@
 """After sampling: append tokens, apply stop conditions, detokenize, and build RequestOutputs.
 
 Stop order per sampled token: a structured-outputs grammar that is complete (its stop token
-accepted, whatever ignore_eos says), one past its cost budget ("abort", with ``error``), EOS
+accepted, whatever ignore_eos says), one that allows no token at all (a dead end: "abort", with
+``error``; the token drawn from the empty mask is not written), one past its cost budget ("abort",
+with ``error``), EOS
 (unless ignore_eos), a ``stop_token_ids`` id, a stop string (found by the detokenizer),
 ``max_tokens`` (-> "length"), ``max_model_len`` (-> "length"). EOS
 and stop ids are masked by the sampler until ``min_tokens`` is reached; stop strings count only
@@ -59,10 +61,21 @@ class Postprocessor:
         n_out = req.num_output_tokens
         reason: str | None = None
         stop_reason: int | str | None = None
-        if req.grammar is not None and not req.grammar.accept(token):
-            # Cannot happen for a token drawn under the mask (a NaN row can still yield one):
-            # end the request rather than write output its structure forbids.
-            log.error("request %s: token %d breaks its structured outputs; aborted", req.request_id, token)
+        grammar = req.grammar
+        refused = grammar is not None and not grammar.accept(token)
+        if grammar is not None and refused:
+            # End the request rather than write output its structure forbids. Its grammar allowed
+            # no token at all (a dead end of the client's constraint): ended with the reason for
+            # the client. Otherwise a token drawn under the mask was refused (a NaN row): a bug.
+            detok = req.detokenizer
+            if grammar.dead_end(n_out - 1, detok.text if detok is not None else ""):
+                log.warning("request %s: ended after %d tokens: %s", req.request_id, n_out - 1, grammar.error)
+            else:
+                log.error(
+                    "request %s: token %d, drawn under its structured outputs mask, was refused; aborted",
+                    req.request_id,
+                    token,
+                )
             reason = "abort"
         elif req.grammar is not None and req.grammar.terminated:
             reason = "stop"
@@ -77,7 +90,12 @@ class Postprocessor:
             elif token in params.stop_token_ids:
                 reason, stop_reason = "stop", token
         detok = req.detokenizer
-        text = detok.append([token], stop_terminated=reason is not None) if detok is not None else ""
+        # A token its grammar refused is not written: its text is not the client's.
+        text = (
+            detok.append([token], stop_terminated=reason is not None)
+            if detok is not None and not refused
+            else ""
+        )
         if reason is None and detok is not None and detok.stop_hit is not None:
             reason, stop_reason = "stop", detok.stop_hit
         if reason is None and (n_out >= (params.max_tokens or 0) or req.num_tokens >= self.max_model_len):

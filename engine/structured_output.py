@@ -22,8 +22,13 @@ member), and that merged schema is compiled: a json constraint's, and each one a
 A constraint is refused (ValueError, a 400 at the HTTP edge) rather than half applied: a JSON
 schema using a keyword xgrammar compiles but does not enforce, or an ``allOf`` that cannot be
 merged soundly (``engine/json_schema_support.py``), and a constraint no output can satisfy (an
-``allOf`` of conflicting members, a first token mask that is empty). The checks run where the
-compile runs, once per distinct constraint.
+``allOf`` of conflicting members, a first token mask that is empty, a grammar with no sentence at
+all: ``a[^\\s\\S]``, a rule with no way to end). The checks run where the compile runs, once per
+distinct constraint. A constraint with a sentence may still have a branch that leads nowhere (a
+JSON pattern that needs a quote); a request that takes one is ended as it meets it
+(``RequestGrammar.dead_end``).
+
+How each kind is turned into xgrammar's grammar is ``engine/grammar_kinds.py``.
 
 A constraint whose grammar would cost the engine thread milliseconds a token, or the compiler
 seconds, is refused before it compiles (``engine/grammar_limits.py``: long counted repetitions in
@@ -39,22 +44,17 @@ import logging
 import os
 import re
 import threading
-import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
+from engine.grammar_kinds import compile_ebnf, compile_json_schema, compile_regex, compile_structural_tag
+from engine.grammar_language import JSON_ESCAPED, has_sentence
 from engine.grammar_limits import choice_problem, regex_problem, schema_problem
 from engine.grammar_matcher import BudgetedGrammar, RequestGrammar
-from engine.grammar_rewrites import (
-    ebnf_grammar,
-    json_grammar,
-    marked_patterns,
-    marked_tag_patterns,
-    regex_automaton,
-    regex_utf8,
-)
+from engine.grammar_rewrites import marked_patterns, marked_tag_patterns
+from engine.grammar_vocab import special_tokens_apart
 from engine.json_schema_merge import declare_required, merge_all_of
 from engine.json_schema_support import map_tag_schemas, tag_schemas, unenforced_keyword
 from engine.sampling_params import StructuredOutputsParams
@@ -129,7 +129,7 @@ class GrammarCompiler:
                 info = xgr.TokenizerInfo.from_huggingface(
                     hf, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
                 )
-                info = _special_tokens_apart(info, hf, self._tokenizer.all_special_ids, self.vocab_size)
+                info = special_tokens_apart(info, hf, self._tokenizer.all_special_ids, self.vocab_size)
                 threads = max(1, min(8, (os.cpu_count() or 1) // 2) // MAX_CONCURRENT_COMPILES)
                 # Our own LRU holds the results; xgrammar's cache would keep a second copy.
                 self._compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
@@ -207,7 +207,7 @@ class GrammarCompiler:
         problem = _unenforced(spec, kind, schema)
         if problem is not None:
             raise ValueError(f"structured outputs {kind} {problem}, which structured outputs cannot enforce")
-        self._check_satisfiable(compiled, kind)
+        self._check_satisfiable(compiled, spec, kind, schema)
         with self._lock:
             self._cache[spec] = compiled
             while len(self._cache) > self._cache_size:
@@ -219,31 +219,63 @@ class GrammarCompiler:
     ) -> Any:
         try:
             if kind == "json":
-                compiled = _compile_json_schema(compiler, schema, any_ws)
+                compiled = compile_json_schema(compiler, schema, any_ws)
             elif kind == "json_object":
-                compiled = _compile_json_schema(compiler, '{"type": "object"}', any_ws)
+                compiled = compile_json_schema(compiler, '{"type": "object"}', any_ws)
             elif kind == "regex":
-                compiled = _compile_regex(compiler, spec.regex or "")
+                compiled = compile_regex(compiler, spec.regex or "")
             elif kind == "choice":
                 compiled = compiler.compile_grammar(choice_grammar(spec.choice or ()))
             elif kind == "structural_tag":
-                compiled = _compile_structural_tag(compiler, schema)
+                compiled = compile_structural_tag(compiler, schema)
             else:
-                compiled = _compile_ebnf(compiler, spec.grammar or "")
+                compiled = compile_ebnf(compiler, spec.grammar or "")
         except (RuntimeError, ValueError, TypeError, KeyError, RecursionError) as e:
             raise ValueError(f"invalid structured outputs {kind}: {_reason(e)}") from e
         return compiled
 
-    def _check_satisfiable(self, compiled: Any, kind: str) -> None:
+    def _check_satisfiable(
+        self, compiled: Any, spec: StructuredOutputsParams, kind: str, schema: str | None
+    ) -> None:
         """ValueError when no first token is allowed (``root ::= root``, ``[^\\s\\S]``, or text the
-        vocabulary cannot spell): the request would otherwise start and be aborted at its first token.
-        Not a proof that some output completes, but what would abort every request at once."""
+        vocabulary cannot spell), or when the grammar has no sentence at all (``a[^\\s\\S]``,
+        ``root ::= "a" r`` with ``r ::= r "b"``, a JSON pattern that needs a quote: ``has_sentence``):
+        the request would otherwise start and end at a dead end (``RequestGrammar.dead_end``). Not
+        a proof that the model can spell a sentence, or that every branch has one: those dead ends
+        are met as the request runs."""
         import xgrammar as xgr
 
         bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
         xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask)
         if not bool(bitmask.any()):
             raise ValueError(f"invalid structured outputs {kind}: no output of this model can satisfy it")
+        # The constraint as xgrammar reads it, not the compiled grammar: that one holds its
+        # automata (hundreds of MB serialized for a schema of 400 patterns), and a regex compiles
+        # to one automaton this reader cannot look into. Of a JSON schema (or a structural tag's)
+        # only the patterns are read, each as text a JSON string holds unescaped: their automata
+        # write no escape, so ``^a"$`` would stop after `"a`.
+        if kind == "regex":
+            grammar = xgr.Grammar.from_regex(spec.regex or "")
+        elif kind == "grammar":
+            grammar = xgr.Grammar.from_ebnf(spec.grammar or "")
+        else:
+            for pattern in _patterns(kind, schema):
+                try:
+                    live = has_sentence(xgr.Grammar.from_regex(pattern).serialize_json(), JSON_ESCAPED)
+                except (RuntimeError, ValueError):  # a pattern xgrammar reads otherwise: no verdict
+                    continue
+                if not live:
+                    raise ValueError(
+                        f"invalid structured outputs {kind}: the pattern {pattern!r} matches only text "
+                        "with a quote, a backslash or a control character, which structured outputs "
+                        "cannot write in a JSON string (its patterns are matched as unescaped text)"
+                    )
+            return
+        if not has_sentence(grammar.serialize_json()):
+            raise ValueError(
+                f"invalid structured outputs {kind}: no output can satisfy it (every way through it "
+                "needs an empty character class such as [^\\s\\S], or a rule with no way to end)"
+            )
 
     def matcher(self, compiled: xgr.CompiledGrammar, after_token_id: int | None = None) -> RequestGrammar:
         """A request's matcher; one whose cost a token is checked when there is a budget."""
@@ -251,33 +283,20 @@ class GrammarCompiler:
 
         matcher = xgr.GrammarMatcher(compiled)
         if self.mask_budget_ms > 0:
-            return BudgetedGrammar(matcher, self.stop_token_ids, after_token_id, self.mask_budget_ms)
-        return RequestGrammar(matcher, self.stop_token_ids, after_token_id)
+            return BudgetedGrammar(
+                matcher, self.stop_token_ids, after_token_id, self.mask_budget_ms, vocab_size=self.vocab_size
+            )
+        return RequestGrammar(matcher, self.stop_token_ids, after_token_id, vocab_size=self.vocab_size)
 
 
-def _special_tokens_apart(info: Any, hf: Any, special_ids: set[int], vocab_size: int) -> Any:
-    """``info`` with the vocabulary's special tokens (``<|im_start|>``) written as no text, which
-    xgrammar then never takes as part of a sentence (its own special tokens; a stop token still
-    ends one). As their text, a regex's "." or a JSON string's character took them, and the
-    detokenizer, which skips special tokens, wrote text that no longer matched: ``.{3,}`` gave ""."""
-    import xgrammar as xgr
-
-    special = [i for i in special_ids if i < vocab_size]
-    if not special:
-        return info
-    vocab = [""] * vocab_size
-    for token, i in hf.get_vocab().items():
-        if i < vocab_size:
-            vocab[i] = token
-    for i in special:
-        vocab[i] = ""
-    return xgr.TokenizerInfo(
-        vocab,
-        vocab_type=info.vocab_type,
-        vocab_size=vocab_size,
-        stop_token_ids=info.stop_token_ids,
-        add_prefix_space=info.add_prefix_space,
-    )
+def _patterns(kind: str, schema: str | None) -> list[str]:
+    """The regexes (``pattern``, ``patternProperties`` names) in a json constraint's schema text or
+    a structural tag's schemas, as ``marked_patterns`` finds them."""
+    if kind == "json":
+        return marked_patterns(schema or "{}")[1]
+    if kind == "structural_tag":
+        return marked_tag_patterns(json.loads(schema or "{}"))[1]
+    return []
 
 
 def _rewritten(schema: Any) -> Any:
@@ -318,20 +337,6 @@ def _json_schema(spec: StructuredOutputsParams) -> str:
     return _rewrite(text, "json", _rewritten)
 
 
-def _compile_json_schema(compiler: Any, schema: str | None, any_ws: bool) -> Any:
-    """xgrammar's grammar for ``schema``, its length-bounded strings made valid JSON (as xgrammar
-    writes them they may hold raw control characters: mlc-ai/xgrammar#800) and its long "at least"
-    repetitions matched in constant time a token, its patterns matched as JSON text
-    (``engine/grammar_rewrites.py``)."""
-    import xgrammar as xgr
-
-    marked, patterns = marked_patterns(schema or "{}")
-    fixed = json_grammar(str(xgr.Grammar.from_json_schema(marked, any_whitespace=any_ws)), patterns)
-    if fixed is None:  # nothing to fix, or an xgrammar that writes it otherwise: as it compiles it
-        return compiler.compile_json_schema(schema or "{}", any_whitespace=any_ws)
-    return compiler.compile_grammar(fixed)
-
-
 def _schemas(kind: str, schema: str | None) -> list[Any]:
     """The JSON schemas of a json constraint (``schema``: its text as compiled) or of a structural
     tag's, decoded; a tag's schema given as text that is not JSON is left to the compile."""
@@ -362,59 +367,3 @@ def _costly(spec: StructuredOutputsParams, kind: str, schema: str | None) -> str
     if kind == "choice":
         return choice_problem(spec.choice or ())
     return next((found for found in map(schema_problem, _schemas(kind, schema)) if found), None)
-
-
-def _compile_regex(compiler: Any, regex: str) -> Any:
-    """xgrammar's grammar for ``regex`` as an automaton (``regex_automaton``), or, where that does
-    not build (too large), as ``compile_regex`` makes it. Its errors are ``compile_regex``'s, whose
-    reader refuses what xgrammar cannot match (lookarounds, backreferences…): the automaton's
-    would ignore a lookahead."""
-    import xgrammar as xgr
-
-    xgr.Grammar.from_regex(regex)
-    try:
-        return compiler.compile_grammar(regex_automaton(regex))
-    except (RuntimeError, ValueError):
-        return compiler.compile_regex(regex_utf8(regex))
-
-
-def _compile_ebnf(compiler: Any, grammar: str) -> Any:
-    """The client's EBNF ``grammar``, its character classes and regexes matching no surrogate (as
-    xgrammar reads "[^x]" it takes a surrogate's UTF-8 form, which is no UTF-8): rewritten as
-    xgrammar prints it (``ebnf_grammar``), or as it came where that does not compile."""
-    import xgrammar as xgr
-
-    fixed = ebnf_grammar(str(xgr.Grammar.from_ebnf(grammar)))
-    if fixed is not None:
-        try:
-            return compiler.compile_grammar(fixed)
-        except (RuntimeError, ValueError):  # a grammar xgrammar prints but cannot read back
-            pass
-    return compiler.compile_grammar(grammar)
-
-
-def _compile_structural_tag(compiler: Any, text: str | None) -> Any:
-    """xgrammar's structural tag: its own format (``{"type": "structural_tag", "format": …}``), or
-    the older one vLLM also takes, ``structures`` of ``{"begin", "schema", "end"}`` and ``triggers``."""
-    import xgrammar as xgr
-
-    tag, patterns = marked_tag_patterns(json.loads(text or "{}"))  # as a json constraint's are
-    if "structures" not in tag:
-        args: tuple[Any, ...] = (json.dumps(tag),)
-    else:
-        if not isinstance(tag["structures"], list) or not isinstance(tag.get("triggers"), list):
-            raise ValueError("structures and triggers must be lists")
-        items = [
-            xgr.StructuralTagItem(
-                begin=s["begin"],
-                schema=s["schema"] if isinstance(s["schema"], str) else json.dumps(s["schema"]),
-                end=s["end"],
-            )
-            for s in tag["structures"]
-        ]
-        args = (items, tag["triggers"])
-    with warnings.catch_warnings():  # the older form is deprecated in xgrammar, not in vLLM's API
-        warnings.simplefilter("ignore", DeprecationWarning)
-        # Its schemas' length-bounded strings made valid JSON, as a json constraint's are.
-        fixed = json_grammar(str(xgr.Grammar.from_structural_tag(*args)), patterns)
-        return compiler.compile_structural_tag(*args) if fixed is None else compiler.compile_grammar(fixed)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.beam_search import BeamSearchParams
+from engine.grammar_errors import error_code
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from kvcache.keys import salt_extra
@@ -298,9 +299,14 @@ class Generation:
                         if deadline.timed_out and reason == "abort":
                             raise timeout_error(self.config.request_timeout or 0.0)
                         if out.outputs and out.outputs[0].error is not None:
-                            # The engine ended it for what its constraint costs: the client's doing.
-                            metrics.structured_outputs_too_costly.inc()
-                            raise bad_request(out.outputs[0].error, code="structured_outputs_too_costly")
+                            # The engine ended it for its constraint (what it costs, or a dead end
+                            # no output gets past): the client's doing.
+                            code = error_code(out.outputs[0].error)
+                            if code == "structured_outputs_dead_end":
+                                metrics.structured_outputs_dead_end.inc()
+                            else:
+                                metrics.structured_outputs_too_costly.inc()
+                            raise bad_request(out.outputs[0].error, code=code)
                     yield out
             finally:
                 with contextlib.suppress(Exception):

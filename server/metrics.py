@@ -314,6 +314,13 @@ class ServerMetrics:
             labels,
             registry=reg,
         ).labels(model_name)
+        self.structured_outputs_dead_end = Counter(
+            "ferry:structured_outputs_dead_end",
+            "Requests ended because their structured-outputs constraint allowed no token at all after "
+            "what they had generated (a part of it no text can match; each also counted as an abort).",
+            labels,
+            registry=reg,
+        ).labels(model_name)
         self.responses_not_stored = Counter(
             "ferry:responses_not_stored",
             "Responses asked to be stored that were not (the response store failed or was too small).",

@@ -60,8 +60,17 @@ _CASES = [
 ]
 
 
+# Patterns that match only text with a character a JSON string holds escaped: refused before they
+# compile into a grammar that would write them (tests/engine/test_grammar_dead_end.py).
+_REFUSED = ("^a\\n$", '^a"$', "^a\\\\$")
+
+
 @pytest.mark.parametrize(("schema", "invalid", "valid"), _CASES)
 def test_a_pattern_writes_only_json(grammars, schema: dict, invalid: list[str], valid: list[str]) -> None:
+    if schema.get("pattern") in _REFUSED:
+        with pytest.raises(ValueError, match="matches only text with a quote, a backslash or a control"):
+            grammars.compile(SO(json=schema, disable_any_whitespace=True))
+        return
     compiled = grammars.compile(SO(json=schema, disable_any_whitespace=True))
     for text in invalid:
         with pytest.raises(ValueError):

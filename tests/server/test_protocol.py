@@ -201,3 +201,13 @@ def test_registration_wire_format() -> None:
 def test_protocol_stays_torch_free() -> None:
     code = "import sys, server.protocol, server.args; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_an_api_server_process_stays_torch_free() -> None:
+    """What an API server process of ``--api-server-count`` imports never loads torch (seconds of
+    start and hundreds of MB each; the engine process alone holds the model)."""
+    code = (
+        "import sys, server.app, server.engine_client, server.main, server.api_servers;"
+        "assert 'torch' not in sys.modules, [m for m in sys.modules if m.startswith('engine.')]"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
