@@ -118,6 +118,8 @@ class AsyncEngine(SleepCommands, BurstGathering, LoRAServing, RequestPreparation
         self.served_loras: dict[str, ServedLoRA] = {}
         # Per adapter name, the lock its changes take and how many hold or wait for it (``_lora_change``).
         self._lora_locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}
+        # Per adapter name, how many times it was removed or reloaded (``LoRAServing.load_lora``).
+        self._lora_generations: dict[str, int] = {}
         self._commands: deque[_Command] = deque()
         self._wake = threading.Condition()
         self._num_adds = 0  # requests submitted so far

@@ -6,6 +6,10 @@ submitted. An adapter's files are read and checked in a worker thread (``LLMEngi
 neither the API's event loop nor the engine loop waits on the disk; changes to one name take turns
 (``_lora_change``). Requests already running with an adapter keep it until they finish: nothing
 here ever aborts or holds a request.
+
+A request's read of an adapter does not take turns with the changes (a reload does not wait for
+reads): each name's changes that unload or replace its adapter are counted (``_lora_generations``),
+and a read that a change overlapped is not kept (see ``load_lora``).
 """
 
 from __future__ import annotations
@@ -28,17 +32,22 @@ class LoRAServing:
     engine: LLMEngine
     served_loras: dict[str, ServedLoRA]
     _lora_locks: dict[str, tuple[asyncio.Lock, list[int]]]
+    _lora_generations: dict[str, int]
 
     async def load_lora(self, lora_request: LoRARequest) -> ServedLoRA:
         """Have the adapter loaded (ValueError if it cannot run on this model): its files are read
         and checked in a worker thread, unless it is loaded from that directory already."""
-        engine = self.engine
-        adapter = engine.cached_lora(lora_request)
-        if adapter is None:
+        engine, name = self.engine, lora_request.lora_name
+        while (adapter := engine.cached_lora(lora_request)) is None:
+            generation = self._lora_generations.get(name, 0)
             read = await asyncio.to_thread(engine.read_lora, lora_request)
-            # Loaded meanwhile (an ``add_lora``, a ``reload`` of new files): that one is newer than
-            # what this read, which must not replace it.
-            adapter = engine.cached_lora(lora_request) or engine.load_lora(lora_request, read)
+            if self._lora_generations.get(name, 0) == generation:
+                # Loaded meanwhile (an ``add_lora`` of a new name): that one is kept.
+                adapter = engine.cached_lora(lora_request) or engine.load_lora(lora_request, read)
+                break
+            # Removed or reloaded during the read: the files may have changed after it began, so
+            # what it read must not be kept (a reload's adapter would be undone; after a removal, a
+            # later ``add_lora`` would serve it). Next: a reload's adapter, or the files read again.
         return ServedLoRA(lora_request, adapter.weights_id)
 
     async def add_lora(self, lora_request: LoRARequest, reload: bool = False) -> ServedLoRA | None:
@@ -55,6 +64,7 @@ class LoRAServing:
                 adapter = engine.load_lora(
                     lora_request, await asyncio.to_thread(engine.read_lora, lora_request)
                 )
+                self._changed(name)
                 served = ServedLoRA(lora_request, adapter.weights_id)
             else:
                 served = await self.load_lora(lora_request)
@@ -66,7 +76,12 @@ class LoRAServing:
         with it; its weights go when they do."""
         async with self._lora_change(lora_name):
             self.engine.remove_lora(lora_name)
+            self._changed(lora_name)
             return self.served_loras.pop(lora_name, None) is not None
+
+    def _changed(self, name: str) -> None:
+        """Adapter ``name`` was unloaded or replaced: a read of it in flight is not kept."""
+        self._lora_generations[name] = self._lora_generations.get(name, 0) + 1
 
     @contextlib.asynccontextmanager
     async def _lora_change(self, name: str) -> AsyncIterator[None]:

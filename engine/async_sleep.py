@@ -32,6 +32,9 @@ if TYPE_CHECKING:
 
 
 Outcome = tuple[bool, Any]  # (ok, result or exception)
+# A wake-up's outcome when the weights it restores were discarded after its caller looked and sent
+# no checkpoint: the loop thread leaves the read (seconds, all of the model) to the caller.
+READ_FIRST = object()
 
 
 @dataclass
@@ -96,7 +99,12 @@ class SleepCommands:
         checkpoint = None
         if "weights" in tags and self.engine.sleep_state.weights == DISCARDED:
             checkpoint = await asyncio.to_thread(self.engine.read_checkpoint)
-        await self._run_command(WakeUpCommand(tags, checkpoint, concurrent.futures.Future()))
+        woke = await self._run_command(WakeUpCommand(tags, checkpoint, concurrent.futures.Future()))
+        if woke is READ_FIRST:
+            # A level-2 sleep queued before this (another caller's) discarded the weights after the
+            # check above: read them here, not on the loop thread, and send the wake-up again.
+            checkpoint = await asyncio.to_thread(self.engine.read_checkpoint)
+            await self._run_command(WakeUpCommand(tags, checkpoint, concurrent.futures.Future()))
 
     def is_sleeping(self) -> bool:
         return self.engine.is_sleeping
@@ -138,6 +146,9 @@ class SleepCommands:
     def _apply_lifecycle(self, cmd: SleepCommand | WakeUpCommand | LoadWeightsCommand) -> None:
         engine = self.engine
         if isinstance(cmd, WakeUpCommand):
+            if "weights" in cmd.tags and cmd.checkpoint is None and engine.sleep_state.weights == DISCARDED:
+                cmd.outcome = (True, READ_FIRST)  # its caller reads the checkpoint off this thread
+                return
             cmd.outcome = run_outcome(lambda: engine.wake_up(cmd.tags, cmd.checkpoint))
             self._release_held()
             return
