@@ -14,8 +14,11 @@ Life cycle:
 
 A Redis KV tier (the child's or an existing one) is PINGed once the cluster is up and every
 ``--kv-tier-check-interval`` seconds after (``tier_watch.py``): its going away and coming back are
-said once each and kept in the state file (``kv_tier_ok``); nothing is stopped for it, as the
-workers serve on without it.
+said once each and kept in the state file (``kv_tier_ok``); the workers serve on without it. The
+one thing done for it: our own child redis-server, when its process runs but ``HUNG_AFTER`` PINGs
+in a row go unanswered (SIGSTOP, a stuck disk), is hung; it gets SIGKILL, said once with the reason,
+and comes back as a crashed child does (same port, back-off). An existing tier is never touched.
+Workers are not probed once ready (the router ejects one that stops answering and takes it back).
 
 All of it runs on the main thread (see ``child.py`` for why); log lines arrive on one thread per
 child, the tier's PINGs on one more.
@@ -84,6 +87,7 @@ class Supervisor:
         )
         self.tier_check: TierCheck | None = None  # the last PING's result (None: not checked)
         self._tier_since: tuple[float, float] | None = None  # (wall, monotonic) when ok last changed
+        self._killed_hung: int | None = None  # pid of the child Redis killed as hung (said once)
 
     def say(self, text: str) -> None:
         self.sink.line("up", text)
@@ -259,6 +263,31 @@ class Supervisor:
         if line is not None:
             self.say(line)
 
+    def _kill_hung_redis(self, watcher: TierWatcher) -> None:
+        """SIGKILL our own redis-server when it runs but left the last ``HUNG_AFTER`` PINGs, all
+        sent since it was last healthy, unanswered: the restart in ``_watch`` then brings it back as
+        a crashed child. Only PINGs since it was healthy count, so a Redis just restarted is not
+        judged by what its predecessor (or its own start) missed. One that SIGKILL cannot end at
+        once (asleep in the kernel on a stuck disk) is not killed or spoken of again."""
+        redis = self.redis
+        if (
+            redis is None
+            or not redis.running
+            or redis.healthy_since is None
+            or redis.pid == self._killed_hung
+        ):
+            return
+        if watcher.unanswered_since(redis.healthy_since) < tier_watch.HUNG_AFTER:
+            return
+        self._killed_hung = redis.pid
+        check = self.tier_check
+        reason = f" (the last: {check.reason})" if check is not None and check.reason else ""
+        self.say(
+            f"redis (pid {redis.pid}) runs but answered none of the last {tier_watch.HUNG_AFTER} PINGs"
+            f"{reason}: hung; SIGKILL, to restart it"
+        )
+        redis.signal_group(signal.SIGKILL)
+
     def _announce(self) -> None:
         counts = ", ".join(f"{p.replicas} {p.role}" for p in self.config.pools if p.replicas)
         tier = redact_url(self.plan.kv_tier_url or "none")
@@ -292,6 +321,7 @@ class Supervisor:
         while not self.signals:
             if self.tier_watcher is not None:
                 self._note_tier(self.tier_watcher.latest())
+                self._kill_hung_redis(self.tier_watcher)
             now = time.monotonic()
             for child in self.children:
                 if child.running:
