@@ -4,16 +4,23 @@ With one process, the HTTP work of every request (parsing, validation, tokenizin
 runs on one event loop that also shares the GIL with the engine's loop thread; a burst of
 requests is taken in one at a time. Here (vLLM's ``--api-server-count``):
 
-* this process, the **supervisor**, binds the port, starts the engine process, then N API server
-  processes, and registers the replica (``--register``) once they serve; it restarts an API
-  server that dies or goes silent (its event loop stopped: ``API_SERVER_SILENCE_S``), and stops
-  everything if the engine process dies (the orchestrator restarts the replica: ``/health`` has
-  answered 503 since);
+* this process, the **supervisor**, binds the port, starts the engine process and, alongside it,
+  N API server processes, and registers the replica (``--register``) once they serve; it restarts
+  an API server that dies or goes silent (its event loop stopped: ``API_SERVER_SILENCE_S``), and
+  stops everything if the engine process dies (the orchestrator restarts the replica: ``/health``
+  has answered 503 since);
 * the **engine process** (``server/engine_process.py``) loads the model and runs the one
   ``AsyncEngine`` behind a Unix socket;
 * each **API server process** runs the whole OpenAI app over an ``EngineClient``
   (``server/engine_client.py``) on the connections the supervisor accepts on the replica's port
   and passes to it, to whichever API server holds the fewest (``server/conn_balance.py``).
+
+Startup overlaps, as vLLM's: while the engine process loads the model, each API server process
+imports the app and its libraries (most of its start), then waits on its pipe to the supervisor.
+Once the engine says ready, the supervisor tells each one to go: it connects to the engine and
+serves. If the engine cannot start, the API servers, which never served, are killed before the
+engine's reason is printed (exit 2, as with one process); a signal meanwhile stops them likewise.
+An API server started again later is told to go at once.
 
 Prometheus metrics of every process go through prometheus-client's multiprocess mode (a private
 directory in ``PROMETHEUS_MULTIPROC_DIR``): whichever API server answers ``/metrics`` reports the
@@ -50,7 +57,7 @@ logger = logging.getLogger("ferry.server")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s"
 # An API server that died is started again, at most once per this many seconds.
 RESTART_BACKOFF_S = 1.0
-# How long the supervisor waits for a started API server to serve before giving up.
+# How long the supervisor waits for an API server to serve, from its "go" (the engine serves).
 API_SERVER_START_TIMEOUT_S = 120.0
 # A serving API server's event loop tells the supervisor it runs this often; one silent for
 # API_SERVER_SILENCE_S (stopped, or its loop blocked) is killed and started again: the
@@ -144,11 +151,12 @@ class Supervisor:
         self.engine: BaseProcess | None = None
         self.api_servers: list[BaseProcess | None] = [None] * count
         self._started_at = [0.0] * count
-        # Each API server's messages ("ready", then a beat every API_SERVER_BEAT_S), when the
-        # latest came, and whether it has said it serves.
+        # Each API server's pipe: its messages ("ready", then a beat every API_SERVER_BEAT_S) and
+        # ours ("go", once the engine serves); when its latest came, and whether it has said it serves.
         self._beats: list[Connection | None] = [None] * count
         self._heard = [0.0] * count
         self._serving = [False] * count
+        self._engine_ready = False
         self._signals = 0
         self._stop = asyncio.Event()
 
@@ -163,12 +171,18 @@ class Supervisor:
             self._kill_all()
 
     async def _run(self) -> int:
-        message = await self._start_engine()
-        if message[0] == "error":
-            return usage_error(message[1])
-        if self._stop.is_set() or message[0] != "ready":
-            return 0 if self._stop.is_set() else self._engine_died()
+        engine = self._start_engine()
+        # They import and prepare while the engine loads; each connects once told to go.
         readies = [self._start_api_server(i) for i in range(self.count)]
+        message = await self._engine_started(engine)
+        if message[0] != "ready" or self._stop.is_set():
+            self._kill_api_servers()  # none has served: nothing to drain, nothing more to print
+            if message[0] == "error":
+                return usage_error(message[1])
+            return 0 if self._stop.is_set() else self._engine_died()
+        self._engine_ready = True
+        for index in range(self.count):
+            self._go(index)
         for index, ready in enumerate(readies):
             message = await _receive(ready, self.api_servers[index], API_SERVER_START_TIMEOUT_S)
             if message != ("ready",):
@@ -216,7 +230,7 @@ class Supervisor:
 
     # -- processes ---------------------------------------------------------------------------------
 
-    async def _start_engine(self) -> tuple[Any, ...]:
+    def _start_engine(self) -> Connection:
         receiver, sender = self._ctx.Pipe(duplex=False)
         self.engine = self._ctx.Process(
             target=engine_main,
@@ -225,30 +239,56 @@ class Supervisor:
         )
         self.engine.start()
         sender.close()
+        return receiver
+
+    async def _engine_started(self, receiver: Connection) -> tuple[Any, ...]:
+        """The engine process's first message (``("ready",)`` or ``("error", message)``), or
+        ``("gone",)`` if it exited or a signal came first."""
         while True:  # loading a model takes a while: wake for signals meanwhile
             message = await _receive(receiver, self.engine, 0.5)
             if message is not None or not self.engine.is_alive() or self._stop.is_set():
+                receiver.close()
                 return message or ("gone",)
 
     def _start_api_server(self, index: int) -> Connection:
-        receiver, sender = self._ctx.Pipe(duplex=False)
+        ours, theirs = self._ctx.Pipe(duplex=True)
         channel = self.balancer.attach(index)
         # API servers never register (the supervisor does, once for the replica).
         config = dataclasses.replace(self.config, register=None)
         proc = self._ctx.Process(
             target=api_server_main,
-            args=(index, config, self.engine_path, sender, os.getpid(), channel),
+            args=(index, config, self.engine_path, theirs, os.getpid(), channel),
             name=f"api-server-{index}",
         )
         proc.start()
-        sender.close()
+        theirs.close()
         channel.close()  # the API server's end: its copy is its own (EOF here once it exits)
         self.api_servers[index] = proc
         self._started_at[index] = self._heard[index] = time.monotonic()
         if self._beats[index] is not None:
             self._beats[index].close()
-        self._beats[index], self._serving[index] = receiver, False
-        return receiver
+        self._beats[index], self._serving[index] = ours, False
+        if self._engine_ready:  # a restart: the engine serves already
+            self._go(index)
+        return ours
+
+    def _go(self, index: int) -> None:
+        """Tell a started API server the engine serves: it connects and serves (within
+        API_SERVER_START_TIMEOUT_S from now)."""
+        pipe = self._beats[index]
+        if pipe is None:
+            return
+        with contextlib.suppress(OSError):  # it has exited: the caller's wait or the restart sees to it
+            pipe.send(("go",))
+        self._heard[index] = time.monotonic()
+
+    def _kill_api_servers(self) -> None:
+        for proc in self.api_servers:
+            if proc is not None and proc.is_alive():
+                proc.kill()
+        for proc in self.api_servers:
+            if proc is not None:
+                proc.join(5.0)
 
     def _restart_dead_api_servers(self) -> None:
         for index, proc in enumerate(self.api_servers):
@@ -320,10 +360,10 @@ class Supervisor:
         return 0
 
     def _kill_all(self) -> None:
-        for proc in [*self.api_servers, self.engine]:
-            if proc is not None and proc.is_alive():
-                proc.kill()
-                proc.join(5.0)
+        self._kill_api_servers()
+        if self.engine is not None and self.engine.is_alive():
+            self.engine.kill()
+            self.engine.join(5.0)
 
 
 def _signal(proc: BaseProcess | None, sig: int) -> None:
@@ -398,10 +438,50 @@ def api_server_main(
 ) -> None:
     _become_child(supervisor)
     logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT)
+    _prepare()  # most of an API server's start, while the engine process loads the model
+    if not _engine_serves(ready):
+        return
     from server.main import loop_factory
 
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
         runner.run(_serve_api(config, engine_path, ready, channel))
+
+
+def _prepare() -> None:
+    """Import what serving needs, warm FastAPI's route building, and put what that left out of the
+    cyclic GC's view (``settle_heap``), so the collection once the app is built scans only what
+    came after. Nothing here needs the engine, and nothing imports torch."""
+    import server.app  # noqa: F401
+    import server.engine_client  # noqa: F401
+    import server.main  # noqa: F401
+    from server.heap import settle_heap
+
+    _warm_fastapi()
+    settle_heap()
+
+
+def _warm_fastapi() -> None:
+    """A throwaway route with a response model: FastAPI imports and sets up more on its first one
+    (a third of ``build_app``'s time)."""
+    from fastapi import FastAPI
+    from pydantic import BaseModel
+
+    class Warm(BaseModel):
+        ok: bool = True
+
+    async def warm() -> Any:
+        return Warm()
+
+    FastAPI().get("/", response_model=Warm)(warm)
+
+
+def _engine_serves(supervisor: Connection) -> bool:
+    """Wait for the supervisor's "go" (the engine process serves); False if it went away first
+    (this process dies with it, or is killed: the engine could not start)."""
+    try:
+        return supervisor.recv() == ("go",)
+    except (EOFError, OSError):
+        return False
 
 
 async def _serve_api(
