@@ -324,7 +324,10 @@ async def test_requests_added_while_the_loop_gathers_do_not_wake_it(engine, prom
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     held = engine.announce()
     first = asyncio.ensure_future(_collect(engine, "n0", prompts[0], params))
-    await asyncio.sleep(0.05)
+    for _ in range(500):  # the loop thread starts gathering (at once here; late on a loaded machine)
+        await asyncio.sleep(0.01)
+        if engine._gathering:
+            break
     assert engine._gathering and not first.done()
     wakes = 0
     notify = engine._wake.notify

@@ -359,7 +359,9 @@ def test_router_does_not_import_torch_and_starts_fast(tiny_llama) -> None:
         "print(time.perf_counter() - t)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert float(out.stdout) < 3.0  # typically ~0.4 s; generous for a loaded CI machine
+    # Typically ~0.4 s; the bound only catches a heavy import (torch alone is seconds), and a
+    # loaded 2-core CI machine running two test workers took 3.2 s once.
+    assert float(out.stdout) < 10.0
 
 
 def test_cache_aware_follows_prefixes_and_spreads_a_flood(cluster: Cluster, pair: list[Proc]) -> None:
