@@ -1,4 +1,4 @@
-"""Overlapping changes from two clients of one ``AsyncEngine``: an adapter removed during a
+"""Overlapping changes from two clients of one ``AsyncEngine``: an adapter removed or reloaded during a
 request's read of it, a wake-up sent while a sleep is queued.
 
 As in test_engine_thread_races.py, each test forces its interleaving with a hook on a method of the
@@ -27,19 +27,13 @@ async def _drain(stream) -> list[int]:  # noqa: ANN001
     return tokens
 
 
-async def test_an_adapter_removed_during_a_requests_read_is_read_again_when_added(
-    tiny_llama, tmp_path
-) -> None:
-    """A request naming an adapter that is not loaded reads its files in a worker thread, then keeps
-    what it read loaded. A ``remove_lora`` during that read was undone by it: the adapter was loaded
-    again after the removal, and a later ``add_lora`` of that name and directory (no ``reload``: a
-    removal unloaded it, so its files are read again) served the weights read before the removal,
-    not the files now there."""
+def _adapter_read_held(eng: AsyncEngine, tiny_llama, tmp_path):  # noqa: ANN001, ANN202
+    """Adapter "a" (files at the returned path) evicted by "other" (``max_cpu_loras=1``), and the
+    engine's ``read_lora`` hooked so that the first read off the main thread (a request's) is held
+    once done: ``old_read`` is set then, and it returns when ``release`` is set. Also returns the
+    real ``read_lora``."""
     from engine.demo import build_lora_adapter
 
-    eng = AsyncEngine(
-        EngineConfig(model=str(tiny_llama), num_kv_blocks=128, enable_lora=True, max_cpu_loras=1)
-    )
     path = build_lora_adapter(tmp_path / "a", tiny_llama, seed=1)
     a, other = LoRARequest("a", 1, str(path)), LoRARequest("other", 2, str(path))
     read_lora = eng.engine.read_lora
@@ -51,6 +45,30 @@ async def test_an_adapter_removed_during_a_requests_read_is_read_again_when_adde
             old_read.set()  # the request's read (of the old files) is done: hold it there
             release.wait(30)
         return adapter
+
+    return path, a, other, read_lora, read_then_wait, old_read, release
+
+
+def _lora_engine(tiny_llama) -> AsyncEngine:  # noqa: ANN001
+    return AsyncEngine(
+        EngineConfig(model=str(tiny_llama), num_kv_blocks=128, enable_lora=True, max_cpu_loras=1)
+    )
+
+
+async def test_an_adapter_removed_during_a_requests_read_is_read_again_when_added(
+    tiny_llama, tmp_path
+) -> None:
+    """A request naming an adapter that is not loaded reads its files in a worker thread, then keeps
+    what it read loaded. A ``remove_lora`` during that read was undone by it: the adapter was loaded
+    again after the removal, and a later ``add_lora`` of that name and directory (no ``reload``: a
+    removal unloaded it, so its files are read again) served the weights read before the removal,
+    not the files now there."""
+    from engine.demo import build_lora_adapter
+
+    eng = _lora_engine(tiny_llama)
+    path, a, other, read_lora, read_then_wait, old_read, release = _adapter_read_held(
+        eng, tiny_llama, tmp_path
+    )
 
     try:
         old = await eng.add_lora(a)
@@ -111,4 +129,34 @@ async def test_a_wake_up_sent_while_a_sleep_is_queued_reads_the_checkpoint_off_t
         assert await asyncio.wait_for(_drain(eng.generate("r", PROMPT, GREEDY)), 30) == expected
     finally:
         wake_sent.set()
+        await eng.shutdown()
+
+
+async def test_a_reload_is_not_undone_by_a_requests_read_of_the_old_files(tiny_llama, tmp_path) -> None:
+    """A request naming an adapter that is not loaded reads its files in a worker thread, then
+    keeps what it read loaded. A ``reload`` of that adapter (new files in the same directory)
+    finishing during the read was undone by it: the engine went on running the old weights while
+    ``served_loras`` (``/v1/models``) named the new ones."""
+    from engine.demo import build_lora_adapter
+
+    eng = _lora_engine(tiny_llama)
+    path, a, other, read_lora, read_then_wait, old_read, release = _adapter_read_held(
+        eng, tiny_llama, tmp_path
+    )
+
+    try:
+        await eng.add_lora(a)
+        await eng.add_lora(other)  # one adapter kept loaded: "a" is evicted
+        eng.engine.read_lora = read_then_wait
+        request = asyncio.ensure_future(_drain(eng.generate("r", [5, 6, 7], GREEDY, lora_request=a)))
+        await asyncio.to_thread(old_read.wait, 30)
+        build_lora_adapter(path, tiny_llama, seed=2)  # new weights, same directory
+        eng.engine.read_lora = read_lora
+        reloaded = await eng.add_lora(a, reload=True)
+        release.set()
+        await asyncio.wait_for(request, 30)
+        assert eng.served_loras["a"] is reloaded
+        assert eng.engine.cached_lora(a).weights_id == reloaded.weights_id
+    finally:
+        release.set()
         await eng.shutdown()
