@@ -415,6 +415,18 @@ def test_a_cancel_asked_for_before_the_run_ends_ends_it_cancelled(tmp_path) -> N
     assert len(store.file_data(done["output_file_id"]).splitlines()) == 3
 
 
+async def answer_but_slow(scope, receive, send) -> None:  # noqa: ANN001
+    """A stand-in replica app for batch runs: answers a chat at once, except one whose message is
+    "slow", which it holds until the client goes (an abort)."""
+    body = json.loads((await receive())["body"])
+    if body["messages"][0]["content"] == "slow":
+        await receive()  # the client is gone: nothing is answered
+        return
+    answer = json.dumps({"object": "chat.completion", "choices": []}).encode()
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": answer})
+
+
 @pytest.mark.parametrize("slow_disk", [False, True])
 def test_a_batch_still_running_when_its_window_ends_expires(tmp_path, monkeypatch, slow_disk) -> None:
     """OpenAI's "expired": the answered requests go to the output file, the running ones are
@@ -432,16 +444,7 @@ def test_a_batch_still_running_when_its_window_ends_expires(tmp_path, monkeypatc
     store = BatchStore(str(tmp_path))
     jobs = BatchJobs(store, 2, window_s=2)
 
-    async def app(scope, receive, send) -> None:  # answers at once, except "slow" (until aborted)
-        body = json.loads((await receive())["body"])
-        if body["messages"][0]["content"] == "slow":
-            await receive()  # the client is gone: nothing is answered
-            return
-        answer = json.dumps({"object": "chat.completion", "choices": []}).encode()
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": answer})
-
-    jobs.caller = AppCaller(app)
+    jobs.caller = AppCaller(answer_but_slow)
 
     async def run() -> dict:
         lines = [json.dumps(_chat(f"r{i}", "fast" if i < 2 else "slow")) for i in range(5)]

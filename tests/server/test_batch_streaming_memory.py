@@ -26,6 +26,7 @@ from server.batch_jobs import BatchJobs
 from server.batch_lines import AppCaller
 from server.batch_store import BatchStore
 from server.errors import install_error_handlers
+from tests.server.test_batch_api import answer_but_slow
 
 LINE_CHARS = 64 * 1024
 LARGE = 400  # lines of LINE_CHARS: a 25 MiB input file and as much output
@@ -170,16 +171,7 @@ def test_expired_batch_read_from_its_file(tmp_path) -> None:
     store = BatchStore(str(tmp_path))
     jobs = BatchJobs(store, 2, window_s=2)
 
-    async def app(scope, receive, send) -> None:  # answers at once, except r3 on (until aborted)
-        body = json.loads((await receive())["body"])
-        if body["messages"][0]["content"] == "slow":
-            await receive()  # the client is gone: nothing is answered
-            return
-        answer = json.dumps({"object": "chat.completion", "choices": []}).encode()
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": answer})
-
-    jobs.caller = AppCaller(app)
+    jobs.caller = AppCaller(answer_but_slow)  # r3 on are held until aborted
     lines = []
     for i in range(200):
         line = _line(i)
