@@ -17,7 +17,7 @@ from engine.config import EngineConfig
 from engine.tokenizer import Tokenizer
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-ENDLESS = SamplingParams(temperature=0.0, ignore_eos=True)  # as many tokens as fit: runs until aborted
+ENDLESS = SamplingParams(temperature=0.0, ignore_eos=True)  # as many tokens as fit
 
 
 @pytest.fixture
@@ -28,12 +28,21 @@ async def engine(tiny_llama):
 
 
 def _crash_switch(eng: AsyncEngine) -> threading.Event:
-    """An event that makes the engine's next model step fail (a device failure), as a crash does."""
+    """An event that makes the engine's model step fail (a device failure), as a crash does.
+
+    The first step runs; every later one waits in the model until the event is set and then fails.
+    So the request started by ``_running`` is still running whenever the switch is thrown, however
+    slow the machine (left to run, it ends at the model's length, and a loop with nothing to step
+    never reaches the failing model)."""
     crash = threading.Event()
     execute = eng.engine.model_runner.execute
+    steps = 0
 
     def failing_execute(sched):  # noqa: ANN001, ANN202
-        if crash.is_set():
+        nonlocal steps
+        steps += 1
+        if steps > 1:
+            crash.wait(120)
             raise RuntimeError("simulated device failure")
         return execute(sched)
 
