@@ -9,9 +9,14 @@ Stream ``ferry:kv:events:{fingerprint}``; each entry has the fields
     ts       publisher's wall-clock time (seconds, float)
     instance the publishing engine's instance id (the ``instance_id`` of the replica's ``/health``,
              new at each start); absent from publishers that have none (and from older ones)
+    seq      the publisher's event number, 1, 2, 3 … from its start, counting every event it meant
+             to publish, also those it could not (Redis down, breaker open); absent from older ones
 
 A replica that restarts keeps its ``replica`` id but not its blocks: ``instance`` tells a router
 which events are the new process's, whichever of its events and its ``/health`` it reads first.
+A router that missed events learns it two ways: a publisher's ``seq`` jumps (the events it could
+not append), or the stream lost entries it had not read yet (``KVEventReader.read_checked``:
+trimmed by ``MAXLEN`` while the router was away, or the stream deleted and created again).
 
 Publishing is best effort: bounded by socket timeouts, behind a circuit breaker, trimmed with
 ``XADD MAXLEN ~`` so the stream never grows without bound, and it never raises. A router reads
@@ -71,6 +76,7 @@ class KVEvent:
     block_hashes: tuple[str, ...]
     ts: float
     instance: str | None = None  # the publishing engine's instance id, if it named one
+    seq: int | None = None  # the publisher's event number, if it numbers them
 
 
 class KVEventPublisher:
@@ -94,6 +100,7 @@ class KVEventPublisher:
         self._breaker = CircuitBreaker(failure_threshold=3, cooldown_s=1.0)
         self.errors = ErrorCounter()
         self.published = 0
+        self.seq = 0  # events meant for the stream so far, appended or not (one writer thread)
 
     def publish(self, kind: str, block_hashes: Iterable[bytes | str], medium: str = DEVICE) -> bool:
         if kind not in _KINDS or medium not in _MEDIA:
@@ -101,6 +108,7 @@ class KVEventPublisher:
         hexes = [h.hex() if isinstance(h, bytes) else h for h in block_hashes]
         if kind != CLEARED and not hexes:
             return True
+        self.seq += 1  # before any refusal: a reader then sees the number it missed
         if not self._breaker.allow():
             return False
         fields = {
@@ -109,6 +117,7 @@ class KVEventPublisher:
             "medium": medium,
             "hashes": ",".join(hexes),
             "ts": repr(time.time()),
+            "seq": str(self.seq),
         }
         if self.instance_id:
             fields["instance"] = self.instance_id
@@ -138,16 +147,57 @@ class KVEventReader:
     ) -> None:
         self.stream = events_stream(fingerprint)
         self.last_id = start_id
+        self.offset = 0  # which entry of the stream ``last_id`` is (``read_checked``)
         self._client = _client(redis_url, timeout)
         if start_id == "$":
             # Pin "$" to a concrete id now, so events published between two reads are not skipped.
             info = self._client.xinfo_stream(self.stream) if self._client.exists(self.stream) else None
             self.last_id = info["last-generated-id"].decode() if info else "0"
+            self.offset = info.get("entries-added", 0) if info else 0
 
     def read(self, count: int = 1000, block_ms: int | None = None) -> list[KVEvent]:
         reply = self._client.xread({self.stream: self.last_id}, count=count, block=block_ms)
+        return self._events(reply)
+
+    def read_checked(self, count: int = 1000) -> tuple[list[KVEvent], str | None]:
+        """``read``, and whether entries after ``last_id`` were lost before this read could see
+        them: ``"trimmed"`` (``MAXLEN`` or ``XTRIM`` removed entries not read yet), ``"recreated"``
+        (the stream read so far is gone: deleted, or a Redis restarted empty; reading starts over
+        from the new stream's first entry), ``None`` when nothing was missed (or nothing read yet:
+        nothing to miss). The check and the read are one transaction, so a trim between them
+        cannot hide a gap, nor one after them invent one.
+
+        The stream's ``entries-added`` (Redis 7) numbers its entries: ``offset`` is the number of
+        the last one read. Trimming removes the oldest entries, ``entries-added - length`` of
+        them; more than ``offset`` means some were never read. Fewer, with the last one read gone,
+        means it was never in this stream: a new one. (Redis < 7: the last one read gone is
+        counted a trim; an ``XDEL``, which ferry never sends, reads as one too.)"""
+        since = self.last_id
+        pipe = self._client.pipeline(transaction=True)
+        pipe.xinfo_stream(self.stream)
+        pipe.xrange(self.stream, since, since, count=1)
+        pipe.xread({self.stream: since}, count=count)
+        info, at_since, reply = pipe.execute(raise_on_error=False)
+        if isinstance(info, redis.ResponseError) and "no such key" in str(info).lower():
+            self.last_id, self.offset = "0", 0
+            return [], None if since == "0" else "recreated"
+        for result in (info, at_since, reply):
+            if isinstance(result, Exception):
+                raise result
+        gap = None if since == "0" else _gap(info, bool(at_since), _id(since), self.offset)
+        if gap == "recreated":
+            self.last_id, self.offset = "0", 0
+            return self.read_checked(count)[0], gap
+        events = self._events(reply)
+        read = sum(len(entries) for _stream, entries in reply or [])
+        trimmed = info.get("entries-added", 0) - info["length"]
+        # The entries read follow the last one read, or (it gone) the ones trimmed.
+        self.offset = (self.offset if at_since else trimmed) + read
+        return events, gap
+
+    def _events(self, reply: object) -> list[KVEvent]:
         events: list[KVEvent] = []
-        for _stream, entries in reply or []:
+        for _stream, entries in reply or []:  # type: ignore[attr-defined]
             for raw_id, fields in entries:
                 self.last_id = raw_id.decode()
                 event = _parse(self.last_id, fields)
@@ -159,12 +209,36 @@ class KVEventReader:
         self._client.close()
 
 
+def _id(entry_id: str | bytes) -> tuple[int, int]:
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    ms, _, seq = text.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _gap(info: dict, since_kept: bool, since: tuple[int, int], offset: int) -> str | None:
+    """What ``XINFO STREAM`` says of the entries after ``since``, the last one read, number
+    ``offset`` (``since_kept``: still in the stream); see ``KVEventReader.read_checked``."""
+    deleted = info.get("max-deleted-entry-id")  # XDEL (and XSETID) only: trims leave it
+    if since_kept:
+        return "trimmed" if deleted is not None and _id(deleted) > since else None
+    if _id(info["last-generated-id"]) < since:
+        return "recreated"
+    added = info.get("entries-added")
+    if added is None:  # Redis < 7
+        return "trimmed"
+    trimmed = added - info["length"]
+    if trimmed > offset:
+        return "trimmed"
+    return "recreated" if trimmed < offset and (deleted is None or _id(deleted) < since) else None
+
+
 def _parse(event_id: str, fields: dict[bytes, bytes]) -> KVEvent | None:
     try:
         kind = fields[b"kind"].decode()
         medium = fields[b"medium"].decode()
         hashes = fields[b"hashes"].decode()
         instance = fields.get(b"instance", b"").decode()
+        seq = fields.get(b"seq")
         if kind not in _KINDS or medium not in _MEDIA:
             return None
         return KVEvent(
@@ -175,6 +249,7 @@ def _parse(event_id: str, fields: dict[bytes, bytes]) -> KVEvent | None:
             block_hashes=tuple(h for h in hashes.split(",") if h),
             ts=float(fields[b"ts"]),
             instance=instance or None,
+            seq=int(seq) if seq is not None else None,
         )
     except (KeyError, ValueError, UnicodeDecodeError):
         logger.debug("skipping malformed KV event %s", event_id)

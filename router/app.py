@@ -180,6 +180,7 @@ class RouterApp:
                 lambda u: self.replicas.find(u) is not None,
                 instance_of=self._instance_of,
                 counter=self.metrics.kv_events,
+                gap_counter=self.metrics.kv_event_gaps,
             )
         self.replicas.on_removed.append(self._forget)
         self.replicas.on_cache_lost.append(self._cache_lost)

@@ -34,6 +34,21 @@ A restart the health probe sees first (``restarted``) drops the replica's entrie
 events already moved the index to that very instance: then those blocks are the new process's
 and are kept. Events without an ``instance`` (older replicas) are applied as they come.
 
+Missed events (``kvcache/events.py``) leave the index holding what a replica said before the gap,
+perhaps blocks a reset lost in the gap removed: routing quality suffers, never correctness. So on
+a gap the replica's entries go (routing history's too) and the index learns it again from the
+events after the gap, as after a restart. A gap is one of:
+
+* ``sequence``: an event of the instance the index holds (or holds back) numbers past the one
+  read before it (``seq``): the replica could not append events (Redis down, its breaker open);
+  only that replica is dropped (held events of that instance read before the gap are discarded);
+* ``trimmed``: the stream lost entries the follower had not read (``MAXLEN`` while the router
+  could not read, a Redis outage longer than the stream holds), or ``recreated``: the stream read
+  so far is gone. Which replicas' events were lost is unknown, so every replica whose events were
+  read from that stream is dropped.
+
+Each gap is logged once and counted in ``ferry:router_kv_event_gaps_total{reason}``.
+
 The reader is redis-py's blocking client, so reads run in a worker thread; events are applied on
 the event loop (the same thread as routing and the health probe, so the index has one writer at a
 time). A Redis outage only pauses exact updates (routing history keeps working) and is retried
@@ -64,6 +79,17 @@ APPLY_SLICE = 512  # events applied between yields to the event loop (~1 ms)
 
 APPLIED, UNKNOWN_REPLICA, STALE, HELD, DISCARDED = "applied", "unknown_replica", "stale", "held", "discarded"
 OUTCOMES = (APPLIED, UNKNOWN_REPLICA, STALE, HELD, DISCARDED)
+GAP_REASONS = ("sequence", "trimmed", "recreated")  # kinds of missed events (module docstring)
+
+
+@dataclass(frozen=True)
+class StreamGap:
+    """Read in place of the entries a stream lost: they were published by (some of) ``replica_ids``,
+    the publishers read from ``stream`` before the gap."""
+
+    stream: str
+    reason: str  # "trimmed" | "recreated"
+    replica_ids: frozenset[str]
 
 
 @dataclass
@@ -75,6 +101,7 @@ class _Replica:
     retired: deque[str] = field(default_factory=lambda: deque(maxlen=MAX_RETIRED))
     held: dict[str, list[Any]] = field(default_factory=dict)  # instance -> its events, in order
     num_held: int = 0
+    seqs: dict[str | None, int] = field(default_factory=dict)  # instance -> last ``seq`` read of it
 
 
 class KVEventFollower:
@@ -86,6 +113,7 @@ class KVEventFollower:
         block_ms: int = 200,
         instance_of: Callable[[str], str | None] = lambda url: None,
         counter: Counter | None = None,
+        gap_counter: Counter | None = None,
     ):
         from kvcache.redis_tier import client_url
 
@@ -97,8 +125,11 @@ class KVEventFollower:
         self.block_ms = block_ms
         self.readers: dict[str, object] = {}  # stream name -> kvcache.events.KVEventReader
         self.counts = dict.fromkeys(OUTCOMES, 0)
+        self.gaps = dict.fromkeys(GAP_REASONS, 0)
+        self._publishers: dict[str, set[str]] = {}  # stream -> replica ids read from it (reader thread)
         self._replicas: dict[str, _Replica] = {}
         self._counter = counter  # ferry:router_kv_events_total{outcome} (router/metrics.py)
+        self._gap_counter = gap_counter  # ferry:router_kv_event_gaps_total{reason}
         self._task: asyncio.Task | None = None
 
     @property
@@ -122,8 +153,8 @@ class KVEventFollower:
                 reader.close()  # type: ignore[attr-defined]
 
     def read_new(self) -> list[Any]:
-        """Discover streams and read what is new (``kvcache.events.KVEvent`` s). Blocking: call
-        from a worker thread."""
+        """Discover streams and read what is new (``kvcache.events.KVEvent`` s, a ``StreamGap``
+        before those read after a gap). Blocking: call from a worker thread."""
         import redis
 
         from kvcache.events import KVEventReader
@@ -134,12 +165,18 @@ class KVEventFollower:
         finally:
             client.close()
         events: list[Any] = []
-        for name in streams:
+        for name in dict.fromkeys([*streams, *self.readers]):  # a stream gone too: that is a gap
             reader = self.readers.get(name)
             if reader is None:
                 fingerprint = name.rsplit(":", 1)[1]
                 reader = self.readers[name] = KVEventReader(self.client_url, fingerprint, start_id="0")
-            events.extend(reader.read(count=10_000))  # type: ignore[attr-defined]
+            batch, gap = reader.read_checked(count=10_000)  # type: ignore[attr-defined]
+            publishers = self._publishers.setdefault(name, set())
+            if gap is not None:
+                events.append(StreamGap(name, gap, frozenset(publishers)))
+                publishers.clear()
+            publishers.update(event.replica_id for event in batch)
+            events.extend(batch)
         return events
 
     def poll_once(self) -> int:
@@ -158,19 +195,28 @@ class KVEventFollower:
                 applied += self.counts[APPLIED] - before
         return applied
 
-    def apply(self, event: Any) -> int:  # event: kvcache.events.KVEvent
-        if event.medium != "device":
+    def apply(self, event: Any) -> int:  # event: kvcache.events.KVEvent or StreamGap
+        if isinstance(event, StreamGap):
+            self._stream_gap(event)
             return 0
-        url = normalize_url(event.replica_id) if "://" in event.replica_id else event.replica_id
+        url = _url(event.replica_id)
         if not self.known_url(url):
-            self._count(UNKNOWN_REPLICA)
+            if event.medium == "device":
+                self._count(UNKNOWN_REPLICA)
             return 0
         instance = event.instance
-        if instance is None:  # a publisher that names no instance: as it comes
-            return self._apply(url, event)
+        if event.medium != "device":  # not applied, but numbered in the same sequence
+            state = self._replicas.get(url)
+            if state is not None and (instance == state.instance or instance in state.held):
+                self._sequence(url, state, event)
+            return 0
         state = self._replicas.setdefault(url, _Replica())
+        if instance is None:  # a publisher that names no instance: as it comes
+            self._sequence(url, state, event)
+            return self._apply(url, event)
         if instance == state.instance:
             state.confirmed = True
+            self._sequence(url, state, event)
             return self._apply(url, event)
         if instance in state.retired:
             self._count(STALE)
@@ -178,7 +224,9 @@ class KVEventFollower:
         # Placed: after the current instance's own events (so newer), or the one /health names now.
         if state.confirmed or instance == self.instance_of(url):
             self._switch(url, state, instance, confirmed=True)
+            self._sequence(url, state, event)
             return self._apply(url, event)
+        self._sequence(url, state, event)
         self._hold(state, instance, event)
         return 0
 
@@ -214,6 +262,7 @@ class KVEventFollower:
             self.index.drop_replica(url)
             state.retired.append(state.instance)
         state.instance, state.confirmed = instance, confirmed
+        state.seqs = {instance: state.seqs[instance]} if instance in state.seqs else {}
         held = state.held.pop(instance, [])
         # Held events of other instances are older than this one's, or cannot be placed: never applied.
         self._count(DISCARDED, state.num_held - len(held))
@@ -223,10 +272,61 @@ class KVEventFollower:
         for event in held:
             self._apply(url, event)
 
+    def _sequence(self, url: str, state: _Replica, event: Any) -> None:
+        """Note ``event``'s number; past the next one expected, the events between were missed."""
+        if event.seq is None:
+            return
+        last = state.seqs.get(event.instance)
+        state.seqs[event.instance] = event.seq
+        if last is None or event.seq <= last + 1:  # first read of it, or the next one (or a restart)
+            return
+        if event.instance == state.instance:
+            self.index.drop_replica(url)
+        else:  # held: its events before the gap would rebuild a cache that has changed since
+            dropped = state.held.pop(event.instance, [])
+            state.num_held -= len(dropped)
+            self._count(DISCARDED, len(dropped))
+        self._gap(
+            "sequence",
+            "replica %s (instance %s) published events %d to %d the router never read; its "
+            "entries in the prefix index are dropped until its next events",
+            url,
+            event.instance,
+            last + 1,
+            event.seq - 1,
+        )
+
+    def _stream_gap(self, gap: StreamGap) -> None:
+        """Entries of ``gap.stream`` were lost unread: forget what each replica read from it said."""
+        dropped = []
+        for url in sorted({_url(r) for r in gap.replica_ids}):
+            state = self._replicas.get(url)
+            if state is None or not self.known_url(url):
+                continue
+            self.index.drop_replica(url)
+            self._count(DISCARDED, state.num_held)
+            state.held, state.num_held, state.seqs = {}, 0, {}  # numbers past the gap start afresh
+            dropped.append(url)
+        self._gap(
+            gap.reason,
+            "KV event stream %s lost entries the router had not read (%s); dropped the prefix "
+            "index entries of %s until their next events",
+            gap.stream,
+            gap.reason,
+            ", ".join(dropped) or "no replica",
+        )
+
+    def _gap(self, reason: str, message: str, *args: object) -> None:
+        self.gaps[reason] += 1
+        if self._gap_counter is not None:
+            self._gap_counter.labels(reason).inc()
+        log.warning(message, *args)
+
     def _hold(self, state: _Replica, instance: str, event: Any) -> None:
         if state.num_held >= MAX_HELD_EVENTS:
             oldest = next(iter(state.held))
             dropped = state.held.pop(oldest)
+            state.seqs.pop(oldest, None)
             state.num_held -= len(dropped)
             self._count(DISCARDED, len(dropped))
         state.held.setdefault(instance, []).append(event)
@@ -271,3 +371,7 @@ class KVEventFollower:
                 log.warning("reading KV events from %s failed: %s", redact_url(self.redis_url), e)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
+
+
+def _url(replica_id: str) -> str:
+    return normalize_url(replica_id) if "://" in replica_id else replica_id

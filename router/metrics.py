@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from router.kv_events import GAP_REASONS as KV_EVENT_GAP_REASONS
 from router.kv_events import OUTCOMES as KV_EVENT_OUTCOMES
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -81,6 +82,17 @@ class RouterMetrics:
         )
         for outcome in KV_EVENT_OUTCOMES:  # at 0 from the start: a first increase shows in rate()
             self.kv_events.labels(outcome)
+        # Events the router missed, by how it learned (router/kv_events.py: a publisher's numbers
+        # jumped, the stream was trimmed past what it had read, or the stream was recreated):
+        # each drops the replicas concerned from the prefix index until their next events.
+        self.kv_event_gaps = Counter(
+            "ferry:router_kv_event_gaps",
+            "Gaps in the replicas' KV block events the router read, by how it saw them.",
+            ["reason"],
+            registry=r,
+        )
+        for reason in KV_EVENT_GAP_REASONS:
+            self.kv_event_gaps.labels(reason)
 
         # Label children cached: ``labels()`` costs a lock and a dict build on every call. Every
         # outcome is exposed from the start, at 0, so a rate() over one not seen yet reads 0.
