@@ -43,10 +43,13 @@ def encode_values(v: np.ndarray, embed_dtype: str = "float32", endianness: str =
 
 
 def _bfloat16_bits(x: np.ndarray) -> np.ndarray:
-    """float32 -> bfloat16 bits, rounding to nearest even (NaN: the quiet NaN 0x7FC0)."""
+    """float32 -> bfloat16 bits, rounding to nearest even. Every NaN, whatever its sign and payload,
+    is 0xFFFF, as torch's vectorised CPU cast writes it (AVX2 / AVX512, what vLLM's
+    ``tensor.to(torch.bfloat16)`` of the float32 output runs on an x86 server; torch's scalar path,
+    a 0-d tensor or ``ATEN_CPU_CAPABILITY=default``, writes 0x7FC0 instead)."""
     bits = x.view(np.uint32).astype(np.uint64)
     rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
-    return np.where(np.isnan(x), np.uint16(0x7FC0), rounded)
+    return np.where(np.isnan(x), np.uint16(0xFFFF), rounded)
 
 
 def _fp8_bits(x: np.ndarray, *, mantissa: int, bias: int, saturate: bool) -> np.ndarray:

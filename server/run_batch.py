@@ -1,7 +1,8 @@
 """`ferry run-batch -i INPUT -o OUTPUT [serve flags]`: a JSONL file of OpenAI requests, offline.
 
 As vLLM's ``vllm run-batch``: INPUT and OUTPUT are local paths or http(s) URLs (the input is
-fetched with GET, the output sent with PUT, as to a pre-signed object-store URL). One engine is
+fetched with GET, the output sent with PUT, as to a pre-signed object-store URL), or ``-``: standard
+input, standard output (which then carries the JSONL alone: see ``reserve_stdout``). One engine is
 built from the same flags `ferry serve` takes, the replica's app over it, and every line is sent
 through that app in this process (``server/batch_lines.py``), at most ``--max-batch-concurrency``
 at once (default ``--max-num-seqs``). Output lines come in input order; a bad line gets an error
@@ -41,26 +42,37 @@ def add_run_batch_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     from server.args import add_serve_args
 
     p.add_argument(
-        "-i", "--input-file", required=True, help="JSONL of batch requests: a local path or an http(s) URL"
+        "-i",
+        "--input-file",
+        required=True,
+        help="JSONL of batch requests: a local path, an http(s) URL, or - for standard input",
     )
     p.add_argument(
         "-o",
         "--output-file",
         required=True,
-        help="where the results go: a local path, or an http(s) URL they are PUT to",
+        help="where the results go: a local path, an http(s) URL they are PUT to, or - for standard output",
     )
     return add_serve_args(p)
+
+
+STD = "-"  # standard input as the input file, standard output as the output file
 
 
 def _is_url(where: str) -> bool:
     return where.startswith(("http://", "https://"))
 
 
+def _shown(where: str, stream: str) -> str:
+    return stream if where == STD else where
+
+
 def read_input(where: str) -> FileLines:
     """The input's non-blank lines, counted and checked as UTF-8 now and read from an open file a
-    line at a time later: a local file itself, or a temporary copy of a URL's body or of a pipe
-    (``-i /dev/stdin``), which could not be read twice. OSError, UnicodeDecodeError (at its offset
-    in the file) or httpx.HTTPError when it cannot be read."""
+    line at a time later: a local file itself (standard input for "-", when it is one), or a
+    temporary copy of a URL's body or of a pipe (``-i -``, ``-i /dev/stdin``), which could not be
+    read twice. OSError, UnicodeDecodeError (at its offset in the file) or httpx.HTTPError when it
+    cannot be read."""
     from server.batch_lines import FileLines
 
     file = _download(where) if _is_url(where) else _open_local(where)
@@ -89,10 +101,12 @@ def _download(url: str) -> IO[bytes]:
 
 
 def _open_local(path: str) -> IO[bytes]:
-    file = open(path, "rb")  # FileLines owns and closes it
-    if file.seekable():
+    # FileLines owns and closes it; "-": a handle of its own on descriptor 0, so closing it leaves
+    # sys.stdin open.
+    file = open(os.dup(0), "rb") if path == STD else open(path, "rb")
+    if file.seekable() and file.tell() == 0:  # FileLines reads from offset 0 each time
         return file
-    with file:  # a pipe or a terminal: read once, into a file that can be read again
+    with file:  # a pipe, a terminal, or stdin part-read: read once, into a file that can be read again
         copy = tempfile.TemporaryFile()
         try:
             shutil.copyfileobj(file, copy)
@@ -131,9 +145,15 @@ class FileDecodeError(UnicodeDecodeError):
         return f"'{self.encoding}' codec can't decode bytes in position {start}-{end}: {self.reason}"
 
 
-def write_output(where: str, lines: Iterable[bytes]) -> None:
-    """``lines`` to a local file, or PUT to a URL from a temporary file (streamed, with a
-    Content-Length, which a pre-signed object-store URL requires)."""
+def write_output(where: str, lines: Iterable[bytes], stdout: int | None = None) -> None:
+    """``lines`` to a local file, to the descriptor ``stdout`` (``where`` is "-"), or PUT to a URL
+    from a temporary file (streamed, with a Content-Length, which a pre-signed object-store URL
+    requires)."""
+    if where == STD:
+        assert stdout is not None, "reserve_stdout gives the descriptor"
+        with open(stdout, "wb", closefd=False) as file:
+            file.writelines(lines)
+        return
     if _is_url(where):
         import httpx
 
@@ -150,7 +170,7 @@ def write_output(where: str, lines: Iterable[bytes]) -> None:
 def unwritable(where: str) -> str | None:
     """Why a local output file could not be written (its directory missing or read-only, or it is
     a directory), or None; a URL is tried only when the results are there."""
-    if _is_url(where):
+    if _is_url(where) or where == STD:
         return None
     path = Path(where)
     if path.is_dir():
@@ -168,7 +188,36 @@ def _error(problem: object) -> int:
     return 2
 
 
+def reserve_stdout() -> int:
+    """For ``-o -``: a descriptor of the real standard output, kept for the results, while
+    descriptor 1 points at standard error until ``release_stdout``, so nothing else the process
+    writes there (a library's print, a C extension's message) can land among the JSONL lines."""
+    sys.stdout.flush()
+    results = os.dup(1)
+    os.dup2(2, 1)
+    return results
+
+
+def release_stdout(results: int) -> None:
+    sys.stdout.flush()
+    os.dup2(results, 1)
+    os.close(results)
+
+
 def run_batch(args: argparse.Namespace) -> int:
+    if args.output_file != STD:
+        return _run_batch(args, None)
+    try:
+        stdout = reserve_stdout()
+    except OSError as e:  # no standard output to write to (closed: `>&-`)
+        return _error(f"cannot write stdout: {e}")
+    try:
+        return _run_batch(args, stdout)
+    finally:
+        release_stdout(stdout)
+
+
+def _run_batch(args: argparse.Namespace, stdout: int | None) -> int:
     import httpx
 
     from server.main import serve_configs
@@ -185,19 +234,22 @@ def run_batch(args: argparse.Namespace) -> int:
     try:
         lines = read_input(args.input_file)
     except (OSError, ValueError, httpx.HTTPError) as e:  # ValueError: UnicodeDecodeError, a NUL in the path
-        return _error(f"cannot read {args.input_file}: {e}")
+        return _error(f"cannot read {_shown(args.input_file, 'stdin')}: {e}")
     try:
-        return _run_and_write(args, config, engine_config, lines)
+        return _run_and_write(args, config, engine_config, lines, stdout)
     finally:
         lines.close()
 
 
-def _run_and_write(args: argparse.Namespace, config: object, engine_config: object, lines: FileLines) -> int:
+def _run_and_write(
+    args: argparse.Namespace, config: object, engine_config: object, lines: FileLines, stdout: int | None
+) -> int:
     import httpx
 
     from server.batch_results import ResultSpool
     from server.main import loop_factory
 
+    output = _shown(args.output_file, "stdout")
     problem = unwritable(args.output_file)
     if problem is not None:  # found now, not after every request has run
         return _error(f"cannot write {args.output_file}: {problem}")
@@ -213,14 +265,14 @@ def _run_and_write(args: argparse.Namespace, config: object, engine_config: obje
         if answered < len(lines):
             print(
                 f"ferry run-batch: interrupted: {answered} of {len(lines)} requests answered, "
-                f"those written to {args.output_file}",
+                f"those written to {output}",
                 file=sys.stderr,
             )
         try:
-            write_output(args.output_file, results.lines())
+            write_output(args.output_file, results.lines(), stdout)
         except (OSError, httpx.HTTPError) as e:
-            return _error(f"cannot write {args.output_file}: {e}")
-        logger.info("wrote %d results to %s (%d failed)", answered, args.output_file, results.failed)
+            return _error(f"cannot write {output}: {e}")
+        logger.info("wrote %d results to %s (%d failed)", answered, output, results.failed)
         return 0 if answered == len(lines) else 130
     finally:
         results.close()

@@ -7,6 +7,12 @@ Here the body's distinguishing field picks the endpoint first (``messages``: cha
 ``prompt``: completions, ``input``: embeddings, or classification on a classifier model,
 ``query``: rerank, ``text_1`` / ``data_1`` / ``queries``: score), so a mistake in a chat request is
 answered with the chat endpoint's own 400 naming the field, not with "no handler".
+
+vLLM tries only the request types of the tasks the model serves, and ignores a body's unknown fields:
+on a classifier, which generates nothing, a body with ``input`` and ``messages`` (or ``prompt``) is
+classified (``messages`` ignored), one with ``query`` and ``prompt`` reranked. So on a classifier
+the generation fields count last: a body with nothing else still reaches chat or completions, for
+their 400 saying the model does not generate.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ _KINDS: tuple[tuple[str, str], ...] = (
     ("data_1", "score"),
     ("queries", "score"),
 )
+_GENERATION = frozenset({"chat", "completion"})
 _MODELS: dict[str, type[BaseModel]] = {
     "chat": ChatCompletionRequest,
     "completion": CompletionRequest,
@@ -44,7 +51,10 @@ def invocation(body: Any, classifier: bool) -> tuple[str, BaseModel]:
     body is none of them or is not valid as the one it is."""
     if not isinstance(body, dict):
         raise bad_request("an /invocations body must be a JSON object")
-    kind = next((k for field, k in _KINDS if field in body), None)
+    kinds = [k for field, k in _KINDS if field in body]
+    if classifier:  # stable: the pooling kinds keep their order, before chat and completion
+        kinds.sort(key=lambda k: k in _GENERATION)
+    kind = kinds[0] if kinds else None
     if kind is None:
         raise bad_request(
             "Cannot tell which endpoint this /invocations body is for: give 'messages' (chat "

@@ -2,7 +2,8 @@
 the endpoints the model serves, pooling last) reaches ``/pooling``: a chat-shaped body (``messages``,
 no ``input``) is served by ``/pooling`` (a classifier serves no chat; ferry's ``/classify`` takes no
 messages), answering what ``/pooling`` answers for it, its mistakes ``/pooling``'s 400s; an
-``input`` body stays ``/classify``'s even when it names a pooling ``task``. ``/classify`` and
+``input`` body stays ``/classify``'s even when it names a pooling ``task``, or has ``messages`` or
+``prompt`` too (vLLM tries no generation request type on a classifier). ``/classify`` and
 ``/pooling`` answer vLLM's usage; a classifier's probabilities encode like embeddings."""
 
 from __future__ import annotations
@@ -94,3 +95,36 @@ def test_usage_and_encodings_on_a_classifier(classifier, tiny_llama_cls: Path) -
     r = _post(classifier, "/pooling", {"input": TEXTS, "encoding_format": "bytes", "endianness": "big"})
     assert r.status_code == 200
     assert r.content == b"".join(np.float32(p).astype(">f4").tobytes() for p in probs)
+
+
+def test_generation_fields_count_last_on_a_classifier(classifier) -> None:
+    # vLLM tries only the request types of the tasks a classifier serves, ignoring unknown fields, so
+    # a body with `input` and `messages` (or `prompt`) is classified; it went to chat (or
+    # completions) here and was their 400 ("This model is a sequence classifier").
+    direct = _ok(classifier, "/classify", {"input": TEXTS})
+    for extra in (
+        {"messages": MESSAGES},
+        {"prompt": "x", "max_tokens": 2},
+        {"messages": MESSAGES, "prompt": "x"},
+    ):
+        via = _ok(classifier, "/invocations", {"input": TEXTS, **extra})
+        assert _same(via, direct) and via["id"].startswith("classify-")
+    # Its mistakes are /classify's 400s, naming classify's field.
+    r = _post(classifier, "/invocations", {"input": [], "messages": MESSAGES})
+    assert r.status_code == 400
+    assert r.json()["error"] == {
+        "message": "input must not be empty",
+        "type": "BadRequestError",
+        "param": "input",
+        "code": "invalid_value",
+    }
+    # `query` and `prompt`: rerank's own answer (on this three-label classifier, its 400).
+    r = _post(classifier, "/invocations", {"query": "a cat", "documents": ["a cat", "a car"], "prompt": "x"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+    assert r.json()["error"]["message"].startswith("This classifier has 3 labels: scoring and reranking")
+    # Generation fields alone still reach their endpoint, for its 400.
+    r = _post(classifier, "/invocations", {"prompt": "x"})
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == (
+        "This model is a sequence classifier: it does not generate text. Use /classify, /score or /rerank."
+    )

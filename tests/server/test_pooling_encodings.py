@@ -100,8 +100,13 @@ def test_codec_casts_as_torch_does_bit_for_bit() -> None:
     everything = rng.integers(0, 2**32, size=2_000_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
     edges = [0.0, -0.0, 448, 449, 464, 470, 480, 1e4, 57344, 61439, 61440, 65536, 2**-6, 2**-9, 2**-10]
     edges += [2**-14, 2**-16, 2**-17, 2**-18, 1e-9, -1e-9, 3e38, float("inf"), float("-inf")]
-    values = np.concatenate([everything[np.isfinite(everything)], np.float32(edges), rng.normal(size=10_000)])
-    values = values.astype(np.float32)
+    # NaNs included (7,777 of them here, both signs, every payload), quieted as the float64 answer's
+    # rounding to float32 quiets them: the float32 values the client decodes against.
+    with np.errstate(invalid="ignore"):
+        quieted = everything.astype(np.float64).astype(np.float32)
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):  # torch's scalar cast: 0x7FC0
+        quieted = quieted[~np.isnan(quieted)]
+    values = np.concatenate([quieted, np.float32(edges), rng.normal(size=10_000)]).astype(np.float32)
     for dtype in EMBED_DTYPES:
         for endianness in ENDIANNESS:
             assert encode_values(values, dtype, endianness) == _torch_bytes(
@@ -110,6 +115,27 @@ def test_codec_casts_as_torch_does_bit_for_bit() -> None:
                 dtype,
                 endianness,
             )
+
+
+def test_nan_has_torchs_bit_pattern_in_every_dtype() -> None:
+    # bfloat16 NaN is 0xFFFF whatever its sign and payload, as torch's vectorised CPU cast (AVX2 /
+    # AVX512: vLLM's ``tensor.to(torch.bfloat16)`` on an x86 server) writes it; it was 0x7FC0.
+    # float16 keeps sign and payload, fp8 keeps the sign (0x7F / 0xFF), as torch does.
+    nans = np.array([0x7FC00000, 0xFFC00000, 0x7FC12345, 0xFFFFFFFF], dtype=np.uint32).view(np.float32)
+    values = np.concatenate([nans, np.float32([1.0])])
+    want = {
+        "float32": ["7fc00000", "ffc00000", "7fc12345", "ffffffff", "3f800000"],
+        "float16": ["7e00", "fe00", "7e09", "ffff", "3c00"],
+        "bfloat16": ["ffff", "ffff", "ffff", "ffff", "3f80"],
+        "fp8_e4m3": ["7f", "ff", "7f", "ff", "38"],
+        "fp8_e5m2": ["7f", "ff", "7f", "ff", "3c"],
+    }
+    for dtype, big in want.items():
+        assert encode_values(values, dtype, "big").hex() == "".join(big), dtype
+        # The same float32 tensor through torch on this machine: identical bits (torch's scalar path,
+        # ATEN_CPU_CAPABILITY=default, writes bfloat16 NaN as 0x7FC0 and is not what vLLM runs).
+        if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+            assert encode_values(values, dtype, "big") == _torch_bytes(values.tolist(), dtype, "big"), dtype
 
 
 @pytest.mark.parametrize("path", ["/v1/embeddings", "/pooling"])

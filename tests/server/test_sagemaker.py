@@ -44,6 +44,16 @@ def test_ping_is_the_health_check(srv) -> None:
             "/v1/chat/completions",
             {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0},
         ),
+        # A decoder serves chat, which vLLM tries first, ignoring the unknown `input`.
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "input": "a cat",
+                "max_tokens": 5,
+                "temperature": 0,
+            },
+        ),
         ("/v1/completions", {"prompt": [5, 9, 14], "max_tokens": 5, "temperature": 0}),
         ("/v1/embeddings", {"input": ["a cat", "a dog"]}),
         ("/rerank", {"query": "cat", "documents": ["a cat", "a car"]}),
