@@ -95,7 +95,7 @@ def activate(logits: Sequence[float] | np.ndarray, kind: str) -> np.ndarray:
     return x
 
 
-# vLLM's embed_dtype names (``server.protocol.EmbedDType``, which the router imports without numpy).
+# vLLM's embed_dtype names (``server.embedding_protocol.EmbedDType``, which the router imports without numpy).
 _CASTS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "float32": lambda x: x,
     "float16": lambda x: x.astype(np.float16),

@@ -140,7 +140,8 @@ def openapi() -> dict[str, Any]:
     from pydantic.json_schema import models_json_schema
 
     from server.anthropic_protocol import MessagesRequest
-    from server.protocol import ChatCompletionRequest, CompletionRequest
+    from server.chat_protocol import ChatCompletionRequest
+    from server.completion_protocol import CompletionRequest
 
     models = {"chat": ChatCompletionRequest, "completion": CompletionRequest, "messages": MessagesRequest}
     refs, schemas = models_json_schema(

@@ -8,7 +8,7 @@ body). No I/O here.
 A disaggregated request must be refused exactly as a replica refuses it (status and OpenAI error
 body, before any 200): the producer request therefore carries every client field a producer
 checks as the client sent it (the budget in ``kv_transfer.budget``: a producer checks it against
-its context, then computes one token, ``server/params.client_budget``), and ``request_error``
+its context, then computes one token, ``server/handoff_params.client_budget``), and ``request_error``
 validates the client's body as a replica does first, before the fields the producer request moves
 (the budget, ``stream``, ``stream_options``) could be checked later than a replica checks them
 (after ``model``, say: a replica's 400 for ``max_tokens: -1`` would be the producer's 404).
@@ -23,8 +23,9 @@ from typing import Any
 from pydantic import ValidationError
 
 from router.sse import StreamTracker
+from server.chat_protocol import ChatCompletionRequest
+from server.completion_protocol import CompletionRequest
 from server.errors import APIError, validation_error
-from server.protocol import ChatCompletionRequest, CompletionRequest
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,7 @@ def requested_budget(path: str, body: dict[str, Any]) -> int | None:
 
 # The client's budget: the producer request says ``max_tokens`` 1 (DESIGN's hand-off) and carries
 # these as the client sent them in ``kv_transfer.budget``, for the producer to check them as a
-# replica would (``server.params.client_budget``).
+# replica would (``server.handoff_params.client_budget``).
 BUDGET_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens")
 
 

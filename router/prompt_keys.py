@@ -167,7 +167,7 @@ class TokenKeyer(PromptKeyer):
         """The replica's prompt token ids for ``body``; None when it has no prompt we read (raises
         on a malformed one: ``keys`` turns that into no hint)."""
         if path.endswith("/chat/completions"):
-            # Exactly the replica's rendering (``server/params.py`` chat_prompt): the same
+            # Exactly the replica's rendering (``server/prompts.py`` chat_prompt): the same
             # message normalisation, null meaning the default, template kwargs then tools.
             messages = [template_message(m) for m in body["messages"]]
             kwargs = self.chat.kwargs(body.get("chat_template_kwargs"), body.get("documents"))
@@ -208,7 +208,7 @@ class TokenKeyer(PromptKeyer):
             return [], 0
         keep = body.get("truncate_prompt_tokens")
         if type(keep) is int and 0 < keep < len(ids):
-            # The replica keeps the prompt's last N tokens (``server/params.py``); -1 (the model's
+            # The replica keeps the prompt's last N tokens (``server/prompts.py``); -1 (the model's
             # context length, which the router does not know) cuts only prompts longer than that.
             ids = ids[-keep:]
         if self.image is not None and path.endswith("/chat/completions") and self.image[0] in ids:

@@ -22,7 +22,10 @@ from server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from server.anthropic_protocol import error_response as anthropic_error
 from server.batch_api import add_batch_routes
 from server.batch_lines import AppCaller
+from server.chat_protocol import ChatCompletionRequest
+from server.completion_protocol import CompletionRequest
 from server.config import ServerConfig
+from server.embedding_protocol import EmbeddingRequest
 from server.errors import (
     APIError,
     StrictJSONRoute,
@@ -46,18 +49,7 @@ from server.middleware import EdgeMiddleware, ReplicaLoad, ServerLoad, is_messag
 from server.params import ModelLimits
 from server.pooling_protocol import PoolingRequest
 from server.prefix_cache import reset_engine_prefix_cache
-from server.protocol import (
-    MAX_LOGPROBS,
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    EmbeddingRequest,
-    ErrorResponse,
-    ModelCard,
-    ModelList,
-    TokenizeRequest,
-    VersionResponse,
-)
+from server.protocol import MAX_LOGPROBS, ErrorResponse, ModelCard, ModelList, VersionResponse
 from server.responses_store import RUNNING, StoreUnavailable, open_response_store
 from server.sagemaker import invocation
 from server.score_protocol import ClassificationRequest, RerankRequest, ScoreRequest
@@ -73,6 +65,7 @@ from server.serving_score import create_rerank, create_score
 from server.serving_tokenize import detokenize, list_models, tokenize
 from server.state import ServerState
 from server.streaming import ClientDisconnected
+from server.tokenize_protocol import DetokenizeRequest, TokenizeRequest
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 409, 413, 429, 503)

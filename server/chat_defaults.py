@@ -1,5 +1,5 @@
 """Server-wide settings of how a chat is rendered into its prompt, which every renderer of a chat
-must apply alike: the replica (``server/params.py`` chat_prompt, for chat, Responses, Messages and
+must apply alike: the replica (``server/prompts.py`` chat_prompt, for chat, Responses, Messages and
 /tokenize) and the router (``router/prompt_keys.py`` TokenKeyer, whose block hashes must be the
 replica's or cache-aware routing and PD hand-offs miss). Torch-free: the router imports it.
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from server.protocol import DeltaToolCall, ToolCall
+from server.chat_protocol import DeltaToolCall, ToolCall
 from server.reasoning_parsers import ReasoningSplitter
 from server.tools import ChoiceTools, ToolPlan
 

@@ -21,9 +21,10 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 
+from server.chat_protocol import ChatCompletionRequest
+from server.completion_protocol import CompletionRequest
 from server.errors import APIError, client_closed, internal_error, validation_error
 from server.middleware import ASGIApp, Receive, Scope, Send, route_path
-from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.serving_chat import create_chat_completion
 from server.serving_completions import create_completion
 from server.serving_responses import ResponsesRequest, create_response

@@ -19,7 +19,7 @@ from server.state import ServerState
 
 
 def image_sources(messages: Sequence[Any] | None) -> list[str]:
-    """The image URLs of chat messages (``protocol.ChatMessage``), in order."""
+    """The image URLs of chat messages (``chat_protocol.ChatMessage``), in order."""
     return [url for message in messages or () for url in message.image_urls]
 
 

@@ -12,7 +12,9 @@ from collections.abc import Sequence
 
 from engine.outputs import Logprob, PositionLogprobs
 from engine.tokenizer import Tokenizer
-from server.protocol import CompletionLogprobs, PromptLogprob, PromptLogprobs, TokenLogprob, TopLogprob
+from server.chat_protocol import TokenLogprob, TopLogprob
+from server.completion_protocol import CompletionLogprobs
+from server.protocol import PromptLogprob, PromptLogprobs
 
 
 def _text(tokenizer: Tokenizer, token_id: int, lp: Logprob | None, as_ids: bool = False) -> str:

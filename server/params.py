@@ -1,8 +1,12 @@
-"""From a validated request to what the engine takes: token-id prompts and SamplingParams.
+"""From a validated request's sampling fields to the engine's SamplingParams (and beam search's).
 
-Everything here is a client-input check that needs the model (vocabulary size, context
-length, chat template); shape and range checks already happened in ``server.protocol``.
-Each failure is an ``APIError`` 400 naming the field.
+Everything here is a client-input check that needs the model (vocabulary size, context length,
+logprobs limit, generation defaults): the budget (``resolve_max_tokens``), the sampling and
+stopping fields, ``n``'s child seeds and ``use_beam_search``. ``ModelLimits`` is what every such
+check reads. Shape and range checks already happened in the request models (``server.protocol``
+and its per-route modules); prompts are ``server.prompts``', output constraints
+``server.structured_params``', the internal ``kv_transfer`` / ``resume`` fields
+``server.handoff_params``'. Each failure is an ``APIError`` 400 naming the field.
 """
 
 from __future__ import annotations
@@ -11,16 +15,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import ValidationError
-
 from engine.beam_search import BeamSearchParams, candidates_per_beam
 from engine.multimodal import ImageSpec
-from engine.sampling_params import SamplingParams, StructuredOutputsParams
-from engine.tokenizer import ChatTemplateError, Tokenizer
-from kvcache.keys import from_hex
-from server.chat_defaults import RESERVED_TEMPLATE_KWARGS, ChatDefaults
-from server.errors import bad_request, validation_error
-from server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, TokenizeRequest
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+from server.chat_protocol import ChatCompletionRequest
+from server.errors import bad_request
+from server.protocol import SamplingFields
+from server.structured_params import structured_outputs
 
 
 @dataclass(frozen=True)
@@ -54,28 +56,6 @@ class ModelLimits:
         return min(self.max_model_len, self.num_kv_blocks * self.block_size)
 
 
-def kept_prompt_tokens(req: Any, limits: ModelLimits) -> int | None:
-    """How many of a prompt's last tokens ``truncate_prompt_tokens`` keeps (-1: the model's context
-    length, as vLLM); more than the context is a 400, as vLLM answers."""
-    keep = getattr(req, "truncate_prompt_tokens", None)
-    if keep == -1:
-        return limits.max_model_len
-    if keep is not None and keep > limits.max_model_len:
-        raise bad_request(
-            f"truncate_prompt_tokens ({keep}) is greater than this model's maximum context length "
-            f"({limits.max_model_len})",
-            param="truncate_prompt_tokens",
-        )
-    return keep
-
-
-@dataclass(frozen=True)
-class PreparedPrompt:
-    token_ids: list[int]
-    text: str | None  # the prompt text when the client gave text (for echo)
-    embeds: Any = None  # prompt embeddings (a tensor): token_ids are then its placeholders
-
-
 def check_token_ids(ids: Sequence[int], limits: ModelLimits, param: str) -> None:
     # A token-id prompt is checked on the event loop: the usual case (all in range) by C builtins
     # rather than a Python step per token; the loop below names the first id out of range.
@@ -91,247 +71,6 @@ def check_stream_prompt_logprobs(req: Any) -> None:
     ``prompt_logprobs: 0`` (none) is taken and unused, as vLLM takes it."""
     if req.stream and req.prompt_logprobs:
         raise bad_request("prompt_logprobs is not available with stream", param="prompt_logprobs")
-
-
-def check_request_sequences(req: CompletionRequest, num_embeds: int, limit: int) -> None:
-    """400 when the request asks for more than ``limit`` sequences (prompts x n; ``num_embeds``: its
-    prompts given as embeddings), before any prompt is tokenized: a body within the size limit can
-    hold millions of one-token prompts, each costing the server kilobytes."""
-    raw = req.prompt
-    if req.prompt_embeds is not None and raw in ("", [""]):
-        count = 0  # the embeddings are the prompts (``completion_prompts``)
-    elif isinstance(raw, str) or (raw and isinstance(raw[0], int)):
-        count = 1
-    else:
-        count = len(raw)
-    width = max(req.n, req.best_of or 1)
-    asked = (count + num_embeds) * width
-    if asked > limit:
-        raise bad_request(
-            f"this request asks for {asked} sequences ({count + num_embeds} prompts x n={width}), more "
-            f"than this server takes in one request ({limit}, --max-request-sequences): split it",
-            param="prompt",
-        )
-
-
-def completion_prompts(
-    req: CompletionRequest, tokenizer: Tokenizer, limits: ModelLimits
-) -> list[PreparedPrompt]:
-    """The request's text or token-id prompts: a string, strings, a token list or token lists (none
-    when it has ``prompt_embeds`` and no prompt, or ``""``: ``server/prompt_embeds.py``)."""
-    raw = req.prompt
-    if req.prompt_embeds is not None and raw in ("", [""]):
-        return []
-    if isinstance(raw, str):
-        items: list[str | list[int]] = [raw]
-    elif raw and isinstance(raw[0], list):
-        items = list(raw)  # type: ignore[arg-type]
-    elif raw and isinstance(raw[0], int):
-        items = [list(raw)]  # type: ignore[arg-type]
-    else:
-        items = list(raw)  # type: ignore[arg-type]
-    keep = kept_prompt_tokens(req, limits)
-    if not items:
-        raise bad_request("prompt must not be empty", param="prompt")
-    prompts = []
-    for item in items:
-        if isinstance(item, str):
-            ids = tokenizer.encode(item, add_special_tokens=req.add_special_tokens)
-            text: str | None = item
-        else:
-            ids = list(item)
-            check_token_ids(ids, limits, "prompt")
-            text = None
-        if not ids:
-            raise bad_request("prompt must not be empty", param="prompt")
-        if keep is not None and len(ids) > keep:
-            ids, text = ids[-keep:], None
-        prompts.append(PreparedPrompt(ids, text))
-    return prompts
-
-
-def chat_prompt(
-    req: ChatCompletionRequest | TokenizeRequest,
-    tokenizer: Tokenizer,
-    trust_request_template: bool = False,
-    defaults: ChatDefaults = ChatDefaults(),
-    limits: ModelLimits | None = None,
-) -> list[int]:
-    """Render the messages with the model's chat template (or the request's own, when the server
-    trusts requests with one: ``--trust-request-chat-template``) and encode them; ``defaults``: the
-    server's template variables under the request's own, and whether tool_choice "none" hides the
-    tools (``server/chat_defaults.py``)."""
-    own = getattr(req, "chat_template", None)
-    if own is not None and not trust_request_template:
-        raise bad_request(
-            "this request carries a chat_template, but the server does not run templates from requests "
-            "(start it with --trust-request-chat-template)",
-            param="chat_template",
-        )
-    if own is None and not tokenizer.has_chat_template:
-        raise bad_request(
-            "This model has no chat template, so /v1/chat/completions cannot format messages; "
-            "use /v1/completions with a plain prompt instead.",
-            param="messages",
-            code="chat_template_missing",
-        )
-    messages = [m.template_dict() for m in req.messages or []]
-    # Rendered exactly as the router's TokenKeyer renders a body (``router/prompt_keys.py``):
-    # template kwargs, then tools, so router and replica agree on every block hash.
-    own_kwargs = getattr(req, "chat_template_kwargs", None) or {}
-    reserved = RESERVED_TEMPLATE_KWARGS.intersection(own_kwargs)
-    if reserved:
-        raise bad_request(
-            f"chat_template_kwargs must not set {', '.join(sorted(reserved))}: use the request fields",
-            param="chat_template_kwargs",
-        )
-    kwargs = defaults.kwargs(own_kwargs, getattr(req, "documents", None))
-    if getattr(req, "continue_final_message", False):
-        kwargs["continue_final_message"] = True
-    if own is not None:
-        kwargs["chat_template"] = own
-    elif (
-        "chat_template" in kwargs
-        and kwargs["chat_template"] not in tokenizer.chat_template_names
-        and not trust_request_template
-    ):  # a template's text rather than the name of one of the model's
-        raise bad_request(
-            "chat_template_kwargs.chat_template must name one of the model's chat templates "
-            f"({', '.join(tokenizer.chat_template_names) or 'it has none'}); a template of the request's "
-            "own needs --trust-request-chat-template",
-            param="chat_template_kwargs",
-        )
-    try:
-        text = tokenizer.apply_chat_template(
-            messages,
-            add_generation_prompt=req.add_generation_prompt,
-            tools=defaults.tools(getattr(req, "tools", None), getattr(req, "tool_choice", None)),
-            **kwargs,
-        )
-    except ChatTemplateError as e:
-        raise bad_request(str(e), param="messages") from e
-    add_special = getattr(req, "add_special_tokens", None)
-    ids = tokenizer.encode(text, add_special_tokens=bool(add_special))
-    keep = kept_prompt_tokens(req, limits) if limits is not None else None  # /tokenize: no truncation
-    if keep is not None and len(ids) > keep:
-        ids = ids[-keep:]
-    if not ids:
-        raise bad_request("the rendered chat prompt is empty", param="messages")
-    return ids
-
-
-def scores_prompt(req: CompletionRequest) -> bool:
-    """``echo`` with ``max_tokens`` 0: the answer is the prompt with its logprobs (the engine runs
-    it for one token, which the answer leaves out)."""
-    return req.echo and req.max_tokens == 0 and req.max_completion_tokens is None
-
-
-def check_completion_features(req: CompletionRequest) -> None:
-    if req.max_tokens == 0 and not scores_prompt(req):
-        raise bad_request(
-            "max_tokens must be at least 1 (0 only with echo, which answers the prompt scored)",
-            param="max_tokens",
-        )
-    if req.suffix:
-        raise bad_request("suffix is not supported by this server", param="suffix")
-    if req.best_of is not None and req.best_of != req.n:
-        raise bad_request(
-            "best_of must equal n (or be omitted): best-of sampling is not supported", param="best_of"
-        )
-    if req.echo and req.resume is not None:
-        raise bad_request("echo cannot be combined with resume", param="echo")
-
-
-# vLLM's older request fields for a constraint, and the StructuredOutputsParams field each sets.
-GUIDED_FIELDS = (
-    ("guided_json", "json"),
-    ("guided_regex", "regex"),
-    ("guided_choice", "choice"),
-    ("guided_grammar", "grammar"),
-)
-
-
-def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
-    """The request's output constraint, from whichever of its three spellings it used: OpenAI's
-    ``response_format``, vLLM's ``structured_outputs`` or vLLM's older ``guided_*`` fields.
-
-    Shape errors are 400s here; a schema, regex or grammar that is not valid is a 400 where it
-    compiles (``serving_common.compile_constraints``), once per distinct constraint.
-    """
-    found: list[tuple[str, StructuredOutputsParams]] = []
-    rf = req.response_format
-    if rf is not None and rf.type != "text":
-        if rf.type == "json_object":
-            found.append(("response_format", StructuredOutputsParams(json_object=True)))
-        elif rf.type == "json_schema":
-            if rf.json_schema is None or rf.json_schema.json_schema is None:
-                raise bad_request(
-                    "response_format of type 'json_schema' needs json_schema.schema",
-                    param="response_format.json_schema",
-                )
-            found.append(("response_format", StructuredOutputsParams(json=rf.json_schema.json_schema)))
-        elif rf.type == "structural_tag":
-            if rf.format is not None:
-                tag: dict[str, Any] = {"type": "structural_tag", "format": rf.format}
-            elif rf.structures is not None and rf.triggers is not None:
-                tag = {"structures": rf.structures, "triggers": rf.triggers}
-            else:
-                raise bad_request(
-                    "response_format of type 'structural_tag' needs format (or structures and triggers)",
-                    param="response_format",
-                )
-            found.append(("response_format", StructuredOutputsParams(structural_tag=tag)))
-        else:
-            raise bad_request(
-                f"response_format type {rf.type!r} is not supported; use 'text', 'json_object', "
-                "'json_schema' or 'structural_tag'",
-                param="response_format.type",
-            )
-    so = req.structured_outputs
-    if so is not None:
-        if so.whitespace_pattern is not None:
-            raise bad_request(
-                "structured_outputs.whitespace_pattern is not supported by this server",
-                param="structured_outputs.whitespace_pattern",
-            )
-        try:
-            found.append(
-                (
-                    "structured_outputs",
-                    StructuredOutputsParams(
-                        json=so.json_schema,
-                        regex=so.regex,
-                        choice=so.choice,
-                        grammar=so.grammar,
-                        json_object=bool(so.json_object),
-                        structural_tag=so.structural_tag,
-                        disable_any_whitespace=so.disable_any_whitespace,
-                    ),
-                )
-            )
-        except ValueError as e:
-            raise bad_request(str(e), param="structured_outputs") from e
-    if req.guided_whitespace_pattern is not None:
-        raise bad_request(
-            "guided_whitespace_pattern is not supported by this server", param="guided_whitespace_pattern"
-        )
-    for name, key in GUIDED_FIELDS:
-        value = getattr(req, name)
-        if value is not None:
-            found.append((name, StructuredOutputsParams(**{key: value})))
-    if len(found) > 1:
-        raise bad_request(
-            f"give one output constraint, not {len(found)} ({', '.join(n for n, _ in found)})",
-            param=found[1][0],
-        )
-    if not found:
-        return None
-    name, spec = found[0]
-    try:
-        _ = spec.kind  # exactly one constraint; the rest is checked where it compiles
-    except ValueError as e:
-        raise bad_request(str(e), param=name) from e
-    return spec
 
 
 def resolve_max_tokens(
@@ -465,85 +204,11 @@ def bad_words_token_ids(words: Sequence[str], tokenizer: Tokenizer | None) -> li
     return [list(ids) for ids in seqs]
 
 
-BUDGET_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens")
-
-
-def client_budget(req: SamplingFields) -> SamplingFields:
-    """The request with the budget its client sent, for a producer (a prefill worker's request
-    carries ``max_tokens`` 1, as DESIGN's hand-off says, and the client's fields in
-    ``kv_transfer.budget``); ``req`` itself otherwise. The fields are checked by the request
-    model's own rules, so a bad budget is the 400 a replica gives the client, before the prefill."""
-    budget = req.kv_transfer.budget if req.kv_transfer is not None else None
-    if budget is None:
-        return req
-    chat = isinstance(req, ChatCompletionRequest)
-    stub: dict[str, Any] = {"messages": [{"role": "user", "content": "."}]} if chat else {"prompt": "."}
-    try:
-        sent = type(req).model_validate({**stub, **{k: budget[k] for k in BUDGET_FIELDS if k in budget}})
-    except ValidationError as e:
-        raise validation_error(e.errors(include_url=False)) from None
-    return req.model_copy(update={k: getattr(sent, k) for k in BUDGET_FIELDS})
-
-
 def check_min_tokens(req: SamplingFields, max_tokens: int) -> None:
     if req.min_tokens > max_tokens:
         raise bad_request(
             f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens})", param="min_tokens"
         )
-
-
-def kv_transfer_spec(req: SamplingFields, num_prompts: int) -> dict[str, Any] | None:
-    """The ``kv_transfer`` field as the engine's KV connector takes it (a dict, hashes as hex)."""
-    if req.kv_transfer is None:
-        return None
-    if num_prompts != 1 or req.n != 1:
-        raise bad_request("kv_transfer needs exactly one prompt and n = 1", param="kv_transfer")
-    spec: dict[str, Any] = {"role": req.kv_transfer.role}
-    if req.kv_transfer.block_hashes is not None:
-        try:
-            from_hex(req.kv_transfer.block_hashes)
-        except ValueError as e:
-            raise bad_request(f"kv_transfer.block_hashes: {e}", param="kv_transfer.block_hashes") from e
-        spec["block_hashes"] = [h.lower() for h in req.kv_transfer.block_hashes]
-    return spec
-
-
-def resumed_choices(
-    req: SamplingFields, num_prompts: int, limits: ModelLimits
-) -> dict[int, list[int]] | None:
-    """The choices a ``resume`` runs, each with the tokens it already produced elsewhere (in index
-    order), or None without ``resume`` (every choice runs from its start). ``resume.token_ids`` is
-    choice 0 of an ``n`` = 1 request; ``resume.choices`` (a stream's unfinished choices, for ``n``
-    > 1) names its choices: those left out finished before and do not run again."""
-    if req.resume is None:
-        return None
-    if req.resume.token_ids is not None:
-        if num_prompts != 1 or req.n != 1:
-            raise bad_request("resume needs exactly one prompt and n = 1", param="resume")
-        ids = list(req.resume.token_ids)
-        check_token_ids(ids, limits, "resume.token_ids")
-        return {0: ids}
-    if num_prompts != 1:
-        raise bad_request("resume.choices needs exactly one prompt", param="resume.choices")
-    if not getattr(req, "stream", False):
-        # A whole answer would hold only the resumed choices, not the request's n.
-        raise bad_request("resume.choices needs stream", param="resume.choices")
-    out: dict[int, list[int]] = {}
-    for c in sorted(req.resume.choices or (), key=lambda c: c.index):
-        if c.index >= req.n:
-            raise bad_request(
-                f"resume.choices: index {c.index} is not below n = {req.n}", param="resume.choices"
-            )
-        check_token_ids(c.token_ids, limits, "resume.choices.token_ids")
-        out[c.index] = list(c.token_ids)
-    return out
-
-
-def longest_resumed(resumed: dict[int, list[int]] | None) -> list[int] | None:
-    """The resumed tokens of the choice furthest along (what a budget must leave room after)."""
-    if not resumed:
-        return None
-    return max(resumed.values(), key=len) or None
 
 
 def child_seed(seed: int | None, index: int) -> int | None:

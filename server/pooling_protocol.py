@@ -18,15 +18,9 @@ from typing import Literal
 
 from pydantic import Field, StrictBool, StrictInt, StrictStr, model_validator
 
-from server.protocol import (
-    ChatMessage,
-    EmbeddingUsage,
-    EmbedDType,
-    Endianness,
-    PoolingEncoding,
-    PromptInput,
-    _Response,
-)
+from server.chat_protocol import ChatMessage
+from server.embedding_protocol import EmbeddingUsage, EmbedDType, Endianness, PoolingEncoding
+from server.protocol import PromptInput, _Response
 from server.score_protocol import _Activation
 
 

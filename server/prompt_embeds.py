@@ -14,9 +14,10 @@ import base64
 import binascii
 
 from engine.multimodal import EMBEDS_PLACEHOLDER_ID
+from server.completion_protocol import CompletionRequest
 from server.errors import bad_request
-from server.params import ModelLimits, PreparedPrompt, kept_prompt_tokens
-from server.protocol import CompletionRequest
+from server.params import ModelLimits
+from server.prompts import PreparedPrompt, kept_prompt_tokens
 
 PARAM = "prompt_embeds"
 

@@ -1,9 +1,15 @@
-"""OpenAI-compatible request and response models for one replica (and the router).
+"""OpenAI-compatible request and response models shared by every route of one replica (and the router).
 
-These pydantic models are the HTTP edge: every limit a client can hit is declared here so a
-bad request fails validation with a clear message and never reaches the engine. The router
-imports this module too, so it must stay torch-free: it may import pydantic, the stdlib and
-torch-free engine types, never ``engine.async_engine`` or anything that loads a model.
+These pydantic models are the HTTP edge: every limit a client can hit is declared here (or in the
+per-route modules built on these bases) so a bad request fails validation with a clear message and
+never reaches the engine. This module holds the bases (``_Request``, ``_Response``), the limits,
+the sampling and stopping fields that completions and chat share (``SamplingFields``, with their
+structured-output and internal hand-off parts) and the response parts every route answers with
+(usage, errors, model cards). The per-route models live beside it: ``completion_protocol``,
+``chat_protocol``, ``tokenize_protocol``, ``embedding_protocol`` (and ``pooling_protocol``,
+``score_protocol``, ``anthropic_protocol``). The router imports these modules too, so they must stay
+torch-free: they may import pydantic, the stdlib and torch-free engine types, never
+``engine.async_engine`` or anything that loads a model.
 
 Unknown request fields are ignored (peer routers add their own, e.g. ``separate_reasoning``,
 ``kv_transfer_params``). Fields that would be ignored silently but change the answer
@@ -29,8 +35,6 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-
-from engine.chat_template import template_message
 
 
 def truncation(value: int | None) -> int | None:
@@ -85,7 +89,8 @@ class KVTransfer(_Request):
     role: Literal["producer", "consumer"]
     block_hashes: list[StrictStr] | None = None  # consumer: 32-char hex hashes, in prompt order
     # producer: the client's max_tokens / max_completion_tokens / min_tokens as it sent them (the
-    # request itself carries max_tokens 1): checked as a replica checks them (server.params.client_budget)
+    # request itself carries max_tokens 1): checked as a replica checks them
+    # (server.handoff_params.client_budget)
     budget: dict[str, Any] | None = None
 
 
@@ -249,240 +254,11 @@ class SamplingFields(_Request):
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
-# ----------------------------------------------------------------- requests
-
+# A prompt field (completions, embeddings, /pooling, /score): a text, texts, a token list or token lists.
 PromptInput = StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
 
 
-class CompletionRequest(SamplingFields):
-    # With prompt_embeds, an empty text prompt ("", as the OpenAI SDK must send; or none) adds no
-    # prompt (vLLM's rule).
-    prompt: PromptInput
-    # vLLM's --enable-prompt-embeds: base64 of torch.save'd tensors [seq_len, hidden] (server/prompt_embeds.py);
-    # their prompts come before the text prompts'.
-    prompt_embeds: StrictStr | list[StrictStr] | None = None
-    # 0 with echo: the prompt scored (its text and logprobs), nothing generated, as OpenAI's legacy
-    # API and vLLM allow (``server.params.scores_prompt``).
-    max_tokens: StrictInt | None = Field(default=16, ge=0)
-    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    echo: StrictBool = False
-    suffix: StrictStr | None = None
-    best_of: StrictInt | None = Field(default=None, ge=1, le=MAX_N)
-    # vLLM's: false for a prompt that already holds them (a chat template rendered by the client),
-    # so its BOS is not doubled
-    add_special_tokens: StrictBool = True
-
-    @model_validator(mode="before")
-    @classmethod
-    def _embeds_need_no_prompt(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("prompt") is None and data.get("prompt_embeds") is not None:
-            return {**data, "prompt": ""}
-        return data
-
-
-class ImageURL(_Request):
-    url: StrictStr = Field(min_length=1)
-    detail: StrictStr | None = None  # OpenAI's; LLaVA sees every image the same way
-
-
-class TextPart(_Request):
-    """A content part: text, or an image (``image_url``) for a vision-language model."""
-
-    type: StrictStr
-    text: StrictStr | None = None
-    image_url: ImageURL | None = None
-
-
-class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | list[TextPart] | None = None
-    name: StrictStr | None = None
-    tool_call_id: StrictStr | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-    # An assistant turn's reasoning, sent back in the history (vLLM's names): templates such as
-    # Qwen3's write it into the turns after the last user message.
-    reasoning_content: StrictStr | None = None
-    reasoning: StrictStr | None = None
-
-    @model_validator(mode="after")
-    def _known_parts(self) -> ChatMessage:
-        if isinstance(self.content, list):
-            for part in self.content:
-                if part.type == "image_url":
-                    if part.image_url is None:
-                        raise ValueError("an image_url content part needs 'image_url': {'url': ...}")
-                elif part.type != "text":
-                    raise ValueError(f"content part type {part.type!r} is not supported")
-                elif part.text is None:
-                    raise ValueError("a text content part needs a 'text' field")
-        return self
-
-    @property
-    def image_urls(self) -> list[str]:
-        """The URLs of its image parts, in order."""
-        if not isinstance(self.content, list):
-            return []
-        return [
-            part.image_url.url
-            for part in self.content
-            if part.image_url is not None and part.type == "image_url"
-        ]
-
-    def template_dict(self) -> dict[str, Any]:
-        """The message as the chat template sees it (``engine.chat_template.template_message``)."""
-        return template_message(self.model_dump())
-
-
-class FunctionSpec(_Request):
-    name: StrictStr = Field(min_length=1)
-    description: StrictStr | None = None
-    parameters: dict[str, Any] | None = None
-    strict: StrictBool | None = None
-
-
-class ToolSpec(_Request):
-    """One entry of ``tools`` (validated by the serving layer; the template sees the client's dict)."""
-
-    type: Literal["function"]
-    function: FunctionSpec
-
-
-class NamedFunction(_Request):
-    name: StrictStr
-
-
-class NamedToolChoice(_Request):
-    type: Literal["function"]
-    function: NamedFunction
-
-
-class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
-    logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: StrictStr | dict[str, Any] | None = None
-    parallel_tool_calls: StrictBool | None = None
-    # vLLM-compatible extras
-    add_generation_prompt: StrictBool = True
-    continue_final_message: StrictBool = False
-    # vLLM's: the answer starts with the last message's text when the answer has its role (a
-    # continued assistant message, written whole).
-    echo: StrictBool = False
-    chat_template_kwargs: dict[str, Any] | None = None
-    # vLLM's: a Jinja template for this request (needs --trust-request-chat-template)
-    chat_template: StrictStr | None = None
-    # vLLM's: documents shown to templates that support RAG (``documents``), e.g. Command-R's
-    documents: list[dict[str, Any]] | None = None
-    # vLLM's: special tokens (BOS) added by the tokenizer on top of the template's own (rarely right)
-    add_special_tokens: StrictBool = False
-
-    @model_validator(mode="after")
-    def _check_logprobs(self) -> ChatCompletionRequest:
-        if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs: logprobs must be true when top_logprobs is set")
-        if self.continue_final_message and self.add_generation_prompt:
-            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
-        return self
-
-
-class TokenizeRequest(_Request):
-    """vLLM's /tokenize: either a completion ``prompt`` or chat ``messages``."""
-
-    model: StrictStr | None = None
-    prompt: StrictStr | None = None
-    messages: list[ChatMessage] | None = None
-    add_generation_prompt: StrictBool = True
-    # As on chat requests: the prompt ends inside the last message, so a count made here is the
-    # chat request's.
-    continue_final_message: StrictBool = False
-    add_special_tokens: StrictBool | None = None  # default: True for prompt, False for messages
-    return_token_strs: StrictBool = False
-    chat_template: StrictStr | None = None  # as on chat requests
-    chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None  # rendered by the template, as on chat requests (vLLM's)
-    documents: list[dict[str, Any]] | None = None  # as on chat requests
-
-    @model_validator(mode="after")
-    def _one_input(self) -> TokenizeRequest:
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of 'prompt' or 'messages'")
-        if self.continue_final_message and self.add_generation_prompt:
-            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
-        return self
-
-
-# vLLM's binary encodings of pooled vectors (``engine.pooling.encode_values``): the dtype the float32
-# values are cast to and the byte order, for ``base64`` and the raw ``bytes`` / ``bytes_only`` answers.
-EmbedDType = Literal["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"]
-Endianness = Literal["native", "big", "little"]
-PoolingEncoding = Literal["float", "base64", "bytes", "bytes_only"]
-
-
-class EmbeddingRequest(_Request):
-    """OpenAI's /v1/embeddings (plus vLLM's ``truncate_prompt_tokens``, ``add_special_tokens``,
-    ``normalize`` / ``use_activation``, ``embed_dtype``, ``endianness`` and the ``bytes`` encodings)."""
-
-    model: StrictStr | None = None
-    input: PromptInput
-    encoding_format: PoolingEncoding = "float"
-    embed_dtype: EmbedDType = "float32"
-    endianness: Endianness = "native"
-    dimensions: StrictInt | None = Field(default=None, ge=1)
-    user: StrictStr | None = None
-    truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=-1)
-    add_special_tokens: StrictBool = True
-    normalize: StrictBool | None = None  # False: the pooled state as it is (vLLM's pooling parameter)
-    use_activation: StrictBool | None = None  # vLLM's newer spelling of normalize
-
-    _check_truncation = field_validator("truncate_prompt_tokens")(truncation)
-
-    @property
-    def normalized(self) -> bool:
-        """Whether the vector is L2-normalised. ``normalize`` wins over ``use_activation`` when
-        both are given, as in vLLM (its older spelling first, on every pooling route: ``/pooling``
-        too); True when neither is."""
-        for flag in (self.normalize, self.use_activation):
-            if flag is not None:
-                return flag
-        return True
-
-
-class DetokenizeRequest(_Request):
-    model: StrictStr | None = None
-    tokens: list[StrictInt]
-
-
-# ----------------------------------------------------------------- responses
-
-
-class EmbeddingData(_Response):
-    object: Literal["embedding"] = "embedding"
-    index: int
-    embedding: list[float] | str  # float32 values, or base64 of their embed_dtype bytes
-
-
-class EmbeddingUsage(_Response):
-    """A pooling answer's usage (embeddings, /pooling, /classify, /score): vLLM's ``UsageInfo`` as
-    its pooling routes answer it, ``completion_tokens`` 0 and ``prompt_tokens_details`` null. A
-    rerank answers the first two only, as vLLM's ``RerankUsage`` (``serving_embeddings``)."""
-
-    prompt_tokens: int
-    total_tokens: int
-    completion_tokens: int = 0
-    prompt_tokens_details: None = None
-
-
-class EmbeddingResponse(_Response):
-    """vLLM's embeddings answer: OpenAI's fields plus ``id`` (``embd-`` and the request id, as the
-    ``bytes`` metadata's) and ``created``, which OpenAI's SDKs keep as extra fields."""
-
-    id: str
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    data: list[EmbeddingData]
-    model: str
-    usage: EmbeddingUsage
+# ----------------------------------------------------------------- shared response parts
 
 
 class PromptTokensDetails(_Response):
@@ -506,15 +282,6 @@ class KVTransferResult(_Response):
     num_cached_tokens: int
 
 
-class CompletionLogprobs(_Response):
-    """OpenAI's legacy completions logprobs: parallel lists, one entry per token."""
-
-    text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-
-
 class PromptLogprob(_Response):
     """vLLM's shape of one prompt-logprob entry."""
 
@@ -525,138 +292,6 @@ class PromptLogprob(_Response):
 
 # Per prompt position (the first has none): token id -> entry, the prompt's token and the top-N.
 PromptLogprobs = list[dict[int, PromptLogprob] | None]
-
-
-class CompletionChoice(_Response):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = Field(default=None, exclude_if=_omit_none)
-    prompt_logprobs: PromptLogprobs | None = Field(default=None, exclude_if=_omit_none)
-
-
-class CompletionResponse(_Response):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = Field(default=None, exclude_if=_omit_none)
-    kv_transfer: KVTransferResult | None = Field(default=None, exclude_if=_omit_none)
-
-
-class TopLogprob(_Response):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class TokenLogprob(_Response):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatLogprobs(_Response):
-    content: list[TokenLogprob] | None = None
-
-
-class FunctionCall(_Response):
-    name: str
-    arguments: str  # JSON text
-
-
-class ToolCall(_Response):
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class DeltaFunctionCall(_Response):
-    name: str | None = Field(default=None, exclude_if=_omit_none)
-    arguments: str | None = Field(default=None, exclude_if=_omit_none)
-
-
-class DeltaToolCall(_Response):
-    index: int
-    id: str | None = Field(default=None, exclude_if=_omit_none)
-    type: Literal["function"] | None = Field(default=None, exclude_if=_omit_none)
-    function: DeltaFunctionCall
-
-
-class AssistantMessage(_Response):
-    role: str = "assistant"  # --response-role
-    content: str | None = None
-    tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=_omit_none)
-    reasoning_content: str | None = Field(default=None, exclude_if=_omit_none)  # --reasoning-parser
-
-
-class ChatChoice(_Response):
-    index: int
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = Field(default=None, exclude_if=_omit_none)
-
-
-class ChatCompletionResponse(_Response):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo
-    prompt_logprobs: PromptLogprobs | None = Field(default=None, exclude_if=_omit_none)
-    kv_transfer: KVTransferResult | None = Field(default=None, exclude_if=_omit_none)
-
-
-class DeltaMessage(_Response):
-    role: str | None = Field(default=None, exclude_if=_omit_none)  # --response-role
-    content: str | None = Field(default=None, exclude_if=_omit_none)
-    reasoning_content: str | None = Field(default=None, exclude_if=_omit_none)
-    tool_calls: list[DeltaToolCall] | None = Field(default=None, exclude_if=_omit_none)
-
-
-class ChatStreamChoice(_Response):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = Field(default=None, exclude_if=_omit_none)
-    token_ids: list[int] | None = Field(default=None, exclude_if=_omit_none)
-
-
-class ChatCompletionChunk(_Response):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = Field(default=None, exclude_if=_omit_none)
-    kv_transfer: KVTransferResult | None = Field(default=None, exclude_if=_omit_none)
-
-
-class CompletionStreamChoice(_Response):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = Field(default=None, exclude_if=_omit_none)
-    token_ids: list[int] | None = Field(default=None, exclude_if=_omit_none)
-
-
-class CompletionChunk(_Response):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionStreamChoice]
-    usage: UsageInfo | None = Field(default=None, exclude_if=_omit_none)
-    kv_transfer: KVTransferResult | None = Field(default=None, exclude_if=_omit_none)
 
 
 class ModelCard(_Response):
@@ -674,17 +309,6 @@ class ModelCard(_Response):
 class ModelList(_Response):
     object: Literal["list"] = "list"
     data: list[ModelCard]
-
-
-class TokenizeResponse(_Response):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-    token_strs: list[str] | None = None
-
-
-class DetokenizeResponse(_Response):
-    prompt: str
 
 
 class VersionResponse(_Response):

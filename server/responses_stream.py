@@ -35,7 +35,8 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from server.protocol import ChatCompletionChunk, ChatStreamChoice, random_id
+from server.chat_protocol import ChatCompletionChunk, ChatStreamChoice
+from server.protocol import random_id
 from server.responses_store import event_frame
 from server.serving_common import stream_errors
 from server.serving_messages import GROUP_EVENT

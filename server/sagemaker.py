@@ -21,8 +21,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from server.chat_protocol import ChatCompletionRequest
+from server.completion_protocol import CompletionRequest
+from server.embedding_protocol import EmbeddingRequest
 from server.errors import bad_request, validated
-from server.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from server.score_protocol import ClassificationRequest, RerankRequest, ScoreRequest
 
 # A body's distinguishing field -> the request it is (first match wins, in this order).

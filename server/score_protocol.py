@@ -16,7 +16,8 @@ from typing import Any, Literal
 
 from pydantic import Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
 
-from server.protocol import EmbeddingUsage, PromptInput, _Request, _Response, truncation
+from server.embedding_protocol import EmbeddingUsage
+from server.protocol import PromptInput, _Request, _Response, truncation
 
 Texts = StrictStr | list[StrictStr]
 

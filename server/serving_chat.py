@@ -15,25 +15,7 @@ from typing import Any
 
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from server.chat_shape import ChoiceShaper, shape_whole
-from server.errors import bad_request
-from server.generation import SequenceRequest, Ticket, block_extra
-from server.images import load_images, with_image_runs
-from server.logprobs import chat_logprobs, prompt_logprobs_out
-from server.params import (
-    beam_search_params,
-    chat_prompt,
-    check_min_tokens,
-    check_stream_prompt_logprobs,
-    child_seed,
-    client_budget,
-    kv_transfer_spec,
-    longest_resumed,
-    resolve_max_tokens,
-    resumed_choices,
-    sampling_params,
-)
-from server.protocol import (
+from server.chat_protocol import (
     AssistantMessage,
     ChatChoice,
     ChatCompletionChunk,
@@ -44,6 +26,21 @@ from server.protocol import (
     DeltaMessage,
     TokenLogprob,
 )
+from server.chat_shape import ChoiceShaper, shape_whole
+from server.errors import bad_request
+from server.generation import SequenceRequest, Ticket, block_extra
+from server.handoff_params import client_budget, kv_transfer_spec, longest_resumed, resumed_choices
+from server.images import load_images, with_image_runs
+from server.logprobs import chat_logprobs, prompt_logprobs_out
+from server.params import (
+    beam_search_params,
+    check_min_tokens,
+    check_stream_prompt_logprobs,
+    child_seed,
+    resolve_max_tokens,
+    sampling_params,
+)
+from server.prompts import chat_prompt
 from server.reasoning_parsers import prompt_opens_thinking
 from server.roles import producer_budget, transfer_for_role
 from server.serving_common import (

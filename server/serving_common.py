@@ -18,10 +18,10 @@ from engine.outputs import RequestOutput
 from kvcache.keys import block_hashes, to_hex
 from server.errors import APIError, bad_request
 from server.generation import SequenceRequest, Ticket
-from server.params import GUIDED_FIELDS
 from server.protocol import KVTransferResult, PromptTokensDetails, UsageInfo
 from server.state import ServerState
 from server.streaming import run_or_disconnect, sse_error_frame
+from server.structured_params import GUIDED_FIELDS
 
 logger = logging.getLogger("ferry.server")
 

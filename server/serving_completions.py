@@ -9,34 +9,33 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from engine.outputs import RequestOutput
-from server.errors import bad_request
-from server.generation import SequenceRequest, Ticket, block_extra
-from server.logprobs import CompletionLogprobsBuilder, merge_completion_logprobs, prompt_logprobs_out
-from server.params import (
-    PreparedPrompt,
-    beam_search_params,
-    check_completion_features,
-    check_min_tokens,
-    check_request_sequences,
-    check_stream_prompt_logprobs,
-    child_seed,
-    client_budget,
-    completion_prompts,
-    kv_transfer_spec,
-    longest_resumed,
-    resolve_max_tokens,
-    resumed_choices,
-    sampling_params,
-    scores_prompt,
-)
-from server.prompt_embeds import check_embeds_features, embeds_prompts
-from server.protocol import (
+from server.completion_protocol import (
     CompletionChoice,
     CompletionChunk,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     CompletionStreamChoice,
+)
+from server.errors import bad_request
+from server.generation import SequenceRequest, Ticket, block_extra
+from server.handoff_params import client_budget, kv_transfer_spec, longest_resumed, resumed_choices
+from server.logprobs import CompletionLogprobsBuilder, merge_completion_logprobs, prompt_logprobs_out
+from server.params import (
+    beam_search_params,
+    check_min_tokens,
+    check_stream_prompt_logprobs,
+    child_seed,
+    resolve_max_tokens,
+    sampling_params,
+)
+from server.prompt_embeds import check_embeds_features, embeds_prompts
+from server.prompts import (
+    PreparedPrompt,
+    check_completion_features,
+    check_request_sequences,
+    completion_prompts,
+    scores_prompt,
 )
 from server.roles import producer_budget, transfer_for_role
 from server.serving_common import (

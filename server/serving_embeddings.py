@@ -32,10 +32,11 @@ from pydantic import BaseModel
 from engine.outputs import RequestOutput
 from engine.pooling import encode_values, float32_values, normalized, truncated
 from engine.sampling_params import SamplingParams
+from server.embedding_protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
 from server.errors import bad_request, unavailable
 from server.generation import SequenceRequest
-from server.params import check_token_ids, kept_prompt_tokens
-from server.protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
+from server.params import check_token_ids
+from server.prompts import kept_prompt_tokens
 from server.score_protocol import RerankResponse
 from server.serving_common import answer_whole, plan_off_loop, prompt_chars
 from server.state import ServerState
@@ -60,7 +61,7 @@ def pooling_prompt(
     what: str = "an input",
 ) -> list[int]:
     """One text's (or token list's) prompt for a pooling request: checked, cut to its last ``keep``
-    tokens (``params.kept_prompt_tokens``: ``truncate_prompt_tokens`` resolved), and no longer than
+    tokens (``prompts.kept_prompt_tokens``: ``truncate_prompt_tokens`` resolved), and no longer than
     the context (400 naming ``param`` otherwise)."""
     if isinstance(item, str):
         ids = state.tokenizer.encode(item, add_special_tokens=add_special_tokens)

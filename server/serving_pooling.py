@@ -23,8 +23,8 @@ from fastapi.responses import Response
 
 from engine.pooling import activate, normalized, truncated
 from server.errors import bad_request, validated
-from server.params import chat_prompt
 from server.pooling_protocol import PoolingData, PoolingRequest, PoolingResponse
+from server.prompts import chat_prompt
 from server.serving_common import plan_off_loop, prompt_chars
 from server.serving_embeddings import (
     answer_pooled,

@@ -33,9 +33,10 @@ from typing import Any, Literal
 from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 from starlette.responses import JSONResponse, Response
 
+from server.chat_protocol import ChatCompletionRequest
 from server.errors import APIError, bad_request, unavailable, validation_error
 from server.middleware import response_id_for
-from server.protocol import ChatCompletionRequest, _Request
+from server.protocol import _Request
 from server.responses_input import InputError, chat_messages, chat_tools, input_items
 from server.responses_refs import resolve_references
 from server.responses_store import RUNNING, StoreUnavailable

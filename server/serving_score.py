@@ -35,7 +35,7 @@ from fastapi.responses import JSONResponse
 from engine.classifier import ClassifierInfo, pair_prompt
 from engine.pooling import activate, normalized
 from server.errors import bad_request
-from server.params import kept_prompt_tokens
+from server.prompts import kept_prompt_tokens
 from server.score_protocol import (
     RerankDocument,
     RerankRequest,

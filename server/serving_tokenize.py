@@ -4,16 +4,11 @@ from __future__ import annotations
 
 from server.images import check_images, with_image_runs
 from server.lora import lora_model_cards
-from server.params import chat_prompt, check_token_ids
-from server.protocol import (
-    DetokenizeRequest,
-    DetokenizeResponse,
-    ModelCard,
-    ModelList,
-    TokenizeRequest,
-    TokenizeResponse,
-)
+from server.params import check_token_ids
+from server.prompts import chat_prompt
+from server.protocol import ModelCard, ModelList
 from server.state import ServerState
+from server.tokenize_protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 
 
 def tokenize(state: ServerState, req: TokenizeRequest) -> TokenizeResponse:

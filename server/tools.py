@@ -26,8 +26,7 @@ from typing import Any
 from pydantic import TypeAdapter, ValidationError
 
 from engine.sampling_params import StructuredOutputsParams
-from server.errors import bad_request, validation_error
-from server.protocol import (
+from server.chat_protocol import (
     ChatCompletionRequest,
     DeltaFunctionCall,
     DeltaToolCall,
@@ -36,6 +35,7 @@ from server.protocol import (
     ToolCall,
     ToolSpec,
 )
+from server.errors import bad_request, validation_error
 from server.tool_parser_base import ParsedCall, ToolParser, ToolStreamer, call_from, loads, new_call_id
 
 _TOOLS = TypeAdapter(list[ToolSpec])

@@ -17,8 +17,7 @@ from openai.types.responses import ResponseStreamEvent
 
 from router.responses_stream import ResponsesTracker
 from router.sse import SSESplitter
-from server.errors import APIError
-from server.protocol import (
+from server.chat_protocol import (
     ChatCompletionChunk,
     ChatLogprobs,
     ChatStreamChoice,
@@ -26,8 +25,9 @@ from server.protocol import (
     DeltaMessage,
     DeltaToolCall,
     TokenLogprob,
-    UsageInfo,
 )
+from server.errors import APIError
+from server.protocol import UsageInfo
 from server.responses_stream import events
 from server.serving_responses import ResponsesRequest, ResponsesResume, _Response
 

@@ -12,8 +12,8 @@ from family_chat_templates import DEEPSEEK_R1, GEMMA, LLAMA31, MIXTRAL, QWEN3, Q
 
 from engine.demo import build_tokenizer
 from engine.tokenizer import Tokenizer
-from server.params import chat_prompt
-from server.protocol import ChatCompletionRequest
+from server.chat_protocol import ChatCompletionRequest
+from server.prompts import chat_prompt
 
 DS_MARKERS = [
     "<｜User｜>",

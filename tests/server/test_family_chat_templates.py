@@ -19,9 +19,11 @@ from engine.chat_template import ChatTemplates
 from engine.tokenizer import Tokenizer
 from kvcache.keys import block_hashes
 from router.prompt_keys import TokenKeyer
+from server.chat_protocol import ChatCompletionRequest
+from server.completion_protocol import CompletionRequest
 from server.errors import APIError
-from server.params import ModelLimits, chat_prompt, completion_prompts
-from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.params import ModelLimits
+from server.prompts import chat_prompt, completion_prompts
 
 REFUSED = {
     ("gemma", "system"): "System role not supported",

@@ -24,7 +24,7 @@ import torch
 
 from engine.pooling import EMBED_DTYPES, ENDIANNESS, encode_values
 from engine.tokenizer import Tokenizer
-from server.protocol import EmbedDType, Endianness
+from server.embedding_protocol import EmbedDType, Endianness
 
 TEXTS = ["def parse_args(argv):", "import os\nimport sys\n\nprint(sys.argv)", "x = 1"]
 TORCH = {

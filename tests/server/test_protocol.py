@@ -12,9 +12,10 @@ from pydantic import ValidationError
 
 from engine.config import EngineConfig
 from server.args import add_serve_args, engine_options, server_config
+from server.chat_protocol import ChatCompletionRequest
+from server.completion_protocol import CompletionRequest
 from server.errors import validation_error
 from server.params import ModelLimits, child_seed, resolve_max_tokens, sampling_params
-from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.registration import replica_key, replica_value
 from server.streaming import DONE_FRAME, sse_frame
 
@@ -199,7 +200,11 @@ def test_registration_wire_format() -> None:
 
 
 def test_protocol_stays_torch_free() -> None:
-    code = "import sys, server.protocol, server.args; assert 'torch' not in sys.modules"
+    code = (
+        "import sys, server.protocol, server.chat_protocol, server.completion_protocol,"
+        " server.embedding_protocol, server.tokenize_protocol, server.args;"
+        "assert 'torch' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

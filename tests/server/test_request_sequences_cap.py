@@ -7,8 +7,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from server.params import check_request_sequences
-from server.protocol import CompletionRequest
+from server.completion_protocol import CompletionRequest
+from server.prompts import check_request_sequences
 
 LIMIT = 16384  # ferry serve's default
 

@@ -10,7 +10,7 @@ import json
 
 import httpx
 
-from server.protocol import ChatCompletionRequest
+from server.chat_protocol import ChatCompletionRequest
 from server.tools import plan_tools
 
 ADDRESS = {

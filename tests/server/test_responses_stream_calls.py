@@ -31,16 +31,15 @@ from engine.config import EngineConfig
 from router.responses_stream import ResponsesTracker
 from router.sse import SSESplitter
 from server.app import build_app
-from server.config import ServerConfig
-from server.protocol import (
+from server.chat_protocol import (
     ChatCompletionChunk,
     ChatStreamChoice,
     DeltaFunctionCall,
     DeltaMessage,
     DeltaToolCall,
-    StructuredOutputsField,
-    UsageInfo,
 )
+from server.config import ServerConfig
+from server.protocol import StructuredOutputsField, UsageInfo
 from server.serving_responses import _Response
 from tests.router.test_responses_stream import replica
 

@@ -21,14 +21,14 @@ from pathlib import Path
 import openai
 import pytest
 
-from server.errors import timeout_error
-from server.protocol import (
+from server.chat_protocol import (
     ChatCompletionChunk,
     ChatStreamChoice,
     DeltaFunctionCall,
     DeltaMessage,
     DeltaToolCall,
 )
+from server.errors import timeout_error
 from server.responses_stream import events
 from server.serving_responses import ResponsesRequest, _Response
 from tests.server.test_api_servers import _processes

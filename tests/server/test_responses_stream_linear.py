@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
-from server.protocol import (
+from server.chat_protocol import (
     ChatCompletionChunk,
     ChatStreamChoice,
     DeltaFunctionCall,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from server.protocol import ChatCompletionRequest
+from server.chat_protocol import ChatCompletionRequest
 from server.tool_parsers import get_tool_parser
 from server.tools import ChoiceTools, ToolPlan, plan_tools
 

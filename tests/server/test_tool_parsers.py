@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.chat_template import template_message
+from server.chat_protocol import ChatCompletionRequest
 from server.errors import APIError
-from server.protocol import ChatCompletionRequest
 from server.tool_parsers import TOOL_PARSERS, ParsedCall, get_tool_parser
 from server.tools import ChoiceTools, ToolPlan, plan_tools, read_required, tool_finish_reason
 

@@ -1,0 +1,230 @@
+"""``/v1/chat/completions``: the request (messages, content parts, tools) and its answers, whole
+and streamed (messages, deltas, tool calls, token logprobs).
+
+Built on ``server.protocol`` (the shared bases, ``SamplingFields``, usage and prompt logprobs);
+torch-free like it, since the router imports it. The prompt is rendered by
+``server.prompts.chat_prompt``; tool-call checks are ``server.tools``'.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import Field, StrictBool, StrictInt, StrictStr, model_validator
+
+from engine.chat_template import template_message
+from server.protocol import (
+    MAX_LOGPROBS,
+    KVTransferResult,
+    PromptLogprobs,
+    SamplingFields,
+    UsageInfo,
+    _omit_none,
+    _Request,
+    _Response,
+)
+
+# ----------------------------------------------------------------- requests
+
+
+class ImageURL(_Request):
+    url: StrictStr = Field(min_length=1)
+    detail: StrictStr | None = None  # OpenAI's; LLaVA sees every image the same way
+
+
+class TextPart(_Request):
+    """A content part: text, or an image (``image_url``) for a vision-language model."""
+
+    type: StrictStr
+    text: StrictStr | None = None
+    image_url: ImageURL | None = None
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[TextPart] | None = None
+    name: StrictStr | None = None
+    tool_call_id: StrictStr | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    # An assistant turn's reasoning, sent back in the history (vLLM's names): templates such as
+    # Qwen3's write it into the turns after the last user message.
+    reasoning_content: StrictStr | None = None
+    reasoning: StrictStr | None = None
+
+    @model_validator(mode="after")
+    def _known_parts(self) -> ChatMessage:
+        if isinstance(self.content, list):
+            for part in self.content:
+                if part.type == "image_url":
+                    if part.image_url is None:
+                        raise ValueError("an image_url content part needs 'image_url': {'url': ...}")
+                elif part.type != "text":
+                    raise ValueError(f"content part type {part.type!r} is not supported")
+                elif part.text is None:
+                    raise ValueError("a text content part needs a 'text' field")
+        return self
+
+    @property
+    def image_urls(self) -> list[str]:
+        """The URLs of its image parts, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [
+            part.image_url.url
+            for part in self.content
+            if part.image_url is not None and part.type == "image_url"
+        ]
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as the chat template sees it (``engine.chat_template.template_message``)."""
+        return template_message(self.model_dump())
+
+
+class FunctionSpec(_Request):
+    name: StrictStr = Field(min_length=1)
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class ToolSpec(_Request):
+    """One entry of ``tools`` (validated by the serving layer; the template sees the client's dict)."""
+
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(_Request):
+    name: StrictStr
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    # vLLM-compatible extras
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    # vLLM's: the answer starts with the last message's text when the answer has its role (a
+    # continued assistant message, written whole).
+    echo: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: a Jinja template for this request (needs --trust-request-chat-template)
+    chat_template: StrictStr | None = None
+    # vLLM's: documents shown to templates that support RAG (``documents``), e.g. Command-R's
+    documents: list[dict[str, Any]] | None = None
+    # vLLM's: special tokens (BOS) added by the tokenizer on top of the template's own (rarely right)
+    add_special_tokens: StrictBool = False
+
+    @model_validator(mode="after")
+    def _check_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: logprobs must be true when top_logprobs is set")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        return self
+
+
+# ----------------------------------------------------------------- responses
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(_Response):
+    content: list[TokenLogprob] | None = None
+
+
+class FunctionCall(_Response):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(_Response):
+    name: str | None = Field(default=None, exclude_if=_omit_none)
+    arguments: str | None = Field(default=None, exclude_if=_omit_none)
+
+
+class DeltaToolCall(_Response):
+    index: int
+    id: str | None = Field(default=None, exclude_if=_omit_none)
+    type: Literal["function"] | None = Field(default=None, exclude_if=_omit_none)
+    function: DeltaFunctionCall
+
+
+class AssistantMessage(_Response):
+    role: str = "assistant"  # --response-role
+    content: str | None = None
+    tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=_omit_none)
+    reasoning_content: str | None = Field(default=None, exclude_if=_omit_none)  # --reasoning-parser
+
+
+class ChatChoice(_Response):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = Field(default=None, exclude_if=_omit_none)
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = Field(default=None, exclude_if=_omit_none)
+    kv_transfer: KVTransferResult | None = Field(default=None, exclude_if=_omit_none)
+
+
+class DeltaMessage(_Response):
+    role: str | None = Field(default=None, exclude_if=_omit_none)  # --response-role
+    content: str | None = Field(default=None, exclude_if=_omit_none)
+    reasoning_content: str | None = Field(default=None, exclude_if=_omit_none)
+    tool_calls: list[DeltaToolCall] | None = Field(default=None, exclude_if=_omit_none)
+
+
+class ChatStreamChoice(_Response):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = Field(default=None, exclude_if=_omit_none)
+    token_ids: list[int] | None = Field(default=None, exclude_if=_omit_none)
+
+
+class ChatCompletionChunk(_Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = Field(default=None, exclude_if=_omit_none)
+    kv_transfer: KVTransferResult | None = Field(default=None, exclude_if=_omit_none)
