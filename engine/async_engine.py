@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from engine.async_burst import BurstGathering
 from engine.async_lora import LoRAServing
 from engine.async_prepare import RequestPreparation
-from engine.async_sleep import Barrier, Lifecycle, SleepCommands, aborted_output, resolve
+from engine.async_sleep import Barrier, Lifecycle, SleepCommands, aborted_output
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
 from engine.llm_engine import LLMEngine
@@ -42,6 +42,7 @@ from engine.prompt_embeds import PreparedEmbeds
 from engine.sampling_params import SamplingParams
 from engine.sequence import Request
 from engine.stats import EngineStats, ModelInfo
+from engine.torch_threads import start_loop_thread
 
 if TYPE_CHECKING:
     import torch
@@ -145,8 +146,7 @@ class AsyncEngine(SleepCommands, BurstGathering, LoRAServing, RequestPreparation
         self._held: dict[str, _Add] = {}
         self._barriers: list[Barrier] = []
         self._stats = self._engine_stats()
-        self._thread = threading.Thread(target=self._run, name="ferry-engine-loop", daemon=True)
-        self._thread.start()
+        self._thread = start_loop_thread(self._run)  # with the model's torch thread count
 
     # -- public API ----------------------------------------------------------------------------------
 
@@ -403,7 +403,7 @@ class AsyncEngine(SleepCommands, BurstGathering, LoRAServing, RequestPreparation
                         elif isinstance(cmd, _ResetPrefixCache):
                             cmd.done.set_result(cmd.result)
                         elif isinstance(cmd, Lifecycle) and cmd.outcome is not None:
-                            resolve(cmd.done, cmd.outcome)
+                            self._resolve_lifecycle(cmd)
                 if self._can_step():
                     self._step_since = time.monotonic()
                     try:

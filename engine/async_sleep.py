@@ -8,6 +8,11 @@ then. While a barrier waits or the engine sleeps, new requests are *held* outsid
 arrival order, and added once the engine is awake and no barrier waits. A command's future resolves
 after the stats it changed are published, so its caller sees them.
 
+Commands take effect in the order they reach the loop, and a barrier's place is where it was sent,
+not where it ran: a ``wake_up`` sent while a ``wait`` sleep still waits cancels that sleep (its
+caller gets ``SleepCancelledError``, a 409 over HTTP) rather than being undone by it a step later.
+A weight update still waiting is not a sleep, and runs.
+
 The engine-side work is ``LLMEngine``'s (engine/sleep_mode.py, engine/weight_update.py); this
 module only orders it against the requests.
 """
@@ -21,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from engine.errors import SleepCancelledError
 from engine.outputs import RequestOutput
 from engine.sequence import Request, RequestStatus
 from engine.sleep_mode import DISCARDED, check_level, check_mode, check_tags
@@ -51,6 +57,8 @@ class WakeUpCommand:
     checkpoint: Checkpoint | None  # discarded weights, read off the loop thread
     done: concurrent.futures.Future
     outcome: Outcome | None = None
+    # Sleeps that still waited for running requests when this arrived: cancelled, resolved with it.
+    cancelled: list[SleepCommand] = dataclasses.field(default_factory=list)
 
 
 @dataclass
@@ -83,7 +91,8 @@ class SleepCommands:
         weights. Requests in flight are, by ``mode``: aborted (``abort``, vLLM's default: their
         streams end with finish reason "abort"), run to their end first (``wait``), or preempted
         and resumed after waking (``keep``). Requests arriving while asleep are held until the
-        engine is awake. ValueError without ``enable_sleep_mode`` or for a bad level or mode."""
+        engine is awake. ValueError without ``enable_sleep_mode`` or for a bad level or mode;
+        SleepCancelledError if a ``wake_up`` came while it waited for running requests (``wait``)."""
         self._check_alive()
         if not self.config.enable_sleep_mode:
             raise ValueError("sleep mode is not enabled (start the engine with --enable-sleep-mode)")
@@ -93,7 +102,8 @@ class SleepCommands:
 
     async def wake_up(self, tags: list[str] | tuple[str, ...] | None = None) -> None:
         """Restore ``tags`` (``weights``, ``kv_cache``; None: both); once both are back, held
-        requests run. Discarded weights are read from the checkpoint again, in a worker thread."""
+        requests run. Discarded weights are read from the checkpoint again, in a worker thread. A
+        ``wait`` sleep still waiting for running requests is cancelled (the engine stays awake)."""
         self._check_alive()
         tags = check_tags(tags)
         checkpoint = None
@@ -146,6 +156,7 @@ class SleepCommands:
     def _apply_lifecycle(self, cmd: SleepCommand | WakeUpCommand | LoadWeightsCommand) -> None:
         engine = self.engine
         if isinstance(cmd, WakeUpCommand):
+            self._cancel_waiting_sleeps(cmd)
             if "weights" in cmd.tags and cmd.checkpoint is None and engine.sleep_state.weights == DISCARDED:
                 cmd.outcome = (True, READ_FIRST)  # its caller reads the checkpoint off this thread
                 return
@@ -167,6 +178,25 @@ class SleepCommands:
             self._run_barrier(cmd)
         else:
             self._barriers.append(cmd)
+
+    def _cancel_waiting_sleeps(self, wake: WakeUpCommand) -> None:
+        """A wake-up sent after a sleep that still waits for running requests wins: the sleep is
+        dropped (its caller told so when the wake-up resolves), so the engine stays awake."""
+        waiting = [b for b in self._barriers if isinstance(b, SleepCommand)]
+        if not waiting:
+            return
+        self._barriers[:] = [b for b in self._barriers if not isinstance(b, SleepCommand)]
+        for sleep in waiting:
+            why = "the sleep was cancelled by a wake_up sent while it waited for running requests"
+            sleep.outcome = (False, SleepCancelledError(why))
+        wake.cancelled += waiting
+
+    def _resolve_lifecycle(self, cmd: Lifecycle) -> None:
+        """Resolve a command that ran (stats published), and the sleeps a wake-up cancelled."""
+        if isinstance(cmd, WakeUpCommand):
+            for sleep in cmd.cancelled:
+                resolve(sleep.done, sleep.outcome)  # type: ignore[arg-type]
+        resolve(cmd.done, cmd.outcome)  # type: ignore[arg-type]
 
     def _barrier_ready(self) -> bool:
         """Nothing runs: the engine is idle, or asleep (requests kept by a ``keep`` sleep wait for the wake)."""

@@ -41,6 +41,12 @@ MAX_IMAGES_PER_REQUEST = 64
 
 
 class ImageProcessor:
+    """One per engine, called from many threads at once (``AsyncEngine.process_images`` runs in
+    worker threads): ``process`` keeps a call's state in locals, the cache of processed images is
+    read and written under ``_lock`` only, and transformers' image processors read their settings
+    in ``preprocess`` and write nothing (tests/engine/test_image_processor_threads.py). Two threads
+    that miss the cache on the same image both process it; the results are equal."""
+
     def __init__(self, model_dir: Path, image_token_id: int) -> None:
         from transformers import AutoProcessor
 

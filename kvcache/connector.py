@@ -40,7 +40,7 @@ from kvcache import codec
 from kvcache.keys import tier_key
 from kvcache.metrics import ERROR_MISMATCH, TierStats
 from kvcache.tier import TierURL, open_tier
-from kvcache.writer import BlockEvent, BlockWrite, BlockWriter
+from kvcache.writer import PER_THREAD_NUM_THREADS, BlockEvent, BlockWrite, BlockWriter, use_one_thread
 
 if TYPE_CHECKING:
     from kvcache.engine_adapter import TierConnector
@@ -55,15 +55,14 @@ STAGING_BYTES = 32 << 20  # cap of one thread's host staging buffer (bounds LOAD
 # The connector's tensor work is memcpy-shaped: one thread already outruns the network, while an
 # OpenMP team competing with the model's own team (or other processes) stalls on every op (10x
 # slower measured on a loaded 2-core box). With the OpenMP backend the thread count is a
-# per-thread setting, so it can be lowered for the connector's work alone.
-_PER_THREAD_NUM_THREADS = "parallel backend: OpenMP" in torch.__config__.parallel_info()
+# per-thread setting, so it can be lowered for the connector's work alone (kvcache/writer.py).
 
 
 @contextmanager
 def single_threaded() -> Iterator[None]:
     """Run torch ops of the calling thread on one thread (no-op unless that is thread-local)."""
     n = torch.get_num_threads()
-    if n == 1 or not _PER_THREAD_NUM_THREADS:
+    if n == 1 or not PER_THREAD_NUM_THREADS:
         yield
         return
     torch.set_num_threads(1)
@@ -71,11 +70,6 @@ def single_threaded() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(n)
-
-
-def _single_thread_worker() -> None:
-    if _PER_THREAD_NUM_THREADS:
-        torch.set_num_threads(1)
 
 
 @dataclass(frozen=True)
@@ -139,7 +133,7 @@ class KVConnector:
         self.block_bytes = math.prod(shape) * dtype.itemsize
         self.load_chunk = max(1, min(LOAD_CHUNK, STAGING_BYTES // self.block_bytes))
         self._loader = ThreadPoolExecutor(
-            max_workers=load_threads, thread_name_prefix="kv-tier-load", initializer=_single_thread_worker
+            max_workers=load_threads, thread_name_prefix="kv-tier-load", initializer=use_one_thread
         )
         # Admission lookups (lookup_async): (keys, future) items, None to stop; started on first use.
         self._lookups: queue.SimpleQueue[tuple[list[str], Future[int]] | None] = queue.SimpleQueue()
@@ -396,11 +390,11 @@ class KVConnector:
         """Wait until every queued write (or only those of ``hashes``) was attempted; ``False`` on timeout."""
         return self._writer.flush(timeout, hashes)
 
-    def set_fingerprint(self, fingerprint: str, timeout: float = 5.0) -> None:
+    def set_fingerprint(self, fingerprint: str) -> None:
         """The model's weights changed: look up, load and write blocks under ``fingerprint`` from
-        now on. Writes already queued keep their old key; events queued before go out on the old
-        stream (waited for up to ``timeout``), those after on the new model's."""
-        self._writer.flush(timeout)
+        now on. What was queued before keeps the old one, however long the tier takes to write it:
+        its writes land under the old key, its events (and those of its writes) go to the old
+        model's stream, so a router never reads the old weights' blocks as the new ones'."""
         self.fingerprint = self._writer.fingerprint = fingerprint
         if self._writer.publisher is not None:
             from kvcache.events import events_stream
@@ -418,7 +412,7 @@ class KVConnector:
 
         A no-op returning ``False`` when events are off or the queue is full (events are hints).
         """
-        return self._writer.submit_event(BlockEvent(kind, tuple(hashes), medium))
+        return self._writer.submit_event(BlockEvent(kind, tuple(hashes), medium, self.fingerprint))
 
     @staticmethod
     def _open_publisher(

@@ -102,7 +102,14 @@ class KVEventPublisher:
         self.published = 0
         self.seq = 0  # events meant for the stream so far, appended or not (one writer thread)
 
-    def publish(self, kind: str, block_hashes: Iterable[bytes | str], medium: str = DEVICE) -> bool:
+    def publish(
+        self,
+        kind: str,
+        block_hashes: Iterable[bytes | str],
+        medium: str = DEVICE,
+        fingerprint: str | None = None,
+    ) -> bool:
+        """Append one event to ``fingerprint``'s stream (None: the publisher's, ``stream``)."""
         if kind not in _KINDS or medium not in _MEDIA:
             raise ValueError(f"bad KV event kind/medium: {kind!r}/{medium!r}")
         hexes = [h.hex() if isinstance(h, bytes) else h for h in block_hashes]
@@ -122,7 +129,8 @@ class KVEventPublisher:
         if self.instance_id:
             fields["instance"] = self.instance_id
         try:
-            self._client.xadd(self.stream, fields, maxlen=self.maxlen, approximate=True)
+            stream = self.stream if fingerprint is None else events_stream(fingerprint)
+            self._client.xadd(stream, fields, maxlen=self.maxlen, approximate=True)
         except Exception as exc:
             self.errors.record(classify_error(exc))
             self._breaker.record_failure()

@@ -44,6 +44,20 @@ logger = logging.getLogger(__name__)
 
 WRITE_BATCH = 32  # blocks per tier write
 
+# With the OpenMP backend torch's thread count is a per-thread setting (the tier's threads can use
+# one while the model uses all); with torch's native pool it is the process's.
+PER_THREAD_NUM_THREADS = "parallel backend: OpenMP" in torch.__config__.parallel_info()
+
+
+def use_one_thread() -> None:
+    """Run the calling thread's torch ops on one thread, for its whole life (no-op unless the count
+    is per thread). A thread takes its count from the process default at its first parallel op,
+    which any thread's ``torch.set_num_threads`` overwrites: that first op is made here, or a
+    count set before it would be replaced by whatever the default is then."""
+    if PER_THREAD_NUM_THREADS:
+        torch.get_num_threads()  # the thread's own count taken from the default now
+        torch.set_num_threads(1)
+
 
 @dataclass(frozen=True)
 class BlockWrite:
@@ -59,6 +73,9 @@ class BlockEvent:
     kind: str
     hashes: tuple[bytes, ...]
     medium: str
+    # The model whose stream it goes to (None: the publisher's): an event queued before a weight
+    # update still describes the old weights' blocks, even if published after it.
+    fingerprint: str | None = None
 
 
 class BlockWriter:
@@ -205,8 +222,7 @@ class BlockWriter:
                 del self._pending_hashes[h]
 
     def _run(self) -> None:
-        if "parallel backend: OpenMP" in torch.__config__.parallel_info():
-            torch.set_num_threads(1)  # per-thread under OpenMP: encoding never competes with the model
+        use_one_thread()  # encoding never competes with the model
         while True:
             with self._changed:
                 while not self._queue and not self._stopping:
@@ -230,10 +246,9 @@ class BlockWriter:
                 self._count_dropped(len(writes) - unencoded - len(done), DROP_TIER)
                 self._batch_counted = True
             if self.publisher is not None:
-                if done:
-                    # Only the blocks the tier holds: a router that routes by these events must
-                    # not send a request to blocks that were never written.
-                    self.publisher.publish("stored", done, medium="tier")
+                # Only the blocks the tier holds: a router that routes by these events must not
+                # send a request to blocks that were never written. Each on its model's stream.
+                self._publish([BlockEvent("stored", (w.block_hash,), "tier", w.fingerprint) for w in done])
                 self._publish([b for b in batch if isinstance(b, BlockEvent)])
         except Exception:
             # Only events get here (their publishing failed): the writes were counted already.
@@ -245,8 +260,8 @@ class BlockWriter:
                     self._batch = None
                     self._changed.notify_all()
 
-    def _write(self, writes: list[BlockWrite]) -> tuple[list[bytes], int]:
-        """Encode and write a batch: the hashes of the blocks the tier acknowledged, and how many
+    def _write(self, writes: list[BlockWrite]) -> tuple[list[BlockWrite], int]:
+        """Encode and write a batch: the writes the tier acknowledged, and how many
         did not encode. The others are dropped (a write the tier refused or lost); the caller
         counts each block once."""
         items: list[tuple[str, bytes]] = []
@@ -265,20 +280,24 @@ class BlockWriter:
         except Exception:  # open_tier's tiers never raise; this thread must not lose count either
             logger.exception("KV tier write of %d blocks failed; dropped", len(items))
             stored = [False] * len(items)
-        done = [w.block_hash for w, ok in zip(encoded, stored, strict=True) if ok]
+        done = [w for w, ok in zip(encoded, stored, strict=True) if ok]
         return done, len(writes) - len(encoded)
 
     def _publish(self, events: list[BlockEvent]) -> None:
         assert self.publisher is not None
         i = 0
         while i < len(events):
-            kind, medium = events[i].kind, events[i].medium
+            first = events[i]
+            kind = first.kind
             hashes: list[bytes] = []
-            while (
-                i < len(events) and (events[i].kind, events[i].medium) == (kind, medium) and kind != "cleared"
-            ):
+            while i < len(events) and _same_entry(events[i], first) and kind != "cleared":
                 hashes.extend(events[i].hashes)
                 i += 1
             if kind == "cleared":
                 i += 1
-            self.publisher.publish(kind, hashes, medium=medium)
+            self.publisher.publish(kind, hashes, medium=first.medium, fingerprint=first.fingerprint)
+
+
+def _same_entry(a: BlockEvent, b: BlockEvent) -> bool:
+    """Whether two events coalesce into one stream entry."""
+    return (a.kind, a.medium, a.fingerprint) == (b.kind, b.medium, b.fingerprint)

@@ -27,7 +27,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from engine.errors import EngineDeadError
+from engine.errors import EngineDeadError, SleepCancelledError
 from engine.multimodal import EMBEDS_PLACEHOLDER_ID
 from engine.outputs import RequestOutput, merge_pending
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
@@ -380,4 +380,6 @@ def _error(kind: str, message: str) -> BaseException:
         return AdmissionRefused(message)
     if kind == "dead":
         return EngineDeadError(message)
+    if kind == "sleep_cancelled":
+        return SleepCancelledError(message)
     return RuntimeError(message)

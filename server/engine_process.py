@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-from engine.errors import EngineDeadError
+from engine.errors import EngineDeadError, SleepCancelledError
 from server.admission import Admission, HeldPlaces, overload_message, queued_after, running_slots
 from server.engine_ipc import Channel
 from server.heap import settle_heap
@@ -358,6 +358,8 @@ class EngineHost:
             conn.channel.send(("reply", call_id, False, ("value", str(e))))
         except EngineDeadError as e:
             conn.channel.send(("reply", call_id, False, ("dead", str(e))))
+        except SleepCancelledError as e:  # a wake-up overtook it: the caller's answer, not a failure
+            conn.channel.send(("reply", call_id, False, ("sleep_cancelled", str(e))))
         except Exception as e:  # noqa: BLE001
             logger.exception("call %s failed", name)
             conn.channel.send(("reply", call_id, False, ("other", repr(e))))

@@ -7,6 +7,9 @@ vLLM's routes (behind ``--enable-sleep-mode``): ``POST /sleep?level=1|2&mode=abo
 errors in OpenAI's shape). The engine does the work between steps (``AsyncEngine.sleep`` and the
 rest, engine/sleep_mode.py and engine/weight_update.py); this module only parses and answers.
 
+A ``/sleep?mode=wait`` still waiting for running requests when a ``/wake_up`` comes is cancelled
+(409, code ``sleep_cancelled``): the later call wins, the engine stays awake (engine/async_sleep.py).
+
 While the engine sleeps ``/health`` stays 200, as vLLM's (the process is healthy; ``/is_sleeping``
 says whether it serves), and generation requests wait until it wakes (vLLM holds them too).
 """
@@ -17,7 +20,7 @@ from typing import Any
 
 from pydantic import StrictBool, StrictStr
 
-from engine.errors import EngineDeadError
+from engine.errors import EngineDeadError, SleepCancelledError
 from engine.sleep_mode import SLEEP_MODES, check_load_format, check_tags
 from server.errors import APIError, bad_request, unavailable
 from server.protocol import _Request
@@ -87,3 +90,5 @@ async def _engine_call(call: Any, param: str | None = None) -> Any:
         raise bad_request(str(e), param=param) from None
     except EngineDeadError as e:
         raise unavailable(f"The engine is not available: {e}") from None
+    except SleepCancelledError as e:  # a /wake_up sent while this /sleep waited for requests wins
+        raise APIError(409, f"Not asleep: {e}.", code="sleep_cancelled") from None
