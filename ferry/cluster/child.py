@@ -72,6 +72,7 @@ class Child:
         self.pids: list[int] = []  # every pid this child has had, oldest first
         self.restarts = 0
         self.crashes = 0  # consecutive crashes: sets the back-off
+        self.started_at: float | None = None  # monotonic time the current process started
         self.healthy_since: float | None = None  # monotonic time of the last healthy probe
         self.ever_healthy = False
         self.restart_at: float | None = None  # set while waiting out a back-off
@@ -98,6 +99,7 @@ class Child:
             preexec_fn=self._death_hook,
         )
         self.pids.append(self.proc.pid)
+        self.started_at = time.monotonic()
         self.healthy_since = None
         self._pump = threading.Thread(
             target=self._pump_lines, args=(self.proc,), name=f"log-{self.name}", daemon=True

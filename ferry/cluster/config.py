@@ -24,6 +24,7 @@ from ferry.cluster.spec import (
     ClusterConfig,
     ConfigError,
     KVTierSpec,
+    LivenessSpec,
     PoolSpec,
     RedisSpec,
     RestartSpec,
@@ -35,6 +36,7 @@ __all__ = [
     "ClusterConfig",
     "ConfigError",
     "KVTierSpec",
+    "LivenessSpec",
     "PoolSpec",
     "RedisSpec",
     "RestartSpec",
@@ -252,6 +254,18 @@ def _restart(value: Any, path: str) -> RestartSpec:
     return spec
 
 
+def _liveness(value: Any, path: str) -> LivenessSpec:
+    def threshold(v: Any, p: str) -> int:
+        n = _int(v, p)
+        if n < 1:
+            raise ConfigError(f"{p}: must be >= 1, got {n}")
+        return n
+
+    return LivenessSpec(
+        **_mapping(value, path, {"interval": _number, "timeout": _number, "failure_threshold": threshold})
+    )
+
+
 def _model(base_dir: Path | None) -> Callable[[Any, str], str | None]:
     def read(value: Any, path: str) -> str | None:
         if value is None:
@@ -291,6 +305,7 @@ def parse_config(data: Any, base_dir: Path | None = None) -> ClusterConfig:
         "drain_timeout": _number,
         "startup_timeout": _number,
         "restart": _restart,
+        "liveness": _liveness,
     }
     for key in data:
         if key not in readers:

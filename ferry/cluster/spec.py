@@ -72,6 +72,17 @@ class RestartSpec:
 
 
 @dataclass(frozen=True)
+class LivenessSpec:
+    """Probes of a running worker's or router's ``/health`` (a Kubernetes liveness probe's
+    periodSeconds, timeoutSeconds and failureThreshold): that many probes in a row left unanswered
+    (any HTTP status is an answer, 503 included) and the child is killed, to be restarted."""
+
+    interval: float = 5.0  # seconds between the end of one probe and the next
+    timeout: float = 5.0  # seconds each probe waits to connect and for the answer
+    failure_threshold: int = 3
+
+
+@dataclass(frozen=True)
 class ClusterConfig:
     model: str | None = None  # None: the built-in demo model
     served_model_name: str | None = None
@@ -84,6 +95,7 @@ class ClusterConfig:
     drain_timeout: float = 30.0
     startup_timeout: float = 600.0
     restart: RestartSpec = field(default_factory=RestartSpec)
+    liveness: LivenessSpec = field(default_factory=LivenessSpec)
     # The KV block size every worker runs with, when a pool's args set it (None: the engine's
     # default); the router hashes prompt blocks with it. Derived from the pools by ``parse_config``.
     block_size: int | None = None

@@ -14,20 +14,20 @@ Life cycle:
 
 A Redis KV tier (the child's or an existing one) is PINGed once the cluster is up and every
 ``--kv-tier-check-interval`` seconds after (``tier_watch.py``): its going away and coming back are
-said once each and kept in the state file (``kv_tier_ok``); the workers serve on without it. The
-one thing done for it: our own child redis-server, when its process runs but ``HUNG_AFTER`` PINGs
-in a row go unanswered (SIGSTOP, a stuck disk), is hung; it gets SIGKILL, said once with the reason,
-and comes back as a crashed child does (same port, back-off). An existing tier is never touched.
-Workers are not probed once ready (the router ejects one that stops answering and takes it back).
+said once each and kept in the state file (``kv_tier_ok``); the workers serve on without it. From
+then on too, each worker's and the router's ``/health`` is probed (``liveness.py``): a child whose
+process runs but leaves ``liveness.failure_threshold`` probes in a row unanswered (a 503 is an
+answer), or our own redis-server its PINGs, is hung; it is killed, said once with why, and comes
+back as a crashed child does. An existing tier is never touched.
 
 All of it runs on the main thread (see ``child.py`` for why); log lines arrive on one thread per
-child, the tier's PINGs on one more.
+child, the tier's PINGs on one more, each HTTP child's liveness probes on one more.
 """
 
 from __future__ import annotations
 
 import contextlib
-import http.client
+import dataclasses
 import json
 import os
 import shlex
@@ -41,20 +41,16 @@ from types import FrameType
 
 from ferry.cluster import tier_watch
 from ferry.cluster.child import Child, LogSink
-from ferry.cluster.plan import ClusterPlan, ProcessSpec, redact_url
+from ferry.cluster.liveness import Liveness
+from ferry.cluster.plan import ClusterPlan, redact_url
+from ferry.cluster.router_view import PROBE_INTERVAL, RouterView, StartupFailed
 from ferry.cluster.spec import ClusterConfig, RestartSpec
 from ferry.cluster.tier_watch import TierCheck, TierWatcher, is_redis_url, ping_tier
 
 TICK = 0.1  # seconds between looks at the children
-PROBE_INTERVAL = 0.5  # seconds between health probes of a child that is not healthy yet
 KILL_GRACE = 10.0  # seconds after drain_timeout before SIGKILL (a worker aborts, then exits)
 REDIS_STOP_TIMEOUT = 5.0
 LOG_FLUSH_TIMEOUT = 2.0  # seconds to let an exited child's last log lines out before saying why
-ROUTER_UNREADY_LIMIT = 15.0  # seconds the router may stay unhealthy once it routes to every worker
-
-
-class StartupFailed(RuntimeError):
-    pass
 
 
 class Supervisor:
@@ -79,6 +75,8 @@ class Supervisor:
         self._signals_at_stop = 0  # signals seen when the stop began; any later one means "now"
         self.ready = False  # everything was healthy once and the endpoint is announced
         self._last_probe: dict[str, float] = {}
+        pools = ", ".join(p.role for p in config.pools if p.replicas)
+        self.router_view = RouterView(plan.router, plan.workers, pools)
         interval = tier_watch.CHECK_INTERVAL_S if tier_check_interval is None else tier_check_interval
         self.tier_watcher = (
             TierWatcher(plan.kv_tier_url, interval, tier_watch.CHECK_TIMEOUT_S)
@@ -87,7 +85,7 @@ class Supervisor:
         )
         self.tier_check: TierCheck | None = None  # the last PING's result (None: not checked)
         self._tier_since: tuple[float, float] | None = None  # (wall, monotonic) when ok last changed
-        self._killed_hung: int | None = None  # pid of the child Redis killed as hung (said once)
+        self.liveness = Liveness(config.liveness, self.servers, config.startup_timeout, self.say)
 
     def say(self, text: str) -> None:
         self.sink.line("up", text)
@@ -112,12 +110,14 @@ class Supervisor:
                 return 1
             if started:
                 self._start_tier_watch()
+                self.liveness.start()
                 self._announce()
                 self._watch()
             return 0
         finally:
             if self.tier_watcher is not None:
                 self.tier_watcher.stop()
+            self.liveness.stop()
             if self.first_signal is not None:
                 name = signal.Signals(self.first_signal).name
                 self.say(f"{name}: draining (a second signal stops at once)")
@@ -151,7 +151,7 @@ class Supervisor:
             return False
         # The router probes a starting worker with back-off: ready means it routes to all of them,
         # so that the first worker to fail is not the only one the router knows about.
-        return self._wait_until(self._router_sees_all, deadline, "the router to see every worker")
+        return self._wait_until(self.router_view.sees_all, deadline, "the router to see every worker")
 
     def _wait_healthy(self, children: list[Child], deadline: float) -> bool:
         waiting = list(children)
@@ -183,39 +183,6 @@ class Supervisor:
                 )
             time.sleep(TICK)
         return False
-
-    def _router_sees_all(self) -> bool:
-        """The router's ``/health`` answers 200 and every worker is routable in its
-        ``/admin/replicas`` (where that API is closed to us, ``/health`` alone decides)."""
-        now = time.monotonic()
-        if now - self._last_probe.get("router-view", 0.0) < PROBE_INTERVAL:
-            return False
-        self._last_probe["router-view"] = now
-        health, health_body = _get(self.plan.router, "/health", {})
-        status, body = _get(self.plan.router, "/admin/replicas", self._router_headers())
-        if status != 200:
-            return health == 200
-        try:
-            routable = {r["url"] for r in json.loads(body)["replicas"] if r.get("routable")}
-        except (ValueError, KeyError, TypeError, AttributeError):
-            return False
-        if not all(w.url in routable for w in self.plan.workers):
-            return False
-        if health == 200:
-            return True
-        # Every worker routable, yet the router is not ready: it cannot serve these pools.
-        since = self._last_probe.setdefault("router-unready", now)
-        if now - since > ROUTER_UNREADY_LIMIT:
-            raise StartupFailed(
-                f"the router routes to every worker but its /health answers {health}"
-                f" ({health_body.decode('utf-8', 'replace').strip()}): this ferry router cannot serve"
-                f" the pools {', '.join(p.role for p in self.config.pools if p.replicas)}"
-            )
-        return False
-
-    def _router_headers(self) -> dict[str, str]:
-        key = _flag_value(self.plan.router.argv, "--api-key")
-        return {"Authorization": f"Bearer {key}"} if key else {}
 
     def _spawn(self, child: Child) -> None:
         child.start()
@@ -263,38 +230,13 @@ class Supervisor:
         if line is not None:
             self.say(line)
 
-    def _kill_hung_redis(self, watcher: TierWatcher) -> None:
-        """SIGKILL our own redis-server when it runs but left the last ``HUNG_AFTER`` PINGs, all
-        sent since it was last healthy, unanswered: the restart in ``_watch`` then brings it back as
-        a crashed child. Only PINGs since it was healthy count, so a Redis just restarted is not
-        judged by what its predecessor (or its own start) missed. One that SIGKILL cannot end at
-        once (asleep in the kernel on a stuck disk) is not killed or spoken of again."""
-        redis = self.redis
-        if (
-            redis is None
-            or not redis.running
-            or redis.healthy_since is None
-            or redis.pid == self._killed_hung
-        ):
-            return
-        if watcher.unanswered_since(redis.healthy_since) < tier_watch.HUNG_AFTER:
-            return
-        self._killed_hung = redis.pid
-        check = self.tier_check
-        reason = f" (the last: {check.reason})" if check is not None and check.reason else ""
-        self.say(
-            f"redis (pid {redis.pid}) runs but answered none of the last {tier_watch.HUNG_AFTER} PINGs"
-            f"{reason}: hung; SIGKILL, to restart it"
-        )
-        redis.signal_group(signal.SIGKILL)
-
     def _announce(self) -> None:
         counts = ", ".join(f"{p.replicas} {p.role}" for p in self.config.pools if p.replicas)
         tier = redact_url(self.plan.kv_tier_url or "none")
         self.ready = True
         self._write_state()  # before the ready line: whoever sees the line finds the file
         self.say(f"ready: {self.plan.endpoint} (router; {counts}; KV tier {tier})")
-        model = self._served_model() or "MODEL"
+        model = self.router_view.served_model() or "MODEL"
         url = self.plan.endpoint
         body = json.dumps(
             {"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}
@@ -308,21 +250,16 @@ class Supervisor:
         )
         self.say("Ctrl-C (or SIGTERM) drains and stops everything.")
 
-    def _served_model(self) -> str | None:
-        status, body = _get(self.plan.router, "/v1/models", self._router_headers())
-        try:
-            models = json.loads(body)["data"] if status == 200 else []
-            return models[0]["id"] if models else None
-        except (ValueError, KeyError, TypeError, IndexError):
-            return None
-
     def _watch(self) -> None:
         backoff = self.config.restart
         while not self.signals:
+            now = time.monotonic()
             if self.tier_watcher is not None:
                 self._note_tier(self.tier_watcher.latest())
-                self._kill_hung_redis(self.tier_watcher)
-            now = time.monotonic()
+                if self.liveness.check_redis(self.redis, self.tier_watcher, self.tier_check):
+                    self._write_state()
+            if self.liveness.check(now):
+                self._write_state()
             for child in self.children:
                 if child.running:
                     if child.healthy_since is None:
@@ -398,6 +335,9 @@ class Supervisor:
             "kv_tier_ok": None if self.tier_check is None else self.tier_check.ok,
             "kv_tier_error": None if self.tier_check is None else self.tier_check.reason,
             "kv_tier_since": None if self._tier_since is None else round(self._tier_since[0], 3),
+            # How workers and the router are probed; each process' unanswered_probes (in a row, of its
+            # current process since it first answered) and hung_kills (liveness.py).
+            "liveness": dataclasses.asdict(self.config.liveness),
             "processes": [
                 {
                     "name": c.name,
@@ -406,6 +346,7 @@ class Supervisor:
                     "pids": c.pids,
                     "url": c.spec.url,
                     "restarts": c.restarts,
+                    **self.liveness.state(c),
                     "argv": list(c.spec.redacted_argv()),
                 }
                 for c in self.children
@@ -419,30 +360,6 @@ class Supervisor:
 def restart_delay(spec: RestartSpec, crashes: int) -> float:
     """Seconds before restart after the ``crashes``-th crash in a row: doubled each time, capped."""
     return min(spec.max_delay, spec.initial_delay * 2 ** (crashes - 1))
-
-
-def _get(spec: ProcessSpec, path: str, headers: dict[str, str]) -> tuple[int, bytes]:
-    """GET from a child: (status, body), or (0, b"") when nothing answers."""
-    conn = http.client.HTTPConnection(spec.host, spec.port, timeout=2.0)
-    try:
-        conn.request("GET", path, headers=headers)
-        response = conn.getresponse()
-        return response.status, response.read()
-    except (OSError, http.client.HTTPException):
-        return 0, b""
-    finally:
-        conn.close()
-
-
-def _flag_value(argv: tuple[str, ...], flag: str) -> str | None:
-    """The value of the last ``flag V`` or ``flag=V`` in ``argv`` (argparse: the last one wins)."""
-    value = None
-    for i, arg in enumerate(argv):
-        if arg == flag and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif arg.startswith(flag + "="):
-            value = arg.split("=", 1)[1]
-    return value
 
 
 def _status(code: int | None) -> str:

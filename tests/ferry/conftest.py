@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 
 import pytest
@@ -140,9 +141,18 @@ def start_up(tmp_path: Path):
 # first printing LAST_WORDS lines (a traceback, say) and "exiting"; it listens on HOST (127.0.0.1).
 # SIGTERM with DRAIN: /health answers 503 for that long, then exit (a draining worker); with
 # ASK_ON_TERM=PORT: print what 127.0.0.1:PORT/health answers, then exit (a router finishing a request).
+# SIGUSR1: /health answers 503 from then on (busy: draining, its engine unwell); SIGUSR2: each request
+# from then on is accepted and never answered (a hung event loop). With STARTED=FILE: every start
+# after the first (FILE exists then) waits START_DELAY seconds before it listens (a model loading).
 STAND_IN = """
-import http.server, os, signal, sys, threading, urllib.error, urllib.request
-draining = []
+import http.server, os, signal, sys, threading, time, urllib.error, urllib.request
+draining, hung = [], []
+signal.signal(signal.SIGUSR1, lambda *a: draining.append(1))
+signal.signal(signal.SIGUSR2, lambda *a: hung.append(1))
+if os.environ.get("STARTED"):
+    if os.path.exists(os.environ["STARTED"]):
+        time.sleep(float(os.environ["START_DELAY"]))
+    open(os.environ["STARTED"], "a").close()
 if os.environ.get("IGNORE_TERM"):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 if os.environ.get("DRAIN"):
@@ -164,6 +174,8 @@ if os.environ.get("ASK_ON_TERM"):
     signal.signal(signal.SIGTERM, ask)
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
+        while hung:
+            time.sleep(60)
         self.send_response(503 if draining else 200 if self.path == "/health" else 404)
         self.send_header("content-length", "0")
         self.end_headers()
@@ -222,6 +234,28 @@ def run_supervisor(
             child.signal_group(signal.SIGKILL)
     thread.join(5)
     return code, out.getvalue(), pids
+
+
+def run_steps(
+    config: ClusterConfig, plan: ClusterPlan, tmp_path: Path, steps
+) -> tuple[str, dict[str, list[int]], dict]:
+    """Run the supervisor; ``steps(out, supervisor, seen)`` once it is ready, then SIGTERM. Returns
+    its output, each child's pids and what ``steps`` put in ``seen``, once it stopped cleanly."""
+    seen: dict = {}
+
+    def act(out: io.StringIO, supervisor: sup.Supervisor) -> None:
+        try:
+            steps(out, supervisor, seen)
+        except BaseException:
+            seen["error"] = traceback.format_exc()
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    code, output, pids = run_supervisor(config, plan, tmp_path, act)
+    assert "error" not in seen, f"{seen.get('error')}\n{output}"
+    assert code == 0
+    assert wait_gone([p for ps in pids.values() for p in ps], 5) == []
+    return output, pids, seen
 
 
 def wait_output(out: io.StringIO, pattern: str, timeout: float) -> None:

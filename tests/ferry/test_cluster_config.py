@@ -20,7 +20,7 @@ BAD_CONFIGS = [
     (
         "modle: x",
         "modle: unknown key, did you mean model? (expected one of: model, served_model_name, kv_tier,"
-        " router, prefill, decode, mixed, env, drain_timeout, startup_timeout, restart)",
+        " router, prefill, decode, mixed, env, drain_timeout, startup_timeout, restart, liveness)",
     ),
     (
         "router: {prot: 1}",

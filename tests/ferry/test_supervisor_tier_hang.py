@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from conftest import alive, config_for, run_supervisor, stand_in, wait_gone, wait_output
+from conftest import alive, config_for, run_steps, run_supervisor, stand_in, wait_gone, wait_output
 
 from ferry.cluster import supervisor as sup
 from ferry.cluster import tier_watch
@@ -62,27 +62,19 @@ def test_a_hung_child_redis_is_killed_and_restarted(tmp_path: Path) -> None:
     plan = plan_for(config)
     url = plan.kv_tier_url
     state_file = tmp_path / "state.json"
-    seen: dict[str, object] = {}
 
-    def act(out: io.StringIO, supervisor: sup.Supervisor) -> None:
-        try:
-            seen["victim"] = victim = supervisor.redis.pid
-            os.kill(victim, signal.SIGSTOP)  # hangs: the process is there, nothing answers
-            seen["away"] = wait_state(state_file, False, 20)
-            wait_output(out, rf"^\[up\] redis \(pid {victim}\) exited with signal SIGKILL; restarting in", 30)
-            seen["back"] = wait_state(state_file, True, 30)
-            wait_output(out, r"^\[up\] the KV tier .* answers again", 10)
-            seen["pong"] = redis.Redis.from_url(url, socket_timeout=5).ping()
-            time.sleep(1.0)  # PINGs of the new Redis go on: none of them kills it
-            seen["last"] = json.loads(state_file.read_text())
-        except BaseException:
-            seen["error"] = traceback.format_exc()
-        finally:
-            os.kill(os.getpid(), signal.SIGTERM)
+    def steps(out: io.StringIO, supervisor: sup.Supervisor, seen: dict) -> None:
+        seen["victim"] = victim = supervisor.redis.pid
+        os.kill(victim, signal.SIGSTOP)  # hangs: the process is there, nothing answers
+        seen["away"] = wait_state(state_file, False, 20)
+        wait_output(out, rf"^\[up\] redis \(pid {victim}\) exited with signal SIGKILL; restarting in", 30)
+        seen["back"] = wait_state(state_file, True, 30)
+        wait_output(out, r"^\[up\] the KV tier .* answers again", 10)
+        seen["pong"] = redis.Redis.from_url(url, socket_timeout=5).ping()
+        time.sleep(1.0)  # PINGs of the new Redis go on: none of them kills it
+        seen["last"] = json.loads(state_file.read_text())
 
-    code, output, pids = run_supervisor(config, plan, tmp_path, act)
-    assert "error" not in seen, f"{seen.get('error')}\n{output}"
-    assert code == 0
+    output, pids, seen = run_steps(config, plan, tmp_path, steps)
     victim = seen["victim"]
     away, back = seen["away"], seen["back"]
     assert away["ready"] is True and "Timeout" in away["kv_tier_error"], away

@@ -12,12 +12,11 @@ import json
 import os
 import re
 import signal
-import traceback
 from pathlib import Path
 
 import pytest
 import redis
-from conftest import config_for, run_supervisor, stand_in, wait_gone, wait_output
+from conftest import config_for, run_steps, run_supervisor, stand_in, wait_gone, wait_output
 
 from ferry.cluster import supervisor as sup
 from ferry.cluster import tier_watch
@@ -43,29 +42,21 @@ def test_a_child_redis_that_dies_is_restarted_and_the_state_file_follows_it(tmp_
         build_plan(config), workers=(stand_in("mixed-0", "worker"),), router=stand_in("router", "router")
     )
     url = plan.kv_tier_url
-    seen: dict[str, object] = {}
 
     def state() -> dict:
         return json.loads((tmp_path / "state.json").read_text())
 
-    def act(out: io.StringIO, supervisor: sup.Supervisor) -> None:
-        try:
-            seen["ready"] = state()
-            seen["victim"] = victim = supervisor.redis.pid
-            os.kill(victim, signal.SIGKILL)
-            wait_output(out, r"^\[up\] warning: cannot reach the KV tier ", 20)
-            seen["away"] = state()
-            wait_output(out, r"^\[up\] the KV tier .* answers again", 30)
-            seen["back"] = state()
-            seen["pong"] = redis.Redis.from_url(url, socket_timeout=5).ping()
-        except BaseException:
-            seen["error"] = traceback.format_exc()
-        finally:
-            os.kill(os.getpid(), signal.SIGTERM)
+    def steps(out: io.StringIO, supervisor: sup.Supervisor, seen: dict) -> None:
+        seen["ready"] = state()
+        seen["victim"] = victim = supervisor.redis.pid
+        os.kill(victim, signal.SIGKILL)
+        wait_output(out, r"^\[up\] warning: cannot reach the KV tier ", 20)
+        seen["away"] = state()
+        wait_output(out, r"^\[up\] the KV tier .* answers again", 30)
+        seen["back"] = state()
+        seen["pong"] = redis.Redis.from_url(url, socket_timeout=5).ping()
 
-    code, output, pids = run_supervisor(config, plan, tmp_path, act)
-    assert "error" not in seen, f"{seen.get('error')}\n{output}"
-    assert code == 0
+    output, pids, seen = run_steps(config, plan, tmp_path, steps)
     victim = seen["victim"]
     ready, away, back = seen["ready"], seen["away"], seen["back"]
     assert (ready["ready"], ready["kv_tier"], ready["kv_tier_ok"], ready["kv_tier_error"]) == (
