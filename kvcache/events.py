@@ -9,8 +9,10 @@ Stream ``ferry:kv:events:{fingerprint}``; each entry has the fields
     ts       publisher's wall-clock time (seconds, float)
     instance the publishing engine's instance id (the ``instance_id`` of the replica's ``/health``,
              new at each start); absent from publishers that have none (and from older ones)
-    seq      the publisher's event number, 1, 2, 3 … from its start, counting every event it meant
-             to publish, also those it could not (Redis down, breaker open); absent from older ones
+    seq      the publisher's event number in this stream, 1, 2, 3 … from its start, counting every
+             event it meant to append, also those it could not (Redis down, breaker open); absent
+             from older ones. Numbered per stream: after a weight update a replica's events queued
+             before it still go to the old model's stream, between ones of the new model's.
 
 A replica that restarts keeps its ``replica`` id but not its blocks: ``instance`` tells a router
 which events are the new process's, whichever of its events and its ``/health`` it reads first.
@@ -76,7 +78,8 @@ class KVEvent:
     block_hashes: tuple[str, ...]
     ts: float
     instance: str | None = None  # the publishing engine's instance id, if it named one
-    seq: int | None = None  # the publisher's event number, if it numbers them
+    seq: int | None = None  # the publisher's event number in ``stream``, if it numbers them
+    stream: str | None = None  # the stream it was read from (``KVEventReader``)
 
 
 class KVEventPublisher:
@@ -100,7 +103,7 @@ class KVEventPublisher:
         self._breaker = CircuitBreaker(failure_threshold=3, cooldown_s=1.0)
         self.errors = ErrorCounter()
         self.published = 0
-        self.seq = 0  # events meant for the stream so far, appended or not (one writer thread)
+        self.seqs: dict[str, int] = {}  # stream -> events meant for it so far, appended or not
 
     def publish(
         self,
@@ -115,7 +118,9 @@ class KVEventPublisher:
         hexes = [h.hex() if isinstance(h, bytes) else h for h in block_hashes]
         if kind != CLEARED and not hexes:
             return True
-        self.seq += 1  # before any refusal: a reader then sees the number it missed
+        stream = self.stream if fingerprint is None else events_stream(fingerprint)
+        # Numbered before any refusal, so a reader sees the number it missed (one writer thread).
+        seq = self.seqs[stream] = self.seqs.get(stream, 0) + 1
         if not self._breaker.allow():
             return False
         fields = {
@@ -124,12 +129,11 @@ class KVEventPublisher:
             "medium": medium,
             "hashes": ",".join(hexes),
             "ts": repr(time.time()),
-            "seq": str(self.seq),
+            "seq": str(seq),
         }
         if self.instance_id:
             fields["instance"] = self.instance_id
         try:
-            stream = self.stream if fingerprint is None else events_stream(fingerprint)
             self._client.xadd(stream, fields, maxlen=self.maxlen, approximate=True)
         except Exception as exc:
             self.errors.record(classify_error(exc))
@@ -208,7 +212,7 @@ class KVEventReader:
         for _stream, entries in reply or []:  # type: ignore[attr-defined]
             for raw_id, fields in entries:
                 self.last_id = raw_id.decode()
-                event = _parse(self.last_id, fields)
+                event = _parse(self.last_id, fields, self.stream)
                 if event is not None:
                     events.append(event)
         return events
@@ -240,7 +244,7 @@ def _gap(info: dict, since_kept: bool, since: tuple[int, int], offset: int) -> s
     return "recreated" if trimmed < offset and (deleted is None or _id(deleted) < since) else None
 
 
-def _parse(event_id: str, fields: dict[bytes, bytes]) -> KVEvent | None:
+def _parse(event_id: str, fields: dict[bytes, bytes], stream: str) -> KVEvent | None:
     try:
         kind = fields[b"kind"].decode()
         medium = fields[b"medium"].decode()
@@ -258,6 +262,7 @@ def _parse(event_id: str, fields: dict[bytes, bytes]) -> KVEvent | None:
             ts=float(fields[b"ts"]),
             instance=instance or None,
             seq=int(seq) if seq is not None else None,
+            stream=stream,
         )
     except (KeyError, ValueError, UnicodeDecodeError):
         logger.debug("skipping malformed KV event %s", event_id)

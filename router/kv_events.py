@@ -101,7 +101,8 @@ class _Replica:
     retired: deque[str] = field(default_factory=lambda: deque(maxlen=MAX_RETIRED))
     held: dict[str, list[Any]] = field(default_factory=dict)  # instance -> its events, in order
     num_held: int = 0
-    seqs: dict[str | None, int] = field(default_factory=dict)  # instance -> last ``seq`` read of it
+    # (stream, instance) -> the last ``seq`` read of it (numbered per stream: kvcache/events.py)
+    seqs: dict[tuple[str | None, str | None], int] = field(default_factory=dict)
 
 
 class KVEventFollower:
@@ -262,7 +263,7 @@ class KVEventFollower:
             self.index.drop_replica(url)
             state.retired.append(state.instance)
         state.instance, state.confirmed = instance, confirmed
-        state.seqs = {instance: state.seqs[instance]} if instance in state.seqs else {}
+        state.seqs = {key: seq for key, seq in state.seqs.items() if key[1] == instance}
         held = state.held.pop(instance, [])
         # Held events of other instances are older than this one's, or cannot be placed: never applied.
         self._count(DISCARDED, state.num_held - len(held))
@@ -276,8 +277,9 @@ class KVEventFollower:
         """Note ``event``'s number; past the next one expected, the events between were missed."""
         if event.seq is None:
             return
-        last = state.seqs.get(event.instance)
-        state.seqs[event.instance] = event.seq
+        key = (event.stream, event.instance)
+        last = state.seqs.get(key)
+        state.seqs[key] = event.seq
         if last is None or event.seq <= last + 1:  # first read of it, or the next one (or a restart)
             return
         if event.instance == state.instance:
@@ -326,7 +328,7 @@ class KVEventFollower:
         if state.num_held >= MAX_HELD_EVENTS:
             oldest = next(iter(state.held))
             dropped = state.held.pop(oldest)
-            state.seqs.pop(oldest, None)
+            state.seqs = {key: seq for key, seq in state.seqs.items() if key[1] != oldest}
             state.num_held -= len(dropped)
             self._count(DISCARDED, len(dropped))
         state.held.setdefault(instance, []).append(event)

@@ -233,3 +233,18 @@ def test_publishers_own_maxlen_trims_past_the_router(redis_url: str) -> None:
     assert [index.holders(h) for h in HS] == [set()] * 4
     assert _gaps(metrics) == {"sequence": 0, "trimmed": 1, "recreated": 0}
     pub_a.close()
+
+
+def test_a_replicas_events_on_two_models_streams_are_numbered_apart(redis_url: str) -> None:
+    """After a weight update a replica's events queued before it still go to the old model's stream,
+    between those of the new model's. Each stream numbers its own: whichever stream the follower
+    reads first, neither jumps (one count over both jumped in one of these two orders)."""
+    metrics, pub_a, pub_b, follower = _following(redis_url)
+    for old_first in (False, True):
+        for on_old in (old_first, not old_first, old_first):
+            assert pub_a.publish("stored", NEW[:1], fingerprint=None if on_old else "fpgap-new")
+        follower.poll_once()
+    assert _gaps(metrics) == {"sequence": 0, "trimmed": 0, "recreated": 0}
+    assert _contents(follower.index) == {HS[0]: {A, B}, HS[1]: {A}, HS[2]: {A}, NEW[0]: {A}}
+    for p in (pub_a, pub_b):
+        p.close()
