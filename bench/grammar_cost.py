@@ -96,6 +96,9 @@ def _cases() -> list[Case]:
         _json("json pattern [a-z]{250}", {"type": "string", "pattern": "^[a-z]{250}$"}, "abcd" * 62 + "ab"),
         _json("json pattern .{0,1000}", {"type": "string", "pattern": "^.{0,1000}$"}, "ab c" * 250),
         _json("json pattern [a-z]{0,128}", {"type": "string", "pattern": "^[a-z]{0,128}$"}, "abcd" * 32),
+        # Patterns whose values hold characters JSON escapes (grammar_pattern_json: escapes written).
+        _json("json pattern escapes .{0,128}", {"type": "string", "pattern": "^.{0,128}$"}, 'a"b\\c\x01' * 20),
+        _json("json pattern escapes [^,]+", {"type": "string", "pattern": "^[^,]+$"}, 'say "hi"\tok\\' * 40),
         _json("json 64 optional properties", {"type": "object", "properties": dict(list(optional.items())[:64])},
               {f"p{i}": i for i in range(0, 64, 3)}),
         _json("json 100 optional properties", {"type": "object", "properties": optional}, {f"p{i}": i for i in range(0, 100, 3)}),

@@ -13,6 +13,7 @@ import json
 import warnings
 from typing import Any
 
+from engine.grammar_pattern_json import json_text_regex
 from engine.grammar_rewrites import (
     ebnf_grammar,
     json_grammar,
@@ -26,11 +27,13 @@ from engine.grammar_rewrites import (
 def compile_json_schema(compiler: Any, schema: str | None, any_ws: bool) -> Any:
     """xgrammar's grammar for ``schema``, its length-bounded strings made valid JSON (as xgrammar
     writes them they may hold raw control characters: mlc-ai/xgrammar#800) and its long "at least"
-    repetitions matched in constant time a token, its patterns matched as JSON text
-    (``engine/grammar_rewrites.py``)."""
+    repetitions matched in constant time a token, its patterns matched as JSON text: escapes
+    written for the quotes, backslashes and control characters they match
+    (``engine/grammar_pattern_json.py``, ``engine/grammar_rewrites.py``)."""
     import xgrammar as xgr
 
     marked, patterns = marked_patterns(schema or "{}")
+    patterns = [json_text_regex(p) for p in patterns]
     fixed = json_grammar(str(xgr.Grammar.from_json_schema(marked, any_whitespace=any_ws)), patterns)
     if fixed is None:  # nothing to fix, or an xgrammar that writes it otherwise: as it compiles it
         return compiler.compile_json_schema(schema or "{}", any_whitespace=any_ws)
@@ -72,6 +75,7 @@ def compile_structural_tag(compiler: Any, text: str | None) -> Any:
     import xgrammar as xgr
 
     tag, patterns = marked_tag_patterns(json.loads(text or "{}"))  # as a json constraint's are
+    patterns = [json_text_regex(p) for p in patterns]
     if "structures" not in tag:
         args: tuple[Any, ...] = (json.dumps(tag),)
     else:

@@ -17,18 +17,13 @@ _BYTES, _CLASS, _CLASS_STAR, _EMPTY, _RULE, _SEQUENCE, _CHOICES, _REPEAT = 0, 1,
 _MAX_CHAR = 0x10FFFF
 
 
-# The characters a JSON string holds only escaped, which a pattern's automaton never writes.
-JSON_ESCAPED = frozenset([*range(0x20), ord('"'), ord("\\")])
-
-
-def has_sentence(serialized: str, without: frozenset[int] = frozenset()) -> bool:
+def has_sentence(serialized: str) -> bool:
     """Whether a grammar (xgrammar's ``serialize_json``) derives some text: the rules that do are
     found by a fixpoint (a rule does when its body does; a sequence when all its items do, choices
     when one does, a character class when it holds a character, a repetition when it may be absent
     or its rule does), each rule looked at again only when a rule it refers to is found to. Anything
     else this reader does not know (another layout, tag dispatch, regexes, tokens, lookaheads)
-    counts as deriving text: it may call a grammar live that is not, never the other way round.
-    ``without``: ASCII characters the text may not hold (``JSON_ESCAPED``)."""
+    counts as deriving text: it may call a grammar live that is not, never the other way round."""
     grammar = json.loads(serialized)
     if grammar.get("__VERSION__") != _XGR_LAYOUT:
         return True
@@ -42,15 +37,10 @@ def has_sentence(serialized: str, without: frozenset[int] = frozenset()) -> bool
 
     def derives(expr: int) -> bool:
         kind, n, args = parts(expr)
-        if kind == _BYTES:
-            return not without.intersection(args[:n])  # UTF-8: an ASCII byte is its character
         if kind == _CLASS:
             ranges = sorted(zip(args[1:n:2], args[2:n:2], strict=True))
             if not args[0]:
-                return any(
-                    lo <= hi and hi - lo + 1 > sum(lo <= c <= hi for c in without) for lo, hi in ranges
-                )
-            ranges = sorted([*ranges, *((c, c) for c in without)])
+                return any(lo <= hi for lo, hi in ranges)
             covered = -1  # the highest character the negated ranges cover from 0 on
             for lo, hi in ranges:
                 if lo > covered + 1:

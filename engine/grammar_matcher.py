@@ -91,8 +91,8 @@ class RequestGrammar:
         """After ``accept`` refused a token: True, with ``error`` set, when the grammar allows no
         token at all where it is (the mask the token was drawn under was empty, so any token was
         refused): a constraint whose every sentence starting with the ``num_tokens`` tokens
-        generated, ``text``, needs what the model cannot write (``a[^\\s\\S]``; a JSON
-        ``pattern`` that needs a quote, which a JSON string holds only escaped). False when the
+        generated, ``text``, needs what the model cannot write (``a[^\\s\\S]``, a rule with no way
+        to end, text its vocabulary cannot spell). False when the
         mask allowed some token and another one came (a bug: a NaN row). Fills a mask of its own,
         only on this path: the per-token fill stays as it is."""
         import xgrammar as xgr
@@ -106,8 +106,7 @@ class RequestGrammar:
             f"{DEAD_END} after the {num_tokens} token(s) generated ({tail!r}): no token this model "
             "has can follow them, so no output that starts this way can satisfy the constraint. A "
             "part of it matches no text this model can write (an empty character class such as "
-            "[^\\s\\S], a rule with no way to end, a JSON string pattern that needs a quote, "
-            "backslash or control character, which JSON text writes only escaped): remove that part."
+            "[^\\s\\S], a rule with no way to end): remove that part."
         )
         return True
 

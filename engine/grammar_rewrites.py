@@ -53,7 +53,9 @@ def json_grammar(text: str, patterns: Sequence[str] = ()) -> str | None:
     character rule made ``_PLAIN_CHARACTER``, its character classes and regexes matching no
     surrogate (``_CLASS_OR_REGEX``) and its long "at least" repetitions unambiguous
     (``_AT_LEAST``); None when it has none of them. ``patterns``: those ``marked_patterns`` took
-    out of the schema, each put back where its mark's automaton is."""
+    out of the schema, as regexes over a string's JSON text (``grammar_pattern_json``), each put
+    back where its mark's automaton is, without xgrammar's ``json_string`` (which keeps an
+    automaton from writing any escape)."""
     fixed = _MARK_REGEX.sub(lambda m: _pattern(m, patterns), text)
     fixed = _BOUNDED_CHARACTER.sub(lambda m: f"{m.group(1)} ::= {_PLAIN_CHARACTER}", fixed)
     fixed = _CLASS_OR_REGEX.sub(_without_surrogates, fixed)
@@ -132,7 +134,8 @@ def marked_patterns(schema: str) -> tuple[str, list[str]]:
     one with a quote, a backslash, a control character or a raw character beyond ASCII in it, as
     grammar rules of its characters, with no JSON escaping: ``"^\u00e9.$"`` took ``"\u00e9""`` and
     a raw newline, which are no JSON. A mark is written the first way (letters and digits alone),
-    and so, with it put back, is every pattern."""
+    and so, with it put back, is every pattern: as a regex over the string's JSON text
+    (``engine/grammar_pattern_json.py``), which writes what JSON escapes as escapes."""
     try:
         decoded = json.loads(schema)
     except ValueError:
@@ -150,7 +153,7 @@ def marked_tag_patterns(tag: Any) -> tuple[Any, list[str]]:
 
 # A pattern's mark (one xgrammar writes as an automaton), and the automaton it is written as.
 _MARK = "ferrypattern{}mark"
-_MARK_REGEX = re.compile(r'Regex\("ferrypattern(\d+)mark"')
+_MARK_REGEX = re.compile(r'Regex\("ferrypattern(\d+)mark"(?:, json_string=true)?')
 # Keywords whose value is no schema (a JSON value), and those that name schemas.
 _VALUE_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
 _SCHEMA_MAPS = frozenset({"properties", "$defs", "definitions", "dependentSchemas"})

@@ -25,7 +25,7 @@ merged soundly (``engine/json_schema_support.py``), and a constraint no output c
 ``allOf`` of conflicting members, a first token mask that is empty, a grammar with no sentence at
 all: ``a[^\\s\\S]``, a rule with no way to end). The checks run where the compile runs, once per
 distinct constraint. A constraint with a sentence may still have a branch that leads nowhere (a
-JSON pattern that needs a quote); a request that takes one is ended as it meets it
+grammar rule ``r ::= "x" r``); a request that takes one is ended as it meets it
 (``RequestGrammar.dead_end``).
 
 How each kind is turned into xgrammar's grammar is ``engine/grammar_kinds.py``.
@@ -50,7 +50,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from engine.grammar_kinds import compile_ebnf, compile_json_schema, compile_regex, compile_structural_tag
-from engine.grammar_language import JSON_ESCAPED, has_sentence
+from engine.grammar_language import has_sentence
 from engine.grammar_limits import choice_problem, regex_problem, schema_problem
 from engine.grammar_matcher import BudgetedGrammar, RequestGrammar
 from engine.grammar_rewrites import marked_patterns, marked_tag_patterns
@@ -239,7 +239,7 @@ class GrammarCompiler:
     ) -> None:
         """ValueError when no first token is allowed (``root ::= root``, ``[^\\s\\S]``, or text the
         vocabulary cannot spell), or when the grammar has no sentence at all (``a[^\\s\\S]``,
-        ``root ::= "a" r`` with ``r ::= r "b"``, a JSON pattern that needs a quote: ``has_sentence``):
+        ``root ::= "a" r`` with ``r ::= r "b"``, a JSON pattern ``^a[^\\s\\S]$``: ``has_sentence``):
         the request would otherwise start and end at a dead end (``RequestGrammar.dead_end``). Not
         a proof that the model can spell a sentence, or that every branch has one: those dead ends
         are met as the request runs."""
@@ -252,8 +252,9 @@ class GrammarCompiler:
         # The constraint as xgrammar reads it, not the compiled grammar: that one holds its
         # automata (hundreds of MB serialized for a schema of 400 patterns), and a regex compiles
         # to one automaton this reader cannot look into. Of a JSON schema (or a structural tag's)
-        # only the patterns are read, each as text a JSON string holds unescaped: their automata
-        # write no escape, so ``^a"$`` would stop after `"a`.
+        # only the patterns are read: each is matched as JSON text, which writes every character
+        # it matches (a quote as an escape: ``engine/grammar_pattern_json.py``), so a pattern has
+        # a sentence there when it has one at all.
         if kind == "regex":
             grammar = xgr.Grammar.from_regex(spec.regex or "")
         elif kind == "grammar":
@@ -261,14 +262,13 @@ class GrammarCompiler:
         else:
             for pattern in _patterns(kind, schema):
                 try:
-                    live = has_sentence(xgr.Grammar.from_regex(pattern).serialize_json(), JSON_ESCAPED)
+                    live = has_sentence(xgr.Grammar.from_regex(pattern).serialize_json())
                 except (RuntimeError, ValueError):  # a pattern xgrammar reads otherwise: no verdict
                     continue
                 if not live:
                     raise ValueError(
-                        f"invalid structured outputs {kind}: the pattern {pattern!r} matches only text "
-                        "with a quote, a backslash or a control character, which structured outputs "
-                        "cannot write in a JSON string (its patterns are matched as unescaped text)"
+                        f"invalid structured outputs {kind}: the pattern {pattern!r} matches no text "
+                        "(every way through it needs an empty character class such as [^\\s\\S])"
                     )
             return
         if not has_sentence(grammar.serialize_json()):

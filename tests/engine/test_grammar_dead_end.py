@@ -2,11 +2,13 @@
 ends its request with ``finish_reason="abort"`` and an ``error`` naming the dead end, a warning log
 naming it, and no text of the token drawn from the empty mask; a constraint whose language is
 empty (no sentence at all: an empty character class on every path, a rule with no way to end, a
-JSON pattern that needs a character a JSON string holds only escaped) is refused before it runs."""
+JSON pattern that matches no text) is refused before it runs."""
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 
 import pytest
 
@@ -90,10 +92,25 @@ def test_a_constraint_with_a_sentence_is_not_refused(llm, so) -> None:
     assert llm.engine.grammars.compile(so) is not None
 
 
-@pytest.mark.parametrize("pattern", ['^a"$', "^a\\\\b$", "^\\n+$", "^[\\x00-\\x1f]$"])
-def test_a_json_pattern_that_needs_an_escape_is_refused_before_it_runs(llm, pattern) -> None:
-    # Its automaton matches a JSON string's text unescaped: a pattern that needs a quote, a
-    # backslash or a control character was a dead end after `"a` (the run found it, as an abort).
+@pytest.mark.parametrize("pattern", ["^a[^\\s\\S]$", "^(?:b[^\\s\\S]|[^\\s\\S])c$"])
+def test_a_json_pattern_with_no_sentence_is_refused_before_it_runs(llm, pattern) -> None:
     schema = {"type": "object", "properties": {"v": {"type": "string", "pattern": pattern}}}
-    with pytest.raises(ValueError, match="matches only text with a quote, a backslash or a control"):
+    with pytest.raises(ValueError, match=f"the pattern {re.escape(repr(pattern))} matches no text"):
         _run(llm, SO(json=schema))
+
+
+@pytest.mark.parametrize("pattern", ['^a"$', "^a\\\\b$", "^\\n{1,3}$", "^[\\x00-\\x1f]$"])
+def test_a_json_pattern_that_needs_an_escape_runs(llm, pattern) -> None:
+    # It was refused (its automaton wrote no escape: a dead end after `"a`); it is matched as JSON
+    # text now, so the output is JSON whose value matches (tests/engine/test_pattern_escaped_json.py).
+    schema = {
+        "type": "object",
+        "properties": {"v": {"type": "string", "pattern": pattern}},
+        "required": ["v"],
+    }
+    params = SamplingParams(
+        max_tokens=40, temperature=0.0, structured_outputs=SO(json=schema, disable_any_whitespace=True)
+    )
+    out = llm.generate(["Hello world"], params)[0].outputs[0]
+    assert out.finish_reason == "stop", out.text
+    assert re.search(pattern, json.loads(out.text)["v"]), out.text
