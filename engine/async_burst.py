@@ -34,7 +34,7 @@ class BurstGathering:
     # How ``_gather_burst`` probes the submitters, called on their event loop with a function to
     # call once they have taken in what they had received. Default (None): two passes of that loop,
     # which parses the requests itself. An engine serving API server processes
-    # (server/engine_process.py) probes their event loops instead.
+    # (server/engine_fanout.py) probes their event loops instead.
     probe_submitters: Callable[[Callable[[], None]], None] | None = None
 
     def announce(self) -> Callable[[], None]:

@@ -231,7 +231,7 @@ class AsyncEngine(SleepCommands, BurstGathering, LoRAServing, RequestPreparation
         DELTA output (the last has ``finished=True``), or an ``EngineDeadError`` if the loop dies.
 
         ``generate`` is this with a queue for a sink. A caller that relays outputs on (the engine
-        process serving API servers, server/engine_process.py) uses it directly: no task and no
+        process serving API servers, server/engine_host.py) uses it directly: no task and no
         generator per request, and each output handled in the pass that delivered it.
 
         Raises ValueError (nothing submitted) for bad input. ``grammar``: the compiled

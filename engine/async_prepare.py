@@ -4,7 +4,7 @@ What can take milliseconds or more before a request is submitted runs in a worke
 neither the API's event loop nor the engine loop waits on it: compiling a structured-outputs
 constraint (cached, so repeats cost a lookup), turning images into pixel values, checking and
 hashing prompt embeddings. ``generate`` awaits these before ``start``; a caller that uses ``start``
-directly (server/engine_process.py) awaits them itself and passes what they return. Each only
+directly (server/engine_host.py) awaits them itself and passes what they return. Each only
 prepares: none submits a request or touches the engine's state beyond its grammar cache.
 """
 

@@ -1,25 +1,25 @@
-"""The router as an ASGI application: routes, limits, auth, and the request life cycle.
+"""The router as an ASGI application: its parts, built from ``RouterConfig``; its life cycle; the routes.
 
-``RouterApp(config)`` is a plain ASGI callable (served by uvicorn in ``router/main.py``).
-Generation requests (``/v1/chat/completions``, ``/v1/completions``) are parsed once, keyed for the policy, admitted by overload control and
-handed to the ``Relay``; every other ``/v1/*`` route and the root routes of ``FORWARD_ROOT_PATHS``
-(``/tokenize``, ``/score``, ``/rerank``…) are relayed as they are; the Files and Batches API
-(``/v1/files*``, ``/v1/batches*``) all to one replica (``batch_home``). While a request is relayed the
-app watches the client: if it disconnects, the relay is cancelled at once, which closes the
-upstream connection and frees the replica's work. What the router answers itself (``/health``,
-``/v1/models``, ``/version``, ``/load``…) is in ``router/own_routes.py``. Every answer carries the
+``RouterApp(config)`` is a plain ASGI callable (served by uvicorn in ``router/main.py``). Built
+here: the replica set and its health checks, discovery, the policy and its prompt keyer, the
+relays (``router/generation.py``) and the prefill/decode orchestrator, admission, the KV event
+follower; started and stopped with the ASGI lifespan. ``handle`` routes each request: every
+``/v1/*`` route and the root routes of ``FORWARD_ROOT_PATHS`` (``/tokenize``, ``/score``,
+``/rerank``…) are relayed (``router/proxy_route.py``: generation requests parsed once, keyed for
+the policy, admitted by overload control and handed to the ``Relay``; the Files and Batches API
+all to one replica; the relay cancelled as soon as the client disconnects). What the router
+answers itself (``/health``, ``/v1/models``, ``/version``, ``/load``, ``/reset_prefix_cache``…) is
+in ``router/own_routes.py``; the admin API in ``router/admin.py``. Every answer carries the
 request's ``X-Request-Id`` (the client's, else a new one), relayed or the router's own.
 This module must never import torch (the router starts in well under a second).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import unquote
 
@@ -30,74 +30,26 @@ from router.discovery import make_discovery
 from router.discovery_sync import DiscoverySync
 from router.generation import Generation
 from router.health import HealthChecker
-from router.http import (
-    BodyTooLarge,
-    ClientGone,
-    Message,
-    Receive,
-    Scope,
-    Send,
-    bearer_ok,
-    forward_headers,
-    header,
-    read_body,
-    send_bytes,
-    send_error,
-    send_json,
-)
+from router.http import Message, Receive, Scope, Send, bearer_ok, header, send_bytes, send_error
 from router.kv_events import KVEventFollower
 from router.messages_stream import anthropic_errors
 from router.metrics import RouterMetrics
-from router.own_routes import OWN_PATHS, answer_models, answer_own
+from router.own_routes import OWN_PATHS, answer_models, answer_own, reset_prefix_cache
 from router.pd import PDOrchestrator
 from router.pd_config import PDConfig, PDMetrics
-from router.policies import RouteRequest, make_policy
+from router.policies import make_policy
 from router.policies.cache_aware import CacheAware
 from router.pool import Pool, Replicas
-from router.prompt_keys import PromptKeyer, make_keyer, prompt_keys
+from router.prompt_keys import PromptKeyer, make_keyer
+from router.proxy_route import FORWARD_ROOT_PATHS, MESSAGES_PATH, proxy
 from router.relay import ProxyCall
 from router.replica import HealthPolicy, Replica
-from router.response_affinity import (
-    RESPONSES_PATH,
-    ResponseAffinity,
-    batch_home,
-    is_batch_path,
-)
+from router.response_affinity import ResponseAffinity
 from router.retry import RetryPolicy
-from router.upstream import UpstreamClient, UpstreamError, fetch
-from server.middleware import (
-    request_id_of,
-    route_path,
-    unsupported_encoding,
-    unsupported_encoding_error,
-)
+from router.upstream import UpstreamClient
+from server.middleware import request_id_of, route_path
 
 log = logging.getLogger("ferry.router")
-
-GENERATE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
-# Anthropic's Messages API: whole answers retried, streams resumed (router/messages_stream.py).
-MESSAGES_PATH = "/v1/messages"
-# Routed by their prompt (parsed and keyed). The Responses API's streams are resumed
-# (router/responses_stream.py); its other answers (whole, background) are relayed as they come,
-# retried before their first byte.
-KEYED_PATHS = GENERATE_PATHS | {"/v1/responses", MESSAGES_PATH}
-# Relayed as they come, like every /v1/* route: vLLM serves these outside /v1 (scoring: /score,
-# /rerank, Cohere's /v2/rerank; /classify; /pooling; SageMaker's /invocations, any request on one path).
-FORWARD_ROOT_PATHS = frozenset(
-    {"/tokenize", "/detokenize", "/score", "/rerank", "/v2/rerank", "/classify", "/pooling", "/invocations"}
-)
-
-
-def _session_of(body: dict) -> str | None:
-    """A body's own session key (after the ``X-Session-Id`` header): OpenAI's ``prompt_cache_key``
-    (which its clients set to keep a conversation on one cache), ``user`` or ``safety_identifier``,
-    or the Messages API's ``metadata.user_id``."""
-    for field in ("prompt_cache_key", "user", "safety_identifier"):
-        if isinstance(body.get(field), str) and body[field]:
-            return body[field]
-    metadata = body.get("metadata")
-    user_id = metadata.get("user_id") if isinstance(metadata, dict) else None
-    return user_id if isinstance(user_id, str) and user_id else None
 
 
 class RouterApp:
@@ -247,7 +199,7 @@ class RouterApp:
         pools = self.replicas.pools
         return bool(len(pools["prefill"]) and len(pools["decode"]))
 
-    async def _generate(self, pool: Pool, call: ProxyCall, send: Send) -> None:
+    async def generate(self, pool: Pool, call: ProxyCall, send: Send) -> None:
         if self.disaggregated:
             pools = self.replicas.pools
             mixed = (self.relay, pools["mixed"]) if len(pools["mixed"]) else None
@@ -364,9 +316,9 @@ class RouterApp:
         if models:
             await answer_models(self, scope, send, unquote(path[len("/v1/models/") :]) or None)
         elif relayed:
-            await self._proxy(scope, receive, send, request_id)
+            await proxy(self, scope, receive, send, request_id)
         elif reset:
-            await self._reset_prefix_cache(scope, send)
+            await reset_prefix_cache(self, scope, send)
         elif path in OWN_PATHS:
             await answer_own(self, path, send)
         elif path == "/metrics":
@@ -384,155 +336,6 @@ class RouterApp:
         auth = header(scope, b"authorization")
         return [(b"authorization", auth)] if auth else []
 
-    async def _reset_prefix_cache(self, scope: Scope, send: Send) -> None:
-        """vLLM's admin route, fanned out: every replica of every pool drops its cached blocks.
-        200 when all did, else the first non-200 status (409 = a replica was busy), with each
-        replica's status in ``replicas`` so a caller can retry."""
-        headers = self.auth_headers(scope)
-        replicas = list(self.replicas)
-
-        async def one(r: Replica) -> int:
-            try:
-                fetched = fetch(self.client, "POST", r.url, "/reset_prefix_cache", headers)
-                status, _ = await asyncio.wait_for(fetched, self.config.health_timeout)
-            except (UpstreamError, asyncio.TimeoutError):
-                return 502
-            if status == 200:  # it holds no cached blocks now: cache_aware must not count on them
-                self.replicas.cache_lost(r)
-                r.prefix_cache_resets = None  # the next probe reads the new count (no second drop)
-            return status
-
-        statuses = await asyncio.gather(*(one(r) for r in replicas))
-        failed = [st for st in statuses if st != 200]
-        status = failed[0] if failed else (200 if replicas else 503)
-        body = {"replicas": {r.url: st for r, st in zip(replicas, statuses, strict=True)}}
-        await send_json(send, status, body)
-
-    async def _proxy(self, scope: Scope, receive: Receive, send: Send, request_id: str) -> None:
-        id_header = [(b"x-request-id", request_id.encode())]
-        coding = unsupported_encoding(scope)
-        if coding is not None:  # as a replica answers it, before a keyed body fails to parse
-            error = unsupported_encoding_error(coding)
-            headers = [(k.lower().encode(), v.encode()) for k, v in error.headers.items()]
-            await send_error(send, error.status, error.message, headers + id_header, error.code)
-            return
-        length = header(scope, b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.config.max_request_bytes:
-            await send_error(
-                send, 413, f"request body exceeds {self.config.max_request_bytes} bytes", id_header
-            )
-            return
-        try:
-            body = await read_body(receive, self.config.max_request_bytes)
-        except BodyTooLarge:
-            await send_error(
-                send, 413, f"request body exceeds {self.config.max_request_bytes} bytes", id_header
-            )
-            return
-        except ClientGone:
-            return
-        path = scope["path"]
-        generate = path in GENERATE_PATHS and scope["method"] == "POST"
-        keyed = path in KEYED_PATHS and scope["method"] == "POST"
-        parsed: dict | None = None
-        session = header(scope, b"x-session-id")  # empty (as some proxies send it): absent
-        route = RouteRequest(
-            request_id, session.decode("latin-1") if session else None, prompt_tokens=len(body) // 4
-        )
-        if keyed:
-            try:
-                parsed = json.loads(body)
-            except ValueError as e:
-                await send_error(send, 400, f"request body is not valid JSON: {e}", id_header)
-                return
-            except RecursionError:  # [[[[…: json's recursion, a client's error as the replica's
-                await send_error(send, 400, "request body is not valid JSON: nested too deeply", id_header)
-                return
-            if not isinstance(parsed, dict):
-                await send_error(send, 400, "request body must be a JSON object", id_header)
-                return
-            if route.session_key is None:
-                route.session_key = _session_of(parsed)
-            if isinstance(parsed.get("model"), str):
-                route.model = parsed["model"]
-            if self.keyer is not None:
-                hashes, tokens = await prompt_keys(self.keyer, path, parsed, len(body))
-                route.block_hashes = hashes
-                route.prompt_tokens = tokens or route.prompt_tokens
-        headers = forward_headers(scope)
-        if self.replica_auth:  # the router checked the client's key; replicas get theirs
-            headers = [
-                (k, v) for k, v in headers if k not in (b"authorization", b"x-api-key")
-            ] + self.replica_auth
-        headers.append((b"x-request-id", request_id.encode()))
-        headers.append((b"accept-encoding", b"identity"))
-        call = ProxyCall(
-            scope["method"], path, scope.get("query_string", b""), headers, body, request_id, route, parsed
-        )
-        self._follow_responses(call)
-        if is_batch_path(path):
-            call.route.prefer_url = batch_home(self.pool.candidates(self.clock()))
-
-        if generate:
-            relay = self._generate
-        elif path == MESSAGES_PATH and scope["method"] == "POST":
-            relay = self.relay.messages
-        elif (
-            path == RESPONSES_PATH
-            and parsed is not None
-            and parsed.get("stream")
-            and not parsed.get("background")
-        ):
-            relay = self.relay.responses_stream
-        else:
-            relay = self.relay.forward
-        await _until_disconnect(self._admitted(relay, call, send, id_header), receive)
-
-    def _follow_responses(self, call: ProxyCall) -> None:
-        """Send what names a stored response or item to the replica that holds it, and remember who
-        answers new ones (``router/response_affinity.py``)."""
-        if not self.responses.follow(call):
-            self.metrics.response_affinity.labels("miss").inc()
-
-    async def _admitted(
-        self,
-        relay: Callable[[Pool, ProxyCall, Send], Awaitable[None]],
-        call: ProxyCall,
-        send: Send,
-        id_header: list[tuple[bytes, bytes]],
-    ) -> None:
-        """Wait for a slot (cancelled with the rest if the client leaves while queued), then relay."""
-        if not await self.admission.try_acquire():
-            self.metrics.rejected.inc()
-            await send_error(
-                send,
-                429,
-                "the router is at its concurrency and queue limits; retry later",
-                [(b"retry-after", b"1"), *id_header],
-            )
-            return
-        status = 0  # of the answer's head, once sent
-
-        async def watched(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        outcome = "client_gone"  # unless it ends otherwise: the task is cancelled when the client leaves
-        try:
-            await relay(self.pool, call, watched)
-            outcome = "error" if call.broken or status >= 500 else "ok"
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            outcome = "error"
-            raise
-        finally:
-            self.admission.release()
-            # Every admitted request, however it ended (RouterMetrics.OUTCOMES).
-            self.metrics.observe_latency(time.perf_counter() - call.started, outcome)
-
 
 def _with_request_id(send: Send, request_id: str) -> Send:
     """``send`` with ``X-Request-Id`` on the answer's head, unless the answer names one already."""
@@ -546,24 +349,3 @@ def _with_request_id(send: Send, request_id: str) -> Send:
         await send(message)
 
     return wrapped
-
-
-async def _until_disconnect(work: Coroutine[Any, Any, None], receive: Receive) -> None:
-    """Run ``work``; if the client disconnects first, cancel it (closing the upstream request)."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_disconnect(receive))
-    try:
-        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not task.done():
-            task.cancel()
-        watcher.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-
-
-async def _wait_disconnect(receive: Receive) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return

@@ -10,7 +10,8 @@ routable), never an empty list or a 404 that would say the model is gone. vLLM's
 admission slot), ``/is_sleeping`` (true when every healthy replica's engine sleeps, as their
 probes last said: the router then serves nothing without waking one; each replica's state in
 ``replicas``) and ``/openapi.json`` (the router's own routes, with the request schemas of the
-generation routes it parses).
+generation routes it parses). ``POST /reset_prefix_cache`` (vLLM's admin route) is fanned out to
+every replica.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from router.health import model_list
 from router.http import Scope, Send, error_body, send_bytes, send_error, send_json
 from router.pool import counts
 from router.replica import Health, Replica
+from router.upstream import UpstreamError, fetch
 
 if TYPE_CHECKING:
     from router.app import RouterApp
@@ -165,3 +167,28 @@ def openapi() -> dict[str, Any]:
         "paths": paths,
         "components": {"schemas": schemas.get("$defs", {})},
     }
+
+
+async def reset_prefix_cache(app: RouterApp, scope: Scope, send: Send) -> None:
+    """vLLM's admin route, fanned out: every replica of every pool drops its cached blocks.
+    200 when all did, else the first non-200 status (409 = a replica was busy), with each
+    replica's status in ``replicas`` so a caller can retry."""
+    headers = app.auth_headers(scope)
+    replicas = list(app.replicas)
+
+    async def one(r: Replica) -> int:
+        try:
+            fetched = fetch(app.client, "POST", r.url, "/reset_prefix_cache", headers)
+            status, _ = await asyncio.wait_for(fetched, app.config.health_timeout)
+        except (UpstreamError, asyncio.TimeoutError):
+            return 502
+        if status == 200:  # it holds no cached blocks now: cache_aware must not count on them
+            app.replicas.cache_lost(r)
+            r.prefix_cache_resets = None  # the next probe reads the new count (no second drop)
+        return status
+
+    statuses = await asyncio.gather(*(one(r) for r in replicas))
+    failed = [st for st in statuses if st != 200]
+    status = failed[0] if failed else (200 if replicas else 503)
+    body = {"replicas": {r.url: st for r, st in zip(replicas, statuses, strict=True)}}
+    await send_json(send, status, body)

@@ -5,7 +5,7 @@ It has ``AsyncEngine``'s interface as the server uses it (``generate``, ``abort`
 ``reload_weights``, ``stats``, ``is_healthy``, ``shutdown``, and
 ``config`` / ``model_info`` / ``tokenizer``), so ``build_app`` takes either; and what only one API
 server of several needs: ``sequences_elsewhere`` (admission), ``report_load`` and
-``load_elsewhere`` (``GET /load``). The engine process (``server/engine_process.py``) validates
+``load_elsewhere`` (``GET /load``). The engine process (``server/engine_host.py``) validates
 each request as ``AsyncEngine.generate`` does; a refusal arrives as the stream's first message
 and is raised as ``ValueError`` before anything is yielded, as in process. It also admits each
 request's sequences over every API server's (``generate``'s ``admission``; ``end_admission``):
@@ -37,7 +37,7 @@ from server.admission import Admission, AdmissionRefused
 from server.engine_ipc import Channel
 
 logger = logging.getLogger("ferry.engine_client")
-# An engine process sends a heartbeat every second (server/engine_process.py HEARTBEAT_S): this long
+# An engine process sends a heartbeat every second (server/engine_fanout.py HEARTBEAT_S): this long
 # without a message and it is taken as stopped or wedged (/health 503, new requests refused).
 ENGINE_SILENCE_S = 5.0
 

@@ -4,7 +4,7 @@ One Unix-domain stream socket per API server, in a directory only this user can 
 frame is a 4-byte big-endian length and a pickled list of messages: everything a side sends in
 one event-loop pass leaves as one frame (one ``write``, one wake-up of the other side), so a
 decode step's outputs for 32 streams cost one frame, not 32. Messages are tuples whose first item
-names them; ``server/engine_client.py`` and ``server/engine_process.py`` list them.
+names them; ``server/engine_client.py`` and ``server/engine_host.py`` list them.
 
 pickle, because what crosses is the engine's own typed messages (``SamplingParams``,
 ``RequestOutput``, ``EngineStats``) between processes of one replica that trust each other; the

@@ -7,9 +7,9 @@ the sampling and stopping fields that completions and chat share (``SamplingFiel
 structured-output and internal hand-off parts) and the response parts every route answers with
 (usage, errors, model cards). The per-route models live beside it: ``completion_protocol``,
 ``chat_protocol``, ``tokenize_protocol``, ``embedding_protocol`` (and ``pooling_protocol``,
-``score_protocol``, ``anthropic_protocol``). The router imports these modules too, so they must stay
-torch-free: they may import pydantic, the stdlib and torch-free engine types, never
-``engine.async_engine`` or anything that loads a model.
+``score_protocol``, ``anthropic_protocol`` with ``anthropic_content``). The router imports these
+modules too, so they must stay torch-free: they may import pydantic, the stdlib and torch-free
+engine types, never ``engine.async_engine`` or anything that loads a model.
 
 Unknown request fields are ignored (peer routers add their own, e.g. ``separate_reasoning``,
 ``kv_transfer_params``). Fields that would be ignored silently but change the answer

@@ -28,7 +28,7 @@ ENGINE_PROCESS_IDLE = (
     "server.admission.HeldPlaces._leased",
     "server.admission.HeldPlaces._refused",
     "server.admission.HeldPlaces.num_held",
-    "server.engine_process._ApiServer.requests",
+    "server.engine_host._ApiServer.requests",
 )
 API_SERVER_IDLE = (
     "server.engine_client.EngineClient._streams",
@@ -69,7 +69,7 @@ def test_a_small_soak_leaves_every_process_idle(tmp_path: Path) -> None:
     for proc, sizes in state.items():
         if proc.startswith("router"):
             by_kind["router"].append(sizes)
-        elif "server.engine_process._ApiServer.requests" in sizes:
+        elif "server.engine_host._ApiServer.requests" in sizes:
             by_kind["engine"].append(sizes)
         elif "server.engine_client.EngineClient._streams" in sizes:
             by_kind["api"].append(sizes)

@@ -29,7 +29,7 @@ import httpx
 import pytest
 import redis
 
-from server.engine_process import BROADCAST_DELAY_S
+from server.engine_fanout import BROADCAST_DELAY_S
 from tests.server.conftest import REPO, metric_value
 from tests.server.test_cache_salt import (  # noqa: F401 - collected here, against this module's server
     test_blocks_are_reused_only_under_the_same_salt,

@@ -17,7 +17,7 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from server.admission import Admission, AdmissionRefused
 from server.engine_client import EngineClient
-from server.engine_process import EngineHost
+from server.engine_host import EngineHost
 from tests.server.test_engine_ipc import _hosted, _until
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)

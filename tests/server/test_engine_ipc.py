@@ -25,8 +25,9 @@ from engine.config import EngineConfig
 from engine.errors import EngineDeadError
 from engine.sampling_params import StructuredOutputsParams
 from server.engine_client import EngineClient
+from server.engine_fanout import BROADCAST_DELAY_S
+from server.engine_host import EngineHost
 from server.engine_ipc import Channel
-from server.engine_process import BROADCAST_DELAY_S, EngineHost
 from server.responses_store import MemoryRecords, RemoteResponseStore, StoreUnavailable
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

@@ -17,7 +17,7 @@ from engine.demo import build_lora_adapter
 from engine.lora_request import LoRARequest
 from engine.sampling_params import StructuredOutputsParams
 from server.engine_client import EngineClient
-from server.engine_process import EngineHost
+from server.engine_host import EngineHost
 from tests.server.test_engine_ipc import _hosted
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)

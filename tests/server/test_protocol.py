@@ -202,7 +202,8 @@ def test_registration_wire_format() -> None:
 def test_protocol_stays_torch_free() -> None:
     code = (
         "import sys, server.protocol, server.chat_protocol, server.completion_protocol,"
-        " server.embedding_protocol, server.tokenize_protocol, server.args;"
+        " server.embedding_protocol, server.tokenize_protocol, server.args, server.server_flags,"
+        " server.engine_flags, server.anthropic_protocol, server.anthropic_content;"
         "assert 'torch' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

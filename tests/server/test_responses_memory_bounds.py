@@ -16,7 +16,7 @@ import pytest_asyncio
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from server.engine_client import EngineClient
-from server.engine_process import EngineHost
+from server.engine_host import EngineHost
 from server.responses_store import (
     EVENT_LOG_OVERHEAD,
     EVENT_OVERHEAD,

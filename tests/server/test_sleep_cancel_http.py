@@ -17,7 +17,7 @@ from engine.async_engine import AsyncEngine
 from server.app import build_app
 from server.config import ServerConfig
 from server.engine_client import EngineClient
-from server.engine_process import EngineHost
+from server.engine_host import EngineHost
 from tests.engine.test_sleep_wake_order import LONG, PROMPT, hold_until_wake
 from tests.server.test_engine_ipc import _hosted
 

@@ -225,9 +225,9 @@ def test_unknown_parser() -> None:
         "llama3_json, llama4_pythonic, mistral, openai, phi4_mini_json, pythonic, qwen3_coder",
     ):
         get_tool_parser("nope")
-    # The CLI's choices (server/args.py stays light, so it names them itself) are the registry's.
-    from server.args import REASONING_PARSER_NAMES, TOOL_PARSER_NAMES
+    # The CLI's choices (server/server_flags.py stays light, so it names them itself) are the registry's.
     from server.reasoning_parsers import REASONING_PARSERS
+    from server.server_flags import REASONING_PARSER_NAMES, TOOL_PARSER_NAMES
 
     assert sorted(TOOL_PARSER_NAMES) == sorted(TOOL_PARSERS)
     assert sorted(REASONING_PARSER_NAMES) == sorted(REASONING_PARSERS)
