@@ -189,7 +189,7 @@ def test_server_killed_mid_run(start_ferry_serve, bench, tmp_path: Path) -> None
     ended = time.monotonic()
     killer.join()
     assert rc == 1, stdout
-    assert ended - killed_at[0] < 10  # no waiting out the 600 s timeout per remaining request
+    assert ended - killed_at[0] < 60  # no waiting out the 600 s timeout per remaining request
     s = _summary(out)
     assert s["server_lost"]
     m = s["points"][0]["metrics"]

@@ -7,6 +7,7 @@ import asyncio
 import queue
 import subprocess
 import sys
+import time
 
 import pytest
 from kubernetes import client
@@ -263,9 +264,8 @@ class FakeWatch:
 
 
 async def wait_for(disc: K8sDiscovery, expected: list[str]) -> None:
-    for _ in range(200):
-        if [r.url for r in await disc.list_replicas()] == expected:
-            return
+    deadline = time.monotonic() + 60  # a hang guard only
+    while [r.url for r in await disc.list_replicas()] != expected and time.monotonic() < deadline:
         await asyncio.sleep(0.01)
     assert [r.url for r in await disc.list_replicas()] == expected
 

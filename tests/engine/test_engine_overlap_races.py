@@ -103,7 +103,7 @@ async def test_a_wake_up_sent_while_a_sleep_is_queued_reads_the_checkpoint_off_t
 
     def sleep_once_the_wake_is_sent(level: int) -> None:
         sleeping.set()  # the sleep is on the loop, not run yet
-        wake_sent.wait(10)
+        wake_sent.wait(60)
         sleep(level)
 
     def submit_and_tell(cmd) -> None:  # noqa: ANN001
@@ -120,7 +120,7 @@ async def test_a_wake_up_sent_while_a_sleep_is_queued_reads_the_checkpoint_off_t
     eng.engine.read_checkpoint = read_and_record
     try:
         asleep = asyncio.ensure_future(eng.sleep(level=2))
-        await asyncio.to_thread(sleeping.wait, 10)
+        await asyncio.to_thread(sleeping.wait, 60)
         await asyncio.wait_for(eng.wake_up(), 30)
         await asyncio.wait_for(asleep, 30)
         assert wake_sent.is_set()

@@ -57,7 +57,7 @@ class AsyncCopyConnector(CopyConnector):
         fut: Future = Future()
 
         def run() -> None:
-            self.release.wait(10)
+            self.release.wait(60)
             fut.set_result(self.load_blocks(request, block_ids, block_hashes))
 
         threading.Thread(target=run, daemon=True).start()

@@ -4,6 +4,7 @@ abort / wait / keep), requests held while asleep, and updates that wait for runn
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -53,6 +54,15 @@ async def _collect(
     return tokens, reason
 
 
+async def _until_held(eng: AsyncEngine, count: int = 1) -> None:
+    """Until ``count`` requests wait in the engine (taken in by its loop thread: at once, or late on
+    a loaded machine); the bound only guards against a hang."""
+    deadline = time.monotonic() + 60
+    while eng.stats().num_waiting != count:
+        assert time.monotonic() < deadline, eng.stats()
+        await asyncio.sleep(0.01)
+
+
 def _start(eng: AsyncEngine, rid: str, params: SamplingParams = GREEDY) -> tuple[asyncio.Task, asyncio.Event]:
     started = asyncio.Event()
     return asyncio.ensure_future(_collect(eng, rid, params, started)), started
@@ -66,9 +76,8 @@ async def test_abort_mode_ends_running_requests_and_holds_new_ones(engine, offli
     assert reason == "abort" and 0 < len(tokens) < 400
     assert engine.is_sleeping() and engine.stats().sleep_level == 1
     held = asyncio.ensure_future(_collect(engine, "held"))
-    await asyncio.sleep(0.2)
+    await _until_held(engine)
     assert not held.done()
-    assert engine.stats().num_waiting == 1
     await engine.wake_up(["weights"])
     await asyncio.sleep(0.1)
     assert not held.done() and engine.is_sleeping()  # the KV cache is still asleep
@@ -80,7 +89,7 @@ async def test_abort_mode_ends_running_requests_and_holds_new_ones(engine, offli
 async def test_a_held_request_can_be_aborted(engine, offline) -> None:
     await engine.sleep(level=2)
     held = asyncio.ensure_future(_collect(engine, "held"))
-    await asyncio.sleep(0.1)
+    await _until_held(engine)
     await engine.abort("held")
     assert await held == ([], "abort")
     assert engine.stats().num_waiting == 0
@@ -153,7 +162,7 @@ async def test_shutdown_while_asleep_fails_held_requests_cleanly(tiny_llama) -> 
     eng = AsyncEngine(model=str(tiny_llama), enable_sleep_mode=True, num_kv_blocks=64)
     await eng.sleep(level=1)
     held = asyncio.ensure_future(_collect(eng, "held"))
-    await asyncio.sleep(0.1)
+    await _until_held(eng)
     await eng.shutdown()
     with pytest.raises(EngineDeadError):
         await held

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 
 import pytest
 
@@ -28,12 +29,11 @@ def wedge_the_next_step(engine: AsyncEngine) -> tuple[threading.Event, threading
     return entered, release
 
 
-async def _wait_for(condition, timeout: float = 20.0) -> None:  # noqa: ANN001
-    for _ in range(int(timeout / 0.02)):
-        if condition():
-            return
+async def _wait_for(condition, timeout: float = 60.0) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout  # a hang guard only
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
         await asyncio.sleep(0.02)
-    raise AssertionError("timed out")
 
 
 async def test_a_stuck_step_is_unhealthy_until_it_ends(tiny_llama, caplog: pytest.LogCaptureFixture) -> None:
@@ -48,15 +48,18 @@ async def test_a_stuck_step_is_unhealthy_until_it_ends(tiny_llama, caplog: pytes
             return tokens
 
         with caplog.at_level(logging.WARNING, logger="engine.async_engine"):
+            submitted = time.monotonic()
             task = asyncio.ensure_future(run())
             await _wait_for(entered.is_set)
-            assert engine.is_healthy()  # within the timeout: a long step, not a stuck one
+            # Within the timeout: a long step, not a stuck one (read later than that, on a loaded
+            # machine, the step may be past it: then no verdict).
+            assert engine.is_healthy() or time.monotonic() - submitted >= 1.5
             await _wait_for(lambda: not engine.is_healthy())
             stuck = [r.getMessage() for r in caplog.records if "has run for over 1.5 s" in r.getMessage()]
             assert len(stuck) == 1 and "in hang_here" in stuck[0]  # where the loop thread waits
             assert not engine.is_healthy()  # logged once
             release.set()
-            assert len(await asyncio.wait_for(task, 20)) == 4  # the request was not lost
+            assert len(await asyncio.wait_for(task, 60)) == 4  # the request was not lost
             assert engine.is_healthy()
         assert any("the stuck engine step ended" in r.getMessage() for r in caplog.records)
     finally:
@@ -73,7 +76,7 @@ async def test_zero_turns_the_check_off(tiny_llama) -> None:
         await asyncio.sleep(0.3)
         assert engine.is_healthy()
         release.set()
-        await asyncio.wait_for(task, 20)
+        await asyncio.wait_for(task, 60)
     finally:
         release.set()
         await engine.shutdown()

@@ -43,7 +43,7 @@ def test_crash_loop_backs_off_exponentially(tmp_path: Path) -> None:
     config = config_for(restart=RestartSpec(initial_delay=0.2, max_delay=0.5, reset_after=60))
 
     def act(out: io.StringIO, supervisor: sup.Supervisor) -> None:
-        wait_output(out, r"restarting in 0\.5 s", 20)
+        wait_output(out, r"restarting in 0\.5 s", 60)
         os.kill(os.getpid(), signal.SIGTERM)
 
     code, output, pids = run_supervisor(config, plan, tmp_path, act)
@@ -54,7 +54,7 @@ def test_crash_loop_backs_off_exponentially(tmp_path: Path) -> None:
     assert delays == ["0.2", "0.4", "0.5"]  # doubled, then capped at max_delay
     assert len(pids["mixed-0"]) >= 3 and len(set(pids["mixed-0"])) == len(pids["mixed-0"])
     assert re.search(r"^\[mixed-0\] listening$", output, re.M)  # children's lines, prefixed
-    assert wait_gone([p for ps in pids.values() for p in ps], 5) == []
+    assert wait_gone([p for ps in pids.values() for p in ps], 60) == []
 
 
 def test_a_router_on_another_address_is_probed_there(tmp_path: Path) -> None:
@@ -76,7 +76,7 @@ def test_a_router_on_another_address_is_probed_there(tmp_path: Path) -> None:
     code, output, pids = run_supervisor(config, plan, tmp_path, act)
     assert code == 0
     assert f"[up] ready: http://127.0.0.2:{port} (router; 1 mixed; KV tier memory://)" in output
-    assert wait_gone([p for ps in pids.values() for p in ps], 5) == []
+    assert wait_gone([p for ps in pids.values() for p in ps], 60) == []
 
 
 def test_a_child_that_cannot_start_shows_its_last_lines_before_the_verdict(tmp_path: Path) -> None:
@@ -105,7 +105,7 @@ def test_a_child_that_cannot_start_shows_its_last_lines_before_the_verdict(tmp_p
     assert lines.index("[mixed-0] ValueError: the reason") == verdict - 1
     # mixed-0 has exited: only the router is left to stop.
     assert lines[-2:] == ["[up] stopping the router (drain up to 30 s)", "[up] stopped"]
-    assert wait_gone([p for c in supervisor.children for p in c.pids], 5) == []
+    assert wait_gone([p for c in supervisor.children for p in c.pids], 60) == []
 
 
 def test_a_crashed_childs_last_lines_come_before_the_restart_line(tmp_path: Path) -> None:
@@ -115,7 +115,7 @@ def test_a_crashed_childs_last_lines_come_before_the_restart_line(tmp_path: Path
     config = config_for(restart=RestartSpec(initial_delay=30, max_delay=30, reset_after=60))
 
     def act(out: io.StringIO, supervisor: sup.Supervisor) -> None:
-        wait_output(out, r"restarting in 30 s$", 20)
+        wait_output(out, r"restarting in 30 s$", 60)
         os.kill(os.getpid(), signal.SIGTERM)
 
     code, output, pids = run_supervisor(config, plan, tmp_path, act, SlowTerminal())
@@ -126,7 +126,7 @@ def test_a_crashed_childs_last_lines_come_before_the_restart_line(tmp_path: Path
         r"\[up\] mixed-0 \(pid \d+\) exited with exit code 3; restarting in 30 s", lines[crash]
     )
     assert lines[crash - 2 : crash] == ["[mixed-0]   File 299", "[mixed-0] exiting"]
-    assert wait_gone([p for ps in pids.values() for p in ps], 5) == []
+    assert wait_gone([p for ps in pids.values() for p in ps], 60) == []
 
 
 def test_the_child_redis_runs_in_a_fresh_directory_removed_at_exit(
@@ -143,7 +143,7 @@ def test_the_child_redis_runs_in_a_fresh_directory_removed_at_exit(
     saver = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
     try:
         client = redis.Redis(port=port)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while True:
             try:
                 client.set("stale", "1")
@@ -178,7 +178,7 @@ def test_the_child_redis_runs_in_a_fresh_directory_removed_at_exit(
     assert seen["cwd"] != str(old) and Path(str(seen["cwd"])).name.startswith("ferry-redis-")
     assert not Path(str(seen["cwd"])).exists()
     assert sorted(p.name for p in old.iterdir()) == ["dump.rdb"]
-    assert wait_gone([p for ps in pids.values() for p in ps], 5) == []
+    assert wait_gone([p for ps in pids.values() for p in ps], 60) == []
 
 
 def test_the_ready_line_and_state_file_mask_the_kv_tier_password(tmp_path: Path) -> None:
@@ -200,4 +200,4 @@ def test_the_ready_line_and_state_file_mask_the_kv_tier_password(tmp_path: Path)
     )
     assert state["kv_tier"] == "redis://ferry:***@127.0.0.1:1/0"
     assert "s3cret" not in output + json.dumps(state)
-    assert wait_gone([p for ps in pids.values() for p in ps], 5) == []
+    assert wait_gone([p for ps in pids.values() for p in ps], 60) == []

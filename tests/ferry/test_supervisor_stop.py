@@ -38,24 +38,24 @@ def test_stop_kills_what_ignores_sigterm(
     worker = stand_in("mixed-0", "worker", {"IGNORE_TERM": "1"})
     router = stand_in("router", "router")
     plan = ClusterPlan("memory://", None, (worker,), router, router.url)
-    # With a second signal the drain (60 s here) is skipped; without, it lasts drain_timeout + grace.
-    config = config_for(drain_timeout=60.0 if second_signal else 0.5)
-    stopped_at: list[float] = []
+    # With a second signal the drain (10 min here) is skipped; without, it lasts drain_timeout + grace.
+    config = config_for(drain_timeout=600.0 if second_signal else 0.5)
+    signalled: list[float] = []
 
     def act(out: io.StringIO, supervisor: sup.Supervisor) -> None:
+        signalled.append(time.monotonic())
         os.kill(os.getpid(), signal.SIGTERM)
         if second_signal:
-            wait_output(out, r"^\[up\] stopping workers", 5)
+            wait_output(out, r"^\[up\] stopping workers", 60)
             os.kill(os.getpid(), signal.SIGINT)
-        stopped_at.append(time.monotonic())
 
-    started = time.monotonic()
     code, output, pids = run_supervisor(config, plan, tmp_path, act)
     assert code == 0
     assert "[up] SIGTERM: draining (a second signal stops at once)" in output
     assert re.search(r"^\[up\] mixed-0 \(pid \d+\) did not stop: SIGKILL$", output, re.M)
     assert not re.search(r"^\[up\] router .*did not stop", output, re.M)  # it obeyed SIGTERM
-    assert time.monotonic() - started < 20  # far below the 60 s drain when a second signal came
+    # From the signal (not the children's start, slow on a loaded machine): far below the drain.
+    assert time.monotonic() - signalled[0] < 120
     assert all(not alive(p) for ps in pids.values() for p in ps)
     assert not (tmp_path / "state.json").exists()
 
@@ -80,7 +80,7 @@ def test_the_router_drains_while_the_workers_still_serve(tmp_path: Path) -> None
         "[up] stopping workers (drain up to 5 s)",
         "[up] stopped",
     ]
-    assert wait_gone([p for ps in pids.values() for p in ps], 5) == []
+    assert wait_gone([p for ps in pids.values() for p in ps], 60) == []
 
 
 def test_a_second_signal_during_the_routers_drain_skips_the_workers_drain_too(
@@ -91,20 +91,22 @@ def test_a_second_signal_during_the_routers_drain_skips_the_workers_drain_too(
     router = stand_in("router", "router", {"IGNORE_TERM": "1"})
     plan = ClusterPlan("memory://", None, (worker,), router, router.url)
 
+    signalled: list[float] = []
+
     def act(out: io.StringIO, supervisor: sup.Supervisor) -> None:
+        signalled.append(time.monotonic())
         os.kill(os.getpid(), signal.SIGTERM)
-        wait_output(out, r"^\[up\] stopping the router", 5)
+        wait_output(out, r"^\[up\] stopping the router", 60)
         os.kill(os.getpid(), signal.SIGINT)
 
-    started = time.monotonic()
-    code, output, pids = run_supervisor(config_for(drain_timeout=60.0), plan, tmp_path, act)
+    code, output, pids = run_supervisor(config_for(drain_timeout=600.0), plan, tmp_path, act)
     assert code == 0
     assert re.findall(r"^\[up\] (\S+) \(pid \d+\) did not stop: SIGKILL$", output, re.M) == [
         "router",
         "mixed-0",
     ]
-    assert time.monotonic() - started < 20  # far below two 60 s drains
-    assert wait_gone([p for ps in pids.values() for p in ps], 5) == []
+    assert time.monotonic() - signalled[0] < 120  # from the first signal: far below two 600 s drains
+    assert wait_gone([p for ps in pids.values() for p in ps], 60) == []
 
 
 SIGNAL_WHILE_PRINTING = """
@@ -173,5 +175,5 @@ def test_a_signal_while_ferry_up_prints_stops_it_cleanly(
         "[up] stopping workers (drain up to 5 s)",
         "[up] stopped",
     ]
-    assert len(pids) == 2 and wait_gone(pids, 5) == []
+    assert len(pids) == 2 and wait_gone(pids, 60) == []
     assert not state.exists()

@@ -66,10 +66,10 @@ def test_a_hung_child_redis_is_killed_and_restarted(tmp_path: Path) -> None:
     def steps(out: io.StringIO, supervisor: sup.Supervisor, seen: dict) -> None:
         seen["victim"] = victim = supervisor.redis.pid
         os.kill(victim, signal.SIGSTOP)  # hangs: the process is there, nothing answers
-        seen["away"] = wait_state(state_file, False, 20)
-        wait_output(out, rf"^\[up\] redis \(pid {victim}\) exited with signal SIGKILL; restarting in", 30)
-        seen["back"] = wait_state(state_file, True, 30)
-        wait_output(out, r"^\[up\] the KV tier .* answers again", 10)
+        seen["away"] = wait_state(state_file, False, 60)
+        wait_output(out, rf"^\[up\] redis \(pid {victim}\) exited with signal SIGKILL; restarting in", 60)
+        seen["back"] = wait_state(state_file, True, 60)
+        wait_output(out, r"^\[up\] the KV tier .* answers again", 60)
         seen["pong"] = redis.Redis.from_url(url, socket_timeout=5).ping()
         time.sleep(1.0)  # PINGs of the new Redis go on: none of them kills it
         seen["last"] = json.loads(state_file.read_text())
@@ -95,7 +95,7 @@ def test_a_hung_child_redis_is_killed_and_restarted(tmp_path: Path) -> None:
     # The kill is said first, then the restart that follows any exit.
     exited = f"[up] redis (pid {victim}) exited with signal SIGKILL; restarting in 0.5 s"
     assert lines.index(why[0]) < lines.index(exited)
-    assert wait_gone([p for ps in pids.values() for p in ps], 5) == []
+    assert wait_gone([p for ps in pids.values() for p in ps], 60) == []
 
 
 def test_an_existing_tier_that_hangs_is_never_killed(tmp_path: Path, private_redis) -> None:
@@ -108,9 +108,9 @@ def test_an_existing_tier_that_hangs_is_never_killed(tmp_path: Path, private_red
     def act(out: io.StringIO, supervisor: sup.Supervisor) -> None:
         try:
             os.kill(pid, signal.SIGSTOP)
-            seen["away"] = wait_state(tmp_path / "state.json", False, 20)
+            seen["away"] = wait_state(tmp_path / "state.json", False, 60)
             # Enough unanswered PINGs that our own Redis would have been killed, then some more.
-            deadline = time.monotonic() + 20
+            deadline = time.monotonic() + 60
             while supervisor.tier_watcher.unanswered_since(0.0) < tier_watch.HUNG_AFTER:
                 assert time.monotonic() < deadline, "the PINGs of a stopped Redis did not go unanswered"
                 time.sleep(0.05)
@@ -118,7 +118,7 @@ def test_an_existing_tier_that_hangs_is_never_killed(tmp_path: Path, private_red
             seen["alive"] = alive(pid)
             seen["stopped"] = process_state(pid)
             os.kill(pid, signal.SIGCONT)
-            seen["back"] = wait_state(tmp_path / "state.json", True, 20)
+            seen["back"] = wait_state(tmp_path / "state.json", True, 60)
         except BaseException:
             seen["error"] = traceback.format_exc()
         finally:
@@ -132,7 +132,7 @@ def test_an_existing_tier_that_hangs_is_never_killed(tmp_path: Path, private_red
     assert seen["away"]["kv_tier_ok"] is False and seen["back"]["kv_tier_ok"] is True
     assert "hung" not in output and "SIGKILL" not in output, output
     assert server.proc.poll() is None and redis.Redis.from_url(server.url, socket_timeout=5).ping()
-    assert wait_gone([p for ps in pids.values() for p in ps], 5) == []
+    assert wait_gone([p for ps in pids.values() for p in ps], 60) == []
 
 
 def wait_until(done, timeout: float) -> bool:
@@ -152,14 +152,16 @@ def test_the_watcher_counts_unanswered_pings_since_a_time(private_redis) -> None
     watcher = tier_watch.TierWatcher(server.url, 0.05, 1.0)
     watcher.start()
     try:
-        assert wait_until(lambda: watcher.unanswered_since(0.0) == tier_watch.HUNG_AFTER, 20)
+        assert wait_until(lambda: watcher.unanswered_since(0.0) == tier_watch.HUNG_AFTER, 60)
         time.sleep(0.3)
         assert watcher.unanswered_since(0.0) == tier_watch.HUNG_AFTER  # capped
+        # Older PINGs do not count (a later ``since`` than any PING sent: none, however many were
+        # sent while a loaded machine held this thread).
+        assert watcher.unanswered_since(time.monotonic() + 3600) == 0
         since = time.monotonic()
-        assert watcher.unanswered_since(since) < tier_watch.HUNG_AFTER  # older PINGs do not count
-        assert wait_until(lambda: watcher.unanswered_since(since) == tier_watch.HUNG_AFTER, 20)
+        assert wait_until(lambda: watcher.unanswered_since(since) == tier_watch.HUNG_AFTER, 60)
         server.start()  # the same port
-        assert wait_until(lambda: (watcher.latest() or tier_watch.TierCheck(False)).ok, 20)
+        assert wait_until(lambda: (watcher.latest() or tier_watch.TierCheck(False)).ok, 60)
         assert watcher.unanswered_since(0.0) == 0
     finally:
         watcher.stop()
@@ -170,7 +172,7 @@ def test_a_refused_password_is_an_answer(private_redis) -> None:
     watcher = tier_watch.TierWatcher(server.url, 0.05, 1.0)  # no password in the URL
     watcher.start()
     try:
-        assert wait_until(lambda: watcher.latest() is not None, 20)
+        assert wait_until(lambda: watcher.latest() is not None, 60)
         time.sleep(0.5)
         check = watcher.latest()
         assert (check.ok, check.problem) == (False, "cannot log in to"), check

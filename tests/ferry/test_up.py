@@ -70,7 +70,7 @@ restart: {{initial_delay: 0.5}}
     assert len(pieces) >= 2 and "".join(pieces) == whole.choices[0].text
     # The workers share the child redis-server as their KV tier: full prompt blocks land there.
     tier = redis.Redis.from_url(state["kv_tier"])
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while not tier.keys("ferry:kv:*") and time.monotonic() < deadline:
         time.sleep(0.1)
     assert tier.keys("ferry:kv:*")
@@ -99,7 +99,7 @@ restart: {{initial_delay: 0.5}}
     assert sorted(up.started_pids()) == sorted(every_pid)
     up.proc.send_signal(signal.SIGTERM)
     assert up.proc.wait(60) == 0
-    assert wait_gone(every_pid, 5) == []
+    assert wait_gone(every_pid, 60) == []
     for pid in every_pid:
         with pytest.raises(ProcessLookupError):
             import os
@@ -138,7 +138,7 @@ def test_default_topology_prefill_and_decode_pools_serve(tiny_llama: Path, start
     assert chat.usage.completion_tokens == 6 and text == chat.choices[0].message.content
     up.proc.send_signal(signal.SIGTERM)
     assert up.proc.wait(60) == 0
-    assert wait_gone(list(pids.values()), 5) == []
+    assert wait_gone(list(pids.values()), 60) == []
 
 
 def test_worker_that_cannot_start_fails_the_start_and_leaves_nothing(tiny_llama: Path, start_up) -> None:
@@ -154,7 +154,7 @@ mixed: {{replicas: 1, threads: 1, args: [--max-model-len, lots]}}
     out = up.output()
     assert "[mixed-0] ferry serve: error: argument --max-model-len: invalid integer 'lots'" in out
     assert "[up] error: mixed-0 exited with exit code 2 before the cluster was ready" in out
-    assert wait_gone(up.started_pids(), 5) == []
+    assert wait_gone(up.started_pids(), 60) == []
     assert len(up.started_pids()) == 2  # mixed-0 and the router
 
 
@@ -177,6 +177,6 @@ def test_children_die_with_a_killed_supervisor(tmp_path: Path) -> None:
         assert alive(sleeper)
         parent.kill()
         parent.wait()
-        assert wait_gone([sleeper], 5) == []
+        assert wait_gone([sleeper], 60) == []
     finally:
         parent.kill()

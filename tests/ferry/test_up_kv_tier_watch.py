@@ -157,4 +157,4 @@ drain_timeout: 5
     pids = list(up.pids().values())
     up.proc.send_signal(signal.SIGTERM)
     assert up.proc.wait(60) == 0
-    assert wait_gone(pids, 5) == []
+    assert wait_gone(pids, 60) == []

@@ -70,4 +70,4 @@ liveness: {{interval: 0.2, timeout: 2, failure_threshold: 3}}
 
     up.proc.send_signal(signal.SIGTERM)
     assert up.proc.wait(60) == 0
-    assert wait_gone([*up.started_pids()], 5) == []
+    assert wait_gone([*up.started_pids()], 60) == []

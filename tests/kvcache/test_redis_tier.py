@@ -164,7 +164,9 @@ def test_a_full_redis_refuses_writes_and_still_serves_reads(private_redis, metri
 
 
 def test_redis_outage_returns_misses_fast_and_recovers(redis_server, redis_url: str, metric) -> None:
-    tier = open_tier(redis_url + "?breaker_failures=2&breaker_cooldown=0.3&timeout=0.5&connect_timeout=0.5")
+    # A cool-down no stall of a loaded machine outlasts: it ends when the test ends it, below.
+    tier = open_tier(redis_url + "?breaker_failures=2&breaker_cooldown=3600&timeout=0.5&connect_timeout=0.5")
+    breaker = tier.inner.breaker
     items = _items("fp", [0, 1])
     keys = [k for k, _ in items]
     assert tier.put_many(items) == [True, True]
@@ -176,26 +178,25 @@ def test_redis_outage_returns_misses_fast_and_recovers(redis_server, redis_url: 
         for _ in range(2):  # two real failures open the breaker
             start = time.monotonic()
             assert tier.get_many(keys) == [None, None]
-            assert time.monotonic() - start < 2.0  # bounded by the socket timeouts, never a hang
+            assert time.monotonic() - start < 30  # bounded by the socket timeouts, never a hang
         assert metric("ferry:kv_tier_errors_total", kind="connection") == conn_errors + 2
         assert tier.stats().breaker_state == "open"
-        # Open breaker: answers without touching the network.
-        start = time.monotonic()
+        # Open breaker: answers without touching the network (no connection error more).
         assert tier.contains_prefix(keys) == 0
         assert tier.put_many(items) == [False, False]
         assert tier.get_many(keys) == [None, None]
-        assert time.monotonic() - start < 0.5
         assert metric("ferry:kv_tier_errors_total", kind="circuit_open") == open_skips + 3
-        time.sleep(0.35)  # cool-down over: the next call (a miss at once) sends a background probe
+        assert metric("ferry:kv_tier_errors_total", kind="connection") == conn_errors + 2
+        breaker.cooldown_s = 0.0  # cool-down over: the next call (a miss at once) sends a background probe
         assert tier.get_many(keys) == [None, None]
-        tier.inner.wait_for_probe(5.0)
+        tier.inner.wait_for_probe(60.0)
         assert tier.stats().breaker_state == "open"  # the probe failed: open for another cool-down
         assert metric("ferry:kv_tier_errors_total", kind="connection") == conn_errors + 3
     finally:
         redis_server.start()
     # Another replica repopulates the (restarted, empty) Redis; ours recovers by itself.
     redis.Redis.from_url(redis_url).mset(dict(items))
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60
     while tier.get_many(keys) != [v for _, v in items]:
         assert time.monotonic() < deadline, "tier did not recover after Redis came back"
         time.sleep(0.05)
@@ -223,7 +224,7 @@ def test_rediss_speaks_tls_and_fails_safely_against_a_plain_server(redis_server,
     )
     start = time.monotonic()
     assert tier.get_many([tier_key("fp", HASHES[0])]) == [None]
-    assert time.monotonic() - start < 2.0
+    assert time.monotonic() - start < 30  # bounded by the socket timeout, never a hang
     # The plain server never answers the TLS ClientHello: the socket timeout ends it, as a miss.
     assert tier.stats().errors == {"timeout": 1}
     tier.close()

@@ -214,7 +214,7 @@ def replicas_view(router: Proc) -> dict[str, dict]:
     return {r["url"]: r for r in httpx.get(router.url + "/admin/replicas", timeout=5).json()["replicas"]}
 
 
-def wait_until(predicate, timeout: float = 15.0, interval: float = 0.05) -> bool:
+def wait_until(predicate, timeout: float = 60.0, interval: float = 0.05) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():

@@ -33,7 +33,7 @@ def setup(cluster: Cluster, store: RedisServer) -> tuple[list[Proc], Proc]:
     url = store.url + PARAMS
     replicas = cluster.replicas(2, "--register", url)
     router = cluster.router("--discovery", url, "--discovery-interval", "0.2", "--kv-tier", url)
-    assert wait_until(lambda: _routable(router) == {r.url for r in replicas}, timeout=15)
+    assert wait_until(lambda: _routable(router) == {r.url for r in replicas}, timeout=60)
     return replicas, router
 
 
@@ -73,20 +73,31 @@ def test_a_redis_restart_keeps_every_replica(setup, store: RedisServer, admin: r
     store.stop()
     store.start()  # same port, no data: every registration gone at once
     _watch(router, urls, 3.0)
-    assert wait_until(lambda: _registered(admin, replicas), timeout=5)  # the heartbeats write them again
+    assert wait_until(lambda: _registered(admin, replicas), timeout=60)  # the heartbeats write them again
     assert "unexpected keyword argument" not in router.log.read_text()  # the --kv-tier URL's parameters
 
 
 def test_a_full_redis_keeps_the_registrations_alive(setup, admin: redis.Redis) -> None:
     replicas, router = setup
-    assert wait_until(lambda: _registered(admin, replicas), timeout=5)
+    assert wait_until(lambda: _registered(admin, replicas), timeout=60)
     admin.config_set("maxmemory-policy", "noeviction")
     admin.config_set("maxmemory", 1)  # every SET refused from now on
-    deadline = time.monotonic() + 4.5  # two heartbeats and more: a key not refreshed would be stale
-    while time.monotonic() < deadline:
-        ttls = [admin.pttl(replica_key(r.url)) for r in replicas]
-        assert min(ttls) > FRESH_PTTL_MS, ttls
-        time.sleep(0.2)
+    # Each key's TTL seen going up: refreshed by a heartbeat although every SET is refused (without
+    # one a TTL only goes down), however late a loaded machine runs the beats.
+    lowest = {r.url: admin.pttl(replica_key(r.url)) for r in replicas}
+    assert min(lowest.values()) > FRESH_PTTL_MS, lowest
+
+    went_up: set[str] = set()
+
+    def refreshed() -> bool:
+        for url in lowest:
+            now = admin.pttl(replica_key(url))
+            if now > lowest[url]:
+                went_up.add(url)
+            lowest[url] = min(lowest[url], now)
+        return went_up == set(lowest)
+
+    assert wait_until(refreshed, timeout=60), lowest
     assert _routable(router) == {r.url for r in replicas}
 
 
@@ -97,16 +108,16 @@ def test_registrations_lost_while_redis_is_full_keep_their_replicas(setup, admin
     admin.delete(*(replica_key(r.url) for r in replicas))  # and the replicas cannot write them again
     _watch(router, {r.url for r in replicas}, 3.0)  # past the grace of a heartbeat interval
     admin.config_set("maxmemory", 0)
-    assert wait_until(lambda: _registered(admin, replicas), timeout=5)
+    assert wait_until(lambda: _registered(admin, replicas), timeout=60)
 
 
 def test_a_clean_shutdown_leaves_the_router_at_once(setup, admin: redis.Redis) -> None:
     replicas, router = setup
     leaving, staying = replicas
-    assert wait_until(lambda: _registered(admin, replicas), timeout=5)
+    assert wait_until(lambda: _registered(admin, replicas), timeout=60)
     leaving.proc.send_signal(signal.SIGTERM)
-    assert wait_until(lambda: leaving.url not in replicas_view(router), timeout=3)
+    assert wait_until(lambda: leaving.url not in replicas_view(router), timeout=60)
     assert admin.exists(departed_key(leaving.url)) and not admin.exists(replica_key(leaving.url))
     assert f"replica {leaving.url} left discovery (deregistered)" in router.log.read_text()
     assert _routable(router) == {staying.url}
-    leaving.proc.wait(15)
+    leaving.proc.wait(60)

@@ -13,7 +13,7 @@ import pytest
 import redis
 from router_harness import Cluster, Proc, free_port, metric, replica_args, replicas_view, wait_until
 
-from router.discovery_redis import replica_key, replica_value
+from router.discovery_redis import departed_key, replica_key, replica_value
 
 MODEL = "llama"
 
@@ -236,7 +236,7 @@ def test_starting_replica_retry_ejection_and_readmission(cluster: Cluster, trio:
     proc = Proc(replica_args(cluster.model, port), port, cluster.tmp / f"late-{port}.log").start()
     cluster.procs.append(proc)
     proc.wait_http()
-    assert wait_until(lambda: replicas_view(router)[late]["health"] == "healthy", timeout=10)
+    assert wait_until(lambda: replicas_view(router)[late]["health"] == "healthy", timeout=60)
 
     # Dies while healthy: the next request to it fails to connect and is retried on the survivor.
     proc.kill9()
@@ -258,7 +258,7 @@ def test_starting_replica_retry_ejection_and_readmission(cluster: Cluster, trio:
     proc = Proc(replica_args(cluster.model, port), port, cluster.tmp / f"late2-{port}.log").start()
     cluster.procs.append(proc)
     proc.wait_http()
-    assert wait_until(lambda: replicas_view(router)[late]["health"] == "healthy", timeout=15)
+    assert wait_until(lambda: replicas_view(router)[late]["health"] == "healthy", timeout=60)
     before = replicas_view(router)[late]["total_requests"]
     for _ in range(4):
         httpx.post(router.url + "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 1})
@@ -278,15 +278,18 @@ def test_redis_discovery_add_and_remove(cluster: Cluster, trio: list[Proc], redi
     )
     cluster.procs.append(reg.start())
     reg.wait_http()
-    assert wait_until(lambda: httpx.get(router.url + "/health").status_code == 200, timeout=10)
+    assert wait_until(lambda: httpx.get(router.url + "/health").status_code == 200, timeout=60)
     assert replicas_view(router)[reg.url]["source"] == "discovery"
     ok = httpx.post(router.url + "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 2})
     assert ok.status_code == 200
-    # An entry whose heartbeat stops disappears by itself when its TTL runs out.
+    # An entry whose heartbeat stops disappears by itself when its TTL runs out (a TTL cut short
+    # once the router has it: with a short one from the start, a router polling late on a loaded
+    # machine never saw it).
     r = redis.Redis.from_url(redis_url)
-    r.set(replica_key(survivor.url), replica_value(survivor.url, "mixed", MODEL, time.time()), px=1200)
-    assert wait_until(lambda: survivor.url in replicas_view(router), timeout=5)
-    assert wait_until(lambda: survivor.url not in replicas_view(router), timeout=5)
+    r.set(replica_key(survivor.url), replica_value(survivor.url, "mixed", MODEL, time.time()), px=60000)
+    assert wait_until(lambda: survivor.url in replicas_view(router), timeout=60)
+    r.pexpire(replica_key(survivor.url), 500)
+    assert wait_until(lambda: survivor.url not in replicas_view(router), timeout=60)
     # Malformed entries are ignored, never fatal.
     r.set(replica_key("http://bad"), b"{not json", px=5000)
     # So is one whose URL the relay could not use; it stays while the rest of discovery goes on.
@@ -294,6 +297,7 @@ def test_redis_discovery_add_and_remove(cluster: Cluster, trio: list[Proc], redi
     r.set(bad_url, replica_value("http://[::1", "mixed", MODEL, time.time()), px=60000)
     # Clean shutdown deletes the key: the router drops the replica.
     reg.stop()
-    assert wait_until(lambda: reg.url not in replicas_view(router), timeout=5)
+    assert wait_until(lambda: reg.url not in replicas_view(router), timeout=60)
+    assert r.exists(departed_key(reg.url))  # deregistered, not left to its TTL
     assert httpx.get(router.url + "/health").status_code == 503
     r.delete(bad_url)

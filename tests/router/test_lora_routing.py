@@ -67,7 +67,7 @@ def test_an_adapter_goes_only_where_it_is_served(setup, adapter: Path) -> None:
     # Loaded on the other replica at run time: the router reads it there and spreads the adapter.
     load = {"lora_name": "a", "lora_path": str(adapter)}
     assert httpx.post(without.url + "/v1/load_lora_adapter", json=load).status_code == 200
-    assert wait_until(lambda: "a" in replicas_view(router)[without.url]["models"], 15)
+    assert wait_until(lambda: "a" in replicas_view(router)[without.url]["models"], 60)
     before = {r.url: _served(router, r) for r in (with_a, without)}
     _send(router, "a", 4)
     assert _served(router, with_a) - before[with_a.url] == 2

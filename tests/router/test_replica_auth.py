@@ -23,7 +23,7 @@ def test_router_reads_and_relays_with_the_replicas_key(cluster: Cluster, keyed) 
     name = httpx.get(keyed.url + "/v1/models", headers={"Authorization": "Bearer replica-key"}).json()
     model = name["data"][0]["id"]
     open_router = cluster.router("--replica", keyed.url, "--replica-api-key", "replica-key")
-    assert wait_until(lambda: replicas_view(open_router)[keyed.url]["models"] == [model], 15)
+    assert wait_until(lambda: replicas_view(open_router)[keyed.url]["models"] == [model], 60)
     listed = httpx.get(open_router.url + "/v1/models").json()["data"]
     assert [m["id"] for m in listed] == [model]
     ok = httpx.post(open_router.url + "/v1/completions", json={"model": model, **PROMPT}, timeout=60)
@@ -65,7 +65,7 @@ def test_router_reads_and_relays_with_the_replicas_key(cluster: Cluster, keyed) 
 
 def test_without_the_key_the_router_cannot_read_the_models(cluster: Cluster, keyed) -> None:
     plain = cluster.router("--replica", keyed.url)
-    assert wait_until(lambda: replicas_view(plain)[keyed.url]["routable"], 15)
+    assert wait_until(lambda: replicas_view(plain)[keyed.url]["routable"], 60)
     assert replicas_view(plain)[keyed.url]["models"] == []
     # The client's own header still passes through to the replica.
     denied = httpx.post(plain.url + "/v1/completions", json=PROMPT, timeout=60)

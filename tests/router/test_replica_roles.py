@@ -22,7 +22,7 @@ def test_a_replica_reporting_prefill_gets_no_whole_requests(tmp_path: Path) -> N
     cluster = Cluster(tmp_path, tmp_path)
     try:
         router = cluster.router("--replica", prefill.url, "--replica", mixed.url, "--policy", "round_robin")
-        assert wait_until(lambda: replicas_view(router)[mixed.url]["routable"], 10)
+        assert wait_until(lambda: replicas_view(router)[mixed.url]["routable"], 60)
         view = replicas_view(router)[prefill.url]
         assert (view["role"], view["reported_role"], view["health"], view["routable"]) == (
             "mixed", "prefill", "healthy", False,
@@ -52,7 +52,7 @@ def test_kv_transfer_never_reaches_a_client_that_did_not_send_it(tmp_path: Path)
     cluster = Cluster(tmp_path, tmp_path)
     try:
         router = cluster.router("--replica", replica.url)
-        assert wait_until(lambda: replicas_view(router)[replica.url]["routable"], 10)
+        assert wait_until(lambda: replicas_view(router)[replica.url]["routable"], 60)
         body = {"model": "m", "prompt": "x", "max_tokens": 1}
         whole = httpx.post(router.url + "/v1/completions", json=body, timeout=10).json()
         assert whole == {"id": "w", "choices": [{"index": 0, "text": "a"}]}

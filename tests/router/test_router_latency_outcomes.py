@@ -21,7 +21,7 @@ def test_every_request_is_timed_once_by_how_it_ended(tmp_path: Path) -> None:
     cluster = Cluster(tmp_path, tmp_path)
     try:
         router = cluster.router("--replica", replica.url, "--circuit-failures", "100")
-        assert wait_until(lambda: replicas_view(router)[replica.url]["routable"], 10)
+        assert wait_until(lambda: replicas_view(router)[replica.url]["routable"], 60)
         # Every outcome is exposed from the start, at 0.
         assert {o: metric(router.url, LATENCY, {"outcome": o}) for o in ("ok", "error", "client_gone")} == {
             "ok": 0,
@@ -41,14 +41,14 @@ def test_every_request_is_timed_once_by_how_it_ended(tmp_path: Path) -> None:
             assert r.status_code == 200
             next(line for line in r.iter_lines() if line.startswith("data: {"))
         # The client is gone while the replica still holds the rest of its answer.
-        assert wait_until(lambda: metric(router.url, LATENCY, {"outcome": "client_gone"}) == 1, 10)
+        assert wait_until(lambda: metric(router.url, LATENCY, {"outcome": "client_gone"}) == 1, 60)
         replica.release()
 
         broken = httpx.post(router.url + "/v1/completions", json=body, timeout=20)
         assert broken.status_code == 200 and '"error"' in broken.text  # an error event ends it
         whole = httpx.post(router.url + "/v1/completions", json={**body, "stream": False}, timeout=20)
         assert whole.status_code == 200
-        assert wait_until(lambda: metric(router.url, LATENCY) == 4, 10)
+        assert wait_until(lambda: metric(router.url, LATENCY) == 4, 60)
         assert {o: metric(router.url, LATENCY, {"outcome": o}) for o in ("ok", "error", "client_gone")} == {
             "ok": 2,
             "error": 1,

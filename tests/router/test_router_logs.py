@@ -23,7 +23,7 @@ def test_an_ejection_by_traffic_and_the_retry_are_logged(tmp_path: Path) -> None
             "--replica", dead.url, "--replica", alive.url, "--policy", "round_robin",
             "--health-interval", "60",
         )  # fmt: skip
-        assert wait_until(lambda: all(v["routable"] for v in replicas_view(router).values()), 10)
+        assert wait_until(lambda: all(v["routable"] for v in replicas_view(router).values()), 60)
         dead.stop_listening()
         body = {"model": "m", "prompt": "x", "max_tokens": 1}
         r = httpx.post(

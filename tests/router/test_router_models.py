@@ -21,8 +21,8 @@ def test_models_answered_from_what_the_router_knows_else_503(tmp_path: Path) -> 
             "--replica", known.url, "--replica", unknown.url, "--policy", "round_robin",
             "--health-timeout", "0.5",
         )  # fmt: skip
-        assert wait_until(lambda: all(v["routable"] for v in replicas_view(router).values()), 10)
-        assert wait_until(lambda: replicas_view(router)[known.url]["models"] == ["m", "lora-a"], 10)
+        assert wait_until(lambda: all(v["routable"] for v in replicas_view(router).values()), 60)
+        assert wait_until(lambda: replicas_view(router)[known.url]["models"] == ["m", "lora-a"], 60)
         known.models_hang = True  # now neither answers /v1/models
 
         listed = httpx.get(router.url + "/v1/models", timeout=10)

@@ -27,7 +27,7 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[Scripted
         "--prefill", workers[0].url, "--decode", workers[1].url, "--decode", workers[2].url,
         "--policy", "round_robin",
     )  # fmt: skip
-    assert wait_until(lambda: all(v["routable"] for v in replicas_view(router).values()), 10)
+    assert wait_until(lambda: all(v["routable"] for v in replicas_view(router).values()), 60)
     yield workers, router
     cluster.close()
     for w in workers:
@@ -78,7 +78,7 @@ def test_version_load_and_openapi(pd) -> None:
             w.release()
         rest = [line for line in lines if line]
     assert rest[-1] == "data: [DONE]"
-    assert wait_until(lambda: httpx.get(router.url + "/load").json() == {"server_load": 0}, 5)
+    assert wait_until(lambda: httpx.get(router.url + "/load").json() == {"server_load": 0}, 60)
     doc = httpx.get(router.url + "/openapi.json").json()
     assert doc["openapi"].startswith("3.") and doc["info"]["version"] == __version__
     chat = doc["paths"]["/v1/chat/completions"]["post"]

@@ -25,7 +25,7 @@ def test_root_path_routes_relays_and_guards_with_or_without_the_prefix(cluster: 
     a = replica
     router = cluster.router("--replica", a.url, "--root-path", "/api", "--api-key", "k")
     key = {"Authorization": "Bearer k"}
-    assert wait_until(lambda: httpx.get(router.url + "/api/health").status_code == 200, 15)
+    assert wait_until(lambda: httpx.get(router.url + "/api/health").status_code == 200, 60)
     assert httpx.get(router.url + "/health").status_code == 200
     for prefix in ("/api", ""):
         r = httpx.post(router.url + prefix + "/v1/completions", json=BODY, headers=key, timeout=60)

@@ -54,8 +54,8 @@ def _stream_tokens(url: str, out: dict) -> None:
     out["chunks"] = chunks
 
 
-def _run(tmp: Path, drain_timeout: float) -> tuple[dict, int, float]:
-    backend = _standin(tmp, delay_ms=50, tokens=40)  # ~2 s per stream
+def _run(tmp: Path, drain_timeout: float, delay_ms: int = 50) -> tuple[dict, int, float]:
+    backend = _standin(tmp, delay_ms=delay_ms, tokens=40)  # 40 tokens: ~2 s per stream at 50 ms
     router = Proc(
         ["router", "--port", str(port := free_port()), "--replica", f"http://127.0.0.1:{backend.port}",
          "--policy", "round_robin", "--drain-timeout", str(drain_timeout)],
@@ -65,12 +65,12 @@ def _run(tmp: Path, drain_timeout: float) -> tuple[dict, int, float]:
         out: dict = {"first": threading.Event(), "done": False}
         t = threading.Thread(target=_stream_tokens, args=(router.url, out))
         t.start()
-        assert out["first"].wait(15)
+        assert out["first"].wait(60)
         t0 = time.monotonic()
         router.proc.send_signal(signal.SIGTERM)
-        rc = router.proc.wait(timeout=30)
+        rc = router.proc.wait(timeout=60)
         exited_after = time.monotonic() - t0
-        t.join(30)
+        t.join(60)
         return out, rc, exited_after
     finally:
         router.stop()
@@ -86,7 +86,9 @@ def test_sigterm_lets_the_in_flight_stream_finish(tmp_path: Path) -> None:
 
 
 def test_sigterm_drain_is_bounded(tmp_path: Path) -> None:
-    out, rc, exited_after = _run(tmp_path, drain_timeout=0.5)
+    # A 60 s stream (1.5 s a token), cut at the 0.5 s drain timeout, not waited for: it never
+    # ends, and the router exits long before it would have (however slowly a loaded machine exits).
+    out, rc, exited_after = _run(tmp_path, drain_timeout=0.5, delay_ms=1500)
     assert rc == 0
-    assert exited_after < 1.9  # the 2 s stream was cut at the drain timeout, not waited for
     assert out["done"] is False
+    assert exited_after < 30

@@ -122,7 +122,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[Scrip
         "--replica", replicas[0].url, "--replica", replicas[1].url, "--policy", "round_robin",
         "--circuit-failures", "100",
     )  # fmt: skip
-    assert wait_until(lambda: all(v["routable"] for v in replicas_view(router).values()), 10)
+    assert wait_until(lambda: all(v["routable"] for v in replicas_view(router).values()), 60)
     yield replicas, router
     cluster.close()
     for r in replicas:
@@ -245,7 +245,7 @@ def test_a_decode_worker_whose_engine_died_is_failed_over(tmp_path: Path) -> Non
             "--prefill", prefill.url, "--decode", decode[0].url, "--decode", decode[1].url,
             "--pd-threshold", "0", "--policy", "round_robin",
         )  # fmt: skip
-        assert wait_until(lambda: all(v["routable"] for v in replicas_view(router).values()), 10)
+        assert wait_until(lambda: all(v["routable"] for v in replicas_view(router).values()), 60)
         body = {"model": "m", "prompt": "hello", "stream": True, "max_tokens": 3}
         events = _events(router, "/v1/completions", body)
         assert events[-1] == b"data: [DONE]"

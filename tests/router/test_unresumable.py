@@ -23,7 +23,7 @@ def _standin(port: int) -> subprocess.Popen:
             "--tokens",
             "200",
             "--delay-ms",
-            "20",
+            "100",  # 20 s for the 200 tokens: the stream still runs when the test kills its backend
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -78,7 +78,7 @@ def test_unresumable_stream_ends_with_an_error_event(tmp_path) -> None:
             router.url + "/v1/completions", json={"model": "standin", "prompt": "x", "max_tokens": 2}
         )
         assert ok.status_code == 200
-        assert wait_until(lambda: replicas_view(router)[urls[0]]["health"] == "ejected", timeout=5)
+        assert wait_until(lambda: replicas_view(router)[urls[0]]["health"] == "ejected", timeout=60)
     finally:
         router.stop()
         for b in backends:

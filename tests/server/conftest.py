@@ -112,7 +112,9 @@ class ServerProcess:
         except OSError:
             return ""
 
-    def stop(self, timeout: float = 15.0) -> int | None:
+    def stop(self, timeout: float = 60.0) -> int | None:
+        """SIGTERM, then SIGKILL after ``timeout`` (a hang guard: a loaded machine drains slowly).
+        The exit code."""
         if self.proc is None:
             return None
         if self.proc.poll() is None:

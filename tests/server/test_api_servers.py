@@ -41,6 +41,7 @@ from tests.server.test_errors import (  # noqa: F401 - collected here, against t
     test_server_still_serves_after_the_fuzz,
 )
 from tests.server.test_load import (  # noqa: F401
+    _aborted,
     _wait_idle,
     test_64_concurrent_streams_get_what_they_get_alone,
     test_api_key_guards_v1_but_not_health_or_metrics,
@@ -419,13 +420,16 @@ def test_a_background_response_is_read_streamed_and_cancelled_through_the_other(
     status, queued = call(first_conn, "/v1/responses", long)
     assert status == 200 and queued["status"] == "queued"
     path = f"/v1/responses/{queued['id']}"
-    _wait(lambda: call(second_conn, path)[1]["status"] == "in_progress", 10, "no first output")
+    _wait(lambda: call(second_conn, path)[1]["status"] == "in_progress", 60, "no first output")
     assert scrape(server.url, "ferry:responses_background_running") == 1
+    aborted = _aborted(server.url, scrape, server.model_name)
     status, cancelled = call(second_conn, path + "/cancel", method="POST")
     assert status == 200 and cancelled["status"] == "cancelled", cancelled
     assert 0 < cancelled["usage"]["output_tokens"] < 900
     assert call(first_conn, path) == (200, cancelled)
-    _wait(lambda: scrape(server.url, "vllm:num_requests_running") == 0, 5, "the engine still runs it")
+    # The engine aborts it (counted so: left to run, it would end at its length).
+    _wait(lambda: scrape(server.url, "vllm:num_requests_running") == 0, 60, "the engine still runs it")
+    assert _aborted(server.url, scrape, server.model_name) == aborted + 1
     assert scrape(server.url, "ferry:responses_background_running") == 0
     for conn in (first_conn, second_conn):
         conn.close()
@@ -436,6 +440,7 @@ def test_a_killed_api_server_is_replaced_and_its_requests_aborted(server, scrape
     name = server.model_name
     body = {"prompt": "x", "max_tokens": 1000, "ignore_eos": True, "stream": True}
     before = _client_ports(server.port)  # other tests' keep-alive connections
+    generated = scrape(server.url, "vllm:generation_tokens_total", model_name=name)
     streams = [_Stream(server.url, body) for _ in range(6)]
     # Each stream sits in one API server; kill the one holding the most of them.
     inodes = {pid: _socket_inodes(pid) for pid in api}
@@ -446,13 +451,17 @@ def test_a_killed_api_server_is_replaced_and_its_requests_aborted(server, scrape
     os.kill(victim, signal.SIGKILL)
     # Its streams break at once, and the engine aborts their requests (their API server's
     # connection closed); the other API server's streams keep running.
-    _wait(lambda: sum(s.state == "broken" for s in streams) == held[victim], 10, "streams did not break")
+    _wait(lambda: sum(s.state == "broken" for s in streams) == held[victim], 60, "streams did not break")
     survivors = 6 - held[victim]
     _wait(
         lambda: scrape(server.url, "vllm:num_requests_running", model_name=name) == survivors,
-        10,
+        60,
         "the dead API server's requests still run",
     )
+    # Cut short, not run to their length (the six, started together, would all end at 1000 tokens
+    # together: the survivors, still running, have fewer). The dead API server never counted them
+    # as aborted: the engine's own token count tells.
+    assert scrape(server.url, "vllm:generation_tokens_total", model_name=name) - generated < 6 * 1000
     assert sum(s.state == "running" for s in streams) == survivors
     # The supervisor starts a new API server over the same engine, and it serves.
     _wait(
@@ -474,7 +483,7 @@ def test_a_killed_api_server_is_replaced_and_its_requests_aborted(server, scrape
     _wait(fresh_serves, 30, "the new API server never served")
     for stream in streams:
         stream.close()
-    assert _wait_idle(server.url, scrape, name, timeout=5) < 5
+    _wait_idle(server.url, scrape, name)
 
 
 def test_a_background_response_of_a_killed_api_server_fails_through_the_other(server, scrape) -> None:
@@ -484,6 +493,7 @@ def test_a_background_response_of_a_killed_api_server_fails_through_the_other(se
     _, api = _processes(server)
     owner, other = connection_per_api_server(server)
     body = {"input": "x", "max_output_tokens": 900, "ignore_eos": True, "background": True, "stream": True}
+    generated = scrape(server.url, "vllm:generation_tokens_total")
     owner.request(
         "POST", "/v1/responses", body=json.dumps(body), headers={"content-type": "application/json"}
     )
@@ -506,10 +516,14 @@ def test_a_background_response_of_a_killed_api_server_fails_through_the_other(se
     failed = followed[-1]["response"]
     assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
     assert "the process running it stopped" in failed["error"]["message"]
-    assert 4 < took < 5 + 2.5, f"reported failed {took:.1f} s after the kill"  # no sooner: its lease
+    # No sooner: its lease (the upper bound only tells "at the lease's lapse" from a hang).
+    assert 4 < took < 5 + 30, f"reported failed {took:.1f} s after the kill"
     assert call(other, path) == (200, failed)
     assert scrape(server.url, "ferry:responses_background_orphaned_total") == 1
-    _wait(lambda: scrape(server.url, "vllm:num_requests_running") == 0, 5, "the engine still runs it")
+    _wait(lambda: scrape(server.url, "vllm:num_requests_running") == 0, 60, "the engine still runs it")
+    # Cut short, not run to its length (the dead API server never counted it as aborted: the
+    # engine's own token count tells).
+    assert scrape(server.url, "vllm:generation_tokens_total") - generated < 900
     for conn in (owner, other):
         conn.close()
     # The supervisor replaces the killed API server (for the tests after this one).
@@ -545,12 +559,12 @@ def test_sigterm_deregisters_drains_then_stops_every_process(
         engine, api = _processes(srv)
         r = redis.Redis.from_url(redis_url)
         key = f"ferry:replica:{srv.url}"
-        _wait(lambda: r.get(key) is not None, 10, "never registered")
+        _wait(lambda: r.get(key) is not None, 60, "never registered")
         assert json.loads(r.get(key))["url"] == srv.url  # once for the replica, by the supervisor
         assert len(r.keys("ferry:replica:*")) == 1
         stream = _Stream(srv.url, {"prompt": "x", "max_tokens": 600, "ignore_eos": True, "stream": True})
         srv.proc.send_signal(signal.SIGTERM)
-        _wait(lambda: r.get(key) is None, 5, "still registered while draining")
+        _wait(lambda: r.get(key) is None, 60, "still registered while draining")
         health = httpx.get(srv.url + "/health")  # whichever API server answers: both drain
         assert health.status_code == 503 and health.json()["error"]["code"] == "draining"
         refused = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1})
@@ -558,7 +572,7 @@ def test_sigterm_deregisters_drains_then_stops_every_process(
         _wait(lambda: stream.state != "running", 60, "the stream never ended")
         assert stream.state == "done" and stream.reason == "length"  # the in-flight stream completed
         assert srv.proc.wait(30) == 0
-        assert _gone([engine, *api], 10)
+        assert _gone([engine, *api], 60)
     finally:
         srv.stop()
 
@@ -569,12 +583,12 @@ def test_a_dead_engine_process_stops_the_replica(tiny_llama: Path, serve_logs: P
         engine, api = _processes(srv)
         stream = _Stream(srv.url, {"prompt": "x", "max_tokens": 1000, "ignore_eos": True, "stream": True})
         os.kill(engine, signal.SIGKILL)
-        _wait(lambda: stream.state != "running", 10, "the stream hung on a dead engine")
+        _wait(lambda: stream.state != "running", 60, "the stream hung on a dead engine")
         # Its API server ended it with an error event (the engine cannot serve), not a hang.
         assert stream.state == "done" and stream.reason is None
         assert "engine" in stream.error["message"], stream.error
-        assert srv.proc.wait(20) == 1  # the orchestrator restarts the replica
-        assert _gone(api, 10)
+        assert srv.proc.wait(60) == 1  # the orchestrator restarts the replica
+        assert _gone(api, 60)
         assert "the engine process exited" in srv.log()
     finally:
         srv.stop()
@@ -594,12 +608,12 @@ def test_a_stopped_engine_process_is_reported_unhealthy(
         os.kill(engine, signal.SIGSTOP)
         try:
             for conn in conns:  # each API server on its own
-                _wait(lambda conn=conn: call(conn, "/health")[0] == 503, 15, "never unhealthy")
+                _wait(lambda conn=conn: call(conn, "/health")[0] == 503, 60, "never unhealthy")
                 assert call(conn, "/v1/completions", body)[0] == 503
         finally:
             os.kill(engine, signal.SIGCONT)
         for conn in conns:
-            _wait(lambda conn=conn: call(conn, "/health")[0] == 200, 10, "never healthy again")
+            _wait(lambda conn=conn: call(conn, "/health")[0] == 200, 60, "never healthy again")
             assert call(conn, "/v1/completions", body)[0] == 200
         assert "the engine process sent nothing for 5 s" in srv.log()
     finally:
@@ -616,7 +630,7 @@ def test_a_stopped_api_server_is_killed_and_started_again(
     try:
         _, (victim, other) = _processes(srv)
         os.kill(victim, signal.SIGSTOP)
-        _wait(lambda: not _alive(victim), 30, "the stopped API server was never killed")
+        _wait(lambda: not _alive(victim), 60, "the stopped API server was never killed")
         _wait(
             lambda: victim not in (api := _processes(srv)[1]) and len(api) == 2,
             30,
@@ -636,7 +650,7 @@ def test_children_die_with_a_killed_supervisor(tiny_llama: Path, serve_logs: Pat
     try:
         engine, api = _processes(srv)
         srv.proc.kill()
-        assert _gone([engine, *api], 20)
+        assert _gone([engine, *api], 60)
     finally:
         srv.stop()
 

@@ -272,10 +272,10 @@ def test_refusals(client, replica) -> None:
 
 
 def _running_batch(tiny_llama, server_process, serve_logs, tmp_path, n: int):
-    """A server on ``tmp_path`` running a batch of ``n`` long requests, one at a time."""
-    srv = server_process(
-        tiny_llama, ["--batch-dir", str(tmp_path), "--max-batch-concurrency", "1"], serve_logs
-    )
+    """A server on ``tmp_path`` running a batch of ``n`` long requests, one at a time. Its drain
+    would wait an hour: a stop held up by the batch is killed at ``stop``'s bound, not a clean exit."""
+    flags = ["--batch-dir", str(tmp_path), "--max-batch-concurrency", "1", "--drain-timeout", "3600"]
+    srv = server_process(tiny_llama, flags, serve_logs)
     client = _client(srv.start().url)
     lines = [_chat(f"r{i}", "x", max_tokens=500, ignore_eos=True) for i in range(n)]
     batch = client.batches.create(
@@ -283,7 +283,7 @@ def _running_batch(tiny_llama, server_process, serve_logs, tmp_path, n: int):
         endpoint="/v1/chat/completions",
         completion_window="24h",
     )
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60
     while client.batches.retrieve(batch.id).status != "in_progress":
         assert time.monotonic() < deadline
         time.sleep(0.02)
@@ -294,9 +294,7 @@ def test_a_batch_running_at_shutdown_ends_failed(tiny_llama, server_process, ser
     """SIGTERM stops running batches at once (their requests aborted, the drain not held up by
     them); with --batch-dir the record stays on disk, saying so."""
     srv, batch = _running_batch(tiny_llama, server_process, serve_logs, tmp_path, 8)
-    started = time.monotonic()
-    assert srv.stop() == 0
-    assert time.monotonic() - started < 10
+    assert srv.stop() == 0  # a clean exit: the hour-long drain was not held up by the batch
     record = json.loads((tmp_path / "batches" / f"{batch.id}.json").read_text())
     assert record["status"] == "failed" and record["failed_at"] is not None
     assert record["errors"]["data"][0]["code"] == "server_shutdown"

@@ -32,6 +32,10 @@ from server.responses_store import MemoryRecords, RemoteResponseStore, StoreUnav
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [20, 21, 22, 23], [40, 41, 42, 43, 44, 45]]
+# A wait that must not end the test's request (an hour: a hang), and the bound that tells it from a
+# request ended by what the test checks, however loaded the machine.
+HANG_S = 3600.0
+WAIT_S = 120.0
 
 
 @pytest.fixture
@@ -81,7 +85,8 @@ async def _collect(eng, rid: str, prompt, params=GREEDY, **kw):
     return tokens, last
 
 
-async def _until(condition, what: str, timeout: float = 5.0) -> None:
+async def _until(condition, what: str, timeout: float = 60.0) -> None:
+    """Wait for ``condition``; the bound only guards against a hang (a loaded machine is slow)."""
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, what
@@ -151,6 +156,7 @@ async def test_abort_and_a_closed_connection_free_the_blocks(engine, path, clien
     assert last.finished and last.outputs[0].finish_reason == "abort"
     # An API server that goes away: its requests are aborted at once.
     c = await EngineClient.connect(path)
+    generated = engine.stats().generation_tokens
     started = [c.generate(f"gone-{i}", p, params) for i, p in enumerate(PROMPTS)]
     for s in started:
         await s.__anext__()
@@ -159,6 +165,7 @@ async def test_abort_and_a_closed_connection_free_the_blocks(engine, path, clien
     await _until(
         lambda: engine.stats().num_running == 0 and engine.stats().kv_cache_usage == 0.0, "still running"
     )
+    assert engine.stats().generation_tokens - generated < 3 * 1000  # cut short, not run to their length
     with pytest.raises(EngineDeadError):  # its own streams end too, after what had arrived
         async for _ in started[0]:
             pass
@@ -246,11 +253,11 @@ async def test_counts_that_cannot_change_an_admission_wait_for_the_stats_interva
             firsts += [
                 asyncio.ensure_future(_collect(a, f"t{i}", p, params)) for i, p in enumerate(PROMPTS[1:])
             ]
-            await _until(lambda: b.sequences_elsewhere == 4, "B does not hear of a busy queue", 1.0)
+            await _until(lambda: b.sequences_elsewhere == 4, "B does not hear of a busy queue")
             submitted()  # the burst is in: the engine steps, and every step's stats go out
             got = await asyncio.wait_for(asyncio.gather(*firsts), 30)
             assert [len(tokens) for tokens, _ in got] == [4] * 4
-            await _until(lambda: b.sequences_elsewhere == 0, "B still counts A's ended sequences", 1.0)
+            await _until(lambda: b.sequences_elsewhere == 0, "B still counts A's ended sequences")
             await a.shutdown()
             await b.shutdown()
     finally:
@@ -258,7 +265,7 @@ async def test_counts_that_cannot_change_an_admission_wait_for_the_stats_interva
 
 
 async def test_an_idle_engine_waits_for_what_another_api_server_announced(engine, clients) -> None:
-    engine.arrival_wait_s = 30.0  # the announcement, not the cap, must end the wait
+    engine.arrival_wait_s = HANG_S  # the announcement, not the cap, must end the wait
     a, b = clients
     submitted = b.announce()  # B has a request's body in and is parsing it
     first = asyncio.ensure_future(_collect(a, "a0", PROMPTS[0]))
@@ -267,7 +274,7 @@ async def test_an_idle_engine_waits_for_what_another_api_server_announced(engine
     second = asyncio.ensure_future(_collect(b, "b0", PROMPTS[1]))
     await asyncio.sleep(0)  # B's add is sent...
     submitted()  # ...with its announcement withdrawn, in the same frame
-    (_, x), (_, y) = await asyncio.wait_for(asyncio.gather(first, second), 10)
+    (_, x), (_, y) = await asyncio.wait_for(asyncio.gather(first, second), WAIT_S)
     assert y.metrics["first_scheduled_time"] <= x.metrics["first_token_time"]  # one first step
 
 
@@ -275,7 +282,7 @@ async def test_an_announcement_submitted_before_it_left_is_never_sent(engine, cl
     """A request announced and submitted in one event-loop pass (its body parsed as it came in)
     sends neither message: the pair would cancel out in the engine process, which sees the add.
     Once the announcement has left, its "submitted" follows it. Neither way holds the engine."""
-    engine.arrival_wait_s = 30.0  # an announcement left pending would show as a 30 s wait
+    engine.arrival_wait_s = HANG_S  # an announcement left pending would show as a hang
     a, _ = clients
     channel = a._channel
     left: list[str] = []
@@ -288,7 +295,7 @@ async def test_an_announcement_submitted_before_it_left_is_never_sent(engine, cl
     channel._flush = flush
     submitted = a.announce()
     submitted()  # in the same pass, right before the add (as ``Ticket.start_one`` calls it)
-    tokens, _ = await asyncio.wait_for(_collect(a, "same-pass", PROMPTS[0]), 10)
+    tokens, _ = await asyncio.wait_for(_collect(a, "same-pass", PROMPTS[0]), WAIT_S)
     assert len(tokens) == GREEDY.max_tokens
     assert "announce" not in left and "submitted" not in left and "add" in left
     left.clear()
@@ -296,7 +303,7 @@ async def test_an_announcement_submitted_before_it_left_is_never_sent(engine, cl
     await asyncio.sleep(0)  # the pass ends: the announcement leaves
     assert left == ["announce"]
     submitted()
-    tokens, _ = await asyncio.wait_for(_collect(a, "later-pass", PROMPTS[1]), 10)
+    tokens, _ = await asyncio.wait_for(_collect(a, "later-pass", PROMPTS[1]), WAIT_S)
     assert len(tokens) == GREEDY.max_tokens and left[:3] == ["announce", "submitted", "add"]
 
 
@@ -321,17 +328,13 @@ async def test_a_queued_message_can_be_retracted() -> None:
 
 
 async def test_probes_are_answered_by_every_api_server(engine, path, clients) -> None:
-    engine.arrival_wait_s = 30.0  # an unanswered probe would show as a 30 s wait
+    engine.arrival_wait_s = HANG_S  # an unanswered probe would show as a hang
     a, b = clients
-    start = time.monotonic()
-    await asyncio.wait_for(_collect(a, "lone", PROMPTS[0]), 10)
-    assert time.monotonic() - start < 5
+    await asyncio.wait_for(_collect(a, "lone", PROMPTS[0]), WAIT_S)
     # An API server that closes while a probe waits on it does not hold the engine either.
     c = await EngineClient.connect(path)
     c._channel.close()  # gone without a word (its reader still runs until EOF)
-    start = time.monotonic()
-    await asyncio.wait_for(_collect(b, "after-close", PROMPTS[1]), 10)
-    assert time.monotonic() - start < 5
+    await asyncio.wait_for(_collect(b, "after-close", PROMPTS[1]), WAIT_S)
     await c.shutdown()
 
 
@@ -402,7 +405,7 @@ async def test_one_receive_takes_every_whole_frame_that_arrived() -> None:
         await asyncio.sleep(0.05)
         assert not pending.done()
         theirs.sendall(data[100_000:] + frame([("probe_back", 1)])[:2])
-        assert await asyncio.wait_for(pending, 5) == [big]
+        assert await asyncio.wait_for(pending, WAIT_S) == [big]
         theirs.sendall(frame([("probe_back", 1)])[2:])
         assert await channel.receive() == [("probe_back", 1)]
         theirs.close()

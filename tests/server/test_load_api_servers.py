@@ -31,7 +31,7 @@ def _loads(conns: list[HTTPConnection]) -> list[int]:
     return [body["server_load"] for _, body in answers]
 
 
-def _settled(conns: list[HTTPConnection], value: int, timeout: float = 10.0) -> list[int]:
+def _settled(conns: list[HTTPConnection], value: int, timeout: float = 60.0) -> list[int]:
     """Each API server's ``/load`` once all answer ``value`` (the others' part of it comes through
     the engine process within ~0.15 s), or as they were at the deadline."""
     deadline = time.monotonic() + timeout

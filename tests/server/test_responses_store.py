@@ -297,9 +297,9 @@ def test_shutdown_saves_a_running_background_response_as_failed(
             model=srv.model_name, background=True, **LONG_BACKGROUND, extra_body={"ignore_eos": True}
         )
         wait_in_progress(_client(a.url), long.id)
-        started = time.monotonic()
+        # A clean exit (not killed at stop's bound) that failed it with "shut down" (below): the
+        # drain ended the background response, however long a loaded machine takes to exit.
         assert srv.stop() == 0
-        assert time.monotonic() - started < 10, "the drain did not end the background response"
     finally:
         srv.stop()
     failed = _client(a.url).responses.retrieve(long.id)
@@ -348,14 +348,17 @@ def test_a_killed_replicas_background_response_fails_once_its_lease_lapses(
         with ThreadPoolExecutor(1) as pool:
             follower = pool.submit(lambda: list(_client(b.url).responses.retrieve(response_id, stream=True)))
             while (failed := _client(a.url).responses.retrieve(response_id)).status in RUNNING:
+                assert time.monotonic() - killed < 60, "never reported failed"
                 time.sleep(0.05)
             took = time.monotonic() - killed
-            events = follower.result(timeout=30)
+            events = follower.result(timeout=60)
     finally:
         srv.stop()
     assert failed.status == "failed" and failed.error.code == "server_error", failed
     assert "the process running it stopped" in failed.error.message
-    assert 0.5 < took < ttl + 1.5, f"reported failed {took:.1f} s after the kill"
+    # No sooner than its lease lapsed (nothing else can tell: its process is gone); the upper bound
+    # only tells the lapse from a hang, as a loaded machine's polls are slow.
+    assert 0.5 < took < ttl + 30, f"reported failed {took:.1f} s after the kill"
     assert events[0].type == "response.created" and events[-1].type == "response.failed"
     assert events[-1].response.model_dump() == failed.model_dump()
     assert [e.sequence_number for e in events] == list(range(len(events))) and len(events) >= 4

@@ -262,11 +262,10 @@ async def test_overload_is_429_and_a_gone_client_is_aborted(guarded, scrape) -> 
     name = guarded.model_name
 
     async def until(metric: str, value: float, **labels: str) -> None:
-        for _ in range(500):
-            if (scrape(guarded.url, metric, model_name=name, **labels) or 0.0) == value:
-                return
+        deadline = time.monotonic() + 60  # a hang guard only
+        while (scrape(guarded.url, metric, model_name=name, **labels) or 0.0) != value:
+            assert time.monotonic() < deadline, f"{metric} never reached {value}"
             await asyncio.sleep(0.01)
-        raise AssertionError(f"{metric} never reached {value}")
 
     # Two generations of ~1 s each hold the one running slot in turn, so the texts below wait
     # behind them for at least as long as the checks take.
@@ -318,13 +317,15 @@ def test_through_the_router(server, tmp_path: Path) -> None:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(300):
+        deadline = time.monotonic() + 120  # a process start: slow on a loaded machine
+        while True:
             try:
                 if httpx.get(url + "/health", timeout=1).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             assert proc.poll() is None, (tmp_path / "router.log").read_text()
+            assert time.monotonic() < deadline, "the router never became healthy"
             time.sleep(0.05)
         auth = {"Authorization": "Bearer rk"}
         score = {"text_1": QUERY, "text_2": DOCS}

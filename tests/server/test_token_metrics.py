@@ -115,7 +115,7 @@ def _counts(url: str, name: str) -> dict[str, float]:
     return out
 
 
-def _settled(url: str, name: str, timeout: float = 30.0) -> dict[str, float]:
+def _settled(url: str, name: str, timeout: float = 60.0) -> dict[str, float]:
     """The counts once no request is in the engine (an abandoned one is counted before its engine
     request is aborted, so nothing of one that left earlier is still to come)."""
     deadline = time.monotonic() + timeout
