@@ -32,6 +32,7 @@ from router.generation import Generation
 from router.health import HealthChecker
 from router.http import Message, Receive, Scope, Send, bearer_ok, header, send_bytes, send_error
 from router.kv_events import KVEventFollower
+from router.lora_admin import LORA_PATHS, LoraAdmin
 from router.messages_stream import anthropic_errors
 from router.metrics import RouterMetrics
 from router.own_routes import OWN_PATHS, answer_models, answer_own, reset_prefix_cache
@@ -144,6 +145,7 @@ class RouterApp:
             for url in urls:
                 self.replicas.add(url, role, source="static")
         self.responses = ResponseAffinity()
+        self.lora = LoraAdmin(self)  # adapter loads fanned out to every replica, and kept uniform
         self.started = False
 
     def _build_pd(self, pd: PDConfig) -> PDOrchestrator:
@@ -315,6 +317,8 @@ class RouterApp:
             return
         if models:
             await answer_models(self, scope, send, unquote(path[len("/v1/models/") :]) or None)
+        elif path in LORA_PATHS and method == "POST":
+            await self.lora.handle(scope, receive, send, request_id)
         elif relayed:
             await proxy(self, scope, receive, send, request_id)
         elif reset:

@@ -15,6 +15,8 @@ either changes, what the router believed it held is forgotten (``Replicas.cache_
 cache_aware policy's prefix index; with KV events followed, ``router/kv_events.py`` decides what
 a restart drops, as the replica's events may have shown the new instance first). A replica that
 names neither (another server) is taken as restarted when it comes back after being ejected.
+Between a good ``/health`` and marking the replica healthy it awaits ``before_ready`` hooks (a new or
+restarted replica gets the LoRA adapters loaded through the router: ``router/lora_admin.py``).
 The prober only calls the state machine in ``router/replica.py``; it decides nothing itself.
 """
 
@@ -25,7 +27,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from router.metrics import RouterMetrics
 from router.pool import Replicas
@@ -58,6 +60,9 @@ class HealthChecker:
         self._probing: set[Replica] = set()
         self._task: asyncio.Task | None = None
         self._children: set[asyncio.Task] = set()
+        # Awaited after a good /health, before the replica is marked healthy: what readies a new or
+        # restarted replica (its LoRA adapters, router/lora_admin.py). Hooks never raise.
+        self.before_ready: list[Callable[[Replica], Awaitable[None]]] = []
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="ferry-router-health")
@@ -91,15 +96,18 @@ class HealthChecker:
         known = (replica.instance_id, replica.prefix_cache_resets)
         try:
             ok = await self._check(replica, timeout or self.timeout)
+            before = replica.health
+            if ok and not replica.removed:
+                lost = self._cache_lost(replica, known, before)
+                if lost is not None:
+                    log.warning("replica %s %s: forgetting the KV blocks it held", replica.url, lost)
+                    self.replicas.cache_lost(replica, restarted=lost == RESTARTED)
+                for hook in self.before_ready:  # still probing: no second probe marks it healthy first
+                    await hook(replica)
         finally:
             self._probing.discard(replica)
-        before = replica.health
         if ok:
             now = self.clock()
-            lost = self._cache_lost(replica, known, before)
-            if lost is not None and not replica.removed:
-                log.warning("replica %s %s: forgetting the KV blocks it held", replica.url, lost)
-                self.replicas.cache_lost(replica, restarted=lost == RESTARTED)
             replica.on_probe_ok(now)
             stale = not replica.models or now - replica.models_read_at >= MODELS_REFRESH_S
             if stale and not replica.removed:

@@ -18,6 +18,8 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 
 #   ended with an error event because its replica failed and no other could resume it);
 # client_gone: the client disconnected first (the time until it left).
 OUTCOMES = ("ok", "error", "client_gone")
+# ``op`` of ``ferry:router_lora_failures_total``: a client's load/unload fanned out, or a restore.
+LORA_OPS = ("load", "unload", "restore")
 
 
 class RouterMetrics:
@@ -93,6 +95,17 @@ class RouterMetrics:
         )
         for reason in KV_EVENT_GAP_REASONS:
             self.kv_event_gaps.labels(reason)
+        # Replicas that failed a LoRA adapter change the router fanned out (router/lora_admin.py):
+        # a client's load or unload, or the router's own restore of a remembered adapter onto a
+        # replica that joined or restarted.
+        self.lora_failures = Counter(
+            "ferry:router_lora_failures",
+            "Replicas that failed a LoRA adapter load or unload sent by the router, by operation",
+            ["op"],
+            registry=r,
+        )
+        for op in LORA_OPS:
+            self.lora_failures.labels(op)
 
         # Label children cached: ``labels()`` costs a lock and a dict build on every call. Every
         # outcome is exposed from the start, at 0, so a rate() over one not seen yet reads 0.
