@@ -252,7 +252,12 @@ class _Response:
         details = usage.get("prompt_tokens_details") or {}
         self.usage = {
             "input_tokens": usage.get("prompt_tokens", 0),
-            "input_tokens_details": {"cached_tokens": details.get("cached_tokens", 0)},
+            # OpenAI's schema requires cache_write_tokens: none are billed as written here (the
+            # prefix cache fills as a side effect), as the Messages API's cache_creation_input_tokens.
+            "input_tokens_details": {
+                "cached_tokens": details.get("cached_tokens", 0),
+                "cache_write_tokens": 0,
+            },
             "output_tokens": usage.get("completion_tokens", 0) + self.resumed_tokens,
             "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": usage.get("total_tokens", 0) + self.resumed_tokens,

@@ -127,8 +127,8 @@ def held_prefix(text: str, marker: str) -> int:
 
 class MarkerStreamer(ToolStreamer):
     """Content until ``start``; then a call body up to ``end`` (or to the end of the answer when
-    ``end`` is None), read by ``read_body`` into calls; then content again. Whitespace between or
-    after calls is sent only if more content follows it."""
+    ``end`` is None), read by ``read_body`` into calls; then content again. Whitespace right after a
+    call is sent only if more content follows it; once text follows, its whitespace is text."""
 
     def __init__(self, start: str, end: str | None, read_body) -> None:
         self.start, self.end, self.read_body = start, end, read_body
@@ -138,13 +138,16 @@ class MarkerStreamer(ToolStreamer):
         self.body: list[str] | None = None
         self.tail = ""  # ... and its last characters, which may be the first ones of ``end``
         self.spaces = ""  # whitespace after a call
-        self.called = False
+        self.called = False  # a call ended and no text has followed it yet
 
     def _content(self, text: str) -> str:
         if self.called and not (self.spaces + text).strip():
             self.spaces += text
             return ""
         text, self.spaces = self.spaces + text, ""
+        # The text's own whitespace (before the next call, or at the end) is then sent as it comes,
+        # as a whole answer read in one piece sends it.
+        self.called = False
         return text
 
     def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
