@@ -176,7 +176,9 @@ class Cluster:
             p.wait_http()
         return out
 
-    def router(self, *args: str, wait: bool = True) -> Proc:
+    def router(self, *args: str, wait: bool = True, all_routable: bool = False) -> Proc:
+        """A router started with ``args``; ``all_routable``: returned once every replica it was given
+        is routable (a round_robin router's first request then goes to the first one)."""
         port = free_port()
         p = Proc(
             ["router", "--port", str(port), "--health-interval", "0.2", *args],
@@ -186,6 +188,8 @@ class Cluster:
         self.procs.append(p)
         if wait:
             p.wait_http(30.0, ok=(200, 503))
+        if all_routable:
+            assert wait_until(lambda: all(r["routable"] for r in replicas_view(p).values()))
         return p
 
     def close(self) -> None:

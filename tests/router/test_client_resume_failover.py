@@ -49,8 +49,9 @@ def test_kill9_mid_stream_resumes_after_the_clients_own_resume(cluster: Cluster)
     expected, expected_usage = _stream(survivor.url, body)
     assert len(expected) == expected_usage["completion_tokens"] == 147  # the resumed 3 count in max_tokens
 
-    # round_robin sends the first request to the first replica: the victim.
-    router = cluster.router("--replica", victim.url, "--replica", survivor.url, "--policy", "round_robin")
+    router = cluster.router(  # round_robin: the first request to the victim
+        "--replica", victim.url, "--replica", survivor.url, "--policy", "round_robin", all_routable=True
+    )
     killer: list[threading.Timer] = []
 
     def kill() -> None:
@@ -100,7 +101,9 @@ def test_kill9_mid_messages_stream_resumes_after_the_clients_own_resume(cluster:
     expected = _messages_stream(survivor.url, body)
     assert len(expected[0]) > 20
 
-    router = cluster.router("--replica", victim.url, "--replica", survivor.url, "--policy", "round_robin")
+    router = cluster.router(  # round_robin: the first request to the victim
+        "--replica", victim.url, "--replica", survivor.url, "--policy", "round_robin", all_routable=True
+    )
     killer: list[threading.Timer] = []
 
     def kill() -> None:
@@ -119,7 +122,9 @@ def test_responses_stream_with_the_clients_own_resume_is_not_failed_over(cluster
     does not follow: such a stream is relayed without failover. Resumed from the client's own resume
     again, the new replica would repeat what the client already got from the killed one."""
     victim, survivor = cluster.replicas(2)
-    router = cluster.router("--replica", victim.url, "--replica", survivor.url, "--policy", "round_robin")
+    router = cluster.router(  # round_robin: the first request to the victim
+        "--replica", victim.url, "--replica", survivor.url, "--policy", "round_robin", all_routable=True
+    )
     body = {
         "model": "llama",
         "input": "Write a long story.",

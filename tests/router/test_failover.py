@@ -89,8 +89,9 @@ def test_kill9_mid_stream_fails_over_exactly(
     survivor, victim = trio[0], trio[victim_index]
     max_tokens = 400
     expected_text, expected_finish = _reference(survivor.url, kind, max_tokens, sampling)
-    # round_robin sends the first request to the first replica: the victim.
-    router = cluster.router("--replica", victim.url, "--replica", survivor.url, "--policy", "round_robin")
+    router = cluster.router(  # round_robin: the first request to the victim
+        "--replica", victim.url, "--replica", survivor.url, "--policy", "round_robin", all_routable=True
+    )
     c = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=60)
     opts = {
         "max_tokens": max_tokens,
@@ -174,7 +175,9 @@ def test_kill9_mid_messages_stream_fails_over_exactly(cluster: Cluster, trio: li
     reference = httpx.post(survivor.url + "/v1/messages", json=request, timeout=120).json()
     (expected,) = reference["content"]
     assert reference["usage"]["output_tokens"] > 20  # long enough to be cut mid-way
-    router = cluster.router("--replica", victim.url, "--replica", survivor.url, "--policy", "round_robin")
+    router = cluster.router(  # round_robin: the first request to the victim
+        "--replica", victim.url, "--replica", survivor.url, "--policy", "round_robin", all_routable=True
+    )
     events = []
     killer: threading.Timer | None = None
     with (

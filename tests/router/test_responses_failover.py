@@ -90,7 +90,9 @@ def _stopped_reference(survivor: Proc, text_of) -> tuple:
 def _failed_over(cluster: Cluster, survivor: Proc, victim: Proc, request: dict) -> tuple:
     """A router over the two (round robin sends its first request to the victim), and the events
     and final response of a stream whose replica it kills part-way: failed over once, one response."""
-    router = cluster.router("--replica", victim.url, "--replica", survivor.url, "--policy", "round_robin")
+    router = cluster.router(  # round_robin: the first request to the victim
+        "--replica", victim.url, "--replica", survivor.url, "--policy", "round_robin", all_routable=True
+    )
     events: list = []
     final = _killed_mid_stream(router, victim, events, **request)
     assert metric(router.url, "ferry:router_failovers_total") == 1
@@ -149,7 +151,9 @@ def test_a_chain_whose_previous_response_died_with_its_replica_ends_failed(
     """Memory stores: a stream continuing a chain (``previous_response_id``) runs where that response
     is; when that replica dies, no other can read it (a 404 there), so the stream ends failed."""
     survivor, victim = replicas[0], replicas[3]
-    router = cluster.router("--replica", victim.url, "--replica", survivor.url, "--policy", "round_robin")
+    router = cluster.router(  # round_robin: the first request to the victim
+        "--replica", victim.url, "--replica", survivor.url, "--policy", "round_robin", all_routable=True
+    )
     client = _client(router.url)
     first = client.responses.create(model=MODEL, input="Hi", max_output_tokens=3)
     assert replicas_view(router)[victim.url]["total_requests"] == 1
