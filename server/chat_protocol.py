@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import Field, StrictBool, StrictInt, StrictStr, model_validator
+from pydantic import Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
 
 from engine.chat_template import template_message
 from server.protocol import (
@@ -81,11 +81,28 @@ class ChatMessage(_Request):
         return template_message(self.model_dump())
 
 
+def non_object_schema(parameters: dict[str, Any]) -> str | None:
+    """Why a function's ``parameters`` schema is not one of an object (None if it is, or names no
+    type): OpenAI requires one, as a call's arguments are a JSON object; a forced call would
+    otherwise be made to the schema and its arguments be, say, a string."""
+    kind = parameters.get("type")
+    if kind is None or kind == "object":
+        return None
+    return f"a function's parameters must be a JSON Schema of type 'object', not {kind!r}"
+
+
 class FunctionSpec(_Request):
     name: StrictStr = Field(min_length=1)
     description: StrictStr | None = None
     parameters: dict[str, Any] | None = None
     strict: StrictBool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _object_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and (why := non_object_schema(value)):
+            raise ValueError(why)
+        return value
 
 
 class ToolSpec(_Request):

@@ -10,6 +10,8 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+from server.chat_protocol import non_object_schema
+
 
 class InputError(ValueError):
     """A part of the request this translation cannot take; ``param`` names it."""
@@ -200,6 +202,8 @@ def chat_tools(tools_: Any, choice: Any) -> tuple[list[dict[str, Any]] | None, A
                 raise InputError(f"tools[{i}]: a function tool needs a name", param="tools")
             if tool.get("parameters") is not None and not isinstance(tool["parameters"], dict):
                 raise InputError(f"tools[{i}].parameters must be a JSON schema object", param="tools")
+            if tool.get("parameters") is not None and (why := non_object_schema(tool["parameters"])):
+                raise InputError(f"tools[{i}].parameters: {why}", param="tools")
             function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
             tools.append({"type": "function", "function": function})
     if isinstance(choice, dict):

@@ -19,7 +19,9 @@ names one of its items (``server/responses_refs.py``), and ``GET`` / ``DELETE
 /v1/responses/{id}`` and its ``input_items`` read and drop it (``server/responses_store.py``).
 With ``background: true`` (stored responses only) the answer is the queued response (or, with
 ``stream``, its events as they come) and the generation runs on (``server/responses_background.py``).
-Hosted tools (web search, file search, ...) and non-text inputs are a 400.
+Hosted tools (web search, file search, ...) and non-text inputs are a 400, and so is ``conversation``
+(there is no Conversations API here). vLLM's ``structured_outputs`` extra goes to the chat request;
+``max_tool_calls`` keeps the answer's first calls (``responses_stream._Output``).
 """
 
 from __future__ import annotations
@@ -77,6 +79,12 @@ class ResponsesRequest(_Request):
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
     metadata: dict[str, StrictStr] | None = None
     user: StrictStr | None = None
+    # At most this many function calls in the output (the rest are dropped: ``responses_stream``).
+    max_tool_calls: StrictInt | None = Field(default=None, ge=0)
+    # OpenAI's Conversations API object: no conversation store here, so a 400 (``to_chat_request``).
+    conversation: Any = None
+    # vLLM's structured outputs extra, as on the chat endpoint (not with ``text.format``)
+    structured_outputs: Any = None
     # vLLM-compatible sampling extras, carried over to the chat request (validated there)
     seed: Any = None
     top_k: Any = None
@@ -139,6 +147,7 @@ _EXTRAS = (
     "ignore_eos",
     "priority",
     "cache_salt",
+    "structured_outputs",
 )
 
 
@@ -161,6 +170,27 @@ def to_chat_request(
 ) -> ChatCompletionRequest:
     """The chat request ``req`` runs as; ``items``: its whole conversation as input items (the
     responses it continues, then its own input), if not just ``req.input``."""
+    if req.conversation is not None:
+        raise bad_request(
+            "conversation is not supported: this server has no Conversations API; continue a stored "
+            "response with previous_response_id instead",
+            param="conversation",
+        )
+    if (
+        req.structured_outputs is not None
+        and ((req.text or {}).get("format") or {}).get("type", "text") != "text"
+    ):
+        raise bad_request(
+            "structured_outputs cannot be combined with text.format", param="structured_outputs"
+        )
+    if (
+        req.max_tool_calls == 0
+        and req.tools
+        and (req.tool_choice == "required" or isinstance(req.tool_choice, dict))
+    ):
+        raise bad_request(
+            "max_tool_calls 0 allows no call, which tool_choice requires", param="max_tool_calls"
+        )
     for i, name in enumerate(req.include or ()):
         if name not in INCLUDABLE:
             raise bad_request(f"include[{i}]: unknown value {name!r}", param="include")
@@ -177,7 +207,8 @@ def to_chat_request(
         "top_p": req.top_p,
         "tools": tools,
         "tool_choice": choice,
-        "parallel_tool_calls": req.parallel_tool_calls,
+        # One call at most: the chat request's own cap, so a "required" answer is made as one call.
+        "parallel_tool_calls": False if req.max_tool_calls == 1 else req.parallel_tool_calls,
         "response_format": _response_format(req),
         "logprobs": wants_logprobs(req) or None,
         "top_logprobs": (req.top_logprobs or 0) if wants_logprobs(req) else None,
@@ -275,6 +306,7 @@ class _Response:
             "incomplete_details": self.incomplete,
             "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens,
+            "max_tool_calls": req.max_tool_calls,
             "model": self.model,
             "output": self.output,
             "parallel_tool_calls": req.parallel_tool_calls is not False,

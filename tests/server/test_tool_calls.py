@@ -41,6 +41,8 @@ TOOLS = [
         },
     },
 ]
+# An object schema whose property names a type that does not exist: a 400 where it compiles.
+NOPE_PROPERTY = {"type": "object", "properties": {"a": {"type": "nope"}}, "required": ["a"]}
 HERMES_NOW = r'<tool_call>\{"name": "now", "arguments": \{\}\}</tool_call>'
 
 
@@ -251,10 +253,14 @@ def test_sdk_parse_with_a_pydantic_tool(client, tool_server) -> None:
         ),
         (
             {
-                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": NOPE_PROPERTY}}],
                 "tool_choice": "required",
             },
             "tools",
+        ),
+        (  # not an object schema: refused as it is read (test_responses_fields.py)
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]},
+            "tools.0.function.parameters",
         ),
         ({"tool_choice": "auto"}, "tool_choice"),
     ],
