@@ -35,6 +35,7 @@ from engine.async_prepare import RequestPreparation
 from engine.async_sleep import Barrier, Lifecycle, SleepCommands, aborted_output
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
+from engine.keyed_locks import KeyedLocks
 from engine.llm_engine import LLMEngine
 from engine.lora_request import LoRARequest, ServedLoRA
 from engine.outputs import RequestOutput, merge_pending
@@ -118,7 +119,7 @@ class AsyncEngine(SleepCommands, BurstGathering, LoRAServing, RequestPreparation
         # The LoRA adapters served by name (``add_lora``): what the server resolves ``model`` against.
         self.served_loras: dict[str, ServedLoRA] = {}
         # Per adapter name, the lock its changes take and how many hold or wait for it (``_lora_change``).
-        self._lora_locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}
+        self._lora_locks = KeyedLocks()  # one change of an adapter name at a time
         # Per adapter name, how many times it was removed or reloaded (``LoRAServing.load_lora``).
         self._lora_generations: dict[str, int] = {}
         self._commands: deque[_Command] = deque()

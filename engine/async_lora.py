@@ -19,6 +19,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
+from engine.keyed_locks import KeyedLocks
 from engine.lora_request import LoRARequest, ServedLoRA
 
 if TYPE_CHECKING:
@@ -31,7 +32,7 @@ class LoRAServing:
 
     engine: LLMEngine
     served_loras: dict[str, ServedLoRA]
-    _lora_locks: dict[str, tuple[asyncio.Lock, list[int]]]
+    _lora_locks: KeyedLocks
     _lora_generations: dict[str, int]
 
     async def load_lora(self, lora_request: LoRARequest) -> ServedLoRA:
@@ -89,12 +90,5 @@ class LoRAServing:
         in a worker thread, and two overlapping changes of one name would otherwise leave
         ``served_loras`` and the loaded adapter in either order (and both of two loads of a new name
         would find it free)."""
-        lock, users = self._lora_locks.setdefault(name, (asyncio.Lock(), [0]))
-        users[0] += 1
-        try:
-            async with lock:
-                yield
-        finally:
-            users[0] -= 1
-            if not users[0]:
-                del self._lora_locks[name]
+        async with self._lora_locks.hold(name):
+            yield

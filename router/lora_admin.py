@@ -15,17 +15,24 @@ names a new ``instance_id``) or failed the fan-out is *pending*; at its next goo
 prober marks it healthy (``HealthChecker.before_ready``), the adapters its ``/v1/models`` lacks are
 loaded onto it. A failure is logged, counted (``ferry:router_lora_failures_total{op}``) and retried
 at later probes with backoff; the replica is routable meanwhile, since requests for an adapter go
-only to replicas that list it (``pool.serving``). Nothing here is persisted: a restarted router
-knows only what is loaded through it from then on. This module must never import torch.
+only to replicas that list it (``pool.serving``). An unload that a replica missed (it did not
+answer, or answered 5xx) is kept on it (``Replica.lora_unloads``) and sent again the same way; no
+request for that adapter goes there until it is gone. Operations on one adapter name, a client's
+and the restores', run one at a time (``_serial``), so each replica ends as the last client
+operation left it. Nothing here is persisted: a restarted router knows only what is loaded through
+it from then on. This module must never import torch.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+from engine.keyed_locks import KeyedLocks
 from router.health import model_list
 from router.http import (
     BodyTooLarge,
@@ -66,6 +73,8 @@ class LoraAdmin:
         self._pending: set[Replica] = set()
         self._retry: dict[Replica, tuple[float, float]] = {}  # replica -> (next attempt, delay)
         self._failures = app.metrics.lora_failures
+        self._locks = KeyedLocks()  # adapter name -> its turn
+        self._ops = 0  # client operations done: a restore re-reads a list read before one
         app.replicas.on_added.append(self._pending.add)
         app.replicas.on_removed.append(self._left)
         app.replicas.on_cache_lost.append(self._cache_lost)
@@ -91,10 +100,26 @@ class LoraAdmin:
         if problem is not None:
             await _error(send, 400, *problem, id_header)
             return
-        replicas = list(self.app.replicas)
+        async with self._serial(body["lora_name"]):
+            answers, replicas = await self._fan_out(scope, raw, body, load, request_id)
         if not replicas:
             await _error(send, 503, "no replicas to change LoRA adapters on", None, id_header)
             return
+        statuses = {r.url: status for r, (status, _) in zip(replicas, answers, strict=True)}
+        failed = next(((s, t) for s, t in answers if s != 200), None)
+        if failed is None:
+            await send_json(send, 200, {"message": answers[0][1], "replicas": statuses}, id_header)
+            return
+        status, text = failed
+        await send_json(send, status, {**_error_of(status, text), "replicas": statuses}, id_header)
+
+    async def _fan_out(
+        self, scope: Scope, raw: bytes, body: dict, load: bool, request_id: str
+    ) -> tuple[list[tuple[int, str]], list[Replica]]:
+        """Send one load or unload to every replica (holding the name's turn) and note its outcome."""
+        replicas = list(self.app.replicas)
+        if not replicas:
+            return [], []
         headers = [
             *self.app.auth_headers(scope),
             (b"content-type", b"application/json"),
@@ -104,7 +129,6 @@ class LoraAdmin:
         answers = await asyncio.gather(
             *(self._send(r, scope["path"], raw, headers, timeout) for r in replicas)
         )
-        statuses = {r.url: status for r, (status, _) in zip(replicas, answers, strict=True)}
         name = body["lora_name"]
         op = "load" if load else "unload"
         for r, (status, text) in zip(replicas, answers, strict=True):
@@ -116,18 +140,30 @@ class LoraAdmin:
             self.adapters[name] = body["lora_path"]
             # Those that failed while others loaded it get it at their next good probe.
             self._pending.update(r for r in replicas if r not in ok)
+            for r in replicas:
+                r.lora_unloads.discard(name)
         elif not load:
             self.adapters.pop(name, None)
+            for r, (status, _) in zip(replicas, answers, strict=True):
+                if status >= 500:  # it did not say whether it holds the adapter: ask again later
+                    r.lora_unloads.add(name)
+                    self._pending.add(r)
+                else:
+                    r.lora_unloads.discard(name)
         for r in ok:
             r.models_read_at = float("-inf")  # its /v1/models changed: read again at the next probe
         if ok:
             log.info("LoRA adapter %r %sed on %d of %d replicas", name, op, len(ok), len(replicas))
-        failed = next(((s, t) for s, t in answers if s != 200), None)
-        if failed is None:
-            await send_json(send, 200, {"message": answers[0][1], "replicas": statuses}, id_header)
-            return
-        status, text = failed
-        await send_json(send, status, {**_error_of(status, text), "replicas": statuses}, id_header)
+        self._ops += 1
+        return answers, replicas
+
+    @contextlib.asynccontextmanager
+    async def _serial(self, name: str) -> AsyncIterator[None]:
+        """One operation on adapter ``name`` at a time (a client's, or a restore onto one replica)."""
+        if self._locks.busy(name):
+            log.info("LoRA adapter %r: waiting for the change to it in progress", name)
+        async with self._locks.hold(name):
+            yield
 
     async def _send(
         self, replica: Replica, path: str, body: bytes, headers: list[tuple[bytes, bytes]], timeout: float
@@ -160,55 +196,80 @@ class LoraAdmin:
         replica.models = [m for m in replica.models if m not in self.adapters]
 
     async def restore(self, replica: Replica) -> None:
-        """Load the remembered adapters a pending replica's ``/v1/models`` lacks (the prober awaits
-        this after a good ``/health``, before marking the replica healthy). Never raises."""
+        """Load the remembered adapters a pending replica's ``/v1/models`` lacks and unload those it
+        missed the unload of (the prober awaits this after a good ``/health``, before marking the
+        replica healthy). Never raises."""
         if replica not in self._pending:
-            return
-        if not self.adapters:
-            self._pending.discard(replica)
             return
         now = self.app.clock()
         at, delay = self._retry.get(replica, (now, RETRY_FIRST_S))
         if at > now:
             return
+        self._pending.discard(replica)  # taken: a client operation failing here meanwhile adds it back
+        names = sorted({*self.adapters, *replica.lora_unloads})
+        if not names:
+            self._retry.pop(replica, None)
+            return
         timeout = min(self.app.config.request_timeout, RESTORE_TIMEOUT_S)
+        ops = self._ops
         listed = await model_list(self.app.client, replica.url, self.app.replica_auth, timeout)
         if listed is None:
+            self._pending.add(replica)
             self._retry[replica] = (now + delay, min(delay * 2, RETRY_MAX_S))
             return
         roots = {m["id"]: m.get("root") for m in listed}
-        wanted = [(n, p) for n, p in self.adapters.items() if roots.get(n) != p]
-        headers = [*self.app.replica_auth, (b"content-type", b"application/json")]
-        answers = await asyncio.gather(
-            *(
-                self._send(replica, LOAD_PATH, _load_body(n, p, n in roots), headers, timeout)
-                for n, p in wanted
-            )
-        )
-        failed = 0
-        for (name, path), (status, text) in zip(wanted, answers, strict=True):
-            if status == 200:
-                log.info(
-                    "LoRA adapter %r (%s) loaded onto replica %s, which lacked it", name, path, replica.url
-                )
-            else:
-                failed += 1
-                self._failures.labels("restore").inc()
-                log.warning(
-                    "could not load LoRA adapter %r onto replica %s (retrying in %.0fs): %d %s",
-                    name,
-                    replica.url,
-                    delay,
-                    status,
-                    text[:200],
-                )
-        if wanted:
-            replica.models_read_at = float("-inf")  # the prober reads its list right after this
-        if failed:
-            self._retry[replica] = (now + delay, min(delay * 2, RETRY_MAX_S))
-        else:
-            self._pending.discard(replica)
+        done = await asyncio.gather(*(self._converge(replica, n, roots, ops, timeout, delay) for n in names))
+        replica.models_read_at = float("-inf")  # the prober reads its list right after this
+        if all(done):
             self._retry.pop(replica, None)
+        else:
+            self._pending.add(replica)
+            self._retry[replica] = (now + delay, min(delay * 2, RETRY_MAX_S))
+
+    async def _converge(
+        self, replica: Replica, name: str, roots: dict[str, Any], ops: int, timeout: float, delay: float
+    ) -> bool:
+        """Make ``replica`` hold adapter ``name`` as the router was last told, in the name's turn;
+        ``roots`` is its ``/v1/models`` as read when ``self._ops`` was ``ops``. False: try again."""
+        async with self._serial(name):
+            if self._ops != ops:  # a client's load or unload ran since that read: read again
+                listed = await model_list(self.app.client, replica.url, self.app.replica_auth, timeout)
+                if listed is None:
+                    return False
+                roots = {m["id"]: m.get("root") for m in listed}
+            path = self.adapters.get(name)
+            if path is not None:
+                if roots.get(name) == path:
+                    return True
+                op, sent = "loaded onto", _load_body(name, path, name in roots)
+                status, text = await self._send(replica, LOAD_PATH, sent, self._headers(), timeout)
+            elif name not in replica.lora_unloads:
+                return True
+            elif name not in roots:
+                replica.lora_unloads.discard(name)
+                return True
+            else:
+                op, sent = "unloaded from", json.dumps({"lora_name": name}).encode()
+                status, text = await self._send(replica, UNLOAD_PATH, sent, self._headers(), timeout)
+                if status < 500:  # gone, or the replica's own answer why not: nothing to retry
+                    replica.lora_unloads.discard(name)
+        if status == 200:
+            log.info("LoRA adapter %r %s replica %s, which missed it", name, op, replica.url)
+            return True
+        self._failures.labels("restore").inc()
+        log.warning(
+            "LoRA adapter %r could not be %s replica %s (retrying in %.0fs): %d %s",
+            name,
+            op,
+            replica.url,
+            delay,
+            status,
+            text[:200],
+        )
+        return name not in self.adapters and name not in replica.lora_unloads
+
+    def _headers(self) -> list[tuple[bytes, bytes]]:
+        return [*self.app.replica_auth, (b"content-type", b"application/json")]
 
 
 def _load_body(name: str, path: str, replace: bool) -> bytes:

@@ -146,6 +146,9 @@ class Replica:
         # the adapter's block hashes (kvcache.keys.lora_extra).
         self.lora_weights: dict[str, str] = {}
         self.models_read_at = float("-inf")
+        # LoRA adapters the router was told to unload whose unload this replica missed (it did not
+        # answer): retried at its next good probe; requests for them never go here (pool.serving).
+        self.lora_unloads: set[str] = set()
         self.emits_token_ids = False  # seen answering return_token_ids (else the relay asks logprobs)
         self.circuit = CircuitBreaker(
             self.policy.circuit_failures, self.policy.circuit_cooldown, self.policy.circuit_cooldown_max
