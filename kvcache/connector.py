@@ -81,7 +81,7 @@ class ConnectorStats:
     writes_dropped: int
     corrupt_blocks: int  # refused as damaged (codec: kind "corrupt")
     mismatched_blocks: int  # refused as another model's, layout's or format's (kind "mismatch")
-    pending_writes: int
+    pending_writes: int  # handed to the writer, not yet counted saved or dropped (one snapshot)
     tier: TierStats
 
 
@@ -453,7 +453,7 @@ class KVConnector:
 
     def stats(self) -> ConnectorStats:
         tier = self.tier.stats()
-        w = self._writer
+        w = self._writer.counts()
         with self._lock:
             return ConnectorStats(
                 blocks_looked_up=self._looked_up,

@@ -21,7 +21,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -78,6 +78,12 @@ class BlockEvent:
     fingerprint: str | None = None
 
 
+class WriterCounts(NamedTuple):
+    written: int
+    dropped: int
+    pending: int  # items (writes, events) queued or in hand, less the writes counted already
+
+
 class BlockWriter:
     def __init__(
         self, tier: Tier, fingerprint: str, capacity: int, publisher: KVEventPublisher | None = None
@@ -111,6 +117,15 @@ class BlockWriter:
     def pending(self) -> int:
         with self._lock:
             return self._pending
+
+    def counts(self) -> WriterCounts:
+        """Written, dropped and pending writes, read together: each block handed over is in exactly
+        one of them (a batch already counted, whose events are still being published, is no longer
+        pending)."""
+        with self._lock:
+            settled = self._batch if self._batch is not None and self._batch_counted else []
+            pending = self._pending - sum(isinstance(item, BlockWrite) for item in settled)
+            return WriterCounts(written=self.written, dropped=self.dropped, pending=pending)
 
     def reserve(self, n: int) -> int:
         """Reserve up to ``n`` slots; returns how many (the caller drops the rest via ``drop``)."""

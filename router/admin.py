@@ -3,7 +3,8 @@
 ``GET /admin/replicas``; ``POST /admin/replicas`` ``{"url", "role"}``;
 ``POST /admin/replicas/drain`` ``{"url"}`` (no new requests, in-flight ones finish);
 ``DELETE /admin/replicas`` ``{"url"}`` (or ``?url=``). Guarded by ``--api-key`` (Bearer); with no key
-only loopback clients may use it. Bodies are validated here, at the edge, with clear 4xx answers.
+only loopback clients may use it. A replica's view carries ``lora_pending``: the adapter restores and
+unloads the router still owes it (``router/lora_admin.py``). Bodies are validated here, at the edge, with clear 4xx answers.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from router.http import (
 
 if TYPE_CHECKING:
     from router.app import RouterApp
+    from router.replica import Replica
 
 _LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 _ADMIN_BODY_LIMIT = 64 << 10
@@ -45,7 +47,7 @@ async def handle_admin(app: RouterApp, scope: Scope, receive: Receive, send: Sen
     path, method = scope["path"].rstrip("/"), scope["method"]
     now = app.clock()
     if path == "/admin/replicas" and method == "GET":
-        await send_json(send, 200, {"replicas": [r.describe(now) for r in app.replicas]})
+        await send_json(send, 200, {"replicas": [_describe(app, r, now) for r in app.replicas]})
         return
     if path not in ("/admin/replicas", "/admin/replicas/drain"):
         await send_error(send, 404, f"no admin route {path}")
@@ -75,7 +77,7 @@ async def handle_admin(app: RouterApp, scope: Scope, receive: Receive, send: Sen
             await send_error(send, 404, f"no replica {url}")
             return
         app.metrics.healthy.labels(r.url).set(0)
-        await send_json(send, 200, r.describe(now))
+        await send_json(send, 200, _describe(app, r, now))
     elif method == "DELETE":
         r = app.replicas.remove(url)
         if r is None:
@@ -93,7 +95,11 @@ async def handle_admin(app: RouterApp, scope: Scope, receive: Receive, send: Sen
             await send_error(send, 409 if "already" in str(e) else 400, str(e))
             return
         await app.health.probe(r, timeout=2.0)
-        await send_json(send, 201 if created else 200, r.describe(app.clock()))
+        await send_json(send, 201 if created else 200, _describe(app, r, app.clock()))
+
+
+def _describe(app: RouterApp, replica: Replica, now: float) -> dict[str, Any]:
+    return {**replica.describe(now), "lora_pending": app.lora.pending(replica)}
 
 
 async def _json_body(scope: Scope, receive: Receive) -> dict[str, Any]:

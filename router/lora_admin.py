@@ -182,6 +182,17 @@ class LoraAdmin:
         return response.status_code, content.decode("utf-8", "replace")
 
     # ---- keeping the pool uniform -------------------------------------------------------------
+    def pending(self, replica: Replica) -> dict[str, list[str]]:
+        """The LoRA work the router still owes ``replica`` (``GET /admin/replicas`` shows it, so an
+        operator sees why it serves no adapter yet): ``restore``, the adapters loaded through the
+        router that its last-read ``/v1/models`` lacks while a restore is due; ``unloads``, the
+        unloads it missed."""
+        due = replica in self._pending
+        return {
+            "restore": sorted(n for n in self.adapters if n not in replica.models) if due else [],
+            "unloads": sorted(replica.lora_unloads),
+        }
+
     def _left(self, replica: Replica) -> None:
         self._pending.discard(replica)
         self._retry.pop(replica, None)
