@@ -315,13 +315,17 @@ class RouterApp:
         if guarded and self.config.api_key is not None and not bearer_ok(scope, self.config.api_key):
             await send_error(send, 401, "missing or wrong API key (Authorization: Bearer …)", id_header)
             return
-        if models:
+        allowed = _own_methods(path)
+        if allowed is not None and method not in allowed:
+            headers = [*id_header, (b"allow", ", ".join(allowed).encode())]
+            await send_error(send, 405, "Method Not Allowed", headers, "method_not_allowed")
+        elif models:
             await answer_models(self, scope, send, unquote(path[len("/v1/models/") :]) or None)
         elif path in LORA_PATHS and method == "POST":
             await self.lora.handle(scope, receive, send, request_id)
         elif relayed:
             await proxy(self, scope, receive, send, request_id)
-        elif reset:
+        elif path == "/reset_prefix_cache":
             await reset_prefix_cache(self, scope, send)
         elif path in OWN_PATHS:
             await answer_own(self, path, send)
@@ -339,6 +343,18 @@ class RouterApp:
             return list(self.replica_auth)
         auth = header(scope, b"authorization")
         return [(b"authorization", auth)] if auth else []
+
+
+def _own_methods(path: str) -> tuple[str, ...] | None:
+    """The methods a replica takes on a route the router answers itself (others: its 405);
+    None for the routes relayed or sorted by method further on (``/v1/*``, ``/admin/*``)."""
+    if path == "/reset_prefix_cache":
+        return ("POST",)
+    if path == "/ping":  # SageMaker's health check: GET or POST, as vLLM's
+        return ("GET", "HEAD", "POST")
+    if path in OWN_PATHS or path == "/metrics":
+        return ("GET", "HEAD")
+    return None
 
 
 def _with_request_id(send: Send, request_id: str) -> Send:
