@@ -424,7 +424,13 @@ def engine_main(
     if config.responses_store == "memory":  # every API server's responses, in one place
         responses = MemoryRecords(config.responses_store_max_bytes, config.responses_store_ttl)
     engine_process_main(
-        engine_config, path, ready, responses, config.lora_modules, config.max_queued_requests
+        engine_config,
+        path,
+        ready,
+        responses,
+        config.lora_modules,
+        config.max_queued_requests,
+        config.served_model_name,
     )
 
 

@@ -277,8 +277,9 @@ class EngineClient:
 
     def _silent(self) -> bool:
         """Whether the engine process sent nothing (not even its heartbeat) for
-        ``ENGINE_SILENCE_S``: it is stopped or wedged, though its socket stays open."""
-        silent = time.monotonic() - self._heard > ENGINE_SILENCE_S
+        ``ENGINE_SILENCE_S``: it is stopped or wedged, though its socket stays open. Bytes
+        waiting unread are not silence: this loop (lagging under load) has not read them yet."""
+        silent = time.monotonic() - self._heard > ENGINE_SILENCE_S and not self._channel.pending()
         if silent != self._silence_logged:
             self._silence_logged = silent
             if silent:

@@ -9,7 +9,9 @@ engine request ids namespaced by connection (``rid@N``: two API servers may both
 ``X-Request-Id``). Outputs are relayed from ``AsyncEngine.start``'s sink, in the event-loop pass
 that delivered them: no task or generator per request (this loop shares the GIL with the engine's
 thread). An API server that goes away has its requests aborted and its announcements withdrawn at
-once.
+once; those requests are counted here as aborts (``vllm:request_success_total``, with the prompt and
+generation tokens they had, as their API server would have counted them), since no process that
+saw them is left to.
 
 Messages from an API server: ``("add", rid, admission, prompt_ids, params, resume_ids, kv_transfer,
 pooling, lora_request, priority, cache_salt, images)`` (``prompt_ids``: a tensor for prompt
@@ -56,6 +58,8 @@ from engine.errors import EngineDeadError, SleepCancelledError
 from server.admission import Admission, HeldPlaces, overload_message, running_slots
 from server.engine_fanout import ApiServerFanout
 from server.engine_ipc import Channel
+from server.metrics import ServerMetrics
+from server.orphan_counts import Tally, count_orphans
 from server.responses_store import MEMORY_OPS, MemoryRecords
 
 logger = logging.getLogger("ferry.engine_process")
@@ -74,6 +78,9 @@ class _ApiServer:
     # Its requests (in ``requests``) that run in a lease (beam search steps; -> the lease's key):
     # counted in ``places`` while the lease lasts.
     leased: dict[str, int] = field(default_factory=dict)
+    tallies: dict[str, Tally] = field(default_factory=dict)  # of its requests in ``requests``
+    # Its requests it asked to abort: it counted them already (``Generation.stream``).
+    aborting: set[str] = field(default_factory=set)
     sent_stats: Any = None
     sent_healthy: bool = True
     sent_elsewhere: int = 0
@@ -84,9 +91,16 @@ class EngineHost(ApiServerFanout):
     """Serves one ``AsyncEngine`` to any number of API server connections."""
 
     def __init__(
-        self, engine: Any, responses: MemoryRecords | None = None, max_queued_requests: int | None = None
+        self,
+        engine: Any,
+        responses: MemoryRecords | None = None,
+        max_queued_requests: int | None = None,
+        metrics: ServerMetrics | None = None,
     ) -> None:
+        """``metrics``: where the requests of an API server that died are counted (the engine
+        process's share of the replica's metrics, ``server/engine_process.py``)."""
         self.engine = engine
+        self.metrics = metrics
         self.responses = responses  # --responses-store memory: kept here for every API server
         # The API servers' admission limit (None: unknown, every change is news at once).
         self.max_queued_requests = max_queued_requests
@@ -147,6 +161,7 @@ class EngineHost(ApiServerFanout):
                     engine.cancel(f"{rid}@{conn.index}")
             for submitted in conn.announced.values():
                 submitted()
+            count_orphans(self.metrics, conn)
             logger.info(
                 "API server connection %d closed (%d request(s) aborted)", conn.index, len(conn.requests)
             )
@@ -171,6 +186,8 @@ class EngineHost(ApiServerFanout):
             if back is not None:
                 after_adds.append(back)
         elif kind == "call":
+            if message[2] == "abort" and message[3] in conn.requests:
+                conn.aborting.add(message[3])
             asyncio.ensure_future(self._call(conn, message[1], message[2], message[3]))
         elif kind == "load":  # news for the others with the next stats (publish_stats at the latest)
             self._load += message[1] - conn.load
@@ -190,6 +207,8 @@ class EngineHost(ApiServerFanout):
             return
         if admission is not None and Admission(*admission).lease:
             conn.leased[rid] = admission[0]
+        prompt = request[0]
+        conn.tallies[rid] = Tally(len(prompt) if isinstance(prompt, list) else int(prompt.shape[0]))
         lora = request[5]
         if (
             request[1].structured_outputs is not None
@@ -261,11 +280,14 @@ class EngineHost(ApiServerFanout):
             request
         )
         send = conn.channel.send
+        tally = conn.tallies[rid]
 
         def relay(out: Any) -> None:
             if isinstance(out, BaseException):
                 self._failed(conn, rid, out)
                 return
+            if out.outputs:
+                tally.generated += len(out.outputs[0].token_ids)
             out.request_id = rid
             out.prompt_token_ids = None  # its API server has them: not sent with every token
             self._send_stats(conn)  # before the output: a final output finds its stats there
@@ -365,6 +387,8 @@ class EngineHost(ApiServerFanout):
     def _ended(conn: _ApiServer, rid: str) -> None:
         conn.requests.pop(rid, None)
         conn.leased.pop(rid, None)
+        conn.tallies.pop(rid, None)
+        conn.aborting.discard(rid)
 
 
 def _call_all(functions: list[Callable[[], None]]) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import pickle
+import select
 import struct
 from typing import Any
 
@@ -94,6 +95,21 @@ class Channel:
                 start = end
         del buffer[:start]
         return messages
+
+    def pending(self) -> bool:
+        """Whether the other side sent bytes this side has not read yet (in this channel's buffer,
+        the stream reader's, or the socket's): a reader late to read is not a silent sender."""
+        if self._buffer or len(getattr(self._reader, "_buffer", b"")):
+            return True
+        sock = self._writer.get_extra_info("socket")
+        if sock is None or self.closed:
+            return False
+        poller = select.poll()  # (select.select refuses descriptors past FD_SETSIZE)
+        try:
+            poller.register(sock.fileno(), select.POLLIN)
+            return bool(poller.poll(0))
+        except (OSError, ValueError):
+            return False
 
     def close(self) -> None:
         if not self.closed:

@@ -16,6 +16,7 @@ from typing import Any
 
 from server.engine_host import EngineHost
 from server.heap import settle_heap
+from server.metrics import ServerMetrics
 from server.responses_store import MemoryRecords
 
 logger = logging.getLogger("ferry.engine_process")
@@ -28,18 +29,22 @@ def engine_process_main(
     responses: MemoryRecords | None = None,
     lora_modules: tuple[Any, ...] = (),
     max_queued_requests: int | None = None,
+    model_name: str | None = None,
 ) -> None:
     """Entry point of the engine process (spawned by ``server/api_servers.py``).
 
     Sends ``("ready",)`` on ``ready`` once the model is loaded and the socket listens, or
     ``("error", message)`` if the engine refused its configuration. Stops on SIGTERM; ignores
     SIGINT (the supervisor decides when the engine stops: after the API servers drained).
+    ``model_name``: the served model's, for the requests of a dead API server counted here.
     """
     from server.main import loop_factory
 
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
         runner.run(
-            _serve_engine(engine_config, socket_path, ready, responses, lora_modules, max_queued_requests)
+            _serve_engine(
+                engine_config, socket_path, ready, responses, lora_modules, max_queued_requests, model_name
+            )
         )
 
 
@@ -50,6 +55,7 @@ async def _serve_engine(
     responses: MemoryRecords | None,
     lora_modules: tuple[Any, ...],
     max_queued_requests: int | None,
+    model_name: str | None,
 ) -> None:
     from engine import AsyncEngine
     from server.lora import preload
@@ -65,7 +71,9 @@ async def _serve_engine(
         logger.debug("engine start failed", exc_info=e)
         ready.send(("error", str(e)))
         return
-    host = EngineHost(engine, responses, max_queued_requests)
+    # The aborts of an API server that died, in the replica's metrics (its multiprocess directory).
+    metrics = ServerMetrics(model_name) if model_name is not None else None
+    host = EngineHost(engine, responses, max_queued_requests, metrics)
     server = await asyncio.start_unix_server(host.handle, path=socket_path)
     os.chmod(socket_path, 0o600)
     publisher = asyncio.ensure_future(host.publish_stats())
