@@ -68,7 +68,6 @@ def test_token_accounting_itl_and_percentiles(ferry_serve, tiny_llama: Path, ben
     assert rc == 0, stdout
     recs = _raw(out)
     assert len(recs) == 9 and sum(r["warmup"] for r in recs) == 1
-    one_per_chunk = 0
     for r in recs:
         assert r["ok"], r
         assert r["prompt_tokens"] == r["input_len"]  # token-id prompts are exact
@@ -78,16 +77,14 @@ def test_token_accounting_itl_and_percentiles(ferry_serve, tiny_llama: Path, ben
         )
         assert len(r["itl_s"]) == r["stream_chunks"] - 1
         assert r["token_count_mismatch"] is False
-        if r["chunk_tokens"] == [1] * r["completion_tokens"]:
-            one_per_chunk += 1
-            assert len(r["itl_s"]) == r["completion_tokens"] - 1
     # The server folds tokens into one chunk only when its writer falls behind the engine (a step
     # of the tiny model takes about a millisecond, so a busy 2-core machine makes that happen now
-    # and then, anywhere in a stream); how often is timing, not accounting. What must hold is that
-    # tokens stream as they come rather than in a few lumps: most tokens arrive in chunks of their own.
+    # and then, anywhere in a stream: on a loaded clean-clone run, in every one of the 9); how often
+    # is timing, not accounting. What must hold is that tokens stream as they come rather than in a
+    # few lumps: most tokens arrive in chunks of their own.
     chunks = sum(r["stream_chunks"] for r in recs)
     tokens = sum(r["completion_tokens"] for r in recs)
-    assert one_per_chunk >= 1 and chunks >= tokens // 2, [r["chunk_tokens"] for r in recs]
+    assert chunks >= tokens // 2, [r["chunk_tokens"] for r in recs]
 
     measured = [r for r in recs if not r["warmup"]]
     m = _summary(out)["points"][0]["metrics"]
