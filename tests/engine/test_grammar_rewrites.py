@@ -16,6 +16,7 @@ from engine.grammar_rewrites import json_grammar
 from engine.sampling_params import StructuredOutputsParams as SO
 from engine.structured_output import GrammarCompiler
 from engine.tokenizer import Tokenizer
+from tests.engine.test_regex_surrogates import _walk
 
 INT = {"type": "integer"}
 
@@ -180,18 +181,6 @@ _UNBOUNDED_STRINGS = {
 }
 
 
-def _walk_bytes(grammars: GrammarCompiler, compiled: xgr.CompiledGrammar, data: bytes) -> int | None:
-    """Feed ``data`` a byte a token (the tiny vocabulary is byte-level: every byte is a token); the
-    index of the first byte refused, or None when all were taken."""
-    tokenizer = grammars._tokenizer
-    by_byte = {tokenizer.token_bytes(t): t for t in range(grammars.vocab_size)}
-    matcher = xgr.GrammarMatcher(compiled)
-    for i, byte in enumerate(data):
-        if not matcher.accept_token(by_byte[bytes([byte])]):
-            return i
-    return None
-
-
 @pytest.mark.parametrize("where", list(_UNBOUNDED_STRINGS))
 def test_an_unbounded_json_string_takes_no_surrogate(grammars, where: str) -> None:
     """xgrammar's class for a character of an unbounded JSON string takes the UTF-8 form of a
@@ -201,6 +190,6 @@ def test_an_unbounded_json_string_takes_no_surrogate(grammars, where: str) -> No
     spec, head, tail = _UNBOUNDED_STRINGS[where]
     compiled = grammars.compile(spec)
     for surrogate in (b"\xed\xa0\x80", b"\xed\xbf\xbf"):  # U+D800, U+DFFF as CESU-8 would write them
-        assert _walk_bytes(grammars, compiled, head + b"a" + surrogate) == len(head) + 2
+        assert _walk(grammars, compiled, head + b"a" + surrogate) == len(head) + 2
     for char in ("\ud7ff", "\ue000", "\U0010ffff", "é"):
-        assert _walk_bytes(grammars, compiled, head + ("a" + char).encode() + tail) is None
+        assert _walk(grammars, compiled, head + ("a" + char).encode() + tail) is None

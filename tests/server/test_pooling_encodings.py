@@ -16,7 +16,6 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import numpy as np
 import openai
 import pytest
@@ -25,6 +24,7 @@ import torch
 from engine.pooling import EMBED_DTYPES, ENDIANNESS, encode_values
 from engine.tokenizer import Tokenizer
 from server.embedding_protocol import EmbedDType, Endianness
+from tests.server.test_pooling_endpoint import _ok, _post
 
 TEXTS = ["def parse_args(argv):", "import os\nimport sys\n\nprint(sys.argv)", "x = 1"]
 TORCH = {
@@ -45,16 +45,6 @@ def srv(tiny_llama: Path, serve_logs: Path, server_process) -> Iterator:
     server = server_process(tiny_llama, ["--deterministic", "--num-kv-blocks", "64"], serve_logs).start()
     yield server
     server.stop()
-
-
-def _post(srv, path: str, body: dict, headers: dict | None = None) -> httpx.Response:
-    return httpx.post(srv.url + path, json=body, headers=headers, timeout=60)
-
-
-def _ok(srv, path: str, body: dict) -> dict:
-    r = _post(srv, path, body)
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 def _vectors(answer: dict) -> list:
