@@ -1,7 +1,7 @@
 """`ferry up`: a whole local cluster (router, prefill/decode pools, KV tier) from one YAML file.
 
 ``ferry up [--config cluster.yaml] [--dry-run] [--state-file PATH] [--kv-tier-check-interval S]``.
-The file's schema is in ``ferry/cluster/config.py`` (commented example:
+The file's schema is in ``ferry/cluster/config.py`` and ``lifecycle_config.py`` (commented example:
 ``deploy/local/cluster.yaml``); with no file, the default is a router on port 8080, one prefill and one decode worker of the demo model on free
 ports, and a child redis-server as their shared KV tier. Exit status: 0 after a clean stop
 (SIGTERM, Ctrl-C, SIGHUP) or a dry run, 1 when the cluster cannot start (an existing KV tier the

@@ -3,22 +3,36 @@ that name the key (``router.port: must be a port number 1-65535, got 70000``).
 
 ``parse_config`` trusts nothing in the mapping it gets: every key is known, every value has its
 type and range, ports never clash, and the router has somewhere to send requests. Everything after
-it trusts the ``ClusterConfig``.
+it trusts the ``ClusterConfig``. Here: the cluster's topology (model, KV tier, router, pools) and
+the checks across it; the keys on timeouts, restarts and liveness are read by ``lifecycle_config.py``,
+every value by the readers of ``readers.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import math
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
 import yaml
 
+from ferry.cluster.lifecycle_config import LIFECYCLE_READERS
+from ferry.cluster.readers import (
+    Reader,
+    read_args,
+    read_count,
+    read_env,
+    read_mapping,
+    read_optional_port,
+    read_port,
+    read_scalar_text,
+    read_str,
+    read_threads,
+    type_name,
+    unknown_key,
+)
 from ferry.cluster.spec import (
     ROLES,
     ClusterConfig,
@@ -71,102 +85,6 @@ ROUTER_MANAGED = {
 }
 
 
-# ---- value readers: each takes (value, key path) and returns the typed value or raises --------
-
-
-def _type_name(value: Any) -> str:
-    return "null" if value is None else type(value).__name__
-
-
-def _int(value: Any, path: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{path}: expected an integer, got {value!r} ({_type_name(value)})")
-    return value
-
-
-def _number(value: Any, path: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{path}: expected a number, got {value!r} ({_type_name(value)})")
-    if math.isnan(value) or value <= 0:  # NaN compares false with everything: a timeout never fires
-        raise ConfigError(f"{path}: must be > 0, got {value}")
-    return float(value)
-
-
-def _str(value: Any, path: str) -> str:
-    if not isinstance(value, str) or not value:
-        raise ConfigError(f"{path}: expected a non-empty string, got {value!r} ({_type_name(value)})")
-    return value
-
-
-def _count(value: Any, path: str) -> int:
-    n = _int(value, path)
-    if n < 0:
-        raise ConfigError(f"{path}: must be >= 0, got {n}")
-    return n
-
-
-def _threads(value: Any, path: str) -> int | None:
-    if value is None:
-        return None
-    n = _int(value, path)
-    if n < 1:
-        raise ConfigError(f"{path}: must be >= 1 (or null for an even share of the cores), got {n}")
-    return n
-
-
-def _port(value: Any, path: str) -> int:
-    n = _int(value, path)
-    if not 1 <= n <= 65535:
-        raise ConfigError(f"{path}: must be a port number 1-65535, got {n}")
-    return n
-
-
-def _optional_port(value: Any, path: str) -> int | None:
-    return None if value is None else _port(value, path)
-
-
-def _scalar_text(value: Any, path: str) -> str:
-    # YAML reads `8` and `0.5` as numbers; on a command line or in the environment they are text.
-    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-        raise ConfigError(f"{path}: expected a string, got {value!r} ({_type_name(value)})")
-    return str(value)
-
-
-def _args(value: Any, path: str) -> tuple[str, ...]:
-    if not isinstance(value, list):
-        raise ConfigError(f"{path}: expected a list of strings, got {value!r} ({_type_name(value)})")
-    return tuple(_scalar_text(v, f"{path}[{i}]") for i, v in enumerate(value))
-
-
-def _env(value: Any, path: str) -> Mapping[str, str]:
-    if not isinstance(value, dict):
-        raise ConfigError(f"{path}: expected a mapping NAME: value, got {value!r} ({_type_name(value)})")
-    out: dict[str, str] = {}
-    for name, v in value.items():
-        if not isinstance(name, str) or not name or "=" in name:
-            raise ConfigError(f"{path}: {name!r} is not an environment variable name")
-        out[name] = _scalar_text(v, f"{path}.{name}")
-    return MappingProxyType(out)
-
-
-def _mapping(value: Any, path: str, readers: Mapping[str, Callable[[Any, str], Any]]) -> dict[str, Any]:
-    """Read a mapping whose keys must all be in ``readers``; returns {key: typed value}."""
-    if not isinstance(value, dict):
-        raise ConfigError(f"{path}: expected a mapping, got {value!r} ({_type_name(value)})")
-    out: dict[str, Any] = {}
-    for key, v in value.items():
-        if key not in readers:
-            raise ConfigError(_unknown_key(f"{path}.{key}", key, readers))
-        out[key] = readers[key](v, f"{path}.{key}")
-    return out
-
-
-def _unknown_key(path: str, key: Any, known: Mapping[str, Any]) -> str:
-    close = difflib.get_close_matches(str(key), list(known), n=1)
-    guess = f", did you mean {close[0]}?" if close else ""
-    return f"{path}: unknown key{guess} (expected one of: {', '.join(known)})"
-
-
 def _managed_flags(args: tuple[str, ...], path: str, managed: Mapping[str, str], pool: str) -> None:
     for arg in args:
         flag = arg.split("=", 1)[0]
@@ -181,15 +99,15 @@ def _managed_flags(args: tuple[str, ...], path: str, managed: Mapping[str, str],
 def _redis(value: Any, path: str) -> RedisSpec:
     if value is None:
         return RedisSpec()
-    fields_ = _mapping(
+    fields_ = read_mapping(
         value,
         path,
         {
-            "port": _optional_port,
-            "maxmemory": _scalar_text,
-            "maxmemory_policy": _str,
-            "binary": _str,
-            "args": _args,
+            "port": read_optional_port,
+            "maxmemory": read_scalar_text,
+            "maxmemory_policy": read_str,
+            "binary": read_str,
+            "args": read_args,
         },
     )
     return RedisSpec(**fields_)
@@ -205,7 +123,7 @@ def _kv_tier(value: Any, path: str) -> KVTierSpec:
         return KVTierSpec(url=value)
     if value is None:
         raise ConfigError(f"{path}: expected a URL or {{redis: {{…}}}}, got null")
-    fields_ = _mapping(value, path, {"redis": _redis})
+    fields_ = read_mapping(value, path, {"redis": _redis})
     if "redis" not in fields_:
         raise ConfigError(f"{path}: expected a URL or {{redis: {{…}}}}, got an empty mapping")
     return KVTierSpec(redis=fields_["redis"])
@@ -215,13 +133,15 @@ def _router(value: Any, path: str) -> RouterSpec:
     from router.policies.registry import POLICY_NAMES
 
     def policy(v: Any, p: str) -> str:
-        name = _str(v, p)
+        name = read_str(v, p)
         if name not in POLICY_NAMES:
             raise ConfigError(f"{p}: unknown policy {name!r} (expected one of: {', '.join(POLICY_NAMES)})")
         return name
 
-    fields_ = _mapping(
-        {} if value is None else value, path, {"host": _str, "port": _port, "policy": policy, "args": _args}
+    fields_ = read_mapping(
+        {} if value is None else value,
+        path,
+        {"host": read_str, "port": read_port, "policy": policy, "args": read_args},
     )
     spec = RouterSpec(**fields_)
     _managed_flags(spec.args, f"{path}.args", ROUTER_MANAGED, "router")
@@ -230,10 +150,16 @@ def _router(value: Any, path: str) -> RouterSpec:
 
 def _pool(role: str) -> Callable[[Any, str], PoolSpec]:
     def read(value: Any, path: str) -> PoolSpec:
-        fields_ = _mapping(
+        fields_ = read_mapping(
             {} if value is None else value,
             path,
-            {"replicas": _count, "threads": _threads, "port": _optional_port, "args": _args, "env": _env},
+            {
+                "replicas": read_count,
+                "threads": read_threads,
+                "port": read_optional_port,
+                "args": read_args,
+                "env": read_env,
+            },
         )
         fields_.setdefault("replicas", 1)  # a pool that is named has one replica unless told
         spec = PoolSpec(role=role, **fields_)
@@ -243,34 +169,11 @@ def _pool(role: str) -> Callable[[Any, str], PoolSpec]:
     return read
 
 
-def _restart(value: Any, path: str) -> RestartSpec:
-    spec = RestartSpec(
-        **_mapping(value, path, {"initial_delay": _number, "max_delay": _number, "reset_after": _number})
-    )
-    if spec.max_delay < spec.initial_delay:
-        raise ConfigError(
-            f"{path}.max_delay: must be >= {path}.initial_delay ({spec.max_delay:g} < {spec.initial_delay:g})"
-        )
-    return spec
-
-
-def _liveness(value: Any, path: str) -> LivenessSpec:
-    def threshold(v: Any, p: str) -> int:
-        n = _int(v, p)
-        if n < 1:
-            raise ConfigError(f"{p}: must be >= 1, got {n}")
-        return n
-
-    return LivenessSpec(
-        **_mapping(value, path, {"interval": _number, "timeout": _number, "failure_threshold": threshold})
-    )
-
-
 def _model(base_dir: Path | None) -> Callable[[Any, str], str | None]:
     def read(value: Any, path: str) -> str | None:
         if value is None:
             return None
-        text = os.path.expanduser(_str(value, path))
+        text = os.path.expanduser(read_str(value, path))
         looks_like_path = text.startswith(("/", "./", "../"))
         candidate = Path(text) if Path(text).is_absolute() or base_dir is None else base_dir / text
         if candidate.is_dir():
@@ -292,24 +195,21 @@ def parse_config(data: Any, base_dir: Path | None = None) -> ClusterConfig:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"the top level must be a mapping, got {_type_name(data)}")
-    readers: dict[str, Callable[[Any, str], Any]] = {
+        raise ConfigError(f"the top level must be a mapping, got {type_name(data)}")
+    readers: dict[str, Reader] = {
         "model": _model(base_dir),
-        "served_model_name": lambda v, p: None if v is None else _str(v, p),
+        "served_model_name": lambda v, p: None if v is None else read_str(v, p),
         "kv_tier": _kv_tier,
         "router": _router,
         "prefill": _pool("prefill"),
         "decode": _pool("decode"),
         "mixed": _pool("mixed"),
-        "env": _env,
-        "drain_timeout": _number,
-        "startup_timeout": _number,
-        "restart": _restart,
-        "liveness": _liveness,
+        "env": read_env,
+        **LIFECYCLE_READERS,
     }
     for key in data:
         if key not in readers:
-            raise ConfigError(_unknown_key(str(key), key, readers))
+            raise ConfigError(unknown_key(str(key), key, readers))
     values = {key: readers[key](v, key) for key, v in data.items()}
     if any(role in data for role in ROLES):
         for role in ROLES:

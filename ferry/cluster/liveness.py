@@ -10,10 +10,15 @@ that the supervisor restarts it as it restarts one that crashed (a Kubernetes li
   while it waits for the child to be healthy); or when that process has answered none for
   ``startup_timeout`` s since it started. Before its first answer, refused connections are no
   sign of a hang: a worker binds its port but listens only once its model has loaded (minutes, for a
-  large one). A hung child gets SIGTERM, then SIGKILL ``KILL_GRACE_S`` later (a stopped process acts on
-  neither but the second), each to its whole process group; said once, with why.
+  large one). A hung child gets SIGTERM, then SIGKILL ``liveness.termination_grace_period`` s later
+  (a stopped process acts on neither but the second; 0: SIGKILL alone), each to its whole process
+  group; said once, with why.
 * Our own redis-server: its hang is judged by the KV tier watcher's PINGs (``tier_watch.py``) and it
   gets SIGKILL at once, as it holds nothing to finish.
+
+With ``liveness: false`` (no ``LivenessSpec``) nothing is probed and nothing, our own Redis
+included, is ever killed as hung: ``check`` and ``check_redis`` decide nothing, the state file shows
+no probe counts.
 
 Nothing here restarts anything: the killed child exits and the supervisor's restart path (same port,
 back-off) brings it back. Probes run on their own threads and only record what they saw; the
@@ -34,8 +39,6 @@ from ferry.cluster import tier_watch
 from ferry.cluster.child import Child
 from ferry.cluster.spec import LivenessSpec
 from ferry.cluster.tier_watch import TierCheck, TierWatcher
-
-KILL_GRACE_S = 5.0  # seconds from a hung child's SIGTERM to its SIGKILL
 
 
 def probe_health(host: str, port: int, timeout: float) -> str | None:
@@ -97,13 +100,17 @@ class Liveness:
     (``check_redis``); ``unanswered`` and ``kills`` are what the state file shows of them."""
 
     def __init__(
-        self, spec: LivenessSpec, children: list[Child], startup_timeout: float, say: Callable[[str], None]
+        self,
+        spec: LivenessSpec | None,
+        children: list[Child],
+        startup_timeout: float,
+        say: Callable[[str], None],
     ) -> None:
-        self.spec = spec
+        self.spec = spec  # None: switched off
         self.children = children
         self.startup_timeout = startup_timeout
         self.say = say
-        self.probers = {c.name: Prober(c, spec) for c in children}
+        self.probers = {} if spec is None else {c.name: Prober(c, spec) for c in children}
         self.unanswered: dict[str, int] = {}  # probes in a row the current process left unanswered
         self.kills: dict[str, int] = {}  # times each child was killed as hung
         self._started = math.inf  # when the probes began (monotonic)
@@ -123,6 +130,9 @@ class Liveness:
     def check(self, now: float) -> bool:
         """Kill what is hung, SIGKILL what outlived its grace; True when what the state file shows of
         liveness changed."""
+        if self.spec is None:
+            return False
+        grace = self.spec.termination_grace_period
         changed = False
         for child in self.children:
             if not child.running or child.started_at is None:
@@ -152,12 +162,17 @@ class Liveness:
             else:
                 continue
             self.kills[child.name] = self.kills.get(child.name, 0) + 1
-            self.say(
-                f"{child.name} (pid {child.pid}) runs but {why}: hung; SIGTERM, then SIGKILL in"
-                f" {KILL_GRACE_S:g} s, to restart it"
-            )
-            child.signal_group(signal.SIGTERM)
-            self._killing[child.name] = (child.pid, now + KILL_GRACE_S)
+            if grace > 0:
+                self.say(
+                    f"{child.name} (pid {child.pid}) runs but {why}: hung; SIGTERM, then SIGKILL in"
+                    f" {grace:g} s, to restart it"
+                )
+                child.signal_group(signal.SIGTERM)
+                self._killing[child.name] = (child.pid, now + grace)
+            else:
+                self.say(f"{child.name} (pid {child.pid}) runs but {why}: hung; SIGKILL, to restart it")
+                child.signal_group(signal.SIGKILL)
+                self._killing[child.name] = (child.pid, math.inf)
             changed = True
         return changed
 
@@ -166,9 +181,11 @@ class Liveness:
         sent since it was last healthy, unanswered: the supervisor's restart then brings it back as
         a crashed child. Only PINGs since it was healthy count, so a Redis just restarted is not
         judged by what its predecessor (or its own start) missed. One that SIGKILL cannot end at
-        once (asleep in the kernel on a stuck disk) is not killed or spoken of again. True: killed."""
+        once (asleep in the kernel on a stuck disk) is not killed or spoken of again; with liveness
+        switched off, none is. True: killed."""
         if (
-            redis is None
+            self.spec is None
+            or redis is None
             or not redis.running
             or redis.healthy_since is None
             or redis.pid == self._killed_redis

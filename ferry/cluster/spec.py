@@ -74,12 +74,20 @@ class RestartSpec:
 @dataclass(frozen=True)
 class LivenessSpec:
     """Probes of a running worker's or router's ``/health`` (a Kubernetes liveness probe's
-    periodSeconds, timeoutSeconds and failureThreshold): that many probes in a row left unanswered
-    (any HTTP status is an answer, 503 included) and the child is killed, to be restarted."""
+    periodSeconds, timeoutSeconds, failureThreshold and terminationGracePeriodSeconds): that many
+    probes in a row left unanswered (any HTTP status is an answer, 503 included) and the child is
+    killed, to be restarted. ``ClusterConfig.liveness`` is None when the file says ``liveness: false``.
+    """
 
     interval: float = 5.0  # seconds between the end of one probe and the next
     timeout: float = 5.0  # seconds each probe waits to connect and for the answer
     failure_threshold: int = 3
+    # Seconds from a hung child's SIGTERM to its SIGKILL (0: SIGKILL at once). Short by default: a
+    # child that left failure_threshold probes unanswered is rarely one a drain would save. Given
+    # SIGTERM, a child drains for up to drain_timeout, then aborts and exits (`ferry up`'s own stop
+    # waits drain_timeout + 10 s for that): a grace up to that lets one that was only slow finish;
+    # a longer one only delays the restart of one that ignores SIGTERM.
+    termination_grace_period: float = 5.0
 
 
 @dataclass(frozen=True)
@@ -95,7 +103,7 @@ class ClusterConfig:
     drain_timeout: float = 30.0
     startup_timeout: float = 600.0
     restart: RestartSpec = field(default_factory=RestartSpec)
-    liveness: LivenessSpec = field(default_factory=LivenessSpec)
+    liveness: LivenessSpec | None = field(default_factory=LivenessSpec)  # None: never killed as hung
     # The KV block size every worker runs with, when a pool's args set it (None: the engine's
     # default); the router hashes prompt blocks with it. Derived from the pools by ``parse_config``.
     block_size: int | None = None

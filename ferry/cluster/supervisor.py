@@ -18,7 +18,8 @@ said once each and kept in the state file (``kv_tier_ok``); the workers serve on
 then on too, each worker's and the router's ``/health`` is probed (``liveness.py``): a child whose
 process runs but leaves ``liveness.failure_threshold`` probes in a row unanswered (a 503 is an
 answer), or our own redis-server its PINGs, is hung; it is killed, said once with why, and comes
-back as a crashed child does. An existing tier is never touched.
+back as a crashed child does (``liveness: false``: none is ever killed as hung). An existing tier
+is never touched.
 
 All of it runs on the main thread (see ``child.py`` for why); log lines arrive on one thread per
 child, the tier's PINGs on one more, each HTTP child's liveness probes on one more.
@@ -325,6 +326,7 @@ class Supervisor:
     def _write_state(self) -> None:
         if self.state_file is None:
             return
+        liveness = self.config.liveness
         state = {
             "pid": os.getpid(),
             "ready": self.ready,
@@ -335,9 +337,10 @@ class Supervisor:
             "kv_tier_ok": None if self.tier_check is None else self.tier_check.ok,
             "kv_tier_error": None if self.tier_check is None else self.tier_check.reason,
             "kv_tier_since": None if self._tier_since is None else round(self._tier_since[0], 3),
-            # How workers and the router are probed; each process' unanswered_probes (in a row, of its
-            # current process since it first answered) and hung_kills (liveness.py).
-            "liveness": dataclasses.asdict(self.config.liveness),
+            # How workers and the router are probed (null: `liveness: false`, never); each process'
+            # unanswered_probes (in a row, of its current process since it first answered; null: not
+            # probed) and hung_kills (liveness.py).
+            "liveness": None if liveness is None else dataclasses.asdict(liveness),
             "processes": [
                 {
                     "name": c.name,

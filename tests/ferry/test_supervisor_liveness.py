@@ -26,13 +26,13 @@ from ferry.cluster.child import Child, LogSink
 from ferry.cluster.config import ConfigError, parse_config
 from ferry.cluster.plan import build_plan
 from ferry.cluster.spec import LivenessSpec, RestartSpec
+from ferry.strict_yaml import load_yaml
 
-PROBES = LivenessSpec(interval=0.1, timeout=0.5, failure_threshold=3)
+PROBES = LivenessSpec(interval=0.1, timeout=0.5, failure_threshold=3, termination_grace_period=1.0)
 
 
 @pytest.fixture(autouse=True)
 def short_grace(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(liveness, "KILL_GRACE_S", 1.0)
     monkeypatch.setattr(sup, "KILL_GRACE", 0.5)  # the stop's, for workers that shrug SIGTERM off
 
 
@@ -102,7 +102,12 @@ def test_a_worker_answering_503_lives_and_one_that_never_answers_is_killed_and_r
     assert (worker["restarts"], worker["hung_kills"], worker["unanswered_probes"]) == (1, 1, 0)
     assert f"[up] mixed-0 is healthy again (pid {worker['pid']})" in lines
     assert seen["health"] == 200
-    assert seen["state"]["liveness"] == {"interval": 0.1, "timeout": 0.5, "failure_threshold": 3}
+    assert seen["state"]["liveness"] == {
+        "interval": 0.1,
+        "timeout": 0.5,
+        "failure_threshold": 3,
+        "termination_grace_period": 1.0,
+    }
     assert pids["router"] == [seen["state"]["processes"][-1]["pid"]]  # the router was left alone
 
 
@@ -174,15 +179,57 @@ def test_a_restarted_worker_that_never_listens_is_killed_after_startup_timeout(t
 
 def test_liveness_keys_in_the_cluster_file() -> None:
     base = {"mixed": {}, "kv_tier": "memory://"}
-    assert parse_config(base).liveness == LivenessSpec(interval=5.0, timeout=5.0, failure_threshold=3)
+    default = LivenessSpec(interval=5.0, timeout=5.0, failure_threshold=3, termination_grace_period=5.0)
+    assert parse_config(base).liveness == default
+    assert parse_config({**base, "liveness": True}).liveness == default
     spec = parse_config({**base, "liveness": {"interval": 2, "failure_threshold": 5}}).liveness
-    assert spec == LivenessSpec(interval=2.0, timeout=5.0, failure_threshold=5)
+    assert spec == LivenessSpec(interval=2.0, timeout=5.0, failure_threshold=5, termination_grace_period=5.0)
+    spec = parse_config({**base, "liveness": {"termination_grace_period": 45}}).liveness
+    assert spec == dataclasses.replace(default, termination_grace_period=45.0)
+    assert parse_config(
+        {**base, "liveness": {"termination_grace_period": 0}}
+    ).liveness == dataclasses.replace(default, termination_grace_period=0.0)
+    assert parse_config({**base, "liveness": False}).liveness is None
+    assert load_yaml("liveness: false")["liveness"] is False  # what the documented spelling reads as
+    expected = (
+        "liveness: expected a mapping {interval: …, timeout: …, failure_threshold: …,"
+        " termination_grace_period: …}, or false to switch liveness probes off, got "
+    )
     for value, message in [
         ({"interval": 0}, "liveness.interval: must be > 0, got 0"),
         ({"timeout": "1s"}, "liveness.timeout: expected a number, got '1s' (str)"),
-        ({"failure_threshold": 0}, "liveness.failure_threshold: must be >= 1, got 0"),
+        (
+            {"failure_threshold": 0},
+            "liveness.failure_threshold: must be >= 1, got 0 (liveness: false switches liveness probes off)",
+        ),
         ({"failure_threshold": 2.5}, "liveness.failure_threshold: expected an integer, got 2.5 (float)"),
         ({"period": 1}, "liveness.period: unknown key"),
+        (
+            {"termination_grace_period": -1},
+            "liveness.termination_grace_period: must be a finite number of seconds >= 0 (0: SIGKILL at once),"
+            " got -1",
+        ),
+        (
+            {"termination_grace_period": float("inf")},
+            "liveness.termination_grace_period: must be a finite number of seconds >= 0 (0: SIGKILL at once),"
+            " got inf",
+        ),
+        (
+            {"termination_grace_period": float("nan")},
+            "liveness.termination_grace_period: must be a finite number of seconds >= 0 (0: SIGKILL at once),"
+            " got nan",
+        ),
+        (
+            {"termination_grace_period": "30s"},
+            "liveness.termination_grace_period: expected a number of seconds, got '30s' (str)",
+        ),
+        (
+            {"termination_grace": 1},
+            "liveness.termination_grace: unknown key, did you mean termination_grace_period?",
+        ),
+        (None, expected + "None (null)"),
+        ("off!", expected + "'off!' (str)"),
+        (0, expected + "0 (int)"),
     ]:
         with pytest.raises(ConfigError) as e:
             parse_config({**base, "liveness": value})

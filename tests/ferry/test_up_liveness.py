@@ -47,7 +47,12 @@ liveness: {{interval: 0.2, timeout: 2, failure_threshold: 3}}
     )
     up.wait_for(r"^\[up\] ready: http://127\.0\.0\.1:\d+ \(router; 1 mixed; KV tier memory://\)", 180)
     state = up.state()
-    assert state["liveness"] == {"interval": 0.2, "timeout": 2.0, "failure_threshold": 3}
+    assert state["liveness"] == {
+        "interval": 0.2,
+        "timeout": 2.0,
+        "failure_threshold": 3,
+        "termination_grace_period": 5.0,
+    }
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{router_port}/v1", api_key="none", max_retries=0)
     before = complete_when_served(client, 30)
     victim = up.pids()["mixed-0"]
