@@ -414,6 +414,8 @@ class AsyncEngine(SleepCommands, BurstGathering, LoRAServing, RequestPreparation
                     # Publish stats first: a caller that sees its final output sees them updated.
                     self._stats = self._engine_stats()
                     self._deliver(outputs)
+                elif engine.has_idle_work:
+                    engine.idle_step()
         except BaseException as exc:  # noqa: BLE001 - any crash must fail requests, not hang them
             logger.exception("engine loop crashed")
             with self._wake:  # after this, ``_submit`` queues nothing more (see there)

@@ -142,8 +142,9 @@ class SleepCommands:
     # -- on the loop thread ------------------------------------------------------------------------
 
     def _has_work(self) -> bool:
-        """A step to run, or barriers whose running requests have all ended."""
-        return self._can_step() or bool(self._barriers) and self._barrier_ready()
+        """A step to run, barriers whose running requests have all ended, or the KV connector's own
+        work (``LLMEngine.idle_step``)."""
+        return self._can_step() or bool(self._barriers) and self._barrier_ready() or self.engine.has_idle_work
 
     def _can_step(self) -> bool:
         engine = self.engine

@@ -112,6 +112,15 @@ class BlockManager:
             return None
         return bid
 
+    def registered_hashes(self) -> list[bytes]:
+        """Every full block the prefix cache holds (in use or cached), in the order registered: a
+        request registers a block after the one before it. The KV tier's re-publication walks it."""
+        return list(self._by_hash)
+
+    def block_of(self, block_hash: bytes) -> int | None:
+        """The block registered under ``block_hash`` (its KV is that hash's), or None."""
+        return self._by_hash.get(block_hash)
+
     def match_prefix(self, token_ids: Sequence[int], hashes: Sequence[bytes], max_tokens: int) -> list[int]:
         """Block ids of the longest cached prefix (whole blocks, at most ``max_tokens`` tokens)."""
         if not self.enable_prefix_caching:

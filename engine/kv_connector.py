@@ -27,7 +27,11 @@ Contract, in the order the engine calls it (all on the engine loop thread):
    ``request.kv_transfer_result`` (a dict that the engine returns on the final
    ``RequestOutput.kv_transfer``), or ``request.kv_transfer_future`` (a ``Future`` of that dict:
    the engine frees the request's blocks at once and holds its final output until it is done).
-5. Sleep mode and weight updates, with no request running: ``release_caches()`` before the KV
+5. ``step()`` at the start of every engine step that runs (not asleep): the connector's own
+   bounded work (the KV tier's re-publication pass); it must return at once, never wait on I/O.
+   While ``has_work()`` says there is more and no request runs, ``LLMEngine.idle_step`` calls
+   ``step()`` at most every ``TIER_IDLE_WAIT_S`` (an idle async engine keeps the pass going).
+6. Sleep mode and weight updates, with no request running: ``release_caches()`` before the KV
    cache is freed, ``bind_caches(kv_caches)`` once it is allocated again, ``set_fingerprint(fp)``
    after new weights were installed (blocks of the old weights are never read as the new ones').
 """
@@ -54,6 +58,14 @@ class KVConnector:
 
     def request_finished(self, request: Request) -> None:
         return None
+
+    def step(self) -> None:
+        """Once per engine step, before scheduling: bounded work of the connector's own."""
+        return None
+
+    def has_work(self) -> bool:
+        """Whether ``step`` has work of its own to do even with no request to step."""
+        return False
 
     def count_lookup_misses(self, num_blocks: int) -> None:
         """An admitted request asked the tier for ``num_blocks`` blocks (after those it loads) that

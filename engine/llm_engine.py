@@ -17,7 +17,7 @@ import random
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from pathlib import Path
 
 import torch
@@ -291,6 +291,7 @@ class LLMEngine(EngineSleep, RequestBuilder, SpecDecodeStep):
                 raise RuntimeError("the engine is asleep: wake_up() before stepping")
             sched = SchedulerOutput()  # asleep: only finished requests' held outputs go out
         else:
+            self.connector.step()
             sched = self.scheduler.schedule()
         if sched.is_empty:
             if not released:
@@ -307,6 +308,18 @@ class LLMEngine(EngineSleep, RequestBuilder, SpecDecodeStep):
         self.iteration_tokens_counts[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, tokens)] += 1
         self.iteration_tokens_sum += tokens
         return released + self._postprocess(sched, model_out)
+
+    @property
+    def has_idle_work(self) -> bool:
+        """No request needs a step, but the KV connector has work of its own (re-publishing to the
+        tier after it came back): an idle async engine runs ``idle_step`` meanwhile."""
+        return not self.sleep_state.is_sleeping and self.connector.has_work()
+
+    def idle_step(self) -> None:
+        """The connector's bounded share of its own work, then a wait of at most
+        ``TIER_IDLE_WAIT_S`` (cut short by a new command) so that an idle loop does not spin."""
+        self.connector.step()
+        wait([self.step_interrupt], timeout=TIER_IDLE_WAIT_S)
 
     def _release_finals(self) -> list[RequestOutput]:
         """The final outputs whose connector report (``kv_transfer_future``) came in."""

@@ -6,7 +6,8 @@ and calls return a miss at once, without touching the network. Once ``cooldown_s
 passed, the next call (still answered with a miss at once) starts a *half-open* probe — one
 cheap ``contains_prefix`` on a background thread, so no engine-thread call ever waits on a
 dead host's connect timeout. Success closes the breaker (hits resume by themselves); failure
-re-opens it for another cool-down. An error the server answers with (a full Redis refusing
+re-opens it for another cool-down. Each close after an open counts in ``recoveries`` (the tier's
+``epoch``): the writes dropped meanwhile are what the re-publication pass makes up for. An error the server answers with (a full Redis refusing
 writes, a read-only replica) is counted and logged but opens nothing: the server is reachable,
 and what it still serves (reads, when only writes are refused) goes on. Nothing here ever raises
 to the caller.
@@ -66,6 +67,7 @@ class CircuitBreaker:
         self._failures = 0
         self._opened_at = 0.0
         self.times_opened = 0
+        self.recoveries = 0  # closes after an open: each one may follow dropped writes
 
     @property
     def state(self) -> str:
@@ -92,6 +94,7 @@ class CircuitBreaker:
         with self._lock:
             if self._state != CLOSED:
                 logger.warning("KV tier reachable again; circuit breaker closed")
+                self.recoveries += 1
             self._state = CLOSED
             self._failures = 0
 
@@ -170,6 +173,15 @@ class GuardedTier(Tier):
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         return self._call("get_many", lambda: self.inner.get_many(keys), None) or [None] * len(keys)
+
+    def contains_many(self, keys: Sequence[str]) -> list[bool] | None:
+        return self._call("contains_many", lambda: self.inner.contains_many(keys), None)
+
+    def epoch(self) -> int:
+        return self.breaker.recoveries + self.inner.epoch()
+
+    def available(self) -> bool:
+        return self.breaker.is_closed()
 
     def put_many(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
         failed = [False] * len(items)

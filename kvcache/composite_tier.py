@@ -73,6 +73,16 @@ class CompositeTier(Tier):
         self.l1.put_many(items)
         return self.l2.put_many(items)
 
+    def contains_many(self, keys: Sequence[str]) -> list[bool] | None:
+        # L1 holds every block this process wrote: only the shared level says what others can read.
+        return self.l2.contains_many(keys)
+
+    def epoch(self) -> int:
+        return self.l2.epoch()
+
+    def available(self) -> bool:
+        return self.l2.available()
+
     def close(self) -> None:
         self.l1.close()
         self.l2.close()

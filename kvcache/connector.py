@@ -16,6 +16,9 @@ no V caches); the block shape's second dim says which.
 * ``save(hash, block_id, ...)`` / ``save_many``: snapshot the block to host memory *now*, on
   the caller's thread (the cache slot may be reused right after), and queue the write for a
   background writer. A full queue drops the write and counts it; saving never blocks.
+* ``republish(hashes, block_ids, ...)``: the same for blocks written again after the tier came
+  back (``kvcache/republish.py``), in writer slots only while half the queue is still free: what
+  finds no slot is left to the caller (not dropped), and blocks that fill meanwhile keep room.
 
 Nothing here raises on tier trouble: a dead Redis means misses and dropped writes, counted in
 ``ferry:kv_tier_*`` metrics. Exceptions are only for misuse (mismatched lengths, wrong dtype).
@@ -79,6 +82,7 @@ class ConnectorStats:
     load_seconds: float  # wall time spent in load() (fetch + verify + copy), all calls
     blocks_saved: int
     writes_dropped: int
+    blocks_republished: int  # of blocks_saved: written again after the tier came back
     corrupt_blocks: int  # refused as damaged (codec: kind "corrupt")
     mismatched_blocks: int  # refused as another model's, layout's or format's (kind "mismatch")
     pending_writes: int  # handed to the writer, not yet counted saved or dropped (one snapshot)
@@ -371,6 +375,33 @@ class KVConnector:
         self._writer.submit([BlockWrite(bytes(hashes[i]), snapshot[i], fp) for i in range(n)])
         return n
 
+    def republish(
+        self,
+        hashes: Sequence[bytes],
+        block_ids: Sequence[int],
+        k_caches: Sequence[torch.Tensor],
+        v_caches: Sequence[torch.Tensor],
+    ) -> int:
+        """``save_many`` for a re-publication: queues the leading blocks that fit in the writer's
+        spare half and returns how many; the rest are neither snapshotted nor counted dropped."""
+        if len(hashes) != len(block_ids):
+            raise ValueError(f"{len(hashes)} hashes but {len(block_ids)} block ids")
+        if not hashes:
+            return 0
+        self._check_caches(k_caches, v_caches)
+        n = self._writer.reserve(len(hashes), keep_free=self._writer.capacity // 2)
+        if n == 0:
+            return 0
+        try:
+            with single_threaded():
+                snapshot = self._snapshot(block_ids[:n], k_caches, v_caches)
+        except BaseException:
+            self._writer.cancel(n)
+            raise
+        fp = self.fingerprint
+        self._writer.submit([BlockWrite(bytes(hashes[i]), snapshot[i], fp, republish=True) for i in range(n)])
+        return n
+
     def _snapshot(
         self, block_ids: Sequence[int], k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor]
     ) -> torch.Tensor:
@@ -461,6 +492,7 @@ class KVConnector:
                 load_seconds=self._load_seconds,
                 blocks_saved=w.written,
                 writes_dropped=w.dropped,
+                blocks_republished=w.republished,
                 corrupt_blocks=self._corrupt,
                 mismatched_blocks=self._mismatched,
                 pending_writes=w.pending,

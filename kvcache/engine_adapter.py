@@ -20,6 +20,8 @@ What happens when (all on the engine loop thread):
 * a block becomes full and registered in the device prefix cache (``block_stored``): its KV is
   snapshotted and queued for the tier — unless it was itself just loaded from the tier;
 * a cached block is evicted (``block_removed``): only a device event, if events are on;
+* every step (``step``): the re-publication pass (``kvcache/republish.py``) takes its bounded
+  share: after the tier came back, the prefix cache's blocks it lacks are written again;
 * a ``kv_transfer`` producer request finishes (``request_finished``): on the reporter thread,
   wait (bounded) until its prompt blocks reached the tier, so the consumer that the router calls
   next finds them, and report how many leading prompt blocks the tier holds
@@ -38,6 +40,7 @@ from typing import Any
 from engine.attention.base import raw
 from kvcache.connector import ConnectorStats, KVConnector
 from kvcache.log_limit import RateLimitedLog
+from kvcache.republish import Republisher
 from kvcache.tier import TierURL
 
 logger = logging.getLogger(__name__)
@@ -79,6 +82,7 @@ class TierConnector:
         self._just_loaded: set[bytes] = set()
         self._reporter: ThreadPoolExecutor | None = None  # producers' finish reports, one at a time
         self._shortfall_log = RateLimitedLog(logger)  # written on the reporter thread only
+        self.republisher = Republisher(self.kv, engine.block_manager)
         engine.block_manager.add_listener(self)
 
     # -- engine hooks ------------------------------------------------------------------------------
@@ -95,6 +99,12 @@ class TierConnector:
 
     def count_lookup_misses(self, num_blocks: int) -> None:
         self.kv.tier.count_blocks(0, num_blocks)
+
+    def step(self) -> None:
+        self.republisher.step(self.k_caches, self.v_caches)
+
+    def has_work(self) -> bool:
+        return self.republisher.has_work()
 
     def load_blocks(self, request: Any, block_ids: Sequence[int], block_hashes: Sequence[bytes]) -> int:
         loaded = self.kv.load(block_hashes, block_ids, self.k_caches, self.v_caches)
@@ -157,6 +167,7 @@ class TierConnector:
             reporter, self._reporter = self._reporter, None
         if reporter is not None:
             reporter.shutdown(wait=True)  # the reports still out, then the writes they wait for
+        self.republisher.close()
         self.kv.close()
 
     # -- sleep mode and weight updates ---------------------------------------------------------------
@@ -168,10 +179,12 @@ class TierConnector:
 
     def release_caches(self) -> None:
         """Let go of the KV cache tensors, so sleep mode can free them (no request runs meanwhile)."""
+        self.republisher.cancel("the KV cache is released (sleep mode)")
         self.k_caches, self.v_caches = [], []
 
     def set_fingerprint(self, fingerprint: str) -> None:
         """The weights changed: tier keys and event streams follow the new fingerprint."""
+        self.republisher.cancel("the weights changed")
         self.kv.set_fingerprint(fingerprint)
         with self._lock:
             self._just_loaded.clear()

@@ -78,6 +78,11 @@ KV_TIER_DROPPED_WRITES = Counter(
 )
 for _reason in DROP_REASONS:
     KV_TIER_DROPPED_WRITES.labels(reason=_reason)
+KV_TIER_REPUBLISHED = Counter(
+    "ferry:kv_tier_republished_blocks",
+    "KV blocks of the local prefix cache written to the tier again after it came back (a breaker "
+    "closing, a Redis restart) because it lacked them; counted once the tier acknowledged each.",
+)
 KV_TIER_GET_SECONDS = Histogram(
     "ferry:kv_tier_get_seconds", "Latency of one batched tier read (get_many).", buckets=_LATENCY_BUCKETS
 )

@@ -14,6 +14,10 @@ URL: ``redis[s]://[[user]:password@]host:port/db?ttl=S&timeout=S&connect_timeout
   try again), and eviction is Redis' own (``maxmemory`` + an LRU policy); ``ttl`` adds expiry
   after that many seconds without a write or a read of the block (a read sets it again).
 * ``l1_bytes=N`` puts a process-local memory LRU of N bytes in front (see ``composite_tier``).
+* A server that restarted (its ``run_id``, read with ``INFO server`` once per new connection, is
+  not the one seen before) lost every block: it counts in ``epoch()``, so replicas re-publish what
+  their prefix caches hold (``kvcache/republish.py``), even when the restart was too quick to open
+  the breaker. A server that refuses ``INFO`` (ACLs, renamed on some managed Redis) is not watched.
 
 This backend raises on I/O errors; the factory wraps it in ``GuardedTier`` so the tier that
 ``open_tier`` returns never does.
@@ -22,7 +26,9 @@ This backend raises on I/O errors; the factory wraps it in ``GuardedTier`` so th
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
+from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
@@ -100,6 +106,10 @@ class RedisTier(Tier):
         use_script: bool = True,
     ) -> None:
         self.ttl_s = ttl_s
+        self._run_id_lock = threading.Lock()
+        self._run_id: str | None = None  # the server's, as the last new connection found it
+        self._restarts = 0
+        self._watch_restarts = True
         # No retries: a failing call returns at once and the breaker owns "try again later".
         # A blocking pool waits (bounded) for a free connection instead of failing when the
         # engine thread, loader and writer threads all call at once.
@@ -111,12 +121,47 @@ class RedisTier(Tier):
             socket_connect_timeout=connect_timeout,
             retry=Retry(NoBackoff(), 0),
             health_check_interval=0,
+            redis_connect_func=self._on_connect,
         )
         self._client = redis.Redis(connection_pool=self._pool)
         # One round trip, one small reply, and the server stops at the first absent key.
         self._prefix_script: Script | None = (
             self._client.register_script(PREFIX_SCRIPT) if use_script else None
         )
+
+    def _on_connect(self, conn: Any) -> None:
+        """redis-py's connect hook: the usual handshake, then the server's ``run_id`` (one round trip
+        per new connection; connections are pooled, so that is rare)."""
+        conn.on_connect()
+        if not self._watch_restarts:
+            return
+        try:
+            conn.send_command("INFO", "server")
+            info = conn.read_response()
+        except redis.exceptions.ResponseError as exc:
+            self._watch_restarts = False
+            logger.warning("Redis refuses INFO (%s); a restart of the server goes unnoticed", exc)
+            return
+        run_id = _run_id(info)
+        if run_id is None:
+            return
+        with self._run_id_lock:
+            if self._run_id is not None and run_id != self._run_id:
+                self._restarts += 1
+                logger.warning(
+                    "Redis KV tier restarted (run_id %s -> %s): its blocks are gone", self._run_id, run_id
+                )
+            self._run_id = run_id
+
+    def epoch(self) -> int:
+        return self._restarts
+
+    def contains_many(self, keys: Sequence[str]) -> list[bool] | None:
+        """One pipelined ``EXISTS`` per key, one round trip."""
+        pipe = self._client.pipeline(transaction=False)
+        for key in keys:
+            pipe.exists(key)
+        return [bool(found) for found in pipe.execute()]
 
     def contains_prefix(self, keys: Sequence[str]) -> int:
         if self._prefix_script is not None:
@@ -237,6 +282,15 @@ class RedisTier(Tier):
     def close(self) -> None:
         self._client.close()
         self._pool.disconnect()
+
+
+def _run_id(info: bytes | str) -> str | None:
+    """The ``run_id`` line of an ``INFO server`` reply (None if it has none)."""
+    text = info.decode("utf-8", "replace") if isinstance(info, bytes) else str(info)
+    for line in text.splitlines():
+        if line.startswith("run_id:"):
+            return line[len("run_id:") :].strip()
+    return None
 
 
 @register_tier("redis", "rediss")

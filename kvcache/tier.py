@@ -16,6 +16,13 @@ Contract of the ``Tier`` methods (all thread-safe):
   a memory bound) counts exactly its dropped blocks. A backend that fails part-way may raise
   ``PartialWriteError`` with the flags so far instead.
 * ``close()``: release connections; later calls behave as misses.
+* ``contains_many(keys)``: one flag per key, whether the tier holds it *where other processes read
+  it* (a composite tier asks its shared level), or ``None`` when it cannot tell now (down): the
+  re-publication pass (``kvcache/republish.py``) asks it to find the blocks a tier lacks.
+* ``epoch()``: a count that grows each time the tier may have lost or missed this process's writes
+  (a circuit breaker closing after it was open; a Redis server that restarted, empty). ``0`` for a
+  tier that can do neither (``memory://``). Cheap: no I/O.
+* ``available()``: whether a call now would reach the backend (a closed breaker); no I/O.
 
 A backend may raise on I/O failure; what ``open_tier`` returns never does: failing backends
 are wrapped in a circuit breaker (``breaker.GuardedTier``) and the outermost ``MeteredTier``
@@ -79,6 +86,15 @@ class Tier(ABC):
 
     @abstractmethod
     def close(self) -> None: ...
+
+    def contains_many(self, keys: Sequence[str]) -> list[bool] | None:
+        return [self.contains_prefix([key]) == 1 for key in keys]
+
+    def epoch(self) -> int:
+        return 0
+
+    def available(self) -> bool:
+        return True
 
     def stats(self) -> TierStats:
         return TierStats()
@@ -222,6 +238,26 @@ class MeteredTier(Tier):
         except Exception:
             self._internal_error("contains_prefix")
             return [0] * len(key_lists)
+
+    def contains_many(self, keys: Sequence[str]) -> list[bool] | None:
+        if not keys:
+            return []
+        try:
+            flags = self.inner.contains_many(keys)
+        except Exception:
+            self._internal_error("contains_many")
+            return None
+        if flags is not None and len(flags) != len(keys):
+            logger.error("KV tier contains_many answered %d flags for %d keys", len(flags), len(keys))
+            self._errors.record(ERROR_INTERNAL)
+            return None
+        return flags
+
+    def epoch(self) -> int:
+        return self.inner.epoch()
+
+    def available(self) -> bool:
+        return self.inner.available()
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         """Values as found: each one present counts as a hit. A caller that checks the values

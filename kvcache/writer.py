@@ -34,6 +34,7 @@ from kvcache.metrics import (
     DROP_SNAPSHOT,
     DROP_TIER,
     KV_TIER_DROPPED_WRITES,
+    KV_TIER_REPUBLISHED,
 )
 from kvcache.tier import Tier
 
@@ -66,6 +67,9 @@ class BlockWrite:
     # The model fingerprint the block was computed under (None: the writer's): a write queued
     # before a weight update still lands under the old weights' key.
     fingerprint: str | None = None
+    # Written again by a re-publication pass (``kvcache/republish.py``), not because it just filled:
+    # counted apart (``ferry:kv_tier_republished_blocks_total``) once the tier acknowledged it.
+    republish: bool = False
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,7 @@ class WriterCounts(NamedTuple):
     written: int
     dropped: int
     pending: int  # items (writes, events) queued or in hand, less the writes counted already
+    republished: int = 0  # of ``written``: re-publication writes
 
 
 class BlockWriter:
@@ -110,6 +115,7 @@ class BlockWriter:
         self._batch_counted = False
         self.written = 0
         self.dropped = 0
+        self.republished = 0
         self._thread = threading.Thread(target=self._run, name="kv-tier-write", daemon=True)
         self._thread.start()
 
@@ -125,12 +131,16 @@ class BlockWriter:
         with self._lock:
             settled = self._batch if self._batch is not None and self._batch_counted else []
             pending = self._pending - sum(isinstance(item, BlockWrite) for item in settled)
-            return WriterCounts(written=self.written, dropped=self.dropped, pending=pending)
+            return WriterCounts(
+                written=self.written, dropped=self.dropped, pending=pending, republished=self.republished
+            )
 
-    def reserve(self, n: int) -> int:
-        """Reserve up to ``n`` slots; returns how many (the caller drops the rest via ``drop``)."""
+    def reserve(self, n: int, keep_free: int = 0) -> int:
+        """Reserve up to ``n`` slots, leaving ``keep_free`` of them to later callers (re-publication
+        leaves room for the writes of blocks that fill meanwhile); returns how many (the caller drops
+        the rest via ``drop``, or, re-publishing, tries them later)."""
         with self._lock:
-            got = 0 if self._closed else min(n, max(0, self.capacity - self._pending))
+            got = 0 if self._closed else min(n, max(0, self.capacity - keep_free - self._pending))
             self._pending += got
             return got
 
@@ -257,6 +267,10 @@ class BlockWriter:
                 if self._batch is not batch:  # close gave up on it meanwhile and counted it
                     return
                 self.written += len(done)
+                republished = sum(w.republish for w in done)
+                if republished:
+                    KV_TIER_REPUBLISHED.inc(republished)
+                    self.republished += republished
                 self._count_dropped(unencoded, DROP_ENCODE)
                 self._count_dropped(len(writes) - unencoded - len(done), DROP_TIER)
                 self._batch_counted = True

@@ -1,0 +1,240 @@
+"""Re-publication: write again the prefix-cache blocks a tier lost or missed while it was away.
+
+While a tier is down (the breaker open) block writes are dropped; a Redis that restarts comes back
+empty. The blocks computed meanwhile stay in this replica's device prefix cache and keep hitting
+there, so they would never be written again: every other replica recomputes them. When the tier's
+``epoch()`` moves (the breaker closed after an open, the Redis server's ``run_id`` changed), a
+*pass* walks the full blocks the prefix cache holds, asks the tier which of them it lacks (one
+``contains_many`` round trip per ``CHECK_CHUNK`` blocks, on this module's own thread) and writes
+those through the connector's normal path (snapshot now, ``BlockWriter`` later), so keys, bytes,
+fingerprint tags and tier events are exactly a normal write's.
+
+Everything the engine thread does here is bounded and never waits on the network: ``step`` reads
+an integer epoch, looks at a finished future, and snapshots at most ``BLOCKS_PER_STEP`` blocks
+(``BYTES_PER_STEP`` bytes) into
+writer slots it may take without crowding out the writes of blocks filling meanwhile (half the
+queue stays theirs). A pass stops, logged with its counts, when the tier is unreachable again (a
+newer recovery starts a new pass), when the weights change (no block is ever written under a
+stale fingerprint: the snapshot takes the connector's fingerprint, and the pass is cancelled
+when it changes), when the KV cache is released (sleep mode), or when it has gone through every
+block. Blocks evicted locally before their turn are skipped and counted.
+
+Not covered: blocks Redis evicted or an operator deleted with no restart (no cheap signal; Redis'
+eviction is its LRU's choice), and writes dropped for a full write queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvcache.connector import KVConnector
+
+logger = logging.getLogger(__name__)
+
+BLOCKS_PER_STEP = 32  # snapshots queued per engine step at most (one writer batch) ...
+BYTES_PER_STEP = 8 << 20  # ... and at most this many bytes of them (big models' blocks are MBs)
+CHECK_CHUNK = 256  # blocks per existence check (one round trip on Redis)
+MAX_CHECK_FAILURES = 3  # failed checks in a row while the tier still looks reachable: give up
+
+
+class RegisteredBlocks(Protocol):
+    """What a pass reads of the engine's block manager (on the engine thread)."""
+
+    def registered_hashes(self) -> list[bytes]: ...
+
+    def block_of(self, block_hash: bytes) -> int | None: ...
+
+
+@dataclass
+class _Pass:
+    epoch: int
+    fingerprint: str
+    hashes: list[bytes]  # the prefix cache's full blocks when the pass started, parents first
+    started: float
+    cursor: int = 0  # hashes[:cursor] were checked (or are being checked)
+    check: Future | None = None
+    checking: list[bytes] = field(default_factory=list)
+    failures: int = 0
+    missing: deque[bytes] = field(default_factory=deque)  # lacked by the tier, not yet queued
+    checked: int = 0
+    lacked: int = 0
+    queued: int = 0
+    evicted: int = 0
+
+
+class Republisher:
+    """See the module docstring. ``step`` and ``cancel`` run on the engine loop thread only."""
+
+    def __init__(
+        self,
+        kv: KVConnector,
+        blocks: RegisteredBlocks,
+        *,
+        blocks_per_step: int | None = None,
+        check_chunk: int = CHECK_CHUNK,
+    ) -> None:
+        self.kv = kv
+        self.blocks = blocks
+        # The snapshot is a device-to-host copy on the engine thread: bounded by bytes, not blocks.
+        if blocks_per_step is None:
+            blocks_per_step = max(1, min(BLOCKS_PER_STEP, BYTES_PER_STEP // kv.block_bytes))
+        self.blocks_per_step = blocks_per_step
+        self.check_chunk = check_chunk
+        self._epoch = kv.tier.epoch()
+        self._pass: _Pass | None = None
+        self._checker: ThreadPoolExecutor | None = None  # started by the first pass
+        self.passes = 0  # passes started (tests, stats)
+        self.last_outcome: str | None = None  # how the last pass ended
+
+    @property
+    def active(self) -> bool:
+        return self._pass is not None
+
+    def has_work(self) -> bool:
+        """A pass runs, or the tier came back since the last one started (any thread; no I/O)."""
+        return self._pass is not None or self.kv.tier.epoch() != self._epoch
+
+    @property
+    def queued(self) -> int:
+        """Blocks the running pass queued for writing so far (0 when none runs)."""
+        return self._pass.queued if self._pass is not None else 0
+
+    def step(self, k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor]) -> None:
+        """Advance the pass by a bounded amount; start one if the tier came back since the last."""
+        epoch = self.kv.tier.epoch()
+        if epoch != self._epoch:
+            self._epoch = epoch
+            if self._pass is not None:
+                self._end("superseded: the tier came back again")
+            self._start(epoch)
+        p = self._pass
+        if p is None:
+            return
+        if not k_caches or p.fingerprint != self.kv.fingerprint:
+            self._end("cancelled: the KV cache or the weights changed")
+            return
+        if p.check is not None and p.check.done():
+            if not self._take_check(p):
+                return
+        if p.missing:
+            if not self.kv.tier.available():
+                self._end("stopped: the tier is unreachable again")
+                return
+            self._write(p, k_caches, v_caches)
+        if p.check is None and len(p.missing) <= self.check_chunk:
+            if p.cursor < len(p.hashes):
+                self._check_next(p)
+            elif not p.missing:
+                self._end("done")
+
+    def cancel(self, reason: str) -> None:
+        """End the pass now (sleep mode, a weight update): its blocks may no longer be the model's."""
+        if self._pass is not None:
+            self._end(f"cancelled: {reason}")
+
+    def close(self) -> None:
+        if self._checker is not None:
+            self._checker.shutdown(wait=True, cancel_futures=True)
+
+    # -- internals ---------------------------------------------------------------------------------
+
+    def _start(self, epoch: int) -> None:
+        hashes = self.blocks.registered_hashes()
+        self.passes += 1
+        self._pass = _Pass(epoch, self.kv.fingerprint, hashes, time.monotonic())
+        logger.info(
+            "KV tier back (epoch %d): checking the %d full blocks of the prefix cache for re-publication",
+            epoch,
+            len(hashes),
+        )
+
+    def _check_next(self, p: _Pass) -> None:
+        chunk: list[bytes] = []
+        while p.cursor < len(p.hashes) and len(chunk) < self.check_chunk:
+            h = p.hashes[p.cursor]
+            p.cursor += 1
+            if self.blocks.block_of(h) is None:
+                p.evicted += 1
+            else:
+                chunk.append(h)
+        if chunk:
+            self._submit(p, chunk)
+
+    def _submit(self, p: _Pass, chunk: list[bytes]) -> None:
+        if self._checker is None:
+            self._checker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-tier-republish")
+        keys = self.kv.keys(chunk)  # the pass's fingerprint: it is the connector's (checked each step)
+        p.checking = chunk
+        p.check = self._checker.submit(self.kv.tier.contains_many, keys)
+
+    def _take_check(self, p: _Pass) -> bool:
+        """Fold a finished check into ``missing``; False if the pass ended."""
+        assert p.check is not None
+        try:
+            flags = p.check.result()
+        except Exception:  # the tier never raises; a bug here must not kill the engine loop
+            logger.exception("KV tier re-publication check failed")
+            flags = None
+        p.check = None
+        if flags is None:
+            p.failures += 1
+            if not self.kv.tier.available():
+                self._end("stopped: the tier is unreachable again")
+                return False
+            if p.failures >= MAX_CHECK_FAILURES:
+                self._end("stopped: the tier did not answer its existence checks")
+                return False
+            self._submit(p, p.checking)  # a passing failure (the breaker still closed): ask again
+            return True
+        p.failures = 0
+        p.checked += len(flags)
+        lacked = [h for h, present in zip(p.checking, flags, strict=True) if not present]
+        p.lacked += len(lacked)
+        p.missing.extend(lacked)
+        p.checking = []
+        return True
+
+    def _write(self, p: _Pass, k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor]) -> None:
+        hashes: list[bytes] = []
+        ids: list[int] = []
+        while p.missing and len(hashes) < self.blocks_per_step:
+            h = p.missing.popleft()
+            bid = self.blocks.block_of(h)
+            if bid is None:
+                p.evicted += 1
+                continue
+            hashes.append(h)
+            ids.append(bid)
+        if not hashes:
+            return
+        n = self.kv.republish(hashes, ids, k_caches, v_caches)
+        p.queued += n
+        p.missing.extendleft(reversed(hashes[n:]))  # no writer slot now: next step
+
+    def _end(self, outcome: str) -> None:
+        p = self._pass
+        assert p is not None
+        self._pass = None
+        self.last_outcome = outcome
+        log = logger.info if outcome == "done" else logger.warning
+        log(
+            "KV tier re-publication pass (epoch %d) %s after %.2fs: %d of %d prefix-cache blocks "
+            "checked, %d lacked by the tier, %d queued for writing, %d evicted locally first",
+            p.epoch,
+            outcome,
+            time.monotonic() - p.started,
+            p.checked,
+            len(p.hashes),
+            p.lacked,
+            p.queued,
+            p.evicted,
+        )
