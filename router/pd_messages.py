@@ -43,6 +43,9 @@ class Prefilled:
     id: str
     created: int
     model: str
+    # The answer's role (chat): the replicas' --response-role, or the role of the message a
+    # continued prompt ends in (a custom one included), which the router cannot know on its own.
+    role: str = "assistant"
 
 
 class PDTracker(StreamTracker):
@@ -140,7 +143,9 @@ def parse_prefill(path: str, body: dict[str, Any], content: bytes) -> Prefilled 
         choice = obj["choices"][0]
         token = choice["token_ids"][0]
         reasoning = None
+        role = "assistant"
         if path.endswith("/chat/completions"):
+            role = str(choice["message"].get("role") or role)
             text = choice["message"]["content"] or ""
             reasoning = choice["message"].get("reasoning_content")
             reasoning = str(reasoning) if reasoning is not None else None
@@ -168,6 +173,7 @@ def parse_prefill(path: str, body: dict[str, Any], content: bytes) -> Prefilled 
             id=str(obj["id"]),
             created=int(obj["created"]),
             model=str(obj["model"]),
+            role=role,
         )
     except (ValueError, KeyError, IndexError, TypeError, AttributeError):
         return None
@@ -191,7 +197,7 @@ def first_events(path: str, body: dict[str, Any], p: Prefilled, done: bool) -> l
         head["object"] = "chat.completion.chunk"
         role = {
             "index": 0,
-            "delta": {"role": "assistant", "content": ""},
+            "delta": {"role": p.role, "content": ""},
             "logprobs": None,
             "finish_reason": None,
         }
@@ -234,14 +240,14 @@ def merge_answer(path: str, body: dict[str, Any], p: Prefilled, content: bytes |
         }
         choice = obj["choices"][0]
         if chat:
-            choice["message"] = {"role": "assistant", "content": ""}
+            choice["message"] = {"role": p.role, "content": ""}
         else:
             choice["text"] = ""
     else:
         obj = json.loads(content)
         choice = obj["choices"][0]
     if chat:
-        message = choice.setdefault("message", {"role": "assistant"})
+        message = choice.setdefault("message", {"role": p.role})
         reasoning = (p.reasoning or "") + (message.get("reasoning_content") or "")
         content = p.text + (message.get("content") or "")
         if reasoning or p.reasoning is not None or "reasoning_content" in message:

@@ -42,7 +42,12 @@ class TextPart(_Request):
 
 
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    """One message of ``messages``. ``role`` is any non-empty string, as vLLM takes it (its custom
+    message param): the chat template decides what a role means (Llama 3.1's writes ``ipython``
+    turns) or refuses it (``raise_exception``: a 400 with the template's words). The Anthropic and
+    Responses APIs check their own roles before they build one of these."""
+
+    role: StrictStr = Field(min_length=1)
     content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
     tool_call_id: StrictStr | None = None

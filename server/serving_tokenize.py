@@ -1,4 +1,4 @@
-"""POST /tokenize and /detokenize (vLLM's shapes) and GET /v1/models."""
+"""POST /tokenize and /detokenize (vLLM's shapes and defaults) and GET /v1/models."""
 
 from __future__ import annotations
 
@@ -9,12 +9,15 @@ from server.prompts import chat_prompt
 from server.protocol import ModelCard, ModelList
 from server.state import ServerState
 from server.tokenize_protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+from server.tools import validated_tools
 
 
 def tokenize(state: ServerState, req: TokenizeRequest) -> TokenizeResponse:
     state.check_model(req.model)
     tok = state.tokenizer
     if req.messages is not None:
+        if req.tools:
+            validated_tools(req.tools)  # the 400 a chat request with these tools gets (vLLM checks them too)
         # Image parts count as their placeholder runs (the images themselves are not read).
         num_images = len(check_images(state, req.messages))
         ids = with_image_runs(
@@ -34,7 +37,9 @@ def tokenize(state: ServerState, req: TokenizeRequest) -> TokenizeResponse:
 def detokenize(state: ServerState, req: DetokenizeRequest) -> DetokenizeResponse:
     state.check_model(req.model)
     check_token_ids(req.tokens, state.limits, "tokens")
-    return DetokenizeResponse(prompt=state.tokenizer.decode(req.tokens))
+    # Special tokens kept, as vLLM's /detokenize (transformers' ``decode`` default): a rendered
+    # chat prompt reads back with its turn markers and BOS, so it can be checked or re-tokenized.
+    return DetokenizeResponse(prompt=state.tokenizer.decode(req.tokens, skip_special_tokens=False))
 
 
 def list_models(state: ServerState) -> ModelList:

@@ -139,7 +139,9 @@ def _rebased(schema: dict[str, Any], base: str) -> dict[str, Any]:
     return copy
 
 
-def _validated_tools(raw: list[dict[str, Any]]) -> list[ToolSpec]:
+def validated_tools(raw: list[dict[str, Any]]) -> list[ToolSpec]:
+    """The request's ``tools`` checked as OpenAI function tools (chat requests and ``/tokenize``,
+    which renders them as chat does), or the 400 naming the first bad field."""
     try:
         return _TOOLS.validate_python(raw)
     except ValidationError as e:
@@ -155,7 +157,7 @@ def plan_tools(req: ChatCompletionRequest, parser: ToolParser | None) -> ToolPla
         if choice not in (None, "none"):
             raise bad_request("tool_choice needs tools", param="tool_choice")
         return None
-    tools = _validated_tools(req.tools)
+    tools = validated_tools(req.tools)
     names = [t.function.name for t in tools]
     if choice is None:
         choice = "auto"  # OpenAI's default when tools are given

@@ -187,3 +187,28 @@ def test_chat_echo_is_served_whole(pd: Workers, stream: bool) -> None:
     assert got == want
     assert metric(pd.router.url, "ferry:router_pd_local_prefill_total", {"reason": "echo"}) == before + 1
     assert (want[1] if stream else want["content"]).startswith("Sure")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_continued_message_keeps_its_role_through_the_hand_off(pd: Workers, stream: bool) -> None:
+    """A prompt that continues its last message answers in that message's role (vLLM's rule; a
+    custom role here): the router's own role chunk takes it from the prefill worker's answer."""
+    messages = [{"role": "user", "content": PROMPTS[2]}, {"role": "ipython", "content": "Sure"}]
+    body = _body(
+        "", messages=messages, add_generation_prompt=False, continue_final_message=True, stream=stream
+    )
+    before = _disaggregated(pd.router)
+    if stream:
+        got, want = _chunks(pd.router.url, body), _chunks(pd.decode.url, body)
+        roles = [
+            c["choices"][0]["delta"]["role"]
+            for c in got
+            if c["choices"] and "role" in c["choices"][0]["delta"]
+        ]
+        assert roles == ["ipython"] and want[0]["choices"][0]["delta"]["role"] == "ipython"
+        assert _streamed(got) == _streamed(want)
+    else:
+        answers = [httpx.post(u + CHAT, json=body, timeout=60).json() for u in (pd.router.url, pd.decode.url)]
+        got, want = (a["choices"][0]["message"] for a in answers)
+        assert got == want and got["role"] == "ipython"
+    assert _disaggregated(pd.router) == before + 1

@@ -124,6 +124,16 @@ CASES: dict[str, dict[str, Any]] = {
         ],
         "tools": TOOLS,
     },
+    # A role of the template's own (vLLM's custom messages): Llama 3.1 writes an ipython turn;
+    # templates that know no such role drop it or raise, as under transformers.
+    "ipython_result": {
+        "messages": [
+            USER,
+            {"role": "assistant", "content": "", "tool_calls": CALL},
+            {"role": "ipython", "content": '{"temp": "22C"}'},
+        ],
+        "tools": TOOLS,
+    },
     "reasoning_in_history": {
         "messages": [
             USER,

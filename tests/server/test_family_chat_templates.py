@@ -31,7 +31,7 @@ REFUSED = {
     **{
         (family, case): "Conversation roles must alternate"  # a tool turn breaks user/assistant turns
         for family in ("mixtral", "gemma")
-        for case in ("tool_history", "empty_arguments", "reasoning_in_history")
+        for case in ("tool_history", "empty_arguments", "reasoning_in_history", "ipython_result")
     },
 }
 
@@ -88,6 +88,21 @@ def test_reasoning_in_history_reaches_the_template(families) -> None:
             CASES[case]["messages"][1].get("reasoning_content") or CASES[case]["messages"][1]["reasoning"]
         )
         assert f"<|im_start|>assistant\n<think>\n{thought}\n</think>\n\n" in text
+
+
+def test_llama31_writes_a_custom_ipython_turn(families) -> None:
+    """A message of role ``ipython`` (a role of Llama 3.1's template, not OpenAI's) reaches the
+    template as written, which writes it as a tool result turn; the router's keyer renders it too."""
+    tokenizer, _, path = families["llama31"]
+    body = CASES["ipython_result"]
+    got = ferry_ids(tokenizer, body)
+    text = tokenizer.decode(got, skip_special_tokens=False)
+    assert text.endswith(
+        # Llama 3.1 writes a tool result as JSON (``| tojson``), a string too.
+        '<|start_header_id|>ipython<|end_header_id|>\n\n"{\\"temp\\": \\"22C\\"}"<|eot_id|>'
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
+    assert TokenKeyer.from_dir(str(path), 16).token_ids("/v1/chat/completions", body) == got
 
 
 def test_add_special_tokens_adds_the_tokenizers_bos_on_top(families) -> None:

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from server.tool_parsers import get_tool_parser
-from server.tools import _validated_tools
+from server.tools import validated_tools
 
 PROPS = {
     "s": {"type": "string"},
@@ -22,7 +22,7 @@ PROPS = {
     "opt": {"type": ["string", "null"]},
     "untyped": {"enum": ["1", "2"]},
 }
-TOOLS = _validated_tools(
+TOOLS = validated_tools(
     [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": PROPS}}}]
 )
 

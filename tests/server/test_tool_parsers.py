@@ -366,9 +366,9 @@ def test_history_tool_call_arguments_reach_templates_decoded() -> None:
 
 def test_qwen3_coder_types_values_by_the_tools_schema() -> None:
     """Qwen3-Coder writes every value as text: the request's tool schema says what it is."""
-    from server.tools import _validated_tools
+    from server.tools import validated_tools
 
-    tools = _validated_tools(
+    tools = validated_tools(
         [
             {
                 "type": "function",
@@ -401,9 +401,9 @@ def test_qwen3_coder_types_values_by_the_tools_schema() -> None:
 
 
 def test_glm45_types_values_by_the_tools_schema() -> None:
-    from server.tools import _validated_tools
+    from server.tools import validated_tools
 
-    tools = _validated_tools(
+    tools = validated_tools(
         [
             {
                 "type": "function",

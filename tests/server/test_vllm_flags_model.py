@@ -60,7 +60,8 @@ def test_tokenizer_from_another_directory_serves_as_the_whole_checkpoint(split_s
     assert split["usage"] == whole["usage"]
     assert split_server.post("/tokenize", json={"messages": CHAT}).json()["tokens"] == whole_ids
     text = split_server.post("/detokenize", json={"tokens": whole_ids}).json()["prompt"]
-    assert text == "user\nhello there\nassistant\n"  # the other directory's special tokens: skipped
+    # The other directory's special tokens, kept as vLLM's /detokenize keeps them.
+    assert text == "<|im_start|>user\nhello there<|im_end|>\n<|im_start|>assistant\n"
     # --return-tokens-as-token-ids: the whole directory's tokens, written as their ids.
     tokens = [e["token"] for e in split["choices"][0]["logprobs"]["content"]]
     ids = [plain_id(e["token"]) for e in split["choices"][0]["logprobs"]["content"]]
