@@ -31,19 +31,20 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.torch_threads import set_this_thread_count, this_thread_count
 from kvcache import codec
 from kvcache.keys import tier_key
 from kvcache.metrics import ERROR_MISMATCH, TierStats
 from kvcache.tier import TierURL, open_tier
-from kvcache.writer import PER_THREAD_NUM_THREADS, BlockEvent, BlockWrite, BlockWriter, use_one_thread
+from kvcache.writer import BlockEvent, BlockWrite, BlockWriter
 
 if TYPE_CHECKING:
     from kvcache.engine_adapter import TierConnector
@@ -58,21 +59,7 @@ STAGING_BYTES = 32 << 20  # cap of one thread's host staging buffer (bounds LOAD
 # The connector's tensor work is memcpy-shaped: one thread already outruns the network, while an
 # OpenMP team competing with the model's own team (or other processes) stalls on every op (10x
 # slower measured on a loaded 2-core box). With the OpenMP backend the thread count is a
-# per-thread setting, so it can be lowered for the connector's work alone (kvcache/writer.py).
-
-
-@contextmanager
-def single_threaded() -> Iterator[None]:
-    """Run torch ops of the calling thread on one thread (no-op unless that is thread-local)."""
-    n = torch.get_num_threads()
-    if n == 1 or not PER_THREAD_NUM_THREADS:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
+# per-thread setting, so it can be lowered for the connector's work alone (engine/torch_threads.py).
 
 
 @dataclass(frozen=True)
@@ -137,7 +124,9 @@ class KVConnector:
         self.block_bytes = math.prod(shape) * dtype.itemsize
         self.load_chunk = max(1, min(LOAD_CHUNK, STAGING_BYTES // self.block_bytes))
         self._loader = ThreadPoolExecutor(
-            max_workers=load_threads, thread_name_prefix="kv-tier-load", initializer=use_one_thread
+            max_workers=load_threads,
+            thread_name_prefix="kv-tier-load",
+            initializer=partial(set_this_thread_count, 1),
         )
         # Admission lookups (lookup_async): (keys, future) items, None to stop; started on first use.
         self._lookups: queue.SimpleQueue[tuple[list[str], Future[int]] | None] = queue.SimpleQueue()
@@ -243,7 +232,7 @@ class KVConnector:
                     break
                 blocks.append(tensor)
             if blocks:
-                with single_threaded():
+                with this_thread_count(1):
                     self._copy_in(blocks, block_ids[start : start + len(blocks)], k_caches, v_caches)
                 loaded += len(blocks)
             if len(blocks) < len(chunk):
@@ -366,7 +355,7 @@ class KVConnector:
         if n == 0:
             return 0
         try:
-            with single_threaded():
+            with this_thread_count(1):
                 snapshot = self._snapshot(block_ids[:n], k_caches, v_caches)
         except BaseException:
             self._writer.cancel(n)  # the slots come back and the blocks count as dropped
@@ -393,7 +382,7 @@ class KVConnector:
         if n == 0:
             return 0
         try:
-            with single_threaded():
+            with this_thread_count(1):
                 snapshot = self._snapshot(block_ids[:n], k_caches, v_caches)
         except BaseException:
             self._writer.cancel(n)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from engine.torch_threads import set_this_thread_count
 from kvcache import codec
 from kvcache.keys import tier_key
 from kvcache.metrics import (
@@ -44,20 +45,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 WRITE_BATCH = 32  # blocks per tier write
-
-# With the OpenMP backend torch's thread count is a per-thread setting (the tier's threads can use
-# one while the model uses all); with torch's native pool it is the process's.
-PER_THREAD_NUM_THREADS = "parallel backend: OpenMP" in torch.__config__.parallel_info()
-
-
-def use_one_thread() -> None:
-    """Run the calling thread's torch ops on one thread, for its whole life (no-op unless the count
-    is per thread). A thread takes its count from the process default at its first parallel op,
-    which any thread's ``torch.set_num_threads`` overwrites: that first op is made here, or a
-    count set before it would be replaced by whatever the default is then."""
-    if PER_THREAD_NUM_THREADS:
-        torch.get_num_threads()  # the thread's own count taken from the default now
-        torch.set_num_threads(1)
 
 
 @dataclass(frozen=True)
@@ -247,7 +234,7 @@ class BlockWriter:
                 del self._pending_hashes[h]
 
     def _run(self) -> None:
-        use_one_thread()  # encoding never competes with the model
+        set_this_thread_count(1)  # encoding never competes with the model
         while True:
             with self._changed:
                 while not self._queue and not self._stopping:

@@ -33,14 +33,29 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 
+class BeamStep(NamedTuple):
+    """Which beam search a leased step belongs to, and what its API server would count of that
+    search if it ended now: one prompt's search (``prompt_index`` of the request), of ``choices``
+    answers, its prompt's length, and the steps it had finished when it sent this one (every live
+    beam had that many tokens). The engine process counts it if its API server dies
+    (``server/orphan_counts.py``)."""
+
+    prompt_index: int
+    choices: int
+    prompt_tokens: int
+    steps: int
+
+
 class Admission(NamedTuple):
     """What an engine request tells the engine process that admits it: the HTTP request it is
     one sequence of (``key``, per API server), that request's number of sequences, and whether it
-    leases them (a beam search: its places are held until the request ends, whatever the steps)."""
+    leases them (a beam search: its places are held until the request ends, whatever the steps;
+    ``beam``: the search the step is of)."""
 
     key: int
     size: int
     lease: bool = False
+    beam: BeamStep | None = None
 
 
 class AdmissionRefused(Exception):

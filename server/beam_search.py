@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from engine.beam_search import BeamSearch, completion_output
 from engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from engine.sampling_params import SamplingParams
-from server.admission import AdmissionRefused
+from server.admission import AdmissionRefused, BeamStep
 from server.errors import APIError, bad_request, overloaded, timeout_error, unavailable
 
 if TYPE_CHECKING:
@@ -61,7 +61,8 @@ async def run_beam_search(
         try:
             async with asyncio.timeout(timeout):
                 while not search.done:
-                    outs = await _step(generation, request_id, first, search, ticket)
+                    beam = BeamStep(first.prompt_index, len(group), len(first.prompt_token_ids), steps)
+                    outs = await _step(generation, request_id, first, search, ticket, beam)
                     now = time.perf_counter()
                     if opening is None:
                         opening = outs[0]
@@ -120,15 +121,21 @@ async def run_beam_search(
         e2e = time.perf_counter() - arrival
         for _ in range(0 if refused else len(group) - observed):  # ended without their answer
             metrics.observe_finished("abort", e2e, None, len(first.prompt_token_ids), steps)
+        generation.beam_counted(ticket, first.prompt_index)  # the engine process forgets it
         generation.release(len(group))
 
 
 async def _step(
-    generation: Generation, request_id: str, first: SequenceRequest, search: BeamSearch, ticket: Ticket
+    generation: Generation,
+    request_id: str,
+    first: SequenceRequest,
+    search: BeamSearch,
+    ticket: Ticket,
+    beam: BeamStep,
 ) -> list[RequestOutput]:
     """One step: every live beam as a one-token engine request, run together."""
     params = search.step_params()
-    admission = generation.step_admission(ticket)
+    admission = generation.step_admission(ticket, beam)
     tasks = [
         asyncio.ensure_future(
             _one(

@@ -189,6 +189,12 @@ class EngineClient:
         if held and not self._channel.closed:
             self._channel.send(("release", key))
 
+    def end_beam(self, key: int, prompt_index: int) -> None:
+        """The beam search of prompt ``prompt_index`` of the leasing request ``key`` was counted here:
+        the engine process, which counts the searches of an API server that died, forgets it."""
+        if key in self._leases and not self._channel.closed:
+            self._channel.send(("beam_end", key, prompt_index))
+
     async def compile_structured(self, spec: StructuredOutputsParams) -> None:
         """Compile (and keep, in the engine process) a constraint; ValueError if it is not valid."""
         await self._call("compile", spec)

@@ -17,7 +17,8 @@ Messages from an API server: ``("add", rid, admission, prompt_ids, params, resum
 pooling, lora_request, priority, cache_salt, images)`` (``prompt_ids``: a tensor for prompt
 embeddings; ``admission``: the ``server.admission.Admission`` (key, number of sequences, lease) of
 the HTTP request it belongs to, or None), ``("release", key)`` (that request ended before
-all its sequences were sent, or a leasing one ended), ``("announce", token)``, ``("submitted", token)``,
+all its sequences were sent, or a leasing one ended), ``("beam_end", key, prompt_index)`` (it
+counted that beam search of the leasing request ``key``), ``("announce", token)``, ``("submitted", token)``,
 ``("probe_back", token)``, ``("load", requests)`` (its requests on the engine's routes, for the
 others' ``GET /load``),
 ``("call", call_id, name, arg)`` with ``name`` one of ``abort`` / ``compile`` /
@@ -59,7 +60,7 @@ from server.admission import Admission, HeldPlaces, overload_message, running_sl
 from server.engine_fanout import ApiServerFanout
 from server.engine_ipc import Channel
 from server.metrics import ServerMetrics
-from server.orphan_counts import Tally, count_orphans
+from server.orphan_counts import BeamTallies, Tally, count_orphans
 from server.responses_store import MEMORY_OPS, MemoryRecords
 
 logger = logging.getLogger("ferry.engine_process")
@@ -79,6 +80,7 @@ class _ApiServer:
     # counted in ``places`` while the lease lasts.
     leased: dict[str, int] = field(default_factory=dict)
     tallies: dict[str, Tally] = field(default_factory=dict)  # of its requests in ``requests``
+    beams: BeamTallies = field(default_factory=BeamTallies)  # its beam searches it has not counted
     # Its requests it asked to abort: it counted them already (``Generation.stream``).
     aborting: set[str] = field(default_factory=set)
     sent_stats: Any = None
@@ -175,6 +177,8 @@ class EngineHost(ApiServerFanout):
             self._broadcast_stats()  # the others' admission counts this one
         elif kind == "release":
             self._release(conn, message[1])
+        elif kind == "beam_end":
+            conn.beams.end(message[1], message[2])
         elif kind == "announce":
             conn.announced[message[1]] = self.engine.announce()
         elif kind == "submitted":
@@ -205,8 +209,11 @@ class EngineHost(ApiServerFanout):
         if rid in conn.requests:
             conn.channel.send(("err", rid, "value", f"request id {rid!r} is already in use"))
             return
-        if admission is not None and Admission(*admission).lease:
-            conn.leased[rid] = admission[0]
+        leasing = Admission(*admission) if admission is not None else None
+        if leasing is not None and leasing.lease:
+            conn.leased[rid] = leasing.key
+            if leasing.beam is not None:
+                conn.beams.step(rid, leasing.key, leasing.beam)
         prompt = request[0]
         conn.tallies[rid] = Tally(len(prompt) if isinstance(prompt, list) else int(prompt.shape[0]))
         lora = request[5]
@@ -225,7 +232,7 @@ class EngineHost(ApiServerFanout):
     def _admitted(self, conn: _ApiServer, rid: str, admission: tuple[Any, ...], pooling: bool) -> bool:
         """Whether sequence ``rid`` of the request ``admission`` names may run; refused, it is
         answered so. A request is checked at its first sequence here, as a whole."""
-        key, size, lease = Admission(*admission)
+        key, size, lease, _ = Admission(*admission)
         known = conn.places.take(key)
         if known is None:
             limit = self.max_queued_requests
@@ -251,6 +258,7 @@ class EngineHost(ApiServerFanout):
         leased steps still ending, aborted, count as themselves until they end)."""
         for rid in [rid for rid, lease in conn.leased.items() if lease == key]:
             del conn.leased[rid]
+        conn.beams.release(key)
         if conn.places.release(key):
             self._broadcast_stats()
 
@@ -293,6 +301,7 @@ class EngineHost(ApiServerFanout):
             self._send_stats(conn)  # before the output: a final output finds its stats there
             send(("out", rid, out))
             if out.finished:
+                conn.beams.ended(rid, out)
                 self._ended(conn, rid)
             self._broadcast_stats()
 
@@ -389,6 +398,7 @@ class EngineHost(ApiServerFanout):
         conn.leased.pop(rid, None)
         conn.tallies.pop(rid, None)
         conn.aborting.discard(rid)
+        conn.beams.ended(rid, None)
 
 
 def _call_all(functions: list[Callable[[], None]]) -> None:

@@ -27,6 +27,7 @@ from kvcache.keys import salt_extra
 from server.admission import (
     Admission,
     AdmissionRefused,
+    BeamStep,
     overload_message,
     queued_after,
     running_slots,
@@ -193,13 +194,21 @@ class Generation:
         if self._engine_admits and (ticket.size > 1 or ticket.leased):
             self.engine.end_admission(ticket.key)
 
-    def step_admission(self, ticket: Ticket) -> dict[str, Any]:
-        """``engine.generate``'s admission for a beam search step of ``ticket``'s request: to an
-        engine process that admits too, the request leases its places (``server/admission.py``)."""
+    def step_admission(self, ticket: Ticket, beam: BeamStep) -> dict[str, Any]:
+        """``engine.generate``'s admission for a step of the beam search ``beam`` of ``ticket``'s
+        request: to an engine process that admits too, the request leases its places
+        (``server/admission.py``), and the search is counted there if this process dies."""
         if not self._engine_admits:
             return {}
         ticket.leased = True
-        return {"admission": Admission(ticket.key, ticket.size, lease=True)}
+        return {"admission": Admission(ticket.key, ticket.size, lease=True, beam=beam)}
+
+    def beam_counted(self, ticket: Ticket, prompt_index: int) -> None:
+        """This process counted the beam search of ``ticket``'s prompt ``prompt_index`` (its
+        answers, or its abort): the engine process, which would count it if this process died,
+        forgets it."""
+        if self._engine_admits and ticket.leased:
+            self.engine.end_beam(ticket.key, prompt_index)
 
     def _add_in_flight(self, delta: int) -> None:
         self.in_flight += delta

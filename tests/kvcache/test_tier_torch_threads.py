@@ -16,9 +16,9 @@ import torch
 
 from engine import SamplingParams
 from engine.async_engine import AsyncEngine
+from engine.torch_threads import PER_THREAD_NUM_THREADS
 from kvcache.connector import KVConnector
 from kvcache.keys import block_hashes
-from kvcache.writer import PER_THREAD_NUM_THREADS
 
 pytestmark = pytest.mark.skipif(
     not PER_THREAD_NUM_THREADS, reason="thread counts are per thread under OpenMP only"
@@ -114,3 +114,41 @@ async def test_the_tier_threads_run_on_one_thread_beside_an_engine(tiny_llama, m
     finally:
         await eng.shutdown()
     assert counts and set(counts) == {1}
+
+
+async def test_threads_started_after_a_tier_engine_served_compute_on_the_builders_count(
+    tiny_llama, main_threads
+) -> None:
+    """The tier's threads lowered their count with ``torch.set_num_threads(1)``, which also set the
+    process default that every later thread takes at its first op: once a tier load had run, the
+    checkpoint read of a weight update, and any new thread, computed on one thread (the engine is
+    built with 3, not this machine's default, so the count seen is the builder's)."""
+    eng = AsyncEngine(model=str(tiny_llama), kv_tier="memory://", num_threads=3, num_kv_blocks=64)
+    read_checkpoint = eng.engine.read_checkpoint
+    reads: list[int] = []
+
+    def counted(*args):  # noqa: ANN002, ANN202
+        reads.append(torch.get_num_threads())
+        return read_checkpoint(*args)
+
+    eng.engine.read_checkpoint = counted
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    prompt = list(range(3, 40))  # two full blocks of 16
+    try:
+        async for _ in eng.generate("saved", prompt, params):
+            pass
+        assert await asyncio.to_thread(eng.engine.connector.kv.flush, 30)
+        assert await eng.reset_prefix_cache()  # the blocks now come from the tier alone
+        async for _ in eng.generate("loaded", prompt, params):  # from the tier, on a loader thread
+            pass
+        assert eng.engine.connector.kv.stats().blocks_loaded == 2
+        assert await asyncio.to_thread(torch.get_num_threads) == 3
+        counts: list[int] = []
+        thread = threading.Thread(target=lambda: counts.append(torch.get_num_threads()))
+        thread.start()
+        thread.join()
+        assert counts == [3]
+        assert await eng.reload_weights() == 0
+        assert reads == [3]
+    finally:
+        await eng.shutdown()

@@ -2,13 +2,15 @@
 
 The dead process cannot count them, and the engine process aborts them when its connection
 closes: it counts them there, each once as an abort with the tokens it had (as an API server counts
-a request whose client left), and the surviving API server's /metrics shows them.
+a request whose client left), and the surviving API server's /metrics shows them. A beam search is
+counted as its API server counts one: once per answer, not once per step request.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,14 +35,20 @@ def server(tiny_llama: Path, serve_logs: Path, server_process) -> Iterator:
     assert srv.stop() == 0, srv.log()
 
 
-def test_requests_of_a_killed_api_server_are_counted_once_as_aborts(server, scrape) -> None:
-    _, api = _processes(server)
+def _reader(server, scrape):
+    """A reader of the server's metrics (0 for one not yet exported) and ``/tokenize`` of "x"."""
     name = server.model_name
 
     def read(metric: str, **labels: str) -> float:
         return scrape(server.url, metric, model_name=name, **labels) or 0.0
 
     prompt = httpx.post(server.url + "/tokenize", json={"model": name, "prompt": "x"}, timeout=30).json()
+    return read, prompt
+
+
+def test_requests_of_a_killed_api_server_are_counted_once_as_aborts(server, scrape) -> None:
+    _, api = _processes(server)
+    read, prompt = _reader(server, scrape)
     aborted = read("vllm:request_success_total", finished_reason="abort")
     prompts = read("vllm:request_prompt_tokens_count")
     prompt_tokens = read("vllm:request_prompt_tokens_sum")
@@ -82,3 +90,46 @@ def test_requests_of_a_killed_api_server_are_counted_once_as_aborts(server, scra
         30,
         "the survivors were not counted",
     )
+
+
+def test_a_beam_search_of_a_killed_api_server_is_counted_once_per_answer(server, scrape) -> None:
+    _wait(lambda: len(_processes(server)[1]) == 2, 60, "no second API server")  # one may be replaced
+    _, api = _processes(server)
+    read, prompt = _reader(server, scrape)
+    aborted = read("vllm:request_success_total", finished_reason="abort")
+    prompt_tokens = read("vllm:request_prompt_tokens_sum")
+    generations = read("vllm:request_generation_tokens_count")
+    processed = read("vllm:generation_tokens_total")
+    body = {"prompt": "x", "max_tokens": 1000, "n": 2, "use_beam_search": True, "ignore_eos": True}
+    before = _client_ports(server.port)
+    client = httpx.Client(timeout=120)
+
+    def post() -> None:
+        try:
+            client.post(server.url + "/v1/completions", json=body)
+        except httpx.HTTPError:
+            pass  # its API server was killed
+
+    thread = threading.Thread(target=post, daemon=True)
+    thread.start()
+    _wait(lambda: _client_ports(server.port) - before, 30, "no connection")
+    # Its steps run (one-token requests: between steps nothing of it is in the engine).
+    _wait(lambda: read("vllm:generation_tokens_total") >= processed + 20, 60, "the search never ran")
+    inodes = {pid: _socket_inodes(pid) for pid in api}
+    (port,) = _client_ports(server.port) - before
+    victim = _owner(inodes, server.port, port)
+    assert victim is not None
+    os.kill(victim, signal.SIGKILL)
+    thread.join(60)
+
+    def counted() -> bool:
+        try:
+            return read("vllm:request_success_total", finished_reason="abort") == aborted + 2
+        except httpx.HTTPError:  # a scrape the killed process had accepted before it died
+            return False
+
+    # Its two answers, each once as an abort with the prompt's tokens; none of its step requests.
+    _wait(counted, 30, "the search was not counted")
+    assert read("vllm:request_prompt_tokens_sum") == prompt_tokens + 2 * prompt["count"]
+    assert read("vllm:request_generation_tokens_count") == generations + 2
+    client.close()

@@ -1,0 +1,120 @@
+"""Configs that transformers completes with its own class defaults, completed the same way before
+they are read: Gemma 3's text model (also inside a multimodal checkpoint), LLaVA's language model and
+image side, Gemma 2 and gpt-oss. Their checkpoints' config.json leave out what equals the default.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.models.config_parts import VisionConfig
+
+# Gemma3TextConfig's defaults: the multimodal checkpoints' text_config leaves most of them out.
+_GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
+    "model_type": "gemma3_text",
+    "vocab_size": 262208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "query_pre_attn_scalar": 256,
+    "rms_norm_eps": 1e-6,
+    "sliding_window": 4096,
+    "sliding_window_pattern": 6,
+    "max_position_embeddings": 131072,
+    "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0,
+    "tie_word_embeddings": True,
+    "eos_token_id": 1,
+}
+
+
+def _gemma3_text_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """The text model's config with Gemma3TextConfig's defaults filled in; for a multimodal
+    checkpoint (Gemma3ForConditionalGeneration) its ``text_config``, served text-only."""
+    text = raw.get("text_config") or raw
+    top = {
+        k: raw[k]
+        for k in ("architectures", "eos_token_id", "dtype", "torch_dtype", "quantization_config")
+        if k in raw
+    }
+    merged = {**_GEMMA3_TEXT_DEFAULTS, **text, **top}
+    merged["model_type"] = "gemma3_text"
+    if "text_config" in raw:
+        merged["final_logit_softcapping"] = None  # transformers' multimodal Gemma 3 never applies it
+    return merged
+
+
+# LlamaConfig's defaults (LLaVA's default text model), for text_configs that leave them out.
+_LLAMA_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+}
+
+
+def _llava_config(raw: dict[str, Any]) -> tuple[dict[str, Any], VisionConfig]:
+    """A LLaVA checkpoint's language model config (its ``text_config``, LlavaConfig's Llama default
+    when absent) and its image side, with LlavaConfig's defaults."""
+    text = dict(raw.get("text_config") or {})
+    text.setdefault("model_type", "llama")
+    if text["model_type"] == "llama":  # the hub's llava-1.5 configs write only what differs from these
+        text = {**_LLAMA_DEFAULTS, **text}
+    top = {k: raw[k] for k in ("architectures", "dtype", "torch_dtype", "quantization_config") if k in raw}
+    layer = raw.get("vision_feature_layer", -2)
+    vision = VisionConfig(
+        vision_config=dict(raw.get("vision_config") or {"model_type": "clip_vision_model"}),
+        feature_layer=tuple(int(x) for x in layer) if isinstance(layer, list) else int(layer),
+        select_strategy=str(raw.get("vision_feature_select_strategy", "default")),
+        projector_act=str(raw.get("projector_hidden_act", "gelu")),
+        projector_bias=bool(raw.get("multimodal_projector_bias", True)),
+        image_token_id=int(raw.get("image_token_id", raw.get("image_token_index", 32000))),
+    )
+    if vision.select_strategy not in ("default", "full"):
+        raise ValueError(f"vision_feature_select_strategy {vision.select_strategy!r} is not supported")
+    return {**text, **top}, vision
+
+
+# Gemma2Config's defaults (layer i slides when i is even).
+_GEMMA2_DEFAULTS: dict[str, Any] = {
+    "head_dim": 256,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "sliding_window_pattern": 2,
+    "attn_logit_softcapping": 50.0,
+    "final_logit_softcapping": 30.0,
+    "tie_word_embeddings": True,
+}
+
+
+# GptOssConfig's defaults (layer i slides when i is even; YaRN stretches 4096 positions 32 times).
+_GPT_OSS_DEFAULTS: dict[str, Any] = {
+    "head_dim": 64,
+    "sliding_window": 128,
+    "sliding_window_pattern": 2,
+    "attention_bias": True,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 131072,
+    "num_local_experts": 128,
+    "num_experts_per_tok": 4,
+    "swiglu_alpha": 1.702,
+    "swiglu_limit": 7.0,
+    # Under the transformers 5 name, so a config's own rope_scaling / rope_theta (the released
+    # checkpoints' spelling) or rope_parameters wins.
+    "rope_parameters": {
+        "rope_theta": 150000.0,
+        "rope_type": "yarn",
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 4096,
+    },
+}
