@@ -418,7 +418,7 @@ def engine_main(
     _become_child(supervisor)
     logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT)
     from server.engine_process import engine_process_main
-    from server.responses_store import MemoryRecords
+    from server.responses_memory import MemoryRecords
 
     responses = None
     if config.responses_store == "memory":  # every API server's responses, in one place

@@ -32,6 +32,11 @@ class ChoiceShaper:
     def made_calls(self) -> bool:
         return self.tools is not None and self.tools.made_calls
 
+    @property
+    def capped(self) -> bool:
+        """It has every tool call it may have (``ChoiceTools.capped``): the answer can stop."""
+        return self.tools is not None and self.tools.capped
+
     def feed(self, text: str) -> Shaped:
         reasoning, content = self.splitter.feed(text) if self.splitter is not None else ("", text)
         return self._content(reasoning, content)

@@ -61,7 +61,7 @@ from server.engine_fanout import ApiServerFanout
 from server.engine_ipc import Channel
 from server.metrics import ServerMetrics
 from server.orphan_counts import BeamTallies, Tally, count_orphans
-from server.responses_store import MEMORY_OPS, MemoryRecords
+from server.responses_memory import MEMORY_OPS, MemoryRecords
 
 logger = logging.getLogger("ferry.engine_process")
 

@@ -17,7 +17,7 @@ from typing import Any
 from server.engine_host import EngineHost
 from server.heap import settle_heap
 from server.metrics import ServerMetrics
-from server.responses_store import MemoryRecords
+from server.responses_memory import MemoryRecords
 
 logger = logging.getLogger("ferry.engine_process")
 

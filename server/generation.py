@@ -96,6 +96,7 @@ class Ticket:
         self.size = num_sequences
         self.refused = False  # the engine process refused it (counted once in the metrics)
         self.leased = False  # its beam search steps leased its places in the engine process
+        self.stopped = False  # the server ended its stream on purpose (max_tool_calls): a "stop"
         self._closed = False
 
     def start_one(self) -> None:
@@ -342,7 +343,8 @@ class Generation:
             if not finished:
                 if not refused:  # ended before its last output (client gone, error): an abort
                     e2e = time.perf_counter() - arrival
-                    metrics.observe_finished("abort", e2e, None, len(seq.prompt_token_ids), num_generated)
+                    reason = "stop" if ticket.stopped else "abort"
+                    metrics.observe_finished(reason, e2e, None, len(seq.prompt_token_ids), num_generated)
                 with contextlib.suppress(Exception):
                     await self.engine.abort(rid)
             self.unclaim_id(rid)

@@ -15,7 +15,7 @@ TTFT 1 (n >= 1); ``vllm:inter_token_latency_seconds`` and its deprecated vLLM al
 is k gaps of t / k; the tokens that came with the first are gaps of 0); vLLM's per-request
 ``vllm:request_time_per_output_token_seconds`` 1 when it finished with n >= 2. Every request that
 ran ends once in ``request_success`` (an abort before its last output: ``abort``, with the
-tokens received), e2e latency and the prompt and generation token histograms; one the engine
+tokens received; a stop the server chose, a Responses answer capped by ``max_tool_calls``: ``stop``), e2e latency and the prompt and generation token histograms; one the engine
 refused (a 400) is not counted.
 
 Every series carries ``model_name``. prometheus-client appends ``_total`` to counters, so the

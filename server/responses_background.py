@@ -79,7 +79,7 @@ _FINAL_EVENTS = tuple(
 
 
 class Saver(Protocol):
-    """``serving_responses._Saver``: writes the response's record as it is now."""
+    """``responses_records.Saver``: writes the response's record as it is now."""
 
     async def put(self) -> bool: ...
 

@@ -8,6 +8,7 @@ one prompt. Standard library only: the router imports it.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 from server.chat_protocol import non_object_schema
@@ -206,10 +207,60 @@ def chat_tools(tools_: Any, choice: Any) -> tuple[list[dict[str, Any]] | None, A
                 raise InputError(f"tools[{i}].parameters: {why}", param="tools")
             function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
             tools.append({"type": "function", "function": function})
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        return _allowed_tools(tools, choice)
     if isinstance(choice, dict):
         if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
             raise InputError(
-                'tool_choice must be "auto", "none", "required" or a function by name', param="tool_choice"
+                'tool_choice must be "auto", "none", "required", a function by name or allowed_tools',
+                param="tool_choice",
             )
         choice = {"type": "function", "function": {"name": choice["name"]}}
     return tools, choice
+
+
+def _allowed_tools(
+    tools: list[dict[str, Any]] | None, choice: dict[str, Any]
+) -> tuple[list[dict[str, Any]], str]:
+    """``{"type": "allowed_tools", "mode": "auto" | "required", "tools": [{"type": "function",
+    "name"}, ...]}``: the answer may call (``required``: must call) only these of ``tools``. OpenAI
+    keeps the others in the prompt (for its prompt cache) and keeps the model from calling them; a
+    chat template and a tool-call parser know no such split, so here the others are left out of
+    the chat request, which then offers exactly the calls the answer may make."""
+    mode, allowed = choice.get("mode"), choice.get("tools")
+    if mode not in ("auto", "required"):
+        raise InputError('tool_choice.mode must be "auto" or "required"', param="tool_choice")
+    if not isinstance(allowed, list) or not allowed:
+        raise InputError("tool_choice.tools must be a non-empty list of tools", param="tool_choice")
+    offered = {t["function"]["name"]: t for t in tools or ()}
+    names: list[str] = []
+    for j, tool in enumerate(allowed):
+        name = tool.get("name") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(name, str):
+            raise InputError(
+                f"tool_choice.tools[{j}] must be a function tool by name ({{'type': 'function', 'name': ...}})",
+                param="tool_choice",
+            )
+        if name not in offered:
+            raise InputError(
+                f"tool_choice.tools[{j}] names function {name!r}, which is not in tools", param="tool_choice"
+            )
+        if name not in names:
+            names.append(name)
+    return [t for name, t in offered.items() if name in names], mode
+
+
+def without_oldest_turns(items: list[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:
+    """The conversation ``items`` with ever more of its oldest turns dropped, for ``truncation:
+    auto`` (OpenAI drops items from the beginning of a conversation that exceeds the context): each
+    cut is right before a user message, so no function call loses its output nor an output its call;
+    system and developer messages before the cut are kept (they say how to answer, not what was said)."""
+    for i in range(1, len(items)):
+        item = items[i]
+        if item.get("type", "message") == "message" and item.get("role") == "user":
+            kept = [
+                m
+                for m in items[:i]
+                if m.get("type", "message") == "message" and m.get("role") in ("system", "developer")
+            ]
+            yield kept + items[i:]

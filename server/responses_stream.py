@@ -117,7 +117,6 @@ class _Output:
         self.built = built
         self.want_logprobs = want_logprobs
         self.whole_calls = calls_come_whole(built.req)
-        self.max_calls = built.req.max_tool_calls
         self.open_item: dict[str, Any] | None = None
         # The open item's text and the open calls' arguments (by chat tool call index) as the
         # pieces they came in, joined once when the item is done: appending to one string per delta
@@ -243,8 +242,6 @@ class _Output:
             }
             out.append((name, {**ids, "delta": piece, **extra}))
         for tc in delta.tool_calls or []:
-            if self.max_calls is not None and tc.index >= self.max_calls:
-                continue  # past max_tool_calls: dropped
             out += self.close_open()
             call = self.calls.get(tc.index)
             if call is None:

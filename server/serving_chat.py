@@ -7,6 +7,7 @@ finish reason on the choice's last chunk, a usage chunk with empty ``choices`` w
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -15,6 +16,7 @@ from typing import Any
 
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from server.chat_cap import cut_at_cap
 from server.chat_protocol import (
     AssistantMessage,
     ChatChoice,
@@ -180,6 +182,10 @@ def _splitter(state: ServerState, seq: SequenceRequest):
     return state.new_reasoning_splitter(requires_start=requires_start)
 
 
+def _shaper(state: ServerState, seq: SequenceRequest, tools: ToolPlan | None) -> ChoiceShaper:
+    return ChoiceShaper(tools, _splitter(state, seq))
+
+
 def _delta(
     state: ServerState, choice: _Choice, req: ChatCompletionRequest, out: RequestOutput
 ) -> tuple[str, list[TokenLogprob] | None]:
@@ -225,14 +231,17 @@ async def create_chat_completion(
     receive,
     submitted: Callable[[], None] | None = None,
     as_chunks: bool = False,
+    max_tool_calls: int | None = None,
 ) -> object:
     """The answer: a JSONResponse, or for ``stream`` an SSEResponse; with ``as_chunks`` a stream is
-    returned as ``ChatChunks`` (the chunk models unframed, for the Responses API to translate)."""
+    returned as ``ChatChunks`` (the chunk models unframed, for the Responses API to translate).
+    ``max_tool_calls``: the Responses API's cap on the answer's calls (``server/tools.py``; one
+    choice): the generation stops once the answer has them."""
     arrival = time.perf_counter()
     if not as_chunks:  # the Responses API's own chat requests keep their settings
         apply_request_defaults(req, state.config.http)
     lora = state.check_model(req.model)
-    tools = plan_tools(req, state.tool_parser)
+    tools = plan_tools(req, state.tool_parser, max_tool_calls)
     images = await load_images(state, req.messages)
     seqs = await plan_off_loop(prompt_chars(req.messages), _plan, state, req, tools, lora, images)
     await compile_constraints(state, seqs, "tools" if tools and tools.constraint else constraint_field(req))
@@ -370,7 +379,7 @@ async def _chunks(
     model = state.answer_model(seqs[0].lora)
     shapers = None
     if tools is not None or state.reasoning is not None:
-        shapers = {seq.choice_index: ChoiceShaper(tools, _splitter(state, seq)) for seq in seqs}
+        shapers = {seq.choice_index: _shaper(state, seq, tools) for seq in seqs}
         for seq in seqs:
             if seq.resume_token_ids:  # a resumed stream: the client has this text already
                 shapers[seq.choice_index].skip(delivered_text(state, seq, seq.resume_token_ids))
@@ -400,56 +409,88 @@ async def _chunks(
     # The role chunks go out with the first output, as vLLM sends them: the request reaches the
     # engine before its stream writes anything (SSEResponse's hold_start).
     opening = True
-    async for seq, out in state.generation.merged(request_id, seqs, arrival, ticket):
-        if opening:
-            opening = False
-            usage.see_prompt(seq.prompt_index, out)  # continuous usage: the role chunks count it
-            for c in roles():
-                yield c
-        choice = choices[seq.choice_index]
-        text, logprobs = _delta(state, choice, req, out)
-        usage.add(seq, out)
-        delta = DeltaMessage(content=text or None)
-        finish_reason = choice.finish_reason
-        if shapers is not None:
-            shaper = shapers[seq.choice_index]
-            shaped = shaper.feed(text)
-            if out.finished:
-                last = shaper.finish()
-                shaped.reasoning += last.reasoning
-                shaped.content += last.content
-                shaped.tool_calls += last.tool_calls
-                finish_reason = tool_finish_reason(tools, shaper.made_calls, finish_reason)
-            text = shaped.content
-            delta = DeltaMessage(
-                content=shaped.content or None,
-                reasoning_content=shaped.reasoning or None,
-                tool_calls=shaped.tool_calls or None,
+    # Closed when the loop ends, also by a break (a capped answer): that aborts the engine request now.
+    async with contextlib.aclosing(state.generation.merged(request_id, seqs, arrival, ticket)) as outs:
+        async for seq, out in outs:
+            if opening:
+                opening = False
+                usage.see_prompt(seq.prompt_index, out)  # continuous usage: the role chunks count it
+                for c in roles():
+                    yield c
+            choice = choices[seq.choice_index]
+            text, logprobs = _delta(state, choice, req, out)
+            usage.add(seq, out)
+            delta = DeltaMessage(content=text or None)
+            finish_reason = choice.finish_reason
+            ended = out.finished
+            capped = False
+            token_ids = out.outputs[0].token_ids
+            if shapers is not None:
+                shaper = shapers[seq.choice_index]
+                shaped = shaper.feed(text)
+                # The answer has every tool call it may have (max_tool_calls): it ends with the token
+                # that completed the last one (``server/chat_cap.py``), so no token is generated (nor
+                # counted) for calls that would be dropped; what follows that token is not shown.
+                capped = shaper.capped
+                if capped and len(token_ids) > 1:
+                    kept, shaped, shaper = cut_at_cap(
+                        state.tokenizer,
+                        seq,
+                        lambda seq=seq: _shaper(state, seq, tools),
+                        [*(seq.resume_token_ids or ()), *choice.token_ids[: -len(token_ids)]],
+                        token_ids,
+                    )
+                    shapers[seq.choice_index] = shaper
+                    dropped, token_ids = len(token_ids) - kept, token_ids[:kept]
+                    if dropped:
+                        del choice.token_ids[-dropped:]
+                        usage.completion_tokens -= dropped
+                        if logprobs is not None:
+                            logprobs = logprobs[:kept]
+                            del choice.logprobs[-dropped:]
+                elif out.finished:
+                    last = shaper.finish()
+                    shaped.reasoning += last.reasoning
+                    shaped.content += last.content
+                    shaped.tool_calls += last.tool_calls
+                if ended or capped:
+                    reason = "stop" if capped else finish_reason
+                    finish_reason = tool_finish_reason(tools, shaper.made_calls, reason)
+                    ended = True
+                text = shaped.content
+                delta = DeltaMessage(
+                    content=shaped.content or None,
+                    reasoning_content=shaped.reasoning or None,
+                    tool_calls=shaped.tool_calls or None,
+                )
+            if (
+                not (text or delta.reasoning_content or delta.tool_calls)
+                and not ended
+                and not logprobs
+                and not ((continuous_usage or req.return_token_ids) and token_ids)
+            ):
+                # Nothing a client could see (a held-back partial character): skip, unless it
+                # follows token progress through continuous usage stats.
+                continue
+            if logprobs and not ended and not (text or delta.reasoning_content or delta.tool_calls):
+                delta.content = ""  # a token with nothing to show yet (OpenAI's and vLLM's delta)
+            c = chunk(
+                ChatStreamChoice(
+                    index=seq.choice_index,
+                    delta=delta,
+                    logprobs=ChatLogprobs(content=logprobs) if logprobs is not None else None,
+                    finish_reason=finish_reason if ended else None,
+                    stop_reason=choice.stop_reason if out.finished and not capped else None,
+                    token_ids=list(token_ids) if req.return_token_ids else None,
+                )
             )
-        if (
-            not (text or delta.reasoning_content or delta.tool_calls)
-            and not out.finished
-            and not logprobs
-            and not ((continuous_usage or req.return_token_ids) and out.outputs[0].token_ids)
-        ):
-            # Nothing a client could see (a held-back partial character): skip, unless it
-            # follows token progress through continuous usage stats.
-            continue
-        if logprobs and not out.finished and not (text or delta.reasoning_content or delta.tool_calls):
-            delta.content = ""  # a token with nothing to show yet (OpenAI's and vLLM's delta)
-        c = chunk(
-            ChatStreamChoice(
-                index=seq.choice_index,
-                delta=delta,
-                logprobs=ChatLogprobs(content=logprobs) if logprobs is not None else None,
-                finish_reason=finish_reason if out.finished else None,
-                stop_reason=choice.stop_reason if out.finished else None,
-                token_ids=list(out.outputs[0].token_ids) if req.return_token_ids else None,
-            )
-        )
-        if producer and out.finished:
-            c.kv_transfer = kv_transfer_result(state, out, seq)
-        yield c
+            if producer and out.finished:
+                c.kv_transfer = kv_transfer_result(state, out, seq)
+            yield c
+            if capped:
+                choice.finish_reason, choice.stop_reason = finish_reason, None
+                ticket.stopped = True  # the engine request's end is a stop, not a client's abort
+                break
     if req.include_usage:
         final = ChatCompletionChunk(
             id=response_id, created=created, model=model, choices=[], usage=usage.info()

@@ -14,20 +14,24 @@ body, written by the same code (``collect``): both give the same output items.
 on the ``output_text`` parts and text delta events.
 
 A response is stored unless the request says ``store: false`` (or the replica runs with
-``--responses-store none``): ``previous_response_id`` continues it, an input ``item_reference``
+``--responses-store none``; ``server/responses_records.py`` writes and reads its record): ``previous_response_id`` continues it, an input ``item_reference``
 names one of its items (``server/responses_refs.py``), and ``GET`` / ``DELETE
 /v1/responses/{id}`` and its ``input_items`` read and drop it (``server/responses_store.py``).
 With ``background: true`` (stored responses only) the answer is the queued response (or, with
 ``stream``, its events as they come) and the generation runs on (``server/responses_background.py``).
-Hosted tools (web search, file search, ...) and non-text inputs are a 400, and so is ``conversation``
-(there is no Conversations API here). vLLM's ``structured_outputs`` extra goes to the chat request;
-``max_tool_calls`` keeps the answer's first calls (``responses_stream._Output``).
+Hosted tools (web search, file search, ...) and non-text inputs are a 400, and so are ``conversation``
+(there is no Conversations API here) and ``prompt`` (no stored prompts). ``tool_choice``
+``allowed_tools`` offers the chat request only the tools it allows (``responses_input``), and
+``truncation: auto`` answers a conversation too long for the context without its oldest turns. vLLM's ``structured_outputs`` extra goes to the chat request;
+``max_tool_calls`` caps the function calls of the answer: OpenAI counts its built-in tools' calls
+across a response and ignores the model's further attempts; this server runs no built-in tools and
+answers in one turn, so the cap is on the function calls the model writes, and the generation stops
+once it has them (``server/tools.py``): usage counts only the tokens generated, and the stored
+response is the one returned.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
@@ -36,19 +40,18 @@ from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr, Valid
 from starlette.responses import JSONResponse, Response
 
 from server.chat_protocol import ChatCompletionRequest
-from server.errors import APIError, bad_request, unavailable, validation_error
+from server.errors import APIError, bad_request, validation_error
 from server.middleware import response_id_for
 from server.protocol import _Request
-from server.responses_input import InputError, chat_messages, chat_tools, input_items
+from server.responses_input import InputError, chat_messages, chat_tools, input_items, without_oldest_turns
+from server.responses_records import Saver, load_record, refuse_a_taken_id
 from server.responses_refs import resolve_references
-from server.responses_store import RUNNING, StoreUnavailable
+from server.responses_store import RUNNING
 from server.responses_stream import collect, events
 from server.serving_chat import ChatChunks, create_chat_completion
 from server.serving_messages import renamed
 from server.state import ServerState
 from server.streaming import SSEResponse, run_or_disconnect
-
-logger = logging.getLogger("ferry.server")
 
 
 class ResponsesResume(_Request):
@@ -79,10 +82,15 @@ class ResponsesRequest(_Request):
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
     metadata: dict[str, StrictStr] | None = None
     user: StrictStr | None = None
-    # At most this many function calls in the output (the rest are dropped: ``responses_stream``).
+    # At most this many function calls in the output: the answer stops at the cap (``server/tools.py``).
     max_tool_calls: StrictInt | None = Field(default=None, ge=0)
     # OpenAI's Conversations API object: no conversation store here, so a 400 (``to_chat_request``).
     conversation: Any = None
+    # auto: a conversation too long for the context drops its oldest turns (``_chat_answer``).
+    truncation: Literal["auto", "disabled"] | None = None
+    # A reusable prompt stored at OpenAI (id, version, variables): no prompt store here, so a 400
+    # rather than an answer without the prompt's instructions.
+    prompt: Any = None
     # vLLM's structured outputs extra, as on the chat endpoint (not with ``text.format``)
     structured_outputs: Any = None
     # vLLM-compatible sampling extras, carried over to the chat request (validated there)
@@ -176,6 +184,12 @@ def to_chat_request(
             "response with previous_response_id instead",
             param="conversation",
         )
+    if req.prompt is not None:
+        raise bad_request(
+            "prompt (a reusable prompt stored at OpenAI) is not supported: this server stores no "
+            "prompts; send its text as instructions and input instead",
+            param="prompt",
+        )
     if (
         req.structured_outputs is not None
         and ((req.text or {}).get("format") or {}).get("type", "text") != "text"
@@ -207,8 +221,7 @@ def to_chat_request(
         "top_p": req.top_p,
         "tools": tools,
         "tool_choice": choice,
-        # One call at most: the chat request's own cap, so a "required" answer is made as one call.
-        "parallel_tool_calls": False if req.max_tool_calls == 1 else req.parallel_tool_calls,
+        "parallel_tool_calls": req.parallel_tool_calls,
         "response_format": _response_format(req),
         "logprobs": wants_logprobs(req) or None,
         "top_logprobs": (req.top_logprobs or 0) if wants_logprobs(req) else None,
@@ -321,115 +334,41 @@ class _Response:
             "tools": req.tools or [],
             "top_p": req.top_p if req.top_p is not None else self.defaults.get("top_p", 1.0),
             "top_logprobs": req.top_logprobs,
-            "truncation": "disabled",
+            "truncation": req.truncation or "disabled",
             "usage": self.usage,
             "user": req.user,
             "metadata": req.metadata or {},
         }
 
 
-async def load_record(state: ServerState, response_id: str, param: str | None = None) -> dict[str, Any]:
-    """The stored record of ``response_id`` (404 if there is none, 503 if the store failed); one
-    that says it runs while no process does any more is saved and read as failed."""
-    store = state.responses
-    try:
-        record = None if store is None else await store.get(response_id)
-        if record is not None:
-            record = await state.background.settle(record)
-    except StoreUnavailable as e:
-        raise unavailable(str(e)) from e
-    if record is None:
-        if param == "previous_response_id":
-            raise APIError(
-                404,
-                f"Previous response with id '{response_id}' not found.",
-                code="previous_response_not_found",
-                param=param,
-            )
-        raise APIError(
-            404, f"Response with id '{response_id}' not found.", code="response_not_found", param=param
-        )
-    return record
-
-
-def item_page(
-    items: list[dict[str, Any]], limit: int, order: str, after: str | None, before: str | None
-) -> dict[str, Any]:
-    """One page of a stored response's input items, as OpenAI's list endpoints page (``order``
-    desc: newest first; ``after`` / ``before``: an item id the page starts after / ends before)."""
-    ordered = items if order == "asc" else items[::-1]
-    ids = [item.get("id") for item in ordered]
-    start = ids.index(after) + 1 if after in ids else 0
-    end = ids.index(before) if before in ids else len(ordered)
-    page = ordered[start:end][:limit]
-    return {
-        "object": "list",
-        "data": page,
-        "first_id": page[0].get("id") if page else None,
-        "last_id": page[-1].get("id") if page else None,
-        "has_more": start + len(page) < end,
-    }
-
-
-class _Saver:
-    """Stores a response with the conversation that led to it (``server/responses_store``): once
-    finished, and a background one also as it starts and runs (``put``)."""
-
-    def __init__(self, state: ServerState, built: _Response, conversation: list[dict[str, Any]]) -> None:
-        self.state = state
-        self.built = built
-        self.conversation = conversation
-
-    async def put(self) -> bool:
-        """Write the record as the response is now; False if the store did not keep it (raises
-        StoreUnavailable)."""
-        built, store = self.built, self.state.responses
-        if not built.store or store is None:
-            return False
-        record: dict[str, Any] = {"response": built.body(), "input": self.conversation}
-        if built.keeps_events:
-            record["stream"] = True
-        return await store.put(built.id, record)
-
-    async def __call__(self) -> None:
-        """The final save (a failed foreground stream is not stored: nothing would read it)."""
-        built, store = self.built, self.state.responses
-        if not built.store or store is None or (built.status == "failed" and not built.background):
-            return
+async def _chat_answer(
+    state: ServerState,
+    req: ResponsesRequest,
+    context: list[dict[str, Any]],
+    own: list[dict[str, Any]],
+    request_id: str,
+    receive,
+    submitted: Callable[[], None] | None,
+) -> ChatChunks:
+    """The chat stream that answers ``req`` (``context``: the stored conversation it continues).
+    With ``truncation: auto`` a conversation too long for the context is answered without its
+    oldest turns, as few dropped as fit (each shorter one is tried in turn, so only a conversation
+    that does not fit costs more than one rendering); the stored conversation stays whole."""
+    items = context + own if context else None
+    shorter = without_oldest_turns(context + own) if req.truncation == "auto" else iter(())
+    images = state.limits.image is not None
+    while True:
+        chat = to_chat_request(req, items, images=images)
         try:
-            kept = await self.put()
-        except StoreUnavailable as e:
-            logger.warning("response %s not stored: %s", built.id, e)
-            kept = False
-        if not kept:
-            built.store = False  # the answer says so: a later previous_response_id would 404
-            self.state.metrics.responses_not_stored.inc()
-            if built.background:  # not its queued record either, which would say it still runs
-                with contextlib.suppress(StoreUnavailable):
-                    await store.delete(built.id)
-
-
-def _without_ids(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{k: v for k, v in item.items() if k != "id"} for item in items]
-
-
-async def _refuse_a_taken_id(
-    state: ServerState, response_id: str, conversation: list[dict[str, Any]]
-) -> None:
-    """409 when a stored response already has this id (it follows the X-Request-Id) with another
-    conversation: a client reusing its X-Request-Id would otherwise replace it. The same input
-    again is a retry (a client's, or the router's after a lost answer) and is answered anew."""
-    try:
-        record = await state.responses.get(response_id)  # type: ignore[union-attr]
-    except StoreUnavailable:
-        return  # saving it will say so
-    if record is not None and _without_ids(record.get("input") or []) != _without_ids(conversation):
-        raise APIError(
-            409,
-            f"A stored response already has id '{response_id}', for another input: "
-            "send a new X-Request-Id for each request.",
-            code="response_id_in_use",
-        )
+            answer = await create_chat_completion(
+                state, chat, request_id, receive, submitted, as_chunks=True, max_tool_calls=req.max_tool_calls
+            )
+        except APIError as e:
+            if e.code != "context_length_exceeded" or (items := next(shorter, None)) is None:
+                raise
+            continue
+        assert isinstance(answer, ChatChunks)  # the chat request streams
+        return answer
 
 
 async def create_response(
@@ -469,13 +408,11 @@ async def create_response(
         req = req.model_copy(update={"input": resolved})
     own = input_items(req.input)
     if req.resume is None and req.store is not False and state.responses is not None:
-        await _refuse_a_taken_id(state, response_id_for(request_id), context + own)
+        await refuse_a_taken_id(state, response_id_for(request_id), context + own)
     try:
-        chat = to_chat_request(req, context + own if context else None, images=state.limits.image is not None)
-        answer = await create_chat_completion(state, chat, request_id, receive, submitted, as_chunks=True)
+        answer = await _chat_answer(state, req, context, own, request_id, receive, submitted)
     except APIError as e:
         raise renamed(e, _CHAT_TO_RESPONSES) from None
-    assert isinstance(answer, ChatChunks)  # the chat request streams
     model = state.answer_model(state.check_model(req.model))  # the chat request checked it: no 404 here
     built = _Response(
         req,
@@ -484,7 +421,7 @@ async def create_response(
         store=req.store is not False and state.responses is not None,
         defaults=state.limits.generation_defaults,
     )
-    save = _Saver(state, built, context + own)
+    save = Saver(state, built, context + own)
     if req.stream or req.background:
         frames = events(
             built,

@@ -15,6 +15,12 @@ its answer.
 
 Streamed, a named call's arguments go out as they are generated; ``required`` and ``auto`` calls go
 out whole as each is complete (with their id, name and arguments in one delta).
+
+A cap on the number of calls (``max_calls``: the Responses API's ``max_tool_calls``, not a chat
+field) is a ``maxItems`` of the ``required`` array, so the grammar ends the answer after the last
+call allowed; an ``auto`` answer is stopped by its stream (``ChoiceTools.capped``,
+``serving_chat._chunks``) once the last call allowed is complete, or for a cap of 0 once the model
+has written a call, so no token is generated for calls that would be dropped.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ class ToolPlan:
     parser: ToolParser | None = None
     constraint: StructuredOutputsParams | None = None  # named, required
     parallel: bool = True  # auto: False (parallel_tool_calls false) keeps the first call only, as vLLM
+    max_calls: int | None = None  # at most this many calls; the answer stops at the cap (auto)
 
     def read(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content, calls) of a whole answer."""
@@ -64,6 +71,8 @@ class ToolPlan:
             return text, []
         if not self.parallel:
             parsed = parsed[:1]
+        if self.max_calls is not None:
+            parsed = parsed[: self.max_calls]
         return (content or None), [self._call(c) for c in parsed]
 
     def call_id(self, parsed: ParsedCall | None = None) -> str:
@@ -90,7 +99,7 @@ def read_required(text: str) -> list[ParsedCall] | None:
     return None if any(c is None for c in calls) else calls  # type: ignore[return-value]
 
 
-def required_schema(tools: list[ToolSpec], parallel: bool) -> dict[str, Any]:
+def required_schema(tools: list[ToolSpec], max_items: int | None) -> dict[str, Any]:
     one_of_the_tools = [
         {
             "type": "object",
@@ -106,8 +115,8 @@ def required_schema(tools: list[ToolSpec], parallel: bool) -> dict[str, Any]:
         for i, t in enumerate(tools)
     ]
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": one_of_the_tools}}
-    if not parallel:
-        schema["maxItems"] = 1
+    if max_items is not None:
+        schema["maxItems"] = max_items
     return schema
 
 
@@ -149,9 +158,12 @@ def validated_tools(raw: list[dict[str, Any]]) -> list[ToolSpec]:
         raise validation_error(errors) from None
 
 
-def plan_tools(req: ChatCompletionRequest, parser: ToolParser | None) -> ToolPlan | None:
+def plan_tools(
+    req: ChatCompletionRequest, parser: ToolParser | None, max_calls: int | None = None
+) -> ToolPlan | None:
     """What the request's tools ask of the answer (None: a plain text answer); 400 for bad tools,
-    an unknown named function, or ``auto`` on a server without a tool-call parser."""
+    an unknown named function, or ``auto`` on a server without a tool-call parser. ``max_calls``:
+    at most this many calls (the Responses API's ``max_tool_calls``)."""
     choice = req.tool_choice
     if not req.tools:
         if choice not in (None, "none"):
@@ -164,7 +176,8 @@ def plan_tools(req: ChatCompletionRequest, parser: ToolParser | None) -> ToolPla
     if choice == "none":
         return None
     if choice == "required":
-        schema = required_schema(tools, parallel=req.parallel_tool_calls is not False)
+        caps = [n for n in (max_calls, 1 if req.parallel_tool_calls is False else None) if n is not None]
+        schema = required_schema(tools, max_items=min(caps) if caps else None)
         return ToolPlan("required", parser=parser, constraint=_compact(schema))
     if choice == "auto":
         if parser is None:
@@ -173,7 +186,12 @@ def plan_tools(req: ChatCompletionRequest, parser: ToolParser | None) -> ToolPla
                 '--tool-call-parser; send tool_choice "required", "none" or a named function instead',
                 param="tool_choice",
             )
-        return ToolPlan("auto", parser=parser.for_tools(tools), parallel=req.parallel_tool_calls is not False)
+        return ToolPlan(
+            "auto",
+            parser=parser.for_tools(tools),
+            parallel=req.parallel_tool_calls is not False,
+            max_calls=max_calls,
+        )
     if isinstance(choice, str):
         raise bad_request(
             f"tool_choice {choice!r} is not one of 'none', 'auto', 'required' or a named function",
@@ -205,6 +223,7 @@ class ChoiceTools:
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
         self.count = 0  # calls sent so far (the index of the next one)
+        self.dropped = False  # the model wrote a call past ``plan.max_calls``
         self._streamer: ToolStreamer | None = None
         if plan.mode == "auto":
             assert plan.parser is not None
@@ -215,6 +234,15 @@ class ChoiceTools:
     @property
     def made_calls(self) -> bool:
         return self.count > 0
+
+    @property
+    def capped(self) -> bool:
+        """The answer has every call it may have (``plan.max_calls``), the last one complete, or
+        wrote one past a cap of 0: what the model writes next would be dropped, so it can stop."""
+        cap = self.plan.max_calls
+        if cap is None or self.plan.mode != "auto":
+            return False  # a named answer is one call; a required one ends by its grammar
+        return self.dropped or (cap > 0 and self.count >= cap)
 
     def feed(self, text: str) -> tuple[str, list[DeltaToolCall]]:
         if self.plan.mode == "named":
@@ -244,6 +272,9 @@ class ChoiceTools:
         for c in calls:
             if self.count and not self.plan.parallel:
                 break  # parallel_tool_calls false: the first call only
+            if self.plan.max_calls is not None and self.count >= self.plan.max_calls:
+                self.dropped = True
+                break
             fn = DeltaFunctionCall(name=c.name, arguments=c.arguments)
             out.append(DeltaToolCall(index=self.count, id=self.plan.call_id(c), type="function", function=fn))
             self.count += 1

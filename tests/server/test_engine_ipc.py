@@ -28,7 +28,9 @@ from server.engine_client import EngineClient
 from server.engine_fanout import BROADCAST_DELAY_S
 from server.engine_host import EngineHost
 from server.engine_ipc import Channel
-from server.responses_store import MemoryRecords, RemoteResponseStore, StoreUnavailable
+from server.responses_memory import MemoryRecords
+from server.responses_memory_stores import RemoteResponseStore
+from server.responses_store import StoreUnavailable
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [20, 21, 22, 23], [40, 41, 42, 43, 44, 45]]

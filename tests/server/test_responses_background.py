@@ -12,16 +12,10 @@ import httpx
 import openai
 import pytest
 
+from server.responses_memory import EVENT_LOG_OVERHEAD, EVENT_OVERHEAD, RECORD_OVERHEAD, MemoryRecords
+from server.responses_memory_stores import MemoryResponseStore
 from server.responses_redis import RedisResponseStore
-from server.responses_store import (
-    EVENT_LOG_LIMIT,
-    EVENT_LOG_OVERHEAD,
-    EVENT_OVERHEAD,
-    EVENT_READ_BATCH,
-    RECORD_OVERHEAD,
-    MemoryRecords,
-    MemoryResponseStore,
-)
+from server.responses_store import EVENT_LOG_LIMIT, EVENT_READ_BATCH
 from tests.server.conftest import first_events, wait_in_progress
 
 GREEDY = {"max_output_tokens": 16, "temperature": 0}

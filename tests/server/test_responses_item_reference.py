@@ -12,7 +12,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from server.responses_store import MemoryRecords, encode
+from server.responses_memory import MemoryRecords
+from server.responses_store import encode
 from tests.conftest import RedisServer
 
 GREEDY = {"max_output_tokens": 8, "temperature": 0}

@@ -15,8 +15,10 @@ import redis
 
 from server.metrics import ServerMetrics
 from server.responses_lease import ORPHANED_ERROR, Leases
+from server.responses_memory import MemoryRecords
+from server.responses_memory_stores import MemoryResponseStore
 from server.responses_redis import RedisResponseStore
-from server.responses_store import MemoryRecords, MemoryResponseStore, encode, event_frame
+from server.responses_store import encode, event_frame
 
 ORPHANED = "ferry:responses_background_orphaned_total"
 

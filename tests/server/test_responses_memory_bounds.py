@@ -17,17 +17,15 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from server.engine_client import EngineClient
 from server.engine_host import EngineHost
-from server.responses_store import (
+from server.responses_memory import (
     EVENT_LOG_OVERHEAD,
     EVENT_OVERHEAD,
     ITEM_OVERHEAD,
     RECORD_OVERHEAD,
     MemoryRecords,
-    MemoryResponseStore,
-    RemoteResponseStore,
-    encode,
-    event_frame,
 )
+from server.responses_memory_stores import MemoryResponseStore, RemoteResponseStore
+from server.responses_store import encode, event_frame
 from tests.server.test_engine_ipc import _hosted
 
 

@@ -17,8 +17,9 @@ import pytest
 import redis
 
 from server.responses_input import input_items
-from server.responses_store import RECORD_OVERHEAD, MemoryRecords, encode
-from server.serving_responses import item_page
+from server.responses_memory import RECORD_OVERHEAD, MemoryRecords
+from server.responses_records import item_page
+from server.responses_store import encode
 from tests.conftest import RedisServer
 from tests.server.conftest import first_events, wait_in_progress
 
