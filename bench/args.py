@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 
-DATASETS = ["random", "shared-prefix", "multi-turn", "jsonl"]
+DATASETS = ["random", "shared-prefix", "multi-turn", "jsonl", "sharegpt"]
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -50,13 +50,18 @@ def add_bench_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
     data = p.add_argument_group("dataset (reproducible from --seed)")
     data.add_argument("--dataset", choices=DATASETS, default="random")
-    data.add_argument("--dataset-path", default=None, help="jsonl: one OpenAI request body per line")
+    data.add_argument(
+        "--dataset-path",
+        default=None,
+        help="jsonl: one OpenAI request body per line; sharegpt: a ShareGPT JSON file (a list of "
+        "records with 'conversations'; JSON lines too)",
+    )
     data.add_argument(
         "--num-prompts",
         type=int,
         default=None,
         help="measured requests (multi-turn: sessions). Default: random 200, shared-prefix "
-        "groups x prompts-per-group, multi-turn 8, jsonl every line",
+        "groups x prompts-per-group, multi-turn 8, jsonl every line, sharegpt 1000",
     )
     data.add_argument(
         "--input-len",
@@ -64,7 +69,13 @@ def add_bench_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=256,
         help="prompt tokens (shared-prefix: suffix tokens; multi-turn: new tokens per turn)",
     )
-    data.add_argument("--output-len", type=int, default=128, help="completion tokens (max_tokens)")
+    data.add_argument(
+        "--output-len",
+        type=int,
+        default=None,
+        help="completion tokens (max_tokens); default 128. sharegpt: given, it replaces the recorded "
+        "reply's length (as vLLM's --sharegpt-output-len)",
+    )
     data.add_argument(
         "--range-ratio", type=float, default=0.0, help="lengths drawn uniformly from [len*(1-r), len*(1+r)]"
     )
@@ -73,7 +84,25 @@ def add_bench_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     data.add_argument("--num-groups", type=int, default=4, help="shared-prefix: distinct prefixes")
     data.add_argument("--prompts-per-group", type=int, default=8, help="shared-prefix: suffixes per prefix")
-    data.add_argument("--turns", type=int, default=4, help="multi-turn: turns per session")
+    data.add_argument(
+        "--turns",
+        type=int,
+        default=None,
+        help="multi-turn: turns per session (default 4). sharegpt: given (> 1), replay up to this many "
+        "human turns of each conversation as a session",
+    )
+    data.add_argument(
+        "--sharegpt-max-input-len",
+        type=int,
+        default=1024,
+        help="sharegpt: skip pairs whose prompt has more tokens (vLLM's filter)",
+    )
+    data.add_argument(
+        "--sharegpt-max-total-len",
+        type=int,
+        default=2048,
+        help="sharegpt: skip pairs whose prompt + output have more tokens (vLLM's filter)",
+    )
     data.add_argument(
         "--tokenizer",
         default="auto",

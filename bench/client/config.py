@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 SLO_KEYS = ("ttft", "tpot", "e2e")
+DEFAULT_OUTPUT_LEN = 128
+DEFAULT_TURNS = 4
 
 
 class ConfigError(ValueError):
@@ -69,6 +71,10 @@ class BenchConfig:
     dry_run: bool
     progress: bool
     lora_modules: tuple[str, ...] = ()  # each chain names one of these as its model
+    output_len_given: bool = False  # --output-len on the command line (sharegpt: overrides replies)
+    turns_given: bool = False  # --turns on the command line (sharegpt: replay conversations)
+    sharegpt_max_input_len: int = 1024
+    sharegpt_max_total_len: int = 2048
 
     @property
     def slo(self) -> dict[str, float]:
@@ -80,14 +86,21 @@ class BenchConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> BenchConfig:
-        endpoint = args.endpoint or ("chat" if args.dataset == "multi-turn" else "completions")
-        if args.dataset == "multi-turn" and endpoint not in ("chat", "responses"):
+        # None = not given: sharegpt then keeps each recorded reply's length and single turns.
+        output_len = DEFAULT_OUTPUT_LEN if args.output_len is None else args.output_len
+        turns = DEFAULT_TURNS if args.turns is None else args.turns
+        sessions = args.dataset == "multi-turn" or (
+            args.dataset == "sharegpt" and args.turns is not None and args.turns > 1
+        )
+        endpoint = args.endpoint or ("chat" if sessions else "completions")
+        if sessions and endpoint not in ("chat", "responses"):
+            what = "multi-turn" if args.dataset == "multi-turn" else "sharegpt --turns"
             raise ConfigError(
-                "--dataset multi-turn needs --endpoint chat (the client resends the conversation) or "
+                f"--dataset {what} needs --endpoint chat (the client resends the conversation) or "
                 "responses (each turn continues the last answer by previous_response_id)"
             )
-        if args.dataset == "jsonl" and not args.dataset_path:
-            raise ConfigError("--dataset jsonl needs --dataset-path FILE")
+        if args.dataset in ("jsonl", "sharegpt") and not args.dataset_path:
+            raise ConfigError(f"--dataset {args.dataset} needs --dataset-path FILE")
         if args.token_ids and endpoint not in ("completions", "embeddings"):
             raise ConfigError(
                 "--token-ids applies to --endpoint completions and embeddings only (chat content is text)"
@@ -97,8 +110,18 @@ class BenchConfig:
                 f"--continuous-usage-stats does not apply to --endpoint {endpoint} (its usage comes "
                 "with the whole answer only)"
             )
-        for name in ("input_len", "output_len", "prefix_len", "num_groups", "prompts_per_group", "turns"):
-            if getattr(args, name) < 1:
+        values = {"output_len": output_len, "turns": turns}
+        for name in (
+            "input_len",
+            "output_len",
+            "prefix_len",
+            "num_groups",
+            "prompts_per_group",
+            "turns",
+            "sharegpt_max_input_len",
+            "sharegpt_max_total_len",
+        ):
+            if values.get(name, getattr(args, name)) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
         if args.num_prompts is not None and args.num_prompts < 1:
             raise ConfigError("--num-prompts must be >= 1")
@@ -122,12 +145,12 @@ class BenchConfig:
             dataset_path=args.dataset_path,
             num_prompts=args.num_prompts,
             input_len=args.input_len,
-            output_len=args.output_len,
+            output_len=output_len,
             range_ratio=args.range_ratio,
             prefix_len=args.prefix_len,
             num_groups=args.num_groups,
             prompts_per_group=args.prompts_per_group,
-            turns=args.turns,
+            turns=turns,
             tokenizer=args.tokenizer,
             token_ids=args.token_ids,
             seed=args.seed,
@@ -148,6 +171,10 @@ class BenchConfig:
             dry_run=args.dry_run,
             progress=not args.no_progress,
             lora_modules=tuple(args.lora_modules),
+            output_len_given=args.output_len is not None,
+            turns_given=args.turns is not None,
+            sharegpt_max_input_len=args.sharegpt_max_input_len,
+            sharegpt_max_total_len=args.sharegpt_max_total_len,
         )
 
 

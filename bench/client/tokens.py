@@ -43,6 +43,10 @@ class TokenSource(ABC):
     def describe(self) -> dict[str, Any]:
         return {"kind": self.name}
 
+    def count(self, text: str) -> int:
+        """How many tokens ``text`` is (a dataset's own text, e.g. a ShareGPT turn)."""
+        return len(self.encode(text))
+
     def pool(self) -> list[int]:
         """Candidate ids for random prompts (sorted, unique)."""
         ids = sorted(set(self.encode(" " + " ".join(WORDS))))
@@ -145,6 +149,9 @@ class WordSource(TokenSource):
 
     def decode(self, ids: list[int]) -> str:
         return " ".join(WORDS[i] for i in ids)
+
+    def count(self, text: str) -> int:
+        return len(text.split())  # a word stands for a token, as in the prompts built here
 
 
 def make_token_source(

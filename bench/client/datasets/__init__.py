@@ -12,7 +12,7 @@ import dataclasses
 import random
 from collections.abc import Callable
 
-from bench.client.datasets import jsonl, multi_turn, random_tokens, shared_prefix
+from bench.client.datasets import jsonl, multi_turn, random_tokens, shared_prefix, sharegpt
 from bench.client.datasets.common import DatasetContext
 from bench.client.types import Chain
 
@@ -21,6 +21,7 @@ DATASETS: dict[str, Callable[[DatasetContext, int | None], list[Chain]]] = {
     "shared-prefix": shared_prefix.build,
     "multi-turn": multi_turn.build,
     "jsonl": jsonl.build,
+    "sharegpt": sharegpt.build,
 }
 
 
