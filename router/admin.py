@@ -4,7 +4,11 @@
 ``POST /admin/replicas/drain`` ``{"url"}`` (no new requests, in-flight ones finish);
 ``DELETE /admin/replicas`` ``{"url"}`` (or ``?url=``). Guarded by ``--api-key`` (Bearer); with no key
 only loopback clients may use it. A replica's view carries ``lora_pending``: the adapter restores and
-unloads the router still owes it (``router/lora_admin.py``). Bodies are validated here, at the edge, with clear 4xx answers.
+unloads the router still owes it, when they are tried next, and the adapters it lists under another
+path than the router's (``router/lora_admin.py``); the list's ``lora``: the adapters the router
+restores, each ``loaded`` through it or ``adopted`` from a replica, those it will not adopt because
+its last word on them was an unload, and the names replicas list under different paths
+(``router/lora_learn.py``). Bodies are validated here, at the edge, with clear 4xx answers.
 """
 
 from __future__ import annotations
@@ -47,7 +51,8 @@ async def handle_admin(app: RouterApp, scope: Scope, receive: Receive, send: Sen
     path, method = scope["path"].rstrip("/"), scope["method"]
     now = app.clock()
     if path == "/admin/replicas" and method == "GET":
-        await send_json(send, 200, {"replicas": [_describe(app, r, now) for r in app.replicas]})
+        replicas = [_describe(app, r, now) for r in app.replicas]
+        await send_json(send, 200, {"replicas": replicas, "lora": app.lora.learn.view()})
         return
     if path not in ("/admin/replicas", "/admin/replicas/drain"):
         await send_error(send, 404, f"no admin route {path}")

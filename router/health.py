@@ -16,7 +16,8 @@ cache_aware policy's prefix index; with KV events followed, ``router/kv_events.p
 a restart drops, as the replica's events may have shown the new instance first). A replica that
 names neither (another server) is taken as restarted when it comes back after being ejected.
 Between a good ``/health`` and marking the replica healthy it awaits ``before_ready`` hooks (a new or
-restarted replica gets the LoRA adapters loaded through the router: ``router/lora_admin.py``).
+restarted replica gets the LoRA adapters loaded through the router: ``router/lora_admin.py``); each
+``/v1/models`` read goes to ``on_models`` hooks (the router learns adapters: ``router/lora_learn.py``).
 The prober only calls the state machine in ``router/replica.py``; it decides nothing itself.
 """
 
@@ -63,6 +64,9 @@ class HealthChecker:
         # Awaited after a good /health, before the replica is marked healthy: what readies a new or
         # restarted replica (its LoRA adapters, router/lora_admin.py). Hooks never raise.
         self.before_ready: list[Callable[[Replica], Awaitable[None]]] = []
+        # Called with each /v1/models read of a replica and its ``lora_changes`` when the read began
+        # (the router learns LoRA adapters from them: router/lora_learn.py).
+        self.on_models: list[Callable[[Replica, list[dict], int], None]] = []
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="ferry-router-health")
@@ -192,8 +196,11 @@ class HealthChecker:
     async def _read_models(self, replica: Replica, timeout: float) -> None:
         """The replica's served names, LoRA adapters and model cards (kept as they were if it does
         not answer)."""
+        token = replica.lora_changes
         data = await model_list(self.client, replica.url, self.auth, timeout)
         if data:
+            for hook in self.on_models:
+                hook(replica, data, token)
             replica.model_cards = data
             replica.models = [m["id"] for m in data]
             replica.lora_weights = {

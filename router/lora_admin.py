@@ -19,8 +19,11 @@ only to replicas that list it (``pool.serving``). An unload that a replica misse
 answer, or answered 5xx) is kept on it (``Replica.lora_unloads``) and sent again the same way; no
 request for that adapter goes there until it is gone. Operations on one adapter name, a client's
 and the restores', run one at a time (``_serial``), so each replica ends as the last client
-operation left it. Nothing here is persisted: a restarted router knows only what is loaded through
-it from then on. This module must never import torch.
+operation left it; a restore's load refused because the replica holds the adapter from the same
+path by then (another router restored it first) is done, not failed. Nothing here is persisted: a
+restarted router, or another router in front of the same replicas, learns the adapters the
+replicas list (``router/lora_learn.py``: adoption, another party's loads and unloads, conflicting
+paths). This module must never import torch.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from router.http import (
     send_bytes,
     send_json,
 )
+from router.lora_learn import LoraLearner
 from router.replica import Replica
 from router.upstream import UpstreamError
 from server.error_types import error_type
@@ -69,7 +73,7 @@ class LoraAdmin:
 
     def __init__(self, app: RouterApp) -> None:
         self.app = app
-        self.adapters: dict[str, str] = {}  # name -> lora_path, as loaded through the router
+        self.adapters: dict[str, str] = {}  # name -> lora_path, loaded through the router or adopted
         self._pending: set[Replica] = set()
         self._retry: dict[Replica, tuple[float, float]] = {}  # replica -> (next attempt, delay)
         self._failures = app.metrics.lora_failures
@@ -79,6 +83,8 @@ class LoraAdmin:
         app.replicas.on_removed.append(self._left)
         app.replicas.on_cache_lost.append(self._cache_lost)
         app.health.before_ready.append(self.restore)
+        self.learn = LoraLearner(self)
+        app.health.on_models.append(self.learn.observe)
 
     # ---- the routes ---------------------------------------------------------------------------
     async def handle(self, scope: Scope, receive: Receive, send: Send, request_id: str) -> None:
@@ -126,10 +132,11 @@ class LoraAdmin:
             (b"x-request-id", request_id.encode()),
         ]
         timeout = self.app.config.request_timeout
-        answers = await asyncio.gather(
-            *(self._send(r, scope["path"], raw, headers, timeout) for r in replicas)
-        )
         name = body["lora_name"]
+        path = body["lora_path"] if load else None
+        answers = await asyncio.gather(
+            *(self._send(r, scope["path"], raw, headers, timeout, name, path) for r in replicas)
+        )
         op = "load" if load else "unload"
         for r, (status, text) in zip(replicas, answers, strict=True):
             if status != 200:
@@ -137,13 +144,13 @@ class LoraAdmin:
                 log.warning("LoRA %s of %r on replica %s: %d %s", op, name, r.url, status, text[:200])
         ok = [r for r, (status, _) in zip(replicas, answers, strict=True) if status == 200]
         if load and ok:
-            self.adapters[name] = body["lora_path"]
+            self.learn.loaded(name, body["lora_path"])
             # Those that failed while others loaded it get it at their next good probe.
             self._pending.update(r for r in replicas if r not in ok)
             for r in replicas:
                 r.lora_unloads.discard(name)
         elif not load:
-            self.adapters.pop(name, None)
+            self.learn.unloaded_here(name)
             for r, (status, _) in zip(replicas, answers, strict=True):
                 if status >= 500:  # it did not say whether it holds the adapter: ask again later
                     r.lora_unloads.add(name)
@@ -166,36 +173,61 @@ class LoraAdmin:
             yield
 
     async def _send(
-        self, replica: Replica, path: str, body: bytes, headers: list[tuple[bytes, bytes]], timeout: float
+        self,
+        replica: Replica,
+        path: str,
+        body: bytes,
+        headers: list[tuple[bytes, bytes]],
+        timeout: float,
+        name: str,
+        lora_path: str | None,
     ) -> tuple[int, str]:
-        """One replica's (status, body text); 502 when it did not answer in ``timeout``."""
-        try:
-            response = await asyncio.wait_for(
-                self.app.upstream.request("POST", replica.url, path, headers, body), timeout
-            )
+        """One replica's (status, body text) to a load of ``name`` from ``lora_path`` (None: an
+        unload); 502 when it did not answer in ``timeout``."""
+        with self.learn.sending(replica):
             try:
-                content = await asyncio.wait_for(response.aread(), timeout)
-            finally:
-                await response.aclose()
-        except (UpstreamError, asyncio.TimeoutError) as e:
-            return 502, f"replica {replica.url} did not answer: {e or type(e).__name__}"
-        return response.status_code, content.decode("utf-8", "replace")
+                response = await asyncio.wait_for(
+                    self.app.upstream.request("POST", replica.url, path, headers, body), timeout
+                )
+                try:
+                    content = await asyncio.wait_for(response.aread(), timeout)
+                finally:
+                    await response.aclose()
+            except (UpstreamError, asyncio.TimeoutError) as e:
+                status, text = 502, f"replica {replica.url} did not answer: {e or type(e).__name__}"
+            else:
+                status, text = response.status_code, content.decode("utf-8", "replace")
+        self.learn.sent(replica, name, lora_path, status)
+        return status, text
 
     # ---- keeping the pool uniform -------------------------------------------------------------
-    def pending(self, replica: Replica) -> dict[str, list[str]]:
+    def pending(self, replica: Replica) -> dict[str, Any]:
         """The LoRA work the router still owes ``replica`` (``GET /admin/replicas`` shows it, so an
-        operator sees why it serves no adapter yet): ``restore``, the adapters loaded through the
-        router that its last-read ``/v1/models`` lacks while a restore is due; ``unloads``, the
-        unloads it missed."""
+        operator sees why it serves no adapter yet): ``restore``, the adapters it remembers (loaded
+        through it or adopted) that its last-read ``/v1/models`` lacks while a restore is due;
+        ``unloads``, the unloads it missed; ``next_try_in_s``, when that work is tried next (seconds
+        from now: its next probe, or later while a failed try backs off; null when nothing is owed);
+        ``mismatched``, the adapters it lists under another path than the router's (not routed there)."""
         due = replica in self._pending
+        owed = (n for n in self.adapters if n not in replica.models and self.learn.owes(replica, n))
+        restore = sorted(owed) if due else []
+        unloads = sorted(replica.lora_unloads)
+        next_try = None
+        if restore or unloads:
+            now = self.app.clock()
+            at = self._retry[replica][0] if replica in self._retry else now
+            next_try = round(max(0.0, at - now, replica.next_probe_at - now), 1)
         return {
-            "restore": sorted(n for n in self.adapters if n not in replica.models) if due else [],
-            "unloads": sorted(replica.lora_unloads),
+            "restore": restore,
+            "unloads": unloads,
+            "next_try_in_s": next_try,
+            "mismatched": sorted(replica.lora_mismatch),
         }
 
     def _left(self, replica: Replica) -> None:
         self._pending.discard(replica)
         self._retry.pop(replica, None)
+        self.learn.restarted(replica)
 
     def _cache_lost(self, replica: Replica, restarted: bool) -> None:
         """A restart (or, from a server naming no instance, a return after being ejected) drops the
@@ -205,6 +237,7 @@ class LoraAdmin:
         self._pending.add(replica)
         self._retry.pop(replica, None)
         replica.models = [m for m in replica.models if m not in self.adapters]
+        self.learn.restarted(replica)  # what it lists now is a fresh start, not a change
 
     async def restore(self, replica: Replica) -> None:
         """Load the remembered adapters a pending replica's ``/v1/models`` lacks and unload those it
@@ -217,17 +250,18 @@ class LoraAdmin:
         if at > now:
             return
         self._pending.discard(replica)  # taken: a client operation failing here meanwhile adds it back
-        names = sorted({*self.adapters, *replica.lora_unloads})
+        names = self._owed(replica)
         if not names:
             self._retry.pop(replica, None)
             return
         timeout = min(self.app.config.request_timeout, RESTORE_TIMEOUT_S)
         ops = self._ops
-        listed = await model_list(self.app.client, replica.url, self.app.replica_auth, timeout)
+        listed = await self._read(replica, timeout)
         if listed is None:
             self._pending.add(replica)
             self._retry[replica] = (now + delay, min(delay * 2, RETRY_MAX_S))
             return
+        names = self._owed(replica)  # as learned from that list too
         roots = {m["id"]: m.get("root") for m in listed}
         done = await asyncio.gather(*(self._converge(replica, n, roots, ops, timeout, delay) for n in names))
         replica.models_read_at = float("-inf")  # the prober reads its list right after this
@@ -237,6 +271,10 @@ class LoraAdmin:
             self._pending.add(replica)
             self._retry[replica] = (now + delay, min(delay * 2, RETRY_MAX_S))
 
+    def _owed(self, replica: Replica) -> list[str]:
+        """The adapters a restore of ``replica`` loads or unloads."""
+        return sorted({*(n for n in self.adapters if self.learn.owes(replica, n)), *replica.lora_unloads})
+
     async def _converge(
         self, replica: Replica, name: str, roots: dict[str, Any], ops: int, timeout: float, delay: float
     ) -> bool:
@@ -244,16 +282,20 @@ class LoraAdmin:
         ``roots`` is its ``/v1/models`` as read when ``self._ops`` was ``ops``. False: try again."""
         async with self._serial(name):
             if self._ops != ops:  # a client's load or unload ran since that read: read again
-                listed = await model_list(self.app.client, replica.url, self.app.replica_auth, timeout)
+                listed = await self._read(replica, timeout)
                 if listed is None:
                     return False
                 roots = {m["id"]: m.get("root") for m in listed}
-            path = self.adapters.get(name)
+            path = self.adapters.get(name) if self.learn.owes(replica, name) else None
             if path is not None:
                 if roots.get(name) == path:
                     return True
                 op, sent = "loaded onto", _load_body(name, path, name in roots)
-                status, text = await self._send(replica, LOAD_PATH, sent, self._headers(), timeout)
+                status, text = await self._send(
+                    replica, LOAD_PATH, sent, self._headers(), timeout, name, path
+                )
+                if status == 400 and await self._holds(replica, name, path, timeout):
+                    return True  # "already loaded": another router restored it first (lora_learn.py)
             elif name not in replica.lora_unloads:
                 return True
             elif name not in roots:
@@ -261,7 +303,9 @@ class LoraAdmin:
                 return True
             else:
                 op, sent = "unloaded from", json.dumps({"lora_name": name}).encode()
-                status, text = await self._send(replica, UNLOAD_PATH, sent, self._headers(), timeout)
+                status, text = await self._send(
+                    replica, UNLOAD_PATH, sent, self._headers(), timeout, name, None
+                )
                 if status < 500:  # gone, or the replica's own answer why not: nothing to retry
                     replica.lora_unloads.discard(name)
         if status == 200:
@@ -278,6 +322,19 @@ class LoraAdmin:
             text[:200],
         )
         return name not in self.adapters and name not in replica.lora_unloads
+
+    async def _holds(self, replica: Replica, name: str, path: str, timeout: float) -> bool:
+        """Whether ``replica`` lists adapter ``name`` from ``path`` now."""
+        listed = await self._read(replica, timeout) or []
+        return any(m["id"] == name and m.get("root") == path for m in listed)
+
+    async def _read(self, replica: Replica, timeout: float) -> list[dict] | None:
+        """``replica``'s ``/v1/models`` entries, learned from (``LoraLearner.observe``); None: no answer."""
+        token = replica.lora_changes
+        listed = await model_list(self.app.client, replica.url, self.app.replica_auth, timeout)
+        if listed:
+            self.learn.observe(replica, listed, token)
+        return listed
 
     def _headers(self) -> list[tuple[bytes, bytes]]:
         return [*self.app.replica_auth, (b"content-type", b"application/json")]

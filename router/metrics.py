@@ -18,8 +18,9 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 
 #   ended with an error event because its replica failed and no other could resume it);
 # client_gone: the client disconnected first (the time until it left).
 OUTCOMES = ("ok", "error", "client_gone")
-# ``op`` of ``ferry:router_lora_failures_total``: a client's load/unload fanned out, or a restore.
-LORA_OPS = ("load", "unload", "restore")
+# ``op`` of ``ferry:router_lora_failures_total``: a client's load/unload fanned out, a restore, or
+# an adoption refused because replicas list one adapter name under different paths (a conflict).
+LORA_OPS = ("load", "unload", "restore", "adopt")
 
 
 class RouterMetrics:
@@ -97,7 +98,8 @@ class RouterMetrics:
             self.kv_event_gaps.labels(reason)
         # Replicas that failed a LoRA adapter change the router fanned out (router/lora_admin.py):
         # a client's load or unload, or the router's own restore of a remembered adapter onto a
-        # replica that joined or restarted.
+        # replica that joined or restarted; ``adopt``: an adapter name the replicas list under
+        # different paths, which the router therefore did not adopt (router/lora_learn.py).
         self.lora_failures = Counter(
             "ferry:router_lora_failures",
             "Replicas that failed a LoRA adapter load or unload sent by the router, by operation",

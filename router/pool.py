@@ -63,11 +63,12 @@ def serving(model: object, candidates: list[Replica], pool: Iterable[Replica] = 
     model's replica would answer a 404 saying the model does not exist: the router's 503 says to
     retry); else all of them (a name none lists, such as an alias of the base model, is the
     replica's to answer, with a 404 if it serves no such model). A replica that still holds an
-    adapter unloaded through the router (``Replica.lora_unloads``) is never one of them for it."""
+    adapter unloaded through the router (``Replica.lora_unloads``), or that lists it under another
+    path than the router knows it by (``Replica.lora_mismatch``), is never one of them for it."""
     if not isinstance(model, str):
         return candidates
-    candidates = [r for r in candidates if model not in r.lora_unloads]
-    pool = [r for r in pool if model not in r.lora_unloads]
+    candidates = [r for r in candidates if model not in r.lora_unloads and model not in r.lora_mismatch]
+    pool = [r for r in pool if model not in r.lora_unloads and model not in r.lora_mismatch]
     listing = [r for r in candidates if model in r.models]
     if listing:
         return listing

@@ -149,6 +149,16 @@ class Replica:
         # LoRA adapters the router was told to unload whose unload this replica missed (it did not
         # answer): retried at its next good probe; requests for them never go here (pool.serving).
         self.lora_unloads: set[str] = set()
+        # What the router learns LoRA adapters from (router/lora_learn.py): its adapter cards (name ->
+        # ``root``) as last read while this instance ran, None when unknown (new, restarted, or one of
+        # the router's own changes has an unknown outcome); the router's own load/unload sends to it
+        # (counted at their start and end) and those in flight, so a read that overlaps one is not
+        # taken for another party's change; the adapters it lists under another path than the
+        # router knows them by (no request for them goes here).
+        self.lora_seen: dict[str, str] | None = None
+        self.lora_changes = 0
+        self.lora_changing = 0
+        self.lora_mismatch: set[str] = set()
         self.emits_token_ids = False  # seen answering return_token_ids (else the relay asks logprobs)
         self.circuit = CircuitBreaker(
             self.policy.circuit_failures, self.policy.circuit_cooldown, self.policy.circuit_cooldown_max

@@ -77,7 +77,10 @@ async def preload(engine: Any, modules: tuple[LoRARequest, ...]) -> None:
 
 def lora_model_cards(state: Any) -> list[ModelCard]:
     """One card per adapter: ``root`` its directory, ``parent`` the base model (as vLLM lists them),
-    and the digest of its files that salts its KV blocks (routers key prompts with it)."""
+    the digest of its files that salts its KV blocks (routers key prompts with it), and whether it
+    is served as ``--lora-modules`` named it (``lora_preloaded``: a router does not adopt those and
+    load them onto replicas started without the flag)."""
+    preloaded = {(m.lora_name, m.lora_path) for m in state.config.lora_modules}
     return [
         ModelCard(
             id=name,
@@ -85,6 +88,7 @@ def lora_model_cards(state: Any) -> list[ModelCard]:
             parent=served.request.base_model_name or state.model_name,
             max_model_len=state.limits.kv_capacity_tokens,
             lora_weights_id=served.weights_id,
+            lora_preloaded=(name, served.request.lora_path) in preloaded,
         )
         for name, served in sorted(state.served_loras.items())
     ]

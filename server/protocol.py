@@ -304,6 +304,9 @@ class ModelCard(_Response):
     max_model_len: int | None = None
     # A LoRA adapter's: the digest of its files, which salts its KV blocks' hashes (kvcache.keys).
     lora_weights_id: str | None = None
+    # A LoRA adapter's: served as ``--lora-modules`` named it at start (True) or loaded at run time
+    # (False). Routers adopt only the latter (router/lora_learn.py): the former come with the flag.
+    lora_preloaded: bool | None = None
 
 
 class ModelList(_Response):

@@ -122,6 +122,11 @@ def test_a_missed_unload_is_sent_again_and_routes_nothing_meanwhile(
         assert _complete(router, "missed").status_code == 404
     assert metric(router.url, "ferry:router_requests_total", {"replica": relay.url}) == before
     assert metric(router.url, "ferry:router_lora_failures_total", {"op": "unload"}) == 1
+    # Its restores read its list (still naming the adapter) before sending the unload again: the
+    # router does not adopt the adapter back from it (router/lora_learn.py).
+    assert wait_until(lambda: relay.seen.count(UNLOAD) >= 3, 30)
+    lora = httpx.get(router.url + "/admin/replicas", timeout=5).json()["lora"]
+    assert lora == {"adapters": {}, "unloaded": ["missed"], "conflicts": {}}
     # Reachable again: its next good probe sends the unload once more.
     relay.refuse_unloads = False
     assert wait_until(lambda: "missed" not in _listed(pair[1].url), 30)
@@ -167,3 +172,31 @@ def test_a_restore_and_an_unload_of_the_same_adapter_run_in_turn(
     assert answer and answer[0].status_code == 200, answer and answer[0].text
     assert answer[0].json()["replicas"] == {direct.url: 200, relay.url: 200}
     assert relay.seen.index(LOAD) < relay.seen.index(UNLOAD)
+
+
+def test_a_restore_that_finds_the_adapter_loaded_meanwhile_is_done(
+    cluster: Cluster, pair: list[Proc], relay: Relay, adapter: Path
+) -> None:
+    """Another router (here: a client straight to the replica) loads the adapter while this
+    router's restore of it is on its way: the replica's "already loaded" is no failure."""
+    direct = pair[0]
+    router = cluster.router("--replica", direct.url, all_routable=True)
+    load = {"lora_name": "met", "lora_path": str(adapter)}
+    assert httpx.post(router.url + LOAD, json=load, timeout=60).status_code == 200
+    relay.hold_loads = True
+    added: list[httpx.Response] = []
+    adder = threading.Thread(
+        target=lambda: added.append(
+            httpx.post(router.url + "/admin/replicas", json={"url": relay.url}, timeout=60)
+        )
+    )
+    adder.start()
+    assert wait_until(lambda: LOAD in relay.seen, 30)
+    assert httpx.post(pair[1].url + LOAD, json=load, timeout=60).status_code == 200
+    relay.release.set()
+    adder.join(60)
+    assert added and added[0].status_code == 201, added and added[0].text
+    assert wait_until(lambda: replicas_view(router)[relay.url]["routable"], 30)
+    assert relay.seen.count(LOAD) == 1  # not tried again: the replica holds it as the router knows it
+    assert metric(router.url, "ferry:router_lora_failures_total", {"op": "restore"}) == 0
+    assert "met" in _listed(pair[1].url)

@@ -1,6 +1,6 @@
 """``GET /admin/replicas`` shows the LoRA work the router still owes each replica
 (router/lora_admin.py): the adapters a replica that missed their load gets at its next good probe,
-and the unloads it missed; both empty once it has caught up."""
+and the unloads it missed, and when they are tried next; all empty once it has caught up."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from engine.demo import build_lora_adapter
 
 LORA_FLAGS = ("--enable-lora", "--allow-runtime-lora-updating")
 LOAD, UNLOAD = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
-NOTHING_OWED = {"restore": [], "unloads": []}
+NOTHING_OWED = {"restore": [], "unloads": [], "next_try_in_s": None, "mismatched": []}
 
 
 def test_admin_view_shows_a_replicas_pending_lora_work(
@@ -33,12 +33,16 @@ def test_admin_view_shows_a_replicas_pending_lora_work(
         r = httpx.post(router.url + path, json=body, timeout=60)
         assert r.status_code == 502, r.text
         assert r.json()["replicas"] == {live.url: 200, late: 502}
-    assert wait_until(lambda: "kept" in replicas_view(router)[live.url]["models"], 30)
+    # Its list as read after the unload (one read between the load and the unload of "gone" names both).
+    assert wait_until(lambda: replicas_view(router)[live.url]["models"] == ["llama", "kept"], 30)
     view = replicas_view(router)
     assert view[live.url]["lora_pending"] == NOTHING_OWED
-    assert view[live.url]["models"] == ["llama", "kept"]
     # The late replica is owed the load of "kept" and the unload of "gone".
-    assert view[late]["lora_pending"] == {"restore": ["kept"], "unloads": ["gone"]}
+    owed = view[late]["lora_pending"]
+    # Tried at its next good probe: a replica never seen up is probed at most 8 s apart (the
+    # default --probe-backoff-max), and no failed restore made it wait longer.
+    assert 0 <= owed.pop("next_try_in_s") <= 8.0
+    assert owed == {"restore": ["kept"], "unloads": ["gone"], "mismatched": []}
     assert not view[late]["routable"]
 
     cluster.replicas(1, *LORA_FLAGS, ports=[late_port])

@@ -73,6 +73,8 @@ def test_models_lists_adapters_with_their_base(lora_server, client, adapters) ->
         card = cards[name].model_dump()
         assert card["parent"] == base and card["root"] == str(adapters[name])
         assert card["lora_weights_id"] == adapter_weights_id(adapters[name])
+        assert card["lora_preloaded"] is True  # from --lora-modules: routers do not adopt it
+    assert cards[base].model_dump()["lora_preloaded"] is None
 
 
 def test_requests_run_the_named_adapter(lora_server, client, offline) -> None:
@@ -106,7 +108,8 @@ def test_adapters_load_and_unload_at_run_time(lora_server, client, adapters, off
     assert bad.status_code == 400 and "no such directory" in bad.json()["error"]["message"]
     r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": str(adapters["c"])})
     assert r.status_code == 200 and r.text == "Success: LoRA adapter 'c' added successfully."
-    assert "c" in {m.id for m in client.models.list().data}
+    listed = {m.id: m.model_dump() for m in client.models.list().data}
+    assert listed["c"]["root"] == str(adapters["c"]) and listed["c"]["lora_preloaded"] is False
     assert _token_ids(client, "c") == ("c", offline["c"])
     again = httpx.post(
         url + "/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": str(adapters["a"])}

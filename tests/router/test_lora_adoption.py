@@ -1,0 +1,175 @@
+"""A router learns the LoRA adapters its replicas already serve (router/lora_learn.py): a router
+started after another one loaded an adapter adopts it and restores it onto a replica that joins;
+one name under two paths is not adopted and its mismatched replica gets no request for it; an
+unload is the last word (no router adopts or restores the adapter again); and two routers in front
+of the same replicas follow each other's loads and unloads instead of undoing them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+from router_harness import Cluster, Proc, metric, replicas_view, wait_until
+
+from engine.demo import build_lora_adapter
+
+LORA_FLAGS = ("--enable-lora", "--allow-runtime-lora-updating")
+LOAD, UNLOAD = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
+FAILURES = "ferry:router_lora_failures_total"
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory, tiny_llama: Path) -> tuple[str, str]:
+    root = tmp_path_factory.mktemp("adopt")
+    one = build_lora_adapter(root / "one", tiny_llama, seed=11, alpha=32)
+    two = build_lora_adapter(root / "two", tiny_llama, seed=12, alpha=32)
+    return str(one), str(two)
+
+
+def _lora(router: Proc) -> dict:
+    return httpx.get(router.url + "/admin/replicas", timeout=5).json()["lora"]
+
+
+def _cards(replica: Proc) -> dict[str, str]:
+    """The adapters a replica serves: name -> path."""
+    data = httpx.get(replica.url + "/v1/models", timeout=5).json()["data"]
+    return {m["id"]: m["root"] for m in data if m["parent"] is not None}
+
+
+def _post(url: str, path: str, body: dict) -> httpx.Response:
+    return httpx.post(url + path, json=body, timeout=60)
+
+
+def _add(router: Proc, replica: Proc) -> None:
+    r = httpx.post(router.url + "/admin/replicas", json={"url": replica.url}, timeout=30)
+    assert r.status_code == 201, r.text
+    assert wait_until(lambda: replicas_view(router)[replica.url]["routable"], 30)
+
+
+def _served(router: Proc, replicas: list[Proc], model: str, n: int) -> dict[str, float]:
+    """Send ``n`` requests for ``model``: how many each replica served."""
+    before = {p.url: metric(router.url, "ferry:router_requests_total", {"replica": p.url}) for p in replicas}
+    for _ in range(n):
+        r = _post(router.url, "/v1/completions", {"model": model, "prompt": "hello", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == model
+    after = {p.url: metric(router.url, "ferry:router_requests_total", {"replica": p.url}) for p in replicas}
+    return {url: after[url] - before[url] for url in after}
+
+
+def test_a_new_router_restores_what_the_old_one_loaded_and_an_unload_stays(
+    cluster: Cluster, adapters: tuple[str, str]
+) -> None:
+    one, _ = adapters
+    first, second = cluster.replicas(2, *LORA_FLAGS)
+    old = cluster.router("--replica", first.url, "--replica", second.url, all_routable=True)
+    assert _post(old.url, LOAD, {"lora_name": "kept", "lora_path": one}).status_code == 200
+    old.stop()
+
+    router = cluster.router(
+        "--replica", first.url, "--replica", second.url, "--policy", "round_robin", all_routable=True
+    )
+    assert wait_until(lambda: _lora(router)["adapters"], 30)
+    assert _lora(router) == {
+        "adapters": {"kept": {"path": one, "origin": "adopted"}},
+        "unloaded": [],
+        "conflicts": {},
+    }
+    (late,) = cluster.replicas(1, *LORA_FLAGS)
+    assert _cards(late) == {}
+    _add(router, late)  # routable once its restore is done
+    assert _cards(late) == {"kept": one}
+    everyone = [first, second, late]
+    assert wait_until(lambda: all("kept" in v["models"] for v in replicas_view(router).values()), 30)
+    assert _served(router, everyone, "kept", 3) == {p.url: 1 for p in everyone}
+    assert metric(router.url, FAILURES, {"op": "restore"}) == 0
+
+    # Unloaded through the new router: gone everywhere, and not adopted again from a replica that
+    # joins with it (loaded onto it directly, as by a router that did not hear of the unload).
+    gone = _post(router.url, UNLOAD, {"lora_name": "kept"})
+    assert gone.status_code == 200, gone.text
+    assert gone.json()["replicas"] == {p.url: 200 for p in everyone}
+    assert all(_cards(p) == {} for p in everyone)
+    (stale,) = cluster.replicas(1, *LORA_FLAGS)
+    assert _post(stale.url, LOAD, {"lora_name": "kept", "lora_path": one}).status_code == 200
+    _add(router, stale)
+    assert wait_until(lambda: "kept" in replicas_view(router)[stale.url]["models"], 30)
+    assert _lora(router) == {"adapters": {}, "unloaded": ["kept"], "conflicts": {}}
+    assert all(_cards(p) == {} for p in everyone)
+
+
+def test_one_name_under_two_paths_is_not_adopted(cluster: Cluster, adapters: tuple[str, str]) -> None:
+    one, two = adapters
+    (first,) = cluster.replicas(1, *LORA_FLAGS)
+    assert _post(first.url, LOAD, {"lora_name": "twin", "lora_path": one}).status_code == 200
+    router = cluster.router("--replica", first.url, "--policy", "round_robin", all_routable=True)
+    assert wait_until(lambda: _lora(router)["adapters"], 30)
+    assert _lora(router)["adapters"] == {"twin": {"path": one, "origin": "adopted"}}
+
+    (other,) = cluster.replicas(1, *LORA_FLAGS)
+    assert _post(other.url, LOAD, {"lora_name": "twin", "lora_path": two}).status_code == 200
+    _add(router, other)
+    assert _lora(router) == {
+        "adapters": {},
+        "unloaded": [],
+        "conflicts": {"twin": {first.url: one, other.url: two}},
+    }
+    assert metric(router.url, FAILURES, {"op": "adopt"}) == 1
+    assert _cards(other) == {"twin": two}  # the router did not load its path over the replica's
+    view = replicas_view(router)
+    assert view[other.url]["lora_pending"]["mismatched"] == ["twin"]
+    assert view[first.url]["lora_pending"]["mismatched"] == []
+    # Requests for it go where it has the path the router knew it by (both replicas take requests).
+    assert view[first.url]["routable"] and view[other.url]["routable"]
+    assert _served(router, [first, other], "twin", 4) == {first.url: 4, other.url: 0}
+    # Not adopted: a replica that joins is not given it.
+    (late,) = cluster.replicas(1, *LORA_FLAGS)
+    _add(router, late)
+    assert _cards(late) == {}
+    assert metric(router.url, FAILURES, {"op": "adopt"}) == 1  # counted once, not at every read
+
+
+def test_two_routers_follow_each_others_loads_and_unloads(
+    cluster: Cluster, adapters: tuple[str, str]
+) -> None:
+    one, two = adapters
+    replicas = cluster.replicas(2, *LORA_FLAGS)
+    args = [a for p in replicas for a in ("--replica", p.url)]
+    a = cluster.router(*args, all_routable=True)
+    b = cluster.router(*args, all_routable=True)
+    assert _post(a.url, LOAD, {"lora_name": "both", "lora_path": one}).status_code == 200
+    # b sees it appear on replicas it was already reading: another router's load, adopted.
+    assert wait_until(lambda: _lora(b)["adapters"] == {"both": {"path": one, "origin": "adopted"}}, 30)
+    replace = {"lora_name": "both", "lora_path": two, "load_inplace": True}
+    assert _post(b.url, LOAD, replace).status_code == 200
+    assert _lora(b)["adapters"] == {"both": {"path": two, "origin": "loaded"}}
+    # a follows b's new path rather than loading its own back.
+    assert wait_until(lambda: _lora(a)["adapters"] == {"both": {"path": two, "origin": "adopted"}}, 30)
+
+    gone = _post(b.url, UNLOAD, {"lora_name": "both"})
+    assert gone.status_code == 200, gone.text
+    assert wait_until(lambda: _lora(a)["adapters"] == {}, 30)
+    assert _lora(a) == {"adapters": {}, "unloaded": ["both"], "conflicts": {}}
+    # A replica that joins a afterwards is not given the adapter b unloaded.
+    (late,) = cluster.replicas(1, *LORA_FLAGS)
+    _add(a, late)
+    assert _cards(late) == {}
+    assert all(_cards(p) == {} for p in replicas)
+    assert metric(a.url, FAILURES, {"op": "restore"}) == 0
+    assert metric(b.url, FAILURES, {"op": "restore"}) == 0
+
+
+def test_adapters_a_replica_was_started_with_are_not_adopted(
+    cluster: Cluster, adapters: tuple[str, str]
+) -> None:
+    one, _ = adapters
+    (flagged,) = cluster.replicas(1, *LORA_FLAGS, "--lora-modules", f"pre={one}")
+    router = cluster.router("--replica", flagged.url, all_routable=True)
+    assert wait_until(lambda: "pre" in replicas_view(router)[flagged.url]["models"], 30)
+    # They come with the flag: one started without it is not given them.
+    assert _lora(router) == {"adapters": {}, "unloaded": [], "conflicts": {}}
+    (late,) = cluster.replicas(1, *LORA_FLAGS)
+    _add(router, late)
+    assert _cards(late) == {}
+    assert _served(router, [flagged, late], "pre", 2) == {flagged.url: 2, late.url: 0}
