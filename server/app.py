@@ -50,6 +50,7 @@ from server.params import ModelLimits
 from server.pooling_protocol import PoolingRequest
 from server.prefix_cache import reset_engine_prefix_cache
 from server.protocol import MAX_LOGPROBS, ErrorResponse, ModelCard, ModelList, VersionResponse
+from server.responses_protocol import ResponsesRequest
 from server.responses_records import item_page, load_record
 from server.responses_store import RUNNING, StoreUnavailable, open_response_store
 from server.sagemaker import invocation
@@ -61,7 +62,7 @@ from server.serving_completions import create_completion
 from server.serving_embeddings import create_embedding
 from server.serving_messages import count_tokens, create_message
 from server.serving_pooling import create_pooling, pooling_invocation
-from server.serving_responses import ResponsesRequest, create_response
+from server.serving_responses import create_response
 from server.serving_score import create_rerank, create_score
 from server.serving_tokenize import detokenize, list_models, tokenize
 from server.state import ServerState

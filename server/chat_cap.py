@@ -1,7 +1,7 @@
 """Where a capped answer ends: the token that completes its last allowed tool call.
 
 The Responses API's ``max_tool_calls`` stops an ``auto`` answer once it has every call it may have
-(``ChoiceTools.capped``, ``serving_chat._chunks``). The engine hands its tokens over in deltas that
+(``ChoiceTools.capped``, ``chat_stream.stream_chunks``). The engine hands its tokens over in deltas that
 hold as many tokens as were generated since the server last read (``merge_pending``), so the delta
 in which the last call completes may carry a few tokens past it: those are not part of the answer.
 The answer is cut at the token that completes the call, as a stop string cuts at the token that

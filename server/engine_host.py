@@ -20,10 +20,10 @@ the HTTP request it belongs to, or None), ``("release", key)`` (that request end
 all its sequences were sent, or a leasing one ended), ``("beam_end", key, prompt_index)`` (it
 counted that beam search of the leasing request ``key``), ``("announce", token)``, ``("submitted", token)``,
 ``("probe_back", token)``, ``("load", requests)`` (its requests on the engine's routes, for the
-others' ``GET /load``),
-``("call", call_id, name, arg)`` with ``name`` one of ``abort`` / ``compile`` /
-``reset_prefix_cache`` / ``store`` (``arg``: a ``MemoryRecords`` method's name and arguments) /
-``add_lora`` / ``remove_lora`` / ``sleep`` / ``wake_up`` / ``reload_weights``. To it: ``("hello",
+others' ``GET /load``), ``("call", call_id, name, arg)`` (answered by ``server/engine_calls.py``)
+with ``name`` one of ``abort`` / ``compile`` / ``reset_prefix_cache`` / ``store`` (``arg``: a
+``MemoryRecords`` method's name and arguments) / ``add_lora`` / ``remove_lora`` / ``sleep`` /
+``wake_up`` / ``reload_weights``. To it: ``("hello",
 facts)`` first, ``("loras", served)`` to every API server after each ``add_lora`` / ``remove_lora``
 call (its reply waits until every API server answered a probe sent after it),
 ``("model_info", ModelInfo)`` to every API server after a weight update (its fingerprint changed),
@@ -55,13 +55,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.errors import EngineDeadError, SleepCancelledError
+from engine.errors import EngineDeadError
 from server.admission import Admission, HeldPlaces, overload_message, running_slots
+from server.engine_calls import EngineCalls
 from server.engine_fanout import ApiServerFanout
 from server.engine_ipc import Channel
 from server.metrics import ServerMetrics
 from server.orphan_counts import BeamTallies, Tally, count_orphans
-from server.responses_memory import MEMORY_OPS, MemoryRecords
+from server.responses_memory import MemoryRecords
 
 logger = logging.getLogger("ferry.engine_process")
 
@@ -89,7 +90,7 @@ class _ApiServer:
     sent_load: int = 0
 
 
-class EngineHost(ApiServerFanout):
+class EngineHost(EngineCalls, ApiServerFanout):
     """Serves one ``AsyncEngine`` to any number of API server connections."""
 
     def __init__(
@@ -334,63 +335,6 @@ class EngineHost(ApiServerFanout):
             logger.error("request %s failed", rid, exc_info=error)
             conn.channel.send(("err", rid, "other", repr(error)))
         self._broadcast_stats()  # the others' admission; a dead engine: every /health turns 503
-
-    async def _call(self, conn: _ApiServer, call_id: int, name: str, arg: Any) -> None:
-        engine = self.engine
-        try:
-            if name == "abort":
-                # The engine ends the stream with a final "abort" output, which its API server
-                # still forwards (a timed-out request says so). One still compiling its
-                # constraint is aborted once it started.
-                compiling = conn.requests.get(arg)
-                if compiling is not None:
-                    await asyncio.wait({compiling})
-                await engine.abort(f"{arg}@{conn.index}")
-                value = None
-            elif name == "compile":
-                await engine.compile_structured(arg)
-                value = None
-            elif name == "reset_prefix_cache":
-                value = await engine.reset_prefix_cache()
-            elif name == "store":
-                value = self._store(*arg)
-            elif name == "sleep":
-                value = await engine.sleep(*arg)
-            elif name == "wake_up":
-                value = await engine.wake_up(arg)
-            elif name == "reload_weights":
-                value = await engine.reload_weights(*arg)
-                for other in self._servers:
-                    other.channel.send(("model_info", engine.model_info))
-            elif name == "add_lora":
-                value = await engine.add_lora(*arg)
-                await self._broadcast_loras()
-            elif name == "remove_lora":
-                value = await engine.remove_lora(arg)
-                await self._broadcast_loras()
-            else:
-                raise RuntimeError(f"unknown call {name!r}")
-        except ValueError as e:
-            conn.channel.send(("reply", call_id, False, ("value", str(e))))
-        except EngineDeadError as e:
-            conn.channel.send(("reply", call_id, False, ("dead", str(e))))
-        except SleepCancelledError as e:  # a wake-up overtook it: the caller's answer, not a failure
-            conn.channel.send(("reply", call_id, False, ("sleep_cancelled", str(e))))
-        except Exception as e:  # noqa: BLE001
-            logger.exception("call %s failed", name)
-            conn.channel.send(("reply", call_id, False, ("other", repr(e))))
-        else:
-            self._send_stats(conn)
-            conn.channel.send(("reply", call_id, True, value))
-            self._broadcast_stats()
-
-    def _store(self, op: str, *args: Any) -> Any:
-        records = self.responses
-        if records is None:
-            raise RuntimeError("this engine process keeps no responses")
-        if op not in MEMORY_OPS:
-            raise RuntimeError(f"unknown store operation {op!r}")
-        return getattr(records, op)(*args)
 
     @staticmethod
     def _ended(conn: _ApiServer, rid: str) -> None:

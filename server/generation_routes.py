@@ -25,9 +25,10 @@ from server.chat_protocol import ChatCompletionRequest
 from server.completion_protocol import CompletionRequest
 from server.errors import APIError, client_closed, internal_error, validation_error
 from server.middleware import ASGIApp, Receive, Scope, Send, route_path
+from server.responses_protocol import ResponsesRequest
 from server.serving_chat import create_chat_completion
 from server.serving_completions import create_completion
-from server.serving_responses import ResponsesRequest, create_response
+from server.serving_responses import create_response
 from server.state import ServerState
 from server.streaming import ClientDisconnected
 

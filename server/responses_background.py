@@ -55,7 +55,7 @@ from server.streaming import SSEResponse
 
 if TYPE_CHECKING:
     from server.generation import Generation
-    from server.serving_responses import _Response
+    from server.responses_object import _Response
 
 logger = logging.getLogger("ferry.server")
 

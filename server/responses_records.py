@@ -17,7 +17,7 @@ from server.responses_store import StoreUnavailable
 from server.state import ServerState
 
 if TYPE_CHECKING:
-    from server.serving_responses import _Response
+    from server.responses_object import _Response
 
 logger = logging.getLogger("ferry.server")
 

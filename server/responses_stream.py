@@ -42,7 +42,8 @@ from server.serving_common import stream_errors
 from server.serving_messages import GROUP_EVENT
 
 if TYPE_CHECKING:
-    from server.serving_responses import ResponsesRequest, _Response
+    from server.responses_object import _Response
+    from server.responses_protocol import ResponsesRequest
 
 Event = tuple[str, dict[str, Any]]  # kind, fields (the sequence number is added when framed)
 # Events and the token ids of the chunk they came from (None: not from a chunk).

@@ -26,10 +26,11 @@ from fastapi.responses import JSONResponse
 
 from server.anthropic_protocol import CountTokensRequest, MessagesRequest, error_body, error_response
 from server.chat_protocol import ChatCompletionChunk, ChatCompletionRequest
+from server.chat_stream import ChatChunks
 from server.errors import APIError, validated
 from server.images import load_images, with_image_runs
 from server.prompts import chat_prompt
-from server.serving_chat import ChatChunks, create_chat_completion
+from server.serving_chat import create_chat_completion
 from server.serving_common import plan_off_loop, prompt_chars, refused_before_start, stream_errors
 from server.state import ServerState
 from server.streaming import SSEResponse

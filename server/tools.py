@@ -19,7 +19,7 @@ out whole as each is complete (with their id, name and arguments in one delta).
 A cap on the number of calls (``max_calls``: the Responses API's ``max_tool_calls``, not a chat
 field) is a ``maxItems`` of the ``required`` array, so the grammar ends the answer after the last
 call allowed; an ``auto`` answer is stopped by its stream (``ChoiceTools.capped``,
-``serving_chat._chunks``) once the last call allowed is complete, or for a cap of 0 once the model
+``chat_stream.stream_chunks``) once the last call allowed is complete, or for a cap of 0 once the model
 has written a call, so no token is generated for calls that would be dropped.
 """
 

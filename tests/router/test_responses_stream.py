@@ -28,8 +28,9 @@ from server.chat_protocol import (
 )
 from server.errors import APIError
 from server.protocol import UsageInfo
+from server.responses_object import _Response
+from server.responses_protocol import ResponsesRequest, ResponsesResume
 from server.responses_stream import events
-from server.serving_responses import ResponsesRequest, ResponsesResume, _Response
 
 
 def chunk(

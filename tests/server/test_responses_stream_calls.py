@@ -40,7 +40,7 @@ from server.chat_protocol import (
 )
 from server.config import ServerConfig
 from server.protocol import StructuredOutputsField, UsageInfo
-from server.serving_responses import _Response
+from server.responses_object import _Response
 from tests.router.test_responses_stream import replica
 
 TOOLS = [

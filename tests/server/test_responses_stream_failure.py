@@ -29,8 +29,9 @@ from server.chat_protocol import (
     DeltaToolCall,
 )
 from server.errors import timeout_error
+from server.responses_object import _Response
+from server.responses_protocol import ResponsesRequest
 from server.responses_stream import events
-from server.serving_responses import ResponsesRequest, _Response
 from tests.server.test_api_servers import _processes
 
 TIMEOUT_S = 2

@@ -19,8 +19,9 @@ from server.chat_protocol import (
     DeltaMessage,
     DeltaToolCall,
 )
+from server.responses_object import _Response
+from server.responses_protocol import ResponsesRequest
 from server.responses_stream import collect
-from server.serving_responses import ResponsesRequest, _Response
 
 PIECES, PIECE = 6000, 2000  # 12 MB of text, then 12 MB of arguments
 # CPU seconds: the quadratic code took ~20x this on this input, the linear one ~1/25.

@@ -1,0 +1,96 @@
+"""The ``POST /v1/responses`` request body (``ResponsesRequest``), with the router's internal
+``resume`` (``ResponsesResume``) and what ``include`` may name.
+
+Its own module so that the modules that take a request (``server/responses_to_chat.py``,
+``server/responses_stream.py``, ``server/responses_object.py``) need not import the endpoint
+(``server/serving_responses.py``), which imports them. Validation only: no state, no torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+from server.protocol import _Request
+
+
+class ResponsesResume(_Request):
+    """Internal (router -> replica): continue a stream another replica started
+    (``server/responses_stream.py``): what the client already has of the response."""
+
+    token_ids: list[StrictInt] = []  # the output tokens sent
+    output: list[dict[str, Any]] = []  # the output items, the last ones possibly in progress
+    created_at: StrictInt
+
+
+class ResponsesRequest(_Request):
+    model: StrictStr | None = None
+    input: StrictStr | list[dict[str, Any]]
+    instructions: StrictStr | None = None
+    max_output_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
+    stream: StrictBool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    text: dict[str, Any] | None = None
+    previous_response_id: StrictStr | None = None
+    store: StrictBool | None = None
+    background: StrictBool = False
+    include: list[StrictStr] | None = None
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+    metadata: dict[str, StrictStr] | None = None
+    user: StrictStr | None = None
+    # At most this many function calls in the output: the answer stops at the cap (``server/tools.py``).
+    max_tool_calls: StrictInt | None = Field(default=None, ge=0)
+    # OpenAI's Conversations API object: no conversation store here, so a 400 (``responses_to_chat``).
+    conversation: Any = None
+    # auto: a conversation too long for the context drops its oldest turns
+    # (``serving_responses._chat_answer``).
+    truncation: Literal["auto", "disabled"] | None = None
+    # A reusable prompt stored at OpenAI (id, version, variables): no prompt store here, so a 400
+    # rather than an answer without the prompt's instructions.
+    prompt: Any = None
+    # vLLM's structured outputs extra, as on the chat endpoint (not with ``text.format``)
+    structured_outputs: Any = None
+    # vLLM-compatible sampling extras, carried over to the chat request (validated there)
+    seed: Any = None
+    top_k: Any = None
+    min_p: Any = None
+    stop: Any = None
+    logit_bias: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    repetition_penalty: Any = None
+    min_tokens: Any = None
+    ignore_eos: Any = None
+    priority: Any = None
+    cache_salt: Any = None
+    # Internal (router -> replica): resume a stream, and group each chunk's events with its token ids
+    # so that a router can resume this one (``router/responses_stream.py``).
+    resume: ResponsesResume | None = None
+    return_token_ids: StrictBool = False
+
+
+# What ``include`` may name. Only the logprobs are something this server can add; the rest name
+# output of hosted tools, images or encrypted reasoning, none of which it ever produces, so
+# asking for them adds nothing (clients such as Codex send reasoning.encrypted_content).
+LOGPROBS = "message.output_text.logprobs"
+INCLUDABLE = frozenset(
+    {
+        LOGPROBS,
+        "file_search_call.results",
+        "web_search_call.results",
+        "web_search_call.action.sources",
+        "message.input_image.image_url",
+        "computer_call_output.output.image_url",
+        "code_interpreter_call.outputs",
+        "reasoning.encrypted_content",
+    }
+)
+
+
+def wants_logprobs(req: ResponsesRequest) -> bool:
+    return LOGPROBS in (req.include or ())
