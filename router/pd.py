@@ -66,6 +66,7 @@ from router.prompt_keys import PromptKeyer, prompt_keys
 from router.relay import TRANSPORT_ERRORS, Failed, Opened, ProxyCall, response_headers, with_request_id
 from router.replica import Replica
 from server.error_types import error_type
+from server.streaming import SSE_HEADERS
 
 
 class LocalPrefill(Exception):
@@ -246,9 +247,8 @@ class PDOrchestrator:
         tried: set[str] = set()
         opened: Opened | Failed | None = None
         try:
-            headers = with_request_id(
-                [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")], call
-            )
+            # A replica's stream headers (``x-accel-buffering: no`` keeps a proxy from holding it back).
+            headers = with_request_id(list(SSE_HEADERS), call)
             await send({"type": "http.response.start", "status": 200, "headers": headers})
             out = []
             for event in first_events(call.path, body, p, done):

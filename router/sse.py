@@ -5,8 +5,10 @@ for ``return_token_ids`` (each chunk's choice then carries ``token_ids``, as in 
 replicas not yet seen honouring that, for logprobs with ``return_tokens_as_token_ids`` (tokens
 written ``"token_id:123"``, also vLLM's). ``StreamTracker`` reads each event once: it collects the
 ids (the ``resume.token_ids`` of a failover), removes what the client did not ask for (dropping
-chunks that only carried router-requested logprobs), and, after a failover, makes the new replica's chunks look like the rest of the stream
-(same ``id`` and ``created``, no second ``role`` chunk, ``usage`` counting every token sent).
+chunks that only carried router-requested ids or logprobs: a replica sends no chunk for a token that
+shows nothing yet unless the client asked for its ids, logprobs or continuous usage), and, after a
+failover, makes the new replica's chunks look like the rest of the stream (same ``id`` and
+``created``, no second ``role`` chunk, ``usage`` counting every token sent).
 
 A replica that cannot finish a stream it started (its engine process died or is stopping) says so
 with an error event before ``[DONE]`` (``{"error": {"type": "ServiceUnavailableError", "code":
@@ -29,6 +31,8 @@ DONE = b"[DONE]"
 _REPLICA_FAILURE_STATUSES = (502, 503, 504)
 _REPLICA_FAILURE_TYPES = frozenset(error_type(s) for s in _REPLICA_FAILURE_STATUSES)
 _REPLICA_FAILURE_CODES = frozenset({"service_unavailable", *_REPLICA_FAILURE_STATUSES})
+# Chunk fields the client asked for that make a chunk worth sending though its choices show nothing.
+_CLIENT_FIELDS = ("usage", "prompt_logprobs", "prompt_token_ids", "kv_transfer")
 
 
 def replica_failure(error: Any) -> bool:
@@ -181,8 +185,9 @@ class StreamTracker:
                 return None
             for choice in choices:
                 changed |= self._choice(choice)
-            if self.router_logprobs and choices and not obj.get("usage") and all(map(self._empty, choices)):
-                # A chunk that only carried the logprobs we asked for: the client would not get it.
+            if choices and not any(obj.get(k) for k in _CLIENT_FIELDS) and all(map(self._empty, choices)):
+                # A chunk that only carried the ids or logprobs the router asked for (a token that
+                # completes no character yet): the replica would not have sent it to the client.
                 return None
             if self.chat:
                 self.roles_sent.update(
@@ -244,6 +249,8 @@ class StreamTracker:
             return False
         if self.keep_ids and choice.get("token_ids"):
             return False  # ids the client asked for (a token that completes no character yet)
+        if choice.get("logprobs") is not None:
+            return False  # the client's logprobs (the router's were set to None by _choice)
         if self.chat:
             delta = choice.get("delta")
             return isinstance(delta, dict) and "role" not in delta and not any(delta.values())

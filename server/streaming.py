@@ -23,7 +23,8 @@ logger = logging.getLogger("ferry.server")
 T = TypeVar("T")
 
 DONE_FRAME = b"data: [DONE]\n\n"
-_SSE_HEADERS = (
+# A stream's headers; a PD router writing a stream itself sends the same (router/pd.py).
+SSE_HEADERS = (
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
     (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -132,7 +133,7 @@ class SSEResponse(StreamingResponse):
             self.status_code = 200
             self.media_type = "text/event-stream"
             self.background = None
-            self.raw_headers = list(_SSE_HEADERS)
+            self.raw_headers = list(SSE_HEADERS)
         self.frames = frames
         self.on_close = on_close
         self.hold_start = hold_start

@@ -1,6 +1,9 @@
 """A disaggregated chat answer is shaped as one replica shapes it: with ``--reasoning-parser`` the
 prefill worker's token is reasoning where the replica's is (streamed and whole), and a stream with
-``continuous_usage_stats`` has one role chunk, carrying ``usage`` as a replica's does.
+``continuous_usage_stats`` has one role chunk, carrying ``usage`` as a replica's does; across the
+fields a client sends (sampling with a seed, penalties, stops at the hand-off's boundary, an end by the
+prefill worker's token, ``min_tokens``, token ids, usage) the answer, whole and streamed, is the
+replica's, its stream has the replica's headers and no chunk that shows nothing.
 
 The reference is the decode worker itself, which serves a plain request whole as a mixed replica
 does. One prefill and one decode worker (both ``--reasoning-parser deepseek_r1``: the tiny model's
@@ -212,3 +215,132 @@ def test_a_continued_message_keeps_its_role_through_the_hand_off(pd: Workers, st
         got, want = (a["choices"][0]["message"] for a in answers)
         assert got == want and got["role"] == "ipython"
     assert _disaggregated(pd.router) == before + 1
+
+
+# ---- parity with one replica across the request's fields ----------------------------------------
+COMPLETIONS = "/v1/completions"
+_VOLATILE = ("id", "created")  # a fresh id and clock per answer; everything else must agree
+
+
+def _events(url: str, path: str, body: dict) -> list[dict | str]:
+    with httpx.stream("POST", url + path, json=body, timeout=60) as r:
+        assert r.status_code == 200
+        return [
+            line[6:] if line == "data: [DONE]" else json.loads(line[6:])
+            for line in r.iter_lines()
+            if line.startswith("data: ")
+        ]
+
+
+def _assembled(events: list[dict | str]) -> dict:
+    """What a client builds from a stream (text, ids, ends, usage) and its framing: one role chunk,
+    at most one usage chunk, ``[DONE]`` last. Chunk boundaries are the replica's batching, not part
+    of the answer, so they are not compared."""
+    out: dict = {"text": "", "reasoning": "", "token_ids": [], "finish": [], "roles": [], "usage": []}
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    for e in events[:-1]:
+        assert isinstance(e, dict) and "error" not in e
+        if e.get("usage") and not e["choices"]:
+            out["usage"].append(e["usage"])
+        for c in e["choices"]:
+            delta = c.get("delta", {})
+            out["roles"] += [delta["role"]] if "role" in delta else []
+            out["text"] += delta.get("content") or c.get("text") or ""
+            out["reasoning"] += delta.get("reasoning_content") or ""
+            out["token_ids"] += c.get("token_ids") or []
+            if c["finish_reason"]:
+                out["finish"].append((c["finish_reason"], c.get("stop_reason")))
+    return out
+
+
+def _whole(url: str, path: str, body: dict) -> dict:
+    r = httpx.post(url + path, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return {k: v for k, v in r.json().items() if k not in _VOLATILE}
+
+
+def _text(answer: dict) -> str:
+    choice = answer["choices"][0]
+    return choice["text"] if "text" in choice else choice["message"]["reasoning_content"]
+
+
+def _boundary_stop(pd: Workers, path: str, body: dict) -> str:
+    """A stop string that starts in the first token's text and ends in the second's."""
+    first = _text(_whole(pd.decode.url, path, {**body, "max_tokens": 1}))
+    rest = _text(_whole(pd.decode.url, path, {**body, "max_tokens": 2}))[len(first) :]
+    assert first and rest
+    return first[-1] + rest[0]
+
+
+# (name, extra fields): each is sent streamed and whole to the router and to the reference.
+PARITY_CASES = [
+    ("plain", {}),
+    ("seeded_sampling", {"temperature": 1.0, "top_p": 0.9, "top_k": 20, "seed": 11}),
+    ("penalties", {"frequency_penalty": 1.5, "presence_penalty": 0.5, "repetition_penalty": 1.3}),
+    ("token_ids", {"return_token_ids": True}),
+    ("eos_first", {"logit_bias": {"2": 100}}),  # the prefill worker's token ends the answer
+    ("eos_after_min_tokens", {"logit_bias": {"2": 100}, "min_tokens": 3}),
+    ("stop_at_the_boundary", {"stop": "boundary"}),
+    ("stop_at_the_boundary_included", {"stop": "boundary", "include_stop_str_in_output": True}),
+    ("single_token", {"max_tokens": 1}),  # not handed off: the whole answer is the prefill
+]
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+@pytest.mark.parametrize("case", PARITY_CASES, ids=[c[0] for c in PARITY_CASES])
+def test_an_answer_is_what_one_replica_answers(pd: Workers, path: str, case: tuple[str, dict]) -> None:
+    name, extra = case
+    base = {"prompt": PROMPTS[1]} if path == COMPLETIONS else {"messages": _body(PROMPTS[1])["messages"]}
+    body = {**base, "temperature": 0, "max_tokens": 8, **extra}
+    if extra.get("stop") == "boundary":
+        body["stop"] = [_boundary_stop(pd, path, body)]
+    handed_off = name != "single_token"
+    # cached_tokens is the prefill worker's, the reference's its own: both have seen the prompt now.
+    _whole(pd.router.url, path, body)
+    before = _disaggregated(pd.router)
+    got, want = _whole(pd.router.url, path, body), _whole(pd.decode.url, path, body)
+    assert got == want
+    options = {"include_usage": True}
+    streamed = {**body, "stream": True, "stream_options": options}
+    got_s, want_s = (_assembled(_events(u, path, streamed)) for u in (pd.router.url, pd.decode.url))
+    assert got_s == want_s
+    assert _disaggregated(pd.router) == before + 2 * handed_off
+    assert got_s["usage"] == [got["usage"]]  # one usage chunk, the whole answer's
+    assert got_s["roles"] == (["assistant"] if path == CHAT else [])
+    if name.startswith("stop"):
+        assert want["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+@pytest.mark.parametrize("prompt", PROMPTS, ids=["hello", "fox", "code"])
+def test_a_stream_sends_no_chunk_that_shows_nothing(pd: Workers, path: str, prompt: str) -> None:
+    """A replica sends no chunk for a token that completes no character yet (unless the client asked
+    for its ids, logprobs or continuous usage); the router asks for ids to resume a stream, and must
+    not pass on the empty chunks that brings, nor write one for a first token with no text."""
+    base = {"prompt": prompt} if path == COMPLETIONS else {"messages": _body(prompt)["messages"]}
+    body = {**base, "temperature": 0, "max_tokens": 24, "stream": True}
+    before = _disaggregated(pd.router)
+    events = _events(pd.router.url, path, body)
+    assert _disaggregated(pd.router) == before + 1
+    shown = []
+    for e in events[:-1]:
+        (c,) = e["choices"]
+        delta = c.get("delta", {})
+        shown.append(bool(c["finish_reason"] or "role" in delta or any(delta.values()) or c.get("text")))
+    assert all(shown)
+    assert _assembled(events) == _assembled(_events(pd.decode.url, path, body))
+
+
+def test_a_stream_has_a_replicas_headers(pd: Workers) -> None:
+    """The router writes a handed-off stream's headers itself: they must be a replica's, with
+    ``x-accel-buffering: no`` (else a proxy such as nginx holds the first token back)."""
+    body = {**_body(PROMPTS[1]), "stream": True}
+    names = ("content-type", "cache-control", "x-accel-buffering")
+    before = _disaggregated(pd.router)
+    got, want = [], []
+    for url, out in ((pd.router.url, got), (pd.decode.url, want)):
+        with httpx.stream("POST", url + CHAT, json=body, timeout=60) as r:
+            r.read()
+            out += [r.headers.get(n) for n in names]
+    assert _disaggregated(pd.router) == before + 1
+    assert got == want == ["text/event-stream; charset=utf-8", "no-cache", "no"]

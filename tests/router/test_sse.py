@@ -113,3 +113,30 @@ def test_after_a_failover_cached_tokens_stay_within_the_prompt() -> None:
         "total_tokens": 13,
         "prompt_tokens_details": {"cached_tokens": 10},
     }
+
+
+def test_a_chunk_with_only_the_routers_ids_is_dropped() -> None:
+    # The router asks every replica for return_token_ids; a token that completes no character yet
+    # then comes as a chunk with nothing else, which the replica would not have sent the client. Its
+    # ids still count (a failover resumes after them); the client's own logprobs, ids or continuous
+    # usage keep the chunk, as a replica keeps it for them.
+    def partial(**fields) -> bytes:
+        choice = {"index": 0, "delta": {}, "finish_reason": None, "token_ids": [9], **fields}
+        return ev({"id": "c1", "created": 1, "choices": [choice]})
+
+    t = StreamTracker(chat=True, client_wants_token_ids=False)
+    assert t.process(partial()) is None and t.token_ids == [9]
+    t = StreamTracker(chat=False, client_wants_token_ids=False)
+    raw = ev({"id": "c1", "choices": [{"index": 0, "text": "", "finish_reason": None, "token_ids": [4]}]})
+    assert t.process(raw) is None and t.token_ids == [4]
+    logprobs = {"content": [{"token": "x", "logprob": -1.0}]}
+    usage = {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+    t = StreamTracker(chat=True, client_wants_token_ids=False)
+    out = t.process(partial(delta={"content": ""}, logprobs=logprobs))
+    assert out is not None and json.loads(out[6:])["choices"][0]["logprobs"] == logprobs
+    with_usage = ev(
+        {"id": "c1", "choices": [{"index": 0, "delta": {}, "finish_reason": None}], "usage": usage}
+    )
+    assert t.process(with_usage) is not None
+    t = StreamTracker(chat=True, client_wants_token_ids=True)
+    assert json.loads(t.process(partial())[6:])["choices"][0]["token_ids"] == [9]
