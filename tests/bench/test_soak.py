@@ -19,7 +19,7 @@ REPLICA_IDLE = (
     "engine.async_engine.AsyncEngine._held",
     "engine.llm_engine.LLMEngine.requests",
     "engine.llm_engine.LLMEngine._held_finals",
-    "kvcache.connector.KVConnector._streams",
+    "kvcache.block_copy.BlockCopier._streams",
     "server.generation.Generation._live_ids",
     "server.responses_background.BackgroundResponses._runs",
 )

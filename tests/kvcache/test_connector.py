@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -129,6 +131,40 @@ def test_full_write_queue_drops_and_counts_instead_of_blocking(redis_url: str, m
         assert conn.flush(5.0)
         assert conn.lookup(HASHES[:5]) == 2
         assert conn.save(HASHES[2], 2, k, v) is True  # room again after the writer drained
+
+
+def test_republish_takes_only_the_spare_half_of_the_queue_and_drops_nothing(private_redis, metric) -> None:
+    """save_many and republish share one path; only what finds no slot differs: a save drops it
+    (counted), a re-publication leaves it to its caller and never takes the queue's last half.
+    Redis is held with SIGSTOP so no slot comes back until the end."""
+    srv = private_redis()
+    k, v = _caches()
+    dropped, republished = (
+        metric(f"ferry:kv_tier_{m}_total") for m in ("dropped_writes", "republished_blocks")
+    )
+    url = srv.url + "?timeout=60&connect_timeout=60"
+    with KVConnector(url, "fp", SHAPE, torch.float32, write_queue=4) as conn:
+        os.kill(srv.proc.pid, signal.SIGSTOP)
+        try:
+            assert conn.save_many(HASHES[:1], [0], k, v) == 1  # 1 of 4 slots taken
+            assert conn.republish(HASHES[1:6], [1, 2, 3, 4, 5], k, v) == 1  # 2 of 4 kept free
+            assert conn.republish(HASHES[2:6], [2, 3, 4, 5], k, v) == 0
+            assert conn.stats().writes_dropped == 0
+            assert conn.save_many(HASHES[2:6], [2, 3, 4, 5], k, v) == 2  # the free half; 2 dropped
+        finally:
+            os.kill(srv.proc.pid, signal.SIGCONT)
+        assert conn.flush(30.0)
+        s = conn.stats()
+        assert (s.blocks_saved, s.blocks_republished, s.writes_dropped, s.pending_writes) == (4, 1, 2, 0)
+    assert metric("ferry:kv_tier_dropped_writes_total") - dropped == 2
+    assert metric("ferry:kv_tier_republished_blocks_total") - republished == 1
+    stored = {key.decode() for key in redis.Redis.from_url(srv.url).keys("ferry:kv:*")}
+    assert stored == {tier_key("fp", h) for h in HASHES[:4]}
+    k2, v2 = _caches(seed=None)
+    with KVConnector(srv.url, "fp", SHAPE, torch.float32) as reader:
+        assert reader.load(HASHES[:4], [6, 7, 8, 9], k2, v2) == 4
+    for src, dst in ((0, 6), (1, 7), (2, 8), (3, 9)):
+        assert torch.equal(_block(k2, v2, dst), _block(k, v, src))
 
 
 def test_saves_while_redis_is_down_never_block(redis_server, redis_url: str, metric) -> None:

@@ -21,6 +21,7 @@ from kvcache.keys import block_hashes, tier_key
 BLOCK = 16
 PROMPT = [(7 * i + 3) % 900 + 10 for i in range(5 * BLOCK)]  # 80 tokens: 5 full blocks
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)  # 91 tokens with KV: still 5 full blocks
+FOUR_PROMPTS = [[(p * 131 + 7 * i) % 900 + 10 for i in range(5 * BLOCK)] for p in range(4)]  # 20 blocks
 OPTIONS = {"block_size": BLOCK, "num_kv_blocks": 64, "deterministic": True}
 # Quick to notice an outage and to try again: one failure opens the breaker, 0.2 s cool-down.
 TIER_PARAMS = "?timeout=0.5&connect_timeout=0.5&breaker_failures=1&breaker_cooldown=0.2"
@@ -61,6 +62,22 @@ def _generate(llm: LLM, prompt: list[int] = PROMPT) -> tuple[list[int], int]:
     return out.outputs[0].token_ids, out.num_cached_tokens
 
 
+def _outage_then_first_step(llm: LLM, srv, caplog) -> list[list[int]]:  # noqa: ANN001
+    """Compute FOUR_PROMPTS' 20 blocks while Redis is down (none written), bring it back empty and
+    step until a pass, 2 blocks per step and 4 keys per existence check, queued its first 2 blocks.
+    Returns the prompts' outputs."""
+    republisher = llm.engine.connector.republisher
+    republisher.blocks_per_step = 2
+    republisher.check_chunk = 4
+    srv.stop()
+    outputs = [_generate(llm, p)[0] for p in FOUR_PROMPTS]
+    srv.start()
+    caplog.set_level(logging.INFO, logger="kvcache.republish")
+    _reconnect(llm)
+    _step_until(llm, lambda: republisher.queued >= 2)
+    return outputs
+
+
 def test_blocks_computed_while_redis_was_down_are_republished(
     tiny_llama, private_redis, metric, caplog
 ) -> None:
@@ -78,6 +95,9 @@ def test_blocks_computed_while_redis_was_down_are_republished(
     assert connector.stats().blocks_saved == 0
     srv.start()  # same port, empty
     assert _keys_in(srv.url) == set()
+    # Past the breaker's cool-down: a write's failed probe may have opened it again just now, and
+    # a lookup inside the cool-down answers a miss without probing (nothing else would probe).
+    time.sleep(0.3)
 
     # The same prompt hits A's own prefix cache; its arrival lookup probes the tier, which closes
     # the breaker: a pass starts and writes the 5 blocks the tier lacks.
@@ -132,16 +152,7 @@ def test_a_pass_stops_cleanly_when_the_tier_fails_again(tiny_llama, private_redi
     a = LLM(str(tiny_llama), kv_tier=url, **OPTIONS)
     connector = a.engine.connector
     republisher = connector.republisher
-    republisher.blocks_per_step = 2
-    republisher.check_chunk = 4
-    prompts = [[(p * 131 + 7 * i) % 900 + 10 for i in range(5 * BLOCK)] for p in range(4)]
-
-    srv.stop()
-    outputs = [_generate(a, p)[0] for p in prompts]  # 20 blocks, none written
-    srv.start()
-    caplog.set_level(logging.INFO, logger="kvcache.republish")
-    _reconnect(a)
-    _step_until(a, lambda: republisher.queued >= 2)  # one step's budget: 18 blocks to go
+    outputs = _outage_then_first_step(a, srv, caplog)  # one step's budget queued: 18 blocks to go
     assert republisher.active and republisher.queued == 2
     assert connector.flush(10.0) and connector.stats().blocks_republished == 2
     srv.stop()
@@ -153,7 +164,7 @@ def test_a_pass_stops_cleanly_when_the_tier_fails_again(tiny_llama, private_redi
     assert connector.flush(10.0)
     assert connector.stats().blocks_republished == 2
     # The engine serves on, from its own prefix cache, with the tier down.
-    assert _generate(a, prompts[1]) == (outputs[1], 4 * BLOCK)
+    assert _generate(a, FOUR_PROMPTS[1]) == (outputs[1], 4 * BLOCK)
     a.engine.block_manager.check_integrity()
     a.close()
 
@@ -163,16 +174,7 @@ def test_blocks_evicted_locally_during_a_pass_are_skipped(tiny_llama, private_re
     a = LLM(str(tiny_llama), kv_tier=srv.url + TIER_PARAMS, **OPTIONS)
     connector = a.engine.connector
     republisher = connector.republisher
-    republisher.blocks_per_step = 2
-    republisher.check_chunk = 4
-    prompts = [[(p * 131 + 7 * i) % 900 + 10 for i in range(5 * BLOCK)] for p in range(4)]
-    srv.stop()
-    for prompt in prompts:
-        _generate(a, prompt)
-    srv.start()
-    caplog.set_level(logging.INFO, logger="kvcache.republish")
-    _reconnect(a)
-    _step_until(a, lambda: republisher.queued >= 2)  # blocks 0, 1 queued; 2, 3 next; 4..7 asked
+    _outage_then_first_step(a, srv, caplog)  # blocks 0, 1 queued; 2, 3 next; 4..7 asked
     # Every cached block goes: the 20 full ones and the 4 requests' partly filled last ones.
     assert a.engine.block_manager.reset_prefix_cache() == 24
     _step_until(a, lambda: not republisher.active)
@@ -181,7 +183,7 @@ def test_blocks_evicted_locally_during_a_pass_are_skipped(tiny_llama, private_re
     assert "8 of 20 prefix-cache blocks checked, 8 lacked by the tier, 2 queued for writing" in line
     assert "18 evicted locally first" in line
     assert connector.flush(10.0)
-    hashes = block_hashes(prompts[0], BLOCK)[:2]
+    hashes = block_hashes(FOUR_PROMPTS[0], BLOCK)[:2]
     assert _keys_in(srv.url) == {tier_key(a.engine.model_fingerprint, h) for h in hashes}
     a.close()
 
@@ -231,7 +233,6 @@ async def test_an_idle_async_engine_finishes_the_pass(tiny_llama, private_redis)
     eng = AsyncEngine(EngineConfig(model=str(tiny_llama), kv_tier=srv.url + TIER_PARAMS, **OPTIONS))
     republisher = eng.engine.connector.republisher
     republisher.blocks_per_step = 1  # a request's dozen steps cannot finish a pass of 20 blocks
-    prompts = [[(p * 131 + 7 * i) % 900 + 10 for i in range(5 * BLOCK)] for p in range(4)]
 
     async def run(rid: str, prompt: list[int]) -> None:
         async for _ in eng.generate(rid, prompt, GREEDY):
@@ -239,14 +240,14 @@ async def test_an_idle_async_engine_finishes_the_pass(tiny_llama, private_redis)
 
     try:
         srv.stop()
-        for i, prompt in enumerate(prompts):
+        for i, prompt in enumerate(FOUR_PROMPTS):
             await run(f"down-{i}", prompt)
         srv.start()
         await asyncio.sleep(0.3)  # past the breaker's cool-down: the next lookup probes
-        await run("back", prompts[0])  # a local prefix hit; its arrival lookup closes the breaker
+        await run("back", FOUR_PROMPTS[0])  # a local prefix hit; its arrival lookup closes the breaker
         assert republisher.has_work()
         fingerprint = eng.engine.model_fingerprint
-        expected = {tier_key(fingerprint, h) for p in prompts for h in block_hashes(p, BLOCK)}
+        expected = {tier_key(fingerprint, h) for p in FOUR_PROMPTS for h in block_hashes(p, BLOCK)}
         assert len(expected) == 20
         deadline = time.monotonic() + 20
         while _keys_in(srv.url) != expected:  # no request runs: the idle loop carries the pass on
