@@ -29,6 +29,9 @@ whole replica's counters and histograms, and the engine's gauges from its latest
 SIGTERM (or Ctrl-C) to the supervisor: deregister, let each API server drain (``--drain-timeout``),
 then stop the engine. A second signal makes the API servers stop at once. Children live in their
 own process groups and die with the supervisor (``PR_SET_PDEATHSIG``), even on ``kill -9``.
+
+This module is the supervisor; the children's entry points (and an API server's prepare, "go" and
+beat) are in ``server/api_server_child.py``, the replica's socket in ``server/listen_socket.py``.
 """
 
 from __future__ import annotations
@@ -48,21 +51,22 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from server.api_server_child import LOG_FORMAT, api_server_main, engine_main
 from server.config import ServerConfig
 from server.conn_balance import ConnectionBalancer
+from server.listen_socket import bind_port, listen_unix
 from server.main import usage_error
 
 logger = logging.getLogger("ferry.server")
 
-LOG_FORMAT = "%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s"
 # An API server that died is started again, at most once per this many seconds.
 RESTART_BACKOFF_S = 1.0
 # How long the supervisor waits for an API server to serve, from its "go" (the engine serves).
 API_SERVER_START_TIMEOUT_S = 120.0
-# A serving API server's event loop tells the supervisor it runs this often; one silent for
-# API_SERVER_SILENCE_S (stopped, or its loop blocked) is killed and started again: the
-# connections it holds would hang, and it would go on taking new ones.
-API_SERVER_BEAT_S = 1.0
+# A serving API server's event loop tells the supervisor it runs every API_SERVER_BEAT_S
+# (``server/api_server_child.py``); one silent for API_SERVER_SILENCE_S (stopped, or its loop
+# blocked) is killed and started again: the connections it holds would hang, and it would go on
+# taking new ones.
 API_SERVER_SILENCE_S = 10.0
 
 
@@ -93,43 +97,6 @@ def run_api_servers(config: ServerConfig, engine_config: Any, count: int) -> int
             with contextlib.suppress(OSError):
                 os.unlink(uds)
         shutil.rmtree(workdir, ignore_errors=True)
-
-
-def listen_unix(path: str) -> socket.socket:
-    """``--uds``: the replica's listening Unix socket (the supervisor accepts on it); a stale socket
-    file left at ``path`` is replaced."""
-    import stat
-
-    with contextlib.suppress(FileNotFoundError):
-        if stat.S_ISSOCK(os.stat(path).st_mode):
-            os.unlink(path)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.bind(path)
-        sock.listen(2048)
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
-def bind_port(host: str, port: int) -> socket.socket:
-    """The replica's TCP socket, bound to ``host:port`` (port 0: a free one), not listening yet:
-    connections are refused until the API servers serve (``ConnectionBalancer.start``), as with
-    one process. Refused (OSError) if anything else holds the port, another ferry replica
-    included."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no conflict
-    return _bound(sock, host, port)
-
-
-def _bound(sock: socket.socket, host: str, port: int) -> socket.socket:
-    try:
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    return sock
 
 
 class Supervisor:
@@ -395,129 +362,3 @@ async def _receive(conn: Connection, proc: BaseProcess | None, timeout: float) -
             return None
 
     return await asyncio.to_thread(receive)
-
-
-# -- children --------------------------------------------------------------------------------------
-
-
-def _become_child(supervisor: int) -> None:
-    """Leave the terminal's process group (Ctrl-C reaches the supervisor only, which decides the
-    order of shutdown) and die with the supervisor."""
-    from ferry.cluster.child import parent_death_hook
-
-    with contextlib.suppress(OSError):
-        os.setpgid(0, 0)
-    hook = parent_death_hook(supervisor)
-    if hook is not None:
-        hook()
-
-
-def engine_main(
-    engine_config: Any, path: str, config: ServerConfig, ready: Connection, supervisor: int
-) -> None:
-    _become_child(supervisor)
-    logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT)
-    from server.engine_process import engine_process_main
-    from server.responses_memory import MemoryRecords
-
-    responses = None
-    if config.responses_store == "memory":  # every API server's responses, in one place
-        responses = MemoryRecords(config.responses_store_max_bytes, config.responses_store_ttl)
-    engine_process_main(
-        engine_config,
-        path,
-        ready,
-        responses,
-        config.lora_modules,
-        config.max_queued_requests,
-        config.served_model_name,
-    )
-
-
-def api_server_main(
-    index: int,
-    config: ServerConfig,
-    engine_path: str,
-    ready: Connection,
-    supervisor: int,
-    channel: socket.socket,
-) -> None:
-    _become_child(supervisor)
-    logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT)
-    _prepare()  # most of an API server's start, while the engine process loads the model
-    if not _engine_serves(ready):
-        return
-    from server.main import loop_factory
-
-    with asyncio.Runner(loop_factory=loop_factory()) as runner:
-        runner.run(_serve_api(config, engine_path, ready, channel))
-
-
-def _prepare() -> None:
-    """Import what serving needs, warm FastAPI's route building, and put what that left out of the
-    cyclic GC's view (``settle_heap``), so the collection once the app is built scans only what
-    came after. Nothing here needs the engine, and nothing imports torch."""
-    import server.app  # noqa: F401
-    import server.engine_client  # noqa: F401
-    import server.main  # noqa: F401
-    from server.heap import settle_heap
-
-    _warm_fastapi()
-    settle_heap()
-
-
-def _warm_fastapi() -> None:
-    """A throwaway route with a response model: FastAPI imports and sets up more on its first one
-    (a third of ``build_app``'s time)."""
-    from fastapi import FastAPI
-    from pydantic import BaseModel
-
-    class Warm(BaseModel):
-        ok: bool = True
-
-    async def warm() -> Any:
-        return Warm()
-
-    FastAPI().get("/", response_model=Warm)(warm)
-
-
-def _engine_serves(supervisor: Connection) -> bool:
-    """Wait for the supervisor's "go" (the engine process serves); False if it went away first
-    (this process dies with it, or is killed: the engine could not start)."""
-    try:
-        return supervisor.recv() == ("go",)
-    except (EOFError, OSError):
-        return False
-
-
-async def _serve_api(
-    config: ServerConfig, engine_path: str, ready: Connection, channel: socket.socket
-) -> None:
-    from server.engine_client import EngineClient
-    from server.main import serve
-
-    engine = await EngineClient.connect(engine_path)
-
-    beats: list[asyncio.Task] = []
-
-    def started() -> None:
-        with contextlib.suppress(OSError):
-            ready.send(("ready",))
-        beats.append(asyncio.ensure_future(_beat(ready)))
-
-    try:
-        await serve(engine, config, sockets=[], on_started=started, passed=channel)
-    finally:
-        for task in beats:
-            task.cancel()
-        ready.close()
-
-
-async def _beat(supervisor: Connection) -> None:
-    """Tell the supervisor, from the event loop, that it runs (``API_SERVER_SILENCE_S``)."""
-    while True:
-        await asyncio.sleep(API_SERVER_BEAT_S)
-        try:
-            supervisor.send(("beat",))
-        except OSError:  # the supervisor is gone: this process dies with it
-            return

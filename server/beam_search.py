@@ -29,7 +29,9 @@ from server.admission import AdmissionRefused, BeamStep
 from server.errors import APIError, bad_request, overloaded, timeout_error, unavailable
 
 if TYPE_CHECKING:
-    from server.generation import Generation, SequenceRequest, Ticket
+    from server.admission_ticket import Ticket
+    from server.generation import Generation
+    from server.sequence_request import SequenceRequest
 
 
 class _Aborted(Exception):

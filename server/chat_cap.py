@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from engine.detokenizer import IncrementalDetokenizer
 from engine.tokenizer import Tokenizer
 from server.chat_shape import ChoiceShaper, Shaped
-from server.generation import SequenceRequest
+from server.sequence_request import SequenceRequest
 
 
 def cut_at_cap(

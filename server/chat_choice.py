@@ -12,9 +12,9 @@ import dataclasses
 from engine.outputs import RequestOutput
 from server.chat_protocol import ChatCompletionRequest, TokenLogprob
 from server.chat_shape import ChoiceShaper
-from server.generation import SequenceRequest
 from server.logprobs import chat_logprobs
 from server.reasoning_parsers import prompt_opens_thinking
+from server.sequence_request import SequenceRequest
 from server.serving_common import delivered_text
 from server.state import ServerState
 from server.tools import ToolPlan

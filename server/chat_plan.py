@@ -15,7 +15,6 @@ from typing import Any
 from engine.sampling_params import SamplingParams
 from server.chat_protocol import ChatCompletionRequest
 from server.errors import bad_request
-from server.generation import SequenceRequest, block_extra
 from server.handoff_params import client_budget, kv_transfer_spec, longest_resumed, resumed_choices
 from server.images import with_image_runs
 from server.params import (
@@ -28,6 +27,7 @@ from server.params import (
 )
 from server.prompts import chat_prompt
 from server.roles import producer_budget, transfer_for_role
+from server.sequence_request import SequenceRequest, block_extra
 from server.serving_common import constraint_field
 from server.state import ServerState
 from server.tools import ToolPlan

@@ -16,6 +16,7 @@ import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 
+from server.admission_ticket import Ticket
 from server.chat_cap import cut_at_cap
 from server.chat_choice import ChoiceState, add_output, answer_role, echoed_text, new_shaper
 from server.chat_protocol import (
@@ -25,7 +26,7 @@ from server.chat_protocol import (
     ChatStreamChoice,
     DeltaMessage,
 )
-from server.generation import SequenceRequest, Ticket
+from server.sequence_request import SequenceRequest
 from server.serving_common import (
     UsageTracker,
     delivered_text,

@@ -6,6 +6,10 @@ shutdown) is aborted in the engine at once, so its KV blocks are freed. Requests
 only while the server is not draining and their sequences keep the queue of those that are not
 yet running within ``max_queued_requests`` (``server/admission.py``); with several API server
 processes the engine process has the last word, and its refusal is the same 429.
+
+What it is handed is planned by the endpoints as ``SequenceRequest``s (``server/sequence_request.py``)
+and admitted as a ``Ticket`` (``server/admission_ticket.py``); a request's several sequences are
+merged by ``MergedOutputs`` (``server/merged_outputs.py``), which ``Generation`` is built on.
 """
 
 from __future__ import annotations
@@ -15,15 +19,12 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.beam_search import BeamSearchParams
 from engine.grammar_errors import error_code
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from kvcache.keys import salt_extra
 from server.admission import (
     Admission,
     AdmissionRefused,
@@ -32,87 +33,15 @@ from server.admission import (
     queued_after,
     running_slots,
 )
-from server.beam_search import run_beam_search
+from server.admission_ticket import Ticket
 from server.config import ServerConfig
 from server.errors import APIError, bad_request, overloaded, timeout_error, unavailable
+from server.merged_outputs import MergedOutputs
 from server.metrics import ServerMetrics
+from server.sequence_request import SequenceRequest
 from server.vllm_flags import log_output
 
 logger = logging.getLogger("ferry.server")
-
-
-@dataclass(frozen=True)
-class SequenceRequest:
-    """One engine request: a prompt and the params of one choice."""
-
-    choice_index: int
-    prompt_index: int
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    resume_token_ids: list[int] | None = None
-    kv_transfer: Any = None
-    pooling: bool = False  # an embedding: the prompt's last hidden state, nothing sampled
-    lora: Any = None  # engine.lora_request.ServedLoRA: the adapter it runs with
-    priority: int = 0  # lower runs first under --scheduling-policy priority
-    cache_salt: str | None = None  # salts its block hashes: cache hits only among equal salts
-    # use_beam_search: this choice is one of its prompt's beam_width answers (``beam_search.py``)
-    beam: BeamSearchParams | None = None
-    images: list[Any] | None = None  # PIL images of a vision-language model's prompt, in order
-    # The prompt's input embeddings (a tensor; prompt_token_ids are its placeholders): what the
-    # engine is given as the prompt instead of the ids.
-    prompt_embeds: Any = None
-
-    @property
-    def block_extra(self) -> bytes:
-        """The salt of its blocks' hashes (``kvcache.keys.lora_extra`` + ``salt_extra``)."""
-        return block_extra(self.lora, self.cache_salt)
-
-
-def block_extra(lora: Any, cache_salt: str | None) -> bytes:
-    """What a request's block hashes are salted with: its adapter's, then its cache salt's."""
-    return (lora.block_extra if lora is not None else b"") + salt_extra(cache_salt)
-
-
-class Ticket:
-    """Admission of one HTTP request's sequences: they count as in flight from ``admit`` on, so
-    simultaneous arrivals see each other. A sequence releases its share when its stream ends;
-    ``close()`` releases the shares of sequences that never started (client gone first).
-    ``submitted`` (the engine's ``announce`` handle) is called once every sequence has started;
-    ``EdgeMiddleware`` calls it when the request ends, for one that never got that far.
-    ``key`` and ``size`` go with each sequence to an engine process that admits them too
-    (``EngineClient.generate``'s ``admission``)."""
-
-    def __init__(
-        self,
-        generation: Generation,
-        num_sequences: int,
-        submitted: Callable[[], None] | None = None,
-        key: int = 0,
-    ) -> None:
-        self._generation = generation
-        self.unstarted = num_sequences
-        self._submitted = submitted
-        self.key = key
-        self.size = num_sequences
-        self.refused = False  # the engine process refused it (counted once in the metrics)
-        self.leased = False  # its beam search steps leased its places in the engine process
-        self.stopped = False  # the server ended its stream on purpose (max_tool_calls): a "stop"
-        self._closed = False
-
-    def start_one(self) -> None:
-        # Called right before the sequence's engine.generate submits it, in the same loop step.
-        self.unstarted -= 1
-        if self.unstarted == 0 and self._submitted is not None:
-            self._submitted()
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if self.unstarted > 0:
-            self._generation.release(self.unstarted)
-            self.unstarted = 0
-        self._generation.ticket_closed(self)
 
 
 @dataclass
@@ -121,7 +50,7 @@ class _Deadline:
     handle: asyncio.TimerHandle | None = field(default=None, repr=False)
 
 
-class Generation:
+class Generation(MergedOutputs):
     """Admission control and engine calls shared by the completions and chat endpoints."""
 
     def __init__(self, engine: Any, config: ServerConfig, metrics: ServerMetrics) -> None:
@@ -371,70 +300,3 @@ class Generation:
     def _expire(self, rid: str, deadline: _Deadline) -> None:
         deadline.timed_out = True
         asyncio.ensure_future(self.engine.abort(rid))
-
-    async def merged(
-        self, request_id: str, seqs: Sequence[SequenceRequest], arrival: float, ticket: Ticket
-    ) -> AsyncIterator[tuple[SequenceRequest, RequestOutput]]:
-        """Outputs of several sequences as they come (n > 1, several prompts); one failure ends all.
-        Beam search choices come as each prompt's search ends, all its choices at once."""
-        if len(seqs) == 1 and seqs[0].beam is None:
-            # The usual request (one prompt, one choice): its stream directly, one generator layer
-            # fewer per token than through ``_units``' pairing.
-            seq = seqs[0]
-            async with contextlib.aclosing(self.stream(request_id, seq, arrival, ticket)) as outs:
-                async for out in outs:
-                    yield seq, out
-            return
-        units = _units(self, request_id, seqs, arrival, ticket)
-        if len(units) == 1:
-            async with contextlib.aclosing(units[0]) as unit:
-                async for item in unit:
-                    yield item
-            return
-        queue: asyncio.Queue[tuple[SequenceRequest, RequestOutput] | BaseException | None] = asyncio.Queue()
-
-        async def pump(unit: AsyncIterator[tuple[SequenceRequest, RequestOutput]]) -> None:
-            try:
-                async for item in unit:
-                    queue.put_nowait(item)
-                queue.put_nowait(None)
-            except asyncio.CancelledError:
-                raise
-            except BaseException as e:  # handed to the consumer, which re-raises it
-                queue.put_nowait(e)
-
-        tasks = [asyncio.ensure_future(pump(unit)) for unit in units]
-        remaining = len(tasks)
-        try:
-            while remaining:
-                item = await queue.get()
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield item
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def _units(
-    generation: Generation, request_id: str, seqs: Sequence[SequenceRequest], arrival: float, ticket: Ticket
-) -> list[AsyncIterator[tuple[SequenceRequest, RequestOutput]]]:
-    """What runs on its own: each sequence, or each prompt's beam search (all its choices)."""
-    if seqs and seqs[0].beam is not None:
-        groups: dict[int, list[SequenceRequest]] = {}
-        for seq in seqs:
-            groups.setdefault(seq.prompt_index, []).append(seq)
-        return [run_beam_search(generation, request_id, group, arrival, ticket) for group in groups.values()]
-    return [_paired(seq, generation.stream(request_id, seq, arrival, ticket)) for seq in seqs]
-
-
-async def _paired(
-    seq: SequenceRequest, outs: AsyncIterator[RequestOutput]
-) -> AsyncIterator[tuple[SequenceRequest, RequestOutput]]:
-    async with contextlib.aclosing(outs):  # type: ignore[type-var]
-        async for out in outs:
-            yield seq, out

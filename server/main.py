@@ -168,7 +168,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return usage_error(e)
     log_format = "%(asctime)s %(levelname)s %(name)s: %(message)s"
     if args.api_server_count > 1:
-        from server.api_servers import LOG_FORMAT as log_format
+        from server.api_server_child import LOG_FORMAT as log_format
     logging.basicConfig(level=config.log_level.upper(), format=log_format)
     for note in compat_notes(args):
         logger.info(note)
@@ -176,7 +176,7 @@ def run_serve(args: argparse.Namespace) -> int:
         from server.api_servers import run_api_servers
 
         return run_api_servers(config, engine_config, args.api_server_count)
-    from server.api_servers import bind_port, listen_unix
+    from server.listen_socket import bind_port, listen_unix
 
     # The address is taken before the model loads (minutes, for a large one), so a port in use is
     # said at once; connections are refused until the server serves, as before.

@@ -34,6 +34,10 @@ A process killed mid-run never writes how its responses ended: the same loop ren
 response running here, and whoever reads a record that says it runs while its lease has lapsed
 saves it as ``failed`` (``server/responses_lease.py`` says how, and how soon).
 This module must not import ``serving_responses`` (which imports it).
+
+One run's events and state are a ``_Run`` (``server/responses_run.py``); streaming a response
+again (``GET ...?stream=true``) is ``ResponseReplay`` (``server/responses_replay.py``), which
+``BackgroundResponses`` is built on.
 """
 
 from __future__ import annotations
@@ -50,7 +54,9 @@ from starlette.responses import JSONResponse, Response
 from server.errors import APIError, bad_request, unavailable
 from server.metrics import ServerMetrics
 from server.responses_lease import Leases
-from server.responses_store import RUNNING, ResponseStore, StoreUnavailable, event_frame
+from server.responses_replay import ResponseReplay, _not_created_with
+from server.responses_run import _Run
+from server.responses_store import RUNNING, ResponseStore, StoreUnavailable
 from server.streaming import SSEResponse
 
 if TYPE_CHECKING:
@@ -65,17 +71,11 @@ CANCEL_POLL_S = 0.1
 CANCEL_WAIT_S = 5.0
 # How long new events wait to be appended to the store together.
 EVENT_FLUSH_S = 0.05
-# How often a stream following another process's response reads its events, and its record.
-FOLLOW_POLL_S = 0.1
-RECORD_CHECK_S = 1.0
 # At shutdown, how long stopped responses get to save their records before their tasks are cancelled.
 CLOSE_TIMEOUT_S = 5.0
 # Events 0 and 1 are response.created and response.in_progress; event 2 comes with the first output.
 FIRST_OUTPUT_EVENT = 2
 SHUTDOWN_ERROR = {"code": "server_error", "message": "The server shut down before the response completed."}
-_FINAL_EVENTS = tuple(
-    f"event: response.{status}\n".encode() for status in ("completed", "incomplete", "failed", "cancelled")
-)
 
 
 class Saver(Protocol):
@@ -86,61 +86,7 @@ class Saver(Protocol):
     async def __call__(self) -> None: ...
 
 
-def error_frame(seq: int, code: str, message: str) -> bytes:
-    """An ``error`` event of a stream that cannot go on."""
-    return event_frame("error", seq, code=code, message=message, param=None)
-
-
-def _not_created_with(rid: str, created_with: str, only: str, **error: Any) -> APIError:
-    return bad_request(f"Response '{rid}' was not created with {created_with}: only {only}.", **error)
-
-
-class _Run:
-    """One background response running in this process."""
-
-    def __init__(self, built: _Response, request_id: str) -> None:
-        self.built = built
-        self.request_id = request_id  # its engine requests' (Generation.abort_request)
-        self.frames: list[bytes] = []  # every event so far (kept for a streamed one only)
-        self.count = 0  # events so far
-        self.done = False
-        self.task: asyncio.Task[None] | None = None
-        self.aborting: asyncio.Task[None] | None = None
-        self._wake = asyncio.Event()
-
-    @property
-    def id(self) -> str:
-        return self.built.id
-
-    def publish(self, frame: bytes) -> None:
-        self.count += 1
-        if self.built.keeps_events:
-            self.frames.append(frame)
-            self._wake.set()
-            self._wake = asyncio.Event()
-
-    def end(self) -> None:
-        self.done = True
-        self._wake.set()
-
-    async def changed(self) -> None:
-        """Until the next event or the end."""
-        if not self.done:
-            await self._wake.wait()
-
-    async def follow(self, after: int) -> AsyncIterator[bytes]:
-        """The events after sequence number ``after``, as they come, until the last."""
-        i = after + 1
-        while True:
-            while i < len(self.frames):
-                yield self.frames[i]
-                i += 1
-            if self.done:
-                return
-            await self.changed()
-
-
-class BackgroundResponses:
+class BackgroundResponses(ResponseReplay):
     def __init__(
         self,
         store: ResponseStore | None,
@@ -361,82 +307,3 @@ class BackgroundResponses:
             self._watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watcher
-
-    # -- streaming again ---------------------------------------------------------------------------
-
-    async def stream(self, record: dict[str, Any], starting_after: int | None) -> Response:
-        """``GET /v1/responses/{id}?stream=true[&starting_after=N]``: its events after N, then as
-        they come until the last."""
-        body = record["response"]
-        rid = body["id"]
-        if not record.get("stream"):
-            raise _not_created_with(
-                rid, "background=true and stream=true", "those can be streamed again", param="stream"
-            )
-        after = -1 if starting_after is None else starting_after
-        run = self._runs.get(rid)
-        if run is not None:
-            return SSEResponse(run.follow(after))
-        assert self.store is not None  # the record came from it
-        finished = body.get("status") not in RUNNING
-        try:
-            first, frames = await self.store.read_events(rid, after)
-            if first is None and finished:  # its process may still be appending its only batch
-                await asyncio.sleep(FOLLOW_POLL_S)
-                first, frames = await self.store.read_events(rid, after)
-        except StoreUnavailable as e:
-            raise unavailable(str(e)) from e
-        if first is None and finished:
-            raise bad_request(
-                f"The events of response '{rid}' are no longer held: retrieve it without stream.",
-                param="stream",
-            )
-        if first is not None and after + 1 < first:
-            raise bad_request(
-                f"Events of response '{rid}' before sequence number {first} are no longer held: "
-                f"starting_after must be at least {first - 1}.",
-                param="starting_after",
-            )
-        return SSEResponse(self._follow_store(rid, after + 1, frames, finished))
-
-    async def _follow_store(
-        self, rid: str, next_seq: int, frames: list[bytes], finished: bool
-    ) -> AsyncIterator[bytes]:
-        """A response running in another process (or a finished one): its events from the store,
-        polled, until the last one."""
-        store = self.store
-        assert store is not None
-        checked = quiet_since = time.monotonic()
-        try:
-            while True:
-                for frame in frames:
-                    yield frame
-                    if frame.startswith(_FINAL_EVENTS):
-                        return
-                next_seq += len(frames)
-                now = time.monotonic()
-                if frames:
-                    quiet_since = now
-                elif finished:
-                    # Its last events are on their way to the store (appended after the record),
-                    # or the client has them all, or they never came (the store failed).
-                    _, last = await store.read_events(rid, next_seq - 2)
-                    if last and last[0].startswith(_FINAL_EVENTS):
-                        return
-                    if now - quiet_since >= RECORD_CHECK_S:
-                        yield error_frame(next_seq, "events_not_held", "The rest of the events are not held.")
-                        return
-                elif now - checked >= RECORD_CHECK_S:
-                    checked = now
-                    current = await self._read(rid)  # its process may have died: then failed
-                    finished = current is None or current["response"].get("status") not in RUNNING
-                if not frames:
-                    await asyncio.sleep(FOLLOW_POLL_S)
-                first, frames = await store.read_events(rid, next_seq - 1)
-                if first is not None and next_seq < first:
-                    yield error_frame(
-                        next_seq, "events_not_held", "Events were dropped before they were read."
-                    )
-                    return
-        except StoreUnavailable as e:
-            yield error_frame(next_seq, "service_unavailable", str(e))

@@ -24,9 +24,9 @@ from server.chat_protocol import (
 )
 from server.chat_shape import ChoiceShaper, shape_whole
 from server.chat_stream import ChatChunks, sse_frames, stream_chunks
-from server.generation import SequenceRequest
 from server.images import load_images
 from server.logprobs import prompt_logprobs_out
+from server.sequence_request import SequenceRequest
 from server.serving_common import (
     UsageTracker,
     answer_whole,

@@ -16,9 +16,10 @@ from fastapi.responses import JSONResponse
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import RequestOutput
 from kvcache.keys import block_hashes, to_hex
+from server.admission_ticket import Ticket
 from server.errors import APIError, bad_request
-from server.generation import SequenceRequest, Ticket
 from server.protocol import KVTransferResult, PromptTokensDetails, UsageInfo
+from server.sequence_request import SequenceRequest
 from server.state import ServerState
 from server.streaming import run_or_disconnect, sse_error_frame
 from server.structured_params import GUIDED_FIELDS

@@ -9,6 +9,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from engine.outputs import RequestOutput
+from server.admission_ticket import Ticket
 from server.completion_protocol import (
     CompletionChoice,
     CompletionChunk,
@@ -18,7 +19,6 @@ from server.completion_protocol import (
     CompletionStreamChoice,
 )
 from server.errors import bad_request
-from server.generation import SequenceRequest, Ticket, block_extra
 from server.handoff_params import client_budget, kv_transfer_spec, longest_resumed, resumed_choices
 from server.logprobs import CompletionLogprobsBuilder, merge_completion_logprobs, prompt_logprobs_out
 from server.params import (
@@ -38,6 +38,7 @@ from server.prompts import (
     scores_prompt,
 )
 from server.roles import producer_budget, transfer_for_role
+from server.sequence_request import SequenceRequest, block_extra
 from server.serving_common import (
     UsageTracker,
     answer_whole,

@@ -34,10 +34,10 @@ from engine.pooling import encode_values, float32_values, normalized, truncated
 from engine.sampling_params import SamplingParams
 from server.embedding_protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
 from server.errors import bad_request, unavailable
-from server.generation import SequenceRequest
 from server.params import check_token_ids
 from server.prompts import kept_prompt_tokens
 from server.score_protocol import RerankResponse
+from server.sequence_request import SequenceRequest
 from server.serving_common import answer_whole, plan_off_loop, prompt_chars
 from server.state import ServerState
 

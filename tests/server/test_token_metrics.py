@@ -24,8 +24,9 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from server.config import ServerConfig
 from server.errors import APIError
-from server.generation import Generation, SequenceRequest
+from server.generation import Generation
 from server.metrics import ServerMetrics
+from server.sequence_request import SequenceRequest
 from tests.server.conftest import metric_value
 
 PER_TOKEN = ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds")

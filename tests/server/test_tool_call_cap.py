@@ -9,7 +9,7 @@ from __future__ import annotations
 from engine.sampling_params import SamplingParams
 from server.chat_cap import cut_at_cap
 from server.chat_shape import ChoiceShaper
-from server.generation import SequenceRequest
+from server.sequence_request import SequenceRequest
 from server.tool_parsers import get_tool_parser
 from server.tools import ChoiceTools, ToolPlan
 
