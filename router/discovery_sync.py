@@ -26,7 +26,6 @@ routing), plus an explicit deregistration so a clean shutdown is still followed 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -35,6 +34,7 @@ from dataclasses import dataclass
 from router.discovery import Discovery, Listing
 from router.pool import Replicas
 from router.replica import Health, Replica
+from server.task_cancel import cancel_and_wait
 
 log = logging.getLogger("ferry.router")
 
@@ -70,9 +70,7 @@ class DiscoverySync:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)  # redis-py can swallow one cancellation
         await self.discovery.close()
 
     async def sync_once(self) -> None:

@@ -22,13 +22,13 @@ A ``--register`` URL may be the KV tier's, parameters and all (``kvcache.redis_t
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
 from typing import Any
 
 from kvcache.tier import redact_url
+from server.task_cancel import cancel_and_wait
 
 logger = logging.getLogger("ferry.server")
 
@@ -117,9 +117,7 @@ class Registration:
     async def stop(self) -> None:
         """Stop the heartbeat and deregister (routers stop sending new work)."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)  # redis-py can swallow one cancellation
             self._task = None
         if self._client is not None:
             left = json.dumps({"url": self.url, "left": time.time()})

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 
 import redis
@@ -59,3 +60,24 @@ async def test_a_clean_stop_deregisters_and_the_next_start_clears_it(private_red
             assert r.exists(replica_key(URL)) and not r.exists(departed_key(URL))
         finally:
             await again.stop()
+
+
+async def test_stop_ends_the_heartbeat_even_when_redis_py_swallows_the_cancel(private_redis) -> None:
+    # A cancel that lands while a refused SET's reply is read comes out of redis-py as the
+    # ResponseError (measured with redis-py 8.2), which the beat logs and beats on: stop() waited
+    # forever (a hung CI run, and a replica's drain). Beating every millisecond against a full
+    # Redis and stopping at assorted moments hit it within a few stops; every stop must end.
+    srv = private_redis()
+    rng = random.Random(0)
+    with redis.Redis(port=srv.port) as r:
+        for attempt in range(30):
+            r.config_set("maxmemory", 0)
+            registration = Registration(srv.url, URL, "mixed", "m", interval_s=0.001, ttl_s=5.0)
+            await registration.start()
+            _fill(r)
+            await asyncio.sleep(rng.random() * 0.05)
+            stop = asyncio.ensure_future(registration.stop())
+            done, _ = await asyncio.wait({stop}, timeout=10)
+            assert stop in done, f"stop #{attempt} still waits on a heartbeat that beats on"
+            stop.result()
+            assert registration._task is None and not r.exists(replica_key(URL))
