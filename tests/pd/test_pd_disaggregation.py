@@ -20,7 +20,7 @@ import httpx
 from engine import LLM, SamplingParams
 from engine.tokenizer import Tokenizer
 from tests.pd.pd_cluster import PD_THRESHOLD, PDCluster
-from tests.router.router_harness import metric
+from tests.router.router_harness import metric, wait_until
 
 MAX_TOKENS = 8
 SOURCE = Path(__file__).read_text()
@@ -139,7 +139,21 @@ def _tier_hits(pd: PDCluster) -> float:
     return sum(metric(d.url, "ferry:kv_tier_hits_total") for d in pd.decode)
 
 
+def _decode_idle(pd: PDCluster) -> None:
+    """Wait until no decode worker runs or queues a request: an earlier test's (a stream its client
+    left, still being aborted on a loaded machine) would otherwise share the worker's KV cache and
+    its running count with the test's own."""
+    assert wait_until(
+        lambda: all(
+            metric(d.url, "vllm:num_requests_running") == 0
+            and metric(d.url, "vllm:num_requests_waiting") == 0
+            for d in pd.decode
+        )
+    ), "a decode worker never went idle"
+
+
 def test_decode_loads_every_prompt_block_and_prefill_holds_none(pd: PDCluster, tokenizer: Tokenizer) -> None:
+    _decode_idle(pd)
     expected, before = 0, _tier_hits(pd)
     for i in range(4):
         body = {"prompt": f"fresh prompt {i}: " + _text(40 + i, 50), "max_tokens": 4, "temperature": 0}
@@ -272,6 +286,7 @@ def test_decode_worker_killed_mid_stream_fails_over(pd: PDCluster) -> None:
         "stream_options": {"include_usage": True},
         "return_token_ids": True,
     }
+    _decode_idle(pd)  # the worker found running a request is the one serving this stream
     failovers = metric(pd.router.url, "ferry:router_failovers_total")
     killed: list[str] = []
 
