@@ -37,10 +37,7 @@ def cut_at_cap(
     if shaper.capped:  # a resumed stream whose resumed text already had every call
         return 0, out, shaper
     for kept, token_id in enumerate(token_ids, 1):
-        shaped = shaper.feed(detokenizer.append([token_id]))
-        out.reasoning += shaped.reasoning
-        out.content += shaped.content
-        out.tool_calls += shaped.tool_calls
+        out = out.then(shaper.feed(detokenizer.append([token_id])))
         if shaper.capped:
             return kept, out, shaper
     return len(token_ids), out, shaper

@@ -10,15 +10,37 @@ from server.chat_protocol import DeltaToolCall, ToolCall
 from server.reasoning_parsers import ReasoningSplitter
 from server.tools import ChoiceTools, ToolPlan
 
+Piece = tuple[str, list[DeltaToolCall]]  # content, then the calls that follow it
+
 
 @dataclass
 class Shaped:
     reasoning: str = ""
     content: str = ""
     tool_calls: list[DeltaToolCall] = field(default_factory=list)
+    # The delta in the order written when text follows a call in it (several tokens at once):
+    # ``content`` and ``tool_calls`` are its pieces joined. Empty when it is one piece.
+    order: list[Piece] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.reasoning or self.content or self.tool_calls)
+
+    @classmethod
+    def of(cls, reasoning: str, pieces: list[Piece]) -> Shaped:
+        content = "".join(text for text, _ in pieces)
+        calls = [call for _, calls in pieces for call in calls]
+        return cls(reasoning, content, calls, pieces if len(pieces) > 1 else [])
+
+    def pieces(self) -> list[Piece]:
+        return self.order or [(self.content, self.tool_calls)]
+
+    def then(self, other: Shaped) -> Shaped:
+        """This delta and ``other`` after it, as one."""
+        pieces, more = self.pieces(), other.pieces()
+        (text, calls), (next_text, next_calls) = pieces[-1], more[0]
+        if not calls or not next_text:  # one piece still: no text comes after a call
+            pieces, more = [*pieces[:-1], (text + next_text, calls + next_calls)], more[1:]
+        return Shaped.of(self.reasoning + other.reasoning, [*pieces, *more])
 
 
 class ChoiceShaper:
@@ -46,8 +68,7 @@ class ChoiceShaper:
         out = self._content(reasoning, content)
         if self.tools is not None:
             more, calls = self.tools.finish()
-            out.content += more
-            out.tool_calls += calls
+            out = out.then(Shaped("", more, calls))
         return out
 
     def skip(self, text: str) -> None:
@@ -57,8 +78,7 @@ class ChoiceShaper:
     def _content(self, reasoning: str, content: str) -> Shaped:
         if self.tools is None or not content:
             return Shaped(reasoning, content)
-        content, calls = self.tools.feed(content)
-        return Shaped(reasoning, content, calls)
+        return Shaped.of(reasoning, self.tools.pieces(content))
 
 
 def shape_whole(

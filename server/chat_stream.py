@@ -159,19 +159,23 @@ async def stream_chunks(
                             logprobs = logprobs[:kept]
                             del choice.logprobs[-dropped:]
                 elif out.finished:
-                    last = shaper.finish()
-                    shaped.reasoning += last.reasoning
-                    shaped.content += last.content
-                    shaped.tool_calls += last.tool_calls
+                    shaped = shaped.then(shaper.finish())
                 if ended or capped:
                     reason = "stop" if capped else finish_reason
                     finish_reason = tool_finish_reason(tools, shaper.made_calls, reason)
                     ended = True
-                text = shaped.content
+                # Text that follows a call in this delta goes in a chunk after the call's, so a
+                # client (the Responses stream's items) sees the order the model wrote them in.
+                *earlier, (text, calls) = shaped.pieces()
+                reasoning = shaped.reasoning or None
+                for content, done in earlier:
+                    piece = DeltaMessage(
+                        content=content or None, reasoning_content=reasoning, tool_calls=done
+                    )
+                    yield chunk(ChatStreamChoice(index=seq.choice_index, delta=piece))
+                    reasoning = None
                 delta = DeltaMessage(
-                    content=shaped.content or None,
-                    reasoning_content=shaped.reasoning or None,
-                    tool_calls=shaped.tool_calls or None,
+                    content=text or None, reasoning_content=reasoning, tool_calls=calls or None
                 )
             if (
                 not (text or delta.reasoning_content or delta.tool_calls)

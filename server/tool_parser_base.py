@@ -116,6 +116,11 @@ class ToolStreamer(ABC):
     def finish(self) -> tuple[str, list[ParsedCall]]:
         """What is still held back, at the end of the answer."""
 
+    def pieces(self, text: str) -> list[tuple[str, list[ParsedCall]]]:
+        """``feed`` in the order written: (content, the calls that follow it) pieces, more than one
+        when text follows a call in the same delta (several tokens at once)."""
+        return [self.feed(text)]
+
 
 def held_prefix(text: str, marker: str) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
@@ -151,8 +156,12 @@ class MarkerStreamer(ToolStreamer):
         return text
 
     def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
-        out: list[str] = []
-        calls: list[ParsedCall] = []
+        pieces = self.pieces(text)
+        return "".join(content for content, _ in pieces), [c for _, calls in pieces for c in calls]
+
+    def pieces(self, text: str) -> list[tuple[str, list[ParsedCall]]]:
+        done: list[tuple[str, list[ParsedCall]]] = []
+        out: list[str] = []  # the content since the last call
         self.pending += text
         while self.pending:
             if self.body is None:
@@ -180,10 +189,14 @@ class MarkerStreamer(ToolStreamer):
             if read is None:  # not a call after all: it stays text
                 out.append(self._content(self.start + body + self.end))
             else:
-                calls += read
+                done.append(("".join(out), read))
+                out = []
                 self.called = True
             self.body, self.tail, self.pending = None, "", rest
-        return "".join(out), calls
+        content = "".join(out)
+        if content or not done:
+            done.append((content, []))
+        return done
 
     def finish(self) -> tuple[str, list[ParsedCall]]:
         if self.body is None:

@@ -245,17 +245,21 @@ class ChoiceTools:
         return self.dropped or (cap > 0 and self.count >= cap)
 
     def feed(self, text: str) -> tuple[str, list[DeltaToolCall]]:
+        pieces = self.pieces(text)
+        return "".join(content for content, _ in pieces), [c for _, calls in pieces for c in calls]
+
+    def pieces(self, text: str) -> list[tuple[str, list[DeltaToolCall]]]:
+        """``feed`` in the order written (``ToolStreamer.pieces``): content, then the calls after it."""
         if self.plan.mode == "named":
             if not text:
-                return "", []
+                return [("", [])]
             delta = DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=text))
             if self.count == 0:
                 delta.id, delta.type, delta.function.name = self.plan.call_id(), "function", self.plan.name
                 self.count = 1
-            return "", [delta]
+            return [("", [delta])]
         assert self._streamer is not None
-        content, calls = self._streamer.feed(text)
-        return content, self._deltas(calls)
+        return [(content, self._deltas(calls)) for content, calls in self._streamer.pieces(text)]
 
     def finish(self) -> tuple[str, list[DeltaToolCall]]:
         if self._streamer is None:

@@ -20,6 +20,7 @@ import pytest
 import server.serving_responses as serving_responses
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
+from engine.outputs import merge_deltas
 from server.app import build_app
 from server.config import ServerConfig
 from server.protocol import StructuredOutputsField
@@ -97,3 +98,61 @@ async def test_streamed_and_whole_output_agree_when_text_follows_a_call(engine, 
         (e["output_index"], e["item"]["type"]) for e in events if e["type"] == "response.output_item.added"
     ]
     assert added == [(i, kind) for i, (kind, *_) in enumerate(EXPECTED)]
+
+
+@pytest.fixture
+def one_delta(engine, monkeypatch) -> None:
+    """The engine's outputs of each request folded into one delta, as a slow client's stream gets
+    them (``merge_pending``): the tool parser sees the whole answer at once."""
+    generate = engine.generate
+
+    async def folded(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        held = None
+        async for out in generate(*args, **kwargs):
+            held = out if held is None else merge_deltas(held, out)
+        if held is not None:
+            yield held
+
+    monkeypatch.setattr(engine, "generate", folded)
+
+
+async def test_an_answer_in_one_delta_keeps_text_after_its_call(
+    engine, serve_app, steered, one_delta
+) -> None:
+    config = ServerConfig(served_model_name="m", enable_auto_tool_choice=True, tool_call_parser="hermes")
+    chat_body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [
+            {"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in TOOLS
+        ],
+        "max_tokens": 300,
+        "temperature": 0.0,
+        "stream": True,
+        "structured_outputs": {"regex": _regex(ANSWER)},
+    }
+    async with (
+        serve_app(build_app(engine, config)) as url,
+        httpx.AsyncClient(base_url=url, timeout=60) as client,
+    ):
+        events = []
+        async with client.stream("POST", "/v1/responses", json={**BODY, "stream": True}) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    events.append(json.loads(line[6:]))
+        chunks = []
+        async with client.stream("POST", "/v1/chat/completions", json=chat_body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line[6:])["choices"][0])
+    assert events[-1]["type"] == "response.completed"
+    assert _shape(events[-1]["response"]["output"]) == EXPECTED
+    added = [e["item"]["type"] for e in events if e["type"] == "response.output_item.added"]
+    assert added == [kind for kind, *_ in EXPECTED]
+    # The chat stream: the text after a call comes in a chunk after the call's.
+    shown = [
+        (c["delta"].get("content"), [t["function"]["name"] for t in c["delta"].get("tool_calls") or []])
+        for c in chunks[1:]
+    ]
+    assert shown == [("Hello ", ["f"]), (" after", ["g"])]
+    assert [c["finish_reason"] for c in chunks] == [None, None, "tool_calls"]

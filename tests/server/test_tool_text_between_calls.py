@@ -10,7 +10,9 @@ from pathlib import Path
 import openai
 import pytest
 
+from server.chat_shape import ChoiceShaper, Shaped
 from server.tool_parsers import ParsedCall, get_tool_parser
+from server.tools import ToolPlan
 
 A = ParsedCall("get_weather", '{"city": "Oslo"}')
 B = ParsedCall("get_weather", '{"city": "Lima"}')
@@ -88,3 +90,57 @@ def test_served_stream_keeps_the_newline_before_a_second_call(hermes_server) -> 
             names += [c.function.name for c in choice.delta.tool_calls or []]
     assert content == "\nmid\n"
     assert names == ["get_weather", "get_weather"]
+
+
+def _events(pieces: list[tuple[str, list[ParsedCall]]]) -> list[str | ParsedCall]:
+    """Pieces as the answer's run of text and calls (adjacent text joined, empty text dropped)."""
+    out: list[str | ParsedCall] = []
+    for text, calls in pieces:
+        if text and out and isinstance(out[-1], str):
+            out[-1] += text
+        elif text:
+            out.append(text)
+        out += calls
+    return out
+
+
+ORDERED = "Hi " + CALL_A + " mid" + CALL_B + " end"
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 20, len(CALL_A) + 5, len(ORDERED)])
+def test_pieces_keep_text_after_a_call_after_it(size: int) -> None:
+    """However many characters a delta holds (a slow client's merged deltas: the whole answer in
+    one), the pieces give text and calls in the order written; ``feed`` joins them."""
+    streamer = get_tool_parser("hermes").streamer()
+    pieces = []
+    for i in range(0, len(ORDERED), size):
+        pieces += streamer.pieces(ORDERED[i : i + size])
+    pieces.append(streamer.finish())
+    assert _events(pieces) == ["Hi ", A, " mid", B, " end"]
+
+
+def test_one_delta_holding_two_calls_is_three_pieces() -> None:
+    streamer = get_tool_parser("hermes").streamer()
+    assert streamer.pieces(ORDERED) == [("Hi ", [A]), (" mid", [B]), (" end", [])]
+    assert get_tool_parser("hermes").streamer().feed(ORDERED) == ("Hi  mid end", [A, B])
+    # Whitespace right after a call waits for text; with none in the delta, no piece follows.
+    assert get_tool_parser("hermes").streamer().pieces("x" + CALL_A + "  ") == [("x", [A])]
+
+
+def test_shaped_then_joins_pieces_in_order() -> None:
+    shaper = ChoiceShaper(ToolPlan("auto", parser=get_tool_parser("hermes")), None)
+    first = shaper.feed("Hi " + CALL_A + " mi")
+    assert [(text, [c.function.name for c in calls]) for text, calls in first.pieces()] == [
+        ("Hi ", ["get_weather"]),
+        (" mi", []),
+    ]
+    both = first.then(shaper.feed("d" + CALL_B)).then(shaper.finish())
+    assert (both.content, len(both.tool_calls)) == ("Hi  mid", 2)
+    assert [(text, [c.index for c in calls]) for text, calls in both.pieces()] == [
+        ("Hi ", [0]),
+        (" mid", [1]),
+    ]
+    # Text that continues text, or a call right after a call, stays in its piece.
+    assert Shaped("", "a").then(Shaped("", "b")).pieces() == [("ab", [])]
+    call = both.tool_calls[0]
+    assert Shaped("", "a", [call]).then(Shaped("", "", [call])).pieces() == [("a", [call, call])]
