@@ -28,9 +28,10 @@ Contract, in the order the engine calls it (all on the engine loop thread):
    ``RequestOutput.kv_transfer``), or ``request.kv_transfer_future`` (a ``Future`` of that dict:
    the engine frees the request's blocks at once and holds its final output until it is done).
 5. ``step()`` at the start of every engine step that runs (not asleep): the connector's own
-   bounded work (the KV tier's re-publication pass); it must return at once, never wait on I/O.
-   While ``has_work()`` says there is more and no request runs, ``LLMEngine.idle_step`` calls
-   ``step()`` at most every ``TIER_IDLE_WAIT_S`` (an idle async engine keeps the pass going).
+   bounded work (the KV tier's due probes and checks, its re-publication pass); it must return at
+   once, never wait on I/O. While ``has_work()`` says there is more (a pass, or a tier whose
+   breaker is open) and no request runs, ``LLMEngine.idle_step`` calls ``step()`` at most every
+   ``TIER_IDLE_WAIT_S`` (an idle async engine keeps the pass going and probes the tier).
 6. Sleep mode and weight updates, with no request running: ``release_caches()`` before the KV
    cache is freed, ``bind_caches(kv_caches)`` once it is allocated again, ``set_fingerprint(fp)``
    after new weights were installed (blocks of the old weights are never read as the new ones').

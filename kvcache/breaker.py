@@ -7,7 +7,11 @@ passed, the next call (still answered with a miss at once) starts a *half-open* 
 cheap ``contains_prefix`` on a background thread, so no engine-thread call ever waits on a
 dead host's connect timeout. Success closes the breaker (hits resume by themselves); failure
 re-opens it for another cool-down. Each close after an open counts in ``recoveries`` (the tier's
-``epoch``): the writes dropped meanwhile are what the re-publication pass makes up for. An error the server answers with (a full Redis refusing
+``epoch``): the writes dropped meanwhile are what the re-publication pass makes up for. A call is
+what starts a probe, so an idle replica would only probe at its next request: ``GuardedTier.poll``
+(each engine step and idle step) starts it as well, once the cool-down passed, and while the breaker
+is closed runs the backend's periodic ``watch`` (a Redis tier's flush check) the same way, on a
+background thread. An error the server answers with (a full Redis refusing
 writes, a read-only replica) is counted and logged but opens nothing: the server is reachable,
 and what it still serves (reads, when only writes are refused) goes on. Nothing here ever raises
 to the caller.
@@ -162,6 +166,7 @@ class GuardedTier(Tier):
         self.name = name
         self._errors = ErrorCounter()
         self._probe: threading.Thread | None = None
+        self._watch: threading.Thread | None = None  # the backend's periodic check (``poll``)
         self._refusals_logged: dict[str, float] = {}  # call kind -> when a refusal was last logged
 
     def contains_prefix(self, keys: Sequence[str]) -> int:
@@ -182,6 +187,18 @@ class GuardedTier(Tier):
 
     def available(self) -> bool:
         return self.breaker.is_closed()
+
+    def poll(self) -> None:
+        """Start what is due on a background thread: the probe, once an open breaker's cool-down
+        passed (at most one per cool-down: ``begin_probe``), or, closed, the backend's ``watch``.
+        Counts nothing as a skipped call: no call was asked for."""
+        if self.breaker.is_closed():
+            watch = self._watch
+            if (watch is None or not watch.is_alive()) and self.inner.watch_due():
+                self._watch = threading.Thread(target=self._run_watch, name=f"{self.name}-watch", daemon=True)
+                self._watch.start()
+        elif self.breaker.begin_probe():
+            self._start_probe()
 
     def put_many(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
         failed = [False] * len(items)
@@ -214,10 +231,10 @@ class GuardedTier(Tier):
         )
 
     def wait_for_probe(self, timeout: float | None = None) -> None:
-        """Wait for a running background probe (tests, shutdown)."""
-        probe = self._probe
-        if probe is not None:
-            probe.join(timeout)
+        """Wait for a running background probe or watch (tests, shutdown)."""
+        for thread in (self._probe, self._watch):
+            if thread is not None:
+                thread.join(timeout)
 
     def _admit(self) -> bool:
         """Whether a call may go to the backend now (an open breaker counts the skip, and may start
@@ -226,9 +243,12 @@ class GuardedTier(Tier):
             return True
         self._errors.record(ERROR_CIRCUIT_OPEN)
         if self.breaker.begin_probe():
-            self._probe = threading.Thread(target=self._run_probe, name=f"{self.name}-probe", daemon=True)
-            self._probe.start()
+            self._start_probe()
         return False
+
+    def _start_probe(self) -> None:
+        self._probe = threading.Thread(target=self._run_probe, name=f"{self.name}-probe", daemon=True)
+        self._probe.start()
 
     def _call(self, op: str, fn: Callable[[], T], on_failure: T) -> T:
         if not self._admit():
@@ -246,6 +266,14 @@ class GuardedTier(Tier):
             self.inner.contains_prefix([PROBE_KEY])
         except Exception as exc:
             self._failed("probe", exc)
+            return
+        self.breaker.record_success()
+
+    def _run_watch(self) -> None:
+        try:
+            self.inner.watch()
+        except Exception as exc:
+            self._failed("watch", exc)
             return
         self.breaker.record_success()
 

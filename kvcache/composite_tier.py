@@ -83,6 +83,9 @@ class CompositeTier(Tier):
     def available(self) -> bool:
         return self.l2.available()
 
+    def poll(self) -> None:
+        self.l2.poll()
+
     def close(self) -> None:
         self.l1.close()
         self.l2.close()

@@ -10,7 +10,9 @@ no V caches); the block shape's second dim says which.
   and copy in the leading blocks it holds.
 * ``save(hash, block_id, ...)`` / ``save_many``: snapshot the block to host memory *now*, on
   the caller's thread (the cache slot may be reused right after), and queue the write for a
-  background writer. A full queue drops the write and counts it; saving never blocks.
+  background writer. A full queue drops the write and counts it; saving never blocks. The writer
+  remembers what it dropped so (bounded) for the re-publication pass: ``has_dropped_writes`` /
+  ``take_dropped_writes``.
 * ``republish(hashes, block_ids, ...)``: the same for blocks written again after the tier came
   back (``kvcache/republish.py``), in writer slots only while half the queue is still free: what
   finds no slot is left to the caller (not dropped), and blocks that fill meanwhile keep room.
@@ -120,6 +122,20 @@ class KVConnector(TierReads):
         spare half and returns how many; the rest are neither snapshotted nor counted dropped."""
         return self._queue_writes(hashes, block_ids, k_caches, v_caches, republish=True)
 
+    @property
+    def has_dropped_writes(self) -> bool:
+        """Writes were dropped for a full queue since the last ``take_dropped_writes`` (no I/O, no lock)."""
+        return self._writer.has_dropped
+
+    def take_dropped_writes(self) -> tuple[list[bytes], bool]:
+        """The hashes dropped for a full queue since the last call (oldest first), and whether more
+        were dropped than the writer remembers; forgets them."""
+        return self._writer.take_dropped()
+
+    def can_republish(self) -> bool:
+        """Whether ``republish`` would find a writer slot now (the queue has room again)."""
+        return self._writer.free_slots(keep_free=self._writer.capacity // 2) > 0
+
     def _queue_writes(
         self,
         hashes: Sequence[bytes],
@@ -145,7 +161,7 @@ class KVConnector(TierReads):
         else:
             n = self._writer.reserve(len(hashes))
             if n < len(hashes):
-                self._writer.drop(len(hashes) - n)
+                self._writer.drop(hashes[n:])
         if n == 0:
             return 0
         try:

@@ -20,8 +20,12 @@ What happens when (all on the engine loop thread):
 * a block becomes full and registered in the device prefix cache (``block_stored``): its KV is
   snapshotted and queued for the tier — unless it was itself just loaded from the tier;
 * a cached block is evicted (``block_removed``): only a device event, if events are on;
-* every step (``step``): the re-publication pass (``kvcache/republish.py``) takes its bounded
-  share: after the tier came back, the prefix cache's blocks it lacks are written again;
+* every step (``step``): the tier's due background checks start (``Tier.poll``: an open breaker's
+  probe after its cool-down, a Redis tier's flush check), then the re-publication pass
+  (``kvcache/republish.py``) takes its bounded share: after the tier came back (or writes were
+  dropped for a full queue), the prefix cache's blocks it lacks are written again. While the
+  breaker is open ``has_work`` says so, so an idle engine's ``idle_step`` keeps probing (once per
+  cool-down) and the pass starts with no traffic;
 * a ``kv_transfer`` producer request finishes (``request_finished``): on the reporter thread,
   wait (bounded) until its prompt blocks reached the tier, so the consumer that the router calls
   next finds them, and report how many leading prompt blocks the tier holds
@@ -101,10 +105,13 @@ class TierConnector:
         self.kv.tier.count_blocks(0, num_blocks)
 
     def step(self) -> None:
+        self.kv.tier.poll()
         self.republisher.step(self.k_caches, self.v_caches)
 
     def has_work(self) -> bool:
-        return self.republisher.has_work()
+        # An open breaker is work: only a call (or ``poll``) probes the tier again, and an idle
+        # replica makes none, so its re-publication would wait for its next request.
+        return self.republisher.has_work() or not self.kv.tier.available()
 
     def load_blocks(self, request: Any, block_ids: Sequence[int], block_hashes: Sequence[bytes]) -> int:
         loaded = self.kv.load(block_hashes, block_ids, self.k_caches, self.v_caches)

@@ -1,7 +1,7 @@
 """``redis://`` and ``rediss://`` — KV blocks in Redis, shared by every replica of a model.
 
 URL: ``redis[s]://[[user]:password@]host:port/db?ttl=S&timeout=S&connect_timeout=S
-&max_connections=N&l1_bytes=N&breaker_failures=N&breaker_cooldown=S``
+&max_connections=N&l1_bytes=N&breaker_failures=N&breaker_cooldown=S&flush_check=S``
 (redis-py's own ``ssl_*`` and ``client_name`` parameters pass through).
 
 * Reads are pipelined ``MGET`` s in chunks (one round trip for a whole prefix); writes are
@@ -18,6 +18,15 @@ URL: ``redis[s]://[[user]:password@]host:port/db?ttl=S&timeout=S&connect_timeout
   not the one seen before) lost every block: it counts in ``epoch()``, so replicas re-publish what
   their prefix caches hold (``kvcache/republish.py``), even when the restart was too quick to open
   the breaker. A server that refuses ``INFO`` (ACLs, renamed on some managed Redis) is not watched.
+* A ``FLUSHALL`` / ``FLUSHDB`` keeps the ``run_id``. Each tier client keeps a marker key of its own,
+  ``ferry:kvmeta:marker:{client id}`` (outside the blocks' ``ferry:kv:`` key space; expires a day
+  after its last check, so dead clients leave nothing), and every ``flush_check`` seconds (5; 0: never)
+  the engine's step starts ``watch`` on a background thread (``GuardedTier.poll``): one round trip,
+  ``EXISTS`` + ``SET``. A marker gone since the last check, with the same ``run_id``, means the
+  server was flushed: that counts in ``epoch()`` too. Redis evicting single blocks (``maxmemory``)
+  leaves no such trace and is not noticed; an evicted marker reads as a flush (one pass that finds
+  the blocks present writes only what is missing). A server that refuses the marker (an ACL limited to
+  ``ferry:kv:*``, a read-only replica) is not watched for flushes.
 
 This backend raises on I/O errors; the factory wraps it in ``GuardedTier`` so the tier that
 ``open_tier`` returns never does.
@@ -27,6 +36,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -50,6 +61,8 @@ return #KEYS
 READ_CHUNK = 64  # keys per MGET: bounds one reply to ~16 MiB of 256 KiB blocks
 EXISTS_CHUNK = 64  # keys per pipelined EXISTS round trip (contains_prefix without Lua)
 WRITE_CHUNK_BYTES = 32 << 20  # flush a write pipeline every ~32 MiB
+MARKER_PREFIX = "ferry:kvmeta:marker:"  # + a client id: one flush marker per tier client
+MARKER_TTL_S = 24 * 3600  # a dead client's marker goes after a day; a live one sets it again
 PASSTHROUGH_PARAMS = (
     "ssl_cert_reqs",
     "ssl_ca_certs",
@@ -68,6 +81,7 @@ TIER_PARAMS = (
     "l1_bytes",
     "breaker_failures",
     "breaker_cooldown",
+    "flush_check",
 )
 
 
@@ -104,12 +118,21 @@ class RedisTier(Tier):
         connect_timeout: float = 0.5,
         max_connections: int = 16,
         use_script: bool = True,
+        flush_check_s: float = 5.0,
     ) -> None:
         self.ttl_s = ttl_s
         self._run_id_lock = threading.Lock()
         self._run_id: str | None = None  # the server's, as the last new connection found it
         self._restarts = 0
         self._watch_restarts = True
+        # The flush marker (see the module docstring): each client its own, since the first client
+        # to find a shared one gone would set it again before the others looked.
+        self.flush_check_s = flush_check_s
+        self._marker = MARKER_PREFIX + uuid.uuid4().hex
+        self._next_watch = 0.0  # monotonic time of the next check: the first step sets the marker
+        self._marker_run_id: str | None = None  # the run_id the marker was last seen or set under
+        self._marker_set = False  # this client's marker is known to be there (as of the last check)
+        self._flushes = 0
         # No retries: a failing call returns at once and the breaker owns "try again later".
         # A blocking pool waits (bounded) for a free connection instead of failing when the
         # engine thread, loader and writer threads all call at once.
@@ -154,7 +177,37 @@ class RedisTier(Tier):
             self._run_id = run_id
 
     def epoch(self) -> int:
-        return self._restarts
+        return self._restarts + self._flushes
+
+    def watch_due(self) -> bool:
+        return self.flush_check_s > 0 and time.monotonic() >= self._next_watch
+
+    def watch(self) -> None:
+        """Check this client's flush marker and set it again (one round trip); a marker gone since
+        the last check under the same ``run_id`` counts a flush (a restart counted already)."""
+        self._next_watch = time.monotonic() + self.flush_check_s
+        pipe = self._client.pipeline(transaction=False)
+        pipe.exists(self._marker)
+        pipe.set(self._marker, b"1", ex=MARKER_TTL_S)
+        found, stored = pipe.execute(raise_on_error=False)
+        refused = found if isinstance(found, Exception) else stored if isinstance(stored, Exception) else None
+        if refused is not None:
+            with self._run_id_lock:
+                self._marker_set = False  # unknown now: the next check only sets it
+            if isinstance(refused, redis.exceptions.NoPermissionError | redis.exceptions.ReadOnlyError):
+                self.flush_check_s = 0.0
+                logger.warning(
+                    "Redis refuses the KV tier's flush marker (%s); a FLUSHALL goes unnoticed", refused
+                )
+                return
+            raise refused  # counted and logged as the server's refusal (a full Redis): tried again later
+        with self._run_id_lock:
+            if not found and self._marker_set and self._marker_run_id == self._run_id:
+                self._flushes += 1
+                logger.warning(
+                    "Redis KV tier was flushed (its marker %s is gone): its blocks are gone", self._marker
+                )
+            self._marker_set, self._marker_run_id = True, self._run_id
 
     def contains_many(self, keys: Sequence[str]) -> list[bool] | None:
         """One pipelined ``EXISTS`` per key, one round trip."""
@@ -302,6 +355,7 @@ def _open_redis(url: TierURL) -> Tier:
     l1_bytes = url.pop_int("l1_bytes", None, minimum=1)
     failures = url.pop_int("breaker_failures", 3, minimum=1)
     cooldown = url.pop_float("breaker_cooldown", 1.0, minimum=0.0)
+    flush_check = url.pop_float("flush_check", 5.0, minimum=0.0)
     passthrough = {k: url.params.pop(k) for k in PASSTHROUGH_PARAMS if k in url.params}
     url.check_consumed()
     assert max_connections is not None and failures is not None
@@ -311,6 +365,7 @@ def _open_redis(url: TierURL) -> Tier:
         socket_timeout=timeout,
         connect_timeout=connect_timeout,
         max_connections=max_connections,
+        flush_check_s=flush_check,
     )
     guarded = GuardedTier(
         backend, CircuitBreaker(failures, cooldown), name=f"{url.scheme}://{url.parts.hostname}"

@@ -1,17 +1,24 @@
-"""Re-publication: write again the prefix-cache blocks a tier lost or missed while it was away.
+"""Re-publication: write again the prefix-cache blocks a tier lost or missed.
 
-While a tier is down (the breaker open) block writes are dropped; a Redis that restarts comes back
-empty. The blocks computed meanwhile stay in this replica's device prefix cache and keep hitting
-there, so they would never be written again: every other replica recomputes them. When the tier's
-``epoch()`` moves (the breaker closed after an open, the Redis server's ``run_id`` changed), a
-*pass* walks the full blocks the prefix cache holds, asks the tier which of them it lacks (one
-``contains_many`` round trip per ``CHECK_CHUNK`` blocks, on this module's own thread) and writes
-those through the connector's normal path (snapshot now, ``BlockWriter`` later), so keys, bytes,
-fingerprint tags and tier events are exactly a normal write's.
+While a tier is down (the breaker open) block writes are dropped; a Redis that restarts, or is
+flushed, comes back empty; a write queue that is full drops writes. The blocks concerned stay in
+this replica's device prefix cache and keep hitting there, so they would never be written again:
+every other replica recomputes them. A *pass* makes up for it. It starts
+
+* when the tier's ``epoch()`` moves (the breaker closed after an open, the Redis server's ``run_id``
+  changed, its flush marker vanished): over every full block the prefix cache holds;
+* when writes were dropped for a full queue (``KVConnector.take_dropped_writes``: the writer
+  remembers their hashes, a bounded number) and the queue has room again: over those blocks (over
+  the whole prefix cache if more were dropped than remembered).
+
+A pass asks the tier which of its blocks it lacks (one ``contains_many`` round trip per
+``CHECK_CHUNK`` blocks, on this module's own thread) and writes those through the connector's normal
+path (snapshot now, ``BlockWriter`` later), so keys, bytes, fingerprint tags and tier events are
+exactly a normal write's.
 
 Everything the engine thread does here is bounded and never waits on the network: ``step`` reads
-an integer epoch, looks at a finished future, and snapshots at most ``BLOCKS_PER_STEP`` blocks
-(``BYTES_PER_STEP`` bytes) into
+an integer epoch and a flag, looks at a finished future, and snapshots at most ``BLOCKS_PER_STEP``
+blocks (``BYTES_PER_STEP`` bytes) into
 writer slots it may take without crowding out the writes of blocks filling meanwhile (half the
 queue stays theirs). A pass stops, logged with its counts, when the tier is unreachable again (a
 newer recovery starts a new pass), when the weights change (no block is ever written under a
@@ -19,8 +26,8 @@ stale fingerprint: the snapshot takes the connector's fingerprint, and the pass 
 when it changes), when the KV cache is released (sleep mode), or when it has gone through every
 block. Blocks evicted locally before their turn are skipped and counted.
 
-Not covered: blocks Redis evicted or an operator deleted with no restart (no cheap signal; Redis'
-eviction is its LRU's choice), and writes dropped for a full write queue.
+Not covered: blocks Redis evicted (``maxmemory``) or an operator deleted one by one: no cheap signal
+tells them apart from blocks never written, and Redis' eviction is its LRU's choice.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ BLOCKS_PER_STEP = 32  # snapshots queued per engine step at most (one writer bat
 BYTES_PER_STEP = 8 << 20  # ... and at most this many bytes of them (big models' blocks are MBs)
 CHECK_CHUNK = 256  # blocks per existence check (one round trip on Redis)
 MAX_CHECK_FAILURES = 3  # failed checks in a row while the tier still looks reachable: give up
+DROPPED = "dropped writes"  # the cause of a pass over writes dropped for a full queue
 
 
 class RegisteredBlocks(Protocol):
@@ -56,7 +64,7 @@ class RegisteredBlocks(Protocol):
 
 @dataclass
 class _Pass:
-    epoch: int
+    cause: str  # for the log: "epoch 3", or DROPPED
     fingerprint: str
     hashes: list[bytes]  # the prefix cache's full blocks when the pass started, parents first
     started: float
@@ -100,8 +108,9 @@ class Republisher:
         return self._pass is not None
 
     def has_work(self) -> bool:
-        """A pass runs, or the tier came back since the last one started (any thread; no I/O)."""
-        return self._pass is not None or self.kv.tier.epoch() != self._epoch
+        """A pass runs, the tier came back since the last one started, or writes were dropped for a
+        full queue (any thread; no I/O)."""
+        return self._pass is not None or self.kv.tier.epoch() != self._epoch or self.kv.has_dropped_writes
 
     @property
     def queued(self) -> int:
@@ -109,13 +118,17 @@ class Republisher:
         return self._pass.queued if self._pass is not None else 0
 
     def step(self, k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor]) -> None:
-        """Advance the pass by a bounded amount; start one if the tier came back since the last."""
+        """Advance the pass by a bounded amount; start one if the tier came back since the last, or
+        if writes were dropped for a full queue and it has room again."""
         epoch = self.kv.tier.epoch()
         if epoch != self._epoch:
             self._epoch = epoch
             if self._pass is not None:
                 self._end("superseded: the tier came back again")
-            self._start(epoch)
+            self.kv.take_dropped_writes()  # the whole prefix cache is checked: it holds them
+            self._start_recovery(epoch)
+        elif self._pass is None and self.kv.has_dropped_writes and k_caches:
+            self._start_dropped()
         p = self._pass
         if p is None:
             return
@@ -137,7 +150,9 @@ class Republisher:
                 self._end("done")
 
     def cancel(self, reason: str) -> None:
-        """End the pass now (sleep mode, a weight update): its blocks may no longer be the model's."""
+        """End the pass now (sleep mode, a weight update): its blocks may no longer be the model's,
+        nor those whose writes were dropped (forgotten too)."""
+        self.kv.take_dropped_writes()
         if self._pass is not None:
             self._end(f"cancelled: {reason}")
 
@@ -147,15 +162,34 @@ class Republisher:
 
     # -- internals ---------------------------------------------------------------------------------
 
-    def _start(self, epoch: int) -> None:
+    def _start_recovery(self, epoch: int) -> None:
         hashes = self.blocks.registered_hashes()
-        self.passes += 1
-        self._pass = _Pass(epoch, self.kv.fingerprint, hashes, time.monotonic())
+        self._start(f"epoch {epoch}", hashes)
         logger.info(
             "KV tier back (epoch %d): checking the %d full blocks of the prefix cache for re-publication",
             epoch,
             len(hashes),
         )
+
+    def _start_dropped(self) -> None:
+        """Writes were dropped for a full queue: once it has room again (and the tier answers; else a
+        recovery's pass covers them), check those blocks and write what the tier lacks."""
+        if not self.kv.can_republish() or not self.kv.tier.available():
+            return
+        hashes, overflow = self.kv.take_dropped_writes()
+        if overflow:
+            hashes = self.blocks.registered_hashes()
+        self._start(DROPPED, hashes)
+        # Debug: under a sustained overload one pass follows another; the drops are counted already.
+        logger.debug(
+            "KV tier write queue has room again: checking %d blocks%s for re-publication",
+            len(hashes),
+            " (the whole prefix cache: more writes were dropped than remembered)" if overflow else "",
+        )
+
+    def _start(self, cause: str, hashes: list[bytes]) -> None:
+        self.passes += 1
+        self._pass = _Pass(cause, self.kv.fingerprint, hashes, time.monotonic())
 
     def _check_next(self, p: _Pass) -> None:
         chunk: list[bytes] = []
@@ -225,11 +259,14 @@ class Republisher:
         assert p is not None
         self._pass = None
         self.last_outcome = outcome
-        log = logger.info if outcome == "done" else logger.warning
+        if outcome != "done":
+            log = logger.warning
+        else:
+            log = logger.debug if p.cause == DROPPED else logger.info
         log(
-            "KV tier re-publication pass (epoch %d) %s after %.2fs: %d of %d prefix-cache blocks "
+            "KV tier re-publication pass (%s) %s after %.2fs: %d of %d prefix-cache blocks "
             "checked, %d lacked by the tier, %d queued for writing, %d evicted locally first",
-            p.epoch,
+            p.cause,
             outcome,
             time.monotonic() - p.started,
             p.checked,

@@ -23,6 +23,10 @@ Contract of the ``Tier`` methods (all thread-safe):
   (a circuit breaker closing after it was open; a Redis server that restarted, empty). ``0`` for a
   tier that can do neither (``memory://``). Cheap: no I/O.
 * ``available()``: whether a call now would reach the backend (a closed breaker); no I/O.
+* ``poll()``: called every engine step and idle step: starts, on a background thread, the checks
+  that are due (an open breaker's probe once its cool-down passed; a Redis tier's flush check every
+  few seconds). No I/O on the caller's thread. ``watch_due()`` / ``watch()`` are a raw backend's
+  side of it: whether its periodic check is due, and the check itself (I/O; may raise).
 
 A backend may raise on I/O failure; what ``open_tier`` returns never does: failing backends
 are wrapped in a circuit breaker (``breaker.GuardedTier``) and the outermost ``MeteredTier``
@@ -95,6 +99,15 @@ class Tier(ABC):
 
     def available(self) -> bool:
         return True
+
+    def poll(self) -> None:
+        return None
+
+    def watch_due(self) -> bool:
+        return False
+
+    def watch(self) -> None:
+        return None
 
     def stats(self) -> TierStats:
         return TierStats()
@@ -258,6 +271,12 @@ class MeteredTier(Tier):
 
     def available(self) -> bool:
         return self.inner.available()
+
+    def poll(self) -> None:
+        try:
+            self.inner.poll()
+        except Exception:
+            self._internal_error("poll")
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         """Values as found: each one present counts as a hit. A caller that checks the values

@@ -11,6 +11,11 @@ the batch whose write is still waiting on the tier, count as dropped when ``clos
 thread that finishes that write later counts nothing), so the counts are final when it returns.
 Events ride the same queue, after the writes they describe, and consecutive events of one kind
 are coalesced into one stream entry.
+
+The hashes of the blocks dropped for a full queue are remembered (``MAX_DROPPED_REMEMBERED`` at most;
+past that only the fact that more were dropped): those blocks keep hitting in the replica's own
+prefix cache, so nothing would write them again; the re-publication pass (``kvcache/republish.py``)
+takes them (``take_dropped``) once the queue has room and writes those the tier still lacks.
 """
 
 from __future__ import annotations
@@ -45,6 +50,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 WRITE_BATCH = 32  # blocks per tier write
+# Hashes of queue-full drops kept for re-publication (~100 bytes each); more dropped before the
+# next pass take means the pass checks the whole prefix cache instead.
+MAX_DROPPED_REMEMBERED = 4096
 
 
 @dataclass(frozen=True)
@@ -103,6 +111,10 @@ class BlockWriter:
         self.written = 0
         self.dropped = 0
         self.republished = 0
+        # Dropped for a full queue, not yet taken by a re-publication pass (insertion order: parents
+        # first); ``_dropped_overflow``: more were dropped than it holds.
+        self._dropped_hashes: dict[bytes, None] = {}
+        self._dropped_overflow = False
         self._thread = threading.Thread(target=self._run, name="kv-tier-write", daemon=True)
         self._thread.start()
 
@@ -162,10 +174,38 @@ class BlockWriter:
             self._changed.notify_all()
             self._count_dropped(n, DROP_SNAPSHOT)
 
-    def drop(self, n: int) -> None:
-        """``n`` writes found no slot (``reserve``): the queue was full, or the writer closed."""
+    def drop(self, hashes: Sequence[bytes]) -> None:
+        """The writes of ``hashes`` found no slot (``reserve``): the queue was full (they are
+        remembered for re-publication), or the writer closed."""
         with self._lock:
-            self._count_dropped(n, DROP_CLOSED if self._closed else DROP_QUEUE_FULL)
+            if self._closed:
+                self._count_dropped(len(hashes), DROP_CLOSED)
+                return
+            self._count_dropped(len(hashes), DROP_QUEUE_FULL)
+            for h in hashes:
+                if len(self._dropped_hashes) >= MAX_DROPPED_REMEMBERED:
+                    self._dropped_overflow = True
+                    break
+                self._dropped_hashes[bytes(h)] = None
+
+    @property
+    def has_dropped(self) -> bool:
+        """Writes were dropped for a full queue since the last ``take_dropped`` (no lock: a hint
+        read every engine step; ``take_dropped`` is exact)."""
+        return self._dropped_overflow or bool(self._dropped_hashes)
+
+    def take_dropped(self) -> tuple[list[bytes], bool]:
+        """The hashes of the writes dropped for a full queue since the last call, oldest first, and
+        whether more were dropped than remembered; forgets them."""
+        with self._lock:
+            hashes, overflow = list(self._dropped_hashes), self._dropped_overflow
+            self._dropped_hashes, self._dropped_overflow = {}, False
+            return hashes, overflow
+
+    def free_slots(self, keep_free: int = 0) -> int:
+        """How many slots ``reserve(n, keep_free)`` would grant now (n large)."""
+        with self._lock:
+            return 0 if self._closed else max(0, self.capacity - keep_free - self._pending)
 
     def _count_dropped(self, n: int, reason: str) -> None:
         # Under ``_lock``.
