@@ -283,11 +283,17 @@ class LLM:
         Raises ``ChatTemplateError`` (a ValueError) for messages the template cannot take, and
         ``MediaError`` (a ValueError) for an image that cannot be read."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
-        kwargs = dict(chat_template_kwargs or {})
+        # vLLM's merge: the arguments over ``chat_template_kwargs``' spelling of them (``tools`` and
+        # ``chat_template`` only when given), as the server merges a request's fields.
+        kwargs = {
+            **(chat_template_kwargs or {}),
+            "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message,
+        }
+        if tools is not None:
+            kwargs["tools"] = tools
         if chat_template is not None:
             kwargs["chat_template"] = chat_template
-        if continue_final_message:
-            kwargs["continue_final_message"] = True
         prompts: list[Prompt] = []
         for conversation in conversations:
             # Image parts (data: or http(s) URLs, or PIL images as "image_pil") are read first, so a
@@ -295,8 +301,6 @@ class LLM:
             images = [load_image(src, MediaOptions()) for src in message_image_parts(conversation)]
             text = self.tokenizer.apply_chat_template(
                 [template_message(m) for m in conversation],  # type: ignore[arg-type]
-                add_generation_prompt=add_generation_prompt,
-                tools=tools,
                 **kwargs,
             )
             # The template holds every special token: none are added (as the server encodes it).

@@ -102,6 +102,7 @@ def responses_as_chat(body: dict[str, Any]) -> dict[str, Any]:
     """A Responses API body as the chat body its replica renders (``server/serving_responses.py``
     translates it with the same functions), for the prompt's keys."""
     tools, choice = chat_tools(body.get("tools"), body.get("tool_choice"))
+    reasoning = body.get("reasoning")  # its effort reaches the template (``to_chat_request``)
     return {
         # What salts its block hashes on the replica: the adapter its model names, its cache_salt.
         "model": body.get("model"),
@@ -109,6 +110,7 @@ def responses_as_chat(body: dict[str, Any]) -> dict[str, Any]:
         "messages": chat_messages(body.get("instructions"), body["input"]),
         "tools": tools,
         "tool_choice": choice,
+        "reasoning_effort": reasoning.get("effort") if isinstance(reasoning, dict) else None,
     }
 
 
@@ -168,11 +170,18 @@ class TokenKeyer(PromptKeyer):
         on a malformed one: ``keys`` turns that into no hint)."""
         if path.endswith("/chat/completions"):
             # Exactly the replica's rendering (``server/prompts.py`` chat_prompt): the same
-            # message normalisation, null meaning the default, template kwargs then tools.
+            # message normalisation, null meaning the default, the same merge of the variables.
             messages = [template_message(m) for m in body["messages"]]
-            kwargs = self.chat.kwargs(body.get("chat_template_kwargs"), body.get("documents"))
-            if body.get("continue_final_message"):
-                kwargs["continue_final_message"] = True
+            add_generation_prompt = body.get("add_generation_prompt")
+            kwargs = self.chat.render_kwargs(
+                body.get("chat_template_kwargs"),
+                add_generation_prompt=True if add_generation_prompt is None else add_generation_prompt,
+                continue_final_message=bool(body.get("continue_final_message")),
+                documents=body.get("documents"),
+                reasoning_effort=body.get("reasoning_effort"),
+                tools=body.get("tools"),
+                tool_choice=body.get("tool_choice"),
+            )
             named = kwargs.get("chat_template")
             if body.get("chat_template") is not None or (
                 named is not None and named not in self.tokenizer.chat_template_names
@@ -180,13 +189,7 @@ class TokenKeyer(PromptKeyer):
                 # A template of the request's own: the router runs none (a template is code a
                 # client would have it run; replicas run them only if trusted). No hint.
                 return None
-            add_generation_prompt = body.get("add_generation_prompt")
-            text = self.tokenizer.apply_chat_template(
-                messages,
-                add_generation_prompt=True if add_generation_prompt is None else add_generation_prompt,
-                tools=self.chat.tools(body.get("tools"), body.get("tool_choice")),
-                **kwargs,
-            )
+            text = self.tokenizer.apply_chat_template(messages, **kwargs)
             if body.get("add_special_tokens"):  # vLLM's: the tokenizer's BOS on top of the template's
                 return self.tokenizer.encode(text, add_special_tokens=True)
             return self.chat_encoder.encode(text)  # = encode_chat: no special tokens added

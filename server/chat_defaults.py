@@ -4,8 +4,7 @@ must apply alike: the replica (``server/prompts.py`` chat_prompt, for chat, Resp
 replica's or cache-aware routing and PD hand-offs miss). Torch-free: the router imports it.
 
 * ``--default-chat-template-kwargs JSON``: template variables every chat gets, under the request's
-  own ``chat_template_kwargs`` (a request's value for a key wins, as vLLM merges them), e.g.
-  ``{"enable_thinking": false}``.
+  own (``ChatDefaults.render_kwargs`` merges them as vLLM does), e.g. ``{"enable_thinking": false}``.
 * ``--exclude-tools-when-tool-choice-none``: a request with ``tool_choice`` "none" is rendered
   without its tools (vLLM's flag; by default the template still sees them).
 """
@@ -18,8 +17,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-# Template variables a request sets through its own fields, never through chat_template_kwargs.
-RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "tools", "continue_final_message"})
+# Keys --default-chat-template-kwargs may not set: the conversation itself, and the two variables
+# every request's own fields set (they always win, so a default there would never apply).
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "continue_final_message"})
+
+
+def _set(values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` less the unset ones: a request's null or "auto" is no value (vLLM's merge drops
+    them), so the server's default, or the template's own, applies."""
+    return {k: v for k, v in values.items() if v is not None and not (isinstance(v, str) and v == "auto")}
 
 
 @dataclass(frozen=True)
@@ -27,12 +33,36 @@ class ChatDefaults:
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     exclude_tools_when_tool_choice_none: bool = False
 
-    def kwargs(self, request_kwargs: Mapping[str, Any] | None, documents: Any = None) -> dict[str, Any]:
-        """The template variables of one request: its ``documents`` (vLLM's request field, for
-        RAG templates), then the server's defaults, then the request's own (each winning over the
-        ones before, as vLLM merges them)."""
-        base = {"documents": documents} if documents is not None else {}
-        return {**base, **self.template_kwargs, **(request_kwargs or {})}
+    def render_kwargs(
+        self,
+        request_kwargs: Mapping[str, Any] | None,
+        *,
+        add_generation_prompt: bool,
+        continue_final_message: bool = False,
+        documents: Any = None,
+        reasoning_effort: str | None = None,
+        tools: Any = None,
+        tool_choice: Any = None,
+    ) -> dict[str, Any]:
+        """Every variable one request's template gets beside its messages, merged as vLLM merges
+        them, each layer over the ones before: the server's defaults; the tools shown (``tools``);
+        the request's ``chat_template_kwargs`` (a null or "auto" value there leaves its key unset);
+        the request's own fields, ``add_generation_prompt`` and ``continue_final_message`` always
+        (so the template sees the values the server acts on: the answer's role, echo), ``documents``
+        and ``reasoning_effort`` when given. A ``reasoning_effort`` also turns ``enable_thinking``
+        on ("none": off) unless the request's kwargs set it (templates such as Gemma's think only
+        when asked)."""
+        own = dict(request_kwargs or {})
+        fields: dict[str, Any] = {
+            "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message,
+            "documents": documents,
+            "reasoning_effort": reasoning_effort,
+        }
+        if reasoning_effort is not None and "enable_thinking" not in own:
+            fields["enable_thinking"] = reasoning_effort != "none"
+        base = {**self.template_kwargs, **_set({"tools": self.tools(tools, tool_choice)})}
+        return {**base, **_set({**own, **_set(fields)})}
 
     def tools(self, tools: Any, tool_choice: Any) -> Any:
         """The tools the template is shown."""
@@ -57,8 +87,8 @@ def template_kwargs_flag(text: str | None) -> dict[str, Any]:
     reserved = RESERVED_TEMPLATE_KWARGS.intersection(value)
     if reserved:
         raise ValueError(
-            f"--default-chat-template-kwargs must not set {', '.join(sorted(reserved))}: requests set "
-            "them through their own fields"
+            f"--default-chat-template-kwargs must not set {', '.join(sorted(reserved))}: each request's "
+            "own fields set them"
         )
     return value
 

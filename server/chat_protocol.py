@@ -27,6 +27,11 @@ from server.protocol import (
 
 # ----------------------------------------------------------------- requests
 
+# How hard a reasoning model thinks: OpenAI's values ("none" for no reasoning, "xhigh" for its newer
+# models) and DeepSeek-V4's "max", as vLLM takes them. The chat template reads it (gpt-oss's writes
+# it into its system message); ``ChatDefaults.render_kwargs`` hands it over.
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+
 
 class ImageURL(_Request):
     url: StrictStr = Field(min_length=1)
@@ -140,6 +145,8 @@ class ChatCompletionRequest(SamplingFields):
     # continued assistant message, written whole).
     echo: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's: the template's reasoning_effort (over chat_template_kwargs' own, as vLLM merges them)
+    reasoning_effort: ReasoningEffort | None = None
     # vLLM's: a Jinja template for this request (needs --trust-request-chat-template)
     chat_template: StrictStr | None = None
     # vLLM's: documents shown to templates that support RAG (``documents``), e.g. Command-R's

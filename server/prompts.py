@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.tokenizer import ChatTemplateError, Tokenizer
-from server.chat_defaults import RESERVED_TEMPLATE_KWARGS, ChatDefaults
+from server.chat_defaults import ChatDefaults
 from server.chat_protocol import ChatCompletionRequest
 from server.completion_protocol import CompletionRequest
 from server.errors import bad_request
@@ -127,18 +127,23 @@ def chat_prompt(
             code="chat_template_missing",
         )
     messages = [m.template_dict() for m in req.messages or []]
-    # Rendered exactly as the router's TokenKeyer renders a body (``router/prompt_keys.py``):
-    # template kwargs, then tools, so router and replica agree on every block hash.
+    # Rendered exactly as the router's TokenKeyer renders a body (``router/prompt_keys.py``), with
+    # the same merge of the template's variables, so router and replica agree on every block hash.
     own_kwargs = getattr(req, "chat_template_kwargs", None) or {}
-    reserved = RESERVED_TEMPLATE_KWARGS.intersection(own_kwargs)
-    if reserved:
+    if "messages" in own_kwargs:
         raise bad_request(
-            f"chat_template_kwargs must not set {', '.join(sorted(reserved))}: use the request fields",
+            "chat_template_kwargs must not set messages: the template renders the request's messages",
             param="chat_template_kwargs",
         )
-    kwargs = defaults.kwargs(own_kwargs, getattr(req, "documents", None))
-    if getattr(req, "continue_final_message", False):
-        kwargs["continue_final_message"] = True
+    kwargs = defaults.render_kwargs(
+        own_kwargs,
+        add_generation_prompt=req.add_generation_prompt,
+        continue_final_message=req.continue_final_message,
+        documents=getattr(req, "documents", None),
+        reasoning_effort=getattr(req, "reasoning_effort", None),
+        tools=getattr(req, "tools", None),
+        tool_choice=getattr(req, "tool_choice", None),
+    )
     if own is not None:
         kwargs["chat_template"] = own
     elif (
@@ -153,12 +158,7 @@ def chat_prompt(
             param="chat_template_kwargs",
         )
     try:
-        text = tokenizer.apply_chat_template(
-            messages,
-            add_generation_prompt=req.add_generation_prompt,
-            tools=defaults.tools(getattr(req, "tools", None), getattr(req, "tool_choice", None)),
-            **kwargs,
-        )
+        text = tokenizer.apply_chat_template(messages, **kwargs)
     except ChatTemplateError as e:
         raise bad_request(str(e), param="messages") from e
     add_special = getattr(req, "add_special_tokens", None)

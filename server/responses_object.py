@@ -93,7 +93,7 @@ class _Response:
             "output": self.output,
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": req.previous_response_id,
-            "reasoning": None,
+            "reasoning": req.reasoning.model_dump() if req.reasoning is not None else None,  # as given
             "store": self.store,
             "temperature": req.temperature
             if req.temperature is not None

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
+from server.chat_protocol import ReasoningEffort
 from server.protocol import _Request
 
 
@@ -22,6 +23,16 @@ class ResponsesResume(_Request):
     token_ids: list[StrictInt] = []  # the output tokens sent
     output: list[dict[str, Any]] = []  # the output items, the last ones possibly in progress
     created_at: StrictInt
+
+
+class ResponsesReasoning(_Request):
+    """``reasoning``: its ``effort`` reaches the chat template as the chat request's
+    ``reasoning_effort`` (``server/responses_to_chat.py``). No reasoning summary is ever written
+    here, so ``summary`` (OpenAI's auto, concise, detailed) is taken as given and left unanswered,
+    as vLLM does."""
+
+    effort: ReasoningEffort | None = None
+    summary: StrictStr | None = None
 
 
 class ResponsesRequest(_Request):
@@ -43,6 +54,7 @@ class ResponsesRequest(_Request):
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
     metadata: dict[str, StrictStr] | None = None
     user: StrictStr | None = None
+    reasoning: ResponsesReasoning | None = None
     # At most this many function calls in the output: the answer stops at the cap (``server/tools.py``).
     max_tool_calls: StrictInt | None = Field(default=None, ge=0)
     # OpenAI's Conversations API object: no conversation store here, so a 400 (``responses_to_chat``).

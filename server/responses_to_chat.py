@@ -1,8 +1,8 @@
 """A Responses request as the chat request that answers it (``to_chat_request``): ``input`` items
 to messages, ``instructions`` to a system message, flat function tools to chat tools,
-``text.format`` to ``response_format``, ``max_output_tokens`` to ``max_completion_tokens``, vLLM's
-sampling extras carried over; the fields this server cannot honour (``conversation``, ``prompt``,
-an unknown ``include``) are a 400 here.
+``text.format`` to ``response_format``, ``max_output_tokens`` to ``max_completion_tokens``,
+``reasoning.effort`` to ``reasoning_effort``, vLLM's sampling extras carried over; the fields this
+server cannot honour (``conversation``, ``prompt``, an unknown ``include``) are a 400 here.
 
 Split from ``server/serving_responses.py``, which serves the chat request; an error in the chat
 request names the client's Responses field (``CHAT_TO_RESPONSES``).
@@ -25,6 +25,7 @@ CHAT_TO_RESPONSES = {
     "max_completion_tokens": "max_output_tokens",
     "max_tokens": "max_output_tokens",
     "response_format": "text.format",
+    "reasoning_effort": "reasoning.effort",
 }
 
 _EXTRAS = (
@@ -111,6 +112,8 @@ def to_chat_request(
         "logprobs": wants_logprobs(req) or None,
         "top_logprobs": (req.top_logprobs or 0) if wants_logprobs(req) else None,
         "user": req.user,
+        # The template's reasoning_effort, as a chat request's (gpt-oss's template writes it).
+        "reasoning_effort": req.reasoning.effort if req.reasoning is not None else None,
         **{name: getattr(req, name) for name in _EXTRAS},
         # Every response runs as a chat stream: its chunks make the output items alike whether the
         # client streams or not (responses_stream.collect), and a background response's events

@@ -46,6 +46,12 @@ def test_template_options(llm) -> None:
     assert tok.decode(cont.prompt_token_ids, skip_special_tokens=False).endswith("Hi, I am")
     with pytest.raises(ChatTemplateError):
         llm.chat(CHAT, GREEDY, chat_template="{% for m in messages %}")
+    # chat_template_kwargs join the template's variables; the arguments win over their spelling
+    # there, as vLLM merges them.
+    shows = "{{ mood }} {{ add_generation_prompt }} {{ tools | length }}"
+    kwargs = {"mood": "calm", "add_generation_prompt": False, "tools": [1, 2]}
+    out = llm.chat(CHAT, GREEDY, chat_template=shows, tools=[3], chat_template_kwargs=kwargs)[0]
+    assert out.prompt_token_ids == tok.encode("calm True 1", add_special_tokens=False)
 
 
 def test_vllm_prompt_dicts_and_use_tqdm(llm) -> None:

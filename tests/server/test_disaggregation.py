@@ -173,9 +173,12 @@ def test_chat_template_kwargs_and_tools_render_like_the_router(pd_pair, tiny_lla
     hashes, tokens = TokenKeyer.from_dir(str(tiny_llama), 16).keys("/v1/chat/completions", body)
     assert r.json()["usage"]["prompt_tokens"] == tokens
     assert r.json()["kv_transfer"]["block_hashes"] == to_hex(hashes)
-    bad = {**body, "chat_template_kwargs": {"add_generation_prompt": False}}
-    r = httpx.post(prefill.url + "/v1/chat/completions", json=bad, timeout=60)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+    # The request's own add_generation_prompt wins over its kwargs' (vLLM's merge), on both sides.
+    merged = {**body, "chat_template_kwargs": {"enable_thinking": False, "add_generation_prompt": False}}
+    r = httpx.post(prefill.url + "/v1/chat/completions", json=merged, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["kv_transfer"]["block_hashes"] == to_hex(hashes)
+    assert TokenKeyer.from_dir(str(tiny_llama), 16).keys("/v1/chat/completions", merged) == (hashes, tokens)
 
 
 def test_prefill_and_decode_roles_need_a_kv_tier(tiny_llama: Path) -> None:

@@ -196,7 +196,10 @@ def test_values_ferry_cannot_honour_stop_the_start(capsys) -> None:
         ("--guided-decoding-backend", "nope:no-fallback"): "structured-output backend 'nope' is not one of",
         ("--structured-outputs-config", "xgrammar"): "--structured-outputs-config must be a JSON object",
         ("--default-chat-template-kwargs", "[1]"): "--default-chat-template-kwargs must be a JSON object",
-        ("--default-chat-template-kwargs", '{"tools": []}'): "must not set tools",
+        (
+            "--default-chat-template-kwargs",
+            '{"add_generation_prompt": false}',
+        ): "must not set add_generation_prompt",
         ("--h11-max-incomplete-event-size", "0"): "--h11-max-incomplete-event-size must be positive",
         ("--header-timeout", "nan"): "--header-timeout must be positive, got nan",
     }
