@@ -22,8 +22,10 @@ and the restores', run one at a time (``_serial``), so each replica ends as the 
 operation left it; a restore's load refused because the replica holds the adapter from the same
 path by then (another router restored it first) is done, not failed. Nothing here is persisted: a
 restarted router, or another router in front of the same replicas, learns the adapters the
-replicas list (``router/lora_learn.py``: adoption, another party's loads and unloads, conflicting
-paths). This module must never import torch.
+replicas list (``router/lora_learn.py``: adoption, which owes an adopted adapter to the replicas
+lacking it (``owe``), another party's loads and unloads, conflicting paths); a restore's load of an
+adopted adapter reads a replica that listed it first (``_witness``), so one another router unloaded
+meanwhile is not loaded back. This module must never import torch.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import TYPE_CHECKING, Any
 
 from engine.keyed_locks import KeyedLocks
@@ -224,6 +226,11 @@ class LoraAdmin:
             "mismatched": sorted(replica.lora_mismatch),
         }
 
+    def owe(self, replicas: Iterable[Replica]) -> None:
+        """Bring ``replicas`` to what the router remembers at their next good probe (an adapter it
+        adopted, an unload it took back: router/lora_learn.py), with the restore's backoff."""
+        self._pending.update(replicas)
+
     def _left(self, replica: Replica) -> None:
         self._pending.discard(replica)
         self._retry.pop(replica, None)
@@ -287,6 +294,9 @@ class LoraAdmin:
                     return False
                 roots = {m["id"]: m.get("root") for m in listed}
             path = self.adapters.get(name) if self.learn.owes(replica, name) else None
+            if path is not None and roots.get(name) != path and name in self.learn.adopted:
+                await self._witness(replica, name, path, timeout)
+                path = self.adapters.get(name) if self.learn.owes(replica, name) else None
             if path is not None:
                 if roots.get(name) == path:
                     return True
@@ -310,6 +320,8 @@ class LoraAdmin:
                     replica.lora_unloads.discard(name)
         if status == 200:
             log.info("LoRA adapter %r %s replica %s, which missed it", name, op, replica.url)
+            if path is not None:
+                self.learn.place(replica, name)
             return True
         self._failures.labels("restore").inc()
         log.warning(
@@ -322,6 +334,16 @@ class LoraAdmin:
             text[:200],
         )
         return name not in self.adapters and name not in replica.lora_unloads
+
+    async def _witness(self, replica: Replica, name: str, path: str, timeout: float) -> None:
+        """Before loading adopted adapter ``name`` onto ``replica``, read a replica that listed it: if
+        another router unloaded it meanwhile, that read shows it (router/lora_learn.py) and it is not
+        loaded back."""
+        for other in list(self.app.replicas):
+            seen = other.lora_seen
+            if other is not replica and seen is not None and seen.get(name) == path:
+                if await self._read(other, timeout) is not None:
+                    return
 
     async def _holds(self, replica: Replica, name: str, path: str, timeout: float) -> bool:
         """Whether ``replica`` lists adapter ``name`` from ``path`` now."""

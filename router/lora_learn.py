@@ -18,16 +18,28 @@ one with a ``parent`` (the base model) and a ``root`` (the path it was loaded fr
   router's own successful sends update the snapshot themselves.
 * *Adoption.* An adapter a replica lists that the router does not know is adopted (name -> path;
   ``origin`` ``adopted`` in ``GET /admin/replicas``) and restored like one loaded through the
-  router onto replicas that join or restart after that, unless: this router's last word on the
-  name was an unload (``unloaded``: a client's through it, or another party's it saw) and no load
-  was seen since; the replica is owed that name's unload (``Replica.lora_unloads``); another
-  replica lists the name under a different path; or the replica serves it as its ``--lora-modules``
-  named it (a ferry card's ``lora_preloaded``): those come with the flag on every replica started
-  with it, and loading them onto one started without it would undo a deliberate choice (or fail
-  over and over where runtime loading is off). vLLM's cards do not tell them apart: a vLLM
-  replica's ``--lora-modules`` adapters are adopted. The replicas the router has when it adopts an
-  adapter and that do not list it are not given it (``adopted``), until they restart: the router
-  cannot tell a load they missed from an unload it did not see.
+  router, unless: this router's last word on the name was an unload (a tombstone,
+  ``router/lora_tombstones.py``: a client's through it, or another party's it saw) and no load was
+  seen since; the replica is owed that name's unload (``Replica.lora_unloads``); another replica
+  lists the name under a different path; or the replica serves it as its ``--lora-modules`` named it
+  (a ferry card's ``lora_preloaded``): those come with the flag on every replica started with it,
+  and loading them onto one started without it would undo a deliberate choice (or fail over and
+  over where runtime loading is off). vLLM's cards do not tell them apart: a vLLM replica's
+  ``--lora-modules`` adapters are adopted. An adapter found on a replica's first read (this router
+  started, or the replica joined or restarted: one loaded by a router now gone, or one the replica
+  kept) is adopted as a load through the router would have been: every replica the router has that
+  does not list it is owed it, loaded at its next good probe (``LoraAdmin.owe``; the restore path,
+  its backoff and ``op="restore"`` failures). One seen being loaded onto a running replica (another
+  party's change) is followed, not spread: the replicas the router has that lack it are not given
+  it (``adopted``) until they restart. Its loader spreads it (a router fans it out and restores it
+  where that failed; a client that loaded it straight onto one replica chose that replica), and
+  loading it as well would race that fan-out (its client would hear a replica's "already loaded")
+  or bring back an adapter an unload crossed.
+* *An unload wins over adoption.* A restore's load of an adopted adapter first reads a replica that
+  listed it, and loads nothing if that read shows it gone (an unload through another router seen in
+  time). The replicas this router loaded an adopted adapter onto are remembered (``placed``): when
+  it sees the adapter unloaded elsewhere, it sends them the unload too, so a load that crossed
+  another router's unload is taken back rather than left there for the routers to adopt again.
 * *Conflict.* One name under two paths (on two replicas, or a replica that comes with another path
   than the one the router adopted) is not adopted, or no longer: it is logged, counted once
   (``ferry:router_lora_failures_total{op="adopt"}``) and shown under ``conflicts`` until the replicas
@@ -36,12 +48,17 @@ one with a ``parent`` (the base model) and a ``root`` (the path it was loaded fr
   from the first reads) every replica listing it may. An adapter loaded through this router is no
   conflict: the router loads its path over another one on a replica that joins or restarts.
 
-Limits: an adopted adapter reaches only replicas that join or restart after its adoption. Routers
-learn independently and only from the replicas each knows (each within ``MODELS_REFRESH_S`` and a
-probe of a change), so a replica that only one router knows can keep an adapter another router
-unloaded (unload it again through that router). A change made while a router is down is taken as
-adoption when it comes back, not as a change (an unload made then is invisible to it: the replicas
-no longer list the adapter). This module must never import torch.
+Limits: adoption cannot tell a replica that missed a load from one whose unload the router did not
+see, and takes the first (an adapter unloaded straight from some replicas only, while no router that
+reads them ran, is loaded back onto them when a router adopts it from another). An adapter whose
+loader stopped before it reached every replica reaches the rest only as they restart or when a
+router that finds it at a first read adopts it. A router that starts while another fans a load out
+may load the adapter onto a replica first, and that replica then answers the other's client that it
+is already loaded. Routers learn independently and only from the replicas each knows (each within
+``MODELS_REFRESH_S`` and a probe of a change), so a replica that only one router knows can keep an
+adapter another router unloaded (unload it again through that router). A change made while a
+router is down is taken as adoption when it comes back, not as a change (an unload made then is
+invisible to it: the replicas no longer list the adapter). This module must never import torch.
 """
 
 from __future__ import annotations
@@ -51,6 +68,7 @@ import logging
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from router.lora_tombstones import Tombstones
 from router.replica import Replica
 
 if TYPE_CHECKING:
@@ -74,10 +92,12 @@ class LoraLearner:
     def __init__(self, admin: LoraAdmin) -> None:
         self.admin = admin
         # Of admin.adapters, those learned from replicas (not loaded through here): name -> the
-        # replicas the router had when it adopted it that did not list it; those are not given it
-        # (a missed load cannot be told from another party's unload) until they restart.
+        # replicas not given it until they restart (those lacking it when another party's load of
+        # it was followed rather than spread).
         self.adopted: dict[str, set[Replica]] = {}
-        self.unloaded: set[str] = set()  # this router's last word on the name was an unload
+        # Adopted name -> the replicas this router loaded it onto: sent its unload when one is seen.
+        self.placed: dict[str, set[Replica]] = {}
+        self.tombstones = Tombstones(admin.app.clock)  # this router's last word on the name was an unload
         self.conflicts: dict[str, str | None] = {}  # name -> the path the router knew it by, if any
         self._failures = admin.app.metrics.lora_failures
 
@@ -86,14 +106,16 @@ class LoraLearner:
         """A client loaded ``name`` through this router."""
         self.admin.adapters[name] = path
         self.adopted.pop(name, None)
-        self.unloaded.discard(name)
+        self.placed.pop(name, None)
+        self.tombstones.discard(name)
         self.conflicts.pop(name, None)
 
     def unloaded_here(self, name: str) -> None:
         """A client unloaded ``name`` through this router: not adopted again until a load is seen."""
         self.admin.adapters.pop(name, None)
         self.adopted.pop(name, None)
-        self.unloaded.add(name)
+        self.placed.pop(name, None)  # the unload goes to every replica
+        self.tombstones.add(name, self.admin.app.replicas)
         self.conflicts.pop(name, None)
 
     def owes(self, replica: Replica, name: str) -> bool:
@@ -106,6 +128,13 @@ class LoraLearner:
         replica.lora_mismatch = set()
         for spared in self.adopted.values():
             spared.discard(replica)
+        for placed in self.placed.values():  # a restart drops what was loaded onto it
+            placed.discard(replica)
+
+    def place(self, replica: Replica, name: str) -> None:
+        """A restore loaded ``name`` onto ``replica``: taken back if it was adopted and an unload is seen."""
+        if name in self.adopted:
+            self.placed.setdefault(name, set()).add(replica)
 
     @contextlib.contextmanager
     def sending(self, replica: Replica) -> Iterator[None]:
@@ -149,6 +178,7 @@ class LoraLearner:
                 log.info("LoRA adapter %r: the replicas agree on its path again", name)
                 del self.conflicts[name]
         replica.lora_mismatch = {n for n, p in cards.items() if self._known(n) not in (None, p)}
+        self.tombstones.sweep(self.admin.app.replicas)
 
     def _changed_elsewhere(self, replica: Replica, name: str, before: str | None, after: str | None) -> None:
         adapters = self.admin.adapters
@@ -162,7 +192,8 @@ class LoraLearner:
                 )
                 adapters.pop(name)
                 self.adopted.pop(name, None)
-                self.unloaded.add(name)
+                self._take_back(name, replica)
+                self.tombstones.add(name, self.admin.app.replicas)
             return
         if adapters.get(name) == after:
             return
@@ -172,8 +203,9 @@ class LoraLearner:
             replica.url,
             after,
         )
-        self._adopt(name, after)
-        self.unloaded.discard(name)
+        # Its loader spreads it (module docstring): loading it too would race that fan-out.
+        self._adopt(name, after, spread=False)
+        self.tombstones.discard(name)
         self.conflicts.pop(name, None)
 
     def _consider(self, replica: Replica, name: str, path: str, preloaded: bool) -> None:
@@ -181,7 +213,7 @@ class LoraLearner:
         known = self.admin.adapters.get(name)
         if known == path or (known is not None and name not in self.adopted):
             return  # the router's own word: a replica with another path gets it at its restore
-        if known is None and (preloaded or name in self.unloaded or name in replica.lora_unloads):
+        if known is None and (preloaded or name in self.tombstones or name in replica.lora_unloads):
             return
         if name in self.conflicts:
             return
@@ -190,7 +222,7 @@ class LoraLearner:
             if preloaded:
                 return
             log.info("LoRA adapter %r (%s) adopted from replica %s", name, path, replica.url)
-            self._adopt(name, path)
+            self._adopt(name, path, spread=True)
             return
         self.conflicts[name] = known
         self.admin.adapters.pop(name, None)
@@ -204,11 +236,29 @@ class LoraLearner:
             known or "it",
         )
 
-    def _adopt(self, name: str, path: str) -> None:
+    def _adopt(self, name: str, path: str, spread: bool) -> None:
+        """Restore ``name`` from ``path`` from now on; ``spread``: onto the replicas lacking it too."""
         self.admin.adapters[name] = path
-        self.adopted[name] = {
-            r for r in self.admin.app.replicas if r.lora_seen is None or r.lora_seen.get(name) != path
-        }
+        lacking = {r for r in self.admin.app.replicas if r.lora_seen is None or r.lora_seen.get(name) != path}
+        self.adopted[name] = set() if spread else lacking
+        if spread:
+            self.admin.owe(lacking)
+
+    def _take_back(self, name: str, seen_on: Replica) -> None:
+        """``name`` was seen unloaded from ``seen_on``: unload it from the replicas this router loaded
+        it onto (one load may have crossed the unload there)."""
+        placed = self.placed.pop(name, set())
+        placed.discard(seen_on)
+        placed.intersection_update(self.admin.app.replicas)
+        for r in placed:
+            r.lora_unloads.add(name)
+        if placed:
+            log.info(
+                "LoRA adapter %r: unloading it from the %d replica(s) this router loaded it onto too",
+                name,
+                len(placed),
+            )
+            self.admin.owe(placed)
 
     def _known(self, name: str) -> str | None:
         """The path the router knows ``name`` by (loaded, adopted, or the one before a conflict)."""
@@ -229,6 +279,6 @@ class LoraLearner:
                 n: {"path": adapters[n], "origin": "adopted" if n in self.adopted else "loaded"}
                 for n in sorted(adapters)
             },
-            "unloaded": sorted(self.unloaded),
+            "unloaded": self.tombstones.names(),
             "conflicts": {n: self._paths(n) for n in sorted(self.conflicts)},
         }

@@ -1,11 +1,14 @@
 """A router learns the LoRA adapters its replicas already serve (router/lora_learn.py): a router
-started after another one loaded an adapter adopts it and restores it onto a replica that joins;
-one name under two paths is not adopted and its mismatched replica gets no request for it; an
-unload is the last word (no router adopts or restores the adapter again); and two routers in front
-of the same replicas follow each other's loads and unloads instead of undoing them."""
+started after another one loaded an adapter adopts it, loads it onto the replicas it has that lack
+it, and restores it onto a replica that joins; one name under two paths is not adopted and its
+mismatched replica gets no request for it; an unload is the last word (no router adopts or restores
+the adapter again, a load of it that crossed the unload is taken back, and the names unloaded stay
+a bounded set); and two routers in front of the same replicas follow each other's loads and unloads
+instead of undoing them."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -13,6 +16,7 @@ import pytest
 from router_harness import Cluster, Proc, metric, replicas_view, wait_until
 
 from engine.demo import build_lora_adapter
+from router.lora_tombstones import TOMBSTONES_MAX
 
 LORA_FLAGS = ("--enable-lora", "--allow-runtime-lora-updating")
 LOAD, UNLOAD = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
@@ -173,3 +177,64 @@ def test_adapters_a_replica_was_started_with_are_not_adopted(
     _add(router, late)
     assert _cards(late) == {}
     assert _served(router, [flagged, late], "pre", 2) == {flagged.url: 2, late.url: 0}
+
+
+def test_an_adopted_adapter_is_loaded_onto_the_replicas_lacking_it(
+    cluster: Cluster, adapters: tuple[str, str]
+) -> None:
+    one, _ = adapters
+    holder, lacking, late = cluster.replicas(3, *LORA_FLAGS)  # late: added to the router at the end
+    # Loaded onto one replica by a router now gone (straight onto it here), missed by the other.
+    assert _post(holder.url, LOAD, {"lora_name": "spread", "lora_path": one}).status_code == 200
+    router = cluster.router(
+        "--replica", holder.url, "--replica", lacking.url, "--policy", "round_robin", all_routable=True
+    )
+    assert wait_until(lambda: _cards(lacking) == {"spread": one}, 20)
+    assert _lora(router) == {
+        "adapters": {"spread": {"path": one, "origin": "adopted"}},
+        "unloaded": [],
+        "conflicts": {},
+    }
+    assert wait_until(lambda: all("spread" in v["models"] for v in replicas_view(router).values()), 30)
+    assert _served(router, [holder, lacking], "spread", 2) == {holder.url: 1, lacking.url: 1}
+    assert metric(router.url, FAILURES, {"op": "restore"}) == 0
+
+    # Unloaded from the replica it was adopted from (as by another router whose unload crossed this
+    # router's load onto the other one): the load is taken back, the unload wins.
+    assert _post(holder.url, UNLOAD, {"lora_name": "spread"}).status_code == 200
+    assert wait_until(lambda: _cards(lacking) == {}, 20)
+    assert _lora(router) == {"adapters": {}, "unloaded": ["spread"], "conflicts": {}}
+
+    # Loaded again there, then unloaded just before a replica joins: the joining replica's restore
+    # reads the replica it was adopted from first, sees it gone and loads nothing.
+    assert _post(holder.url, LOAD, {"lora_name": "spread", "lora_path": one}).status_code == 200
+    assert wait_until(lambda: _lora(router)["adapters"] == {"spread": {"path": one, "origin": "adopted"}}, 20)
+    assert _post(holder.url, UNLOAD, {"lora_name": "spread"}).status_code == 200
+    _add(router, late)
+    assert _cards(late) == {}
+    assert _lora(router) == {"adapters": {}, "unloaded": ["spread"], "conflicts": {}}
+    assert all(_cards(p) == {} for p in (holder, lacking, late))
+    assert metric(router.url, FAILURES, {"op": "restore"}) == 0
+
+
+def test_unloaded_names_are_a_bounded_set_that_keeps_those_a_replica_still_holds(
+    cluster: Cluster, adapters: tuple[str, str]
+) -> None:
+    one, _ = adapters
+    first, stale = cluster.replicas(2, *LORA_FLAGS)
+    router = cluster.router("--replica", first.url, all_routable=True)
+    assert _post(router.url, UNLOAD, {"lora_name": "held"}).status_code == 404  # no replica had it
+    # A replica that missed the unload joins holding it: not adopted, and it keeps the name unloaded.
+    assert _post(stale.url, LOAD, {"lora_name": "held", "lora_path": one}).status_code == 200
+    _add(router, stale)
+    assert wait_until(lambda: "held" in replicas_view(router)[stale.url]["models"], 30)
+    names = [f"gone-{i:03d}" for i in range(TOMBSTONES_MAX)]
+    assert _post(router.url, UNLOAD, {"lora_name": names[0]}).status_code == 404
+    with ThreadPoolExecutor(8) as pool:  # the rest in any order: they are newer than names[0]
+        statuses = list(
+            pool.map(lambda n: _post(router.url, UNLOAD, {"lora_name": n}).status_code, names[1:])
+        )
+    assert statuses == [404] * (TOMBSTONES_MAX - 1)
+    # One name too many: the oldest that no replica holds is forgotten, not "held", older still.
+    assert _lora(router) == {"adapters": {}, "unloaded": [*names[1:], "held"], "conflicts": {}}
+    assert _cards(stale) == {"held": one} and _cards(first) == {}
