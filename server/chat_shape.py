@@ -11,6 +11,7 @@ from server.reasoning_parsers import ReasoningSplitter
 from server.tools import ChoiceTools, ToolPlan
 
 Piece = tuple[str, list[DeltaToolCall]]  # content, then the calls that follow it
+Step = tuple[str, str, list[DeltaToolCall]]  # reasoning, then content, then the calls that follow it
 
 
 @dataclass
@@ -18,29 +19,43 @@ class Shaped:
     reasoning: str = ""
     content: str = ""
     tool_calls: list[DeltaToolCall] = field(default_factory=list)
-    # The delta in the order written when text follows a call in it (several tokens at once):
-    # ``content`` and ``tool_calls`` are its pieces joined. Empty when it is one piece.
-    order: list[Piece] = field(default_factory=list)
+    # The delta in the order written when text follows a call in it, or reasoning follows content
+    # (harmony's channels; several tokens at once): ``reasoning``, ``content`` and ``tool_calls``
+    # are its steps joined. Empty when it is one step.
+    order: list[Step] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.reasoning or self.content or self.tool_calls)
 
     @classmethod
     def of(cls, reasoning: str, pieces: list[Piece]) -> Shaped:
-        content = "".join(text for text, _ in pieces)
-        calls = [call for _, calls in pieces for call in calls]
-        return cls(reasoning, content, calls, pieces if len(pieces) > 1 else [])
+        """Reasoning, then ``pieces``."""
+        return cls.of_steps([(reasoning, *pieces[0]), *(("", *piece) for piece in pieces[1:])])
+
+    @classmethod
+    def of_steps(cls, steps: list[Step]) -> Shaped:
+        reasoning = "".join(thought for thought, _, _ in steps)
+        content = "".join(text for _, text, _ in steps)
+        calls = [call for _, _, calls in steps for call in calls]
+        return cls(reasoning, content, calls, steps if len(steps) > 1 else [])
+
+    def steps(self) -> list[Step]:
+        return self.order or [(self.reasoning, self.content, self.tool_calls)]
 
     def pieces(self) -> list[Piece]:
-        return self.order or [(self.content, self.tool_calls)]
+        """Content and calls in the order written (the reasoning left out)."""
+        return [(text, calls) for _, text, calls in self.steps()]
 
     def then(self, other: Shaped) -> Shaped:
         """This delta and ``other`` after it, as one."""
-        pieces, more = self.pieces(), other.pieces()
-        (text, calls), (next_text, next_calls) = pieces[-1], more[0]
-        if not calls or not next_text:  # one piece still: no text comes after a call
-            pieces, more = [*pieces[:-1], (text + next_text, calls + next_calls)], more[1:]
-        return Shaped.of(self.reasoning + other.reasoning, [*pieces, *more])
+        steps, more = self.steps(), other.steps()
+        (thought, text, calls), (next_thought, next_text, next_calls) = steps[-1], more[0]
+        # One step still while nothing comes after what it may not follow: reasoning after content
+        # or a call, text after a call.
+        if (not next_thought or not (text or calls)) and (not next_text or not calls):
+            joined = (thought + next_thought, text + next_text, calls + next_calls)
+            steps, more = [*steps[:-1], joined], more[1:]
+        return Shaped.of_steps([*steps, *more])
 
 
 class ChoiceShaper:
@@ -60,8 +75,12 @@ class ChoiceShaper:
         return self.tools is not None and self.tools.capped
 
     def feed(self, text: str) -> Shaped:
-        reasoning, content = self.splitter.feed(text) if self.splitter is not None else ("", text)
-        return self._content(reasoning, content)
+        if self.splitter is None:
+            return self._content("", text)
+        out = Shaped()
+        for reasoning, content in self.splitter.pieces(text):  # reasoning may follow content (harmony)
+            out = out.then(self._content(reasoning, content))
+        return out
 
     def finish(self) -> Shaped:
         reasoning, content = self.splitter.finish() if self.splitter is not None else ("", "")

@@ -36,6 +36,7 @@ from server.serving_common import (
 )
 from server.state import ServerState
 from server.streaming import DONE_FRAME, FinalFrames, sse_frame
+from server.token_deltas import one_token_each
 from server.tools import ToolPlan, tool_finish_reason
 
 
@@ -119,8 +120,13 @@ async def stream_chunks(
     # The role chunks go out with the first output, as vLLM sends them: the request reaches the
     # engine before its stream writes anything (SSEResponse's hold_start).
     opening = True
+    merged = state.generation.merged(request_id, seqs, arrival, ticket)
+    if shapers is not None and req.logprobs:
+        # Each token's logprob goes with its own text (reasoning, content or a call), however many
+        # tokens a delta holds: the chunks are a token's each, as read as fast as they came.
+        merged = one_token_each(state.tokenizer, seqs, merged)
     # Closed when the loop ends, also by a break (a capped answer): that aborts the engine request now.
-    async with contextlib.aclosing(state.generation.merged(request_id, seqs, arrival, ticket)) as outs:
+    async with contextlib.aclosing(merged) as outs:
         async for seq, out in outs:
             if opening:
                 opening = False
@@ -166,16 +172,15 @@ async def stream_chunks(
                     ended = True
                 # Text that follows a call in this delta goes in a chunk after the call's, so a
                 # client (the Responses stream's items) sees the order the model wrote them in.
-                *earlier, (text, calls) = shaped.pieces()
-                reasoning = shaped.reasoning or None
-                for content, done in earlier:
+                # Reasoning that follows content (harmony's channels) likewise.
+                *earlier, (reasoning, text, calls) = shaped.steps()
+                for thought, content, done in earlier:
                     piece = DeltaMessage(
-                        content=content or None, reasoning_content=reasoning, tool_calls=done
+                        content=content or None, reasoning_content=thought or None, tool_calls=done or None
                     )
                     yield chunk(ChatStreamChoice(index=seq.choice_index, delta=piece))
-                    reasoning = None
                 delta = DeltaMessage(
-                    content=text or None, reasoning_content=reasoning, tool_calls=calls or None
+                    content=text or None, reasoning_content=reasoning or None, tool_calls=calls or None
                 )
             if (
                 not (text or delta.reasoning_content or delta.tool_calls)

@@ -76,6 +76,12 @@ class ReasoningSplitter:
         reasoning, self.pending = self.pending[:cut], self.pending[cut:]
         return reasoning, ""
 
+    def pieces(self, text: str) -> list[tuple[str, str]]:
+        """``feed``'s (reasoning, content) as the pieces written, each piece's reasoning before its
+        content: more than one where reasoning follows content in ``text`` (only harmony's channels
+        can, so here it is ``feed``'s result)."""
+        return [self.feed(text)]
+
     def _content(self, text: str) -> str:
         if self.trim:
             text = text.lstrip("\n")
@@ -136,11 +142,22 @@ class HarmonySplitter(ReasoningSplitter):
         self.destination = "content"  # where the open body goes: reasoning, content or call
 
     def feed(self, text: str) -> tuple[str, str]:
+        pieces = self.pieces(text)
+        return "".join(r for r, _ in pieces), "".join(c for _, c in pieces)
+
+    def pieces(self, text: str) -> list[tuple[str, str]]:
         if self.plain:
-            return "", text
+            return [("", text)]
         self.pending += text
-        reasoning: list[str] = []
-        content: list[str] = []
+        pieces: list[tuple[list[str], list[str]]] = [([], [])]  # each: reasoning, then content
+
+        def add(reasoning: bool, part: str) -> None:
+            if not part:
+                return
+            if reasoning and pieces[-1][1]:  # a thought after content: a new piece
+                pieces.append(([], []))
+            pieces[-1][0 if reasoning else 1].append(part)
+
         while self.pending:
             if not self.in_body:
                 at = self.pending.find(_MESSAGE)
@@ -148,24 +165,24 @@ class HarmonySplitter(ReasoningSplitter):
                     head = self.pending.lstrip()
                     if head and not any(m.startswith(head[: len(m)]) for m in _HEADER_STARTS):
                         self.plain, text, self.pending = True, self.pending, ""
-                        content.append(text)
+                        add(False, text)
                     break
                 header, self.pending = self.pending[:at], self.pending[at + len(_MESSAGE) :]
                 self.destination, opening = _route(header)
-                content.append(opening)
+                add(False, opening)
                 self.in_body = True
                 continue
             at = self.pending.find(_END)
             body_end = at if at >= 0 else len(self.pending) - held_prefix(self.pending, _END)
             body, self.pending = self.pending[:body_end], self.pending[body_end:]
-            (reasoning if self.destination == "reasoning" else content).append(body)
+            add(self.destination == "reasoning", body)
             if at < 0:
                 break
             self.pending = self.pending[len(_END) :]
             self.in_body = False
             if self.destination == "call":
-                content.append(_CALL)
-        return "".join(reasoning), "".join(content)
+                add(False, _CALL)
+        return [("".join(reasoning), "".join(content)) for reasoning, content in pieces]
 
     def finish(self) -> tuple[str, str]:
         text, self.pending = self.pending, ""

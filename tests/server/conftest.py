@@ -19,10 +19,13 @@ import sys
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 import uvicorn
+
+from engine.outputs import merge_deltas
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -225,3 +228,34 @@ def server_process() -> type[ServerProcess]:
 @pytest.fixture(scope="session")
 def serve_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("serve-logs")
+
+
+@pytest.fixture
+def fold_deltas(monkeypatch):
+    """``fold_deltas(engine, size)``: from now on (for the test) the engine's outputs of each request
+    reach the server ``size`` deltas folded into one (None: the whole answer in one delta; 0: as the
+    engine gives them, undoing an earlier fold), as ``merge_pending`` folds them for a consumer
+    slower than the engine (a slow client's stream). The engine itself runs as ever: only how its
+    outputs are batched changes."""
+
+    originals: dict[int, Any] = {}
+
+    def fold(engine, size: int | None = None) -> None:
+        generate = originals.setdefault(id(engine), engine.generate)
+        if size == 0:
+            monkeypatch.setattr(engine, "generate", generate)
+            return
+
+        async def folded(*args, **kwargs):
+            held, count = None, 0
+            async for out in generate(*args, **kwargs):
+                held, count = (out if held is None else merge_deltas(held, out)), count + 1
+                if count == size:
+                    yield held
+                    held, count = None, 0
+            if held is not None:
+                yield held
+
+        monkeypatch.setattr(engine, "generate", folded)
+
+    return fold

@@ -20,7 +20,6 @@ import pytest
 import server.serving_responses as serving_responses
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.outputs import merge_deltas
 from server.app import build_app
 from server.config import ServerConfig
 from server.protocol import StructuredOutputsField
@@ -101,19 +100,10 @@ async def test_streamed_and_whole_output_agree_when_text_follows_a_call(engine, 
 
 
 @pytest.fixture
-def one_delta(engine, monkeypatch) -> None:
+def one_delta(engine, fold_deltas) -> None:
     """The engine's outputs of each request folded into one delta, as a slow client's stream gets
     them (``merge_pending``): the tool parser sees the whole answer at once."""
-    generate = engine.generate
-
-    async def folded(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
-        held = None
-        async for out in generate(*args, **kwargs):
-            held = out if held is None else merge_deltas(held, out)
-        if held is not None:
-            yield held
-
-    monkeypatch.setattr(engine, "generate", folded)
+    fold_deltas(engine)
 
 
 async def test_an_answer_in_one_delta_keeps_text_after_its_call(
