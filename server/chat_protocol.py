@@ -257,3 +257,8 @@ class ChatCompletionChunk(_Response):
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = Field(default=None, exclude_if=_omit_none)
     kv_transfer: KVTransferResult | None = Field(default=None, exclude_if=_omit_none)
+    # Not sent: another chunk of the same engine output follows at once (text after a tool call in
+    # one delta). The SSE writer sends them in one write, so a client (a router that resumes a
+    # stream from the token ids it saw, which ride on the output's last chunk) never gets one
+    # without the rest.
+    continued: bool = Field(default=False, exclude=True)

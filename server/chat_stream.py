@@ -62,6 +62,9 @@ async def sse_frames(chunks: AsyncIterator[ChatCompletionChunk], num_choices: in
                 produced = True
                 unfinished -= sum(1 for choice in c.choices if choice.finish_reason is not None)
                 frame = tail + sse_frame(c.model_dump_json())
+                if c.continued:  # its output's next chunk follows at once: one write for both
+                    tail = frame
+                    continue
                 if unfinished > 0:
                     tail = b""
                     yield frame
@@ -178,7 +181,9 @@ async def stream_chunks(
                     piece = DeltaMessage(
                         content=content or None, reasoning_content=thought or None, tool_calls=done or None
                     )
-                    yield chunk(ChatStreamChoice(index=seq.choice_index, delta=piece))
+                    early = chunk(ChatStreamChoice(index=seq.choice_index, delta=piece))
+                    early.continued = True
+                    yield early
                 delta = DeltaMessage(
                     content=text or None, reasoning_content=reasoning or None, tool_calls=calls or None
                 )

@@ -21,6 +21,8 @@ import server.serving_responses as serving_responses
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from server.app import build_app
+from server.chat_protocol import ChatCompletionChunk, ChatStreamChoice, DeltaMessage
+from server.chat_stream import sse_frames
 from server.config import ServerConfig
 from server.protocol import StructuredOutputsField
 
@@ -146,3 +148,31 @@ async def test_an_answer_in_one_delta_keeps_text_after_its_call(
     ]
     assert shown == [("Hello ", ["f"]), (" after", ["g"])]
     assert [c["finish_reason"] for c in chunks] == [None, None, "tool_calls"]
+
+
+async def test_chunks_of_one_output_leave_in_one_write() -> None:
+    """A chunk marked ``continued`` (text after a call, in one engine output) goes out with the
+    next: a router resuming from the token ids on an output's last chunk never has the text of an
+    earlier one without them."""
+
+    def chunk(content: str, finish: str | None = None, continued: bool = False) -> ChatCompletionChunk:
+        choice = ChatStreamChoice(index=0, delta=DeltaMessage(content=content), finish_reason=finish)
+        c = ChatCompletionChunk(id="c", created=0, model="m", choices=[choice])
+        c.continued = continued
+        return c
+
+    async def chunks() -> AsyncIterator[ChatCompletionChunk]:
+        for c in [chunk("a"), chunk("b", continued=True), chunk("c"), chunk("d", "stop")]:
+            yield c
+
+    frames = [bytes(f) async for f in sse_frames(chunks(), 1)]
+    contents = [
+        [
+            json.loads(line[6:])["choices"][0]["delta"]["content"]
+            for line in f.decode().split("\n\n")
+            if line.startswith("data: {")
+        ]
+        for f in frames
+    ]
+    assert contents == [["a"], ["b", "c"], ["d"]]
+    assert b"continued" not in b"".join(frames)
