@@ -41,7 +41,7 @@ from kvcache.keys import DIGEST_SIZE, block_hashes, image_source_digest, salt_ex
 from router.reuse_encoder import ReuseEncoder
 from server.anthropic_protocol import MessagesRequest
 from server.chat_defaults import ChatDefaults
-from server.responses_input import chat_messages, chat_tools
+from server.responses_input import chat_messages, chat_tools, continues_final_message
 
 logger = logging.getLogger("ferry.router")
 
@@ -111,6 +111,10 @@ def responses_as_chat(body: dict[str, Any]) -> dict[str, Any]:
         "tools": tools,
         "tool_choice": choice,
         "reasoning_effort": reasoning.get("effort") if isinstance(reasoning, dict) else None,
+        "add_generation_prompt": not continues_final_message(body["input"]),
+        "continue_final_message": continues_final_message(body["input"]),
+        # vLLM's template variables, merged with the replica's defaults as a chat request's are
+        "chat_template_kwargs": body.get("chat_template_kwargs"),
     }
 
 

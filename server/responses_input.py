@@ -159,6 +159,20 @@ def chat_messages(instructions: Any, input_: Any, images: bool = False) -> list[
 _ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 
 
+def continues_final_message(input_: Any) -> bool:
+    """vLLM's partial answer: an ``input`` whose last item is an assistant message still
+    ``in_progress`` or ``incomplete`` (a response cut at ``max_output_tokens``, sent back) is
+    continued, as chat's ``continue_final_message``, rather than answered by a new turn."""
+    if not isinstance(input_, list) or not input_ or not isinstance(input_[-1], dict):
+        return False
+    last = input_[-1]
+    return (
+        last.get("type", "message") == "message"
+        and last.get("role") == "assistant"
+        and last.get("status") in ("in_progress", "incomplete")
+    )
+
+
 def input_items(input_: Any) -> list[dict[str, Any]]:
     """A request's ``input`` as the items a stored response keeps (and ``input_items`` lists): a
     string becomes a user message; messages get an ``id`` and their text as content parts, as
@@ -176,11 +190,23 @@ def input_items(input_: Any) -> list[dict[str, Any]]:
         if not isinstance(kind, str):
             continue  # not an item (chat_messages says so)
         item.setdefault("id", f"{_ID_PREFIX.get(kind, 'item')}_{uuid.uuid4().hex}")
-        if kind == "message":
+        if kind in ("message", "function_call", "function_call_output"):
+            # OpenAI's listed items carry a status (its SDK's types require it on calls and outputs)
             item.setdefault("status", "completed")
+        if kind == "message":
             if isinstance(item.get("content"), str):
                 part = "output_text" if item.get("role") == "assistant" else "input_text"
                 item["content"] = [{"type": part, "text": item["content"]}]
+            if isinstance(item.get("content"), list):
+                # An assistant's output_text part as OpenAI lists it: with its (here empty) annotations.
+                item["content"] = [
+                    {**part, "annotations": []}
+                    if isinstance(part, dict)
+                    and part.get("type") == "output_text"
+                    and "annotations" not in part
+                    else part
+                    for part in item["content"]
+                ]
         items.append(item)
     return items
 

@@ -17,6 +17,39 @@ from server.responses_protocol import ResponsesRequest
 
 Status = Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
 
+# The codes OpenAI's response ``error`` may carry (its SDKs type the field as these alone). This
+# server's own codes for a failed generation (``request_timeout``, ``internal_error``...) are
+# ``server_error`` there, the code kept as the error's ``type``; the stream's ``error`` event, whose
+# code is free text, carries it as it is.
+_ERROR_CODES = frozenset(
+    {
+        "server_error",
+        "rate_limit_exceeded",
+        "invalid_prompt",
+        "vector_store_timeout",
+        "invalid_image",
+        "invalid_image_format",
+        "invalid_base64_image",
+        "invalid_image_url",
+        "image_too_large",
+        "image_too_small",
+        "image_parse_error",
+        "image_content_policy_violation",
+        "invalid_image_mode",
+        "image_file_too_large",
+        "unsupported_image_media_type",
+        "empty_image_file",
+        "failed_to_download_image",
+        "image_file_not_found",
+    }
+)
+
+
+def _openai_error(error: dict[str, Any] | None) -> dict[str, Any] | None:
+    if error is None or error.get("code") in _ERROR_CODES:
+        return error
+    return {**error, "code": "server_error", "type": error.get("code")}
+
 
 class _Response:
     """The Responses object being built (one per request)."""
@@ -42,6 +75,7 @@ class _Response:
         self.usage: dict[str, Any] | None = None
         self.background = req.background
         self.status: Status = "queued" if req.background else "in_progress"
+        self.completed_at: int | None = None  # OpenAI's: set once the response is completed
         self.error: dict[str, str] | None = None
         self.incomplete: dict[str, str] | None = None
         # How a background response was stopped before its end (status, error), set by
@@ -60,6 +94,7 @@ class _Response:
             self.status, self.incomplete = "incomplete", {"reason": "max_output_tokens"}
         else:
             self.status = "completed"
+            self.completed_at = int(time.time())
 
     def set_usage(self, usage: dict[str, Any], reasoning_tokens: int = 0) -> None:
         details = usage.get("prompt_tokens_details") or {}
@@ -84,7 +119,8 @@ class _Response:
             "created_at": self.created_at,
             "status": self.status,
             "background": self.background,
-            "error": self.error,
+            "completed_at": self.completed_at,
+            "error": _openai_error(self.error),
             "incomplete_details": self.incomplete,
             "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens,
@@ -93,16 +129,20 @@ class _Response:
             "output": self.output,
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": req.previous_response_id,
+            "prompt_cache_key": req.prompt_cache_key,
+            "prompt_cache_retention": req.prompt_cache_retention,
             "reasoning": req.reasoning.model_dump() if req.reasoning is not None else None,  # as given
+            "safety_identifier": req.safety_identifier,
+            "service_tier": "default",  # the tier that served it, as OpenAI's answers name it
             "store": self.store,
             "temperature": req.temperature
             if req.temperature is not None
             else self.defaults.get("temperature", 1.0),
-            "text": req.text or {"format": {"type": "text"}},
+            "text": {"format": {"type": "text"}, **(req.text or {})},  # a text without format is text
             "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
             "tools": req.tools or [],
             "top_p": req.top_p if req.top_p is not None else self.defaults.get("top_p", 1.0),
-            "top_logprobs": req.top_logprobs,
+            "top_logprobs": req.top_logprobs if req.top_logprobs is not None else 0,
             "truncation": req.truncation or "disabled",
             "usage": self.usage,
             "user": req.user,

@@ -8,7 +8,7 @@ Its own module so that the modules that take a request (``server/responses_to_ch
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
@@ -52,7 +52,10 @@ class ResponsesRequest(_Request):
     background: StrictBool = False
     include: list[StrictStr] | None = None
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
-    metadata: dict[str, StrictStr] | None = None
+    # OpenAI's bounds: 16 pairs, keys of at most 64 characters, values of at most 512 (a 400 past them).
+    metadata: (
+        dict[Annotated[str, Field(max_length=64)], Annotated[StrictStr, Field(max_length=512)]] | None
+    ) = Field(default=None, max_length=16)
     user: StrictStr | None = None
     reasoning: ResponsesReasoning | None = None
     # At most this many function calls in the output: the answer stops at the cap (``server/tools.py``).
@@ -67,7 +70,19 @@ class ResponsesRequest(_Request):
     prompt: Any = None
     # vLLM's structured outputs extra, as on the chat endpoint (not with ``text.format``)
     structured_outputs: Any = None
+    # vLLM's: variables for the chat template, merged as on the chat endpoint (``reasoning.effort``
+    # wins over their own ``reasoning_effort``, as a chat request's field does).
+    chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's, echoed on the response and changing nothing here: every request is served alike (the
+    # tier that served it is "default"), the prefix cache is keyed by the prompt itself (the router
+    # keeps a ``prompt_cache_key``'s requests on one replica, ``router/proxy_route.py``).
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    prompt_cache_key: StrictStr | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    safety_identifier: StrictStr | None = None
     # vLLM-compatible sampling extras, carried over to the chat request (validated there)
+    skip_special_tokens: Any = None
+    include_stop_str_in_output: Any = None
     seed: Any = None
     top_k: Any = None
     min_p: Any = None

@@ -1,7 +1,8 @@
 """A Responses request as the chat request that answers it (``to_chat_request``): ``input`` items
 to messages, ``instructions`` to a system message, flat function tools to chat tools,
 ``text.format`` to ``response_format``, ``max_output_tokens`` to ``max_completion_tokens``,
-``reasoning.effort`` to ``reasoning_effort``, vLLM's sampling extras carried over; the fields this
+``reasoning.effort`` to ``reasoning_effort``, vLLM's ``chat_template_kwargs`` and sampling extras
+carried over, a partial assistant message last in the input continued (vLLM's); the fields this
 server cannot honour (``conversation``, ``prompt``, an unknown ``include``) are a 400 here.
 
 Split from ``server/serving_responses.py``, which serves the chat request; an error in the chat
@@ -16,7 +17,7 @@ from pydantic import ValidationError
 
 from server.chat_protocol import ChatCompletionRequest
 from server.errors import bad_request, validation_error
-from server.responses_input import InputError, chat_messages, chat_tools
+from server.responses_input import InputError, chat_messages, chat_tools, continues_final_message
 from server.responses_protocol import INCLUDABLE, ResponsesRequest, wants_logprobs
 
 # The chat fields a Responses request's fields become (an error names the client's field).
@@ -29,6 +30,9 @@ CHAT_TO_RESPONSES = {
 }
 
 _EXTRAS = (
+    "chat_template_kwargs",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
     "seed",
     "top_k",
     "min_p",
@@ -114,6 +118,9 @@ def to_chat_request(
         "user": req.user,
         # The template's reasoning_effort, as a chat request's (gpt-oss's template writes it).
         "reasoning_effort": req.reasoning.effort if req.reasoning is not None else None,
+        # vLLM's: a partial assistant message last in the input is continued, not answered.
+        "add_generation_prompt": not continues_final_message(req.input),
+        "continue_final_message": continues_final_message(req.input),
         **{name: getattr(req, name) for name in _EXTRAS},
         # Every response runs as a chat stream: its chunks make the output items alike whether the
         # client streams or not (responses_stream.collect), and a background response's events

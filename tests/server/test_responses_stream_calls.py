@@ -161,8 +161,8 @@ def _order(stream_events: list) -> list[tuple[str, int | None]]:
 
 def _without_ids(response) -> dict[str, Any]:
     """A response as a client compares two answers: without what names this one (its id, creation
-    time, item and call ids)."""
-    body = response.model_dump(exclude={"id", "created_at"})
+    and completion times, item and call ids)."""
+    body = response.model_dump(exclude={"id", "created_at", "completed_at"})
     body["output"] = [
         {k: v for k, v in item.items() if k not in ("id", "call_id")} for item in body["output"]
     ]
