@@ -8,10 +8,11 @@ message (``Request``, ``RequestOutput``, ``EngineStats``), which is what crosses
 boundary when the loop runs in an engine process of its own (``server/engine_process.py``). A crash of the loop fails every in-flight request with ``EngineDeadError`` and marks the
 engine unhealthy; it never leaves a caller waiting forever.
 
-``AsyncEngine`` inherits four parts that live in files of their own: gathering a burst of arrivals
+``AsyncEngine`` inherits five parts that live in files of their own: gathering a burst of arrivals
 before an idle loop's first step (``announce``, engine/async_burst.py), a request's inputs prepared
 in worker threads before it is submitted (engine/async_prepare.py), the LoRA adapters served by
-name (engine/async_lora.py), and sleep mode and weight updates (engine/async_sleep.py).
+name (engine/async_lora.py), sleep mode and weight updates (engine/async_sleep.py), and the hand-over
+of outputs to the request streams (engine/async_streams.py, with the loop's command messages).
 """
 
 from __future__ import annotations
@@ -25,14 +26,14 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from engine.async_burst import BurstGathering
 from engine.async_lora import LoRAServing
 from engine.async_prepare import RequestPreparation
 from engine.async_sleep import Barrier, Lifecycle, SleepCommands, aborted_output
+from engine.async_streams import OutputDelivery, Sink, _Abort, _Add, _Command, _ResetPrefixCache, _Stream
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
 from engine.keyed_locks import KeyedLocks
@@ -41,7 +42,6 @@ from engine.lora_request import LoRARequest, ServedLoRA
 from engine.outputs import RequestOutput, merge_pending
 from engine.prompt_embeds import PreparedEmbeds
 from engine.sampling_params import SamplingParams
-from engine.sequence import Request
 from engine.stats import EngineStats, ModelInfo
 from engine.torch_threads import start_loop_thread
 
@@ -53,56 +53,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["AsyncEngine", "EngineDeadError"]
 
 
-Sink = Callable[[RequestOutput | BaseException], None]
-
-
-@dataclass(eq=False)
-class _Stream:
-    """Where a request's outputs go: its caller's ``sink``, on the caller's event loop, while it is
-    the request's current stream in ``streams`` (the engine's). No closure over itself: a request
-    leaves no reference cycle behind, so its objects go when it ends, not at the next collection
-    of the cyclic GC (which pauses every thread of the process)."""
-
-    loop: asyncio.AbstractEventLoop
-    sink: Sink
-    request_id: str
-    streams: dict[str, _Stream]
-
-    def deliver(self, out: RequestOutput | BaseException) -> None:
-        streams = self.streams
-        if streams.get(self.request_id) is not self:
-            return  # cancelled: nobody wants the rest
-        if isinstance(out, BaseException) or out.finished:
-            del streams[self.request_id]
-        self.sink(out)
-
-
-@dataclass
-class _Add:
-    request: Request
-    stream: _Stream  # added only while it is still the request's stream (not cancelled meanwhile)
-
-    @property
-    def loop(self) -> asyncio.AbstractEventLoop:  # the submitter's: an idle loop thread probes it
-        return self.stream.loop
-
-
-@dataclass
-class _Abort:
-    request_id: str
-    done: concurrent.futures.Future
-
-
-@dataclass
-class _ResetPrefixCache:
-    done: concurrent.futures.Future  # -> number of blocks dropped, or False while requests run
-    result: int | bool = False
-
-
-_Command = _Add | _Abort | _ResetPrefixCache | Lifecycle
-
-
-class AsyncEngine(SleepCommands, BurstGathering, LoRAServing, RequestPreparation):
+class AsyncEngine(SleepCommands, BurstGathering, LoRAServing, RequestPreparation, OutputDelivery):
     def __init__(self, config: EngineConfig | None = None, **options: Any) -> None:
         if config is None:
             config = EngineConfig.from_options(**options)
@@ -446,32 +397,3 @@ class AsyncEngine(SleepCommands, BurstGathering, LoRAServing, RequestPreparation
         out = engine.abort_request(cmd.request_id)
         if out is not None:
             self._deliver([out])
-
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """Hand a step's outputs over with one wake-up per event loop (not one per request): each
-        ``call_soon_threadsafe`` writes to the loop's wake-up pipe and contends for the GIL."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Sink, RequestOutput]]] = {}
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is not None:
-                by_loop.setdefault(stream.loop, []).append((stream.deliver, out))
-        for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_hand_over, items)
-
-    def _fail_all(self, error: BaseException) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Sink, BaseException]]] = {}
-        for stream in list(self._streams.values()):
-            by_loop.setdefault(stream.loop, []).append((stream.deliver, error))
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_hand_over, items)
-            except RuntimeError:
-                pass  # that event loop is closed: nobody is waiting
-
-
-def _hand_over(items: list[tuple[Sink, RequestOutput | BaseException]]) -> None:
-    for sink, out in items:
-        try:
-            sink(out)
-        except Exception:  # one consumer's bug must not starve the others of this step
-            logger.exception("an output sink failed")

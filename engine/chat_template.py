@@ -9,6 +9,7 @@ for templates that expect a string (as vLLM does).
 
 Every failure a client can cause (no template, a template that raises, content the template
 cannot take) is a ``ChatTemplateError`` (a ``ValueError``), which the server maps to HTTP 400.
+The sandboxed jinja2 environment itself (and ``ChatTemplateError``) is ``engine/chat_sandbox.py``.
 """
 
 from __future__ import annotations
@@ -16,44 +17,22 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Mapping, Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import jinja2
 import jinja2.ext
 import jinja2.nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from engine.chat_messages import IMAGE_PART_TYPES as IMAGE_PART_TYPES
-from engine.chat_messages import JsonArguments
 from engine.chat_messages import template_message as template_message
+from engine.chat_sandbox import _EXTENSIONS, ChatTemplateError, _compile_template, _plain
 
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 # Marks the end of the final message when it is to be continued; cut off after rendering. Its
 # trailing space tells whether the template trims the message (``| trim``): then the prompt ends
 # with the message's text stripped, as transformers (and so vLLM) end it.
 _CONTINUE_TAG = "\x00FERRY_CONTINUE_FINAL_MESSAGE\x00 "
-
-
-class GenerationTag(jinja2.ext.Extension):
-    """transformers' ``{% generation %}…{% endgeneration %}`` block, which marks the assistant's
-    text for training masks (TRL, NeMo templates): rendered as its body, in a scope of its own."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: Any) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.Scope(body, lineno=lineno)
-
-
-# The extensions transformers renders chat templates with (so every template it takes parses here).
-_EXTENSIONS = [jinja2.ext.loopcontrols, GenerationTag]
-
-
-class ChatTemplateError(ValueError):
-    """The chat template is missing or failed on these messages (a client error: HTTP 400)."""
 
 
 def flatten_content_parts(
@@ -145,27 +124,6 @@ def _is_content(node: jinja2.nodes.Node) -> bool:
     )
 
 
-def _plain(value: Any) -> Any:
-    """Rebuild what the template sees out of plain JSON types (templates are untrusted code)."""
-    if value is None or type(value) in (str, int, float, bool):
-        return value
-    if isinstance(value, str):
-        return str.__str__(value)
-    if isinstance(value, int):
-        return int.__int__(value)
-    if isinstance(value, float):
-        return float.__float__(value)
-    if isinstance(value, JsonArguments):
-        return JsonArguments(_plain(dict(value)), str.__str__(value.text))
-    if isinstance(value, Mapping):
-        return {_plain(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if callable(getattr(value, "model_dump", None)):
-        return _plain(value.model_dump())
-    return f"<{type(value).__name__}>"
-
-
 def _normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
     """As transformers does: plain dicts, ``None`` values dropped, reasoning under all its names."""
     out = []
@@ -178,32 +136,6 @@ def _normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
             message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
         out.append(message)
     return out
-
-
-def _compile_template(source: str) -> jinja2.Template:
-    def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(
-        x: Any,
-        ensure_ascii: bool = False,
-        indent: Any = None,
-        separators: Any = None,
-        sort_keys: bool = False,
-    ) -> str:
-        # Jinja's own tojson escapes HTML characters, which chat templates must not do.
-        return json.dumps(
-            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-        )
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=_EXTENSIONS)
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    try:
-        return env.from_string(source)
-    except jinja2.TemplateSyntaxError as e:
-        raise ChatTemplateError(f"the model's chat template does not parse: {e}") from e
 
 
 CONTENT_FORMATS = ("auto", "string", "openai")

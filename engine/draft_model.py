@@ -43,7 +43,7 @@ from engine.classifier import is_classifier
 from engine.models.config import ModelConfig, read_hf_config
 from engine.models.kv_scales import take_kv_scales
 from engine.models.loader import resolve_model_dir
-from engine.models.quantized import check_quantization
+from engine.models.quant_config import check_quantization
 from engine.models.registry import get_model_class
 from engine.ops import select_ops
 from engine.sequence import Request

@@ -16,7 +16,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from engine.json_schema_support import map_tag_schemas
+from engine.structural_tag_schemas import map_tag_schemas
 
 # The rule xgrammar writes for one character of a string with minLength / maxLength: it admits raw
 # control characters (invalid JSON, which a strict parser refuses: mlc-ai/xgrammar#800) and no escape.

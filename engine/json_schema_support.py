@@ -13,7 +13,8 @@ dropped. A keyword only counts where it can constrain the output: a string keywo
 
 xgrammar enforces no ``allOf`` of more than one member (and drops the keywords beside one), so a
 schema's ``allOf``s are merged before it is compiled (``engine/json_schema_merge.py``), and the
-merged schema is the one checked.
+merged schema is the one checked. JSON equality, type sets and ``$ref`` pointers, which both read
+schemas with, are ``engine/json_schema_values.py``.
 
 Pure functions of decoded JSON; never imports xgrammar (nor torch).
 """
@@ -21,12 +22,22 @@ Pure functions of decoded JSON; never imports xgrammar (nor torch).
 from __future__ import annotations
 
 import contextlib
-import json
 import re
-from collections.abc import Callable
 from fractions import Fraction
 from typing import Any
-from urllib.parse import unquote
+
+from engine.json_schema_values import (
+    Types,
+    _applies,
+    _deref,
+    _overlap,
+    _resolve,
+    _same,
+    _type_set,
+    _value_type,
+    _within,
+    value_key,
+)
 
 SHAPES = ("$ref", "const", "enum", "anyOf", "oneOf", "allOf")
 _FAMILIES = {
@@ -50,7 +61,6 @@ FORMATS = frozenset(
 # most this many integers.
 _MULTIPLE_OF_MAX, _MULTIPLE_OF_RANGE_MAX = 1024, 10000
 
-Types = frozenset[str]
 Problem = tuple[str, str]  # the keyword, why it is dropped ("" or " next to 'anyOf'", …)
 
 
@@ -71,46 +81,6 @@ def unenforced_keyword(schema: Any) -> str | None:
             return f"uses the JSON Schema keyword {found[0]!r}{found[1]}{where}"
         stack.extend(reversed(_children(node, path, default_type, schema)))
     return None
-
-
-def map_tag_schemas(tag: Any, fn: Callable[[Any], Any]) -> Any:
-    """A copy of structural tag ``tag`` (either format) with each JSON schema in it replaced by
-    ``fn`` of the decoded schema; a schema given as JSON text stays text."""
-    if isinstance(tag, list):
-        return [map_tag_schemas(item, fn) for item in tag]
-    if not isinstance(tag, dict):
-        return tag
-    schema_keys = (
-        ("json_schema", tag.get("type") in ("json_schema", "qwen_xml_parameter")),
-        ("schema", "begin" in tag),  # the older structures + triggers
-    )
-    for key, holds_schema in schema_keys:
-        if holds_schema and key in tag:
-            if not isinstance(tag[key], str):
-                return {**tag, key: fn(tag[key])}
-            try:
-                decoded = json.loads(tag[key])
-            except ValueError:  # not JSON: the compile says so
-                return tag
-            return {**tag, key: json.dumps(fn(decoded))}
-    return {k: map_tag_schemas(v, fn) for k, v in tag.items()}
-
-
-def tag_schemas(tag: Any) -> list[Any]:
-    """The JSON schemas inside a structural tag, in either of its formats."""
-    found, stack = [], [tag]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, list):
-            stack.extend(item)
-        elif isinstance(item, dict):
-            if item.get("type") in ("json_schema", "qwen_xml_parameter") and "json_schema" in item:
-                found.append(item["json_schema"])
-            elif "begin" in item and "schema" in item:  # the older structures + triggers
-                found.append(item["schema"])
-            else:
-                stack.extend(item.values())
-    return found
 
 
 def _children(
@@ -305,27 +275,6 @@ def _branch_types(node: dict, default_type: str | None) -> Types | None:
     return None
 
 
-def _type_set(declared: Any) -> Types | None:
-    if isinstance(declared, str):
-        return frozenset({declared})
-    if isinstance(declared, list) and all(isinstance(t, str) for t in declared):
-        return frozenset(declared)
-    return None
-
-
-def _applies(family: str, types: Types) -> bool:
-    """A keyword of ``family`` constrains values of one of these types."""
-    return family in types or (family == "number" and "integer" in types)
-
-
-def _within(types: Types, allowed: Types) -> bool:
-    return all(t in allowed or (t == "integer" and "number" in allowed) for t in types)
-
-
-def _overlap(a: Types, b: Types) -> bool:
-    return any(x == y or {x, y} <= {"integer", "number"} for x in a for y in b)
-
-
 def _types(node: Any, root: Any, depth: int = 0) -> Types | None:
     """The JSON types a schema's grammar can produce (None: any, or not worked out)."""
     node = _deref(node, root)
@@ -350,48 +299,6 @@ def _values(node: Any) -> list[Any] | None:
     if "const" in node:
         return [node["const"]]
     return node["enum"] if isinstance(node["enum"], list) else None
-
-
-def _value_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, (int, float)):
-        return "integer" if float(value).is_integer() else "number"
-    return {str: "string", list: "array"}.get(type(value), "object")
-
-
-def value_key(value: Any) -> Any:
-    """A hashable key of a decoded JSON value under JSON equality (``_same``): equal values, and
-    only they, have equal keys, so sets of values meet in linear time (an enum of thousands
-    against another was a pairwise comparison: seconds of Python holding the GIL)."""
-    if value is None:
-        return ("null",)
-    if isinstance(value, bool):
-        return ("bool", value)
-    if isinstance(value, (int, float)):
-        return ("number", value)  # 1 and 1.0 are equal and hash alike
-    if isinstance(value, str):
-        return ("string", value)
-    if isinstance(value, list):
-        return ("array", tuple(value_key(v) for v in value))
-    if isinstance(value, dict):
-        return ("object", frozenset((k, value_key(v)) for k, v in value.items()))
-    return ("other", repr(value))
-
-
-def _same(a: Any, b: Any) -> bool:
-    """JSON equality: 1 equals 1.0, true is not 1."""
-    if isinstance(a, bool) or isinstance(b, bool) or a is None or b is None:
-        return type(a) is type(b) and a == b
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-        return a == b
-    if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    return type(a) is type(b) and a == b
 
 
 def _value_meets(value: Any, keyword: str, arg: Any) -> bool:
@@ -453,35 +360,3 @@ def _disjoint(a: _Member, b: _Member) -> bool:
         key in b.required_values and keys.isdisjoint(b.required_values[key])
         for key, keys in a.required_values.items()
     )
-
-
-def _deref(node: Any, root: Any) -> Any:
-    """``node`` with its local ``$ref``s followed (as far as they resolve)."""
-    seen: set[str] = set()
-    while isinstance(node, dict) and isinstance(node.get("$ref"), str) and node["$ref"] not in seen:
-        seen.add(node["$ref"])
-        target = _resolve(root, node["$ref"])
-        if target is None:
-            return node
-        node = target
-    return node
-
-
-def _resolve(root: Any, ref: Any) -> Any:
-    """The schema a local JSON pointer (``#``, ``#/$defs/a``) names in ``root``; None if none."""
-    if ref == "#":
-        return root
-    if not isinstance(ref, str) or not ref.startswith("#/"):
-        return None
-    node = root
-    for part in ref[2:].split("/"):
-        if not part:
-            continue
-        part = unquote(part).replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return None
-    return node

@@ -1,46 +1,35 @@
-"""The offline API: ``LLM(model_dir, **engine_options).generate(prompts, params)``."""
+"""The offline API: ``LLM(model_dir, **engine_options).generate(prompts, params)``.
+
+``LLM`` inherits its pooling APIs (``embed``, ``classify``, ``score``) from ``engine/llm_pooling.py``;
+the prompt forms it accepts (vLLM's prompt dicts, ``ImagePrompt``) are ``engine/llm_prompts.py``.
+"""
 
 from __future__ import annotations
 
 import itertools
 import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from types import TracebackType
 from typing import Any
 
 from engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from engine.chat_template import template_message
-from engine.classifier import ClassifierInfo, pair_prompt
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.llm_pooling import LLMPooling
+from engine.llm_prompts import ImagePrompt, Prompt, _as_prompt_list
 from engine.lora_request import LoRARequest
 from engine.media import MediaOptions, load_image, message_image_parts
 from engine.multimodal import expand_image_tokens
 from engine.outputs import (
-    ClassificationOutput,
-    ClassificationRequestOutput,
     RequestOutput,
-    ScoringOutput,
-    ScoringRequestOutput,
 )
-from engine.pooling import activate, normalized
 from engine.sampling_params import SamplingParams
-from engine.sequence import Request
 from engine.tokenizer import Tokenizer
 
-Prompt = str | list[int]
 
-
-@dataclass(frozen=True)
-class ImagePrompt:
-    """A prompt with images (vLLM's ``{"prompt": …, "multi_modal_data": {"image": …}}``)."""
-
-    prompt: Prompt
-    images: tuple[Any, ...]
-
-
-class LLM:
+class LLM(LLMPooling):
     """Runs the engine loop in the caller's thread until every prompt is done.
 
     With a KV tier, block writes are queued on a background writer: call ``close()`` (or use the
@@ -307,145 +296,3 @@ class LLM:
             ids = self.tokenizer.encode(text, add_special_tokens=False)
             prompts.append(ImagePrompt(ids, tuple(images)) if images else ids)  # type: ignore[arg-type]
         return self.generate(prompts, sampling_params, lora_request)
-
-    def embed(self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = False) -> list[list[float]]:
-        """Each prompt's pooled hidden state (after the final norm, fp32, not normalised), in prompt
-        order: by default the last token's, the embedding of decoder models such as Qwen3-Embedding
-        (``pooling_type``: engine/pooler.py)."""
-        if self.engine.model_runner.classifier is not None:
-            raise ValueError("this model is a sequence classifier: use LLM.classify or LLM.score")
-        return [req.embedding for req in self._pool(_as_prompt_list(prompts))]  # type: ignore[misc]
-
-    def classify(
-        self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = False
-    ) -> list[ClassificationRequestOutput]:
-        """Each prompt's classification by a ``*ForSequenceClassification`` model, in prompt order
-        (vLLM's ``LLM.classify``): ``.outputs.probs`` (softmax over the labels, or the sigmoid for
-        one label, as the config says: engine/classifier.py) and ``.outputs.logits`` (the head's)."""
-        info = self._classifier("LLM.classify")
-        return [
-            ClassificationRequestOutput(
-                req.request_id,
-                req.prompt_token_ids,
-                ClassificationOutput(
-                    activate(req.embedding, info.classify_activation).tolist(), req.embedding
-                ),  # type: ignore[arg-type]
-            )
-            for req in self._pool(_as_prompt_list(prompts))
-        ]
-
-    def score(
-        self,
-        data_1: str | Sequence[str],
-        data_2: str | Sequence[str],
-        truncate_prompt_tokens: int | None = None,
-        use_tqdm: bool = False,
-    ) -> list[ScoringRequestOutput]:
-        """Relevance of each (``data_1``, ``data_2``) pair (vLLM's ``LLM.score``): one text against
-        each of the other side (1:N) or N against N in order. A one-label classifier reads each pair
-        as one input (a cross-encoder: engine/classifier.py ``pair_prompt``; ``truncate_prompt_tokens``
-        cuts the pair as transformers' truncation does, -1: to the model's context) and scores it
-        with the config's activation (the sigmoid by default); any other model scores the cosine
-        similarity of the two texts' embeddings."""
-        first = [data_1] if isinstance(data_1, str) else list(data_1)
-        second = [data_2] if isinstance(data_2, str) else list(data_2)
-        if not first or not second or (len(first) > 1 and len(first) != len(second)):
-            raise ValueError(
-                f"score takes 1:N or N:N texts, not {len(first)}:{len(second)} (and never an empty side)"
-            )
-        pairs = list(zip(first * len(second) if len(first) == 1 else first, second, strict=True))
-        info = self.engine.model_runner.classifier
-        if info is None:  # a bi-encoder: each distinct text embedded once
-            texts = list(dict.fromkeys([*first, *second]))
-            unit = dict(zip(texts, (normalized(e) for e in self.embed(texts)), strict=True))
-            return [
-                ScoringRequestOutput(f"score-{i}", [], ScoringOutput(float(unit[a] @ unit[b])))
-                for i, (a, b) in enumerate(pairs)
-            ]
-        info = self._classifier("LLM.score", pairs=True)
-        max_length = self.engine.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
-        prompts = [
-            pair_prompt(
-                self.tokenizer,
-                a,
-                b,
-                use_sep_token=info.use_sep_token,
-                template=self.config.chat_template,
-                max_length=max_length,
-            )
-            for a, b in pairs
-        ]
-        return [
-            ScoringRequestOutput(
-                req.request_id,
-                req.prompt_token_ids,
-                ScoringOutput(float(activate(req.embedding, info.score_activation)[0])),  # type: ignore[arg-type]
-            )
-            for req in self._pool(prompts)  # type: ignore[arg-type]
-        ]
-
-    def _classifier(self, api: str, pairs: bool = False) -> ClassifierInfo:
-        info = self.engine.model_runner.classifier
-        if info is None:
-            raise ValueError(f"{api} needs a sequence-classification model (*ForSequenceClassification)")
-        if pairs and not info.scores_pairs:
-            raise ValueError(
-                f"{api} scores pairs with one-label classifiers only; this one has {info.num_labels}"
-            )
-        return info
-
-    def _pool(self, prompts: list[Prompt]) -> list[Request]:
-        """Run each prompt as a pooling request to its end; the requests, in prompt order."""
-        self._check_ready()
-        engine = self.engine
-        reqs = [
-            engine.make_request(f"llm-{next(self._ids)}", p, SamplingParams(max_tokens=1), pooling=True)
-            for p in prompts
-        ]
-        for req in reqs:
-            engine.add_request(req)
-        while engine.has_unfinished_requests():
-            engine.step()
-        return reqs
-
-
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt], images: bool = False) -> list[Prompt]:
-    """Prompts as the engine takes them: text or token ids, also given as vLLM's prompt dicts
-    (``{"prompt": text}``, ``{"prompt_token_ids": ids}``, either with ``"multi_modal_data":
-    {"image": PIL image or list}`` where ``images`` allows it: then an ``ImagePrompt``; and,
-    there too, ``{"prompt_embeds": tensor [seq_len, hidden]}``: the tensor, for the engine's
-    ``enable_prompt_embeds``)."""
-    if isinstance(prompts, (str, Mapping)):
-        prompts = [prompts]  # type: ignore[list-item]
-    prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]  # one token-id prompt
-    return [_unwrap(p, images) for p in prompts]
-
-
-def _unwrap(prompt: object, images: bool) -> Prompt:
-    if not isinstance(prompt, Mapping):
-        return prompt  # type: ignore[return-value]
-    keys = set(prompt) - {"multi_modal_data"}
-    if keys == {"prompt_embeds"} and "multi_modal_data" not in prompt:
-        if not images:
-            raise ValueError("prompt_embeds is taken by LLM.generate only")
-        return prompt["prompt_embeds"]
-    if keys == {"prompt"} and isinstance(prompt["prompt"], str):
-        text: Prompt = prompt["prompt"]
-    elif keys == {"prompt_token_ids"}:
-        text = list(prompt["prompt_token_ids"])
-    else:
-        raise ValueError(
-            "a prompt dict takes 'prompt' (text) or 'prompt_token_ids' (and 'multi_modal_data'), or "
-            f"'prompt_embeds' alone, got {sorted(keys)}"
-        )
-    if "multi_modal_data" not in prompt:
-        return text
-    if not images:
-        raise ValueError("multi_modal_data is taken by LLM.generate only")
-    data = prompt["multi_modal_data"]
-    if not isinstance(data, Mapping) or set(data) - {"image"}:
-        raise ValueError("multi_modal_data takes 'image': a PIL image or a list of them")
-    given = data.get("image", [])
-    return ImagePrompt(text, tuple(given) if isinstance(given, (list, tuple)) else (given,))  # type: ignore[return-value]

@@ -4,9 +4,11 @@
 ``AsyncEngine`` runs it on a background thread. ``step()`` returns DELTA outputs: for each request
 that advanced, only what is new since the previous step.
 
-``LLMEngine`` inherits three parts that live in files of their own: checking and building a request
+``LLMEngine`` inherits five parts that live in files of their own: checking and building a request
 (``make_request``, engine/request_builder.py), speculative decoding's verify and propose
-(engine/spec_step.py), and sleep mode and weight updates (engine/sleep_mode.py).
+(engine/spec_step.py), sleep mode and weight updates (engine/sleep_mode.py), loading LoRA adapters
+(engine/lora_loading.py), and releasing the final outputs held for the KV connector's report
+(engine/held_finals.py).
 """
 
 from __future__ import annotations
@@ -25,15 +27,16 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.generation_defaults import load_generation_defaults
+from engine.held_finals import HeldFinals
 from engine.image_processor import ImageProcessor, probe_image
 from engine.kv_budget import logit_rows
 from engine.kv_connector import build_kv_connector
-from engine.lora import LoRAAdapter, LoRACache, load_adapter
-from engine.lora_request import LoRARequest
+from engine.lora import LoRACache
+from engine.lora_loading import LoRALoading
 from engine.model_runner import ModelOutput, ModelRunner
 from engine.models.config import ModelConfig
 from engine.models.loader import resolve_model_dir
-from engine.models.quantized import check_quantization
+from engine.models.quant_config import check_quantization
 from engine.outputs import RequestOutput
 from engine.pooler import needs_every_row, resolve_matryoshka, resolve_pooling_type
 from engine.postprocess import Postprocessor
@@ -58,7 +61,7 @@ TIER_IDLE_WAIT_S = 0.05
 LogitsObserver = Callable[[list[str], torch.Tensor], None]
 
 
-class LLMEngine(EngineSleep, RequestBuilder, SpecDecodeStep):
+class LLMEngine(EngineSleep, RequestBuilder, SpecDecodeStep, LoRALoading, HeldFinals):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_dir: Path = resolve_model_dir(config.model, config.revision, config.download_dir)
@@ -219,38 +222,6 @@ class LLMEngine(EngineSleep, RequestBuilder, SpecDecodeStep):
     def model_fingerprint(self) -> str:
         return self.model_runner.model_fingerprint
 
-    # -- LoRA adapters -------------------------------------------------------------------------------
-
-    def read_lora(self, request: LoRARequest) -> LoRAAdapter:
-        """Read and check an adapter (ValueError if it cannot run on this model); touches no engine
-        state, so it may run on any thread."""
-        if self.loras is None:
-            raise ValueError("LoRA adapters are not enabled on this engine (start it with --enable-lora)")
-        return load_adapter(
-            request, self.lora_layouts, max_rank=self.config.max_lora_rank, dtype=self.model_runner.dtype
-        )
-
-    def cached_lora(self, request: LoRARequest) -> LoRAAdapter | None:
-        """The loaded adapter for ``request``, if it is loaded from the same directory."""
-        adapter = self.loras.get(request.lora_name) if self.loras is not None else None
-        if adapter is not None and adapter.path == str(Path(request.lora_path).expanduser()):
-            return adapter
-        return None
-
-    def load_lora(self, request: LoRARequest, adapter: LoRAAdapter | None = None) -> LoRAAdapter:
-        """The adapter for ``request``: ``adapter`` (read elsewhere) if given, else the loaded one,
-        else read now; kept loaded."""
-        cached = self.cached_lora(request) if adapter is None else None
-        if cached is not None:
-            return cached
-        adapter = adapter or self.read_lora(request)
-        self.loras.put(adapter)  # type: ignore[union-attr]
-        return adapter
-
-    def remove_lora(self, name: str) -> bool:
-        """Unload adapter ``name``; requests running with it keep it until they finish."""
-        return self.loras is not None and self.loras.pop(name) is not None
-
     # -- requests ------------------------------------------------------------------------------------
 
     def _window_peak_blocks(self) -> int:
@@ -276,11 +247,6 @@ class LLMEngine(EngineSleep, RequestBuilder, SpecDecodeStep):
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._held_finals)
-
-    @property
-    def has_held_outputs(self) -> bool:
-        """Finished requests whose final output waits for the KV connector (stepped even asleep)."""
-        return bool(self._held_finals)
 
     # -- the step ------------------------------------------------------------------------------------
 
@@ -320,25 +286,6 @@ class LLMEngine(EngineSleep, RequestBuilder, SpecDecodeStep):
         ``TIER_IDLE_WAIT_S`` (cut short by a new command) so that an idle loop does not spin."""
         self.connector.step()
         wait([self.step_interrupt], timeout=TIER_IDLE_WAIT_S)
-
-    def _release_finals(self) -> list[RequestOutput]:
-        """The final outputs whose connector report (``kv_transfer_future``) came in."""
-        outputs: list[RequestOutput] = []
-        still: list[tuple[Request, RequestOutput]] = []
-        for req, out in self._held_finals:
-            future = req.kv_transfer_future
-            assert future is not None
-            if not future.done():
-                still.append((req, out))
-                continue
-            try:
-                req.kv_transfer_result = future.result()
-            except Exception:  # the connector reports nothing: the consumer recomputes
-                logger.exception("request %s: the KV connector's finish report failed", req.request_id)
-            req.kv_transfer_future = None
-            outputs.append(self.post.finalize(req, out))
-        self._held_finals = still
-        return outputs
 
     def _postprocess(self, sched: SchedulerOutput, model_out: ModelOutput) -> list[RequestOutput]:
         for pl in model_out.prompt_logits:

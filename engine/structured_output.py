@@ -56,8 +56,9 @@ from engine.grammar_matcher import BudgetedGrammar, RequestGrammar
 from engine.grammar_rewrites import marked_patterns, marked_tag_patterns
 from engine.grammar_vocab import special_tokens_apart
 from engine.json_schema_merge import declare_required, merge_all_of
-from engine.json_schema_support import map_tag_schemas, tag_schemas, unenforced_keyword
+from engine.json_schema_support import unenforced_keyword
 from engine.sampling_params import StructuredOutputsParams
+from engine.structural_tag_schemas import map_tag_schemas, tag_schemas
 
 if TYPE_CHECKING:
     import xgrammar as xgr

@@ -17,7 +17,7 @@ import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from router.upstream import cut_waiting
+from router.upstream_pool import cut_waiting
 
 if TYPE_CHECKING:
     from router.upstream import Response

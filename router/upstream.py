@@ -12,7 +12,8 @@ Failure classes the relay acts on: ``ConnectError`` (nothing listens: safe to re
 ``UpstreamTimeout`` and ``UpstreamBroken`` (the connection failed after the request was sent).
 A pooled connection that turns out to be stale (the server closed it while idle) before any
 response byte arrives is retried once on a fresh connection, as browsers and httpcore do.
-Cancelling a request closes its connection, so the replica sees the client go away.
+Cancelling a request closes its connection, so the replica sees the client go away. The pool of
+idle connections per origin is ``router/upstream_pool.py``.
 """
 
 from __future__ import annotations
@@ -22,15 +23,14 @@ import contextlib
 import json
 import ssl
 import sys
-import time
-from collections import deque
 from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
+from router.upstream_pool import _Conn, _Origin
+
 T = TypeVar("T")
 
-IDLE_SWEEP_S = 1.0  # how often returning a connection to its pool drops those their server closed
 
 if sys.version_info >= (3, 11):
 
@@ -76,23 +76,6 @@ class Headers:
             if k == key:
                 return v.decode("latin-1")
         return default
-
-
-class _Conn:
-    __slots__ = ("reader", "writer", "reused", "cut")
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader = reader
-        self.writer = writer
-        self.reused = False
-        self.cut = False  # dropped on purpose while waiting for a head (``cut_waiting``)
-
-    def usable(self) -> bool:
-        return not self.reader.at_eof() and not self.writer.is_closing()
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.writer.close()
 
 
 class Response:
@@ -238,53 +221,6 @@ class Response:
             conn.close()
 
 
-class _Origin:
-    def __init__(self, host: str, port: int, max_idle: int, tls: ssl.SSLContext | None = None) -> None:
-        self.host = host
-        self.port = port
-        self.tls = tls  # https: the context its certificate is checked with
-        self.host_header = f"[{host}]:{port}".encode() if ":" in host else f"{host}:{port}".encode()
-        self.idle: deque[_Conn] = deque()
-        self.max_idle = max_idle
-        self._swept = time.monotonic()
-
-    def put(self, conn: _Conn) -> None:
-        now = time.monotonic()
-        if now - self._swept >= IDLE_SWEEP_S:
-            self._sweep(now)
-        if len(self.idle) < self.max_idle:
-            conn.reused = True
-            self.idle.append(conn)
-        else:
-            conn.close()
-
-    def _sweep(self, now: float) -> None:
-        """Close the idle connections their server closed. ``take`` drops those it meets on top,
-        but ones under a live connection would sit in CLOSE_WAIT (an fd each) for as long as the
-        pool stays shallower: those of a killed API server of a replica whose other API server
-        lives, or of a replica's keep-alive timeout after a burst. At most once a second: a scan
-        per request is what made httpcore's pool slow."""
-        self._swept = now
-        for _ in range(len(self.idle)):  # in place, oldest first: the order stays
-            conn = self.idle.popleft()
-            if conn.usable():
-                self.idle.append(conn)
-            else:
-                conn.close()
-
-    def take(self) -> _Conn | None:
-        while self.idle:
-            conn = self.idle.pop()  # most recently used: least likely to have timed out
-            if conn.usable():
-                return conn
-            conn.close()
-        return None
-
-    def close(self) -> None:
-        while self.idle:
-            self.idle.pop().close()
-
-
 class UpstreamClient:
     def __init__(
         self,
@@ -422,16 +358,6 @@ class UpstreamClient:
     async def aclose(self) -> None:
         for origin in self._origins.values():
             origin.close()
-
-
-def cut_waiting(waiting: set[_Conn]) -> None:
-    """Drop every connection in ``waiting`` (requests whose replica stopped answering): each
-    request fails with UpstreamBroken, which its relay retries elsewhere."""
-    for conn in waiting:
-        conn.cut = True
-        with contextlib.suppress(Exception):
-            conn.writer.transport.abort()
-    waiting.clear()
 
 
 def _parse_head(raw: bytes) -> tuple[int, list[tuple[bytes, bytes]]]:

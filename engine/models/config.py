@@ -20,7 +20,7 @@ from engine.models.config_parts import (
     _rope,
     _sliding_windows,
 )
-from engine.models.quantized import WeightQuant, from_config
+from engine.models.quant_config import WeightQuant, from_config
 
 __all__ = [
     "GemmaConfig",

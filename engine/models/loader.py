@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from engine.models.quantized import WeightQuant, dequantize
+from engine.models.quant_config import WeightQuant
+from engine.models.quantized import dequantize
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
