@@ -78,6 +78,9 @@ def _patch_async_engine(module: Any) -> None:
             record("gather_out", len(self._commands))
 
     engine.start, engine._gather_burst = traced_start, traced_gather
+
+
+def _patch_async_streams(module: Any) -> None:
     hand_over = module._hand_over
 
     def traced_hand_over(items: list[Any]) -> None:
@@ -139,6 +142,7 @@ def _patch_routes(module: Any) -> None:
 PATCHES = {
     "server.engine_ipc": _patch_ipc,
     "engine.async_engine": _patch_async_engine,
+    "engine.async_streams": _patch_async_streams,  # the output hand-over (``OutputDelivery``)
     "engine.llm_engine": _patch_llm_engine,
     "server.middleware": _patch_middleware,
     "server.generation_routes": _patch_routes,
