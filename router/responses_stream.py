@@ -160,7 +160,12 @@ class ResponsesTracker:
             if kind == "function_call":
                 arguments = item.get("arguments", "")
                 events.append(
-                    {"type": "response.function_call_arguments.done", **ids, "arguments": arguments}
+                    {
+                        "type": "response.function_call_arguments.done",
+                        **ids,
+                        "name": item.get("name"),
+                        "arguments": arguments,
+                    }
                 )
             elif kind == "message":
                 content = item.get("content") or [_empty_text_part()]

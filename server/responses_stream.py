@@ -173,7 +173,12 @@ class _Output:
             index = call.pop("output_index")
             call["arguments"] = "".join(self.arguments.pop(position, ()))
             done = {**call, "status": status}
-            fields = {"item_id": call["id"], "output_index": index, "arguments": call["arguments"]}
+            fields = {
+                "item_id": call["id"],
+                "output_index": index,
+                "name": call["name"],  # OpenAI's event names the function
+                "arguments": call["arguments"],
+            }
             out.append(("response.function_call_arguments.done", fields))
             out.append(("response.output_item.done", {"output_index": index, "item": done}))
             self._closed(done, index)

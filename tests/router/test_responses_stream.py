@@ -351,3 +351,16 @@ def test_text_from_a_replica_that_does_not_group_cannot_be_resumed() -> None:
     delta = {"type": "response.output_text.delta", "item_id": "m", "output_index": 0, "content_index": 0}
     relay(tracker, [f"event: x\ndata: {json.dumps({**delta, 'delta': 'a'})}".encode()])
     assert not tracker.ids_complete and tracker.token_ids == []
+
+
+def test_an_open_call_is_closed_with_its_name_when_the_stream_cannot_go_on() -> None:
+    tracker = ResponsesTracker()
+    first = [
+        chunk([1], tool_calls=call(0, '{"story": "Once', name="tell")),
+        chunk([2], tool_calls=call(0, " upon")),
+    ]
+    frames, _ = replica([*first, chunk([3], "stop"), usage(3)])
+    client = relay(tracker, frames[:3])  # the call's first piece relayed, then the replica is gone
+    client += parse(tracker.error_event("gone"))
+    done = [e for e in client if e["type"] == "response.function_call_arguments.done"]
+    assert [(e["name"], e["arguments"]) for e in done] == [("tell", '{"story": "Once')]

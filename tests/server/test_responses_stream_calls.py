@@ -188,6 +188,10 @@ async def test_each_call_is_done_before_the_next_item_and_the_answer_is_the_whol
     assert [(e.output_index, e.arguments) for e in done] == [
         (first_call + i, arguments) for i, (_, arguments) in enumerate(CALLS)
     ]
+    # OpenAI's event names the function (the SDK keeps the field as an extra)
+    assert [e.model_extra["name"] if "name" not in type(e).model_fields else e.name for e in done] == [
+        name for name, _ in CALLS
+    ]
     final = streamed[-1].response
     # Each item as it was done is the item in the final output, under its output index.
     items = {e.output_index: e.item for e in streamed if e.type == "response.output_item.done"}
