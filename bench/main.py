@@ -93,6 +93,7 @@ def run_bench(args: argparse.Namespace) -> int:
         if args.report:
             from bench.client.report import write_report
 
+            _need_matplotlib()
             print(f"report: {write_report(args.report, args.output_dir)}")
             return 0
         cfg = BenchConfig.from_args(args)
@@ -100,6 +101,18 @@ def run_bench(args: argparse.Namespace) -> int:
     except (ConfigError, BenchError, TokenSourceError, ValueError, OSError) as exc:
         print(f"ferry bench: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _need_matplotlib() -> None:
+    """--report draws with matplotlib, an extra (``plots``) that a plain install lacks: say so
+    instead of a traceback."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise BenchError(
+            "--report draws its plots with matplotlib, which is not installed: "
+            "pip install matplotlib (ferry's 'plots' extra)"
+        ) from None
 
 
 def _run(cfg: BenchConfig, args: argparse.Namespace) -> int:

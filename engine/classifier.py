@@ -56,6 +56,11 @@ class ClassifierInfo:
         """vLLM serves ``/score`` and ``/rerank`` on a classifier only when it has one label."""
         return self.num_labels == 1
 
+    @property
+    def routes(self) -> str:
+        """The routes that serve it, for the 400 of one that does not."""
+        return "/classify, /score or /rerank" if self.scores_pairs else "/classify"
+
     @classmethod
     def from_config(cls, raw: Mapping[str, Any], num_labels: int) -> ClassifierInfo:
         """From ``config.json`` and the head's row count (ValueError where they disagree)."""

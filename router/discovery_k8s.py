@@ -252,6 +252,14 @@ class K8sDiscovery(Discovery):
 
     def __init__(self, url: str, *, api: Any = None, watch_factory: Callable[[], Any] | None = None) -> None:
         self.target = parse_k8s_url(url)
+        if api is None:
+            # Refused at start (``ferry router: error: ...``), not found at every poll after it.
+            try:
+                import kubernetes  # noqa: F401
+            except ImportError:
+                raise ValueError(
+                    "--discovery k8s: needs the kubernetes client: pip install kubernetes (ferry's 'k8s' extra)"
+                ) from None
         self._api = api
         self._watch_factory = watch_factory
         self._store = SliceStore()

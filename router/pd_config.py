@@ -55,7 +55,7 @@ def add_pd_args(p: argparse.ArgumentParser) -> None:
         "--pd-threshold",
         type=int,
         default=d.pd_threshold,
-        help="uncached prompt tokens below which the decode worker prefills locally",
+        help="uncached prompt tokens below which a request is not disaggregated (a mixed replica serves it, else the decode worker prefills it)",
     )
     g.add_argument(
         "--prefill-timeout",

@@ -96,7 +96,7 @@ class Generation(MergedOutputs):
         if not pooling and self._classifier is not None:
             raise bad_request(
                 "This model is a sequence classifier: it does not generate text. "
-                "Use /classify, /score or /rerank."
+                f"Use {self._classifier.routes}."
             )
         if self.draining:
             raise unavailable("Server is shutting down; retry on another replica.")

@@ -240,7 +240,7 @@ async def create_embedding(
     info = getattr(state.engine, "model_info", None)
     if getattr(info, "classifier", None) is not None:
         raise bad_request(
-            "This model is a sequence classifier: it has no embeddings. Use /classify, /score or /rerank.",
+            f"This model is a sequence classifier: it has no embeddings. Use {info.classifier.routes}.",
             param="model",
         )
     if req.dimensions is not None:

@@ -19,6 +19,9 @@ from typing import Any
 
 _SWITCH: dict[str, Any] = {"action": "store_true"}
 
+# engine/image_processor.py's cache, of a fixed size (PROCESSED_CACHE_SIZE; not imported: torch-free).
+_IMAGE_CACHE = "the last 32 images read from bytes are kept processed, by their bytes' digest"
+
 # Accepted for compatibility: flag -> (argparse options, what ferry does instead).
 COMPAT_FLAGS: dict[str, tuple[dict, str]] = {
     "--enforce-eager": (_SWITCH, "ferry captures no CUDA graphs; every step runs eagerly"),
@@ -58,8 +61,8 @@ COMPAT_FLAGS: dict[str, tuple[dict, str]] = {
         {"type": int},
         "--long-prefill-token-threshold bounds each long prompt's tokens per step",
     ),
-    "--mm-processor-cache-gb": ({"type": float}, "images are processed per request, not cached"),
-    "--disable-mm-preprocessor-cache": (_SWITCH, "images are processed per request, not cached"),
+    "--mm-processor-cache-gb": ({"type": float}, _IMAGE_CACHE),
+    "--disable-mm-preprocessor-cache": (_SWITCH, _IMAGE_CACHE),
     "--enable-expert-parallel": (_SWITCH, "a replica runs on one device: experts are not split"),
 }
 _SHORT = {"--compilation-config": "-O"}  # vLLM's -O3 and -O 3
@@ -171,8 +174,9 @@ def compat_notes(args: argparse.Namespace) -> list[str]:
     notes = []
     for flag, (_, note) in COMPAT_FLAGS.items():
         value = _value(args, flag)
-        # --no-enable-chunked-prefill asks for something too (that cannot be had).
-        given = value not in (None, False) or (value is False and flag == "--enable-chunked-prefill")
+        # --no-enable-chunked-prefill asks for something too (that cannot be had); by identity, since
+        # a value of 0 (--mm-processor-cache-gb 0) is given as well.
+        given = value is not None and (value is not False or flag == "--enable-chunked-prefill")
         if given:
             notes.append(f"{flag} is accepted for vLLM compatibility and changes nothing: {note}")
     for names, limited in LIMITED_FLAGS.items():

@@ -7,6 +7,7 @@ import os
 import select
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -62,6 +63,13 @@ def test_report_writes_plots_and_html(two_runs, bench) -> None:
         assert (fast / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     page = (fast / "report.html").read_text()
     assert page.count("data:image/png;base64,") == 3 and "TTFT p99 (ms)" in page and "fast" in page
+
+
+def test_report_without_matplotlib_says_what_to_install(bench, tmp_path: Path, monkeypatch) -> None:
+    # A plain install (make serve) has no matplotlib: one line naming it, not a traceback.
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    rc, stdout = bench("--report", str(tmp_path))
+    assert rc == 2 and "ferry bench: error:" in stdout and "pip install matplotlib" in stdout
 
 
 class _CDP:

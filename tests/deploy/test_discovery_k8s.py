@@ -107,14 +107,22 @@ def test_registry_builds_k8s_backend() -> None:
 
 
 def test_module_imports_without_kubernetes_or_torch() -> None:
+    # Without the client, a k8s discovery is refused when the router starts: one line that names it.
     code = (
         "import sys; sys.modules['kubernetes'] = None\n"
         "import router.discovery_k8s, router.discovery_dns\n"
         "from router.discovery import make_discovery\n"
-        "make_discovery('k8s:ns/svc'); make_discovery('dns:localhost:8000')\n"
+        "make_discovery('dns:localhost:8000')\n"
         "assert 'torch' not in sys.modules\n"
+        "from ferry.cli import main\n"
+        "sys.exit(main(['router', '--discovery', 'k8s:ns/svc', '--port', '0']))\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr == (
+        "ferry router: error: --discovery k8s: needs the kubernetes client: pip install kubernetes"
+        " (ferry's 'k8s' extra)\n"
+    )
 
 
 # ---------------------------------------------------------------- translation

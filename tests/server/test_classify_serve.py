@@ -128,8 +128,10 @@ def test_what_a_classifier_refuses_and_stays_up(classifier) -> None:
         ("/v1/completions", {"prompt": "hi"}),
         ("/v1/responses", {"input": "hi"}),
     ):
-        assert "sequence classifier: it does not generate text" in _error(_post(url, path, body))["message"]
-    assert "no embeddings" in _error(_post(url, "/v1/embeddings", {"input": "hi"}))["message"]
+        assert _error(_post(url, path, body))["message"].endswith("does not generate text. Use /classify.")
+    assert _error(_post(url, "/v1/embeddings", {"input": "hi"}))["message"].endswith(
+        "no embeddings. Use /classify."
+    )
     for path, body in (
         ("/score", {"text_1": "a", "text_2": "b"}),
         ("/rerank", {"query": "a", "documents": ["b"]}),
@@ -202,3 +204,6 @@ def test_cross_encoder_truncation_and_limits(reranker, tiny_cross_encoder: Path)
     assert err["param"] == "documents" and "maximum context length of 1024" in err["message"]
     err = _error(_post(reranker.url, "/score", {"text_1": "a", "text_2": "b", "truncate_prompt_tokens": 1}))
     assert err["param"] == "truncate_prompt_tokens" and "special tokens" in err["message"]
+    # A one-label classifier (a cross-encoder) names the routes that serve it.
+    err = _error(_post(reranker.url, "/v1/completions", {"prompt": "hi"}))
+    assert err["message"].endswith("does not generate text. Use /classify, /score or /rerank.")

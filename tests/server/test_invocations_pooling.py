@@ -126,5 +126,5 @@ def test_generation_fields_count_last_on_a_classifier(classifier) -> None:
     r = _post(classifier, "/invocations", {"prompt": "x"})
     assert r.status_code == 400
     assert r.json()["error"]["message"] == (
-        "This model is a sequence classifier: it does not generate text. Use /classify, /score or /rerank."
+        "This model is a sequence classifier: it does not generate text. Use /classify."
     )

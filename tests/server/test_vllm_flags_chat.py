@@ -66,6 +66,7 @@ def chat_server(hub_cache: Path, serve_logs: Path, server_process) -> Iterator:
         "-O3", "--preemption-mode", "recompute", "--logprobs-mode", "raw_logprobs", "--cpu-offload-gb", "0",
         "--structured-outputs-config", '{"backend": "guidance", "disable_any_whitespace": true}',
         "--enable-request-id-headers", "--max-num-partial-prefills", "2", "--code-revision", "v1",
+        "--mm-processor-cache-gb", "0",  # a zero is given too (vLLM's way to turn its cache off)
     ]  # fmt: skip
     # The hub id (not a directory): resolved from the cache at the revisions asked, no network.
     srv = server_process(Path("ferry-test/tiny"), flags, serve_logs)
@@ -173,6 +174,7 @@ def test_http_limits_access_log_and_compat_notes(chat_server) -> None:
         "--enable-request-id-headers is accepted for vLLM compatibility",
         "--max-num-partial-prefills is accepted for vLLM compatibility",
         "--code-revision is accepted for vLLM compatibility",
+        "--mm-processor-cache-gb is accepted for vLLM compatibility and changes nothing: the last 32 images",
         "--preemption-mode recompute is what ferry does",
         "--cpu-offload-gb 0.0 is what ferry does",
         "structured-output backend guidance: ferry's structured outputs are xgrammar's",
