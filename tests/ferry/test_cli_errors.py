@@ -3,6 +3,7 @@ does for its own errors: no traceback for an operator to read through."""
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -44,6 +45,22 @@ def test_router_flag_errors(args: list[str], message: str) -> None:
     assert "Traceback" not in done.stderr
 
 
+# Runs `ferry.cli.main` on each case in one process (the imports, torch's among them, are paid once),
+# each case's stderr apart: what `python -m ferry serve ...` would print and its exit code.
+_EACH_CASE = """
+import contextlib, io, json, sys
+from ferry.cli import main
+for args in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            code = main(["serve", *args, "--port", "0"])
+        except SystemExit as e:
+            code = e.code
+    print(json.dumps([code, err.getvalue()]), flush=True)
+"""
+
+
 def test_serve_flag_and_model_errors(tiny_llama: Path) -> None:
     cases = [
         (["--model", str(tiny_llama), "--block-size", "0"], "block_size must be an integer >= 1, got 0"),
@@ -70,11 +87,25 @@ def test_serve_flag_and_model_errors(tiny_llama: Path) -> None:
             "max_model_len=4096 is more than the 1024 positions of the model (max_position_embeddings=1024)",
         ),
     ]
-    for args, message in cases:
-        done = ferry("serve", *args)
-        assert done.returncode == 2, done.stderr[-2000:]
-        assert f"ferry serve: error: {message}" in done.stderr
-        assert "Traceback" not in done.stderr
+    done = subprocess.run(
+        [sys.executable, "-c", _EACH_CASE, json.dumps([args for args, _ in cases])],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    results = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(results) == len(cases), done.stderr[-2000:]
+    for (args, message), (code, stderr) in zip(cases, results, strict=True):
+        assert code == 2, (args, stderr[-2000:])
+        assert f"ferry serve: error: {message}" in stderr, (args, stderr[-2000:])
+        assert "Traceback" not in stderr
+    # The same through `python -m ferry` itself (exit code and stderr of the process).
+    done = ferry("serve", "--model", "/nonexistent")
+    assert (
+        done.returncode == 2
+        and "ferry serve: error: model path '/nonexistent' is not a directory" in done.stderr
+    )
 
 
 @pytest.mark.parametrize(
