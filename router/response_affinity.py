@@ -1,15 +1,16 @@
 """Which replica answered a Responses API request, so what refers to that response goes there too.
 
-A ferry replica names a response ``resp_{request id}`` (``server.middleware.response_id_for``) and keeps it in its ``--responses-store``
+A ferry replica names a response ``resp_{request id}``, or what the body's ``request_id`` (vLLM's
+field) says (``server.middleware.response_id_for``), and keeps it in its ``--responses-store``
 (``server/responses_store.py``). With the default memory store only that replica can continue it
 (``previous_response_id``), answer ``GET`` / ``DELETE /v1/responses/{id}`` or cancel a background
 response (``POST /v1/responses/{id}/cancel``); with a shared Redis store any replica can, but the
 one that served the conversation also holds its KV blocks, and the one running a background
 response cancels it and streams its events (``GET …?stream=true``) without a round through the
 store. So the router remembers ``response id -> replica URL`` for every ``POST /v1/responses`` a
-replica answered with 200 (the id follows from the ``X-Request-Id`` the replica answers with: the
-router's, or one of its own when it could not take that) and routes requests that name that id to
-that replica while it is a candidate; otherwise the policy picks as usual. Not for a request with
+replica answered with 200 (the id follows from the body's ``request_id``, else from the
+``X-Request-Id`` the replica answers with: the router's, or one of its own when it could not take
+that) and routes requests that name that id to that replica while it is a candidate; otherwise the policy picks as usual. Not for a request with
 ``"store": false``: no replica holds that response, so nothing can name it (remembered, such ids
 filled the map for nothing: ~400 bytes each, ~39 MiB at its bound). A stream resumed on
 another replica (``router/responses_stream.py``) is finished and stored there under the same id,
@@ -84,6 +85,13 @@ def referenced_response(method: str, path: str, body: dict[str, Any] | None) -> 
         if rest[0] and (len(rest) == 1 or rest[1:] in (["input_items"], ["cancel"])):
             return rest[0]
     return None
+
+
+def named_id(body: dict[str, Any] | None) -> str | None:
+    """The response id a ``POST /v1/responses`` body names (vLLM's ``request_id``): a replica
+    answered 200, so it took it as the id (``server.middleware.response_id_for``)."""
+    named = None if body is None else body.get("request_id")
+    return named if isinstance(named, str) else None
 
 
 def _is_reference(item: Any) -> bool:
@@ -262,7 +270,7 @@ class ResponseAffinity:
                 answered_by[:] = [replica.url]
                 if stores:  # the id the replica used (it replaces a request id it cannot take)
                     used = response.headers.get("x-request-id") or call.request_id
-                    self.remember(response_id_for(used), replica.url)
+                    self.remember(response_id_for(used, named_id(call.json)), replica.url)
 
         if is_post:
 

@@ -247,6 +247,9 @@ class ChatStreamChoice(_Response):
     finish_reason: str | None = None
     stop_reason: int | str | None = Field(default=None, exclude_if=_omit_none)
     token_ids: list[int] | None = Field(default=None, exclude_if=_omit_none)
+    # Not sent: the logprobs of the tokens whose text is ``delta.content`` (``server/text_logprobs.py``),
+    # for the Responses API's output_text; None where every token's text is content (no shaper).
+    text_logprobs: list[TokenLogprob] | None = Field(default=None, exclude=True)
 
 
 class ChatCompletionChunk(_Response):

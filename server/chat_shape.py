@@ -74,6 +74,12 @@ class ChoiceShaper:
         """It has every tool call it may have (``ChoiceTools.capped``): the answer can stop."""
         return self.tools is not None and self.tools.capped
 
+    @property
+    def held(self) -> int:
+        """How many of the last characters fed are held back: neither sent nor dropped as markup."""
+        held = self.splitter.held if self.splitter is not None else 0
+        return held + (self.tools.held if self.tools is not None else 0)
+
     def feed(self, text: str) -> Shaped:
         if self.splitter is None:
             return self._content("", text)

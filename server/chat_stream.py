@@ -36,7 +36,8 @@ from server.serving_common import (
 )
 from server.state import ServerState
 from server.streaming import DONE_FRAME, FinalFrames, sse_frame
-from server.token_deltas import one_token_each
+from server.text_logprobs import TextLogprobs
+from server.token_deltas import ended_by_token, one_token_each
 from server.tools import ToolPlan, tool_finish_reason
 
 
@@ -92,11 +93,17 @@ async def stream_chunks(
     created = int(time.time())
     model = state.answer_model(seqs[0].lora)
     shapers = None
+    ledgers: dict[int, TextLogprobs] = {}  # which tokens' logprobs go with the content
     if tools is not None or state.reasoning is not None:
         shapers = {seq.choice_index: new_shaper(state, seq, tools) for seq in seqs}
         for seq in seqs:
+            shaper = shapers[seq.choice_index]
+            skipped = ""
             if seq.resume_token_ids:  # a resumed stream: the client has this text already
-                shapers[seq.choice_index].skip(delivered_text(state, seq, seq.resume_token_ids))
+                skipped = delivered_text(state, seq, seq.resume_token_ids)
+                shaper.skip(skipped)
+            if req.logprobs:
+                ledgers[seq.choice_index] = TextLogprobs(skipped, shaper.held)
 
     continuous_usage = req.continuous_usage  # a property: read once, not per token
 
@@ -140,6 +147,10 @@ async def stream_chunks(
             text, logprobs = add_output(state, choice, req, out)
             usage.add(seq, out)
             delta = DeltaMessage(content=text or None)
+            shown = None  # each step's content's tokens' logprobs
+            if logprobs is not None and shapers is None:  # every token's text is content ...
+                ender = ended_by_token(out) and not seq.params.include_stop_str_in_output
+                shown = [logprobs[:-1] if ender else logprobs]  # ... but the ending one's (EOS)
             finish_reason = choice.finish_reason
             ended = out.finished
             capped = False
@@ -176,12 +187,22 @@ async def stream_chunks(
                 # Text that follows a call in this delta goes in a chunk after the call's, so a
                 # client (the Responses stream's items) sees the order the model wrote them in.
                 # Reasoning that follows content (harmony's channels) likewise.
-                *earlier, (reasoning, text, calls) = shaped.steps()
-                for thought, content, done in earlier:
+                steps = shaped.steps()
+                if ledgers:
+                    ledger = ledgers[seq.choice_index]
+                    shown = ledger.step(text, logprobs or [], steps, shaper.held, ended)
+                *earlier, (reasoning, text, calls) = steps
+                for step, (thought, content, done) in enumerate(earlier):
                     piece = DeltaMessage(
                         content=content or None, reasoning_content=thought or None, tool_calls=done or None
                     )
-                    early = chunk(ChatStreamChoice(index=seq.choice_index, delta=piece))
+                    early = chunk(
+                        ChatStreamChoice(
+                            index=seq.choice_index,
+                            delta=piece,
+                            text_logprobs=shown[step] if shown else None,
+                        )
+                    )
                     early.continued = True
                     yield early
                 delta = DeltaMessage(
@@ -206,6 +227,7 @@ async def stream_chunks(
                     finish_reason=finish_reason if ended else None,
                     stop_reason=choice.stop_reason if out.finished and not capped else None,
                     token_ids=list(token_ids) if req.return_token_ids else None,
+                    text_logprobs=shown[-1] if shown else None,
                 )
             )
             if producer and out.finished:

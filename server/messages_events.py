@@ -22,8 +22,12 @@ _STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
 
 
 def stop_reason(finish_reason: str | None, stop: Any, req: MessagesRequest) -> tuple[str, str | None]:
-    """Anthropic's ``stop_reason`` and ``stop_sequence`` for a chat choice's end."""
-    if finish_reason == "stop" and isinstance(stop, str) and stop in (req.stop_sequences or ()):
+    """Anthropic's ``stop_reason`` and ``stop_sequence`` for a chat choice's end. ``stop_sequence``
+    names the stop sequence generated, also after a tool call (chat's ``tool_calls``); ``finish``
+    then still says ``tool_use``, as clients run the calls on that reason (vLLM's Anthropic endpoint
+    reports no ``stop_sequence`` at all)."""
+    matched = isinstance(stop, str) and stop in (req.stop_sequences or ())
+    if finish_reason in ("stop", "tool_calls") and matched:
         return "stop_sequence", stop
     return _STOP_REASONS.get(finish_reason or "", "end_turn"), None
 
@@ -129,9 +133,9 @@ class MessageWriter:
         out = [] if self.started else [self.opening()]
         out += self._close()
         reason, sequence = self.end or ("end_turn", None)
-        if (
-            self.calls and reason == "end_turn"
-        ):  # the turn ends in a call (a named tool_choice's chat says "stop")
+        if self.calls and reason in ("end_turn", "stop_sequence"):
+            # A turn with calls ends in them (a named tool_choice's chat says "stop"); a stop
+            # sequence generated after a call is still named in ``stop_sequence``.
             reason = "tool_use"
         out.append(
             (

@@ -86,10 +86,19 @@ def request_id_of(raw: bytes | None) -> str:
     return request_id if _VALID_REQUEST_ID.match(request_id) else os.urandom(16).hex()
 
 
-def response_id_for(request_id: str) -> str:
+# vLLM's ``request_id`` field of a ``POST /v1/responses`` body: the response's id as given, so one
+# that a ``/v1/responses/{id}`` path can name (``X-Request-Id``'s characters but ``/``).
+RESPONSE_ID_PATTERN = r"^[A-Za-z0-9._:=+\-]{1,128}$"
+
+
+def response_id_for(request_id: str, named: str | None = None) -> str:
     """The id of the Responses API response served under ``request_id`` (the router's affinity
-    derives it alike): ``resp_`` and the request id, or, for a request id with ``/`` (fine in
-    ``X-Request-Id``, not in the ``/v1/responses/{id}`` path), a digest of it."""
+    derives it alike): ``named`` when the body names it (vLLM's ``request_id`` field, valid by
+    ``RESPONSE_ID_PATTERN``: a replica refuses any other), else ``resp_`` and the request id, or,
+    for a request id with ``/`` (fine in ``X-Request-Id``, not in the ``/v1/responses/{id}`` path),
+    a digest of it."""
+    if named is not None:
+        return named
     if "/" in request_id:
         return "resp_" + hashlib.blake2b(request_id.encode(), digest_size=16).hexdigest()
     return f"resp_{request_id}"

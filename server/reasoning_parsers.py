@@ -53,6 +53,12 @@ class ReasoningSplitter:
         self.started = False  # the opening (leading whitespace, optional <think>) is decided
         self.trim = False  # after </think>: drop the newlines that separate it from the answer
 
+    @property
+    def held(self) -> int:
+        """How many of the last characters fed are held back (the opening, or what may start
+        ``</think>`` or a harmony marker): the rest are decided."""
+        return len(self.pending)
+
     def feed(self, text: str) -> tuple[str, str]:
         if not self.thinking:
             return "", self._content(text)

@@ -73,8 +73,9 @@ CANCEL_WAIT_S = 5.0
 EVENT_FLUSH_S = 0.05
 # At shutdown, how long stopped responses get to save their records before their tasks are cancelled.
 CLOSE_TIMEOUT_S = 5.0
-# Events 0 and 1 are response.created and response.in_progress; event 2 comes with the first output.
-FIRST_OUTPUT_EVENT = 2
+# Events 0 to 2 are response.created, response.queued and response.in_progress; event 3 comes with
+# the first output.
+FIRST_OUTPUT_EVENT = 3
 SHUTDOWN_ERROR = {"code": "server_error", "message": "The server shut down before the response completed."}
 
 
@@ -108,7 +109,7 @@ class BackgroundResponses(ResponseReplay):
     def admit(self, response_id: str, store: bool | None) -> None:
         """Whether a request may run in the background here (``store``: its ``store`` field): it
         is read back by id, so it must be stored (400), under an id not running here (409: a
-        client reused its X-Request-Id)."""
+        client reused its X-Request-Id or request_id)."""
         if store is False:
             raise bad_request("background=true needs store=true (it is read back by id)", param="background")
         if self.store is None:
@@ -120,7 +121,7 @@ class BackgroundResponses(ResponseReplay):
         if response_id in self._runs:
             raise APIError(
                 409,
-                f"Background response '{response_id}' is still running: send another X-Request-Id.",
+                f"Background response '{response_id}' is still running: send another X-Request-Id (or request_id).",
                 code="response_in_progress",
             )
 

@@ -65,7 +65,7 @@ class _Response:
         self.req = req
         self.defaults = defaults or {}  # the model's default sampling values (generation_config.json)
         self.store = store  # to be stored once complete (set False if storing failed)
-        self.id = response_id_for(request_id)
+        self.id = response_id_for(request_id, req.request_id)
         resume = req.resume
         self.created_at = resume.created_at if resume is not None else int(time.time())
         # Output tokens another replica produced (a resumed stream): part of this response's usage.

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from server.chat_protocol import ReasoningEffort
+from server.middleware import RESPONSE_ID_PATTERN
 from server.protocol import _Request
 
 
@@ -95,6 +96,10 @@ class ResponsesRequest(_Request):
     ignore_eos: Any = None
     priority: Any = None
     cache_salt: Any = None
+    # vLLM's: the response's id, as given (else ``resp_`` and the X-Request-Id: ``response_id_for``,
+    # which the router's affinity follows too). The engine request keeps the X-Request-Id, which
+    # is what aborts it and what the router sends every replica of a resumed stream.
+    request_id: Annotated[StrictStr, Field(pattern=RESPONSE_ID_PATTERN)] | None = None
     # Internal (router -> replica): resume a stream, and group each chunk's events with its token ids
     # so that a router can resume this one (``router/responses_stream.py``).
     resume: ResponsesResume | None = None

@@ -108,8 +108,8 @@ def _without_ids(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 async def refuse_a_taken_id(state: ServerState, response_id: str, conversation: list[dict[str, Any]]) -> None:
-    """409 when a stored response already has this id (it follows the X-Request-Id) with another
-    conversation: a client reusing its X-Request-Id would otherwise replace it. The same input
+    """409 when a stored response already has this id (it follows the X-Request-Id, or the body's
+    ``request_id``) with another conversation: a client reusing one would otherwise replace it. The same input
     again is a retry (a client's, or the router's after a lost answer) and is answered anew."""
     try:
         record = await state.responses.get(response_id)  # type: ignore[union-attr]
@@ -119,6 +119,6 @@ async def refuse_a_taken_id(state: ServerState, response_id: str, conversation: 
         raise APIError(
             409,
             f"A stored response already has id '{response_id}', for another input: "
-            "send a new X-Request-Id for each request.",
+            "send a new X-Request-Id (or request_id) for each request.",
             code="response_id_in_use",
         )

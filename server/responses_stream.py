@@ -1,6 +1,7 @@
 """A Responses API stream: chat chunks in, Responses events out (``POST /v1/responses``, ``stream``).
 
-``events`` turns the chat stream's chunks (``ChatChunks``) into ``response.created``,
+``events`` turns the chat stream's chunks (``ChatChunks``) into ``response.created`` (then, for a
+background response, OpenAI's ``response.queued``), ``response.in_progress``,
 ``response.output_item.added``, ``response.output_text.delta``, ..., ``response.completed``, each
 with its ``sequence_number``. The output items (``reasoning``, ``message``, ``function_call``) are
 written by ``_Output`` in the order the model wrote them: text after a function call is a message
@@ -193,7 +194,7 @@ class _Output:
         ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
         text = "".join(self.pieces)
         if item["type"] == "message":
-            self.logprobs, self.pending = self.logprobs + self.pending, []
+            self.pending = []  # tokens that never showed text (the first bytes of a character cut off)
             part = text_part(text, self.logprobs)
             out: list[Event] = [
                 ("response.output_text.done", {**ids, "text": text, "logprobs": self.logprobs}),
@@ -226,9 +227,14 @@ class _Output:
         """The events of one chat choice delta."""
         out: list[Event] = []
         delta = choice.delta
-        if self.want_logprobs and choice.logprobs is not None and choice.logprobs.content:
-            if delta.content or not delta.reasoning_content:  # not a thought's tokens
-                self.pending += [t.model_dump() for t in choice.logprobs.content]
+        if self.want_logprobs:
+            # The tokens of this delta's content (``server/text_logprobs.py``): no call markup, no
+            # thought, and text held back before comes with its own tokens; a chunk that does not
+            # name them (not a chat stream's) has only content.
+            shown = choice.text_logprobs
+            if shown is None and choice.logprobs is not None:
+                shown = choice.logprobs.content
+            self.pending += [t.model_dump() for t in shown or ()]
         for field, kind, name in _TEXT_DELTAS:
             piece = getattr(delta, field)
             if not piece:
@@ -354,8 +360,11 @@ async def _translate(
     if resumed is not None:
         output.seed(resumed)
     else:
-        yield None, [("response.created", {"response": built.body()})]
-        built.status = "in_progress"  # a background response was queued until now
+        opening: list[Event] = [("response.created", {"response": built.body()})]
+        if built.status == "queued":  # a background response: OpenAI says so before it runs
+            opening.append(("response.queued", {"response": built.body()}))
+        yield None, opening
+        built.status = "in_progress"
         yield None, [("response.in_progress", {"response": built.body()})]
     finish_reason = None
     last: Unit = ([], [])  # the chunk that ends the answer: it goes out with the response's end

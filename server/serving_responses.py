@@ -13,8 +13,12 @@ chunk models (``ChatChunks``: never framed as chat SSE) become Responses events
 code (``collect``): both give the same output items.
 
 ``include: ["message.output_text.logprobs"]`` (with ``top_logprobs``) puts chat's token logprobs
-on the ``output_text`` parts and text delta events.
+on the ``output_text`` parts and text delta events: those of the part's (the delta's) own text, whose
+tokens' strings join to it; a tool call's markup, the reasoning and the ending token (EOS) have none
+(``server/text_logprobs.py``).
 
+The response is named ``resp_`` and the request's ``X-Request-Id``, or what vLLM's body field
+``request_id`` says (``server/middleware.response_id_for``; the router's affinity derives it alike).
 A response is stored unless the request says ``store: false`` (or the replica runs with
 ``--responses-store none``; ``server/responses_records.py`` writes and reads its record): ``previous_response_id`` continues it, an input ``item_reference``
 names one of its items (``server/responses_refs.py``), and ``GET`` / ``DELETE
@@ -99,7 +103,7 @@ async def create_response(
             param="resume" if req.resume is not None else "return_token_ids",
         )
     if req.background:
-        state.background.admit(response_id_for(request_id), req.store)
+        state.background.admit(response_id_for(request_id, req.request_id), req.store)
     context: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
         if state.responses is None:
@@ -123,7 +127,7 @@ async def create_response(
         req = req.model_copy(update={"input": resolved})
     own = input_items(req.input)
     if req.resume is None and req.store is not False and state.responses is not None:
-        await refuse_a_taken_id(state, response_id_for(request_id), context + own)
+        await refuse_a_taken_id(state, response_id_for(request_id, req.request_id), context + own)
     try:
         answer = await _chat_answer(state, req, context, own, request_id, receive, submitted)
     except APIError as e:

@@ -4,10 +4,10 @@ The engine folds the deltas a consumer has not read yet into one (``merge_pendin
 speculative decoding's accepted tokens come together too), so one delta may hold the end of the
 thinking and the start of the answer, or a tool call and the text after it. A chat chunk carries
 the logprobs of its delta's tokens, and the Responses API gives a message item the logprobs of the
-chunks its text came in (``server/responses_stream.py``): a folded delta's logprobs would go with
-whichever part of it the chunk's fields name, so which tokens a message's logprobs hold would depend
-on how fast the client read. Read again one token at a time, each token's logprob goes with its
-own text, as in a stream read as fast as the engine wrote it.
+tokens its text came from (``server/text_logprobs.py``, which follows each token's text through
+the shaper): a folded delta's tokens could not be told apart, so which tokens a message's logprobs
+hold would depend on how fast the client read. Read again one token at a time, each token's logprob
+goes with its own text, as in a stream read as fast as the engine wrote it.
 
 Each token's text comes from a detokenizer of the chat stream's own that follows the engine's
 (same tokenizer, sampling parameters and prompt). A delta is split only when its tokens' texts
@@ -43,10 +43,7 @@ class TokenSplitter:
         if not self.in_step or not ids:
             return [out]
         texts = [self.detokenizer.append([token]) for token in ids[:-1]]
-        # The engine leaves out the text of the token that ends the request (EOS, a stop token, the
-        # end of its constraint), unless it is a stop string's, found in the text, or the length.
-        ended_by_token = out.finished and o.finish_reason != "length" and not isinstance(o.stop_reason, str)
-        texts.append(self.detokenizer.append([ids[-1]], stop_terminated=ended_by_token))
+        texts.append(self.detokenizer.append([ids[-1]], stop_terminated=ended_by_token(out)))
         if out.finished:
             texts[-1] += self.detokenizer.flush()
         if "".join(texts) != o.text:
@@ -55,6 +52,14 @@ class TokenSplitter:
         if len(ids) == 1:
             return [out]
         return [_token_output(out, o, i, text) for i, text in enumerate(texts)]
+
+
+def ended_by_token(out: RequestOutput) -> bool:
+    """Whether ``out``'s last token ends the request as the EOS, a stop token or the end of its
+    constraint: the engine leaves its text out (unless ``include_stop_str_in_output``). A stop
+    string's token (found in the text) or the length's has its text."""
+    o = out.outputs[0]
+    return out.finished and o.finish_reason != "length" and not isinstance(o.stop_reason, str)
 
 
 def _token_output(out: RequestOutput, o: CompletionOutput, i: int, text: str) -> RequestOutput:

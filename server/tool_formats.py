@@ -56,13 +56,19 @@ class _WholeAnswerStreamer(ToolStreamer):
     def __init__(self, parser: WholeAnswerParser) -> None:
         self.parser = parser
         self.text = ""  # the opening, while it is not decided
-        self.held: list[str] = []  # an answer that opened like a call, in pieces (joined at the end)
+        self.parts: list[str] = []  # an answer that opened like a call, in pieces (joined at the end)
+        self.size = 0  # their length
         self.holding: bool | None = None  # None: not decided yet
+
+    @property
+    def held(self) -> int:
+        return len(self.text) + self.size
 
     def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
         if self.holding is not None:
             if self.holding:
-                self.held.append(text)
+                self.parts.append(text)
+                self.size += len(text)
             return ("", []) if self.holding else (text, [])
         self.text += text
         head = self.text.lstrip()
@@ -70,7 +76,7 @@ class _WholeAnswerStreamer(ToolStreamer):
             return "", []
         openers = self.parser.OPENERS
         if any(head.startswith(o) for o in openers):
-            self.holding, self.held, self.text = True, [self.text], ""
+            self.holding, self.parts, self.size, self.text = True, [self.text], len(self.text), ""
             return "", []
         if any(o.startswith(head) for o in openers):
             return "", []  # could still become an opener
@@ -81,7 +87,7 @@ class _WholeAnswerStreamer(ToolStreamer):
     def finish(self) -> tuple[str, list[ParsedCall]]:
         if self.holding is False:
             return "", []
-        text, self.text, self.held = self.text + "".join(self.held), "", []
+        text, self.text, self.parts, self.size = self.text + "".join(self.parts), "", [], 0
         return self.parser.parse(text)
 
 

@@ -116,6 +116,12 @@ class ToolStreamer(ABC):
     def finish(self) -> tuple[str, list[ParsedCall]]:
         """What is still held back, at the end of the answer."""
 
+    @property
+    @abstractmethod
+    def held(self) -> int:
+        """How many of the last characters fed are held back, not yet sent nor taken for a call:
+        the rest are decided (``server/text_logprobs.py`` gives content its tokens' logprobs by it)."""
+
     def pieces(self, text: str) -> list[tuple[str, list[ParsedCall]]]:
         """``feed`` in the order written: (content, the calls that follow it) pieces, more than one
         when text follows a call in the same delta (several tokens at once)."""
@@ -141,9 +147,15 @@ class MarkerStreamer(ToolStreamer):
         # Inside a call: its text so far, in pieces (joined once, at its end: a call's arguments may
         # be a whole file written a few characters a delta) ...
         self.body: list[str] | None = None
+        self.body_size = 0  # its length
         self.tail = ""  # ... and its last characters, which may be the first ones of ``end``
         self.spaces = ""  # whitespace after a call
         self.called = False  # a call ended and no text has followed it yet
+
+    @property
+    def held(self) -> int:
+        call = len(self.start) + self.body_size if self.body is not None else 0
+        return len(self.spaces) + call + len(self.pending)
 
     def _content(self, text: str) -> str:
         if self.called and not (self.spaces + text).strip():
@@ -172,13 +184,15 @@ class MarkerStreamer(ToolStreamer):
                     self.pending = self.pending[cut:]
                     break
                 out.append(self._content(self.pending[:at]))
-                self.body, self.tail, self.pending = [], "", self.pending[at + len(self.start) :]
+                self.body, self.body_size, self.tail = [], 0, ""
+                self.pending = self.pending[at + len(self.start) :]
                 continue
             piece, self.pending = self.pending, ""
             window = self.tail + piece  # the body's text where ``end`` may be, seen for the first time
             at = -1 if self.end is None else window.find(self.end)
             if at < 0:
                 self.body.append(piece)
+                self.body_size += len(piece)
                 if self.end is not None:
                     self.tail = window[max(0, len(window) - len(self.end) + 1) :]
                 break

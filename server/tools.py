@@ -261,6 +261,11 @@ class ChoiceTools:
         assert self._streamer is not None
         return [(content, self._deltas(calls)) for content, calls in self._streamer.pieces(text)]
 
+    @property
+    def held(self) -> int:
+        """Characters fed that are held back (``ToolStreamer.held``); a named call holds none."""
+        return self._streamer.held if self._streamer is not None else 0
+
     def finish(self) -> tuple[str, list[DeltaToolCall]]:
         if self._streamer is None:
             return "", []
@@ -290,13 +295,19 @@ class _WholeJSON(ToolStreamer):
 
     def __init__(self) -> None:
         self.parts: list[str] = []  # joined once, at the end
+        self.size = 0  # their length
+
+    @property
+    def held(self) -> int:
+        return self.size
 
     def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
         self.parts.append(text)
+        self.size += len(text)
         return "", []
 
     def finish(self) -> tuple[str, list[ParsedCall]]:
-        text, self.parts = "".join(self.parts), []
+        text, self.parts, self.size = "".join(self.parts), [], 0
         calls = read_required(text)
         return (text, []) if calls is None else ("", calls)
 

@@ -643,12 +643,15 @@ def test_a_stored_response_chain_follows_its_replica(cluster: Cluster, pair: lis
     assert len(owner) == 1
     for turn in range(1, 5):
         kw = dict(previous_response_id=previous.id, input=f"Turn {turn}", **greedy)
+        # The last two turns are named by vLLM's request_id field: the router follows that name.
+        named = {"request_id": f"turn{turn}-{time.monotonic_ns()}"} if turn >= 3 else {}
         if turn == 3:  # streamed
-            events = list(c.responses.create(stream=True, **kw))
+            events = list(c.responses.create(stream=True, extra_body=named, **kw))
             assert events[-1].type in ("response.completed", "response.incomplete")
             previous = events[-1].response
         else:
-            previous = c.responses.create(**kw)
+            previous = c.responses.create(extra_body=named, **kw)
+        assert previous.id == named.get("request_id", previous.id)
         assert previous.usage.input_tokens > 8 * turn
     view = replicas_view(router)
     assert {u for u, r in view.items() if r["total_requests"] == 5} == owner  # all five turns
@@ -682,9 +685,15 @@ def test_a_background_response_is_polled_resumed_and_cancelled_on_its_replica(
         rest = list(c.responses.retrieve(response_id, stream=True, starting_after=2))
         assert [e.sequence_number for e in first + rest] == list(range(len(first) + len(rest)))
         assert rest[-1].type in ("response.completed", "response.incomplete")
+    named = f"long-{time.monotonic_ns()}"  # vLLM's request_id field names it: the router follows
     long = c.responses.create(
-        model=MODEL, input="x", max_output_tokens=900, background=True, extra_body={"ignore_eos": True}
+        model=MODEL,
+        input="x",
+        max_output_tokens=900,
+        background=True,
+        extra_body={"ignore_eos": True, "request_id": named},
     )
+    assert long.id == named
     wait_in_progress(c, long.id)
     cancelled = c.responses.cancel(long.id)
     assert cancelled.status == "cancelled" and 0 < cancelled.usage.output_tokens < 900

@@ -499,7 +499,7 @@ def test_a_background_response_of_a_killed_api_server_fails_through_the_other(se
     )
     answer = owner.getresponse()
     events = []
-    while len(events) < 3:  # the third comes with its first output: it runs
+    while len(events) < 4:  # the fourth comes with its first output: it runs
         line = answer.readline()
         if line.startswith(b"data: "):
             events.append(json.loads(line[6:]))

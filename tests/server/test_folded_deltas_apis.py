@@ -103,6 +103,8 @@ async def test_responses(engine, serve_app, fold_deltas, steer, case, logprobs) 
                 == response_items(stored["output"])
             )
             assert final["usage"] == whole["usage"]
+            if logprobs:
+                _assert_text_logprobs(events)
             seen.append(response_items(whole["output"]))
     want = [
         p if isinstance(p, tuple) else ("reasoning" if isinstance(p, Thought) else "message", p)
@@ -112,8 +114,22 @@ async def test_responses(engine, serve_app, fold_deltas, steer, case, logprobs) 
     assert seen == [seen[0]] * len(FOLDS)
     texts = [item for item in seen[0] if item[0] == "message"]
     for _, text, tokens in texts if logprobs else ():
-        assert text in "".join(tokens)  # a message's logprobs hold its text's tokens
-        assert not any(thought in "".join(tokens) for thought in order if isinstance(thought, Thought))
+        # A message's logprobs are its text's tokens: no call markup, no thought.
+        assert "".join(tokens) == text and tokens
+
+
+def _assert_text_logprobs(events: list[dict[str, Any]]) -> None:
+    """Each streamed text delta carries the tokens of its text, and the part's logprobs at its end
+    are those of its deltas."""
+    sent: dict[str, list[dict[str, Any]]] = {}
+    for e in events:
+        if e["type"] == "response.output_text.delta":
+            assert "".join(t["token"] for t in e["logprobs"]) == e["delta"], e
+            sent.setdefault(e["item_id"], []).extend(e["logprobs"])
+        elif e["type"] == "response.output_text.done":
+            assert e["logprobs"] == sent.pop(e["item_id"])
+            assert "".join(t["token"] for t in e["logprobs"]) == e["text"]
+    assert not sent
 
 
 # -- /v1/messages (Anthropic) -----------------------------------------------------------------------
@@ -196,9 +212,10 @@ async def test_a_stop_string_inside_a_delta_ends_chat_and_messages_alike(
             message = (await client.post("/v1/messages", json=anthropic)).json()
             events = message_of_events(await sse(client, "/v1/messages", anthropic))
             assert message_blocks(message) == message_blocks(events) == [("text", "Hello "), F]
-            # The turn ends in a call (the chat's "tool_calls"), whole or streamed.
-            assert (message["stop_reason"], message["stop_sequence"]) == ("tool_use", None)
-            assert (events["stop_reason"], events["stop_sequence"]) == ("tool_use", None)
+            # The turn ends in a call (the chat's "tool_calls"), whole or streamed; the stop
+            # sequence generated after it is named.
+            assert (message["stop_reason"], message["stop_sequence"]) == ("tool_use", " aft")
+            assert (events["stop_reason"], events["stop_sequence"]) == ("tool_use", " aft")
     tail = [" aft"] if include else []
     assert seen == [(["Hello ", F, *tail], "Hello " + "".join(tail), [F], "tool_calls")] * len(FOLDS)
 

@@ -16,7 +16,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from server.anthropic_protocol import MessagesRequest
-from server.serving_messages import to_chat_request
+from server.chat_protocol import (
+    ChatCompletionChunk,
+    ChatStreamChoice,
+    DeltaFunctionCall,
+    DeltaMessage,
+    DeltaToolCall,
+)
+from server.messages_events import MessageWriter
+from server.protocol import UsageInfo
+from server.serving_messages import _collect, _translate, to_chat_request
 from tests.server.error_cases import json_values
 
 SYSTEM = "You are terse."
@@ -173,6 +182,63 @@ def test_stop_sequence_ends_the_turn_and_is_named(srv, client) -> None:
     )
     assert (m.stop_reason, m.stop_sequence) == ("stop_sequence", stop)
     assert full.content[0].text.startswith(m.content[0].text) and stop not in m.content[0].text
+
+
+def _call_then_end(finish_reason: str, stop: str | None) -> list[ChatCompletionChunk]:
+    """The chat chunks of an answer that writes a call, then text, then ends (``stop``: the stop
+    string that ended it), as ``chat_stream`` sends them."""
+
+    def chunk(delta: DeltaMessage, **end) -> ChatCompletionChunk:  # noqa: ANN003
+        choice = ChatStreamChoice(index=0, delta=delta, **end)
+        return ChatCompletionChunk(id="c", created=0, model="m", choices=[choice])
+
+    call = DeltaToolCall(
+        index=0, id="call_1", type="function", function=DeltaFunctionCall(name="get_weather", arguments="{}")
+    )
+    usage = UsageInfo(prompt_tokens=5, completion_tokens=9, total_tokens=14)
+    return [
+        chunk(DeltaMessage(role="assistant")),
+        chunk(DeltaMessage(tool_calls=[call])),
+        chunk(DeltaMessage(content="ok"), finish_reason=finish_reason, stop_reason=stop),
+        ChatCompletionChunk(id="c", created=0, model="m", choices=[], usage=usage),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("finish_reason", "stop", "stop_sequences", "expected"),
+    [
+        # A stop sequence ended the turn after a call: named, and the reason stays the call.
+        ("tool_calls", "END", ["END"], ("tool_use", "END")),
+        ("stop", "END", ["END"], ("tool_use", "END")),  # a named tool's chat says "stop"
+        ("tool_calls", None, ["END"], ("tool_use", None)),
+        ("stop", None, None, ("tool_use", None)),
+        ("tool_calls", 7, None, ("tool_use", None)),  # a stop token is not a stop sequence
+        ("length", None, ["END"], ("max_tokens", None)),
+    ],
+)
+async def test_stop_reason_after_a_tool_call(finish_reason, stop, stop_sequences, expected) -> None:
+    body = {"model": "m", "max_tokens": 9, "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS}
+    req = MessagesRequest.model_validate({**body, "stop_sequences": stop_sequences})
+
+    async def chunks():  # noqa: ANN202
+        for c in _call_then_end(finish_reason, stop):
+            yield c
+
+    whole = await _collect(MessageWriter(req, "msg_1", "m"), chunks())
+    delta = {"stop_reason": expected[0], "stop_sequence": expected[1]}
+    assert [e for e in whole if e[0] == "message_delta"] == [
+        ("message_delta", {"delta": delta, "usage": {"output_tokens": 9}})
+    ]
+    frames = b"".join([f async for f in _translate(MessageWriter(req, "msg_1", "m"), chunks())]).decode()
+    streamed = [json.loads(line[6:]) for line in frames.splitlines() if line.startswith("data: ")]
+    assert [e["type"] for e in streamed] == [
+        "message_start",
+        *("content_block_start", "content_block_delta", "content_block_stop"),  # the call
+        *("content_block_start", "content_block_delta", "content_block_stop"),  # the text
+        "message_delta",
+        "message_stop",
+    ]
+    assert streamed[-2] == {"type": "message_delta", "delta": delta, "usage": {"output_tokens": 9}}
 
 
 def test_tool_history_renders_as_chat_tool_calls_and_results(srv, client) -> None:

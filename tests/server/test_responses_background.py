@@ -11,6 +11,7 @@ import time
 import httpx
 import openai
 import pytest
+from openai.types.responses import ResponseQueuedEvent
 
 from server.responses_memory import EVENT_LOG_OVERHEAD, EVENT_OVERHEAD, RECORD_OVERHEAD, MemoryRecords
 from server.responses_memory_stores import MemoryResponseStore
@@ -101,7 +102,14 @@ def test_a_background_stream_runs_on_without_its_client_and_resumes(client, serv
     kw = dict(model=server.model_name, input="Tell me more", **GREEDY)
     foreground = client.responses.create(**kw)
     first = first_events(client.responses.create(background=True, stream=True, **kw), 4)  # then it goes
-    assert first[0].type == "response.created" and first[0].response.status == "queued"
+    # OpenAI's opening of a background stream: created and queued (status queued), then in_progress.
+    opening = [(e.type, e.sequence_number, e.response.status) for e in first[:3]]
+    assert opening == [
+        ("response.created", 0, "queued"),
+        ("response.queued", 1, "queued"),
+        ("response.in_progress", 2, "in_progress"),
+    ]
+    assert isinstance(first[1], ResponseQueuedEvent) and first[1].response.id == first[0].response.id
     response_id = first[0].response.id
     rest = list(client.responses.retrieve(response_id, stream=True, starting_after=first[-1].sequence_number))
     events = first + rest
@@ -109,9 +117,11 @@ def test_a_background_stream_runs_on_without_its_client_and_resumes(client, serv
     assert rest[-1].type == f"response.{foreground.status}"
     assert deltas(events) == foreground.output_text == rest[-1].response.output_text
     assert poll(client, response_id).output_text == foreground.output_text
-    # All of it again, from the store now that it has finished.
+    # All of it again, from the store now that it has finished, and from after the queued event.
     again = list(client.responses.retrieve(response_id, stream=True))
     assert [e.model_dump() for e in again] == [e.model_dump() for e in events]
+    after_created = client.responses.retrieve(response_id, stream=True, starting_after=0)
+    assert [e.model_dump() for e in after_created] == [e.model_dump() for e in events[1:]]
     # A client that has every event gets an empty stream.
     assert list(client.responses.retrieve(response_id, stream=True, starting_after=len(events) - 1)) == []
 

@@ -140,6 +140,36 @@ def test_a_reused_request_id_never_replaces_another_stored_response(client, serv
     assert again.id == first.id and again.output_text == first.output_text
 
 
+def test_vllms_request_id_field_is_the_response_id(client, server) -> None:
+    # vLLM's body field names the response as given (X-Request-Id or not), whole or streamed; it
+    # is read, continued and deleted under that name, and a reuse is the X-Request-Id's 409.
+    named = f"mine-{time.monotonic_ns()}"
+    kw = dict(model=server.model_name, **GREEDY)
+    headers = {"X-Request-Id": f"other-{named}"}
+    first = client.responses.create(input="Hi", extra_headers=headers, extra_body={"request_id": named}, **kw)
+    assert first.id == named and client.responses.retrieve(named).output_text == first.output_text
+    streamed = list(
+        client.responses.create(
+            input="And?",
+            previous_response_id=named,
+            stream=True,
+            extra_body={"request_id": named + ".2"},
+            **kw,
+        )
+    )
+    assert {e.response.id for e in streamed if hasattr(e, "response")} == {named + ".2"}
+    assert client.responses.retrieve(named + ".2").previous_response_id == named
+    with pytest.raises(openai.ConflictError) as e:
+        client.responses.create(input="Bye", extra_body={"request_id": named}, **kw)
+    assert e.value.code == "response_id_in_use"
+    client.responses.delete(named)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(named)
+    for bad in ("a/b", "", "x" * 129, 7):  # a path's /v1/responses/{id} must name it
+        r = httpx.post(f"{server.url}/v1/responses", json={"input": "x", "request_id": bad}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "request_id", r.text
+
+
 def test_a_request_id_with_a_slash_names_a_response_that_can_be_read(client, server) -> None:
     # "/" is fine in X-Request-Id, not in /v1/responses/{id}: such ids are digested.
     headers = {"X-Request-Id": f"team/a=1/{time.monotonic_ns()}"}
@@ -340,9 +370,9 @@ def test_a_killed_replicas_background_response_fails_once_its_lease_lapses(
         # and then sees a fresh TTL each time); the lease held past its 1 s TTL all along is
         # checked by the pttl assertion in the loop.
         assert set(polled.values()) == {"incomplete"} and renewed >= 1, (polled, renewed)
-        first = first_events(_client(srv.url).responses.create(stream=True, **body), 3)  # it runs
+        first = first_events(_client(srv.url).responses.create(stream=True, **body), 4)  # it runs
         response_id = first[0].response.id
-        while store.xlen(f"ferry:response-events:{response_id}") < 3:  # its first batch is kept
+        while store.xlen(f"ferry:response-events:{response_id}") < 4:  # its first batch is kept
             time.sleep(0.005)
         srv.proc.kill()
         killed = time.monotonic()
@@ -362,7 +392,7 @@ def test_a_killed_replicas_background_response_fails_once_its_lease_lapses(
     assert 0.5 < took < ttl + 30, f"reported failed {took:.1f} s after the kill"
     assert events[0].type == "response.created" and events[-1].type == "response.failed"
     assert events[-1].response.model_dump() == failed.model_dump()
-    assert [e.sequence_number for e in events] == list(range(len(events))) and len(events) >= 4
+    assert [e.sequence_number for e in events] == list(range(len(events))) and len(events) >= 5
     assert _client(b.url).responses.retrieve(response_id).model_dump() == failed.model_dump()
     orphaned = [
         scrape(r.url, "ferry:responses_background_orphaned_total", model_name=r.model_name) for r in (a, b)

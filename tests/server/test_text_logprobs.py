@@ -1,0 +1,87 @@
+"""The tokens a streamed choice's content is given (``server/text_logprobs.py``), fed token by token
+through the real shaper (hermes calls, qwen3 reasoning) as ``chat_stream`` feeds it: text held
+back as a possible marker's start goes with the content it turns out to be, or is dropped with the
+markup; a call's markup and the thinking give content no token. The Responses API's end-to-end
+checks (whole, streamed, folded) are in ``test_folded_deltas_apis.py``."""
+
+from __future__ import annotations
+
+from server.chat_protocol import TokenLogprob
+from server.chat_shape import ChoiceShaper
+from server.reasoning_parsers import reasoning_splitter
+from server.text_logprobs import TextLogprobs
+from server.tool_parsers import get_tool_parser
+from server.tools import ToolPlan
+
+CALL = '{"name": "f", "arguments": {}}'
+
+
+def _shown(tokens: list[str], tools: bool = True, reasoning: bool = False) -> list[tuple[str, list[str]]]:
+    """(content, its tokens) of each content step, the tokens fed one at a time (the last one ends
+    the answer); a token's logprob is named by its text."""
+    plan = ToolPlan("auto", parser=get_tool_parser("hermes")) if tools else None
+    shaper = ChoiceShaper(plan, reasoning_splitter("qwen3") if reasoning else None)
+    ledger = TextLogprobs()
+    out = []
+    for i, token in enumerate(tokens):
+        final = i == len(tokens) - 1
+        shaped = shaper.feed(token)
+        if final:
+            shaped = shaped.then(shaper.finish())
+        steps = shaped.steps()
+        given = ledger.step(token, [TokenLogprob(token=token, logprob=-1.0)], steps, shaper.held, final)
+        out += [
+            (text, [t.token for t in lps])
+            for (_, text, _), lps in zip(steps, given, strict=True)
+            if text or lps
+        ]
+    return out
+
+
+def test_held_text_goes_with_its_release_and_markup_gives_none() -> None:
+    tokens = ["Hi", " ", "<", "to", "ol", ">", " ", "<tool_call>", CALL, "</tool_call>", "\n", " ok"]
+    assert _shown(tokens) == [
+        ("Hi", ["Hi"]),
+        (" ", [" "]),
+        ("<tool>", ["<", "to", "ol", ">"]),  # held as a possible <tool_call>, then sent
+        (" ", [" "]),
+        ("\n ok", ["\n", " ok"]),  # whitespace after a call is held until text follows it
+    ]
+
+
+def test_a_held_start_that_becomes_a_call_is_dropped_and_whitespace_after_the_last_call_too() -> None:
+    tokens = ["a", "<", "tool", "_call", ">", CALL, "</", "tool_call>", "\n", "\n"]
+    assert _shown(tokens) == [("a", ["a"])]
+
+
+def test_part_of_what_was_held_is_content() -> None:
+    # "<" is held; the next token starts a call right after it: "<" alone is content.
+    assert _shown(["x", "<", "<tool_call>", CALL, "</tool_call>"]) == [("x", ["x"]), ("<", ["<"])]
+
+
+def test_text_after_a_call_in_the_same_token_gets_that_token() -> None:
+    assert _shown(["<tool_call>", CALL, "</tool_call>ok", "!"]) == [("ok", ["</tool_call>ok"]), ("!", ["!"])]
+
+
+def test_reasoning_gives_content_no_token() -> None:
+    tokens = ["<think>", "hm", " <", "/", "think", ">", "\n\n", "Hel", "lo"]
+    assert _shown(tokens, tools=False, reasoning=True) == [("Hel", ["Hel"]), ("lo", ["lo"])]
+
+
+def test_reasoning_then_text_then_a_call() -> None:
+    tokens = ["<think>", "a", "</think>", "Hi", " ", "<tool_call>", CALL, "</tool_call>"]
+    assert _shown(tokens, reasoning=True) == [("Hi", ["Hi"]), (" ", [" "])]
+
+
+def test_a_token_with_no_text_goes_with_the_character_that_completes_it() -> None:
+    # A character's first bytes show no text until its last token; the ending token (EOS) has none.
+    assert _shown(["a", "", "é", ""]) == [("a", ["a"]), ("é", ["", "é"])]
+
+
+def test_a_resumed_stream_starts_where_the_shaper_is() -> None:
+    shaper = ChoiceShaper(ToolPlan("auto", parser=get_tool_parser("hermes")), None)
+    shaper.skip("Hi <to")  # "<to" is held
+    ledger = TextLogprobs("Hi <to", shaper.held)
+    shaped = shaper.feed("ol>")
+    given = ledger.step("ol>", [TokenLogprob(token="ol>", logprob=-1.0)], shaped.steps(), shaper.held, False)
+    assert shaped.content == "<tool>" and [[t.token for t in lps] for lps in given] == [["ol>"]]
