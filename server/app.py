@@ -143,9 +143,13 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
         title="ferry",
         version=__version__,
         description="OpenAI-compatible API of one ferry replica.",
-        **config.http.fastapi_kwargs(),  # root path, docs
+        **config.http.fastapi_kwargs(),  # docs
         **_NO_TELEMETRY,
     )
+    # vLLM's --root-path, as FastAPI's ``root_path`` (every request's scope names it, so routes match
+    # with or without the prefix), set here: passed to ``FastAPI(...)`` it warns at every start that
+    # it is deprecated (uvicorn's own would prefix every path, so a prefixed request would not match).
+    app.root_path = config.http.root_path
     app.router.route_class = StrictJSONRoute  # every route declared below parses its body strictly
     app.state.ferry = state
     install_error_handlers(app, _shaped)

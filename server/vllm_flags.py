@@ -91,8 +91,9 @@ class HttpOptions:
         return kwargs
 
     def fastapi_kwargs(self) -> dict:
-        """What ``FastAPI(...)`` takes of these options (vLLM's root path and docs switch)."""
-        kwargs: dict = {"root_path": self.root_path}
+        """What ``FastAPI(...)`` takes of these options (vLLM's docs switch; the root path is set on
+        the app after it is built: ``build_app``)."""
+        kwargs: dict = {}
         if not self.docs:
             kwargs.update(openapi_url=None, docs_url=None, redoc_url=None)
         return kwargs
