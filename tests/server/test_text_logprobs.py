@@ -6,6 +6,11 @@ checks (whole, streamed, folded) are in ``test_folded_deltas_apis.py``."""
 
 from __future__ import annotations
 
+import re
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from server.chat_protocol import TokenLogprob
 from server.chat_shape import ChoiceShaper
 from server.reasoning_parsers import reasoning_splitter
@@ -85,3 +90,35 @@ def test_a_resumed_stream_starts_where_the_shaper_is() -> None:
     shaped = shaper.feed("ol>")
     given = ledger.step("ol>", [TokenLogprob(token="ol>", logprob=-1.0)], shaped.steps(), shaper.held, False)
     assert shaped.content == "<tool>" and [[t.token for t in lps] for lps in given] == [["ol>"]]
+
+
+_TEXT = st.text(alphabet="ab<>/ \n", min_size=1, max_size=6)
+
+
+@st.composite
+def _answers(draw: st.DrawFn) -> tuple[list[str], bool]:
+    """An answer cut into tokens: optional thinking, then text and calls; no token crosses from one
+    part to the next, nor from whitespace to other characters (a token part markup or part dropped
+    whitespace, part content, is the one case the ledger gives content a token's extra text)."""
+    reasoning = draw(st.booleans())
+    parts = ["<think>", draw(_TEXT), "</think>"] if reasoning else []
+    for _ in range(draw(st.integers(1, 5))):
+        parts.append(draw(st.sampled_from(["<tool_call>" + CALL + "</tool_call>", "text"])))
+        if parts[-1] == "text":
+            parts[-1] = draw(_TEXT)
+    tokens = []
+    for part in parts:
+        runs = [m.group() for m in re.finditer(r"[ \n]+|[^ \n]+", part)]
+        for run in runs:
+            cuts = sorted(draw(st.sets(st.integers(1, max(1, len(run) - 1)), max_size=3)))
+            bounds = [0, *(c for c in cuts if c < len(run)), len(run)]
+            tokens += [run[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    return tokens, reasoning
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_answers())
+def test_content_gets_exactly_its_tokens_however_an_answer_is_cut(answer) -> None:
+    tokens, reasoning = answer
+    shown = _shown(tokens, reasoning=reasoning)
+    assert "".join(t for _, lps in shown for t in lps) == "".join(text for text, _ in shown)
