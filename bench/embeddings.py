@@ -37,7 +37,7 @@ def inputs(n: int, seed: int = 0) -> list[list[int]]:
 
 
 def run_ferry(path: Path, work: list[list[int]], threads: int) -> tuple[float, list[list[float]]]:
-    from engine import LLM
+    from engine import LLM, PoolingParams
 
     llm = LLM(
         str(path),
@@ -46,10 +46,11 @@ def run_ferry(path: Path, work: list[list[int]], threads: int) -> tuple[float, l
         max_num_batched_tokens=2048,
         num_threads=threads,
     )
-    llm.embed([work[0][:16]])  # warm-up
+    raw = PoolingParams(normalize=False)  # the pooled states, as transformers' are compared
+    llm.embed([work[0][:16]], pooling_params=raw)  # warm-up
     t0 = time.perf_counter()
-    out = llm.embed(work)
-    return time.perf_counter() - t0, out
+    out = llm.embed(work, pooling_params=raw)
+    return time.perf_counter() - t0, [o.outputs.embedding for o in out]
 
 
 def run_hf(path: Path, work: list[list[int]], batch: int = 32) -> tuple[float, list[torch.Tensor]]:

@@ -10,17 +10,23 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from engine.llm_prompts import TextPrompt, TokensPrompt
 from engine.lora_request import LoRARequest
 from engine.outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
     CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
     Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
     RequestOutput,
     ScoringOutput,
     ScoringRequestOutput,
 )
-from engine.sampling_params import SamplingParams
+from engine.pooling_params import PoolingParams
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
@@ -30,6 +36,10 @@ __all__ = [
     "LLM",
     "AsyncEngine",
     "SamplingParams",
+    "StructuredOutputsParams",
+    "PoolingParams",
+    "TextPrompt",
+    "TokensPrompt",
     "BeamSearchParams",
     "BeamSearchOutput",
     "BeamSearchSequence",
@@ -41,6 +51,10 @@ __all__ = [
     "ClassificationRequestOutput",
     "ScoringOutput",
     "ScoringRequestOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
+    "PoolingOutput",
+    "PoolingRequestOutput",
 ]
 
 _LAZY = {"LLM": "engine.llm", "AsyncEngine": "engine.async_engine"}

@@ -1,14 +1,16 @@
 """The offline API: ``LLM(model_dir, **engine_options).generate(prompts, params)``.
 
-``LLM`` inherits its pooling APIs (``embed``, ``classify``, ``score``) from ``engine/llm_pooling.py``;
-the prompt forms it accepts (vLLM's prompt dicts, ``ImagePrompt``) are ``engine/llm_prompts.py``.
+``LLM`` inherits its pooling APIs (``embed``, ``classify``, ``score``, ``encode``) from
+``engine/llm_pooling.py``; the prompt forms it accepts (vLLM's prompt dicts, ``ImagePrompt``) are
+``engine/llm_prompts.py``, the vLLM constructor options it accepts without an ``EngineConfig``
+field ``engine/llm_options.py``.
 """
 
 from __future__ import annotations
 
 import itertools
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from types import TracebackType
 from typing import Any
@@ -17,6 +19,7 @@ from engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from engine.chat_template import template_message
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.llm_options import take_vllm_options
 from engine.llm_pooling import LLMPooling
 from engine.llm_prompts import ImagePrompt, Prompt, _as_prompt_list
 from engine.lora_request import LoRARequest
@@ -39,11 +42,14 @@ class LLM(LLMPooling):
 
     def __init__(self, model: str | None = None, **engine_options: object) -> None:
         """``model``: a Hugging Face directory or hub id (``model_dir=`` is accepted too); None serves
-        the built-in demo model. ``engine_options`` are ``EngineConfig`` fields."""
+        the built-in demo model. ``engine_options`` are ``EngineConfig`` fields, and vLLM's
+        constructor options ferry has no use for (``tensor_parallel_size=1``, ``enforce_eager``,
+        ``trust_remote_code``, …: engine/llm_options.py), logged and otherwise ignored."""
         if "model_dir" in engine_options:
             if model is not None:
                 raise TypeError("pass the model once: either positionally or as model_dir=")
             model = engine_options.pop("model_dir")  # type: ignore[assignment]
+        take_vllm_options(engine_options)
         self.config = EngineConfig.from_options(model=None if model is None else str(model), **engine_options)
         self.engine = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer
@@ -100,6 +106,12 @@ class LLM(LLMPooling):
         engine = self.engine
         engine.load_checkpoint(engine.read_checkpoint(path, load_format))
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached KV block from the prefix cache (vLLM's ``LLM.reset_prefix_cache``): the
+        next prompts are computed whole. Nothing runs between calls, so it always succeeds."""
+        self.engine.block_manager.reset_prefix_cache()
+        return True
+
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list:
         """vLLM's ``collective_rpc`` for the one method RL frameworks call on it after a level-2
         wake: ``"reload_weights"``. One worker here, so one result."""
@@ -120,13 +132,14 @@ class LLM(LLMPooling):
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: Sequence[int] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool | Callable = False,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in prompt order; ``n > 1`` gives n completions (child i
         seeded ``seed + i`` when a seed is given). ``lora_request``: the LoRA adapter every prompt
         runs with, or one per prompt (needs ``enable_lora=True``). ``priority``: one per prompt, lower
         first (needs ``scheduling_policy="priority"``). Prompts may be vLLM's prompt dicts;
-        ``use_tqdm`` is accepted for vLLM's callers and shows nothing."""
+        ``use_tqdm`` (a bool or vLLM's tqdm factory) is accepted for vLLM's callers and shows
+        nothing. Each output carries the ``lora_request`` its prompt ran with, as vLLM's."""
         self._check_ready()
         prompt_list = _as_prompt_list(prompts, images=True)
         if sampling_params is None:
@@ -174,9 +187,10 @@ class LLM(LLMPooling):
         while engine.has_unfinished_requests():
             engine.step()
         results = []
-        for children in groups:
+        for children, lora in zip(groups, lora_list, strict=True):
             outs = [engine.post.final(req) for req in children]
             first = outs[0]
+            first.lora_request = lora
             for i, o in enumerate(outs):
                 o.outputs[0].index = i
             first.outputs = [o.outputs[0] for o in outs]
@@ -187,19 +201,31 @@ class LLM(LLMPooling):
         self,
         prompts: Prompt | Sequence[Prompt],
         params: BeamSearchParams,
-        lora_request: LoRARequest | None = None,
-        use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        use_tqdm: bool | Callable = False,
+        concurrency_limit: int | None = None,
     ) -> list[BeamSearchOutput]:
         """Beam search for each prompt, as vLLM's ``LLM.beam_search`` (``engine/beam_search.py``):
         one ``BeamSearchOutput`` per prompt, its ``params.beam_width`` sequences best first, each
         with ``tokens`` (prompt and output), ``cum_logprob``, ``text`` (the output's text: vLLM's
         offline API puts the prompt's text in front), ``finish_reason`` and ``stop_reason``. Every
-        prompt's live beams run together, one engine step per beam search step."""
+        prompt's live beams run together, one engine step per beam search step; with
+        ``concurrency_limit``, that many prompts at a time (vLLM's). ``lora_request``: one adapter
+        for every prompt, or one per prompt."""
         self._check_ready()
         engine = self.engine
-        searches = []
-        images: list[list[Any]] = []  # each search's images, processed once for all its steps
-        for prompt in _as_prompt_list(prompts, images=True):
+        prompt_list = _as_prompt_list(prompts, images=True)
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompt_list)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompt_list):
+                raise ValueError(f"{len(loras)} LoRA requests for {len(prompt_list)} prompts")
+        if concurrency_limit is not None and concurrency_limit < 1:
+            raise ValueError(f"concurrency_limit must be at least 1, got {concurrency_limit}")
+        # Each search with its images (processed once for all its steps) and its adapter.
+        searches: list[tuple[BeamSearch, list[Any], LoRARequest | None]] = []
+        for prompt, lora in zip(prompt_list, loras, strict=True):
             given: list[Any] = []
             if isinstance(prompt, ImagePrompt):
                 prompt, given = prompt.prompt, list(prompt.images)
@@ -208,23 +234,30 @@ class LLM(LLMPooling):
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             if given or engine.image_processor is not None:
                 ids, given = self._with_images(ids, given)
-            images.append(given)
             if len(ids) + params.max_tokens > engine.max_model_len:
                 raise ValueError(
                     f"the prompt ({len(ids)} tokens) and max_tokens ({params.max_tokens}) exceed the "
                     f"model's context ({engine.max_model_len} tokens)"
                 )
-            searches.append(BeamSearch(ids, params, engine.eos_token_ids, self.tokenizer))
+            searches.append((BeamSearch(ids, params, engine.eos_token_ids, self.tokenizer), given, lora))
+        size = concurrency_limit or max(len(searches), 1)
+        for start in range(0, len(searches), size):
+            self._run_searches(searches[start : start + size])
+        return [search.finish() for search, _, _ in searches]
+
+    def _run_searches(self, searches: list[tuple[BeamSearch, list[Any], LoRARequest | None]]) -> None:
+        """Step these searches together until each is done: every live beam one request a step."""
+        engine = self.engine
         while True:
-            running = [(s, given) for s, given in zip(searches, images, strict=True) if not s.done]
+            running = [entry for entry in searches if not entry[0].done]
             if not running:
-                break
+                return
             steps = []
-            for search, given in running:
+            for search, given, lora in running:
                 step = search.step_params()
                 reqs = [
                     engine.make_request(
-                        f"llm-{next(self._ids)}", beam.tokens, step, lora_request=lora_request, images=given
+                        f"llm-{next(self._ids)}", beam.tokens, step, lora_request=lora, images=given
                     )
                     for beam in search.live
                 ]
@@ -236,7 +269,6 @@ class LLM(LLMPooling):
                 engine.step()
             for search, reqs in steps:
                 search.advance([engine.post.final(req).outputs[0].logprobs[0] for req in reqs])
-        return [search.finish() for search in searches]
 
     def _with_images(self, ids: list[int], images: list[Any]) -> tuple[list[int], list[Any]]:
         """A beam search prompt's ids with each image's placeholder run, and its images processed

@@ -8,9 +8,23 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Required, TypedDict
 
 Prompt = str | list[int]
+
+
+class TextPrompt(TypedDict, total=False):
+    """vLLM's ``TextPrompt`` (``vllm.inputs``): ``TextPrompt(prompt=text)`` is the dict ``LLM`` takes."""
+
+    prompt: Required[str]
+    multi_modal_data: dict[str, Any]
+
+
+class TokensPrompt(TypedDict, total=False):
+    """vLLM's ``TokensPrompt``: ``TokensPrompt(prompt_token_ids=ids)``."""
+
+    prompt_token_ids: Required[list[int]]
+    multi_modal_data: dict[str, Any]
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -52,6 +53,7 @@ class RequestOutput:
     # On the final output of a pooling request: the prompt's pooled hidden state (after the final
     # norm; fp32, not normalised), or on a classifier model its score head's logits over it.
     embedding: list[float] | None = None
+    lora_request: Any = None  # the offline LLM's: the LoRARequest the prompt ran with (vLLM's)
 
 
 def merge_deltas(out: RequestOutput, nxt: RequestOutput) -> RequestOutput:
@@ -75,10 +77,36 @@ def merge_pending(out: RequestOutput, queue: asyncio.Queue) -> RequestOutput:
     return out
 
 
+# The offline LLM's pooling results (engine/llm_pooling.py), in vLLM's shapes: each request output
+# carries ``outputs`` (what was pooled), ``prompt_token_ids`` and ``num_cached_tokens`` (prompt
+# tokens served from the prefix cache or the KV tier).
+
+
+@dataclass
+class PoolingOutput:
+    """``LLM.encode``'s result for one prompt (vLLM's ``PoolingOutput``): ``data``, a float32 torch
+    tensor (typed Any: this module is torch-free)."""
+
+    data: Any
+
+
+@dataclass
+class EmbeddingOutput:
+    """One prompt's embedding (vLLM's ``EmbeddingOutput``): L2-normalised unless the
+    ``PoolingParams`` said ``normalize=False``."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
 @dataclass
 class ClassificationOutput:
     """One input's classification (vLLM's ``ClassificationOutput``): ``probs`` is the activation the
-    model's config names over ``logits`` (engine/classifier.py), ``logits`` the score head's own."""
+    model's config names over ``logits`` (engine/classifier.py; the logits themselves with
+    ``PoolingParams(use_activation=False)``), ``logits`` the score head's own."""
 
     probs: list[float]
     logits: list[float]
@@ -89,26 +117,51 @@ class ClassificationOutput:
 
 
 @dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class PoolingRequestOutput:
+    """``LLM.encode``'s result for one prompt (vLLM's shape: ``.outputs.data``)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput
+    num_cached_tokens: int = 0
+    finished: bool = True
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """``LLM.embed``'s result for one prompt (vLLM's shape: ``.outputs.embedding``)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    num_cached_tokens: int = 0
+    finished: bool = True
+
+
+@dataclass
 class ClassificationRequestOutput:
     """``LLM.classify``'s result for one prompt (vLLM's shape: ``.outputs.probs``)."""
 
     request_id: str
     prompt_token_ids: list[int]
     outputs: ClassificationOutput
+    num_cached_tokens: int = 0
     finished: bool = True
-
-
-@dataclass
-class ScoringOutput:
-    score: float
 
 
 @dataclass
 class ScoringRequestOutput:
     """``LLM.score``'s result for one pair (vLLM's shape: ``.outputs.score``); a cross-encoder's
-    ``prompt_token_ids`` are the pair's, as the model read them."""
+    ``prompt_token_ids`` are the pair's, as the model read them (a bi-encoder's: both texts', one
+    after the other; ``num_cached_tokens`` then counts both)."""
 
     request_id: str
     prompt_token_ids: list[int]
     outputs: ScoringOutput
+    num_cached_tokens: int = 0
     finished: bool = True

@@ -20,7 +20,7 @@ import torch
 from engine.detokenizer import IncrementalDetokenizer
 from engine.lora_request import LoRARequest
 from engine.prompt_embeds import PreparedEmbeds, prepare_prompt_embeds
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, bad_word_sequences
 from engine.sequence import Request
 from kvcache.keys import salt_extra
 
@@ -71,6 +71,13 @@ class RequestBuilder:
         ``grammar``: the compiled ``params.structured_outputs`` (``self.grammars.compile``), when the
         caller compiled it elsewhere (the async engine does, off its threads); else it is compiled here.
         """
+        if params.bad_words:  # vLLM's words: their token sequences join bad_words_token_ids
+            words = bad_word_sequences(
+                params.bad_words, lambda t: self.tokenizer.encode(t, add_special_tokens=False)
+            )
+            params = replace(
+                params, bad_words=None, bad_words_token_ids=[*(params.bad_words_token_ids or ()), *words]
+            )
         params.validate()
         if not pooling and self.model_runner.classifier is not None:
             raise ValueError(

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -155,6 +157,9 @@ class SamplingParams:
     # Token sequences that must not be completed: the last token of each is masked while the output
     # ends with the rest (vLLM's bad_words, tokenized by the caller).
     bad_words_token_ids: list[list[int]] | None = None
+    # vLLM's bad_words as words: the engine tokenizes them (``bad_word_sequences``) into
+    # bad_words_token_ids when it builds the request (engine/request_builder.py).
+    bad_words: list[str] | None = None
     # What this request's logprobs are (``EngineConfig.logprobs_mode``'s values); None: the
     # engine's. Beam search pins raw log-probabilities: its scores are sums of them.
     logprobs_mode: str | None = None
@@ -164,6 +169,10 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (vLLM's ``SamplingParams.clone``)."""
+        return copy.deepcopy(self)
 
     @property
     def greedy(self) -> bool:
@@ -210,3 +219,17 @@ class SamplingParams:
             banned = {seq[0] for seq in self.bad_words_token_ids if len(seq) == 1}
             if set(self.allowed_token_ids) <= banned:
                 raise ValueError("every token in allowed_token_ids is a bad word: nothing could be generated")
+
+
+def bad_word_sequences(words: Sequence[str], encode: Callable[[str], list[int]]) -> list[list[int]]:
+    """Each bad word's token ids alone and after a space (a word inside text is usually tokenized
+    with its leading space), as vLLM derives them; ``encode`` adds no special tokens. Deduplicated
+    through a dict (ordered): a list's ``in`` made a request with many bad words quadratic, minutes of
+    the event loop for one request of 50k words."""
+    seqs: dict[tuple[int, ...], None] = {}
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = encode(text)
+            if ids:
+                seqs[tuple(ids)] = None
+    return [list(ids) for ids in seqs]

@@ -125,8 +125,11 @@ class Tokenizer:
             chat_templates, self._special_strings, chat_template_content_format, image_token
         )
         self.vocab_size: int = self._tok.get_vocab_size(with_added_tokens=True)
+        # transformers' names too (vLLM scripts write ``stop_token_ids=[tokenizer.eos_token_id]``).
         self.bos_token_id: int | None = self._id_of(self._special_strings.get("bos_token"))
-        eos = [self._id_of(self._special_strings.get("eos_token"))] + list(extra_eos_ids)
+        self.eos_token_id: int | None = self._id_of(self._special_strings.get("eos_token"))
+        self.pad_token_id: int | None = self._id_of(self._special_strings.get("pad_token"))
+        eos = [self.eos_token_id] + list(extra_eos_ids)
         self.eos_token_ids: list[int] = list(dict.fromkeys(i for i in eos if i is not None))
         self.all_special_ids: set[int] = {
             i for i, t in self._tok.get_added_tokens_decoder().items() if t.special

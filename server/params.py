@@ -17,7 +17,7 @@ from typing import Any
 
 from engine.beam_search import BeamSearchParams, candidates_per_beam
 from engine.multimodal import ImageSpec
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, bad_word_sequences
 from engine.tokenizer import Tokenizer
 from server.chat_protocol import ChatCompletionRequest
 from server.errors import bad_request
@@ -193,15 +193,7 @@ def bad_words_token_ids(words: Sequence[str], tokenizer: Tokenizer | None) -> li
     with its leading space), as vLLM derives them."""
     if tokenizer is None:
         raise bad_request("bad_words needs the model's tokenizer", param="bad_words")
-    # Deduplicated through a dict (ordered, as a list was): a list's ``in`` made a request with
-    # many bad words quadratic, minutes of the event loop for one request of 50k words.
-    seqs: dict[tuple[int, ...], None] = {}
-    for word in words:
-        for text in (word.lstrip(), " " + word.lstrip()):
-            ids = tokenizer.encode(text, add_special_tokens=False)
-            if ids:
-                seqs[tuple(ids)] = None
-    return [list(ids) for ids in seqs]
+    return bad_word_sequences(words, lambda text: tokenizer.encode(text, add_special_tokens=False))
 
 
 def check_min_tokens(req: SamplingFields, max_tokens: int) -> None:

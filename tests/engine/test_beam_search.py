@@ -52,6 +52,12 @@ def test_beams_equal_transformers_beam_search(llm, hf_model, tiny_llama: Path, w
     greedy = llm.generate(PROMPTS[0], _greedy(8))[0].outputs[0].token_ids
     if width == 1:
         assert outs[0].sequences[0].tokens[len(PROMPTS[0]) :] == greedy
+    else:  # vLLM's concurrency_limit: one prompt's search at a time, the same beams
+        params = BeamSearchParams(beam_width=width, max_tokens=8, ignore_eos=True)
+        one_by_one = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS], params, concurrency_limit=1)
+        assert [[s.tokens for s in o.sequences] for o in one_by_one] == [
+            [s.tokens for s in o.sequences] for o in outs
+        ]
 
 
 def _greedy(max_tokens: int):

@@ -3,7 +3,8 @@ transformers' ``AutoModelForSequenceClassification`` (Llama, three labels; Gemma
 cross-encoder, one), chunked and batched; probs are the config's activation; ``LLM.score`` on a
 one-label model reads each pair as transformers' pair encoding (truncated as transformers truncates);
 generation, embeddings and pair scoring are refused where they do not apply; what config.json says
-about activations and labels."""
+about activations and labels. vLLM's call forms run unchanged: ``encode``, ``PoolingParams``
+(``use_activation=False``: the logits), ``num_cached_tokens``, ``score(chat_template=)``."""
 
 from __future__ import annotations
 
@@ -12,11 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM
+from engine import LLM, PoolingParams
 from engine.classifier import ClassifierInfo
 
 TEXTS = ["def parse_args(argv):", "import os\nimport sys\n\nprint(sys.argv)", "x = 1"]
 DOCS = ["import argparse\nparser = argparse.ArgumentParser()", "x = 1", "def parse(argv):"]
+SCORE_TEMPLATE = (
+    "{% for m in messages %}{{ '<' + m['role'] + '>' + m['content'] + '</' + m['role'] + '>' }}{% endfor %}"
+)
+LOGITS = PoolingParams(use_activation=False)
 
 
 def _hf_logits(path: Path, prompts: list[list[int]]) -> list[torch.Tensor]:
@@ -65,6 +70,23 @@ def test_classify_takes_text_and_labels_come_from_the_config(tiny_llama_cls: Pat
     for out, w in zip(outs, _hf_logits(tiny_llama_cls, ids), strict=True):
         assert _close(out.outputs.logits, w)
         assert abs(sum(out.outputs.probs) - 1.0) < 1e-9
+    # 48 tokens, unseen; then the first two of its three blocks are served from the prefix cache (the
+    # last holds the token that must be computed).
+    long = "class A:\n    pass\n" * 6
+    first, again = llm.classify([long], use_tqdm=True, lora_request=None), llm.classify(long)
+    assert len(first[0].prompt_token_ids) == 48 and first[0].num_cached_tokens == 0
+    assert again[0].num_cached_tokens == 32
+    (raw,) = llm.classify(long, pooling_params=LOGITS)
+    assert raw.outputs.probs == raw.outputs.logits == again[0].outputs.logits
+    for task in ("classify", None):  # None: the model's task
+        (enc,) = llm.encode([long], pooling_task=task)
+        assert enc.outputs.data.dtype == torch.float32
+        assert enc.outputs.data.tolist() == torch.tensor(again[0].outputs.probs, dtype=torch.float32).tolist()
+    assert llm.encode([long], LOGITS, pooling_task="classify")[0].outputs.data.tolist() == pytest.approx(
+        raw.outputs.logits, abs=1e-6
+    )
+    with pytest.raises(ValueError, match="use LLM.classify or LLM.score"):
+        llm.encode([long], pooling_task="embed")
 
 
 def test_cross_encoder_scores_the_pair_encoding(tiny_cross_encoder: Path) -> None:
@@ -91,6 +113,16 @@ def test_cross_encoder_scores_the_pair_encoding(tiny_cross_encoder: Path) -> Non
         ], n
     with pytest.raises(ValueError, match="1:N or N:N"):
         llm.score([query, query], DOCS)
+    # vLLM's keyword arguments: the logit itself, a score template for this call, the cache count.
+    logits = llm.score(query, DOCS, pooling_params=LOGITS, use_tqdm=False)
+    assert [torch.sigmoid(torch.tensor(o.outputs.score)).item() for o in logits] == pytest.approx(
+        want, abs=1e-5
+    )
+    assert [o.num_cached_tokens for o in logits] == [16 if len(ids) > 16 else 0 for ids in pair_ids]
+    (templated,) = llm.score(query, DOCS[0], chat_template=SCORE_TEMPLATE)
+    assert templated.prompt_token_ids == llm.tokenizer.encode(
+        f"<query>{query}</query><document>{DOCS[0]}</document>"
+    )
 
 
 def test_use_sep_token_false_joins_the_texts(tiny_cross_encoder: Path, tmp_path: Path) -> None:
@@ -159,8 +191,7 @@ def test_config_mistakes_are_refused() -> None:
 def test_a_chat_template_is_the_score_template(tiny_cross_encoder: Path) -> None:
     """vLLM's score template: the ``chat_template`` option rendered over a query and a document
     message (Qwen3-Reranker's prompt format is served so), then encoded as one text."""
-    template = "{% for m in messages %}{{ '<' + m['role'] + '>' + m['content'] + '</' + m['role'] + '>' }}{% endfor %}"
-    llm = LLM(str(tiny_cross_encoder), num_kv_blocks=64, chat_template=template)
+    llm = LLM(str(tiny_cross_encoder), num_kv_blocks=64, chat_template=SCORE_TEMPLATE)
     (out,) = llm.score(TEXTS[0], DOCS[0])
     text = f"<query>{TEXTS[0]}</query><document>{DOCS[0]}</document>"
     assert out.prompt_token_ids == llm.tokenizer.encode(text)

@@ -1,6 +1,7 @@
 """Pooling requests (``LLM.embed``, ``make_request(pooling=True)``): the prompt's last hidden state,
 equal to transformers' ``last_hidden_state``, whether chunked, mixed into a step with generating
-requests, or served from the prefix cache; the request then frees its blocks."""
+requests, or served from the prefix cache; the request then frees its blocks. ``LLM.embed`` and
+``LLM.encode`` answer in vLLM's shapes, normalised unless ``PoolingParams(normalize=False)``."""
 
 from __future__ import annotations
 
@@ -9,7 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM, EmbeddingRequestOutput, PoolingParams, PoolingRequestOutput, SamplingParams
+
+RAW = PoolingParams(normalize=False)
+
+
+def raw_embed(llm: LLM, prompts: list) -> list[list[float]]:
+    """The pooled hidden states themselves (not normalised), as vLLM's ``.outputs.embedding``."""
+    return [o.outputs.embedding for o in llm.embed(prompts, pooling_params=RAW)]
 
 
 def _hf_last_hidden(path: Path, prompts: list[list[int]]) -> list[torch.Tensor]:
@@ -47,7 +55,7 @@ def test_embed_equals_transformers_chunked_mixed_and_cached(model_fixture, promp
         assert req.embedding is not None and len(req.embedding) == w.shape[0]
         assert float((torch.tensor(req.embedding) - w).abs().max()) < 1e-5
         assert req.output_token_ids == []  # nothing sampled
-    again = llm.embed(prompts)  # prefix-cache hits: only the last block is computed
+    again = raw_embed(llm, prompts)  # prefix-cache hits: only the last block is computed
     for e, w in zip(again, want, strict=True):
         assert float((torch.tensor(e) - w).abs().max()) < 1e-5
     engine.block_manager.check_integrity()
@@ -56,9 +64,46 @@ def test_embed_equals_transformers_chunked_mixed_and_cached(model_fixture, promp
 
 def test_pooling_input_limit_is_the_context_not_context_minus_one(tiny_qwen3) -> None:
     llm = LLM(str(tiny_qwen3), num_kv_blocks=64, max_model_len=32)
-    assert len(llm.embed([[5] * 32])[0]) == 64
+    assert llm.embed([[5] * 32])[0].outputs.hidden_size == 64
     with pytest.raises(ValueError, match="the input has 33 tokens, more than max_model_len=32"):
         llm.embed([[5] * 33])
+    vllm_shapes(llm)
+
+
+def vllm_shapes(llm: LLM) -> None:
+    """A vLLM script's use of ``embed`` and ``encode`` runs unchanged: EmbeddingRequestOutput /
+    PoolingRequestOutput, unit vectors by default (vLLM's), the raw state with ``normalize=False``,
+    ``num_cached_tokens``, ``truncate_prompt_tokens`` (the last N tokens) and per-prompt params."""
+    ids = list(range(5, 25))  # 20 tokens: one full block of 16 is cached after the first run
+    (raw,) = raw_embed(llm, [ids])
+    unit = torch.tensor(raw, dtype=torch.float64) / torch.tensor(raw, dtype=torch.float64).norm()
+    (out,) = llm.embed([{"prompt_token_ids": ids}], use_tqdm=True)
+    assert isinstance(out, EmbeddingRequestOutput) and out.finished and out.prompt_token_ids == ids
+    assert out.num_cached_tokens == 16  # the prefix cache served the first block
+    assert float((torch.tensor(out.outputs.embedding, dtype=torch.float64) - unit).abs().max()) < 1e-7
+    (enc,) = llm.encode([ids], pooling_task="embed")
+    assert isinstance(enc, PoolingRequestOutput) and enc.outputs.data.dtype == torch.float32
+    assert enc.outputs.data.tolist() == out.outputs.embedding
+    assert llm.encode(ids)[0].outputs.data.tolist() == out.outputs.embedding  # the model's task: embed
+    cut = llm.embed([ids, ids], truncate_prompt_tokens=4, pooling_params=[PoolingParams(), RAW])
+    assert [o.prompt_token_ids for o in cut] == [ids[-4:]] * 2
+    assert cut[1].outputs.embedding == raw_embed(llm, [ids[-4:]])[0]
+    assert cut[0].outputs.embedding == llm.embed(ids[-4:])[0].outputs.embedding
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be -1 or in 1..32"):
+        llm.embed([ids], truncate_prompt_tokens=33)
+    with pytest.raises(ValueError, match="does not support matryoshka"):
+        llm.embed([ids], pooling_params=PoolingParams(dimensions=8))
+    with pytest.raises(ValueError, match="pooling_task must be one of embed, classify"):
+        llm.encode([ids], pooling_task="token_embed")
+    # A bi-encoder's score: the cosine of the two embeddings, with both texts' tokens and cache hits.
+    a, b = llm.embed(["x = 1", "def f(): pass"])
+    (score,) = llm.score("x = 1", "def f(): pass")
+    cosine = sum(x * y for x, y in zip(a.outputs.embedding, b.outputs.embedding, strict=True))
+    assert score.outputs.score == pytest.approx(cosine, abs=1e-6)
+    assert score.prompt_token_ids == a.prompt_token_ids + b.prompt_token_ids
+    assert score.num_cached_tokens == a.num_cached_tokens + b.num_cached_tokens
+    with pytest.raises(ValueError, match="chat_template is taken by cross-encoder models only"):
+        llm.score("a", "b", chat_template="{{ messages }}")
 
 
 def test_a_base_model_saved_alone_serves_embeddings(tiny_qwen3, tmp_path: Path, prompts) -> None:
@@ -78,7 +123,7 @@ def test_a_base_model_saved_alone_serves_embeddings(tiny_qwen3, tmp_path: Path, 
     cfg = json.loads((bare / "config.json").read_text())
     (bare / "config.json").write_text(json.dumps({**cfg, "architectures": ["Qwen3Model"]}))
     want = _hf_last_hidden(tiny_qwen3, prompts[:4])
-    for e, w in zip(LLM(str(bare), num_kv_blocks=64).embed(prompts[:4]), want, strict=True):
+    for e, w in zip(raw_embed(LLM(str(bare), num_kv_blocks=64), prompts[:4]), want, strict=True):
         assert float((torch.tensor(e) - w).abs().max()) < 1e-5
 
 
@@ -101,7 +146,7 @@ def test_mean_and_cls_pooling_equal_transformers_chunked_and_repeated(
     llm = LLM(str(tiny_qwen3), num_kv_blocks=256, max_num_batched_tokens=48, pooling_type=pooling_type)
     assert llm.engine.model_info.pooling_type == pooling_type
     for _ in range(2):  # the second time every full block is in the prefix cache
-        for e, w in zip(llm.embed(prompts), want, strict=True):
+        for e, w in zip(raw_embed(llm, prompts), want, strict=True):
             assert float((torch.tensor(e) - w).abs().max()) < 1e-5
     stats = llm.engine.stats()
     assert stats.prefix_cache_hits == 0
@@ -140,7 +185,7 @@ def test_pooling_type_auto_reads_the_sentence_transformers_config(
     llm = LLM(str(model), num_kv_blocks=64)
     assert llm.engine.model_info.pooling_type == "mean"
     (state,) = _hf_hidden_states(tiny_qwen3, prompts[:1])
-    assert float((torch.tensor(llm.embed(prompts[:1])[0]) - state.mean(dim=0)).abs().max()) < 1e-5
+    assert float((torch.tensor(raw_embed(llm, prompts[:1])[0]) - state.mean(dim=0)).abs().max()) < 1e-5
     # A flag overrides the model's choice; a mode ferry lacks (max) falls back to the last token.
     assert LLM(str(model), num_kv_blocks=64, pooling_type="last").engine.model_info.pooling_type == "last"
     (model / "1_Pooling" / "config.json").write_text(

@@ -1,6 +1,7 @@
 """Offline chat (vLLM's ``LLM.chat`` and ``LLM.get_tokenizer``): conversations rendered with the
 model's template (or one given), encoded as the server encodes them, generated as ``generate``;
-and vLLM's prompt dicts and ``use_tqdm`` taken by ``generate``, ``chat`` and ``embed``."""
+and vLLM's prompt dicts and ``use_tqdm`` taken by ``generate``, ``chat`` and ``embed``; vLLM's
+constructor options (engine/llm_options.py) and ``reset_prefix_cache``."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.chat_template import ChatTemplateError
+from engine.llm_options import take_vllm_options
 
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
 OTHER = [{"role": "user", "content": [{"type": "text", "text": "two"}, {"type": "text", "text": "parts"}]}]
@@ -18,8 +20,33 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama: Path):
-    with LLM(str(tiny_llama), num_kv_blocks=64, num_threads=1) as llm:
+    # Built as a vLLM script builds it: options ferry has no use for are taken (and logged).
+    vllm = {"tensor_parallel_size": 1, "enforce_eager": True, "trust_remote_code": True, "swap_space": 4}
+    with LLM(model=str(tiny_llama), num_kv_blocks=64, num_threads=1, **vllm) as llm:
         yield llm
+
+
+def test_vllm_constructor_options(caplog) -> None:
+    options = {"enforce_eager": True, "task": "embed", "cpu_offload_gb": 0, "max_model_len": 64}
+    with caplog.at_level("INFO", logger="engine.llm"):
+        take_vllm_options(options)
+    assert options == {"max_model_len": 64}  # an EngineConfig field stays
+    assert "enforce_eager is accepted for vLLM compatibility and changes nothing" in caplog.text
+    assert "LLM option task" in caplog.text
+    for name, value in (("tensor_parallel_size", 2), ("data_parallel_size", 4), ("cpu_offload_gb", 8)):
+        with pytest.raises(ValueError, match=f"{name}={value}: .*{name}=[01] only"):
+            take_vllm_options({name: value})
+    with pytest.raises(TypeError, match="unknown engine option.*: nonsense"):
+        LLM(nonsense=1)
+
+
+def test_reset_prefix_cache_and_output_fields(llm) -> None:
+    ids = list(range(5, 40))  # two full blocks of 16
+    first = llm.generate([ids], GREEDY, use_tqdm=lambda *a, **k: None)[0]  # vLLM's tqdm factory form
+    assert first.lora_request is None and first.num_cached_tokens == 0
+    assert llm.generate([ids], GREEDY)[0].num_cached_tokens == 32
+    assert llm.reset_prefix_cache() is True
+    assert llm.generate([ids], GREEDY)[0].num_cached_tokens == 0
 
 
 def test_chat_equals_generate_on_the_rendered_prompt(llm) -> None:
@@ -32,6 +59,36 @@ def test_chat_equals_generate_on_the_rendered_prompt(llm) -> None:
         assert out.outputs[0].token_ids == llm.generate([ids], GREEDY)[0].outputs[0].token_ids
     one = llm.chat(CHAT, GREEDY)  # a single conversation
     assert len(one) == 1 and one[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+
+
+def test_tokenizer_has_transformers_special_ids(llm, tiny_llama: Path) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast.from_pretrained(str(tiny_llama))
+    tok = llm.get_tokenizer()
+    assert (tok.eos_token_id, tok.bos_token_id, tok.pad_token_id) == (
+        hf.eos_token_id,
+        hf.bos_token_id,
+        hf.pad_token_id,
+    )
+    assert tok.eos_token_id is not None and tok.pad_token_id is not None
+
+
+def test_sampling_params_bad_words_and_clone(llm) -> None:
+    """vLLM's ``bad_words`` (words, tokenized by the engine alone and after a space) and ``clone``."""
+    from engine.sampling_params import bad_word_sequences
+
+    tok = llm.get_tokenizer()
+    ids = tok.encode("hello there")
+    free = llm.generate([ids], GREEDY)[0].outputs[0]
+    word = tok.decode(free.token_ids[:1]).strip() or "x"
+    params = GREEDY.clone()
+    params.bad_words = [word]
+    assert GREEDY.bad_words is None  # a copy: the shared params are untouched
+    banned = llm.generate([ids], params)[0].outputs[0]
+    seqs = bad_word_sequences([word], lambda t: tok.encode(t, add_special_tokens=False))
+    by_ids = llm.generate([ids], SamplingParams(**{**vars(GREEDY), "bad_words_token_ids": seqs}))[0]
+    assert banned.token_ids == by_ids.outputs[0].token_ids != free.token_ids
 
 
 def test_template_options(llm) -> None:
@@ -61,7 +118,7 @@ def test_vllm_prompt_dicts_and_use_tqdm(llm) -> None:
     assert [o.outputs[0].token_ids for o in dicts] == [o.outputs[0].token_ids for o in plain]
     one = llm.generate({"prompt_token_ids": ids}, GREEDY)  # a single dict
     assert one[0].prompt_token_ids == ids
-    assert llm.embed([{"prompt": "hi"}], use_tqdm=True) == llm.embed(["hi"])
+    assert llm.embed([{"prompt": "hi"}], use_tqdm=True)[0].outputs == llm.embed(["hi"])[0].outputs
     assert len(llm.chat(CHAT, GREEDY, use_tqdm=False)) == 1
     with pytest.raises(ValueError, match="takes 'prompt' .* or 'prompt_token_ids'"):
         llm.generate([{"prompt": "x", "mm_processor_kwargs": {}}], GREEDY)

@@ -122,6 +122,14 @@ def test_two_adapters_and_the_base_in_one_step_match_each_alone(
             if used is lo:
                 assert out.token_ids == hf_reference(merged, p, MAX_NEW)[0]
     assert len({tuple(o.token_ids) for o in batched[:3]}) == 3  # a, b and the base differ
+    # vLLM's offline shapes: each output names its adapter; pooling calls take adapters too.
+    one = SamplingParams(max_tokens=1)
+    assert [o.lora_request for o in llm.generate(chosen[:3], one, lora_request=loras[:3])] == loras[:3]
+    assert llm.generate(chosen[0], one, lora_request=la)[0].lora_request is la
+    each = [o.outputs.embedding for o in llm.embed(chosen[:3], lora_request=loras[:3])]
+    assert each[0] == pytest.approx(llm.embed(chosen[0], lora_request=la)[0].outputs.embedding, abs=1e-5)
+    assert each[2] == pytest.approx(llm.embed(chosen[2])[0].outputs.embedding, abs=1e-5)
+    assert each[0] != pytest.approx(llm.embed(chosen[0])[0].outputs.embedding, abs=1e-3)  # a is used
 
 
 def test_deterministic_mode_is_batch_invariant_with_adapters(tiny_llama, adapters, prompts) -> None:
