@@ -173,16 +173,20 @@ class MessagesTracker:
 
 def anthropic_errors(send: Send) -> Send:
     """``send`` with error answers in OpenAI's shape (the router's own: no key, too large, no replica…)
-    rewritten in Anthropic's (``{"type": "error", "error": {"type", "message"}}``); the replicas'
-    answers there have it already and pass as they are, as does everything that is not an error."""
+    rewritten in Anthropic's (``{"type": "error", "error": {"type", "message"}, "request_id"}``); the
+    replicas' answers there have it already and pass as they are, as does everything that is not an
+    error. Every answer's head also names its request in Anthropic's ``request-id`` header (the
+    SDK's ``_request_id``): the id of its ``x-request-id``."""
     start: dict | None = None
     chunks: list[bytes] = []
 
     async def wrapped(message: dict) -> None:
         nonlocal start
-        if message["type"] == "http.response.start" and message["status"] >= 400:
-            start = message  # held until the whole body is in
-            return
+        if message["type"] == "http.response.start":
+            message = _named(message)
+            if message["status"] >= 400:
+                start = message  # held until the whole body is in
+                return
         if start is None or message["type"] != "http.response.body":
             await send(message)
             return
@@ -196,9 +200,11 @@ def anthropic_errors(send: Send) -> Send:
             if obj.get("type") != "error" and isinstance(error, dict):
                 status = start["status"]
                 kind = ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
-                body = json.dumps(
-                    {"type": "error", "error": {"type": kind, "message": error.get("message")}}
-                ).encode()
+                shaped = {"type": "error", "error": {"type": kind, "message": error.get("message")}}
+                request_id = dict(start["headers"]).get(b"request-id")
+                if request_id is not None:
+                    shaped["request_id"] = request_id.decode("latin-1")
+                body = json.dumps(shaped).encode()
         except (ValueError, KeyError, TypeError):
             pass
         headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
@@ -208,3 +214,12 @@ def anthropic_errors(send: Send) -> Send:
         start = None
 
     return wrapped
+
+
+def _named(start: dict) -> dict:
+    """An answer's head with ``request-id`` set to its ``x-request-id`` (none without one)."""
+    headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"request-id"]
+    request_id = next((v for k, v in headers if k.lower() == b"x-request-id"), None)
+    if request_id is not None:
+        headers.append((b"request-id", request_id))
+    return {**start, "headers": headers}

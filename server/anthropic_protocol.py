@@ -51,13 +51,18 @@ ERROR_TYPES = {
 }
 
 
-def error_body(error: APIError) -> dict[str, Any]:
+def error_body(error: APIError, request_id: str | None = None) -> dict[str, Any]:
+    """Anthropic's error body; an answer's (not a stream's ``error`` event) names its request, as
+    Anthropic's do (``request_id``, also the ``request-id`` header: the SDK's ``_request_id``)."""
     kind = ERROR_TYPES.get(error.status, "api_error" if error.status >= 500 else "invalid_request_error")
-    return {"type": "error", "error": {"type": kind, "message": error.message}}
+    body: dict[str, Any] = {"type": "error", "error": {"type": kind, "message": error.message}}
+    if request_id is not None:
+        body["request_id"] = request_id
+    return body
 
 
-def error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error_body(error), status_code=error.status, headers=error.headers)
+def error_response(error: APIError, request_id: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(error, request_id), status_code=error.status, headers=error.headers)
 
 
 def _message_error(model: str, messages: list[Message], index: int, problem: str) -> ValidationError:
@@ -69,9 +74,22 @@ def _message_error(model: str, messages: list[Message], index: int, problem: str
 
 
 class Tool(_Request):
+    """A client tool: Anthropic's ``custom`` type, which its clients may leave out. Anthropic's own
+    tools (``web_search_20250305``, ``bash_20250124``…) run on its servers or have schemas only its
+    models know: refused by their type, not as a tool missing its ``input_schema``."""
+
+    type: Literal["custom"] | None = None
     name: StrictStr = Field(min_length=1)
     description: StrictStr | None = None
     input_schema: dict[str, Any]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _client_tool(cls, data: Any) -> Any:
+        kind = data.get("type", "custom") if isinstance(data, dict) else "custom"
+        if kind not in ("custom", None):
+            raise ValueError(f"tool type {kind!r} is not supported: this server runs client tools only")
+        return data
 
 
 class ToolChoice(_Request):
@@ -90,6 +108,30 @@ class Metadata(_Request):
     user_id: StrictStr | None = None
 
 
+# Claude Code opens its system prompt with a line "x-anthropic-billing-header: cc_version=…;
+# cch=…;" whose hash changes with every request. It tells the model nothing, and at the head of the
+# prompt it would defeat the prefix cache for the whole conversation: dropped, as vLLM and SGLang do.
+_BILLING_HEADER = "x-anthropic-billing-header:"
+
+
+def _unbilled(text: str) -> str:
+    return text.partition("\n")[2] if text.startswith(_BILLING_HEADER) else text
+
+
+class OutputFormat(_Request):
+    type: Literal["json_schema"]
+    json_schema: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Request):
+    """Anthropic's ``output_config``: ``format`` constrains the answer's text to a JSON schema (as
+    the chat request's ``response_format``); ``effort`` is the chat request's ``reasoning_effort``
+    (the template's variable, as vLLM passes it), so it renders in the counted prompt too."""
+
+    format: OutputFormat | None = None
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+
+
 class _Conversation(_Request):
     """What both endpoints render: the conversation, its system prompt and its tools."""
 
@@ -102,6 +144,7 @@ class _Conversation(_Request):
     thinking: dict[str, Any] | None = None
     # vLLM's: the chat template's variables (Qwen3's enable_thinking, DeepSeek-V3.1's thinking).
     chat_template_kwargs: dict[str, Any] | None = None
+    output_config: OutputConfig | None = None
 
     @field_validator("messages")
     @classmethod
@@ -168,9 +211,11 @@ class _Conversation(_Request):
 
     @property
     def system_text(self) -> str | None:
-        if self.system is None or isinstance(self.system, str):
-            return self.system or None
-        return "".join(block.text for block in self.system) or None
+        """The system prompt, without Claude Code's billing line (``_BILLING_HEADER``)."""
+        if self.system is None:
+            return None
+        parts = [self.system] if isinstance(self.system, str) else [block.text for block in self.system]
+        return "".join(_unbilled(part) for part in parts) or None
 
     def chat_body(self) -> dict[str, Any]:
         """The chat completions body of the same conversation (``server/serving_messages.py``
@@ -230,6 +275,8 @@ class _Conversation(_Request):
             body["continue_final_message"] = True
         if self.chat_template_kwargs is not None:
             body["chat_template_kwargs"] = self.chat_template_kwargs
+        if self.output_config is not None and self.output_config.effort is not None:
+            body["reasoning_effort"] = self.output_config.effort
         if self.tools:
             body["tools"] = [
                 {
@@ -258,6 +305,8 @@ class MessagesRequest(_Conversation):
     top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
     top_k: StrictInt | None = Field(default=None, ge=-1)
     metadata: Metadata | None = None
+    # The structured-outputs beta's name for ``output_config.format``, still taken by Anthropic.
+    output_format: OutputFormat | None = None
     # Internal (router -> replica): continue a stream another replica started, and give each
     # streamed chunk's token ids so that a router can resume this one (``router/messages_stream.py``).
     resume: Resume | None = None
@@ -277,6 +326,13 @@ class MessagesRequest(_Conversation):
             body["stop"] = self.stop_sequences
         if self.metadata is not None and self.metadata.user_id is not None:
             body["user"] = self.metadata.user_id
+        output = self.output_config.format if self.output_config is not None else None
+        output = output or self.output_format
+        if output is not None:
+            body["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": "output", "schema": output.json_schema},
+            }
         if self.stream:
             body["stream"] = True
             body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}

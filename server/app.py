@@ -133,7 +133,9 @@ _NO_TELEMETRY: dict[str, Any] = (
 
 def _shaped(request: Request, error: APIError) -> Response:
     """An error in Anthropic's shape under ``/v1/messages`` (an unknown path there too), else OpenAI's."""
-    return anthropic_error(error) if is_messages(request.scope) else error.to_response()
+    if is_messages(request.scope):
+        return anthropic_error(error, getattr(request.state, "request_id", None))
+    return error.to_response()
 
 
 def build_app(engine: Any, config: ServerConfig) -> FastAPI:
@@ -188,7 +190,7 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
                 getattr(request.state, "submitted", None),
             )
         except APIError as e:
-            return anthropic_error(e)
+            return anthropic_error(e, request.state.request_id)
 
     @app.post("/v1/messages/count_tokens", responses=_ERRORS)
     async def messages_count_tokens(request: Request) -> Any:
@@ -196,7 +198,7 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
             req = validated(CountTokensRequest, await json_body(request))
             return await count_tokens(state, req)
         except APIError as e:
-            return anthropic_error(e)
+            return anthropic_error(e, request.state.request_id)
 
     @app.get("/v1/responses/{response_id}", responses=_ERRORS)
     async def get_response(

@@ -26,6 +26,9 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 REQUEST_ID_HEADER = b"x-request-id"
+# Anthropic names every answer's request in this header (its SDKs' ``_request_id``): sent as well
+# on the Messages API, with the same id.
+ANTHROPIC_REQUEST_ID_HEADER = b"request-id"
 # Ids travel into engine request ids, logs and headers: keep them short and printable.
 _VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:/=+\-]{1,128}$")
 # Paths that need the API key (vLLM protects /v1 only; /tokenize, /detokenize and the scoring
@@ -159,12 +162,17 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
 
 async def _send_error(send: Send, error: APIError, request_id: str, anthropic: bool = False) -> None:
     """The error answered before the app runs: OpenAI's shape, or Anthropic's on its Messages API."""
-    body = json.dumps(error_body(error)).encode() if anthropic else error.body().model_dump_json().encode()
+    if anthropic:
+        body = json.dumps(error_body(error, request_id)).encode()
+    else:
+        body = error.body().model_dump_json().encode()
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
         (b"x-request-id", request_id.encode()),
     ]
+    if anthropic:
+        headers.append((ANTHROPIC_REQUEST_ID_HEADER, request_id.encode()))
     headers += [(k.lower().encode(), v.encode()) for k, v in error.headers.items()]
     await send({"type": "http.response.start", "status": error.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
@@ -277,10 +285,12 @@ class EdgeMiddleware:
             if receive is None:
                 return
 
+        id_headers = [REQUEST_ID_HEADER, *([ANTHROPIC_REQUEST_ID_HEADER] if is_messages(scope) else [])]
+
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
-                headers = [h for h in message.get("headers", []) if h[0].lower() != REQUEST_ID_HEADER]
-                headers.append((REQUEST_ID_HEADER, request_id.encode()))
+                headers = [h for h in message.get("headers", []) if h[0].lower() not in id_headers]
+                headers += [(name, request_id.encode()) for name in id_headers]
                 message["headers"] = headers
             await send(message)
 

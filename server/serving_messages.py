@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import AsyncIterator, Callable, Mapping
+from functools import partial
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -38,11 +39,16 @@ from server.serving_chat import create_chat_completion
 from server.serving_common import plan_off_loop, prompt_chars, refused_before_start, stream_errors
 from server.state import ServerState
 from server.streaming import SSEResponse, run_or_disconnect
+from server.tools import AUTO_ALTERNATIVES
 
 # The internal event that carries one chat chunk's events and token ids to a router.
 GROUP_EVENT = "ferry_chunk"
 # The chat fields a messages request's fields become, where the names differ.
 _CHAT_TO_MESSAGES = {"stop": "stop_sequences"}
+# The chat path's advice in the Messages API's words (its tool_choice values, not OpenAI's).
+_CHAT_ADVICE = {
+    AUTO_ALTERNATIVES: 'send tool_choice {"type": "any"}, {"type": "none"} or {"type": "tool", "name": ...} instead'
+}
 
 
 def to_chat_request(req: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest:
@@ -68,6 +74,15 @@ def renamed(error: APIError, names: Mapping[str, str], keep_parts: bool = False)
     return APIError(error.status, message, code=error.code, param=param, headers=error.headers)
 
 
+def _in_messages_words(error: APIError) -> APIError:
+    error = renamed(error, _CHAT_TO_MESSAGES, keep_parts=True)
+    for chat, ours in _CHAT_ADVICE.items():
+        if chat in error.message:
+            message = error.message.replace(chat, ours)
+            return APIError(error.status, message, code=error.code, param=error.param, headers=error.headers)
+    return error
+
+
 async def create_message(
     state: ServerState, req: MessagesRequest, request_id: str, receive, submitted: Callable[[], None] | None
 ) -> Any:
@@ -80,14 +95,15 @@ async def create_message(
             chat.stream_options = StreamOptions(include_usage=True)
         answer = await create_chat_completion(state, chat, request_id, receive, submitted, as_chunks=True)
     except APIError as e:
-        raise renamed(e, _CHAT_TO_MESSAGES, keep_parts=True) from None
+        raise _in_messages_words(e) from None
     assert isinstance(answer, ChatChunks)  # the chat request streams
     writer = MessageWriter(req, f"msg_{request_id}", state.answer_model(state.check_model(req.model)))
     if req.stream:
         # Held like the chat stream it relays: the engine process's admission refusal, its first
         # message, is then a 429 in Anthropic's shape, not a 200 carrying an error event.
         frames = _events(writer, answer)
-        return SSEResponse(frames, on_close=answer.on_close, hold_start=True, error_response=error_response)
+        refusal = partial(error_response, request_id=request_id)
+        return SSEResponse(frames, on_close=answer.on_close, hold_start=True, error_response=refusal)
     try:
         events = await run_or_disconnect(receive, _collect(writer, answer.chunks))
     finally:

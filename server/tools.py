@@ -47,6 +47,10 @@ from server.tool_parser_base import ParsedCall, ToolParser, ToolStreamer, call_f
 _TOOLS = TypeAdapter(list[ToolSpec])
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
+# What a request without a tool-call parser may send instead of "auto" (the Messages API says it
+# in its own words: ``server/serving_messages.py``).
+AUTO_ALTERNATIVES = 'send tool_choice "required", "none" or a named function instead'
+
 
 @dataclass(frozen=True)
 class ToolPlan:
@@ -183,7 +187,7 @@ def plan_tools(
         if parser is None:
             raise bad_request(
                 '"auto" tool choice needs the server started with --enable-auto-tool-choice and '
-                '--tool-call-parser; send tool_choice "required", "none" or a named function instead',
+                f"--tool-call-parser; {AUTO_ALTERNATIVES}",
                 param="tool_choice",
             )
         return ToolPlan(

@@ -197,3 +197,18 @@ def test_router_errors_on_messages_routes_take_anthropics_shape() -> None:
         "body": b"event: ping",
         "more_body": True,
     }
+
+
+def test_messages_answers_name_their_request_in_anthropics_header_and_error_body() -> None:
+    """The router's own error names its request (``request_id``, ``request-id``), as Anthropic's
+    errors do; every answer's head carries ``request-id`` = its ``x-request-id`` (a replica's own
+    ``request-id`` replaced, so the SDK's ``_request_id`` is the router's id)."""
+    sent: list[dict] = []
+    rid = [(b"x-request-id", b"r1")]
+    asyncio.run(send_error(anthropic_errors(_collect(sent)), 401, "no key", rid))
+    start, body = sent
+    assert json.loads(body["body"])["request_id"] == "r1" and dict(start["headers"])[b"request-id"] == b"r1"
+    sent.clear()
+    head = {"type": "http.response.start", "status": 200, "headers": [*rid, (b"request-id", b"replica")]}
+    asyncio.run(anthropic_errors(_collect(sent))(head))
+    assert [v for k, v in sent[0]["headers"] if k == b"request-id"] == [b"r1"]

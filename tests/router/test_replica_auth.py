@@ -56,10 +56,13 @@ def test_router_reads_and_relays_with_the_replicas_key(cluster: Cluster, keyed) 
     )
     assert anthropic_style.status_code == 200, anthropic_style.text
     assert anthropic_style.json()["type"] == "message"
+    # Anthropic's request-id (the SDK's _request_id) is the router's X-Request-Id, relayed or its own.
+    assert anthropic_style.headers["request-id"] == anthropic_style.headers["x-request-id"]
     wrong = httpx.post(guarded.url + "/v1/messages", json=messages, headers={"x-api-key": "replica-key"})
     assert wrong.status_code == 401
     # The router's own refusal, in Anthropic's shape as the replicas' are on this route.
     assert wrong.json()["type"] == "error" and wrong.json()["error"]["type"] == "authentication_error"
+    assert wrong.json()["request_id"] == wrong.headers["request-id"] == wrong.headers["x-request-id"]
     assert int(wrong.headers["content-length"]) == len(wrong.content)
 
 

@@ -91,6 +91,7 @@ def test_a_refused_messages_stream_is_a_429_in_anthropics_shape(replica) -> None
         assert refused.headers["content-type"].startswith("application/json"), refused.headers
         assert refused.body["type"] == "error", refused.body
         assert refused.body["error"]["type"] == "rate_limit_error", refused.body
+        assert refused.body["request_id"] == refused.headers["request-id"], (refused.body, refused.headers)
         assert refused.body["error"]["message"].startswith("Server is overloaded:"), refused.body
         kinds = [event["type"] for event in ran.body]
         assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "error" not in kinds, kinds

@@ -66,7 +66,8 @@ def test_responses_format_errors_name_text_format(server) -> None:
 
 def test_messages_errors_name_stop_sequences(server) -> None:
     body = {"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "stop_sequences": [""]}
-    assert _post(server, "/v1/messages", body) == {
+    error = _post(server, "/v1/messages", body)
+    assert error.pop("request_id") and error == {
         "type": "error",
         "error": {
             "type": "invalid_request_error",

@@ -104,7 +104,8 @@ def test_messages_refuse_in_anthropics_shape(server) -> None:
     }
     r = httpx.post(server.url + "/v1/messages", json=body, timeout=60)
     assert r.status_code == 400
-    assert r.json() == {"type": "error", "error": {"type": "invalid_request_error", "message": REFUSAL}}
+    error = {"type": "invalid_request_error", "message": REFUSAL}
+    assert r.json() == {"type": "error", "error": error, "request_id": r.headers["request-id"]}
 
 
 def test_enforced_schemas_still_serve(server) -> None:

@@ -333,6 +333,19 @@ def test_forced_tool_use_answers_with_a_tool_use_block(srv, client) -> None:
             },
             "name",
         ),
+        (  # Anthropic's server tools are refused by type, not as a tool missing input_schema
+            {
+                "max_tokens": 4,
+                "messages": [{"role": "user", "content": "x"}],
+                "tools": [{"type": "web_search_20250305", "name": "web_search"}],
+            },
+            "'tools.0': tool type 'web_search_20250305' is not supported",
+        ),
+        (  # tools without a tool_choice are "auto", which needs a tool-call parser: the way out in
+            # the Messages API's words
+            {"max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "tools": TOOLS},
+            'send tool_choice {"type": "any"}, {"type": "none"} or {"type": "tool", "name": ...} instead',
+        ),
     ],
 )
 def test_bad_requests_are_anthropic_400s(srv, body, needle) -> None:
@@ -361,8 +374,39 @@ def test_invalid_json_unknown_model_and_wrong_key(srv, client) -> None:
     assert denied.value.body == {  # answered before the app, in Anthropic's shape all the same
         "type": "error",
         "error": {"type": "authentication_error", "message": "Invalid or missing API key."},
+        "request_id": denied.value.request_id,
     }
     assert httpx.get(srv.url + "/health").status_code == 200
+
+
+def test_answers_and_errors_name_their_request_as_anthropics(srv, client) -> None:
+    """Anthropic's ``request-id`` header (the SDK's ``_request_id``, ``APIStatusError.request_id``)
+    on answers and errors, and the error body's ``request_id``: the same id as ``x-request-id``."""
+    raw = client.messages.with_raw_response.create(
+        model=srv.model_name, max_tokens=1, messages=[{"role": "user", "content": "x"}]
+    )
+    assert raw.parse()._request_id == raw.headers["x-request-id"]
+    with pytest.raises(anthropic.NotFoundError) as e:  # the app's error
+        client.messages.create(model="nope", max_tokens=1, messages=[{"role": "user", "content": "x"}])
+    assert e.value.request_id == e.value.body["request_id"] == e.value.response.headers["x-request-id"]
+    r = httpx.post(srv.url + "/v1/messages", json={}, headers={"x-api-key": "k3y", "x-request-id": "mine"})
+    assert r.status_code == 400 and r.headers["request-id"] == r.json()["request_id"] == "mine"
+    denied = httpx.post(srv.url + "/v1/messages", json={})  # the middleware's
+    assert denied.status_code == 401 and denied.json()["request_id"] == denied.headers["request-id"]
+    chat = httpx.post(srv.url + "/v1/chat/completions", json={}, headers={"x-api-key": "k3y"})
+    assert "request-id" not in chat.headers and "request_id" not in chat.json()  # OpenAI's API: its own
+
+
+def test_output_config_format_constrains_the_answer(srv, client) -> None:
+    """Structured outputs: ``output_config.format`` (and the beta's ``output_format``) is the chat
+    request's ``response_format`` JSON schema, whole and streamed."""
+    ask = {"model": srv.model_name, "max_tokens": 16, "messages": [{"role": "user", "content": "Yes?"}]}
+    fmt = {"type": "json_schema", "schema": {"enum": ["yes", "no"]}}
+    m = client.messages.create(**ask, output_config={"format": fmt})
+    assert json.loads(m.content[0].text) in ("yes", "no") and m.stop_reason == "end_turn"
+    with client.messages.stream(**ask, extra_body={"output_format": fmt}) as stream:
+        text = "".join(stream.text_stream)
+    assert json.loads(text) in ("yes", "no")
 
 
 _valid_block = st.one_of(
@@ -434,3 +478,14 @@ def test_fuzz_never_5xx(srv, body: object, path: str) -> None:
     elif r.headers["content-type"].startswith("text/event-stream"):
         assert r.text.rstrip().endswith('data: {"type": "message_stop"}') or "event: error" in r.text
         assert "api_error" not in r.text
+
+
+def test_claude_codes_billing_line_is_not_in_the_prompt(srv, client) -> None:
+    """Claude Code's first system block names a per-request hash: left out of the prompt (which
+    the prefix cache would otherwise never match), whether a block or a string's first line."""
+    ask = {"model": srv.model_name, "messages": [{"role": "user", "content": "x"}]}
+    plain = client.messages.count_tokens(**ask, system=SYSTEM).input_tokens
+    billing = "x-anthropic-billing-header: cc_version=2.1.100.7b4; cc_entrypoint=cli; cch=eb6c6;"
+    blocks = [{"type": "text", "text": billing}, {"type": "text", "text": SYSTEM}]
+    assert client.messages.count_tokens(**ask, system=blocks).input_tokens == plain
+    assert client.messages.count_tokens(**ask, system=f"{billing}\n{SYSTEM}").input_tokens == plain

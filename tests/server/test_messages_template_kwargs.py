@@ -67,3 +67,11 @@ async def test_counted_and_generated_with_the_requests_template_kwargs(engine, s
                 answer["usage"]["input_tokens"] + answer["usage"]["cache_read_input_tokens"]
                 == tokenized[name]
             )
+
+
+def test_output_config_effort_is_the_chat_requests_reasoning_effort() -> None:
+    """Anthropic's ``output_config.effort`` is the template's ``reasoning_effort`` (vLLM's
+    mapping), for the answer and for the count of its prompt."""
+    for model in (MessagesRequest, CountTokensRequest):
+        body = {"model": "m", "messages": MESSAGES, "max_tokens": 1, "output_config": {"effort": "low"}}
+        assert to_chat_request(model.model_validate(body)).reasoning_effort == "low"

@@ -195,7 +195,8 @@ def test_unknown_paths_under_messages_answer_in_anthropics_shape(srv, client) ->
         assert body["error"]["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
     with pytest.raises(anthropic.NotFoundError) as e:  # the SDK reads it as Anthropic's error
         client.post("/v1/messages/foo", body={}, cast_to=httpx.Response)
-    assert e.value.body == {"type": "error", "error": {"type": "not_found_error", "message": "Not Found"}}
+    error = {"type": "not_found_error", "message": "Not Found"}
+    assert e.value.body == {"type": "error", "error": error, "request_id": e.value.request_id}
     for path in ("/v1/messagesfoo", "/v1/nothing", "/v2/messages/foo"):  # other paths: OpenAI's shape
         r = httpx.post(srv.url + path, json={}, timeout=30)
         assert r.status_code == 404

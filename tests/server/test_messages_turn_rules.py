@@ -28,7 +28,8 @@ def _post(server: ServerProcess, path: str, messages: list[dict], **extra: objec
 
 def _refused(r: httpx.Response, message: str) -> None:
     assert r.status_code == 400, r.text
-    assert r.json() == {"type": "error", "error": {"type": "invalid_request_error", "message": message}}
+    error = {"type": "invalid_request_error", "message": message}
+    assert r.json() == {"type": "error", "error": error, "request_id": r.headers["request-id"]}
 
 
 @pytest.mark.parametrize(
@@ -90,7 +91,8 @@ def test_a_tool_block_on_the_wrong_side_is_named(
     claude = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0, timeout=60)
     with pytest.raises(anthropic.BadRequestError) as err:
         claude.messages.create(model=server.model_name, max_tokens=2, messages=messages)
-    assert err.value.body == {"type": "error", "error": {"type": "invalid_request_error", "message": message}}
+    error = {"type": "invalid_request_error", "message": message}
+    assert err.value.body == {"type": "error", "error": error, "request_id": err.value.request_id}
 
 
 IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
@@ -112,7 +114,8 @@ def _refused_everywhere(server: ServerProcess, messages: list[dict], message: st
     claude = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0, timeout=60)
     with pytest.raises(anthropic.BadRequestError) as err:
         claude.messages.create(model=server.model_name, max_tokens=2, messages=messages, **extra)  # type: ignore[arg-type]
-    assert err.value.body == {"type": "error", "error": {"type": "invalid_request_error", "message": message}}
+    error = {"type": "invalid_request_error", "message": message}
+    assert err.value.body == {"type": "error", "error": error, "request_id": err.value.request_id}
 
 
 def test_an_image_in_an_assistant_turn_is_refused(server: ServerProcess) -> None:
