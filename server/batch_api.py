@@ -10,8 +10,9 @@ every non-blank line a request line with a unique ``custom_id``, a supported ``u
 streaming (else 400 naming the line). ``POST /v1/batches`` checks that its input file is a batch
 file whose lines all name its ``endpoint`` and hands it to ``BatchJobs``; that check, and the run
 after it, read the file from disk a line at a time (``FileLines``), so no step of a batch holds
-its input (or its output, ``server/batch_results.py``) whole. Every refusal is a 4xx in OpenAI's
-error shape.
+its input (or its output, ``server/batch_results.py``) whole. An upload's ``expires_after`` and a
+batch's ``output_expires_after`` (OpenAI's bounds) set a file's ``expires_at``, past which it reads
+as gone (``BatchStore``). Every refusal is a 4xx in OpenAI's error shape.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import IO, Annotated, Any, Literal, TypeVar
 
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.datastructures import FormData, UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.formparsers import MultiPartException
@@ -43,6 +44,16 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
+class ExpiresAfter(BaseModel):
+    """OpenAI's expiration policy of a file (``files.create``'s ``expires_after``, a batch's
+    ``output_expires_after`` for its output and error files): seconds after the file is made."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    anchor: Literal["created_at"]
+    seconds: int = Field(ge=3600, le=2_592_000)  # OpenAI's bounds: an hour to 30 days
+
+
 class BatchCreateRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -53,6 +64,7 @@ class BatchCreateRequest(BaseModel):
     metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = (
         Field(default=None, max_length=16)
     )
+    output_expires_after: ExpiresAfter | None = None
 
 
 def check_batch_lines(lines: Iterable[str], urls: tuple[str, ...] = BATCH_URLS) -> int:
@@ -125,6 +137,20 @@ async def _form(request: Request) -> tuple[FormData, UploadFile]:
     return form, file
 
 
+def _expires_after(form: FormData) -> int | None:
+    """The seconds of an upload's ``expires_after`` (sent by the SDK as the form fields
+    ``expires_after[anchor]`` and ``expires_after[seconds]``), or None; 400 when out of bounds."""
+    fields = {k[len("expires_after[") : -1]: v for k, v in form.items() if k.startswith("expires_after[")}
+    if not fields:
+        return None
+    try:
+        return ExpiresAfter.model_validate(fields).seconds
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = "expires_after." + ".".join(str(p) for p in first["loc"])
+        raise bad_request(f"{where}: {first['msg']}.", param=where) from None
+
+
 async def _chunks(data: IO[bytes], size: int = 1 << 18) -> AsyncIterator[bytes]:
     """``data`` read from disk a chunk at a time (off the event loop), then closed."""
     try:
@@ -141,10 +167,11 @@ def add_batch_routes(app: FastAPI, jobs: BatchJobs) -> None:
     async def upload_file(request: Request) -> Any:
         form, file = await _form(request)
         try:
+            expires_s = _expires_after(form)
             await asyncio.to_thread(check_upload, file.file)  # up to 50,000 lines: off the event loop
             file.file.seek(0)
             name = file.filename or "upload.jsonl"
-            record = await asyncio.to_thread(store.add_file, file.file, name, "batch")
+            record = await asyncio.to_thread(store.add_file, file.file, name, "batch", expires_s)
         finally:
             await form.close()
         return JSONResponse(record)
@@ -202,7 +229,8 @@ def add_batch_routes(app: FastAPI, jobs: BatchJobs) -> None:
             data.close()
             raise
         lines = FileLines(data, count)
-        return JSONResponse(jobs.start(body.input_file_id, body.endpoint, lines, body.metadata))
+        expires_s = body.output_expires_after.seconds if body.output_expires_after else None
+        return JSONResponse(jobs.start(body.input_file_id, body.endpoint, lines, body.metadata, expires_s))
 
     @app.get("/v1/batches", responses=_ERRORS)
     async def list_batches(limit: int = Query(20, ge=1, le=100), after: str | None = None) -> Any:

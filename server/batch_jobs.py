@@ -17,6 +17,7 @@ server process may have written) every ``POLL_S``.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import time
 import uuid
@@ -41,9 +42,48 @@ POLL_S = 0.2  # how often a running batch saves its counts and looks for a cance
 WINDOW_S = 24 * 3600  # the one completion window ("24h")
 
 
+def zero_usage() -> dict[str, Any]:
+    """OpenAI's batch ``usage`` before any answer."""
+    return {
+        "input_tokens": 0,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": 0,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": 0,
+    }
+
+
 class _Counts(Progress):
+    """The counts, and OpenAI's batch ``usage`` and ``model``, summed from the answers as they come:
+    a line's ``usage`` in any endpoint's names (chat and completions' ``prompt_tokens`` /
+    ``completion_tokens``, the Responses API's ``input_tokens`` / ``output_tokens``, an embedding's
+    ``prompt_tokens`` alone)."""
+
     def __init__(self, record: dict[str, Any]) -> None:
         super().__init__(record["id"], record["request_counts"]["total"], every_s=30.0)
+        self.usage = zero_usage()
+        self.model: str | None = None
+
+    def done(self, line: dict[str, Any]) -> None:
+        super().done(line)
+        body = line["response"]["body"]
+        if line["error"] is not None or not isinstance(body, dict):
+            return
+        if self.model is None and isinstance(body.get("model"), str):
+            self.model = body["model"]
+        usage = body.get("usage")
+        if not isinstance(usage, dict):
+            return
+        inputs = usage.get("input_tokens", usage.get("prompt_tokens")) or 0
+        outputs = usage.get("output_tokens", usage.get("completion_tokens")) or 0
+        details = usage.get("input_tokens_details") or usage.get("prompt_tokens_details") or {}
+        out_details = usage.get("output_tokens_details") or usage.get("completion_tokens_details") or {}
+        total = self.usage
+        total["input_tokens"] += inputs
+        total["output_tokens"] += outputs
+        total["total_tokens"] += inputs + outputs
+        total["input_tokens_details"]["cached_tokens"] += details.get("cached_tokens") or 0
+        total["output_tokens_details"]["reasoning_tokens"] += out_details.get("reasoning_tokens") or 0
 
 
 class BatchJobs:
@@ -56,11 +96,17 @@ class BatchJobs:
         self._runs: dict[str, tuple[asyncio.Task, asyncio.Event]] = {}
 
     def start(
-        self, input_file_id: str, endpoint: str, lines: Collection[str], metadata: dict[str, str] | None
+        self,
+        input_file_id: str,
+        endpoint: str,
+        lines: Collection[str],
+        metadata: dict[str, str] | None,
+        output_expires_s: int | None = None,
     ) -> dict[str, Any]:
         """Record a new batch of ``lines`` (already checked; a ``FileLines`` reads them from the
         input file each time they are iterated, and is closed when the run ends) and start
-        running it."""
+        running it; its output and error files expire ``output_expires_s`` after they are made
+        (OpenAI's ``output_expires_after``), or never."""
         now = int(time.time())
         record: dict[str, Any] = {
             "id": self.store.new_batch_id(),
@@ -83,6 +129,9 @@ class BatchJobs:
             "cancelled_at": None,
             "request_counts": {"total": len(lines), "completed": 0, "failed": 0},
             "metadata": metadata,
+            "model": None,  # the model that answered, once one has
+            "usage": zero_usage(),
+            "_output_expires_s": output_expires_s,
         }
         self.store.touch_alive(record["id"])
         self.store.save_batch(record)
@@ -204,8 +253,9 @@ class BatchJobs:
     @staticmethod
     def _count(record: dict[str, Any], counts: _Counts) -> bool:
         new = {"total": counts.total, "completed": counts.completed, "failed": counts.failed}
-        changed = new != record["request_counts"]
-        record["request_counts"] = new
+        changed = new != record["request_counts"] or counts.usage != record["usage"]
+        changed = changed or counts.model != record["model"]
+        record.update(request_counts=new, usage=copy.deepcopy(counts.usage), model=counts.model)
         return changed
 
     def _write_results(self, record: dict[str, Any], results: ResultSpool) -> None:
@@ -214,7 +264,9 @@ class BatchJobs:
         for key, failed, suffix in (("output_file_id", False, "output"), ("error_file_id", True, "errors")):
             if results.failed if failed else results.completed:
                 name = f"{record['id']}_{suffix}.jsonl"
-                record[key] = self.store.add_file(results.lines(failed), name, "batch_output")["id"]
+                expires_s = record.get("_output_expires_s")
+                added = self.store.add_file(results.lines(failed), name, "batch_output", expires_s)
+                record[key] = added["id"]
 
 
 def _add_expired(results: ResultSpool, lines: Collection[str]) -> None:

@@ -151,36 +151,53 @@ class BatchStore:
         return base / f"{file_id}.json", base / f"{file_id}.data"
 
     def add_file(
-        self, data: bytes | IO[bytes] | Iterable[bytes], filename: str, purpose: str
+        self,
+        data: bytes | IO[bytes] | Iterable[bytes],
+        filename: str,
+        purpose: str,
+        expires_s: int | None = None,
     ) -> dict[str, Any]:
         """Store a file: ``data`` as ``_write_atomic`` takes it (an upload streams from its spool, a
-        batch's output from its results spool)."""
+        batch's output from its results spool); it expires ``expires_s`` after it is made (OpenAI's
+        ``expires_after``: from then it reads as gone, and is removed when next looked at), or
+        never."""
         file_id = f"file-{uuid.uuid4().hex}"
         meta_path, data_path = self._file_paths(file_id)  # type: ignore[misc]
+        now = int(time.time())
         record = {
             "id": file_id,
             "object": "file",
             "bytes": 0,  # known once written
-            "created_at": int(time.time()),
+            "created_at": now,
             "filename": filename,
             "purpose": purpose,
             "status": "processed",
             "status_details": None,
-            "expires_at": None,
+            "expires_at": None if expires_s is None else now + expires_s,
             "_order": time.time_ns(),
         }
         record["bytes"] = _write_atomic(data_path, data)
         _write_atomic(meta_path, json.dumps(record).encode())  # last: the file exists once this does
         return _public(record)
 
+    def _live(self, record: dict[str, Any] | None) -> dict[str, Any] | None:
+        """``record``, or None when there is none or it has expired (then its file is removed)."""
+        if record is None:
+            return None
+        expires_at = record.get("expires_at")
+        if expires_at is not None and expires_at <= time.time():
+            self._remove(record["id"])
+            return None
+        return record
+
     def file(self, file_id: str) -> dict[str, Any] | None:
         paths = self._file_paths(file_id)
-        record = _read_json(paths[0]) if paths else None
+        record = self._live(_read_json(paths[0]) if paths else None)
         return _public(record) if record else None
 
     def file_data(self, file_id: str) -> bytes | None:
         paths = self._file_paths(file_id)
-        if paths is None or not paths[0].exists():
+        if paths is None or self.file(file_id) is None:
             return None
         try:
             return paths[1].read_bytes()
@@ -190,7 +207,7 @@ class BatchStore:
     def open_file_data(self, file_id: str) -> IO[bytes] | None:
         """The file's bytes opened for reading (the caller closes it), or None."""
         paths = self._file_paths(file_id)
-        if paths is None or not paths[0].exists():
+        if paths is None or self.file(file_id) is None:
             return None
         try:
             return paths[1].open("rb")
@@ -199,17 +216,20 @@ class BatchStore:
 
     def files(self) -> list[dict[str, Any]]:
         """Every file, oldest first."""
-        records = [_read_json(p) for p in (self.root / "files").glob("file-*.json")]
+        records = [self._live(_read_json(p)) for p in (self.root / "files").glob("file-*.json")]
         return sorted((r for r in records if r), key=lambda r: r["_order"])
 
     def delete_file(self, file_id: str) -> bool:
-        paths = self._file_paths(file_id)
-        if paths is None or not paths[0].exists():
+        """Remove the file; False when there is none (an expired one included)."""
+        if self.file(file_id) is None:
             return False
-        for path in paths:
+        self._remove(file_id)
+        return True
+
+    def _remove(self, file_id: str) -> None:
+        for path in self._file_paths(file_id) or ():
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
-        return True
 
     # ---- batches ------------------------------------------------------------------------------
     def _batch_path(self, batch_id: str, suffix: str = ".json") -> Path | None:

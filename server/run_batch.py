@@ -53,6 +53,12 @@ def add_run_batch_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         required=True,
         help="where the results go: a local path, an http(s) URL they are PUT to, or - for standard output",
     )
+    p.add_argument(
+        "--output-tmp-dir",
+        default=None,
+        help="the directory the results are kept in until they are written (sent, for a URL); "
+        "default: the system's temporary directory",
+    )
     return add_serve_args(p)
 
 
@@ -145,10 +151,12 @@ class FileDecodeError(UnicodeDecodeError):
         return f"'{self.encoding}' codec can't decode bytes in position {start}-{end}: {self.reason}"
 
 
-def write_output(where: str, lines: Iterable[bytes], stdout: int | None = None) -> None:
+def write_output(
+    where: str, lines: Iterable[bytes], stdout: int | None = None, tmp_dir: str | None = None
+) -> None:
     """``lines`` to a local file, to the descriptor ``stdout`` (``where`` is "-"), or PUT to a URL
-    from a temporary file (streamed, with a Content-Length, which a pre-signed object-store URL
-    requires)."""
+    from a temporary file in ``tmp_dir`` (streamed, with a Content-Length, which a pre-signed
+    object-store URL requires)."""
     if where == STD:
         assert stdout is not None, "reserve_stdout gives the descriptor"
         with open(stdout, "wb", closefd=False) as file:
@@ -157,7 +165,7 @@ def write_output(where: str, lines: Iterable[bytes], stdout: int | None = None) 
     if _is_url(where):
         import httpx
 
-        with tempfile.TemporaryFile() as body:
+        with tempfile.TemporaryFile(dir=tmp_dir) as body:
             body.writelines(lines)
             body.seek(0)
             response = httpx.put(where, content=body, timeout=60.0)
@@ -253,8 +261,11 @@ def _run_and_write(
     problem = unwritable(args.output_file)
     if problem is not None:  # found now, not after every request has run
         return _error(f"cannot write {args.output_file}: {problem}")
+    tmp_dir = args.output_tmp_dir
+    if tmp_dir is not None and not (os.path.isdir(tmp_dir) and os.access(tmp_dir, os.W_OK | os.X_OK)):
+        return _error(f"cannot use --output-tmp-dir {tmp_dir}: not a writable directory")
     concurrency = args.max_batch_concurrency or engine_config.max_num_seqs
-    results = ResultSpool(len(lines))
+    results = ResultSpool(len(lines), tmp_dir)  # vLLM's --output-tmp-dir: the results before they go
     try:
         try:
             with asyncio.Runner(loop_factory=loop_factory()) as runner:
@@ -269,7 +280,7 @@ def _run_and_write(
                 file=sys.stderr,
             )
         try:
-            write_output(args.output_file, results.lines(), stdout)
+            write_output(args.output_file, results.lines(), stdout, tmp_dir)
         except (OSError, httpx.HTTPError) as e:
             return _error(f"cannot write {output}: {e}")
         logger.info("wrote %d results to %s (%d failed)", answered, output, results.failed)

@@ -154,7 +154,13 @@ def test_run_batch_reads_and_writes_urls(tiny_llama: Path, tmp_path: Path, capsy
     threading.Thread(target=server.serve_forever, daemon=True).start()
     base = f"http://127.0.0.1:{server.server_address[1]}"
     try:
-        assert _run(tiny_llama, f"{base}/in.jsonl", f"{base}/results/out.jsonl") == 0
+        # vLLM's --output-tmp-dir: where the results wait before they are PUT.
+        spool = tmp_path / "spool"
+        spool.mkdir()
+        assert (
+            _run(tiny_llama, f"{base}/in.jsonl", f"{base}/results/out.jsonl", "--output-tmp-dir", str(spool))
+            == 0
+        )
         out = [json.loads(line) for line in _Bucket.store["/results/out.jsonl"].decode().splitlines()]
         assert [o["custom_id"] for o in out] == [f"c{i}" for i in range(5)]
         assert all(
@@ -169,6 +175,10 @@ def test_run_batch_reads_and_writes_urls(tiny_llama: Path, tmp_path: Path, capsy
         missing = tmp_path / "no" / "such" / "out.jsonl"
         assert _run(tiny_llama, f"{base}/in.jsonl", str(missing)) == 2
         assert f"cannot write {missing}: no such directory: {missing.parent}" in capsys.readouterr().err
+        target = f"{base}/results/never.jsonl"
+        assert _run(tiny_llama, f"{base}/in.jsonl", target, "--output-tmp-dir", str(missing.parent)) == 2
+        assert f"cannot use --output-tmp-dir {missing.parent}" in capsys.readouterr().err
+        assert "/results/never.jsonl" not in _Bucket.store
     finally:
         server.shutdown()
 

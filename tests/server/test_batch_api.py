@@ -116,6 +116,12 @@ def test_batch_lifecycle(client, replica) -> None:
         assert body["choices"][0]["message"]["content"] == direct.choices[0].message.content
         assert body["usage"]["prompt_tokens"] == direct.usage.prompt_tokens
         assert body["usage"]["completion_tokens"] == direct.usage.completion_tokens == 6
+    # OpenAI's batch usage: the answered requests' tokens summed; the model that answered them.
+    assert created.usage.total_tokens == 0 and created.model is None
+    prompt_tokens = sum(o["response"]["body"]["usage"]["prompt_tokens"] for o in out)
+    assert (done.usage.input_tokens, done.usage.output_tokens) == (prompt_tokens, 18)
+    assert done.usage.total_tokens == prompt_tokens + 18 and done.model == replica.model_name
+    assert done.usage.input_tokens_details.cached_tokens >= 0
     errors = [json.loads(x) for x in client.files.content(done.error_file_id).text.splitlines()]
     assert len(errors) == 1 and errors[0]["custom_id"] == "wrong-model"
     assert errors[0]["response"]["status_code"] == 404

@@ -7,6 +7,7 @@ from __future__ import annotations
 import openai
 import pytest
 
+from server.batch_store import BatchStore
 from tests.server.test_batch_api import _chat, _jsonl, _upload, _wait, client, replica  # noqa: F401 (fixtures)
 
 
@@ -38,3 +39,57 @@ def test_purpose_filter_with_a_cursor_of_another_purpose(client: openai.OpenAI) 
     missing = "file-" + "0" * 32
     with pytest.raises(openai.NotFoundError, match=missing):
         client.files.list(purpose="batch", after=missing)
+
+
+def test_expires_after(client: openai.OpenAI) -> None:  # noqa: F811
+    """OpenAI's ``expires_after`` on an upload and ``output_expires_after`` on a batch (its output
+    and error files): ``expires_at`` is the file's ``created_at`` plus the seconds, within OpenAI's
+    bounds (an hour to 30 days)."""
+    hour = {"anchor": "created_at", "seconds": 3600}
+    upload = client.files.create(
+        file=("r.jsonl", _jsonl(_chat("a", "Hi"), _chat("b", "Hi", model="nope"))),
+        purpose="batch",
+        expires_after=hour,  # type: ignore[arg-type]
+    )
+    assert upload.expires_at == upload.created_at + 3600
+    assert client.files.retrieve(upload.id).expires_at == upload.expires_at
+    assert client.files.create(file=("r.jsonl", _jsonl(_chat("a", "Hi"))), purpose="batch").expires_at is None
+    batch = client.batches.create(
+        input_file_id=upload.id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        output_expires_after={"anchor": "created_at", "seconds": 7200},
+    )
+    done = _wait(client, batch.id)
+    for file_id in (done.output_file_id, done.error_file_id):
+        made = client.files.retrieve(file_id)  # type: ignore[arg-type]
+        assert made.expires_at == made.created_at + 7200
+    with pytest.raises(openai.BadRequestError, match=r"expires_after\.seconds"):
+        client.files.create(
+            file=("r.jsonl", _jsonl(_chat("a", "Hi"))),
+            purpose="batch",
+            expires_after={"anchor": "created_at", "seconds": 60},  # type: ignore[arg-type]
+        )
+    for bad in (
+        {"anchor": "created_at", "seconds": 2_592_001},
+        {"anchor": "last_active_at", "seconds": 3600},
+    ):
+        with pytest.raises(openai.BadRequestError, match="output_expires_after"):
+            client.batches.create(
+                input_file_id=upload.id,
+                endpoint="/v1/chat/completions",
+                completion_window="24h",
+                output_expires_after=bad,  # type: ignore[arg-type]
+            )
+
+
+def test_an_expired_file_is_gone(tmp_path) -> None:
+    store = BatchStore(str(tmp_path))
+    kept = store.add_file(b"{}\n", "kept.jsonl", "batch", expires_s=3600)
+    gone = store.add_file(b"{}\n", "gone.jsonl", "batch", expires_s=0)  # expires as it is made
+    assert [f["id"] for f in store.files()] == [kept["id"]]
+    assert store.file(gone["id"]) is None and store.open_file_data(gone["id"]) is None
+    assert not store.delete_file(store.add_file(b"{}\n", "x.jsonl", "batch", expires_s=0)["id"])
+    assert sorted(p.name for p in (tmp_path / "files").iterdir()) == sorted(
+        f"{kept['id']}{suffix}" for suffix in (".data", ".json")
+    )

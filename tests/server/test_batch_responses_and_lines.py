@@ -69,6 +69,11 @@ def test_batch_of_responses(client: openai.OpenAI, replica) -> None:  # noqa: F8
     assert out["error"] is None and answer["object"] == "response" and answer["status"] == direct.status
     assert answer["output"][0]["content"][0]["text"] == direct.output_text
     assert answer["usage"]["input_tokens"] == direct.usage.input_tokens
+    # The batch's usage sums the Responses API's own usage names.
+    assert (done.usage.input_tokens, done.usage.output_tokens) == (
+        direct.usage.input_tokens,
+        direct.usage.output_tokens,
+    )
 
     background = (json.dumps(_response_line("bg", **body, background=True)) + "\n").encode()
     with pytest.raises(openai.BadRequestError, match="background"):
