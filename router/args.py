@@ -107,6 +107,13 @@ def add_router_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = p.add_argument_group("limits")
     g.add_argument("--max-request-bytes", type=int, default=16 << 20, help="largest request body")
     g.add_argument(
+        "--max-file-bytes",
+        type=int,
+        default=100 << 20,
+        help="largest body of a file upload (POST /v1/files: a batch's input, a replica's own "
+        "--max-file-bytes by default), instead of --max-request-bytes",
+    )
+    g.add_argument(
         "--max-header-bytes",
         type=int,
         default=DEFAULT_MAX_HEAD_BYTES,

@@ -52,6 +52,7 @@ class RouterConfig:
     prefix_index_size: int = 1 << 20
     # limits
     max_request_bytes: int = 16 << 20
+    max_file_bytes: int = 100 << 20  # POST /v1/files: a batch's input (the replica's default bound)
     # a request head's bytes, and seconds for it (and again for its body): server/http_limits.py
     max_header_bytes: int = DEFAULT_MAX_HEAD_BYTES
     header_timeout: float = DEFAULT_HEADER_TIMEOUT
@@ -86,8 +87,8 @@ class RouterConfig:
             raise ValueError("--max-retries and --max-failovers must be >= 0")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
-        if self.max_request_bytes < 1 or self.max_header_bytes < 1:
-            raise ValueError("--max-request-bytes and --max-header-bytes must be positive")
+        if self.max_request_bytes < 1 or self.max_header_bytes < 1 or self.max_file_bytes < 1:
+            raise ValueError("--max-request-bytes, --max-header-bytes and --max-file-bytes must be positive")
         for flag, value in (
             ("--queue-timeout", self.queue_timeout),
             ("--header-timeout", self.header_timeout),

@@ -48,6 +48,8 @@ MESSAGES_PATH = "/v1/messages"
 KEYED_PATHS = GENERATE_PATHS | {"/v1/responses", MESSAGES_PATH}
 # Relayed as they come, like every /v1/* route: vLLM serves these outside /v1 (scoring: /score,
 # /rerank, Cohere's /v2/rerank; /classify; /pooling; SageMaker's /invocations, any request on one path).
+# A file upload: bounded by --max-file-bytes (a batch's input), not --max-request-bytes.
+FILES_PATH = "/v1/files"
 FORWARD_ROOT_PATHS = frozenset(
     {"/tokenize", "/detokenize", "/score", "/rerank", "/v2/rerank", "/classify", "/pooling", "/invocations"}
 )
@@ -73,18 +75,26 @@ async def proxy(app: RouterApp, scope: Scope, receive: Receive, send: Send, requ
         headers = [(k.lower().encode(), v.encode()) for k, v in error.headers.items()]
         await send_error(send, error.status, error.message, headers + id_header, error.code)
         return
+    path = scope["path"]
+    # A file upload (a batch's input) is bounded as the replica bounds it, not as a request is.
+    upload = path == FILES_PATH and scope["method"] == "POST"
+    limit, flag = (
+        (app.config.max_file_bytes, "--max-file-bytes")
+        if upload
+        else (app.config.max_request_bytes, "--max-request-bytes")
+    )
+    too_large = f"request body exceeds {limit} bytes (the router's {flag})"
     length = header(scope, b"content-length")
-    if length is not None and length.isdigit() and int(length) > app.config.max_request_bytes:
-        await send_error(send, 413, f"request body exceeds {app.config.max_request_bytes} bytes", id_header)
+    if length is not None and length.isdigit() and int(length) > limit:
+        await send_error(send, 413, too_large, id_header)
         return
     try:
-        body = await read_body(receive, app.config.max_request_bytes)
+        body = await read_body(receive, limit)
     except BodyTooLarge:
-        await send_error(send, 413, f"request body exceeds {app.config.max_request_bytes} bytes", id_header)
+        await send_error(send, 413, too_large, id_header)
         return
     except ClientGone:
         return
-    path = scope["path"]
     generate = path in GENERATE_PATHS and scope["method"] == "POST"
     keyed = path in KEYED_PATHS and scope["method"] == "POST"
     parsed: dict | None = None

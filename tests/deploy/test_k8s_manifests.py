@@ -458,7 +458,7 @@ def test_ingress_never_ends_what_the_router_would_still_serve(overlay: tuple[str
         assert (
             min(int(notes["proxy-read-timeout"]), int(notes["proxy-send-timeout"])) >= router.request_timeout
         )
-        assert nginx_size(notes["proxy-body-size"]) >= router.max_request_bytes
+        assert nginx_size(notes["proxy-body-size"]) >= max(router.max_request_bytes, router.max_file_bytes)
         for rule in ingress["spec"]["rules"]:
             for path in rule["http"]["paths"]:
                 backend = path["backend"]["service"]

@@ -130,7 +130,7 @@ def test_nginx_template_is_sse_safe() -> None:
     assert int(d["proxy_read_timeout"][0].rstrip("s")) >= router.request_timeout
     assert int(d["proxy_send_timeout"][0].rstrip("s")) >= router.request_timeout
     (body_size,) = d["client_max_body_size(server)"]
-    assert int(body_size.rstrip("m")) << 20 >= router.max_request_bytes
+    assert int(body_size.rstrip("m")) << 20 >= max(router.max_request_bytes, router.max_file_bytes)
     assert d["gzip(server)"] == ["off"]
     assert (
         "non_idempotent" not in d["proxy_next_upstream"][0]

@@ -32,7 +32,10 @@ def ferry(*args: str) -> subprocess.CompletedProcess:
         (["--pd-threshold", "-1"], "--pd-threshold >= 0"),
         (["--model", "/nonexistent"], "/nonexistent has no tokenizer.json"),
         (["--replica", "http://[::1"], "replica URL 'http://[::1' is not valid: Invalid IPv6 URL"),
-        (["--max-request-bytes", "0"], "--max-request-bytes and --max-header-bytes must be positive"),
+        (
+            ["--max-request-bytes", "0"],
+            "--max-request-bytes, --max-header-bytes and --max-file-bytes must be positive",
+        ),
         (["--health-interval", "-1"], "--health-interval must be positive, got -1.0"),
         (["--header-timeout", "0"], "--header-timeout must be positive, got 0.0"),
         (["--replica-ca-certs", "/nonexistent.pem"], "--replica-ca-certs: no such file: /nonexistent.pem"),

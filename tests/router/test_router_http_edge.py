@@ -251,3 +251,36 @@ def test_a_percent_encoded_path_is_relayed_encoded(targets_router: Proc, target:
     finally:
         conn.close()
     assert _Targets.targets == [relayed]
+
+
+def test_a_file_upload_is_bounded_by_max_file_bytes(cluster: Cluster) -> None:
+    """A batch's input file is larger than a request: the router bounds ``POST /v1/files`` by
+    ``--max-file-bytes`` (the replica's own bound by default), every other body by
+    ``--max-request-bytes``."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Targets)
+    _Targets.targets = []
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        replica = f"http://127.0.0.1:{server.server_address[1]}"
+        router = cluster.router(
+            "--replica", replica, "--max-request-bytes", "1024", "--max-file-bytes", "4096"
+        )
+        with httpx.Client(base_url=router.url, timeout=30) as client:
+            assert client.post("/v1/files", content=b"x" * 3000).status_code == 200
+            assert _Targets.targets == ["/v1/files"]
+            big = client.post("/v1/files", content=b"x" * 5000)
+            assert big.status_code == 413
+            assert (
+                big.json()["error"]["message"]
+                == "request body exceeds 4096 bytes (the router's --max-file-bytes)"
+            )
+            other = client.post("/tokenize", content=b"x" * 3000)
+            assert other.status_code == 413
+            assert other.json()["error"]["message"] == (
+                "request body exceeds 1024 bytes (the router's --max-request-bytes)"
+            )
+        assert _Targets.targets == ["/v1/files"]
+    finally:
+        server.shutdown()
+        server.server_close()
