@@ -61,7 +61,7 @@ from server.serving_common import plan_off_loop, prompt_chars
 from server.serving_completions import create_completion
 from server.serving_embeddings import create_embedding
 from server.serving_messages import count_tokens, create_message
-from server.serving_pooling import create_pooling, pooling_invocation
+from server.serving_pooling import create_pooling
 from server.serving_responses import create_response
 from server.serving_score import create_rerank, create_score
 from server.serving_tokenize import detokenize, list_models, tokenize
@@ -276,9 +276,7 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
     # SageMaker's contract (vLLM serves it too): every request on one path; /ping is the health check.
     @app.post("/invocations", responses=_ERRORS)
     async def invocations(request: Request) -> Any:
-        raw, classifier = await json_body(request), served_classifier(state) is not None
-        pooled = pooling_invocation(raw, classifier)  # where vLLM's order reaches /pooling
-        kind, body = ("pooling", pooled) if pooled is not None else invocation(raw, classifier)
+        kind, body = invocation(await json_body(request), served_classifier(state) is not None)
         handler = {
             "chat": create_chat_completion,
             "completion": create_completion,

@@ -11,8 +11,9 @@ from __future__ import annotations
 import time
 from typing import Literal
 
-from pydantic import Field, StrictBool, StrictInt, StrictStr, field_validator
+from pydantic import Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
 
+from server.chat_protocol import ChatMessage
 from server.protocol import PromptInput, _Request, _Response, truncation
 
 # ----------------------------------------------------------------- requests
@@ -25,19 +26,46 @@ Endianness = Literal["native", "big", "little"]
 PoolingEncoding = Literal["float", "base64", "bytes", "bytes_only"]
 
 
-class EmbeddingRequest(_Request):
-    """OpenAI's /v1/embeddings (plus vLLM's ``truncate_prompt_tokens``, ``add_special_tokens``,
-    ``normalize`` / ``use_activation``, ``embed_dtype``, ``endianness`` and the ``bytes`` encodings)."""
+class PooledInput(_Request):
+    """What a pooling request pools: ``input`` (a text, texts, token ids or lists of them) or chat
+    ``messages``, never both: vLLM's chat-shaped embedding and pooling requests, rendered with the
+    chat template as ``/tokenize`` renders them (no generation prompt unless asked) into one prompt.
+    ``add_special_tokens`` defaults to True for ``input``, False for ``messages`` (their template
+    places the special tokens), as vLLM's."""
+
+    input: PromptInput | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool | None = None
+    add_generation_prompt: StrictBool = False
+    continue_final_message: StrictBool = False
+    chat_template: StrictStr | None = None
+    chat_template_kwargs: dict | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> PooledInput:
+        if self.input is None and self.messages is None:
+            raise ValueError("input: is required: give exactly one of 'input' or 'messages'")
+        if self.input is not None and self.messages is not None:
+            raise ValueError("messages: give exactly one of 'input' or 'messages', not both")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        if self.add_special_tokens is None:
+            self.add_special_tokens = self.messages is None
+        return self
+
+
+class EmbeddingRequest(PooledInput):
+    """OpenAI's /v1/embeddings (plus vLLM's ``messages``, ``truncate_prompt_tokens``,
+    ``add_special_tokens``, ``normalize`` / ``use_activation``, ``embed_dtype``, ``endianness`` and
+    the ``bytes`` encodings)."""
 
     model: StrictStr | None = None
-    input: PromptInput
     encoding_format: PoolingEncoding = "float"
     embed_dtype: EmbedDType = "float32"
     endianness: Endianness = "native"
     dimensions: StrictInt | None = Field(default=None, ge=1)
     user: StrictStr | None = None
     truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=-1)
-    add_special_tokens: StrictBool = True
     normalize: StrictBool | None = None  # False: the pooled state as it is (vLLM's pooling parameter)
     use_activation: StrictBool | None = None  # vLLM's newer spelling of normalize
 

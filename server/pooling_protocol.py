@@ -16,39 +16,20 @@ from __future__ import annotations
 import time
 from typing import Literal
 
-from pydantic import Field, StrictBool, StrictInt, StrictStr, model_validator
+from pydantic import Field, StrictBool, StrictInt, StrictStr
 
-from server.chat_protocol import ChatMessage
-from server.embedding_protocol import EmbeddingUsage, EmbedDType, Endianness, PoolingEncoding
-from server.protocol import PromptInput, _Response
+from server.embedding_protocol import EmbeddingUsage, EmbedDType, Endianness, PooledInput, PoolingEncoding
+from server.protocol import _Response
 from server.score_protocol import _Activation
 
 
-class PoolingRequest(_Activation):
-    input: PromptInput | None = None
-    messages: list[ChatMessage] | None = None
+class PoolingRequest(_Activation, PooledInput):
     encoding_format: PoolingEncoding = "float"
     embed_dtype: EmbedDType = "float32"
     endianness: Endianness = "native"
     task: StrictStr | None = None
     normalize: StrictBool | None = None
     dimensions: StrictInt | None = None  # refused by the serving layer, as vLLM's /pooling refuses it
-    # Default: True for ``input``, False for ``messages`` (their template places the special tokens).
-    add_special_tokens: StrictBool | None = None
-    add_generation_prompt: StrictBool = False
-    continue_final_message: StrictBool = False
-    chat_template: StrictStr | None = None
-    chat_template_kwargs: dict | None = None
-
-    @model_validator(mode="after")
-    def _one_input(self) -> PoolingRequest:
-        if (self.input is None) == (self.messages is None):
-            raise ValueError("give exactly one of 'input' or 'messages'")
-        if self.continue_final_message and self.add_generation_prompt:
-            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
-        if self.add_special_tokens is None:
-            self.add_special_tokens = self.messages is None
-        return self
 
 
 class PoolingData(_Response):

@@ -9,10 +9,11 @@ Here the body's distinguishing field picks the endpoint first (``messages``: cha
 answered with the chat endpoint's own 400 naming the field, not with "no handler".
 
 vLLM tries only the request types of the tasks the model serves, and ignores a body's unknown fields:
-on a classifier, which generates nothing, a body with ``input`` and ``messages`` (or ``prompt``) is
-classified (``messages`` ignored), one with ``query`` and ``prompt`` reranked. So on a classifier
-the generation fields count last: a body with nothing else still reaches chat or completions, for
-their 400 saying the model does not generate.
+on a classifier, which generates nothing, a chat-shaped body (``messages``) is classified (vLLM's
+ClassificationChatRequest), one with ``input`` and ``messages`` classified by its ``input``
+(``messages`` ignored), one with ``query`` and ``prompt`` reranked. So on a classifier ``prompt``
+counts last: a body with nothing else still reaches completions, for its 400 saying the model does
+not generate.
 """
 
 from __future__ import annotations
@@ -54,8 +55,11 @@ def invocation(body: Any, classifier: bool) -> tuple[str, BaseModel]:
     if not isinstance(body, dict):
         raise bad_request("an /invocations body must be a JSON object")
     kinds = [k for field, k in _KINDS if field in body]
-    if classifier:  # stable: the pooling kinds keep their order, before chat and completion
+    if classifier:  # chat-shaped bodies are classified; stable: pooling kinds first, in order
+        kinds = ["pooling" if k == "chat" else k for k in kinds]
         kinds.sort(key=lambda k: k in _GENERATION)
+        if "input" in body:  # classified by its input, messages ignored (as vLLM's union reads it)
+            body = {k: v for k, v in body.items() if k != "messages"}
     kind = kinds[0] if kinds else None
     if kind is None:
         raise bad_request(

@@ -16,8 +16,8 @@ from typing import Any, Literal
 
 from pydantic import Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
 
-from server.embedding_protocol import EmbeddingUsage
-from server.protocol import PromptInput, _Request, _Response, truncation
+from server.embedding_protocol import EmbeddingUsage, PooledInput
+from server.protocol import _Request, _Response, truncation
 
 Texts = StrictStr | list[StrictStr]
 
@@ -88,11 +88,9 @@ class ScoreRequest(_Activation):
         return (first, _as_list(getattr(self, first))), (second, _as_list(getattr(self, second)))
 
 
-class ClassificationRequest(_Activation):
-    """vLLM's ``/classify``: texts or token ids, each classified on its own."""
-
-    input: PromptInput
-    add_special_tokens: StrictBool = True
+class ClassificationRequest(_Activation, PooledInput):
+    """vLLM's ``/classify``: texts or token ids, each classified on its own, or chat ``messages``
+    classified as the one prompt the chat template renders (vLLM's ClassificationChatRequest)."""
 
 
 class RerankRequest(_Activation):

@@ -1,7 +1,9 @@
 """``POST /classify`` (vLLM's; also ``/v1/classify``) on a sequence-classification model
 (``*ForSequenceClassification``: ``engine/classifier.py``).
 
-Each input runs as a pooling engine request, exactly as an embedding does
+A request gives ``input`` (texts or token ids, each classified) or chat ``messages`` (rendered with
+the chat template into one prompt, as ``/pooling`` and ``/v1/embeddings`` take them: vLLM's
+ClassificationChatRequest). Each input runs as a pooling engine request, exactly as an embedding does
 (``serving_embeddings.answer_pooled``: admitted together, batched, timed out, aborted when the
 client leaves); on a classifier the engine ends it with the score head's logits. An answer's
 ``probs`` are the activation the model's config names (softmax over the labels, the sigmoid for
@@ -22,8 +24,7 @@ from engine.classifier import ClassifierInfo
 from engine.pooling import activate
 from server.errors import bad_request
 from server.score_protocol import ClassificationData, ClassificationRequest, ClassificationResponse
-from server.serving_common import plan_off_loop, prompt_chars
-from server.serving_embeddings import answer_pooled, pooled_usage, pooling_inputs
+from server.serving_embeddings import answer_pooled, planned_inputs, pooled_usage
 from server.state import ServerState
 
 
@@ -48,7 +49,7 @@ async def create_classification(
             "/classify needs one. Use /v1/embeddings, /score or /rerank.",
             param="model",
         )
-    inputs = await plan_off_loop(prompt_chars(req.input), pooling_inputs, state, req)
+    inputs = await planned_inputs(state, req)
     kind = info.classify_activation if req.activated else "identity"
 
     def build(logits: list[list[float]]) -> ClassificationResponse:

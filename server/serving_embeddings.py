@@ -13,6 +13,8 @@ as the body, every vector after the other, with a ``metadata`` header saying whe
 (``bytes_only``: without it). A JSON answer carries vLLM's ``id`` (``embd-`` and the request id,
 the ``metadata``'s too) and ``created``. ``normalize: false`` or ``use_activation: false`` gives the
 pooled state unnormalised (``normalize`` wins when both are given, as in vLLM and on ``/pooling``).
+Chat ``messages`` instead of ``input`` (vLLM's chat-shaped pooling requests) are rendered with the
+chat template into one prompt (``chat_inputs``), on ``/pooling`` and ``/classify`` too.
 ``pooling_prompt`` and ``answer_pooled`` serve ``/score``, ``/rerank``, ``/classify`` and
 ``/pooling`` too, so every pooled text takes this path.
 """
@@ -32,10 +34,16 @@ from pydantic import BaseModel
 from engine.outputs import RequestOutput
 from engine.pooling import encode_values, float32_values, normalized, truncated
 from engine.sampling_params import SamplingParams
-from server.embedding_protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
+from server.embedding_protocol import (
+    EmbeddingData,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    EmbeddingUsage,
+    PooledInput,
+)
 from server.errors import bad_request, unavailable
 from server.params import check_token_ids
-from server.prompts import kept_prompt_tokens
+from server.prompts import chat_prompt, kept_prompt_tokens
 from server.score_protocol import RerankResponse
 from server.sequence_request import SequenceRequest
 from server.serving_common import answer_whole, plan_off_loop, prompt_chars
@@ -74,12 +82,20 @@ def pooling_prompt(
         ids = ids[-keep:]
     context = pooling_context(state)
     if len(ids) > context:
-        raise bad_request(
-            f"{what} has {len(ids)} tokens, more than this model's maximum context length of "
-            f"{context} tokens",
-            param=param,
-        )
+        raise too_long(what, len(ids), context, param)
     return ids
+
+
+def too_long(what: str, tokens: int, context: int, param: str) -> Exception:
+    """The 400 for a pooled input past the context: OpenAI's ``context_length_exceeded``, its
+    message opening as OpenAI's and vLLM's do ("This model's maximum context length is"), which
+    clients such as LiteLLM and LangChain match to tell an over-long input from other 400s."""
+    return bad_request(
+        f"This model's maximum context length is {context} tokens, but {what} has {tokens} tokens. "
+        "Shorten it or set truncate_prompt_tokens.",
+        param=param,
+        code="context_length_exceeded",
+    )
 
 
 def pooling_inputs(state: ServerState, req: EmbeddingRequest | Any) -> list[list[int]]:
@@ -101,6 +117,31 @@ def pooling_inputs(state: ServerState, req: EmbeddingRequest | Any) -> list[list
         pooling_prompt(state, item, add_special_tokens=req.add_special_tokens, keep=keep, param="input")
         for item in items
     ]
+
+
+def chat_inputs(state: ServerState, req: PooledInput) -> list[list[int]]:
+    """The one prompt of a ``messages`` request: rendered and truncated as a chat request's, then
+    held to the context like every pooled input."""
+    if any(m.image_urls for m in req.messages or ()):
+        raise bad_request("image content parts are not supported on pooling routes", param="messages")
+    ids = chat_prompt(
+        req,  # type: ignore[arg-type]
+        state.tokenizer,
+        state.config.trust_request_chat_template,
+        state.config.chat,
+        state.limits,
+    )
+    return [
+        pooling_prompt(state, ids, add_special_tokens=False, keep=None, param="messages", what="the prompt")
+    ]
+
+
+async def planned_inputs(state: ServerState, req: PooledInput) -> list[list[int]]:
+    """A pooling request's prompts, planned off the event loop: its ``messages`` rendered as one
+    prompt (``chat_inputs``), or each of its ``input`` items (``pooling_inputs``)."""
+    if req.messages is not None:
+        return await plan_off_loop(prompt_chars(req.messages), chat_inputs, state, req)
+    return await plan_off_loop(prompt_chars(req.input), pooling_inputs, state, req)
 
 
 def pooled_usage(prompts: list[list[int]]) -> EmbeddingUsage:
@@ -245,7 +286,7 @@ async def create_embedding(
         )
     if req.dimensions is not None:
         check_dimensions(state, info, req.dimensions)
-    inputs = await plan_off_loop(prompt_chars(req.input), pooling_inputs, state, req)
+    inputs = await planned_inputs(state, req)
     values = normalized if req.normalized else truncated
 
     def build(vectors: list[list[float]]) -> EmbeddingResponse | Response:

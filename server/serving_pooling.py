@@ -22,50 +22,16 @@ from typing import Any
 from fastapi.responses import Response
 
 from engine.pooling import activate, normalized, truncated
-from server.errors import bad_request, validated
+from server.errors import bad_request
 from server.pooling_protocol import PoolingData, PoolingRequest, PoolingResponse
-from server.prompts import chat_prompt
-from server.serving_common import plan_off_loop, prompt_chars
 from server.serving_embeddings import (
     answer_pooled,
     bytes_answer,
     encoded_row,
+    planned_inputs,
     pooled_usage,
-    pooling_inputs,
-    pooling_prompt,
 )
 from server.state import ServerState
-
-
-def _chat_inputs(state: ServerState, req: PoolingRequest) -> list[list[int]]:
-    """The one prompt of a ``messages`` request: rendered and truncated as a chat request's, then
-    held to the context like every pooled input."""
-    if any(m.image_urls for m in req.messages or ()):
-        raise bad_request("image content parts are not supported on /pooling", param="messages")
-    ids = chat_prompt(
-        req,  # type: ignore[arg-type]
-        state.tokenizer,
-        state.config.trust_request_chat_template,
-        state.config.chat,
-        state.limits,
-    )
-    return [
-        pooling_prompt(state, ids, add_special_tokens=False, keep=None, param="messages", what="the prompt")
-    ]
-
-
-def pooling_invocation(body: Any, classifier: bool) -> PoolingRequest | None:
-    """The ``/pooling`` request a SageMaker ``/invocations`` body is, where vLLM would pool it (None
-    elsewhere). vLLM tries the request types of the endpoints the model serves in a fixed order
-    (chat, completions, embeddings, classify, rerank, score, and pooling last) and serves the first
-    that validates, ignoring unknown fields. Every ``input`` body ``/pooling`` takes, embeddings (or
-    classify, on a classifier) takes first: a pooling request adds only ``task``, which they ignore.
-    On a classifier, which serves no chat, a body with ``messages`` and no ``input`` is vLLM's
-    chat-shaped classify request; ferry's ``/classify`` takes no messages, so ``/pooling``, which
-    answers the same probabilities, serves it (with its own 400 when it is not valid there)."""
-    if classifier and isinstance(body, dict) and "messages" in body and "input" not in body:
-        return validated(PoolingRequest, body)
-    return None
 
 
 async def create_pooling(
@@ -95,10 +61,7 @@ async def create_pooling(
         )
     # vLLM's precedence: normalize, then softmax, activation, use_activation (as /v1/embeddings').
     activated = req.normalize if req.normalize is not None else req.activated
-    if req.messages is not None:
-        inputs = await plan_off_loop(prompt_chars(req.messages), _chat_inputs, state, req)
-    else:
-        inputs = await plan_off_loop(prompt_chars(req.input), pooling_inputs, state, req)
+    inputs = await planned_inputs(state, req)
 
     values: Callable[[list[float]], Any]
     if classifier is not None:

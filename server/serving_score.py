@@ -53,6 +53,7 @@ from server.serving_embeddings import (
     pooled_usage,
     pooling_context,
     pooling_prompt,
+    too_long,
 )
 from server.state import ServerState
 
@@ -123,11 +124,7 @@ def _pair_prompts(
         except ValueError as e:  # a template that cannot render the pair, a cut below the special tokens
             raise bad_request(str(e), param="truncate_prompt_tokens" if keep else param) from e
         if len(ids) > context:
-            raise bad_request(
-                f"a pair has {len(ids)} tokens, more than this model's maximum context length of "
-                f"{context} tokens",
-                param=param,
-            )
+            raise too_long("a pair", len(ids), context, param)
         prompts.append(ids)
     return prompts
 

@@ -109,7 +109,7 @@ def test_classify_equals_transformers_softmax(classifier, tiny_llama_cls: Path) 
         ({"input": [[5, 99999]]}, "input", "out of range"),
         ({"input": 5}, "input", ""),
         ({}, "input", ""),
-        ({"input": LONG}, "input", "maximum context length of 1024"),
+        ({"input": LONG}, "input", "maximum context length is 1024 tokens"),
         ({"input": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "-1"),
         ({"input": "x", "use_activation": "no"}, "use_activation", ""),
     ],
@@ -201,7 +201,7 @@ def test_cross_encoder_truncation_and_limits(reranker, tiny_cross_encoder: Path)
     whole = _post(reranker.url, "/rerank", {"query": LONG, "documents": ["x"], "truncate_prompt_tokens": -1})
     assert whole.status_code == 200 and whole.json()["usage"]["prompt_tokens"] == 1024, whole.text
     err = _error(_post(reranker.url, "/rerank", {"query": "q", "documents": ["a", LONG]}))
-    assert err["param"] == "documents" and "maximum context length of 1024" in err["message"]
+    assert err["param"] == "documents" and "maximum context length is 1024 tokens" in err["message"]
     err = _error(_post(reranker.url, "/score", {"text_1": "a", "text_2": "b", "truncate_prompt_tokens": 1}))
     assert err["param"] == "truncate_prompt_tokens" and "special tokens" in err["message"]
     # A one-label classifier (a cross-encoder) names the routes that serve it.

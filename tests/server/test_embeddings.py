@@ -113,7 +113,7 @@ def test_normalize_false_gives_the_raw_state(client, server, mrl, tiny_llama) ->
         ({"input": "x", "dimensions": 0}, "dimensions", ""),
         ({"input": "x", "dimensions": 8}, "dimensions", "does not support matryoshka"),
         ({"input": "x", "encoding_format": "int8"}, "encoding_format", ""),
-        ({"input": [5] * 1025}, "input", "maximum context length of 1024"),
+        ({"input": [5] * 1025}, "input", "maximum context length is 1024 tokens"),
         ({"input": 7}, "input", ""),
         ({"input": "x", "normalize": "no"}, "normalize", ""),
     ],

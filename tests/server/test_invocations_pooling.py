@@ -1,9 +1,9 @@
-"""SageMaker's ``/invocations`` on a classifier, where vLLM's order of trials (the request types of
-the endpoints the model serves, pooling last) reaches ``/pooling``: a chat-shaped body (``messages``,
-no ``input``) is served by ``/pooling`` (a classifier serves no chat; ferry's ``/classify`` takes no
-messages), answering what ``/pooling`` answers for it, its mistakes ``/pooling``'s 400s; an
-``input`` body stays ``/classify``'s even when it names a pooling ``task``, or has ``messages`` or
-``prompt`` too (vLLM tries no generation request type on a classifier). ``/classify`` and
+"""``/classify`` with chat ``messages`` (vLLM's ClassificationChatRequest), and SageMaker's
+``/invocations`` on a classifier, in vLLM's order of trials (the request types of the endpoints the
+model serves, classify before pooling): a chat-shaped body (``messages``, no ``input``) is
+classified, its mistakes ``/classify``'s 400s; an ``input`` body stays ``/classify``'s even when it
+names a pooling ``task``, or has ``messages`` or ``prompt`` too (vLLM tries no generation request
+type on a classifier). ``/classify`` and
 ``/pooling`` answer vLLM's usage; a classifier's probabilities encode like embeddings."""
 
 from __future__ import annotations
@@ -47,27 +47,35 @@ def _same(a: dict, b: dict) -> bool:
     }
 
 
-def test_a_chat_shaped_body_is_pooled(classifier) -> None:
-    for extra in ({}, {"use_activation": False}, {"encoding_format": "base64", "embed_dtype": "float16"}):
+def test_classify_takes_chat_messages(classifier) -> None:
+    """vLLM's ClassificationChatRequest: the messages rendered as ``/tokenize`` renders them (no
+    generation prompt unless asked), classified as that one prompt."""
+    for extra in ({}, {"add_generation_prompt": True}, {"use_activation": False}):
+        flags = {"add_generation_prompt": extra.get("add_generation_prompt", False)}
+        ids = _ok(classifier, "/tokenize", {"messages": MESSAGES, **flags})["tokens"]
+        got = _ok(classifier, "/classify", {"messages": MESSAGES, **extra})
+        want = _ok(classifier, "/classify", {"input": ids, **extra})
+        assert _same(got, want) and got["usage"]["prompt_tokens"] == len(ids)
+    r = _post(classifier, "/classify", {"messages": MESSAGES, "input": "x"})
+    assert r.status_code == 400 and "exactly one of 'input' or 'messages'" in r.json()["error"]["message"]
+
+
+def test_a_chat_shaped_body_is_classified(classifier) -> None:
+    # vLLM tries classify before pooling, and its chat-shaped classify request takes the body.
+    for extra in ({}, {"use_activation": False}):
         body = {"messages": MESSAGES, **extra}
         via = _ok(classifier, "/invocations", body)
-        direct = _ok(classifier, "/pooling", body)
-        assert _same(via, direct) and via["id"].startswith("pool-")
-        assert via["data"][0]["object"] == "pooling"
-    probs = _ok(classifier, "/invocations", {"messages": MESSAGES})["data"][0]["data"]
+        assert _same(via, _ok(classifier, "/classify", body)) and via["id"].startswith("classify-")
+    probs = _ok(classifier, "/invocations", {"messages": MESSAGES})["data"][0]["probs"]
     assert len(probs) == 3 and abs(sum(probs) - 1.0) < 1e-6  # the config's softmax over 3 labels
-    # Chat-only fields are ignored, as vLLM's pooling request ignores them.
-    chatty = _ok(classifier, "/invocations", {"messages": MESSAGES, "max_tokens": 5, "temperature": 0})
-    assert chatty["data"][0]["data"] == probs
-    # Its mistakes are /pooling's own 400s.
+    # Chat-only and pooling-only fields are ignored, as vLLM's classify request ignores them.
+    for extra in ({"max_tokens": 5, "temperature": 0}, {"task": "embed", "embed_dtype": "int8"}):
+        chatty = _ok(classifier, "/invocations", {"messages": MESSAGES, **extra})
+        assert chatty["data"][0]["probs"] == probs
+    # Its mistakes are /classify's own 400s.
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
-    for body, param in (
-        ({"messages": image}, "messages"),
-        ({"messages": MESSAGES, "embed_dtype": "int8"}, "embed_dtype"),
-        ({"messages": MESSAGES, "task": "embed"}, "task"),
-    ):
-        r = _post(classifier, "/invocations", body)
-        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = _post(classifier, "/invocations", {"messages": image})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
 
 
 def test_an_input_body_stays_classify(classifier) -> None:

@@ -53,9 +53,10 @@ def test_an_input_past_the_kv_capacity_is_the_routes_400(embedder, tiny_llama: P
     ok = httpx.post(embedder.url + "/v1/embeddings", json={"input": list(range(10, 41))}, timeout=60)
     assert ok.status_code == 200 and ok.json()["usage"]["prompt_tokens"] == 31, ok.text
     err = _error(embedder, "/v1/embeddings", {"input": [[5, 6], list(range(10, 43))]})
-    assert err["param"] == "input"
-    assert (
-        err["message"] == "an input has 33 tokens, more than this model's maximum context length of 32 tokens"
+    assert (err["param"], err["code"]) == ("input", "context_length_exceeded")
+    assert err["message"] == (
+        "This model's maximum context length is 32 tokens, but an input has 33 tokens. "
+        "Shorten it or set truncate_prompt_tokens."
     )
     n = len(Tokenizer.from_dir(tiny_llama).encode(LONG))
     assert n > 32
@@ -64,10 +65,10 @@ def test_an_input_past_the_kv_capacity_is_the_routes_400(embedder, tiny_llama: P
         ("/rerank", {"query": "q", "documents": ["a", LONG]}, "documents"),
     ):
         err = _error(embedder, path, body)
-        assert err["param"] == param
-        assert (
-            err["message"]
-            == f"a text has {n} tokens, more than this model's maximum context length of 32 tokens"
+        assert (err["param"], err["code"]) == (param, "context_length_exceeded")
+        assert err["message"] == (
+            f"This model's maximum context length is 32 tokens, but a text has {n} tokens. "
+            "Shorten it or set truncate_prompt_tokens."
         )
     # truncate_prompt_tokens keeps what fits.
     cut = httpx.post(
@@ -96,17 +97,13 @@ def test_a_cross_encoder_pair_past_the_kv_capacity_is_the_routes_400(reranker) -
     assert _context(reranker) == 32
     err = _error(reranker, "/classify", {"input": list(range(10, 43))})
     assert err["param"] == "input"
-    assert (
-        err["message"] == "an input has 33 tokens, more than this model's maximum context length of 32 tokens"
-    )
+    assert err["message"].startswith("This model's maximum context length is 32 tokens, but an input has 33 ")
     err = _error(reranker, "/rerank", {"query": "q", "documents": ["a", LONG]})
-    assert err["param"] == "documents" and err["message"].startswith("a pair has ")
-    assert err["message"].endswith(" tokens, more than this model's maximum context length of 32 tokens")
+    assert (err["param"], err["code"]) == ("documents", "context_length_exceeded")
+    assert err["message"].startswith("This model's maximum context length is 32 tokens, but a pair has ")
     # -1 keeps max_model_len's 1024 tokens: still past the 32 this replica holds.
     err = _error(reranker, "/score", {"text_1": LONG * 60, "text_2": "b", "truncate_prompt_tokens": -1})
-    assert (
-        err["message"] == "a pair has 1024 tokens, more than this model's maximum context length of 32 tokens"
-    )
+    assert "but a pair has 1024 tokens" in err["message"]
 
 
 def test_float_and_base64_embeddings_are_the_same_float32_values(embedder) -> None:

@@ -119,6 +119,20 @@ def test_truncation_and_messages(server) -> None:
     assert len(prompts[1]) > len(prompts[0]) and prompts[1][: len(prompts[0])] == prompts[0]
 
 
+def test_embeddings_take_chat_messages(server) -> None:
+    """vLLM's chat-shaped embedding request: the messages rendered as ``/tokenize`` renders them
+    (no generation prompt unless asked), embedded as that one prompt; both inputs at once is a 400."""
+    for extra in ({}, {"add_generation_prompt": True}):
+        ids = _ok(server, "/tokenize", {"messages": MESSAGES, "add_generation_prompt": False, **extra})[
+            "tokens"
+        ]
+        got = _ok(server, "/v1/embeddings", {"messages": MESSAGES, "encoding_format": "float", **extra})
+        want = _ok(server, "/v1/embeddings", {"input": ids, "encoding_format": "float"})
+        assert got["data"] == want["data"] and got["usage"] == _usage(len(ids))
+    r = _post(server, "/v1/embeddings", {"messages": MESSAGES, "input": "x"})
+    assert r.status_code == 400 and "exactly one of 'input' or 'messages'" in r.json()["error"]["message"]
+
+
 def test_classifier_pools_as_classify(classifier, tiny_llama_cls: Path) -> None:
     ids = [Tokenizer.from_dir(tiny_llama_cls).encode(t) for t in TEXTS]
     for flags in ({}, {"use_activation": False}):
@@ -136,8 +150,8 @@ def test_classifier_pools_as_classify(classifier, tiny_llama_cls: Path) -> None:
 @pytest.mark.parametrize(
     ("body", "param", "words"),
     [
-        ({"input": "x", "messages": MESSAGES}, "", "exactly one of 'input' or 'messages'"),
-        ({"model": "m"}, "", "exactly one of 'input' or 'messages'"),
+        ({"input": "x", "messages": MESSAGES}, "messages", "exactly one of 'input' or 'messages'"),
+        ({"model": "m"}, "input", "exactly one of 'input' or 'messages'"),
         ({"input": "x", "dimensions": 8}, "dimensions", "dimensions is not supported on /pooling"),
         ({"input": "x", "task": "classify"}, "task", "this model's pooling task is 'embed'"),
         ({"input": "x", "task": "token_embed"}, "task", "'token_embed' is not served"),
@@ -145,7 +159,7 @@ def test_classifier_pools_as_classify(classifier, tiny_llama_cls: Path) -> None:
         ({"input": []}, "input", "must not be empty"),
         ({"input": ["ok", ""]}, "input", "empty strings"),
         ({"input": [[1, 2], [99999]]}, "input", "out of range"),
-        ({"input": [5] * 1025}, "input", "maximum context length of 1024"),
+        ({"input": [5] * 1025}, "input", "maximum context length is 1024 tokens"),
         ({"input": "x", "truncate_prompt_tokens": 5000}, "truncate_prompt_tokens", "greater than"),
         ({"input": "x", "use_activation": "no"}, "use_activation", ""),
         (

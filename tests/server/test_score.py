@@ -177,7 +177,7 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(server) -> None:
             "",
         ),
         ("/score", {"text_1": "a", "text_2": ["b"] * 2049}, "text_2", "at most 2048"),
-        ("/score", {"text_1": LONG, "text_2": "b"}, "text_1", "maximum context length of 1024"),
+        ("/score", {"text_1": LONG, "text_2": "b"}, "text_1", "maximum context length is 1024 tokens"),
         ("/rerank", {"query": "", "documents": ["a"]}, "query", "empty string"),
         ("/rerank", {"query": "q", "documents": []}, "documents", "must not be empty"),
         ("/v2/rerank", {"query": "q", "documents": ["a", ""]}, "documents", "empty strings"),
