@@ -121,8 +121,8 @@ def chat_prompt(
         )
     if own is None and not tokenizer.has_chat_template:
         raise bad_request(
-            "This model has no chat template, so /v1/chat/completions cannot format messages; "
-            "use /v1/completions with a plain prompt instead.",
+            "This model has no chat template, so its messages cannot be formatted into a prompt; "
+            "send a plain prompt instead (prompt to /v1/completions, input to the pooling routes).",
             param="messages",
             code="chat_template_missing",
         )

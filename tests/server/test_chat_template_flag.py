@@ -188,3 +188,20 @@ def test_an_untrusted_request_template_is_refused(server) -> None:
     # Naming one of the model's own templates needs no trust.
     named = {**chat, "chat_template_kwargs": {"chat_template": "default"}}
     assert httpx.post(server.url + "/v1/chat/completions", json=named, timeout=60).status_code == 200
+
+
+def test_messages_without_a_template_are_a_400_that_names_the_plain_way(templateless: Path) -> None:
+    # The same 400 on chat, the Messages API and the pooling routes: it names no one route.
+    from server.chat_protocol import ChatCompletionRequest
+    from server.errors import APIError
+    from server.prompts import chat_prompt
+
+    req = ChatCompletionRequest.model_validate({"model": "m", "messages": MESSAGES})
+    with pytest.raises(APIError) as refused:
+        chat_prompt(req, Tokenizer.from_dir(templateless))
+    error = refused.value
+    assert (error.status, error.param, error.code) == (400, "messages", "chat_template_missing")
+    assert error.message == (
+        "This model has no chat template, so its messages cannot be formatted into a prompt; "
+        "send a plain prompt instead (prompt to /v1/completions, input to the pooling routes)."
+    )
