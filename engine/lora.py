@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from engine.lora_request import LoRARequest
+from engine.lora_request import NO_ADAPTER, LoRARequest
 from kvcache.keys import lora_extra
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -89,9 +89,9 @@ def load_adapter(
     path = Path(request.lora_path).expanduser()
     where = f"LoRA adapter {request.lora_name!r} ({request.lora_path})"
     if not path.is_dir():
-        raise ValueError(f"{where}: no such directory")
+        raise ValueError(f"{where}: {NO_ADAPTER} (no such directory)")
     if not (path / ADAPTER_CONFIG).is_file():
-        raise ValueError(f"{where}: no {ADAPTER_CONFIG}")
+        raise ValueError(f"{where}: {NO_ADAPTER} (no {ADAPTER_CONFIG})")
     if not (path / ADAPTER_WEIGHTS).is_file():
         other = (
             " (only .bin weights, which ferry does not unpickle)"

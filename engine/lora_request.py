@@ -11,6 +11,10 @@ from dataclasses import dataclass
 
 from kvcache.keys import lora_extra
 
+# In a load's error when the path holds no adapter at all: vLLM's wording, which its server (and so
+# ferry's, whose engine's errors reach it as their messages) answers with 404 rather than 400.
+NO_ADAPTER = "No adapter found"
+
 
 @dataclass(frozen=True)
 class LoRARequest:

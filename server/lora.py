@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import StrictBool, StrictInt, StrictStr
 
-from engine.lora_request import LoRARequest
+from engine.lora_request import NO_ADAPTER, LoRARequest
 from server.errors import APIError, bad_request
 from server.protocol import ModelCard, _Request
 
@@ -37,11 +37,18 @@ class UnloadLoRAAdapterRequest(_Request):
     lora_int_id: StrictInt | None = None
 
 
+_JSON_FIELDS = frozenset(("name", "path", "base_model_name"))
+
+
 def parse_lora_modules(values: list[str] | None) -> tuple[LoRARequest, ...]:
     """``--lora-modules`` entries: ``name=path`` or vLLM's JSON form
-    ``{"name": …, "path": …, "base_model_name": …}``. Raises ValueError on a malformed one."""
+    ``{"name": …, "path": …, "base_model_name": …}``; an empty one is skipped, as vLLM skips it (a
+    launcher's unset variable). Raises ValueError on a malformed one, or on a JSON field vLLM
+    does not take (a misspelt one would otherwise pass unnoticed)."""
     modules: dict[str, LoRARequest] = {}
     for value in values or ():
+        if not value.strip():
+            continue
         if value.lstrip().startswith("{"):
             try:
                 spec = json.loads(value)
@@ -53,6 +60,8 @@ def parse_lora_modules(values: list[str] | None) -> tuple[LoRARequest, ...]:
                 or not isinstance(spec.get("path"), str)
             ):
                 raise ValueError(f'--lora-modules {value!r}: the JSON form needs "name" and "path" strings')
+            if unknown := sorted(set(spec) - _JSON_FIELDS):
+                raise ValueError(f"--lora-modules {value!r}: unknown fields {unknown}")
             name, path, base = spec["name"], spec["path"], spec.get("base_model_name")
         else:
             name, sep, path = value.partition("=")
@@ -81,11 +90,13 @@ def lora_model_cards(state: Any) -> list[ModelCard]:
     is served as ``--lora-modules`` named it (``lora_preloaded``: a router does not adopt those and
     load them onto replicas started without the flag)."""
     preloaded = {(m.lora_name, m.lora_path) for m in state.config.lora_modules}
+    served_names = (state.model_name, *state.config.model_aliases)
     return [
         ModelCard(
             id=name,
             root=served.request.lora_path,
-            parent=served.request.base_model_name or state.model_name,
+            # vLLM takes a module's base_model_name only when it is a name the base is served by
+            parent=b if (b := served.request.base_model_name) in served_names else state.model_name,
             max_model_len=state.limits.kv_capacity_tokens,
             lora_weights_id=served.weights_id,
             lora_preloaded=(name, served.request.lora_path) in preloaded,
@@ -110,7 +121,7 @@ async def load_lora_adapter(state: Any, req: LoadLoRAAdapterRequest) -> str:
     _check_runtime(state)
     name = req.lora_name
     if not name or not req.lora_path:
-        raise bad_request("lora_name and lora_path must not be empty")
+        raise bad_request("Both 'lora_name' and 'lora_path' must be provided.")
     if name == state.model_name or name in state.config.model_aliases:
         raise bad_request(f"{name!r} is the base model's name", param="lora_name")
     try:
@@ -118,10 +129,13 @@ async def load_lora_adapter(state: Any, req: LoadLoRAAdapterRequest) -> str:
             LoRARequest(name, next(_int_ids), req.lora_path), reload=req.load_inplace
         )
     except ValueError as e:
+        if NO_ADAPTER in str(e):  # nothing there: vLLM's 404
+            raise APIError(404, str(e), code="not_found", param="lora_path") from None
         raise bad_request(str(e), param="lora_path") from None
     if served is None:  # the engine decides, in turn with the name's other changes
         raise bad_request(
-            f"The lora adapter '{name}' has already been loaded (load_inplace replaces it).",
+            f"The lora adapter '{name}' has already been loaded. If you want to load the adapter "
+            "in place, set 'load_inplace' to True.",
             param="lora_name",
         )
     return f"Success: LoRA adapter '{name}' added successfully."
@@ -129,6 +143,8 @@ async def load_lora_adapter(state: Any, req: LoadLoRAAdapterRequest) -> str:
 
 async def unload_lora_adapter(state: Any, req: UnloadLoRAAdapterRequest) -> str:
     _check_runtime(state)
+    if not req.lora_name:
+        raise bad_request("'lora_name' needs to be provided to unload a LoRA adapter.", param="lora_name")
     if not await state.engine.remove_lora(req.lora_name):
         raise APIError(
             404, f"The lora adapter '{req.lora_name}' cannot be found.", code="not_found", param="lora_name"

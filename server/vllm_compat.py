@@ -64,6 +64,11 @@ COMPAT_FLAGS: dict[str, tuple[dict, str]] = {
     "--mm-processor-cache-gb": ({"type": float}, _IMAGE_CACHE),
     "--disable-mm-preprocessor-cache": (_SWITCH, _IMAGE_CACHE),
     "--enable-expert-parallel": (_SWITCH, "a replica runs on one device: experts are not split"),
+    "--fully-sharded-loras": (_SWITCH, "a replica runs on one device: LoRA weights are not sharded"),
+    "--lora-dtype": (
+        {"choices": ["auto", "float16", "bfloat16"]},
+        "LoRA adapters run in the model's dtype (--dtype), as vLLM's auto",
+    ),
 }
 _SHORT = {"--compilation-config": "-O"}  # vLLM's -O3 and -O 3
 

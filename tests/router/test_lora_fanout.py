@@ -82,15 +82,15 @@ def test_a_malformed_body_is_refused_before_any_replica_sees_it(setup) -> None:
     assert r.status_code == 400
 
 
-def test_a_bad_path_is_the_replicas_own_400(setup, tmp_path: Path) -> None:
+def test_a_bad_path_is_the_replicas_own_404(setup, tmp_path: Path) -> None:
     replicas, router = setup
     load = {"lora_name": "nowhere", "lora_path": str(tmp_path / "missing")}
     direct = httpx.post(replicas[0].url + "/v1/load_lora_adapter", json=load, timeout=30)
-    assert direct.status_code == 400
+    assert direct.status_code == 404  # vLLM's: no adapter there
     r = httpx.post(router.url + "/v1/load_lora_adapter", json=load, timeout=30)
-    assert r.status_code == 400, r.text
+    assert r.status_code == 404, r.text
     assert r.json()["error"] == direct.json()["error"]
-    assert r.json()["replicas"] == {p.url: 400 for p in replicas}
+    assert r.json()["replicas"] == {p.url: 404 for p in replicas}
     assert all("nowhere" not in _listed(p) for p in replicas)
     assert metric(router.url, "ferry:router_lora_failures_total", {"op": "load"}) == 2
 

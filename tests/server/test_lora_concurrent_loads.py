@@ -78,7 +78,8 @@ def test_of_two_loads_of_a_new_name_one_wins(replica, adapters) -> None:
         won = 0 if answers[0][0] == 200 else 1
         assert answers[won][1] == f"Success: LoRA adapter '{name}' added successfully."
         assert answers[1 - won][1]["error"] == {
-            "message": f"The lora adapter '{name}' has already been loaded (load_inplace replaces it).",
+            "message": f"The lora adapter '{name}' has already been loaded. If you want to load the adapter "
+            "in place, set 'load_inplace' to True.",
             "type": "BadRequestError",
             "param": "lora_name",
             "code": "invalid_value",

@@ -16,6 +16,7 @@ import pytest
 from engine import LLM, LoRARequest, SamplingParams
 from engine.demo import build_lora_adapter
 from engine.lora import adapter_weights_id
+from server.lora import parse_lora_modules
 from tests.server.conftest import metric_value
 from tests.server.test_api_servers import _serve, call, connection_per_api_server
 
@@ -34,8 +35,11 @@ def adapters(tmp_path_factory, tiny_llama: Path) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def lora_server(tiny_llama: Path, adapters, serve_logs: Path, server_process) -> Iterator:
-    modules = [f"a={adapters['a']}", json.dumps({"name": "b", "path": str(adapters["b"])})]
+    # An empty entry is skipped, and a base_model_name the base is not served by is not b's parent (vLLM's)
+    b = {"name": "b", "path": str(adapters["b"]), "base_model_name": "not-served"}
+    modules = [f"a={adapters['a']}", "", json.dumps(b)]
     flags = ["--enable-lora", "--max-loras", "2", "--allow-runtime-lora-updating", "--lora-modules", *modules]
+    flags += ["--fully-sharded-loras", "--lora-dtype", "bfloat16"]  # vLLM's: accepted, logged
     srv = server_process(tiny_llama, [*flags, "--num-kv-blocks", "256"], serve_logs).start()
     yield srv
     srv.stop()
@@ -105,7 +109,22 @@ def test_requests_run_the_named_adapter(lora_server, client, offline) -> None:
 def test_adapters_load_and_unload_at_run_time(lora_server, client, adapters, offline) -> None:
     url = lora_server.url
     bad = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/no/such/dir"})
-    assert bad.status_code == 400 and "no such directory" in bad.json()["error"]["message"]
+    assert bad.status_code == 404 and bad.json()["error"] == {  # vLLM's 404 when nothing is there
+        "message": "LoRA adapter 'x' (/no/such/dir): No adapter found (no such directory)",
+        "type": "NotFoundError",
+        "param": "lora_path",
+        "code": "not_found",
+    }
+    empty = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": ""})
+    assert (empty.status_code, empty.json()["error"]["message"]) == (
+        400,
+        "Both 'lora_name' and 'lora_path' must be provided.",
+    )
+    nameless = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": ""})
+    assert (nameless.status_code, nameless.json()["error"]["message"]) == (
+        400,
+        "'lora_name' needs to be provided to unload a LoRA adapter.",
+    )
     r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": str(adapters["c"])})
     assert r.status_code == 200 and r.text == "Success: LoRA adapter 'c' added successfully."
     listed = {m.id: m.model_dump() for m in client.models.list().data}
@@ -114,7 +133,11 @@ def test_adapters_load_and_unload_at_run_time(lora_server, client, adapters, off
     again = httpx.post(
         url + "/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": str(adapters["a"])}
     )
-    assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
+    assert (again.status_code, again.json()["error"]["message"]) == (
+        400,
+        "The lora adapter 'c' has already been loaded. If you want to load the adapter in place, "
+        "set 'load_inplace' to True.",
+    )
     # load_inplace: the name now runs a's weights
     inplace = {"lora_name": "c", "lora_path": str(adapters["a"]), "load_inplace": True}
     assert httpx.post(url + "/v1/load_lora_adapter", json=inplace).status_code == 200
@@ -133,6 +156,15 @@ def test_adapters_load_and_unload_at_run_time(lora_server, client, adapters, off
     assert missing.status_code == 400
     # Nothing of this cost the others anything.
     assert _token_ids(client, "a") == ("a", offline["a"])
+
+
+def test_vllms_lora_flags_are_noted(lora_server) -> None:
+    log = lora_server.log_path.read_text()
+    for note in (
+        "--fully-sharded-loras is accepted for vLLM compatibility and changes nothing: a replica runs on one",
+        "--lora-dtype is accepted for vLLM compatibility and changes nothing: LoRA adapters run in the model's",
+    ):
+        assert note in log, note
 
 
 def test_lora_metrics(lora_server, client) -> None:
@@ -182,6 +214,13 @@ def test_api_servers_share_one_set_of_adapters(
             conn.close()
     finally:
         assert srv.stop() == 0, srv.log()
+
+
+def test_lora_modules_json_takes_vllms_fields_only() -> None:
+    (module,) = parse_lora_modules(['{"name": "a", "path": "/p", "base_model_name": "m"}'])
+    assert (module.lora_name, module.lora_path, module.base_model_name) == ("a", "/p", "m")
+    with pytest.raises(ValueError, match=r"unknown fields \['base_model'\]"):
+        parse_lora_modules(['{"name": "a", "path": "/p", "base_model": "m"}'])
 
 
 def test_lora_startup_errors_are_clean(tiny_llama, adapters, tmp_path) -> None:
