@@ -17,18 +17,19 @@ IMAGE_PART_TYPES = ("image_url", "input_image", "image", "image_pil")
 
 def template_message(message: Mapping[str, Any]) -> dict[str, Any]:
     """One chat message as templates see it: ``role``; ``content`` ("" when absent or null, text
-    parts kept as ``{"type": "text", "text": …}`` parts); ``name``, ``tool_call_id``, ``tool_calls``
-    and an assistant's earlier reasoning (``reasoning_content`` / ``reasoning``, which Qwen3-style
-    templates write back into the turns after the last user message) when set; nothing else. The
-    server and the router's ``TokenKeyer`` both render through this, so they agree on every token
-    and block hash of a chat prompt."""
+    parts, and an assistant's ``refusal`` parts as vLLM reads them, as ``{"type": "text", "text":
+    …}`` parts); ``name``, ``tool_call_id``, ``tool_calls`` and an assistant's earlier reasoning
+    (``reasoning_content`` / ``reasoning``, which Qwen3-style templates write back into the turns
+    after the last user message) when set; nothing else. The server and the router's
+    ``TokenKeyer`` both render through this, so they agree on every token and block hash of a chat
+    prompt."""
     out: dict[str, Any] = {"role": message.get("role")}
     content = message.get("content")
     if isinstance(content, list):
         out["content"] = [
             {"type": "image"}
             if part.get("type") in IMAGE_PART_TYPES
-            else {"type": "text", "text": part.get("text")}
+            else {"type": "text", "text": part.get("refusal" if part.get("type") == "refusal" else "text")}
             for part in content
         ]
     else:

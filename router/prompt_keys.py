@@ -215,9 +215,10 @@ class TokenKeyer(PromptKeyer):
             return [], 0
         keep = body.get("truncate_prompt_tokens")
         if type(keep) is int and 0 < keep < len(ids):
-            # The replica keeps the prompt's last N tokens (``server/prompts.py``); -1 (the model's
-            # context length, which the router does not know) cuts only prompts longer than that.
-            ids = ids[-keep:]
+            # The replica keeps the prompt's last N tokens, or its first under truncation_side
+            # "right" (``server.prompts.truncated``); -1 (the model's context length, which the
+            # router does not know) cuts only prompts longer than that.
+            ids = ids[:keep] if body.get("truncation_side") == "right" else ids[-keep:]
         if self.image is not None and path.endswith("/chat/completions") and self.image[0] in ids:
             return self._image_keys(ids, body)
         return block_hashes(ids, self.block_size, self.body_extra(body)), len(ids)

@@ -88,10 +88,11 @@ def answer_role(state: ServerState, req: ChatCompletionRequest) -> str:
 
 def echoed_text(req: ChatCompletionRequest, role: str) -> str:
     """What ``echo`` puts in front of the answer (vLLM's rule): the last message's text when that
-    message has the answer's role, its text parts joined by newlines; else nothing."""
+    message has the answer's role, its text (and refusal) parts joined by newlines; else nothing."""
     if not req.echo or not req.messages or req.messages[-1].role != role:
         return ""
     content = req.messages[-1].content
     if isinstance(content, list):
-        return "\n".join(part.text for part in content if part.text is not None)
+        texts = (part.refusal if part.type == "refusal" else part.text for part in content)
+        return "\n".join(text for text in texts if text is not None)
     return content or ""

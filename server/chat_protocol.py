@@ -39,11 +39,13 @@ class ImageURL(_Request):
 
 
 class TextPart(_Request):
-    """A content part: text, or an image (``image_url``) for a vision-language model."""
+    """A content part: text, an image (``image_url``) for a vision-language model, or an assistant's
+    earlier ``refusal`` (OpenAI's assistant part; templates see its words as text, as vLLM's do)."""
 
     type: StrictStr
     text: StrictStr | None = None
     image_url: ImageURL | None = None
+    refusal: StrictStr | None = None
 
 
 class ChatMessage(_Request):
@@ -69,6 +71,9 @@ class ChatMessage(_Request):
                 if part.type == "image_url":
                     if part.image_url is None:
                         raise ValueError("an image_url content part needs 'image_url': {'url': ...}")
+                elif part.type == "refusal":
+                    if part.refusal is None:
+                        raise ValueError("a refusal content part needs a 'refusal' field")
                 elif part.type != "text":
                     raise ValueError(f"content part type {part.type!r} is not supported")
                 elif part.text is None:
@@ -153,6 +158,11 @@ class ChatCompletionRequest(SamplingFields):
     documents: list[dict[str, Any]] | None = None
     # vLLM's: special tokens (BOS) added by the tokenizer on top of the template's own (rarely right)
     add_special_tokens: StrictBool = False
+    # OpenAI's deprecated forms of tools / tool_choice, and its audio output: each would change the
+    # answer, so a request that sends them is refused rather than answered without them.
+    functions: list[Any] | None = None
+    function_call: Any = None
+    modalities: list[StrictStr] | None = None
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:
@@ -160,6 +170,11 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("top_logprobs: logprobs must be true when top_logprobs is set")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        for field, instead in (("functions", "tools"), ("function_call", "tool_choice")):
+            if getattr(self, field) is not None:
+                raise ValueError(f"{field}: the deprecated {field} is not supported; send {instead}")
+        if self.modalities is not None and set(self.modalities) - {"text"}:
+            raise ValueError('modalities: this server answers in text only (["text"])')
         return self
 
 

@@ -17,7 +17,7 @@ from engine.multimodal import EMBEDS_PLACEHOLDER_ID
 from server.completion_protocol import CompletionRequest
 from server.errors import bad_request
 from server.params import ModelLimits
-from server.prompts import PreparedPrompt, kept_prompt_tokens
+from server.prompts import PreparedPrompt, kept_prompt_tokens, truncated
 
 PARAM = "prompt_embeds"
 
@@ -51,7 +51,7 @@ def embeds_prompts(req: CompletionRequest, limits: ModelLimits) -> list[Prepared
             raise bad_request(str(e), param=PARAM) from None
         keep = kept_prompt_tokens(req, limits)
         if keep is not None:
-            embeds = embeds[-keep:]
+            embeds = truncated(embeds, keep, req)
         prompts.append(PreparedPrompt([EMBEDS_PLACEHOLDER_ID] * embeds.shape[0], None, embeds))
     return prompts
 

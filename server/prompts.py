@@ -37,6 +37,13 @@ def kept_prompt_tokens(req: Any, limits: ModelLimits) -> int | None:
     return keep
 
 
+def truncated(tokens: Any, keep: int, req: Any) -> Any:
+    """The ``keep`` tokens (a list of ids, or a tensor of embeddings) of a prompt that
+    ``truncate_prompt_tokens`` keeps: its last, or its first where vLLM's ``truncation_side`` is
+    "right" (the router keys it the same way: ``router.prompt_keys``)."""
+    return tokens[:keep] if getattr(req, "truncation_side", None) == "right" else tokens[-keep:]
+
+
 @dataclass(frozen=True)
 class PreparedPrompt:
     token_ids: list[int]
@@ -96,7 +103,7 @@ def completion_prompts(
         if not ids:
             raise bad_request("prompt must not be empty", param="prompt")
         if keep is not None and len(ids) > keep:
-            ids, text = ids[-keep:], None
+            ids, text = truncated(ids, keep, req), None
         prompts.append(PreparedPrompt(ids, text))
     return prompts
 
@@ -165,7 +172,7 @@ def chat_prompt(
     ids = tokenizer.encode(text, add_special_tokens=bool(add_special))
     keep = kept_prompt_tokens(req, limits) if limits is not None else None  # /tokenize: no truncation
     if keep is not None and len(ids) > keep:
-        ids = ids[-keep:]
+        ids = truncated(ids, keep, req)
     if not ids:
         raise bad_request("the rendered chat prompt is empty", param="messages")
     return ids

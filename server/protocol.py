@@ -208,6 +208,8 @@ class SamplingFields(_Request):
     bad_words: list[StrictStr] | None = None
     truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=-1)  # keep the prompt's last N
     _check_truncation = field_validator("truncate_prompt_tokens")(truncation)
+    # vLLM's: "right" keeps the prompt's first N tokens instead (``server.prompts.truncated``)
+    truncation_side: Literal["left", "right"] | None = None
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs, or vLLM's older guided_*
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None

@@ -62,6 +62,17 @@ def keyers(tiny_llama) -> list:
     return [TextKeyer(16), TokenKeyer.from_dir(str(tiny_llama), 16)]
 
 
+def test_truncated_prompts_key_the_tokens_the_replica_keeps(keyers) -> None:
+    """``truncate_prompt_tokens`` keeps the prompt's last N tokens, or its first under vLLM's
+    ``truncation_side: "right"``, as ``server.prompts.truncated`` does."""
+    ids = list(range(40))
+    token = keyers[1]
+    kept = token.keys("/v1/completions", {"prompt": ids, "truncate_prompt_tokens": 20})
+    assert kept == (block_hashes(ids[-20:], 16), 20)
+    body = {"prompt": ids, "truncate_prompt_tokens": 20, "truncation_side": "right"}
+    assert token.keys("/v1/completions", body) == (block_hashes(ids[:20], 16), 20)
+
+
 def test_a_text_part_that_is_not_text_gives_no_hint_not_an_error(keyers) -> None:
     body = {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}
     for keyer in keyers:  # TextKeyer used to raise TypeError here: the router answered 500

@@ -85,6 +85,17 @@ CASES = [
         "invalid_value",
     ),
     (CHAT, {"messages": USER, "top_logprobs": 21, "logprobs": True}, 400, "top_logprobs", "invalid_value"),
+    # OpenAI's deprecated function forms and audio output would be answered without: refused.
+    (CHAT, {"messages": USER, "functions": [{"name": "f"}]}, 400, "functions", "invalid_value"),
+    (CHAT, {"messages": USER, "function_call": "auto"}, 400, "function_call", "invalid_value"),
+    (CHAT, {"messages": USER, "modalities": ["text", "audio"]}, 400, "modalities", "invalid_value"),
+    (
+        CHAT,
+        {"messages": [*USER, {"role": "assistant", "content": [{"type": "refusal"}]}]},
+        400,
+        "messages.1",
+        "invalid_value",
+    ),
     (CHAT, {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs", "invalid_value"),
     (
         CHAT,

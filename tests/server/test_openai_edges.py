@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -137,3 +138,31 @@ def test_chat_chunks_of_partial_characters_carry_empty_content(client) -> None:
         assert "".join(c.choices[0].delta.content or "" for c in chunks) == "你好☃"
     assert partial  # pieces of a character: nothing to show yet
     assert all(c.choices[0].delta.content == "" for c in partial)
+
+
+def test_an_assistant_refusal_part_reads_as_its_text(client, server) -> None:
+    """An earlier assistant turn whose content is OpenAI's ``refusal`` part (the SDK's
+    ``ChatCompletionContentPartRefusalParam``) is rendered as that text, as vLLM renders it: the
+    same prompt as the text part."""
+
+    def history(part: dict) -> list[dict]:
+        return [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": [part]},
+            {"role": "user", "content": "why?"},
+        ]
+
+    as_text = history({"type": "text", "text": "I can't help with that."})
+    refused = history({"type": "refusal", "refusal": "I can't help with that."})
+    ids = httpx.post(server.url + "/tokenize", json={"messages": as_text}).json()["tokens"]
+    assert httpx.post(server.url + "/tokenize", json={"messages": refused}).json()["tokens"] == ids
+    answer = client.chat.completions.create(model=None, messages=refused, max_tokens=1)
+    assert answer.usage.prompt_tokens == len(ids)
+    # Continued and echoed (vLLM's echo), the answer starts with the refusal's words.
+    continued = client.chat.completions.create(
+        model=None,
+        messages=refused[:2],
+        max_tokens=1,
+        extra_body={"echo": True, "continue_final_message": True, "add_generation_prompt": False},
+    )
+    assert continued.choices[0].message.content.startswith("I can't help with that.")

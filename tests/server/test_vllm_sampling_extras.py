@@ -56,12 +56,32 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(server, tokenizer) -> None
     assert chat["usage"]["prompt_tokens"] == 7
 
 
+def test_truncation_side_right_keeps_the_prompts_start(server, tokenizer) -> None:
+    """vLLM's ``truncation_side: "right"``: the prompt's first N tokens, a completion's and a chat's."""
+    ids = tokenizer.encode(PROMPT)
+    got = _complete(server, truncate_prompt_tokens=5, truncation_side="right")["choices"][0]["token_ids"]
+    assert got == _complete(server, prompt=ids[:5])["choices"][0]["token_ids"]
+    messages = [{"role": "user", "content": PROMPT}]
+    chat_ids = httpx.post(server.url + "/tokenize", json={"messages": messages}, timeout=60).json()["tokens"]
+    body = {"messages": messages, "max_tokens": 16, "temperature": 0, "return_token_ids": True}
+    chat = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={**body, "truncate_prompt_tokens": 9, "truncation_side": "right"},
+        timeout=60,
+    ).json()
+    assert chat["usage"]["prompt_tokens"] == 9
+    assert (
+        chat["choices"][0]["token_ids"] == _complete(server, prompt=chat_ids[:9])["choices"][0]["token_ids"]
+    )
+
+
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
         ({"allowed_token_ids": []}, "allowed_token_ids"),
         ({"allowed_token_ids": [100000]}, "allowed_token_ids"),
         ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": 2, "truncation_side": "middle"}, "truncation_side"),
         ({"bad_words": "x"}, "bad_words"),
     ],
 )
