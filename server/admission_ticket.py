@@ -22,7 +22,8 @@ class Ticket:
     ``submitted`` (the engine's ``announce`` handle) is called once every sequence has started;
     ``EdgeMiddleware`` calls it when the request ends, for one that never got that far.
     ``key`` and ``size`` go with each sequence to an engine process that admits them too
-    (``EngineClient.generate``'s ``admission``)."""
+    (``EngineClient.generate``'s ``admission``). It also sees each prompt's choices end, so it
+    observes their longest output once per prompt (``end_one``)."""
 
     def __init__(
         self,
@@ -40,12 +41,31 @@ class Ticket:
         self.leased = False  # its beam search steps leased its places in the engine process
         self.stopped = False  # the server ended its stream on purpose (max_tool_calls): a "stop"
         self._closed = False
+        # prompt_index -> [its sequences started and not ended, the most tokens one generated]
+        self._prompts: dict[int, list[int]] = {}
 
-    def start_one(self) -> None:
+    def start_one(self, prompt_index: int) -> None:
         # Called right before the sequence's engine.generate submits it, in the same loop step.
         self.unstarted -= 1
+        self._prompts.setdefault(prompt_index, [0, 0])[0] += 1
         if self.unstarted == 0 and self._submitted is not None:
             self._submitted()
+
+    def end_one(self, prompt_index: int, num_generated: int) -> None:
+        """A started sequence of prompt ``prompt_index`` ended, counted in the metrics with
+        ``num_generated`` tokens. Once every sequence has started, a prompt whose sequences have all
+        ended has its longest output observed (``vllm:request_max_num_generation_tokens``)."""
+        prompt = self._prompts[prompt_index]
+        prompt[0] -= 1
+        prompt[1] = max(prompt[1], num_generated)
+        if self.unstarted == 0:
+            self._observe_ended_prompts()
+
+    def _observe_ended_prompts(self) -> None:
+        for index, (running, most) in list(self._prompts.items()):
+            if running == 0:
+                del self._prompts[index]
+                self._generation.metrics.observe_prompt_finished(most)
 
     def close(self) -> None:
         if self._closed:
@@ -54,4 +74,5 @@ class Ticket:
         if self.unstarted > 0:
             self._generation.release(self.unstarted)
             self.unstarted = 0
+            self._observe_ended_prompts()  # those whose sequences that started have all ended
         self._generation.ticket_closed(self)

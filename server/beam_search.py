@@ -51,7 +51,7 @@ async def run_beam_search(
     engine = generation.engine
     search = BeamSearch(first.prompt_token_ids, first.beam, engine.model_info.eos_token_ids, engine.tokenizer)
     for _ in group:
-        ticket.start_one()
+        ticket.start_one(first.prompt_index)
     metrics = generation.metrics
     timeout = generation.config.request_timeout
     opening: RequestOutput | None = None  # the first step's output: prompt logprobs, cached tokens
@@ -106,6 +106,7 @@ async def run_beam_search(
             metrics.observe_finished(
                 output.finish_reason or "abort", e2e, None, len(first.prompt_token_ids), len(output.token_ids)
             )
+            ticket.end_one(first.prompt_index, len(output.token_ids))
             observed += 1
             yield (
                 seq,
@@ -123,6 +124,7 @@ async def run_beam_search(
         e2e = time.perf_counter() - arrival
         for _ in range(0 if refused else len(group) - observed):  # ended without their answer
             metrics.observe_finished("abort", e2e, None, len(first.prompt_token_ids), steps)
+            ticket.end_one(first.prompt_index, steps)
         generation.beam_counted(ticket, first.prompt_index)  # the engine process forgets it
         generation.release(len(group))
 

@@ -26,6 +26,13 @@ _ENGINE_SERIES: tuple[tuple[str, str, str, str], ...] = (
     ("vllm:num_requests_running", "Number of requests in model execution batches.", "num_running", "gauge"),
     ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", "num_waiting", "gauge"),
     ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", "kv_cache_usage", "gauge"),
+    # vLLM's deprecated name of the same gauge, which its stock Grafana dashboard still plots
+    (
+        "vllm:gpu_cache_usage_perc",
+        "GPU KV-cache usage. 1 means 100 percent usage (deprecated: vllm:kv_cache_usage_perc).",
+        "kv_cache_usage",
+        "gauge",
+    ),
     (
         "vllm:prefix_cache_queries",
         "Prefix cache queries, in terms of number of queried tokens.",

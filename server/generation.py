@@ -186,7 +186,7 @@ class Generation(MergedOutputs):
     ) -> AsyncIterator[RequestOutput]:
         """The engine's delta outputs for one admitted sequence (releases its admission share at the end)."""
         rid = self.claim_id(f"{request_id}-{seq.choice_index}", request_id)
-        ticket.start_one()
+        ticket.start_one(seq.prompt_index)
         deadline = _Deadline()
         if self.config.request_timeout is not None:
             loop = asyncio.get_running_loop()
@@ -235,6 +235,7 @@ class Generation(MergedOutputs):
                             len(seq.prompt_token_ids),
                             num_generated,
                         )
+                        ticket.end_one(seq.prompt_index, num_generated)
                         if deadline.timed_out and reason == "abort":
                             raise timeout_error(self.config.request_timeout or 0.0)
                         if out.outputs and out.outputs[0].error is not None:
@@ -274,6 +275,7 @@ class Generation(MergedOutputs):
                     e2e = time.perf_counter() - arrival
                     reason = "stop" if ticket.stopped else "abort"
                     metrics.observe_finished(reason, e2e, None, len(seq.prompt_token_ids), num_generated)
+                    ticket.end_one(seq.prompt_index, num_generated)
                 with contextlib.suppress(Exception):
                     await self.engine.abort(rid)
             self.unclaim_id(rid)

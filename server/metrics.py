@@ -16,7 +16,8 @@ is k gaps of t / k; the tokens that came with the first are gaps of 0); vLLM's p
 ``vllm:request_time_per_output_token_seconds`` 1 when it finished with n >= 2. Every request that
 ran ends once in ``request_success`` (an abort before its last output: ``abort``, with the
 tokens received; a stop the server chose, a Responses answer capped by ``max_tool_calls``: ``stop``), e2e latency and the prompt and generation token histograms; one the engine
-refused (a 400) is not counted.
+refused (a 400) is not counted. ``vllm:request_max_num_generation_tokens`` counts once per prompt
+of a request (its choices' longest), when all its counted choices have ended.
 
 Every series carries ``model_name``. prometheus-client appends ``_total`` to counters, so the
 exposed names are ``vllm:prompt_tokens_total``, ``vllm:prefix_cache_hits_total`` … exactly as
@@ -124,6 +125,13 @@ class ServerMetrics:
         self._generation_tokens = Histogram(
             "vllm:request_generation_tokens",
             "Number of generation tokens processed.",
+            labels,
+            buckets=_TOKEN_BUCKETS,
+            registry=reg,
+        ).labels(model_name)
+        self._max_generation_tokens = Histogram(
+            "vllm:request_max_num_generation_tokens",
+            "Histogram of maximum number of requested generation tokens.",
             labels,
             buckets=_TOKEN_BUCKETS,
             registry=reg,
@@ -241,6 +249,11 @@ class ServerMetrics:
         self._params_n.observe(n)
         if max_tokens is not None:
             self._params_max_tokens.observe(max_tokens)
+
+    def observe_prompt_finished(self, most_generated: int) -> None:
+        """All the choices of one prompt of a request ended: the most tokens one of them generated
+        (vLLM observes its ``request_max_num_generation_tokens`` once per parent request)."""
+        self._max_generation_tokens.observe(most_generated)
 
     def background_finished(self, status: str) -> None:
         self._background_finished.labels(self.model_name, status).inc()

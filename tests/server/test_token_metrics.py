@@ -110,6 +110,8 @@ def _counts(url: str, name: str) -> dict[str, float]:
     )
     out["prompt_tokens_sum"] = read("vllm:request_prompt_tokens_sum")
     out["generation_tokens_sum"] = read("vllm:request_generation_tokens_sum")
+    out["max_generation_tokens_count"] = read("vllm:request_max_num_generation_tokens_count")
+    out["max_generation_tokens_sum"] = read("vllm:request_max_num_generation_tokens_sum")
     for reason in ("stop", "length", "abort"):
         out[reason] = read("vllm:request_success_total", finished_reason=reason)
     out["running"] = read("vllm:num_requests_running") + read("vllm:num_requests_waiting")
@@ -153,6 +155,8 @@ def test_a_stream_the_client_leaves_is_counted_with_its_tokens(server) -> None:
         "vllm:request_time_per_output_token_seconds": 0,  # no engine stamps for an aborted request
         "prompt_tokens_sum": 17,
         "generation_tokens_sum": got,
+        "max_generation_tokens_count": 1,
+        "max_generation_tokens_sum": got,
         "stop": 0,
         "length": 0,
         "abort": 1,
@@ -175,7 +179,26 @@ def test_finished_requests_count_every_token(server) -> None:
         "vllm:request_time_per_output_token_seconds": 2,
         "prompt_tokens_sum": 6,
         "generation_tokens_sum": 7,
+        "max_generation_tokens_count": 2,
+        "max_generation_tokens_sum": 7,
         "stop": 0,
         "length": 2,
         "abort": 0,
     }
+
+
+def test_the_longest_choice_is_counted_once_per_prompt(server) -> None:
+    """``vllm:request_max_num_generation_tokens`` (the stock vLLM dashboard's "Max Generation
+    Token" panel) has one sample per prompt of a request, its longest choice, as vLLM's once per
+    parent request; and the deprecated ``vllm:gpu_cache_usage_perc`` it plots is the KV usage."""
+    url, name = server.url, server.model_name
+    before = _settled(url, name)
+    body = {"model": name, "prompt": [[5, 6, 7], [8, 9]], "n": 2, "max_tokens": 3, "ignore_eos": True}
+    assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
+    delta = _delta(_settled(url, name), before)
+    assert (delta["generation_tokens_sum"], delta["vllm:request_generation_tokens"]) == (12, 4)
+    assert (delta["max_generation_tokens_count"], delta["max_generation_tokens_sum"]) == (2, 6)
+    text = httpx.get(url + "/metrics", timeout=10).text
+    usage = metric_value(text, "vllm:kv_cache_usage_perc", model_name=name)
+    assert usage is not None
+    assert metric_value(text, "vllm:gpu_cache_usage_perc", model_name=name) == usage
