@@ -15,6 +15,8 @@ from typing import Any
 logger = logging.getLogger("engine.llm")
 
 _SCALE_OUT = "a ferry engine runs on one device; scale out with replicas behind `ferry router`"
+# engine/image_processor.py's cache (PROCESSED_CACHE_SIZE; not imported: this module is torch-free).
+_IMAGE_CACHE = "the last 32 images read from bytes are kept processed"
 _POOLING = (
     "ferry reads the task from the checkpoint: every model embeds (LLM.embed, LLM.encode), "
     "*ForSequenceClassification models classify and score"
@@ -34,8 +36,8 @@ COMPAT_OPTIONS: dict[str, str] = {
     "async_scheduling": "the engine steps in the caller's thread",
     "enable_expert_parallel": "one device: experts are not split",
     "max_parallel_loading_workers": "weights are read from safetensors files in one pass",
-    "mm_processor_cache_gb": "the last 32 images read from bytes are kept processed",
-    "disable_mm_preprocessor_cache": "the last 32 images read from bytes are kept processed",
+    "mm_processor_cache_gb": _IMAGE_CACHE,
+    "disable_mm_preprocessor_cache": _IMAGE_CACHE,
     "task": _POOLING,
     "runner": _POOLING,
     "convert": _POOLING,

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
+
+_Pooled = TypeVar("_Pooled")
 
 
 @dataclass
@@ -122,46 +124,29 @@ class ScoringOutput:
 
 
 @dataclass
-class PoolingRequestOutput:
-    """``LLM.encode``'s result for one prompt (vLLM's shape: ``.outputs.data``)."""
+class PoolingRequestOutput(Generic[_Pooled]):
+    """``LLM.encode``'s result for one prompt (vLLM's shape: ``.outputs.data``); the results of
+    ``embed``, ``classify`` and ``score`` below are this with their own ``outputs``, as vLLM's are."""
 
     request_id: str
     prompt_token_ids: list[int]
-    outputs: PoolingOutput
+    outputs: _Pooled
     num_cached_tokens: int = 0
     finished: bool = True
 
 
 @dataclass
-class EmbeddingRequestOutput:
+class EmbeddingRequestOutput(PoolingRequestOutput[EmbeddingOutput]):
     """``LLM.embed``'s result for one prompt (vLLM's shape: ``.outputs.embedding``)."""
 
-    request_id: str
-    prompt_token_ids: list[int]
-    outputs: EmbeddingOutput
-    num_cached_tokens: int = 0
-    finished: bool = True
-
 
 @dataclass
-class ClassificationRequestOutput:
+class ClassificationRequestOutput(PoolingRequestOutput[ClassificationOutput]):
     """``LLM.classify``'s result for one prompt (vLLM's shape: ``.outputs.probs``)."""
 
-    request_id: str
-    prompt_token_ids: list[int]
-    outputs: ClassificationOutput
-    num_cached_tokens: int = 0
-    finished: bool = True
-
 
 @dataclass
-class ScoringRequestOutput:
+class ScoringRequestOutput(PoolingRequestOutput[ScoringOutput]):
     """``LLM.score``'s result for one pair (vLLM's shape: ``.outputs.score``); a cross-encoder's
     ``prompt_token_ids`` are the pair's, as the model read them (a bi-encoder's: both texts', one
     after the other; ``num_cached_tokens`` then counts both)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    outputs: ScoringOutput
-    num_cached_tokens: int = 0
-    finished: bool = True
