@@ -7,7 +7,8 @@ between two events of a chunk cannot leave text sent whose ids the router lacks)
 unpacks the group into Anthropic's events. When the replica dies part-way, the request goes to
 another replica with ``resume.token_ids`` = the tokens already sent, and its events are spliced in:
 
-* its ``message_start`` is dropped (the client has one);
+* its ``message_start`` is dropped when the client has one (a replica that died while the request
+  waited may have sent only ``ping`` keep-alives: the resumed replica's then opens the message);
 * its first content block continues the client's open block when it is of the same kind (a
   resumed tool call comes without an id: the call goes on); its ``content_block_start`` is then
   dropped and its index mapped to the open block's. Otherwise the open block is closed (a
@@ -20,7 +21,10 @@ type ``overloaded_error`` (its 503): the tracker holds it back and the stream is
 replica had died; other errors (the client's, a 500) end the stream as they are.
 
 ``anthropic_errors`` puts the router's own error answers on these routes (401, 413, 429, 502…) in
-Anthropic's shape, as the replicas answer theirs.
+Anthropic's shape and statuses, as the replicas answer theirs: its capacity answers (429: its queue
+is full; 503: no replica can take the request) are Anthropic's 529 ``overloaded_error``
+(``server.anthropic_protocol.anthropic_status``), Retry-After kept. A replica's own 529 is retried
+on another replica as its 429 is (``router/retry.py``), and relayed as it is when none can take it.
 
 The tracker is pure (events in, events out); ``router/generation.py`` runs it.
 """
@@ -32,7 +36,7 @@ from typing import Any
 
 from router.http import Send
 from router.sse import typed_event
-from server.anthropic_protocol import ERROR_TYPES
+from server.anthropic_protocol import ERROR_TYPES, anthropic_status, error_type
 
 # server/serving_messages.py's GROUP_EVENT (the router does not import the serving code).
 GROUP_EVENT = "ferry_chunk"
@@ -78,6 +82,7 @@ class MessagesTracker:
         self.replica_error: bytes | None = None  # the replica's "could not finish", held back
         self.failovers = 0
         self.content_choices = 0  # content deltas relayed so far (the first one: TTFT)
+        self.message_started = False  # message_start was relayed
         self.open_block: tuple[int, str] | None = None  # the client's open block: index, kind
         self.next_index = 0  # the client's next block index
         self._index_map: dict[int, int] = {}  # this replica's block index -> the client's
@@ -129,8 +134,9 @@ class MessagesTracker:
         kind = obj["type"]
         prefix: list[bytes] = []
         if kind == "message_start":
-            if self.failovers:
+            if self.message_started:  # a resumed replica's: the client has one
                 return None
+            self.message_started = True
         elif kind == "content_block_start":
             index = obj.get("index")
             block = obj.get("content_block") if isinstance(obj.get("content_block"), dict) else {}
@@ -173,7 +179,8 @@ class MessagesTracker:
 
 def anthropic_errors(send: Send) -> Send:
     """``send`` with error answers in OpenAI's shape (the router's own: no key, too large, no replica…)
-    rewritten in Anthropic's (``{"type": "error", "error": {"type", "message"}, "request_id"}``); the
+    rewritten in Anthropic's (``{"type": "error", "error": {"type", "message"}, "request_id"}``, a
+    capacity answer's status 529); the
     replicas' answers there have it already and pass as they are, as does everything that is not an
     error. Every answer's head also names its request in Anthropic's ``request-id`` header (the
     SDK's ``_request_id``): the id of its ``x-request-id``."""
@@ -199,8 +206,11 @@ def anthropic_errors(send: Send) -> Send:
             error = obj["error"]
             if obj.get("type") != "error" and isinstance(error, dict):
                 status = start["status"]
-                kind = ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
-                shaped = {"type": "error", "error": {"type": kind, "message": error.get("message")}}
+                start = {**start, "status": anthropic_status(status)}  # the router's 429/503: 529
+                shaped = {
+                    "type": "error",
+                    "error": {"type": error_type(status), "message": error.get("message")},
+                }
                 request_id = dict(start["headers"]).get(b"request-id")
                 if request_id is not None:
                     shaped["request_id"] = request_id.decode("latin-1")

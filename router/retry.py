@@ -2,7 +2,8 @@
 
 A request may be re-sent to a *different* replica only while no byte of the answer has reached
 the client: after connect errors (nothing listens), read errors before the response head, and
-answers 429/502/503/504 (the replica is overloaded, draining or broken). Any other status is the
+answers 429/502/503/504 (the replica is overloaded, draining or broken), and 529, the Messages
+API's word for a replica's 429 or 503 (Anthropic's ``overloaded_error``). Any other status is the
 answer. Backoff is "full jitter": uniform in [0, min(cap, base * 2**attempt)], so retries of many
 requests that failed together do not arrive together.
 """
@@ -12,7 +13,10 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-RETRYABLE_STATUS = frozenset({429, 502, 503, 504})
+RETRYABLE_STATUS = frozenset({429, 502, 503, 504, 529})
+# Anthropic's overloaded_error: a replica's full queue or its 503, which the router cannot tell
+# apart; counted as load, as 429 is (a replica that is down fails its health checks).
+OVERLOADED = 529
 
 
 @dataclass(frozen=True)
@@ -34,5 +38,5 @@ class RetryPolicy:
 
 
 def counts_as_replica_failure(status: int) -> bool:
-    """Statuses that feed the replica's circuit breaker (429 is load, not failure)."""
-    return status >= 500
+    """Statuses that feed the replica's circuit breaker (429 and 529 are load, not failure)."""
+    return status >= 500 and status != OVERLOADED

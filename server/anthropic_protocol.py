@@ -25,6 +25,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from server.anthropic_content import (
     _SYSTEM_BLOCKS,
+    DocumentBlock,
     ImageBlock,
     Message,
     TextBlock,
@@ -37,7 +38,8 @@ from server.anthropic_content import (
 from server.errors import APIError
 from server.protocol import Resume, _Request
 
-# Anthropic's error type for each status it answers with (its API reference, "Errors").
+# Anthropic's error type for each status it answers with (its API reference, "Errors"; 504 as
+# the SDK's GatewayTimeoutError object names it).
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -48,21 +50,44 @@ ERROR_TYPES = {
     429: "rate_limit_error",
     500: "api_error",
     503: "overloaded_error",
+    504: "timeout_error",
+    529: "overloaded_error",
 }
+# Anthropic answers a lack of capacity with 529 ``overloaded_error`` (its SDKs: ``OverloadedError``,
+# retried, Retry-After honoured) and never with 503; its 429 ``rate_limit_error`` is one account's
+# rate limit, which ferry has none of. Ferry's capacity answers, a full queue (429: every client
+# alike) and a server draining, not ready or unhealthy (503), are therefore 529 on the Messages API,
+# their Retry-After kept, from the replica and the router alike.
+_CAPACITY_STATUSES = frozenset({429, 503})
+OVERLOADED = 529
+
+
+def anthropic_status(status: int) -> int:
+    """The status the Messages API answers for one of ferry's (``OVERLOADED`` for a capacity one)."""
+    return OVERLOADED if status in _CAPACITY_STATUSES else status
+
+
+def error_type(status: int) -> str:
+    """Anthropic's error type of an answer with ``status`` (one of ferry's: see ``anthropic_status``)."""
+    status = anthropic_status(status)
+    return ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
 
 
 def error_body(error: APIError, request_id: str | None = None) -> dict[str, Any]:
     """Anthropic's error body; an answer's (not a stream's ``error`` event) names its request, as
     Anthropic's do (``request_id``, also the ``request-id`` header: the SDK's ``_request_id``)."""
-    kind = ERROR_TYPES.get(error.status, "api_error" if error.status >= 500 else "invalid_request_error")
-    body: dict[str, Any] = {"type": "error", "error": {"type": kind, "message": error.message}}
+    body: dict[str, Any] = {
+        "type": "error",
+        "error": {"type": error_type(error.status), "message": error.message},
+    }
     if request_id is not None:
         body["request_id"] = request_id
     return body
 
 
 def error_response(error: APIError, request_id: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(error, request_id), status_code=error.status, headers=error.headers)
+    status = anthropic_status(error.status)
+    return JSONResponse(error_body(error, request_id), status_code=status, headers=error.headers)
 
 
 def _message_error(model: str, messages: list[Message], index: int, problem: str) -> ValidationError:
@@ -258,10 +283,11 @@ class _Conversation(_Request):
             results = [b for b in m.content if isinstance(b, ToolResultBlock)]
             for b in results:
                 messages.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text})
-            said = [b for b in m.content if isinstance(b, (TextBlock, ImageBlock))]
+            # A text document is its rendered text (``DocumentBlock.text``), in its place.
+            said = [b for b in m.content if isinstance(b, (TextBlock, ImageBlock, DocumentBlock))]
             parts = [
                 {"type": "text", "text": b.text}
-                if isinstance(b, TextBlock)
+                if not isinstance(b, ImageBlock)
                 else {"type": "image_url", "image_url": {"url": b.source.chat_url}}
                 for b in [*(image for r in results for image in r.images), *said]
             ]

@@ -38,11 +38,16 @@ from server.protocol import StreamOptions
 from server.serving_chat import create_chat_completion
 from server.serving_common import plan_off_loop, prompt_chars, refused_before_start, stream_errors
 from server.state import ServerState
-from server.streaming import SSEResponse, run_or_disconnect
+from server.streaming import KeepAlive, SSEResponse, run_or_disconnect
 from server.tools import AUTO_ALTERNATIVES
 
 # The internal event that carries one chat chunk's events and token ids to a router.
 GROUP_EVENT = "ferry_chunk"
+# Anthropic's keep-alive event: sent right after message_start, as Anthropic's streams send one,
+# and whenever a stream has sent nothing for PING_INTERVAL_S (waiting in the queue, a long
+# prefill), so that no proxy's or client's idle timeout cuts it. Its SDKs skip it wherever it comes.
+PING_FRAME = b'event: ping\ndata: {"type": "ping"}\n\n'
+PING_INTERVAL_S = 10.0
 # The chat fields a messages request's fields become, where the names differ.
 _CHAT_TO_MESSAGES = {"stop": "stop_sequences"}
 # The chat path's advice in the Messages API's words (its tool_choice values, not OpenAI's).
@@ -103,7 +108,10 @@ async def create_message(
         # message, is then a 429 in Anthropic's shape, not a 200 carrying an error event.
         frames = _events(writer, answer)
         refusal = partial(error_response, request_id=request_id)
-        return SSEResponse(frames, on_close=answer.on_close, hold_start=True, error_response=refusal)
+        keepalive = KeepAlive(PING_INTERVAL_S, PING_FRAME, _error_frame)
+        return SSEResponse(
+            frames, on_close=answer.on_close, hold_start=True, error_response=refusal, keepalive=keepalive
+        )
     try:
         events = await run_or_disconnect(receive, _collect(writer, answer.chunks))
     finally:
@@ -149,6 +157,10 @@ def _frame(kind: str, payload: dict[str, Any]) -> bytes:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **payload}, ensure_ascii=False)}\n\n".encode()
 
 
+def _error_frame(error: APIError) -> bytes:
+    return _frame("error", {"error": error_body(error)["error"]})
+
+
 async def _events(writer: MessageWriter, answer: ChatChunks) -> AsyncIterator[bytes]:
     """The chat stream's chunks as Anthropic's events. Closing this closes the chat stream (its
     cleanup aborts the request in the engine)."""
@@ -175,7 +187,7 @@ async def _translate(
                 continue
             ids, out = fed
             if not writer.started:
-                yield _frame(*writer.opening())
+                yield _frame(*writer.opening()) + PING_FRAME  # one write, as Anthropic sends them
             if writer.req.return_token_ids:  # one event: a router relays all of it or none of it
                 if out or ids:
                     group = [{"type": kind, **payload} for kind, payload in out]
@@ -185,7 +197,7 @@ async def _translate(
                 yield _frame(kind, payload)
     refused_before_start(failed, produced)
     if failed.error is not None:
-        yield _frame("error", {"error": error_body(failed.error)["error"]})
+        yield _error_frame(failed.error)
         return
-    for kind, payload in writer.finish():
-        yield _frame(kind, payload)
+    for kind, payload in writer.finish():  # message_start too, when no chunk opened the message
+        yield _frame(kind, payload) + (PING_FRAME if kind == "message_start" else b"")

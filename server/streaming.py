@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 from starlette.responses import Response, StreamingResponse
@@ -97,6 +98,19 @@ async def run_or_disconnect(receive: Receive, work: Awaitable[T]) -> T:
     raise ClientDisconnected()
 
 
+@dataclass(frozen=True)
+class KeepAlive:
+    """What a stream sends while it has had nothing to send for ``interval_s`` (``SSEResponse``'s
+    ``keepalive``): ``frame`` (Anthropic's ``ping`` event on the Messages API), so that a proxy or
+    client idle timeout does not cut a request that waits in the queue, or a long prefill.
+    ``error_frame``: the frame that ends the stream when the frames raise an ``APIError`` (an
+    admission refusal) after a keep-alive already sent the status line."""
+
+    interval_s: float
+    frame: bytes
+    error_frame: Callable[[APIError], bytes]
+
+
 class SSEResponse(StreamingResponse):
     """A text/event-stream response of ``frames`` (already SSE-framed bytes).
 
@@ -113,6 +127,10 @@ class SSEResponse(StreamingResponse):
     ``refused_before_start``) is then the response, with its own status, as if the handler had
     raised it; ``error_response`` renders it (OpenAI's error shape unless told: Anthropic's for
     ``/v1/messages``).
+
+    ``keepalive``: send ``KeepAlive.frame`` whenever the stream has sent nothing for its interval,
+    also before the first frame (the status line then goes with it: a refusal after that is an
+    error frame, ``KeepAlive.error_frame``). A watchdog task sends it, never during a frame's write.
     """
 
     def __init__(
@@ -122,6 +140,7 @@ class SSEResponse(StreamingResponse):
         on_close: Callable[[], None] | None = None,
         hold_start: bool = False,
         error_response: Callable[[APIError], Response] = APIError.to_response,
+        keepalive: KeepAlive | None = None,
     ) -> None:
         if headers:
             merged = {"cache-control": "no-cache", "x-accel-buffering": "no", **headers}
@@ -138,6 +157,7 @@ class SSEResponse(StreamingResponse):
         self.on_close = on_close
         self.hold_start = hold_start
         self.error_response = error_response
+        self.keepalive = keepalive
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # The frames run in this task (see _DisconnectCancels): the iterator's first step, which
@@ -146,7 +166,10 @@ class SSEResponse(StreamingResponse):
         # the frames; the iterator's cleanup (the engine abort) has run when this returns.
         try:
             with _DisconnectCancels(receive):
-                await self._pump(send, self.raw_headers)
+                if self.keepalive is None:
+                    await self._pump(send, self.raw_headers)
+                else:
+                    await _KeptAlive(self, send, self.keepalive).pump()
         except OSError:
             pass  # the client's socket failed under a write
         finally:
@@ -171,7 +194,9 @@ class SSEResponse(StreamingResponse):
             if not held:
                 raise
             answer = self.error_response(e)
-            await send({"type": "http.response.start", "status": e.status, "headers": answer.raw_headers})
+            await send(
+                {"type": "http.response.start", "status": answer.status_code, "headers": answer.raw_headers}
+            )
             await send({"type": "http.response.body", "body": answer.body, "more_body": False})
             return
         finally:
@@ -182,3 +207,74 @@ class SSEResponse(StreamingResponse):
         if held:  # not one frame
             await send(start)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class _KeptAlive:
+    """``SSEResponse._pump`` with keep-alive frames (``KeepAlive``): every write, the frames' and
+    the watchdog's, goes through ``_emit``, one at a time, and the status line goes with the first."""
+
+    def __init__(self, response: SSEResponse, send: Send, keepalive: KeepAlive) -> None:
+        self.response = response
+        self.send = send
+        self.keepalive = keepalive
+        self.start = {"type": "http.response.start", "status": 200, "headers": response.raw_headers}
+        self.started = False
+        self.lock = asyncio.Lock()
+        self.loop = asyncio.get_running_loop()
+        self.last = self.loop.time()  # when something was last written (or the stream began)
+
+    async def _emit(self, body: bytes, more: bool) -> None:
+        async with self.lock:
+            if not self.started:
+                self.started = True
+                await self.send(self.start)
+            await self.send({"type": "http.response.body", "body": body, "more_body": more})
+            self.last = self.loop.time()
+
+    async def _watch(self) -> None:
+        interval = self.keepalive.interval_s
+        try:
+            while True:
+                await asyncio.sleep(max(0.0, self.last + interval - self.loop.time()))
+                if self.loop.time() - self.last >= interval and not self.lock.locked():
+                    await self._emit(self.keepalive.frame, True)
+        except Exception:  # noqa: BLE001 - the client's socket failed: the frames' own write says so
+            logger.debug("a keep-alive write failed", exc_info=True)
+
+    async def pump(self) -> None:
+        response = self.response
+        if not response.hold_start:
+            self.started = True
+            await self.send(self.start)
+        watchdog = asyncio.ensure_future(self._watch())
+        try:
+            try:
+                async for frame in response.frames:
+                    final = type(frame) is FinalFrames
+                    if final:
+                        watchdog.cancel()
+                    await self._emit(frame, not final)
+                    if final:
+                        return
+            except APIError as e:
+                watchdog.cancel()
+                if self.started:  # a keep-alive sent the status line: the refusal is the last frame
+                    await self._emit(self.keepalive.error_frame(e), False)
+                    return
+                answer = response.error_response(e)
+                start = {
+                    "type": "http.response.start",
+                    "status": answer.status_code,
+                    "headers": answer.raw_headers,
+                }
+                await self.send(start)
+                await self.send({"type": "http.response.body", "body": answer.body, "more_body": False})
+                return
+            finally:
+                aclose = getattr(response.frames, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+            watchdog.cancel()
+            await self._emit(b"", False)
+        finally:
+            watchdog.cancel()

@@ -6,8 +6,11 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
+
 from router.http import send_error
 from router.messages_stream import GROUP_EVENT, MessagesTracker, anthropic_errors
+from router.retry import RetryPolicy, counts_as_replica_failure
 from server.serving_messages import GROUP_EVENT as SERVER_GROUP_EVENT
 
 
@@ -164,20 +167,39 @@ def _collect(messages: list[dict]):
     return send
 
 
-def test_router_errors_on_messages_routes_take_anthropics_shape() -> None:
+@pytest.mark.parametrize(
+    ("status", "answered", "kind"),
+    [
+        # The router's capacity answers (no replica; its own queue full) are Anthropic's 529.
+        (503, 529, "overloaded_error"),
+        (429, 529, "overloaded_error"),
+        (502, 502, "api_error"),
+        (504, 504, "timeout_error"),
+        (413, 413, "request_too_large"),
+    ],
+)
+def test_router_errors_on_messages_routes_take_anthropics_shape(status, answered, kind) -> None:
     sent: list[dict] = []
-    asyncio.run(send_error(anthropic_errors(_collect(sent)), 503, "no replica is available"))
+    retry = [(b"retry-after", b"1")]
+    asyncio.run(send_error(anthropic_errors(_collect(sent)), status, "no replica is available", retry))
     start, body = sent
-    assert start["status"] == 503
+    assert start["status"] == answered and (b"retry-after", b"1") in start["headers"]
     payload = json.loads(body["body"])
-    assert payload == {
-        "type": "error",
-        "error": {"type": "overloaded_error", "message": "no replica is available"},
-    }
+    assert payload == {"type": "error", "error": {"type": kind, "message": "no replica is available"}}
     assert dict(start["headers"])[b"content-length"] == str(len(body["body"])).encode()
 
+
+def test_a_replicas_529_is_load_retried_elsewhere() -> None:
+    """A replica's 529 on the Messages API (its full queue or its 503) is re-sent to another
+    replica as its 429 would be, and counts as load, not as a failure of the replica."""
+    assert RetryPolicy().should_retry_status(529, 0) and not counts_as_replica_failure(529)
+    assert counts_as_replica_failure(503) and not counts_as_replica_failure(429)
+
+
+def test_replica_answers_on_messages_routes_pass_unchanged() -> None:
+    sent: list[dict] = []
+
     # A replica's answer in Anthropic's shape, in two body parts, passes unchanged; so does a 200.
-    sent.clear()
     already = json.dumps(
         {"type": "error", "error": {"type": "invalid_request_error", "message": "m"}}
     ).encode()
@@ -212,3 +234,23 @@ def test_messages_answers_name_their_request_in_anthropics_header_and_error_body
     head = {"type": "http.response.start", "status": 200, "headers": [*rid, (b"request-id", b"replica")]}
     asyncio.run(anthropic_errors(_collect(sent))(head))
     assert [v for k, v in sent[0]["headers"] if k == b"request-id"] == [b"r1"]
+
+
+PING = frame({"type": "ping"})
+
+
+def test_a_replica_that_sent_only_pings_is_resumed_with_the_next_ones_message_start() -> None:
+    """A replica whose request waited (keep-alive pings only) and then died: the replica that
+    takes the request over opens the message, as the client has no message_start yet; once it
+    has one, a resumed replica's is dropped."""
+    t = MessagesTracker()
+    assert relayed(t, PING, PING) == [{"type": "ping"}, {"type": "ping"}]
+    t.begin_failover()
+    text = group([5], start(0, "text", text=""), delta(0, type="text_delta", text="Hi"))
+    out = relayed(t, MESSAGE_START, PING, text)
+    assert [e["type"] for e in out] == ["message_start", "ping", "content_block_start", "content_block_delta"]
+    t.begin_failover()
+    out = relayed(
+        t, MESSAGE_START, PING, group([6], start(0, "text", text=""), delta(0, type="text_delta", text="!"))
+    )
+    assert [e["type"] for e in out] == ["ping", "content_block_delta"] and out[1]["index"] == 0

@@ -5,8 +5,10 @@ conversation, Anthropic's event stream, stop sequences, tools both ways, its err
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from functools import partial
 from pathlib import Path
 
 import anthropic
@@ -15,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from server.anthropic_protocol import MessagesRequest
+from server.anthropic_protocol import MessagesRequest, error_response
 from server.chat_protocol import (
     ChatCompletionChunk,
     ChatStreamChoice,
@@ -23,9 +25,11 @@ from server.chat_protocol import (
     DeltaMessage,
     DeltaToolCall,
 )
+from server.errors import APIError, overloaded, timeout_error, unavailable
 from server.messages_events import MessageWriter
 from server.protocol import UsageInfo
-from server.serving_messages import _collect, _translate, to_chat_request
+from server.serving_messages import PING_FRAME, _collect, _error_frame, _translate, to_chat_request
+from server.streaming import KeepAlive, SSEResponse
 from tests.server.error_cases import json_values
 
 SYSTEM = "You are terse."
@@ -144,10 +148,12 @@ def test_stream_is_anthropics_event_sequence(srv, client) -> None:
         assert kind == f"event: {payload['type']}"
         events.append(payload)
     kinds = [e["type"] for e in events]
-    assert kinds[:2] == ["message_start", "content_block_start"]
+    # A ping right after message_start, as Anthropic's streams send one (SDKs skip it).
+    assert kinds[:3] == ["message_start", "ping", "content_block_start"] and events[1] == {"type": "ping"}
+    assert frames[1] == 'event: ping\ndata: {"type": "ping"}'
     assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
-    assert set(kinds[2:-3]) == {"content_block_delta"}
-    assert events[1]["content_block"] == {"type": "text", "text": ""} and events[1]["index"] == 0
+    assert set(kinds[3:-3]) == {"content_block_delta"}
+    assert events[2]["content_block"] == {"type": "text", "text": ""} and events[2]["index"] == 0
     text = "".join(e["delta"]["text"] for e in events if e["type"] == "content_block_delta")
     whole = client.messages.create(
         model=srv.model_name,
@@ -233,6 +239,7 @@ async def test_stop_reason_after_a_tool_call(finish_reason, stop, stop_sequences
     streamed = [json.loads(line[6:]) for line in frames.splitlines() if line.startswith("data: ")]
     assert [e["type"] for e in streamed] == [
         "message_start",
+        "ping",
         *("content_block_start", "content_block_delta", "content_block_stop"),  # the call
         *("content_block_start", "content_block_delta", "content_block_stop"),  # the text
         "message_delta",
@@ -423,8 +430,16 @@ _valid_block = st.one_of(
     ),
 )
 _block = _valid_block | st.fixed_dictionaries(
-    {"type": st.sampled_from(["text", "tool_use", "thinking", "image", "x"]) | json_values},
-    optional={"text": json_values, "id": json_values, "name": json_values, "input": json_values},
+    {"type": st.sampled_from(["text", "tool_use", "thinking", "image", "document", "x"]) | json_values},
+    optional={
+        "text": json_values,
+        "id": json_values,
+        "name": json_values,
+        "input": json_values,
+        "source": json_values | st.just({"type": "text", "media_type": "text/plain", "data": "d"}),
+        "title": json_values,
+        "citations": json_values,
+    },
 )
 _message = st.fixed_dictionaries(
     {
@@ -489,3 +504,172 @@ def test_claude_codes_billing_line_is_not_in_the_prompt(srv, client) -> None:
     blocks = [{"type": "text", "text": billing}, {"type": "text", "text": SYSTEM}]
     assert client.messages.count_tokens(**ask, system=blocks).input_tokens == plain
     assert client.messages.count_tokens(**ask, system=f"{billing}\n{SYSTEM}").input_tokens == plain
+
+
+# A plain text document and the same text as a content document (a block a chunk), and how the
+# prompt shows either (``DocumentBlock.text``).
+_FACTS = "Grass is green.\nThe sky is blue."
+TEXT_DOCUMENT = {
+    "type": "document",
+    "source": {"type": "text", "media_type": "text/plain", "data": _FACTS},
+    "title": "Facts",
+    "context": "From a primer.",
+}
+CONTENT_DOCUMENT = {
+    "type": "document",
+    "source": {"type": "content", "content": [{"type": "text", "text": line} for line in _FACTS.split("\n")]},
+    "title": "Facts",
+    "context": "From a primer.",
+    "citations": {"enabled": False},
+}
+RENDERED_DOCUMENT = (
+    "<document>\n<title>Facts</title>\n<context>From a primer.</context>\n"
+    f"<document_content>\n{_FACTS}\n</document_content>\n</document>"
+)
+
+
+@pytest.mark.parametrize("document", [TEXT_DOCUMENT, CONTENT_DOCUMENT], ids=["text", "content"])
+def test_text_documents_are_read_into_the_prompt(srv, client, document) -> None:
+    """A text document is its text, with its title and context, in its place in the user's turn:
+    the same prompt (counted, and answered) as a chat message with that text."""
+    question = {"type": "text", "text": "What colour is grass?"}
+    messages = [{"role": "user", "content": [document, question]}]
+    chat_messages = [{"role": "user", "content": [{"type": "text", "text": RENDERED_DOCUMENT}, question]}]
+    counted = client.messages.count_tokens(model=srv.model_name, messages=messages).input_tokens
+    tokenized = httpx.post(
+        srv.url + "/tokenize",
+        json={"model": srv.model_name, "messages": chat_messages},
+        headers={"Authorization": "Bearer k3y"},
+    ).json()
+    assert counted == tokenized["count"]
+    prompt = httpx.post(
+        srv.url + "/detokenize", json={"tokens": tokenized["tokens"]}, headers={"Authorization": "Bearer k3y"}
+    ).json()["prompt"]
+    assert RENDERED_DOCUMENT in prompt
+    m = client.messages.create(model=srv.model_name, max_tokens=6, messages=messages, extra_body=GREEDY)
+    chat = _chat(srv, chat_messages, max_tokens=6, **GREEDY)
+    assert m.content[0].text == chat["choices"][0]["message"]["content"]
+    assert m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0) == counted
+
+
+def test_a_document_in_a_tool_result_is_its_text(srv) -> None:
+    history = [*HISTORY[:2], {**HISTORY[2], "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "4 C"}, TEXT_DOCUMENT]},
+        {"type": "text", "text": "And tomorrow?"},
+    ]}]  # fmt: skip
+    req = MessagesRequest.model_validate({"model": "m", "max_tokens": 4, "messages": history, "tools": TOOLS})
+    tool = to_chat_request(req).model_dump(exclude_none=True)["messages"][2]
+    assert tool == {"role": "tool", "tool_call_id": "toolu_1", "content": f"4 C\n{RENDERED_DOCUMENT}"}
+
+
+@pytest.mark.parametrize(
+    ("source", "extra", "needle"),
+    [
+        (
+            {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0xLjQK"},
+            {},
+            "content block 0 (document): 'source': document source type 'base64' (a PDF) is not supported",
+        ),
+        (
+            {"type": "url", "url": "https://example.com/a.pdf"},
+            {},
+            "document source type 'url' (a URL) is not supported: this server reads text documents only",
+        ),
+        (
+            {"type": "content", "content": [{"type": "image", "source": {"type": "url", "url": "u"}}]},
+            {},
+            "content block 0 (image) of a content document is not supported",
+        ),
+        (
+            TEXT_DOCUMENT["source"],
+            {"citations": {"enabled": True}},
+            "content block 0 (document): 'citations': citations are not supported by this server",
+        ),
+    ],
+    ids=["pdf", "url", "image-chunk", "citations"],
+)
+def test_documents_this_server_cannot_read_are_400s(srv, client, source, extra, needle) -> None:
+    messages = [{"role": "user", "content": [{"type": "document", "source": source, **extra}]}]
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model=srv.model_name, max_tokens=2, messages=messages)
+    assert e.value.body["error"]["type"] == "invalid_request_error"
+    assert needle in e.value.body["error"]["message"], e.value.body
+    with pytest.raises(anthropic.BadRequestError):  # its count too
+        client.messages.count_tokens(model=srv.model_name, messages=messages)
+
+
+def test_capacity_errors_are_anthropics_529_overloaded() -> None:
+    """Ferry's capacity answers (a full queue's 429, a draining or unready server's 503) are
+    Anthropic's 529 ``overloaded_error`` on the Messages API, Retry-After kept; others keep theirs."""
+    for error in (overloaded("Server is overloaded."), unavailable("draining")):
+        r = error_response(error, "req_1")
+        assert r.status_code == 529 and r.headers["retry-after"] == error.headers["Retry-After"]
+        assert json.loads(r.body)["error"]["type"] == "overloaded_error"
+    assert error_response(timeout_error(5)).status_code == 408
+    assert json.loads(error_response(APIError(504, "slow")).body)["error"]["type"] == "timeout_error"
+
+
+async def _answer_of(frames: AsyncIterator[bytes], interval: float = 0.05) -> list[dict]:
+    """What the Messages API's stream response sends (its keep-alive every ``interval``) for ``frames``."""
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    async def receive() -> dict:  # a client that stays
+        await asyncio.Event().wait()
+        return {}
+
+    keepalive = KeepAlive(interval, PING_FRAME, _error_frame)
+    refusal = partial(error_response, request_id="r1")
+    await SSEResponse(frames, hold_start=True, error_response=refusal, keepalive=keepalive)({}, receive, send)
+    return sent
+
+
+def _bodies(sent: list[dict]) -> list[bytes]:
+    assert all(m["type"] == "http.response.body" for m in sent[1:]) and not sent[-1]["more_body"]
+    assert all(m["more_body"] for m in sent[1:-1])
+    return [m["body"] for m in sent[1:]]
+
+
+async def test_a_silent_stream_sends_pings_until_its_frames_come() -> None:
+    async def slow() -> AsyncIterator[bytes]:
+        await asyncio.sleep(0.18)
+        yield b"event: a\n\n"
+        await asyncio.sleep(0.13)
+        yield b"event: b\n\n"
+
+    sent = await _answer_of(slow())
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
+    bodies = _bodies(sent)
+    a, b = bodies.index(b"event: a\n\n"), bodies.index(b"event: b\n\n")
+    assert a >= 2 and set(bodies[:a]) == {PING_FRAME}, bodies  # from the start, before any frame
+    assert b - a >= 2 and set(bodies[a + 1 : b]) == {PING_FRAME}, bodies
+    assert bodies[b + 1 :] == [b""], bodies  # none after the last frame
+
+    async def quick() -> AsyncIterator[bytes]:
+        for kind in "abc":
+            yield f"event: {kind}\n\n".encode()
+
+    assert _bodies(await _answer_of(quick())) == [b"event: a\n\n", b"event: b\n\n", b"event: c\n\n", b""]
+
+
+async def test_a_refusal_after_a_ping_ends_the_stream_with_an_error_event() -> None:
+    """A refusal (the engine process's full queue) is a 529 answer while nothing was sent, and an
+    ``error`` event (overloaded_error) once a keep-alive sent the status line."""
+
+    async def refused(after: float) -> AsyncIterator[bytes]:
+        await asyncio.sleep(after)
+        raise overloaded("Server is overloaded: full.")
+        yield b""  # an async generator
+
+    sent = await _answer_of(refused(0.13))
+    assert sent[0]["status"] == 200
+    bodies = _bodies(sent)
+    assert len(bodies) >= 3 and set(bodies[:-1]) == {PING_FRAME}, bodies
+    error = {"type": "error", "error": {"type": "overloaded_error", "message": "Server is overloaded: full."}}
+    assert bodies[-1] == f"event: error\ndata: {json.dumps(error)}\n\n".encode()
+
+    start, body = await _answer_of(refused(0.0), interval=1.0)
+    assert start["status"] == 529 and (b"retry-after", b"1") in start["headers"]
+    assert json.loads(body["body"]) == {**error, "request_id": "r1"} and not body.get("more_body")

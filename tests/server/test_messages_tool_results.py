@@ -128,8 +128,13 @@ def test_an_image_in_a_tool_result_to_a_text_only_model_is_a_400(srv, path: str,
     [
         (
             "messages",
+            _conversation({"content": [{"type": "search_result", "source": "s"}]}),
+            "'messages.2': tool_result content block type 'search_result' is not supported",
+        ),
+        (  # a document is read (its text), and named when it is not one
+            "messages",
             _conversation({"content": [{"type": "document", "source": {}}]}),
-            "'messages.2': tool_result content block type 'document' is not supported",
+            "'messages.2': tool_result content block 0 (document): 'source.type': Field required",
         ),
         (
             "messages",
