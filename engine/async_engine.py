@@ -318,7 +318,8 @@ class AsyncEngine(SleepCommands, BurstGathering, LoRAServing, RequestPreparation
             while True:
                 with self._wake:
                     while not self._commands and not self._stopping and not self._has_work():
-                        self._wake.wait()
+                        # Until a command, or the KV connector's next due check (None: none).
+                        self._wake.wait(engine.idle_wake_in)
                     if self._stopping:
                         return
                     if (

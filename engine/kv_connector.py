@@ -29,9 +29,11 @@ Contract, in the order the engine calls it (all on the engine loop thread):
    the engine frees the request's blocks at once and holds its final output until it is done).
 5. ``step()`` at the start of every engine step that runs (not asleep): the connector's own
    bounded work (the KV tier's due probes and checks, its re-publication pass); it must return at
-   once, never wait on I/O. While ``has_work()`` says there is more (a pass, or a tier whose
-   breaker is open) and no request runs, ``LLMEngine.idle_step`` calls ``step()`` at most every
-   ``TIER_IDLE_WAIT_S`` (an idle async engine keeps the pass going and probes the tier).
+   once, never wait on I/O. While ``has_work()`` says there is more (a pass, or a check of the tier
+   that is due) and no request runs, ``LLMEngine.idle_step`` calls ``step()`` at most every
+   ``TIER_IDLE_WAIT_S`` (an idle async engine keeps the pass going and probes the tier); otherwise
+   an idle async engine sleeps until a command arrives or ``next_work_in()`` seconds passed (None:
+   nothing scheduled), so a periodic check (the Redis tier's flush check) runs with no traffic.
 6. Sleep mode and weight updates, with no request running: ``release_caches()`` before the KV
    cache is freed, ``bind_caches(kv_caches)`` once it is allocated again, ``set_fingerprint(fp)``
    after new weights were installed (blocks of the old weights are never read as the new ones').
@@ -67,6 +69,11 @@ class KVConnector:
     def has_work(self) -> bool:
         """Whether ``step`` has work of its own to do even with no request to step."""
         return False
+
+    def next_work_in(self) -> float | None:
+        """Seconds until ``has_work`` may turn true with no request arriving (0: it is), None when
+        nothing is scheduled; no I/O."""
+        return None
 
     def count_lookup_misses(self, num_blocks: int) -> None:
         """An admitted request asked the tier for ``num_blocks`` blocks (after those it loads) that

@@ -281,6 +281,12 @@ class LLMEngine(EngineSleep, RequestBuilder, SpecDecodeStep, LoRALoading, HeldFi
         tier after it came back): an idle async engine runs ``idle_step`` meanwhile."""
         return not self.sleep_state.is_sleeping and self.connector.has_work()
 
+    @property
+    def idle_wake_in(self) -> float | None:
+        """How long an idle loop may sleep before the connector's next own work is due (None: until
+        a command): its periodic checks of the tier run with no traffic, without polling."""
+        return None if self.sleep_state.is_sleeping else self.connector.next_work_in()
+
     def idle_step(self) -> None:
         """The connector's bounded share of its own work, then a wait of at most
         ``TIER_IDLE_WAIT_S`` (cut short by a new command) so that an idle loop does not spin."""

@@ -37,7 +37,7 @@ from kvcache.metrics import (
     TierStats,
     merge_errors,
 )
-from kvcache.tier import PartialWriteError, Tier
+from kvcache.tier import PartialWriteError, Tier, note_unanswered
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +45,9 @@ CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
 PROBE_KEY = "ferry:kv:probe"  # never written: the probe only asks whether the server answers
 RESPONSE_LOG_INTERVAL_S = 60.0  # a server's refusals of one call kind are logged this seldom
 ERROR_TEXT_LIMIT = 200  # characters of an error's message in a log line
+# How soon an idle engine looks again at a probe or flush check under way (``poll_due_in``): it takes
+# a round trip (about a millisecond) and its answer may start a re-publication pass.
+CHECK_RUNNING_POLL_S = 0.05
 # redis-py names a failed pipeline command with its arguments (a block's raw bytes) before the
 # server's answer: "Command # 1 (SET key <bytes>) of pipeline caused error: <answer>".
 _PIPELINE_ERROR = " of pipeline caused error: "
@@ -81,6 +84,13 @@ class CircuitBreaker:
     def is_closed(self) -> bool:
         with self._lock:
             return self._state == CLOSED
+
+    def probe_due_in(self) -> float | None:
+        """Seconds until an open breaker's cool-down has passed (0: now); None unless open."""
+        with self._lock:
+            if self._state != OPEN:
+                return None
+            return max(0.0, self._opened_at + self.cooldown_s - self._clock())
 
     def begin_probe(self) -> bool:
         """Open and cooled down, with no probe out: become half-open; the caller runs the probe."""
@@ -200,6 +210,18 @@ class GuardedTier(Tier):
         elif self.breaker.begin_probe():
             self._start_probe()
 
+    def poll_due_in(self) -> float | None:
+        """When ``poll`` next has work: the backend's next check while closed (or, one running, a
+        short while: its answer may move the epoch), the end of an open breaker's cool-down; a
+        probe out is answered within the socket timeouts, so it is looked at again as shortly."""
+        if self.breaker.is_closed():
+            watch = self._watch
+            if watch is not None and watch.is_alive():
+                return CHECK_RUNNING_POLL_S
+            return self.inner.watch_due_in()
+        due = self.breaker.probe_due_in()
+        return CHECK_RUNNING_POLL_S if due is None else due
+
     def put_many(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
         failed = [False] * len(items)
         if not self._admit():
@@ -241,6 +263,7 @@ class GuardedTier(Tier):
         the background probe)."""
         if self.breaker.is_closed():
             return True
+        note_unanswered()
         self._errors.record(ERROR_CIRCUIT_OPEN)
         if self.breaker.begin_probe():
             self._start_probe()
@@ -256,6 +279,7 @@ class GuardedTier(Tier):
         try:
             result = fn()
         except Exception as exc:
+            note_unanswered()
             self._failed(op, exc)
             return on_failure
         self.breaker.record_success()

@@ -86,6 +86,9 @@ class CompositeTier(Tier):
     def poll(self) -> None:
         self.l2.poll()
 
+    def poll_due_in(self) -> float | None:
+        return self.l2.poll_due_in()
+
     def close(self) -> None:
         self.l1.close()
         self.l2.close()

@@ -33,6 +33,7 @@ import torch
 from kvcache.block_copy import BlockCopier
 from kvcache.metrics import TierStats
 from kvcache.tier import TierURL, open_tier
+from kvcache.tier_presence import TierPresence
 from kvcache.tier_reads import TierReads
 from kvcache.writer import BlockEvent, BlockWrite, BlockWriter
 
@@ -88,6 +89,9 @@ class KVConnector(TierReads):
             raise
         self._writer = BlockWriter(tier, fingerprint, write_queue, publisher)
         super().__init__(tier, copier, fingerprint, load_threads)
+        if publisher is not None:
+            # Stored tier events go out; so do removed ones, for the blocks reads find gone.
+            self.presence = self._writer.presence = TierPresence()
 
     # ---- saves -------------------------------------------------------------------------------
 
@@ -131,6 +135,14 @@ class KVConnector(TierReads):
         """The hashes dropped for a full queue since the last call (oldest first), and whether more
         were dropped than the writer remembers; forgets them."""
         return self._writer.take_dropped()
+
+    def write_mark(self) -> int:
+        """A mark for ``write_covers``: the writer's acknowledged writes so far."""
+        return self._writer.ack_mark()
+
+    def write_covers(self, block_hash: bytes, mark: int) -> bool:
+        """This connector's writer holds a write of ``block_hash``, or wrote it after ``mark``."""
+        return self._writer.covers(block_hash, mark)
 
     def can_republish(self) -> bool:
         """Whether ``republish`` would find a writer slot now (the queue has room again)."""
@@ -190,6 +202,26 @@ class KVConnector(TierReads):
             self._writer.publisher.stream = events_stream(fingerprint)
 
     # ---- events ------------------------------------------------------------------------------
+
+    def _write_pending(self, block_hash: bytes) -> bool:
+        return self._writer.is_pending(block_hash)
+
+    def _report_lost(self, blocks: list[tuple[str, bytes]]) -> None:
+        """Blocks this replica saw the tier hold and a read found gone (evicted, expired, deleted):
+        a ``removed`` tier event each (one entry per model), after the writes queued before it."""
+        by_fingerprint: dict[str, list[bytes]] = {}
+        for fingerprint, block_hash in blocks:
+            by_fingerprint.setdefault(fingerprint, []).append(block_hash)
+        for fingerprint, hashes in by_fingerprint.items():
+            self._writer.submit_event(BlockEvent("removed", tuple(hashes), "tier", fingerprint))
+
+    def report_absent(self, hashes: Sequence[bytes], since: int) -> None:
+        """A check that started at presence generation ``since`` found ``hashes`` absent (the
+        re-publication pass's): report those this replica had seen held."""
+        if self.presence is not None and hashes:
+            gone = self.presence.lost(self.keys(hashes), since, self._write_pending)
+            if gone:
+                self._report_lost(gone)
 
     @property
     def events_enabled(self) -> bool:

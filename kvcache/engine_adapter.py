@@ -23,9 +23,13 @@ What happens when (all on the engine loop thread):
 * every step (``step``): the tier's due background checks start (``Tier.poll``: an open breaker's
   probe after its cool-down, a Redis tier's flush check), then the re-publication pass
   (``kvcache/republish.py``) takes its bounded share: after the tier came back (or writes were
-  dropped for a full queue), the prefix cache's blocks it lacks are written again. While the
-  breaker is open ``has_work`` says so, so an idle engine's ``idle_step`` keeps probing (once per
-  cool-down) and the pass starts with no traffic;
+  dropped for a full queue), the prefix cache's blocks it lacks are written again. An idle
+  engine sleeps until ``next_work_in`` (the end of an open breaker's cool-down, the next flush
+  check; never with neither), then ``has_work`` has its ``idle_step`` start them, so a tier back
+  or flushed is noticed and the pass runs with no traffic;
+* a lookup also asks for the block holding the request's last token when the blocks asked end
+  just before it (``_with_computed_block``): the engine computes that block anyway, and one the
+  tier holds already is not written again;
 * a ``kv_transfer`` producer request finishes (``request_finished``): on the reporter thread,
   wait (bounded) until its prompt blocks reached the tier, so the consumer that the router calls
   next finds them, and report how many leading prompt blocks the tier holds
@@ -79,8 +83,9 @@ class TierConnector:
         )
         # memory:// answers lookups in microseconds: no thread hop for them.
         self._in_process = TierURL(config.kv_tier).scheme == "memory"
-        # Hashes loaded from the tier and not yet registered by the block manager: a block that
-        # came from the tier must not be written back to it. Loader threads add, the engine
+        # Hashes loaded from the tier (or found there by a lookup, for the block a request computes
+        # anyway: ``_with_computed_block``) and not yet registered by the block manager: a block the
+        # tier holds must not be written back to it. Loader and lookup threads add, the engine
         # thread removes.
         self._lock = threading.Lock()
         self._just_loaded: set[bytes] = set()
@@ -92,14 +97,53 @@ class TierConnector:
     # -- engine hooks ------------------------------------------------------------------------------
 
     def num_loadable_blocks(self, request: Any, block_hashes: Sequence[bytes]) -> int:
-        return self.kv.lookup(block_hashes)
+        asked = self._with_computed_block(request, block_hashes)
+        return self._loadable(asked, len(block_hashes), self.kv.lookup(asked))
 
     def num_loadable_blocks_async(self, request: Any, block_hashes: Sequence[bytes]) -> Future[int] | None:
         """``num_loadable_blocks`` on the connector's lookup thread (batched with other requests'
         lookups: one round trip); None for an in-process tier, which answers synchronously at once."""
         if self._in_process:
             return None
-        return self.kv.lookup_async(block_hashes)
+        asked = self._with_computed_block(request, block_hashes)
+        found = self.kv.lookup_async(asked)
+        if len(asked) == len(block_hashes):
+            return found
+        answer: Future[int] = Future()
+
+        def settle(done: Future[int]) -> None:  # on the lookup thread
+            try:
+                answer.set_result(self._loadable(asked, len(block_hashes), done.result()))
+            except Exception as exc:  # a failed lookup is the scheduler's miss, as before
+                answer.set_exception(exc)
+
+        found.add_done_callback(settle)
+        return answer
+
+    def _with_computed_block(self, request: Any, block_hashes: Sequence[bytes]) -> list[bytes]:
+        """``block_hashes`` and, when they end just before it, the request's full block that holds
+        its last known token. The engine computes that block even when the tier holds it (its last
+        token's logits draw the next token), so it is never loaded; asking for it in the same round
+        trip (one more key of the same script) tells whether the tier holds it already, and then
+        ``block_stored`` does not write it again (``_loadable``). A prompt that ends on a block
+        boundary (a shared prefix sent alone, a chat turn) would otherwise rewrite a block every
+        replica that computes it."""
+        hashes = list(block_hashes)
+        last = (request.num_tokens - 1) // self.block_size  # the block of the last token
+        full = request.full_block_hashes()
+        if not hashes or last >= len(full) or last < len(hashes) or full[last - len(hashes) : last] != hashes:
+            return hashes
+        return [*hashes, full[last]]
+
+    def _loadable(self, asked: list[bytes], wanted: int, found: int) -> int:
+        """The scheduler's answer (of its ``wanted`` blocks) from a lookup of ``asked``: a found block
+        past them is one the tier holds, which the request computes: not written back."""
+        if found > wanted:
+            self._mark_loaded(asked[wanted:found])
+        elif len(asked) > wanted:
+            with self._lock:  # not there (any more): a block this replica computes is written
+                self._just_loaded.difference_update(asked[wanted:])
+        return min(found, wanted)
 
     def count_lookup_misses(self, num_blocks: int) -> None:
         self.kv.tier.count_blocks(0, num_blocks)
@@ -109,9 +153,18 @@ class TierConnector:
         self.republisher.step(self.k_caches, self.v_caches)
 
     def has_work(self) -> bool:
-        # An open breaker is work: only a call (or ``poll``) probes the tier again, and an idle
-        # replica makes none, so its re-publication would wait for its next request.
-        return self.republisher.has_work() or not self.kv.tier.available()
+        """A pass to advance, or a check of the tier due now (``poll`` starts it): an open breaker's
+        probe once its cool-down passed, the Redis tier's flush check. Only a call or ``poll``
+        starts them, and an idle replica makes no call: without this it would notice neither a
+        tier back nor a flushed one before its next request."""
+        return self.next_work_in() == 0.0
+
+    def next_work_in(self) -> float | None:
+        """Seconds until ``has_work`` (0: now), None with nothing scheduled (``Tier.poll_due_in``):
+        an idle engine sleeps this long, so it makes no wake-up it does not need."""
+        if self.republisher.has_work():
+            return 0.0
+        return self.kv.tier.poll_due_in()
 
     def load_blocks(self, request: Any, block_ids: Sequence[int], block_hashes: Sequence[bytes]) -> int:
         loaded = self.kv.load(block_hashes, block_ids, self.k_caches, self.v_caches)
@@ -156,8 +209,10 @@ class TierConnector:
 
     def _producer_report(self, request_id: str, prompt_hashes: list[bytes]) -> dict[str, Any]:
         self.kv.flush(PRODUCER_FLUSH_TIMEOUT_S, hashes=prompt_hashes)
-        # Confirm with the tier itself: a write may have been dropped (full queue, Redis down).
-        in_tier = self.kv.lookup(prompt_hashes)
+        # Confirm with the tier itself: a write may have been dropped (full queue, Redis down or
+        # full), a block written earlier evicted since. What the consumer can read, which is
+        # another process: a composite tier's local level also holds what Redis refused or lost.
+        in_tier = self.kv.lookup_shared(prompt_hashes)
         if in_tier < len(prompt_hashes):
             # A tier that is down makes every producer request fall short: the breaker's own line
             # says why, these are kept to a rate (the chaos run logged 70 in 4 s per prefill worker).

@@ -20,6 +20,11 @@ A router that missed events learns it two ways: a publisher's ``seq`` jumps (the
 not append), or the stream lost entries it had not read yet (``KVEventReader.read_checked``:
 trimmed by ``MAXLEN`` while the router was away, or the stream deleted and created again).
 
+Redis does not say when it evicts or expires a block: a replica that finds a block gone which it
+had seen held (a lookup, a load, a re-publication check) publishes a ``removed`` tier event for it
+(``kvcache/tier_presence.py``); block hashes chain, so a reader's ``tier_prefix`` stops there.
+Until some replica reads it, an evicted block stays ``stored`` in the stream.
+
 Publishing is best effort: bounded by socket timeouts, behind a circuit breaker, trimmed with
 ``XADD MAXLEN ~`` so the stream never grows without bound, and it never raises. A router reads
 with ``KVEventReader`` and folds events into a ``PrefixIndex`` to ask "which replica holds the

@@ -182,6 +182,11 @@ class RedisTier(Tier):
     def watch_due(self) -> bool:
         return self.flush_check_s > 0 and time.monotonic() >= self._next_watch
 
+    def watch_due_in(self) -> float | None:
+        if self.flush_check_s <= 0:
+            return None
+        return max(0.0, self._next_watch - time.monotonic())
+
     def watch(self) -> None:
         """Check this client's flush marker and set it again (one round trip); a marker gone since
         the last check under the same ``run_id`` counts a flush (a restart counted already)."""

@@ -26,8 +26,15 @@ stale fingerprint: the snapshot takes the connector's fingerprint, and the pass 
 when it changes), when the KV cache is released (sleep mode), or when it has gone through every
 block. Blocks evicted locally before their turn are skipped and counted.
 
-Not covered: blocks Redis evicted (``maxmemory``) or an operator deleted one by one: no cheap signal
-tells them apart from blocks never written, and Redis' eviction is its LRU's choice.
+A block that looks absent because its write is still in the writer (queued, being written, or
+acknowledged since the pass started: ``KVConnector.write_covers``) is not queued again: each block
+is written once. A block a check finds gone that this replica had seen held is reported in a
+``removed`` tier event (``kvcache/tier_presence.py``).
+
+Not covered: blocks Redis evicted (``maxmemory``) or an operator deleted one by one while this
+replica keeps hitting them on its device: no cheap signal tells it (an evicted flush marker reads
+as a flush: one pass). The next replica that reads such a block finds it gone, reports it removed,
+computes it and writes it again.
 """
 
 from __future__ import annotations
@@ -68,9 +75,11 @@ class _Pass:
     fingerprint: str
     hashes: list[bytes]  # the prefix cache's full blocks when the pass started, parents first
     started: float
+    mark: int  # the writer's acknowledged writes when it started (``KVConnector.write_covers``)
     cursor: int = 0  # hashes[:cursor] were checked (or are being checked)
     check: Future | None = None
     checking: list[bytes] = field(default_factory=list)
+    since: int = 0  # the connector's presence generation when ``check`` was sent
     failures: int = 0
     missing: deque[bytes] = field(default_factory=deque)  # lacked by the tier, not yet queued
     checked: int = 0
@@ -189,7 +198,7 @@ class Republisher:
 
     def _start(self, cause: str, hashes: list[bytes]) -> None:
         self.passes += 1
-        self._pass = _Pass(cause, self.kv.fingerprint, hashes, time.monotonic())
+        self._pass = _Pass(cause, self.kv.fingerprint, hashes, time.monotonic(), self.kv.write_mark())
 
     def _check_next(self, p: _Pass) -> None:
         chunk: list[bytes] = []
@@ -208,6 +217,7 @@ class Republisher:
             self._checker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-tier-republish")
         keys = self.kv.keys(chunk)  # the pass's fingerprint: it is the connector's (checked each step)
         p.checking = chunk
+        p.since = self.kv.presence.generation if self.kv.presence is not None else 0
         p.check = self._checker.submit(self.kv.tier.contains_many, keys)
 
     def _take_check(self, p: _Pass) -> bool:
@@ -232,6 +242,10 @@ class Republisher:
         p.failures = 0
         p.checked += len(flags)
         lacked = [h for h, present in zip(p.checking, flags, strict=True) if not present]
+        self.kv.report_absent(lacked, p.since)  # gone since this replica saw them: removed events
+        # A block whose write is queued, being written or done since the pass started (its block
+        # filled just before, another pass's) only looked absent: its write lands anyway.
+        lacked = [h for h in lacked if not self.kv.write_covers(h, p.mark)]
         p.lacked += len(lacked)
         p.missing.extend(lacked)
         p.checking = []
@@ -245,6 +259,8 @@ class Republisher:
             bid = self.blocks.block_of(h)
             if bid is None:
                 p.evicted += 1
+                continue
+            if self.kv.write_covers(h, p.mark):  # written meanwhile (the writer's own path)
                 continue
             hashes.append(h)
             ids.append(bid)

@@ -27,10 +27,16 @@ Contract of the ``Tier`` methods (all thread-safe):
   that are due (an open breaker's probe once its cool-down passed; a Redis tier's flush check every
   few seconds). No I/O on the caller's thread. ``watch_due()`` / ``watch()`` are a raw backend's
   side of it: whether its periodic check is due, and the check itself (I/O; may raise).
+* ``poll_due_in()``: seconds until ``poll`` has something to start or a check it started may have
+  an answer (``0``: now), ``None`` when nothing is scheduled: an idle engine sleeps that long and
+  polls (no wake-up at all for a tier with no periodic check). ``watch_due_in()`` is a raw
+  backend's (``None``: no periodic check). No I/O.
 
 A backend may raise on I/O failure; what ``open_tier`` returns never does: failing backends
 are wrapped in a circuit breaker (``breaker.GuardedTier``) and the outermost ``MeteredTier``
-records the Prometheus metrics and turns anything unexpected into a counted miss. Its
+records the Prometheus metrics and turns anything unexpected into a counted miss. Such a miss is
+not the backend's word that a block is absent: ``expect_answers()`` before a read and
+``answered()`` after it tell, on the calling thread, whether every call of it was answered. Its
 ``get_many`` counts each value found as a hit; the engine's connector reads with ``fetch`` and
 counts with ``count_blocks`` once it has checked the values, so a corrupt block is a miss.
 """
@@ -61,6 +67,25 @@ from kvcache.metrics import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+_calls = threading.local()  # per thread: a call since ``expect_answers`` went unanswered
+
+
+def expect_answers() -> None:
+    """Before a read whose misses mean something (``answered``): forget earlier unanswered calls."""
+    _calls.unanswered = False
+
+
+def answered() -> bool:
+    """Whether every tier call on this thread since ``expect_answers`` got the backend's answer (none
+    failed, none was skipped by an open breaker): only then is a miss a block the tier lacks."""
+    return not getattr(_calls, "unanswered", False)
+
+
+def note_unanswered() -> None:
+    """A tier call on this thread returned its default (a miss) without the backend's answer."""
+    _calls.unanswered = True
 
 
 class PartialWriteError(Exception):
@@ -107,6 +132,12 @@ class Tier(ABC):
         return False
 
     def watch(self) -> None:
+        return None
+
+    def poll_due_in(self) -> float | None:
+        return None
+
+    def watch_due_in(self) -> float | None:
         return None
 
     def stats(self) -> TierStats:
@@ -278,6 +309,13 @@ class MeteredTier(Tier):
         except Exception:
             self._internal_error("poll")
 
+    def poll_due_in(self) -> float | None:
+        try:
+            return self.inner.poll_due_in()
+        except Exception:
+            self._internal_error("poll_due_in")
+            return None
+
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         """Values as found: each one present counts as a hit. A caller that checks the values
         before using them reads with ``fetch`` and counts with ``count_blocks`` instead."""
@@ -361,3 +399,4 @@ class MeteredTier(Tier):
     def _internal_error(self, op: str) -> None:
         logger.exception("KV tier %s failed unexpectedly; treated as a miss", op)
         self._errors.record(ERROR_INTERNAL)
+        note_unanswered()

@@ -29,9 +29,10 @@ import torch
 from engine.torch_threads import set_this_thread_count
 from kvcache import codec
 from kvcache.block_copy import BlockCopier
-from kvcache.keys import tier_key
+from kvcache.keys import KEY_PREFIX, tier_key
 from kvcache.metrics import ERROR_MISMATCH
-from kvcache.tier import Tier
+from kvcache.tier import Tier, answered, expect_answers
+from kvcache.tier_presence import TierPresence
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,8 @@ class TierReads:
         )
         # Admission lookups (lookup_async): (keys, future) items, None to stop; started on first use.
         self._lookups: queue.SimpleQueue[tuple[list[str], Future[int]] | None] = queue.SimpleQueue()
+        # What the reads saw the tier hold, for the ``removed`` tier events (``KVConnector``, events on).
+        self.presence: TierPresence | None = None
         self._lookup_thread: threading.Thread | None = None
 
     def keys(self, hashes: Sequence[bytes]) -> list[str]:
@@ -68,10 +71,58 @@ class TierReads:
         """Number of leading blocks of ``hashes`` the tier holds (0 when the tier is down)."""
         if not hashes or self._closed:
             return 0
-        n = self.tier.contains_prefix(self.keys(hashes))
+        keys = self.keys(hashes)
+        since = self._reading()
+        n = self.tier.contains_prefix(keys)
+        self._found(keys, n, since)
         with self._lock:
             self._looked_up += len(hashes)
         return n
+
+    def lookup_shared(self, hashes: Sequence[bytes]) -> int:
+        """``lookup`` as another process sees it: of a composite tier, what its shared level holds
+        (its local level holds every block this process wrote, also those Redis refused or evicted
+        since). For a producer's report: the consumer reads another process's tier."""
+        if not hashes or self._closed:
+            return 0
+        keys = self.keys(hashes)
+        since = self._reading()
+        flags = self.tier.contains_many(keys)
+        n = 0 if flags is None else next((i for i, held in enumerate(flags) if not held), len(flags))
+        if flags is not None:
+            self._found(keys, n, since)
+        with self._lock:
+            self._looked_up += len(hashes)
+        return n
+
+    # ---- what the reads saw (``TierPresence``) -----------------------------------------------
+
+    def _reading(self) -> int:
+        """Before a read (on its thread): the presence generation its findings are relative to."""
+        if self.presence is None:
+            return 0
+        expect_answers()
+        return self.presence.generation
+
+    def _found(self, keys: Sequence[str], held: int, since: int) -> None:
+        """A read found ``keys[:held]`` in the tier and ``keys[held]`` (if any) absent: note the
+        first, and report the second removed if this replica had seen it held (``_report_lost``).
+        A read the tier did not answer (down, an open breaker) found nothing either way."""
+        presence = self.presence
+        if presence is None or not answered():
+            return
+        if held:
+            presence.saw((k, *_parse_key(k)) for k in keys[:held])
+        if held < len(keys):
+            gone = presence.lost([keys[held]], since, self._write_pending)
+            if gone:
+                self._report_lost(gone)
+
+    def _write_pending(self, block_hash: bytes) -> bool:
+        return False
+
+    def _report_lost(self, blocks: list[tuple[str, bytes]]) -> None:
+        return None
 
     def lookup_async(self, hashes: Sequence[bytes]) -> Future[int]:
         """``lookup`` on the lookup thread, which answers every lookup queued meanwhile in one
@@ -106,8 +157,11 @@ class TierReads:
             batch = [item for item in batch if item is not None]
             counts = [0] * len(batch)
             if batch and not self._closed:
+                since = self._reading()
                 try:
                     counts = self.tier.contains_prefix_many([keys for keys, _ in batch])
+                    for (keys, _), n in zip(batch, counts, strict=True):
+                        self._found(keys, n, since)
                 except Exception:  # the tier never raises; this thread must never die either
                     logger.exception("KV tier lookups failed; treated as misses")
             with self._lock:
@@ -145,7 +199,11 @@ class TierReads:
             if self._closed:
                 break
             chunk = hashes[start : start + chunk_len]
-            values = self.tier.fetch([tier_key(fingerprint, h) for h in chunk])
+            keys = [tier_key(fingerprint, h) for h in chunk]
+            since = self._reading()
+            values = self.tier.fetch(keys)
+            present = next((i for i, v in enumerate(values) if v is None), len(values))
+            self._found(keys, present, since)
             blocks: list[torch.Tensor] = []
             for block_hash, value in zip(chunk, values, strict=True):
                 if value is None:
@@ -222,3 +280,10 @@ class TierReads:
         if self._lookup_thread is not None:
             self._lookups.put(None)  # answers what is queued (misses: closed), then stops
             self._lookup_thread.join(timeout)
+
+
+def _parse_key(key: str) -> tuple[str, bytes]:
+    """The model fingerprint and block hash a tier key names (``kvcache.keys.tier_key``): the key's,
+    not the connector's, which a weight update may have changed since the key was made."""
+    fingerprint, _, hex_hash = key[len(KEY_PREFIX) + 1 :].rpartition(":")
+    return fingerprint, bytes.fromhex(hex_hash)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
@@ -46,6 +46,7 @@ from kvcache.tier import Tier
 
 if TYPE_CHECKING:
     from kvcache.events import KVEventPublisher
+    from kvcache.tier_presence import TierPresence
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,10 @@ WRITE_BATCH = 32  # blocks per tier write
 # Hashes of queue-full drops kept for re-publication (~100 bytes each); more dropped before the
 # next pass take means the pass checks the whole prefix cache instead.
 MAX_DROPPED_REMEMBERED = 4096
+# Acknowledged writes remembered with their number (``covers``): a re-publication pass skips a
+# block written since it started. Past that many writes during one pass, the oldest are forgotten
+# (the pass may then write such a block once more: never one less).
+MAX_ACKS_REMEMBERED = 16384
 
 
 @dataclass(frozen=True)
@@ -115,6 +120,11 @@ class BlockWriter:
         # first); ``_dropped_overflow``: more were dropped than it holds.
         self._dropped_hashes: dict[bytes, None] = {}
         self._dropped_overflow = False
+        # Acknowledged writes: how many so far, and the latest number of each recent block's.
+        self._acks = 0
+        self._acked: OrderedDict[bytes, int] = OrderedDict()
+        # The blocks the tier acknowledged are noted there (events on): ``kvcache/tier_presence.py``.
+        self.presence: TierPresence | None = None
         self._thread = threading.Thread(target=self._run, name="kv-tier-write", daemon=True)
         self._thread.start()
 
@@ -207,6 +217,22 @@ class BlockWriter:
         with self._lock:
             return 0 if self._closed else max(0, self.capacity - keep_free - self._pending)
 
+    def ack_mark(self) -> int:
+        """The number of writes acknowledged so far (for ``covers``)."""
+        with self._lock:
+            return self._acks
+
+    def covers(self, block_hash: bytes, mark: int) -> bool:
+        """A write of ``block_hash`` is pending, or was acknowledged after ``ack_mark`` returned
+        ``mark``: writing it again would write it twice."""
+        with self._lock:
+            return self._pending_hashes[block_hash] > 0 or self._acked.get(block_hash, 0) > mark
+
+    def is_pending(self, block_hash: bytes) -> bool:
+        """A write of ``block_hash`` is queued or being written (not yet counted written or dropped)."""
+        with self._lock:
+            return self._pending_hashes[block_hash] > 0
+
     def _count_dropped(self, n: int, reason: str) -> None:
         # Under ``_lock``.
         if n:
@@ -294,6 +320,12 @@ class BlockWriter:
                 if self._batch is not batch:  # close gave up on it meanwhile and counted it
                     return
                 self.written += len(done)
+                for w in done:
+                    self._acks += 1
+                    self._acked[w.block_hash] = self._acks
+                    self._acked.move_to_end(w.block_hash)
+                while len(self._acked) > MAX_ACKS_REMEMBERED:
+                    self._acked.popitem(last=False)
                 republished = sum(w.republish for w in done)
                 if republished:
                     KV_TIER_REPUBLISHED.inc(republished)
@@ -301,6 +333,15 @@ class BlockWriter:
                 self._count_dropped(unencoded, DROP_ENCODE)
                 self._count_dropped(len(writes) - unencoded - len(done), DROP_TIER)
                 self._batch_counted = True
+            if self.presence is not None and done:
+                self.presence.saw(
+                    (
+                        tier_key(w.fingerprint or self.fingerprint, w.block_hash),
+                        w.fingerprint or self.fingerprint,
+                        w.block_hash,
+                    )
+                    for w in done
+                )
             if self.publisher is not None:
                 # Only the blocks the tier holds: a router that routes by these events must not
                 # send a request to blocks that were never written. Each on its model's stream.

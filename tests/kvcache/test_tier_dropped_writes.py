@@ -48,7 +48,8 @@ def test_writes_dropped_for_a_full_queue_are_republished(tiny_llama, private_red
     republisher = connector.republisher
     before = metric("ferry:kv_tier_dropped_writes_total", reason="queue_full")
     engine.add_request(engine.make_request("full-queue", PROMPT, GREEDY))
-    _wait(lambda: connector.stats().blocks_looked_up == 4)  # its arrival lookup (a script) answered
+    # Its arrival lookup (a script) answered: blocks 0..3, and block 4, which holds the last token.
+    _wait(lambda: connector.stats().blocks_looked_up == 5)
     admin = redis.Redis(port=srv.port)
     admin.execute_command("CLIENT", "PAUSE", 30000, "WRITE")
     try:
