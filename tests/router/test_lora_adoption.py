@@ -8,6 +8,7 @@ instead of undoing them."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from router.lora_tombstones import TOMBSTONES_MAX
 LORA_FLAGS = ("--enable-lora", "--allow-runtime-lora-updating")
 LOAD, UNLOAD = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
 FAILURES = "ferry:router_lora_failures_total"
+POOL = 4  # the most replicas a test here uses
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +31,36 @@ def adapters(tmp_path_factory, tiny_llama: Path) -> tuple[str, str]:
     one = build_lora_adapter(root / "one", tiny_llama, seed=11, alpha=32)
     two = build_lora_adapter(root / "two", tiny_llama, seed=12, alpha=32)
     return str(one), str(two)
+
+
+@pytest.fixture(scope="module")
+def pool(cluster: Cluster) -> list[Proc]:
+    """Replicas started once for the module (a replica start is most of each test's time)."""
+    return cluster.replicas(POOL, *LORA_FLAGS)
+
+
+@pytest.fixture
+def fresh(cluster: Cluster, pool: list[Proc]) -> Iterator[Callable[[int], list[Proc]]]:
+    """``fresh(n)``: ``n`` replicas that serve no adapter and that no router knows, as if just
+    started (each of the pool's at most once per test). After the test its routers (and any process
+    it started) are stopped first, so that none restores an adapter, then every pool replica's
+    adapters are unloaded."""
+    started, taken = len(cluster.procs), 0
+
+    def take(n: int) -> list[Proc]:
+        nonlocal taken
+        assert taken + n <= len(pool), "the pool is too small for this test"
+        out, taken = pool[taken : taken + n], taken + n
+        assert all(_cards(p) == {} for p in out)
+        return out
+
+    yield take
+    for proc in reversed(cluster.procs[started:]):
+        proc.stop()
+    del cluster.procs[started:]
+    for replica in pool:
+        for name in _cards(replica):
+            assert _post(replica.url, UNLOAD, {"lora_name": name}).status_code == 200
 
 
 def _lora(router: Proc) -> dict:
@@ -63,10 +95,10 @@ def _served(router: Proc, replicas: list[Proc], model: str, n: int) -> dict[str,
 
 
 def test_a_new_router_restores_what_the_old_one_loaded_and_an_unload_stays(
-    cluster: Cluster, adapters: tuple[str, str]
+    cluster: Cluster, fresh: Callable[[int], list[Proc]], adapters: tuple[str, str]
 ) -> None:
     one, _ = adapters
-    first, second = cluster.replicas(2, *LORA_FLAGS)
+    first, second = fresh(2)
     old = cluster.router("--replica", first.url, "--replica", second.url, all_routable=True)
     assert _post(old.url, LOAD, {"lora_name": "kept", "lora_path": one}).status_code == 200
     old.stop()
@@ -80,7 +112,7 @@ def test_a_new_router_restores_what_the_old_one_loaded_and_an_unload_stays(
         "unloaded": [],
         "conflicts": {},
     }
-    (late,) = cluster.replicas(1, *LORA_FLAGS)
+    (late,) = fresh(1)
     assert _cards(late) == {}
     _add(router, late)  # routable once its restore is done
     assert _cards(late) == {"kept": one}
@@ -95,7 +127,7 @@ def test_a_new_router_restores_what_the_old_one_loaded_and_an_unload_stays(
     assert gone.status_code == 200, gone.text
     assert gone.json()["replicas"] == {p.url: 200 for p in everyone}
     assert all(_cards(p) == {} for p in everyone)
-    (stale,) = cluster.replicas(1, *LORA_FLAGS)
+    (stale,) = fresh(1)
     assert _post(stale.url, LOAD, {"lora_name": "kept", "lora_path": one}).status_code == 200
     _add(router, stale)
     assert wait_until(lambda: "kept" in replicas_view(router)[stale.url]["models"], 30)
@@ -103,15 +135,17 @@ def test_a_new_router_restores_what_the_old_one_loaded_and_an_unload_stays(
     assert all(_cards(p) == {} for p in everyone)
 
 
-def test_one_name_under_two_paths_is_not_adopted(cluster: Cluster, adapters: tuple[str, str]) -> None:
+def test_one_name_under_two_paths_is_not_adopted(
+    cluster: Cluster, fresh: Callable[[int], list[Proc]], adapters: tuple[str, str]
+) -> None:
     one, two = adapters
-    (first,) = cluster.replicas(1, *LORA_FLAGS)
+    (first,) = fresh(1)
     assert _post(first.url, LOAD, {"lora_name": "twin", "lora_path": one}).status_code == 200
     router = cluster.router("--replica", first.url, "--policy", "round_robin", all_routable=True)
     assert wait_until(lambda: _lora(router)["adapters"], 30)
     assert _lora(router)["adapters"] == {"twin": {"path": one, "origin": "adopted"}}
 
-    (other,) = cluster.replicas(1, *LORA_FLAGS)
+    (other,) = fresh(1)
     assert _post(other.url, LOAD, {"lora_name": "twin", "lora_path": two}).status_code == 200
     _add(router, other)
     assert _lora(router) == {
@@ -128,17 +162,17 @@ def test_one_name_under_two_paths_is_not_adopted(cluster: Cluster, adapters: tup
     assert view[first.url]["routable"] and view[other.url]["routable"]
     assert _served(router, [first, other], "twin", 4) == {first.url: 4, other.url: 0}
     # Not adopted: a replica that joins is not given it.
-    (late,) = cluster.replicas(1, *LORA_FLAGS)
+    (late,) = fresh(1)
     _add(router, late)
     assert _cards(late) == {}
     assert metric(router.url, FAILURES, {"op": "adopt"}) == 1  # counted once, not at every read
 
 
 def test_two_routers_follow_each_others_loads_and_unloads(
-    cluster: Cluster, adapters: tuple[str, str]
+    cluster: Cluster, fresh: Callable[[int], list[Proc]], adapters: tuple[str, str]
 ) -> None:
     one, two = adapters
-    replicas = cluster.replicas(2, *LORA_FLAGS)
+    replicas = fresh(2)
     args = [a for p in replicas for a in ("--replica", p.url)]
     a = cluster.router(*args, all_routable=True)
     b = cluster.router(*args, all_routable=True)
@@ -156,7 +190,7 @@ def test_two_routers_follow_each_others_loads_and_unloads(
     assert wait_until(lambda: _lora(a)["adapters"] == {}, 30)
     assert _lora(a) == {"adapters": {}, "unloaded": ["both"], "conflicts": {}}
     # A replica that joins a afterwards is not given the adapter b unloaded.
-    (late,) = cluster.replicas(1, *LORA_FLAGS)
+    (late,) = fresh(1)
     _add(a, late)
     assert _cards(late) == {}
     assert all(_cards(p) == {} for p in replicas)
@@ -165,7 +199,7 @@ def test_two_routers_follow_each_others_loads_and_unloads(
 
 
 def test_adapters_a_replica_was_started_with_are_not_adopted(
-    cluster: Cluster, adapters: tuple[str, str]
+    cluster: Cluster, fresh: Callable[[int], list[Proc]], adapters: tuple[str, str]
 ) -> None:
     one, _ = adapters
     (flagged,) = cluster.replicas(1, *LORA_FLAGS, "--lora-modules", f"pre={one}")
@@ -173,17 +207,17 @@ def test_adapters_a_replica_was_started_with_are_not_adopted(
     assert wait_until(lambda: "pre" in replicas_view(router)[flagged.url]["models"], 30)
     # They come with the flag: one started without it is not given them.
     assert _lora(router) == {"adapters": {}, "unloaded": [], "conflicts": {}}
-    (late,) = cluster.replicas(1, *LORA_FLAGS)
+    (late,) = fresh(1)
     _add(router, late)
     assert _cards(late) == {}
     assert _served(router, [flagged, late], "pre", 2) == {flagged.url: 2, late.url: 0}
 
 
 def test_an_adopted_adapter_is_loaded_onto_the_replicas_lacking_it(
-    cluster: Cluster, adapters: tuple[str, str]
+    cluster: Cluster, fresh: Callable[[int], list[Proc]], adapters: tuple[str, str]
 ) -> None:
     one, _ = adapters
-    holder, lacking, late = cluster.replicas(3, *LORA_FLAGS)  # late: added to the router at the end
+    holder, lacking, late = fresh(3)  # late: added to the router at the end
     # Loaded onto one replica by a router now gone (straight onto it here), missed by the other.
     assert _post(holder.url, LOAD, {"lora_name": "spread", "lora_path": one}).status_code == 200
     router = cluster.router(
@@ -218,10 +252,10 @@ def test_an_adopted_adapter_is_loaded_onto_the_replicas_lacking_it(
 
 
 def test_unloaded_names_are_a_bounded_set_that_keeps_those_a_replica_still_holds(
-    cluster: Cluster, adapters: tuple[str, str]
+    cluster: Cluster, fresh: Callable[[int], list[Proc]], adapters: tuple[str, str]
 ) -> None:
     one, _ = adapters
-    first, stale = cluster.replicas(2, *LORA_FLAGS)
+    first, stale = fresh(2)
     router = cluster.router("--replica", first.url, all_routable=True)
     assert _post(router.url, UNLOAD, {"lora_name": "held"}).status_code == 404  # no replica had it
     # A replica that missed the unload joins holding it: not adopted, and it keeps the name unloaded.
