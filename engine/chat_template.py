@@ -133,7 +133,14 @@ def _normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
         message = {k: v for k, v in message.items() if v is not None}
         reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
         if reasoning is not None:
-            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+            # Every name, whichever the client sent (vLLM's ``reasoning`` or older ``reasoning_content``):
+            # templates read one or the other (Qwen3's reasoning_content, newer ones reasoning).
+            message = {
+                "thinking": reasoning,
+                **message,
+                "reasoning_content": reasoning,
+                "reasoning": reasoning,
+            }
         out.append(message)
     return out
 

@@ -317,6 +317,7 @@ class LLMEngine(EngineSleep, RequestBuilder, SpecDecodeStep, LoRALoading, HeldFi
                         output_token_ids=outputs_so_far,
                         eos_token_ids=req.eos_token_ids,
                         grammar=req.grammar,
+                        thinking=req.thinking,
                     )
                 )
         for observer in self.logits_observers:

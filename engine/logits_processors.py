@@ -1,6 +1,7 @@
 """The logit processors that change which token wins, applied by ``engine/sampler.py`` before it
 draws: ``allowed_token_ids``, ``bad_words``, ``logit_bias``, ``min_tokens`` (EOS and stop ids
-masked), the repetition penalty and the presence / frequency penalties, in vLLM v1's order. They
+masked), the repetition penalty and the presence / frequency penalties, in vLLM v1's order, then a
+spent ``thinking_token_budget``'s end marker forced (``engine/thinking_budget.py``). They
 stand apart from the draw itself (temperature, top-k/top-p/min-p, the ``(seed, position)``
 uniform) and from logprob reporting: each touches only the (row, token) pairs concerned, never a
 whole ``[B, V]`` pass, and what a request's long lists index is built once per request.
@@ -31,6 +32,8 @@ def _needs_processing(rows: list[SamplingRow]) -> bool:
             or p.repetition_penalty != 1.0
             or p.presence_penalty
             or p.frequency_penalty
+            # a spent thinking budget (only the steps that force a token: the rest pay no clone)
+            or (r.thinking is not None and r.thinking.forced_token(r.output_token_ids) is not None)
         ):
             return True
     return False
@@ -101,7 +104,21 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
             [r.params.presence_penalty for _, r in pen], dtype=logits.dtype, device=device
         )
         logits[where] -= freq[where[0]] * counts.to(logits.dtype) + pres[where[0]]
+    _force_thinking_end(logits, rows)
     return logits
+
+
+def _force_thinking_end(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Rows whose ``thinking_token_budget`` is spent draw their end marker's next token: it alone
+    keeps a (finite) logit, whatever the masks and biases before said, so greedy and seeded draws
+    alike take it."""
+    for i, r in enumerate(rows):
+        if r.thinking is None:
+            continue
+        token = r.thinking.forced_token(r.output_token_ids)
+        if token is not None and 0 <= token < logits.shape[1]:
+            logits[i] = float("-inf")
+            logits[i, token] = 0.0
 
 
 def _allowed_and_bad_words(logits: torch.Tensor, rows: list[SamplingRow]) -> None:

@@ -22,6 +22,7 @@ from engine.lora_request import LoRARequest
 from engine.prompt_embeds import PreparedEmbeds, prepare_prompt_embeds
 from engine.sampling_params import SamplingParams, bad_word_sequences
 from engine.sequence import Request
+from engine.thinking_budget import THINK_END, THINK_START, ThinkingTracker
 from kvcache.keys import salt_extra
 
 
@@ -188,10 +189,28 @@ class RequestBuilder:
                     raise ValueError(
                         f"resumed token {i} ({tok}) does not follow the request's structured outputs"
                     )
+        if params.thinking_token_budget is not None and not pooling:
+            start, end = self.thinking_markers()
+            req.thinking = ThinkingTracker(
+                params.thinking_token_budget, start, end, req.prompt_token_ids, req.output_token_ids
+            )
         if resumed:
             # The text of resumed tokens was delivered by whoever produced them.
             req.detokenizer.append(resumed)
         return req
+
+    def thinking_markers(self) -> tuple[list[int], list[int]]:
+        """The token ids of ``<think>`` and ``</think>`` (``thinking_token_budget``'s markers), as the
+        tokenizer writes them (vLLM's reasoning config tokenizes the parser's start and end strings)."""
+        markers = self.__dict__.get("_thinking_markers")
+        if markers is None:
+            encode = self.tokenizer.encode
+            markers = (
+                encode(THINK_START, add_special_tokens=False),
+                encode(THINK_END, add_special_tokens=False),
+            )
+            self.__dict__["_thinking_markers"] = markers
+        return markers
 
     def prepare_prompt_embeds(self, embeds: torch.Tensor) -> PreparedEmbeds:
         """Check, cast and hash a prompt given as embeddings (ValueError for bad ones, or when the

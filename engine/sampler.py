@@ -2,7 +2,8 @@
 
 Processing order (as vLLM v1): structured-output grammar mask -> allowed_token_ids -> bad_words ->
 logit_bias -> min_tokens (EOS and stop ids masked) -> repetition
-penalty (prompt + output tokens) -> presence / frequency penalties (output tokens) -> greedy
+penalty (prompt + output tokens) -> presence / frequency penalties (output tokens) -> a spent
+``thinking_token_budget``'s end marker forced (after the penalties, as vLLM's) -> greedy
 argmax, or temperature -> min_p -> top_k -> top_p -> sample. Reported logprobs, ranks and top-N
 follow vLLM's ``logprobs_mode`` (``LOGPROBS_MODES``): by default the *raw* distribution
 (log_softmax of the unprocessed logits), as in vLLM v1; ``processed_*`` report what the draw
@@ -36,6 +37,7 @@ from engine.sampling_params import LOGPROBS_MODES, SamplingParams
 
 if TYPE_CHECKING:
     from engine.grammar_matcher import RequestGrammar
+    from engine.thinking_budget import ThinkingTracker
 
 _MASK64 = (1 << 64) - 1
 # On CPU, top_p first looks for its cut-off among this many most likely tokens; only rows whose
@@ -64,6 +66,7 @@ class SamplingRow:
     output_token_ids: Sequence[int]  # generated so far
     eos_token_ids: Sequence[int]
     grammar: RequestGrammar | None = None  # structured outputs: the tokens allowed next
+    thinking: ThinkingTracker | None = None  # thinking_token_budget: the end marker forced when spent
 
 
 @dataclass

@@ -163,8 +163,13 @@ class SamplingParams:
     # What this request's logprobs are (``EngineConfig.logprobs_mode``'s values); None: the
     # engine's. Beam search pins raw log-probabilities: its scores are sums of them.
     logprobs_mode: str | None = None
+    # vLLM's: at most this many tokens of thinking (after the reasoning start marker, ``<think>``)
+    # before the end marker (``</think>``) is forced (engine/thinking_budget.py); -1 or None: no cap.
+    thinking_token_budget: int | None = None
 
     def __post_init__(self) -> None:
+        if self.thinking_token_budget == -1 and not isinstance(self.thinking_token_budget, bool):
+            self.thinking_token_budget = None  # vLLM's "unlimited"
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -211,6 +216,11 @@ class SamplingParams:
             # Exactly one constraint; its content is checked once, where it is compiled (a cache
             # hit is not parsed again on every request).
             _ = self.structured_outputs.kind
+        budget = self.thinking_token_budget
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+            raise ValueError(
+                f"thinking_token_budget must be a non-negative integer or -1 for unlimited, got {budget!r}"
+            )
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise ValueError("allowed_token_ids must not be empty")
         if self.bad_words_token_ids is not None and any(not seq for seq in self.bad_words_token_ids):

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from engine.outputs import PositionLogprobs
     from engine.sampling_params import SamplingParams
     from engine.structured_output import RequestGrammar
+    from engine.thinking_budget import ThinkingTracker
 
 
 class RequestStatus(enum.Enum):
@@ -85,6 +86,7 @@ class Request:
         self.metrics = RequestMetrics()
         self.detokenizer: IncrementalDetokenizer | None = None
         self.grammar: RequestGrammar | None = None  # structured outputs: where the output is in its grammar
+        self.thinking: ThinkingTracker | None = None  # thinking_token_budget: where the thought is
         self.logprobs: list[PositionLogprobs] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
         self.prompt_logprobs: list[PositionLogprobs | None] | None = (

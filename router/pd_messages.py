@@ -205,7 +205,7 @@ def first_events(path: str, body: dict[str, Any], p: Prefilled, done: bool) -> l
         if stream_options.get("continuous_usage_stats"):  # a replica's role chunk counts the prompt
             opening["usage"] = {**usage, "completion_tokens": 0, "total_tokens": p.prompt_tokens}
         events.append(opening)
-        delta = {"reasoning_content": p.reasoning} if p.reasoning else {}
+        delta = {"reasoning": p.reasoning, "reasoning_content": p.reasoning} if p.reasoning else {}
         if p.text:
             delta["content"] = p.text
         first = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
@@ -252,7 +252,8 @@ def merge_answer(path: str, body: dict[str, Any], p: Prefilled, content: bytes |
         content = p.text + (message.get("content") or "")
         if reasoning or p.reasoning is not None or "reasoning_content" in message:
             # A replica's reasoning parser shaped the answer: a part with no text is null there.
-            message["reasoning_content"] = reasoning or None
+            # Both of vLLM's names, as a replica writes them (server/chat_protocol.AssistantMessage).
+            message["reasoning"] = message["reasoning_content"] = reasoning or None
             content = content or None
         message["content"] = content
     else:

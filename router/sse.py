@@ -240,7 +240,10 @@ class StreamTracker:
         if self.chat:
             delta = choice.get("delta")
             return isinstance(delta, dict) and bool(
-                delta.get("content") or delta.get("tool_calls") or delta.get("reasoning_content")
+                delta.get("content")
+                or delta.get("tool_calls")
+                or delta.get("reasoning_content")
+                or delta.get("reasoning")
             )
         return bool(choice.get("text"))
 

@@ -26,6 +26,7 @@ from server.params import (
     sampling_params,
 )
 from server.prompts import chat_prompt
+from server.reasoning_parsers import thinking_budget
 from server.roles import producer_budget, transfer_for_role
 from server.sequence_request import SequenceRequest, block_extra
 from server.serving_common import constraint_field
@@ -82,6 +83,9 @@ def plan_chat(
         base = dataclasses.replace(base, structured_outputs=tools.constraint)
     if base.structured_outputs is not None and state.reasoning is not None:
         base = _after_thinking(state, base, prompt_ids)
+    if req.thinking_token_budget is not None:
+        thinking = thinking_budget(state.reasoning, state.config.reasoning_parser, req.thinking_token_budget)
+        base = dataclasses.replace(base, thinking_token_budget=thinking)
     if (tools is not None and tools.mode == "auto" and tools.parser.needs_special_tokens) or (
         state.reasoning is not None and state.reasoning.needs_special_tokens
     ):

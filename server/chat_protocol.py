@@ -158,6 +158,9 @@ class ChatCompletionRequest(SamplingFields):
     documents: list[dict[str, Any]] | None = None
     # vLLM's: special tokens (BOS) added by the tokenizer on top of the template's own (rarely right)
     add_special_tokens: StrictBool = False
+    # vLLM's: false leaves the reasoning (a --reasoning-parser's) out of the answer, message and
+    # deltas alike; the content is the same.
+    include_reasoning: StrictBool = True
     # OpenAI's deprecated forms of tools / tool_choice, and its audio output: each would change the
     # answer, so a request that sends them is refused rather than answered without them.
     functions: list[Any] | None = None
@@ -225,7 +228,11 @@ class AssistantMessage(_Response):
     role: str = "assistant"  # --response-role
     content: str | None = None
     tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=_omit_none)
-    reasoning_content: str | None = Field(default=None, exclude_if=_omit_none)  # --reasoning-parser
+    # A --reasoning-parser's thinking under both of vLLM's names, the same text: ``reasoning`` (its
+    # name since vLLM 0.11's rename, what OpenRouter-style clients read first) and the older
+    # ``reasoning_content``, which vLLM still writes beside it.
+    reasoning: str | None = Field(default=None, exclude_if=_omit_none)
+    reasoning_content: str | None = Field(default=None, exclude_if=_omit_none)
 
 
 class ChatChoice(_Response):
@@ -251,6 +258,7 @@ class ChatCompletionResponse(_Response):
 class DeltaMessage(_Response):
     role: str | None = Field(default=None, exclude_if=_omit_none)  # --response-role
     content: str | None = Field(default=None, exclude_if=_omit_none)
+    reasoning: str | None = Field(default=None, exclude_if=_omit_none)  # as AssistantMessage's
     reasoning_content: str | None = Field(default=None, exclude_if=_omit_none)
     tool_calls: list[DeltaToolCall] | None = Field(default=None, exclude_if=_omit_none)
 

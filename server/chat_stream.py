@@ -106,6 +106,7 @@ async def stream_chunks(
                 ledgers[seq.choice_index] = TextLogprobs(skipped, shaper.held)
 
     continuous_usage = req.continuous_usage  # a property: read once, not per token
+    shows_reasoning = req.include_reasoning  # vLLM's: false leaves the thinking out of the deltas
 
     def chunk(choice: ChatStreamChoice) -> ChatCompletionChunk:
         c = ChatCompletionChunk(id=response_id, created=created, model=model, choices=[choice])
@@ -193,8 +194,14 @@ async def stream_chunks(
                     shown = ledger.step(text, logprobs or [], steps, shaper.held, ended)
                 *earlier, (reasoning, text, calls) = steps
                 for step, (thought, content, done) in enumerate(earlier):
+                    thought = (thought if shows_reasoning else None) or None
+                    if not (thought or content or done):
+                        continue  # only reasoning, left out (include_reasoning false)
                     piece = DeltaMessage(
-                        content=content or None, reasoning_content=thought or None, tool_calls=done or None
+                        content=content or None,
+                        reasoning=thought,
+                        reasoning_content=thought,
+                        tool_calls=done or None,
                     )
                     early = chunk(
                         ChatStreamChoice(
@@ -205,8 +212,12 @@ async def stream_chunks(
                     )
                     early.continued = True
                     yield early
+                reasoning = (reasoning if shows_reasoning else None) or None
                 delta = DeltaMessage(
-                    content=text or None, reasoning_content=reasoning or None, tool_calls=calls or None
+                    content=text or None,
+                    reasoning=reasoning,
+                    reasoning_content=reasoning,
+                    tool_calls=calls or None,
                 )
             if (
                 not (text or delta.reasoning_content or delta.tool_calls)

@@ -219,12 +219,21 @@ class SamplingFields(_Request):
     guided_grammar: StrictStr | None = None
     guided_whitespace_pattern: StrictStr | None = None
     guided_decoding_backend: StrictStr | None = None  # ignored: there is one backend (xgrammar)
+    # vLLM's: at most this many tokens of thinking, then the end of thinking (``</think>``) is forced
+    # and the answer goes on (engine/thinking_budget.py); -1: no cap. Needs a reasoning parser whose
+    # model thinks between <think> and </think> (``server.reasoning_parsers.thinking_budget``).
+    thinking_token_budget: StrictInt | None = None
     # internal (router -> replica)
     kv_transfer: KVTransfer | None = None
     resume: SamplingResume | None = None
 
     @model_validator(mode="after")
     def _check_stop(self) -> SamplingFields:
+        if self.thinking_token_budget is not None and self.thinking_token_budget < -1:
+            raise ValueError(
+                "thinking_token_budget: must be a non-negative integer or -1 for unlimited, "
+                f"got {self.thinking_token_budget}"
+            )
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if len(stops) > MAX_STOP_SEQUENCES:
             raise ValueError(f"stop: at most {MAX_STOP_SEQUENCES} stop sequences are allowed")

@@ -2,7 +2,8 @@
 
 Reasoning models write their chain of thought between ``<think>`` and ``</think>`` before the
 answer. With ``--reasoning-parser NAME`` (vLLM's flag and names) a chat answer carries the
-thinking in ``message.reasoning_content`` (``delta.reasoning_content`` when streamed) and only the
+thinking in ``message.reasoning`` and ``message.reasoning_content`` (the same text under vLLM's new and
+old names; ``delta.reasoning`` / ``delta.reasoning_content`` when streamed) and only the
 rest in ``content``, where a tool-call parser then looks for calls:
 
 * ``deepseek_r1`` (DeepSeek-R1 and its distills): the chat template opens ``<think>`` in the
@@ -30,6 +31,7 @@ from __future__ import annotations
 import re
 from typing import ClassVar
 
+from server.errors import bad_request
 from server.tool_parser_base import held_prefix
 
 START, END = "<think>", "</think>"
@@ -44,6 +46,8 @@ class ReasoningSplitter:
     prompt_decides: ClassVar[bool] = False
     # Its markers are special tokens (dropped from text unless requests keep them).
     needs_special_tokens: ClassVar[bool] = False
+    # The thinking sits between <think> and </think> (what ``thinking_token_budget`` counts and forces).
+    think_markers: ClassVar[bool] = True
 
     def __init__(self, requires_start: bool | None = None) -> None:
         if requires_start is not None:
@@ -140,6 +144,7 @@ class HarmonySplitter(ReasoningSplitter):
     The channel markers are special tokens, so requests keep them in the text."""
 
     needs_special_tokens = True
+    think_markers = False
 
     def __init__(self, requires_start: bool | None = None) -> None:
         super().__init__(requires_start)
@@ -226,6 +231,28 @@ REASONING_PARSERS: dict[str, type[ReasoningSplitter]] = {
     "deepseek_v3": DeepSeekV3Splitter,
     "openai_gptoss": HarmonySplitter,
 }
+
+
+def thinking_budget(parser: type[ReasoningSplitter] | None, name: str | None, budget: int) -> int | None:
+    """A request's ``thinking_token_budget`` for the engine (-1: none), served by ``--reasoning-parser
+    name`` (``parser``; None: no parser). It needs a parser whose model thinks between ``<think>``
+    and ``</think>``: vLLM refuses a budget it cannot enforce too, and a cap silently ignored would
+    let a model think past what the client asked to pay for."""
+    if budget == -1:
+        return None
+    if parser is None:
+        raise bad_request(
+            "thinking_token_budget needs a reasoning parser: start the server with --reasoning-parser "
+            "(deepseek_r1, qwen3, glm45 or deepseek_v3: the models that think between <think> and </think>)",
+            param="thinking_token_budget",
+        )
+    if not parser.think_markers:
+        raise bad_request(
+            f"thinking_token_budget: --reasoning-parser {name} has no <think> ... </think> markers "
+            "to count and end the thinking with",
+            param="thinking_token_budget",
+        )
+    return budget
 
 
 def reasoning_splitter(name: str) -> ReasoningSplitter:

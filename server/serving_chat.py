@@ -91,6 +91,8 @@ async def create_chat_completion(
 
     echoed = echoed_text(req, role)
 
+    shown = req.include_reasoning  # vLLM's include_reasoning: false leaves the thinking out
+
     def message(c: ChoiceState) -> tuple[AssistantMessage, str | None]:
         text = "".join(c.texts)
         if tools is None and state.reasoning is None:
@@ -99,13 +101,21 @@ async def create_chat_completion(
             # A resumed answer (a PD hand-off's decode worker): the reasoning split goes on from where
             # the resumed tokens left it, as a resumed stream's does; the caller has their text.
             reasoning, content = resumed_split(state, seqs[0], text)
-            return AssistantMessage(role=role, content=content, reasoning_content=reasoning), c.finish_reason
+            reasoning = reasoning if shown else None
+            return AssistantMessage(
+                role=role, content=content, reasoning=reasoning, reasoning_content=reasoning
+            ), c.finish_reason
         reasoning, content, calls = shape_whole(text, tools, splitter(state, seqs[0]))
+        reasoning = reasoning if shown else None
         reason = tool_finish_reason(tools, bool(calls), c.finish_reason)
         if echoed:
             content = echoed + (content or "")
         return AssistantMessage(
-            role=role, content=content, tool_calls=calls or None, reasoning_content=reasoning
+            role=role,
+            content=content,
+            tool_calls=calls or None,
+            reasoning=reasoning,
+            reasoning_content=reasoning,
         ), reason
 
     def build() -> ChatCompletionResponse:
@@ -145,6 +155,6 @@ async def create_chat_completion(
         # resumed stream's ``skip``) and sends what it held back with what follows.
         shaped = ChoiceShaper(tools, splitter(state, seqs[0])).feed(text)
         message.content = shaped.content
-        message.reasoning_content = shaped.reasoning or None
+        message.reasoning = message.reasoning_content = (shaped.reasoning if shown else None) or None
 
     return await answer_whole(state, seqs, request_id, arrival, ticket, receive, on_output, build, deliver)

@@ -37,6 +37,7 @@ from server.prompts import (
     completion_prompts,
     scores_prompt,
 )
+from server.reasoning_parsers import thinking_budget
 from server.roles import producer_budget, transfer_for_role
 from server.sequence_request import SequenceRequest, block_extra
 from server.serving_common import (
@@ -112,6 +113,11 @@ def _plan(
             prompt_logprobs=prompt_logprobs,
             tokenizer=state.tokenizer,
         )
+        if req.thinking_token_budget is not None:
+            thinking = thinking_budget(
+                state.reasoning, state.config.reasoning_parser, req.thinking_token_budget
+            )
+            base = dataclasses.replace(base, thinking_token_budget=thinking)
         beam = beam_search_params(req, base, limits, req.logprobs)
         for j in range(req.n) if resumed is None else resumed:  # resumed: one prompt
             params = dataclasses.replace(base, seed=child_seed(req.seed, j)) if j else base

@@ -60,6 +60,20 @@ def to_chat_request(req: MessagesRequest | CountTokensRequest) -> ChatCompletion
     return validated(ChatCompletionRequest, req.chat_body())
 
 
+def thinking_budget_tokens(state: ServerState, req: MessagesRequest) -> int | None:
+    """``thinking: {"type": "enabled", "budget_tokens": N}`` as the chat request's
+    ``thinking_token_budget`` (the engine ends the thinking after N tokens), where this server's
+    reasoning parser has ``<think>`` markers to count; elsewhere the field stays what it was before,
+    a request the template answers as it does (Anthropic's clients send it unasked)."""
+    thinking = req.thinking or {}
+    budget = thinking.get("budget_tokens")
+    if thinking.get("type") != "enabled" or isinstance(budget, bool) or not isinstance(budget, int):
+        return None
+    if budget < 0 or state.reasoning is None or not state.reasoning.think_markers:
+        return None
+    return budget
+
+
 def renamed(error: APIError, names: Mapping[str, str], keep_parts: bool = False) -> APIError:
     """``error`` naming the fields the client sent instead of the chat fields they became: its
     ``param`` (the field, or a part of it: with ``keep_parts`` the rest of the path is kept, else
@@ -93,6 +107,7 @@ async def create_message(
 ) -> Any:
     try:
         chat = to_chat_request(req)
+        chat.thinking_token_budget = thinking_budget_tokens(state, req)
         if not req.stream:
             # A whole answer is read from the chat stream's chunks by the writer of the streamed
             # events (``whole_message``): its blocks are the stream's, in the order written.

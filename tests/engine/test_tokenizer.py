@@ -308,6 +308,20 @@ def test_template_kwargs_reach_the_template(tiny_llama: Path, tmp_path: Path) ->
     assert out == "False|r"
 
 
+def test_a_turns_reasoning_reaches_the_template_under_every_name(tiny_llama: Path, tmp_path: Path) -> None:
+    # vLLM renamed reasoning_content to reasoning: a client may send either, a template may read
+    # either (Qwen3's reads reasoning_content); the prompt is the same whichever pair meets.
+    template = (
+        "{% for m in messages %}{{ m.reasoning }}|{{ m.reasoning_content }}|{{ m.thinking }};{% endfor %}"
+    )
+    d = _variant(tiny_llama, tmp_path / "names", {"chat_template": template}, drop=(), files={})
+    (d / "chat_template.jinja").unlink(missing_ok=True)
+    tok = Tokenizer.from_dir(d)
+    for name in ("reasoning", "reasoning_content"):
+        out = tok.apply_chat_template([{"role": "assistant", "content": "a", name: "r"}])
+        assert out == "r|r|r;", name
+
+
 def test_no_template_is_a_clear_error(tiny_llama: Path, tmp_path: Path) -> None:
     d = _variant(tiny_llama, tmp_path / "none", {}, drop=("chat_template",))
     tok = Tokenizer.from_dir(d)

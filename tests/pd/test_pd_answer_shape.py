@@ -78,6 +78,8 @@ def _streamed(chunks: list[dict]) -> tuple[str, str]:
     reasoning = content = ""
     for c in chunks:
         for choice in c["choices"]:
+            # vLLM's two names for it, the same text in every delta (the router's first one too).
+            assert choice["delta"].get("reasoning") == choice["delta"].get("reasoning_content")
             reasoning += choice["delta"].get("reasoning_content") or ""
             content += choice["delta"].get("content") or ""
     return reasoning, content

@@ -49,7 +49,7 @@ def test_analysis_is_reasoning_and_a_function_message_a_tool_call(srv) -> None:
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     message = choice["message"]
-    assert message["reasoning_content"] == "Look it up."
+    assert message["reasoning_content"] == message["reasoning"] == "Look it up."  # vLLM's two names
     assert message["content"] is None
     assert [
         (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]
@@ -62,8 +62,18 @@ def test_streamed_the_same(srv) -> None:
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
     assert "".join(d.get("reasoning_content") or "" for d in deltas) == "Look it up."
+    assert [d.get("reasoning") for d in deltas] == [d.get("reasoning_content") for d in deltas]
     assert "".join(d.get("content") or "" for d in deltas) == ""
     calls = [t for d in deltas for t in d.get("tool_calls") or []]
     assert calls[0]["function"]["name"] == "get_weather"
     assert json.loads("".join(t["function"].get("arguments") or "" for t in calls)) == {"city": "Oslo"}
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_a_thinking_budget_needs_think_markers(srv) -> None:
+    # Harmony's channels have no <think> ... </think> to count and close: a budget is a 400 naming
+    # the parser, not a cap silently ignored.
+    r = httpx.post(srv.url + "/v1/chat/completions", json=_body(thinking_token_budget=5), timeout=60)
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "thinking_token_budget"
+    assert "--reasoning-parser openai_gptoss has no <think>" in r.json()["error"]["message"]

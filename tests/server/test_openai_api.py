@@ -600,3 +600,32 @@ def test_iteration_tokens_request_params_and_cache_config(server, scrape) -> Non
         server.url, "vllm:cache_config_info", block_size="16", cache_dtype="auto", num_gpu_blocks="1024"
     )
     assert info == 1.0
+
+
+def test_a_thinking_budget_without_a_reasoning_parser_is_a_400(client) -> None:
+    # vLLM refuses a budget its server cannot enforce; the error names the flag that would.
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model=client.models.list().data[0].id,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=2,
+            extra_body={"thinking_token_budget": 4},
+        )
+    assert e.value.body["param"] == "thinking_token_budget"
+    assert "needs a reasoning parser: start the server with --reasoning-parser" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(
+            model=client.models.list().data[0].id,
+            prompt="hi",
+            max_tokens=2,
+            extra_body={"thinking_token_budget": 0},
+        )
+    assert e.value.body["param"] == "thinking_token_budget"
+    # -1 (vLLM's "no cap") needs none; include_reasoning is accepted and changes nothing here.
+    r = client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=2,
+        extra_body={"thinking_token_budget": -1, "include_reasoning": False},
+    )
+    assert r.choices[0].message.content is not None and r.usage.completion_tokens == 2

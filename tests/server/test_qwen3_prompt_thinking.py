@@ -101,3 +101,143 @@ def test_thinking_switched_off_is_content(srv, end_id: int) -> None:
     # the header, so compare shapes, not text): what was reasoning there is content here.
     on = _whole(srv, {**BODY, "logit_bias": {str(end_id): -100.0}})
     assert on["content"] is None and on["reasoning"]
+
+
+# ------------------------------------------------ vLLM's reasoning fields, through the OpenAI SDK
+# vLLM writes the thinking as ``reasoning`` (its name since the rename) and ``reasoning_content``
+# (the old one) with the same text; ``include_reasoning: false`` leaves it out; a
+# ``thinking_token_budget`` of k ends the thinking after k tokens (the prompt's "\n" after <think>
+# is the first of them, as vLLM counts from the start marker) by forcing </think>.
+
+
+MODEL = "qwen3_thinker"  # the served name: the model directory's
+
+
+@pytest.fixture(scope="module")
+def sdk(srv):  # noqa: ANN201 - openai.OpenAI
+    import openai
+
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _sdk_args(extra_body: dict, **body) -> dict:
+    sdk_fields = {k: v for k, v in BODY.items() if k != "ignore_eos"}
+    extra = {"ignore_eos": True, "return_token_ids": True, **extra_body}
+    return {"model": MODEL, **sdk_fields, **body, "extra_body": extra}
+
+
+def _sdk_whole(sdk, extra_body: dict, **body) -> tuple[dict, list[int], object]:
+    r = sdk.chat.completions.create(**_sdk_args(extra_body, **body))
+    choice = r.choices[0]
+    return choice.message.model_dump(exclude_none=True), choice.model_extra["token_ids"], r
+
+
+def _sdk_stream(sdk, extra_body: dict, **body) -> tuple[list[dict], list[int]]:
+    deltas, ids = [], []
+    for chunk in sdk.chat.completions.create(**_sdk_args(extra_body, **body), stream=True):
+        for choice in chunk.choices:
+            deltas.append(choice.delta.model_dump(exclude_none=True))
+            ids += choice.model_extra.get("token_ids") or []
+    return deltas, ids
+
+
+def _joined(deltas: list[dict], key: str) -> str | None:
+    return "".join(d.get(key) or "" for d in deltas) or None
+
+
+def test_reasoning_comes_under_both_names(sdk, end_id: int) -> None:
+    ended = {"logit_bias": {str(end_id): 1.5}}
+    message, _, _ = _sdk_whole(sdk, extra_body=ended)
+    assert message["reasoning"] and message["content"]
+    assert message["reasoning_content"] == message["reasoning"]
+    deltas, _ = _sdk_stream(sdk, extra_body=ended)
+    thoughts = [d for d in deltas if "reasoning" in d or "reasoning_content" in d]
+    assert thoughts and all(d["reasoning"] == d["reasoning_content"] for d in thoughts)
+    assert _joined(deltas, "reasoning") == message["reasoning"]
+    assert _joined(deltas, "content") == message["content"]
+
+
+def test_include_reasoning_false_leaves_the_thinking_out(sdk, end_id: int) -> None:
+    ended = {"logit_bias": {str(end_id): 1.5}}
+    shown, ids, _ = _sdk_whole(sdk, extra_body=ended)
+    hidden, hidden_ids, _ = _sdk_whole(sdk, extra_body={**ended, "include_reasoning": False})
+    assert shown["reasoning"] and hidden_ids == ids
+    assert hidden == {"role": "assistant", "content": shown["content"]}
+    deltas, stream_ids = _sdk_stream(sdk, extra_body={**ended, "include_reasoning": False})
+    assert stream_ids == ids
+    assert not any("reasoning" in d or "reasoning_content" in d for d in deltas)
+    assert _joined(deltas, "content") == shown["content"]
+
+
+def test_a_thinking_token_budget_forces_the_end_of_thinking(sdk, thinker: Path, end_id: int) -> None:
+    tokenizer = Tokenizer.from_dir(thinker)
+    in_prompt = len(tokenizer.encode("<think>\n", add_special_tokens=False)) - 1  # the "\n" counts
+    assert in_prompt == 1
+    never = {"logit_bias": {str(end_id): -100.0}}  # this greedy model would think to the end
+    free, free_ids, _ = _sdk_whole(sdk, extra_body=never)
+    assert end_id not in free_ids and "content" not in free
+    for budget in (0, 1, 4):
+        generated = max(budget - in_prompt, 0)
+        message, ids, r = _sdk_whole(
+            sdk, logprobs=True, extra_body={**never, "thinking_token_budget": budget}
+        )
+        # Exactly the free answer's first thoughts, then </think>, then the answer goes on as content.
+        assert ids[: generated + 1] == [*free_ids[:generated], end_id] and end_id not in ids[generated + 1 :]
+        assert r.usage.completion_tokens == len(ids) == BODY["max_tokens"]
+        assert r.choices[0].finish_reason == "length"
+        assert [t.token for t in r.choices[0].logprobs.content][generated] == "</think>"
+        assert message.get("reasoning") == (tokenizer.decode(ids[:generated]) or None)
+        assert message["content"] == tokenizer.decode(ids[generated + 1 :]).lstrip("\n")
+        deltas, stream_ids = _sdk_stream(sdk, extra_body={**never, "thinking_token_budget": budget})
+        assert stream_ids == ids and _joined(deltas, "content") == message["content"]
+    # -1 is vLLM's "no cap": the free answer.
+    assert _sdk_whole(sdk, extra_body={**never, "thinking_token_budget": -1})[1] == free_ids
+
+
+def test_completions_take_the_budget_too(sdk, end_id: int) -> None:
+    # A raw prompt that ends at <think>: no thinking token yet, so a budget of 2 is two generated.
+    body = {"model": MODEL, "prompt": "hi<think>", "max_tokens": 6, "temperature": 0}
+    extra = {"ignore_eos": True, "return_token_ids": True, "logit_bias": {str(end_id): -100.0}}
+    free = sdk.completions.create(**body, extra_body=extra).choices[0].model_extra["token_ids"]
+    capped = sdk.completions.create(**body, extra_body={**extra, "thinking_token_budget": 2})
+    ids = capped.choices[0].model_extra["token_ids"]
+    assert end_id not in free and ids[:3] == [*free[:2], end_id] and end_id not in ids[3:]
+
+
+def test_bad_reasoning_fields_are_400s(sdk) -> None:
+    import openai
+
+    for field, value in (
+        ("thinking_token_budget", -2),
+        ("thinking_token_budget", 2.5),
+        ("thinking_token_budget", "3"),
+        ("thinking_token_budget", True),
+        ("include_reasoning", "no"),
+    ):
+        with pytest.raises(openai.BadRequestError) as e:
+            sdk.chat.completions.create(**_sdk_args({field: value}))
+        assert e.value.status_code == 400 and e.value.body["param"] == field, (field, value)
+        assert e.value.body["message"].startswith(f"Invalid value for '{field}': "), e.value.body
+
+
+def test_anthropic_thinking_budget_tokens_is_the_budget(srv, end_id: int) -> None:
+    import anthropic
+
+    claude = anthropic.Anthropic(base_url=srv.url, api_key="x", max_retries=0, timeout=60)
+    never = {"logit_bias": {str(end_id): -100.0}, "temperature": 0}
+
+    def blocks(**extra) -> list[tuple[str, str]]:
+        m = claude.messages.create(
+            model=MODEL, max_tokens=BODY["max_tokens"], messages=BODY["messages"], **extra
+        )
+        return [(b.type, b.thinking if b.type == "thinking" else b.text) for b in m.content]
+
+    # The chat answer with the same budget (3: the prompt's "\n" and two thoughts) is the message's.
+    r = httpx.post(
+        srv.url + "/v1/chat/completions",
+        json={**BODY, **never, "thinking_token_budget": 3, "ignore_eos": False},
+        timeout=60,
+    ).json()["choices"][0]["message"]
+    budgeted = blocks(thinking={"type": "enabled", "budget_tokens": 3}, extra_body=never)
+    assert budgeted == [("thinking", r["reasoning"]), ("text", r["content"])]
+    assert blocks(extra_body=never)[0][1] != r["reasoning"]  # without it, the model thinks on
