@@ -5,8 +5,11 @@ exponentially (``Replica.on_probe_fail``), so a dead replica costs little and a 
 readmitted by its first good probe. Good probes also read its ``/v1/models`` (at most every
 ``MODELS_REFRESH_S``): the names and LoRA adapters it serves, which route requests by ``model``,
 and the model cards the router's ``/v1/models`` falls back on when a replica does not answer it
-in time. A removed replica whose requests are still in flight (``Replicas.retiring``) is probed
-too, until they end: a removed replica that hangs is ejected and its streams cut, as any other.
+in time. The read comes before the probe marks the replica healthy, so a replica that joins (at
+start-up, from discovery or the admin API) takes requests only once the router knows what it
+serves (one whose ``/v1/models`` gives no answer in time is routable without it). A removed
+replica whose requests are still in flight (``Replicas.retiring``) is probed too, until they
+end: a removed replica that hangs is ejected and its streams cut, as any other.
 A ferry replica's ``/health`` body names its role: one that differs from the role the router was
 given for it is logged, and a replica reporting ``prefill`` takes no whole requests (``Replica.misrole``).
 A ferry replica's body also names its engine's ``instance_id`` (new at each start) and
@@ -108,14 +111,15 @@ class HealthChecker:
                     self.replicas.cache_lost(replica, restarted=lost == RESTARTED)
                 for hook in self.before_ready:  # still probing: no second probe marks it healthy first
                     await hook(replica)
+                # Read before it is marked healthy: a replica that joins (or comes back) is routable
+                # only once the router knows the models and LoRA adapters it serves, else a request
+                # for an adapter only it serves could go to one without it (a 404).
+                if not replica.models or self.clock() - replica.models_read_at >= MODELS_REFRESH_S:
+                    await self._read_models(replica, timeout or self.timeout)
         finally:
             self._probing.discard(replica)
         if ok:
-            now = self.clock()
-            replica.on_probe_ok(now)
-            stale = not replica.models or now - replica.models_read_at >= MODELS_REFRESH_S
-            if stale and not replica.removed:
-                await self._read_models(replica, timeout or self.timeout)
+            replica.on_probe_ok(self.clock())
         else:
             replica.on_probe_fail(self.clock())
         if replica.health is not before:

@@ -73,7 +73,37 @@ class ClientGone(Exception):
     pass
 
 
+# The ``code`` of the router's own errors by status, in the words a replica uses for the same error
+# (server/errors.py): OpenAI's ``code`` is a short string or null, never the HTTP status.
+ERROR_CODES = {
+    400: "invalid_value",
+    401: "invalid_api_key",
+    403: "permission_denied",
+    404: "not_found",
+    405: "method_not_allowed",
+    408: "request_timeout",
+    409: "conflict",
+    413: "request_too_large",
+    415: "unsupported_media_type",
+    429: "rate_limit_exceeded",
+    431: "request_headers_too_large",
+    500: "internal_error",
+    502: "bad_gateway",
+    503: "service_unavailable",
+    504: "gateway_timeout",
+}
+
+
+def error_code(status: int) -> str | None:
+    """The router's ``code`` for an error answered with ``status`` (None: no code)."""
+    return ERROR_CODES.get(status)
+
+
 def error_body(message: str, type_: str, code: int | str | None = None, param: str | None = None) -> bytes:
+    """An OpenAI error body; ``code`` given as an HTTP status is written as that status's code
+    (``error_code``), so no caller sends a number there."""
+    if isinstance(code, int):
+        code = error_code(code)
     return json.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}}).encode()
 
 
@@ -102,9 +132,10 @@ async def send_error(
     status: int,
     message: str,
     headers: list[tuple[bytes, bytes]] | None = None,
-    code: int | str | None = None,
+    code: str | None = None,
 ) -> None:
-    body = error_body(message, error_type(status), code if code is not None else status)
+    """An OpenAI error answer; ``code`` by default the status's (``error_code``)."""
+    body = error_body(message, error_type(status), code if code is not None else error_code(status))
     await send_bytes(send, status, body, headers)
 
 

@@ -46,6 +46,7 @@ from router.http import (
     Scope,
     Send,
     error_body,
+    error_code,
     read_body,
     send_bytes,
     send_json,
@@ -103,10 +104,12 @@ class LoraAdmin:
         try:
             body = json.loads(raw)
         except (ValueError, RecursionError):
-            body = None
+            await _error(send, 400, "request body is not valid JSON", None, id_header, "invalid_json")
+            return
         problem = _problem(body, load)
         if problem is not None:
-            await _error(send, 400, *problem, id_header)
+            message, param, code = problem
+            await _error(send, 400, message, param, id_header, code)
             return
         async with self._serial(body["lora_name"]):
             answers, replicas = await self._fan_out(scope, raw, body, load, request_id)
@@ -366,16 +369,18 @@ def _load_body(name: str, path: str, replace: bool) -> bytes:
     return json.dumps({"lora_name": name, "lora_path": path, "load_inplace": replace}).encode()
 
 
-def _problem(body: Any, load: bool) -> tuple[str, str | None] | None:
-    """Why the replicas could not act on this request body (message, param), or None."""
+def _problem(body: Any, load: bool) -> tuple[str, str | None, str] | None:
+    """Why the replicas could not act on this request body (message, param, code), or None."""
     if not isinstance(body, dict):
-        return "request body must be a JSON object", None
+        return "request body must be a JSON object", None, "invalid_value"
     for field in ("lora_name", "lora_path") if load else ("lora_name",):
         value = body.get(field)
+        if value is None:
+            return f"{field} is required", field, "missing_required_parameter"
         if not isinstance(value, str) or not value:
-            return f"{field} must be a non-empty string", field
+            return f"{field} must be a non-empty string", field, "invalid_value"
     if load and not isinstance(body.get("load_inplace", False), bool):
-        return "load_inplace must be a boolean", "load_inplace"
+        return "load_inplace must be a boolean", "load_inplace", "invalid_value"
     return None
 
 
@@ -391,6 +396,12 @@ def _error_of(status: int, text: str) -> dict[str, Any]:
 
 
 async def _error(
-    send: Send, status: int, message: str, param: str | None, headers: list[tuple[bytes, bytes]]
+    send: Send,
+    status: int,
+    message: str,
+    param: str | None,
+    headers: list[tuple[bytes, bytes]],
+    code: str | None = None,
 ) -> None:
-    await send_bytes(send, status, error_body(message, error_type(status), status, param), headers)
+    body = error_body(message, error_type(status), code or error_code(status), param)
+    await send_bytes(send, status, body, headers)

@@ -106,10 +106,12 @@ async def proxy(app: RouterApp, scope: Scope, receive: Receive, send: Send, requ
         try:
             parsed = json.loads(body)
         except ValueError as e:
-            await send_error(send, 400, f"request body is not valid JSON: {e}", id_header)
+            await send_error(send, 400, f"request body is not valid JSON: {e}", id_header, "invalid_json")
             return
         except RecursionError:  # [[[[…: json's recursion, a client's error as the replica's
-            await send_error(send, 400, "request body is not valid JSON: nested too deeply", id_header)
+            await send_error(
+                send, 400, "request body is not valid JSON: nested too deeply", id_header, "invalid_json"
+            )
             return
         if not isinstance(parsed, dict):
             await send_error(send, 400, "request body must be a JSON object", id_header)

@@ -4,7 +4,11 @@
 
 * ``open``: pick a replica from a ``Pool`` with a ``Policy`` and send; on connect errors, broken
   connections before the response head and 429/502/503/504 answers, re-send to a *different*
-  replica with jittered backoff, as long as no byte has reached the client.
+  replica with jittered backoff, as long as no byte has reached the client. A ``POST`` that changes
+  what a replica keeps (Files, Batches, a cancel: ``replayable``) is re-sent only when the replica
+  cannot have acted on it (a connect error, a 429 or 503), and a Files/Batches request goes to the
+  next batch home. A 404 saying a model the replica's last-read list names does not exist (a LoRA
+  adapter gone since that read) takes it off that list and re-sends to a replica that lists it.
 * ``forward``: relay any answer byte for byte as it arrives (non-generation routes).
 * generation (completions and chat, with whole-answer retries and mid-stream failover) builds on
   these in ``router/generation.py``.
@@ -29,6 +33,7 @@ each retry and failover with its request id, rate-limited (``router/log_limit.py
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import random
 import time
@@ -52,6 +57,8 @@ log = logging.getLogger("ferry.router")
 TRANSPORT_ERRORS = (UpstreamError,)
 BodyFor = Callable[[Replica], tuple[bytes, bool]]
 CLIENT_GONE = 499  # nginx's code for "client closed the request"
+# Retried statuses that do not say the replica left the request alone (429 and 503 do): ``replayable``.
+ACTED_STATUS = frozenset({502, 504})
 # What a path segment may hold as it is (RFC 3986 pchar: sub-delims, ":" and "@"; quote keeps the
 # unreserved ones); everything else is percent-encoded.
 _PATH_SAFE = "/:@!$&'()*+,;="
@@ -111,6 +118,7 @@ class Failed:
     body: bytes
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
     reason: str = ""  # for the log: what went wrong ("unreachable: …"; empty: the replica answered)
+    acted: bool = False  # the request reached the replica, which may have acted on it (no answer came)
 
 
 class Relay:
@@ -148,6 +156,8 @@ class Relay:
                 return last or _no_replica(pool, now, call.route.model)
             replica = _preferred(call.route, candidates)
             responses = not is_batch_path(call.path)  # a batch request's pin is no response's
+            if replica is None and not responses:  # its home failed: the next home, as its next request
+                replica = min(candidates, key=lambda r: r.url)  # finds it (response_affinity.batch_home)
             if replica is not None:
                 if responses:
                     self.metrics.response_affinity.labels("hit").inc()
@@ -167,16 +177,30 @@ class Relay:
                 result = await self._send(replica, call, payload)
                 if isinstance(result, Response):
                     status = result.status_code
-                    if not self.retry.should_retry_status(status, attempt[0]) or not serving(
-                        call.route.model, pool.candidates(self.clock(), tried | {replica.url}), pool
+                    model = call.route.model
+                    if status == 404 and isinstance(model, str) and model in replica.models:
+                        last = Failed(404, await _read_quietly(result), response_headers(result))
+                        if not self._stale_model(replica, model, last.body) or not any(
+                            model in r.models for r in pool.candidates(self.clock(), tried | {replica.url})
+                        ):
+                            self._release(replica, tokens, True, "404", trial)
+                            return last
+                        last.reason = f"does not serve model {model!r} (any more)"
+                    elif (
+                        not self.retry.should_retry_status(status, attempt[0])
+                        or (status in ACTED_STATUS and not replayable(call))
+                        or not serving(
+                            call.route.model, pool.candidates(self.clock(), tried | {replica.url}), pool
+                        )
                     ):
                         if call.route.predicted_hit_tokens:
                             self.metrics.cache_hit_tokens.inc(call.route.predicted_hit_tokens)
                         return Opened(replica, result, tokens, router_logprobs, trial=trial)
-                    content = await _read_quietly(result)
-                    last = Failed(status, content, response_headers(result))
-                    if counts_as_replica_failure(status):
-                        self.replica_failed(replica, f"answered {status}")
+                    else:
+                        content = await _read_quietly(result)
+                        last = Failed(status, content, response_headers(result))
+                        if counts_as_replica_failure(status):
+                            self.replica_failed(replica, f"answered {status}")
                 else:
                     last = result
             except BaseException:  # the client left (task cancelled): give the load back
@@ -184,7 +208,7 @@ class Relay:
                 raise
             self._release(replica, tokens, True, str(last.status), trial)
             tried.add(replica.url)
-            if not self.retry.can_retry(attempt[0]):
+            if not self.retry.can_retry(attempt[0]) or (last.acted and not replayable(call)):
                 return last
             attempt[0] += 1
             self.metrics.retries.inc()
@@ -200,6 +224,25 @@ class Relay:
             attempt,
             self.retry.max_retries,
         )
+
+    @staticmethod
+    def _stale_model(replica: Replica, model: str, body: bytes) -> bool:
+        """``replica`` answered 404 for ``model``, which its last-read ``/v1/models`` lists: when the
+        404 says no such model (it restarted without a LoRA adapter loaded at run time, or another
+        router or client unloaded it, since that read), the router's view of it is stale: take the
+        model off it and read its list again at its next probe. True when that was so."""
+        try:
+            error = json.loads(body).get("error")
+        except (ValueError, AttributeError):
+            return False
+        if not isinstance(error, dict):
+            return False
+        if error.get("code") != "model_not_found" and error.get("param") != "model":
+            return False
+        replica.models = [m for m in replica.models if m != model]
+        replica.models_read_at = float("-inf")
+        log.info("replica %s no longer serves model %r: reading its /v1/models again", replica.url, model)
+        return True
 
     def replica_failed(self, replica: Replica, why: str) -> None:
         """A request failed on ``replica`` (a 5xx, a timeout, a broken answer): its circuit counts it."""
@@ -217,7 +260,13 @@ class Relay:
     async def _send(self, replica: Replica, call: ProxyCall, body: bytes) -> Response | Failed:
         try:
             return await self.client.request(
-                call.method, replica.url, call.url_path, call.headers, body, replica.waiting
+                call.method,
+                replica.url,
+                call.url_path,
+                call.headers,
+                body,
+                replica.waiting,
+                not replayable(call),
             )
         except ConnectError as e:
             before = replica.health
@@ -237,11 +286,11 @@ class Relay:
         except UpstreamTimeout:
             self.replica_failed(replica, "timed out")
             body = error_body(f"replica {replica.url} timed out", error_type(504), 504)
-            return Failed(504, body, reason="timed out")
+            return Failed(504, body, reason="timed out", acted=True)
         except UpstreamError as e:
             self.replica_failed(replica, str(e))
             body = error_body(f"replica {replica.url} failed: {e}", error_type(502), 502)
-            return Failed(502, body, reason=f"failed ({e})")
+            return Failed(502, body, reason=f"failed ({e})", acted=True)
 
     def _acquire(self, replica: Replica, tokens: int, now: float) -> int:
         trial = replica.acquire(tokens, now)
@@ -321,6 +370,15 @@ class Relay:
             self.finish(opened, ok, status)
 
     # ---- generation ---------------------------------------------------------------------------
+
+
+def replayable(call: ProxyCall) -> bool:
+    """Whether sending ``call`` again, to another replica, is harmless once a replica may have acted
+    on it (it got the request but gave no answer, or answered 502/504): not for a ``POST`` that
+    changes what a replica keeps (a file uploaded, a batch created or cancelled, a response
+    cancelled), which is re-sent only when the replica cannot have acted on it (nothing listened;
+    it answered 429 or 503). Generation and the other routes that only compute an answer are."""
+    return call.method != "POST" or not (is_batch_path(call.path) or call.path.endswith("/cancel"))
 
 
 def _preferred(route: RouteRequest, candidates: list[Replica]) -> Replica | None:

@@ -11,7 +11,9 @@ too (with short timeouts), so the router does not even import httpx.
 Failure classes the relay acts on: ``ConnectError`` (nothing listens: safe to retry anywhere),
 ``UpstreamTimeout`` and ``UpstreamBroken`` (the connection failed after the request was sent).
 A pooled connection that turns out to be stale (the server closed it while idle) before any
-response byte arrives is retried once on a fresh connection, as browsers and httpcore do.
+response byte arrives is retried once on a fresh connection, as browsers and httpcore do; a
+request that must not be sent twice (``fresh``: a replica that read it and closed may have acted
+on it) goes on a fresh connection from the start instead.
 Cancelling a request closes its connection, so the replica sees the client go away. The pool of
 idle connections per origin is ``router/upstream_pool.py``.
 """
@@ -261,9 +263,11 @@ class UpstreamClient:
         headers: list[tuple[bytes, bytes]],
         body: bytes,
         waiting: set[_Conn] | None = None,
+        fresh: bool = False,
     ) -> Response:
         """Send a request and wait for the response head. ``target`` is the path plus query.
-        ``waiting`` holds the connection while its head is awaited, for ``cut_waiting``."""
+        ``waiting`` holds the connection while its head is awaited, for ``cut_waiting``;
+        ``fresh``: on a new connection (never sent twice, module docstring)."""
         origin = self._origin(base_url)
         head = [f"{method} {target} HTTP/1.1\r\n".encode(), b"host: ", origin.host_header, b"\r\n"]
         for k, v in headers:
@@ -271,7 +275,7 @@ class UpstreamClient:
         head.append(b"content-length: %d\r\n\r\n" % len(body))
         payload = b"".join(head) + body
         head_request = method == "HEAD"
-        conn = origin.take()
+        conn = None if fresh else origin.take()
         if conn is not None:
             try:
                 return await self._exchange(origin, conn, payload, waiting, head_request)

@@ -188,7 +188,7 @@ def test_no_routable_decode_worker_answers_503_without_prefill(pd: Workers) -> N
             "message": "no healthy replica available (1 registered, none routable now)",
             "type": "ServiceUnavailableError",
             "param": None,
-            "code": 503,
+            "code": "service_unavailable",
         }
     }
     for stream in (False, True):

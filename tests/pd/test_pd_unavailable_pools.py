@@ -49,7 +49,7 @@ def test_503_names_the_prefill_pool_when_it_is_down_too(dead_pd: Proc, stream: b
             "(prefill pool: 2 registered, decode pool: 1 registered; none routable now)",
             "type": "ServiceUnavailableError",
             "param": None,
-            "code": 503,
+            "code": "service_unavailable",
         }
     }
     assert r.headers["x-request-id"]

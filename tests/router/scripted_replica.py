@@ -8,7 +8,9 @@ A stream plays ``script_for(path, body)`` when that is set, else ``script`` (or 
 ``GATE`` waits for ``release()``; ``HANG`` makes the replica stop answering (``/health`` answers
 503, the stream's connection is held open, silent); ``DONE`` ends the body cleanly. A script
 without ``DONE`` or ``HANG`` ends with the connection closed mid-body (the process died). A whole
-answer is ``whole``. Every generation request's body is kept in ``bodies``.
+answer is ``whole``. Every generation request's body is kept in ``bodies``, every request's method
+and path in ``requests``; a request to one of ``broken_paths`` is read and its connection closed
+unanswered; ``models_delay`` slows ``/v1/models``.
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ class ScriptedReplica:
         self.health_body: dict[str, Any] = {"status": "ok"}
         self.models = {"object": "list", "data": [{"id": m, "object": "model"} for m in models]}
         self.models_hang = False  # /v1/models never answers
+        self.models_delay = 0.0  # seconds /v1/models takes to answer
+        self.broken_paths: set[str] = set()  # requests to these are read, then the connection closed
+        self.requests: list[tuple[str, str]] = []  # (method, path) of every request, in order
         self.script: list[bytes | str] = [DONE]
         self.scripts: list[list[bytes | str]] = []  # per stream request, before ``script``
         self.script_for: Callable[[str, dict], list[bytes | str]] | None = None
@@ -117,6 +122,9 @@ class ScriptedReplica:
         path = head[0].split(" ")[1]
         headers = {k.lower(): v.strip() for k, _, v in (h.partition(":") for h in head[1:] if h)}
         raw = await reader.readexactly(int(headers.get("content-length", 0)))
+        self.requests.append((head[0].split(" ")[0], path))
+        if path in self.broken_paths:
+            return False
         if path == "/health":
             if self.hung:
                 writer.write(self._answer(b"503 Service Unavailable", b'{"error": "hung"}'))
@@ -126,6 +134,7 @@ class ScriptedReplica:
             if self.models_hang:
                 await reader.read()  # until the router gives up and closes
                 return False
+            await asyncio.sleep(self.models_delay)
             writer.write(self._answer(b"200 OK", json.dumps(self.models).encode()))
         elif path in GENERATION_PATHS:
             body = json.loads(raw)

@@ -50,7 +50,7 @@ def test_a_model_whose_replicas_are_down_gets_503(two_models: tuple[Proc, Proc, 
         assert r.status_code == 503, r.text
         assert r.headers["retry-after"] == "1"
         error = r.json()["error"]
-        assert "alpha" in error["message"] and error["code"] == 503
+        assert "alpha" in error["message"] and error["code"] == "service_unavailable"
     assert _complete(router, "beta").status_code == 200
     missing = _complete(router, "gamma")  # listed by no replica: the replica's own answer
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"

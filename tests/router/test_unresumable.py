@@ -70,7 +70,7 @@ def test_unresumable_stream_ends_with_an_error_event(tmp_path) -> None:
                     backends[0].send_signal(signal.SIGKILL)  # round robin: the first backend serves it
         assert events[-1] == "[DONE]"
         error = json.loads(events[-2])["error"]
-        assert "cannot be resumed" in error["message"] and error["code"] == 502
+        assert "cannot be resumed" in error["message"] and error["code"] == "bad_gateway"
         assert 4 <= len(events) < 100  # cut short, not hung, not continued from scratch
         assert metric(router.url, "ferry:router_failovers_total") == 0
         # The next request goes to the survivor (the dead one is ejected or retried around).
