@@ -18,6 +18,10 @@ either changes, what the router believed it held is forgotten (``Replicas.cache_
 cache_aware policy's prefix index; with KV events followed, ``router/kv_events.py`` decides what
 a restart drops, as the replica's events may have shown the new instance first). A replica that
 names neither (another server) is taken as restarted when it comes back after being ejected.
+A ferry replica started with ``--lora-resolver-dir`` says ``"lora_resolver": true``: requests naming
+a model no replica lists go to such replicas (``router/pool.py``), and after one answers such a
+request its ``/v1/models`` is read at its next probe (``Replica.models_read_at`` reset by the relay),
+so the adapter it loaded is learnt and routed to.
 Between a good ``/health`` and marking the replica healthy it awaits ``before_ready`` hooks (a new or
 restarted replica gets the LoRA adapters loaded through the router: ``router/lora_admin.py``); each
 ``/v1/models`` read goes to ``on_models`` hooks (the router learns adapters: ``router/lora_learn.py``).
@@ -160,6 +164,7 @@ class HealthChecker:
             body = None
         body = body if isinstance(body, dict) else {}
         replica.sleeping = body.get("sleeping") is True
+        replica.lora_resolver = body.get("lora_resolver") is True
         instance, resets = body.get("instance_id"), body.get("prefix_cache_resets")
         replica.instance_id = instance if isinstance(instance, str) and instance else None
         replica.prefix_cache_resets = (

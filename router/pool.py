@@ -61,8 +61,10 @@ def serving(model: object, candidates: list[Replica], pool: Iterable[Replica] = 
     """Those of ``candidates`` that list ``model`` (a LoRA adapter loaded on some replicas only),
     when any does; none when only replicas of ``pool`` that cannot take it now list it (another
     model's replica would answer a 404 saying the model does not exist: the router's 503 says to
-    retry); else all of them (a name none lists, such as an alias of the base model, is the
-    replica's to answer, with a 404 if it serves no such model). A replica that still holds an
+    retry); else those that resolve LoRA adapters from a directory (``Replica.lora_resolver``: a
+    ferry replica's ``--lora-resolver-dir`` loads the name if it holds it), when any does; else all
+    of them (a name none lists, such as an alias of the base model, is the replica's to answer, with
+    a 404 if it serves no such model). A replica that still holds an
     adapter unloaded through the router (``Replica.lora_unloads``), or that lists it under another
     path than the router knows it by (``Replica.lora_mismatch``), is never one of them for it."""
     if not isinstance(model, str):
@@ -74,7 +76,7 @@ def serving(model: object, candidates: list[Replica], pool: Iterable[Replica] = 
         return listing
     if any(model in r.models for r in pool):
         return []
-    return candidates
+    return [r for r in candidates if r.lora_resolver] or candidates
 
 
 def awake(candidates: list[Replica]) -> list[Replica]:

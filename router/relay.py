@@ -195,6 +195,7 @@ class Relay:
                     ):
                         if call.route.predicted_hit_tokens:
                             self.metrics.cache_hit_tokens.inc(call.route.predicted_hit_tokens)
+                        _learn_resolved(replica, call.route.model, status)
                         return Opened(replica, result, tokens, router_logprobs, trial=trial)
                     else:
                         content = await _read_quietly(result)
@@ -418,3 +419,11 @@ def response_headers(response: Response) -> list[tuple[bytes, bytes]]:
 
 def with_request_id(headers: list[tuple[bytes, bytes]], call: ProxyCall) -> list[tuple[bytes, bytes]]:
     return [*headers, (b"x-request-id", call.request_id.encode())]
+
+
+def _learn_resolved(replica: Replica, model: object, status: int) -> None:
+    """A replica that resolves LoRA adapters answered a request naming a model it did not list: it
+    may have loaded it (``ferry serve --lora-resolver-dir``), so its ``/v1/models`` is read again at
+    its next probe (``router/health.py``) and the adapter routed to from then on."""
+    if replica.lora_resolver and status < 400 and isinstance(model, str) and model not in replica.models:
+        replica.models_read_at = float("-inf")

@@ -130,6 +130,9 @@ class Replica:
         self.health = Health.STARTING
         self.draining = False
         self.sleeping = False  # its /health says its engine sleeps (vLLM's sleep mode): used only when all do
+        # Its /health says it loads LoRA adapters it is asked for from a directory (ferry serve
+        # --lora-resolver-dir): requests naming a model no replica lists go to such replicas (pool.serving).
+        self.lora_resolver = False
         self.models: list[str] = []  # served model ids (from /v1/models)
         self.model_cards: list[dict] = []  # its /v1/models entries as last read (the router's fallback)
         # The role its /health names (a ferry replica's), when it names one; ``misrole``: it says
@@ -269,6 +272,7 @@ class Replica:
             "failures": self.circuit.consecutive_failures,
             "draining": self.draining,
             "sleeping": self.sleeping,
+            "lora_resolver": self.lora_resolver,
             "routable": self.routable(now),
             "models": list(self.models),
             "inflight": self.inflight,

@@ -312,10 +312,12 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
 
     @app.post("/tokenize", responses=_ERRORS)
     async def tokenize_route(body: TokenizeRequest) -> Any:
+        await state.resolve_model(body.model)
         return await plan_off_loop(prompt_chars(body), tokenize, state, body)
 
     @app.post("/detokenize", responses=_ERRORS)
     async def detokenize_route(body: DetokenizeRequest) -> Any:
+        await state.resolve_model(body.model)
         return detokenize(state, body)
 
     if config.tokenizer_info_endpoint:  # vLLM's --enable-tokenizer-info-endpoint
@@ -339,6 +341,8 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
         # "instance_id" (new when the engine starts) and "prefix_cache_resets": when either changes,
         # the prefix cache was emptied, and a router's cache_aware index forgets what it held.
         body = {"status": "ok", "role": config.role, "sleeping": engine.is_sleeping()}
+        if state.lora_resolver is not None:  # a router sends it names no replica lists (router/pool.py)
+            body["lora_resolver"] = True
         cache = {"instance_id": engine.instance_id, "prefix_cache_resets": engine.stats().prefix_cache_resets}
         return JSONResponse({**body, **cache})
 

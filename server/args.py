@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 from dataclasses import fields
 from pathlib import Path
@@ -89,6 +90,32 @@ def media_options(args: argparse.Namespace) -> MediaOptions:
     )
 
 
+def lora_resolver_dir(args: argparse.Namespace) -> str | None:
+    """``--lora-resolver-dir``, or vLLM's ``VLLM_LORA_RESOLVER_CACHE_DIR`` (``server/lora_resolver.py``).
+    Like vLLM's resolvers it needs runtime LoRA updating: the flag without it (or without
+    --enable-lora) is a ValueError; the environment variable without it is ignored, as vLLM ignores it."""
+    from server.lora import runtime_updating_allowed
+    from server.lora_resolver import RESOLVER_DIR_ENV, resolver_dir
+
+    flag = getattr(args, "lora_resolver_dir", None)  # run-batch has no such flag
+    directory = resolver_dir(flag)
+    if directory is None:
+        return None
+    ready = args.enable_lora and runtime_updating_allowed(args.allow_runtime_lora_updating)
+    if flag is None:
+        if not ready:
+            logging.getLogger("ferry.server").warning(
+                "%s is set, but LoRA adapters are not resolved from it without --enable-lora and "
+                "--allow-runtime-lora-updating",
+                RESOLVER_DIR_ENV,
+            )
+            return None
+        return directory
+    if not ready:
+        raise ValueError("--lora-resolver-dir needs --enable-lora and --allow-runtime-lora-updating")
+    return directory
+
+
 def server_config(args: argparse.Namespace) -> ServerConfig:
     """Raises ValueError for flags that contradict each other or do not parse."""
     from server.chat_defaults import chat_defaults
@@ -98,6 +125,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     lora_modules = parse_lora_modules(args.lora_modules)
     if lora_modules and not args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
+    resolver = lora_resolver_dir(args)
     name = served_model_name(args)
     aliases = tuple(dict.fromkeys(args.served_model_name[1:])) if args.served_model_name else ()
     for module in lora_modules:
@@ -131,6 +159,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         responses_lease_ttl=args.responses_lease_ttl,
         lora_modules=lora_modules,
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+        lora_resolver_dir=resolver,
         trust_request_chat_template=args.trust_request_chat_template,
         chat=chat_defaults(args),
         response_role=args.response_role,

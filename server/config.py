@@ -82,6 +82,8 @@ class ServerConfig:
     # whether /v1/load_lora_adapter and /v1/unload_lora_adapter may change them.
     lora_modules: tuple = ()
     allow_runtime_lora_updating: bool = False
+    # Adapters loaded on first use from this directory (--lora-resolver-dir; server/lora_resolver.py)
+    lora_resolver_dir: str | None = None
     # Requests may carry their own chat_template (vLLM's --trust-request-chat-template).
     trust_request_chat_template: bool = False
     # Template variables every chat gets and tool_choice "none" hiding tools (server/chat_defaults.py)

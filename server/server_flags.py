@@ -197,6 +197,14 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true does the same)",
     )
     p.add_argument(
+        "--lora-resolver-dir",
+        default=None,
+        metavar="DIR",
+        help="load a LoRA adapter a request names but this server does not serve from DIR/<name>, "
+        "on first use (vLLM's filesystem resolver; its VLLM_LORA_RESOLVER_CACHE_DIR does the same); "
+        "needs --enable-lora and --allow-runtime-lora-updating",
+    )
+    p.add_argument(
         "--trust-request-chat-template",
         action="store_true",
         help="let chat and /tokenize requests carry their own chat_template (vLLM's flag; rendered in "

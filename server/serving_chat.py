@@ -61,6 +61,7 @@ async def create_chat_completion(
     arrival = time.perf_counter()
     if not as_chunks:  # the Responses API's own chat requests keep their settings
         apply_request_defaults(req, state.config.http)
+    await state.resolve_model(req.model)  # a LoRA adapter of --lora-resolver-dir, loaded on first use
     lora = state.check_model(req.model)
     tools = plan_tools(req, state.tool_parser, max_tool_calls)
     images = await load_images(state, req.messages)

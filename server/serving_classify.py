@@ -41,6 +41,7 @@ async def create_classification(
     submitted: Callable[[], None] | None = None,
 ) -> JSONResponse:
     arrival = time.perf_counter()
+    await state.resolve_model(req.model)  # a LoRA adapter of --lora-resolver-dir, loaded on first use
     lora = state.check_model(req.model)
     info = served_classifier(state)
     if info is None:

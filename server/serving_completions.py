@@ -215,6 +215,7 @@ async def create_completion(
         check_embeds_features(req, state.config.role)
         # Decoding and checking megabytes of rows: off the event loop.
         embeds = await asyncio.to_thread(embeds_prompts, req, state.limits)
+    await state.resolve_model(req.model)  # a LoRA adapter of --lora-resolver-dir, loaded on first use
     prompts, seqs = await plan_off_loop(prompt_chars(req.prompt), _plan, state, req, embeds)
     await compile_constraints(state, seqs, constraint_field(req))
     ticket = state.generation.admit(len(seqs), submitted)

@@ -277,6 +277,7 @@ async def create_embedding(
     submitted: Callable[[], None] | None = None,
 ) -> object:
     arrival = time.perf_counter()
+    await state.resolve_model(req.model)  # a LoRA adapter of --lora-resolver-dir, loaded on first use
     lora = state.check_model(req.model)
     info = getattr(state.engine, "model_info", None)
     if getattr(info, "classifier", None) is not None:

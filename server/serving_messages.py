@@ -152,6 +152,7 @@ async def count_tokens(state: ServerState, req: CountTokensRequest) -> JSONRespo
     """The prompt's tokens, image runs included. Its images are read as ``/v1/messages`` reads them,
     so an image that request would refuse (data that is not an image, a URL that cannot be read)
     is the same 400 here, never a count."""
+    await state.resolve_model(req.model)  # a LoRA adapter of --lora-resolver-dir, loaded on first use
     state.check_model(req.model)
     try:
         chat = to_chat_request(req)

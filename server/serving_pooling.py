@@ -42,6 +42,7 @@ async def create_pooling(
     submitted: Callable[[], None] | None = None,
 ) -> Response:
     arrival = time.perf_counter()
+    await state.resolve_model(req.model)  # a LoRA adapter of --lora-resolver-dir, loaded on first use
     lora = state.check_model(req.model)
     classifier = getattr(getattr(state.engine, "model_info", None), "classifier", None)
     task = "classify" if classifier is not None else "embed"

@@ -170,6 +170,7 @@ async def create_score(
     submitted: Callable[[], None] | None = None,
 ) -> JSONResponse:
     arrival = time.perf_counter()
+    await state.resolve_model(req.model)  # a LoRA adapter of --lora-resolver-dir, loaded on first use
     lora = state.check_model(req.model)
     (first, texts_1), (second, texts_2) = req.sides()
     _check_side(first, texts_1)
@@ -203,6 +204,7 @@ async def create_rerank(
     submitted: Callable[[], None] | None = None,
 ) -> JSONResponse:
     arrival = time.perf_counter()
+    await state.resolve_model(req.model)  # a LoRA adapter of --lora-resolver-dir, loaded on first use
     lora = state.check_model(req.model)
     documents = [req.documents] if isinstance(req.documents, str) else list(req.documents)
     _check_side("query", [req.query])

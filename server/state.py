@@ -12,6 +12,7 @@ from server.batch_store import BatchStore
 from server.config import ServerConfig
 from server.errors import model_not_found
 from server.generation import Generation
+from server.lora_resolver import LoRAResolver
 from server.metrics import ServerMetrics
 from server.params import ModelLimits
 from server.reasoning_parsers import END, REASONING_PARSERS, ReasoningSplitter
@@ -36,11 +37,15 @@ class ServerState:
     responses: ResponseStore | None = None  # stored /v1/responses (--responses-store)
     background: BackgroundResponses = field(init=False)  # background responses running here
     batches: BatchJobs = field(init=False)  # the Batch API's files and the batches running here
+    # Adapters loaded on first use from --lora-resolver-dir (server/lora_resolver.py), None without it
+    lora_resolver: LoRAResolver | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.background = BackgroundResponses(
             self.responses, self.generation, self.metrics, self.config.responses_lease_ttl
         )
+        directory = self.config.lora_resolver_dir
+        self.lora_resolver = LoRAResolver(directory) if directory else None
         self.batches = BatchJobs(BatchStore(self.config.batch_dir), self.config.max_batch_concurrency)
         if self.tool_parser is None and self.config.enable_auto_tool_choice and self.config.tool_call_parser:
             self.tool_parser = get_tool_parser(self.config.tool_call_parser)
@@ -66,6 +71,21 @@ class ServerState:
         if served is None:
             raise model_not_found(model)
         return served
+
+    async def resolve_model(self, model: str | None) -> None:
+        """Before ``check_model``: a name not served here is loaded from the LoRA resolver's
+        directory when it holds that adapter (``server/lora_resolver.py``; APIError 400 for an entry
+        that cannot run or a name that leaves the directory). Without a resolver, or for a name it
+        does not find, nothing changes: ``check_model`` answers it."""
+        if (
+            self.lora_resolver is None
+            or model is None
+            or model == self.config.served_model_name
+            or model in self.config.model_aliases
+            or model in self.served_loras
+        ):
+            return
+        await self.lora_resolver.resolve(self.engine, model, lambda: self.served_loras)
 
     @property
     def served_loras(self) -> dict[str, Any]:

@@ -6,7 +6,9 @@ in ``/v1/models`` with its base as ``parent``, loaded and unloaded at run time, 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
+from http.client import HTTPConnection
 from pathlib import Path
 
 import httpx
@@ -17,6 +19,7 @@ from engine import LLM, LoRARequest, SamplingParams
 from engine.demo import build_lora_adapter
 from engine.lora import adapter_weights_id
 from server.lora import parse_lora_modules
+from server.lora_resolver import resolver_dir as env_resolver_dir
 from tests.server.conftest import metric_value
 from tests.server.test_api_servers import _serve, call, connection_per_api_server
 
@@ -34,12 +37,32 @@ def adapters(tmp_path_factory, tiny_llama: Path) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def lora_server(tiny_llama: Path, adapters, serve_logs: Path, server_process) -> Iterator:
+def resolver_dir(tmp_path_factory, tiny_llama: Path, adapters) -> Path:
+    """--lora-resolver-dir's directory: adapters "d" (c's weights: seed 4) and "e" (seed 7), links
+    inside the directory to "d" (one name per route that resolves), a rank-32 adapter "big" (over
+    --max-lora-rank 16), an entry with no adapter, and a link out of the directory to adapter a."""
+    root = tmp_path_factory.mktemp("resolver")
+    build_lora_adapter(root / "d", tiny_llama, seed=4, rank=8, alpha=32)
+    build_lora_adapter(root / "e", tiny_llama, seed=7, rank=8, alpha=32)
+    for name in RESOLVED_ROUTES:
+        (root / name).symlink_to(root / "d")
+    build_lora_adapter(root / "big", tiny_llama, seed=5, rank=32)
+    (root / "empty").mkdir()
+    (root / "out").symlink_to(adapters["a"])
+    return root
+
+
+RESOLVED_ROUTES = ("via_chat", "via_responses", "via_messages", "via_embeddings", "via_tokenize")
+
+
+@pytest.fixture(scope="module")
+def lora_server(tiny_llama: Path, adapters, resolver_dir, serve_logs: Path, server_process) -> Iterator:
     # An empty entry is skipped, and a base_model_name the base is not served by is not b's parent (vLLM's)
     b = {"name": "b", "path": str(adapters["b"]), "base_model_name": "not-served"}
     modules = [f"a={adapters['a']}", "", json.dumps(b)]
     flags = ["--enable-lora", "--max-loras", "2", "--allow-runtime-lora-updating", "--lora-modules", *modules]
     flags += ["--fully-sharded-loras", "--lora-dtype", "bfloat16"]  # vLLM's: accepted, logged
+    flags += ["--lora-resolver-dir", str(resolver_dir)]
     srv = server_process(tiny_llama, [*flags, "--num-kv-blocks", "256"], serve_logs).start()
     yield srv
     srv.stop()
@@ -187,13 +210,24 @@ def test_runtime_updating_needs_enable_lora_and_permission(server, tiny_llama, a
 
 
 def test_api_servers_share_one_set_of_adapters(
-    tiny_llama, adapters, serve_logs, server_process, offline
+    tiny_llama, adapters, serve_logs, server_process, offline, resolver_dir
 ) -> None:
     flags = ["--api-server-count", "2", "--enable-lora", "--lora-modules", f"a={adapters['a']}"]
     srv = server_process(tiny_llama, [*flags, "--num-kv-blocks", "256"], serve_logs)
-    srv.start(env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"})
+    # vLLM's environment variables: runtime updating, and its filesystem resolver's directory
+    env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true", "VLLM_PLUGINS": "lora_filesystem_resolver"}
+    srv.start(env={**env, "VLLM_LORA_RESOLVER_CACHE_DIR": str(resolver_dir)})
     try:
         first, second = connection_per_api_server(srv)
+        # Both API servers asked for one name the resolver holds at once: both run it, loaded once.
+        resolve = {"model": "d", "prompt": PROMPT, **GREEDY, "return_token_ids": True}
+        for conn in (first, second):
+            conn.request("POST", "/v1/completions", json.dumps(resolve), {"content-type": "application/json"})
+        for conn in (first, second):
+            r = conn.getresponse()
+            answer = json.loads(r.read())
+            assert r.status == 200 and answer["choices"][0]["token_ids"] == offline["c"], answer
+        assert srv.log_path.read_text().count("Resolved LoRA adapter 'd' from") == 1
         body = {"model": "a", "prompt": PROMPT, **GREEDY, "return_token_ids": True}
         for conn in (first, second):
             status, answer = call(conn, "/v1/completions", body)
@@ -265,3 +299,145 @@ def test_beam_search_runs_the_named_adapter(client, tiny_llama: Path, adapters) 
     prompt_len = len(beams[0].tokens) - 6
     assert r.model == "a"
     assert [c.token_ids for c in r.choices] == [b.tokens[prompt_len:] for b in beams]
+
+
+def _post(url: str, path: str, body: dict) -> httpx.Response:
+    return httpx.post(url + path, json=body, timeout=60)
+
+
+def test_resolver_loads_an_unknown_name_once(lora_server, client, resolver_dir) -> None:
+    url = lora_server.url
+    assert httpx.get(url + "/health").json()["lora_resolver"] is True  # what a router reads
+    body = json.dumps({"model": "e", "prompt": PROMPT, **GREEDY, "return_token_ids": True})
+    conns = [HTTPConnection("127.0.0.1", lora_server.port, timeout=60) for _ in range(8)]
+    for conn in conns:
+        assert call(conn, "/health")[0] == 200  # connected before the requests are sent
+    for conn in conns:  # sent back to back: they meet in the resolver
+        conn.request("POST", "/v1/completions", body, {"content-type": "application/json"})
+    answers = []
+    for conn in conns:
+        r = conn.getresponse()
+        answers.append((r.status, json.loads(r.read())))
+        conn.close()
+    assert [status for status, _ in answers] == [200] * 8, answers
+    assert {a["model"] for _, a in answers} == {"e"}
+    (tokens,) = {tuple(a["choices"][0]["token_ids"]) for _, a in answers}
+    log = lora_server.log_path.read_text()
+    assert log.count("Loading LoRA adapter 'e' from the resolver directory") == 1  # one load for 8
+    assert log.count("Resolved LoRA adapter 'e' from") == 1
+    card = {m.id: m.model_dump() for m in client.models.list().data}["e"]
+    assert (card["root"], card["parent"]) == (str(resolver_dir.resolve() / "e"), lora_server.model_name)
+    assert card["lora_preloaded"] is False
+    # The same files loaded explicitly answer the same.
+    load = {"lora_name": "e_explicit", "lora_path": str(resolver_dir / "e")}
+    assert _post(url, "/v1/load_lora_adapter", load).status_code == 200
+    assert _token_ids(client, "e_explicit") == ("e_explicit", list(tokens))
+    assert _post(url, "/v1/unload_lora_adapter", {"lora_name": "e_explicit"}).status_code == 200
+    # Unloaded, a resolved adapter is resolved again by the next request naming it.
+    assert _post(url, "/v1/unload_lora_adapter", {"lora_name": "e"}).status_code == 200
+    assert _token_ids(client, "e") == ("e", list(tokens))
+    assert lora_server.log_path.read_text().count("Resolved LoRA adapter 'e' from") == 2
+
+
+def test_resolver_serves_every_route(lora_server, client, offline) -> None:
+    url = lora_server.url
+    chat = client.chat.completions.create(
+        model="via_chat", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+    )
+    assert chat.model == "via_chat"
+    assert (
+        client.responses.create(model="via_responses", input="hi", max_output_tokens=2).model
+        == "via_responses"
+    )
+    messages = {"model": "via_messages", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    answer = _post(url, "/v1/messages", messages)
+    assert answer.status_code == 200 and answer.json()["model"] == "via_messages"
+    emb = client.embeddings.create(model="via_embeddings", input=PROMPT)
+    assert emb.model == "via_embeddings"
+    tok = _post(url, "/tokenize", {"model": "via_tokenize", "prompt": PROMPT})
+    assert tok.status_code == 200
+    listed = {m.id for m in client.models.list().data}
+    assert set(RESOLVED_ROUTES) <= listed
+    # --max-cpu-loras is 2 (--max-loras): the adapters resolved first were evicted, and are read
+    # again when named, as runtime loads are. "d" holds c's weights: c's answer.
+    assert _token_ids(client, "via_chat") == ("via_chat", offline["c"])
+    assert _token_ids(client, "d") == ("d", offline["c"])
+
+
+def test_resolver_refusals(lora_server, client, resolver_dir, tiny_llama) -> None:
+    url = lora_server.url
+    base = {"prompt": PROMPT, "max_tokens": 2}
+    for name in ("nope", "empty"):  # nothing there, or no adapter there: today's 404
+        r = _post(url, "/v1/completions", {**base, "model": name})
+        assert (r.status_code, r.json()["error"]) == (
+            404,
+            {
+                "message": f"The model `{name}` does not exist.",
+                "type": "NotFoundError",
+                "param": "model",
+                "code": "model_not_found",
+            },
+        )
+    outside = (
+        "cannot be resolved as a LoRA adapter: the name must be a relative path inside the resolver "
+        "directory (no absolute path, '.', '..' or link out of it)."
+    )
+    for name in ("out", "../e", "d/../e", str(resolver_dir / "d"), "./d"):
+        r = _post(url, "/v1/completions", {**base, "model": name})
+        assert (r.status_code, r.json()["error"]) == (
+            400,
+            {
+                "message": f"The model `{name}` {outside}",
+                "type": "BadRequestError",
+                "param": "model",
+                "code": "invalid_value",
+            },
+        ), name
+    listed = {m.id for m in client.models.list().data}
+    assert not listed & {"out", "../e", "empty", "nope"}
+    # An adapter that cannot run on this model: a 400 saying why, the files read once while unchanged.
+    path = resolver_dir.resolve() / "big"
+    why = f"LoRA adapter 'big' ({path}): "
+    for route, body in (
+        ("/v1/completions", {**base, "model": "big"}),
+        ("/v1/chat/completions", {"model": "big", "messages": [{"role": "user", "content": "hi"}]}),
+    ):
+        r = _post(url, route, body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
+        message = r.json()["error"]["message"]
+        assert message.startswith(f"LoRA adapter 'big' was found but could not be loaded: {why}"), message
+        assert message.endswith("has rank 32, more than max_lora_rank=16"), message
+    log = lora_server.log_path.read_text()
+    assert log.count("Loading LoRA adapter 'big' from the resolver directory") == 1
+    # Fixed (new files): read again, and served.
+    build_lora_adapter(resolver_dir / "big", tiny_llama, seed=5, rank=8)
+    r = _post(url, "/v1/completions", {**base, "model": "big"})
+    assert r.status_code == 200 and r.json()["model"] == "big"
+    assert (
+        lora_server.log_path.read_text().count("Loading LoRA adapter 'big' from the resolver directory") == 2
+    )
+
+
+def test_vllms_resolver_environment(tmp_path) -> None:
+    d, real = str(tmp_path), os.path.realpath(tmp_path)
+    assert (
+        env_resolver_dir(None, {"VLLM_LORA_RESOLVER_CACHE_DIR": d}) == real
+    )  # VLLM_PLUGINS unset: all plugins
+    named = {"VLLM_LORA_RESOLVER_CACHE_DIR": d, "VLLM_PLUGINS": "other, lora_filesystem_resolver"}
+    assert env_resolver_dir(None, named) == real
+    assert env_resolver_dir(None, {**named, "VLLM_PLUGINS": "other"}) is None
+    assert env_resolver_dir(None, {}) is None
+    assert env_resolver_dir(d, {"VLLM_PLUGINS": "other"}) == real  # the flag needs no plugin
+    with pytest.raises(ValueError, match="VLLM_LORA_RESOLVER_CACHE_DIR '/no/such' is not a directory"):
+        env_resolver_dir(None, {"VLLM_LORA_RESOLVER_CACHE_DIR": "/no/such"})
+
+
+def test_resolver_flag_needs_runtime_updating(tiny_llama, resolver_dir, tmp_path) -> None:
+    done = _serve(["--model", str(tiny_llama), "--enable-lora", "--lora-resolver-dir", str(resolver_dir)])
+    assert done.returncode == 2
+    assert "--lora-resolver-dir needs --enable-lora and --allow-runtime-lora-updating" in done.stderr
+    flags = ["--enable-lora", "--allow-runtime-lora-updating", "--lora-resolver-dir", str(tmp_path / "no")]
+    done = _serve(["--model", str(tiny_llama), *flags])
+    assert (
+        done.returncode == 2 and f"--lora-resolver-dir '{tmp_path / 'no'}' is not a directory" in done.stderr
+    )
