@@ -11,11 +11,21 @@ follows every token's characters in the text fed to the shaper and, as the shape
 characters the released content holds to that content, and drops the others.
 
 The content a shaper releases is a run of the characters fed (text held back comes out whole, after
-the markup it follows is dropped), so each content piece is found in the characters it decided:
-from their start when nothing came before it in its delta, else from their end when it is the
-delta's last, else at its first place after the previous piece. A token part content, part markup
-(a rare token across the two) goes with the content; a token with no text (the first bytes of a
-character) goes with the character that completes it.
+the markup it follows is dropped; whitespace alone between two calls is dropped, not carried past
+the second), so each content piece is found in the characters it decided: from their end when it
+is the delta's last and no call follows it (what came before it may be held markup, a ``<`` that
+was the start of ``</think>``), else from their start when nothing came before it in its delta,
+else at its first place after the previous piece and its own thought. That search assumes a marker
+is a token of its own (special tokens, in the models that write them): a token that completes a
+held marker and writes content and another call may have its content placed in that markup.
+
+A token is given to content when any of its characters is content. So a token part content, part
+not (a rare token across the two: ``</tool_call>ok``, or ``\n `` whose newline is one of those
+dropped after ``</think>``) goes with the content, whole, and its string holds more than the
+content's text: its logprob is what the model paid for that text, which content given no token would
+lose, and a token's string is never cut (vLLM's chat chunks likewise carry every token of their
+delta). Only then do a part's tokens not join to exactly its text. A token with no text (the first
+bytes of a character) goes with the character that completes it.
 """
 
 from __future__ import annotations
@@ -79,11 +89,13 @@ def _spans(region: str, steps: list[Step]) -> list[tuple[int, int]]:
     cursor = 0
     for i, (thought, content, calls) in enumerate(steps):
         at = -1
+        # The step's thought (a run of the characters fed) comes before its content.
+        cursor += len(thought)
         if content:
-            if i == 0 and not thought and region.startswith(content):
-                at = 0
-            elif i == len(steps) - 1 and not calls and region.endswith(content):
+            if i == len(steps) - 1 and not calls and region.endswith(content):
                 at = len(region) - len(content)
+            elif i == 0 and not thought and region.startswith(content):
+                at = 0
             if at < cursor:
                 at = region.find(content, cursor)
         if at < 0:

@@ -139,7 +139,8 @@ def held_prefix(text: str, marker: str) -> int:
 class MarkerStreamer(ToolStreamer):
     """Content until ``start``; then a call body up to ``end`` (or to the end of the answer when
     ``end`` is None), read by ``read_body`` into calls; then content again. Whitespace right after a
-    call is sent only if more content follows it; once text follows, its whitespace is text."""
+    call is sent only if text follows it (not another call, nor the end); once text follows, its
+    whitespace is text."""
 
     def __init__(self, start: str, end: str | None, read_body) -> None:
         self.start, self.end, self.read_body = start, end, read_body
@@ -183,7 +184,11 @@ class MarkerStreamer(ToolStreamer):
                     out.append(self._content(self.pending[:cut]))
                     self.pending = self.pending[cut:]
                     break
-                out.append(self._content(self.pending[:at]))
+                before = self.pending[:at]
+                if self.called and not (self.spaces + before).strip():
+                    self.spaces += before  # whitespace alone before a call: dropped if it is one
+                else:
+                    out.append(self._content(before))
                 self.body, self.body_size, self.tail = [], 0, ""
                 self.pending = self.pending[at + len(self.start) :]
                 continue
@@ -205,7 +210,7 @@ class MarkerStreamer(ToolStreamer):
             else:
                 done.append(("".join(out), read))
                 out = []
-                self.called = True
+                self.called, self.spaces = True, ""  # whitespace between two calls is neither's
             self.body, self.tail, self.pending = None, "", rest
         content = "".join(out)
         if content or not done:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from server.chat_protocol import TokenLogprob
@@ -21,9 +21,11 @@ from server.tools import ToolPlan
 CALL = '{"name": "f", "arguments": {}}'
 
 
-def _shown(tokens: list[str], tools: bool = True, reasoning: bool = False) -> list[tuple[str, list[str]]]:
+def _shown(
+    tokens: list[str], tools: bool = True, reasoning: bool = False, numbered: bool = False
+) -> list[tuple[str, list[str]]]:
     """(content, its tokens) of each content step, the tokens fed one at a time (the last one ends
-    the answer); a token's logprob is named by its text."""
+    the answer); a token's logprob is named by its text (``numbered``: by its place)."""
     plan = ToolPlan("auto", parser=get_tool_parser("hermes")) if tools else None
     shaper = ChoiceShaper(plan, reasoning_splitter("qwen3") if reasoning else None)
     ledger = TextLogprobs()
@@ -34,7 +36,8 @@ def _shown(tokens: list[str], tools: bool = True, reasoning: bool = False) -> li
         if final:
             shaped = shaped.then(shaper.finish())
         steps = shaped.steps()
-        given = ledger.step(token, [TokenLogprob(token=token, logprob=-1.0)], steps, shaper.held, final)
+        name = str(i) if numbered else token
+        given = ledger.step(token, [TokenLogprob(token=name, logprob=-1.0)], steps, shaper.held, final)
         out += [
             (text, [t.token for t in lps])
             for (_, text, _), lps in zip(steps, given, strict=True)
@@ -92,23 +95,47 @@ def test_a_resumed_stream_starts_where_the_shaper_is() -> None:
     assert shaped.content == "<tool>" and [[t.token for t in lps] for lps in given] == [["ol>"]]
 
 
+def test_a_token_part_dropped_newline_part_content_goes_with_the_content() -> None:
+    # The newlines after </think> are dropped, not content: "\n " gives content " ", and its token.
+    tokens = ["<think>", "<", "</think>", "\n "]
+    assert _shown(tokens, reasoning=True) == [(" ", ["\n "])]
+
+
+def test_a_thought_released_with_content_keeps_its_token() -> None:
+    # "<" is held as a possible </think>; the next token releases it as thinking and writes the
+    # content "<" before a call: the content's token is that one, not the thinking's "<".
+    tokens = ["<think>", "<", "/x</think><<tool_call>" + CALL + "</tool_call>", "z"]
+    assert _shown(tokens, reasoning=True) == [("<", [tokens[2]]), ("z", ["z"])]
+
+
+def test_whitespace_between_two_calls_is_dropped_not_carried_past_the_second() -> None:
+    call = "<tool_call>" + CALL + "</tool_call>"
+    assert _shown([call, "\n", call, "ba"]) == [("ba", ["ba"])]
+
+
 _TEXT = st.text(alphabet="ab<>/ \n", min_size=1, max_size=6)
 
 
-@st.composite
-def _answers(draw: st.DrawFn) -> tuple[list[str], bool]:
-    """An answer cut into tokens: optional thinking, then text and calls; no token crosses from one
-    part to the next, nor from whitespace to other characters (a token part markup or part dropped
-    whitespace, part content, is the one case the ledger gives content a token's extra text)."""
+def _parts(draw: st.DrawFn) -> tuple[list[str], bool]:
+    """An answer's parts: optional thinking, then text and calls."""
     reasoning = draw(st.booleans())
     parts = ["<think>", draw(_TEXT), "</think>"] if reasoning else []
     for _ in range(draw(st.integers(1, 5))):
         parts.append(draw(st.sampled_from(["<tool_call>" + CALL + "</tool_call>", "text"])))
         if parts[-1] == "text":
             parts[-1] = draw(_TEXT)
+    return parts, reasoning
+
+
+@st.composite
+def _answers(draw: st.DrawFn) -> tuple[list[str], bool]:
+    """An answer cut into tokens: no token crosses from one part to the next, nor from newlines to
+    other characters (a token part markup or part dropped newlines, part content, is the one case
+    the ledger gives content a token's extra text: ``_anyhow_cut`` has those)."""
+    parts, reasoning = _parts(draw)
     tokens = []
     for part in parts:
-        runs = [m.group() for m in re.finditer(r"[ \n]+|[^ \n]+", part)]
+        runs = [m.group() for m in re.finditer(r"\n+| +|[^ \n]+", part)]
         for run in runs:
             cuts = sorted(draw(st.sets(st.integers(1, max(1, len(run) - 1)), max_size=3)))
             bounds = [0, *(c for c in cuts if c < len(run)), len(run)]
@@ -118,7 +145,45 @@ def _answers(draw: st.DrawFn) -> tuple[list[str], bool]:
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_answers())
+@example((["<think>", "<", "</think>", "\n", " "], True))
+@example((["<tool_call>" + CALL + "</tool_call>", "\n", "<tool_call>" + CALL + "</tool_call>", "ba"], False))
 def test_content_gets_exactly_its_tokens_however_an_answer_is_cut(answer) -> None:
     tokens, reasoning = answer
     shown = _shown(tokens, reasoning=reasoning)
     assert "".join(t for _, lps in shown for t in lps) == "".join(text for text, _ in shown)
+
+
+@st.composite
+def _anyhow_cut(draw: st.DrawFn) -> tuple[list[str], bool]:
+    """An answer cut into tokens anywhere, each marker a token of its own (a special token in the
+    models that write it): a token may cross from dropped newlines or whitespace to content
+    (``\n `` after ``</think>``, `` \nx`` after a call)."""
+    parts, reasoning = _parts(draw)
+    text = "".join(parts)
+    markers = [m.span() for m in re.finditer(r"</?think>|</?tool_call>", text)]
+    cuts = draw(st.sets(st.integers(1, max(1, len(text) - 1)), max_size=len(text) // 2))
+    cuts |= {at for span in markers for at in span}
+    inside = {at for a, b in markers for at in range(a + 1, b)}
+    bounds = [0, *sorted(c for c in cuts if 0 < c < len(text) and c not in inside), len(text)]
+    return [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)], reasoning
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_anyhow_cut())
+@example((["<think>", "<", "</think>", "\n "], True))
+@example((["<think>", "<", "/x</think><<tool_call>" + CALL + "</tool_call>", "z"], True))
+@example((["<think><<", "/think><"], True))  # the held "<" is markup: the content "<" is the last one
+def test_a_token_goes_with_content_when_any_of_its_characters_does(answer) -> None:
+    """The same answer fed a character a token (no token is then part content, part not) names the
+    characters that are content; cut anyhow, content gets exactly the tokens with one of them."""
+    tokens, reasoning = answer
+    text = "".join(tokens)
+    by_char = _shown(list(text), reasoning=reasoning, numbered=True)
+    content = "".join(piece for piece, _ in by_char)
+    kept = [int(n) for _, lps in by_char for n in lps]
+    assert "".join(text[i] for i in kept) == content
+    shown = _shown(tokens, reasoning=reasoning, numbered=True)
+    starts = [sum(map(len, tokens[:i])) for i in range(len(tokens) + 1)]
+    expected = [i for i in range(len(tokens)) if any(starts[i] <= k < starts[i + 1] for k in kept)]
+    assert "".join(piece for piece, _ in shown) == content
+    assert [int(n) for _, lps in shown for n in lps] == expected

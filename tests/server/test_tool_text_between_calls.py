@@ -46,6 +46,8 @@ def _stream(text: str) -> tuple[str, list[ParsedCall]]:
         (CALL_A + "\nmid\n" + CALL_B, "\nmid\n", [A, B]),
         (CALL_A + "\nmid\n", "\nmid\n", [A]),  # text after the last call keeps its own newline
         (CALL_A + "  \n" + CALL_B + "\n", "", [A, B]),  # whitespace alone between calls: nothing
+        (CALL_A + "\n" + CALL_B + "ok", "ok", [A, B]),  # ... not even in front of text after the second
+        (CALL_A + "\n<tool_call>x</tool_call>", "\n<tool_call>x</tool_call>", [A]),  # not a call: text
         (CALL_A + " x y\n\n" + CALL_B, " x y\n\n", [A, B]),
     ],
 )
