@@ -28,6 +28,10 @@ from dataclasses import replace
 from typing import TypeVar
 
 from kvcache.metrics import (
+    DROP_MISCONF,
+    DROP_OOM,
+    DROP_READONLY,
+    DROP_REFUSED,
     ERROR_CIRCUIT_OPEN,
     ERROR_CONNECTION,
     ERROR_INTERNAL,
@@ -37,7 +41,7 @@ from kvcache.metrics import (
     TierStats,
     merge_errors,
 )
-from kvcache.tier import PartialWriteError, Tier, note_unanswered
+from kvcache.tier import PartialWriteError, Tier, note_refused, note_unanswered
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +158,25 @@ def classify_error(exc: BaseException) -> str:
     return ERROR_INTERNAL
 
 
+def refusal_reason(exc: BaseException) -> str:
+    """Why the server refused a write (the ``reason`` label of a dropped write): over ``maxmemory``
+    under ``noeviction``, a read-only replica, writes stopped for failing RDB saves, or another."""
+    try:
+        import redis.exceptions as rexc
+    except ImportError:  # pragma: no cover - redis is a project dependency
+        rexc = None
+    if rexc is not None:
+        if isinstance(exc, rexc.OutOfMemoryError):
+            return DROP_OOM
+        if isinstance(exc, rexc.ReadOnlyError):
+            return DROP_READONLY
+    text = str(exc)
+    if _PIPELINE_ERROR in text:
+        text = text.split(_PIPELINE_ERROR, 1)[1]
+    code = text.lstrip().split(" ", 1)[0].upper()
+    return {"OOM": DROP_OOM, "READONLY": DROP_READONLY, "MISCONF": DROP_MISCONF}.get(code, DROP_REFUSED)
+
+
 def error_text(exc: BaseException) -> str:
     """``exc`` for a log line: its class and message, a failed pipeline command's arguments left out
     (they hold the block's bytes), characters that are not printable escaped, the message cut at
@@ -230,10 +253,10 @@ class GuardedTier(Tier):
             stored = self.inner.put_many(items)
         except PartialWriteError as exc:
             # What the server acknowledged before the failure stays written (and counted so).
-            self._failed("put_many", exc.cause)
+            self._failed_write(exc.cause)
             return exc.stored
         except Exception as exc:
-            self._failed("put_many", exc)
+            self._failed_write(exc)
             return failed
         self.breaker.record_success()
         return stored
@@ -300,6 +323,14 @@ class GuardedTier(Tier):
             self._failed("watch", exc)
             return
         self.breaker.record_success()
+
+    def _failed_write(self, exc: Exception) -> None:
+        """A write failed: counted as any call, and a refusal by the server noted for the writer
+        (``take_refused``), which counts its blocks by reason and writes them again later where the
+        refusal may pass."""
+        self._failed("put_many", exc)
+        if classify_error(exc) == ERROR_RESPONSE:
+            note_refused(refusal_reason(exc))
 
     def _failed(self, op: str, exc: Exception) -> None:
         kind = classify_error(exc)

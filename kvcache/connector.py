@@ -131,10 +131,20 @@ class KVConnector(TierReads):
         """Writes were dropped for a full queue since the last ``take_dropped_writes`` (no I/O, no lock)."""
         return self._writer.has_dropped
 
-    def take_dropped_writes(self) -> tuple[list[bytes], bool]:
-        """The hashes dropped for a full queue since the last call (oldest first), and whether more
-        were dropped than the writer remembers; forgets them."""
-        return self._writer.take_dropped()
+    def take_dropped_writes(self, due_only: bool = False) -> tuple[list[bytes], bool]:
+        """The hashes dropped for a full queue since the last call, then those the server refused for
+        a passing reason (with ``due_only``, only once their back-off passed; oldest first), and
+        whether more were dropped than the writer remembers; forgets them."""
+        return self._writer.take_dropped(due_only)
+
+    def writes_pending(self) -> bool:
+        """Whether writes handed to the writer wait for their answer (no I/O)."""
+        return self._writer.pending > 0
+
+    def refused_retry_in(self) -> float | None:
+        """Seconds until the writes the server refused are due to be written again (0: now), None
+        with none (no I/O)."""
+        return self._writer.retry_due_in()
 
     def write_mark(self) -> int:
         """A mark for ``write_covers``: the writer's acknowledged writes so far."""

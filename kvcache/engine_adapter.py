@@ -55,6 +55,9 @@ logger = logging.getLogger(__name__)
 
 PRODUCER_FLUSH_TIMEOUT_S = 5.0
 MAX_UNREGISTERED_LOADS = 65536
+# How often an idle engine looks at the writer while writes handed to it wait for their answer
+# (``next_work_in``): one the server refuses then gets its retry scheduled with no request.
+PENDING_WRITES_POLL_S = 0.1
 
 
 class TierConnector:
@@ -164,7 +167,13 @@ class TierConnector:
         an idle engine sleeps this long, so it makes no wake-up it does not need."""
         if self.republisher.has_work():
             return 0.0
-        return self.kv.tier.poll_due_in()
+        # Refused writes wait for a tier that answers (an open breaker's recovery pass covers them).
+        retry = self.kv.refused_retry_in() if self.kv.tier.available() else None
+        # Writes still on the writer thread may yet be refused: look again shortly, so a refusal
+        # recorded after the engine went idle schedules its retry (only while writes are pending).
+        pending = PENDING_WRITES_POLL_S if self.kv.writes_pending() else None
+        due = [d for d in (self.kv.tier.poll_due_in(), retry, pending) if d is not None]
+        return min(due, default=None)
 
     def load_blocks(self, request: Any, block_ids: Sequence[int], block_hashes: Sequence[bytes]) -> int:
         loaded = self.kv.load(block_hashes, block_ids, self.k_caches, self.v_caches)

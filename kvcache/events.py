@@ -44,8 +44,9 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvcache.breaker import CircuitBreaker, classify_error
+from kvcache.breaker import CircuitBreaker, classify_error, error_text
 from kvcache.keys import KEY_PREFIX
+from kvcache.log_limit import RateLimitedLog
 from kvcache.metrics import ErrorCounter
 
 logger = logging.getLogger(__name__)
@@ -107,6 +108,9 @@ class KVEventPublisher:
         self._client = _client(redis_url, timeout)
         self._breaker = CircuitBreaker(failure_threshold=3, cooldown_s=1.0)
         self.errors = ErrorCounter()
+        # A Redis that refuses the events (full under ``noeviction``, a read-only replica, MISCONF) or
+        # is down: one line a minute says so (readers see the gaps in ``seq``).
+        self._failure_log = RateLimitedLog(logger, burst=1, window=60.0)
         self.published = 0
         self.seqs: dict[str, int] = {}  # stream -> events meant for it so far, appended or not
 
@@ -141,9 +145,15 @@ class KVEventPublisher:
         try:
             self._client.xadd(stream, fields, maxlen=self.maxlen, approximate=True)
         except Exception as exc:
-            self.errors.record(classify_error(exc))
+            kind = classify_error(exc)
+            self.errors.record(kind)
             self._breaker.record_failure()
-            logger.debug("publishing KV event failed: %r", exc)
+            self._failure_log.warning(
+                "publishing KV events to %s failed (%s; events are dropped meanwhile): %s",
+                stream,
+                kind,
+                error_text(exc),
+            )
             return False
         self._breaker.record_success()
         self.published += 1

@@ -29,7 +29,26 @@ DROP_TIER = "tier"  # the tier refused or lost the write (down, full, timed out,
 DROP_ENCODE = "encode"  # the block could not be encoded
 DROP_SNAPSHOT = "snapshot"  # copying the block off the device failed
 DROP_CLOSED = "closed"  # the writer closed first, or gave up on it at close's timeout
-DROP_REASONS = (DROP_QUEUE_FULL, DROP_TIER, DROP_ENCODE, DROP_SNAPSHOT, DROP_CLOSED)
+# The server answered the write with a refusal (the breaker stays closed: it is reachable). The first
+# three pass (memory freed, a primary back, a save that works again): their blocks are written again
+# later (``kvcache/writer.py``, with a back-off); ``refused`` (an ACL's NOPERM, anything else) is not
+# expected to pass by itself and is only counted.
+DROP_OOM = "oom"  # over ``maxmemory`` under ``noeviction`` ("OOM command not allowed")
+DROP_READONLY = "readonly"  # a read-only replica ("READONLY"), e.g. the old primary after a failover
+DROP_MISCONF = "misconf"  # writes stopped because RDB saves fail ("MISCONF", stop-writes-on-bgsave-error)
+DROP_REFUSED = "refused"  # any other refusal (NOPERM from an ACL, ...)
+DROP_RETRYABLE = (DROP_OOM, DROP_READONLY, DROP_MISCONF)
+DROP_REASONS = (
+    DROP_QUEUE_FULL,
+    DROP_TIER,
+    DROP_ENCODE,
+    DROP_SNAPSHOT,
+    DROP_CLOSED,
+    DROP_OOM,
+    DROP_READONLY,
+    DROP_MISCONF,
+    DROP_REFUSED,
+)
 ERROR_KINDS = (
     ERROR_CONNECTION,
     ERROR_TIMEOUT,
@@ -73,7 +92,8 @@ for _kind in ERROR_KINDS:
 KV_TIER_DROPPED_WRITES = Counter(
     "ferry:kv_tier_dropped_writes",
     "KV block writes dropped, by reason: the write queue was full, the tier did not acknowledge the "
-    "block, the block did not encode or snapshot, or the writer closed first.",
+    "block (down, timed out: tier; refused by the server: oom, readonly, misconf, refused), the block "
+    "did not encode or snapshot, or the writer closed first.",
     ["reason"],
 )
 for _reason in DROP_REASONS:

@@ -7,12 +7,19 @@ URL: ``redis[s]://[[user]:password@]host:port/db?ttl=S&timeout=S&connect_timeout
 * Reads are pipelined ``MGET`` s in chunks (one round trip for a whole prefix); writes are
   pipelined ``SET`` s, not ``MSET``: hiredis' command packer caps large ``MSET`` s at ~0.5 GB/s.
 * ``contains_prefix`` runs a 4-line Lua script (``EVALSHA``): one round trip, the server stops
-  at the first absent key. Where scripting is refused it pipelines one ``EXISTS`` per key.
+  at the first absent key. It declares ``#!lua flags=no-writes`` (Redis 7+), so lookups go on
+  during ``CLIENT PAUSE WRITE``, on read-only replicas and over ``maxmemory``; a Redis before 7 runs
+  it without the shebang. Where scripting is refused it pipelines one ``EXISTS`` per key.
   ``contains_prefix_many`` (the engine's batched admission lookups) pipelines one script call
   per key list: one round trip for them all.
 * Every call is bounded by socket timeouts, no call is retried (the breaker decides when to
-  try again), and eviction is Redis' own (``maxmemory`` + an LRU policy); ``ttl`` adds expiry
-  after that many seconds without a write or a read of the block (a read sets it again).
+  try again; writes the server refuses while reachable, OOM, READONLY, MISCONF, are counted by
+  reason and written again later by the writer, ``kvcache/writer.py``; a ``READONLY`` also closes
+  the idle connections, so the next ones reach a failed-over endpoint's new primary), and
+  eviction is Redis' own (``maxmemory`` + an LRU policy); ``ttl`` adds expiry after that many
+  seconds without a write or a read of the block (a read sets it again, from a thread of its
+  own: ``EXPIRE`` is a write, which ``CLIENT PAUSE WRITE`` holds, and a read must not wait for
+  it).
 * ``l1_bytes=N`` puts a process-local memory LRU of N bytes in front (see ``composite_tier``).
 * A server that restarted (its ``run_id``, read with ``INFO server`` once per new connection, is
   not the one seen before) lost every block: it counts in ``epoch()``, so replicas re-publish what
@@ -26,7 +33,8 @@ URL: ``redis[s]://[[user]:password@]host:port/db?ttl=S&timeout=S&connect_timeout
   server was flushed: that counts in ``epoch()`` too. Redis evicting single blocks (``maxmemory``)
   leaves no such trace and is not noticed; an evicted marker reads as a flush (one pass that finds
   the blocks present writes only what is missing). A server that refuses the marker (an ACL limited to
-  ``ferry:kv:*``, a read-only replica) is not watched for flushes.
+  ``ferry:kv:*``) is not watched for flushes; one that refuses it for a while (a read-only replica
+  after a failover, OOM, MISCONF) counts a refusal per check and is watched again once it takes it.
 
 This backend raises on I/O errors; the factory wraps it in ``GuardedTier`` so the tier that
 ``open_tier`` returns never does.
@@ -52,15 +60,24 @@ from kvcache.tier import PartialWriteError, Tier, TierURL, register_tier
 logger = logging.getLogger(__name__)
 
 # How many leading KEYS exist. Read-only (EXISTS only), so it is safe on replicas too.
-PREFIX_SCRIPT = """
+PREFIX_SCRIPT_BODY = """
 for i, key in ipairs(KEYS) do
   if redis.call('EXISTS', key) == 0 then return i - 1 end
 end
 return #KEYS
 """
+# Redis 7+ (and Valkey): declared read-only, so the server treats it as a read. Without the flag a
+# script counts as a possible write: ``CLIENT PAUSE WRITE`` (managed Redis pause writes during a
+# failover or an upgrade) holds every lookup until the pause ends. Redis before 7 does not parse the
+# shebang ("Error compiling script"): the tier then uses ``PREFIX_SCRIPT_BODY`` alone.
+PREFIX_SCRIPT = "#!lua flags=no-writes\n" + PREFIX_SCRIPT_BODY
 READ_CHUNK = 64  # keys per MGET: bounds one reply to ~16 MiB of 256 KiB blocks
 EXISTS_CHUNK = 64  # keys per pipelined EXISTS round trip (contains_prefix without Lua)
 WRITE_CHUNK_BYTES = 32 << 20  # flush a write pipeline every ~32 MiB
+# ``ttl``: keys read, waiting for their ``EXPIRE`` on the touch thread (past that the oldest are not
+# refreshed), and how many ``EXPIRE`` s one round trip sends.
+TOUCH_BACKLOG = 8192
+TOUCH_CHUNK = 1024
 MARKER_PREFIX = "ferry:kvmeta:marker:"  # + a client id: one flush marker per tier client
 MARKER_TTL_S = 24 * 3600  # a dead client's marker goes after a day; a live one sets it again
 PASSTHROUGH_PARAMS = (
@@ -93,6 +110,15 @@ def client_url(url: str) -> str:
     if not any(name in TIER_PARAMS for name in parsed.params):
         return url
     return parsed.url_without_params({k: v for k, v in parsed.params.items() if k not in TIER_PARAMS})
+
+
+def _refuses_flags(exc: redis.exceptions.ResponseError) -> bool:
+    """Whether a ``SCRIPT LOAD`` / ``EVALSHA`` error says the server cannot read the script's
+    ``#!lua flags=…`` shebang: Redis before 7 compiles it as Lua ("Error compiling script … unexpected
+    symbol near '#'"), a server that knows shebangs but not a flag names it ("Unexpected flag in
+    script shebang")."""
+    text = str(exc).lower()
+    return "compiling script" in text or "shebang" in text
 
 
 def _refuses_scripts(exc: redis.exceptions.ResponseError) -> bool:
@@ -147,6 +173,12 @@ class RedisTier(Tier):
             redis_connect_func=self._on_connect,
         )
         self._client = redis.Redis(connection_pool=self._pool)
+        # ``ttl``: the blocks read, whose expiry the touch thread sets again (``_touch``).
+        self._touch_cond = threading.Condition()
+        self._touch_keys: dict[str, None] = {}
+        self._touch_thread: threading.Thread | None = None
+        self._touch_busy = False  # the touch thread is sending keys it took
+        self._closing = False
         # One round trip, one small reply, and the server stops at the first absent key.
         self._prefix_script: Script | None = (
             self._client.register_script(PREFIX_SCRIPT) if use_script else None
@@ -199,7 +231,9 @@ class RedisTier(Tier):
         if refused is not None:
             with self._run_id_lock:
                 self._marker_set = False  # unknown now: the next check only sets it
-            if isinstance(refused, redis.exceptions.NoPermissionError | redis.exceptions.ReadOnlyError):
+            # An ACL that refuses the marker refuses it for good; a read-only replica (the old primary
+            # after a failover), a full Redis or MISCONF pass: tried again at the next check.
+            if isinstance(refused, redis.exceptions.NoPermissionError):
                 self.flush_check_s = 0.0
                 logger.warning(
                     "Redis refuses the KV tier's flush marker (%s); a FLUSHALL goes unnoticed", refused
@@ -222,29 +256,40 @@ class RedisTier(Tier):
         return [bool(found) for found in pipe.execute()]
 
     def contains_prefix(self, keys: Sequence[str]) -> int:
-        if self._prefix_script is not None:
+        while self._prefix_script is not None:
             try:
                 return int(self._prefix_script(keys=list(keys)))
             except redis.exceptions.ResponseError as exc:
-                if not _refuses_scripts(exc):
-                    raise
-                # Scripting disabled (ACLs, some managed Redis): pipelined EXISTS from now on.
-                logger.warning("Redis refuses Lua scripts (%s); contains_prefix uses pipelined EXISTS", exc)
-                self._prefix_script = None
+                self._script_refused(exc)
         return self._contains_prefix_pipelined(keys)
+
+    def _script_refused(self, exc: redis.exceptions.ResponseError) -> None:
+        """The server refused the lookup script: without its read-only shebang (a Redis before 7),
+        or, scripting disabled (ACLs, some managed Redis), pipelined ``EXISTS`` from now on; any other
+        error is raised again."""
+        script = self._prefix_script
+        if script is not None and script.script == PREFIX_SCRIPT and _refuses_flags(exc):
+            logger.warning(
+                "Redis does not take script flags (%s); the lookup script runs without its no-writes "
+                "flag (lookups wait during a CLIENT PAUSE WRITE)",
+                exc,
+            )
+            self._prefix_script = self._client.register_script(PREFIX_SCRIPT_BODY)
+            return
+        if not _refuses_scripts(exc):
+            raise exc
+        logger.warning("Redis refuses Lua scripts (%s); contains_prefix uses pipelined EXISTS", exc)
+        self._prefix_script = None
 
     def contains_prefix_many(self, key_lists: Sequence[Sequence[str]]) -> list[int]:
         """Every list's ``contains_prefix`` in one pipelined round trip (one ``EVALSHA`` each)."""
         if len(key_lists) == 1:
             return [self.contains_prefix(key_lists[0])]
-        if self._prefix_script is not None:
+        while self._prefix_script is not None:
             try:
                 return self._scripted_many(key_lists)
             except redis.exceptions.ResponseError as exc:
-                if not _refuses_scripts(exc):
-                    raise
-                logger.warning("Redis refuses Lua scripts (%s); contains_prefix uses pipelined EXISTS", exc)
-                self._prefix_script = None
+                self._script_refused(exc)
         pipe = self._client.pipeline(transaction=False)
         for keys in key_lists:
             for key in keys:
@@ -288,22 +333,63 @@ class RedisTier(Tier):
         return found
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
-        if len(keys) <= READ_CHUNK and self.ttl_s is None:
-            return self._client.mget(keys)
-        pipe = self._client.pipeline(transaction=False)
-        for start in range(0, len(keys), READ_CHUNK):
-            chunk = keys[start : start + READ_CHUNK]
-            pipe.mget(chunk)
-            if self.ttl_s is not None:
-                # A block read is in use: its expiry starts again (``ttl`` is an idle time), in the
-                # same round trip. EXPIRE of a key that is not there does nothing.
-                for key in chunk:
-                    pipe.expire(key, self.ttl_s)
-        out: list[bytes | None] = []
-        for part in pipe.execute():
-            if isinstance(part, list):
-                out.extend(part)
+        if len(keys) <= READ_CHUNK:
+            out: list[bytes | None] = self._client.mget(keys)
+        else:
+            pipe = self._client.pipeline(transaction=False)
+            for start in range(0, len(keys), READ_CHUNK):
+                pipe.mget(keys[start : start + READ_CHUNK])
+            out = [value for part in pipe.execute() for value in part]
+        if self.ttl_s is not None:
+            # A block read is in use: its expiry starts again (``ttl`` is an idle time).
+            self._touch([key for key, value in zip(keys, out, strict=True) if value is not None])
         return out
+
+    def _touch(self, keys: list[str]) -> None:
+        """Hand ``keys`` to the touch thread, which sets their expiry again (best effort: a Redis
+        that holds or refuses the ``EXPIRE`` s delays no read; the keys expire as if unread)."""
+        if not keys:
+            return
+        with self._touch_cond:
+            if self._closing:
+                return
+            self._touch_keys.update(dict.fromkeys(keys))
+            while len(self._touch_keys) > TOUCH_BACKLOG:
+                del self._touch_keys[next(iter(self._touch_keys))]
+            if self._touch_thread is None:
+                self._touch_thread = threading.Thread(
+                    target=self._run_touch, name="kv-tier-touch", daemon=True
+                )
+                self._touch_thread.start()
+            self._touch_cond.notify()
+
+    def _run_touch(self) -> None:
+        while True:
+            with self._touch_cond:
+                while not self._touch_keys and not self._closing:
+                    self._touch_cond.wait()
+                if self._closing:
+                    return
+                keys, self._touch_keys = list(self._touch_keys), {}
+                self._touch_busy = True
+            try:
+                for start in range(0, len(keys), TOUCH_CHUNK):
+                    pipe = self._client.pipeline(transaction=False)
+                    for key in keys[start : start + TOUCH_CHUNK]:
+                        pipe.expire(key, self.ttl_s)
+                    pipe.execute(raise_on_error=False)
+            except Exception as exc:  # noqa: BLE001 - best effort; the reads count the tier's health
+                logger.debug("setting the ttl of %d read KV blocks again failed: %r", len(keys), exc)
+            with self._touch_cond:
+                self._touch_busy = False
+                self._touch_cond.notify_all()
+
+    def wait_touched(self, timeout: float = 5.0) -> bool:
+        """Wait until the touch thread sent every key handed to it (tests); False at the timeout."""
+        with self._touch_cond:
+            return self._touch_cond.wait_for(
+                lambda: not (self._touch_keys or self._touch_busy) or self._closing, timeout
+            )
 
     def put_many(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
         """Pipelined ``SET`` s, sent in chunks of ~``WRITE_CHUNK_BYTES``; each item's flag says whether
@@ -333,11 +419,19 @@ class RedisTier(Tier):
                 else:
                     stored[i] = True
             if refused is not None:
+                if isinstance(refused, redis.exceptions.ReadOnlyError):
+                    # A replica now (a failover made it one): the idle connections go, so the next
+                    # ones resolve the endpoint again (managed Redis points its name at the new
+                    # primary). A new server's ``run_id`` counts as a restart: a re-publication pass.
+                    self._pool.disconnect(inuse_connections=False)
                 raise PartialWriteError(stored, refused)
             start = end
         return stored
 
     def close(self) -> None:
+        with self._touch_cond:
+            self._closing = True
+            self._touch_cond.notify()
         self._client.close()
         self._pool.disconnect()
 

@@ -9,7 +9,9 @@ every other replica recomputes them. A *pass* makes up for it. It starts
   changed, its flush marker vanished): over every full block the prefix cache holds;
 * when writes were dropped for a full queue (``KVConnector.take_dropped_writes``: the writer
   remembers their hashes, a bounded number) and the queue has room again: over those blocks (over
-  the whole prefix cache if more were dropped than remembered).
+  the whole prefix cache if more were dropped than remembered); likewise, once their back-off
+  passed, over the blocks whose writes the server refused for a reason that passes (OOM under
+  ``noeviction``, a read-only replica after a failover, MISCONF; ``kvcache/writer.py``).
 
 A pass asks the tier which of its blocks it lacks (one ``contains_many`` round trip per
 ``CHECK_CHUNK`` blocks, on this module's own thread) and writes those through the connector's normal
@@ -58,7 +60,7 @@ BLOCKS_PER_STEP = 32  # snapshots queued per engine step at most (one writer bat
 BYTES_PER_STEP = 8 << 20  # ... and at most this many bytes of them (big models' blocks are MBs)
 CHECK_CHUNK = 256  # blocks per existence check (one round trip on Redis)
 MAX_CHECK_FAILURES = 3  # failed checks in a row while the tier still looks reachable: give up
-DROPPED = "dropped writes"  # the cause of a pass over writes dropped for a full queue
+DROPPED = "dropped writes"  # the cause of a pass over writes dropped for a full queue or refused
 
 
 class RegisteredBlocks(Protocol):
@@ -118,8 +120,11 @@ class Republisher:
 
     def has_work(self) -> bool:
         """A pass runs, the tier came back since the last one started, or writes were dropped for a
-        full queue (any thread; no I/O)."""
-        return self._pass is not None or self.kv.tier.epoch() != self._epoch or self.kv.has_dropped_writes
+        full queue or refused (their back-off passed) and the tier answers (any thread; no I/O)."""
+        if self._pass is not None or self.kv.tier.epoch() != self._epoch:
+            return True
+        # Dropped writes wait for a tier that answers (``_start_dropped``): no spinning meanwhile.
+        return self.kv.has_dropped_writes and self.kv.tier.available()
 
     @property
     def queued(self) -> int:
@@ -185,13 +190,14 @@ class Republisher:
         recovery's pass covers them), check those blocks and write what the tier lacks."""
         if not self.kv.can_republish() or not self.kv.tier.available():
             return
-        hashes, overflow = self.kv.take_dropped_writes()
+        hashes, overflow = self.kv.take_dropped_writes(due_only=True)
         if overflow:
             hashes = self.blocks.registered_hashes()
         self._start(DROPPED, hashes)
         # Debug: under a sustained overload one pass follows another; the drops are counted already.
         logger.debug(
-            "KV tier write queue has room again: checking %d blocks%s for re-publication",
+            "KV tier writes dropped for a full queue or refused by the server: checking %d blocks%s "
+            "for re-publication",
             len(hashes),
             " (the whole prefix cache: more writes were dropped than remembered)" if overflow else "",
         )

@@ -88,6 +88,19 @@ def note_unanswered() -> None:
     _calls.unanswered = True
 
 
+def note_refused(reason: str) -> None:
+    """A ``put_many`` on this thread was refused by the server, for ``reason`` (a ``DROP_*`` label of
+    ``kvcache/metrics.py``): the writes it did not store were refused, not lost to an outage."""
+    _calls.refused = reason
+
+
+def take_refused() -> str | None:
+    """The reason ``note_refused`` noted on this thread since the last call, if any; forgets it."""
+    reason = getattr(_calls, "refused", None)
+    _calls.refused = None
+    return reason
+
+
 class PartialWriteError(Exception):
     """A ``put_many`` that failed part-way (perhaps before its first item): ``stored`` flags each
     item as a return value would, ``cause`` is the failure (for the breaker and the metrics)."""

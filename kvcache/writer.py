@@ -16,6 +16,15 @@ The hashes of the blocks dropped for a full queue are remembered (``MAX_DROPPED_
 past that only the fact that more were dropped): those blocks keep hitting in the replica's own
 prefix cache, so nothing would write them again; the re-publication pass (``kvcache/republish.py``)
 takes them (``take_dropped``) once the queue has room and writes those the tier still lacks.
+
+Writes the server refuses while it answers (the breaker stays closed) are counted by the refusal's
+reason (``oom``: over ``maxmemory`` under ``noeviction``; ``readonly``: a replica, as the old primary
+after a failover; ``misconf``: writes stopped for failing RDB saves; ``refused``: anything else, an
+ACL's NOPERM). The first three pass by themselves, so their blocks are remembered as well (the same
+bound) and handed to the re-publication pass with a back-off: ``REFUSED_RETRY_S`` after the first
+refusal, doubled each round that is refused again (up to ``REFUSED_RETRY_MAX_S``), back to the start
+once a batch is acknowledged whole. One round at most per back-off, never a loop of refused writes;
+``retry_due_in`` tells an idle engine when to wake for it. ``refused`` ones are only counted.
 """
 
 from __future__ import annotations
@@ -33,16 +42,18 @@ import torch
 from engine.torch_threads import set_this_thread_count
 from kvcache import codec
 from kvcache.keys import tier_key
+from kvcache.log_limit import RateLimitedLog
 from kvcache.metrics import (
     DROP_CLOSED,
     DROP_ENCODE,
     DROP_QUEUE_FULL,
+    DROP_RETRYABLE,
     DROP_SNAPSHOT,
     DROP_TIER,
     KV_TIER_DROPPED_WRITES,
     KV_TIER_REPUBLISHED,
 )
-from kvcache.tier import Tier
+from kvcache.tier import Tier, take_refused
 
 if TYPE_CHECKING:
     from kvcache.events import KVEventPublisher
@@ -58,6 +69,10 @@ MAX_DROPPED_REMEMBERED = 4096
 # block written since it started. Past that many writes during one pass, the oldest are forgotten
 # (the pass may then write such a block once more: never one less).
 MAX_ACKS_REMEMBERED = 16384
+# Writes the server refused for a passing reason (``DROP_RETRYABLE``) are tried again this long after
+# the first refusal, the wait doubled after each round refused again, up to the maximum.
+REFUSED_RETRY_S = 1.0
+REFUSED_RETRY_MAX_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -120,6 +135,13 @@ class BlockWriter:
         # first); ``_dropped_overflow``: more were dropped than it holds.
         self._dropped_hashes: dict[bytes, None] = {}
         self._dropped_overflow = False
+        # Refused by the server for a passing reason, not yet taken (``take_dropped``): tried again
+        # from ``_refused_retry_at`` on; ``_refused_backoff`` is the wait of the next round.
+        self._refused_hashes: dict[bytes, None] = {}
+        self._refused_overflow = False
+        self._refused_retry_at = 0.0
+        self._refused_backoff = REFUSED_RETRY_S
+        self._refusal_log = RateLimitedLog(logger, burst=1, window=60.0)
         # Acknowledged writes: how many so far, and the latest number of each recent block's.
         self._acks = 0
         self._acked: OrderedDict[bytes, int] = OrderedDict()
@@ -200,17 +222,29 @@ class BlockWriter:
 
     @property
     def has_dropped(self) -> bool:
-        """Writes were dropped for a full queue since the last ``take_dropped`` (no lock: a hint
-        read every engine step; ``take_dropped`` is exact)."""
-        return self._dropped_overflow or bool(self._dropped_hashes)
+        """Writes were dropped for a full queue since the last ``take_dropped``, or refused writes
+        are due to be tried again (no lock: a hint read every engine step; ``take_dropped`` is exact)."""
+        return self._dropped_overflow or bool(self._dropped_hashes) or self.retry_due_in() == 0.0
 
-    def take_dropped(self) -> tuple[list[bytes], bool]:
-        """The hashes of the writes dropped for a full queue since the last call, oldest first, and
-        whether more were dropped than remembered; forgets them."""
+    def retry_due_in(self) -> float | None:
+        """Seconds until the writes the server refused are due to be tried again (0: now), None with
+        none remembered."""
+        if not (self._refused_hashes or self._refused_overflow):
+            return None
+        return max(0.0, self._refused_retry_at - time.monotonic())
+
+    def take_dropped(self, due_only: bool = False) -> tuple[list[bytes], bool]:
+        """The hashes of the writes dropped for a full queue since the last call, then those refused
+        by the server (only once their retry is due, with ``due_only``), oldest first, and whether
+        more were dropped than remembered; forgets them."""
         with self._lock:
-            hashes, overflow = list(self._dropped_hashes), self._dropped_overflow
+            hashes, overflow = self._dropped_hashes, self._dropped_overflow
             self._dropped_hashes, self._dropped_overflow = {}, False
-            return hashes, overflow
+            if not due_only or time.monotonic() >= self._refused_retry_at:
+                hashes.update(self._refused_hashes)
+                overflow = overflow or self._refused_overflow
+                self._refused_hashes, self._refused_overflow = {}, False
+            return list(hashes), overflow
 
     def free_slots(self, keep_free: int = 0) -> int:
         """How many slots ``reserve(n, keep_free)`` would grant now (n large)."""
@@ -315,7 +349,8 @@ class BlockWriter:
     def _process(self, batch: list[object]) -> None:
         writes = [b for b in batch if isinstance(b, BlockWrite)]
         try:
-            done, unencoded = self._write(writes) if writes else ([], 0)
+            done, encoded, refusal = self._write(writes) if writes else ([], [], None)
+            unencoded = len(writes) - len(encoded)
             with self._lock:
                 if self._batch is not batch:  # close gave up on it meanwhile and counted it
                     return
@@ -331,7 +366,13 @@ class BlockWriter:
                     KV_TIER_REPUBLISHED.inc(republished)
                     self.republished += republished
                 self._count_dropped(unencoded, DROP_ENCODE)
-                self._count_dropped(len(writes) - unencoded - len(done), DROP_TIER)
+                unstored = len(writes) - unencoded - len(done)
+                self._count_dropped(unstored, refusal or DROP_TIER)
+                if refusal in DROP_RETRYABLE and unstored:
+                    acked = {id(w) for w in done}
+                    self._remember_refused([w.block_hash for w in encoded if id(w) not in acked], refusal)
+                elif done and not unstored:
+                    self._refused_backoff = REFUSED_RETRY_S  # the tier takes writes again
                 self._batch_counted = True
             if self.presence is not None and done:
                 self.presence.saw(
@@ -357,10 +398,29 @@ class BlockWriter:
                     self._batch = None
                     self._changed.notify_all()
 
-    def _write(self, writes: list[BlockWrite]) -> tuple[list[BlockWrite], int]:
-        """Encode and write a batch: the writes the tier acknowledged, and how many
-        did not encode. The others are dropped (a write the tier refused or lost); the caller
-        counts each block once."""
+    def _remember_refused(self, hashes: list[bytes], reason: str) -> None:
+        """Under ``_lock``: the server refused these writes for a passing ``reason``; a new round
+        (none remembered) is tried again after the back-off, which doubles for the next one."""
+        if not (self._refused_hashes or self._refused_overflow):
+            wait = self._refused_backoff
+            self._refused_retry_at = time.monotonic() + wait
+            self._refused_backoff = min(REFUSED_RETRY_MAX_S, wait * 2)
+            self._refusal_log.warning(
+                "KV tier refuses block writes (%s); the blocks refused are written again in %.1fs "
+                "if it takes them then",
+                reason,
+                wait,
+            )
+        for h in hashes:
+            if len(self._refused_hashes) >= MAX_DROPPED_REMEMBERED:
+                self._refused_overflow = True
+                break
+            self._refused_hashes[h] = None
+
+    def _write(self, writes: list[BlockWrite]) -> tuple[list[BlockWrite], list[BlockWrite], str | None]:
+        """Encode and write a batch: the writes the tier acknowledged, those that encoded, and the
+        reason the server gave if it refused writes (``take_refused``). The others are dropped (a
+        write the tier refused or lost); the caller counts each block once."""
         items: list[tuple[str, bytes]] = []
         encoded: list[BlockWrite] = []
         for w in writes:
@@ -372,13 +432,15 @@ class BlockWriter:
                 continue
             items.append((tier_key(fingerprint, w.block_hash), value))
             encoded.append(w)
+        take_refused()  # only this write's refusal counts
         try:
             stored = self.tier.put_many(items) if items else []
         except Exception:  # open_tier's tiers never raise; this thread must not lose count either
             logger.exception("KV tier write of %d blocks failed; dropped", len(items))
             stored = [False] * len(items)
+        refusal = take_refused()
         done = [w for w, ok in zip(encoded, stored, strict=True) if ok]
-        return done, len(writes) - len(encoded)
+        return done, encoded, refusal
 
     def _publish(self, events: list[BlockEvent]) -> None:
         assert self.publisher is not None

@@ -27,6 +27,7 @@ import logging
 import time
 from typing import Any
 
+from kvcache.log_limit import RateLimitedLog
 from kvcache.tier import redact_url
 from server.task_cancel import cancel_and_wait
 
@@ -64,6 +65,8 @@ class Registration:
         self._client: Any = None
         self._task: asyncio.Task[None] | None = None
         self._registered = False  # a SET landed (and an earlier run's deregistration was deleted)
+        # A refusal lasts (a full Redis, a read-only replica): said once a minute, not every beat.
+        self._refusal_log = RateLimitedLog(logger, burst=1, window=60.0)
 
     async def start(self) -> None:
         import redis.asyncio as aioredis
@@ -93,7 +96,11 @@ class Registration:
                 self._registered = True
         except redis.exceptions.ResponseError as e:  # reachable, but refusing the write
             kept = await self._keep_alive()
-            logger.warning(
+            if isinstance(e, redis.exceptions.ReadOnlyError):
+                # A replica now (the old primary after a failover): the next beat connects anew, so
+                # it reaches the new primary where the endpoint's name now points.
+                await self._client.connection_pool.disconnect()
+            self._refusal_log.warning(
                 "replica heartbeat to %s refused: %s%s",
                 redact_url(self.redis_url),
                 e,

@@ -97,6 +97,7 @@ def test_a_read_starts_a_blocks_ttl_again(redis_url: str) -> None:
         raw.pexpire(key, 2000)  # as if written 28 s ago
     values = tier.get_many(keys)
     assert [v is not None for v in values] == [True, True, False]
+    assert tier.inner.inner.wait_touched()  # MeteredTier -> GuardedTier -> RedisTier
     assert all(28_000 < raw.pttl(key) <= 30_000 for key in keys[:2])
     assert raw.exists(keys[2]) == 0
     many = [tier_key("fp", i.to_bytes(16, "big")) for i in range(300)]  # several read chunks

@@ -13,6 +13,7 @@ import time
 import redis
 
 from server.registration import Registration, departed_key, replica_key
+from tests.conftest import free_port
 
 URL = "http://127.0.0.1:9401"
 
@@ -43,6 +44,32 @@ async def test_a_full_redis_keeps_the_registration_alive(private_redis) -> None:
             await registration.stop()
         # Still full: the deregistration is refused, the key is deleted all the same.
         assert not r.exists(replica_key(URL)) and not r.exists(departed_key(URL))
+
+
+async def test_a_read_only_redis_makes_the_heartbeat_connect_again(private_redis, caplog) -> None:
+    """After a failover the old primary is a read-only replica: the heartbeat drops its connection
+    after a refused beat (the next one resolves the endpoint again), logs once, and registers again
+    as soon as the server takes writes."""
+    srv = private_redis()
+    registration = Registration(srv.url, URL, "mixed", "m", interval_s=0.05, ttl_s=5.0)
+    await registration.start()
+    with redis.Redis(port=srv.port) as r:
+        try:
+            r.replicaof("127.0.0.1", free_port())  # an absent primary: it keeps its data, refuses writes
+            connections = r.info("stats")["total_connections_received"]
+            await asyncio.sleep(0.5)  # about ten beats, each refused
+            # Each refused beat ended its connection: the next ones were new (not one reused).
+            assert r.info("stats")["total_connections_received"] - connections >= 3
+            refused = [m for m in caplog.messages if "replica heartbeat" in m and "refused" in m]
+            assert len(refused) == 1 and "read only replica" in refused[0]
+            r.replicaof("NO", "ONE")
+            r.delete(replica_key(URL))
+            deadline = time.monotonic() + 10
+            while not r.exists(replica_key(URL)):
+                assert time.monotonic() < deadline, "not registered again"
+                await asyncio.sleep(0.02)
+        finally:
+            await registration.stop()
 
 
 async def test_a_clean_stop_deregisters_and_the_next_start_clears_it(private_redis) -> None:
