@@ -330,7 +330,9 @@ class RouterApp:
         elif path in OWN_PATHS:
             await answer_own(self, path, send)
         elif path == "/metrics":
-            await send_bytes(send, 200, self.metrics.render(), content_type=b"text/plain; version=0.0.4")
+            accept = header(scope, b"accept")
+            body, content_type = self.metrics.exposition(accept.decode("latin-1") if accept else None)
+            await send_bytes(send, 200, body, content_type=content_type.encode())
         elif path.startswith("/admin/"):
             await handle_admin(self, scope, receive, send)
         else:

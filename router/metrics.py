@@ -5,10 +5,11 @@ One ``RouterMetrics`` per router, so several routers in one process (tests) neve
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from router.kv_events import GAP_REASONS as KV_EVENT_GAP_REASONS
 from router.kv_events import OUTCOMES as KV_EVENT_OUTCOMES
+from server.metrics_exposition import exposition
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -139,5 +140,6 @@ class RouterMetrics:
             except KeyError:
                 pass
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def exposition(self, accept: str | None) -> tuple[bytes, str]:
+        """``/metrics``: in the format the scrape's ``Accept`` asks for, and its content type."""
+        return exposition(self.registry, accept)

@@ -210,6 +210,8 @@ class Relay:
             self._release(replica, tokens, True, str(last.status), trial)
             tried.add(replica.url)
             if not self.retry.can_retry(attempt[0]) or (last.acted and not replayable(call)):
+                if last.reason:  # the router's own failure, which the client is told without the replica
+                    self.request_log.warning("request %s: %s %s", call.request_id, replica.url, last.reason)
                 return last
             attempt[0] += 1
             self.metrics.retries.inc()
@@ -282,15 +284,17 @@ class Relay:
                 )
                 if not replica.removed:
                     self.metrics.healthy.labels(replica.url).set(0)
-            body = error_body(f"replica {replica.url} unreachable: {e}", error_type(502), 502)
+            # The client's message names no replica (its address is the router's to know); the
+            # reason, with the address, goes to the router's log.
+            body = error_body("a replica could not be reached", error_type(502), 502)
             return Failed(502, body, reason=f"unreachable ({e})")
         except UpstreamTimeout:
             self.replica_failed(replica, "timed out")
-            body = error_body(f"replica {replica.url} timed out", error_type(504), 504)
+            body = error_body("a replica timed out", error_type(504), 504)
             return Failed(504, body, reason="timed out", acted=True)
         except UpstreamError as e:
             self.replica_failed(replica, str(e))
-            body = error_body(f"replica {replica.url} failed: {e}", error_type(502), 502)
+            body = error_body(f"a replica failed: {e}", error_type(502), 502)  # (e names no address)
             return Failed(502, body, reason=f"failed ({e})", acted=True)
 
     def _acquire(self, replica: Replica, tokens: int, now: float) -> int:

@@ -44,7 +44,7 @@ from server.lora import (
     load_lora_adapter,
     unload_lora_adapter,
 )
-from server.metrics import CONTENT_TYPE, ServerMetrics
+from server.metrics import ServerMetrics
 from server.middleware import EdgeMiddleware, ReplicaLoad, ServerLoad, is_messages
 from server.params import ModelLimits
 from server.pooling_protocol import PoolingRequest
@@ -380,8 +380,9 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
         return JSONResponse({"server_load": load.total()})
 
     @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+    async def metrics(request: Request) -> Response:
+        body, content_type = state.metrics.exposition(request.headers.get("accept"))
+        return Response(body, headers={"content-type": content_type})
 
     @app.get("/version", response_model=VersionResponse)
     async def version() -> Any:

@@ -21,6 +21,11 @@ from prometheus_client.registry import Collector
 
 from engine.stats import ITERATION_TOKEN_BUCKETS
 
+# vLLM labels its series with the engine's index beside the model (``vllm:lora_requests_info``
+# aside); a replica runs one engine, index "0".
+ENGINE_INDEX = "0"
+_VLLM_LABELS = ["model_name", "engine"]
+
 # (exposed name without _total, help, EngineStats attribute, kind)
 _ENGINE_SERIES: tuple[tuple[str, str, str, str], ...] = (
     ("vllm:num_requests_running", "Number of requests in model execution batches.", "num_running", "gauge"),
@@ -88,6 +93,7 @@ class EngineStatsCollector(Collector):
     ) -> None:
         self._stats = stats
         self._model_name = model_name
+        self._vllm_values = [model_name, ENGINE_INDEX]
         self._max_loras = max_loras
         self._cache_info = dict(cache_info or {})
 
@@ -98,19 +104,20 @@ class EngineStatsCollector(Collector):
             if value is None:
                 continue
             family_cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
-            family = family_cls(name, doc, labels=["model_name"])
-            family.add_metric([self._model_name], float(value))
+            vllm = name.startswith("vllm:")  # vLLM's carry the engine index; ferry's own, the model only
+            family = family_cls(name, doc, labels=_VLLM_LABELS if vllm else ["model_name"])
+            family.add_metric(self._vllm_values if vllm else [self._model_name], float(value))
             yield family
         counts = getattr(stats, "iteration_tokens_counts", ())
         if counts:
             family = HistogramMetricFamily(
                 "vllm:iteration_tokens_total",
                 "Histogram of number of tokens per engine_step.",
-                labels=["model_name"],
+                labels=_VLLM_LABELS,
             )
             edges = [str(float(e)) for e in ITERATION_TOKEN_BUCKETS] + ["+Inf"]
             family.add_metric(
-                [self._model_name],
+                self._vllm_values,
                 list(zip(edges, itertools.accumulate(counts), strict=True)),
                 float(stats.iteration_tokens_sum),
             )
@@ -119,23 +126,23 @@ class EngineStatsCollector(Collector):
             info = GaugeMetricFamily(
                 "vllm:cache_config_info",
                 "Information of the LLMEngine CacheConfig.",
-                labels=list(self._cache_info),
+                labels=[*self._cache_info, "engine"],
             )
-            info.add_metric(list(self._cache_info.values()), 1.0)
+            info.add_metric([*self._cache_info.values(), ENGINE_INDEX], 1.0)
             yield info
         per_position = getattr(stats, "spec_decode_accepted_per_position", ())
         if per_position:  # speculative decoding is on: vLLM's names
             for name, doc, attr in _SPEC_SERIES:
-                family = CounterMetricFamily(name, doc, labels=["model_name"])
-                family.add_metric([self._model_name], float(getattr(stats, attr)))
+                family = CounterMetricFamily(name, doc, labels=_VLLM_LABELS)
+                family.add_metric(self._vllm_values, float(getattr(stats, attr)))
                 yield family
             family = CounterMetricFamily(
                 "vllm:spec_decode_num_accepted_tokens_per_pos",
                 "Accepted draft tokens, by their position in the draft.",
-                labels=["model_name", "position"],
+                labels=[*_VLLM_LABELS, "position"],
             )
             for pos, count in enumerate(per_position):
-                family.add_metric([self._model_name, str(pos)], float(count))
+                family.add_metric([*self._vllm_values, str(pos)], float(count))
             yield family
         # vLLM's sleep gauge: one series per state, 1 for the engine's (engine 0: one engine here).
         level = getattr(stats, "sleep_level", 0)
@@ -146,7 +153,7 @@ class EngineStatsCollector(Collector):
             labels=["model_name", "engine", "sleep_state"],
         )
         for state, at in (("awake", 0), ("weights_offloaded", 1), ("discard_all", 2)):
-            sleep.add_metric([self._model_name, "0", state], float(level == at))
+            sleep.add_metric([self._model_name, ENGINE_INDEX, state], float(level == at))
         yield sleep
         if self._max_loras is not None:
             # vLLM's: the adapters in use as labels, the time of the reading as the value.

@@ -19,7 +19,9 @@ tokens received; a stop the server chose, a Responses answer capped by ``max_too
 refused (a 400) is not counted. ``vllm:request_max_num_generation_tokens`` counts once per prompt
 of a request (its choices' longest), when all its counted choices have ended.
 
-Every series carries ``model_name``. prometheus-client appends ``_total`` to counters, so the
+Every series carries ``model_name``; vLLM's (``vllm:*``, but ``vllm:lora_requests_info``) also
+``engine``, the engine's index, as vLLM v1 labels them: "0", a replica running one engine.
+prometheus-client appends ``_total`` to counters, so the
 exposed names are ``vllm:prompt_tokens_total``, ``vllm:prefix_cache_hits_total`` … exactly as
 vLLM v1 exposes them. The serving metrics live in a registry of their own (two apps in one
 process never collide); ``/metrics`` renders it together with the process-wide default
@@ -32,12 +34,11 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from server.engine_stats_metrics import EngineStatsCollector
-
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+from server.engine_stats_metrics import ENGINE_INDEX, EngineStatsCollector
+from server.metrics_exposition import Collectors, exposition
 
 # Bucket edges in seconds (the spread vLLM uses: sub-ms to minutes).
 _TTFT_BUCKETS = tuple(
@@ -78,101 +79,107 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         labels = ["model_name"]
+        # vLLM's series carry the engine's index beside the model (one engine per replica: "0").
+        vllm_labels = ["model_name", "engine"]
+        ours = (model_name, ENGINE_INDEX)
         reg = self.registry
         self._success = Counter(
-            "vllm:request_success", "Count of finished requests.", labels + ["finished_reason"], registry=reg
+            "vllm:request_success",
+            "Count of finished requests.",
+            vllm_labels + ["finished_reason"],
+            registry=reg,
         )
         # Every finish reason exposed from the start at 0, as vLLM does: a rate() over a reason
         # that has not happened yet reads 0, not "no data".
         self._success_by_reason: dict[str, Counter] = {
-            reason: self._success.labels(model_name, reason) for reason in _FINISH_REASONS
+            reason: self._success.labels(*ours, reason) for reason in _FINISH_REASONS
         }
         self._ttft = Histogram(
             "vllm:time_to_first_token_seconds",
             "Histogram of time to first token in seconds.",
-            labels,
+            vllm_labels,
             buckets=_TTFT_BUCKETS,
             registry=reg,
-        ).labels(model_name)
+        ).labels(*ours)
         self._itl = Histogram(
             "vllm:inter_token_latency_seconds",
             "Histogram of inter-token latency in seconds.",
-            labels,
+            vllm_labels,
             buckets=_ITL_BUCKETS,
             registry=reg,
-        ).labels(model_name)
+        ).labels(*ours)
         self._e2e = Histogram(
             "vllm:e2e_request_latency_seconds",
             "Histogram of end to end request latency in seconds.",
-            labels,
+            vllm_labels,
             buckets=_REQUEST_BUCKETS,
             registry=reg,
-        ).labels(model_name)
+        ).labels(*ours)
         self._queue = Histogram(
             "vllm:request_queue_time_seconds",
             "Histogram of time spent in WAITING phase for request.",
-            labels,
+            vllm_labels,
             buckets=_REQUEST_BUCKETS,
             registry=reg,
-        ).labels(model_name)
+        ).labels(*ours)
         self._prompt_tokens = Histogram(
             "vllm:request_prompt_tokens",
             "Number of prefill tokens processed.",
-            labels,
+            vllm_labels,
             buckets=_TOKEN_BUCKETS,
             registry=reg,
-        ).labels(model_name)
+        ).labels(*ours)
         self._generation_tokens = Histogram(
             "vllm:request_generation_tokens",
             "Number of generation tokens processed.",
-            labels,
+            vllm_labels,
             buckets=_TOKEN_BUCKETS,
             registry=reg,
-        ).labels(model_name)
+        ).labels(*ours)
         self._max_generation_tokens = Histogram(
             "vllm:request_max_num_generation_tokens",
             "Histogram of maximum number of requested generation tokens.",
-            labels,
+            vllm_labels,
             buckets=_TOKEN_BUCKETS,
             registry=reg,
-        ).labels(model_name)
+        ).labels(*ours)
         self._prefill = Histogram(
             "vllm:request_prefill_time_seconds",
             "Histogram of time spent in PREFILL phase for request.",
-            labels,
+            vllm_labels,
             buckets=_REQUEST_BUCKETS,
             registry=reg,
-        ).labels(model_name)
+        ).labels(*ours)
         self._decode = Histogram(
             "vllm:request_decode_time_seconds",
             "Histogram of time spent in DECODE phase for request.",
-            labels,
+            vllm_labels,
             buckets=_REQUEST_BUCKETS,
             registry=reg,
-        ).labels(model_name)
+        ).labels(*ours)
         self._inference = Histogram(
             "vllm:request_inference_time_seconds",
             "Histogram of time spent in RUNNING phase for request.",
-            labels,
+            vllm_labels,
             buckets=_REQUEST_BUCKETS,
             registry=reg,
-        ).labels(model_name)
+        ).labels(*ours)
         # vLLM's deprecated name of the inter-token latency: the same samples, its own buckets.
         self._tpot = Histogram(
             "vllm:time_per_output_token_seconds",
             "Histogram of time per output token in seconds. "
             "DEPRECATED: Use vllm:inter_token_latency_seconds instead.",
-            labels,
+            vllm_labels,
             buckets=_TPOT_BUCKETS,
             registry=reg,
-        ).labels(model_name)
+        ).labels(*ours)
         self._request_tpot = Histogram(
             "vllm:request_time_per_output_token_seconds",
             "Histogram of time_per_output_token_seconds per request.",
-            labels,
+            vllm_labels,
             buckets=_TPOT_BUCKETS,
             registry=reg,
-        ).labels(model_name)
+        ).labels(*ours)
         self.rejected = Counter(
             "ferry:server_rejected_requests",
             "Requests refused by admission control (429).",
@@ -221,17 +228,17 @@ class ServerMetrics:
         self._params_n = Histogram(
             "vllm:request_params_n",
             "Histogram of the n request parameter.",
-            labels,
+            vllm_labels,
             buckets=(1, 2, 5, 10, 20),
             registry=reg,
-        ).labels(model_name)
+        ).labels(*ours)
         self._params_max_tokens = Histogram(
             "vllm:request_params_max_tokens",
             "Histogram of the max_tokens request parameter.",
-            labels,
+            vllm_labels,
             buckets=_TOKEN_BUCKETS,
             registry=reg,
-        ).labels(model_name)
+        ).labels(*ours)
         if engine_stats is not None:
             reg.register(EngineStatsCollector(engine_stats, model_name, max_loras, cache_info))
         # One of several API server processes (``--api-server-count``): every process's metrics
@@ -288,7 +295,7 @@ class ServerMetrics:
         request aborted before its last output: it has no stamps)."""
         counter = self._success_by_reason.get(reason)
         if counter is None:
-            counter = self._success.labels(self.model_name, reason)
+            counter = self._success.labels(self.model_name, ENGINE_INDEX, reason)
             self._success_by_reason[reason] = counter
         counter.inc()
         self._e2e.observe(e2e_s)
@@ -314,6 +321,10 @@ class ServerMetrics:
     def render(self) -> bytes:
         """The text exposition of this server's metrics plus the default registry (KV tier, process),
         or, under ``--api-server-count``, the whole replica's."""
-        if self._replica is not None:
-            return generate_latest(self._replica)
-        return generate_latest(self.registry) + generate_latest(REGISTRY)
+        return self.exposition(None)[0]
+
+    def exposition(self, accept: str | None) -> tuple[bytes, str]:
+        """What ``render`` shows, in the format a scrape's ``Accept`` header asks for (the text
+        format, or OpenMetrics), and its content type."""
+        source = self._replica if self._replica is not None else Collectors((self.registry, REGISTRY))
+        return exposition(source, accept)

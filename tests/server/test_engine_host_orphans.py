@@ -34,7 +34,7 @@ async def test_a_closed_connection_counts_its_requests_once_as_aborts(engine) ->
     metrics = ServerMetrics("m")
 
     def sample(name: str, **labels: str) -> float:
-        return metrics.registry.get_sample_value(name, {"model_name": "m", **labels}) or 0.0
+        return metrics.registry.get_sample_value(name, {"model_name": "m", "engine": "0", **labels}) or 0.0
 
     async with _hosted(EngineHost(engine, metrics=metrics)) as where:
         reader, writer = await asyncio.open_unix_connection(where)
@@ -66,7 +66,7 @@ async def test_a_closed_connection_counts_its_beam_searches_once_per_answer(engi
     metrics = ServerMetrics("m")
 
     def sample(name: str, **labels: str) -> float:
-        return metrics.registry.get_sample_value(name, {"model_name": "m", **labels}) or 0.0
+        return metrics.registry.get_sample_value(name, {"model_name": "m", "engine": "0", **labels}) or 0.0
 
     between = [5, 6, 7, 8, 9]  # request 1, prompt 0: 2 answers, its first step answered
     counted = [20, 21, 22]  # request 1, prompt 1: 2 answers, its API server counted it (beam_end)

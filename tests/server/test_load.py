@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
 PROMPTS = [f"def function_{i}(x):\n    return" for i in range(64)]
 
@@ -197,7 +198,22 @@ def test_request_timeout_aborts_cleanly(tight, scrape) -> None:
 def test_kv_tier_metrics_share_the_endpoint(tight) -> None:
     text = httpx.get(tight.url + "/metrics").text
     assert "ferry:kv_tier_hits_total" in text  # registered by kvcache on the default registry
-    assert f'vllm:num_requests_running{{model_name="{tight.model_name}"}}' in text
+    assert f'vllm:num_requests_running{{engine="0",model_name="{tight.model_name}"}}' in text
+
+
+def test_metrics_answer_in_the_format_asked_for(tight) -> None:
+    """As prometheus-client's exposition app (which vLLM mounts): the text format by default,
+    OpenMetrics when the scrape asks for it, every family whole (``vllm:`` names kept)."""
+    r = httpx.get(tight.url + "/metrics")
+    assert r.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+    r = httpx.get(tight.url + "/metrics", headers={"accept": "application/openmetrics-text; version=1.0.0"})
+    assert r.headers["content-type"].startswith("application/openmetrics-text; version=1.0.0; charset=utf-8")
+    families = {f.name: f for f in text_string_to_metric_families(r.text)}  # one valid exposition
+    running = families["vllm:num_requests_running"]
+    assert running.type == "gauge" and [s.labels for s in running.samples] == [
+        {"engine": "0", "model_name": tight.model_name}
+    ]
+    assert "ferry:kv_tier_hits" in families
 
 
 def test_disconnect_mid_responses_stream_frees_blocks(server, scrape) -> None:
