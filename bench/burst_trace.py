@@ -150,12 +150,16 @@ def phases(record: dict[str, tuple[int, int]], events: list[list]) -> dict[str, 
     def ms(t: int) -> float:
         return (t - t0) / 1e6
 
-    def first(name: str) -> int | None:
-        return next((e[0] for e in wave if e[3] == name), None)
+    def first(name: str, after: int | None = None) -> int | None:
+        return next((e[0] for e in wave if e[3] == name and (after is None or e[0] >= after)), None)
 
     parsed = [e[0] for e in wave if e[3] == "edge_in" and e[4][0] in ids]
     taken = [e[0] for e in wave if e[3] == "started" and _base_id(e[4][0]) in ids]
-    step_in, step_out, gathered = first("step_in"), first("step_out"), first("gather_out")
+    # The wave's step is the first after its burst was gathered: the previous wave's last step
+    # (its requests' later tokens) may still run as this wave's first requests arrive.
+    gathered = first("gather_out")
+    step_in = first("step_in", gathered)
+    step_out = first("step_out", step_in)
     firsts = [f for _, f in record.values()]
     ttft = statistics.median((f - s) / 1e6 for s, f in record.values())
     step_ms = (step_out - step_in) / 1e6 if step_in and step_out else None
