@@ -43,7 +43,12 @@ _ENDS = frozenset({"response.completed", "response.incomplete", "response.failed
 # The ends of a response its replica stored (a foreground stream that failed is not stored).
 _STORED = frozenset({"response.completed", "response.incomplete"})
 _DELTAS = frozenset(
-    {"response.output_text.delta", "response.reasoning_text.delta", "response.function_call_arguments.delta"}
+    {
+        "response.output_text.delta",
+        "response.reasoning_text.delta",
+        "response.reasoning_summary_text.delta",
+        "response.function_call_arguments.delta",
+    }
 )
 
 
@@ -182,6 +187,23 @@ class ResponsesTracker:
                 )
                 events.append({"type": "response.content_part.done", **ids, "content_index": 0, "part": part})
                 done["content"] = [part]
+            elif kind == "reasoning" and "content" not in item:  # the thought as its summary
+                parts = item.get("summary") or [{}]
+                text = "".join(p.get("text", "") for p in parts if isinstance(p, dict))
+                part = {"type": "summary_text", "text": text}
+                events.append(
+                    {"type": "response.reasoning_summary_text.done", **ids, "summary_index": 0, "text": text}
+                )
+                events.append(
+                    {
+                        "type": "response.reasoning_summary_part.done",
+                        **ids,
+                        "summary_index": 0,
+                        "part": part,
+                        "status": "incomplete",
+                    }
+                )
+                done["summary"] = [part]
             elif kind == "reasoning":
                 text = "".join(p.get("text", "") for p in item.get("content") or () if isinstance(p, dict))
                 events.append(
@@ -220,10 +242,18 @@ class ResponsesTracker:
             self.items[index] = obj["item"]
         elif kind == "response.content_part.added" and isinstance(obj.get("part"), dict):
             item.setdefault("content", []).append(obj["part"])
+        elif kind == "response.reasoning_summary_part.added" and isinstance(obj.get("part"), dict):
+            item.setdefault("summary", []).append(dict(obj["part"]))
         elif kind in _DELTAS and isinstance(obj.get("delta"), str):
             self.content_choices += 1
             if kind == "response.function_call_arguments.delta":
                 item["arguments"] = item.get("arguments", "") + obj["delta"]
+                return
+            if kind == "response.reasoning_summary_text.delta":
+                summary = item.setdefault("summary", [])
+                if not summary:
+                    summary.append({"type": "summary_text", "text": ""})
+                summary[-1]["text"] = summary[-1].get("text", "") + obj["delta"]
                 return
             content = item.setdefault("content", [])
             if not content:  # reasoning text comes without a content part of its own

@@ -48,6 +48,9 @@ class ChatChunks:
 
     chunks: AsyncIterator[ChatCompletionChunk]
     on_close: Callable[[], None]
+    # The prompt opened the thought (a ``<think>`` reasoning parser's answer starts inside it): what
+    # the Responses API's reasoning_tokens count starts from (``server/reasoning_tokens.py``).
+    thinking_open: bool = False
 
 
 async def sse_frames(chunks: AsyncIterator[ChatCompletionChunk], num_choices: int) -> AsyncIterator[bytes]:

@@ -9,7 +9,7 @@ that none of them imports the endpoint (``server/serving_responses.py``).
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 from server.middleware import response_id_for
@@ -81,6 +81,9 @@ class _Response:
         # How a background response was stopped before its end (status, error), set by
         # BackgroundResponses before it aborts the engine request: the answer then ends as that.
         self.stopped: tuple[Status, dict[str, str] | None] | None = None
+        # usage.output_tokens_details.reasoning_tokens of the answer's token ids (the resumed ones
+        # first): the reasoning parser's count (``server/reasoning_tokens.py``); None: 0.
+        self.count_reasoning: Callable[[Sequence[int]], int] | None = None
 
     @property
     def keeps_events(self) -> bool:

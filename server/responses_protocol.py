@@ -28,12 +28,22 @@ class ResponsesResume(_Request):
 
 class ResponsesReasoning(_Request):
     """``reasoning``: its ``effort`` reaches the chat template as the chat request's
-    ``reasoning_effort`` (``server/responses_to_chat.py``). No reasoning summary is ever written
-    here, so ``summary`` (OpenAI's auto, concise, detailed) is taken as given and left unanswered,
-    as vLLM does."""
+    ``reasoning_effort`` (``server/responses_to_chat.py``). ``summary`` (OpenAI's auto, concise,
+    detailed; ``generate_summary`` is its deprecated name) asks for the thought as the reasoning
+    item's ``summary``: this server writes no summaries of its own, so the summary is the
+    thought itself, one ``summary_text`` part, streamed with OpenAI's summary events; without one
+    the thought is the item's ``content`` (``reasoning_text``), as vLLM answers
+    (``server/responses_stream.py``)."""
 
     effort: ReasoningEffort | None = None
-    summary: StrictStr | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+def wants_summary(req: ResponsesRequest) -> bool:
+    """Whether the thought is written as the reasoning item's summary (``reasoning.summary``)."""
+    reasoning = req.reasoning
+    return reasoning is not None and (reasoning.summary or reasoning.generate_summary) is not None
 
 
 class ResponsesRequest(_Request):
@@ -59,6 +69,11 @@ class ResponsesRequest(_Request):
     ) = Field(default=None, max_length=16)
     user: StrictStr | None = None
     reasoning: ResponsesReasoning | None = None
+    # vLLM's: false leaves the reasoning item out of the output (the model still thinks, and usage
+    # still counts the thought's tokens), as the chat request's field does.
+    include_reasoning: StrictBool = True
+    # vLLM's (chat and completions): at most this many tokens of thinking (``engine/thinking_budget.py``).
+    thinking_token_budget: Any = None
     # At most this many function calls in the output: the answer stops at the cap (``server/tools.py``).
     max_tool_calls: StrictInt | None = Field(default=None, ge=0)
     # OpenAI's Conversations API object: no conversation store here, so a 400 (``responses_to_chat``).

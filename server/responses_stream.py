@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from server.chat_protocol import ChatCompletionChunk, ChatStreamChoice
 from server.protocol import random_id
+from server.responses_protocol import wants_summary
 from server.responses_store import event_frame
 from server.serving_common import stream_errors
 from server.serving_messages import GROUP_EVENT
@@ -51,14 +52,17 @@ Event = tuple[str, dict[str, Any]]  # kind, fields (the sequence number is added
 Unit = tuple[list[int] | None, list[Event]]
 
 
-def reasoning_item(text: str, status: str = "completed") -> dict[str, Any]:
-    return {
-        "type": "reasoning",
-        "id": f"rs_{random_id()}",
-        "summary": [],
-        "content": [{"type": "reasoning_text", "text": text}],
-        "status": status,
-    }
+def reasoning_item(text: str, status: str = "completed", summary: bool = False) -> dict[str, Any]:
+    """A reasoning item: the thought as its ``content`` (vLLM's ``reasoning_text``), or with
+    ``summary`` (the request asked for ``reasoning.summary``) as its one ``summary_text`` part."""
+    item: dict[str, Any] = {"type": "reasoning", "id": f"rs_{random_id()}"}
+    if summary:
+        item["summary"] = [{"type": "summary_text", "text": text}]
+    else:
+        item["summary"] = []
+        item["content"] = [{"type": "reasoning_text", "text": text}]
+    item["status"] = status
+    return item
 
 
 def text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -132,6 +136,13 @@ class _Output:
         self.added = 0  # items added so far: the next one's output_index
         self.open_index = 0  # the open item's
         self.index_of: dict[str, int] = {}  # a closed item's id -> its output_index
+        req = built.req
+        self.summary = wants_summary(req)  # the thought as the reasoning item's summary
+        self.shows_reasoning = req.include_reasoning  # vLLM's include_reasoning: false, no item
+        # usage.output_tokens_details.reasoning_tokens is counted from the answer's token ids, the
+        # resumed ones first (the chat request always returns them): ``server/reasoning_tokens.py``.
+        resume = req.resume
+        self.token_ids: list[int] = list(resume.token_ids or []) if resume is not None else []
 
     def seed(self, items: list[dict[str, Any]]) -> None:
         """Take over the output a client already has (a resumed stream)."""
@@ -146,8 +157,8 @@ class _Output:
                     self.arguments[calls] = [item.get("arguments", "")]
                 calls += 1
             elif item.get("status") == "in_progress" and item.get("type") in ("message", "reasoning"):
-                part = (item.get("content") or [{}])[0]
-                self.open_item = {**item, "content": []}
+                part = (item.get("content") or item.get("summary") or [{}])[0]
+                self.open_item = {**item, "content": []} if item.get("type") == "message" else item
                 self.pieces = [part.get("text", "")]
                 self.logprobs = list(part.get("logprobs") or [])
                 self.open_index = position
@@ -201,9 +212,18 @@ class _Output:
                 ("response.content_part.done", {**ids, "part": part}),
             ]
             done = {**item, "status": status, "content": [part]}
+        elif self.summary:
+            summary = {k: v for k, v in ids.items() if k != "content_index"} | {"summary_index": 0}
+            part = {"type": "summary_text", "text": text}
+            cut = {"status": "incomplete"} if status == "incomplete" else {}
+            out = [
+                ("response.reasoning_summary_text.done", {**summary, "text": text}),
+                ("response.reasoning_summary_part.done", {**summary, "part": part, **cut}),
+            ]
+            done = {**reasoning_item(text, status, summary=True), "id": item["id"]}
         else:
             out = [("response.reasoning_text.done", {**ids, "text": text})]
-            done = {**item, "status": status, "content": [{"type": "reasoning_text", "text": text}]}
+            done = {**reasoning_item(text, status), "id": item["id"]}
         out.append(("response.output_item.done", {"output_index": index, "item": done}))
         self._closed(done, index)
         self.open_item, self.pieces, self.logprobs = None, [], []
@@ -219,7 +239,13 @@ class _Output:
             out.append(("response.content_part.added", part))
         else:
             item = {**reasoning_item("", status="in_progress"), "content": []}
+            if self.summary:  # OpenAI's: the summary part is added before its text
+                item = {**reasoning_item("", status="in_progress", summary=True), "summary": []}
             out.append(("response.output_item.added", {"output_index": index, "item": item}))
+            if self.summary:
+                part = {"type": "summary_text", "text": ""}
+                ids = {"item_id": item["id"], "output_index": index, "summary_index": 0}
+                out.append(("response.reasoning_summary_part.added", {**ids, "part": part}))
         self.open_item = item
         return out
 
@@ -235,9 +261,11 @@ class _Output:
             if shown is None and choice.logprobs is not None:
                 shown = choice.logprobs.content
             self.pending += [t.model_dump() for t in shown or ()]
+        if choice.token_ids is not None:
+            self.token_ids += choice.token_ids
         for field, kind, name in _TEXT_DELTAS:
             piece = getattr(delta, field)
-            if not piece:
+            if not piece or (kind == "reasoning" and not self.shows_reasoning):
                 continue
             out += self.close_calls()  # text after a call: the model has moved on
             if self.open_item is None or self.open_item["type"] != kind:
@@ -252,6 +280,10 @@ class _Output:
                 "output_index": self.open_index,
                 "content_index": 0,
             }
+            if kind == "reasoning" and self.summary:
+                name = "response.reasoning_summary_text.delta"
+                ids = {**ids, "summary_index": 0}
+                del ids["content_index"]
             out.append((name, {**ids, "delta": piece, **extra}))
         for tc in delta.tool_calls or []:
             out += self.close_open()
@@ -275,6 +307,11 @@ class _Output:
             if self.whole_calls:
                 out += self.close_calls()
         return out
+
+    def counted(self) -> int:
+        """``usage.output_tokens_details.reasoning_tokens``: a function of the answer's token ids."""
+        count = self.built.count_reasoning
+        return count(self.token_ids) if count is not None else 0
 
     def finish(self, cut: bool = False) -> list[Event]:
         """The events that close every item (an empty answer still has its message). ``cut``: the
@@ -338,7 +375,7 @@ async def collect(
     try:
         async for chunk in chunks:
             if chunk.usage is not None and not chunk.choices:
-                built.set_usage(chunk.usage.model_dump())
+                built.set_usage(chunk.usage.model_dump(), output.counted())
             for choice in chunk.choices:
                 output.feed(choice)
                 finish_reason = choice.finish_reason or finish_reason
@@ -371,7 +408,7 @@ async def _translate(
     async with stream_errors() as failed:
         async for chunk in chunks:
             if chunk.usage is not None and not chunk.choices:
-                built.set_usage(chunk.usage.model_dump())
+                built.set_usage(chunk.usage.model_dump(), output.counted())
                 continue
             ids: list[int] = []
             out: list[Event] = []

@@ -46,6 +46,7 @@ _EXTRAS = (
     "priority",
     "cache_salt",
     "structured_outputs",
+    "thinking_token_budget",
 )
 
 
@@ -128,7 +129,9 @@ def to_chat_request(
         "stream": True,
         "stream_options": {"include_usage": True},
         "resume": {"token_ids": req.resume.token_ids} if req.resume and req.resume.token_ids else None,
-        "return_token_ids": req.return_token_ids,
+        # Always: each chunk's token ids are what ``usage.output_tokens_details.reasoning_tokens``
+        # counts (``server/reasoning_tokens.py``); a client sees them only when it asked.
+        "return_token_ids": True,
     }
     try:
         return ChatCompletionRequest.model_validate(body)

@@ -81,7 +81,9 @@ async def create_chat_completion(
             state, req, seqs, choices, usage, response_id, request_id, arrival, producer, ticket, tools
         )
         if as_chunks:
-            return ChatChunks(chunks, ticket.close)
+            opens = splitter(state, seqs[0])
+            thinking_open = opens is not None and opens.think_markers and not opens.requires_start
+            return ChatChunks(chunks, ticket.close, thinking_open)
         return SSEResponse(sse_frames(chunks, len(seqs)), on_close=ticket.close, hold_start=True)
 
     def on_output(seq: SequenceRequest, out: RequestOutput) -> None:

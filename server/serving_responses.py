@@ -12,6 +12,12 @@ chunk models (``ChatChunks``: never framed as chat SSE) become Responses events
 ``return_token_ids``), or for a non-streamed request the output of one body, written by the same
 code (``collect``): both give the same output items.
 
+A reasoning parser's thought is a ``reasoning`` item: its ``content`` (``reasoning_text``, as vLLM
+writes it), or with ``reasoning.summary`` its ``summary`` (the thought itself: no summarizer runs
+here), streamed with OpenAI's summary events; vLLM's ``include_reasoning: false`` leaves the item
+out and ``thinking_token_budget`` caps the thought as on chat. ``usage.output_tokens_details
+.reasoning_tokens`` counts the thought's tokens from the answer's token ids (``server/reasoning_tokens.py``).
+
 ``include: ["message.output_text.logprobs"]`` (with ``top_logprobs``) puts chat's token logprobs
 on the ``output_text`` parts and text delta events: those of the part's (the delta's) own text, whose
 tokens' strings join to it; a tool call's markup, the reasoning and the ending token (EOS) have none
@@ -46,6 +52,7 @@ from starlette.responses import JSONResponse, Response
 from server.chat_stream import ChatChunks
 from server.errors import APIError, bad_request
 from server.middleware import response_id_for
+from server.reasoning_tokens import reasoning_counter
 from server.responses_input import input_items, without_oldest_turns
 from server.responses_object import _Response
 from server.responses_protocol import ResponsesRequest, wants_logprobs
@@ -140,6 +147,7 @@ async def create_response(
         store=req.store is not False and state.responses is not None,
         defaults=state.limits.generation_defaults,
     )
+    built.count_reasoning = reasoning_counter(state, answer.thinking_open)
     save = Saver(state, built, context + own)
     if req.stream or req.background:
         frames = events(

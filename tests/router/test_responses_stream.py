@@ -28,9 +28,12 @@ from server.chat_protocol import (
 )
 from server.errors import APIError
 from server.protocol import UsageInfo
+from server.reasoning_tokens import count_thought
 from server.responses_object import _Response
 from server.responses_protocol import ResponsesRequest, ResponsesResume
 from server.responses_stream import events
+
+START, END = 8, 9  # <think>'s and </think>'s token ids in the reasoning_tokens tests
 
 
 def chunk(
@@ -62,6 +65,8 @@ def replica(
     logprobs: bool = False,
     tools: list[dict] | None = None,
     fail: Exception | None = None,
+    summary: bool = False,
+    opened: bool | None = None,
 ) -> tuple[list[bytes], _Response]:
     """A replica's SSE events for ``chunks`` (grouped, as a router asks), and the response it built;
     ``fail``: raised by the chat stream after its chunks (its engine failed part-way)."""
@@ -71,8 +76,11 @@ def replica(
         stream=True,
         return_token_ids=True,
         resume=ResponsesResume(**resume) if resume is not None else None,
+        reasoning={"summary": "auto"} if summary else None,
     )
     built = _Response(req, "m", "rid", store=True)
+    if opened is not None:  # a <think> parser's count (<think> 8, </think> 9); opened: by the prompt
+        built.count_reasoning = lambda ids: count_thought(ids, [START], [END], opened)
 
     async def source():
         for c in chunks:
@@ -111,16 +119,18 @@ def splice(
     dies_after: int,
     second: list[ChatCompletionChunk],
     logprobs: bool = False,
+    summary: bool = False,
+    opened: bool | None = None,
 ):
     """The client's events when the first replica dies after ``dies_after`` SSE events and the
     second resumes from what the router was given; and what the second replica built."""
     tracker = ResponsesTracker()
-    frames, _ = replica(first, logprobs=logprobs)
+    frames, _ = replica(first, logprobs=logprobs, summary=summary)
     sent = relay(tracker, frames[:dies_after])
     assert not tracker.done  # it died part-way
     tracker.begin_failover()
     resume = tracker.resume_body({"input": "x"})["resume"]
-    frames, built = replica(second, resume, logprobs)
+    frames, built = replica(second, resume, logprobs, summary=summary, opened=opened)
     return sent + relay(tracker, frames), tracker, built
 
 
@@ -310,6 +320,7 @@ def _lp(token: str) -> list[TokenLogprob]:
     [
         [chunk([1], content="Hel", logprobs=_lp("Hel")), chunk([2], content="lo", logprobs=_lp("lo"))],
         [chunk([1], reasoning_content="a"), chunk([2], reasoning_content="b")],
+        [chunk([1], reasoning_content="a"), chunk([2], reasoning_content="b")],
         # A message done, then a named call whose arguments were cut.
         [
             chunk([1], content="x", logprobs=_lp("x")),
@@ -317,13 +328,15 @@ def _lp(token: str) -> list[TokenLogprob]:
             chunk([3], tool_calls=call(0, " upon")),
         ],
     ],
-    ids=["message", "reasoning", "call"],
+    ids=["message", "reasoning", "summary", "call"],
 )
-def test_the_routers_end_of_a_stream_closes_its_items_as_a_failing_replica_does(chunks) -> None:
+def test_the_routers_end_of_a_stream_closes_its_items_as_a_failing_replica_does(chunks, request) -> None:
     """A replica whose engine fails part-way closes the open items ``incomplete`` before its error
     and ``response.failed``; the router's own end of a stream it cannot resume (the replica died
     without a word) says the same of the same items."""
-    frames, _ = replica(chunks, logprobs=True, fail=APIError(503, "engine gone", code="service_unavailable"))
+    summary = request.node.callspec.id == "summary"  # the thought as the item's summary
+    gone = APIError(503, "engine gone", code="service_unavailable")
+    frames, _ = replica(chunks, logprobs=True, fail=gone, summary=summary)
     grouped = [i for i, f in enumerate(frames) if f.startswith(b"event: ferry_chunk")]
     replicas_end = ResponsesTracker()
     said = relay(replicas_end, frames)
@@ -364,3 +377,88 @@ def test_an_open_call_is_closed_with_its_name_when_the_stream_cannot_go_on() -> 
     client += parse(tracker.error_event("gone"))
     done = [e for e in client if e["type"] == "response.function_call_arguments.done"]
     assert [(e["name"], e["arguments"]) for e in done] == [("tell", '{"story": "Once')]
+
+
+def test_a_resumed_summary_goes_on_in_the_same_item_and_its_tokens_are_counted() -> None:
+    """With ``reasoning.summary`` the thought streams as the reasoning item's summary (OpenAI's
+    summary part and text events); a stream resumed mid-thought goes on in the same summary part, and
+    usage counts the whole answer's tokens (the resumed ones too) up to </think> as reasoning."""
+    first = [chunk([1], reasoning_content="a"), chunk([2], reasoning_content="b")]
+    second = [
+        chunk([3], reasoning_content="c"),
+        chunk([END]),
+        chunk([4], content="Hi"),
+        chunk([5], "stop"),
+        usage(4),
+    ]
+    client, tracker, built = splice(first, 4, second, summary=True, opened=True)
+    kinds = [e["type"] for e in client]
+    assert kinds[:11] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.reasoning_summary_part.added",
+        "response.reasoning_summary_text.delta",
+        "response.reasoning_summary_text.delta",
+        "response.reasoning_summary_text.delta",  # "c": the same item and part
+        "response.reasoning_summary_text.done",
+        "response.reasoning_summary_part.done",
+        "response.output_item.done",
+        "response.output_item.added",
+    ]
+    assert client[2]["item"] == {
+        "type": "reasoning",
+        "id": client[2]["item"]["id"],
+        "summary": [],
+        "status": "in_progress",
+    }
+    assert [client[i]["summary_index"] for i in range(3, 9)] == [0] * 6
+    assert client[8]["part"] == {"type": "summary_text", "text": "abc"} and "status" not in client[8]
+    final = sdk_final(client)
+    assert [s.model_dump() for s in final.output[0].summary] == [{"type": "summary_text", "text": "abc"}]
+    assert final.output[0].content is None and final.output_text == "Hi"
+    # The prompt opened the thought: 2 resumed tokens and "c"'s; </think>, "Hi" and the end are not.
+    assert final.usage.output_tokens_details.reasoning_tokens == 3
+    assert built.body()["output"] == client[-1]["response"]["output"]
+
+
+ONE_EACH = [
+    chunk([START]),
+    chunk([1], reasoning_content="a"),
+    chunk([2], reasoning_content="b"),
+    chunk([END]),
+    chunk([3], content="Hi"),
+    chunk([4], "stop"),
+]
+
+
+@pytest.mark.parametrize(
+    ("chunks", "opened", "expected"),
+    [
+        # vLLM's count: the tokens inside <think> ... </think>, the markers not counted.
+        (ONE_EACH, False, 2),
+        # The same ids read together (the engine's outputs in one chunk): the same count.
+        ([chunk([START, 1, 2, END], reasoning_content="ab"), chunk([3, 4], "stop", content="Hi")], False, 2),
+        ([chunk([START, 1, 2, END, 3], content="Hi", reasoning_content="ab"), chunk([4], "stop")], False, 2),
+        # The prompt opened the thought: from the first token.
+        ([chunk([1, 2, END], reasoning_content="ab"), chunk([3, 4], "stop", content="Hi")], True, 2),
+        # Never closed (cut): all of it, a token with no text yet too.
+        (
+            [
+                chunk([1], reasoning_content="a"),
+                chunk([2]),
+                chunk([3], reasoning_content="<b"),
+                chunk([4], "length"),
+            ],
+            True,
+            4,
+        ),
+        # No thought at all (thinking off: the prompt did not open it, the answer does not).
+        ([chunk([1], content="Hi"), chunk([2], "stop")], False, 0),
+    ],
+    ids=["one-each", "marker-last", "marker-inside", "prompt-opened", "cut", "none"],
+)
+def test_reasoning_tokens_are_the_thoughts_tokens(chunks, opened: bool, expected: int) -> None:
+    n = sum(len(c.choices[0].token_ids) for c in chunks)
+    _, built = replica([*chunks, usage(n)], opened=opened)
+    assert built.usage["output_tokens_details"] == {"reasoning_tokens": expected}

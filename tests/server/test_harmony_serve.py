@@ -77,3 +77,32 @@ def test_a_thinking_budget_needs_think_markers(srv) -> None:
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "thinking_token_budget"
     assert "--reasoning-parser openai_gptoss has no <think>" in r.json()["error"]["message"]
+
+
+def test_responses_reasoning_tokens_are_the_analysis_bodys_tokens(srv, tiny_llama: Path) -> None:
+    """Responses' usage.output_tokens_details.reasoning_tokens: the analysis message's body tokens
+    (not its header, <|end|>, or the call), the same whole and streamed (the token ids decide)."""
+    from transformers import AutoTokenizer
+
+    chat = httpx.post(srv.url + "/v1/chat/completions", json=_body(return_token_ids=True), timeout=120).json()
+    ids = chat["choices"][0]["token_ids"]
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    text = tok.decode(ids, skip_special_tokens=False)
+    body = text.index("Look it up.")
+    starts = [len(tok.decode(ids[:i], skip_special_tokens=False)) for i in range(len(ids))]
+    expected = sum(body <= at < body + len("Look it up.") for at in starts)
+    assert expected > 0
+    tools = [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]
+    body_r = {
+        "input": "Weather in Oslo?",
+        "max_output_tokens": 400,
+        "temperature": 0,
+        "tools": tools,
+        "structured_outputs": {"regex": HARMONY},
+    }
+    whole = httpx.post(srv.url + "/v1/responses", json=body_r, timeout=120).json()
+    assert whole["output"][0]["content"] == [{"type": "reasoning_text", "text": "Look it up."}]
+    assert whole["usage"]["output_tokens_details"] == {"reasoning_tokens": expected}
+    with httpx.stream("POST", srv.url + "/v1/responses", json={**body_r, "stream": True}, timeout=120) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert events[-1]["response"]["usage"] == whole["usage"]

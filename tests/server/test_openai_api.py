@@ -621,6 +621,14 @@ def test_a_thinking_budget_without_a_reasoning_parser_is_a_400(client) -> None:
             extra_body={"thinking_token_budget": 0},
         )
     assert e.value.body["param"] == "thinking_token_budget"
+    with pytest.raises(openai.BadRequestError) as e:  # the Responses API takes it too
+        client.responses.create(
+            model=client.models.list().data[0].id,
+            input="hi",
+            max_output_tokens=2,
+            extra_body={"thinking_token_budget": 3},
+        )
+    assert e.value.body["param"] == "thinking_token_budget"
     # -1 (vLLM's "no cap") needs none; include_reasoning is accepted and changes nothing here.
     r = client.chat.completions.create(
         model=client.models.list().data[0].id,

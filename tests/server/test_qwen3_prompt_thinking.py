@@ -241,3 +241,96 @@ def test_anthropic_thinking_budget_tokens_is_the_budget(srv, end_id: int) -> Non
     budgeted = blocks(thinking={"type": "enabled", "budget_tokens": 3}, extra_body=never)
     assert budgeted == [("thinking", r["reasoning"]), ("text", r["content"])]
     assert blocks(extra_body=never)[0][1] != r["reasoning"]  # without it, the model thinks on
+
+
+# ---------------------------------------------------------- the Responses API on the same server
+# The thought is a reasoning item (vLLM's reasoning_text content, or with reasoning.summary the
+# item's summary, streamed with OpenAI's summary events), usage counts its tokens exactly, and
+# vLLM's include_reasoning and thinking_token_budget work as on chat.
+
+BUDGET = 4  # the prompt's "\n" and 3 generated thoughts, then </think>
+
+
+def _responses_args(**extra: object) -> dict:
+    body = {"ignore_eos": True, "logit_bias": {"0": 0.0}, "thinking_token_budget": BUDGET, **extra}
+    return {"model": MODEL, "input": "hi", "max_output_tokens": 12, "temperature": 0, "extra_body": body}
+
+
+@pytest.fixture(scope="module")
+def budgeted(sdk, end_id: int) -> tuple[str, str]:
+    """The chat answer (thought, content) the Responses requests below must give."""
+    never = {"logit_bias": {str(end_id): -100.0}, "thinking_token_budget": BUDGET}
+    message, ids, _ = _sdk_whole(sdk, extra_body=never)
+    assert ids[BUDGET - 1] == end_id and message["reasoning"] and message["content"]
+    return message["reasoning"], message["content"]
+
+
+def test_responses_reasoning_item_and_exact_reasoning_tokens(sdk, end_id: int, budgeted) -> None:
+    thought, content = budgeted
+    args = _responses_args(logit_bias={str(end_id): -100.0})
+    r = sdk.responses.create(**args)
+    reasoning, message = r.output
+    assert (reasoning.type, reasoning.summary, [c.model_dump() for c in reasoning.content]) == (
+        "reasoning",
+        [],
+        [{"type": "reasoning_text", "text": thought}],
+    )
+    assert message.type == "message" and r.output_text == content  # no thought in output_text
+    assert (r.usage.output_tokens, r.usage.output_tokens_details.reasoning_tokens) == (12, BUDGET - 1)
+    # include_reasoning false (vLLM's): no reasoning item, the same answer and usage.
+    hidden = sdk.responses.create(
+        **{**args, "extra_body": {**args["extra_body"], "include_reasoning": False}}
+    )
+    assert [item.type for item in hidden.output] == ["message"] and hidden.output_text == content
+    assert hidden.usage.output_tokens_details.reasoning_tokens == BUDGET - 1
+    # Streamed: the same items and usage, the thought as reasoning_text deltas.
+    # (max_output_tokens cuts it: the stream ends with response.incomplete, whose response is final)
+    with sdk.responses.stream(**args) as stream:
+        events = list(stream)
+    kinds, final = [event.type for event in events], events[-1].response
+    assert kinds[-1] == "response.incomplete"
+    assert [i.model_dump(exclude={"id"}) for i in final.output] == [
+        i.model_dump(exclude={"id"}) for i in r.output
+    ]
+    assert final.usage.output_tokens_details.reasoning_tokens == BUDGET - 1
+    deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert deltas == thought and "response.reasoning_summary_text.delta" not in kinds
+
+
+def test_responses_reasoning_summary_is_the_thought(sdk, end_id: int, budgeted) -> None:
+    thought, content = budgeted
+    args = _responses_args(logit_bias={str(end_id): -100.0})
+    for key in ("summary", "generate_summary"):  # the latter: OpenAI's deprecated name
+        r = sdk.responses.create(**args, reasoning={key: "auto"})
+        reasoning = r.output[0]
+        assert (reasoning.summary[0].model_dump(), reasoning.content) == (
+            {"type": "summary_text", "text": thought},
+            None,
+        )
+        assert r.output_text == content and r.usage.output_tokens_details.reasoning_tokens == BUDGET - 1
+    with sdk.responses.stream(**args, reasoning={"summary": "detailed"}) as stream:
+        events = list(stream)
+    final = events[-1].response
+    item_id = final.output[0].id
+    mine = [e for e in events if getattr(e, "item_id", None) == item_id or getattr(e, "item", None)]
+    kinds = [e.type for e in mine if getattr(e, "output_index", None) == 0]
+    # (however many deltas the engine's steps came in: those read together are one)
+    kinds = [k for i, k in enumerate(kinds) if not (i and k == kinds[i - 1] and k.endswith(".delta"))]
+    assert kinds == [
+        "response.output_item.added",
+        "response.reasoning_summary_part.added",
+        "response.reasoning_summary_text.delta",
+        "response.reasoning_summary_text.done",
+        "response.reasoning_summary_part.done",
+        "response.output_item.done",
+    ]
+    deltas = "".join(e.delta for e in mine if e.type == "response.reasoning_summary_text.delta")
+    assert deltas == thought and final.output[0].summary[0].text == thought
+    assert {e.summary_index for e in mine if "summary" in e.type} == {0}
+    assert "response.reasoning_text.delta" not in [e.type for e in events]
+    assert final.output_text == content
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as e:  # not one of OpenAI's three
+        sdk.responses.create(**args, reasoning={"summary": "verbose"})
+    assert e.value.status_code == 400

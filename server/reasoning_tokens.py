@@ -1,0 +1,98 @@
+"""``usage.output_tokens_details.reasoning_tokens`` of a Responses answer: a function of the
+answer's token ids alone (the resumed ones too), so a whole, streamed, stored or resumed answer
+counts the same however its tokens came in chunks.
+
+* ``<think>`` parsers (vLLM's ``count_reasoning_tokens`` for its think-marker parsers): the tokens
+  inside the thought, the markers themselves not counted. The thought is open from the first token
+  when the prompt opened it (``deepseek_r1``, or a prompt that ends with ``<think>``), else from a
+  ``<think>`` the answer writes; it ends at ``</think>`` (an answer that never writes it is all
+  thought). Markers nest as vLLM counts them: a further ``<think>`` opens one more level.
+* harmony (``openai_gptoss``): the bodies of ``analysis`` messages, the tokens between a header's
+  ``<|message|>`` and the body's end (``<|end|>``, ``<|return|>``, ``<|call|>`` or the end of the
+  answer), neither counted; the headers, ``final`` and ``commentary`` bodies and tool calls are the
+  answer's (the same split as ``server/reasoning_parsers.HarmonySplitter`` makes of the text).
+  vLLM's HarmonyContext also counts ``commentary`` bodies and each body's ``<|message|>``; here the
+  count is the tokens of what the reasoning item holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.sampling_params import SamplingParams
+from server.reasoning_parsers import END, START, _route
+
+if TYPE_CHECKING:
+    from engine.tokenizer import Tokenizer
+    from server.state import ServerState
+
+Counter = Callable[[Sequence[int]], int]
+
+_MESSAGE = "<|message|>"
+_BODY_ENDS = ("<|end|>", "<|return|>", "<|call|>")
+
+
+def _at(ids: Sequence[int], i: int, marker: list[int]) -> bool:
+    return bool(marker) and list(ids[i : i + len(marker)]) == marker
+
+
+def count_thought(ids: Sequence[int], start: list[int], end: list[int], opened: bool) -> int:
+    """The tokens inside ``<think>`` (``start``) ... ``</think>`` (``end``) in ``ids``; ``opened``:
+    the prompt opened the thought."""
+    depth, count, i = int(opened), 0, 0
+    while i < len(ids):
+        if _at(ids, i, start):
+            depth, i = depth + 1, i + len(start)
+        elif _at(ids, i, end):
+            depth, i = max(0, depth - 1), i + len(end)
+        else:
+            count += depth > 0
+            i += 1
+    return count
+
+
+def analysis_spans(text: str) -> list[tuple[int, int]]:
+    """Where the harmony ``analysis`` bodies lie in an answer's ``text`` (special tokens kept)."""
+    spans, header = [], 0
+    while (at := text.find(_MESSAGE, header)) >= 0:
+        destination, _ = _route(text[header:at])
+        start = at + len(_MESSAGE)
+        ends = [(i, e) for e in _BODY_ENDS if (i := text.find(e, start)) >= 0]
+        end, marker = min(ends) if ends else (len(text), "")
+        if destination == "reasoning":
+            spans.append((start, end))
+        header = end + len(marker)
+    return spans
+
+
+def count_analysis(ids: Sequence[int], tokenizer: Tokenizer) -> int:
+    """The tokens of harmony ``analysis`` bodies in ``ids``: those whose text starts inside one (a
+    token with no text of its own yet, a partial character, where its text will start). The markers
+    need not be single tokens: the answer's text decides, each token placed in it as the stream
+    decodes it."""
+    detok = IncrementalDetokenizer(tokenizer, SamplingParams(skip_special_tokens=False), [])
+    starts = []
+    for token in ids:
+        starts.append(len(detok.text))
+        detok.append([token])
+    detok.flush()
+    spans = analysis_spans(detok.text)
+    return sum(any(start <= at < end for start, end in spans) for at in starts)
+
+
+def reasoning_counter(state: ServerState, thinking_open: bool) -> Counter | None:
+    """How ``state``'s reasoning parser counts an answer's reasoning tokens (None: no parser, 0);
+    ``thinking_open``: the prompt opened the thought (``ChatChunks.thinking_open``)."""
+    parser, tokenizer = state.reasoning, state.tokenizer
+    if parser is None:
+        return None
+
+    def encode(text: str) -> list[int]:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    if parser.think_markers:
+        start, end = encode(START), encode(END)
+        return lambda ids: count_thought(ids, start, end, thinking_open)
+    return lambda ids: count_analysis(ids, tokenizer)
