@@ -134,7 +134,7 @@ class _Response:
             "previous_response_id": req.previous_response_id,
             "prompt_cache_key": req.prompt_cache_key,
             "prompt_cache_retention": req.prompt_cache_retention,
-            "reasoning": req.reasoning.model_dump() if req.reasoning is not None else None,  # as given
+            "reasoning": _reasoning_echo(req),
             "safety_identifier": req.safety_identifier,
             "service_tier": "default",  # the tier that served it, as OpenAI's answers name it
             "store": self.store,
@@ -151,3 +151,14 @@ class _Response:
             "user": req.user,
             "metadata": req.metadata or {},
         }
+
+
+def _reasoning_echo(req: Any) -> dict[str, Any] | None:
+    """The request's ``reasoning``, as given (``effort``, ``summary``); the deprecated
+    ``generate_summary`` only when it was sent."""
+    if req.reasoning is None:
+        return None
+    echo = req.reasoning.model_dump()
+    if echo.get("generate_summary") is None:
+        echo.pop("generate_summary", None)
+    return echo
