@@ -10,6 +10,8 @@ import pytest
 import yaml
 from deploy_support import K8S, MODEL, OVERLAYS, FerryProcess, kubectl
 
+from tests.conftest import RedisServer
+
 
 @pytest.fixture(scope="session")
 def rendered() -> dict[str, list[dict]]:
@@ -23,6 +25,17 @@ def rendered() -> dict[str, list[dict]]:
         assert proc.returncode == 0, f"overlay {name} does not render:\n{proc.stderr}"
         out[name] = [doc for doc in yaml.safe_load_all(proc.stdout) if doc]
     return out
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """The deploy tests' own redis-server (over the session one): their replica lives for the rest of
+    its worker's session, KV events on, and an idle replica re-publishes its blocks after a flush, so
+    in the shared server it would write into every later test's freshly flushed database."""
+    srv = RedisServer(tmp_path_factory.mktemp("deploy-redis"))
+    srv.start()
+    yield srv
+    srv.stop()
 
 
 @pytest.fixture(scope="session")
