@@ -136,13 +136,19 @@ class CircuitBreaker:
         self.times_opened += 1
 
 
-def classify_error(exc: BaseException) -> str:
-    """Map an exception from a tier backend to an error kind (the metric label)."""
-    # Imported here so the breaker itself has no hard dependency on redis-py.
+def _redis_exceptions():  # noqa: ANN202 - the module, or None
+    """redis-py's exceptions module, imported here so the breaker itself has no hard dependency on
+    redis-py (None without it)."""
     try:
         import redis.exceptions as rexc
     except ImportError:  # pragma: no cover - redis is a project dependency
-        rexc = None
+        return None
+    return rexc
+
+
+def classify_error(exc: BaseException) -> str:
+    """Map an exception from a tier backend to an error kind (the metric label)."""
+    rexc = _redis_exceptions()
     if rexc is not None:
         if isinstance(exc, rexc.TimeoutError):
             return ERROR_TIMEOUT
@@ -161,10 +167,7 @@ def classify_error(exc: BaseException) -> str:
 def refusal_reason(exc: BaseException) -> str:
     """Why the server refused a write (the ``reason`` label of a dropped write): over ``maxmemory``
     under ``noeviction``, a read-only replica, writes stopped for failing RDB saves, or another."""
-    try:
-        import redis.exceptions as rexc
-    except ImportError:  # pragma: no cover - redis is a project dependency
-        rexc = None
+    rexc = _redis_exceptions()
     if rexc is not None:
         if isinstance(exc, rexc.OutOfMemoryError):
             return DROP_OOM
