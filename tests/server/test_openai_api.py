@@ -604,9 +604,10 @@ def test_iteration_tokens_request_params_and_cache_config(server, scrape) -> Non
 
 def test_a_thinking_budget_without_a_reasoning_parser_is_a_400(client) -> None:
     # vLLM refuses a budget its server cannot enforce; the error names the flag that would.
+    model = client.models.list().data[0].id
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(
-            model=client.models.list().data[0].id,
+            model=model,
             messages=[{"role": "user", "content": "hi"}],
             max_tokens=2,
             extra_body={"thinking_token_budget": 4},
@@ -615,7 +616,7 @@ def test_a_thinking_budget_without_a_reasoning_parser_is_a_400(client) -> None:
     assert "needs a reasoning parser: start the server with --reasoning-parser" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(
-            model=client.models.list().data[0].id,
+            model=model,
             prompt="hi",
             max_tokens=2,
             extra_body={"thinking_token_budget": 0},
@@ -623,7 +624,7 @@ def test_a_thinking_budget_without_a_reasoning_parser_is_a_400(client) -> None:
     assert e.value.body["param"] == "thinking_token_budget"
     with pytest.raises(openai.BadRequestError) as e:  # the Responses API takes it too
         client.responses.create(
-            model=client.models.list().data[0].id,
+            model=model,
             input="hi",
             max_output_tokens=2,
             extra_body={"thinking_token_budget": 3},
@@ -631,7 +632,7 @@ def test_a_thinking_budget_without_a_reasoning_parser_is_a_400(client) -> None:
     assert e.value.body["param"] == "thinking_token_budget"
     # -1 (vLLM's "no cap") needs none; include_reasoning is accepted and changes nothing here.
     r = client.chat.completions.create(
-        model=client.models.list().data[0].id,
+        model=model,
         messages=[{"role": "user", "content": "hi"}],
         max_tokens=2,
         extra_body={"thinking_token_budget": -1, "include_reasoning": False},
