@@ -48,6 +48,7 @@ from router.replica import HealthPolicy, Replica
 from router.response_affinity import ResponseAffinity
 from router.retry import RetryPolicy
 from router.upstream import UpstreamClient
+from server.metrics_exposition import content_encoding
 from server.middleware import request_id_of, route_path
 
 log = logging.getLogger("ferry.router")
@@ -332,7 +333,10 @@ class RouterApp:
         elif path == "/metrics":
             accept = header(scope, b"accept")
             body, content_type = self.metrics.exposition(accept.decode("latin-1") if accept else None)
-            await send_bytes(send, 200, body, content_type=content_type.encode())
+            encoding = header(scope, b"accept-encoding")
+            body, coding = content_encoding(body, encoding.decode("latin-1") if encoding else None)
+            headers = [(name.encode(), value.encode()) for name, value in coding]
+            await send_bytes(send, 200, body, headers, content_type=content_type.encode())
         elif path.startswith("/admin/"):
             await handle_admin(self, scope, receive, send)
         else:

@@ -45,6 +45,7 @@ from server.lora import (
     unload_lora_adapter,
 )
 from server.metrics import ServerMetrics
+from server.metrics_exposition import content_encoding
 from server.middleware import EdgeMiddleware, ReplicaLoad, ServerLoad, is_messages
 from server.params import ModelLimits
 from server.pooling_protocol import PoolingRequest
@@ -382,7 +383,8 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         body, content_type = state.metrics.exposition(request.headers.get("accept"))
-        return Response(body, headers={"content-type": content_type})
+        body, headers = content_encoding(body, request.headers.get("accept-encoding"))
+        return Response(body, headers={"content-type": content_type, **dict(headers)})
 
     @app.get("/version", response_model=VersionResponse)
     async def version() -> Any:

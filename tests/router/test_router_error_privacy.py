@@ -7,6 +7,7 @@ when asked."""
 from __future__ import annotations
 
 import asyncio
+import gzip
 from collections.abc import Iterator
 from urllib.parse import urlsplit
 
@@ -95,6 +96,19 @@ def test_router_metrics_negotiate_their_format(setup) -> None:
     assert r.text.endswith("# EOF\n")
     names = {family.name for family in text_string_to_metric_families(r.text)}  # a valid exposition
     assert "ferry:router_requests" in names
+
+
+def test_router_metrics_are_gzipped_when_the_scrape_takes_gzip(setup) -> None:
+    _, router = setup
+    for accept_encoding, gzipped in (("gzip", True), ("identity", False), ("gzip;q=0, identity", False)):
+        with httpx.stream(
+            "GET", router.url + "/metrics", headers={"accept-encoding": accept_encoding}, timeout=10
+        ) as r:
+            raw = b"".join(r.iter_raw())
+        assert r.headers.get("content-encoding") == ("gzip" if gzipped else None), accept_encoding
+        assert "accept-encoding" in r.headers["vary"].lower() and int(r.headers["content-length"]) == len(raw)
+        text = (gzip.decompress(raw) if gzipped else raw).decode()
+        assert "# TYPE ferry:router_requests_total counter" in text
 
 
 def test_an_unreachable_replica_is_a_502_naming_no_replica(setup) -> None:

@@ -6,6 +6,7 @@ Loopback only, bounded in count and time.
 from __future__ import annotations
 
 import asyncio
+import gzip
 import time
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
+from prometheus_client.parser import text_string_to_metric_families as prometheus_text_families
 
 PROMPTS = [f"def function_{i}(x):\n    return" for i in range(64)]
 
@@ -214,6 +216,31 @@ def test_metrics_answer_in_the_format_asked_for(tight) -> None:
         {"engine": "0", "model_name": tight.model_name}
     ]
     assert "ferry:kv_tier_hits" in families
+
+
+@pytest.mark.parametrize(
+    ("accept_encoding", "gzipped"),
+    [
+        ("gzip", True),
+        ("br, gzip;q=0.5", True),
+        ("*", True),
+        ("identity", False),
+        ("gzip;q=0", False),
+        ("*, gzip;q=0", False),
+        ("", False),
+    ],
+)
+def test_metrics_are_gzipped_when_the_scrape_takes_gzip(tight, accept_encoding, gzipped) -> None:
+    """As prometheus-client's exposition app: gzip when ``Accept-Encoding`` takes it (Prometheus
+    always sends ``gzip``), the same exposition inside."""
+    with httpx.stream("GET", tight.url + "/metrics", headers={"accept-encoding": accept_encoding}) as r:
+        raw = b"".join(r.iter_raw())
+    assert r.status_code == 200 and "accept-encoding" in r.headers["vary"].lower()
+    assert r.headers.get("content-encoding") == ("gzip" if gzipped else None)
+    assert int(r.headers["content-length"]) == len(raw)
+    text = (gzip.decompress(raw) if gzipped else raw).decode()
+    names = {f.name for f in prometheus_text_families(text)}
+    assert {"vllm:num_requests_running", "vllm:kv_cache_usage_perc"} <= names
 
 
 def test_disconnect_mid_responses_stream_frees_blocks(server, scrape) -> None:
