@@ -240,7 +240,9 @@ class KVConnector(TierReads):
     def publish_event(self, kind: str, hashes: Sequence[bytes], medium: str = "device") -> bool:
         """Queue a block event (``stored``/``removed``/``cleared``, by default about the device cache).
 
-        A no-op returning ``False`` when events are off or the queue is full (events are hints).
+        ``False`` when events are off or the writer closed, or when even the events' headroom in
+        the write queue is full: then the event is missed and the stream shows readers the gap
+        (``BlockWriter.submit_event``).
         """
         return self._writer.submit_event(BlockEvent(kind, tuple(hashes), medium, self.fingerprint))
 

@@ -10,8 +10,8 @@ Stream ``ferry:kv:events:{fingerprint}``; each entry has the fields
     instance the publishing engine's instance id (the ``instance_id`` of the replica's ``/health``,
              new at each start); absent from publishers that have none (and from older ones)
     seq      the publisher's event number in this stream, 1, 2, 3 … from its start, counting every
-             event it meant to append, also those it could not (Redis down, breaker open); absent
-             from older ones. Numbered per stream: after a weight update a replica's events queued
+             event it meant to append, also those it could not (Redis down, breaker open, the
+             write queue full); absent from older ones. Numbered per stream: after a weight update a replica's events queued
              before it still go to the old model's stream, between ones of the new model's.
 
 A replica that restarts keeps its ``replica`` id but not its blocks: ``instance`` tells a router
@@ -158,6 +158,13 @@ class KVEventPublisher:
         self._breaker.record_success()
         self.published += 1
         return True
+
+    def skip(self, n: int, fingerprint: str | None = None) -> None:
+        """Number ``n`` events meant for ``fingerprint``'s stream that never reached the publisher
+        (its queue was full): the next event appended shows readers the gap. Same thread as
+        ``publish``."""
+        stream = self.stream if fingerprint is None else events_stream(fingerprint)
+        self.seqs[stream] = self.seqs.get(stream, 0) + n
 
     def close(self) -> None:
         self._client.close()

@@ -73,6 +73,11 @@ MAX_ACKS_REMEMBERED = 16384
 # the first refusal, the wait doubled after each round refused again, up to the maximum.
 REFUSED_RETRY_S = 1.0
 REFUSED_RETRY_MAX_S = 60.0
+# Block events are a few hashes each: they may fill the queue this many items past the writes'
+# capacity, so a queue full of block writes (a slow tier) does not also cost the routers their
+# view of this replica's caches. Past that an event is missed, and its number skipped (``seq``):
+# a reader sees the gap and relearns this replica from its later events (``router/kv_events.py``).
+EVENT_HEADROOM = 1024
 
 
 @dataclass(frozen=True)
@@ -142,6 +147,11 @@ class BlockWriter:
         self._refused_retry_at = 0.0
         self._refused_backoff = REFUSED_RETRY_S
         self._refusal_log = RateLimitedLog(logger, burst=1, window=60.0)
+        # Events missed for a full queue, per model (None: the publisher's), not yet numbered in
+        # the publisher's sequence (the writer thread does it before publishing its next events).
+        self._missed_events: Counter[str | None] = Counter()
+        self.events_missed = 0
+        self._missed_log = RateLimitedLog(logger, burst=1, window=60.0)
         # Acknowledged writes: how many so far, and the latest number of each recent block's.
         self._acks = 0
         self._acked: OrderedDict[bytes, int] = OrderedDict()
@@ -188,15 +198,31 @@ class BlockWriter:
             self._changed.notify_all()
 
     def submit_event(self, event: BlockEvent) -> bool:
-        if self.publisher is None or self.reserve(1) == 0:
+        """Queue ``event`` behind the writes queued before it: False when events are off, the
+        writer closed, or even the events' headroom is full (the event is missed: counted, and its
+        number skipped in the stream so that readers see a gap instead of a silently wrong view)."""
+        if self.publisher is None:
             return False
         with self._changed:
-            if self._given_up:
-                self._pending -= 1
+            if self._closed or self._given_up:
                 return False
-            self._queue.append(event)
-            self._changed.notify_all()
-        return True
+            if self._pending >= self.capacity + EVENT_HEADROOM:
+                self._missed_events[event.fingerprint] += 1
+                self.events_missed += 1
+                self._changed.notify_all()  # the writer thread numbers the gap before its next events
+                missed = self.events_missed
+            else:
+                self._pending += 1
+                self._queue.append(event)
+                self._changed.notify_all()
+                return True
+        self._missed_log.warning(
+            "KV tier write queue full (%d items): block events missed (%d so far); routers relearn "
+            "this replica's caches from its later events",
+            self.capacity + EVENT_HEADROOM,
+            missed,
+        )
+        return False
 
     def cancel(self, n: int) -> None:
         """Give back ``n`` reserved slots whose writes will never be submitted (their snapshot
@@ -444,6 +470,10 @@ class BlockWriter:
 
     def _publish(self, events: list[BlockEvent]) -> None:
         assert self.publisher is not None
+        with self._lock:
+            missed, self._missed_events = self._missed_events, Counter()
+        for fingerprint, n in missed.items():
+            self.publisher.skip(n, fingerprint)
         i = 0
         while i < len(events):
             first = events[i]

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import time
+
 import redis
 import torch
 
+from kvcache import writer as writer_module
 from kvcache.connector import KVConnector
 from kvcache.events import KVEventPublisher, KVEventReader, PrefixIndex, events_stream
 from kvcache.keys import block_hashes
+from kvcache.tier import open_tier
+from kvcache.writer import BlockEvent, BlockWrite, BlockWriter
 
 HASHES = block_hashes(list(range(16 * 6)), 16)
 HEX = [h.hex() for h in HASHES]
@@ -87,3 +92,51 @@ def test_the_events_publisher_connects_with_the_tiers_client_settings(redis_url:
         names = [c["name"] for c in redis.Redis.from_url(redis_url).client_list()]
         # One connection for the tier's write, one for the event it published.
         assert names.count("ferry-events-test") == 2, names
+
+
+def test_events_past_the_write_queue_headroom_leave_a_numbered_gap(private_redis, monkeypatch) -> None:
+    """A slow tier fills the write queue: events still queue in their own headroom past the writes'
+    capacity; past that an event is missed, and the next one published numbers past it, so a reader
+    sees the gap (router/kv_events.py drops and relearns the replica) instead of a stale view."""
+    monkeypatch.setattr(writer_module, "EVENT_HEADROOM", 3)
+    hashes = block_hashes(list(range(16 * 7)), 16)
+    hexes = [h.hex() for h in hashes]
+    srv = private_redis()
+    tier = open_tier(srv.url + "?timeout=20")  # a paused SET waits, it does not fail
+    publisher = KVEventPublisher(srv.url, "fp", "rep-1", timeout=20)
+    writer = BlockWriter(tier, "fp", capacity=1, publisher=publisher)
+    try:
+        assert writer.submit_event(BlockEvent("stored", (hashes[0],), "device"))
+        assert writer.flush(5.0)
+        admin = redis.Redis(port=srv.port)
+        admin.execute_command("CLIENT", "PAUSE", 20000, "WRITE")
+        try:
+            assert writer.reserve(1) == 1
+            writer.submit([BlockWrite(hashes[1], torch.zeros(1, 2, 16, 1, 2))])
+            deadline = time.monotonic() + 10
+            while writer._queue:  # the write is taken: the writer waits on the paused SET
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            assert writer.reserve(1) == 0  # the writes' one slot is taken
+            accepted = [
+                writer.submit_event(BlockEvent(kind, (hashes[i],), "device"))
+                for i, kind in enumerate(["stored", "removed", "stored", "removed", "stored"], start=2)
+            ]
+            assert accepted == [True, True, True, False, False] and writer.events_missed == 2
+        finally:
+            admin.execute_command("CLIENT", "UNPAUSE")
+        assert writer.flush(10.0)
+        events = KVEventReader(srv.url, "fp").read()
+        assert [(e.seq, e.kind, e.medium, e.block_hashes) for e in events] == [
+            (1, "stored", "device", (hexes[0],)),
+            # The two missed events are numbered 2 and 3, before the writer's next events.
+            (4, "stored", "tier", (hexes[1],)),
+            (5, "stored", "device", (hexes[2],)),
+            (6, "removed", "device", (hexes[3],)),
+            (7, "stored", "device", (hexes[4],)),
+        ]
+        assert writer.counts()[:3] == (1, 0, 0)  # the write landed; nothing else pending
+    finally:
+        writer.close(5.0)
+        publisher.close()
+        tier.close()
