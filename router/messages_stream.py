@@ -14,7 +14,8 @@ another replica with ``resume.token_ids`` = the tokens already sent, and its eve
   dropped and its index mapped to the open block's. Otherwise the open block is closed (a
   ``content_block_stop`` the dead replica never sent) and the new block takes the next index;
 * every later block index is mapped onto the client's numbering;
-* the final ``message_delta`` reports the whole answer's ``output_tokens``.
+* the final ``message_delta`` reports the whole answer's ``output_tokens``, and the input counts
+  of the ``message_start`` the client got (not the resumed replica's own cache hits).
 
 A replica that cannot finish (its engine process died) ends its stream with an ``error`` event of
 type ``overloaded_error`` (its 503): the tracker holds it back and the stream is resumed as if the
@@ -42,6 +43,8 @@ from server.anthropic_protocol import ERROR_TYPES, anthropic_status, error_type
 GROUP_EVENT = "ferry_chunk"
 # The error type of a replica's 503 in Anthropic's shape: it could not finish (router/sse.py).
 _REPLICA_FAILURE_TYPE = ERROR_TYPES[503]
+# The input counts a replica's message_delta repeats (cumulative, as Anthropic's).
+_INPUT_USAGE = ("input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens")
 
 
 def unpack_group(obj: dict[str, Any], token_ids: list[int]) -> tuple[list | None, list[dict[str, Any]]]:
@@ -83,6 +86,7 @@ class MessagesTracker:
         self.failovers = 0
         self.content_choices = 0  # content deltas relayed so far (the first one: TTFT)
         self.message_started = False  # message_start was relayed
+        self.start_usage: dict[str, Any] = {}  # the relayed message_start's usage
         self.open_block: tuple[int, str] | None = None  # the client's open block: index, kind
         self.next_index = 0  # the client's next block index
         self._index_map: dict[int, int] = {}  # this replica's block index -> the client's
@@ -137,6 +141,8 @@ class MessagesTracker:
             if self.message_started:  # a resumed replica's: the client has one
                 return None
             self.message_started = True
+            message = obj.get("message") if isinstance(obj.get("message"), dict) else {}
+            self.start_usage = message.get("usage") if isinstance(message.get("usage"), dict) else {}
         elif kind == "content_block_start":
             index = obj.get("index")
             block = obj.get("content_block") if isinstance(obj.get("content_block"), dict) else {}
@@ -169,8 +175,15 @@ class MessagesTracker:
         elif kind == "message_delta":
             self.finished = True
             usage = obj.get("usage")
-            if self.failovers and self.ids_complete and isinstance(usage, dict):
-                usage["output_tokens"] = len(self.token_ids)
+            if self.failovers and isinstance(usage, dict):
+                # The input counts stay the ones message_start told the client (the resumed
+                # replica's prefix cache held another part of the prompt); the output is the
+                # whole answer's.
+                for name in _INPUT_USAGE:
+                    if name in usage and name in self.start_usage:
+                        usage[name] = self.start_usage[name]
+                if self.ids_complete:
+                    usage["output_tokens"] = len(self.token_ids)
         elif kind in ("message_stop", "error"):
             self.done = True
         prefix.append(_event(kind, obj))

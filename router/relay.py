@@ -49,7 +49,7 @@ from router.policies.base import Policy, RouteRequest
 from router.pool import Pool, awake, serving
 from router.replica import Circuit, Replica
 from router.response_affinity import answer_reader, is_batch_path
-from router.retry import RetryPolicy, counts_as_replica_failure
+from router.retry import RetryPolicy, counts_as_replica_failure, request_timed_out
 from router.upstream import ConnectError, Response, UpstreamClient, UpstreamError, UpstreamTimeout
 from server.error_types import error_type
 
@@ -188,6 +188,7 @@ class Relay:
                         last.reason = f"does not serve model {model!r} (any more)"
                     elif (
                         not self.retry.should_retry_status(status, attempt[0])
+                        or request_timed_out(status, result.headers)
                         or (status in ACTED_STATUS and not replayable(call))
                         or not serving(
                             call.route.model, pool.candidates(self.clock(), tried | {replica.url}), pool
@@ -321,7 +322,7 @@ class Relay:
         if code == CLIENT_GONE:  # the client's doing: says nothing about the replica
             self._release(opened.replica, opened.tokens, opened.prefilling, str(CLIENT_GONE), opened.trial)
             return
-        if ok and code < 500:
+        if ok and (code < 500 or request_timed_out(code, opened.response.headers)):
             opened.replica.on_request_success()
         elif not ok or counts_as_replica_failure(code):
             self.replica_failed(opened.replica, "broken answer" if not ok else f"answered {code}")

@@ -45,7 +45,6 @@ ERROR_TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
-    408: "timeout_error",
     413: "request_too_large",
     429: "rate_limit_error",
     500: "api_error",
@@ -60,10 +59,21 @@ ERROR_TYPES = {
 # their Retry-After kept, from the replica and the router alike.
 _CAPACITY_STATUSES = frozenset({429, 503})
 OVERLOADED = 529
+# A request that ran past ``--request-timeout`` is ferry's 408 (as OpenAI's API answers it) and
+# Anthropic's 504 ``timeout_error`` (its SDKs: ``GatewayTimeoutError``, retried as the 408 is).
+# Such an answer is the request's own, not a gateway's: it says so in REQUEST_TIMEOUT_HEADER, so
+# that a router relays it as it is (another replica would run the request as long again) and does
+# not count it against the replica (``router/relay.py``).
+REQUEST_TIMEOUT = 408
+TIMED_OUT = 504
+REQUEST_TIMEOUT_HEADER = "x-ferry-request-timeout"
 
 
 def anthropic_status(status: int) -> int:
-    """The status the Messages API answers for one of ferry's (``OVERLOADED`` for a capacity one)."""
+    """The status the Messages API answers for one of ferry's (``OVERLOADED`` for a capacity one,
+    ``TIMED_OUT`` for a request that ran past its time)."""
+    if status == REQUEST_TIMEOUT:
+        return TIMED_OUT
     return OVERLOADED if status in _CAPACITY_STATUSES else status
 
 
@@ -87,7 +97,10 @@ def error_body(error: APIError, request_id: str | None = None) -> dict[str, Any]
 
 def error_response(error: APIError, request_id: str | None = None) -> JSONResponse:
     status = anthropic_status(error.status)
-    return JSONResponse(error_body(error, request_id), status_code=status, headers=error.headers)
+    headers = error.headers
+    if error.status == REQUEST_TIMEOUT:
+        headers = {**(headers or {}), REQUEST_TIMEOUT_HEADER: "1"}
+    return JSONResponse(error_body(error, request_id), status_code=status, headers=headers)
 
 
 def _message_error(model: str, messages: list[Message], index: int, problem: str) -> ValidationError:
@@ -143,6 +156,10 @@ def _unbilled(text: str) -> str:
     return text.partition("\n")[2] if text.startswith(_BILLING_HEADER) else text
 
 
+# ``thinking.type`` -> the template's ``enable_thinking`` (Qwen3's and most hybrid models' switch).
+_THINKING_SWITCH = {"enabled": True, "adaptive": True, "disabled": False}
+
+
 class OutputFormat(_Request):
     type: Literal["json_schema"]
     json_schema: dict[str, Any] = Field(alias="schema")
@@ -165,7 +182,9 @@ class _Conversation(_Request):
     system: StrictStr | list[TextBlock] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
-    # Accepted as Anthropic's clients send it: a reasoning model thinks as its template says.
+    # Anthropic's switch of the model's thinking: ``disabled`` turns a hybrid template's thinking
+    # off, ``enabled`` / ``adaptive`` on (``enable_thinking``, as ``reasoning_effort`` does on the
+    # chat API), unless ``chat_template_kwargs`` set it; left out, the template's default holds.
     thinking: dict[str, Any] | None = None
     # vLLM's: the chat template's variables (Qwen3's enable_thinking, DeepSeek-V3.1's thinking).
     chat_template_kwargs: dict[str, Any] | None = None
@@ -299,8 +318,13 @@ class _Conversation(_Request):
             # A prefill: the answer continues the last assistant turn's text, as Anthropic's does.
             body["add_generation_prompt"] = False
             body["continue_final_message"] = True
-        if self.chat_template_kwargs is not None:
-            body["chat_template_kwargs"] = self.chat_template_kwargs
+        kwargs = self.chat_template_kwargs
+        kind = (self.thinking or {}).get("type")
+        switch = _THINKING_SWITCH.get(kind) if isinstance(kind, str) else None
+        if switch is not None and "enable_thinking" not in (kwargs or {}):
+            kwargs = {**(kwargs or {}), "enable_thinking": switch}
+        if kwargs is not None:
+            body["chat_template_kwargs"] = kwargs
         if self.output_config is not None and self.output_config.effort is not None:
             body["reasoning_effort"] = self.output_config.effort
         if self.tools:

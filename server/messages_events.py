@@ -32,16 +32,31 @@ def stop_reason(finish_reason: str | None, stop: Any, req: MessagesRequest) -> t
     return _STOP_REASONS.get(finish_reason or "", "end_turn"), None
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """A message's ``usage`` as Anthropic's answers carry it: the prompt split into the tokens
+    computed (``input_tokens``) and those read from the prefix cache (``cache_read_input_tokens``);
+    nothing is ever written to a paid cache here (``cache_creation_input_tokens`` and its
+    breakdown by lifetime are 0), and every request is served at the one, standard, tier."""
     return {
         "input_tokens": prompt_tokens - cached_tokens,
-        "output_tokens": completion_tokens,
         "cache_creation_input_tokens": 0,
         "cache_read_input_tokens": cached_tokens,
+        "cache_creation": {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0},
+        "output_tokens": completion_tokens,
+        "service_tier": "standard",
     }
 
 
-def usage_of(chat_usage: dict[str, Any]) -> dict[str, int]:
+# The counts a stream's ``message_delta`` repeats, cumulative, as Anthropic's does (its SDKs take
+# each one that is there over ``message_start``'s: the SDK's ``MessageDeltaUsage``).
+DELTA_USAGE = ("input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens", "output_tokens")
+
+
+def delta_usage(whole: dict[str, Any]) -> dict[str, int]:
+    return {name: whole[name] for name in DELTA_USAGE}
+
+
+def usage_of(chat_usage: dict[str, Any]) -> dict[str, Any]:
     cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     return usage(chat_usage["prompt_tokens"], chat_usage["completion_tokens"], cached)
 
@@ -66,7 +81,7 @@ class MessageWriter:
         self.index = -1  # the open block's index
         self.calls: dict[int, int] = {}  # a chat tool call's index -> its tool_use block's index
         self.end: tuple[str, str | None] | None = None
-        self.usage: dict[str, int] = usage(0, 0, 0)
+        self.usage: dict[str, Any] = usage(0, 0, 0)
 
     def opening(self) -> Event:
         message = {
@@ -142,7 +157,7 @@ class MessageWriter:
                 "message_delta",
                 {
                     "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                    "usage": {"output_tokens": self.usage["output_tokens"]},
+                    "usage": delta_usage(self.usage),
                 },
             )
         )
@@ -154,7 +169,7 @@ def _delta(at: int, payload: dict[str, Any]) -> Event:
     return "content_block_delta", {"index": at, "delta": payload}
 
 
-def whole_message(events: list[Event], final_usage: dict[str, int]) -> dict[str, Any]:
+def whole_message(events: list[Event], final_usage: dict[str, Any]) -> dict[str, Any]:
     """The message a whole answer is: its events' blocks, each with its deltas joined, in order."""
     message: dict[str, Any] = {}
     blocks: list[dict[str, Any]] = []

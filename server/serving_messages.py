@@ -14,7 +14,8 @@ a non-streamed request read back into one message, so both give the same blocks.
 ``usage`` follows Anthropic's accounting: ``input_tokens`` are the prompt tokens not read from the
 prefix cache, ``cache_read_input_tokens`` the ones that were. Errors have Anthropic's shape and
 name the request's own fields (``stop_sequences``, not the chat request's ``stop``: ``renamed``).
-Admission, timeouts, aborts on disconnect and metrics are the chat endpoint's.
+Admission, timeouts, aborts on disconnect and metrics are the chat endpoint's; a request past
+``--request-timeout`` is Anthropic's 504 ``timeout_error`` (ferry's 408 elsewhere).
 """
 
 from __future__ import annotations
@@ -27,7 +28,13 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from server.anthropic_protocol import CountTokensRequest, MessagesRequest, error_body, error_response
+from server.anthropic_protocol import (
+    REQUEST_TIMEOUT,
+    CountTokensRequest,
+    MessagesRequest,
+    error_body,
+    error_response,
+)
 from server.chat_protocol import ChatCompletionChunk, ChatCompletionRequest
 from server.chat_stream import ChatChunks
 from server.errors import APIError, validated
@@ -212,6 +219,11 @@ async def _translate(
             for kind, payload in out:
                 yield _frame(kind, payload)
     refused_before_start(failed, produced)
+    if failed.error is not None and failed.error.status == REQUEST_TIMEOUT and not writer.started:
+        # Timed out before message_start (waiting in the queue, a long prefill): the response is
+        # Anthropic's 504 ``timeout_error`` itself, not a 200 with an error event (an event when
+        # a keep-alive ping has sent the status line).
+        raise failed.error
     if failed.error is not None:
         yield _error_frame(failed.error)
         return

@@ -8,9 +8,10 @@ A stream plays ``script_for(path, body)`` when that is set, else ``script`` (or 
 ``GATE`` waits for ``release()``; ``HANG`` makes the replica stop answering (``/health`` answers
 503, the stream's connection is held open, silent); ``DONE`` ends the body cleanly. A script
 without ``DONE`` or ``HANG`` ends with the connection closed mid-body (the process died). A whole
-answer is ``whole``. Every generation request's body is kept in ``bodies``, every request's method
-and path in ``requests``; a request to one of ``broken_paths`` is read and its connection closed
-unanswered; ``models_delay`` slows ``/v1/models``.
+answer is ``whole`` (its status ``whole_status``, with ``whole_headers``). Every generation
+request's body is kept in ``bodies``, every request's method and path in ``requests``; a request
+to one of ``broken_paths`` is read and its connection closed unanswered; ``models_delay`` slows
+``/v1/models``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from router_harness import free_port
@@ -60,6 +61,8 @@ class ScriptedReplica:
         self.scripts: list[list[bytes | str]] = []  # per stream request, before ``script``
         self.script_for: Callable[[str, dict], list[bytes | str]] | None = None
         self.whole: dict[str, Any] = {"id": "w", "choices": [{"index": 0, "text": "whole"}]}
+        self.whole_status = b"200 OK"  # a whole answer's status line and extra headers
+        self.whole_headers: list[tuple[bytes, bytes]] = []
         self.hung = False
         self.bodies: list[dict] = []
         self._tasks: set[asyncio.Task] = set()
@@ -100,8 +103,14 @@ class ScriptedReplica:
         self._loop.call_soon(self._loop.stop)
 
     @staticmethod
-    def _answer(status: bytes, body: bytes, content_type: bytes = b"application/json") -> bytes:
+    def _answer(
+        status: bytes,
+        body: bytes,
+        content_type: bytes = b"application/json",
+        headers: Sequence[tuple[bytes, bytes]] = (),
+    ) -> bytes:
         head = b"HTTP/1.1 " + status + b"\r\ncontent-type: " + content_type
+        head += b"".join(b"\r\n" + k + b": " + v for k, v in headers)
         return head + b"\r\ncontent-length: %d\r\n\r\n" % len(body) + body
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -141,7 +150,8 @@ class ScriptedReplica:
             self.bodies.append(body)
             if body.get("stream"):
                 return await self._stream(reader, writer, path, body)
-            writer.write(self._answer(b"200 OK", json.dumps(self.whole).encode()))
+            whole = json.dumps(self.whole).encode()
+            writer.write(self._answer(self.whole_status, whole, headers=self.whole_headers))
         else:
             writer.write(self._answer(b"404 Not Found", b'{"error": "no route"}'))
         await writer.drain()

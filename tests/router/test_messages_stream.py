@@ -108,6 +108,34 @@ def test_a_resumed_text_block_continues_the_open_one() -> None:
     assert t.finished and t.done and t.open_block is None
 
 
+def test_a_resumed_streams_message_delta_keeps_the_input_counts_the_client_was_told() -> None:
+    """A message_delta's input counts are cumulative (Anthropic's, the SDK's ``MessageDeltaUsage``):
+    after a failover they stay those of the message_start the client got, not the resumed
+    replica's own split of the prompt into computed and cached tokens; the output is the whole
+    answer's."""
+    t = MessagesTracker()
+    told = {
+        "input_tokens": 3,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 16,
+        "output_tokens": 0,
+    }
+    opening = frame({"type": "message_start", "message": {"id": "msg_1", "usage": told}})
+    relayed(t, opening, group([1, 2], start(0, "text", text=""), delta(0, type="text_delta", text="ab")))
+    t.begin_failover()
+    resumed = {
+        "input_tokens": 19,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 0,
+        "output_tokens": 3,
+    }
+    end = {"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": resumed}
+    out = relayed(
+        t, opening, group([3], start(0, "text", text=""), delta(0, type="text_delta", text="c")), frame(end)
+    )
+    assert out[-1]["usage"] == {**told, "output_tokens": 3}
+
+
 def test_a_resumed_block_of_another_kind_closes_the_open_one_and_takes_the_next_index() -> None:
     t = MessagesTracker()
     relayed(

@@ -22,6 +22,7 @@ import pytest
 from router_harness import Cluster, Proc, metric, replicas_view, wait_until
 from scripted_replica import DONE, ScriptedReplica, named_event, text_chunk
 
+from server.anthropic_protocol import REQUEST_TIMEOUT_HEADER, error_response
 from server.anthropic_protocol import error_body as anthropic_error_body
 from server.errors import timeout_error, unavailable
 from server.streaming import sse_error_frame
@@ -260,3 +261,36 @@ def test_a_decode_worker_whose_engine_died_is_failed_over(tmp_path: Path) -> Non
         prefill.close()
         for d in decode:
             d.close()
+
+
+def _retries(router: Proc) -> float:
+    return metric(router.url, "ferry:router_retries_total")
+
+
+def test_a_messages_request_timeout_is_the_answer_not_retried(setup) -> None:
+    """A replica's Messages API answer to a request past its ``--request-timeout`` (Anthropic's 504
+    ``timeout_error``, marked as the request's own) is relayed as it is, from the one replica that
+    ran it: another would run it as long again. A 504 without the mark (a gateway's) is retried."""
+    replicas, router = setup
+    timed_out = error_response(timeout_error(5), "req_t")
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    _bodies(replicas)
+    try:
+        for r in replicas:
+            r.whole = json.loads(timed_out.body)
+            r.whole_status = b"504 Gateway Timeout"
+            r.whole_headers = [(REQUEST_TIMEOUT_HEADER.encode(), b"1")]
+        retries = _retries(router)
+        answer = httpx.post(router.url + "/v1/messages", json=body, timeout=20)
+        assert answer.status_code == 504 and answer.headers[REQUEST_TIMEOUT_HEADER] == "1"
+        assert answer.json()["error"] == {"type": "timeout_error", "message": timeout_error(5).message}
+        assert len(_bodies(replicas)) == 1 and _retries(router) == retries
+        for r in replicas:  # a gateway's 504: the replica did not answer, the other one may
+            r.whole_headers = []
+        answer = httpx.post(router.url + "/v1/messages", json=body, timeout=20)
+        assert answer.status_code == 504 and len(_bodies(replicas)) == 2
+        assert _retries(router) == retries + 1
+    finally:
+        for r in replicas:
+            r.whole = {"id": "w", "choices": [{"index": 0, "text": "whole"}]}
+            r.whole_status, r.whole_headers = b"200 OK", []

@@ -179,6 +179,39 @@ def test_stream_is_anthropics_event_sequence(srv, client) -> None:
     assert final.content[0].text == text and final.stop_reason == "max_tokens"
 
 
+def test_usage_is_anthropics_in_whole_answers_and_both_ends_of_a_stream(srv, client) -> None:
+    """``usage`` has Anthropic's fields: the prompt split into computed and cached tokens, no paid
+    cache entry ever created, the standard tier; a stream's ``message_delta`` repeats the input
+    counts, cumulative, with the output's (the SDK's ``MessageDeltaUsage``), so the SDK's streamed
+    message has the usage a whole answer has."""
+    kw = dict(
+        model=srv.model_name,
+        max_tokens=8,
+        messages=[{"role": "user", "content": "Usage of a cumulative stream, please."}],
+        extra_body=GREEDY,
+    )
+    chat = _chat(srv, kw["messages"], max_tokens=8, **GREEDY)  # its prompt's full blocks now cached
+    whole = client.messages.create(**kw).model_dump(exclude_none=True)["usage"]
+    prompt, cached = chat["usage"]["prompt_tokens"], whole["cache_read_input_tokens"]
+    assert cached > 0 and whole == {
+        "input_tokens": prompt - cached,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+        "cache_creation": {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0},
+        "output_tokens": 8,
+        "service_tier": "standard",
+    }
+    with client.messages.stream(**kw) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    start = next(e for e in events if e.type == "message_start").message.usage.model_dump(exclude_none=True)
+    delta = next(e for e in events if e.type == "message_delta").usage.model_dump(exclude_none=True)
+    assert start == {**whole, "output_tokens": 0}
+    inputs = ("input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens")
+    assert delta == {**{k: whole[k] for k in inputs}, "output_tokens": 8}
+    assert final.usage.model_dump(exclude_none=True) == whole
+
+
 def test_stop_sequence_ends_the_turn_and_is_named(srv, client) -> None:
     messages = [{"role": "user", "content": "Count."}]
     full = client.messages.create(model=srv.model_name, max_tokens=12, messages=messages, extra_body=GREEDY)
@@ -232,8 +265,14 @@ async def test_stop_reason_after_a_tool_call(finish_reason, stop, stop_sequences
 
     whole = await _collect(MessageWriter(req, "msg_1", "m"), chunks())
     delta = {"stop_reason": expected[0], "stop_sequence": expected[1]}
+    usage = {
+        "input_tokens": 5,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 0,
+        "output_tokens": 9,
+    }
     assert [e for e in whole if e[0] == "message_delta"] == [
-        ("message_delta", {"delta": delta, "usage": {"output_tokens": 9}})
+        ("message_delta", {"delta": delta, "usage": usage})
     ]
     frames = b"".join([f async for f in _translate(MessageWriter(req, "msg_1", "m"), chunks())]).decode()
     streamed = [json.loads(line[6:]) for line in frames.splitlines() if line.startswith("data: ")]
@@ -245,7 +284,7 @@ async def test_stop_reason_after_a_tool_call(finish_reason, stop, stop_sequences
         "message_delta",
         "message_stop",
     ]
-    assert streamed[-2] == {"type": "message_delta", "delta": delta, "usage": {"output_tokens": 9}}
+    assert streamed[-2] == {"type": "message_delta", "delta": delta, "usage": usage}
 
 
 def test_tool_history_renders_as_chat_tool_calls_and_results(srv, client) -> None:
@@ -605,8 +644,46 @@ def test_capacity_errors_are_anthropics_529_overloaded() -> None:
         r = error_response(error, "req_1")
         assert r.status_code == 529 and r.headers["retry-after"] == error.headers["Retry-After"]
         assert json.loads(r.body)["error"]["type"] == "overloaded_error"
-    assert error_response(timeout_error(5)).status_code == 408
     assert json.loads(error_response(APIError(504, "slow")).body)["error"]["type"] == "timeout_error"
+    assert "x-ferry-request-timeout" not in error_response(APIError(504, "slow")).headers
+
+
+async def test_a_request_timeout_is_anthropics_504_timeout_error() -> None:
+    """A request past ``--request-timeout`` (ferry's 408, as the OpenAI endpoints keep it) is
+    Anthropic's 504 ``timeout_error`` on the Messages API (the SDK's ``GatewayTimeoutError``),
+    marked as the request's own answer for a router (not retried elsewhere): as an answer, as the
+    status of a stream that timed out before message_start, and as the ``error`` event of one that
+    had begun."""
+    timed_out = timeout_error(5)
+    answer = error_response(timed_out, "req_1")
+    assert answer.status_code == 504 and answer.headers["x-ferry-request-timeout"] == "1"
+    error = {"type": "timeout_error", "message": "Request timed out after 5 s (server --request-timeout)."}
+    assert json.loads(answer.body) == {"type": "error", "error": error, "request_id": "req_1"}
+    assert timed_out.to_response().status_code == 408  # the OpenAI endpoints' answer
+
+    req = MessagesRequest.model_validate(
+        {"model": "m", "max_tokens": 9, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    )
+    usage = UsageInfo(prompt_tokens=5, completion_tokens=1, total_tokens=6)
+
+    async def chunks(texts: list[str]) -> AsyncIterator[ChatCompletionChunk]:
+        for text in texts:
+            choice = ChatStreamChoice(index=0, delta=DeltaMessage(content=text))
+            yield ChatCompletionChunk(id="c", created=0, model="m", choices=[choice], usage=usage)
+        raise timed_out
+
+    start, body = await _answer_of(_translate(MessageWriter(req, "msg_1", "m"), chunks([])), interval=5.0)
+    assert start["status"] == 504 and (b"x-ferry-request-timeout", b"1") in start["headers"]
+    assert json.loads(body["body"]) == {"type": "error", "error": error, "request_id": "r1"}
+
+    sent = await _answer_of(_translate(MessageWriter(req, "msg_1", "m"), chunks(["Once"])), interval=5.0)
+    assert sent[0]["status"] == 200
+    frames = [f for b in _bodies(sent) for f in b.decode().split("\n\n") if f]
+    events = [json.loads(f.split("data: ", 1)[1]) for f in frames]
+    assert [e["type"] for e in events] == [
+        "message_start", "ping", "content_block_start", "content_block_delta", "error"
+    ]  # fmt: skip
+    assert events[-1] == {"type": "error", "error": error}
 
 
 async def _answer_of(frames: AsyncIterator[bytes], interval: float = 0.05) -> list[dict]:

@@ -75,3 +75,43 @@ def test_output_config_effort_is_the_chat_requests_reasoning_effort() -> None:
     for model in (MessagesRequest, CountTokensRequest):
         body = {"model": "m", "messages": MESSAGES, "max_tokens": 1, "output_config": {"effort": "low"}}
         assert to_chat_request(model.model_validate(body)).reasoning_effort == "low"
+
+
+@pytest.mark.parametrize(
+    ("thinking", "kwargs", "enable_thinking"),
+    [
+        ({"type": "disabled"}, None, False),
+        ({"type": "enabled", "budget_tokens": 1024}, None, True),
+        ({"type": "adaptive"}, None, True),
+        ({"type": "disabled"}, {"enable_thinking": True, "x": 1}, True),  # the client's own kwargs win
+        ({"type": ["disabled"]}, None, None),  # not a type Anthropic has: the template's default
+        (None, None, None),
+    ],
+)
+def test_thinking_switches_the_templates_thinking(thinking, kwargs, enable_thinking) -> None:
+    """Anthropic's ``thinking.type`` is the template's ``enable_thinking`` (off for ``disabled``),
+    for the answer and for the count of its prompt, unless ``chat_template_kwargs`` set it."""
+    for model in (MessagesRequest, CountTokensRequest):
+        body = {"model": "m", "messages": MESSAGES, "max_tokens": 1, "thinking": thinking}
+        if kwargs is not None:
+            body["chat_template_kwargs"] = kwargs
+        got = to_chat_request(model.model_validate(body)).chat_template_kwargs or {}
+        assert got.get("enable_thinking") == enable_thinking
+        assert {k: v for k, v in got.items() if k != "enable_thinking"} == {
+            k: v for k, v in (kwargs or {}).items() if k != "enable_thinking"
+        }
+
+
+async def test_thinking_disabled_renders_the_templates_no_thinking_prompt(engine, serve_app) -> None:
+    async with (
+        serve_app(build_app(engine, ServerConfig(served_model_name="m"))) as url,
+        httpx.AsyncClient(base_url=url, timeout=60) as client,
+    ):
+        off = (await client.post("/tokenize", json={"messages": MESSAGES, **OFF})).json()["count"]
+        on = (await client.post("/tokenize", json={"messages": MESSAGES})).json()["count"]
+        for thinking, want in (({"type": "disabled"}, off), ({"type": "adaptive"}, on)):
+            body = {"model": "m", "messages": MESSAGES, "thinking": thinking}
+            counted = (await client.post("/v1/messages/count_tokens", json=body)).json()
+            assert counted == {"input_tokens": want}
+            answer = (await client.post("/v1/messages", json={**body, "max_tokens": 1})).json()
+            assert answer["usage"]["input_tokens"] + answer["usage"]["cache_read_input_tokens"] == want
