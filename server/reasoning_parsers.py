@@ -13,7 +13,8 @@ rest in ``content``, where a tool-call parser then looks for calls:
 * ``qwen3`` (Qwen3, QwQ): thinking when the answer opens with ``<think>`` (up to ``</think>``, or to
   the end if never closed), or when the rendered prompt opened it (Qwen3-Thinking-2507 and Qwen3.5
   templates end the prompt with ``<think>``: the answer is then read as ``deepseek_r1`` reads it);
-  any other answer is all content (thinking switched off). ``glm45`` (GLM-4.5/4.6) is the same.
+  any other answer is all content (thinking switched off). ``glm45`` (GLM-4.5/4.6) and ``glm47``
+  (GLM-4.7) are the same.
 * ``deepseek_v3`` (DeepSeek-V3.1, whose template thinks when ``chat_template_kwargs`` sets
   ``thinking``): the rendered prompt decides. One that ends with ``<think>`` opened the thinking and
   the answer is read as ``deepseek_r1`` reads it; any other (V3.1's non-thinking prompt ends with
@@ -21,6 +22,18 @@ rest in ``content``, where a tool-call parser then looks for calls:
 * ``openai_gptoss`` (gpt-oss): harmony channels (``HarmonySplitter``): ``analysis`` is reasoning,
   ``final`` (and ``commentary``) content, messages to ``functions.*`` tool calls for the ``openai``
   tool parser.
+* ``mistral`` (Magistral): ``[THINK]`` … ``[/THINK]`` (control tokens), thinking only after an
+  opening ``[THINK]`` (vLLM's also keeps text written before it as content, and drops a lone
+  ``[/THINK]``: here such an answer is all content, as ``qwen3`` reads one).
+* ``granite`` (Granite 3.2/3.3, ``thinking: true``): ``Here is my thought process:`` … ``Here is my
+  response:`` (or ``Here's``), plain text, only when the answer opens with the first.
+* ``seed_oss`` (Seed-OSS): ``<seed:think>`` … ``</seed:think>``, read as ``deepseek_r1`` reads
+  ``<think>``; ``minimax_m2`` (MiniMax-M2) is ``deepseek_r1`` itself, and ``minimax_m2_append_think``
+  leaves the thinking in the content with the ``<think>`` its prompt opened written back in front.
+
+``thinking_token_budget`` needs ``<think>`` … ``</think>`` (``think_markers``: the engine forces
+``</think>``); ``reasoning_tokens`` counts between each parser's own marker tokens
+(``marker_tokens``).
 
 Like the tool streamers, a splitter's result does not depend on how the text was cut into deltas,
 so a resumed stream rebuilds it from the text already sent.
@@ -48,6 +61,12 @@ class ReasoningSplitter:
     needs_special_tokens: ClassVar[bool] = False
     # The thinking sits between <think> and </think> (what ``thinking_token_budget`` counts and forces).
     think_markers: ClassVar[bool] = True
+    # What opens the thinking (any of them), and what ends it.
+    STARTS: ClassVar[tuple[str, ...]] = (START,)
+    ENDS: ClassVar[tuple[str, ...]] = (END,)
+    # The markers are tokens: ``reasoning_tokens`` counts the tokens between them (else 0, as vLLM's
+    # parsers without them count).
+    marker_tokens: ClassVar[bool] = True
 
     def __init__(self, requires_start: bool | None = None) -> None:
         if requires_start is not None:
@@ -56,6 +75,7 @@ class ReasoningSplitter:
         self.thinking = True
         self.started = False  # the opening (leading whitespace, optional <think>) is decided
         self.trim = False  # after </think>: drop the newlines that separate it from the answer
+        self.lead = False  # after the opening <think>: drop the newlines that follow it
 
     @property
     def held(self) -> int:
@@ -69,20 +89,25 @@ class ReasoningSplitter:
         self.pending += text
         if not self.started:
             head = self.pending.lstrip()
-            if START.startswith(head):  # "" or part of <think>: not decided yet
-                return "", ""
+            opened = next((s for s in self.STARTS if head.startswith(s)), None)
+            if opened is None and any(s.startswith(head) for s in self.STARTS):
+                return "", ""  # "" or part of an opening marker: not decided yet
             self.started = True
-            if head.startswith(START):
-                self.pending = head[len(START) :].lstrip("\n")
+            if opened is not None:
+                self.pending, self.lead = head[len(opened) :], True
             elif self.requires_start:
                 content, self.pending, self.thinking = self.pending, "", False
                 return "", content
-        at = self.pending.find(END)
-        if at >= 0:
-            reasoning, rest = self.pending[:at], self.pending[at + len(END) :]
+        if self.lead:  # the newlines after the opening marker, however they come
+            self.pending = self.pending.lstrip("\n")
+            self.lead = not self.pending
+        ends = [(at, end) for end in self.ENDS if (at := self.pending.find(end)) >= 0]
+        if ends:
+            at, end = min(ends)
+            reasoning, rest = self.pending[:at], self.pending[at + len(end) :]
             self.pending, self.thinking, self.trim = "", False, True
             return reasoning, self._content(rest)
-        cut = len(self.pending) - held_prefix(self.pending, END)
+        cut = len(self.pending) - max(held_prefix(self.pending, end) for end in self.ENDS)
         reasoning, self.pending = self.pending[:cut], self.pending[cut:]
         return reasoning, ""
 
@@ -131,6 +156,50 @@ class DeepSeekV3Splitter(ReasoningSplitter):
     prompt_decides = True
 
 
+class MistralSplitter(ReasoningSplitter):
+    """Magistral: ``[THINK]`` … ``[/THINK]`` (control tokens), thinking only after an opening
+    ``[THINK]``."""
+
+    requires_start = True
+    needs_special_tokens = True
+    think_markers = False
+    STARTS, ENDS = ("[THINK]",), ("[/THINK]",)
+
+
+class SeedOssSplitter(ReasoningSplitter):
+    """Seed-OSS: ``<seed:think>`` … ``</seed:think>``, read as ``deepseek_r1`` reads ``<think>``."""
+
+    think_markers = False
+    STARTS, ENDS = ("<seed:think>",), ("</seed:think>",)
+
+
+class GraniteSplitter(ReasoningSplitter):
+    """Granite 3.2/3.3: plain-text markers, ``Here is my thought process:`` (or ``Here's``) up to
+    ``Here is my response:`` (or ``Here's``); any other answer is all content."""
+
+    requires_start = True
+    think_markers = False
+    marker_tokens = False
+    STARTS = ("Here is my thought process:", "Here's my thought process:")
+    ENDS = ("Here is my response:", "Here's my response:")
+
+
+class AppendThinkSplitter(ReasoningSplitter):
+    """MiniMax-M2 with its thinking left in the content (vLLM's ``minimax_m2_append_think``): the
+    whole answer is content, the ``<think>`` its prompt opened written back in front of it."""
+
+    think_markers = False
+    marker_tokens = False
+
+    def feed(self, text: str) -> tuple[str, str]:
+        if not self.started:
+            self.started, text = True, START + text
+        return "", text
+
+    def finish(self) -> tuple[str, str]:
+        return self.feed("") if not self.started else ("", "")
+
+
 class HarmonySplitter(ReasoningSplitter):
     """gpt-oss's harmony format (vLLM's ``openai_gptoss``): the answer is a series of messages, each
     a header (``<|channel|>CHANNEL``, maybe `` to=RECIPIENT`` and ``<|constrain|>json``) then
@@ -145,6 +214,7 @@ class HarmonySplitter(ReasoningSplitter):
 
     needs_special_tokens = True
     think_markers = False
+    marker_tokens = False  # reasoning_tokens counts the analysis and commentary bodies
 
     def __init__(self, requires_start: bool | None = None) -> None:
         super().__init__(requires_start)
@@ -228,8 +298,14 @@ REASONING_PARSERS: dict[str, type[ReasoningSplitter]] = {
     "deepseek_r1": DeepSeekR1Splitter,
     "qwen3": Qwen3Splitter,
     "glm45": Qwen3Splitter,
+    "glm47": Qwen3Splitter,
     "deepseek_v3": DeepSeekV3Splitter,
     "openai_gptoss": HarmonySplitter,
+    "mistral": MistralSplitter,
+    "granite": GraniteSplitter,
+    "seed_oss": SeedOssSplitter,
+    "minimax_m2": DeepSeekR1Splitter,
+    "minimax_m2_append_think": AppendThinkSplitter,
 }
 
 
@@ -243,7 +319,8 @@ def thinking_budget(parser: type[ReasoningSplitter] | None, name: str | None, bu
     if parser is None:
         raise bad_request(
             "thinking_token_budget needs a reasoning parser: start the server with --reasoning-parser "
-            "(deepseek_r1, qwen3, glm45 or deepseek_v3: the models that think between <think> and </think>)",
+            f"({', '.join(n for n, p in REASONING_PARSERS.items() if p.think_markers)}: the models that "
+            "think between <think> and </think>)",
             param="thinking_token_budget",
         )
     if not parser.think_markers:

@@ -20,18 +20,39 @@ TOOL_PARSER_NAMES = (
     "deepseek_v3",
     "deepseek_v31",
     "glm45",
+    "glm47",
     "granite",
     "hermes",
+    "hunyuan_a13b",
+    "internlm",
+    "jamba",
     "kimi_k2",
     "llama3_json",
+    "llama4_json",
     "llama4_pythonic",
+    "minimax_m2",
     "mistral",
     "openai",
     "phi4_mini_json",
     "pythonic",
     "qwen3_coder",
+    "qwen3_xml",
+    "seed_oss",
+    "xlam",
 )
-REASONING_PARSER_NAMES = ("deepseek_r1", "deepseek_v3", "glm45", "openai_gptoss", "qwen3")
+REASONING_PARSER_NAMES = (
+    "deepseek_r1",
+    "deepseek_v3",
+    "glm45",
+    "glm47",
+    "granite",
+    "minimax_m2",
+    "minimax_m2_append_think",
+    "mistral",
+    "openai_gptoss",
+    "qwen3",
+    "seed_oss",
+)
 
 
 _DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
@@ -240,6 +261,6 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
         "--reasoning-parser",
         default=None,
         choices=sorted(REASONING_PARSER_NAMES),
-        help="split a reasoning model's <think>…</think> (gpt-oss: its analysis channel) into "
-        "reasoning_content: deepseek_r1, qwen3, openai_gptoss, …",
+        help="split a reasoning model's <think>…</think> (mistral: [THINK]…[/THINK]; gpt-oss: its "
+        "analysis channel) into reasoning_content: deepseek_r1, qwen3, openai_gptoss, mistral, …",
     )

@@ -82,7 +82,7 @@ async def create_chat_completion(
         )
         if as_chunks:
             opens = splitter(state, seqs[0])
-            thinking_open = opens is not None and opens.think_markers and not opens.requires_start
+            thinking_open = opens is not None and opens.marker_tokens and not opens.requires_start
             return ChatChunks(chunks, ticket.close, thinking_open)
         return SSEResponse(sse_frames(chunks, len(seqs)), on_close=ticket.close, hold_start=True)
 

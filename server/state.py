@@ -15,7 +15,7 @@ from server.generation import Generation
 from server.lora_resolver import LoRAResolver
 from server.metrics import ServerMetrics
 from server.params import ModelLimits
-from server.reasoning_parsers import END, REASONING_PARSERS, ReasoningSplitter
+from server.reasoning_parsers import REASONING_PARSERS, ReasoningSplitter
 from server.responses_background import BackgroundResponses
 from server.responses_store import ResponseStore
 from server.tool_parser_base import ToolParser
@@ -52,7 +52,12 @@ class ServerState:
         if self.reasoning is None and self.config.reasoning_parser:
             self.reasoning = REASONING_PARSERS[self.config.reasoning_parser]
         # Structured outputs wait for the end of thinking when it is one token (as vLLM's do).
-        end = self.tokenizer.encode(END, add_special_tokens=False) if self.reasoning is not None else []
+        reasoning = self.reasoning
+        end = (
+            self.tokenizer.encode(reasoning.ENDS[0], add_special_tokens=False)
+            if reasoning is not None
+            else []
+        )
         self.reasoning_end_id: int | None = end[0] if len(end) == 1 else None
 
     def new_reasoning_splitter(self, requires_start: bool | None = None) -> ReasoningSplitter | None:

@@ -111,6 +111,10 @@ class Llama4PythonicParser(PythonicParser):
     name = "llama4_pythonic"
 
 
+class Llama4JsonParser(Llama3JsonParser):
+    name = "llama4_json"  # vLLM's second name for the same format
+
+
 def python_calls(text: str) -> list[ParsedCall] | None:
     """The calls of a Python list of calls, ``[f(a=1), g()]``: names (dotted allowed) with keyword
     arguments whose values are literals; None for anything else (positional arguments, expressions,
@@ -150,6 +154,31 @@ class GraniteParser(ToolParser):
 
     def parse(self, text: str) -> tuple[str, list[ParsedCall]]:
         body = text.strip().removeprefix(self.TOKEN).removeprefix(self.TAG).strip()
+        calls = json_call_list(body) if body.startswith("[") else None
+        return ("", calls) if calls else (text, [])
+
+    def streamer(self) -> ToolStreamer:
+        return _WholeAnswerStreamer(self)
+
+
+class XlamParser(ToolParser):
+    """xLAM: the whole answer is a JSON array of ``{"name": …, "arguments": {…}}``, bare or in a
+    fenced code block (```` ```json ````), after ``[TOOL_CALLS]`` or inside ``<tool_call>`` …
+    ``</tool_call>``."""
+
+    name = "xlam"
+    FENCE, TAG, END_TAG, MARKER = "```", "<tool_call>", "</tool_call>", "[TOOL_CALLS]"
+    OPENERS: ClassVar[tuple[str, ...]] = ("[", FENCE, TAG)
+
+    def parse(self, text: str) -> tuple[str, list[ParsedCall]]:
+        body = text.strip()
+        if body.startswith(self.FENCE):
+            inner = body[len(self.FENCE) :]
+            inner = inner[len("json") :] if inner.startswith("json") else inner
+            body = inner.removesuffix(self.FENCE).strip() if inner.rstrip().endswith(self.FENCE) else ""
+        elif body.startswith(self.TAG):
+            body = body[len(self.TAG) :].removesuffix(self.END_TAG).strip()
+        body = body.removeprefix(self.MARKER).lstrip()
         calls = json_call_list(body) if body.startswith("[") else None
         return ("", calls) if calls else (text, [])
 
@@ -239,6 +268,10 @@ class Glm45Parser(TypedArgumentsParser):
             return _literal(value)
 
 
+class Glm47Parser(Glm45Parser):
+    name = "glm47"  # GLM-4.7 (no newline after the name; vLLM's one class reads both)
+
+
 class Qwen3CoderParser(TypedArgumentsParser):
     name = "qwen3_coder"
     _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)(?:</function>\s*)?$", re.S)
@@ -302,4 +335,140 @@ def _literal(value: str) -> Any:
 
 
 # The formats whose whole answer is the call (held from their first characters: _WholeAnswerStreamer).
-WholeAnswerParser = Llama3JsonParser | PythonicParser | GraniteParser | Phi4MiniJsonParser
+WholeAnswerParser = Llama3JsonParser | PythonicParser | GraniteParser | Phi4MiniJsonParser | XlamParser
+
+
+class Qwen3XmlParser(Qwen3CoderParser):
+    name = "qwen3_xml"  # vLLM's second name for Qwen3-Coder's format
+
+
+class SeedOssParser(Qwen3CoderParser):
+    """Seed-OSS: Qwen3-Coder's calls inside ``<seed:tool_call>`` … ``</seed:tool_call>``, values
+    typed as ``qwen3_coder``'s."""
+
+    name = "seed_oss"
+    START, END = "<seed:tool_call>", "</seed:tool_call>"
+
+
+class MinimaxM2Parser(TypedArgumentsParser):
+    """MiniMax-M2: ``<minimax:tool_call>`` then one or more ``<invoke name="NAME">`` with
+    ``<parameter name="KEY">VALUE</parameter>`` each and ``</invoke>``, then
+    ``</minimax:tool_call>``; values typed by the tool's schema (``typed``)."""
+
+    name = "minimax_m2"
+    START, END = "<minimax:tool_call>", "</minimax:tool_call>"
+    _INVOKE = re.compile(r"\s*<invoke name=([^>]*)>(.*?)</invoke>\s*", re.S)
+    _PARAMETER = re.compile(r"<parameter name=([^>]*)>(.*?)</parameter>", re.S)
+    # The types a value is tried as, in this order (a string last: it always reads).
+    _PRIORITY = (
+        "integer",
+        "int",
+        "number",
+        "float",
+        "boolean",
+        "bool",
+        "object",
+        "array",
+        "string",
+        "str",
+        "text",
+    )
+
+    def read_call(self, body: str) -> tuple[str, list[tuple[str, str]]] | None:
+        m = self._INVOKE.fullmatch(body)
+        name = _unquoted(m.group(1)) if m is not None else ""
+        if not name:
+            return None
+        return name, [(_unquoted(k), v.strip()) for k, v in self._PARAMETER.findall(m.group(2))]
+
+    def read_body(self, body: str) -> list[ParsedCall] | None:
+        """Every ``<invoke>`` of the section (only whitespace between them; one cut off at the end of
+        the answer is dropped, the complete ones kept)."""
+        calls: list[ParsedCall] = []
+        pos = 0
+        for m in self._INVOKE.finditer(body):
+            if m.start() != pos:
+                return None
+            pos = m.end()
+            read = super().read_body(m.group(0))
+            if read is None:
+                return None
+            calls += read
+        rest = body[pos:].lstrip()
+        if not calls or (rest and not rest.startswith("<invoke")):
+            return None
+        return calls
+
+    @classmethod
+    def typed(cls, value: str, schema: Mapping[str, Any] | None) -> Any:
+        """``null`` / ``none`` / ``nil`` are null; otherwise the first of the schema's types (its
+        ``type``, its ``enum``'s values', its ``anyOf`` / ``oneOf`` / ``allOf``'s; a parameter the
+        tool does not declare is a string) the text reads as, in ``_PRIORITY``'s order, else JSON,
+        else the text."""
+        if value.lower() in ("null", "none", "nil"):
+            return None
+        kinds = {k.lower() for k in _schema_types(schema)} or {"string"}
+        for kind in cls._PRIORITY:
+            if kind not in kinds:
+                continue
+            if kind in ("string", "str", "text"):
+                return value
+            try:
+                if kind in ("integer", "int"):
+                    return int(value)
+                if kind in ("number", "float"):
+                    number = float(value)
+                    if math.isfinite(number):
+                        return int(number) if number.is_integer() else number
+                elif kind in ("boolean", "bool"):
+                    flag = value.strip().lower()
+                    if flag in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+                        return flag in ("true", "1", "yes", "on")
+                else:
+                    return loads(value)
+            except ValueError:
+                pass
+        try:
+            return loads(value)
+        except ValueError:
+            return value
+
+
+def _unquoted(text: str) -> str:
+    text = text.strip()
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "\"'":
+        return text[1:-1]
+    return text
+
+
+def _schema_types(schema: Any, depth: int = 0) -> set[str]:
+    """The JSON types a parameter's schema allows: its ``type`` (a name or a list), its ``enum``'s
+    values' types, and those of its ``anyOf`` / ``oneOf`` / ``allOf`` choices."""
+    if not isinstance(schema, Mapping) or depth > 32:
+        return set()
+    kind = schema.get("type")
+    kinds = (
+        {kind}
+        if isinstance(kind, str)
+        else {k for k in kind if isinstance(k, str)}
+        if isinstance(kind, list)
+        else set()
+    )
+    enum = schema.get("enum")
+    if isinstance(enum, list):
+        kinds |= {_JSON_TYPES.get(type(value), "string") for value in enum}
+    for key in ("anyOf", "oneOf", "allOf"):
+        choices = schema.get(key)
+        for choice in choices if isinstance(choices, list) else ():
+            kinds |= _schema_types(choice, depth + 1)
+    return kinds
+
+
+_JSON_TYPES = {
+    type(None): "null",
+    bool: "boolean",
+    int: "integer",
+    float: "number",
+    list: "array",
+    dict: "object",
+}

@@ -5,8 +5,8 @@ format it was trained on; ``--tool-call-parser`` names that format, as in vLLM:
 
 * ``hermes`` (Hermes 2/3, Qwen2.5, QwQ, Qwen3): ``<tool_call>{"name": …, "arguments": {…}}</tool_call>``,
   any number, after optional text;
-* ``llama3_json`` (Llama 3.1-3.3): the whole answer is ``{"name": …, "parameters": {…}}`` (or
-  several separated by ``;``), optionally after ``<|python_tag|>``;
+* ``llama3_json`` (Llama 3.1-3.3; ``llama4_json`` the same): the whole answer is ``{"name": …,
+  "parameters": {…}}`` (or several separated by ``;``), optionally after ``<|python_tag|>``;
 * ``mistral``: ``[TOOL_CALLS]`` then a JSON array of ``{"name": …, "arguments": {…}}``;
 * ``deepseek_v3`` (DeepSeek-V3, R1): a ``<｜tool▁calls▁begin｜>`` section of
   ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`` + a fenced JSON block + ``<｜tool▁call▁end｜>``;
@@ -19,14 +19,25 @@ format it was trained on; ``--tool-call-parser`` names that format, as in vLLM:
 * ``granite`` (Granite 3.x): the whole answer is ``<|tool_call|>`` (or ``<tool_call>``) then a JSON
   array of ``{"name": …, "arguments": {…}}``;
 * ``phi4_mini_json`` (Phi-4-mini): the whole answer is ``functools[`` + calls as JSON objects + ``]``;
-* ``qwen3_coder`` (Qwen3-Coder): ``<tool_call><function=NAME><parameter=KEY>VALUE</parameter>…
-  </function></tool_call>``, any number, after optional text; values are text, typed by the
-  request's tool schema (``for_tools``: integers, numbers, booleans, objects and arrays decoded,
-  strings kept as written);
-* ``glm45`` (GLM-4.5/4.6): ``<tool_call>NAME`` then ``<arg_key>K</arg_key><arg_value>V</arg_value>``
-  pairs and ``</tool_call>``, values typed as ``qwen3_coder``'s;
+* ``qwen3_coder`` (Qwen3-Coder; ``qwen3_xml`` the same): ``<tool_call><function=NAME>
+  <parameter=KEY>VALUE</parameter>…</function></tool_call>``, any number, after optional text;
+  values are text, typed by the request's tool schema (``for_tools``: integers, numbers, booleans,
+  objects and arrays decoded, strings kept as written);
+* ``glm45`` (GLM-4.5/4.6; ``glm47`` the same, GLM-4.7): ``<tool_call>NAME`` then
+  ``<arg_key>K</arg_key><arg_value>V</arg_value>`` pairs and ``</tool_call>``, values typed as
+  ``qwen3_coder``'s;
 * ``openai`` (gpt-oss, with ``--reasoning-parser openai_gptoss``): a harmony message to
-  ``functions.NAME`` whose body is the arguments' JSON.
+  ``functions.NAME`` whose body is the arguments' JSON;
+* ``seed_oss`` (Seed-OSS): ``qwen3_coder``'s calls inside ``<seed:tool_call>`` … ``</seed:tool_call>``;
+* ``minimax_m2`` (MiniMax-M2): ``<minimax:tool_call>`` then ``<invoke name="NAME">`` with
+  ``<parameter name="KEY">VALUE</parameter>`` each, ``</invoke>`` (one or more), then
+  ``</minimax:tool_call>``; values typed by the request's tool schemas;
+* ``jamba`` (Jamba 1.5+): ``<tool_calls>`` then a JSON array of ``{"name": …, "arguments": {…}}`` then
+  ``</tool_calls>`` (special tokens), after optional text; ``hunyuan_a13b`` (Hunyuan-A13B) the same;
+* ``internlm`` (InternLM2/2.5): ``<|action_start|><|plugin|>`` then ``{"name": …, "parameters": {…}}``
+  then ``<|action_end|>``, after optional text;
+* ``xlam`` (xLAM): the whole answer is a JSON array of calls, bare, fenced (```` ```json ````), after
+  ``[TOOL_CALLS]`` or inside ``<tool_call>`` … ``</tool_call>``.
 
 The interfaces and the marker streamer are in ``server/tool_parser_base.py``; the whole-answer and
 text-argument formats in ``server/tool_formats.py``; the JSON and special-token formats and the
@@ -43,12 +54,19 @@ from typing import ClassVar
 
 from server.tool_formats import (
     Glm45Parser,
+    Glm47Parser,
     GraniteParser,
     Llama3JsonParser,
+    Llama4JsonParser,
     Llama4PythonicParser,
+    MinimaxM2Parser,
     Phi4MiniJsonParser,
     PythonicParser,
     Qwen3CoderParser,
+    Qwen3XmlParser,
+    SeedOssParser,
+    XlamParser,
+    json_call_list,
 )
 from server.tool_parser_base import (
     MarkedCallParser,
@@ -72,6 +90,31 @@ class HermesParser(MarkedCallParser):
             return None
         calls = [call_from(v) for v in values]
         return None if any(c is None for c in calls) else calls  # type: ignore[return-value]
+
+
+class JambaParser(MarkedCallParser):
+    name = "jamba"
+    needs_special_tokens = True
+    START, END = "<tool_calls>", "</tool_calls>"
+
+    def read_body(self, body: str) -> list[ParsedCall] | None:
+        return json_call_list(body)
+
+
+class HunyuanA13BParser(JambaParser):
+    name = "hunyuan_a13b"
+    needs_special_tokens = False  # its markers are text
+
+
+class InternlmParser(MarkedCallParser):
+    name = "internlm"
+    needs_special_tokens = True
+    START, END = "<|action_start|><|plugin|>", "<|action_end|>"
+
+    def read_body(self, body: str) -> list[ParsedCall] | None:
+        values = json_values(body)
+        call = call_from(values[0], ("parameters", "arguments")) if values and len(values) == 1 else None
+        return None if call is None else [call]
 
 
 class MistralParser(ToolParser):
@@ -215,6 +258,15 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
         Qwen3CoderParser,
         Glm45Parser,
         OpenAIHarmonyParser,
+        SeedOssParser,
+        MinimaxM2Parser,
+        JambaParser,
+        HunyuanA13BParser,
+        InternlmParser,
+        XlamParser,
+        Llama4JsonParser,
+        Qwen3XmlParser,
+        Glm47Parser,
     )
 }
 

@@ -79,19 +79,24 @@ def test_a_thinking_budget_needs_think_markers(srv) -> None:
     assert "--reasoning-parser openai_gptoss has no <think>" in r.json()["error"]["message"]
 
 
-def test_responses_reasoning_tokens_are_the_analysis_bodys_tokens(srv, tiny_llama: Path) -> None:
-    """Responses' usage.output_tokens_details.reasoning_tokens: the analysis message's body tokens
-    (not its header, <|end|>, or the call), the same whole and streamed (the token ids decide)."""
+def test_responses_reasoning_tokens_are_the_analysis_and_commentary_tokens(srv, tiny_llama: Path) -> None:
+    """Responses' usage.output_tokens_details.reasoning_tokens, as vLLM's HarmonyContext counts: the
+    tokens of the analysis and commentary messages (the call's arguments too), each from its
+    <|message|> to its body's end (not the headers, nor <|end|>), the same whole and streamed (the
+    token ids decide)."""
     from transformers import AutoTokenizer
 
     chat = httpx.post(srv.url + "/v1/chat/completions", json=_body(return_token_ids=True), timeout=120).json()
     ids = chat["choices"][0]["token_ids"]
     tok = AutoTokenizer.from_pretrained(tiny_llama)
     text = tok.decode(ids, skip_special_tokens=False)
-    body = text.index("Look it up.")
+    analysis = text.index("<|message|>Look it up.")
+    call = text.index('<|message|>{"city"')
+    spans = [(analysis, text.index("<|end|>")), (call, len(text))]  # the call's body runs to the end
     starts = [len(tok.decode(ids[:i], skip_special_tokens=False)) for i in range(len(ids))]
-    expected = sum(body <= at < body + len("Look it up.") for at in starts)
-    assert expected > 0
+    expected = sum(any(a <= at < b for a, b in spans) for at in starts)
+    in_analysis = sum(spans[0][0] <= at < spans[0][1] for at in starts)
+    assert expected > in_analysis > 0
     tools = [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]
     body_r = {
         "input": "Weather in Oslo?",

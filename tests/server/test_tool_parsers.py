@@ -181,6 +181,92 @@ CASES = {
         ("<tool_call>not a function</tool_call>", "<tool_call>not a function</tool_call>", []),
         ("plain text", "plain text", []),
     ],
+    # vLLM's second names for formats above
+    "llama4_json": [('{"name": "now", "parameters": {}}', "", [NOW])],
+    "qwen3_xml": [("<tool_call>\n<function=now>\n</function>\n</tool_call>", "", [NOW])],
+    "glm47": [  # GLM-4.7 writes no newline after the name
+        ("<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>", "", [W]),
+    ],
+    "seed_oss": [
+        (
+            "Let me look.\n<seed:tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+            "</function>\n</seed:tool_call>",
+            "Let me look.\n",
+            [W],
+        ),
+        (
+            "<seed:tool_call><function=now></function></seed:tool_call>\n"
+            "<seed:tool_call><function=get_weather><parameter=city>Paris</parameter></function></seed:tool_call>",
+            "",
+            [NOW, W],
+        ),
+        ("<seed:tool_call>nothing</seed:tool_call>", "<seed:tool_call>nothing</seed:tool_call>", []),
+        (
+            "<tool_call><function=now></function></tool_call>",
+            "<tool_call><function=now></function></tool_call>",
+            [],
+        ),
+    ],
+    "minimax_m2": [
+        (
+            'Checking.\n<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n'
+            "</invoke>\n</minimax:tool_call>",
+            "Checking.\n",
+            [W],
+        ),
+        (  # two calls in one section; quotes optional; no parameters
+            '<minimax:tool_call><invoke name="now"></invoke>\n<invoke name=get_weather><parameter name=city>'
+            "\nParis\n</parameter></invoke></minimax:tool_call> done",
+            " done",
+            [NOW, W],
+        ),
+        (  # cut off inside the second call: the complete one is kept
+            '<minimax:tool_call><invoke name="now"></invoke><invoke name="get_we',
+            "",
+            [NOW],
+        ),
+        (
+            "<minimax:tool_call>text</minimax:tool_call>",
+            "<minimax:tool_call>text</minimax:tool_call>",
+            [],
+        ),
+    ],
+    "jamba": [
+        (
+            'Sure. <tool_calls>[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "now", '
+            '"arguments": {}}]</tool_calls>',
+            "Sure. ",
+            [W, NOW],
+        ),
+        ('<tool_calls>{"name": "now"}</tool_calls>', '<tool_calls>{"name": "now"}</tool_calls>', []),
+    ],
+    "hunyuan_a13b": [
+        ('<tool_calls>[{"name": "now", "arguments": {}}]</tool_calls>', "", [NOW]),
+        ("no call", "no call", []),
+    ],
+    "internlm": [
+        (
+            'Checking.<|action_start|><|plugin|>\n{"name": "get_weather", "parameters": {"city": "Paris"}}'
+            "<|action_end|>",
+            "Checking.",
+            [W],
+        ),
+        ('<|action_start|><|plugin|>{"name": "now", "arguments": {}}<|action_end|>', "", [NOW]),
+        ("<|action_start|><|plugin|>[1]<|action_end|>", "<|action_start|><|plugin|>[1]<|action_end|>", []),
+    ],
+    "xlam": [
+        (
+            '[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "now", "arguments": {}}]',
+            "",
+            [W, NOW],
+        ),
+        ('```json\n[{"name": "now", "arguments": {}}]\n```', "", [NOW]),
+        ('[TOOL_CALLS][{"name": "now", "arguments": {}}]', "", [NOW]),
+        ('<tool_call>[{"name": "now", "arguments": {}}]</tool_call>', "", [NOW]),
+        ("```python\nprint(1)\n```", "```python\nprint(1)\n```", []),
+        ("[1, 2]", "[1, 2]", []),
+        ("Hello.", "Hello.", []),
+    ],
 }
 ALL = [(name, *case) for name, cases in CASES.items() for case in cases]
 
@@ -221,8 +307,9 @@ def test_content_before_a_call_streams_before_the_call_is_complete() -> None:
 def test_unknown_parser() -> None:
     with pytest.raises(
         ValueError,
-        match="unknown tool-call parser 'nope'; known: deepseek_v3, deepseek_v31, glm45, granite, hermes, kimi_k2, "
-        "llama3_json, llama4_pythonic, mistral, openai, phi4_mini_json, pythonic, qwen3_coder",
+        match="unknown tool-call parser 'nope'; known: deepseek_v3, deepseek_v31, glm45, glm47, granite, hermes, "
+        "hunyuan_a13b, internlm, jamba, kimi_k2, llama3_json, llama4_json, llama4_pythonic, minimax_m2, mistral, "
+        "openai, phi4_mini_json, pythonic, qwen3_coder, qwen3_xml, seed_oss, xlam",
     ):
         get_tool_parser("nope")
     # The CLI's choices (server/server_flags.py stays light, so it names them itself) are the registry's.
@@ -417,3 +504,60 @@ def test_glm45_types_values_by_the_tools_schema() -> None:
     text = "<tool_call>ship\n<arg_key>zip</arg_key>\n<arg_value>12</arg_value>\n</tool_call>"
     assert get_tool_parser("glm45").for_tools(tools).parse(text)[1] == [ParsedCall("ship", '{"zip": "12"}')]
     assert get_tool_parser("glm45").parse(text)[1] == [ParsedCall("ship", '{"zip": 12}')]
+
+
+def test_minimax_m2_types_values_by_the_tools_schema() -> None:
+    """MiniMax-M2 writes every value as text: the first of the schema's types it reads as (integer,
+    number, boolean, object, array, string), null for null/none/nil, undeclared ones as text."""
+    from server.tools import validated_tools
+
+    props = {
+        "zip": {"type": "string"},
+        "count": {"type": "integer"},
+        "ratio": {"type": "number"},
+        "express": {"type": "boolean"},
+        "opts": {"type": "object"},
+        "either": {"anyOf": [{"type": "integer"}, {"type": "string"}]},
+        "mode": {"enum": [1, 2]},
+        "maybe": {"type": ["integer", "null"]},
+    }
+    tools = validated_tools(
+        [
+            {
+                "type": "function",
+                "function": {"name": "ship", "parameters": {"type": "object", "properties": props}},
+            }
+        ]
+    )
+    values = {
+        "zip": "02134",
+        "count": "2",
+        "ratio": "1.5",
+        "express": "yes",
+        "opts": '{"late": true}',
+        "either": "two",
+        "mode": "2",
+        "maybe": "None",
+        "note": "42",
+    }
+    params = "".join(f'<parameter name="{k}">{v}</parameter>' for k, v in values.items())
+    text = f'<minimax:tool_call><invoke name="ship">{params}</invoke></minimax:tool_call>'
+    _, calls = get_tool_parser("minimax_m2").for_tools(tools).parse(text)
+    assert json.loads(calls[0].arguments) == {
+        "zip": "02134",
+        "count": 2,
+        "ratio": 1.5,
+        "express": True,
+        "opts": {"late": True},
+        "either": "two",
+        "mode": 2,
+        "maybe": None,
+        "note": "42",
+    }
+    # A value that does not read as its type falls to the next, then JSON, then text.
+    bad = text.replace(">2<", ">two<").replace(">1.5<", ">inf<")
+    got = json.loads(get_tool_parser("minimax_m2").for_tools(tools).parse(bad)[1][0].arguments)
+    assert (got["count"], got["ratio"]) == ("two", "inf")
+    # Without the request's tools every value is text.
+    untyped = json.loads(get_tool_parser("minimax_m2").parse(text)[1][0].arguments)
+    assert untyped["count"] == "2" and untyped["maybe"] is None
