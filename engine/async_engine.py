@@ -8,11 +8,12 @@ message (``Request``, ``RequestOutput``, ``EngineStats``), which is what crosses
 boundary when the loop runs in an engine process of its own (``server/engine_process.py``). A crash of the loop fails every in-flight request with ``EngineDeadError`` and marks the
 engine unhealthy; it never leaves a caller waiting forever.
 
-``AsyncEngine`` inherits five parts that live in files of their own: gathering a burst of arrivals
+``AsyncEngine`` inherits six parts that live in files of their own: gathering a burst of arrivals
 before an idle loop's first step (``announce``, engine/async_burst.py), a request's inputs prepared
 in worker threads before it is submitted (engine/async_prepare.py), the LoRA adapters served by
-name (engine/async_lora.py), sleep mode and weight updates (engine/async_sleep.py), and the hand-over
-of outputs to the request streams (engine/async_streams.py, with the loop's command messages).
+name (engine/async_lora.py), sleep mode, pauses and weight updates (engine/async_sleep.py), the
+torch profiler (engine/profiler.py), and the hand-over of outputs to the request streams
+(engine/async_streams.py, with the loop's command messages).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from engine.keyed_locks import KeyedLocks
 from engine.llm_engine import LLMEngine
 from engine.lora_request import LoRARequest, ServedLoRA
 from engine.outputs import RequestOutput, merge_pending
+from engine.profiler import EngineProfiling
 from engine.prompt_embeds import PreparedEmbeds
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats, ModelInfo
@@ -53,7 +55,9 @@ logger = logging.getLogger(__name__)
 __all__ = ["AsyncEngine", "EngineDeadError"]
 
 
-class AsyncEngine(SleepCommands, BurstGathering, LoRAServing, RequestPreparation, OutputDelivery):
+class AsyncEngine(
+    SleepCommands, EngineProfiling, BurstGathering, LoRAServing, RequestPreparation, OutputDelivery
+):
     def __init__(self, config: EngineConfig | None = None, **options: Any) -> None:
         if config is None:
             config = EngineConfig.from_options(**options)
@@ -97,6 +101,7 @@ class AsyncEngine(SleepCommands, BurstGathering, LoRAServing, RequestPreparation
         # (held, in arrival order, until it is awake and idle-barriers ran), and those barriers.
         self._held: dict[str, _Add] = {}
         self._barriers: list[Barrier] = []
+        self._pause_state: str | None = None  # a pause's (engine/async_sleep.py)
         self._stats = self._engine_stats()
         self._thread = start_loop_thread(self._run)  # with the model's torch thread count
 
@@ -233,12 +238,13 @@ class AsyncEngine(SleepCommands, BurstGathering, LoRAServing, RequestPreparation
             return  # it died meanwhile
         await asyncio.wrap_future(done)
 
-    async def reset_prefix_cache(self) -> int | bool:
+    async def reset_prefix_cache(self, reset_running: bool = False) -> int | bool:
         """Drop every cached, unused KV block (vLLM's /reset_prefix_cache). Runs on the loop thread
-        between steps; returns the number of blocks dropped, or False while requests are running."""
+        between steps; returns the number of blocks dropped, or False while requests are running
+        (``reset_running``: they are preempted first, and recompute)."""
         self._check_alive()
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._submit(_ResetPrefixCache(done))
+        self._submit(_ResetPrefixCache(done, reset_running))
         return await asyncio.wrap_future(done)
 
     def stats(self) -> EngineStats:
@@ -385,7 +391,9 @@ class AsyncEngine(SleepCommands, BurstGathering, LoRAServing, RequestPreparation
                     engine.add_request(cmd.request)
             return
         if isinstance(cmd, _ResetPrefixCache):
-            busy = engine.has_unfinished_requests()
+            if cmd.reset_running:
+                engine.scheduler.preempt_all()  # their blocks freed: none is in use after this
+            busy = engine.has_unfinished_requests() and not cmd.reset_running
             cmd.result = False if busy else engine.block_manager.reset_prefix_cache()
             return
         if isinstance(cmd, Lifecycle):

@@ -13,6 +13,14 @@ not where it ran: a ``wake_up`` sent while a ``wait`` sleep still waits cancels 
 caller gets ``SleepCancelledError``, a 409 over HTTP) rather than being undone by it a step later.
 A weight update still waiting is not a sleep, and runs.
 
+Pausing generation (vLLM's ``pause_generation`` / ``resume_generation``, for RL weight syncs) holds
+new requests like a sleep does, but keeps the weights and the KV cache: ``abort`` ends the requests
+in flight, ``wait`` lets them finish (a barrier: the call returns once they did), ``keep`` freezes
+them where they are (nothing steps; their KV is kept, and they go on after ``resume``). A sleep or
+a weight update that runs while requests are frozen preempts them first (they recompute), so new
+weights never meet old KV. As in vLLM, a sleeping engine counts as paused, a wake-up that leaves it
+fully awake resumes it too, and a ``resume`` cancels a ``wait`` pause still waiting.
+
 The engine-side work is ``LLMEngine``'s (engine/sleep_mode.py, engine/weight_update.py); this
 module only orders it against the requests.
 """
@@ -28,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.errors import SleepCancelledError
 from engine.outputs import RequestOutput
+from engine.profiler import ProfileCommand
 from engine.sequence import Request, RequestStatus
 from engine.sleep_mode import DISCARDED, check_level, check_mode, check_tags
 from engine.stats import EngineStats
@@ -70,21 +79,41 @@ class LoadWeightsCommand:
     outcome: Outcome | None = None
 
 
-Lifecycle = SleepCommand | WakeUpCommand | LoadWeightsCommand
+@dataclass
+class PauseCommand:
+    mode: str  # abort | wait | keep, as a sleep's
+    clear_cache: bool  # empty the prefix cache once drained (not for ``keep``)
+    done: concurrent.futures.Future
+    outcome: Outcome | None = None
+
+
+@dataclass
+class ResumeCommand:
+    done: concurrent.futures.Future
+    outcome: Outcome | None = None
+    # ``wait`` pauses that still waited for running requests when this arrived: cancelled.
+    cancelled: list[PauseCommand] = dataclasses.field(default_factory=list)
+
+
+Lifecycle = SleepCommand | WakeUpCommand | LoadWeightsCommand | PauseCommand | ResumeCommand | ProfileCommand
 # Commands that run only once no request is running (the loop keeps stepping until then, new
-# requests held meanwhile): a sleep in ``wait`` mode, a weight update.
-Barrier = SleepCommand | LoadWeightsCommand
+# requests held meanwhile): a sleep or a pause in ``wait`` mode, a weight update.
+Barrier = SleepCommand | LoadWeightsCommand | PauseCommand
+# What a pause leaves (``_pause_state``; vLLM's PauseState): new requests held while running ones
+# step, or nothing steps at all (``keep``).
+PAUSED_NEW, PAUSED_ALL = "new", "all"
 
 
 class SleepCommands:
     """``AsyncEngine``'s sleep mode and weight updates. Uses its ``engine``, ``config``,
-    ``model_info``, ``_held`` / ``_barriers`` (set in its ``__init__``), ``_commands``, ``_submit``,
-    ``_deliver`` and ``_check_alive``."""
+    ``model_info``, ``_held`` / ``_barriers`` / ``_pause_state`` (set in its ``__init__``),
+    ``_commands``, ``_submit``, ``_deliver`` and ``_check_alive``."""
 
     engine: LLMEngine
     model_info: Any
     _held: dict[str, Any]  # request id -> its queued add command
     _barriers: list[Barrier]
+    _pause_state: str | None  # None, PAUSED_NEW or PAUSED_ALL; the loop thread's
 
     async def sleep(self, level: int = 1, mode: str = "abort") -> None:
         """vLLM's sleep: free the KV cache (prefix cache emptied) and offload (1) or discard (2) the
@@ -133,7 +162,27 @@ class SleepCommands:
             LoadWeightsCommand(checkpoint, abort_running, concurrent.futures.Future())
         )
 
-    async def _run_command(self, cmd: SleepCommand | WakeUpCommand | LoadWeightsCommand) -> Any:
+    async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        """vLLM's pause (RL weight syncs): new requests are held until ``resume_generation`` (or a
+        wake-up); requests in flight are aborted (``abort``), run to their end before this returns
+        (``wait``), or frozen with their KV and resumed after (``keep``). ``clear_cache`` empties
+        the prefix cache once they are settled (not for ``keep``). Needs no sleep mode. ValueError
+        for a bad mode; SleepCancelledError if a ``resume`` came while it waited (``wait``)."""
+        self._check_alive()
+        await self._run_command(
+            PauseCommand(check_mode(mode), bool(clear_cache), concurrent.futures.Future())
+        )
+
+    async def resume_generation(self) -> None:
+        """End a pause: held requests go in (a sleeping engine keeps holding them until it wakes)."""
+        self._check_alive()
+        await self._run_command(ResumeCommand(concurrent.futures.Future()))
+
+    def is_paused(self) -> bool:
+        """Paused, or asleep (vLLM's: sleeping pauses the scheduler too)."""
+        return self.stats().paused or self.is_sleeping()
+
+    async def _run_command(self, cmd: Lifecycle) -> Any:
         self._submit(cmd)
         result = await asyncio.wrap_future(cmd.done)
         self.model_info = self.engine.model_info  # a weight update changes the fingerprint
@@ -148,13 +197,15 @@ class SleepCommands:
 
     def _can_step(self) -> bool:
         engine = self.engine
+        if self._pause_state == PAUSED_ALL:  # frozen by a ``keep`` pause
+            return False
         return engine.has_unfinished_requests() and (not engine.is_sleeping or engine.has_held_outputs)
 
     def _holding(self) -> bool:
-        """New requests wait outside the scheduler: the engine sleeps or drains for a barrier."""
-        return bool(self._barriers) or self.engine.is_sleeping
+        """New requests wait outside the scheduler: the engine sleeps, is paused or drains for a barrier."""
+        return bool(self._barriers) or self.engine.is_sleeping or self._pause_state is not None
 
-    def _apply_lifecycle(self, cmd: SleepCommand | WakeUpCommand | LoadWeightsCommand) -> None:
+    def _apply_lifecycle(self, cmd: Lifecycle) -> None:
         engine = self.engine
         if isinstance(cmd, WakeUpCommand):
             self._cancel_waiting_sleeps(cmd)
@@ -162,7 +213,20 @@ class SleepCommands:
                 cmd.outcome = (True, READ_FIRST)  # its caller reads the checkpoint off this thread
                 return
             cmd.outcome = run_outcome(lambda: engine.wake_up(cmd.tags, cmd.checkpoint))
+            if cmd.outcome[0] and not engine.is_sleeping:  # vLLM's: a full wake-up resumes generation
+                self._unpause(cmd.cancelled)
             self._release_held()
+            return
+        if isinstance(cmd, ResumeCommand):
+            self._unpause(cmd.cancelled)
+            cmd.outcome = (True, None)
+            self._release_held()
+            return
+        if isinstance(cmd, PauseCommand):
+            self._apply_pause(cmd)
+            return
+        if isinstance(cmd, ProfileCommand):
+            self._apply_profile(cmd)  # type: ignore[attr-defined]  # EngineProfiling's (engine/profiler.py)
             return
         if (
             isinstance(cmd, SleepCommand)
@@ -180,6 +244,31 @@ class SleepCommands:
         else:
             self._barriers.append(cmd)
 
+    def _apply_pause(self, cmd: PauseCommand) -> None:
+        if cmd.mode == "keep":
+            self._pause_state = PAUSED_ALL
+            cmd.outcome = (True, None)
+            return
+        self._pause_state = PAUSED_NEW  # frozen requests (an earlier ``keep``) step again to drain
+        if cmd.mode == "abort":
+            self._abort_in_flight()
+        if self._barrier_ready():
+            self._run_barrier(cmd)
+        else:
+            self._barriers.append(cmd)
+
+    def _unpause(self, cancelled: list) -> None:
+        """Leave the pause; ``wait`` pauses still waiting are cancelled (told with ``cancelled``)."""
+        self._pause_state = None
+        waiting = [b for b in self._barriers if isinstance(b, PauseCommand)]
+        if not waiting:
+            return
+        self._barriers[:] = [b for b in self._barriers if not isinstance(b, PauseCommand)]
+        for pause in waiting:
+            why = "the pause was cancelled by a resume sent while it waited for running requests"
+            pause.outcome = (False, SleepCancelledError(why))
+        cancelled += waiting
+
     def _cancel_waiting_sleeps(self, wake: WakeUpCommand) -> None:
         """A wake-up sent after a sleep that still waits for running requests wins: the sleep is
         dropped (its caller told so when the wake-up resolves), so the engine stays awake."""
@@ -194,15 +283,16 @@ class SleepCommands:
 
     def _resolve_lifecycle(self, cmd: Lifecycle) -> None:
         """Resolve a command that ran (stats published), and the sleeps a wake-up cancelled."""
-        if isinstance(cmd, WakeUpCommand):
-            for sleep in cmd.cancelled:
-                resolve(sleep.done, sleep.outcome)  # type: ignore[arg-type]
+        if isinstance(cmd, WakeUpCommand | ResumeCommand):
+            for cancelled in cmd.cancelled:
+                resolve(cancelled.done, cancelled.outcome)  # type: ignore[arg-type]
         resolve(cmd.done, cmd.outcome)  # type: ignore[arg-type]
 
     def _barrier_ready(self) -> bool:
-        """Nothing runs: the engine is idle, or asleep (requests kept by a ``keep`` sleep wait for the wake)."""
+        """Nothing runs: the engine is idle, asleep (requests kept by a ``keep`` sleep wait for the
+        wake) or frozen by a ``keep`` pause."""
         engine = self.engine
-        return not engine.has_unfinished_requests() or engine.is_sleeping
+        return not engine.has_unfinished_requests() or engine.is_sleeping or self._pause_state == PAUSED_ALL
 
     def _run_barriers(self) -> list[Lifecycle]:
         """Run the barriers that waited for running requests to end; then let held requests in."""
@@ -214,6 +304,13 @@ class SleepCommands:
 
     def _run_barrier(self, cmd: Barrier) -> None:
         engine = self.engine
+        if isinstance(cmd, PauseCommand):
+            if cmd.clear_cache:
+                engine.block_manager.reset_prefix_cache()
+            cmd.outcome = (True, None)
+            return
+        if self._pause_state == PAUSED_ALL:
+            engine.scheduler.preempt_all()  # frozen requests' KV is the old weights': recomputed
         if isinstance(cmd, SleepCommand):
             cmd.outcome = run_outcome(lambda: engine.sleep(cmd.level))
         else:
@@ -243,6 +340,7 @@ class SleepCommands:
             stats,
             num_waiting=stats.num_waiting + len(self._held),
             sleep_level=state.level if state.is_sleeping else 0,
+            paused=self._pause_state is not None,
         )
 
     def _fail_commands(self, error: BaseException) -> None:

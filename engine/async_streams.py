@@ -63,6 +63,7 @@ class _Abort:
 @dataclass
 class _ResetPrefixCache:
     done: concurrent.futures.Future  # -> number of blocks dropped, or False while requests run
+    reset_running: bool = False  # preempt running requests first (they recompute), as vLLM's option
     result: int | bool = False
 
 

@@ -73,3 +73,5 @@ class EngineStats:
     # Sleep mode (engine/sleep_mode.py): 0 awake; else the level slept at (1: weights offloaded,
     # 2: discarded), until every part is awake again (vLLM's vllm:engine_sleep_state).
     sleep_level: int = 0
+    # Generation paused (vLLM's /pause, engine/async_sleep.py): new requests held until /resume.
+    paused: bool = False

@@ -164,6 +164,7 @@ class HealthChecker:
             body = None
         body = body if isinstance(body, dict) else {}
         replica.sleeping = body.get("sleeping") is True
+        replica.paused = body.get("paused") is True
         replica.lora_resolver = body.get("lora_resolver") is True
         instance, resets = body.get("instance_id"), body.get("prefix_cache_resets")
         replica.instance_id = instance if isinstance(instance, str) and instance else None

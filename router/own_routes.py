@@ -172,13 +172,16 @@ def openapi() -> dict[str, Any]:
 async def reset_prefix_cache(app: RouterApp, scope: Scope, send: Send) -> None:
     """vLLM's admin route, fanned out: every replica of every pool drops its cached blocks.
     200 when all did, else the first non-200 status (409 = a replica was busy), with each
-    replica's status in ``replicas`` so a caller can retry."""
+    replica's status in ``replicas`` so a caller can retry. The query (vLLM's
+    ``reset_running_requests=true``) goes to every replica as sent."""
     headers = app.auth_headers(scope)
     replicas = list(app.replicas)
+    query = scope.get("query_string", b"").decode("latin-1")
+    target = "/reset_prefix_cache" + (f"?{query}" if query else "")
 
     async def one(r: Replica) -> int:
         try:
-            fetched = fetch(app.client, "POST", r.url, "/reset_prefix_cache", headers)
+            fetched = fetch(app.client, "POST", r.url, target, headers)
             status, _ = await asyncio.wait_for(fetched, app.config.health_timeout)
         except (UpstreamError, asyncio.TimeoutError):
             return 502

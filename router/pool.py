@@ -80,9 +80,10 @@ def serving(model: object, candidates: list[Replica], pool: Iterable[Replica] = 
 
 
 def awake(candidates: list[Replica]) -> list[Replica]:
-    """Those of ``candidates`` whose engine is not asleep (sleep mode), when any is; else all of them
-    (a sleeping replica holds a request until it wakes up, better than no answer)."""
-    up = [r for r in candidates if not r.sleeping]
+    """Those of ``candidates`` whose engine is neither asleep (sleep mode) nor paused (vLLM's
+    /pause), when any is; else all of them (a sleeping or paused replica holds a request until it
+    wakes up or resumes, better than no answer)."""
+    up = [r for r in candidates if not r.sleeping and not r.paused]
     return up if up and len(up) < len(candidates) else candidates
 
 

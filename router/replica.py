@@ -130,6 +130,9 @@ class Replica:
         self.health = Health.STARTING
         self.draining = False
         self.sleeping = False  # its /health says its engine sleeps (vLLM's sleep mode): used only when all do
+        # Its /health says generation is paused (vLLM's /pause, for an RL weight sync): it holds new
+        # requests until resumed, as a sleeping one does, so it too is used only when all are.
+        self.paused = False
         # Its /health says it loads LoRA adapters it is asked for from a directory (ferry serve
         # --lora-resolver-dir): requests naming a model no replica lists go to such replicas (pool.serving).
         self.lora_resolver = False
@@ -272,6 +275,7 @@ class Replica:
             "failures": self.circuit.consecutive_failures,
             "draining": self.draining,
             "sleeping": self.sleeping,
+            "paused": self.paused,
             "lora_resolver": self.lora_resolver,
             "routable": self.routable(now),
             "models": list(self.models),

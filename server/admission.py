@@ -64,8 +64,9 @@ class AdmissionRefused(Exception):
 
 def running_slots(max_num_seqs: int, stats: Any) -> int:
     """The batch slots that run sequences now (``stats``: the engine's ``EngineStats``): none while
-    it sleeps, which holds every request until it wakes (their count lags in ``num_waiting``)."""
-    return 0 if getattr(stats, "sleep_level", 0) else max_num_seqs
+    it sleeps or is paused, which holds every new request until it wakes or resumes (their count
+    lags in ``num_waiting``)."""
+    return 0 if getattr(stats, "sleep_level", 0) or getattr(stats, "paused", False) else max_num_seqs
 
 
 def queued_after(in_flight: int, slots: int, num_waiting: int, adding: int = 0) -> int:

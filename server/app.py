@@ -25,6 +25,7 @@ from server.batch_lines import AppCaller
 from server.chat_protocol import ChatCompletionRequest
 from server.completion_protocol import CompletionRequest
 from server.config import ServerConfig
+from server.dev_routes import add_dev_routes
 from server.embedding_protocol import EmbeddingRequest
 from server.errors import (
     APIError,
@@ -341,16 +342,22 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
         # "sleeping": a router keeps sending to awake replicas while others sleep (server/sleep_mode.py).
         # "instance_id" (new when the engine starts) and "prefix_cache_resets": when either changes,
         # the prefix cache was emptied, and a router's cache_aware index forgets what it held.
-        body = {"status": "ok", "role": config.role, "sleeping": engine.is_sleeping()}
+        # "paused": generation paused (/pause, server/dev_routes.py): new requests held as while asleep.
+        body = {
+            "status": "ok",
+            "role": config.role,
+            "sleeping": engine.is_sleeping(),
+            "paused": engine.stats().paused,
+        }
         if state.lora_resolver is not None:  # a router sends it names no replica lists (router/pool.py)
             body["lora_resolver"] = True
         cache = {"instance_id": engine.instance_id, "prefix_cache_resets": engine.stats().prefix_cache_resets}
         return JSONResponse({**body, **cache})
 
     @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache() -> Response:
+    async def reset_prefix_cache(reset_running_requests: bool = False) -> Response:
         # vLLM's admin route (benchmarks call it between runs): drops cached, unused KV blocks.
-        dropped = await reset_engine_prefix_cache(engine, state.generation)
+        dropped = await reset_engine_prefix_cache(engine, state.generation, reset_running_requests)
         return JSONResponse({"status": "ok", "num_blocks_dropped": dropped})
 
     # Sleep mode (vLLM's routes, with --enable-sleep-mode) and weight updates (SGLang's route).
@@ -371,6 +378,8 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
     @app.post("/update_weights_from_disk", responses=_ERRORS)
     async def update_weights_route(body: sleep_mode.UpdateWeightsFromDiskRequest) -> Response:
         return JSONResponse(await sleep_mode.update_weights_from_disk(engine, body))
+
+    add_dev_routes(app, engine)  # /pause, /resume, /is_paused; /start_profile, /stop_profile (when asked)
 
     # Behind --api-server-count, the engine process adds up every API server's count.
     load = ReplicaLoad(engine) if hasattr(engine, "report_load") else ServerLoad()

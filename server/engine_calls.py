@@ -1,8 +1,9 @@
 """The calls an API server makes to the engine process (``("call", call_id, name, arg)``, answered
 by ``("reply", call_id, ok, value)``): ``abort``, ``compile``, ``reset_prefix_cache``, ``store`` (a
 ``MemoryRecords`` method of ``--responses-store memory``, kept here for every API server),
-``sleep``, ``wake_up``, ``reload_weights`` (its new ``model_info`` sent to every API server) and
-``add_lora`` / ``remove_lora`` (answered once every API server has taken in the served adapters).
+``sleep``, ``wake_up``, ``pause``, ``resume``, ``start_profile``, ``stop_profile``,
+``reload_weights`` (its new ``model_info`` sent to every API server) and ``add_lora`` /
+``remove_lora`` (answered once every API server has taken in the served adapters).
 
 ``EngineHost`` (``server/engine_host.py``) is built on it; split from there so that the requests'
 path (add, relay, release) reads on its own. A failed call is answered with its kind (``value``: the
@@ -52,13 +53,21 @@ class EngineCalls:
                 await engine.compile_structured(arg)
                 value = None
             elif name == "reset_prefix_cache":
-                value = await engine.reset_prefix_cache()
+                value = await engine.reset_prefix_cache(bool(arg))
             elif name == "store":
                 value = self._store(*arg)
             elif name == "sleep":
                 value = await engine.sleep(*arg)
             elif name == "wake_up":
                 value = await engine.wake_up(arg)
+            elif name == "pause":
+                value = await engine.pause_generation(*arg)
+            elif name == "resume":
+                value = await engine.resume_generation()
+            elif name == "start_profile":
+                value = await engine.start_profile(arg)
+            elif name == "stop_profile":
+                value = await engine.stop_profile()
             elif name == "reload_weights":
                 value = await engine.reload_weights(*arg)
                 for other in self._servers:

@@ -2,15 +2,16 @@
 
 It has ``AsyncEngine``'s interface as the server uses it (``generate``, ``abort``, ``announce``,
 ``compile_structured``, ``reset_prefix_cache``, ``sleep`` / ``wake_up`` / ``is_sleeping`` /
-``reload_weights``, ``stats``, ``is_healthy``, ``shutdown``, and
-``config`` / ``model_info`` / ``tokenizer``), so ``build_app`` takes either; and what only one API
-server of several needs: ``sequences_elsewhere`` (admission), ``report_load`` and
-``load_elsewhere`` (``GET /load``). The engine process (``server/engine_host.py``) validates
-each request as ``AsyncEngine.generate`` does; a refusal arrives as the stream's first message
-and is raised as ``ValueError`` before anything is yielded, as in process. It also admits each
-request's sequences over every API server's (``generate``'s ``admission``; ``end_admission``):
-a full queue is raised as ``AdmissionRefused``, also before anything is yielded. ``stats()`` is the
-latest snapshot the engine process pushed (with every step's outputs, and every 0.1 s while idle).
+``reload_weights``, ``pause_generation`` / ``resume_generation`` / ``is_paused``, ``start_profile`` /
+``stop_profile``, ``stats``, ``is_healthy``, ``shutdown``, and ``config`` / ``model_info`` /
+``tokenizer``), so ``build_app`` takes either; and what only one API server of several needs:
+``sequences_elsewhere`` (admission), ``report_load`` and ``load_elsewhere`` (``GET /load``). The engine
+process (``server/engine_host.py``) validates each request as ``AsyncEngine.generate`` does; a refusal
+arrives as the stream's first message and is raised as ``ValueError`` before anything is yielded, as in
+process. It also admits each request's sequences over every API server's (``generate``'s ``admission``;
+``end_admission``): a full queue is raised as ``AdmissionRefused``, also before anything is yielded.
+``stats()`` is the latest snapshot the engine process pushed (with every step's outputs, and every
+0.1 s while idle).
 If the engine process goes away, every stream and call fails with ``EngineDeadError`` and
 ``is_healthy()`` turns False (``/health`` answers 503); if it stays connected but sends nothing,
 not even its heartbeat, for ``ENGINE_SILENCE_S`` (stopped, wedged), ``is_healthy()`` is False and
@@ -255,9 +256,9 @@ class EngineClient:
             self._load_sent = self._load
             self._channel.send(("load", self._load))
 
-    async def reset_prefix_cache(self) -> int | bool:
+    async def reset_prefix_cache(self, reset_running: bool = False) -> int | bool:
         self._check_alive()
-        return await self._call("reset_prefix_cache", None)
+        return await self._call("reset_prefix_cache", reset_running)
 
     # Sleep mode and weight updates: the engine process runs them (``AsyncEngine``'s methods).
     async def sleep(self, level: int = 1, mode: str = "abort") -> None:
@@ -274,6 +275,22 @@ class EngineClient:
         self, path: str | None = None, load_format: str | None = None, abort_running: bool = False
     ) -> int:
         return await self._call("reload_weights", (path, load_format, abort_running))
+
+    async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        await self._call("pause", (mode, clear_cache))
+
+    async def resume_generation(self) -> None:
+        await self._call("resume", None)
+
+    async def start_profile(self, directory: str) -> None:
+        await self._call("start_profile", directory)
+
+    async def stop_profile(self) -> None:
+        await self._call("stop_profile", None)
+
+    def is_paused(self) -> bool:
+        """From the pushed stats, as ``is_sleeping``; asleep counts as paused (vLLM's)."""
+        return self._stats.paused or self._stats.sleep_level > 0
 
     def stats(self) -> EngineStats:
         return self._stats

@@ -23,9 +23,9 @@ counted that beam search of the leasing request ``key``), ``("announce", token)`
 others' ``GET /load``), ``("call", call_id, name, arg)`` (answered by ``server/engine_calls.py``)
 with ``name`` one of ``abort`` / ``compile`` / ``reset_prefix_cache`` / ``store`` (``arg``: a
 ``MemoryRecords`` method's name and arguments) / ``add_lora`` / ``remove_lora`` / ``sleep`` /
-``wake_up`` / ``reload_weights``. To it: ``("hello",
-facts)`` first, ``("loras", served)`` to every API server after each ``add_lora`` / ``remove_lora``
-call (its reply waits until every API server answered a probe sent after it),
+``wake_up`` / ``pause`` / ``resume`` / ``start_profile`` / ``stop_profile`` / ``reload_weights``. To it:
+``("hello", facts)`` first, ``("loras", served)`` to every API server after each ``add_lora`` /
+``remove_lora`` call (its reply waits until every API server answered a probe sent after it),
 ``("model_info", ModelInfo)`` to every API server after a weight update (its fingerprint changed),
 ``("probe", token)`` (an idle engine gathering a burst, or the adapters' broadcast: answer after
 two passes of the event loop), then

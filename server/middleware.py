@@ -32,8 +32,8 @@ ANTHROPIC_REQUEST_ID_HEADER = b"request-id"
 # Ids travel into engine request ids, logs and headers: keep them short and printable.
 _VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:/=+\-]{1,128}$")
 # Paths that need the API key (vLLM protects /v1 only; /tokenize, /detokenize and the scoring
-# routes expose the model too; /reset_prefix_cache, sleep mode and weight updates change replica
-# state). /health, /metrics and /version stay open for load balancers and Prometheus.
+# routes expose the model too; /reset_prefix_cache, sleep mode, pauses, the profiler and weight
+# updates change replica state). /health, /metrics and /version stay open for load balancers and Prometheus.
 _PROTECTED_PREFIXES = (
     "/v1/",
     "/v2/",
@@ -49,6 +49,14 @@ _PROTECTED_PREFIXES = (
     "/wake_up",
     "/is_sleeping",
     "/update_weights_from_disk",
+    "/pause",
+    "/resume",
+    "/is_paused",
+    "/get_world_size",
+    "/reset_mm_cache",
+    "/reset_encoder_cache",
+    "/start_profile",
+    "/stop_profile",
 )
 # Routes that submit to the engine: announced to it as soon as their body is in (see ``announce``).
 _GENERATION_PATHS = (

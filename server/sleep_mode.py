@@ -55,7 +55,7 @@ async def sleep(engine: Any, level: str | None, mode: str | None) -> None:
     mode = mode or "abort"
     if mode not in SLEEP_MODES:
         raise bad_request(f"mode must be one of {', '.join(SLEEP_MODES)}, got {mode!r}", param="mode")
-    await _engine_call(engine.sleep(lvl, mode))
+    await engine_call(engine.sleep(lvl, mode))
 
 
 async def wake_up(engine: Any, tags: list[str]) -> None:
@@ -65,7 +65,7 @@ async def wake_up(engine: Any, tags: list[str]) -> None:
         checked = check_tags(tags or None)
     except ValueError as e:
         raise bad_request(str(e), param="tags") from None
-    await _engine_call(engine.wake_up(list(checked)))
+    await engine_call(engine.wake_up(list(checked)))
 
 
 async def update_weights_from_disk(engine: Any, body: UpdateWeightsFromDiskRequest) -> dict[str, Any]:
@@ -73,7 +73,7 @@ async def update_weights_from_disk(engine: Any, body: UpdateWeightsFromDiskReque
         check_load_format(body.load_format)
     except ValueError as e:  # here: the engine's other refusals are the checkpoint's (model_path)
         raise bad_request(str(e), param="load_format") from None
-    aborted = await _engine_call(
+    aborted = await engine_call(
         engine.reload_weights(body.model_path, body.load_format, body.abort_all_requests), param="model_path"
     )
     return {
@@ -83,7 +83,7 @@ async def update_weights_from_disk(engine: Any, body: UpdateWeightsFromDiskReque
     }
 
 
-async def _engine_call(call: Any, param: str | None = None) -> Any:
+async def engine_call(call: Any, param: str | None = None) -> Any:
     try:
         return await call
     except ValueError as e:

@@ -1,5 +1,6 @@
 """Sleep mode and weight updates on the async engine: what happens to requests in flight (vLLM's
-abort / wait / keep), requests held while asleep, and updates that wait for running requests."""
+abort / wait / keep), requests held while asleep, and updates that wait for running requests; and
+vLLM's generation pause (``pause_generation`` / ``resume_generation``) with them."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.demo import build_model
+from engine.errors import SleepCancelledError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
@@ -168,3 +170,72 @@ async def test_shutdown_while_asleep_fails_held_requests_cleanly(tiny_llama) -> 
         await held
     with pytest.raises(EngineDeadError):
         await eng.wake_up()
+
+
+# -- vLLM's pause_generation / resume_generation (the weight syncs of RL trainers) ----------------
+
+
+async def test_pause_wait_lets_running_requests_finish_and_holds_new_ones(engine, offline) -> None:
+    running, started = _start(engine, "long", LONG)
+    await started.wait()
+    await engine.pause_generation(mode="wait")
+    assert running.done() and running.result() == (offline["long"], "length")
+    assert engine.is_paused() and engine.stats().paused and not engine.is_sleeping()
+    held = asyncio.ensure_future(_collect(engine, "held"))
+    await _until_held(engine)
+    await asyncio.sleep(0.05)
+    assert not held.done()
+    await engine.resume_generation()
+    assert await held == (offline["greedy"], "length")
+    assert not engine.is_paused()
+
+
+async def test_a_resume_cancels_a_waiting_pause(engine, offline) -> None:
+    running, started = _start(engine, "long", LONG)
+    await started.wait()
+    pause = asyncio.ensure_future(engine.pause_generation(mode="wait"))
+    while not engine.stats().paused:  # the pause reached the loop and waits for the request
+        await asyncio.sleep(0.005)
+    await engine.resume_generation()
+    with pytest.raises(SleepCancelledError, match="cancelled by a resume"):
+        await pause
+    assert not engine.is_paused()
+    assert await running == (offline["long"], "length")
+
+
+async def test_keep_pause_freezes_and_a_weight_update_preempts_the_frozen(
+    engine, other_llama, offline
+) -> None:
+    running, started = _start(engine, "long", LONG)
+    await started.wait()
+    await engine.pause_generation(mode="keep")
+    scheduler = engine.engine.scheduler
+    frozen = scheduler.running[0]
+    computed = frozen.num_computed_tokens
+    await asyncio.sleep(0.05)
+    assert frozen.num_computed_tokens == computed and not running.done()  # nothing steps
+    # The update does not wait for the frozen request (it would never end): it is preempted, to be
+    # recomputed on the new weights, which never meet the old weights' KV.
+    assert await engine.reload_weights(str(other_llama)) == 0
+    assert scheduler.running == [] and frozen.num_computed_tokens == 0
+    assert engine.is_paused()
+    await engine.resume_generation()
+    tokens, reason = await running
+    generated = computed - len(PROMPT) + 1  # the tokens sampled before the pause
+    assert reason == "length" and len(tokens) == 400
+    assert tokens[:generated] == offline["long"][:generated]
+    assert await _collect(engine, "after") == (offline["other"], "length")
+
+
+async def test_pause_modes_are_checked_and_need_no_sleep_mode(tiny_llama) -> None:
+    eng = AsyncEngine(model=str(tiny_llama), num_kv_blocks=64)
+    try:
+        with pytest.raises(ValueError, match="mode must be one of"):
+            await eng.pause_generation(mode="later")
+        assert not eng.is_paused()
+        await eng.pause_generation()
+        assert eng.is_paused() and eng.stats().paused
+        await eng.resume_generation()
+        assert not eng.is_paused()
+    finally:
+        await eng.shutdown()

@@ -14,6 +14,8 @@ from router_harness import Cluster, Proc, replicas_view, wait_until
 from scripted_replica import DONE, GATE, ScriptedReplica, text_chunk
 
 from ferry import __version__
+from router.pool import awake
+from router.replica import Replica
 
 
 @pytest.fixture(scope="module")
@@ -104,3 +106,34 @@ def test_is_sleeping_says_whether_every_healthy_replica_sleeps(pd) -> None:
     finally:
         for w in workers:
             w.health_body = {"status": "ok"}
+
+
+def test_a_paused_replica_is_kept_apart_like_a_sleeping_one(pd) -> None:
+    """A replica whose generation is paused (vLLM's /pause: its /health says ``paused``) holds new
+    requests until resumed: the probe reads it, and ``awake`` leaves it out while another is not."""
+    workers, router = pd
+    try:
+        workers[1].health_body = {"status": "ok", "paused": True}
+        assert wait_until(lambda: replicas_view(router)[workers[1].url]["paused"] is True)
+        view = replicas_view(router)[workers[1].url]
+        assert (view["sleeping"], view["routable"]) == (False, True)
+        assert httpx.get(router.url + "/is_sleeping").json()["is_sleeping"] is False  # paused is not asleep
+    finally:
+        workers[1].health_body = {"status": "ok"}
+    assert wait_until(lambda: replicas_view(router)[workers[1].url]["paused"] is False)
+    a, b, c = (Replica(f"http://{n}") for n in "abc")
+    b.paused = c.sleeping = True
+    assert awake([a, b, c]) == [a]
+    a.paused = True
+    assert awake([a, b, c]) == [a, b, c]  # all held somewhere: better than no answer
+
+
+def test_reset_prefix_cache_passes_its_query_to_every_replica(pd) -> None:
+    """vLLM's ``reset_running_requests=true`` reaches every replica as sent (these scripted ones
+    know no such route: their 404 is the answer, with each replica's status)."""
+    workers, router = pd
+    r = httpx.post(router.url + "/reset_prefix_cache?reset_running_requests=true")
+    assert r.status_code == 404
+    assert r.json() == {"replicas": dict.fromkeys((w.url for w in workers), 404)}
+    for w in workers:
+        assert ("POST", "/reset_prefix_cache?reset_running_requests=true") in w.requests

@@ -138,7 +138,13 @@ def test_role_is_reported(pd_pair) -> None:
     prefill, decode = pd_pair
     health = httpx.get(prefill.url + "/health").json()
     instance = health.pop("instance_id")
-    assert health == {"status": "ok", "role": "prefill", "sleeping": False, "prefix_cache_resets": 0}
+    assert health == {
+        "status": "ok",
+        "role": "prefill",
+        "sleeping": False,
+        "paused": False,
+        "prefix_cache_resets": 0,
+    }
     assert isinstance(instance, str) and len(instance) == 32
     assert httpx.get(decode.url + "/version").json()["role"] == "decode"
 
