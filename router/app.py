@@ -16,6 +16,7 @@ This module must never import torch (the router starts in well under a second).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -50,6 +51,7 @@ from router.retry import RetryPolicy
 from router.upstream import UpstreamClient
 from server.metrics_exposition import content_encoding
 from server.middleware import request_id_of, route_path
+from server.tracing import open_tracing
 
 log = logging.getLogger("ferry.router")
 
@@ -108,6 +110,8 @@ class RouterApp:
             max_failovers=config.max_failovers,
             clock=clock,
         )
+        # OpenTelemetry spans of routed requests (--otlp-traces-endpoint; router/tracing.py)
+        self.tracing = open_tracing(config.otlp_traces_endpoint, "ferry-router", "ferry.router")
         self.pd = self._build_pd(pd or PDConfig())
         self.admission = Admission(config.max_concurrency, config.max_queue, config.queue_timeout)
         # The key the replicas want (--replica-api-key, else the router's own --api-key): on the
@@ -194,7 +198,9 @@ class RouterApp:
             config.chat_template_content_format,
             config.chat_defaults,
         )
-        return PDOrchestrator(pd, prefill, decode, keyer, PDMetrics(self.metrics.registry), config.block_size)
+        return PDOrchestrator(
+            pd, prefill, decode, keyer, PDMetrics(self.metrics.registry), config.block_size, self.tracing
+        )
 
     @property
     def disaggregated(self) -> bool:
@@ -272,6 +278,8 @@ class RouterApp:
         await self.client.aclose()
         await self.upstream.aclose()
         await self.pd.prefill.client.aclose()
+        if self.tracing is not None:  # the last spans leave (bounded: a collector may be down)
+            await asyncio.to_thread(self.tracing.shutdown)
 
     # ---- ASGI ---------------------------------------------------------------------------------
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

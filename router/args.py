@@ -144,4 +144,18 @@ def add_router_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="on SIGTERM, seconds in-flight requests may take before the router exits",
     )
     g.add_argument("--log-level", default="warning")
+    g = p.add_argument_group("tracing")
+    g.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        metavar="URL",
+        help="export an OpenTelemetry span per routed request (a child of its traceparent; replicas "
+        "get its context) to this OTLP collector: grpc (http://host:4317) or, with "
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf, http://host:4318/v1/traces",
+    )
+    g.add_argument(
+        "--enable-trace",
+        action="store_true",
+        help="sglang-router's switch: trace, to --otlp-traces-endpoint or http://localhost:4317",
+    )
     return p

@@ -10,6 +10,9 @@ from engine.chat_template import resolve_chat_template
 from server.chat_defaults import ChatDefaults, template_kwargs_flag
 from server.http_limits import DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_HEAD_BYTES
 
+# Where `--enable-trace` without `--otlp-traces-endpoint` exports (an OTLP collector's grpc port here).
+DEFAULT_OTLP_ENDPOINT = "http://localhost:4317"
+
 
 @dataclass(frozen=True)
 class RouterConfig:
@@ -71,6 +74,7 @@ class RouterConfig:
     discovery_interval: float = 1.0
     drain_timeout: float = 30.0  # SIGTERM: stop accepting, let in-flight streams finish this long
     log_level: str = "warning"
+    otlp_traces_endpoint: str | None = None  # OpenTelemetry spans (router/tracing.py)
 
     def __post_init__(self) -> None:
         if self.replica_api_key is not None:
@@ -131,4 +135,6 @@ class RouterConfig:
         from server.config import api_key_from  # (pydantic models: not at the router's import)
 
         values["api_key"] = api_key_from(values.get("api_key"), os.environ)
+        if getattr(args, "enable_trace", False) and values.get("otlp_traces_endpoint") is None:
+            values["otlp_traces_endpoint"] = DEFAULT_OTLP_ENDPOINT  # sglang-router's --enable-trace
         return cls(**values)

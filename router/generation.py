@@ -90,6 +90,7 @@ class Generation(Relay):
                     await send_error(send, 502, failure, with_request_id([], call))
                     return
                 attempt[0] += 1
+                call.retries += 1
                 self.metrics.retries.inc()
                 self.log_retry(call, opened.replica, "broke off its answer", attempt[0])
                 await asyncio.sleep(self.retry.backoff(attempt[0] - 1, self.rng))

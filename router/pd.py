@@ -65,8 +65,10 @@ from router.pool import Pool
 from router.prompt_keys import PromptKeyer, prompt_keys
 from router.relay import TRANSPORT_ERRORS, Failed, Opened, ProxyCall, response_headers, with_request_id
 from router.replica import Replica
+from router.tracing import leg
 from server.error_types import error_type
 from server.streaming import SSE_HEADERS
+from server.tracing import Tracing
 
 
 class LocalPrefill(Exception):
@@ -88,7 +90,9 @@ class PDOrchestrator:
         keyer: PromptKeyer | None,
         metrics: PDMetrics,
         block_size: int,
+        tracing: Tracing | None = None,
     ) -> None:
+        self.tracing = tracing  # a span per leg of a disaggregated request (router/tracing.py)
         self.config = config
         self.prefill = prefill
         self.decode = decode
@@ -148,7 +152,8 @@ class PDOrchestrator:
                 await send_bytes(send, error.status, body, with_request_id([], call))
                 return
             try:
-                prefilled = await self._prefill(prefill_pool, call, send)
+                with leg(self.tracing, call, "prefill", self.config.prefill_policy):
+                    prefilled = await self._prefill(prefill_pool, call, send)
             except LocalPrefill as e:
                 reason = e.reason
             if prefilled is None and reason is None:
@@ -168,10 +173,11 @@ class PDOrchestrator:
         self.metrics.requests.labels("disaggregated").inc()
         started = time.perf_counter()
         try:
-            if (call.json or {}).get("stream"):
-                await self._stream(decode_pool, call, prefilled, send)
-            else:
-                await self._whole(decode_pool, call, prefilled, send)
+            with leg(self.tracing, call, "decode", self.config.decode_policy):
+                if (call.json or {}).get("stream"):
+                    await self._stream(decode_pool, call, prefilled, send)
+                else:
+                    await self._whole(decode_pool, call, prefilled, send)
         finally:
             self.metrics.decode_latency.observe(time.perf_counter() - started)
 

@@ -34,6 +34,7 @@ from router.pool import Pool
 from router.prompt_keys import prompt_keys
 from router.relay import ProxyCall
 from router.response_affinity import RESPONSES_PATH, batch_home, is_batch_path
+from router.tracing import end_request, start_request
 from server.middleware import unsupported_encoding, unsupported_encoding_error
 
 if TYPE_CHECKING:
@@ -167,6 +168,9 @@ async def _admitted(
     id_header: list[tuple[bytes, bytes]],
 ) -> None:
     """Wait for a slot (cancelled with the rest if the client leaves while queued), then relay."""
+    tracing = app.tracing
+    if tracing is not None:
+        start_request(tracing, call, app.config.policy)
     if not await app.admission.try_acquire():
         app.metrics.rejected.inc()
         await send_error(
@@ -175,6 +179,8 @@ async def _admitted(
             "the router is at its concurrency and queue limits; retry later",
             [(b"retry-after", b"1"), *id_header],
         )
+        if tracing is not None:
+            end_request(tracing, call, 429, "rejected")
         return
     status = 0  # of the answer's head, once sent
 
@@ -197,6 +203,8 @@ async def _admitted(
         app.admission.release()
         # Every admitted request, however it ended (RouterMetrics.OUTCOMES).
         app.metrics.observe_latency(time.perf_counter() - call.started, outcome)
+        if tracing is not None:
+            end_request(tracing, call, status, outcome)
 
 
 async def _until_disconnect(work: Coroutine[Any, Any, None], receive: Receive) -> None:

@@ -85,6 +85,10 @@ class ProxyCall:
     # Set when the answer could not be finished after its head went out (a body cut off, a stream
     # ended with an error event in place of the rest): an "error" in the latency metric.
     broken: bool = False
+    # Tracing (router/tracing.py): the request's span, the replica whose answer it got, its re-sends.
+    trace: Any = None
+    replica: str | None = None
+    retries: int = 0
 
     @property
     def url_path(self) -> str:
@@ -197,6 +201,7 @@ class Relay:
                         if call.route.predicted_hit_tokens:
                             self.metrics.cache_hit_tokens.inc(call.route.predicted_hit_tokens)
                         _learn_resolved(replica, call.route.model, status)
+                        call.replica = replica.url
                         return Opened(replica, result, tokens, router_logprobs, trial=trial)
                     else:
                         content = await _read_quietly(result)
@@ -215,6 +220,7 @@ class Relay:
                     self.request_log.warning("request %s: %s %s", call.request_id, replica.url, last.reason)
                 return last
             attempt[0] += 1
+            call.retries += 1
             self.metrics.retries.inc()
             self.log_retry(call, replica, last.reason or f"answered {last.status}", attempt[0])
             await asyncio.sleep(self.retry.backoff(attempt[0] - 1, self.rng))

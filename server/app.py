@@ -70,6 +70,7 @@ from server.serving_tokenize import detokenize, list_models, tokenize
 from server.state import ServerState
 from server.streaming import ClientDisconnected
 from server.tokenize_protocol import DetokenizeRequest, TokenizeRequest
+from server.tracing import open_tracing
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 409, 413, 429, 503)
@@ -114,7 +115,9 @@ def build_state(engine: Any, config: ServerConfig) -> ServerState:
         tokenizer=engine.tokenizer,
         limits=limits,
         block_size=int(info.block_size),
-        generation=Generation(engine, config, metrics),
+        generation=Generation(
+            engine, config, metrics, open_tracing(config.otlp_traces_endpoint, "ferry-serve", "ferry.server")
+        ),
         metrics=metrics,
         responses=open_response_store(
             config.responses_store, config.responses_store_max_bytes, config.responses_store_ttl, engine
@@ -124,8 +127,8 @@ def build_state(engine: Any, config: ServerConfig) -> ServerState:
 
 # FastAPI (0.165 on) traces and meters every request through OpenTelemetry when a provider is
 # set process-wide, and asks the providers on each request whether one is (~4 % of a streamed
-# request's event-loop time in a profile of an API server). ferry exports no OpenTelemetry
-# (``--otlp-traces-endpoint`` is refused: server/vllm_compat.py), so it is off.
+# request's event-loop time in a profile of an API server). ferry's own spans (``--otlp-traces-endpoint``,
+# server/tracing.py) come from a provider of its own, never the process-wide one, so it stays off.
 _NO_TELEMETRY: dict[str, Any] = (
     {"telemetry": {"tracing": False, "metrics": False, "logs": False}}
     if "telemetry" in inspect.signature(FastAPI.__init__).parameters

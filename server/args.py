@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from engine.config import EngineConfig
 from server.engine_flags import add_engine_flags
 from server.server_flags import add_server_flags
+from server.tracing import add_tracing_args
 from server.vllm_flags import add_vllm_args, http_options
 
 if TYPE_CHECKING:
@@ -36,6 +37,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_server_flags(p)
     add_engine_flags(p)
     add_vllm_args(p)
+    add_tracing_args(p)
     return p
 
 
@@ -166,4 +168,5 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         media=media_options(args),
         http=http_options(args),
+        otlp_traces_endpoint=getattr(args, "otlp_traces_endpoint", None),
     )

@@ -106,6 +106,7 @@ def plan_chat(
             cache_salt=req.cache_salt,
             beam=beam,
             images=images or None,
+            n=req.n,
         )
         for j in (range(req.n) if resumed is None else resumed)
     ]

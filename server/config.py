@@ -96,6 +96,8 @@ class ServerConfig:
     media: MediaOptions = MediaOptions()
     # CORS, TLS, root path (vLLM's HTTP flags: server/vllm_flags.py)
     http: HttpOptions = HttpOptions()
+    # OpenTelemetry: each API server process exports its requests' spans here (server/tracing.py)
+    otlp_traces_endpoint: str | None = None
 
     @property
     def url(self) -> str:

@@ -39,6 +39,7 @@ from server.errors import APIError, bad_request, overloaded, timeout_error, unav
 from server.merged_outputs import MergedOutputs
 from server.metrics import ServerMetrics
 from server.sequence_request import SequenceRequest
+from server.tracing import FinishedRequest, Tracing, request_span, request_trace, warn_tracing_off
 from server.vllm_flags import log_output
 
 logger = logging.getLogger("ferry.server")
@@ -53,10 +54,13 @@ class _Deadline:
 class Generation(MergedOutputs):
     """Admission control and engine calls shared by the completions and chat endpoints."""
 
-    def __init__(self, engine: Any, config: ServerConfig, metrics: ServerMetrics) -> None:
+    def __init__(
+        self, engine: Any, config: ServerConfig, metrics: ServerMetrics, tracing: Tracing | None = None
+    ) -> None:
         self.engine = engine
         self.config = config
         self.metrics = metrics
+        self.tracing = tracing  # --otlp-traces-endpoint: a span per sequence that ran (_traced)
         self.draining = False
         self.in_flight = 0  # engine sequences admitted and not finished
         self._max_running = int(getattr(getattr(engine, "config", None), "max_num_seqs", 0) or 0)
@@ -196,6 +200,10 @@ class Generation(MergedOutputs):
         metrics = self.metrics
         first_at = last_at = 0.0
         num_generated = 0
+        trace = request_trace()
+        if trace is not None and self.tracing is None:
+            warn_tracing_off()
+        error: str | None = None  # why it failed, for its trace span
         admission = {"admission": (ticket.key, ticket.size)} if self._engine_admits else {}
         try:
             gen = self.engine.generate(
@@ -228,13 +236,17 @@ class Generation(MergedOutputs):
                     if out.finished:
                         finished = True
                         reason = (out.outputs[0].finish_reason if out.outputs else None) or "abort"
-                        metrics.observe_finished(
-                            reason,
-                            time.perf_counter() - arrival,
-                            out.metrics,
-                            len(seq.prompt_token_ids),
-                            num_generated,
+                        e2e = time.perf_counter() - arrival
+                        phases = metrics.observe_finished(
+                            reason, e2e, out.metrics, len(seq.prompt_token_ids), num_generated
                         )
+                        if self.tracing is not None:
+                            if deadline.timed_out and reason == "abort":
+                                error = "request timed out"
+                            ttft = first_at - arrival if first_at else None
+                            self._traced(
+                                request_id, seq, trace, e2e, ttft, phases, num_generated, reason, error
+                            )
                         ticket.end_one(seq.prompt_index, num_generated)
                         if deadline.timed_out and reason == "abort":
                             raise timeout_error(self.config.request_timeout or 0.0)
@@ -264,6 +276,7 @@ class Generation(MergedOutputs):
         except APIError:
             raise
         except Exception as e:
+            error = f"{type(e).__name__}: {e}"
             if not self.engine.is_healthy():  # the engine loop died or is stopping: not a server bug
                 raise unavailable(f"The engine cannot serve requests: {e}") from e
             raise
@@ -274,12 +287,49 @@ class Generation(MergedOutputs):
                 if not refused:  # ended before its last output (client gone, error): an abort
                     e2e = time.perf_counter() - arrival
                     reason = "stop" if ticket.stopped else "abort"
-                    metrics.observe_finished(reason, e2e, None, len(seq.prompt_token_ids), num_generated)
+                    phases = metrics.observe_finished(
+                        reason, e2e, None, len(seq.prompt_token_ids), num_generated
+                    )
+                    if self.tracing is not None:
+                        ttft = first_at - arrival if first_at else None
+                        self._traced(request_id, seq, trace, e2e, ttft, phases, num_generated, reason, error)
                     ticket.end_one(seq.prompt_index, num_generated)
                 with contextlib.suppress(Exception):
                     await self.engine.abort(rid)
             self.unclaim_id(rid)
             self._add_in_flight(-1)
+
+    def _traced(
+        self,
+        request_id: str,
+        seq: SequenceRequest,
+        trace: dict[str, str] | None,
+        e2e: float,
+        ttft: float | None,
+        phases: Any,
+        num_generated: int,
+        reason: str,
+        error: str | None,
+    ) -> None:
+        """Emit the sequence's ``llm_request`` span (never raises into the request's path)."""
+        assert self.tracing is not None
+        finished = FinishedRequest(
+            request_id=request_id,
+            model=seq.lora.name if seq.lora is not None else self.config.served_model_name,
+            e2e=e2e,
+            ttft=ttft,
+            phases=phases,
+            prompt_tokens=len(seq.prompt_token_ids),
+            completion_tokens=num_generated,
+            finish_reason=reason,
+            params=None if seq.pooling else seq.params,
+            n=seq.n,
+            error=error,
+        )
+        try:
+            request_span(self.tracing, trace, finished)
+        except Exception:  # a span is never worth a request
+            logger.exception("tracing: could not record the span of request %s", request_id)
 
     async def _logging_outputs(
         self, rid: str, gen: AsyncIterator[RequestOutput]

@@ -25,6 +25,7 @@ from server.config import ServerConfig
 from server.conn_balance import PassedConnections
 from server.heap import settle_heap
 from server.roles import check_role_config
+from server.tracing import tracing_args_problem
 from server.vllm_compat import compat_notes, limited_problem
 
 logger = logging.getLogger("ferry.server")
@@ -155,6 +156,9 @@ async def serve(
         responses = app.state.ferry.responses
         if responses is not None:
             await responses.close()
+        tracing = app.state.ferry.generation.tracing
+        if tracing is not None:  # the last spans leave (bounded: a collector may be down)
+            await asyncio.to_thread(tracing.shutdown)
         await engine.shutdown()
 
 
@@ -232,6 +236,8 @@ def check_serve_args(args: argparse.Namespace) -> str | None:
         args.model = tag
     if problem is None:
         problem = limited_problem(args)
+    if problem is None:
+        problem = tracing_args_problem(args)
     if problem is None and args.enable_auto_tool_choice and not args.tool_call_parser:
         problem = "--enable-auto-tool-choice needs --tool-call-parser (the model's tool-call format)"
     if problem is None and args.api_server_count < 1:

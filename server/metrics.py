@@ -39,6 +39,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from server.engine_stats_metrics import ENGINE_INDEX, EngineStatsCollector
 from server.metrics_exposition import Collectors, exposition
+from server.tracing import Phases, phases_of
 
 # Bucket edges in seconds (the spread vLLM uses: sub-ms to minutes).
 _TTFT_BUCKETS = tuple(
@@ -288,11 +289,12 @@ class ServerMetrics:
         engine_metrics: Mapping[str, float] | None,
         prompt_tokens: int | None = None,
         generation_tokens: int = 0,
-    ) -> None:
+    ) -> Phases:
         """A request's end. ``prompt_tokens`` is None for one that never reached the engine; the
         phase times come from the engine's stamps (``time.monotonic()``: arrival, first scheduled,
         first token, finished), observed only for the phases the request went through (none for a
-        request aborted before its last output: it has no stamps)."""
+        request aborted before its last output: it has no stamps). Returns those phase times (its
+        trace span says the same: ``server/tracing.py``)."""
         counter = self._success_by_reason.get(reason)
         if counter is None:
             counter = self._success.labels(self.model_name, ENGINE_INDEX, reason)
@@ -302,21 +304,18 @@ class ServerMetrics:
         if prompt_tokens is not None:
             self._prompt_tokens.observe(prompt_tokens)
             self._generation_tokens.observe(generation_tokens)
-        if not engine_metrics:
-            return
-        stamps = {k: float(v) for k, v in engine_metrics.items() if v is not None}
-        arrived, scheduled = stamps.get("arrival_time"), stamps.get("first_scheduled_time")
-        first, done = stamps.get("first_token_time"), stamps.get("finished_time")
-        if arrived is not None and scheduled is not None:
-            self._queue.observe(max(0.0, scheduled - arrived))
-        if scheduled is not None and first is not None:
-            self._prefill.observe(max(0.0, first - scheduled))
-        if first is not None and done is not None:
-            self._decode.observe(max(0.0, done - first))
+        phases = phases_of(engine_metrics)
+        if phases.queue is not None:
+            self._queue.observe(phases.queue)
+        if phases.prefill is not None:
+            self._prefill.observe(phases.prefill)
+        if phases.decode is not None:
+            self._decode.observe(phases.decode)
             if generation_tokens > 1:
-                self._request_tpot.observe(max(0.0, done - first) / (generation_tokens - 1))
-        if scheduled is not None and done is not None:
-            self._inference.observe(max(0.0, done - scheduled))
+                self._request_tpot.observe(phases.decode / (generation_tokens - 1))
+        if phases.inference is not None:
+            self._inference.observe(phases.inference)
+        return phases
 
     def render(self) -> bytes:
         """The text exposition of this server's metrics plus the default registry (KV tier, process),

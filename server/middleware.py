@@ -18,6 +18,7 @@ from typing import Any
 
 from server.anthropic_protocol import error_body
 from server.errors import APIError
+from server.tracing import set_request_trace, trace_headers
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -267,6 +268,9 @@ class EdgeMiddleware:
             return
         request_id = request_id_of(_header(scope, REQUEST_ID_HEADER))
         scope.setdefault("state", {})["request_id"] = request_id
+        # Its W3C trace context, for the spans of its engine requests (server/tracing.py); set for
+        # every request, so a batch line run from a traced request's task has its own, or none.
+        set_request_trace(trace_headers(scope["headers"]))
 
         if self.api_key is not None and route_path(scope).startswith(_PROTECTED_PREFIXES):
             auth = _header(scope, b"authorization") or b""

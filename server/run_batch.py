@@ -328,5 +328,7 @@ async def _run(
         if state.responses is not None:
             await state.responses.close()
         await state.batches.close()
+        if state.generation.tracing is not None:
+            await asyncio.to_thread(state.generation.tracing.shutdown)
     finally:
         await engine.shutdown()

@@ -35,6 +35,7 @@ class SequenceRequest:
     # The prompt's input embeddings (a tensor; prompt_token_ids are its placeholders): what the
     # engine is given as the prompt instead of the ids.
     prompt_embeds: Any = None
+    n: int = 1  # the choices its request asked for per prompt (its trace span's gen_ai.request.n)
 
     @property
     def block_extra(self) -> bytes:

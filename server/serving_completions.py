@@ -134,6 +134,7 @@ def _plan(
                     cache_salt=req.cache_salt,
                     beam=beam,
                     prompt_embeds=prompt.embeds,
+                    n=req.n,
                 )
             )
     return prompts, seqs

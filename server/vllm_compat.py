@@ -6,7 +6,7 @@
 * ``LIMITED_FLAGS``: accepted at the values ferry honours (logged like the compatibility flags when
   given), refused at start with one line at any other (``limited_problem``): the parallelism flags
   above 1, ``--preemption-mode swap``, ``--cpu-offload-gb`` above 0, and flags whose feature ferry does not
-  have (KV connectors, OTLP tracing, logits-processor plugins, headless engines, no tokenizer).
+  have (KV connectors, logits-processor plugins, headless engines, no tokenizer).
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from server.tracing import tracing_notes
 
 _SWITCH: dict[str, Any] = {"action": "store_true"}
 
@@ -128,11 +130,6 @@ LIMITED_FLAGS: dict[tuple[str, ...], Limited] = {
         "ferry moves KV blocks through its own tier, not a vLLM KV connector: use --kv-tier URL and "
         "--role prefill|decode (with `ferry router --prefill … --decode …`)",
     ),
-    ("--otlp-traces-endpoint",): _refused(
-        {},
-        "ferry exports no OpenTelemetry traces; /metrics serves Prometheus metrics and X-Request-Id "
-        "follows a request through the router",
-    ),
     ("--logits-processors",): _refused(
         {"nargs": "+"},
         "ferry loads no logits-processor plugins (requests' logit_bias, bad_words … are served)",
@@ -187,7 +184,7 @@ def compat_notes(args: argparse.Namespace) -> list[str]:
     for names, limited in LIMITED_FLAGS.items():
         if limited.note and _value(args, names[0]) is not None:
             notes.append(f"{names[0]} {_value(args, names[0])} is what ferry does: {limited.note}")
-    return notes + structured_notes(args)
+    return notes + structured_notes(args) + tracing_notes(args)
 
 
 # Structured outputs are xgrammar's. Other vLLM backends' names start the server (the request fields
