@@ -20,8 +20,9 @@ a restart drops, as the replica's events may have shown the new instance first).
 names neither (another server) is taken as restarted when it comes back after being ejected.
 A ferry replica started with ``--lora-resolver-dir`` says ``"lora_resolver": true``: requests naming
 a model no replica lists go to such replicas (``router/pool.py``), and after one answers such a
-request its ``/v1/models`` is read at its next probe (``Replica.models_read_at`` reset by the relay),
-so the adapter it loaded is learnt and routed to.
+request the relay lists the name there at once (``Replica.lora_resolved``) and its ``/v1/models`` is
+read at its next probe (``Replica.models_read_at`` reset by the relay), so the adapter it loaded is
+routed to from the next request on, and its card and weights digest learnt.
 Between a good ``/health`` and marking the replica healthy it awaits ``before_ready`` hooks (a new or
 restarted replica gets the LoRA adapters loaded through the router: ``router/lora_admin.py``); each
 ``/v1/models`` read goes to ``on_models`` hooks (the router learns adapters: ``router/lora_learn.py``).
@@ -207,16 +208,22 @@ class HealthChecker:
         """The replica's served names, LoRA adapters and model cards (kept as they were if it does
         not answer)."""
         token = replica.lora_changes
+        began = self.clock()
         data = await model_list(self.client, replica.url, self.auth, timeout)
         if data:
             for hook in self.on_models:
                 hook(replica, data, token)
             replica.model_cards = data
-            replica.models = [m["id"] for m in data]
+            models = [m["id"] for m in data]
+            # An adapter it resolved after this read began may be missing from it: kept, and the
+            # list read again at the next probe. One resolved before is listed, or gone (unloaded).
+            kept = {n: at for n, at in replica.lora_resolved.items() if n not in models and at >= began}
+            replica.lora_resolved = kept
+            replica.models = models + list(kept)
             replica.lora_weights = {
                 m["id"]: m["lora_weights_id"] for m in data if isinstance(m.get("lora_weights_id"), str)
             }
-            replica.models_read_at = self.clock()
+            replica.models_read_at = float("-inf") if kept else self.clock()
 
 
 async def model_list(

@@ -35,6 +35,13 @@ one with a ``parent`` (the base model) and a ``root`` (the path it was loaded fr
   where that failed; a client that loaded it straight onto one replica chose that replica), and
   loading it as well would race that fan-out (its client would hear a replica's "already loaded")
   or bring back an adapter an unload crossed.
+* *Resolved adapters are the replica's own.* An adapter a ferry replica serves from its
+  ``--lora-resolver-dir`` entry of that name (its card's ``lora_resolved``) is loaded there again
+  whenever a request names it, from that replica's own directory: it is neither followed nor
+  adopted (adopted, it would be loaded onto every replica, from one replica's path, and a second
+  replica resolving the name from its own directory would read as a conflict, or as a change of
+  path that takes the first off the routing for it). vLLM's cards do not say so: its resolved
+  adapters are taken as runtime loads.
 * *An unload wins over adoption.* A restore's load of an adopted adapter first reads a replica that
   listed it, and loads nothing if that read shows it gone (an unload through another router seen in
   time). The replicas this router loaded an adopted adapter onto are remembered (``placed``): when
@@ -166,12 +173,17 @@ class LoraLearner:
             return
         cards = adapter_cards(listed)
         preloaded = {m["id"] for m in listed if m.get("lora_preloaded") is True}
-        seen, replica.lora_seen = replica.lora_seen, dict(cards)
+        # Served from the replica's resolver directory (a ferry card's ``lora_resolved``): the
+        # replica's own, loaded again whenever named, from its own directory (another replica's
+        # path for the name is no conflict): neither followed nor adopted.
+        resolved = {m["id"] for m in listed if m.get("lora_resolved") is True}
+        own = {n: p for n, p in cards.items() if n not in resolved}
+        seen, replica.lora_seen = replica.lora_seen, own
         if seen is not None:
-            for name in sorted(seen.keys() | cards.keys()):
-                if seen.get(name) != cards.get(name):
-                    self._changed_elsewhere(replica, name, seen.get(name), cards.get(name))
-        for name, path in sorted(cards.items()):
+            for name in sorted(seen.keys() | own.keys()):
+                if seen.get(name) != own.get(name):
+                    self._changed_elsewhere(replica, name, seen.get(name), own.get(name))
+        for name, path in sorted(own.items()):
             self._consider(replica, name, path, name in preloaded)
         for name in list(self.conflicts):
             if len(self._paths(name)) < 2:

@@ -23,7 +23,13 @@ prompt's uncached part is shorter than ``--pd-threshold``; no prefill worker is 
 are saturated; no decode worker is routable (no prefill is spent on a request nobody could
 continue; with no mixed replica either, the answer is the 503 a router without a routable
 replica gives; with neither pool routable, reason ``no_worker`` and a 503 that names both pools);
-every prefill worker tried failed or timed out; or the request is one the
+every prefill worker tried failed or timed out; the request names a model (a LoRA adapter) no decode
+worker lists while one resolves adapters from a directory or a prefill worker lists it
+(``model_not_on_decode``: the first token would reach the client before a decode worker's 404 could;
+served whole, it is resolved there, and listed, so the next requests are disaggregated, each worker
+loading it from its own directory); no prefill worker has a model the decode pool lists or resolves
+(its 404, ``model_not_on_prefill``; these two are served whole by the mixed replicas only when they
+list or resolve the model); or the request is one the
 hand-off does not cover (``max_tokens`` = 1: it is all prefill; ``n`` > 1, several prompts,
 ``echo``, client ``logprobs``: their first token would need the prefill worker's per-choice
 logprobs and text merged into the decode worker's, which a resume cannot reproduce exactly; chat
@@ -61,9 +67,17 @@ from router.pd_messages import (
     wants_disaggregation,
 )
 from router.policies.cache_aware import CacheAware
-from router.pool import Pool
+from router.pool import Pool, serving
 from router.prompt_keys import PromptKeyer, prompt_keys
-from router.relay import TRANSPORT_ERRORS, Failed, Opened, ProxyCall, response_headers, with_request_id
+from router.relay import (
+    TRANSPORT_ERRORS,
+    Failed,
+    Opened,
+    ProxyCall,
+    response_headers,
+    says_no_model,
+    with_request_id,
+)
 from router.replica import Replica
 from router.tracing import leg
 from server.error_types import error_type
@@ -130,6 +144,14 @@ class PDOrchestrator:
             return "prefill_saturated"
         if not decode_pool.candidates(self.decode.clock()):
             return "no_decode_worker"  # a prefill would be wasted: nobody could continue it
+        model = call.route.model
+        if isinstance(model, str) and not _lists(model, decode_pool, self.decode.clock()):
+            decode = decode_pool.candidates(self.decode.clock())
+            if any(r.lora_resolver for r in decode) or any(model in r.models for r in prefill_pool):
+                # A LoRA adapter no decode worker lists (yet): the first token would reach the client
+                # before a decode worker's 404 could. Served whole, it is resolved there (listed from
+                # then on, and later requests disaggregated) or a clean 404.
+                return "model_not_on_decode"
         return None
 
     async def generate(
@@ -153,14 +175,18 @@ class PDOrchestrator:
                 return
             try:
                 with leg(self.tracing, call, "prefill", self.config.prefill_policy):
-                    prefilled = await self._prefill(prefill_pool, call, send)
+                    prefilled = await self._prefill(prefill_pool, call, send, decode_pool)
             except LocalPrefill as e:
                 reason = e.reason
             if prefilled is None and reason is None:
                 return  # the prefill worker's answer (a client error) was relayed
         if prefilled is None:
             self.metrics.fallbacks.labels(reason or "unknown").inc()
-            if whole is not None and whole[1].candidates(self.decode.clock()):
+            if (
+                whole is not None
+                and whole[1].candidates(self.decode.clock())
+                and (reason not in MODEL_REASONS or _knows(call.route.model, whole[1], self.decode.clock()))
+            ):
                 self.metrics.requests.labels("mixed").inc()
                 await whole[0].generate(whole[1], call, send)
                 return
@@ -199,7 +225,7 @@ class PDOrchestrator:
         await send_bytes(send, 503, body, with_request_id([(b"retry-after", b"1")], call))
 
     # ---- prefill --------------------------------------------------------------------------------
-    async def _prefill(self, pool: Pool, call: ProxyCall, send: Send) -> Prefilled | None:
+    async def _prefill(self, pool: Pool, call: ProxyCall, send: Send, decode_pool: Pool) -> Prefilled | None:
         """The first token, or None when a client error was relayed; LocalPrefill when no worker can."""
         payload = json.dumps(prefill_body(call.json or {})).encode()
         started = time.perf_counter()
@@ -208,6 +234,8 @@ class PDOrchestrator:
         while True:
             opened = await self.prefill.open(pool, call, payload, tried, attempt)
             if isinstance(opened, Failed):
+                if opened.status == 404 and self._model_on_decode_only(opened.body, call, decode_pool):
+                    raise LocalPrefill("model_not_on_prefill")
                 raise LocalPrefill("prefill_failed")
             status = opened.response.status_code
             content = None
@@ -230,6 +258,8 @@ class PDOrchestrator:
             if status != 200:
                 if status >= 500 or status in (408, 429):
                     raise LocalPrefill("prefill_failed")
+                if status == 404 and self._model_on_decode_only(content, call, decode_pool):
+                    raise LocalPrefill("model_not_on_prefill")
                 # The client's error (bad field, prompt too long): a colocated replica says the same.
                 await send_bytes(
                     send, status, content, with_request_id(response_headers(opened.response), call)
@@ -240,6 +270,12 @@ class PDOrchestrator:
                 raise LocalPrefill("prefill_answer_unreadable")
             self.metrics.prefill_latency.observe(time.perf_counter() - started)
             return prefilled
+
+    def _model_on_decode_only(self, body: bytes, call: ProxyCall, decode_pool: Pool) -> bool:
+        """A prefill 404 (``body``) says no prefill worker has the request's model, a LoRA adapter
+        (not in its resolver directory either) that the decode pool lists or resolves: it is served
+        whole there rather than answered 404."""
+        return says_no_model(body) and _knows(call.route.model, decode_pool, self.decode.clock())
 
     # ---- decode, streamed -----------------------------------------------------------------------
     async def _stream(self, pool: Pool, call: ProxyCall, p: Prefilled, send: Send) -> None:
@@ -364,6 +400,23 @@ class PDOrchestrator:
         await self.decode.answer_whole(
             pool, call, payload, send, merged, "decode worker failed while answering"
         )
+
+
+# Fallback reasons that say a pool lacks the request's model: served whole where it is served.
+MODEL_REASONS = frozenset({"model_not_on_decode", "model_not_on_prefill"})
+
+
+def _lists(model: str, pool: Pool, now: float) -> bool:
+    """A replica of ``pool`` that can take a request now lists ``model`` (``pool.serving``'s rules)."""
+    return any(model in r.models for r in serving(model, pool.candidates(now), pool))
+
+
+def _knows(model: object, pool: Pool, now: float) -> bool:
+    """A replica of ``pool`` that can take a request now lists ``model``, or resolves LoRA adapters
+    from a directory (a name no replica lists is sent there: ``pool.serving``)."""
+    if not isinstance(model, str):
+        return True
+    return any(model in r.models or r.lora_resolver for r in serving(model, pool.candidates(now), pool))
 
 
 def _error_event(message: str) -> bytes:

@@ -23,6 +23,12 @@ class Pool:
     def __init__(self, role: str) -> None:
         self.role = role
         self._replicas: dict[str, Replica] = {}
+        # Single flight of a name no replica lists: model -> (the URL of the resolving replica the
+        # first request for it was sent to, how many requests for it were sent there and have no
+        # answer yet), until an answer settles it (the name is then listed there, or the entry
+        # goes: router/relay.py). Requests for the name meanwhile follow it, so one replica loads
+        # the adapter, not every resolving replica the policy would spread them over.
+        self.resolving: dict[str, tuple[str, int]] = {}
 
     def __len__(self) -> int:
         return len(self._replicas)
@@ -59,12 +65,12 @@ def counts(replicas: Iterable[Replica], now: float) -> dict[str, int]:
 
 def serving(model: object, candidates: list[Replica], pool: Iterable[Replica] = ()) -> list[Replica]:
     """Those of ``candidates`` that list ``model`` (a LoRA adapter loaded on some replicas only),
-    when any does; none when only replicas of ``pool`` that cannot take it now list it (another
-    model's replica would answer a 404 saying the model does not exist: the router's 503 says to
-    retry); else those that resolve LoRA adapters from a directory (``Replica.lora_resolver``: a
-    ferry replica's ``--lora-resolver-dir`` loads the name if it holds it), when any does; else all
-    of them (a name none lists, such as an alias of the base model, is the replica's to answer, with
-    a 404 if it serves no such model). A replica that still holds an
+    when any does; else those that resolve LoRA adapters from a directory (``Replica.lora_resolver``:
+    a ferry replica's ``--lora-resolver-dir`` loads the name if it holds it), when any does; none
+    when only replicas of ``pool`` that cannot take it now list it (another model's replica would
+    answer a 404 saying the model does not exist: the router's 503 says to retry); else all of them
+    (a name none lists, such as an alias of the base model, is the replica's to answer, with a 404
+    if it serves no such model). A replica that still holds an
     adapter unloaded through the router (``Replica.lora_unloads``), or that lists it under another
     path than the router knows it by (``Replica.lora_mismatch``), is never one of them for it."""
     if not isinstance(model, str):
@@ -74,9 +80,10 @@ def serving(model: object, candidates: list[Replica], pool: Iterable[Replica] = 
     listing = [r for r in candidates if model in r.models]
     if listing:
         return listing
-    if any(model in r.models for r in pool):
-        return []
-    return [r for r in candidates if r.lora_resolver] or candidates
+    resolving = [r for r in candidates if r.lora_resolver]
+    if resolving or any(model in r.models for r in pool):
+        return resolving
+    return candidates
 
 
 def awake(candidates: list[Replica]) -> list[Replica]:

@@ -9,6 +9,10 @@
   cannot have acted on it (a connect error, a 429 or 503), and a Files/Batches request goes to the
   next batch home. A 404 saying a model the replica's last-read list names does not exist (a LoRA
   adapter gone since that read) takes it off that list and re-sends to a replica that lists it.
+  A name no replica lists goes to a replica that resolves LoRA adapters from a directory
+  (``pool.serving``): the requests for it sent before that one answers follow it (``Pool.resolving``,
+  so one replica loads the adapter), its success lists the name there at once, and its 404 (not in
+  its directory) re-sends to another resolving replica, with no retry spent.
 * ``forward``: relay any answer byte for byte as it arrives (non-generation routes).
 * generation (completions and chat, with whole-answer retries and mid-stream failover) builds on
   these in ``router/generation.py``.
@@ -170,13 +174,21 @@ class Relay:
                     call.route.prefer_url is not None and responses
                 ):  # known, but that replica cannot take it now
                     self.metrics.response_affinity.labels("miss").inc()
-                replica = self.policy.choose(call.route, candidates)
+                replica = _following(pool, call.route.model, candidates) or self.policy.choose(
+                    call.route, candidates
+                )
+            # A name no replica lists, sent to a replica that resolves adapters: the requests for it
+            # that come before this one's answer follow it there (Pool.resolving).
+            unlisted = _unlisted(replica, call.route.model)
+            if unlisted:
+                _follow(pool, replica, call.route.model)
             # Recorded at once, not when the answer starts: requests that share a prefix and
             # arrive together must see where the first of them went.
             self.policy.on_routed(call.route, replica)
             tokens = call.route.prompt_tokens
             trial = self._acquire(replica, tokens, now)
             payload, router_logprobs = body(replica) if callable(body) else (body, False)
+            move_on = False  # a resolving replica without the adapter: the next one, no retry spent
             try:
                 result = await self._send(replica, call, payload)
                 if isinstance(result, Response):
@@ -190,6 +202,20 @@ class Relay:
                             self._release(replica, tokens, True, "404", trial)
                             return last
                         last.reason = f"does not serve model {model!r} (any more)"
+                    elif unlisted and status == 404:
+                        last = Failed(404, await _read_quietly(result), response_headers(result))
+                        others = serving(model, pool.candidates(self.clock(), tried | {replica.url}), pool)
+                        if not says_no_model(last.body) or not any(
+                            model in r.models or r.lora_resolver for r in others
+                        ):
+                            if says_no_model(last.body) and any(model in r.models for r in pool):
+                                # Held by a replica that cannot take it now: retry, as when
+                                # no resolving replica could be asked (pool.serving).
+                                last = _no_replica(pool, self.clock(), model)
+                            _settle(pool, replica, model)
+                            self._release(replica, tokens, True, "404", trial)
+                            return last
+                        move_on = True
                     elif (
                         not self.retry.should_retry_status(status, attempt[0])
                         or request_timed_out(status, result.headers)
@@ -200,7 +226,8 @@ class Relay:
                     ):
                         if call.route.predicted_hit_tokens:
                             self.metrics.cache_hit_tokens.inc(call.route.predicted_hit_tokens)
-                        _learn_resolved(replica, call.route.model, status)
+                        if unlisted:
+                            _learn_resolved(pool, replica, model, status, self.clock())
                         call.replica = replica.url
                         return Opened(replica, result, tokens, router_logprobs, trial=trial)
                     else:
@@ -211,10 +238,19 @@ class Relay:
                 else:
                     last = result
             except BaseException:  # the client left (task cancelled): give the load back
+                if unlisted:  # the others sent there still follow it
+                    _settle(pool, replica, call.route.model, ended=False)
                 self._release(replica, tokens, True, str(CLIENT_GONE), trial)
                 raise
+            if unlisted:  # not served there: the next request for the name picks again
+                _settle(pool, replica, call.route.model)
             self._release(replica, tokens, True, str(last.status), trial)
             tried.add(replica.url)
+            if move_on:
+                log.debug(
+                    "request %s: %s has no LoRA adapter %r", call.request_id, replica.url, call.route.model
+                )
+                continue
             if not self.retry.can_retry(attempt[0]) or (last.acted and not replayable(call)):
                 if last.reason:  # the router's own failure, which the client is told without the replica
                     self.request_log.warning("request %s: %s %s", call.request_id, replica.url, last.reason)
@@ -241,15 +277,10 @@ class Relay:
         404 says no such model (it restarted without a LoRA adapter loaded at run time, or another
         router or client unloaded it, since that read), the router's view of it is stale: take the
         model off it and read its list again at its next probe. True when that was so."""
-        try:
-            error = json.loads(body).get("error")
-        except (ValueError, AttributeError):
-            return False
-        if not isinstance(error, dict):
-            return False
-        if error.get("code") != "model_not_found" and error.get("param") != "model":
+        if not says_no_model(body):
             return False
         replica.models = [m for m in replica.models if m != model]
+        replica.lora_resolved.pop(model, None)
         replica.models_read_at = float("-inf")
         log.info("replica %s no longer serves model %r: reading its /v1/models again", replica.url, model)
         return True
@@ -432,9 +463,62 @@ def with_request_id(headers: list[tuple[bytes, bytes]], call: ProxyCall) -> list
     return [*headers, (b"x-request-id", call.request_id.encode())]
 
 
-def _learn_resolved(replica: Replica, model: object, status: int) -> None:
-    """A replica that resolves LoRA adapters answered a request naming a model it did not list: it
-    may have loaded it (``ferry serve --lora-resolver-dir``), so its ``/v1/models`` is read again at
-    its next probe (``router/health.py``) and the adapter routed to from then on."""
-    if replica.lora_resolver and status < 400 and isinstance(model, str) and model not in replica.models:
+def says_no_model(body: bytes) -> bool:
+    """Whether a 404's body says the model it names does not exist (``model_not_found``)."""
+    try:
+        error = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(error, dict) and (
+        error.get("code") == "model_not_found" or error.get("param") == "model"
+    )
+
+
+def _unlisted(replica: Replica, model: object) -> bool:
+    """``model`` is a name ``replica`` does not list, and it resolves LoRA adapters from a directory
+    (``pool.serving`` sends such names to such replicas when no replica lists them)."""
+    return replica.lora_resolver and isinstance(model, str) and model not in replica.models
+
+
+def _following(pool: Pool, model: object, candidates: list[Replica]) -> Replica | None:
+    """The resolving replica an earlier request for ``model`` (a name no replica lists) was sent to
+    and has no answer from yet, when it is one of ``candidates``: this request goes there too, so one
+    replica loads the adapter (its own resolver loads it once for both) rather than every replica the
+    policy would pick."""
+    url, _ = pool.resolving.get(model, (None, 0)) if isinstance(model, str) else (None, 0)
+    if url is None:
+        return None
+    return next((r for r in candidates if r.url == url and _unlisted(r, model)), None)
+
+
+def _follow(pool: Pool, replica: Replica, model: str) -> None:
+    """A request for ``model`` (a name no replica lists) was sent to the resolving ``replica``: the
+    next ones follow it there until an answer from it settles the name (``_settle``)."""
+    url, sent = pool.resolving.get(model, (replica.url, 0))
+    pool.resolving[model] = (replica.url, sent + 1 if url == replica.url else 1)
+
+
+def _settle(pool: Pool, replica: Replica, model: str, ended: bool = True) -> None:
+    """A request for ``model`` sent to ``replica`` is over there. ``ended``: it answered (listed there
+    now, or not served there: the next request picks again), or failed; else (the client left)
+    requests for the name follow it as long as others sent there have no answer yet."""
+    url, sent = pool.resolving.get(model, (None, 0))
+    if url != replica.url:
+        return
+    if ended or sent <= 1:
+        del pool.resolving[model]
+    else:
+        pool.resolving[model] = (url, sent - 1)
+
+
+def _learn_resolved(pool: Pool, replica: Replica, model: str, status: int, now: float) -> None:
+    """A replica that resolves LoRA adapters answered a request naming a model it did not list
+    (``_unlisted``). A success says it loaded it (``ferry serve --lora-resolver-dir``): the name is
+    listed there at once (``Replica.lora_resolved``), so the next requests for it go there rather
+    than to another resolving replica that would load it too, and its ``/v1/models`` is read at its
+    next probe (``router/health.py``) for the adapter's card and weights digest."""
+    _settle(pool, replica, model)
+    if status < 400:
+        replica.models = [*replica.models, model]
+        replica.lora_resolved[model] = now
         replica.models_read_at = float("-inf")

@@ -152,6 +152,10 @@ class Replica:
         # the adapter's block hashes (kvcache.keys.lora_extra).
         self.lora_weights: dict[str, str] = {}
         self.models_read_at = float("-inf")
+        # Names it resolved from its directory (it answered a request naming them while it did not
+        # list them) -> when that answer came: put in ``models`` at once (router/relay.py), and kept
+        # there by a ``/v1/models`` read that began before the answer (it may not list them yet).
+        self.lora_resolved: dict[str, float] = {}
         # LoRA adapters the router was told to unload whose unload this replica missed (it did not
         # answer): retried at its next good probe; requests for them never go here (pool.serving).
         self.lora_unloads: set[str] = set()

@@ -88,8 +88,10 @@ def lora_model_cards(state: Any) -> list[ModelCard]:
     """One card per adapter: ``root`` its directory, ``parent`` the base model (as vLLM lists them),
     the digest of its files that salts its KV blocks (routers key prompts with it), and whether it
     is served as ``--lora-modules`` named it (``lora_preloaded``: a router does not adopt those and
-    load them onto replicas started without the flag)."""
+    load them onto replicas started without the flag) or from the resolver directory's entry of its
+    name (``lora_resolved``: each replica with a resolver loads its own when named)."""
     preloaded = {(m.lora_name, m.lora_path) for m in state.config.lora_modules}
+    resolver = getattr(state, "lora_resolver", None)
     served_names = (state.model_name, *state.config.model_aliases)
     return [
         ModelCard(
@@ -100,6 +102,7 @@ def lora_model_cards(state: Any) -> list[ModelCard]:
             max_model_len=state.limits.kv_capacity_tokens,
             lora_weights_id=served.weights_id,
             lora_preloaded=(name, served.request.lora_path) in preloaded,
+            lora_resolved=resolver is not None and resolver.holds(name, served.request.lora_path),
         )
         for name, served in sorted(state.served_loras.items())
     ]

@@ -90,6 +90,15 @@ class LoRAResolver:
             raise _outside(name)
         return path if os.path.isfile(os.path.join(real, ADAPTER_CONFIG)) else None
 
+    def holds(self, name: str, path: str) -> bool:
+        """Whether adapter ``name`` served from ``path`` is this directory's entry of its name (what
+        a request naming it would load here, by whom ever it was loaded)."""
+        try:
+            entry = self.entry(name)
+        except APIError:
+            return False
+        return entry is not None and os.path.realpath(entry) == os.path.realpath(path)
+
     async def resolve(self, engine: Any, name: str, served: Any) -> bool:
         """Serve adapter ``name`` from the directory if it holds one (False: it does not). ``served``
         gives the adapters served now (an API server's view). APIError 400 if the entry cannot run."""

@@ -318,6 +318,10 @@ class ModelCard(_Response):
     # A LoRA adapter's: served as ``--lora-modules`` named it at start (True) or loaded at run time
     # (False). Routers adopt only the latter (router/lora_learn.py): the former come with the flag.
     lora_preloaded: bool | None = None
+    # A LoRA adapter's: served from ``--lora-resolver-dir``'s entry of its name, which this replica
+    # loads again whenever it is named (True). Routers neither adopt nor restore those, nor take
+    # another replica's entry (another path) for a conflict (router/lora_learn.py).
+    lora_resolved: bool | None = None
 
 
 class ModelList(_Response):

@@ -101,6 +101,7 @@ def test_models_lists_adapters_with_their_base(lora_server, client, adapters) ->
         assert card["parent"] == base and card["root"] == str(adapters[name])
         assert card["lora_weights_id"] == adapter_weights_id(adapters[name])
         assert card["lora_preloaded"] is True  # from --lora-modules: routers do not adopt it
+        assert card["lora_resolved"] is False  # not the resolver directory's entry of its name
     assert cards[base].model_dump()["lora_preloaded"] is None
 
 
@@ -327,11 +328,13 @@ def test_resolver_loads_an_unknown_name_once(lora_server, client, resolver_dir) 
     assert log.count("Resolved LoRA adapter 'e' from") == 1
     card = {m.id: m.model_dump() for m in client.models.list().data}["e"]
     assert (card["root"], card["parent"]) == (str(resolver_dir.resolve() / "e"), lora_server.model_name)
-    assert card["lora_preloaded"] is False
+    assert (card["lora_preloaded"], card["lora_resolved"]) == (False, True)  # routers do not adopt it
     # The same files loaded explicitly answer the same.
     load = {"lora_name": "e_explicit", "lora_path": str(resolver_dir / "e")}
     assert _post(url, "/v1/load_lora_adapter", load).status_code == 200
     assert _token_ids(client, "e_explicit") == ("e_explicit", list(tokens))
+    card = {m.id: m.model_dump() for m in client.models.list().data}["e_explicit"]
+    assert card["lora_resolved"] is False  # not what a request naming e_explicit would load
     assert _post(url, "/v1/unload_lora_adapter", {"lora_name": "e_explicit"}).status_code == 200
     # Unloaded, a resolved adapter is resolved again by the next request naming it.
     assert _post(url, "/v1/unload_lora_adapter", {"lora_name": "e"}).status_code == 200
