@@ -37,7 +37,7 @@ from typing import Any
 
 from router.http import Send
 from router.sse import typed_event
-from server.anthropic_protocol import ERROR_TYPES, anthropic_status, error_type
+from server.anthropic_protocol import ERROR_TYPES, anthropic_status, error_details, error_type
 
 # server/serving_messages.py's GROUP_EVENT (the router does not import the serving code).
 GROUP_EVENT = "ferry_chunk"
@@ -219,11 +219,15 @@ def anthropic_errors(send: Send) -> Send:
             error = obj["error"]
             if obj.get("type") != "error" and isinstance(error, dict):
                 status = start["status"]
-                start = {**start, "status": anthropic_status(status)}  # the router's 429/503: 529
+                code = error.get("code") if isinstance(error.get("code"), str) else None
+                start = {**start, "status": anthropic_status(status, code)}  # the router's 429/503: 529
                 shaped = {
                     "type": "error",
                     "error": {"type": error_type(status), "message": error.get("message")},
                 }
+                details = error_details(code)
+                if details is not None:
+                    shaped["error"]["details"] = details
                 request_id = dict(start["headers"]).get(b"request-id")
                 if request_id is not None:
                     shaped["request_id"] = request_id.decode("latin-1")

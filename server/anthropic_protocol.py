@@ -67,11 +67,17 @@ OVERLOADED = 529
 REQUEST_TIMEOUT = 408
 TIMED_OUT = 504
 REQUEST_TIMEOUT_HEADER = "x-ferry-request-timeout"
+# Ferry's error codes for which Anthropic's API answers a status of its own with a machine-readable
+# ``error.details.error_code`` (its SDKs raise a class per code: ``RequestBodyEncodingUnsupportedError``).
+_DETAILED_CODES = {"unsupported_content_encoding": (400, "request_body_encoding_unsupported")}
 
 
-def anthropic_status(status: int) -> int:
+def anthropic_status(status: int, code: str | None = None) -> int:
     """The status the Messages API answers for one of ferry's (``OVERLOADED`` for a capacity one,
-    ``TIMED_OUT`` for a request that ran past its time)."""
+    ``TIMED_OUT`` for a request that ran past its time), or for its error ``code`` where Anthropic
+    answers that case with a status of its own (``_DETAILED_CODES``)."""
+    if code in _DETAILED_CODES:
+        return _DETAILED_CODES[code][0]
     if status == REQUEST_TIMEOUT:
         return TIMED_OUT
     return OVERLOADED if status in _CAPACITY_STATUSES else status
@@ -83,6 +89,12 @@ def error_type(status: int) -> str:
     return ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
 
 
+def error_details(code: str | None) -> dict[str, str] | None:
+    """Anthropic's ``error.details`` for one of ferry's error codes, None where it has none."""
+    detailed = _DETAILED_CODES.get(code) if code is not None else None
+    return {"error_code": detailed[1]} if detailed is not None else None
+
+
 def error_body(error: APIError, request_id: str | None = None) -> dict[str, Any]:
     """Anthropic's error body; an answer's (not a stream's ``error`` event) names its request, as
     Anthropic's do (``request_id``, also the ``request-id`` header: the SDK's ``_request_id``)."""
@@ -90,13 +102,16 @@ def error_body(error: APIError, request_id: str | None = None) -> dict[str, Any]
         "type": "error",
         "error": {"type": error_type(error.status), "message": error.message},
     }
+    details = error_details(error.code)
+    if details is not None:
+        body["error"]["details"] = details
     if request_id is not None:
         body["request_id"] = request_id
     return body
 
 
 def error_response(error: APIError, request_id: str | None = None) -> JSONResponse:
-    status = anthropic_status(error.status)
+    status = anthropic_status(error.status, error.code)
     headers = error.headers
     if error.status == REQUEST_TIMEOUT:
         headers = {**(headers or {}), REQUEST_TIMEOUT_HEADER: "1"}

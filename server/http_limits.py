@@ -20,6 +20,10 @@ uvicorn times out only an idle keep-alive connection, after an answer. What it l
   not have (RFC 9112 §6.1): such an answer is sent as it is and ends with the connection, as h11
   does.
 
+A refusal takes the shape of the API the request was for, as the app's own errors do: OpenAI's,
+or on Anthropic's Messages API (``/v1/messages``, read from the request line while the head still
+comes) Anthropic's, with its ``request-id`` header and its status for a body that came too slowly.
+
 These classes lean on uvicorn's protocol internals (parser callbacks, its request/response cycle);
 ``tests/server/test_http_limits.py`` runs them under both parsers. Nothing here reads a request's
 content: what a request says is the app's business.
@@ -38,6 +42,7 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from server.error_types import error_type
+from server.middleware import is_messages, request_id_of
 
 try:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -53,6 +58,8 @@ LINGER_S = 2.0
 # A body's time grows by a second for every this many bytes it brings (Apache mod_reqtimeout's
 # MinRate): a large upload at any usable speed is never cut off, one that trickles still is.
 MIN_BODY_RATE = 500
+# How much of a request head is kept to read its request line (the path) from.
+_REQUEST_LINE_BYTES = 8 << 10
 
 # Where a connection stands, for the timer: reading a request's head (or new and still silent),
 # reading its body, answering a request read whole, or idle after an answer (uvicorn's keep-alive
@@ -99,16 +106,52 @@ def uvicorn_options(limits: HttpLimits, parser: str = "auto") -> dict[str, Any]:
     return {"http": protocol, "h11_max_incomplete_event_size": limits.max_head_bytes}
 
 
-def _error(status: int, code: str, message: str) -> bytes:
-    """A whole answer in the OpenAI error shape, written past the app (nothing reached it)."""
-    body = json.dumps(
-        {"error": {"message": message, "type": error_type(status), "param": None, "code": code}}
-    ).encode()
-    reason = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}[status]
+def _error(
+    status: int, code: str, message: str, anthropic: bool = False, request_id: str | None = None
+) -> bytes:
+    """A whole answer written past the app (nothing reached it): the OpenAI error shape, or on
+    Anthropic's Messages API (``anthropic``) Anthropic's, as ``_anthropic_error`` words it."""
+    request_id = request_id or request_id_of(None)
+    ids = b"x-request-id: %s\r\n" % request_id.encode()
+    if anthropic:
+        status, obj = _anthropic_error(status, code, message, request_id)
+        ids += b"request-id: %s\r\n" % request_id.encode()
+    else:
+        obj = {"error": {"message": message, "type": error_type(status), "param": None, "code": code}}
+    body = json.dumps(obj).encode()
+    reason = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}[status]
     return (
         b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-        b"connection: close\r\n\r\n%s" % (status, reason, len(body), body)
+        b"%sconnection: close\r\n\r\n%s" % (status, reason, len(body), ids, body)
     )
+
+
+def _anthropic_error(status: int, code: str, message: str, request_id: str) -> tuple[int, dict[str, Any]]:
+    """The status and body Anthropic answers in these cases: a body that did not arrive in time is
+    its 400 ``invalid_request_error`` with ``details.error_code`` ``request_body_timeout`` (its
+    SDKs' ``BetaRequestBodyTimeoutError``); the others keep their 4xx as ``invalid_request_error``,
+    the type its API uses for a 4xx it does not list (the SDKs: ``RequestTimeoutError``,
+    ``RequestHeaderFieldsTooLargeError``). Not ``anthropic_protocol.error_type``: that reads a 408
+    as a request that ran past ``--request-timeout`` (504 ``timeout_error``), not a slow client."""
+    error: dict[str, Any] = {"type": "invalid_request_error", "message": message}
+    if code == "request_body_timeout":
+        status = 400
+        error["details"] = {"error_code": code}
+    return status, {"type": "error", "error": error, "request_id": request_id}
+
+
+def _request_path(head: bytes) -> str | None:
+    """The path of the request line at the start of ``head`` (None before it is whole): the route
+    a request whose head never came whole was for, so its refusal takes that API's shape."""
+    line, newline, _ = head.partition(b"\n")
+    parts = line.split()
+    if not newline or len(parts) < 2:
+        return None
+    target = parts[1].decode("latin-1").partition("?")[0]
+    if not target.startswith("/"):  # absolute form (RFC 9112 §3.2.2): its path
+        scheme, _, rest = target.partition("://")
+        target = "/" + rest.partition("/")[2] if scheme and rest else target
+    return target
 
 
 class _Limits:
@@ -126,6 +169,7 @@ class _Limits:
     _deadline = 0.0  # when it expires (loop time): a body's moves on as the body comes
     _head_bytes = 0  # bytes received while the current head was incomplete
     _head_tail = b""  # its last bytes, where its end may begin
+    _head_start = b""  # its first bytes, to its request line's end: the path a refusal is shaped for
     _refused = False  # answered 408/431: what else comes is dropped
 
     def _state(self) -> str:
@@ -160,6 +204,8 @@ class _Limits:
         if self._timed == _BODY:
             self._deadline += len(data) / MIN_BODY_RATE
         if self._awaiting_head():
+            if len(self._head_start) < _REQUEST_LINE_BYTES and b"\n" not in self._head_start:
+                self._head_start += data[:_REQUEST_LINE_BYTES]
             # Measured before the parser sees it: a head past the limit never reaches the app, and
             # one that ends in this read is measured to its end, not by the read's size.
             size = self._head_size(data)
@@ -190,6 +236,7 @@ class _Limits:
         # (bytes of a pipelined next head in the same read go uncounted: one read's worth at most)
         self._head_bytes = 0
         self._head_tail = b""
+        self._head_start = b""
 
     def on_response_complete(self) -> None:
         super().on_response_complete()  # type: ignore[misc]
@@ -233,12 +280,29 @@ class _Limits:
         elif state == _HEAD:
             self.transport.close()  # silent since it connected: nothing was asked, nothing is answered
 
+    def _refused_request(self) -> tuple[bool, str | None]:
+        """Whether the request refused is for Anthropic's Messages API, and its id when known: a
+        body's request is the cycle's (its id as the app took it); a head's, its request line's."""
+        cycle = self.cycle
+        if self._where() == _BODY and cycle is not None:
+            scope = cycle.scope
+            request_id = scope.get("state", {}).get("request_id")
+            if request_id is None:  # (the router keeps none there)
+                request_id = request_id_of(dict(scope["headers"]).get(b"x-request-id"))
+            return is_messages(scope), request_id
+        path = _request_path(self._head_start)
+        if path is None:
+            return False, None
+        root = getattr(self, "root_path", "")
+        return is_messages({"path": root + path, "root_path": root}), None
+
     def _finished(self) -> bool:
         return self._refused or self.transport.is_closing()
 
     def _refuse(self, status: int, code: str, message: str) -> None:
         """Answer ``status`` (unless an answer is under way) and close; an app waiting for this
         request's body reads a disconnect and sends nothing more."""
+        anthropic, request_id = self._refused_request()
         self._refused = True
         self._stop_timer()
         cycle = self.cycle
@@ -246,7 +310,7 @@ class _Limits:
             cycle.disconnected = True
             cycle.message_event.set()
         if not self._answering():
-            self.transport.write(_error(status, code, message))
+            self.transport.write(_error(status, code, message, anthropic, request_id))
         if self._answering() or not self.transport.can_write_eof():  # (TLS cannot half-close)
             self.transport.close()
             return

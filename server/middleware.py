@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-from server.anthropic_protocol import error_body
+from server.anthropic_protocol import anthropic_status, error_body
 from server.errors import APIError
 from server.tracing import set_request_trace, trace_headers
 
@@ -183,7 +183,8 @@ async def _send_error(send: Send, error: APIError, request_id: str, anthropic: b
     if anthropic:
         headers.append((ANTHROPIC_REQUEST_ID_HEADER, request_id.encode()))
     headers += [(k.lower().encode(), v.encode()) for k, v in error.headers.items()]
-    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    status = anthropic_status(error.status, error.code) if anthropic else error.status
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 

@@ -84,6 +84,13 @@ class ScriptedReplica:
         """Let every stream waiting at a ``GATE`` go on."""
         self._loop.call_soon_threadsafe(self._gate.set)
 
+    def hold(self) -> None:
+        """Make ``GATE`` wait again after a ``release()``."""
+        asyncio.run_coroutine_threadsafe(self._clear_gate(), self._loop).result(10)
+
+    async def _clear_gate(self) -> None:
+        self._gate.clear()
+
     def stop_listening(self) -> None:
         """Nothing listens on the port any more (connections are refused); open ones stay."""
         asyncio.run_coroutine_threadsafe(self._close_server(), self._loop).result(10)

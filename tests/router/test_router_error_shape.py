@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -108,3 +109,60 @@ def test_edge_errors_name_a_code_as_a_replica_does(setup: tuple[ScriptedReplica,
         "param": None,
         "code": "invalid_api_key",
     }
+
+
+def _anthropic(router: Proc, key: str = KEY) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=router.url, api_key=key, max_retries=0, timeout=30)
+
+
+def _named(error: anthropic.APIStatusError) -> str:
+    """The error's request id, the same in its ``request-id`` header and its body (Anthropic's)."""
+    assert error.request_id == error.body["request_id"] == error.response.headers["x-request-id"]
+    return error.body["error"]["type"]
+
+
+def test_the_routers_own_refusals_on_the_messages_api_are_anthropics(
+    setup: tuple[ScriptedReplica, Proc],
+) -> None:
+    """On ``/v1/messages`` the router's own answers (no key, too large, not JSON, its concurrency
+    limit, no replica) are Anthropic's, read by its SDK into its typed errors."""
+    replica, router = setup
+    turn = [{"role": "user", "content": "hi"}]
+    with pytest.raises(anthropic.AuthenticationError) as auth:
+        _anthropic(router, "wrong").messages.create(model="m", max_tokens=1, messages=turn)
+    assert _named(auth.value) == "authentication_error"
+
+    with pytest.raises(anthropic.ContentTooLargeError) as large:
+        _anthropic(router).messages.create(
+            model="m", max_tokens=1, messages=[{"role": "user", "content": "x" * 3000}]
+        )
+    assert _named(large.value) == "request_too_large"
+
+    r = httpx.post(
+        router.url + "/v1/messages", content=b"{not json", headers={"x-api-key": KEY, "x-request-id": "j-1"}
+    )
+    assert r.status_code == 400 and r.headers["request-id"] == "j-1"
+    assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
+    assert r.json()["request_id"] == "j-1"
+
+    replica.hold()  # (released by the test before)
+    replica.script = [GATE, text_chunk("a", 5, "stop"), b"data: [DONE]\n\n", "done"]
+    held = _client(router).completions.create(model="m", prompt="hi", max_tokens=1, stream=True)
+    try:  # its one slot taken, no queue: the router's 429, Anthropic's 529
+        with pytest.raises(anthropic.OverloadedError) as limited:
+            _anthropic(router).messages.create(model="m", max_tokens=1, messages=turn)
+        assert _named(limited.value) == "overloaded_error" and limited.value.status_code == 529
+        assert limited.value.response.headers["retry-after"]
+    finally:
+        replica.release()
+        assert [c.choices[0].text for c in held] == ["a"]
+
+    replica.hung = True  # no replica left: the router's 503, Anthropic's 529
+    try:
+        assert wait_until(lambda: _routable(router) == [False], 30)
+        with pytest.raises(anthropic.OverloadedError) as down:
+            _anthropic(router).messages.create(model="m", max_tokens=1, messages=turn)
+        assert _named(down.value) == "overloaded_error"
+    finally:
+        replica.hung = False
+        assert wait_until(lambda: _routable(router) == [True], 30)

@@ -121,7 +121,7 @@ def test_an_http10_client_gets_a_relayed_answer_framed_by_its_length(router: Pro
         ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}]}),  # Anthropic's shape
     ],
 )
-def test_a_compressed_body_gets_415(router: Proc, path: str, payload: dict) -> None:
+def test_a_compressed_body_is_refused(router: Proc, path: str, payload: dict) -> None:
     """As a replica answers it (tests/server/test_http_edge.py); a keyed route used to fail with
     "not valid JSON: 'utf-8' codec can't decode byte 0x8b"."""
     body = gzip.compress(json.dumps({"model": MODEL, "max_tokens": 2, **payload}).encode())
@@ -133,14 +133,20 @@ def test_a_compressed_body_gets_415(router: Proc, path: str, payload: dict) -> N
         )
         status, headers, answer = conn.answer()
         message = "Content-Encoding 'gzip' is not supported: send the request body uncompressed."
-        assert status == 415 and headers[b"accept-encoding"] == b"identity"
-        if path == "/v1/messages":
+        assert headers[b"accept-encoding"] == b"identity"
+        if path == "/v1/messages":  # Anthropic's 400 with its error_code, as a replica answers it
             error = json.loads(answer)
-            assert error.pop("request_id") and error == {
+            assert status == 400 and error.pop("request_id") == headers[b"request-id"].decode()
+            assert error == {
                 "type": "error",
-                "error": {"type": "invalid_request_error", "message": message},
+                "error": {
+                    "type": "invalid_request_error",
+                    "message": message,
+                    "details": {"error_code": "request_body_encoding_unsupported"},
+                },
             }
         else:
+            assert status == 415
             assert json.loads(answer) == {
                 "error": {
                     "message": message,

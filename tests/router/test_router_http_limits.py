@@ -14,9 +14,18 @@ import socket
 import time
 
 import pytest
+from anthropic import RequestHeaderFieldsTooLargeError
+from anthropic.types.beta_request_body_timeout_error import BetaRequestBodyTimeoutError
 from router_harness import Cluster, Proc
 
-from tests.server.test_http_limits import _connect, _parse, _read_to_close, _send_huge_header
+from tests.server.test_http_limits import (
+    _anthropic_error,
+    _connect,
+    _parse,
+    _read_to_close,
+    _send_huge_header,
+    _trickle_until_answered,
+)
 
 MODEL = "llama"
 BOUND_S = 30.0  # "soon": far above the 1 s timeout, far below "never"
@@ -81,6 +90,26 @@ def test_a_request_that_trickles_in_gets_408(router: Proc) -> None:
     }
     with _connect(router.port) as sock:  # nothing at all: closed, nothing answered
         assert sock.recv(100) == b""
+
+
+def test_the_messages_api_gets_anthropics_refusals(router: Proc) -> None:
+    """A body that trickles to the router's ``/v1/messages`` is refused as Anthropic refuses one
+    (400 ``request_body_timeout``: the SDK's ``BetaRequestBodyTimeoutError``), its id in the
+    ``request-id`` header the SDK reads; a head too large there, a 431 in Anthropic's shape."""
+    head = b"POST /v1/messages HTTP/1.1\r\nhost: x\r\nx-request-id: r-slow\r\ncontent-length: 500\r\n\r\n{"
+    with _connect(router.port) as sock:
+        _trickle_until_answered(sock, head, b" " * 499)
+        status, error, raised = _anthropic_error(_read_to_close(sock))
+    assert (status, type(raised), raised.request_id) == (400, BetaRequestBodyTimeoutError, "r-slow")
+    assert error["details"] == {"error_code": "request_body_timeout"}
+    with _connect(router.port) as sock:
+        answer, _, _ = _send_huge_header(sock, b"/v1/messages")
+    status, error, raised = _anthropic_error(answer)
+    assert (status, type(raised)) == (431, RequestHeaderFieldsTooLargeError)
+    assert error == {
+        "type": "invalid_request_error",
+        "message": "Request headers are larger than 4096 bytes.",
+    }
 
 
 def test_an_oversized_head_gets_431_while_it_is_still_coming(router: Proc) -> None:

@@ -8,7 +8,9 @@ import gzip
 import json
 import socket
 
+import anthropic
 import pytest
+from anthropic.types.shared.request_body_encoding_unsupported_error import RequestBodyEncodingUnsupportedError
 
 
 def _exchange(port: int, request: bytes) -> tuple[int, dict[bytes, bytes], bytes]:
@@ -63,21 +65,40 @@ def test_a_compressed_body_gets_415(server, path: str, payload: dict) -> None:
         assert status == 200, body
 
 
-def test_a_compressed_messages_body_gets_415_in_anthropics_shape(server) -> None:
+def test_a_compressed_messages_body_gets_anthropics_400(server) -> None:
+    """On the Messages API, as Anthropic answers it: a 400 ``invalid_request_error`` whose
+    ``details.error_code`` is ``request_body_encoding_unsupported``, which its SDK raises as
+    ``RequestBodyEncodingUnsupportedError``."""
     raw = json.dumps(
         {"model": server.model_name, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
     ).encode()
     port = server.port
-    status, _, body = _exchange(port, _post(port, "/v1/messages", gzip.compress(raw), b"gzip, identity"))
-    assert status == 415
+    status, headers, body = _exchange(
+        port, _post(port, "/v1/messages", gzip.compress(raw), b"gzip, identity")
+    )
+    assert status == 400 and headers[b"accept-encoding"] == b"identity"
     error = json.loads(body)
-    assert error.pop("request_id") and error == {
+    assert error.pop("request_id") == headers[b"request-id"].decode() and error == {
         "type": "error",
         "error": {
             "type": "invalid_request_error",
             "message": "Content-Encoding 'gzip' is not supported: send the request body uncompressed.",
+            "details": {"error_code": "request_body_encoding_unsupported"},
         },
     }
+    client = anthropic.Anthropic(base_url=server.url, api_key="k", max_retries=0)
+    with pytest.raises(RequestBodyEncodingUnsupportedError) as refused:  # a plain body labelled br
+        client.messages.create(
+            model=server.model_name,
+            max_tokens=2,
+            messages=[{"role": "user", "content": "hi"}],
+            extra_headers={"content-encoding": "br", "x-request-id": "enc-1"},
+        )
+    assert (refused.value.status_code, refused.value.type, refused.value.request_id) == (
+        400,
+        "invalid_request_error",
+        "enc-1",
+    )
 
 
 def test_a_head_health_probe_is_answered_without_a_body(server) -> None:

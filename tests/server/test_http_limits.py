@@ -19,9 +19,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import anthropic
 import httpx
+import httpx2
 import pytest
 import uvicorn
+from anthropic.types.beta_request_body_timeout_error import BetaRequestBodyTimeoutError
 
 from server.http_limits import HttpLimits, uvicorn_options
 from tests.server.conftest import self_signed_certificate
@@ -214,6 +217,62 @@ def test_an_oversized_head_gets_431(parser: str) -> None:
             assert sent < 64 << 20 and took < BOUND_S  # and then closed
 
 
+def _anthropic_error(wire: bytes) -> tuple[int, dict, anthropic.APIStatusError]:
+    """An answer on the Messages API: its status, its body (Anthropic's shape, named by its
+    ``request-id`` header) and the exception the anthropic SDK makes of it."""
+    status, headers, body = _parse(wire)
+    assert headers[b"connection"] == b"close" and int(headers[b"content-length"]) == len(body)
+    obj = json.loads(body)
+    assert obj["type"] == "error" and obj["request_id"] == headers[b"request-id"].decode()
+    assert headers[b"x-request-id"] == headers[b"request-id"]
+    request = httpx2.Request("POST", "http://127.0.0.1/v1/messages")
+    response = httpx2.Response(status, headers=dict(headers), content=body, request=request)
+    client = anthropic.Anthropic(api_key="k", max_retries=0)
+    return status, obj["error"], client._make_status_error_from_response(response)
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+def test_refusals_on_the_messages_api_are_anthropics(parser: str) -> None:
+    """A slow or oversized request to ``/v1/messages`` is refused in Anthropic's shape, which its
+    SDK reads into its typed errors: a body that trickles is Anthropic's 400 ``request_body_timeout``
+    (``BetaRequestBodyTimeoutError``), a head that trickles a 408 and one too large a 431, both
+    ``invalid_request_error``. The path is read from the request line while the head still comes."""
+    limits = HttpLimits(header_timeout=1.0, max_head_bytes=4096)
+    head = b"POST /v1/messages HTTP/1.1\r\nhost: x\r\nx-request-id: slow-1\r\ncontent-length: 1000\r\n\r\n"
+    with _serving(parser, limits) as port:
+        with _connect(port) as sock:
+            _trickle_until_answered(sock, head + b"{", b"z" * 999)
+            status, error, raised = _anthropic_error(_read_to_close(sock))
+        assert status == 400 and type(raised) is BetaRequestBodyTimeoutError
+        assert error == {
+            "type": "invalid_request_error",
+            "message": "The request body did not arrive within 1 s.",
+            "details": {"error_code": "request_body_timeout"},
+        }
+        assert raised.request_id == "slow-1"  # the client's id, as the app takes it
+        with _connect(port) as sock:
+            start = b"POST /v1/messages/count_tokens?beta=true HTTP/1.1\r\nhost: x\r\n"
+            _trickle_until_answered(sock, start, b"x-slow: " + b"y" * 1000)
+            status, error, raised = _anthropic_error(_read_to_close(sock))
+        assert status == 408 and type(raised) is anthropic.RequestTimeoutError
+        assert error == {
+            "type": "invalid_request_error",
+            "message": "The request headers did not arrive within 1 s.",
+        }
+        with _connect(port) as sock:
+            sock.sendall(b"POST /v1/messages HTTP/1.1\r\nhost: x\r\nx-big: " + b"y" * 6000)
+            status, error, raised = _anthropic_error(_read_to_close(sock))
+        assert status == 431 and type(raised) is anthropic.RequestHeaderFieldsTooLargeError
+        assert error == {
+            "type": "invalid_request_error",
+            "message": "Request headers are larger than 4096 bytes.",
+        }
+        with _connect(port) as sock:  # another route, or a path that only starts alike: OpenAI's
+            sock.sendall(b"POST /v1/messagesx HTTP/1.1\r\nhost: x\r\nx-big: " + b"y" * 6000)
+            status, error = _error(_read_to_close(sock))
+        assert (status, error["code"]) == (431, "request_headers_too_large")
+
+
 def _send_huge_header(sock: socket.socket, path: bytes) -> tuple[bytes, int, float]:
     """Send a GET whose one header grows by 64 KiB every 10 ms (up to 64 MiB or BOUND_S): the
     first answer seen, the bytes sent, and the seconds until the server closed (or the bound)."""
@@ -311,6 +370,15 @@ def test_ferry_serve_cuts_off_slow_and_oversized_requests(limited_server) -> Non
     with _connect(port) as sock:
         _trickle_until_answered(sock, b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n", b"x" * 1000)
         assert _error(_read_to_close(sock))[1]["code"] == "request_header_timeout"
+    with _connect(port) as sock:  # the Messages API's, behind the app's middleware
+        head = b"POST /v1/messages HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n"
+        _trickle_until_answered(sock, head, b"{" * 100)
+        status, error, raised = _anthropic_error(_read_to_close(sock))
+        assert (status, error["details"], type(raised)) == (
+            400,
+            {"error_code": "request_body_timeout"},
+            BetaRequestBodyTimeoutError,
+        )
     with _connect(port) as sock:
         sock.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\nx-big: " + b"y" * 6000)
         assert _error(_read_to_close(sock))[0] == 431

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from collections.abc import AsyncIterator, Iterator
 from functools import partial
 from pathlib import Path
@@ -441,6 +442,33 @@ def test_answers_and_errors_name_their_request_as_anthropics(srv, client) -> Non
     assert denied.status_code == 401 and denied.json()["request_id"] == denied.headers["request-id"]
     chat = httpx.post(srv.url + "/v1/chat/completions", json={}, headers={"x-api-key": "k3y"})
     assert "request-id" not in chat.headers and "request_id" not in chat.json()  # OpenAI's API: its own
+
+
+def test_edge_refusals_on_the_messages_api_are_anthropics(srv, client) -> None:
+    """What is refused before a handler runs (no route, a method the route has not, a body past
+    ``--max-request-bytes``) takes Anthropic's shape on ``/v1/messages`` paths, which the SDK reads
+    into its typed errors; each names its request in ``request-id``."""
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        client.get("/v1/messages/nowhere", cast_to=object)
+    assert missing.value.body["error"]["type"] == "not_found_error"
+    assert missing.value.request_id == missing.value.body["request_id"]
+    with pytest.raises(anthropic.APIStatusError) as method:
+        client.get("/v1/messages", cast_to=object)
+    assert method.value.status_code == 405 and method.value.body["error"]["type"] == "invalid_request_error"
+    assert method.value.request_id == method.value.body["request_id"]
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as sock:  # declared too large
+        sock.sendall(
+            b"POST /v1/messages HTTP/1.1\r\nhost: x\r\nx-api-key: k3y\r\nconnection: close\r\n"
+            b"x-request-id: big-1\r\ncontent-length: %d\r\n\r\n" % (1 << 40)
+        )
+        wire = b""
+        while data := sock.recv(65536):
+            wire += data
+    head, _, body = wire.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413 ") and b"\r\nrequest-id: big-1" in head
+    error = json.loads(body)
+    assert error["type"] == "error" and error["request_id"] == "big-1"
+    assert error["error"]["type"] == "request_too_large"
 
 
 def test_output_config_format_constrains_the_answer(srv, client) -> None:
