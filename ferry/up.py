@@ -1,6 +1,7 @@
 """`ferry up`: a whole local cluster (router, prefill/decode pools, KV tier) from one YAML file.
 
-``ferry up [--config cluster.yaml] [--dry-run] [--state-file PATH] [--kv-tier-check-interval S]``.
+``ferry up [--config cluster.yaml] [--dry-run] [--state-file PATH] [--kv-tier-check-interval S]
+[--otlp-traces-endpoint URL]``.
 The file's schema is in ``ferry/cluster/config.py`` and ``lifecycle_config.py`` (commented example:
 ``deploy/local/cluster.yaml``); with no file, the default is a router on port 8080, one prefill and one decode worker of the demo model on free
 ports, and a child redis-server as their shared KV tier. Exit status: 0 after a clean stop
@@ -24,6 +25,7 @@ from ferry.cluster.config import load_config
 from ferry.cluster.plan import LOOPBACK, ClusterPlan, build_plan
 from ferry.cluster.spec import ClusterConfig, ConfigError
 from ferry.cluster.tier_watch import CHECK_INTERVAL_S, CHECK_TIMEOUT_S, is_redis_url, ping_tier
+from server.tracing import INSTALL_HINT, tracing_problem
 
 REDIS_MISSING = (
     "{binary} not found on PATH, and the KV tier is a redis-server that ferry up starts"
@@ -56,6 +58,14 @@ def add_up_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         f" kept in --state-file (default: {CHECK_INTERVAL_S:g})",
     )
     p.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        metavar="URL",
+        help="every worker and the router export an OpenTelemetry span per request to this OTLP"
+        " collector (their own --otlp-traces-endpoint), named by OTEL_SERVICE_NAME ferry-router,"
+        f" ferry-prefill, ferry-decode or ferry-mixed; the other OTEL_* variables apply. Needs {INSTALL_HINT}",
+    )
+    p.add_argument(
         "--state-file",
         default=None,
         help="write the cluster's endpoint and every child's name, pid and URL here (JSON), kept"
@@ -71,12 +81,16 @@ def run_up(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"ferry up: {source}: {e}", file=sys.stderr)
         return 2
-    plan = build_plan(config)
+    plan = build_plan(config, otlp_traces_endpoint=args.otlp_traces_endpoint)
     if args.dry_run:
         print(format_plan(plan))
         return 0
     state_file = Path(args.state_file) if args.state_file else None
-    problem = preflight(config, plan) or (state_file_problem(state_file) if state_file else None)
+    problem = (
+        tracing_problem(args.otlp_traces_endpoint)
+        or preflight(config, plan)
+        or (state_file_problem(state_file) if state_file else None)
+    )
     if problem is not None:
         print(f"ferry up: {problem}", file=sys.stderr)
         return 1

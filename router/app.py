@@ -43,7 +43,7 @@ from router.policies import make_policy
 from router.policies.cache_aware import CacheAware
 from router.pool import Pool, Replicas
 from router.prompt_keys import PromptKeyer, make_keyer
-from router.proxy_route import FORWARD_ROOT_PATHS, MESSAGES_PATH, proxy
+from router.proxy_route import FORWARD_ROOT_PATHS, MESSAGES_PATH, proxy, refuse
 from router.relay import ProxyCall
 from router.replica import HealthPolicy, Replica
 from router.response_affinity import ResponseAffinity
@@ -322,7 +322,11 @@ class RouterApp:
         reset = path == "/reset_prefix_cache" and method == "POST"
         guarded = relayed or reset
         if guarded and self.config.api_key is not None and not bearer_ok(scope, self.config.api_key):
-            await send_error(send, 401, "missing or wrong API key (Authorization: Bearer …)", id_header)
+            wrong_key = "missing or wrong API key (Authorization: Bearer …)"
+            if relayed:  # a span, with tracing, says why it went no further
+                await refuse(self, scope, send, request_id, 401, wrong_key, id_header)
+            else:
+                await send_error(send, 401, wrong_key, id_header)
             return
         allowed = _own_methods(path)
         if allowed is not None and method not in allowed:

@@ -34,7 +34,7 @@ from router.pool import Pool
 from router.prompt_keys import prompt_keys
 from router.relay import ProxyCall
 from router.response_affinity import RESPONSES_PATH, batch_home, is_batch_path
-from router.tracing import end_request, start_request
+from router.tracing import end_request, refused, start_request
 from server.middleware import unsupported_encoding, unsupported_encoding_error
 
 if TYPE_CHECKING:
@@ -49,10 +49,22 @@ MESSAGES_PATH = "/v1/messages"
 KEYED_PATHS = GENERATE_PATHS | {"/v1/responses", MESSAGES_PATH}
 # Relayed as they come, like every /v1/* route: vLLM serves these outside /v1 (scoring: /score,
 # /rerank, Cohere's /v2/rerank; /classify; /pooling; SageMaker's /invocations, any request on one path).
+# vLLM's tokens-in/tokens-out /inference/v1/generate too (its render routes are /v1/*: relayed as
+# they come); its body's token ids are the replica's to check.
 # A file upload: bounded by --max-file-bytes (a batch's input), not --max-request-bytes.
 FILES_PATH = "/v1/files"
 FORWARD_ROOT_PATHS = frozenset(
-    {"/tokenize", "/detokenize", "/score", "/rerank", "/v2/rerank", "/classify", "/pooling", "/invocations"}
+    {
+        "/tokenize",
+        "/detokenize",
+        "/score",
+        "/rerank",
+        "/v2/rerank",
+        "/classify",
+        "/pooling",
+        "/invocations",
+        "/inference/v1/generate",
+    }
 )
 
 
@@ -68,13 +80,50 @@ def _session_of(body: dict) -> str | None:
     return user_id if isinstance(user_id, str) and user_id else None
 
 
+async def refuse(
+    app: RouterApp,
+    scope: Scope,
+    send: Send,
+    request_id: str,
+    status: int,
+    message: str,
+    headers: list[tuple[bytes, bytes]],
+    code: str | None = None,
+    started: float | None = None,
+) -> None:
+    """Answer a request the router will not relay (a client error) with ``status``; with tracing,
+    its span says so (``router.tracing.refused``)."""
+    await send_error(send, status, message, headers, code)
+    if app.tracing is not None:
+        started = time.perf_counter() if started is None else started
+        method, path = scope["method"], scope["path"]
+        refused(
+            app.tracing,
+            method,
+            path,
+            scope["headers"],
+            request_id,
+            started,
+            status,
+            message,
+            app.config.policy,
+        )
+
+
 async def proxy(app: RouterApp, scope: Scope, receive: Receive, send: Send, request_id: str) -> None:
+    started = time.perf_counter()
     id_header = [(b"x-request-id", request_id.encode())]
+
+    async def client_error(
+        status: int, message: str, headers: list[tuple[bytes, bytes]] | None = None, code: str | None = None
+    ) -> None:
+        await refuse(app, scope, send, request_id, status, message, headers or id_header, code, started)
+
     coding = unsupported_encoding(scope)
     if coding is not None:  # as a replica answers it, before a keyed body fails to parse
         error = unsupported_encoding_error(coding)
         headers = [(k.lower().encode(), v.encode()) for k, v in error.headers.items()]
-        await send_error(send, error.status, error.message, headers + id_header, error.code)
+        await client_error(error.status, error.message, headers + id_header, error.code)
         return
     path = scope["path"]
     # A file upload (a batch's input) is bounded as the replica bounds it, not as a request is.
@@ -87,12 +136,12 @@ async def proxy(app: RouterApp, scope: Scope, receive: Receive, send: Send, requ
     too_large = f"request body exceeds {limit} bytes (the router's {flag})"
     length = header(scope, b"content-length")
     if length is not None and length.isdigit() and int(length) > limit:
-        await send_error(send, 413, too_large, id_header)
+        await client_error(413, too_large)
         return
     try:
         body = await read_body(receive, limit)
     except BodyTooLarge:
-        await send_error(send, 413, too_large, id_header)
+        await client_error(413, too_large)
         return
     except ClientGone:
         return
@@ -107,15 +156,13 @@ async def proxy(app: RouterApp, scope: Scope, receive: Receive, send: Send, requ
         try:
             parsed = json.loads(body)
         except ValueError as e:
-            await send_error(send, 400, f"request body is not valid JSON: {e}", id_header, "invalid_json")
+            await client_error(400, f"request body is not valid JSON: {e}", code="invalid_json")
             return
         except RecursionError:  # [[[[…: json's recursion, a client's error as the replica's
-            await send_error(
-                send, 400, "request body is not valid JSON: nested too deeply", id_header, "invalid_json"
-            )
+            await client_error(400, "request body is not valid JSON: nested too deeply", code="invalid_json")
             return
         if not isinstance(parsed, dict):
-            await send_error(send, 400, "request body must be a JSON object", id_header)
+            await client_error(400, "request body must be a JSON object")
             return
         if route.session_key is None:
             route.session_key = _session_of(parsed)
@@ -173,14 +220,10 @@ async def _admitted(
         start_request(tracing, call, app.config.policy)
     if not await app.admission.try_acquire():
         app.metrics.rejected.inc()
-        await send_error(
-            send,
-            429,
-            "the router is at its concurrency and queue limits; retry later",
-            [(b"retry-after", b"1"), *id_header],
-        )
+        busy = "the router is at its concurrency and queue limits; retry later"
+        await send_error(send, 429, busy, [(b"retry-after", b"1"), *id_header])
         if tracing is not None:
-            end_request(tracing, call, 429, "rejected")
+            end_request(tracing, call, 429, "rejected", busy)
         return
     status = 0  # of the answer's head, once sent
 

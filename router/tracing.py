@@ -6,7 +6,9 @@ the client's ``traceparent``; its requests to replicas carry the span's own cont
 client's, so a replica's ``llm_request`` span is its child. A disaggregated request has a CLIENT
 span per leg (``prefill``, ``decode``), children of that span, and each leg's requests carry the
 leg's context. Attributes: the replica that answered, the policy that chose it, the retries, the
-status and the outcome (``ferry:router_request_latency_seconds``' label). Without tracing the
+status and the outcome (``ferry:router_request_latency_seconds``' label). A request the router
+refuses itself (413, invalid JSON, 429 at its own limit) has its span too: outcome ``refused`` or
+``rejected``, with the status and ``ferry.router.refusal``, the message the client got. Without tracing the
 client's ``traceparent``/``tracestate`` reach the replicas unchanged (``router/http.py``).
 """
 
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from router.relay import ProxyCall
@@ -54,11 +56,51 @@ def start_request(tracing: Tracing, call: ProxyCall, policy: str) -> None:
     _carry(call, tracing.headers_of(span))
 
 
-def end_request(tracing: Tracing, call: ProxyCall, status: int, outcome: str) -> None:
+def refused(
+    tracing: Tracing,
+    method: str,
+    path: str,
+    headers: Iterable[tuple[bytes, bytes]],
+    request_id: str,
+    started: float,
+    status: int,
+    reason: str,
+    policy: str,
+) -> None:
+    """The span of a request the router answered itself before admitting it (a 413 body, invalid
+    JSON, an unsupported encoding): outcome ``refused``, its status and why, so a trace shows where
+    it died. A child of the client's ``traceparent``, as a routed request's span."""
+    client = {k.decode(): v.decode("latin-1") for k, v in headers if k in TRACE_HEADERS}
+    span = tracing.tracer.start_span(
+        f"{method} {path}",
+        context=tracing.context_of(client),
+        kind=tracing.SERVER,
+        start_time=_start_ns(started),
+        attributes={
+            "http.request.method": method,
+            "url.path": path,
+            "ferry.request.id": request_id,
+            "ferry.router.policy": policy,
+            "ferry.router.outcome": "refused",
+            "ferry.router.refusal": reason,
+            "http.response.status_code": status,
+        },
+    )
+    if status >= 500:
+        tracing.set_error(span, f"status {status}")
+    span.end()
+
+
+def end_request(
+    tracing: Tracing, call: ProxyCall, status: int, outcome: str, reason: str | None = None
+) -> None:
+    """End ``call``'s span (``reason``: why the router itself refused it, a 429 at its limit)."""
     span = call.trace
     if span is None:
         return
     call.trace = None
+    if reason is not None:
+        span.set_attribute("ferry.router.refusal", reason)
     if call.replica is not None:
         span.set_attribute("ferry.router.replica", call.replica)
     span.set_attribute("ferry.router.retries", call.retries)

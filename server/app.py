@@ -17,7 +17,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from ferry import __version__
-from server import sleep_mode
+from server.admin_routes import add_admin_routes
 from server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from server.anthropic_protocol import error_response as anthropic_error
 from server.batch_api import add_batch_routes
@@ -25,7 +25,6 @@ from server.batch_lines import AppCaller
 from server.chat_protocol import ChatCompletionRequest
 from server.completion_protocol import CompletionRequest
 from server.config import ServerConfig
-from server.dev_routes import add_dev_routes
 from server.embedding_protocol import EmbeddingRequest
 from server.errors import (
     APIError,
@@ -46,12 +45,10 @@ from server.lora import (
     unload_lora_adapter,
 )
 from server.metrics import ServerMetrics
-from server.metrics_exposition import content_encoding
-from server.middleware import EdgeMiddleware, ReplicaLoad, ServerLoad, is_messages
+from server.middleware import EdgeMiddleware, is_messages
 from server.params import ModelLimits
 from server.pooling_protocol import PoolingRequest
-from server.prefix_cache import reset_engine_prefix_cache
-from server.protocol import MAX_LOGPROBS, ErrorResponse, ModelCard, ModelList, VersionResponse
+from server.protocol import MAX_LOGPROBS, ErrorResponse, ModelCard, ModelList
 from server.responses_protocol import ResponsesRequest
 from server.responses_records import item_page, load_record
 from server.responses_store import RUNNING, StoreUnavailable, open_response_store
@@ -69,6 +66,7 @@ from server.serving_score import create_rerank, create_score
 from server.serving_tokenize import detokenize, list_models, tokenize
 from server.state import ServerState
 from server.streaming import ClientDisconnected
+from server.token_routes import add_token_routes
 from server.tokenize_protocol import DetokenizeRequest, TokenizeRequest
 from server.tracing import open_tracing
 
@@ -331,76 +329,11 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
         async def tokenizer_info() -> Any:
             return JSONResponse(state.tokenizer.info())
 
+    add_token_routes(app, state)  # render and tokens-in/tokens-out generate (server/token_routes.py)
     add_batch_routes(app, state.batches)  # OpenAI's Files and Batches API (server/batch_api.py)
 
-    @app.get("/health")
-    @app.head("/health")  # load balancers that probe with HEAD (the router answers it too)
-    @app.get("/ping")
-    @app.post("/ping")
-    async def health() -> Response:
-        if state.generation.draining:
-            return APIError(503, "Server is draining.", code="draining").to_response()
-        if not engine.is_healthy():
-            return APIError(503, "Engine is not healthy.", code="engine_unhealthy").to_response()
-        # "sleeping": a router keeps sending to awake replicas while others sleep (server/sleep_mode.py).
-        # "instance_id" (new when the engine starts) and "prefix_cache_resets": when either changes,
-        # the prefix cache was emptied, and a router's cache_aware index forgets what it held.
-        # "paused": generation paused (/pause, server/dev_routes.py): new requests held as while asleep.
-        body = {
-            "status": "ok",
-            "role": config.role,
-            "sleeping": engine.is_sleeping(),
-            "paused": engine.stats().paused,
-        }
-        if state.lora_resolver is not None:  # a router sends it names no replica lists (router/pool.py)
-            body["lora_resolver"] = True
-        cache = {"instance_id": engine.instance_id, "prefix_cache_resets": engine.stats().prefix_cache_resets}
-        return JSONResponse({**body, **cache})
-
-    @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache(reset_running_requests: bool = False) -> Response:
-        # vLLM's admin route (benchmarks call it between runs): drops cached, unused KV blocks.
-        dropped = await reset_engine_prefix_cache(engine, state.generation, reset_running_requests)
-        return JSONResponse({"status": "ok", "num_blocks_dropped": dropped})
-
-    # Sleep mode (vLLM's routes, with --enable-sleep-mode) and weight updates (SGLang's route).
-    @app.post("/sleep", responses=_ERRORS)
-    async def sleep_route(level: str | None = None, mode: str | None = None) -> Response:
-        await sleep_mode.sleep(engine, level, mode)
-        return Response(status_code=200)
-
-    @app.post("/wake_up", responses=_ERRORS)
-    async def wake_up_route(tags: list[str] = Query(default=[])) -> Response:  # noqa: B008
-        await sleep_mode.wake_up(engine, tags)
-        return Response(status_code=200)
-
-    @app.get("/is_sleeping")
-    async def is_sleeping_route() -> Response:
-        return JSONResponse({"is_sleeping": engine.is_sleeping()})
-
-    @app.post("/update_weights_from_disk", responses=_ERRORS)
-    async def update_weights_route(body: sleep_mode.UpdateWeightsFromDiskRequest) -> Response:
-        return JSONResponse(await sleep_mode.update_weights_from_disk(engine, body))
-
-    add_dev_routes(app, engine)  # /pause, /resume, /is_paused; /start_profile, /stop_profile (when asked)
-
-    # Behind --api-server-count, the engine process adds up every API server's count.
-    load = ReplicaLoad(engine) if hasattr(engine, "report_load") else ServerLoad()
-
-    @app.get("/load")
-    async def server_load() -> Response:
-        """vLLM's: the requests on the engine's routes now (queued, running or streaming)."""
-        return JSONResponse({"server_load": load.total()})
-
-    @app.get("/metrics")
-    async def metrics(request: Request) -> Response:
-        body, content_type = state.metrics.exposition(request.headers.get("accept"))
-        body, headers = content_encoding(body, request.headers.get("accept-encoding"))
-        return Response(body, headers={"content-type": content_type, **dict(headers)})
-
-    @app.get("/version", response_model=VersionResponse)
-    async def version() -> Any:
-        return VersionResponse(version=__version__, role=config.role)
+    # /health, /load, /metrics, /version, sleep mode, /reset_prefix_cache, dev-mode routes.
+    load = add_admin_routes(app, engine, state)
 
     # Added first, so it runs inside EdgeMiddleware (Starlette wraps later additions around it).
     app.add_middleware(GenerationRoutes, state=state)

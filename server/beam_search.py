@@ -27,6 +27,7 @@ from engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from engine.sampling_params import SamplingParams
 from server.admission import AdmissionRefused, BeamStep
 from server.errors import APIError, bad_request, overloaded, timeout_error, unavailable
+from server.tracing import request_trace, warn_tracing_off
 
 if TYPE_CHECKING:
     from server.admission_ticket import Ticket
@@ -59,6 +60,11 @@ async def run_beam_search(
     observed = 0  # choices counted in the metrics as finished
     steps = 0  # tokens each live beam has
     refused = False  # the engine refused its first step (a 400): it never ran, so it is not counted
+    trace = request_trace()  # its choices' llm_request spans (--otlp-traces-endpoint), as metrics count them
+    if trace is not None and generation.tracing is None:
+        warn_tracing_off()
+    first_at = 0.0
+    error: str | None = None  # why it failed, for its spans
     try:
         try:
             async with asyncio.timeout(timeout):
@@ -68,6 +74,7 @@ async def run_beam_search(
                     now = time.perf_counter()
                     if opening is None:
                         opening = outs[0]
+                        first_at = now
                         metrics.observe_first_token(now - arrival)
                     else:
                         metrics.observe_tokens(now - last_at, 1)
@@ -78,6 +85,7 @@ async def run_beam_search(
         except _Aborted:
             result = []
         except TimeoutError as e:
+            error = "request timed out"
             raise timeout_error(timeout or 0.0) from e
         except ValueError as e:
             refused = steps == 0
@@ -91,6 +99,7 @@ async def run_beam_search(
         except APIError:
             raise
         except Exception as e:
+            error = f"{type(e).__name__}: {e}"
             if not engine.is_healthy():
                 raise unavailable(f"The engine cannot serve requests: {e}") from e
             raise
@@ -103,9 +112,15 @@ async def run_beam_search(
                 output = CompletionOutput(
                     0, "", [], logprobs=[] if with_logprobs else None, finish_reason="abort"
                 )
-            metrics.observe_finished(
-                output.finish_reason or "abort", e2e, None, len(first.prompt_token_ids), len(output.token_ids)
+            reason = output.finish_reason or "abort"
+            phases = metrics.observe_finished(
+                reason, e2e, None, len(first.prompt_token_ids), len(output.token_ids)
             )
+            if generation.tracing is not None:
+                ttft = first_at - arrival if first_at else None
+                generation.trace_span(
+                    request_id, seq, trace, e2e, ttft, phases, len(output.token_ids), reason, None
+                )
             ticket.end_one(first.prompt_index, len(output.token_ids))
             observed += 1
             yield (
@@ -122,8 +137,11 @@ async def run_beam_search(
             )
     finally:
         e2e = time.perf_counter() - arrival
-        for _ in range(0 if refused else len(group) - observed):  # ended without their answer
-            metrics.observe_finished("abort", e2e, None, len(first.prompt_token_ids), steps)
+        for seq in [] if refused else group[observed:]:  # ended without their answer
+            phases = metrics.observe_finished("abort", e2e, None, len(first.prompt_token_ids), steps)
+            if generation.tracing is not None:
+                ttft = first_at - arrival if first_at else None
+                generation.trace_span(request_id, seq, trace, e2e, ttft, phases, steps, "abort", error)
             ticket.end_one(first.prompt_index, steps)
         generation.beam_counted(ticket, first.prompt_index)  # the engine process forgets it
         generation.release(len(group))

@@ -60,7 +60,7 @@ class Generation(MergedOutputs):
         self.engine = engine
         self.config = config
         self.metrics = metrics
-        self.tracing = tracing  # --otlp-traces-endpoint: a span per sequence that ran (_traced)
+        self.tracing = tracing  # --otlp-traces-endpoint: a span per sequence that ran (trace_span)
         self.draining = False
         self.in_flight = 0  # engine sequences admitted and not finished
         self._max_running = int(getattr(getattr(engine, "config", None), "max_num_seqs", 0) or 0)
@@ -244,7 +244,7 @@ class Generation(MergedOutputs):
                             if deadline.timed_out and reason == "abort":
                                 error = "request timed out"
                             ttft = first_at - arrival if first_at else None
-                            self._traced(
+                            self.trace_span(
                                 request_id, seq, trace, e2e, ttft, phases, num_generated, reason, error
                             )
                         ticket.end_one(seq.prompt_index, num_generated)
@@ -292,14 +292,16 @@ class Generation(MergedOutputs):
                     )
                     if self.tracing is not None:
                         ttft = first_at - arrival if first_at else None
-                        self._traced(request_id, seq, trace, e2e, ttft, phases, num_generated, reason, error)
+                        self.trace_span(
+                            request_id, seq, trace, e2e, ttft, phases, num_generated, reason, error
+                        )
                     ticket.end_one(seq.prompt_index, num_generated)
                 with contextlib.suppress(Exception):
                     await self.engine.abort(rid)
             self.unclaim_id(rid)
             self._add_in_flight(-1)
 
-    def _traced(
+    def trace_span(
         self,
         request_id: str,
         seq: SequenceRequest,

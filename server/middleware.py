@@ -45,6 +45,7 @@ _PROTECTED_PREFIXES = (
     "/classify",
     "/pooling",
     "/invocations",
+    "/inference/",  # vLLM's tokens-in/tokens-out generate (server/token_routes.py)
     "/reset_prefix_cache",
     "/sleep",
     "/wake_up",
@@ -66,6 +67,7 @@ _GENERATION_PATHS = (
     "/v1/responses",
     "/v1/messages",
     "/invocations",
+    "/inference/v1/generate",  # vLLM's tokens-in/tokens-out generate (server/token_routes.py)
 )
 
 

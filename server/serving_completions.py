@@ -75,7 +75,7 @@ class _Choice:
     stop_reason: int | str | None = None
 
 
-def _plan(
+def plan_completion(
     state: ServerState, req: CompletionRequest, embeds: list[PreparedPrompt]
 ) -> tuple[list[PreparedPrompt], list[SequenceRequest]]:
     """``embeds``: the request's prompts given as embeddings (``server/prompt_embeds.py``)."""
@@ -217,7 +217,7 @@ async def create_completion(
         # Decoding and checking megabytes of rows: off the event loop.
         embeds = await asyncio.to_thread(embeds_prompts, req, state.limits)
     await state.resolve_model(req.model)  # a LoRA adapter of --lora-resolver-dir, loaded on first use
-    prompts, seqs = await plan_off_loop(prompt_chars(req.prompt), _plan, state, req, embeds)
+    prompts, seqs = await plan_off_loop(prompt_chars(req.prompt), plan_completion, state, req, embeds)
     await compile_constraints(state, seqs, constraint_field(req))
     ticket = state.generation.admit(len(seqs), submitted)
     for first in seqs[:: req.n]:  # per prompt, as vLLM runs each prompt as a request

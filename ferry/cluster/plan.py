@@ -112,8 +112,11 @@ def build_plan(
     python: str = sys.executable,
     cpus: int | None = None,
     port_source: Callable[[], int] | None = None,
+    otlp_traces_endpoint: str | None = None,
 ) -> ClusterPlan:
-    """Resolve ports, threads and flags. ``port_source`` gives free ports (tests pin it)."""
+    """Resolve ports, threads and flags. ``port_source`` gives free ports (tests pin it);
+    ``otlp_traces_endpoint`` (`ferry up --otlp-traces-endpoint`): every worker and the router
+    export their spans there, each named by ``OTEL_SERVICE_NAME`` (``tracing_env``)."""
     cpus = available_cpus() if cpus is None else cpus
     reserved = {config.router.port}
     if config.kv_tier.redis is not None and config.kv_tier.redis.port is not None:
@@ -173,8 +176,17 @@ def build_plan(
                     argv.append("--kv-events")
                 if redis_tier:  # /v1/responses chains continue on any worker, restarted ones too
                     argv += ["--responses-store", kv_tier_url]
+                if otlp_traces_endpoint is not None:
+                    argv += ["--otlp-traces-endpoint", otlp_traces_endpoint]
                 argv += pool.args  # last, so a user's flag wins over ours
-                env = {**shared_env, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, **pool.env}
+                traced = tracing_env(otlp_traces_endpoint, f"ferry-{pool.role}")
+                env = {
+                    **traced,
+                    **shared_env,
+                    "OMP_NUM_THREADS": threads,
+                    "MKL_NUM_THREADS": threads,
+                    **pool.env,
+                }
                 workers.append(ProcessSpec(f"{pool.role}-{i}", "worker", tuple(argv), port, env))
 
         r = config.router
@@ -192,12 +204,21 @@ def build_plan(
             argv += chat_template_args(config)
         if config.block_size is not None and _flag_value(r.args, "--block-size") is None:
             argv += ["--block-size", str(config.block_size)]  # keys blocks as the workers do
+        if otlp_traces_endpoint is not None:
+            argv += ["--otlp-traces-endpoint", otlp_traces_endpoint]
         argv += r.args
         # A router on one address (``::1``, a LAN address) answers only there: probe it there too.
         host = LOOPBACK if r.host in ("0.0.0.0", "::", "") else r.host
-        router = ProcessSpec("router", "router", tuple(argv), r.port, shared_env, host)
+        router_env = {**tracing_env(otlp_traces_endpoint, "ferry-router"), **shared_env}
+        router = ProcessSpec("router", "router", tuple(argv), r.port, router_env, host)
 
     return ClusterPlan(kv_tier_url, redis, tuple(workers), router, router.url)
+
+
+def tracing_env(endpoint: str | None, service: str) -> dict[str, str]:
+    """A traced child's ``OTEL_SERVICE_NAME`` (``ferry-router``, ``ferry-prefill`` …), so a trace
+    says which component each span is from; the file's ``env`` (or a pool's) may name another."""
+    return {} if endpoint is None else {"OTEL_SERVICE_NAME": service}
 
 
 CHAT_TEMPLATE_FLAGS = ("--chat-template", "--chat-template-content-format", "--default-chat-template-kwargs")

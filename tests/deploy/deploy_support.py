@@ -205,7 +205,10 @@ def env_of(container: dict, docs: list[dict], namespace: str, pod_ip: str = "10.
         src = item["valueFrom"]
         if "configMapKeyRef" in src:
             ref = src["configMapKeyRef"]
-            env[item["name"]] = one(docs, "ConfigMap", ref["name"])["data"][ref["key"]]
+            data = one(docs, "ConfigMap", ref["name"])["data"]
+            if ref.get("optional") and ref["key"] not in data:
+                continue  # the kubelet leaves the variable unset
+            env[item["name"]] = data[ref["key"]]
         elif "secretKeyRef" in src:
             ref = src["secretKeyRef"]
             env[item["name"]] = SAMPLE_SECRETS[(ref["name"], ref["key"])]

@@ -114,6 +114,8 @@ def test_torch_pinned_first_and_every_package_copied(name: str) -> None:
     assert "--index-url" in runs[torch_at]
     if name == "Dockerfile.cpu":
         assert "https://download.pytorch.org/whl/cpu torch==2.13.0" in runs[torch_at]
+    # The router's Kubernetes discovery and --otlp-traces-endpoint (k8s/components/tracing) work.
+    assert re.search(r'pip install "\.\[(triton,)?k8s,tracing\]"', runs[project_at])
     sources = copied_sources(stages[0])
     assert project_packages() <= sources, f"packages not copied: {project_packages() - sources}"
     for src in sources:
@@ -129,4 +131,4 @@ def test_cuda_image_can_compile_triton_launchers() -> None:
     _, stages = parse_dockerfile(DOCKER / "Dockerfile.cuda")
     final = " ".join(stages[-1].all("RUN"))
     assert "gcc" in final and "python3-dev" in final
-    assert '".[triton,k8s]"' in " ".join(stages[0].all("RUN"))
+    assert '".[triton,k8s,tracing]"' in " ".join(stages[0].all("RUN"))

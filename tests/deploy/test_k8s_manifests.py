@@ -18,8 +18,10 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
+import yaml
 from deploy_support import (
     GPU_OVERLAYS,
+    K8S,
     OVERLAYS,
     ROOT,
     WORKLOAD_KINDS,
@@ -28,6 +30,7 @@ from deploy_support import (
     expand,
     ferry_containers,
     is_ferry_image,
+    kubectl,
     matches,
     of_kind,
     one,
@@ -44,6 +47,7 @@ from kubernetes import client
 from ferry.cli import build_parser
 from router.discovery_k8s import parse_k8s_url, replicas_from_slices
 from server.config import api_key_from
+from server.tracing import tracing_args_problem
 
 
 @pytest.fixture(params=OVERLAYS)
@@ -344,6 +348,67 @@ def test_production_guards_router_and_replicas_with_one_key(overlay: tuple[str, 
         assert args.api_key is None  # not on the command line
         keys.add(api_key_from(args.api_key, env))
     assert keys == ({"sample-api-key"} if name == "production" else {None})
+
+
+@pytest.mark.parametrize("name", ["mixed", "production"])
+def test_the_tracing_component_gives_router_and_replicas_one_endpoint(
+    name: str, tmp_path: Path, rendered: dict[str, list[dict]]
+) -> None:
+    """components/tracing, added to an overlay as its comment says (the endpoint, and for production
+    the protocol, set by the overlay): the router and every replica pool take
+    --otlp-traces-endpoint from ferry-config, each with the OTEL_SERVICE_NAME of its component."""
+    endpoint = "http://collector.tracing:4317"
+    (tmp_path / "kustomization.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                "kind": "Kustomization",
+                "resources": [os.path.relpath(K8S / "overlays" / name, tmp_path)],
+                "components": [os.path.relpath(K8S / "components" / "tracing", tmp_path)],
+                "configMapGenerator": [
+                    {
+                        "name": "ferry-config",
+                        "behavior": "merge",
+                        "literals": [f"OTLP_TRACES_ENDPOINT={endpoint}"]
+                        + (["OTLP_TRACES_PROTOCOL=http/protobuf"] if name == "production" else []),
+                    }
+                ],
+            }
+        )
+    )
+    proc = subprocess.run(
+        [kubectl(), "kustomize", str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    docs = [doc for doc in yaml.safe_load_all(proc.stdout) if doc]
+    traced = {}
+    for w in [one(docs, "Deployment", "ferry-router"), *replica_pools(docs)]:
+        (container,) = ferry_containers(w)
+        env = env_of(container, docs, w["metadata"]["namespace"])
+        args = parsed_args(w, docs)
+        assert tracing_args_problem(args) is None
+        traced[w["metadata"]["name"]] = (args.otlp_traces_endpoint, env["OTEL_SERVICE_NAME"])
+        protocol = env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+        assert protocol == ("http/protobuf" if name == "production" else None)  # grpc by default
+    pools = {"mixed": {"ferry-replica": "ferry-mixed"}}.get(
+        name, {"ferry-prefill": "ferry-prefill", "ferry-decode": "ferry-decode"}
+    )
+    assert traced == {
+        "ferry-router": (endpoint, "ferry-router"),
+        **{pool: (endpoint, service) for pool, service in pools.items()},
+    }
+    # Everything else the overlay renders is as before.
+    assert sorted((d["kind"], d["metadata"]["name"]) for d in docs) == sorted(
+        (d["kind"], d["metadata"]["name"]) for d in rendered[name]
+    )
+
+
+def test_overlays_as_shipped_export_no_traces(overlay: tuple[str, list[dict]]) -> None:
+    _, docs = overlay
+    for w in [one(docs, "Deployment", "ferry-router"), *replica_pools(docs)]:
+        (container,) = ferry_containers(w)
+        assert parsed_args(w, docs).otlp_traces_endpoint is None
+        assert "OTEL_SERVICE_NAME" not in env_of(container, docs, w["metadata"]["namespace"])
 
 
 def test_embedded_scripts_run(rendered: dict[str, list[dict]], tmp_path: Path) -> None:

@@ -51,14 +51,24 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
 
 
 class UpProcess:
-    """`python -m ferry up --config FILE --state-file FILE`, its output collected line by line."""
+    """`python -m ferry up --config FILE --state-file FILE [ARGS…]`, its output collected line by line."""
 
-    def __init__(self, config: Path, state_file: Path) -> None:
+    def __init__(self, config: Path, state_file: Path, args: tuple[str, ...] = ()) -> None:
         self.state_file = state_file
         self.lines: list[str] = []
         self._cond = threading.Condition()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ferry", "up", "--config", str(config), "--state-file", str(state_file)],
+            [
+                sys.executable,
+                "-m",
+                "ferry",
+                "up",
+                "--config",
+                str(config),
+                "--state-file",
+                str(state_file),
+                *args,
+            ],
             cwd=REPO,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -121,13 +131,13 @@ class UpProcess:
 
 @pytest.fixture
 def start_up(tmp_path: Path):
-    """Start `ferry up` on a config text; every process is stopped when the test ends."""
+    """Start `ferry up` on a config text (and more flags); every process is stopped when the test ends."""
     started: list[UpProcess] = []
 
-    def start(config_text: str) -> UpProcess:
+    def start(config_text: str, *args: str) -> UpProcess:
         config = tmp_path / f"cluster{len(started)}.yaml"
         config.write_text(config_text)
-        up = UpProcess(config, tmp_path / f"state{len(started)}.json")
+        up = UpProcess(config, tmp_path / f"state{len(started)}.json", args)
         started.append(up)
         return up
 

@@ -170,6 +170,67 @@ drain_timeout: 7.5
     ]
 
 
+def test_otlp_traces_endpoint_reaches_every_worker_and_the_router(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`ferry up --otlp-traces-endpoint URL`: each worker and the router get the flag (before their
+    own args, so a pool's own flag wins) and an OTEL_SERVICE_NAME of their component, unless the
+    file's env names one."""
+    config = tmp_path / "cluster.yaml"
+    config.write_text(
+        """
+kv_tier: redis://127.0.0.1:6379/0
+router: {port: 7000}
+prefill: {threads: 1, port: 7100}
+decode: {threads: 1, port: 7200, env: {OTEL_SERVICE_NAME: my-decode}}
+mixed: {threads: 1, port: 7300, args: [--otlp-traces-endpoint, http://other:4317]}
+"""
+    )
+    url = "http://collector:4317"
+    assert main(["up", "--config", str(config), "--dry-run", "--otlp-traces-endpoint", url]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    commands = {lines[i][2:].split(":")[0]: lines[i + 1] for i in range(1, len(lines) - 1, 2)}
+    assert sorted(commands) == ["decode-0", "mixed-0", "prefill-0", "router"]
+    services = {name: line.split()[0] for name, line in commands.items()}
+    assert services == {
+        "prefill-0": "OTEL_SERVICE_NAME=ferry-prefill",
+        "decode-0": "OTEL_SERVICE_NAME=my-decode",
+        "mixed-0": "OTEL_SERVICE_NAME=ferry-mixed",
+        "router": "OTEL_SERVICE_NAME=ferry-router",
+    }
+    plan = build_plan(
+        parse_config(yaml.safe_load(config.read_text())), python="python", otlp_traces_endpoint=url
+    )
+    flags = {}
+    for spec in plan.workers + (plan.router,):
+        argv = list(spec.argv)
+        flags[spec.name] = [argv[i + 1] for i, a in enumerate(argv) if a == "--otlp-traces-endpoint"]
+    # argparse keeps the last: the mixed pool's own endpoint.
+    assert flags == {
+        "prefill-0": [url],
+        "decode-0": [url],
+        "mixed-0": [url, "http://other:4317"],
+        "router": [url],
+    }
+    assert plan.router.argv[-2:] == ("--otlp-traces-endpoint", url)
+    # Without the flag: no tracing flag, no service name.
+    plain = build_plan(parse_config(yaml.safe_load(config.read_text())), python="python")
+    assert "--otlp-traces-endpoint" not in plain.router.argv + plain.workers[0].argv
+    assert "OTEL_SERVICE_NAME" not in {**plain.router.env, **plain.workers[0].env}
+
+
+def test_an_otlp_endpoint_that_cannot_be_had_stops_the_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/json")
+    config = tmp_path / "cluster.yaml"
+    config.write_text("kv_tier: {redis: {binary: /nonexistent/redis-server}}\n")
+    assert main(["up", "--config", str(config), "--otlp-traces-endpoint", "http://collector:4317"]) == 1
+    assert capsys.readouterr().err == (
+        "ferry up: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL='http/json' is not one of grpc, http/protobuf\n"
+    )
+
+
 def test_default_cluster_plan() -> None:
     from engine.demo import demo_model_path
 

@@ -111,10 +111,24 @@ restart: {{initial_delay: 0.5}}
     assert out.rstrip().endswith("[up] stopped")
 
 
-def test_default_topology_prefill_and_decode_pools_serve(tiny_llama: Path, start_up) -> None:
-    """A file that names no pool gets the default cluster: 1 prefill + 1 decode + a child Redis."""
+@pytest.fixture
+def receiver():
+    """A real OTLP receiver (grpc and http) in this process."""
+    from tests.server.otlp_receiver import Receiver
+
+    both = Receiver()
+    yield both
+    both.close()
+
+
+def test_default_topology_prefill_and_decode_pools_serve(tiny_llama: Path, start_up, receiver) -> None:
+    """A file that names no pool gets the default cluster: 1 prefill + 1 decode + a child Redis.
+    With --otlp-traces-endpoint (to a real OTLP receiver here) the router and the worker that
+    answers export their spans of a request into one trace, each under its component's name."""
     router_port = free_port()
-    up = start_up(f"model: {tiny_llama}\nrouter: {{port: {router_port}}}\ndrain_timeout: 5\n")
+    config = f"model: {tiny_llama}\nrouter: {{port: {router_port}}}\ndrain_timeout: 5\n"
+    config += "env: {OTEL_BSP_SCHEDULE_DELAY: '50'}\n"  # spans leave 50 ms after they end
+    up = start_up(config, "--otlp-traces-endpoint", receiver.grpc.endpoint)
     up.wait_for(
         r"^\[up\] ready: .* \(router; 1 prefill, 1 decode; KV tier redis://127\.0\.0\.1:\d+/0\)$", 180
     )
@@ -124,8 +138,13 @@ def test_default_topology_prefill_and_decode_pools_serve(tiny_llama: Path, start
     assert argv["prefill-0"][argv["prefill-0"].index("--role") + 1] == "prefill"
     assert argv["decode-0"][argv["decode-0"].index("--role") + 1] == "decode"
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{router_port}/v1", api_key="none", max_retries=0)
+    trace_id = "0af7651916cd43dd8448eb211c80319c"
     chat = client.chat.completions.create(
-        model="llama", messages=[{"role": "user", "content": PROMPT}], max_tokens=6, temperature=0
+        model="llama",
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=6,
+        temperature=0,
+        extra_headers={"traceparent": f"00-{trace_id}-b7ad6b7169203331-01"},
     )
     streamed = client.chat.completions.create(
         model="llama",
@@ -136,6 +155,16 @@ def test_default_topology_prefill_and_decode_pools_serve(tiny_llama: Path, start
     )
     text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
     assert chat.usage.completion_tokens == 6 and text == chat.choices[0].message.content
+    spans = receiver.wait(lambda s: s.trace_id == trace_id, count=2)
+    # A prompt this short goes to the decode pool alone (no PD legs): the router's span, then the
+    # decode worker's, its child.
+    router, decode = sorted(spans, key=lambda s: s.service, reverse=True)
+    assert [(s.service, s.name, s.parent_span_id) for s in (router, decode)] == [
+        ("ferry-router", "POST /v1/chat/completions", "b7ad6b7169203331"),
+        ("ferry-decode", "llm_request", router.span_id),
+    ]
+    assert router.attributes["ferry.router.replica"] == argv["router"][argv["router"].index("--decode") + 1]
+    assert decode.attributes["gen_ai.usage.completion_tokens"] == 6
     up.proc.send_signal(signal.SIGTERM)
     assert up.proc.wait(60) == 0
     assert wait_gone(list(pids.values()), 60) == []

@@ -133,6 +133,25 @@ def test_round_robin_exact_distribution_and_request_id(cluster: Cluster, pair: l
     )
     tok = httpx.post(router.url + "/tokenize", json={"model": MODEL, "prompt": "hello"}).json()
     assert tok == httpx.post(a.url + "/tokenize", json={"model": MODEL, "prompt": "hello"}).json()
+    # vLLM's render (a /v1/* route) and tokens-in/tokens-out generate (a root route) are relayed.
+    rendered = httpx.post(
+        router.url + "/v1/chat/completions/render",
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 3,
+            "temperature": 0,
+        },
+    )
+    assert rendered.status_code == 200, rendered.text
+    direct = httpx.post(a.url + "/inference/v1/generate", json=rendered.json(), timeout=30).json()
+    routed = httpx.post(router.url + "/inference/v1/generate", json=rendered.json(), timeout=30)
+    assert routed.status_code == 200, routed.text
+    assert routed.json()["choices"] == direct["choices"]
+    bad = httpx.post(
+        router.url + "/inference/v1/generate", json={"token_ids": [10**9], "sampling_params": {}}
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "token_ids"
 
 
 def test_limits_and_bad_input_are_clear_4xx(cluster: Cluster, pair: list[Proc]) -> None:

@@ -49,6 +49,19 @@ def test_router_reads_and_relays_with_the_replicas_key(cluster: Cluster, keyed) 
         timeout=60,
     )
     assert theirs.status_code == 401
+    # vLLM's render and tokens-in/tokens-out generate: guarded and relayed as the others.
+    mine_key = {"Authorization": "Bearer router-key"}
+    rendered = httpx.post(guarded.url + "/v1/completions/render", json=body, headers=mine_key, timeout=60)
+    assert rendered.status_code == 200, rendered.text
+    [generate] = rendered.json()
+    generated = httpx.post(
+        guarded.url + "/inference/v1/generate", json=generate, headers=mine_key, timeout=60
+    )
+    assert generated.status_code == 200, generated.text
+    assert generated.json()["choices"][0]["token_ids"]
+    for path, payload in (("/v1/completions/render", body), ("/inference/v1/generate", generate)):
+        assert httpx.post(guarded.url + path, json=payload, timeout=60).status_code == 401
+        assert httpx.post(keyed.url + path, json=payload, timeout=60).status_code == 401
     # Anthropic's SDKs send the key as x-api-key: the router takes it, and never passes it on.
     messages = {"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
     anthropic_style = httpx.post(

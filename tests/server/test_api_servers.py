@@ -390,6 +390,22 @@ def call(
     return r.status, json.loads(data) if kind.startswith("application/json") else data.decode()
 
 
+def test_render_and_generate_through_each_api_server(server) -> None:
+    """vLLM's render and tokens-in/tokens-out generate answer alike through either API server."""
+    body = {"prompt": "The sky is", "max_tokens": 4, "temperature": 0}
+    answers = []
+    for conn in connection_per_api_server(server):
+        status, rendered = call(conn, "/v1/completions/render", body)
+        assert status == 200
+        status, out = call(conn, "/inference/v1/generate", rendered[0])
+        assert status == 200
+        status, real = call(conn, "/v1/completions", {**body, "return_token_ids": True})
+        assert out["choices"][0]["token_ids"] == real["choices"][0]["token_ids"]
+        answers.append((rendered[0]["token_ids"], out["choices"]))
+        conn.close()
+    assert answers[0] == answers[1]
+
+
 def test_a_response_stored_through_one_api_server_continues_through_the_other(server) -> None:
     """--responses-store memory: the engine process keeps the records for every API server."""
     first_conn, second_conn = connection_per_api_server(server)

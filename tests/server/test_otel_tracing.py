@@ -126,6 +126,40 @@ def test_each_choice_of_a_stream_is_a_span(traced, traced_client, receiver) -> N
     assert [s.attributes["gen_ai.request.n"] for s in spans] == [2, 2]
 
 
+def test_each_answer_of_a_beam_search_is_a_span(traced, traced_client, receiver) -> None:
+    """A beam search request: one llm_request span per answer (as its metrics count them), each a
+    child of the request's traceparent, with the answer's own token count."""
+    answer = traced_client.completions.create(
+        model=traced.model_name,
+        prompt="one two three",
+        max_tokens=3,
+        n=2,
+        extra_body={"use_beam_search": True, "ignore_eos": True},
+        extra_headers={"traceparent": traceparent("00000000000000b2"), "X-Request-Id": "otel-beam"},
+    )
+    assert [c.finish_reason for c in answer.choices] == ["length", "length"]
+    spans = receiver.wait(_of("otel-beam"), count=2)
+    assert len(spans) == 2 and len({s.span_id for s in spans}) == 2
+    assert {(s.service, s.trace_id, s.parent_span_id, s.status_code) for s in spans} == {
+        ("replica-a", TRACE_ID, "00000000000000b2", 0)
+    }
+    assert [
+        (
+            s.attributes["gen_ai.usage.prompt_tokens"],
+            s.attributes["gen_ai.usage.completion_tokens"],
+            s.attributes["gen_ai.response.finish_reasons"],
+            s.attributes["gen_ai.request.n"],
+        )
+        for s in spans
+    ] == [(answer.usage.prompt_tokens, 3, ["length"], 2)] * 2
+    assert answer.usage.completion_tokens == 6
+    for s in spans:
+        a = s.attributes
+        assert 0 < a["gen_ai.latency.time_to_first_token"] <= a["gen_ai.latency.e2e"]
+        # Its steps are engine requests of their own: no one request's queue or model phases.
+        assert "gen_ai.latency.time_in_queue" not in a
+
+
 def test_a_request_without_trace_headers_starts_a_trace(traced_client, traced, receiver) -> None:
     traced_client.completions.create(
         model=traced.model_name, prompt="hi", max_tokens=2, extra_headers={"X-Request-Id": "otel-root"}
@@ -279,6 +313,74 @@ async def test_the_replica_span_is_the_child_of_the_router_span(
     assert replica_span.trace_state == router_span.trace_state == "k=v"
     assert router_span.start_ns <= replica_span.start_ns <= replica_span.end_ns <= router_span.end_ns
     assert replica_span.attributes["gen_ai.usage.completion_tokens"] == r.json()["usage"]["completion_tokens"]
+
+
+async def test_requests_the_router_refuses_have_a_span_that_says_why(
+    traced, receiver, serve_app, monkeypatch
+) -> None:
+    """A body over --max-request-bytes (413), a body that is not JSON (400), a missing API key (401)
+    and a request over the router's concurrency and queue limits (429): each has its router span,
+    a child of the client's traceparent, with the status and the message the client got; none
+    reaches the replica."""
+    from router.app import RouterApp
+    from router.config import RouterConfig
+
+    for name, value in {**FAST, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}.items():
+        monkeypatch.setenv(name, value)
+    config = RouterConfig(
+        replicas=(traced.url,),
+        policy="round_robin",
+        otlp_traces_endpoint=receiver.http.endpoint,
+        max_request_bytes=1000,
+        api_key="router-key",
+        max_concurrency=1,
+        max_queue=0,
+    )
+    app = RouterApp(config)
+    await app.startup()
+    key = {"Authorization": "Bearer router-key"}
+    try:
+        async with serve_app(app) as url, httpx.AsyncClient(base_url=url, timeout=60) as http:
+
+            async def post(rid: str, span_id: str, extra: dict, **kw) -> httpx.Response:
+                headers = {"traceparent": traceparent(span_id), "X-Request-Id": rid, **extra}
+                return await http.post("/v1/completions", headers=headers, **kw)
+
+            big = await post("otel-413", "0000000000000413", key, content=b"{" + b" " * 2000 + b"}")
+            bad = await post("otel-400", "0000000000000400", key, content=b"{not json")
+            keyless = await post("otel-401", "0000000000000401", {}, json={"prompt": "x"})
+            # The one slot held (app.admission: what a request in flight holds), the next is refused.
+            assert await app.admission.try_acquire()
+            try:
+                busy = await post("otel-429", "0000000000000429", key, json={"prompt": "x"})
+            finally:
+                app.admission.release()
+    finally:
+        await app.shutdown()
+    answers = {"otel-413": big, "otel-400": bad, "otel-401": keyless, "otel-429": busy}
+    assert {rid: r.status_code for rid, r in answers.items()} == {
+        "otel-413": 413,
+        "otel-400": 400,
+        "otel-401": 401,
+        "otel-429": 429,
+    }
+    for rid, r in answers.items():
+        status = r.status_code
+        [span] = receiver.wait(lambda s, rid=rid: s.attributes.get("ferry.request.id") == rid)
+        assert (span.service, span.name, span.kind, span.status_code) == (
+            "ferry-router",
+            "POST /v1/completions",
+            2,
+            0,  # a client error: not the router's
+        )
+        assert (span.trace_id, span.parent_span_id) == (TRACE_ID, f"{status:016d}")
+        a = span.attributes
+        assert a["http.response.status_code"] == status
+        assert a["ferry.router.refusal"] == r.json()["error"]["message"]
+        assert a["ferry.router.outcome"] == ("rejected" if status == 429 else "refused")
+        assert "ferry.router.replica" not in a
+        assert span.start_ns <= span.end_ns
+    assert not [s for s in receiver.spans if s.attributes.get("gen_ai.request.id") in answers]
 
 
 async def test_a_router_without_tracing_passes_trace_headers_on(traced, receiver, serve_app) -> None:

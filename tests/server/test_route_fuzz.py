@@ -26,7 +26,8 @@ _BODYLESS = frozenset({"/ping"})
 # Routes every replica must serve (the document must not lose them).
 _EXPECTED = frozenset(
     "/v1/completions /v1/chat/completions /v1/embeddings /v1/responses /v1/messages"
-    " /v1/messages/count_tokens /tokenize /detokenize /score /rerank /classify /invocations".split()
+    " /v1/messages/count_tokens /tokenize /detokenize /score /rerank /classify /invocations"
+    " /v1/completions/render /v1/chat/completions/render /inference/v1/generate".split()
 )
 _USER = [{"role": "user", "content": "hi"}]
 # A valid body per route: fuzzed keys are laid over it, so most values reach the route's deeper
@@ -35,6 +36,9 @@ _VALID: dict[str, dict] = {
     "/v1/completions": {"prompt": "hi"},
     "/invocations": {"prompt": "hi"},
     "/v1/chat/completions": {"messages": _USER},
+    "/v1/completions/render": {"prompt": "hi"},
+    "/v1/chat/completions/render": {"messages": _USER},
+    "/inference/v1/generate": {"token_ids": [1, 2], "sampling_params": {"max_tokens": 3}},
     "/v1/responses": {"input": "hi"},
     "/v1/messages": {"model": "MODEL", "messages": _USER},
     "/v1/messages/count_tokens": {"model": "MODEL", "messages": _USER},
