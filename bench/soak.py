@@ -20,7 +20,8 @@ in the code under test): asyncio tasks, live objects by type, and the sizes of t
 ferry's own objects hold (what a request left behind shows there); ``FERRY_SOAK_TRACEMALLOC=1``
 adds tracemalloc's allocation sites. It prints a table (a column per snapshot), what grew every
 round, and the ERROR / Traceback lines of every log; a gauge not back to idle or such a log line
-makes the exit status 1. Every process it starts is stopped; it ends by itself.
+makes the exit status 1 (an API server's report that its engine process was silent for a while,
+then heard from again, is listed apart as an ``engine_stalls`` entry: a process starved of CPU). Every process it starts is stopped; it ends by itself.
 
     .venv/bin/python bench/soak.py [--requests 1500] [--rounds 2] [--concurrency 12] [--objects]
 """
@@ -188,14 +189,34 @@ async def snapshot(
     return snap
 
 
-def scan_logs(logs: dict[str, Path]) -> dict[str, list[str]]:
-    found = {}
+# An API server's watchdog on its engine process (server/engine_client.py): an ERROR when it heard
+# nothing for ENGINE_SILENCE_S, a WARNING when it hears from it again. On a machine starved of CPU
+# (the soak's processes beside other work on two cores) the engine process can be descheduled
+# that long and recover: a stall the soak reports apart, not a failure. One never heard from
+# again stays a failure.
+_SILENT = "the engine process sent nothing for"
+_HEARD_AGAIN = "the engine process is heard from again"
+
+
+def scan_logs(logs: dict[str, Path]) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """Each log's ERROR / Traceback / CRITICAL lines, and apart from them the engine-silence
+    errors its API server recovered from (heard from the engine process again later in the log)."""
+    found, stalls = {}, {}
     for name, path in logs.items():
         lines = path.read_text(errors="replace").splitlines()
-        bad = [ln for ln in lines if re.search(r"\bERROR\b|Traceback|CRITICAL", ln)]
+        bad, recovered = [], []
+        for i, ln in enumerate(lines):
+            if not re.search(r"\bERROR\b|Traceback|CRITICAL", ln):
+                continue
+            if _SILENT in ln and any(_HEARD_AGAIN in later for later in lines[i + 1 :]):
+                recovered.append(ln)
+            else:
+                bad.append(ln)
         if bad:
             found[name] = bad[:20] + ([f"... {len(bad) - 20} more"] if len(bad) > 20 else [])
-    return found
+        if recovered:
+            stalls[name] = recovered
+    return found, stalls
 
 
 def not_idle(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
@@ -371,14 +392,26 @@ async def main_async(args: argparse.Namespace) -> int:
             loads.append(await run_load(argparse.Namespace(**{**vars(args), "seed": args.seed + r}), ports))
             await asyncio.sleep(args.settle)
             snaps.append(await snapshot(procs, ports, redis_proc.port, hook_dir))
-        report = {"load": loads, "snapshots": snaps, "log_errors": scan_logs(logs), "logs": str(work)}
+        log_errors, stalls = scan_logs(logs)
+        report = {
+            "load": loads,
+            "snapshots": snaps,
+            "log_errors": log_errors,
+            "engine_stalls": stalls,
+            "logs": str(work),
+        }
         if args.out:
             Path(args.out).write_text(json.dumps(report, indent=1))
         print_table(snaps)
         if hook_dir is not None:
             print_object_growth(snaps)
             print_state_changes(snaps)
-        print(json.dumps({"load": loads, "log_errors": report["log_errors"], "logs": str(work)}, indent=1))
+        print(
+            json.dumps(
+                {"load": loads, "log_errors": log_errors, "engine_stalls": stalls, "logs": str(work)},
+                indent=1,
+            )
+        )
         problems = not_idle(snaps[0], snaps[-1]) + [
             f"{n}: {ln}" for n, b in report["log_errors"].items() for ln in b
         ]
