@@ -348,6 +348,8 @@ class EngineClient:
         try:
             while (frame := await self._channel.receive()) is not None:
                 self._heard = time.monotonic()
+                if self._silence_logged:  # log the recovery now, not at the next health check
+                    self._silent()
                 for message in frame:
                     self._dispatch(message)
         finally:

@@ -628,6 +628,9 @@ def test_a_stopped_engine_process_is_reported_unhealthy(
                 assert call(conn, "/v1/completions", body)[0] == 503
         finally:
             os.kill(engine, signal.SIGCONT)
+        # Each API server logs the recovery when the engine's next bytes arrive, asked or not.
+        again = "the engine process is heard from again"
+        _wait(lambda: srv.log().count(again) == len(conns), 60, "the recovery was never logged")
         for conn in conns:
             _wait(lambda conn=conn: call(conn, "/health")[0] == 200, 60, "never healthy again")
             assert call(conn, "/v1/completions", body)[0] == 200
