@@ -13,7 +13,6 @@ from engine.outputs import RequestOutput
 from server.chat_protocol import ChatCompletionRequest, TokenLogprob
 from server.chat_shape import ChoiceShaper
 from server.logprobs import chat_logprobs
-from server.reasoning_parsers import prompt_opens_thinking
 from server.sequence_request import SequenceRequest
 from server.serving_common import delivered_text
 from server.state import ServerState
@@ -49,7 +48,7 @@ def splitter(state: ServerState, seq: SequenceRequest):
     requires_start = True if spec is not None and spec.after_token_id is None else None
     if requires_start is None and state.reasoning is not None and state.reasoning.prompt_decides:
         tail = state.tokenizer.decode(seq.prompt_token_ids[-8:], skip_special_tokens=False)
-        requires_start = not prompt_opens_thinking(tail)
+        requires_start = state.reasoning.requires_start_after(tail)
     return state.new_reasoning_splitter(requires_start=requires_start)
 
 

@@ -30,116 +30,35 @@ rest in ``content``, where a tool-call parser then looks for calls:
 * ``seed_oss`` (Seed-OSS): ``<seed:think>`` … ``</seed:think>``, read as ``deepseek_r1`` reads
   ``<think>``; ``minimax_m2`` (MiniMax-M2) is ``deepseek_r1`` itself, and ``minimax_m2_append_think``
   leaves the thinking in the content with the ``<think>`` its prompt opened written back in front.
+* ``step3`` (Step-3) and ``olmo3`` (Olmo 3 Think, whose markers are plain text) read as ``deepseek_r1``
+  (vLLM's ``olmo3`` keeps an unclosed whole answer as content; here it is reasoning, as vLLM streams
+  it); ``step3p5`` (Step-3.5) the same, the newline before ``</think>`` dropped; ``mimo`` (MiMo) as
+  ``qwen3``; ``holo2`` (Holo2) and ``nemotron_v3`` (Nemotron 3, whose template closes the thinking in
+  the prompt with ``enable_thinking: false``) as ``deepseek_v3``.
+* ``ernie45`` (ERNIE-4.5 thinking): ``deepseek_r1``'s split, the answer's ``<response>`` …
+  ``</response>`` dropped; ``hunyuan_a13b`` (Hunyuan-A13B): thinking only after an opening
+  ``<think>``, the answer's ``<answer>`` … ``</answer>`` dropped (``server/reasoning_formats.py``).
+* ``kimi_k2`` (Kimi-K2 Thinking, K2.5): ``deepseek_r1``'s split, where a tool-call section also ends
+  the thought (and stays in the content for the ``kimi_k2`` tool parser); a prompt that closed the
+  thinking (``chat_template_kwargs: {"thinking": false}``) gets an answer that is all content.
 
 ``thinking_token_budget`` needs ``<think>`` … ``</think>`` (``think_markers``: the engine forces
 ``</think>``); ``reasoning_tokens`` counts between each parser's own marker tokens
 (``marker_tokens``).
 
 Like the tool streamers, a splitter's result does not depend on how the text was cut into deltas,
-so a resumed stream rebuilds it from the text already sent.
+so a resumed stream rebuilds it from the text already sent. The splitter itself is in
+``server/reasoning_base.py``.
 """
 
 from __future__ import annotations
 
 import re
-from typing import ClassVar
 
 from server.errors import bad_request
+from server.reasoning_base import START, ReasoningSplitter
+from server.reasoning_formats import Ernie45Splitter, HunyuanA13BSplitter, KimiK2Splitter, Step3p5Splitter
 from server.tool_parser_base import held_prefix
-
-START, END = "<think>", "</think>"
-
-
-class ReasoningSplitter:
-    """One choice's text deltas in, (reasoning, content) deltas out."""
-
-    # Thinking only when the answer opens with <think> (else it is all content).
-    requires_start: ClassVar[bool] = False
-    # requires_start is read off each request's prompt (``prompt_opens_thinking``).
-    prompt_decides: ClassVar[bool] = False
-    # Its markers are special tokens (dropped from text unless requests keep them).
-    needs_special_tokens: ClassVar[bool] = False
-    # The thinking sits between <think> and </think> (what ``thinking_token_budget`` counts and forces).
-    think_markers: ClassVar[bool] = True
-    # What opens the thinking (any of them), and what ends it.
-    STARTS: ClassVar[tuple[str, ...]] = (START,)
-    ENDS: ClassVar[tuple[str, ...]] = (END,)
-    # The markers are tokens: ``reasoning_tokens`` counts the tokens between them (else 0, as vLLM's
-    # parsers without them count).
-    marker_tokens: ClassVar[bool] = True
-
-    def __init__(self, requires_start: bool | None = None) -> None:
-        if requires_start is not None:
-            self.requires_start = requires_start
-        self.pending = ""  # held back: the opening, or what may be the start of </think>
-        self.thinking = True
-        self.started = False  # the opening (leading whitespace, optional <think>) is decided
-        self.trim = False  # after </think>: drop the newlines that separate it from the answer
-        self.lead = False  # after the opening <think>: drop the newlines that follow it
-
-    @property
-    def held(self) -> int:
-        """How many of the last characters fed are held back (the opening, or what may start
-        ``</think>`` or a harmony marker): the rest are decided."""
-        return len(self.pending)
-
-    def feed(self, text: str) -> tuple[str, str]:
-        if not self.thinking:
-            return "", self._content(text)
-        self.pending += text
-        if not self.started:
-            head = self.pending.lstrip()
-            opened = next((s for s in self.STARTS if head.startswith(s)), None)
-            if opened is None and any(s.startswith(head) for s in self.STARTS):
-                return "", ""  # "" or part of an opening marker: not decided yet
-            self.started = True
-            if opened is not None:
-                self.pending, self.lead = head[len(opened) :], True
-            elif self.requires_start:
-                content, self.pending, self.thinking = self.pending, "", False
-                return "", content
-        if self.lead:  # the newlines after the opening marker, however they come
-            self.pending = self.pending.lstrip("\n")
-            self.lead = not self.pending
-        ends = [(at, end) for end in self.ENDS if (at := self.pending.find(end)) >= 0]
-        if ends:
-            at, end = min(ends)
-            reasoning, rest = self.pending[:at], self.pending[at + len(end) :]
-            self.pending, self.thinking, self.trim = "", False, True
-            return reasoning, self._content(rest)
-        cut = len(self.pending) - max(held_prefix(self.pending, end) for end in self.ENDS)
-        reasoning, self.pending = self.pending[:cut], self.pending[cut:]
-        return reasoning, ""
-
-    def pieces(self, text: str) -> list[tuple[str, str]]:
-        """``feed``'s (reasoning, content) as the pieces written, each piece's reasoning before its
-        content: more than one where reasoning follows content in ``text`` (only harmony's channels
-        can, so here it is ``feed``'s result)."""
-        return [self.feed(text)]
-
-    def _content(self, text: str) -> str:
-        if self.trim:
-            text = text.lstrip("\n")
-            self.trim = not text
-        return text
-
-    def finish(self) -> tuple[str, str]:
-        """What is held at the end: an unclosed thinking is reasoning; an undecided opening (only
-        whitespace or part of <think>) is content."""
-        text, self.pending = self.pending, ""
-        if not self.thinking:
-            return "", ""
-        if not self.started and not self.requires_start and text.strip():
-            return text, ""
-        if not self.started:
-            return "", text
-        return text, ""
-
-    def split(self, text: str) -> tuple[str | None, str]:
-        """(reasoning or None, content) of a whole answer."""
-        reasoning, content = self.feed(text)
-        more_r, more_c = self.finish()
-        return (reasoning + more_r) or None, content + more_c
 
 
 class DeepSeekR1Splitter(ReasoningSplitter):
@@ -288,12 +207,6 @@ def _route(header: str) -> tuple[str, str]:
     return ("reasoning" if channel is not None and channel.group(1) == "analysis" else "content"), ""
 
 
-def prompt_opens_thinking(prompt_tail: str) -> bool:
-    """Whether a prompt (its last few tokens' text, special tokens kept) leaves the model inside its
-    thinking."""
-    return prompt_tail.rstrip().endswith(START)
-
-
 REASONING_PARSERS: dict[str, type[ReasoningSplitter]] = {
     "deepseek_r1": DeepSeekR1Splitter,
     "qwen3": Qwen3Splitter,
@@ -306,6 +219,15 @@ REASONING_PARSERS: dict[str, type[ReasoningSplitter]] = {
     "seed_oss": SeedOssSplitter,
     "minimax_m2": DeepSeekR1Splitter,
     "minimax_m2_append_think": AppendThinkSplitter,
+    "step3": DeepSeekR1Splitter,
+    "olmo3": DeepSeekR1Splitter,
+    "ernie45": Ernie45Splitter,
+    "hunyuan_a13b": HunyuanA13BSplitter,
+    "kimi_k2": KimiK2Splitter,
+    "mimo": Qwen3Splitter,
+    "holo2": DeepSeekV3Splitter,
+    "nemotron_v3": DeepSeekV3Splitter,
+    "step3p5": Step3p5Splitter,
 }
 
 

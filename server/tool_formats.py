@@ -46,10 +46,10 @@ class Llama3JsonParser(ToolParser):
         return "", calls  # type: ignore[return-value]
 
     def streamer(self) -> ToolStreamer:
-        return _WholeAnswerStreamer(self)
+        return WholeAnswerStreamer(self)
 
 
-class _WholeAnswerStreamer(ToolStreamer):
+class WholeAnswerStreamer(ToolStreamer):
     """For formats where the whole answer is the call: decided by its first visible characters —
     an answer that opens like a call is held and parsed at the end, any other streams as content."""
 
@@ -104,7 +104,7 @@ class PythonicParser(ToolParser):
         return ("", calls) if calls else (text, [])
 
     def streamer(self) -> ToolStreamer:
-        return _WholeAnswerStreamer(self)
+        return WholeAnswerStreamer(self)
 
 
 class Llama4PythonicParser(PythonicParser):
@@ -115,10 +115,11 @@ class Llama4JsonParser(Llama3JsonParser):
     name = "llama4_json"  # vLLM's second name for the same format
 
 
-def python_calls(text: str) -> list[ParsedCall] | None:
+def python_calls(text: str, names: Mapping[str, Any] | None = None) -> list[ParsedCall] | None:
     """The calls of a Python list of calls, ``[f(a=1), g()]``: names (dotted allowed) with keyword
-    arguments whose values are literals; None for anything else (positional arguments, expressions,
-    values JSON cannot hold). Parsed, never evaluated."""
+    arguments whose values are literals (or bare ``names``, the values given: Olmo 3 writes JSON's
+    ``null``, ``true``, ``false``); None for anything else (positional arguments, expressions, values
+    JSON cannot hold). Parsed, never evaluated."""
     try:
         tree = ast.parse(text, mode="eval").body
     except (SyntaxError, ValueError, RecursionError, MemoryError):
@@ -131,11 +132,23 @@ def python_calls(text: str) -> list[ParsedCall] | None:
         if name is None or node.args or any(k.arg is None for k in node.keywords):
             return None
         try:
-            args = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+            args = {k.arg: _python_value(k.value, names or {}) for k in node.keywords}
             calls.append(ParsedCall(name, json.dumps(args, ensure_ascii=False)))
         except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
             return None
     return calls
+
+
+def _python_value(node: ast.expr, names: Mapping[str, Any]) -> Any:
+    if isinstance(node, ast.Name) and node.id in names:
+        return names[node.id]
+    if names and isinstance(node, (ast.List, ast.Tuple)):
+        return [_python_value(item, names) for item in node.elts]
+    if names and isinstance(node, ast.Dict) and all(k is not None for k in node.keys):
+        return {
+            ast.literal_eval(k): _python_value(v, names) for k, v in zip(node.keys, node.values, strict=True)
+        }
+    return ast.literal_eval(node)
 
 
 def _dotted(node: ast.expr) -> str | None:
@@ -158,7 +171,7 @@ class GraniteParser(ToolParser):
         return ("", calls) if calls else (text, [])
 
     def streamer(self) -> ToolStreamer:
-        return _WholeAnswerStreamer(self)
+        return WholeAnswerStreamer(self)
 
 
 class XlamParser(ToolParser):
@@ -183,7 +196,7 @@ class XlamParser(ToolParser):
         return ("", calls) if calls else (text, [])
 
     def streamer(self) -> ToolStreamer:
-        return _WholeAnswerStreamer(self)
+        return WholeAnswerStreamer(self)
 
 
 class Phi4MiniJsonParser(ToolParser):
@@ -197,7 +210,7 @@ class Phi4MiniJsonParser(ToolParser):
         return ("", calls) if calls else (text, [])
 
     def streamer(self) -> ToolStreamer:
-        return _WholeAnswerStreamer(self)
+        return WholeAnswerStreamer(self)
 
 
 def json_call_list(text: str) -> list[ParsedCall] | None:
@@ -334,7 +347,7 @@ def _literal(value: str) -> Any:
     return decoded
 
 
-# The formats whose whole answer is the call (held from their first characters: _WholeAnswerStreamer).
+# The formats whose whole answer is the call (held from their first characters: WholeAnswerStreamer).
 WholeAnswerParser = Llama3JsonParser | PythonicParser | GraniteParser | Phi4MiniJsonParser | XlamParser
 
 

@@ -19,8 +19,9 @@ format it was trained on; ``--tool-call-parser`` names that format, as in vLLM:
 * ``granite`` (Granite 3.x): the whole answer is ``<|tool_call|>`` (or ``<tool_call>``) then a JSON
   array of ``{"name": …, "arguments": {…}}``;
 * ``phi4_mini_json`` (Phi-4-mini): the whole answer is ``functools[`` + calls as JSON objects + ``]``;
-* ``qwen3_coder`` (Qwen3-Coder; ``qwen3_xml`` the same): ``<tool_call><function=NAME>
-  <parameter=KEY>VALUE</parameter>…</function></tool_call>``, any number, after optional text;
+* ``qwen3_coder`` (Qwen3-Coder; ``qwen3_xml``, ``mimo`` and ``step3p5`` the same):
+  ``<tool_call><function=NAME><parameter=KEY>VALUE</parameter>…</function></tool_call>``, any number,
+  after optional text;
   values are text, typed by the request's tool schema (``for_tools``: integers, numbers, booleans,
   objects and arrays decoded, strings kept as written);
 * ``glm45`` (GLM-4.5/4.6; ``glm47`` the same, GLM-4.7): ``<tool_call>NAME`` then
@@ -38,10 +39,29 @@ format it was trained on; ``--tool-call-parser`` names that format, as in vLLM:
   then ``<|action_end|>``, after optional text;
 * ``xlam`` (xLAM): the whole answer is a JSON array of calls, bare, fenced (```` ```json ````), after
   ``[TOOL_CALLS]`` or inside ``<tool_call>`` … ``</tool_call>``.
+* ``ernie45`` (ERNIE-4.5) and ``granite4`` (Granite 4, special tokens kept): ``hermes``'s calls;
+  ``longcat`` (LongCat-Flash) the same inside ``<longcat_tool_call>`` … ``</longcat_tool_call>``;
+  ``minimax`` (MiniMax-M1): ``<tool_calls>`` then one ``{"name": …, "arguments": {…}}`` a line then
+  ``</tool_calls>``;
+* ``step3`` (Step-3): a ``<｜tool_calls_begin｜>`` section of ``<｜tool_call_begin｜>function<｜tool_sep｜>``
+  + ``<steptml:invoke name="NAME">`` with ``<steptml:parameter name="KEY">VALUE</steptml:parameter>``
+  each + ``</steptml:invoke><｜tool_call_end｜>``, values typed by the tool's schema;
+* ``deepseek_v32`` (DeepSeek-V3.2): ``<｜DSML｜function_calls>`` of ``<｜DSML｜invoke name="NAME">`` with
+  ``<｜DSML｜parameter name="KEY" string="true|false">VALUE</｜DSML｜parameter>`` each (``string="false"``:
+  JSON);
+* ``olmo3`` (Olmo 3): the whole answer is ``<function_calls>``, one Python call a line (``null``,
+  ``true``, ``false`` allowed), ``</function_calls>``;
+* ``granite-20b-fc`` (granite-20b-functioncalling): ``<function_call>`` then a ``{"name": …,
+  "arguments": {…}}``, one or more, to the end of the answer, after optional text;
+* ``gigachat3`` (GigaChat 3): text, then ``<|message_sep|>`` and ``function call<|role_sep|>`` and one
+  call object to the end of the answer;
+* ``functiongemma`` (FunctionGemma): ``<start_function_call>call:NAME{KEY:<escape>VALUE<escape>,…}
+  <end_function_call>``, any number, after optional text.
 
 The interfaces and the marker streamer are in ``server/tool_parser_base.py``; the whole-answer and
-text-argument formats in ``server/tool_formats.py``; the JSON and special-token formats and the
-registry here.
+text-argument formats in ``server/tool_formats.py``, the Step-3, DeepSeek-V3.2, Olmo 3,
+granite-20b-fc, GigaChat 3 and FunctionGemma formats in ``server/tool_formats_more.py``; the JSON and
+special-token formats and the registry here.
 """
 
 from __future__ import annotations
@@ -68,6 +88,16 @@ from server.tool_formats import (
     XlamParser,
     json_call_list,
 )
+from server.tool_formats_more import (
+    DeepSeekV32Parser,
+    FunctionGemmaParser,
+    GigaChat3Parser,
+    Granite20bFCParser,
+    MimoParser,
+    Olmo3Parser,
+    Step3p5Parser,
+    Step3Parser,
+)
 from server.tool_parser_base import (
     MarkedCallParser,
     MarkerStreamer,
@@ -90,6 +120,28 @@ class HermesParser(MarkedCallParser):
             return None
         calls = [call_from(v) for v in values]
         return None if any(c is None for c in calls) else calls  # type: ignore[return-value]
+
+
+class Ernie45Parser(HermesParser):
+    name = "ernie45"  # ERNIE-4.5: Hermes's calls
+
+
+class Granite4Parser(HermesParser):
+    name = "granite4"  # Granite 4: Hermes's calls, its tags special tokens in some checkpoints
+    needs_special_tokens = True
+
+
+class LongcatParser(HermesParser):
+    name = "longcat"
+    START, END = "<longcat_tool_call>", "</longcat_tool_call>"
+
+
+class MinimaxParser(HermesParser):
+    """MiniMax-M1: ``<tool_calls>`` then one ``{"name": …, "arguments": {…}}`` a line, then
+    ``</tool_calls>``."""
+
+    name = "minimax"
+    START, END = "<tool_calls>", "</tool_calls>"
 
 
 class JambaParser(MarkedCallParser):
@@ -267,6 +319,18 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
         Llama4JsonParser,
         Qwen3XmlParser,
         Glm47Parser,
+        Ernie45Parser,
+        Granite4Parser,
+        LongcatParser,
+        MinimaxParser,
+        Step3Parser,
+        DeepSeekV32Parser,
+        Olmo3Parser,
+        Granite20bFCParser,
+        GigaChat3Parser,
+        FunctionGemmaParser,
+        MimoParser,
+        Step3p5Parser,
     )
 }
 

@@ -160,15 +160,24 @@ def test_registry() -> None:
     assert sorted(REASONING_PARSERS) == [
         "deepseek_r1",
         "deepseek_v3",
+        "ernie45",
         "glm45",
         "glm47",
         "granite",
+        "holo2",
+        "hunyuan_a13b",
+        "kimi_k2",
+        "mimo",
         "minimax_m2",
         "minimax_m2_append_think",
         "mistral",
+        "nemotron_v3",
+        "olmo3",
         "openai_gptoss",
         "qwen3",
         "seed_oss",
+        "step3",
+        "step3p5",
     ]
     glm = reasoning_splitter("glm45")  # GLM-4.5 thinks as Qwen3 does: only after an opening <think>
     assert glm.feed("<think>plan</think>\n\nanswer") == ("plan", "answer")
@@ -178,7 +187,7 @@ def test_registry() -> None:
 
 
 def test_deepseek_v3_reads_the_prompt() -> None:
-    from server.reasoning_parsers import prompt_opens_thinking
+    from server.reasoning_base import prompt_opens_thinking
 
     assert prompt_opens_thinking("<｜Assistant｜><think>") and prompt_opens_thinking("x<think>\n")
     assert not prompt_opens_thinking("<｜Assistant｜></think>") and not prompt_opens_thinking("hi")
@@ -207,13 +216,22 @@ def test_thinking_budget_needs_think_markers_of_the_engine() -> None:
     from server.errors import APIError
     from server.reasoning_parsers import thinking_budget
 
-    for name in ("deepseek_r1", "qwen3", "glm45", "glm47", "deepseek_v3", "minimax_m2"):
+    for name in ("deepseek_r1", "qwen3", "glm45", "glm47", "deepseek_v3", "minimax_m2", "kimi_k2", "ernie45"):
         assert thinking_budget(REASONING_PARSERS[name], name, 7) == 7
-    for name in ("mistral", "granite", "seed_oss", "minimax_m2_append_think", "openai_gptoss"):
+    for name in (
+        "mistral",
+        "granite",
+        "seed_oss",
+        "minimax_m2_append_think",
+        "openai_gptoss",
+        "hunyuan_a13b",
+    ):
         with pytest.raises(APIError, match=f"--reasoning-parser {name} has no <think>"):
             thinking_budget(REASONING_PARSERS[name], name, 7)
     with pytest.raises(
-        APIError, match=r"\(deepseek_r1, qwen3, glm45, glm47, deepseek_v3, minimax_m2: the models"
+        APIError,
+        match=r"\(deepseek_r1, qwen3, glm45, glm47, deepseek_v3, minimax_m2, step3, olmo3, ernie45, "
+        r"kimi_k2, mimo, holo2, nemotron_v3, step3p5: the models",
     ):
         thinking_budget(None, None, 7)
 
@@ -289,8 +307,14 @@ PAIRS = [
 def test_new_parsers_on_the_wire_whole_and_cut_anywhere(
     reasoning_parser, tool_parser, text, reasoning, content
 ):
-    """What a chat client gets (reasoning, content, tool_calls with arguments as JSON text), whole
-    and streamed in two deltas cut at every point, or character by character."""
+    check_on_the_wire(reasoning_parser, tool_parser, text, reasoning, content)
+
+
+def check_on_the_wire(
+    reasoning_parser: str, tool_parser: str, text: str, reasoning: str | None, content: str | None
+) -> None:
+    """What a chat client gets (reasoning, content, one get_weather call with its arguments as JSON
+    text), whole and streamed in two deltas cut at every point, or character by character."""
     plan = ToolPlan("auto", parser=get_tool_parser(tool_parser))
     got_r, got_c, calls = shape_whole(text, plan, reasoning_splitter(reasoning_parser))
     assert (got_r, got_c) == (reasoning, content)
@@ -304,8 +328,8 @@ def test_new_parsers_on_the_wire_whole_and_cut_anywhere(
         assert "".join(p.reasoning for p in parts) == (reasoning or "")
         assert "".join(p.content for p in parts) == (content or "")
         deltas = [d for p in parts for d in p.tool_calls]
-        assert [(d.function.name, d.function.arguments) for d in deltas] == [
-            ("get_weather", '{"city": "Oslo"}')
+        assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == [
+            (0, "get_weather", '{"city": "Oslo"}')
         ]
 
 

@@ -307,9 +307,11 @@ def test_content_before_a_call_streams_before_the_call_is_complete() -> None:
 def test_unknown_parser() -> None:
     with pytest.raises(
         ValueError,
-        match="unknown tool-call parser 'nope'; known: deepseek_v3, deepseek_v31, glm45, glm47, granite, hermes, "
-        "hunyuan_a13b, internlm, jamba, kimi_k2, llama3_json, llama4_json, llama4_pythonic, minimax_m2, mistral, "
-        "openai, phi4_mini_json, pythonic, qwen3_coder, qwen3_xml, seed_oss, xlam",
+        match="unknown tool-call parser 'nope'; known: deepseek_v3, deepseek_v31, deepseek_v32, ernie45, "
+        "functiongemma, gigachat3, glm45, glm47, granite, granite-20b-fc, granite4, hermes, hunyuan_a13b, "
+        "internlm, jamba, kimi_k2, llama3_json, llama4_json, llama4_pythonic, longcat, mimo, minimax, "
+        "minimax_m2, mistral, olmo3, openai, phi4_mini_json, pythonic, qwen3_coder, qwen3_xml, seed_oss, "
+        "step3, step3p5, xlam",
     ):
         get_tool_parser("nope")
     # The CLI's choices (server/server_flags.py stays light, so it names them itself) are the registry's.
