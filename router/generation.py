@@ -1,5 +1,5 @@
-"""Generation through the relay (completions, chat, Anthropic Messages, streamed Responses): whole
-answers with retries, streams with failover.
+"""Generation through the relay (completions, chat, Anthropic Messages, streamed Responses, vLLM's
+tokens-in/tokens-out generate): whole answers with retries, streams with failover.
 
 A non-streamed answer is read whole before the client sees it, so a replica dying mid-answer is
 one more retry. A stream is relayed event by event; when its replica dies part-way, the request
@@ -9,7 +9,9 @@ the new replica's chunks are spliced in (``router/sse.py``, ``router/messages_st
 ``router/responses_stream.py``), so the client sees one unbroken stream. A replica that ends a
 stream with an error event saying it could not finish (its engine process died: a 503) counts as
 one that died: the trackers hold that event back, and send it only when the stream cannot be
-resumed. Prefill/decode orchestration can reuse ``Generation.pump`` the same way.
+resumed. vLLM's generate streams are not resumed (the replica's generate takes no ``resume``): one
+whose replica dies part-way ends with an error event. Prefill/decode orchestration can reuse
+``Generation.pump`` the same way.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from router.relay import (
 )
 from router.replica import Replica
 from router.responses_stream import ResponsesTracker
-from router.sse import SSESplitter, StreamTracker, client_resume
+from router.sse import GenerateTracker, SSESplitter, StreamTracker, client_resume
 from server.error_types import error_type
 
 Tracker = StreamTracker | MessagesTracker | ResponsesTracker
@@ -43,7 +45,7 @@ Tracker = StreamTracker | MessagesTracker | ResponsesTracker
 
 class Generation(Relay):
     """The relay plus the generation routes (``/v1/completions``, ``/v1/chat/completions``,
-    ``/v1/messages``, streamed ``/v1/responses``)."""
+    ``/v1/messages``, streamed ``/v1/responses``, ``/inference/v1/generate``)."""
 
     async def generate(self, pool: Pool, call: ProxyCall, send: Send) -> None:
         body = call.json or {}
@@ -157,6 +159,19 @@ class Generation(Relay):
             )
             resumable = _with_token_ids if self.max_failovers > 0 and resumed is not None else None
             await self.stream(pool, call, body, send, tracker, resumable, _messages_error)
+
+    async def tokens_generate(self, pool: Pool, call: ProxyCall, send: Send) -> None:
+        """vLLM's ``POST /inference/v1/generate``: whole answers retried as a completion's are; streams
+        retried before their first byte and, as the replica's generate takes no ``resume``, ended with
+        an error event when their replica dies part-way."""
+        body = call.json or {}
+        if not body.get("stream"):
+            await self.answer_whole(pool, call, call.body, send)
+            return
+        params = body.get("sampling_params")
+        n = params.get("n") if isinstance(params, dict) else None
+        tracker = GenerateTracker(n if type(n) is int and n > 0 else 1)
+        await self.stream(pool, call, body, send, tracker, None, _stream_error)
 
     async def responses_stream(self, pool: Pool, call: ProxyCall, send: Send) -> None:
         """``POST /v1/responses`` with ``stream`` (not ``background``): relayed with mid-stream

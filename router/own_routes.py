@@ -121,6 +121,7 @@ _ROUTES: tuple[tuple[str, str, str, str | None], ...] = (
     ("/classify", "post", "Classify (relayed)", None),
     ("/pooling", "post", "Pooling: raw pooler output (relayed)", None),
     ("/invocations", "post", "SageMaker invocations (relayed)", None),
+    ("/inference/v1/generate", "post", "vLLM's tokens-in/tokens-out generate (relayed, retried)", None),
     ("/reset_prefix_cache", "post", "Every replica drops its cached KV blocks", None),
     ("/health", "get", "200 while a replica takes traffic, else 503", None),
     ("/ping", "get", "SageMaker's health check (as /health)", None),

@@ -16,11 +16,13 @@ instead (a digest in a namespace of its own), so the blocks from that image on m
 router itself sent (its own history, not the replicas' block events), which is what keeps a
 multi-turn chat that resends the same URL on the replica holding its KV.
 
-Completions given as token ids are hashed exactly by both. Completions with ``prompt_embeds``
-(base64 tensors the router does not decode: it never loads torch) are keyed by one hash of their
-first payload, apart from token and text hashes: identical embeddings land on the replica that
-has their blocks, different ones share nothing. A body the keyer cannot read yields no hashes
-(the replica reports the client's error; routing just loses its cache hint).
+Completions given as token ids are hashed exactly by both, and so are the ``token_ids`` of vLLM's
+``/inference/v1/generate`` (its prompt as the replica runs it: ``generate_as_completion``).
+Completions with ``prompt_embeds`` (base64 tensors the router does not decode: it never loads
+torch) are keyed by one hash of their first payload, apart from token and text hashes: identical
+embeddings land on the replica that has their blocks, different ones share nothing. A body the
+keyer cannot read yields no hashes (the replica reports the client's error; routing just loses its
+cache hint).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ TEXT_CHUNK_CHARS = 64  # ~16 tokens of English: one text "block"
 _TEXT_SPACE = b"router-text"  # keeps text-chunk hashes apart from real token-block hashes
 _EMBEDS_SPACE = b"router-embeds"  # and prompt-embeddings payload hashes apart from both
 _IMAGE_URL_SPACE = b"router-image-url\x00"  # URL-keyed images apart from content digests
+TOKENS_GENERATE_PATH = "/inference/v1/generate"  # vLLM's tokens-in/tokens-out route
 
 
 def _no_extra(model: object) -> bytes:
@@ -68,6 +71,8 @@ class PromptKeyer(ABC):
                 path, body = "/v1/chat/completions", responses_as_chat(body)
             elif path.endswith("/v1/messages"):
                 path, body = "/v1/chat/completions", messages_as_chat(body)
+            elif path.endswith(TOKENS_GENERATE_PATH):
+                path, body = "/v1/completions", generate_as_completion(body)
             elif body.get("prompt_embeds") is not None:
                 return self._embeds_keys(body)
             return self._keys(path, body)
@@ -116,6 +121,16 @@ def responses_as_chat(body: dict[str, Any]) -> dict[str, Any]:
         # vLLM's template variables, merged with the replica's defaults as a chat request's are
         "chat_template_kwargs": body.get("chat_template_kwargs"),
     }
+
+
+def generate_as_completion(body: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's ``/inference/v1/generate`` body as the completion its replica runs
+    (``server/token_routes.py`` ``completion_of``): its ``token_ids`` are the prompt, salted by its
+    ``model`` (a LoRA adapter's) and ``cache_salt`` as a completion's blocks are. Anything but token
+    ids (which the replica refuses) is no prompt: no hint."""
+    ids = body.get("token_ids")
+    prompt = ids if isinstance(ids, list) and all(type(t) is int for t in ids) else None
+    return {"prompt": prompt, "model": body.get("model"), "cache_salt": body.get("cache_salt")}
 
 
 def messages_as_chat(body: dict[str, Any]) -> dict[str, Any]:

@@ -31,7 +31,7 @@ from router.http import (
 )
 from router.policies import RouteRequest
 from router.pool import Pool
-from router.prompt_keys import prompt_keys
+from router.prompt_keys import TOKENS_GENERATE_PATH, prompt_keys
 from router.relay import ProxyCall
 from router.response_affinity import RESPONSES_PATH, batch_home, is_batch_path
 from router.tracing import end_request, refused, start_request
@@ -45,12 +45,14 @@ GENERATE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 MESSAGES_PATH = "/v1/messages"
 # Routed by their prompt (parsed and keyed). The Responses API's streams are resumed
 # (router/responses_stream.py); its other answers (whole, background) are relayed as they come,
-# retried before their first byte.
-KEYED_PATHS = GENERATE_PATHS | {"/v1/responses", MESSAGES_PATH}
+# retried before their first byte. vLLM's tokens-in/tokens-out generate is keyed by its token ids
+# and answered by ``Generation.tokens_generate`` (whole answers retried; streams not resumed: the
+# replica's generate takes no ``resume``), never by the prefill/decode hand-off (it refuses
+# ``kv_transfer_params``); its render routes are /v1/*, relayed as they come.
+KEYED_PATHS = GENERATE_PATHS | {"/v1/responses", MESSAGES_PATH, TOKENS_GENERATE_PATH}
 # Relayed as they come, like every /v1/* route: vLLM serves these outside /v1 (scoring: /score,
-# /rerank, Cohere's /v2/rerank; /classify; /pooling; SageMaker's /invocations, any request on one path).
-# vLLM's tokens-in/tokens-out /inference/v1/generate too (its render routes are /v1/*: relayed as
-# they come); its body's token ids are the replica's to check.
+# /rerank, Cohere's /v2/rerank; /classify; /pooling; SageMaker's /invocations, any request on one path;
+# /inference/v1/generate, which is keyed: KEYED_PATHS).
 # A file upload: bounded by --max-file-bytes (a batch's input), not --max-request-bytes.
 FILES_PATH = "/v1/files"
 FORWARD_ROOT_PATHS = frozenset(
@@ -188,6 +190,8 @@ async def proxy(app: RouterApp, scope: Scope, receive: Receive, send: Send, requ
         relay = app.generate
     elif path == MESSAGES_PATH and scope["method"] == "POST":
         relay = app.relay.messages
+    elif path == TOKENS_GENERATE_PATH and scope["method"] == "POST":
+        relay = app.relay.tokens_generate
     elif (
         path == RESPONSES_PATH
         and parsed is not None

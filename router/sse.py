@@ -292,6 +292,20 @@ class StreamTracker:
         return out
 
 
+class GenerateTracker(StreamTracker):
+    """A stream of vLLM's ``/inference/v1/generate``: chunks whose choices carry only ``token_ids``
+    (and the client's logprobs), relayed as they are. It follows when each choice finished and what
+    counts as content (a chunk's ids), so a replica dying after the last finish reason ends the
+    stream cleanly and one dying before it ends it with an error event: the replica's generate takes
+    no ``resume``, so such a stream is never resumed."""
+
+    def __init__(self, num_choices: int) -> None:
+        super().__init__(chat=False, client_wants_token_ids=True, num_choices=num_choices)
+
+    def _has_content(self, choice: dict) -> bool:
+        return bool(choice.get("token_ids"))
+
+
 def client_resume(body: dict) -> list[int] | None:
     """The token ids of the client's own ``resume`` ([] when it sent none), or None when its
     ``resume`` is not one the router can extend on a failover (a replica's to accept or refuse;

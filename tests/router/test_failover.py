@@ -1,5 +1,6 @@
 """Failure handling against real replicas: kill -9 mid-stream failover (exact continuation),
-retry before the first byte, ejection and readmission, replicas still starting, Redis discovery."""
+retry before the first byte, ejection and readmission, replicas still starting, Redis discovery,
+and vLLM's tokens-in/tokens-out generate (whole answers retried, streams ended with an error)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ MODEL = "llama"
 
 @pytest.fixture(scope="module")
 def trio(cluster: Cluster) -> list[Proc]:
-    """A survivor and four victims (one per failover test), loaded together."""
-    return cluster.replicas(5)
+    """A survivor and six victims (one per failover test), loaded together."""
+    return cluster.replicas(7)
 
 
 # A named tool whose arguments cannot be complete within the budget: the call streams until length.
@@ -213,6 +214,79 @@ def test_kill9_mid_messages_stream_fails_over_exactly(cluster: Cluster, trio: li
     final = events[-2]
     assert final["delta"]["stop_reason"] == reference["stop_reason"]
     assert final["usage"]["output_tokens"] == reference["usage"]["output_tokens"]
+    assert wait_until(lambda: all(v["inflight"] == 0 for v in replicas_view(router).values()))
+
+
+def _generate_reference(url: str) -> tuple[dict, list[int]]:
+    """A greedy generate body of 300 tokens and the token ids ``url`` answers it with."""
+    prompt = httpx.post(url + "/tokenize", json={"model": MODEL, "prompt": "Once upon a time"}).json()
+    params = {"max_tokens": 300, "temperature": 0, "ignore_eos": True}
+    body = {"model": MODEL, "token_ids": prompt["tokens"], "sampling_params": params}
+    answer = httpx.post(url + "/inference/v1/generate", json=body, timeout=120).json()
+    (choice,) = answer["choices"]
+    assert len(choice["token_ids"]) == 300 and choice["finish_reason"] == "length"
+    return body, choice["token_ids"]
+
+
+def test_kill9_mid_generate_retries_the_whole_answer(cluster: Cluster, trio: list[Proc]) -> None:
+    """vLLM's generate, answered whole: a replica killed while generating it is one more retry, on
+    the survivor, and the client gets the very token ids a greedy run gives."""
+    survivor, victim = trio[0], trio[5]
+    body, expected = _generate_reference(survivor.url)
+    router = cluster.router(  # round_robin: the first request to the victim
+        "--replica", victim.url, "--replica", survivor.url, "--policy", "round_robin", all_routable=True
+    )
+    got: list[httpx.Response] = []
+    with victim.throttle() as throttle:
+        asked = threading.Thread(
+            target=lambda: got.append(
+                httpx.post(router.url + "/inference/v1/generate", json=body, timeout=120)
+            )
+        )
+        asked.start()
+        assert wait_until(lambda: replicas_view(router)[victim.url]["inflight"] == 1)
+        throttle.freeze_then_kill().join()
+        asked.join()
+    (r,) = got
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    assert choice["token_ids"] == expected and choice["finish_reason"] == "length"
+    assert metric(router.url, "ferry:router_retries_total") == 1
+    assert metric(router.url, "ferry:router_requests_total", {"replica": survivor.url, "status": "200"}) == 1
+    assert wait_until(lambda: all(v["inflight"] == 0 for v in replicas_view(router).values()))
+
+
+def test_kill9_mid_generate_stream_ends_it_with_an_error_event(cluster: Cluster, trio: list[Proc]) -> None:
+    """vLLM's generate, streamed: the replica's generate takes no ``resume``, so a stream whose
+    replica dies part-way is not resumed. It ends with an error event and ``[DONE]`` (not a cut
+    connection), after exactly the greedy run's first token ids."""
+    survivor, victim = trio[0], trio[6]
+    body, expected = _generate_reference(survivor.url)
+    router = cluster.router(  # round_robin: the first request to the victim
+        "--replica", victim.url, "--replica", survivor.url, "--policy", "round_robin", all_routable=True
+    )
+    events: list[str] = []
+    killer: threading.Timer | None = None
+    stream = httpx.stream(
+        "POST", router.url + "/inference/v1/generate", json={**body, "stream": True}, timeout=120
+    )
+    with victim.throttle() as throttle, stream as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if killer is None:  # frozen at its first tokens, killed a moment later
+                    killer = throttle.freeze_then_kill()
+                    assert replicas_view(router)[victim.url]["inflight"] == 1
+    assert killer is not None
+    killer.join()
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["message"] == "the replica serving this stream failed and it cannot be resumed"
+    assert (error["type"], error["code"]) == ("BadGatewayError", "bad_gateway")
+    sent = [t for e in events[:-2] for c in json.loads(e)["choices"] for t in c["token_ids"]]
+    assert 0 < len(sent) < 300 and sent == expected[: len(sent)]
+    assert metric(router.url, "ferry:router_failovers_total") == 0
     assert wait_until(lambda: all(v["inflight"] == 0 for v in replicas_view(router).values()))
 
 

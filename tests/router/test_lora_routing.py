@@ -122,6 +122,13 @@ def test_an_adapter_goes_only_where_it_is_served(setup, adapter: Path) -> None:
     _send(router, base, 4)  # the base model: both, in turn
     assert _served(router, with_a) - before[with_a.url] == 8
     assert _served(router, without) - before[without.url] == 2
+    # vLLM's tokens-in/tokens-out generate names its model as a completion does: routed alike.
+    for _ in range(4):
+        body = {"model": "a", "token_ids": PROMPT_IDS, "sampling_params": {"max_tokens": 2}}
+        r = httpx.post(router.url + "/inference/v1/generate", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["model"] == "a", r.text
+    assert _served(router, with_a) - before[with_a.url] == 12
+    assert _served(router, without) - before[without.url] == 2
     # Loaded on the other replica at run time: the router reads it there and spreads the adapter.
     load = {"lora_name": "a", "lora_path": str(adapter)}
     assert httpx.post(without.url + "/v1/load_lora_adapter", json=load).status_code == 200
@@ -168,6 +175,8 @@ async def test_the_router_keys_an_adapters_prompt_as_its_replica(setup, tiny_lla
         assert (
             to_hex(keyer.keys("/v1/completions", {"model": model, "prompt": PROMPT_IDS})[0]) == hashes[model]
         )
+        generate = {"model": model, "token_ids": PROMPT_IDS, "sampling_params": {}}
+        assert to_hex(keyer.keys("/inference/v1/generate", generate)[0]) == hashes[model]
     assert hashes["a"] != next(v for k, v in hashes.items() if k != "a")
 
 

@@ -82,7 +82,9 @@ def test_a_text_part_that_is_not_text_gives_no_hint_not_an_error(keyers) -> None
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     body=BODIES,
-    path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"]),
+    path=st.sampled_from(
+        ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/inference/v1/generate"]
+    ),
 )
 def test_keys_never_raise_on_any_body(keyers, body: dict, path: str) -> None:
     """Whatever a client sends, keying yields a routing hint or none; the replica judges the body."""
@@ -163,6 +165,26 @@ def test_messages_bodies_key_like_the_chat_body_the_replica_serves(keyers) -> No
         got = keyer.keys("/v1/messages", body)
         assert got == keyer.keys("/v1/chat/completions", chat) and got[1] > 16
         assert keyer.keys("/v1/messages", {"messages": 5}) == ([], 0)  # no hint, no error
+
+
+def test_generate_bodies_key_their_token_ids_as_the_completion_the_replica_runs(keyers) -> None:
+    """vLLM's ``/inference/v1/generate``: its ``token_ids`` are the prompt, salted by its
+    ``cache_salt`` and model as the completion ``completion_of`` makes of it."""
+    from kvcache.keys import salt_extra
+
+    ids = list(range(3, 43))
+    path = "/inference/v1/generate"
+    for keyer in keyers:
+        body = {"token_ids": ids, "sampling_params": {"max_tokens": 4}, "model": "llama"}
+        assert keyer.keys(path, body) == (block_hashes(ids, 16), 40)
+        salted = keyer.keys(path, {**body, "cache_salt": "tenant-a"})
+        assert salted == (block_hashes(ids, 16, salt_extra("tenant-a")), 40)
+        assert salted == keyer.keys("/v1/completions", {"prompt": ids, "cache_salt": "tenant-a"})
+        # A follow-up turn (the prompt extended) shares the first turn's blocks.
+        longer = keyer.keys(path, {**body, "token_ids": [*ids, *range(100, 120)]})[0]
+        assert longer[:2] == block_hashes(ids, 16) and len(longer) == 3
+        for bad in ({"token_ids": []}, {"token_ids": ["a"]}, {"sampling_params": {}}, {"token_ids": 5}):
+            assert keyer.keys(path, bad) == ([], 0)  # the replica answers its 400; no hint
 
 
 def test_a_cache_salt_salts_every_key_as_the_replica_does() -> None:

@@ -148,10 +148,16 @@ def test_round_robin_exact_distribution_and_request_id(cluster: Cluster, pair: l
     routed = httpx.post(router.url + "/inference/v1/generate", json=rendered.json(), timeout=30)
     assert routed.status_code == 200, routed.text
     assert routed.json()["choices"] == direct["choices"]
+    # A client's error is the answer: one replica saw it, none was asked again.
+    retries = metric(router.url, "ferry:router_retries_total")
+    seen = {u: r["total_requests"] for u, r in replicas_view(router).items()}
     bad = httpx.post(
         router.url + "/inference/v1/generate", json={"token_ids": [10**9], "sampling_params": {}}
     )
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "token_ids"
+    assert metric(router.url, "ferry:router_retries_total") == retries
+    assert sum(r["total_requests"] - seen[u] for u, r in replicas_view(router).items()) == 1
+    assert metric(router.url, "ferry:router_requests_total", {"status": "400"}) == 1
 
 
 def test_limits_and_bad_input_are_clear_4xx(cluster: Cluster, pair: list[Proc]) -> None:
@@ -453,6 +459,63 @@ def test_cache_aware_follows_prefixes_and_spreads_a_flood(cluster: Cluster, pair
     assert sum(got.values()) == 12 and min(got.values()) >= 3, got
 
 
+def test_cache_aware_keeps_a_generate_rollout_on_its_prefix(cluster: Cluster, pair: list[Proc]) -> None:
+    """vLLM's tokens-in/tokens-out generate, as RL frameworks drive a multi-turn rollout: each turn's
+    ``token_ids`` extend the last turn's prompt and answer. The router keys them as the replica's own
+    block hashes, so each turn lands where its prefix is cached, and the replica says it was."""
+    a, b = pair
+    router = cluster.router(
+        "--replica",
+        a.url,
+        "--replica",
+        b.url,
+        "--policy",
+        "cache_aware",
+        "--model",
+        str(cluster.model),
+        "--block-size",
+        "16",
+        "--balance-abs-threshold",
+        "2",
+    )
+
+    def ids(text: str) -> list[int]:
+        body = {"model": MODEL, "prompt": text, "add_special_tokens": False}
+        return httpx.post(a.url + "/tokenize", json=body, timeout=30).json()["tokens"]
+
+    rollouts = {
+        name: ids(f"{name.upper()} rollout. " + " ".join(f"step {i} of {name}." for i in range(40)))
+        for name in ("gamma", "delta")
+    }
+    placed: dict[str, set[str]] = {name: set() for name in rollouts}
+    for turn in range(3):
+        for name, prompt in rollouts.items():
+            before = {u: r["total_requests"] for u, r in replicas_view(router).items()}
+            hits_before = metric(router.url, "ferry:router_cache_hit_tokens_total")
+            body = {
+                "model": MODEL,
+                "token_ids": prompt,
+                "sampling_params": {"max_tokens": 8, "temperature": 0},
+            }
+            r = httpx.post(router.url + "/inference/v1/generate", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            out = r.json()
+            after = replicas_view(router)
+            placed[name] |= {u for u in after if after[u]["total_requests"] > before[u]}
+            predicted = metric(router.url, "ferry:router_cache_hit_tokens_total") - hits_before
+            assert out["usage"]["prompt_tokens"] == len(prompt)
+            if turn > 0:  # every earlier full block: the last turn's prompt, at least
+                actual = out["usage"]["prompt_tokens_details"]["cached_tokens"]
+                assert predicted >= 200 and predicted % 16 == 0 and actual >= predicted
+            else:
+                assert predicted == 0
+            (choice,) = out["choices"]
+            assert len(choice["token_ids"]) == 8 or choice["finish_reason"] == "stop"
+            rollouts[name] = [*prompt, *choice["token_ids"], *ids(f" Observation {turn} for {name}.")]
+    # Each rollout stayed on one replica, and the two went to different replicas.
+    assert len(placed["gamma"]) == 1 and len(placed["delta"]) == 1 and placed["gamma"] != placed["delta"]
+
+
 def test_session_policy_sticks_by_header_and_body_fields(cluster: Cluster, pair: list[Proc]) -> None:
     a, b = pair
     router = cluster.router("--replica", a.url, "--replica", b.url, "--policy", "session")
@@ -478,6 +541,16 @@ def test_session_policy_sticks_by_header_and_body_fields(cluster: Cluster, pair:
         after = replicas_view(router)
         got = {u for u in after if after[u]["total_requests"] > before[u]}
         assert got == {rendezvous_pick(key, [a.url, b.url])}  # all three on the session's replica
+    for key in ("grace", "heidi"):  # vLLM's generate has no body field for it: the header
+        before = {u: r["total_requests"] for u, r in replicas_view(router).items()}
+        for _ in range(3):
+            body = {"model": MODEL, "token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 1}}
+            r = httpx.post(router.url + "/inference/v1/generate", json=body, headers={"X-Session-Id": key})
+            assert r.status_code == 200, r.text
+        after = replicas_view(router)
+        assert {u for u in after if after[u]["total_requests"] > before[u]} == {
+            rendezvous_pick(key, [a.url, b.url])
+        }
 
 
 @pytest.mark.parametrize("policy", ["least_load", "power_of_two"])

@@ -88,6 +88,7 @@ def test_version_load_and_openapi(pd) -> None:
     schema = doc["components"]["schemas"][ref.rsplit("/", 1)[1]]
     assert {"messages", "model", "stream"} <= set(schema["properties"])
     assert {"/health", "/version", "/load", "/is_sleeping", "/admin/replicas"} <= set(doc["paths"])
+    assert "post" in doc["paths"]["/inference/v1/generate"]
 
 
 def test_is_sleeping_says_whether_every_healthy_replica_sleeps(pd) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from router.sse import SSESplitter, StreamTracker
+from router.sse import GenerateTracker, SSESplitter, StreamTracker
 
 
 def ev(obj) -> bytes:
@@ -77,6 +77,43 @@ def test_a_stream_of_n_choices_is_finished_when_every_choice_is() -> None:
     assert not t.finished
     t.process(ev({"id": "x", "choices": [{"index": 1, "text": "", "finish_reason": "length"}]}))
     assert t.finished
+
+
+def test_generate_streams_are_relayed_as_they_are_and_finish_per_choice() -> None:
+    """vLLM's ``/inference/v1/generate`` chunks: only ``token_ids``, relayed byte for byte; the
+    stream is finished once every choice sent its finish reason, and its ids are its content."""
+    t = GenerateTracker(num_choices=2)
+    events = [
+        ev(
+            {
+                "request_id": "g",
+                "choices": [{"index": 0, "logprobs": None, "finish_reason": None, "token_ids": [5]}],
+            }
+        ),
+        ev(
+            {
+                "request_id": "g",
+                "choices": [{"index": 1, "logprobs": None, "finish_reason": None, "token_ids": [7]}],
+            }
+        ),
+        ev(
+            {
+                "request_id": "g",
+                "choices": [{"index": 0, "logprobs": None, "finish_reason": "stop", "token_ids": [2]}],
+            }
+        ),
+    ]
+    assert [t.process(e) for e in events] == events
+    assert t.token_ids == [5, 7, 2] and t.content_choices == 3 and not t.finished
+    last = ev(
+        {
+            "request_id": "g",
+            "choices": [{"index": 1, "logprobs": None, "finish_reason": "length", "token_ids": [9]}],
+        }
+    )
+    assert t.process(last) == last and t.finished
+    usage = ev({"request_id": "g", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4}})
+    assert t.process(usage) == usage and t.process(b"data: [DONE]") == b"data: [DONE]" and t.done
 
 
 def test_ids_the_client_asked_for_are_kept_in_chunks_without_text() -> None:
