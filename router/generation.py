@@ -9,9 +9,8 @@ the new replica's chunks are spliced in (``router/sse.py``, ``router/messages_st
 ``router/responses_stream.py``), so the client sees one unbroken stream. A replica that ends a
 stream with an error event saying it could not finish (its engine process died: a 503) counts as
 one that died: the trackers hold that event back, and send it only when the stream cannot be
-resumed. vLLM's generate streams are not resumed (the replica's generate takes no ``resume``): one
-whose replica dies part-way ends with an error event. Prefill/decode orchestration can reuse
-``Generation.pump`` the same way.
+resumed. vLLM's generate streams are resumed as completions are (each chunk carries its token ids).
+Prefill/decode orchestration can reuse ``Generation.pump`` the same way.
 """
 
 from __future__ import annotations
@@ -162,16 +161,20 @@ class Generation(Relay):
 
     async def tokens_generate(self, pool: Pool, call: ProxyCall, send: Send) -> None:
         """vLLM's ``POST /inference/v1/generate``: whole answers retried as a completion's are; streams
-        retried before their first byte and, as the replica's generate takes no ``resume``, ended with
-        an error event when their replica dies part-way."""
+        resumed as a completion's (every chunk carries its token ids: the replica is asked for
+        nothing more than the ``resume`` after them)."""
         body = call.json or {}
         if not body.get("stream"):
             await self.answer_whole(pool, call, call.body, send)
             return
         params = body.get("sampling_params")
         n = params.get("n") if isinstance(params, dict) else None
-        tracker = GenerateTracker(n if type(n) is int and n > 0 else 1)
-        await self.stream(pool, call, body, send, tracker, None, _stream_error)
+        num_choices = n if type(n) is int and n > 0 else 1
+        resumed = client_resume(body)
+        # As completions: one choice after the client's own resume, or n choices each after its own.
+        can_resume = self.max_failovers > 0 and resumed is not None and (num_choices == 1 or not resumed)
+        tracker = GenerateTracker(num_choices, resumed=resumed)
+        await self.stream(pool, call, body, send, tracker, _as_is if can_resume else None, _stream_error)
 
     async def responses_stream(self, pool: Pool, call: ProxyCall, send: Send) -> None:
         """``POST /v1/responses`` with ``stream`` (not ``background``): relayed with mid-stream
@@ -359,6 +362,11 @@ def _without_kv_transfer(status: int, content: bytes) -> bytes:
         return content
     del obj["kv_transfer"]
     return json.dumps(obj, ensure_ascii=False).encode()
+
+
+def _as_is(replica: Replica, base: dict) -> tuple[bytes, bool]:
+    """A generate request as it is: its chunks carry their token ids already."""
+    return json.dumps(base).encode(), False
 
 
 def _with_token_ids(replica: Replica, base: dict) -> tuple[bytes, bool]:

@@ -46,9 +46,9 @@ MESSAGES_PATH = "/v1/messages"
 # Routed by their prompt (parsed and keyed). The Responses API's streams are resumed
 # (router/responses_stream.py); its other answers (whole, background) are relayed as they come,
 # retried before their first byte. vLLM's tokens-in/tokens-out generate is keyed by its token ids
-# and answered by ``Generation.tokens_generate`` (whole answers retried; streams not resumed: the
-# replica's generate takes no ``resume``), never by the prefill/decode hand-off (it refuses
-# ``kv_transfer_params``); its render routes are /v1/*, relayed as they come.
+# and answered by ``Generation.tokens_generate`` (whole answers retried, streams resumed), never by
+# the prefill/decode hand-off (it refuses ``kv_transfer_params``); its render routes are /v1/*,
+# relayed as they come.
 KEYED_PATHS = GENERATE_PATHS | {"/v1/responses", MESSAGES_PATH, TOKENS_GENERATE_PATH}
 # Relayed as they come, like every /v1/* route: vLLM serves these outside /v1 (scoring: /score,
 # /rerank, Cohere's /v2/rerank; /classify; /pooling; SageMaker's /invocations, any request on one path;

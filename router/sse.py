@@ -170,7 +170,7 @@ class StreamTracker:
         changed = False
         if self.stream_id is None:
             self.stream_id, self.created = obj.get("id"), obj.get("created")
-        elif self.failovers:
+        elif self.failovers and "id" in obj:
             obj["id"], obj["created"] = self.stream_id, self.created
             changed = True
         if "prompt_token_ids" in obj and not self.keep_ids:
@@ -294,13 +294,12 @@ class StreamTracker:
 
 class GenerateTracker(StreamTracker):
     """A stream of vLLM's ``/inference/v1/generate``: chunks whose choices carry only ``token_ids``
-    (and the client's logprobs), relayed as they are. It follows when each choice finished and what
-    counts as content (a chunk's ids), so a replica dying after the last finish reason ends the
-    stream cleanly and one dying before it ends it with an error event: the replica's generate takes
-    no ``resume``, so such a stream is never resumed."""
+    (and the client's logprobs), relayed as they are, their ids collected for a resume. Its chunks
+    are named by ``request_id`` (the router's X-Request-Id, which every replica it tries is sent),
+    with no ``id`` or ``created`` to keep after a failover."""
 
-    def __init__(self, num_choices: int) -> None:
-        super().__init__(chat=False, client_wants_token_ids=True, num_choices=num_choices)
+    def __init__(self, num_choices: int, resumed: list[int] | None = None) -> None:
+        super().__init__(chat=False, client_wants_token_ids=True, num_choices=num_choices, resumed=resumed)
 
     def _has_content(self, choice: dict) -> bool:
         return bool(choice.get("token_ids"))

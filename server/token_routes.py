@@ -38,7 +38,7 @@ from server.errors import bad_request, validation_error
 from server.images import check_images
 from server.logprobs import prompt_logprobs_out
 from server.params import check_token_ids, resolve_max_tokens
-from server.protocol import ErrorResponse, StreamOptions, _Request
+from server.protocol import ErrorResponse, SamplingResume, StreamOptions, _Request
 from server.sequence_request import SequenceRequest
 from server.serving_common import (
     UsageTracker,
@@ -105,6 +105,9 @@ class GenerateRequest(_Request):
     priority: StrictInt = 0
     features: Any = None  # multimodal features: not taken (400 when given)
     kv_transfer_params: dict[str, Any] | None = None
+    # ferry's, as on completions (router -> replica): go on after the tokens a stream already sent
+    # from a replica that died, so a router resumes a generate stream exactly.
+    resume: SamplingResume | None = None
 
 
 def add_token_routes(app: FastAPI, state: ServerState) -> None:
@@ -229,6 +232,8 @@ def completion_of(state: ServerState, body: GenerateRequest) -> CompletionReques
         data["stream_options"] = body.stream_options.model_dump()
     if body.cache_salt is not None:
         data["cache_salt"] = body.cache_salt
+    if body.resume is not None:
+        data["resume"] = body.resume.model_dump(exclude_none=True)
     if "max_tokens" not in fields:
         # vLLM's: no budget asked for, the rest of the context (or the generation config's cap).
         data["max_tokens"] = resolve_max_tokens(

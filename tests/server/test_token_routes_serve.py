@@ -173,6 +173,28 @@ def test_generate_equals_the_greedy_completion(server) -> None:
     assert out["choices"][0]["logprobs"] is None
 
 
+def test_generate_resumes_after_tokens_sent_elsewhere(server) -> None:
+    """ferry's ``resume`` on generate (what a router sends when a stream's replica died): the answer
+    goes on after the given tokens exactly as the uninterrupted greedy run did, its budget counting
+    them, whole or streamed; a resume of unknown shape is a 400."""
+    [req] = _post(server, "/v1/completions/render", {"prompt": "The quick brown fox", "max_tokens": 8}).json()
+    req["sampling_params"]["temperature"] = 0
+    full = _post(server, "/inference/v1/generate", req).json()["choices"][0]["token_ids"]
+    assert len(full) == 8
+    resumed = {**req, "resume": {"token_ids": full[:3]}}
+    whole = _post(server, "/inference/v1/generate", resumed).json()
+    assert whole["choices"][0]["token_ids"] == full[3:]
+    assert whole["usage"]["completion_tokens"] == 5
+    with httpx.stream(
+        "POST", server.url + "/inference/v1/generate", json={**resumed, "stream": True}, timeout=60
+    ) as r:
+        data = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    assert [t for d in data[:-1] for c in json.loads(d)["choices"] for t in c["token_ids"]] == full[3:]
+    bad = _post(server, "/inference/v1/generate", {**req, "resume": {"token_ids": []}})
+    assert bad.status_code == 400, bad.text
+
+
 def test_generate_logprobs_stream_and_chat_render(server) -> None:
     chat = _post(server, "/v1/chat/completions/render", {"messages": MESSAGES, "max_tokens": 5}).json()
     chat["sampling_params"].update(temperature=0, logprobs=2)
