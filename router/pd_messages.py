@@ -46,6 +46,10 @@ class Prefilled:
     # The answer's role (chat): the replicas' --response-role, or the role of the message a
     # continued prompt ends in (a custom one included), which the router cannot know on its own.
     role: str = "assistant"
+    # vLLM's prompt fields of the prefill answer (the producer is always asked for token ids; the text
+    # only when the client asked): the client's first chunk carries them, or its whole answer.
+    prompt_token_ids: list[int] | None = None
+    prompt_text: str | None = None
 
 
 class PDTracker(StreamTracker):
@@ -144,7 +148,9 @@ def parse_prefill(path: str, body: dict[str, Any], content: bytes) -> Prefilled 
         token = choice["token_ids"][0]
         reasoning = None
         role = "assistant"
+        prompt_ids = choice.get("prompt_token_ids")  # a completion's; a chat answer's is top-level
         if path.endswith("/chat/completions"):
+            prompt_ids = obj.get("prompt_token_ids")
             role = str(choice["message"].get("role") or role)
             text = choice["message"]["content"] or ""
             reasoning = choice["message"].get("reasoning_content")
@@ -174,6 +180,8 @@ def parse_prefill(path: str, body: dict[str, Any], content: bytes) -> Prefilled 
             created=int(obj["created"]),
             model=str(obj["model"]),
             role=role,
+            prompt_token_ids=[int(i) for i in prompt_ids] if isinstance(prompt_ids, list) else None,
+            prompt_text=obj["prompt_text"] if isinstance(obj.get("prompt_text"), str) else None,
         )
     except (ValueError, KeyError, IndexError, TypeError, AttributeError):
         return None
@@ -204,6 +212,7 @@ def first_events(path: str, body: dict[str, Any], p: Prefilled, done: bool) -> l
         opening: dict[str, Any] = {**head, "choices": [role]}
         if stream_options.get("continuous_usage_stats"):  # a replica's role chunk counts the prompt
             opening["usage"] = {**usage, "completion_tokens": 0, "total_tokens": p.prompt_tokens}
+        opening.update(_prompt_fields(p))  # the tracker keeps what the client asked for
         events.append(opening)
         delta = {"reasoning": p.reasoning, "reasoning_content": p.reasoning} if p.reasoning else {}
         if p.text:
@@ -212,6 +221,8 @@ def first_events(path: str, body: dict[str, Any], p: Prefilled, done: bool) -> l
     else:
         head["object"] = "text_completion"
         first = {"index": 0, "text": p.text, "logprobs": None, "finish_reason": finish}
+        if p.prompt_token_ids is not None:
+            first["prompt_token_ids"] = p.prompt_token_ids
     if done and p.stop_reason is not None:
         first["stop_reason"] = p.stop_reason
     first["token_ids"] = [p.first_token]
@@ -241,8 +252,14 @@ def merge_answer(path: str, body: dict[str, Any], p: Prefilled, content: bytes |
         choice = obj["choices"][0]
         if chat:
             choice["message"] = {"role": p.role, "content": ""}
+            obj.update(_prompt_fields(p))
         else:
             choice["text"] = ""
+            if p.prompt_token_ids is not None:
+                choice["prompt_token_ids"] = p.prompt_token_ids
+        if not body.get("return_token_ids"):
+            obj.pop("prompt_token_ids", None)
+            choice.pop("prompt_token_ids", None)
     else:
         obj = json.loads(content)
         choice = obj["choices"][0]
@@ -266,3 +283,9 @@ def merge_answer(path: str, body: dict[str, Any], p: Prefilled, content: bytes |
     usage["prompt_tokens_details"] = {"cached_tokens": p.cached_tokens}
     obj.pop("kv_transfer", None)
     return json.dumps(obj, ensure_ascii=False).encode()
+
+
+def _prompt_fields(p: Prefilled) -> dict[str, Any]:
+    """A chat answer's top-level prompt fields, from the prefill answer (those it carried)."""
+    fields = {"prompt_token_ids": p.prompt_token_ids, "prompt_text": p.prompt_text}
+    return {k: v for k, v in fields.items() if v is not None}

@@ -8,7 +8,8 @@ ids (the ``resume.token_ids`` of a failover), removes what the client did not as
 chunks that only carried router-requested ids or logprobs: a replica sends no chunk for a token that
 shows nothing yet unless the client asked for its ids, logprobs or continuous usage), and, after a
 failover, makes the new replica's chunks look like the rest of the stream (same ``id`` and
-``created``, no second ``role`` chunk, ``usage`` counting every token sent).
+``created``, no second ``role`` chunk nor second ``prompt_token_ids`` / ``prompt_text``, ``usage``
+counting every token sent).
 
 A replica that cannot finish a stream it started (its engine process died or is stopping) says so
 with an error event before ``[DONE]`` (``{"error": {"type": "ServiceUnavailableError", "code":
@@ -32,7 +33,11 @@ _REPLICA_FAILURE_STATUSES = (502, 503, 504)
 _REPLICA_FAILURE_TYPES = frozenset(error_type(s) for s in _REPLICA_FAILURE_STATUSES)
 _REPLICA_FAILURE_CODES = frozenset({"service_unavailable", *_REPLICA_FAILURE_STATUSES})
 # Chunk fields the client asked for that make a chunk worth sending though its choices show nothing.
-_CLIENT_FIELDS = ("usage", "prompt_logprobs", "prompt_token_ids", "kv_transfer")
+_CLIENT_FIELDS = ("usage", "prompt_logprobs", "prompt_token_ids", "prompt_text", "kv_transfer")
+# vLLM's prompt fields of a chat chunk (top level, on each choice's role chunk) and of a completions
+# choice (``prompt_token_ids``, on its first chunk): each choice's are relayed once, from the replica
+# that started it (a resumed replica shows the same prompt again).
+_PROMPT_FIELDS = ("prompt_token_ids", "prompt_text")
 
 
 def replica_failure(error: Any) -> bool:
@@ -126,6 +131,7 @@ class StreamTracker:
         # the relay resumes the stream elsewhere, or sends it (``failure_end``) when it cannot.
         self.replica_error: bytes | None = None
         self.roles_sent: set[Any] = set()  # indexes of choices whose role chunk was sent
+        self.prompts_sent: set[Any] = set()  # indexes of choices whose prompt fields were sent
         self.failovers = 0
         self.stream_id: str | None = None
         self.created: int | None = None
@@ -151,6 +157,9 @@ class StreamTracker:
         data = event_data(event)
         if data is None:
             return event
+        if not self.keep_ids and _PROMPT_IDS in data:
+            data = _without_prompt_ids(data)
+            event = b"data: " + data
         if data == DONE:
             if self.replica_error is not None:
                 return None  # the end of a stream its replica could not finish: not the client's end
@@ -173,9 +182,7 @@ class StreamTracker:
         elif self.failovers and "id" in obj:
             obj["id"], obj["created"] = self.stream_id, self.created
             changed = True
-        if "prompt_token_ids" in obj and not self.keep_ids:
-            del obj["prompt_token_ids"]
-            changed = True
+        changed, prompted = self._prompt_fields(obj, changed)
         if "kv_transfer" in obj and not self.keep_kv_transfer:
             del obj["kv_transfer"]
             changed = True
@@ -189,6 +196,7 @@ class StreamTracker:
                 # A chunk that only carried the ids or logprobs the router asked for (a token that
                 # completes no character yet): the replica would not have sent it to the client.
                 return None
+            self.prompts_sent.update(prompted)
             if self.chat:
                 self.roles_sent.update(
                     c.get("index")
@@ -209,6 +217,29 @@ class StreamTracker:
         if not changed:
             return event
         return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+    def _prompt_fields(self, obj: dict, changed: bool) -> tuple[bool, list[Any]]:
+        """Removes the prompt fields the client does not get: ``prompt_token_ids`` it did not ask for
+        (the router asks for ``return_token_ids`` itself) and those of choices already sent them.
+        Returns whether ``obj`` changed, and the choices whose prompt fields it carries on."""
+        choices = obj.get("choices")
+        indexes = (
+            [c.get("index") for c in choices if isinstance(c, dict)] if isinstance(choices, list) else []
+        )
+        fresh = [i for i in indexes if i not in self.prompts_sent]
+        for key in _PROMPT_FIELDS:  # a chat chunk's, for its choices
+            if key in obj and (not fresh or (key == "prompt_token_ids" and not self.keep_ids)):
+                del obj[key]
+                changed = True
+        prompted = fresh if any(key in obj for key in _PROMPT_FIELDS) else []
+        for choice in choices if isinstance(choices, list) else ():  # a completions choice's
+            if isinstance(choice, dict) and "prompt_token_ids" in choice:
+                if self.keep_ids and choice.get("index") not in self.prompts_sent:
+                    prompted.append(choice.get("index"))
+                else:
+                    del choice["prompt_token_ids"]
+                    changed = True
+        return changed, prompted
 
     def _choice(self, choice: Any) -> bool:
         if not isinstance(choice, dict):
@@ -303,6 +334,27 @@ class GenerateTracker(StreamTracker):
 
     def _has_content(self, choice: dict) -> bool:
         return bool(choice.get("token_ids"))
+
+
+# A prompt's ids as a replica writes them (compact JSON): a list of integers, so its end is the next
+# "]". The key with both its quotes cannot occur inside a JSON string (whose quotes are escaped).
+_PROMPT_IDS = b'"prompt_token_ids":['
+
+
+def _without_prompt_ids(data: bytes) -> bytes:
+    """``data`` without its ``prompt_token_ids`` fields, cut from the bytes: a long prompt's ids (the
+    router asked for them, not the client) are not parsed and written again, which costs tens of
+    milliseconds of the event loop for a 100k-token prompt."""
+    while (start := data.find(_PROMPT_IDS)) >= 0:
+        end = data.find(b"]", start) + 1
+        if end == 0:
+            return data  # not JSON: left to the parser
+        if data[start - 1 : start] == b",":
+            start -= 1  # a field after others: its comma goes with it
+        elif data[end : end + 1] == b",":
+            end += 1  # the object's first field: the comma after it
+        data = data[:start] + data[end:]
+    return data
 
 
 def client_resume(body: dict) -> list[int] | None:

@@ -25,7 +25,7 @@ from server.params import (
     resolve_max_tokens,
     sampling_params,
 )
-from server.prompts import chat_prompt
+from server.prompts import rendered_chat_prompt
 from server.reasoning_parsers import thinking_budget
 from server.roles import producer_budget, transfer_for_role
 from server.sequence_request import SequenceRequest, block_extra
@@ -38,10 +38,12 @@ def plan_chat(
     state: ServerState, req: ChatCompletionRequest, tools: ToolPlan | None, lora: Any, images: list[Any]
 ) -> list[SequenceRequest]:
     limits = state.limits
-    prompt_ids = chat_prompt(
+    rendered = rendered_chat_prompt(
         req, state.tokenizer, state.config.trust_request_chat_template, state.config.chat, limits
     )
-    prompt_ids = with_image_runs(state, prompt_ids, len(images))
+    # An image's placeholder expands to its run of image tokens here: the ids are the engine's prompt
+    # (what ``prompt_token_ids`` shows), the text keeps the template's one placeholder per image.
+    prompt_ids = with_image_runs(state, rendered.token_ids, len(images))
     resumed = resumed_choices(req, 1, limits)
     resume = longest_resumed(resumed)
     extra = block_extra(lora, req.cache_salt)
@@ -107,6 +109,7 @@ def plan_chat(
             beam=beam,
             images=images or None,
             n=req.n,
+            prompt_text=rendered.text if req.return_prompt_text else None,
         )
         for j in (range(req.n) if resumed is None else resumed)
     ]

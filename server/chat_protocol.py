@@ -161,6 +161,9 @@ class ChatCompletionRequest(SamplingFields):
     # vLLM's: false leaves the reasoning (a --reasoning-parser's) out of the answer, message and
     # deltas alike; the content is the same.
     include_reasoning: StrictBool = True
+    # vLLM's: the answer carries ``prompt_text``, the prompt the chat template rendered (RL
+    # frameworks keep it beside ``prompt_token_ids``, which ``return_token_ids`` adds)
+    return_prompt_text: StrictBool | None = None
     # OpenAI's deprecated forms of tools / tool_choice, and its audio output: each would change the
     # answer, so a request that sends them is refused rather than answered without them.
     functions: list[Any] | None = None
@@ -252,6 +255,10 @@ class ChatCompletionResponse(_Response):
     choices: list[ChatChoice]
     usage: UsageInfo
     prompt_logprobs: PromptLogprobs | None = Field(default=None, exclude_if=_omit_none)
+    # vLLM's ``return_token_ids`` / ``return_prompt_text``: the prompt the engine ran, as ids and as
+    # the template's text; absent unless asked (``server.serving_common.shown_prompt_ids``)
+    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=_omit_none)
+    prompt_text: str | None = Field(default=None, exclude_if=_omit_none)
     kv_transfer: KVTransferResult | None = Field(default=None, exclude_if=_omit_none)
 
 
@@ -282,6 +289,9 @@ class ChatCompletionChunk(_Response):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = Field(default=None, exclude_if=_omit_none)
+    # As the whole answer's, on each choice's role chunk only (vLLM's)
+    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=_omit_none)
+    prompt_text: str | None = Field(default=None, exclude_if=_omit_none)
     kv_transfer: KVTransferResult | None = Field(default=None, exclude_if=_omit_none)
     # Not sent: another chunk of the same engine output follows at once (text after a tool call in
     # one delta). The SSE writer sends them in one write, so a client (a router that resumes a

@@ -32,6 +32,7 @@ from server.serving_common import (
     delivered_text,
     kv_transfer_result,
     refused_before_start,
+    shown_prompt_ids,
     stream_errors,
 )
 from server.state import ServerState
@@ -123,6 +124,13 @@ async def stream_chunks(
             chunk(ChatStreamChoice(index=seq.choice_index, delta=DeltaMessage(role=role, content="")))
             for seq in seqs
         ]
+        # vLLM's: the prompt (ids, template text) rides on each choice's role chunk, asked for only
+        prompt_ids, prompt_text = (
+            shown_prompt_ids(req.return_token_ids, seqs[0].prompt_token_ids),
+            seqs[0].prompt_text,
+        )
+        for c in opening:
+            c.prompt_token_ids, c.prompt_text = prompt_ids, prompt_text
         echoed = echoed_text(req, role) if req.resume is None else ""  # a resumed client has it
         if echoed:
             opening += [

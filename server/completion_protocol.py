@@ -73,6 +73,9 @@ class CompletionChoice(_Response):
     stop_reason: int | str | None = None
     token_ids: list[int] | None = Field(default=None, exclude_if=_omit_none)
     prompt_logprobs: PromptLogprobs | None = Field(default=None, exclude_if=_omit_none)
+    # vLLM's ``return_token_ids``: this choice's own prompt (a batch's prompts differ); absent for a
+    # prompt given as embeddings, which has no token ids (``server.serving_common.shown_prompt_ids``)
+    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=_omit_none)
 
 
 class CompletionResponse(_Response):
@@ -92,6 +95,7 @@ class CompletionStreamChoice(_Response):
     finish_reason: str | None = None
     stop_reason: int | str | None = Field(default=None, exclude_if=_omit_none)
     token_ids: list[int] | None = Field(default=None, exclude_if=_omit_none)
+    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=_omit_none)  # its first chunk only
 
 
 class CompletionChunk(_Response):

@@ -108,6 +108,15 @@ def completion_prompts(
     return prompts
 
 
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A rendered chat prompt: the template's text and the token ids the engine runs (truncated by
+    ``truncate_prompt_tokens`` where asked; the text is then still the template's whole text)."""
+
+    text: str
+    token_ids: list[int]
+
+
 def chat_prompt(
     req: ChatCompletionRequest | TokenizeRequest,
     tokenizer: Tokenizer,
@@ -115,6 +124,17 @@ def chat_prompt(
     defaults: ChatDefaults = ChatDefaults(),
     limits: ModelLimits | None = None,
 ) -> list[int]:
+    """The token ids of ``rendered_chat_prompt``."""
+    return rendered_chat_prompt(req, tokenizer, trust_request_template, defaults, limits).token_ids
+
+
+def rendered_chat_prompt(
+    req: ChatCompletionRequest | TokenizeRequest,
+    tokenizer: Tokenizer,
+    trust_request_template: bool = False,
+    defaults: ChatDefaults = ChatDefaults(),
+    limits: ModelLimits | None = None,
+) -> ChatPrompt:
     """Render the messages with the model's chat template (or the request's own, when the server
     trusts requests with one: ``--trust-request-chat-template``) and encode them; ``defaults``: the
     server's template variables under the request's own, and whether tool_choice "none" hides the
@@ -175,7 +195,7 @@ def chat_prompt(
         ids = truncated(ids, keep, req)
     if not ids:
         raise bad_request("the rendered chat prompt is empty", param="messages")
-    return ids
+    return ChatPrompt(text, ids)
 
 
 def scores_prompt(req: CompletionRequest) -> bool:

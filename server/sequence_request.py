@@ -36,6 +36,9 @@ class SequenceRequest:
     # engine is given as the prompt instead of the ids.
     prompt_embeds: Any = None
     n: int = 1  # the choices its request asked for per prompt (its trace span's gen_ai.request.n)
+    # The text the chat template rendered, kept only for a request that asked for it (vLLM's
+    # ``return_prompt_text``): the answer shows it; the engine never reads it.
+    prompt_text: str | None = None
 
     @property
     def block_extra(self) -> bytes:

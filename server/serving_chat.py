@@ -36,6 +36,7 @@ from server.serving_common import (
     is_producer,
     plan_off_loop,
     prompt_chars,
+    shown_prompt_ids,
 )
 from server.state import ServerState
 from server.streaming import SSEResponse
@@ -146,6 +147,8 @@ async def create_chat_completion(
             )
             if req.prompt_logprobs is not None
             else None,
+            prompt_token_ids=shown_prompt_ids(req.return_token_ids, seqs[0].prompt_token_ids),
+            prompt_text=seqs[0].prompt_text,
         )
 
     def deliver(result: ChatCompletionResponse) -> None:

@@ -211,3 +211,14 @@ async def stream_errors() -> AsyncIterator[StreamFailure]:
         logger.exception("error while streaming a response")
         failure.error = APIError(500, "Internal server error while streaming.", code="internal_error")
         failure.frame = sse_error_frame(failure.error)
+
+
+def shown_prompt_ids(asked: bool, token_ids: list[int], embeds: Any = None) -> list[int] | None:
+    """vLLM's ``prompt_token_ids`` of an answer that asked (``return_token_ids``): the prompt the
+    engine ran (``token_ids``; ``embeds``: its embeddings, if it was given so), as planned. A resumed
+    request's resumed tokens are not part of it, so a failover's or a hand-off's replica shows the
+    client's prompt; an image's placeholder is its run of image tokens. None (so absent) when not
+    asked or for a prompt given as embeddings: its placeholder ids are no token ids a client could use."""
+    if not asked or embeds is not None:
+        return None
+    return list(token_ids)

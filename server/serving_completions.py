@@ -51,6 +51,7 @@ from server.serving_common import (
     plan_off_loop,
     prompt_chars,
     refused_before_start,
+    shown_prompt_ids,
     stream_errors,
 )
 from server.state import ServerState
@@ -262,6 +263,9 @@ async def create_completion(
                     )
                     if req.prompt_logprobs is not None
                     else None,
+                    prompt_token_ids=shown_prompt_ids(
+                        req.return_token_ids, c.prompt.token_ids, c.prompt.embeds
+                    ),
                 )
                 for i, c in enumerate(choices)
             ],
@@ -298,6 +302,11 @@ async def _stream(
     tail = b""
     produced = False
     continuous_usage = req.continuous_usage  # a property: read once, not per token
+    # vLLM's: each choice's prompt ids ride on its first chunk (``return_token_ids``)
+    prompt_ids = {
+        seq.choice_index: shown_prompt_ids(req.return_token_ids, seq.prompt_token_ids, seq.prompt_embeds)
+        for seq in seqs
+    }
     async with stream_errors() as failed:
         async for seq, out in state.generation.merged(request_id, seqs, arrival, ticket):
             produced = True
@@ -331,6 +340,7 @@ async def _stream(
                         finish_reason=choice.finish_reason if out.finished else None,
                         stop_reason=choice.stop_reason if out.finished else None,
                         token_ids=ids,
+                        prompt_token_ids=prompt_ids.pop(seq.choice_index, None),
                     )
                 ],
             )

@@ -235,13 +235,19 @@ def _events(url: str, path: str, body: dict) -> list[dict | str]:
 
 
 def _assembled(events: list[dict | str]) -> dict:
-    """What a client builds from a stream (text, ids, ends, usage) and its framing: one role chunk,
-    at most one usage chunk, ``[DONE]`` last. Chunk boundaries are the replica's batching, not part
-    of the answer, so they are not compared."""
+    """What a client builds from a stream (text, ids, ends, usage, the prompt fields) and its framing:
+    one role chunk, at most one usage chunk, the prompt fields on the first chunk only, ``[DONE]``
+    last. Chunk boundaries are the replica's batching, not part of the answer, so they are not compared."""
     out: dict = {"text": "", "reasoning": "", "token_ids": [], "finish": [], "roles": [], "usage": []}
+    out["prompt"] = []
     assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
     for e in events[:-1]:
         assert isinstance(e, dict) and "error" not in e
+        choice_ids = [c["prompt_token_ids"] for c in e["choices"] if "prompt_token_ids" in c]
+        fields = {k: e[k] for k in ("prompt_token_ids", "prompt_text") if k in e} or choice_ids
+        if fields:
+            assert e is events[0]
+            out["prompt"].append(fields)
         if e.get("usage") and not e["choices"]:
             out["usage"].append(e["usage"])
         for c in e["choices"]:
@@ -280,6 +286,13 @@ PARITY_CASES = [
     ("seeded_sampling", {"temperature": 1.0, "top_p": 0.9, "top_k": 20, "seed": 11}),
     ("penalties", {"frequency_penalty": 1.5, "presence_penalty": 0.5, "repetition_penalty": 1.3}),
     ("token_ids", {"return_token_ids": True}),
+    # vLLM's prompt fields (return_prompt_text is chat's; a completions replica ignores it), once: the
+    # prefill worker's, whether the decode worker goes on or the prefill's token ended the answer.
+    ("prompt_fields", {"return_token_ids": True, "return_prompt_text": True}),
+    (
+        "eos_first_prompt_fields",
+        {"logit_bias": {"2": 100}, "return_token_ids": True, "return_prompt_text": True},
+    ),
     ("eos_first", {"logit_bias": {"2": 100}}),  # the prefill worker's token ends the answer
     ("eos_after_min_tokens", {"logit_bias": {"2": 100}, "min_tokens": 3}),
     ("stop_at_the_boundary", {"stop": "boundary"}),
@@ -309,6 +322,15 @@ def test_an_answer_is_what_one_replica_answers(pd: Workers, path: str, case: tup
     assert _disaggregated(pd.router) == before + 2 * handed_off
     assert got_s["usage"] == [got["usage"]]  # one usage chunk, the whole answer's
     assert got_s["roles"] == (["assistant"] if path == CHAT else [])
+    tokenized = httpx.post(pd.decode.url + "/tokenize", json=base, timeout=60).json()["tokens"]
+    if extra.get("return_token_ids"):  # the prompt's ids (and chat's text, if asked) once, on the first chunk
+        shown = got["prompt_token_ids"] if path == CHAT else got["choices"][0]["prompt_token_ids"]
+        assert shown == tokenized
+        assert ("prompt_text" in got) == (path == CHAT and "return_prompt_text" in extra)
+        fields = {k: got[k] for k in ("prompt_token_ids", "prompt_text") if k in got}
+        assert got_s["prompt"] == [fields if path == CHAT else [shown]]
+    else:  # the router asks the decode worker for token ids itself: the prompt's never reach the client
+        assert got_s["prompt"] == [] and "prompt_token_ids" not in json.dumps(got)
     if name.startswith("stop"):
         assert want["choices"][0]["finish_reason"] == "stop"
 

@@ -44,6 +44,31 @@ STORY_TOOL = {
 }
 
 
+# What the streams of test_kill9_mid_stream_fails_over_exactly ask for besides their text.
+PROMPT_FIELDS = {
+    "chat": {"return_token_ids": True, "return_prompt_text": True},
+    "completions": {"return_token_ids": True},
+}
+
+
+def _prompt_fields(url: str, kind: str) -> dict:
+    """The prompt fields a replica shows for the test's prompt: its /tokenize ids, and for chat the
+    text of a whole answer's ``prompt_text`` (whose ids are the same)."""
+    if kind == "completions":
+        return {
+            "prompt_token_ids": httpx.post(url + "/tokenize", json={"prompt": "Once upon a time"}).json()[
+                "tokens"
+            ]
+        }
+    messages = [{"role": "user", "content": "Write a long story."}]
+    ids = httpx.post(url + "/tokenize", json={"messages": messages}).json()["tokens"]
+    whole = httpx.post(
+        url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 1, **PROMPT_FIELDS["chat"]}
+    ).json()
+    assert whole["prompt_token_ids"] == ids
+    return {"prompt_token_ids": ids, "prompt_text": whole["prompt_text"]}
+
+
 def _reference(url: str, kind: str, max_tokens: int, sampling: dict) -> tuple[str, str]:
     c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
     if kind == "tool":
@@ -98,7 +123,7 @@ def test_kill9_mid_stream_fails_over_exactly(
         "max_tokens": max_tokens,
         "stream": True,
         "stream_options": {"include_usage": True},
-        "extra_body": {"ignore_eos": True},
+        "extra_body": {"ignore_eos": True, **PROMPT_FIELDS.get(kind, {})},
         **sampling,
     }
     with victim.throttle() as throttle:
@@ -119,9 +144,16 @@ def test_kill9_mid_stream_fails_over_exactly(
         else:
             stream = c.completions.create(model=MODEL, prompt="Once upon a time", **opts)
         pieces, finishes, usage, ids, roles, headers = [], [], None, set(), 0, []
+        prompts = []  # (chunk number, the prompt fields it carried)
         killer: threading.Timer | None = None
-        for chunk in stream:
+        for number, chunk in enumerate(stream):
             ids.add(chunk.id)
+            fields = {k: v for k, v in chunk.model_extra.items() if k in ("prompt_token_ids", "prompt_text")}
+            fields.update(
+                (k, v) for ch in chunk.choices for k, v in ch.model_extra.items() if k == "prompt_token_ids"
+            )
+            if fields:
+                prompts.append((number, fields))
             if chunk.usage is not None:
                 usage = chunk.usage
             for ch in chunk.choices:
@@ -160,6 +192,10 @@ def test_kill9_mid_stream_fails_over_exactly(
     assert roles in (0, 1) and (kind == "completions" or roles == 1)
     if kind == "tool":
         assert len(headers) == 1 and headers[0][0].startswith("call_") and headers[0][1] == "tell"
+    # vLLM's prompt fields, asked for: once, on the first chunk, the original prompt's (the resumed
+    # replica's prompt goes on with the tokens sent; its own opening fields are not relayed). Not
+    # asked (the tool call): never, though the router asks every replica for token ids.
+    assert prompts == ([(0, _prompt_fields(survivor.url, kind))] if kind in PROMPT_FIELDS else [])
 
 
 def test_kill9_mid_messages_stream_fails_over_exactly(cluster: Cluster, trio: list[Proc]) -> None:

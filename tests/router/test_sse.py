@@ -177,3 +177,73 @@ def test_a_chunk_with_only_the_routers_ids_is_dropped() -> None:
     assert t.process(with_usage) is not None
     t = StreamTracker(chat=True, client_wants_token_ids=True)
     assert json.loads(t.process(partial())[6:])["choices"][0]["token_ids"] == [9]
+
+
+def test_prompt_fields_reach_a_client_that_asked_once_per_choice() -> None:
+    """vLLM's prompt fields: a chat chunk's top-level ``prompt_token_ids`` / ``prompt_text`` and a
+    completions choice's ``prompt_token_ids``, the router's own asking stripped, each choice's sent
+    once (a resumed replica sends its prompt again, on its first chunk)."""
+
+    def completion(index: int, ids: list[int], prompt: list[int], cid: str = "c1") -> bytes:
+        choice = {
+            "index": index,
+            "text": "t",
+            "finish_reason": None,
+            "token_ids": ids,
+            "prompt_token_ids": prompt,
+        }
+        return ev({"id": cid, "created": 1, "choices": [choice]})
+
+    def choices(out: bytes | None) -> list[dict]:
+        return json.loads(out[6:])["choices"]
+
+    t = StreamTracker(chat=False, client_wants_token_ids=False, num_choices=2)
+    assert "prompt_token_ids" not in choices(t.process(completion(0, [5], [1, 2])))[0]
+    t = StreamTracker(chat=False, client_wants_token_ids=True, num_choices=2)
+    assert choices(t.process(completion(0, [5], [1, 2])))[0]["prompt_token_ids"] == [1, 2]
+    assert choices(t.process(completion(1, [6], [3, 4])))[0]["prompt_token_ids"] == [3, 4]
+    t.begin_failover()
+    assert "prompt_token_ids" not in choices(t.process(completion(1, [7], [3, 4], cid="c2")))[0]
+
+    def role(**top) -> bytes:
+        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+        return ev({"id": "c1", "created": 1, "choices": [choice], **top})
+
+    fields = {"prompt_token_ids": [1, 2], "prompt_text": "<s>hi"}
+    t = StreamTracker(chat=True, client_wants_token_ids=False)
+    assert {k for k in json.loads(t.process(role(**fields))[6:]) if k.startswith("prompt")} == {"prompt_text"}
+    t = StreamTracker(chat=True, client_wants_token_ids=True)
+    assert json.loads(t.process(role(**fields))[6:]).items() >= fields.items()
+    t.begin_failover()
+    # A resumed replica's opening chunk that is not a bare role chunk (it has continuous usage and
+    # content, say): relayed, without the prompt fields a second time.
+    again = role(**fields, usage={"prompt_tokens": 2})
+    again = again.replace(b'"content": ""', b'"content": "x"')
+    assert not {k for k in json.loads(t.process(again)[6:]) if k.startswith("prompt")}
+
+
+def test_prompt_ids_the_client_did_not_ask_for_are_cut_without_parsing() -> None:
+    """A replica's compact JSON loses its ``prompt_token_ids`` wherever the field stands (first, in
+    the middle, last, in a choice) exactly as parsing and deleting it would; other JSON is parsed."""
+    shapes = [
+        {
+            "prompt_token_ids": [1, 2],
+            "id": "c1",
+            "choices": [{"index": 0, "text": "a", "finish_reason": None}],
+        },
+        {"id": "c1", "prompt_token_ids": [1], "prompt_text": "p", "choices": [{"index": 0, "text": "a"}]},
+        {
+            "id": "c1",
+            "choices": [{"index": 0, "text": "a", "prompt_token_ids": [3, 4]}],
+            "prompt_token_ids": [],
+        },
+        {"id": "c1", "choices": [{"index": 0, "text": '"prompt_token_ids":[5]'}]},  # a text, kept
+    ]
+    for obj in shapes:
+        want = json.loads(json.dumps(obj))
+        want.pop("prompt_token_ids", None)
+        for c in want["choices"]:
+            c.pop("prompt_token_ids", None)
+        for raw in (json.dumps(obj, separators=(",", ":")), json.dumps(obj)):  # compact, and spaced
+            t = StreamTracker(chat=False, client_wants_token_ids=False)
+            assert json.loads(t.process(b"data: " + raw.encode())[6:]) == want

@@ -124,6 +124,8 @@ def test_image_urls_answer_as_the_offline_engine(
         assert got.choices[0].message.content == want.outputs[0].text, name
         assert got.usage is not None and got.usage.prompt_tokens == len(want.prompt_token_ids), name
         assert want.prompt_token_ids.count(1000) == 16 * len(images)
+        # vLLM's prompt_token_ids: the engine's prompt, each image its run of image tokens
+        assert got.model_extra["prompt_token_ids"] == list(want.prompt_token_ids), name
     tokenized = httpx.post(
         llava_server.url + "/tokenize", json={"messages": cases["two images"][0]}, timeout=30
     ).json()

@@ -73,6 +73,8 @@ def test_sdk_prompt_embeds(embeds_server: ServerProcess, table: torch.Tensor) ->
         prompt=B, n=2, extra_body={**EXTRA, "prompt_embeds": [b64(table[A][None])]}, **kw
     )
     assert tokens_by_index(both) == [want["a"], want["a"], want["b"], want["b"]]
+    # vLLM's prompt_token_ids: a token prompt's own ids; none for embeddings (placeholders are no ids)
+    assert [c.model_extra.get("prompt_token_ids") for c in both.choices] == [None, None, B, B]
     assert both.usage.prompt_tokens == len(A) + len(B)
     # streaming, two embeddings prompts and logprobs of the outputs
     stream = client.completions.create(
