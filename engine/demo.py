@@ -5,8 +5,8 @@ tokenizer is a byte-level BPE trained on the Python standard library's own sourc
 everything here is deterministic for a given Python version and seed, and offline.
 
 This module is where the builders are imported from; each lives with its kind: the tokenizer
-(``demo_tokenizer``), the causal LM and classifier checkpoints (``demo_build``), checkpoints derived
-from another (``demo_derived``: drafts, MTP layers, LoRA adapters) and LLaVA (``demo_llava``).
+(``demo_tokenizer``), the causal LM and classifier checkpoints (``demo_build``; more architectures'
+configs in ``demo_archs``), checkpoints derived from another (``demo_derived``: drafts, MTP layers, LoRA adapters) and LLaVA (``demo_llava``).
 Importing it imports no torch (``demo_model_path`` is used where torch must not load).
 """
 

@@ -9,6 +9,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from engine.demo_archs import ARCHS, arch_config
 from engine.demo_tokenizer import build_tokenizer
 
 
@@ -44,7 +45,9 @@ def build_model(
     attention), "glm4_moe" (GLM-4.5),
     "granite" (Llama with embedding, attention, residual and logit multipliers), "olmo2" or
     "gpt_oss" (attention sinks, sliding (window 8) and full layers, q/k/v/o biases, YaRN, a biased
-    router over 4 biased experts, 2 per token, with a clamped SwiGLU).
+    router over 4 biased experts, 2 per token, with a clamped SwiGLU), or one of
+    ``engine.demo_archs.ARCHS`` (Seed-OSS, OLMo 3, SmolLM3, GLM-4, ERNIE 4.5 and its MoE, Granite-MoE,
+    Gemma 1, EXAONE 4, Hunyuan dense, MiniMax-M2).
     The model's eos is ``<|im_end|>``.
     """
     import torch
@@ -237,6 +240,8 @@ def build_model(
         if rope_scaling:
             cfg.rope_parameters = {"rope_theta": 10000.0, **rope_scaling}
         cls = getattr(transformers, f"Deepseek{version}ForCausalLM")
+    elif arch in ARCHS:
+        cfg, cls = arch_config(arch, common, hidden_size // num_attention_heads)
     else:
         raise ValueError(f"unknown tiny architecture {arch!r}")
     if num_labels is not None:
@@ -248,11 +253,13 @@ def build_model(
         cls = getattr(transformers, cls.__name__.replace("ForCausalLM", "ForSequenceClassification"))
     torch.manual_seed(seed)
     model = cls(cfg)
-    # Larger-than-default init so random models produce varied, non-degenerate tokens.
+    # Larger-than-default init so random models produce varied, non-degenerate tokens. Gemma 1 scales
+    # embeddings by sqrt(hidden) and has no norm after attention: at 0.5 they would drown it out.
+    embed_std = 0.06 if arch == "gemma" else 0.5
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:
-                p.normal_(0.0, 0.08 if "embed" not in name else 0.5)
+                p.normal_(0.0, 0.08 if "embed" not in name else embed_std)
             elif "norm" in name and arch.startswith("gemma"):  # offsets from 1, zero at init
                 p.normal_(0.0, 0.1)
             elif "bias" in name:

@@ -80,6 +80,19 @@ TINY_MODELS: dict[str, tuple[str, int, dict]] = {
     "tiny_olmo2": ("olmo2", 19, {}),  # norms after each block, q/k norm over whole projections
     # gpt-oss: attention sinks, sliding (window 8) and full layers, biased router and experts, YaRN.
     "tiny_gpt_oss": ("gpt_oss", 23, {}),
+    "tiny_seed_oss": ("seed_oss", 30, {}),  # Llama + q/k/v bias
+    "tiny_olmo3": ("olmo3", 26, {}),  # OLMo 2 + a sliding (window 8) layer; rope scaled on the full one
+    "tiny_smollm3": ("smollm3", 27, {}),  # layer 1 without rotary (NoPE)
+    "tiny_glm4": ("glm4", 28, {}),  # sandwich norms, fused gate_up, half-rotary in interleaved pairs
+    "tiny_ernie4_5": ("ernie4_5", 29, {}),  # rope over interleaved pairs (all dims)
+    # ERNIE 4.5 MoE: 8 experts, 2 per token, chosen by softmax + correction bias; 1 shared; layer 0 dense.
+    "tiny_ernie4_5_moe": ("ernie4_5_moe", 31, {}),
+    "tiny_granitemoe": ("granitemoe", 32, {}),  # Granite's multipliers + 4 experts, 2 per token
+    "tiny_exaone4": ("exaone4", 34, {}),  # a sliding layer with rotary, a full one without
+    "tiny_hunyuan_dense": ("hunyuan_dense", 35, {}),  # q/k norm after rotary; NTK-alpha rope
+    # MiniMax-M2: q/k norm over all heads, rotary_dim half the head, 4 experts by sigmoid + bias.
+    "tiny_minimax_m2": ("minimax_m2", 36, {}),
+    "tiny_gemma": ("gemma", 33, {}),  # Gemma 1 (untied: tied, this tiny model barely reads attention)
     # Sequence classifiers (the decoder + a score head): three named labels; two on Gemma 2.
     "tiny_llama_cls": (
         "llama",

@@ -7,7 +7,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.models.config_arch import _GEMMA2_DEFAULTS, _GPT_OSS_DEFAULTS, _gemma3_text_config, _llava_config
+from engine.models.config_arch import (
+    _GEMMA2_DEFAULTS,
+    _GPT_OSS_DEFAULTS,
+    ARCH_DEFAULTS,
+    _gemma3_text_config,
+    _llava_config,
+)
 from engine.models.config_parts import (
     GemmaConfig,
     MLAConfig,
@@ -15,6 +21,7 @@ from engine.models.config_parts import (
     VisionConfig,
     _fp8_block,
     _gemma,
+    _layer_ropes,
     _mla,
     _moe,
     _rope,
@@ -59,6 +66,12 @@ class ModelConfig:
     mla: MLAConfig | None = None
     moe: MoEConfig | None = None
     partial_rotary_factor: float = 1.0  # the share of each head's dims that rotate (Phi-4-mini: 0.75)
+    # GLM-4 and ERNIE 4.5 rotate pairs (x0, x1), (x2, x3)… of the rotary dims, not the two halves.
+    rope_interleave: bool = False
+    # Per layer: its rope's (theta, scaling), None for a layer without rotary (SmolLM3's NoPE layers,
+    # EXAONE 4's full ones). Empty: every layer has rope_theta / rope_scaling. (OLMo 3's differ by
+    # layer type.)
+    layer_rope: tuple[tuple[float, dict[str, Any] | None] | None, ...] = ()
     gemma: GemmaConfig | None = None
     # Block-quantized fp8 weights (DeepSeek-V3/R1, Qwen3-FP8): each weight's scale covers a block of
     # this shape; the loader dequantizes them to the model dtype. None: unquantized.
@@ -128,6 +141,8 @@ class ModelConfig:
             raw = {**_GEMMA2_DEFAULTS, **raw}
         elif archs[0] == "GptOssForCausalLM":
             raw = {**_GPT_OSS_DEFAULTS, **raw}
+        elif archs[0] in ARCH_DEFAULTS:
+            raw = {**ARCH_DEFAULTS[archs[0]], **raw}
         model_type = raw.get("model_type", "")
         heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
@@ -139,12 +154,13 @@ class ModelConfig:
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
         dtype = str(raw.get("dtype") or raw.get("torch_dtype") or "float32").replace("torch.", "")
-        if raw.get("mlp_bias"):
-            raise ValueError("MLP biases (mlp_bias=true) are not supported")
+        if raw.get("mlp_bias") or raw.get("use_bias"):  # use_bias: ERNIE 4.5's, on every projection
+            raise ValueError("MLP biases (mlp_bias / use_bias = true) are not supported")
         quant = raw.get("quantization_config")
         weight_quant = from_config(quant) if isinstance(quant, dict) else None
         fp8_block = None if weight_quant else _fp8_block(quant)
         num_layers = int(raw["num_hidden_layers"])
+        head_dim = int(raw.get("head_dim") or hidden // heads)
         window, layer_windows = _sliding_windows(raw, model_type, num_layers)
         return cls(
             architecture=archs[0],
@@ -155,7 +171,7 @@ class ModelConfig:
             num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or hidden // heads),
+            head_dim=head_dim,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_scaling=scaling,
@@ -179,9 +195,9 @@ class ModelConfig:
             else None,
             residual_multiplier=float(raw.get("residual_multiplier") or 1.0),
             logits_scaling=float(raw.get("logits_scaling") or 1.0),
-            partial_rotary_factor=float(
-                raw.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
-            ),
+            partial_rotary_factor=_partial_rotary(raw, rope, head_dim),
+            rope_interleave=model_type in ("glm4", "ernie4_5", "ernie4_5_moe"),
+            layer_rope=_layer_ropes(raw, num_layers, (theta, scaling)),
             swiglu=(float(raw["swiglu_alpha"]), float(raw["swiglu_limit"]))
             if model_type == "gpt_oss"
             else None,
@@ -189,6 +205,15 @@ class ModelConfig:
             is_matryoshka=raw.get("is_matryoshka") is True or bool(raw.get("matryoshka_dimensions")),
             matryoshka_dimensions=matryoshka_dimensions(raw.get("matryoshka_dimensions")),
         )
+
+
+def _partial_rotary(raw: dict[str, Any], rope: dict[str, Any], head_dim: int) -> float:
+    """The share of each head's dims that rotate: ``partial_rotary_factor`` (transformers 5 keeps it in
+    ``rope_parameters``), or MiniMax-M2's ``rotary_dim``, or GLM-4's class default of a half."""
+    factor = raw.get("partial_rotary_factor") or rope.get("partial_rotary_factor")
+    if not factor and raw.get("rotary_dim"):
+        factor = int(raw["rotary_dim"]) / head_dim
+    return float(factor or (0.5 if raw.get("model_type") == "glm4" else 1.0))
 
 
 def matryoshka_dimensions(value: Any) -> tuple[int, ...] | None:

@@ -118,3 +118,76 @@ _GPT_OSS_DEFAULTS: dict[str, Any] = {
         "original_max_position_embeddings": 4096,
     },
 }
+
+
+def _rope_default(theta: float) -> dict[str, Any]:
+    # Under the transformers 5 name, so a config's own rope_theta / rope_scaling (or rope_parameters) wins.
+    return {"rope_parameters": {"rope_type": "default", "rope_theta": theta}}
+
+
+# Class defaults of configs read through the Llama / OLMo models, where they differ from what ferry
+# assumes, for config.json files that leave them out (transformers fills them from its config class).
+ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "SeedOssForCausalLM": {"attention_bias": True, "head_dim": 128, "max_position_embeddings": 524288},
+    # OLMo 3: every fourth layer full attention, the others sliding.
+    "Olmo3ForCausalLM": {
+        "sliding_window": 4096,
+        "sliding_window_pattern": 4,
+        "rms_norm_eps": 1e-5,
+        **_rope_default(500000.0),
+    },
+    "SmolLM3ForCausalLM": {
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 32768,
+        **_rope_default(2_000_000.0),
+    },
+    "Glm4ForCausalLM": {
+        "attention_bias": True,
+        "head_dim": 128,
+        "rms_norm_eps": 0.00000015625,
+        "max_position_embeddings": 131072,
+    },
+    "Ernie4_5ForCausalLM": {
+        "head_dim": 128,
+        "tie_word_embeddings": True,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 131072,
+        **_rope_default(500000.0),
+    },
+}
+ARCH_DEFAULTS["GemmaForCausalLM"] = {
+    "head_dim": 256,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 8192,
+}
+# EXAONE 4: every fourth layer full attention (without rotary), the others sliding.
+ARCH_DEFAULTS["Exaone4ForCausalLM"] = {
+    "sliding_window": 4096,
+    "sliding_window_pattern": 4,
+    "rms_norm_eps": 1e-5,
+}
+ARCH_DEFAULTS["HunYuanDenseV1ForCausalLM"] = {"rms_norm_eps": 1e-5}
+ARCH_DEFAULTS["MiniMaxM2ForCausalLM"] = {
+    "head_dim": 128,
+    "max_position_embeddings": 196608,
+    "num_local_experts": 256,
+    "num_experts_per_tok": 8,
+    **_rope_default(5_000_000.0),
+}
+# GraniteConfig scores attention by attention_multiplier, 1.0 when left out (not head_dim ** -0.5).
+ARCH_DEFAULTS["GraniteForCausalLM"] = {"attention_multiplier": 1.0}
+ARCH_DEFAULTS["GraniteMoeForCausalLM"] = {
+    "attention_multiplier": 1.0,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+}
+ARCH_DEFAULTS["Ernie4_5_MoeForCausalLM"] = {  # as the dense model's, but head_dim hidden / heads
+    **{k: v for k, v in ARCH_DEFAULTS["Ernie4_5ForCausalLM"].items() if k != "head_dim"},
+    "moe_intermediate_size": 1536,
+    "moe_k": 6,
+    "moe_num_experts": 64,
+    "moe_num_shared_experts": 2,
+    "moe_layer_start_index": 1,
+    "moe_layer_end_index": -1,
+    "moe_layer_interval": 1,
+}

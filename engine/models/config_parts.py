@@ -43,7 +43,7 @@ class MoEConfig:
     norm_topk_prob: bool
     # V3: sigmoid scores, chosen with a correction bias among the best groups (by their top-2 sum).
     # V2: softmax scores, top-k overall ("greedy") or within the best groups by their maximum
-    # ("group_limited_greedy").
+    # ("group_limited_greedy"). ERNIE 4.5: softmax scores chosen with a correction bias ("noaux_tc").
     scoring: str = "sigmoid"  # sigmoid | softmax
     topk_method: str = "noaux_tc"  # noaux_tc | greedy | group_limited_greedy
     # Qwen3-MoE: every sparse_step-th layer is MoE, except the mlp_only_layers.
@@ -58,9 +58,9 @@ class MoEConfig:
 
 @dataclass(frozen=True)
 class GemmaConfig:
-    """Gemma 2/3: queries scaled by ``query_pre_attn_scalar ** -0.5``, a rope table per layer
-    (Gemma 3: local layers a small base, global ones a large one, maybe scaled), optional
-    soft-capped logits and (Gemma 2) soft-capped attention scores."""
+    """Gemma 1/2/3: queries scaled by ``query_pre_attn_scalar ** -0.5`` (Gemma 1: ``head_dim ** -0.5``),
+    a rope table per layer (Gemma 3: local layers a small base, global ones a large one, maybe scaled),
+    optional soft-capped logits and (Gemma 2) soft-capped attention scores."""
 
     query_pre_attn_scalar: float
     final_logit_softcapping: float | None
@@ -132,16 +132,51 @@ def _layer_types(raw: dict[str, Any], num_layers: int) -> list[str] | None:
     return types
 
 
+Rope = tuple[float, dict[str, Any] | None]  # (theta, scaling)
+
+
+def _layer_ropes(raw: dict[str, Any], num_layers: int, rope: Rope) -> tuple[Rope | None, ...]:
+    """Each layer's rope where it differs between layers (empty: every layer has ``rope``). OLMo 3:
+    transformers 5 gives each layer type its own; older configs scale only the full-attention layers.
+    SmolLM3: ``no_rope_layers[i] == 0`` marks a layer without rotary (NoPE); EXAONE 4 with a sliding
+    window: its full-attention layers have none."""
+    model_type = raw.get("model_type")
+    if model_type == "olmo3":
+        types = _layer_types(raw, num_layers) or ["full_attention"] * num_layers
+        params = raw.get("rope_parameters") or {}
+        if "full_attention" in params:
+            ropes = {kind: _rope(p.get("rope_theta"), p) for kind, p in params.items() if p}
+        else:
+            ropes = {"full_attention": rope, "sliding_attention": (rope[0], None)}
+        return tuple(ropes[t] for t in types)
+    if model_type == "exaone4" and raw.get("sliding_window"):  # hybrid: the full layers have no rotary
+        types = _layer_types(raw, num_layers) or ["full_attention"] * num_layers
+        return tuple(rope if t == "sliding_attention" else None for t in types)
+    if model_type == "smollm3":
+        interval = int(raw.get("no_rope_layer_interval") or 4)
+        flags = raw.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(num_layers)]
+        if len(flags) != num_layers:
+            raise ValueError(f"no_rope_layers has {len(flags)} entries for {num_layers} layers")
+        return tuple(rope if flag else None for flag in flags)
+    return ()
+
+
 def _gemma(raw: dict[str, Any], num_layers: int) -> GemmaConfig | None:
-    if raw.get("model_type") not in ("gemma2", "gemma3_text"):
+    if raw.get("model_type") not in ("gemma", "gemma2", "gemma3_text"):
         return None
+    if raw.get("model_type") == "gemma" and raw.get("hidden_act", "gelu") not in (
+        "gelu",
+        "gelu_pytorch_tanh",
+    ):
+        # GemmaConfig reads the releases' "gelu" as the tanh approximation, which ferry computes.
+        raise ValueError(f"Gemma with hidden_act {raw['hidden_act']!r} is not supported")
     if raw.get("use_bidirectional_attention"):
         raise ValueError(
             "bidirectional attention (use_bidirectional_attention, embedding models) is not supported"
         )
     types = _layer_types(raw, num_layers) or ["full_attention"] * num_layers
     params = raw.get("rope_parameters") or {}
-    if raw.get("model_type") == "gemma2":  # one rope for every layer
+    if raw.get("model_type") in ("gemma", "gemma2"):  # one rope for every layer
         rope = _rope(raw.get("rope_theta") or params.get("rope_theta"), raw.get("rope_scaling") or params)
         ropes = {"full_attention": rope, "sliding_attention": rope}
     elif "full_attention" in params:  # transformers 5: one entry per layer type
@@ -180,8 +215,9 @@ def _mla(raw: dict[str, Any]) -> MLAConfig | None:
 
 def _moe(raw: dict[str, Any]) -> MoEConfig | None:
     arch = (raw.get("architectures") or [""])[0]
-    # gpt-oss softmaxes its top k logits: the same as all of them softmaxed, the top k renormalised.
-    if arch in ("MixtralForCausalLM", "GptOssForCausalLM"):
+    # gpt-oss and Granite-MoE softmax their top k logits: the same as all of them softmaxed, the top k
+    # renormalised.
+    if arch in ("MixtralForCausalLM", "GptOssForCausalLM", "GraniteMoeForCausalLM"):
         return MoEConfig(
             num_experts=int(raw["num_local_experts"]),
             experts_per_token=int(raw["num_experts_per_tok"]),
@@ -210,6 +246,38 @@ def _moe(raw: dict[str, Any]) -> MoEConfig | None:
             topk_method="greedy",
             sparse_step=int(raw.get("decoder_sparse_step") or 1),
             mlp_only_layers=tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
+        )
+    if arch == "MiniMaxM2ForCausalLM":  # every layer: sigmoid scores chosen with a correction bias
+        return MoEConfig(
+            num_experts=int(raw["num_local_experts"]),
+            experts_per_token=int(raw["num_experts_per_tok"]),
+            num_shared_experts=0,
+            intermediate_size=int(raw["intermediate_size"]),
+            first_dense_layers=0,
+            num_groups=1,
+            topk_groups=1,
+            routed_scaling_factor=1.0,
+            norm_topk_prob=True,
+        )
+    if arch == "Ernie4_5_MoeForCausalLM":
+        # Layers start..end (end -1: the last) whose (i + 1) is a multiple of the interval are MoE.
+        layers = int(raw["num_hidden_layers"])
+        end = int(raw.get("moe_layer_end_index", -1))
+        end = layers - 1 if end == -1 else end
+        return MoEConfig(
+            num_experts=int(raw.get("moe_num_experts") or raw["num_experts"]),
+            experts_per_token=int(raw.get("moe_k") or raw["num_experts_per_tok"]),
+            num_shared_experts=int(raw.get("moe_num_shared_experts") or 0),
+            intermediate_size=int(raw["moe_intermediate_size"]),
+            first_dense_layers=int(raw.get("moe_layer_start_index", 1)),
+            num_groups=1,
+            topk_groups=1,
+            routed_scaling_factor=1.0,
+            norm_topk_prob=True,
+            scoring="softmax",
+            topk_method="noaux_tc",
+            sparse_step=int(raw.get("moe_layer_interval") or 1),
+            mlp_only_layers=tuple(range(end + 1, layers)),
         )
     experts = raw.get("n_routed_experts")
     if not experts:
@@ -245,7 +313,18 @@ def _sliding_windows(
         return None, (None,) * num_layers  # transformers' Llama ignores a sliding_window entry
     if model_type == "gpt_oss" and not raw.get("sliding_window"):
         return None, (None,) * num_layers  # GptOssAttention: sliding layers without a window see all
-    if model_type in ("gemma2", "gemma3_text", "gpt_oss"):
+    if model_type == "smollm3":  # SmolLM3Config: only with use_sliding_window, on its NoPE layers
+        if not (raw.get("use_sliding_window") and raw.get("sliding_window")):
+            return None, (None,) * num_layers
+        window = int(raw["sliding_window"])
+        types = raw.get("layer_types") or [
+            "full_attention" if rope else "sliding_attention"
+            for rope in _layer_ropes(raw, num_layers, (0, None))
+        ]
+        return window, tuple(window if t == "sliding_attention" else None for t in types)
+    if model_type == "exaone4" and not raw.get("sliding_window"):
+        return None, (None,) * num_layers  # Exaone4Config: no window, every layer full
+    if model_type in ("gemma2", "gemma3_text", "gpt_oss", "olmo3", "exaone4"):
         window = int(raw.get("sliding_window") or 4096)
         types = _layer_types(raw, num_layers) or ["full_attention"] * num_layers
         return window, tuple(window if t == "sliding_attention" else None for t in types)

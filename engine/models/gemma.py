@@ -1,11 +1,12 @@
-"""Gemma 2 and Gemma 3 text decoders over the paged KV cache: ``Gemma2ForCausalLM``,
+"""Gemma 1, 2 and 3 text decoders over the paged KV cache: ``GemmaForCausalLM``, ``Gemma2ForCausalLM``,
 ``Gemma3ForCausalLM`` (1B), and the language model of ``Gemma3ForConditionalGeneration`` checkpoints
 (4B-27B) served text-only.
 
 Differences from the Llama family, all as transformers computes them:
 * embeddings scaled by ``sqrt(hidden_size)`` (the factor rounded to the model dtype);
 * RMSNorm weights are offsets: the norm multiplies by ``1 + weight`` (folded in at load time);
-* sandwich norms: the attention and MLP outputs are normalised again before the residual add;
+* Gemma 2/3's sandwich norms: the attention and MLP outputs are normalised again before the residual
+  add (Gemma 1 has Llama's two norms per layer);
 * Gemma 3: per-head RMSNorm of q and k before rotary; queries scaled by ``query_pre_attn_scalar ** -0.5``;
 * Gemma 2: attention scores soft-capped (``cap * tanh(score / cap)``, the attention backends do it);
 * local (sliding-window) and global layers, each kind with its own rotary table;
@@ -52,7 +53,7 @@ class GemmaForCausalLM:
         kv_scales: KVScales | None = None,
     ) -> None:
         if cfg.gemma is None:
-            raise ValueError(f"{cfg.architecture} needs a gemma3_text config")
+            raise ValueError(f"{cfg.architecture} needs a gemma, gemma2 or gemma3_text config")
         self.cfg, self.gemma = cfg, cfg.gemma
         self.ops = ops
         self.attention = attention
@@ -85,11 +86,17 @@ class GemmaForCausalLM:
     def _layer(w: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]:
         p = f"model.layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
+        if p + "pre_feedforward_layernorm.weight" in w:  # Gemma 2/3: sandwich norms
+            norms = {
+                "post_attn_norm": _offset(w[p + "post_attention_layernorm.weight"]),
+                "pre_ff_norm": _offset(w[p + "pre_feedforward_layernorm.weight"]),
+                "post_ff_norm": _offset(w[p + "post_feedforward_layernorm.weight"]),
+            }
+        else:  # Gemma 1: post_attention_layernorm is the MLP's input norm, as in Llama
+            norms = {"pre_ff_norm": _offset(w[p + "post_attention_layernorm.weight"])}
         return {
             "in_norm": _offset(w[p + "input_layernorm.weight"]),
-            "post_attn_norm": _offset(w[p + "post_attention_layernorm.weight"]),
-            "pre_ff_norm": _offset(w[p + "pre_feedforward_layernorm.weight"]),
-            "post_ff_norm": _offset(w[p + "post_feedforward_layernorm.weight"]),
+            **norms,
             "qkv": torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]]),
             # Gemma 3 normalises q and k per head; Gemma 2 does not
             **(
@@ -155,7 +162,8 @@ class GemmaForCausalLM:
             out = linear(attn, layer["o"], None)
             if lora is not None:
                 lora.add(i, "o", attn, out)
-            out = ops.rms_norm(out, layer["post_attn_norm"], eps)[0]
+            if "post_attn_norm" in layer:
+                out = ops.rms_norm(out, layer["post_attn_norm"], eps)[0]
             x, residual = ops.rms_norm(out, layer["pre_ff_norm"], eps, residual)
             gate_up = linear(x, layer["gate_up"], None)
             if lora is not None:
@@ -165,7 +173,7 @@ class GemmaForCausalLM:
             out = linear(act, layer["down"], None)
             if lora is not None:
                 lora.add(i, "down", act, out)
-            hidden = ops.rms_norm(out, layer["post_ff_norm"], eps)[0]
+            hidden = ops.rms_norm(out, layer["post_ff_norm"], eps)[0] if "post_ff_norm" in layer else out
         out, _ = ops.rms_norm(hidden, self.norm, eps, residual)
         return out
 

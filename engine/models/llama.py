@@ -1,8 +1,11 @@
 """Llama-family decoder over the paged KV cache: Llama 2/3, Mistral, Qwen2 (q/k/v bias), Qwen3
 (per-head RMSNorm of q and k before rotary), Qwen3-MoE and Mixtral (mixture-of-experts MLPs), Phi-3
 (fused qkv and gate_up weights, partial rotary), GLM-4.5 (q/k/v bias, partial rotary, optional q/k
-norm, DeepSeek-V3's router and shared experts), Granite (embedding, attention, residual and logit
-multipliers).
+norm, DeepSeek-V3's router and shared experts), Granite and Granite-MoE (embedding, attention, residual
+and logit multipliers), Seed-OSS (q/k/v bias), SmolLM3 (layers without rotary), GLM-4-0414 (norms
+after attention and MLP too, rotary in interleaved pairs), ERNIE 4.5 and its MoE (interleaved rotary;
+a softmax router with a correction bias), Hunyuan dense (q/k norm after rotary), MiniMax-M2 (q/k norm
+over all heads, partial rotary, a sigmoid router with a correction bias).
 
 The forward works on a flattened batch: every new token of every scheduled sequence in one
 ``[T]`` dimension, so prefill chunks and decode steps share one pass. Weights are held as plain
@@ -130,9 +133,63 @@ def dense_lora_layout(
     return layouts
 
 
+def layer_cos_sin(
+    cfg: ModelConfig, rotary_dim: int, max_positions: int, device: torch.device
+) -> list[torch.Tensor | None]:
+    """Per layer, its rotary cos/sin table (one table per distinct rope), None for a NoPE layer."""
+    ropes = cfg.layer_rope or ((cfg.rope_theta, cfg.rope_scaling),) * cfg.num_layers
+    tables: dict[str, torch.Tensor] = {}
+    out: list[torch.Tensor | None] = []
+    for rope in ropes:
+        if rope is not None and repr(rope) not in tables:
+            tables[repr(rope)] = build_cos_sin_cache(rotary_dim, max_positions, *rope, device)
+        out.append(None if rope is None else tables[repr(rope)])
+    return out
+
+
+def apply_rope(
+    ops: Ops,
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin: torch.Tensor,
+    rotary_dim: int,
+    interleave: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q`` [T, Hq, D] and ``k`` [T, Hkv, D] with their first ``rotary_dim`` dims rotated. With
+    ``interleave`` (GLM-4, ERNIE 4.5) the pairs are (x0, x1), (x2, x3)…: those dims are gathered into
+    halves and rotated half-split, as transformers does. q and k move alike, so every q.k (all that
+    attention reads of them; the cache holds k so permuted) is unchanged."""
+    d = q.shape[-1]
+    if rotary_dim == d and not interleave:
+        q, k = q.contiguous(), k.contiguous()
+        ops.rotary_embedding(positions, q, k, cos_sin)
+        return q, k
+    q_rot, k_rot = q[..., :rotary_dim], k[..., :rotary_dim]
+    if interleave:
+        q_rot = torch.cat([q_rot[..., 0::2], q_rot[..., 1::2]], dim=-1)
+        k_rot = torch.cat([k_rot[..., 0::2], k_rot[..., 1::2]], dim=-1)
+    q_rot, k_rot = q_rot.contiguous(), k_rot.contiguous()
+    ops.rotary_embedding(positions, q_rot, k_rot, cos_sin)
+    if rotary_dim == d:
+        return q_rot, k_rot
+    return torch.cat([q_rot, q[..., rotary_dim:]], dim=-1), torch.cat([k_rot, k[..., rotary_dim:]], dim=-1)
+
+
+def head_norm(ops: Ops, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of ``x`` [T, H, D] in rows of the weight's width: one head (Qwen3, Hunyuan) or all of
+    a token's heads at once (MiniMax-M2)."""
+    return ops.rms_norm(x.reshape(-1, weight.shape[0]), weight, eps)[0].view(x.shape)
+
+
 class LlamaForCausalLM:
-    # MoE routers that checkpoints store in fp32 (GLM-4.5) stay fp32, as transformers keeps them.
-    FP32_WEIGHTS = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
+    # MoE routers that checkpoints store in fp32 (GLM-4.5, ERNIE 4.5) stay fp32, as transformers keeps them.
+    FP32_WEIGHTS = (
+        "mlp.gate.weight",
+        "mlp.gate.e_score_correction_bias",
+        "mlp.moe_statics.e_score_correction_bias",  # ERNIE 4.5's name
+        "block_sparse_moe.e_score_correction_bias",  # MiniMax-M2's
+    )
 
     def __init__(
         self,
@@ -160,9 +217,7 @@ class LlamaForCausalLM:
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         # Partial rotary (Phi-4-mini): only the first rotary_dim dims of each head rotate.
         self.rotary_dim = int(cfg.head_dim * cfg.partial_rotary_factor)
-        self.cos_sin_cache = build_cos_sin_cache(
-            self.rotary_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device
-        )
+        self.cos_sin = layer_cos_sin(cfg, self.rotary_dim, max_positions, device)
         self.embed, self.norm, self.lm_head = take_embeddings(weights, cfg)
         self.layers = [self._layer(weights, i) for i in range(cfg.num_layers)]
         self.windows = cfg.layer_windows or (None,) * cfg.num_layers
@@ -184,7 +239,9 @@ class LlamaForCausalLM:
             qkv = torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]])
         if a + "q_proj.bias" in w:
             bias = torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"]])
-        m = p + ("block_sparse_moe." if p + "block_sparse_moe.gate.weight" in w else "mlp.")  # Mixtral's name
+        # Mixtral's and MiniMax-M2's name for the MoE block (gate.weight), and Granite-MoE's.
+        moe_block = (p + "block_sparse_moe.gate.weight", p + "block_sparse_moe.router.layer.weight")
+        m = p + ("block_sparse_moe." if any(name in w for name in moe_block) else "mlp.")
         layer = {
             "in_norm": w[p + "input_layernorm.weight"],
             "qkv": qkv,
@@ -193,8 +250,14 @@ class LlamaForCausalLM:
             "o_bias": w.get(a + "o_proj.bias"),
             "post_norm": w[p + "post_attention_layernorm.weight"],
         }
+        if p + "post_self_attn_layernorm.weight" in w:  # GLM-4: also norms after attention and MLP
+            layer["attn_out_norm"] = w[p + "post_self_attn_layernorm.weight"]
+            layer["mlp_out_norm"] = w[p + "post_mlp_layernorm.weight"]
         if a + "q_norm.weight" in w:  # Qwen3
             layer["q_norm"], layer["k_norm"] = w[a + "q_norm.weight"], w[a + "k_norm.weight"]
+        if a + "query_layernorm.weight" in w:  # Hunyuan: the same per-head norms, after rotary
+            layer["q_norm_roped"] = w[a + "query_layernorm.weight"]
+            layer["k_norm_roped"] = w[a + "key_layernorm.weight"]
         moe = self.moe is not None and self.moe.cfg.is_moe_layer(i)
         layer.update(self.moe.load(w, m) if moe else load_dense_mlp(w, m))  # type: ignore[union-attr]
         return layer
@@ -222,8 +285,8 @@ class LlamaForCausalLM:
         residual: torch.Tensor | None = None
         t = input_ids.shape[0]
         lora = self.lora
-        for i, (layer, window, (k_cache, v_cache), (k_scale, v_scale)) in enumerate(
-            zip(self.layers, self.windows, kv_caches, self.kv_scales, strict=True)
+        for i, (layer, window, cos_sin, (k_cache, v_cache), (k_scale, v_scale)) in enumerate(
+            zip(self.layers, self.windows, self.cos_sin, kv_caches, self.kv_scales, strict=True)
         ):
             x, residual = ops.rms_norm(hidden, layer["in_norm"], eps, residual)
             if residual is None:
@@ -234,19 +297,16 @@ class LlamaForCausalLM:
             q = qkv[:, : self.q_size].reshape(t, cfg.num_heads, cfg.head_dim)
             k = qkv[:, self.q_size : self.q_size + self.kv_size].reshape(t, cfg.num_kv_heads, cfg.head_dim)
             v = qkv[:, self.q_size + self.kv_size :].reshape(t, cfg.num_kv_heads, cfg.head_dim)
-            if "q_norm" in layer:  # per head, before rotary
-                q = ops.rms_norm(q.reshape(-1, cfg.head_dim), layer["q_norm"], eps)[0].view(q.shape)
-                k = ops.rms_norm(k.reshape(-1, cfg.head_dim), layer["k_norm"], eps)[0].view(k.shape)
-            q, k = q.contiguous(), k.contiguous()
-            if self.rotary_dim == cfg.head_dim:
-                ops.rotary_embedding(positions, q, k, self.cos_sin_cache)
-            else:
-                q_rot, k_rot = q[..., : self.rotary_dim].contiguous(), k[..., : self.rotary_dim].contiguous()
-                ops.rotary_embedding(positions, q_rot, k_rot, self.cos_sin_cache)
-                q[..., : self.rotary_dim], k[..., : self.rotary_dim] = q_rot, k_rot
+            if "q_norm" in layer:  # before rotary
+                q, k = head_norm(ops, q, layer["q_norm"], eps), head_norm(ops, k, layer["k_norm"], eps)
+            if cos_sin is not None:
+                q, k = apply_rope(ops, positions, q, k, cos_sin, self.rotary_dim, cfg.rope_interleave)
+            if "q_norm_roped" in layer:  # Hunyuan: after rotary
+                q = head_norm(ops, q, layer["q_norm_roped"], eps)
+                k = head_norm(ops, k, layer["k_norm_roped"], eps)
             attn = self.attention.forward(
-                q,
-                k,
+                q.contiguous(),
+                k.contiguous(),
                 v.contiguous(),
                 k_cache,
                 v_cache,
@@ -262,6 +322,8 @@ class LlamaForCausalLM:
                 lora.add(i, "o", attn, hidden)
             if scale_out:
                 hidden = hidden * cfg.residual_multiplier
+            if "attn_out_norm" in layer:  # GLM-4's sandwich: the block's output normed before the add
+                hidden = ops.rms_norm(hidden, layer["attn_out_norm"], eps)[0]
             x, residual = ops.rms_norm(hidden, layer["post_norm"], eps, residual)
             if "router" in layer:
                 hidden = self.moe.forward(x, layer)  # type: ignore[union-attr]
@@ -273,6 +335,8 @@ class LlamaForCausalLM:
                 hidden = lora.add(i, "down", act, linear(act, layer["down"], None))
             if scale_out:
                 hidden = hidden * cfg.residual_multiplier
+            if "mlp_out_norm" in layer:
+                hidden = ops.rms_norm(hidden, layer["mlp_out_norm"], eps)[0]
         out, _ = ops.rms_norm(hidden, self.norm, eps, residual)
         return out
 

@@ -89,8 +89,12 @@ class MoE:
     def load(self, w: Weights, prefix: str) -> dict[str, torch.Tensor]:
         """One MoE layer's weights at ``prefix`` (``model.layers.N.mlp.``), popped from ``w``."""
         e = self.cfg.num_experts
+        router = prefix + "gate.weight"
         if prefix + "experts.gate_up_proj" in w:  # transformers' fused in-memory layout
             w13, w2 = w.pop(prefix + "experts.gate_up_proj"), w.pop(prefix + "experts.down_proj")
+        elif prefix + "input_linear.weight" in w:  # Granite-MoE: the same, its own names
+            w13, w2 = w.pop(prefix + "input_linear.weight"), w.pop(prefix + "output_linear.weight")
+            router = prefix + "router.layer.weight"
         else:  # checkpoints: one tensor per expert (Mixtral names them w1, w3, w2)
             ex = prefix + "experts."
             mixtral = f"{ex}0.w1.weight" in w
@@ -98,10 +102,14 @@ class MoE:
             pairs = [(w.pop(f"{ex}{j}.{gate}.weight"), w.pop(f"{ex}{j}.{up}.weight")) for j in range(e)]
             w13 = torch.stack([torch.cat(pair) for pair in pairs])
             w2 = torch.stack([w.pop(f"{ex}{j}.{down}.weight") for j in range(e)])
-        layer = {"w13": w13, "w2": w2, "router": w.pop(prefix + "gate.weight").float()}
+        layer = {"w13": w13, "w2": w2, "router": w.pop(router).float()}
         bias = w.pop(prefix + "gate.e_score_correction_bias", None)
+        if bias is None:  # ERNIE 4.5 names it so, shaped [1, experts]
+            bias = w.pop(prefix + "moe_statics.e_score_correction_bias", None)
+        if bias is None:  # MiniMax-M2: beside the gate
+            bias = w.pop(prefix + "e_score_correction_bias", None)
         layer["router_bias"] = (
-            torch.zeros(e, dtype=torch.float32, device=w13.device) if bias is None else bias.float()
+            torch.zeros(e, dtype=torch.float32, device=w13.device) if bias is None else bias.float().view(e)
         )
         if prefix + "shared_expert_gate.weight" in w:  # Qwen2-MoE: one shared expert behind a sigmoid gate
             layer.update(load_dense_mlp(w, prefix + "shared_expert."))
@@ -137,9 +145,10 @@ class MoE:
     def route(self, x: torch.Tensor, layer: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts and their fp32 weights (see ``MoEConfig``)."""
         logits = self.linear(x.float(), layer["router"], None)
-        if self.cfg.scoring == "softmax":
+        if self.cfg.topk_method != "noaux_tc":
             return self._route_softmax(logits.softmax(dim=-1))
-        return self._route_sigmoid(self.sigmoid(logits), layer["router_bias"])
+        scores = logits.softmax(dim=-1) if self.cfg.scoring == "softmax" else self.sigmoid(logits)
+        return self._route_biased(scores, layer["router_bias"])
 
     def _route_softmax(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Softmax scores (DeepSeek-V2, Qwen3-MoE); with ``group_limited_greedy`` only the
@@ -156,9 +165,10 @@ class MoE:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * cfg.routed_scaling_factor, experts
 
-    def _route_sigmoid(self, scores: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sigmoid scores (DeepSeek-V3); the choice adds the correction bias and keeps only the
-        ``topk_groups`` groups whose two best experts score highest; the raw scores weigh."""
+    def _route_biased(self, scores: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sigmoid (DeepSeek-V3) or softmax (ERNIE 4.5) scores; the choice adds the correction bias
+        and keeps only the ``topk_groups`` groups whose two best experts score highest; the raw
+        scores weigh."""
         cfg = self.cfg
         t = scores.shape[0]
         choice = scores + bias

@@ -1,9 +1,13 @@
-"""OLMo 2 decoder (``Olmo2ForCausalLM``) over the paged KV cache.
+"""OLMo 2, OLMo 3 and EXAONE 4 decoders (``Olmo2ForCausalLM``, ``Olmo3ForCausalLM``,
+``Exaone4ForCausalLM``) over the paged KV cache.
 
 Unlike the Llama family, OLMo 2 normalises after each block instead of before it: a layer is
 ``h = h + norm(attn(h))`` then ``h = h + norm(mlp(h))``, and q and k are RMS-normalised over their
 whole projection (all heads at once) before rotary. Everything else (GQA, SwiGLU, rotary, the final
-norm) is Llama's, as transformers computes it.
+norm) is Llama's, as transformers computes it. OLMo 3 adds sliding-window layers (``layer_types``),
+each layer type with its own rope (transformers 5 scales only the full-attention layers' rope).
+EXAONE 4 is OLMo 3 with q and k normalised per head (Qwen3's way) and, with a sliding window, no
+rotary on its full-attention layers.
 """
 
 from __future__ import annotations
@@ -15,9 +19,8 @@ from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.lora import LoRABatch, ModuleSlot
 from engine.models.config import ModelConfig
 from engine.models.kv_scales import KVScales, layer_scales
-from engine.models.llama import Linear, dense_lora_layout, invariant_linear, take_embeddings
+from engine.models.llama import Linear, dense_lora_layout, invariant_linear, layer_cos_sin, take_embeddings
 from engine.models.moe import load_dense_mlp
-from engine.models.rope import build_cos_sin_cache
 from engine.ops import Ops
 
 
@@ -41,9 +44,8 @@ class Olmo2ForCausalLM:
         self.scale = cfg.head_dim**-0.5
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.cos_sin_cache = build_cos_sin_cache(
-            cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device
-        )
+        self.cos_sin = layer_cos_sin(cfg, cfg.head_dim, max_positions, device)
+        self.windows = cfg.layer_windows or (None,) * cfg.num_layers
         self.embed, self.norm, self.lm_head = take_embeddings(weights, cfg)
         self.layers = [self._layer(weights, i) for i in range(cfg.num_layers)]
         self.kv_scales = layer_scales(kv_scales, cfg.num_layers)  # the fp8 cache's (k, v) scales
@@ -61,7 +63,7 @@ class Olmo2ForCausalLM:
             "qkv": torch.cat(
                 [w.pop(a + "q_proj.weight"), w.pop(a + "k_proj.weight"), w.pop(a + "v_proj.weight")]
             ),
-            "q_norm": w.pop(a + "q_norm.weight"),  # over all heads' dims
+            "q_norm": w.pop(a + "q_norm.weight"),  # over all heads' dims (EXAONE 4: one head's)
             "k_norm": w.pop(a + "k_norm.weight"),
             "o": w.pop(a + "o_proj.weight"),
             "post_attn_norm": w.pop(p + "post_attention_layernorm.weight"),
@@ -88,20 +90,22 @@ class Olmo2ForCausalLM:
         t = input_ids.shape[0]
         hidden = F.embedding(input_ids, self.embed) if inputs_embeds is None else inputs_embeds
         lora = self.lora
-        layers = zip(self.layers, kv_caches, self.kv_scales, strict=True)
-        for i, (layer, (k_cache, v_cache), (k_scale, v_scale)) in enumerate(layers):
+        layers = zip(self.layers, self.windows, self.cos_sin, kv_caches, self.kv_scales, strict=True)
+        for i, (layer, window, cos_sin, (k_cache, v_cache), (k_scale, v_scale)) in enumerate(layers):
             qkv = linear(hidden, layer["qkv"], None)
             if lora is not None:
                 lora.add(i, "qkv", hidden, qkv)
-            q = ops.rms_norm(qkv[:, : self.q_size].contiguous(), layer["q_norm"], eps)[0]
-            k = ops.rms_norm(
-                qkv[:, self.q_size : self.q_size + self.kv_size].contiguous(), layer["k_norm"], eps
-            )[0]
+            # Rows of the norm's width: a token's whole projection, or (EXAONE 4) one head.
+            q_rows = qkv[:, : self.q_size].reshape(-1, layer["q_norm"].shape[0])
+            k_rows = qkv[:, self.q_size : self.q_size + self.kv_size].reshape(-1, layer["k_norm"].shape[0])
+            q = ops.rms_norm(q_rows.contiguous(), layer["q_norm"], eps)[0]
+            k = ops.rms_norm(k_rows.contiguous(), layer["k_norm"], eps)[0]
             q, k = q.view(t, cfg.num_heads, d), k.view(t, cfg.num_kv_heads, d)
             v = qkv[:, self.q_size + self.kv_size :].reshape(t, cfg.num_kv_heads, d).contiguous()
-            ops.rotary_embedding(positions, q, k, self.cos_sin_cache)
+            if cos_sin is not None:  # None: a layer without rotary
+                ops.rotary_embedding(positions, q, k, cos_sin)
             attn = self.attention.forward(
-                q, k, v, k_cache, v_cache, meta, self.scale, k_scale=k_scale, v_scale=v_scale
+                q, k, v, k_cache, v_cache, meta, self.scale, window, k_scale=k_scale, v_scale=v_scale
             )
             attn = attn.reshape(t, self.q_size)
             out = linear(attn, layer["o"], None)

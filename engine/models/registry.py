@@ -13,14 +13,29 @@ _MODELS: dict[str, str] = {
     "Qwen3Model": "engine.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "engine.models.llama:LlamaForCausalLM",
     "MixtralForCausalLM": "engine.models.llama:LlamaForCausalLM",  # Mistral + MoE MLPs
+    # MiniMax-M2: q/k norm over all heads, partial rotary, MoE with a sigmoid router and correction bias.
+    "MiniMaxM2ForCausalLM": "engine.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "engine.models.llama:LlamaForCausalLM",  # Llama + q/k/v bias
     "GraniteForCausalLM": "engine.models.llama:LlamaForCausalLM",  # Llama + four scalings
+    "GraniteMoeForCausalLM": "engine.models.llama:LlamaForCausalLM",  # Granite + MoE MLPs (Mixtral's router)
     "Glm4MoeForCausalLM": "engine.models.llama:LlamaForCausalLM",  # GLM-4.5: Llama attention + V3-style MoE
     "Olmo2ForCausalLM": "engine.models.olmo:Olmo2ForCausalLM",  # norms after each block, q/k norm
+    "Olmo3ForCausalLM": "engine.models.olmo:Olmo2ForCausalLM",  # OLMo 2 + sliding layers, rope per layer type
+    # EXAONE 4: OLMo 3 with per-head q/k norm, its full layers without rotary.
+    "Exaone4ForCausalLM": "engine.models.olmo:Olmo2ForCausalLM",
+    "HunYuanDenseV1ForCausalLM": "engine.models.llama:LlamaForCausalLM",  # q/k norm after rotary, NTK-alpha
+    "SeedOssForCausalLM": "engine.models.llama:LlamaForCausalLM",  # Llama + q/k/v bias
+    "SmolLM3ForCausalLM": "engine.models.llama:LlamaForCausalLM",  # Llama + NoPE layers (no_rope_layers)
+    # GLM-4-0414: sandwich norms, fused gate_up, q/k/v bias, half of each head rotated in pairs.
+    "Glm4ForCausalLM": "engine.models.llama:LlamaForCausalLM",
+    "Ernie4_5ForCausalLM": "engine.models.llama:LlamaForCausalLM",  # Llama + rope in interleaved pairs
+    # ERNIE 4.5 + MoE MLPs: softmax router with a correction bias, shared experts beside.
+    "Ernie4_5_MoeForCausalLM": "engine.models.llama:LlamaForCausalLM",
     "Phi3ForCausalLM": "engine.models.llama:LlamaForCausalLM",  # fused qkv / gate_up, partial rotary
     "Qwen2MoeForCausalLM": "engine.models.llama:LlamaForCausalLM",  # Qwen2 + MoE MLPs (gated shared expert)
     "Qwen3ForCausalLM": "engine.models.llama:LlamaForCausalLM",  # Llama + per-head q/k norm
     "Qwen3MoeForCausalLM": "engine.models.llama:LlamaForCausalLM",  # Qwen3 + MoE MLPs
+    "GemmaForCausalLM": "engine.models.gemma:GemmaForCausalLM",  # Gemma 1: Llama's norm placement
     "Gemma2ForCausalLM": "engine.models.gemma:GemmaForCausalLM",  # soft-capped attention and logits
     "Gemma3ForCausalLM": "engine.models.gemma:GemmaForCausalLM",  # sandwich norms, local/global layers
     "Gemma3ForConditionalGeneration": "engine.models.gemma:GemmaForCausalLM",  # its text model only

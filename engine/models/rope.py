@@ -29,7 +29,15 @@ def inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> tor
         return torch.where(medium, smoothed, scaled)
     if kind == "yarn":
         return _yarn_inv_freq(head_dim, theta, scaling, freqs)
-    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3, yarn)")
+    if kind == "dynamic" and scaling.get("alpha"):
+        # Hunyuan's NTK-alpha: a fixed alpha stretches the base once (transformers: "ntk_alpha"), so the
+        # table does not depend on the sequence length as dynamic NTK's does.
+        base = theta * float(scaling["alpha"]) ** (head_dim / (head_dim - 2))
+        return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    raise ValueError(
+        f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3, yarn, "
+        "dynamic with a fixed alpha)"
+    )
 
 
 def _yarn_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any], freqs: torch.Tensor) -> torch.Tensor:

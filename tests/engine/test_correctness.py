@@ -30,7 +30,55 @@ MODELS = [
     "tiny_deepseek_yarn",
     "tiny_deepseek_v2",  # softmax router, group-limited
     "tiny_deepseek_v2_lite",  # no query compression, greedy router
+    "tiny_seed_oss",  # q/k/v bias
+    "tiny_olmo3",  # post-block norms, a sliding layer, a rope per layer type
+    "tiny_smollm3",  # a NoPE layer
+    "tiny_glm4",  # sandwich norms, partial rotary in interleaved pairs
+    "tiny_ernie4_5",  # full rotary in interleaved pairs
+    "tiny_ernie4_5_moe",  # softmax router with a correction bias, a shared expert
+    "tiny_granitemoe",  # multipliers + MoE with experts stored as input_linear / output_linear
+    "tiny_exaone4",  # post-block norms, per-head q/k norm, a window, a NoPE layer
+    "tiny_hunyuan_dense",  # per-head q/k norm after rotary, NTK-alpha rope
+    "tiny_minimax_m2",  # whole-projection q/k norm, partial rotary, sigmoid router with bias, w1/w2/w3
+    "tiny_gemma",  # Gemma 1: Gemma's embedding scale, offset norms and GeGLU, Llama's two norms
 ]
+
+
+# Architectures whose layers differ (windows, NoPE layers, a rope per layer type), whose rotary or norms
+# are their own, or whose MoE routing is: also run in small chunks over small blocks, and behind a prefix hit.
+CHUNKED = [
+    "tiny_seed_oss",
+    "tiny_olmo3",
+    "tiny_smollm3",
+    "tiny_glm4",
+    "tiny_ernie4_5_moe",
+    "tiny_granitemoe",
+    "tiny_exaone4",
+    "tiny_hunyuan_dense",
+    "tiny_minimax_m2",
+    "tiny_gemma",
+]
+
+
+@pytest.mark.parametrize("model_fixture", CHUNKED)
+def test_chunked_prefill_and_prefix_hits_match_transformers(
+    model_fixture: str, prompts, hf_reference, request
+) -> None:
+    """16-token chunks over 4-token blocks (the tiny windows of 8 cross both), then a prompt sharing
+    40 tokens with the first, served from the prefix cache: transformers' tokens and logprobs."""
+    path = request.getfixturevalue(model_fixture)
+    llm = LLM(str(path), block_size=4, num_kv_blocks=128, max_num_batched_tokens=16)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+    first, second = prompts[6], prompts[6][:40] + prompts[5]  # 64 tokens; 40 of them + 31 others
+    for prompt, cached in ((first, 0), (second, 40)):
+        out = llm.generate([prompt], params)[0]
+        assert out.num_cached_tokens == cached
+        ref_tokens, ref_logits = hf_reference(path, prompt, 8)
+        assert out.outputs[0].token_ids == ref_tokens
+        ref_lp = torch.log_softmax(ref_logits, dim=-1)
+        for step, (tok, entry) in enumerate(zip(ref_tokens, out.outputs[0].logprobs, strict=True)):
+            assert abs(entry[tok].logprob - ref_lp[step, tok].item()) < 1e-4
+    llm.engine.block_manager.check_integrity()
 
 
 @pytest.mark.parametrize("model_fixture", MODELS)

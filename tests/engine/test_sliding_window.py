@@ -97,6 +97,11 @@ def _hf_layer_windows(raw: dict) -> list[int | None]:
     cfg = AutoConfig.for_model(raw["model_type"], **{k: v for k, v in raw.items() if k != "model_type"})
     if raw["model_type"] == "qwen2":
         return [cfg.sliding_window if t == "sliding_attention" else None for t in cfg.layer_types]
+    if raw["model_type"] in ("olmo3", "exaone4"):
+        return [cfg.sliding_window if t == "sliding_attention" else None for t in cfg.layer_types]
+    if raw["model_type"] == "smollm3":  # SmolLM3Attention: windowed only under use_sliding_window
+        slides = [cfg.use_sliding_window and t == "sliding_attention" for t in cfg.layer_types]
+        return [cfg.sliding_window if s else None for s in slides]
     if raw["model_type"] == "mistral":
         return [cfg.sliding_window] * cfg.num_hidden_layers
     return [None] * cfg.num_hidden_layers  # LlamaAttention has no window
@@ -113,6 +118,9 @@ BASE = {
 QWEN2 = {**BASE, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
 MISTRAL = {**BASE, "architectures": ["MistralForCausalLM"], "model_type": "mistral"}
 LLAMA = {**BASE, "architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+OLMO3 = {**BASE, "architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3"}
+SMOLLM3 = {**BASE, "architectures": ["SmolLM3ForCausalLM"], "model_type": "smollm3"}
+EXAONE4 = {**BASE, "architectures": ["Exaone4ForCausalLM"], "model_type": "exaone4"}
 SLIDE = "sliding_attention"
 FULL = "full_attention"
 
@@ -137,6 +145,16 @@ FULL = "full_attention"
             {**QWEN2, "sliding_window": 64, "use_sliding_window": False, "layer_types": [FULL] * 4},
             (None,) * 4,
         ),
+        (OLMO3, (4096, 4096, 4096, None)),  # Olmo3Config: every fourth layer full
+        ({**OLMO3, "sliding_window": 64, "layer_types": [FULL, SLIDE, FULL, SLIDE]}, (None, 64, None, 64)),
+        ({**SMOLLM3, "sliding_window": 64}, (None,) * 4),  # use_sliding_window defaults off
+        ({**SMOLLM3, "sliding_window": 64, "use_sliding_window": True}, (None, None, None, 64)),  # NoPE layer
+        (
+            {**SMOLLM3, "sliding_window": 64, "use_sliding_window": True, "layer_types": [SLIDE, FULL] * 2},
+            (64, None, 64, None),
+        ),
+        (EXAONE4, (4096, 4096, 4096, None)),  # Exaone4Config: every fourth layer full
+        ({**EXAONE4, "sliding_window": None, "layer_types": [FULL] * 4}, (None,) * 4),
     ],
 )  # fmt: skip
 def test_layer_windows_follow_transformers(raw: dict, expected: tuple) -> None:
