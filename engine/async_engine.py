@@ -42,7 +42,7 @@ from engine.errors import EngineDeadError
 from engine.keyed_locks import KeyedLocks
 from engine.llm_engine import LLMEngine
 from engine.lora_request import LoRARequest, ServedLoRA
-from engine.outputs import RequestOutput, merge_pending
+from engine.outputs import RequestOutput, gather_interval, merge_pending
 from engine.profiler import EngineProfiling
 from engine.prompt_embeds import PreparedEmbeds
 from engine.sampling_params import SamplingParams
@@ -163,6 +163,8 @@ class AsyncEngine(
             images=images,
         )
         finished = False
+        # vLLM's stream_interval: after the first output, wait for that many tokens (or the last).
+        interval, sent = params.stream_interval or 1, False
         try:
             while not finished:
                 out = await queue.get()
@@ -170,6 +172,9 @@ class AsyncEngine(
                     finished = True  # the loop ended it: nothing to abort
                     raise out
                 out = merge_pending(out, queue)
+                if interval > 1 and sent:
+                    out = await gather_interval(out, queue, interval)
+                sent = True
                 finished = out.finished
                 yield out
         finally:

@@ -68,6 +68,19 @@ def merge_deltas(out: RequestOutput, nxt: RequestOutput) -> RequestOutput:
     return nxt
 
 
+async def gather_interval(out: RequestOutput, queue: asyncio.Queue, interval: int) -> RequestOutput:
+    """``out`` with the deltas after it folded in until it holds ``interval`` tokens or the last
+    output (vLLM's ``stream_interval``: fewer, larger chunks). An error met on the way is put back:
+    what came before it goes out first."""
+    while not out.finished and len(out.outputs[0].token_ids) < interval:
+        nxt = await queue.get()
+        if isinstance(nxt, BaseException):
+            queue.put_nowait(nxt)
+            break
+        out = merge_deltas(out, nxt)
+    return out
+
+
 def merge_pending(out: RequestOutput, queue: asyncio.Queue) -> RequestOutput:
     """Fold deltas that queued up while the consumer was busy into one (fewer, larger chunks)."""
     while not out.finished and not queue.empty():

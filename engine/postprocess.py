@@ -3,11 +3,12 @@
 Stop order per sampled token: a structured-outputs grammar that is complete (its stop token
 accepted, whatever ignore_eos says), one that allows no token at all (a dead end: "abort", with
 ``error``; the token drawn from the empty mask is not written), one past its cost budget ("abort",
-with ``error``), EOS
-(unless ignore_eos), a ``stop_token_ids`` id, a stop string (found by the detokenizer),
-``max_tokens`` (-> "length"), ``max_model_len`` (-> "length"). EOS
-and stop ids are masked by the sampler until ``min_tokens`` is reached; stop strings count only
-once more than ``min_tokens`` tokens are out (the detokenizer checks).
+with ``error``), EOS (unless ignore_eos), a ``stop_token_ids`` id, an output ending in one N-gram
+repeated (``repetition_detection``, engine/repetition.py: "stop", stop reason "repetition_detected",
+unless a length cap falls on the same token), a stop string (found by the detokenizer),
+``max_tokens`` (-> "length"), ``max_model_len`` (-> "length"). EOS and stop ids are masked by the
+sampler until ``min_tokens`` is reached, and repetition is looked for only from then on; stop strings
+count only once more than ``min_tokens`` tokens are out (the detokenizer checks).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import logging
 
 from engine.model_runner import PromptLogits
 from engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from engine.repetition import STOP_REASON as REPETITION_STOP_REASON
 from engine.sampler import SamplerOutput, prompt_logprobs
 from engine.sequence import Request
 from engine.tokenizer import Tokenizer
@@ -38,13 +40,20 @@ class Postprocessor:
         self.logprobs_mode = logprobs_mode  # the engine's; a request's own takes precedence
 
     def _entry(
-        self, token: int, logprob: float, rank: int | None, top: list[tuple[int, float]] | None
+        self,
+        token: int,
+        logprob: float,
+        rank: int | None,
+        top: list[tuple[int, float]] | None,
+        top_ranks: list[int] | None = None,
     ) -> PositionLogprobs:
+        """The sampled token first, then ``top`` (the natural top-N, ranked 1..N, or the request's
+        ``logprob_token_ids`` in its order, with ``top_ranks``)."""
         text = self.tokenizer.token_text
         entry: PositionLogprobs = {token: Logprob(logprob, rank, text(token))}
         for j, (tid, lp) in enumerate(top or []):
             if tid not in entry:
-                entry[tid] = Logprob(lp, j + 1, text(tid))
+                entry[tid] = Logprob(lp, top_ranks[j] if top_ranks is not None else j + 1, text(tid))
         return entry
 
     def append_token(self, req: Request, sampled: SamplerOutput, i: int) -> RequestOutput:
@@ -53,7 +62,8 @@ class Postprocessor:
         entries: list[PositionLogprobs] | None = None
         if req.logprobs is not None:
             lp = sampled.logprobs[i]
-            entry = self._entry(token, lp, sampled.ranks[i], sampled.top_logprobs[i])
+            named = sampled.top_ranks[i] if sampled.top_ranks is not None else None
+            entry = self._entry(token, lp, sampled.ranks[i], sampled.top_logprobs[i], named)
             req.logprobs.append(entry)
             req.cumulative_logprob = (req.cumulative_logprob or 0.0) + lp
             entries = [entry]
@@ -89,6 +99,14 @@ class Postprocessor:
                 reason = "stop"
             elif token in params.stop_token_ids:
                 reason, stop_reason = "stop", token
+            elif (
+                params.repetition_detection is not None
+                and n_out < (params.max_tokens or 0)
+                and req.num_tokens < self.max_model_len
+                and params.repetition_detection.repeats(req.output_token_ids)
+            ):
+                # As vLLM's: a length cap reached on the same token wins.
+                reason, stop_reason = "stop", REPETITION_STOP_REASON
         detok = req.detokenizer
         # A token its grammar refused is not written: its text is not the client's.
         text = (

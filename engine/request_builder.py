@@ -115,6 +115,7 @@ class RequestBuilder:
         resumed = list(resume_token_ids or [])
         extra = [
             *(params.allowed_token_ids or ()),
+            *(params.logprob_token_ids or ()),
             *(t for seq in params.bad_words_token_ids or () for t in seq),
         ]
         for seq in (ids, resumed, extra):

@@ -75,6 +75,9 @@ class SamplerOutput:
     logprobs: list[float | None]  # of the sampled token (per the logprobs mode); None when not asked
     top_logprobs: list[list[tuple[int, float]] | None]  # top-N (id, value), descending
     ranks: list[int | None]  # 1-based rank of the sampled token by the reported values
+    # Rows whose ``logprob_token_ids`` replace the top-N: the rank of each of those ids (their order is
+    # the request's, not by value); None for a row whose top-N is the natural one (ranks 1..N).
+    top_ranks: list[list[int] | None] | None = None
 
 
 class Sampler:
@@ -261,19 +264,41 @@ def _build_output(
             use = torch.tensor([modes[i].startswith("processed") for i in asked], device=device)
             source = torch.where(use.view(-1, 1), final[idx], source)
         as_logits = [modes[i].endswith("logits") for i in asked]
-        top_n = max(rows[i].params.logprobs for i in asked)
-        lp, rk, tops = _logprob_stats(source, tokens[idx], top_n, as_logits if any(as_logits) else None)
+        # A row naming its ids (``logprob_token_ids``) needs no natural top-N.
+        top_n = max(0 if rows[i].params.logprob_token_ids else rows[i].params.logprobs for i in asked)
+        named = [j for j, i in enumerate(asked) if rows[i].params.logprob_token_ids]
+        lp, rk, tops, logp = _logprob_stats(
+            source, tokens[idx], top_n, as_logits if any(as_logits) else None, keep=bool(named)
+        )
         for j, i in enumerate(asked):
             logprobs[i], ranks[i] = lp[j], rk[j]
             top[i] = tops[j][: rows[i].params.logprobs]
+        if named:
+            top_ranks: list[list[int] | None] = [None] * n
+            for j in named:
+                i = asked[j]
+                top[i], top_ranks[i] = _named_logprobs(logp[j], rows[i].params.logprob_token_ids)
+            return SamplerOutput(token_ids, logprobs, top, ranks, top_ranks)
     return SamplerOutput(token_ids=token_ids, logprobs=logprobs, top_logprobs=top, ranks=ranks)
 
 
+def _named_logprobs(row: torch.Tensor, ids: Sequence[int]) -> tuple[list[tuple[int, float]], list[int]]:
+    """The values of ``ids`` in one row of reported values, in the asked order, and their ranks."""
+    at = torch.tensor(list(ids), dtype=torch.long, device=row.device)
+    values = row[at]
+    ranks = (row.view(1, -1) > values.view(-1, 1)).sum(dim=-1) + 1
+    return list(zip(ids, values.tolist(), strict=True)), ranks.tolist()
+
+
 def _logprob_stats(
-    logits: torch.Tensor, chosen: torch.Tensor, top_n: int, as_logits: list[bool] | None = None
-) -> tuple[list[float], list[int], list[list[tuple[int, float]]]]:
+    logits: torch.Tensor,
+    chosen: torch.Tensor,
+    top_n: int,
+    as_logits: list[bool] | None = None,
+    keep: bool = False,
+) -> tuple[list[float], list[int], list[list[tuple[int, float]]], torch.Tensor | None]:
     """Logprob of ``chosen`` per row (or its logit, for rows ``as_logits`` marks), its 1-based rank
-    (1 + ids strictly more likely), top-N."""
+    (1 + ids strictly more likely), top-N, and (``keep``) the reported values themselves."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     if as_logits is not None:
         mark = torch.tensor(as_logits, device=logits.device).view(-1, 1)
@@ -287,7 +312,7 @@ def _logprob_stats(
         for j, (vs, ts) in enumerate(zip(values.tolist(), ids.tolist(), strict=True)):
             # Stable order for equal logprobs: lower id first.
             tops[j] = sorted(zip(ts, vs, strict=True), key=lambda tv: (-tv[1], tv[0]))
-    return chosen_lp.view(-1).tolist(), rank.tolist(), tops
+    return chosen_lp.view(-1).tolist(), rank.tolist(), tops, logp if keep else None
 
 
 def prompt_logprobs(
@@ -312,5 +337,7 @@ def prompt_logprobs(
     if vocab_size is not None:
         logits = logits[:, :vocab_size]
     chosen = torch.tensor(list(next_token_ids), dtype=torch.long, device=logits.device)
-    lp, rk, tops = _logprob_stats(logits, chosen, top_n, [True] * len(next_token_ids) if as_logits else None)
+    lp, rk, tops, _ = _logprob_stats(
+        logits, chosen, top_n, [True] * len(next_token_ids) if as_logits else None
+    )
     return list(zip(lp, rk, tops, strict=True))

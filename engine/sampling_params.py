@@ -8,6 +8,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from engine.repetition import RepetitionDetectionParams, repetition_params
+
 # vLLM's --logprobs-mode: what reported logprobs are (engine/sampler.py).
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
 
@@ -150,6 +152,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # top-N logprobs per sampled token (0 = only the sampled one)
     prompt_logprobs: int | None = None
+    # vLLM's: report these vocab ids' logprobs at each generated position (beside the sampled token's)
+    # instead of the natural top-``logprobs``; needs ``logprobs`` set.
+    logprob_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
@@ -166,8 +171,15 @@ class SamplingParams:
     # vLLM's: at most this many tokens of thinking (after the reasoning start marker, ``<think>``)
     # before the end marker (``</think>``) is forced (engine/thinking_budget.py); -1 or None: no cap.
     thinking_token_budget: int | None = None
+    # vLLM's: end the output once its tail is one N-gram repeated back to back (engine/repetition.py);
+    # a dict of its fields is taken too.
+    repetition_detection: RepetitionDetectionParams | None = None
+    # vLLM's: a stream's outputs carry this many new tokens each (the first and the last go at once;
+    # ``engine.outputs.next_output``); None or 1: each step's.
+    stream_interval: int | None = None
 
     def __post_init__(self) -> None:
+        self.repetition_detection = repetition_params(self.repetition_detection)
         if self.thinking_token_budget == -1 and not isinstance(self.thinking_token_budget, bool):
             self.thinking_token_budget = None  # vLLM's "unlimited"
         if isinstance(self.stop, str):
@@ -210,6 +222,13 @@ class SamplingParams:
             raise ValueError("repetition_penalty must be positive")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError("logprobs must be non-negative")
+        if self.logprob_token_ids is not None:
+            if not self.logprob_token_ids:
+                raise ValueError("logprob_token_ids must not be empty")
+            if self.logprobs is None:
+                raise ValueError("logprob_token_ids needs logprobs (0 or more)")
+            if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.logprob_token_ids):
+                raise ValueError("logprob_token_ids must be non-negative token ids")
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
             raise ValueError("prompt_logprobs must be non-negative")
         if self.structured_outputs is not None:
@@ -221,6 +240,13 @@ class SamplingParams:
             raise ValueError(
                 f"thinking_token_budget must be a non-negative integer or -1 for unlimited, got {budget!r}"
             )
+        if self.repetition_detection is not None:
+            self.repetition_detection.validate()
+        interval = self.stream_interval
+        if interval is not None and (
+            isinstance(interval, bool) or not isinstance(interval, int) or interval < 1
+        ):
+            raise ValueError(f"stream_interval must be a positive integer, got {interval!r}")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise ValueError("allowed_token_ids must not be empty")
         if self.bad_words_token_ids is not None and any(not seq for seq in self.bad_words_token_ids):

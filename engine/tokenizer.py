@@ -257,6 +257,13 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return encoding(self._tok, text, add_special_tokens).ids
 
+    def encode_offsets(
+        self, text: str, add_special_tokens: bool = True
+    ) -> tuple[list[int], list[tuple[int, int]]]:
+        """``encode``'s ids with each token's (start, end) character offsets in ``text``."""
+        enc = encoding(self._tok, text, add_special_tokens)
+        return enc.ids, [tuple(o) for o in enc.offsets]
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``. Like transformers 5 on BPE tokenizers, no tokenization-space clean-up.
 

@@ -71,10 +71,10 @@ FORWARD_ROOT_PATHS = frozenset(
 
 
 def _session_of(body: dict) -> str | None:
-    """A body's own session key (after the ``X-Session-Id`` header): OpenAI's ``prompt_cache_key``
-    (which its clients set to keep a conversation on one cache), ``user`` or ``safety_identifier``,
-    or the Messages API's ``metadata.user_id``."""
-    for field in ("prompt_cache_key", "user", "safety_identifier"):
+    """A body's own session key (after the ``X-Session-Id`` header): vLLM's ``session_id``, OpenAI's
+    ``prompt_cache_key`` (which its clients set to keep a conversation on one cache), ``user`` or
+    ``safety_identifier``, or the Messages API's ``metadata.user_id``."""
+    for field in ("session_id", "prompt_cache_key", "user", "safety_identifier"):
         if isinstance(body.get(field), str) and body[field]:
             return body[field]
     metadata = body.get("metadata")

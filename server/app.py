@@ -94,6 +94,7 @@ def build_state(engine: Any, config: ServerConfig) -> ServerState:
         eos_token_ids=tuple(getattr(info, "eos_token_ids", ()) or ()),
         engine_max_logprobs=int(getattr(engine_config, "max_logprobs", MAX_LOGPROBS)),
         image=getattr(info, "image", None),
+        stream_interval=config.http.stream_interval,
         prompt_embeds_hidden=int(info.hidden_size)
         if getattr(engine_config, "enable_prompt_embeds", False)
         else 0,

@@ -67,7 +67,11 @@ def add_output(
     logprobs = None
     if req.logprobs:
         logprobs = chat_logprobs(
-            state.tokenizer, o.token_ids, o.logprobs, req.top_logprobs or 0, req.return_tokens_as_token_ids
+            state.tokenizer,
+            o.token_ids,
+            o.logprobs,
+            None if req.logprob_token_ids else req.top_logprobs or 0,
+            req.return_tokens_as_token_ids,
         )
         choice.logprobs += logprobs
     if out.finished:

@@ -174,6 +174,8 @@ class ChatCompletionRequest(SamplingFields):
     def _check_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs: logprobs must be true when top_logprobs is set")
+        if self.logprob_token_ids is not None and not self.logprobs:
+            raise ValueError("logprob_token_ids: logprobs must be true when logprob_token_ids is set")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         for field, instead in (("functions", "tools"), ("function_call", "tool_choice")):

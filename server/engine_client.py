@@ -30,7 +30,7 @@ from typing import Any
 
 from engine.errors import EngineDeadError, SleepCancelledError
 from engine.multimodal import EMBEDS_PLACEHOLDER_ID
-from engine.outputs import RequestOutput, merge_pending
+from engine.outputs import RequestOutput, gather_interval, merge_pending
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from engine.stats import EngineStats
 from engine.tokenizer import Tokenizer
@@ -166,6 +166,8 @@ class EngineClient:
             now=True,
         )
         finished = False
+        # vLLM's stream_interval: after the first output, wait for that many tokens (or the last).
+        interval, sent = params.stream_interval or 1, False
         try:
             while not finished:
                 out = await queue.get()
@@ -173,6 +175,9 @@ class EngineClient:
                     finished = True  # the engine process ended it: nothing to abort
                     raise out
                 out = merge_pending(out, queue)
+                if interval > 1 and sent:
+                    out = await gather_interval(out, queue, interval)
+                sent = True
                 finished = out.finished
                 yield out
         finally:

@@ -31,7 +31,11 @@ def _bytes(tokenizer: Tokenizer, token_id: int) -> list[int] | None:
     return list(raw) if raw is not None else None
 
 
-def _top(position: PositionLogprobs, n: int) -> list[tuple[int, Logprob]]:
+def _top(position: PositionLogprobs, n: int | None) -> list[tuple[int, Logprob]]:
+    """The ``n`` best of a position; ``n`` None: all of it in its order (the sampled token, then a
+    request's ``logprob_token_ids`` as it listed them, as vLLM renders them)."""
+    if n is None:
+        return list(position.items())
     if n <= 0:
         return []
     ranked = sorted(
@@ -57,10 +61,10 @@ def chat_logprobs(
     tokenizer: Tokenizer,
     token_ids: Sequence[int],
     positions: Sequence[PositionLogprobs] | None,
-    top_n: int,
+    top_n: int | None,
     as_ids: bool = False,
 ) -> list[TokenLogprob]:
-    """One ``TokenLogprob`` per generated token (with ``top_n`` alternatives)."""
+    """One ``TokenLogprob`` per generated token (with ``top_n`` alternatives; None: all it has)."""
     if not positions:
         return []
     out = []
@@ -100,7 +104,7 @@ class CompletionLogprobsBuilder:
     def __init__(
         self,
         tokenizer: Tokenizer,
-        top_n: int,
+        top_n: int | None,
         start_offset: int = 0,
         as_ids: bool = False,
         skip_special_tokens: bool = True,

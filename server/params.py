@@ -17,6 +17,7 @@ from typing import Any
 
 from engine.beam_search import BeamSearchParams, candidates_per_beam
 from engine.multimodal import ImageSpec
+from engine.repetition import RepetitionDetectionParams
 from engine.sampling_params import SamplingParams, bad_word_sequences
 from engine.tokenizer import Tokenizer
 from server.chat_protocol import ChatCompletionRequest
@@ -45,6 +46,7 @@ class ModelLimits:
     image: ImageSpec | None = None  # a vision-language model's image token (ModelInfo.image)
     # --enable-prompt-embeds: the hidden size prompt embeddings must have; 0: not enabled
     prompt_embeds_hidden: int = 0
+    stream_interval: int = 1  # --stream-interval: the fewest tokens a stream's chunk carries (vLLM's)
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -146,6 +148,11 @@ def sampling_params(
     allowed = list(req.allowed_token_ids) if req.allowed_token_ids is not None else None
     if allowed is not None:
         check_token_ids(allowed, limits, "allowed_token_ids")
+    named = list(req.logprob_token_ids) if req.logprob_token_ids is not None else None
+    if named is not None:
+        if logprobs is None:
+            raise bad_request("logprob_token_ids needs logprobs to be set", param="logprob_token_ids")
+        check_token_ids(named, limits, "logprob_token_ids")
     defaults = limits.generation_defaults
     top_k = _or_default(req.top_k, "top_k", defaults, -1)
     params = SamplingParams(
@@ -167,11 +174,15 @@ def sampling_params(
         include_stop_str_in_output=req.include_stop_str_in_output,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        logprob_token_ids=named,
         skip_special_tokens=req.skip_special_tokens,
         spaces_between_special_tokens=req.spaces_between_special_tokens,
         structured_outputs=structured_outputs(req),
         allowed_token_ids=allowed,
         bad_words_token_ids=bad_words_token_ids(req.bad_words, tokenizer) if req.bad_words else None,
+        repetition_detection=repetition_detection(req),
+        # A request's own interval may only raise the server's (as vLLM clamps it).
+        stream_interval=max(req.stream_interval or 1, limits.stream_interval) if req.stream else None,
     )
     if params.allowed_token_ids and params.bad_words_token_ids:
         try:
@@ -179,6 +190,15 @@ def sampling_params(
         except ValueError as e:
             raise bad_request(str(e), param="bad_words") from e
     return params
+
+
+def repetition_detection(req: SamplingFields) -> RepetitionDetectionParams | None:
+    """The engine's repetition check, or None when not asked for (or turned off): the postprocessor
+    then skips it for this request."""
+    asked = req.repetition_detection
+    if asked is None or asked.max_pattern_size == 0:
+        return None
+    return asked.engine_params()
 
 
 def _or_default(value: Any, name: str, defaults: Mapping[str, Any], neutral: Any) -> Any:
@@ -227,6 +247,8 @@ def beam_search_params(
         ("logit_bias", bool(req.logit_bias)),
         ("allowed_token_ids", req.allowed_token_ids is not None),
         ("bad_words", bool(req.bad_words)),
+        ("repetition_detection", repetition_detection(req) is not None),
+        ("logprob_token_ids", req.logprob_token_ids is not None),
         ("kv_transfer", req.kv_transfer is not None),
         ("resume", req.resume is not None),
     ]

@@ -36,6 +36,8 @@ from pydantic import (
     model_validator,
 )
 
+from engine.repetition import RepetitionDetectionParams
+
 
 def truncation(value: int | None) -> int | None:
     """vLLM's ``truncate_prompt_tokens``: keep the prompt's last N tokens; -1 keeps the model's
@@ -48,6 +50,7 @@ def truncation(value: int | None) -> int | None:
 MAX_N = 128  # choices per request, as OpenAI allows
 MAX_LOGPROBS = 20  # top logprobs per token, as OpenAI allows
 MAX_STOP_SEQUENCES = 16
+MAX_LOGPROB_IDS = 1024  # logprob_token_ids: entries per generated position
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
@@ -124,6 +127,7 @@ class SamplingResume(_Request):
         return self
 
 
+XargValue = StrictStr | StrictInt | StrictFloat  # one value of vLLM's vllm_xargs
 JsonValue = dict[str, Any] | list[Any] | StrictStr | StrictInt | StrictFloat | StrictBool
 
 
@@ -165,6 +169,24 @@ class StructuredOutputsField(_Request):
     structural_tag: dict[str, Any] | StrictStr | None = None
 
 
+class RepetitionDetectionField(_Request):
+    """vLLM's ``repetition_detection``: end the output once it ends in one N-gram of
+    ``min_pattern_size`` .. ``max_pattern_size`` tokens (0: 1) written ``min_count`` times in a row
+    (limits: ``engine.repetition``). ``max_pattern_size`` 0 turns it off."""
+
+    max_pattern_size: StrictInt = Field(default=0, ge=0)
+    min_pattern_size: StrictInt = Field(default=0, ge=0)
+    min_count: StrictInt = Field(default=0, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> RepetitionDetectionField:
+        self.engine_params().validate()  # its ValueError names the field (a 400)
+        return self
+
+    def engine_params(self) -> RepetitionDetectionParams:
+        return RepetitionDetectionParams(self.max_pattern_size, self.min_pattern_size, self.min_count)
+
+
 class SamplingFields(_Request):
     """Sampling and stopping fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -182,6 +204,15 @@ class SamplingFields(_Request):
     frequency_penalty: StrictFloat = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[StrictStr, StrictFloat] | None = None
     user: StrictStr | None = None
+    # vLLM's: the render routes answer each prompt token's character offsets in its source text
+    # (server/token_offsets.py); other routes ignore it
+    return_token_offsets: StrictBool = False
+    # vLLM's extra arguments for custom extensions (its type checked as vLLM checks it); ferry has no
+    # extension hook: taken and unused
+    vllm_xargs: dict[str, XargValue | list[XargValue]] | None = None
+    # vLLM's stable session identity: taken and unused by a replica; a router's session policy keeps
+    # a session's requests on one replica by it (router/proxy_route.py)
+    session_id: StrictStr | None = Field(default=None, max_length=4096)
     # vLLM-compatible extras
     top_k: StrictInt | None = Field(default=None, ge=-1)
     min_p: StrictFloat | None = Field(default=None, ge=0.0, le=1.0)
@@ -205,6 +236,9 @@ class SamplingFields(_Request):
     # vLLM: per prompt position, the prompt token's logprob and the top-N (not with stream)
     prompt_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     allowed_token_ids: list[StrictInt] | None = Field(default=None, min_length=1)
+    # vLLM's: these vocab ids' logprobs at each generated position (beside the sampled token's),
+    # instead of the natural top-N; needs logprobs (chat: ``logprobs: true``).
+    logprob_token_ids: list[StrictInt] | None = Field(default=None, min_length=1, max_length=MAX_LOGPROB_IDS)
     bad_words: list[StrictStr] | None = None
     truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=-1)  # keep the prompt's last N
     _check_truncation = field_validator("truncate_prompt_tokens")(truncation)
@@ -223,6 +257,10 @@ class SamplingFields(_Request):
     # and the answer goes on (engine/thinking_budget.py); -1: no cap. Needs a reasoning parser whose
     # model thinks between <think> and </think> (``server.reasoning_parsers.thinking_budget``).
     thinking_token_budget: StrictInt | None = None
+    repetition_detection: RepetitionDetectionField | None = None
+    # vLLM's: a stream's chunks carry this many tokens each (the first and last sent at once); raised
+    # to the server's --stream-interval; unused without stream
+    stream_interval: StrictInt | None = Field(default=None, ge=1)
     # internal (router -> replica)
     kv_transfer: KVTransfer | None = None
     resume: SamplingResume | None = None

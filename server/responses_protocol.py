@@ -96,6 +96,8 @@ class ResponsesRequest(_Request):
     prompt_cache_key: StrictStr | None = None
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     safety_identifier: StrictStr | None = None
+    # vLLM's stable session identity: taken and unused here; a router keys its session policy by it
+    session_id: StrictStr | None = Field(default=None, max_length=4096)
     # vLLM-compatible sampling extras, carried over to the chat request (validated there)
     skip_special_tokens: Any = None
     include_stop_str_in_output: Any = None

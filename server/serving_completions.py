@@ -162,7 +162,7 @@ def _echo_prefix(state: ServerState, choice: _Choice, req: CompletionRequest, ou
     if req.logprobs is not None:
         choice.builder = CompletionLogprobsBuilder(
             state.tokenizer,
-            req.logprobs,
+            None if req.logprob_token_ids else req.logprobs,
             as_ids=req.return_tokens_as_token_ids,
             skip_special_tokens=req.skip_special_tokens,
         )

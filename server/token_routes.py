@@ -50,6 +50,7 @@ from server.serving_common import (
 from server.serving_completions import plan_completion
 from server.state import ServerState
 from server.streaming import DONE_FRAME, FinalFrames, SSEResponse, run_or_disconnect, sse_frame
+from server.token_offsets import token_offsets
 from server.tools import plan_tools
 from server.vllm_flags import apply_request_defaults
 
@@ -81,9 +82,12 @@ _SAMPLING_FIELDS = frozenset(
         "include_stop_str_in_output",
         "logit_bias",
         "allowed_token_ids",
+        "logprob_token_ids",
         "bad_words",
         "structured_outputs",
         "thinking_token_budget",
+        "repetition_detection",
+        "stream_interval",
     }
 )
 # vLLM's that change nothing here (how its engine hands outputs over, or nothing ferry runs).
@@ -148,6 +152,8 @@ def rendered_params(params: SamplingParams) -> dict[str, Any]:
                 for k, v in dataclasses.asdict(value).items()
                 if v not in (None, False) and k != "after_token_id"
             }
+        elif name == "repetition_detection" and value is not None:
+            value = dataclasses.asdict(value)
         elif name == "logit_bias" and value:
             value = {str(k): v for k, v in value.items()}
         out[name] = value
@@ -182,8 +188,14 @@ async def render_chat(state: ServerState, req: ChatCompletionRequest) -> dict[st
     if check_images(state, req.messages):
         raise bad_request("image inputs are not supported by the render endpoint", param="messages")
     tools = plan_tools(req, state.tool_parser)
-    seqs = await plan_off_loop(prompt_chars(req.messages), plan_chat, state, req, tools, lora, [])
-    return _rendered(state, seqs[0], "chatcmpl", req.model, req)
+    planned = req.model_copy(update={"return_prompt_text": True}) if req.return_token_offsets else req
+    seqs = await plan_off_loop(prompt_chars(req.messages), plan_chat, state, planned, tools, lora, [])
+    out = _rendered(state, seqs[0], "chatcmpl", req.model, req)
+    if req.return_token_offsets:  # in the text the template rendered
+        out["token_offsets"] = token_offsets(
+            state.tokenizer, seqs[0].prompt_text, req.add_special_tokens, out["token_ids"], _keeps_first(req)
+        )
+    return out
 
 
 async def render_completion(state: ServerState, req: CompletionRequest) -> list[dict[str, Any]]:
@@ -196,7 +208,21 @@ async def render_completion(state: ServerState, req: CompletionRequest) -> list[
         raise bad_request("Beam search is not supported by the render endpoint", param="use_beam_search")
     await state.resolve_model(req.model)
     _, seqs = await plan_off_loop(prompt_chars(req.prompt), plan_completion, state, req, [])
-    return [_rendered(state, seq, "cmpl", req.model, req) for seq in seqs[:: req.n]]
+    out = [_rendered(state, seq, "cmpl", req.model, req) for seq in seqs[:: req.n]]
+    if req.return_token_offsets:
+        raw = req.prompt
+        if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
+            raw = [raw]
+        for rendered, text in zip(out, raw, strict=True):
+            source = text if isinstance(text, str) else None  # token ids: no text to point into
+            rendered["token_offsets"] = token_offsets(
+                state.tokenizer, source, req.add_special_tokens, rendered["token_ids"], _keeps_first(req)
+            )
+    return out
+
+
+def _keeps_first(req: Any) -> bool:
+    return req.truncation_side == "right"
 
 
 # --- generate ----------------------------------------------------------------------------------
@@ -246,8 +272,11 @@ def completion_of(state: ServerState, body: GenerateRequest) -> CompletionReques
         raise validation_error(errors) from e
 
 
-def _token_logprobs(ids: list[int], positions: list[PositionLogprobs] | None, top_n: int) -> list[dict]:
-    """vLLM's ``ChatCompletionLogProbs.content`` entries, tokens named ``token_id:N``."""
+def _token_logprobs(
+    ids: list[int], positions: list[PositionLogprobs] | None, top_n: int, named: bool = False
+) -> list[dict]:
+    """vLLM's ``ChatCompletionLogProbs.content`` entries, tokens named ``token_id:N``; ``named``: the
+    request's ``logprob_token_ids`` are all shown, after the sampled token, in their order."""
     content = []
     for i, tid in enumerate(ids):
         position = positions[i] if positions and i < len(positions) else None
@@ -259,7 +288,11 @@ def _token_logprobs(ids: list[int], positions: list[PositionLogprobs] | None, to
         }
         if position is not None and tid in position:
             entry["logprob"] = max(position[tid].logprob, -9999.0)
-            ranked = sorted(position.items(), key=lambda kv: kv[1].rank or 0)[: max(top_n, 1)]
+            ranked = (
+                list(position.items())
+                if named
+                else sorted(position.items(), key=lambda kv: kv[1].rank or 0)[: max(top_n, 1)]
+            )
             entry["top_logprobs"] = [
                 {"token": f"token_id:{k}", "logprob": max(lp.logprob, -9999.0), "bytes": None}
                 for k, lp in ranked
@@ -270,7 +303,9 @@ def _token_logprobs(ids: list[int], positions: list[PositionLogprobs] | None, to
 
 def _choice(req: CompletionRequest, index: int, ids: list[int], positions: Any, finish: str | None) -> dict:
     logprobs = (
-        {"content": _token_logprobs(ids, positions, req.logprobs)} if req.logprobs is not None else None
+        {"content": _token_logprobs(ids, positions, req.logprobs, bool(req.logprob_token_ids))}
+        if req.logprobs is not None
+        else None
     )
     return {"index": index, "logprobs": logprobs, "finish_reason": finish, "token_ids": ids}
 

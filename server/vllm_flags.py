@@ -10,7 +10,8 @@ What it adds (this module must stay torch-free: ``ferry --help`` imports it):
   ``--uvicorn-log-level``, ``--root-path`` (the app's root path behind a proxy that adds a path
   prefix: routes and the API key match with or without it), ``--disable-fastapi-docs``, ``--uds``
   (a Unix socket instead of host:port) and two server-wide request defaults,
-  ``--return-tokens-as-token-ids`` and ``--enable-force-include-usage`` (``apply_request_defaults``);
+  ``--return-tokens-as-token-ids`` and ``--enable-force-include-usage`` (``apply_request_defaults``),
+  and ``--stream-interval`` (tokens per streamed chunk);
   gathered into ``HttpOptions`` (``ServerConfig.http``).
 * Model-loading options, ``EngineConfig`` fields by name (``server.args.engine_options``):
   ``--tokenizer``, ``--tokenizer-mode``, ``--hf-overrides``, ``--quantization`` / ``-q`` and
@@ -67,6 +68,9 @@ class HttpOptions:
     # (--return-tokens-as-token-ids), and usage at the end of every stream (--enable-force-include-usage).
     return_tokens_as_token_ids: bool = False
     force_include_usage: bool = False
+    # --stream-interval: a stream's chunks carry at least this many tokens (the first and last at
+    # once); a request's stream_interval may raise it (server.params.sampling_params).
+    stream_interval: int = 1
 
     @property
     def tls(self) -> bool:
@@ -178,6 +182,14 @@ def add_vllm_args(p: argparse.ArgumentParser) -> None:
         help='logprob tokens as "token_id:N" for requests that do not set return_tokens_as_token_ids',
     )
     g.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        metavar="N",
+        help="tokens per streamed chunk (the first and last are sent at once); a request's "
+        "stream_interval may raise it",
+    )
+    g.add_argument(
         "--enable-force-include-usage",
         action="store_true",
         help="every stream ends with a usage chunk, as if stream_options.include_usage were set",
@@ -267,6 +279,8 @@ def http_options(args: argparse.Namespace) -> HttpOptions:
         raise ValueError(f"--h11-max-incomplete-event-size must be positive, got {size}")
     if not args.header_timeout > 0:
         raise ValueError(f"--header-timeout must be positive, got {args.header_timeout}")
+    if args.stream_interval < 1:
+        raise ValueError(f"--stream-interval must be at least 1, got {args.stream_interval}")
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         raise ValueError("--ssl-keyfile and --ssl-certfile go together")
     if args.ssl_cert_reqs not in (0, 1, 2):
@@ -308,6 +322,7 @@ def http_options(args: argparse.Namespace) -> HttpOptions:
         uds=args.uds,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         force_include_usage=args.enable_force_include_usage,
+        stream_interval=args.stream_interval,
     )
 
 

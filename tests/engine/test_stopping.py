@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.repetition import RepetitionDetectionParams
 
 PROMPT = "def main(args):\n    return"
 
@@ -179,3 +180,85 @@ def test_max_tokens_none_fills_what_the_cache_holds(tiny_llama) -> None:
     assert len(out.outputs[0].token_ids) == 54 and out.outputs[0].finish_reason == "length"
     with pytest.raises(ValueError, match="needs 5 KV blocks but the cache has only 4"):
         small.generate([[5] * 10], SamplingParams(max_tokens=60))
+
+
+def test_repetition_scan_finds_the_tail_loop_only() -> None:
+    """``RepetitionDetectionParams.repeats``: exact answers on hand-made tails."""
+    rule = RepetitionDetectionParams(max_pattern_size=3, min_pattern_size=2, min_count=3)
+    assert rule.repeats([9, 1, 2, 3, 1, 2, 3, 1, 2, 3])
+    assert not rule.repeats([1, 2, 3, 1, 2, 3])  # two copies, three asked
+    assert not rule.repeats([1, 2, 3, 1, 2, 3, 1, 2, 4])  # the loop broke at the last token
+    assert not rule.repeats([5, 5, 5, 5])  # a 1-token loop is below min_pattern_size...
+    assert RepetitionDetectionParams(3, 0, 3).repeats([5, 5, 5])  # ...which 0 makes 1
+    assert rule.repeats([7, 6, 5, 6, 5, 6, 5, 6])  # period 2 (6, 5) after a prefix
+    assert not RepetitionDetectionParams().repeats([5] * 10)  # max_pattern_size 0: off
+    assert not rule.repeats([])
+
+
+@pytest.mark.parametrize(
+    ("rule", "words"),
+    [
+        (RepetitionDetectionParams(2, 3, 2), "min_pattern_size (3) must not exceed max_pattern_size (2)"),
+        (RepetitionDetectionParams(4, 0, 1), "min_count must be at least 2"),
+        (RepetitionDetectionParams(2048, 0, 2), "max_pattern_size must be at most 1024"),
+        (RepetitionDetectionParams(1024, 1, 100), "min_count must be at most"),
+        ({"max_pattern_size": -1}, "non-negative integer"),
+    ],
+)
+def test_repetition_detection_bad_values(rule, words) -> None:
+    with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        SamplingParams(repetition_detection=rule).validate()
+
+
+def test_repetition_detection_offline(llm) -> None:
+    """The offline API (a dict is taken as vLLM's dataclass): the greedy run stops where its tail first
+    holds a loop of the asked size ``min_count`` times, not before ``min_tokens``."""
+    full = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True))[0].outputs[0]
+    ids = list(full.token_ids)
+
+    def first_end(start: int) -> int | None:
+        for end in range(start, len(ids) + 1):
+            if any(
+                len(ids[:end]) >= 3 * n
+                and ids[end - n : end] == ids[end - 2 * n : end - n] == ids[end - 3 * n : end - 2 * n]
+                for n in range(1, 5)
+            ):
+                return end
+        return None
+
+    rule = {"max_pattern_size": 4, "min_count": 3}
+    end = first_end(1)
+    assert end is not None and end < 96, ids
+    params = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True, repetition_detection=rule)
+    out = llm.generate(PROMPT, params)[0].outputs[0]
+    assert list(out.token_ids) == ids[:end]
+    assert (out.finish_reason, out.stop_reason) == ("stop", "repetition_detected")
+    later = first_end(end + 1)
+    assert later is not None, ids
+    params.min_tokens = end + 1
+    out = llm.generate(PROMPT, params)[0].outputs[0]
+    assert list(out.token_ids) == ids[:later] and out.stop_reason == "repetition_detected"
+
+
+def test_logprob_token_ids_offline(llm) -> None:
+    """``logprob_token_ids``: per position the sampled token, then exactly the named ids in their order,
+    with the values and ranks a ``logprobs=20`` run of the same greedy output reports (a rare id: its
+    true rank, past 20)."""
+    wide = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=5, logprobs=20))[0].outputs[0]
+    first = wide.logprobs[0]
+    by_rank = sorted((lp.rank, tid) for tid, lp in first.items())
+    named = [by_rank[9][1], 997, by_rank[2][1]]
+    params = SamplingParams(temperature=0.0, max_tokens=5, logprobs=0, logprob_token_ids=named)
+    out = llm.generate(PROMPT, params)[0].outputs[0]
+    assert out.token_ids == wide.token_ids
+    for sampled, part, full in zip(out.token_ids, out.logprobs, wide.logprobs, strict=True):
+        assert list(part) == [sampled] + [t for t in named if t != sampled]
+        for tid, lp in part.items():
+            if tid in full:
+                assert (lp.logprob, lp.rank) == (full[tid].logprob, full[tid].rank)
+            else:
+                assert lp.rank > 20 and lp.logprob < min(v.logprob for v in full.values())
+    with pytest.raises(ValueError, match="logprob_token_ids needs logprobs"):
+        llm.generate(PROMPT, SamplingParams(max_tokens=2, logprob_token_ids=[5]))
+    with pytest.raises(ValueError, match="out of the vocabulary"):
+        llm.generate(PROMPT, SamplingParams(max_tokens=2, logprobs=0, logprob_token_ids=[10**6]))

@@ -18,6 +18,7 @@ from router_harness import Cluster, Proc, metric, replicas_view, wait_until
 from tests.server.conftest import first_events, wait_in_progress
 
 MODEL = "llama"
+HI = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
@@ -528,6 +529,7 @@ def test_session_policy_sticks_by_header_and_body_fields(cluster: Cluster, pair:
         ("dave", "user"),
         ("erin", "prompt_cache_key"),  # OpenAI's field for keeping a conversation on one cache
         ("frank", "safety_identifier"),
+        ("ivan", "session_id"),  # vLLM's stable session identity
     ):
         before = {u: r["total_requests"] for u, r in replicas_view(router).items()}
         for _ in range(3):
@@ -541,6 +543,22 @@ def test_session_policy_sticks_by_header_and_body_fields(cluster: Cluster, pair:
         after = replicas_view(router)
         got = {u for u in after if after[u]["total_requests"] > before[u]}
         assert got == {rendezvous_pick(key, [a.url, b.url])}  # all three on the session's replica
+    # session_id comes before the other body fields (on a chat too): keys are picked whose replica
+    # differs from the one the other field would choose.
+    urls = [a.url, b.url]
+    for other in ("prompt_cache_key", "user"):
+        key = next(
+            k
+            for k in ("judy", "ken", "liam", "mia", "noor")
+            if rendezvous_pick(k, urls) != rendezvous_pick(other, urls)
+        )
+        body = {"session_id": key, other: other}
+        before = {u: r["total_requests"] for u, r in replicas_view(router).items()}
+        for path, extra in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", {"messages": HI})):
+            r = httpx.post(router.url + path, json={"model": MODEL, "max_tokens": 1, **body, **extra})
+            assert r.status_code == 200, r.text
+        after = replicas_view(router)
+        assert {u for u in after if after[u]["total_requests"] > before[u]} == {rendezvous_pick(key, urls)}
     for key in ("grace", "heidi"):  # vLLM's generate has no body field for it: the header
         before = {u: r["total_requests"] for u, r in replicas_view(router).items()}
         for _ in range(3):

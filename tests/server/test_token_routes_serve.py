@@ -313,3 +313,44 @@ async def test_a_disconnected_whole_generate_is_aborted(server, scrape) -> None:
             await task
     _wait_idle(server, scrape)
     assert _aborted(server, scrape) == before + 1
+
+
+def _spans(text: str, offsets: list[list[int]]) -> list[str]:
+    return [text[start:end] for start, end in offsets]
+
+
+def test_render_token_offsets(server, tokenizer) -> None:
+    """vLLM's ``return_token_offsets``: each prompt token's character span in its source (the prompt
+    string, or the text the chat template rendered), read back as that token's own text; a truncated
+    prompt's are its tokens' spans, a token-id prompt has none, generation routes ignore the field."""
+    text = "def área(x):\n    return x  # naïve"
+    body = {"prompt": [text, "seven eight nine"], "return_token_offsets": True}
+    rendered = _post(server, "/v1/completions/render", body).json()
+    ids, offsets = rendered[0]["token_ids"], rendered[0]["token_offsets"]
+    assert len(offsets) == len(ids) == len(tokenizer.encode(text))
+    # A token's span is its own text; the byte tokens of one character ("á" here) each span it whole.
+    pieces = [tokenizer.decode([t]) for t in ids]
+    assert "\ufffd" in pieces
+    for piece, span in zip(pieces, _spans(text, offsets), strict=True):
+        assert span == piece or (piece == "\ufffd" and span in "áï")
+    assert "".join(text[s:e] for s, e in dict.fromkeys(map(tuple, offsets))) == text
+    assert "".join(_spans("seven eight nine", rendered[1]["token_offsets"])) == "seven eight nine"
+    tokens = _post(server, "/v1/completions/render", {"prompt": [5, 6, 7], "return_token_offsets": True})
+    assert tokens.json()[0]["token_offsets"] is None
+    cut = _post(server, "/v1/completions/render", {**body, "truncate_prompt_tokens": 4}).json()
+    assert cut[0]["token_offsets"] == offsets[-4:]
+    right = {**body, "truncate_prompt_tokens": 4, "truncation_side": "right"}
+    assert _post(server, "/v1/completions/render", right).json()[0]["token_offsets"] == offsets[:4]
+    assert "token_offsets" not in _post(server, "/v1/completions/render", {"prompt": text}).json()[0]
+
+    chat = {"messages": MESSAGES, "max_tokens": 1}
+    templated = _post(server, "/v1/chat/completions", {**chat, "return_prompt_text": True}).json()[
+        "prompt_text"
+    ]
+    got = _post(server, "/v1/chat/completions/render", {**chat, "return_token_offsets": True}).json()
+    assert _spans(templated, got["token_offsets"]) == [
+        tokenizer.decode([t], skip_special_tokens=False) for t in got["token_ids"]
+    ]
+    assert "".join(_spans(templated, got["token_offsets"])) == templated
+    answer = _post(server, "/v1/completions", {"prompt": text, "max_tokens": 1, "return_token_offsets": True})
+    assert answer.status_code == 200 and "token_offsets" not in answer.json()

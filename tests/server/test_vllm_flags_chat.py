@@ -58,7 +58,7 @@ def chat_server(hub_cache: Path, serve_logs: Path, server_process) -> Iterator:
         "--revision", "v1", "--tokenizer-revision", "main", "--download-dir", str(hub_cache),
         "--served-model-name", "tiny", "--chat-template", TEMPLATE,
         "--default-chat-template-kwargs", '{"mood": "calm"}', "--exclude-tools-when-tool-choice-none",
-        "--response-role", "bot", "--enable-tokenizer-info-endpoint",
+        "--response-role", "bot", "--enable-tokenizer-info-endpoint", "--stream-interval", "3",
         "--enable-log-requests", "--enable-log-outputs", "--max-log-len", "5",
         "--log-level", "debug", "--disable-uvicorn-access-log", "--h11-max-incomplete-event-size", "4096",
         "--api-server-count", "2",
@@ -136,6 +136,25 @@ def test_response_role(chat_server) -> None:
     assert answer["choices"][0]["message"]["role"] == "user"
 
 
+def test_stream_interval_flag_is_the_floor(chat_server) -> None:
+    """``--stream-interval 3``: every chunk of a stream between its first and last holds 3 tokens or
+    more; a request's ``stream_interval`` below it is raised to it, one above it is taken."""
+    _, client = chat_server
+    body = {"model": "tiny", "messages": HELLO, "max_tokens": 13, "temperature": 0, "ignore_eos": True}
+    body |= {"stream": True, "return_token_ids": True}
+    streams = {}
+    for asked in (None, 1, 5):
+        extra = {} if asked is None else {"stream_interval": asked}
+        with client.stream("POST", "/v1/chat/completions", json={**body, **extra}) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        parts = [c["choices"][0].get("token_ids") for c in chunks if c["choices"]]
+        streams[asked] = [p for p in parts if p]
+    assert [t for p in streams[5] for t in p] == [t for p in streams[None] for t in p]
+    for asked, floor in ((None, 3), (1, 3), (5, 5)):
+        sizes = [len(p) for p in streams[asked]]
+        assert sum(sizes) == 13 and all(n >= floor for n in sizes[1:-1]), (asked, sizes)
+
+
 def test_outputs_are_logged_cut_to_max_log_len(chat_server) -> None:
     srv, client = chat_server
     body = {
@@ -210,6 +229,7 @@ def test_values_ferry_cannot_honour_stop_the_start(capsys) -> None:
         ): "must not set add_generation_prompt",
         ("--h11-max-incomplete-event-size", "0"): "--h11-max-incomplete-event-size must be positive",
         ("--header-timeout", "nan"): "--header-timeout must be positive, got nan",
+        ("--stream-interval", "0"): "--stream-interval must be at least 1, got 0",
     }
     for flags, message in refused.items():  # before any model is read
         assert main(["serve", *flags]) == 2
