@@ -1,6 +1,6 @@
 """Tiny configs of more architectures that ``engine.demo_build.build_model`` builds (Llama-family,
-OLMo and Gemma 1 variants): each made with its own transformers config class, so the checkpoint is
-what transformers writes. Imports transformers only when called.
+OLMo, Gemma 1, StarCoder2 and Cohere variants): each made with its own transformers config class, so
+the checkpoint is what transformers writes. Imports transformers only when called.
 """
 
 from __future__ import annotations
@@ -19,6 +19,12 @@ ARCHS = {
     "gemma": "Gemma 1: scaled embeddings, 1 + weight norms, GeGLU",
     "exaone4": "EXAONE 4: post-block norms, per-head q/k norm; a sliding (window 8) layer, a full NoPE one",
     "hunyuan_dense": "Hunyuan dense: per-head q/k norm after rotary, NTK-alpha rope",
+    "arcee": "Arcee (AFM): Llama with an ungated ReLU^2 MLP (up_proj, down_proj)",
+    "starcoder2": "StarCoder2: LayerNorms and projections with biases, a GELU MLP, a window of 8",
+    "cohere": "Command R: parallel attention + MLP on one LayerNorm, per-head q/k LayerNorm, logit_scale",
+    "cohere2": "Command R7B: Command R with a sliding (window 8) layer and a full one without rotary",
+    "apertus": "Apertus: an ungated xIELU MLP, per-head q/k RMSNorm",
+    "dots1": "dots.llm1: q/k norm, V3 router (sigmoid + bias, groups, unnormalised), 1 shared; a window",
     "minimax_m2": "MiniMax-M2: q/k norm over all heads, half-rotary, 4 experts, 2 per token (sigmoid + bias)",
 }
 
@@ -85,4 +91,40 @@ def arch_config(arch: str, common: dict[str, Any], head_dim: int) -> tuple[Any, 
         moe = dict(num_local_experts=4, num_experts_per_tok=2)
         cfg = transformers.MiniMaxM2Config(**common, head_dim=head_dim, rotary_dim=head_dim // 2, **moe)
         return cfg, transformers.MiniMaxM2ForCausalLM
+    if arch == "arcee":
+        return transformers.ArceeConfig(**common), transformers.ArceeForCausalLM
+    if arch == "starcoder2":  # norm_epsilon: its name for the LayerNorms' epsilon
+        sizes = {k: v for k, v in common.items() if k != "rms_norm_eps"}
+        cfg = transformers.Starcoder2Config(**sizes, norm_epsilon=1e-5, sliding_window=8)
+        return cfg, transformers.Starcoder2ForCausalLM
+    if arch in ("cohere", "cohere2"):  # layer_norm_eps: their name for the LayerNorms' epsilon
+        sizes = {k: v for k, v in common.items() if k != "rms_norm_eps"}
+        if arch == "cohere":
+            cfg = transformers.CohereConfig(**sizes, layer_norm_eps=1e-5, logit_scale=0.5, use_qk_norm=True)
+            return cfg, transformers.CohereForCausalLM
+        layers = common["num_hidden_layers"]
+        types = ["sliding_attention", "full_attention"] * (layers // 2)
+        cfg = transformers.Cohere2Config(
+            **sizes, layer_norm_eps=1e-5, logit_scale=0.5, sliding_window=8, layer_types=types
+        )
+        return cfg, transformers.Cohere2ForCausalLM
+    if arch == "apertus":  # plain rope (ApertusConfig's default is llama3-scaled)
+        cfg = transformers.ApertusConfig(
+            **common, rope_parameters={"rope_type": "default", "rope_theta": 1e4}
+        )
+        return cfg, transformers.ApertusForCausalLM
+    if arch == "dots1":  # layer 0 dense; 8 experts in 2 groups, 2 per token; the last layer slides
+        layers = common["num_hidden_layers"]
+        moe = dict(n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1)
+        cfg = transformers.Dots1Config(
+            **common,
+            head_dim=head_dim,
+            moe_intermediate_size=common["intermediate_size"] // 4,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.0,
+            sliding_window=8,
+            max_window_layers=layers - 1,
+            **moe,
+        )
+        return cfg, transformers.Dots1ForCausalLM
     raise ValueError(f"unknown tiny architecture {arch!r}")

@@ -47,7 +47,8 @@ def build_model(
     "gpt_oss" (attention sinks, sliding (window 8) and full layers, q/k/v/o biases, YaRN, a biased
     router over 4 biased experts, 2 per token, with a clamped SwiGLU), or one of
     ``engine.demo_archs.ARCHS`` (Seed-OSS, OLMo 3, SmolLM3, GLM-4, ERNIE 4.5 and its MoE, Granite-MoE,
-    Gemma 1, EXAONE 4, Hunyuan dense, MiniMax-M2).
+    Gemma 1, EXAONE 4, Hunyuan dense, MiniMax-M2, Arcee, StarCoder2, Command R and R7B, Apertus,
+    dots.llm1).
     The model's eos is ``<|im_end|>``.
     """
     import torch
@@ -266,6 +267,10 @@ def build_model(
                 p.normal_(0.0, 0.05)
             elif name.endswith("sinks"):  # large enough to take a visible share of attention
                 p.normal_(0.0, 1.0)
+            elif name.endswith(("act_fn.alpha_p", "act_fn.alpha_n")):  # Apertus' xIELU: differ per layer
+                p.normal_(0.0, 1.0)
+            elif "norm" in name and arch in ("starcoder2", "cohere", "cohere2"):  # LayerNorms: not all 1
+                p.normal_(1.0, 0.2)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # zero at init: make it matter (DeepSeek, GLM)
                 b.normal_(0.0, 0.1)

@@ -31,6 +31,26 @@ def rms_norm(
     return out, res_out
 
 
+def layer_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """LayerNorm (mean subtracted, then scaled by the variance's root; ``bias`` optional: Cohere has
+    none) in fp32, returned in the input dtype; ``residual`` as ``rms_norm``'s. Both op sets run this
+    one: the Triton backend has no LayerNorm kernel."""
+    if residual is not None:
+        x = x + residual
+        res_out: torch.Tensor | None = x
+    else:
+        res_out = None
+    b = None if bias is None else bias.float()
+    out = F.layer_norm(x.float(), (x.shape[-1],), weight.float(), b, eps).to(x.dtype)
+    return out, res_out
+
+
 def rotary_embedding(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> None:
@@ -64,6 +84,8 @@ class Ops:
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
     # (x, w13, w2, weights, experts, silu_and_mul) -> the routed experts' output; None: a loop
     fused_moe: Callable[..., torch.Tensor] | None = None
+    # (x, weight, bias, eps, residual) -> (normed, new residual); the torch op in both sets.
+    layer_norm: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] = layer_norm
 
 
 TORCH_OPS = Ops("torch", rms_norm, rotary_embedding, silu_and_mul)

@@ -92,6 +92,12 @@ TINY_MODELS: dict[str, tuple[str, int, dict]] = {
     "tiny_hunyuan_dense": ("hunyuan_dense", 35, {}),  # q/k norm after rotary; NTK-alpha rope
     # MiniMax-M2: q/k norm over all heads, rotary_dim half the head, 4 experts by sigmoid + bias.
     "tiny_minimax_m2": ("minimax_m2", 36, {}),
+    "tiny_arcee": ("arcee", 37, {}),  # an ungated ReLU^2 MLP
+    "tiny_starcoder2": ("starcoder2", 38, {}),  # LayerNorms, biases everywhere, GELU MLP, window 8
+    "tiny_cohere": ("cohere", 39, {}),  # parallel blocks, per-head q/k LayerNorm, interleaved rotary
+    "tiny_cohere2": ("cohere2", 40, {}),  # + a sliding (window 8) layer and a full NoPE one
+    "tiny_apertus": ("apertus", 41, {}),  # xIELU MLP (trained alphas), per-head q/k RMSNorm
+    "tiny_dots1": ("dots1", 42, {}),  # q/k norm, V3-style MoE with unnormalised top-k; last layer slides
     "tiny_gemma": ("gemma", 33, {}),  # Gemma 1 (untied: tied, this tiny model barely reads attention)
     # Sequence classifiers (the decoder + a score head): three named labels; two on Gemma 2.
     "tiny_llama_cls": (

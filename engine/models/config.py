@@ -59,6 +59,7 @@ class ModelConfig:
     attention_bias: bool
     checkpoint_dtype: str  # float32 | bfloat16 | float16
     eos_token_ids: tuple[int, ...]
+    hidden_act: str = "silu"  # the MLP's activation (config.json's hidden_act), read by ungated MLPs
     sliding_window: int | None = None  # attention window (Mistral, Qwen2); None: full attention
     # Per layer: the window that layer attends within, or None for full attention. A query at
     # position q sees keys k with q - window < k <= q (transformers' sliding mask).
@@ -86,6 +87,7 @@ class ModelConfig:
     attention_multiplier: float | None = None
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    logit_scale: float = 1.0  # Cohere's: logits multiplied by it
     # gpt-oss experts' clamped SwiGLU: (alpha, limit), ``(clamp(up) + 1) * g * sigmoid(alpha * g)``
     # with g the gate clamped above at limit. None: not gpt-oss.
     swiglu: tuple[float, float] | None = None
@@ -154,7 +156,8 @@ class ModelConfig:
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
         dtype = str(raw.get("dtype") or raw.get("torch_dtype") or "float32").replace("torch.", "")
-        if raw.get("mlp_bias") or raw.get("use_bias"):  # use_bias: ERNIE 4.5's, on every projection
+        # use_bias: ERNIE 4.5's, on every projection (StarCoder2's biases are served).
+        if raw.get("mlp_bias") or (raw.get("use_bias") and model_type != "starcoder2"):
             raise ValueError("MLP biases (mlp_bias / use_bias = true) are not supported")
         quant = raw.get("quantization_config")
         weight_quant = from_config(quant) if isinstance(quant, dict) else None
@@ -172,16 +175,21 @@ class ModelConfig:
             num_heads=heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or heads),
             head_dim=head_dim,
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            # The LayerNorms' epsilon: StarCoder2's norm_epsilon, Cohere's layer_norm_eps.
+            rms_norm_eps=float(
+                raw.get("rms_norm_eps", raw.get("norm_epsilon", raw.get("layer_norm_eps", 1e-6)))
+            ),
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(
                 raw.get("attention_bias", raw.get("qkv_bias", model_type in ("qwen2", "qwen2_moe")))
+                or (model_type == "starcoder2" and raw.get("use_bias"))
             ),
             checkpoint_dtype=dtype,
             eos_token_ids=eos_ids,
+            hidden_act=str(raw.get("hidden_act") or "silu"),
             sliding_window=window,
             layer_windows=layer_windows,
             mla=_mla(raw),
@@ -195,8 +203,9 @@ class ModelConfig:
             else None,
             residual_multiplier=float(raw.get("residual_multiplier") or 1.0),
             logits_scaling=float(raw.get("logits_scaling") or 1.0),
+            logit_scale=float(raw.get("logit_scale") or 1.0),
             partial_rotary_factor=_partial_rotary(raw, rope, head_dim),
-            rope_interleave=model_type in ("glm4", "ernie4_5", "ernie4_5_moe"),
+            rope_interleave=model_type in ("glm4", "ernie4_5", "ernie4_5_moe", "cohere", "cohere2"),
             layer_rope=_layer_ropes(raw, num_layers, (theta, scaling)),
             swiglu=(float(raw["swiglu_alpha"]), float(raw["swiglu_limit"]))
             if model_type == "gpt_oss"

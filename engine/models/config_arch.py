@@ -191,3 +191,55 @@ ARCH_DEFAULTS["Ernie4_5_MoeForCausalLM"] = {  # as the dense model's, but head_d
     "moe_layer_end_index": -1,
     "moe_layer_interval": 1,
 }
+# Arcee (AFM): Llama with a ReLU^2 MLP.
+ARCH_DEFAULTS["ArceeForCausalLM"] = {
+    "hidden_act": "relu2",
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 4096,
+}
+# StarCoder2: biases on every projection, LayerNorms (norm_epsilon), tied embeddings, 2 KV heads.
+ARCH_DEFAULTS["Starcoder2ForCausalLM"] = {
+    "hidden_act": "gelu_pytorch_tanh",
+    "norm_epsilon": 1e-5,
+    "use_bias": True,
+    "tie_word_embeddings": True,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 4096,
+}
+# Command R: LayerNorms (layer_norm_eps), tied embeddings, logits times logit_scale.
+ARCH_DEFAULTS["CohereForCausalLM"] = {
+    "logit_scale": 0.0625,
+    "layer_norm_eps": 1e-5,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 8192,
+    **_rope_default(500000.0),
+}
+# Command R7B / A: every fourth layer full attention (without rotary), the others sliding; rope theta
+# 10000 (Cohere2Config has no default_theta of its own).
+ARCH_DEFAULTS["Cohere2ForCausalLM"] = {
+    **{k: v for k, v in ARCH_DEFAULTS["CohereForCausalLM"].items() if k != "rope_parameters"},
+    "sliding_window": 4096,
+    "sliding_window_pattern": 4,
+}
+# Apertus: xIELU MLP; without rope_parameters, ApertusConfig's llama3-scaled rope.
+ARCH_DEFAULTS["ApertusForCausalLM"] = {
+    "hidden_act": "xielu",
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 65536,
+    "rope_parameters": {
+        "rope_type": "llama3",
+        "rope_theta": 12000000.0,
+        "factor": 8.0,
+        "original_max_position_embeddings": 8192,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+    },
+}
+# dots.llm1: Qwen3 attention + DeepSeek-V3's router (top-k weights not renormalised by default);
+# layers from max_window_layers on slide when a window is set.
+ARCH_DEFAULTS["Dots1ForCausalLM"] = {
+    "num_key_value_heads": 32,
+    "norm_topk_prob": False,
+    "sliding_window": 4096,
+    "max_window_layers": 62,
+}

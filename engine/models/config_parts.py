@@ -149,7 +149,11 @@ def _layer_ropes(raw: dict[str, Any], num_layers: int, rope: Rope) -> tuple[Rope
         else:
             ropes = {"full_attention": rope, "sliding_attention": (rope[0], None)}
         return tuple(ropes[t] for t in types)
-    if model_type == "exaone4" and raw.get("sliding_window"):  # hybrid: the full layers have no rotary
+    # Hybrid: the full layers have no rotary. Cohere 2 without a window has rotary on no layer at all.
+    if model_type == "cohere2":
+        types = _layer_types(raw, num_layers) or ["full_attention"] * num_layers
+        return tuple(rope if t == "sliding_attention" and raw.get("sliding_window") else None for t in types)
+    if model_type == "exaone4" and raw.get("sliding_window"):
         types = _layer_types(raw, num_layers) or ["full_attention"] * num_layers
         return tuple(rope if t == "sliding_attention" else None for t in types)
     if model_type == "smollm3":
@@ -322,9 +326,18 @@ def _sliding_windows(
             for rope in _layer_ropes(raw, num_layers, (0, None))
         ]
         return window, tuple(window if t == "sliding_attention" else None for t in types)
-    if model_type == "exaone4" and not raw.get("sliding_window"):
-        return None, (None,) * num_layers  # Exaone4Config: no window, every layer full
-    if model_type in ("gemma2", "gemma3_text", "gpt_oss", "olmo3", "exaone4"):
+    if model_type == "dots1":  # Dots1Config: layers from max_window_layers on slide, when a window is set
+        window = raw.get("sliding_window")
+        first = int(raw.get("max_window_layers") or 62)
+        types = raw.get("layer_types") or [
+            "sliding_attention" if window and i >= first else "full_attention" for i in range(num_layers)
+        ]
+        if not window:
+            return None, (None,) * num_layers
+        return int(window), tuple(int(window) if t == "sliding_attention" else None for t in types)
+    if model_type in ("exaone4", "cohere2") and not raw.get("sliding_window"):
+        return None, (None,) * num_layers  # Exaone4Config, Cohere2Config: no window, every layer full
+    if model_type in ("gemma2", "gemma3_text", "gpt_oss", "olmo3", "exaone4", "cohere2"):
         window = int(raw.get("sliding_window") or 4096)
         types = _layer_types(raw, num_layers) or ["full_attention"] * num_layers
         return window, tuple(window if t == "sliding_attention" else None for t in types)

@@ -259,8 +259,11 @@ class LlamaForCausalLM:
             layer["q_norm_roped"] = w[a + "query_layernorm.weight"]
             layer["k_norm_roped"] = w[a + "key_layernorm.weight"]
         moe = self.moe is not None and self.moe.cfg.is_moe_layer(i)
-        layer.update(self.moe.load(w, m) if moe else load_dense_mlp(w, m))  # type: ignore[union-attr]
+        layer.update(self.moe.load(w, m) if moe else self._load_mlp(w, m))  # type: ignore[union-attr]
         return layer
+
+    # A dense layer's MLP weights at ``….mlp.`` (SwiGLU's; Arcee's subclass loads its ungated MLP).
+    _load_mlp = staticmethod(load_dense_mlp)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The ids' input embeddings ``[T, hidden]``, as transformers' ``get_input_embeddings()``
@@ -325,20 +328,25 @@ class LlamaForCausalLM:
             if "attn_out_norm" in layer:  # GLM-4's sandwich: the block's output normed before the add
                 hidden = ops.rms_norm(hidden, layer["attn_out_norm"], eps)[0]
             x, residual = ops.rms_norm(hidden, layer["post_norm"], eps, residual)
-            if "router" in layer:
-                hidden = self.moe.forward(x, layer)  # type: ignore[union-attr]
-            elif lora is None:
-                hidden = linear(ops.silu_and_mul(linear(x, layer["gate_up"], None)), layer["down"], None)
-            else:
-                gate_up = lora.add(i, "gate_up", x, linear(x, layer["gate_up"], None))
-                act = ops.silu_and_mul(gate_up)
-                hidden = lora.add(i, "down", act, linear(act, layer["down"], None))
+            hidden = self._mlp(i, layer, x)
             if scale_out:
                 hidden = hidden * cfg.residual_multiplier
             if "mlp_out_norm" in layer:
                 hidden = ops.rms_norm(hidden, layer["mlp_out_norm"], eps)[0]
         out, _ = ops.rms_norm(hidden, self.norm, eps, residual)
         return out
+
+    def _mlp(self, i: int, layer: dict[str, torch.Tensor | None], x: torch.Tensor) -> torch.Tensor:
+        """Layer ``i``'s MLP (experts or SwiGLU) of its normed input ``x``; subclasses with another MLP
+        (Arcee's ReLU^2) override it."""
+        linear, lora = self.linear, self.lora
+        if "router" in layer:
+            return self.moe.forward(x, layer)  # type: ignore[union-attr]
+        if lora is None:
+            return linear(self.ops.silu_and_mul(linear(x, layer["gate_up"], None)), layer["down"], None)
+        gate_up = lora.add(i, "gate_up", x, linear(x, layer["gate_up"], None))
+        act = self.ops.silu_and_mul(gate_up)
+        return lora.add(i, "down", act, linear(act, layer["down"], None))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits ``[N, vocab]`` for the rows that need them (never the whole batch)."""

@@ -15,10 +15,18 @@ _MODELS: dict[str, str] = {
     "MixtralForCausalLM": "engine.models.llama:LlamaForCausalLM",  # Mistral + MoE MLPs
     # MiniMax-M2: q/k norm over all heads, partial rotary, MoE with a sigmoid router and correction bias.
     "MiniMaxM2ForCausalLM": "engine.models.llama:LlamaForCausalLM",
+    "ArceeForCausalLM": "engine.models.arcee:ArceeForCausalLM",  # Llama + an ungated ReLU^2 MLP
+    "ApertusForCausalLM": "engine.models.arcee:ApertusForCausalLM",  # Arcee's MLP with xIELU + q/k norm
+    # StarCoder2: LayerNorms with bias, biases on every projection, an ungated GELU MLP, a window.
+    "Starcoder2ForCausalLM": "engine.models.starcoder2:Starcoder2ForCausalLM",
+    # Command R: parallel attention and MLP on one LayerNorm, interleaved rotary, scaled logits.
+    "CohereForCausalLM": "engine.models.cohere:CohereForCausalLM",
+    "Cohere2ForCausalLM": "engine.models.cohere:CohereForCausalLM",  # + sliding layers, NoPE full ones
     "Qwen2ForCausalLM": "engine.models.llama:LlamaForCausalLM",  # Llama + q/k/v bias
     "GraniteForCausalLM": "engine.models.llama:LlamaForCausalLM",  # Llama + four scalings
     "GraniteMoeForCausalLM": "engine.models.llama:LlamaForCausalLM",  # Granite + MoE MLPs (Mixtral's router)
     "Glm4MoeForCausalLM": "engine.models.llama:LlamaForCausalLM",  # GLM-4.5: Llama attention + V3-style MoE
+    "Dots1ForCausalLM": "engine.models.llama:LlamaForCausalLM",  # dots.llm1: Qwen3 attention + V3-style MoE
     "Olmo2ForCausalLM": "engine.models.olmo:Olmo2ForCausalLM",  # norms after each block, q/k norm
     "Olmo3ForCausalLM": "engine.models.olmo:Olmo2ForCausalLM",  # OLMo 2 + sliding layers, rope per layer type
     # EXAONE 4: OLMo 3 with per-head q/k norm, its full layers without rotary.

@@ -32,6 +32,12 @@ BASE = {
         ("Exaone4ForCausalLM", "exaone4"),
         ("HunYuanDenseV1ForCausalLM", "hunyuan_v1_dense"),
         ("MiniMaxM2ForCausalLM", "minimax_m2"),
+        ("ArceeForCausalLM", "arcee"),
+        ("Starcoder2ForCausalLM", "starcoder2"),
+        ("CohereForCausalLM", "cohere"),
+        ("Cohere2ForCausalLM", "cohere2"),
+        ("ApertusForCausalLM", "apertus"),
+        ("Dots1ForCausalLM", "dots1"),
     ],
 )
 def test_config_defaults_as_transformers_fills_them(arch: str, model_type: str) -> None:
@@ -44,13 +50,17 @@ def test_config_defaults_as_transformers_fills_them(arch: str, model_type: str) 
     hf = AutoConfig.for_model(model_type, **{k: v for k, v in raw.items() if k != "model_type"})
     assert ours.head_dim == (getattr(hf, "head_dim", None) or 16)
     assert ours.tie_word_embeddings == hf.tie_word_embeddings
-    assert ours.rms_norm_eps == hf.rms_norm_eps
+    assert ours.rms_norm_eps == next(
+        getattr(hf, n) for n in ("rms_norm_eps", "norm_epsilon", "layer_norm_eps") if hasattr(hf, n)
+    )
+    if model_type in ("arcee", "starcoder2", "apertus"):  # ungated MLPs, whose activation the model reads
+        assert ours.hidden_act == hf.hidden_act
     assert ours.max_position_embeddings == hf.max_position_embeddings
-    assert ours.attention_bias == bool(getattr(hf, "attention_bias", False))
+    assert ours.attention_bias == bool(getattr(hf, "attention_bias", getattr(hf, "use_bias", False)))
     params = hf.rope_parameters
     if model_type == "olmo3":
         assert ours.layer_rope == tuple((params[t]["rope_theta"], None) for t in hf.layer_types)
-    elif model_type == "exaone4":  # Exaone4Attention: rotary on the sliding layers only
+    elif model_type in ("exaone4", "cohere2"):  # rotary on the sliding layers only
         rope = (params["rope_theta"], None)
         assert ours.layer_rope == tuple(rope if t == "sliding_attention" else None for t in hf.layer_types)
         assert ours.layer_windows == tuple(4096 if t == "sliding_attention" else None for t in hf.layer_types)
@@ -60,8 +70,13 @@ def test_config_defaults_as_transformers_fills_them(arch: str, model_type: str) 
         assert ours.layer_rope[3] is None  # every fourth layer NoPE
     else:
         assert ours.rope_theta == params["rope_theta"] and not ours.layer_rope
+        if model_type == "apertus":  # llama3-scaled by default
+            assert {k: v for k, v in ours.rope_scaling.items() if k != "rope_theta"} == {
+                k: v for k, v in params.items() if k != "rope_theta"
+            }
     assert ours.partial_rotary_factor == params.get("partial_rotary_factor", 1.0)
-    assert ours.rope_interleave == (model_type in ("glm4", "ernie4_5", "ernie4_5_moe"))
+    assert ours.rope_interleave == (model_type in ("glm4", "ernie4_5", "ernie4_5_moe", "cohere", "cohere2"))
+    assert ours.logit_scale == getattr(hf, "logit_scale", 1.0)
     assert ours.attention_multiplier == getattr(hf, "attention_multiplier", None)
     if ours.moe is not None:
         assert ours.moe.num_experts == hf.num_experts if hasattr(hf, "num_experts") else hf.num_local_experts
@@ -116,3 +131,34 @@ def test_biases_on_every_projection_are_refused() -> None:
     raw = {**BASE, "architectures": ["Ernie4_5ForCausalLM"], "model_type": "ernie4_5", "use_bias": True}
     with pytest.raises(ValueError, match="use_bias"):
         ModelConfig.from_dict(raw)
+
+
+def test_dots1_router_and_windows_as_transformers_reads_them() -> None:
+    """dots.llm1: DeepSeek-V3's router without renormalised top-k weights by default; the layers from
+    max_window_layers on slide (all full with no window)."""
+    from transformers import Dots1Config
+
+    moe = {
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "n_shared_experts": 1,
+    }
+    raw = {
+        **BASE,
+        "num_hidden_layers": 4,
+        "architectures": ["Dots1ForCausalLM"],
+        "model_type": "dots1",
+        **moe,
+    }
+    for extra in ({}, {"sliding_window": 16, "max_window_layers": 2}, {"sliding_window": None}):
+        ours = ModelConfig.from_dict({**raw, **extra})
+        hf = Dots1Config(**{k: v for k, v in {**raw, **extra}.items() if k != "model_type"})
+        assert ours.moe.norm_topk_prob == hf.norm_topk_prob is False
+        assert ours.moe.scoring == "sigmoid" and ours.moe.topk_method == "noaux_tc"
+        assert ours.num_kv_heads == hf.num_key_value_heads
+        window = hf.sliding_window
+        assert ours.layer_windows == tuple(
+            window if t == "sliding_attention" else None for t in hf.layer_types
+        )
+    assert ours.layer_windows == (None,) * 4

@@ -41,6 +41,12 @@ MODELS = [
     "tiny_hunyuan_dense",  # per-head q/k norm after rotary, NTK-alpha rope
     "tiny_minimax_m2",  # whole-projection q/k norm, partial rotary, sigmoid router with bias, w1/w2/w3
     "tiny_gemma",  # Gemma 1: Gemma's embedding scale, offset norms and GeGLU, Llama's two norms
+    "tiny_arcee",  # ReLU^2 MLP
+    "tiny_starcoder2",  # LayerNorms with bias, biased projections, GELU MLP, a window
+    "tiny_cohere",  # parallel attention + MLP, per-head q/k LayerNorm, interleaved rotary, logit_scale
+    "tiny_cohere2",  # + a sliding layer and a NoPE full one
+    "tiny_apertus",  # xIELU MLP, per-head q/k norm
+    "tiny_dots1",  # per-head q/k norm, sigmoid router with a bias, groups, unnormalised weights, a window
 ]
 
 
@@ -57,6 +63,10 @@ CHUNKED = [
     "tiny_hunyuan_dense",
     "tiny_minimax_m2",
     "tiny_gemma",
+    "tiny_starcoder2",
+    "tiny_cohere",
+    "tiny_cohere2",
+    "tiny_dots1",
 ]
 
 
