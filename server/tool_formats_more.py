@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+from abc import abstractmethod
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
@@ -161,8 +162,8 @@ class ReadToEndParser(ToolParser):
 
     START: ClassVar[str]
 
-    def read_body(self, body: str) -> list[ParsedCall] | None:
-        raise NotImplementedError
+    @abstractmethod
+    def read_body(self, body: str) -> list[ParsedCall] | None: ...
 
     def parse(self, text: str) -> tuple[str, list[ParsedCall]]:
         return parse_by_streaming(self, text)
