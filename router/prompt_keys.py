@@ -125,7 +125,7 @@ def responses_as_chat(body: dict[str, Any]) -> dict[str, Any]:
 
 def generate_as_completion(body: dict[str, Any]) -> dict[str, Any]:
     """vLLM's ``/inference/v1/generate`` body as the completion its replica runs
-    (``server/token_routes.py`` ``completion_of``): its ``token_ids`` are the prompt, salted by its
+    (``server/token_generate.py`` ``completion_of``): its ``token_ids`` are the prompt, salted by its
     ``model`` (a LoRA adapter's) and ``cache_salt`` as a completion's blocks are. Anything but token
     ids (which the replica refuses) is no prompt: no hint."""
     ids = body.get("token_ids")
