@@ -176,6 +176,15 @@ def apply_rope(
     return torch.cat([q_rot, q[..., rotary_dim:]], dim=-1), torch.cat([k_rot, k[..., rotary_dim:]], dim=-1)
 
 
+def split_heads(qkv: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A fused q/k/v projection ``[T, (Hq + 2 Hkv) D]`` as q ``[T, Hq, D]``, k and v ``[T, Hkv, D]``."""
+    t, q_size, kv_size = qkv.shape[0], cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    q = qkv[:, :q_size].reshape(t, cfg.num_heads, cfg.head_dim)
+    k = qkv[:, q_size : q_size + kv_size].reshape(t, cfg.num_kv_heads, cfg.head_dim)
+    v = qkv[:, q_size + kv_size :].reshape(t, cfg.num_kv_heads, cfg.head_dim)
+    return q, k, v
+
+
 def head_norm(ops: Ops, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of ``x`` [T, H, D] in rows of the weight's width: one head (Qwen3, Hunyuan) or all of
     a token's heads at once (MiniMax-M2)."""
@@ -297,9 +306,7 @@ class LlamaForCausalLM:
             qkv = linear(x, layer["qkv"], layer["qkv_bias"])
             if lora is not None:
                 lora.add(i, "qkv", x, qkv)
-            q = qkv[:, : self.q_size].reshape(t, cfg.num_heads, cfg.head_dim)
-            k = qkv[:, self.q_size : self.q_size + self.kv_size].reshape(t, cfg.num_kv_heads, cfg.head_dim)
-            v = qkv[:, self.q_size + self.kv_size :].reshape(t, cfg.num_kv_heads, cfg.head_dim)
+            q, k, v = split_heads(qkv, cfg)
             if "q_norm" in layer:  # before rotary
                 q, k = head_norm(ops, q, layer["q_norm"], eps), head_norm(ops, k, layer["k_norm"], eps)
             if cos_sin is not None:

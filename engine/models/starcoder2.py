@@ -18,7 +18,14 @@ from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.lora import LoRABatch, ModuleSlot
 from engine.models.config import ModelConfig
 from engine.models.kv_scales import KVScales, layer_scales
-from engine.models.llama import Linear, apply_rope, dense_lora_layout, invariant_linear, layer_cos_sin
+from engine.models.llama import (
+    Linear,
+    apply_rope,
+    dense_lora_layout,
+    invariant_linear,
+    layer_cos_sin,
+    split_heads,
+)
 from engine.ops import Ops
 
 # transformers' ACT2FN names of the activations an ungated MLP may use.
@@ -116,9 +123,7 @@ class Starcoder2ForCausalLM:
             qkv = linear(x, layer["qkv"], layer["qkv_bias"])  # type: ignore[arg-type]
             if lora is not None:
                 lora.add(i, "qkv", x, qkv)
-            q = qkv[:, : self.q_size].reshape(t, cfg.num_heads, cfg.head_dim)
-            k = qkv[:, self.q_size : self.q_size + self.kv_size].reshape(t, cfg.num_kv_heads, cfg.head_dim)
-            v = qkv[:, self.q_size + self.kv_size :].reshape(t, cfg.num_kv_heads, cfg.head_dim)
+            q, k, v = split_heads(qkv, cfg)
             q, k = apply_rope(ops, positions, q, k, cos_sin, cfg.head_dim, False)
             attn = self.attention.forward(
                 q,
