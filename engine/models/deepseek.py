@@ -21,8 +21,8 @@ import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.models.config import ModelConfig
+from engine.models.decoder import Linear, invariant_linear, invariant_per_head, take_embeddings
 from engine.models.kv_scales import KVScales, layer_scales
-from engine.models.llama import Linear, invariant_linear, invariant_per_head, take_embeddings
 from engine.models.moe import MoE, load_dense_mlp
 from engine.models.rope import build_cos_sin_cache, softmax_scale_factor
 from engine.ops import Ops

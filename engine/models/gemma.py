@@ -16,20 +16,18 @@ Differences from the Llama family, all as transformers computes them:
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import AttentionBackend, AttentionMetadata
-from engine.lora import LoRABatch, ModuleSlot
+from engine.attention.base import AttentionMetadata
 from engine.models.config import ModelConfig
-from engine.models.kv_scales import KVScales, layer_scales
-from engine.models.llama import Linear, dense_lora_layout, invariant_linear, take_embeddings
+from engine.models.decoder import DecoderBase, KVCache, Layer
 from engine.models.rope import build_cos_sin_cache
-from engine.ops import Ops
 
 
-class GemmaForCausalLM:
+class GemmaForCausalLM(DecoderBase):
     # A multimodal checkpoint served text-only: its language model's weights, not its vision tower.
     WEIGHT_RENAMES = {
         "Gemma3ForConditionalGeneration": (
@@ -40,50 +38,32 @@ class GemmaForCausalLM:
         )
     }
 
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        weights: dict[str, torch.Tensor],
-        *,
-        ops: Ops,
-        attention: AttentionBackend,
-        deterministic: bool,
-        max_positions: int,
-        device: torch.device,
-        kv_scales: KVScales | None = None,
-    ) -> None:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], **options: Any) -> None:
         if cfg.gemma is None:
             raise ValueError(f"{cfg.architecture} needs a gemma, gemma2 or gemma3_text config")
-        self.cfg, self.gemma = cfg, cfg.gemma
-        self.ops = ops
-        self.attention = attention
-        self.linear: Linear = invariant_linear if deterministic else F.linear
-        self.scale = self.gemma.query_pre_attn_scalar**-0.5
-        self.softcap = self.gemma.attn_logit_softcapping
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        tables: dict[tuple, torch.Tensor] = {}  # one table per distinct (theta, scaling)
-        self.cos_sin = []
+        self.gemma = cfg.gemma
+        self.softcap = cfg.gemma.attn_logit_softcapping
+        super().__init__(cfg, weights, **options)
+
+    def _attention_scale(self) -> float:
+        return self.gemma.query_pre_attn_scalar**-0.5
+
+    def _rotary_tables(self, max_positions: int, device: torch.device) -> list[torch.Tensor | None]:
+        """One table per distinct (theta, scaling) of the layers' (local and global layers differ)."""
+        tables: dict[tuple, torch.Tensor] = {}
         for theta, scaling in self.gemma.layer_rope:
             key = (theta, repr(sorted((scaling or {}).items())))
             if key not in tables:
-                tables[key] = build_cos_sin_cache(cfg.head_dim, max_positions, theta, scaling, device)
-            self.cos_sin.append(tables[key])
-        self.embed, norm, self.lm_head = take_embeddings(weights, cfg)
-        # transformers multiplies by the factor as a tensor of the weights' dtype.
-        self.embed_scale = torch.tensor(math.sqrt(cfg.hidden_size), dtype=self.embed.dtype).item()
-        self.norm = _offset(norm)
-        self.layers = [self._layer(weights, i) for i in range(cfg.num_layers)]
-        self.windows = cfg.layer_windows or (None,) * cfg.num_layers
-        self.kv_scales = layer_scales(kv_scales, cfg.num_layers)  # the fp8 cache's (k, v) scales
-        # The step's LoRA adapters (engine/lora.py), set by the model runner before each forward.
-        self.lora: LoRABatch | None = None
+                tables[key] = build_cos_sin_cache(self.cfg.head_dim, max_positions, theta, scaling, device)
+        return [tables[(theta, repr(sorted((s or {}).items())))] for theta, s in self.gemma.layer_rope]
 
-    def lora_layout(self) -> list[dict[str, ModuleSlot]]:
-        return dense_lora_layout(self.layers, self.q_size, self.kv_size, self.cfg.hidden_size)
+    def _setup(self, w: dict[str, torch.Tensor]) -> None:
+        # transformers multiplies by the factor as a tensor of the weights' dtype.
+        self.embed_scale = torch.tensor(math.sqrt(self.cfg.hidden_size), dtype=self.embed.dtype).item()
+        self.norm = _offset(self.norm)
 
     @staticmethod
-    def _layer(w: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]:
+    def _layer(w: dict[str, torch.Tensor], i: int) -> Layer:
         p = f"model.layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
         if p + "pre_feedforward_layernorm.weight" in w:  # Gemma 2/3: sandwich norms
@@ -110,7 +90,7 @@ class GemmaForCausalLM:
         }
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The ids' input embeddings ``[T, hidden]``, as transformers' ``get_input_embeddings()``
+        """The ids' input embeddings ``[T, hidden]``, scaled, as transformers' ``get_input_embeddings()``
         gives them (what prompt embeddings and image features stand in for; a fresh tensor)."""
         return F.embedding(input_ids, self.embed) * self.embed_scale
 
@@ -118,68 +98,46 @@ class GemmaForCausalLM:
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[KVCache],
         meta: AttentionMetadata,
         inputs_embeds: torch.Tensor | None = None,  # [T, hidden]: instead of ``embed_tokens(input_ids)``
     ) -> torch.Tensor:
         """Hidden states after the final norm, ``[T, hidden]``."""
-        cfg, ops, linear = self.cfg, self.ops, self.linear
+        cfg, ops = self.cfg, self.ops
         eps, d = cfg.rms_norm_eps, cfg.head_dim
         # transformers' scaled embedding layer includes the factor: given embeddings have it.
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         residual: torch.Tensor | None = None
         t = input_ids.shape[0]
-        layers = zip(self.layers, self.windows, self.cos_sin, kv_caches, self.kv_scales, strict=True)
-        lora = self.lora
-        for i, (layer, window, cos_sin, (k_cache, v_cache), (k_scale, v_scale)) in enumerate(layers):
+        for i, layer, window, cos_sin, kv_cache, scales in self._per_layer(kv_caches):
             x, residual = ops.rms_norm(hidden, layer["in_norm"], eps, residual)
             if residual is None:
                 residual = hidden
-            qkv = linear(x, layer["qkv"], None)
-            if lora is not None:
-                lora.add(i, "qkv", x, qkv)
+            qkv = self._project(i, "qkv", x, layer["qkv"])
             q = qkv[:, : self.q_size].reshape(-1, d)
             k = qkv[:, self.q_size : self.q_size + self.kv_size].reshape(-1, d)
             if "q_norm" in layer:
                 q, k = ops.rms_norm(q, layer["q_norm"], eps)[0], ops.rms_norm(k, layer["k_norm"], eps)[0]
             q, k = q.view(t, cfg.num_heads, d).contiguous(), k.view(t, cfg.num_kv_heads, d).contiguous()
-            v = qkv[:, self.q_size + self.kv_size :].reshape(t, cfg.num_kv_heads, d).contiguous()
+            v = qkv[:, self.q_size + self.kv_size :].reshape(t, cfg.num_kv_heads, d)
             ops.rotary_embedding(positions, q, k, cos_sin)
-            attn = self.attention.forward(
-                q,
-                k,
-                v,
-                k_cache,
-                v_cache,
-                meta,
-                self.scale,
-                window,
-                self.softcap,
-                k_scale=k_scale,
-                v_scale=v_scale,
-            )
-            attn = attn.reshape(t, self.q_size)
-            out = linear(attn, layer["o"], None)
-            if lora is not None:
-                lora.add(i, "o", attn, out)
+            out = self._attend(i, layer, q, k, v, kv_cache, scales, meta, window, self.softcap)
             if "post_attn_norm" in layer:
                 out = ops.rms_norm(out, layer["post_attn_norm"], eps)[0]
             x, residual = ops.rms_norm(out, layer["pre_ff_norm"], eps, residual)
-            gate_up = linear(x, layer["gate_up"], None)
-            if lora is not None:
-                lora.add(i, "gate_up", x, gate_up)
-            gate, up = gate_up.chunk(2, dim=-1)
-            act = F.gelu(gate, approximate="tanh") * up
-            out = linear(act, layer["down"], None)
-            if lora is not None:
-                lora.add(i, "down", act, out)
+            out = self._gelu_mlp(i, layer, x)
             hidden = ops.rms_norm(out, layer["post_ff_norm"], eps)[0] if "post_ff_norm" in layer else out
         out, _ = ops.rms_norm(hidden, self.norm, eps, residual)
         return out
 
+    def _gelu_mlp(self, i: int, layer: Layer, x: torch.Tensor) -> torch.Tensor:
+        """``down(gelu_tanh(gate(x)) * up(x))``, with LoRA."""
+        gate, up = self._project(i, "gate_up", x, layer["gate_up"]).chunk(2, dim=-1)
+        return self._project(i, "down", F.gelu(gate, approximate="tanh") * up, layer["down"])
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits ``[N, vocab]``, soft-capped when the config says so."""
-        logits = self.linear(hidden, self.lm_head, None).float()
+        logits = super().compute_logits(hidden)
         cap = self.gemma.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -17,55 +17,32 @@ grouped-matmul MoE kernel has neither biases nor this activation, so it is not u
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.attention.base import AttentionMetadata
 from engine.models.config import ModelConfig
-from engine.models.kv_scales import KVScales, layer_scales
-from engine.models.llama import Linear, invariant_linear, take_embeddings
+from engine.models.decoder import DecoderBase, KVCache, Layer, split_heads
 from engine.models.moe import run_experts
-from engine.models.rope import build_cos_sin_cache
-from engine.ops import Ops
 
 
-class GptOssForCausalLM:
+class GptOssForCausalLM(DecoderBase):
+    """A LoRA adapter reaches attention's projections (``lora_layout`` lists no expert)."""
+
     # Sinks are added to fp32 scores; holding them in fp32 loses nothing of a bf16 checkpoint's.
     FP32_WEIGHTS = ("self_attn.sinks",)
 
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        weights: dict[str, torch.Tensor],
-        *,
-        ops: Ops,
-        attention: AttentionBackend,
-        deterministic: bool,
-        max_positions: int,
-        device: torch.device,
-        kv_scales: KVScales | None = None,
-    ) -> None:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], **options: Any) -> None:
         if cfg.moe is None or cfg.swiglu is None:
             raise ValueError(f"{cfg.architecture} needs a gpt_oss config (num_local_experts, swiglu_limit)")
-        self.cfg = cfg
-        self.ops = ops
-        self.attention = attention
-        self.linear: Linear = invariant_linear if deterministic else F.linear
-        self.scale = cfg.head_dim**-0.5
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.alpha, self.limit = cfg.swiglu
         self.top_k = cfg.moe.experts_per_token
-        self.cos_sin_cache = build_cos_sin_cache(
-            cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device
-        )
-        self.embed, self.norm, self.lm_head = take_embeddings(weights, cfg)
-        self.layers = [self._layer(weights, i) for i in range(cfg.num_layers)]
-        self.windows = cfg.layer_windows or (None,) * cfg.num_layers
-        self.kv_scales = layer_scales(kv_scales, cfg.num_layers)  # the fp8 cache's (k, v) scales
+        super().__init__(cfg, weights, **options)
 
     @staticmethod
-    def _layer(w: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor | None]:
+    def _layer(w: dict[str, torch.Tensor], i: int) -> Layer:
         p = f"model.layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
 
@@ -91,39 +68,27 @@ class GptOssForCausalLM:
             "w2_bias": w.pop(m + "experts.down_proj_bias"),
         }
 
-    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The ids' input embeddings ``[T, hidden]``, as transformers' ``get_input_embeddings()``
-        gives them (what prompt embeddings and image features stand in for; a fresh tensor)."""
-        return F.embedding(input_ids, self.embed)
-
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[KVCache],
         meta: AttentionMetadata,
         inputs_embeds: torch.Tensor | None = None,  # [T, hidden]: instead of ``embed_tokens(input_ids)``
     ) -> torch.Tensor:
         """Hidden states after the final norm, ``[T, hidden]``."""
-        cfg, ops, linear = self.cfg, self.ops, self.linear
-        eps, d = cfg.rms_norm_eps, cfg.head_dim
+        cfg, ops = self.cfg, self.ops
+        eps = cfg.rms_norm_eps
         hidden = F.embedding(input_ids, self.embed) if inputs_embeds is None else inputs_embeds
         residual: torch.Tensor | None = None
-        t = input_ids.shape[0]
-        layers = zip(self.layers, self.windows, kv_caches, self.kv_scales, strict=True)
-        for layer, window, (k_cache, v_cache), (k_scale, v_scale) in layers:
+        for i, layer, window, cos_sin, kv_cache, scales in self._per_layer(kv_caches):
             x, residual = ops.rms_norm(hidden, layer["in_norm"], eps, residual)
             if residual is None:
                 residual = hidden
-            qkv = linear(x, layer["qkv"], layer["qkv_bias"])
-            q = qkv[:, : self.q_size].reshape(t, cfg.num_heads, d).contiguous()
-            k = qkv[:, self.q_size : self.q_size + self.kv_size].reshape(t, cfg.num_kv_heads, d).contiguous()
-            v = qkv[:, self.q_size + self.kv_size :].reshape(t, cfg.num_kv_heads, d).contiguous()
-            ops.rotary_embedding(positions, q, k, self.cos_sin_cache)
-            attn = self.attention.forward(
-                q, k, v, k_cache, v_cache, meta, self.scale, window, None, layer["sinks"], k_scale, v_scale
-            )
-            hidden = linear(attn.reshape(t, self.q_size), layer["o"], layer["o_bias"])
+            q, k, v = split_heads(self._project(i, "qkv", x, layer["qkv"], layer["qkv_bias"]), cfg)
+            q, k = q.contiguous(), k.contiguous()
+            ops.rotary_embedding(positions, q, k, cos_sin)
+            hidden = self._attend(i, layer, q, k, v, kv_cache, scales, meta, window, sinks=layer["sinks"])
             x, residual = ops.rms_norm(hidden, layer["post_norm"], eps, residual)
             hidden = self._experts(x, layer)
         out, _ = ops.rms_norm(hidden, self.norm, eps, residual)
@@ -143,7 +108,3 @@ class GptOssForCausalLM:
             return linear((up + 1) * (gate * torch.sigmoid(gate * alpha)), w2[e], b2[e])
 
         return run_experts(x, weights, experts, self.cfg.moe.num_experts, expert)  # type: ignore[union-attr]
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits ``[N, vocab]`` for the rows that need them (never the whole batch)."""
-        return self.linear(hidden, self.lm_head, None).float()

@@ -15,11 +15,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import AttentionBackend
 from engine.models.config import ModelConfig
-from engine.models.kv_scales import KVScales
 from engine.models.llama import LlamaForCausalLM
-from engine.ops import Ops
 
 _VISION = ("vision_tower.", "multi_modal_projector.")
 
@@ -42,33 +39,13 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         )
     }
 
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        weights: dict[str, torch.Tensor],
-        *,
-        ops: Ops,
-        attention: AttentionBackend,
-        deterministic: bool,
-        max_positions: int,
-        device: torch.device,
-        kv_scales: KVScales | None = None,
-    ) -> None:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], **options: Any) -> None:
         if cfg.vision is None:
             raise ValueError("a LLaVA model needs its vision settings (config.json vision_config)")
         vision = {name: weights.pop(name) for name in [n for n in weights if n.startswith(_VISION)]}
-        super().__init__(
-            cfg,
-            weights,
-            ops=ops,
-            attention=attention,
-            deterministic=deterministic,
-            max_positions=max_positions,
-            device=device,
-            kv_scales=kv_scales,
-        )
+        super().__init__(cfg, weights, **options)
         self.vision = cfg.vision
-        self.tower = _vision_tower(cfg.vision.vision_config, vision, device)
+        self.tower = _vision_tower(cfg.vision.vision_config, vision, options["device"])
         p = "multi_modal_projector."
         self.proj1 = (vision.pop(p + "linear_1.weight"), vision.pop(p + "linear_1.bias", None))
         self.proj2 = (vision.pop(p + "linear_2.weight"), vision.pop(p + "linear_2.bias", None))

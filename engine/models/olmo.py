@@ -15,48 +15,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import AttentionBackend, AttentionMetadata
-from engine.lora import LoRABatch, ModuleSlot
-from engine.models.config import ModelConfig
-from engine.models.kv_scales import KVScales, layer_scales
-from engine.models.llama import Linear, dense_lora_layout, invariant_linear, layer_cos_sin, take_embeddings
+from engine.attention.base import AttentionMetadata
+from engine.models.decoder import DecoderBase, KVCache, Layer
 from engine.models.moe import load_dense_mlp
-from engine.ops import Ops
 
 
-class Olmo2ForCausalLM:
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        weights: dict[str, torch.Tensor],
-        *,
-        ops: Ops,
-        attention: AttentionBackend,
-        deterministic: bool,
-        max_positions: int,
-        device: torch.device,
-        kv_scales: KVScales | None = None,
-    ) -> None:
-        self.cfg = cfg
-        self.ops = ops
-        self.attention = attention
-        self.linear: Linear = invariant_linear if deterministic else F.linear
-        self.scale = cfg.head_dim**-0.5
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.cos_sin = layer_cos_sin(cfg, cfg.head_dim, max_positions, device)
-        self.windows = cfg.layer_windows or (None,) * cfg.num_layers
-        self.embed, self.norm, self.lm_head = take_embeddings(weights, cfg)
-        self.layers = [self._layer(weights, i) for i in range(cfg.num_layers)]
-        self.kv_scales = layer_scales(kv_scales, cfg.num_layers)  # the fp8 cache's (k, v) scales
-        # The step's LoRA adapters (engine/lora.py), set by the model runner before each forward.
-        self.lora: LoRABatch | None = None
-
-    def lora_layout(self) -> list[dict[str, ModuleSlot]]:
-        return dense_lora_layout(self.layers, self.q_size, self.kv_size, self.cfg.hidden_size)
-
+class Olmo2ForCausalLM(DecoderBase):
     @staticmethod
-    def _layer(w: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]:
+    def _layer(w: dict[str, torch.Tensor], i: int) -> Layer:
         p = f"model.layers.{i}."
         a = p + "self_attn."
         return {
@@ -71,57 +37,31 @@ class Olmo2ForCausalLM:
             **load_dense_mlp(w, p + "mlp."),
         }
 
-    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The ids' input embeddings ``[T, hidden]``, as transformers' ``get_input_embeddings()``
-        gives them (what prompt embeddings and image features stand in for; a fresh tensor)."""
-        return F.embedding(input_ids, self.embed)
-
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[KVCache],
         meta: AttentionMetadata,
         inputs_embeds: torch.Tensor | None = None,  # [T, hidden]: instead of ``embed_tokens(input_ids)``
     ) -> torch.Tensor:
         """Hidden states after the final norm, ``[T, hidden]``."""
-        cfg, ops, linear = self.cfg, self.ops, self.linear
+        cfg, ops = self.cfg, self.ops
         eps, d = cfg.rms_norm_eps, cfg.head_dim
         t = input_ids.shape[0]
         hidden = F.embedding(input_ids, self.embed) if inputs_embeds is None else inputs_embeds
-        lora = self.lora
-        layers = zip(self.layers, self.windows, self.cos_sin, kv_caches, self.kv_scales, strict=True)
-        for i, (layer, window, cos_sin, (k_cache, v_cache), (k_scale, v_scale)) in enumerate(layers):
-            qkv = linear(hidden, layer["qkv"], None)
-            if lora is not None:
-                lora.add(i, "qkv", hidden, qkv)
+        for i, layer, window, cos_sin, kv_cache, scales in self._per_layer(kv_caches):
+            qkv = self._project(i, "qkv", hidden, layer["qkv"])
             # Rows of the norm's width: a token's whole projection, or (EXAONE 4) one head.
             q_rows = qkv[:, : self.q_size].reshape(-1, layer["q_norm"].shape[0])
             k_rows = qkv[:, self.q_size : self.q_size + self.kv_size].reshape(-1, layer["k_norm"].shape[0])
             q = ops.rms_norm(q_rows.contiguous(), layer["q_norm"], eps)[0]
             k = ops.rms_norm(k_rows.contiguous(), layer["k_norm"], eps)[0]
             q, k = q.view(t, cfg.num_heads, d), k.view(t, cfg.num_kv_heads, d)
-            v = qkv[:, self.q_size + self.kv_size :].reshape(t, cfg.num_kv_heads, d).contiguous()
+            v = qkv[:, self.q_size + self.kv_size :].reshape(t, cfg.num_kv_heads, d)
             if cos_sin is not None:  # None: a layer without rotary
                 ops.rotary_embedding(positions, q, k, cos_sin)
-            attn = self.attention.forward(
-                q, k, v, k_cache, v_cache, meta, self.scale, window, k_scale=k_scale, v_scale=v_scale
-            )
-            attn = attn.reshape(t, self.q_size)
-            out = linear(attn, layer["o"], None)
-            if lora is not None:
-                lora.add(i, "o", attn, out)
+            out = self._attend(i, layer, q, k, v, kv_cache, scales, meta, window)
             hidden = hidden + ops.rms_norm(out, layer["post_attn_norm"], eps)[0]
-            gate_up = linear(hidden, layer["gate_up"], None)
-            if lora is not None:
-                lora.add(i, "gate_up", hidden, gate_up)
-            act = ops.silu_and_mul(gate_up)
-            out = linear(act, layer["down"], None)
-            if lora is not None:
-                lora.add(i, "down", act, out)
-            hidden = hidden + ops.rms_norm(out, layer["post_ff_norm"], eps)[0]
+            hidden = hidden + ops.rms_norm(self._swiglu(i, layer, hidden), layer["post_ff_norm"], eps)[0]
         return ops.rms_norm(hidden, self.norm, eps)[0]
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits ``[N, vocab]`` for the rows that need them."""
-        return self.linear(hidden, self.lm_head, None).float()

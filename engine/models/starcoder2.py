@@ -14,19 +14,8 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import AttentionBackend, AttentionMetadata
-from engine.lora import LoRABatch, ModuleSlot
-from engine.models.config import ModelConfig
-from engine.models.kv_scales import KVScales, layer_scales
-from engine.models.llama import (
-    Linear,
-    apply_rope,
-    dense_lora_layout,
-    invariant_linear,
-    layer_cos_sin,
-    split_heads,
-)
-from engine.ops import Ops
+from engine.attention.base import AttentionMetadata
+from engine.models.decoder import DecoderBase, KVCache, Layer, apply_rope, split_heads
 
 # transformers' ACT2FN names of the activations an ungated MLP may use.
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -34,47 +23,15 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
 }
 
-Layer = dict[str, torch.Tensor | None]
 
+class Starcoder2ForCausalLM(DecoderBase):
+    """LoRA adapters reach attention's projections (the MLP's c_fc / c_proj take none)."""
 
-class Starcoder2ForCausalLM:
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        weights: dict[str, torch.Tensor],
-        *,
-        ops: Ops,
-        attention: AttentionBackend,
-        deterministic: bool,
-        max_positions: int,
-        device: torch.device,
-        kv_scales: KVScales | None = None,
-    ) -> None:
-        if cfg.hidden_act not in ACTIVATIONS:
-            raise ValueError(f"StarCoder2 with hidden_act {cfg.hidden_act!r} is not supported")
-        self.act = ACTIVATIONS[cfg.hidden_act]
-        self.cfg = cfg
-        self.ops = ops
-        self.attention = attention
-        self.linear: Linear = invariant_linear if deterministic else F.linear
-        self.scale = cfg.head_dim**-0.5
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.cos_sin = layer_cos_sin(cfg, cfg.head_dim, max_positions, device)
-        self.windows = cfg.layer_windows or (None,) * cfg.num_layers
-        self.embed = weights.pop("model.embed_tokens.weight")
-        self.norm = weights.pop("model.norm.weight")
-        self.norm_bias = weights.pop("model.norm.bias", None)
-        head = weights.pop("lm_head.weight", None)
-        self.lm_head = self.embed if cfg.tie_word_embeddings or head is None else head
-        self.layers = [self._layer(weights, i) for i in range(cfg.num_layers)]
-        self.kv_scales = layer_scales(kv_scales, cfg.num_layers)  # the fp8 cache's (k, v) scales
-        # The step's LoRA adapters (engine/lora.py), set by the model runner before each forward.
-        self.lora: LoRABatch | None = None
-
-    def lora_layout(self) -> list[dict[str, ModuleSlot]]:
-        """Attention's projections (the MLP's c_fc / c_proj take no adapter)."""
-        return dense_lora_layout(self.layers, self.q_size, self.kv_size, self.cfg.hidden_size)
+    def _setup(self, w: dict[str, torch.Tensor]) -> None:
+        if self.cfg.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"StarCoder2 with hidden_act {self.cfg.hidden_act!r} is not supported")
+        self.act = ACTIVATIONS[self.cfg.hidden_act]
+        self.norm_bias = w.pop("model.norm.bias", None)
 
     @staticmethod
     def _layer(w: dict[str, torch.Tensor], i: int) -> Layer:
@@ -99,54 +56,29 @@ class Starcoder2ForCausalLM:
             "proj_bias": w.pop(m + "c_proj.bias", None),
         }
 
-    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.embed)
-
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[KVCache],
         meta: AttentionMetadata,
         inputs_embeds: torch.Tensor | None = None,  # [T, hidden]: instead of the ids' embeddings
     ) -> torch.Tensor:
         """Hidden states after the final norm, ``[T, hidden]``."""
-        cfg, ops, linear, lora = self.cfg, self.ops, self.linear, self.lora
-        eps, t = cfg.rms_norm_eps, input_ids.shape[0]
+        cfg, ops, linear = self.cfg, self.ops, self.linear
+        eps = cfg.rms_norm_eps
         hidden = F.embedding(input_ids, self.embed) if inputs_embeds is None else inputs_embeds
         residual: torch.Tensor | None = None
-        layers = zip(self.layers, self.windows, self.cos_sin, kv_caches, self.kv_scales, strict=True)
-        for i, (layer, window, cos_sin, (k_cache, v_cache), (k_scale, v_scale)) in enumerate(layers):
+        for i, layer, window, cos_sin, kv_cache, scales in self._per_layer(kv_caches):
             x, residual = ops.layer_norm(hidden, layer["in_norm"], layer["in_norm_bias"], eps, residual)
             if residual is None:
                 residual = hidden
-            qkv = linear(x, layer["qkv"], layer["qkv_bias"])  # type: ignore[arg-type]
-            if lora is not None:
-                lora.add(i, "qkv", x, qkv)
-            q, k, v = split_heads(qkv, cfg)
-            q, k = apply_rope(ops, positions, q, k, cos_sin, cfg.head_dim, False)
-            attn = self.attention.forward(
-                q,
-                k,
-                v.contiguous(),
-                k_cache,
-                v_cache,
-                meta,
-                self.scale,
-                window,
-                k_scale=k_scale,
-                v_scale=v_scale,
-            ).reshape(t, self.q_size)
-            hidden = linear(attn, layer["o"], layer["o_bias"])  # type: ignore[arg-type]
-            if lora is not None:
-                lora.add(i, "o", attn, hidden)
+            q, k, v = split_heads(self._project(i, "qkv", x, layer["qkv"], layer["qkv_bias"]), cfg)
+            q, k = apply_rope(ops, positions, q, k, cos_sin, cfg.head_dim, False)  # type: ignore[arg-type]
+            hidden = self._attend(i, layer, q, k, v, kv_cache, scales, meta, window)
             x, residual = ops.layer_norm(hidden, layer["post_norm"], layer["post_norm_bias"], eps, residual)
             hidden = linear(
                 self.act(linear(x, layer["fc"], layer["fc_bias"])), layer["proj"], layer["proj_bias"]
-            )  # type: ignore[arg-type]
+            )
         out, _ = ops.layer_norm(hidden, self.norm, self.norm_bias, eps, residual)
         return out
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits ``[N, vocab]`` for the rows that need them."""
-        return self.linear(hidden, self.lm_head, None).float()

@@ -104,7 +104,7 @@ def test_deterministic_router_scores_do_not_depend_on_the_batch() -> None:
     """A sigmoid router's scores for a token are the same whatever number of tokens share its
     step (on CPU, ``torch.sigmoid`` over [T, 8] rounds some rows differently for some T)."""
     from engine.models.config import MoEConfig
-    from engine.models.llama import invariant_linear
+    from engine.models.decoder import invariant_linear
     from engine.models.moe import MoE
 
     cfg = MoEConfig(

@@ -17,7 +17,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.demo import build_model
-from engine.models.llama import invariant_linear
+from engine.models.decoder import invariant_linear
 
 
 @pytest.fixture

@@ -72,6 +72,7 @@ def _run(llm: LLM, prompts, params, loras):
         ("tiny_qwen3_moe", None),  # experts take none: attention everywhere, the MLP of the dense layer
         ("tiny_gemma3", None),  # sandwich norms, GELU MLP, sliding and global layers
         ("tiny_olmo2", None),  # norms after each block
+        ("tiny_gpt_oss", ("q_proj", "k_proj", "v_proj", "o_proj")),  # attention with sinks; experts take none
     ],
 )
 def test_adapter_matches_transformers_merged(

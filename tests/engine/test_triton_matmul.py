@@ -18,7 +18,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.kernels import triton_matmul  # noqa: E402
-from engine.models import llama  # noqa: E402
+from engine.models import decoder  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # K and N not multiples of any block; K spans several BLOCK_K steps.
@@ -80,8 +80,8 @@ def test_non_contiguous_inputs_and_leading_dims() -> None:
 def test_invariant_linear_sends_kernel_devices_to_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     w, b = _weights(torch.float32)
     x = _x(3, torch.float32)
-    monkeypatch.setattr(llama, "KERNEL_DEVICES", frozenset({"cuda", "cpu"}))
-    assert torch.equal(llama.invariant_linear(x, w, b), triton_matmul.linear(x, w, b))
+    monkeypatch.setattr(decoder, "KERNEL_DEVICES", frozenset({"cuda", "cpu"}))
+    assert torch.equal(decoder.invariant_linear(x, w, b), triton_matmul.linear(x, w, b))
 
 
 def test_without_triton_a_kernel_device_warns_and_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -89,15 +89,15 @@ def test_without_triton_a_kernel_device_warns_and_falls_back(monkeypatch: pytest
 
     monkeypatch.setattr(engine.kernels, "triton_usable", lambda device: False)
     with pytest.warns(UserWarning, match="depend on the batch"):
-        assert llama._kernel_linear.__wrapped__("cuda") is F.linear
+        assert decoder._kernel_linear.__wrapped__("cuda") is F.linear
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the MKL path is CPU's; on CUDA the kernel always runs")
 def test_cpu_keeps_the_mkl_path() -> None:
     w, b = _weights(torch.float32)
     x = _x(3, torch.float32)
-    padded = torch.cat([x, x.new_zeros(llama.MIN_INVARIANT_ROWS - 3, K)])
-    assert torch.equal(llama.invariant_linear(x, w, b), F.linear(padded, w, b)[:3])
+    padded = torch.cat([x, x.new_zeros(decoder.MIN_INVARIANT_ROWS - 3, K)])
+    assert torch.equal(decoder.invariant_linear(x, w, b), F.linear(padded, w, b)[:3])
 
 
 def test_deterministic_logprobs_through_the_kernel_are_batch_invariant(
@@ -105,14 +105,14 @@ def test_deterministic_logprobs_through_the_kernel_are_batch_invariant(
 ) -> None:
     """A prompt's logprobs alone equal its logprobs beside others and with its prompt chunked, with
     every linear layer (the lm_head included) in the Triton matmul."""
-    monkeypatch.setattr(llama, "KERNEL_DEVICES", frozenset({"cuda", "cpu"}))
+    monkeypatch.setattr(decoder, "KERNEL_DEVICES", frozenset({"cuda", "cpu"}))
     calls = []
 
     def counted(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         calls.append(x.shape[0])
         return triton_matmul.linear(x, w, b)
 
-    monkeypatch.setattr(llama, "_kernel_linear", lambda device: counted)
+    monkeypatch.setattr(decoder, "_kernel_linear", lambda device: counted)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, vocab_size, (n,), generator=g).tolist() for n in (9, 20, 4)]
     params = SamplingParams(max_tokens=3, temperature=0.0, logprobs=2, ignore_eos=True)
@@ -152,7 +152,7 @@ def test_deepseek_deterministic_logprobs_through_the_kernels_are_batch_invariant
 ) -> None:
     """Latent attention's per-head matmuls go through the kernel too: a prompt's logprobs alone and
     beside others are the same bits."""
-    monkeypatch.setattr(llama, "KERNEL_DEVICES", frozenset({"cuda", "cpu"}))
+    monkeypatch.setattr(decoder, "KERNEL_DEVICES", frozenset({"cuda", "cpu"}))
     heads = []
     per_head = triton_matmul.per_head_matmul
 
