@@ -41,15 +41,20 @@ def _at(ids: Sequence[int], i: int, marker: list[int]) -> bool:
     return bool(marker) and list(ids[i : i + len(marker)]) == marker
 
 
-def count_thought(ids: Sequence[int], start: list[int], end: list[int], opened: bool) -> int:
+def count_thought(
+    ids: Sequence[int], start: list[int], end: list[int], opened: bool, kept: Sequence[list[int]] = ()
+) -> int:
     """The tokens inside ``<think>`` (``start``) ... ``</think>`` (``end``) in ``ids``; ``opened``:
-    the prompt opened the thought."""
+    the prompt opened the thought; ``kept``: markers that also end it, as the answer's first text
+    (Kimi-K2's tool-call section: the splitter's ``KEPT_ENDS``), not counted either."""
     depth, count, i = int(opened), 0, 0
     while i < len(ids):
         if _at(ids, i, start):
             depth, i = depth + 1, i + len(start)
         elif _at(ids, i, end):
             depth, i = max(0, depth - 1), i + len(end)
+        elif depth and (marker := next((k for k in kept if _at(ids, i, k)), None)) is not None:
+            depth, i = depth - 1, i + len(marker)
         else:
             count += depth > 0
             i += 1
@@ -105,7 +110,8 @@ def reasoning_counter(state: ServerState, thinking_open: bool) -> Counter | None
 
     if parser.marker_tokens:
         start, end = encode(parser.STARTS[0]), encode(parser.ENDS[0])
-        return lambda ids: count_thought(ids, start, end, thinking_open)
+        kept = [encode(marker) for marker in parser.KEPT_ENDS]
+        return lambda ids: count_thought(ids, start, end, thinking_open, kept)
     if issubclass(parser, HarmonySplitter):
         return lambda ids: count_harmony(ids, tokenizer)
     return lambda ids: 0

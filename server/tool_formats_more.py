@@ -1,20 +1,22 @@
-"""More tool-call formats, each on a base of ``server/tool_parser_base.py`` or ``server/tool_formats.py``:
-Step-3's and DeepSeek-V3.2's XML-like sections, Olmo 3's newline-separated Python calls, and the
-formats that mark where a call starts and read it to the end of the answer (granite-20b-fc,
-GigaChat 3) or between their own tokens (FunctionGemma); and vLLM's names for Qwen3-Coder's format
-that MiMo and Step-3.5 write. Registered in ``server/tool_parsers.py``,
-which lists every format.
+"""More tool-call formats, each on a base of ``server/tool_parser_base.py``, ``server/tool_formats.py``
+or ``server/tool_formats_typed.py``: Step-3's and DeepSeek-V3.2's XML-like sections, Olmo 3's
+newline-separated Python calls, and the formats that mark where a call starts and read it to the end
+of the answer (granite-20b-fc, GigaChat 3) or between their own tokens (FunctionGemma); and vLLM's
+names for Qwen3-Coder's format that MiMo and Step-3.5 write. Registered in
+``server/tool_parsers.py``, which lists every format.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from abc import abstractmethod
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
-from server.tool_formats import Qwen3CoderParser, TypedArgumentsParser, WholeAnswerStreamer, python_calls
+from server.tool_formats import WholeAnswerStreamer, python_call_lines
+from server.tool_formats_typed import Qwen3CoderParser, TypedArgumentsParser
 from server.tool_parser_base import (
     MarkedCallParser,
     MarkerStreamer,
@@ -60,7 +62,11 @@ class Step3Parser(TypedArgumentsParser):
     START, END = "<｜tool_calls_begin｜>", "<｜tool_calls_end｜>"
     CALL_BEGIN, CALL_END, SEP = "<｜tool_call_begin｜>", "<｜tool_call_end｜>", "<｜tool_sep｜>"
     _INVOKE = re.compile(r'\s*<steptml:invoke name="([^"]+)">(.*?)(?:</steptml:invoke>\s*)?$', re.S)
-    _PARAMETER = re.compile(r'<steptml:parameter name="([^"]+)">([^<]*)</steptml:parameter>')
+    # A value is everything up to its closing tag (code or markup in it, ``a < b``, is the value's),
+    # never another parameter's opening.
+    _PARAMETER = re.compile(
+        r'<steptml:parameter name="([^"]+)">((?:(?!<steptml:parameter ).)*?)</steptml:parameter>', re.S
+    )
 
     def read_call(self, body: str) -> tuple[str, list[tuple[str, str]]] | None:
         kind, found, invoke = body.partition(self.SEP)
@@ -136,7 +142,8 @@ def _json_or_text(value: str) -> Any:
 
 class Olmo3Parser(ToolParser):
     """Olmo 3: the whole answer is ``<function_calls>`` then one Python call a line (keyword arguments,
-    literal values, JSON's ``null`` / ``true`` / ``false`` too) then ``</function_calls>``."""
+    literal values, JSON's ``null`` / ``true`` / ``false`` too) then ``</function_calls>``; read as
+    Python reads statements, so a call over several lines or a string holding a newline is kept whole."""
 
     name = "olmo3"
     TAG, END_TAG = "<function_calls>", "</function_calls>"
@@ -148,8 +155,10 @@ class Olmo3Parser(ToolParser):
         if not body.startswith(self.TAG):
             return text, []
         body = body[len(self.TAG) :].removesuffix(self.END_TAG)
-        lines = [line.strip() for line in body.splitlines() if line.strip()]
-        calls = python_calls(f"[{', '.join(lines)}]", self.NAMES) if lines else None
+        calls = python_call_lines(body.strip(), self.NAMES)
+        if calls is None:  # indented lines: read one call a line
+            lines = [line.strip() for line in body.splitlines() if line.strip()]
+            calls = python_call_lines("\n".join(lines), self.NAMES)
         return ("", calls) if calls else (text, [])
 
     def streamer(self) -> ToolStreamer:
@@ -180,14 +189,23 @@ class Granite20bFCParser(ReadToEndParser):
     START = "<function_call>"
 
     def read_body(self, body: str) -> list[ParsedCall] | None:
-        calls = []
-        for part in body.split(self.START):
-            values = json_values(part)
-            call = call_from(values[0], ("arguments",)) if values and len(values) == 1 else None
+        """Each call's JSON read where it starts, so ``<function_call>`` inside an argument is text."""
+        decoder, calls, pos = json.JSONDecoder(), [], 0
+        while True:
+            try:
+                value, pos = decoder.raw_decode(body, len(body) - len(body[pos:].lstrip()))
+            except (ValueError, RecursionError):
+                return None
+            call = call_from(value, ("arguments",))
             if call is None:
                 return None
             calls.append(call)
-        return calls
+            rest = body[pos:].lstrip()
+            if not rest:
+                return calls
+            if not rest.startswith(self.START):
+                return None
+            pos = len(body) - len(rest) + len(self.START)
 
 
 class GigaChat3Parser(ReadToEndParser):
@@ -202,7 +220,8 @@ class GigaChat3Parser(ReadToEndParser):
         body = body.lstrip()
         if not body.startswith(self.HEADER):
             return None
-        values = json_values(body[len(self.HEADER) :].rstrip().removesuffix(self.EOS))
+        # Read leniently, as vLLM reads GigaChat's calls: a string may hold raw newlines.
+        values = json_values(body[len(self.HEADER) :].rstrip().removesuffix(self.EOS), strict=False)
         if not values or len(values) != 1 or not isinstance(values[0], dict):
             return None
         call = call_from(values[0], ("arguments",)) if "arguments" in values[0] else None
@@ -210,21 +229,117 @@ class GigaChat3Parser(ReadToEndParser):
 
 
 class FunctionGemmaParser(MarkedCallParser):
-    """FunctionGemma: ``<start_function_call>call:NAME{KEY:<escape>VALUE<escape>,…}<end_function_call>``,
-    any number, after optional text; each value JSON where it reads as JSON, else text."""
+    """FunctionGemma: ``<start_function_call>call:NAME{KEY:VALUE,…}<end_function_call>``, any number,
+    after optional text. As its chat template writes them, strings are between ``<escape>`` tokens
+    (each read as JSON where it reads as JSON, as vLLM reads them, else text), objects ``{…}`` and
+    lists ``[…]`` hold values the same way, and anything else is raw (``3``, ``true``, ``null``: JSON,
+    else text). A call cut off at the end of the answer keeps its arguments complete before the cut."""
 
     name = "functiongemma"
     needs_special_tokens = True
     START, END = "<start_function_call>", "<end_function_call>"
-    _CALL = re.compile(r"\s*call:(\w+)\{(.*?)\}?\s*", re.S)
-    _ARGUMENT = re.compile(r"(\w+):<escape>(.*?)<escape>", re.S)
+    _CALL = re.compile(r"\s*call:([\w.\-]+)\{", re.S)
 
     def read_body(self, body: str) -> list[ParsedCall] | None:
-        m = self._CALL.fullmatch(body)
+        m = self._CALL.match(body)
         if m is None:
             return None
-        arguments = dumps({k: _json_or_text(v) for k, v in self._ARGUMENT.findall(m[2])})
+        args: dict[str, Any] = {}
+        try:
+            end = _GemmaReader(body).items(m.end(), args, "}", 0)
+        except _CutOff:
+            end = len(body)  # the answer ended inside the call: the arguments complete before it
+        except ValueError:
+            return None
+        arguments = dumps(args) if not body[end:].strip() else None
         return None if arguments is None else [ParsedCall(m[1], arguments)]
+
+
+class _CutOff(Exception):
+    """The text ended inside a value."""
+
+
+class _GemmaReader:
+    """FunctionGemma's values, read from ``text``: each method takes the position where its part
+    starts and returns (what it read and) the position after it; ValueError where the text is not
+    that syntax, ``_CutOff`` where it ends first."""
+
+    ESCAPE = "<escape>"
+    RAW_END = re.compile(r"[,}\]]")
+    KEY = re.compile(r"[^:,{}\[\]<>]+")
+    MAX_DEPTH = 64  # objects and lists nested deeper are not a call's arguments
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def items(self, pos: int, into: dict[str, Any] | list[Any], close: str, depth: int) -> int:
+        """An object's ``KEY:VALUE`` pairs (``into`` a dict) or a list's values, up to ``close``;
+        each item is added to ``into`` once it is complete."""
+        if depth > self.MAX_DEPTH:
+            raise ValueError("nested too deep")
+        text, first = self.text, True
+        while True:
+            pos = self._skip(pos)
+            if text[pos] == close:
+                return pos + 1
+            if not first:
+                if text[pos] != ",":
+                    raise ValueError("expected ','")
+                pos = self._skip(pos + 1)
+                if text[pos] == close:  # a trailing comma
+                    return pos + 1
+            first = False
+            if isinstance(into, dict):
+                key, pos = self._key(pos)
+                pos = self._skip(pos)
+                if text[pos] != ":":
+                    raise ValueError("expected ':'")
+                into[key], pos = self.value(self._skip(pos + 1), depth)
+            else:
+                value, pos = self.value(pos, depth)
+                into.append(value)
+
+    def value(self, pos: int, depth: int) -> tuple[Any, int]:
+        text = self.text
+        if text.startswith(self.ESCAPE, pos):
+            string, pos = self._escaped(pos)
+            return _json_or_text(string), pos
+        if text[pos] in "{[":
+            into: dict[str, Any] | list[Any] = {} if text[pos] == "{" else []
+            return into, self.items(pos + 1, into, "}" if text[pos] == "{" else "]", depth + 1)
+        m = self.RAW_END.search(text, pos)
+        if m is None:
+            raise _CutOff  # a raw value may go on
+        raw = text[pos : m.start()].strip()
+        if not raw:
+            raise ValueError("a value is missing")
+        return _json_or_text(raw), m.start()
+
+    def _key(self, pos: int) -> tuple[str, int]:
+        if self.text.startswith(self.ESCAPE, pos):
+            return self._escaped(pos)
+        m = self.KEY.match(self.text, pos)
+        if m is None or not m.group().strip():
+            raise ValueError("a key is missing")
+        if m.end() == len(self.text):
+            raise _CutOff
+        return m.group().strip(), m.end()
+
+    def _escaped(self, pos: int) -> tuple[str, int]:
+        start = pos + len(self.ESCAPE)
+        end = self.text.find(self.ESCAPE, start)
+        if end < 0:
+            raise _CutOff
+        return self.text[start:end], end + len(self.ESCAPE)
+
+    def _skip(self, pos: int) -> int:
+        """The position of the next character that is not whitespace (_CutOff at the end)."""
+        while pos < len(self.text) and self.text[pos].isspace():
+            pos += 1
+        left = len(self.text) - pos
+        if left == 0 or (left < len(self.ESCAPE) and self.ESCAPE.startswith(self.text[pos:])):
+            raise _CutOff  # nothing more, or an <escape> cut off
+        return pos
 
 
 class MimoParser(Qwen3CoderParser):

@@ -6,7 +6,7 @@ through a ``ToolStreamer``, whose result does not depend on how the text was cut
 (content is released as soon as it cannot be the start of a call; a call is released whole when it
 is complete), so a replica resuming a stream (router failover) rebuilds the same state by feeding
 it the text already delivered. The formats: ``server/tool_parsers.py`` (and its registry),
-``server/tool_formats.py``.
+``server/tool_formats.py``, ``server/tool_formats_typed.py``, ``server/tool_formats_more.py``.
 """
 
 from __future__ import annotations
@@ -67,10 +67,11 @@ def call_from(obj: Any, argument_keys: tuple[str, ...] = ("arguments", "paramete
     return None if arguments is None else ParsedCall(obj["name"], arguments)
 
 
-def json_values(text: str, separators: str = "") -> list[Any] | None:
+def json_values(text: str, separators: str = "", strict: bool = True) -> list[Any] | None:
     """Every JSON value in ``text`` (separated by whitespace and ``separators``), or None if any
-    part of it is not JSON."""
-    decoder = json.JSONDecoder()
+    part of it is not JSON (``strict`` False: strings may hold raw control characters, such as the
+    newlines of a multi-line argument some models write unescaped)."""
+    decoder = json.JSONDecoder(strict=strict)
     values, pos = [], 0
     skip = " \t\r\n" + separators
     while True:

@@ -55,13 +55,15 @@ format it was trained on; ``--tool-call-parser`` names that format, as in vLLM:
   "arguments": {…}}``, one or more, to the end of the answer, after optional text;
 * ``gigachat3`` (GigaChat 3): text, then ``<|message_sep|>`` and ``function call<|role_sep|>`` and one
   call object to the end of the answer;
-* ``functiongemma`` (FunctionGemma): ``<start_function_call>call:NAME{KEY:<escape>VALUE<escape>,…}
-  <end_function_call>``, any number, after optional text.
+* ``functiongemma`` (FunctionGemma): ``<start_function_call>call:NAME{KEY:VALUE,…}<end_function_call>``,
+  any number, after optional text; strings between ``<escape>`` tokens, numbers, booleans, lists and
+  objects raw (``days:3,tags:[<escape>a<escape>]``).
 
-The interfaces and the marker streamer are in ``server/tool_parser_base.py``; the whole-answer and
-text-argument formats in ``server/tool_formats.py``, the Step-3, DeepSeek-V3.2, Olmo 3,
-granite-20b-fc, GigaChat 3 and FunctionGemma formats in ``server/tool_formats_more.py``; the JSON and
-special-token formats and the registry here.
+The interfaces and the marker streamer are in ``server/tool_parser_base.py``; the whole-answer
+formats in ``server/tool_formats.py``, the text-argument ones (``qwen3_coder``, ``glm45``, ``seed_oss``,
+``minimax_m2``) in ``server/tool_formats_typed.py``, the Step-3, DeepSeek-V3.2, Olmo 3, granite-20b-fc,
+GigaChat 3 and FunctionGemma formats in ``server/tool_formats_more.py``; the JSON and special-token
+formats and the registry here.
 """
 
 from __future__ import annotations
@@ -73,18 +75,12 @@ from abc import abstractmethod
 from typing import ClassVar
 
 from server.tool_formats import (
-    Glm45Parser,
-    Glm47Parser,
     GraniteParser,
     Llama3JsonParser,
     Llama4JsonParser,
     Llama4PythonicParser,
-    MinimaxM2Parser,
     Phi4MiniJsonParser,
     PythonicParser,
-    Qwen3CoderParser,
-    Qwen3XmlParser,
-    SeedOssParser,
     XlamParser,
     json_call_list,
 )
@@ -97,6 +93,14 @@ from server.tool_formats_more import (
     Olmo3Parser,
     Step3p5Parser,
     Step3Parser,
+)
+from server.tool_formats_typed import (
+    Glm45Parser,
+    Glm47Parser,
+    MinimaxM2Parser,
+    Qwen3CoderParser,
+    Qwen3XmlParser,
+    SeedOssParser,
 )
 from server.tool_parser_base import (
     MarkedCallParser,

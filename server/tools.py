@@ -4,7 +4,7 @@ its answer.
 * ``"none"``: tools are shown to the chat template, the answer is text.
 * a named function (``{"type": "function", "function": {"name": …}}``): the output is constrained
   to that function's ``parameters`` schema (structured outputs, compact JSON) and returned as its
-  one call;
+  one call (none when the answer ends before any argument text, say while thinking);
   ``finish_reason`` stays the generation's, as OpenAI's forced calls do. Any model, no parser.
 * ``"required"``: the output is constrained to a JSON array of one or more ``{"name", "parameters"}``
   objects, one of the tools each (at most one when ``parallel_tool_calls`` is false); returned as
@@ -65,7 +65,8 @@ class ToolPlan:
     def read(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content, calls) of a whole answer."""
         if self.mode == "named":
-            return None, [self._call(ParsedCall(self.name or "", text))]
+            # No argument text (the answer ended while thinking): no call, as a stream sends none.
+            return (None, [self._call(ParsedCall(self.name or "", text))]) if text else (None, [])
         if self.mode == "required":
             calls = read_required(text)
             return (text, []) if calls is None else (None, [self._call(c) for c in calls])

@@ -124,6 +124,19 @@ def test_reasoning_then_a_tool_call() -> None:
     assert [d.function.name for p in parts for d in p.tool_calls] == ["now"]
 
 
+@pytest.mark.parametrize("text", ["Still thinking when max_tokens came", "Thought.</think>", ""])
+def test_a_named_call_with_no_arguments_written_is_no_call(text) -> None:
+    """A named tool choice whose answer ends before any argument text (cut off while thinking) makes
+    no call, whole as streamed: a call whose arguments are "" is not JSON (the whole answer had one)."""
+    plan = ToolPlan("named", name="get_weather")
+    reasoning, content, calls = shape_whole(text, plan, reasoning_splitter("deepseek_r1"))
+    assert (content, calls) == (None, [])
+    shaper = ChoiceShaper(plan, reasoning_splitter("deepseek_r1"))
+    parts = [shaper.feed(text[i : i + 5]) for i in range(0, len(text), 5)] + [shaper.finish()]
+    assert "".join(p.reasoning for p in parts) == (reasoning or "")
+    assert [d for p in parts for d in p.tool_calls] == [] and "".join(p.content for p in parts) == ""
+
+
 def test_harmony_reasoning_then_a_tool_call() -> None:
     text = (
         "<|channel|>analysis<|message|>Use the tool.<|end|><|start|>assistant<|channel|>commentary "
@@ -358,3 +371,8 @@ def test_reasoning_tokens_count_between_each_parsers_own_markers(tiny_llama) -> 
     assert opened(thought + ids("</seed:think>") + ids(" answer")) == len(thought)
     granite = reasoning_counter(SimpleNamespace(reasoning=REASONING_PARSERS["granite"], tokenizer=tok), False)
     assert granite(ids("Here is my thought process: a Here is my response: b")) == 0
+    # Kimi-K2: a tool-call section ends the thought as </think> does (its tokens are the content's)
+    kimi = reasoning_counter(SimpleNamespace(reasoning=REASONING_PARSERS["kimi_k2"], tokenizer=tok), True)
+    section = ids("<|tool_calls_section_begin|>") + ids("<|tool_call_begin|>functions.now:0")
+    assert kimi(thought + section + ids(" more")) == len(thought)
+    assert kimi(thought + ids("</think>") + ids(" answer")) == len(thought)

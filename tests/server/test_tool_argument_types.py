@@ -10,7 +10,8 @@ import json
 import pytest
 
 from server.tool_parsers import get_tool_parser
-from server.tools import validated_tools
+from server.tools import plan_tools, validated_tools
+from tests.server.test_tool_parsers import _req
 
 PROPS = {
     "s": {"type": "string"},
@@ -83,3 +84,21 @@ def test_qwen3_coder_types_as_vllm(key: str, value: str, expected: object) -> No
 )
 def test_glm45_types_as_vllm(key: str, value: str, expected: object) -> None:
     assert _glm45(key, value) == expected
+
+
+@pytest.mark.parametrize(
+    "parser", ["qwen3_coder", "glm45", "minimax_m2", "step3", "seed_oss", "mimo", "step3p5"]
+)
+@pytest.mark.parametrize("properties", ["city", 5, ["city"], True])
+def test_a_tool_whose_properties_are_not_an_object_is_read_untyped(parser: str, properties: object) -> None:
+    """A client's ``properties`` that is not an object (a broken schema "auto" never compiles) leaves
+    the tool's values untyped: it never fails the request (it was a 500)."""
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": "f", "parameters": {"type": "object", "properties": properties}},
+        }
+    ]
+    plan = plan_tools(_req(tools=tools), get_tool_parser(parser))
+    assert plan is not None and plan.mode == "auto"
+    assert plan.parser.schemas == {"f": {}}

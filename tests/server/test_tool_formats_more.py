@@ -69,6 +69,12 @@ CASES = {
             "<｜tool_calls_begin｜><｜tool_call_begin｜>function",
             [],
         ),
+        (  # a value holding "<" (code, markup) is read, not dropped
+            f'<｜tool_calls_begin｜>{STEP3_CALL}<steptml:invoke name="run"><steptml:parameter name="code">'
+            'if a < b: print("<b>")</steptml:parameter></steptml:invoke><｜tool_call_end｜><｜tool_calls_end｜>',
+            "",
+            [ParsedCall("run", json.dumps({"code": 'if a < b: print("<b>")'}))],
+        ),
     ],
     "deepseek_v32": [
         (
@@ -109,6 +115,11 @@ CASES = {
             "<function_calls>\nrun(x=os.getcwd())",
             [],
         ),  # never evaluated
+        (  # a string over several lines kept as written; a call written over several lines
+            "<function_calls>\nwrite(text='''one\ntwo''')\nget_weather(\n    city='Paris',\n)\n</function_calls>",
+            "",
+            [ParsedCall("write", json.dumps({"text": "one\ntwo"})), W],
+        ),
         ("get_weather(city='Paris')", "get_weather(city='Paris')", []),  # no tag: text
         ("It is sunny.", "It is sunny.", []),
     ],
@@ -117,6 +128,12 @@ CASES = {
         (f"Sure. <function_call>{HERMES_NOW}", "Sure. ", [NOW]),
         ('<function_call> {"name": "now"', '<function_call> {"name": "now"', []),  # cut off
         ("<function_call> [1]", "<function_call> [1]", []),
+        (  # the marker inside an argument is the argument's text
+            '<function_call> {"name": "say", "arguments": {"text": "<function_call> is the tag"}}'
+            f"\n<function_call>{HERMES_NOW}",
+            "",
+            [ParsedCall("say", '{"text": "<function_call> is the tag"}'), NOW],
+        ),
     ],
     "gigachat3": [
         (f"Checking.<|message_sep|>\n\nfunction call<|role_sep|>\n{HERMES_W}", "Checking.", [W]),
@@ -127,6 +144,11 @@ CASES = {
             [],
         ),
         ("Hello.<|message_sep|>\n\nsomething else", "Hello.<|message_sep|>\n\nsomething else", []),
+        (  # a string written with raw newlines and tabs (vLLM reads GigaChat's JSON leniently too)
+            '<|message_sep|>function call<|role_sep|>\n{"name": "write", "arguments": {"text": "a\n\tb"}}',
+            "",
+            [ParsedCall("write", json.dumps({"text": "a\n\tb"}))],
+        ),
     ],
     "functiongemma": [
         (
@@ -141,7 +163,40 @@ CASES = {
             "",
             [ParsedCall("book", '{"days": 3, "opts": {"a": [1]}, "who": "Ann"}')],
         ),
+        (  # only strings are between <escape> tokens: numbers, booleans, lists and objects are raw
+            "<start_function_call>call:book{days:3,late:false,note:null,rate:-1.5,tags:[<escape>a, b<escape>,2],"
+            "opts:{<escape>seat<escape>:<escape>12A<escape>,near:{exit:true}},who:<escape>Ann<escape>}"
+            "<end_function_call>",
+            "",
+            [
+                ParsedCall(
+                    "book",
+                    json.dumps(
+                        {
+                            "days": 3,
+                            "late": False,
+                            "note": None,
+                            "rate": -1.5,
+                            "tags": ["a, b", 2],
+                            "opts": {"seat": "12A", "near": {"exit": True}},
+                            "who": "Ann",
+                        }
+                    ),
+                )
+            ],
+        ),
+        (
+            "<start_function_call>call:get-weather{city:<escape>Paris<escape>}<end_function_call>",
+            "",
+            [ParsedCall("get-weather", '{"city": "Paris"}')],
+        ),
         ("<start_function_call>call:now{", "", [NOW]),  # cut off
+        ("<start_function_call>call:get_weather{city:<escape>Paris<escape>,days:", "", [W]),  # cut off
+        (  # not the format: text
+            "<start_function_call>call:now{} and more<end_function_call>",
+            "<start_function_call>call:now{} and more<end_function_call>",
+            [],
+        ),
         (
             "<start_function_call>get_weather<end_function_call>",
             "<start_function_call>get_weather<end_function_call>",
