@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from engine.demo_archs import ARCHS, arch_config
+from engine.demo_archs_classic import ARCHS as CLASSIC_ARCHS
+from engine.demo_archs_classic import arch_config as classic_config
 from engine.demo_tokenizer import build_tokenizer
 
 
@@ -48,7 +50,7 @@ def build_model(
     router over 4 biased experts, 2 per token, with a clamped SwiGLU), or one of
     ``engine.demo_archs.ARCHS`` (Seed-OSS, OLMo 3, SmolLM3, GLM-4, ERNIE 4.5 and its MoE, Granite-MoE,
     Gemma 1, EXAONE 4, Hunyuan dense, MiniMax-M2, Arcee, StarCoder2, Command R and R7B, Apertus,
-    dots.llm1).
+    dots.llm1), or of ``engine.demo_archs_classic.ARCHS`` (GPT-NeoX, Phi, StableLM, GPT-J).
     The model's eos is ``<|im_end|>``.
     """
     import torch
@@ -243,6 +245,8 @@ def build_model(
         cls = getattr(transformers, f"Deepseek{version}ForCausalLM")
     elif arch in ARCHS:
         cfg, cls = arch_config(arch, common, hidden_size // num_attention_heads)
+    elif arch in CLASSIC_ARCHS:
+        cfg, cls = classic_config(arch, common, hidden_size // num_attention_heads)
     else:
         raise ValueError(f"unknown tiny architecture {arch!r}")
     if num_labels is not None:
@@ -270,6 +274,8 @@ def build_model(
             elif name.endswith(("act_fn.alpha_p", "act_fn.alpha_n")):  # Apertus' xIELU: differ per layer
                 p.normal_(0.0, 1.0)
             elif "norm" in name and arch in ("starcoder2", "cohere", "cohere2"):  # LayerNorms: not all 1
+                p.normal_(1.0, 0.2)
+            elif arch in CLASSIC_ARCHS:  # LayerNorm weights (GPT-J's ln_1 too): not all 1
                 p.normal_(1.0, 0.2)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # zero at init: make it matter (DeepSeek, GLM)

@@ -14,6 +14,7 @@ from engine.models.config_arch import (
     _gemma3_text_config,
     _llava_config,
 )
+from engine.models.config_classic import CLASSIC_CONFIGS
 from engine.models.config_parts import (
     GemmaConfig,
     MLAConfig,
@@ -88,6 +89,8 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
     logit_scale: float = 1.0  # Cohere's: logits multiplied by it
+    # GPT-NeoX and StableLM's use_parallel_residual: attention and MLP both read the layer's input.
+    parallel_residual: bool = False
     # gpt-oss experts' clamped SwiGLU: (alpha, limit), ``(clamp(up) + 1) * g * sigmoid(alpha * g)``
     # with g the gate clamped above at limit. None: not gpt-oss.
     swiglu: tuple[float, float] | None = None
@@ -145,6 +148,8 @@ class ModelConfig:
             raw = {**_GPT_OSS_DEFAULTS, **raw}
         elif archs[0] in ARCH_DEFAULTS:
             raw = {**ARCH_DEFAULTS[archs[0]], **raw}
+        elif archs[0] in CLASSIC_CONFIGS:  # GPT-NeoX, Phi, StableLM, GPT-J
+            raw = CLASSIC_CONFIGS[archs[0]](raw)
         model_type = raw.get("model_type", "")
         heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
@@ -204,6 +209,7 @@ class ModelConfig:
             residual_multiplier=float(raw.get("residual_multiplier") or 1.0),
             logits_scaling=float(raw.get("logits_scaling") or 1.0),
             logit_scale=float(raw.get("logit_scale") or 1.0),
+            parallel_residual=bool(raw.get("use_parallel_residual", False)),
             partial_rotary_factor=_partial_rotary(raw, rope, head_dim),
             rope_interleave=model_type in ("glm4", "ernie4_5", "ernie4_5_moe", "cohere", "cohere2"),
             layer_rope=_layer_ropes(raw, num_layers, (theta, scaling)),

@@ -23,6 +23,11 @@ _MODELS: dict[str, str] = {
     "CohereForCausalLM": "engine.models.cohere:CohereForCausalLM",
     "Cohere2ForCausalLM": "engine.models.cohere:CohereForCausalLM",  # + sliding layers, NoPE full ones
     "Qwen2ForCausalLM": "engine.models.llama:LlamaForCausalLM",  # Llama + q/k/v bias
+    # The classic LayerNorm families: partial rotary, biases, parallel or sequential residuals.
+    "GPTNeoXForCausalLM": "engine.models.classic:GPTNeoXForCausalLM",  # Pythia: per-head fused qkv
+    "PhiForCausalLM": "engine.models.classic:PhiForCausalLM",  # phi-1/1.5/2: one norm, parallel blocks
+    "StableLmForCausalLM": "engine.models.classic:StableLmForCausalLM",  # SwiGLU, per-head q/k norm
+    "GPTJForCausalLM": "engine.models.classic:GPTJForCausalLM",  # rotary over interleaved pairs
     "GraniteForCausalLM": "engine.models.llama:LlamaForCausalLM",  # Llama + four scalings
     "GraniteMoeForCausalLM": "engine.models.llama:LlamaForCausalLM",  # Granite + MoE MLPs (Mixtral's router)
     "Glm4MoeForCausalLM": "engine.models.llama:LlamaForCausalLM",  # GLM-4.5: Llama attention + V3-style MoE

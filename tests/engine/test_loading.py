@@ -74,8 +74,8 @@ def test_mistral_architecture_runs_as_llama(tiny_llama, tmp_path, prompts) -> No
 
 
 def test_unsupported_architecture_is_named(tiny_llama, tmp_path) -> None:
-    bad = _copy(tiny_llama, tmp_path / "b", architectures=["GPTNeoXForCausalLM"])
-    with pytest.raises(ValueError, match="unsupported architecture 'GPTNeoXForCausalLM'"):
+    bad = _copy(tiny_llama, tmp_path / "b", architectures=["RwkvForCausalLM"])
+    with pytest.raises(ValueError, match="unsupported architecture 'RwkvForCausalLM'"):
         LLM(str(bad), num_kv_blocks=8)
 
 
