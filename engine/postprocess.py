@@ -108,12 +108,11 @@ class Postprocessor:
                 # As vLLM's: a length cap reached on the same token wins.
                 reason, stop_reason = "stop", REPETITION_STOP_REASON
         detok = req.detokenizer
-        # A token its grammar refused is not written: its text is not the client's.
-        text = (
-            detok.append([token], stop_terminated=reason is not None)
-            if detok is not None and not refused
-            else ""
-        )
+        # A token its grammar refused is not written: its text is not the client's. The token that
+        # completes a repetition is output like any other (as vLLM's, and server.token_deltas reads
+        # it so); a token that ends the request by what it is (EOS, a stop id, a grammar's end) has no text.
+        by_token = reason is not None and stop_reason != REPETITION_STOP_REASON
+        text = detok.append([token], stop_terminated=by_token) if detok is not None and not refused else ""
         if reason is None and detok is not None and detok.stop_hit is not None:
             reason, stop_reason = "stop", detok.stop_hit
         if reason is None and (n_out >= (params.max_tokens or 0) or req.num_tokens >= self.max_model_len):
@@ -122,7 +121,9 @@ class Postprocessor:
             req.finish_reason, req.stop_reason = reason, stop_reason
             if detok is not None:
                 text += detok.flush()
-                if detok.stop_hit is not None and stop_reason is None and reason == "length":
+                # A stop string its text completes wins over a length cap or a repetition met on the
+                # same token (vLLM's output processor looks for stop strings after the engine stopped).
+                if detok.stop_hit is not None and not by_token:
                     req.finish_reason, req.stop_reason = "stop", detok.stop_hit
         return self.delta(req, [token], text, entries)
 

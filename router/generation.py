@@ -111,6 +111,12 @@ class Generation(Relay):
     async def _generate_stream(self, pool: Pool, call: ProxyCall, body: dict, send: Send) -> None:
         chat = call.path.endswith("/chat/completions")
         client_logprobs = bool(body.get("logprobs")) if chat else body.get("logprobs") is not None
+        # Logprobs the router asks for (then strips) must not make a body valid that a replica refuses
+        # (logprob_token_ids, chat's top_logprobs, without the client's logprobs) nor replace a chat
+        # logprobs that is not a boolean (the replica's 400 too).
+        asked, named = body.get("logprobs"), body.get("logprob_token_ids")
+        addable = not client_logprobs and named is None
+        addable &= not chat or (body.get("top_logprobs") is None and (asked is None or asked is False))
         resumed = client_resume(body)
         num_choices = _num_choices(body, chat)
         n = body.get("n")
@@ -130,7 +136,7 @@ class Generation(Relay):
             if not _token_ids_askable(base):
                 return json.dumps(base).encode(), False  # the replica answers its 400
             extra: dict[str, Any] = {"return_token_ids": True}
-            router_logprobs = not replica.emits_token_ids and not client_logprobs
+            router_logprobs = addable and not replica.emits_token_ids
             if router_logprobs:  # until this replica shows it honours return_token_ids
                 extra.update(logprobs=True if chat else 0, return_tokens_as_token_ids=True)
             return json.dumps({**base, **extra}).encode(), router_logprobs

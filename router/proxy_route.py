@@ -35,7 +35,7 @@ from router.prompt_keys import TOKENS_GENERATE_PATH, prompt_keys
 from router.relay import ProxyCall
 from router.response_affinity import RESPONSES_PATH, batch_home, is_batch_path
 from router.tracing import end_request, refused, start_request
-from server.middleware import unsupported_encoding, unsupported_encoding_error
+from server.middleware import request_id_of, unsupported_encoding, unsupported_encoding_error
 
 if TYPE_CHECKING:
     from router.app import RouterApp
@@ -174,6 +174,9 @@ async def proxy(app: RouterApp, scope: Scope, receive: Receive, send: Send, requ
             hashes, tokens = await prompt_keys(app.keyer, path, parsed, len(body))
             route.block_hashes = hashes
             route.prompt_tokens = tokens or route.prompt_tokens
+        if path == TOKENS_GENERATE_PATH and header(scope, b"x-request-id") is None:
+            request_id = route.request_id = _generate_id(parsed, request_id)
+            id_header = [(b"x-request-id", request_id.encode())]
     headers = forward_headers(scope)
     if app.replica_auth:  # the router checked the client's key; replicas get theirs
         headers = [(k, v) for k, v in headers if k not in (b"authorization", b"x-api-key")] + app.replica_auth
@@ -202,6 +205,15 @@ async def proxy(app: RouterApp, scope: Scope, receive: Receive, send: Send, requ
     else:
         relay = app.relay.forward
     await _until_disconnect(_admitted(app, relay, call, send, id_header), receive)
+
+
+def _generate_id(body: dict, request_id: str) -> str:
+    """A generate request's id when its client sent no X-Request-Id: its body's ``request_id``, which a
+    replica names the answer after (``generate-tokens-{request_id}``, as vLLM's) only when no
+    X-Request-Id comes with it, and the router sends every replica one; else the router's own."""
+    named = body.get("request_id")
+    valid = isinstance(named, str) and request_id_of(named.encode("latin-1", "replace")) == named
+    return named if valid else request_id
 
 
 def _follow_responses(app: RouterApp, call: ProxyCall) -> None:

@@ -127,7 +127,9 @@ class SamplingResume(_Request):
         return self
 
 
-XargValue = StrictStr | StrictInt | StrictFloat  # one value of vLLM's vllm_xargs
+# One value of vLLM's vllm_xargs: its str | int | float, which (lax there) takes a JSON true or false
+# too (as 1 or 0; unused here).
+XargValue = StrictStr | StrictInt | StrictFloat | StrictBool
 JsonValue = dict[str, Any] | list[Any] | StrictStr | StrictInt | StrictFloat | StrictBool
 
 

@@ -24,9 +24,15 @@ from server.completion_protocol import CompletionRequest
 from server.errors import bad_request, validation_error
 from server.logprobs import prompt_logprobs_out
 from server.params import check_token_ids, resolve_max_tokens
-from server.protocol import SamplingResume, StreamOptions, _Request
+from server.protocol import INT64_MAX, INT64_MIN, SamplingResume, StreamOptions, _Request
 from server.sequence_request import SequenceRequest
-from server.serving_common import UsageTracker, plan_off_loop, refused_before_start, stream_errors
+from server.serving_common import (
+    UsageTracker,
+    compile_constraints,
+    plan_off_loop,
+    refused_before_start,
+    stream_errors,
+)
 from server.serving_completions import plan_completion
 from server.state import ServerState
 from server.streaming import DONE_FRAME, FinalFrames, SSEResponse, run_or_disconnect, sse_frame
@@ -79,7 +85,7 @@ class GenerateRequest(_Request):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     cache_salt: StrictStr | None = Field(default=None, min_length=1, max_length=4096)
-    priority: StrictInt = 0
+    priority: StrictInt = Field(default=0, ge=INT64_MIN, le=INT64_MAX)
     features: Any = None  # multimodal features: not taken (400 when given)
     kv_transfer_params: dict[str, Any] | None = None
     # ferry's, as on completions (router -> replica): go on after the tokens a stream already sent
@@ -121,9 +127,10 @@ def completion_of(state: ServerState, body: GenerateRequest) -> CompletionReques
         data["resume"] = body.resume.model_dump(exclude_none=True)
     if "max_tokens" not in fields:
         # vLLM's: no budget asked for, the rest of the context (or the generation config's cap).
-        data["max_tokens"] = resolve_max_tokens(
-            CompletionRequest(prompt=body.token_ids, max_tokens=None), len(body.token_ids), state.limits, None
-        )
+        # (A request built with max_tokens=None would read as the completions default, 16: a null
+        # is taken as unset there.)
+        unset = CompletionRequest(prompt=body.token_ids).model_copy(update={"max_tokens": None})
+        data["max_tokens"] = resolve_max_tokens(unset, len(body.token_ids), state.limits, None)
     try:
         return CompletionRequest.model_validate(data)
     except ValidationError as e:
@@ -183,6 +190,8 @@ async def generate(
     req = completion_of(state, body)
     await state.resolve_model(req.model)
     _, seqs = await plan_off_loop(0, plan_completion, state, req, [])
+    # A constraint that does not compile is a 400, streamed or not (not an error event in a 200).
+    await compile_constraints(state, seqs, "sampling_params.structured_outputs")
     ticket = state.generation.admit(len(seqs), submitted)
     state.metrics.observe_params(req.n, seqs[0].params.max_tokens)
     response_id = f"generate-tokens-{named or request_id}"

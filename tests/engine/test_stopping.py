@@ -233,11 +233,30 @@ def test_repetition_detection_offline(llm) -> None:
     out = llm.generate(PROMPT, params)[0].outputs[0]
     assert list(out.token_ids) == ids[:end]
     assert (out.finish_reason, out.stop_reason) == ("stop", "repetition_detected")
+    # The token that completes the loop keeps its text (as vLLM's): only an EOS or a stop id has none.
+    capped = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=end, ignore_eos=True))
+    assert out.text == capped[0].outputs[0].text
     later = first_end(end + 1)
     assert later is not None, ids
     params.min_tokens = end + 1
     out = llm.generate(PROMPT, params)[0].outputs[0]
     assert list(out.token_ids) == ids[:later] and out.stop_reason == "repetition_detected"
+
+
+def test_a_stop_string_on_the_repeating_token_wins(llm) -> None:
+    """The token that completes a repetition keeps its text, so it may complete a stop string too: the
+    stop string then ends the request (vLLM looks for stop strings after its engine stopped), its text
+    cut there or kept with ``include_stop_str_in_output``."""
+    piece = llm.tokenizer.decode([5])
+    rule = {"max_pattern_size": 1, "min_count": 3}
+    base = {"temperature": 0.0, "max_tokens": 10, "logit_bias": {5: 100.0}, "repetition_detection": rule}
+    out = llm.generate(PROMPT, SamplingParams(**base))[0].outputs[0]
+    assert (list(out.token_ids), out.text, out.stop_reason) == ([5, 5, 5], piece * 3, "repetition_detected")
+    for keep, text in ((False, ""), (True, piece * 3)):
+        params = SamplingParams(**base, stop=[piece * 3], include_stop_str_in_output=keep)
+        out = llm.generate(PROMPT, params)[0].outputs[0]
+        assert (list(out.token_ids), out.text) == ([5, 5, 5], text)
+        assert (out.finish_reason, out.stop_reason) == ("stop", piece * 3)
 
 
 def test_logprob_token_ids_offline(llm) -> None:

@@ -149,6 +149,19 @@ def test_round_robin_exact_distribution_and_request_id(cluster: Cluster, pair: l
     routed = httpx.post(router.url + "/inference/v1/generate", json=rendered.json(), timeout=30)
     assert routed.status_code == 200, routed.text
     assert routed.json()["choices"] == direct["choices"]
+    # With no X-Request-Id, the body's request_id names the answer through the router as it does
+    # direct (vLLM's rule), whole and streamed; a client's X-Request-Id still wins.
+    named = "generate-tokens-" + rendered.json()["request_id"]
+    assert routed.json()["id"] == direct["id"] == named
+    assert routed.headers["x-request-id"] == rendered.json()["request_id"]
+    stream = {**rendered.json(), "stream": True}
+    with httpx.stream("POST", router.url + "/inference/v1/generate", json=stream, timeout=30) as r:
+        ids = {json.loads(line[6:])["request_id"] for line in r.iter_lines() if line.startswith("data: {")}
+    assert ids == {named}
+    mine = httpx.post(
+        router.url + "/inference/v1/generate", json=rendered.json(), headers={"X-Request-Id": "mine-2"}
+    )
+    assert mine.json()["id"] == "generate-tokens-mine-2"
     # A client's error is the answer: one replica saw it, none was asked again.
     retries = metric(router.url, "ferry:router_retries_total")
     seen = {u: r["total_requests"] for u, r in replicas_view(router).items()}
@@ -180,6 +193,18 @@ def test_limits_and_bad_input_are_clear_4xx(cluster: Cluster, pair: list[Proc]) 
     # The replica's own validation errors pass through untouched.
     neg = httpx.post(router.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": -1})
     assert neg.status_code == 400 and "error" in neg.json()
+    # Streams before this replica showed it answers return_token_ids (the router asks logprobs to
+    # resume them): a body that needs the client's own logprobs is still the replica's 400.
+    for path, needs in (
+        ("/v1/chat/completions", {"top_logprobs": 2}),
+        ("/v1/chat/completions", {"logprob_token_ids": [3]}),
+        ("/v1/completions", {"logprob_token_ids": [3]}),
+    ):
+        prompt = {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"}
+        body = {"model": MODEL, "max_tokens": 2, "stream": True, **prompt, **needs}
+        routed, direct = (httpx.post(url + path, json=body) for url in (router.url, a.url))
+        assert routed.status_code == direct.status_code == 400, routed.text
+        assert routed.json() == direct.json()
     # A body the cache_aware keyer cannot read still reaches the replica, which names the mistake.
     part = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}
     odd = httpx.post(router.url + "/v1/chat/completions", json=part)

@@ -242,6 +242,8 @@ def test_generate_logprobs_stream_and_chat_render(server) -> None:
         ({"token_ids": [1, 2], "sampling_params": {"frobnicate": 1}}, "sampling_params.frobnicate"),
         ({"token_ids": [1, 2]}, "sampling_params"),
         ({"token_ids": [1, 2], "sampling_params": {}, "features": {"mm_hashes": {}}}, "features"),
+        # a top-level field's 400 names it, not sampling_params.priority
+        ({"token_ids": [1, 2], "sampling_params": {}, "priority": 2**80}, "priority"),
     ],
 )
 def test_generate_refuses_bad_bodies_with_400(server, body: dict, param: str) -> None:
@@ -250,6 +252,32 @@ def test_generate_refuses_bad_bodies_with_400(server, body: dict, param: str) ->
     error = r.json()["error"]
     assert error["type"] == "BadRequestError"
     assert error["param"] == param, error
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_generate_refuses_a_constraint_that_does_not_compile(server, stream: bool) -> None:
+    """As completions: a 400 naming the field before a stream starts, not an error event in a 200."""
+    params = {"max_tokens": 3, "structured_outputs": {"regex": "("}}
+    body = {"token_ids": [1, 2], "stream": stream, "sampling_params": params}
+    r = _post(server, "/inference/v1/generate", body)
+    assert r.status_code == 400 and r.headers["content-type"] == "application/json", r.text
+    assert r.json()["error"]["param"] == "sampling_params.structured_outputs"
+    assert "regex" in r.json()["error"]["message"]
+
+
+def test_generate_without_max_tokens_runs_to_the_end_of_the_context(server) -> None:
+    """No ``sampling_params.max_tokens``: the rest of the context is the budget (vLLM's
+    ``get_max_tokens`` for a generate that leaves it out), not the completions default of 16, and a
+    prompt with fewer than 16 tokens of room left is run, not refused."""
+    params = {"temperature": 0, "ignore_eos": True}
+    for prompt_len in (1000, 1010):
+        r = _post(
+            server, "/inference/v1/generate", {"token_ids": [5] * prompt_len, "sampling_params": params}
+        )
+        assert r.status_code == 200, r.text
+        (choice,) = r.json()["choices"]
+        assert len(choice["token_ids"]) == 1024 - prompt_len and choice["finish_reason"] == "length"
+        assert r.json()["usage"]["total_tokens"] == 1024
 
 
 def test_a_rendered_constraint_and_n_go_back_through_generate(server) -> None:

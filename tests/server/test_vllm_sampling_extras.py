@@ -215,12 +215,16 @@ def test_repetition_detection_stops_where_the_loop_completes(server, rule, lo) -
     # A length cap reached on that very token wins, as in vLLM.
     capped = _complete(server, ignore_eos=True, max_tokens=end, repetition_detection=rule)["choices"][0]
     assert (capped["finish_reason"], capped["stop_reason"]) == ("length", None)
+    # The token that completes the loop is output with its text, as vLLM's (only an EOS or a stop
+    # id ends a request textless): the same tokens, the same text.
+    assert got["text"] == capped["text"]
     body = {"prompt": PROMPT, "max_tokens": 96, "temperature": 0, "ignore_eos": True, "stream": True}
     with httpx.stream(
         "POST", server.url + "/v1/completions", json={**body, **IDS, "repetition_detection": rule}, timeout=60
     ) as r:
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     assert [t for c in chunks for t in c["choices"][0]["token_ids"] or []] == full[:end]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == capped["text"]
     assert (chunks[-1]["choices"][0]["finish_reason"], chunks[-1]["choices"][0]["stop_reason"]) == (
         "stop",
         REPEATS,
@@ -239,6 +243,8 @@ def test_repetition_detection_on_chat_and_generate(server) -> None:
     got = httpx.post(url, json={**body, "repetition_detection": rule}, timeout=60).json()["choices"][0]
     assert got["token_ids"] == full[:end]
     assert (got["finish_reason"], got["stop_reason"]) == ("stop", REPEATS)
+    capped = httpx.post(url, json={**body, "max_tokens": end}, timeout=60).json()["choices"][0]
+    assert got["message"]["content"] == capped["message"]["content"]  # the last token's text too
 
     rule = {"max_pattern_size": 4, "min_pattern_size": 1, "min_count": 3}
     plain = _complete(server, ignore_eos=True, max_tokens=96)["choices"][0]["token_ids"]
@@ -386,6 +392,8 @@ def test_stream_interval_batches_tokens(server, path) -> None:
     ("xargs", "status"),
     [
         ({"mode": "fast", "k": 3, "w": 0.5, "ids": [1, "a", 2.5]}, 200),
+        ({"on": True, "flags": [False, 1]}, 200),  # vLLM's (lax) int takes a boolean
+        ({"unset": None}, 400),
         ({"nested": {"a": 1}}, 400),
         ({"flags": [[1]]}, 400),
         ("a=1", 400),
