@@ -12,6 +12,9 @@ from pathlib import Path
 from engine.demo_archs import ARCHS, arch_config
 from engine.demo_archs_classic import ARCHS as CLASSIC_ARCHS
 from engine.demo_archs_classic import arch_config as classic_config
+from engine.demo_archs_learned import ARCHS as LEARNED_ARCHS
+from engine.demo_archs_learned import NORMS as LEARNED_NORMS
+from engine.demo_archs_learned import arch_config as learned_arch_config
 from engine.demo_tokenizer import build_tokenizer
 
 
@@ -50,7 +53,8 @@ def build_model(
     router over 4 biased experts, 2 per token, with a clamped SwiGLU), or one of
     ``engine.demo_archs.ARCHS`` (Seed-OSS, OLMo 3, SmolLM3, GLM-4, ERNIE 4.5 and its MoE, Granite-MoE,
     Gemma 1, EXAONE 4, Hunyuan dense, MiniMax-M2, Arcee, StarCoder2, Command R and R7B, Apertus,
-    dots.llm1), or of ``engine.demo_archs_classic.ARCHS`` (GPT-NeoX, Phi, StableLM, GPT-J).
+    dots.llm1), of ``engine.demo_archs_classic.ARCHS`` (GPT-NeoX, Phi, StableLM, GPT-J) or of
+    ``engine.demo_archs_learned.ARCHS`` (GPT-2, OPT, OLMoE, Nemotron).
     The model's eos is ``<|im_end|>``.
     """
     import torch
@@ -247,6 +251,8 @@ def build_model(
         cfg, cls = arch_config(arch, common, hidden_size // num_attention_heads)
     elif arch in CLASSIC_ARCHS:
         cfg, cls = classic_config(arch, common, hidden_size // num_attention_heads)
+    elif arch in LEARNED_ARCHS:  # GPT-2, OPT, OLMoE, Nemotron
+        cfg, cls = learned_arch_config(arch, common, hidden_size // num_attention_heads)
     else:
         raise ValueError(f"unknown tiny architecture {arch!r}")
     if num_labels is not None:
@@ -273,7 +279,9 @@ def build_model(
                 p.normal_(0.0, 1.0)
             elif name.endswith(("act_fn.alpha_p", "act_fn.alpha_n")):  # Apertus' xIELU: differ per layer
                 p.normal_(0.0, 1.0)
-            elif "norm" in name and arch in ("starcoder2", "cohere", "cohere2"):  # LayerNorms: not all 1
+            elif ("norm" in name and arch in ("starcoder2", "cohere", "cohere2")) or (
+                arch in LEARNED_ARCHS and any(n in name for n in LEARNED_NORMS)
+            ):  # LayerNorms: not all 1
                 p.normal_(1.0, 0.2)
             elif arch in CLASSIC_ARCHS:  # LayerNorm weights (GPT-J's ln_1 too): not all 1
                 p.normal_(1.0, 0.2)

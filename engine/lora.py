@@ -40,8 +40,9 @@ GROUPS = ("qkv", "o", "gate_up", "down")
 ModuleSlot = tuple[str, int, int, int]
 Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
+# OPT's layers sit under ``model.decoder.``.
 _KEY = re.compile(
-    r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(self_attn|mlp|block_sparse_moe)\."
+    r"^(?:base_model\.model\.)?(?:model\.)?(?:decoder\.)?layers\.(\d+)\.(self_attn|mlp|block_sparse_moe)\."
     r"([A-Za-z0-9_.]+?)\.lora_([AB])\.weight$"
 )
 

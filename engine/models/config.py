@@ -15,6 +15,7 @@ from engine.models.config_arch import (
     _llava_config,
 )
 from engine.models.config_classic import CLASSIC_CONFIGS
+from engine.models.config_learned import LEARNED_ARCHS, AbsoluteConfig, absolute_config, learned_config
 from engine.models.config_parts import (
     GemmaConfig,
     MLAConfig,
@@ -33,6 +34,7 @@ from engine.models.quant_config import WeightQuant, from_config
 __all__ = [
     "GemmaConfig",
     "MLAConfig",
+    "AbsoluteConfig",
     "ModelConfig",
     "MoEConfig",
     "VisionConfig",
@@ -101,6 +103,8 @@ class ModelConfig:
     # the list, when given, names the only sizes a request may ask for.
     is_matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] | None = None
+    # GPT-2 / OPT: learned absolute positions and their options. None: not such a model.
+    absolute: AbsoluteConfig | None = None
 
     # The paged KV cache per layer: ``kv_cache_parts`` tensors (K and V, or MLA's one latent) of
     # ``[num_blocks, block_size, kv_cache_heads, kv_cache_dim]``.
@@ -146,6 +150,8 @@ class ModelConfig:
             raw = {**_GEMMA2_DEFAULTS, **raw}
         elif archs[0] == "GptOssForCausalLM":
             raw = {**_GPT_OSS_DEFAULTS, **raw}
+        elif archs[0] in LEARNED_ARCHS:
+            raw = learned_config(raw)
         elif archs[0] in ARCH_DEFAULTS:
             raw = {**ARCH_DEFAULTS[archs[0]], **raw}
         elif archs[0] in CLASSIC_CONFIGS:  # GPT-NeoX, Phi, StableLM, GPT-J
@@ -162,7 +168,9 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
         dtype = str(raw.get("dtype") or raw.get("torch_dtype") or "float32").replace("torch.", "")
         # use_bias: ERNIE 4.5's, on every projection (StarCoder2's biases are served).
-        if raw.get("mlp_bias") or (raw.get("use_bias") and model_type != "starcoder2"):
+        if (raw.get("mlp_bias") and model_type != "nemotron") or (
+            raw.get("use_bias") and model_type != "starcoder2"
+        ):
             raise ValueError("MLP biases (mlp_bias / use_bias = true) are not supported")
         quant = raw.get("quantization_config")
         weight_quant = from_config(quant) if isinstance(quant, dict) else None
@@ -219,6 +227,7 @@ class ModelConfig:
             vision=vision,
             is_matryoshka=raw.get("is_matryoshka") is True or bool(raw.get("matryoshka_dimensions")),
             matryoshka_dimensions=matryoshka_dimensions(raw.get("matryoshka_dimensions")),
+            absolute=absolute_config(raw),
         )
 
 

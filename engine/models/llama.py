@@ -5,7 +5,8 @@ norm, DeepSeek-V3's router and shared experts), Granite and Granite-MoE (embeddi
 and logit multipliers), Seed-OSS (q/k/v bias), SmolLM3 (layers without rotary), GLM-4-0414 (norms
 after attention and MLP too, rotary in interleaved pairs), ERNIE 4.5 and its MoE (interleaved rotary;
 a softmax router with a correction bias), Hunyuan dense (q/k norm after rotary), MiniMax-M2 (q/k norm
-over all heads, partial rotary, a sigmoid router with a correction bias).
+over all heads, partial rotary, a sigmoid router with a correction bias), OLMoE (q/k norm over all
+heads, a softmax top-k router over every layer's experts).
 
 Weights are held as plain tensors with q/k/v and gate/up fused into one matmul each; the frame
 (construction, attention through o_proj, LoRA, the head) is ``engine/models/decoder.py``'s.

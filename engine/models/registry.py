@@ -28,6 +28,13 @@ _MODELS: dict[str, str] = {
     "PhiForCausalLM": "engine.models.classic:PhiForCausalLM",  # phi-1/1.5/2: one norm, parallel blocks
     "StableLmForCausalLM": "engine.models.classic:StableLmForCausalLM",  # SwiGLU, per-head q/k norm
     "GPTJForCausalLM": "engine.models.classic:GPTJForCausalLM",  # rotary over interleaved pairs
+    # Learned absolute positions, LayerNorms, biased MHA and an ungated MLP; GPT-2's Conv1D weights.
+    "GPT2LMHeadModel": "engine.models.gpt2:GPT2LMHeadModel",
+    "OPTForCausalLM": "engine.models.gpt2:OPTForCausalLM",  # positions offset 2, pre- or post-norm
+    # OLMoE: Llama + q/k RMSNorm over whole projections + MoE MLPs (softmax top-k router).
+    "OlmoeForCausalLM": "engine.models.llama:LlamaForCausalLM",
+    # Nemotron-4 / Minitron: LayerNorm1p, partial rotary, an ungated ReLU^2 MLP.
+    "NemotronForCausalLM": "engine.models.nemotron:NemotronForCausalLM",
     "GraniteForCausalLM": "engine.models.llama:LlamaForCausalLM",  # Llama + four scalings
     "GraniteMoeForCausalLM": "engine.models.llama:LlamaForCausalLM",  # Granite + MoE MLPs (Mixtral's router)
     "Glm4MoeForCausalLM": "engine.models.llama:LlamaForCausalLM",  # GLM-4.5: Llama attention + V3-style MoE

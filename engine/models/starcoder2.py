@@ -74,7 +74,7 @@ class Starcoder2ForCausalLM(DecoderBase):
             if residual is None:
                 residual = hidden
             q, k, v = split_heads(self._project(i, "qkv", x, layer["qkv"], layer["qkv_bias"]), cfg)
-            q, k = apply_rope(ops, positions, q, k, cos_sin, cfg.head_dim, False)  # type: ignore[arg-type]
+            q, k = apply_rope(ops, positions, q, k, cos_sin, self.rotary_dim, False)  # type: ignore[arg-type]
             hidden = self._attend(i, layer, q, k, v, kv_cache, scales, meta, window)
             x, residual = ops.layer_norm(hidden, layer["post_norm"], layer["post_norm_bias"], eps, residual)
             hidden = linear(
