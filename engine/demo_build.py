@@ -9,6 +9,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from engine import demo_archs_llama4
 from engine.demo_archs import ARCHS, arch_config
 from engine.demo_archs_classic import ARCHS as CLASSIC_ARCHS
 from engine.demo_archs_classic import arch_config as classic_config
@@ -253,6 +254,8 @@ def build_model(
         cfg, cls = classic_config(arch, common, hidden_size // num_attention_heads)
     elif arch in LEARNED_ARCHS:  # GPT-2, OPT, OLMoE, Nemotron
         cfg, cls = learned_arch_config(arch, common, hidden_size // num_attention_heads)
+    elif arch in demo_archs_llama4.ARCHS:
+        cfg, cls = demo_archs_llama4.arch_config(arch, common, hidden_size // num_attention_heads)
     else:
         raise ValueError(f"unknown tiny architecture {arch!r}")
     if num_labels is not None:

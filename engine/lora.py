@@ -3,7 +3,7 @@ adapters, and each step's batch, from which the model's projections add their lo
 
 An adapter is a directory as PEFT saves it: ``adapter_config.json`` (``r``, ``lora_alpha``,
 ``use_rslora``, ``alpha_pattern``…) and ``adapter_model.safetensors`` with
-``…layers.{i}.{self_attn|mlp}.{module}.lora_A.weight`` (``[r, in]``) and ``….lora_B.weight``
+``…layers.{i}.{self_attn|mlp|feed_forward}.{module}.lora_A.weight`` (``[r, in]``) and ``….lora_B.weight``
 (``[out, r]``). A module's update is ``B @ A @ x * scale``, ``scale = alpha / r`` (``alpha / √r``
 with rsLoRA). What ferry cannot apply exactly is refused at load, by name: DoRA, trained biases,
 ``modules_to_save``, embeddings or the LM head, experts of a mixture-of-experts layer, a rank
@@ -42,7 +42,8 @@ Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tenso
 
 # OPT's layers sit under ``model.decoder.``.
 _KEY = re.compile(
-    r"^(?:base_model\.model\.)?(?:model\.)?(?:decoder\.)?layers\.(\d+)\.(self_attn|mlp|block_sparse_moe)\."
+    r"^(?:base_model\.model\.)?(?:model\.)?(?:decoder\.)?layers\.(\d+)\."
+    r"(self_attn|mlp|feed_forward|block_sparse_moe)\."  # feed_forward: Llama 4's MLP
     r"([A-Za-z0-9_.]+?)\.lora_([AB])\.weight$"
 )
 
@@ -245,7 +246,7 @@ def _why(key: str) -> str:
 def _no_slot(full: str, layout: dict[str, ModuleSlot]) -> str:
     block, module = full.split(".", 1)
     if block == "block_sparse_moe" or (
-        block == "mlp" and not any(s[0] == "gate_up" for s in layout.values())
+        block in ("mlp", "feed_forward") and not any(s[0] == "gate_up" for s in layout.values())
     ):
         return "LoRA on a mixture-of-experts layer is not supported"
     return f"no projection {module!r} takes LoRA here (these do: {', '.join(sorted(layout))})"

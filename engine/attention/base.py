@@ -114,6 +114,13 @@ def store_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, sca
     raw(flat).index_copy_(0, slots, raw(to_cache(rows, cache.dtype, scale)))
 
 
+def lowest_key(q_pos: int, window: int | None, chunk: int | None) -> int:
+    """The first key position a query at ``q_pos`` sees under a sliding ``window`` and a ``chunk``
+    (either None: no such limit); keys up to ``q_pos`` from there on are all visible."""
+    low = 0 if window is None else max(q_pos - window + 1, 0)
+    return low if chunk is None else max(low, q_pos // chunk * chunk)
+
+
 class AttentionBackend(ABC):
     """Writes new K/V into the paged cache and runs causal attention for the new tokens.
 
@@ -143,11 +150,14 @@ class AttentionBackend(ABC):
         sinks: torch.Tensor | None = None,  # [Hq] fp32
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        chunk: int | None = None,
     ) -> torch.Tensor:  # [T, Hq, D]
         """Store ``k``/``v`` at ``meta.slot_mapping``, then attend each new token over its sequence's
         cached prefix plus the new tokens up to and including itself (GQA: query head h reads KV head
         ``h // (Hq // Hkv)``). With a sliding ``window``, the token at position q sees only keys at
-        positions k with ``q - window < k <= q``. With ``softcap`` (Gemma 2), the scaled scores
+        positions k with ``q - window < k <= q``. With a ``chunk`` (Llama 4's chunked local attention)
+        it sees only keys of its own chunk: ``q // chunk == k // chunk`` (both limits may apply; the
+        first key a query sees is ``lowest_key``'s). With ``softcap`` (Gemma 2), the scaled scores
         become ``softcap * tanh(score / softcap)`` before the softmax. With ``sinks`` (gpt-oss),
         head h's softmax has one more logit, ``sinks[h]``, whose value is zero: it takes probability
         mass and adds nothing. A model passes ``sinks`` only if it has them (decided at load).

@@ -9,9 +9,10 @@ Two numerics, chosen at construction:
   depend on the batch (rows padded to at least ``MIN_ROWS``: MKL picks a different kernel, with a
   different summation order, for very small M).
 
-A sliding-window layer gathers only the blocks its window reaches. In deterministic mode the
-gathered keys start at a multiple of ``TILE`` (and of the block size), so tiles still sit at the
-same absolute positions and the tiles left out would only have added exact zeros.
+A sliding-window layer gathers only the blocks its window reaches (a chunked layer, Llama 4's, only
+those of its query's chunk: the same code with another first visible key, ``lowest_key``). In
+deterministic mode the gathered keys start at a multiple of ``TILE`` (and of the block size), so tiles
+still sit at the same absolute positions and the tiles left out would only have added exact zeros.
 
 Soft-capped scores (Gemma 2) and attention sinks (gpt-oss) take explicit fp32 scores in the fast
 path (SDPA has neither); layers without them keep SDPA.
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import AttentionBackend, AttentionMetadata, store_rows
+from engine.attention.base import AttentionBackend, AttentionMetadata, lowest_key, store_rows
 from engine.attention.torch_ops import TILE, _attend_det, _gather, _read_rows, _sdpa
 
 # Chunks of at most this many tokens (decodes, and a decode's draft tokens under verification)
@@ -49,7 +50,7 @@ class _DecodeGroup:
 
 @dataclass
 class _DecodeKeys:
-    """A decode group's keys under one window, padded to the group's longest span.
+    """A decode group's keys under one window (and chunk), padded to the group's longest span.
 
     Each row's keys are gathered from the first block its window reaches, so key index ``j`` of
     a row is position ``first_key + j`` for that row's own ``first_key``.
@@ -76,7 +77,8 @@ class _Prefill:
 
 @dataclass
 class _WindowPlan:
-    """What the layers with one window read: each decode group's keys (same order) and the prefills."""
+    """What the layers with one (window, chunk) read: each decode group's keys (same order) and the
+    prefills."""
 
     decode_keys: list[_DecodeKeys]
     prefills: list[_Prefill]
@@ -84,12 +86,12 @@ class _WindowPlan:
 
 @dataclass
 class _Plan:
-    """Per-step index tensors shared by every layer. What depends on the window is built by the
-    first layer with that window and kept by window value for the others."""
+    """Per-step index tensors shared by every layer. What depends on the window (and chunk) is built
+    by the first layer with that pair and kept by its value for the others."""
 
     decode_groups: list[_DecodeGroup]
     prefill_seqs: list[tuple[int, int]]  # (batch index, first row) of each multi-token chunk
-    windows: dict[int | None, _WindowPlan] = field(default_factory=dict)
+    windows: dict[tuple[int | None, int | None], _WindowPlan] = field(default_factory=dict)
 
 
 def _split_by_length(seqs: list[int], lens: list[int]) -> list[list[int]]:
@@ -148,7 +150,12 @@ class TorchAttentionBackend(AttentionBackend):
         return plan
 
     def _window_plan(
-        self, plan: _Plan, meta: AttentionMetadata, device: torch.device, window: int | None
+        self,
+        plan: _Plan,
+        meta: AttentionMetadata,
+        device: torch.device,
+        window: int | None,
+        chunk: int | None,
     ) -> _WindowPlan:
         bs = meta.block_size
         # Deterministic tiles must keep their absolute positions, so gathering starts at a tile
@@ -157,13 +164,13 @@ class TorchAttentionBackend(AttentionBackend):
 
         def first_key(q_pos: int) -> int:
             """Where the keys gathered for queries from ``q_pos`` on start."""
-            if window is None or q_pos < window:
-                return 0
-            return (q_pos - window + 1) // align * align
+            return lowest_key(q_pos, window, chunk) // align * align
 
-        decode_keys = [self._decode_keys(meta, g.seqs, first_key, window, device) for g in plan.decode_groups]
+        decode_keys = [
+            self._decode_keys(meta, g.seqs, first_key, window, chunk, device) for g in plan.decode_groups
+        ]
         prefills = [
-            self._prefill_plan(meta, i, start, first_key(meta.context_lens_host[i]), window, device)
+            self._prefill_plan(meta, i, start, first_key(meta.context_lens_host[i]), window, chunk, device)
             for i, start in plan.prefill_seqs
         ]
         return _WindowPlan(decode_keys, prefills)
@@ -174,6 +181,7 @@ class TorchAttentionBackend(AttentionBackend):
         seqs: list[tuple[int, int]],
         first_key: Callable[[int], int],
         window: int | None,
+        chunk: int | None,
         device: torch.device,
     ) -> _DecodeKeys:
         bs = meta.block_size
@@ -191,14 +199,22 @@ class TorchAttentionBackend(AttentionBackend):
         pos = torch.arange(nb * bs, device=device)[None, :]
         visible = pos <= last[:, None]
         first = None
-        if window is not None:
-            first = (lens_t - window).clamp_(min=0) - fks_t
+        if window is not None or chunk is not None:
+            lows = [lowest_key(n - 1, window, chunk) for n in lens]
+            first = torch.tensor(lows, dtype=torch.long, device=device) - fks_t
             visible &= pos >= first[:, None]
         blocks = torch.tensor(table, dtype=torch.long, device=device)
         return _DecodeKeys(blocks, visible[:, None, None, :], first, last)
 
     def _prefill_plan(
-        self, meta: AttentionMetadata, i: int, start: int, fk: int, window: int | None, device: torch.device
+        self,
+        meta: AttentionMetadata,
+        i: int,
+        start: int,
+        fk: int,
+        window: int | None,
+        chunk: int | None,
+        device: torch.device,
     ) -> _Prefill:
         qlen, ctx, n = meta.query_lens_host[i], meta.context_lens_host[i], meta.seq_lens_host[i]
         bs = meta.block_size
@@ -207,12 +223,16 @@ class TorchAttentionBackend(AttentionBackend):
             table = meta.block_tables_host[i][fk // bs : -(-n // bs)]
             blocks = torch.tensor(table, dtype=torch.long, device=device)
         mask = None
-        if not self.deterministic and (ctx > 0 or (window is not None and window < qlen)):
+        limited = (window is not None and window < qlen) or (chunk is not None and chunk < n)
+        if not self.deterministic and (ctx > 0 or limited):
             # Query i (position ctx + i) sees key j (position fk + j) for
-            # ctx + i - window < fk + j <= ctx + i.
+            # ctx + i - window < fk + j <= ctx + i, within the query's chunk.
             mask = torch.ones(qlen, n - fk, dtype=torch.bool, device=device).tril_(diagonal=ctx - fk)
             if window is not None:
                 mask.triu_(diagonal=ctx - fk - window + 1)
+            if chunk is not None:
+                q_chunk = torch.arange(ctx, n, device=device)[:, None] // chunk
+                mask &= torch.arange(fk, n, device=device)[None, :] // chunk == q_chunk
         return _Prefill(start, qlen, ctx, fk, blocks, mask)
 
     def forward(  # type: ignore[override]
@@ -229,11 +249,12 @@ class TorchAttentionBackend(AttentionBackend):
         sinks=None,
         k_scale=1.0,
         v_scale=1.0,
+        chunk=None,
     ):
         store_rows(k_cache, meta.slot_mapping, k, k_scale)
         store_rows(v_cache, meta.slot_mapping, v, v_scale)
         scales = (k_scale, v_scale)
-        return self._attend(q, k, v, k_cache, v_cache, meta, scale, window, softcap, sinks, scales)
+        return self._attend(q, k, v, k_cache, v_cache, meta, scale, window, softcap, sinks, scales, chunk)
 
     def forward_mla(self, q, kv, kv_cache, meta, scale, v_dim, kv_scale=1.0):  # type: ignore[override]
         store_rows(kv_cache, meta.slot_mapping, kv.view(-1, 1, kv_cache.shape[3]), kv_scale)
@@ -254,11 +275,12 @@ class TorchAttentionBackend(AttentionBackend):
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
         scales: tuple[float, float] = (1.0, 1.0),  # what the caches' values are multiplied by when read
+        chunk: int | None = None,
     ) -> torch.Tensor:
         plan = self._plan(meta, q.device)
-        wplan = plan.windows.get(window)
+        wplan = plan.windows.get((window, chunk))
         if wplan is None:
-            wplan = plan.windows[window] = self._window_plan(plan, meta, q.device, window)
+            wplan = plan.windows[window, chunk] = self._window_plan(plan, meta, q.device, window, chunk)
         dv = v.shape[-1]
         out = q.new_empty((*q.shape[:2], dv))
         decode = self._decode_det if self.deterministic else self._decode
@@ -283,7 +305,7 @@ class TorchAttentionBackend(AttentionBackend):
             else:
                 ks = _gather(k_cache, p.blocks, q.dtype, k_scale)
                 vs = ks[..., :dv] if v_cache is None else _gather(v_cache, p.blocks, q.dtype, v_scale)
-            out[p.start : p.start + p.qlen] = attend(qs, ks, vs, p, window, scale, softcap, sinks)
+            out[p.start : p.start + p.qlen] = attend(qs, ks, vs, p, window, chunk, scale, softcap, sinks)
         return out
 
     @staticmethod
@@ -313,12 +335,13 @@ class TorchAttentionBackend(AttentionBackend):
         v: torch.Tensor,
         p: _Prefill,
         window: int | None,
+        chunk: int | None,
         scale: float,
         softcap: float | None,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One sequence's chunk over keys ``p.first_key .. ctx+Lq-1`` (``k`` may run past them);
-        the window is already in ``p.mask``."""
+        the window and the attention chunk are already in ``p.mask``."""
         nk = p.ctx + p.qlen - p.first_key
         # 4-D [1, H, L, D]: with 3-D inputs PyTorch's CPU SDPA takes its unfused math path, which
         # measured 4-9x slower here than the flash kernel 4-D inputs get (fp32 and bf16).
@@ -343,6 +366,7 @@ class TorchAttentionBackend(AttentionBackend):
         v: torch.Tensor,
         p: _Prefill,
         window: int | None,
+        chunk: int | None,
         scale: float,
         softcap: float | None,
         sinks: torch.Tensor | None = None,
@@ -360,7 +384,12 @@ class TorchAttentionBackend(AttentionBackend):
         qg = q.reshape(lq, hkv, g, d).permute(1, 0, 2, 3).reshape(1, hkv, rows, d)
         q_pos = torch.arange(p.ctx, p.ctx + lq, device=q.device).repeat_interleave(g)[None, :]
         last = q_pos - p.first_key
-        first = None if window is None else (q_pos - window + 1).clamp_(min=p.first_key) - p.first_key
+        first = None
+        if window is not None or chunk is not None:
+            low = torch.zeros_like(q_pos) if chunk is None else q_pos // chunk * chunk
+            if window is not None:
+                low = torch.maximum(low, q_pos - window + 1)
+            first = low.clamp_(min=p.first_key) - p.first_key
         kk, vv = k[:nk].transpose(0, 1)[None], v[:nk].transpose(0, 1)[None]
         o = _attend_det(qg, kk, vv, last, first, nk, scale, softcap, sink)
         dv = v.shape[-1]

@@ -65,12 +65,13 @@ class TritonAttentionBackend(AttentionBackend):
         sinks: torch.Tensor | None = None,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        chunk: int | None = None,
     ) -> torch.Tensor:
         self._write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         if q.stride(-1) != 1:
             q = q.contiguous()
         num_seqs = meta.seq_lens.shape[0]
-        span = meta.max_seq_len if window is None else min(meta.max_seq_len, window)
+        span = min(meta.max_seq_len, window or meta.max_seq_len, chunk or meta.max_seq_len)
         if (
             not self.deterministic
             and meta.max_query_len == 1
@@ -81,11 +82,11 @@ class TritonAttentionBackend(AttentionBackend):
             return self._split_decode(
                 q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale, meta.max_seq_len,
                 window=window, softcap=softcap, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
-                split_size=self.split_size,
+                chunk=chunk, split_size=self.split_size,
             )  # fmt: skip
         return self._unified(
             q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
-            window=window, softcap=softcap, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
+            window=window, softcap=softcap, sinks=sinks, k_scale=k_scale, v_scale=v_scale, chunk=chunk,
         )  # fmt: skip
 
     def forward_mla(self, q, kv, kv_cache, meta, scale, v_dim, kv_scale=1.0):  # type: ignore[override]

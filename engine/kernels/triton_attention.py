@@ -5,7 +5,8 @@
 one launch for a whole mixed batch. Each sequence contributes ``q_len`` new tokens (prefill
 chunk, prefix-hit tail, or a single decode token); every new token attends causally to its
 sequence's cached prefix plus the new tokens up to itself, or, with a sliding ``window``, to the
-positions k with ``q_pos - window < k <= q_pos``. The online-softmax tile loop (``attend_tiles``)
+positions k with ``q_pos - window < k <= q_pos``, and with an attention ``chunk`` (Llama 4) only to
+the keys of its own chunk (``k // chunk == q_pos // chunk``). The online-softmax tile loop (``attend_tiles``)
 is shared with the split-KV decode kernel in ``triton_decode.py``.
 
 Numerics: Q/K/V are converted to fp32 right after loading and the online softmax runs in fp32.
@@ -17,7 +18,7 @@ bf16 values exactly, so only the probabilities are rounded (to tf32) before the 
 
 Batch invariance (``--deterministic``): tile shapes depend on head counts, head dim and dtype,
 never on the batch; KV tiles always start at position 0 (or at a split boundary; with a window,
-at the first tile the query tile's window reaches, which depends only on the query tile's
+at the first tile the query tile's window or chunk reaches, which depends only on the query tile's
 absolute position), and tiles a row does not need are exact no-ops for it. So a token's output
 does not depend on which other tokens or sequences share its launch, nor on how its own prompt
 was chunked. The split-KV decode kernel is a different summation, so a backend wanting that
@@ -54,6 +55,13 @@ def kernel_window(window: int | None) -> int:
     if window is not None and window < 1:
         raise ValueError(f"a sliding window must be at least 1 token, got {window}")
     return FULL_WINDOW if window is None else window
+
+
+def kernel_chunk(chunk: int | None) -> int:
+    """The kernels' ``chunk`` argument for a layer's attention chunk (None: one chunk holds all)."""
+    if chunk is not None and chunk < 1:
+        raise ValueError(f"an attention chunk must be at least 1 token, got {chunk}")
+    return FULL_WINDOW if chunk is None else chunk
 
 
 def check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int]:
@@ -172,6 +180,7 @@ def _unified_attention_kernel(
     v_scale,
     softcap,
     window,
+    chunk,
     num_seqs,
     queries_per_kv,
     head_dim,
@@ -224,9 +233,11 @@ def _unified_attention_kernel(
         kv_end = tl.minimum(seq_len, (pos_block + 1) * BLOCK_Q)
         # Start at the tile holding the first key the tile's lowest row sees: the same tile for
         # a given position however the batch or the prompt's chunks are laid out.
-        kv_start = tl.maximum(pos_block * BLOCK_Q - window + 1, 0) // BLOCK_N * BLOCK_N
+        low = pos_block * BLOCK_Q
+        kv_start = tl.maximum(tl.maximum(low - window + 1, low // chunk * chunk), 0) // BLOCK_N * BLOCK_N
+        q_first = tl.maximum(q_pos - window + 1, q_pos // chunk * chunk)
         m_i, l_i, acc = attend_tiles(
-            q, m_i, l_i, acc, q_pos, q_pos - window + 1, kv_start, kv_end, k_cache_ptr, v_cache_ptr,
+            q, m_i, l_i, acc, q_pos, q_first, kv_start, kv_end, k_cache_ptr, v_cache_ptr,
             block_tables_ptr + seq.to(tl.int64) * stride_bt, kv_head, block_size, scale, softcap,
             stride_cb, stride_cs, stride_ch, dims, dim_mask,
             CAUSAL=True, SOFTCAP=SOFTCAP, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
@@ -259,12 +270,14 @@ def unified_attention(
     sinks: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    chunk: int | None = None,
     block_m: int = 64,
     block_n: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of the new tokens ``q`` [T, Hq, D] of a batch of sequences, within a
-    sliding ``window`` if one is given, scores soft-capped at ``softcap`` if one is given, with
-    a value-less softmax column of ``sinks[h]`` (fp32 [Hq]) per query head if they are given.
+    sliding ``window`` if one is given, within each query's attention ``chunk`` if one is given,
+    scores soft-capped at ``softcap`` if one is given, with a value-less softmax column of
+    ``sinks[h]`` (fp32 [Hq]) per query head if they are given.
 
     Sequence ``i`` owns query rows ``query_start_loc[i]:query_start_loc[i+1]`` (possibly none),
     has ``seq_lens[i]`` tokens in total after this step (its K/V already in the caches) and
@@ -289,7 +302,7 @@ def unified_attention(
     _unified_attention_kernel[grid](
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,
         q if sinks is None else sinks, scale * k_scale, v_scale, softcap or 0.0,
-        kernel_window(window),
+        kernel_window(window), kernel_chunk(chunk),
         num_seqs, queries_per_kv, head_dim, k_cache.shape[1],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), **launch.kwargs,

@@ -5,7 +5,8 @@ separate programs, and a second kernel merges the pieces in split order. Split b
 multiples of ``split_size`` whatever the batch and the merge is a fixed sum, so a row's result
 is the same run to run and whatever else is in the batch (though not the same bits as
 ``unified_attention``, which sums in one pass). With a sliding window, splits wholly before the
-window are idle and the first one the window reaches starts where the window does.
+window are idle and the first one the window reaches starts where the window does; an attention
+chunk (Llama 4) limits the keys the same way, from the start of the query's chunk.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from engine.kernels.triton_attention import (
     check_shapes,
     default_block_n,
     dot_precision,
+    kernel_chunk,
     kernel_window,
 )
 
@@ -41,6 +43,7 @@ def _decode_split_kernel(
     v_scale,
     softcap,
     window,
+    chunk,
     queries_per_kv,
     head_dim,
     block_size,
@@ -64,8 +67,9 @@ def _decode_split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    # Every head of the program sees the same keys: the window's, [seq_len - window, seq_len).
-    kv_start = tl.maximum(split * SPLIT_SIZE, seq_len - window)
+    # Every head of the program sees the same keys: the window's, [seq_len - window, seq_len), within
+    # the query's chunk.
+    kv_start = tl.maximum(tl.maximum(split * SPLIT_SIZE, seq_len - window), (seq_len - 1) // chunk * chunk)
     kv_end = tl.minimum((split + 1) * SPLIT_SIZE, seq_len)
     # Splits past this sequence's end belong to longer sequences; those before its window are idle.
     if kv_start < kv_end:
@@ -102,6 +106,7 @@ def _decode_reduce_kernel(
     sinks_ptr,
     out_ptr,
     window,
+    chunk,
     head_dim,
     stride_po_t,
     stride_po_h,
@@ -114,7 +119,7 @@ def _decode_reduce_kernel(
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
-    first_split = tl.maximum(seq_len - window, 0) // SPLIT_SIZE
+    first_split = tl.maximum(tl.maximum(seq_len - window, (seq_len - 1) // chunk * chunk), 0) // SPLIT_SIZE
     n_splits = tl.cdiv(seq_len, SPLIT_SIZE)
     row = seq.to(tl.int64) * stride_po_t + head * stride_po_h
     dims = tl.arange(0, BLOCK_D)
@@ -152,14 +157,16 @@ def split_kv_decode_attention(
     sinks: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    chunk: int | None = None,
     split_size: int = DEFAULT_SPLIT_SIZE,
     block_n: int | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence (``q`` [B, Hq, D], row i = sequence i) over all
     ``seq_lens[i]`` cached positions (the token's own K/V included), or only the last ``window``
-    of them, in fixed KV splits; with ``sinks`` (fp32 [Hq]), each head's softmax has that extra
-    value-less logit, added when the splits merge. The caches' values are read times ``k_scale`` /
-    ``v_scale`` (an fp8 cache's scales, applied as ``unified_attention`` applies them).
+    of them, or only those of its attention ``chunk``, in fixed KV splits; with ``sinks`` (fp32 [Hq]),
+    each head's softmax has that extra value-less logit, added when the splits merge. The caches'
+    values are read times ``k_scale`` / ``v_scale`` (an fp8 cache's scales, applied as
+    ``unified_attention`` applies them).
 
     ``max_seq_len`` (a host int, >= every ``seq_lens[i]``) sizes the grid; split boundaries are
     multiples of ``split_size`` whatever the batch, and splits merge in order, so each row's
@@ -180,10 +187,10 @@ def split_kv_decode_attention(
     num_splits = triton.cdiv(max_seq_len, split_size)
     part_out = torch.empty((num_seqs, n_q_heads, num_splits, block_d), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((num_seqs, n_q_heads, num_splits), dtype=torch.float32, device=q.device)
-    window = kernel_window(window)
+    window, chunk = kernel_window(window), kernel_chunk(chunk)
     _decode_split_kernel[(num_seqs, n_kv_heads, num_splits)](
         q, k_cache, v_cache, seq_lens, block_tables, part_out, part_lse, scale * k_scale, v_scale,
-        softcap or 0.0, window,
+        softcap or 0.0, window, chunk,
         queries_per_kv, head_dim, k_cache.shape[1], num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), part_lse.stride(0), part_lse.stride(1),
@@ -192,7 +199,7 @@ def split_kv_decode_attention(
         ).kwargs,
     )  # fmt: skip
     _decode_reduce_kernel[(num_seqs, n_q_heads)](
-        part_out, part_lse, seq_lens, part_lse if sinks is None else sinks, out, window, head_dim,
+        part_out, part_lse, seq_lens, part_lse if sinks is None else sinks, out, window, chunk, head_dim,
         part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
         **reduce_launch(head_dim, split_size, sinks is not None).kwargs,
     )  # fmt: skip

@@ -16,6 +16,7 @@ from engine.models.config_arch import (
 )
 from engine.models.config_classic import CLASSIC_CONFIGS
 from engine.models.config_learned import LEARNED_ARCHS, AbsoluteConfig, absolute_config, learned_config
+from engine.models.config_llama4 import LLAMA4_ARCHS, Llama4Config, llama4, llama4_text_config
 from engine.models.config_parts import (
     GemmaConfig,
     MLAConfig,
@@ -29,6 +30,7 @@ from engine.models.config_parts import (
     _rope,
     _sliding_windows,
 )
+from engine.models.config_phimoe import PhimoeConfig, phimoe
 from engine.models.quant_config import WeightQuant, from_config
 
 __all__ = [
@@ -105,6 +107,8 @@ class ModelConfig:
     matryoshka_dimensions: tuple[int, ...] | None = None
     # GPT-2 / OPT: learned absolute positions and their options. None: not such a model.
     absolute: AbsoluteConfig | None = None
+    llama4: Llama4Config | None = None  # Llama 4: NoPE and chunked layers, its MoE (config_llama4.py)
+    phimoe: PhimoeConfig | None = None  # Phi-3.5-MoE: sparsemixer's threshold, longrope (config_phimoe.py)
 
     # The paged KV cache per layer: ``kv_cache_parts`` tensors (K and V, or MLA's one latent) of
     # ``[num_blocks, block_size, kv_cache_heads, kv_cache_dim]``.
@@ -146,6 +150,8 @@ class ModelConfig:
             raw = _gemma3_text_config(raw)
         elif archs[0] == "LlavaForConditionalGeneration":
             raw, vision = _llava_config(raw)
+        elif archs[0] in LLAMA4_ARCHS:
+            raw = llama4_text_config(raw)
         elif archs[0] in ("Gemma2ForCausalLM", "Gemma2ForSequenceClassification"):
             raw = {**_GEMMA2_DEFAULTS, **raw}
         elif archs[0] == "GptOssForCausalLM":
@@ -228,6 +234,8 @@ class ModelConfig:
             is_matryoshka=raw.get("is_matryoshka") is True or bool(raw.get("matryoshka_dimensions")),
             matryoshka_dimensions=matryoshka_dimensions(raw.get("matryoshka_dimensions")),
             absolute=absolute_config(raw),
+            llama4=llama4(raw, num_layers),
+            phimoe=phimoe(raw, scaling, head_dim),
         )
 
 

@@ -221,7 +221,8 @@ def _moe(raw: dict[str, Any]) -> MoEConfig | None:
     arch = (raw.get("architectures") or [""])[0]
     # gpt-oss and Granite-MoE softmax their top k logits: the same as all of them softmaxed, the top k
     # renormalised.
-    if arch in ("MixtralForCausalLM", "GptOssForCausalLM", "GraniteMoeForCausalLM"):
+    # Phi-3.5-MoE: Mixtral's experts behind its own router (sparsemixer, engine/models/phimoe.py).
+    if arch in ("MixtralForCausalLM", "GptOssForCausalLM", "GraniteMoeForCausalLM", "PhimoeForCausalLM"):
         return MoEConfig(
             num_experts=int(raw["num_local_experts"]),
             experts_per_token=int(raw["num_experts_per_tok"]),

@@ -302,9 +302,11 @@ class DecoderBase(ABC):
         window: int | None,
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
+        chunk: int | None = None,
     ) -> torch.Tensor:
         """Layer ``i``'s attention over its cache (storing k and v), through its output projection
-        ``o`` (and ``o_bias``, and LoRA's update): ``[T, hidden]``."""
+        ``o`` (and ``o_bias``, and LoRA's update): ``[T, hidden]``. ``chunk``: Llama 4's chunked
+        local attention (a query sees only the keys of its own ``chunk``-position chunk)."""
         attn = self.attention.forward(
             q.contiguous(),
             k.contiguous(),
@@ -317,6 +319,7 @@ class DecoderBase(ABC):
             sinks,
             k_scale=scales[0],
             v_scale=scales[1],
+            chunk=chunk,
         )
         return self._project(i, "o", attn.reshape(q.shape[0], self.q_size), layer["o"], layer.get("o_bias"))
 

@@ -61,6 +61,11 @@ _MODELS: dict[str, str] = {
     "Gemma3ForConditionalGeneration": "engine.models.gemma:GemmaForCausalLM",  # its text model only
     # A CLIP vision tower + projector in front of a Llama-family language model.
     "LlavaForConditionalGeneration": "engine.models.llava:LlavaForConditionalGeneration",
+    # Llama 4: NoPE and chunked-attention layers, qk norm, MoE with input-scaled experts + a shared one.
+    "Llama4ForCausalLM": "engine.models.llama4:Llama4ForCausalLM",
+    "Llama4ForConditionalGeneration": "engine.models.llama4:Llama4ForCausalLM",  # its text model only
+    # Phi-3.5-MoE: LayerNorms, q/k/v/o and head biases, longrope, Mixtral's experts behind sparsemixer.
+    "PhimoeForCausalLM": "engine.models.phimoe:PhimoeForCausalLM",
     "GptOssForCausalLM": "engine.models.gpt_oss:GptOssForCausalLM",  # sinks, sliding/full, biased MoE
     "DeepseekV2ForCausalLM": "engine.models.deepseek:DeepseekForCausalLM",  # MLA + MoE (softmax router)
     "DeepseekV3ForCausalLM": "engine.models.deepseek:DeepseekForCausalLM",  # MLA + MoE (sigmoid router)

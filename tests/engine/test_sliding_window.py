@@ -419,7 +419,7 @@ def test_torch_backend_windows_match_reference(deterministic: bool) -> None:
     for window in (None, WINDOW, 3, 1, 40, WINDOW):
         out = backend.forward(q, k, v, kc, vc, meta, 0.3, window)
         assert (out.double().cpu() - _reference(q, kc, vc, meta, 0.3, window)).abs().max().item() < 1e-5
-    assert set(meta.backend_state.windows) == {None, WINDOW, 3, 1, 40}
+    assert set(meta.backend_state.windows) == {(w, None) for w in (None, WINDOW, 3, 1, 40)}  # (window, chunk)
     if deterministic:
         # The windowed rows of a long sequence are the same bits alone, chunked, or as decode rows.
         q1, k1, v1, kc1, vc1, meta1 = _paged_batch([(0, 70)], seed=4)
