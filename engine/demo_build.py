@@ -16,6 +16,8 @@ from engine.demo_archs_classic import arch_config as classic_config
 from engine.demo_archs_learned import ARCHS as LEARNED_ARCHS
 from engine.demo_archs_learned import NORMS as LEARNED_NORMS
 from engine.demo_archs_learned import arch_config as learned_arch_config
+from engine.demo_archs_textonly import ARCHS as TEXT_ONLY_ARCHS
+from engine.demo_archs_textonly import arch_config as text_only_config
 from engine.demo_tokenizer import build_tokenizer
 
 
@@ -54,8 +56,10 @@ def build_model(
     router over 4 biased experts, 2 per token, with a clamped SwiGLU), or one of
     ``engine.demo_archs.ARCHS`` (Seed-OSS, OLMo 3, SmolLM3, GLM-4, ERNIE 4.5 and its MoE, Granite-MoE,
     Gemma 1, EXAONE 4, Hunyuan dense, MiniMax-M2, Arcee, StarCoder2, Command R and R7B, Apertus,
-    dots.llm1), of ``engine.demo_archs_classic.ARCHS`` (GPT-NeoX, Phi, StableLM, GPT-J) or of
-    ``engine.demo_archs_learned.ARCHS`` (GPT-2, OPT, OLMoE, Nemotron).
+    dots.llm1), of ``engine.demo_archs_classic.ARCHS`` (GPT-NeoX, Phi, StableLM, GPT-J), of
+    ``engine.demo_archs_learned.ARCHS`` (GPT-2, OPT, OLMoE, Nemotron), of ``engine.demo_archs_llama4``'s
+    (Llama 4, Phi-3.5-MoE) or of ``engine.demo_archs_textonly.ARCHS`` (Mistral 3, Qwen2-VL, Qwen2.5-VL,
+    Qwen3-VL and its MoE: vision checkpoints served text-only).
     The model's eos is ``<|im_end|>``.
     """
     import torch
@@ -256,6 +260,8 @@ def build_model(
         cfg, cls = learned_arch_config(arch, common, hidden_size // num_attention_heads)
     elif arch in demo_archs_llama4.ARCHS:
         cfg, cls = demo_archs_llama4.arch_config(arch, common, hidden_size // num_attention_heads)
+    elif arch in TEXT_ONLY_ARCHS:
+        cfg, cls = text_only_config(arch, common, hidden_size // num_attention_heads)
     else:
         raise ValueError(f"unknown tiny architecture {arch!r}")
     if num_labels is not None:

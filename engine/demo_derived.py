@@ -112,8 +112,9 @@ def build_lora_adapter(
     gen = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
     for name, shape in sorted(shapes.items()):
-        parts = name.split(".")
-        # model.layers.N.{self_attn|mlp}.<module>.weight: experts and shared experts are deeper
+        # model.layers.N.{self_attn|mlp}.<module>.weight (a vision checkpoint's language model nests it
+        # under language_model.): experts and shared experts are deeper
+        parts = [part for part in name.split(".") if part != "language_model"]
         if len(parts) != 6 or parts[1] != "layers" or parts[4] not in targets or parts[5] != "weight":
             continue
         fan_out, fan_in = shape

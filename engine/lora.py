@@ -40,9 +40,11 @@ GROUPS = ("qkv", "o", "gate_up", "down")
 ModuleSlot = tuple[str, int, int, int]
 Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
-# OPT's layers sit under ``model.decoder.``.
+# OPT's layers sit under ``model.decoder.``; a vision-language checkpoint's language model (served
+# text-only) nests its layers under ``model.language_model.`` (transformers 5) or ``language_model.model.``
+# (transformers 4).
 _KEY = re.compile(
-    r"^(?:base_model\.model\.)?(?:model\.)?(?:decoder\.)?layers\.(\d+)\."
+    r"^(?:base_model\.model\.)?(?:language_model\.)?(?:model\.)?(?:language_model\.|decoder\.)?layers\.(\d+)\."
     r"(self_attn|mlp|feed_forward|block_sparse_moe)\."  # feed_forward: Llama 4's MLP
     r"([A-Za-z0-9_.]+?)\.lora_([AB])\.weight$"
 )

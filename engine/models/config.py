@@ -31,6 +31,7 @@ from engine.models.config_parts import (
     _sliding_windows,
 )
 from engine.models.config_phimoe import PhimoeConfig, phimoe
+from engine.models.config_vision_text import VISION_TEXT, vision_text_config
 from engine.models.quant_config import WeightQuant, from_config
 
 __all__ = [
@@ -162,6 +163,8 @@ class ModelConfig:
             raw = {**ARCH_DEFAULTS[archs[0]], **raw}
         elif archs[0] in CLASSIC_CONFIGS:  # GPT-NeoX, Phi, StableLM, GPT-J
             raw = CLASSIC_CONFIGS[archs[0]](raw)
+        elif archs[0] in VISION_TEXT:  # Mistral 3, the Qwen VL models: their language model, text-only
+            raw = vision_text_config(raw)
         model_type = raw.get("model_type", "")
         heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])

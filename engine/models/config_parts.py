@@ -237,7 +237,13 @@ def _moe(raw: dict[str, Any]) -> MoEConfig | None:
             topk_method="greedy",
         )
     # OLMoE: Qwen3-MoE's router on every layer (config_learned.py names its expert width so).
-    if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"):
+    moe_archs = (
+        "Qwen2MoeForCausalLM",
+        "Qwen3MoeForCausalLM",
+        "OlmoeForCausalLM",
+        "Qwen3VLMoeForConditionalGeneration",
+    )
+    if arch in moe_archs:
         return MoEConfig(
             num_experts=int(raw.get("num_experts") or raw["num_local_experts"]),  # transformers 4 / 5
             experts_per_token=int(raw["num_experts_per_tok"]),

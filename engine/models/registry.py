@@ -59,6 +59,12 @@ _MODELS: dict[str, str] = {
     "Gemma2ForCausalLM": "engine.models.gemma:GemmaForCausalLM",  # soft-capped attention and logits
     "Gemma3ForCausalLM": "engine.models.gemma:GemmaForCausalLM",  # sandwich norms, local/global layers
     "Gemma3ForConditionalGeneration": "engine.models.gemma:GemmaForCausalLM",  # its text model only
+    # Vision-language checkpoints whose language model is served text-only (images refused with a 400).
+    "Mistral3ForConditionalGeneration": "engine.models.vision_text:VisionTextForCausalLM",  # Mistral text
+    "Qwen2VLForConditionalGeneration": "engine.models.vision_text:VisionTextForCausalLM",  # Qwen2 + M-RoPE
+    "Qwen2_5_VLForConditionalGeneration": "engine.models.vision_text:VisionTextForCausalLM",
+    "Qwen3VLForConditionalGeneration": "engine.models.vision_text:VisionTextForCausalLM",  # Qwen3 + M-RoPE
+    "Qwen3VLMoeForConditionalGeneration": "engine.models.vision_text:VisionTextForCausalLM",  # Qwen3-MoE
     # A CLIP vision tower + projector in front of a Llama-family language model.
     "LlavaForConditionalGeneration": "engine.models.llava:LlavaForConditionalGeneration",
     # Llama 4: NoPE and chunked-attention layers, qk norm, MoE with input-scaled experts + a shared one.
