@@ -18,6 +18,8 @@ from engine.demo_archs_learned import NORMS as LEARNED_NORMS
 from engine.demo_archs_learned import arch_config as learned_arch_config
 from engine.demo_archs_textonly import ARCHS as TEXT_ONLY_ARCHS
 from engine.demo_archs_textonly import arch_config as text_only_config
+from engine.demo_archs_variants import ARCHS as VARIANT_ARCHS
+from engine.demo_archs_variants import arch_config as variant_config
 from engine.demo_tokenizer import build_tokenizer
 
 
@@ -58,8 +60,9 @@ def build_model(
     Gemma 1, EXAONE 4, Hunyuan dense, MiniMax-M2, Arcee, StarCoder2, Command R and R7B, Apertus,
     dots.llm1), of ``engine.demo_archs_classic.ARCHS`` (GPT-NeoX, Phi, StableLM, GPT-J), of
     ``engine.demo_archs_learned.ARCHS`` (GPT-2, OPT, OLMoE, Nemotron), of ``engine.demo_archs_llama4``'s
-    (Llama 4, Phi-3.5-MoE) or of ``engine.demo_archs_textonly.ARCHS`` (Mistral 3, Qwen2-VL, Qwen2.5-VL,
-    Qwen3-VL and its MoE: vision checkpoints served text-only).
+    (Llama 4, Phi-3.5-MoE), of ``engine.demo_archs_textonly.ARCHS`` (Mistral 3, Qwen2-VL, Qwen2.5-VL,
+    Qwen3-VL and its MoE: vision checkpoints served text-only) or of ``engine.demo_archs_variants.ARCHS``
+    (OLMo 1, GLM-4-9B, Helium, Ministral, Ministral 3, Falcon).
     The model's eos is ``<|im_end|>``.
     """
     import torch
@@ -262,6 +265,8 @@ def build_model(
         cfg, cls = demo_archs_llama4.arch_config(arch, common, hidden_size // num_attention_heads)
     elif arch in TEXT_ONLY_ARCHS:
         cfg, cls = text_only_config(arch, common, hidden_size // num_attention_heads)
+    elif arch in VARIANT_ARCHS:
+        cfg, cls = variant_config(arch, common, hidden_size // num_attention_heads)
     else:
         raise ValueError(f"unknown tiny architecture {arch!r}")
     if num_labels is not None:
@@ -292,7 +297,7 @@ def build_model(
                 arch in LEARNED_ARCHS and any(n in name for n in LEARNED_NORMS)
             ):  # LayerNorms: not all 1
                 p.normal_(1.0, 0.2)
-            elif arch in CLASSIC_ARCHS:  # LayerNorm weights (GPT-J's ln_1 too): not all 1
+            elif arch in CLASSIC_ARCHS or arch in VARIANT_ARCHS:  # norm weights (GPT-J's ln_1 too): not all 1
                 p.normal_(1.0, 0.2)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # zero at init: make it matter (DeepSeek, GLM)

@@ -33,7 +33,7 @@ def rms_norm(
 
 def layer_norm(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | None,
     bias: torch.Tensor | None,
     eps: float,
     residual: torch.Tensor | None = None,
@@ -46,8 +46,9 @@ def layer_norm(
         res_out: torch.Tensor | None = x
     else:
         res_out = None
+    w = None if weight is None else weight.float()  # None: no scale (OLMo 1's norms)
     b = None if bias is None else bias.float()
-    out = F.layer_norm(x.float(), (x.shape[-1],), weight.float(), b, eps).to(x.dtype)
+    out = F.layer_norm(x.float(), (x.shape[-1],), w, b, eps).to(x.dtype)
     return out, res_out
 
 

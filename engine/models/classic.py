@@ -15,6 +15,10 @@ forward they share is ``LayerNormDecoder``'s, engine/models/layernorm_decoder.py
   attention and MLP side by side on one LayerNorm, no attention biases, an LM head with bias.
   transformers runs GPT-J's attention scores in fp32 whatever the model dtype; ferry's attention
   backends run theirs as for every other model (the same in fp32).
+* ``OlmoForCausalLM`` (OLMo 1, allenai/OLMo-*-hf): Llama's layout and SwiGLU with LayerNorms that
+  have neither weight nor bias (epsilon fixed at 1e-5, whatever the config says), a sequential
+  residual, optional biases on q/k/v/o (``attention_bias``) and ``clip_qkv`` (the projections
+  clamped). It takes LoRA on attention and its MLP.
 
 GPT-NeoX's and GPT-J's adapters name their modules outside ``…layers.N.self_attn|mlp`` (the key
 pattern of engine/lora.py), and GPT-NeoX's fused ``query_key_value`` would need its adapter's rows
@@ -29,6 +33,7 @@ import torch
 from engine.lora import ModuleSlot
 from engine.models.decoder import Layer
 from engine.models.layernorm_decoder import LayerNormDecoder
+from engine.models.moe import load_dense_mlp
 
 Weights = dict[str, torch.Tensor]
 
@@ -173,3 +178,24 @@ class GPTJForCausalLM(LayerNormDecoder):
         }
 
     lora_layout = None  # type: ignore[assignment]  # --enable-lora is refused: see the module docstring
+
+
+class OlmoForCausalLM(LayerNormDecoder):
+    GATED = True
+
+    def _residual_style(self) -> str:
+        return "sequential"
+
+    def _layer(self, w: Weights, i: int) -> Layer:
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        qkv, qkv_bias = _qkv(w, a)
+        no_weight = {"in_norm": None, "in_norm_bias": None, "post_norm": None, "post_norm_bias": None}
+        return {
+            **no_weight,
+            "qkv": qkv,
+            "qkv_bias": qkv_bias,
+            "o": w.pop(a + "o_proj.weight"),
+            "o_bias": w.pop(a + "o_proj.bias", None),
+            **load_dense_mlp(w, p + "mlp."),
+        }

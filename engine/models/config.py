@@ -96,6 +96,11 @@ class ModelConfig:
     logit_scale: float = 1.0  # Cohere's: logits multiplied by it
     # GPT-NeoX and StableLM's use_parallel_residual: attention and MLP both read the layer's input.
     parallel_residual: bool = False
+    # OLMo 1's clip_qkv: the q, k and v projections clamped to [-clip_qkv, clip_qkv]. None: no clamp.
+    clip_qkv: float | None = None
+    # Ministral 3's (Llama 4's) attention temperature: (beta, original_max_position_embeddings) from
+    # rope_parameters; queries at position p times ``1 + beta * log(1 + floor(p / original))``.
+    query_position_scale: tuple[float, int] | None = None
     # gpt-oss experts' clamped SwiGLU: (alpha, limit), ``(clamp(up) + 1) * g * sigmoid(alpha * g)``
     # with g the gate clamped above at limit. None: not gpt-oss.
     swiglu: tuple[float, float] | None = None
@@ -161,7 +166,7 @@ class ModelConfig:
             raw = learned_config(raw)
         elif archs[0] in ARCH_DEFAULTS:
             raw = {**ARCH_DEFAULTS[archs[0]], **raw}
-        elif archs[0] in CLASSIC_CONFIGS:  # GPT-NeoX, Phi, StableLM, GPT-J
+        elif archs[0] in CLASSIC_CONFIGS:  # GPT-NeoX, Phi, StableLM, GPT-J, OLMo 1, Falcon
             raw = CLASSIC_CONFIGS[archs[0]](raw)
         elif archs[0] in VISION_TEXT:  # Mistral 3, the Qwen VL models: their language model, text-only
             raw = vision_text_config(raw)
@@ -227,8 +232,11 @@ class ModelConfig:
             logits_scaling=float(raw.get("logits_scaling") or 1.0),
             logit_scale=float(raw.get("logit_scale") or 1.0),
             parallel_residual=bool(raw.get("use_parallel_residual", False)),
+            clip_qkv=float(raw["clip_qkv"]) if raw.get("clip_qkv") is not None else None,
+            query_position_scale=_query_position_scale(raw, raw.get("rope_scaling") or rope),
             partial_rotary_factor=_partial_rotary(raw, rope, head_dim),
-            rope_interleave=model_type in ("glm4", "ernie4_5", "ernie4_5_moe", "cohere", "cohere2"),
+            rope_interleave=model_type
+            in ("glm", "glm4", "helium", "ernie4_5", "ernie4_5_moe", "cohere", "cohere2"),
             layer_rope=_layer_ropes(raw, num_layers, (theta, scaling)),
             swiglu=(float(raw["swiglu_alpha"]), float(raw["swiglu_limit"]))
             if model_type == "gpt_oss"
@@ -244,11 +252,22 @@ class ModelConfig:
 
 def _partial_rotary(raw: dict[str, Any], rope: dict[str, Any], head_dim: int) -> float:
     """The share of each head's dims that rotate: ``partial_rotary_factor`` (transformers 5 keeps it in
-    ``rope_parameters``), or MiniMax-M2's ``rotary_dim``, or GLM-4's class default of a half."""
+    ``rope_parameters``), or MiniMax-M2's ``rotary_dim``, or GLM's and GLM-4's class default of a half."""
     factor = raw.get("partial_rotary_factor") or rope.get("partial_rotary_factor")
     if not factor and raw.get("rotary_dim"):
         factor = int(raw["rotary_dim"]) / head_dim
-    return float(factor or (0.5 if raw.get("model_type") == "glm4" else 1.0))
+    return float(factor or (0.5 if raw.get("model_type") in ("glm", "glm4") else 1.0))
+
+
+def _query_position_scale(raw: dict[str, Any], rope: dict[str, Any]) -> tuple[float, int] | None:
+    """Ministral 3's ``llama_4_scaling_beta`` with the original context it counts positions in (the
+    other families' transformers classes ignore that key)."""
+    beta = rope.get("llama_4_scaling_beta")
+    if beta is None or raw.get("model_type") != "ministral3":
+        return None
+    if not rope.get("original_max_position_embeddings"):
+        raise ValueError("rope_parameters.llama_4_scaling_beta needs original_max_position_embeddings")
+    return float(beta), int(rope["original_max_position_embeddings"])
 
 
 def matryoshka_dimensions(value: Any) -> tuple[int, ...] | None:

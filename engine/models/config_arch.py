@@ -243,3 +243,33 @@ ARCH_DEFAULTS["Dots1ForCausalLM"] = {
     "sliding_window": 4096,
     "max_window_layers": 62,
 }
+# GLM-4-9B-chat-hf (GlmConfig): GLM-4-0414's defaults, without its sandwich norms.
+ARCH_DEFAULTS["GlmForCausalLM"] = dict(ARCH_DEFAULTS["Glm4ForCausalLM"], num_key_value_heads=2)
+# Helium: heads of 128 whatever hidden / heads is, KV heads 20 (HeliumConfig's numbers), base 100000.
+ARCH_DEFAULTS["HeliumForCausalLM"] = {
+    "head_dim": 128,
+    "num_key_value_heads": 20,
+    "rms_norm_eps": 1e-8,
+    "max_position_embeddings": 4096,
+    **_rope_default(100000.0),
+}
+# Ministral: 8 KV heads when left out (MinistralConfig's field default, not the head count).
+ARCH_DEFAULTS["MinistralForCausalLM"] = {"num_key_value_heads": 8, "max_position_embeddings": 131072}
+# Ministral 3: without rope_parameters, Ministral3Config's YaRN with Llama 4's attention temperature.
+ARCH_DEFAULTS["Ministral3ForCausalLM"] = {
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 262144,
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "rope_theta": 1000000.0,
+        "factor": 16.0,
+        "original_max_position_embeddings": 16384,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale_all_dim": 1.0,
+        "mscale": 1.0,
+        "llama_4_scaling_beta": 0.1,
+    },
+}

@@ -1,4 +1,5 @@
-"""config.json of the classic LayerNorm families (GPT-NeoX / Pythia, Phi 1-2, StableLM, GPT-J) in the
+"""config.json of the classic LayerNorm families (GPT-NeoX / Pythia, Phi 1-2, StableLM, GPT-J, OLMo 1,
+Falcon) in the
 spelling ``ModelConfig.from_dict`` reads, with their config classes' defaults filled in as
 transformers 5 fills them.
 
@@ -77,7 +78,53 @@ def _gptj(raw: Raw) -> Raw:
     }
 
 
+def _olmo(raw: Raw) -> Raw:
+    """OLMo 1's LayerNorms run at epsilon 1e-5 whatever the file says (OlmoLayerNorm fixes it)."""
+    return {**{k: v for k, v in raw.items() if k != "rms_norm_eps"}, "layer_norm_eps": 1e-5}
+
+
+def _falcon(raw: Raw) -> Raw:
+    """FalconConfig's fields as ferry reads them. K/V heads: ``num_kv_heads`` with the new decoder
+    architecture or without multi-query, else one. ALiBi models are refused: ferry's attention
+    backends add no position bias."""
+    if raw.get("alibi"):
+        raise ValueError(
+            "Falcon with alibi=true is not supported (ALiBi position biases are not in ferry's attention "
+            "backends); rotary Falcon models (alibi=false) are"
+        )
+    new = bool(raw.get("new_decoder_architecture", False))
+    parallel = bool(raw.get("parallel_attn", True))
+    if new and not parallel:
+        raise ValueError(
+            "Falcon with new_decoder_architecture=true and parallel_attn=false is not supported "
+            "(transformers' FalconDecoderLayer cannot run it either)"
+        )
+    hidden = int(raw.get("hidden_size") or raw.get("n_embed") or 4544)
+    heads = int(raw.get("num_attention_heads", 71))
+    kv = int(raw.get("num_kv_heads") or heads) if new or not raw.get("multi_query", True) else 1
+    named = {k: v for k, v in raw.items() if k != "head_dim"}
+    return {
+        "vocab_size": 65024,
+        "num_hidden_layers": 32,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": True,
+        "eos_token_id": 11,
+        **named,
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": hidden // heads,
+        "intermediate_size": int(raw.get("ffn_hidden_size") or 4 * hidden),
+        "layer_norm_eps": float(raw.get("layer_norm_epsilon") or 1e-5),
+        "hidden_act": raw.get("activation") or "gelu",
+        "attention_bias": bool(raw.get("bias", False)),
+        "use_parallel_residual": parallel,
+    }
+
+
 CLASSIC_CONFIGS: dict[str, Callable[[Raw], Raw]] = {
+    "OlmoForCausalLM": _olmo,
+    "FalconForCausalLM": _falcon,
     "GPTNeoXForCausalLM": _gpt_neox,
     "PhiForCausalLM": _phi,
     "StableLmForCausalLM": _stablelm,

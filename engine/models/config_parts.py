@@ -343,6 +343,12 @@ def _sliding_windows(
         if not window:
             return None, (None,) * num_layers
         return int(window), tuple(int(window) if t == "sliding_attention" else None for t in types)
+    if model_type == "ministral":  # MinistralConfig: a 4096 window by default, layer_types say where
+        window = raw.get("sliding_window", 4096)
+        if not window:
+            return None, (None,) * num_layers
+        types = _layer_types(raw, num_layers) or ["sliding_attention"] * num_layers
+        return int(window), tuple(int(window) if t == "sliding_attention" else None for t in types)
     if model_type in ("exaone4", "cohere2") and not raw.get("sliding_window"):
         return None, (None,) * num_layers  # Exaone4Config, Cohere2Config: no window, every layer full
     if model_type in ("gemma2", "gemma3_text", "gpt_oss", "olmo3", "exaone4", "cohere2"):

@@ -98,10 +98,11 @@ def invariant_per_head(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def take_embeddings(
     w: dict[str, torch.Tensor], cfg: ModelConfig
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """(token embeddings, final norm weight, lm_head) popped from ``w``; the lm_head is the
-    embedding matrix when the model ties them or the checkpoint has none (a base model)."""
-    embed, norm = w.pop("model.embed_tokens.weight"), w.pop("model.norm.weight")
+    embedding matrix when the model ties them or the checkpoint has none (a base model). The norm
+    weight is None for a norm without one (OLMo 1's)."""
+    embed, norm = w.pop("model.embed_tokens.weight"), w.pop("model.norm.weight", None)
     head = w.pop("lm_head.weight", None)
     return embed, norm, embed if cfg.tie_word_embeddings or head is None else head
 

@@ -1,17 +1,21 @@
 """``LayerNormDecoder``: the frame of the classic LayerNorm decoders (GPT-NeoX / Pythia, Phi 1-2,
-StableLM, GPT-J; engine/models/classic.py), which differ only in their weights' names and in how a
-layer's attention and MLP meet the residual stream.
+StableLM, GPT-J, OLMo 1; engine/models/classic.py; Falcon, engine/models/falcon.py), which differ only
+in their weights' names and in how a layer's attention and MLP meet the residual stream.
 
-Every layer LayerNorms (mean subtracted, optional bias) its input ``h`` into ``x`` and runs attention
-on it (a fused q/k/v projection, optional per-head q/k LayerNorm, rotary over the first
-``rotary_dim`` dims of each head). Then, by the family's ``_residual_style()``:
+Every layer LayerNorms (mean subtracted, optional weight and bias) its input ``h`` into ``x`` and runs
+attention on it (a fused q/k/v projection, optionally clamped (OLMo 1's ``clip_qkv``), optional
+per-head q/k LayerNorm, rotary over the first ``rotary_dim`` dims of each head). Then, by the
+family's ``_residual_style()``:
 
-* ``"shared"``: ``h + attn(x) + mlp(x)``, one norm for both (Phi, GPT-J, StableLM's parallel layers);
-* ``"two_norms"``: ``h + attn(x) + mlp(norm2(h))``, both on the layer's input (GPT-NeoX parallel);
-* ``"sequential"``: ``h' = h + attn(x)``, then ``h' + mlp(norm2(h'))`` (the other two's non-parallel).
+* ``"shared"``: ``h + attn(x) + mlp(x)``, one norm for both (Phi, GPT-J, StableLM's parallel layers,
+  Falcon 7B);
+* ``"two_norms"``: ``h + attn(x) + mlp(norm2(h))``, both on the layer's input (GPT-NeoX parallel,
+  Falcon 40B/180B);
+* ``"sequential"``: ``h' = h + attn(x)``, then ``h' + mlp(norm2(h'))`` (the others' non-parallel
+  layers, OLMo 1).
 
-The MLP is SwiGLU (StableLM) or ungated with biases ``fc2(act(fc1(x)))``. The final LayerNorm and
-the LM head may carry biases. Sums run in transformers' order up to the association of three terms:
+The MLP is SwiGLU (StableLM, OLMo 1) or ungated ``fc2(act(fc1(x)))`` with optional biases. The
+final LayerNorm and the LM head may carry biases. Sums run in transformers' order up to the association of three terms:
 fp32 results agree to rounding, not bit for bit.
 """
 
@@ -110,7 +114,10 @@ class LayerNormDecoder(DecoderBase):
         hidden = F.embedding(input_ids, self.embed) if inputs_embeds is None else inputs_embeds
         for i, layer, window, cos_sin, kv_cache, scales in self._per_layer(kv_caches):
             x = ops.layer_norm(hidden, layer["in_norm"], layer["in_norm_bias"], eps)[0]
-            q, k, v = split_heads(self._project(i, "qkv", x, layer["qkv"], layer["qkv_bias"]), cfg)
+            qkv = self._project(i, "qkv", x, layer["qkv"], layer["qkv_bias"])
+            if cfg.clip_qkv is not None:  # OLMo 1: q, k and v clamped as projected
+                qkv = qkv.clamp(-cfg.clip_qkv, cfg.clip_qkv)
+            q, k, v = split_heads(qkv, cfg)
             if "q_norm" in layer:
                 q = head_layer_norm(q, layer["q_norm"], layer["q_norm_bias"], eps)
                 k = head_layer_norm(k, layer["k_norm"], layer["k_norm_bias"], eps)

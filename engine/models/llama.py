@@ -6,7 +6,13 @@ and logit multipliers), Seed-OSS (q/k/v bias), SmolLM3 (layers without rotary), 
 after attention and MLP too, rotary in interleaved pairs), ERNIE 4.5 and its MoE (interleaved rotary;
 a softmax router with a correction bias), Hunyuan dense (q/k norm after rotary), MiniMax-M2 (q/k norm
 over all heads, partial rotary, a sigmoid router with a correction bias), OLMoE (q/k norm over all
-heads, a softmax top-k router over every layer's experts).
+heads, a softmax top-k router over every layer's experts), GLM-4-9B (GLM-4-0414 without its extra
+norms), Helium (whole heads rotated in interleaved pairs), Ministral (sliding and full layers by
+``layer_types``) and Ministral 3 (YaRN; queries scaled by Llama 4's attention temperature, which grows
+with the position past the original context).
+
+Helium's RMSNorm multiplies by its weight in fp32 before casting back, Llama's after: the same in
+fp32, a last-bit difference in bf16.
 
 Weights are held as plain tensors with q/k/v and gate/up fused into one matmul each; the frame
 (construction, attention through o_proj, LoRA, the head) is ``engine/models/decoder.py``'s.
@@ -101,6 +107,11 @@ class LlamaForCausalLM(DecoderBase):
             hidden = hidden * cfg.embedding_multiplier
         scale_out = cfg.residual_multiplier != 1.0  # Granite scales each block's output
         residual: torch.Tensor | None = None
+        query_scale = None
+        if cfg.query_position_scale is not None:  # fp32, as transformers computes it, then q's dtype
+            beta, original = cfg.query_position_scale
+            steps = torch.floor(positions / original)
+            query_scale = (1 + beta * torch.log(1 + steps)).to(hidden.dtype)[:, None, None]
         for i, layer, window, cos_sin, kv_cache, scales in self._per_layer(kv_caches):
             x, residual = ops.rms_norm(hidden, layer["in_norm"], eps, residual)
             if residual is None:
@@ -110,6 +121,8 @@ class LlamaForCausalLM(DecoderBase):
                 q, k = head_norm(ops, q, layer["q_norm"], eps), head_norm(ops, k, layer["k_norm"], eps)
             if cos_sin is not None:
                 q, k = apply_rope(ops, positions, q, k, cos_sin, self.rotary_dim, cfg.rope_interleave)
+            if query_scale is not None:  # Ministral 3: q only, after rotary
+                q = q * query_scale
             if "q_norm_roped" in layer:  # Hunyuan: after rotary
                 q = head_norm(ops, q, layer["q_norm_roped"], eps)
                 k = head_norm(ops, k, layer["k_norm_roped"], eps)

@@ -35,6 +35,9 @@ _MODELS: dict[str, str] = {
     "OlmoeForCausalLM": "engine.models.llama:LlamaForCausalLM",
     # Nemotron-4 / Minitron: LayerNorm1p, partial rotary, an ungated ReLU^2 MLP.
     "NemotronForCausalLM": "engine.models.nemotron:NemotronForCausalLM",
+    "OlmoForCausalLM": "engine.models.classic:OlmoForCausalLM",  # LayerNorms without weights, clip_qkv
+    # Falcon 7B/40B/180B: multi-query or grouped KV, parallel blocks on one or two LayerNorms.
+    "FalconForCausalLM": "engine.models.falcon:FalconForCausalLM",
     "GraniteForCausalLM": "engine.models.llama:LlamaForCausalLM",  # Llama + four scalings
     "GraniteMoeForCausalLM": "engine.models.llama:LlamaForCausalLM",  # Granite + MoE MLPs (Mixtral's router)
     "Glm4MoeForCausalLM": "engine.models.llama:LlamaForCausalLM",  # GLM-4.5: Llama attention + V3-style MoE
@@ -48,6 +51,11 @@ _MODELS: dict[str, str] = {
     "SmolLM3ForCausalLM": "engine.models.llama:LlamaForCausalLM",  # Llama + NoPE layers (no_rope_layers)
     # GLM-4-0414: sandwich norms, fused gate_up, q/k/v bias, half of each head rotated in pairs.
     "Glm4ForCausalLM": "engine.models.llama:LlamaForCausalLM",
+    "GlmForCausalLM": "engine.models.llama:LlamaForCausalLM",  # GLM-4-9B: GLM-4-0414 without its extra norms
+    "HeliumForCausalLM": "engine.models.llama:LlamaForCausalLM",  # Llama + rope in interleaved pairs
+    "MinistralForCausalLM": "engine.models.llama:LlamaForCausalLM",  # Mistral + sliding/full layer_types
+    # Ministral 3: Mistral + YaRN and Llama 4's position-dependent query scaling.
+    "Ministral3ForCausalLM": "engine.models.llama:LlamaForCausalLM",
     "Ernie4_5ForCausalLM": "engine.models.llama:LlamaForCausalLM",  # Llama + rope in interleaved pairs
     # ERNIE 4.5 + MoE MLPs: softmax router with a correction bias, shared experts beside.
     "Ernie4_5_MoeForCausalLM": "engine.models.llama:LlamaForCausalLM",
