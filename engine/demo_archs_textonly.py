@@ -12,6 +12,8 @@ from typing import Any
 ARCHS = {
     "mistral3": "Mistral 3 (Mistral Small 3.1/3.2): a Mistral text model with head_dim 32 != hidden / heads, "
     "a one-layer Pixtral vision tower and patch merger",
+    "ministral3_vl": "Ministral 3 as released (Mistral3ForConditionalGeneration): a ministral3 text model with "
+    "YaRN and Llama 4's query scaling past position 8, a window of 16, a one-layer Pixtral tower",
     "qwen2_vl": "Qwen2-VL: Qwen2 text (q/k/v bias) with M-RoPE sections [2, 3, 3] under rope type mrope",
     "qwen2_5_vl": "Qwen2.5-VL: Qwen2 text with M-RoPE sections [4, 2, 2] and a window of 8 on layer 1",
     "qwen3_vl": "Qwen3-VL: Qwen3 text (per-head q/k norm), interleaved M-RoPE [4, 2, 2], deepstack vision",
@@ -27,9 +29,23 @@ def arch_config(arch: str, common: dict[str, Any], head_dim: int) -> tuple[Any, 
     text = dict(common)
     hidden, vocab = text["hidden_size"], text["vocab_size"]
     tokens = {"image_token_id": vocab - 1}
-    if arch == "mistral3":
-        text.update(model_type="mistral", head_dim=2 * head_dim, sliding_window=None)
-        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1_000_000.0}
+    if arch in ("mistral3", "ministral3_vl"):
+        if arch == "mistral3":
+            text.update(model_type="mistral", head_dim=2 * head_dim, sliding_window=None)
+            text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1_000_000.0}
+        else:
+            text.update(model_type="ministral3", head_dim=head_dim, sliding_window=16)
+            text["rope_parameters"] = {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 8,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+                "llama_4_scaling_beta": 0.5,
+            }
         vision = transformers.PixtralVisionConfig(
             hidden_size=16,
             intermediate_size=32,

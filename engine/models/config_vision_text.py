@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from engine.models.config_arch import ARCH_DEFAULTS
+
 Raw = dict[str, Any]
 
 # MistralConfig's defaults, for a Mistral 3 text_config that leaves them out.
@@ -89,6 +91,9 @@ _QWEN3_VL_MOE: Raw = {
     "decoder_sparse_step": 1,
 }
 
+# Ministral3Config's defaults (Ministral3ForCausalLM's too).
+MINISTRAL3_DEFAULTS: Raw = ARCH_DEFAULTS["Ministral3ForCausalLM"]
+
 # Architecture -> (the model_type ferry reads its text model as, that text config class's defaults).
 VISION_TEXT: dict[str, tuple[str, Raw]] = {
     "Mistral3ForConditionalGeneration": ("mistral", _MISTRAL),
@@ -114,11 +119,15 @@ def vision_text_config(raw: Raw) -> Raw:
     elif text is None:
         raise ValueError(f"{arch}: config.json has no text_config")
     kind = text.get("model_type", "mistral" if arch.startswith("Mistral3") else None)
-    if arch.startswith("Mistral3") and kind != "mistral":
-        # Ministral 3 (text model "ministral3") scales its queries by position: not served.
+    if arch.startswith("Mistral3") and kind == "ministral3":
+        # Ministral 3's releases: its text model (YaRN, Llama 4's position-scaled queries), read with
+        # Ministral3Config's defaults as Ministral3ForCausalLM's config is.
+        model_type, defaults = "ministral3", {**MINISTRAL3_DEFAULTS, "rope_theta": 1_000_000.0}
+        text = {"rope_parameters": MINISTRAL3_DEFAULTS["rope_parameters"], **text}
+    elif arch.startswith("Mistral3") and kind != "mistral":
         raise ValueError(
             f"{arch}: text_config.model_type {kind!r} is not supported (ferry serves Mistral 3's "
-            "'mistral' text model, as in Mistral Small 3.1 / 3.2)"
+            "'mistral' text model, as in Mistral Small 3.1 / 3.2, and 'ministral3', Ministral 3's)"
         )
     merged = {**defaults, **text, **{k: raw[k] for k in _TOP if k in raw}}
     merged["model_type"] = model_type

@@ -31,6 +31,7 @@ MAX_NEW = 10
 # what each tiny shape exercises.
 TEXT_ONLY = {
     "tiny_mistral3": ("mistral3", 70),
+    "tiny_ministral3_vl": ("ministral3_vl", 75),  # Ministral 3 as released: position-scaled queries
     "tiny_qwen2_vl": ("qwen2_vl", 71),
     "tiny_qwen2_5_vl": ("qwen2_5_vl", 72),
     "tiny_qwen3_vl": ("qwen3_vl", 73),

@@ -128,12 +128,20 @@ def test_windows_of_the_cases() -> None:
     assert windows[3] == (None, None, 16, 16)
 
 
-def test_ministral3_text_model_is_refused_by_name() -> None:
+def test_ministral3_text_model_reads_as_ministral3_and_other_text_models_are_refused() -> None:
+    """Ministral 3 ships as Mistral3ForConditionalGeneration: its text model's YaRN and Llama 4's query
+    scaling come from Ministral3Config's defaults when left out; any other text model is refused."""
     raw = {
         "architectures": ["Mistral3ForConditionalGeneration"],
         "text_config": {**SIZES, "model_type": "ministral3", "num_attention_heads": 4},
     }
-    with pytest.raises(ValueError, match="text_config.model_type 'ministral3' is not supported"):
+    cfg = ModelConfig.from_dict(raw)
+    assert cfg.query_position_scale == (0.1, 16384)
+    assert cfg.rope_scaling is not None and cfg.rope_scaling["rope_type"] == "yarn"
+    assert cfg.rope_scaling["factor"] == 16.0 and cfg.rope_theta == 1_000_000.0
+    assert cfg.head_dim == 128 and cfg.num_kv_heads == 8
+    raw["text_config"]["model_type"] = "llama"
+    with pytest.raises(ValueError, match="text_config.model_type 'llama' is not supported"):
         ModelConfig.from_dict(raw)
 
 
