@@ -22,9 +22,6 @@ are refused at load (engine/lora.py), and so is any other module name.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import torch
@@ -32,37 +29,9 @@ import torch.nn.functional as F
 
 from engine.attention.base import AttentionMetadata
 from engine.lora import ModuleSlot
+from engine.models.activations import activation
 from engine.models.config import AbsoluteConfig, ModelConfig
 from engine.models.decoder import DecoderBase, KVCache, Layer, split_heads
-
-
-def _gelu_new(x: torch.Tensor) -> torch.Tensor:
-    """transformers' ``gelu_new`` (OpenAI GPT's tanh GELU), in its own order of operations."""
-    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
-
-
-def _gelu_fast(x: torch.Tensor) -> torch.Tensor:
-    return 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x)))
-
-
-# transformers' ACT2FN names of the activations an ungated MLP here may use, computed as it does.
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "gelu": F.gelu,
-    "gelu_new": _gelu_new,
-    "gelu_fast": _gelu_fast,
-    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
-    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
-    "relu": F.relu,
-    "relu2": lambda x: torch.square(F.relu(x)),
-    "silu": F.silu,
-}
-
-
-def activation(cfg: ModelConfig) -> Callable[[torch.Tensor], torch.Tensor]:
-    if cfg.hidden_act not in ACTIVATIONS:
-        served = ", ".join(sorted(ACTIVATIONS))
-        raise ValueError(f"{cfg.architecture} with hidden_act {cfg.hidden_act!r} is not supported ({served})")
-    return ACTIVATIONS[cfg.hidden_act]
 
 
 class GPT2LMHeadModel(DecoderBase):

@@ -21,34 +21,12 @@ fp32 results agree to rounding, not bit for bit.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
-from functools import partial
-
 import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionMetadata
+from engine.models.activations import ACTIVATIONS
 from engine.models.decoder import DecoderBase, KVCache, Layer, apply_rope, split_heads
-
-
-def gelu_new(x: torch.Tensor) -> torch.Tensor:
-    """GPT-2's tanh GELU written out as transformers' ``gelu_new`` computes it (the same rounding)."""
-    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
-
-
-def gelu_fast(x: torch.Tensor) -> torch.Tensor:
-    return 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x)))
-
-
-# transformers' ACT2FN names of the activations an ungated MLP of these families may use.
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "gelu": F.gelu,
-    "gelu_new": gelu_new,
-    "gelu_fast": gelu_fast,
-    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
-    "relu": F.relu,
-}
 
 
 def head_layer_norm(

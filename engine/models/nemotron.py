@@ -13,15 +13,13 @@ from __future__ import annotations
 import torch
 
 from engine.models.decoder import Layer
-from engine.models.gpt2 import activation
 from engine.models.starcoder2 import Starcoder2ForCausalLM
 
 
 class NemotronForCausalLM(Starcoder2ForCausalLM):
     def _setup(self, w: dict[str, torch.Tensor]) -> None:
-        self.act = activation(self.cfg)
+        super()._setup(w)
         self.norm = self.norm + 1.0
-        self.norm_bias = w.pop("model.norm.bias", None)
 
     @staticmethod
     def _layer(w: dict[str, torch.Tensor], i: int) -> Layer:

@@ -8,30 +8,18 @@ every layer when the config sets one. Embeddings are tied by default.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from functools import partial
-
 import torch
-import torch.nn.functional as F
 
-from engine.attention.base import AttentionMetadata
-from engine.models.decoder import DecoderBase, KVCache, Layer, apply_rope, split_heads
-
-# transformers' ACT2FN names of the activations an ungated MLP may use.
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "gelu": F.gelu,
-    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
-}
+from engine.models.decoder import Layer
+from engine.models.layernorm_decoder import LayerNormDecoder
 
 
-class Starcoder2ForCausalLM(DecoderBase):
-    """LoRA adapters reach attention's projections (the MLP's c_fc / c_proj take none)."""
+class Starcoder2ForCausalLM(LayerNormDecoder):
+    """LoRA adapters reach attention's projections (the MLP's c_fc / c_proj take none). The forward
+    is ``LayerNormDecoder``'s, its sequential residual."""
 
-    def _setup(self, w: dict[str, torch.Tensor]) -> None:
-        if self.cfg.hidden_act not in ACTIVATIONS:
-            raise ValueError(f"StarCoder2 with hidden_act {self.cfg.hidden_act!r} is not supported")
-        self.act = ACTIVATIONS[self.cfg.hidden_act]
-        self.norm_bias = w.pop("model.norm.bias", None)
+    def _residual_style(self) -> str:
+        return "sequential"
 
     @staticmethod
     def _layer(w: dict[str, torch.Tensor], i: int) -> Layer:
@@ -55,30 +43,3 @@ class Starcoder2ForCausalLM(DecoderBase):
             "proj": w.pop(m + "c_proj.weight"),
             "proj_bias": w.pop(m + "c_proj.bias", None),
         }
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T]
-        positions: torch.Tensor,  # [T]
-        kv_caches: list[KVCache],
-        meta: AttentionMetadata,
-        inputs_embeds: torch.Tensor | None = None,  # [T, hidden]: instead of the ids' embeddings
-    ) -> torch.Tensor:
-        """Hidden states after the final norm, ``[T, hidden]``."""
-        cfg, ops, linear = self.cfg, self.ops, self.linear
-        eps = cfg.rms_norm_eps
-        hidden = F.embedding(input_ids, self.embed) if inputs_embeds is None else inputs_embeds
-        residual: torch.Tensor | None = None
-        for i, layer, window, cos_sin, kv_cache, scales in self._per_layer(kv_caches):
-            x, residual = ops.layer_norm(hidden, layer["in_norm"], layer["in_norm_bias"], eps, residual)
-            if residual is None:
-                residual = hidden
-            q, k, v = split_heads(self._project(i, "qkv", x, layer["qkv"], layer["qkv_bias"]), cfg)
-            q, k = apply_rope(ops, positions, q, k, cos_sin, self.rotary_dim, False)  # type: ignore[arg-type]
-            hidden = self._attend(i, layer, q, k, v, kv_cache, scales, meta, window)
-            x, residual = ops.layer_norm(hidden, layer["post_norm"], layer["post_norm_bias"], eps, residual)
-            hidden = linear(
-                self.act(linear(x, layer["fc"], layer["fc_bias"])), layer["proj"], layer["proj_bias"]
-            )
-        out, _ = ops.layer_norm(hidden, self.norm, self.norm_bias, eps, residual)
-        return out

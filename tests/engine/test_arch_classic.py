@@ -166,11 +166,11 @@ def test_dummy_weights_take_each_layout(
 
 
 def test_unsupported_activation_is_refused_by_name(tiny_phi: Path, tmp_path: Path) -> None:
-    bad = tmp_path / "phi_quick_gelu"
+    bad = tmp_path / "phi_mish"
     shutil.copytree(tiny_phi, bad)
     config = json.loads((bad / "config.json").read_text())
-    (bad / "config.json").write_text(json.dumps({**config, "hidden_act": "quick_gelu"}))
-    with pytest.raises(ValueError, match="hidden_act 'quick_gelu'"):
+    (bad / "config.json").write_text(json.dumps({**config, "hidden_act": "mish"}))
+    with pytest.raises(ValueError, match="hidden_act 'mish'"):
         LLM(str(bad), num_kv_blocks=8)
 
 
