@@ -9,7 +9,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from engine import demo_archs_llama4
+from engine import demo_archs_alibi, demo_archs_llama4
 from engine.demo_archs import ARCHS, arch_config
 from engine.demo_archs_classic import ARCHS as CLASSIC_ARCHS
 from engine.demo_archs_classic import arch_config as classic_config
@@ -61,8 +61,9 @@ def build_model(
     dots.llm1), of ``engine.demo_archs_classic.ARCHS`` (GPT-NeoX, Phi, StableLM, GPT-J), of
     ``engine.demo_archs_learned.ARCHS`` (GPT-2, OPT, OLMoE, Nemotron), of ``engine.demo_archs_llama4``'s
     (Llama 4, Phi-3.5-MoE), of ``engine.demo_archs_textonly.ARCHS`` (Mistral 3, Qwen2-VL, Qwen2.5-VL,
-    Qwen3-VL and its MoE: vision checkpoints served text-only) or of ``engine.demo_archs_variants.ARCHS``
-    (OLMo 1, GLM-4-9B, Helium, Ministral, Ministral 3, Falcon).
+    Qwen3-VL and its MoE: vision checkpoints served text-only), of ``engine.demo_archs_variants.ARCHS``
+    (OLMo 1, GLM-4-9B, Helium, Ministral, Ministral 3, Falcon) or of ``engine.demo_archs_alibi.ARCHS``
+    (Bloom, MPT).
     The model's eos is ``<|im_end|>``.
     """
     import torch
@@ -267,6 +268,8 @@ def build_model(
         cfg, cls = text_only_config(arch, common, hidden_size // num_attention_heads)
     elif arch in VARIANT_ARCHS:
         cfg, cls = variant_config(arch, common, hidden_size // num_attention_heads)
+    elif arch in demo_archs_alibi.ARCHS:  # Bloom, MPT
+        cfg, cls = demo_archs_alibi.arch_config(arch, common, hidden_size // num_attention_heads)
     else:
         raise ValueError(f"unknown tiny architecture {arch!r}")
     if num_labels is not None:
@@ -297,7 +300,8 @@ def build_model(
                 arch in LEARNED_ARCHS and any(n in name for n in LEARNED_NORMS)
             ):  # LayerNorms: not all 1
                 p.normal_(1.0, 0.2)
-            elif arch in CLASSIC_ARCHS or arch in VARIANT_ARCHS:  # norm weights (GPT-J's ln_1 too): not all 1
+            elif arch in CLASSIC_ARCHS or arch in VARIANT_ARCHS or arch in demo_archs_alibi.ARCHS:
+                # LayerNorm weights (GPT-J's ln_1 too): not all 1
                 p.normal_(1.0, 0.2)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # zero at init: make it matter (DeepSeek, GLM)

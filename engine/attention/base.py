@@ -151,6 +151,7 @@ class AttentionBackend(ABC):
         k_scale: float = 1.0,
         v_scale: float = 1.0,
         chunk: int | None = None,
+        alibi: torch.Tensor | None = None,  # [Hq] fp32 slopes
     ) -> torch.Tensor:  # [T, Hq, D]
         """Store ``k``/``v`` at ``meta.slot_mapping``, then attend each new token over its sequence's
         cached prefix plus the new tokens up to and including itself (GQA: query head h reads KV head
@@ -160,7 +161,12 @@ class AttentionBackend(ABC):
         first key a query sees is ``lowest_key``'s). With ``softcap`` (Gemma 2), the scaled scores
         become ``softcap * tanh(score / softcap)`` before the softmax. With ``sinks`` (gpt-oss),
         head h's softmax has one more logit, ``sinks[h]``, whose value is zero: it takes probability
-        mass and adds nothing. A model passes ``sinks`` only if it has them (decided at load).
+        mass and adds nothing. A model passes ``sinks`` only if it has them (decided at load). With
+        ``alibi`` (Bloom, MPT: ``alibi_slopes``), head h's scaled score for key position k from query
+        position q gets ``alibi[h] * (k - q)`` added, in fp32; transformers adds ``slope * k`` (Bloom)
+        or ``slope * (k - last)`` (MPT), which differ from it by a constant per query row, and the
+        softmax does not see those. The bias depends only on positions, so prefix hits, chunked
+        prefill and the KV tier stay exact.
         ``k_scale`` / ``v_scale`` (engine/models/kv_scales.py): an fp8 cache stores ``k / k_scale``
         and is read as its values times ``k_scale`` (V likewise); a model passes 1.0 for every other
         cache."""

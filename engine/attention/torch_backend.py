@@ -14,8 +14,10 @@ those of its query's chunk: the same code with another first visible key, ``lowe
 deterministic mode the gathered keys start at a multiple of ``TILE`` (and of the block size), so tiles
 still sit at the same absolute positions and the tiles left out would only have added exact zeros.
 
-Soft-capped scores (Gemma 2) and attention sinks (gpt-oss) take explicit fp32 scores in the fast
-path (SDPA has neither); layers without them keep SDPA.
+Soft-capped scores (Gemma 2), attention sinks (gpt-oss) and ALiBi biases (Bloom, MPT) take explicit
+fp32 scores in the fast path (SDPA has neither, and its float mask would round a bias to the queries'
+dtype); layers without them keep SDPA. ALiBi's bias ``slope * (k_pos - q_pos)`` depends on absolute
+positions only, so prefix hits and chunked prefill see the same bias as one whole prefill.
 
 This file plans each step (which rows batch together, which blocks each window reaches) and
 dispatches; the tensor functions it calls, the fixed-tile deterministic attention among them, are
@@ -250,11 +252,14 @@ class TorchAttentionBackend(AttentionBackend):
         k_scale=1.0,
         v_scale=1.0,
         chunk=None,
+        alibi=None,
     ):
         store_rows(k_cache, meta.slot_mapping, k, k_scale)
         store_rows(v_cache, meta.slot_mapping, v, v_scale)
         scales = (k_scale, v_scale)
-        return self._attend(q, k, v, k_cache, v_cache, meta, scale, window, softcap, sinks, scales, chunk)
+        return self._attend(
+            q, k, v, k_cache, v_cache, meta, scale, window, softcap, sinks, scales, chunk, alibi
+        )
 
     def forward_mla(self, q, kv, kv_cache, meta, scale, v_dim, kv_scale=1.0):  # type: ignore[override]
         store_rows(kv_cache, meta.slot_mapping, kv.view(-1, 1, kv_cache.shape[3]), kv_scale)
@@ -276,6 +281,7 @@ class TorchAttentionBackend(AttentionBackend):
         sinks: torch.Tensor | None = None,
         scales: tuple[float, float] = (1.0, 1.0),  # what the caches' values are multiplied by when read
         chunk: int | None = None,
+        alibi: torch.Tensor | None = None,  # [Hq] fp32 slopes
     ) -> torch.Tensor:
         plan = self._plan(meta, q.device)
         wplan = plan.windows.get((window, chunk))
@@ -288,7 +294,9 @@ class TorchAttentionBackend(AttentionBackend):
         for g, keys in zip(plan.decode_groups, wplan.decode_keys, strict=True):
             kk = _gather(k_cache, keys.blocks, q.dtype, k_scale)  # [Bg, L, Hkv, D]
             vv = kk[..., :dv] if v_cache is None else _gather(v_cache, keys.blocks, q.dtype, v_scale)
-            out.index_copy_(0, g.rows, decode(q.index_select(0, g.rows), kk, vv, keys, scale, softcap, sinks))
+            out.index_copy_(
+                0, g.rows, decode(q.index_select(0, g.rows), kk, vv, keys, scale, softcap, sinks, alibi)
+            )
         attend = self._prefill_det if self.deterministic else self._prefill
         # A cache that rounds what it stores (fp8, or scaled): every read, a first chunk's included,
         # sees the stored values, so a prompt's tokens do not depend on how it was chunked, cached
@@ -305,7 +313,9 @@ class TorchAttentionBackend(AttentionBackend):
             else:
                 ks = _gather(k_cache, p.blocks, q.dtype, k_scale)
                 vs = ks[..., :dv] if v_cache is None else _gather(v_cache, p.blocks, q.dtype, v_scale)
-            out[p.start : p.start + p.qlen] = attend(qs, ks, vs, p, window, chunk, scale, softcap, sinks)
+            out[p.start : p.start + p.qlen] = attend(
+                qs, ks, vs, p, window, chunk, scale, softcap, sinks, alibi
+            )
         return out
 
     @staticmethod
@@ -317,6 +327,7 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
         softcap: float | None,
         sinks: torch.Tensor | None = None,
+        alibi: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """A group's single-token rows in one SDPA call over its gathered keys/values
         ``[Bg, L, Hkv, D]``: the G query heads sharing a KV head are laid out as G query rows, so
@@ -325,7 +336,11 @@ class TorchAttentionBackend(AttentionBackend):
         hkv = kk.shape[2]
         qg = q.view(bd, hkv, hq // hkv, d)
         sink = None if sinks is None else sinks.view(hkv, hq // hkv, 1)
-        o = _sdpa(qg, kk.transpose(1, 2), vv.transpose(1, 2), keys.visible, scale, softcap, sink)
+        bias = None
+        if alibi is not None:  # key j of row b sits j - last[b] positions from its query
+            rel = torch.arange(kk.shape[1], device=q.device)[None, :] - keys.last[:, None]
+            bias = alibi.view(1, hkv, hq // hkv, 1) * rel.float()[:, None, None, :]
+        o = _sdpa(qg, kk.transpose(1, 2), vv.transpose(1, 2), keys.visible, scale, softcap, sink, bias)
         return o.reshape(bd, hq, vv.shape[-1])
 
     @staticmethod
@@ -339,6 +354,7 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
         softcap: float | None,
         sinks: torch.Tensor | None = None,
+        alibi: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One sequence's chunk over keys ``p.first_key .. ctx+Lq-1`` (``k`` may run past them);
         the window and the attention chunk are already in ``p.mask``."""
@@ -346,13 +362,22 @@ class TorchAttentionBackend(AttentionBackend):
         # 4-D [1, H, L, D]: with 3-D inputs PyTorch's CPU SDPA takes its unfused math path, which
         # measured 4-9x slower here than the flash kernel 4-D inputs get (fp32 and bf16).
         qt, kt, vt = q.transpose(0, 1)[None], k[:nk].transpose(0, 1)[None], v[:nk].transpose(0, 1)[None]
-        if softcap is not None or sinks is not None:
+        if softcap is not None or sinks is not None or alibi is not None:
             mask = p.mask
             if mask is None:  # plain causal over keys from position 0: square
                 mask = torch.ones(p.qlen, nk, dtype=torch.bool, device=q.device).tril_()
+            bias = None
+            if alibi is not None:  # key j sits at position first_key + j, query i at ctx + i
+                dev = q.device
+                rel = (
+                    torch.arange(p.first_key, p.first_key + nk, device=dev)[None, :]
+                    - torch.arange(p.ctx, p.ctx + p.qlen, device=dev)[:, None]
+                )
+                bias = alibi.view(-1, 1, 1) * rel.float()
             rep = q.shape[1] // k.shape[1]
             kt, vt = kt.repeat_interleave(rep, 1), vt.repeat_interleave(rep, 1)
-            o = _sdpa(qt, kt, vt, mask, scale, softcap, None if sinks is None else sinks.view(-1, 1, 1))
+            sink = None if sinks is None else sinks.view(-1, 1, 1)
+            o = _sdpa(qt, kt, vt, mask, scale, softcap, sink, bias)
         elif p.mask is None:
             o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
         else:
@@ -370,6 +395,7 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
         softcap: float | None,
         sinks: torch.Tensor | None = None,
+        alibi: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Batch-invariant attention for one sequence's chunk (see ``_attend_det``)."""
         lq, hq, d = q.shape
@@ -391,7 +417,10 @@ class TorchAttentionBackend(AttentionBackend):
                 low = torch.maximum(low, q_pos - window + 1)
             first = low.clamp_(min=p.first_key) - p.first_key
         kk, vv = k[:nk].transpose(0, 1)[None], v[:nk].transpose(0, 1)[None]
-        o = _attend_det(qg, kk, vv, last, first, nk, scale, softcap, sink)
+        slope = None
+        if alibi is not None:
+            slope = alibi.view(1, hkv, 1, g).expand(1, hkv, lq, g).reshape(1, hkv, lq * g)
+        o = _attend_det(qg, kk, vv, last, first, nk, scale, softcap, sink, slope)
         dv = v.shape[-1]
         return o[0].reshape(hkv, lq, g, dv).permute(1, 0, 2, 3).reshape(lq, hq, dv).to(q.dtype)
 
@@ -404,6 +433,7 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
         softcap: float | None,
         sinks: torch.Tensor | None = None,
+        alibi: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Batch-invariant single-token rows of a group (see ``_attend_det``)."""
         bd, hq, d = q.shape
@@ -413,5 +443,7 @@ class TorchAttentionBackend(AttentionBackend):
         last = keys.last[:, None].expand(bd, g)
         first = None if keys.first is None else keys.first[:, None].expand(bd, g)
         sink = None if sinks is None else sinks.view(1, hkv, g)
-        o = _attend_det(q.reshape(bd, hkv, g, d), kk, vv, last, first, kk.shape[2], scale, softcap, sink)
+        slope = None if alibi is None else alibi.view(1, hkv, g)
+        qg = q.reshape(bd, hkv, g, d)
+        o = _attend_det(qg, kk, vv, last, first, kk.shape[2], scale, softcap, sink, slope)
         return o.reshape(bd, hq, vv.shape[-1]).to(q.dtype)

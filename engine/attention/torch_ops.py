@@ -1,5 +1,5 @@
 """The stateless tensor functions ``engine/attention/torch_backend.py`` composes: SDPA with what it
-lacks (soft-capped scores, attention sinks), reads from the paged KV cache (whole blocks, or the
+lacks (soft-capped scores, attention sinks, fp32 ALiBi biases), reads from the paged KV cache (whole blocks, or the
 rows at given slots, widened from fp8 and scaled), and the batch-invariant fixed-tile attention of
 deterministic mode. They hold no per-step state and know nothing of plans, windows or batches:
 the backend decides what to gather and which of them to call.
@@ -24,16 +24,21 @@ def _sdpa(
     scale: float,
     softcap: float | None,
     sinks: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SDPA over ``[..., L, D]`` with a boolean ``mask`` (True: visible). What SDPA cannot do runs on
     explicit fp32 scores: ``softcap`` soft-caps them first (``softcap * tanh(s / softcap)``, Gemma 2);
-    ``sinks`` (fp32, broadcastable to the scores' ``[..., 1]``: one logit per query head, gpt-oss)
-    joins each row's softmax as one more column that has no value."""
-    if softcap is None and sinks is None:
+    ``bias`` (fp32, broadcastable to the scores: ALiBi's) is added to them (SDPA's float mask would
+    round it to the queries' dtype, and a bf16 bias of -50 is off by 0.25); ``sinks`` (fp32,
+    broadcastable to the scores' ``[..., 1]``: one logit per query head, gpt-oss) joins each row's
+    softmax as one more column that has no value."""
+    if softcap is None and sinks is None and bias is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
+    if bias is not None:
+        scores = scores + bias
     scores = scores.masked_fill(~mask, float("-inf"))
     if sinks is None:
         probs = torch.softmax(scores, dim=-1)
@@ -76,13 +81,16 @@ def _attend_det(
     scale: float,
     softcap: float | None = None,  # scores become softcap * tanh(scores / softcap) (Gemma 2)
     sinks: torch.Tensor | None = None,  # [1 or S, Hkv, R] fp32: each row's sink logit (gpt-oss)
+    alibi: torch.Tensor | None = None,  # [1 or S, Hkv, R] fp32: each row's ALiBi slope
 ) -> torch.Tensor:  # [S, Hkv, R, Dv] fp32
     """Attention whose every row depends only on its own keys, never on S, R or N.
 
     Keys are processed in tiles of ``TILE`` positions in ascending order; matmuls always have
     at least ``MIN_ROWS`` rows and exactly ``TILE`` keys, so the summation order inside them is
     fixed; keys outside a row's [first, last] (and the padding tiles) contribute exact zeros. Key
-    0 must sit at an absolute position that is a multiple of ``TILE``.
+    0 must sit at an absolute position that is a multiple of ``TILE``. A row's ``last`` is its own
+    query's position (causal), so ALiBi's bias for key ``j`` is ``slope * (j - last)``: positions
+    only, never the batch.
     """
     s_, hkv, r, d = q.shape
     dv = v.shape[-1]
@@ -111,6 +119,10 @@ def _attend_det(
     scores.mul_(scale)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
+    if alibi is not None:
+        slope = torch.zeros(alibi.shape[0], hkv, prow, 1, dtype=torch.float32, device=dev)
+        slope[:, :, :r, 0] = alibi
+        scores += slope * (key - hi[:, :, None]).float()[:, None]
     scores.masked_fill_(~visible[:, None], float("-inf"))
     top = scores.amax(dim=-1, keepdim=True)
     den = torch.zeros(s_, hkv, prow, 1, dtype=torch.float32, device=dev)

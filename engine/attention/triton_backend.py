@@ -66,6 +66,7 @@ class TritonAttentionBackend(AttentionBackend):
         k_scale: float = 1.0,
         v_scale: float = 1.0,
         chunk: int | None = None,
+        alibi: torch.Tensor | None = None,
     ) -> torch.Tensor:
         self._write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         if q.stride(-1) != 1:
@@ -82,11 +83,12 @@ class TritonAttentionBackend(AttentionBackend):
             return self._split_decode(
                 q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale, meta.max_seq_len,
                 window=window, softcap=softcap, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
-                chunk=chunk, split_size=self.split_size,
+                chunk=chunk, alibi=alibi, split_size=self.split_size,
             )  # fmt: skip
         return self._unified(
             q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
             window=window, softcap=softcap, sinks=sinks, k_scale=k_scale, v_scale=v_scale, chunk=chunk,
+            alibi=alibi,
         )  # fmt: skip
 
     def forward_mla(self, q, kv, kv_cache, meta, scale, v_dim, kv_scale=1.0):  # type: ignore[override]

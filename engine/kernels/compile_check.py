@@ -26,7 +26,7 @@ INDEX_POINTERS = {
     "positions_ptr": "*i64", "slot_ptr": "*i64", "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32",
     "block_tables_ptr": "*i32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "cache_ptr": "*fp32",
     "pairs_ptr": "*i32", "block_expert_ptr": "*i32", "weight_ptr": "*fp32",
-    "token_seq_ptr": "*i32", "token_pos_ptr": "*i32", "sinks_ptr": "*fp32",
+    "token_seq_ptr": "*i32", "token_pos_ptr": "*i32", "sinks_ptr": "*fp32", "alibi_ptr": "*fp32",
 }  # fmt: skip
 FLOAT_SCALARS = {"eps", "scale", "softcap", "k_scale", "v_scale"}
 TRITON_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
@@ -189,6 +189,22 @@ def plan(quick: bool) -> list[tuple[str, str, object, str, object, tuple[str, ..
         jobs.append(("unified_attention", tag, att._unified_attention_kernel, tdt, uni, ()))
         reduce = dec.reduce_launch(sink_model.head_dim, dec.DEFAULT_SPLIT_SIZE, sinks=True)
         jobs.append(("split_kv_reduce", tag, dec._decode_reduce_kernel, tdt, reduce, ()))
+    # ALiBi (compiled in only for Bloom and MPT): bloom-7b1's geometry, one query per KV head.
+    alibi_model = Model("bloom-7b1", 32, 32, 128, 4096, 16384)
+    for dname in dtypes[:1] if quick else dtypes:
+        dt, tdt = getattr(torch, dname), TRITON_DTYPES[dname]
+        tag = f"{alibi_model.name} {dname} alibi"
+        uni = att.unified_launch(1, alibi_model.head_dim, dt, alibi=True)
+        jobs.append(("unified_attention", tag, att._unified_attention_kernel, tdt, uni, ("queries_per_kv",)))
+        split = dec.split_launch(
+            1,
+            alibi_model.head_dim,
+            dt,
+            dec.DEFAULT_SPLIT_SIZE,
+            att.default_block_n(uni["BLOCK_D"]),
+            alibi=True,
+        )
+        jobs.append(("split_kv_decode", tag, dec._decode_split_kernel, tdt, split, ("queries_per_kv",)))
     for e in [MOE_MODELS[0], MOE_MODELS[2]] if quick else MOE_MODELS:
         for dname in dtypes:
             dt, tdt, tag = getattr(torch, dname), TRITON_DTYPES[dname], f"{e.name} {dname}"

@@ -6,8 +6,10 @@ one launch for a whole mixed batch. Each sequence contributes ``q_len`` new toke
 chunk, prefix-hit tail, or a single decode token); every new token attends causally to its
 sequence's cached prefix plus the new tokens up to itself, or, with a sliding ``window``, to the
 positions k with ``q_pos - window < k <= q_pos``, and with an attention ``chunk`` (Llama 4) only to
-the keys of its own chunk (``k // chunk == q_pos // chunk``). The online-softmax tile loop (``attend_tiles``)
-is shared with the split-KV decode kernel in ``triton_decode.py``.
+the keys of its own chunk (``k // chunk == q_pos // chunk``). With ALiBi slopes (Bloom, MPT), head
+h's scaled score gets ``slope[h] * (k - q_pos)`` added in fp32: a bias of positions only, so it is
+the same whatever the batch or the prompt's chunking. The online-softmax tile loop
+(``attend_tiles``) is shared with the split-KV decode kernel in ``triton_decode.py``.
 
 Numerics: Q/K/V are converted to fp32 right after loading and the online softmax runs in fp32.
 An fp8 cache's scales (``k_scale`` / ``v_scale``: the cache holds K / k_scale) are applied outside
@@ -87,6 +89,7 @@ def attend_tiles(
     acc,
     q_pos,
     q_first,
+    slope,
     kv_start,
     kv_end,
     k_cache_ptr,
@@ -103,13 +106,15 @@ def attend_tiles(
     dim_mask,
     CAUSAL: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Online-softmax accumulation of K/V positions [kv_start, kv_end) into (m_i, l_i, acc).
 
     With ``CAUSAL``, row r sees positions ``q_first[r] <= pos <= q_pos[r]``; otherwise all of them.
-    With ``SOFTCAP``, scaled scores become ``softcap * tanh(score / softcap)`` (Gemma 2).
+    With ``SOFTCAP``, scaled scores become ``softcap * tanh(score / softcap)`` (Gemma 2). With
+    ``ALIBI``, row r's score for position ``pos`` gets ``slope[r] * (pos - q_pos[r])`` added.
     """
     for tile_start in range(kv_start, kv_end, BLOCK_N):
         pos = tile_start + tl.arange(0, BLOCK_N)
@@ -121,6 +126,8 @@ def attend_tiles(
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
         if SOFTCAP:  # tanh(x) = 2 * sigmoid(2x) - 1
             scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
+        if ALIBI:
+            scores += slope[:, None] * (pos[None, :] - q_pos[:, None]).to(tl.float32)
         if CAUSAL:
             visible = (
                 pos_mask[None, :] & (pos[None, :] <= q_pos[:, None]) & (pos[None, :] >= q_first[:, None])
@@ -176,6 +183,7 @@ def _unified_attention_kernel(
     seq_lens_ptr,
     block_tables_ptr,
     sinks_ptr,
+    alibi_ptr,
     scale,
     v_scale,
     softcap,
@@ -200,6 +208,7 @@ def _unified_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr,
     SINKS: tl.constexpr,
+    ALIBI: tl.constexpr,
 ):
     q_block_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -236,11 +245,14 @@ def _unified_attention_kernel(
         low = pos_block * BLOCK_Q
         kv_start = tl.maximum(tl.maximum(low - window + 1, low // chunk * chunk), 0) // BLOCK_N * BLOCK_N
         q_first = tl.maximum(q_pos - window + 1, q_pos // chunk * chunk)
+        slope = l_i  # unread without ALIBI
+        if ALIBI:
+            slope = tl.load(alibi_ptr + q_head, mask=row_mask, other=0.0).to(tl.float32)
         m_i, l_i, acc = attend_tiles(
-            q, m_i, l_i, acc, q_pos, q_first, kv_start, kv_end, k_cache_ptr, v_cache_ptr,
+            q, m_i, l_i, acc, q_pos, q_first, slope, kv_start, kv_end, k_cache_ptr, v_cache_ptr,
             block_tables_ptr + seq.to(tl.int64) * stride_bt, kv_head, block_size, scale, softcap,
             stride_cb, stride_cs, stride_ch, dims, dim_mask,
-            CAUSAL=True, SOFTCAP=SOFTCAP, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
+            CAUSAL=True, SOFTCAP=SOFTCAP, ALIBI=ALIBI, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
         )  # fmt: skip
         if SINKS:  # one more softmax column per query head, with no value (gpt-oss)
             sink = tl.load(sinks_ptr + q_head, mask=row_mask, other=0.0).to(tl.float32)
@@ -271,13 +283,15 @@ def unified_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     chunk: int | None = None,
+    alibi: torch.Tensor | None = None,
     block_m: int = 64,
     block_n: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of the new tokens ``q`` [T, Hq, D] of a batch of sequences, within a
     sliding ``window`` if one is given, within each query's attention ``chunk`` if one is given,
-    scores soft-capped at ``softcap`` if one is given, with a value-less softmax column of
-    ``sinks[h]`` (fp32 [Hq]) per query head if they are given.
+    scores soft-capped at ``softcap`` if one is given, plus ``alibi[h] * (k_pos - q_pos)`` if ALiBi
+    slopes (fp32 [Hq]) are given, with a value-less softmax column of ``sinks[h]`` (fp32 [Hq]) per
+    query head if they are given.
 
     Sequence ``i`` owns query rows ``query_start_loc[i]:query_start_loc[i+1]`` (possibly none),
     has ``seq_lens[i]`` tokens in total after this step (its K/V already in the caches) and
@@ -296,12 +310,12 @@ def unified_attention(
     queries_per_kv = n_q_heads // n_kv_heads
     launch = unified_launch(
         queries_per_kv, head_dim, q.dtype, block_m, block_n, interpreting(), softcap is not None,
-        sinks is not None,
+        sinks is not None, alibi is not None,
     )  # fmt: skip
     grid = (n_tokens // launch["BLOCK_Q"] + 2 * num_seqs, n_kv_heads)
     _unified_attention_kernel[grid](
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,
-        q if sinks is None else sinks, scale * k_scale, v_scale, softcap or 0.0,
+        q if sinks is None else sinks, q if alibi is None else alibi, scale * k_scale, v_scale, softcap or 0.0,
         kernel_window(window), kernel_chunk(chunk),
         num_seqs, queries_per_kv, head_dim, k_cache.shape[1],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -320,6 +334,7 @@ def unified_launch(
     interpret: bool = False,
     softcap: bool = False,
     sinks: bool = False,
+    alibi: bool = False,
 ) -> Launch:
     block_g = triton.next_power_of_2(queries_per_kv)
     block_d = max(16, triton.next_power_of_2(head_dim))
@@ -328,7 +343,7 @@ def unified_launch(
             "BLOCK_Q": max(1, block_m // block_g), "BLOCK_G": block_g,
             "BLOCK_N": block_n or default_block_n(block_d), "BLOCK_D": block_d,
             "DOT_PRECISION": dot_precision(dtype, interpret), "SOFTCAP": softcap,
-            "SINKS": sinks,
+            "SINKS": sinks, "ALIBI": alibi,
         },
         num_warps=8 if block_d >= 128 else 4,
     )  # fmt: skip

@@ -6,7 +6,8 @@ multiples of ``split_size`` whatever the batch and the merge is a fixed sum, so 
 is the same run to run and whatever else is in the batch (though not the same bits as
 ``unified_attention``, which sums in one pass). With a sliding window, splits wholly before the
 window are idle and the first one the window reaches starts where the window does; an attention
-chunk (Llama 4) limits the keys the same way, from the start of the query's chunk.
+chunk (Llama 4) limits the keys the same way, from the start of the query's chunk. ALiBi slopes add
+``slope[h] * (k - q_pos)`` to the scores inside each split, so the merge needs nothing more.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ def _decode_split_kernel(
     block_tables_ptr,
     part_out_ptr,
     part_lse_ptr,
+    alibi_ptr,
     scale,
     v_scale,
     softcap,
@@ -62,6 +64,7 @@ def _decode_split_kernel(
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -84,11 +87,15 @@ def _decode_split_kernel(
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        q_pos = tl.zeros([BLOCK_H], tl.int32) + (seq_len - 1)  # the one new token of each head
+        slope = l_i  # unread without ALIBI
+        if ALIBI:
+            slope = tl.load(alibi_ptr + q_head, mask=head_mask, other=0.0).to(tl.float32)
         m_i, l_i, acc = attend_tiles(
-            q, m_i, l_i, acc, m_i, m_i, kv_start, kv_end, k_cache_ptr, v_cache_ptr,
+            q, m_i, l_i, acc, q_pos, q_pos, slope, kv_start, kv_end, k_cache_ptr, v_cache_ptr,
             block_tables_ptr + seq.to(tl.int64) * stride_bt, kv_head, block_size, scale, softcap,
             stride_cb, stride_cs, stride_ch, dims, dim_mask,
-            CAUSAL=False, SOFTCAP=SOFTCAP, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
+            CAUSAL=False, SOFTCAP=SOFTCAP, ALIBI=ALIBI, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
         )  # fmt: skip
         row = seq.to(tl.int64) * stride_po_t + q_head * stride_po_h + split
         tl.store(part_lse_ptr + row, m_i + tl.log(l_i), mask=head_mask)
@@ -158,12 +165,14 @@ def split_kv_decode_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     chunk: int | None = None,
+    alibi: torch.Tensor | None = None,
     split_size: int = DEFAULT_SPLIT_SIZE,
     block_n: int | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence (``q`` [B, Hq, D], row i = sequence i) over all
     ``seq_lens[i]`` cached positions (the token's own K/V included), or only the last ``window``
-    of them, or only those of its attention ``chunk``, in fixed KV splits; with ``sinks`` (fp32 [Hq]),
+    of them, or only those of its attention ``chunk``, in fixed KV splits, scores plus
+    ``alibi[h] * (k_pos - q_pos)`` if ALiBi slopes (fp32 [Hq]) are given; with ``sinks`` (fp32 [Hq]),
     each head's softmax has that extra value-less logit, added when the splits merge. The caches'
     values are read times ``k_scale`` / ``v_scale`` (an fp8 cache's scales, applied as
     ``unified_attention`` applies them).
@@ -189,13 +198,14 @@ def split_kv_decode_attention(
     part_lse = torch.empty((num_seqs, n_q_heads, num_splits), dtype=torch.float32, device=q.device)
     window, chunk = kernel_window(window), kernel_chunk(chunk)
     _decode_split_kernel[(num_seqs, n_kv_heads, num_splits)](
-        q, k_cache, v_cache, seq_lens, block_tables, part_out, part_lse, scale * k_scale, v_scale,
-        softcap or 0.0, window, chunk,
+        q, k_cache, v_cache, seq_lens, block_tables, part_out, part_lse, q if alibi is None else alibi,
+        scale * k_scale, v_scale, softcap or 0.0, window, chunk,
         queries_per_kv, head_dim, k_cache.shape[1], num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), part_lse.stride(0), part_lse.stride(1),
         **split_launch(
-            queries_per_kv, head_dim, q.dtype, split_size, block_n, interpreting(), softcap is not None
+            queries_per_kv, head_dim, q.dtype, split_size, block_n, interpreting(), softcap is not None,
+            alibi is not None,
         ).kwargs,
     )  # fmt: skip
     _decode_reduce_kernel[(num_seqs, n_q_heads)](
@@ -215,11 +225,12 @@ def split_launch(
     block_n: int,
     interpret: bool = False,
     softcap: bool = False,
+    alibi: bool = False,
 ) -> Launch:
     return Launch({
         "SPLIT_SIZE": split_size, "BLOCK_H": max(16, triton.next_power_of_2(queries_per_kv)), "BLOCK_N": block_n,
         "BLOCK_D": max(16, triton.next_power_of_2(head_dim)), "DOT_PRECISION": dot_precision(dtype, interpret),
-        "SOFTCAP": softcap,
+        "SOFTCAP": softcap, "ALIBI": alibi,
     })  # fmt: skip
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.models.config_alibi import ALIBI_ARCHS, AlibiConfig, alibi_config, alibi_settings
 from engine.models.config_arch import (
     _GEMMA2_DEFAULTS,
     _GPT_OSS_DEFAULTS,
@@ -38,6 +39,7 @@ __all__ = [
     "GemmaConfig",
     "MLAConfig",
     "AbsoluteConfig",
+    "AlibiConfig",
     "ModelConfig",
     "MoEConfig",
     "VisionConfig",
@@ -115,6 +117,7 @@ class ModelConfig:
     absolute: AbsoluteConfig | None = None
     llama4: Llama4Config | None = None  # Llama 4: NoPE and chunked layers, its MoE (config_llama4.py)
     phimoe: PhimoeConfig | None = None  # Phi-3.5-MoE: sparsemixer's threshold, longrope (config_phimoe.py)
+    alibi: AlibiConfig | None = None  # Bloom, MPT: ALiBi slopes and their options (config_alibi.py)
 
     # The paged KV cache per layer: ``kv_cache_parts`` tensors (K and V, or MLA's one latent) of
     # ``[num_blocks, block_size, kv_cache_heads, kv_cache_dim]``.
@@ -164,6 +167,8 @@ class ModelConfig:
             raw = {**_GPT_OSS_DEFAULTS, **raw}
         elif archs[0] in LEARNED_ARCHS:
             raw = learned_config(raw)
+        elif archs[0] in ALIBI_ARCHS:
+            raw = alibi_config(raw)
         elif archs[0] in ARCH_DEFAULTS:
             raw = {**ARCH_DEFAULTS[archs[0]], **raw}
         elif archs[0] in CLASSIC_CONFIGS:  # GPT-NeoX, Phi, StableLM, GPT-J, OLMo 1, Falcon
@@ -247,6 +252,7 @@ class ModelConfig:
             absolute=absolute_config(raw),
             llama4=llama4(raw, num_layers),
             phimoe=phimoe(raw, scaling, head_dim),
+            alibi=alibi_settings(raw),
         )
 
 

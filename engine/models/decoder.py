@@ -304,10 +304,12 @@ class DecoderBase(ABC):
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
         chunk: int | None = None,
+        alibi: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Layer ``i``'s attention over its cache (storing k and v), through its output projection
         ``o`` (and ``o_bias``, and LoRA's update): ``[T, hidden]``. ``chunk``: Llama 4's chunked
-        local attention (a query sees only the keys of its own ``chunk``-position chunk)."""
+        local attention (a query sees only the keys of its own ``chunk``-position chunk); ``alibi``:
+        fp32 [Hq] ALiBi slopes (Bloom, MPT)."""
         attn = self.attention.forward(
             q.contiguous(),
             k.contiguous(),
@@ -321,6 +323,7 @@ class DecoderBase(ABC):
             k_scale=scales[0],
             v_scale=scales[1],
             chunk=chunk,
+            alibi=alibi,
         )
         return self._project(i, "o", attn.reshape(q.shape[0], self.q_size), layer["o"], layer.get("o_bias"))
 

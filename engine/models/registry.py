@@ -31,6 +31,10 @@ _MODELS: dict[str, str] = {
     # Learned absolute positions, LayerNorms, biased MHA and an ungated MLP; GPT-2's Conv1D weights.
     "GPT2LMHeadModel": "engine.models.gpt2:GPT2LMHeadModel",
     "OPTForCausalLM": "engine.models.gpt2:OPTForCausalLM",  # positions offset 2, pre- or post-norm
+    # ALiBi position biases: Bloom (embedding LayerNorm, per-head fused qkv, biases), MPT (no biases).
+    "BloomForCausalLM": "engine.models.bloom:BloomForCausalLM",
+    "MptForCausalLM": "engine.models.bloom:MptForCausalLM",
+    "MPTForCausalLM": "engine.models.bloom:MptForCausalLM",  # MosaicML's hub configs (their own code)
     # OLMoE: Llama + q/k RMSNorm over whole projections + MoE MLPs (softmax top-k router).
     "OlmoeForCausalLM": "engine.models.llama:LlamaForCausalLM",
     # Nemotron-4 / Minitron: LayerNorm1p, partial rotary, an ungated ReLU^2 MLP.

@@ -30,7 +30,7 @@ def test_every_kernel_compiles_for_sm90() -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     lines = proc.stdout.splitlines()
-    assert lines[-1] == "47/47 kernels compiled for sm_90"
+    assert lines[-1] == "49/49 kernels compiled for sm_90"
     for kernel in KERNELS:
         assert any(line.split()[1] == kernel and line.rstrip().endswith(" B") for line in lines[:-1]), kernel
     # The GQA, one-sequence and fp32 variants are among them.
@@ -41,6 +41,9 @@ def test_every_kernel_compiles_for_sm90() -> None:
     # gpt-oss's attention sinks, in the prefill/decode kernel and the split-KV merge.
     assert any("unified_attention" in line and "gpt-oss-20b bfloat16 sinks" in line for line in lines)
     assert any("split_kv_reduce" in line and "gpt-oss-20b bfloat16 sinks" in line for line in lines)
+    # ALiBi (Bloom, MPT), in the prefill/decode kernel and the split-KV one.
+    assert any("unified_attention" in line and "bloom-7b1 bfloat16 alibi" in line for line in lines)
+    assert any("split_kv_decode" in line and "bloom-7b1 bfloat16 alibi" in line for line in lines)
 
 
 def test_refuses_to_run_under_the_interpreter() -> None:
