@@ -85,12 +85,12 @@ def _olmo(raw: Raw) -> Raw:
 
 def _falcon(raw: Raw) -> Raw:
     """FalconConfig's fields as ferry reads them. K/V heads: ``num_kv_heads`` with the new decoder
-    architecture or without multi-query, else one. ALiBi models are refused: ferry's attention
-    backends add no position bias."""
+    architecture or without multi-query, else one. ALiBi models are refused (see the error)."""
     if raw.get("alibi"):
         raise ValueError(
-            "Falcon with alibi=true is not supported (ALiBi position biases are not in ferry's attention "
-            "backends); rotary Falcon models (alibi=false) are"
+            "Falcon with alibi=true (Falcon-RW) is not supported: transformers rounds its ALiBi bias "
+            "(slope x position) to bfloat16, which ferry's fp32 ALiBi (Bloom's, MPT's) would not reproduce; "
+            "rotary Falcon models (alibi=false) are"
         )
     new = bool(raw.get("new_decoder_architecture", False))
     parallel = bool(raw.get("parallel_attn", True))

@@ -13,7 +13,8 @@ with ``x'`` from a second LayerNorm (``ln_mlp``, beside ``ln_attn``) when the ne
 ``num_ln_in_parallel_attn`` 2 (its default), else ``x' = x`` (one ``input_layernorm``). Without
 ``parallel_attn`` it is sequential over ``input_layernorm`` and ``post_attention_layernorm``. Rotary
 covers whole heads; ``bias`` puts biases on every projection (the MLP's too). ALiBi checkpoints
-(``alibi=true``, Falcon-RW) are refused at load: ferry's attention adds no position bias.
+(``alibi=true``, Falcon-RW) are refused at load: transformers rounds their bias to bfloat16, unlike
+Bloom's and MPT's fp32 ALiBi that ferry's backends compute.
 
 transformers sums ``(mlp + attn) + h``, ferry ``(h + attn) + mlp``: fp32 agrees to rounding. Adapters
 would target ``self_attention.query_key_value`` (outside engine/lora.py's ``self_attn|mlp`` key
