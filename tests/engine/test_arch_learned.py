@@ -21,6 +21,7 @@ if not torch.cuda.is_available():  # never force the interpreter onto a real GPU
 from engine import LLM, LoRARequest, SamplingParams  # noqa: E402
 from engine.demo import build_lora_adapter, build_model  # noqa: E402
 from engine.models.config import ModelConfig  # noqa: E402
+from tests.engine.arch_checks import assert_matches  # noqa: E402
 from tests.engine.test_lora import merged_checkpoint  # noqa: E402
 
 MAX_NEW = 8
@@ -37,11 +38,7 @@ def learned_models(models_root: Path) -> dict[str, Path]:
 
 
 def _check(out, prompt: list[int], path: Path, hf_reference) -> None:
-    ref_tokens, ref_logits = hf_reference(path, prompt, MAX_NEW)
-    assert out.outputs[0].token_ids == ref_tokens
-    ref_lp = torch.log_softmax(ref_logits, dim=-1)
-    for step, (tok, entry) in enumerate(zip(ref_tokens, out.outputs[0].logprobs, strict=True)):
-        assert abs(entry[tok].logprob - ref_lp[step, tok].item()) < 1e-4
+    assert_matches(out, *hf_reference(path, prompt, MAX_NEW))
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))

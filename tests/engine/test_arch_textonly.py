@@ -24,6 +24,12 @@ from engine import LLM, LoRARequest, SamplingParams  # noqa: E402
 from engine.demo import build_lora_adapter  # noqa: E402
 from engine.models.config import ModelConfig  # noqa: E402
 from engine.models.rope import build_cos_sin_cache  # noqa: E402
+from tests.engine.arch_checks import (  # noqa: E402
+    assert_matches,
+    check_solo_batched_chunked_cached,
+    check_triton_path,
+    tiny_model_fixtures,
+)
 from tests.engine.test_lora import merged_checkpoint  # noqa: E402
 
 MAX_NEW = 10
@@ -39,18 +45,7 @@ TEXT_ONLY = {
 }
 
 
-def _fixture(name: str, arch: str, seed: int):
-    @pytest.fixture(scope="session", name=name)
-    def build(models_root: Path) -> Path:
-        from engine.demo import build_model
-
-        return build_model(models_root / name.removeprefix("tiny_"), arch, seed=seed)
-
-    return build
-
-
-for _name, (_arch, _seed) in TEXT_ONLY.items():
-    globals()[_name] = _fixture(_name, _arch, _seed)
+tiny_model_fixtures(TEXT_ONLY, globals())
 
 
 @functools.lru_cache(maxsize=4)
@@ -78,13 +73,6 @@ def reference(path: Path, prompt: list[int], max_new: int = MAX_NEW) -> tuple[li
             return_dict_in_generate=True,
         )
     return out.sequences[0, len(prompt) :].tolist(), torch.cat(out.logits).float()
-
-
-def _assert_matches(out, ref_tokens: list[int], ref_logits: torch.Tensor) -> None:  # noqa: ANN001
-    assert out.outputs[0].token_ids == ref_tokens
-    ref_lp = torch.log_softmax(ref_logits, dim=-1)
-    for step, (tok, entry) in enumerate(zip(ref_tokens, out.outputs[0].logprobs, strict=True)):
-        assert abs(entry[tok].logprob - ref_lp[step, tok].item()) < 1e-4
 
 
 def _logprobs(out) -> list[float]:  # noqa: ANN001
@@ -119,40 +107,14 @@ def test_checkpoints_hold_a_vision_tower_that_is_not_read(tiny_mistral3: Path, t
 def test_greedy_matches_transformers_solo_batched_chunked_and_cached(
     model_fixture: str, prompts, request
 ) -> None:
-    path = request.getfixturevalue(model_fixture)
-    chosen = [prompts[i] for i in (0, 2, 4, 6)]  # 1, 5, 17 and 64 tokens
-    refs = [reference(path, p) for p in chosen]
-    llm = LLM(str(path), num_kv_blocks=128, max_num_batched_tokens=512)
-    solo = [llm.generate([p], GREEDY)[0] for p in chosen]
-    batched = llm.generate(chosen, GREEDY)
-    for ref, a, b in zip(refs, solo, batched, strict=True):
-        _assert_matches(a, *ref)
-        _assert_matches(b, *ref)
-    assert len({t for ref, _ in refs for t in ref}) > 5  # a model repeating one token would hide bugs
-    llm.engine.block_manager.check_integrity()
-    # 16-token chunks over 4-token blocks, then a prompt sharing 40 tokens with the first, from the cache.
-    chunked = LLM(str(path), block_size=4, num_kv_blocks=128, max_num_batched_tokens=16)
-    first, second = prompts[6], prompts[6][:40] + prompts[5]
-    for prompt, cached in ((first, 0), (second, 40)):
-        out = chunked.generate([prompt], GREEDY)[0]
-        assert out.num_cached_tokens == cached
-        _assert_matches(out, *reference(path, prompt))
-    chunked.engine.block_manager.check_integrity()
+    check_solo_batched_chunked_cached(request.getfixturevalue(model_fixture), prompts, reference, MAX_NEW)
 
 
 @pytest.mark.parametrize("model_fixture", ["tiny_qwen2_5_vl", "tiny_qwen3_vl_moe"])
 def test_triton_path_matches_transformers(model_fixture: str, prompts, request) -> None:
     """Triton attention (Qwen2.5-VL's window), rotary, q/k norm and the grouped MoE matmuls under the
     interpreter, chunked over blocks of 16."""
-    pytest.importorskip("triton", reason="triton is not installed (pip install 'ferry-serve[triton]')")
-    path = request.getfixturevalue(model_fixture)
-    chosen = [prompts[0], prompts[5]]  # 1 and 31 tokens
-    llm = LLM(
-        str(path), attention_backend="triton", block_size=16, num_kv_blocks=32, max_num_batched_tokens=24
-    )
-    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=0)
-    for prompt, out in zip(chosen, llm.generate(chosen, params), strict=True):
-        _assert_matches(out, *reference(path, prompt, 4))
+    check_triton_path(request.getfixturevalue(model_fixture), prompts, reference)
 
 
 def test_qwen2_5_vl_window_is_applied(tiny_qwen2_5_vl: Path, prompts) -> None:
@@ -235,7 +197,7 @@ def test_adapter_matches_transformers_merged(model_fixture: str, targets, prompt
     changed = 0
     for prompt, out, used in zip(chosen, outs, loras, strict=True):
         ref = reference(merged if used else path, prompt)
-        _assert_matches(out, *ref)
+        assert_matches(out, *ref)
         changed += used is not None and ref[0] != reference(path, prompt)[0]
     assert changed == 2  # the adapter changed what the model says
 
@@ -304,7 +266,7 @@ def test_every_layout_and_config_spelling_gives_the_same_model(
         base = LLM(str(original), num_kv_blocks=32, deterministic=True).generate([prompts[4]], GREEDY)[0]
         assert ours.outputs[0].token_ids == base.outputs[0].token_ids
         assert _logprobs(ours) == _logprobs(base)
-        _assert_matches(ours, *reference(variant, prompts[4]))
+        assert_matches(ours, *reference(variant, prompts[4]))
 
 
 def test_tied_head_absent_from_the_checkpoint(tiny_qwen3_vl: Path, prompts, tmp_path: Path) -> None:
@@ -320,7 +282,7 @@ def test_tied_head_absent_from_the_checkpoint(tiny_qwen3_vl: Path, prompts, tmp_
     del weights["lm_head.weight"]
     save_file(weights, str(tied / "model.safetensors"))
     out = LLM(str(tied), num_kv_blocks=32).generate([prompts[4]], GREEDY)[0]
-    _assert_matches(out, *reference(tied, prompts[4]))
+    assert_matches(out, *reference(tied, prompts[4]))
 
 
 def test_offline_image_prompt_is_refused(tiny_qwen3_vl_moe: Path) -> None:

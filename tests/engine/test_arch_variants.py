@@ -21,6 +21,12 @@ if not torch.cuda.is_available():  # never force the interpreter onto a real GPU
 from engine import LLM, LoRARequest, SamplingParams  # noqa: E402
 from engine.demo import build_lora_adapter  # noqa: E402
 from engine.models.config import ModelConfig  # noqa: E402
+from tests.engine.arch_checks import (  # noqa: E402
+    assert_matches,
+    check_solo_batched_chunked_cached,
+    check_triton_path,
+    tiny_model_fixtures,
+)
 from tests.engine.test_lora import merged_checkpoint  # noqa: E402
 
 MAX_NEW = 10
@@ -39,25 +45,7 @@ VARIANTS = {
 }
 
 
-def _fixture(name: str, arch: str, seed: int):
-    @pytest.fixture(scope="session", name=name)
-    def build(models_root: Path) -> Path:
-        from engine.demo import build_model
-
-        return build_model(models_root / name.removeprefix("tiny_"), arch, seed=seed)
-
-    return build
-
-
-for _name, (_arch, _seed) in VARIANTS.items():
-    globals()[_name] = _fixture(_name, _arch, _seed)
-
-
-def _assert_matches(out, ref_tokens: list[int], ref_logits: torch.Tensor) -> None:  # noqa: ANN001
-    assert out.outputs[0].token_ids == ref_tokens
-    ref_lp = torch.log_softmax(ref_logits, dim=-1)
-    for step, (tok, entry) in enumerate(zip(ref_tokens, out.outputs[0].logprobs, strict=True)):
-        assert abs(entry[tok].logprob - ref_lp[step, tok].item()) < 1e-4
+tiny_model_fixtures(VARIANTS, globals())
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
@@ -67,40 +55,14 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, lo
 def test_greedy_matches_transformers_solo_batched_chunked_and_cached(
     model_fixture: str, prompts, hf_reference, request
 ) -> None:
-    path = request.getfixturevalue(model_fixture)
-    chosen = [prompts[i] for i in (0, 4, 6)]  # 1, 17 and 64 tokens: past Ministral's window of 8
-    refs = [hf_reference(path, p, MAX_NEW) for p in chosen]
-    llm = LLM(str(path), num_kv_blocks=128, max_num_batched_tokens=512)
-    solo = [llm.generate([p], GREEDY)[0] for p in chosen]
-    batched = llm.generate(chosen, GREEDY)
-    for ref, a, b in zip(refs, solo, batched, strict=True):
-        _assert_matches(a, *ref)
-        _assert_matches(b, *ref)
-    assert len({t for ref, _ in refs for t in ref}) > 5  # a model repeating one token would hide bugs
-    llm.engine.block_manager.check_integrity()
-    # 16-token chunks over 4-token blocks, then a prompt sharing 40 tokens with the first, from the cache.
-    chunked = LLM(str(path), block_size=4, num_kv_blocks=128, max_num_batched_tokens=16)
-    first, second = prompts[6], prompts[6][:40] + prompts[5]
-    for prompt, cached in ((first, 0), (second, 40)):
-        out = chunked.generate([prompt], GREEDY)[0]
-        assert out.num_cached_tokens == cached
-        _assert_matches(out, *hf_reference(path, prompt, MAX_NEW))
-    chunked.engine.block_manager.check_integrity()
+    check_solo_batched_chunked_cached(request.getfixturevalue(model_fixture), prompts, hf_reference, MAX_NEW)
 
 
 @pytest.mark.parametrize("model_fixture", ["tiny_olmo1", "tiny_glm", "tiny_ministral3", "tiny_falcon"])
 def test_triton_path_matches_transformers(model_fixture: str, prompts, hf_reference, request) -> None:
     """Triton attention, KV writes and rotary (GLM's interleaved half heads; Ministral 3's scaled
     queries past position 8 and window) under the interpreter, chunked over blocks of 16."""
-    pytest.importorskip("triton", reason="triton is not installed (pip install 'ferry-serve[triton]')")
-    path = request.getfixturevalue(model_fixture)
-    chosen = [prompts[0], prompts[5]]  # 1 and 31 tokens
-    llm = LLM(
-        str(path), attention_backend="triton", block_size=16, num_kv_blocks=32, max_num_batched_tokens=24
-    )
-    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=0)
-    for prompt, out in zip(chosen, llm.generate(chosen, params), strict=True):
-        _assert_matches(out, *hf_reference(path, prompt, 4))
+    check_triton_path(request.getfixturevalue(model_fixture), prompts, hf_reference)
 
 
 @pytest.mark.parametrize("model_fixture", ["tiny_olmo1", "tiny_ministral3", "tiny_falcon_mq"])
@@ -115,7 +77,7 @@ def test_deterministic_mode_is_exact_across_batches_and_matches_transformers(
     solo = [llm.generate([p], GREEDY)[0] for p in chosen]
     batched = llm.generate(chosen, GREEDY)
     for prompt, a, b in zip(chosen, solo, batched, strict=True):
-        _assert_matches(a, *hf_reference(path, prompt, MAX_NEW))
+        assert_matches(a, *hf_reference(path, prompt, MAX_NEW))
         assert [e[t].logprob for t, e in zip(a.outputs[0].token_ids, a.outputs[0].logprobs, strict=True)] == [
             e[t].logprob for t, e in zip(b.outputs[0].token_ids, b.outputs[0].logprobs, strict=True)
         ]
@@ -143,7 +105,7 @@ def test_adapter_matches_transformers_merged(
     changed = 0
     for prompt, out, used in zip(chosen, outs, loras, strict=True):
         ref = hf_reference(merged if used else path, prompt, MAX_NEW)
-        _assert_matches(out, *ref)
+        assert_matches(out, *ref)
         changed += used is not None and ref[0] != hf_reference(path, prompt, MAX_NEW)[0]
     assert changed == 2  # the adapter changed what the model says
 
