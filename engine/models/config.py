@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -183,6 +184,7 @@ class ModelConfig:
         theta, scaling = _rope(
             raw.get("rope_theta") or rope.get("rope_theta"), raw.get("rope_scaling") or rope
         )
+        scaling = _longrope(raw, scaling)
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
         dtype = str(raw.get("dtype") or raw.get("torch_dtype") or "float32").replace("torch.", "")
@@ -254,6 +256,30 @@ class ModelConfig:
             phimoe=phimoe(raw, scaling, head_dim),
             alibi=alibi_settings(raw),
         )
+
+
+def _longrope(raw: dict[str, Any], scaling: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``scaling`` with longrope's ``original_max_position_embeddings`` and ``attention_factor``
+    resolved as transformers 5 resolves them: a top-level original length wins (Phi3Config's class
+    default is 4096), then the scaling's own, then ``max_position_embeddings``; the attention factor is
+    the given one or sqrt(1 + ln(factor) / ln(original)), ``factor`` being the given one or
+    max_position_embeddings / original. Phi3Config reads the old "su" and "yarn" as longrope."""
+    if scaling is None:
+        return None
+    kind = scaling["rope_type"]
+    if raw.get("model_type") == "phi3" and kind in ("su", "yarn"):
+        kind = "longrope"
+    if kind != "longrope":
+        return scaling
+    max_len = int(raw.get("max_position_embeddings", 2048))
+    top = raw.get("original_max_position_embeddings", 4096 if raw.get("model_type") == "phi3" else None)
+    original = int(top or scaling.get("original_max_position_embeddings") or max_len)
+    factor = float(scaling.get("factor") or max_len / original)
+    mscale = scaling.get("attention_factor")
+    if mscale is None:
+        mscale = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    resolved = {"original_max_position_embeddings": original, "attention_factor": float(mscale)}
+    return {**scaling, "rope_type": "longrope", **resolved}
 
 
 def _partial_rotary(raw: dict[str, Any], rope: dict[str, Any], head_dim: int) -> float:

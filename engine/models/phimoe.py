@@ -20,6 +20,7 @@ from engine.attention.base import AttentionMetadata
 from engine.models.config import ModelConfig
 from engine.models.decoder import DecoderBase, KVCache, Layer, apply_rope, split_heads
 from engine.models.moe import MoE
+from engine.models.rope import longrope_inv_freq, rope_rows
 
 
 class SparsemixerMoE(MoE):
@@ -60,16 +61,14 @@ class PhimoeForCausalLM(DecoderBase):
         super().__init__(cfg, weights, **options)
 
     def _rotary_tables(self, max_positions: int, device: torch.device) -> list[torch.Tensor | None]:
-        """Longrope's table: frequencies divided by the short factors, cos and sin times the mscale."""
+        """Longrope's short-factor rows at every position (transformers' ``PhimoeRotaryEmbedding``
+        never takes the long factors, unlike Phi-3's longrope in ``rope.longrope_cache``), cos and sin
+        times the mscale."""
         if not self.phimoe.short_factor:
             return super()._rotary_tables(max_positions, device)
-        d = self.rotary_dim
-        shape = torch.arange(0, d, 2, dtype=torch.int64).float() / d
-        inv_freq = 1.0 / (
-            torch.tensor(self.phimoe.short_factor, dtype=torch.float32) * self.cfg.rope_theta**shape
-        )
-        angles = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        table = (torch.cat((angles.cos(), angles.sin()), dim=-1) * self.phimoe.mscale).to(device)
+        short = self.phimoe.short_factor
+        freqs = longrope_inv_freq(self.rotary_dim, self.cfg.rope_theta, short, "short_factor")
+        table = rope_rows(freqs, 0, max_positions, self.phimoe.mscale).to(device)
         return [table] * self.cfg.num_layers
 
     def _setup(self, w: dict[str, torch.Tensor]) -> None:

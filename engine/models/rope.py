@@ -35,7 +35,7 @@ def inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> tor
         base = theta * float(scaling["alpha"]) ** (head_dim / (head_dim - 2))
         return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
     raise ValueError(
-        f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3, yarn, "
+        f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3, yarn, longrope, "
         "dynamic with a fixed alpha)"
     )
 
@@ -71,7 +71,10 @@ def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 
 def attention_factor(scaling: dict[str, Any] | None) -> float:
-    """What YaRN multiplies cos and sin by (1 for every other rope type)."""
+    """What YaRN and longrope multiply cos and sin by (1 for every other rope type). Longrope's is
+    resolved when the config is read (``config.py``: it needs ``max_position_embeddings``)."""
+    if scaling is not None and scaling["rope_type"] == "longrope":
+        return float(scaling["attention_factor"])
     if scaling is None or scaling["rope_type"] != "yarn":
         return 1.0
     if scaling.get("attention_factor") is not None:
@@ -94,12 +97,44 @@ def build_cos_sin_cache(
     head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None, device: torch.device
 ) -> torch.Tensor:
     """fp32 ``[max_positions, head_dim]``: row p = concat(cos(p * f), sin(p * f)) over the D/2 freqs
-    (times YaRN's attention factor)."""
-    f = inv_freq(head_dim, theta, scaling)
-    pos = torch.arange(max_positions, dtype=torch.float32)
-    angles = pos[:, None] * f[None, :]
+    (times YaRN's or longrope's attention factor). Longrope's rows come from two sets of frequencies:
+    see ``longrope_cache``."""
+    if scaling is not None and scaling["rope_type"] == "longrope":
+        return longrope_cache(head_dim, max_positions, theta, scaling).to(device)
+    table = rope_rows(inv_freq(head_dim, theta, scaling), 0, max_positions, attention_factor(scaling))
+    return table.to(device)
+
+
+def rope_rows(freqs: torch.Tensor, start: int, stop: int, mscale: float = 1.0) -> torch.Tensor:
+    """Rows ``start..stop-1`` of a cos/sin table over ``freqs``, times ``mscale`` (fp32 throughout, in
+    transformers' order of operations, so the rows agree with its rotary bit for bit)."""
+    angles = torch.arange(start, stop, dtype=torch.float32)[:, None] * freqs[None, :]
     table = torch.cat((angles.cos(), angles.sin()), dim=-1)
-    mscale = attention_factor(scaling)
     if mscale != 1.0:
         table *= mscale
-    return table.to(device)
+    return table
+
+
+def longrope_inv_freq(rotary_dim: int, theta: float, factors: Any, field: str) -> torch.Tensor:
+    """Longrope's frequencies: the plain ones divided, each, by its entry of ``factors`` (the
+    scaling's ``field``: ``short_factor`` or ``long_factor``)."""
+    if not isinstance(factors, list | tuple) or len(factors) != rotary_dim // 2:
+        raise ValueError(f"rope_scaling {field} must list {rotary_dim // 2} numbers (got {factors!r})")
+    shape = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    return 1.0 / (torch.tensor([float(f) for f in factors], dtype=torch.float32) * theta**shape)
+
+
+def longrope_cache(
+    rotary_dim: int, max_positions: int, theta: float, scaling: dict[str, Any]
+) -> torch.Tensor:
+    """Longrope (Phi-3 128k, Phi-3.5-mini, Phi-4-mini): rows below ``original_max_position_embeddings``
+    from the short factors' frequencies, rows from there on from the long factors', all times the
+    attention factor. transformers instead rotates a whole sequence with the long factors once it grows
+    past the original length (its earlier positions included); a paged cache cannot re-rotate the keys
+    it holds, so ferry picks per position as vLLM does. Below the original length both agree exactly."""
+    original = int(scaling["original_max_position_embeddings"])
+    mscale = attention_factor(scaling)
+    short = longrope_inv_freq(rotary_dim, theta, scaling.get("short_factor"), "short_factor")
+    long = longrope_inv_freq(rotary_dim, theta, scaling.get("long_factor"), "long_factor")
+    split = min(original, max_positions)
+    return torch.cat((rope_rows(short, 0, split, mscale), rope_rows(long, split, max_positions, mscale)))
