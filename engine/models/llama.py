@@ -65,8 +65,11 @@ class LlamaForCausalLM(DecoderBase):
             qkv = torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]])
         if a + "q_proj.bias" in w:
             bias = torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"]])
-        # Mixtral's and MiniMax-M2's name for the MoE block (gate.weight), and Granite-MoE's.
-        moe_block = (p + "block_sparse_moe.gate.weight", p + "block_sparse_moe.router.layer.weight")
+        # Mixtral's and MiniMax-M2's name for the MoE block (gate.weight), and Granite-MoE's (its
+        # checkpoints' router.layer, transformers' in-memory router: --load-format dummy's names).
+        moe_block = tuple(
+            p + "block_sparse_moe." + name for name in ("gate.weight", "router.layer.weight", "router.weight")
+        )
         m = p + ("block_sparse_moe." if any(name in w for name in moe_block) else "mlp.")
         layer = {
             "in_norm": w[p + "input_layernorm.weight"],

@@ -92,6 +92,8 @@ class MoE:
         router = prefix + "gate.weight"
         if prefix + "experts.gate_up_proj" in w:  # transformers' fused in-memory layout
             w13, w2 = w.pop(prefix + "experts.gate_up_proj"), w.pop(prefix + "experts.down_proj")
+            if prefix + "router.weight" in w:  # Granite-MoE's in memory (--load-format dummy)
+                router = prefix + "router.weight"
         elif prefix + "input_linear.weight" in w:  # Granite-MoE: the same, its own names
             w13, w2 = w.pop(prefix + "input_linear.weight"), w.pop(prefix + "output_linear.weight")
             router = prefix + "router.layer.weight"

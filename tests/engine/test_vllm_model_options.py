@@ -140,3 +140,10 @@ def test_dummy_load_format_reads_no_weights(tiny_llama: Path, tiny_qwen3_moe: Pa
         assert weights_id(bare, dummy=True) != full.engine.model_runner.weights_id
     with pytest.raises(ValueError, match="load_format 'pt' is not supported"):
         EngineConfig(load_format="pt")
+
+
+def test_dummy_load_format_granite_moe(tiny_granitemoe: Path) -> None:
+    """Granite-MoE's dummy weights carry transformers' in-memory names (experts.gate_up_proj and
+    router.weight, not the checkpoint's input_linear and router.layer): the MoE block is found by them."""
+    llm = LLM(str(tiny_granitemoe), load_format="dummy", num_kv_blocks=8)
+    assert len(llm.generate([[5, 6, 7]], GREEDY)[0].outputs[0].token_ids) == 6
