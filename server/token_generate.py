@@ -11,6 +11,7 @@ after tokens another replica already streamed, so a router resumes a generate st
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -36,6 +37,9 @@ from server.serving_common import (
 from server.serving_completions import plan_completion
 from server.state import ServerState
 from server.streaming import DONE_FRAME, FinalFrames, SSEResponse, run_or_disconnect, sse_frame
+from server.vllm_flags import log_request
+
+logger = logging.getLogger("ferry.server")
 
 # vLLM's SamplingParams fields that a completion request takes under the same name.
 SAMPLING_FIELDS = frozenset(
@@ -110,6 +114,9 @@ def completion_of(state: ServerState, body: GenerateRequest) -> CompletionReques
         if name not in SAMPLING_FIELDS:
             raise bad_request(f"sampling_params.{name} is not supported", param=f"sampling_params.{name}")
         fields[name] = value
+    max_tokens = fields.get("max_tokens")
+    if max_tokens == 0 and not isinstance(max_tokens, bool):  # completions' 0 scores an echo: none here
+        raise bad_request("sampling_params.max_tokens must be at least 1", param="sampling_params.max_tokens")
     if isinstance(fields.get("logit_bias"), dict):
         fields["logit_bias"] = {str(k): v for k, v in fields["logit_bias"].items()}
     data: dict[str, Any] = {
@@ -196,6 +203,7 @@ async def generate(
     state.metrics.observe_params(req.n, seqs[0].params.max_tokens)
     response_id = f"generate-tokens-{named or request_id}"
     model = state.answer_model(seqs[0].lora)
+    log_request(logger, state.config.http, request_id, model, body.token_ids, seqs[0].params)
     usage = UsageTracker(1, req.n)
     if req.stream:
         frames = _stream(state, req, seqs, usage, response_id, model, request_id, arrival, ticket)

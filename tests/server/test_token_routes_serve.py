@@ -238,6 +238,7 @@ def test_generate_logprobs_stream_and_chat_render(server) -> None:
         ({"token_ids": [1, 2], "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
         ({"token_ids": [1, 2], "sampling_params": {"top_p": "x"}}, "sampling_params.top_p"),
         ({"token_ids": [1, 2], "sampling_params": {"n": 0}}, "sampling_params.n"),
+        ({"token_ids": [1, 2], "sampling_params": {"max_tokens": 0}}, "sampling_params.max_tokens"),
         ({"token_ids": [1, 2], "sampling_params": {"logprobs": 10**6}}, "sampling_params.logprobs"),
         ({"token_ids": [1, 2], "sampling_params": {"frobnicate": 1}}, "sampling_params.frobnicate"),
         ({"token_ids": [1, 2]}, "sampling_params"),

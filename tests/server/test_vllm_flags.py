@@ -82,6 +82,9 @@ def test_https_with_the_api_key_and_listed_origins(tls_server) -> None:
         other = c.options(url, headers={"Origin": "http://elsewhere.example", **PREFLIGHT})
         assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
         assert c.post(url, json={"prompt": "hi", "max_tokens": 1}).status_code == 401
+        generate = {"token_ids": [5, 6, 7, 8, 9, 10, 11], "sampling_params": {"max_tokens": 3}}
+        answer = c.post(base + "/inference/v1/generate", json=generate, headers={"Authorization": "Bearer k"})
+        assert answer.status_code == 200, answer.text
     log = srv.log()
     assert "--enforce-eager is accepted for vLLM compatibility and changes nothing" in log
     assert "--swap-space is accepted for vLLM compatibility" in log
@@ -90,7 +93,9 @@ def test_https_with_the_api_key_and_listed_origins(tls_server) -> None:
     assert f"model: {srv.model_name}, prompt: 'hello', params: SamplingParams(" in line
     assert "max_tokens=2" in line
     lines = [x for x in log.splitlines() if "Received request" in x]
-    assert len(lines) == 2 and "max_tokens=1" in lines[1]  # the chat's, its rendered prompt cut too
+    assert len(lines) == 3 and "max_tokens=1" in lines[1]  # the chat's, its rendered prompt cut too
+    # /inference/v1/generate's, its token ids cut to 5 as vLLM's.
+    assert "prompt: [5, 6, 7, 8, 9], params: SamplingParams(" in lines[2] and "max_tokens=3" in lines[2]
 
 
 def test_the_router_reaches_https_replicas(tls_server, serve_logs: Path, free_tcp_port) -> None:
