@@ -116,10 +116,6 @@ class BloomForCausalLM(DecoderBase):
     def _qkv(self, i: int, layer: Layer, x: torch.Tensor) -> torch.Tensor:
         return self._project(i, "qkv", x, layer["qkv"], layer["qkv_bias"])
 
-    def _mlp(self, layer: Layer, x: torch.Tensor) -> torch.Tensor:
-        linear = self.linear
-        return linear(self.act(linear(x, layer["fc"], layer["fc_bias"])), layer["proj"], layer["proj_bias"])
-
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]
@@ -139,7 +135,7 @@ class BloomForCausalLM(DecoderBase):
             attn = self._attend(i, layer, q, k, v, kv_cache, scales, meta, None, alibi=self.slopes)
             hidden = (x if post else hidden) + attn
             x = ops.layer_norm(hidden, layer["post_norm"], layer["post_norm_bias"], eps)[0]
-            hidden = (x if post else hidden) + self._mlp(layer, x)
+            hidden = (x if post else hidden) + self._ungated(layer, x, self.act)
         return ops.layer_norm(hidden, self.norm, self.norm_bias, eps)[0]
 
 

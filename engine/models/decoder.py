@@ -327,6 +327,14 @@ class DecoderBase(ABC):
         )
         return self._project(i, "o", attn.reshape(q.shape[0], self.q_size), layer["o"], layer.get("o_bias"))
 
+    def _ungated(
+        self, layer: Layer, x: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        """An ungated MLP with biases, ``proj(act(fc(x)))`` (GPT-2, Bloom, the LayerNorm families): no
+        LoRA (``dense_lora_layout`` lists none of its modules)."""
+        linear = self.linear
+        return linear(act(linear(x, layer["fc"], layer["fc_bias"])), layer["proj"], layer["proj_bias"])
+
     def _swiglu(self, i: int, layer: Layer, x: torch.Tensor) -> torch.Tensor:
         """Layer ``i``'s SwiGLU MLP ``down(silu(gate(x)) * up(x))`` of its normed input, with LoRA."""
         act = self.ops.silu_and_mul(self._project(i, "gate_up", x, layer["gate_up"]))

@@ -127,10 +127,6 @@ class GPT2LMHeadModel(DecoderBase):
         )
         return self._project(i, "o", attn.reshape(x.shape[0], self.q_size), layer["o"], layer["o_bias"])
 
-    def _mlp(self, layer: Layer, x: torch.Tensor) -> torch.Tensor:
-        linear = self.linear
-        return linear(self.act(linear(x, layer["fc"], layer["fc_bias"])), layer["proj"], layer["proj_bias"])
-
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]
@@ -146,7 +142,7 @@ class GPT2LMHeadModel(DecoderBase):
             x = ops.layer_norm(hidden, layer["in_norm"], layer["in_norm_bias"], eps)[0]
             hidden = hidden + self._attention(i, layer, x, kv_cache, scales, meta)
             x = ops.layer_norm(hidden, layer["post_norm"], layer["post_norm_bias"], eps)[0]
-            hidden = hidden + self._mlp(layer, x)
+            hidden = hidden + self._ungated(layer, x, self.act)
         return ops.layer_norm(hidden, self.norm, self.norm_bias, eps)[0]
 
 
@@ -258,7 +254,7 @@ class OPTForCausalLM(GPT2LMHeadModel):
             if not pre:
                 hidden = ops.layer_norm(hidden, layer["in_norm"], layer["in_norm_bias"], eps)[0]
             x = ops.layer_norm(hidden, layer["post_norm"], layer["post_norm_bias"], eps)[0] if pre else hidden
-            hidden = hidden + self._mlp(layer, x)
+            hidden = hidden + self._ungated(layer, x, self.act)
             if not pre:
                 hidden = ops.layer_norm(hidden, layer["post_norm"], layer["post_norm_bias"], eps)[0]
         if self.norm is not None:

@@ -126,6 +126,4 @@ class LayerNormDecoder(DecoderBase):
         return h + self._mlp(i, layer, x2)
 
     def _ungated_mlp(self, i: int, layer: Layer, x: torch.Tensor) -> torch.Tensor:
-        """``proj(act(fc(x)))`` with biases (no LoRA: its modules are not in the layout)."""
-        linear = self.linear
-        return linear(self.act(linear(x, layer["fc"], layer["fc_bias"])), layer["proj"], layer["proj_bias"])
+        return self._ungated(layer, x, self.act)
