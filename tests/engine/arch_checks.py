@@ -81,3 +81,45 @@ def check_triton_path(path: Path, prompts: list[list[int]], reference: Reference
     )
     for prompt, out in zip(chosen, llm.generate(chosen, greedy(4)), strict=True):
         assert_matches(out, *reference(path, prompt, 4))
+
+
+def check_deterministic_solo_equals_batched(
+    path: Path, prompts: list[list[int]], reference: Reference, max_new: int
+) -> None:
+    """``deterministic=True``: prompts of 3, 9 and 31 tokens as the reference, and each request's
+    logprobs the same bits alone and beside the others."""
+    params = greedy(max_new)
+    chosen = [prompts[i] for i in (1, 3, 5)]
+    llm = LLM(str(path), deterministic=True, num_kv_blocks=128, max_num_batched_tokens=64)
+    solo = [llm.generate([p], params)[0] for p in chosen]
+    batched = llm.generate(chosen, params)
+    for prompt, a, b in zip(chosen, solo, batched, strict=True):
+        assert_matches(a, *reference(path, prompt, max_new))
+        assert _chosen_logprobs(a) == _chosen_logprobs(b)
+
+
+def check_batched_solo_chunked_cached(
+    path: Path, prompts: list[list[int]], reference: Reference, max_new: int
+) -> None:
+    """Prompts of 1, 5, 31, 100 and 200 tokens batched as the reference, one of them alone as in the
+    batch; then in 16-token chunks over 4-token blocks and behind a 40-token prefix hit, whose new
+    tokens' positions (learned embeddings, ALiBi distances) start at 40."""
+    params = greedy(max_new)
+    chosen = [prompts[i] for i in (0, 2, 5, 7, 9)]
+    llm = LLM(str(path), num_kv_blocks=256, max_num_batched_tokens=512)
+    batched = llm.generate(chosen, params)
+    for prompt, out in zip(chosen, batched, strict=True):
+        assert_matches(out, *reference(path, prompt, max_new))
+    assert llm.generate([chosen[3]], params)[0].outputs[0].token_ids == batched[3].outputs[0].token_ids
+    assert len({t for out in batched for t in out.outputs[0].token_ids}) > 5  # not one repeated token
+    chunked = LLM(str(path), block_size=4, num_kv_blocks=128, max_num_batched_tokens=16)
+    first, second = prompts[6], prompts[6][:40] + prompts[5]
+    for prompt, cached in ((first, 0), (second, 40)):
+        out = chunked.generate([prompt], params)[0]
+        assert out.num_cached_tokens == cached
+        assert_matches(out, *reference(path, prompt, max_new))
+    chunked.engine.block_manager.check_integrity()
+
+
+def _chosen_logprobs(out) -> list[float]:  # noqa: ANN001
+    return [e[t].logprob for t, e in zip(out.outputs[0].token_ids, out.outputs[0].logprobs, strict=True)]

@@ -21,6 +21,7 @@ if not torch.cuda.is_available():  # never force the interpreter onto a real GPU
 
 from engine.attention.alibi import bloom_alibi_slopes, mpt_alibi_slopes  # noqa: E402
 from engine.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from tests.engine.attention_reference import max_err, reference_attention  # noqa: E402
 from tests.engine.test_sliding_window import _paged_batch, _sub_meta  # noqa: E402
 
 SEQS = [(0, 1), (7, 1), (47, 1), (70, 1), (0, 23), (3, 12), (30, 9), (66, 4), (0, 1)]
@@ -29,33 +30,6 @@ SEQS = [(0, 1), (7, 1), (47, 1), (70, 1), (0, 23), (3, 12), (30, 9), (66, 4), (0
 def _slopes(hq: int, device: torch.device) -> torch.Tensor:
     """Steep slopes (Bloom's rule for half as many heads), so a bias of distance 70 is ~17 logits."""
     return bloom_alibi_slopes(hq).to(device) * 4
-
-
-def _reference(q, k_cache, v_cache, meta, scale: float, slopes, window: int | None = None) -> torch.Tensor:  # noqa: ANN001
-    """float64 attention over K/V gathered position by position, plus transformers' Bloom bias."""
-    bs, hq, hkv = meta.block_size, q.shape[1], k_cache.shape[2]
-    q, k_cache, v_cache = q.cpu(), k_cache.cpu(), v_cache.cpu()
-    outs = []
-    for i, (ctx, n) in enumerate(zip(meta.context_lens_host, meta.query_lens_host, strict=True)):
-        pos = torch.arange(ctx + n)
-        blocks = torch.tensor(meta.block_tables_host[i], dtype=torch.long)[pos // bs]
-        k = k_cache[blocks, pos % bs].double().repeat_interleave(hq // hkv, dim=1)
-        v = v_cache[blocks, pos % bs].double().repeat_interleave(hq // hkv, dim=1)
-        start = int(meta.query_start_loc[i])
-        q_pos = torch.arange(ctx, ctx + n)[:, None]
-        visible = pos[None, :] <= q_pos
-        if window is not None:
-            visible &= pos[None, :] > q_pos - window
-        scores = torch.einsum("thd,shd->hts", q[start : start + n].double(), k) * scale
-        if slopes is not None:
-            scores = scores + slopes.cpu().double()[:, None, None] * pos.double()[None, None, :]
-        probs = scores.masked_fill(~visible[None], float("-inf")).softmax(-1)
-        outs.append(torch.einsum("hts,shd->thd", probs, v))
-    return torch.cat(outs)
-
-
-def _err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return (out.double().cpu() - ref).abs().max().item()
 
 
 @pytest.mark.parametrize("n_heads", [1, 2, 4, 5, 6, 12, 16, 30, 32, 71, 112])
@@ -77,7 +51,13 @@ def test_alibi_changes_the_answer() -> None:
     """The references differ, so matching them below means the backends applied the bias."""
     q, _, _, kc, vc, meta = _paged_batch(SEQS, seed=3)
     slopes = _slopes(q.shape[1], q.device)
-    assert _err(_reference(q, kc, vc, meta, 0.3, slopes), _reference(q, kc, vc, meta, 0.3, None)) > 1e-2
+    assert (
+        max_err(
+            reference_attention(q, kc, vc, meta, 0.3, slopes=slopes),
+            reference_attention(q, kc, vc, meta, 0.3),
+        )
+        > 1e-2
+    )
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
@@ -88,7 +68,7 @@ def test_torch_backend_alibi_matches_reference(deterministic: bool, group: int) 
     backend = TorchAttentionBackend(deterministic=deterministic)
     for window in (None, 10):
         out = backend.forward(q, k, v, kc, vc, meta, 0.3, window, alibi=slopes)
-        assert _err(out, _reference(q, kc, vc, meta, 0.3, slopes, window)) < 1e-5, window
+        assert max_err(out, reference_attention(q, kc, vc, meta, 0.3, window, slopes=slopes)) < 1e-5, window
     if deterministic:
         # A long sequence's rows are the same bits alone, chunked, behind a prefix, or as decode rows.
         q1, k1, v1, kc1, vc1, meta1 = _paged_batch([(0, 70)], group=group, seed=4)
@@ -106,12 +86,12 @@ def test_torch_backend_alibi_in_bf16() -> None:
     q, k, v, kc, vc, meta = _paged_batch(SEQS, seed=11)
     slopes = _slopes(q.shape[1], q.device)
     q, k, v, kc, vc = (t.bfloat16() for t in (q, k, v, kc, vc))
-    ref = _reference(q, kc, vc, meta, 0.3, slopes)
+    ref = reference_attention(q, kc, vc, meta, 0.3, slopes=slopes)
     for deterministic in (False, True):
         out = TorchAttentionBackend(deterministic=deterministic).forward(
             q, k, v, kc, vc, meta, 0.3, alibi=slopes
         )
-        assert _err(out, ref) < 2e-2, deterministic
+        assert max_err(out, ref) < 2e-2, deterministic
 
 
 def test_triton_kernels_alibi_match_reference() -> None:
@@ -124,14 +104,14 @@ def test_triton_kernels_alibi_match_reference() -> None:
     for window in (None, 10):
         out = unified_attention(q, kc, vc, meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.3,
                                 window=window, alibi=slopes, block_n=16)  # fmt: skip
-        assert _err(out, _reference(q, kc, vc, meta, 0.3, slopes, window)) < 1e-5, window
+        assert max_err(out, reference_attention(q, kc, vc, meta, 0.3, window, slopes=slopes)) < 1e-5, window
     # Decode rows over one split, at a split boundary, and several splits.
     dec = [(n - 1, 1) for n in (1, 9, 32, 33, 64, 70, 100)]
     q, _, _, kc, vc, meta = _paged_batch(dec, group=1, seed=6)
     slopes = _slopes(q.shape[1], q.device)
     out = split_kv_decode_attention(q, kc, vc, meta.seq_lens, meta.block_tables, 0.3, meta.max_seq_len,
                                     alibi=slopes, split_size=32, block_n=16)  # fmt: skip
-    assert _err(out, _reference(q, kc, vc, meta, 0.3, slopes)) < 1e-5
+    assert max_err(out, reference_attention(q, kc, vc, meta, 0.3, slopes=slopes)) < 1e-5
     # Deterministic promise: a prompt's rows are the same bits however it is chunked.
     q, _, _, kc, vc, meta = _paged_batch([(0, 70)], seed=7)
     full = unified_attention(q, kc, vc, meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.3,
@@ -152,7 +132,7 @@ def test_triton_backend_alibi_in_both_paths() -> None:
     q, k, v, kc, vc, meta = _paged_batch(SEQS, seed=9)
     slopes = _slopes(q.shape[1], q.device)
     out = backend.forward(q, k, v, kc, vc, meta, 0.3, alibi=slopes)
-    assert _err(out, _reference(q, kc, vc, meta, 0.3, slopes)) < 1e-5
+    assert max_err(out, reference_attention(q, kc, vc, meta, 0.3, slopes=slopes)) < 1e-5
     q, k, v, kc, vc, meta = _paged_batch([(129, 1), (4, 1), (69, 1), (150, 1)], seed=8)
     out = backend.forward(q, k, v, kc, vc, meta, 0.3, alibi=slopes)
-    assert _err(out, _reference(q, kc, vc, meta, 0.3, slopes)) < 1e-5
+    assert max_err(out, reference_attention(q, kc, vc, meta, 0.3, slopes=slopes)) < 1e-5

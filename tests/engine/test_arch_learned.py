@@ -21,7 +21,7 @@ if not torch.cuda.is_available():  # never force the interpreter onto a real GPU
 from engine import LLM, LoRARequest, SamplingParams  # noqa: E402
 from engine.demo import build_lora_adapter, build_model  # noqa: E402
 from engine.models.config import ModelConfig  # noqa: E402
-from tests.engine.arch_checks import assert_matches  # noqa: E402
+from tests.engine.arch_checks import assert_matches, check_batched_solo_chunked_cached  # noqa: E402
 from tests.engine.test_lora import merged_checkpoint  # noqa: E402
 
 MAX_NEW = 8
@@ -45,23 +45,7 @@ def _check(out, prompt: list[int], path: Path, hf_reference) -> None:
 def test_greedy_matches_transformers_solo_batched_chunked_and_after_a_prefix_hit(
     arch: str, learned_models, prompts, hf_reference
 ) -> None:
-    path = learned_models[arch]
-    chosen = [prompts[i] for i in (0, 2, 5, 7, 9)]  # 1, 5, 31, 100 and 200 tokens
-    llm = LLM(str(path), num_kv_blocks=256, max_num_batched_tokens=512)
-    batched = llm.generate(chosen, GREEDY)
-    for prompt, out in zip(chosen, batched, strict=True):
-        _check(out, prompt, path, hf_reference)
-    assert llm.generate([chosen[3]], GREEDY)[0].outputs[0].token_ids == batched[3].outputs[0].token_ids
-    assert len({t for out in batched for t in out.outputs[0].token_ids}) > 5  # not one repeated token
-    # 16-token chunks over 4-token blocks, then a prompt sharing 40 tokens with the first: its new
-    # tokens' positions (and so their learned embeddings) start at 40.
-    chunked = LLM(str(path), block_size=4, num_kv_blocks=128, max_num_batched_tokens=16)
-    first, second = prompts[6], prompts[6][:40] + prompts[5]
-    for prompt, cached in ((first, 0), (second, 40)):
-        out = chunked.generate([prompt], GREEDY)[0]
-        assert out.num_cached_tokens == cached
-        _check(out, prompt, path, hf_reference)
-    chunked.engine.block_manager.check_integrity()
+    check_batched_solo_chunked_cached(learned_models[arch], prompts, hf_reference, MAX_NEW)
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))

@@ -23,6 +23,7 @@ from engine.demo import build_lora_adapter  # noqa: E402
 from engine.models.config import ModelConfig  # noqa: E402
 from tests.engine.arch_checks import (  # noqa: E402
     assert_matches,
+    check_deterministic_solo_equals_batched,
     check_solo_batched_chunked_cached,
     check_triton_path,
     tiny_model_fixtures,
@@ -71,16 +72,9 @@ def test_deterministic_mode_is_exact_across_batches_and_matches_transformers(
 ) -> None:
     """The batch-invariant linears, clamps and query scales: a request's logprobs are the same bits
     alone and beside others."""
-    path = request.getfixturevalue(model_fixture)
-    chosen = [prompts[i] for i in (1, 3, 5)]
-    llm = LLM(str(path), deterministic=True, num_kv_blocks=128, max_num_batched_tokens=64)
-    solo = [llm.generate([p], GREEDY)[0] for p in chosen]
-    batched = llm.generate(chosen, GREEDY)
-    for prompt, a, b in zip(chosen, solo, batched, strict=True):
-        assert_matches(a, *hf_reference(path, prompt, MAX_NEW))
-        assert [e[t].logprob for t, e in zip(a.outputs[0].token_ids, a.outputs[0].logprobs, strict=True)] == [
-            e[t].logprob for t, e in zip(b.outputs[0].token_ids, b.outputs[0].logprobs, strict=True)
-        ]
+    check_deterministic_solo_equals_batched(
+        request.getfixturevalue(model_fixture), prompts, hf_reference, MAX_NEW
+    )
 
 
 @pytest.mark.parametrize(

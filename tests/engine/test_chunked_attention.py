@@ -19,40 +19,12 @@ if not torch.cuda.is_available():  # never force the interpreter onto a real GPU
 
 from engine.attention.base import lowest_key  # noqa: E402
 from engine.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from tests.engine.attention_reference import max_err, reference_attention  # noqa: E402
 from tests.engine.test_sliding_window import _paged_batch, _sub_meta  # noqa: E402
 
 SEQS = [(0, 1), (7, 1), (8, 1), (9, 1), (47, 1), (70, 1), (0, 23), (3, 12), (30, 9), (66, 4), (0, 1)]
 # (window, chunk) pairs a layer may have; (None, None) is plain causal attention.
 LIMITS = [(None, 8), (None, 6), (None, 1), (None, 64), (10, 8), (5, 8), (None, None), (None, 8)]
-
-
-def _reference(
-    q, k_cache, v_cache, meta, scale: float, window: int | None, chunk: int | None
-) -> torch.Tensor:  # noqa: ANN001
-    """float64 attention over K/V gathered position by position, masked as transformers masks."""
-    bs, hq, hkv = meta.block_size, q.shape[1], k_cache.shape[2]
-    q, k_cache, v_cache = q.cpu(), k_cache.cpu(), v_cache.cpu()
-    outs = []
-    for i, (ctx, n) in enumerate(zip(meta.context_lens_host, meta.query_lens_host, strict=True)):
-        pos = torch.arange(ctx + n)
-        blocks = torch.tensor(meta.block_tables_host[i], dtype=torch.long)[pos // bs]
-        k = k_cache[blocks, pos % bs].double().repeat_interleave(hq // hkv, dim=1)
-        v = v_cache[blocks, pos % bs].double().repeat_interleave(hq // hkv, dim=1)
-        start = int(meta.query_start_loc[i])
-        q_pos = torch.arange(ctx, ctx + n)[:, None]
-        visible = pos[None, :] <= q_pos
-        if window is not None:
-            visible &= pos[None, :] > q_pos - window
-        if chunk is not None:
-            visible &= pos[None, :] // chunk == q_pos // chunk
-        scores = torch.einsum("thd,shd->hts", q[start : start + n].double(), k) * scale
-        probs = scores.masked_fill(~visible[None], float("-inf")).softmax(-1)
-        outs.append(torch.einsum("hts,shd->thd", probs, v))
-    return torch.cat(outs)
-
-
-def _err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return (out.double().cpu() - ref).abs().max().item()
 
 
 def test_lowest_key() -> None:
@@ -66,7 +38,11 @@ def test_chunk_changes_the_answer() -> None:
     """The references differ, so matching them below means the backends applied the chunk."""
     q, _, _, kc, vc, meta = _paged_batch(SEQS, seed=3)
     assert (
-        _err(_reference(q, kc, vc, meta, 0.3, None, 8), _reference(q, kc, vc, meta, 0.3, None, None)) > 1e-2
+        max_err(
+            reference_attention(q, kc, vc, meta, 0.3, None, 8),
+            reference_attention(q, kc, vc, meta, 0.3, None, None),
+        )
+        > 1e-2
     )
 
 
@@ -77,7 +53,7 @@ def test_torch_backend_chunks_match_reference(deterministic: bool) -> None:
     # One step's metadata through layers of different limits (and again: plans are reused).
     for window, chunk in LIMITS:
         out = backend.forward(q, k, v, kc, vc, meta, 0.3, window, chunk=chunk)
-        assert _err(out, _reference(q, kc, vc, meta, 0.3, window, chunk)) < 1e-5, (window, chunk)
+        assert max_err(out, reference_attention(q, kc, vc, meta, 0.3, window, chunk)) < 1e-5, (window, chunk)
     assert set(meta.backend_state.windows) == set(LIMITS)
     if deterministic:
         # A long sequence's rows are the same bits alone, chunked, or as decode rows.
@@ -100,14 +76,14 @@ def test_triton_kernels_chunks_match_reference() -> None:
     for window, chunk in [(None, 8), (None, 6), (5, 8), (None, 1)]:
         out = unified_attention(q, kc, vc, meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.3,
                                 window=window, chunk=chunk, block_n=16)  # fmt: skip
-        assert _err(out, _reference(q, kc, vc, meta, 0.3, window, chunk)) < 1e-5, (window, chunk)
+        assert max_err(out, reference_attention(q, kc, vc, meta, 0.3, window, chunk)) < 1e-5, (window, chunk)
     # Decode rows whose chunk starts in an earlier split, at a split boundary, inside their split.
     dec = [(n - 1, 1) for n in (1, 9, 40, 41, 64, 65, 70, 100)]
     q, _, _, kc, vc, meta = _paged_batch(dec, seed=6)
     for window, chunk in [(None, 40), (None, 8), (30, 48)]:
         out = split_kv_decode_attention(q, kc, vc, meta.seq_lens, meta.block_tables, 0.3, meta.max_seq_len,
                                         window=window, chunk=chunk, split_size=32, block_n=16)  # fmt: skip
-        assert _err(out, _reference(q, kc, vc, meta, 0.3, window, chunk)) < 1e-5, (window, chunk)
+        assert max_err(out, reference_attention(q, kc, vc, meta, 0.3, window, chunk)) < 1e-5, (window, chunk)
     # Deterministic promise: a prompt's rows are the same bits however it is chunked.
     q, _, _, kc, vc, meta = _paged_batch([(0, 70)], seed=7)
     full = unified_attention(q, kc, vc, meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.3,
@@ -130,8 +106,8 @@ def test_triton_backend_chunks_in_both_paths() -> None:
     backend = TritonAttentionBackend(split_size=64)
     q, k, v, kc, vc, meta = _paged_batch(SEQS, seed=9)
     out = backend.forward(q, k, v, kc, vc, meta, 0.3, chunk=8)
-    assert _err(out, _reference(q, kc, vc, meta, 0.3, None, 8)) < 1e-5
+    assert max_err(out, reference_attention(q, kc, vc, meta, 0.3, None, 8)) < 1e-5
     q, k, v, kc, vc, meta = _paged_batch([(129, 1), (4, 1), (69, 1), (150, 1)], seed=8)
     for chunk in (100, 8):
         out = backend.forward(q, k, v, kc, vc, meta, 0.3, chunk=chunk)
-        assert _err(out, _reference(q, kc, vc, meta, 0.3, None, chunk)) < 1e-5, chunk
+        assert max_err(out, reference_attention(q, kc, vc, meta, 0.3, None, chunk)) < 1e-5, chunk

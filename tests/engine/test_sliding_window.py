@@ -27,6 +27,7 @@ from engine import LLM, SamplingParams  # noqa: E402
 from engine.attention.base import AttentionMetadata  # noqa: E402
 from engine.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from engine.models.config import ModelConfig  # noqa: E402
+from tests.engine.attention_reference import reference_attention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 WINDOW = 10
@@ -383,29 +384,6 @@ def _paged_batch(seqs: list[tuple[int, int]], *, hkv: int = 2, group: int = 2, h
     return tuple(t.to(DEVICE) for t in (q, k, v, k_cache, v_cache)) + (meta,)
 
 
-def _reference(
-    q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int | None
-) -> torch.Tensor:  # noqa: ANN001
-    """float64 attention over K/V gathered position by position, with HF's window mask."""
-    bs, hq, hkv = meta.block_size, q.shape[1], k_cache.shape[2]
-    q, k_cache, v_cache = q.cpu(), k_cache.cpu(), v_cache.cpu()
-    outs = []
-    for i, (ctx, n) in enumerate(zip(meta.context_lens_host, meta.query_lens_host, strict=True)):
-        pos = torch.arange(ctx + n)
-        blocks = torch.tensor(meta.block_tables_host[i], dtype=torch.long)[pos // bs]
-        k = k_cache[blocks, pos % bs].double().repeat_interleave(hq // hkv, dim=1)
-        v = v_cache[blocks, pos % bs].double().repeat_interleave(hq // hkv, dim=1)
-        start = int(meta.query_start_loc[i])
-        q_pos = torch.arange(ctx, ctx + n)[:, None]
-        visible = pos[None, :] <= q_pos
-        if window is not None:
-            visible &= pos[None, :] > q_pos - window
-        scores = torch.einsum("thd,shd->hts", q[start : start + n].double(), k) * scale
-        probs = scores.masked_fill(~visible[None], float("-inf")).softmax(-1)
-        outs.append(torch.einsum("hts,shd->thd", probs, v))
-    return torch.cat(outs)
-
-
 # Decode rows inside, at and far past the window (one group of mixed lengths), a first chunk longer
 # than the window, chunks whose context runs past it, and a one-token prompt.
 SEQS = [(0, 1), (5, 1), (9, 1), (10, 1), (47, 1), (70, 1), (0, 23), (3, 12), (30, 9), (66, 4), (0, 1)]
@@ -418,7 +396,9 @@ def test_torch_backend_windows_match_reference(deterministic: bool) -> None:
     # One step's metadata through layers with different windows (and again: plans are reused).
     for window in (None, WINDOW, 3, 1, 40, WINDOW):
         out = backend.forward(q, k, v, kc, vc, meta, 0.3, window)
-        assert (out.double().cpu() - _reference(q, kc, vc, meta, 0.3, window)).abs().max().item() < 1e-5
+        assert (
+            out.double().cpu() - reference_attention(q, kc, vc, meta, 0.3, window)
+        ).abs().max().item() < 1e-5
     assert set(meta.backend_state.windows) == {(w, None) for w in (None, WINDOW, 3, 1, 40)}  # (window, chunk)
     if deterministic:
         # The windowed rows of a long sequence are the same bits alone, chunked, or as decode rows.
@@ -461,13 +441,17 @@ def test_triton_kernels_window_match_reference() -> None:
     for window in (None, WINDOW, 1, 40):
         out = unified_attention(q, kc, vc, meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.3,
                                 window=window, block_n=16)  # fmt: skip
-        assert (out.double().cpu() - _reference(q, kc, vc, meta, 0.3, window)).abs().max().item() < 1e-5
+        assert (
+            out.double().cpu() - reference_attention(q, kc, vc, meta, 0.3, window)
+        ).abs().max().item() < 1e-5
     dec = [(n - 1, 1) for n in (1, 9, 40, 41, 70, 100)]
     q, _, _, kc, vc, meta = _paged_batch(dec, seed=6)
     for window in (None, WINDOW, 40):
         out = split_kv_decode_attention(q, kc, vc, meta.seq_lens, meta.block_tables, 0.3, meta.max_seq_len,
                                         window=window, split_size=32, block_n=16)  # fmt: skip
-        assert (out.double().cpu() - _reference(q, kc, vc, meta, 0.3, window)).abs().max().item() < 1e-5
+        assert (
+            out.double().cpu() - reference_attention(q, kc, vc, meta, 0.3, window)
+        ).abs().max().item() < 1e-5
     # Deterministic promise with a window: a prompt's rows are the same bits however it is chunked.
     q, _, _, kc, vc, meta = _paged_batch([(0, 70)], seed=7)
     full = unified_attention(q, kc, vc, meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.3,
@@ -488,7 +472,7 @@ def test_triton_backend_split_kv_decode_with_a_window() -> None:
     q, k, v, kc, vc, meta = _paged_batch([(129, 1), (4, 1), (69, 1)], seed=8)
     backend = TritonAttentionBackend(split_size=64)
     out = backend.forward(q, k, v, kc, vc, meta, 0.3, 80)
-    assert (out.double().cpu() - _reference(q, kc, vc, meta, 0.3, 80)).abs().max().item() < 1e-5
+    assert (out.double().cpu() - reference_attention(q, kc, vc, meta, 0.3, 80)).abs().max().item() < 1e-5
     split = split_kv_decode_attention(q, kc, vc, meta.seq_lens, meta.block_tables, 0.3, meta.max_seq_len,
                                       window=80, split_size=64)  # fmt: skip
     assert torch.equal(out, split)
